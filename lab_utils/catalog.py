@@ -1,0 +1,43 @@
+"""The labs of the course: number, file stem, title, and what each needs for its full tier."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Lab:
+    number: str  # "00", "01", ...
+    slug: str  # file stem after the number
+    title: str
+    needs: tuple[str, ...]  # components of the full tier besides a GPU
+
+    @property
+    def filename(self) -> str:
+        return f"{self.number}_{self.slug}.ipynb"
+
+
+LABS: tuple[Lab, ...] = (
+    Lab("00", "environment", "Environment and driver", ("nvml",)),
+    Lab("01", "cuda_timing", "CUDA and cuBLAS timing", ("torch-cuda",)),
+    Lab("02", "nccl_ddp", "NCCL and multi-GPU training", ("torch-cuda", "nccl", "2 GPUs")),
+    Lab("03", "tensorrt", "TensorRT optimization", ("torch-cuda", "tensorrt")),
+    Lab("04", "triton", "Triton serving", ("torch-cuda", "tritonserver")),
+    Lab("05", "monitoring", "Monitoring and operations", ("tritonserver", "prometheus")),
+)
+
+
+def repo_root() -> Path:
+    """The course checkout this package was installed from (editable install or the container's copy)."""
+    return Path(__file__).resolve().parent.parent
+
+
+def lab_by_number(number: str) -> Lab:
+    """The lab numbered ``number`` ("1", "01" or "01_cuda_timing"); ValueError lists the valid ones."""
+    key = str(number).split("_", 1)[0].removesuffix(".ipynb").zfill(2)
+    for lab in LABS:
+        if lab.number == key:
+            return lab
+    valid = ", ".join(f"{lab.number} ({lab.slug})" for lab in LABS)
+    raise ValueError(f"unknown lab {number!r}; valid labs: {valid}")

@@ -1,0 +1,190 @@
+"""``nvlab``: check a machine, launch the course, execute labs, build labs, compare with the reference run."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import secrets
+import shutil
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from .catalog import repo_root
+
+
+def _literal(text: str) -> Any:
+    """A -p value as papermill would take it: a Python literal when it parses, else the string."""
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from .env import probe
+    from .report import print_report
+
+    report = probe()
+    if args.json:
+        print(report.to_json())
+    else:
+        print_report(report)
+    if not report.can_run:
+        print(f"nvlab doctor: the course cannot run here: missing {', '.join(report.missing)}; "
+              "install with: pip install -e '.[lab]'", file=sys.stderr)
+        return 1
+    if args.require_gpu and not report.gpu_usable:
+        why = "; ".join(report.reasons)
+        print(f"nvlab doctor: --require-gpu, but no GPU is usable by torch: {why}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def cmd_lab(args: argparse.Namespace) -> int:
+    folder = Path(args.dir) if args.dir else repo_root() / "labs"
+    if not folder.is_dir():
+        print(f"nvlab lab: {folder} is not a folder; pass --dir to the labs folder", file=sys.stderr)
+        return 2
+    jupyter = shutil.which("jupyter")
+    if not jupyter:
+        print("nvlab lab: JupyterLab is not installed: pip install -e '.[lab]'", file=sys.stderr)
+        return 2
+    token = os.environ.get("JUPYTER_TOKEN") or secrets.token_hex(24)
+    if args.ip not in ("127.0.0.1", "localhost", "::1"):
+        print(f"nvlab lab: listening on {args.ip}: anyone who can reach this machine can try the token")
+    argv = [jupyter, "lab", f"--ServerApp.root_dir={folder}", f"--ServerApp.ip={args.ip}",
+            f"--ServerApp.port={args.port}", "--ServerApp.open_browser=False"]
+    env = dict(os.environ, JUPYTER_TOKEN=token)  # token auth stays on: an empty token is never passed
+    print(f"JupyterLab on http://{args.ip}:{args.port}/lab?token={token}", flush=True)
+    os.execvpe(jupyter, argv, env)
+    return 0  # not reached
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from .notebooks import execute, leftover_processes, select
+
+    console = Console(stderr=False)
+    try:
+        paths = select(args.labs, args.all, args.solutions)
+    except ValueError as err:
+        print(f"nvlab run: {err}", file=sys.stderr)
+        return 2
+    if not paths:
+        print("nvlab run: no notebooks to run", file=sys.stderr)
+        return 2
+    params = {name: _literal(value) for name, value in (args.parameter or [])}
+    out = Path(args.out or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
+    run_id = uuid.uuid4().hex
+    failed = 0
+    total = time.perf_counter()
+    for i, p in enumerate(paths, 1):
+        console.print(f"[{i}/{len(paths)}] {p.parent.name}/{p.name} ...")
+        res = execute(p, out, params, run_id, timeout_s=args.timeout)
+        left = leftover_processes(run_id)
+        if res.ok and not left:
+            console.print(f"    ok in {res.seconds:.1f} s -> {res.output}")
+        else:
+            failed += 1
+            console.print(f"    [red]FAILED[/] after {res.seconds:.1f} s: {res.error}")
+            if left:
+                console.print(f"    [red]left running[/]: {'; '.join(left)}")
+    console.print(f"{len(paths) - failed}/{len(paths)} notebooks ok in {time.perf_counter() - total:.1f} s; "
+                  f"outputs in {out}")
+    return 1 if failed else 0
+
+
+def cmd_build_labs(args: argparse.Namespace) -> int:
+    from .notebooks import NotebookError, build_labs
+
+    try:
+        changed = build_labs(check=args.check)
+    except NotebookError as err:
+        print(f"nvlab build-labs: {err}", file=sys.stderr)
+        return 2
+    if args.check:
+        if changed:
+            print("labs/ differs from what solutions/ generates: " + ", ".join(changed)
+                  + "\nrun `nvlab build-labs` and commit the result", file=sys.stderr)
+            return 1
+        print("labs/ is up to date with solutions/")
+        return 0
+    print("wrote " + (", ".join(changed) if changed else "nothing (labs/ already up to date)"))
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from .results import compare, reference_dir
+
+    ref = Path(args.reference) if args.reference else reference_dir()
+    try:
+        df = compare(args.run_dir, ref)
+    except FileNotFoundError as err:
+        print(f"nvlab report: {err}", file=sys.stderr)
+        return 2
+    if df.empty:
+        print(f"nvlab report: no results_*.json in {args.run_dir}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(df.to_dict(orient="records"), indent=1, default=str))
+        return 0
+    table = Table(title=f"{args.run_dir} against {ref}")
+    for col in ("lab", "name", "value", "reference", "unit", "ratio", "tier"):
+        table.add_column(col, justify="right" if col in ("value", "reference", "ratio") else "left")
+    for r in df.itertuples():
+        def f(v: Any) -> str:
+            return "-" if v is None or v != v else f"{v:.4g}"
+
+        table.add_row(r.lab, r.name, f(r.value), f(r.reference), r.unit, f(r.ratio), r.tier)
+    Console(width=120).print(table)
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="nvlab", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    d = sub.add_parser("doctor", help="what this machine has and which tier each lab runs in")
+    d.add_argument("--json", action="store_true", help="machine-readable report")
+    d.add_argument("--require-gpu", action="store_true", help="exit non-zero unless torch can use a GPU")
+    d.set_defaults(fn=cmd_doctor)
+    lab = sub.add_parser("lab", help="launch JupyterLab on labs/ (token auth, loopback)")
+    lab.add_argument("--ip", default="127.0.0.1", help="address to listen on (default loopback only)")
+    lab.add_argument("--port", type=int, default=8888)
+    lab.add_argument("--dir", help="notebook folder (default: labs/ of the course)")
+    lab.set_defaults(fn=cmd_lab)
+    r = sub.add_parser("run", help="execute lab notebooks with papermill")
+    r.add_argument("labs", nargs="*", help="lab numbers, e.g. 00 01")
+    r.add_argument("--all", action="store_true", help="every lab")
+    r.add_argument("--solutions", action="store_true", help="run solutions/ instead of labs/")
+    r.add_argument("-p", "--parameter", nargs=2, action="append", metavar=("NAME", "VALUE"),
+                   help="papermill parameter (a Python literal or a string)")
+    r.add_argument("--out", help="output folder (default runs/<time>)")
+    r.add_argument("--timeout", type=int, default=1800, help="per-cell timeout in seconds")
+    r.set_defaults(fn=cmd_run)
+    b = sub.add_parser("build-labs", help="generate labs/ from solutions/")
+    b.add_argument("--check", action="store_true", help="fail if labs/ differs; write nothing")
+    b.set_defaults(fn=cmd_build_labs)
+    rep = sub.add_parser("report", help="compare a run's results with the reference GPU run")
+    rep.add_argument("run_dir")
+    rep.add_argument("--reference", help="reference run folder (default reference_runs/h200)")
+    rep.add_argument("--json", action="store_true")
+    rep.set_defaults(fn=cmd_report)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    return int(args.fn(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

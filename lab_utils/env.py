@@ -1,0 +1,565 @@
+"""Environment probe: GPUs, driver, CUDA ceiling, torch, topology, components, and each lab's tier.
+
+NVML (``nvidia-ml-py``) is the primary source; ``nvidia-smi`` CSV is the fallback; with neither the
+report says why and every lab runs in its CPU tier. Nothing here raises on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.metadata
+import importlib.util
+import io
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .catalog import LABS, repo_root
+
+REQUIRED = ("numpy", "pandas", "matplotlib", "torch", "papermill", "nbformat", "ipykernel")
+
+# NVML topology levels -> the abbreviations `nvidia-smi topo -m` prints.
+_TOPO_LEVEL = {0: "X", 10: "PIX", 20: "PXB", 30: "PHB", 40: "NODE", 50: "SYS"}
+
+_SMI_FIELDS = (
+    "index,name,uuid,pci.bus_id,compute_cap,memory.total,clocks.max.sm,clocks.max.mem,power.limit,"
+    "pcie.link.gen.current,pcie.link.width.current,pcie.link.gen.max,pcie.link.width.max,"
+    "mig.mode.current,ecc.mode.current,driver_version"
+)
+
+
+@dataclass
+class GpuInfo:
+    index: int
+    name: str
+    uuid: str | None = None
+    bus_id: str | None = None
+    compute_capability: str | None = None  # "9.0"
+    memory_total_mib: int | None = None
+    max_sm_clock_mhz: int | None = None
+    max_mem_clock_mhz: int | None = None
+    power_limit_w: float | None = None
+    pcie_gen: int | None = None  # current link; idle GPUs train down, so max is recorded too
+    pcie_width: int | None = None
+    pcie_gen_max: int | None = None
+    pcie_width_max: int | None = None
+    nvlinks_active: int | None = None
+    mig_mode: str | None = None  # "enabled", "disabled", or None where not supported
+    ecc_mode: str | None = None
+
+
+@dataclass
+class Component:
+    name: str
+    present: bool
+    version: str | None = None
+    where: str | None = None
+    note: str = ""
+
+
+@dataclass
+class LabTier:
+    lab: str
+    title: str
+    tier: str  # "full", "partial", "cpu"
+    runs: str  # what it runs here
+    substitutes: str  # what stands in for what is missing ("" in the full tier)
+    notebook: bool  # whether the notebook exists in this checkout
+
+
+@dataclass
+class EnvReport:
+    source: str  # "nvml", "nvidia-smi" or "none"
+    driver_version: str | None
+    cuda_ceiling: str | None  # newest CUDA the driver supports, "13.0"
+    gpus: list[GpuInfo]
+    topology: dict[str, Any] | None  # {"labels": [...], "matrix": [[...]], "source": ...}
+    torch: dict[str, Any] | None
+    components: dict[str, Component]
+    compatible: bool | None  # None: no GPU to be compatible with
+    reasons: list[str]
+    notes: list[str]
+    missing: list[str]  # required Python packages not importable
+    tiers: list[LabTier] = field(default_factory=list)
+    host: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def gpu_usable(self) -> bool:
+        """True when torch can run CUDA work on the GPUs found."""
+        return bool(self.gpus and self.torch and self.torch.get("cuda_available") and self.compatible)
+
+    @property
+    def can_run(self) -> bool:
+        """True when every lab can run in some tier: Python and the required packages are there."""
+        return not self.missing and sys.version_info >= (3, 10)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["gpu_usable"] = self.gpu_usable
+        d["can_run"] = self.can_run
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, default=str)
+
+
+# --- parsing what nvidia-smi prints (also used on the H200 captures in lab 00) -------------------
+
+
+def parse_smi_header(text: str) -> dict[str, str | None]:
+    """Driver version and CUDA ceiling from the banner of plain ``nvidia-smi`` output."""
+    drv = re.search(r"Driver Version:\s*([\d.]+)", text)
+    cuda = re.search(r"CUDA Version:\s*([\d.]+)", text)
+    return {"driver_version": drv.group(1) if drv else None, "cuda_ceiling": cuda.group(1) if cuda else None}
+
+
+def _num(text: str | None, kind: type = int) -> Any:
+    if text is None:
+        return None
+    t = text.strip().split(" ")[0]
+    if t in ("", "[N/A]", "N/A", "[Not Supported]", "Not", "[Unknown"):
+        return None
+    try:
+        return kind(float(t)) if kind is int else kind(t)
+    except ValueError:
+        return None
+
+
+def _mode(text: str | None) -> str | None:
+    t = (text or "").strip().lower()
+    return t if t in ("enabled", "disabled") else None
+
+
+def parse_smi_csv(text: str) -> list[GpuInfo]:
+    """GPUs from ``nvidia-smi --query-gpu=<_SMI_FIELDS> --format=csv`` (header optional, units optional)."""
+    rows = [r for r in csv.reader(io.StringIO(text)) if r and any(c.strip() for c in r)]
+    if rows and not rows[0][0].strip().isdigit():
+        header = [h.strip().split(" ")[0] for h in rows[0]]
+        rows = rows[1:]
+    else:
+        header = _SMI_FIELDS.split(",")
+    gpus = []
+    for i, row in enumerate(rows):
+        f = {h: c.strip() for h, c in zip(header, row, strict=False)}
+        gpus.append(
+            GpuInfo(
+                index=_num(f.get("index")) if f.get("index") else i,
+                name=f.get("name", "?"),
+                uuid=f.get("uuid"),
+                bus_id=f.get("pci.bus_id"),
+                compute_capability=f.get("compute_cap"),
+                memory_total_mib=_num(f.get("memory.total")),
+                max_sm_clock_mhz=_num(f.get("clocks.max.sm")),
+                max_mem_clock_mhz=_num(f.get("clocks.max.mem")),
+                power_limit_w=_num(f.get("power.limit"), float),
+                pcie_gen=_num(f.get("pcie.link.gen.current")),
+                pcie_width=_num(f.get("pcie.link.width.current")),
+                pcie_gen_max=_num(f.get("pcie.link.gen.max")),
+                pcie_width_max=_num(f.get("pcie.link.width.max")),
+                mig_mode=_mode(f.get("mig.mode.current")),
+                ecc_mode=_mode(f.get("ecc.mode.current")),
+            )
+        )
+    return gpus
+
+
+def parse_topology(text: str) -> dict[str, Any]:
+    """The device matrix of ``nvidia-smi topo -m``: labels (GPU0, NIC0, ...) and cells (X, NV18, PIX, SYS...)."""
+    lines = [ln.rstrip() for ln in text.splitlines() if ln.strip()]
+    header_i = next((i for i, ln in enumerate(lines) if re.match(r"^\s+(GPU|NIC)\d", ln)), None)
+    if header_i is None:
+        raise ValueError("no topology matrix found: expected the output of `nvidia-smi topo -m`")
+    labels = [t for t in lines[header_i].split() if re.fullmatch(r"(GPU|NIC)\d+", t)]
+    matrix = []
+    for ln in lines[header_i + 1 :]:
+        cells = ln.split()
+        if not cells or cells[0] not in labels:
+            break
+        matrix.append(cells[1 : 1 + len(labels)])
+    return {"labels": labels[: len(matrix)], "matrix": matrix, "source": "nvidia-smi topo -m"}
+
+
+def decode_cuda_version(v: int) -> str:
+    """NVML's integer CUDA version (e.g. 13000, 12040) as "13.0", "12.4"."""
+    return f"{v // 1000}.{(v % 1000) // 10}"
+
+
+def version_tuple(v: str | None) -> tuple[int, ...]:
+    """"12.10" -> (12, 10): numeric, so 12.10 sorts after 12.4 (a string comparison gets this wrong)."""
+    return tuple(int(p) for p in re.findall(r"\d+", v or ""))
+
+
+# --- sources -----------------------------------------------------------------------------------
+
+
+def _run(cmd: list[str], timeout: float = 20) -> str | None:
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout if out.returncode == 0 else None
+
+
+_NVML_WHY = {
+    "LIBRARY_NOT_FOUND": "libnvidia-ml.so was not found: no NVIDIA driver is installed (normal without an NVIDIA GPU)",
+    "DRIVER_NOT_LOADED": "the NVIDIA kernel driver is not loaded: check `lsmod | grep nvidia`, or that the "
+    "container was started with `--gpus all`",
+    "NO_PERMISSION": "no permission to open /dev/nvidia*: run as a user in the video group, or fix the "
+    "container's device mounts",
+    "LIB_RM_VERSION_MISMATCH": "the driver library and the loaded kernel module differ in version: reboot "
+    "after the driver update (or reload the nvidia modules)",
+}
+
+
+def _nvml_error_text(err: Exception) -> str:
+    import pynvml
+
+    for key, why in _NVML_WHY.items():
+        if getattr(err, "value", None) == getattr(pynvml, f"NVML_ERROR_{key}", object()):
+            return f"NVML could not initialise: {why}"
+    return f"NVML could not initialise ({err})"
+
+
+def _s(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def _probe_nvml(notes: list[str]) -> tuple[str | None, str | None, list[GpuInfo], dict[str, Any] | None] | None:
+    try:
+        import pynvml
+    except ImportError:
+        notes.append("nvidia-ml-py is not installed (pip install nvidia-ml-py): NVML not used")
+        return None
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as err:
+        notes.append(_nvml_error_text(err))
+        return None
+    try:
+        driver = _s(pynvml.nvmlSystemGetDriverVersion())
+        ceiling = decode_cuda_version(pynvml.nvmlSystemGetCudaDriverVersion())
+
+        def opt(fn: Any, *args: Any) -> Any:
+            try:
+                return fn(*args)
+            except pynvml.NVMLError:  # NOT_SUPPORTED on this GPU or in this VM: leave the field empty
+                return None
+
+        gpus, handles = [], []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            handles.append(h)
+            cc = opt(pynvml.nvmlDeviceGetCudaComputeCapability, h)
+            mem = opt(pynvml.nvmlDeviceGetMemoryInfo, h)
+            power = opt(pynvml.nvmlDeviceGetEnforcedPowerLimit, h)
+            mig = opt(pynvml.nvmlDeviceGetMigMode, h)
+            ecc = opt(pynvml.nvmlDeviceGetEccMode, h)
+            pci = opt(pynvml.nvmlDeviceGetPciInfo, h)
+            links = 0
+            for link in range(pynvml.NVML_NVLINK_MAX_LINKS):
+                state = opt(pynvml.nvmlDeviceGetNvLinkState, h, link)
+                if state is None:
+                    break
+                links += int(state == pynvml.NVML_FEATURE_ENABLED)
+            gpus.append(
+                GpuInfo(
+                    index=i,
+                    name=_s(pynvml.nvmlDeviceGetName(h)),
+                    uuid=_s(opt(pynvml.nvmlDeviceGetUUID, h)),
+                    bus_id=_s(pci.busId) if pci else None,
+                    compute_capability=f"{cc[0]}.{cc[1]}" if cc else None,
+                    memory_total_mib=mem.total // 2**20 if mem else None,
+                    max_sm_clock_mhz=opt(pynvml.nvmlDeviceGetMaxClockInfo, h, pynvml.NVML_CLOCK_SM),
+                    max_mem_clock_mhz=opt(pynvml.nvmlDeviceGetMaxClockInfo, h, pynvml.NVML_CLOCK_MEM),
+                    power_limit_w=power / 1000 if power else None,
+                    pcie_gen=opt(pynvml.nvmlDeviceGetCurrPcieLinkGeneration, h),
+                    pcie_width=opt(pynvml.nvmlDeviceGetCurrPcieLinkWidth, h),
+                    pcie_gen_max=opt(pynvml.nvmlDeviceGetMaxPcieLinkGeneration, h),
+                    pcie_width_max=opt(pynvml.nvmlDeviceGetMaxPcieLinkWidth, h),
+                    nvlinks_active=links,
+                    mig_mode=None if mig is None else ("enabled" if mig[0] else "disabled"),
+                    ecc_mode=None if ecc is None else ("enabled" if ecc[0] else "disabled"),
+                )
+            )
+        topo = None
+        if len(handles) > 1:
+            labels = [f"GPU{g.index}" for g in gpus]
+            matrix = []
+            for i, hi in enumerate(handles):
+                row = []
+                for j, hj in enumerate(handles):
+                    if i == j:
+                        row.append("X")
+                    elif gpus[i].nvlinks_active and gpus[j].nvlinks_active:
+                        # Through NVSwitch every link reaches every peer: nvidia-smi prints NV<links>.
+                        row.append(f"NV{min(gpus[i].nvlinks_active, gpus[j].nvlinks_active)}")
+                    else:
+                        lvl = opt(pynvml.nvmlDeviceGetTopologyCommonAncestor, hi, hj)
+                        row.append(_TOPO_LEVEL.get(lvl, "?") if lvl is not None else "?")
+                matrix.append(row)
+            topo = {"labels": labels, "matrix": matrix, "source": "NVML"}
+        return driver, ceiling, gpus, topo
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _probe_smi(notes: list[str]) -> tuple[str | None, str | None, list[GpuInfo], dict[str, Any] | None] | None:
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        notes.append("nvidia-smi is not on the PATH: no NVIDIA driver tools on this machine")
+        return None
+    text = _run([smi, f"--query-gpu={_SMI_FIELDS}", "--format=csv,noheader,nounits"])
+    if text is None:
+        notes.append("nvidia-smi is present but failed: the driver is not working (try `nvidia-smi` in a shell)")
+        return None
+    gpus = parse_smi_csv(text)
+    header = parse_smi_header(_run([smi]) or "")
+    driver = header["driver_version"]
+    if driver is None:
+        row = next(csv.reader(io.StringIO(text)), [])
+        driver = row[-1].strip() if row else None
+    topo = None
+    if len(gpus) > 1:
+        t = _run([smi, "topo", "-m"])
+        try:
+            topo = parse_topology(t) if t else None
+        except ValueError:
+            topo = None
+    return driver, header["cuda_ceiling"], gpus, topo
+
+
+def _probe_torch(notes: list[str]) -> dict[str, Any] | None:
+    try:
+        import torch
+    except ImportError:
+        notes.append("torch is not installed: pip install torch (not inside an NGC image, which has its own)")
+        return None
+    info: dict[str, Any] = {
+        "version": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": None,
+        "nccl": None,
+        "cuda_available": False,
+        "device_count": 0,
+        "arch_list": [],
+    }
+    if torch.version.cuda:
+        info["cuda_available"] = torch.cuda.is_available()
+        info["device_count"] = torch.cuda.device_count() if info["cuda_available"] else 0
+        info["arch_list"] = torch.cuda.get_arch_list() if info["cuda_available"] else []
+        info["cudnn"] = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+        try:
+            info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        except Exception:  # a build without NCCL (e.g. Windows): the report says "none"
+            info["nccl"] = None
+    return info
+
+
+def _dist_version(*names: str) -> str | None:
+    for n in names:
+        try:
+            return importlib.metadata.version(n)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def pytriton_server() -> Path | None:
+    """The ``tritonserver`` binary inside the installed ``nvidia-pytriton`` wheel, if any."""
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    binary = Path(next(iter(spec.submodule_search_locations))) / "tritonserver" / "bin" / "tritonserver"
+    return binary if binary.exists() else None
+
+
+def _probe_components() -> dict[str, Component]:
+    comps: dict[str, Component] = {}
+    trt = _dist_version("tensorrt", "tensorrt-cu13", "tensorrt-cu12")
+    trt_found = importlib.util.find_spec("tensorrt") is not None
+    comps["tensorrt"] = Component(
+        "TensorRT", trt_found, trt, shutil.which("trtexec"),
+        "" if trt_found else "not installed; in an NGC PyTorch image it is included",
+    )
+    url = os.environ.get("TRITON_URL")
+    on_path = shutil.which("tritonserver")
+    wheel = pytriton_server()
+    if url:
+        comps["tritonserver"] = Component("Triton server", True, None, url, "external server (TRITON_URL)")
+    elif on_path:
+        comps["tritonserver"] = Component(
+            "Triton server", True, os.environ.get("TRITON_SERVER_VERSION"), on_path, "on the PATH"
+        )
+    elif wheel:
+        comps["tritonserver"] = Component(
+            "Triton server", True, f"nvidia-pytriton {_dist_version('nvidia-pytriton')}", str(wheel),
+            "binary from the nvidia-pytriton wheel (python backend only)",
+        )
+    else:
+        comps["tritonserver"] = Component("Triton server", False, None, None, "pip install nvidia-pytriton")
+    purl = os.environ.get("PROMETHEUS_URL")
+    prom = shutil.which("prometheus")
+    if purl:
+        comps["prometheus"] = Component("Prometheus", True, None, purl, "external server (PROMETHEUS_URL)")
+    elif prom:
+        out = _run([prom, "--version"], timeout=10) or ""
+        m = re.search(r"version\s+([\w.\-+]+)", out)
+        comps["prometheus"] = Component("Prometheus", True, m.group(1) if m else None, prom, "on the PATH")
+    else:
+        comps["prometheus"] = Component(
+            "Prometheus", False, None, None, "apt-get install prometheus (labs fall back to an in-process scraper)"
+        )
+    return comps
+
+
+def _compatibility(gpus: list[GpuInfo], ceiling: str | None, torch: dict[str, Any] | None) -> tuple[bool | None, list[str]]:
+    if not gpus:
+        return None, ["no NVIDIA GPU found: every lab runs in its CPU tier"]
+    if torch is None:
+        return False, ["torch is not installed, so no lab can use the GPU"]
+    if not torch["cuda"]:
+        return False, [f"torch {torch['version']} is a CPU-only build: install a CUDA build to use the GPU"]
+    reasons, ok = [], True
+    runtime = torch["cuda"]
+    if ceiling is None:
+        reasons.append("the driver's CUDA ceiling is unknown (no NVML, no nvidia-smi banner)")
+    elif version_tuple(runtime) <= version_tuple(ceiling):
+        reasons.append(f"driver supports CUDA <= {ceiling}; torch's runtime is CUDA {runtime}: compatible")
+    elif version_tuple(runtime)[:1] == version_tuple(ceiling)[:1]:
+        reasons.append(
+            f"torch's CUDA {runtime} is newer than the driver's ceiling {ceiling} within one major version: "
+            "it runs through minor-version compatibility, but kernels needing a newer driver can fail; "
+            "update the driver to be safe"
+        )
+    else:
+        ok = False
+        reasons.append(
+            f"torch's CUDA {runtime} is newer than the driver's ceiling {ceiling}: update the driver, install "
+            f"a torch built for CUDA <= {ceiling}, or use an NGC container (forward compatibility on data-centre GPUs)"
+        )
+    arch = torch.get("arch_list") or []
+    for g in gpus:
+        if not g.compute_capability or not arch:
+            continue
+        cc = version_tuple(g.compute_capability)
+        sm = f"sm_{cc[0]}{cc[1]}"
+        ptx = [a for a in arch if a.startswith("compute_") and int(a[8:]) <= cc[0] * 10 + cc[1]]
+        if sm in arch:
+            reasons.append(f"GPU{g.index} {g.name}: compute capability {g.compute_capability} ({sm}) is in torch's build")
+        elif ptx:
+            reasons.append(f"GPU{g.index}: {sm} not built, runs through PTX JIT from {ptx[-1]} (slow first start)")
+        else:
+            ok = False
+            reasons.append(
+                f"GPU{g.index} {g.name}: compute capability {g.compute_capability} is not supported by this torch "
+                f"(built for {', '.join(arch)}): install a torch build that includes {sm}"
+            )
+    if ok and not torch["cuda_available"]:
+        ok = False
+        reasons.append("torch.cuda.is_available() is False although a GPU is present: check CUDA_VISIBLE_DEVICES")
+    return ok, reasons
+
+
+def lab_tiers(report: EnvReport) -> list[LabTier]:
+    """The tier each lab will run in here, what it runs, and what stands in for what is missing."""
+    gpu = report.gpu_usable
+    n_gpu = report.torch["device_count"] if gpu and report.torch else 0
+    seen_gpu = bool(report.gpus)
+    c = report.components
+    trt, server, prom = c["tensorrt"].present, c["tritonserver"].present, c["prometheus"].present
+    lab_dir = repo_root() / "solutions"
+    rows: dict[str, tuple[str, str, str]] = {}
+    if report.source == "nvml":
+        rows["00"] = ("full", "NVML inventory, topology and compatibility of this machine", "")
+    elif seen_gpu:
+        rows["00"] = ("partial", "inventory from nvidia-smi", "NVML fields missing from nvidia-smi's CSV")
+    else:
+        rows["00"] = ("cpu", "the reading exercises", "H200 captures shipped with the course stand in for nvidia-smi")
+    if gpu:
+        rows["01"] = ("full", "cuBLAS matmul sweep, HBM copy, PCIe, CUDA graphs", "")
+    else:
+        why = "GPU not usable by torch: " if seen_gpu else ""
+        rows["01"] = ("partial" if seen_gpu else "cpu", "CPU BLAS and DRAM bandwidth with the same harness",
+                      why + "the H200 reference run is shown beside")
+    if n_gpu >= 2 and report.torch and report.torch.get("nccl"):
+        rows["02"] = ("full", f"NCCL across {n_gpu} GPUs, DDP", "")
+    elif gpu:
+        rows["02"] = ("partial", "NCCL on 1 GPU, DDP", "gloo processes for multi-rank collectives")
+    else:
+        rows["02"] = ("cpu", "gloo process groups on CPU, DDP", "gloo stands in for NCCL")
+    if gpu and trt:
+        rows["03"] = ("full", "TensorRT engines FP32/FP16/INT8", "")
+    elif gpu:
+        rows["03"] = ("partial", "torch autocast, torch.compile, CUDA graphs", "no TensorRT: torch.compile stands in")
+    else:
+        rows["03"] = ("cpu", "ONNX Runtime and ModelOpt INT8", "ONNX Runtime stands in for TensorRT")
+    if gpu and server:
+        rows["04"] = ("full", "Triton server with GPU instances", "")
+    elif server:
+        rows["04"] = ("partial" if seen_gpu else "cpu", "Triton server with CPU instances", "CPU instances")
+    else:
+        rows["04"] = ("partial" if seen_gpu else "cpu", "configuration checks only",
+                      "no Triton server: pip install nvidia-pytriton")
+    if gpu and server and prom:
+        rows["05"] = ("full", "Prometheus scraping Triton and GPU metrics", "")
+    else:
+        miss = [n for n, ok in (("a GPU", gpu), ("a Triton server", server), ("Prometheus", prom)) if not ok]
+        rows["05"] = ("partial" if seen_gpu else "cpu", "metrics, PromQL and alerts on what is present",
+                      "missing " + ", ".join(miss) + ("" if prom else "; an in-process scraper stands in"))
+    return [
+        LabTier(lab.number, lab.title, *rows[lab.number], notebook=(lab_dir / lab.filename).exists())
+        for lab in LABS
+    ]
+
+
+def _host() -> dict[str, Any]:
+    mem_gib = None
+    try:
+        with open("/proc/meminfo") as f:
+            kib = int(next(ln for ln in f if ln.startswith("MemTotal")).split()[1])
+            mem_gib = round(kib / 2**20, 1)
+    except (OSError, StopIteration, ValueError):
+        pass
+    from .timing import _cpu_model
+
+    return {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu": _cpu_model(),
+        "cpu_threads": os.cpu_count(),
+        "memory_gib": mem_gib,
+    }
+
+
+def probe() -> EnvReport:
+    """Look at this machine and return the full report (a few seconds; never raises for a missing GPU)."""
+    notes: list[str] = []
+    found = _probe_nvml(notes)
+    source = "nvml"
+    if found is None:
+        found = _probe_smi(notes)
+        source = "nvidia-smi"
+    if found is None:
+        found, source = (None, None, [], None), "none"
+    driver, ceiling, gpus, topo = found
+    if source == "nvml" and len(gpus) > 1 and shutil.which("nvidia-smi"):
+        # nvidia-smi's own matrix is the reference reading (NVML cannot see through every switch setup).
+        text = _run(["nvidia-smi", "topo", "-m"])
+        try:
+            topo = parse_topology(text) if text else topo
+        except ValueError:
+            pass
+    torch = _probe_torch(notes)
+    missing = [m for m in REQUIRED if importlib.util.find_spec(m) is None]
+    ok, reasons = _compatibility(gpus, ceiling, torch)
+    report = EnvReport(source, driver, ceiling, gpus, topo, torch, _probe_components(), ok, reasons, notes,
+                       missing, host=_host())
+    report.tiers = lab_tiers(report)
+    return report

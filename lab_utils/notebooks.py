@@ -1,0 +1,226 @@
+"""Single source (solutions -> labs) and notebook execution with papermill.
+
+In a solution, exercise code sits between ``# BEGIN SOLUTION`` and ``# END SOLUTION``. Generation
+replaces it with the lines marked ``# STUDENT: ...`` inside the block, or else with ``name = None`` for
+each name the block assigns, and strips every output. In markdown, text between
+``<!-- BEGIN SOLUTION -->`` and ``<!-- END SOLUTION -->`` becomes a prompt for the student's answer.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import time
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .catalog import lab_by_number, repo_root
+
+BEGIN, END, STUDENT = "# BEGIN SOLUTION", "# END SOLUTION", "# STUDENT:"
+MD_BLOCK = re.compile(r"<!-- BEGIN SOLUTION -->.*?<!-- END SOLUTION -->", re.S)
+MD_PLACEHOLDER = "*Your answer here.*"
+RUN_ID_ENV = "NVLAB_RUN_ID"  # every process a run starts inherits it: how leftovers are found
+
+
+class NotebookError(RuntimeError):
+    """A notebook failed or could not be built; the message names the notebook and the cell."""
+
+
+def _placeholder(block: list[str], where: str) -> list[str]:
+    student = [ln.split(STUDENT, 1)[1].removeprefix(" ") for ln in block if ln.strip().startswith(STUDENT)]
+    if student:
+        indent = block[0][: len(block[0]) - len(block[0].lstrip())]
+        return [indent + s if s else s for s in student]
+    code = "\n".join(ln for ln in block)
+    try:
+        tree = ast.parse(_dedent(code))
+    except SyntaxError as err:
+        raise NotebookError(f"{where}: the solution block does not parse ({err}); fix the solution cell") from None
+    names: list[str] = []
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+        if isinstance(node, ast.FunctionDef):
+            raise NotebookError(
+                f"{where}: a solution block defining a function needs '# STUDENT:' lines for the student's version"
+            )
+        for t in targets:
+            for n in ast.walk(t) if t is not None else []:
+                if isinstance(n, ast.Name) and n.id not in names:
+                    names.append(n.id)
+    if not names:
+        raise NotebookError(f"{where}: the solution block assigns nothing; add '# STUDENT:' lines")
+    indent = block[0][: len(block[0]) - len(block[0].lstrip())] if block else ""
+    return [f"{indent}{n} = None  # YOUR CODE HERE" for n in names]
+
+
+def _dedent(code: str) -> str:
+    import textwrap
+
+    return textwrap.dedent(code)
+
+
+def strip_solution(source: str, where: str = "cell") -> str:
+    """The student's version of one code cell's source."""
+    lines = source.split("\n")
+    out: list[str] = []
+    i = 0
+    while i < len(lines):
+        if lines[i].strip() == BEGIN:
+            try:
+                j = next(k for k in range(i + 1, len(lines)) if lines[k].strip() == END)
+            except StopIteration:
+                raise NotebookError(f"{where}: '{BEGIN}' without '{END}'") from None
+            block = lines[i + 1 : j]
+            indent = lines[i][: len(lines[i]) - len(lines[i].lstrip())]
+            out.extend(_placeholder([indent + ln.lstrip() if not ln.strip() else ln for ln in block] or [indent],
+                                    where))
+            i = j + 1
+        else:
+            if lines[i].strip() == END:
+                raise NotebookError(f"{where}: '{END}' without '{BEGIN}'")
+            out.append(lines[i])
+            i += 1
+    return "\n".join(out)
+
+
+def build_lab(solution: Any) -> Any:
+    """The student notebook (an ``nbformat`` node) for a solution notebook: placeholders, no outputs."""
+    import copy
+
+    nb = copy.deepcopy(solution)
+    for i, cell in enumerate(nb.cells):
+        where = f"cell {i}"
+        if cell.cell_type == "code":
+            cell.source = strip_solution(cell.source, where)
+            cell.outputs = []
+            cell.execution_count = None
+        elif cell.cell_type == "markdown":
+            cell.source = MD_BLOCK.sub(MD_PLACEHOLDER, cell.source)
+        cell.metadata.pop("execution", None)
+    nb.metadata.pop("papermill", None)
+    nb.metadata.get("language_info", {}).pop("version", None)
+    return nb
+
+
+def notebook_text(nb: Any) -> str:
+    import nbformat
+
+    return nbformat.writes(nb) + "\n"
+
+
+def build_labs(check: bool = False, root: Path | None = None) -> list[str]:
+    """Write ``labs/`` from ``solutions/``; with ``check`` write nothing and return the drifted files."""
+    import nbformat
+
+    root = root or repo_root()
+    src, dst = root / "solutions", root / "labs"
+    changed = []
+    solutions = sorted(src.glob("[0-9][0-9]_*.ipynb"))
+    if not solutions:
+        raise NotebookError(f"no solution notebooks in {src}")
+    expected_names = {p.name for p in solutions}
+    for p in solutions:
+        try:
+            nb = nbformat.read(p, as_version=4)
+            text = notebook_text(build_lab(nb))
+        except NotebookError as err:
+            raise NotebookError(f"{p.name}: {err}") from None
+        target = dst / p.name
+        if not target.exists() or target.read_text() != text:
+            changed.append(target.name)
+            if not check:
+                dst.mkdir(exist_ok=True)
+                target.write_text(text)
+    for extra in sorted(dst.glob("[0-9][0-9]_*.ipynb")):
+        if extra.name not in expected_names:
+            changed.append(f"{extra.name} (no solution)")
+            if not check:
+                extra.unlink()
+    return changed
+
+
+# --- execution ---------------------------------------------------------------------------------
+
+
+@dataclass
+class RunResult:
+    notebook: str
+    output: Path
+    seconds: float
+    ok: bool
+    error: str = ""
+
+
+def select(names: Iterable[str], all_: bool, solutions: bool, root: Path | None = None) -> list[Path]:
+    """Notebook paths for lab numbers (``"01"``, ``"1"``, ``"01_cuda_timing"``) or every lab."""
+    root = root or repo_root()
+    folder = root / ("solutions" if solutions else "labs")
+    present = sorted(folder.glob("[0-9][0-9]_*.ipynb"))
+    if all_:
+        return present
+    names = list(names)
+    if not names:
+        raise ValueError("name the labs to run (e.g. `nvlab run 00 01`) or pass --all")
+    paths = []
+    for n in names:
+        lab = lab_by_number(n)
+        p = folder / lab.filename
+        if not p.exists():
+            have = ", ".join(x.stem for x in present) or "none"
+            raise ValueError(f"lab {lab.number} ({lab.slug}) has no notebook in {folder.name}/ yet; present: {have}")
+        paths.append(p)
+    return paths
+
+
+def leftover_processes(run_id: str) -> list[str]:
+    """Processes still alive that inherited ``NVLAB_RUN_ID=run_id``: anything a notebook failed to stop."""
+    found = []
+    me = os.getpid()
+    needle = f"{RUN_ID_ENV}={run_id}".encode()
+    for d in Path("/proc").glob("[0-9]*"):
+        if int(d.name) == me:
+            continue
+        try:
+            if needle in (d / "environ").read_bytes().split(b"\0"):
+                stat = (d / "stat").read_text()
+                if ") Z" in stat:  # a zombie has already ended; its parent just has not reaped it
+                    continue
+                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+                found.append(f"{d.name} {cmd}")
+        except OSError:
+            continue
+    return found
+
+
+def execute(path: Path, out_dir: Path, parameters: dict[str, Any], run_id: str | None = None,
+            timeout_s: int = 1800) -> RunResult:
+    """Execute one notebook with papermill into ``out_dir``; failures name the notebook and the cell."""
+    import papermill as pm
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    output = out_dir / path.name
+    run_id = run_id or uuid.uuid4().hex
+    saved = {k: os.environ.get(k) for k in (RUN_ID_ENV, "NVLAB_RESULTS_DIR")}
+    os.environ[RUN_ID_ENV] = run_id
+    os.environ["NVLAB_RESULTS_DIR"] = str(out_dir.resolve())
+    t0 = time.perf_counter()
+    try:
+        pm.execute_notebook(str(path), str(output), parameters=parameters, kernel_name="python3",
+                            progress_bar=False, cwd=str(path.parent), execution_timeout=timeout_s)
+    except pm.PapermillExecutionError as err:
+        cell = f"cell {err.cell_index} (execution count {err.exec_count})"
+        msg = f"{path.name} failed in {cell}: {err.ename}: {err.evalue}; executed notebook: {output}"
+        return RunResult(path.name, output, time.perf_counter() - t0, False, msg)
+    except Exception as err:  # kernel died, timeout, bad parameter: still name the notebook
+        return RunResult(path.name, output, time.perf_counter() - t0, False, f"{path.name} failed: {err}")
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return RunResult(path.name, output, time.perf_counter() - t0, True)

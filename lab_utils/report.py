@@ -1,0 +1,89 @@
+"""The environment report as readable tables (``nvlab doctor`` and every lab's setup cell)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .env import EnvReport
+
+
+def _fmt(v: Any, unit: str = "") -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        v = f"{v:g}"
+    return f"{v}{unit}"
+
+
+def gpu_rows(report: EnvReport) -> list[dict[str, str]]:
+    """One row per GPU, values with units, for a table."""
+    rows = []
+    for g in report.gpus:
+        pcie = f"gen{_fmt(g.pcie_gen)} x{_fmt(g.pcie_width)}"
+        if g.pcie_gen_max:
+            pcie += f" (max gen{g.pcie_gen_max} x{_fmt(g.pcie_width_max)})"
+        rows.append({
+            "GPU": str(g.index), "name": g.name, "CC": _fmt(g.compute_capability),
+            "memory": _fmt(g.memory_total_mib, " MiB"), "max SM clock": _fmt(g.max_sm_clock_mhz, " MHz"),
+            "power limit": _fmt(g.power_limit_w, " W"), "PCIe": pcie, "NVLinks": _fmt(g.nvlinks_active),
+            "MIG": _fmt(g.mig_mode), "ECC": _fmt(g.ecc_mode),
+        })
+    return rows
+
+
+def print_report(report: EnvReport, highlight: str | None = None, brief: bool = False) -> None:
+    """Print the report with rich: stack versions, GPUs, topology, components, verdict, lab tiers."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=120)
+    t = report.torch or {}
+    head = Table(title="Stack", show_header=False, box=None)
+    head.add_row("GPU source", report.source)
+    head.add_row("driver", _fmt(report.driver_version))
+    head.add_row("driver's CUDA ceiling", _fmt(report.cuda_ceiling))
+    head.add_row("torch", f"{_fmt(t.get('version'))} (CUDA runtime {_fmt(t.get('cuda'))}, "
+                 f"cuDNN {_fmt(t.get('cudnn'))}, NCCL {_fmt(t.get('nccl'))})")
+    head.add_row("host", f"{report.host.get('cpu')} · {report.host.get('cpu_threads')} threads · "
+                 f"{report.host.get('memory_gib')} GiB · Python {report.host.get('python')}")
+    console.print(head)
+    if report.gpus:
+        rows = gpu_rows(report)
+        table = Table(title="GPUs")
+        for col in rows[0]:
+            table.add_column(col)
+        for r in rows:
+            table.add_row(*r.values())
+        console.print(table)
+    if report.topology and not brief:
+        topo = Table(title=f"Topology ({report.topology['source']})")
+        topo.add_column("")
+        for lab in report.topology["labels"]:
+            topo.add_column(lab)
+        for lab, row in zip(report.topology["labels"], report.topology["matrix"], strict=False):
+            topo.add_row(lab, *row)
+        console.print(topo)
+    if not brief:
+        comp = Table(title="Components")
+        for col in ("component", "present", "version", "where", "note"):
+            comp.add_column(col)
+        for c in report.components.values():
+            comp.add_row(c.name, "yes" if c.present else "no", _fmt(c.version), _fmt(c.where), c.note)
+        console.print(comp)
+    verdict = {True: "[green]compatible[/]", False: "[red]not compatible[/]", None: "no GPU"}[report.compatible]
+    console.print(f"Verdict: {verdict}")
+    for r in report.reasons:
+        console.print(f"  - {r}")
+    for n in report.notes:
+        console.print(f"  [dim]note: {n}[/]")
+    if report.missing:
+        console.print(f"[red]missing required packages: {', '.join(report.missing)}[/] "
+                      "(pip install -e '.[lab]' from the course folder)")
+    tiers = Table(title="Lab tiers on this machine")
+    for col in ("lab", "title", "tier", "runs", "stands in"):
+        tiers.add_column(col)
+    for lt in report.tiers:
+        style = "bold" if lt.lab == highlight else ("dim" if not lt.notebook else "")
+        title = lt.title if lt.notebook else f"{lt.title} (not in this release)"
+        tiers.add_row(lt.lab, title, lt.tier.upper(), lt.runs, lt.substitutes or "-", style=style)
+    console.print(tiers)

@@ -1,0 +1,114 @@
+"""Recorded measurements: each lab writes (name, value, unit, tier, device, versions) to a JSON file.
+
+``nvlab run`` points ``NVLAB_RESULTS_DIR`` at its output folder; interactively the results go to
+``./nvlab-results``. ``compare`` lines a run up against the committed reference GPU run as ratios.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from .catalog import repo_root
+
+RESULTS_ENV = "NVLAB_RESULTS_DIR"
+REFERENCE_ENV = "NVLAB_REFERENCE_DIR"
+
+
+@dataclass
+class Measurement:
+    lab: str
+    name: str
+    value: float
+    unit: str
+    tier: str
+    device: str
+    versions: dict[str, Any]
+    time_utc: str
+    note: str = ""
+
+
+def results_dir() -> Path:
+    """Where this run's results go: ``$NVLAB_RESULTS_DIR`` or ``./nvlab-results``."""
+    return Path(os.environ.get(RESULTS_ENV) or "nvlab-results")
+
+
+def reference_dir(name: str = "h200") -> Path:
+    """The committed reference run: ``$NVLAB_REFERENCE_DIR`` or ``reference_runs/<name>`` in the checkout."""
+    env = os.environ.get(REFERENCE_ENV)
+    return Path(env) if env else repo_root() / "reference_runs" / name
+
+
+class Recorder:
+    """Appends measurements of one lab to ``results_<lab>.json`` in ``results_dir()``."""
+
+    def __init__(self, lab: str, tier: str, device: str, versions: dict[str, Any], directory: Path | None = None):
+        self.lab, self.tier, self.device, self.versions = lab, tier, device, versions
+        self.path = (directory or results_dir()) / f"results_{lab}.json"
+        self._items: dict[str, Measurement] = {}
+
+    def record(self, name: str, value: float, unit: str, note: str = "") -> Measurement:
+        """Record one number (re-recording a name replaces it) and write the file."""
+        if not isinstance(name, str) or not name:
+            raise ValueError("record(name=...): name must be a non-empty string such as 'matmul_bf16_8192'")
+        value = float(value)
+        m = Measurement(self.lab, name, value, unit, self.tier, self.device, self.versions,
+                        time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), note)
+        self._items[name] = m
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        rows = [asdict(x) for x in self._items.values()]
+        for r in rows:  # JSON has no NaN: a skipped measurement is null
+            if isinstance(r["value"], float) and not math.isfinite(r["value"]):
+                r["value"] = None
+        self.path.write_text(json.dumps(rows, indent=1) + "\n")
+        return m
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+def load(directory: Path | str) -> list[dict[str, Any]]:
+    """Every measurement in ``results_*.json`` under ``directory``."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"{directory} is not a folder of results: pass the folder `nvlab run` wrote")
+    rows: list[dict[str, Any]] = []
+    for p in sorted(directory.glob("results_*.json")):
+        rows.extend(json.loads(p.read_text()))
+    return rows
+
+
+def reference_value(name: str, lab: str, ref: Path | None = None) -> float | None:
+    """One number from the reference run, or None when the run or the name is absent."""
+    path = (ref or reference_dir()) / f"results_{lab}.json"
+    if not path.exists():
+        return None
+    for r in json.loads(path.read_text()):
+        if r["name"] == name:
+            return r["value"]
+    return None
+
+
+def compare(run: Path | str, reference: Path | str | None = None):
+    """A table of each measurement in ``run`` beside the reference run's value and their ratio."""
+    import pandas as pd
+
+    ref_dir = Path(reference) if reference else reference_dir()
+    local = load(run)
+    ref = {(r["lab"], r["name"]): r for r in load(ref_dir)} if ref_dir.is_dir() else {}
+    rows = []
+    for r in local:
+        other = ref.get((r["lab"], r["name"]))
+        rv = other["value"] if other else None
+        ratio = r["value"] / rv if (r["value"] is not None and rv) else None
+        rows.append({
+            "lab": r["lab"], "name": r["name"], "unit": r["unit"], "value": r["value"],
+            "reference": rv, "ratio": ratio, "tier": r["tier"], "device": r["device"],
+            "reference_device": other["device"] if other else None,
+        })
+    return pd.DataFrame(rows)

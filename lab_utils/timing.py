@@ -1,0 +1,256 @@
+"""One timing helper for every lab: warm-up, repetitions, CUDA events on a GPU, statistics.
+
+GPU work is asynchronous: a host clock read right after a launch measures the launch, not the work.
+On a CUDA device each repetition is bracketed by CUDA events and the stream is synchronized once at the
+end; on the CPU ``time.perf_counter`` brackets each repetition. All times are milliseconds.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+# 256 MiB is larger than the L2 of every current data-centre GPU (H100/H200: 50 MiB, B200: 126 MiB).
+L2_FLUSH_BYTES = 256 * 2**20
+
+# Environment variables that change what a measurement means; recorded in every header.
+_ENV_PREFIXES = ("CUDA_", "NCCL_", "TORCH_", "NVIDIA_", "CUBLAS", "CUBLASLT", "OMP_", "MKL_", "OPENBLAS_")
+
+
+@dataclass
+class Timing:
+    """Per-repetition times of one benchmark, in milliseconds, with summary statistics."""
+
+    name: str
+    times_ms: np.ndarray
+    device: str
+    warmup: int
+    flush_l2: bool
+    header: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def reps(self) -> int:
+        return int(self.times_ms.size)
+
+    @property
+    def median_ms(self) -> float:
+        return float(np.median(self.times_ms))
+
+    @property
+    def mean_ms(self) -> float:
+        return float(np.mean(self.times_ms))
+
+    @property
+    def min_ms(self) -> float:
+        return float(np.min(self.times_ms))
+
+    @property
+    def p10_ms(self) -> float:
+        return float(np.percentile(self.times_ms, 10))
+
+    @property
+    def p90_ms(self) -> float:
+        return float(np.percentile(self.times_ms, 90))
+
+    @property
+    def iqr_ms(self) -> float:
+        q1, q3 = np.percentile(self.times_ms, [25, 75])
+        return float(q3 - q1)
+
+    @property
+    def spread(self) -> float:
+        """(p90 - p10) / median: 0.05 means the middle 80 % of repetitions lie within 5 % of the median."""
+        return (self.p90_ms - self.p10_ms) / self.median_ms if self.median_ms > 0 else float("nan")
+
+    def tflops(self, flops: float) -> float:
+        """Throughput in TFLOP/s (1e12) for ``flops`` floating-point operations per repetition, at the median."""
+        return flops / (self.median_ms * 1e-3) / 1e12
+
+    def gbps(self, nbytes: float) -> float:
+        """Bandwidth in GB/s (1e9 bytes) for ``nbytes`` moved per repetition, at the median."""
+        return nbytes / (self.median_ms * 1e-3) / 1e9
+
+    def summary(self) -> dict[str, Any]:
+        """Plain values for a table row."""
+        return {
+            "name": self.name,
+            "device": self.device,
+            "reps": self.reps,
+            "median_ms": self.median_ms,
+            "mean_ms": self.mean_ms,
+            "min_ms": self.min_ms,
+            "p10_ms": self.p10_ms,
+            "p90_ms": self.p90_ms,
+            "spread": self.spread,
+        }
+
+    def __str__(self) -> str:
+        return (
+            f"{self.name}: median {self.median_ms:.4g} ms (p10 {self.p10_ms:.4g}, p90 {self.p90_ms:.4g}, "
+            f"min {self.min_ms:.4g}; {self.reps} reps on {self.device})"
+        )
+
+
+def matmul_flops(m: int, n: int, k: int) -> int:
+    """Floating-point operations of C[m,n] = A[m,k] @ B[k,n]: one multiply and one add per term, 2·m·n·k."""
+    return 2 * m * n * k
+
+
+def matmul_bytes(m: int, n: int, k: int, itemsize: int, out_itemsize: int | None = None) -> int:
+    """Fewest bytes a matmul moves through memory: read A and B once, write C once."""
+    out_itemsize = itemsize if out_itemsize is None else out_itemsize
+    return (m * k + k * n) * itemsize + m * n * out_itemsize
+
+
+def copy_bytes(nbytes: int) -> int:
+    """Bytes a copy of ``nbytes`` moves through memory, counting the read and the write (2·nbytes)."""
+    return 2 * nbytes
+
+
+def _resolve_device(device: Any) -> str:
+    if device is None or device == "auto":
+        try:
+            import torch
+
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        except ImportError:
+            return "cpu"
+    name = str(device)
+    if not (name == "cpu" or name.startswith("cuda")):
+        raise ValueError(f"benchmark(device={device!r}): use 'cpu', 'cuda', 'cuda:N' or 'auto'")
+    return name
+
+
+def _check_args(fn: Any, reps: Any, warmup: Any) -> None:
+    if not callable(fn):
+        raise TypeError(
+            f"benchmark(fn=...): fn must be callable, got {type(fn).__name__} {fn!r}; "
+            "pass the work itself, for example benchmark(lambda: a @ b)"
+        )
+    if isinstance(reps, bool) or not isinstance(reps, int) or reps < 1:
+        raise ValueError(f"benchmark(reps={reps!r}): reps must be an integer >= 1 (the number of timed runs)")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"benchmark(warmup={warmup!r}): warmup must be an integer >= 0")
+
+
+def benchmark(
+    fn: Callable[[], Any],
+    *,
+    reps: int = 20,
+    warmup: int = 3,
+    device: Any = "auto",
+    flush_l2: bool = False,
+    flush_bytes: int = L2_FLUSH_BYTES,
+    name: str | None = None,
+) -> Timing:
+    """Time ``fn()`` ``reps`` times after ``warmup`` untimed calls; returns per-repetition ms.
+
+    On CUDA: a start and an end event around each call, one synchronize after the loop, so the
+    host never waits between repetitions. With ``flush_l2`` a buffer of ``flush_bytes`` is
+    overwritten before each repetition, outside the timed region, so every repetition starts
+    with a cold cache (kernel-level numbers). On the CPU the same flush evicts the last-level cache.
+    """
+    _check_args(fn, reps, warmup)
+    dev = _resolve_device(device)
+    label = name or getattr(fn, "__name__", "fn")
+    if dev.startswith("cuda"):
+        times = _time_cuda(fn, reps, warmup, dev, flush_l2, flush_bytes)
+    else:
+        times = _time_cpu(fn, reps, warmup, flush_l2, flush_bytes)
+    return Timing(label, times, dev, warmup, flush_l2, run_header(dev))
+
+
+def _time_cuda(fn: Callable[[], Any], reps: int, warmup: int, dev: str, flush: bool, nbytes: int) -> np.ndarray:
+    import torch
+
+    with torch.cuda.device(torch.device(dev)):
+        buf = torch.empty(nbytes // 4, dtype=torch.float32, device=dev) if flush else None
+        for _ in range(warmup):
+            fn()
+        torch.cuda.synchronize()
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        for i in range(reps):
+            if buf is not None:
+                buf.fill_(float(i))  # a write, so the lines are evicted rather than left clean
+            starts[i].record()
+            fn()
+            ends[i].record()
+        torch.cuda.synchronize()
+        return np.array([s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)], dtype=np.float64)
+
+
+def _time_cpu(fn: Callable[[], Any], reps: int, warmup: int, flush: bool, nbytes: int) -> np.ndarray:
+    buf = np.empty(nbytes // 8, dtype=np.float64) if flush else None
+    for _ in range(warmup):
+        fn()
+    times = np.empty(reps, dtype=np.float64)
+    for i in range(reps):
+        if buf is not None:
+            buf.fill(float(i))
+        t0 = time.perf_counter()
+        fn()
+        times[i] = (time.perf_counter() - t0) * 1e3
+    return times
+
+
+def run_header(device: str = "auto") -> dict[str, Any]:
+    """What a number depends on: device, driver, library versions, threads and relevant environment."""
+    dev = _resolve_device(device)
+    head: dict[str, Any] = {
+        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "host": platform.node(),
+        "python": platform.python_version(),
+        "cpu": _cpu_model(),
+        "cpu_threads": os.cpu_count(),
+        "device": "cpu",
+        "numpy": np.__version__,
+    }
+    try:
+        import torch
+
+        head["torch"] = torch.__version__
+        head["torch_threads"] = torch.get_num_threads()
+        head["cuda_runtime"] = torch.version.cuda
+        if dev.startswith("cuda"):
+            idx = torch.device(dev).index or 0
+            head["device"] = torch.cuda.get_device_name(idx)
+            head["compute_capability"] = "%d.%d" % torch.cuda.get_device_capability(idx)
+            head["cudnn"] = torch.backends.cudnn.version()
+            head["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+            head["driver"] = _driver_version()
+    except ImportError:
+        head["torch"] = None
+    head["env"] = {k: v for k, v in sorted(os.environ.items()) if k.startswith(_ENV_PREFIXES)}
+    return head
+
+
+def _driver_version() -> str | None:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            v = pynvml.nvmlSystemGetDriverVersion()
+            return v.decode() if isinstance(v, bytes) else v
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # no NVML here: the header says so rather than failing the measurement
+        return None
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
