@@ -68,7 +68,7 @@ def cmd_lab(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from .notebooks import execute, leftover_processes, select
+    from .notebooks import execute, leftover_processes, select, update_expected
 
     console = Console(stderr=False)
     try:
@@ -78,6 +78,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 2
     if not paths:
         print("nvlab run: no notebooks to run", file=sys.stderr)
+        return 2
+    if args.update_expected and not args.solutions:
+        print("nvlab run: --update-expected writes into solutions/: add --solutions", file=sys.stderr)
         return 2
     params = {name: _literal(value) for name, value in (args.parameter or [])}
     out = Path(args.out or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
@@ -90,6 +93,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         left = leftover_processes(run_id)
         if res.ok and not left:
             console.print(f"    ok in {res.seconds:.1f} s -> {res.output}")
+            if args.update_expected:
+                n = update_expected(p, res.output)
+                console.print(f"    expected outputs of {n} checked cells written to {p}")
         else:
             failed += 1
             console.print(f"    [red]FAILED[/] after {res.seconds:.1f} s: {res.error}")
@@ -135,7 +141,8 @@ def cmd_report(args: argparse.Namespace) -> int:
         print(f"nvlab report: no results_*.json in {args.run_dir}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(df.to_dict(orient="records"), indent=1, default=str))
+        clean = df.astype(object).where(df.notna(), None)  # JSON null, not NaN, for a missing reference
+        print(json.dumps(clean.to_dict(orient="records"), indent=1, default=str))
         return 0
     table = Table(title=f"{args.run_dir} against {ref}")
     for col in ("lab", "name", "value", "reference", "unit", "ratio", "tier"):
@@ -169,6 +176,8 @@ def parser() -> argparse.ArgumentParser:
                    help="papermill parameter (a Python literal or a string)")
     r.add_argument("--out", help="output folder (default runs/<time>)")
     r.add_argument("--timeout", type=int, default=1800, help="per-cell timeout in seconds")
+    r.add_argument("--update-expected", action="store_true",
+                   help="with --solutions: store the outputs of '# NBVAL_CHECK_OUTPUT' cells for nbval")
     r.set_defaults(fn=cmd_run)
     b = sub.add_parser("build-labs", help="generate labs/ from solutions/")
     b.add_argument("--check", action="store_true", help="fail if labs/ differs; write nothing")

@@ -563,3 +563,71 @@ def probe() -> EnvReport:
                        missing, host=_host())
     report.tiers = lab_tiers(report)
     return report
+
+
+# --- lab 00: captures, the stack on this machine, containers ------------------------------------
+
+CAPTURES = {
+    "nvidia-smi": "nvidia-smi.txt",
+    "query-gpu": "query-gpu.csv",
+    "topo": "topo-x2.txt",
+    "triton-metrics": "triton-metrics.txt",
+}
+
+# NGC release -> CUDA runtime inside the image (REFERENCE §4, §6; NGC release notes).
+NGC_CUDA = {"pytorch:26.09-py3": "13.4", "pytorch:25.12-py3": "13.1", "tritonserver:24.10-py3": "12.6"}
+
+
+def capture(name: str) -> str:
+    """A raw capture from the course's reference H200 runner (``nvidia-smi``, ``query-gpu``, ``topo``...)."""
+    if name not in CAPTURES:
+        raise ValueError(f"capture({name!r}): known captures are {sorted(CAPTURES)}")
+    return (Path(__file__).parent / "data" / "h200" / CAPTURES[name]).read_text()
+
+
+def live_or_capture(kind: str) -> tuple[str, str]:
+    """(text, source): this machine's ``nvidia-smi`` (or ``nvidia-smi topo -m``) output, else the H200 capture."""
+    cmd = {"nvidia-smi": ["nvidia-smi"], "topo": ["nvidia-smi", "topo", "-m"]}.get(kind)
+    if cmd is None:
+        raise ValueError(f"live_or_capture({kind!r}): use 'nvidia-smi' or 'topo'")
+    text = _run(cmd) if shutil.which("nvidia-smi") else None
+    if text:
+        return text, "this machine"
+    return capture(kind), "H200 reference capture (no nvidia-smi here)"
+
+
+def stack_table(report: EnvReport) -> list[dict[str, str]]:
+    """The software stack's layers, each with what this machine has of it."""
+    t = report.torch or {}
+    c = report.components
+    gpu = ", ".join(sorted({g.name for g in report.gpus})) or "none found"
+    rows = [
+        ("GPU hardware", gpu),
+        ("driver (kernel module + libcuda, NVML)", report.driver_version or "absent"),
+        ("CUDA runtime (what torch ships)", t.get("cuda") or "none (CPU build of torch)"),
+        ("CUDA-X: cuDNN", str(t.get("cudnn") or "absent")),
+        ("CUDA-X: NCCL", str(t.get("nccl") or "absent")),
+        ("CUDA-X: TensorRT", c["tensorrt"].version or ("present" if c["tensorrt"].present else "absent")),
+        ("framework: PyTorch", t.get("version") or "absent"),
+        ("platform: Triton server", (c["tritonserver"].version or "present") if c["tritonserver"].present
+         else "absent"),
+        ("operations: Prometheus", (c["prometheus"].version or "present") if c["prometheus"].present else "absent"),
+    ]
+    return [{"layer": a, "on this machine": b} for a, b in rows]
+
+
+def container_verdicts(cuda_ceiling: str, datacenter_gpu: bool = True) -> list[dict[str, str]]:
+    """Whether each NGC image's CUDA runtime runs on a driver with ``cuda_ceiling``, and why."""
+    rows = []
+    for tag, cuda in NGC_CUDA.items():
+        if version_tuple(cuda) <= version_tuple(cuda_ceiling):
+            verdict = "runs: the driver supports this CUDA"
+        elif datacenter_gpu:
+            verdict = "runs through the image's forward-compatibility libraries (data-centre GPUs only)"
+        elif version_tuple(cuda)[:1] == version_tuple(cuda_ceiling)[:1]:
+            verdict = "runs through minor-version compatibility; some features need a newer driver"
+        else:
+            verdict = "fails: update the driver"
+        rows.append({"image": f"nvcr.io/nvidia/{tag}", "CUDA runtime": cuda, "driver ceiling": cuda_ceiling,
+                     "verdict": verdict})
+    return rows

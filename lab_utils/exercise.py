@@ -43,12 +43,21 @@ class Wrong(Exception):
     """Raised by a grading function: the answer is wrong, and the message says why."""
 
 
+def _stub(*args: Any, **kwargs: Any) -> Any:
+    ...
+
+
 def is_blank(value: Any) -> bool:
-    """True for an answer the student has not filled in."""
-    return value is None or value is Ellipsis
+    """True for an answer not filled in: None, ``...``, or a function whose body is only ``...``/``pass``."""
+    if value is None or value is Ellipsis:
+        return True
+    code = getattr(value, "__code__", None)
+    return code is not None and code.co_code == _stub.__code__.co_code and code.co_consts[:1] in ((None,), ())
 
 
 def _short(value: Any, limit: int = 120) -> str:
+    if callable(value) and hasattr(value, "__name__"):
+        return f"<function {value.__name__}>"  # no address: outputs stay the same from run to run
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
@@ -152,7 +161,8 @@ def close_to(
             if math.isclose(ratio, slip, rel_tol=rel):
                 raise Wrong(message)
         if reveal:
-            raise Wrong(f"expected about {expected:.4g} (within {rel:.0%}); yours is {ratio:.3g}x that. {why}".strip())
+            raise Wrong(f"expected about {expected:.4g} (within {rel:.0%}); yours is {ratio:.3g}x that. "
+                        f"{why}".strip())
         side = "high" if ratio > 1 else "low"
         raise Wrong(f"not within {rel:.0%} of the expected value: too {side}. {why}".strip())
 

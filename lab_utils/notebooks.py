@@ -143,6 +143,38 @@ def build_labs(check: bool = False, root: Path | None = None) -> list[str]:
     return changed
 
 
+CHECK_MARKER = "# NBVAL_CHECK_OUTPUT"
+
+
+def update_expected(solution: Path, executed: Path) -> int:
+    """Copy the outputs of ``# NBVAL_CHECK_OUTPUT`` cells from an executed run into the solution.
+
+    Those outputs are what nbval compares against; every other cell of the solution stays without
+    outputs. Returns the number of cells that now carry expected output.
+    """
+    import nbformat
+
+    sol = nbformat.read(solution, as_version=4)
+    ran = {c.get("id"): c for c in nbformat.read(executed, as_version=4).cells}
+    kept = 0
+    for cell in sol.cells:
+        if cell.cell_type != "code":
+            continue
+        cell.execution_count = None
+        cell.outputs = []
+        if CHECK_MARKER in cell.source and cell.get("id") in ran:
+            outs = ran[cell.id].outputs
+            for o in outs:
+                o.pop("execution_count", None)
+            cell.outputs = outs
+            kept += 1
+        cell.metadata.pop("execution", None)
+        cell.metadata.pop("papermill", None)
+    sol.metadata.pop("papermill", None)
+    solution.write_text(notebook_text(sol))
+    return kept
+
+
 # --- execution ---------------------------------------------------------------------------------
 
 

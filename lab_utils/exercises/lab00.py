@@ -28,7 +28,8 @@ def parse_version(text: str) -> tuple[int, int]:
 def _version_answer(value: Any) -> tuple[int, int]:
     """A student's version, given as "13.0", 13.0 or 13, as (major, minor)."""
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-        raise Wrong(f"expected a version: a string like '12.4' or a number like 12.4, got {type(value).__name__}")
+        raise Wrong(f"expected a version: a string like '12.4' or a number like 12.4, "
+                    f"got {type(value).__name__}")
     text = str(value).strip()
     if re.fullmatch(r"5\d\d(\.\d+)*", text):  # R5xx drivers: 535.x, 550.x, 580.x
         raise Wrong("that is the driver version (the 'Driver Version' field). The question asks for the "
@@ -71,7 +72,7 @@ q1 = Exercise(
 _RUNTIME_CASES: list[tuple[str, str, bool, str]] = [
     ("13.0", "12.8", True, "an older runtime runs on a newer driver (drivers are backward compatible)"),
     ("13.0", "13.0", True, "a runtime equal to the ceiling is supported"),
-    ("12.4", "13.0", False, "a runtime newer than the driver's ceiling needs forward-compatibility libraries"),
+    ("12.4", "13.0", False, "a runtime newer than the driver's ceiling needs forward compatibility"),
     ("13.0", "13.1", False, "13.1 is newer than 13.0: the minor number counts too"),
     ("13.0", "11.8", True, "an older major version runs on a newer driver"),
     ("12.4", "12.10", False, "12.10 is a newer release than 12.4 (minor 10 > minor 4)"),
@@ -81,7 +82,8 @@ _RUNTIME_CASES: list[tuple[str, str, bool, str]] = [
 
 def _is_bool(result: Any) -> bool:
     # numpy's bool (np.bool_ / np.bool) is a fine answer too.
-    return isinstance(result, bool) or (type(result).__module__ == "numpy" and "bool" in type(result).__name__)
+    kind = type(result)
+    return isinstance(result, bool) or (kind.__module__ == "numpy" and "bool" in kind.__name__)
 
 
 def _grade_runtime_ok(fn: Any) -> None:
@@ -121,8 +123,8 @@ q2 = Exercise(
     ],
     solution_text=(
         "def runtime_ok(driver_ceiling: str, runtime: str) -> bool:\n"
-        '    """True when a CUDA runtime (e.g. torch.version.cuda) runs under a driver whose ceiling is\n'
-        "    driver_ceiling (nvidia-smi's 'CUDA Version'); a newer runtime needs forward compatibility.\"\"\"\n"
+        '    """True when a CUDA runtime (e.g. torch.version.cuda) runs under a driver whose\n'
+        "    ceiling (nvidia-smi's 'CUDA Version') is driver_ceiling; newer needs forward compat.\"\"\"\n"
         "    def key(v: str) -> tuple[int, int]:\n"
         "        major, minor = (v.split('.') + ['0'])[:2]\n"
         "        return int(major), int(minor)\n"
@@ -158,9 +160,8 @@ q3 = Exercise(
     ],
     solution_text=(
         "nvlinks = 18\n"
-        "# topo -m shows NV18 between GPU0 and GPU1: a bonded set of 18 NVLink 4 links (through NVSwitch\n"
-        "# on an HGX board), 25 GB/s each way per link: 450 GB/s per direction, the datasheet's 900 GB/s\n"
-        "# counting both directions."
+        "# topo -m shows NV18 between GPU0 and GPU1: a bonded set of 18 NVLink 4 links, 25 GB/s each way\n"
+        "# per link: 450 GB/s per direction, the datasheet's 900 GB/s counting both directions."
     ),
 )
 
@@ -188,7 +189,7 @@ q4 = Exercise(
     hints=[
         "Open lab_utils/data/h200/query-gpu.csv; the header names each column's unit.",
         "memory.total is given in MiB (2**20 bytes). A GiB is 2**30 bytes, i.e. 1024 MiB.",
-        "memory_gib = <memory.total in MiB> / 1024 (datasheets say '141 GB'; that is GB of 1e9 bytes, rounded).",
+        "memory_gib = <memory.total in MiB> / 1024 (datasheets say '141 GB': GB of 1e9 bytes, rounded).",
     ],
     solution_text=(
         "memory_gib = 143771 / 1024   # 140.4 GiB (= 150.8 GB of 1e9 bytes; the datasheet rounds to 141 GB)\n"

@@ -1,0 +1,737 @@
+"""Lab 01 experiments: asynchronous launches, matmul throughput, memory bandwidth, launch overhead.
+
+Every function runs on a CUDA GPU and on the CPU. On the CPU it measures the same idea with the CPU's
+own machinery (CPU BLAS, DRAM bandwidth, per-op dispatch), never a made-up value; rows a CPU cannot
+measure are returned with ``status``/``available`` saying so and a ``reason``. All timing goes through
+``lab_utils.timing.benchmark`` except where a function's purpose is to show a different clock.
+
+Units are in column names: ``_ms`` milliseconds, ``_us`` microseconds, ``tflops`` TFLOP/s (1e12),
+``gbps`` GB/s (1e9 B/s), ``tbps`` TB/s (1e12 B/s), ``intensity_flop_per_byte`` FLOP per byte.
+torch is imported inside the functions: importing this module does no work.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from lab_utils.specs import GpuPeaks, peaks_for
+from lab_utils.timing import _cpu_model, benchmark, copy_bytes, matmul_bytes, matmul_flops
+
+DTYPES = ("fp32", "tf32", "fp16", "bf16", "fp8")
+
+REASON_TF32_CPU = "needs an NVIDIA GPU with tensor cores (compute capability >= 8.0); the CPU has no TF32"
+REASON_FP8_CPU = "needs compute capability >= 8.9 (an NVIDIA Ada, Hopper or newer GPU); this is the CPU"
+
+MIB = 2**20
+GIB = 2**30
+
+
+def _torch() -> Any:
+    try:
+        import torch
+    except ImportError as exc:  # the labs install torch as an extra
+        raise ImportError("lab_utils.cuda_bench needs PyTorch: pip install -e '.[torch]'") from exc
+    return torch
+
+
+def resolve_device(device: Any = "auto", where: str = "device") -> str:
+    """'cpu', 'cuda' or 'cuda:N' as a string; 'auto' (or None) picks the GPU when there is one.
+
+    Asking for a GPU that is not there is an error, not a silent fall-back to the CPU.
+    """
+    torch = _torch()
+    if device is None or device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    name = str(device)
+    if name == "cpu":
+        return name
+    if name == "cuda" or name.startswith("cuda:"):
+        if not torch.cuda.is_available():
+            why = (
+                "this torch is a CPU-only build (torch.version.cuda is None)"
+                if torch.version.cuda is None
+                else "no NVIDIA GPU is visible (check nvidia-smi and CUDA_VISIBLE_DEVICES)"
+            )
+            raise ValueError(
+                f"{where}={device!r}: torch.cuda.is_available() is False: {why}. Pass device='cpu' or 'auto'."
+            )
+        index = torch.device(name).index
+        if index is not None and index >= torch.cuda.device_count():
+            raise ValueError(
+                f"{where}={device!r}: only {torch.cuda.device_count()} CUDA device(s) are visible; "
+                f"use 'cuda:0' .. 'cuda:{torch.cuda.device_count() - 1}'"
+            )
+        return name
+    raise ValueError(f"{where}={device!r}: use 'cpu', 'cuda', 'cuda:N' or 'auto'")
+
+
+def _is_cuda(dev: str) -> bool:
+    return dev.startswith("cuda")
+
+
+def _sync(dev: str) -> None:
+    if _is_cuda(dev):
+        _torch().cuda.synchronize(dev)
+
+
+def device_name(dev: str) -> str:
+    """The name torch reports for a CUDA device, or the CPU model."""
+    if _is_cuda(dev):
+        return _torch().cuda.get_device_name(dev)
+    return _cpu_model()
+
+
+def device_peaks(dev: str) -> GpuPeaks | None:
+    """Datasheet peaks of the device (``None`` for the CPU and for GPUs not in ``lab_utils.specs``)."""
+    return peaks_for(device_name(dev)) if _is_cuda(dev) else None
+
+
+def _capability(dev: str) -> tuple[int, int] | None:
+    return tuple(_torch().cuda.get_device_capability(dev)) if _is_cuda(dev) else None
+
+
+def _check_positive_ints(values: Any, arg: str, where: str) -> list[int]:
+    if isinstance(values, int):
+        values = [values]
+    out = []
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+            raise ValueError(f"{where}({arg}={values!r}): each entry must be a positive integer, got {v!r}")
+        out.append(int(v))
+    if not out:
+        raise ValueError(f"{where}({arg}=[]): give at least one value")
+    return out
+
+
+def _check_int(value: Any, arg: str, where: str, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"{where}({arg}={value!r}): must be an integer >= {minimum}")
+    return int(value)
+
+
+def _check_dtypes(dtypes: Any, where: str) -> list[str]:
+    if isinstance(dtypes, str):
+        dtypes = [dtypes]
+    dtypes = list(dtypes)
+    bad = [d for d in dtypes if d not in DTYPES]
+    if bad or not dtypes:
+        raise ValueError(f"{where}(dtypes={dtypes!r}): unknown dtype {bad}; valid dtypes are {list(DTYPES)}")
+    return dtypes
+
+
+# --------------------------------------------------------------------------------------------------
+# TF32
+
+
+@contextlib.contextmanager
+def tf32_matmul(enabled: bool = True) -> Iterator[None]:
+    """Set ``torch.backends.cuda.matmul.allow_tf32`` inside the block; restore the previous setting after.
+
+    TF32 rounds fp32 matmul inputs to a 10-bit mantissa so cuBLAS can use the tensor cores. It is a
+    process-wide flag, so it is never left changed. torch >= 2.9 also has a newer API
+    (``...matmul.fp32_precision``) and refuses to *read* ``allow_tf32`` once that API set TF32; the
+    previous state is therefore saved through whichever API can read it and restored through the same.
+    """
+    torch = _torch()
+    m = torch.backends.cuda.matmul
+    prev_precision = m.fp32_precision if hasattr(m, "fp32_precision") else None
+    try:
+        prev_allow: bool | None = bool(m.allow_tf32)
+    except RuntimeError:  # "mix of the legacy and new APIs": TF32 was set through fp32_precision
+        prev_allow = None
+    m.allow_tf32 = bool(enabled)
+    try:
+        yield
+    finally:
+        if prev_precision == "none":  # "inherit from torch.backends.fp32_precision": only the new API says so
+            m.fp32_precision = "none"
+        elif prev_allow is not None:
+            m.allow_tf32 = prev_allow
+        else:
+            m.fp32_precision = prev_precision
+
+
+# --------------------------------------------------------------------------------------------------
+# Matmul cases
+
+
+@dataclass
+class MatmulCase:
+    """One square matmul, inputs already on the device; ``fn()`` runs it once (run it under ``tf32``)."""
+
+    dtype: str
+    n: int
+    fn: Callable[[], Any]
+    flops: int
+    min_bytes: int
+    tf32: bool
+
+    @property
+    def intensity_flop_per_byte(self) -> float:
+        return self.flops / self.min_bytes
+
+
+def matmul_skip_reason(dtype: str, n: int, dev: str) -> str | None:
+    """Why ``dtype`` cannot be measured at size ``n`` on ``dev``; ``None`` when it can."""
+    torch = _torch()
+    cc = _capability(dev)
+    if dtype == "tf32":
+        if cc is None:
+            return REASON_TF32_CPU
+        if cc < (8, 0):
+            return f"TF32 needs compute capability >= 8.0 (Ampere+); {device_name(dev)} is {cc[0]}.{cc[1]}"
+    if dtype == "fp8":
+        if cc is None:
+            return REASON_FP8_CPU
+        if cc < (8, 9):
+            return f"FP8 needs compute capability >= 8.9 (Ada+); {device_name(dev)} is {cc[0]}.{cc[1]}"
+        if not (hasattr(torch, "float8_e4m3fn") and hasattr(torch, "_scaled_mm")):
+            return f"this torch ({torch.__version__}) has no float8_e4m3fn / torch._scaled_mm"
+        if n % 16:
+            return f"torch._scaled_mm needs sizes that are multiples of 16; n={n}"
+    return None
+
+
+def make_matmul(n: int, dtype: str, dev: str, fp8_fast_accum: bool = False) -> MatmulCase:
+    """Random normal n×n inputs (never zeros: zeros run faster and draw less power) and the call to time."""
+    torch = _torch()
+    if dtype == "fp8":
+        # _scaled_mm wants A row-major [M,K] and B column-major [K,N]: B is the transpose of a row-major
+        # [N,K] tensor. Per-tensor scales are float32 scalars on the device; 1.0 keeps the values as drawn
+        # (N(0,1) fits e4m3's range, max 448).
+        a = torch.randn(n, n, device=dev).to(torch.float8_e4m3fn)
+        b = torch.randn(n, n, device=dev).to(torch.float8_e4m3fn).t()
+        scale = torch.ones((), device=dev, dtype=torch.float32)
+
+        def fn() -> Any:
+            out = torch._scaled_mm(
+                a, b, scale_a=scale, scale_b=scale, out_dtype=torch.bfloat16, use_fast_accum=fp8_fast_accum
+            )
+            return out[0] if isinstance(out, tuple) else out  # torch 2.1-2.4 returned (out, amax)
+
+        nbytes = matmul_bytes(n, n, n, 1, out_itemsize=2)
+        return MatmulCase(dtype, n, fn, matmul_flops(n, n, n), nbytes, False)
+    torch_dtype = {
+        "fp32": torch.float32,
+        "tf32": torch.float32,
+        "fp16": torch.float16,
+        "bf16": torch.bfloat16,
+    }
+    a = torch.randn(n, n, device=dev, dtype=torch_dtype[dtype])
+    b = torch.randn(n, n, device=dev, dtype=torch_dtype[dtype])
+    itemsize = a.element_size()
+
+    def mm() -> Any:
+        return a @ b
+
+    return MatmulCase(dtype, n, mm, matmul_flops(n, n, n), matmul_bytes(n, n, n, itemsize), dtype == "tf32")
+
+
+# --------------------------------------------------------------------------------------------------
+# 1. Asynchronous launches
+
+
+def async_pitfall(
+    n: int = 4096, device: Any = "auto", dtype: str = "fp32", reps: int = 20, warmup: int = 3
+) -> pd.DataFrame:
+    """Time one n×n matmul three ways: host clock without synchronize (wrong on a GPU), host clock with
+    synchronize, and ``benchmark`` (CUDA events on a GPU).
+
+    On a GPU the first measures only the launch (microseconds) and claims an impossible TFLOP/s. On the
+    CPU a matmul returns when it is done, so all three agree; ``async_launch`` says which case this is.
+    Columns: method, median_ms, apparent_tflops, ratio_to_benchmark, async_launch, n, dtype, device.
+    """
+    where = "async_pitfall"
+    n = _check_int(n, "n", where)
+    reps = _check_int(reps, "reps", where)
+    warmup = _check_int(warmup, "warmup", where, minimum=0)
+    (dtype,) = _check_dtypes([dtype], where)
+    dev = resolve_device(device, f"{where}(device)")
+    reason = matmul_skip_reason(dtype, n, dev)
+    if reason:
+        raise ValueError(f"{where}(dtype={dtype!r}): {reason}; use dtype='fp32'")
+    case = make_matmul(n, dtype, dev)
+    rows = []
+    with tf32_matmul(case.tf32):
+        for _ in range(max(warmup, 1)):
+            case.fn()
+        _sync(dev)
+
+        # The classic bug: read the host clock right after the call returns.
+        no_sync = np.empty(reps)
+        for i in range(reps):
+            _sync(dev)  # start each repetition with an empty queue, outside the timed region
+            t0 = time.perf_counter()
+            case.fn()
+            no_sync[i] = (time.perf_counter() - t0) * 1e3
+        _sync(dev)
+
+        # Correct with a host clock: wait for the device before reading it.
+        with_sync = np.empty(reps)
+        for i in range(reps):
+            _sync(dev)
+            t0 = time.perf_counter()
+            case.fn()
+            _sync(dev)
+            with_sync[i] = (time.perf_counter() - t0) * 1e3
+
+        timed = benchmark(case.fn, reps=reps, warmup=warmup, device=dev, name=f"{dtype} matmul {n}")
+
+    ref_ms = timed.median_ms
+    for method, ms in (
+        ("host clock, no synchronize", float(np.median(no_sync))),
+        ("host clock + synchronize", float(np.median(with_sync))),
+        ("benchmark (CUDA events)" if _is_cuda(dev) else "benchmark (host clock)", ref_ms),
+    ):
+        rows.append(
+            {
+                "method": method,
+                "median_ms": ms,
+                "apparent_tflops": case.flops / (ms * 1e-3) / 1e12,
+                "ratio_to_benchmark": ms / ref_ms,
+                "async_launch": _is_cuda(dev),
+                "n": n,
+                "dtype": dtype,
+                "device": dev,
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+def first_call_cost(n: int = 4096, device: Any = "auto", dtype: str = "fp32", reps: int = 20) -> pd.DataFrame:
+    """Wall time of the first matmul on fresh tensors against the steady-state median.
+
+    The first call pays for what is set up lazily: on a GPU the cuBLAS handle and workspace, kernel
+    module loading and the heuristic's choice for this shape; on the CPU the BLAS thread pool and
+    kernel selection. Only the first call in a process (at this shape) sees all of it, so run this
+    first in a fresh kernel. The first call is timed with a host clock and synchronize, because part
+    of its cost is host work that device events would not bracket.
+    Columns: call, latency_ms, x_steady, n, dtype, device, runtime_initialized_before.
+    """
+    where = "first_call_cost"
+    n = _check_int(n, "n", where)
+    reps = _check_int(reps, "reps", where)
+    (dtype,) = _check_dtypes([dtype], where)
+    dev = resolve_device(device, f"{where}(device)")
+    torch = _torch()
+    # Whether the CUDA context existed before this call (read before anything below creates it). It is
+    # created outside the timed region either way, so the first-call number is about the matmul alone.
+    initialized = bool(torch.cuda.is_initialized()) if _is_cuda(dev) else None
+    reason = matmul_skip_reason(dtype, n, dev)
+    if reason:
+        raise ValueError(f"{where}(dtype={dtype!r}): {reason}; use dtype='fp32'")
+    case = make_matmul(n, dtype, dev)
+    with tf32_matmul(case.tf32):
+        _sync(dev)
+        t0 = time.perf_counter()
+        case.fn()
+        _sync(dev)
+        first_ms = (time.perf_counter() - t0) * 1e3
+        steady = benchmark(case.fn, reps=reps, warmup=2, device=dev, name=f"{dtype} matmul {n}")
+    rows = [
+        ("first call", first_ms),
+        ("steady state (median)", steady.median_ms),
+    ]
+    return pd.DataFrame(
+        [
+            {
+                "call": call,
+                "latency_ms": ms,
+                "x_steady": ms / steady.median_ms,
+                "n": n,
+                "dtype": dtype,
+                "device": dev,
+                "runtime_initialized_before": initialized,
+            }
+            for call, ms in rows
+        ]
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# 2. Matmul throughput
+
+
+SWEEP_COLUMNS = [
+    "dtype", "n", "status", "reason", "flops", "min_bytes", "intensity_flop_per_byte", "median_ms",
+    "p10_ms", "p90_ms", "spread", "tflops", "peak_tflops", "pct_of_peak", "device", "device_name",
+]  # fmt: skip
+
+
+def matmul_sweep(
+    sizes: Sequence[int] | None = None,
+    dtypes: Sequence[str] = DTYPES,
+    device: Any = "auto",
+    reps: int = 10,
+    warmup: int = 3,
+    fp8_fast_accum: bool = False,
+) -> pd.DataFrame:
+    """Achieved TFLOP/s of square n×n×n matmuls for each dtype and size, at the median of ``reps``.
+
+    Inputs are random normal, allocated before timing. ``pct_of_peak`` compares with the dense datasheet
+    peak of the GPU (NaN on the CPU or an unknown GPU). Rows that cannot run here (TF32 and FP8 on the
+    CPU, FP8 below compute capability 8.9) come back with ``status='skipped'`` and a ``reason``.
+    Default sizes: 1024..8192 on a GPU, 128..512 on the CPU (bf16/fp16 CPU matmuls are slow).
+    Columns: see ``SWEEP_COLUMNS`` (``min_bytes``: A and B read once, C written once).
+    """
+    where = "matmul_sweep"
+    dev = resolve_device(device, f"{where}(device)")
+    if sizes is None:
+        sizes = (1024, 2048, 4096, 8192) if _is_cuda(dev) else (128, 256, 512)
+    sizes = _check_positive_ints(sizes, "sizes", where)
+    dtypes = _check_dtypes(dtypes, where)
+    reps = _check_int(reps, "reps", where)
+    warmup = _check_int(warmup, "warmup", where, minimum=0)
+    name = device_name(dev)
+    peaks = device_peaks(dev)
+    rows = []
+    for dtype in dtypes:
+        peak = peaks.tflops(dtype) if peaks else None
+        for n in sizes:
+            itemsize = {"fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2, "fp8": 1}[dtype]
+            flops = matmul_flops(n, n, n)
+            nbytes = matmul_bytes(n, n, n, itemsize, out_itemsize=2 if dtype == "fp8" else None)
+            row: dict[str, Any] = {
+                "dtype": dtype, "n": n, "status": "ok", "reason": "", "flops": flops, "min_bytes": nbytes,
+                "intensity_flop_per_byte": flops / nbytes, "median_ms": math.nan, "p10_ms": math.nan,
+                "p90_ms": math.nan, "spread": math.nan, "tflops": math.nan,
+                "peak_tflops": math.nan if peak is None else float(peak), "pct_of_peak": math.nan,
+                "device": dev, "device_name": name,
+            }  # fmt: skip
+            reason = matmul_skip_reason(dtype, n, dev)
+            if reason:
+                row.update(status="skipped", reason=reason)
+                rows.append(row)
+                continue
+            try:
+                case = make_matmul(n, dtype, dev, fp8_fast_accum=fp8_fast_accum)
+                with tf32_matmul(case.tf32):  # fp32 rows run with TF32 explicitly off
+                    t = benchmark(case.fn, reps=reps, warmup=warmup, device=dev, name=f"{dtype} {n}^3")
+            except RuntimeError as exc:
+                if dtype != "fp8":
+                    raise
+                # _scaled_mm's requirements change between torch releases; say what it said, keep the sweep.
+                row.update(status="error", reason=f"torch._scaled_mm failed: {str(exc).splitlines()[0]}")
+                rows.append(row)
+                continue
+            tflops = t.tflops(flops)
+            row.update(
+                median_ms=t.median_ms, p10_ms=t.p10_ms, p90_ms=t.p90_ms, spread=t.spread, tflops=tflops,
+                pct_of_peak=100.0 * tflops / peak if peak else math.nan,
+            )  # fmt: skip
+            rows.append(row)
+            del case
+    return pd.DataFrame(rows, columns=SWEEP_COLUMNS)
+
+
+def bare_matmul_loop(
+    n: int = 8192, dtype: str = "bf16", iters: int = 20, device: Any = "auto", warmup: int = 3
+) -> float:
+    """TFLOP/s of the simplest loop, for comparison with ``benchmark``: mean time over ``iters`` matmuls.
+
+    On a GPU: one event before the loop, one after, one synchronize. On the CPU: a host clock around
+    the loop. ``warmup`` untimed calls come first so the first-call cost stays out.
+    """
+    where = "bare_matmul_loop"
+    n = _check_int(n, "n", where)
+    iters = _check_int(iters, "iters", where)
+    warmup = _check_int(warmup, "warmup", where, minimum=0)
+    (dtype,) = _check_dtypes([dtype], where)
+    dev = resolve_device(device, f"{where}(device)")
+    reason = matmul_skip_reason(dtype, n, dev)
+    if reason:
+        raise ValueError(f"{where}(dtype={dtype!r}): {reason}")
+    torch = _torch()
+    case = make_matmul(n, dtype, dev)
+    fn = case.fn
+    with tf32_matmul(case.tf32):
+        for _ in range(warmup):
+            fn()
+        _sync(dev)
+        if _is_cuda(dev):
+            with torch.cuda.device(dev):
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(iters):
+                    fn()
+                end.record()
+                torch.cuda.synchronize()
+                total_ms = start.elapsed_time(end)
+        else:
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            total_ms = (time.perf_counter() - t0) * 1e3
+    return case.flops * iters / (total_ms * 1e-3) / 1e12
+
+
+# --------------------------------------------------------------------------------------------------
+# 3. Memory bandwidth
+
+
+def _bytes_label(nbytes: float) -> str:
+    for unit, size in (("GiB", GIB), ("MiB", MIB), ("KiB", 2**10)):
+        if nbytes >= size:
+            return f"{nbytes / size:g} {unit}"
+    return f"{nbytes:g} B"
+
+
+def copy_bandwidth(
+    sizes_bytes: Sequence[int] | None = None, device: Any = "auto", reps: int = 10, warmup: int = 3
+) -> pd.DataFrame:
+    """Bandwidth of ``dst.copy_(src)`` in GB/s, counting the read and the write (2 × size).
+
+    On a GPU this is HBM bandwidth, device to device; on the CPU it is DRAM bandwidth, provided the sizes
+    are well above the last-level cache (the CPU defaults are 64 and 256 MiB). Sizes are rounded down to
+    whole float32 elements. Columns: size_bytes, size_mib, bytes_moved, median_ms, p10_ms, p90_ms,
+    spread, gbps, peak_gbps, pct_of_peak, device, device_name.
+    """
+    where = "copy_bandwidth"
+    dev = resolve_device(device, f"{where}(device)")
+    if sizes_bytes is None:
+        sizes_bytes = (MIB, 16 * MIB, 256 * MIB, 2 * GIB) if _is_cuda(dev) else (64 * MIB, 256 * MIB)
+    sizes_bytes = _check_positive_ints(sizes_bytes, "sizes_bytes", where)
+    reps = _check_int(reps, "reps", where)
+    warmup = _check_int(warmup, "warmup", where, minimum=0)
+    torch = _torch()
+    peaks = device_peaks(dev)
+    peak_gbps = peaks.hbm_tbps * 1e3 if peaks else math.nan
+    name = device_name(dev)
+    rows = []
+    for size in sizes_bytes:
+        numel = max(size // 4, 1)
+        nbytes = numel * 4
+        src = torch.randn(numel, device=dev)
+        dst = torch.empty_like(src)
+        t = benchmark(lambda d=dst, s=src: d.copy_(s), reps=reps, warmup=warmup, device=dev, name="copy")
+        moved = copy_bytes(nbytes)
+        gbps = t.gbps(moved)
+        rows.append(
+            {
+                "size_bytes": nbytes, "size_mib": nbytes / MIB, "bytes_moved": moved,
+                "median_ms": t.median_ms, "p10_ms": t.p10_ms, "p90_ms": t.p90_ms, "spread": t.spread,
+                "gbps": gbps, "peak_gbps": peak_gbps, "pct_of_peak": 100.0 * gbps / peak_gbps,
+                "device": dev, "device_name": name,
+            }  # fmt: skip
+        )
+        del src, dst
+    return pd.DataFrame(rows)
+
+
+HOST_DEVICE_COLUMNS = [
+    "direction", "host_memory", "size_bytes", "median_ms", "p10_ms", "p90_ms", "spread", "gbps",
+    "peak_gbps", "pct_of_peak", "device", "reason",
+]  # fmt: skip
+
+
+def host_device_bandwidth(
+    nbytes: int = GIB, reps: int = 10, device: Any = "auto", warmup: int = 2
+) -> pd.DataFrame:
+    """Host→device (H2D) and device→host (D2H) copy bandwidth in GB/s, pinned against pageable host memory.
+
+    Pinned (page-locked) memory lets the GPU's copy engine read host memory directly; pageable memory is
+    first staged through a pinned buffer by the driver. ``peak_gbps`` is the PCIe link, one direction.
+    With no GPU the frame is empty and ``.attrs['reason']`` (and the ``reason`` column) say why.
+    Columns: see ``HOST_DEVICE_COLUMNS``.
+    """
+    where = "host_device_bandwidth"
+    nbytes = _check_int(nbytes, "nbytes", where)
+    reps = _check_int(reps, "reps", where)
+    warmup = _check_int(warmup, "warmup", where, minimum=0)
+    dev = resolve_device(device, f"{where}(device)")
+    if not _is_cuda(dev):
+        df = pd.DataFrame(columns=HOST_DEVICE_COLUMNS)
+        df.attrs["reason"] = "host<->device copies need a CUDA GPU; this run is on the CPU"
+        return df
+    torch = _torch()
+    peaks = device_peaks(dev)
+    peak_gbps = peaks.pcie_gbps_per_dir if peaks else math.nan
+    gpu = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    gpu.fill_(7)  # any non-zero pattern: copy speed does not depend on the values
+    rows = []
+    for host_memory in ("pinned", "pageable"):
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=host_memory == "pinned")
+        host.fill_(3)
+        pinned = host_memory == "pinned"
+        for direction, fn in (
+            ("H2D", lambda h=host, p=pinned: gpu.copy_(h, non_blocking=p)),
+            ("D2H", lambda h=host, p=pinned: h.copy_(gpu, non_blocking=p)),
+        ):
+            t = benchmark(fn, reps=reps, warmup=warmup, device=dev, name=f"{direction} {host_memory}")
+            gbps = t.gbps(nbytes)
+            rows.append(
+                {
+                    "direction": direction, "host_memory": host_memory, "size_bytes": nbytes,
+                    "median_ms": t.median_ms, "p10_ms": t.p10_ms, "p90_ms": t.p90_ms, "spread": t.spread,
+                    "gbps": gbps, "peak_gbps": peak_gbps, "pct_of_peak": 100.0 * gbps / peak_gbps,
+                    "device": dev, "reason": "",
+                }  # fmt: skip
+            )
+        del host
+    return pd.DataFrame(rows, columns=HOST_DEVICE_COLUMNS)
+
+
+# --------------------------------------------------------------------------------------------------
+# 4. Launch overhead and CUDA graphs
+
+
+def launch_overhead(
+    n_kernels: int = 1000, numel: int = 1024, device: Any = "auto", reps: int = 20, warmup: int = 3
+) -> pd.DataFrame:
+    """Cost per tiny kernel: a chain of ``n_kernels`` ``x.add_(1.0)`` on ``numel`` floats, launched one by
+    one (eager) and replayed from a captured ``torch.cuda.CUDAGraph``.
+
+    Each tiny kernel does almost no work, so eager time is the host's launch cost; a graph replay
+    submits the whole chain at once. On the CPU only the eager row (per-op dispatch) is measured.
+    Columns: mode, available, reason, n_kernels, numel, median_ms, us_per_kernel, speedup_vs_eager, device.
+    """
+    where = "launch_overhead"
+    n_kernels = _check_int(n_kernels, "n_kernels", where)
+    numel = _check_int(numel, "numel", where)
+    reps = _check_int(reps, "reps", where)
+    warmup = _check_int(warmup, "warmup", where, minimum=0)
+    dev = resolve_device(device, f"{where}(device)")
+    torch = _torch()
+    x = torch.randn(numel, device=dev)
+
+    def chain() -> None:
+        for _ in range(n_kernels):
+            x.add_(1.0)
+
+    eager = benchmark(chain, reps=reps, warmup=warmup, device=dev, name=f"eager {n_kernels} x add_")
+
+    def row(mode: str, available: bool, reason: str, median_ms: float, speedup: float) -> dict[str, Any]:
+        return {
+            "mode": mode, "available": available, "reason": reason, "n_kernels": n_kernels, "numel": numel,
+            "median_ms": median_ms, "us_per_kernel": median_ms * 1e3 / n_kernels,
+            "speedup_vs_eager": speedup, "device": dev,
+        }  # fmt: skip
+
+    rows = [row("eager", True, "", eager.median_ms, 1.0)]
+    if not _is_cuda(dev):
+        why = "CUDA graphs need a CUDA GPU; this run is on the CPU"
+        rows.append(row("cuda_graph", False, why, math.nan, math.nan))
+        return pd.DataFrame(rows)
+
+    with torch.cuda.device(dev):
+        # Warm up on a side stream before capture, as the torch docs require (lazy initialisation must not
+        # happen during capture).
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                chain()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            chain()  # recorded, not run
+        torch.cuda.synchronize()
+
+        # The graph must do the same work: one replay adds n_kernels to every element.
+        x.fill_(1.0)
+        graph.replay()
+        torch.cuda.synchronize()
+        expected = 1.0 + n_kernels  # exact in fp32 below 2**24
+        if not torch.all(x == expected):
+            raise RuntimeError(f"{where}: graph replay gave {x[0].item()} instead of {expected}")
+
+        replay = benchmark(graph.replay, reps=reps, warmup=warmup, device=dev, name=f"graph {n_kernels}")
+        del graph
+    rows.append(row("cuda_graph", True, "", replay.median_ms, eager.median_ms / replay.median_ms))
+    return pd.DataFrame(rows)
+
+
+# --------------------------------------------------------------------------------------------------
+# 5. Roofline
+
+
+ROOFLINE_COLUMNS = ["label", "kind", "dtype", "intensity_flop_per_byte", "tflops", "tbps", "device"]
+
+
+def elementwise_add(
+    numel: int | None = None, device: Any = "auto", reps: int = 10, warmup: int = 3
+) -> dict[str, Any]:
+    """Measure ``torch.add(x, y, out=z)`` in fp32: 1 FLOP per element over 3 × 4 bytes (two reads, one write).
+
+    Default size: 64 Mi elements on a GPU (768 MiB moved), 8 Mi on the CPU (96 MiB, above the caches).
+    Returns a roofline row (see ``ROOFLINE_COLUMNS``) plus median_ms.
+    """
+    where = "elementwise_add"
+    dev = resolve_device(device, f"{where}(device)")
+    if numel is None:
+        numel = 64 * 2**20 if _is_cuda(dev) else 8 * 2**20
+    numel = _check_int(numel, "numel", where)
+    torch = _torch()
+    x = torch.randn(numel, device=dev)
+    y = torch.randn(numel, device=dev)
+    z = torch.empty_like(x)
+    t = benchmark(lambda: torch.add(x, y, out=z), reps=reps, warmup=warmup, device=dev, name=f"add {numel}")
+    nbytes = 3 * numel * x.element_size()
+    return {
+        "label": f"add fp32 {_bytes_label(numel * 4)}", "kind": "elementwise", "dtype": "fp32",
+        "intensity_flop_per_byte": numel / nbytes, "tflops": t.tflops(numel), "tbps": t.gbps(nbytes) / 1e3,
+        "device": dev, "median_ms": t.median_ms,
+    }  # fmt: skip
+
+
+def roofline_points(
+    sweep: pd.DataFrame | None = None,
+    copies: pd.DataFrame | None = None,
+    device: Any = "auto",
+    elementwise_numel: int | None = None,
+    reps: int = 10,
+) -> pd.DataFrame:
+    """Measured points for a roofline: each measured matmul of ``sweep``, an elementwise add measured here,
+    and each copy of ``copies``.
+
+    Copies do no arithmetic (intensity 0, tflops 0): they are the measured memory ceiling (``tbps``), not
+    points. ``.attrs`` holds ``measured_peak_tflops`` (best matmul) and ``measured_bw_tbps`` (best copy)
+    for ``plots.plot_roofline``. Columns: see ``ROOFLINE_COLUMNS``.
+    """
+    rows: list[dict[str, Any]] = []
+    if sweep is not None:
+        missing = {"dtype", "n", "tflops", "intensity_flop_per_byte"} - set(sweep.columns)
+        if missing:
+            raise ValueError(
+                f"roofline_points(sweep=...): not a matmul_sweep frame, missing columns {sorted(missing)}"
+            )
+        ok = sweep[sweep["status"] == "ok"] if "status" in sweep else sweep
+        for r in ok.itertuples(index=False):
+            rows.append(
+                {
+                    "label": f"matmul {r.dtype} {r.n}", "kind": "matmul", "dtype": r.dtype,
+                    "intensity_flop_per_byte": r.intensity_flop_per_byte, "tflops": r.tflops,
+                    "tbps": r.tflops / r.intensity_flop_per_byte, "device": r.device,
+                }  # fmt: skip
+            )
+    ew = elementwise_add(elementwise_numel, device=device, reps=reps)
+    ew.pop("median_ms")
+    rows.append(ew)
+    if copies is not None:
+        missing = {"size_bytes", "gbps"} - set(copies.columns)
+        if missing:
+            raise ValueError(
+                f"roofline_points(copies=...): not a copy_bandwidth frame, missing columns {sorted(missing)}"
+            )
+        for r in copies.itertuples(index=False):
+            rows.append(
+                {
+                    "label": f"copy {_bytes_label(r.size_bytes)}", "kind": "copy", "dtype": "",
+                    "intensity_flop_per_byte": 0.0, "tflops": 0.0, "tbps": r.gbps / 1e3, "device": r.device,
+                }  # fmt: skip
+            )
+    df = pd.DataFrame(rows, columns=ROOFLINE_COLUMNS)
+    mm = df.loc[df["kind"] == "matmul", "tflops"]
+    cp = df.loc[df["kind"] == "copy", "tbps"]
+    df.attrs["measured_peak_tflops"] = float(mm.max()) if len(mm) else None
+    df.attrs["measured_bw_tbps"] = float(cp.max()) if len(cp) else None
+    return df

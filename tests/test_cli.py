@@ -1,0 +1,76 @@
+import json
+
+import pytest
+
+from lab_utils import cli, results
+
+
+def test_doctor_exits_zero_and_prints_json(capsys):
+    assert cli.main(["doctor", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["can_run"] is True and len(report["tiers"]) == 6
+
+
+def test_doctor_require_gpu_fails_with_reason_without_gpu(capsys):
+    from lab_utils.env import probe
+
+    if probe().gpu_usable:
+        pytest.skip("a GPU is usable here")
+    assert cli.main(["doctor", "--require-gpu"]) == 2
+    assert "no GPU is usable" in capsys.readouterr().err
+
+
+def test_doctor_fails_when_a_required_package_is_missing(monkeypatch, capsys):
+    monkeypatch.setattr("lab_utils.env.REQUIRED", ("numpy", "surely_not_installed_pkg"))
+    assert cli.main(["doctor"]) == 1
+    assert "surely_not_installed_pkg" in capsys.readouterr().err
+
+
+def test_unknown_lab_lists_valid_ones(capsys):
+    assert cli.main(["run", "7"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown lab '7'" in err and "00 (environment)" in err and "01 (cuda_timing)" in err
+
+
+def test_run_needs_labs_or_all(capsys):
+    assert cli.main(["run"]) == 2
+    assert "--all" in capsys.readouterr().err
+
+
+def test_update_expected_needs_solutions(capsys):
+    assert cli.main(["run", "00", "--update-expected"]) == 2
+
+
+def test_build_labs_check_passes_on_the_checkout(capsys):
+    assert cli.main(["build-labs", "--check"]) == 0
+
+
+def test_parameter_values_are_literals():
+    assert cli._literal("True") is True and cli._literal("[1, 2]") == [1, 2] and cli._literal("abc") == "abc"
+
+
+def test_report_compares_with_reference_as_ratios(tmp_path, capsys):
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    results.Recorder("01", "full", "NVIDIA H200", {}, ref).record("matmul_bf16", 800.0, "TFLOP/s")
+    rec = results.Recorder("01", "cpu", "laptop", {}, run)
+    rec.record("matmul_bf16", 0.2, "TFLOP/s")
+    rec.record("only_here", 1.0, "s")
+    assert cli.main(["report", str(run), "--reference", str(ref), "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows["matmul_bf16"]["ratio"] == pytest.approx(0.2 / 800)
+    assert rows["only_here"]["reference"] is None
+    assert cli.main(["report", str(run), "--reference", str(ref)]) == 0
+    assert "matmul_bf16" in capsys.readouterr().out
+
+
+def test_report_on_missing_folder_explains(tmp_path, capsys):
+    assert cli.main(["report", str(tmp_path / "nope")]) == 2
+    assert "not a folder of results" in capsys.readouterr().err
+
+
+def test_recorder_rejects_bad_names_and_writes_nan_as_null(tmp_path):
+    rec = results.Recorder("01", "cpu", "x", {}, tmp_path)
+    with pytest.raises(ValueError, match="name"):
+        rec.record("", 1.0, "s")
+    rec.record("skipped", float("nan"), "TFLOP/s")
+    assert json.loads((tmp_path / "results_01.json").read_text())[0]["value"] is None

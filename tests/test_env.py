@@ -1,0 +1,140 @@
+import json
+import os
+import stat
+
+import pytest
+
+from lab_utils import env
+
+
+def test_captures_parse():
+    head = env.parse_smi_header(env.capture("nvidia-smi"))
+    assert head == {"driver_version": "580.159.04", "cuda_ceiling": "13.0"}
+    topo = env.parse_topology(env.capture("topo"))
+    assert topo["labels"] == ["GPU0", "GPU1"] and topo["matrix"] == [["X", "NV18"], ["NV18", "X"]]
+    (gpu,) = env.parse_smi_csv(env.capture("query-gpu"))
+    assert gpu.name == "NVIDIA H200" and gpu.memory_total_mib == 143771 and gpu.power_limit_w == 700.0
+
+
+def test_unknown_capture_names_the_known_ones():
+    with pytest.raises(ValueError, match="known captures"):
+        env.capture("dmesg")
+
+
+def test_topology_parse_rejects_other_text():
+    with pytest.raises(ValueError, match="nvidia-smi topo -m"):
+        env.parse_topology("hello")
+
+
+@pytest.mark.parametrize("raw,text", [(13000, "13.0"), (12040, "12.4"), (12080, "12.8"), (11020, "11.2")])
+def test_decode_cuda_version(raw, text):
+    assert env.decode_cuda_version(raw) == text
+
+
+def test_versions_compare_as_numbers():
+    assert env.version_tuple("12.10") > env.version_tuple("12.4")
+
+
+def test_probe_without_gpu_degrades_to_statements(monkeypatch):
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # no nvidia-smi
+    r = env.probe()
+    if r.gpus:
+        pytest.skip("this machine has a GPU")
+    assert r.source == "none" and r.compatible is None
+    assert any("NVML" in n or "nvidia-ml-py" in n for n in r.notes)
+    assert any("nvidia-smi" in n for n in r.notes)
+    assert {t.tier for t in r.tiers} == {"cpu"}
+    assert r.can_run
+    json.loads(r.to_json())
+
+
+def _fake_smi(tmp_path, csv_text, rc=0):
+    script = tmp_path / "nvidia-smi"
+    banner = env.capture("nvidia-smi")
+    topo = env.capture("topo")
+    script.write_text(
+        "#!/bin/sh\n"
+        f'[ {rc} -ne 0 ] && exit {rc}\n'
+        'case "$1" in\n'
+        f"  --query-gpu=*) cat <<'X'\n{csv_text}X\n;;\n"
+        f"  topo) cat <<'X'\n{topo}X\n;;\n"
+        f"  *) cat <<'X'\n{banner}X\n;;\n"
+        "esac\n"
+    )
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return script
+
+
+CSV2 = (
+    "0, NVIDIA H200, GPU-a, 00000000:00:06.0, 9.0, 143771, 1980, 3201, 700.00, 5, 16, 5, 16, Disabled, Enabled, 580.159.04\n"
+    "1, NVIDIA H200, GPU-b, 00000000:00:07.0, 9.0, 143771, 1980, 3201, 700.00, 1, 16, 5, 16, [N/A], Enabled, 580.159.04\n"
+)
+
+
+def test_nvidia_smi_fallback_when_nvml_is_missing(tmp_path, monkeypatch):
+    _fake_smi(tmp_path, CSV2)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    r = env.probe()
+    if r.source == "nvml":
+        pytest.skip("real NVML present")
+    assert r.source == "nvidia-smi"
+    assert r.driver_version == "580.159.04" and r.cuda_ceiling == "13.0"
+    assert [g.index for g in r.gpus] == [0, 1]
+    g = r.gpus[1]
+    assert g.compute_capability == "9.0" and g.pcie_gen == 1 and g.pcie_gen_max == 5 and g.mig_mode is None
+    assert r.topology["matrix"][0][1] == "NV18"
+    # torch here is a CPU build: the GPU is seen but cannot be used, and the verdict says why
+    assert r.compatible is False and "CPU-only build" in r.reasons[0]
+    assert next(t for t in r.tiers if t.lab == "01").tier == "partial"
+
+
+def test_broken_nvidia_smi_is_explained(tmp_path, monkeypatch):
+    _fake_smi(tmp_path, CSV2, rc=9)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    r = env.probe()
+    if r.source == "nvml":
+        pytest.skip("real NVML present")
+    assert r.source == "none" and any("failed" in n for n in r.notes)
+
+
+def _gpu(cc="9.0"):
+    return [env.GpuInfo(0, "NVIDIA H200", compute_capability=cc)]
+
+
+def _torch(cuda="13.0", arch=("sm_80", "sm_90"), available=True):
+    return {"version": "2.11.0", "cuda": cuda, "cuda_available": available, "arch_list": list(arch),
+            "device_count": 1, "nccl": "2.28.9", "cudnn": 91900}
+
+
+def test_compatibility_verdicts():
+    ok, why = env._compatibility(_gpu(), "13.0", _torch())
+    assert ok and "compatible" in why[0]
+    ok, why = env._compatibility(_gpu(), "12.4", _torch(cuda="13.0"))
+    assert ok is False and "update the driver" in why[0]
+    ok, why = env._compatibility(_gpu(), "12.4", _torch(cuda="12.8"))
+    assert ok and "minor-version" in why[0]
+    ok, why = env._compatibility(_gpu("12.0"), "13.0", _torch(arch=("sm_80", "sm_90")))
+    assert ok is False and "sm_120" in why[-1]
+    ok, why = env._compatibility(_gpu("8.9"), "13.0", _torch(arch=("sm_80", "compute_80")))
+    assert ok and "PTX" in why[-1]
+    ok, why = env._compatibility(_gpu(), "13.0", _torch(cuda=None))
+    assert ok is False and "CPU-only" in why[0]
+    ok, why = env._compatibility([], None, None)
+    assert ok is None
+
+
+def test_nvml_error_text_names_the_cause():
+    import pynvml
+
+    err = pynvml.NVMLError(pynvml.NVML_ERROR_DRIVER_NOT_LOADED)
+    assert "kernel driver is not loaded" in env._nvml_error_text(err)
+
+
+def test_stack_and_container_tables():
+    r = env.probe()
+    layers = [row["layer"] for row in env.stack_table(r)]
+    assert layers[0] == "GPU hardware" and any("NCCL" in x for x in layers)
+    rows = env.container_verdicts("12.6", datacenter_gpu=False)
+    by_image = {row["image"].split("/")[-1]: row["verdict"] for row in rows}
+    assert by_image["tritonserver:24.10-py3"].startswith("runs")
+    assert by_image["pytorch:26.09-py3"].startswith("fails")
