@@ -35,6 +35,9 @@ class Outcome:
     def correct(self) -> bool:
         return self.status is Status.CORRECT
 
+    def _ipython_display_(self) -> None:
+        """Nothing: ``check`` has already printed the outcome; a cell ending in a check shows it once."""
+
     def __str__(self) -> str:
         return f"{_MARK[self.status]} {self.exercise}: {self.status.value}. {self.message}"
 
