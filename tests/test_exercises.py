@@ -123,6 +123,17 @@ def test_blank_answers_are_not_attempted(exercise, rights, wrongs, blank):
     assert exercise.var in out.message
 
 
+def test_placeholder_functions_are_not_attempted():
+    # What the generated lab leaves for a function exercise: a stub whose body is `...` or `pass`.
+    def runtime_ok(driver_ceiling, runtime): ...
+
+    def time_ms(run, sync, reps):
+        pass
+
+    assert check(lab00.q2, runtime_ok).status is Status.NOT_ATTEMPTED
+    assert check(lab01.q2, time_ms).status is Status.NOT_ATTEMPTED
+
+
 def test_cases_cover_every_exercise():
     covered = {id(ex) for ex, *_ in CASES}
     assert covered == {id(ex) for ex in _exercises(lab00) + _exercises(lab01)}
@@ -157,7 +168,13 @@ def test_lab00_q2_reports_first_failing_case():
 def test_lab00_q2_non_callable_and_non_bool_and_raising():
     out = check(lab00.q2, "13.0")
     assert out.status is Status.INCORRECT and "function" in out.message
-    out = check(lab00.q2, lambda ceiling, runtime: None)
+
+    def forgot_return(driver_ceiling, runtime):
+        ok = runtime <= driver_ceiling  # noqa: F841 (the mistake under test)
+
+    out = check(lab00.q2, forgot_return)
+    assert out.status is Status.INCORRECT and "True or False" in out.message
+    out = check(lab00.q2, lambda ceiling, runtime: "yes")
     assert out.status is Status.INCORRECT and "True or False" in out.message
     out = check(lab00.q2, lambda ceiling: True)
     assert out.status is Status.INCORRECT and "raised TypeError" in out.message
