@@ -111,6 +111,13 @@ def _check_positive_ints(values: Any, arg: str, where: str) -> list[int]:
     return out
 
 
+def _default(value: Any, dev: str, gpu: Any, cpu: Any) -> Any:
+    # Sizes that fill a GPU would take minutes on a laptop CPU (bf16 there is ~1 GFLOP/s).
+    if value is not None:
+        return value
+    return gpu if _is_cuda(dev) else cpu
+
+
 def _check_int(value: Any, arg: str, where: str, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
         raise ValueError(f"{where}({arg}={value!r}): must be an integer >= {minimum}")
@@ -131,32 +138,42 @@ def _check_dtypes(dtypes: Any, where: str) -> list[str]:
 # TF32
 
 
+def _precision_state(torch: Any) -> dict[str, str]:
+    # The legacy setting (what allow_tf32 and set_float32_matmul_precision write) and, on torch >= 2.9,
+    # the newer per-backend fp32_precision leaves that set_float32_matmul_precision also writes.
+    state = {"legacy": torch.get_float32_matmul_precision()}
+    for leaf in ("cuda.matmul", "mkldnn.matmul"):
+        mod = _backend(torch, leaf)
+        if mod is not None and hasattr(mod, "fp32_precision"):
+            state[leaf] = mod.fp32_precision
+    return state
+
+
+def _backend(torch: Any, leaf: str) -> Any:
+    mod = torch.backends
+    for part in leaf.split("."):
+        mod = getattr(mod, part, None)
+    return mod
+
+
 @contextlib.contextmanager
 def tf32_matmul(enabled: bool = True) -> Iterator[None]:
-    """Set ``torch.backends.cuda.matmul.allow_tf32`` inside the block; restore the previous setting after.
+    """Set ``torch.backends.cuda.matmul.allow_tf32`` inside the block; restore the previous settings after.
 
-    TF32 rounds fp32 matmul inputs to a 10-bit mantissa so cuBLAS can use the tensor cores. It is a
-    process-wide flag, so it is never left changed. torch >= 2.9 also has a newer API
-    (``...matmul.fp32_precision``) and refuses to *read* ``allow_tf32`` once that API set TF32; the
-    previous state is therefore saved through whichever API can read it and restored through the same.
+    TF32 rounds fp32 matmul inputs to a 10-bit mantissa so cuBLAS can use the tensor cores. The flag is
+    process-wide, so it is never left changed. torch >= 2.9 keeps a second, newer setting
+    (``...matmul.fp32_precision``) beside the legacy one and refuses to read ``allow_tf32`` when the two
+    disagree; both are saved and restored exactly, so the block leaves no such mix behind.
     """
     torch = _torch()
-    m = torch.backends.cuda.matmul
-    prev_precision = m.fp32_precision if hasattr(m, "fp32_precision") else None
-    try:
-        prev_allow: bool | None = bool(m.allow_tf32)
-    except RuntimeError:  # "mix of the legacy and new APIs": TF32 was set through fp32_precision
-        prev_allow = None
-    m.allow_tf32 = bool(enabled)
+    saved = _precision_state(torch)
+    torch.backends.cuda.matmul.allow_tf32 = bool(enabled)
     try:
         yield
     finally:
-        if prev_precision == "none":  # "inherit from torch.backends.fp32_precision": only the new API says so
-            m.fp32_precision = "none"
-        elif prev_allow is not None:
-            m.allow_tf32 = prev_allow
-        else:
-            m.fp32_precision = prev_precision
+        torch.set_float32_matmul_precision(saved.pop("legacy"))
+        for leaf, value in saved.items():
+            _backend(torch, leaf).fp32_precision = value
 
 
 # --------------------------------------------------------------------------------------------------
@@ -165,7 +182,10 @@ def tf32_matmul(enabled: bool = True) -> Iterator[None]:
 
 @dataclass
 class MatmulCase:
-    """One square matmul, inputs already on the device; ``fn()`` runs it once (run it under ``tf32``)."""
+    """One square matmul, inputs already on the device; ``fn()`` runs it once (run it under ``tf32``).
+
+    ``inputs`` are (A, B) as passed to the matmul (for fp8, B is a column-major view), for checking.
+    """
 
     dtype: str
     n: int
@@ -173,6 +193,7 @@ class MatmulCase:
     flops: int
     min_bytes: int
     tf32: bool
+    inputs: tuple[Any, Any]
 
     @property
     def intensity_flop_per_byte(self) -> float:
@@ -202,6 +223,7 @@ def matmul_skip_reason(dtype: str, n: int, dev: str) -> str | None:
 
 def make_matmul(n: int, dtype: str, dev: str, fp8_fast_accum: bool = False) -> MatmulCase:
     """Random normal n×n inputs (never zeros: zeros run faster and draw less power) and the call to time."""
+    (dtype,) = _check_dtypes([dtype], "make_matmul")
     torch = _torch()
     if dtype == "fp8":
         # _scaled_mm wants A row-major [M,K] and B column-major [K,N]: B is the transpose of a row-major
@@ -218,7 +240,7 @@ def make_matmul(n: int, dtype: str, dev: str, fp8_fast_accum: bool = False) -> M
             return out[0] if isinstance(out, tuple) else out  # torch 2.1-2.4 returned (out, amax)
 
         nbytes = matmul_bytes(n, n, n, 1, out_itemsize=2)
-        return MatmulCase(dtype, n, fn, matmul_flops(n, n, n), nbytes, False)
+        return MatmulCase(dtype, n, fn, matmul_flops(n, n, n), nbytes, False, (a, b))
     torch_dtype = {
         "fp32": torch.float32,
         "tf32": torch.float32,
@@ -232,7 +254,8 @@ def make_matmul(n: int, dtype: str, dev: str, fp8_fast_accum: bool = False) -> M
     def mm() -> Any:
         return a @ b
 
-    return MatmulCase(dtype, n, mm, matmul_flops(n, n, n), matmul_bytes(n, n, n, itemsize), dtype == "tf32")
+    nbytes = matmul_bytes(n, n, n, itemsize)
+    return MatmulCase(dtype, n, mm, matmul_flops(n, n, n), nbytes, dtype == "tf32", (a, b))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -240,21 +263,22 @@ def make_matmul(n: int, dtype: str, dev: str, fp8_fast_accum: bool = False) -> M
 
 
 def async_pitfall(
-    n: int = 4096, device: Any = "auto", dtype: str = "fp32", reps: int = 20, warmup: int = 3
+    n: int | None = None, device: Any = "auto", dtype: str = "fp32", reps: int = 20, warmup: int = 3
 ) -> pd.DataFrame:
     """Time one n×n matmul three ways: host clock without synchronize (wrong on a GPU), host clock with
     synchronize, and ``benchmark`` (CUDA events on a GPU).
 
     On a GPU the first measures only the launch (microseconds) and claims an impossible TFLOP/s. On the
     CPU a matmul returns when it is done, so all three agree; ``async_launch`` says which case this is.
+    Default n: 4096 on a GPU, 512 on the CPU.
     Columns: method, median_ms, apparent_tflops, ratio_to_benchmark, async_launch, n, dtype, device.
     """
     where = "async_pitfall"
-    n = _check_int(n, "n", where)
+    dev = resolve_device(device, f"{where}(device)")
+    n = _check_int(_default(n, dev, 4096, 512), "n", where)
     reps = _check_int(reps, "reps", where)
     warmup = _check_int(warmup, "warmup", where, minimum=0)
     (dtype,) = _check_dtypes([dtype], where)
-    dev = resolve_device(device, f"{where}(device)")
     reason = matmul_skip_reason(dtype, n, dev)
     if reason:
         raise ValueError(f"{where}(dtype={dtype!r}): {reason}; use dtype='fp32'")
@@ -306,21 +330,23 @@ def async_pitfall(
     return pd.DataFrame(rows)
 
 
-def first_call_cost(n: int = 4096, device: Any = "auto", dtype: str = "fp32", reps: int = 20) -> pd.DataFrame:
+def first_call_cost(
+    n: int | None = None, device: Any = "auto", dtype: str = "fp32", reps: int = 20
+) -> pd.DataFrame:
     """Wall time of the first matmul on fresh tensors against the steady-state median.
 
     The first call pays for what is set up lazily: on a GPU the cuBLAS handle and workspace, kernel
     module loading and the heuristic's choice for this shape; on the CPU the BLAS thread pool and
     kernel selection. Only the first call in a process (at this shape) sees all of it, so run this
     first in a fresh kernel. The first call is timed with a host clock and synchronize, because part
-    of its cost is host work that device events would not bracket.
+    of its cost is host work that device events would not bracket. Default n: 4096 on a GPU, 512 on the CPU.
     Columns: call, latency_ms, x_steady, n, dtype, device, runtime_initialized_before.
     """
     where = "first_call_cost"
-    n = _check_int(n, "n", where)
+    dev = resolve_device(device, f"{where}(device)")
+    n = _check_int(_default(n, dev, 4096, 512), "n", where)
     reps = _check_int(reps, "reps", where)
     (dtype,) = _check_dtypes([dtype], where)
-    dev = resolve_device(device, f"{where}(device)")
     torch = _torch()
     # Whether the CUDA context existed before this call (read before anything below creates it). It is
     # created outside the timed region either way, so the first-call number is about the matmul alone.
@@ -363,7 +389,7 @@ def first_call_cost(n: int = 4096, device: Any = "auto", dtype: str = "fp32", re
 SWEEP_COLUMNS = [
     "dtype", "n", "status", "reason", "flops", "min_bytes", "intensity_flop_per_byte", "median_ms",
     "p10_ms", "p90_ms", "spread", "tflops", "peak_tflops", "pct_of_peak", "device", "device_name",
-]  # fmt: skip
+]
 
 
 def matmul_sweep(
@@ -405,7 +431,7 @@ def matmul_sweep(
                 "p90_ms": math.nan, "spread": math.nan, "tflops": math.nan,
                 "peak_tflops": math.nan if peak is None else float(peak), "pct_of_peak": math.nan,
                 "device": dev, "device_name": name,
-            }  # fmt: skip
+            }
             reason = matmul_skip_reason(dtype, n, dev)
             if reason:
                 row.update(status="skipped", reason=reason)
@@ -426,26 +452,27 @@ def matmul_sweep(
             row.update(
                 median_ms=t.median_ms, p10_ms=t.p10_ms, p90_ms=t.p90_ms, spread=t.spread, tflops=tflops,
                 pct_of_peak=100.0 * tflops / peak if peak else math.nan,
-            )  # fmt: skip
+            )
             rows.append(row)
             del case
     return pd.DataFrame(rows, columns=SWEEP_COLUMNS)
 
 
 def bare_matmul_loop(
-    n: int = 8192, dtype: str = "bf16", iters: int = 20, device: Any = "auto", warmup: int = 3
+    n: int | None = None, dtype: str | None = None, iters: int = 20, device: Any = "auto", warmup: int = 3
 ) -> float:
     """TFLOP/s of the simplest loop, for comparison with ``benchmark``: mean time over ``iters`` matmuls.
 
     On a GPU: one event before the loop, one after, one synchronize. On the CPU: a host clock around
     the loop. ``warmup`` untimed calls come first so the first-call cost stays out.
+    Defaults: bf16 8192 on a GPU (the reference run's case), fp32 512 on the CPU.
     """
     where = "bare_matmul_loop"
-    n = _check_int(n, "n", where)
+    dev = resolve_device(device, f"{where}(device)")
+    n = _check_int(_default(n, dev, 8192, 512), "n", where)
     iters = _check_int(iters, "iters", where)
     warmup = _check_int(warmup, "warmup", where, minimum=0)
-    (dtype,) = _check_dtypes([dtype], where)
-    dev = resolve_device(device, f"{where}(device)")
+    (dtype,) = _check_dtypes([_default(dtype, dev, "bf16", "fp32")], where)
     reason = matmul_skip_reason(dtype, n, dev)
     if reason:
         raise ValueError(f"{where}(dtype={dtype!r}): {reason}")
@@ -521,7 +548,7 @@ def copy_bandwidth(
                 "median_ms": t.median_ms, "p10_ms": t.p10_ms, "p90_ms": t.p90_ms, "spread": t.spread,
                 "gbps": gbps, "peak_gbps": peak_gbps, "pct_of_peak": 100.0 * gbps / peak_gbps,
                 "device": dev, "device_name": name,
-            }  # fmt: skip
+            }
         )
         del src, dst
     return pd.DataFrame(rows)
@@ -530,7 +557,7 @@ def copy_bandwidth(
 HOST_DEVICE_COLUMNS = [
     "direction", "host_memory", "size_bytes", "median_ms", "p10_ms", "p90_ms", "spread", "gbps",
     "peak_gbps", "pct_of_peak", "device", "reason",
-]  # fmt: skip
+]
 
 
 def host_device_bandwidth(
@@ -574,7 +601,7 @@ def host_device_bandwidth(
                     "median_ms": t.median_ms, "p10_ms": t.p10_ms, "p90_ms": t.p90_ms, "spread": t.spread,
                     "gbps": gbps, "peak_gbps": peak_gbps, "pct_of_peak": 100.0 * gbps / peak_gbps,
                     "device": dev, "reason": "",
-                }  # fmt: skip
+                }
             )
         del host
     return pd.DataFrame(rows, columns=HOST_DEVICE_COLUMNS)
@@ -614,7 +641,7 @@ def launch_overhead(
             "mode": mode, "available": available, "reason": reason, "n_kernels": n_kernels, "numel": numel,
             "median_ms": median_ms, "us_per_kernel": median_ms * 1e3 / n_kernels,
             "speedup_vs_eager": speedup, "device": dev,
-        }  # fmt: skip
+        }
 
     rows = [row("eager", True, "", eager.median_ms, 1.0)]
     if not _is_cuda(dev):
@@ -680,7 +707,7 @@ def elementwise_add(
         "label": f"add fp32 {_bytes_label(numel * 4)}", "kind": "elementwise", "dtype": "fp32",
         "intensity_flop_per_byte": numel / nbytes, "tflops": t.tflops(numel), "tbps": t.gbps(nbytes) / 1e3,
         "device": dev, "median_ms": t.median_ms,
-    }  # fmt: skip
+    }
 
 
 def roofline_points(
@@ -711,7 +738,7 @@ def roofline_points(
                     "label": f"matmul {r.dtype} {r.n}", "kind": "matmul", "dtype": r.dtype,
                     "intensity_flop_per_byte": r.intensity_flop_per_byte, "tflops": r.tflops,
                     "tbps": r.tflops / r.intensity_flop_per_byte, "device": r.device,
-                }  # fmt: skip
+                }
             )
     ew = elementwise_add(elementwise_numel, device=device, reps=reps)
     ew.pop("median_ms")
@@ -727,7 +754,7 @@ def roofline_points(
                 {
                     "label": f"copy {_bytes_label(r.size_bytes)}", "kind": "copy", "dtype": "",
                     "intensity_flop_per_byte": 0.0, "tflops": 0.0, "tbps": r.gbps / 1e3, "device": r.device,
-                }  # fmt: skip
+                }
             )
     df = pd.DataFrame(rows, columns=ROOFLINE_COLUMNS)
     mm = df.loc[df["kind"] == "matmul", "tflops"]

@@ -419,7 +419,9 @@ def _probe_components() -> dict[str, Component]:
     return comps
 
 
-def _compatibility(gpus: list[GpuInfo], ceiling: str | None, torch: dict[str, Any] | None) -> tuple[bool | None, list[str]]:
+def _compatibility(
+    gpus: list[GpuInfo], ceiling: str | None, torch: dict[str, Any] | None
+) -> tuple[bool | None, list[str]]:
     if not gpus:
         return None, ["no NVIDIA GPU found: every lab runs in its CPU tier"]
     if torch is None:
@@ -442,7 +444,7 @@ def _compatibility(gpus: list[GpuInfo], ceiling: str | None, torch: dict[str, An
         ok = False
         reasons.append(
             f"torch's CUDA {runtime} is newer than the driver's ceiling {ceiling}: update the driver, install "
-            f"a torch built for CUDA <= {ceiling}, or use an NGC container (forward compatibility on data-centre GPUs)"
+            f"a torch built for CUDA <= {ceiling}, or use an NGC container (forward compatibility, data-centre GPUs)"
         )
     arch = torch.get("arch_list") or []
     for g in gpus:
@@ -452,7 +454,7 @@ def _compatibility(gpus: list[GpuInfo], ceiling: str | None, torch: dict[str, An
         sm = f"sm_{cc[0]}{cc[1]}"
         ptx = [a for a in arch if a.startswith("compute_") and int(a[8:]) <= cc[0] * 10 + cc[1]]
         if sm in arch:
-            reasons.append(f"GPU{g.index} {g.name}: compute capability {g.compute_capability} ({sm}) is in torch's build")
+            reasons.append(f"GPU{g.index} {g.name}: compute capability {g.compute_capability} ({sm}) is built in")
         elif ptx:
             reasons.append(f"GPU{g.index}: {sm} not built, runs through PTX JIT from {ptx[-1]} (slow first start)")
         else:

@@ -7,6 +7,7 @@ end; on the CPU ``time.perf_counter`` brackets each repetition. All times are mi
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import time
@@ -221,7 +222,7 @@ def run_header(device: str = "auto") -> dict[str, Any]:
         if dev.startswith("cuda"):
             idx = torch.device(dev).index or 0
             head["device"] = torch.cuda.get_device_name(idx)
-            head["compute_capability"] = "%d.%d" % torch.cuda.get_device_capability(idx)
+            head["compute_capability"] = "{}.{}".format(*torch.cuda.get_device_capability(idx))
             head["cudnn"] = torch.backends.cudnn.version()
             head["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
             head["driver"] = _driver_version()
@@ -231,6 +232,7 @@ def run_header(device: str = "auto") -> dict[str, Any]:
     return head
 
 
+@functools.lru_cache(maxsize=1)  # one NVML open per process, not one per measurement
 def _driver_version() -> str | None:
     try:
         import pynvml
