@@ -59,6 +59,8 @@ def cmd_lab(args: argparse.Namespace) -> int:
         print(f"nvlab lab: listening on {args.ip}: anyone who can reach this machine can try the token")
     argv = [jupyter, "lab", f"--ServerApp.root_dir={folder}", f"--ServerApp.ip={args.ip}",
             f"--ServerApp.port={args.port}", "--ServerApp.open_browser=False"]
+    if os.geteuid() == 0:  # containers and CI often run as root; Jupyter refuses that unless told
+        argv.append("--allow-root")
     env = dict(os.environ, JUPYTER_TOKEN=token)  # token auth stays on: an empty token is never passed
     print(f"JupyterLab on http://{args.ip}:{args.port}/lab?token={token}", flush=True)
     os.execvpe(jupyter, argv, env)

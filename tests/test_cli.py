@@ -74,3 +74,49 @@ def test_recorder_rejects_bad_names_and_writes_nan_as_null(tmp_path):
         rec.record("", 1.0, "s")
     rec.record("skipped", float("nan"), "TFLOP/s")
     assert json.loads((tmp_path / "results_01.json").read_text())[0]["value"] is None
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_lab_serves_labs_on_loopback_with_a_token(tmp_path):
+    """`nvlab lab` starts a real JupyterLab: the token is required, and it listens on loopback only."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    import urllib.error
+    import urllib.request
+
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k != "JUPYTER_TOKEN"}
+    env["JUPYTER_RUNTIME_DIR"] = str(tmp_path)  # keep the test's server files out of the user's
+    proc = subprocess.Popen([sys.executable, "-m", "lab_utils", "lab", "--port", str(port)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    try:
+        first = proc.stdout.readline()
+        assert f"http://127.0.0.1:{port}/lab?token=" in first
+        token = first.strip().rsplit("token=", 1)[1]
+        assert len(token) >= 32
+        deadline, status = time.monotonic() + 60, None
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/contents?token={token}", timeout=2) as r:
+                    status, listing = r.status, json.loads(r.read())
+                break
+            except (urllib.error.URLError, ConnectionError):
+                time.sleep(0.3)
+        assert status == 200, "JupyterLab did not become ready within 60 s"
+        assert any(item["name"] == "00_environment.ipynb" for item in listing["content"])
+        with pytest.raises(urllib.error.HTTPError) as denied:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/api/contents", timeout=5)
+        assert denied.value.code == 403
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
