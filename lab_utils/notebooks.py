@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import os
 import re
+import sys
 import time
 import uuid
 from collections.abc import Iterable
@@ -240,7 +241,7 @@ def execute(path: Path, out_dir: Path, parameters: dict[str, Any], run_id: str |
     t0 = time.perf_counter()
     try:
         pm.execute_notebook(str(path), str(output), parameters=parameters, kernel_name="python3",
-                            progress_bar=False, cwd=str(path.parent), execution_timeout=timeout_s)
+                            progress_bar=sys.stderr.isatty(), cwd=str(path.parent), execution_timeout=timeout_s)
     except pm.PapermillExecutionError as err:
         cell = f"cell {err.cell_index} (execution count {err.exec_count})"
         msg = f"{path.name} failed in {cell}: {err.ename}: {err.evalue}; executed notebook: {output}"
