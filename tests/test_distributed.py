@@ -1,0 +1,115 @@
+"""The worker launcher: real gloo process groups, errors, timeouts, environment, no survivors."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import _dist_workers as w
+import pytest
+
+from lab_utils import distributed as d
+
+
+def _children() -> list[int]:
+    """Live worker processes of this test process (multiprocessing's resource tracker is not a worker)."""
+    me, kids = os.getpid(), []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        cmd = (stat.parent / "cmdline").read_bytes() if int(fields[1]) == me else b""
+        if fields[0] != "Z" and b"spawn_main" in cmd:
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+def test_results_come_back_by_rank():
+    out = d.launch(w.allreduce_sum, 2, backend="gloo", timeout_s=120)
+    assert [r["rank"] for r in out] == [0, 1]
+    assert all(r["sum"] == [3.0] * 4 and r["world"] == 2 and r["backend"] == "gloo" for r in out)
+    assert _children() == []
+
+
+def test_a_failing_worker_shows_rank_and_traceback_and_none_survive():
+    with pytest.raises(d.WorkerError) as err:
+        d.launch(w.fail_on_rank1, 2, backend="gloo", timeout_s=120)
+    assert err.value.rank == 1
+    assert "deliberate failure in a worker" in str(err.value) and "Traceback" in str(err.value)
+    assert _children() == []
+
+
+def test_a_timeout_names_the_collective_and_stops_all_workers():
+    t0 = time.monotonic()
+    with pytest.raises(d.WorkerTimeout, match="all_reduce 1 MiB"):
+        d.launch(w.hang_in_collective, 2, backend="gloo", timeout_s=6)
+    assert time.monotonic() - t0 < 30
+    assert _children() == []
+
+
+def test_nccl_with_more_ranks_than_gpus_says_so_and_offers_gloo():
+    gpus = d.gpu_count()
+    with pytest.raises(ValueError, match=r"NCCL needs one GPU per rank.*gloo"):
+        d.launch(w.allreduce_sum, gpus + 1, backend="nccl")
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5, True])
+def test_bad_nprocs_is_named(bad):
+    with pytest.raises(ValueError, match="nprocs"):
+        d.launch(w.allreduce_sum, bad)
+
+
+def test_functions_from_a_notebook_are_refused_with_the_fix():
+    def local(ctx):
+        return 1
+
+    with pytest.raises(ValueError, match="importable module"):
+        d.launch(local, 1)
+
+
+def test_workers_keep_the_parents_nccl_settings(monkeypatch):
+    monkeypatch.setenv("NCCL_DEBUG", "WARN")
+    monkeypatch.delenv("NCCL_NVLS_ENABLE", raising=False)
+    (r0,) = d.launch(w.read_env, 1, backend="gloo", env={"NCCL_ALGO": "Ring"},
+                     kwargs={"names": ("NCCL_DEBUG", "NCCL_ALGO", "NCCL_NVLS_ENABLE")}, timeout_s=120)
+    assert r0 == {"NCCL_DEBUG": "WARN", "NCCL_ALGO": "Ring", "NCCL_NVLS_ENABLE": "0"}
+
+
+def test_free_port_avoids_a_busy_port():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = busy.getsockname()[1]
+        assert all(d.free_port() != taken for _ in range(20))
+
+
+def test_workers_die_with_a_killed_kernel(tmp_path):
+    """If the notebook's kernel is killed, its workers go too (no orphans holding ports)."""
+    script = (
+        f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "import _dist_workers as w\n"
+        "from lab_utils import distributed as d\n"
+        "if __name__ == '__main__':\n"
+        f"    d.launch(w.write_pid_and_sleep, 2, backend='gloo', kwargs={{'folder': {str(tmp_path)!r}}}, timeout_s=120)\n"
+    )
+    (tmp_path / "kernel.py").write_text(script)
+    parent = subprocess.Popen([sys.executable, str(tmp_path / "kernel.py")], start_new_session=False)
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.glob("rank*.pid"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        pids = [int(p.read_text()) for p in tmp_path.glob("rank*.pid")]
+        assert len(pids) == 2, "workers did not start"
+    finally:
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+    deadline = time.monotonic() + 10
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.2)
+        alive = [p for p in pids if Path(f"/proc/{p}").exists() and ") Z" not in Path(f"/proc/{p}/stat").read_text()]
+    assert alive == [], f"workers {alive} outlived their parent"
