@@ -94,7 +94,8 @@ def test_workers_die_with_a_killed_kernel(tmp_path):
         "import _dist_workers as w\n"
         "from lab_utils import distributed as d\n"
         "if __name__ == '__main__':\n"
-        f"    d.launch(w.write_pid_and_sleep, 2, backend='gloo', kwargs={{'folder': {str(tmp_path)!r}}}, timeout_s=120)\n"
+        f"    d.launch(w.write_pid_and_sleep, 2, backend='gloo', kwargs={{'folder': {str(tmp_path)!r}}},\n"
+        "             timeout_s=120)\n"
     )
     (tmp_path / "kernel.py").write_text(script)
     parent = subprocess.Popen([sys.executable, str(tmp_path / "kernel.py")], start_new_session=False)
