@@ -574,6 +574,7 @@ CAPTURES = {
     "query-gpu": "query-gpu.csv",
     "topo": "topo-x2.txt",
     "triton-metrics": "triton-metrics.txt",
+    "nccl-debug": "nccl-debug-x2.txt",  # NCCL_DEBUG=INFO of a 2-rank all_reduce on 2 x H200 (NV18)
 }
 
 # NGC release -> CUDA runtime inside the image (REFERENCE §4, §6; NGC release notes).

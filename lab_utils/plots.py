@@ -163,3 +163,56 @@ def plot_bandwidth(df: pd.DataFrame, ax: Any = None, title: str | None = None) -
     if len(df):
         ax.legend(fontsize="small")
     return fig
+
+
+def plot_busbw(
+    df: pd.DataFrame,
+    peak_gbps: float | None = None,
+    reference: dict[int, float] | None = None,
+    ax: Any = None,
+    title: str | None = None,
+) -> Any:
+    """Bus bandwidth (GB/s) against message size S (log scale), one line per collective.
+
+    Input: ``collectives.collective_sweep``'s frame (rows with status 'ok' are drawn). ``peak_gbps`` (else the
+    frame's ``peak_gbps`` column, when finite) is drawn dashed: the link's speed per direction.
+    ``reference`` maps size in bytes to busbw GB/s, drawn as black crosses (e.g. the H200 all_reduce run,
+    ``collectives.H200_ALLREDUCE_BUSBW_GBPS``).
+    """
+    made_by = "collectives.collective_sweep"
+    _require(df, {"collective", "size_bytes", "busbw_gbps"}, "plot_busbw", made_by)
+    fig, ax = _axes(ax)
+    ok = df[df["status"] == "ok"] if "status" in df else df
+    for collective, group in ok.groupby("collective", sort=False):
+        group = group.sort_values("size_bytes")
+        ax.plot(group["size_bytes"], group["busbw_gbps"], marker="o", label=str(collective))
+    if peak_gbps is None and "peak_gbps" in df:
+        finite = [float(p) for p in df["peak_gbps"].dropna().unique() if _finite(p)]
+        peak_gbps = finite[0] if finite else None
+    if _finite(peak_gbps):
+        ax.axhline(float(peak_gbps), color="gray", linestyle="--", linewidth=1,
+                   label=f"link peak {float(peak_gbps):.4g} GB/s per direction")
+    if reference:
+        sizes = sorted(reference)
+        ax.plot(sizes, [reference[s] for s in sizes], linestyle="none", marker="x", color="black",
+                label="reference all_reduce")
+    from matplotlib.ticker import FuncFormatter
+
+    ax.set_xscale("log", base=2)
+    sizes = sorted(ok["size_bytes"].unique())
+    if 0 < len(sizes) <= 12:
+        ax.set_xticks(sizes)  # one tick per measured size, labelled in KiB/MiB/GiB
+        ax.minorticks_off()
+    ax.xaxis.set_major_formatter(FuncFormatter(format_bytes))
+    ax.set_xlabel("message size S (nccl-tests definition)")
+    ax.set_ylabel("busbw, GB/s (slowest rank's median)")
+    if title is None:
+        where = ""
+        if len(ok) and {"backend", "n_ranks"} <= set(ok.columns):
+            where = f" ({ok['backend'].iloc[0]}, {int(ok['n_ranks'].iloc[0])} ranks)"
+        title = f"Collective bus bandwidth{where}"
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    if len(ok) or reference or _finite(peak_gbps):
+        ax.legend(fontsize="small")
+    return fig
