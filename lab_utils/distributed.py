@@ -155,11 +155,12 @@ def _workers(procs: list[Any]) -> Iterator[None]:
     try:
         yield
     finally:
-        for p in procs:
+        started = [p for p in procs if p.pid is not None]  # a failed start() must not hide the real error
+        for p in started:
             if p.is_alive():
                 p.terminate()
         deadline = time.monotonic() + 5
-        for p in procs:
+        for p in started:
             p.join(max(0.1, deadline - time.monotonic()))
             if p.is_alive():
                 p.kill()

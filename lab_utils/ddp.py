@@ -1,0 +1,864 @@
+"""Lab 02 DDP training: digits accuracy under DistributedDataParallel, and ResNet throughput scaling.
+
+Two workloads, both run as worker functions under ``lab_utils.distributed.launch`` (or torchrun, through
+``scripts/train_ddp.py``):
+
+* ``train_digits``: a small CNN on scikit-learn's 8x8 digits (1440 train / 357 test images, a fixed
+  stratified split). It measures *correctness*: with the same seed and the same global batch, a run on N
+  ranks reaches the single-process test accuracy. The training set is 1440 images so that every world
+  size up to 6 shards it without padding, and the CNN has no BatchNorm and no dropout: one optimizer step
+  on N ranks then sees exactly the same images and the same averaged gradient as one step in one process
+  (only the order of float additions differs).
+* ``throughput``: a ResNet with basic residual blocks fed random images made on the device (no data loader
+  in the way). It measures *speed*: images/s per world size, the scaling efficiency, and the effect of
+  DDP's gradient buckets (``bucket_cap_mb``, ``gradient_as_bucket_view``).
+
+Units are in names: ``_ms`` milliseconds, ``_s`` seconds, ``_mib`` MiB (2**20 bytes), ``images_per_s`` and
+``samples_per_s`` per second of wall time. Accuracies are fractions in [0, 1]. torch is imported inside the
+functions and the model classes are made on first use, so importing this module does no work; the digits
+are read from the file scikit-learn ships, without importing scikit-learn (seconds per spawned rank).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+AMP_MODES = (None, "bf16", "fp16")
+
+# The digits split: 1797 images -> 1440 train (divisible by 1, 2, 3, 4, 5, 6, 8: no DistributedSampler
+# padding for those world sizes) and 357 test (odd: sharding it over 2 ranks pads, which evaluation handles).
+DIGITS_TRAIN_SIZE = 1440
+DIGITS_SPLIT_SEED = 0  # fixed, so that every training seed is scored on the same test images
+
+# Hyperparameters of the digits runs (see ``train_digits``): the GLOBAL batch is held constant across world
+# sizes, so N ranks take the same number of steps of the same size as one process, with the same lr.
+DIGITS_DEFAULTS = {"epochs": 8, "global_batch": 64, "lr": 0.05, "momentum": 0.9, "width": 32}
+
+# ResNet layouts (basic blocks per stage) by conventional depth.
+RESNET_BLOCKS = {10: (1, 1, 1, 1), 18: (2, 2, 2, 2), 34: (3, 4, 6, 3)}
+
+# throughput defaults: (GPU, CPU). GPU: ResNet-18, 224 px, bf16, batch 256 per GPU: about 20 ms per step on
+# an H200, GPU-bound, and DDP hides its 45 MiB all-reduce (~0.2 ms over NVLink) in the backward pass: 99 %
+# scaling efficiency on 2 H200s [H200 run]. At batch 128 a step (~11 ms) is bound by the host's kernel
+# launches instead, DDP's per-step host work shows, and the same run gave 79 %. CPU: a tiny ResNet.
+THROUGHPUT_DEFAULTS = {
+    "steps": (30, 10),
+    "warmup_steps": (10, 3),
+    "batch_size": (256, 16),
+    "image_size": (224, 32),
+    "width": (64, 8),
+    "depth": (18, 10),
+    "amp": ("bf16", None),
+    "channels_last": (True, False),
+}
+DEFAULT_BUCKETS = {"bucket_cap_mb": 25, "gradient_as_bucket_view": False, "overlap": True}
+
+MIB = 2**20
+
+
+# --------------------------------------------------------------------------------------------------
+# Lazy imports and model classes
+
+
+def _torch() -> Any:
+    try:
+        import torch
+    except ImportError as exc:  # the labs install torch as an extra
+        raise ImportError("lab_utils.ddp needs PyTorch: pip install -e '.[torch]'") from exc
+    return torch
+
+
+@functools.lru_cache(maxsize=1)
+def _model_classes() -> dict[str, type]:
+    """Define the nn.Module classes on first use (keeps ``import lab_utils.ddp`` free of torch)."""
+    torch = _torch()
+    nn = torch.nn
+
+    class DigitsCNN(nn.Module):
+        """Input (B, 1, 8, 8) -> logits (B, 10). No BatchNorm and no dropout: a DDP step equals a one-process
+        step of the same global batch (BatchNorm would see per-rank statistics, dropout per-rank masks)."""
+
+        def __init__(self, width: int = 32):
+            super().__init__()
+            self.width = width
+            self.features = nn.Sequential(
+                nn.Conv2d(1, width, 3, padding=1), nn.ReLU(),  # (B, w, 8, 8)
+                nn.Conv2d(width, 2 * width, 3, padding=1), nn.ReLU(),  # (B, 2w, 8, 8)
+                nn.MaxPool2d(2),  # (B, 2w, 4, 4)
+            )
+            self.head = nn.Sequential(nn.Flatten(), nn.Linear(2 * width * 16, 128), nn.ReLU(), nn.Linear(128, 10))
+
+        def forward(self, x: Any) -> Any:
+            return self.head(self.features(x))
+
+    class BasicBlock(nn.Module):
+        """Two 3x3 convolutions with BatchNorm and a residual shortcut (1x1 conv where the shape changes)."""
+
+        def __init__(self, c_in: int, c_out: int, stride: int = 1):
+            super().__init__()
+            self.conv1 = nn.Conv2d(c_in, c_out, 3, stride=stride, padding=1, bias=False)
+            self.bn1 = nn.BatchNorm2d(c_out)
+            self.conv2 = nn.Conv2d(c_out, c_out, 3, padding=1, bias=False)
+            self.bn2 = nn.BatchNorm2d(c_out)
+            self.relu = nn.ReLU(inplace=True)
+            self.shortcut = nn.Identity()
+            if stride != 1 or c_in != c_out:
+                self.shortcut = nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride=stride, bias=False),
+                                              nn.BatchNorm2d(c_out))
+
+        def forward(self, x: Any) -> Any:
+            out = self.relu(self.bn1(self.conv1(x)))
+            out = self.bn2(self.conv2(out))
+            return self.relu(out + self.shortcut(x))
+
+    class ResNet(nn.Module):
+        """Basic-block ResNet: stages of width w, 2w, 4w, 8w. Input (B, 3, H, W) -> logits (B, classes).
+
+        Images of 128 px and more get the ImageNet stem (7x7 stride 2 + max-pool: 224 -> 56 px); smaller ones
+        a 3x3 stride-1 stem (CIFAR style), so a 32 px image still has 4 px left in the last stage.
+        """
+
+        def __init__(self, width: int = 64, blocks: Sequence[int] = (2, 2, 2, 2), num_classes: int = 1000,
+                     image_size: int = 224):
+            super().__init__()
+            if image_size >= 128:
+                self.stem = nn.Sequential(nn.Conv2d(3, width, 7, stride=2, padding=3, bias=False),
+                                          nn.BatchNorm2d(width), nn.ReLU(inplace=True),
+                                          nn.MaxPool2d(3, stride=2, padding=1))
+            else:
+                self.stem = nn.Sequential(nn.Conv2d(3, width, 3, padding=1, bias=False),
+                                          nn.BatchNorm2d(width), nn.ReLU(inplace=True))
+            layers, c_in = [], width
+            for stage, n in enumerate(blocks):
+                c_out = width * 2**stage
+                for i in range(n):
+                    layers.append(BasicBlock(c_in, c_out, stride=2 if (i == 0 and stage > 0) else 1))
+                    c_in = c_out
+            self.layers = nn.Sequential(*layers)
+            self.pool = nn.AdaptiveAvgPool2d(1)
+            self.fc = nn.Linear(c_in, num_classes)
+
+        def forward(self, x: Any) -> Any:
+            return self.fc(torch.flatten(self.pool(self.layers(self.stem(x))), 1))
+
+    classes = {"DigitsCNN": DigitsCNN, "BasicBlock": BasicBlock, "ResNet": ResNet}
+    for name, cls in classes.items():  # pickle finds them as lab_utils.ddp.<name> through __getattr__ below
+        cls.__module__, cls.__qualname__ = __name__, name
+    return classes
+
+
+def __getattr__(name: str) -> Any:  # PEP 562: lab_utils.ddp.ResNet etc. without importing torch at import
+    if name in ("DigitsCNN", "BasicBlock", "ResNet"):
+        return _model_classes()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def make_digits_cnn(width: int = 32) -> Any:
+    """The digits CNN (about 0.3 M parameters at width 32)."""
+    _check_int(width, "width", "make_digits_cnn")
+    return _model_classes()["DigitsCNN"](width)
+
+
+def resnet_blocks(depth: int | Sequence[int]) -> tuple[int, ...]:
+    """Basic blocks per stage: depth 10, 18 or 34, or an explicit tuple such as (1, 1, 1, 1)."""
+    if isinstance(depth, (int, np.integer)) and not isinstance(depth, bool):
+        if int(depth) not in RESNET_BLOCKS:
+            raise ValueError(f"depth={depth!r}: use one of {sorted(RESNET_BLOCKS)} or a tuple of blocks per stage")
+        return RESNET_BLOCKS[int(depth)]
+    blocks = tuple(depth)
+    if not blocks or any(isinstance(b, bool) or not isinstance(b, (int, np.integer)) or b < 1 for b in blocks):
+        raise ValueError(f"depth={depth!r}: a tuple of blocks per stage must hold positive integers")
+    return tuple(int(b) for b in blocks)
+
+
+def make_resnet(width: int = 64, depth: int | Sequence[int] = 18, num_classes: int = 1000,
+                image_size: int = 224) -> Any:
+    """A basic-block ResNet; width 64 with depth 18 is ResNet-18 (11.7 M parameters), depth 34 ResNet-34."""
+    _check_int(width, "width", "make_resnet")
+    _check_int(num_classes, "num_classes", "make_resnet", 2)
+    _check_int(image_size, "image_size", "make_resnet", 8)
+    return _model_classes()["ResNet"](width, resnet_blocks(depth), num_classes, image_size)
+
+
+def param_mib(model: Any) -> float:
+    """Size of the model's parameters in MiB; with fp32 parameters also the gradient DDP all-reduces per step."""
+    return sum(p.numel() * p.element_size() for p in model.parameters()) / MIB
+
+
+# --------------------------------------------------------------------------------------------------
+# Checks and small helpers
+
+
+def _check_int(value: Any, arg: str, where: str, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"{where}({arg}={value!r}): must be an integer >= {minimum}")
+    return int(value)
+
+
+def _check_amp(amp: Any, where: str) -> str | None:
+    if amp not in AMP_MODES:
+        raise ValueError(f"{where}(amp={amp!r}): use None (fp32), 'bf16' (autocast) or 'fp16' (autocast + GradScaler)")
+    return amp
+
+
+def _is_cuda(ctx: Any) -> bool:
+    return str(ctx.device).startswith("cuda")
+
+
+def _sync(ctx: Any) -> None:
+    if _is_cuda(ctx):
+        _torch().cuda.synchronize(ctx.device)
+
+
+def cpu_cores() -> int:
+    """Cores this process may run on (its affinity mask, which containers and Slurm narrow)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def _share_cpu_threads(ctx: Any, threads: int | None = None) -> None:
+    """CPU ranks on one machine share its cores: each gets ``threads`` or an equal share of them.
+
+    Without this every rank starts one thread per core and the ranks fight for them (slower than one rank).
+    OMP_NUM_THREADS, when set (torchrun sets it to 1 for several ranks per node), is left to rule.
+    """
+    if _is_cuda(ctx):
+        return
+    if threads is not None:
+        _torch().set_num_threads(_check_int(threads, "cpu_threads", "throughput"))
+    elif "OMP_NUM_THREADS" not in os.environ:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world_size))
+        _torch().set_num_threads(max(1, cpu_cores() // max(1, local)))
+
+
+def _autocast(ctx: Any, amp: str | None) -> Any:
+    torch = _torch()
+    if amp is None:
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if amp == "bf16" else torch.float16
+    return torch.autocast(device_type="cuda" if _is_cuda(ctx) else "cpu", dtype=dtype)
+
+
+def _grad_scaler(ctx: Any, amp: str | None) -> Any:
+    """torch.amp.GradScaler for fp16 (disabled otherwise); a torch without a CPU scaler is reported, not faked."""
+    torch = _torch()
+    dev = "cuda" if _is_cuda(ctx) else "cpu"
+    try:
+        return torch.amp.GradScaler(dev, enabled=amp == "fp16")
+    except (AttributeError, TypeError, RuntimeError) as exc:
+        raise RuntimeError(
+            f"amp='fp16' needs torch.amp.GradScaler({dev!r}), which torch {torch.__version__} does not offer "
+            f"({exc}); use amp='bf16' (no scaler needed) or a GPU"
+        ) from exc
+
+
+def _ddp(ctx: Any, model: Any, **kw: Any) -> Any:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    if _is_cuda(ctx):  # one GPU per process: DDP must be told which one
+        index = _torch().device(ctx.device).index
+        return DDP(model, device_ids=[index], output_device=index, **kw)
+    return DDP(model, **kw)
+
+
+def _all_reduce(ctx: Any, values: Sequence[float] | Any, op: str = "sum") -> list[float]:
+    """All-reduce a few numbers (SUM or MAX) in float64 on the rank's device (NCCL needs GPU tensors)."""
+    torch = _torch()
+    import torch.distributed as dist
+
+    t = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=ctx.device) for v in values])
+    if dist.is_initialized() and ctx.world_size > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    return [float(v) for v in t.tolist()]
+
+
+# --------------------------------------------------------------------------------------------------
+# Digits data
+
+
+def _digits_raw() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's digits: images (1797, 8, 8) with values 0..16 and labels (1797,).
+
+    Read straight from the CSV that ships inside scikit-learn (what ``load_digits`` reads): importing
+    sklearn costs seconds (it pulls in scipy), which every spawned rank would pay again.
+    """
+    import importlib.util
+
+    spec = importlib.util.find_spec("sklearn")  # finds the package without importing it
+    path = os.path.join(os.path.dirname(spec.origin), "datasets", "data", "digits.csv.gz") if spec else None
+    if path and os.path.exists(path):
+        data = np.loadtxt(path, delimiter=",")  # (1797, 65): 64 pixels, then the label
+        return data[:, :-1].reshape(-1, 8, 8), data[:, -1].astype(np.int64)
+    try:  # a scikit-learn that stores the file elsewhere
+        from sklearn.datasets import load_digits
+    except ImportError as exc:
+        raise ImportError("lab_utils.ddp needs scikit-learn for the digits data: pip install scikit-learn") from exc
+    digits = load_digits()
+    return digits.images, digits.target.astype(np.int64)
+
+
+def _stratified_split(y: np.ndarray, n_train: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Train and test indices with each class in the same proportion in both (largest-remainder quotas)."""
+    rng = np.random.default_rng(seed)
+    classes, counts = np.unique(y, return_counts=True)
+    exact = counts * n_train / len(y)
+    quota = np.floor(exact).astype(int)
+    quota[np.argsort(exact - quota)[::-1][: n_train - quota.sum()]] += 1  # hand out the rest by largest remainder
+    train, test = [], []
+    for c, q in zip(classes, quota, strict=True):
+        idx = rng.permutation(np.flatnonzero(y == c))
+        train.append(idx[:q])
+        test.append(idx[q:])
+    return rng.permutation(np.concatenate(train)), np.sort(np.concatenate(test))
+
+
+@functools.lru_cache(maxsize=1)
+def digits_arrays() -> dict[str, np.ndarray]:
+    """The fixed digits split as float32/int64 arrays: x_train (1440, 1, 8, 8), y_train (1440,), x_test (357, ...).
+
+    Stratified, seed ``DIGITS_SPLIT_SEED``. Pixels (0..16) are standardised with the training set's mean and
+    standard deviation (one scalar each).
+    """
+    images, y = _digits_raw()
+    x = images.astype(np.float32)[:, None]  # (1797, 1, 8, 8)
+    train, test = _stratified_split(y, DIGITS_TRAIN_SIZE, DIGITS_SPLIT_SEED)
+    mean, std = float(x[train].mean()), float(x[train].std())
+    return {"x_train": (x[train] - mean) / std, "y_train": y[train], "x_test": (x[test] - mean) / std,
+            "y_test": y[test]}
+
+
+def _digits_tensors(device: str) -> dict[str, Any]:
+    torch = _torch()
+    # The whole set is 1797 * 64 floats: it lives on the device and batches are index gathers, no DataLoader.
+    return {k: torch.from_numpy(v).to(device) for k, v in digits_arrays().items()}
+
+
+def per_rank_batch(global_batch: int, world_size: int, accumulate: int = 1) -> int:
+    """Micro-batch per rank so that one optimizer step sees ``global_batch`` images in all (must divide evenly)."""
+    _check_int(global_batch, "global_batch", "per_rank_batch")
+    _check_int(world_size, "world_size", "per_rank_batch")
+    _check_int(accumulate, "accumulate", "per_rank_batch")
+    if global_batch % (world_size * accumulate):
+        raise ValueError(f"per_rank_batch(global_batch={global_batch}): not divisible by world_size × accumulate "
+                         f"= {world_size} × {accumulate}; choose a global batch that is")
+    return global_batch // (world_size * accumulate)
+
+
+def sampler_orders(n: int, world_size: int, epochs: int, seed: int = 0,
+                   set_epoch: bool = True) -> list[list[list[int]]]:
+    """The indices DistributedSampler(shuffle=True, seed) hands each rank, by epoch: ``orders[epoch][rank]``.
+
+    No process group needed (the sampler is told num_replicas and rank). With ``set_epoch=False`` every epoch
+    repeats epoch 0's order: the bug ``sampler.set_epoch(epoch)`` prevents.
+    """
+    from torch.utils.data.distributed import DistributedSampler
+
+    _check_int(n, "n", "sampler_orders")
+    _check_int(world_size, "world_size", "sampler_orders")
+    _check_int(epochs, "epochs", "sampler_orders")
+    samplers = [DistributedSampler(range(n), num_replicas=world_size, rank=r, shuffle=True, seed=seed)
+                for r in range(world_size)]
+    orders = []
+    for epoch in range(epochs):
+        for s in samplers:
+            if set_epoch:
+                s.set_epoch(epoch)
+        orders.append([list(s) for s in samplers])
+    return orders
+
+
+# --------------------------------------------------------------------------------------------------
+# Evaluation
+
+
+def _eval_counts(model: Any, x: Any, y: Any, batch: int = 512) -> tuple[Any, int]:
+    """(number correct as a device tensor, number of samples) for inputs x (n, 1, 8, 8), labels y (n,)."""
+    torch = _torch()
+    was_training = model.training
+    model.eval()
+    correct = torch.zeros((), dtype=torch.int64, device=x.device)
+    with torch.no_grad():  # fp32 always, so a checkpoint evaluated later gives the same number
+        for xb, yb in zip(x.split(batch), y.split(batch), strict=True):
+            correct += (model(xb).argmax(1) == yb).sum()
+    model.train(was_training)
+    return correct, int(y.shape[0])
+
+
+def _sharded_test_accuracy(ctx: Any, model: Any, data: dict[str, Any]) -> tuple[float, int]:
+    """Each rank scores its shard of the test set; the correct counts and sample counts are summed.
+
+    DistributedSampler(shuffle=False) gives rank r the positions r, r+N, r+2N, ... of the index list padded
+    (by repeating its head) to a multiple of N; a position is a real sample when it is < n. Those come
+    first in the rank's list, so the rank keeps the first len(range(r, n, N)) indices and drops the padding
+    (357 test images on 2 ranks: rank 0 scores 179, rank 1 178, not 179 + 179 with one image twice).
+    """
+    torch = _torch()
+    from torch.utils.data.distributed import DistributedSampler
+
+    n = int(data["y_test"].shape[0])
+    sampler = DistributedSampler(range(n), num_replicas=ctx.world_size, rank=ctx.rank, shuffle=False)
+    real = len(range(ctx.rank, n, ctx.world_size))
+    idx = torch.as_tensor(list(sampler)[:real], device=ctx.device)
+    correct, count = _eval_counts(model, data["x_test"][idx], data["y_test"][idx])
+    total_correct, total = _all_reduce(ctx, [correct, count])
+    if int(total) != n:
+        raise RuntimeError(f"sharded evaluation counted {int(total)} test samples, expected {n}")
+    return total_correct / total, int(total)
+
+
+def evaluate(model: Any, device: str = "cpu") -> float:
+    """Test-set accuracy (fraction) of a digits model in one process, fp32, on ``device``."""
+    data = _digits_tensors(device)
+    model = model.to(device)
+    correct, count = _eval_counts(model, data["x_test"], data["y_test"])
+    return int(correct) / count
+
+
+def load_checkpoint(path: str | os.PathLike[str], device: str = "cpu") -> Any:
+    """Rebuild the digits CNN from a checkpoint written by ``train_digits`` and load its weights (eval mode)."""
+    torch = _torch()
+    ckpt = torch.load(os.fspath(path), map_location=device, weights_only=True)
+    model = make_digits_cnn(int(ckpt["model_config"]["width"]))
+    model.load_state_dict(ckpt["model"])
+    return model.to(device).eval()
+
+
+def _save_checkpoint(path: str, model: Any, opt: Any, epoch: int, width: int, accuracy: float) -> None:
+    torch = _torch()
+    path = os.fspath(path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    state = {
+        "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},  # model.module's: no "module." keys
+        "optimizer": opt.state_dict(),
+        "epoch": epoch,
+        "model_config": {"width": width},
+        "accuracy": accuracy,
+    }
+    tmp = f"{path}.tmp{os.getpid()}"
+    torch.save(state, tmp)
+    os.replace(tmp, path)  # atomic: a reader never sees half a file
+
+
+# --------------------------------------------------------------------------------------------------
+# Digits training worker
+
+
+def train_digits(ctx: Any, epochs: int = DIGITS_DEFAULTS["epochs"], batch_size: int = 64,
+                 lr: float = DIGITS_DEFAULTS["lr"], seed: int = 0, amp: str | None = None, accumulate: int = 1,
+                 checkpoint_path: str | None = None, set_epoch: bool = True,
+                 momentum: float = DIGITS_DEFAULTS["momentum"], width: int = DIGITS_DEFAULTS["width"]) -> dict:
+    """Worker: train the digits CNN under DDP; every rank returns the same all-reduced metrics.
+
+    ``batch_size`` is the micro-batch per rank; one optimizer step sees batch_size × world_size × accumulate
+    images (``global_batch``). For runs comparable across world sizes keep that global batch constant
+    (``per_rank_batch``, ``run_digits``) and keep the lr: then N ranks take the same steps as one process.
+    ``amp``: None (fp32), 'bf16' (autocast) or 'fp16' (autocast + GradScaler). ``accumulate`` micro-steps
+    per optimizer step, all but the last under ``model.no_sync()`` (gradients summed locally, one
+    all-reduce). ``set_epoch=False`` skips ``sampler.set_epoch``: every epoch repeats the same order (a bug,
+    shown on purpose). Rank 0 writes ``checkpoint_path`` (model.module's state dict, optimizer, epoch);
+    the others wait at a barrier until it is written.
+
+    Returns accuracy (final test accuracy, fraction), final_loss (last epoch's mean training loss),
+    samples_per_s (training images per second of wall time, all ranks together, evaluation excluded),
+    train_s, history (per epoch: train_loss, train_accuracy, test_accuracy, epoch_s, first_indices = this
+    rank's first 8 sample indices), and the configuration.
+    """
+    torch = _torch()
+    import torch.nn.functional as F
+    from torch.utils.data.distributed import DistributedSampler
+
+    where = "train_digits"
+    epochs = _check_int(epochs, "epochs", where)
+    batch_size = _check_int(batch_size, "batch_size", where)
+    accumulate = _check_int(accumulate, "accumulate", where)
+    amp = _check_amp(amp, where)
+    if not lr > 0:
+        raise ValueError(f"{where}(lr={lr!r}): the learning rate must be > 0")
+    _share_cpu_threads(ctx)
+
+    ctx.status("loading digits")
+    data = _digits_tensors(ctx.device)
+    n_train = int(data["y_train"].shape[0])
+    torch.manual_seed(seed)  # same initial weights on every rank (DDP also broadcasts rank 0's at construction)
+    model = make_digits_cnn(width).to(ctx.device)
+    ddp = _ddp(ctx, model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=momentum)
+    scaler = _grad_scaler(ctx, amp)
+    # Every rank builds the same permutation from (seed, epoch) and takes positions rank, rank+N, ...
+    sampler = DistributedSampler(range(n_train), num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=seed)
+
+    history, train_s = [], 0.0
+    for epoch in range(epochs):
+        ctx.status(f"epoch {epoch + 1}/{epochs}")
+        if set_epoch:
+            sampler.set_epoch(epoch)  # a new permutation each epoch; without it, epoch 0's order every epoch
+        order = list(sampler)
+        idx = torch.as_tensor(order, device=ctx.device)  # (n_train / world_size,)
+        batches = idx.split(batch_size)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)  # kept on the device: no sync per step
+        correct = torch.zeros((), dtype=torch.int64, device=ctx.device)
+        _sync(ctx)
+        t0 = time.perf_counter()
+        for i, b in enumerate(batches):
+            group_start = i - i % accumulate
+            group_len = min(accumulate, len(batches) - group_start)  # the epoch's last group may be shorter
+            last = i - group_start == group_len - 1
+            x, y = data["x_train"][b], data["y_train"][b]
+            # no_sync around forward AND backward: DDP decides in forward whether backward will all-reduce.
+            with contextlib.nullcontext() if last else ddp.no_sync():
+                with _autocast(ctx, amp):
+                    logits = ddp(x)  # (b, 10)
+                loss = F.cross_entropy(logits.float(), y)
+                scaler.scale(loss / group_len).backward()  # mean over the group's micro-batches
+            if last:
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad(set_to_none=True)
+            loss_sum += loss.detach().double() * y.shape[0]
+            correct += (logits.argmax(1) == y).sum()
+        _sync(ctx)
+        epoch_s = _all_reduce(ctx, [time.perf_counter() - t0], op="max")[0]  # the slowest rank sets the pace
+        train_s += epoch_s
+        # Sums of counts, never an average of per-rank averages (shards may differ in size).
+        tot_loss, tot_correct, tot_seen = _all_reduce(ctx, [loss_sum, correct, len(order)])
+        test_acc, _ = _sharded_test_accuracy(ctx, ddp.module, data)
+        history.append({"epoch": epoch + 1, "train_loss": tot_loss / tot_seen, "train_accuracy": tot_correct / tot_seen,
+                        "test_accuracy": test_acc, "epoch_s": epoch_s, "first_indices": order[:8]})
+
+    if checkpoint_path is not None:
+        ctx.status("writing the checkpoint")
+        if ctx.rank == 0:
+            _save_checkpoint(checkpoint_path, ddp.module, opt, epochs, width, history[-1]["test_accuracy"])
+        ctx.barrier()  # no rank returns (and no reader looks) before rank 0 has written the file
+
+    global_batch = batch_size * ctx.world_size * accumulate
+    return {
+        "accuracy": history[-1]["test_accuracy"],
+        "final_loss": history[-1]["train_loss"],
+        "epochs": epochs,
+        "samples_per_s": n_train * epochs / train_s if train_s > 0 else float("nan"),
+        "train_s": train_s,
+        "world_size": ctx.world_size,
+        "rank": ctx.rank,
+        "backend": ctx.backend,
+        "device": str(ctx.device),
+        "batch_size": batch_size,
+        "accumulate": accumulate,
+        "global_batch": global_batch,
+        "steps_per_epoch": math.ceil(math.ceil(n_train / ctx.world_size / batch_size) / accumulate),
+        "lr": lr,
+        "momentum": momentum,
+        "amp": amp,
+        "fp16_scale": float(scaler.get_scale()) if amp == "fp16" else None,
+        "seed": seed,
+        "set_epoch": set_epoch,
+        "checkpoint_path": None if checkpoint_path is None else os.fspath(checkpoint_path),
+        "history": history,
+    }
+
+
+def run_digits(nprocs: int = 1, *, global_batch: int = DIGITS_DEFAULTS["global_batch"], accumulate: int = 1,
+               backend: str = "auto", timeout_s: float = 300.0, **kwargs: Any) -> dict:
+    """Launch ``train_digits`` on ``nprocs`` ranks with a constant global batch; returns rank 0's result."""
+    from lab_utils.distributed import launch
+
+    batch = per_rank_batch(global_batch, nprocs, accumulate)
+    kw = {"batch_size": batch, "accumulate": accumulate, **kwargs}
+    return launch(train_digits, nprocs, backend=backend, kwargs=kw, timeout_s=timeout_s)[0]
+
+
+def digits_comparison(nprocs_list: Sequence[int] = (1, 2), **kwargs: Any) -> pd.DataFrame:
+    """``run_digits`` for each world size (same seed, same global batch): one row each, accuracy side by side."""
+    rows = []
+    for n in nprocs_list:
+        r = run_digits(n, **kwargs)
+        rows.append({k: r[k] for k in ("world_size", "backend", "global_batch", "batch_size", "accumulate", "lr",
+                                       "amp", "epochs", "accuracy", "final_loss", "samples_per_s")})
+    df = pd.DataFrame(rows)
+    df["accuracy_vs_first"] = df["accuracy"] - df["accuracy"].iloc[0]
+    return df
+
+
+def accumulation_check(ctx: Any, micro_batch: int = 16, accumulate: int = 2, seed: int = 0) -> dict:
+    """Worker: DDP gradients after ``accumulate`` micro-steps (all but the last under no_sync) vs one big batch.
+
+    Every rank also computes, without DDP, the gradient of the whole global batch
+    (micro_batch × accumulate × world_size images) on a plain copy of the model; returns the largest
+    absolute difference (max over ranks) and the gradient's largest magnitude, for scale.
+    """
+    torch = _torch()
+    import torch.nn.functional as F
+
+    micro_batch = _check_int(micro_batch, "micro_batch", "accumulation_check")
+    accumulate = _check_int(accumulate, "accumulate", "accumulation_check")
+    _share_cpu_threads(ctx)
+    data = _digits_tensors(ctx.device)
+    torch.manual_seed(seed)
+    ref = make_digits_cnn(16).to(ctx.device)
+    model = make_digits_cnn(16).to(ctx.device)
+    model.load_state_dict(ref.state_dict())
+    ddp = _ddp(ctx, model)
+    per_rank = micro_batch * accumulate
+    x = data["x_train"][: per_rank * ctx.world_size]  # (global, 1, 8, 8); rank r owns rows [r*per_rank, ...)
+    y = data["y_train"][: per_rank * ctx.world_size]
+    mine = slice(ctx.rank * per_rank, (ctx.rank + 1) * per_rank)
+    for k, (xb, yb) in enumerate(zip(x[mine].split(micro_batch), y[mine].split(micro_batch), strict=True)):
+        with contextlib.nullcontext() if k == accumulate - 1 else ddp.no_sync():
+            (F.cross_entropy(ddp(xb), yb) / accumulate).backward()
+    F.cross_entropy(ref(x), y).backward()  # the big batch, in one process
+    diff = max(float((p.grad - q.grad).abs().max()) for p, q in zip(model.parameters(), ref.parameters(), strict=True))
+    scale = max(float(q.grad.abs().max()) for q in ref.parameters())
+    diff = _all_reduce(ctx, [diff], op="max")[0]
+    return {"max_abs_diff": diff, "max_abs_grad": scale, "world_size": ctx.world_size, "accumulate": accumulate,
+            "global_batch": per_rank * ctx.world_size}
+
+
+# --------------------------------------------------------------------------------------------------
+# Throughput
+
+
+def _throughput_config(ctx: Any, **kw: Any) -> dict[str, Any]:
+    gpu = _is_cuda(ctx)
+    cfg = {}
+    for k, (on_gpu, on_cpu) in THROUGHPUT_DEFAULTS.items():
+        v = kw.get(k, "auto")
+        # 'auto' (and None, except for amp where None means fp32) takes the device's default
+        cfg[k] = (on_gpu if gpu else on_cpu) if v == "auto" or (v is None and k != "amp") else v
+    where = "throughput"
+    for k in ("steps", "batch_size", "width"):
+        _check_int(cfg[k], k, where)
+    _check_int(cfg["warmup_steps"], "warmup_steps", where, 0)
+    _check_int(cfg["image_size"], "image_size", where, 8)
+    _check_amp(cfg["amp"], where)
+    resnet_blocks(cfg["depth"])
+    cfg["num_classes"] = _check_int(kw.get("num_classes", 1000), "num_classes", where, 2)
+    cfg["bucket_cap_mb"] = kw.get("bucket_cap_mb", DEFAULT_BUCKETS["bucket_cap_mb"])
+    if not (isinstance(cfg["bucket_cap_mb"], (int, float)) and cfg["bucket_cap_mb"] > 0):
+        raise ValueError(f"{where}(bucket_cap_mb={cfg['bucket_cap_mb']!r}): must be a number of MB > 0")
+    cfg["gradient_as_bucket_view"] = bool(kw.get("gradient_as_bucket_view", False))
+    cfg["overlap"] = bool(kw.get("overlap", True))
+    return cfg
+
+
+def _time_steps(ctx: Any, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Build model + DDP for one configuration and time ``steps`` training steps (after warm-up) on every rank."""
+    torch = _torch()
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from lab_utils.timing import benchmark
+
+    torch.manual_seed(0)
+    model = make_resnet(cfg["width"], cfg["depth"], cfg["num_classes"], cfg["image_size"]).to(ctx.device)
+    fmt = torch.channels_last if cfg["channels_last"] else torch.contiguous_format
+    model = model.to(memory_format=fmt)  # NHWC: the layout cuDNN's tensor-core convolutions want
+    b, s = cfg["batch_size"], cfg["image_size"]
+    # One synthetic batch made on the device, reused every step: the loop measures compute + communication only.
+    x = torch.randn(b, 3, s, s, device=ctx.device).contiguous(memory_format=fmt)  # (B, 3, H, W)
+    y = torch.randint(0, cfg["num_classes"], (b,), device=ctx.device)
+    params = list(model.parameters())
+    if cfg["overlap"]:
+        net = _ddp(ctx, model, bucket_cap_mb=cfg["bucket_cap_mb"],
+                   gradient_as_bucket_view=cfg["gradient_as_bucket_view"])
+    else:  # the comparison without overlap: one all-reduce of all gradients after the whole backward pass
+        net = model
+        for p in params:
+            dist.broadcast(p.data, 0)
+    opt = torch.optim.SGD(params, lr=0.01, momentum=0.9)
+
+    def step() -> None:
+        with _autocast(ctx, cfg["amp"]):
+            loss = F.cross_entropy(net(x), y)
+        loss.backward()
+        if not cfg["overlap"] and ctx.world_size > 1:
+            flat = torch.cat([p.grad.reshape(-1) for p in params])  # one flat fp32 buffer of all gradients
+            dist.all_reduce(flat)
+            flat /= ctx.world_size
+            off = 0
+            for p in params:
+                n = p.numel()
+                p.grad.copy_(flat[off:off + n].view_as(p.grad))
+                off += n
+        opt.step()
+        # set_to_none=False zeroes in place: with gradient_as_bucket_view the gradients stay views into DDP's
+        # buckets (set to None, DDP would copy fresh gradients into the buckets again each step).
+        opt.zero_grad(set_to_none=False)
+
+    timing = benchmark(step, reps=cfg["steps"], warmup=cfg["warmup_steps"], device=ctx.device, name="ddp step")
+    # Ranks wait for each other in every all-reduce; the slowest one sets the job's pace.
+    mean_ms, median_ms = _all_reduce(ctx, [timing.mean_ms, timing.median_ms], op="max")
+    buckets = None
+    if cfg["overlap"]:
+        with contextlib.suppress(Exception):  # private logging API: its keys vary between torch versions
+            log = net._get_ddp_logging_data()  # the layout after the first step's rebuild, where there was one
+            sizes = str(log.get("rebuilt_bucket_sizes") or log.get("bucket_sizes", "")).strip()  # "bytes, ..."
+            buckets = len(sizes.split(",")) if sizes else None
+    global_batch = b * ctx.world_size
+    out = {
+        "world_size": ctx.world_size,
+        "backend": ctx.backend,
+        "device": _device_label(ctx),
+        **{k: cfg[k] for k in ("batch_size", "image_size", "width", "amp", "channels_last", "bucket_cap_mb",
+                               "gradient_as_bucket_view", "overlap", "steps", "warmup_steps")},
+        "depth": cfg["depth"] if isinstance(cfg["depth"], int) else tuple(cfg["depth"]),
+        "global_batch": global_batch,
+        "step_ms": mean_ms,
+        "step_ms_median": median_ms,
+        "images_per_s": global_batch / (mean_ms * 1e-3),
+        "images_per_s_per_worker": b / (mean_ms * 1e-3),
+        "n_params": sum(p.numel() for p in params),
+        "params_mib": param_mib(model),
+        "grads_mib": sum(p.numel() * 4 for p in params) / MIB,  # DDP reduces fp32 gradients, even under autocast
+        "buckets": buckets,
+    }
+    return out  # the model, optimizer and batch go with this frame: the next variant starts with free memory
+
+
+def _device_label(ctx: Any) -> str:
+    if _is_cuda(ctx):
+        return _torch().cuda.get_device_name(ctx.device)
+    from lab_utils.timing import _cpu_model
+
+    return f"cpu ({_cpu_model()})"
+
+
+def throughput(ctx: Any, steps: int | None = None, warmup_steps: int | None = None, batch_size: int | None = None,
+               image_size: int | None = None, width: int | None = None, depth: int | Sequence[int] | None = None,
+               amp: str | None = "auto", bucket_cap_mb: float = 25, gradient_as_bucket_view: bool = False,
+               channels_last: bool | None = None, num_classes: int = 1000, overlap: bool = True,
+               cpu_threads: int | None = None) -> dict:
+    """Worker: DDP training steps of a ResNet on random images; time per step and images/s.
+
+    Defaults (None/'auto') depend on the device: GPU ResNet-18 (width 64) at 224 px, batch 256 per GPU, bf16
+    autocast, channels_last, 30 timed steps after 10; CPU a ResNet-10 of width 8 at 32 px, batch 16, fp32,
+    10 steps after 3. Steps are timed with ``lab_utils.timing.benchmark`` (CUDA events on a GPU); step_ms is
+    the mean, max over ranks. ``overlap=False`` replaces DDP by one all-reduce after the backward pass.
+    ``cpu_threads``: torch threads per CPU rank (default: the cores shared equally among the local ranks).
+
+    Returns step_ms, step_ms_median, images_per_s (whole job), images_per_s_per_worker, n_params,
+    params_mib, grads_mib (all-reduced per step), buckets (where torch reports it) and the configuration.
+    """
+    _share_cpu_threads(ctx, cpu_threads)
+    if _is_cuda(ctx):
+        _torch().backends.cudnn.benchmark = True  # fixed shapes: let cuDNN pick its fastest kernels in warm-up
+    cfg = _throughput_config(ctx, steps=steps, warmup_steps=warmup_steps, batch_size=batch_size,
+                             image_size=image_size, width=width, depth=depth, amp=amp, channels_last=channels_last,
+                             bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=gradient_as_bucket_view,
+                             num_classes=num_classes, overlap=overlap)
+    ctx.status(f"timing {cfg['steps']} steps")
+    return _time_steps(ctx, cfg)
+
+
+def _default_nprocs() -> int:
+    from lab_utils.distributed import gpu_count
+
+    return max(2, gpu_count())
+
+
+def scaling(nprocs_list: Sequence[int] | None = None, *, backend: str = "auto", timeout_s: float = 600.0,
+            **kwargs: Any) -> pd.DataFrame:
+    """Launch ``throughput`` at each world size (default 1 and max(2, GPUs)); one row per world size.
+
+    Columns: world_size, backend, device, batch_size (per worker), global_batch, step_ms, images_per_s,
+    images_per_s_per_worker, speedup and scaling_efficiency, both against the smallest world size measured:
+    efficiency = images_per_s_N / ((N / N_0) × images_per_s_N0), 1.0 = perfect (with N_0 = 1 the usual
+    throughput_N / (N × throughput_1)). Per-worker batch is fixed (weak scaling), as in the DDP references.
+    On CPU ranks (gloo) each worker gets the same number of threads at every world size,
+    cores // max(nprocs_list) unless ``cpu_threads`` is given: a worker is then a fixed unit of compute, as a
+    GPU is, and the table measures what adding workers gains (not one rank using every core).
+    """
+    from lab_utils.distributed import choose_backend, launch
+
+    nprocs_list = list(nprocs_list) if nprocs_list is not None else [1, _default_nprocs()]
+    for n in nprocs_list:
+        _check_int(n, "nprocs_list", "scaling")
+    if choose_backend(max(nprocs_list), backend) == "gloo" and kwargs.get("cpu_threads") is None:
+        kwargs["cpu_threads"] = max(1, cpu_cores() // max(nprocs_list))
+    rows = [launch(throughput, n, backend=backend, kwargs=kwargs, timeout_s=timeout_s)[0] for n in nprocs_list]
+    df = pd.DataFrame(rows)
+    base = df.loc[df["world_size"].idxmin()]
+    df["speedup"] = df["images_per_s"] / base["images_per_s"]
+    df["scaling_efficiency"] = df["speedup"] / (df["world_size"] / base["world_size"])
+    first = ["world_size", "backend", "device", "batch_size", "global_batch", "step_ms", "images_per_s",
+             "images_per_s_per_worker", "speedup", "scaling_efficiency"]
+    return df[first + [c for c in df.columns if c not in first]]
+
+
+def _variant_label(v: dict[str, Any]) -> str:
+    if not v.get("overlap", True):
+        return "no overlap (all-reduce after backward)"
+    parts = [f"bucket_cap_mb={v.get('bucket_cap_mb', DEFAULT_BUCKETS['bucket_cap_mb']):g}"]
+    if v.get("gradient_as_bucket_view"):
+        parts.append("gradient_as_bucket_view")
+    return ", ".join(parts)
+
+
+def _normalise_variant(v: dict[str, Any]) -> dict[str, Any]:
+    unknown = set(v) - set(DEFAULT_BUCKETS)
+    if unknown:
+        raise ValueError(f"overlap_experiment(variants=...): unknown key(s) {sorted(unknown)}; "
+                         f"use {sorted(DEFAULT_BUCKETS)}")
+    return {**DEFAULT_BUCKETS, **v}
+
+
+def overlap_worker(ctx: Any, variants: Sequence[dict[str, Any]], repeats: int = 2, cpu_threads: int | None = None,
+                   **kwargs: Any) -> list[dict]:
+    """Worker: ``throughput`` for each bucket variant in one process group, round-robin ``repeats`` times.
+
+    Round-robin (not one variant after the other) spreads slow drifts (clocks, temperature) over all
+    variants; each variant keeps its fastest repeat.
+    """
+    _share_cpu_threads(ctx, cpu_threads)
+    if _is_cuda(ctx):
+        _torch().backends.cudnn.benchmark = True
+    best: dict[int, dict] = {}
+    for r in range(repeats):
+        for i, v in enumerate(variants):
+            ctx.status(f"repeat {r + 1}/{repeats}: {_variant_label(v)}")
+            res = _time_steps(ctx, _throughput_config(ctx, **{**kwargs, **v}))
+            if i not in best or res["step_ms"] < best[i]["step_ms"]:
+                best[i] = res
+    return [best[i] for i in range(len(variants))]
+
+
+def overlap_experiment(nprocs: int | None = None, variants: Sequence[dict[str, Any]] | None = None, *,
+                       repeats: int = 2, backend: str = "auto", timeout_s: float = 600.0,
+                       **kwargs: Any) -> pd.DataFrame:
+    """The measured effect of DDP's bucket settings on step time, at ``nprocs`` ranks (default max(2, GPUs)).
+
+    ``variants``: dicts of bucket_cap_mb, gradient_as_bucket_view and overlap (False: no DDP, one all-reduce
+    after backward); default [{bucket_cap_mb: 1}, {bucket_cap_mb: 25}, {gradient_as_bucket_view: True}]. The
+    default configuration (25 MB, no views, overlap) is added when missing. Other keyword arguments go to
+    ``throughput`` (model size, batch, amp...). Columns: variant, bucket_cap_mb, gradient_as_bucket_view,
+    overlap, step_ms, images_per_s, step_ms_vs_default (< 1 is faster), images_per_s_vs_default, buckets.
+    """
+    from lab_utils.distributed import launch
+
+    nprocs = _default_nprocs() if nprocs is None else _check_int(nprocs, "nprocs", "overlap_experiment")
+    _check_int(repeats, "repeats", "overlap_experiment")
+    if variants is None:
+        variants = [{"bucket_cap_mb": 1}, {"bucket_cap_mb": 25}, {"gradient_as_bucket_view": True}]
+    full = [_normalise_variant(v) for v in variants]
+    if DEFAULT_BUCKETS not in full:
+        full.insert(0, dict(DEFAULT_BUCKETS))
+    kw = {"variants": full, "repeats": repeats, **kwargs}
+    rows = launch(overlap_worker, nprocs, backend=backend, kwargs=kw, timeout_s=timeout_s)[0]
+    df = pd.DataFrame(rows)
+    df.insert(0, "variant", [_variant_label(v) for v in full])
+    base = df.loc[[v == DEFAULT_BUCKETS for v in full]].iloc[0]
+    df["step_ms_vs_default"] = df["step_ms"] / base["step_ms"]
+    df["images_per_s_vs_default"] = df["images_per_s"] / base["images_per_s"]
+    first = ["variant", "bucket_cap_mb", "gradient_as_bucket_view", "overlap", "world_size", "step_ms",
+             "images_per_s", "step_ms_vs_default", "images_per_s_vs_default", "buckets"]
+    return df[first + [c for c in df.columns if c not in first]]

@@ -1,0 +1,215 @@
+"""Lab 02 DDP on the CPU with real gloo process groups (small sizes, one or two ranks)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from lab_utils import ddp
+from lab_utils.distributed import free_port, launch
+
+ROOT = Path(__file__).resolve().parents[1]
+EPOCHS = 4  # enough for > 95 % on the digits; each launch costs seconds of process start-up on a small CPU
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The same seed and global batch on 1 and on 2 gloo ranks; the 2-rank run writes a checkpoint."""
+    ckpt = tmp_path_factory.mktemp("ddp") / "digits.pt"
+    one = ddp.run_digits(1, epochs=EPOCHS, seed=0, backend="gloo")
+    two = ddp.run_digits(2, epochs=EPOCHS, seed=0, backend="gloo", checkpoint_path=str(ckpt))
+    return one, two, ckpt
+
+
+def test_import_does_no_work():
+    code = "import sys, lab_utils.ddp; print('torch' in sys.modules, 'sklearn' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "False False"
+
+
+def test_digits_split():
+    d = ddp.digits_arrays()
+    assert d["x_train"].shape == (1440, 1, 8, 8) and d["x_test"].shape == (357, 1, 8, 8)
+    assert abs(float(d["x_train"].mean())) < 1e-4 and abs(float(d["x_train"].std()) - 1) < 1e-3
+    # stratified: every class is 19-20 % of its share in the test set
+    counts = [int((d["y_test"] == c).sum()) for c in range(10)]
+    assert min(counts) >= 35 and max(counts) <= 36 and sum(counts) == 357
+
+
+def test_models():
+    cnn = ddp.make_digits_cnn()
+    assert cnn(torch.zeros(3, 1, 8, 8)).shape == (3, 10)
+    assert type(cnn).__name__ == "DigitsCNN" and ddp.DigitsCNN is type(cnn)
+    tiny = ddp.make_resnet(8, 10, num_classes=10, image_size=32)
+    assert tiny(torch.zeros(2, 3, 32, 32)).shape == (2, 10)
+    r18 = ddp.make_resnet(64, 18, num_classes=1000, image_size=224)
+    assert sum(p.numel() for p in r18.parameters()) == 11_689_512  # torchvision's resnet18
+    assert ddp.param_mib(r18) == pytest.approx(11_689_512 * 4 / 2**20)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="global_batch=63"):
+        ddp.per_rank_batch(63, 2)
+    assert ddp.per_rank_batch(64, 2, accumulate=2) == 16
+    with pytest.raises(ValueError, match="amp='fp8'"):
+        ddp.train_digits(SimpleNamespace(device="cpu", world_size=1, rank=0), amp="fp8")
+    with pytest.raises(ValueError, match="depth=19"):
+        ddp.make_resnet(8, 19)
+    with pytest.raises(ValueError, match="unknown key"):
+        ddp.overlap_experiment(2, variants=[{"bucket_mb": 1}])
+
+
+def test_one_and_two_processes_agree(runs):
+    one, two, _ = runs
+    assert one["world_size"] == 1 and two["world_size"] == 2
+    assert one["global_batch"] == two["global_batch"] == 64 and two["batch_size"] == 32
+    assert one["accuracy"] > 0.90 and two["accuracy"] > 0.90
+    assert abs(one["accuracy"] - two["accuracy"]) <= 0.01
+    assert len(two["history"]) == EPOCHS and two["samples_per_s"] > 0
+    assert math.isfinite(two["final_loss"]) and two["final_loss"] < one["history"][0]["train_loss"]
+
+
+def test_checkpoint_reproduces_accuracy(runs):
+    _, two, ckpt = runs
+    saved = torch.load(ckpt, weights_only=True)
+    assert saved["epoch"] == EPOCHS and "optimizer" in saved
+    assert not any(k.startswith("module.") for k in saved["model"])  # model.module's state dict
+    model = ddp.load_checkpoint(ckpt)
+    assert ddp.evaluate(model) == pytest.approx(two["accuracy"], abs=1.5 / 357)  # at most one image apart
+
+
+def test_set_epoch_changes_the_order():
+    on = ddp.sampler_orders(40, world_size=2, epochs=3, seed=0, set_epoch=True)
+    off = ddp.sampler_orders(40, world_size=2, epochs=3, seed=0, set_epoch=False)
+    assert on[0] != on[1] != on[2] and on[0][0] != on[1][0]
+    assert off[0] == off[1] == off[2] == on[0]  # without set_epoch: epoch 0's order every epoch
+    for epoch in on:  # the two ranks' shards are disjoint and cover everything
+        assert sorted(epoch[0] + epoch[1]) == list(range(40))
+
+
+def test_sharded_eval_counts_each_test_image_once():
+    from torch.utils.data.distributed import DistributedSampler
+
+    n, world = 357, 2
+    kept = []
+    for r in range(world):
+        padded = list(DistributedSampler(range(n), num_replicas=world, rank=r, shuffle=False))
+        assert len(padded) == 179  # the sampler pads 357 to 358
+        kept += padded[: len(range(r, n, world))]
+    assert sorted(kept) == list(range(n))
+
+
+def test_accumulation_with_no_sync_matches_big_batch():
+    res = launch(ddp.accumulation_check, 2, backend="gloo", kwargs={"micro_batch": 8, "accumulate": 2})[0]
+    assert res["global_batch"] == 32
+    assert res["max_abs_diff"] <= 1e-5 * res["max_abs_grad"] + 1e-7
+
+
+def test_fp16_grad_scaler_with_accumulation():
+    res = ddp.run_digits(2, epochs=1, amp="fp16", accumulate=2, backend="gloo")
+    assert res["amp"] == "fp16" and res["accumulate"] == 2 and res["batch_size"] == 16
+    assert res["fp16_scale"] > 0 and math.isfinite(res["final_loss"])
+    assert res["accuracy"] > 0.3  # learned something in one epoch (chance is 0.1)
+
+
+def test_throughput_scaling():
+    df = ddp.scaling((1, 2), backend="gloo", steps=2, warmup_steps=1)
+    assert list(df["world_size"]) == [1, 2]
+    for col in ("step_ms", "images_per_s", "images_per_s_per_worker", "params_mib", "scaling_efficiency"):
+        assert (df[col] > 0).all(), col
+    assert df["scaling_efficiency"].iloc[0] == pytest.approx(1.0)
+    assert df["global_batch"].tolist() == [16, 32]
+
+
+def test_overlap_experiment():
+    df = ddp.overlap_experiment(2, variants=[{"bucket_cap_mb": 0.1}, {"overlap": False}], repeats=1,
+                                backend="gloo", steps=2, warmup_steps=1)
+    assert df["variant"].tolist() == ["bucket_cap_mb=25", "bucket_cap_mb=0.1", "no overlap (all-reduce after backward)"]
+    assert df["step_ms_vs_default"].iloc[0] == pytest.approx(1.0) and (df["images_per_s"] > 0).all()
+    assert df["buckets"].iloc[1] > df["buckets"].iloc[0] == 1  # a smaller cap cuts the gradients into more buckets
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (Linux /proc), found before anything is killed: once torchrun is gone its
+    worker is re-parented and the link is lost."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _stop(p: subprocess.Popen) -> None:
+    """Stop a torchrun started with start_new_session, and its worker, which torchrun starts in a session of its
+    own: SIGTERM to every process group (torchrun then stops its worker), SIGKILL to whatever is left after 5 s."""
+    groups = {p.pid}
+    for pid in _descendants(p.pid):
+        with contextlib.suppress(ProcessLookupError):
+            groups.add(os.getpgid(pid))
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for g in groups:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(g, sig)
+        deadline = time.monotonic() + 5
+        while groups and time.monotonic() < deadline:
+            p.poll()  # reap torchrun, so a finished group reads as gone
+            for g in list(groups):
+                try:
+                    os.killpg(g, 0)
+                except ProcessLookupError:
+                    groups.discard(g)
+            time.sleep(0.05)
+        if not groups:
+            break
+    p.wait(5)
+
+
+def test_two_node_loopback(tmp_path):
+    """Two torchrun 'nodes' on this machine (static rendezvous on 127.0.0.1) train together over gloo."""
+    port, out = free_port(), tmp_path / "result.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    procs, logs = [], []
+    try:
+        for rank in (0, 1):
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+                   f"--node-rank={rank}", "--master-addr=127.0.0.1", f"--master-port={port}",
+                   str(ROOT / "scripts" / "train_ddp.py"), "--backend", "gloo", "--epochs", "2", "--timeout-s", "60",
+                   "--out", str(out)]
+            logs.append(tmp_path / f"node{rank}.log")
+            with open(logs[-1], "w") as log:
+                procs.append(subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                              start_new_session=True))  # own process group: killable as a whole
+        deadline = time.monotonic() + 120
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for p in procs:  # also after a clean exit: nothing this test started may outlive it
+            _stop(p)
+    tails = "\n".join(f"--- {log.name}\n{log.read_text()[-3000:]}" for log in logs)
+    assert [p.returncode for p in procs] == [0, 0], tails
+    res = json.loads(out.read_text())
+    assert res["world_size"] == 2 and res["backend"] == "gloo" and len(res["hosts"]) == 2
+    assert res["accuracy"] > 0.8, tails
