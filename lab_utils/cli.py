@@ -131,11 +131,11 @@ def cmd_report(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from .results import compare, reference_dir
+    from .results import compare, reference_dirs
 
-    ref = Path(args.reference) if args.reference else reference_dir()
+    ref = args.reference or ", ".join(str(p) for p in reference_dirs()) or "no reference run"
     try:
-        df = compare(args.run_dir, ref)
+        df = compare(args.run_dir, args.reference)
     except FileNotFoundError as err:
         print(f"nvlab report: {err}", file=sys.stderr)
         return 2
@@ -186,7 +186,7 @@ def parser() -> argparse.ArgumentParser:
     b.set_defaults(fn=cmd_build_labs)
     rep = sub.add_parser("report", help="compare a run's results with the reference GPU run")
     rep.add_argument("run_dir")
-    rep.add_argument("--reference", help="reference run folder (default reference_runs/h200)")
+    rep.add_argument("--reference", help="reference run folder (default: every folder in reference_runs/)")
     rep.add_argument("--json", action="store_true")
     rep.set_defaults(fn=cmd_report)
     return p

@@ -44,6 +44,14 @@ def reference_dir(name: str = "h200") -> Path:
     return Path(env) if env else repo_root() / "reference_runs" / name
 
 
+def reference_dirs() -> list[Path]:
+    """Every committed reference run (``h200`` for one-GPU labs, ``h200x2`` for lab 02), or the one in the env."""
+    env = os.environ.get(REFERENCE_ENV)
+    if env:
+        return [Path(env)]
+    return sorted(p for p in (repo_root() / "reference_runs").glob("*") if p.is_dir())
+
+
 class Recorder:
     """Appends measurements of one lab to ``results_<lab>.json`` in ``results_dir()``."""
 
@@ -83,24 +91,20 @@ def load(directory: Path | str) -> list[dict[str, Any]]:
     return rows
 
 
-def reference_value(name: str, lab: str, ref: Path | None = None) -> float | None:
-    """One number from the reference run, or None when the run or the name is absent."""
-    path = (ref or reference_dir()) / f"results_{lab}.json"
-    if not path.exists():
-        return None
-    for r in json.loads(path.read_text()):
-        if r["name"] == name:
-            return r["value"]
-    return None
-
-
 def compare(run: Path | str, reference: Path | str | None = None):
-    """A table of each measurement in ``run`` beside the reference run's value and their ratio."""
+    """A table of each measurement in ``run`` beside the reference runs' value and their ratio.
+
+    ``reference``: one run folder; by default every folder under ``reference_runs/`` (the first holding a
+    lab's results wins).
+    """
     import pandas as pd
 
-    ref_dir = Path(reference) if reference else reference_dir()
     local = load(run)
-    ref = {(r["lab"], r["name"]): r for r in load(ref_dir)} if ref_dir.is_dir() else {}
+    ref: dict[tuple[str, str], dict[str, Any]] = {}
+    for ref_dir in [Path(reference)] if reference else reference_dirs():
+        if ref_dir.is_dir():
+            for r in load(ref_dir):
+                ref.setdefault((r["lab"], r["name"]), r)
     rows = []
     for r in local:
         other = ref.get((r["lab"], r["name"]))
