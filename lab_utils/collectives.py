@@ -30,6 +30,7 @@ import numpy as np
 import pandas as pd
 
 from lab_utils import distributed
+from lab_utils.checks import check_int, require_torch
 from lab_utils.plots import format_bytes
 from lab_utils.specs import PCIE_GEN3_GBPS, PCIE_GEN4_GBPS, PCIE_GEN5_GBPS, peaks_for
 from lab_utils.timing import benchmark
@@ -70,11 +71,7 @@ class CollectiveCheckError(RuntimeError):
 
 
 def _torch() -> Any:
-    try:
-        import torch
-    except ImportError as exc:
-        raise ImportError("lab_utils.collectives needs PyTorch: pip install -e '.[torch]'") from exc
-    return torch
+    return require_torch("lab_utils.collectives")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -87,10 +84,7 @@ def _check_collective(collective: Any, where: str, valid: Sequence[str] = COLLEC
     return collective
 
 
-def _check_int(value: Any, arg: str, where: str, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"{where}({arg}={value!r}): must be an integer >= {minimum}")
-    return int(value)
+_check_int = check_int
 
 
 def busbw_factor(collective: str, n: int) -> float:

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from lab_utils.checks import check_int, require_torch
 from lab_utils.specs import GpuPeaks, peaks_for
 from lab_utils.timing import _cpu_model, benchmark, copy_bytes, matmul_bytes, matmul_flops
 
@@ -35,11 +36,7 @@ GIB = 2**30
 
 
 def _torch() -> Any:
-    try:
-        import torch
-    except ImportError as exc:  # the labs install torch as an extra
-        raise ImportError("lab_utils.cuda_bench needs PyTorch: pip install -e '.[torch]'") from exc
-    return torch
+    return require_torch("lab_utils.cuda_bench")
 
 
 def resolve_device(device: Any = "auto", where: str = "device") -> str:
@@ -118,10 +115,7 @@ def _default(value: Any, dev: str, gpu: Any, cpu: Any) -> Any:
     return gpu if _is_cuda(dev) else cpu
 
 
-def _check_int(value: Any, arg: str, where: str, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"{where}({arg}={value!r}): must be an integer >= {minimum}")
-    return int(value)
+_check_int = check_int
 
 
 def _check_dtypes(dtypes: Any, where: str) -> list[str]:

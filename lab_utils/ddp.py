@@ -32,6 +32,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from lab_utils.checks import check_int, require_torch
+
 AMP_MODES = (None, "bf16", "fp16")
 
 # The digits split: 1797 images -> 1440 train (divisible by 1, 2, 3, 4, 5, 6, 8: no DistributedSampler
@@ -70,11 +72,7 @@ MIB = 2**20
 
 
 def _torch() -> Any:
-    try:
-        import torch
-    except ImportError as exc:  # the labs install torch as an extra
-        raise ImportError("lab_utils.ddp needs PyTorch: pip install -e '.[torch]'") from exc
-    return torch
+    return require_torch("lab_utils.ddp")
 
 
 @functools.lru_cache(maxsize=1)
@@ -198,10 +196,7 @@ def param_mib(model: Any) -> float:
 # Checks and small helpers
 
 
-def _check_int(value: Any, arg: str, where: str, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"{where}({arg}={value!r}): must be an integer >= {minimum}")
-    return int(value)
+_check_int = check_int
 
 
 def _check_amp(amp: Any, where: str) -> str | None:

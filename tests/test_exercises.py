@@ -10,6 +10,7 @@ import threading
 import time
 
 import pytest
+from _exercise_harness import check, standard_tests
 
 from lab_utils.exercise import Exercise, Status
 from lab_utils.exercises import lab00, lab01
@@ -91,36 +92,11 @@ CASES = [
 ]
 
 
-def _ids(cases):
-    return [ex.name for ex, *_ in cases]
-
-
-def check(exercise: Exercise, value):
-    return exercise.check(value, quiet=True)
-
-
-@pytest.mark.parametrize(("exercise", "rights", "wrongs"), CASES, ids=_ids(CASES))
-def test_right_answers_are_correct(exercise, rights, wrongs):
-    for value in rights:
-        out = check(exercise, value)
-        assert out.status is Status.CORRECT, (value, out.message)
-
-
-@pytest.mark.parametrize(("exercise", "rights", "wrongs"), CASES, ids=_ids(CASES))
-def test_wrong_answers_are_incorrect_and_show_the_value(exercise, rights, wrongs):
-    for value in wrongs:
-        out = check(exercise, value)
-        assert out.status is Status.INCORRECT, (value, out.message)
-        assert f"`{exercise.var}`" in out.message
-        assert len(out.message) > len(exercise.var) + 20  # says why, not just "wrong"
-
-
-@pytest.mark.parametrize(("exercise", "rights", "wrongs"), CASES, ids=_ids(CASES))
-@pytest.mark.parametrize("blank", [None, ...])
-def test_blank_answers_are_not_attempted(exercise, rights, wrongs, blank):
-    out = check(exercise, blank)
-    assert out.status is Status.NOT_ATTEMPTED
-    assert exercise.var in out.message
+(
+    test_right_answers_are_correct,
+    test_wrong_answers_are_incorrect_and_show_the_value,
+    test_blank_answers_are_not_attempted,
+) = standard_tests(CASES)
 
 
 def test_placeholder_functions_are_not_attempted():
