@@ -32,9 +32,10 @@ import sys
 from pathlib import Path
 
 try:
-    import lab_utils  # noqa: F401  (installed with pip install -e .)
-except ImportError:  # run from a checkout without installing: the repository root is one folder up
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import lab_utils  # noqa: F401
+except ImportError:  # an install, not a path hack: every node needs the same environment
+    sys.exit("train_ddp.py: lab_utils is not importable on this node: run `pip install -e .` in the course "
+             "checkout (or export PYTHONPATH=<checkout>) in the environment torchrun starts")
 
 from lab_utils import ddp
 from lab_utils.distributed import WorkerContext
