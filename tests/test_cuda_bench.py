@@ -16,6 +16,17 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+
+@pytest.fixture(autouse=True)
+def _one_blas_thread():
+    """CPU timings here compare two clocks on the same work. With two BLAS threads on a shared 2-core
+    machine, a thread that loses its core stalls the other at every barrier and one measurement comes out
+    many times slower than the next; one thread makes the comparison about the clocks, not the scheduler."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
 from lab_utils import cuda_bench as cb
 from lab_utils import plots
 from lab_utils.specs import H200_SXM
@@ -131,14 +142,7 @@ def test_tf32_context_with_new_api():
 
 
 def test_async_pitfall_cpu_agrees():
-    # One BLAS thread: with two threads on a busy 2-core machine a thread that loses its core stalls the
-    # other at the barrier, and one of the three blocks of repetitions can come out many times slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        df = cb.async_pitfall(256, "cpu", reps=15, warmup=2)
-    finally:
-        torch.set_num_threads(threads)
+    df = cb.async_pitfall(256, "cpu", reps=15, warmup=2)
     methods = ["host clock, no synchronize", "host clock + synchronize", "benchmark (host clock)"]
     assert list(df["method"]) == methods
     assert not df["async_launch"].any()
@@ -184,11 +188,14 @@ def test_tf32_and_fp8_skipped_on_cpu_with_reasons(sweep):
 
 def test_sweep_agrees_with_bare_loop_on_cpu():
     n = 256
-    swept = cb.matmul_sweep([n], dtypes=["fp32"], device="cpu", reps=7, warmup=2)["tflops"].iloc[0]
-    bare = cb.bare_matmul_loop(n, "fp32", iters=7, device="cpu", warmup=2)
-    assert bare > 0 and swept > 0
-    # Both time the same call; a factor of 5 allows for a noisy shared CPU, not for a wrong FLOP count.
-    assert 0.2 < swept / bare < 5, (swept, bare)
+    ratios = []
+    for _ in range(3):  # best agreement of three interleaved tries: one descheduled try is not a bug
+        swept = cb.matmul_sweep([n], dtypes=["fp32"], device="cpu", reps=7, warmup=2)["tflops"].iloc[0]
+        bare = cb.bare_matmul_loop(n, "fp32", iters=7, device="cpu", warmup=2)
+        assert bare > 0 and swept > 0
+        ratios.append(swept / bare)
+    # Both time the same call; a factor of 2 allows for a noisy shared CPU, not for a wrong FLOP count.
+    assert any(0.5 < r < 2 for r in ratios), ratios
 
 
 def test_copy_bandwidth_cpu(copies):
