@@ -24,6 +24,7 @@ from .catalog import lab_by_number, repo_root
 BEGIN, END, STUDENT = "# BEGIN SOLUTION", "# END SOLUTION", "# STUDENT:"
 MD_BLOCK = re.compile(r"<!-- BEGIN SOLUTION -->.*?<!-- END SOLUTION -->", re.S)
 MD_PLACEHOLDER = "*Your answer here.*"
+CHECK_MARKER = "# NBVAL_CHECK_OUTPUT"  # cells whose stored outputs nbval compares
 RUN_ID_ENV = "NVLAB_RUN_ID"  # every process a run starts inherits it: how leftovers are found
 
 
@@ -96,7 +97,9 @@ def build_lab(solution: Any) -> Any:
     for i, cell in enumerate(nb.cells):
         where = f"cell {i}"
         if cell.cell_type == "code":
-            cell.source = strip_solution(cell.source, where)
+            source = strip_solution(cell.source, where)
+            # nbval's marker matters only in solutions (labs are not compared): keep it out of students' way
+            cell.source = "\n".join(ln for ln in source.split("\n") if ln.strip() != CHECK_MARKER)
             cell.outputs = []
             cell.execution_count = None
         elif cell.cell_type == "markdown":
@@ -142,9 +145,6 @@ def build_labs(check: bool = False, root: Path | None = None) -> list[str]:
             if not check:
                 extra.unlink()
     return changed
-
-
-CHECK_MARKER = "# NBVAL_CHECK_OUTPUT"
 
 
 def update_expected(solution: Path, executed: Path) -> int:
