@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 from lab_utils.exercise import Exercise, Outcome, Status
@@ -38,3 +40,30 @@ def standard_tests(cases):
 
     return test_right_answers_are_correct, test_wrong_answers_are_incorrect_and_show_the_value, \
         test_blank_answers_are_not_attempted
+
+
+def hint_and_solution_tests(exercises):
+    """Hints step from the first to the last and stay there; every solution prints its text."""
+    ids = [e.name for e in exercises]
+
+    @pytest.mark.parametrize("exercise", exercises, ids=ids)
+    def test_hints_step_from_first_to_last(exercise, capsys):
+        exercise = copy.copy(exercise)
+        exercise._hints_shown = 0
+        n = len(exercise.hints)
+        shown = [exercise.hint() for _ in range(n + 1)]
+        assert shown[0].startswith(f"Hint 1/{n}:")
+        assert shown[n - 1].startswith(f"Hint {n}/{n}:")
+        assert shown[n] == shown[n - 1]  # stays on the last one
+        assert exercise.hint(1) == shown[0]
+        assert "Hint 1/" in capsys.readouterr().out
+        with pytest.raises(ValueError):
+            exercise.hint(n + 1)
+
+    @pytest.mark.parametrize("exercise", exercises, ids=ids)
+    def test_solution_prints(exercise, capsys):
+        text = exercise.solution()
+        assert exercise.name in text and exercise.solution_text in text
+        assert exercise.solution_text in capsys.readouterr().out
+
+    return test_hints_step_from_first_to_last, test_solution_prints

@@ -3,14 +3,13 @@ solutions; and the simulated asynchronous device used by lab 01's timing exercis
 
 from __future__ import annotations
 
-import copy
 import subprocess
 import sys
 import threading
 import time
 
 import pytest
-from _exercise_harness import check, standard_tests
+from _exercise_harness import check, hint_and_solution_tests, standard_tests
 
 from lab_utils.exercise import Exercise, Status
 from lab_utils.exercises import lab00, lab01
@@ -321,25 +320,10 @@ def test_every_exercise_has_hints_and_solution(module):
         assert exercise.solution_text.strip(), exercise.name
 
 
-def test_hints_step_from_first_to_last(capsys):
-    exercise = copy.copy(lab01.q1)
-    exercise._hints_shown = 0
-    n = len(exercise.hints)
-    shown = [exercise.hint() for _ in range(n + 1)]
-    assert shown[0].startswith(f"Hint 1/{n}:")
-    assert shown[n - 1].startswith(f"Hint {n}/{n}:")
-    assert shown[n] == shown[n - 1]  # stays on the last one
-    assert exercise.hint(1) == shown[0]
-    assert "Hint 1/" in capsys.readouterr().out
-    with pytest.raises(ValueError):
-        exercise.hint(n + 1)
 
-
-@pytest.mark.parametrize("exercise", _exercises(lab00) + _exercises(lab01), ids=lambda e: e.name)
-def test_solution_prints(exercise, capsys):
-    text = exercise.solution()
-    assert exercise.name in text and exercise.solution_text in text
-    assert exercise.solution_text in capsys.readouterr().out
+test_hints_step_from_first_to_last, test_solution_prints = hint_and_solution_tests(
+    _exercises(lab00) + _exercises(lab01)
+)
 
 
 def test_check_prints_outcome(capsys):

@@ -7,7 +7,7 @@ import ast
 import copy
 
 import pytest
-from _exercise_harness import check, standard_tests
+from _exercise_harness import check, hint_and_solution_tests, standard_tests
 
 from lab_utils.exercise import Exercise, Status
 from lab_utils.exercises import lab02
@@ -310,26 +310,8 @@ def test_solution_code_passes_its_check(exercise):
     assert check(exercise, namespace[exercise.var]).correct
 
 
-@pytest.mark.parametrize("exercise", _exercises(lab02), ids=lambda e: e.name)
-def test_hints_step_from_first_to_last(exercise, capsys):
-    exercise = copy.copy(exercise)
-    exercise._hints_shown = 0
-    n = len(exercise.hints)
-    shown = [exercise.hint() for _ in range(n + 1)]
-    assert shown[0].startswith(f"Hint 1/{n}:")
-    assert shown[n - 1].startswith(f"Hint {n}/{n}:")
-    assert shown[n] == shown[n - 1]  # stays on the last one
-    assert exercise.hint(1) == shown[0]
-    assert "Hint 1/" in capsys.readouterr().out
-    with pytest.raises(ValueError):
-        exercise.hint(n + 1)
 
-
-@pytest.mark.parametrize("exercise", _exercises(lab02), ids=lambda e: e.name)
-def test_solution_prints(exercise, capsys):
-    text = exercise.solution()
-    assert exercise.name in text and exercise.solution_text in text
-    assert exercise.solution_text in capsys.readouterr().out
+test_hints_step_from_first_to_last, test_solution_prints = hint_and_solution_tests(_exercises(lab02))
 
 
 def test_all_exports_exist():

@@ -45,12 +45,9 @@ def reference_busbw_factor(collective: str, n: int) -> float:
         raise ValueError(f"unknown collective {collective!r}; valid: {', '.join(COLLECTIVES)}")
     if isinstance(n, bool) or int(n) != n or n < 1:
         raise ValueError(f"n must be a whole number of ranks >= 1, got {n!r}")
-    n = int(n)
-    if key == "all_reduce":
-        return 2 * (n - 1) / n
-    if key in ("reduce_scatter", "all_gather", "all_to_all"):
-        return (n - 1) / n
-    return 1.0
+    from lab_utils.collectives import busbw_factor  # the one definition the lab's measurements use
+
+    return busbw_factor(key, int(n))
 
 
 # (collective, n, why). The most-used case first, so a function wrong everywhere hears about it.
