@@ -38,12 +38,6 @@ def results_dir() -> Path:
     return Path(os.environ.get(RESULTS_ENV) or "nvlab-results")
 
 
-def reference_dir(name: str = "h200") -> Path:
-    """The committed reference run: ``$NVLAB_REFERENCE_DIR`` or ``reference_runs/<name>`` in the checkout."""
-    env = os.environ.get(REFERENCE_ENV)
-    return Path(env) if env else repo_root() / "reference_runs" / name
-
-
 def reference_dirs() -> list[Path]:
     """Every committed reference run (``h200`` for one-GPU labs, ``h200x2`` for lab 02), or the one in the env."""
     env = os.environ.get(REFERENCE_ENV)
