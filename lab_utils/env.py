@@ -380,10 +380,21 @@ def pytriton_server() -> Path | None:
     return binary if binary.exists() else None
 
 
+def tensorrt_runtime_present() -> bool:
+    """True when ``import tensorrt`` gives the real runtime, not the stub-only namespace package.
+
+    ``tensorrt-stubs`` installs a ``tensorrt/`` folder of ``.pyi`` files, so a bare ``find_spec`` succeeds on
+    machines without TensorRT; the real package has an ``__init__.py`` (an origin).
+    """
+    spec = importlib.util.find_spec("tensorrt")
+    return spec is not None and spec.origin not in (None, "namespace")
+
+
 def _probe_components() -> dict[str, Component]:
     comps: dict[str, Component] = {}
     trt = _dist_version("tensorrt", "tensorrt-cu13", "tensorrt-cu12")
-    trt_found = importlib.util.find_spec("tensorrt") is not None
+    trt_found = tensorrt_runtime_present()
+    trt = trt if trt_found else None
     comps["tensorrt"] = Component(
         "TensorRT", trt_found, trt, shutil.which("trtexec"),
         "" if trt_found else "not installed; in an NGC PyTorch image it is included",
