@@ -11,17 +11,17 @@ processes cannot see functions defined in a notebook).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import multiprocessing as mp
 import os
 import queue as queue_mod
-import signal
 import socket
 import time
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
+
+from .procs import die_with_parent
 
 BACKENDS = ("auto", "nccl", "gloo")
 
@@ -113,11 +113,8 @@ def _nccl_available() -> bool:
         return False
 
 
-def _die_with_parent() -> None:
-    """Linux: deliver SIGKILL to this worker if the notebook's kernel dies, so no worker is orphaned."""
-    with contextlib.suppress(Exception):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+# Linux: SIGKILL this worker if the notebook's kernel dies, so no worker is orphaned (one shared definition).
+_die_with_parent = die_with_parent
 
 
 def _worker(fn: Callable[..., Any], kwargs: dict[str, Any], rank: int, world: int, backend: str,

@@ -1,0 +1,523 @@
+"""Closed-loop load against a Triton server: throughput, latency percentiles, the server-side split.
+
+Stable API (lab 04 and lab 05 build on it; names and meanings do not change):
+
+- ``run_load(url, model, make_inputs, concurrency, *, protocol="grpc", duration_s=None, window_s=1.0,
+  warmup_s=0.5, max_windows=10, stability=0.10, processes=None, outputs=None, stats_url=None,
+  on_window=None, timeout_s=10.0) -> LoadResult``.
+  ``concurrency`` clients each keep exactly one request in flight (closed loop). ``make_inputs()`` returns
+  one request's inputs, ``{name: np.ndarray}`` (batch dimension included), or pass such a dict. With
+  ``duration_s=None`` measurement windows of ``window_s`` repeat until three in a row agree within
+  ``stability`` (10 %) on throughput and mean latency, as perf_analyzer does, or ``max_windows`` pass;
+  with ``duration_s`` the run lasts that long. ``url``: ``host:port`` of the protocol's endpoint (an
+  ``http://`` prefix is accepted); ``stats_url``: the server's HTTP URL for the statistics API (default:
+  ``url`` when the protocol is HTTP).
+- ``LoadResult``: ``throughput_infer_s``, ``p50_ms``, ``p90_ms``, ``p95_ms``, ``p99_ms``, ``mean_ms``,
+  ``requests``, ``errors``, ``error_messages`` ({message: count}), ``windows`` (per window: throughput,
+  mean and p95 latency, errors), ``stable``, ``seconds``, ``server`` (the statistics-API split, or None),
+  ``to_row()`` for a table.
+- ``sweep(url, model, make_inputs, concurrencies, **kw) -> pandas.DataFrame`` (one row per concurrency).
+- ``server_split(before, after)``: average queue / compute input / infer / output µs per request and the
+  average batch from two statistics snapshots (``model_stats``).
+- ``perf_analyzer_command(...)``: the equivalent ``perf_analyzer`` command line.
+
+A failed request never stops the load: it is counted in ``errors`` with its message (the server died,
+refused the input, timed out), and the client backs off 10 ms before its next request so a dead server
+is not spun against. Clients run as asyncio tasks in one thread of this process, or, with
+``processes > 1`` (the default on machines with more than 8 cores), in separate client processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import threading
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+PROTOCOLS = ("grpc", "http")
+ERROR_BACKOFF_S = 0.01
+_N_PAYLOADS = 8  # distinct request payloads made up front, so make_inputs costs nothing in the timed loop
+
+
+@dataclass
+class Window:
+    """One measurement window: what completed in it."""
+
+    index: int
+    seconds: float
+    requests: int
+    errors: int
+    throughput_infer_s: float
+    mean_ms: float
+    p95_ms: float
+
+
+@dataclass
+class LoadResult:
+    model: str
+    protocol: str
+    concurrency: int
+    throughput_infer_s: float  # successful requests per second over the measured windows
+    p50_ms: float
+    p90_ms: float
+    p95_ms: float
+    p99_ms: float
+    mean_ms: float
+    requests: int  # successful requests measured
+    errors: int  # failed requests measured (and during warm-up: see errors_total)
+    error_messages: dict[str, int]
+    windows: list[Window]
+    stable: bool
+    seconds: float  # measured time
+    errors_total: int = 0  # including warm-up and unmeasured windows
+    batch: int = 1  # rows per request (the first dimension of the inputs)
+    server: dict[str, float] | None = None  # the statistics-API split, see server_split
+    processes: int = 1
+
+    def to_row(self) -> dict[str, Any]:
+        """A flat dict for a table: the client numbers, then the server split."""
+        row = {k: v for k, v in asdict(self).items() if k not in ("windows", "error_messages", "server")}
+        row["windows"] = len(self.windows)
+        for k, v in (self.server or {}).items():
+            row[f"server_{k}"] = v
+        return row
+
+    def __str__(self) -> str:
+        s = (f"{self.model} {self.protocol} c={self.concurrency}: {self.throughput_infer_s:,.0f} infer/s, "
+             f"p50 {self.p50_ms:.2f} ms, p95 {self.p95_ms:.2f} ms, p99 {self.p99_ms:.2f} ms, "
+             f"{self.errors} errors, {'stable' if self.stable else 'NOT stable'} after {len(self.windows)} windows")
+        if self.server:
+            s += (f"; server: queue {self.server['queue_us']:.0f} µs, infer {self.server['compute_infer_us']:.0f} µs,"
+                  f" batch {self.server['batch_avg']:.1f}")
+        return s
+
+
+# --- statistics API --------------------------------------------------------------------------------------
+
+
+def _http_base(url: str) -> str:
+    return url if "://" in url else f"http://{url}"
+
+
+def model_stats(http_url: str, model: str, version: str = "") -> dict[str, Any]:
+    """``GET v2/models/{model}[/versions/{v}]/stats``: the statistics API's counters, summed over versions."""
+    path = f"/v2/models/{model}" + (f"/versions/{version}" if version else "") + "/stats"
+    with urllib.request.urlopen(_http_base(http_url).rstrip("/") + path, timeout=5) as r:
+        data = json.loads(r.read())
+    entries = data.get("model_stats", [])
+    total: dict[str, Any] = {"inference_count": 0, "execution_count": 0, "inference_stats": {}}
+    for e in entries:
+        total["inference_count"] += int(e.get("inference_count", 0))
+        total["execution_count"] += int(e.get("execution_count", 0))
+        for k, v in e.get("inference_stats", {}).items():
+            d = total["inference_stats"].setdefault(k, {"count": 0, "ns": 0})
+            d["count"] += int(v.get("count", 0))
+            d["ns"] += int(v.get("ns", 0))
+    return total
+
+
+def server_split(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[str, float]:
+    """Average µs per successful request in queue / compute input / infer / output, and the average batch.
+
+    From two ``model_stats`` snapshots (the statistics API's counters are cumulative). ``batch_avg`` is
+    inferences per model execution: how many requests' rows the batcher put together.
+    """
+    def delta(key: str) -> tuple[int, int]:
+        a, b = before["inference_stats"].get(key, {}), after["inference_stats"].get(key, {})
+        return b.get("count", 0) - a.get("count", 0), b.get("ns", 0) - a.get("ns", 0)
+
+    n_ok, ns_ok = delta("success")
+    out: dict[str, float] = {"requests": float(n_ok)}
+    per = max(n_ok, 1)
+    out["request_us"] = ns_ok / per / 1e3
+    for k in ("queue", "compute_input", "compute_infer", "compute_output"):
+        out[f"{k}_us"] = delta(k)[1] / per / 1e3
+    execs = after["execution_count"] - before["execution_count"]
+    infers = after["inference_count"] - before["inference_count"]
+    out["executions"] = float(execs)
+    out["batch_avg"] = infers / execs if execs else float("nan")
+    out["failures"] = float(delta("fail")[0])
+    return out
+
+
+# --- the clients -------------------------------------------------------------------------------------------
+
+
+def _strip(url: str) -> str:
+    for prefix in ("http://", "https://", "grpc://"):
+        url = url.removeprefix(prefix)
+    return url.rstrip("/")
+
+
+def _payloads(make_inputs: Callable[[], Mapping[str, np.ndarray]] | Mapping[str, np.ndarray]) -> list[dict]:
+    if isinstance(make_inputs, Mapping):
+        sets = [dict(make_inputs)]
+    elif callable(make_inputs):
+        sets = [dict(make_inputs()) for _ in range(_N_PAYLOADS)]
+    else:
+        raise TypeError("make_inputs: a function returning {input name: numpy array}, or such a dict")
+    for s in sets:
+        if not s or not all(isinstance(v, np.ndarray) for v in s.values()):
+            raise TypeError(f"make_inputs must give {{input name: numpy array}}, got "
+                            f"{ {k: type(v).__name__ for k, v in s.items()} }")
+    return sets
+
+
+def _datatype(a: np.ndarray) -> str:
+    from tritonclient.utils import np_to_triton_dtype
+
+    dt = np_to_triton_dtype(a.dtype)
+    if dt is None:
+        raise TypeError(f"numpy dtype {a.dtype} has no Triton datatype")
+    return dt
+
+
+class _Sink:
+    """Per-request records of one client thread/process, bucketed by window on completion."""
+
+    def __init__(self, t0: float, window_s: float):
+        self.t0, self.window_s = t0, window_s
+        self.lat: dict[int, list[float]] = {}
+        self.err: dict[int, int] = {}
+        self.msgs: Counter[str] = Counter()
+
+    def add(self, t_start: float, t_end: float, ok: bool, msg: str = "") -> None:
+        w = max(-1, math.floor((t_end - self.t0) / self.window_s))  # -1: warm-up
+        if ok:
+            self.lat.setdefault(w, []).append((t_end - t_start) * 1e3)
+        else:
+            self.err[w] = self.err.get(w, 0) + 1
+            self.msgs[_short_error(msg)] += 1
+
+    def take(self, w: int) -> tuple[np.ndarray, int, dict[str, int]]:
+        lat = np.asarray(self.lat.pop(w, []), dtype=np.float64)
+        errs = self.err.pop(w, 0)
+        msgs, self.msgs = dict(self.msgs), Counter()
+        return lat, errs, msgs
+
+
+def _short_error(msg: str) -> str:
+    msg = " ".join(str(msg).split())
+    return msg[:300]
+
+
+async def _client_loop(protocol: str, url: str, model: str, payloads: list[dict], outputs: Sequence[str] | None,
+                       sink: _Sink, stop: threading.Event | Any, timeout_s: float, offset: int) -> None:
+    if protocol == "grpc":
+        import tritonclient.grpc.aio as tc
+    else:
+        import tritonclient.http.aio as tc  # type: ignore[no-redef]
+    client = (tc.InferenceServerClient(url) if protocol == "grpc" else
+              tc.InferenceServerClient(url, conn_timeout=timeout_s))
+    try:
+        reqs = []
+        for p in payloads:
+            ins = []
+            for name, arr in p.items():
+                i = tc.InferInput(name, list(arr.shape), _datatype(arr))
+                if protocol == "http":
+                    i.set_data_from_numpy(arr, binary_data=True)
+                else:
+                    i.set_data_from_numpy(arr)
+                ins.append(i)
+            outs = ([tc.InferRequestedOutput(o, binary_data=True) if protocol == "http" else
+                     tc.InferRequestedOutput(o) for o in outputs] if outputs else None)
+            reqs.append((ins, outs))
+        k = offset
+        kw = {"client_timeout": timeout_s} if protocol == "grpc" else {}
+        while not stop.is_set():
+            ins, outs = reqs[k % len(reqs)]
+            k += 1
+            t = time.perf_counter()
+            try:
+                await client.infer(model, ins, outputs=outs, **kw)
+            except Exception as err:  # counted, never raised: the load goes on (a failure drill needs it)
+                sink.add(t, time.perf_counter(), False, f"{type(err).__name__}: {err}")
+                await asyncio.sleep(ERROR_BACKOFF_S)
+            else:
+                sink.add(t, time.perf_counter(), True)
+    finally:
+        with contextlib.suppress(Exception):
+            await client.close()
+
+
+def _run_clients(protocol: str, url: str, model: str, payloads: list[dict], outputs: Sequence[str] | None,
+                 n: int, sink: _Sink, stop: Any, timeout_s: float, first: int) -> None:
+    async def main() -> None:
+        await asyncio.gather(*(_client_loop(protocol, url, model, payloads, outputs, sink, stop, timeout_s,
+                                            first + i) for i in range(n)))
+
+    asyncio.run(main())
+
+
+def _process_worker(protocol: str, url: str, model: str, payloads: list[dict], outputs: Sequence[str] | None,
+                    n: int, t0: float, window_s: float, stop: Any, out_q: Any, timeout_s: float, first: int) -> None:
+    """A client process: ``n`` closed-loop clients; hands each finished window to the parent."""
+    from .procs import die_with_parent
+
+    die_with_parent()
+    sink = _Sink(t0, window_s)
+    lock = threading.Lock()
+    done = threading.Event()
+    locked = _LockedSink(sink, lock)
+
+    def flusher() -> None:
+        w = -1
+        while True:
+            end = t0 + (w + 1) * window_s
+            finished = done.wait(max(0.0, end - time.perf_counter()))
+            with lock:
+                out_q.put(("window", w, *sink.take(w)))
+            w += 1
+            if finished:
+                with lock:
+                    out_q.put(("window", w, *sink.take(w)))
+                return
+
+    th = threading.Thread(target=flusher, daemon=True)
+    th.start()
+    try:
+        _run_clients(protocol, url, model, payloads, outputs, n, locked, stop, timeout_s, first)  # type: ignore[arg-type]
+    except BaseException as err:
+        out_q.put(("crash", -1, f"{type(err).__name__}: {err}"))
+    finally:
+        done.set()
+        th.join(timeout=5)
+        out_q.put(("done", -1, None))
+
+
+class _LockedSink:
+    def __init__(self, sink: _Sink, lock: threading.Lock):
+        self.sink, self.lock = sink, lock
+
+    def add(self, *a: Any) -> None:
+        with self.lock:
+            self.sink.add(*a)
+
+
+def _auto_processes(concurrency: int) -> int:
+    cpus = os.cpu_count() or 1
+    if cpus <= 8 or concurrency < 8:
+        return 1  # the clients share the cores with the server: one process wastes least
+    return max(1, min(4, concurrency // 4, cpus // 4))
+
+
+def _stable(ws: list[Window], stability: float) -> bool:
+    if len(ws) < 3:
+        return False
+    last = ws[-3:]
+    for key in ("throughput_infer_s", "mean_ms"):
+        vals = [getattr(w, key) for w in last]
+        m = sum(vals) / 3
+        if not m or not all(math.isfinite(v) for v in vals) or (max(vals) - min(vals)) / m > stability:
+            return False
+    return True
+
+
+def run_load(
+    url: str,
+    model: str,
+    make_inputs: Callable[[], Mapping[str, np.ndarray]] | Mapping[str, np.ndarray],
+    concurrency: int,
+    *,
+    protocol: str = "grpc",
+    duration_s: float | None = None,
+    window_s: float = 1.0,
+    warmup_s: float = 0.5,
+    max_windows: int = 10,
+    stability: float = 0.10,
+    processes: int | None = None,
+    outputs: Sequence[str] | None = None,
+    stats_url: str | None = None,
+    on_window: Callable[[Window], None] | None = None,
+    timeout_s: float = 10.0,
+) -> LoadResult:
+    """Closed-loop load at ``concurrency`` clients; see the module docstring for every argument."""
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"protocol={protocol!r}: use one of {PROTOCOLS}")
+    if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+        raise ValueError(f"concurrency={concurrency!r}: the number of clients, an integer >= 1")
+    if window_s <= 0 or warmup_s < 0 or max_windows < 3:
+        raise ValueError("window_s > 0, warmup_s >= 0 and max_windows >= 3 are needed")
+    if duration_s is not None and duration_s <= 0:
+        raise ValueError(f"duration_s={duration_s!r}: a positive number of seconds, or None for the stability rule")
+    payloads = _payloads(make_inputs)
+    batch = int(next(iter(payloads[0].values())).shape[0]) if next(iter(payloads[0].values())).ndim else 1
+    target = _strip(url)
+    if stats_url is None and protocol == "http":
+        stats_url = url
+    n_windows = max(1, math.ceil(duration_s / window_s)) if duration_s is not None else max_windows
+    if duration_s is not None:
+        window_s = duration_s / n_windows
+    nproc = processes if processes is not None else _auto_processes(concurrency)
+    nproc = max(1, min(nproc, concurrency))
+    t0 = time.perf_counter() + warmup_s + (1.0 if nproc > 1 else 0.05)  # processes need a moment to start
+    shares = [concurrency // nproc + (1 if i < concurrency % nproc else 0) for i in range(nproc)]
+
+    windows: list[Window] = []
+    lat_by_w: list[np.ndarray] = []
+    msgs: Counter[str] = Counter()
+    errors_total = 0
+    snaps: list[dict[str, Any] | None] = []
+
+    def snapshot() -> dict[str, Any] | None:
+        if not stats_url:
+            return None
+        try:
+            return model_stats(stats_url, model)
+        except Exception:  # the server may be gone (failure drill): no split, the load numbers stand
+            return None
+
+    if nproc == 1:
+        stop: Any = threading.Event()
+        sink = _Sink(t0, window_s)
+        lock = threading.Lock()
+        locked = _LockedSink(sink, lock)
+        err_box: list[BaseException] = []
+
+        def target_fn() -> None:
+            try:
+                _run_clients(protocol, target, model, payloads, outputs, concurrency, locked, stop,  # type: ignore[arg-type]
+                             timeout_s, 0)
+            except BaseException as err:
+                err_box.append(err)
+
+        th = threading.Thread(target=target_fn, name="nvlab-load", daemon=True)
+        th.start()
+
+        def take(w: int) -> tuple[np.ndarray, int, dict[str, int]]:
+            end = t0 + (w + 1) * window_s
+            while time.perf_counter() < end and th.is_alive():
+                th.join(timeout=min(0.05, max(0.0, end - time.perf_counter())))
+            if err_box:
+                raise RuntimeError(f"the load clients failed: {err_box[0]}") from err_box[0]
+            with lock:
+                return sink.take(w)
+
+        def finish() -> None:
+            stop.set()
+            th.join(timeout=timeout_s + 5)
+    else:
+        ctx = mp.get_context("spawn")
+        stop = ctx.Event()
+        out_q = ctx.Queue()
+        procs = [ctx.Process(target=_process_worker, name=f"nvlab-load-{i}", daemon=True,
+                             args=(protocol, target, model, payloads, outputs, shares[i], t0, window_s, stop, out_q,
+                                   timeout_s, sum(shares[:i])))
+                 for i in range(nproc)]
+        for p in procs:
+            p.start()
+        pending: dict[int, list[tuple[np.ndarray, int, dict[str, int]]]] = {}
+
+        def take(w: int) -> tuple[np.ndarray, int, dict[str, int]]:
+            deadline = t0 + (w + 1) * window_s + timeout_s + 10
+            while len(pending.get(w, [])) < nproc:
+                try:
+                    kind, wi, *rest = out_q.get(timeout=0.2)
+                except queue_mod.Empty:
+                    dead = [p for p in procs if not p.is_alive()]
+                    if dead or time.perf_counter() > deadline:
+                        codes = ", ".join(f"{p.name} exit code {p.exitcode}" for p in dead)
+                        raise RuntimeError(f"load client processes stopped answering (window {w}"
+                                           f"{'; ' + codes if codes else ''}); from a script, call run_load "
+                                           "under `if __name__ == '__main__':` (spawned processes re-import "
+                                           "it), or pass processes=1") from None
+                    continue
+                if kind == "window":
+                    pending.setdefault(wi, []).append(tuple(rest))  # type: ignore[arg-type]
+                elif kind == "crash":
+                    raise RuntimeError(f"a load client process failed: {rest[0]}")
+            parts = pending.pop(w)
+            lat = np.concatenate([p[0] for p in parts]) if parts else np.zeros(0)
+            m: Counter[str] = Counter()
+            for p in parts:
+                m.update(p[2])
+            return lat, sum(p[1] for p in parts), dict(m)
+
+        def finish() -> None:
+            stop.set()
+            for p in procs:
+                p.join(timeout=timeout_s + 5)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+
+    try:
+        _, e, m = take(-1)  # warm-up: dropped, but its errors count in errors_total
+        errors_total += e
+        msgs.update(m)
+        snaps.append(snapshot())
+        for w in range(n_windows):
+            lat, e, m = take(w)
+            snaps.append(snapshot())
+            errors_total += e
+            msgs.update(m)
+            win = Window(w, window_s, len(lat), e, len(lat) * batch / window_s,
+                         float(lat.mean()) if len(lat) else float("nan"),
+                         float(np.percentile(lat, 95)) if len(lat) else float("nan"))
+            windows.append(win)
+            lat_by_w.append(lat)
+            if on_window is not None:
+                on_window(win)
+            if duration_s is None and _stable(windows, stability):
+                break
+    finally:
+        finish()
+    stable = _stable(windows, stability)
+    use = len(windows) if duration_s is not None else min(3, len(windows))
+    sel = lat_by_w[-use:]
+    lat = np.concatenate(sel) if sel else np.zeros(0)
+    measured_s = use * window_s
+    errors = sum(w.errors for w in windows[-use:])
+    pct = (np.percentile(lat, [50, 90, 95, 99]) if len(lat) else [float("nan")] * 4)
+    split = None
+    first, last = snaps[len(snaps) - 1 - use] if len(snaps) > use else None, snaps[-1]
+    if first is not None and last is not None:
+        split = server_split(first, last)
+    return LoadResult(
+        model=model, protocol=protocol, concurrency=concurrency,
+        throughput_infer_s=len(lat) * batch / measured_s if measured_s else float("nan"),
+        p50_ms=float(pct[0]), p90_ms=float(pct[1]), p95_ms=float(pct[2]), p99_ms=float(pct[3]),
+        mean_ms=float(lat.mean()) if len(lat) else float("nan"),
+        requests=int(len(lat)), errors=int(errors), error_messages=dict(msgs.most_common(10)),
+        windows=windows, stable=stable, seconds=measured_s, errors_total=int(errors_total), batch=batch,
+        server=split, processes=nproc,
+    )
+
+
+def sweep(url: str, model: str, make_inputs: Any, concurrencies: Sequence[int], **kw: Any) -> Any:
+    """``run_load`` at each concurrency; a DataFrame with one row per concurrency (``LoadResult.to_row``)."""
+    import pandas as pd
+
+    rows = [run_load(url, model, make_inputs, c, **kw).to_row() for c in concurrencies]
+    return pd.DataFrame(rows)
+
+
+def perf_analyzer_command(model: str, url: str, concurrencies: Sequence[int], *, protocol: str = "grpc",
+                          shape: str | None = None, window_ms: int = 5000, stability_pct: int = 10,
+                          percentile: int = 95) -> str:
+    """The ``perf_analyzer`` command (NGC ``tritonserver:<yy.mm>-py3-sdk`` image) measuring what ``sweep`` does."""
+    lo, hi = min(concurrencies), max(concurrencies)
+    steps = sorted(set(concurrencies))
+    step = (steps[1] - steps[0]) if len(steps) > 1 else 1
+    cmd = (f"perf_analyzer -m {model} -u {_strip(url)} -i {protocol} --concurrency-range {lo}:{hi}:{step} "
+           f"--measurement-interval {window_ms} --stability-percentage {stability_pct} --percentile {percentile}")
+    if shape:
+        cmd += f" --shape {shape}"
+    return cmd
+
+
+__all__ = ["run_load", "sweep", "LoadResult", "Window", "model_stats", "server_split", "perf_analyzer_command",
+           "PROTOCOLS"]

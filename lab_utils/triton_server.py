@@ -1,0 +1,535 @@
+"""A real Triton Inference Server as an owned object: found, started on free ports, ready, stopped.
+
+Stable API (lab 04 and lab 05 build on it; names and meanings do not change):
+
+- ``find_server(local=False) -> ServerSource``: where a server comes from, in this order:
+  ``TRITON_URL`` (a running server, e.g. the course's compose stack) → ``tritonserver`` on the ``PATH``
+  (the NGC ``tritonserver`` image) → the binary inside the ``nvidia-pytriton`` wheel. With none,
+  ``ServerNotFound`` explains the three ways to get one. ``local=True`` skips ``TRITON_URL``.
+- ``TritonServer(model_repository, *, model_control="none"|"explicit"|"poll", metrics=True,
+  metrics_config=("summary_latencies=true",), extra_args=(), startup_timeout_s=60, log_path=None,
+  load_models=(), host="127.0.0.1", http_port=None, grpc_port=None, metrics_port=None, env=None)``:
+  a context manager with ``.start()`` (validates every ``config.pbtxt`` first, then waits for
+  ``/v2/health/ready``), ``.stop()`` (idempotent; the whole process group, python-backend stubs included),
+  ``.http_url`` (``http://127.0.0.1:PORT``), ``.grpc_url`` (``127.0.0.1:PORT``, a gRPC target),
+  ``.metrics_url`` (``http://127.0.0.1:PORT/metrics``), ``.log_path``, ``.log_tail(n=40)``, ``.pid``,
+  ``.alive()``, ``.source``, ``.startup_s``, ``.external`` (False). Failures raise ``ServerStartError``
+  with the log tail and the models that failed to load.
+- ``ExternalServer(http_url, grpc_url=None, metrics_url=None)``: the same attributes for a server this
+  process does not own (``stop()`` does nothing, ``external`` is True, ``log_tail`` says there is no log).
+- ``connect_or_start(repo, **kw)``: an ``ExternalServer`` when ``TRITON_URL`` is set (the repository is
+  then the server's own), else a started ``TritonServer(repo, **kw)``. Use it in a ``with`` block.
+- ``running_servers()``: the servers this process started and has not stopped.
+
+Every started server is stopped on ``with`` exit, on ``.stop()``, and at interpreter exit (a kernel
+shutdown included); if the interpreter is killed, the kernel's PR_SET_PDEATHSIG kills the server and its
+stubs notice their parent is gone. Environment variables (``NCCL_*``, ``CUDA_VISIBLE_DEVICES``,
+``PYTHONPATH``, the run id that tests use to find leftovers) are inherited.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import hashlib
+import importlib.metadata
+import os
+import re
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .distributed import free_port
+from .env import pytriton_server
+from .procs import popen_owned, stop_group, tail, wait_http_ok
+
+MODEL_CONTROL = ("none", "explicit", "poll")
+URL_ENV = "TRITON_URL"  # http://host:8000 of a running server
+GRPC_URL_ENV = "TRITON_GRPC_URL"  # host:8001 (default: TRITON_URL's host, port 8001)
+METRICS_URL_ENV = "TRITON_METRICS_URL"  # http://host:8002/metrics (default: TRITON_URL's host)
+
+THREE_WAYS = (
+    "No Triton server is available. Three ways to get one:\n"
+    "  1. a running server: export TRITON_URL=http://HOST:8000 (the course's compose stack starts one);\n"
+    "  2. the NGC image, where `tritonserver` is on the PATH: docker run --gpus all -p8000-8002:8000-8002 "
+    "nvcr.io/nvidia/tritonserver:24.10-py3 ... (or run the lab inside it);\n"
+    "  3. the server binary from PyPI (python backend only, no Docker): "
+    "pip install --no-deps nvidia-pytriton==0.7.0"
+)
+
+
+class ServerNotFound(RuntimeError):
+    """No server binary and no TRITON_URL: the message lists the three ways to get one."""
+
+
+class ServerStartError(RuntimeError):
+    """The server did not become ready; the message carries why, the failed models and the log tail."""
+
+    def __init__(self, message: str, log_tail: str = "", failed_models: dict[str, str] | None = None):
+        self.log_tail = log_tail
+        self.failed_models = failed_models or {}
+        super().__init__(message)
+
+
+@dataclass(frozen=True)
+class ServerSource:
+    """Where the server comes from: kind "url" (running), "path" (NGC binary) or "wheel" (nvidia-pytriton)."""
+
+    kind: str
+    location: str  # the URL or the binary's path
+    version: str | None = None
+    note: str = ""
+
+    def __str__(self) -> str:
+        v = f" {self.version}" if self.version else ""
+        return f"{self.kind}: {self.location}{v} ({self.note})"
+
+
+def find_server(local: bool = False) -> ServerSource:
+    """The Triton server to use here: ``TRITON_URL``, else ``tritonserver`` on the PATH, else the wheel's binary.
+
+    ``local=True`` looks only for a binary this process can start. Raises ``ServerNotFound`` (the three ways).
+    """
+    url = os.environ.get(URL_ENV, "").strip()
+    if url and not local:
+        return ServerSource("url", url, None, "a running server given by TRITON_URL")
+    on_path = shutil.which("tritonserver")
+    if on_path:
+        return ServerSource("path", on_path, os.environ.get("TRITON_SERVER_VERSION"),
+                            "tritonserver on the PATH (NGC image): every backend it ships")
+    wheel = pytriton_server()
+    if wheel is not None:
+        try:
+            version = "nvidia-pytriton " + importlib.metadata.version("nvidia-pytriton")
+        except importlib.metadata.PackageNotFoundError:
+            version = None
+        return ServerSource("wheel", str(wheel), version, "Triton 2.51 from the nvidia-pytriton wheel: python backend")
+    raise ServerNotFound(THREE_WAYS + ("" if not local or not url else
+                                       f"\n(TRITON_URL={url} is set, but this call needs a binary to start)"))
+
+
+# --- the wheel's server: a backend folder with the stub for this Python ------------------------------------
+
+_WHEEL_TREES: dict[str, Path] = {}
+_wheel_lock = threading.Lock()
+
+
+def _stub_python_version() -> str:
+    return f"{sys.version_info.major}.{sys.version_info.minor}"
+
+
+def wheel_layout(binary: Path) -> dict[str, Path]:
+    """Folders of the nvidia-pytriton server: its tree, its shared libraries, and the stub for this Python."""
+    tree = binary.parent.parent  # .../pytriton/tritonserver
+    libs = tree.parent.parent / "nvidia_pytriton.libs"
+    stub = tree / "python_backend_stubs" / _stub_python_version() / "triton_python_backend_stub"
+    if not stub.exists():
+        have = sorted(p.name for p in (tree / "python_backend_stubs").glob("3.*"))
+        raise ServerNotFound(f"nvidia-pytriton has no python-backend stub for Python {_stub_python_version()} "
+                             f"(it has {', '.join(have)}): run the lab with one of those Pythons, or use "
+                             "TRITON_URL / the NGC image")
+    return {"tree": tree, "libs": libs, "stub": stub}
+
+
+def prepare_wheel_backends(binary: Path, root: Path | None = None) -> Path:
+    """A backend folder for the wheel's server, built once per process: the python backend plus this Python's stub.
+
+    Links, not copies (a few files): ``backends/python/{libtriton_python.so, triton_python_backend_utils.py,
+    triton_python_backend_stub}`` and ``caches``. Returns the folder holding ``backends`` and ``caches``.
+    """
+    lay = wheel_layout(binary)
+    key = hashlib.sha1(f"{lay['tree']}|{_stub_python_version()}".encode()).hexdigest()[:12]
+    with _wheel_lock:
+        if key in _WHEEL_TREES and (_WHEEL_TREES[key] / "backends" / "python").is_dir():
+            return _WHEEL_TREES[key]
+        base = Path(tempfile.mkdtemp(prefix="nvlab-triton-backends-", dir=root))
+        py = base / "backends" / "python"
+        py.mkdir(parents=True)
+        for name in ("libtriton_python.so", "triton_python_backend_utils.py"):
+            (py / name).symlink_to(lay["tree"] / "backends" / "python" / name)
+        (py / "triton_python_backend_stub").symlink_to(lay["stub"])
+        (base / "caches").symlink_to(lay["tree"] / "caches")
+        atexit.register(shutil.rmtree, base, True)
+        _WHEEL_TREES[key] = base
+        return base
+
+
+def server_env(source: ServerSource, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The server's environment: this one (NCCL_*, CUDA_VISIBLE_DEVICES, the run id...) plus what Triton needs.
+
+    The python backend's stub embeds the Python whose version matches it; it finds its ``site-packages``
+    (numpy, onnxruntime, torch) by looking up ``python3`` on the PATH, so this interpreter's folder goes
+    first, and this process's import path goes into ``PYTHONPATH``.
+    """
+    env = dict(os.environ)
+    env.update(extra or {})
+    if source.kind == "wheel":
+        libs = str(wheel_layout(Path(source.location))["libs"])
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (libs, env.get("LD_LIBRARY_PATH", "")) if p)
+    bindir = str(Path(sys.executable).parent)
+    env["PATH"] = os.pathsep.join(p for p in (bindir, env.get("PATH", "")) if p)
+    site = [p for p in sys.path if p and ("site-packages" in p or "dist-packages" in p) and Path(p).is_dir()]
+    old = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(old + site))
+    return env
+
+
+# --- the server ------------------------------------------------------------------------------------------
+
+_RUNNING: set[TritonServer] = set()
+_running_lock = threading.Lock()
+
+
+def running_servers() -> list[TritonServer]:
+    """Servers this process started and has not stopped yet."""
+    with _running_lock:
+        return list(_RUNNING)
+
+
+def _stop_all() -> None:
+    for s in running_servers():
+        with contextlib.suppress(Exception):
+            s.stop()
+
+
+atexit.register(_stop_all)
+
+_LOAD_FAIL = re.compile(r"failed to load '([^']+)' version (\d+): (.*?)(?:\"$|$)")
+_PORT_BUSY = re.compile(r"(already in use|Address in use|failed to start .* service)", re.I)
+
+
+def failed_models(log_text: str) -> dict[str, str]:
+    """{"model:version": first line of the reason} for every model the log says failed to load."""
+    out: dict[str, str] = {}
+    for m in _LOAD_FAIL.finditer(log_text):
+        reason = m.group(3).replace("\\n", "\n").split("\n")[0].strip()
+        out[f"{m.group(1)}:{m.group(2)}"] = reason
+    return out
+
+
+class TritonServer:
+    """One ``tritonserver`` process (and its python-backend stubs) owned by this interpreter.
+
+    >>> with TritonServer(repo, model_control="explicit") as server:   # doctest: +SKIP
+    ...     client = tritonclient.grpc.InferenceServerClient(server.grpc_url)
+    """
+
+    external = False
+
+    def __init__(
+        self,
+        model_repository: str | os.PathLike[str],
+        *,
+        model_control: str = "none",
+        metrics: bool = True,
+        metrics_config: tuple[str, ...] | list[str] = ("summary_latencies=true",),
+        extra_args: tuple[str, ...] | list[str] = (),
+        startup_timeout_s: float = 60,
+        log_path: str | os.PathLike[str] | None = None,
+        load_models: tuple[str, ...] | list[str] = (),
+        host: str = "127.0.0.1",
+        http_port: int | None = None,
+        grpc_port: int | None = None,
+        metrics_port: int | None = None,
+        env: dict[str, str] | None = None,
+        validate: bool = True,
+        source: ServerSource | None = None,
+    ):
+        if model_control not in MODEL_CONTROL:
+            raise ValueError(f"model_control={model_control!r}: use one of {MODEL_CONTROL}")
+        if load_models and model_control != "explicit":
+            raise ValueError("load_models needs model_control='explicit' (in 'none' and 'poll' modes the server "
+                             "loads every model of the repository)")
+        if isinstance(metrics_config, str):
+            metrics_config = (metrics_config,)
+        if not isinstance(startup_timeout_s, (int, float)) or startup_timeout_s <= 0:
+            raise ValueError(f"startup_timeout_s={startup_timeout_s!r}: a positive number of seconds")
+        self.model_repository = Path(model_repository).resolve()
+        self.model_control = model_control
+        self.metrics = metrics
+        self.metrics_config = tuple(metrics_config)
+        self.extra_args = tuple(extra_args)
+        self.startup_timeout_s = float(startup_timeout_s)
+        self.load_models = tuple(load_models)
+        self.host = host
+        self._ports_fixed = {"http": http_port, "grpc": grpc_port, "metrics": metrics_port}
+        self.http_port = self.grpc_port = self.metrics_port = 0
+        self._env_extra = dict(env or {})
+        self.validate = validate
+        self.source = source
+        self._log_given = log_path is not None
+        self.log_path: Path | None = Path(log_path) if log_path is not None else None
+        self._proc: Any = None
+        self._lock = threading.RLock()
+        self.startup_s: float | None = None
+        self.argv: list[str] = []
+        self.exit_code: int | None = None
+
+    # urls ----------------------------------------------------------------------------------------------
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.host}:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.host}:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.host}:{self.metrics_port}/metrics"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def alive(self) -> bool:
+        """True while the server process runs (it may still be loading models)."""
+        return self._proc is not None and self._proc.poll() is None
+
+    def ready(self) -> bool:
+        """True when ``/v2/health/ready`` answers 200 now."""
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(f"{self.http_url}/v2/health/ready", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def log_tail(self, n: int = 40) -> str:
+        """The last ``n`` lines of the server's log."""
+        return tail(self.log_path, n)
+
+    def __repr__(self) -> str:
+        state = "running" if self.alive() else ("stopped" if self._proc is not None else "not started")
+        return f"TritonServer({str(self.model_repository)!r}, {state}, http={self.http_url}, grpc={self.grpc_url})"
+
+    # lifecycle -----------------------------------------------------------------------------------------
+    def _pick_ports(self, avoid: set[int]) -> None:
+        chosen: list[int] = []
+        for kind in ("http", "grpc", "metrics"):
+            fixed = self._ports_fixed[kind]
+            if fixed is not None:
+                if not _port_free(self.host, fixed):
+                    raise ServerStartError(f"{kind}_port={fixed} is already in use on {self.host}: pass another "
+                                           f"port, or None to let the server take a free one")
+                port = fixed
+            else:
+                port = free_port(self.host)
+                while port in chosen or port in avoid:
+                    port = free_port(self.host)
+            chosen.append(port)
+        self.http_port, self.grpc_port, self.metrics_port = chosen
+
+    def _command(self, source: ServerSource) -> list[str]:
+        argv = [source.location if source.kind != "url" else "tritonserver",
+                f"--model-repository={self.model_repository}",
+                f"--model-control-mode={self.model_control}",
+                f"--http-port={self.http_port}", f"--grpc-port={self.grpc_port}",
+                f"--http-address={self.host}", f"--grpc-address={self.host}",
+                "--exit-timeout-secs=5", "--log-verbose=0"]
+        if source.kind == "wheel":
+            base = prepare_wheel_backends(Path(source.location))
+            argv += [f"--backend-directory={base / 'backends'}", f"--cache-directory={base / 'caches'}"]
+        if self.metrics:
+            argv += ["--allow-metrics=true", f"--metrics-port={self.metrics_port}",
+                     f"--metrics-address={self.host}"]
+            argv += [f"--metrics-config={c}" for c in self.metrics_config]
+        else:
+            argv += ["--allow-metrics=false"]
+        argv += [f"--load-model={m}" for m in self.load_models]
+        argv += list(self.extra_args)
+        return argv
+
+    def start(self) -> TritonServer:
+        """Validate the repository, start the server on free ports and wait until it is ready.
+
+        Raises ``ConfigError`` (a bad ``config.pbtxt``: nothing started), ``ServerNotFound`` (no binary) or
+        ``ServerStartError`` (the server exited or timed out; the log tail and failed models are in it).
+        """
+        with self._lock:
+            if self.alive():
+                return self
+            if not self.model_repository.is_dir():
+                raise ServerStartError(f"model repository {self.model_repository} is not a folder: build one with "
+                                       "lab_utils.triton_repo (or pass the right path)")
+            if self.validate:
+                from .triton_repo import validate_repository
+
+                validate_repository(self.model_repository, models=self.load_models or None,
+                                    require_files=True)
+            source = self.source or find_server(local=True)
+            if source.kind == "url":
+                raise ServerStartError("TritonServer starts a local binary; for TRITON_URL use ExternalServer or "
+                                       "connect_or_start()")
+            self.source = source
+            avoid: set[int] = set()
+            for attempt in range(3):
+                self._pick_ports(avoid)
+                try:
+                    return self._start_once(source)
+                except ServerStartError as err:
+                    busy = _PORT_BUSY.search(err.log_tail or "")
+                    if not busy or any(self._ports_fixed.values()) or attempt == 2:
+                        raise
+                    avoid |= {self.http_port, self.grpc_port, self.metrics_port}  # taken meanwhile: new ports
+        raise AssertionError("unreachable")
+
+    def _start_once(self, source: ServerSource) -> TritonServer:
+        if not self._log_given:
+            logdir = Path(tempfile.mkdtemp(prefix="nvlab-triton-log-"))
+            atexit.register(shutil.rmtree, logdir, True)
+            self.log_path = logdir / "tritonserver.log"
+        assert self.log_path is not None
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.argv = self._command(source)
+        env = server_env(source, self._env_extra)
+        t0 = time.perf_counter()
+        with open(self.log_path, "wb") as log:
+            self._proc = popen_owned(self.argv, stdout=log, stderr=log, stdin=_devnull(), env=env,
+                                     cwd=str(self.model_repository.parent))
+        with _running_lock:
+            _RUNNING.add(self)
+        try:
+            ok = wait_http_ok(f"{self.http_url}/v2/health/ready", self._proc, self.startup_timeout_s)
+        except TimeoutError:
+            self.stop()
+            text = self.log_tail(400)
+            raise ServerStartError(
+                f"Triton did not become ready within {self.startup_timeout_s:g} s (models still loading? raise "
+                f"startup_timeout_s). Log {self.log_path}, last lines:\n{self.log_tail(40)}",
+                self.log_tail(40), failed_models(text)) from None
+        if not ok:
+            code = self._proc.returncode
+            text = self.log_tail(400)
+            self.stop()
+            failed = failed_models(text)
+            why = "".join(f"\n  model {k} failed to load: {v}" for k, v in failed.items())
+            raise ServerStartError(
+                f"tritonserver exited with code {code} before it was ready.{why}\nLog {self.log_path}, last "
+                f"lines:\n{tail(self.log_path, 40)}", tail(self.log_path, 40), failed)
+        self.startup_s = time.perf_counter() - t0
+        return self
+
+    def stop(self) -> int | None:
+        """Stop the server and everything in its process group (safe to call twice). Returns its exit code."""
+        with self._lock:
+            proc = self._proc
+            if proc is None:
+                return None
+            if getattr(proc, "_nvlab_stopped", False):
+                return self.exit_code
+            self.exit_code = stop_group(proc)
+            proc._nvlab_stopped = True
+            with _running_lock:
+                _RUNNING.discard(self)
+            return self.exit_code
+
+    def restart(self) -> TritonServer:
+        """Stop (if running) and start again on new ports (after a crash, say)."""
+        self.stop()
+        self._proc = None
+        return self.start()
+
+    def __enter__(self) -> TritonServer:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def _devnull() -> Any:
+    import subprocess
+
+    return subprocess.DEVNULL
+
+
+def _port_free(host: str, port: int) -> bool:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+class ExternalServer:
+    """A server this process does not own (``TRITON_URL``): same attributes as ``TritonServer``, no lifecycle."""
+
+    external = True
+
+    def __init__(self, http_url: str, grpc_url: str | None = None, metrics_url: str | None = None):
+        from urllib.parse import urlsplit
+
+        if "://" not in http_url:
+            http_url = "http://" + http_url
+        parts = urlsplit(http_url)
+        if not parts.hostname:
+            raise ValueError(f"TRITON_URL={http_url!r}: expected http://HOST:PORT")
+        self.host = parts.hostname
+        self.http_port = parts.port or 8000
+        self.http_url = f"{parts.scheme}://{self.host}:{self.http_port}"
+        self.grpc_url = grpc_url or f"{self.host}:8001"
+        self.grpc_port = int(self.grpc_url.rsplit(":", 1)[1])
+        self.metrics_url = metrics_url or f"http://{self.host}:8002/metrics"
+        self.source = ServerSource("url", self.http_url, None, "a running server given by TRITON_URL")
+        self.log_path = None
+        self.pid = None
+        self.startup_s = None
+        self.model_control = "unknown"
+
+    @classmethod
+    def from_env(cls) -> ExternalServer:
+        url = os.environ.get(URL_ENV, "").strip()
+        if not url:
+            raise ServerNotFound(f"{URL_ENV} is not set")
+        return cls(url, os.environ.get(GRPC_URL_ENV) or None, os.environ.get(METRICS_URL_ENV) or None)
+
+    def alive(self) -> bool:
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(f"{self.http_url}/v2/health/live", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    ready = alive
+
+    def start(self, timeout_s: float = 30) -> ExternalServer:
+        """Wait until the external server is ready (it is not started here)."""
+        try:
+            wait_http_ok(f"{self.http_url}/v2/health/ready", None, timeout_s)
+        except TimeoutError:
+            raise ServerStartError(f"the server at {self.http_url} ({URL_ENV}) is not ready after {timeout_s:g} s: "
+                                   f"is it running? (`curl {self.http_url}/v2/health/ready`)") from None
+        return self
+
+    def stop(self) -> None:
+        """Nothing: this process does not own the server."""
+
+    def log_tail(self, n: int = 40) -> str:
+        return f"(external server at {self.http_url}: its log is where it runs, e.g. `docker compose logs triton`)"
+
+    def __enter__(self) -> ExternalServer:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return f"ExternalServer(http={self.http_url}, grpc={self.grpc_url})"
+
+
+def connect_or_start(model_repository: str | os.PathLike[str], **kwargs: Any) -> TritonServer | ExternalServer:
+    """An ``ExternalServer`` when ``TRITON_URL`` is set, else a started ``TritonServer(model_repository, **kwargs)``."""
+    if os.environ.get(URL_ENV, "").strip():
+        return ExternalServer.from_env().start()
+    return TritonServer(model_repository, **kwargs).start()
