@@ -158,6 +158,12 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_gpu_exporter(args: argparse.Namespace) -> int:
+    from .gpu_exporter import serve
+
+    return serve(port=args.port, host=args.host)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nvlab", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -189,6 +195,10 @@ def parser() -> argparse.ArgumentParser:
     rep.add_argument("--reference", help="reference run folder (default: every folder in reference_runs/)")
     rep.add_argument("--json", action="store_true")
     rep.set_defaults(fn=cmd_report)
+    ge = sub.add_parser("gpu-exporter", help="serve GPU (NVML) and host metrics for Prometheus until stopped")
+    ge.add_argument("--port", type=int, default=9400, help="port to listen on (default 9400, as dcgm-exporter)")
+    ge.add_argument("--host", default="0.0.0.0", help="address to listen on (default all interfaces)")
+    ge.set_defaults(fn=cmd_gpu_exporter)
     return p
 
 

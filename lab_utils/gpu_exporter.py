@@ -1,0 +1,432 @@
+"""A small Prometheus exporter for the GPUs (through NVML, read-only) and the host, for machines where no
+DCGM exporter runs. ``nvlab gpu-exporter --port 9400`` serves it; a lab runs it from a thread.
+
+Metric names (the alert rules, the Grafana dashboard and the compose stack rely on them). GPU metrics
+carry NVIDIA dcgm-exporter's names, units and labels (``gpu``, ``UUID``, ``device``, ``modelName``), so
+the same rules and dashboard work with either exporter:
+
+=====================================  =======  ==========================================================
+``DCGM_FI_DEV_GPU_UTIL``               gauge    % of the last sample period in which a kernel ran
+``DCGM_FI_DEV_MEM_COPY_UTIL``          gauge    % of that period the memory controller was busy
+``DCGM_FI_DEV_FB_USED``                gauge    MiB allocated (driver-reserved memory excluded, as nvidia-smi)
+``DCGM_FI_DEV_FB_FREE``                gauge    MiB free
+``DCGM_FI_DEV_FB_RESERVED``            gauge    MiB reserved by the driver and firmware
+``DCGM_FI_DEV_FB_TOTAL``               gauge    MiB of device memory
+``DCGM_FI_DEV_POWER_USAGE``            gauge    W drawn (NVML's reading; averaged over ~1 s on recent GPUs)
+``DCGM_FI_DEV_ENFORCED_POWER_LIMIT``   gauge    W the board is held to
+``DCGM_FI_DEV_GPU_TEMP``               gauge    degrees C
+``DCGM_FI_DEV_SM_CLOCK``               gauge    MHz, streaming multiprocessors
+``DCGM_FI_DEV_MEM_CLOCK``              gauge    MHz, memory
+``nvlab_host_cpu_utilization_percent``  gauge   % of all CPUs busy since the previous scrape
+``nvlab_host_cpu_count``               gauge    logical CPUs
+``nvlab_host_memory_used_bytes``       gauge    MemTotal - MemAvailable (as ``free`` counts "used")
+``nvlab_host_memory_total_bytes``      gauge    MemTotal
+``nvlab_host_load1``                   gauge    1-minute load average
+``nvlab_exporter_gpus``                gauge    GPUs seen through NVML (0 on a CPU machine)
+``nvlab_exporter_info``                gauge    1, labels ``source`` ("nvml" or "host") and ``driver_version``
+=====================================  =======  ==========================================================
+
+A field a GPU does not support (NVML's NOT_SUPPORTED) is left out rather than exported as 0. Nothing
+here changes GPU state: only NVML's query functions are called.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import socket
+import threading
+import time
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+DEFAULT_PORT = 9400  # dcgm-exporter's port: scrape configs need not change between the two
+
+GPU_METRICS = (
+    "DCGM_FI_DEV_GPU_UTIL", "DCGM_FI_DEV_MEM_COPY_UTIL", "DCGM_FI_DEV_FB_USED", "DCGM_FI_DEV_FB_FREE",
+    "DCGM_FI_DEV_FB_RESERVED", "DCGM_FI_DEV_FB_TOTAL", "DCGM_FI_DEV_POWER_USAGE", "DCGM_FI_DEV_ENFORCED_POWER_LIMIT",
+    "DCGM_FI_DEV_GPU_TEMP", "DCGM_FI_DEV_SM_CLOCK", "DCGM_FI_DEV_MEM_CLOCK",
+)
+HOST_METRICS = (
+    "nvlab_host_cpu_utilization_percent", "nvlab_host_cpu_count", "nvlab_host_memory_used_bytes",
+    "nvlab_host_memory_total_bytes", "nvlab_host_load1",
+)
+INFO_METRICS = ("nvlab_exporter_gpus", "nvlab_exporter_info")
+GPU_LABELS = ("gpu", "UUID", "device", "modelName")
+
+_HELP = {
+    "DCGM_FI_DEV_GPU_UTIL": "GPU utilization (in %): share of the sample period in which a kernel ran.",
+    "DCGM_FI_DEV_MEM_COPY_UTIL": "Memory utilization (in %): share of the sample period the memory was read/written.",
+    "DCGM_FI_DEV_FB_USED": "Framebuffer memory used (in MiB), driver-reserved memory excluded.",
+    "DCGM_FI_DEV_FB_FREE": "Framebuffer memory free (in MiB).",
+    "DCGM_FI_DEV_FB_RESERVED": "Framebuffer memory reserved by the driver and firmware (in MiB).",
+    "DCGM_FI_DEV_FB_TOTAL": "Framebuffer memory total (in MiB).",
+    "DCGM_FI_DEV_POWER_USAGE": "Power draw (in W).",
+    "DCGM_FI_DEV_ENFORCED_POWER_LIMIT": "Enforced power limit (in W).",
+    "DCGM_FI_DEV_GPU_TEMP": "GPU temperature (in C).",
+    "DCGM_FI_DEV_SM_CLOCK": "SM clock frequency (in MHz).",
+    "DCGM_FI_DEV_MEM_CLOCK": "Memory clock frequency (in MHz).",
+}
+
+_MIB = 2**20
+
+
+# --- host readings (Linux /proc; zeros are never invented: a missing file leaves the metric out) -----
+
+
+def _cpu_times() -> tuple[float, float] | None:
+    """(busy, total) jiffies over all CPUs from /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [float(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)  # idle + iowait
+    total = sum(fields[:8])  # guest time is already inside user/nice
+    return total - idle, total
+
+
+def _meminfo() -> dict[str, int]:
+    out = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                parts = rest.split()
+                if parts:
+                    out[key] = int(parts[0]) * 1024  # kB
+    except (OSError, ValueError):
+        return {}
+    return out
+
+
+class HostReader:
+    """CPU utilization between calls (from /proc/stat deltas), memory and load."""
+
+    def __init__(self) -> None:
+        self._last = _cpu_times()
+        self._last_pct: float | None = None
+        self._last_read = time.monotonic()
+        self._lock = threading.Lock()
+
+    def cpu_percent(self) -> float | None:
+        with self._lock:
+            now = _cpu_times()
+            if now is None or self._last is None:
+                return None
+            busy, total = now[0] - self._last[0], now[1] - self._last[1]
+            # two scrapes within a tick see no change: repeat the previous reading instead of 0 %
+            if total <= 0 or time.monotonic() - self._last_read < 0.05:
+                return self._last_pct
+            self._last, self._last_read = now, time.monotonic()
+            self._last_pct = 100.0 * busy / total
+            return self._last_pct
+
+    def read(self) -> dict[str, float]:
+        values: dict[str, float] = {"nvlab_host_cpu_count": float(os.cpu_count() or 0)}
+        pct = self.cpu_percent()
+        if pct is not None:
+            values["nvlab_host_cpu_utilization_percent"] = pct
+        mem = _meminfo()
+        if "MemTotal" in mem and "MemAvailable" in mem:
+            values["nvlab_host_memory_total_bytes"] = float(mem["MemTotal"])
+            values["nvlab_host_memory_used_bytes"] = float(mem["MemTotal"] - mem["MemAvailable"])
+        with contextlib.suppress(OSError):
+            values["nvlab_host_load1"] = os.getloadavg()[0]
+        return values
+
+
+# --- NVML ------------------------------------------------------------------------------------------
+
+
+def _s(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+class NvmlReader:
+    """Per-GPU readings through NVML's query functions (``nvml`` is the ``pynvml`` module or a stand-in)."""
+
+    def __init__(self, nvml: Any):
+        self.nvml = nvml
+        self.handles: list[Any] = []
+        self.labels: list[dict[str, str]] = []
+        self.driver_version = ""
+        self._opened = False
+
+    def open(self) -> None:
+        nv = self.nvml
+        nv.nvmlInit()
+        self._opened = True
+        try:
+            self.driver_version = _s(nv.nvmlSystemGetDriverVersion())
+            for i in range(nv.nvmlDeviceGetCount()):
+                h = nv.nvmlDeviceGetHandleByIndex(i)
+                self.handles.append(h)
+                self.labels.append({"gpu": str(i), "UUID": _s(nv.nvmlDeviceGetUUID(h)), "device": f"nvidia{i}",
+                                    "modelName": _s(nv.nvmlDeviceGetName(h))})
+        except Exception:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Release NVML once (nvmlInit/nvmlShutdown are reference counted)."""
+        if self._opened:
+            self._opened = False
+            with contextlib.suppress(Exception):
+                self.nvml.nvmlShutdown()
+        self.handles, self.labels = [], []
+
+    def _opt(self, fn: str, *args: Any) -> Any:
+        try:
+            return getattr(self.nvml, fn)(*args)
+        except Exception:  # NVMLError (NOT_SUPPORTED, GPU_IS_LOST...): leave the field out of this scrape
+            return None
+
+    def read(self) -> list[dict[str, float]]:
+        nv = self.nvml
+        out = []
+        for h in self.handles:
+            v: dict[str, float] = {}
+            util = self._opt("nvmlDeviceGetUtilizationRates", h)
+            if util is not None:
+                v["DCGM_FI_DEV_GPU_UTIL"] = float(util.gpu)
+                v["DCGM_FI_DEV_MEM_COPY_UTIL"] = float(util.memory)
+            version = getattr(nv, "nvmlMemory_v2", None)
+            mem = self._opt("nvmlDeviceGetMemoryInfo", h, version) if version else None
+            if mem is not None:  # v2: "used" leaves out what the driver reserves, as DCGM and nvidia-smi do
+                v["DCGM_FI_DEV_FB_RESERVED"] = mem.reserved / _MIB
+            else:
+                mem = self._opt("nvmlDeviceGetMemoryInfo", h)
+            if mem is not None:
+                v["DCGM_FI_DEV_FB_USED"] = mem.used / _MIB
+                v["DCGM_FI_DEV_FB_FREE"] = mem.free / _MIB
+                v["DCGM_FI_DEV_FB_TOTAL"] = mem.total / _MIB
+            power = self._opt("nvmlDeviceGetPowerUsage", h)
+            if power is not None:
+                v["DCGM_FI_DEV_POWER_USAGE"] = power / 1000.0  # mW -> W
+            limit = self._opt("nvmlDeviceGetEnforcedPowerLimit", h)
+            if limit is not None:
+                v["DCGM_FI_DEV_ENFORCED_POWER_LIMIT"] = limit / 1000.0
+            temp = self._opt("nvmlDeviceGetTemperature", h, getattr(nv, "NVML_TEMPERATURE_GPU", 0))
+            if temp is not None:
+                v["DCGM_FI_DEV_GPU_TEMP"] = float(temp)
+            sm = self._opt("nvmlDeviceGetClockInfo", h, getattr(nv, "NVML_CLOCK_SM", 1))
+            if sm is not None:
+                v["DCGM_FI_DEV_SM_CLOCK"] = float(sm)
+            memclk = self._opt("nvmlDeviceGetClockInfo", h, getattr(nv, "NVML_CLOCK_MEM", 2))
+            if memclk is not None:
+                v["DCGM_FI_DEV_MEM_CLOCK"] = float(memclk)
+            out.append(v)
+        return out
+
+
+def _open_nvml(nvml: Any = None) -> tuple[NvmlReader | None, str]:
+    """An opened reader and "" — or None and why NVML is not used (no package, no driver, no GPU)."""
+    if nvml is None:
+        try:
+            import pynvml as nvml
+        except ImportError:
+            return None, "nvidia-ml-py is not installed (pip install nvidia-ml-py): host metrics only"
+    reader = NvmlReader(nvml)
+    try:
+        reader.open()
+    except Exception as err:
+        return None, f"NVML is not available ({err}): host metrics only"
+    if not reader.handles:
+        reader.close()
+        return None, "NVML found no GPU: host metrics only"
+    return reader, ""
+
+
+# --- the collector and the HTTP server --------------------------------------------------------------
+
+
+class Collector:
+    """A prometheus_client collector: GPU metrics through NVML when there is a GPU, host metrics always."""
+
+    def __init__(self, nvml: Any = None, *, use_nvml: bool = True):
+        self.host = HostReader()
+        self.reader, self.why_no_gpu = _open_nvml(nvml) if use_nvml else (None, "NVML not requested")
+        self._lock = threading.Lock()
+
+    @property
+    def source(self) -> str:
+        return "nvml" if self.reader else "host"
+
+    @property
+    def gpu_count(self) -> int:
+        return len(self.reader.handles) if self.reader else 0
+
+    def close(self) -> None:
+        with self._lock:
+            if self.reader is not None:
+                self.reader.close()
+                self.reader = None
+
+    def snapshot(self) -> dict[str, Any]:
+        """One reading: ``{"host": {...}, "gpus": [{labels..., metric: value}]}``."""
+        with self._lock:
+            gpus = []
+            if self.reader is not None:
+                for labels, values in zip(self.reader.labels, self.reader.read(), strict=True):
+                    gpus.append({**labels, **values})
+            return {"host": self.host.read(), "gpus": gpus}
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import GaugeMetricFamily
+
+        snap = self.snapshot()
+        for name in GPU_METRICS:
+            fam = GaugeMetricFamily(name, _HELP[name], labels=list(GPU_LABELS))
+            for g in snap["gpus"]:
+                if name in g:
+                    fam.add_metric([g[k] for k in GPU_LABELS], g[name])
+            if fam.samples:
+                yield fam
+        host = snap["host"]
+        helps = {"nvlab_host_cpu_utilization_percent": "Host CPU busy (in %, all CPUs) since the previous scrape.",
+                 "nvlab_host_cpu_count": "Logical CPUs of the host.",
+                 "nvlab_host_memory_used_bytes": "Host memory used: MemTotal - MemAvailable (bytes).",
+                 "nvlab_host_memory_total_bytes": "Host memory total (bytes).",
+                 "nvlab_host_load1": "1-minute load average."}
+        for name in HOST_METRICS:
+            if name in host:
+                yield GaugeMetricFamily(name, helps[name], value=host[name])
+        yield GaugeMetricFamily("nvlab_exporter_gpus", "GPUs seen through NVML.", value=self.gpu_count)
+        info = GaugeMetricFamily("nvlab_exporter_info", "Where the exporter's readings come from.",
+                                 labels=["source", "driver_version"])
+        info.add_metric([self.source, self.reader.driver_version if self.reader else ""], 1.0)
+        yield info
+
+
+_LIVE: weakref.WeakSet[GpuExporter] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:
+    for exp in list(_LIVE):
+        with contextlib.suppress(Exception):
+            exp.stop()
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+class GpuExporter:
+    """The exporter served from a thread of this process: ``with GpuExporter() as exp: exp.url``.
+
+    ``port=None`` takes a free port; a busy requested port is avoided (a free one is taken and ``notes``
+    says so) unless ``strict_port`` (the command line, where the scrape configuration names the port).
+    ``stop()`` shuts the HTTP server and its thread down and releases NVML; safe to call twice.
+    """
+
+    def __init__(self, port: int | None = None, host: str = "127.0.0.1", *, nvml: Any = None,
+                 use_nvml: bool = True, strict_port: bool = False):
+        self.host, self.requested_port, self.strict_port = host, port, strict_port
+        self._nvml, self._use_nvml = nvml, use_nvml
+        self.collector: Collector | None = None
+        self.port: int | None = None
+        self._server: Any = None
+        self._thread: threading.Thread | None = None
+        self.notes: list[str] = []
+
+    @property
+    def address(self) -> str:
+        """host:port for a scrape configuration."""
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+        return f"{host}:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.address}/metrics"
+
+    @property
+    def source(self) -> str:
+        return self.collector.source if self.collector else "stopped"
+
+    def describe(self) -> str:
+        if self.collector is None:
+            return "GPU exporter (not started)"
+        if self.collector.reader:
+            names = sorted({lab["modelName"] for lab in self.collector.reader.labels})
+            what = f"{self.collector.gpu_count} GPU(s) through NVML ({', '.join(names)}) and the host"
+        else:
+            what = self.collector.why_no_gpu
+        return f"GPU exporter at {self.url}: {what}"
+
+    def start(self) -> GpuExporter:
+        if self._server is not None:
+            return self
+        from prometheus_client import CollectorRegistry, start_http_server
+
+        port = self.requested_port or 0
+        if port and not _port_free(self.host, port):
+            if self.strict_port:
+                raise OSError(f"port {port} on {self.host} is busy: stop what listens there (`ss -ltnp "
+                              f"sport = :{port}`) or pass --port with a free port")
+            self.notes.append(f"port {port} is busy: the exporter listens on a free port instead")
+            port = 0
+        self.collector = Collector(self._nvml, use_nvml=self._use_nvml)
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(self.collector)
+        try:
+            self._server, self._thread = start_http_server(port, addr=self.host, registry=registry)
+        except OSError:
+            self.collector.close()
+            self.collector = None
+            raise
+        self.port = self._server.server_port
+        _LIVE.add(self)
+        return self
+
+    def stop(self) -> None:
+        """Stop serving, join the thread, release NVML; safe to call twice."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+        if self.collector is not None:
+            self.collector.close()
+        _LIVE.discard(self)
+
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def __enter__(self) -> GpuExporter:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def serve(port: int = DEFAULT_PORT, host: str = "0.0.0.0") -> int:
+    """Serve until SIGTERM or SIGINT (``nvlab gpu-exporter``); returns an exit code."""
+    import signal
+
+    done = threading.Event()
+    exporter = GpuExporter(port, host, strict_port=True)
+    try:
+        exporter.start()
+    except OSError as err:
+        print(f"nvlab gpu-exporter: {err}", flush=True)
+        return 2
+    previous = {s: signal.signal(s, lambda *_: done.set()) for s in (signal.SIGTERM, signal.SIGINT)}
+    print(exporter.describe().replace(exporter.url, f"http://{host}:{exporter.port}/metrics"), flush=True)
+    try:
+        done.wait()
+    finally:
+        exporter.stop()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return 0

@@ -1,0 +1,601 @@
+"""Prometheus for the labs: a server the lab owns (or the compose stack's), promtool checks, and queries
+returned as data frames.
+
+``start_metrics(jobs, rule_files=...)`` picks, in order: the server at ``$PROMETHEUS_URL`` (the compose
+stack), a ``prometheus`` binary started here with a generated configuration (Debian's package, the
+container's image), or the in-process scraper of ``lab_utils.monitoring`` (``prometheus_client``'s text
+parser and this package's PromQL evaluator) — and says which. ``NVLAB_REQUIRE_PROMETHEUS=1`` turns the
+fallback into an error (CI installs the binary and must use it).
+
+Every backend answers the same calls: ``query`` and ``query_range`` (data frames with one column per
+label plus ``time`` and ``value``), ``value``, ``alerts``, ``targets``, ``wait_for``, ``wait_for_alert``.
+A server started here scrapes every 1-2 s, lives in a temporary folder removed at stop, and is stopped on
+context exit, at interpreter exit, and with its parent (PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import math
+import os
+import re
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+URL_ENV = "PROMETHEUS_URL"
+REQUIRE_ENV = "NVLAB_REQUIRE_PROMETHEUS"
+BINARY_ENV = "NVLAB_PROMETHEUS"  # a prometheus binary that is not on the PATH (e.g. brought as a file)
+
+# Job names the lab, the rules file and the compose stack's configuration agree on.
+TRITON_JOB = "triton"
+EXPORTER_JOB = "gpu_exporter"
+
+RULES_DIR = Path(__file__).parent / "data" / "monitoring"
+
+
+class PrometheusError(RuntimeError):
+    """Prometheus could not start or answer; the message says why and shows the log's tail."""
+
+
+class ConfigError(PrometheusError):
+    """promtool rejected a configuration or rules file; the message carries promtool's own words."""
+
+
+class QueryError(PrometheusError):
+    """A PromQL query failed; the message names the expression."""
+
+
+def required() -> bool:
+    """True when ``NVLAB_REQUIRE_PROMETHEUS`` is set: a missing binary is an error, not a fallback."""
+    return os.environ.get(REQUIRE_ENV, "").lower() in ("1", "true", "yes")
+
+
+def find_binary(name: str = "prometheus") -> str | None:
+    """``prometheus`` or ``promtool``: ``$NVLAB_PROMETHEUS``'s folder first, then the PATH."""
+    env = os.environ.get(BINARY_ENV)
+    if env:
+        candidate = Path(env) if name == "prometheus" else Path(env).with_name(name)
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    return shutil.which(name)
+
+
+# --- promtool ----------------------------------------------------------------------------------
+
+
+def promtool(*args: str, what: str, timeout_s: float = 60) -> str:
+    """Run ``promtool args``; its output on success, :class:`ConfigError` with promtool's message if not."""
+    tool = find_binary("promtool")
+    if tool is None:
+        raise ConfigError(f"{what}: promtool is not installed (apt-get install prometheus ships it)")
+    try:
+        out = subprocess.run([tool, *args], capture_output=True, text=True, timeout=timeout_s, check=False)
+    except subprocess.TimeoutExpired:
+        raise ConfigError(f"{what}: promtool {' '.join(args)} did not finish in {timeout_s:g} s") from None
+    text = (out.stdout + out.stderr).strip()
+    if out.returncode != 0:
+        raise ConfigError(f"{what}: promtool {args[0]} {args[1] if len(args) > 1 else ''} failed:\n{text}")
+    return text
+
+
+def check_config(path: str | Path) -> str:
+    """``promtool check config``: also checks the rule files the configuration names."""
+    return promtool("check", "config", str(path), what=f"Prometheus configuration {Path(path).name}")
+
+
+def check_rules(*paths: str | Path) -> str:
+    """``promtool check rules``: syntax, PromQL and templates of alerting/recording rules."""
+    return promtool("check", "rules", *map(str, paths), what="rules " + ", ".join(Path(p).name for p in paths))
+
+
+def test_rules(*paths: str | Path) -> str:
+    """``promtool test rules``: the rules' unit tests (input series, expected alerts)."""
+    return promtool("test", "rules", *map(str, paths), what="rule tests " + ", ".join(Path(p).name for p in paths))
+
+
+# --- configuration -----------------------------------------------------------------------------
+
+
+def _duration(seconds: float) -> str:
+    ms = int(round(seconds * 1000))
+    return f"{ms // 1000}s" if ms % 1000 == 0 else f"{ms}ms"
+
+
+def scrape_config(jobs: Mapping[str, Sequence[str]], *, scrape_interval_s: float = 1.0,
+                  evaluation_interval_s: float = 1.0, rule_files: Sequence[str | Path] = (),
+                  metrics_paths: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """A Prometheus configuration: one scrape job per entry of ``jobs`` (``{"triton": ["127.0.0.1:8002"]}``).
+
+    The scrape timeout follows the interval (it may not exceed it); rules are evaluated every
+    ``evaluation_interval_s``.
+    """
+    if not jobs:
+        raise ValueError("scrape_config(jobs={}): name at least one job, e.g. {'triton': ['127.0.0.1:8002']}")
+    for name, targets in jobs.items():
+        if not re.fullmatch(r"[a-zA-Z_][a-zA-Z0-9_]*", name):
+            raise ValueError(f"job name {name!r}: use letters, digits and _")
+        if isinstance(targets, str):
+            raise ValueError(f"job {name!r}: give a list of host:port targets, not the string {targets!r}")
+        for t in targets:
+            if not re.fullmatch(r"[^\s/:]+:\d+", t):
+                raise ValueError(f"job {name!r}: target {t!r} should be host:port, e.g. 127.0.0.1:8002")
+    for v, what in ((scrape_interval_s, "scrape_interval_s"), (evaluation_interval_s, "evaluation_interval_s")):
+        if not (isinstance(v, (int, float)) and 0.1 <= v <= 600):
+            raise ValueError(f"{what}={v!r}: give seconds between 0.1 and 600 (the lab uses 1)")
+    interval = _duration(scrape_interval_s)
+    return {
+        "global": {"scrape_interval": interval, "scrape_timeout": interval,
+                   "evaluation_interval": _duration(evaluation_interval_s)},
+        "rule_files": [str(Path(p).resolve()) for p in rule_files],
+        "scrape_configs": [
+            {"job_name": name, "metrics_path": (metrics_paths or {}).get(name, "/metrics"),
+             "static_configs": [{"targets": list(targets)}]}
+            for name, targets in jobs.items()
+        ],
+    }
+
+
+def write_config(config: Mapping[str, Any], path: str | Path) -> Path:
+    """Write ``config`` as YAML (in JSON form, which YAML includes: no YAML library needed)."""
+    path = Path(path)
+    path.write_text(json.dumps(config, indent=2) + "\n")
+    return path
+
+
+# --- results as data frames ------------------------------------------------------------------------
+
+
+def frame(data: Mapping[str, Any]) -> Any:
+    """A data frame from the ``data`` of a query answer: one column per label, then ``time`` and ``value``.
+
+    A range result comes in long form (one row per series and step); ``pivot(df, "model")`` widens it.
+    """
+    import pandas as pd
+
+    kind, result = data.get("resultType"), data.get("result")
+    rows: list[dict[str, Any]] = []
+    if kind == "scalar" or kind == "string":
+        rows.append({"time": float(result[0]), "value": _num(result[1])})  # type: ignore[index]
+    elif kind == "vector":
+        for r in result or []:
+            rows.append({**r["metric"], "time": float(r["value"][0]), "value": _num(r["value"][1])})
+    elif kind == "matrix":
+        for r in result or []:
+            for t, v in r["values"]:
+                rows.append({**r["metric"], "time": float(t), "value": _num(v)})
+    else:
+        raise PrometheusError(f"unknown result type {kind!r}")
+    df = pd.DataFrame(rows)
+    if df.empty:
+        return pd.DataFrame(columns=["time", "value"])
+    labels = sorted(c for c in df.columns if c not in ("time", "value"))
+    return df[[*labels, "time", "value"]].reset_index(drop=True)
+
+
+def _num(v: Any) -> float:
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def pivot(df: Any, by: str | Sequence[str] | None = None) -> Any:
+    """A long range-query frame as one column per series (named by ``by`` labels), indexed by time."""
+    if df.empty:
+        return df
+    labels = [c for c in df.columns if c not in ("time", "value")]
+    keys = [by] if isinstance(by, str) else list(by or [c for c in labels if c not in ("__name__",)])
+    keys = [k for k in keys if k in df.columns]
+    name = df[keys].astype(str).agg(",".join, axis=1) if keys else "value"
+    out = df.assign(series=name).pivot_table(index="time", columns="series", values="value", aggfunc="first")
+    out.columns.name = None
+    return out
+
+
+# --- the HTTP API ----------------------------------------------------------------------------------
+
+
+class PromAPI:
+    """Queries against a Prometheus server's HTTP API (``url`` like ``http://127.0.0.1:9090``)."""
+
+    kind = "external"
+
+    def __init__(self, url: str, timeout_s: float = 30.0):
+        if not re.match(r"^https?://", url or ""):
+            raise ValueError(f"Prometheus URL {url!r}: expected http://host:port")
+        self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
+        self.notes: list[str] = []
+
+    def describe(self) -> str:
+        return f"Prometheus at {self.url} (from ${URL_ENV})"
+
+    # transport
+    def _get(self, path: str, params: Mapping[str, Any] | None = None, *, expr: str | None = None,
+             method: str = "GET") -> Any:
+        query = urllib.parse.urlencode({k: v for k, v in (params or {}).items() if v is not None})
+        url = f"{self.url}{path}"
+        body = None
+        if method == "POST":
+            body = query.encode()
+        elif query:
+            url += "?" + query
+        req = urllib.request.Request(url, data=body, method=method)
+        if body is not None:
+            req.add_header("Content-Type", "application/x-www-form-urlencoded")
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
+                payload = r.read()
+        except urllib.error.HTTPError as err:
+            payload = err.read()
+            try:
+                answer = json.loads(payload)
+            except ValueError:
+                raise self._error(f"{path} answered HTTP {err.code}: {payload[:300]!r}", expr) from None
+            raise self._error(f"{answer.get('errorType', 'error')}: {answer.get('error', '?')}", expr) from None
+        except (urllib.error.URLError, OSError) as err:
+            raise self._error(f"cannot reach {self.url}{path}: {err}", expr) from None
+        if path.startswith("/-/"):
+            return payload.decode(errors="replace")
+        answer = json.loads(payload)
+        if answer.get("status") != "success":
+            raise self._error(f"{answer.get('errorType', 'error')}: {answer.get('error', '?')}", expr)
+        return answer.get("data")
+
+    def _error(self, why: str, expr: str | None) -> PrometheusError:
+        if expr is not None:
+            return QueryError(f"query {expr!r} failed: {why}")
+        return PrometheusError(why)
+
+    # queries
+    def query_raw(self, expr: str, at: float | None = None) -> dict[str, Any]:
+        """The ``data`` of ``/api/v1/query`` for ``expr`` at ``at`` (unix seconds; default now)."""
+        _check_expr(expr)
+        return self._get("/api/v1/query", {"query": expr, "time": _t(at)}, expr=expr)
+
+    def query(self, expr: str, at: float | None = None) -> Any:
+        """An instant query as a data frame (one row per series)."""
+        return frame(self.query_raw(expr, at))
+
+    def query_range_raw(self, expr: str, start: float, end: float, step_s: float = 1.0) -> dict[str, Any]:
+        _check_expr(expr)
+        if not (step_s > 0 and end >= start):
+            raise QueryError(f"query {expr!r}: need step_s > 0 and end >= start (got {step_s}, {start}..{end})")
+        return self._get("/api/v1/query_range", {"query": expr, "start": _t(start), "end": _t(end),
+                                                 "step": f"{step_s:g}"}, expr=expr)
+
+    def query_range(self, expr: str, start: float, end: float, step_s: float = 1.0) -> Any:
+        """A range query as a long data frame (columns: labels..., time, value)."""
+        return frame(self.query_range_raw(expr, start, end, step_s))
+
+    def value(self, expr: str, at: float | None = None, default: float = math.nan) -> float:
+        """The single number ``expr`` gives (a scalar, or a vector of one series); ``default`` when empty."""
+        df = self.query(expr, at)
+        if df.empty:
+            return default
+        if len(df) > 1:
+            raise QueryError(f"query {expr!r} gave {len(df)} series where one number was expected: aggregate it "
+                             "(e.g. sum(...))")
+        return float(df["value"].iloc[0])
+
+    def alerts(self) -> Any:
+        """Active alerts (``/api/v1/alerts``): alertname, state (pending/firing), labels, activeAt, value."""
+        import pandas as pd
+
+        data = self._get("/api/v1/alerts")
+        rows = [{"alertname": a["labels"].get("alertname"), "state": a.get("state"),
+                 "severity": a["labels"].get("severity"), "activeAt": a.get("activeAt"),
+                 "value": _num(a.get("value")),
+                 "labels": {k: v for k, v in a["labels"].items() if k not in ("alertname", "severity")},
+                 "summary": a.get("annotations", {}).get("summary", "")}
+                for a in data.get("alerts", [])]
+        return pd.DataFrame(rows, columns=["alertname", "state", "severity", "activeAt", "value", "labels",
+                                           "summary"])
+
+    def rules(self) -> Any:
+        """Loaded rules (``/api/v1/rules``): group, name, type, state, health, query."""
+        import pandas as pd
+
+        data = self._get("/api/v1/rules")
+        rows = [{"group": g["name"], "name": r["name"], "type": r["type"], "state": r.get("state", ""),
+                 "health": r.get("health"), "for_s": r.get("duration", 0), "query": r["query"]}
+                for g in data.get("groups", []) for r in g.get("rules", [])]
+        return pd.DataFrame(rows, columns=["group", "name", "type", "state", "health", "for_s", "query"])
+
+    def targets(self) -> Any:
+        """Scrape targets (``/api/v1/targets``): job, instance, health, last error, last scrape duration."""
+        import pandas as pd
+
+        data = self._get("/api/v1/targets")
+        rows = [{"job": t["labels"].get("job"), "instance": t["labels"].get("instance"), "health": t.get("health"),
+                 "lastError": t.get("lastError", ""), "scrape_s": t.get("lastScrapeDuration")}
+                for t in data.get("activeTargets", [])]
+        return pd.DataFrame(rows, columns=["job", "instance", "health", "lastError", "scrape_s"])
+
+    def ready(self) -> bool:
+        with contextlib.suppress(PrometheusError):
+            self._get("/-/ready")
+            return True
+        return False
+
+    # waiting
+    def wait_for(self, expr: str, timeout_s: float = 30.0, poll_s: float = 0.5,
+                 predicate: Callable[[Any], bool] | None = None) -> Any:
+        """Poll ``expr`` until it returns a series (or ``predicate(frame)`` holds); the frame, or TimeoutError."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            df = self.query(expr)
+            if (predicate(df) if predicate else not df.empty):
+                return df
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{expr!r} did not {'meet the condition' if predicate else 'return a series'} "
+                                   f"within {timeout_s:g} s (last result: {df.to_dict('records')})")
+            _pause(poll_s)
+
+    def wait_for_alert(self, name: str, state: str = "firing", timeout_s: float = 60.0, poll_s: float = 0.5) -> Any:
+        """Poll the alerts API until alert ``name`` is in ``state``; its rows, or TimeoutError naming what was seen."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            df = self.alerts()
+            hit = df[(df["alertname"] == name) & (df["state"] == state)]
+            if not hit.empty:
+                return hit
+            if time.monotonic() > deadline:
+                seen = ", ".join(f"{a}={s}" for a, s in zip(df["alertname"], df["state"], strict=True)) or "none"
+                raise TimeoutError(f"alert {name} was not {state} within {timeout_s:g} s (active alerts: {seen})")
+            _pause(poll_s)
+
+    def stop(self) -> None:
+        """Nothing to stop: the server belongs to someone else."""
+
+    def __enter__(self) -> PromAPI:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def _t(at: float | None) -> str | None:
+    return None if at is None else f"{float(at):.3f}"
+
+
+def _check_expr(expr: Any) -> None:
+    if not isinstance(expr, str) or not expr.strip():
+        raise QueryError(f"query {expr!r}: give a PromQL expression as a non-empty string")
+
+
+def _pause(seconds: float) -> None:
+    """Between polls of a remote state: an Event wait, interruptible, not a bare sleep in a loop body."""
+    import threading
+
+    threading.Event().wait(seconds)
+
+
+# --- a server the lab owns ---------------------------------------------------------------------------
+
+_LIVE: weakref.WeakSet[PrometheusServer] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:
+    for server in list(_LIVE):
+        with contextlib.suppress(Exception):
+            server.stop()
+
+
+def port_free(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class PrometheusServer(PromAPI):
+    """A ``prometheus`` process scraping ``jobs`` (``{"triton": ["127.0.0.1:8002"], ...}``), owned by the lab.
+
+    ``start()`` writes the configuration into a temporary folder, has promtool check it (its message is the
+    error), starts the server on a free loopback port with ``--web.enable-lifecycle``, and waits for
+    ``/-/ready``. ``stop()`` ends the process group and removes the folder (data included); it is safe to
+    call twice and runs at interpreter exit.
+    """
+
+    kind = "prometheus"
+
+    def __init__(self, jobs: Mapping[str, Sequence[str]], *, rule_files: Sequence[str | Path] = (),
+                 scrape_interval_s: float = 1.0, evaluation_interval_s: float = 1.0, binary: str | None = None,
+                 host: str = "127.0.0.1", port: int | None = None, startup_timeout_s: float = 30.0,
+                 extra_args: Sequence[str] = (), log_path: str | Path | None = None):
+        self.binary = binary or find_binary("prometheus")
+        if self.binary is None:
+            raise PrometheusError("the prometheus binary is not installed: apt-get install prometheus, or set "
+                                  f"${BINARY_ENV} to a prometheus binary (the lab can use its in-process scraper)")
+        self.jobs = {k: list(v) for k, v in jobs.items()}
+        self.rule_files = [Path(p) for p in rule_files]
+        self.scrape_interval_s, self.evaluation_interval_s = scrape_interval_s, evaluation_interval_s
+        self.config = scrape_config(self.jobs, scrape_interval_s=scrape_interval_s,
+                                    evaluation_interval_s=evaluation_interval_s, rule_files=self.rule_files)
+        self.host, self.requested_port = host, port
+        self.startup_timeout_s = startup_timeout_s
+        self.extra_args = list(extra_args)
+        self._log_path = Path(log_path) if log_path else None
+        self.workdir: Path | None = None
+        self.proc: subprocess.Popen | None = None
+        self.port: int | None = None
+        super().__init__(f"http://{host}:0")
+        self.notes: list[str] = []
+
+    def describe(self) -> str:
+        return f"Prometheus {self.version()} started here at {self.url} (scrape every {self.scrape_interval_s:g} s)"
+
+    def version(self) -> str:
+        out = subprocess.run([str(self.binary), "--version"], capture_output=True, text=True, check=False)
+        m = re.search(r"version\s+([\w.\-+~]+)", out.stdout + out.stderr)
+        return m.group(1) if m else "?"
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    @property
+    def log_path(self) -> Path | None:
+        return self._log_path or (self.workdir / "prometheus.log" if self.workdir else None)
+
+    @property
+    def config_path(self) -> Path | None:
+        return self.workdir / "prometheus.yml" if self.workdir else None
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_tail(self, n: int = 30) -> str:
+        from .procs import tail
+
+        return tail(self.log_path, n)
+
+    def _pick_port(self) -> int:
+        if self.requested_port and port_free(self.requested_port, self.host):
+            return self.requested_port
+        if self.requested_port:
+            self.notes.append(f"port {self.requested_port} is busy: Prometheus listens on a free port instead")
+        return free_port(self.host)
+
+    def start(self) -> PrometheusServer:
+        """Check the configuration, start the server, wait until it is ready (raises with the log's tail)."""
+        if self.alive():
+            return self
+        from .procs import popen_owned, stop_group, wait_http_ok
+
+        self.workdir = Path(tempfile.mkdtemp(prefix="nvlab-prometheus-"))
+        _LIVE.add(self)
+        write_config(self.config, self.config_path)  # type: ignore[arg-type]
+        if find_binary("promtool"):
+            try:
+                check_config(self.config_path)  # type: ignore[arg-type]
+            except ConfigError:
+                self.stop()
+                raise
+        for attempt in range(3):  # a port taken between the check and the bind: try another
+            self.port = self._pick_port()
+            self.url = f"http://{self.host}:{self.port}"
+            argv = [str(self.binary), f"--config.file={self.config_path}",
+                    f"--storage.tsdb.path={self.workdir / 'data'}", f"--web.listen-address={self.host}:{self.port}",
+                    "--web.enable-lifecycle", "--storage.tsdb.retention.time=1d", "--log.level=info",
+                    *self.extra_args]
+            log = open(self.log_path, "ab")  # type: ignore[arg-type]  # noqa: SIM115 (kept for the process)
+            try:
+                self.proc = popen_owned(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                        cwd=self.workdir)
+            finally:
+                log.close()
+            try:
+                ok = wait_http_ok(f"{self.url}/-/ready", self.proc, self.startup_timeout_s)
+            except TimeoutError:
+                tail = self.log_tail()
+                self.stop()
+                raise PrometheusError(
+                    f"Prometheus was not ready within {self.startup_timeout_s:g} s; log:\n{tail}") from None
+            if ok:
+                return self
+            tail = self.log_tail()
+            stop_group(self.proc)
+            if "address already in use" in tail and attempt < 2:
+                self.requested_port = None
+                continue
+            self.stop()
+            raise PrometheusError(f"Prometheus exited during start (code {self.proc.returncode}); log:\n{tail}")
+        raise PrometheusError("Prometheus found no free port")  # pragma: no cover
+
+    def reload(self, jobs: Mapping[str, Sequence[str]] | None = None,
+               rule_files: Sequence[str | Path] | None = None) -> None:
+        """Rewrite the configuration (new targets or rule files), have promtool check it, and reload."""
+        if jobs is not None:
+            self.jobs = {k: list(v) for k, v in jobs.items()}
+        if rule_files is not None:
+            self.rule_files = [Path(p) for p in rule_files]
+        self.config = scrape_config(self.jobs, scrape_interval_s=self.scrape_interval_s,
+                                    evaluation_interval_s=self.evaluation_interval_s, rule_files=self.rule_files)
+        if not self.alive():
+            return
+        write_config(self.config, self.config_path)  # type: ignore[arg-type]
+        if find_binary("promtool"):
+            check_config(self.config_path)  # type: ignore[arg-type]
+        self._get("/-/reload", method="POST")
+
+    def stop(self) -> None:
+        """Stop the whole process group and remove the temporary folder; safe to call twice."""
+        from .procs import stop_group
+
+        if self.proc is not None:
+            stop_group(self.proc)
+        if self.workdir is not None:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            self.workdir = None
+        _LIVE.discard(self)
+
+    def __enter__(self) -> PrometheusServer:
+        return self.start()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.stop()
+
+
+# --- pick a backend --------------------------------------------------------------------------------
+
+
+def start_metrics(jobs: Mapping[str, Sequence[str]], *, rule_files: Sequence[str | Path] = (),
+                  scrape_interval_s: float = 1.0, evaluation_interval_s: float = 1.0,
+                  prefer: str = "auto", show: bool = True) -> Any:
+    """A started metrics backend for ``jobs``: ``$PROMETHEUS_URL``, a ``prometheus`` binary, or the in-process
+    scraper — in that order (``prefer`` = "external", "prometheus" or "scraper" forces one). Prints which.
+
+    With ``NVLAB_REQUIRE_PROMETHEUS=1`` and no binary this raises instead of falling back.
+    """
+    if prefer not in ("auto", "external", "prometheus", "scraper"):
+        raise ValueError(f"prefer={prefer!r}: use auto, external, prometheus or scraper")
+    url = os.environ.get(URL_ENV)
+    backend: Any
+    if prefer == "external" or (prefer == "auto" and url):
+        if not url:
+            raise PrometheusError(f"prefer='external' but ${URL_ENV} is not set")
+        backend = PromAPI(url)
+        if not backend.ready():
+            raise PrometheusError(f"${URL_ENV}={url} does not answer /-/ready: is the compose stack up?")
+        backend.notes.append(f"the compose stack's Prometheus scrapes its own targets (jobs {TRITON_JOB!r} and "
+                             f"{EXPORTER_JOB!r}) and loads its own copy of the rules")
+    elif prefer == "prometheus" or (prefer == "auto" and find_binary("prometheus")):
+        backend = PrometheusServer(jobs, rule_files=rule_files, scrape_interval_s=scrape_interval_s,
+                                   evaluation_interval_s=evaluation_interval_s).start()
+    else:
+        if required():
+            raise PrometheusError(f"{REQUIRE_ENV}=1 but no prometheus binary was found: apt-get install prometheus "
+                                  f"(or set ${BINARY_ENV})")
+        from .monitoring import InProcessScraper
+
+        backend = InProcessScraper(jobs, rule_files=rule_files, scrape_interval_s=scrape_interval_s,
+                                   evaluation_interval_s=evaluation_interval_s).start()
+    if show:
+        print(backend.describe())
+        for note in backend.notes:
+            print("note:", note)
+    return backend
