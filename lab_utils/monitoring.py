@@ -205,10 +205,16 @@ def parse_exposition(text: str) -> list[tuple[dict[str, str], float]]:
     prometheus_client's parser (the one the Python client ships)."""
     from prometheus_client.parser import text_string_to_metric_families
 
+    # The parser names counter samples "<family>_total" even where the text has no suffix (Triton's counters
+    # have none); Prometheus keeps the exposed name, and so does this.
+    exposed = set(re.findall(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?=[{\s])", text, flags=re.M))
     out = []
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
-            out.append(({"__name__": s.name, **s.labels}, float(s.value)))
+            name = s.name
+            if name not in exposed and name.endswith("_total") and name[:-6] in exposed:
+                name = name[:-6]
+            out.append(({"__name__": name, **s.labels}, float(s.value)))
     return out
 
 
@@ -471,9 +477,33 @@ def run_phases(phases: Sequence[Phase], load: Callable[[int, float], Any]) -> An
         rows.append({"phase": ph.name, "concurrency": ph.concurrency, "start": start, "end": end,
                      "requests": _field(res, "requests", "count", "ok"),
                      "errors": _field(res, "errors", "error_count", default=0),
-                     "throughput_rps": _field(res, "throughput_rps", "throughput", "rps"),
+                     "throughput_rps": _field(res, "throughput_infer_s", "throughput_rps", "throughput"),
                      "p50_ms": _field(res, "p50_ms"), "p99_ms": _field(res, "p99_ms"), "result": res})
     return pd.DataFrame(rows)
+
+
+def chunked_load(target: Callable[[], str], load: Callable[[str, int, float], Any], concurrency: int,
+                 duration_s: float, chunk_s: float = 1.0) -> Any:
+    """Closed-loop load in chunks of ``chunk_s``, each aimed at ``target()`` (the server's current address, so
+    the clients follow a restarted server as a service address would); one row per chunk: start, end,
+    requests, errors, p99. ``load(url, concurrency, seconds)`` runs one chunk (lab 04's ``run_load``)."""
+    import pandas as pd
+
+    rows = []
+    end = time.time() + duration_s
+    while time.time() < end:
+        t0 = time.time()
+        seconds = max(0.2, min(chunk_s, end - t0))
+        try:
+            res = load(target(), concurrency, seconds)
+            rows.append({"start": t0, "end": time.time(), "requests": _field(res, "requests", default=0),
+                         "errors": _field(res, "errors_total", "errors", default=0),
+                         "p99_ms": _field(res, "p99_ms"), "error": ""})
+        except Exception as err:  # the clients could not even start (no server there): a failed chunk
+            rows.append({"start": t0, "end": time.time(), "requests": 0, "errors": concurrency, "p99_ms": math.nan,
+                         "error": f"{type(err).__name__}: {str(err)[:120]}"})
+            threading.Event().wait(min(0.2, max(0.0, end - time.time())))
+    return pd.DataFrame(rows, columns=["start", "end", "requests", "errors", "p99_ms", "error"])
 
 
 def panel_frames(metrics: PromAPI, panel_list: Sequence[Panel], start: float, end: float, window: str,
@@ -761,3 +791,82 @@ __all__ = [
     "default_phases", "run_phases", "panel_frames", "probe", "health", "Watchdog", "kill", "failure_drill",
     "DrillResult", "quantile_of_parts",
 ]
+
+
+# --- the lab's model ---------------------------------------------------------------------------------------
+
+MODEL_NAME = "mm"
+
+_MODEL_PY = '''\
+"""Lab 05's model: Y = 2 X, with a service time that makes queueing visible.
+
+CPU instance: each execution takes base_ms + per_item_ms x batch (a sleep: the 2-core lab machine keeps its
+cores for the clients and Prometheus). GPU instance: gpu_reps x batch fp32 matmuls of gpu_matrix^2 on the
+instance's GPU, so utilization, power and memory move on the GPU metrics.
+"""
+import json
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        cfg = json.loads(args["model_config"])
+        p = {k: v["string_value"] for k, v in cfg.get("parameters", {}).items()}
+        self.base_s = float(p.get("base_ms", "4")) / 1000
+        self.per_item_s = float(p.get("per_item_ms", "0.5")) / 1000
+        self.gpu = args.get("model_instance_kind") == "GPU"
+        if self.gpu:
+            import torch
+
+            self.torch = torch
+            n = int(p.get("gpu_matrix", "4096"))
+            self.reps = int(p.get("gpu_reps", "1"))
+            device = torch.device("cuda", int(args.get("model_instance_device_id", 0)))
+            gen = torch.Generator(device=device).manual_seed(0)
+            self.a = torch.randn(n, n, device=device, generator=gen) / n**0.5  # random, not zeros: real power
+            self.c = torch.empty_like(self.a)
+
+    def execute(self, requests):
+        xs = [pb_utils.get_input_tensor_by_name(r, "X").as_numpy() for r in requests]
+        batch = sum(int(x.shape[0]) for x in xs)
+        if self.gpu:
+            for _ in range(self.reps * batch):
+                self.torch.mm(self.a, self.a, out=self.c)
+            self.torch.cuda.synchronize()
+        else:
+            time.sleep(self.base_s + self.per_item_s * batch)
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("Y", (x * 2).astype(np.float32))]) for x in xs]
+'''
+
+
+def write_model(repo: str | Path, *, gpu: bool = False, max_batch_size: int = 8, queue_delay_us: int = 500,
+                base_ms: float = 4.0, per_item_ms: float = 0.5, gpu_matrix: int = 4096, gpu_reps: int = 1,
+                features: int = 16) -> Path:
+    """Write the lab's model ``mm`` (python backend, dynamic batching, one instance) into ``repo``; the repo."""
+    repo = Path(repo)
+    (repo / MODEL_NAME / "1").mkdir(parents=True, exist_ok=True)
+    (repo / MODEL_NAME / "1" / "model.py").write_text(_MODEL_PY)
+    params = {"base_ms": base_ms, "per_item_ms": per_item_ms, "gpu_matrix": gpu_matrix, "gpu_reps": gpu_reps}
+    param_text = "\n".join(f'parameters {{ key: "{k}" value {{ string_value: "{v:g}" }} }}' for k, v in params.items())
+    (repo / MODEL_NAME / "config.pbtxt").write_text(
+        f'name: "{MODEL_NAME}"\nbackend: "python"\nmax_batch_size: {max_batch_size}\n'
+        f'input [ {{ name: "X" data_type: TYPE_FP32 dims: [ {features} ] }} ]\n'
+        f'output [ {{ name: "Y" data_type: TYPE_FP32 dims: [ {features} ] }} ]\n'
+        f"dynamic_batching {{ max_queue_delay_microseconds: {queue_delay_us} }}\n"
+        f'instance_group [ {{ kind: {"KIND_GPU" if gpu else "KIND_CPU"} count: 1 }} ]\n{param_text}\n')
+    return repo
+
+
+def make_inputs(features: int = 16) -> Callable[[], dict[str, Any]]:
+    """One request's inputs for ``mm``: a batch of one row of ``features`` floats."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+
+    def make() -> dict[str, Any]:
+        return {"X": rng.standard_normal((1, features)).astype(np.float32)}
+
+    return make
