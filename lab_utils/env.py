@@ -588,8 +588,8 @@ CAPTURES = {
     "nccl-debug": "nccl-debug-x2.txt",  # NCCL_DEBUG=INFO of a 2-rank all_reduce on 2 x H200 (NV18)
 }
 
-# NGC release -> CUDA runtime inside the image (REFERENCE §4, §6; NGC release notes).
-NGC_CUDA = {"pytorch:26.09-py3": "13.4", "pytorch:25.12-py3": "13.1", "tritonserver:24.10-py3": "12.6"}
+# The NGC images the course uses and the CUDA runtime inside each come from the version manifest
+# (lab_utils/data/stack/versions.json, read through lab_utils.stack), which the container stack also reads.
 
 
 def capture(name: str) -> str:
@@ -627,13 +627,25 @@ def stack_table(report: EnvReport) -> list[dict[str, str]]:
          else "absent"),
         ("operations: Prometheus", (c["prometheus"].version or "present") if c["prometheus"].present else "absent"),
     ]
-    return [{"layer": a, "on this machine": b} for a, b in rows]
+    from .stack import manifest, pinned_release
+
+    rel = pinned_release()
+    in_image = "(in the image)"
+    image = [
+        "(the host's)", "(the host's, mapped in at start)", rel["cuda"], in_image, in_image, rel["tensorrt"],
+        rel["torch"], f"{rel['triton_server']} (tritonserver image)", manifest()["services"]["prometheus"],
+    ]
+    column = f"course image (NGC {rel['tag']})"
+    return [{"layer": a, "on this machine": b, column: i} for (a, b), i in zip(rows, image, strict=True)]
 
 
 def container_verdicts(cuda_ceiling: str, datacenter_gpu: bool = True) -> list[dict[str, str]]:
     """Whether each NGC image's CUDA runtime runs on a driver with ``cuda_ceiling``, and why."""
+    from .stack import ngc_images
+
     rows = []
-    for tag, cuda in NGC_CUDA.items():
+    for entry in ngc_images():
+        cuda = entry["cuda"]
         if version_tuple(cuda) <= version_tuple(cuda_ceiling):
             verdict = "runs: the driver supports this CUDA"
         elif datacenter_gpu:
@@ -642,6 +654,6 @@ def container_verdicts(cuda_ceiling: str, datacenter_gpu: bool = True) -> list[d
             verdict = "runs through minor-version compatibility; some features need a newer driver"
         else:
             verdict = "fails: update the driver"
-        rows.append({"image": f"nvcr.io/nvidia/{tag}", "CUDA runtime": cuda, "driver ceiling": cuda_ceiling,
+        rows.append({"image": entry["image"], "CUDA runtime": cuda, "driver ceiling": cuda_ceiling,
                      "verdict": verdict})
     return rows

@@ -1,0 +1,238 @@
+"""The course's version manifest (``data/stack/versions.json``) and the files that must agree with it.
+
+One file says which NGC release the lab image and the compose stack use, and what each NGC release carries
+(CUDA, torch, TensorRT, Triton server and the matching ``tritonclient``). ``check(root)`` compares it with
+``docker/Dockerfile``'s build arguments, ``docker/.env`` (the compose file's image tags), the images and build
+arguments in ``docker/compose.yaml``, ``./course``'s pins and ``pyproject.toml``; each mismatch names both sides.
+Lab 00's container table reads the manifest directly (``lab_utils.env.container_verdicts``).
+
+    python -m lab_utils.stack env > docker/.env    # write the compose file's image tags from the manifest
+    python -m lab_utils.stack check                # exit 1 with one line per mismatch
+
+Standard library only (YAML through PyYAML when it is there), so it runs on a bare CI host.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+MANIFEST_PATH = Path(__file__).parent / "data" / "stack" / "versions.json"
+MANIFEST_NAME = "lab_utils/data/stack/versions.json"
+# What the pinned release must state (REFERENCE: NGC tag -> CUDA, torch, TensorRT, Triton, tritonclient).
+PINNED_FIELDS = ("cuda", "python", "torch", "tensorrt", "triton_server", "tritonclient")
+REGISTRY = "nvcr.io/nvidia"
+
+
+@functools.lru_cache(maxsize=1)
+def manifest() -> dict[str, Any]:
+    """The manifest as a dict (read once)."""
+    return json.loads(MANIFEST_PATH.read_text())
+
+
+def _version_tuple(v: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in re.findall(r"\d+", v))
+
+
+def pinned_release(m: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The NGC release the course image and stack use, with its ``tag`` ("26.09") added."""
+    m = m or manifest()
+    tag = m["pinned"]
+    if tag not in m["ngc"]:
+        raise KeyError(f"{MANIFEST_NAME}: pinned release {tag!r} has no entry under 'ngc' ({sorted(m['ngc'])})")
+    return {"tag": tag, **m["ngc"][tag]}
+
+
+def ngc_images(m: dict[str, Any] | None = None) -> list[dict[str, str]]:
+    """Every NGC image the manifest names, newest release first: image reference, release, kind, CUDA runtime."""
+    m = m or manifest()
+    rows = []
+    for tag in sorted(m["ngc"], key=_version_tuple, reverse=True):
+        rel = m["ngc"][tag]
+        for kind in rel["images"]:
+            rows.append({"image": f"{REGISTRY}/{kind}:{tag}-py3", "release": tag, "kind": kind, "cuda": rel["cuda"]})
+    return rows
+
+
+def env_values(m: dict[str, Any] | None = None) -> dict[str, str]:
+    """The variables ``docker/.env`` holds for the compose file (image tags and build arguments)."""
+    m = m or manifest()
+    rel = pinned_release(m)
+    return {
+        "NGC_TAG": rel["tag"],
+        "TRITONCLIENT_VERSION": rel["tritonclient"],
+        "PYTRITON_VERSION": m["course"]["nvidia-pytriton"],
+        "PROMETHEUS_VERSION": m["services"]["prometheus"],
+        "GRAFANA_VERSION": m["services"]["grafana"],
+        "DCGM_EXPORTER_TAG": m["services"]["dcgm_exporter"],
+    }
+
+
+def compose_env(m: dict[str, Any] | None = None) -> str:
+    """The text of ``docker/.env``, generated from the manifest."""
+    lines = [
+        f"# Generated from {MANIFEST_NAME} by `python -m lab_utils.stack env > docker/.env`: do not edit by hand.",
+        "# Image tags only. Secrets (JUPYTER_TOKEN, GRAFANA_ADMIN_PASSWORD) go in the shell's environment, never here.",
+    ]
+    lines += [f"{k}={v}" for k, v in env_values(m).items()]
+    return "\n".join(lines) + "\n"
+
+
+# --- reading the consumers ------------------------------------------------------------------------
+
+
+def parse_env_file(text: str) -> dict[str, str]:
+    """``KEY=VALUE`` lines of a compose ``.env`` file (comments and blank lines skipped)."""
+    out = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#") and "=" in line:
+            k, v = line.split("=", 1)
+            out[k.strip()] = v.strip().strip("\"'")
+    return out
+
+
+def dockerfile_args(text: str) -> dict[str, str]:
+    """Default values of ``ARG NAME=VALUE`` lines (the first default of each name)."""
+    out: dict[str, str] = {}
+    for m in re.finditer(r"^\s*ARG\s+([A-Za-z_][A-Za-z0-9_]*)=(\S+)", text, re.MULTILINE):
+        out.setdefault(m.group(1), m.group(2).strip("\"'"))
+    return out
+
+
+_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?([-?])([^}]*))?\}")
+
+
+def interpolate(value: str, env: dict[str, str]) -> str:
+    """Compose-style ``${NAME}``, ``${NAME:-default}`` and ``${NAME:?message}`` with ``env``; KeyError if unset."""
+
+    def sub(m: re.Match[str]) -> str:
+        name, op, arg = m.group(1), m.group(2), m.group(3)
+        if env.get(name):
+            return env[name]
+        if op == "-":
+            return arg
+        raise KeyError(f"${{{name}}} is not set" + (f": {arg}" if op == "?" else ""))
+
+    return _VAR.sub(sub, value)
+
+
+def _load_yaml(path: Path) -> Any:
+    import yaml
+
+    return yaml.safe_load(path.read_text())
+
+
+# --- the check ------------------------------------------------------------------------------------
+
+
+def check(root: Path, m: dict[str, Any] | None = None) -> list[str]:
+    """Every disagreement between the manifest and the files under ``root``, each naming both sides."""
+    m = m or manifest()
+    problems: list[str] = []
+    rel = pinned_release(m)
+    tag = rel["tag"]
+    src = MANIFEST_NAME
+
+    missing = [f for f in PINNED_FIELDS if not rel.get(f)]
+    if missing:
+        problems.append(f"{src}: pinned release {tag} does not state {', '.join(missing)}")
+    for t, r in m["ngc"].items():
+        if r.get("triton_server") and r.get("tritonclient") and r["triton_server"] != r["tritonclient"]:
+            problems.append(f"{src}: release {t} pairs Triton server {r['triton_server']} with tritonclient "
+                            f"{r['tritonclient']}: the client must match the server's release")
+    if "pytorch" not in rel.get("images", []) or "tritonserver" not in rel.get("images", []):
+        problems.append(f"{src}: pinned release {tag} must list both the pytorch and the tritonserver image")
+
+    expected = env_values(m)
+
+    # docker/Dockerfile: the build arguments' defaults and the base image.
+    dockerfile = root / "docker" / "Dockerfile"
+    text = dockerfile.read_text()
+    args = dockerfile_args(text)
+    for arg in ("NGC_TAG", "TRITONCLIENT_VERSION", "PYTRITON_VERSION", "PROMETHEUS_VERSION"):
+        if args.get(arg) != expected[arg]:
+            problems.append(f"docker/Dockerfile has ARG {arg}={args.get(arg)} but {src} says {expected[arg]}")
+    if not re.search(r"^FROM\s+nvcr\.io/nvidia/pytorch:\$\{NGC_TAG\}-py3\b", text, re.MULTILINE):
+        problems.append(f"docker/Dockerfile's base image is not nvcr.io/nvidia/pytorch:${{NGC_TAG}}-py3, so {src}'s "
+                        f"pinned release {tag} does not decide it")
+
+    # docker/.env: what the compose file interpolates.
+    env_path = root / "docker" / ".env"
+    env = parse_env_file(env_path.read_text()) if env_path.exists() else {}
+    if not env_path.exists():
+        problems.append(f"docker/.env is missing; {src} generates it: python -m lab_utils.stack env > docker/.env")
+    for k, v in expected.items():
+        if env_path.exists() and env.get(k) != v:
+            problems.append(f"docker/.env sets {k}={env.get(k)} but {src} says {v} "
+                            "(regenerate: python -m lab_utils.stack env > docker/.env)")
+
+    # docker/compose.yaml: every image tag and version build argument comes from those variables.
+    compose = _load_yaml(root / "docker" / "compose.yaml")
+    services = compose.get("services", {})
+    want_images = {
+        "triton": f"{REGISTRY}/tritonserver:{tag}-py3",
+        "prometheus": f"prom/prometheus:{expected['PROMETHEUS_VERSION']}",
+        "grafana": f"grafana/grafana:{expected['GRAFANA_VERSION']}",
+        "dcgm-exporter": f"{REGISTRY}/k8s/dcgm-exporter:{expected['DCGM_EXPORTER_TAG']}",
+    }
+    for name, want in want_images.items():
+        raw = services.get(name, {}).get("image", "")
+        try:
+            got = interpolate(raw, env)
+        except KeyError as err:
+            got = f"{raw} ({err})"
+        if got != want:
+            problems.append(f"docker/compose.yaml service {name} runs image {got or '(none)'} but {src} says {want}")
+    build_args = services.get("lab", {}).get("build", {}).get("args", {})
+    for arg in ("NGC_TAG", "TRITONCLIENT_VERSION", "PYTRITON_VERSION", "PROMETHEUS_VERSION"):
+        raw = str(build_args.get(arg, ""))
+        try:
+            got = interpolate(raw, env)
+        except KeyError as err:
+            got = f"{raw} ({err})"
+        if got != expected[arg]:
+            problems.append(f"docker/compose.yaml builds the lab with {arg}={got or '(not passed)'} but {src} says "
+                            f"{expected[arg]}")
+
+    # ./course: the pins of a setup outside the image.
+    course = (root / "course").read_text()
+    for name, version in m["course"].items():
+        found = re.search(rf"\b{re.escape(name)}==([\w.+-]+)", course)
+        if not found or found.group(1) != version:
+            problems.append(f"./course pins {name}=={found.group(1) if found else '(nothing)'} but {src} says "
+                            f"{version}")
+
+    # pyproject.toml: the lab extra's tritonclient must admit the pinned release's client.
+    pyproject = (root / "pyproject.toml").read_text()
+    bound = re.search(r"tritonclient(?:\[[^\]]*\])?>=([\d.]+)", pyproject)
+    if bound and _version_tuple(bound.group(1)) > _version_tuple(rel["tritonclient"]):
+        problems.append(f"pyproject.toml requires tritonclient>={bound.group(1)} but {src} pairs NGC {tag} with "
+                        f"tritonclient {rel['tritonclient']}")
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv == ["env"]:
+        sys.stdout.write(compose_env())
+        return 0
+    if argv == ["check"]:
+        from .catalog import repo_root
+
+        problems = check(repo_root())
+        for p in problems:
+            print(p, file=sys.stderr)
+        if not problems:
+            print(f"{MANIFEST_NAME} (NGC {manifest()['pinned']}) agrees with docker/, ./course and pyproject.toml")
+        return 1 if problems else 0
+    print("usage: python -m lab_utils.stack env | check", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
