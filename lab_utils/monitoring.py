@@ -153,16 +153,17 @@ def set_threshold(expr: str, value: float) -> str:
     return _CMP_NUMBER.sub(lambda m: f"{m.group(1)}{m.group(2)}{value:g}", expr)
 
 
-def lab_rules(out_dir: str | Path, *, for_s: float | Mapping[str, float] = 2.0, window: str | None = None,
-              thresholds: Mapping[str, float] | None = None, source: str | Path = RULES_FILE,
-              check: bool = True) -> Path:
-    """Write the lab's copy of the rules: shorter ``for:`` (``for_s``, per alert if a mapping), rate windows
+def lab_rules(out_dir: str | Path, *, for_s: float | Mapping[str, float] = 2.0, default_for_s: float | None = None,
+              window: str | None = None, thresholds: Mapping[str, float] | None = None,
+              source: str | Path = RULES_FILE, check: bool = True) -> Path:
+    """Write the lab's copy of the rules: shorter ``for:`` (``for_s``; per alert if a mapping, the others
+    ``default_for_s`` or as in the file), rate windows
     set to ``window``, and ``thresholds`` per alert name. promtool checks the copy when it is installed
     (:class:`ConfigError` carries its message). Returns the file's path.
     """
     rules = load_rules(source)
     names = {r["alert"] for g in rules["groups"] for r in g["rules"] if "alert" in r}
-    unknown = set(thresholds or {}) - names
+    unknown = (set(thresholds or {}) | set(for_s if isinstance(for_s, Mapping) else {})) - names
     if unknown:
         raise ValueError(f"thresholds for unknown alerts {sorted(unknown)}; the alerts are {sorted(names)}")
     for group in rules["groups"]:
@@ -170,7 +171,7 @@ def lab_rules(out_dir: str | Path, *, for_s: float | Mapping[str, float] = 2.0, 
             name = rule.get("alert")
             if name is None:
                 continue
-            f = for_s.get(name, rule.get("for")) if isinstance(for_s, Mapping) else for_s
+            f = for_s.get(name, default_for_s) if isinstance(for_s, Mapping) else for_s
             if isinstance(f, (int, float)):
                 rule["for"] = f"{int(round(f * 1000))}ms" if f < 1 or f != int(f) else f"{int(f)}s"
             if window:
@@ -300,7 +301,18 @@ class InProcessScraper(PromAPI):
                rule_files: Sequence[str | Path] | None = None) -> None:
         with self._lock:
             if jobs is not None:
-                self.jobs = {k: list(v) for k, v in jobs.items()}
+                new = {k: list(v) for k, v in jobs.items()}
+                keep = {(j, i) for j, targets in new.items() for i in targets}
+                t = time.time()
+                for job, instance in [k for k in self._seen if k not in keep]:
+                    # a target that left the configuration: its series end now (Prometheus writes stale markers)
+                    for key in self._seen.pop((job, instance)):
+                        self.store.mark_stale(key, t)
+                    for name in ("up", "scrape_duration_seconds"):
+                        self.store.mark_stale(promql.SampleStore.key({"__name__": name, "job": job,
+                                                                      "instance": instance}), t)
+                    self._health.pop((job, instance), None)
+                self.jobs = new
             if rule_files is not None:
                 self.rule_files = [Path(p) for p in rule_files]
                 self._rules = self._load_rules()
@@ -432,6 +444,17 @@ def _expand(template: str, st: _AlertState) -> str:
     out = re.sub(r"\{\{\s*\$value\s*\|\s*humanizePercentage\s*\}\}", f"{st.value * 100:.4g}%", out)
     out = re.sub(r"\{\{\s*\$value[^}]*\}\}", f"{st.value:.0f}", out)
     return out
+
+
+def scrape_jobs(server: Any, exporter: Any = None) -> dict[str, list[str]]:
+    """The scrape jobs for a Triton server (its metrics port) and the GPU exporter: ``{job: [host:port]}``."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(server.metrics_url)
+    jobs = {TRITON_JOB: [f"{parts.hostname}:{parts.port}"]}
+    if exporter is not None:
+        jobs[EXPORTER_JOB] = [exporter.address]
+    return jobs
 
 
 # --- load phases -----------------------------------------------------------------------------------------
@@ -785,13 +808,6 @@ def quantile_of_parts(latencies_ms: Sequence[Sequence[float]], q: float = 0.99) 
     return {"pooled": pooled, "mean_of_parts": mean_of, "max_of_parts": float(max(np.quantile(p, q) for p in parts))}
 
 
-__all__ = [
-    "EXPORTER_JOB", "TRITON_JOB", "PANELS", "Panel", "panels", "dashboard", "dashboard_text", "dashboard_expressions",
-    "load_rules", "lab_rules", "set_threshold", "parse_exposition", "metric_types", "InProcessScraper", "Phase",
-    "default_phases", "run_phases", "panel_frames", "probe", "health", "Watchdog", "kill", "failure_drill",
-    "DrillResult", "quantile_of_parts",
-]
-
 
 # --- the lab's model ---------------------------------------------------------------------------------------
 
@@ -842,8 +858,8 @@ class TritonPythonModel:
 '''
 
 
-def write_model(repo: str | Path, *, gpu: bool = False, max_batch_size: int = 8, queue_delay_us: int = 500,
-                base_ms: float = 4.0, per_item_ms: float = 0.5, gpu_matrix: int = 4096, gpu_reps: int = 1,
+def write_model(repo: str | Path, *, gpu: bool = False, max_batch_size: int = 4, queue_delay_us: int = 500,
+                base_ms: float = 4.0, per_item_ms: float = 1.0, gpu_matrix: int = 4096, gpu_reps: int = 1,
                 features: int = 16) -> Path:
     """Write the lab's model ``mm`` (python backend, dynamic batching, one instance) into ``repo``; the repo."""
     repo = Path(repo)
@@ -870,3 +886,77 @@ def make_inputs(features: int = 16) -> Callable[[], dict[str, Any]]:
         return {"X": rng.standard_normal((1, features)).astype(np.float32)}
 
     return make
+
+
+# --- plots ---------------------------------------------------------------------------------------------------
+
+_PHASE_COLORS = {"ramp": "#dbeafe", "steady": "#dcfce7", "overload": "#fee2e2"}
+
+
+def plot_panels(frames: Mapping[str, Any], panel_list: Sequence[Panel], *, t0: float, phases: Any = None,
+                ncols: int = 3, title: str = "") -> Any:
+    """A grid of the panels' range queries (seconds since ``t0`` on x), load phases shaded."""
+    import matplotlib.pyplot as plt
+
+    from .prometheus import pivot
+
+    n = len(panel_list)
+    nrows = math.ceil(n / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 2.6 * nrows), squeeze=False)
+    for ax, p in zip(axes.flat, panel_list, strict=False):
+        df = frames.get(p.key)
+        if phases is not None:
+            for r in phases.itertuples():
+                ax.axvspan(r.start - t0, r.end - t0, color=_PHASE_COLORS.get(r.phase, "#eeeeee"), lw=0)
+        if df is not None and not df.empty:
+            by = [c for c in ("model", "gpu", "job") if c in df.columns]
+            wide = pivot(df, by[0] if by else None)
+            for col in wide.columns:
+                ax.plot(wide.index - t0, wide[col], label=str(col), lw=1.3)
+            if len(wide.columns) > 1:
+                ax.legend(fontsize=7)
+        else:
+            ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="gray")
+        ax.set_title(p.title, fontsize=9)
+        ax.set_ylabel(p.unit, fontsize=8)
+        ax.tick_params(labelsize=7)
+    for ax in list(axes.flat)[n:]:
+        ax.axis("off")
+    for ax in axes[-1]:
+        ax.set_xlabel("seconds", fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def plot_drill(drill: DrillResult, up: Any = None) -> Any:
+    """The drill on one time axis: requests and client errors per load chunk, ``up`` as Prometheus saw it,
+    and the steps (kill, alert, restart) as vertical lines."""
+    import matplotlib.pyplot as plt
+
+    t_kill = drill.time_of("server killed") or 0.0
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 4.6), sharex=True)
+    chunks = drill.load
+    if chunks is not None and len(chunks):
+        mid = (chunks["start"] + chunks["end"]) / 2 - t_kill
+        secs = (chunks["end"] - chunks["start"]).clip(lower=1e-3)
+        ax1.plot(mid, chunks["requests"] / secs, marker="o", label="successful requests/s (client)")
+        ax1.plot(mid, chunks["errors"] / secs, marker="x", color="tab:red", label="failed requests/s (client)")
+        ax1.legend(fontsize=8)
+    ax1.set_ylabel("requests/s")
+    if up is not None and not up.empty:
+        for inst, g in up.groupby("instance"):
+            ax2.step(g["time"] - t_kill, g["value"], where="post", label=f"up{{instance={inst}}}")
+        ax2.legend(fontsize=8)
+    ax2.set_ylim(-0.1, 1.2)
+    ax2.set_ylabel("up")
+    ax2.set_xlabel("seconds after the kill")
+    for s in drill.steps:
+        if s["step"] in ("load started", "load finished"):
+            continue
+        for ax in (ax1, ax2):
+            ax.axvline(s["time"] - t_kill, color="gray", lw=0.8, ls="--")
+        ax2.text(s["time"] - t_kill, 1.15, s["step"], rotation=90, fontsize=7, va="top", ha="right")
+    fig.tight_layout()
+    return fig
