@@ -134,15 +134,19 @@ def stop_group(proc: subprocess.Popen, grace_s: float = 10.0, kill_wait_s: float
             return proc.returncode
 
 
-def wait_http_ok(url: str, proc: subprocess.Popen | None, timeout_s: float, poll_s: float = 0.05) -> bool:
+def wait_http_ok(url: str, proc: subprocess.Popen | None, timeout_s: float, poll_s: float = 0.05,
+                 give_up: Callable[[], bool] | None = None) -> bool:
     """Wait until ``GET url`` answers 200, checking that ``proc`` is still alive between tries.
 
-    Returns True when ready, False when ``proc`` exited first; raises ``TimeoutError`` after ``timeout_s``.
-    The pause between tries is a wait on the process itself, so an exit is noticed at once.
+    Returns True when ready, False when ``proc`` exited first or ``give_up()`` says the start has failed
+    (a fatal line in the log, say); raises ``TimeoutError`` after ``timeout_s``. The pause between tries is a
+    wait on the process itself, so an exit is noticed at once.
     """
     deadline = time.monotonic() + timeout_s
     while True:
         if proc is not None and proc.poll() is not None:
+            return False
+        if give_up is not None and give_up():
             return False
         with contextlib.suppress(urllib.error.URLError, ConnectionError, TimeoutError, OSError):
             with urllib.request.urlopen(url, timeout=1.0) as r:

@@ -414,3 +414,186 @@ def validate_repository(
             gpus_needed |= "KIND_GPU" in text or "gpus" in text
         gpus = gpu_count() if gpus_needed else 0
     return {d.name: validate_model_dir(d, gpus=gpus, require_files=require_files) for d in dirs}
+
+
+# --- building a repository ------------------------------------------------------------------------------
+
+# MLP sizes per tier. On a GPU a deep, narrow MLP makes the cost of a small batch the kernel launches and
+# copies (fixed per execution), which is what dynamic batching amortises; on a CPU a small one keeps the
+# lab quick while the python backend's per-execution overhead is still there to amortise.
+MLP_PRESETS: dict[str, dict[str, int]] = {
+    "cpu": {"in_features": 64, "width": 256, "depth": 4, "out_features": 10},
+    "gpu": {"in_features": 64, "width": 512, "depth": 64, "out_features": 10},
+}
+INPUT_NAME, OUTPUT_NAME = "INPUT__0", "OUTPUT__0"
+
+
+def export_mlp(version_dir: str | os.PathLike[str], *, in_features: int = 64, width: int = 256, depth: int = 4,
+               out_features: int = 10, seed: int = 0) -> dict[str, Any]:
+    """Export an MLP (``depth`` hidden layers of ``width``) to ``model.onnx`` and ``weights.npz`` in ``version_dir``.
+
+    ``torch.onnx.export`` with a dynamic batch axis; the same weights go to ``weights.npz`` for the torch
+    engine. Weights are random (seeded): serving cost does not depend on their values. Returns sizes.
+    """
+    import warnings
+
+    import numpy as np
+    import torch
+
+    version_dir = Path(version_dir)
+    version_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    layers: list[Any] = []
+    dims = [in_features] + [width] * depth + [out_features]
+    for i in range(len(dims) - 1):
+        layers.append(torch.nn.Linear(dims[i], dims[i + 1]))
+        if i < len(dims) - 2:
+            layers.append(torch.nn.ReLU())
+    model = torch.nn.Sequential(*layers).eval()
+    x = torch.randn(2, in_features)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notice
+        torch.onnx.export(model, (x,), str(version_dir / "model.onnx"), input_names=[INPUT_NAME],
+                          output_names=[OUTPUT_NAME], opset_version=17, dynamo=False,
+                          dynamic_axes={INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}})
+    linears = [m for m in model if isinstance(m, torch.nn.Linear)]
+    np.savez(version_dir / "weights.npz",
+             **{f"w{i}": m.weight.detach().numpy() for i, m in enumerate(linears)},
+             **{f"b{i}": m.bias.detach().numpy() for i, m in enumerate(linears)})
+    params = sum(p.numel() for p in model.parameters())
+    return {"params": params, "weights_mib": params * 4 / 2**20, "layers": len(linears),
+            "in_features": in_features, "out_features": out_features}
+
+
+def reference_mlp(version_dir: str | os.PathLike[str], x: Any) -> Any:
+    """The exported MLP's output for ``x`` computed with NumPy from ``weights.npz`` (the ground truth)."""
+    import numpy as np
+
+    with np.load(Path(version_dir) / "weights.npz") as w:
+        n = len([k for k in w.files if k.startswith("w")])
+        h = np.asarray(x, dtype=np.float32)
+        for i in range(n):
+            h = h @ w[f"w{i}"].T + w[f"b{i}"]
+            if i < n - 1:
+                h = np.maximum(h, 0)
+    return h
+
+
+def mlp_config(
+    name: str = "mlp",
+    *,
+    in_features: int = 64,
+    out_features: int = 10,
+    max_batch_size: int = 64,
+    dynamic_batching: bool | Mapping[str, Any] = False,
+    instances: int = 1,
+    kind: str = "KIND_CPU",
+    engine: str = "auto",
+    threads: int = 1,
+    version_policy: Mapping[str, Any] | None = None,
+    backend: str = "python",
+) -> dict[str, Any]:
+    """The lab model's configuration as Python values (what ``config.pbtxt`` says), one knob per argument.
+
+    ``dynamic_batching``: False (off), True (on, Triton's defaults), or a dict such as
+    ``{"preferred_batch_size": [8, 16], "max_queue_delay_microseconds": 200}``.
+    """
+    cfg: dict[str, Any] = {
+        "name": name,
+        "backend": backend,
+        "max_batch_size": max_batch_size,
+        "input": [{"name": INPUT_NAME, "data_type": "TYPE_FP32",
+                   "dims": [in_features] if max_batch_size > 0 else [-1, in_features]}],
+        "output": [{"name": OUTPUT_NAME, "data_type": "TYPE_FP32",
+                    "dims": [out_features] if max_batch_size > 0 else [-1, out_features]}],
+        "instance_group": [{"kind": kind, "count": instances}],
+        "parameters": {"engine": {"string_value": engine}, "threads": {"string_value": str(threads)}},
+    }
+    if dynamic_batching:
+        cfg["dynamic_batching"] = dict(dynamic_batching) if isinstance(dynamic_batching, Mapping) else {}
+    if version_policy:
+        cfg["version_policy"] = dict(version_policy)
+    return cfg
+
+
+def write_config(model_dir: str | os.PathLike[str], config: str | Mapping[str, Any] | Any, *,
+                 gpus: int | None = None, check: bool = True) -> Path:
+    """Validate ``config`` (schema + semantics) and write it as ``<model_dir>/config.pbtxt``; nothing on error."""
+    model_dir = Path(model_dir)
+    cfg = parse_config(config, where=str(model_dir / "config.pbtxt"))
+    if check:
+        model_dir.mkdir(parents=True, exist_ok=True)
+        validate_config(cfg, gpus=gpus, model_dir=model_dir, where=str(model_dir / "config.pbtxt"))
+    model_dir.mkdir(parents=True, exist_ok=True)
+    path = model_dir / "config.pbtxt"
+    path.write_text(config_text(cfg))
+    return path
+
+
+def build_mlp_model(
+    repo: str | os.PathLike[str],
+    name: str = "mlp",
+    *,
+    versions: tuple[int, ...] | list[int] = (1,),
+    preset: str | Mapping[str, int] = "cpu",
+    gpus: int | None = None,
+    **config: Any,
+) -> Path:
+    """A python-backend model folder: ``config.pbtxt`` (``mlp_config(**config)``) and, per version, ``model.py``,
+    ``model.onnx`` and ``weights.npz`` (each version its own seed, so versions differ)."""
+    import shutil
+
+    from . import triton_model
+
+    sizes = dict(MLP_PRESETS[preset] if isinstance(preset, str) else preset)
+    model_dir = Path(repo) / name
+    cfg = mlp_config(name, in_features=sizes["in_features"], out_features=sizes["out_features"], **config)
+    for v in versions:
+        vdir = model_dir / str(v)
+        export_mlp(vdir, seed=v, **sizes)
+        shutil.copyfile(triton_model.__file__, vdir / "model.py")
+    write_config(model_dir, cfg, gpus=gpus)
+    validate_model_dir(model_dir, gpus=gpus)
+    return model_dir
+
+
+def ngc_configs(name: str, *, in_features: int = 64, out_features: int = 10, max_batch_size: int = 64,
+                preferred: tuple[int, ...] = (16, 32), queue_delay_us: int = 200, gpu: bool = True
+                ) -> dict[str, dict[str, Any]]:
+    """The same MLP for the NGC server's own backends: ``onnxruntime_onnx`` and ``tensorrt_plan`` configurations."""
+    def one(platform: str, suffix: str, kind: str) -> dict[str, Any]:
+        return {
+            "name": f"{name}_{suffix}",
+            "platform": platform,
+            "max_batch_size": max_batch_size,
+            "input": [{"name": INPUT_NAME, "data_type": "TYPE_FP32", "dims": [in_features]}],
+            "output": [{"name": OUTPUT_NAME, "data_type": "TYPE_FP32", "dims": [out_features]}],
+            "dynamic_batching": {"preferred_batch_size": list(preferred),
+                                 "max_queue_delay_microseconds": queue_delay_us},
+            "instance_group": [{"kind": kind, "count": 1}],
+        }
+
+    return {"onnx": one("onnxruntime_onnx", "onnx", "KIND_GPU" if gpu else "KIND_CPU"),
+            "trt": one("tensorrt_plan", "trt", "KIND_GPU")}
+
+
+def write_ngc_repository(repo: str | os.PathLike[str], onnx_file: str | os.PathLike[str] | None = None,
+                         name: str = "mlp", **kw: Any) -> dict[str, Path]:
+    """An NGC-server repository: ``<name>_onnx`` (with ``model.onnx`` when given) and ``<name>_trt`` (config only:
+    build ``1/model.plan`` on the serving GPU with ``trtexec``). Validated with the schema; the GPU kinds are
+    checked as for a GPU machine, since that is where the NGC server runs them."""
+    import shutil
+
+    out = {}
+    for key, cfg in ngc_configs(name, **kw).items():
+        d = Path(repo) / cfg["name"]
+        (d / "1").mkdir(parents=True, exist_ok=True)
+        write_config(d, cfg, gpus=1)
+        out[key] = d
+    if onnx_file is not None:
+        shutil.copyfile(onnx_file, out["onnx"] / "1" / "model.onnx")
+    return out
+
+
+TRTEXEC_HINT = ("trtexec --onnx=model.onnx --saveEngine=model.plan --minShapes=INPUT__0:1x64 "
+                "--optShapes=INPUT__0:16x64 --maxShapes=INPUT__0:64x64")

@@ -33,6 +33,7 @@ import atexit
 import contextlib
 import hashlib
 import importlib.metadata
+import itertools
 import os
 import re
 import shutil
@@ -200,6 +201,7 @@ def _stop_all() -> None:
 atexit.register(_stop_all)
 
 _LOAD_FAIL = re.compile(r"failed to load '([^']+)' version (\d+): (.*?)(?:\"$|$)")
+_STUB_FAIL = re.compile(r"Failed to (?:pre)?initialize Python stub(?: for auto-complete)?: (.*)$", re.M)
 _PORT_BUSY = re.compile(r"(already in use|Address in use|failed to start .* service)", re.I)
 
 
@@ -209,7 +211,22 @@ def failed_models(log_text: str) -> dict[str, str]:
     for m in _LOAD_FAIL.finditer(log_text):
         reason = m.group(3).replace("\\n", "\n").split("\n")[0].strip()
         out[f"{m.group(1)}:{m.group(2)}"] = reason
+    for m in _STUB_FAIL.finditer(log_text):
+        out.setdefault("python stub", m.group(1).strip())
     return out
+
+
+_ERROR_LINE = re.compile(r"^(?:E\d{4} .*|error: .*|.*unrecognized option.*|.*[Uu]nexpected argument.*)$", re.M)
+
+
+def log_errors(path: Path | None, limit: int = 5) -> list[str]:
+    """The error lines of a server log (Triton's ``E...`` lines, ``error:``, unrecognized options)."""
+    return [m.group(0).strip() for m in _ERROR_LINE.finditer(tail(path, 2000))][:limit]
+
+
+def _fatal_in_log(path: Path | None) -> bool:
+    """True when the log shows a start that cannot succeed (a python stub that failed to start hangs the server)."""
+    return bool(_STUB_FAIL.search(tail(path, 200)))
 
 
 class TritonServer:
@@ -239,6 +256,7 @@ class TritonServer:
         env: dict[str, str] | None = None,
         validate: bool = True,
         source: ServerSource | None = None,
+        stop_grace_s: float = 2.0,
     ):
         if model_control not in MODEL_CONTROL:
             raise ValueError(f"model_control={model_control!r}: use one of {MODEL_CONTROL}")
@@ -269,6 +287,8 @@ class TritonServer:
         self.startup_s: float | None = None
         self.argv: list[str] = []
         self.exit_code: int | None = None
+        self.stop_grace_s = float(stop_grace_s)
+        self._shm_prefix = ""
 
     # urls ----------------------------------------------------------------------------------------------
     @property
@@ -333,6 +353,9 @@ class TritonServer:
                 f"--http-port={self.http_port}", f"--grpc-port={self.grpc_port}",
                 f"--http-address={self.host}", f"--grpc-address={self.host}",
                 "--exit-timeout-secs=5", "--log-verbose=0"]
+        # A prefix of our own for the python backend's shared-memory regions: a killed server leaves them in
+        # /dev/shm, and the prefix (with this process's pid) is how they are found and removed.
+        argv += [f"--backend-config=python,shm-region-prefix-name={self._shm_prefix}"]
         if source.kind == "wheel":
             base = prepare_wheel_backends(Path(source.location))
             argv += [f"--backend-directory={base / 'backends'}", f"--cache-directory={base / 'caches'}"]
@@ -387,6 +410,8 @@ class TritonServer:
             self.log_path = logdir / "tritonserver.log"
         assert self.log_path is not None
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_shm()
+        self._shm_prefix = f"{SHM_PREFIX}{os.getpid()}x{next(_counter)}_"
         self.argv = self._command(source)
         env = server_env(source, self._env_extra)
         t0 = time.perf_counter()
@@ -396,7 +421,8 @@ class TritonServer:
         with _running_lock:
             _RUNNING.add(self)
         try:
-            ok = wait_http_ok(f"{self.http_url}/v2/health/ready", self._proc, self.startup_timeout_s)
+            ok = wait_http_ok(f"{self.http_url}/v2/health/ready", self._proc, self.startup_timeout_s,
+                              give_up=lambda: _fatal_in_log(self.log_path))
         except TimeoutError:
             self.stop()
             text = self.log_tail(400)
@@ -410,8 +436,11 @@ class TritonServer:
             self.stop()
             failed = failed_models(text)
             why = "".join(f"\n  model {k} failed to load: {v}" for k, v in failed.items())
+            if not failed:
+                why = "".join(f"\n  {line}" for line in log_errors(self.log_path))
+            how = f"exited with code {code}" if code is not None else "failed (stopped it)"
             raise ServerStartError(
-                f"tritonserver exited with code {code} before it was ready.{why}\nLog {self.log_path}, last "
+                f"tritonserver {how} before it was ready.{why}\nLog {self.log_path}, last "
                 f"lines:\n{tail(self.log_path, 40)}", tail(self.log_path, 40), failed)
         self.startup_s = time.perf_counter() - t0
         return self
@@ -424,7 +453,8 @@ class TritonServer:
                 return None
             if getattr(proc, "_nvlab_stopped", False):
                 return self.exit_code
-            self.exit_code = stop_group(proc)
+            self.exit_code = stop_group(proc, grace_s=self.stop_grace_s)
+            _remove_shm(self._shm_prefix)
             proc._nvlab_stopped = True
             with _running_lock:
                 _RUNNING.discard(self)
@@ -441,6 +471,28 @@ class TritonServer:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+
+SHM_PREFIX = "nvlab_triton_"
+_counter = itertools.count()
+
+
+def _remove_shm(prefix: str) -> None:
+    """Remove the python backend's shared-memory regions named ``prefix*`` (what a killed server leaves)."""
+    if not prefix:
+        return
+    for f in Path("/dev/shm").glob(f"{prefix}*"):
+        with contextlib.suppress(OSError):
+            f.unlink()
+
+
+def _remove_stale_shm() -> None:
+    """Regions of servers whose owning interpreter is gone (a killed kernel): ``nvlab_triton_<pid>x<n>_...``."""
+    for f in Path("/dev/shm").glob(f"{SHM_PREFIX}*"):
+        m = re.match(re.escape(SHM_PREFIX) + r"(\d+)x", f.name)
+        if m and not Path(f"/proc/{m.group(1)}").exists():
+            with contextlib.suppress(OSError):
+                f.unlink()
 
 
 def _devnull() -> Any:

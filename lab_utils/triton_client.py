@@ -1,0 +1,224 @@
+"""Triton clients for the labs: gRPC and HTTP, synchronous and asynchronous, binary tensors, clear errors.
+
+``infer(url, model, inputs)`` sends one request and returns ``{output name: np.ndarray}``; a refused
+request raises ``InferError`` whose message shows the server's words *and* the request that caused them
+(each input's name, datatype and shape) beside what the model expects (from its metadata).
+``infer_async`` is the same as a coroutine. The repository API (index, load, unload) and the model's
+metadata and configuration are here too. ``url`` is ``host:port`` of the protocol's endpoint
+(``server.grpc_url`` or ``server.http_url``; an ``http://`` prefix is accepted).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+PROTOCOLS = ("grpc", "http")
+
+
+class InferError(RuntimeError):
+    """The server refused a request; ``.server_message`` is its text, ``.request`` what was sent."""
+
+    def __init__(self, message: str, server_message: str, request: list[dict[str, Any]]):
+        self.server_message, self.request = server_message, request
+        super().__init__(message)
+
+
+def _strip(url: str) -> str:
+    for p in ("http://", "https://", "grpc://"):
+        url = url.removeprefix(p)
+    return url.rstrip("/")
+
+
+def _module(protocol: str, aio: bool = False) -> Any:
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"protocol={protocol!r}: use one of {PROTOCOLS}")
+    try:
+        if protocol == "grpc":
+            import tritonclient.grpc as m
+            import tritonclient.grpc.aio as a
+        else:
+            import tritonclient.http as m  # type: ignore[no-redef]
+            import tritonclient.http.aio as a  # type: ignore[no-redef]
+    except ImportError as err:
+        raise ImportError(f"the Triton client is missing ({err}): pip install 'tritonclient[grpc,http]' "
+                          "python-rapidjson") from None
+    return a if aio else m
+
+
+def client(url: str, protocol: str = "grpc") -> Any:
+    """A synchronous ``InferenceServerClient`` for ``url`` (``host:port``)."""
+    return _module(protocol).InferenceServerClient(_strip(url))
+
+
+def _datatype(a: np.ndarray) -> str:
+    from tritonclient.utils import np_to_triton_dtype
+
+    dt = np_to_triton_dtype(a.dtype)
+    if dt is None:
+        raise TypeError(f"numpy dtype {a.dtype} has no Triton datatype")
+    return dt
+
+
+def describe_request(inputs: Mapping[str, np.ndarray]) -> list[dict[str, Any]]:
+    """What a request carries: each input's name, Triton datatype and shape."""
+    return [{"name": k, "datatype": _datatype(np.asarray(v)), "shape": list(np.asarray(v).shape)}
+            for k, v in inputs.items()]
+
+
+def _build(mod: Any, protocol: str, inputs: Mapping[str, np.ndarray], outputs: Sequence[str] | None,
+           binary: bool) -> tuple[list[Any], list[Any] | None]:
+    ins = []
+    for name, arr in inputs.items():
+        arr = np.asarray(arr)
+        i = mod.InferInput(name, list(arr.shape), _datatype(arr))
+        if protocol == "http":
+            i.set_data_from_numpy(arr, binary_data=binary)
+        else:
+            i.set_data_from_numpy(arr)
+        ins.append(i)
+    outs = None
+    if outputs:
+        outs = [mod.InferRequestedOutput(o, binary_data=binary) if protocol == "http" else mod.InferRequestedOutput(o)
+                for o in outputs]
+    return ins, outs
+
+
+def _expected(url: str, protocol: str, model: str) -> str:
+    """The model's inputs as its metadata states them, for an error message ('' when unavailable)."""
+    try:
+        md = model_metadata(url, model, protocol)
+    except Exception:  # the model itself may be missing: the server's message says so
+        return ""
+    parts = [f"{i['name']} {i['datatype']} {i['shape']}" for i in md.get("inputs", [])]
+    return "; model expects: " + ", ".join(parts) if parts else ""
+
+
+def _raise(err: Exception, url: str, protocol: str, model: str, inputs: Mapping[str, np.ndarray]) -> None:
+    msg = err.message() if hasattr(err, "message") and callable(err.message) else str(err)
+    msg = str(msg).replace("[request id: <id_unknown>] ", "")
+    req = describe_request(inputs)
+    sent = ", ".join(f"{r['name']} {r['datatype']} {r['shape']}" for r in req)
+    raise InferError(f"{protocol} infer on model {model!r} at {_strip(url)} failed: {msg}\n  request sent: {sent}"
+                     f"{_expected(url, protocol, model)}", msg, req) from None
+
+
+def infer(url: str, model: str, inputs: Mapping[str, np.ndarray], *, protocol: str = "grpc",
+          outputs: Sequence[str] | None = None, version: str = "", binary: bool = True,
+          timeout_s: float | None = 30.0) -> dict[str, np.ndarray]:
+    """One synchronous request; ``{output name: array}``. ``binary``: HTTP tensors as binary, not JSON."""
+    from tritonclient.utils import InferenceServerException
+
+    mod = _module(protocol)
+    c = mod.InferenceServerClient(_strip(url))
+    try:
+        ins, outs = _build(mod, protocol, inputs, outputs, binary)
+        kw = {"client_timeout": timeout_s} if protocol == "grpc" else {}
+        try:
+            res = c.infer(model, ins, model_version=version, outputs=outs, **kw)
+        except InferenceServerException as err:
+            _raise(err, url, protocol, model, inputs)
+        names = list(outputs) if outputs else [o["name"] for o in _result_outputs(res, protocol)]
+        return {n: res.as_numpy(n) for n in names}
+    finally:
+        c.close()
+
+
+def _result_outputs(res: Any, protocol: str) -> list[dict[str, Any]]:
+    r = res.get_response(as_json=True) if protocol == "grpc" else res.get_response()
+    return r.get("outputs", [])
+
+
+async def infer_async(url: str, model: str, inputs: Mapping[str, np.ndarray], *, protocol: str = "grpc",
+                      outputs: Sequence[str] | None = None, version: str = "", binary: bool = True,
+                      client_: Any = None) -> dict[str, np.ndarray]:
+    """``infer`` as a coroutine (``await infer_async(...)``); pass ``client_`` (an aio client) to reuse one."""
+    from tritonclient.utils import InferenceServerException
+
+    mod = _module(protocol, aio=True)
+    c = client_ or mod.InferenceServerClient(_strip(url))
+    try:
+        ins, outs = _build(mod, protocol, inputs, outputs, binary)
+        try:
+            res = await c.infer(model, ins, model_version=version, outputs=outs)
+        except InferenceServerException as err:
+            _raise(err, url, protocol, model, inputs)
+        names = list(outputs) if outputs else [o["name"] for o in _result_outputs(res, protocol)]
+        return {n: res.as_numpy(n) for n in names}
+    finally:
+        if client_ is None:
+            await c.close()
+
+
+# --- repository API, metadata, configuration ------------------------------------------------------------
+
+
+def model_metadata(url: str, model: str, protocol: str = "grpc", version: str = "") -> dict[str, Any]:
+    """``GET v2/models/{model}``: name, versions, inputs and outputs with datatype and shape."""
+    c = client(url, protocol)
+    try:
+        md = (c.get_model_metadata(model, version, as_json=True) if protocol == "grpc"
+              else c.get_model_metadata(model, version))
+        for t in md.get("inputs", []) + md.get("outputs", []):
+            t["shape"] = [int(d) for d in t.get("shape", [])]  # gRPC's JSON gives int64 as strings
+        return md
+    finally:
+        c.close()
+
+
+def model_config(url: str, model: str, protocol: str = "grpc") -> dict[str, Any]:
+    """The configuration the server is using (after its auto-complete), as a dict."""
+    c = client(url, protocol)
+    try:
+        if protocol == "grpc":
+            return c.get_model_config(model, as_json=True)["config"]
+        return c.get_model_config(model)
+    finally:
+        c.close()
+
+
+def repository_index(url: str, protocol: str = "grpc") -> list[dict[str, Any]]:
+    """``POST v2/repository/index``: every model in the repository with its version and state."""
+    c = client(url, protocol)
+    try:
+        if protocol == "grpc":
+            return c.get_model_repository_index(as_json=True).get("models", [])
+        return c.get_model_repository_index()
+    finally:
+        c.close()
+
+
+def load_model(url: str, model: str, protocol: str = "grpc", config: str | None = None) -> None:
+    """``POST v2/repository/models/{model}/load`` (explicit model control): (re)load from the repository.
+
+    A reload re-reads ``config.pbtxt`` and the version folders; ``config`` (JSON) overrides the file.
+    A model that fails to load raises with the server's reason.
+    """
+    from tritonclient.utils import InferenceServerException
+
+    c = client(url, protocol)
+    try:
+        c.load_model(model, config=config)
+    except InferenceServerException as err:
+        raise RuntimeError(f"loading {model!r} failed: {err.message()}") from None
+    finally:
+        c.close()
+
+
+def unload_model(url: str, model: str, protocol: str = "grpc") -> None:
+    """``POST v2/repository/models/{model}/unload``."""
+    c = client(url, protocol)
+    try:
+        c.unload_model(model)
+    finally:
+        c.close()
+
+
+def model_ready(url: str, model: str, protocol: str = "grpc", version: str = "") -> bool:
+    c = client(url, protocol)
+    try:
+        return bool(c.is_model_ready(model, version))
+    finally:
+        c.close()

@@ -1,0 +1,129 @@
+"""The lab's python-backend model: an MLP served by Triton, run by ONNX Runtime on CPU or by torch on a GPU.
+
+This file is copied as ``<repo>/<model>/<version>/model.py``; the Triton python backend's stub imports it,
+so it imports nothing from ``lab_utils`` (an external server has no ``lab_utils``). Beside it in the
+version folder: ``model.onnx`` (the graph ONNX Runtime runs) and ``weights.npz`` (the same weights, for
+torch). ``config.pbtxt`` parameters: ``engine`` = ``auto`` | ``onnxruntime`` | ``torch``; ``threads`` =
+ONNX Runtime's intra-op threads (default 1: the server shares the cores with its clients).
+
+``auto`` picks torch on the instance's GPU for a ``KIND_GPU`` instance (one eager kernel per layer: at small
+batches the cost is launches and copies, not FLOPs, so batching helps), else ONNX Runtime on the CPU.
+
+Dynamic batching hands ``execute`` a *list* of requests; the model concatenates their rows into one
+batch, runs it once, and splits the result. Without that step a python model gains nothing from batching.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ENGINES = ("auto", "onnxruntime", "torch")
+
+
+class MlpRunner:
+    """Runs the exported MLP on a batch ``x`` of shape [N, in_features] (float32) -> [N, out_features]."""
+
+    def __init__(self, version_dir: str | Path, engine: str = "auto", device: str = "cpu", threads: int = 1):
+        version_dir = Path(version_dir)
+        if engine not in ENGINES:
+            raise ValueError(f"engine={engine!r}: use one of {ENGINES}")
+        if engine == "auto":
+            engine = "torch" if device.startswith("cuda") else "onnxruntime"
+        self.engine, self.device = engine, device
+        if engine == "onnxruntime":
+            import onnxruntime as ort
+
+            so = ort.SessionOptions()
+            so.intra_op_num_threads = max(1, int(threads))
+            so.inter_op_num_threads = 1
+            self.sess = ort.InferenceSession(str(version_dir / "model.onnx"), so, providers=["CPUExecutionProvider"])
+            self.input_name = self.sess.get_inputs()[0].name
+        else:
+            import torch
+
+            if device.startswith("cuda") and not torch.cuda.is_available():
+                raise RuntimeError(f"engine torch on {device}, but torch sees no GPU (torch {torch.__version__})")
+            if device == "cpu":
+                torch.set_num_threads(max(1, int(threads)))
+            with np.load(version_dir / "weights.npz") as w:
+                n = len([k for k in w.files if k.startswith("w")])
+                # stored as in torch.nn.Linear: weight [out, in]; kept transposed so a layer is one addmm
+                self.layers = [(torch.from_numpy(w[f"w{i}"].T.copy()).to(device),
+                                torch.from_numpy(w[f"b{i}"]).to(device)) for i in range(n)]
+            self.torch = torch
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        if self.engine == "onnxruntime":
+            return self.sess.run(None, {self.input_name: x})[0]
+        torch = self.torch
+        with torch.inference_mode():
+            h = torch.from_numpy(x).to(self.device)
+            last = len(self.layers) - 1
+            for i, (w, b) in enumerate(self.layers):
+                h = torch.addmm(b, h, w)
+                if i < last:
+                    h = torch.relu_(h)
+            return h.cpu().numpy()  # .cpu() waits for the GPU: the response leaves with finished data
+
+
+# --- crossing the stub boundary --------------------------------------------------------------------------
+# Triton 2.51's python backend was built against NumPy 1.x. With NumPy 2 in the stub's environment
+# `Tensor.as_numpy()` returns zeros and `pb_utils.Tensor(name, ndarray)` an empty tensor, silently. DLPack
+# crosses the boundary without NumPy's C API, so it is used whenever NumPy is 2 or newer.
+_NUMPY2 = int(np.__version__.split(".")[0]) >= 2
+
+
+def tensor_to_numpy(tensor: Any) -> np.ndarray:
+    """A request's input tensor as a NumPy array."""
+    if not _NUMPY2:
+        return tensor.as_numpy()
+    return np.from_dlpack(tensor)
+
+
+def numpy_to_tensor(pb_utils: Any, name: str, array: np.ndarray) -> Any:
+    """An output tensor for a response."""
+    array = np.ascontiguousarray(array)
+    if not _NUMPY2:
+        return pb_utils.Tensor(name, array)
+    try:
+        import torch.utils.dlpack
+
+        return pb_utils.Tensor.from_dlpack(name, torch.utils.dlpack.to_dlpack(torch.from_numpy(array)))
+    except ImportError:  # no torch: NumPy's own capsule works too (the stub logs a harmless traceback)
+        return pb_utils.Tensor.from_dlpack(name, array.__dlpack__())
+
+
+class TritonPythonModel:
+    """What the python backend calls: ``initialize`` once per instance, ``execute`` per (dynamic) batch."""
+
+    def initialize(self, args: dict[str, str]) -> None:
+        cfg = json.loads(args["model_config"])
+        params = {k: v.get("string_value", "") for k, v in cfg.get("parameters", {}).items()}
+        kind = args.get("model_instance_kind", "CPU")
+        device = f"cuda:{int(args.get('model_instance_device_id', '0'))}" if kind == "GPU" else "cpu"
+        version_dir = Path(args["model_repository"]) / args["model_version"]
+        self.runner = MlpRunner(version_dir, params.get("engine", "auto") or "auto", device,
+                                int(params.get("threads", "1") or 1))
+        self.input_name = cfg["input"][0]["name"]
+        self.output_name = cfg["output"][0]["name"]
+
+    def execute(self, requests: list[Any]) -> list[Any]:
+        import triton_python_backend_utils as pb_utils
+
+        xs = [tensor_to_numpy(pb_utils.get_input_tensor_by_name(r, self.input_name)) for r in requests]
+        rows = [len(x) for x in xs]
+        y = self.runner(np.concatenate(xs) if len(xs) > 1 else xs[0])  # one run for the whole batch
+        out, start = [], 0
+        for n in rows:
+            out.append(pb_utils.InferenceResponse([numpy_to_tensor(pb_utils, self.output_name, y[start:start + n])]))
+            start += n
+        return out
+
+
+def source() -> str:
+    """This file's text: what goes into each version folder as ``model.py``."""
+    return Path(__file__).read_text()

@@ -1,0 +1,32 @@
+"""Shared by the Triton tests: the server requirement (skip, or fail under NVLAB_REQUIRE_TRITON=1) and a tiny
+python-backend model repository."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from lab_utils import triton_repo
+from lab_utils.triton_server import ServerNotFound, find_server
+
+REQUIRE_ENV = "NVLAB_REQUIRE_TRITON"
+TINY = {"in_features": 4, "width": 8, "depth": 1, "out_features": 3}
+
+
+def require_server():
+    """The local server binary; skips without one, fails when NVLAB_REQUIRE_TRITON=1 (CI installs it)."""
+    try:
+        return find_server(local=True)
+    except ServerNotFound as err:
+        if os.environ.get(REQUIRE_ENV, "") not in ("", "0"):
+            pytest.fail(f"{REQUIRE_ENV} is set but no Triton server binary was found:\n{err}")
+        pytest.skip(f"no Triton server binary: {err}")
+
+
+def tiny_repo(root: Path, name: str = "tiny", **config) -> Path:
+    """A repository with one tiny MLP (python backend, ONNX Runtime); built in about a second."""
+    repo = root / "repo"
+    triton_repo.build_mlp_model(repo, name, preset=TINY, gpus=0, **config)
+    return repo

@@ -1,0 +1,241 @@
+"""The real Triton server's lifecycle: found, started on free ports, serving, stopped with its stubs, nothing left
+behind (also when the kernel that started it is killed), invalid configurations refused before any start."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+from _triton import require_server, tiny_repo
+
+from lab_utils import notebooks, procs, triton_client, triton_repo, triton_server
+from lab_utils.triton_server import ServerNotFound, ServerStartError, TritonServer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory):
+    require_server()
+    return tiny_repo(tmp_path_factory.mktemp("triton"))
+
+
+def _stubs_of(pid: int) -> list[int]:
+    return [p for p in procs.group_members(pid) if p != pid]
+
+
+def _gone(pids: list[int], timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not [p for p in pids if _alive(p)]:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_import_starts_nothing():
+    code = "import lab_utils.triton_server, lab_utils.triton_load, lab_utils.triton_repo, lab_utils.triton_client"
+    out = subprocess.run([sys.executable, "-c", code + "; import sys; print('tritonclient' in sys.modules)"],
+                         capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "False"
+
+
+def test_find_server_order(monkeypatch, tmp_path):
+    monkeypatch.setenv("TRITON_URL", "http://example:8000")
+    assert triton_server.find_server().kind == "url"
+    fake = tmp_path / "tritonserver"
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    src = triton_server.find_server(local=True)  # a URL cannot be started: the binary on the PATH comes next
+    assert src.kind == "path" and src.location == str(fake)
+    monkeypatch.delenv("TRITON_URL")
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.setattr(triton_server, "pytriton_server", lambda: Path("/wheel/bin/tritonserver"))
+    assert triton_server.find_server().kind == "wheel"
+    monkeypatch.setattr(triton_server, "pytriton_server", lambda: None)
+    with pytest.raises(ServerNotFound) as err:
+        triton_server.find_server()
+    text = str(err.value)
+    assert "TRITON_URL" in text and "nvcr.io/nvidia/tritonserver" in text and "nvidia-pytriton" in text
+
+
+def test_start_infer_stop_leaves_nothing(repo):
+    server = TritonServer(repo, load_models=(), model_control="none")
+    with server:
+        assert server.alive() and server.ready() and server.startup_s < 60
+        ports = (server.http_port, server.grpc_port, server.metrics_port)
+        assert len(set(ports)) == 3
+        x = np.random.rand(2, 4).astype(np.float32)
+        for proto, url in (("grpc", server.grpc_url), ("http", server.http_url)):
+            y = triton_client.infer(url, "tiny", {"INPUT__0": x}, protocol=proto)["OUTPUT__0"]
+            np.testing.assert_allclose(y, triton_repo.reference_mlp(repo / "tiny" / "1", x), rtol=1e-5, atol=1e-5)
+        stubs = _stubs_of(server.pid)
+        assert stubs, "the python backend's stub should run in the server's process group"
+        pid = server.pid
+        assert server in triton_server.running_servers()
+        with open(server.log_path) as f:
+            assert "successfully loaded 'tiny'" in f.read()
+    assert server.stop() == server.exit_code  # twice is fine
+    assert not server.alive() and server not in triton_server.running_servers()
+    assert _gone([pid, *stubs], 2.0)
+    assert not any(_port_open(p) for p in ports)
+    assert server.log_path.exists() and server.log_tail(5)  # the log stays readable after the stop
+
+
+def test_invalid_config_refused_before_start(repo, tmp_path, monkeypatch):
+    bad = tmp_path / "bad"
+    shutil.copytree(repo, bad)
+    cfg = bad / "tiny" / "config.pbtxt"
+    cfg.write_text(cfg.read_text().replace("max_batch_size", "max_batch"))
+    started = []
+    monkeypatch.setattr(triton_server, "popen_owned", lambda *a, **k: started.append(a))
+    with pytest.raises(triton_repo.ConfigError) as err:
+        TritonServer(bad).start()
+    assert "max_batch" in str(err.value) and "config.pbtxt" in str(err.value)
+    cfg.write_text(triton_repo.config_text(triton_repo.mlp_config("tiny", in_features=4, out_features=3,
+                                                                  max_batch_size=8,
+                                                                  dynamic_batching={"preferred_batch_size": [16]})))
+    with pytest.raises(triton_repo.ConfigError) as err:
+        TritonServer(bad).start()
+    assert "dynamic_batching.preferred_batch_size[0]" in str(err.value)
+    assert not started
+
+
+def test_missing_model_file_named_before_start_and_by_the_server(repo, tmp_path):
+    bad = tmp_path / "nofile"
+    shutil.copytree(repo, bad)
+    (bad / "tiny" / "1" / "model.py").unlink()
+    with pytest.raises(triton_repo.ConfigError, match=r"model\.py is missing"):
+        TritonServer(bad).start()
+    # skipping our validation, the server itself refuses; the error carries its log tail and the model
+    with pytest.raises(ServerStartError) as err:
+        TritonServer(bad, validate=False).start()
+    # (Triton 2.51 hangs when a python model's file is missing: the log line ends the wait at once)
+    assert "model.py" in str(err.value) and err.value.log_tail
+    assert any("not found" in why for why in err.value.failed_models.values())
+    assert not triton_server.running_servers()
+
+
+def test_busy_port_is_avoided(repo, monkeypatch):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        with pytest.raises(ServerStartError, match=f"http_port={port} is already in use"):
+            TritonServer(repo, http_port=port).start()
+        handed = iter([port])
+        real = triton_server.free_port
+        monkeypatch.setattr(triton_server, "free_port", lambda host="127.0.0.1": next(handed, None) or real(host))
+        # a port taken between choosing and binding: the server fails to bind, and is started again elsewhere
+        monkeypatch.setattr(triton_server, "_port_free", lambda host, p: True)
+        with TritonServer(repo) as server:
+            assert port not in (server.http_port, server.grpc_port, server.metrics_port)
+            assert server.ready()
+
+
+def test_killed_server_reported_and_restarted(repo):
+    with TritonServer(repo) as server:
+        old = server.pid
+        stubs = _stubs_of(old)
+        os.kill(old, signal.SIGKILL)
+        server._proc.wait(timeout=10)
+        assert not server.alive() and not server.ready()
+        assert "successfully loaded" in server.log_tail(200)
+        assert _gone(stubs, 10.0), "the stubs notice their server is gone"
+        server.restart()
+        assert server.alive() and server.pid != old and server.ready()
+    assert not server.alive()
+
+
+def test_startup_failure_shows_log_tail(repo):
+    with pytest.raises(ServerStartError) as err:
+        TritonServer(repo, extra_args=("--no-such-flag=1",)).start()
+    assert "exited with code" in str(err.value) and "no-such-flag" in str(err.value) and err.value.log_tail
+
+
+def test_external_server_from_triton_url(repo, monkeypatch):
+    with TritonServer(repo) as server:
+        monkeypatch.setenv("TRITON_URL", server.http_url)
+        monkeypatch.setenv("TRITON_GRPC_URL", server.grpc_url)
+        ext = triton_server.connect_or_start(repo)
+        assert ext.external and ext.http_url == server.http_url and ext.grpc_url == server.grpc_url
+        assert ext.alive() and "external" in ext.log_tail()
+        ext.stop()
+        assert server.alive()  # stopping an external server does nothing
+        x = np.ones((1, 4), np.float32)
+        assert triton_client.infer(ext.grpc_url, "tiny", {"INPUT__0": x})["OUTPUT__0"].shape == (1, 3)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="model_control"):
+        TritonServer(".", model_control="auto")
+    with pytest.raises(ValueError, match="load_models"):
+        TritonServer(".", load_models=("x",))
+    with pytest.raises(ServerStartError, match="not a folder"):
+        TritonServer("/nonexistent/repo").start()
+
+
+def test_killed_kernel_leaves_no_server_or_stub(repo):
+    """A Jupyter kernel starts the server and is SIGKILLed mid-lab: the server and its stubs still end."""
+    jupyter_client = pytest.importorskip("jupyter_client")
+    run_id = f"pytest-triton-kill-{uuid.uuid4().hex[:8]}"
+    env = dict(os.environ, **{notebooks.RUN_ID_ENV: run_id})
+    km = jupyter_client.KernelManager(kernel_name="python3")
+    km.start_kernel(env=env)
+    try:
+        kc = km.client()
+        kc.start_channels()
+        kc.wait_for_ready(timeout=60)
+        code = textwrap.dedent(f"""
+            from lab_utils.triton_server import TritonServer
+            server = TritonServer({str(repo)!r}).start()
+            print("PIDS", server.pid)
+        """)
+        _collect = _Collector()
+        reply = kc.execute_interactive(code, timeout=90, output_hook=_collect)
+        assert reply["content"]["status"] == "ok", _collect.text
+        pid = int(_collect.text.split("PIDS", 1)[1].split()[0])
+        pids = [pid, *_stubs_of(pid)]
+        assert len(pids) >= 2 and all(_alive(p) for p in pids)
+        assert set(pids) <= {int(line.split()[0]) for line in notebooks.leftover_processes(run_id)}
+        kc.stop_channels()
+        os.kill(km.provisioner.process.pid, signal.SIGKILL)
+        assert _gone(pids, 15.0), f"still running after the kernel was killed: {[p for p in pids if _alive(p)]}"
+        assert notebooks.leftover_processes(run_id) == []
+    finally:
+        if km.is_alive():
+            km.shutdown_kernel(now=True)
+
+
+class _Collector:
+    def __init__(self):
+        self.text = ""
+
+    def __call__(self, msg):
+        c = msg.get("content", {})
+        self.text += c.get("text", "") + "".join(c.get("traceback", []) or [])
