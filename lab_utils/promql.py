@@ -571,8 +571,8 @@ class Evaluator:
             if fn == "floor":
                 return float(math.floor(x)) if math.isfinite(x) else x
             if fn == "round":
-                to = extra[0] if extra else 1.0
-                return math.floor(x / to + 0.5) * to if math.isfinite(x) else x
+                inverse = 1.0 / (extra[0] if extra else 1.0)  # as Prometheus computes it, bit for bit
+                return math.floor(x * inverse + 0.5) / inverse if math.isfinite(x) else x
             if fn == "sqrt":
                 return math.sqrt(x) if x >= 0 else math.nan
             if fn == "exp":

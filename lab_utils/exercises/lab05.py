@@ -36,16 +36,16 @@ _LABELS = {"model": "resnet50", "version": "1", "job": "triton", "instance": "10
 RECORDED_AT = float(_MINUTES * 60)  # evaluate at the end of the recording (seconds)
 
 
-def _recorded_rows() -> list[tuple[dict[str, str], float, float]]:
+def _recorded_rows(qps_scale: float = 1.0, latency_scale: float = 1.0) -> list[tuple[dict[str, str], float, float]]:
     rows = []
     for i in range(_MINUTES * 60 // _STEP_S + 1):
         t = float(i * _STEP_S)
-        n = _QPS * t  # requests since the recording started
+        n = _QPS * qps_scale * t  # requests since the recording started
         values = {
             "nv_inference_request_success": _START["success"] + n,
             "nv_inference_count": (_START["success"] + n) * _BATCH_PER_REQUEST,
             "nv_inference_exec_count": (_START["success"] + n) * _BATCH_PER_REQUEST / _INFER_PER_EXEC,
-            "nv_inference_request_duration_us": _START["duration_us"] + n * _LATENCY_US,
+            "nv_inference_request_duration_us": _START["duration_us"] + n * _LATENCY_US * latency_scale,
             "nv_inference_queue_duration_us": _START["queue_us"] + n * _QUEUE_US,
             "nv_inference_compute_infer_duration_us": _START["compute_us"] + n * _COMPUTE_US,
             "nv_inference_pending_request_count": 3.0,
@@ -58,6 +58,8 @@ def _recorded_rows() -> list[tuple[dict[str, str], float, float]]:
 
 
 RECORDED = tuple(_recorded_rows())
+# The same server on a busier day (1.5x the requests, each twice as slow): a right query follows the data.
+_RECORDED_BUSY = tuple(_recorded_rows(qps_scale=1.5, latency_scale=2.0))
 
 
 def recorded_store() -> promql.SampleStore:
@@ -65,12 +67,26 @@ def recorded_store() -> promql.SampleStore:
     return promql.store_from_samples(RECORDED)
 
 
-def evaluate_recorded(expr: str) -> float:
+def _selectors(node: Any) -> list[Any]:
+    if isinstance(node, promql.Selector):
+        return [node]
+    out = []
+    for value in vars(node).values() if hasattr(node, "__dict__") else ():
+        for child in value if isinstance(value, list) else [value]:
+            if hasattr(child, "__dict__"):
+                out += _selectors(child)
+    return out
+
+
+def evaluate_recorded(expr: str, *, busy: bool = False) -> float:
     """``expr`` at the end of the recording, as one number (Wrong explains an empty or multi-series answer)."""
     if not isinstance(expr, str):
         raise Wrong(f"give the PromQL expression as a string, e.g. 'rate(metric[1m])', not a {type(expr).__name__}")
+    store = promql.store_from_samples(_RECORDED_BUSY) if busy else recorded_store()
     try:
-        data = promql.instant(recorded_store(), expr, RECORDED_AT)
+        if not _selectors(promql.parse(expr)):
+            raise Wrong("that reads no metric: a query must select Triton's series (e.g. nv_inference_...)")
+        data = promql.instant(store, expr, RECORDED_AT)
     except promql.PromQLError as err:
         raise Wrong(f"the expression does not evaluate: {err}") from None
     if data["resultType"] == "scalar":
@@ -94,9 +110,17 @@ def _close(a: float, b: float, rel: float = 0.02) -> bool:
 _Q1_EXPECTED = _QPS
 
 
+def _follows_the_data(expr: str, expected_busy: float) -> None:
+    busy = evaluate_recorded(expr, busy=True)
+    if not _close(busy, expected_busy):
+        raise Wrong(f"right on this recording, but on a busier one it gives {busy:.4g} instead of "
+                    f"{expected_busy:.4g}: the answer must come from the series, not from constants")
+
+
 def _grade_qps(expr: Any) -> None:
     got = evaluate_recorded(expr)
     if _close(got, _Q1_EXPECTED):
+        _follows_the_data(expr, _Q1_EXPECTED * 1.5)
         return
     if _close(got, _QPS * _BATCH_PER_REQUEST):
         raise Wrong(f"{got:g}/s counts inferences (nv_inference_count: each request here carries "
@@ -139,6 +163,7 @@ _Q2_EXPECTED_MS = _LATENCY_US / 1000
 def _grade_latency(expr: Any) -> None:
     got = evaluate_recorded(expr)
     if _close(got, _Q2_EXPECTED_MS):
+        _follows_the_data(expr, _Q2_EXPECTED_MS * 2.0)
         return
     e = _Q2_EXPECTED_MS
     lifetime_us = (_START["duration_us"] + _QPS * RECORDED_AT * _LATENCY_US) / (_START["success"] + _QPS * RECORDED_AT)
