@@ -521,11 +521,16 @@ def lab_tiers(report: EnvReport) -> list[LabTier]:
         rows["04"] = ("partial" if seen_gpu else "cpu", "configuration checks only",
                       "no Triton server: pip install nvidia-pytriton")
     if gpu and server and prom:
-        rows["05"] = ("full", "Prometheus scraping Triton and GPU metrics", "")
+        rows["05"] = ("full", "Prometheus scraping Triton and the GPUs (NVML, DCGM), alerts, failure drill", "")
+    elif server:
+        stands = [("host CPU and memory stand in for GPU metrics" if not gpu else ""),
+                  ("" if prom else "an in-process scraper stands in for Prometheus (apt-get install prometheus)")]
+        rows["05"] = ("partial" if seen_gpu else "cpu",
+                      f"Triton, {'Prometheus' if prom else 'scraper'}, PromQL, alerts and the failure drill",
+                      "; ".join(x for x in stands if x))
     else:
-        miss = [n for n, ok in (("a GPU", gpu), ("a Triton server", server), ("Prometheus", prom)) if not ok]
-        rows["05"] = ("partial" if seen_gpu else "cpu", "metrics, PromQL and alerts on what is present",
-                      "missing " + ", ".join(miss) + ("" if prom else "; an in-process scraper stands in"))
+        rows["05"] = ("partial" if seen_gpu else "cpu", "the exercises only",
+                      "no Triton server: pip install --no-deps nvidia-pytriton")
     return [
         LabTier(lab.number, lab.title, *rows[lab.number], notebook=(lab_dir / lab.filename).exists())
         for lab in LABS
