@@ -529,7 +529,7 @@ def lab_tiers(report: EnvReport) -> list[LabTier]:
                       f"Triton, {'Prometheus' if prom else 'scraper'}, PromQL, alerts and the failure drill",
                       "; ".join(x for x in stands if x))
     else:
-        rows["05"] = ("partial" if seen_gpu else "cpu", "the exercises only",
+        rows["05"] = ("partial" if seen_gpu else "cpu", "nothing yet: the lab needs a Triton server",
                       "no Triton server: pip install --no-deps nvidia-pytriton")
     return [
         LabTier(lab.number, lab.title, *rows[lab.number], notebook=(lab_dir / lab.filename).exists())
