@@ -307,6 +307,19 @@ class _LockedSink:
             self.sink.add(*a)
 
 
+def _probe(protocol: str, url: str, model: str, payload: dict, outputs: Sequence[str] | None,
+           timeout_s: float) -> list[str]:
+    """One request before the clients start: a first request that is slow (a lazy import, a first allocation, a
+    new connection) must not fall into a measured window. Returns its error, if any (counted, not raised)."""
+    from .triton_client import infer
+
+    try:
+        infer(url, model, payload, protocol=protocol, outputs=outputs, timeout_s=timeout_s)
+    except Exception as err:  # InferError, or the server is unreachable
+        return [_short_error(f"{type(err).__name__}: {err}".split("\n")[0])]
+    return []
+
+
 def _auto_processes(concurrency: int) -> int:
     cpus = os.cpu_count() or 1
     if cpus <= 8 or concurrency < 8:
@@ -361,6 +374,7 @@ def run_load(
     n_windows = max(1, math.ceil(duration_s / window_s)) if duration_s is not None else max_windows
     if duration_s is not None:
         window_s = duration_s / n_windows
+    probe_errors = _probe(protocol, target, model, payloads[0], outputs, timeout_s)
     nproc = processes if processes is not None else _auto_processes(concurrency)
     nproc = max(1, min(nproc, concurrency))
     t0 = time.perf_counter() + warmup_s + (1.0 if nproc > 1 else 0.05)  # processes need a moment to start
@@ -368,8 +382,8 @@ def run_load(
 
     windows: list[Window] = []
     lat_by_w: list[np.ndarray] = []
-    msgs: Counter[str] = Counter()
-    errors_total = 0
+    msgs: Counter[str] = Counter(probe_errors)
+    errors_total = len(probe_errors)
     snaps: list[dict[str, Any] | None] = []
 
     def snapshot() -> dict[str, Any] | None:
@@ -509,14 +523,16 @@ def perf_analyzer_command(model: str, url: str, concurrencies: Sequence[int], *,
                           shape: str | None = None, window_ms: int = 5000, stability_pct: int = 10,
                           percentile: int = 95) -> str:
     """The ``perf_analyzer`` command (NGC ``tritonserver:<yy.mm>-py3-sdk`` image) measuring what ``sweep`` does."""
-    lo, hi = min(concurrencies), max(concurrencies)
     steps = sorted(set(concurrencies))
-    step = (steps[1] - steps[0]) if len(steps) > 1 else 1
-    cmd = (f"perf_analyzer -m {model} -u {_strip(url)} -i {protocol} --concurrency-range {lo}:{hi}:{step} "
-           f"--measurement-interval {window_ms} --stability-percentage {stability_pct} --percentile {percentile}")
+    diffs = {b - a for a, b in zip(steps, steps[1:], strict=False)}
+    common = (f"-m {model} -u {_strip(url)} -i {protocol} --measurement-interval {window_ms} "
+              f"--stability-percentage {stability_pct} --percentile {percentile}")
     if shape:
-        cmd += f" --shape {shape}"
-    return cmd
+        common += f" --shape {shape}"
+    if len(diffs) <= 1:  # an arithmetic sweep is one range
+        step = diffs.pop() if diffs else 1
+        return f"perf_analyzer {common} --concurrency-range {steps[0]}:{steps[-1]}:{step}"
+    return f"for c in {' '.join(map(str, steps))}; do perf_analyzer {common} --concurrency-range $c; done"
 
 
 __all__ = ["run_load", "sweep", "LoadResult", "Window", "model_stats", "server_split", "perf_analyzer_command",

@@ -16,6 +16,7 @@ batch, runs it once, and splits the result. Without that step a python model gai
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -89,12 +90,29 @@ def numpy_to_tensor(pb_utils: Any, name: str, array: np.ndarray) -> Any:
     array = np.ascontiguousarray(array)
     if not _NUMPY2:
         return pb_utils.Tensor(name, array)
-    try:
-        import torch.utils.dlpack
+    return pb_utils.Tensor.from_dlpack(name, array.__dlpack__())
 
-        return pb_utils.Tensor.from_dlpack(name, torch.utils.dlpack.to_dlpack(torch.from_numpy(array)))
-    except ImportError:  # no torch: NumPy's own capsule works too (the stub logs a harmless traceback)
-        return pb_utils.Tensor.from_dlpack(name, array.__dlpack__())
+
+_CAPSULE_MSG = "PyCapsule_GetPointer called with incorrect name"
+
+
+def quiet_capsule_rename() -> None:
+    """Drop one harmless message per response from the server log.
+
+    The stub takes ownership of a DLPack capsule and renames it ``used_dlpack`` where the DLPack protocol says
+    ``used_dltensor``; NumPy's capsule destructor then fails to read it and reports an "unraisable" error (the
+    stub has already freed the tensor: nothing leaks). Every other unraisable error is still reported.
+    """
+    previous = sys.unraisablehook
+    if getattr(previous, "_nvlab", False):
+        return
+
+    def hook(unraisable: Any) -> None:
+        if _CAPSULE_MSG not in str(unraisable.exc_value):
+            previous(unraisable)
+
+    hook._nvlab = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
 
 
 class TritonPythonModel:
@@ -110,6 +128,13 @@ class TritonPythonModel:
                                 int(params.get("threads", "1") or 1))
         self.input_name = cfg["input"][0]["name"]
         self.output_name = cfg["output"][0]["name"]
+        if _NUMPY2:
+            quiet_capsule_rename()
+        # Warm up here, not on the first request (the first run allocates): a model load may be slow, a
+        # request should not.
+        dims = [int(d) for d in cfg["input"][0].get("dims", []) if int(d) != -1]
+        if dims:
+            self.runner(np.zeros([1, *dims], np.float32))
 
     def execute(self, requests: list[Any]) -> list[Any]:
         import triton_python_backend_utils as pb_utils

@@ -211,6 +211,17 @@ class _FakeTensor:
         return np.zeros_like(self.a)  # what Triton 2.51's stub gives with NumPy 2
 
 
+class _Capsule:
+    def __init__(self, capsule):
+        self.capsule = capsule
+
+    def __dlpack__(self, **kw):
+        return self.capsule
+
+    def __dlpack_device__(self):
+        return (1, 0)  # CPU
+
+
 class _FakePb:
     class Tensor:
         def __init__(self, name, array):
@@ -218,9 +229,7 @@ class _FakePb:
 
         @classmethod
         def from_dlpack(cls, name, capsule):
-            import torch.utils.dlpack
-
-            return cls(name, torch.utils.dlpack.from_dlpack(capsule).numpy())
+            return cls(name, np.from_dlpack(_Capsule(capsule)).copy())
 
     class InferenceResponse:
         def __init__(self, tensors):
@@ -237,7 +246,7 @@ def test_execute_batches_requests_and_crosses_by_dlpack(built, monkeypatch):
 
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", _FakePb)
     m = triton_model.TritonPythonModel()
-    cfg = json.loads(json.dumps({"input": [{"name": "INPUT__0"}], "output": [{"name": "OUTPUT__0"}],
+    cfg = json.loads(json.dumps({"input": [{"name": "INPUT__0", "dims": ["64"]}], "output": [{"name": "OUTPUT__0"}],
                                  "parameters": {"engine": {"string_value": "onnxruntime"}}}))
     m.initialize({"model_config": json.dumps(cfg), "model_instance_kind": "CPU", "model_instance_device_id": "0",
                   "model_repository": str(built / "mlp"), "model_version": "1"})
