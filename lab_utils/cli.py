@@ -164,6 +164,18 @@ def cmd_gpu_exporter(args: argparse.Namespace) -> int:
     return serve(port=args.port, host=args.host)
 
 
+def cmd_wheelhouse(args: argparse.Namespace) -> int:
+    from .wheelhouse import WheelhouseError, build
+
+    try:
+        build(args.dir, python=args.python, platforms=args.platform, extras=args.extras.split(","),
+              exclude_preinstalled=args.exclude_preinstalled)
+    except WheelhouseError as err:
+        print(f"nvlab wheelhouse: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nvlab", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -199,6 +211,17 @@ def parser() -> argparse.ArgumentParser:
     ge.add_argument("--port", type=int, default=9400, help="port to listen on (default 9400, as dcgm-exporter)")
     ge.add_argument("--host", default="0.0.0.0", help="address to listen on (default all interfaces)")
     ge.set_defaults(fn=cmd_gpu_exporter)
+    w = sub.add_parser("wheelhouse", help="download the course's wheels for an offline (--no-index) install")
+    w.add_argument("dir", help="folder for the wheels, README.txt and requirements.txt")
+    w.add_argument("--python", help="target Python MAJOR.MINOR (default: this one; with --exclude-preinstalled the "
+                   "NGC image's)")
+    w.add_argument("--platform", action="append", help="linux_x86_64 or linux_aarch64 (default: this machine's), or "
+                   "a manylinux tag such as manylinux_2_39_x86_64")
+    w.add_argument("--extras", default="lab,torch", help="the course's extras to include (default lab,torch; '' for "
+                   "the core only; torch means the course's pinned torch)")
+    w.add_argument("--exclude-preinstalled", action="store_true",
+                   help="leave out what the pinned NGC PyTorch image already has (torch, TensorRT)")
+    w.set_defaults(fn=cmd_wheelhouse)
     return p
 
 
