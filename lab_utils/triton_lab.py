@@ -1,0 +1,138 @@
+"""Lab 04's steps as single calls: deploy a configuration, measure it, compare it with the step before, plot.
+
+Each function takes the server (a ``TritonServer`` or ``ExternalServer``) and returns plain values or a
+DataFrame, so a notebook cell is one call and one table.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import triton_client, triton_load, triton_repo
+
+
+@dataclass
+class LoadSettings:
+    """How long each measurement runs: windows until three agree within 10 % (perf_analyzer's rule)."""
+
+    window_s: float = 2.0
+    warmup_s: float = 1.0
+    max_windows: int = 10
+    processes: int | None = None
+
+    @classmethod
+    def for_run(cls, quick: bool, gpu: bool) -> LoadSettings:
+        if quick:
+            return cls(window_s=0.5, warmup_s=0.3, max_windows=4)
+        return cls(window_s=2.0 if gpu else 1.0, warmup_s=1.0, max_windows=10)
+
+
+def inputs_maker(in_features: int, rows: int = 1, seed: int = 0) -> Callable[[], dict[str, np.ndarray]]:
+    """``make_inputs`` for the lab model: one request of ``rows`` random rows of ``in_features`` float32."""
+    rng = np.random.default_rng(seed)
+
+    def make() -> dict[str, np.ndarray]:
+        return {triton_repo.INPUT_NAME: rng.standard_normal((rows, in_features), dtype=np.float32)}
+
+    return make
+
+
+def deploy(server: Any, repo: Path, config: Mapping[str, Any], *, gpus: int | None = None,
+           timeout_s: float = 120) -> float:
+    """Write ``config`` as the model's ``config.pbtxt`` (validated first) and (re)load it; seconds the load took.
+
+    A local server in explicit mode re-reads the repository; an external server gets the configuration
+    through the load request's override (its model files must already be in its repository).
+    """
+    name = config["name"]
+    triton_repo.write_config(Path(repo) / name, config, gpus=gpus)
+    t0 = time.perf_counter()
+    override = None
+    if getattr(server, "external", False):
+        from google.protobuf import json_format
+
+        override = json.dumps(json_format.MessageToDict(triton_repo.parse_config(config)))
+    triton_client.load_model(server.grpc_url, name, config=override)
+    deadline = time.perf_counter() + timeout_s
+    while not triton_client.model_ready(server.grpc_url, name):
+        if time.perf_counter() > deadline:
+            raise TimeoutError(f"model {name!r} not ready {timeout_s:g} s after loading; server log:\n"
+                               f"{server.log_tail(20)}")
+    return time.perf_counter() - t0
+
+
+def measure(server: Any, model: str, make_inputs: Any, concurrency: int, settings: LoadSettings, *,
+            protocol: str = "grpc", label: str = "") -> dict[str, Any]:
+    """One closed-loop measurement; a row: the client numbers and the server's split."""
+    url = server.grpc_url if protocol == "grpc" else server.http_url
+    r = triton_load.run_load(url, model, make_inputs, concurrency, protocol=protocol, window_s=settings.window_s,
+                             warmup_s=settings.warmup_s, max_windows=settings.max_windows,
+                             processes=settings.processes, stats_url=server.http_url)
+    row = {"step": label or model, **r.to_row()}
+    return row
+
+
+def step_table(rows: Sequence[Mapping[str, Any]]) -> Any:
+    """The knob steps side by side, each against the one before: throughput and p95 change."""
+    import pandas as pd
+
+    df = pd.DataFrame(rows)
+    keep = ["step", "concurrency", "throughput_infer_s", "p50_ms", "p95_ms", "p99_ms", "errors", "stable",
+            "server_batch_avg", "server_queue_us", "server_compute_infer_us"]
+    df = df[[c for c in keep if c in df.columns]].copy()
+    df["x_prev_throughput"] = df["throughput_infer_s"] / df["throughput_infer_s"].shift(1)
+    df["x_prev_p95"] = df["p95_ms"] / df["p95_ms"].shift(1)
+    return df
+
+
+def split_table(rows: Sequence[Mapping[str, Any]]) -> Any:
+    """Where a request's time went on the server (µs per request): queue, compute input, infer, output."""
+    import pandas as pd
+
+    out = []
+    for r in rows:
+        out.append({"step": r["step"], "queue_us": r.get("server_queue_us"),
+                    "compute_input_us": r.get("server_compute_input_us"),
+                    "compute_infer_us": r.get("server_compute_infer_us"),
+                    "compute_output_us": r.get("server_compute_output_us"),
+                    "server_request_us": r.get("server_request_us"), "client_mean_us": r["mean_ms"] * 1e3,
+                    "batch_avg": r.get("server_batch_avg")})
+    return pd.DataFrame(out)
+
+
+def plot_latency_throughput(curves: Mapping[str, Any], ax: Any = None, title: str | None = None) -> Any:
+    """p95 latency against throughput, one line per configuration, each point labelled with its concurrency."""
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7.0, 4.5))
+    for label, df in curves.items():
+        ax.plot(df["throughput_infer_s"], df["p95_ms"], marker="o", label=label)
+        for _, r in df.iterrows():
+            ax.annotate(f"c={int(r['concurrency'])}", (r["throughput_infer_s"], r["p95_ms"]), fontsize=8,
+                        textcoords="offset points", xytext=(4, 4))
+    ax.set_xlabel("throughput (infer/s)")
+    ax.set_ylabel("p95 latency (ms)")
+    ax.set_title(title or "Latency against throughput (closed loop, rising concurrency)")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    return ax
+
+
+def version_outputs(server: Any, model: str, x: np.ndarray, versions: Sequence[int]) -> dict[int, Any]:
+    """The first output row of each version for the same input, or the server's refusal."""
+    out: dict[int, Any] = {}
+    for v in versions:
+        try:
+            y = triton_client.infer(server.grpc_url, model, {triton_repo.INPUT_NAME: x}, version=str(v))
+            out[v] = np.round(y[triton_repo.OUTPUT_NAME][0, :3], 4).tolist()
+        except triton_client.InferError as err:
+            out[v] = f"refused: {err.server_message}"
+    return out
