@@ -239,6 +239,20 @@ def _stub_wheel(folder: Path, name: str, version: str) -> Path:
     return path
 
 
+def placeholder_args(folder: Path, left_out: dict[str, str]) -> list[str]:
+    """pip arguments that make ``left_out`` (name -> version) count as installed: placeholder wheels in ``folder``
+    and a constraint to exactly them, so nothing that needs e.g. torch downloads the real one."""
+    if not left_out:
+        return []
+    stubs = folder / "placeholders"
+    stubs.mkdir(exist_ok=True)
+    constraints = folder / "placeholders.txt"
+    constraints.write_text("".join(f"{n}=={v}+{STUB_LABEL}\n" for n, v in left_out.items()))
+    for n, v in left_out.items():
+        _stub_wheel(stubs, n, v)
+    return ["--find-links", str(stubs), "--constraint", str(constraints)]
+
+
 def _pip(args: list[str], what: str, python: str, arch: str) -> None:
     """Run pip (its progress on the terminal); WheelhouseError naming the package pip could not find."""
     proc = subprocess.Popen([sys.executable, "-m", "pip", *args], stderr=subprocess.PIPE, text=True)
@@ -304,15 +318,7 @@ def build(dest: Path | str, *, python: str | None = None, platforms: Sequence[st
              "building the course's wheel", py, arch)
         course_wheel = next((tmp / "course").glob("*.whl"))
 
-        extra_args: list[str] = []
-        if left_out:
-            stubs = tmp / "stubs"
-            stubs.mkdir()
-            constraints = tmp / "constraints.txt"
-            constraints.write_text("".join(f"{n}=={v}+{STUB_LABEL}\n" for n, v in left_out.items()))
-            for n, v in left_out.items():
-                _stub_wheel(stubs, n, v)
-            extra_args = ["--find-links", str(stubs), "--constraint", str(constraints)]
+        extra_args = placeholder_args(tmp, left_out)
 
         course_req = f"nvlab[{','.join(pkg_extras)}]" if pkg_extras else "nvlab"
         reqs = [f"{course_req} @ {course_wheel.as_uri()}", *_build_requires(root)]
