@@ -960,3 +960,38 @@ def plot_drill(drill: DrillResult, up: Any = None) -> Any:
         ax2.text(s["time"] - t_kill, 1.15, s["step"], rotation=90, fontsize=7, va="top", ha="right")
     fig.tight_layout()
     return fig
+
+
+# --- Triton's GPU readings (DCGM) against the exporter's (NVML) ---------------------------------------------
+
+# (what, Triton's expression, the exporter's expression), each averaged over the window; the last row is a
+# diagnostic: NVML's v1 "used" included driver-reserved memory, so if Triton's DCGM counts it, that row agrees.
+SOURCE_PAIRS = (
+    ("memory_used_bytes", "avg_over_time(nv_gpu_memory_used_bytes[{w}])",
+     "avg_over_time(DCGM_FI_DEV_FB_USED[{w}]) * 1048576"),
+    ("power_w", "avg_over_time(nv_gpu_power_usage[{w}])", "avg_over_time(DCGM_FI_DEV_POWER_USAGE[{w}])"),
+    ("memory_used_plus_reserved_bytes", "avg_over_time(nv_gpu_memory_used_bytes[{w}])",
+     "(avg_over_time(DCGM_FI_DEV_FB_USED[{w}]) + avg_over_time(DCGM_FI_DEV_FB_RESERVED[{w}])) * 1048576"),
+)
+
+
+def compare_gpu_sources(metrics: PromAPI, at: float, window_s: float, tolerance: float = 0.10) -> Any:
+    """Triton's ``nv_gpu_*`` against the exporter's ``DCGM_FI_DEV_*`` per GPU (matched by UUID), averaged over
+    the ``window_s`` seconds before ``at``: one row per (metric, GPU) with both values, their ratio and whether
+    it is within ``tolerance``. Empty when either source has no GPU series."""
+    import pandas as pd
+
+    w = f"{max(2, int(round(window_s)))}s"
+    rows = []
+    for what, triton_expr, exporter_expr in SOURCE_PAIRS:
+        a = metrics.query(triton_expr.format(w=w), at=at)
+        b = metrics.query(exporter_expr.format(w=w), at=at)
+        if a.empty or b.empty or "gpu_uuid" not in a or "UUID" not in b:
+            continue
+        both = a[["gpu_uuid", "value"]].rename(columns={"gpu_uuid": "uuid", "value": "triton"}).merge(
+            b[["UUID", "value"]].rename(columns={"UUID": "uuid", "value": "exporter"}), on="uuid")
+        for r in both.itertuples():
+            ratio = r.triton / r.exporter if r.exporter else math.nan
+            rows.append({"metric": what, "uuid": r.uuid, "triton": r.triton, "exporter": r.exporter, "ratio": ratio,
+                         "within": bool(abs(ratio - 1) <= tolerance)})
+    return pd.DataFrame(rows, columns=["metric", "uuid", "triton", "exporter", "ratio", "within"])

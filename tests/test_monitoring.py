@@ -412,3 +412,25 @@ def test_run_phases_and_chunked_load_tables():
     chunks = monitoring.chunked_load(lambda: "127.0.0.1:1", boom, 3, 0.5, chunk_s=0.2)
     assert (chunks["errors"] == 3).all() and chunks["error"].str.contains("nothing there").all()
     assert monitoring.default_phases(True)[-1].name == "overload"
+
+
+def test_gpu_sources_compared_by_uuid():
+    """The GPU cross-check of the notebook, on series shaped like Triton's (DCGM) and the exporter's (NVML)."""
+    scraper = monitoring.InProcessScraper({"x": ["127.0.0.1:1"]})
+    mib = 2**20
+    for i in range(11):
+        t = 100.0 + i
+        for uuid, used_mib, power in (("GPU-a", 1000, 300.0), ("GPU-b", 2000, 500.0)):
+            scraper.store.add({"__name__": "nv_gpu_memory_used_bytes", "gpu_uuid": uuid}, t, (used_mib + 500) * mib)
+            scraper.store.add({"__name__": "nv_gpu_power_usage", "gpu_uuid": uuid}, t, power * 1.05)
+            lab = {"gpu": uuid[-1], "UUID": uuid}
+            scraper.store.add({"__name__": "DCGM_FI_DEV_FB_USED", **lab}, t, used_mib)
+            scraper.store.add({"__name__": "DCGM_FI_DEV_FB_RESERVED", **lab}, t, 500)
+            scraper.store.add({"__name__": "DCGM_FI_DEV_POWER_USAGE", **lab}, t, power)
+    df = monitoring.compare_gpu_sources(scraper, at=110.0, window_s=8)
+    got = {(r.metric, r.uuid): (round(r.ratio, 3), r.within) for r in df.itertuples()}
+    assert got[("power_w", "GPU-a")] == (1.05, True)
+    assert got[("memory_used_bytes", "GPU-a")] == (1.5, False)  # this "Triton" counts reserved memory as used
+    assert got[("memory_used_plus_reserved_bytes", "GPU-b")] == (1.0, True)
+    assert len(df) == 6
+    assert monitoring.compare_gpu_sources(monitoring.InProcessScraper({"x": ["127.0.0.1:1"]}), 110.0, 8).empty
