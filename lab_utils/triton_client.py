@@ -10,6 +10,7 @@ metadata and configuration are here too. ``url`` is ``host:port`` of the protoco
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -207,13 +208,25 @@ def load_model(url: str, model: str, protocol: str = "grpc", config: str | None 
         c.close()
 
 
-def unload_model(url: str, model: str, protocol: str = "grpc") -> None:
-    """``POST v2/repository/models/{model}/unload``."""
+def unload_model(url: str, model: str, protocol: str = "grpc", wait_s: float = 30.0) -> None:
+    """``POST v2/repository/models/{model}/unload``, then wait (up to ``wait_s``) until no version is loaded.
+
+    The server answers the request at once and unloads in the background (state ``UNLOADING``).
+    """
+    import time
+
     c = client(url, protocol)
     try:
         c.unload_model(model)
     finally:
         c.close()
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        states = {m.get("state") for m in repository_index(url, protocol) if m.get("name") == model}
+        if not states & {"READY", "UNLOADING", "LOADING"}:
+            return
+        threading.Event().wait(0.05)
+    raise TimeoutError(f"model {model!r} still loaded {wait_s:g} s after the unload request")
 
 
 def model_ready(url: str, model: str, protocol: str = "grpc", version: str = "") -> bool:
