@@ -115,11 +115,12 @@ def _duration(seconds: float) -> str:
 
 def scrape_config(jobs: Mapping[str, Sequence[str]], *, scrape_interval_s: float = 1.0,
                   evaluation_interval_s: float = 1.0, rule_files: Sequence[str | Path] = (),
-                  metrics_paths: Mapping[str, str] | None = None) -> dict[str, Any]:
+                  metrics_paths: Mapping[str, str] | None = None, major_version: int = 2) -> dict[str, Any]:
     """A Prometheus configuration: one scrape job per entry of ``jobs`` (``{"triton": ["127.0.0.1:8002"]}``).
 
     The scrape timeout follows the interval (it may not exceed it); rules are evaluated every
-    ``evaluation_interval_s``.
+    ``evaluation_interval_s``. For Prometheus 3 (``major_version=3``) each job names the text format as the
+    fallback protocol: 3.x refuses a scrape whose Content-Type it cannot read unless told (2.x rejects the key).
     """
     if not jobs:
         raise ValueError("scrape_config(jobs={}): name at least one job, e.g. {'triton': ['127.0.0.1:8002']}")
@@ -141,7 +142,8 @@ def scrape_config(jobs: Mapping[str, Sequence[str]], *, scrape_interval_s: float
         "rule_files": [str(Path(p).resolve()) for p in rule_files],
         "scrape_configs": [
             {"job_name": name, "metrics_path": (metrics_paths or {}).get(name, "/metrics"),
-             "static_configs": [{"targets": list(targets)}]}
+             "static_configs": [{"targets": list(targets)}],
+             **({"fallback_scrape_protocol": "PrometheusText0.0.4"} if major_version >= 3 else {})}
             for name, targets in jobs.items()
         ],
     }
@@ -432,8 +434,8 @@ class PrometheusServer(PromAPI):
         self.jobs = {k: list(v) for k, v in jobs.items()}
         self.rule_files = [Path(p) for p in rule_files]
         self.scrape_interval_s, self.evaluation_interval_s = scrape_interval_s, evaluation_interval_s
-        self.config = scrape_config(self.jobs, scrape_interval_s=scrape_interval_s,
-                                    evaluation_interval_s=evaluation_interval_s, rule_files=self.rule_files)
+        self._version: str | None = None
+        self.config = self._config()
         self.host, self.requested_port = host, port
         self.startup_timeout_s = startup_timeout_s
         self.extra_args = list(extra_args)
@@ -448,9 +450,19 @@ class PrometheusServer(PromAPI):
         return f"Prometheus {self.version()} started here at {self.url} (scrape every {self.scrape_interval_s:g} s)"
 
     def version(self) -> str:
-        out = subprocess.run([str(self.binary), "--version"], capture_output=True, text=True, check=False)
-        m = re.search(r"version\s+([\w.\-+~]+)", out.stdout + out.stderr)
-        return m.group(1) if m else "?"
+        """The binary's version, e.g. "2.42.0+ds" (asked once)."""
+        if self._version is None:
+            out = subprocess.run([str(self.binary), "--version"], capture_output=True, text=True, check=False,
+                                 timeout=30)
+            m = re.search(r"version\s+([\w.\-+~]+)", out.stdout + out.stderr)
+            self._version = m.group(1) if m else "?"
+        return self._version
+
+    def _config(self) -> dict[str, Any]:
+        major = int(m.group(1)) if (m := re.match(r"(\d+)\.", self.version())) else 2
+        return scrape_config(self.jobs, scrape_interval_s=self.scrape_interval_s,
+                             evaluation_interval_s=self.evaluation_interval_s, rule_files=self.rule_files,
+                             major_version=major)
 
     @property
     def pid(self) -> int | None:
@@ -532,8 +544,7 @@ class PrometheusServer(PromAPI):
             self.jobs = {k: list(v) for k, v in jobs.items()}
         if rule_files is not None:
             self.rule_files = [Path(p) for p in rule_files]
-        self.config = scrape_config(self.jobs, scrape_interval_s=self.scrape_interval_s,
-                                    evaluation_interval_s=self.evaluation_interval_s, rule_files=self.rule_files)
+        self.config = self._config()
         if not self.alive():
             return
         write_config(self.config, self.config_path)  # type: ignore[arg-type]
@@ -567,13 +578,14 @@ def start_metrics(jobs: Mapping[str, Sequence[str]], *, rule_files: Sequence[str
                   scrape_interval_s: float = 1.0, evaluation_interval_s: float = 1.0,
                   prefer: str = "auto", show: bool = True) -> Any:
     """A started metrics backend for ``jobs``: ``$PROMETHEUS_URL``, a ``prometheus`` binary, or the in-process
-    scraper — in that order (``prefer`` = "external", "prometheus" or "scraper" forces one). Prints which.
+    scraper — in that order (``prefer`` = "external", "prometheus" or "scraper" forces one; "local" skips
+    ``$PROMETHEUS_URL``, for targets only this process can reach). Prints which.
 
     With ``NVLAB_REQUIRE_PROMETHEUS=1`` and no binary this raises instead of falling back.
     """
-    if prefer not in ("auto", "external", "prometheus", "scraper"):
-        raise ValueError(f"prefer={prefer!r}: use auto, external, prometheus or scraper")
-    url = os.environ.get(URL_ENV)
+    if prefer not in ("auto", "local", "external", "prometheus", "scraper"):
+        raise ValueError(f"prefer={prefer!r}: use auto, local, external, prometheus or scraper")
+    url = os.environ.get(URL_ENV) if prefer != "local" else None
     backend: Any
     if prefer == "external" or (prefer == "auto" and url):
         if not url:
@@ -583,7 +595,7 @@ def start_metrics(jobs: Mapping[str, Sequence[str]], *, rule_files: Sequence[str
             raise PrometheusError(f"${URL_ENV}={url} does not answer /-/ready: is the compose stack up?")
         backend.notes.append(f"the compose stack's Prometheus scrapes its own targets (jobs {TRITON_JOB!r} and "
                              f"{EXPORTER_JOB!r}) and loads its own copy of the rules")
-    elif prefer == "prometheus" or (prefer == "auto" and find_binary("prometheus")):
+    elif prefer == "prometheus" or (prefer in ("auto", "local") and find_binary("prometheus")):
         backend = PrometheusServer(jobs, rule_files=rule_files, scrape_interval_s=scrape_interval_s,
                                    evaluation_interval_s=evaluation_interval_s).start()
     else:

@@ -103,6 +103,14 @@ def test_scrape_config_refuses_bad_values():
     assert cfg["global"]["scrape_interval"] == "1500ms"
 
 
+def test_prometheus_3_gets_the_text_format_as_fallback(prometheus_bin):
+    server = prometheus.PrometheusServer({"triton": ["127.0.0.1:8002"]})
+    assert "fallback_scrape_protocol" not in server.config["scrape_configs"][0]  # 2.x refuses the key
+    server._version = "3.5.0"  # the lab image's Prometheus
+    server.reload()  # not started: only the configuration is rebuilt
+    assert server.config["scrape_configs"][0]["fallback_scrape_protocol"] == "PrometheusText0.0.4"
+
+
 # --- the server's lifecycle -------------------------------------------------------------------------------
 
 
