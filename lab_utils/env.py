@@ -508,11 +508,13 @@ def lab_tiers(report: EnvReport) -> list[LabTier]:
     else:
         rows["02"] = ("cpu", "gloo process groups on CPU, DDP", "gloo stands in for NCCL")
     if gpu and trt:
-        rows["03"] = ("full", "TensorRT engines FP32/FP16/INT8", "")
+        rows["03"] = ("full", "TensorRT engines from ModelOpt FP16/INT8/FP8 ONNX files", "")
     elif gpu:
-        rows["03"] = ("partial", "torch autocast, torch.compile, CUDA graphs", "no TensorRT: torch.compile stands in")
+        rows["03"] = ("partial", "ModelOpt ONNX models in ONNX Runtime; torch autocast, torch.compile, CUDA graphs",
+                      "no TensorRT: torch.compile and CUDA graphs stand in for engines")
     else:
-        rows["03"] = ("cpu", "ONNX Runtime and ModelOpt INT8", "ONNX Runtime stands in for TensorRT")
+        rows["03"] = ("cpu", "ModelOpt FP16/INT8 ONNX models; ONNX Runtime optimization levels",
+                      "no GPU: ONNX Runtime on the CPU stands in for TensorRT")
     if gpu and server:
         rows["04"] = ("full", "Triton server with GPU instances", "")
     elif server:

@@ -1,0 +1,23 @@
+"""Lab 03 test data built once per test session: a briefly trained digits CNN and its ONNX export."""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import shutil
+import tempfile
+from pathlib import Path
+
+
+@functools.lru_cache(maxsize=1)
+def digits_onnx() -> tuple[object, Path, dict]:
+    """(model, onnx path, facts): the digits CNN trained 2 epochs, exported with a dynamic batch (a few seconds)."""
+    import torch
+
+    from lab_utils import ddp, inference
+
+    folder = Path(tempfile.mkdtemp(prefix="nvlab-lab03-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    model, facts = inference.train_digits_cnn(epochs=2)
+    path = inference.export_onnx(model, folder / "digits.onnx", torch.from_numpy(ddp.digits_arrays()["x_test"][:2]))
+    return model, path, facts
