@@ -515,13 +515,17 @@ def lab_tiers(report: EnvReport) -> list[LabTier]:
     else:
         rows["03"] = ("cpu", "ModelOpt FP16/INT8 ONNX models; ONNX Runtime optimization levels",
                       "no GPU: ONNX Runtime on the CPU stands in for TensorRT")
+    wheel_only = server and c["tritonserver"].where == str(pytriton_server())
+    via = "; the nvidia-pytriton server (python backend only) stands in for the NGC image" if wheel_only else ""
     if gpu and server:
-        rows["04"] = ("full", "Triton server with GPU instances", "")
+        rows["04"] = ("full", "Triton server, KIND_GPU instances (torch on the GPU)", via.removeprefix("; "))
     elif server:
-        rows["04"] = ("partial" if seen_gpu else "cpu", "Triton server with CPU instances", "CPU instances")
+        rows["04"] = ("partial" if seen_gpu else "cpu", "Triton server, KIND_CPU instances (ONNX Runtime)",
+                      "CPU instances" + via)
     else:
-        rows["04"] = ("partial" if seen_gpu else "cpu", "configuration checks only",
-                      "no Triton server: pip install nvidia-pytriton")
+        rows["04"] = ("partial" if seen_gpu else "cpu", "configuration checks only, no serving",
+                      "no Triton server: set TRITON_URL, use the NGC tritonserver image, or "
+                      "pip install --no-deps nvidia-pytriton")
     if gpu and server and prom:
         rows["05"] = ("full", "Prometheus scraping Triton and the GPUs (NVML, DCGM), alerts, failure drill", "")
     elif server:

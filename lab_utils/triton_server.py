@@ -51,6 +51,9 @@ from .procs import popen_owned, stop_group, tail, wait_http_ok
 
 MODEL_CONTROL = ("none", "explicit", "poll")
 URL_ENV = "TRITON_URL"  # http://host:8000 of a running server
+# SIGTERM first: Triton finishes in-flight requests and unloads models, polling once a second; a python model
+# takes seconds to unload. After this grace the group gets SIGKILL (nothing is lost: the shm regions are ours).
+DEFAULT_STOP_GRACE_S = 2.0
 GRPC_URL_ENV = "TRITON_GRPC_URL"  # host:8001 (default: TRITON_URL's host, port 8001)
 METRICS_URL_ENV = "TRITON_METRICS_URL"  # http://host:8002/metrics (default: TRITON_URL's host)
 
@@ -256,7 +259,7 @@ class TritonServer:
         env: dict[str, str] | None = None,
         validate: bool = True,
         source: ServerSource | None = None,
-        stop_grace_s: float = 2.0,
+        stop_grace_s: float | None = None,
     ):
         if model_control not in MODEL_CONTROL:
             raise ValueError(f"model_control={model_control!r}: use one of {MODEL_CONTROL}")
@@ -287,7 +290,7 @@ class TritonServer:
         self.startup_s: float | None = None
         self.argv: list[str] = []
         self.exit_code: int | None = None
-        self.stop_grace_s = float(stop_grace_s)
+        self.stop_grace_s = float(DEFAULT_STOP_GRACE_S if stop_grace_s is None else stop_grace_s)
         self._shm_prefix = ""
 
     # urls ----------------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lab_utils import triton_repo
+from lab_utils import triton_repo, triton_server
 from lab_utils.triton_server import ServerNotFound, find_server
 
 REQUIRE_ENV = "NVLAB_REQUIRE_TRITON"
@@ -30,3 +30,9 @@ def tiny_repo(root: Path, name: str = "tiny", **config) -> Path:
     repo = root / "repo"
     triton_repo.build_mlp_model(repo, name, preset=TINY, gpus=0, **config)
     return repo
+
+
+@pytest.fixture(autouse=True)
+def quick_stop(monkeypatch):
+    """Tests stop servers many times: a short grace before SIGKILL (what a stop leaves is tested, not its pace)."""
+    monkeypatch.setattr(triton_server, "DEFAULT_STOP_GRACE_S", 0.3)

@@ -9,7 +9,7 @@ import threading
 
 import numpy as np
 import pytest
-from _triton import require_server, tiny_repo
+from _triton import quick_stop, require_server, tiny_repo  # noqa: F401 (an autouse fixture)
 
 from lab_utils import triton_load
 from lab_utils.triton_load import Window, run_load, server_split

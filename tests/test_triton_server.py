@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _triton import require_server, tiny_repo
+from _triton import quick_stop, require_server, tiny_repo  # noqa: F401 (an autouse fixture)
 
 from lab_utils import notebooks, procs, triton_client, triton_repo, triton_server
 from lab_utils.triton_server import ServerNotFound, ServerStartError, TritonServer
@@ -224,9 +224,14 @@ def test_killed_kernel_leaves_no_server_or_stub(repo):
         assert len(pids) >= 2 and all(_alive(p) for p in pids)
         assert set(pids) <= {int(line.split()[0]) for line in notebooks.leftover_processes(run_id)}
         kc.stop_channels()
-        os.kill(km.provisioner.process.pid, signal.SIGKILL)
+        kernel_pid = km.provisioner.process.pid
+        shm = f"{triton_server.SHM_PREFIX}{kernel_pid}x"
+        assert list(Path("/dev/shm").glob(shm + "*")), "the stub's shared memory carries the kernel's prefix"
+        os.kill(kernel_pid, signal.SIGKILL)
         assert _gone(pids, 15.0), f"still running after the kernel was killed: {[p for p in pids if _alive(p)]}"
         assert notebooks.leftover_processes(run_id) == []
+        triton_server._remove_stale_shm()  # what the next server start does: a dead owner's regions go
+        assert not list(Path("/dev/shm").glob(shm + "*"))
     finally:
         if km.is_alive():
             km.shutdown_kernel(now=True)
