@@ -226,9 +226,10 @@ def _open_nvml(nvml: Any = None) -> tuple[NvmlReader | None, str]:
     """An opened reader and "" — or None and why NVML is not used (no package, no driver, no GPU)."""
     if nvml is None:
         try:
-            import pynvml as nvml
+            import pynvml
         except ImportError:
             return None, "nvidia-ml-py is not installed (pip install nvidia-ml-py): host metrics only"
+        nvml = pynvml
     reader = NvmlReader(nvml)
     try:
         reader.open()

@@ -642,7 +642,7 @@ class Evaluator:
                 g = {}
             groups.setdefault(tuple(sorted(g.items())), []).append((labels, v))
         out: list[tuple[dict[str, str], float]] = []
-        for g, members in groups.items():
+        for gkey, members in groups.items():
             vals = [v for _, v in members]
             if node.op in ("topk", "bottomk"):
                 k = int(param or 0)
@@ -669,7 +669,7 @@ class Evaluator:
                 r = _quantile(float(param), vals)  # type: ignore[arg-type]
             else:
                 raise self.fail(f"aggregation {node.op} is not supported")
-            out.append((dict(g), r))
+            out.append((dict(gkey), r))
         return _Vec(out)
 
     def binary(self, node: Binary, t: float) -> Any:
