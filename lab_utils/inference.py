@@ -692,11 +692,17 @@ def torch_runners(model: Any, x: Any, *, steps: Sequence[str] = ("eager", "autoc
     from torch._inductor import config as inductor_config
 
     backends = "ATEN,TRITON" if autotune_convs else "ATEN"
-    with torch.inference_mode(), inductor_config.patch(max_autotune_conv_backends=backends):
-        compiled(x_cl)  # compiles (and autotunes) now, not inside a timed repetition
-    torch.cuda.synchronize(device)
+    try:
+        with torch.inference_mode(), inductor_config.patch(max_autotune_conv_backends=backends):
+            compiled(x_cl)  # compiles (and autotunes) now, not inside a timed repetition
+        torch.cuda.synchronize(device)
+    except Exception as err:  # a compiler failure costs the compiled steps, not the rest of the lab
+        print(f"torch.compile(mode={mode!r}) failed, so the compile and cuda-graph steps are skipped: "
+              f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}")
+        return
     compile_s = time.perf_counter() - t0
-    kernels = _inductor_kernel_count() - kernels_before if kernels_before is not None else None
+    after = _inductor_kernel_count()
+    kernels = after - kernels_before if after is not None and kernels_before is not None else None
 
     def run_compiled() -> Any:
         with torch.inference_mode():
@@ -706,7 +712,12 @@ def torch_runners(model: Any, x: Any, *, steps: Sequence[str] = ("eager", "autoc
         yield TorchRunner("compile", amp, batch, run_compiled, compile_s, f"torch.compile(mode={mode!r})",
                           {"generated_kernels": kernels})
     if "cuda-graph" in steps:
-        yield _cuda_graph_runner(run_compiled, x_cl, amp, batch, mode)
+        try:
+            graphed = _cuda_graph_runner(run_compiled, x_cl, amp, batch, mode)
+        except Exception as err:  # e.g. an operation that cannot be captured: say so, keep the lab going
+            print(f"CUDA graph capture failed, so the cuda-graph step is skipped: {type(err).__name__}: {err}")
+            return
+        yield graphed
 
 
 def _cuda_graph_runner(run: Callable[[], Any], static_x: Any, amp: str, batch: int, mode: str) -> TorchRunner:
