@@ -43,10 +43,26 @@ def _module(protocol: str, aio: bool = False) -> Any:
         else:
             import tritonclient.http as m  # type: ignore[no-redef]
             import tritonclient.http.aio as a  # type: ignore[no-redef]
-    except ImportError as err:
-        raise ImportError(f"the Triton client is missing ({err}): pip install 'tritonclient[grpc,http]' "
-                          "python-rapidjson") from None
+    except (ImportError, RuntimeError) as err:  # tritonclient raises RuntimeError when an extra's package is missing
+        raise ImportError(f"the Triton {protocol} client cannot be imported ({err}): pip install "
+                          f"'tritonclient[{protocol}]' python-rapidjson") from None
     return a if aio else m
+
+
+def available_protocols(show: bool = True) -> tuple[str, ...]:
+    """The protocols whose Triton client imports here (gRPC needs grpcio and protobuf; HTTP needs
+    geventhttpclient and, for asyncio, aiohttp); ``show`` prints what is missing and the install command."""
+    out = []
+    for p in PROTOCOLS:
+        try:
+            _module(p)
+            _module(p, aio=True)
+        except (ImportError, RuntimeError) as err:
+            if show:
+                print(f"{p} client not available ({str(err).splitlines()[0]}): pip install 'tritonclient[{p}]'")
+        else:
+            out.append(p)
+    return tuple(out)
 
 
 def client(url: str, protocol: str = "grpc") -> Any:

@@ -263,11 +263,22 @@ def _run_clients(protocol: str, url: str, model: str, payloads: list[dict], outp
 
 
 def _process_worker(protocol: str, url: str, model: str, payloads: list[dict], outputs: Sequence[str] | None,
-                    n: int, t0: float, window_s: float, stop: Any, out_q: Any, timeout_s: float, first: int) -> None:
-    """A client process: ``n`` closed-loop clients; hands each finished window to the parent."""
+                    n: int, t0_value: Any, start: Any, window_s: float, stop: Any, out_q: Any, timeout_s: float,
+                    first: int) -> None:
+    """A client process: ``n`` closed-loop clients; hands each finished window to the parent.
+
+    It reports "ready" once its imports are done and waits for the parent's start, so that the windows of
+    every process begin at the same time (``t0``, on the system-wide monotonic clock).
+    """
     from .procs import die_with_parent
+    from .triton_client import _module
 
     die_with_parent()
+    _module(protocol, aio=True)  # the slow imports, before the clock starts
+    out_q.put(("ready", -1, None))
+    if not start.wait(timeout=120):
+        return
+    t0 = t0_value.value
     sink = _Sink(t0, window_s)
     lock = threading.Lock()
     done = threading.Event()
@@ -377,7 +388,7 @@ def run_load(
     probe_errors = _probe(protocol, target, model, payloads[0], outputs, timeout_s)
     nproc = processes if processes is not None else _auto_processes(concurrency)
     nproc = max(1, min(nproc, concurrency))
-    t0 = time.perf_counter() + warmup_s + (1.0 if nproc > 1 else 0.05)  # processes need a moment to start
+    t0 = time.perf_counter() + warmup_s + 0.05  # client processes: set again once they are ready
     shares = [concurrency // nproc + (1 if i < concurrency % nproc else 0) for i in range(nproc)]
 
     windows: list[Window] = []
@@ -424,16 +435,42 @@ def run_load(
             stop.set()
             th.join(timeout=timeout_s + 5)
     else:
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context("spawn")  # fork would copy this process's gRPC state and threads
         stop = ctx.Event()
+        start = ctx.Event()
+        t0_value = ctx.Value("d", 0.0)
         out_q = ctx.Queue()
         procs = [ctx.Process(target=_process_worker, name=f"nvlab-load-{i}", daemon=True,
-                             args=(protocol, target, model, payloads, outputs, shares[i], t0, window_s, stop, out_q,
-                                   timeout_s, sum(shares[:i])))
+                             args=(protocol, target, model, payloads, outputs, shares[i], t0_value, start, window_s,
+                                   stop, out_q, timeout_s, sum(shares[:i])))
                  for i in range(nproc)]
         for p in procs:
             p.start()
         pending: dict[int, list[tuple[np.ndarray, int, dict[str, int]]]] = {}
+        ready, ready_by = 0, time.perf_counter() + 120
+        while ready < nproc:
+            try:
+                kind, _, *rest = out_q.get(timeout=0.2)
+            except queue_mod.Empty:
+                dead = [p for p in procs if not p.is_alive()]
+                if dead or time.perf_counter() > ready_by:
+                    stop.set()
+                    start.set()
+                    for p in procs:
+                        p.join(timeout=5)
+                        if p.is_alive():
+                            p.kill()
+                    raise RuntimeError("load client processes did not start (" + ", ".join(
+                        f"{p.name} exit code {p.exitcode}" for p in dead) + "); from a script, call run_load under "
+                        "`if __name__ == '__main__':` (spawned processes re-import it), or pass processes=1") from None
+                continue
+            if kind == "ready":
+                ready += 1
+            elif kind == "crash":
+                raise RuntimeError(f"a load client process failed: {rest[0]}")
+        t0 = time.perf_counter() + warmup_s
+        t0_value.value = t0
+        start.set()
 
         def take(w: int) -> tuple[np.ndarray, int, dict[str, int]]:
             deadline = t0 + (w + 1) * window_s + timeout_s + 10

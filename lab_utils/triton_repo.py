@@ -458,9 +458,9 @@ def export_mlp(version_dir: str | os.PathLike[str], *, in_features: int = 64, wi
                           output_names=[OUTPUT_NAME], opset_version=17, dynamo=False,
                           dynamic_axes={INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}})
     linears = [m for m in model if isinstance(m, torch.nn.Linear)]
-    np.savez(version_dir / "weights.npz",
-             **{f"w{i}": m.weight.detach().numpy() for i, m in enumerate(linears)},
-             **{f"b{i}": m.bias.detach().numpy() for i, m in enumerate(linears)})
+    arrays: dict[str, Any] = {f"w{i}": m.weight.detach().numpy() for i, m in enumerate(linears)}
+    arrays.update({f"b{i}": m.bias.detach().numpy() for i, m in enumerate(linears)})
+    np.savez(version_dir / "weights.npz", **arrays)  # type: ignore[arg-type]
     params = sum(p.numel() for p in model.parameters())
     return {"params": params, "weights_mib": params * 4 / 2**20, "layers": len(linears),
             "in_features": in_features, "out_features": out_features}

@@ -53,7 +53,7 @@ MODEL_CONTROL = ("none", "explicit", "poll")
 URL_ENV = "TRITON_URL"  # http://host:8000 of a running server
 # SIGTERM first: Triton finishes in-flight requests and unloads models, polling once a second; a python model
 # takes seconds to unload. After this grace the group gets SIGKILL (nothing is lost: the shm regions are ours).
-DEFAULT_STOP_GRACE_S = 2.0
+DEFAULT_STOP_GRACE_S = 1.0
 GRPC_URL_ENV = "TRITON_GRPC_URL"  # host:8001 (default: TRITON_URL's host, port 8001)
 METRICS_URL_ENV = "TRITON_METRICS_URL"  # http://host:8002/metrics (default: TRITON_URL's host)
 

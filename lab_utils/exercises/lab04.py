@@ -27,7 +27,8 @@ output OUTPUT__0 of shape [batch, 10], float32) with Triton's ONNX Runtime backe
   - requests may carry up to 32 rows; let Triton batch requests together;
   - prefer batches of 8 and 16, and never hold a request back more than 100 microseconds to form one;
   - two instances of the model, on the CPU."""
-Q1_MODEL_SHAPES = {"INPUT__0": ["batch", 64]}  # what model.onnx declares (the batch axis is dynamic)
+# what model.onnx declares (the batch axis is dynamic)
+Q1_MODEL_SHAPES: dict[str, list[int | str | None]] = {"INPUT__0": ["batch", 64]}
 
 
 def _field(cfg: Any, name: str) -> Any:
