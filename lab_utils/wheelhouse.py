@@ -227,6 +227,16 @@ def _build_requires(root: Path) -> list[str]:
     return re.findall(r"\"([^\"]+)\"", found.group(1)) if found else ["setuptools"]
 
 
+def _setuptools_builds_wheels() -> bool:
+    """Whether this interpreter's setuptools can build the course's wheel itself (>= 70.1 has bdist_wheel built in,
+    and pyproject.toml asks for >= 68): then pip skips setting up an isolated build environment."""
+    try:
+        import setuptools
+    except ImportError:
+        return False
+    return tuple(int(p) for p in re.findall(r"\d+", setuptools.__version__)[:2]) >= (70, 1)
+
+
 def _stub_wheel(folder: Path, name: str, version: str) -> Path:
     """An empty wheel standing for a package the target already has (so the resolver does not fetch it)."""
     full = f"{version}+{STUB_LABEL}"
@@ -314,7 +324,8 @@ def build(dest: Path | str, *, python: str | None = None, platforms: Sequence[st
             shutil.copy2(root / f, src / f)
         shutil.copytree(root / "lab_utils", src / "lab_utils",
                         ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info"))
-        _pip(["wheel", "--quiet", "--no-deps", "--wheel-dir", str(tmp / "course"), str(src)],
+        isolation = ["--no-build-isolation"] if _setuptools_builds_wheels() else []
+        _pip(["wheel", "--quiet", "--no-deps", *isolation, "--wheel-dir", str(tmp / "course"), str(src)],
              "building the course's wheel", py, arch)
         course_wheel = next((tmp / "course").glob("*.whl"))
 
