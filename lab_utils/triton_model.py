@@ -62,7 +62,7 @@ class MlpRunner:
             return self.sess.run(None, {self.input_name: x})[0]
         torch = self.torch
         with torch.inference_mode():
-            h = torch.from_numpy(x).to(self.device)
+            h = torch.tensor(x, device=self.device)  # a copy: inputs that cross the stub may be read-only
             last = len(self.layers) - 1
             for i, (w, b) in enumerate(self.layers):
                 h = torch.addmm(b, h, w)
