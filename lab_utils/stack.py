@@ -9,7 +9,7 @@ Lab 00's container table reads the manifest directly (``lab_utils.env.container_
     python -m lab_utils.stack env > docker/.env    # write the compose file's image tags from the manifest
     python -m lab_utils.stack check                # exit 1 with one line per mismatch
 
-Standard library only (YAML through PyYAML when it is there), so it runs on a bare CI host.
+Standard library only, except PyYAML for reading compose.yaml in ``check``.
 """
 
 from __future__ import annotations
@@ -122,8 +122,10 @@ def interpolate(value: str, env: dict[str, str]) -> str:
 
 
 def _load_yaml(path: Path) -> Any:
-    import yaml
-
+    try:
+        import yaml
+    except ImportError as err:  # the course depends on it through papermill; a bare CI host may lack it
+        raise RuntimeError(f"reading {path.name} needs PyYAML: pip install pyyaml") from err
     return yaml.safe_load(path.read_text())
 
 
@@ -224,7 +226,11 @@ def main(argv: list[str] | None = None) -> int:
     if argv == ["check"]:
         from .catalog import repo_root
 
-        problems = check(repo_root())
+        try:
+            problems = check(repo_root())
+        except RuntimeError as err:
+            print(f"python -m lab_utils.stack check: {err}", file=sys.stderr)
+            return 2
         for p in problems:
             print(p, file=sys.stderr)
         if not problems:
