@@ -143,6 +143,7 @@ class ModelInfo:
     input_shape: tuple[int, ...]  # one sample, without the batch dimension
     gflop_per_image: float  # multiply-adds x 2 of one forward pass
     notes: str = ""
+    slug: str = ""  # for result names: the same slug means the same model, so runs compare as ratios
 
     def __str__(self) -> str:
         shape = "x".join(map(str, self.input_shape))
@@ -217,7 +218,7 @@ def train_digits_cnn(epochs: int = DIGITS_TRAIN["epochs"], seed: int = 0, width:
 
 def digits_info(model: Any) -> ModelInfo:
     return ModelInfo("digits CNN", "lab 02's DigitsCNN, trained here", _params_m(model), (1, 8, 8),
-                     count_gflop(model, (1, 8, 8)))
+                     count_gflop(model, (1, 8, 8)), slug="digits")
 
 
 def make_resnet50(device: str = "cpu", width: int | None = None, image_size: int | None = None,
@@ -252,7 +253,8 @@ def make_resnet50(device: str = "cpu", width: int | None = None, image_size: int
     model.eval()
     info = ModelInfo("ResNet-50" if width == 64 else f"ResNet-50 layout (width {width})", source,
                      _params_m(model), (3, image_size, image_size), count_gflop(model, (3, image_size, image_size)),
-                     "random weights, for speed")
+                     "random weights, for speed",
+                     slug="resnet50" if (width, image_size) == (64, 224) else f"resnet50-w{width}-{image_size}px")
     return model, info
 
 
