@@ -570,6 +570,7 @@ def fusion_table(onnx_path: str | os.PathLike[str], workdir: str | os.PathLike[s
         session = ort_session(onnx_path, level, threads=threads, optimized_path=opt_path)
         create_s = time.perf_counter() - t0
         counts = op_counts(opt_path)
+        opt_path.unlink()  # only counted: a full ResNet-50 would leave 100 MB per level behind
         name = session.get_inputs()[0].name
         t = benchmark(lambda s=session, n=name: s.run(None, {n: x}), reps=reps, warmup=warmup, device="cpu",
                       name=f"ort-{level}")
