@@ -53,6 +53,8 @@ ONNX_OPSET = 18  # the dynamo exporter's own default; TensorRT 10 and 11 parse i
 MAX_BATCH = 4096  # upper bound of the exported batch dimension (the engines' profiles choose their own)
 
 AMP_DTYPES = ("bf16", "fp16")
+# ONNX Runtime graph rewrites that assume a quantized type has no negative values (wrong for FP8)
+ORT_FP8_UNSAFE_REWRITES = ("ReluQuantRewrite",)
 
 
 def _torch() -> Any:
@@ -485,7 +487,23 @@ def ort_session(path: str | os.PathLike[str], level: str = "all", threads: int |
     so.log_severity_level = 3  # errors only: the NCHWc "hardware specific" notice is expected here
     if optimized_path is not None:
         so.optimized_model_filepath = str(optimized_path)
-    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    # ONNX Runtime's ReluQuantRewrite (level "extended" and up) deletes a Relu that feeds a QuantizeLinear,
+    # valid only where the quantized type cannot hold negatives; FP8 can, so on an FP8 Q/DQ model it lets
+    # negative activations through and the logits go wrong (relative error ~1 instead of ~0.01).
+    disabled = list(ORT_FP8_UNSAFE_REWRITES) if level != "disable" and has_fp8_qdq(path) else None
+    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"], disabled_optimizers=disabled)
+
+
+def has_fp8_qdq(path: str | os.PathLike[str]) -> bool:
+    """Whether an ONNX file quantizes to an FP8 type (a QuantizeLinear with a float8 zero point)."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    fp8 = {t for t in (getattr(onnx.TensorProto, n, None) for n in
+                       ("FLOAT8E4M3FN", "FLOAT8E4M3FNUZ", "FLOAT8E5M2", "FLOAT8E5M2FNUZ")) if t is not None}
+    inits = {i.name: i.data_type for i in model.graph.initializer}
+    return any(n.op_type == "QuantizeLinear" and len(n.input) > 2 and inits.get(n.input[2]) in fp8
+               for n in model.graph.node)
 
 
 def cpu_threads() -> int:
@@ -695,8 +713,10 @@ def torch_runners(model: Any, x: Any, *, steps: Sequence[str] = ("eager", "autoc
     from torch._inductor import config as inductor_config
 
     backends = "ATEN,TRITON" if autotune_convs else "ATEN"
+    tuning: dict[str, Any] = {}
     try:
-        with torch.inference_mode(), inductor_config.patch(max_autotune_conv_backends=backends):
+        with torch.inference_mode(), inductor_config.patch(max_autotune_conv_backends=backends), \
+                quiet_autotuning(tuning):
             compiled(x_cl)  # compiles (and autotunes) now, not inside a timed repetition
         torch.cuda.synchronize(device)
     except Exception as err:  # a compiler failure costs the compiled steps, not the rest of the lab
@@ -713,7 +733,7 @@ def torch_runners(model: Any, x: Any, *, steps: Sequence[str] = ("eager", "autoc
 
     if "compile" in steps:
         yield TorchRunner("compile", amp, batch, run_compiled, compile_s, f"torch.compile(mode={mode!r})",
-                          {"generated_kernels": kernels})
+                          {"generated_kernels": kernels, "autotuning": tuning})
     if "cuda-graph" in steps:
         try:
             graphed = _cuda_graph_runner(run_compiled, x_cl, amp, batch, mode)
@@ -721,6 +741,106 @@ def torch_runners(model: Any, x: Any, *, steps: Sequence[str] = ("eager", "autoc
             print(f"CUDA graph capture failed, so the cuda-graph step is skipped: {type(err).__name__}: {err}")
             return
         yield graphed
+
+
+@contextlib.contextmanager
+def quiet_autotuning(summary: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """Silence Inductor's max-autotune reports while compiling and collect them in ``summary`` instead.
+
+    Inductor otherwise writes, for every matrix multiplication it tunes, a table of candidate kernels and a
+    JSON line of statistics, and logs an error for each candidate that cannot run. ``summary`` gets:
+    ``gemms`` (operations tuned), ``choices`` (candidates timed), ``skipped`` (candidates that could not run,
+    mostly Triton configurations needing more shared memory than an SM has), ``biggest`` (the largest
+    GEMM: its shapes, the winning kernel, its time in ms, and cuBLAS's time in ms).
+    The reports are turned off through Inductor's own settings; the failures are filtered from its logger.
+    Nothing here changes which kernels are tried or chosen.
+    """
+    summary.update(gemms=0, choices=0, skipped=0, biggest=None)
+    patches: dict[str, Any] = {}
+    stack = contextlib.ExitStack()
+    try:
+        from torch._inductor import config as inductor_config
+
+        patches = {k: v for k, v in (("max_autotune_report_choices_stats", False),
+                                     ("autotune_num_choices_displayed", 0)) if hasattr(inductor_config, k)}
+        stack.enter_context(inductor_config.patch(patches))
+    except Exception:  # private settings: a torch without them prints its reports, and the lab still runs
+        pass
+
+    class _Failures(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            if "during autotuning" in str(record.msg):
+                summary["skipped"] += 1
+                return False
+            return True
+
+    failures = _Failures()
+    select_log = logging.getLogger("torch._inductor.select_algorithm")
+    select_log.addFilter(failures)
+    restore = None
+    try:
+        from torch._inductor.select_algorithm import AlgorithmSelectorCache
+
+        original = AlgorithmSelectorCache.__dict__.get("log_results")
+        if isinstance(original, staticmethod):
+            inner = original.__func__
+
+            def log_results(*args: Any, **kwargs: Any) -> Any:
+                try:
+                    named = dict(zip(("name", "input_nodes", "timings"), args, strict=False)) | kwargs
+                    _note_autotuning(summary, named["name"], named["input_nodes"], named["timings"])
+                except Exception:  # the summary is a courtesy: never let it break a compile
+                    pass
+                return inner(*args, **kwargs)
+
+            AlgorithmSelectorCache.log_results = staticmethod(log_results)  # type: ignore[method-assign]
+            restore = (AlgorithmSelectorCache, original)
+    except Exception:
+        pass
+    try:
+        with stack, warnings.catch_warnings():
+            # Inductor's own call of a deprecated storage API; nothing the student can act on.
+            warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
+            yield summary
+    finally:
+        select_log.removeFilter(failures)
+        if restore is not None:
+            restore[0].log_results = restore[1]  # type: ignore[method-assign]
+
+
+def _note_autotuning(summary: dict[str, Any], name: str, input_nodes: Any, timings: dict[Any, float]) -> None:
+    """Add one tuned operation (Inductor's ``log_results`` arguments) to ``quiet_autotuning``'s summary."""
+    summary["gemms"] += 1
+    summary["choices"] += len(timings)
+    finite = {c: t for c, t in timings.items() if t is not None and math.isfinite(t)}
+    if not finite:
+        return
+    sizes = [tuple(int(d) for d in n.get_size()) for n in input_nodes]
+    a, b = sizes[-2], sizes[-1]  # mm(A, B), addmm(bias, A, B): the last two inputs are the operands
+    macs = math.prod(a) * b[-1] if len(a) >= 2 and len(b) >= 2 else 0
+    if summary["biggest"] is not None and macs <= summary["biggest"]["macs"]:
+        return
+    best = min(finite, key=finite.__getitem__)
+    aten = [t for c, t in finite.items() if not str(getattr(c, "name", "")).startswith("triton")]
+    summary["biggest"] = {"op": f"{name}({', '.join('x'.join(map(str, s)) for s in sizes)})", "macs": macs,
+                          "kernel": str(getattr(best, "name", best)), "desc": str(getattr(best, "description", "")),
+                          "best_ms": finite[best], "cublas_ms": min(aten) if aten else None}
+
+
+def autotuning_line(summary: dict[str, Any] | None) -> str:
+    """One sentence about a compile's autotuning (``quiet_autotuning``'s summary)."""
+    if not summary or not summary.get("gemms"):
+        return "no matrix multiplication was autotuned (a compile without max-autotune, or results from the cache)"
+    line = (f"max-autotune timed {summary['choices']} candidate kernels for {summary['gemms']} matrix "
+            f"multiplications")
+    if summary.get("skipped"):
+        line += (f" ({summary['skipped']} candidates skipped: Triton configurations needing more shared memory "
+                 "than an SM has, normal and harmless)")
+    big = summary.get("biggest")
+    if big:
+        cublas = f", cuBLAS {big['cublas_ms']:.4f} ms" if big.get("cublas_ms") is not None else ""
+        line += f"; the biggest, {big['op']}, went to {big['kernel']} ({big['best_ms']:.4f} ms{cublas})"
+    return line
 
 
 def _cuda_graph_runner(run: Callable[[], Any], static_x: Any, amp: str, batch: int, mode: str) -> TorchRunner:

@@ -183,3 +183,49 @@ def test_largest_batch_within():
     table = {1: 1.0, 8: 3.0, 32: 9.5, 64: 20.0}
     assert inference.largest_batch_within(table, 10.0) == 32
     assert inference.largest_batch_within(table, 0.5) is None
+
+
+def test_quiet_autotuning_summarizes_instead_of_printing(monkeypatch, capsys):
+    """Inductor's autotuning tables and 'out of resource' errors become one summary; nothing else changes."""
+    import logging
+
+    from torch._inductor import config as inductor_config
+    from torch._inductor import select_algorithm
+
+    seen = []
+    monkeypatch.setattr(select_algorithm.AlgorithmSelectorCache, "log_results",
+                        staticmethod(lambda *a, **k: seen.append((a, k))))
+
+    class Node:
+        def __init__(self, *size):
+            self.size = size
+
+        def get_size(self):
+            return self.size
+
+    class Choice:
+        def __init__(self, name, description=""):
+            self.name, self.description = name, description
+
+    before = inductor_config.max_autotune_report_choices_stats
+    summary: dict = {}
+    with inference.quiet_autotuning(summary):
+        assert inductor_config.autotune_num_choices_displayed == 0
+        assert not inductor_config.max_autotune_report_choices_stats
+        logging.getLogger("torch._inductor.select_algorithm").error(
+            "Runtime error during autotuning: \n%s. \nIgnoring this choice.", "OutOfMemoryError: out of resource")
+        small = {Choice("mm"): 0.02, Choice("triton_mm_1", "BLOCK_M=64"): 0.01}
+        select_algorithm.AlgorithmSelectorCache.log_results("mm", [Node(64, 32), Node(32, 16)], small, 0.1, 0.1)
+        big = {Choice("mm"): 0.05, Choice("triton_mm_7", "BLOCK_M=128"): 0.04, Choice("triton_mm_8"): float("inf")}
+        select_algorithm.AlgorithmSelectorCache.log_results("addmm", [Node(16), Node(256, 64), Node(64, 16)], big,
+                                                            0.1, 0.1, hint_override=None)
+    assert len(seen) == 2 and seen[1][1] == {"hint_override": None}  # Inductor's own call still happens
+    assert inductor_config.max_autotune_report_choices_stats == before
+    assert summary["gemms"] == 2 and summary["choices"] == 5 and summary["skipped"] == 1
+    assert summary["biggest"]["op"] == "addmm(16, 256x64, 64x16)" and summary["biggest"]["kernel"] == "triton_mm_7"
+    assert summary["biggest"]["cublas_ms"] == 0.05
+    assert "Runtime error" not in capsys.readouterr().err
+    line = inference.autotuning_line(summary)
+    assert "5 candidate kernels for 2 matrix multiplications" in line and "shared memory" in line
+    assert "triton_mm_7" in line
+    assert "from the cache" in inference.autotuning_line({})
