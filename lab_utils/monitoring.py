@@ -813,77 +813,51 @@ def quantile_of_parts(latencies_ms: Sequence[Sequence[float]], q: float = 0.99) 
 
 MODEL_NAME = "mm"
 
-_MODEL_PY = '''\
-"""Lab 05's model: Y = 2 X, with a service time that makes queueing visible.
-
-CPU instance: each execution takes base_ms + per_item_ms x batch (a sleep: the 2-core lab machine keeps its
-cores for the clients and Prometheus). GPU instance: gpu_reps x batch fp32 matmuls of gpu_matrix^2 on the
-instance's GPU, so utilization, power and memory move on the GPU metrics.
-"""
-import json
-import time
-
-import numpy as np
-import triton_python_backend_utils as pb_utils
-
-
-class TritonPythonModel:
-    def initialize(self, args):
-        cfg = json.loads(args["model_config"])
-        p = {k: v["string_value"] for k, v in cfg.get("parameters", {}).items()}
-        self.base_s = float(p.get("base_ms", "4")) / 1000
-        self.per_item_s = float(p.get("per_item_ms", "0.5")) / 1000
-        self.gpu = args.get("model_instance_kind") == "GPU"
-        if self.gpu:
-            import torch
-
-            self.torch = torch
-            n = int(p.get("gpu_matrix", "4096"))
-            self.reps = int(p.get("gpu_reps", "1"))
-            device = torch.device("cuda", int(args.get("model_instance_device_id", 0)))
-            gen = torch.Generator(device=device).manual_seed(0)
-            self.a = torch.randn(n, n, device=device, generator=gen) / n**0.5  # random, not zeros: real power
-            self.c = torch.empty_like(self.a)
-
-    def execute(self, requests):
-        xs = [pb_utils.get_input_tensor_by_name(r, "X").as_numpy() for r in requests]
-        batch = sum(int(x.shape[0]) for x in xs)
-        if self.gpu:
-            for _ in range(self.reps * batch):
-                self.torch.mm(self.a, self.a, out=self.c)
-            self.torch.cuda.synchronize()
-        else:
-            time.sleep(self.base_s + self.per_item_s * batch)
-        return [pb_utils.InferenceResponse([pb_utils.Tensor("Y", (x * 2).astype(np.float32))]) for x in xs]
-'''
+# Lab 04's model (``triton_model.py``: the MLP, requests crossing the python backend by DLPack), small, with
+# an added service time so that queueing shows on any machine. One model file serves both labs.
+MODEL_PRESET = {"in_features": 16, "width": 64, "depth": 2, "out_features": 16}
 
 
 def write_model(repo: str | Path, *, gpu: bool = False, max_batch_size: int = 4, queue_delay_us: int = 500,
-                base_ms: float = 4.0, per_item_ms: float = 1.0, gpu_matrix: int = 4096, gpu_reps: int = 1,
-                features: int = 16) -> Path:
-    """Write the lab's model ``mm`` (python backend, dynamic batching, one instance) into ``repo``; the repo."""
+                base_ms: float = 4.0, per_item_ms: float = 1.0, gpu_matrix: int = 4096, gpu_reps: int = 1) -> Path:
+    """Write the lab's model ``mm`` into ``repo`` (lab 04's python-backend MLP, dynamic batching, one instance);
+    returns the repo.
+
+    CPU instance: ONNX Runtime runs the MLP, then each execution waits ``base_ms + per_item_ms`` x batch (a
+    simulated service time: a sleep leaves the machine's cores to the clients and Prometheus). GPU instance:
+    torch runs the MLP, then ``gpu_reps`` x batch fp32 matmuls of ``gpu_matrix``^2, so the GPU metrics move.
+    """
+    from . import triton_repo
+
     repo = Path(repo)
-    (repo / MODEL_NAME / "1").mkdir(parents=True, exist_ok=True)
-    (repo / MODEL_NAME / "1" / "model.py").write_text(_MODEL_PY)
-    params = {"base_ms": base_ms, "per_item_ms": per_item_ms, "gpu_matrix": gpu_matrix, "gpu_reps": gpu_reps}
-    param_text = "\n".join(f'parameters {{ key: "{k}" value {{ string_value: "{v:g}" }} }}' for k, v in params.items())
-    (repo / MODEL_NAME / "config.pbtxt").write_text(
-        f'name: "{MODEL_NAME}"\nbackend: "python"\nmax_batch_size: {max_batch_size}\n'
-        f'input [ {{ name: "X" data_type: TYPE_FP32 dims: [ {features} ] }} ]\n'
-        f'output [ {{ name: "Y" data_type: TYPE_FP32 dims: [ {features} ] }} ]\n'
-        f"dynamic_batching {{ max_queue_delay_microseconds: {queue_delay_us} }}\n"
-        f'instance_group [ {{ kind: {"KIND_GPU" if gpu else "KIND_CPU"} count: 1 }} ]\n{param_text}\n')
+    if gpu:
+        service: dict[str, str | float] = {"gpu_matmul_n": gpu_matrix, "gpu_matmul_reps": gpu_reps}
+    else:
+        service = {"service_ms": float(base_ms), "service_per_item_ms": float(per_item_ms)}
+    triton_repo.build_mlp_model(repo, MODEL_NAME, preset=MODEL_PRESET, gpus=1 if gpu else 0,
+                                kind="KIND_GPU" if gpu else "KIND_CPU", max_batch_size=max_batch_size,
+                                dynamic_batching={"max_queue_delay_microseconds": queue_delay_us},
+                                parameters=service)
     return repo
 
 
-def make_inputs(features: int = 16) -> Callable[[], dict[str, Any]]:
+def reference_output(repo: str | Path, x: Any) -> Any:
+    """What ``mm`` must answer for ``x`` ([N, 16] float32), computed in NumPy from the deployed weights."""
+    from . import triton_repo
+
+    return triton_repo.reference_mlp(Path(repo) / MODEL_NAME / "1", x)
+
+
+def make_inputs(features: int = MODEL_PRESET["in_features"]) -> Callable[[], dict[str, Any]]:
     """One request's inputs for ``mm``: a batch of one row of ``features`` floats."""
     import numpy as np
+
+    from .triton_repo import INPUT_NAME
 
     rng = np.random.default_rng(0)
 
     def make() -> dict[str, Any]:
-        return {"X": rng.standard_normal((1, features)).astype(np.float32)}
+        return {INPUT_NAME: rng.standard_normal((1, features)).astype(np.float32)}
 
     return make
 

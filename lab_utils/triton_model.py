@@ -6,6 +6,12 @@ version folder: ``model.onnx`` (the graph ONNX Runtime runs) and ``weights.npz``
 torch). ``config.pbtxt`` parameters: ``engine`` = ``auto`` | ``onnxruntime`` | ``torch``; ``threads`` =
 ONNX Runtime's intra-op threads (default 1: the server shares the cores with its clients).
 
+Optional added service time (lab 05, whose queueing must show on any machine; all default 0, lab 04 uses none),
+spent after the MLP has computed the answer, so answers are the same with or without it: ``service_ms`` +
+``service_per_item_ms`` x batch of sleep per execution (a *simulated* service time that leaves the cores to the
+clients), and on a GPU instance ``gpu_matmul_reps`` x batch fp32 matmuls of ``gpu_matmul_n``^2 (real work, so
+the GPU's utilization, memory and power move).
+
 ``auto`` picks torch on the instance's GPU for a ``KIND_GPU`` instance (one eager kernel per layer: at small
 batches the cost is launches and copies, not FLOPs, so batching helps), else ONNX Runtime on the CPU.
 
@@ -17,6 +23,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +122,34 @@ def quiet_capsule_rename() -> None:
     sys.unraisablehook = hook
 
 
+class ServiceTime:
+    """The optional added service time of one execution (see the module docstring); a no-op by default."""
+
+    def __init__(self, params: dict[str, str], device: str = "cpu"):
+        def num(key: str) -> float:
+            return float(params.get(key, "0") or 0)
+
+        self.base_s, self.per_item_s = num("service_ms") / 1000, num("service_per_item_ms") / 1000
+        n, self.reps = int(num("gpu_matmul_n")), int(num("gpu_matmul_reps"))
+        self.torch: Any = None
+        if n > 0 and self.reps > 0 and device.startswith("cuda"):
+            import torch
+
+            gen = torch.Generator(device=device).manual_seed(0)
+            self.a = torch.randn(n, n, device=device, generator=gen) / n**0.5  # random, not zeros: real power
+            self.c = torch.empty_like(self.a)
+            self.torch = torch
+
+    def __call__(self, batch: int) -> None:
+        if self.torch is not None:
+            for _ in range(self.reps * batch):
+                self.torch.mm(self.a, self.a, out=self.c)
+            self.torch.cuda.synchronize()
+        wait_s = self.base_s + self.per_item_s * batch
+        if wait_s > 0:
+            time.sleep(wait_s)
+
+
 class TritonPythonModel:
     """What the python backend calls: ``initialize`` once per instance, ``execute`` per (dynamic) batch."""
 
@@ -128,6 +163,7 @@ class TritonPythonModel:
                                 int(params.get("threads", "1") or 1))
         self.input_name = cfg["input"][0]["name"]
         self.output_name = cfg["output"][0]["name"]
+        self.service = ServiceTime(params, device)
         if _NUMPY2:
             quiet_capsule_rename()
         # Warm up here, not on the first request (the first run allocates): a model load may be slow, a
@@ -142,6 +178,7 @@ class TritonPythonModel:
         xs = [tensor_to_numpy(pb_utils.get_input_tensor_by_name(r, self.input_name)) for r in requests]
         rows = [len(x) for x in xs]
         y = self.runner(np.concatenate(xs) if len(xs) > 1 else xs[0])  # one run for the whole batch
+        self.service(sum(rows))
         out, start = [], 0
         for n in rows:
             out.append(pb_utils.InferenceResponse([numpy_to_tensor(pb_utils, self.output_name, y[start:start + n])]))

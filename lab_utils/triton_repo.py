@@ -493,8 +493,11 @@ def mlp_config(
     threads: int = 1,
     version_policy: Mapping[str, Any] | None = None,
     backend: str = "python",
+    parameters: Mapping[str, str | float] | None = None,
 ) -> dict[str, Any]:
     """The lab model's configuration as Python values (what ``config.pbtxt`` says), one knob per argument.
+
+    ``parameters``: more of the model's string parameters (``triton_model``'s added service time, say).
 
     ``dynamic_batching``: False (off), True (on, Triton's defaults), or a dict such as
     ``{"preferred_batch_size": [8, 16], "max_queue_delay_microseconds": 200}``.
@@ -510,6 +513,8 @@ def mlp_config(
         "instance_group": [{"kind": kind, "count": instances}],
         "parameters": {"engine": {"string_value": engine}, "threads": {"string_value": str(threads)}},
     }
+    for key, value in (parameters or {}).items():
+        cfg["parameters"][key] = {"string_value": f"{value:g}" if isinstance(value, float) else str(value)}
     if dynamic_batching:
         cfg["dynamic_batching"] = dict(dynamic_batching) if isinstance(dynamic_batching, Mapping) else {}
     if version_policy:

@@ -314,6 +314,29 @@ class TritonServer:
         """True while the server process runs (it may still be loading models)."""
         return self._proc is not None and self._proc.poll() is None
 
+    def wait_exit(self, timeout_s: float = 30.0) -> int | None:
+        """Wait until the server process has exited and been reaped; its exit code (negative: killed by that
+        signal), or None if it still runs after ``timeout_s``.
+
+        A process killed with SIGKILL closes its sockets before it is gone: the kernel still tears it down (a
+        GPU context takes a while), and until then ``alive()`` is rightly True. Wait here before reporting it.
+        """
+        import subprocess
+
+        if self._proc is None:
+            return None
+        try:
+            return self._proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def exit_status(self) -> str:
+        """How the server process ended, in words: "running", "exit code 1", "killed by SIGKILL (signal 9)"."""
+        if self._proc is None:
+            return "not started"
+        code = self._proc.poll()
+        return "running" if code is None else describe_exit(code)
+
     def ready(self) -> bool:
         """True when ``/v2/health/ready`` answers 200 now."""
         import urllib.request
@@ -464,7 +487,8 @@ class TritonServer:
             return self.exit_code
 
     def restart(self) -> TritonServer:
-        """Stop (if running) and start again on new ports (after a crash, say)."""
+        """Stop (if running) and start again (after a crash, say): on the fixed ports given, else on new free
+        ones (a killed server's ports can be taken by another process meanwhile)."""
         self.stop()
         self._proc = None
         return self.start()
@@ -474,6 +498,19 @@ class TritonServer:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+
+def describe_exit(code: int) -> str:
+    """A ``Popen.returncode`` in words (negative: the signal that killed the process)."""
+    import signal
+
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = "an unknown signal"
+        return f"killed by {name} (signal {-code})"
+    return f"exit code {code}"
 
 
 SHM_PREFIX = "nvlab_triton_"
@@ -505,9 +542,12 @@ def _devnull() -> Any:
 
 
 def _port_free(host: str, port: int) -> bool:
+    """True when a server could listen on ``port`` now. The probe binds with SO_REUSEADDR as Triton does, so a
+    port whose last connections sit in TIME_WAIT (a server just killed) counts as free; a listener does not."""
     import socket
 
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:

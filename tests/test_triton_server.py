@@ -162,9 +162,12 @@ def test_killed_server_reported_and_restarted(repo):
     with TritonServer(repo) as server:
         old = server.pid
         stubs = _stubs_of(old)
+        assert server.exit_status() == "running"
         os.kill(old, signal.SIGKILL)
-        server._proc.wait(timeout=10)
+        # what lab 04's "server dies" cell relies on: wait for the exit, then report it truthfully
+        assert server.wait_exit(timeout_s=10) == -signal.SIGKILL
         assert not server.alive() and not server.ready()
+        assert server.exit_status() == "killed by SIGKILL (signal 9)"
         assert "successfully loaded" in server.log_tail(200)
         assert _gone(stubs, 10.0), "the stubs notice their server is gone"
         server.restart()
@@ -244,3 +247,65 @@ class _Collector:
     def __call__(self, msg):
         c = msg.get("content", {})
         self.text += c.get("text", "") + "".join(c.get("traceback", []) or [])
+
+
+def test_describe_exit():
+    assert triton_server.describe_exit(0) == "exit code 0"
+    assert triton_server.describe_exit(-signal.SIGTERM) == "killed by SIGTERM (signal 15)"
+
+
+def test_port_in_time_wait_counts_as_free_a_listener_does_not():
+    """The probe binds with SO_REUSEADDR as Triton does: a killed server's ports (TIME_WAIT) can be taken again."""
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as Triton's listeners (Linux: both sides)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        port = listener.getsockname()[1]
+        assert not triton_server._port_free("127.0.0.1", port)
+        client = socket.create_connection(("127.0.0.1", port))
+        conn, _ = listener.accept()
+        conn.close()  # the server side closes first: its end of the connection goes to TIME_WAIT on `port`
+        time.sleep(0.05)
+        client.close()
+    time.sleep(0.05)
+    with socket.socket() as plain:  # without SO_REUSEADDR the port looks busy
+        with pytest.raises(OSError):
+            plain.bind(("127.0.0.1", port))
+    assert triton_server._port_free("127.0.0.1", port)
+
+
+def test_killed_server_restarts_on_its_fixed_ports(repo):
+    ports = {k: triton_server.free_port() for k in ("http_port", "grpc_port", "metrics_port")}
+    with TritonServer(repo, **ports) as server:
+        assert server.ready()
+        held = socket.create_connection(("127.0.0.1", ports["http_port"]))  # a client's open connection
+        os.kill(server.pid, signal.SIGKILL)
+        server.wait_exit(timeout_s=10)
+        held.close()
+        server.restart()
+        assert (server.http_port, server.grpc_port, server.metrics_port) == tuple(ports.values())
+        assert server.ready()
+
+
+def test_lab05_model_answers_right_through_the_server(tmp_path):
+    """Lab 05 deploys lab 04's model (DLPack across the python backend): the numbers, not only a count."""
+    from lab_utils import monitoring
+
+    require_server()
+    repo = monitoring.write_model(tmp_path / "repo", base_ms=0.5, per_item_ms=0.1)
+    assert (repo / monitoring.MODEL_NAME / "1" / "model.py").read_text() == triton_model_source()
+    x = np.random.default_rng(1).standard_normal((3, 16)).astype(np.float32)
+    with TritonServer(repo) as server:
+        y = triton_client.infer(server.grpc_url, monitoring.MODEL_NAME, {"INPUT__0": x})["OUTPUT__0"]
+        one = monitoring.make_inputs()()
+        y1 = triton_client.infer(server.http_url, monitoring.MODEL_NAME, one, protocol="http")["OUTPUT__0"]
+    want = monitoring.reference_output(repo, x)
+    assert y.shape == (3, 16) and np.abs(want).max() > 0
+    np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(y1, monitoring.reference_output(repo, one["INPUT__0"]), rtol=1e-4, atol=1e-5)
+
+
+def triton_model_source() -> str:
+    from lab_utils import triton_model
+
+    return triton_model.source()
