@@ -582,7 +582,8 @@ def start_metrics(jobs: Mapping[str, Sequence[str]], *, rule_files: Sequence[str
     scraper — in that order (``prefer`` = "external", "prometheus" or "scraper" forces one; "local" skips
     ``$PROMETHEUS_URL``, for targets only this process can reach). Prints which.
 
-    With ``NVLAB_REQUIRE_PROMETHEUS=1`` and no binary this raises instead of falling back.
+    With ``NVLAB_REQUIRE_PROMETHEUS=1`` and no binary this raises instead of falling back (an explicit
+    ``prefer="scraper"`` is a choice, not a fallback, and is honoured).
     """
     if prefer not in ("auto", "local", "external", "prometheus", "scraper"):
         raise ValueError(f"prefer={prefer!r}: use auto, local, external, prometheus or scraper")
@@ -600,7 +601,7 @@ def start_metrics(jobs: Mapping[str, Sequence[str]], *, rule_files: Sequence[str
         backend = PrometheusServer(jobs, rule_files=rule_files, scrape_interval_s=scrape_interval_s,
                                    evaluation_interval_s=evaluation_interval_s).start()
     else:
-        if required():
+        if required() and prefer != "scraper":
             raise PrometheusError(f"{REQUIRE_ENV}=1 but no prometheus binary was found: apt-get install prometheus "
                                   f"(or set ${BINARY_ENV})")
         from .monitoring import InProcessScraper
