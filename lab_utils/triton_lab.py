@@ -7,6 +7,7 @@ DataFrame, so a notebook cell is one call and one table.
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -15,7 +16,40 @@ from typing import Any
 
 import numpy as np
 
-from . import triton_client, triton_load, triton_repo
+from . import triton_client, triton_load, triton_repo, triton_server
+
+REPOSITORY_ENV = "NVLAB_MODEL_REPOSITORY"  # the model repository a running server (TRITON_URL) reads: /models
+
+
+def model_repository(work: str | os.PathLike[str]) -> Path:
+    """Where the lab writes its models: ``work/models`` for a server it starts itself; with ``TRITON_URL`` (the
+    compose stack) the folder that server reads, ``$NVLAB_MODEL_REPOSITORY``, since it cannot see ``work``."""
+    external = os.environ.get(triton_server.URL_ENV, "").strip()
+    if not external:
+        return Path(work) / "models"
+    shared = os.environ.get(REPOSITORY_ENV, "").strip()
+    if not shared:
+        raise RuntimeError(
+            f"{triton_server.URL_ENV}={external} is set but {REPOSITORY_ENV} is not: that server cannot see models "
+            f"written here. Set {REPOSITORY_ENV} to the folder it serves (its --model-repository; /models in the "
+            f"course's compose stack), or unset {triton_server.URL_ENV} to start a server of the lab's own.")
+    path = Path(shared)
+    if not path.is_dir() or not os.access(path, os.W_OK):
+        raise RuntimeError(f"{REPOSITORY_ENV}={shared} is not a writable folder: mount the server's model "
+                           f"repository there (the compose stack mounts the shared volume at /models)")
+    return path
+
+
+def serving_config(config: Mapping[str, Any], server: Any) -> dict[str, Any]:
+    """The configuration to deploy on ``server``: as given for a server the lab started; for an external (NGC)
+    server, whose Python has neither ONNX Runtime nor torch for the python-backend model, the same model through
+    Triton's ONNX Runtime backend (``platform: onnxruntime_onnx``, the ``model.onnx`` each version folder holds)."""
+    values = dict(config)
+    if getattr(server, "external", False) and values.get("backend") == "python":
+        values.pop("backend")
+        values.pop("parameters", None)  # the python model's own knobs (engine, threads, service time)
+        values["platform"] = "onnxruntime_onnx"
+    return values
 
 
 @dataclass
@@ -49,8 +83,10 @@ def deploy(server: Any, repo: Path, config: Mapping[str, Any], *, gpus: int | No
     """Write ``config`` as the model's ``config.pbtxt`` (validated first) and (re)load it; seconds the load took.
 
     A local server in explicit mode re-reads the repository; an external server gets the configuration
-    through the load request's override (its model files must already be in its repository).
+    through the load request's override too, and its ONNX Runtime form (``serving_config``); its repository is
+    the shared one (``model_repository``).
     """
+    config = serving_config(config, server)
     name = config["name"]
     triton_repo.write_config(Path(repo) / name, config, gpus=gpus)
     t0 = time.perf_counter()
