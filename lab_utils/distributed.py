@@ -14,14 +14,13 @@ import contextlib
 import multiprocessing as mp
 import os
 import queue as queue_mod
-import socket
 import time
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from .procs import die_with_parent
+from .procs import die_with_parent, free_port  # free_port: launch's rendezvous port (re-exported)
 
 BACKENDS = ("auto", "nccl", "gloo")
 
@@ -65,13 +64,6 @@ class WorkerContext:
             dist.barrier(device_ids=[self.local_rank])
         else:
             dist.barrier()
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nothing listens on right now (the OS picks it, so a busy port is never chosen)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def gpu_count() -> int:

@@ -35,12 +35,13 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
-import socket
 import threading
 import time
 import weakref
 from collections.abc import Iterator
 from typing import Any
+
+from .procs import port_free
 
 DEFAULT_PORT = 9400  # dcgm-exporter's port: scrape configs need not change between the two
 
@@ -312,15 +313,6 @@ def _stop_all() -> None:
             exp.stop()
 
 
-def _port_free(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
 class GpuExporter:
     """The exporter served from a thread of this process: ``with GpuExporter() as exp: exp.url``.
 
@@ -369,7 +361,7 @@ class GpuExporter:
         from prometheus_client import CollectorRegistry, start_http_server
 
         port = self.requested_port or 0
-        if port and not _port_free(self.host, port):
+        if port and not port_free(port, self.host):
             if self.strict_port:
                 raise OSError(f"port {port} on {self.host} is busy: stop what listens there (`ss -ltnp "
                               f"sport = :{port}`) or pass --port with a free port")

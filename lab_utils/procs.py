@@ -11,6 +11,7 @@ import ctypes
 import os
 import queue
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -19,6 +20,26 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on right now (the OS picks it, so a busy port is never chosen)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def port_free(port: int, host: str = "127.0.0.1") -> bool:
+    """True when a server could listen on ``port`` now. The probe binds with SO_REUSEADDR, as Triton, Prometheus
+    and Python's HTTP servers do, so a port whose last connections sit in TIME_WAIT (a server just killed) counts
+    as free; a port with a listener does not."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def die_with_parent() -> None:

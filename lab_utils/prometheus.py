@@ -22,7 +22,6 @@ import math
 import os
 import re
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -33,6 +32,8 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from .procs import free_port, port_free
 
 URL_ENV = "PROMETHEUS_URL"
 REQUIRE_ENV = "NVLAB_REQUIRE_PROMETHEUS"
@@ -396,21 +397,6 @@ def _stop_all() -> None:
     for server in list(_LIVE):
         with contextlib.suppress(Exception):
             server.stop()
-
-
-def port_free(port: int, host: str = "127.0.0.1") -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class PrometheusServer(PromAPI):

@@ -45,9 +45,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .distributed import free_port
 from .env import pytriton_server
-from .procs import popen_owned, stop_group, tail, wait_http_ok
+from .procs import free_port, popen_owned, port_free, stop_group, tail, wait_http_ok
 
 MODEL_CONTROL = ("none", "explicit", "poll")
 URL_ENV = "TRITON_URL"  # http://host:8000 of a running server
@@ -361,7 +360,7 @@ class TritonServer:
         for kind in ("http", "grpc", "metrics"):
             fixed = self._ports_fixed[kind]
             if fixed is not None:
-                if not _port_free(self.host, fixed):
+                if not port_free(fixed, self.host):
                     raise ServerStartError(f"{kind}_port={fixed} is already in use on {self.host}: pass another "
                                            f"port, or None to let the server take a free one")
                 port = fixed
@@ -539,20 +538,6 @@ def _devnull() -> Any:
     import subprocess
 
     return subprocess.DEVNULL
-
-
-def _port_free(host: str, port: int) -> bool:
-    """True when a server could listen on ``port`` now. The probe binds with SO_REUSEADDR as Triton does, so a
-    port whose last connections sit in TIME_WAIT (a server just killed) counts as free; a listener does not."""
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
 
 
 class ExternalServer:

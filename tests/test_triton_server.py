@@ -152,7 +152,7 @@ def test_busy_port_is_avoided(repo, monkeypatch):
         real = triton_server.free_port
         monkeypatch.setattr(triton_server, "free_port", lambda host="127.0.0.1": next(handed, None) or real(host))
         # a port taken between choosing and binding: the server fails to bind, and is started again elsewhere
-        monkeypatch.setattr(triton_server, "_port_free", lambda host, p: True)
+        monkeypatch.setattr(triton_server, "port_free", lambda p, host="127.0.0.1": True)
         with TritonServer(repo) as server:
             assert port not in (server.http_port, server.grpc_port, server.metrics_port)
             assert server.ready()
@@ -261,7 +261,7 @@ def test_port_in_time_wait_counts_as_free_a_listener_does_not():
         listener.bind(("127.0.0.1", 0))
         listener.listen(1)
         port = listener.getsockname()[1]
-        assert not triton_server._port_free("127.0.0.1", port)
+        assert not triton_server.port_free(port)
         client = socket.create_connection(("127.0.0.1", port))
         conn, _ = listener.accept()
         conn.close()  # the server side closes first: its end of the connection goes to TIME_WAIT on `port`
@@ -271,7 +271,7 @@ def test_port_in_time_wait_counts_as_free_a_listener_does_not():
     with socket.socket() as plain:  # without SO_REUSEADDR the port looks busy
         with pytest.raises(OSError):
             plain.bind(("127.0.0.1", port))
-    assert triton_server._port_free("127.0.0.1", port)
+    assert triton_server.port_free(port)
 
 
 def test_killed_server_restarts_on_its_fixed_ports(repo):
