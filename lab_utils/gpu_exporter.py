@@ -32,16 +32,14 @@ here changes GPU state: only NVML's query functions are called.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import os
 import threading
 import time
-import weakref
 from collections.abc import Iterator
 from typing import Any
 
-from .procs import port_free
+from .procs import port_free, release_at_exit, stop_at_exit
 
 DEFAULT_PORT = 9400  # dcgm-exporter's port: scrape configs need not change between the two
 
@@ -303,16 +301,6 @@ class Collector:
         yield info
 
 
-_LIVE: weakref.WeakSet[GpuExporter] = weakref.WeakSet()
-
-
-@atexit.register
-def _stop_all() -> None:
-    for exp in list(_LIVE):
-        with contextlib.suppress(Exception):
-            exp.stop()
-
-
 class GpuExporter:
     """The exporter served from a thread of this process: ``with GpuExporter() as exp: exp.url``.
 
@@ -377,7 +365,7 @@ class GpuExporter:
             self.collector = None
             raise
         self.port = self._server.server_port
-        _LIVE.add(self)
+        stop_at_exit(self)
         return self
 
     def stop(self) -> None:
@@ -391,7 +379,7 @@ class GpuExporter:
             self._thread = None
         if self.collector is not None:
             self.collector.close()
-        _LIVE.discard(self)
+        release_at_exit(self)
 
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()

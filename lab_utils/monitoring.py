@@ -8,7 +8,6 @@ exit and at interpreter exit.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import json
 import math
@@ -17,13 +16,13 @@ import threading
 import time
 import urllib.error
 import urllib.request
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from . import promql
+from .procs import release_at_exit, stop_at_exit
 from .prometheus import EXPORTER_JOB, RULES_DIR, TRITON_JOB, ConfigError, PromAPI, QueryError, find_binary
 
 RULES_FILE = RULES_DIR / "alert_rules.yml"
@@ -191,16 +190,6 @@ def lab_rules(out_dir: str | Path, *, for_s: float | Mapping[str, float] = 2.0, 
 
 # --- the in-process scraper ----------------------------------------------------------------------------
 
-_LIVE: weakref.WeakSet[Any] = weakref.WeakSet()
-
-
-@atexit.register
-def _stop_all() -> None:
-    for obj in list(_LIVE):
-        with contextlib.suppress(Exception):
-            obj.stop()
-
-
 def parse_exposition(text: str) -> list[tuple[dict[str, str], float]]:
     """Samples of a Prometheus text exposition: ``({"__name__": ..., labels...}, value)``, with
     prometheus_client's parser (the one the Python client ships)."""
@@ -284,7 +273,7 @@ class InProcessScraper(PromAPI):
             self.scrape_once()
             self._thread = threading.Thread(target=self._loop, name="nvlab-scraper", daemon=True)
             self._thread.start()
-            _LIVE.add(self)
+            stop_at_exit(self)
         return self
 
     def stop(self) -> None:
@@ -292,7 +281,7 @@ class InProcessScraper(PromAPI):
         if self._thread is not None:
             self._thread.join(timeout=10)
             self._thread = None
-        _LIVE.discard(self)
+        release_at_exit(self)
 
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -599,7 +588,7 @@ class Watchdog:
             self._stop.clear()
             self._thread = threading.Thread(target=self._loop, name="nvlab-watchdog", daemon=True)
             self._thread.start()
-            _LIVE.add(self)
+            stop_at_exit(self)
             self._event("watching", pid=getattr(self.server, "pid", None))
         return self
 
@@ -609,7 +598,7 @@ class Watchdog:
         if self._thread is not None:
             self._thread.join(timeout=max(30.0, self.max_backoff_s + 5))
             self._thread = None
-        _LIVE.discard(self)
+        release_at_exit(self)
 
     def pause(self) -> None:
         """Stop restarting for now (a planned stop or upgrade)."""

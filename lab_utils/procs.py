@@ -6,6 +6,7 @@ Linux only where it matters (PR_SET_PDEATHSIG, ``/proc``); elsewhere the functio
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import os
@@ -17,9 +18,29 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+_STOP_AT_EXIT: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def stop_at_exit(obj: Any) -> None:
+    """Have ``obj.stop()`` called at interpreter exit (a kernel shutdown included) unless it was released first."""
+    _STOP_AT_EXIT.add(obj)
+
+
+def release_at_exit(obj: Any) -> None:
+    """``obj`` stopped by itself: nothing left to do for it at exit."""
+    _STOP_AT_EXIT.discard(obj)
+
+
+@atexit.register
+def _stop_everything_left() -> None:
+    for obj in list(_STOP_AT_EXIT):
+        with contextlib.suppress(Exception):
+            obj.stop()
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -15,7 +15,6 @@ context exit, at interpreter exit, and with its parent (PR_SET_PDEATHSIG).
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import json
 import math
@@ -28,12 +27,11 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .procs import free_port, port_free
+from .procs import free_port, port_free, release_at_exit, stop_at_exit
 
 URL_ENV = "PROMETHEUS_URL"
 REQUIRE_ENV = "NVLAB_REQUIRE_PROMETHEUS"
@@ -389,16 +387,6 @@ def _pause(seconds: float) -> None:
 
 # --- a server the lab owns ---------------------------------------------------------------------------
 
-_LIVE: weakref.WeakSet[PrometheusServer] = weakref.WeakSet()
-
-
-@atexit.register
-def _stop_all() -> None:
-    for server in list(_LIVE):
-        with contextlib.suppress(Exception):
-            server.stop()
-
-
 class PrometheusServer(PromAPI):
     """A ``prometheus`` process scraping ``jobs`` (``{"triton": ["127.0.0.1:8002"], ...}``), owned by the lab.
 
@@ -485,7 +473,7 @@ class PrometheusServer(PromAPI):
         from .procs import popen_owned, stop_group, wait_http_ok
 
         self.workdir = Path(tempfile.mkdtemp(prefix="nvlab-prometheus-"))
-        _LIVE.add(self)
+        stop_at_exit(self)
         write_config(self.config, self.config_path)  # type: ignore[arg-type]
         if find_binary("promtool"):
             try:
@@ -548,7 +536,7 @@ class PrometheusServer(PromAPI):
         if self.workdir is not None:
             shutil.rmtree(self.workdir, ignore_errors=True)
             self.workdir = None
-        _LIVE.discard(self)
+        release_at_exit(self)
 
     def __enter__(self) -> PrometheusServer:
         return self.start()

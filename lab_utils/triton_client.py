@@ -85,8 +85,10 @@ def describe_request(inputs: Mapping[str, np.ndarray]) -> list[dict[str, Any]]:
             for k, v in inputs.items()]
 
 
-def _build(mod: Any, protocol: str, inputs: Mapping[str, np.ndarray], outputs: Sequence[str] | None,
-           binary: bool) -> tuple[list[Any], list[Any] | None]:
+def build_request(mod: Any, protocol: str, inputs: Mapping[str, np.ndarray], outputs: Sequence[str] | None,
+                  binary: bool = True) -> tuple[list[Any], list[Any] | None]:
+    """The InferInput and InferRequestedOutput objects of one request, for ``mod`` (a tritonclient module of
+    ``protocol``, sync or aio); ``binary`` sends HTTP tensors as binary rather than JSON."""
     ins = []
     for name, arr in inputs.items():
         arr = np.asarray(arr)
@@ -131,7 +133,7 @@ def infer(url: str, model: str, inputs: Mapping[str, np.ndarray], *, protocol: s
     mod = _module(protocol)
     c = mod.InferenceServerClient(_strip(url))
     try:
-        ins, outs = _build(mod, protocol, inputs, outputs, binary)
+        ins, outs = build_request(mod, protocol, inputs, outputs, binary)
         kw = {"client_timeout": timeout_s} if protocol == "grpc" else {}
         try:
             res = c.infer(model, ins, model_version=version, outputs=outs, **kw)
@@ -157,7 +159,7 @@ async def infer_async(url: str, model: str, inputs: Mapping[str, np.ndarray], *,
     mod = _module(protocol, aio=True)
     c = client_ or mod.InferenceServerClient(_strip(url))
     try:
-        ins, outs = _build(mod, protocol, inputs, outputs, binary)
+        ins, outs = build_request(mod, protocol, inputs, outputs, binary)
         try:
             res = await c.infer(model, ins, model_version=version, outputs=outs)
         except InferenceServerException as err:

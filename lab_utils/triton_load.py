@@ -46,6 +46,8 @@ from typing import Any
 
 import numpy as np
 
+from .triton_client import build_request
+
 PROTOCOLS = ("grpc", "http")
 ERROR_BACKOFF_S = 0.01
 _N_PAYLOADS = 8  # distinct request payloads made up front, so make_inputs costs nothing in the timed loop
@@ -175,15 +177,6 @@ def _payloads(make_inputs: Callable[[], Mapping[str, np.ndarray]] | Mapping[str,
     return sets
 
 
-def _datatype(a: np.ndarray) -> str:
-    from tritonclient.utils import np_to_triton_dtype
-
-    dt = np_to_triton_dtype(a.dtype)
-    if dt is None:
-        raise TypeError(f"numpy dtype {a.dtype} has no Triton datatype")
-    return dt
-
-
 class _Sink:
     """Per-request records of one client thread/process, bucketed by window on completion."""
 
@@ -222,19 +215,7 @@ async def _client_loop(protocol: str, url: str, model: str, payloads: list[dict]
     client = (tc.InferenceServerClient(url) if protocol == "grpc" else
               tc.InferenceServerClient(url, conn_timeout=timeout_s))
     try:
-        reqs = []
-        for p in payloads:
-            ins = []
-            for name, arr in p.items():
-                i = tc.InferInput(name, list(arr.shape), _datatype(arr))
-                if protocol == "http":
-                    i.set_data_from_numpy(arr, binary_data=True)
-                else:
-                    i.set_data_from_numpy(arr)
-                ins.append(i)
-            outs = ([tc.InferRequestedOutput(o, binary_data=True) if protocol == "http" else
-                     tc.InferRequestedOutput(o) for o in outputs] if outputs else None)
-            reqs.append((ins, outs))
+        reqs = [build_request(tc, protocol, p, outputs, binary=True) for p in payloads]
         k = offset
         kw = {"client_timeout": timeout_s} if protocol == "grpc" else {}
         while not stop.is_set():

@@ -9,6 +9,11 @@ import pytest
 from lab_utils.exercise import Exercise, Outcome, Status
 
 
+def exercises_of(module) -> list[Exercise]:
+    """The public exercises a lab's module defines (q1, q2, ...), in definition order."""
+    return [v for k, v in vars(module).items() if isinstance(v, Exercise) and not k.startswith("_")]
+
+
 def check(exercise: Exercise, value) -> Outcome:
     return exercise.check(value, quiet=True)
 

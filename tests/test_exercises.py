@@ -9,7 +9,7 @@ import threading
 import time
 
 import pytest
-from _exercise_harness import check, hint_and_solution_tests, standard_tests
+from _exercise_harness import check, exercises_of, hint_and_solution_tests, standard_tests
 
 from lab_utils.exercise import Exercise, Status
 from lab_utils.exercises import lab00, lab01
@@ -111,7 +111,7 @@ def test_placeholder_functions_are_not_attempted():
 
 def test_cases_cover_every_exercise():
     covered = {id(ex) for ex, *_ in CASES}
-    assert covered == {id(ex) for ex in _exercises(lab00) + _exercises(lab01)}
+    assert covered == {id(ex) for ex in exercises_of(lab00) + exercises_of(lab01)}
 
 
 # --- specific messages -----------------------------------------------------------------------------
@@ -304,13 +304,9 @@ def test_import_starts_no_thread():
 # --- hints, solutions, completeness ----------------------------------------------------------------
 
 
-def _exercises(module) -> list[Exercise]:
-    return [v for k, v in vars(module).items() if isinstance(v, Exercise) and not k.startswith("_")]
-
-
 @pytest.mark.parametrize("module", [lab00, lab01], ids=lambda m: m.__name__)
 def test_every_exercise_has_hints_and_solution(module):
-    exercises = _exercises(module)
+    exercises = exercises_of(module)
     assert len(exercises) >= 4
     names = sorted(k for k, v in vars(module).items() if isinstance(v, Exercise))
     assert names == [f"q{i}" for i in range(1, len(names) + 1)]
@@ -322,7 +318,7 @@ def test_every_exercise_has_hints_and_solution(module):
 
 
 test_hints_step_from_first_to_last, test_solution_prints = hint_and_solution_tests(
-    _exercises(lab00) + _exercises(lab01)
+    exercises_of(lab00) + exercises_of(lab01)
 )
 
 

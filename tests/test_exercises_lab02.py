@@ -7,7 +7,7 @@ import ast
 import copy
 
 import pytest
-from _exercise_harness import check, hint_and_solution_tests, standard_tests
+from _exercise_harness import check, exercises_of, hint_and_solution_tests, standard_tests
 
 from lab_utils.exercise import Exercise, Status
 from lab_utils.exercises import lab02
@@ -86,7 +86,7 @@ def test_placeholder_function_is_not_attempted():
 
 
 def test_cases_cover_every_exercise():
-    assert {id(ex) for ex, *_ in CASES} == {id(ex) for ex in _exercises(lab02)}
+    assert {id(ex) for ex, *_ in CASES} == {id(ex) for ex in exercises_of(lab02)}
 
 
 # --- q1: busbw factor -------------------------------------------------------------------------------
@@ -286,12 +286,8 @@ def test_q5_values_of_the_right_variable():
 # --- hints, solutions, completeness ----------------------------------------------------------------
 
 
-def _exercises(module) -> list[Exercise]:
-    return [v for k, v in vars(module).items() if isinstance(v, Exercise) and not k.startswith("_")]
-
-
 def test_every_exercise_has_hints_and_solution():
-    exercises = _exercises(lab02)
+    exercises = exercises_of(lab02)
     assert len(exercises) >= 4
     names = sorted(k for k, v in vars(lab02).items() if isinstance(v, Exercise))
     assert names == [f"q{i}" for i in range(1, len(names) + 1)]
@@ -302,7 +298,7 @@ def test_every_exercise_has_hints_and_solution():
         assert exercise.solution_text.strip(), exercise.name
 
 
-@pytest.mark.parametrize("exercise", _exercises(lab02), ids=lambda e: e.name)
+@pytest.mark.parametrize("exercise", exercises_of(lab02), ids=lambda e: e.name)
 def test_solution_code_passes_its_check(exercise):
     # Each solution is code a student could paste: run it beside the lab's constants, then check.
     namespace = {k: getattr(lab02, k) for k in lab02.__all__}
@@ -311,7 +307,7 @@ def test_solution_code_passes_its_check(exercise):
 
 
 
-test_hints_step_from_first_to_last, test_solution_prints = hint_and_solution_tests(_exercises(lab02))
+test_hints_step_from_first_to_last, test_solution_prints = hint_and_solution_tests(exercises_of(lab02))
 
 
 def test_all_exports_exist():

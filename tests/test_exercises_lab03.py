@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 
 import pytest
-from _exercise_harness import check, hint_and_solution_tests, standard_tests
+from _exercise_harness import check, exercises_of, hint_and_solution_tests, standard_tests
 
 from lab_utils.exercise import Exercise, Status
 from lab_utils.exercises import lab03
@@ -28,12 +28,8 @@ CASES = [
 ) = standard_tests(CASES)
 
 
-def _exercises(module) -> list[Exercise]:
-    return [v for k, v in vars(module).items() if isinstance(v, Exercise) and not k.startswith("_")]
-
-
 def test_cases_cover_every_exercise():
-    assert {id(ex) for ex, *_ in CASES} == {id(ex) for ex in _exercises(lab03)}
+    assert {id(ex) for ex, *_ in CASES} == {id(ex) for ex in exercises_of(lab03)}
 
 
 # --- q1: precision for an accuracy budget ------------------------------------------------------------------
@@ -111,7 +107,7 @@ def test_q4_blank_function_style_answer_is_not_attempted():
 
 
 def test_every_exercise_has_hints_and_solution():
-    exercises = _exercises(lab03)
+    exercises = exercises_of(lab03)
     assert len(exercises) >= 4
     names = sorted(k for k, v in vars(lab03).items() if isinstance(v, Exercise))
     assert names == [f"q{i}" for i in range(1, len(names) + 1)]
@@ -121,14 +117,14 @@ def test_every_exercise_has_hints_and_solution():
         assert exercise.solution_text.strip(), exercise.name
 
 
-@pytest.mark.parametrize("exercise", _exercises(lab03), ids=lambda e: e.name)
+@pytest.mark.parametrize("exercise", exercises_of(lab03), ids=lambda e: e.name)
 def test_solution_code_passes_its_check(exercise):
     namespace = {k: getattr(lab03, k) for k in lab03.__all__}
     exec(exercise.solution_text, namespace)
     assert check(exercise, namespace[exercise.var]).correct
 
 
-test_hints_step_from_first_to_last, test_solution_prints = hint_and_solution_tests(_exercises(lab03))
+test_hints_step_from_first_to_last, test_solution_prints = hint_and_solution_tests(exercises_of(lab03))
 
 
 def test_all_exports_exist():

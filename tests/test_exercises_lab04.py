@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 
 import pytest
-from _exercise_harness import check, hint_and_solution_tests, standard_tests
+from _exercise_harness import check, exercises_of, hint_and_solution_tests, standard_tests
 
 from lab_utils.exercise import Exercise, Status
 from lab_utils.exercises import lab04
@@ -71,7 +71,7 @@ CASES = [
 
 
 def test_cases_cover_every_exercise():
-    assert {id(ex) for ex, *_ in CASES} == {id(ex) for ex in _exercises(lab04)}
+    assert {id(ex) for ex, *_ in CASES} == {id(ex) for ex in exercises_of(lab04)}
 
 
 @pytest.mark.parametrize("case", sorted(WRONG_CONFIGS), ids=str)
@@ -133,12 +133,8 @@ def test_q4_q5_messages_and_consistent_stats():
     assert "whole request" in check(lab04.q5, 6900).message
 
 
-def _exercises(module) -> list[Exercise]:
-    return [v for k, v in vars(module).items() if isinstance(v, Exercise) and not k.startswith("_")]
-
-
 def test_every_exercise_has_hints_and_solution():
-    exercises = _exercises(lab04)
+    exercises = exercises_of(lab04)
     assert len(exercises) >= 4
     names = sorted(k for k, v in vars(lab04).items() if isinstance(v, Exercise))
     assert names == [f"q{i}" for i in range(1, len(names) + 1)]
@@ -148,14 +144,14 @@ def test_every_exercise_has_hints_and_solution():
         assert exercise.solution_text.strip()
 
 
-@pytest.mark.parametrize("exercise", _exercises(lab04), ids=lambda e: e.name)
+@pytest.mark.parametrize("exercise", exercises_of(lab04), ids=lambda e: e.name)
 def test_solution_code_passes_its_check(exercise):
     namespace = {k: getattr(lab04, k) for k in lab04.__all__}
     exec(exercise.solution_text, namespace)
     assert check(exercise, namespace[exercise.var]).correct
 
 
-test_hints_step_from_first_to_last, test_solution_prints = hint_and_solution_tests(_exercises(lab04))
+test_hints_step_from_first_to_last, test_solution_prints = hint_and_solution_tests(exercises_of(lab04))
 
 
 def test_all_exports_exist():

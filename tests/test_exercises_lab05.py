@@ -4,7 +4,7 @@ the PromQL answers are evaluated on; hints and solutions."""
 from __future__ import annotations
 
 import pytest
-from _exercise_harness import check, hint_and_solution_tests, standard_tests
+from _exercise_harness import check, exercises_of, hint_and_solution_tests, standard_tests
 
 from lab_utils import promql
 from lab_utils.exercise import Exercise
@@ -50,12 +50,8 @@ CASES = [
 ) = standard_tests(CASES)
 
 
-def _exercises(module) -> list[Exercise]:
-    return [v for k, v in vars(module).items() if isinstance(v, Exercise) and not k.startswith("_")]
-
-
 def test_cases_cover_every_exercise():
-    assert {id(ex) for ex, *_ in CASES} == {id(ex) for ex in _exercises(lab05)}
+    assert {id(ex) for ex, *_ in CASES} == {id(ex) for ex in exercises_of(lab05)}
 
 
 # --- the recorded data behind q1 and q2 --------------------------------------------------------------------
@@ -136,7 +132,7 @@ def test_q5_each_model_explained():
     assert "one of" in check(lab05.q5, {**GOOD_BOTTLENECK, "embedder": "network"}).message
 
 
-@pytest.mark.parametrize("exercise", _exercises(lab05), ids=lambda e: e.name)
+@pytest.mark.parametrize("exercise", exercises_of(lab05), ids=lambda e: e.name)
 def test_solution_code_passes_its_check(exercise):
     namespace = {k: getattr(lab05, k) for k in lab05.__all__}
     exec(exercise.solution_text, namespace)
@@ -144,7 +140,7 @@ def test_solution_code_passes_its_check(exercise):
 
 
 def test_every_exercise_has_hints_and_solution():
-    exercises = _exercises(lab05)
+    exercises = exercises_of(lab05)
     assert len(exercises) >= 4
     names = sorted(k for k, v in vars(lab05).items() if isinstance(v, Exercise))
     assert names == [f"q{i}" for i in range(1, len(names) + 1)]
@@ -152,7 +148,7 @@ def test_every_exercise_has_hints_and_solution():
         assert exercise.name.startswith("05.") and 2 <= len(exercise.hints) <= 3
 
 
-test_hints_step_from_first_to_last, test_solution_prints = hint_and_solution_tests(_exercises(lab05))
+test_hints_step_from_first_to_last, test_solution_prints = hint_and_solution_tests(exercises_of(lab05))
 
 
 def test_all_exports_exist():
