@@ -14,7 +14,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from .catalog import repo_root
+from lab_utils.course.catalog import repo_root
 
 
 def _literal(text: str) -> Any:
@@ -26,8 +26,8 @@ def _literal(text: str) -> Any:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from .env import probe
-    from .report import print_report
+    from lab_utils.course.probe import probe
+    from lab_utils.course.session import print_report
 
     report = probe()
     if args.json:
@@ -70,7 +70,7 @@ def cmd_lab(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from .notebooks import execute, leftover_processes, select, update_expected
+    from lab_utils.ops.notebooks import execute, leftover_processes, select, update_expected
 
     console = Console(stderr=False)
     try:
@@ -109,7 +109,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_build_labs(args: argparse.Namespace) -> int:
-    from .notebooks import NotebookError, build_labs
+    from lab_utils.ops.notebooks import NotebookError, build_labs
 
     try:
         changed = build_labs(check=args.check)
@@ -131,7 +131,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from .results import compare, reference_dirs
+    from lab_utils.course.results import compare, reference_dirs
 
     ref = args.reference or ", ".join(str(p) for p in reference_dirs()) or "no reference run"
     try:
@@ -159,13 +159,13 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_gpu_exporter(args: argparse.Namespace) -> int:
-    from .gpu_exporter import serve
+    from lab_utils.monitoring.exporter import serve
 
     return serve(port=args.port, host=args.host)
 
 
 def cmd_wheelhouse(args: argparse.Namespace) -> int:
-    from .wheelhouse import WheelhouseError, build
+    from lab_utils.ops.wheelhouse import WheelhouseError, build
 
     try:
         build(args.dir, python=args.python, platforms=args.platform, extras=args.extras.split(","),

@@ -11,7 +11,7 @@ from typing import Any
 
 import pandas as pd
 
-from lab_utils.specs import ridge_point
+from lab_utils.course.specs import ridge_point
 
 
 def _axes(ax: Any, figsize: tuple[float, float] = (7.0, 4.5)) -> tuple[Any, Any]:

@@ -3,7 +3,7 @@
 
 torchrun starts one process per GPU (or CPU rank) on every node and hands each its RANK, WORLD_SIZE,
 LOCAL_RANK, MASTER_ADDR and MASTER_PORT; this script joins the process group from them
-(``init_method="env://"``) and runs ``lab_utils.ddp.train_digits``, the same worker the notebook launches.
+(``init_method="env://"``) and runs ``lab_utils.distributed.ddp.train_digits``, the same worker the notebook launches.
 
 One node, 2 GPUs:
     torchrun --standalone --nproc-per-node=2 scripts/train_ddp.py --out result.json
@@ -37,8 +37,8 @@ except ImportError:  # an install, not a path hack: every node needs the same en
     sys.exit("train_ddp.py: lab_utils is not importable on this node: run `pip install -e .` in the course "
              "checkout (or export PYTHONPATH=<checkout>) in the environment torchrun starts")
 
-from lab_utils import ddp
-from lab_utils.distributed import WorkerContext
+from lab_utils.distributed import ddp
+from lab_utils.distributed.spawn import WorkerContext
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -1,4 +1,4 @@
-"""Worker functions for tests of lab_utils.distributed (spawned ranks import them by module name)."""
+"""Worker functions for tests of lab_utils.distributed.spawn (spawned ranks import them by module name)."""
 
 import os
 import time

@@ -6,7 +6,7 @@ import copy
 
 import pytest
 
-from lab_utils.exercise import Exercise, Outcome, Status
+from lab_utils.exercises.framework import Exercise, Outcome, Status
 
 
 def exercises_of(module) -> list[Exercise]:

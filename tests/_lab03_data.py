@@ -14,7 +14,8 @@ def digits_onnx() -> tuple[object, Path, dict]:
     """(model, onnx path, facts): the digits CNN trained 2 epochs, exported with a dynamic batch (a few seconds)."""
     import torch
 
-    from lab_utils import ddp, inference
+    from lab_utils.distributed import ddp
+    from lab_utils.inference import onnx as inference
 
     folder = Path(tempfile.mkdtemp(prefix="nvlab-lab03-"))
     atexit.register(shutil.rmtree, folder, ignore_errors=True)

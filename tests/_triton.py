@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from lab_utils import triton_repo, triton_server
-from lab_utils.triton_server import ServerNotFound, find_server
+from lab_utils.serving import repository as triton_repo
+from lab_utils.serving import server as triton_server
+from lab_utils.serving.server import ServerNotFound, find_server
 
 REQUIRE_ENV = "NVLAB_REQUIRE_TRITON"
 TINY = {"in_features": 4, "width": 8, "depth": 1, "out_features": 3}

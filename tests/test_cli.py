@@ -2,7 +2,8 @@ import json
 
 import pytest
 
-from lab_utils import cli, results
+from lab_utils import cli
+from lab_utils.course import results
 
 
 def test_doctor_exits_zero_and_prints_json(capsys):
@@ -12,7 +13,7 @@ def test_doctor_exits_zero_and_prints_json(capsys):
 
 
 def test_doctor_require_gpu_fails_with_reason_without_gpu(capsys):
-    from lab_utils.env import probe
+    from lab_utils.course.probe import probe
 
     if probe().gpu_usable:
         pytest.skip("a GPU is usable here")
@@ -21,7 +22,7 @@ def test_doctor_require_gpu_fails_with_reason_without_gpu(capsys):
 
 
 def test_doctor_fails_when_a_required_package_is_missing(monkeypatch, capsys):
-    monkeypatch.setattr("lab_utils.env.REQUIRED", ("numpy", "surely_not_installed_pkg"))
+    monkeypatch.setattr("lab_utils.course.probe.REQUIRED", ("numpy", "surely_not_installed_pkg"))
     assert cli.main(["doctor"]) == 1
     assert "surely_not_installed_pkg" in capsys.readouterr().err
 

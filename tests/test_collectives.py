@@ -20,8 +20,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from lab_utils import collectives as col
-from lab_utils import distributed, env, plots
+from lab_utils import plots
+from lab_utils.course import probe as env
+from lab_utils.distributed import collectives as col
+from lab_utils.distributed import spawn as distributed
 from lab_utils.exercises.lab02 import reference_busbw_factor
 
 TWO_GPUS = distributed.gpu_count() >= 2 and torch.distributed.is_nccl_available()
@@ -48,7 +50,7 @@ def gloo_sweep(gloo_run) -> pd.DataFrame:
 
 
 def test_import_does_no_work():
-    code = "import sys, lab_utils.collectives; print('torch' in sys.modules)"
+    code = "import sys, lab_utils.distributed.collectives; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

@@ -27,9 +27,9 @@ def _one_blas_thread():
     yield
     torch.set_num_threads(threads)
 
-from lab_utils import cuda_bench as cb
 from lab_utils import plots
-from lab_utils.specs import H200_SXM
+from lab_utils.course.specs import H200_SXM
+from lab_utils.gpu import bench as cb
 
 HAS_CUDA = torch.cuda.is_available()
 needs_gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
@@ -60,7 +60,7 @@ def _reset_tf32() -> None:
 
 
 def test_import_does_no_work():
-    code = "import sys, lab_utils.cuda_bench, lab_utils.specs, lab_utils.plots; print('torch' in sys.modules)"
+    code = "import sys, lab_utils.gpu.bench, lab_utils.course.specs, lab_utils.plots; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

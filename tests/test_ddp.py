@@ -17,8 +17,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from lab_utils import ddp
-from lab_utils.distributed import free_port, launch
+from lab_utils.distributed import ddp
+from lab_utils.distributed.spawn import free_port, launch
 
 ROOT = Path(__file__).resolve().parents[1]
 EPOCHS = 4  # enough for > 95 % on the digits; each launch costs seconds of process start-up on a small CPU
@@ -34,7 +34,7 @@ def runs(tmp_path_factory):
 
 
 def test_import_does_no_work():
-    code = "import sys, lab_utils.ddp; print('torch' in sys.modules, 'sklearn' in sys.modules)"
+    code = "import sys, lab_utils.distributed.ddp; print('torch' in sys.modules, 'sklearn' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "False False"
 

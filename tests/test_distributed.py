@@ -11,7 +11,7 @@ from pathlib import Path
 import _dist_workers as w
 import pytest
 
-from lab_utils import distributed as d
+from lab_utils.distributed import spawn as d
 
 
 def _children() -> list[int]:
@@ -92,7 +92,7 @@ def test_workers_die_with_a_killed_kernel(tmp_path):
     script = (
         f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
         "import _dist_workers as w\n"
-        "from lab_utils import distributed as d\n"
+        "from lab_utils.distributed import spawn as d\n"
         "if __name__ == '__main__':\n"
         f"    d.launch(w.write_pid_and_sleep, 2, backend='gloo', kwargs={{'folder': {str(tmp_path)!r}}},\n"
         "             timeout_s=120)\n"

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lab_utils import stack
+from lab_utils.course import stack
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKER = ROOT / "docker"

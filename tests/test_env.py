@@ -4,7 +4,7 @@ import stat
 
 import pytest
 
-from lab_utils import env
+from lab_utils.course import probe as env
 
 
 def test_captures_parse():

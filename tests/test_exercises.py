@@ -11,8 +11,8 @@ import time
 import pytest
 from _exercise_harness import check, exercises_of, hint_and_solution_tests, standard_tests
 
-from lab_utils.exercise import Exercise, Status
 from lab_utils.exercises import lab00, lab01
+from lab_utils.exercises.framework import Exercise, Status
 
 # --- answers ---------------------------------------------------------------------------------------
 

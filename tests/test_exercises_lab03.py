@@ -8,8 +8,8 @@ import copy
 import pytest
 from _exercise_harness import check, exercises_of, hint_and_solution_tests, standard_tests
 
-from lab_utils.exercise import Exercise, Status
 from lab_utils.exercises import lab03
+from lab_utils.exercises.framework import Exercise, Status
 
 _SPEEDUP = 1 / (1 - 30 / (2_000_000 * 14 / 5000 / 60))  # 1.4737
 
@@ -81,7 +81,7 @@ def test_q3_each_mistake_has_its_reason():
 
 
 def test_q3_agrees_with_the_profile_class():
-    from lab_utils.trt_engine import Profile
+    from lab_utils.inference.tensorrt import Profile
 
     p = Profile("input", lab03.Q3_PROFILE["min"], lab03.Q3_PROFILE["opt"], lab03.Q3_PROFILE["max"])
     runs = sorted(k for k, shape in lab03.Q3_REQUESTS.items() if p.accepts(shape))

@@ -8,8 +8,8 @@ import copy
 import pytest
 from _exercise_harness import check, exercises_of, hint_and_solution_tests, standard_tests
 
-from lab_utils.exercise import Exercise, Status
 from lab_utils.exercises import lab04
+from lab_utils.exercises.framework import Exercise, Status
 
 RIGHT_CONFIG = """
 name: "digits_onnx"

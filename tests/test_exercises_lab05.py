@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from _exercise_harness import check, exercises_of, hint_and_solution_tests, standard_tests
 
-from lab_utils import promql
-from lab_utils.exercise import Exercise
 from lab_utils.exercises import lab05
+from lab_utils.exercises.framework import Exercise
+from lab_utils.monitoring import promql
 
 QPS = "sum by (model) (rate(nv_inference_request_success[1m]))"
 LAT = ("sum by (model) (rate(nv_inference_request_duration_us[1m])) / "

@@ -15,10 +15,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from lab_utils import gpu_exporter
-from lab_utils.monitoring import parse_exposition
+from lab_utils.monitoring import exporter as gpu_exporter
+from lab_utils.monitoring.panels import parse_exposition
+from lab_utils.monitoring.prometheus import free_port
 from lab_utils.procs import popen_owned, stop_group, wait_http_ok
-from lab_utils.prometheus import free_port
 
 
 class NVMLError(Exception):

@@ -18,14 +18,16 @@ if importlib.util.find_spec("onnxscript") is None:  # found, not imported: the e
 
 from _lab03_data import digits_onnx  # noqa: E402
 
-from lab_utils import ddp, inference  # noqa: E402
+from lab_utils.inference import onnx as inference  # noqa: E402
+from lab_utils.distributed import ddp
 from lab_utils.timing import Timing  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_import_does_no_work():
-    code = ("import sys, lab_utils.inference, lab_utils.quantize, lab_utils.trt_engine, lab_utils.exercises.lab03; "
+    code = ("import sys, lab_utils.inference.onnx, lab_utils.inference.quantize, lab_utils.inference.tensorrt, "
+            "lab_utils.exercises.lab03; "
             "print(sorted(m for m in ('torch', 'onnx', 'onnxruntime', 'modelopt', 'tensorrt') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]"

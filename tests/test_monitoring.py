@@ -1,4 +1,4 @@
-"""lab_utils.monitoring and lab_utils.promql: the PromQL evaluator, the in-process scraper and its alerts, the
+"""lab_utils.monitoring.panels and lab_utils.monitoring.promql: the PromQL evaluator, the in-process scraper and its alerts, the
 lab's rules copy, panels and dashboard, the watchdog and the failure drill (with a stub server that nothing
 outlives)."""
 
@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from lab_utils import monitoring, promql
+from lab_utils.monitoring import panels as monitoring
+from lab_utils.monitoring import promql
+from lab_utils.monitoring.prometheus import QueryError, find_binary, free_port
 from lab_utils.procs import popen_owned, stop_group, wait_http_ok
-from lab_utils.prometheus import QueryError, find_binary, free_port
 
 # --- the PromQL evaluator ------------------------------------------------------------------------------
 
@@ -183,7 +184,7 @@ def test_every_rule_and_panel_parses_in_the_fallback_evaluator():
 
 def test_committed_dashboard_is_generated_from_the_panels():
     assert monitoring.DASHBOARD_FILE.read_text() == monitoring.dashboard_text(), \
-        "regenerate: python -c 'from lab_utils import monitoring as m; open(m.DASHBOARD_FILE, \"w\")" \
+        "regenerate: python -c 'from lab_utils.monitoring import panels as m; open(m.DASHBOARD_FILE, \"w\")" \
         ".write(m.dashboard_text())'"
     model = json.loads(monitoring.DASHBOARD_FILE.read_text())
     exprs = [t["expr"] for p in model["panels"] for t in p["targets"]]

@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from lab_utils import gpu_exporter, monitoring, prometheus
+from lab_utils.monitoring import exporter as gpu_exporter
+from lab_utils.monitoring import panels as monitoring
+from lab_utils.monitoring import prometheus
 from lab_utils.procs import group_members
 
 DATA = Path(monitoring.__file__).parent / "data" / "monitoring"
@@ -201,7 +203,7 @@ def test_missing_binary_falls_back_or_fails_when_required(monkeypatch, capsys, e
 
 @pytest.fixture(scope="module")
 def triton():
-    from lab_utils import triton_server
+    from lab_utils.serving import server as triton_server
 
     try:
         triton_server.find_server(local=True)
@@ -215,7 +217,7 @@ def triton():
 
 
 def test_every_dashboard_expression_evaluates_against_triton(prometheus_bin, triton, exporter):
-    from lab_utils import triton_load
+    from lab_utils.serving import load as triton_load
 
     jobs = monitoring.scrape_jobs(triton, exporter)
     with prometheus.PrometheusServer(jobs) as server:

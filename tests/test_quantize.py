@@ -15,7 +15,9 @@ for _name in ("modelopt", "onnxscript"):
 
 from _lab03_data import digits_onnx  # noqa: E402
 
-from lab_utils import ddp, inference, quantize  # noqa: E402
+from lab_utils.inference import quantize  # noqa: E402
+from lab_utils.distributed import ddp
+from lab_utils.inference import onnx as inference
 
 DATA = ddp.digits_arrays()
 
@@ -129,7 +131,7 @@ def test_calibration_sweep_rows(tmp_path):
 def test_modelopt_session_ignores_stub_tensorrt_and_shows_its_log_on_failure():
     from modelopt.onnx import trt_utils
 
-    from lab_utils.env import tensorrt_runtime_present
+    from lab_utils.course.probe import tensorrt_runtime_present
 
     before = trt_utils.TRT_PYTHON_AVAILABLE
     with quantize._modelopt_session("probe"):

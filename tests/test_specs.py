@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from lab_utils.specs import (
+from lab_utils.course.specs import (
     DTYPE_FIELDS,
     H200_MEASURED,
     H200_SXM,

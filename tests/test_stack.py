@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from lab_utils import env, stack
+from lab_utils.course import probe as env
+from lab_utils.course import stack
 
 ROOT = Path(__file__).resolve().parent.parent
 SRC = stack.MANIFEST_NAME
@@ -20,7 +21,7 @@ def test_the_checkout_agrees_with_the_manifest():
 
 def test_docker_env_is_generated_from_the_manifest():
     assert (ROOT / "docker" / ".env").read_text() == stack.compose_env(), (
-        "docker/.env differs from the manifest: python -m lab_utils.stack env > docker/.env")
+        "docker/.env differs from the manifest: python -m lab_utils.course.stack env > docker/.env")
 
 
 def test_pinned_release_states_every_version_and_a_matching_client():
@@ -108,8 +109,9 @@ def test_lab00_tables_read_the_manifest():
 
 
 def test_module_check_and_env_commands():
-    out = subprocess.run([sys.executable, "-m", "lab_utils.stack", "check"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "lab_utils.course.stack", "check"], capture_output=True, text=True,
                          cwd=ROOT)
     assert out.returncode == 0, out.stderr
-    out = subprocess.run([sys.executable, "-m", "lab_utils.stack", "env"], capture_output=True, text=True, cwd=ROOT)
+    out = subprocess.run([sys.executable, "-m", "lab_utils.course.stack", "env"], capture_output=True, text=True,
+                         cwd=ROOT)
     assert out.stdout == stack.compose_env()

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lab_utils import cli, wheelhouse
+from lab_utils import cli
+from lab_utils.ops import wheelhouse
 
 ROOT = Path(__file__).resolve().parent.parent
 GUIDE = ROOT / "docs" / "trainer_guide.md"
@@ -84,7 +85,8 @@ def test_compose_commands_and_variables(commands):
     text = GUIDE.read_text()
     assert ports and all(f"`{p}`" in text for p in ports)
     assert "docker compose up -d --no-build" in commands
-    assert "python -m lab_utils.stack env > docker/.env" in commands and "python -m lab_utils.stack check" in commands
+    assert "python -m lab_utils.course.stack env > docker/.env" in commands
+    assert "python -m lab_utils.course.stack check" in commands
 
 
 def test_guide_covers_the_common_failures():

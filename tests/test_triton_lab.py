@@ -6,7 +6,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from lab_utils import triton_lab, triton_repo, triton_server
+from lab_utils.serving import repository as triton_repo
+from lab_utils.serving import server as triton_server
+from lab_utils.serving import steps as triton_lab
 
 
 def test_own_server_writes_under_the_work_folder(tmp_path, monkeypatch):

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from _triton import quick_stop, require_server, tiny_repo  # noqa: F401 (an autouse fixture)
 
-from lab_utils import triton_load
-from lab_utils.triton_load import Window, run_load, server_split
-from lab_utils.triton_server import TritonServer
+from lab_utils.serving import load as triton_load
+from lab_utils.serving.load import Window, run_load, server_split
+from lab_utils.serving.server import TritonServer
 
 
 @pytest.fixture(scope="module")

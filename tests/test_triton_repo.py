@@ -9,8 +9,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lab_utils import triton_model, triton_repo
-from lab_utils.triton_repo import ConfigError, check_config, config_text, mlp_config, parse_config, validate_config
+from lab_utils.serving import repository as triton_repo
+from lab_utils.serving.backend import model as triton_model
+from lab_utils.serving.repository import (
+    ConfigError,
+    check_config,
+    config_text,
+    mlp_config,
+    parse_config,
+    validate_config,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = {"INPUT__0": ["batch", 64]}  # what the exported ONNX model declares

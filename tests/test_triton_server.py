@@ -19,8 +19,12 @@ import numpy as np
 import pytest
 from _triton import quick_stop, require_server, tiny_repo  # noqa: F401 (an autouse fixture)
 
-from lab_utils import notebooks, procs, triton_client, triton_repo, triton_server
-from lab_utils.triton_server import ServerNotFound, ServerStartError, TritonServer
+from lab_utils import procs
+from lab_utils.ops import notebooks
+from lab_utils.serving import client as triton_client
+from lab_utils.serving import repository as triton_repo
+from lab_utils.serving import server as triton_server
+from lab_utils.serving.server import ServerNotFound, ServerStartError, TritonServer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,7 +62,8 @@ def _port_open(port: int) -> bool:
 
 
 def test_import_starts_nothing():
-    code = "import lab_utils.triton_server, lab_utils.triton_load, lab_utils.triton_repo, lab_utils.triton_client"
+    code = ("import lab_utils.serving.server, lab_utils.serving.load, lab_utils.serving.repository, "
+            "lab_utils.serving.client")
     out = subprocess.run([sys.executable, "-c", code + "; import sys; print('tritonclient' in sys.modules)"],
                          capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "False"
@@ -215,7 +220,7 @@ def test_killed_kernel_leaves_no_server_or_stub(repo):
         kc.start_channels()
         kc.wait_for_ready(timeout=60)
         code = textwrap.dedent(f"""
-            from lab_utils.triton_server import TritonServer
+            from lab_utils.serving.server import TritonServer
             server = TritonServer({str(repo)!r}).start()
             print("PIDS", server.pid)
         """)
@@ -289,7 +294,7 @@ def test_killed_server_restarts_on_its_fixed_ports(repo):
 
 def test_lab05_model_answers_right_through_the_server(tmp_path):
     """Lab 05 deploys lab 04's model (DLPack across the python backend): the numbers, not only a count."""
-    from lab_utils import monitoring
+    from lab_utils.monitoring import panels as monitoring
 
     require_server()
     repo = monitoring.write_model(tmp_path / "repo", base_ms=0.5, per_item_ms=0.1)
@@ -306,6 +311,6 @@ def test_lab05_model_answers_right_through_the_server(tmp_path):
 
 
 def triton_model_source() -> str:
-    from lab_utils import triton_model
+    from lab_utils.serving.backend import model as triton_model
 
     return triton_model.source()

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from lab_utils import trt_engine
+from lab_utils.inference import tensorrt as trt_engine
 
 ROOT = Path(__file__).resolve().parents[1]
 REQUIRE_ENV = "NVLAB_REQUIRE_TENSORRT"
@@ -77,7 +77,7 @@ def repaired_tensorrt_stubs(dst: Path) -> Path:
         files = importlib.metadata.files("tensorrt-stubs") or []
     except importlib.metadata.PackageNotFoundError:
         pytest.fail("tensorrt-stubs is not installed: pip install --no-deps tensorrt-stubs "
-                    "(the type check of lab_utils/trt_engine.py needs it)")
+                    "(the type check of lab_utils/inference/tensorrt.py needs it)")
     stubs = [f for f in files if str(f).endswith(".pyi")]
     assert any(str(f) == "tensorrt/__init__.pyi" for f in stubs), f"unexpected tensorrt-stubs layout: {stubs}"
     for f in stubs:
@@ -97,7 +97,7 @@ follow_imports = silent
 warn_unused_configs = False
 [mypy-tensorrt,tensorrt.*,tensorrt_bindings,tensorrt_bindings.*]
 ignore_errors = True
-[mypy-torch,torch.*,numpy,numpy.*,pandas,pandas.*,lab_utils.env,lab_utils.timing]
+[mypy-torch,torch.*,numpy,numpy.*,pandas,pandas.*,lab_utils.course.probe,lab_utils.timing]
 follow_imports = skip
 """
 
@@ -129,7 +129,7 @@ def mypy_run(tmp_path_factory):
     env = {**os.environ, "MYPYPATH": str(stubs)}
     cache = ROOT / ".mypy_cache" / "lab03-tensorrt-stubs"
     out = subprocess.run([sys.executable, "-m", "mypy", "--config-file", str(tmp / "mypy.ini"), "--cache-dir",
-                          str(cache), "--no-error-summary", "lab_utils/trt_engine.py", str(probe)],
+                          str(cache), "--no-error-summary", "lab_utils/inference/tensorrt.py", str(probe)],
                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
     return out, probe
 
@@ -284,7 +284,8 @@ def test_build_save_load_and_run_matches_onnx_runtime(trt_runtime, digits_plan):
     import numpy as np
     import torch
 
-    from lab_utils import ddp, inference
+    from lab_utils.distributed import ddp
+    from lab_utils.inference import onnx as inference
 
     built, plan, onnx_path, tmp = digits_plan
     assert plan.stat().st_size > 0 and built.build_s > 0 and (tmp / "timing.cache").stat().st_size > 0
@@ -317,7 +318,9 @@ def test_a_foreign_engine_says_rebuild(trt_runtime, tmp_path):
 def test_int8_engine_keeps_accuracy_and_timing_rows(trt_runtime, digits_plan, tmp_path):
     import torch
 
-    from lab_utils import ddp, inference, quantize
+    from lab_utils.distributed import ddp
+    from lab_utils.inference import onnx as inference
+    from lab_utils.inference import quantize
 
     data = ddp.digits_arrays()
     _, _, onnx_path, _ = digits_plan

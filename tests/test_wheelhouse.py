@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from lab_utils import cli, wheelhouse
-from lab_utils.wheelhouse import WheelhouseError
+from lab_utils import cli
+from lab_utils.ops import wheelhouse
+from lab_utils.ops.wheelhouse import WheelhouseError
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -178,7 +179,8 @@ def test_offline_install_from_a_fresh_wheelhouse(tmp_path):
     assert install.returncode == 0, install.stdout[-3000:] + install.stderr[-3000:]
     check = sh("python -m pip check", cwd=course, env=env)  # every installed requirement came from the wheelhouse
     assert check.returncode == 0, check.stdout + check.stderr
-    where = sh("python -c 'import lab_utils, lab_utils.env, lab_utils.cli; print(lab_utils.__file__)'", env=env,
+    where = sh("python -c 'import lab_utils, lab_utils.course.probe, lab_utils.cli; print(lab_utils.__file__)'",
+               env=env,
                cwd=tmp_path)  # not the checkout's folder, which python -c would import from
     assert where.returncode == 0 and where.stdout.strip() == str(course / "lab_utils" / "__init__.py"), where.stderr
 

@@ -10,7 +10,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from lab_utils.exercise import Exercise, Wrong, close_to, integer
+from lab_utils.exercises.framework import Exercise, Wrong, close_to, integer
 
 __all__ = ["q1", "q2", "q3", "q4", "q5", "q6", "LAYERS", "COMPONENTS", "parse_version"]
 

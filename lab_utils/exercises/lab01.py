@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from lab_utils.exercise import Exercise, Wrong, close_to, number, one_of
+from lab_utils.exercises.framework import Exercise, Wrong, close_to, number, one_of
 
 __all__ = [
     "q1", "q2", "q3", "q4", "q5",

@@ -11,7 +11,7 @@ import math
 import re
 from typing import Any
 
-from lab_utils.exercise import Exercise, Wrong, close_to, number
+from lab_utils.exercises.framework import Exercise, Wrong, close_to, number
 
 __all__ = [
     "q1", "q2", "q3", "q4", "q5",
@@ -45,7 +45,7 @@ def reference_busbw_factor(collective: str, n: int) -> float:
         raise ValueError(f"unknown collective {collective!r}; valid: {', '.join(COLLECTIVES)}")
     if isinstance(n, bool) or int(n) != n or n < 1:
         raise ValueError(f"n must be a whole number of ranks >= 1, got {n!r}")
-    from lab_utils.collectives import busbw_factor  # the one definition the lab's measurements use
+    from lab_utils.distributed.collectives import busbw_factor  # the one definition the lab's measurements use
 
     return busbw_factor(key, int(n))
 

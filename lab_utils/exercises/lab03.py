@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from lab_utils.exercise import Exercise, Wrong, close_to, integer
+from lab_utils.exercises.framework import Exercise, Wrong, close_to, integer
 
 __all__ = [
     "q1", "q2", "q3", "q4",
@@ -181,7 +181,7 @@ q3 = Exercise(
         "lo, hi = Q3_PROFILE['min'], Q3_PROFILE['max']\n"
         "runnable = sorted(k for k, s in Q3_REQUESTS.items() if all(a <= d <= b for a, d, b in zip(lo, s, hi)))\n"
         "# {'a', 'b', 'c', 'f'}: d is one over max (batch 65), e has 256 px images where the profile fixes 224.\n"
-        "# In code: lab_utils.trt_engine.Profile('input', lo, Q3_PROFILE['opt'], hi).accepts(shape)"
+        "# In code: lab_utils.inference.tensorrt.Profile('input', lo, Q3_PROFILE['opt'], hi).accepts(shape)"
     ),
 )
 

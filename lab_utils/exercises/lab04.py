@@ -9,7 +9,7 @@ import copy
 import math
 from typing import Any
 
-from lab_utils.exercise import Exercise, Wrong, close_to, integer, number
+from lab_utils.exercises.framework import Exercise, Wrong, close_to, integer, number
 
 __all__ = [
     "q1", "q2", "q3", "q4", "q5",
@@ -36,7 +36,7 @@ def _field(cfg: Any, name: str) -> Any:
 
 
 def _grade_config(text: Any) -> None:
-    from lab_utils.triton_repo import ConfigError, check_config, parse_config
+    from lab_utils.serving.repository import ConfigError, check_config, parse_config
 
     if not isinstance(text, str):
         raise Wrong(f"expected the text of a config.pbtxt (a str), got a {type(text).__name__}")

@@ -1,7 +1,7 @@
 """Lab 05 exercises: PromQL, alert thresholds, reading metrics, finding the bottleneck.
 
 The PromQL answers are evaluated deterministically against recorded samples (``RECORDED``: ten minutes of a
-Triton server's counters, scraped every 15 s) with :mod:`lab_utils.promql`; the lab then also runs them
+Triton server's counters, scraped every 15 s) with :mod:`lab_utils.monitoring.promql`; the lab then also runs them
 against the live Prometheus. The other questions take numbers or choices from fixed data in this module.
 """
 
@@ -11,8 +11,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from lab_utils import promql
-from lab_utils.exercise import Exercise, Wrong, number
+from lab_utils.exercises.framework import Exercise, Wrong, number
+from lab_utils.monitoring import promql
 
 __all__ = [
     "q1", "q2", "q3", "q4", "q5",
@@ -333,7 +333,7 @@ q4 = Exercise(
         "Requests carry 2 inferences each here: nv_inference_count is not nv_inference_request_success.",
     ],
     solution_text=(
-        "from lab_utils.monitoring import parse_exposition\n"
+        "from lab_utils.monitoring.panels import parse_exposition\n"
         "def values(text):\n"
         '    return {labels["__name__"]: v for labels, v in parse_exposition(text)}\n'
         "b, a = values(SNAPSHOT_BEFORE), values(SNAPSHOT_AFTER)\n"

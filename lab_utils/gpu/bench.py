@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from lab_utils.checks import check_int, require_torch
-from lab_utils.specs import GpuPeaks, peaks_for
+from lab_utils.args import check_int, require_torch
+from lab_utils.course.specs import GpuPeaks, peaks_for
 from lab_utils.timing import _cpu_model, benchmark, copy_bytes, matmul_bytes, matmul_flops
 
 DTYPES = ("fp32", "tf32", "fp16", "bf16", "fp8")
@@ -36,7 +36,7 @@ GIB = 2**30
 
 
 def _torch() -> Any:
-    return require_torch("lab_utils.cuda_bench")
+    return require_torch("lab_utils.gpu.bench")
 
 
 def resolve_device(device: Any = "auto", where: str = "device") -> str:
@@ -87,7 +87,7 @@ def device_name(dev: str) -> str:
 
 
 def device_peaks(dev: str) -> GpuPeaks | None:
-    """Datasheet peaks of the device (``None`` for the CPU and for GPUs not in ``lab_utils.specs``)."""
+    """Datasheet peaks of the device (``None`` for the CPU and for GPUs not in ``lab_utils.course.specs``)."""
     return peaks_for(device_name(dev)) if _is_cuda(dev) else None
 
 

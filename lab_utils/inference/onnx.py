@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from lab_utils.checks import check_int, require_torch
+from lab_utils.args import check_int, require_torch
 
 # The digits CNN's training recipe (lab 02's DDP runs use the same CNN and split).
 DIGITS_TRAIN = {"epochs": 4, "batch_size": 64, "lr": 0.05, "momentum": 0.9, "width": 32}
@@ -58,7 +58,7 @@ ORT_FP8_UNSAFE_REWRITES = ("ReluQuantRewrite",)
 
 
 def _torch() -> Any:
-    return require_torch("lab_utils.inference")
+    return require_torch("lab_utils.inference.onnx")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -67,7 +67,7 @@ def _torch() -> Any:
 
 @functools.lru_cache(maxsize=1)
 def _resnet_classes() -> dict[str, type]:
-    """Bottleneck ResNet classes, defined on first use (keeps ``import lab_utils.inference`` free of torch)."""
+    """Bottleneck ResNet classes, defined on first use (keeps ``import lab_utils.inference.onnx`` free of torch)."""
     torch = _torch()
     nn = torch.nn
 
@@ -129,7 +129,7 @@ def _resnet_classes() -> dict[str, type]:
     return classes
 
 
-def __getattr__(name: str) -> Any:  # PEP 562: lab_utils.inference.BottleneckResNet without importing torch early
+def __getattr__(name: str) -> Any:  # PEP 562: lab_utils.inference.onnx.BottleneckResNet without importing torch early
     if name in ("Bottleneck", "BottleneckResNet"):
         return _resnet_classes()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -188,7 +188,7 @@ def train_digits_cnn(epochs: int = DIGITS_TRAIN["epochs"], seed: int = 0, width:
     1440 training images, SGD with momentum, cross-entropy; a few seconds on a laptop CPU. The facts hold
     ``accuracy`` (test set, 357 images, fp32), ``train_s`` and the recipe.
     """
-    from lab_utils import ddp
+    from lab_utils.distributed import ddp
 
     torch = _torch()
     check_int(epochs, "epochs", "train_digits_cnn")
@@ -512,7 +512,7 @@ def cpu_threads() -> int:
     Leaves room for the notebook, the OS and ONNX Runtime's own scheduling; on a busy 2-core machine a
     second spinning OpenMP thread costs far more than it brings.
     """
-    from lab_utils.ddp import cpu_cores
+    from lab_utils.distributed.ddp import cpu_cores
 
     return max(1, cpu_cores() // 2)
 

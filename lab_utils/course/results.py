@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .catalog import repo_root
+from lab_utils.course.catalog import repo_root
 
 RESULTS_ENV = "NVLAB_RESULTS_DIR"
 REFERENCE_ENV = "NVLAB_REFERENCE_DIR"

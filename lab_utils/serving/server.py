@@ -45,8 +45,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .env import pytriton_server
-from .procs import free_port, popen_owned, port_free, stop_group, tail, wait_http_ok
+from lab_utils.course.probe import pytriton_server
+from lab_utils.procs import free_port, popen_owned, port_free, stop_group, tail, wait_http_ok
 
 MODEL_CONTROL = ("none", "explicit", "poll")
 URL_ENV = "TRITON_URL"  # http://host:8000 of a running server
@@ -405,9 +405,9 @@ class TritonServer:
                 return self
             if not self.model_repository.is_dir():
                 raise ServerStartError(f"model repository {self.model_repository} is not a folder: build one with "
-                                       "lab_utils.triton_repo (or pass the right path)")
+                                       "lab_utils.serving.repository (or pass the right path)")
             if self.validate:
-                from .triton_repo import validate_repository
+                from lab_utils.serving.repository import validate_repository
 
                 validate_repository(self.model_repository, models=self.load_models or None,
                                     require_files=True)

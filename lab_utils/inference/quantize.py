@@ -47,7 +47,8 @@ def _require_modelopt() -> None:
     try:
         import modelopt.onnx  # noqa: F401
     except ImportError as err:
-        raise ImportError(f"lab_utils.quantize needs NVIDIA ModelOpt's ONNX path ({err}): {_INSTALL}") from err
+        raise ImportError(f"lab_utils.inference.quantize needs NVIDIA ModelOpt's ONNX path ({err}): "
+                          f"{_INSTALL}") from err
 
 
 @contextlib.contextmanager
@@ -63,7 +64,7 @@ def _modelopt_session(what: str) -> Iterator[io.StringIO]:
     import onnxruntime as ort
     from modelopt.onnx import trt_utils
 
-    from lab_utils.env import tensorrt_runtime_present
+    from lab_utils.course.probe import tensorrt_runtime_present
 
     saved_flag = trt_utils.TRT_PYTHON_AVAILABLE
     if not tensorrt_runtime_present():
@@ -229,7 +230,7 @@ def evaluate_onnx(path: str | os.PathLike[str], x: np.ndarray, y: np.ndarray | N
                   reference_logits: np.ndarray | None = None, batch_size: int = 512) -> dict[str, float]:
     """Accuracy (with labels ``y``), and against ``reference_logits``: top-1 agreement, max |diff| and the
     mean |diff| relative to the mean |reference| (ONNX Runtime on the CPU, all optimizations)."""
-    from lab_utils.inference import accuracy, agreement, ort_predict, ort_session
+    from lab_utils.inference.onnx import accuracy, agreement, ort_predict, ort_session
 
     logits = ort_predict(ort_session(path, "all"), x, batch_size=batch_size)
     out: dict[str, float] = {}
@@ -254,7 +255,7 @@ def calibration_sweep(onnx_path: str | os.PathLike[str], x_calibration: np.ndarr
     rel_logit_error (mean |logit difference| / mean |FP32 logit|), quantize_s. The images are taken in the
     order given: shuffle them first (the digits training split already is).
     """
-    from lab_utils.inference import ort_predict, ort_session
+    from lab_utils.inference.onnx import ort_predict, ort_session
 
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)

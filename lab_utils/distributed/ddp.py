@@ -1,6 +1,6 @@
 """Lab 02 DDP training: digits accuracy under DistributedDataParallel, and ResNet throughput scaling.
 
-Two workloads, both run as worker functions under ``lab_utils.distributed.launch`` (or torchrun, through
+Two workloads, both run as worker functions under ``lab_utils.distributed.spawn.launch`` (or torchrun, through
 ``scripts/train_ddp.py``):
 
 * ``train_digits``: a small CNN on scikit-learn's 8x8 digits (1440 train / 357 test images, a fixed
@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from lab_utils.checks import check_int, require_torch
+from lab_utils.args import check_int, require_torch
 
 AMP_MODES = (None, "bf16", "fp16")
 
@@ -72,12 +72,12 @@ MIB = 2**20
 
 
 def _torch() -> Any:
-    return require_torch("lab_utils.ddp")
+    return require_torch("lab_utils.distributed.ddp")
 
 
 @functools.lru_cache(maxsize=1)
 def _model_classes() -> dict[str, type]:
-    """Define the nn.Module classes on first use (keeps ``import lab_utils.ddp`` free of torch)."""
+    """Define the nn.Module classes on first use (keeps ``import lab_utils.distributed.ddp`` free of torch)."""
     torch = _torch()
     nn = torch.nn
 
@@ -149,12 +149,12 @@ def _model_classes() -> dict[str, type]:
             return self.fc(torch.flatten(self.pool(self.layers(self.stem(x))), 1))
 
     classes = {"DigitsCNN": DigitsCNN, "BasicBlock": BasicBlock, "ResNet": ResNet}
-    for name, cls in classes.items():  # pickle finds them as lab_utils.ddp.<name> through __getattr__ below
+    for name, cls in classes.items():  # pickle finds them as lab_utils.distributed.ddp.<name> through __getattr__ below
         cls.__module__, cls.__qualname__ = __name__, name
     return classes
 
 
-def __getattr__(name: str) -> Any:  # PEP 562: lab_utils.ddp.ResNet etc. without importing torch at import
+def __getattr__(name: str) -> Any:  # PEP 562: lab_utils.distributed.ddp.ResNet etc. without importing torch at import
     if name in ("DigitsCNN", "BasicBlock", "ResNet"):
         return _model_classes()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -298,7 +298,8 @@ def _digits_raw() -> tuple[np.ndarray, np.ndarray]:
     try:  # a scikit-learn that stores the file elsewhere
         from sklearn.datasets import load_digits
     except ImportError as exc:
-        raise ImportError("lab_utils.ddp needs scikit-learn for the digits data: pip install scikit-learn") from exc
+        raise ImportError("lab_utils.distributed.ddp needs scikit-learn for the digits data: "
+                          "pip install scikit-learn") from exc
     digits = load_digits()
     return digits.images, digits.target.astype(np.int64)
 
@@ -566,7 +567,7 @@ def train_digits(ctx: Any, epochs: int = DIGITS_DEFAULTS["epochs"], batch_size: 
 def run_digits(nprocs: int = 1, *, global_batch: int = DIGITS_DEFAULTS["global_batch"], accumulate: int = 1,
                backend: str = "auto", timeout_s: float = 300.0, **kwargs: Any) -> dict:
     """Launch ``train_digits`` on ``nprocs`` ranks with a constant global batch; returns rank 0's result."""
-    from lab_utils.distributed import launch
+    from lab_utils.distributed.spawn import launch
 
     batch = per_rank_batch(global_batch, nprocs, accumulate)
     kw = {"batch_size": batch, "accumulate": accumulate, **kwargs}
@@ -756,7 +757,7 @@ def throughput(ctx: Any, steps: int | None = None, warmup_steps: int | None = No
 
 
 def _default_nprocs() -> int:
-    from lab_utils.distributed import gpu_count
+    from lab_utils.distributed.spawn import gpu_count
 
     return max(2, gpu_count())
 
@@ -773,7 +774,7 @@ def scaling(nprocs_list: Sequence[int] | None = None, *, backend: str = "auto", 
     cores // max(nprocs_list) unless ``cpu_threads`` is given: a worker is then a fixed unit of compute, as a
     GPU is, and the table measures what adding workers gains (not one rank using every core).
     """
-    from lab_utils.distributed import choose_backend, launch
+    from lab_utils.distributed.spawn import choose_backend, launch
 
     nprocs_list = list(nprocs_list) if nprocs_list is not None else [1, _default_nprocs()]
     for n in nprocs_list:
@@ -838,7 +839,7 @@ def overlap_experiment(nprocs: int | None = None, variants: Sequence[dict[str, A
     ``throughput`` (model size, batch, amp...). Columns: variant, bucket_cap_mb, gradient_as_bucket_view,
     overlap, step_ms, images_per_s, step_ms_vs_default (< 1 is faster), images_per_s_vs_default, buckets.
     """
-    from lab_utils.distributed import launch
+    from lab_utils.distributed.spawn import launch
 
     nprocs = _default_nprocs() if nprocs is None else _check_int(nprocs, "nprocs", "overlap_experiment")
     _check_int(repeats, "repeats", "overlap_experiment")

@@ -21,9 +21,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import promql
-from .procs import release_at_exit, stop_at_exit
-from .prometheus import EXPORTER_JOB, RULES_DIR, TRITON_JOB, ConfigError, PromAPI, QueryError, find_binary
+from lab_utils.monitoring import promql
+from lab_utils.monitoring.prometheus import (
+    EXPORTER_JOB,
+    RULES_DIR,
+    TRITON_JOB,
+    ConfigError,
+    PromAPI,
+    QueryError,
+    find_binary,
+)
+from lab_utils.procs import release_at_exit, stop_at_exit
 
 RULES_FILE = RULES_DIR / "alert_rules.yml"
 RULES_TEST_FILE = RULES_DIR / "alert_rules_test.yml"
@@ -182,7 +190,7 @@ def lab_rules(out_dir: str | Path, *, for_s: float | Mapping[str, float] = 2.0, 
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rules, indent=2) + "\n")
     if check and find_binary("promtool"):
-        from .prometheus import check_rules
+        from lab_utils.monitoring.prometheus import check_rules
 
         check_rules(out)
     return out
@@ -225,9 +233,9 @@ class _AlertState:
 
 class InProcessScraper(PromAPI):
     """Stands in for Prometheus when no binary is installed: scrapes ``jobs`` every ``scrape_interval_s`` from a
-    thread, keeps the samples in memory, answers PromQL with :mod:`lab_utils.promql`, and evaluates the
+    thread, keeps the samples in memory, answers PromQL with :mod:`lab_utils.monitoring.promql`, and evaluates the
     alerting rules of ``rule_files`` (pending -> firing after ``for:``), with the same calls as
-    :class:`~lab_utils.prometheus.PromAPI`. A failed scrape sets ``up`` to 0 and marks the target's series
+    :class:`~lab_utils.monitoring.prometheus.PromAPI`. A failed scrape sets ``up`` to 0 and marks the target's series
     stale, as Prometheus does.
     """
 
@@ -249,7 +257,7 @@ class InProcessScraper(PromAPI):
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.notes = ["no prometheus binary here: an in-process scraper stands in (prometheus_client's text parser, "
-                      "rates and alerts computed by lab_utils.promql); install Debian's `prometheus` for the real one"]
+                      "rates and alerts computed by lab_utils.monitoring.promql); install Debian's `prometheus` for the real one"]
 
     def describe(self) -> str:
         return f"in-process scraper (scrape every {self.scrape_interval_s:g} s), standing in for Prometheus"
@@ -816,7 +824,7 @@ def write_model(repo: str | Path, *, gpu: bool = False, max_batch_size: int = 4,
     simulated service time: a sleep leaves the machine's cores to the clients and Prometheus). GPU instance:
     torch runs the MLP, then ``gpu_reps`` x batch fp32 matmuls of ``gpu_matrix``^2, so the GPU metrics move.
     """
-    from . import triton_repo
+    from lab_utils.serving import repository as triton_repo
 
     repo = Path(repo)
     if gpu:
@@ -832,7 +840,7 @@ def write_model(repo: str | Path, *, gpu: bool = False, max_batch_size: int = 4,
 
 def reference_output(repo: str | Path, x: Any) -> Any:
     """What ``mm`` must answer for ``x`` ([N, 16] float32), computed in NumPy from the deployed weights."""
-    from . import triton_repo
+    from lab_utils.serving import repository as triton_repo
 
     return triton_repo.reference_mlp(Path(repo) / MODEL_NAME / "1", x)
 
@@ -841,7 +849,7 @@ def make_inputs(features: int = MODEL_PRESET["in_features"]) -> Callable[[], dic
     """One request's inputs for ``mm``: a batch of one row of ``features`` floats."""
     import numpy as np
 
-    from .triton_repo import INPUT_NAME
+    from lab_utils.serving.repository import INPUT_NAME
 
     rng = np.random.default_rng(0)
 
@@ -861,7 +869,7 @@ def plot_panels(frames: Mapping[str, Any], panel_list: Sequence[Panel], *, t0: f
     """A grid of the panels' range queries (seconds since ``t0`` on x), load phases shaded."""
     import matplotlib.pyplot as plt
 
-    from .prometheus import pivot
+    from lab_utils.monitoring.prometheus import pivot
 
     n = len(panel_list)
     nrows = math.ceil(n / ncols)

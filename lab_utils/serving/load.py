@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from .triton_client import build_request
+from lab_utils.serving.client import build_request
 
 PROTOCOLS = ("grpc", "http")
 ERROR_BACKOFF_S = 0.01
@@ -251,8 +251,8 @@ def _process_worker(protocol: str, url: str, model: str, payloads: list[dict], o
     It reports "ready" once its imports are done and waits for the parent's start, so that the windows of
     every process begin at the same time (``t0``, on the system-wide monotonic clock).
     """
-    from .procs import die_with_parent
-    from .triton_client import _module
+    from lab_utils.procs import die_with_parent
+    from lab_utils.serving.client import _module
 
     die_with_parent()
     _module(protocol, aio=True)  # the slow imports, before the clock starts
@@ -303,7 +303,7 @@ def _probe(protocol: str, url: str, model: str, payload: dict, outputs: Sequence
            timeout_s: float) -> list[str]:
     """One request before the clients start: a first request that is slow (a lazy import, a first allocation, a
     new connection) must not fall into a measured window. Returns its error, if any (counted, not raised)."""
-    from .triton_client import infer
+    from lab_utils.serving.client import infer
 
     try:
         infer(url, model, payload, protocol=protocol, outputs=outputs, timeout_s=timeout_s)

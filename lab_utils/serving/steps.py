@@ -16,7 +16,10 @@ from typing import Any
 
 import numpy as np
 
-from . import triton_client, triton_load, triton_repo, triton_server
+from lab_utils.serving import client as triton_client
+from lab_utils.serving import load as triton_load
+from lab_utils.serving import repository as triton_repo
+from lab_utils.serving import server as triton_server
 
 REPOSITORY_ENV = "NVLAB_MODEL_REPOSITORY"  # the model repository a running server (TRITON_URL) reads: /models
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .catalog import lab_by_number, repo_root
+from lab_utils.course.catalog import lab_by_number, repo_root
 
 BEGIN, END, STUDENT = "# BEGIN SOLUTION", "# END SOLUTION", "# STUDENT:"
 MD_BLOCK = re.compile(r"<!-- BEGIN SOLUTION -->.*?<!-- END SOLUTION -->", re.S)

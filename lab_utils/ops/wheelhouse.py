@@ -206,7 +206,7 @@ def install_commands(wheelhouse: str, extras: str = "lab") -> list[str]:
     spec = f".[{extras}]" if extras else "."
     cmds = [f"python -m pip install --no-index --find-links {wheelhouse} -e '{spec}'"]
     if "lab" in extras.split(","):
-        from .stack import manifest
+        from lab_utils.course.stack import manifest
 
         cmds.append(f"python -m pip install --no-index --find-links {wheelhouse} --no-deps "
                     f"nvidia-pytriton=={manifest()['course']['nvidia-pytriton']}")
@@ -283,8 +283,8 @@ def build(dest: Path | str, *, python: str | None = None, platforms: Sequence[st
           extras: Sequence[str] = ("lab", "torch"), exclude_preinstalled: bool = False, root: Path | None = None,
           log: Callable[[str], None] = print) -> Wheelhouse:
     """Download wheels of the course and its dependencies into ``dest`` for the target; see the module docstring."""
-    from .catalog import repo_root
-    from .stack import manifest, pinned_release
+    from lab_utils.course.catalog import repo_root
+    from lab_utils.course.stack import manifest, pinned_release
 
     root = root or repo_root()
     if not (root / "pyproject.toml").is_file():

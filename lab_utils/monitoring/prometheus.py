@@ -3,7 +3,7 @@ returned as data frames.
 
 ``start_metrics(jobs, rule_files=...)`` picks, in order: the server at ``$PROMETHEUS_URL`` (the compose
 stack), a ``prometheus`` binary started here with a generated configuration (Debian's package, the
-container's image), or the in-process scraper of ``lab_utils.monitoring`` (``prometheus_client``'s text
+container's image), or the in-process scraper of ``lab_utils.monitoring.panels`` (``prometheus_client``'s text
 parser and this package's PromQL evaluator) — and says which. ``NVLAB_REQUIRE_PROMETHEUS=1`` turns the
 fallback into an error (CI installs the binary and must use it).
 
@@ -31,7 +31,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .procs import free_port, port_free, release_at_exit, stop_at_exit
+from lab_utils import DATA_DIR
+from lab_utils.procs import free_port, port_free, release_at_exit, stop_at_exit
 
 URL_ENV = "PROMETHEUS_URL"
 REQUIRE_ENV = "NVLAB_REQUIRE_PROMETHEUS"
@@ -41,7 +42,7 @@ BINARY_ENV = "NVLAB_PROMETHEUS"  # a prometheus binary that is not on the PATH (
 TRITON_JOB = "triton"
 EXPORTER_JOB = "gpu_exporter"
 
-RULES_DIR = Path(__file__).parent / "data" / "monitoring"
+RULES_DIR = DATA_DIR / "monitoring"
 
 
 class PrometheusError(RuntimeError):
@@ -455,7 +456,7 @@ class PrometheusServer(PromAPI):
         return self.proc is not None and self.proc.poll() is None
 
     def log_tail(self, n: int = 30) -> str:
-        from .procs import tail
+        from lab_utils.procs import tail
 
         return tail(self.log_path, n)
 
@@ -470,7 +471,7 @@ class PrometheusServer(PromAPI):
         """Check the configuration, start the server, wait until it is ready (raises with the log's tail)."""
         if self.alive():
             return self
-        from .procs import popen_owned, stop_group, wait_http_ok
+        from lab_utils.procs import popen_owned, stop_group, wait_http_ok
 
         self.workdir = Path(tempfile.mkdtemp(prefix="nvlab-prometheus-"))
         stop_at_exit(self)
@@ -529,7 +530,7 @@ class PrometheusServer(PromAPI):
 
     def stop(self) -> None:
         """Stop the whole process group and remove the temporary folder; safe to call twice."""
-        from .procs import stop_group
+        from lab_utils.procs import stop_group
 
         if self.proc is not None:
             stop_group(self.proc)
@@ -578,7 +579,7 @@ def start_metrics(jobs: Mapping[str, Sequence[str]], *, rule_files: Sequence[str
         if required() and prefer != "scraper":
             raise PrometheusError(f"{REQUIRE_ENV}=1 but no prometheus binary was found: apt-get install prometheus "
                                   f"(or set ${BINARY_ENV})")
-        from .monitoring import InProcessScraper
+        from lab_utils.monitoring.panels import InProcessScraper
 
         backend = InProcessScraper(jobs, rule_files=rule_files, scrape_interval_s=scrape_interval_s,
                                    evaluation_interval_s=evaluation_interval_s).start()

@@ -21,7 +21,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .catalog import LABS, repo_root
+from lab_utils import DATA_DIR
+from lab_utils.course.catalog import LABS, repo_root
 
 REQUIRED = ("numpy", "pandas", "matplotlib", "torch", "papermill", "nbformat", "ipykernel")
 
@@ -551,7 +552,7 @@ def _host() -> dict[str, Any]:
             mem_gib = round(kib / 2**20, 1)
     except (OSError, StopIteration, ValueError):
         pass
-    from .timing import _cpu_model
+    from lab_utils.timing import _cpu_model
 
     return {
         "python": platform.python_version(),
@@ -600,14 +601,14 @@ CAPTURES = {
 }
 
 # The NGC images the course uses and the CUDA runtime inside each come from the version manifest
-# (lab_utils/data/stack/versions.json, read through lab_utils.stack), which the container stack also reads.
+# (lab_utils/data/stack/versions.json, read through lab_utils.course.stack), which the container stack also reads.
 
 
 def capture(name: str) -> str:
     """A raw capture from the course's reference H200 runner (``nvidia-smi``, ``query-gpu``, ``topo``...)."""
     if name not in CAPTURES:
         raise ValueError(f"capture({name!r}): known captures are {sorted(CAPTURES)}")
-    return (Path(__file__).parent / "data" / "h200" / CAPTURES[name]).read_text()
+    return (DATA_DIR / "h200" / CAPTURES[name]).read_text()
 
 
 def live_or_capture(kind: str) -> tuple[str, str]:
@@ -638,7 +639,7 @@ def stack_table(report: EnvReport) -> list[dict[str, str]]:
          else "absent"),
         ("operations: Prometheus", (c["prometheus"].version or "present") if c["prometheus"].present else "absent"),
     ]
-    from .stack import manifest, pinned_release
+    from lab_utils.course.stack import manifest, pinned_release
 
     rel = pinned_release()
     in_image = "(in the image)"
@@ -652,7 +653,7 @@ def stack_table(report: EnvReport) -> list[dict[str, str]]:
 
 def container_verdicts(cuda_ceiling: str, datacenter_gpu: bool = True) -> list[dict[str, str]]:
     """Whether each NGC image's CUDA runtime runs on a driver with ``cuda_ceiling``, and why."""
-    from .stack import ngc_images
+    from lab_utils.course.stack import ngc_images
 
     rows = []
     for entry in ngc_images():

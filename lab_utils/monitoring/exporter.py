@@ -39,7 +39,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from .procs import port_free, release_at_exit, stop_at_exit
+from lab_utils.procs import port_free, release_at_exit, stop_at_exit
 
 DEFAULT_PORT = 9400  # dcgm-exporter's port: scrape configs need not change between the two
 

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from .procs import die_with_parent, free_port  # free_port: launch's rendezvous port (re-exported)
+from lab_utils.procs import die_with_parent, free_port  # free_port: launch's rendezvous port (re-exported)
 
 BACKENDS = ("auto", "nccl", "gloo")
 
@@ -169,7 +169,7 @@ def launch(fn: Callable[..., Any], nprocs: int, *, backend: str = "auto", kwargs
     if getattr(fn, "__module__", "__main__") == "__main__" or "<locals>" in getattr(fn, "__qualname__", ""):
         raise ValueError(
             f"launch(fn={getattr(fn, '__name__', fn)!r}): worker functions must be defined at the top level of "
-            "an importable module (e.g. lab_utils.collectives), not in a notebook cell"
+            "an importable module (e.g. lab_utils.distributed.collectives), not in a notebook cell"
         )
     chosen = choose_backend(nprocs, backend)
     if timeout_s <= 0:

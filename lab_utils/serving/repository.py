@@ -549,7 +549,7 @@ def build_mlp_model(
     ``model.onnx`` and ``weights.npz`` (each version its own seed, so versions differ)."""
     import shutil
 
-    from . import triton_model
+    from lab_utils.serving.backend import model as triton_model
 
     sizes = dict(MLP_PRESETS[preset] if isinstance(preset, str) else preset)
     model_dir = Path(repo) / name

@@ -30,7 +30,7 @@ LABS: tuple[Lab, ...] = (
 
 def repo_root() -> Path:
     """The course checkout this package was installed from (editable install or the container's copy)."""
-    return Path(__file__).resolve().parent.parent
+    return Path(__file__).resolve().parents[2]
 
 
 def lab_by_number(number: str) -> Lab:

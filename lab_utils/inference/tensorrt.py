@@ -2,7 +2,7 @@
 files, execution from torch tensors on a CUDA stream, and the equivalent ``trtexec`` command lines.
 
 Works on TensorRT 10.x and 11.x with the same calls: precision comes from the ONNX graph (ModelOpt AutoCast
-and Q/DQ nodes, see ``lab_utils.quantize``), never from builder flags; the network is created strongly typed
+and Q/DQ nodes, see ``lab_utils.inference.quantize``), never from builder flags; the network is created strongly typed
 (the flag is required on 10.x and ignored on 11.x, where every network is); tensors are addressed by name
 (``set_input_shape``, ``set_tensor_address``, ``execute_async_v3``). Type-checked with mypy against
 ``tensorrt-stubs`` (TensorRT 10.13's API).
@@ -50,7 +50,7 @@ class EngineLoadError(RuntimeError):
 
 def tensorrt_status() -> tuple[bool, str]:
     """(usable, why): the real TensorRT runtime imports and a CUDA GPU is usable by torch."""
-    from lab_utils.env import tensorrt_runtime_present
+    from lab_utils.course.probe import tensorrt_runtime_present
 
     if not tensorrt_runtime_present():
         return False, ("the TensorRT runtime is not installed (the `tensorrt` Python package with its libraries; "

@@ -4,10 +4,10 @@ One file says which NGC release the lab image and the compose stack use, and wha
 (CUDA, torch, TensorRT, Triton server and the matching ``tritonclient``). ``check(root)`` compares it with
 ``docker/Dockerfile``'s build arguments, ``docker/.env`` (the compose file's image tags), the images and build
 arguments in ``docker/compose.yaml``, ``./course``'s pins and ``pyproject.toml``; each mismatch names both sides.
-Lab 00's container table reads the manifest directly (``lab_utils.env.container_verdicts``).
+Lab 00's container table reads the manifest directly (``lab_utils.course.probe.container_verdicts``).
 
-    python -m lab_utils.stack env > docker/.env    # write the compose file's image tags from the manifest
-    python -m lab_utils.stack check                # exit 1 with one line per mismatch
+    python -m lab_utils.course.stack env > docker/.env    # write the compose file's image tags from the manifest
+    python -m lab_utils.course.stack check                # exit 1 with one line per mismatch
 
 Standard library only, except PyYAML for reading compose.yaml in ``check``.
 """
@@ -21,7 +21,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-MANIFEST_PATH = Path(__file__).parent / "data" / "stack" / "versions.json"
+from lab_utils import DATA_DIR
+
+MANIFEST_PATH = DATA_DIR / "stack" / "versions.json"
 MANIFEST_NAME = "lab_utils/data/stack/versions.json"
 # What the pinned release must state (REFERENCE: NGC tag -> CUDA, torch, TensorRT, Triton, tritonclient).
 PINNED_FIELDS = ("cuda", "python", "torch", "tensorrt", "triton_server", "tritonclient")
@@ -75,7 +77,8 @@ def env_values(m: dict[str, Any] | None = None) -> dict[str, str]:
 def compose_env(m: dict[str, Any] | None = None) -> str:
     """The text of ``docker/.env``, generated from the manifest."""
     lines = [
-        f"# Generated from {MANIFEST_NAME} by `python -m lab_utils.stack env > docker/.env`: do not edit by hand.",
+        f"# Generated from {MANIFEST_NAME} by `python -m lab_utils.course.stack env > docker/.env`: "
+        "do not edit by hand.",
         "# Image tags only. Secrets (JUPYTER_TOKEN, GRAFANA_ADMIN_PASSWORD) go in the shell's environment, never here.",
     ]
     lines += [f"{k}={v}" for k, v in env_values(m).items()]
@@ -167,11 +170,12 @@ def check(root: Path, m: dict[str, Any] | None = None) -> list[str]:
     env_path = root / "docker" / ".env"
     env = parse_env_file(env_path.read_text()) if env_path.exists() else {}
     if not env_path.exists():
-        problems.append(f"docker/.env is missing; {src} generates it: python -m lab_utils.stack env > docker/.env")
+        problems.append(f"docker/.env is missing; {src} generates it: "
+                        "python -m lab_utils.course.stack env > docker/.env")
     for k, v in expected.items():
         if env_path.exists() and env.get(k) != v:
             problems.append(f"docker/.env sets {k}={env.get(k)} but {src} says {v} "
-                            "(regenerate: python -m lab_utils.stack env > docker/.env)")
+                            "(regenerate: python -m lab_utils.course.stack env > docker/.env)")
 
     # docker/compose.yaml: every image tag and version build argument comes from those variables.
     compose = _load_yaml(root / "docker" / "compose.yaml")
@@ -224,19 +228,19 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(compose_env())
         return 0
     if argv == ["check"]:
-        from .catalog import repo_root
+        from lab_utils.course.catalog import repo_root
 
         try:
             problems = check(repo_root())
         except RuntimeError as err:
-            print(f"python -m lab_utils.stack check: {err}", file=sys.stderr)
+            print(f"python -m lab_utils.course.stack check: {err}", file=sys.stderr)
             return 2
         for p in problems:
             print(p, file=sys.stderr)
         if not problems:
             print(f"{MANIFEST_NAME} (NGC {manifest()['pinned']}) agrees with docker/, ./course and pyproject.toml")
         return 1 if problems else 0
-    print("usage: python -m lab_utils.stack env | check", file=sys.stderr)
+    print("usage: python -m lab_utils.course.stack env | check", file=sys.stderr)
     return 2
 
 

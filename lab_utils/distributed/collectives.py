@@ -8,7 +8,7 @@ to hold against the link's speed per direction, whatever the number of ranks.
 Every measurement first runs the collective once and checks the result against the values each rank put
 in, then times it with ``lab_utils.timing.benchmark``. A collective takes as long as its slowest rank, so
 the time reported is the largest of the ranks' medians. Workers are top-level functions started by
-``lab_utils.distributed.launch``. Units are in the names: ``_ms`` milliseconds, ``_gbps`` GB/s (1e9 B/s),
+``lab_utils.distributed.spawn.launch``. Units are in the names: ``_ms`` milliseconds, ``_gbps`` GB/s (1e9 B/s),
 ``_bytes`` bytes. torch is imported inside the functions: importing this module does no work.
 """
 
@@ -29,10 +29,10 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from lab_utils import distributed
-from lab_utils.checks import check_int, require_torch
+from lab_utils.args import check_int, require_torch
+from lab_utils.course.specs import PCIE_GEN3_GBPS, PCIE_GEN4_GBPS, PCIE_GEN5_GBPS, peaks_for
+from lab_utils.distributed import spawn as distributed
 from lab_utils.plots import format_bytes
-from lab_utils.specs import PCIE_GEN3_GBPS, PCIE_GEN4_GBPS, PCIE_GEN5_GBPS, peaks_for
 from lab_utils.timing import benchmark
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
@@ -71,7 +71,7 @@ class CollectiveCheckError(RuntimeError):
 
 
 def _torch() -> Any:
-    return require_torch("lab_utils.collectives")
+    return require_torch("lab_utils.distributed.collectives")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -395,7 +395,7 @@ def link_peak_gbps(report: Any = None, n_gpus: int = 2) -> tuple[float | None, s
     """
     n_gpus = _check_int(n_gpus, "n_gpus", "link_peak_gbps", minimum=2)
     if report is None:
-        from lab_utils import env
+        from lab_utils.course import probe as env
 
         report = env.probe()
     gpus = list(getattr(report, "gpus", None) or [])

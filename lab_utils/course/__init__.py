@@ -1,0 +1,1 @@
+"""Course machinery: the lab catalog, the environment probe, GPU specs, the version manifest, results and sessions."""

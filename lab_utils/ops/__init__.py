@@ -1,0 +1,1 @@
+"""Maintainer tools: executing notebooks and generating labs from solutions, offline wheelhouses."""

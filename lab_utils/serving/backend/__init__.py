@@ -1,0 +1,1 @@
+"""The python-backend model file copied into Triton model repositories (it runs inside Triton's stub)."""
