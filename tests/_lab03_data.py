@@ -14,11 +14,11 @@ def digits_onnx() -> tuple[object, Path, dict]:
     """(model, onnx path, facts): the digits CNN trained 2 epochs, exported with a dynamic batch (a few seconds)."""
     import torch
 
-    from lab_utils.distributed import ddp
+    from lab_utils import models
     from lab_utils.inference import onnx as inference
 
     folder = Path(tempfile.mkdtemp(prefix="nvlab-lab03-"))
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
     model, facts = inference.train_digits_cnn(epochs=2)
-    path = inference.export_onnx(model, folder / "digits.onnx", torch.from_numpy(ddp.digits_arrays()["x_test"][:2]))
+    path = inference.export_onnx(model, folder / "digits.onnx", torch.from_numpy(models.digits_arrays()["x_test"][:2]))
     return model, path, facts

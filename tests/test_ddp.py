@@ -17,6 +17,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from lab_utils import models
 from lab_utils.distributed import ddp
 from lab_utils.distributed.spawn import free_port, launch
 
@@ -40,7 +41,7 @@ def test_import_does_no_work():
 
 
 def test_digits_split():
-    d = ddp.digits_arrays()
+    d = models.digits_arrays()
     assert d["x_train"].shape == (1440, 1, 8, 8) and d["x_test"].shape == (357, 1, 8, 8)
     assert abs(float(d["x_train"].mean())) < 1e-4 and abs(float(d["x_train"].std()) - 1) < 1e-3
     # stratified: every class is 19-20 % of its share in the test set
@@ -49,14 +50,14 @@ def test_digits_split():
 
 
 def test_models():
-    cnn = ddp.make_digits_cnn()
+    cnn = models.make_digits_cnn()
     assert cnn(torch.zeros(3, 1, 8, 8)).shape == (3, 10)
-    assert type(cnn).__name__ == "DigitsCNN" and ddp.DigitsCNN is type(cnn)
-    tiny = ddp.make_resnet(8, 10, num_classes=10, image_size=32)
+    assert type(cnn).__name__ == "DigitsCNN" and models.DigitsCNN is type(cnn)
+    tiny = models.make_resnet(8, 10, num_classes=10, image_size=32)
     assert tiny(torch.zeros(2, 3, 32, 32)).shape == (2, 10)
-    r18 = ddp.make_resnet(64, 18, num_classes=1000, image_size=224)
+    r18 = models.make_resnet(64, 18, num_classes=1000, image_size=224)
     assert sum(p.numel() for p in r18.parameters()) == 11_689_512  # torchvision's resnet18
-    assert ddp.param_mib(r18) == pytest.approx(11_689_512 * 4 / 2**20)
+    assert models.param_mib(r18) == pytest.approx(11_689_512 * 4 / 2**20)
 
 
 def test_bad_arguments():
@@ -66,7 +67,7 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="amp='fp8'"):
         ddp.train_digits(SimpleNamespace(device="cpu", world_size=1, rank=0), amp="fp8")
     with pytest.raises(ValueError, match="depth=19"):
-        ddp.make_resnet(8, 19)
+        models.make_resnet(8, 19)
     with pytest.raises(ValueError, match="unknown key"):
         ddp.overlap_experiment(2, variants=[{"bucket_mb": 1}])
 

@@ -18,8 +18,8 @@ if importlib.util.find_spec("onnxscript") is None:  # found, not imported: the e
 
 from _lab03_data import digits_onnx  # noqa: E402
 
+from lab_utils import models
 from lab_utils.inference import onnx as inference  # noqa: E402
-from lab_utils.distributed import ddp
 from lab_utils.timing import Timing  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,7 +34,7 @@ def test_import_does_no_work():
 
 
 def test_full_size_resnet50_is_torchvisions_layout():
-    model = inference._resnet_classes()["BottleneckResNet"]().eval()
+    model = models.BottleneckResNet().eval()
     assert sum(p.numel() for p in model.parameters()) == 25_557_032  # torchvision.models.resnet50
     assert inference.count_gflop(model, (3, 224, 224)) == pytest.approx(8.18, rel=0.01)  # 4.09 G multiply-adds
 
@@ -62,7 +62,7 @@ def test_export_has_a_dynamic_batch_and_matches_pytorch():
     io = inference.onnx_io(path)
     assert list(io["kind"]) == ["input", "output"]
     assert io["shape"][0] == ("batch", 1, 8, 8) and io["shape"][1] == ("batch", 10)
-    x = ddp.digits_arrays()["x_test"]
+    x = models.digits_arrays()["x_test"]
     table = inference.parity(model, path, [x[:1], x[:5], x[:64]])
     assert list(table["batch"]) == [1, 5, 64]
     assert (table["max_abs_diff"] < 1e-4).all() and (table["top1_agreement"] == 1.0).all()
@@ -107,7 +107,7 @@ def test_ort_levels_fuse_the_graph(tmp_path):
     _, path, _ = digits_onnx()
     levels = inference.ort_levels()
     assert levels[0] == "disable" and levels[-1] == "all" and {"basic", "extended"} <= set(levels)
-    x = ddp.digits_arrays()["x_test"][:16]
+    x = models.digits_arrays()["x_test"][:16]
     table = inference.fusion_table(path, tmp_path, x, reps=2, warmup=1)
     assert list(table["level"]) == levels
     by = table.set_index("level")
@@ -120,7 +120,7 @@ def test_ort_levels_fuse_the_graph(tmp_path):
 
 def test_ort_predict_batches_and_casts():
     _, path, _ = digits_onnx()
-    x = ddp.digits_arrays()["x_test"][:10].astype(np.float64)
+    x = models.digits_arrays()["x_test"][:10].astype(np.float64)
     session = inference.ort_session(path)
     whole, parts = inference.ort_predict(session, x), inference.ort_predict(session, torch.from_numpy(x), 3)
     assert whole.shape == (10, 10) and np.allclose(whole, parts, atol=1e-5)

@@ -15,11 +15,11 @@ for _name in ("modelopt", "onnxscript"):
 
 from _lab03_data import digits_onnx  # noqa: E402
 
-from lab_utils.inference import quantize  # noqa: E402
-from lab_utils.distributed import ddp
+from lab_utils import models
 from lab_utils.inference import onnx as inference
+from lab_utils.inference import quantize  # noqa: E402
 
-DATA = ddp.digits_arrays()
+DATA = models.digits_arrays()
 
 
 def test_calibration_data_is_refused_with_the_expected_shape_and_type():

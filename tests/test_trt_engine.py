@@ -284,13 +284,13 @@ def test_build_save_load_and_run_matches_onnx_runtime(trt_runtime, digits_plan):
     import numpy as np
     import torch
 
-    from lab_utils.distributed import ddp
+    from lab_utils import models
     from lab_utils.inference import onnx as inference
 
     built, plan, onnx_path, tmp = digits_plan
     assert plan.stat().st_size > 0 and built.build_s > 0 and (tmp / "timing.cache").stat().st_size > 0
     runner = trt_engine.TrtRunner(trt_engine.load_engine(plan))
-    x = ddp.digits_arrays()["x_test"][:10]
+    x = models.digits_arrays()["x_test"][:10]
     out = runner.infer(torch.from_numpy(x)).float().cpu().numpy()
     ref = inference.ort_predict(inference.ort_session(onnx_path), x)
     assert out.shape == (10, 10) and np.abs(out - ref).max() < 5e-2  # TF32 convolutions allowed in FP32 engines
@@ -318,11 +318,11 @@ def test_a_foreign_engine_says_rebuild(trt_runtime, tmp_path):
 def test_int8_engine_keeps_accuracy_and_timing_rows(trt_runtime, digits_plan, tmp_path):
     import torch
 
-    from lab_utils.distributed import ddp
+    from lab_utils import models
     from lab_utils.inference import onnx as inference
     from lab_utils.inference import quantize
 
-    data = ddp.digits_arrays()
+    data = models.digits_arrays()
     _, _, onnx_path, _ = digits_plan
     int8 = quantize.quantize_onnx(onnx_path, tmp_path / "int8.onnx", data["x_train"][:256], high_precision="fp16")
     built = trt_engine.build_plan(int8, trt_engine.batch_profile("input", (1, 8, 8), 1, 256, 512))

@@ -22,31 +22,24 @@ are read from the file scikit-learn ships, without importing scikit-learn (secon
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import os
 import time
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import pandas as pd
 
 from lab_utils.args import check_int, require_torch
+from lab_utils.models import MIB, digits_arrays, make_digits_cnn, make_resnet, param_mib, resnet_blocks
 
 AMP_MODES = (None, "bf16", "fp16")
 
-# The digits split: 1797 images -> 1440 train (divisible by 1, 2, 3, 4, 5, 6, 8: no DistributedSampler
-# padding for those world sizes) and 357 test (odd: sharding it over 2 ranks pads, which evaluation handles).
-DIGITS_TRAIN_SIZE = 1440
-DIGITS_SPLIT_SEED = 0  # fixed, so that every training seed is scored on the same test images
 
 # Hyperparameters of the digits runs (see ``train_digits``): the GLOBAL batch is held constant across world
 # sizes, so N ranks take the same number of steps of the same size as one process, with the same lr.
 DIGITS_DEFAULTS = {"epochs": 8, "global_batch": 64, "lr": 0.05, "momentum": 0.9, "width": 32}
 
-# ResNet layouts (basic blocks per stage) by conventional depth.
-RESNET_BLOCKS = {10: (1, 1, 1, 1), 18: (2, 2, 2, 2), 34: (3, 4, 6, 3)}
 
 # throughput defaults: (GPU, CPU). GPU: ResNet-18, 224 px, bf16, batch 256 per GPU: about 20 ms per step on
 # an H200, GPU-bound, and DDP hides its 45 MiB all-reduce (~0.2 ms over NVLink) in the backward pass: 99 %
@@ -64,132 +57,10 @@ THROUGHPUT_DEFAULTS = {
 }
 DEFAULT_BUCKETS = {"bucket_cap_mb": 25, "gradient_as_bucket_view": False, "overlap": True}
 
-MIB = 2**20
-
-
-# --------------------------------------------------------------------------------------------------
-# Lazy imports and model classes
 
 
 def _torch() -> Any:
     return require_torch("lab_utils.distributed.ddp")
-
-
-@functools.lru_cache(maxsize=1)
-def _model_classes() -> dict[str, type]:
-    """Define the nn.Module classes on first use (keeps ``import lab_utils.distributed.ddp`` free of torch)."""
-    torch = _torch()
-    nn = torch.nn
-
-    class DigitsCNN(nn.Module):
-        """Input (B, 1, 8, 8) -> logits (B, 10). No BatchNorm and no dropout: a DDP step equals a one-process
-        step of the same global batch (BatchNorm would see per-rank statistics, dropout per-rank masks)."""
-
-        def __init__(self, width: int = 32):
-            super().__init__()
-            self.width = width
-            self.features = nn.Sequential(
-                nn.Conv2d(1, width, 3, padding=1), nn.ReLU(),  # (B, w, 8, 8)
-                nn.Conv2d(width, 2 * width, 3, padding=1), nn.ReLU(),  # (B, 2w, 8, 8)
-                nn.MaxPool2d(2),  # (B, 2w, 4, 4)
-            )
-            self.head = nn.Sequential(nn.Flatten(), nn.Linear(2 * width * 16, 128), nn.ReLU(), nn.Linear(128, 10))
-
-        def forward(self, x: Any) -> Any:
-            return self.head(self.features(x))
-
-    class BasicBlock(nn.Module):
-        """Two 3x3 convolutions with BatchNorm and a residual shortcut (1x1 conv where the shape changes)."""
-
-        def __init__(self, c_in: int, c_out: int, stride: int = 1):
-            super().__init__()
-            self.conv1 = nn.Conv2d(c_in, c_out, 3, stride=stride, padding=1, bias=False)
-            self.bn1 = nn.BatchNorm2d(c_out)
-            self.conv2 = nn.Conv2d(c_out, c_out, 3, padding=1, bias=False)
-            self.bn2 = nn.BatchNorm2d(c_out)
-            self.relu = nn.ReLU(inplace=True)
-            self.shortcut = nn.Identity()
-            if stride != 1 or c_in != c_out:
-                self.shortcut = nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride=stride, bias=False),
-                                              nn.BatchNorm2d(c_out))
-
-        def forward(self, x: Any) -> Any:
-            out = self.relu(self.bn1(self.conv1(x)))
-            out = self.bn2(self.conv2(out))
-            return self.relu(out + self.shortcut(x))
-
-    class ResNet(nn.Module):
-        """Basic-block ResNet: stages of width w, 2w, 4w, 8w. Input (B, 3, H, W) -> logits (B, classes).
-
-        Images of 128 px and more get the ImageNet stem (7x7 stride 2 + max-pool: 224 -> 56 px); smaller ones
-        a 3x3 stride-1 stem (CIFAR style), so a 32 px image still has 4 px left in the last stage.
-        """
-
-        def __init__(self, width: int = 64, blocks: Sequence[int] = (2, 2, 2, 2), num_classes: int = 1000,
-                     image_size: int = 224):
-            super().__init__()
-            if image_size >= 128:
-                self.stem = nn.Sequential(nn.Conv2d(3, width, 7, stride=2, padding=3, bias=False),
-                                          nn.BatchNorm2d(width), nn.ReLU(inplace=True),
-                                          nn.MaxPool2d(3, stride=2, padding=1))
-            else:
-                self.stem = nn.Sequential(nn.Conv2d(3, width, 3, padding=1, bias=False),
-                                          nn.BatchNorm2d(width), nn.ReLU(inplace=True))
-            layers, c_in = [], width
-            for stage, n in enumerate(blocks):
-                c_out = width * 2**stage
-                for i in range(n):
-                    layers.append(BasicBlock(c_in, c_out, stride=2 if (i == 0 and stage > 0) else 1))
-                    c_in = c_out
-            self.layers = nn.Sequential(*layers)
-            self.pool = nn.AdaptiveAvgPool2d(1)
-            self.fc = nn.Linear(c_in, num_classes)
-
-        def forward(self, x: Any) -> Any:
-            return self.fc(torch.flatten(self.pool(self.layers(self.stem(x))), 1))
-
-    classes = {"DigitsCNN": DigitsCNN, "BasicBlock": BasicBlock, "ResNet": ResNet}
-    for name, cls in classes.items():  # pickle finds them as lab_utils.distributed.ddp.<name> through __getattr__ below
-        cls.__module__, cls.__qualname__ = __name__, name
-    return classes
-
-
-def __getattr__(name: str) -> Any:  # PEP 562: lab_utils.distributed.ddp.ResNet etc. without importing torch at import
-    if name in ("DigitsCNN", "BasicBlock", "ResNet"):
-        return _model_classes()[name]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def make_digits_cnn(width: int = 32) -> Any:
-    """The digits CNN (about 0.3 M parameters at width 32)."""
-    _check_int(width, "width", "make_digits_cnn")
-    return _model_classes()["DigitsCNN"](width)
-
-
-def resnet_blocks(depth: int | Sequence[int]) -> tuple[int, ...]:
-    """Basic blocks per stage: depth 10, 18 or 34, or an explicit tuple such as (1, 1, 1, 1)."""
-    if isinstance(depth, (int, np.integer)) and not isinstance(depth, bool):
-        if int(depth) not in RESNET_BLOCKS:
-            raise ValueError(f"depth={depth!r}: use one of {sorted(RESNET_BLOCKS)} or a tuple of blocks per stage")
-        return RESNET_BLOCKS[int(depth)]
-    blocks = tuple(depth)
-    if not blocks or any(isinstance(b, bool) or not isinstance(b, (int, np.integer)) or b < 1 for b in blocks):
-        raise ValueError(f"depth={depth!r}: a tuple of blocks per stage must hold positive integers")
-    return tuple(int(b) for b in blocks)
-
-
-def make_resnet(width: int = 64, depth: int | Sequence[int] = 18, num_classes: int = 1000,
-                image_size: int = 224) -> Any:
-    """A basic-block ResNet; width 64 with depth 18 is ResNet-18 (11.7 M parameters), depth 34 ResNet-34."""
-    _check_int(width, "width", "make_resnet")
-    _check_int(num_classes, "num_classes", "make_resnet", 2)
-    _check_int(image_size, "image_size", "make_resnet", 8)
-    return _model_classes()["ResNet"](width, resnet_blocks(depth), num_classes, image_size)
-
-
-def param_mib(model: Any) -> float:
-    """Size of the model's parameters in MiB; with fp32 parameters also the gradient DDP all-reduces per step."""
-    return sum(p.numel() * p.element_size() for p in model.parameters()) / MIB
 
 
 # --------------------------------------------------------------------------------------------------
@@ -280,58 +151,6 @@ def _all_reduce(ctx: Any, values: Sequence[float] | Any, op: str = "sum") -> lis
 
 # --------------------------------------------------------------------------------------------------
 # Digits data
-
-
-def _digits_raw() -> tuple[np.ndarray, np.ndarray]:
-    """scikit-learn's digits: images (1797, 8, 8) with values 0..16 and labels (1797,).
-
-    Read straight from the CSV that ships inside scikit-learn (what ``load_digits`` reads): importing
-    sklearn costs seconds (it pulls in scipy), which every spawned rank would pay again.
-    """
-    import importlib.util
-
-    spec = importlib.util.find_spec("sklearn")  # finds the package without importing it
-    path = os.path.join(os.path.dirname(spec.origin), "datasets", "data", "digits.csv.gz") if spec else None
-    if path and os.path.exists(path):
-        data = np.loadtxt(path, delimiter=",")  # (1797, 65): 64 pixels, then the label
-        return data[:, :-1].reshape(-1, 8, 8), data[:, -1].astype(np.int64)
-    try:  # a scikit-learn that stores the file elsewhere
-        from sklearn.datasets import load_digits
-    except ImportError as exc:
-        raise ImportError("lab_utils.distributed.ddp needs scikit-learn for the digits data: "
-                          "pip install scikit-learn") from exc
-    digits = load_digits()
-    return digits.images, digits.target.astype(np.int64)
-
-
-def _stratified_split(y: np.ndarray, n_train: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """Train and test indices with each class in the same proportion in both (largest-remainder quotas)."""
-    rng = np.random.default_rng(seed)
-    classes, counts = np.unique(y, return_counts=True)
-    exact = counts * n_train / len(y)
-    quota = np.floor(exact).astype(int)
-    quota[np.argsort(exact - quota)[::-1][: n_train - quota.sum()]] += 1  # hand out the rest by largest remainder
-    train, test = [], []
-    for c, q in zip(classes, quota, strict=True):
-        idx = rng.permutation(np.flatnonzero(y == c))
-        train.append(idx[:q])
-        test.append(idx[q:])
-    return rng.permutation(np.concatenate(train)), np.sort(np.concatenate(test))
-
-
-@functools.lru_cache(maxsize=1)
-def digits_arrays() -> dict[str, np.ndarray]:
-    """The fixed digits split as float32/int64 arrays: x_train (1440, 1, 8, 8), y_train (1440,), x_test (357, ...).
-
-    Stratified, seed ``DIGITS_SPLIT_SEED``. Pixels (0..16) are standardised with the training set's mean and
-    standard deviation (one scalar each).
-    """
-    images, y = _digits_raw()
-    x = images.astype(np.float32)[:, None]  # (1797, 1, 8, 8)
-    train, test = _stratified_split(y, DIGITS_TRAIN_SIZE, DIGITS_SPLIT_SEED)
-    mean, std = float(x[train].mean()), float(x[train].std())
-    return {"x_train": (x[train] - mean) / std, "y_train": y[train], "x_test": (x[test] - mean) / std,
-            "y_test": y[test]}
 
 
 def _digits_tensors(device: str) -> dict[str, Any]:

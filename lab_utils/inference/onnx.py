@@ -13,7 +13,6 @@ are imported inside the functions: importing this module does no work.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import math
 import os
@@ -30,13 +29,13 @@ import numpy as np
 import pandas as pd
 
 from lab_utils.args import check_int, require_torch
+from lab_utils.models import RESNET50_BLOCKS, BottleneckResNet, digits_arrays, make_digits_cnn
 
 # The digits CNN's training recipe (lab 02's DDP runs use the same CNN and split).
 DIGITS_TRAIN = {"epochs": 4, "batch_size": 64, "lr": 0.05, "momentum": 0.9, "width": 32}
 
 # ResNet-50 sizes by device: a GPU gets the real thing (25.6 M parameters, 4.1 GFLOP per 224 px image);
 # a CPU the same 50-layer bottleneck layout at a quarter of the width and 64 px (about 2 M parameters).
-RESNET50_BLOCKS = (3, 4, 6, 3)
 RESNET_SIZES = {"cuda": {"width": 64, "image_size": 224}, "cpu": {"width": 16, "image_size": 64}}
 
 # ONNX Runtime's graph optimization levels, weakest first. "layout" (NCHWc layouts on x86) appeared in
@@ -63,76 +62,6 @@ def _torch() -> Any:
 
 # --------------------------------------------------------------------------------------------------
 # Models
-
-
-@functools.lru_cache(maxsize=1)
-def _resnet_classes() -> dict[str, type]:
-    """Bottleneck ResNet classes, defined on first use (keeps ``import lab_utils.inference.onnx`` free of torch)."""
-    torch = _torch()
-    nn = torch.nn
-
-    class Bottleneck(nn.Module):
-        """1x1 reduce, 3x3 (carrying the stride, as in torchvision's v1.5), 1x1 expand x4, residual add."""
-
-        expansion = 4
-
-        def __init__(self, c_in: int, width: int, stride: int = 1):
-            super().__init__()
-            c_out = width * self.expansion
-            self.conv1 = nn.Conv2d(c_in, width, 1, bias=False)
-            self.bn1 = nn.BatchNorm2d(width)
-            self.conv2 = nn.Conv2d(width, width, 3, stride=stride, padding=1, bias=False)
-            self.bn2 = nn.BatchNorm2d(width)
-            self.conv3 = nn.Conv2d(width, c_out, 1, bias=False)
-            self.bn3 = nn.BatchNorm2d(c_out)
-            self.relu = nn.ReLU(inplace=True)
-            self.downsample = None
-            if stride != 1 or c_in != c_out:
-                self.downsample = nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride=stride, bias=False),
-                                                nn.BatchNorm2d(c_out))
-
-        def forward(self, x: Any) -> Any:
-            identity = x if self.downsample is None else self.downsample(x)
-            out = self.relu(self.bn1(self.conv1(x)))
-            out = self.relu(self.bn2(self.conv2(out)))
-            return self.relu(self.bn3(self.conv3(out)) + identity)
-
-    class BottleneckResNet(nn.Module):
-        """Input (B, 3, H, W) -> logits (B, classes). Width 64 with blocks (3, 4, 6, 3) is ResNet-50: the same
-        layers and parameter count (25,557,032) as ``torchvision.models.resnet50``."""
-
-        def __init__(self, width: int = 64, blocks: Sequence[int] = RESNET50_BLOCKS, num_classes: int = 1000):
-            super().__init__()
-            self.conv1 = nn.Conv2d(3, width, 7, stride=2, padding=3, bias=False)  # 224 -> 112 px
-            self.bn1 = nn.BatchNorm2d(width)
-            self.relu = nn.ReLU(inplace=True)
-            self.maxpool = nn.MaxPool2d(3, stride=2, padding=1)  # 112 -> 56 px
-            c_in, stages = width, []
-            for i, n in enumerate(blocks):
-                w = width * 2**i
-                stage = []
-                for j in range(n):
-                    stage.append(Bottleneck(c_in, w, stride=2 if (j == 0 and i > 0) else 1))
-                    c_in = w * Bottleneck.expansion
-                stages.append(nn.Sequential(*stage))
-            self.layers = nn.Sequential(*stages)
-            self.avgpool = nn.AdaptiveAvgPool2d(1)
-            self.fc = nn.Linear(c_in, num_classes)
-
-        def forward(self, x: Any) -> Any:
-            x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
-            return self.fc(torch.flatten(self.avgpool(self.layers(x)), 1))
-
-    classes = {"Bottleneck": Bottleneck, "BottleneckResNet": BottleneckResNet}
-    for name, cls in classes.items():
-        cls.__module__, cls.__qualname__ = __name__, name
-    return classes
-
-
-def __getattr__(name: str) -> Any:  # PEP 562: lab_utils.inference.onnx.BottleneckResNet without importing torch early
-    if name in ("Bottleneck", "BottleneckResNet"):
-        return _resnet_classes()[name]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass
@@ -188,18 +117,16 @@ def train_digits_cnn(epochs: int = DIGITS_TRAIN["epochs"], seed: int = 0, width:
     1440 training images, SGD with momentum, cross-entropy; a few seconds on a laptop CPU. The facts hold
     ``accuracy`` (test set, 357 images, fp32), ``train_s`` and the recipe.
     """
-    from lab_utils.distributed import ddp
-
     torch = _torch()
     check_int(epochs, "epochs", "train_digits_cnn")
     check_int(batch_size, "batch_size", "train_digits_cnn")
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
-    data = ddp.digits_arrays()
+    data = digits_arrays()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a 0.15 M-parameter CNN: more threads only add synchronisation (10x slower on a busy CPU)
     x, y = torch.from_numpy(data["x_train"]), torch.from_numpy(data["y_train"])
-    model = ddp.make_digits_cnn(width)
+    model = make_digits_cnn(width)
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=DIGITS_TRAIN["momentum"])
     t0 = time.perf_counter()
     model.train()
@@ -249,7 +176,7 @@ def make_resnet50(device: str = "cpu", width: int | None = None, image_size: int
         except ImportError:
             model = None
     if model is None:
-        model = _resnet_classes()["BottleneckResNet"](width, RESNET50_BLOCKS, num_classes)
+        model = BottleneckResNet(width, RESNET50_BLOCKS, num_classes)
     model = model.to(device)
     _settle_batchnorm(model, image_size, device)
     model.eval()

@@ -441,16 +441,11 @@ def export_mlp(version_dir: str | os.PathLike[str], *, in_features: int = 64, wi
     import numpy as np
     import torch
 
+    from lab_utils.models import make_mlp
+
     version_dir = Path(version_dir)
     version_dir.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(seed)
-    layers: list[Any] = []
-    dims = [in_features] + [width] * depth + [out_features]
-    for i in range(len(dims) - 1):
-        layers.append(torch.nn.Linear(dims[i], dims[i + 1]))
-        if i < len(dims) - 2:
-            layers.append(torch.nn.ReLU())
-    model = torch.nn.Sequential(*layers).eval()
+    model = make_mlp(in_features, width, depth, out_features, seed)
     x = torch.randn(2, in_features)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notice
