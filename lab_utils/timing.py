@@ -208,7 +208,7 @@ def run_header(device: str = "auto") -> dict[str, Any]:
         "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "host": platform.node(),
         "python": platform.python_version(),
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "cpu_threads": os.cpu_count(),
         "device": "cpu",
         "numpy": np.__version__,
@@ -247,7 +247,8 @@ def _driver_version() -> str | None:
         return None
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's model name (from /proc/cpuinfo on Linux)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -256,3 +257,19 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def cpu_cores() -> int:
+    """Cores this process may run on (its affinity mask, which containers and Slurm narrow)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def sync(device: str) -> None:
+    """Wait for the device's queued work: ``torch.cuda.synchronize`` on a CUDA device, nothing on the CPU."""
+    if str(device).startswith("cuda"):
+        import torch  # only CUDA devices get here, and they imply torch
+
+        torch.cuda.synchronize(device)

@@ -26,7 +26,7 @@ from lab_utils.distributed import collectives as col
 from lab_utils.distributed import spawn as distributed
 from lab_utils.exercises.lab02 import reference_busbw_factor
 
-TWO_GPUS = distributed.gpu_count() >= 2 and torch.distributed.is_nccl_available()
+TWO_GPUS = distributed.torch_gpu_count() >= 2 and torch.distributed.is_nccl_available()
 needs_2_gpus = pytest.mark.skipif(not TWO_GPUS, reason="needs 2 CUDA GPUs and NCCL")
 
 

@@ -52,7 +52,7 @@ def test_a_timeout_names_the_collective_and_stops_all_workers():
 
 
 def test_nccl_with_more_ranks_than_gpus_says_so_and_offers_gloo():
-    gpus = d.gpu_count()
+    gpus = d.torch_gpu_count()
     with pytest.raises(ValueError, match=r"NCCL needs one GPU per rank.*gloo"):
         d.launch(w.allreduce_sum, gpus + 1, backend="nccl")
 

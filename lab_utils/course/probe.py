@@ -552,12 +552,12 @@ def _host() -> dict[str, Any]:
             mem_gib = round(kib / 2**20, 1)
     except (OSError, StopIteration, ValueError):
         pass
-    from lab_utils.timing import _cpu_model
+    from lab_utils.timing import cpu_model
 
     return {
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "cpu_threads": os.cpu_count(),
         "memory_gib": mem_gib,
     }

@@ -612,7 +612,7 @@ def capture_nccl_debug(
     except ValueError as exc:
         raise ValueError(f"{no_nccl}: {exc}") from None
     if chosen != "nccl":
-        raise ValueError(f"{no_nccl}: here {nprocs} ranks run on gloo ({distributed.gpu_count()} GPU(s)). "
+        raise ValueError(f"{no_nccl}: here {nprocs} ranks run on gloo ({distributed.torch_gpu_count()} GPU(s)). "
                          "gloo writes no such log; parse_nccl_log works on a saved NCCL log instead")
     size_bytes = _check_int(size_bytes, "size_bytes", "capture_nccl_debug")
     with tempfile.TemporaryDirectory(prefix="nccl-debug-") as tmp:

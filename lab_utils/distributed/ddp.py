@@ -32,6 +32,7 @@ import pandas as pd
 
 from lab_utils.args import check_int, require_torch
 from lab_utils.models import MIB, digits_arrays, make_digits_cnn, make_resnet, param_mib, resnet_blocks
+from lab_utils.timing import cpu_cores
 
 AMP_MODES = (None, "bf16", "fp16")
 
@@ -83,14 +84,6 @@ def _is_cuda(ctx: Any) -> bool:
 def _sync(ctx: Any) -> None:
     if _is_cuda(ctx):
         _torch().cuda.synchronize(ctx.device)
-
-
-def cpu_cores() -> int:
-    """Cores this process may run on (its affinity mask, which containers and Slurm narrow)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def _share_cpu_threads(ctx: Any, threads: int | None = None) -> None:
@@ -543,9 +536,9 @@ def _time_steps(ctx: Any, cfg: dict[str, Any]) -> dict[str, Any]:
 def _device_label(ctx: Any) -> str:
     if _is_cuda(ctx):
         return _torch().cuda.get_device_name(ctx.device)
-    from lab_utils.timing import _cpu_model
+    from lab_utils.timing import cpu_model
 
-    return f"cpu ({_cpu_model()})"
+    return f"cpu ({cpu_model()})"
 
 
 def throughput(ctx: Any, steps: int | None = None, warmup_steps: int | None = None, batch_size: int | None = None,
@@ -576,9 +569,9 @@ def throughput(ctx: Any, steps: int | None = None, warmup_steps: int | None = No
 
 
 def _default_nprocs() -> int:
-    from lab_utils.distributed.spawn import gpu_count
+    from lab_utils.distributed.spawn import torch_gpu_count
 
-    return max(2, gpu_count())
+    return max(2, torch_gpu_count())
 
 
 def scaling(nprocs_list: Sequence[int] | None = None, *, backend: str = "auto", timeout_s: float = 600.0,

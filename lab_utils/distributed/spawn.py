@@ -66,7 +66,8 @@ class WorkerContext:
             dist.barrier()
 
 
-def gpu_count() -> int:
+def torch_gpu_count() -> int:
+    """CUDA devices torch can use here (0 without a CUDA build of torch or without a GPU)."""
     try:
         import torch
 
@@ -81,7 +82,7 @@ def choose_backend(nprocs: int, backend: str = "auto") -> str:
         raise ValueError(f"backend={backend!r}: use one of {BACKENDS}")
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"nprocs={nprocs!r}: the number of worker processes must be an integer >= 1")
-    gpus = gpu_count()
+    gpus = torch_gpu_count()
     if backend == "auto":
         return "nccl" if gpus >= nprocs and _nccl_available() else "gloo"
     if backend == "nccl":

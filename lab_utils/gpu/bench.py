@@ -24,7 +24,7 @@ import pandas as pd
 
 from lab_utils.args import check_int, require_torch
 from lab_utils.course.specs import GpuPeaks, peaks_for
-from lab_utils.timing import _cpu_model, benchmark, copy_bytes, matmul_bytes, matmul_flops
+from lab_utils.timing import benchmark, copy_bytes, cpu_model, matmul_bytes, matmul_flops
 
 DTYPES = ("fp32", "tf32", "fp16", "bf16", "fp8")
 
@@ -83,7 +83,7 @@ def device_name(dev: str) -> str:
     """The name torch reports for a CUDA device, or the CPU model."""
     if _is_cuda(dev):
         return _torch().cuda.get_device_name(dev)
-    return _cpu_model()
+    return cpu_model()
 
 
 def device_peaks(dev: str) -> GpuPeaks | None:

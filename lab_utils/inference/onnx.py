@@ -30,6 +30,7 @@ import pandas as pd
 
 from lab_utils.args import check_int, require_torch
 from lab_utils.models import RESNET50_BLOCKS, BottleneckResNet, digits_arrays, make_digits_cnn
+from lab_utils.timing import cpu_cores
 
 # The digits CNN's training recipe (lab 02's DDP runs use the same CNN and split).
 DIGITS_TRAIN = {"epochs": 4, "batch_size": 64, "lr": 0.05, "momentum": 0.9, "width": 32}
@@ -439,8 +440,6 @@ def cpu_threads() -> int:
     Leaves room for the notebook, the OS and ONNX Runtime's own scheduling; on a busy 2-core machine a
     second spinning OpenMP thread costs far more than it brings.
     """
-    from lab_utils.distributed.ddp import cpu_cores
-
     return max(1, cpu_cores() // 2)
 
 

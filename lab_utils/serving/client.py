@@ -27,7 +27,8 @@ class InferError(RuntimeError):
         super().__init__(message)
 
 
-def _strip(url: str) -> str:
+def host_port(url: str) -> str:
+    """``host:port`` of a server URL (tritonclient takes no scheme): ``http://h:8000/`` -> ``h:8000``."""
     for p in ("http://", "https://", "grpc://"):
         url = url.removeprefix(p)
     return url.rstrip("/")
@@ -67,7 +68,7 @@ def available_protocols(show: bool = True) -> tuple[str, ...]:
 
 def client(url: str, protocol: str = "grpc") -> Any:
     """A synchronous ``InferenceServerClient`` for ``url`` (``host:port``)."""
-    return _module(protocol).InferenceServerClient(_strip(url))
+    return _module(protocol).InferenceServerClient(host_port(url))
 
 
 def _datatype(a: np.ndarray) -> str:
@@ -120,7 +121,7 @@ def _raise(err: Exception, url: str, protocol: str, model: str, inputs: Mapping[
     msg = str(msg).replace("[request id: <id_unknown>] ", "")
     req = describe_request(inputs)
     sent = ", ".join(f"{r['name']} {r['datatype']} {r['shape']}" for r in req)
-    raise InferError(f"{protocol} infer on model {model!r} at {_strip(url)} failed: {msg}\n  request sent: {sent}"
+    raise InferError(f"{protocol} infer on model {model!r} at {host_port(url)} failed: {msg}\n  request sent: {sent}"
                      f"{_expected(url, protocol, model)}", msg, req) from None
 
 
@@ -131,7 +132,7 @@ def infer(url: str, model: str, inputs: Mapping[str, np.ndarray], *, protocol: s
     from tritonclient.utils import InferenceServerException
 
     mod = _module(protocol)
-    c = mod.InferenceServerClient(_strip(url))
+    c = mod.InferenceServerClient(host_port(url))
     try:
         ins, outs = build_request(mod, protocol, inputs, outputs, binary)
         kw = {"client_timeout": timeout_s} if protocol == "grpc" else {}
@@ -157,7 +158,7 @@ async def infer_async(url: str, model: str, inputs: Mapping[str, np.ndarray], *,
     from tritonclient.utils import InferenceServerException
 
     mod = _module(protocol, aio=True)
-    c = client_ or mod.InferenceServerClient(_strip(url))
+    c = client_ or mod.InferenceServerClient(host_port(url))
     try:
         ins, outs = build_request(mod, protocol, inputs, outputs, binary)
         try:

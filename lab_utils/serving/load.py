@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from lab_utils.serving.client import build_request
+from lab_utils.serving.client import build_request, host_port
 
 PROTOCOLS = ("grpc", "http")
 ERROR_BACKOFF_S = 0.01
@@ -155,12 +155,6 @@ def server_split(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[st
 
 
 # --- the clients -------------------------------------------------------------------------------------------
-
-
-def _strip(url: str) -> str:
-    for prefix in ("http://", "https://", "grpc://"):
-        url = url.removeprefix(prefix)
-    return url.rstrip("/")
 
 
 def _payloads(make_inputs: Callable[[], Mapping[str, np.ndarray]] | Mapping[str, np.ndarray]) -> list[dict]:
@@ -360,7 +354,7 @@ def run_load(
         raise ValueError(f"duration_s={duration_s!r}: a positive number of seconds, or None for the stability rule")
     payloads = _payloads(make_inputs)
     batch = int(next(iter(payloads[0].values())).shape[0]) if next(iter(payloads[0].values())).ndim else 1
-    target = _strip(url)
+    target = host_port(url)
     if stats_url is None and protocol == "http":
         stats_url = url
     n_windows = max(1, math.ceil(duration_s / window_s)) if duration_s is not None else max_windows
@@ -543,7 +537,7 @@ def perf_analyzer_command(model: str, url: str, concurrencies: Sequence[int], *,
     """The ``perf_analyzer`` command (NGC ``tritonserver:<yy.mm>-py3-sdk`` image) measuring what ``sweep`` does."""
     steps = sorted(set(concurrencies))
     diffs = {b - a for a, b in zip(steps, steps[1:], strict=False)}
-    common = (f"-m {model} -u {_strip(url)} -i {protocol} --measurement-interval {window_ms} "
+    common = (f"-m {model} -u {host_port(url)} -i {protocol} --measurement-interval {window_ms} "
               f"--stability-percentage {stability_pct} --percentile {percentile}")
     if shape:
         common += f" --shape {shape}"

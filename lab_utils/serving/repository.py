@@ -142,7 +142,7 @@ def _ints(v: Any) -> Any:
 # --- semantics: what the schema cannot see --------------------------------------------------------------
 
 
-def gpu_count() -> int:
+def nvml_gpu_count() -> int:
     """GPUs a server started here could use: NVML's count, limited by ``CUDA_VISIBLE_DEVICES``; 0 without a driver."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     n = 0
@@ -257,7 +257,7 @@ def check_config(
                       f"{db.max_queue_delay_microseconds} µs is over 10 s: every request could wait that long"))
     # instance groups
     if gpus is None and any(g.kind in (pb.ModelInstanceGroup.KIND_GPU,) or g.gpus for g in cfg.instance_group):
-        gpus = gpu_count()
+        gpus = nvml_gpu_count()
     for j, g in enumerate(cfg.instance_group):
         f = f"instance_group[{j}]"
         if g.count < 0:
@@ -412,7 +412,7 @@ def validate_repository(
         for d in dirs:
             text = (d / "config.pbtxt").read_text() if (d / "config.pbtxt").is_file() else ""
             gpus_needed |= "KIND_GPU" in text or "gpus" in text
-        gpus = gpu_count() if gpus_needed else 0
+        gpus = nvml_gpu_count() if gpus_needed else 0
     return {d.name: validate_model_dir(d, gpus=gpus, require_files=require_files) for d in dirs}
 
 
