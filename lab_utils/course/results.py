@@ -14,6 +14,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
+
 from lab_utils.course.catalog import repo_root
 
 RESULTS_ENV = "NVLAB_RESULTS_DIR"
@@ -85,14 +87,12 @@ def load(directory: Path | str) -> list[dict[str, Any]]:
     return rows
 
 
-def compare(run: Path | str, reference: Path | str | None = None):
+def compare(run: Path | str, reference: Path | str | None = None) -> pd.DataFrame:
     """A table of each measurement in ``run`` beside the reference runs' value and their ratio.
 
     ``reference``: one run folder; by default every folder under ``reference_runs/`` (the first holding a
     lab's results wins).
     """
-    import pandas as pd
-
     local = load(run)
     ref: dict[tuple[str, str], dict[str, Any]] = {}
     for ref_dir in [Path(reference)] if reference else reference_dirs():

@@ -7,7 +7,7 @@ measure are returned with ``status``/``available`` saying so and a ``reason``. A
 
 Units are in column names: ``_ms`` milliseconds, ``_us`` microseconds, ``tflops`` TFLOP/s (1e12),
 ``gbps`` GB/s (1e9 B/s), ``tbps`` TB/s (1e12 B/s), ``intensity_flop_per_byte`` FLOP per byte.
-torch is imported inside the functions: importing this module does no work.
+Importing this module imports torch and does no other work.
 """
 
 from __future__ import annotations
@@ -21,10 +21,11 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+import torch
 
-from lab_utils.args import check_int, require_torch
+from lab_utils.args import check_int
 from lab_utils.course.specs import GpuPeaks, peaks_for
-from lab_utils.timing import benchmark, copy_bytes, cpu_model, matmul_bytes, matmul_flops
+from lab_utils.timing import benchmark, copy_bytes, cpu_model, matmul_bytes, matmul_flops, sync
 
 DTYPES = ("fp32", "tf32", "fp16", "bf16", "fp8")
 
@@ -35,16 +36,11 @@ MIB = 2**20
 GIB = 2**30
 
 
-def _torch() -> Any:
-    return require_torch("lab_utils.gpu.bench")
-
-
-def resolve_device(device: Any = "auto", where: str = "device") -> str:
+def resolve_device(device: str | None = "auto", where: str = "device") -> str:
     """'cpu', 'cuda' or 'cuda:N' as a string; 'auto' (or None) picks the GPU when there is one.
 
     Asking for a GPU that is not there is an error, not a silent fall-back to the CPU.
     """
-    torch = _torch()
     if device is None or device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     name = str(device)
@@ -74,15 +70,10 @@ def _is_cuda(dev: str) -> bool:
     return dev.startswith("cuda")
 
 
-def _sync(dev: str) -> None:
-    if _is_cuda(dev):
-        _torch().cuda.synchronize(dev)
-
-
 def device_name(dev: str) -> str:
     """The name torch reports for a CUDA device, or the CPU model."""
     if _is_cuda(dev):
-        return _torch().cuda.get_device_name(dev)
+        return torch.cuda.get_device_name(dev)
     return cpu_model()
 
 
@@ -92,7 +83,7 @@ def device_peaks(dev: str) -> GpuPeaks | None:
 
 
 def _capability(dev: str) -> tuple[int, int] | None:
-    return tuple(_torch().cuda.get_device_capability(dev)) if _is_cuda(dev) else None
+    return tuple(torch.cuda.get_device_capability(dev)) if _is_cuda(dev) else None
 
 
 def _check_positive_ints(values: Any, arg: str, where: str) -> list[int]:
@@ -159,7 +150,6 @@ def tf32_matmul(enabled: bool = True) -> Iterator[None]:
     (``...matmul.fp32_precision``) beside the legacy one and refuses to read ``allow_tf32`` when the two
     disagree; both are saved and restored exactly, so the block leaves no such mix behind.
     """
-    torch = _torch()
     saved = _precision_state(torch)
     torch.backends.cuda.matmul.allow_tf32 = bool(enabled)
     try:
@@ -196,7 +186,6 @@ class MatmulCase:
 
 def matmul_skip_reason(dtype: str, n: int, dev: str) -> str | None:
     """Why ``dtype`` cannot be measured at size ``n`` on ``dev``; ``None`` when it can."""
-    torch = _torch()
     cc = _capability(dev)
     if dtype == "tf32":
         if cc is None:
@@ -218,7 +207,6 @@ def matmul_skip_reason(dtype: str, n: int, dev: str) -> str | None:
 def make_matmul(n: int, dtype: str, dev: str, fp8_fast_accum: bool = False) -> MatmulCase:
     """Random normal n×n inputs (never zeros: zeros run faster and draw less power) and the call to time."""
     (dtype,) = _check_dtypes([dtype], "make_matmul")
-    torch = _torch()
     if dtype == "fp8":
         # _scaled_mm wants A row-major [M,K] and B column-major [K,N]: B is the transpose of a row-major
         # [N,K] tensor. Per-tensor scales are float32 scalars on the device; 1.0 keeps the values as drawn
@@ -257,7 +245,7 @@ def make_matmul(n: int, dtype: str, dev: str, fp8_fast_accum: bool = False) -> M
 
 
 def async_pitfall(
-    n: int | None = None, device: Any = "auto", dtype: str = "fp32", reps: int = 20, warmup: int = 3
+    n: int | None = None, device: str | None = "auto", dtype: str = "fp32", reps: int = 20, warmup: int = 3
 ) -> pd.DataFrame:
     """Time one n×n matmul three ways: host clock without synchronize (wrong on a GPU), host clock with
     synchronize, and ``benchmark`` (CUDA events on a GPU).
@@ -281,24 +269,24 @@ def async_pitfall(
     with tf32_matmul(case.tf32):
         for _ in range(max(warmup, 1)):
             case.fn()
-        _sync(dev)
+        sync(dev)
 
         # The classic bug: read the host clock right after the call returns.
         no_sync = np.empty(reps)
         for i in range(reps):
-            _sync(dev)  # start each repetition with an empty queue, outside the timed region
+            sync(dev)  # start each repetition with an empty queue, outside the timed region
             t0 = time.perf_counter()
             case.fn()
             no_sync[i] = (time.perf_counter() - t0) * 1e3
-        _sync(dev)
+        sync(dev)
 
         # Correct with a host clock: wait for the device before reading it.
         with_sync = np.empty(reps)
         for i in range(reps):
-            _sync(dev)
+            sync(dev)
             t0 = time.perf_counter()
             case.fn()
-            _sync(dev)
+            sync(dev)
             with_sync[i] = (time.perf_counter() - t0) * 1e3
 
         timed = benchmark(case.fn, reps=reps, warmup=warmup, device=dev, name=f"{dtype} matmul {n}")
@@ -325,7 +313,7 @@ def async_pitfall(
 
 
 def first_call_cost(
-    n: int | None = None, device: Any = "auto", dtype: str = "fp32", reps: int = 20
+    n: int | None = None, device: str | None = "auto", dtype: str = "fp32", reps: int = 20
 ) -> pd.DataFrame:
     """Wall time of the first matmul on fresh tensors against the steady-state median.
 
@@ -341,7 +329,6 @@ def first_call_cost(
     n = _check_int(_default(n, dev, 4096, 512), "n", where)
     reps = _check_int(reps, "reps", where)
     (dtype,) = _check_dtypes([dtype], where)
-    torch = _torch()
     # Whether the CUDA context existed before this call (read before anything below creates it). It is
     # created outside the timed region either way, so the first-call number is about the matmul alone.
     initialized = bool(torch.cuda.is_initialized()) if _is_cuda(dev) else None
@@ -350,10 +337,10 @@ def first_call_cost(
         raise ValueError(f"{where}(dtype={dtype!r}): {reason}; use dtype='fp32'")
     case = make_matmul(n, dtype, dev)
     with tf32_matmul(case.tf32):
-        _sync(dev)
+        sync(dev)
         t0 = time.perf_counter()
         case.fn()
-        _sync(dev)
+        sync(dev)
         first_ms = (time.perf_counter() - t0) * 1e3
         steady = benchmark(case.fn, reps=reps, warmup=2, device=dev, name=f"{dtype} matmul {n}")
     rows = [
@@ -389,7 +376,7 @@ SWEEP_COLUMNS = [
 def matmul_sweep(
     sizes: Sequence[int] | None = None,
     dtypes: Sequence[str] = DTYPES,
-    device: Any = "auto",
+    device: str | None = "auto",
     reps: int = 10,
     warmup: int = 3,
     fp8_fast_accum: bool = False,
@@ -453,7 +440,7 @@ def matmul_sweep(
 
 
 def bare_matmul_loop(
-    n: int | None = None, dtype: str | None = None, iters: int = 20, device: Any = "auto", warmup: int = 3
+    n: int | None = None, dtype: str | None = None, iters: int = 20, device: str | None = "auto", warmup: int = 3
 ) -> float:
     """TFLOP/s of the simplest loop, for comparison with ``benchmark``: mean time over ``iters`` matmuls.
 
@@ -470,13 +457,12 @@ def bare_matmul_loop(
     reason = matmul_skip_reason(dtype, n, dev)
     if reason:
         raise ValueError(f"{where}(dtype={dtype!r}): {reason}")
-    torch = _torch()
     case = make_matmul(n, dtype, dev)
     fn = case.fn
     with tf32_matmul(case.tf32):
         for _ in range(warmup):
             fn()
-        _sync(dev)
+        sync(dev)
         if _is_cuda(dev):
             with torch.cuda.device(dev):
                 start = torch.cuda.Event(enable_timing=True)
@@ -507,7 +493,7 @@ def _bytes_label(nbytes: float) -> str:
 
 
 def copy_bandwidth(
-    sizes_bytes: Sequence[int] | None = None, device: Any = "auto", reps: int = 10, warmup: int = 3
+    sizes_bytes: Sequence[int] | None = None, device: str | None = "auto", reps: int = 10, warmup: int = 3
 ) -> pd.DataFrame:
     """Bandwidth of ``dst.copy_(src)`` in GB/s, counting the read and the write (2 × size).
 
@@ -523,7 +509,6 @@ def copy_bandwidth(
     sizes_bytes = _check_positive_ints(sizes_bytes, "sizes_bytes", where)
     reps = _check_int(reps, "reps", where)
     warmup = _check_int(warmup, "warmup", where, minimum=0)
-    torch = _torch()
     peaks = device_peaks(dev)
     peak_gbps = peaks.hbm_tbps * 1e3 if peaks else math.nan
     name = device_name(dev)
@@ -555,7 +540,7 @@ HOST_DEVICE_COLUMNS = [
 
 
 def host_device_bandwidth(
-    nbytes: int = GIB, reps: int = 10, device: Any = "auto", warmup: int = 2
+    nbytes: int = GIB, reps: int = 10, device: str | None = "auto", warmup: int = 2
 ) -> pd.DataFrame:
     """Host→device (H2D) and device→host (D2H) copy bandwidth in GB/s, pinned against pageable host memory.
 
@@ -573,7 +558,6 @@ def host_device_bandwidth(
         df = pd.DataFrame(columns=HOST_DEVICE_COLUMNS)
         df.attrs["reason"] = "host<->device copies need a CUDA GPU; this run is on the CPU"
         return df
-    torch = _torch()
     peaks = device_peaks(dev)
     peak_gbps = peaks.pcie_gbps_per_dir if peaks else math.nan
     gpu = torch.empty(nbytes, dtype=torch.uint8, device=dev)
@@ -606,7 +590,7 @@ def host_device_bandwidth(
 
 
 def launch_overhead(
-    n_kernels: int = 1000, numel: int = 1024, device: Any = "auto", reps: int = 20, warmup: int = 3
+    n_kernels: int = 1000, numel: int = 1024, device: str | None = "auto", reps: int = 20, warmup: int = 3
 ) -> pd.DataFrame:
     """Cost per tiny kernel: a chain of ``n_kernels`` ``x.add_(1.0)`` on ``numel`` floats, launched one by
     one (eager) and replayed from a captured ``torch.cuda.CUDAGraph``.
@@ -621,7 +605,6 @@ def launch_overhead(
     reps = _check_int(reps, "reps", where)
     warmup = _check_int(warmup, "warmup", where, minimum=0)
     dev = resolve_device(device, f"{where}(device)")
-    torch = _torch()
     x = torch.randn(numel, device=dev)
 
     def chain() -> None:
@@ -679,7 +662,7 @@ ROOFLINE_COLUMNS = ["label", "kind", "dtype", "intensity_flop_per_byte", "tflops
 
 
 def elementwise_add(
-    numel: int | None = None, device: Any = "auto", reps: int = 10, warmup: int = 3
+    numel: int | None = None, device: str | None = "auto", reps: int = 10, warmup: int = 3
 ) -> dict[str, Any]:
     """Measure ``torch.add(x, y, out=z)`` in fp32: 1 FLOP per element over 3 × 4 bytes (two reads, one write).
 
@@ -691,7 +674,6 @@ def elementwise_add(
     if numel is None:
         numel = 64 * 2**20 if _is_cuda(dev) else 8 * 2**20
     numel = _check_int(numel, "numel", where)
-    torch = _torch()
     x = torch.randn(numel, device=dev)
     y = torch.randn(numel, device=dev)
     z = torch.empty_like(x)
@@ -707,7 +689,7 @@ def elementwise_add(
 def roofline_points(
     sweep: pd.DataFrame | None = None,
     copies: pd.DataFrame | None = None,
-    device: Any = "auto",
+    device: str | None = "auto",
     elementwise_numel: int | None = None,
     reps: int = 10,
 ) -> pd.DataFrame:

@@ -45,6 +45,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
+import pandas as pd
 
 from lab_utils.serving.client import build_request, host_port
 
@@ -525,8 +526,6 @@ def run_load(
 
 def sweep(url: str, model: str, make_inputs: Any, concurrencies: Sequence[int], **kw: Any) -> Any:
     """``run_load`` at each concurrency; a DataFrame with one row per concurrency (``LoadResult.to_row``)."""
-    import pandas as pd
-
     rows = [run_load(url, model, make_inputs, c, **kw).to_row() for c in concurrencies]
     return pd.DataFrame(rows)
 

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 PLATFORM_FILES = {  # platform or backend -> the file each version folder must hold (Triton's defaults)
     "python": "model.py",
     "onnxruntime_onnx": "model.onnx",
@@ -438,7 +440,6 @@ def export_mlp(version_dir: str | os.PathLike[str], *, in_features: int = 64, wi
     """
     import warnings
 
-    import numpy as np
     import torch
 
     from lab_utils.models import make_mlp
@@ -463,8 +464,6 @@ def export_mlp(version_dir: str | os.PathLike[str], *, in_features: int = 64, wi
 
 def reference_mlp(version_dir: str | os.PathLike[str], x: Any) -> Any:
     """The exported MLP's output for ``x`` computed with NumPy from ``weights.npz`` (the ground truth)."""
-    import numpy as np
-
     with np.load(Path(version_dir) / "weights.npz") as w:
         n = len([k for k in w.files if k.startswith("w")])
         h = np.asarray(x, dtype=np.float32)

@@ -43,7 +43,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from lab_utils.course.probe import pytriton_server
 from lab_utils.procs import free_port, popen_owned, port_free, stop_group, tail, wait_http_ok
@@ -64,6 +64,21 @@ THREE_WAYS = (
     "  3. the server binary from PyPI (python backend only, no Docker): "
     "pip install --no-deps nvidia-pytriton==0.7.0"
 )
+
+
+class Server(Protocol):
+    """What the labs need of a Triton server: its endpoints and liveness. ``TritonServer`` (owned by this
+    process) and ``ExternalServer`` (``TRITON_URL``, owned by someone else) both satisfy it."""
+
+    http_url: str
+    grpc_url: str
+    metrics_url: str
+
+    def alive(self) -> bool: ...
+
+    def log_tail(self, n: int = 40) -> str: ...
+
+    def stop(self) -> int | None: ...
 
 
 class ServerNotFound(RuntimeError):

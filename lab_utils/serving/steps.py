@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pandas as pd
 
 from lab_utils.serving import client as triton_client
 from lab_utils.serving import load as triton_load
@@ -43,7 +44,7 @@ def model_repository(work: str | os.PathLike[str]) -> Path:
     return path
 
 
-def serving_config(config: Mapping[str, Any], server: Any) -> dict[str, Any]:
+def serving_config(config: Mapping[str, Any], server: triton_server.Server) -> dict[str, Any]:
     """The configuration to deploy on ``server``: as given for a server the lab started; for an external (NGC)
     server, whose Python has neither ONNX Runtime nor torch for the python-backend model, the same model through
     Triton's ONNX Runtime backend (``platform: onnxruntime_onnx``, the ``model.onnx`` each version folder holds)."""
@@ -81,7 +82,7 @@ def inputs_maker(in_features: int, rows: int = 1, seed: int = 0) -> Callable[[],
     return make
 
 
-def deploy(server: Any, repo: Path, config: Mapping[str, Any], *, gpus: int | None = None,
+def deploy(server: triton_server.Server, repo: Path, config: Mapping[str, Any], *, gpus: int | None = None,
            timeout_s: float = 120) -> float:
     """Write ``config`` as the model's ``config.pbtxt`` (validated first) and (re)load it; seconds the load took.
 
@@ -107,7 +108,7 @@ def deploy(server: Any, repo: Path, config: Mapping[str, Any], *, gpus: int | No
     return time.perf_counter() - t0
 
 
-def measure(server: Any, model: str, make_inputs: Any, concurrency: int, settings: LoadSettings, *,
+def measure(server: triton_server.Server, model: str, make_inputs: Any, concurrency: int, settings: LoadSettings, *,
             protocol: str = "grpc", label: str = "") -> dict[str, Any]:
     """One closed-loop measurement; a row: the client numbers and the server's split."""
     url = server.grpc_url if protocol == "grpc" else server.http_url
@@ -118,10 +119,8 @@ def measure(server: Any, model: str, make_inputs: Any, concurrency: int, setting
     return row
 
 
-def step_table(rows: Sequence[Mapping[str, Any]]) -> Any:
+def step_table(rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
     """The knob steps side by side, each against the one before: throughput and p95 change."""
-    import pandas as pd
-
     df = pd.DataFrame(rows)
     keep = ["step", "concurrency", "throughput_infer_s", "p50_ms", "p95_ms", "p99_ms", "errors", "stable",
             "server_batch_avg", "server_queue_us", "server_compute_infer_us"]
@@ -131,10 +130,8 @@ def step_table(rows: Sequence[Mapping[str, Any]]) -> Any:
     return df
 
 
-def split_table(rows: Sequence[Mapping[str, Any]]) -> Any:
+def split_table(rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
     """Where a request's time went on the server (µs per request): queue, compute input, infer, output."""
-    import pandas as pd
-
     out = []
     for r in rows:
         out.append({"step": r["step"], "queue_us": r.get("server_queue_us"),
@@ -165,7 +162,7 @@ def plot_latency_throughput(curves: Mapping[str, Any], ax: Any = None, title: st
     return ax
 
 
-def version_outputs(server: Any, model: str, x: np.ndarray, versions: Sequence[int]) -> dict[int, Any]:
+def version_outputs(server: triton_server.Server, model: str, x: np.ndarray, versions: Sequence[int]) -> dict[int, Any]:
     """The first output row of each version for the same input, or the server's refusal."""
     out: dict[int, Any] = {}
     for v in versions:

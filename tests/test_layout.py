@@ -1,0 +1,116 @@
+"""The package's layout: every module imports, imports only go downward, no cycles, no torch where none is needed."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lab_utils.course.catalog import repo_root
+
+PKG = repo_root() / "lab_utils"
+
+# Layers from the bottom up: a module may import its own package and anything on a lower layer, nothing above.
+LAYERS = [
+    {"lab_utils", "lab_utils.args", "lab_utils.procs", "lab_utils.timing", "lab_utils.plots"},
+    {"lab_utils.course"},
+    {"lab_utils.models"},
+    {"lab_utils.gpu", "lab_utils.distributed", "lab_utils.inference", "lab_utils.serving"},
+    {"lab_utils.monitoring"},
+    {"lab_utils.exercises"},
+    {"lab_utils.ops"},
+    {"lab_utils.cli"},
+    {"lab_utils.__main__"},
+]
+
+# What a student without torch, a trainer and CI tooling import: none of it may pull torch in.
+TORCH_FREE = ["lab_utils", "lab_utils.cli", "lab_utils.course.session", "lab_utils.course.probe",
+              "lab_utils.course.results", "lab_utils.course.stack", "lab_utils.ops.notebooks",
+              "lab_utils.ops.wheelhouse", "lab_utils.monitoring.exporter", "lab_utils.plots", "lab_utils.timing",
+              "lab_utils.procs"]
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for p in sorted(PKG.rglob("*.py")):
+        parts = p.relative_to(PKG.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = p
+    return out
+
+
+def _unit(module: str) -> str:
+    """The layer unit a module belongs to: its subpackage (lab_utils.serving) or itself (lab_utils.timing)."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 1 else module
+
+
+def _layer(module: str) -> int:
+    unit = _unit(module)
+    return next(i for i, layer in enumerate(LAYERS) if unit in layer)
+
+
+def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
+    """lab_utils modules that ``path`` imports anywhere in it (top level or inside functions)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        else:
+            continue
+        found |= {n for n in names if n in modules}
+    return found
+
+
+def test_every_module_has_a_layer():
+    missing = [m for m in _modules() if not any(_unit(m) in layer for layer in LAYERS)]
+    assert not missing, f"add these to LAYERS in tests/test_layout.py: {missing}"
+
+
+def test_imports_only_go_downward_and_have_no_cycle():
+    modules = _modules()
+    graph = {m: _imports(p, modules) - {m} for m, p in modules.items()}
+    # Up a layer, or sideways between two subpackages of one layer (serving -> inference), is not allowed.
+    upward = [f"{m} -> {d}" for m, deps in graph.items() for d in deps
+              if _layer(d) > _layer(m) or (_layer(d) == _layer(m) and _unit(d) not in (_unit(m), "lab_utils"))]
+    assert not upward, "imports that go up or sideways between subpackages:\n" + "\n".join(sorted(upward))
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for d in sorted(graph[m]):
+            if state.get(d) == 1:
+                cycle = stack[stack.index(d):] + [d]
+                pytest.fail("import cycle: " + " -> ".join(cycle))
+            if d not in state:
+                visit(d)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+
+
+def test_every_module_imports_in_a_fresh_interpreter():
+    names = [m for m in _modules() if not m.endswith("__main__") and m != "lab_utils.serving.backend.model"]
+    code = ("import importlib, sys, traceback\nbad = []\n"
+            f"for name in {names!r}:\n"
+            "    try:\n        importlib.import_module(name)\n"
+            "    except Exception:\n        bad.append(name + ': ' + traceback.format_exc(limit=1))\n"
+            "print('\\n'.join(bad))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=repo_root(), timeout=300)
+    assert out.returncode == 0 and not out.stdout.strip(), out.stdout + out.stderr
+
+
+def test_the_cli_and_course_machinery_import_without_torch():
+    code = (f"import importlib, sys\nfor n in {TORCH_FREE!r}:\n    importlib.import_module(n)\n"
+            "print(sorted(m for m in ('torch', 'tensorrt', 'tritonclient', 'onnxruntime') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=repo_root(), timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", f"importing {TORCH_FREE} pulled in {out.stdout.strip()}"
