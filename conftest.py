@@ -1,6 +1,86 @@
-"""Test-wide settings: notebooks executed by nbval use the labs' quick sizes (NVLAB_QUICK)."""
+"""Test-wide settings and the notebook checks nbval does not make itself.
+
+nbval executes every solution once (``--nbval-lax``: cells marked ``# NBVAL_CHECK_OUTPUT`` are compared). Around
+each notebook these hooks add what the course promises besides: every exercise check in a solution says
+"correct.", the notebook recorded measurements, nothing it started is still running after its kernel stopped,
+and its wall time is printed at the end of the run.
+"""
 
 import os
+import tempfile
+import time
+from pathlib import Path
 
+import pytest
+
+# nbval cannot pass papermill parameters: the labs read NVLAB_QUICK for CI's small sizes.
 os.environ.setdefault("NVLAB_QUICK", "1")
 os.environ.setdefault("MPLBACKEND", "Agg")
+
+# A stopped kernel's children may take a moment to be reaped.
+LEFTOVER_GRACE_S = float(os.environ.get("NVLAB_LEFTOVER_GRACE_S", "10"))
+_WALL_S: list[tuple[str, float]] = []
+
+
+def _nbval_cell(item: pytest.Item) -> bool:
+    return type(item).__name__ == "IPyNbCell"
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_setup(item):
+    """Before a notebook's kernel starts: a run id every process it starts inherits, and a results folder."""
+    if not _nbval_cell(item) or hasattr(item.parent, "nvlab_run"):
+        return (yield)
+    from lab_utils.course.results import RESULTS_ENV
+    from lab_utils.ops.notebooks import RUN_ID_ENV
+
+    stem = Path(str(item.parent.fspath)).stem
+    run = {"run_id": f"nbval-{stem}-{os.getpid()}", "t0": time.perf_counter(), "name": f"solutions/{stem}",
+           "results": Path(tempfile.mkdtemp(prefix=f"nvlab-nbval-{stem}-"))}
+    item.parent.nvlab_run = run
+    saved = {k: os.environ.get(k) for k in (RUN_ID_ENV, RESULTS_ENV)}
+    os.environ[RUN_ID_ENV], os.environ[RESULTS_ENV] = run["run_id"], str(run["results"])
+    try:
+        return (yield)  # the parent's setup starts the kernel here, with this environment
+    finally:  # the kernel has its copy: the rest of the test session keeps its own
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    """A solution's exercise checks must all say "correct." (nbval only compares the marked cells)."""
+    result = yield
+    if _nbval_cell(item) and ".check(" in item.cell.source:
+        text = "".join(o.get("text", "") for o in (item.test_outputs or []))
+        if "correct." not in text or "incorrect" in text or "not attempted" in text:
+            raise AssertionError(f"an exercise check in a solution did not pass; it printed:\n{text}")
+    return result
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After a notebook's last cell (its kernel stopped): leftovers, recorded results, wall time."""
+    result = yield
+    run = getattr(item.parent, "nvlab_run", None) if _nbval_cell(item) else None
+    if run is None or (nextitem is not None and nextitem.parent is item.parent):
+        return result
+    from lab_utils.ops.notebooks import leftover_processes
+
+    _WALL_S.append((run["name"], time.perf_counter() - run["t0"]))
+    deadline = time.monotonic() + LEFTOVER_GRACE_S
+    while (left := leftover_processes(run["run_id"])) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"{run['name']} left processes running after its kernel stopped:\n" + "\n".join(left)
+    assert list(run["results"].glob("results_*.json")), f"{run['name']} recorded no measurement"
+    return result
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _WALL_S:
+        terminalreporter.section("notebook wall times")
+        for name, seconds in _WALL_S:
+            terminalreporter.write_line(f"{name}: {seconds:.1f} s")

@@ -1,6 +1,7 @@
 """Single source (solutions -> labs) and notebook execution."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -111,25 +112,67 @@ def test_leftover_processes_are_found(monkeypatch):
 
 
 @pytest.mark.notebooks
-@pytest.mark.parametrize("folder", ["solutions", "labs"])
 @pytest.mark.parametrize("path", SOLUTIONS, ids=lambda p: p.stem)
-def test_notebook_executes_with_quick_parameters(folder, path, tmp_path, capsys):
-    """Every solution and every generated lab runs top to bottom; nothing it started survives it."""
-    nb_path = ROOT / folder / path.name
-    run_id = f"pytest-{folder}-{path.stem}"
+def test_generated_lab_executes_with_quick_parameters(path, tmp_path, capsys):
+    """Every generated lab runs top to bottom with its blanks; nothing it started survives it.
+
+    The solutions themselves run once, under nbval (see conftest.py), not here."""
+    nb_path = ROOT / "labs" / path.name
+    run_id = f"pytest-labs-{path.stem}"
     res = notebooks.execute(nb_path, tmp_path, {"quick": True}, run_id=run_id)
     with capsys.disabled():
-        print(f"\n  {folder}/{path.name}: {res.seconds:.1f} s wall")
+        print(f"\n  labs/{path.name}: {res.seconds:.1f} s wall")
     assert res.ok, res.error
     assert notebooks.leftover_processes(run_id) == []
     executed = nbformat.read(res.output, as_version=4)
     checks = [c for c in executed.cells if c.cell_type == "code" and ".check(" in c.source]
     texts = ["".join(o.get("text", "") for o in c.outputs) for c in checks]
     assert texts and all(t.strip() for t in texts)
-    if folder == "solutions":
-        assert all("correct." in t and "incorrect" not in t for t in texts), texts
-    else:  # blanks (or the broken code a lab starts from) never break later cells
-        assert all("not attempted" in t or "incorrect" in t for t in texts), texts
-        assert any("not attempted" in t for t in texts), texts
+    # blanks (or the broken code a lab starts from) never break later cells
+    assert all("not attempted" in t or "incorrect" in t for t in texts), texts
+    assert any("not attempted" in t for t in texts), texts
     results = sorted(tmp_path.glob("results_*.json"))
     assert results and json.loads(results[0].read_text()), "the lab recorded no measurement"
+
+
+def _nbval(tmp_path: Path, *sources: str) -> subprocess.CompletedProcess:
+    """Run nbval with the course's conftest hooks on a notebook made of ``sources``."""
+    nb = new_notebook(cells=[new_code_cell(s) for s in sources],
+                      metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})
+    nbformat.write(nb, tmp_path / "99_probe.ipynb")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "NVLAB_LEFTOVER_GRACE_S": "1"}
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "conftest", "--nbval-lax", "-q", "-p",
+                           "no:cacheprovider", "99_probe.ipynb"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=180)
+
+
+RECORD = "from lab_utils.course import session\nsession.start_lab('00', show=False).record('x', 1.0, 'unit')"
+
+
+def test_nbval_hooks_pass_a_clean_notebook_and_print_its_wall_time(tmp_path):
+    out = _nbval(tmp_path, RECORD, "print('correct.')  # ex.check(...) stand-in")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "notebook wall times" in out.stdout and "solutions/99_probe:" in out.stdout
+
+
+def test_nbval_hooks_fail_a_notebook_that_leaves_a_process(tmp_path):
+    pid_file = tmp_path / "orphan.pid"
+    try:
+        out = _nbval(tmp_path, RECORD, "import subprocess, sys\n"
+                     "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], "
+                     "start_new_session=True)\n"
+                     f"open({str(pid_file)!r}, 'w').write(str(p.pid))")
+        assert out.returncode == 1 and "left processes running after its kernel stopped" in out.stdout, out.stdout
+    finally:
+        if pid_file.exists():
+            os.kill(int(pid_file.read_text()), 9)
+
+
+def test_nbval_hooks_fail_a_solution_check_that_is_not_correct(tmp_path):
+    out = _nbval(tmp_path, RECORD, "print('incorrect: 2 != 3')  # ex.check(...) stand-in")
+    assert out.returncode == 1 and "did not pass" in out.stdout, out.stdout
+
+
+def test_nbval_hooks_fail_a_notebook_that_records_nothing(tmp_path):
+    out = _nbval(tmp_path, "x = 1")
+    assert out.returncode == 1 and "recorded no measurement" in out.stdout, out.stdout
