@@ -7,18 +7,19 @@ import functools
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 
 @functools.lru_cache(maxsize=1)
-def digits_onnx() -> tuple[object, Path, dict]:
+def digits_onnx() -> tuple[Any, Path, dict[str, Any]]:
     """(model, onnx path, facts): the digits CNN trained 2 epochs, exported with a dynamic batch (a few seconds)."""
     import torch
 
     from lab_utils import models
-    from lab_utils.inference import onnx as inference
+    from lab_utils.inference import onnx, workloads
 
     folder = Path(tempfile.mkdtemp(prefix="nvlab-lab03-"))
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
-    model, facts = inference.train_digits_cnn(epochs=2)
-    path = inference.export_onnx(model, folder / "digits.onnx", torch.from_numpy(models.digits_arrays()["x_test"][:2]))
+    model, facts = workloads.train_digits_cnn(epochs=2)
+    path = onnx.export_onnx(model, folder / "digits.onnx", torch.from_numpy(models.digits_arrays()["x_test"][:2]))
     return model, path, facts

@@ -1,4 +1,5 @@
-"""Lab 03 inference helpers on the CPU: models, ONNX export and parity, ONNX Runtime levels, the comparison."""
+"""Lab 03 inference helpers on the CPU: the workloads, ONNX export and parity, ONNX Runtime levels, the torch
+paths, the comparison."""
 
 from __future__ import annotations
 
@@ -16,38 +17,45 @@ pytest.importorskip("onnxruntime")
 if importlib.util.find_spec("onnxscript") is None:  # found, not imported: the exporter imports it when it runs
     pytest.skip("torch's ONNX exporter needs onnxscript: pip install onnxscript", allow_module_level=True)
 
-from _lab03_data import digits_onnx  # noqa: E402
+from _lab03_data import digits_onnx
 
 from lab_utils import models
-from lab_utils.inference import onnx as inference  # noqa: E402
-from lab_utils.timing import Timing  # noqa: E402
+from lab_utils.inference import compare, onnx, torch_paths, workloads
+from lab_utils.timing import Timing
 
 ROOT = Path(__file__).resolve().parents[1]
+LAB03_MODULES = ["compare", "onnx", "quantize", "tensorrt", "torch_paths", "workloads"]
 
 
-def test_import_does_no_work():
-    code = ("import sys, lab_utils.inference.onnx, lab_utils.inference.quantize, lab_utils.inference.tensorrt, "
-            "lab_utils.exercises.lab03; "
-            "print(sorted(m for m in ('torch', 'onnx', 'onnxruntime', 'modelopt', 'tensorrt') if m in sys.modules))")
+def _imported_after(statement: str, watched: tuple[str, ...]) -> list[str]:
+    code = f"import sys; {statement}; print(' '.join(sorted(m for m in {watched!r} if m in sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
-    assert out.stdout.strip() == "[]"
+    return out.stdout.split()
+
+
+def test_import_loads_no_optional_dependency():
+    """torch and onnx are lab 03's own; ONNX Runtime, ModelOpt, TensorRT and torchvision load when used."""
+    statement = "import " + ", ".join(f"lab_utils.inference.{m}" for m in LAB03_MODULES)
+    assert _imported_after(statement, ("onnxruntime", "modelopt", "tensorrt", "torchvision")) == []
+    # the comparison and the exercises are numbers and tables: no torch
+    assert _imported_after("import lab_utils.inference.compare, lab_utils.exercises.lab03", ("torch", "onnx")) == []
 
 
 def test_full_size_resnet50_is_torchvisions_layout():
     model = models.BottleneckResNet().eval()
     assert sum(p.numel() for p in model.parameters()) == 25_557_032  # torchvision.models.resnet50
-    assert inference.count_gflop(model, (3, 224, 224)) == pytest.approx(8.18, rel=0.01)  # 4.09 G multiply-adds
+    assert workloads.count_gflop(model, (3, 224, 224)) == pytest.approx(8.18, rel=0.01)  # 4.09 G multiply-adds
 
 
 def test_cpu_resnet50_is_small_and_in_eval_mode():
-    model, info = inference.make_resnet50("cpu")
+    model, info = workloads.make_resnet50("cpu")
     assert not model.training and info.input_shape == (3, 64, 64) and info.params_m < 3
     assert "width 16" in info.source and "random weights" in str(info)
     with torch.no_grad():
         out = model(torch.randn(2, *info.input_shape))
     assert out.shape == (2, 1000) and torch.isfinite(out).all()
     with pytest.raises(ValueError, match="width"):
-        inference.make_resnet50("cpu", width=0)
+        workloads.make_resnet50("cpu", width=0)
 
 
 def test_train_digits_cnn_is_accurate_and_restores_threads():
@@ -59,11 +67,11 @@ def test_train_digits_cnn_is_accurate_and_restores_threads():
 
 def test_export_has_a_dynamic_batch_and_matches_pytorch():
     model, path, _ = digits_onnx()
-    io = inference.onnx_io(path)
+    io = onnx.onnx_io(path)
     assert list(io["kind"]) == ["input", "output"]
     assert io["shape"][0] == ("batch", 1, 8, 8) and io["shape"][1] == ("batch", 10)
     x = models.digits_arrays()["x_test"]
-    table = inference.parity(model, path, [x[:1], x[:5], x[:64]])
+    table = onnx.parity(model, path, [x[:1], x[:5], x[:64]])
     assert list(table["batch"]) == [1, 5, 64]
     assert (table["max_abs_diff"] < 1e-4).all() and (table["top1_agreement"] == 1.0).all()
     assert model.training is False  # the caller's model is left as it was (eval)
@@ -74,98 +82,98 @@ def test_export_folds_batchnorm_and_leaves_the_model_alone(tmp_path):
     model = nn.Sequential(nn.Conv2d(3, 8, 3, bias=False), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(),
                           nn.LazyLinear(4))
     model(torch.randn(4, 3, 6, 6))  # settles the batch-norm statistics and the lazy layer
-    path = inference.export_onnx(model, tmp_path / "m.onnx", torch.randn(1, 3, 6, 6))
-    counts = inference.op_counts(path)
+    path = onnx.export_onnx(model, tmp_path / "m.onnx", torch.randn(1, 3, 6, 6))
+    counts = onnx.op_counts(path)
     assert "BatchNormalization" not in counts and counts["Conv"] == 1
     assert model.training  # restored
     model.eval()
-    assert inference.parity(model, path, [np.random.default_rng(0).standard_normal((3, 3, 6, 6))])[
+    assert onnx.parity(model, path, [np.random.default_rng(0).standard_normal((3, 3, 6, 6))])[
         "max_abs_diff"][0] < 1e-4
 
 
 def test_export_failure_names_the_operator(tmp_path):
-    with pytest.raises(inference.OnnxExportError) as err:
-        inference.export_onnx(inference.unsupported_model(), tmp_path / "bad.onnx", torch.randn(2, 4, 4))
+    with pytest.raises(onnx.OnnxExportError) as err:
+        onnx.export_onnx(onnx.unsupported_model(), tmp_path / "bad.onnx", torch.randn(2, 4, 4))
     assert err.value.operator is not None and "linalg_svd" in err.value.operator
     assert f"operator {err.value.operator} has no ONNX translation" in str(err.value)
     assert "Whitening" in str(err.value) and "\x1b[" not in str(err.value)
     with pytest.raises(TypeError, match="tensor"):
-        inference.export_onnx(inference.unsupported_model(), tmp_path / "bad.onnx", [1, 2])
+        onnx.export_onnx(onnx.unsupported_model(), tmp_path / "bad.onnx", [1, 2])
 
 
 def test_failed_operator_reads_both_exporters():
     dynamo = "No ONNX function found for <OpOverload(op='aten._linalg_svd', overload='default')>. Failure"
-    assert inference.failed_operator(dynamo) == "aten._linalg_svd.default"
-    assert inference.failed_operator("translating node call_function[target=torch.ops.my.op.default]") == \
+    assert onnx.failed_operator(dynamo) == "aten._linalg_svd.default"
+    assert onnx.failed_operator("translating node call_function[target=torch.ops.my.op.default]") == \
         "my.op.default"
     legacy = "Exporting the operator 'aten::unique_dim' to ONNX opset version 17 is not supported."
-    assert inference.failed_operator(legacy) == "aten::unique_dim"
-    assert inference.failed_operator("something else broke") is None
+    assert onnx.failed_operator(legacy) == "aten::unique_dim"
+    assert onnx.failed_operator("something else broke") is None
 
 
 def test_ort_levels_fuse_the_graph(tmp_path):
     _, path, _ = digits_onnx()
-    levels = inference.ort_levels()
+    levels = onnx.ort_levels()
     assert levels[0] == "disable" and levels[-1] == "all" and {"basic", "extended"} <= set(levels)
     x = models.digits_arrays()["x_test"][:16]
-    table = inference.fusion_table(path, tmp_path, x, reps=2, warmup=1)
+    table = onnx.fusion_table(path, tmp_path, x, reps=2, warmup=1)
     assert list(table["level"]) == levels
     by = table.set_index("level")
     assert by.loc["extended", "nodes"] < by.loc["disable", "nodes"]  # Conv+Relu -> FusedConv
     assert "FusedConv[microsoft]" in by.loc["extended", "fused"] and by.loc["disable", "fused"] == ""
     assert (table["p50_ms"] > 0).all() and table["speedup_vs_disable"].iloc[0] == 1.0
     with pytest.raises(ValueError, match="disable"):
-        inference.ort_session(path, "turbo")
+        onnx.ort_session(path, "turbo")
 
 
 def test_ort_predict_batches_and_casts():
     _, path, _ = digits_onnx()
     x = models.digits_arrays()["x_test"][:10].astype(np.float64)
-    session = inference.ort_session(path)
-    whole, parts = inference.ort_predict(session, x), inference.ort_predict(session, torch.from_numpy(x), 3)
+    session = onnx.ort_session(path)
+    whole, parts = onnx.ort_predict(session, x), onnx.ort_predict(session, torch.from_numpy(x), 3)
     assert whole.shape == (10, 10) and np.allclose(whole, parts, atol=1e-5)
-    t = inference.time_ort(session, x, reps=2, warmup=0)
+    t = onnx.time_ort(session, x, reps=2, warmup=0)
     assert isinstance(t, Timing) and t.reps == 2
 
 
 def test_torch_runners_on_cpu_offer_eager_only():
-    model, info = inference.make_resnet50("cpu", width=4, image_size=32)
-    runners = list(inference.torch_runners(model, torch.randn(2, *info.input_shape)))
+    model, info = workloads.make_resnet50("cpu", width=4, image_size=32)
+    runners = list(torch_paths.torch_runners(model, torch.randn(2, *info.input_shape)))
     assert [(r.name, r.precision, r.batch) for r in runners] == [("eager", "fp32", 2)]
     assert runners[0]().shape == (2, 1000)
-    assert inference.time_torch(runners[0], "cpu", reps=2, warmup=0).reps == 2
+    assert torch_paths.time_torch(runners[0], "cpu", reps=2, warmup=0).reps == 2
     with pytest.raises(ValueError, match="unknown steps"):
-        next(inference.torch_runners(model, torch.randn(2, *info.input_shape), steps=("warp",)))
+        next(torch_paths.torch_runners(model, torch.randn(2, *info.input_shape), steps=("warp",)))
 
 
 def test_fp32_semantics_and_modes():
-    assert "IEEE" in inference.set_fp32_semantics("cpu")
+    assert "IEEE" in torch_paths.set_fp32_semantics("cpu")
     assert torch.get_float32_matmul_precision() == "highest"
-    assert inference._no_cudagraph_mode("max-autotune") == "max-autotune-no-cudagraphs"
-    assert inference._no_cudagraph_mode("reduce-overhead") == "default"
-    assert inference._no_cudagraph_mode("default") == "default"
+    assert torch_paths._no_cudagraph_mode("max-autotune") == "max-autotune-no-cudagraphs"
+    assert torch_paths._no_cudagraph_mode("reduce-overhead") == "default"
+    assert torch_paths._no_cudagraph_mode("default") == "default"
     with pytest.raises(ValueError, match="bf16"):
-        inference._amp_dtype("int4")
+        torch_paths._amp_dtype("int4")
 
 
 def test_accuracy_and_logit_error():
     logits = np.array([[2.0, 1.0], [0.0, 3.0], [1.0, 0.5]])
-    assert inference.accuracy(logits, [0, 1, 1]) == pytest.approx(2 / 3)
-    err = inference.logit_error(logits * 1.1, logits)
+    assert compare.accuracy(logits, [0, 1, 1]) == pytest.approx(2 / 3)
+    err = compare.logit_error(logits * 1.1, logits)
     assert err["top1_agreement"] == 1.0 and err["rel_logit_error"] == pytest.approx(0.1)
     with pytest.raises(ValueError, match="labels"):
-        inference.accuracy(logits, [0, 1])
+        compare.accuracy(logits, [0, 1])
 
 
 def test_comparison_table_plot_and_lookup():
-    cmp = inference.Comparison()
+    cmp = compare.Comparison()
     cmp.set_reference("digits", 0.98)
     t = Timing("x", np.array([2.0, 2.0, 4.0]), "cpu", 0, False)
     cmp.add("digits", "onnxruntime all", "int8", 32, t, accuracy=0.97)
     cmp.add("digits", "onnxruntime all", "fp32", 64, p50_ms=4.0, accuracy=0.98)
     cmp.add("digits", "tensorrt", "int8", 357, accuracy=0.975)
     df = cmp.frame()
-    assert list(df.columns) == inference.COMPARISON_COLUMNS
+    assert list(df.columns) == compare.COMPARISON_COLUMNS
     assert df["images_per_s"].iloc[0] == pytest.approx(16000) and df["accuracy_delta_points"].iloc[0] == \
         pytest.approx(-1.0)
     assert cmp.throughput("digits", "onnxruntime all", "fp32", 64) == pytest.approx(16000)
@@ -173,18 +181,18 @@ def test_comparison_table_plot_and_lookup():
     import matplotlib
 
     matplotlib.use("Agg")
-    fig = inference.plot_comparison(df, "digits")
+    fig = compare.plot_comparison(df, "digits")
     assert len(fig.axes[0].lines) == 2  # the row without a latency is not drawn
     with pytest.raises(ValueError, match="Comparison.frame"):
-        inference.plot_comparison(pd.DataFrame({"a": [1]}))
+        compare.plot_comparison(pd.DataFrame({"a": [1]}))
     with pytest.raises(ValueError, match="batch"):
         cmp.add("digits", "x", "fp32", 0, p50_ms=1.0)
 
 
 def test_largest_batch_within():
     table = {1: 1.0, 8: 3.0, 32: 9.5, 64: 20.0}
-    assert inference.largest_batch_within(table, 10.0) == 32
-    assert inference.largest_batch_within(table, 0.5) is None
+    assert compare.largest_batch_within(table, 10.0) == 32
+    assert compare.largest_batch_within(table, 0.5) is None
 
 
 def test_quiet_autotuning_summarizes_instead_of_printing(monkeypatch, capsys):
@@ -211,7 +219,7 @@ def test_quiet_autotuning_summarizes_instead_of_printing(monkeypatch, capsys):
 
     before = inductor_config.max_autotune_report_choices_stats
     summary: dict = {}
-    with inference.quiet_autotuning(summary):
+    with torch_paths.quiet_autotuning(summary):
         assert inductor_config.autotune_num_choices_displayed == 0
         assert not inductor_config.max_autotune_report_choices_stats
         logging.getLogger("torch._inductor.select_algorithm").error(
@@ -227,7 +235,7 @@ def test_quiet_autotuning_summarizes_instead_of_printing(monkeypatch, capsys):
     assert summary["biggest"]["op"] == "addmm(16, 256x64, 64x16)" and summary["biggest"]["kernel"] == "triton_mm_7"
     assert summary["biggest"]["cublas_ms"] == 0.05
     assert "Runtime error" not in capsys.readouterr().err
-    line = inference.autotuning_line(summary)
+    line = torch_paths.autotuning_line(summary)
     assert "5 candidate kernels for 2 matrix multiplications" in line and "shared memory" in line
     assert "triton_mm_7" in line
-    assert "from the cache" in inference.autotuning_line({})
+    assert "from the cache" in torch_paths.autotuning_line({})

@@ -13,11 +13,10 @@ for _name in ("modelopt", "onnxscript"):
     if importlib.util.find_spec(_name) is None:
         pytest.skip(f"lab 03's ModelOpt path needs {_name}: pip install -e '.[lab]'", allow_module_level=True)
 
-from _lab03_data import digits_onnx  # noqa: E402
+from _lab03_data import digits_onnx
 
 from lab_utils import models
-from lab_utils.inference import onnx as inference
-from lab_utils.inference import quantize  # noqa: E402
+from lab_utils.inference import onnx, quantize
 
 DATA = models.digits_arrays()
 
@@ -47,10 +46,10 @@ def test_calibration_data_is_refused_with_the_expected_shape_and_type():
 def test_autocast_fp16_keeps_accuracy(tmp_path):
     _, path, facts = digits_onnx()
     out = quantize.autocast(path, tmp_path / "fp16.onnx")
-    counts = inference.op_counts(out)
+    counts = onnx.op_counts(out)
     assert counts["Cast"] >= 2  # FP32 in and out, FP16 inside
     assert quantize.onnx_input(out)[2] == np.float32
-    ref = inference.ort_predict(inference.ort_session(path), DATA["x_test"])
+    ref = onnx.ort_predict(onnx.ort_session(path), DATA["x_test"])
     scores = quantize.evaluate_onnx(out, DATA["x_test"], DATA["y_test"], ref)
     assert abs(scores["accuracy"] - facts["accuracy"]) <= 0.01 and scores["max_abs_diff"] < 0.05
     with pytest.raises(ValueError, match="fp16"):
@@ -86,12 +85,12 @@ def test_fp8_logits_match_fp32_at_every_onnx_runtime_level(tmp_path):
         pytest.skip(why)
     _, path, _ = digits_onnx()
     out = quantize.quantize_onnx(path, tmp_path / "fp8.onnx", DATA["x_train"][:64], mode="fp8")
-    assert inference.has_fp8_qdq(out) and not inference.has_fp8_qdq(path)
+    assert onnx.has_fp8_qdq(out) and not onnx.has_fp8_qdq(path)
     x = DATA["x_test"]
-    ref = inference.ort_predict(inference.ort_session(path, "disable"), x)
+    ref = onnx.ort_predict(onnx.ort_session(path, "disable"), x)
     errors = {}
     for level in ("disable", "extended", "all"):
-        logits = inference.ort_predict(inference.ort_session(out, level), x)
+        logits = onnx.ort_predict(onnx.ort_session(out, level), x)
         errors[level] = float(np.abs(logits - ref).mean() / np.abs(ref).mean())
     assert max(errors.values()) < 0.05, errors
     assert quantize.evaluate_onnx(out, x, reference_logits=ref)["rel_logit_error"] < 0.05

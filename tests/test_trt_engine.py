@@ -10,6 +10,7 @@ import importlib.metadata
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -236,7 +237,44 @@ def test_profile_checks_and_accepts():
         trt_engine.Profile("input", (1, 3), (1, 3, 4), (1, 3, 4))
 
 
-def test_trtexec_command_lines():
+@pytest.fixture
+def no_trtexec(monkeypatch, tmp_path):
+    """A machine without trtexec: an empty PATH and no NGC location."""
+    monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))
+    monkeypatch.setattr(trt_engine, "TRTEXEC_CANDIDATES", ())
+
+
+def _fake_trtexec(folder: Path, executable: bool = True) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    fake = folder / "trtexec"
+    fake.write_text("#!/bin/sh\necho '&&&& PASSED TensorRT.trtexec'\n")
+    fake.chmod(0o755 if executable else 0o644)
+    return fake
+
+
+def test_trtexec_off_the_path_is_found_where_ngc_images_keep_it(no_trtexec, monkeypatch, tmp_path):
+    assert trt_engine.find_trtexec() is None
+    not_executable = _fake_trtexec(tmp_path / "opt" / "tensorrt" / "bin", executable=False)
+    ngc = _fake_trtexec(tmp_path / "usr" / "src" / "tensorrt" / "bin")
+    monkeypatch.setattr(trt_engine, "TRTEXEC_CANDIDATES", (tmp_path / "missing" / "trtexec", not_executable, ngc))
+    assert trt_engine.find_trtexec() == ngc  # the missing and the non-executable candidates are passed over
+    p = trt_engine.batch_profile("input", (1, 8, 8), 1, 16, 64)
+    lines = trt_engine.trtexec_commands("m.onnx", "m.plan", p)
+    assert lines["build"].startswith(f"{ngc} --onnx=m.onnx") and lines["run"].startswith(f"{ngc} --loadEngine=")
+    ran = subprocess.run(shlex.split(lines["build"])[:1], capture_output=True, text=True, timeout=10)
+    assert ran.stdout.startswith("&&&& PASSED")  # the line's program is the executable found
+
+
+def test_trtexec_on_the_path_comes_first(no_trtexec, monkeypatch, tmp_path):
+    on_path = _fake_trtexec(tmp_path / "bin")
+    monkeypatch.setenv("PATH", str(on_path.parent))
+    monkeypatch.setattr(trt_engine, "TRTEXEC_CANDIDATES", (_fake_trtexec(tmp_path / "opt"),))
+    assert trt_engine.find_trtexec() == on_path
+    p = trt_engine.batch_profile("input", (1, 8, 8), 1, 16, 64)
+    assert trt_engine.trtexec_commands("m.onnx", "m.plan", p)["build"].startswith("trtexec --onnx=")
+
+
+def test_trtexec_command_lines(no_trtexec):
     p = trt_engine.batch_profile("input", (3, 224, 224), 1, 32, 128)
     lines = trt_engine.trtexec_commands("m.onnx", "m.plan", p, timing_cache="t.cache", workspace_bytes=2 << 30)
     assert lines["build"] == ("trtexec --onnx=m.onnx --saveEngine=m.plan --stronglyTyped "
@@ -247,6 +285,8 @@ def test_trtexec_command_lines():
     assert "--shapes=input:8x3x224x224" in trt_engine.trtexec_commands("m.onnx", "m.plan", p, run_batch=8)["run"]
     with pytest.raises(ValueError, match="outside the profile"):
         trt_engine.trtexec_commands("m.onnx", "m.plan", p, run_batch=256)
+    named = trt_engine.trtexec_commands("m.onnx", "m.plan", p, trtexec="/opt/x/trtexec")
+    assert named["build"].startswith("/opt/x/trtexec --onnx=") and named["run"].startswith("/opt/x/trtexec ")
 
 
 def test_network_flags_on_tensorrt_10_and_11():
@@ -285,14 +325,14 @@ def test_build_save_load_and_run_matches_onnx_runtime(trt_runtime, digits_plan):
     import torch
 
     from lab_utils import models
-    from lab_utils.inference import onnx as inference
+    from lab_utils.inference import onnx
 
     built, plan, onnx_path, tmp = digits_plan
     assert plan.stat().st_size > 0 and built.build_s > 0 and (tmp / "timing.cache").stat().st_size > 0
     runner = trt_engine.TrtRunner(trt_engine.load_engine(plan))
     x = models.digits_arrays()["x_test"][:10]
     out = runner.infer(torch.from_numpy(x)).float().cpu().numpy()
-    ref = inference.ort_predict(inference.ort_session(onnx_path), x)
+    ref = onnx.ort_predict(onnx.ort_session(onnx_path), x)
     assert out.shape == (10, 10) and np.abs(out - ref).max() < 5e-2  # TF32 convolutions allowed in FP32 engines
     io = trt_engine.engine_io(runner.loaded)
     assert io[0]["mode"] == "input" and io[0]["min"] == (1, 1, 8, 8) and io[0]["max"] == (64, 1, 8, 8)
@@ -319,8 +359,7 @@ def test_int8_engine_keeps_accuracy_and_timing_rows(trt_runtime, digits_plan, tm
     import torch
 
     from lab_utils import models
-    from lab_utils.inference import onnx as inference
-    from lab_utils.inference import quantize
+    from lab_utils.inference import compare, onnx, quantize
 
     data = models.digits_arrays()
     _, _, onnx_path, _ = digits_plan
@@ -328,8 +367,8 @@ def test_int8_engine_keeps_accuracy_and_timing_rows(trt_runtime, digits_plan, tm
     built = trt_engine.build_plan(int8, trt_engine.batch_profile("input", (1, 8, 8), 1, 256, 512))
     runner = trt_engine.TrtRunner(trt_engine.load_engine(built.plan))
     logits = runner.infer(torch.from_numpy(data["x_test"])).float().cpu().numpy()
-    fp32 = inference.ort_predict(inference.ort_session(onnx_path), data["x_test"])
-    assert abs(inference.accuracy(logits, data["y_test"]) - inference.accuracy(fp32, data["y_test"])) <= 0.01
+    fp32 = onnx.ort_predict(onnx.ort_session(onnx_path), data["x_test"])
+    assert abs(compare.accuracy(logits, data["y_test"]) - compare.accuracy(fp32, data["y_test"])) <= 0.01
     rows = trt_engine.time_engine(runner, (1, 8, 8), (1, 64), reps=5, warmup=2)
     assert [r["batch"] for r in rows] == [1, 64] and all(r["p50_ms"] > 0 for r in rows)
 

@@ -7,8 +7,8 @@ their values fit; ``quantize_onnx`` inserts QuantizeLinear/DequantizeLinear pair
 calibration data. The resulting files run in ONNX Runtime on any CPU, so accuracy is measured everywhere.
 
 ModelOpt's ONNX path runs on the CPU here (``calibration_eps=["cpu"]``, ``providers=["cpu"]``). Its
-messages are captured and shown only when something fails. nvidia-modelopt and onnxruntime are imported
-inside the functions: importing this module does no work.
+messages are captured and shown only when something fails. nvidia-modelopt (optional, and seconds to import)
+and onnxruntime are imported where they are used, so the module imports without them.
 """
 
 from __future__ import annotations
@@ -20,10 +20,20 @@ import os
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import onnx
 import pandas as pd
+
+from lab_utils.course.probe import tensorrt_runtime_present
+from lab_utils.inference.compare import accuracy, logit_error
+from lab_utils.inference.onnx import ort_predict, ort_session
+from lab_utils.plots import new_axes, require_columns
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 QUANT_MODES = ("int8", "fp8")
 CALIBRATION_METHODS = ("max", "entropy")  # ModelOpt's int8/fp8 calibrators: max (absmax) and entropy (KL)
@@ -64,8 +74,6 @@ def _modelopt_session(what: str) -> Iterator[io.StringIO]:
     import onnxruntime as ort
     from modelopt.onnx import trt_utils
 
-    from lab_utils.course.probe import tensorrt_runtime_present
-
     saved_flag = trt_utils.TRT_PYTHON_AVAILABLE
     if not tensorrt_runtime_present():
         trt_utils.TRT_PYTHON_AVAILABLE = False
@@ -96,13 +104,13 @@ def _modelopt_session(what: str) -> Iterator[io.StringIO]:
 # Inputs and calibration data
 
 
-_ONNX_TO_NP = {1: np.float32, 10: np.float16, 11: np.float64, 16: None}  # 16 = bfloat16 (no numpy type)
+# ONNX element type -> numpy type; 16 = bfloat16 has none
+_ONNX_TO_NP: dict[int, type[np.floating[Any]] | None] = {1: np.float32, 10: np.float16, 11: np.float64, 16: None}
 
 
-def onnx_input(path: str | os.PathLike[str]) -> tuple[str, tuple[int | None, ...], Any]:
-    """(name, shape, numpy dtype) of the model's single input; symbolic dimensions are None."""
-    import onnx
-
+def onnx_input(path: str | os.PathLike[str]) -> tuple[str, tuple[int | None, ...], type[np.floating[Any]] | None]:
+    """(name, shape, numpy type) of the model's single input; symbolic dimensions are None, and so is the type
+    of a bfloat16 input (numpy has none)."""
     model = onnx.load(str(path), load_external_data=False)
     init = {i.name for i in model.graph.initializer}
     inputs = [i for i in model.graph.input if i.name not in init]
@@ -164,7 +172,6 @@ def autocast(onnx_path: str | os.PathLike[str], out_path: str | os.PathLike[str]
         raise ValueError(f"autocast(precision={precision!r}): use one of {LOW_PRECISION}")
     out_path = Path(out_path)
     with _modelopt_session(f"ModelOpt AutoCast to {precision} of {Path(onnx_path).name}"):
-        import onnx
         from modelopt.onnx.autocast import convert_to_mixed_precision
 
         converted = convert_to_mixed_precision(onnx_path=str(onnx_path), low_precision_type=precision,
@@ -204,8 +211,6 @@ def quantize_onnx(onnx_path: str | os.PathLike[str], out_path: str | os.PathLike
 def qdq_summary(path: str | os.PathLike[str]) -> dict[str, Any]:
     """What quantization put in the graph: Q and DQ node counts, the types of the quantized tensors, and
     which compute nodes (Conv, Gemm, MatMul) read a dequantized input."""
-    import onnx
-
     model = onnx.load(str(path), load_external_data=False)
     nodes = model.graph.node
     dq_out = {o for n in nodes if n.op_type == "DequantizeLinear" for o in n.output}
@@ -230,17 +235,13 @@ def evaluate_onnx(path: str | os.PathLike[str], x: np.ndarray, y: np.ndarray | N
                   reference_logits: np.ndarray | None = None, batch_size: int = 512) -> dict[str, float]:
     """Accuracy (with labels ``y``), and against ``reference_logits``: top-1 agreement, max |diff| and the
     mean |diff| relative to the mean |reference| (ONNX Runtime on the CPU, all optimizations)."""
-    from lab_utils.inference.onnx import accuracy, agreement, ort_predict, ort_session
-
     logits = ort_predict(ort_session(path, "all"), x, batch_size=batch_size)
     out: dict[str, float] = {}
     if y is not None:
         out["accuracy"] = accuracy(logits, y)
     if reference_logits is not None:
-        diff = np.abs(logits - reference_logits)
-        out["top1_agreement"] = agreement(logits, reference_logits)
-        out["max_abs_diff"] = float(diff.max())
-        out["rel_logit_error"] = float(diff.mean() / max(np.abs(reference_logits).mean(), 1e-12))
+        out.update(logit_error(logits, reference_logits))
+        out["max_abs_diff"] = float(np.abs(logits - reference_logits).max())
     return out
 
 
@@ -255,8 +256,6 @@ def calibration_sweep(onnx_path: str | os.PathLike[str], x_calibration: np.ndarr
     rel_logit_error (mean |logit difference| / mean |FP32 logit|), quantize_s. The images are taken in the
     order given: shuffle them first (the digits training split already is).
     """
-    from lab_utils.inference.onnx import ort_predict, ort_session
-
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     x_calibration = check_calibration_data(x_calibration, onnx_path)
@@ -265,7 +264,7 @@ def calibration_sweep(onnx_path: str | os.PathLike[str], x_calibration: np.ndarr
         raise ValueError(f"calibration_sweep(sizes=...): {too_many} exceed the {len(x_calibration)} calibration "
                          "images given")
     ref = ort_predict(ort_session(onnx_path, "all"), x_test)
-    fp32_acc = float((ref.argmax(1) == y_test).mean())
+    fp32_acc = accuracy(ref, y_test)
     rows = []
     for method in methods:
         for n in sizes:
@@ -281,16 +280,11 @@ def calibration_sweep(onnx_path: str | os.PathLike[str], x_calibration: np.ndarr
     return pd.DataFrame(rows)
 
 
-def plot_calibration_sweep(df: pd.DataFrame, ax: Any = None, title: str | None = None) -> Any:
+def plot_calibration_sweep(df: pd.DataFrame, ax: Axes | None = None, title: str | None = None) -> Figure:
     """Relative logit error (left axis, log) and accuracy change (right axis) against calibration images."""
-    if not isinstance(df, pd.DataFrame) or not {"method", "calibration_images", "rel_logit_error"} <= set(df):
-        raise ValueError("plot_calibration_sweep(df=...): pass what calibration_sweep returns")
-    if ax is None:
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(7.0, 4.0))
-    else:
-        fig = ax.figure
+    require_columns(df, {"method", "calibration_images", "rel_logit_error", "accuracy_delta_points"},
+                    "plot_calibration_sweep", "calibration_sweep")
+    fig, ax = new_axes(ax, (7.0, 4.0))
     right = ax.twinx()
     for method, group in df.groupby("method", sort=False):
         group = group.sort_values("calibration_images")
@@ -316,7 +310,6 @@ def plot_calibration_sweep(df: pd.DataFrame, ax: Any = None, title: str | None =
 
 def ort_runs_fp8() -> tuple[bool, str]:
     """Whether this onnxruntime runs FP8 (float8e4m3fn) Q/DQ on the CPU: tried on a two-node graph."""
-    import onnx
     import onnxruntime as ort
     from onnx import TensorProto, helper
 

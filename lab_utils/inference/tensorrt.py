@@ -7,26 +7,36 @@ and Q/DQ nodes, see ``lab_utils.inference.quantize``), never from builder flags;
 (``set_input_shape``, ``set_tensor_address``, ``execute_async_v3``). Type-checked with mypy against
 ``tensorrt-stubs`` (TensorRT 10.13's API).
 
-``tensorrt`` and ``torch`` are imported inside the functions (and under TYPE_CHECKING for annotations), so
-this module imports on machines without TensorRT; ``tensorrt_status`` says whether it can run here and why.
+``tensorrt`` is imported inside the functions (and under TYPE_CHECKING for annotations), so this module
+imports on machines without TensorRT; ``tensorrt_status`` says whether it can run here and why. Engines are
+fed from torch tensors on torch's CUDA streams, so torch is imported at the top.
 """
 
 from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+
+from lab_utils.course.probe import tensorrt_runtime_present
+from lab_utils.timing import benchmark
+
 if TYPE_CHECKING:
     import tensorrt as trt
-    import torch
 
 # Default builder workspace: ample for the lab's models; TensorRT uses less when tactics need less.
 WORKSPACE_BYTES = 1 << 30
+
+# Where NGC images (TensorRT, PyTorch) keep trtexec when it is not on the PATH: it ships with TensorRT's
+# samples, outside the PATH in some images. Searched after the PATH, in this order.
+TRTEXEC_CANDIDATES: tuple[Path, ...] = (Path("/opt/tensorrt/bin/trtexec"), Path("/usr/src/tensorrt/bin/trtexec"))
 
 _INSTALL_HINT = ("TensorRT's runtime is not on PyPI for every platform: use an NGC container "
                  "(nvcr.io/nvidia/pytorch or nvcr.io/nvidia/tensorrt) or NVIDIA's TensorRT packages for your CUDA")
@@ -50,8 +60,6 @@ class EngineLoadError(RuntimeError):
 
 def tensorrt_status() -> tuple[bool, str]:
     """(usable, why): the real TensorRT runtime imports and a CUDA GPU is usable by torch."""
-    from lab_utils.course.probe import tensorrt_runtime_present
-
     if not tensorrt_runtime_present():
         return False, ("the TensorRT runtime is not installed (the `tensorrt` Python package with its libraries; "
                        "a stub-only package for type checking does not count)")
@@ -59,13 +67,9 @@ def tensorrt_status() -> tuple[bool, str]:
         import tensorrt as trt_mod
     except (ImportError, OSError) as err:  # a wheel whose libnvinfer does not load
         return False, f"`import tensorrt` failed: {err}"
-    try:
-        import torch as torch_mod
-    except ImportError:
-        return False, "torch is not installed: the lab feeds engines from torch tensors"
-    if not torch_mod.cuda.is_available():
+    if not torch.cuda.is_available():
         return False, f"TensorRT {trt_mod.__version__} is installed but no CUDA GPU is usable by torch"
-    return True, f"TensorRT {trt_mod.__version__} on {torch_mod.cuda.get_device_name()}"
+    return True, f"TensorRT {trt_mod.__version__} on {torch.cuda.get_device_name()}"
 
 
 def import_tensorrt() -> Any:
@@ -136,16 +140,37 @@ def batch_profile(input_name: str, sample_shape: Sequence[int], min_batch: int =
 # trtexec
 
 
+def find_trtexec() -> Path | None:
+    """The ``trtexec`` executable: on the PATH, else the first of ``TRTEXEC_CANDIDATES`` that is an executable
+    file; None when there is none (no TensorRT here, or a TensorRT installed as Python wheels only)."""
+    on_path = shutil.which("trtexec")
+    if on_path:
+        return Path(on_path)
+    return next((p for p in TRTEXEC_CANDIDATES if p.is_file() and os.access(p, os.X_OK)), None)
+
+
+def _trtexec_program() -> str:
+    """How a command line names trtexec here: plain ``trtexec`` when the PATH finds it (or nothing does, for
+    lines meant for another machine), its full path when it sits off the PATH."""
+    if shutil.which("trtexec"):
+        return "trtexec"
+    found = find_trtexec()
+    return "trtexec" if found is None else str(found)
+
+
 def trtexec_commands(onnx_path: str | os.PathLike[str], engine_path: str | os.PathLike[str], profile: Profile,
                      timing_cache: str | os.PathLike[str] | None = None,
-                     workspace_bytes: int = WORKSPACE_BYTES, run_batch: int | None = None) -> dict[str, str]:
+                     workspace_bytes: int = WORKSPACE_BYTES, run_batch: int | None = None,
+                     trtexec: str | os.PathLike[str] | None = None) -> dict[str, str]:
     """The ``trtexec`` lines that do what ``build_plan`` and the benchmark do (build, then time the engine).
 
     ``--stronglyTyped`` is needed on TensorRT 10.x and a no-op on 11.x. The timing run uses CUDA graphs and
     no host transfers, so it reports GPU compute time, comparable with the lab's engine timings; trtexec's
-    throughput is executions / wall time (REFERENCE §5).
+    throughput is executions / wall time (REFERENCE §5). ``trtexec``: the program to name (default: as
+    ``find_trtexec`` finds it here, so the lines run as printed in an NGC image that keeps it off the PATH).
     """
-    build = ["trtexec", f"--onnx={onnx_path}", f"--saveEngine={engine_path}", "--stronglyTyped",
+    program = str(trtexec) if trtexec is not None else _trtexec_program()
+    build = [program, f"--onnx={onnx_path}", f"--saveEngine={engine_path}", "--stronglyTyped",
              f"--minShapes={profile.shapes_flag('min')}", f"--optShapes={profile.shapes_flag('opt')}",
              f"--maxShapes={profile.shapes_flag('max')}", f"--memPoolSize=workspace:{workspace_bytes // 2**20}M"]
     if timing_cache is not None:
@@ -155,7 +180,7 @@ def trtexec_commands(onnx_path: str | os.PathLike[str], engine_path: str | os.Pa
     if not profile.accepts(shape):
         raise ValueError(f"trtexec_commands(run_batch={run_batch}): shape {shape} is outside the profile "
                          f"{profile.min_shape}..{profile.max_shape}")
-    run = ["trtexec", f"--loadEngine={engine_path}", f"--shapes={profile.input_name}:{'x'.join(map(str, shape))}",
+    run = [program, f"--loadEngine={engine_path}", f"--shapes={profile.input_name}:{'x'.join(map(str, shape))}",
            "--useCudaGraph", "--noDataTransfers", "--warmUp=500", "--duration=10"]
     return {"build": shlex.join(build), "run": shlex.join(run)}
 
@@ -184,8 +209,8 @@ def _network_flags(trt_mod: Any) -> int:
 
 
 def build_plan(onnx_path: str | os.PathLike[str], profile: Profile,
-                 timing_cache_path: str | os.PathLike[str] | None = None,
-                 workspace_bytes: int = WORKSPACE_BYTES, verbose: bool = False) -> BuildResult:
+               timing_cache_path: str | os.PathLike[str] | None = None,
+               workspace_bytes: int = WORKSPACE_BYTES, verbose: bool = False) -> BuildResult:
     """Parse ``onnx_path`` into a strongly typed network and build a serialized engine for ``profile``.
 
     Precision is what the ONNX graph says (FP32, AutoCast FP16, INT8/FP8 Q/DQ). The timing cache, when a
@@ -262,9 +287,7 @@ def load_engine(plan: bytes | str | os.PathLike[str]) -> LoadedEngine:
     else:
         why = ""
     if engine is None:
-        import torch as torch_mod
-
-        gpu = torch_mod.cuda.get_device_name() if torch_mod.cuda.is_available() else "no GPU"
+        gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
         raise EngineLoadError(
             f"{source} did not deserialize with TensorRT {trt_mod.__version__} on {gpu}{why}. A TensorRT engine is "
             "tied to the TensorRT version and the GPU model that built it (or the file is damaged): rebuild it "
@@ -283,11 +306,9 @@ def _dims(d: trt.Dims) -> tuple[int, ...]:
 
 def torch_dtype(dtype: trt.DataType) -> torch.dtype:
     """The torch dtype of a TensorRT tensor type."""
-    import torch as torch_mod
-
-    table = {"FLOAT": torch_mod.float32, "HALF": torch_mod.float16, "BF16": torch_mod.bfloat16,
-             "INT8": torch_mod.int8, "INT32": torch_mod.int32, "INT64": torch_mod.int64, "BOOL": torch_mod.bool,
-             "UINT8": torch_mod.uint8, "FP8": torch_mod.float8_e4m3fn}
+    table = {"FLOAT": torch.float32, "HALF": torch.float16, "BF16": torch.bfloat16, "INT8": torch.int8,
+             "INT32": torch.int32, "INT64": torch.int64, "BOOL": torch.bool, "UINT8": torch.uint8,
+             "FP8": torch.float8_e4m3fn}
     if dtype.name not in table:
         raise TypeError(f"TensorRT type {dtype.name} has no torch equivalent here")
     return table[dtype.name]
@@ -330,8 +351,6 @@ class TrtRunner:
 
     def __post_init__(self) -> None:
         trt_mod = import_tensorrt()
-        import torch as torch_mod
-
         engine = self.loaded.engine
         self.context = engine.create_execution_context()
         names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
@@ -340,12 +359,10 @@ class TrtRunner:
             raise ValueError(f"TrtRunner handles engines with one input; this one has {inputs}")
         self.input_name = inputs[0]
         self.output_names = [n for n in names if n not in inputs]
-        self.stream = torch_mod.cuda.Stream()  # type: ignore[no-untyped-call,unused-ignore]  # torch leaves it unannotated
+        self.stream = torch.cuda.Stream()  # type: ignore[no-untyped-call,unused-ignore]  # torch leaves it unannotated
 
     def bind(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         """Set the input shape and all tensor addresses for ``x``; returns the output tensors ``run`` fills."""
-        import torch as torch_mod
-
         engine = self.loaded.engine
         want = torch_dtype(engine.get_tensor_dtype(self.input_name))
         x = x.to(device="cuda", dtype=want).contiguous()
@@ -356,7 +373,7 @@ class TrtRunner:
         outputs: dict[str, torch.Tensor] = {}
         for name in self.output_names:
             shape = _dims(self.context.get_tensor_shape(name))
-            outputs[name] = torch_mod.empty(shape, dtype=torch_dtype(engine.get_tensor_dtype(name)), device="cuda")
+            outputs[name] = torch.empty(shape, dtype=torch_dtype(engine.get_tensor_dtype(name)), device="cuda")
             self.context.set_tensor_address(name, outputs[name].data_ptr())
         self.context.set_tensor_address(self.input_name, x.data_ptr())
         self._bound = {"input": x, **outputs}  # keeps the memory alive as long as the addresses are set
@@ -365,11 +382,9 @@ class TrtRunner:
     def run(self) -> None:
         """Enqueue one execution on the runner's stream, ordered after the current stream's work and before
         whatever the current stream does next (so CUDA events on the current stream time it correctly)."""
-        import torch as torch_mod
-
         if not self._bound:
             raise RuntimeError("TrtRunner.run(): call bind(x) first")
-        current = torch_mod.cuda.current_stream()
+        current = torch.cuda.current_stream()
         self.stream.wait_stream(current)
         if not self.context.execute_async_v3(self.stream.cuda_stream):
             raise RuntimeError("execute_async_v3 returned False: see TensorRT's log above")
@@ -389,14 +404,10 @@ def time_engine(runner: TrtRunner, sample_shape: Sequence[int], batches: Sequenc
 
     Random inputs (not zeros), bound once per batch size; only ``execute_async_v3`` is timed.
     """
-    import torch as torch_mod
-
-    from lab_utils.timing import benchmark
-
-    gen = torch_mod.Generator(device="cpu").manual_seed(seed)
+    gen = torch.Generator(device="cpu").manual_seed(seed)
     rows: list[dict[str, Any]] = []
     for batch in batches:
-        x = torch_mod.randn((int(batch), *sample_shape), generator=gen)
+        x = torch.randn((int(batch), *sample_shape), generator=gen)
         runner.bind(x)
         t = benchmark(runner.run, reps=reps, warmup=warmup, device="cuda", name=f"trt-b{batch}")
         rows.append({"batch": int(batch), "p50_ms": t.median_ms, "p90_ms": t.p90_ms,

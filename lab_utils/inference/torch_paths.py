@@ -1,0 +1,310 @@
+"""Lab 03's torch inference paths, the substitutes for TensorRT on a GPU without it: eager FP32, then
+autocast (BF16/FP16, channels_last), then ``torch.compile`` (Inductor), then that captured in a CUDA graph,
+one step at a time so each step's gain is its own.
+
+"FP32" is set to mean IEEE FP32 (``set_fp32_semantics``); Inductor's autotuning reports are summarized
+instead of printed (``quiet_autotuning``); the compile workers are stopped when the lab ends
+(``shutdown_compile_workers``). Times are milliseconds (``lab_utils.timing``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import math
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from lab_utils.timing import Timing, benchmark
+
+AMP_DTYPES = ("bf16", "fp16")
+TORCH_STEPS = ("eager", "autocast", "compile", "cuda-graph")
+
+
+def set_fp32_semantics(device: str) -> str:
+    """Make "FP32" mean IEEE FP32 on this device: TF32 off for matmuls and convolutions; cuDNN autotuning on.
+
+    Returns a sentence saying what FP32 means here. Set explicitly because the defaults differ between
+    torch versions and NGC images (NVIDIA's containers enable TF32 for convolutions by default).
+    """
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    if str(device).startswith("cuda"):
+        torch.backends.cudnn.benchmark = True  # cuDNN times its algorithms per shape: TensorRT's tactic choice
+        return ("FP32 = IEEE single precision, TF32 off (torch.backends.cudnn.allow_tf32 = False, matmul precision "
+                "'highest'); cudnn.benchmark = True, so eager also gets the fastest cuDNN algorithm per shape")
+    return "FP32 = IEEE single precision (the CPU has no TF32)"
+
+
+@dataclass
+class TorchRunner:
+    """One torch backend, ready to run one batch: ``runner()`` returns the output (on the device)."""
+
+    name: str  # "eager", "autocast", "compile", "cuda-graph"
+    precision: str  # "fp32", "bf16", "fp16"
+    batch: int
+    fn: Callable[[], torch.Tensor]
+    setup_s: float = 0.0  # compile or capture time paid before the first timed call
+    note: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __call__(self) -> torch.Tensor:
+        return self.fn()
+
+
+def _amp_dtype(amp: str) -> torch.dtype:
+    if amp not in AMP_DTYPES:
+        raise ValueError(f"amp={amp!r}: use one of {AMP_DTYPES}")
+    return torch.bfloat16 if amp == "bf16" else torch.float16
+
+
+def _no_cudagraph_mode(mode: str) -> str:
+    """torch.compile's mode without inductor's own CUDA graphs (the lab captures them itself, step 4)."""
+    return {"max-autotune": "max-autotune-no-cudagraphs", "reduce-overhead": "default"}.get(mode, mode)
+
+
+def torch_runners(model: nn.Module, x: torch.Tensor | np.ndarray, *, steps: Sequence[str] = TORCH_STEPS,
+                  amp: str = "bf16", compile_mode: str = "max-autotune", channels_last: bool = True,
+                  autotune_convs: bool = False) -> Iterator[TorchRunner]:
+    """The substitute chain on one batch ``x``, one step at a time, each adding one thing:
+
+    1. ``eager``: the model as trained, FP32 (see ``set_fp32_semantics``);
+    2. ``autocast``: ``torch.autocast`` in ``amp`` (bf16 or fp16) and channels_last memory (tensor cores);
+    3. ``compile``: ``torch.compile`` of step 2 in ``compile_mode`` without CUDA graphs: Inductor fuses
+       element-wise work into the convolutions' neighbours and, with max-autotune, times kernel choices;
+    4. ``cuda-graph``: step 3 captured once in a CUDA graph and replayed: one launch per batch instead of
+       hundreds. ``max-autotune`` is steps 3 + 4 (Inductor's own CUDA graphs); here you see each half.
+
+    A generator, so each step is built (compiled, captured) only when the caller gets to it. Steps 2-4 need
+    a GPU; on a CPU only ``eager`` is offered. ``autotune_convs=False`` leaves convolutions to cuDNN (timed by
+    cudnn.benchmark) while max-autotune tunes the matmuls and fusions: Triton's convolution templates rarely
+    beat cuDNN on ResNet-50 and autotuning them costs minutes.
+    """
+    device = next(model.parameters()).device
+    x = torch.as_tensor(x).to(device)
+    gpu = device.type == "cuda"
+    unknown = set(steps) - set(TORCH_STEPS)
+    if unknown:
+        raise ValueError(f"torch_runners(steps=...): unknown steps {sorted(unknown)}")
+    batch = int(x.shape[0])
+
+    if "eager" in steps:
+        def eager() -> torch.Tensor:
+            with torch.inference_mode():
+                return model(x)
+
+        yield TorchRunner("eager", "fp32", batch, eager)
+    if not gpu:
+        return
+    dtype = _amp_dtype(amp)
+    # A copy: .to(memory_format=...) converts a module in place, and the caller's eager model stays NCHW.
+    # (Module.to takes memory_format; torch's annotated overloads leave it out.)
+    model_cl = (copy.deepcopy(model).to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+                if channels_last else model)
+    x_cl = x.contiguous(memory_format=torch.channels_last) if channels_last else x
+
+    def forward(inp: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cuda", dtype=dtype):
+            return model_cl(inp)
+
+    if "autocast" in steps:
+        def autocast() -> torch.Tensor:
+            with torch.inference_mode():
+                return forward(x_cl)
+
+        yield TorchRunner("autocast", amp, batch, autocast, note="channels_last" if channels_last else "")
+    if "compile" not in steps and "cuda-graph" not in steps:
+        return
+    mode = _no_cudagraph_mode(compile_mode)
+    compiled = torch.compile(forward, mode=mode, dynamic=False)
+    kernels_before = _inductor_kernel_count()
+    t0 = time.perf_counter()
+    from torch._inductor import config as inductor_config  # Inductor loads in seconds: only when compiling
+
+    backends = "ATEN,TRITON" if autotune_convs else "ATEN"
+    tuning: dict[str, Any] = {}
+    try:
+        with torch.inference_mode(), inductor_config.patch(max_autotune_conv_backends=backends), \
+                quiet_autotuning(tuning):
+            compiled(x_cl)  # compiles (and autotunes) now, not inside a timed repetition
+        torch.cuda.synchronize(device)
+    except Exception as err:  # a compiler failure costs the compiled steps, not the rest of the lab
+        print(f"torch.compile(mode={mode!r}) failed, so the compile and cuda-graph steps are skipped: "
+              f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}")
+        return
+    compile_s = time.perf_counter() - t0
+    after = _inductor_kernel_count()
+    kernels = after - kernels_before if after is not None and kernels_before is not None else None
+
+    def run_compiled() -> torch.Tensor:
+        with torch.inference_mode():
+            return compiled(x_cl)
+
+    if "compile" in steps:
+        yield TorchRunner("compile", amp, batch, run_compiled, compile_s, f"torch.compile(mode={mode!r})",
+                          {"generated_kernels": kernels, "autotuning": tuning})
+    if "cuda-graph" in steps:
+        try:
+            graphed = _cuda_graph_runner(run_compiled, x_cl, amp, batch, mode)
+        except Exception as err:  # e.g. an operation that cannot be captured: say so, keep the lab going
+            print(f"CUDA graph capture failed, so the cuda-graph step is skipped: {type(err).__name__}: {err}")
+            return
+        yield graphed
+
+
+def time_torch(runner: Callable[[], Any], device: str, reps: int = 10, warmup: int = 2,
+               name: str = "torch") -> Timing:
+    """Time a torch runner (CUDA events on a GPU, the host clock on a CPU); per-repetition ms."""
+    return benchmark(runner, reps=reps, warmup=warmup, device="cuda" if str(device).startswith("cuda") else "cpu",
+                     name=name)
+
+
+@contextlib.contextmanager
+def quiet_autotuning(summary: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """Silence Inductor's max-autotune reports while compiling and collect them in ``summary`` instead.
+
+    Inductor otherwise writes, for every matrix multiplication it tunes, a table of candidate kernels and a
+    JSON line of statistics, and logs an error for each candidate that cannot run. ``summary`` gets:
+    ``gemms`` (operations tuned), ``choices`` (candidates timed), ``skipped`` (candidates that could not run,
+    mostly Triton configurations needing more shared memory than an SM has), ``biggest`` (the largest
+    GEMM: its shapes, the winning kernel, its time in ms, and cuBLAS's time in ms).
+    The reports are turned off through Inductor's own settings; the failures are filtered from its logger.
+    Nothing here changes which kernels are tried or chosen.
+    """
+    summary.update(gemms=0, choices=0, skipped=0, biggest=None)
+    patches: dict[str, Any] = {}
+    stack = contextlib.ExitStack()
+    try:
+        from torch._inductor import config as inductor_config
+
+        patches = {k: v for k, v in (("max_autotune_report_choices_stats", False),
+                                     ("autotune_num_choices_displayed", 0)) if hasattr(inductor_config, k)}
+        stack.enter_context(inductor_config.patch(patches))
+    except Exception:  # private settings: a torch without them prints its reports, and the lab still runs
+        pass
+
+    class _Failures(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            if "during autotuning" in str(record.msg):
+                summary["skipped"] += 1
+                return False
+            return True
+
+    failures = _Failures()
+    select_log = logging.getLogger("torch._inductor.select_algorithm")
+    select_log.addFilter(failures)
+    restore = None
+    try:
+        from torch._inductor.select_algorithm import AlgorithmSelectorCache
+
+        original = AlgorithmSelectorCache.__dict__.get("log_results")
+        if isinstance(original, staticmethod):
+            inner = original.__func__
+
+            def log_results(*args: Any, **kwargs: Any) -> Any:
+                try:
+                    named = dict(zip(("name", "input_nodes", "timings"), args, strict=False)) | kwargs
+                    _note_autotuning(summary, named["name"], named["input_nodes"], named["timings"])
+                except Exception:  # the summary is a courtesy: never let it break a compile
+                    pass
+                return inner(*args, **kwargs)
+
+            AlgorithmSelectorCache.log_results = staticmethod(log_results)  # type: ignore[method-assign]
+            restore = (AlgorithmSelectorCache, original)
+    except Exception:
+        pass
+    try:
+        with stack, warnings.catch_warnings():
+            # Inductor's own call of a deprecated storage API; nothing the student can act on.
+            warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
+            yield summary
+    finally:
+        select_log.removeFilter(failures)
+        if restore is not None:
+            restore[0].log_results = restore[1]  # type: ignore[method-assign]
+
+
+def _note_autotuning(summary: dict[str, Any], name: str, input_nodes: Any, timings: dict[Any, float]) -> None:
+    """Add one tuned operation (Inductor's ``log_results`` arguments) to ``quiet_autotuning``'s summary."""
+    summary["gemms"] += 1
+    summary["choices"] += len(timings)
+    finite = {c: t for c, t in timings.items() if t is not None and math.isfinite(t)}
+    if not finite:
+        return
+    sizes = [tuple(int(d) for d in n.get_size()) for n in input_nodes]
+    a, b = sizes[-2], sizes[-1]  # mm(A, B), addmm(bias, A, B): the last two inputs are the operands
+    macs = math.prod(a) * b[-1] if len(a) >= 2 and len(b) >= 2 else 0
+    if summary["biggest"] is not None and macs <= summary["biggest"]["macs"]:
+        return
+    best = min(finite, key=finite.__getitem__)
+    aten = [t for c, t in finite.items() if not str(getattr(c, "name", "")).startswith("triton")]
+    summary["biggest"] = {"op": f"{name}({', '.join('x'.join(map(str, s)) for s in sizes)})", "macs": macs,
+                          "kernel": str(getattr(best, "name", best)), "desc": str(getattr(best, "description", "")),
+                          "best_ms": finite[best], "cublas_ms": min(aten) if aten else None}
+
+
+def autotuning_line(summary: dict[str, Any] | None) -> str:
+    """One sentence about a compile's autotuning (``quiet_autotuning``'s summary)."""
+    if not summary or not summary.get("gemms"):
+        return "no matrix multiplication was autotuned (a compile without max-autotune, or results from the cache)"
+    line = (f"max-autotune timed {summary['choices']} candidate kernels for {summary['gemms']} matrix "
+            f"multiplications")
+    if summary.get("skipped"):
+        line += (f" ({summary['skipped']} candidates skipped: Triton configurations needing more shared memory "
+                 "than an SM has, normal and harmless)")
+    big = summary.get("biggest")
+    if big:
+        cublas = f", cuBLAS {big['cublas_ms']:.4f} ms" if big.get("cublas_ms") is not None else ""
+        line += f"; the biggest, {big['op']}, went to {big['kernel']} ({big['best_ms']:.4f} ms{cublas})"
+    return line
+
+
+def _cuda_graph_runner(run: Callable[[], torch.Tensor], static_x: torch.Tensor, amp: str, batch: int,
+                       mode: str) -> TorchRunner:
+    """Capture ``run`` (which reads ``static_x``) in a CUDA graph; replays reuse the same input and output memory."""
+    t0 = time.perf_counter()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up on a side stream, as capture requires
+        for _ in range(3):
+            run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = run()
+    torch.cuda.synchronize()
+
+    def replay() -> torch.Tensor:
+        graph.replay()
+        return static_out
+
+    return TorchRunner("cuda-graph", amp, batch, replay, time.perf_counter() - t0,
+                       f"torch.compile(mode={mode!r}) captured with torch.cuda.graph",
+                       {"graph": graph, "static_input": static_x})
+
+
+def shutdown_compile_workers() -> None:
+    """Stop torch.compile's pool of compile worker processes (nothing the lab started may outlive it)."""
+    try:
+        from torch._inductor.async_compile import shutdown_compile_workers as shutdown
+    except ImportError:
+        return
+    shutdown()
+
+
+def _inductor_kernel_count() -> int | None:
+    try:
+        from torch._inductor import metrics
+
+        return int(metrics.generated_kernel_count)
+    except Exception:  # a private counter: absent in some torch builds, and then the lab says so
+        return None

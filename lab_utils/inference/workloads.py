@@ -1,0 +1,172 @@
+"""Lab 03's two workloads: the digits CNN, trained here so that accuracy is measurable, and a ResNet-50 with
+random weights, for speed; what each is (``ModelInfo``) and the random images that feed it.
+
+The digits CNN is lab 02's, trained in seconds on scikit-learn's 8x8 digits. The ResNet-50 is torchvision's
+``resnet50`` on a GPU where torchvision imports (an optional dependency, imported where it is used), else
+``lab_utils.models.BottleneckResNet``; on a CPU the same layout at width 16 and 64 px, so the lab stays fast.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from lab_utils.args import check_int
+from lab_utils.inference.compare import accuracy
+from lab_utils.models import RESNET50_BLOCKS, BottleneckResNet, DigitsCNN, digits_arrays, make_digits_cnn
+
+# The digits CNN's training recipe (lab 02's DDP runs use the same CNN and split).
+DIGITS_EPOCHS = 4
+DIGITS_BATCH_SIZE = 64
+DIGITS_LR = 0.05
+DIGITS_MOMENTUM = 0.9
+DIGITS_WIDTH = 32
+
+# ResNet-50 sizes by device: a GPU gets the real thing (25.6 M parameters, 4.1 GFLOP per 224 px image);
+# a CPU the same 50-layer bottleneck layout at a quarter of the width and 64 px (about 2 M parameters).
+RESNET_SIZES = {"cuda": {"width": 64, "image_size": 224}, "cpu": {"width": 16, "image_size": 64}}
+
+
+@dataclass
+class ModelInfo:
+    """What a model is: where it came from, its size and its input."""
+
+    name: str
+    source: str
+    params_m: float  # millions of parameters
+    input_shape: tuple[int, ...]  # one sample, without the batch dimension
+    gflop_per_image: float  # multiply-adds x 2 of one forward pass
+    notes: str = ""
+    slug: str = ""  # for result names: the same slug means the same model, so runs compare as ratios
+
+    def __str__(self) -> str:
+        shape = "x".join(map(str, self.input_shape))
+        return (f"{self.name}: {self.source}; {self.params_m:.2f} M parameters, input {shape}, "
+                f"{self.gflop_per_image:.3g} GFLOP per image{'; ' + self.notes if self.notes else ''}")
+
+
+def count_gflop(model: nn.Module, input_shape: Sequence[int]) -> float:
+    """GFLOP (2 x multiply-adds) of one forward pass on one sample, counted over Conv2d and Linear layers."""
+    macs: list[int] = []
+
+    def hook(mod: nn.Module, inputs: Any, out: torch.Tensor) -> None:
+        if isinstance(mod, nn.Conv2d):
+            k = mod.kernel_size[0] * mod.kernel_size[1] * mod.in_channels // mod.groups
+            macs.append(out[0].numel() * k)
+        elif isinstance(mod, nn.Linear):
+            macs.append(out[0].numel() * mod.in_features)
+
+    handles = [m.register_forward_hook(hook) for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
+    try:
+        p = next(model.parameters())
+        with torch.no_grad():
+            model(torch.zeros((1, *input_shape), dtype=p.dtype, device=p.device))
+    finally:
+        for h in handles:
+            h.remove()
+    return 2 * sum(macs) / 1e9
+
+
+def _params_m(model: nn.Module) -> float:
+    return sum(p.numel() for p in model.parameters()) / 1e6
+
+
+def train_digits_cnn(epochs: int = DIGITS_EPOCHS, seed: int = 0, width: int = DIGITS_WIDTH,
+                     batch_size: int = DIGITS_BATCH_SIZE, lr: float = DIGITS_LR) -> tuple[DigitsCNN, dict[str, Any]]:
+    """Train lab 02's digits CNN in this process on the CPU; returns (model in eval mode, facts).
+
+    1440 training images, SGD with momentum, cross-entropy; a few seconds on a laptop CPU. The facts hold
+    ``accuracy`` (test set, 357 images, fp32), ``train_s`` and the recipe.
+    """
+    check_int(epochs, "epochs", "train_digits_cnn")
+    check_int(batch_size, "batch_size", "train_digits_cnn")
+    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)
+    data = digits_arrays()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a 0.15 M-parameter CNN: more threads only add synchronisation (10x slower on a busy CPU)
+    x, y = torch.from_numpy(data["x_train"]), torch.from_numpy(data["y_train"])
+    model = make_digits_cnn(width)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=DIGITS_MOMENTUM)
+    t0 = time.perf_counter()
+    model.train()
+    for _ in range(epochs):
+        for idx in torch.randperm(len(y), generator=gen).split(batch_size):
+            opt.zero_grad(set_to_none=True)
+            nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
+            opt.step()
+    train_s = time.perf_counter() - t0
+    torch.set_num_threads(threads)
+    model.eval()
+    with torch.no_grad():
+        logits = model(torch.from_numpy(data["x_test"])).numpy()
+    facts = {"accuracy": accuracy(logits, data["y_test"]), "train_s": train_s, "epochs": epochs, "seed": seed,
+             "width": width, "train_images": int(len(y)), "test_images": int(len(data["y_test"]))}
+    return model, facts
+
+
+def digits_info(model: nn.Module) -> ModelInfo:
+    """The digits CNN's ``ModelInfo`` (input one 8x8 grey image)."""
+    return ModelInfo("digits CNN", "lab 02's DigitsCNN, trained here", _params_m(model), (1, 8, 8),
+                     count_gflop(model, (1, 8, 8)), slug="digits")
+
+
+def make_resnet50(device: str = "cpu", width: int | None = None, image_size: int | None = None,
+                  num_classes: int = 1000, seed: int = 0,
+                  prefer_torchvision: bool = True) -> tuple[nn.Module, ModelInfo]:
+    """A ResNet-50 with random weights for speed measurements, in eval mode on ``device``.
+
+    On a GPU, at full size: ``torchvision.models.resnet50(weights=None)`` when torchvision imports, else
+    ``lab_utils.models.BottleneckResNet`` (the same layout). On a CPU the same layout at width 16 and 64 px
+    (``RESNET_SIZES``). BatchNorm statistics are settled on a few random batches, so activations keep a
+    realistic scale (random weights with fresh statistics let values grow layer after layer, which low
+    precision punishes unfairly).
+    """
+    kind = "cuda" if str(device).startswith("cuda") else "cpu"
+    width = RESNET_SIZES[kind]["width"] if width is None else check_int(width, "width", "make_resnet50")
+    image_size = (RESNET_SIZES[kind]["image_size"] if image_size is None
+                  else check_int(image_size, "image_size", "make_resnet50", 32))
+    torch.manual_seed(seed)
+    source = f"lab_utils bottleneck ResNet-50 layout {RESNET50_BLOCKS}, width {width}"
+    model: nn.Module | None = None
+    if prefer_torchvision and width == 64:
+        try:  # optional: the lab's own BottleneckResNet has the same layout and parameter count
+            from torchvision.models import resnet50  # type: ignore[import-not-found,import-untyped,unused-ignore]
+
+            model, source = resnet50(weights=None, num_classes=num_classes), "torchvision.models.resnet50(weights=None)"
+        except ImportError:
+            model = None
+    if model is None:
+        model = BottleneckResNet(width, RESNET50_BLOCKS, num_classes)
+    model = model.to(device)
+    _settle_batchnorm(model, image_size, device)
+    model.eval()
+    info = ModelInfo("ResNet-50" if width == 64 else f"ResNet-50 layout (width {width})", source,
+                     _params_m(model), (3, image_size, image_size), count_gflop(model, (3, image_size, image_size)),
+                     "random weights, for speed",
+                     slug="resnet50" if (width, image_size) == (64, 224) else f"resnet50-w{width}-{image_size}px")
+    return model, info
+
+
+def _settle_batchnorm(model: nn.Module, image_size: int, device: str, batches: int = 2, batch_size: int = 8) -> None:
+    for m in model.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            m.reset_running_stats()
+            m.momentum = None  # a cumulative average over the settling batches
+    model.train()
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    with torch.no_grad():
+        for _ in range(batches):
+            model(torch.randn(batch_size, 3, image_size, image_size, generator=gen).to(device))
+    model.eval()
+
+
+def random_images(n: int, shape: Sequence[int], seed: int = 0) -> np.ndarray:
+    """(n, *shape) float32 standard-normal images: random, not zeros (zeros run faster than real data)."""
+    return np.random.default_rng(seed).standard_normal((n, *shape)).astype(np.float32)
