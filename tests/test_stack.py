@@ -1,5 +1,9 @@
-"""The version manifest and everything that must agree with it: Dockerfile, docker/.env, compose.yaml, ./course."""
+"""The version manifest and everything that must agree with it: Dockerfile, docker/.env, compose.yaml, ./course,
+the Triton image the server module suggests; versions as pip reports them in an NGC image."""
 
+import copy
+import json
+import os
 import shutil
 import subprocess
 import sys
@@ -22,14 +26,6 @@ def test_the_checkout_agrees_with_the_manifest():
 def test_docker_env_is_generated_from_the_manifest():
     assert (ROOT / "docker" / ".env").read_text() == stack.compose_env(), (
         "docker/.env differs from the manifest: python -m lab_utils.course.stack env > docker/.env")
-
-
-def test_pinned_release_states_every_version_and_a_matching_client():
-    rel = stack.pinned_release()
-    for f in stack.PINNED_FIELDS:
-        assert rel[f], f
-    assert rel["tritonclient"] == rel["triton_server"]
-    assert set(rel["images"]) == {"pytorch", "tritonserver"}
 
 
 @pytest.fixture
@@ -88,6 +84,16 @@ def test_manifest_client_must_match_server(checkout):
     assert any("docker/Dockerfile has ARG TRITONCLIENT_VERSION=2.73.0" in p and "2.50.0" in p for p in problems)
 
 
+def test_preinstalled_must_agree_with_the_release(checkout):
+    m = copy.deepcopy(stack.manifest())
+    rel = m["ngc"][m["pinned"]]
+    rel["preinstalled"]["torch"] = "2.13.0"
+    rel["pip_prerelease"] = ["torch", "tensorrt-llm"]
+    problems = stack.check(checkout, m)
+    assert any(f"has torch {rel['torch']} but lists torch 2.13.0 as preinstalled" in p for p in problems), problems
+    assert any("tensorrt-llm under pip_prerelease but not under preinstalled" in p for p in problems), problems
+
+
 def test_interpolation_follows_compose():
     assert stack.interpolate("a:${X}-py3", {"X": "1"}) == "a:1-py3"
     assert stack.interpolate("${P:-8888}", {}) == "8888"
@@ -115,3 +121,125 @@ def test_module_check_and_env_commands():
     out = subprocess.run([sys.executable, "-m", "lab_utils.course.stack", "env"], capture_output=True, text=True,
                          cwd=ROOT)
     assert out.stdout == stack.compose_env()
+
+
+# --- versions as pip reports them in an NGC image ---------------------------------------------------
+
+
+@pytest.mark.parametrize("recorded, reported", [
+    ("2.14.0", "2.14.0a0+5fa4b7e"),  # NGC's torch: a pre-release built from a commit, below 2.14.0 in PEP 440
+    ("2.8.0", "2.8.0a0+5228986c39.nv25.6"),  # NGC 25.06's torch, as pip lists it
+    ("2.14", "2.14.0a0+5fa4b7e"),  # the release's own field, coarser
+    ("2.14.0", "2.14.0"),  # PyPI's release
+    ("10.13.3", "10.13.3.9"),  # TensorRT: a fourth number, the build
+    ("10.13", "10.13.3.9"),
+    ("11.3.0", "11.3.0.36"),
+    ("11.3.0", "11.3"),  # missing numbers are 0, as in PEP 440
+])
+def test_a_reported_version_is_the_images(recorded, reported):
+    assert stack.same_release(recorded, reported)
+
+
+@pytest.mark.parametrize("recorded, reported", [
+    ("2.14.0", "2.13.0a0+5fa4b7e"),  # the previous release's build
+    ("2.14.0", "2.15.0a0+5fa4b7e"),  # the next one's
+    ("2.8.0", "2.8.1a0+5228986c39.nv25.6"),
+    ("2.14.0", "2.1.4"),  # digits of a hash or a short release must not line up
+    ("10.13.3", "10.13.2.6"),
+    ("11.3.0", "11.30.0.1"),
+    ("11.3.0", "1.13.0"),
+])
+def test_a_reported_version_of_another_release_is_not(recorded, reported):
+    assert not stack.same_release(recorded, reported)
+
+
+def test_release_reads_pep440_and_refuses_the_rest():
+    assert stack.release("2.8.0a0+5228986c39.nv25.6") == (2, 8, 0)
+    assert stack.release("10.13.3.9") == (10, 13, 3, 9) and stack.release("26.09") == (26, 9)
+    with pytest.raises(ValueError, match="not a version"):
+        stack.release("nightly")
+
+
+def test_pip_version_is_what_pip_reports_in_the_image():
+    rel = stack.pinned_release()
+    torch, trt = rel["preinstalled"]["torch"], rel["preinstalled"]["tensorrt"]
+    assert "torch" in rel["pip_prerelease"] and "tensorrt" not in rel["pip_prerelease"]
+    assert stack.pip_version("torch") == f"{torch}a0" and stack.pip_version("tensorrt") == trt
+    assert stack.recorded_version("torch", "25.12") == stack.manifest()["ngc"]["25.12"]["torch"]  # no preinstalled
+    with pytest.raises(KeyError, match="records no torch version"):
+        stack.recorded_version("torch", "24.10")
+    with pytest.raises(KeyError, match="'25.01' has no entry"):
+        stack.recorded_version("torch", "25.01")
+
+
+@pytest.fixture
+def fake_dists(tmp_path):
+    """A folder of bare .dist-info entries, first on PYTHONPATH: what pip (importlib.metadata) reports there."""
+    def make(**versions: str) -> dict[str, str]:
+        folder = tmp_path / "site"
+        shutil.rmtree(folder, ignore_errors=True)
+        for name, version in versions.items():
+            info = folder / f"{name}-{version}.dist-info"
+            info.mkdir(parents=True)
+            (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+        return {**os.environ, "PYTHONPATH": str(folder)}
+    return make
+
+
+def installed(env: dict[str, str], tag: str, name: str) -> subprocess.CompletedProcess:
+    """The Dockerfile's torch guard: python -m lab_utils.course.stack installed NGC_TAG NAME."""
+    return subprocess.run([sys.executable, "-m", "lab_utils.course.stack", "installed", tag, name],
+                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=60)
+
+
+def test_torch_guard_accepts_the_images_builds_and_names_both_sides_otherwise(fake_dists):
+    tag = stack.pinned_release()["tag"]
+    want = stack.recorded_version("torch")
+    env = fake_dists(torch=f"{want}a0+5fa4b7e", tensorrt=f"{stack.recorded_version('tensorrt')}.36")
+    out = installed(env, tag, "torch")
+    assert out.returncode == 0 and out.stdout.strip() == f"{want}a0+5fa4b7e", out.stderr  # printed as pip reports it
+    assert installed(env, tag, "tensorrt").returncode == 0
+
+    out = installed(fake_dists(torch="2.13.0a0+5fa4b7e"), tag, "torch")
+    assert out.returncode == 1 and out.stdout == ""
+    assert "torch is 2.13.0a0+5fa4b7e" in out.stderr and f"NGC {tag} image carries torch {want}" in out.stderr
+    assert SRC in out.stderr
+
+    out = installed(fake_dists(torch="2.8.0a0+5228986c39.nv25.6"), "25.01", "torch")  # a release not in the manifest
+    assert out.returncode == 1 and "'25.01' has no entry under 'ngc'" in out.stderr
+
+
+def test_server_suggests_the_pinned_releases_tritonserver(monkeypatch, tmp_path):
+    """A plan built by the pinned release's TensorRT loads in no older server: the hint names the pinned tag."""
+    from lab_utils.serving import server
+
+    monkeypatch.delenv(server.URL_ENV, raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no tritonserver
+    monkeypatch.setattr(server, "pytriton_server", lambda: None)
+
+    def message() -> str:
+        with pytest.raises(server.ServerNotFound) as err:
+            server.find_server()
+        return str(err.value)
+
+    tag = stack.pinned_release()["tag"]
+    assert f"docker run --gpus all -p8000-8002:8000-8002 nvcr.io/nvidia/tritonserver:{tag}-py3 " in message()
+
+    m = copy.deepcopy(stack.manifest())
+    m["ngc"]["27.03"] = m["ngc"][tag]
+    m["pinned"] = "27.03"
+    path = tmp_path / "versions.json"
+    path.write_text(json.dumps(m))
+    monkeypatch.setattr(stack, "MANIFEST_PATH", path)
+    stack.manifest.cache_clear()
+    try:
+        text = message()
+        assert "nvcr.io/nvidia/tritonserver:27.03-py3" in text and f":{tag}-py3" not in text
+        m["ngc"]["27.03"] = {**m["ngc"]["27.03"], "images": ["pytorch"]}
+        path.write_text(json.dumps(m))
+        stack.manifest.cache_clear()
+        with pytest.raises(KeyError, match="pinned release 27.03 lists no tritonserver image"):
+            server.find_server()
+    finally:
+        monkeypatch.undo()
+        stack.manifest.cache_clear()

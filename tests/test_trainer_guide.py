@@ -1,6 +1,8 @@
 """The trainer guide's commands are the ones the tests and the CI run: every nvlab command parses, the install and
-docker commands are the workflow's and the wheelhouse's, the variables are the compose file's."""
+docker commands are the workflow's and the wheelhouse's, the variables are the compose file's; the modules and
+lab_utils/ paths it and docker/README.md name exist."""
 
+import importlib.util
 import re
 import shlex
 from pathlib import Path
@@ -89,8 +91,24 @@ def test_compose_commands_and_variables(commands):
     assert "python -m lab_utils.course.stack check" in commands
 
 
-def test_guide_covers_the_common_failures():
-    text = GUIDE.read_text()
-    for heading in ("Driver too old", "No GPU inside the container", "`/dev/shm` too small", "Ports taken"):
-        assert f"**{heading}" in text, heading
-    assert "bash .ci/run" in text and "self-hosted, linux, x64, gpu" in text
+def resolves(name: str) -> bool:
+    """Whether ``name`` is a module, or an attribute of one (lab_utils.course.probe.container_verdicts)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:  # a parent is a module, not a package: name an attribute of it
+        module, _, attr = name.rpartition(".")
+        return resolves(module) and hasattr(importlib.import_module(module), attr)
+
+
+@pytest.mark.parametrize("doc", [GUIDE, ROOT / "docker" / "README.md"], ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_named_modules_and_paths_exist(doc):
+    """Module names (``python -m lab_utils.course.stack``, ``lab_utils.serving.server``) import and ``lab_utils/``
+    paths exist: a renamed module or moved file shows here, not in a trainer's terminal."""
+    text = doc.read_text()
+    modules = set(re.findall(r"python -m ([\w.]+)", text)) | set(re.findall(r"\b(lab_utils(?:\.\w+)+)", text))
+    stale = sorted(m for m in modules if not resolves(m))
+    paths = {p.rstrip(".,:;") for p in re.findall(r"\blab_utils/[\w./-]*", text)}
+    missing = sorted(p for p in paths if not (ROOT / p).exists())
+    assert not stale and not missing, f"{doc.name} names modules that do not import {stale}, paths not there {missing}"
+    assert modules and paths
+    assert not resolves("lab_utils.stack") and resolves("lab_utils.course.probe.container_verdicts")  # the check

@@ -1,6 +1,6 @@
 """``nvlab wheelhouse``: target tags, markers judged for the target, placeholders for what an NGC image has, and a
 real offline install: build a wheelhouse from PyPI, install it with no index into a fresh virtual environment,
-import lab_utils and run nvlab doctor."""
+import lab_utils and run nvlab doctor (marked ``network``: it downloads from PyPI; CI runs it)."""
 
 import os
 import subprocess
@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from lab_utils import cli
+from lab_utils.course import stack
 from lab_utils.ops import wheelhouse
 from lab_utils.ops.wheelhouse import WheelhouseError
 
@@ -106,23 +107,48 @@ def test_requirements_are_judged_for_the_target(folder):
     assert "torch>=2.4" in wheelhouse.missing_requirements(folder, [("app", ())], env312)
 
 
-def test_placeholders_stand_for_preinstalled_packages(tmp_path):
-    """Offline: a package that needs torch resolves against the placeholder, never a real torch."""
+@pytest.mark.parametrize("provided", [
+    {"torch": "2.14.0a0+5fa4b7e", "tensorrt": "11.3.0.36"},  # as pip lists them in the image
+    {"torch": "2.14.0a0", "tensorrt": "11.3.0"},  # stack.pip_version: what the placeholders carry
+])
+def test_requirements_on_what_the_image_has_are_judged_as_pip_sees_it(tmp_path, provided):
+    # NGC's torch 2.14.0 is a pre-release to pip: it meets >=2.4 and <2.15 but not >=2.14 or ==2.14.0.
+    make_wheel(tmp_path, "app", "1.0", ["torch>=2.4,<2.15", "tensorrt>=11.3", "old-dep"])
+    make_wheel(tmp_path, "old-dep", "1.0", ["torch>=2.14", "tensorrt==11.3.*"])
+    make_wheel(tmp_path, "pinned-dep", "1.0", ["torch==2.14.0", "tensorrt<11.3"])
+    env = wheelhouse.target_environment("3.12", "x86_64")
+    assert wheelhouse.missing_requirements(tmp_path, [("app", ())], env, provided) == ["torch>=2.14"]
+    assert wheelhouse.missing_requirements(tmp_path, [("pinned-dep", ())], env, provided) == [
+        "tensorrt<11.3", "torch==2.14.0"]
+
+
+def download(links: Path, dest: Path, args: list[str], *reqs: str) -> None:
+    """pip download with no index from ``links``, through the wheelhouse's own error handling."""
+    wheelhouse._pip(["download", "--no-index", "--find-links", str(links), "--dest", str(dest), *args, *reqs],
+                    "downloading", "3.12", "x86_64", hint="HINT: what the image has")
+
+
+def test_placeholders_stand_for_preinstalled_packages(tmp_path, monkeypatch):
+    """Offline: a package that needs torch resolves against the placeholder at the version pip will see in the
+    image, never a real torch; one that needs a newer torch than the image's fails here, as it would there."""
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("PIP_FIND_LINKS", "")
     links = tmp_path / "links"
     links.mkdir()
     make_wheel(links, "needs-torch", "1.0", ["torch>=2.4", "numpy"])
+    make_wheel(links, "needs-final-torch", "1.0", ["torch>=2.14"])
     make_wheel(links, "numpy", "2.0.0")
     make_wheel(links, "torch", "2.99.0")  # what an index would offer: must not be chosen
-    args = wheelhouse.placeholder_args(tmp_path, {"torch": "2.14.0"})
+    image = stack.pip_version("torch")  # 2.14.0a0
+    args = wheelhouse.placeholder_args(tmp_path, {"torch": image})
     dest = tmp_path / "dest"
-    out = subprocess.run([sys.executable, "-m", "pip", "download", "--no-index", "--find-links", str(links),
-                          "--dest", str(dest), *args, "needs-torch"], capture_output=True, text=True,
-                         env={**os.environ, "PIP_CONFIG_FILE": os.devnull, "PIP_FIND_LINKS": ""})
-    assert out.returncode == 0, out.stderr
+    download(links, dest, args, "needs-torch")
     names = sorted(p.name for p in dest.glob("*.whl"))
     assert names == ["needs_torch-1.0-py3-none-any.whl", "numpy-2.0.0-py3-none-any.whl",
-                     f"torch-2.14.0+{wheelhouse.STUB_LABEL}-py3-none-any.whl"]
-    assert wheelhouse.wheel_metadata(dest / names[-1])[:2] == ("torch", f"2.14.0+{wheelhouse.STUB_LABEL}")
+                     f"torch-{image}+{wheelhouse.STUB_LABEL}-py3-none-any.whl"]
+    assert wheelhouse.wheel_metadata(dest / names[-1])[:2] == ("torch", f"{image}+{wheelhouse.STUB_LABEL}")
+    with pytest.raises(WheelhouseError, match="the requirements conflict. HINT: what the image has"):
+        download(links, tmp_path / "dest2", args, "needs-final-torch")
 
 
 def test_install_commands_are_no_index_and_match_the_course():
@@ -149,6 +175,7 @@ def sh(cmd: str, **kw) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=600, **kw)
 
 
+@pytest.mark.network
 def test_offline_install_from_a_fresh_wheelhouse(tmp_path):
     t0 = time.perf_counter()
     wh = tmp_path / "wheelhouse"

@@ -8,6 +8,12 @@ Lab 00's container table reads the manifest directly (``lab_utils.course.probe.c
 
     python -m lab_utils.course.stack env > docker/.env    # write the compose file's image tags from the manifest
     python -m lab_utils.course.stack check                # exit 1 with one line per mismatch
+    python -m lab_utils.course.stack installed 26.09 torch  # print pip's torch here; exit 1 unless it is the image's
+
+A release's ``preinstalled`` versions are release numbers ("torch": "2.14.0"), not what pip reports: NVIDIA builds
+the image's torch from a commit before that release, so pip sees a pre-release ("2.14.0a0+5fa4b7e", which sorts
+below 2.14.0 under PEP 440), and TensorRT carries its build number as a fourth part ("11.3.0.36").
+``same_release`` compares at the manifest's precision; ``pip_version`` gives the form pip reports.
 
 Standard library only, except PyYAML for reading compose.yaml in ``check``.
 """
@@ -36,28 +42,106 @@ def manifest() -> dict[str, Any]:
     return json.loads(MANIFEST_PATH.read_text())
 
 
-def _version_tuple(v: str) -> tuple[int, ...]:
-    return tuple(int(p) for p in re.findall(r"\d+", v))
+# PEP 440's release segment, after an optional "v" and epoch; what follows (a0, .post1, +local) is not read.
+_RELEASE = re.compile(r"\s*v?(?:\d+!)?(\d+(?:\.\d+)*)")
+
+
+def release(version: str) -> tuple[int, ...]:
+    """The release numbers of a version: (2, 14, 0) for "2.14.0a0+5fa4b7e", (10, 13, 3, 9) for "10.13.3.9"."""
+    m = _RELEASE.match(version)
+    if not m:
+        raise ValueError(f"{version!r} is not a version: expected release numbers first, e.g. 2.14.0 or 2.14.0a0+abc")
+    return tuple(int(p) for p in m.group(1).split("."))
+
+
+def same_release(recorded: str, reported: str) -> bool:
+    """Whether a version pip reports ("2.14.0a0+5fa4b7e", "11.3.0.36") is the manifest's ("2.14.0", "11.3.0"):
+    its release numbers cut to the manifest's precision are the manifest's (missing ones count as 0, as in PEP 440).
+    Pre-release, post-release and local parts are ignored, so 2.14.0a0+5fa4b7e is the image's 2.14.0."""
+    want = release(recorded)
+    return (release(reported) + (0,) * len(want))[:len(want)] == want
 
 
 def pinned_release(m: dict[str, Any] | None = None) -> dict[str, Any]:
     """The NGC release the course image and stack use, with its ``tag`` ("26.09") added."""
     m = m or manifest()
-    tag = m["pinned"]
+    return ngc_release(m["pinned"], m)
+
+
+def ngc_release(tag: str, m: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The manifest's entry of NGC release ``tag`` ("26.09"), with ``tag`` added; KeyError naming the fix."""
+    m = m or manifest()
     if tag not in m["ngc"]:
-        raise KeyError(f"{MANIFEST_NAME}: pinned release {tag!r} has no entry under 'ngc' ({sorted(m['ngc'])})")
+        what = "pinned release" if tag == m["pinned"] else "NGC release"
+        raise KeyError(f"{MANIFEST_NAME}: {what} {tag!r} has no entry under 'ngc' ({', '.join(sorted(m['ngc']))}): "
+                       "add what its images carry there")
     return {"tag": tag, **m["ngc"][tag]}
+
+
+def image_ref(kind: str, tag: str) -> str:
+    """``nvcr.io/nvidia/KIND:TAG-py3``."""
+    return f"{REGISTRY}/{kind}:{tag}-py3"
+
+
+def pinned_image(kind: str, m: dict[str, Any] | None = None) -> str:
+    """The pinned release's image of ``kind``: "tritonserver" -> "nvcr.io/nvidia/tritonserver:26.09-py3"."""
+    rel = pinned_release(m)
+    if kind not in rel.get("images", []):
+        raise KeyError(f"{MANIFEST_NAME}: pinned release {rel['tag']} lists no {kind} image "
+                       f"(images: {', '.join(rel.get('images', [])) or 'none'}); add {kind!r} to its 'images'")
+    return image_ref(kind, rel["tag"])
 
 
 def ngc_images(m: dict[str, Any] | None = None) -> list[dict[str, str]]:
     """Every NGC image the manifest names, newest release first: image reference, release, kind, CUDA runtime."""
     m = m or manifest()
     rows = []
-    for tag in sorted(m["ngc"], key=_version_tuple, reverse=True):
+    for tag in sorted(m["ngc"], key=release, reverse=True):
         rel = m["ngc"][tag]
         for kind in rel["images"]:
-            rows.append({"image": f"{REGISTRY}/{kind}:{tag}-py3", "release": tag, "kind": kind, "cuda": rel["cuda"]})
+            rows.append({"image": image_ref(kind, tag), "release": tag, "kind": kind, "cuda": rel["cuda"]})
     return rows
+
+
+# --- what an image has, as pip reports it ---------------------------------------------------------
+
+
+def recorded_version(name: str, tag: str | None = None, m: dict[str, Any] | None = None) -> str:
+    """The version of ``name`` the manifest records for NGC ``tag``'s image (default: the pinned release): its
+    ``preinstalled`` entry ("2.14.0"), else the release's own field ("torch": "2.10"); KeyError naming the fix."""
+    m = m or manifest()
+    rel = ngc_release(tag or m["pinned"], m)
+    version = rel.get("preinstalled", {}).get(name) or rel.get(name)
+    if not version:
+        raise KeyError(f"{MANIFEST_NAME}: NGC {rel['tag']} records no {name} version: add it under the release's "
+                       "'preinstalled'")
+    return str(version)
+
+
+def pip_version(name: str, tag: str | None = None, m: dict[str, Any] | None = None) -> str:
+    """The lowest version pip may report for the image's ``name``, the part only the image knows (commit, build
+    number) left off: "2.14.0a0" for a package the release lists under ``pip_prerelease`` (NGC's torch), else
+    the recorded release ("11.3.0" for TensorRT 11.3.0.36). Requirements are judged against it as pip will."""
+    m = m or manifest()
+    version = recorded_version(name, tag, m)
+    prerelease = name in ngc_release(tag or m["pinned"], m).get("pip_prerelease", [])
+    return f"{'.'.join(map(str, release(version)))}a0" if prerelease else version
+
+
+def installed_mismatch(name: str, reported: str | None, tag: str | None = None,
+                       m: dict[str, Any] | None = None) -> str | None:
+    """Why ``reported`` (what pip reports for ``name`` here; None: not installed) is not NGC ``tag``'s ``name``,
+    or None when it is."""
+    m = m or manifest()
+    tag = tag or m["pinned"]
+    want = recorded_version(name, tag, m)
+    if reported is None:
+        return f"this Python has no {name}, but {MANIFEST_NAME} says the NGC {tag} image carries {name} {want}"
+    if same_release(want, reported):
+        return None
+    return (f"this Python's {name} is {reported} (as pip reports it), but {MANIFEST_NAME} says the NGC {tag} image "
+            f"carries {name} {want}: correct the manifest's {tag} entry, or build from the image of the release "
+            "the manifest describes")
 
 
 def env_values(m: dict[str, Any] | None = None) -> dict[str, str]:
@@ -152,6 +236,14 @@ def check(root: Path, m: dict[str, Any] | None = None) -> list[str]:
                             f"{r['tritonclient']}: the client must match the server's release")
     if "pytorch" not in rel.get("images", []) or "tritonserver" not in rel.get("images", []):
         problems.append(f"{src}: pinned release {tag} must list both the pytorch and the tritonserver image")
+    for t, r in m["ngc"].items():
+        for name, version in r.get("preinstalled", {}).items():
+            if r.get(name) and not same_release(r[name], version):
+                problems.append(f"{src}: release {t} has {name} {r[name]} but lists {name} {version} as preinstalled")
+        unknown = sorted(set(r.get("pip_prerelease", [])) - set(r.get("preinstalled", {})))
+        if unknown:
+            problems.append(f"{src}: release {t} lists {', '.join(unknown)} under pip_prerelease but not under "
+                            "preinstalled")
 
     expected = env_values(m)
 
@@ -181,7 +273,7 @@ def check(root: Path, m: dict[str, Any] | None = None) -> list[str]:
     compose = _load_yaml(root / "docker" / "compose.yaml")
     services = compose.get("services", {})
     want_images = {
-        "triton": f"{REGISTRY}/tritonserver:{tag}-py3",
+        "triton": image_ref("tritonserver", tag),
         "prometheus": f"prom/prometheus:{expected['PROMETHEUS_VERSION']}",
         "grafana": f"grafana/grafana:{expected['GRAFANA_VERSION']}",
         "dcgm-exporter": f"{REGISTRY}/k8s/dcgm-exporter:{expected['DCGM_EXPORTER_TAG']}",
@@ -216,7 +308,7 @@ def check(root: Path, m: dict[str, Any] | None = None) -> list[str]:
     # pyproject.toml: the lab extra's tritonclient must admit the pinned release's client.
     pyproject = (root / "pyproject.toml").read_text()
     bound = re.search(r"tritonclient(?:\[[^\]]*\])?>=([\d.]+)", pyproject)
-    if bound and _version_tuple(bound.group(1)) > _version_tuple(rel["tritonclient"]):
+    if bound and release(bound.group(1)) > release(rel["tritonclient"]):
         problems.append(f"pyproject.toml requires tritonclient>={bound.group(1)} but {src} pairs NGC {tag} with "
                         f"tritonclient {rel['tritonclient']}")
     return problems
@@ -240,7 +332,24 @@ def main(argv: list[str] | None = None) -> int:
         if not problems:
             print(f"{MANIFEST_NAME} (NGC {manifest()['pinned']}) agrees with docker/, ./course and pyproject.toml")
         return 1 if problems else 0
-    print("usage: python -m lab_utils.course.stack env | check", file=sys.stderr)
+    if len(argv) == 3 and argv[0] == "installed":
+        import importlib.metadata
+
+        tag, name = argv[1], argv[2]
+        try:
+            reported: str | None = importlib.metadata.version(name)  # the version pip reports, not __version__
+        except importlib.metadata.PackageNotFoundError:
+            reported = None
+        try:
+            problem = installed_mismatch(name, reported, tag)
+        except (KeyError, ValueError) as err:  # the manifest lacks the release or package; not a version
+            problem = str(err.args[0])
+        if problem:
+            print(f"python -m lab_utils.course.stack installed: {problem}", file=sys.stderr)
+            return 1
+        print(reported)
+        return 0
+    print("usage: python -m lab_utils.course.stack env | check | installed NGC_TAG PACKAGE", file=sys.stderr)
     return 2
 
 

@@ -13,7 +13,9 @@ so every wheel's requirements are then evaluated again for the target and whatev
 
 ``--exclude-preinstalled`` targets the pinned NGC PyTorch image (its Python by default): what the version
 manifest lists as preinstalled there (torch, TensorRT) is left out, and the resolution treats it as installed
-at the image's version, so neither torch nor the CUDA wheels it would pull are downloaded.
+at the version pip reports in the image (torch 2.14.0 is NVIDIA's pre-release build 2.14.0a0+<commit>, which does
+not satisfy ``torch>=2.14``), so neither torch nor the CUDA wheels it would pull are downloaded, and a dependency
+the image's torch cannot satisfy fails the build here rather than the install there.
 
 The folder gets ``README.txt`` (the install commands, ``install_commands``) and ``requirements.txt``.
 """
@@ -53,7 +55,7 @@ class Wheelhouse:
     arch: str
     platform_tags: list[str]
     extras: list[str]
-    left_out: dict[str, str]  # name -> version the target provides
+    left_out: dict[str, str]  # name -> version the manifest records for the target ("2.14.0")
     wheels: list[str] = field(default_factory=list)
     added_for_target_markers: list[str] = field(default_factory=list)
 
@@ -163,14 +165,16 @@ def missing_requirements(folder: Path, roots: Iterable[tuple[str, Iterable[str]]
     """Requirements of the wheels reachable from ``roots`` that no wheel in ``folder`` satisfies, for the target.
 
     ``roots`` are (name, extras); markers are evaluated with ``environment`` (``target_environment``);
-    ``provided`` maps names the target already has (left out on purpose) to their versions.
+    ``provided`` maps names the target already has (left out on purpose) to the version pip reports there
+    ("2.14.0a0+5fa4b7e", or ``stack.pip_version``'s "2.14.0a0"): a requirement that version does not satisfy is
+    missing too, as pip on the target would find it unmet.
     """
     requirements, version = _packaging()
     wheels: dict[str, list[tuple[Any, list[str]]]] = {}
     for w in sorted(folder.glob("*.whl")):
         name, ver, requires = wheel_metadata(w)
         wheels.setdefault(canonical(name), []).append((version.Version(ver), requires))
-    have = {canonical(k) for k in (provided or {})}
+    have = {canonical(k): version.Version(v) for k, v in (provided or {}).items()}
     missing: set[str] = set()
     seen: set[tuple[str, frozenset[str]]] = set()
     queue = [(canonical(n), frozenset(e)) for n, e in roots]
@@ -187,11 +191,15 @@ def missing_requirements(folder: Path, roots: Iterable[tuple[str, Iterable[str]]
                 if req.marker and not any(req.marker.evaluate({**environment, "extra": e}) for e in wanted):
                     continue
                 dep = canonical(req.name)
+                extra = f"[{','.join(sorted(req.extras))}]" if req.extras else ""
                 if dep in have:
+                    # pip admits an installed pre-release when the specifier contains it: 2.14.0a0 meets
+                    # torch>=2.4 but not torch>=2.14.
+                    if not req.specifier.contains(have[dep], prereleases=True):
+                        missing.add(f"{req.name}{extra}{req.specifier}")
                     continue
                 versions = [v for v, _ in wheels.get(dep, [])]
                 if not any(req.specifier.contains(v, prereleases=True) for v in versions):
-                    extra = f"[{','.join(sorted(req.extras))}]" if req.extras else ""
                     missing.add(f"{req.name}{extra}{req.specifier}")
                     continue
                 queue.append((dep, frozenset(req.extras)))
@@ -250,8 +258,9 @@ def _stub_wheel(folder: Path, name: str, version: str) -> Path:
 
 
 def placeholder_args(folder: Path, left_out: dict[str, str]) -> list[str]:
-    """pip arguments that make ``left_out`` (name -> version) count as installed: placeholder wheels in ``folder``
-    and a constraint to exactly them, so nothing that needs e.g. torch downloads the real one."""
+    """pip arguments that make ``left_out`` (name -> the version pip reports on the target, "2.14.0a0") count as
+    installed: placeholder wheels in ``folder`` and a constraint to exactly them, so nothing that needs e.g. torch
+    downloads the real one, and a requirement the target's version does not meet fails the resolution."""
     if not left_out:
         return []
     stubs = folder / "placeholders"
@@ -263,8 +272,9 @@ def placeholder_args(folder: Path, left_out: dict[str, str]) -> list[str]:
     return ["--find-links", str(stubs), "--constraint", str(constraints)]
 
 
-def _pip(args: list[str], what: str, python: str, arch: str) -> None:
-    """Run pip (its progress on the terminal); WheelhouseError naming the package pip could not find."""
+def _pip(args: list[str], what: str, python: str, arch: str, hint: str = "") -> None:
+    """Run pip (its progress on the terminal); WheelhouseError naming the package pip could not find, or with
+    ``hint`` when pip found the requirements in conflict."""
     proc = subprocess.Popen([sys.executable, "-m", "pip", *args], stderr=subprocess.PIPE, text=True)
     _, err = proc.communicate()
     if proc.returncode == 0:
@@ -276,7 +286,18 @@ def _pip(args: list[str], what: str, python: str, arch: str) -> None:
         raise WheelhouseError(f"{what}: no wheel of {pkg.group(1)} for CPython {python} on Linux {arch} "
                               f"(manylinux): PyPI has none for that target, or the target is unsupported; pick "
                               f"another --python/--platform, or leave the package's extra out.\npip said:\n{tail}")
+    if hint and "ResolutionImpossible" in err:
+        raise WheelhouseError(f"{what}: the requirements conflict. {hint}\npip said:\n{tail}")
     raise WheelhouseError(f"{what}: pip failed (exit {proc.returncode}).\npip said:\n{tail}")
+
+
+def _image_note(left_out: dict[str, str], provided: dict[str, str], tag: str) -> str:
+    """What the image has and why a requirement on it can fail there: the end of a WheelhouseError."""
+    has = ", ".join(f"{n} {left_out[n]}" + (f" (pip sees {provided[n]}+<commit>, below {left_out[n]})"
+                                            if provided[n] != left_out[n] else "") for n in provided)
+    return (f"The NGC {tag} image has {has}, which pip there keeps: a dependency that needs another version cannot "
+            "be installed. Pin that dependency to an older version, or move the manifest's pinned release to an "
+            "image that meets it")
 
 
 def build(dest: Path | str, *, python: str | None = None, platforms: Sequence[str] | None = None,
@@ -284,8 +305,9 @@ def build(dest: Path | str, *, python: str | None = None, platforms: Sequence[st
           log: Callable[[str], None] = print) -> Wheelhouse:
     """Download wheels of the course and its dependencies into ``dest`` for the target; see the module docstring."""
     from lab_utils.course.catalog import repo_root
-    from lab_utils.course.stack import manifest, pinned_release
+    from lab_utils.course.stack import manifest, pinned_release, pip_version
 
+    requirements, _ = _packaging()
     root = root or repo_root()
     if not (root / "pyproject.toml").is_file():
         raise WheelhouseError(f"{root} is not the course checkout (no pyproject.toml): run from the checkout")
@@ -301,6 +323,9 @@ def build(dest: Path | str, *, python: str | None = None, platforms: Sequence[st
     if unknown:
         raise WheelhouseError(f"--extras {','.join(unknown)}: the course's extras are {', '.join(valid)}")
     left_out: dict[str, str] = dict(rel.get("preinstalled", {})) if exclude_preinstalled else {}
+    # What pip will report in the image (2.14.0a0+<commit>, not 2.14.0): requirements are judged against it.
+    provided = {n: pip_version(n, rel["tag"], m) for n in left_out}
+    image_names = {canonical(n) for n in provided}
     if exclude_preinstalled and "torch" in extras:
         extras.remove("torch")
         log(f"--exclude-preinstalled: torch comes from the NGC {rel['tag']} image, not from the wheelhouse")
@@ -329,7 +354,8 @@ def build(dest: Path | str, *, python: str | None = None, platforms: Sequence[st
              "building the course's wheel", py, arch)
         course_wheel = next((tmp / "course").glob("*.whl"))
 
-        extra_args = placeholder_args(tmp, left_out)
+        extra_args = placeholder_args(tmp, provided)
+        image_note = _image_note(left_out, provided, rel["tag"]) if provided else ""
 
         course_req = f"nvlab[{','.join(pkg_extras)}]" if pkg_extras else "nvlab"
         reqs = [f"{course_req} @ {course_wheel.as_uri()}", *_build_requires(root)]
@@ -338,7 +364,8 @@ def build(dest: Path | str, *, python: str | None = None, platforms: Sequence[st
         if exclude_preinstalled and "lab" in pkg_extras:
             reqs.append(f"tritonclient[grpc,http]=={rel['tritonclient']}")  # the image's server's client
         log("resolving and downloading the course's dependencies with pip download ...")
-        _pip(["download", "--dest", str(dest), *target, *extra_args, *reqs], "downloading the dependencies", py, arch)
+        _pip(["download", "--dest", str(dest), *target, *extra_args, *reqs], "downloading the dependencies", py, arch,
+             image_note)
         if "lab" in pkg_extras:
             no_deps = [f"{n}=={m['course'][n]}" for n in ("nvidia-pytriton", "tensorrt-stubs")]
             _pip(["download", "--dest", str(dest), "--no-deps", *target, *no_deps],
@@ -353,18 +380,22 @@ def build(dest: Path | str, *, python: str | None = None, platforms: Sequence[st
         env = target_environment(py, arch)
         added: list[str] = []
         for _ in range(3):
-            missing = missing_requirements(dest, roots, env, left_out)
+            missing = missing_requirements(dest, roots, env, provided)
             if not missing:
                 break
+            # A requirement on what the image has cannot be downloaded: pip there keeps the image's version.
+            unmet = [r for r in missing if canonical(requirements.Requirement(r).name) in image_names]
+            if unmet:
+                raise WheelhouseError(f"for Python {py} the wheels need {', '.join(unmet)}. {image_note}")
             log(f"for Python {py} the wheels also need: {', '.join(missing)} (pip judged markers for Python "
                 f"{target_python(None)}); downloading them ...")
             _pip(["download", "--dest", str(dest), *target, *extra_args, *missing], "downloading for the target's "
-                 "markers", py, arch)
+                 "markers", py, arch, image_note)
             for stub in dest.glob(f"*+{STUB_LABEL}-*.whl"):
                 stub.unlink()
             added += missing
         else:
-            missing = missing_requirements(dest, roots, env, left_out)
+            missing = missing_requirements(dest, roots, env, provided)
             if missing:
                 raise WheelhouseError(f"the wheelhouse still lacks {', '.join(missing)} for Python {py}")
 

@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from lab_utils.course.probe import pytriton_server
+from lab_utils.course.stack import pinned_image
 from lab_utils.procs import free_port, popen_owned, port_free, stop_group, tail, wait_http_ok
 
 MODEL_CONTROL = ("none", "explicit", "poll")
@@ -60,7 +61,7 @@ THREE_WAYS = (
     "No Triton server is available. Three ways to get one:\n"
     "  1. a running server: export TRITON_URL=http://HOST:8000 (the course's compose stack starts one);\n"
     "  2. the NGC image, where `tritonserver` is on the PATH: docker run --gpus all -p8000-8002:8000-8002 "
-    "nvcr.io/nvidia/tritonserver:24.10-py3 ... (or run the lab inside it);\n"
+    "{triton_image} ... (or run the lab inside it);\n"
     "  3. the server binary from PyPI (python backend only, no Docker): "
     "pip install --no-deps nvidia-pytriton==0.7.0"
 )
@@ -127,8 +128,10 @@ def find_server(local: bool = False) -> ServerSource:
         except importlib.metadata.PackageNotFoundError:
             version = None
         return ServerSource("wheel", str(wheel), version, "Triton 2.51 from the nvidia-pytriton wheel: python backend")
-    raise ServerNotFound(THREE_WAYS + ("" if not local or not url else
-                                       f"\n(TRITON_URL={url} is set, but this call needs a binary to start)"))
+    # The pinned release's server: a plan built by that release's TensorRT loads in no older one.
+    ways = THREE_WAYS.format(triton_image=pinned_image("tritonserver"))
+    raise ServerNotFound(ways + ("" if not local or not url else
+                                 f"\n(TRITON_URL={url} is set, but this call needs a binary to start)"))
 
 
 # --- the wheel's server: a backend folder with the stub for this Python ------------------------------------
