@@ -1,7 +1,8 @@
-"""A real Prometheus: promtool on the rules, the lifecycle (ready, queries as frames, errors, stop with nothing
-left), the fallback announced, and every dashboard expression evaluated against Prometheus scraping a real
-Triton. With NVLAB_REQUIRE_PROMETHEUS=1 (CI) a missing binary fails these tests instead of skipping them;
-NVLAB_REQUIRE_TRITON=1 does the same for the Triton server."""
+"""A real Prometheus: promtool on the rules and their unit tests, the lifecycle (ready, queries as frames,
+errors, stop with nothing left), a server on recorded samples, what a machine without Prometheus is told (the
+install line, in the lab and in the probe), and every dashboard expression evaluated against Prometheus
+scraping a real Triton. With NVLAB_REQUIRE_PROMETHEUS=1 (CI) a missing binary fails these tests instead of
+skipping them; NVLAB_REQUIRE_TRITON=1 does the same for the Triton server."""
 
 from __future__ import annotations
 
@@ -14,12 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from lab_utils.monitoring import drills, panels, prometheus
 from lab_utils.monitoring import exporter as gpu_exporter
-from lab_utils.monitoring import panels as monitoring
-from lab_utils.monitoring import prometheus
 from lab_utils.procs import group_members
-
-DATA = Path(monitoring.__file__).parent / "data" / "monitoring"
 
 
 def _required(var: str) -> bool:
@@ -56,21 +54,16 @@ def exporter():
 
 
 def test_rules_pass_promtool_check(promtool_bin):
-    out = prometheus.check_rules(DATA / "alert_rules.yml")
-    assert "SUCCESS: 5 rules found" in out
+    assert "SUCCESS" in prometheus.check_rules(prometheus.RULES_FILE)
 
 
-def test_rules_pass_their_unit_tests(promtool_bin):
-    assert "SUCCESS" in prometheus.test_rules(DATA / "alert_rules_test.yml")
-
-
-def test_rules_cover_the_five_alerts():
-    names = {r["alert"] for g in monitoring.load_rules()["groups"] for r in g["rules"]}
-    assert names == {"TritonServerDown", "TritonHighP99Latency", "TritonQueueBacklog", "TritonErrorRate",
-                     "GpuMemoryHigh"}
-    tested = (DATA / "alert_rules_test.yml").read_text()
-    for name in names:
-        assert f"alertname: {name}" in tested, f"no promtool unit test for {name}"
+def test_rules_pass_their_unit_tests_and_each_alert_has_one(promtool_bin):
+    assert "SUCCESS" in prometheus.test_rules(prometheus.RULES_TEST_FILE)
+    # what promtool does not check: that no alert of the rules file goes untested
+    alerts = {r["alert"] for g in prometheus.load_rules()["groups"] for r in g["rules"] if "alert" in r}
+    tested = {t["alertname"] for case in prometheus.load_rules(prometheus.RULES_TEST_FILE)["tests"]
+              for t in case.get("alert_rule_test", [])}
+    assert alerts and alerts <= tested, f"no promtool unit test for {sorted(alerts - tested)}"
 
 
 def test_a_broken_rule_shows_promtools_message(promtool_bin, tmp_path):
@@ -90,7 +83,7 @@ def test_a_configuration_error_shows_promtools_message(promtool_bin, prometheus_
 
 
 def test_lab_copy_of_the_rules_passes_promtool(promtool_bin, tmp_path):
-    path = monitoring.lab_rules(tmp_path, for_s=1, window="5s", thresholds={"TritonQueueBacklog": 3})
+    path = prometheus.lab_rules(tmp_path, for_s=1, window="5s", thresholds={"TritonQueueBacklog": 3})
     assert "SUCCESS: 5 rules found" in prometheus.check_rules(path)
 
 
@@ -117,7 +110,7 @@ def test_prometheus_3_gets_the_text_format_as_fallback(prometheus_bin):
 
 
 def test_server_scrapes_queries_and_leaves_nothing(prometheus_bin, exporter, tmp_path):
-    rules = monitoring.lab_rules(tmp_path, for_s=0.5, check=False)
+    rules = prometheus.lab_rules(tmp_path, for_s=0.5, check=False)
     server = prometheus.PrometheusServer({prometheus.EXPORTER_JOB: [exporter.address],
                                           prometheus.TRITON_JOB: ["127.0.0.1:1"]}, rule_files=[rules])
     with server:
@@ -162,7 +155,7 @@ def test_busy_port_is_avoided(prometheus_bin, exporter):
             assert any("busy" in n for n in server.notes)
 
 
-def test_start_metrics_backends(prometheus_bin, exporter, monkeypatch, capsys):
+def test_start_metrics_backends(prometheus_bin, exporter, monkeypatch):
     jobs = {prometheus.EXPORTER_JOB: [exporter.address]}
     monkeypatch.delenv(prometheus.URL_ENV, raising=False)
     with prometheus.start_metrics(jobs) as own:
@@ -171,31 +164,79 @@ def test_start_metrics_backends(prometheus_bin, exporter, monkeypatch, capsys):
         monkeypatch.setenv(prometheus.URL_ENV, own.url)
         with prometheus.start_metrics(jobs) as ext:
             assert ext.kind == "external" and ext.url == own.url
-            ext.wait_for(f'up{{job="{prometheus.EXPORTER_JOB}"}} == 1', timeout_s=20)
+            ext.wait_for(f'up{{job="{prometheus.EXPORTER_JOB}"}} == 1', timeout_s=30)
             ext.stop()
         assert own.ready()  # an external server is never stopped from here
+        with prometheus.start_metrics(jobs, prefer="local") as local:  # the lab's own, PROMETHEUS_URL or not
+            assert local.kind == "prometheus" and local.url != own.url
     monkeypatch.setenv(prometheus.URL_ENV, "http://127.0.0.1:1")
     with pytest.raises(prometheus.PrometheusError, match="compose stack"):
         prometheus.start_metrics(jobs)
-    monkeypatch.delenv(prometheus.URL_ENV)
-    with prometheus.start_metrics(jobs, prefer="scraper") as fallback:
-        assert fallback.kind == "scraper"
-    assert "in-process scraper stands in" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="auto, local or external"):
+        prometheus.start_metrics(jobs, prefer="anything")
 
 
-def test_missing_binary_falls_back_or_fails_when_required(monkeypatch, capsys, exporter):
+def test_without_prometheus_the_lab_is_told_how_to_install_it(monkeypatch, capsys):
+    """NVLAB_PROMETHEUS=none hides the binaries, as on a machine without them: every way in says how to
+    install Prometheus (Debian/Ubuntu, macOS, the container) instead of failing obscurely."""
+    from lab_utils.course import probe
+
     monkeypatch.delenv(prometheus.URL_ENV, raising=False)
-    monkeypatch.setattr(prometheus, "find_binary", lambda name="prometheus": None)
-    monkeypatch.setenv(prometheus.REQUIRE_ENV, "0")
-    with prometheus.start_metrics({prometheus.EXPORTER_JOB: [exporter.address]}) as m:
-        assert m.kind == "scraper"
+    monkeypatch.delenv(prometheus.REQUIRE_ENV, raising=False)
+    monkeypatch.setenv(prometheus.BINARY_ENV, "none")
+    install = ("sudo apt-get install prometheus", "brew install prometheus", "compose stack")
+    assert prometheus.find_binary("prometheus") is None and prometheus.find_binary("promtool") is None
+    assert all(w in prometheus.missing() for w in install)
+    assert prometheus.available() is False
     out = capsys.readouterr().out
-    assert "no prometheus binary here" in out and "in-process scraper" in out
-    monkeypatch.setenv(prometheus.REQUIRE_ENV, "1")
-    with pytest.raises(prometheus.PrometheusError, match="NVLAB_REQUIRE_PROMETHEUS=1"):
-        prometheus.start_metrics({prometheus.EXPORTER_JOB: [exporter.address]})
-    with pytest.raises(prometheus.PrometheusError, match="apt-get install prometheus"):
-        prometheus.PrometheusServer({"x": ["127.0.0.1:1"]})
+    assert all(w in out for w in install) and "skipped" in out
+    for call in (lambda: prometheus.start_metrics({"x": ["127.0.0.1:1"]}),
+                 lambda: prometheus.PrometheusServer({"x": ["127.0.0.1:1"]}),
+                 lambda: prometheus.check_rules(prometheus.RULES_FILE),
+                 lambda: prometheus.recorded_server([({"__name__": "x"}, 0.0, 1.0)])):
+        with pytest.raises(prometheus.PrometheusMissing) as err:
+            call()
+        assert "sudo apt-get install prometheus" in str(err.value)
+    monkeypatch.setenv(prometheus.REQUIRE_ENV, "1")  # CI: a missing binary is an error
+    with pytest.raises(prometheus.PrometheusMissing, match="NVLAB_REQUIRE_PROMETHEUS=1"):
+        prometheus.available()
+    with pytest.raises(prometheus.PrometheusMissing, match="NVLAB_REQUIRE_PROMETHEUS=1"):
+        prometheus.start_metrics({"x": ["127.0.0.1:1"]})
+    # the tier table and `nvlab doctor` (which prints the probe's notes) say the same
+    report = probe.probe()
+    comp = report.components["prometheus"]
+    assert not comp.present and all(w in comp.note for w in install)
+    lab05 = next(t for t in report.tiers if t.lab == "05")
+    assert lab05.tier != "full" and "sudo apt-get install prometheus" in lab05.substitutes
+
+
+def test_binary_named_by_the_environment(monkeypatch, prometheus_bin, promtool_bin):
+    monkeypatch.setenv(prometheus.BINARY_ENV, prometheus_bin)
+    assert prometheus.find_binary("prometheus") == prometheus_bin
+    assert prometheus.find_binary("promtool") == str(Path(prometheus_bin).with_name("promtool"))
+    monkeypatch.setenv(prometheus.BINARY_ENV, "/nowhere/prometheus")
+    assert prometheus.find_binary("prometheus") is None and "/nowhere/prometheus" in prometheus.missing()
+
+
+# --- Prometheus on recorded samples -------------------------------------------------------------------------
+
+
+def test_recorded_server_serves_the_samples_and_leaves_nothing(prometheus_bin, promtool_bin):
+    t0 = 1_700_000_000.0
+    samples = [({"__name__": "req", "model": 'a "quoted" name'}, t0 + 15 * i, 1000.0 + 150.0 * i) for i in range(9)]
+    samples += [({"__name__": "up"}, t0 + 15 * i, 1.0) for i in range(9)]
+    with prometheus.recorded_server(samples) as server:
+        assert server.jobs == {} and server.targets().empty  # it scrapes nothing
+        workdir, pid = server.workdir, server.pid
+        df = server.query_range("rate(req[1m])", t0 + 60, t0 + 120, 60)
+        assert df["model"].tolist() == ['a "quoted" name'] * 2 and df["value"].tolist() == [10.0, 10.0]
+        assert server.value("sum(up)", at=t0 + 30) == 1.0
+        assert server.query("up", at=t0 + 3600).empty  # beyond the samples and the 5-minute lookback
+    assert not server.alive() and not workdir.exists() and group_members(pid) == []
+    text = prometheus.openmetrics_text(samples[:1])
+    assert text == 'req{model="a \\"quoted\\" name"} 1000.0 1700000000.000\n# EOF\n'
+    with pytest.raises(ValueError, match="__name__"):
+        prometheus.openmetrics_text([({"model": "a"}, t0, 1.0)])
 
 
 # --- every dashboard expression against Prometheus scraping a real Triton -----------------------------------
@@ -211,7 +252,7 @@ def triton():
         if _required("NVLAB_REQUIRE_TRITON"):
             pytest.fail(f"NVLAB_REQUIRE_TRITON=1 but no Triton server: {err}")
         pytest.skip("no Triton server binary (pip install --no-deps nvidia-pytriton)")
-    repo = monitoring.write_model(Path(tempfile.mkdtemp(prefix="nvlab-test-repo-")) / "repo")
+    repo = drills.write_model(Path(tempfile.mkdtemp(prefix="nvlab-test-repo-")) / "repo")
     with triton_server.TritonServer(repo) as server:
         yield server
 
@@ -219,24 +260,19 @@ def triton():
 def test_every_dashboard_expression_evaluates_against_triton(prometheus_bin, triton, exporter):
     from lab_utils.serving import load as triton_load
 
-    jobs = monitoring.scrape_jobs(triton, exporter)
+    jobs = prometheus.scrape_jobs(triton, exporter)
     with prometheus.PrometheusServer(jobs) as server:
         server.wait_for("sum(up) == 2", timeout_s=20)
-        res = triton_load.run_load(triton.grpc_url, monitoring.MODEL_NAME, monitoring.make_inputs(), 4,
+        res = triton_load.run_load(triton.grpc_url, drills.MODEL_NAME, drills.make_inputs(), 4,
                                    duration_s=3, warmup_s=0, processes=1)
         assert res.requests > 0 and res.errors == 0
         server.wait_for('sum(rate(nv_inference_request_success[5s])) > 0', timeout_s=20)
         t = time.time()
         got = {}
-        for title, expr in monitoring.dashboard_expressions(window="5s"):
+        for title, expr in panels.dashboard_expressions(window="5s"):
             got[title] = server.query(expr, at=t)  # a failing expression raises QueryError naming it
-        for p in monitoring.PANELS:
+        for p in panels.PANELS:
             if not (p.needs_gpu or p.host_only and exporter.source == "nvml"):
-                assert not got[p.title].empty, f"{p.title}: {p.promql('5s')} returned no series"
+                assert not got[p.title].empty, f"{p.title}: {p.expression('5s')} returned no series"
         assert got["Throughput (requests/s)"]["value"].iloc[0] > 0
         assert 1 <= got["Average batch size (inferences per execution)"]["value"].iloc[0] <= 4
-        # the fallback evaluator gives the same answers on what it scrapes itself
-        with monitoring.InProcessScraper(jobs, scrape_interval_s=0.5) as scraper:
-            scraper.wait_for("sum(up) == 2", timeout_s=10)
-            for _, expr in monitoring.dashboard_expressions(window="5s"):
-                scraper.query(expr)

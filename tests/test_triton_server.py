@@ -294,20 +294,20 @@ def test_killed_server_restarts_on_its_fixed_ports(repo):
 
 def test_lab05_model_answers_right_through_the_server(tmp_path):
     """Lab 05 deploys lab 04's model (DLPack across the python backend): the numbers, not only a count."""
-    from lab_utils.monitoring import panels as monitoring
+    from lab_utils.monitoring import drills
 
     require_server()
-    repo = monitoring.write_model(tmp_path / "repo", base_ms=0.5, per_item_ms=0.1)
-    assert (repo / monitoring.MODEL_NAME / "1" / "model.py").read_text() == triton_model_source()
+    repo = drills.write_model(tmp_path / "repo", base_ms=0.5, per_item_ms=0.1)
+    assert (repo / drills.MODEL_NAME / "1" / "model.py").read_text() == triton_model_source()
     x = np.random.default_rng(1).standard_normal((3, 16)).astype(np.float32)
     with TritonServer(repo) as server:
-        y = triton_client.infer(server.grpc_url, monitoring.MODEL_NAME, {"INPUT__0": x})["OUTPUT__0"]
-        one = monitoring.make_inputs()()
-        y1 = triton_client.infer(server.http_url, monitoring.MODEL_NAME, one, protocol="http")["OUTPUT__0"]
-    want = monitoring.reference_output(repo, x)
+        y = triton_client.infer(server.grpc_url, drills.MODEL_NAME, {"INPUT__0": x})["OUTPUT__0"]
+        one = drills.make_inputs()()
+        y1 = triton_client.infer(server.http_url, drills.MODEL_NAME, one, protocol="http")["OUTPUT__0"]
+    want = drills.reference_output(repo, x)
     assert y.shape == (3, 16) and np.abs(want).max() > 0
     np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(y1, monitoring.reference_output(repo, one["INPUT__0"]), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(y1, drills.reference_output(repo, one["INPUT__0"]), rtol=1e-4, atol=1e-5)
 
 
 def triton_model_source() -> str:

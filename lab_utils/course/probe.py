@@ -372,6 +372,24 @@ def _dist_version(*names: str) -> str | None:
     return None
 
 
+PROMETHEUS_ENV = "NVLAB_PROMETHEUS"  # a prometheus binary off the PATH, or "none" to act as if none were installed
+PROMETHEUS_INSTALL = ("Install Prometheus (it brings promtool): Debian/Ubuntu `sudo apt-get install prometheus`, "
+                      "macOS `brew install prometheus`; the course container ships it, and the compose stack runs "
+                      "it as its `prometheus` service")
+
+
+def prometheus_binary(name: str = "prometheus") -> str | None:
+    """``prometheus`` or ``promtool``: next to ``$NVLAB_PROMETHEUS`` if set, else on the PATH; None when absent
+    or hidden (``NVLAB_PROMETHEUS=none`` tries a lab's no-Prometheus path on a machine that has one)."""
+    env = os.environ.get(PROMETHEUS_ENV, "")
+    if env.lower() == "none":
+        return None
+    if env:
+        candidate = Path(env) if name == "prometheus" else Path(env).with_name(name)
+        return str(candidate) if candidate.is_file() and os.access(candidate, os.X_OK) else None
+    return shutil.which(name)
+
+
 def pytriton_server() -> Path | None:
     """The ``tritonserver`` binary inside the installed ``nvidia-pytriton`` wheel, if any."""
     spec = importlib.util.find_spec("pytriton")
@@ -391,15 +409,45 @@ def tensorrt_runtime_present() -> bool:
     return spec is not None and spec.origin not in (None, "namespace")
 
 
+# Where NGC images (TensorRT, PyTorch) keep trtexec when it is not on the PATH: it ships with TensorRT's
+# samples, outside the PATH in some images. Searched after the PATH, in this order.
+TRTEXEC_CANDIDATES: tuple[Path, ...] = (Path("/opt/tensorrt/bin/trtexec"), Path("/usr/src/tensorrt/bin/trtexec"))
+
+
+def find_trtexec() -> Path | None:
+    """The ``trtexec`` executable: on the PATH, else the first of ``TRTEXEC_CANDIDATES`` that is an executable
+    file; None when there is none (no TensorRT here, or a TensorRT installed as Python wheels only)."""
+    on_path = shutil.which("trtexec")
+    if on_path:
+        return Path(on_path)
+    return next((p for p in TRTEXEC_CANDIDATES if p.is_file() and os.access(p, os.X_OK)), None)
+
+
+def _tensorrt_component() -> Component:
+    """Which TensorRT is here and where from: the Python module (its folder and the wheel that installed it) and
+    trtexec; what is missing and how to get it otherwise."""
+    trtexec = find_trtexec()
+    tool = f"trtexec {trtexec}" if trtexec else ""
+    if tensorrt_runtime_present():
+        spec = importlib.util.find_spec("tensorrt")
+        folder = str(Path(spec.origin).parent) if spec and spec.origin else "?"
+        dists = [(n, v) for n in ("tensorrt", "tensorrt-cu13", "tensorrt-cu12", "tensorrt-cu13-bindings",
+                                  "tensorrt-cu12-bindings") if (v := _dist_version(n))]
+        wheel = f"pip {dists[0][0]} {dists[0][1]}" if dists else "not from pip (a system or NGC install)"
+        note = f"Python module {folder} ({wheel})" + (f"; {tool}" if tool else "; no trtexec")
+        return Component("TensorRT", True, dists[0][1] if dists else None, folder, note)
+    stubs = " (only tensorrt-stubs, type stubs, is installed)" if importlib.util.find_spec("tensorrt") else ""
+    how = ("./course installs it on a GPU machine (pip install tensorrt-cu13); in an NGC PyTorch image it is "
+           "included")
+    if trtexec:
+        return Component("TensorRT", False, None, str(trtexec),
+                         f"{tool} but no Python module{stubs}: the lab's engines need `import tensorrt`; {how}")
+    return Component("TensorRT", False, None, None, f"not installed{stubs}; {how}")
+
+
 def _probe_components() -> dict[str, Component]:
     comps: dict[str, Component] = {}
-    trt = _dist_version("tensorrt", "tensorrt-cu13", "tensorrt-cu12")
-    trt_found = tensorrt_runtime_present()
-    trt = trt if trt_found else None
-    comps["tensorrt"] = Component(
-        "TensorRT", trt_found, trt, shutil.which("trtexec"),
-        "" if trt_found else "not installed; in an NGC PyTorch image it is included",
-    )
+    comps["tensorrt"] = _tensorrt_component()
     url = os.environ.get("TRITON_URL")
     on_path = shutil.which("tritonserver")
     wheel = pytriton_server()
@@ -416,18 +464,20 @@ def _probe_components() -> dict[str, Component]:
         )
     else:
         comps["tritonserver"] = Component("Triton server", False, None, None, "pip install nvidia-pytriton")
+    # Lab 05 runs its own Prometheus (it kills and restarts its own Triton) and grades PromQL with promtool, so
+    # "present" means both binaries; the compose stack's server ($PROMETHEUS_URL) is noted, not counted.
     purl = os.environ.get("PROMETHEUS_URL")
-    prom = shutil.which("prometheus")
-    if purl:
-        comps["prometheus"] = Component("Prometheus", True, None, purl, "external server (PROMETHEUS_URL)")
-    elif prom:
+    prom, promtool = prometheus_binary("prometheus"), prometheus_binary("promtool")
+    also = f"; PROMETHEUS_URL={purl} is the compose stack's server" if purl else ""
+    if prom and promtool:
         out = _run([prom, "--version"], timeout=10) or ""
         m = re.search(r"version\s+([\w.\-+]+)", out)
-        comps["prometheus"] = Component("Prometheus", True, m.group(1) if m else None, prom, "on the PATH")
+        how = f"${PROMETHEUS_ENV}" if os.environ.get(PROMETHEUS_ENV) else "on the PATH"
+        comps["prometheus"] = Component("Prometheus", True, m.group(1) if m else None, prom, how + also)
     else:
-        comps["prometheus"] = Component(
-            "Prometheus", False, None, None, "apt-get install prometheus (labs fall back to an in-process scraper)"
-        )
+        lacking = " and ".join(n for n, b in (("prometheus", prom), ("promtool", promtool)) if not b)
+        comps["prometheus"] = Component("Prometheus", False, None, purl,
+                                        f"{lacking} not found{also}. {PROMETHEUS_INSTALL}")
     return comps
 
 
@@ -529,12 +579,14 @@ def lab_tiers(report: EnvReport) -> list[LabTier]:
                       "pip install --no-deps nvidia-pytriton")
     if gpu and server and prom:
         rows["05"] = ("full", "Prometheus scraping Triton and the GPUs (NVML, DCGM), alerts, failure drill", "")
+    elif server and prom:
+        rows["05"] = ("partial" if seen_gpu else "cpu", "Triton, Prometheus, PromQL, alerts and the failure drill",
+                      "host CPU and memory stand in for GPU metrics")
     elif server:
-        stands = [("host CPU and memory stand in for GPU metrics" if not gpu else ""),
-                  ("" if prom else "an in-process scraper stands in for Prometheus (apt-get install prometheus)")]
         rows["05"] = ("partial" if seen_gpu else "cpu",
-                      f"Triton, {'Prometheus' if prom else 'scraper'}, PromQL, alerts and the failure drill",
-                      "; ".join(x for x in stands if x))
+                      "Triton's /metrics, health checks and the watchdog; PromQL, alerts and their checks need "
+                      "Prometheus", ("" if gpu else "host CPU and memory stand in for GPU metrics; ")
+                      + f"Prometheus is missing. {PROMETHEUS_INSTALL}")
     else:
         rows["05"] = ("partial" if seen_gpu else "cpu", "nothing yet: the lab needs a Triton server",
                       "no Triton server: pip install --no-deps nvidia-pytriton")

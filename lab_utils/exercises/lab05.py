@@ -1,22 +1,31 @@
 """Lab 05 exercises: PromQL, alert thresholds, reading metrics, finding the bottleneck.
 
-The PromQL answers are evaluated deterministically against recorded samples (``RECORDED``: ten minutes of a
-Triton server's counters, scraped every 15 s) with :mod:`lab_utils.monitoring.promql`; the lab then also runs them
-against the live Prometheus. The other questions take numbers or choices from fixed data in this module.
+The PromQL answers (q1, q2) are graded by Prometheus itself. ``RECORDED`` holds twelve minutes of two Triton
+servers' counters for two models, scraped every 15 s, the load changing every 3 minutes. A check starts a
+Prometheus that serves these samples (backfilled by promtool), evaluates the student's query and the reference at
+the end of each phase (``GRADING_TIMES``, where the reference's value changes), and compares the series: an
+equivalent query written another way gives the same numbers and passes, a constant that matches once does
+not. A wrong answer is told its symptom: a known mistake (``increase`` for ``rate``, inferences for requests,
+microseconds) is recognised by its numbers, evaluated by Prometheus too; a missing ``sum by (model)`` by its
+series. Without prometheus and promtool these two checks say how to install them instead of grading.
+
+The other questions take numbers or choices from fixed data in this module.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from lab_utils.exercises.framework import Exercise, Wrong, number
-from lab_utils.monitoring import promql
+import pandas as pd
+
+from lab_utils.exercises.framework import Exercise, Outcome, Status, Wrong, is_blank, number
+from lab_utils.monitoring import prometheus
 
 __all__ = [
     "q1", "q2", "q3", "q4", "q5",
-    "RECORDED", "RECORDED_AT", "recorded_store", "evaluate_recorded",
+    "RECORDED", "RECORDING_START", "GRADING_TIMES", "recorded_frame",
     "BASELINE_P99_MS", "INCIDENT_P99_MS", "BASELINE_PENDING", "INCIDENT_PENDING",
     "SNAPSHOT_BEFORE", "SNAPSHOT_AFTER", "SNAPSHOT_SECONDS",
     "Q5_MODELS", "Q5_CHOICES",
@@ -24,188 +33,328 @@ __all__ = [
 
 # --- recorded samples for q1 and q2 -------------------------------------------------------------------------
 
-# A server that had already run a while (the counters start high; its earlier latency was lower), then ten
-# minutes at a steady 120 requests/s of batch-4 requests, 25 ms each (15 ms of it queued, 8 ms computing),
-# executed 8 inferences at a time.
-_STEP_S, _MINUTES = 15, 10
-_QPS, _BATCH_PER_REQUEST, _INFER_PER_EXEC = 120.0, 4, 8.0
-_LATENCY_US, _QUEUE_US, _COMPUTE_US = 25_000.0, 15_000.0, 8_000.0
-_START = {"success": 1_000_000.0, "duration_us": 1_000_000.0 * 10_000.0, "queue_us": 1_000_000.0 * 4_000.0,
-          "compute_us": 1_000_000.0 * 5_000.0}
-_LABELS = {"model": "resnet50", "version": "1", "job": "triton", "instance": "10.0.0.7:8002"}
-RECORDED_AT = float(_MINUTES * 60)  # evaluate at the end of the recording (seconds)
+# Two servers behind a load balancer (70 % / 30 % of each model's requests; the second one is slower), two
+# models, four 3-minute phases of different load, and from one 15 s scrape to the next the traffic wobbles
+# (+-20 %), as real traffic does, so that only the asked-for [1m] window gives the reference's numbers. Each
+# request of resnet50 carries 4 inferences, of bert 2; the dynamic batcher runs 8 and 4 inferences per
+# execution. 60 % of a request's time is queueing, 30 % computing. The servers had been up a while: the
+# counters start high, and their latency was lower then.
+RECORDING_START = 1_700_000_000.0  # unix seconds of the first sample: fixed, so the grade never depends on the clock
+_STEP_S, _PHASE_S, _PHASES = 15, 180, 4
+_SERVERS = (("10.0.0.7:8002", 0.7), ("10.0.0.8:8002", 0.3))  # (instance, share of each model's requests)
+_MODELS: dict[str, dict[str, Any]] = {
+    "resnet50": {"qps": (80, 120, 200, 150), "latency_ms": ((20, 26), (24, 30), (41, 55), (30, 36)),
+                 "inferences": 4, "per_exec": 8},
+    "bert": {"qps": (30, 45, 20, 60), "latency_ms": ((8, 12), (10, 11), (9, 14), (15, 18)),
+             "inferences": 2, "per_exec": 4},
+}
+_QUEUE_SHARE, _COMPUTE_SHARE = 0.6, 0.3
+_START_REQUESTS, _START_LATENCY_MS = 1_000_000, 10.0
+# The end of each phase: the reference's value changes from one to the next.
+GRADING_TIMES = tuple(RECORDING_START + _PHASE_S * (i + 1) for i in range(_PHASES))
 
 
-def _recorded_rows(qps_scale: float = 1.0, latency_scale: float = 1.0) -> list[tuple[dict[str, str], float, float]]:
-    rows = []
-    for i in range(_MINUTES * 60 // _STEP_S + 1):
-        t = float(i * _STEP_S)
-        n = _QPS * qps_scale * t  # requests since the recording started
-        values = {
-            "nv_inference_request_success": _START["success"] + n,
-            "nv_inference_count": (_START["success"] + n) * _BATCH_PER_REQUEST,
-            "nv_inference_exec_count": (_START["success"] + n) * _BATCH_PER_REQUEST / _INFER_PER_EXEC,
-            "nv_inference_request_duration_us": _START["duration_us"] + n * _LATENCY_US * latency_scale,
-            "nv_inference_queue_duration_us": _START["queue_us"] + n * _QUEUE_US,
-            "nv_inference_compute_infer_duration_us": _START["compute_us"] + n * _COMPUTE_US,
-            "nv_inference_pending_request_count": 3.0,
-        }
-        for name, v in values.items():
-            rows.append(({"__name__": name, **_LABELS}, t, v))
-        rows.append(({"__name__": "nv_inference_request_failure", **_LABELS, "reason": "BACKEND"}, t, 0.0))
-        rows.append(({"__name__": "up", "job": "triton", "instance": _LABELS["instance"]}, t, 1.0))
+def _recorded_samples() -> list[prometheus.Sample]:
+    rows: list[prometheus.Sample] = []
+    totals = {(s, m): [float(_START_REQUESTS), _START_REQUESTS * _START_LATENCY_MS * 1000]
+              for s in range(len(_SERVERS)) for m in _MODELS}  # requests, request time (us) so far
+    for step in range(_PHASES * _PHASE_S // _STEP_S + 1):
+        t = RECORDING_START + step * _STEP_S
+        phase = max(0, step - 1) * _STEP_S // _PHASE_S  # the phase of the 15 s that end at t
+        for s, (instance, share) in enumerate(_SERVERS):
+            rows.append(({"__name__": "up", "job": "triton", "instance": instance}, t, 1.0))
+            for j, (model, m) in enumerate(_MODELS.items()):
+                total = totals[(s, model)]
+                if step:
+                    wobble = 1 + 0.2 * math.sin(1.3 * step + 2.1 * s + 0.7 * j)
+                    n = m["qps"][phase] * share * _STEP_S * wobble
+                    total[0] += n
+                    total[1] += n * m["latency_ms"][phase][s] * 1000 * (1 + 0.1 * math.cos(0.9 * step + s + j))
+                requests, busy_us = total
+                labels = {"job": "triton", "instance": instance, "model": model, "version": "1"}
+                values = {
+                    "nv_inference_request_success": requests,
+                    "nv_inference_count": requests * m["inferences"],
+                    "nv_inference_exec_count": requests * m["inferences"] / m["per_exec"],
+                    "nv_inference_request_duration_us": busy_us,
+                    "nv_inference_queue_duration_us": busy_us * _QUEUE_SHARE,
+                    "nv_inference_compute_infer_duration_us": busy_us * _COMPUTE_SHARE,
+                    # Little's law: requests in the queue = arrival rate x time queued
+                    "nv_inference_pending_request_count": round(
+                        m["qps"][phase] * share * m["latency_ms"][phase][s] / 1000 * _QUEUE_SHARE),
+                }
+                for name, v in values.items():
+                    rows.append(({"__name__": name, **labels}, t, v))
+                rows.append(({"__name__": "nv_inference_request_failure", **labels, "reason": "BACKEND"}, t, 0.0))
     return rows
 
 
-RECORDED = tuple(_recorded_rows())
-# The same server on a busier day (1.5x the requests, each twice as slow): a right query follows the data.
-_RECORDED_BUSY = tuple(_recorded_rows(qps_scale=1.5, latency_scale=2.0))
+RECORDED = tuple(_recorded_samples())
 
 
-def recorded_store() -> promql.SampleStore:
-    """The recorded samples in a fresh store (a student's query cannot change the grader's data)."""
-    return promql.store_from_samples(RECORDED)
+def recorded_frame() -> pd.DataFrame:
+    """``RECORDED`` as a table: one row per sample (metric, labels, seconds since the start, value)."""
+    return pd.DataFrame([{"metric": lab["__name__"], **{k: v for k, v in lab.items() if k != "__name__"},
+                          "t_s": t - RECORDING_START, "value": v} for lab, t, v in RECORDED])
 
 
-def _selectors(node: Any) -> list[Any]:
-    if isinstance(node, promql.Selector):
-        return [node]
-    out = []
-    for value in vars(node).values() if hasattr(node, "__dict__") else ():
-        for child in value if isinstance(value, list) else [value]:
-            if hasattr(child, "__dict__"):
-                out += _selectors(child)
+# --- grading a query with Prometheus ------------------------------------------------------------------------
+
+Labels = tuple[tuple[str, str], ...]
+Values = dict[float, dict[Labels, float]]  # {unix time: {series labels: value}}
+
+
+def _at(t: float) -> str:
+    return f"{(t - RECORDING_START) / 60:g}m"
+
+
+def _evaluate(server: prometheus.PromAPI, expr: str) -> Values:
+    """``expr`` at every grading time, as Prometheus answers it; Wrong with Prometheus' words when it refuses."""
+    try:
+        df = server.query_range(expr, GRADING_TIMES[0], GRADING_TIMES[-1], _PHASE_S)
+    except prometheus.QueryError as err:
+        if "range vector" in err.why and "range query" in err.why:
+            raise Wrong("that is a range vector (metric[1m]: the raw samples of a window); wrap it in a function "
+                        "such as rate()") from None
+        raise Wrong(f"Prometheus refuses it: {err.why}") from None
+    out: Values = {t: {} for t in GRADING_TIMES}
+    names = [c for c in df.columns if c not in ("time", "value", "__name__")]
+    for r in df.to_dict("records"):
+        labels = tuple(sorted((k, r[k]) for k in names if isinstance(r[k], str)))
+        out.setdefault(round(r["time"], 3), {})[labels] = r["value"]
     return out
 
 
-def evaluate_recorded(expr: str, *, busy: bool = False) -> float:
-    """``expr`` at the end of the recording, as one number (Wrong explains an empty or multi-series answer)."""
-    if not isinstance(expr, str):
-        raise Wrong(f"give the PromQL expression as a string, e.g. 'rate(metric[1m])', not a {type(expr).__name__}")
-    store = promql.store_from_samples(_RECORDED_BUSY) if busy else recorded_store()
-    try:
-        if not _selectors(promql.parse(expr)):
-            raise Wrong("that reads no metric: a query must select Triton's series (e.g. nv_inference_...)")
-        data = promql.instant(store, expr, RECORDED_AT)
-    except promql.PromQLError as err:
-        raise Wrong(f"the expression does not evaluate: {err}") from None
-    if data["resultType"] == "scalar":
-        return float(data["result"][1])
-    if data["resultType"] != "vector":
-        raise Wrong("that is a range vector (metric[1m]); wrap it in a function such as rate()")
-    if not data["result"]:
-        raise Wrong("it returns no series at all: check the metric names and label matchers (the model is "
-                    "'resnet50')")
-    if len(data["result"]) > 1:
-        raise Wrong(f"it returns {len(data['result'])} series; aggregate them (sum by (model) (...))")
-    return float(data["result"][0]["value"][1])
+def _project(values: Values, names: Sequence[str]) -> Values | None:
+    """``values`` keyed by the labels ``names`` only (extra labels that tell nothing apart are ignored); None
+    when a series lacks one of them or two series fall together."""
+    out: Values = {}
+    for t, series in values.items():
+        out[t] = {}
+        for labels, v in series.items():
+            d = dict(labels)
+            if not set(names) <= set(d):
+                return None
+            key = tuple((k, d[k]) for k in sorted(names))
+            if key in out[t]:
+                return None
+            out[t][key] = v
+    return out
 
 
-def _close(a: float, b: float, rel: float = 0.02) -> bool:
-    return math.isfinite(a) and math.isclose(a, b, rel_tol=rel)
+def _label_names(values: Values) -> list[str]:
+    return sorted({k for series in values.values() for labels in series for k, _ in labels})
+
+
+def _same(got: Values, want: Values, rel: float = 1e-6) -> bool:
+    proj = _project(got, _label_names(want))
+    if proj is None:
+        return False
+    return all(proj.get(t, {}).keys() == want[t].keys() and
+               all(math.isclose(proj[t][k], v, rel_tol=rel, abs_tol=1e-9) for k, v in want[t].items())
+               for t in want)
+
+
+def _series_name(labels: Labels) -> str:
+    """``bert`` for a series told apart by its model alone, else every label: ``{instance="...", model="bert"}``."""
+    if [k for k, _ in labels] == ["model"]:
+        return labels[0][1]
+    return "{" + ", ".join(f'{k}="{v}"' for k, v in labels) + "}"
+
+
+def _show(series: dict[Labels, float]) -> str:
+    return ", ".join(f"{_series_name(k)}: {v:.4g}" for k, v in sorted(series.items())) or "nothing"
+
+
+def _diagnose(got: Values, want: Values, what: str) -> None:
+    """Raise Wrong naming the symptom of ``got`` against the reference's ``want``."""
+    models = sorted({dict(k).get("model") for s in want.values() for k in s})
+    if not any(got.values()):
+        raise Wrong(f"it returns no series at all: check the metric names and label matchers (the models are "
+                    f"{' and '.join(models)})")
+    per_time = [sorted(s.values()) for s in got.values()]
+    if all(len(v) == len(per_time[0]) and all(math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
+                                              for a, b in zip(v, per_time[0], strict=True)) for v in per_time):
+        first = want[GRADING_TIMES[0]]
+        key = next(iter(sorted(first)))
+        trend = " -> ".join(f"{want[t].get(key, math.nan):.4g}" for t in GRADING_TIMES)
+        raise Wrong(f"this query is a constant: it gives {_show(got[GRADING_TIMES[0]])} at every time, while the "
+                    f"reference changes ({_series_name(key)}: {trend} at "
+                    f"{', '.join(map(_at, GRADING_TIMES))}): {what} must be computed from the counters")
+    names = _label_names(want)
+    if any(not set(names) <= {k for k, _ in labels} for s in got.values() for labels in s):
+        raise Wrong(f"missing sum by (model): the result has no model label ({_show(got[GRADING_TIMES[-1]])} at "
+                    f"{_at(GRADING_TIMES[-1])}), but the question asks for one number per model")
+    proj = _project(got, names)
+    if proj is None:
+        n = max(len(s) for s in got.values())
+        raise Wrong(f"missing sum by (model): {n} series for {len(models)} models (one per server and version: "
+                    f"{_show(got[GRADING_TIMES[-1]])}); add each model's series up with sum by (model) (...)")
+    seen = sorted({dict(k)["model"] for s in proj.values() for k in s})
+    if seen != models:
+        raise Wrong(f"it has the models {seen}, the reference {models}: drop the label matcher that filters them")
+    pairs = [(proj[t][k], v, t) for t in want for k, v in want[t].items() if k in proj.get(t, {})]
+    ratios = [g / w for g, w, _ in pairs if w]
+    if ratios and all(math.isclose(r, ratios[0], rel_tol=1e-3) for r in ratios):
+        k = ratios[0]
+        why = {60.0: " (increase() over [1m] instead of rate()?)", 1000.0: " (microseconds instead of ms?)",
+               0.001: " (divided by 1000 once too often?)"}
+        hint = next((w for f, w in why.items() if math.isclose(k, f, rel_tol=1e-3)), "")
+        raise Wrong(f"your values are {k:.4g}x the reference's at every time{hint}")
+    matching = [t for t in want if all(math.isclose(proj[t].get(k, math.nan), v, rel_tol=1e-6)
+                                       for k, v in want[t].items())]
+    t = next((t for t in want if t not in matching), GRADING_TIMES[-1])
+    if matching:
+        raise Wrong(f"it agrees with the reference at {', '.join(map(_at, matching))} but not at {_at(t)} "
+                    f"({_show(proj[t])} instead of {_show(want[t])}): the question asks for a [1m] window")
+    raise Wrong(f"at {_at(t)} it gives {_show(proj[t])} where {what} is {_show(want[t])}")
+
+
+def _grade_query(expr: Any, reference: str, mistakes: Sequence[tuple[str, str]], what: str) -> None:
+    """Grade ``expr`` against ``reference`` with a Prometheus serving ``RECORDED`` (started and stopped here)."""
+    if not isinstance(expr, str) or not expr.strip():
+        raise Wrong(f"give the PromQL expression as a string, e.g. 'rate(metric[1m])', not {type(expr).__name__}")
+    with prometheus.recorded_server(RECORDED) as server:
+        got = _evaluate(server, expr)
+        want = _evaluate(server, reference)
+        if _same(got, want):
+            return
+        slips = [(_evaluate(server, mistake), message) for mistake, message in mistakes]
+        for values, message in slips:  # a known slip, told by its symptom
+            if _same(got, values):
+                raise Wrong(message)
+        if "model" in _label_names(got) and _project(got, ["model"]) is None:
+            # several series per model: a slip may hide behind the missing sum, so Prometheus adds them up
+            summed = _evaluate(server, f"sum by (model) ({expr})")
+            for values, message in slips:
+                if _same(summed, values):
+                    raise Wrong(f"missing sum by (model) (one series per server and version), and {message}")
+    _diagnose(got, want, what)
+
+
+class PromQLExercise(Exercise):
+    """An exercise whose answer is a PromQL query, graded by Prometheus. Where prometheus or promtool is
+    missing, the check says how to install them instead of grading (the answer is not judged)."""
+
+    def check(self, value: Any, *, quiet: bool = False) -> Outcome:
+        why = prometheus.missing()
+        if why is None or is_blank(value):
+            return super().check(value, quiet=quiet)
+        out = Outcome(self.name, Status.NOT_ATTEMPTED,
+                      f"`{self.var}` was not checked (Prometheus grades this query): {why}")
+        if not quiet:
+            print(out)
+        return out
+
+
+def _window_slips(expr: str, what: str) -> list[tuple[str, str]]:
+    return [(expr.replace("[1m]", f"[{w}]"), f"that is {what} over a {w} window; the question asks for [1m]")
+            for w in ("30s", "2m", "5m", "10m")]
 
 
 # --- q1: QPS in PromQL --------------------------------------------------------------------------------------
 
-_Q1_EXPECTED = _QPS
+_QPS = "sum by (model) (rate(nv_inference_request_success[1m]))"
+_QPS_SLIPS = [
+    ("sum by (model) (increase(nv_inference_request_success[1m]))",
+     "increase instead of rate: your values are 60x the reference. increase() counts the requests in the window; "
+     "per second is rate() (or increase() divided by the window's 60 s)"),
+    ("sum by (model) (rate(nv_inference_count[1m]))",
+     "that counts inferences (nv_inference_count: each resnet50 request carries 4, each bert request 2); "
+     "requests are nv_inference_request_success"),
+    ("sum by (model) (rate(nv_inference_exec_count[1m]))",
+     "that counts executions (nv_inference_exec_count: the batches the model ran); requests are "
+     "nv_inference_request_success"),
+    ("sum by (model) (nv_inference_request_success)",
+     "that is the counter's total since the server started: a counter only means something as a rate, "
+     "rate(counter[1m])"),
+    ("sum by (model) (irate(nv_inference_request_success[1m]))",
+     "irate() takes only the last two samples of the window (the last 15 s here), not the whole minute: use rate()"),
+    *_window_slips(_QPS, "the request rate"),
+]
 
-
-def _follows_the_data(expr: str, expected_busy: float) -> None:
-    busy = evaluate_recorded(expr, busy=True)
-    if not _close(busy, expected_busy):
-        raise Wrong(f"right on this recording, but on a busier one it gives {busy:.4g} instead of "
-                    f"{expected_busy:.4g}: the answer must come from the series, not from constants")
 
 
 def _grade_qps(expr: Any) -> None:
-    got = evaluate_recorded(expr)
-    if _close(got, _Q1_EXPECTED):
-        _follows_the_data(expr, _Q1_EXPECTED * 1.5)
-        return
-    if _close(got, _QPS * _BATCH_PER_REQUEST):
-        raise Wrong(f"{got:g}/s counts inferences (nv_inference_count: each request here carries "
-                    f"{_BATCH_PER_REQUEST}); requests are nv_inference_request_success")
-    if _close(got, _QPS * _BATCH_PER_REQUEST / _INFER_PER_EXEC):
-        raise Wrong(f"{got:g}/s counts executions (nv_inference_exec_count: batches the model ran); requests "
-                    "are nv_inference_request_success")
-    for window in (60, 120, 300, 30, 600):
-        if _close(got, _QPS * window):
-            raise Wrong(f"{got:g} is the number of requests in a {window} s window (increase()); requests per "
-                        "second is rate(), or increase() divided by the window's seconds")
-    if got > 1e5:
-        raise Wrong(f"{got:g} is a counter's total since the server started: a counter only means something "
-                    "as a rate, rate(counter[1m])")
-    raise Wrong(f"it gives {got:.4g}, not the requests per second of model resnet50. Use the counter of "
-                "successful requests and rate() over a window")
+    _grade_query(expr, _QPS, _QPS_SLIPS, "the requests per second")
 
 
-q1 = Exercise(
+q1 = PromQLExercise(
     name="05.1 QPS in PromQL",
-    var="qps_promql",
+    var="qps_query",
     grade=_grade_qps,
     hints=[
         "Triton counts successful requests in a counter; a counter only grows, so look at how fast it grows.",
-        "rate(counter[window]) is the per-second increase averaged over the window; sum by (model) adds the "
-        "versions and instances of one model.",
+        "rate(counter[1m]) is the per-second increase averaged over the last minute; sum by (model) adds up the "
+        "series of one model (its servers and versions).",
         "sum by (model) (rate(nv_inference_request_success[1m]))",
     ],
     solution_text=(
-        'qps_promql = "sum by (model) (rate(nv_inference_request_success[1m]))"\n'
+        'qps_query = "sum by (model) (rate(nv_inference_request_success[1m]))"\n'
         "# requests, not inferences (nv_inference_count) or executions (nv_inference_exec_count)"
     ),
 )
 
 # --- q2: average latency in PromQL ------------------------------------------------------------------------------
 
-_Q2_EXPECTED_MS = _LATENCY_US / 1000
+_LATENCY = ("sum by (model) (rate(nv_inference_request_duration_us[1m])) "
+            "/ sum by (model) (rate(nv_inference_request_success[1m])) / 1000")
+_LATENCY_SLIPS = [
+    ("sum by (model) (rate(nv_inference_request_duration_us[1m])) / sum by (model) "
+     "(rate(nv_inference_request_success[1m]))",
+     "that is in microseconds (Triton's *_duration_us): your values are 1000x the reference; divide by 1000 for ms"),
+    ("sum by (model) (nv_inference_request_duration_us) / sum by (model) (nv_inference_request_success) / 1000",
+     "the counters themselves divided give the average since the server started; divide their rates to get the "
+     "last minute's average"),
+    ("sum by (model) (rate(nv_inference_queue_duration_us[1m])) / sum by (model) "
+     "(rate(nv_inference_request_success[1m])) / 1000",
+     "that is only the time requests wait in the queue (nv_inference_queue_duration_us); the whole request is "
+     "nv_inference_request_duration_us"),
+    ("sum by (model) (rate(nv_inference_compute_infer_duration_us[1m])) / sum by (model) "
+     "(rate(nv_inference_request_success[1m])) / 1000",
+     "that is only the model's compute (nv_inference_compute_infer_duration_us); the whole request is "
+     "nv_inference_request_duration_us"),
+    ("sum by (model) (rate(nv_inference_request_duration_us[1m])) / sum by (model) "
+     "(rate(nv_inference_count[1m])) / 1000",
+     "that divides by inferences (nv_inference_count); the latency of a request is request time over requests "
+     "(nv_inference_request_success)"),
+    ("sum by (model) (rate(nv_inference_request_duration_us[1m])) / sum by (model) "
+     "(rate(nv_inference_exec_count[1m])) / 1000",
+     "that is per execution (nv_inference_exec_count), not per request"),
+    ("avg by (model) (rate(nv_inference_request_duration_us[1m]) / rate(nv_inference_request_success[1m])) / 1000",
+     "that averages the servers' averages: the slower server, which serves 30 % of the requests, weighs as much "
+     "as the other. Add the time and the requests up first, then divide (sum by (model) over sum by (model))"),
+    *_window_slips(_LATENCY, "the average latency"),
+]
+
 
 
 def _grade_latency(expr: Any) -> None:
-    got = evaluate_recorded(expr)
-    if _close(got, _Q2_EXPECTED_MS):
-        _follows_the_data(expr, _Q2_EXPECTED_MS * 2.0)
-        return
-    e = _Q2_EXPECTED_MS
-    lifetime_us = (_START["duration_us"] + _QPS * RECORDED_AT * _LATENCY_US) / (_START["success"] + _QPS * RECORDED_AT)
-    slips = [
-        (e * 1000, "that is in microseconds (Triton's *_duration_us): divide by 1000 for milliseconds"),
-        (e / _BATCH_PER_REQUEST, "that divides by inferences (nv_inference_count); the latency of a request is "
-                                 "request time over requests (nv_inference_request_success)"),
-        (e * _INFER_PER_EXEC / _BATCH_PER_REQUEST, "that is per execution (nv_inference_exec_count), not per "
-                                                   "request"),
-        (_QUEUE_US / 1000, "that is only the time requests wait in the queue (nv_inference_queue_duration_us); "
-                           "the whole request is nv_inference_request_duration_us"),
-        (_COMPUTE_US / 1000, "that is only the model's compute (nv_inference_compute_infer_duration_us); the "
-                             "whole request is nv_inference_request_duration_us"),
-        (lifetime_us / 1000, "the counters themselves divided give the average since the server started; divide "
-                             "their rates to get the last window's average"),
-        (lifetime_us, "the counters themselves divided give the average since the server started (and in µs); "
-                      "divide their rates"),
-    ]
-    for value, why in slips:
-        if _close(got, value):
-            raise Wrong(why)
-    raise Wrong(f"it gives {got:.4g}; the average latency of a request in ms is the rate of request time over "
-                "the rate of requests")
+    _grade_query(expr, _LATENCY, _LATENCY_SLIPS, "the average latency in ms")
 
 
-q2 = Exercise(
+q2 = PromQLExercise(
     name="05.2 average latency in PromQL",
-    var="latency_promql",
+    var="latency_query",
     grade=_grade_latency,
     hints=[
         "Triton adds every request's duration (µs) to a counter and counts the requests in another: their "
         "ratio is an average.",
-        "Divide the two rates over the same window (not the counters themselves: that is the average since "
-        "the server started), then convert µs to ms.",
+        "Divide the two rates over the same [1m] window, each summed by model first (not the counters themselves: "
+        "that is the average since the server started), then convert µs to ms.",
         "sum by (model) (rate(nv_inference_request_duration_us[1m])) / sum by (model) "
         "(rate(nv_inference_request_success[1m])) / 1000",
     ],
     solution_text=(
-        'latency_promql = ("sum by (model) (rate(nv_inference_request_duration_us[1m]))"\n'
-        '                  " / sum by (model) (rate(nv_inference_request_success[1m])) / 1000")'
+        'latency_query = ("sum by (model) (rate(nv_inference_request_duration_us[1m]))"\n'
+        '                 " / sum by (model) (rate(nv_inference_request_success[1m])) / 1000")'
     ),
 )
+
+
+def _close(a: float, b: float, rel: float = 0.02) -> bool:
+    return math.isfinite(a) and math.isclose(a, b, rel_tol=rel)
+
 
 # --- q3: thresholds from the baseline --------------------------------------------------------------------------
 
@@ -327,13 +476,13 @@ q4 = Exercise(
     grade=_grade_snapshot,
     hints=[
         "Counters mean something only as differences: subtract SNAPSHOT_BEFORE's value from SNAPSHOT_AFTER's "
-        "(monitoring.parse_exposition reads the text for you).",
+        "(prometheus.parse_exposition reads the text for you).",
         "qps = Δ requests / seconds; average batch = Δ inferences / Δ executions; average queue time = "
         "Δ queue µs / Δ requests.",
         "Requests carry 2 inferences each here: nv_inference_count is not nv_inference_request_success.",
     ],
     solution_text=(
-        "from lab_utils.monitoring.panels import parse_exposition\n"
+        "from lab_utils.monitoring.prometheus import parse_exposition\n"
         "def values(text):\n"
         '    return {labels["__name__"]: v for labels, v in parse_exposition(text)}\n'
         "b, a = values(SNAPSHOT_BEFORE), values(SNAPSHOT_AFTER)\n"

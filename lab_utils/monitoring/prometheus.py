@@ -1,16 +1,18 @@
-"""Prometheus for the labs: a server the lab owns (or the compose stack's), promtool checks, and queries
-returned as data frames.
+"""Prometheus for the labs: a server the lab owns (or the compose stack's), its configuration and rules checked
+by promtool, queries returned as data frames, and a server loaded with recorded samples.
 
-``start_metrics(jobs, rule_files=...)`` picks, in order: the server at ``$PROMETHEUS_URL`` (the compose
-stack), a ``prometheus`` binary started here with a generated configuration (Debian's package, the
-container's image), or the in-process scraper of ``lab_utils.monitoring.panels`` (``prometheus_client``'s text
-parser and this package's PromQL evaluator) — and says which. ``NVLAB_REQUIRE_PROMETHEUS=1`` turns the
-fallback into an error (CI installs the binary and must use it).
+``start_metrics(jobs, rule_files=...)`` uses the server at ``$PROMETHEUS_URL`` (the compose stack) or starts a
+``prometheus`` binary here with a generated configuration (Debian's package, Homebrew's, the course image's),
+and says which. Where there is neither it raises :class:`PrometheusMissing`, whose message says how to install
+Prometheus; a lab checks :func:`available` first and skips its PromQL sections (``NVLAB_REQUIRE_PROMETHEUS=1``,
+as in CI, makes a missing binary an error instead).
 
-Every backend answers the same calls: ``query`` and ``query_range`` (data frames with one column per
-label plus ``time`` and ``value``), ``value``, ``alerts``, ``targets``, ``wait_for``, ``wait_for_alert``.
-A server started here scrapes every 1-2 s, lives in a temporary folder removed at stop, and is stopped on
-context exit, at interpreter exit, and with its parent (PR_SET_PDEATHSIG).
+Both answer the same calls: ``query`` and ``query_range`` (data frames with one column per label plus ``time``
+and ``value``), ``value``, ``alerts``, ``rules``, ``targets``, ``wait_for``, ``wait_for_alert``. A server started
+here scrapes every 1-2 s, lives in a temporary folder removed at stop, and is stopped on context exit, at
+interpreter exit, and with its parent (PR_SET_PDEATHSIG). :func:`recorded_server` serves fixed samples
+(backfilled with ``promtool tsdb create-blocks-from openmetrics``) so that a query can be evaluated by
+Prometheus itself at fixed times: how lab 05's PromQL exercises are graded.
 """
 
 from __future__ import annotations
@@ -23,30 +25,49 @@ import re
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
+
 from lab_utils import DATA_DIR
-from lab_utils.procs import free_port, port_free, release_at_exit, stop_at_exit
+from lab_utils.course.probe import PROMETHEUS_ENV, PROMETHEUS_INSTALL, prometheus_binary
+from lab_utils.procs import (
+    free_port,
+    popen_owned,
+    port_free,
+    release_at_exit,
+    stop_at_exit,
+    stop_group,
+    tail,
+    wait_http_ok,
+)
 
 URL_ENV = "PROMETHEUS_URL"
 REQUIRE_ENV = "NVLAB_REQUIRE_PROMETHEUS"
-BINARY_ENV = "NVLAB_PROMETHEUS"  # a prometheus binary that is not on the PATH (e.g. brought as a file)
+BINARY_ENV = PROMETHEUS_ENV  # a prometheus binary off the PATH, or "none" to try the no-Prometheus path
 
 # Job names the lab, the rules file and the compose stack's configuration agree on.
 TRITON_JOB = "triton"
 EXPORTER_JOB = "gpu_exporter"
 
 RULES_DIR = DATA_DIR / "monitoring"
+RULES_FILE = RULES_DIR / "alert_rules.yml"
+RULES_TEST_FILE = RULES_DIR / "alert_rules_test.yml"
 
 
 class PrometheusError(RuntimeError):
     """Prometheus could not start or answer; the message says why and shows the log's tail."""
+
+
+class PrometheusMissing(PrometheusError):
+    """No Prometheus to use here: no ``$PROMETHEUS_URL`` and no binary. The message says how to install one."""
 
 
 class ConfigError(PrometheusError):
@@ -54,22 +75,50 @@ class ConfigError(PrometheusError):
 
 
 class QueryError(PrometheusError):
-    """A PromQL query failed; the message names the expression."""
+    """A PromQL query failed; the message names the expression, ``why`` is Prometheus' own words."""
+
+    def __init__(self, message: str, why: str = ""):
+        super().__init__(message)
+        self.why = why or message
 
 
 def required() -> bool:
-    """True when ``NVLAB_REQUIRE_PROMETHEUS`` is set: a missing binary is an error, not a fallback."""
+    """True when ``NVLAB_REQUIRE_PROMETHEUS`` is set: a missing binary is an error, not a skipped section."""
     return os.environ.get(REQUIRE_ENV, "").lower() in ("1", "true", "yes")
 
 
 def find_binary(name: str = "prometheus") -> str | None:
-    """``prometheus`` or ``promtool``: ``$NVLAB_PROMETHEUS``'s folder first, then the PATH."""
-    env = os.environ.get(BINARY_ENV)
-    if env:
-        candidate = Path(env) if name == "prometheus" else Path(env).with_name(name)
-        if candidate.is_file() and os.access(candidate, os.X_OK):
-            return str(candidate)
-    return shutil.which(name)
+    """``prometheus`` or ``promtool``: next to ``$NVLAB_PROMETHEUS`` if set, else on the PATH; None if absent."""
+    return prometheus_binary(name)
+
+
+def missing(*names: str) -> str | None:
+    """Why the binaries ``names`` (default: prometheus and promtool) cannot be used here, with the install line;
+    None when they can."""
+    lacking = [n for n in names or ("prometheus", "promtool") if find_binary(n) is None]
+    if not lacking:
+        return None
+    where = (f"${BINARY_ENV}={os.environ[BINARY_ENV]}" if os.environ.get(BINARY_ENV) else "the PATH")
+    return f"{' and '.join(lacking)} not found (looked at {where}). {PROMETHEUS_INSTALL}"
+
+
+def available(show: bool = True) -> bool:
+    """True when this machine can run Prometheus for a lab (both binaries). When not, prints how to install it
+    (``show``) and returns False, or raises :class:`PrometheusMissing` under ``NVLAB_REQUIRE_PROMETHEUS=1``."""
+    why = missing()
+    if why is None:
+        return True
+    if required():
+        raise PrometheusMissing(f"{REQUIRE_ENV}=1 but {why}")
+    if show:
+        print(f"Prometheus is not available here: {why}\nThe sections that need it are skipped, each saying so; "
+              "the rest of the lab runs. Install it and run the lab again.")
+    return False
+
+
+def skipped(what: str) -> None:
+    """Say that ``what`` needs Prometheus and is skipped (a lab cell's whole output where it is missing)."""
+    print(f"skipped: {what} needs Prometheus, which is not installed here (how to install it: top of the lab)")
 
 
 # --- promtool ----------------------------------------------------------------------------------
@@ -79,8 +128,7 @@ def promtool(*args: str, what: str, timeout_s: float = 60) -> str:
     """Run ``promtool args``; its output on success, :class:`ConfigError` with promtool's message if not."""
     tool = find_binary("promtool")
     if tool is None:
-        raise ConfigError(f"{what}: not checked: promtool is not installed here (apt-get install prometheus ships "
-                          f"it); the course's CI runs promtool {' '.join(args[:2])} on every file the labs write")
+        raise PrometheusMissing(f"{what}: not checked: promtool is not installed here. {PROMETHEUS_INSTALL}")
     try:
         out = subprocess.run([tool, *args], capture_output=True, text=True, timeout=timeout_s, check=False)
     except subprocess.TimeoutExpired:
@@ -117,14 +165,13 @@ def _duration(seconds: float) -> str:
 def scrape_config(jobs: Mapping[str, Sequence[str]], *, scrape_interval_s: float = 1.0,
                   evaluation_interval_s: float = 1.0, rule_files: Sequence[str | Path] = (),
                   metrics_paths: Mapping[str, str] | None = None, major_version: int = 2) -> dict[str, Any]:
-    """A Prometheus configuration: one scrape job per entry of ``jobs`` (``{"triton": ["127.0.0.1:8002"]}``).
+    """A Prometheus configuration: one scrape job per entry of ``jobs`` (``{"triton": ["127.0.0.1:8002"]}``;
+    ``{}`` for a server that only serves stored samples).
 
     The scrape timeout follows the interval (it may not exceed it); rules are evaluated every
     ``evaluation_interval_s``. For Prometheus 3 (``major_version=3``) each job names the text format as the
     fallback protocol: 3.x refuses a scrape whose Content-Type it cannot read unless told (2.x rejects the key).
     """
-    if not jobs:
-        raise ValueError("scrape_config(jobs={}): name at least one job, e.g. {'triton': ['127.0.0.1:8002']}")
     for name, targets in jobs.items():
         if not re.fullmatch(r"[a-zA-Z_][a-zA-Z0-9_]*", name):
             raise ValueError(f"job name {name!r}: use letters, digits and _")
@@ -157,16 +204,111 @@ def write_config(config: Mapping[str, Any], path: str | Path) -> Path:
     return path
 
 
+def scrape_jobs(server: Any, exporter: Any = None) -> dict[str, list[str]]:
+    """The scrape jobs for a Triton server (its metrics port) and the GPU exporter: ``{job: [host:port]}``."""
+    parts = urllib.parse.urlsplit(server.metrics_url)
+    jobs = {TRITON_JOB: [f"{parts.hostname}:{parts.port}"]}
+    if exporter is not None:
+        jobs[EXPORTER_JOB] = [exporter.address]
+    return jobs
+
+
+# --- rules: the course's file and the lab's copy ----------------------------------------------------------
+
+
+def load_rules(path: str | Path = RULES_FILE) -> dict[str, Any]:
+    """A rules file as data (YAML, or the JSON form the lab writes)."""
+    text = Path(path).read_text()
+    try:
+        return json.loads(text)
+    except ValueError:
+        pass
+    try:
+        import yaml
+    except ImportError:
+        raise ConfigError(f"reading {path} needs PyYAML: pip install pyyaml") from None
+    return yaml.safe_load(text)
+
+
+_CMP_NUMBER = re.compile(r"(>=|<=|==|!=|>|<)(\s*)(-?\d+(?:\.\d+)?(?:e[+-]?\d+)?)")
+
+
+def set_threshold(expr: str, value: float) -> str:
+    """``expr`` with the number of every comparison replaced by ``value`` (``... > 500`` -> ``... > 120``)."""
+    if not _CMP_NUMBER.search(expr):
+        raise ValueError(f"no comparison with a number in {expr!r}: nothing to set")
+    return _CMP_NUMBER.sub(lambda m: f"{m.group(1)}{m.group(2)}{value:g}", expr)
+
+
+def lab_rules(out_dir: str | Path, *, for_s: float | Mapping[str, float] = 2.0, default_for_s: float | None = None,
+              window: str | None = None, thresholds: Mapping[str, float] | None = None,
+              source: str | Path = RULES_FILE, check: bool = True) -> Path:
+    """Write the lab's copy of the rules: shorter ``for:`` (``for_s`` seconds; per alert if a mapping, the
+    others ``default_for_s`` or as in the file), rate windows set to ``window``, and ``thresholds`` per alert
+    name. promtool checks the copy when installed (:class:`ConfigError` carries its message). Returns its path.
+    """
+    rules = load_rules(source)
+    names = {r["alert"] for g in rules["groups"] for r in g["rules"] if "alert" in r}
+    unknown = (set(thresholds or {}) | set(for_s if isinstance(for_s, Mapping) else {})) - names
+    if unknown:
+        raise ValueError(f"thresholds for unknown alerts {sorted(unknown)}; the alerts are {sorted(names)}")
+    for group in rules["groups"]:
+        for rule in group["rules"]:
+            name = rule.get("alert")
+            if name is None:
+                continue
+            f = for_s.get(name, default_for_s) if isinstance(for_s, Mapping) else for_s
+            if isinstance(f, (int, float)):
+                rule["for"] = f"{int(round(f * 1000))}ms" if f < 1 or f != int(f) else f"{int(f)}s"
+            if window:
+                rule["expr"] = re.sub(r"\[(\d+[smhd])\]", f"[{window}]", rule["expr"])
+            if thresholds and name in thresholds:
+                rule["expr"] = set_threshold(rule["expr"], thresholds[name])
+            rule.setdefault("annotations", {})["lab_copy"] = "short durations for the lab"
+    out = Path(out_dir) / "alert_rules.lab.yml"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(rules, indent=2) + "\n")
+    if check and find_binary("promtool"):
+        check_rules(out)
+    return out
+
+
+# --- the text format Prometheus scrapes ---------------------------------------------------------------------
+
+
+def parse_exposition(text: str) -> list[tuple[dict[str, str], float]]:
+    """Samples of a Prometheus text exposition: ``({"__name__": ..., labels...}, value)``, with
+    prometheus_client's parser (the one the Python client ships)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    # The parser names counter samples "<family>_total" even where the text has no suffix (Triton's counters
+    # have none); Prometheus keeps the exposed name, and so does this.
+    exposed = set(re.findall(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?=[{\s])", text, flags=re.M))
+    out = []
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            name = s.name
+            if name not in exposed and name.endswith("_total") and name[:-6] in exposed:
+                name = name[:-6]
+            out.append(({"__name__": name, **s.labels}, float(s.value)))
+    return out
+
+
+def metric_types(text: str) -> dict[str, str]:
+    """{family: type} from a text exposition's ``# TYPE`` lines (counter, gauge, summary, histogram...)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {fam.name: fam.type for fam in text_string_to_metric_families(text)}
+
+
 # --- results as data frames ------------------------------------------------------------------------
 
 
-def frame(data: Mapping[str, Any]) -> Any:
+def frame(data: Mapping[str, Any]) -> pd.DataFrame:
     """A data frame from the ``data`` of a query answer: one column per label, then ``time`` and ``value``.
 
     A range result comes in long form (one row per series and step); ``pivot(df, "model")`` widens it.
     """
-    import pandas as pd
-
     kind, result = data.get("resultType"), data.get("result")
     rows: list[dict[str, Any]] = []
     if kind == "scalar" or kind == "string":
@@ -194,7 +336,7 @@ def _num(v: Any) -> float:
         return math.nan
 
 
-def pivot(df: Any, by: str | Sequence[str] | None = None) -> Any:
+def pivot(df: pd.DataFrame, by: str | Sequence[str] | None = None) -> pd.DataFrame:
     """A long range-query frame as one column per series (named by ``by`` labels), indexed by time."""
     if df.empty:
         return df
@@ -259,7 +401,7 @@ class PromAPI:
 
     def _error(self, why: str, expr: str | None) -> PrometheusError:
         if expr is not None:
-            return QueryError(f"query {expr!r} failed: {why}")
+            return QueryError(f"query {expr!r} failed: {why}", why)
         return PrometheusError(why)
 
     # queries
@@ -268,18 +410,19 @@ class PromAPI:
         _check_expr(expr)
         return self._get("/api/v1/query", {"query": expr, "time": _t(at)}, expr=expr)
 
-    def query(self, expr: str, at: float | None = None) -> Any:
+    def query(self, expr: str, at: float | None = None) -> pd.DataFrame:
         """An instant query as a data frame (one row per series)."""
         return frame(self.query_raw(expr, at))
 
     def query_range_raw(self, expr: str, start: float, end: float, step_s: float = 1.0) -> dict[str, Any]:
+        """The ``data`` of ``/api/v1/query_range`` for ``expr`` from ``start`` to ``end`` (unix seconds)."""
         _check_expr(expr)
         if not (step_s > 0 and end >= start):
             raise QueryError(f"query {expr!r}: need step_s > 0 and end >= start (got {step_s}, {start}..{end})")
         return self._get("/api/v1/query_range", {"query": expr, "start": _t(start), "end": _t(end),
                                                  "step": f"{step_s:g}"}, expr=expr)
 
-    def query_range(self, expr: str, start: float, end: float, step_s: float = 1.0) -> Any:
+    def query_range(self, expr: str, start: float, end: float, step_s: float = 1.0) -> pd.DataFrame:
         """A range query as a long data frame (columns: labels..., time, value)."""
         return frame(self.query_range_raw(expr, start, end, step_s))
 
@@ -293,10 +436,8 @@ class PromAPI:
                              "(e.g. sum(...))")
         return float(df["value"].iloc[0])
 
-    def alerts(self) -> Any:
+    def alerts(self) -> pd.DataFrame:
         """Active alerts (``/api/v1/alerts``): alertname, state (pending/firing), labels, activeAt, value."""
-        import pandas as pd
-
         data = self._get("/api/v1/alerts")
         rows = [{"alertname": a["labels"].get("alertname"), "state": a.get("state"),
                  "severity": a["labels"].get("severity"), "activeAt": a.get("activeAt"),
@@ -307,20 +448,16 @@ class PromAPI:
         return pd.DataFrame(rows, columns=["alertname", "state", "severity", "activeAt", "value", "labels",
                                            "summary"])
 
-    def rules(self) -> Any:
+    def rules(self) -> pd.DataFrame:
         """Loaded rules (``/api/v1/rules``): group, name, type, state, health, query."""
-        import pandas as pd
-
         data = self._get("/api/v1/rules")
         rows = [{"group": g["name"], "name": r["name"], "type": r["type"], "state": r.get("state", ""),
                  "health": r.get("health"), "for_s": r.get("duration", 0), "query": r["query"]}
                 for g in data.get("groups", []) for r in g.get("rules", [])]
         return pd.DataFrame(rows, columns=["group", "name", "type", "state", "health", "for_s", "query"])
 
-    def targets(self) -> Any:
+    def targets(self) -> pd.DataFrame:
         """Scrape targets (``/api/v1/targets``): job, instance, health, last error, last scrape duration."""
-        import pandas as pd
-
         data = self._get("/api/v1/targets")
         rows = [{"job": t["labels"].get("job"), "instance": t["labels"].get("instance"), "health": t.get("health"),
                  "lastError": t.get("lastError", ""), "scrape_s": t.get("lastScrapeDuration")}
@@ -335,7 +472,7 @@ class PromAPI:
 
     # waiting
     def wait_for(self, expr: str, timeout_s: float = 30.0, poll_s: float = 0.5,
-                 predicate: Callable[[Any], bool] | None = None) -> Any:
+                 predicate: Callable[[pd.DataFrame], bool] | None = None) -> pd.DataFrame:
         """Poll ``expr`` until it returns a series (or ``predicate(frame)`` holds); the frame, or TimeoutError."""
         deadline = time.monotonic() + timeout_s
         while True:
@@ -347,7 +484,8 @@ class PromAPI:
                                    f"within {timeout_s:g} s (last result: {df.to_dict('records')})")
             _pause(poll_s)
 
-    def wait_for_alert(self, name: str, state: str = "firing", timeout_s: float = 60.0, poll_s: float = 0.5) -> Any:
+    def wait_for_alert(self, name: str, state: str = "firing", timeout_s: float = 60.0,
+                       poll_s: float = 0.5) -> pd.DataFrame:
         """Poll the alerts API until alert ``name`` is in ``state``; its rows, or TimeoutError naming what was seen."""
         deadline = time.monotonic() + timeout_s
         while True:
@@ -381,8 +519,6 @@ def _check_expr(expr: Any) -> None:
 
 def _pause(seconds: float) -> None:
     """Between polls of a remote state: an Event wait, interruptible, not a bare sleep in a loop body."""
-    import threading
-
     threading.Event().wait(seconds)
 
 
@@ -394,7 +530,8 @@ class PrometheusServer(PromAPI):
     ``start()`` writes the configuration into a temporary folder, has promtool check it (its message is the
     error), starts the server on a free loopback port with ``--web.enable-lifecycle``, and waits for
     ``/-/ready``. ``stop()`` ends the process group and removes the folder (data included); it is safe to
-    call twice and runs at interpreter exit.
+    call twice and runs at interpreter exit. With ``samples`` it first writes them into its storage
+    (:func:`backfill`), to serve them.
     """
 
     kind = "prometheus"
@@ -402,11 +539,11 @@ class PrometheusServer(PromAPI):
     def __init__(self, jobs: Mapping[str, Sequence[str]], *, rule_files: Sequence[str | Path] = (),
                  scrape_interval_s: float = 1.0, evaluation_interval_s: float = 1.0, binary: str | None = None,
                  host: str = "127.0.0.1", port: int | None = None, startup_timeout_s: float = 30.0,
-                 extra_args: Sequence[str] = (), log_path: str | Path | None = None):
+                 extra_args: Sequence[str] = (), log_path: str | Path | None = None,
+                 samples: Iterable[Sample] | None = None):
         self.binary = binary or find_binary("prometheus")
         if self.binary is None:
-            raise PrometheusError("the prometheus binary is not installed: apt-get install prometheus, or set "
-                                  f"${BINARY_ENV} to a prometheus binary (the lab can use its in-process scraper)")
+            raise PrometheusMissing(f"the prometheus binary is not installed here. {PROMETHEUS_INSTALL}")
         self.jobs = {k: list(v) for k, v in jobs.items()}
         self.rule_files = [Path(p) for p in rule_files]
         self.scrape_interval_s, self.evaluation_interval_s = scrape_interval_s, evaluation_interval_s
@@ -416,6 +553,7 @@ class PrometheusServer(PromAPI):
         self.startup_timeout_s = startup_timeout_s
         self.extra_args = list(extra_args)
         self._log_path = Path(log_path) if log_path else None
+        self.samples = list(samples) if samples is not None else None
         self.workdir: Path | None = None
         self.proc: subprocess.Popen | None = None
         self.port: int | None = None
@@ -456,8 +594,6 @@ class PrometheusServer(PromAPI):
         return self.proc is not None and self.proc.poll() is None
 
     def log_tail(self, n: int = 30) -> str:
-        from lab_utils.procs import tail
-
         return tail(self.log_path, n)
 
     def _pick_port(self) -> int:
@@ -471,24 +607,24 @@ class PrometheusServer(PromAPI):
         """Check the configuration, start the server, wait until it is ready (raises with the log's tail)."""
         if self.alive():
             return self
-        from lab_utils.procs import popen_owned, stop_group, wait_http_ok
-
         self.workdir = Path(tempfile.mkdtemp(prefix="nvlab-prometheus-"))
         stop_at_exit(self)
+        data = self.workdir / "data"
         write_config(self.config, self.config_path)  # type: ignore[arg-type]
-        if find_binary("promtool"):
-            try:
+        try:
+            if find_binary("promtool"):
                 check_config(self.config_path)  # type: ignore[arg-type]
-            except ConfigError:
-                self.stop()
-                raise
+            if self.samples is not None:
+                backfill(self.samples, data)
+        except PrometheusError:
+            self.stop()
+            raise
         for attempt in range(3):  # a port taken between the check and the bind: try another
             self.port = self._pick_port()
             self.url = f"http://{self.host}:{self.port}"
-            argv = [str(self.binary), f"--config.file={self.config_path}",
-                    f"--storage.tsdb.path={self.workdir / 'data'}", f"--web.listen-address={self.host}:{self.port}",
-                    "--web.enable-lifecycle", "--storage.tsdb.retention.time=1d", "--log.level=info",
-                    *self.extra_args]
+            argv = [str(self.binary), f"--config.file={self.config_path}", f"--storage.tsdb.path={data}",
+                    f"--web.listen-address={self.host}:{self.port}", "--web.enable-lifecycle",
+                    "--storage.tsdb.retention.time=1d", "--log.level=info", *self.extra_args]
             log = open(self.log_path, "ab")  # type: ignore[arg-type]  # noqa: SIM115 (kept for the process)
             try:
                 self.proc = popen_owned(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -498,19 +634,19 @@ class PrometheusServer(PromAPI):
             try:
                 ok = wait_http_ok(f"{self.url}/-/ready", self.proc, self.startup_timeout_s)
             except TimeoutError:
-                tail = self.log_tail()
+                log_tail = self.log_tail()
                 self.stop()
                 raise PrometheusError(
-                    f"Prometheus was not ready within {self.startup_timeout_s:g} s; log:\n{tail}") from None
+                    f"Prometheus was not ready within {self.startup_timeout_s:g} s; log:\n{log_tail}") from None
             if ok:
                 return self
-            tail = self.log_tail()
+            log_tail = self.log_tail()
             stop_group(self.proc)
-            if "address already in use" in tail and attempt < 2:
+            if "address already in use" in log_tail and attempt < 2:
                 self.requested_port = None
                 continue
             self.stop()
-            raise PrometheusError(f"Prometheus exited during start (code {self.proc.returncode}); log:\n{tail}")
+            raise PrometheusError(f"Prometheus exited during start (code {self.proc.returncode}); log:\n{log_tail}")
         raise PrometheusError("Prometheus found no free port")  # pragma: no cover
 
     def reload(self, jobs: Mapping[str, Sequence[str]] | None = None,
@@ -530,8 +666,6 @@ class PrometheusServer(PromAPI):
 
     def stop(self) -> None:
         """Stop the whole process group and remove the temporary folder; safe to call twice."""
-        from lab_utils.procs import stop_group
-
         if self.proc is not None:
             stop_group(self.proc)
         if self.workdir is not None:
@@ -547,24 +681,76 @@ class PrometheusServer(PromAPI):
             self.stop()
 
 
-# --- pick a backend --------------------------------------------------------------------------------
+# --- recorded samples, served by Prometheus -----------------------------------------------------------------
+
+# (labels with "__name__", unix seconds, value): one sample of one series.
+Sample = tuple[Mapping[str, str], float, float]
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def openmetrics_text(samples: Iterable[Sample]) -> str:
+    """``samples`` in the OpenMetrics text format with timestamps (what promtool's backfill reads), one series
+    after another, each in time order. No ``# TYPE`` lines: the names stay as given (Triton's counters have no
+    ``_total``, which OpenMetrics would demand of a counter)."""
+    series: dict[tuple[tuple[str, str], ...], list[tuple[float, float]]] = {}
+    for labels, t, v in samples:
+        if "__name__" not in labels:
+            raise ValueError(f"sample {dict(labels)} at {t}: the labels need a __name__")
+        series.setdefault(tuple(sorted(labels.items())), []).append((float(t), float(v)))
+    lines = []
+    for key in sorted(series, key=lambda k: dict(k)["__name__"]):
+        labels = dict(key)
+        name = labels.pop("__name__")
+        body = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(labels.items()))
+        sel = f"{name}{{{body}}}" if body else name
+        lines += [f"{sel} {v!r} {t:.3f}" for t, v in sorted(series[key])]
+    return "\n".join(lines) + "\n# EOF\n"
+
+
+def backfill(samples: Iterable[Sample], data_dir: str | Path) -> Path:
+    """Write ``samples`` as TSDB blocks into ``data_dir`` (``promtool tsdb create-blocks-from openmetrics``), for
+    a Prometheus started on that folder to serve. Returns the folder."""
+    data_dir = Path(data_dir)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    source = data_dir.parent / f"{data_dir.name}.om"
+    source.write_text(openmetrics_text(samples))
+    try:
+        promtool("tsdb", "create-blocks-from", "openmetrics", str(source), str(data_dir),
+                 what=f"backfilling {source.name}")
+    finally:
+        source.unlink(missing_ok=True)
+    return data_dir
+
+
+def recorded_server(samples: Iterable[Sample], **kwargs: Any) -> PrometheusServer:
+    """A started Prometheus that serves ``samples`` and scrapes nothing: a query evaluated on it at the samples'
+    times gives Prometheus' own answer. Stop it (or use it as a context manager); its files go with it.
+    :class:`PrometheusMissing` when prometheus or promtool is not installed."""
+    why = missing()
+    if why:
+        raise PrometheusMissing(why)
+    return PrometheusServer({}, samples=samples, **kwargs).start()
+
+
+# --- the lab's metrics backend ---------------------------------------------------------------------------
 
 
 def start_metrics(jobs: Mapping[str, Sequence[str]], *, rule_files: Sequence[str | Path] = (),
                   scrape_interval_s: float = 1.0, evaluation_interval_s: float = 1.0,
-                  prefer: str = "auto", show: bool = True) -> Any:
-    """A started metrics backend for ``jobs``: ``$PROMETHEUS_URL``, a ``prometheus`` binary, or the in-process
-    scraper — in that order (``prefer`` = "external", "prometheus" or "scraper" forces one; "local" skips
-    ``$PROMETHEUS_URL``, for targets only this process can reach). Prints which.
-
-    With ``NVLAB_REQUIRE_PROMETHEUS=1`` and no binary this raises instead of falling back (an explicit
-    ``prefer="scraper"`` is a choice, not a fallback, and is honoured).
+                  prefer: str = "auto", show: bool = True) -> PromAPI:
+    """A started Prometheus for ``jobs``: the one at ``$PROMETHEUS_URL``, else a ``prometheus`` binary started
+    here (``prefer="local"`` skips ``$PROMETHEUS_URL``, for targets only this process can reach;
+    ``prefer="external"`` insists on it). Prints which. :class:`PrometheusMissing`, saying how to install it,
+    when there is none.
     """
-    if prefer not in ("auto", "local", "external", "prometheus", "scraper"):
-        raise ValueError(f"prefer={prefer!r}: use auto, local, external, prometheus or scraper")
+    if prefer not in ("auto", "local", "external"):
+        raise ValueError(f"prefer={prefer!r}: use auto, local or external")
     url = os.environ.get(URL_ENV) if prefer != "local" else None
-    backend: Any
-    if prefer == "external" or (prefer == "auto" and url):
+    backend: PromAPI
+    if prefer == "external" or url:
         if not url:
             raise PrometheusError(f"prefer='external' but ${URL_ENV} is not set")
         backend = PromAPI(url)
@@ -572,16 +758,11 @@ def start_metrics(jobs: Mapping[str, Sequence[str]], *, rule_files: Sequence[str
             raise PrometheusError(f"${URL_ENV}={url} does not answer /-/ready: is the compose stack up?")
         backend.notes.append(f"the compose stack's Prometheus scrapes its own targets (jobs {TRITON_JOB!r} and "
                              f"{EXPORTER_JOB!r}) and loads its own copy of the rules")
-    elif prefer == "prometheus" or (prefer in ("auto", "local") and find_binary("prometheus")):
-        backend = PrometheusServer(jobs, rule_files=rule_files, scrape_interval_s=scrape_interval_s,
-                                   evaluation_interval_s=evaluation_interval_s).start()
     else:
-        if required() and prefer != "scraper":
-            raise PrometheusError(f"{REQUIRE_ENV}=1 but no prometheus binary was found: apt-get install prometheus "
-                                  f"(or set ${BINARY_ENV})")
-        from lab_utils.monitoring.panels import InProcessScraper
-
-        backend = InProcessScraper(jobs, rule_files=rule_files, scrape_interval_s=scrape_interval_s,
+        why = missing("prometheus")
+        if why:
+            raise PrometheusMissing(f"{REQUIRE_ENV}=1 but {why}" if required() else why)
+        backend = PrometheusServer(jobs, rule_files=rule_files, scrape_interval_s=scrape_interval_s,
                                    evaluation_interval_s=evaluation_interval_s).start()
     if show:
         print(backend.describe())

@@ -1,0 +1,468 @@
+"""Lab 05's operations: the model under load (phases of closed-loop clients), health checks, a watchdog that
+restarts a dead or hung server with backoff, and the failure drill that kills the server under load and
+watches it recover.
+
+The watchdog is an owned thread: it stops on ``stop()``, on context exit and at interpreter exit, and never
+stops the server it watches. Every wait here is an Event wait (interruptible), never a sleep.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pandas as pd
+
+from lab_utils.monitoring.prometheus import TRITON_JOB, PromAPI
+from lab_utils.procs import release_at_exit, stop_at_exit
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+# --- the lab's model ---------------------------------------------------------------------------------------
+
+MODEL_NAME = "mm"
+
+# Lab 04's model (``triton_model.py``: the MLP, requests crossing the python backend by DLPack), small, with
+# an added service time so that queueing shows on any machine. One model file serves both labs.
+MODEL_PRESET = {"in_features": 16, "width": 64, "depth": 2, "out_features": 16}
+
+
+def write_model(repo: str | Path, *, gpu: bool = False, max_batch_size: int = 4, queue_delay_us: int = 500,
+                base_ms: float = 4.0, per_item_ms: float = 1.0, gpu_matrix: int = 4096, gpu_reps: int = 1) -> Path:
+    """Write the lab's model ``mm`` into ``repo`` (lab 04's python-backend MLP, dynamic batching, one instance);
+    returns the repo.
+
+    CPU instance: ONNX Runtime runs the MLP, then each execution waits ``base_ms + per_item_ms`` x batch (a
+    simulated service time: a sleep leaves the machine's cores to the clients and Prometheus). GPU instance:
+    torch runs the MLP, then ``gpu_reps`` x batch fp32 matmuls of ``gpu_matrix``^2, so the GPU metrics move.
+    """
+    from lab_utils.serving import repository as triton_repo
+
+    repo = Path(repo)
+    if gpu:
+        service: dict[str, str | float] = {"gpu_matmul_n": gpu_matrix, "gpu_matmul_reps": gpu_reps}
+    else:
+        service = {"service_ms": float(base_ms), "service_per_item_ms": float(per_item_ms)}
+    triton_repo.build_mlp_model(repo, MODEL_NAME, preset=MODEL_PRESET, gpus=1 if gpu else 0,
+                                kind="KIND_GPU" if gpu else "KIND_CPU", max_batch_size=max_batch_size,
+                                dynamic_batching={"max_queue_delay_microseconds": queue_delay_us},
+                                parameters=service)
+    return repo
+
+
+def reference_output(repo: str | Path, x: np.ndarray) -> np.ndarray:
+    """What ``mm`` must answer for ``x`` ([N, 16] float32), computed in NumPy from the deployed weights."""
+    from lab_utils.serving import repository as triton_repo
+
+    return triton_repo.reference_mlp(Path(repo) / MODEL_NAME / "1", x)
+
+
+def make_inputs(features: int = MODEL_PRESET["in_features"]) -> Callable[[], dict[str, np.ndarray]]:
+    """One request's inputs for ``mm``: a batch of one row of ``features`` floats."""
+    from lab_utils.serving.repository import INPUT_NAME
+
+    rng = np.random.default_rng(0)
+
+    def make() -> dict[str, np.ndarray]:
+        return {INPUT_NAME: rng.standard_normal((1, features)).astype(np.float32)}
+
+    return make
+
+
+# --- load phases -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Phase:
+    """A stretch of closed-loop load: ``concurrency`` clients for ``duration_s``."""
+
+    name: str
+    concurrency: int
+    duration_s: float
+
+
+def default_phases(quick: bool) -> list[Phase]:
+    """Ramp, steady, overload. The overload runs many more clients than the model's instances can serve,
+    so requests queue: the latency grows while the throughput stays flat."""
+    if quick:
+        return [Phase("ramp", 1, 3), Phase("ramp", 2, 3), Phase("steady", 4, 6), Phase("overload", 32, 8)]
+    return [Phase("ramp", 1, 10), Phase("ramp", 2, 10), Phase("ramp", 4, 10), Phase("steady", 4, 30),
+            Phase("overload", 64, 30)]
+
+
+def _field(res: Any, *names: str, default: Any = math.nan) -> Any:
+    for n in names:
+        if isinstance(res, Mapping) and n in res:
+            return res[n]
+        if hasattr(res, n):
+            return getattr(res, n)
+    return default
+
+
+def run_phases(phases: Sequence[Phase], load: Callable[[int, float], Any]) -> pd.DataFrame:
+    """Run each phase with ``load(concurrency, duration_s)`` (lab 04's ``run_load``, bound to a model);
+    a data frame with each phase's wall-clock start and end (unix seconds, for the PromQL range queries) and
+    results."""
+    rows = []
+    for ph in phases:
+        start = time.time()
+        res = load(ph.concurrency, ph.duration_s)
+        end = time.time()
+        rows.append({"phase": ph.name, "concurrency": ph.concurrency, "start": start, "end": end,
+                     "requests": _field(res, "requests", "count", "ok"),
+                     "errors": _field(res, "errors", "error_count", default=0),
+                     "throughput_rps": _field(res, "throughput_infer_s", "throughput_rps", "throughput"),
+                     "p50_ms": _field(res, "p50_ms"), "p99_ms": _field(res, "p99_ms"), "result": res})
+    return pd.DataFrame(rows)
+
+
+def chunked_load(target: Callable[[], str], load: Callable[[str, int, float], Any], concurrency: int,
+                 duration_s: float, chunk_s: float = 1.0) -> pd.DataFrame:
+    """Closed-loop load in chunks of ``chunk_s``, each aimed at ``target()`` (the server's current address, so
+    the clients follow a restarted server as a service address would); one row per chunk: start, end,
+    requests, errors, p99. ``load(url, concurrency, seconds)`` runs one chunk (lab 04's ``run_load``)."""
+    rows = []
+    end = time.time() + duration_s
+    while time.time() < end:
+        t0 = time.time()
+        seconds = max(0.2, min(chunk_s, end - t0))
+        try:
+            res = load(target(), concurrency, seconds)
+            rows.append({"start": t0, "end": time.time(), "requests": _field(res, "requests", default=0),
+                         "errors": _field(res, "errors_total", "errors", default=0),
+                         "p99_ms": _field(res, "p99_ms"), "error": ""})
+        except Exception as err:  # the clients could not even start (no server there): a failed chunk
+            rows.append({"start": t0, "end": time.time(), "requests": 0, "errors": concurrency, "p99_ms": math.nan,
+                         "error": f"{type(err).__name__}: {str(err)[:120]}"})
+            threading.Event().wait(min(0.2, max(0.0, end - time.time())))
+    return pd.DataFrame(rows, columns=["start", "end", "requests", "errors", "p99_ms", "error"])
+
+
+# --- health and the watchdog -----------------------------------------------------------------------------
+
+
+def probe(url: str, timeout_s: float = 2.0) -> tuple[bool, str]:
+    """GET ``url``: (answered 200, what happened) — for ``/v2/health/live`` and ``/v2/health/ready``."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as r:
+            return r.status == 200, f"HTTP {r.status}"
+    except urllib.error.HTTPError as err:
+        return False, f"HTTP {err.code}"
+    except (urllib.error.URLError, OSError) as err:
+        return False, type(getattr(err, "reason", err)).__name__
+
+
+def health(server: Any) -> dict[str, Any]:
+    """Liveness (the process serves HTTP) and readiness (its models can take requests) of a Triton server."""
+    live, live_why = probe(f"{server.http_url}/v2/health/live")
+    ready, ready_why = probe(f"{server.http_url}/v2/health/ready")
+    return {"live": live, "live_http": live_why, "ready": ready, "ready_http": ready_why}
+
+
+class Watchdog:
+    """Restarts a server that died or stopped answering, with exponential backoff: the shell loop
+    ``while true; do tritonserver ...; sleep 1; done`` done properly.
+
+    Every ``check_s`` it looks at the process (``server.alive()``) and, when given, a liveness URL
+    (``liveness(server)`` -> URL; ``failures`` failed probes in a row, each allowed ``probe_timeout_s``, count
+    as hung). A dead or hung server is stopped (its whole process group), then restarted after ``backoff_s`` ×
+    2^k (k = restarts in a row, capped at ``max_backoff_s``); a restart that stays up ``stable_s`` resets k.
+    After ``max_restarts`` in a row it gives up (``gave_up``) instead of hammering a crash loop.
+    ``on_restart(server)`` runs after each restart (the lab points Prometheus at the server's new address
+    there). ``pause()`` returns once no check or restart is in progress, so a ``server.stop()`` after it is
+    never taken for a crash; ``stop()`` ends the watchdog, never the server.
+    """
+
+    def __init__(self, server: Any, *, check_s: float = 0.25, backoff_s: float = 1.0, max_backoff_s: float = 30.0,
+                 max_restarts: int = 5, stable_s: float = 30.0, failures: int = 3, probe_timeout_s: float = 2.0,
+                 liveness: Callable[[Any], str] | None = None,
+                 restart: Callable[[Any], Any] | None = None, on_restart: Callable[[Any], Any] | None = None):
+        if check_s <= 0 or backoff_s < 0 or max_restarts < 1 or probe_timeout_s <= 0:
+            raise ValueError("check_s > 0, backoff_s >= 0, max_restarts >= 1 and probe_timeout_s > 0 are needed")
+        self.server = server
+        self.check_s, self.backoff_s, self.max_backoff_s = check_s, backoff_s, max_backoff_s
+        self.max_restarts, self.stable_s, self.failures = max_restarts, stable_s, failures
+        self.probe_timeout_s = probe_timeout_s
+        self.liveness = liveness
+        self._restart = restart or _default_restart
+        self.on_restart = on_restart
+        self.events: list[dict[str, Any]] = []
+        self.restarts = 0
+        self.gave_up = False
+        self._streak = 0
+        self._restarted_at = 0.0
+        self._paused = threading.Event()
+        self._stop = threading.Event()
+        self._halt = threading.Event()  # set by pause() and stop(): cuts a probe pause or a backoff short
+        self._busy = threading.RLock()  # held while the loop checks or restarts; pause() waits for it
+        self._thread: threading.Thread | None = None
+
+    def _event(self, what: str, **extra: Any) -> None:
+        self.events.append({"time": time.time(), "event": what, **extra})
+
+    def start(self) -> Watchdog:
+        if self._thread is None or not self._thread.is_alive():
+            self._stop.clear()
+            if not self._paused.is_set():
+                self._halt.clear()
+            self._thread = threading.Thread(target=self._loop, name="nvlab-watchdog", daemon=True)
+            self._thread.start()
+            stop_at_exit(self)
+            self._event("watching", pid=getattr(self.server, "pid", None))
+        return self
+
+    def stop(self) -> None:
+        """Stop watching (the server keeps running; stop it yourself). Safe to call twice."""
+        self._stop.set()
+        self._halt.set()
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+            self._thread = None
+        release_at_exit(self)
+
+    def pause(self) -> None:
+        """Stop restarting for now (a planned stop or upgrade). Returns once a check or restart in progress has
+        finished (a restart under way completes and is counted; a backoff wait is cut short, with no restart)."""
+        self._paused.set()
+        self._halt.set()
+        with self._busy:
+            pass
+
+    def resume(self) -> None:
+        """Watch again: a server found dead now is restarted, with the backoff where it was."""
+        self._paused.clear()
+        if not self._stop.is_set():
+            self._halt.clear()
+
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _halted(self) -> bool:
+        return self._stop.is_set() or self._paused.is_set()
+
+    def _healthy(self) -> tuple[bool, str]:
+        if not self.server.alive():
+            return False, "process exited"
+        if self.liveness is None:
+            return True, ""
+        bad = 0
+        while True:
+            ok, why = probe(self.liveness(self.server), timeout_s=self.probe_timeout_s)
+            if ok:
+                return True, ""
+            bad += 1
+            if bad >= self.failures:
+                return False, f"liveness failed {bad} times ({why})"
+            if self._halt.wait(self.check_s):
+                return True, ""  # paused or stopped between probes: no verdict
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.check_s):
+            with self._busy:
+                if not self._halted():
+                    self._check_once()
+
+    def _check_once(self) -> None:
+        """One look at the server, and a restart if it is dead or hung (the caller holds ``_busy``)."""
+        ok, why = self._healthy()
+        if self._halted():
+            return  # a stop during the check was planned (paused) or ends the watch: not a crash
+        if ok:
+            if self._streak and time.time() - self._restarted_at > self.stable_s:
+                self._streak = 0  # stayed up: the next failure starts the backoff from the beginning
+            return
+        if self._streak >= self.max_restarts:
+            if not self.gave_up:
+                self.gave_up = True
+                self._event("gave up", reason=f"{self._streak} restarts in a row did not stay up")
+            return
+        delay = min(self.backoff_s * 2**self._streak, self.max_backoff_s)
+        self._event("down", reason=why, exit_code=_exit_code(self.server), backoff_s=delay)
+        with contextlib.suppress(Exception):
+            self.server.stop()  # the whole process group: no stub or child keeps the ports
+        if self._halt.wait(delay) or self._halted():
+            self._event("not restarted", reason="paused" if self._paused.is_set() else "watchdog stopped")
+            return
+        self._streak += 1
+        try:
+            t0 = time.time()
+            self._restart(self.server)
+            self.restarts += 1
+            self._restarted_at = time.time()
+            self._event("restarted", seconds=round(time.time() - t0, 2), pid=getattr(self.server, "pid", None))
+            if self.on_restart is not None:
+                self.on_restart(self.server)
+        except Exception as err:  # a failed start counts as a failure: the backoff grows
+            self._event("restart failed", reason=f"{type(err).__name__}: {str(err).splitlines()[0][:200]}")
+
+    def timeline(self) -> pd.DataFrame:
+        """The events (watching, down, restarted, restart failed, gave up...) with their unix times."""
+        return pd.DataFrame(self.events)
+
+    def __enter__(self) -> Watchdog:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def _exit_code(server: Any) -> int | None:
+    proc = getattr(server, "_proc", None) or getattr(server, "proc", None)
+    return proc.poll() if proc is not None else None
+
+
+def _default_restart(server: Any) -> Any:
+    restart = getattr(server, "restart", None)
+    if callable(restart):
+        return restart()
+    server.stop()
+    return server.start()
+
+
+def kill(server: Any) -> int:
+    """SIGKILL the server's main process, as a crash would (its children follow: PR_SET_PDEATHSIG). The pid."""
+    pid = server.pid
+    if pid is None:
+        raise RuntimeError("the server has no process to kill (not started, or not owned here)")
+    os.kill(pid, signal.SIGKILL)
+    return pid
+
+
+# --- the failure drill ------------------------------------------------------------------------------------
+
+
+@dataclass
+class DrillResult:
+    """What the drill saw, each step with its wall-clock time (unix seconds)."""
+
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    load: pd.DataFrame | None = None  # the load generator's chunks: start, end, requests, errors...
+    watchdog_events: pd.DataFrame | None = None
+
+    def step(self, what: str, t: float | None = None, **extra: Any) -> None:
+        self.steps.append({"step": what, "time": time.time() if t is None else t, **extra})
+
+    def time_of(self, what: str) -> float | None:
+        return next((s["time"] for s in self.steps if s["step"] == what), None)
+
+    def table(self) -> pd.DataFrame:
+        """The steps with ``after_kill_s``, seconds since the kill."""
+        df = pd.DataFrame(self.steps)
+        if not df.empty:
+            df["after_kill_s"] = (df["time"] - (self.time_of("server killed") or df["time"].iloc[0])).round(2)
+        return df
+
+
+def failure_drill(server: Any, metrics: PromAPI | None, watchdog: Watchdog,
+                  load: Callable[[float], pd.DataFrame], *, load_s: float, kill_after_s: float,
+                  alert: str = "TritonServerDown", timeout_s: float = 60.0,
+                  up_expr: str = f'up{{job="{TRITON_JOB}"}}') -> DrillResult:
+    """Kill the server under load and watch the recovery: client errors, ``up == 0`` in Prometheus, the alert
+    firing, the watchdog's restart, ``up == 1`` again and requests succeeding again.
+
+    ``load(duration_s)`` runs closed-loop load (in a thread here) and returns its chunks. Without Prometheus
+    (``metrics=None``) the drill watches the server's own liveness instead of ``up`` and the alert.
+    """
+    res = DrillResult()
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["result"] = load(load_s)
+        except BaseException as err:  # shown to the caller, not lost in the thread
+            box["error"] = err
+
+    t_load = time.time()
+    thread = threading.Thread(target=run, name="nvlab-drill-load", daemon=True)
+    thread.start()
+    res.step("load started", t_load)
+    pause = threading.Event()  # waits below are Event waits: interruptible, no bare sleeps
+    try:
+        pause.wait(kill_after_s)
+        pid = kill(server)
+        res.step("server killed", pid=pid)
+        if metrics is not None:
+            metrics.wait_for(f"{up_expr} == 0", timeout_s=timeout_s, poll_s=0.25)
+            res.step("up == 0 in Prometheus")
+            try:
+                metrics.wait_for_alert(alert, "firing", timeout_s=timeout_s, poll_s=0.25)
+                res.step(f"alert {alert} firing")
+            except TimeoutError as err:
+                res.step(f"alert {alert} did not fire", error=str(err))
+        deadline = time.time() + timeout_s
+        while watchdog.restarts == 0 and time.time() < deadline and not watchdog.gave_up:
+            pause.wait(0.1)
+        restarted = next((e for e in watchdog.events if e["event"] == "restarted"), None)
+        if restarted:
+            res.step("watchdog restarted the server", restarted["time"], pid=restarted.get("pid"))
+        if metrics is not None:
+            metrics.wait_for(f"{up_expr} == 1", timeout_s=timeout_s, poll_s=0.25)
+            res.step("up == 1 again")
+            deadline = time.time() + timeout_s
+            while time.time() < deadline:
+                df = metrics.alerts()
+                if df[df["alertname"] == alert].empty:
+                    res.step(f"alert {alert} resolved")
+                    break
+                pause.wait(0.25)
+        else:
+            deadline = time.time() + timeout_s
+            while not health(server)["live"] and time.time() < deadline:
+                pause.wait(0.25)
+            if health(server)["live"]:
+                res.step("live again")
+    finally:
+        thread.join(timeout=load_s + timeout_s)
+    if "error" in box:
+        raise box["error"]
+    res.load = box.get("result")
+    res.step("load finished")
+    res.watchdog_events = watchdog.timeline()
+    return res
+
+
+def plot_drill(drill: DrillResult, up: pd.DataFrame | None = None) -> Figure:
+    """The drill on one time axis: requests and client errors per load chunk, ``up`` as Prometheus saw it
+    (when given), and the steps (kill, alert, restart) as vertical lines."""
+    import matplotlib.pyplot as plt
+
+    t_kill = drill.time_of("server killed") or 0.0
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 4.6), sharex=True)
+    chunks = drill.load
+    if chunks is not None and len(chunks):
+        mid = (chunks["start"] + chunks["end"]) / 2 - t_kill
+        secs = (chunks["end"] - chunks["start"]).clip(lower=1e-3)
+        ax1.plot(mid, chunks["requests"] / secs, marker="o", label="successful requests/s (client)")
+        ax1.plot(mid, chunks["errors"] / secs, marker="x", color="tab:red", label="failed requests/s (client)")
+        ax1.legend(fontsize=8)
+    ax1.set_ylabel("requests/s")
+    if up is not None and not up.empty:
+        for inst, g in up.groupby("instance"):
+            ax2.step(g["time"] - t_kill, g["value"], where="post", label=f"up{{instance={inst}}}")
+        ax2.legend(fontsize=8)
+    else:
+        ax2.text(0.5, 0.5, "no Prometheus: up not recorded", ha="center", va="center", transform=ax2.transAxes,
+                 color="gray")
+    ax2.set_ylim(-0.1, 1.2)
+    ax2.set_ylabel("up")
+    ax2.set_xlabel("seconds after the kill")
+    for s in drill.steps:
+        if s["step"] in ("load started", "load finished"):
+            continue
+        for ax in (ax1, ax2):
+            ax.axvline(s["time"] - t_kill, color="gray", lw=0.8, ls="--")
+        ax2.text(s["time"] - t_kill, 1.15, s["step"], rotation=90, fontsize=7, va="top", ha="right")
+    fig.tight_layout()
+    return fig
