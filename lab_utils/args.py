@@ -1,4 +1,4 @@
-"""Argument checks and lazy imports shared by the lab modules (one place, one wording)."""
+"""Argument checks shared by the lab modules (one place, one wording)."""
 
 from __future__ import annotations
 
@@ -12,12 +12,3 @@ def check_int(value: Any, arg: str, where: str, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
         raise ValueError(f"{where}({arg}={value!r}): must be an integer >= {minimum}")
     return int(value)
-
-
-def require_torch(module: str) -> Any:
-    """Import torch, or say which module needs it and how to install it."""
-    try:
-        import torch
-    except ImportError as exc:  # the labs install torch as an extra
-        raise ImportError(f"{module} needs PyTorch: pip install -e '.[torch]'") from exc
-    return torch

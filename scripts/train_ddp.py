@@ -3,7 +3,9 @@
 
 torchrun starts one process per GPU (or CPU rank) on every node and hands each its RANK, WORLD_SIZE,
 LOCAL_RANK, MASTER_ADDR and MASTER_PORT; this script joins the process group from them
-(``init_method="env://"``) and runs ``lab_utils.distributed.ddp.train_digits``, the same worker the notebook launches.
+(``spawn.start_process_group``), runs ``lab_utils.distributed.ddp.train_digits``, the same worker the notebook
+launches, and leaves the group (``spawn.leave_process_group``: a barrier, then the group destroyed before the
+interpreter exits, so the process ends with exit code 0 and no thread of the group is left).
 
 One node, 2 GPUs:
     torchrun --standalone --nproc-per-node=2 scripts/train_ddp.py --out result.json
@@ -19,12 +21,16 @@ see scripts/slurm/ddp.sbatch):
 
 ``--global-batch`` stays the same whatever the world size (the per-rank batch is derived from it), so a run
 on any number of ranks is comparable with a single-process run of the same seed.
+
+Nothing waits for ever: a collective (the final barrier included) waits at most ``--timeout-s`` for a peer;
+the c10d rendezvous at most its ``join_timeout`` (600 s unless ``--rdzv-conf=join_timeout=S``). After its own
+ranks finish, torchrun waits up to 300 s (its exit barrier, fixed) for the other nodes' torchruns: when a node
+fails, stop the others (Slurm's ``srun --kill-on-bad-exit=1`` does).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import socket
@@ -37,8 +43,11 @@ except ImportError:  # an install, not a path hack: every node needs the same en
     sys.exit("train_ddp.py: lab_utils is not importable on this node: run `pip install -e .` in the course "
              "checkout (or export PYTHONPATH=<checkout>) in the environment torchrun starts")
 
-from lab_utils.distributed import ddp
-from lab_utils.distributed.spawn import WorkerContext
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from lab_utils.distributed import ddp, spawn
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -61,9 +70,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _backend(requested: str, local_rank: int) -> str:
-    import torch
-    import torch.distributed as dist
-
     has_gpu = torch.cuda.is_available() and local_rank < torch.cuda.device_count()
     if requested == "auto":
         return "nccl" if has_gpu and dist.is_nccl_available() else "gloo"
@@ -73,25 +79,17 @@ def _backend(requested: str, local_rank: int) -> str:
     return requested
 
 
+@record  # a rank's traceback goes into torchrun's failure summary
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    import torch
-    import torch.distributed as dist
-
     missing = [k for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
         raise SystemExit(f"{', '.join(missing)} not set: start this script with torchrun (see its docstring)")
     rank, world, local_rank = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
     backend = _backend(args.backend, local_rank)
-    device = "cpu"
-    kw = {}
-    if backend == "nccl":
-        torch.cuda.set_device(local_rank)  # before any CUDA work, so NCCL's context lands on this rank's GPU
-        device = f"cuda:{local_rank}"
-        kw["device_id"] = torch.device(device)
-    dist.init_process_group(backend, init_method="env://", timeout=datetime.timedelta(seconds=args.timeout_s), **kw)
+    ctx = spawn.start_process_group(backend, rank, world, local_rank, args.timeout_s)  # env://, from torchrun
+    done = False
     try:
-        ctx = WorkerContext(rank, world, local_rank, backend, device)  # status() is a no-op outside launch()
         result = ddp.train_digits(
             ctx, epochs=args.epochs, batch_size=ddp.per_rank_batch(args.global_batch, world, args.accumulate),
             lr=args.lr, seed=args.seed, amp=None if args.amp == "none" else args.amp, accumulate=args.accumulate,
@@ -111,8 +109,9 @@ def main(argv: list[str] | None = None) -> int:
                 tmp = out.with_name(out.name + ".tmp")
                 tmp.write_text(json.dumps(result, indent=2) + "\n")
                 tmp.replace(out)  # atomic: a reader never sees half a file
+        done = True
     finally:
-        dist.destroy_process_group()
+        spawn.leave_process_group(ctx, synchronize=done)  # after a failure, no barrier: a peer may be stuck
     return 0
 
 

@@ -1,4 +1,5 @@
-"""Lab 02 collectives: bandwidth arithmetic, result checks, log parsing, and real 2-rank gloo groups (CPU).
+"""Lab 02 collectives: bandwidth arithmetic, result checks, NCCL log parsing, the link peak, the busbw plot, and
+real 2-rank gloo groups (CPU).
 
 GPU-only tests need two CUDA GPUs with NCCL and are skipped otherwise.
 """
@@ -20,13 +21,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from lab_utils import plots
 from lab_utils.course import probe as env
+from lab_utils.distributed import bandwidth as bw
 from lab_utils.distributed import collectives as col
-from lab_utils.distributed import spawn as distributed
+from lab_utils.distributed import nccl_log, plots, spawn
 from lab_utils.exercises.lab02 import reference_busbw_factor
 
-TWO_GPUS = distributed.torch_gpu_count() >= 2 and torch.distributed.is_nccl_available()
+TWO_GPUS = spawn.torch_gpu_count() >= 2 and torch.distributed.is_nccl_available()
 needs_2_gpus = pytest.mark.skipif(not TWO_GPUS, reason="needs 2 CUDA GPUs and NCCL")
 
 
@@ -40,7 +41,7 @@ def _close_figures():
 def gloo_run() -> pd.DataFrame:
     # One launch for two dtypes (each launch costs seconds of torch imports): gloo (torch 2.13) runs every
     # collective on float32 but refuses float8 ("Invalid scalar type"), which gives the unsupported rows.
-    return col.collective_sweep(2, sizes_bytes=[4 * col.KIB, 64 * col.KIB], backend="gloo", reps=3, warmup=1,
+    return col.collective_sweep(2, sizes_bytes=[4 * bw.KIB, 64 * bw.KIB], backend="gloo", reps=3, warmup=1,
                                 dtype=["float32", "float8_e4m3fn"], timeout_s=120)
 
 
@@ -49,8 +50,9 @@ def gloo_sweep(gloo_run) -> pd.DataFrame:
     return gloo_run[gloo_run["dtype"] == "float32"].reset_index(drop=True)
 
 
-def test_import_does_no_work():
-    code = "import sys, lab_utils.distributed.collectives; print('torch' in sys.modules)"
+def test_arithmetic_log_and_plot_modules_need_no_torch():
+    code = ("import sys, lab_utils.distributed.bandwidth, lab_utils.distributed.nccl_log, "
+            "lab_utils.distributed.plots; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
@@ -59,33 +61,33 @@ def test_import_does_no_work():
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 8, 16])
-@pytest.mark.parametrize("collective", [*col.COLLECTIVES, "reduce"])
+@pytest.mark.parametrize("collective", [*bw.COLLECTIVES, "reduce"])
 def test_busbw_factor_matches_nccl_tests(collective, n):
-    assert col.busbw_factor(collective, n) == pytest.approx(reference_busbw_factor(collective, n))
+    assert bw.busbw_factor(collective, n) == pytest.approx(reference_busbw_factor(collective, n))
 
 
 def test_busbw_factor_values_and_errors():
-    assert col.busbw_factor("all_reduce", 8) == pytest.approx(1.75)
-    assert col.busbw_factor("all_gather", 8) == pytest.approx(0.875)
-    assert col.busbw_factor("broadcast", 8) == 1.0
+    assert bw.busbw_factor("all_reduce", 8) == pytest.approx(1.75)
+    assert bw.busbw_factor("all_gather", 8) == pytest.approx(0.875)
+    assert bw.busbw_factor("broadcast", 8) == 1.0
     with pytest.raises(ValueError, match=r"valid names are \['all_reduce', 'all_gather'"):
-        col.busbw_factor("allreduce_perf", 2)
+        bw.busbw_factor("allreduce_perf", 2)
     with pytest.raises(ValueError, match="n=0"):
-        col.busbw_factor("all_reduce", 0)
+        bw.busbw_factor("all_reduce", 0)
 
 
 def test_bandwidth_arithmetic():
-    assert col.algbw_gbps(1e9, 1000.0) == pytest.approx(1.0)  # 1e9 bytes in 1 s
-    assert col.algbw_gbps(col.GIB, 1.0) == pytest.approx(1073.741824)
+    assert bw.algbw_gbps(1e9, 1000.0) == pytest.approx(1.0)  # 1e9 bytes in 1 s
+    assert bw.algbw_gbps(bw.GIB, 1.0) == pytest.approx(1073.741824)
     # The H200 reference: 2 GiB all_reduce on 2 ranks at 338 GB/s busbw (factor 1 for n = 2).
-    t_ms = 2 * col.GIB / 338e9 * 1e3
-    assert col.busbw_gbps("all_reduce", 2 * col.GIB, t_ms, 2) == pytest.approx(338.0)
-    assert col.busbw_gbps("all_reduce", 1e9, 10.0, 8) == pytest.approx(100.0 * 1.75)
-    assert col.busbw_gbps("all_to_all", 1e9, 10.0, 4) == pytest.approx(75.0)
+    t_ms = 2 * bw.GIB / 338e9 * 1e3
+    assert bw.busbw_gbps("all_reduce", 2 * bw.GIB, t_ms, 2) == pytest.approx(338.0)
+    assert bw.busbw_gbps("all_reduce", 1e9, 10.0, 8) == pytest.approx(100.0 * 1.75)
+    assert bw.busbw_gbps("all_to_all", 1e9, 10.0, 4) == pytest.approx(75.0)
     with pytest.raises(ValueError, match="time_ms"):
-        col.algbw_gbps(1e6, 0.0)
+        bw.algbw_gbps(1e6, 0.0)
     with pytest.raises(ValueError, match="size_bytes"):
-        col.algbw_gbps(-1, 1.0)
+        bw.algbw_gbps(-1, 1.0)
 
 
 def test_buffer_sizes_follow_nccl_tests():
@@ -117,7 +119,7 @@ def _simulate(collective: str, n: int, numel: int, dtype=torch.float32) -> list[
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
-@pytest.mark.parametrize("collective", col.COLLECTIVES)
+@pytest.mark.parametrize("collective", bw.COLLECTIVES)
 def test_check_accepts_the_right_result(collective, n):
     numel = 6 * n if collective != "all_gather" else 6  # all_gather's input is one rank's piece
     for dtype in (torch.float32, torch.bfloat16):
@@ -125,7 +127,7 @@ def test_check_accepts_the_right_result(collective, n):
             assert col.check_result(collective, out, rank, n) is None
 
 
-@pytest.mark.parametrize("collective", col.COLLECTIVES)
+@pytest.mark.parametrize("collective", bw.COLLECTIVES)
 def test_check_detects_a_wrong_element(collective):
     n = 2
     out = _simulate(collective, n, 8)[1].clone()
@@ -150,13 +152,13 @@ def test_check_detects_swapped_chunks_and_nan():
 def test_gloo_sweep_is_correct_and_positive(gloo_sweep):
     df = gloo_sweep
     assert list(df.columns) == col.SWEEP_COLUMNS
-    assert len(df) == 2 * len(col.COLLECTIVES)
-    assert set(df["collective"]) == set(col.COLLECTIVES)
+    assert len(df) == 2 * len(bw.COLLECTIVES)
+    assert set(df["collective"]) == set(bw.COLLECTIVES)
     assert (df["status"] == "ok").all() and df["correct"].all()
     assert (df["time_ms"] > 0).all() and (df["algbw_gbps"] > 0).all() and (df["busbw_gbps"] > 0).all()
     assert (df["backend"] == "gloo").all() and (df["n_ranks"] == 2).all()
     assert list(df["size_label"].unique()) == ["4 KiB", "64 KiB"]
-    factor = df["collective"].map(lambda c: col.busbw_factor(c, 2))
+    factor = df["collective"].map(lambda c: bw.busbw_factor(c, 2))
     assert (df["busbw_gbps"] - df["algbw_gbps"] * factor).abs().max() < 1e-9
     assert df["peak_gbps"].isna().all() and df["pct_of_peak"].isna().all()
     assert "gloo" in df.attrs["peak_description"]
@@ -164,22 +166,22 @@ def test_gloo_sweep_is_correct_and_positive(gloo_sweep):
 
 def test_unsupported_dtype_gives_rows_not_a_crash(gloo_run):
     df = gloo_run[gloo_run["dtype"] == "float8_e4m3fn"]
-    assert len(df) == 2 * len(col.COLLECTIVES) and (df["status"] == "unsupported").all()
+    assert len(df) == 2 * len(bw.COLLECTIVES) and (df["status"] == "unsupported").all()
     assert df["reason"].str.contains("gloo refused it").all()
     assert df["correct"].isna().all() and df["time_ms"].isna().all() and df["busbw_gbps"].isna().all()
 
 
 def test_wrong_result_raises_naming_collective_size_and_rank():
-    with pytest.raises(distributed.WorkerError, match=r"all_gather 4 KiB float32 on 2 ranks .*wrong result.*rank 1"):
-        col.collective_sweep(2, sizes_bytes=[4 * col.KIB], collectives=["all_gather"], backend="gloo", reps=2,
+    with pytest.raises(spawn.WorkerError, match=r"all_gather 4 KiB float32 on 2 ranks .*wrong result.*rank 1"):
+        col.collective_sweep(2, sizes_bytes=[4 * bw.KIB], collectives=["all_gather"], backend="gloo", reps=2,
                              warmup=0, corrupt_rank=1, timeout_s=120)
 
 
 def test_bare_allreduce_on_gloo():
-    res = col.bare_allreduce(2, size_bytes=256 * col.KIB, iters=3, backend="gloo", warmup=1, timeout_s=120)
+    res = col.bare_allreduce(2, size_bytes=256 * bw.KIB, iters=3, backend="gloo", warmup=1, timeout_s=120)
     assert res["time_ms"] > 0 and res["algbw_gbps"] > 0
     assert res["busbw_gbps"] == pytest.approx(res["algbw_gbps"])  # factor 2(n-1)/n = 1 on two ranks
-    assert res["backend"] == "gloo" and res["size_bytes"] == 256 * col.KIB
+    assert res["backend"] == "gloo" and res["size_bytes"] == 256 * bw.KIB
 
 
 def test_sweep_argument_errors_name_the_argument():
@@ -267,7 +269,7 @@ node1:4102:4102 [1] NCCL INFO Channel 03/0 : 1[1] -> 0[0] via P2P/CUMEM
 
 
 def test_parse_nccl_log_sample():
-    p = col.parse_nccl_log(SAMPLE_LOG)
+    p = nccl_log.parse_nccl_log(SAMPLE_LOG)
     assert p["version"] == "2.28.9+cuda13.0"
     assert p["n_ranks"] == 2 and p["n_nodes"] == 1 and p["cuda_driver"] == 13000
     assert p["transports"] == {"P2P/CUMEM": 8} and p["transport_kinds"] == {"P2P": 8}
@@ -297,7 +299,7 @@ def test_parse_nccl_log_other_transports_and_numeric_choices():
         "h:1:2 [0] NCCL INFO AllGather: 1048576 Bytes -> Algo 1 proto 2 time 42.000000\n"
         "h:1:2 [0] NCCL INFO Using network IB\n"
     )
-    p = col.parse_nccl_log(log)
+    p = nccl_log.parse_nccl_log(log)
     assert p["transport_kinds"] == {"SHM": 1, "NET": 2}
     assert p["choices"][0]["algorithm"] == "RING" and p["choices"][0]["protocol"] == "SIMPLE"
     text = " ".join(p["explanations"])
@@ -307,7 +309,7 @@ def test_parse_nccl_log_other_transports_and_numeric_choices():
 @pytest.mark.parametrize("text", ["", "garbage\n\x00\x01", "NCCL INFO Channel 99/", "NCCL INFO rank x nranks y",
                                   "NCCL INFO AllReduce: 12 Bytes -> Algo 99 proto 7", b"NCCL version 2.21.5"])
 def test_parse_nccl_log_never_raises(text):
-    p = col.parse_nccl_log(text)
+    p = nccl_log.parse_nccl_log(text)
     assert isinstance(p["explanations"], list) and p["explanations"]
 
 
@@ -323,21 +325,21 @@ def _report(matrix_cell: str | None = None, gpus: list | None = None) -> SimpleN
 
 def test_link_peak_from_the_h200_capture():
     gpus = [env.GpuInfo(index=i, name="NVIDIA H200", pcie_gen_max=5, pcie_width_max=16) for i in range(2)]
-    peak, desc = col.link_peak_gbps(_report(gpus=gpus))
+    peak, desc = bw.link_peak_gbps(_report(gpus=gpus))
     assert peak == 450.0
     assert desc.startswith("NV18 between GPU0 and GPU1: NVLink 4, 450 GB/s per direction")
-    peak, desc = col.link_peak_gbps(_report())  # no GPU names: 18 links × 25 GB/s
+    peak, desc = bw.link_peak_gbps(_report())  # no GPU names: 18 links × 25 GB/s
     assert peak == 450.0 and "assumed" in desc
 
 
 def test_link_peak_over_pcie_and_unknown():
     gpus = [env.GpuInfo(index=i, name="NVIDIA L4", pcie_gen_max=4, pcie_width_max=16) for i in range(2)]
-    peak, desc = col.link_peak_gbps(_report("PIX", gpus))
+    peak, desc = bw.link_peak_gbps(_report("PIX", gpus))
     assert peak == 31.5 and "PCIe gen4 x16: 31.5 GB/s per direction" in desc
-    peak, desc = col.link_peak_gbps(_report("SYS", [env.GpuInfo(index=i, name="NVIDIA H200") for i in range(2)]))
+    peak, desc = bw.link_peak_gbps(_report("SYS", [env.GpuInfo(index=i, name="NVIDIA H200") for i in range(2)]))
     assert peak == 63.0 and "CPU sockets" in desc
-    assert col.link_peak_gbps(_report("SYS")) == (None, "link speed unknown (SYS between GPU0 and GPU1)")
-    peak, desc = col.link_peak_gbps(SimpleNamespace(topology=None, gpus=[]))
+    assert bw.link_peak_gbps(_report("SYS")) == (None, "link speed unknown (SYS between GPU0 and GPU1)")
+    peak, desc = bw.link_peak_gbps(SimpleNamespace(topology=None, gpus=[]))
     assert peak is None and desc == "no GPU link (gloo over loopback/shared memory)"
 
 
@@ -345,10 +347,10 @@ def test_link_peak_over_pcie_and_unknown():
 
 
 def test_plot_busbw(gloo_sweep):
-    fig = plots.plot_busbw(gloo_sweep, peak_gbps=450.0, reference=col.H200_ALLREDUCE_BUSBW_GBPS)
+    fig = plots.plot_busbw(gloo_sweep, peak_gbps=450.0, reference=bw.H200_ALLREDUCE_BUSBW_GBPS)
     ax = fig.axes[0]
     labels = [line.get_label() for line in ax.get_lines()]
-    assert set(col.COLLECTIVES) <= set(labels)
+    assert set(bw.COLLECTIVES) <= set(labels)
     assert any("450" in label for label in labels) and "reference all_reduce" in labels
     assert ax.get_xscale() == "log"
     with pytest.raises(ValueError, match="collective_sweep"):
@@ -360,7 +362,7 @@ def test_plot_busbw(gloo_sweep):
 
 @needs_2_gpus
 def test_nccl_sweep_on_two_gpus():
-    df = col.collective_sweep(2, sizes_bytes=[col.MIB, 64 * col.MIB], reps=5, warmup=2, timeout_s=300)
+    df = col.collective_sweep(2, sizes_bytes=[bw.MIB, 64 * bw.MIB], reps=5, warmup=2, timeout_s=300)
     assert (df["backend"] == "nccl").all() and (df["status"] == "ok").all() and df["correct"].all()
     assert (df["busbw_gbps"] > 0).all()
     assert math.isfinite(df["peak_gbps"].iloc[0]) or "unknown" in df.attrs["peak_description"]
@@ -368,22 +370,22 @@ def test_nccl_sweep_on_two_gpus():
 
 @needs_2_gpus
 def test_nccl_fp8_reductions_are_reported_not_raised():
-    df = col.collective_sweep(2, sizes_bytes=[col.MIB], dtype="float8_e4m3fn", reps=2, warmup=1, timeout_s=300)
+    df = col.collective_sweep(2, sizes_bytes=[bw.MIB], dtype="float8_e4m3fn", reps=2, warmup=1, timeout_s=300)
     assert set(df["status"]) <= {"ok", "unsupported"}
     assert df.loc[df["status"] == "ok", "correct"].all()
 
 
 @needs_2_gpus
 def test_nccl_bare_allreduce_and_debug_log():
-    res = col.bare_allreduce(2, size_bytes=64 * col.MIB, iters=5)
+    res = col.bare_allreduce(2, size_bytes=64 * bw.MIB, iters=5)
     assert res["backend"] == "nccl" and res["busbw_gbps"] > 0
-    p = col.parse_nccl_log(col.capture_nccl_debug(2, size_bytes=16 * col.MIB))
+    p = nccl_log.parse_nccl_log(col.capture_nccl_debug(2, size_bytes=16 * bw.MIB))
     assert p["version"] and p["n_ranks"] == 2 and sum(p["transport_kinds"].values()) > 0
 
 
 @needs_2_gpus
 def test_helper_keeps_up_with_the_bare_loop_at_1_gib():
     # Lab 02's claim: per-repetition CUDA events cost next to nothing at >= 1 GiB (seen: 0.98-1.01 on 2 × H200).
-    bare = col.bare_allreduce(2, size_bytes=col.GIB, iters=20)
-    helper = col.collective_sweep(2, sizes_bytes=[col.GIB], collectives=["all_reduce"], reps=20, warmup=5)
+    bare = col.bare_allreduce(2, size_bytes=bw.GIB, iters=20)
+    helper = col.collective_sweep(2, sizes_bytes=[bw.GIB], collectives=["all_reduce"], reps=20, warmup=5)
     assert helper["busbw_gbps"].iloc[0] >= 0.95 * bare["busbw_gbps"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import math
 import os
@@ -19,7 +20,7 @@ torch = pytest.importorskip("torch")
 
 from lab_utils import models
 from lab_utils.distributed import ddp
-from lab_utils.distributed.spawn import free_port, launch
+from lab_utils.distributed.spawn import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 EPOCHS = 4  # enough for > 95 % on the digits; each launch costs seconds of process start-up on a small CPU
@@ -35,9 +36,10 @@ def runs(tmp_path_factory):
 
 
 def test_import_does_no_work():
-    code = "import sys, lab_utils.distributed.ddp; print('torch' in sys.modules, 'sklearn' in sys.modules)"
+    code = ("import sys, torch.distributed as dist, lab_utils.distributed.ddp; "
+            "print(dist.is_initialized(), 'sklearn' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
-    assert out.stdout.strip() == "False False"
+    assert out.stdout.strip() == "False False"  # no process group, and the digits come without scikit-learn
 
 
 def test_digits_split():
@@ -187,30 +189,58 @@ def _stop(p: subprocess.Popen) -> None:
     p.wait(5)
 
 
-def test_two_node_loopback(tmp_path):
-    """Two torchrun 'nodes' on this machine (static rendezvous on 127.0.0.1) train together over gloo."""
-    port, out = free_port(), tmp_path / "result.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    procs, logs = [], []
+NODE_TIMEOUT_S = 120  # both nodes together; alone the test takes about 10 s, 25 s beside a busy core
+PEER_FAILED_GRACE_S = 15  # after one node failed, how long the other may take to notice before it is stopped
+
+
+def _run_nodes(cmds: list[list[str]], logs: list[Path], cwd: Path, env: dict[str, str]) -> list[int | None]:
+    """Start one torchrun per command, each in its own process group; wait until all exit, one fails (then give
+    the others PEER_FAILED_GRACE_S), or NODE_TIMEOUT_S passes; stop whatever is left. Returns the exit codes
+    (None: stopped by the test)."""
+    procs: list[subprocess.Popen] = []
     try:
-        for rank in (0, 1):
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
-                   f"--node-rank={rank}", "--master-addr=127.0.0.1", f"--master-port={port}",
-                   str(ROOT / "scripts" / "train_ddp.py"), "--backend", "gloo", "--epochs", "2", "--timeout-s", "60",
-                   "--out", str(out)]
-            logs.append(tmp_path / f"node{rank}.log")
-            with open(logs[-1], "w") as log:
-                procs.append(subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT,
+        for cmd, log in zip(cmds, logs, strict=True):
+            with open(log, "w") as f:
+                procs.append(subprocess.Popen(cmd, cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT,
                                               start_new_session=True))  # own process group: killable as a whole
-        deadline = time.monotonic() + 120
-        for p in procs:
-            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        deadline = time.monotonic() + NODE_TIMEOUT_S
+        while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+            # A node whose peer failed would wait in torchrun's exit barrier (300 s) or for a collective's timeout.
+            if any(p.poll() not in (None, 0) for p in procs):
+                deadline = min(deadline, time.monotonic() + PEER_FAILED_GRACE_S)
+            time.sleep(0.1)
+        codes = [p.poll() for p in procs]
     finally:
         for p in procs:  # also after a clean exit: nothing this test started may outlive it
             _stop(p)
-    tails = "\n".join(f"--- {log.name}\n{log.read_text()[-3000:]}" for log in logs)
-    assert [p.returncode for p in procs] == [0, 0], tails
+    return codes
+
+
+def test_two_node_loopback(tmp_path):
+    """Two torchrun 'nodes' on this machine train together over gloo and both exit 0.
+
+    They meet through a c10d rendezvous on a TCPStore this test hosts: it binds port 0 and listens before either
+    node starts, so the OS picks the port and nothing can take it before use (a port chosen first and bound
+    later by node 0 leaves that window). torchrun's rank-0 agent then binds the workers' store on port 0 too.
+    """
+    store = torch.distributed.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False,
+                                       timeout=datetime.timedelta(seconds=60))
+    out = tmp_path / "result.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", "--max-restarts=0",
+           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{store.port}", f"--rdzv-id=loopback-{os.getpid()}",
+           "--rdzv-conf=is_host=0,join_timeout=60", "--local-addr=127.0.0.1",
+           str(ROOT / "scripts" / "train_ddp.py"), "--backend", "gloo", "--epochs", "2", "--timeout-s", "60",
+           "--out", str(out)]
+    logs = [tmp_path / "node0.log", tmp_path / "node1.log"]
+    try:
+        codes = _run_nodes([cmd, cmd], logs, tmp_path, env)
+    finally:
+        del store  # stops its server thread and frees the port
+    both = "\n".join(f"--- {log.name} (exit code {code})\n{log.read_text()[-6000:]}"
+                      for log, code in zip(logs, codes, strict=True))
+    assert codes == [0, 0], f"exit codes {codes} (None: stopped after {NODE_TIMEOUT_S} s or a peer's failure)\n{both}"
     res = json.loads(out.read_text())
-    assert res["world_size"] == 2 and res["backend"] == "gloo" and len(res["hosts"]) == 2
-    assert res["accuracy"] > 0.8, tails
+    assert res["world_size"] == 2 and res["backend"] == "gloo" and len(res["hosts"]) == 2, both
+    assert res["accuracy"] > 0.8, both

@@ -1,1 +1,7 @@
-"""Lab 02: spawned ranks, NCCL/gloo collectives, NCCL's debug log, and DDP training."""
+"""Lab 02: ranks in process groups, collectives and their bandwidth, NCCL's own log, DDP training.
+
+``spawn`` launches ranks from a notebook and holds each rank's start and end in a group (``scripts/train_ddp.py``
+uses the same two ends under torchrun); ``bandwidth`` the nccl-tests arithmetic and the link's peak;
+``collectives`` the checked, timed sweeps; ``nccl_log`` reads ``NCCL_DEBUG=INFO`` logs; ``ddp`` DDP training;
+``plots`` the busbw plot. ``bandwidth``, ``nccl_log`` and ``plots`` need no torch.
+"""

@@ -1,20 +1,16 @@
 """Lab 02 experiments: collective bandwidth (algbw, busbw) with NCCL on GPUs or gloo on CPU processes.
 
-Definitions follow nccl-tests (``shared/REFERENCE.md`` §2): algbw = S / t, busbw = algbw × factor, with
-S the bytes of one rank's buffer (all_reduce, broadcast, reduce) or of the whole gathered buffer
-(all_gather, reduce_scatter, all_to_all), t the time of one collective, GB = 1e9 bytes. busbw is what
-to hold against the link's speed per direction, whatever the number of ranks.
-
 Every measurement first runs the collective once and checks the result against the values each rank put
 in, then times it with ``lab_utils.timing.benchmark``. A collective takes as long as its slowest rank, so
-the time reported is the largest of the ranks' medians. Workers are top-level functions started by
-``lab_utils.distributed.spawn.launch``. Units are in the names: ``_ms`` milliseconds, ``_gbps`` GB/s (1e9 B/s),
-``_bytes`` bytes. torch is imported inside the functions: importing this module does no work.
+the time reported is the largest of the ranks' medians; ``bandwidth`` turns it into algbw and busbw
+(nccl-tests definitions) and finds the link's peak. Workers are top-level functions started by
+``lab_utils.distributed.spawn.launch``; ``capture_nccl_debug`` records NCCL's own log, which
+``nccl_log.parse_nccl_log`` reads. Units are in the names: ``_ms`` milliseconds, ``_gbps`` GB/s (1e9 B/s),
+``_bytes`` bytes.
 """
 
 from __future__ import annotations
 
-import contextlib
 import glob
 import math
 import os
@@ -22,37 +18,36 @@ import re
 import socket
 import tempfile
 import time
-from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
+import torch
+import torch.distributed as dist
 
-from lab_utils.args import check_int, require_torch
-from lab_utils.course.specs import PCIE_GEN3_GBPS, PCIE_GEN4_GBPS, PCIE_GEN5_GBPS, peaks_for
-from lab_utils.distributed import spawn as distributed
+from lab_utils.args import check_int
+from lab_utils.distributed.bandwidth import (
+    COLLECTIVES,
+    GIB,
+    KIB,
+    MIB,
+    algbw_gbps,
+    busbw_gbps,
+    check_collective,
+    link_peak_gbps,
+)
+from lab_utils.distributed.spawn import WorkerContext, choose_backend, launch, torch_gpu_count
 from lab_utils.plots import format_bytes
-from lab_utils.timing import benchmark
+from lab_utils.timing import benchmark, sync
 
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
-# reduce has a busbw factor too (nccl-tests measures it); the sweep leaves it out.
-_FACTOR_NAMES = (*COLLECTIVES, "reduce")
-
-KIB, MIB, GIB = 2**10, 2**20, 2**30
+if TYPE_CHECKING:
+    from lab_utils.course.probe import EnvReport
 
 # Defaults: GPU sizes reach the ≥ 1 GiB where NVLink busbw levels off (REFERENCE §1); CPU sizes keep a
 # gloo sweep on a 2-core laptop to seconds.
 GPU_SIZES = (MIB, 4 * MIB, 16 * MIB, 64 * MIB, 256 * MIB, GIB, 2 * GIB)
 CPU_SIZES = (4 * KIB, 16 * KIB, 64 * KIB, 256 * KIB, MIB, 4 * MIB, 16 * MIB)
-
-# [H200 run] all_reduce busbw in GB/s, 2 GPUs over NV18, fp32, blocking torch.distributed loop
-# (REFERENCE §1): shown beside local numbers where there is no GPU.
-H200_ALLREDUCE_BUSBW_GBPS = {MIB: 21.6, 16 * MIB: 216.0, 256 * MIB: 298.0, GIB: 327.0, 2 * GIB: 338.0}
-
-# NVLink 2, 3 and 4 each carry 25 GB/s per link per direction (H100/H200: 18 links = 450 GB/s);
-# NVLink 5 (Blackwell) doubles it.
-NVLINK_GBPS_PER_LINK = 25.0
 
 SWEEP_COLUMNS = [
     "collective", "size_bytes", "size_label", "n_ranks", "backend", "dtype", "status", "reason", "time_ms",
@@ -70,56 +65,12 @@ class CollectiveCheckError(RuntimeError):
     """A collective returned values other than the ones its inputs imply; the message names what and where."""
 
 
-def _torch() -> Any:
-    return require_torch("lab_utils.distributed.collectives")
-
-
-# --------------------------------------------------------------------------------------------------
-# Bandwidth arithmetic (nccl-tests definitions)
-
-
-def _check_collective(collective: Any, where: str, valid: Sequence[str] = COLLECTIVES) -> str:
-    if collective not in valid:
-        raise ValueError(f"{where}(collective={collective!r}): unknown collective; valid names are {list(valid)}")
-    return collective
-
-
-_check_int = check_int
-
-
-def busbw_factor(collective: str, n: int) -> float:
-    """busbw / algbw on ``n`` ranks: all_reduce 2(n-1)/n; all_gather, reduce_scatter, all_to_all (n-1)/n;
-    broadcast and reduce 1."""
-    _check_collective(collective, "busbw_factor", _FACTOR_NAMES)
-    n = _check_int(n, "n", "busbw_factor")
-    if collective == "all_reduce":
-        return 2 * (n - 1) / n  # a reduce-scatter, then an all-gather
-    if collective in ("all_gather", "reduce_scatter", "all_to_all"):
-        return (n - 1) / n  # each rank sends (or receives) all but its own 1/n
-    return 1.0
-
-
-def algbw_gbps(size_bytes: float, time_ms: float) -> float:
-    """Algorithm bandwidth in GB/s (1e9 B/s): ``size_bytes`` (S, see the module doc) over ``time_ms``."""
-    if not size_bytes >= 0:
-        raise ValueError(f"algbw_gbps(size_bytes={size_bytes!r}): must be >= 0 bytes")
-    if not time_ms > 0:
-        raise ValueError(f"algbw_gbps(time_ms={time_ms!r}): must be > 0 milliseconds")
-    return float(size_bytes) / (float(time_ms) * 1e-3) / 1e9
-
-
-def busbw_gbps(collective: str, size_bytes: float, time_ms: float, n: int) -> float:
-    """Bus bandwidth in GB/s: algbw × ``busbw_factor(collective, n)``; comparable with a link's speed."""
-    return algbw_gbps(size_bytes, time_ms) * busbw_factor(collective, n)
-
-
 # --------------------------------------------------------------------------------------------------
 # Buffers, inputs, expected results
 
 
-def torch_dtype(dtype: Any) -> Any:
+def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
     """A floating-point torch dtype from its name ("float32", "bfloat16", "float8_e4m3fn"...) or itself."""
-    torch = _torch()
     dt = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
     if not isinstance(dt, torch.dtype) or not dt.is_floating_point:
         raise ValueError(
@@ -135,7 +86,7 @@ def buffer_numels(collective: str, size_bytes: int, n: int, itemsize: int) -> tu
     S is rounded down to a whole number of elements per rank, so every chunk has the same length.
     all_reduce and broadcast work in place (input = output).
     """
-    _check_collective(collective, "buffer_numels")
+    check_collective(collective, "buffer_numels")
     per_rank = size_bytes // itemsize // n
     if per_rank < 1:
         raise ValueError(
@@ -153,7 +104,7 @@ def input_chunks(collective: str, rank: int, n: int) -> list[float]:
 
     Chosen so every rank and every chunk differ, and small integers keep sums exact in bf16.
     """
-    _check_collective(collective, "input_chunks")
+    check_collective(collective, "input_chunks")
     if collective == "reduce_scatter":
         return [float((rank + 1) * (j + 1)) for j in range(n)]  # rank r's piece for rank j
     if collective == "all_to_all":
@@ -163,7 +114,7 @@ def input_chunks(collective: str, rank: int, n: int) -> list[float]:
 
 def expected_chunks(collective: str, rank: int, n: int) -> list[float]:
     """The value each chunk of ``rank``'s output must hold after the collective (one value: all of it)."""
-    _check_collective(collective, "expected_chunks")
+    check_collective(collective, "expected_chunks")
     if collective == "all_reduce":
         return [n * (n + 1) / 2]  # sum of rank + 1 over the ranks
     if collective == "broadcast":
@@ -175,9 +126,8 @@ def expected_chunks(collective: str, rank: int, n: int) -> list[float]:
     return [float(j * n + rank + 1) for j in range(n)]  # all_to_all: chunk j came from rank j
 
 
-def make_input(collective: str, rank: int, n: int, numel: int, dtype: Any, device: str) -> Any:
+def make_input(collective: str, rank: int, n: int, numel: int, dtype: torch.dtype, device: str) -> torch.Tensor:
     """``rank``'s input tensor filled as ``input_chunks`` says."""
-    torch = _torch()
     values = input_chunks(collective, rank, n)
     x = torch.empty(numel, dtype=dtype, device=device)
     for value, chunk in zip(values, x.chunk(len(values)), strict=True):
@@ -185,13 +135,12 @@ def make_input(collective: str, rank: int, n: int, numel: int, dtype: Any, devic
     return x
 
 
-def check_result(collective: str, out: Any, rank: int, n: int) -> str | None:
+def check_result(collective: str, out: torch.Tensor, rank: int, n: int) -> str | None:
     """``None`` when ``out`` holds what ``collective`` must give on ``rank`` of ``n``; else what is wrong.
 
     Data-moving collectives must match exactly (in the tensor's dtype); reductions within a few rounding
     steps of the dtype (the order of a sum is the backend's choice).
     """
-    torch = _torch()
     expected = expected_chunks(collective, rank, n)
     if out.numel() % len(expected):
         return f"rank {rank}: output has {out.numel()} elements, not a multiple of {len(expected)} chunks"
@@ -214,14 +163,12 @@ def check_result(collective: str, out: Any, rank: int, n: int) -> str | None:
     return None
 
 
-def collective_call(collective: str, inp: Any, out: Any) -> Callable[[], Any]:
+def collective_call(collective: str, inp: torch.Tensor, out: torch.Tensor) -> Callable[[], object]:
     """A no-argument function that runs ``collective`` once, blocking (``async_op=False``).
 
     torch >= 2.13 names the tensor forms ``all_gather_single`` / ``reduce_scatter_single`` and warns on
     the older ``all_gather_into_tensor`` / ``reduce_scatter_tensor``; older torch has only the latter.
     """
-    import torch.distributed as dist
-
     if collective == "all_reduce":
         return lambda: dist.all_reduce(inp)
     if collective == "broadcast":
@@ -241,25 +188,17 @@ def _is_unsupported(exc: BaseException) -> bool:
     return isinstance(exc, NotImplementedError) or bool(_UNSUPPORTED.search(str(exc)))
 
 
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        _torch().cuda.synchronize(device)
-
-
 def _max_over_ranks(value: float, device: str) -> float:
-    torch = _torch()
-    import torch.distributed as dist
-
     t = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.item())
 
 
 # --------------------------------------------------------------------------------------------------
-# Workers (run in each rank's process by distributed.launch)
+# Workers (run in each rank's process by spawn.launch)
 
 
-def bench_worker(ctx: Any, collectives: Sequence[str], sizes_bytes: Sequence[int], reps: int, warmup: int,
+def bench_worker(ctx: WorkerContext, collectives: Sequence[str], sizes_bytes: Sequence[int], reps: int, warmup: int,
                  dtype: str | Sequence[str] = "float32", corrupt_rank: int | None = None) -> list[dict[str, Any]]:
     """Check, then time, each collective at each size (and dtype) on this rank; one row per case.
 
@@ -277,11 +216,8 @@ def bench_worker(ctx: Any, collectives: Sequence[str], sizes_bytes: Sequence[int
     return rows
 
 
-def _bench_one(ctx: Any, collective: str, size: int, dtype: str, reps: int, warmup: int,
+def _bench_one(ctx: WorkerContext, collective: str, size: int, dtype: str, reps: int, warmup: int,
                corrupt_rank: int | None) -> dict[str, Any]:
-    torch = _torch()
-    import torch.distributed as dist
-
     dt = torch_dtype(dtype)
     n, rank, dev = ctx.world_size, ctx.rank, ctx.device
     n_in, n_out, s_bytes = buffer_numels(collective, size, n, torch.empty((), dtype=dt).element_size())
@@ -301,7 +237,7 @@ def _bench_one(ctx: Any, collective: str, size: int, dtype: str, reps: int, warm
     code, problem = 0, ""
     try:
         fn()
-        _sync(dev)
+        sync(dev)
         if corrupt_rank == rank:
             out.view(-1)[-1] = -7.0
         problem = check_result(collective, out, rank, n) or ""
@@ -312,7 +248,7 @@ def _bench_one(ctx: Any, collective: str, size: int, dtype: str, reps: int, warm
         code, problem = 1, f"{ctx.backend} refused it: {str(exc).strip().splitlines()[0]}"
     agreed = int(_max_over_ranks(code, dev))
     if agreed == 2:
-        reports: list[Any] = [None] * n
+        reports: list[str | None] = [None] * n
         dist.all_gather_object(reports, problem if code == 2 else "")
         wrong = "; ".join(r for r in reports if r)
         raise CollectiveCheckError(f"{label} on {n} ranks ({ctx.backend}) gave a wrong result: {wrong}")
@@ -328,15 +264,12 @@ def _bench_one(ctx: Any, collective: str, size: int, dtype: str, reps: int, warm
     return row
 
 
-def bare_allreduce_worker(ctx: Any, size_bytes: int, iters: int, warmup: int) -> dict[str, float]:
+def bare_allreduce_worker(ctx: WorkerContext, size_bytes: int, iters: int, warmup: int) -> dict[str, float]:
     """The simplest all_reduce loop on fp32, for comparison with ``bench_worker``: ms per iteration.
 
     CUDA: one event before ``iters`` all_reduces, one after, one synchronize. CPU: a barrier, then the host
     clock around the loop. ``time_ms`` is the largest over the ranks.
     """
-    torch = _torch()
-    import torch.distributed as dist
-
     numel = max(size_bytes // 4, 1)
     ctx.status(f"bare all_reduce {format_bytes(numel * 4)}")
     x = torch.full((numel,), float(ctx.rank + 1), dtype=torch.float32, device=ctx.device)
@@ -360,95 +293,15 @@ def bare_allreduce_worker(ctx: Any, size_bytes: int, iters: int, warmup: int) ->
     return {"rank_time_ms": ms, "time_ms": _max_over_ranks(ms, ctx.device), "size_bytes": numel * 4}
 
 
-def nccl_debug_worker(ctx: Any, size_bytes: int) -> dict[str, Any]:
+def nccl_debug_worker(ctx: WorkerContext, size_bytes: int) -> dict[str, Any]:
     """A few all_reduces (a small one and one of ``size_bytes``), so NCCL logs its set-up and choices."""
-    torch = _torch()
-    import torch.distributed as dist
-
     for nbytes in (4 * KIB, size_bytes):
         ctx.status(f"all_reduce {format_bytes(nbytes)} with NCCL_DEBUG=INFO")
         x = torch.ones(max(nbytes // 4, 1), dtype=torch.float32, device=ctx.device)
         for _ in range(2):
             dist.all_reduce(x)
-        _sync(ctx.device)
+        sync(ctx.device)
     return {"rank": ctx.rank, "pid": os.getpid(), "host": socket.gethostname()}
-
-
-# --------------------------------------------------------------------------------------------------
-# Link peak from the topology
-
-
-def _pcie_gbps(gen: int | None, width: int | None) -> float | None:
-    per_x16 = {3: PCIE_GEN3_GBPS, 4: PCIE_GEN4_GBPS, 5: PCIE_GEN5_GBPS}.get(gen or 0)
-    if per_x16 is None:
-        return None
-    return per_x16 * (width or 16) / 16
-
-
-def link_peak_gbps(report: Any = None, n_gpus: int = 2) -> tuple[float | None, str]:
-    """(peak GB/s per direction of the slowest link between GPU0..GPU{n_gpus-1}, or None; a description).
-
-    Reads ``report.topology`` (``env.probe()``; probed here when ``report`` is None) and ``report.gpus``:
-    ``NV#`` is # NVLinks at 25 GB/s each per direction, capped at the GPU's datasheet NVLink figure; PIX,
-    PXB, PHB, NODE and SYS go over PCIe, at the GPU's PCIe link rate. Indices are NVML's, which equal
-    CUDA's unless CUDA_VISIBLE_DEVICES reorders them.
-    """
-    n_gpus = _check_int(n_gpus, "n_gpus", "link_peak_gbps", minimum=2)
-    if report is None:
-        from lab_utils.course import probe as env
-
-        report = env.probe()
-    gpus = list(getattr(report, "gpus", None) or [])
-    topo = getattr(report, "topology", None) or {}
-    if not gpus and not topo:
-        return None, "no GPU link (gloo over loopback/shared memory)"
-    labels = [str(x) for x in topo.get("labels", [])]
-    matrix = topo.get("matrix") or []
-    idx = [i for i, lab in enumerate(labels) if lab.startswith("GPU")][:n_gpus]
-    if len(idx) < 2 or len(matrix) <= max(idx):
-        return None, f"{len(gpus) or len(idx)} GPU(s) in the topology: no GPU-to-GPU link to measure"
-    by_index = {getattr(g, "index", i): g for i, g in enumerate(gpus)}
-    worst: tuple[float, str] | None = None
-    unknown = []
-    for a_pos, a in enumerate(idx):
-        for b in idx[a_pos + 1 :]:
-            cell = str(matrix[a][b]).strip()
-            pair = f"{cell} between {labels[a]} and {labels[b]}"
-            gpu = by_index.get(int(labels[a][3:]))
-            peaks = peaks_for(gpu.name) if gpu is not None and getattr(gpu, "name", None) else None
-            m = re.fullmatch(r"NV(\d+)", cell)
-            if m:
-                links = int(m.group(1))
-                gbps = links * NVLINK_GBPS_PER_LINK
-                gen = re.search(r"NVLink (\d)", peaks.notes) if peaks else None
-                what = f"NVLink {gen.group(1)}" if gen else "NVLink"
-                if peaks and peaks.nvlink_gbps_per_dir:
-                    gbps = min(gbps, peaks.nvlink_gbps_per_dir)
-                    desc = f"{pair}: {what}, {gbps:g} GB/s per direction ({links} links, {peaks.model} datasheet)"
-                else:
-                    desc = (f"{pair}: {what}, {gbps:g} GB/s per direction ({links} links × "
-                            f"{NVLINK_GBPS_PER_LINK:g} GB/s, assumed: NVLink 2-4; NVLink 5 doubles it)")
-            elif cell in ("PIX", "PXB", "PHB", "NODE", "SYS"):
-                gen, width = getattr(gpu, "pcie_gen_max", None), getattr(gpu, "pcie_width_max", None)
-                gbps = _pcie_gbps(gen, width)
-                if gbps is not None:
-                    desc = f"{pair}: PCIe gen{gen} x{width or 16}: {gbps:g} GB/s per direction"
-                elif peaks is not None:
-                    gbps = peaks.pcie_gbps_per_dir
-                    desc = f"{pair}: PCIe, {gbps:g} GB/s per direction ({peaks.model} datasheet)"
-                else:
-                    unknown.append(pair)
-                    continue
-                if cell in ("NODE", "SYS"):
-                    desc += "; the path crosses host bridges or CPU sockets, and NCCL may stage through host memory"
-            else:
-                unknown.append(pair)
-                continue
-            if worst is None or gbps < worst[0]:
-                worst = (gbps, desc)
-    if worst is None:
-        return None, f"link speed unknown ({'; '.join(unknown) or 'no GPU pair in the topology'})"
-    return worst
 
 
 # --------------------------------------------------------------------------------------------------
@@ -476,20 +329,21 @@ def collective_sweep(
     warmup: int | None = None,
     timeout_s: float = 900.0,
     dtype: str | Sequence[str] = "float32",
-    report: Any = None,
+    report: EnvReport | None = None,
     corrupt_rank: int | None = None,
 ) -> pd.DataFrame:
     """algbw and busbw of each collective at each size on ``nprocs`` ranks (NCCL on GPUs, else gloo).
 
     Defaults: NCCL 1 MiB..2 GiB (``GPU_SIZES``), 20 reps after 5 warm-ups; gloo 4 KiB..16 MiB
     (``CPU_SIZES``), 10 reps after 2. ``dtype``: a torch dtype name, or several (one set of rows each).
-    ``peak_gbps`` is the GPU link per direction (``link_peak_gbps``; ``report`` from ``env.probe()``, probed
-    when None), NaN on gloo. A wrong result raises (through ``distributed.WorkerError``); an op or dtype
+    ``peak_gbps`` is the GPU link per direction (``bandwidth.link_peak_gbps``; ``report`` from
+    ``course.probe.probe()``, probed when None), NaN on gloo. A wrong result raises (through
+    ``spawn.WorkerError``); an op or dtype
     the backend refuses gives ``status='unsupported'`` and a reason.
     Columns: see ``SWEEP_COLUMNS``; ``.attrs['peak_description']`` says which link the peak is.
     """
     where = "collective_sweep"
-    chosen = distributed.choose_backend(nprocs, backend)
+    chosen = choose_backend(nprocs, backend)
     gpu = chosen == "nccl"
     collectives = [collectives] if isinstance(collectives, str) else list(collectives)
     bad = [c for c in collectives if c not in COLLECTIVES]
@@ -498,13 +352,13 @@ def collective_sweep(
     if sizes_bytes is None:
         sizes_bytes = GPU_SIZES if gpu else CPU_SIZES
     sizes = _check_sizes(sizes_bytes, where)
-    reps = _check_int(reps if reps is not None else (20 if gpu else 10), "reps", where)
-    warmup = _check_int(warmup if warmup is not None else (5 if gpu else 2), "warmup", where, minimum=0)
+    reps = check_int(reps if reps is not None else (20 if gpu else 10), "reps", where)
+    warmup = check_int(warmup if warmup is not None else (5 if gpu else 2), "warmup", where, minimum=0)
     dtypes = [str(torch_dtype(d)).removeprefix("torch.") for d in ([dtype] if isinstance(dtype, str) else dtype)]
     if not dtypes:
         raise ValueError(f"{where}(dtype=[]): give a dtype name, e.g. 'float32'")
     for name in dtypes:
-        itemsize = _torch().empty((), dtype=torch_dtype(name)).element_size()
+        itemsize = torch.empty((), dtype=torch_dtype(name)).element_size()
         for s in sizes:
             if s < nprocs * itemsize:
                 raise ValueError(f"{where}(sizes_bytes): {s} bytes is less than one {name} element per rank "
@@ -513,7 +367,7 @@ def collective_sweep(
         peak, peak_desc = link_peak_gbps(report, n_gpus=max(nprocs, 2))
     else:
         peak, peak_desc = None, "no GPU link (gloo over loopback/shared memory)"
-    per_rank = distributed.launch(
+    per_rank = launch(
         bench_worker, nprocs, backend=chosen, timeout_s=timeout_s,
         kwargs={"collectives": list(collectives), "sizes_bytes": sizes, "reps": reps, "warmup": warmup,
                 "dtype": dtypes, "corrupt_rank": corrupt_rank},
@@ -565,13 +419,13 @@ def bare_allreduce(
     row at the same size: the helper's per-repetition events should cost next to nothing at ≥ 1 GiB.
     """
     where = "bare_allreduce"
-    chosen = distributed.choose_backend(nprocs, backend)
+    chosen = choose_backend(nprocs, backend)
     gpu = chosen == "nccl"
-    size_bytes = _check_int(size_bytes if size_bytes is not None else (GIB if gpu else 4 * MIB), "size_bytes", where)
-    iters = _check_int(iters if iters is not None else (20 if gpu else 10), "iters", where)
-    warmup = _check_int(warmup, "warmup", where, minimum=0)
-    res = distributed.launch(bare_allreduce_worker, nprocs, backend=chosen, timeout_s=timeout_s,
-                             kwargs={"size_bytes": size_bytes, "iters": iters, "warmup": warmup})
+    size_bytes = check_int(size_bytes if size_bytes is not None else (GIB if gpu else 4 * MIB), "size_bytes", where)
+    iters = check_int(iters if iters is not None else (20 if gpu else 10), "iters", where)
+    warmup = check_int(warmup, "warmup", where, minimum=0)
+    res = launch(bare_allreduce_worker, nprocs, backend=chosen, timeout_s=timeout_s,
+                 kwargs={"size_bytes": size_bytes, "iters": iters, "warmup": warmup})
     time_ms = max(r["rank_time_ms"] for r in res)
     nbytes = res[0]["size_bytes"]
     return {
@@ -600,7 +454,7 @@ def capture_nccl_debug(
     Runs ``nccl_debug_worker`` with NCCL_DEBUG=INFO, NCCL_DEBUG_SUBSYS=``subsys`` and NCCL_DEBUG_FILE set to
     one file per process (``%h`` host, ``%p`` pid) in a temporary folder. ``extra_env`` adds variables
     (e.g. ``{"NCCL_P2P_DISABLE": "1"}`` to see the fall-back transport); NCCL_NVLS_ENABLE is refused:
-    it stays as inherited. Read the result with ``parse_nccl_log``.
+    it stays as inherited. Read the result with ``nccl_log.parse_nccl_log``.
     """
     extra = dict(extra_env or {})
     if "NCCL_NVLS_ENABLE" in extra:
@@ -608,18 +462,18 @@ def capture_nccl_debug(
                          "it stays as inherited (the launcher defaults it to 0)")
     no_nccl = ("NCCL debug output needs the NCCL backend (one GPU per rank, a CUDA build of torch)")
     try:
-        chosen = distributed.choose_backend(nprocs, backend)
+        chosen = choose_backend(nprocs, backend)
     except ValueError as exc:
         raise ValueError(f"{no_nccl}: {exc}") from None
     if chosen != "nccl":
-        raise ValueError(f"{no_nccl}: here {nprocs} ranks run on gloo ({distributed.torch_gpu_count()} GPU(s)). "
-                         "gloo writes no such log; parse_nccl_log works on a saved NCCL log instead")
-    size_bytes = _check_int(size_bytes, "size_bytes", "capture_nccl_debug")
+        raise ValueError(f"{no_nccl}: here {nprocs} ranks run on gloo ({torch_gpu_count()} GPU(s)). "
+                         "gloo writes no such log; nccl_log.parse_nccl_log works on a saved NCCL log instead")
+    size_bytes = check_int(size_bytes, "size_bytes", "capture_nccl_debug")
     with tempfile.TemporaryDirectory(prefix="nccl-debug-") as tmp:
         env = {**extra, "NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": subsys,
                "NCCL_DEBUG_FILE": os.path.join(tmp, "nccl.%h.%p.log")}
-        ranks = distributed.launch(nccl_debug_worker, nprocs, backend="nccl", timeout_s=timeout_s, env=env,
-                                   kwargs={"size_bytes": size_bytes})
+        ranks = launch(nccl_debug_worker, nprocs, backend="nccl", timeout_s=timeout_s, env=env,
+                       kwargs={"size_bytes": size_bytes})
         parts, seen = [], set()
         for r in ranks:
             files = sorted(glob.glob(os.path.join(tmp, f"nccl.*.{r['pid']}.log")))
@@ -634,271 +488,3 @@ def capture_nccl_debug(
 def _read(path: str) -> str:
     with open(path, errors="replace") as f:
         return f.read()
-
-
-# NCCL's algorithm and protocol numbers (nccl.h / device.h), for logs that print numbers.
-_ALGOS = ["TREE", "RING", "COLLNET_DIRECT", "COLLNET_CHAIN", "NVLS", "NVLS_TREE", "PAT"]
-_PROTOS = ["LL", "LL128", "SIMPLE"]
-# Search patterns of NCCL's topology graphs (graph/topo.h).
-_PATTERNS = {1: "balanced tree", 2: "split tree", 3: "tree", 4: "ring", 5: "NVLS", 6: "CollNet direct"}
-_PATH_TYPES = {"LOC": "same device", "NVL": "NVLink", "NVB": "NVLink through an intermediate GPU", "C2C": "C2C",
-               "PIX": "one PCIe switch", "PXB": "several PCIe switches", "PXN": "NVLink then PCIe (PXN)",
-               "PHB": "PCIe through the CPU's host bridge", "SYS": "across CPU sockets", "NET": "the network"}
-
-# Formats seen in NCCL 2.2x INFO logs (2.28.9 on 2 × H200 over NVLink, and older issue reports).
-_RE = {
-    "version": re.compile(r"NCCL version (\d+\.\d+\.\d+\S*)"),
-    "init": re.compile(r"\brank (\d+) nranks (\d+)\b", re.I),
-    "nnodes": re.compile(r"\bnRanks (\d+) nNodes (\d+) localRanks (\d+)"),
-    # P2P prints "Channel 00/0 : 0[0] -> 1[1] via P2P/CUMEM", SHM "Channel 00 : 0[0] -> 1[1] via SHM/direct/direct",
-    # the network "Channel 00/0 : 2[0] -> 0[0] [receive] via NET/IB/3/GDRDMA".
-    "transport": re.compile(
-        r"Channel (\d+)(?:/\d+)? : (\d+)\[(\w+)\] -> (\d+)\[(\w+)\]\s*(?:\[(send|receive)\]\s*)?via (\S+)"
-    ),
-    "ring": re.compile(r"Channel (\d+)/(\d+) :((?:\s+\d+)+)\s*$"),
-    "tree": re.compile(r"Trees\s+(\[\d+\].*)$"),
-    "coll_channels": re.compile(
-        r"(\d+) coll channels, (\d+) collnet channels, (\d+) nvls channels, (\d+) p2p channels"
-    ),
-    "env": re.compile(r"(NCCL_\w+) set by environment to (.*?)\.?\s*$"),
-    "net": re.compile(r"(?:Using network|Assigned NET plugin) (\w+)"),
-    "net_ok": re.compile(r"Initialized NET plugin (\w+)|NET/(\w+) : Using \[\d"),
-    "net_failed": re.compile(r"Failed to initialize NET plugin (\w+)|NET/(\w+) : No device found"),
-    "choice": re.compile(
-        r"(\w+): (\d+) Bytes -> Algo (\w+) proto (\w+)(?:.*?channel\{Lo\.\.Hi\}=\{(\d+)\.\.(\d+)\})?", re.I
-    ),
-    "connected": re.compile(r"Connected all (rings|trees)"),
-    "cuda_driver": re.compile(r"cudaDriverVersion (\d+)"),
-    "nvls": re.compile(r"NVLS multicast support is (not )?available"),
-    "system_bw": re.compile(r"System : maxBw ([\d.]+) totalBw ([\d.]+)"),
-    "graph": re.compile(r"Pattern (\d+), crossNic \d+, nChannels (\d+), bw ([\d.]+)/([\d.]+), type (\w+)/(\w+)"),
-    "init_time": re.compile(r"Init timings.*?total ([\d.]+)"),
-    "table_algos": re.compile(r"NCCL INFO\s+Algorithm\s+\|(.*)$"),
-    "table_protos": re.compile(r"NCCL INFO\s+Protocol\s+\|(.*)$"),
-    "table_row": re.compile(r"NCCL INFO\s+(Broadcast|Reduce|AllGather|ReduceScatter|AllReduce)\s+\|(.*)$"),
-}
-
-
-def _name(value: str, table: list[str]) -> str:
-    return table[int(value)] if value.isdigit() and int(value) < len(table) else value.upper()
-
-
-def parse_nccl_log(text: str) -> dict[str, Any]:
-    """What an NCCL_DEBUG=INFO log says, with a few sentences explaining it.
-
-    Keys: version, n_ranks, n_nodes, cuda_driver, transports (Counter of channel connections by transport,
-    e.g. 'P2P/CUMEM', 'SHM/direct/direct', 'NET/IB/0/GDRDMA'), transport_kinds ('P2P', 'SHM', 'NET'),
-    n_channels, rings and trees (one entry per distinct line), coll_channels, p2p_channels, graphs (NCCL's
-    topology search: pattern, n_channels, bw_gbps per channel, path type), system_bw_gbps (NCCL's own
-    estimate of the GPU-to-GPU path), tuning (NCCL's model: collective, algorithm, protocol, latency_us,
-    bw_gbps; non-zero entries), choices (per call: collective, bytes, algorithm, protocol, channels),
-    network, net_plugins, net_unavailable, env (NCCL_* variables it read), nvls_available, connected,
-    init_time_s, n_lines, explanations. Unknown lines are ignored; nothing here raises on odd input.
-    """
-    if isinstance(text, bytes):
-        text = text.decode(errors="replace")
-    if not isinstance(text, str):
-        raise ValueError(f"parse_nccl_log(text=...): expected the log as a string, got {type(text).__name__}")
-    out: dict[str, Any] = {
-        "version": None, "n_ranks": None, "n_nodes": None, "cuda_driver": None, "transports": Counter(),
-        "transport_kinds": Counter(), "n_channels": None, "rings": [], "trees": [], "coll_channels": None,
-        "p2p_channels": None, "graphs": [], "system_bw_gbps": None, "tuning": [], "choices": [], "network": None,
-        "net_plugins": [], "net_unavailable": [], "env": {}, "nvls_available": None, "connected": [],
-        "init_time_s": None, "n_lines": 0, "explanations": [],
-    }
-    state: dict[str, Any] = {"ring_channels": set(), "link_channels": set(), "nranks": [], "algos": [],
-                             "protos": [], "tuning_seen": set()}
-    for raw in text.splitlines():
-        line = raw.rstrip()
-        if "NCCL" not in line and "Channel" not in line:
-            continue
-        out["n_lines"] += 1
-        with contextlib.suppress(Exception):  # one odd line must not lose the rest of the log
-            _parse_line(line, out, state)
-    if state["nranks"]:
-        out["n_ranks"] = max(state["nranks"])
-    if out["n_channels"] is None and (state["ring_channels"] or state["link_channels"]):
-        out["n_channels"] = len(state["ring_channels"] or state["link_channels"])
-    out["explanations"] = _explain(out)
-    return out
-
-
-def _add_once(items: list[Any], item: Any) -> None:
-    if item not in items:
-        items.append(item)
-
-
-def _parse_line(line: str, out: dict[str, Any], state: dict[str, Any]) -> None:
-    m = _RE["transport"].search(line)
-    if m:
-        via = m.group(7)
-        out["transports"][via] += 1
-        out["transport_kinds"][via.split("/")[0]] += 1
-        state["link_channels"].add(int(m.group(1)))
-        return
-    m = _RE["ring"].search(line)
-    if m:
-        ch, total = int(m.group(1)), int(m.group(2))
-        state["ring_channels"].add(ch)
-        out["n_channels"] = max(out["n_channels"] or 0, total)
-        _add_once(out["rings"], f"channel {ch:02d}: " + " -> ".join(m.group(3).split()))
-        return
-    m = _RE["tree"].search(line)
-    if m:
-        _add_once(out["trees"], m.group(1).strip())
-        return
-    if _parse_table(line, out, state):
-        return
-    m = _RE["version"].search(line)
-    if m and out["version"] is None:
-        out["version"] = m.group(1)
-    m = _RE["nnodes"].search(line)
-    if m:
-        state["nranks"].append(int(m.group(1)))
-        out["n_nodes"] = max(out["n_nodes"] or 0, int(m.group(2)))
-    else:
-        m = _RE["init"].search(line)
-        if m:
-            state["nranks"].append(int(m.group(2)))
-    m = _RE["cuda_driver"].search(line)
-    if m:
-        out["cuda_driver"] = int(m.group(1))
-    m = _RE["coll_channels"].search(line)
-    if m:
-        out["coll_channels"], out["p2p_channels"] = int(m.group(1)), int(m.group(4))
-    m = _RE["env"].search(line)
-    if m:
-        out["env"][m.group(1)] = m.group(2).strip()
-    m = _RE["net"].search(line)
-    if m:
-        out["network"] = m.group(1)
-    m = _RE["net_ok"].search(line)
-    if m:
-        _add_once(out["net_plugins"], m.group(1) or m.group(2))
-    m = _RE["net_failed"].search(line)
-    if m:
-        _add_once(out["net_unavailable"], m.group(1) or m.group(2))
-    m = _RE["choice"].search(line)
-    if m:
-        out["choices"].append({
-            "collective": m.group(1), "bytes": int(m.group(2)), "algorithm": _name(m.group(3), _ALGOS),
-            "protocol": _name(m.group(4), _PROTOS),
-            "channels": int(m.group(6)) - int(m.group(5)) + 1 if m.group(5) is not None else None,
-        })
-    m = _RE["connected"].search(line)
-    if m:
-        _add_once(out["connected"], m.group(1))
-    m = _RE["nvls"].search(line)
-    if m:
-        out["nvls_available"] = m.group(1) is None
-    m = _RE["system_bw"].search(line)
-    if m:
-        out["system_bw_gbps"] = float(m.group(1))
-    m = _RE["graph"].search(line)
-    if m:
-        pattern = int(m.group(1))
-        _add_once(out["graphs"], {
-            "pattern": _PATTERNS.get(pattern, f"pattern {pattern}"), "n_channels": int(m.group(2)),
-            "bw_gbps": float(m.group(3)), "type": m.group(5),
-        })
-    m = _RE["init_time"].search(line)
-    if m:
-        out["init_time_s"] = max(out["init_time_s"] or 0.0, float(m.group(1)))
-
-
-def _parse_table(line: str, out: dict[str, Any], state: dict[str, Any]) -> bool:
-    """NCCL's tuning table (TUNING): per collective, 'latency_us/ bw_gbps' for each algorithm and protocol."""
-    m = _RE["table_algos"].search(line)
-    if m:
-        state["algos"] = [a.strip() for a in m.group(1).split("|") if a.strip()]
-        return True
-    m = _RE["table_protos"].search(line)
-    if m:
-        state["protos"] = [p.strip() for p in m.group(1).split("|") if p.strip()]
-        return True
-    m = _RE["table_row"].search(line)
-    if not m or not state["algos"]:
-        return bool(m)
-    cells = [c.strip() for c in m.group(2).split("|") if c.strip()]
-    per_algo = 3  # LL, LL128, Simple
-    for i, cell in enumerate(cells):
-        if i // per_algo >= len(state["algos"]) or "/" not in cell:
-            break
-        latency, bw = (float(v) for v in cell.split("/"))
-        algo = state["algos"][i // per_algo]
-        proto = state["protos"][i] if i < len(state["protos"]) else _PROTOS[i % per_algo]
-        key = (m.group(1), algo, proto)
-        if bw > 0 and key not in state["tuning_seen"]:
-            state["tuning_seen"].add(key)
-            out["tuning"].append({"collective": key[0], "algorithm": algo, "protocol": proto,
-                                  "latency_us": latency, "bw_gbps": bw})
-    return True
-
-
-def _explain(p: dict[str, Any]) -> list[str]:
-    says = []
-    if p["version"]:
-        who = f" on {p['n_ranks']} ranks" if p["n_ranks"] else ""
-        nodes = f", {p['n_nodes']} node(s)" if p["n_nodes"] else ""
-        took = f"; setting up the communicator took {p['init_time_s']:g} s" if p["init_time_s"] else ""
-        says.append(f"NCCL {p['version']}{who}{nodes}{took}.")
-    kinds, vias = p["transport_kinds"], p["transports"]
-    if kinds.get("P2P"):
-        how = ", ".join(sorted(v for v in vias if v.startswith("P2P")))
-        says.append(
-            f"{kinds['P2P']} channel connections go GPU to GPU directly (P2P: {how}), over NVLink or PCIe peer "
-            "access. CUMEM: buffers shared through CUDA's virtual memory API; IPC: legacy CUDA IPC handles; "
-            "/read: the receiver reads from the sender's memory."
-        )
-    if kinds.get("SHM"):
-        says.append(
-            f"{kinds['SHM']} channel connections go through host shared memory: the GPUs do not use peer access "
-            "(none between them, across CPU sockets, or NCCL_P2P_DISABLE=1), so data crosses PCIe twice."
-        )
-    if kinds.get("NET"):
-        says.append(
-            f"{kinds['NET']} channel connections go through the network "
-            f"({', '.join(sorted(v for v in vias if v.startswith('NET')))}): expected between nodes; inside one "
-            "node it means P2P and SHM were not usable."
-        )
-    if p["n_channels"]:
-        says.append(
-            f"{p['n_channels']} channels: NCCL splits each collective over them, each run by its own CUDA block "
-            "on its own path; more channels use more links and SMs in parallel."
-        )
-    if p["rings"]:
-        says.append(f"Ring order, e.g. {p['rings'][0]}: each rank sends to the next and receives from the one "
-                    "before; all_reduce goes round twice (reduce-scatter, then all-gather).")
-    if p["trees"]:
-        says.append("'Trees' lines give each rank's parent and children per channel, for the tree algorithm "
-                    "(latency-bound sizes).")
-    for g in p["graphs"][:2]:
-        says.append(f"Topology search, {g['pattern']}: {g['n_channels']} channels at {g['bw_gbps']:g} GB/s each "
-                    f"over {_PATH_TYPES.get(g['type'], g['type'])} ({g['type']}).")
-    if p["system_bw_gbps"]:
-        nvl = any(g["type"] == "NVL" for g in p["graphs"])
-        says.append(f"NCCL's model of the fastest GPU path: {p['system_bw_gbps']:g} GB/s"
-                    + (" (NCCL rates a Hopper NVLink below the datasheet's 25 GB/s per link: 370.8 for 18 links, "
-                       "against 450)." if nvl else "."))
-    best = [t for t in p["tuning"] if t["collective"] == "AllReduce"]
-    if best:
-        top = max(best, key=lambda t: t["bw_gbps"])
-        says.append(f"NCCL's tuning model for AllReduce: best {top['algorithm']}/{top['protocol']} at "
-                    f"{top['bw_gbps']:g} GB/s (algorithm bandwidth) with {top['latency_us']:g} µs latency; it "
-                    "picks per call the pair with the least predicted time.")
-    algos = Counter(f"{c['algorithm']}/{c['protocol']}" for c in p["choices"])
-    if algos:
-        says.append("Algorithm/protocol chosen per call: " + ", ".join(f"{k} ×{v}" for k, v in algos.items())
-                    + " (LL/LL128 for small messages: low latency; SIMPLE for large: full bandwidth).")
-    if p["network"]:
-        says.append(f"Network plugin: {p['network']} (used between nodes only; "
-                    + ("no InfiniBand found, so TCP sockets" if p["network"].lower() == "socket"
-                       else "RDMA over InfiniBand/RoCE") + ").")
-    if p["env"]:
-        says.append("Read from the environment: " + ", ".join(f"{k}={v}" for k, v in p["env"].items()) + ".")
-    if p["env"].get("NCCL_NVLS_ENABLE") == "0" or p["nvls_available"] is False:
-        says.append("NVLink SHARP (NVLS, multicast in the NVSwitch) is off, so busbw stays below the link's "
-                    "line rate; with it, all_reduce busbw can exceed it.")
-    if not says:
-        says.append("No NCCL INFO lines recognised: was the log written with NCCL_DEBUG=INFO?")
-    return says

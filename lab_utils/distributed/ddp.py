@@ -13,10 +13,9 @@ Two workloads, both run as worker functions under ``lab_utils.distributed.spawn.
   in the way). It measures *speed*: images/s per world size, the scaling efficiency, and the effect of
   DDP's gradient buckets (``bucket_cap_mb``, ``gradient_as_bucket_view``).
 
-Units are in names: ``_ms`` milliseconds, ``_s`` seconds, ``_mib`` MiB (2**20 bytes), ``images_per_s`` and
-``samples_per_s`` per second of wall time. Accuracies are fractions in [0, 1]. torch is imported inside the
-functions and the model classes are made on first use, so importing this module does no work; the digits
-are read from the file scikit-learn ships, without importing scikit-learn (seconds per spawned rank).
+Training only: the models and the digits come from ``lab_utils.models``. Units are in names: ``_ms``
+milliseconds, ``_s`` seconds, ``_mib`` MiB (2**20 bytes), ``images_per_s`` and ``samples_per_s`` per second of
+wall time. Accuracies are fractions in [0, 1].
 """
 
 from __future__ import annotations
@@ -29,10 +28,16 @@ from collections.abc import Sequence
 from typing import Any
 
 import pandas as pd
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data.distributed import DistributedSampler
 
-from lab_utils.args import check_int, require_torch
-from lab_utils.models import MIB, digits_arrays, make_digits_cnn, make_resnet, param_mib, resnet_blocks
-from lab_utils.timing import cpu_cores
+from lab_utils.args import check_int
+from lab_utils.distributed.spawn import WorkerContext, choose_backend, launch, torch_gpu_count
+from lab_utils.models import MIB, DigitsCNN, digits_arrays, make_digits_cnn, make_resnet, param_mib, resnet_blocks
+from lab_utils.timing import benchmark, cpu_cores, cpu_model, sync
 
 AMP_MODES = (None, "bf16", "fp16")
 
@@ -59,16 +64,8 @@ THROUGHPUT_DEFAULTS = {
 DEFAULT_BUCKETS = {"bucket_cap_mb": 25, "gradient_as_bucket_view": False, "overlap": True}
 
 
-
-def _torch() -> Any:
-    return require_torch("lab_utils.distributed.ddp")
-
-
 # --------------------------------------------------------------------------------------------------
 # Checks and small helpers
-
-
-_check_int = check_int
 
 
 def _check_amp(amp: Any, where: str) -> str | None:
@@ -77,16 +74,11 @@ def _check_amp(amp: Any, where: str) -> str | None:
     return amp
 
 
-def _is_cuda(ctx: Any) -> bool:
+def _is_cuda(ctx: WorkerContext) -> bool:
     return str(ctx.device).startswith("cuda")
 
 
-def _sync(ctx: Any) -> None:
-    if _is_cuda(ctx):
-        _torch().cuda.synchronize(ctx.device)
-
-
-def _share_cpu_threads(ctx: Any, threads: int | None = None) -> None:
+def _share_cpu_threads(ctx: WorkerContext, threads: int | None = None) -> None:
     """CPU ranks on one machine share its cores: each gets ``threads`` or an equal share of them.
 
     Without this every rank starts one thread per core and the ranks fight for them (slower than one rank).
@@ -95,23 +87,21 @@ def _share_cpu_threads(ctx: Any, threads: int | None = None) -> None:
     if _is_cuda(ctx):
         return
     if threads is not None:
-        _torch().set_num_threads(_check_int(threads, "cpu_threads", "throughput"))
+        torch.set_num_threads(check_int(threads, "cpu_threads", "throughput"))
     elif "OMP_NUM_THREADS" not in os.environ:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world_size))
-        _torch().set_num_threads(max(1, cpu_cores() // max(1, local)))
+        torch.set_num_threads(max(1, cpu_cores() // max(1, local)))
 
 
-def _autocast(ctx: Any, amp: str | None) -> Any:
-    torch = _torch()
+def _autocast(ctx: WorkerContext, amp: str | None) -> contextlib.AbstractContextManager[Any]:
     if amp is None:
         return contextlib.nullcontext()
     dtype = torch.bfloat16 if amp == "bf16" else torch.float16
     return torch.autocast(device_type="cuda" if _is_cuda(ctx) else "cpu", dtype=dtype)
 
 
-def _grad_scaler(ctx: Any, amp: str | None) -> Any:
+def _grad_scaler(ctx: WorkerContext, amp: str | None) -> torch.amp.GradScaler:
     """torch.amp.GradScaler for fp16 (disabled otherwise); a torch without a CPU scaler is reported, not faked."""
-    torch = _torch()
     dev = "cuda" if _is_cuda(ctx) else "cpu"
     try:
         return torch.amp.GradScaler(dev, enabled=amp == "fp16")
@@ -122,20 +112,15 @@ def _grad_scaler(ctx: Any, amp: str | None) -> Any:
         ) from exc
 
 
-def _ddp(ctx: Any, model: Any, **kw: Any) -> Any:
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
+def _ddp(ctx: WorkerContext, model: torch.nn.Module, **kw: Any) -> DistributedDataParallel:
     if _is_cuda(ctx):  # one GPU per process: DDP must be told which one
-        index = _torch().device(ctx.device).index
-        return DDP(model, device_ids=[index], output_device=index, **kw)
-    return DDP(model, **kw)
+        index = torch.device(ctx.device).index
+        return DistributedDataParallel(model, device_ids=[index], output_device=index, **kw)
+    return DistributedDataParallel(model, **kw)
 
 
-def _all_reduce(ctx: Any, values: Sequence[float] | Any, op: str = "sum") -> list[float]:
+def _all_reduce(ctx: WorkerContext, values: Sequence[float | torch.Tensor], op: str = "sum") -> list[float]:
     """All-reduce a few numbers (SUM or MAX) in float64 on the rank's device (NCCL needs GPU tensors)."""
-    torch = _torch()
-    import torch.distributed as dist
-
     t = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=ctx.device) for v in values])
     if dist.is_initialized() and ctx.world_size > 1:
         dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
@@ -146,17 +131,16 @@ def _all_reduce(ctx: Any, values: Sequence[float] | Any, op: str = "sum") -> lis
 # Digits data
 
 
-def _digits_tensors(device: str) -> dict[str, Any]:
-    torch = _torch()
+def _digits_tensors(device: str) -> dict[str, torch.Tensor]:
     # The whole set is 1797 * 64 floats: it lives on the device and batches are index gathers, no DataLoader.
     return {k: torch.from_numpy(v).to(device) for k, v in digits_arrays().items()}
 
 
 def per_rank_batch(global_batch: int, world_size: int, accumulate: int = 1) -> int:
     """Micro-batch per rank so that one optimizer step sees ``global_batch`` images in all (must divide evenly)."""
-    _check_int(global_batch, "global_batch", "per_rank_batch")
-    _check_int(world_size, "world_size", "per_rank_batch")
-    _check_int(accumulate, "accumulate", "per_rank_batch")
+    check_int(global_batch, "global_batch", "per_rank_batch")
+    check_int(world_size, "world_size", "per_rank_batch")
+    check_int(accumulate, "accumulate", "per_rank_batch")
     if global_batch % (world_size * accumulate):
         raise ValueError(f"per_rank_batch(global_batch={global_batch}): not divisible by world_size × accumulate "
                          f"= {world_size} × {accumulate}; choose a global batch that is")
@@ -170,11 +154,9 @@ def sampler_orders(n: int, world_size: int, epochs: int, seed: int = 0,
     No process group needed (the sampler is told num_replicas and rank). With ``set_epoch=False`` every epoch
     repeats epoch 0's order: the bug ``sampler.set_epoch(epoch)`` prevents.
     """
-    from torch.utils.data.distributed import DistributedSampler
-
-    _check_int(n, "n", "sampler_orders")
-    _check_int(world_size, "world_size", "sampler_orders")
-    _check_int(epochs, "epochs", "sampler_orders")
+    check_int(n, "n", "sampler_orders")
+    check_int(world_size, "world_size", "sampler_orders")
+    check_int(epochs, "epochs", "sampler_orders")
     samplers = [DistributedSampler(range(n), num_replicas=world_size, rank=r, shuffle=True, seed=seed)
                 for r in range(world_size)]
     orders = []
@@ -190,9 +172,9 @@ def sampler_orders(n: int, world_size: int, epochs: int, seed: int = 0,
 # Evaluation
 
 
-def _eval_counts(model: Any, x: Any, y: Any, batch: int = 512) -> tuple[Any, int]:
+def _eval_counts(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
+                 batch: int = 512) -> tuple[torch.Tensor, int]:
     """(number correct as a device tensor, number of samples) for inputs x (n, 1, 8, 8), labels y (n,)."""
-    torch = _torch()
     was_training = model.training
     model.eval()
     correct = torch.zeros((), dtype=torch.int64, device=x.device)
@@ -203,7 +185,8 @@ def _eval_counts(model: Any, x: Any, y: Any, batch: int = 512) -> tuple[Any, int
     return correct, int(y.shape[0])
 
 
-def _sharded_test_accuracy(ctx: Any, model: Any, data: dict[str, Any]) -> tuple[float, int]:
+def _sharded_test_accuracy(ctx: WorkerContext, model: torch.nn.Module,
+                           data: dict[str, torch.Tensor]) -> tuple[float, int]:
     """Each rank scores its shard of the test set; the correct counts and sample counts are summed.
 
     DistributedSampler(shuffle=False) gives rank r the positions r, r+N, r+2N, ... of the index list padded
@@ -211,9 +194,6 @@ def _sharded_test_accuracy(ctx: Any, model: Any, data: dict[str, Any]) -> tuple[
     first in the rank's list, so the rank keeps the first len(range(r, n, N)) indices and drops the padding
     (357 test images on 2 ranks: rank 0 scores 179, rank 1 178, not 179 + 179 with one image twice).
     """
-    torch = _torch()
-    from torch.utils.data.distributed import DistributedSampler
-
     n = int(data["y_test"].shape[0])
     sampler = DistributedSampler(range(n), num_replicas=ctx.world_size, rank=ctx.rank, shuffle=False)
     real = len(range(ctx.rank, n, ctx.world_size))
@@ -225,7 +205,7 @@ def _sharded_test_accuracy(ctx: Any, model: Any, data: dict[str, Any]) -> tuple[
     return total_correct / total, int(total)
 
 
-def evaluate(model: Any, device: str = "cpu") -> float:
+def evaluate(model: torch.nn.Module, device: str = "cpu") -> float:
     """Test-set accuracy (fraction) of a digits model in one process, fp32, on ``device``."""
     data = _digits_tensors(device)
     model = model.to(device)
@@ -233,17 +213,16 @@ def evaluate(model: Any, device: str = "cpu") -> float:
     return int(correct) / count
 
 
-def load_checkpoint(path: str | os.PathLike[str], device: str = "cpu") -> Any:
+def load_checkpoint(path: str | os.PathLike[str], device: str = "cpu") -> DigitsCNN:
     """Rebuild the digits CNN from a checkpoint written by ``train_digits`` and load its weights (eval mode)."""
-    torch = _torch()
     ckpt = torch.load(os.fspath(path), map_location=device, weights_only=True)
     model = make_digits_cnn(int(ckpt["model_config"]["width"]))
     model.load_state_dict(ckpt["model"])
     return model.to(device).eval()
 
 
-def _save_checkpoint(path: str, model: Any, opt: Any, epoch: int, width: int, accuracy: float) -> None:
-    torch = _torch()
+def _save_checkpoint(path: str | os.PathLike[str], model: torch.nn.Module, opt: torch.optim.Optimizer, epoch: int,
+                     width: int, accuracy: float) -> None:
     path = os.fspath(path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     state = {
@@ -262,10 +241,11 @@ def _save_checkpoint(path: str, model: Any, opt: Any, epoch: int, width: int, ac
 # Digits training worker
 
 
-def train_digits(ctx: Any, epochs: int = DIGITS_DEFAULTS["epochs"], batch_size: int = 64,
+def train_digits(ctx: WorkerContext, epochs: int = DIGITS_DEFAULTS["epochs"], batch_size: int = 64,
                  lr: float = DIGITS_DEFAULTS["lr"], seed: int = 0, amp: str | None = None, accumulate: int = 1,
                  checkpoint_path: str | None = None, set_epoch: bool = True,
-                 momentum: float = DIGITS_DEFAULTS["momentum"], width: int = DIGITS_DEFAULTS["width"]) -> dict:
+                 momentum: float = DIGITS_DEFAULTS["momentum"],
+                 width: int = DIGITS_DEFAULTS["width"]) -> dict[str, Any]:
     """Worker: train the digits CNN under DDP; every rank returns the same all-reduced metrics.
 
     ``batch_size`` is the micro-batch per rank; one optimizer step sees batch_size × world_size × accumulate
@@ -282,14 +262,10 @@ def train_digits(ctx: Any, epochs: int = DIGITS_DEFAULTS["epochs"], batch_size: 
     train_s, history (per epoch: train_loss, train_accuracy, test_accuracy, epoch_s, first_indices = this
     rank's first 8 sample indices), and the configuration.
     """
-    torch = _torch()
-    import torch.nn.functional as F
-    from torch.utils.data.distributed import DistributedSampler
-
     where = "train_digits"
-    epochs = _check_int(epochs, "epochs", where)
-    batch_size = _check_int(batch_size, "batch_size", where)
-    accumulate = _check_int(accumulate, "accumulate", where)
+    epochs = check_int(epochs, "epochs", where)
+    batch_size = check_int(batch_size, "batch_size", where)
+    accumulate = check_int(accumulate, "accumulate", where)
     amp = _check_amp(amp, where)
     if not lr > 0:
         raise ValueError(f"{where}(lr={lr!r}): the learning rate must be > 0")
@@ -316,7 +292,7 @@ def train_digits(ctx: Any, epochs: int = DIGITS_DEFAULTS["epochs"], batch_size: 
         batches = idx.split(batch_size)
         loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)  # kept on the device: no sync per step
         correct = torch.zeros((), dtype=torch.int64, device=ctx.device)
-        _sync(ctx)
+        sync(ctx.device)
         t0 = time.perf_counter()
         for i, b in enumerate(batches):
             group_start = i - i % accumulate
@@ -335,7 +311,7 @@ def train_digits(ctx: Any, epochs: int = DIGITS_DEFAULTS["epochs"], batch_size: 
                 opt.zero_grad(set_to_none=True)
             loss_sum += loss.detach().double() * y.shape[0]
             correct += (logits.argmax(1) == y).sum()
-        _sync(ctx)
+        sync(ctx.device)
         epoch_s = _all_reduce(ctx, [time.perf_counter() - t0], op="max")[0]  # the slowest rank sets the pace
         train_s += epoch_s
         # Sums of counts, never an average of per-rank averages (shards may differ in size).
@@ -377,10 +353,8 @@ def train_digits(ctx: Any, epochs: int = DIGITS_DEFAULTS["epochs"], batch_size: 
 
 
 def run_digits(nprocs: int = 1, *, global_batch: int = DIGITS_DEFAULTS["global_batch"], accumulate: int = 1,
-               backend: str = "auto", timeout_s: float = 300.0, **kwargs: Any) -> dict:
+               backend: str = "auto", timeout_s: float = 300.0, **kwargs: Any) -> dict[str, Any]:
     """Launch ``train_digits`` on ``nprocs`` ranks with a constant global batch; returns rank 0's result."""
-    from lab_utils.distributed.spawn import launch
-
     batch = per_rank_batch(global_batch, nprocs, accumulate)
     kw = {"batch_size": batch, "accumulate": accumulate, **kwargs}
     return launch(train_digits, nprocs, backend=backend, kwargs=kw, timeout_s=timeout_s)[0]
@@ -398,18 +372,16 @@ def digits_comparison(nprocs_list: Sequence[int] = (1, 2), **kwargs: Any) -> pd.
     return df
 
 
-def accumulation_check(ctx: Any, micro_batch: int = 16, accumulate: int = 2, seed: int = 0) -> dict:
+def accumulation_check(ctx: WorkerContext, micro_batch: int = 16, accumulate: int = 2,
+                       seed: int = 0) -> dict[str, Any]:
     """Worker: DDP gradients after ``accumulate`` micro-steps (all but the last under no_sync) vs one big batch.
 
     Every rank also computes, without DDP, the gradient of the whole global batch
     (micro_batch × accumulate × world_size images) on a plain copy of the model; returns the largest
     absolute difference (max over ranks) and the gradient's largest magnitude, for scale.
     """
-    torch = _torch()
-    import torch.nn.functional as F
-
-    micro_batch = _check_int(micro_batch, "micro_batch", "accumulation_check")
-    accumulate = _check_int(accumulate, "accumulate", "accumulation_check")
+    micro_batch = check_int(micro_batch, "micro_batch", "accumulation_check")
+    accumulate = check_int(accumulate, "accumulate", "accumulation_check")
     _share_cpu_threads(ctx)
     data = _digits_tensors(ctx.device)
     torch.manual_seed(seed)
@@ -436,7 +408,7 @@ def accumulation_check(ctx: Any, micro_batch: int = 16, accumulate: int = 2, see
 # Throughput
 
 
-def _throughput_config(ctx: Any, **kw: Any) -> dict[str, Any]:
+def _throughput_config(ctx: WorkerContext, **kw: Any) -> dict[str, Any]:
     gpu = _is_cuda(ctx)
     cfg = {}
     for k, (on_gpu, on_cpu) in THROUGHPUT_DEFAULTS.items():
@@ -445,12 +417,12 @@ def _throughput_config(ctx: Any, **kw: Any) -> dict[str, Any]:
         cfg[k] = (on_gpu if gpu else on_cpu) if v == "auto" or (v is None and k != "amp") else v
     where = "throughput"
     for k in ("steps", "batch_size", "width"):
-        _check_int(cfg[k], k, where)
-    _check_int(cfg["warmup_steps"], "warmup_steps", where, 0)
-    _check_int(cfg["image_size"], "image_size", where, 8)
+        check_int(cfg[k], k, where)
+    check_int(cfg["warmup_steps"], "warmup_steps", where, 0)
+    check_int(cfg["image_size"], "image_size", where, 8)
     _check_amp(cfg["amp"], where)
     resnet_blocks(cfg["depth"])
-    cfg["num_classes"] = _check_int(kw.get("num_classes", 1000), "num_classes", where, 2)
+    cfg["num_classes"] = check_int(kw.get("num_classes", 1000), "num_classes", where, 2)
     cfg["bucket_cap_mb"] = kw.get("bucket_cap_mb", DEFAULT_BUCKETS["bucket_cap_mb"])
     if not (isinstance(cfg["bucket_cap_mb"], (int, float)) and cfg["bucket_cap_mb"] > 0):
         raise ValueError(f"{where}(bucket_cap_mb={cfg['bucket_cap_mb']!r}): must be a number of MB > 0")
@@ -459,14 +431,8 @@ def _throughput_config(ctx: Any, **kw: Any) -> dict[str, Any]:
     return cfg
 
 
-def _time_steps(ctx: Any, cfg: dict[str, Any]) -> dict[str, Any]:
+def _time_steps(ctx: WorkerContext, cfg: dict[str, Any]) -> dict[str, Any]:
     """Build model + DDP for one configuration and time ``steps`` training steps (after warm-up) on every rank."""
-    torch = _torch()
-    import torch.distributed as dist
-    import torch.nn.functional as F
-
-    from lab_utils.timing import benchmark
-
     torch.manual_seed(0)
     model = make_resnet(cfg["width"], cfg["depth"], cfg["num_classes"], cfg["image_size"]).to(ctx.device)
     fmt = torch.channels_last if cfg["channels_last"] else torch.contiguous_format
@@ -476,6 +442,7 @@ def _time_steps(ctx: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     x = torch.randn(b, 3, s, s, device=ctx.device).contiguous(memory_format=fmt)  # (B, 3, H, W)
     y = torch.randint(0, cfg["num_classes"], (b,), device=ctx.device)
     params = list(model.parameters())
+    net: torch.nn.Module
     if cfg["overlap"]:
         net = _ddp(ctx, model, bucket_cap_mb=cfg["bucket_cap_mb"],
                    gradient_as_bucket_view=cfg["gradient_as_bucket_view"])
@@ -533,19 +500,18 @@ def _time_steps(ctx: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     return out  # the model, optimizer and batch go with this frame: the next variant starts with free memory
 
 
-def _device_label(ctx: Any) -> str:
+def _device_label(ctx: WorkerContext) -> str:
     if _is_cuda(ctx):
-        return _torch().cuda.get_device_name(ctx.device)
-    from lab_utils.timing import cpu_model
-
+        return torch.cuda.get_device_name(ctx.device)
     return f"cpu ({cpu_model()})"
 
 
-def throughput(ctx: Any, steps: int | None = None, warmup_steps: int | None = None, batch_size: int | None = None,
-               image_size: int | None = None, width: int | None = None, depth: int | Sequence[int] | None = None,
+def throughput(ctx: WorkerContext, steps: int | None = None, warmup_steps: int | None = None,
+               batch_size: int | None = None, image_size: int | None = None, width: int | None = None,
+               depth: int | Sequence[int] | None = None,
                amp: str | None = "auto", bucket_cap_mb: float = 25, gradient_as_bucket_view: bool = False,
                channels_last: bool | None = None, num_classes: int = 1000, overlap: bool = True,
-               cpu_threads: int | None = None) -> dict:
+               cpu_threads: int | None = None) -> dict[str, Any]:
     """Worker: DDP training steps of a ResNet on random images; time per step and images/s.
 
     Defaults (None/'auto') depend on the device: GPU ResNet-18 (width 64) at 224 px, batch 256 per GPU, bf16
@@ -559,7 +525,7 @@ def throughput(ctx: Any, steps: int | None = None, warmup_steps: int | None = No
     """
     _share_cpu_threads(ctx, cpu_threads)
     if _is_cuda(ctx):
-        _torch().backends.cudnn.benchmark = True  # fixed shapes: let cuDNN pick its fastest kernels in warm-up
+        torch.backends.cudnn.benchmark = True  # fixed shapes: let cuDNN pick its fastest kernels in warm-up
     cfg = _throughput_config(ctx, steps=steps, warmup_steps=warmup_steps, batch_size=batch_size,
                              image_size=image_size, width=width, depth=depth, amp=amp, channels_last=channels_last,
                              bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=gradient_as_bucket_view,
@@ -569,8 +535,6 @@ def throughput(ctx: Any, steps: int | None = None, warmup_steps: int | None = No
 
 
 def _default_nprocs() -> int:
-    from lab_utils.distributed.spawn import torch_gpu_count
-
     return max(2, torch_gpu_count())
 
 
@@ -586,11 +550,9 @@ def scaling(nprocs_list: Sequence[int] | None = None, *, backend: str = "auto", 
     cores // max(nprocs_list) unless ``cpu_threads`` is given: a worker is then a fixed unit of compute, as a
     GPU is, and the table measures what adding workers gains (not one rank using every core).
     """
-    from lab_utils.distributed.spawn import choose_backend, launch
-
     nprocs_list = list(nprocs_list) if nprocs_list is not None else [1, _default_nprocs()]
     for n in nprocs_list:
-        _check_int(n, "nprocs_list", "scaling")
+        check_int(n, "nprocs_list", "scaling")
     if choose_backend(max(nprocs_list), backend) == "gloo" and kwargs.get("cpu_threads") is None:
         kwargs["cpu_threads"] = max(1, cpu_cores() // max(nprocs_list))
     rows = [launch(throughput, n, backend=backend, kwargs=kwargs, timeout_s=timeout_s)[0] for n in nprocs_list]
@@ -620,8 +582,8 @@ def _normalise_variant(v: dict[str, Any]) -> dict[str, Any]:
     return {**DEFAULT_BUCKETS, **v}
 
 
-def overlap_worker(ctx: Any, variants: Sequence[dict[str, Any]], repeats: int = 2, cpu_threads: int | None = None,
-                   **kwargs: Any) -> list[dict]:
+def overlap_worker(ctx: WorkerContext, variants: Sequence[dict[str, Any]], repeats: int = 2,
+                   cpu_threads: int | None = None, **kwargs: Any) -> list[dict[str, Any]]:
     """Worker: ``throughput`` for each bucket variant in one process group, round-robin ``repeats`` times.
 
     Round-robin (not one variant after the other) spreads slow drifts (clocks, temperature) over all
@@ -629,8 +591,8 @@ def overlap_worker(ctx: Any, variants: Sequence[dict[str, Any]], repeats: int = 
     """
     _share_cpu_threads(ctx, cpu_threads)
     if _is_cuda(ctx):
-        _torch().backends.cudnn.benchmark = True
-    best: dict[int, dict] = {}
+        torch.backends.cudnn.benchmark = True
+    best: dict[int, dict[str, Any]] = {}
     for r in range(repeats):
         for i, v in enumerate(variants):
             ctx.status(f"repeat {r + 1}/{repeats}: {_variant_label(v)}")
@@ -651,10 +613,8 @@ def overlap_experiment(nprocs: int | None = None, variants: Sequence[dict[str, A
     ``throughput`` (model size, batch, amp...). Columns: variant, bucket_cap_mb, gradient_as_bucket_view,
     overlap, step_ms, images_per_s, step_ms_vs_default (< 1 is faster), images_per_s_vs_default, buckets.
     """
-    from lab_utils.distributed.spawn import launch
-
-    nprocs = _default_nprocs() if nprocs is None else _check_int(nprocs, "nprocs", "overlap_experiment")
-    _check_int(repeats, "repeats", "overlap_experiment")
+    nprocs = _default_nprocs() if nprocs is None else check_int(nprocs, "nprocs", "overlap_experiment")
+    check_int(repeats, "repeats", "overlap_experiment")
     if variants is None:
         variants = [{"bucket_cap_mb": 1}, {"bucket_cap_mb": 25}, {"gradient_as_bucket_view": True}]
     full = [_normalise_variant(v) for v in variants]

@@ -11,6 +11,7 @@ import math
 import re
 from typing import Any
 
+from lab_utils.distributed.bandwidth import busbw_factor  # the one definition the lab's measurements use
 from lab_utils.exercises.framework import Exercise, Wrong, close_to, number
 
 __all__ = [
@@ -45,8 +46,6 @@ def reference_busbw_factor(collective: str, n: int) -> float:
         raise ValueError(f"unknown collective {collective!r}; valid: {', '.join(COLLECTIVES)}")
     if isinstance(n, bool) or int(n) != n or n < 1:
         raise ValueError(f"n must be a whole number of ranks >= 1, got {n!r}")
-    from lab_utils.distributed.collectives import busbw_factor  # the one definition the lab's measurements use
-
     return busbw_factor(key, int(n))
 
 
