@@ -52,11 +52,14 @@ def pytest_runtest_setup(item):
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
-    """A solution's exercise checks must all say "correct." (nbval only compares the marked cells)."""
+    """A solution's exercise checks must all say "correct." or, where the tier lacks the hardware, "not applicable"
+    (nbval only compares the marked cells)."""
     result = yield
     if _nbval_cell(item) and ".check(" in item.cell.source:
         text = "".join(o.get("text", "") for o in (item.test_outputs or []))
-        if "correct." not in text or "incorrect" in text or "not attempted" in text:
+        # "not applicable on this tier" is a pass for a check that needs hardware this machine lacks
+        judged = "correct." in text or "not applicable on this tier." in text
+        if not judged or "incorrect" in text or "not attempted" in text:
             raise AssertionError(f"an exercise check in a solution did not pass; it printed:\n{text}")
     return result
 

@@ -99,42 +99,54 @@ def test_bad_arguments_name_the_argument():
 # ----------------------------------------------------------------------------------------- TF32 flag
 
 
-def test_tf32_context_restores_default():
-    _reset_tf32()
+def test_tf32_context_uses_the_new_switch_and_restores_it():
     m = torch.backends.cuda.matmul
-    before = cb._precision_state(torch)
-    assert m.allow_tf32 is False
-    with cb.tf32_matmul():
-        assert m.allow_tf32 is True
-    assert m.allow_tf32 is False
-    assert cb._precision_state(torch) == before
+    if not hasattr(m, "fp32_precision"):
+        pytest.skip("torch < 2.9 has no fp32_precision API")
+    _reset_tf32()
+    try:
+        before = cb._precision_state(torch)
+        assert before == {"cuda.matmul": "none"}
+        with cb.tf32_matmul():
+            assert m.fp32_precision == "tf32"
+        assert cb._precision_state(torch) == before
+        with cb.tf32_matmul(False):
+            assert m.fp32_precision == "ieee"  # full fp32, said explicitly
+        assert cb._precision_state(torch) == before
+        # The legacy getter still answers afterwards: the block left no mix of old and new settings behind.
+        assert torch.get_float32_matmul_precision() == "highest"
+    finally:
+        _reset_tf32()
 
 
 def test_tf32_context_restores_after_exception_and_user_setting():
     m = torch.backends.cuda.matmul
+    if not hasattr(m, "fp32_precision"):
+        pytest.skip("torch < 2.9 has no fp32_precision API")
     try:
-        m.allow_tf32 = True
+        m.fp32_precision = "tf32"  # the user's own choice
         before = cb._precision_state(torch)
         with pytest.raises(KeyError), cb.tf32_matmul(False):
-            assert m.allow_tf32 is False
+            assert m.fp32_precision == "ieee"
             raise KeyError("inside")
-        assert m.allow_tf32 is True
+        assert m.fp32_precision == "tf32"
         assert cb._precision_state(torch) == before
     finally:
         _reset_tf32()
 
 
-def test_tf32_context_with_new_api():
+def test_tf32_context_after_the_legacy_switch():
+    # A notebook that used the deprecated allow_tf32 first: the block still switches and restores exactly.
     m = torch.backends.cuda.matmul
     if not hasattr(m, "fp32_precision"):
         pytest.skip("torch < 2.9 has no fp32_precision API")
     try:
-        torch.set_float32_matmul_precision("medium")
-        m.fp32_precision = "tf32"
+        torch.set_float32_matmul_precision("high")  # what allow_tf32 = True sets
         before = cb._precision_state(torch)
         with cb.tf32_matmul(False):
-            assert m.allow_tf32 is False
-        assert cb._precision_state(torch) == before
+            assert m.fp32_precision == "ieee"
+        assert cb._precision_state(torch) == before == {"cuda.matmul": "tf32"}
+        assert torch.get_float32_matmul_precision() == "high"
     finally:
         _reset_tf32()
 
@@ -241,6 +253,10 @@ def test_roofline_points(sweep, copies):
     ew = df[df["kind"] == "elementwise"].iloc[0]
     assert ew["intensity_flop_per_byte"] == pytest.approx(1 / 12)
     assert ew["tflops"] > 0 and ew["tbps"] == pytest.approx(ew["tflops"] * 12)
+    # Each row shows only what it measured: no bandwidth for a matmul, no intensity 0 (or 0 TFLOP/s) for a copy.
+    mm, cp = df[df["kind"] == "matmul"], df[df["kind"] == "copy"]
+    assert mm["tbps"].isna().all() and (mm["tflops"] > 0).all() and (mm["intensity_flop_per_byte"] > 0).all()
+    assert cp["intensity_flop_per_byte"].isna().all() and cp["tflops"].isna().all() and (cp["tbps"] > 0).all()
     assert df.attrs["measured_peak_tflops"] == pytest.approx(sweep["tflops"].max())
     assert df.attrs["measured_bw_tbps"] == pytest.approx(copies["gbps"].max() / 1e3)
     with pytest.raises(ValueError, match="matmul_sweep"):

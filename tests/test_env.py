@@ -140,3 +140,19 @@ def test_stack_and_container_tables():
     by_image = {row["image"].split("/")[-1]: row["verdict"] for row in rows}
     assert by_image["tritonserver:24.10-py3"].startswith("runs")
     assert by_image["pytorch:26.09-py3"].startswith("fails")
+
+
+def test_doctor_and_lab00_verdict_agree():
+    # `nvlab doctor` (probe._compatibility) and the rule lab 00 teaches (exercises.lab00.cuda_verdict) say the
+    # same on every case of the exercise's table: runs (compatible, minor-version) or not, and why.
+    from lab_utils.exercises import lab00
+
+    for ceiling, runtime, dc, expected, _ in lab00.VERDICT_CASES:
+        assert lab00.cuda_verdict(ceiling, runtime, dc) == expected
+        ok, why = env._compatibility(_gpu(), ceiling, _torch(cuda=runtime))
+        assert ok is (expected in ("compatible", "minor-version compatibility")), (ceiling, runtime, why)
+        assert ("minor-version" in why[0]) is (expected == "minor-version compatibility"), (ceiling, runtime, why)
+        if expected in ("forward compatibility needed", "incompatible"):
+            assert "forward compatibility" in why[0] and "update the driver" in why[0]
+    ok, why = env._compatibility(_gpu(), "12.4", _torch(cuda="12.10"))  # not incompatible: minor-version
+    assert ok and "minor-version" in why[0]

@@ -1,40 +1,132 @@
-"""Every exercise check against a right, a wrong and a blank answer; the specific messages; hints and
-solutions; and the simulated asynchronous device used by lab 01's timing exercise."""
+"""Labs 00 and 01: every exercise check against right answers (and right answers written differently), a blank
+and plausible wrong answers; the specific messages; the code-exercise machinery (running the student's function,
+its own traceback line, time limits, not applicable on this tier); hints and solutions; the simulated device."""
 
 from __future__ import annotations
 
+import csv
+import io
+import re
+import stat
 import subprocess
 import sys
 import threading
 import time
+import types
 
 import pytest
+import torch
 from _exercise_harness import check, exercises_of, hint_and_solution_tests, standard_tests
 
+from lab_utils.course import probe
 from lab_utils.exercises import lab00, lab01
-from lab_utils.exercises.framework import Exercise, Status
+from lab_utils.exercises.framework import (
+    CodeExercise,
+    Exercise,
+    NotApplicable,
+    Status,
+    Wrong,
+    is_blank,
+    run_student,
+    student_frame,
+)
 
-# --- answers ---------------------------------------------------------------------------------------
+HAS_CUDA = torch.cuda.is_available()
+needs_gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+needs_no_gpu = pytest.mark.skipif(HAS_CUDA, reason="checks the CPU tier")
+
+# --- lab 00 answers --------------------------------------------------------------------------------------
+
+LAYERS_RIGHT = {
+    "libcuda.so": "driver", "nvidia-smi": "driver", "libcudart.so": "cuda runtime",
+    "cuBLAS": "cuda-x library", "NCCL": "CUDA-X library", "PyTorch": "framework",
+    "Triton Inference Server": "serving",
+}
 
 
-def runtime_ok_right(driver_ceiling: str, runtime: str) -> bool:
-    def key(v: str) -> tuple[int, int]:
+def ceiling_right(smi_text):
+    return re.search(r"CUDA Version:\s*([\d.]+)", smi_text).group(1)
+
+
+def ceiling_split(smi_text):  # written differently: no regular expression
+    line = next(ln for ln in smi_text.splitlines() if "CUDA Version" in ln)
+    return line.split("CUDA Version:")[1].split()[0]
+
+
+def ceiling_driver(smi_text):  # the first "Version:" on the line is the driver's
+    return re.search(r"Version:\s*(\S+)", smi_text).group(1)
+
+
+def ceiling_float(smi_text):
+    return float(ceiling_right(smi_text))
+
+
+def ceiling_no_return(smi_text):
+    ceiling_right(smi_text)
+
+
+def ceiling_raises(smi_text):
+    return smi_text.split("CUDA Version: ")[2]  # IndexError
+
+
+def verdict_right(driver_ceiling, runtime, datacenter_gpu):
+    def key(v):
         major, minor = (v.split(".") + ["0"])[:2]
         return int(major), int(minor)
 
-    return key(runtime) <= key(driver_ceiling)
+    if key(runtime) <= key(driver_ceiling):
+        return "compatible"
+    if key(runtime)[0] == key(driver_ceiling)[0]:
+        return "minor-version compatibility"
+    return "forward compatibility needed" if datacenter_gpu else "incompatible"
 
 
-def runtime_ok_strings(driver_ceiling: str, runtime: str) -> bool:
-    return runtime <= driver_ceiling  # the bug: compares character by character
+def verdict_packaging(driver_ceiling, runtime, datacenter_gpu):  # written differently: packaging, other case
+    from packaging.version import Version
+
+    ceiling, rt = Version(driver_ceiling), Version(runtime)
+    if rt > ceiling and rt.major == ceiling.major:
+        return "Minor version compatibility"
+    if rt > ceiling:
+        return "INCOMPATIBLE" if not datacenter_gpu else "forward-compatibility needed"
+    return "Compatible"
 
 
-def runtime_ok_floats(driver_ceiling: str, runtime: str) -> bool:
-    return float(runtime) <= float(driver_ceiling)  # the bug: 12.10 == 12.1
+def verdict_strings(driver_ceiling, runtime, datacenter_gpu):
+    if runtime <= driver_ceiling:  # the bug: compares character by character
+        return "compatible"
+    if runtime.split(".")[0] == driver_ceiling.split(".")[0]:
+        return "minor-version compatibility"
+    return "forward compatibility needed" if datacenter_gpu else "incompatible"
 
 
-def runtime_ok_major_only(driver_ceiling: str, runtime: str) -> bool:
-    return int(runtime.split(".")[0]) <= int(driver_ceiling.split(".")[0])
+def verdict_floats(driver_ceiling, runtime, datacenter_gpu):
+    if float(runtime) <= float(driver_ceiling):  # the bug: 12.10 == 12.1
+        return "compatible"
+    if runtime.split(".")[0] == driver_ceiling.split(".")[0]:
+        return "minor-version compatibility"
+    return "forward compatibility needed" if datacenter_gpu else "incompatible"
+
+
+def verdict_no_minor_version(driver_ceiling, runtime, datacenter_gpu):  # the lab's old rule
+    if lab00.parse_version(runtime) <= lab00.parse_version(driver_ceiling):
+        return "compatible"
+    return "forward compatibility needed" if datacenter_gpu else "incompatible"
+
+
+def verdict_ignores_gpu(driver_ceiling, runtime, datacenter_gpu):
+    if lab00.parse_version(runtime) <= lab00.parse_version(driver_ceiling):
+        return "compatible"
+    if runtime.split(".")[0] == driver_ceiling.split(".")[0]:
+        return "minor-version compatibility"
+    return "forward compatibility needed"
+
+
+def verdict_bool(driver_ceiling, runtime, datacenter_gpu):
+    return lab00.parse_version(runtime) <= lab00.parse_version(driver_ceiling)
+
+
+# --- lab 01 answers --------------------------------------------------------------------------------------
 
 
 def broken_time_ms():
@@ -43,51 +135,167 @@ def broken_time_ms():
     return namespace["time_ms"]
 
 
-def time_ms_right(run, sync, reps):
-    run()
+def time_ms_right(fn, iters, warmup, sync):
+    for _ in range(warmup):
+        fn()
     sync()
     t0 = time.perf_counter()
-    for _ in range(reps):
-        run()
+    for _ in range(iters):
+        fn()
     sync()
-    return (time.perf_counter() - t0) * 1000 / reps
+    return (time.perf_counter() - t0) * 1000 / iters
 
 
-def time_ms_no_warmup(run, sync, reps):
+def time_ms_ns(fn, iters, warmup, sync):  # written differently: nanosecond clock, a list of per-call times
+    i = 0
+    while i < warmup:
+        fn()
+        i += 1
+    sync()
+    laps = []
+    for _ in range(iters):
+        t0 = time.perf_counter_ns()
+        fn()
+        sync()
+        laps.append(time.perf_counter_ns() - t0)
+    return sum(laps) / len(laps) / 1e6
+
+
+def time_ms_no_warmup(fn, iters, warmup, sync):
     t0 = time.perf_counter()
-    for _ in range(reps):
-        run()
+    for _ in range(iters):
+        fn()
     sync()
-    return (time.perf_counter() - t0) * 1000 / reps
+    return (time.perf_counter() - t0) * 1000 / iters
 
 
-def time_ms_seconds(run, sync, reps):
-    return time_ms_right(run, sync, reps) / 1000
+def time_ms_sync_too_late(fn, iters, warmup, sync):
+    for _ in range(warmup):
+        fn()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    elapsed = time.perf_counter() - t0
+    sync()
+    return elapsed * 1000 / iters
 
 
-def time_ms_total(run, sync, reps):
-    return time_ms_right(run, sync, reps) * reps
+def time_ms_seconds(fn, iters, warmup, sync):
+    return time_ms_right(fn, iters, warmup, sync) / 1000
 
 
-LAYERS_RIGHT = {
-    "libcuda.so": "driver", "nvidia-smi": "driver", "libcudart.so": "cuda runtime",
-    "cuBLAS": "cuda-x library", "NCCL": "CUDA-X library", "PyTorch": "framework",
-    "Triton Inference Server": "serving",
-}
+def time_ms_total(fn, iters, warmup, sync):
+    return time_ms_right(fn, iters, warmup, sync) * iters
 
-# (exercise, right answers, wrong answers)
+
+def time_ms_warmup_timed(fn, iters, warmup, sync):
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(warmup + iters):
+        fn()
+    sync()
+    return (time.perf_counter() - t0) * 1000 / iters
+
+
+def tflops_right(n, device, timer):
+    a = torch.randn(n, n, device=device)
+    b = torch.randn(n, n, device=device)
+    ms = timer(lambda: a @ b)
+    return 2 * n**3 / (ms * 1e-3) / 1e12
+
+
+def tflops_matmul_fn(n, device, timer):  # written differently: torch.matmul into an out tensor, seconds first
+    a, b = torch.randn(2, n, n, device=device).unbind(0)
+    c = torch.empty(n, n, device=device)
+    seconds = timer(lambda: torch.matmul(a, b, out=c)) / 1000
+    return 2.0 * n * n * n / seconds * 1e-12
+
+
+def tflops_factor2(n, device, timer):
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    return n**3 / (timer(lambda: a @ b) * 1e-3) / 1e12
+
+
+def tflops_alloc_inside(n, device, timer):
+    ms = timer(lambda: torch.randn(n, n, device=device) @ torch.randn(n, n, device=device))
+    return 2 * n**3 / (ms * 1e-3) / 1e12
+
+
+def tflops_gflops(n, device, timer):
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    return 2 * n**3 / (timer(lambda: a @ b) * 1e-3) / 1e9
+
+
+def tflops_ms_as_s(n, device, timer):
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    return 2 * n**3 / timer(lambda: a @ b) / 1e12
+
+
+def tflops_elementwise(n, device, timer):
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    return 2 * n**3 / (timer(lambda: a * b) * 1e-3) / 1e12
+
+
+def gbps_right(nbytes, device, timer):
+    src = torch.randn(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    ms = timer(lambda: dst.copy_(src))
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def gbps_bytes(nbytes, device, timer):  # written differently: byte tensors, bytes per second first
+    src = torch.full((nbytes,), 7, dtype=torch.uint8, device=device)
+    dst = torch.zeros_like(src)
+    bytes_per_s = (src.nbytes + dst.nbytes) / (timer(lambda: dst.copy_(src)) / 1e3)
+    return bytes_per_s / 1e9
+
+
+def gbps_once(nbytes, device, timer):
+    src = torch.randn(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    return nbytes / (timer(lambda: dst.copy_(src)) * 1e-3) / 1e9
+
+
+def gbps_gib(nbytes, device, timer):
+    src = torch.randn(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / (timer(lambda: dst.copy_(src)) * 1e-3) / 2**30
+
+
+def gbps_elements(nbytes, device, timer):
+    src = torch.randn(nbytes, device=device)  # nbytes float32 elements: 4 x nbytes bytes
+    dst = torch.empty_like(src)
+    return 2 * nbytes / (timer(lambda: dst.copy_(src)) * 1e-3) / 1e9
+
+
+def gbps_clone(nbytes, device, timer):
+    src = torch.randn(nbytes // 4, device=device)
+    return 2 * nbytes / (timer(lambda: torch.randn(nbytes // 4, device=device).copy_(src)) * 1e-3) / 1e9
+
+
+def gbps_no_timer(nbytes, device, timer):
+    return 10.0
+
+
+# (exercise, right answers, wrong answers). lab00.q3 (two functions) and lab01.q7 (GPU only) have their own tests.
 CASES = [
-    (lab00.q1, ["13.0", 13.0, 13, "13"], ["580.159.04", "12.8", 12.4, [13, 0]]),
-    (lab00.q2, [runtime_ok_right], [runtime_ok_strings, runtime_ok_major_only, "13.0"]),
-    (lab00.q3, [18, 18.0], [2, "NV18", 18.5, 900]),
+    (lab00.q1, [LAYERS_RIGHT], [{**LAYERS_RIGHT, "NCCL": "framework"}, {"PyTorch": "framework"}, "driver"]),
+    (lab00.q2, [ceiling_right, ceiling_split, lab00.reference_cuda_ceiling],
+     [ceiling_driver, ceiling_float, ceiling_no_return, ceiling_raises, "13.0"]),
     (lab00.q4, [143771 / 1024, 140.4, 141], [143771, 150.75, 143.771, 120]),
-    (lab00.q5, [7], [8, 4, 6.5, "seven"]),
-    (lab00.q6, [LAYERS_RIGHT], [{**LAYERS_RIGHT, "NCCL": "framework"}, {"PyTorch": "framework"}, "driver"]),
-    (lab01.q1, [2 * 8192**3, 1.0995e12], [8192**3, 1.0995, 2e12, "lots"]),
-    (lab01.q2, [time_ms_right, lab01.reference_time_ms], [broken_time_ms(), time_ms_no_warmup, 20.0]),
-    (lab01.q3, [2 / 12, 0.1667, 0.17], [0.25, 2 / 3, 6, 1 / 12]),
-    (lab01.q4, ["memory", "Memory-bound", " memory bound "], ["compute", "compute-bound", "io", 0.17]),
+    (lab00.q5, [verdict_right, verdict_packaging, lab00.cuda_verdict],
+     [verdict_strings, verdict_floats, verdict_no_minor_version, verdict_ignores_gpu, verdict_bool, "compatible"]),
+    (lab00.q6, [18, 18.0], [2, "NV18", 18.5, 900]),
+    (lab01.q1, [time_ms_right, time_ms_ns, lab01.reference_time_ms],
+     [broken_time_ms(), time_ms_no_warmup, time_ms_sync_too_late, time_ms_seconds, time_ms_total, 20.0]),
+    (lab01.q2, [tflops_right, tflops_matmul_fn, lab01.reference_matmul_tflops],
+     [tflops_factor2, tflops_alloc_inside, tflops_gflops, tflops_ms_as_s, tflops_elementwise]),
+    (lab01.q3, [gbps_right, gbps_bytes, lab01.reference_copy_gbps],
+     [gbps_once, gbps_gib, gbps_elements, gbps_clone, gbps_no_timer]),
+    (lab01.q4, [2 / 12, 0.1667, 0.17], [0.25, 2 / 3, 6, 1 / 12]),
     (lab01.q5, [989e12 / 4.8e12, 206, 206.04], [0.206, 206_000, 103, 2.0]),
+    (lab01.q6, ["memory", "Memory-bound", " memory bound "], ["compute", "compute-bound", "io", 0.17]),
 ]
 
 
@@ -99,152 +307,671 @@ CASES = [
 
 
 def test_placeholder_functions_are_not_attempted():
-    # What the generated lab leaves for a function exercise: a stub whose body is `...` or `pass`.
-    def runtime_ok(driver_ceiling, runtime): ...
+    # What the generated lab leaves for a function exercise: a stub whose body is `...` or `pass`, perhaps
+    # with a docstring and a comment.
+    def cuda_verdict(driver_ceiling, runtime, datacenter_gpu): ...
 
-    def time_ms(run, sync, reps):
+    def matmul_tflops(n, device, timer):
         pass
 
-    assert check(lab00.q2, runtime_ok).status is Status.NOT_ATTEMPTED
-    assert check(lab01.q2, time_ms).status is Status.NOT_ATTEMPTED
+    def cuda_ceiling(smi_text: str) -> str:
+        """The newest CUDA this driver supports."""
+        ...  # YOUR CODE HERE
+
+    assert check(lab00.q5, cuda_verdict).status is Status.NOT_ATTEMPTED
+    assert check(lab01.q2, matmul_tflops).status is Status.NOT_ATTEMPTED
+    assert check(lab00.q2, cuda_ceiling).status is Status.NOT_ATTEMPTED
+    assert check(lab00.q2, lambda text: None).status is Status.NOT_ATTEMPTED  # a lambda returning None is a stub too
 
 
 def test_cases_cover_every_exercise():
-    covered = {id(ex) for ex, *_ in CASES}
+    covered = {id(ex) for ex, *_ in CASES} | {id(lab00.q3), id(lab01.q7)}
     assert covered == {id(ex) for ex in exercises_of(lab00) + exercises_of(lab01)}
 
 
-# --- specific messages -----------------------------------------------------------------------------
+@pytest.mark.parametrize("module", [lab00, lab01], ids=lambda m: m.__name__)
+def test_at_least_half_of_the_exercises_run_code(module):
+    exercises = exercises_of(module)
+    code = [e for e in exercises if isinstance(e, CodeExercise)]
+    assert 2 * len(code) >= len(exercises), [e.name for e in code]
 
 
-def test_lab00_q1_driver_version_named():
-    assert "driver version" in check(lab00.q1, "580.159.04").message
-    assert "driver version" in check(lab00.q1, 580.159).message
+# --- lab 00: specific messages ---------------------------------------------------------------------------
 
 
-def test_lab00_q1_wrong_kind_names_expected_kind():
-    assert "version" in check(lab00.q1, [13, 0]).message
+def test_lab00_q2_messages():
+    assert "driver version" in check(lab00.q2, ceiling_driver).message
+    assert "12.10" in check(lab00.q2, ceiling_float).message  # why a float is wrong
+    assert "returned None" in check(lab00.q2, ceiling_no_return).message
+    out = check(lab00.q2, ceiling_raises).message
+    assert "raised IndexError" in out and "`ceiling_raises`" in out and 'split("CUDA Version: ")[2]' in out
+    assert "expected a function `cuda_ceiling(smi_text) -> str`" in check(lab00.q2, "13.0").message
+    assert "Graded on the H200 capture" in check(lab00.q2, ceiling_right).message
 
 
-@pytest.mark.parametrize("buggy", [runtime_ok_strings, runtime_ok_floats])
-def test_lab00_q2_string_comparison_bug_explained(buggy):
-    message = check(lab00.q2, buggy).message
-    assert "strings" in message and "'12.10'" in message
-    assert "runtime_ok('12.4', '12.10') returned True, expected False" in message
+@pytest.mark.parametrize("buggy", [verdict_strings, verdict_floats])
+def test_lab00_q5_comparing_versions_as_text_or_floats_is_explained(buggy):
+    message = check(lab00.q5, buggy).message
+    assert "cuda_verdict('12.4', '12.10', datacenter_gpu=True) returned 'compatible'" in message
+    assert ("as strings" in message) if buggy is verdict_strings else ("As floats" in message)
+    assert "tuple(int(p)" in message
 
 
-def test_lab00_q2_reports_first_failing_case():
-    message = check(lab00.q2, runtime_ok_major_only).message
-    assert "runtime_ok('13.0', '13.1')" in message and "minor" in message
-    message = check(lab00.q2, lambda ceiling, runtime: True).message
-    assert "runtime_ok('12.4', '13.0') returned True" in message
+def test_lab00_q5_rule_mistakes_are_named():
+    message = check(lab00.q5, verdict_no_minor_version).message
+    assert "minor-version compatibility" in message and "same major version" in message
+    assert "data-centre GPUs only" in check(lab00.q5, verdict_ignores_gpu).message
+    message = check(lab00.q5, lambda c, r, dc: "compatible" if r <= c else "minor-version compatibility").message
+    assert "returned" in message
+    assert "VERDICTS" in check(lab00.q5, verdict_bool).message
 
 
-def test_lab00_q2_non_callable_and_non_bool_and_raising():
-    out = check(lab00.q2, "13.0")
-    assert out.status is Status.INCORRECT and "function" in out.message
+def test_lab00_q5_raising_and_wrong_arity_show_the_students_line():
+    def verdict_crashes(driver_ceiling, runtime, datacenter_gpu):
+        major = int(runtime.split(".")[2])  # IndexError: "13.0" has two parts
+        return str(major)
 
-    def forgot_return(driver_ceiling, runtime):
-        ok = runtime <= driver_ceiling  # noqa: F841 (the mistake under test)
-
-    out = check(lab00.q2, forgot_return)
-    assert out.status is Status.INCORRECT and "True or False" in out.message
-    out = check(lab00.q2, lambda ceiling, runtime: "yes")
-    assert out.status is Status.INCORRECT and "True or False" in out.message
-    out = check(lab00.q2, lambda ceiling: True)
-    assert out.status is Status.INCORRECT and "raised TypeError" in out.message
+    message = check(lab00.q5, verdict_crashes).message
+    assert "raised IndexError" in message and "`verdict_crashes`" in message
+    assert "runtime.split" in message and "lab_utils" not in message
+    message = check(lab00.q5, lambda ceiling, runtime: "compatible").message
+    assert "raised TypeError" in message
 
 
-def test_lab00_q2_accepts_numpy_bool():
-    np = pytest.importorskip("numpy")
-    assert check(lab00.q2, lambda c, r: np.bool_(runtime_ok_right(c, r))).correct
+def test_verdict_agrees_with_the_rules_table():
+    for ceiling, runtime, dc, expected, _ in lab00.VERDICT_CASES:
+        assert lab00.cuda_verdict(ceiling, runtime, dc) == expected
 
 
-def test_lab00_q3_messages():
-    assert "NVLinks" in check(lab00.q3, "NV18").message
-    assert "GPUs" in check(lab00.q3, 2).message
-    assert "whole number" in check(lab00.q3, 18.5).message
-
-
-def test_lab00_q4_unit_slips():
+def test_lab00_q4_unit_slips_and_the_datasheet_figure():
     assert "MiB" in check(lab00.q4, 143771).message
-    assert "GB (1e9 bytes)" in check(lab00.q4, 150.75).message
+    message = check(lab00.q4, 150.75).message
+    assert "GB (1e9 bytes)" in message and "141 GB" in message and "GiB figure" in message
     assert "1024, not 1000" in check(lab00.q4, 143.771).message
     assert "number" in check(lab00.q4, "a lot").message  # wrong kind names the expected kind
     assert "140" not in check(lab00.q4, 120).message  # the answer is not given away
+    assert "binary figure" in lab00.q4.hints[-1] and "150.8 GB" in lab00.q4.hints[-1]
+    assert "binary figure" in lab00.q4.solution_text and "150.8 GB" in lab00.q4.solution_text
 
 
-def test_lab00_q5_memory_slices():
-    assert "memory slices" in check(lab00.q5, 8).message
+def test_lab00_q6_and_q1_messages():
+    assert "NVLinks" in check(lab00.q6, "NV18").message
+    assert "GPUs" in check(lab00.q6, 2).message
+    assert "whole number" in check(lab00.q6, 18.5).message
+    assert "'NCCL'" in check(lab00.q1, {**LAYERS_RIGHT, "NCCL": "framework"}).message
+    assert "missing" in check(lab00.q1, {"PyTorch": "framework"}).message
+    assert "not a layer" in check(lab00.q1, {**LAYERS_RIGHT, "PyTorch": "app"}).message
 
 
-def test_lab00_q6_messages():
-    assert "'NCCL'" in check(lab00.q6, {**LAYERS_RIGHT, "NCCL": "framework"}).message
-    assert "missing" in check(lab00.q6, {"PyTorch": "framework"}).message
-    assert "not a layer" in check(lab00.q6, {**LAYERS_RIGHT, "PyTorch": "app"}).message
-    assert "dict" in check(lab00.q6, "driver").message
+# --- lab 00: the inventory, from the captures (no NVML) and through NVML (a stand-in NVML and nvidia-smi) ---
 
 
-def test_lab01_q1_factor_two():
-    message = check(lab01.q1, 8192**3).message
-    assert "factor 2" in message
-    assert "TFLOP" in check(lab01.q1, 1.0995).message
+def smi_right(query_csv, smi_text):
+    rows = list(csv.reader(io.StringIO(query_csv), skipinitialspace=True))
+    header = [h.split(" ")[0] for h in rows[0]]
+    out = []
+    for i, row in enumerate(rows[1:]):
+        f = dict(zip(header, row, strict=True))
+        out.append({"index": i, "name": f["name"], "memory_total_mib": int(f["memory.total"].split()[0]),
+                    "driver_version": f["driver_version"], "cuda_version": ceiling_right(smi_text)})
+    return out
 
 
-def test_lab01_q2_unsynchronized_timing():
-    out = check(lab01.q2, broken_time_ms())
-    assert out.status is Status.INCORRECT
-    assert "synchronize" in out.message or "sync()" in out.message
-    assert "launch, not the work" in out.message
+def smi_pandas(query_csv, smi_text):  # written differently: a DataFrame, other key order, float MiB
+    import pandas as pd
+
+    df = pd.read_csv(io.StringIO(query_csv), skipinitialspace=True)
+    return pd.DataFrame({
+        "cuda_version": ceiling_split(smi_text), "driver_version": df["driver_version"],
+        "memory_total_mib": df["memory.total [MiB]"].str.removesuffix(" MiB").astype(float),
+        "name": df["name"], "index": range(len(df)),
+    })
 
 
-def test_lab01_q2_synchronized_after_the_clock():
-    def sync_too_late(run, sync, reps):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            run()
-        elapsed = time.perf_counter() - t0
-        sync()
-        return elapsed * 1000 / reps
-
-    assert "launch, not the work" in check(lab01.q2, sync_too_late).message
+def smi_first_row_only(query_csv, smi_text):
+    return smi_right(query_csv, smi_text)[:1]
 
 
-def test_lab01_q2_no_warmup():
-    out = check(lab01.q2, time_ms_no_warmup)
-    assert out.status is Status.INCORRECT and "warm" in out.message.lower()
+def smi_unit_left_in(query_csv, smi_text):
+    return [{**row, "memory_total_mib": f"{row['memory_total_mib']} MiB"} for row in smi_right(query_csv, smi_text)]
 
 
-def test_lab01_q2_seconds_and_total():
-    assert "seconds" in check(lab01.q2, time_ms_seconds).message
-    assert "divide by reps" in check(lab01.q2, time_ms_total).message
+def smi_spaces(query_csv, smi_text):
+    rows = list(csv.reader(io.StringIO(query_csv)))  # no skipinitialspace: " 580.159.04"
+    header = [h.strip().split(" ")[0] for h in rows[0]]
+    return [{"index": i, "name": row[0], "memory_total_mib": int(row[2].split()[0]),
+             "driver_version": dict(zip(header, row, strict=True))["driver_version"],
+             "cuda_version": ceiling_right(smi_text)} for i, row in enumerate(rows[1:])]
 
 
-def test_lab01_q2_wrong_kinds():
-    assert "function" in check(lab01.q2, 20.0).message
-    assert "number" in check(lab01.q2, lambda run, sync, reps: "20 ms").message
-    assert "raised" in check(lab01.q2, lambda run, sync: 20.0).message
+def smi_driver_as_cuda(query_csv, smi_text):
+    return [{**row, "cuda_version": row["driver_version"]} for row in smi_right(query_csv, smi_text)]
 
 
-def test_lab01_q2_is_fast_and_leaves_no_thread():
+@pytest.fixture()
+def no_nvml(monkeypatch):
+    monkeypatch.setattr(lab00, "nvml_unavailable", lambda: "no NVIDIA driver here (test)")
+
+
+def test_lab00_q3_from_the_captures(no_nvml):
+    for right in (smi_right, smi_pandas):
+        out = lab00.q3.check(None, right, quiet=True)
+        assert out.status is Status.CORRECT, out.message
+        assert "H200 captures" in out.message and "`nvml_inventory` was not run" in out.message
+    out = lab00.q3.check(None, None, quiet=True)
+    assert out.status is Status.NOT_ATTEMPTED and "smi_inventory" in out.message and "No NVML here" in out.message
+    for wrong, says in [
+        (smi_first_row_only, "only the first row"),
+        (smi_unit_left_in, "strip the unit"),
+        (smi_spaces, "spaces around it"),
+        (smi_driver_as_cuda, "driver version"),
+        (lambda q, s: {"name": "NVIDIA H200"}, "one dict per GPU"),
+        (lambda q, s: [{"name": "NVIDIA H200"}], "has no ['index', 'memory_total_mib'"),
+        ("smi_inventory", "expected a function"),
+    ]:
+        out = lab00.q3.check(None, wrong, quiet=True)
+        assert out.status is Status.INCORRECT, (wrong, out.message)
+        assert says in out.message, (says, out.message)
+        assert "`smi_inventory`" in out.message
+
+
+class FakeNVML(types.ModuleType):
+    """Just enough of pynvml for the inventory: one H200 box with two GPUs; init is reference counted."""
+
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self, gpus: int = 2):
+        super().__init__("pynvml")
+        self.refs, self.gpus = 0, gpus
+
+    def _need(self):
+        if not self.refs:
+            raise self.NVMLError("Uninitialized")
+
+    def nvmlInit(self):
+        self.refs += 1
+
+    def nvmlShutdown(self):
+        self._need()
+        self.refs -= 1
+
+    def nvmlSystemGetDriverVersion(self):
+        self._need()
+        return "580.159.04"
+
+    def nvmlSystemGetCudaDriverVersion(self):
+        self._need()
+        return 13000
+
+    def nvmlDeviceGetCount(self):
+        self._need()
+        return self.gpus
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        self._need()
+        return i
+
+    def nvmlDeviceGetName(self, h):
+        return "NVIDIA H200"
+
+    def nvmlDeviceGetMemoryInfo(self, h):
+        total = 143771 * 2**20
+        return types.SimpleNamespace(total=total, used=512 * 2**20, free=total - 512 * 2**20)
+
+
+def nvml_right():
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        driver = pynvml.nvmlSystemGetDriverVersion()
+        v = pynvml.nvmlSystemGetCudaDriverVersion()
+        gpus = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            gpus.append({"index": i, "name": pynvml.nvmlDeviceGetName(h),
+                         "memory_total_mib": pynvml.nvmlDeviceGetMemoryInfo(h).total // 2**20,
+                         "driver_version": driver, "cuda_version": f"{v // 1000}.{v % 1000 // 10}"})
+        return gpus
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def nvml_pandas():  # written differently: a DataFrame, float MiB, the version decoded with divmod
+    import pandas as pd
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        major, rest = divmod(pynvml.nvmlSystemGetCudaDriverVersion(), 1000)
+        handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+        return pd.DataFrame({
+            "name": [pynvml.nvmlDeviceGetName(h) for h in handles],
+            "memory_total_mib": [pynvml.nvmlDeviceGetMemoryInfo(h).total / 2**20 for h in handles],
+            "index": range(len(handles)), "driver_version": pynvml.nvmlSystemGetDriverVersion(),
+            "cuda_version": f"{major}.{rest // 10}",
+        })
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def nvml_no_shutdown():
+    import pynvml
+
+    pynvml.nvmlInit()
+    return [{"index": i, "name": pynvml.nvmlDeviceGetName(i), "driver_version": pynvml.nvmlSystemGetDriverVersion(),
+             "memory_total_mib": pynvml.nvmlDeviceGetMemoryInfo(i).total / 2**20,  # float MiB is fine
+             "cuda_version": "13.0"} for i in range(pynvml.nvmlDeviceGetCount())]
+
+
+def nvml_variant(**change):
+    def inventory():
+        rows = nvml_right()
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            for row in rows:
+                for key, fn in change.items():
+                    row[key] = fn(pynvml, row)
+        finally:
+            pynvml.nvmlShutdown()
+        return rows
+
+    return inventory
+
+
+@pytest.fixture()
+def fake_nvml(monkeypatch, tmp_path):
+    """A stand-in pynvml and nvidia-smi describing two H200s (the checks' NVML path, without a GPU)."""
+    fake = FakeNVML(gpus=2)
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    query = ("index, name, memory.total [MiB], driver_version\n"
+             "0, NVIDIA H200, 143771 MiB, 580.159.04\n1, NVIDIA H200, 143771 MiB, 580.159.04\n")
+    script = tmp_path / "nvidia-smi"
+    script.write_text("#!/bin/sh\n"
+                      'case "$1" in\n'
+                      f"  --query-gpu=*) cat <<'X'\n{query}X\n;;\n"
+                      f"  *) cat <<'X'\n{probe.capture('nvidia-smi')}X\n;;\n"
+                      "esac\n")
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    return fake
+
+
+def test_lab00_q3_through_nvml(fake_nvml):
+    assert lab00.q3.check(nvml_pandas, None, quiet=True).correct
+    out = lab00.q3.check(nvml_right, None, quiet=True)
+    assert out.status is Status.CORRECT, out.message
+    assert "through NVML" in out.message and "nvidia-smi --query-gpu" in out.message and "2 GPU(s)" in out.message
+    assert fake_nvml.refs == 0
+    out = lab00.q3.check(None, smi_right, quiet=True)  # with NVML here, the NVML inventory is the one graded
+    assert out.status is Status.NOT_ATTEMPTED and "nvml_inventory" in out.message
+    for wrong, says in [
+        (nvml_no_shutdown, "nvmlShutdown() in a `finally:`"),
+        (nvml_variant(memory_total_mib=lambda nv, r: nv.nvmlDeviceGetMemoryInfo(r["index"]).total), "bytes"),
+        (nvml_variant(cuda_version=lambda nv, r: nv.nvmlSystemGetCudaDriverVersion()), "NVML's integer form"),
+        (nvml_variant(cuda_version=lambda nv, r: nv.nvmlSystemGetCudaDriverVersion() / 1000), "as a string"),
+        (nvml_variant(memory_total_mib=lambda nv, r: nv.nvmlDeviceGetMemoryInfo(r["index"]).used // 2**20),
+         "not used or free memory"),
+        (lambda: nvml_right()[:1], "found 1 GPU(s)"),
+    ]:
+        out = lab00.q3.check(wrong, None, quiet=True)
+        assert out.status is Status.INCORRECT, (wrong, out.message)
+        assert says in out.message, (says, out.message)
+        assert fake_nvml.refs == 0  # the check shut down what the student left open
+
+
+def test_lab00_q2_also_reads_this_machines_nvidia_smi(fake_nvml):
+    message = check(lab00.q2, ceiling_right).message
+    assert "the H200 capture and this machine's nvidia-smi" in message
+
+
+def test_nvml_unavailable_says_why_here():
+    if lab00.nvml_unavailable() is None:
+        pytest.skip("NVML works here")
+    assert "NVML" in lab00.nvml_unavailable() or "nvidia-ml-py" in lab00.nvml_unavailable()
+
+
+# --- lab 01: specific messages ---------------------------------------------------------------------------
+
+
+def test_lab01_q1_unsynchronized_timing():
+    for fn in (broken_time_ms(), time_ms_sync_too_late):
+        out = check(lab01.q1, fn)
+        assert out.status is Status.INCORRECT
+        assert "sync()" in out.message and "launch, not the work" in out.message
+        assert "clock stopped before the device finished" in out.message
+
+
+def test_lab01_q1_warmup_seconds_total():
+    assert "Warm up first" in check(lab01.q1, time_ms_no_warmup).message
+    assert "Warm up first" in check(lab01.q1, time_ms_warmup_timed).message
+    assert "seconds" in check(lab01.q1, time_ms_seconds).message
+    assert "divide by iters" in check(lab01.q1, time_ms_total).message
+
+
+def test_lab01_q1_wrong_kinds_and_crashes():
+    assert "expected a function `time_ms(fn, iters, warmup, sync) -> float`" in check(lab01.q1, 20.0).message
+    assert "number" in check(lab01.q1, lambda fn, iters, warmup, sync: "20 ms").message
+    assert "raised TypeError" in check(lab01.q1, lambda fn, iters, warmup: 20.0).message
+
+    def divides_by_zero(fn, iters, warmup, sync):
+        count = 0
+        return 1000 / count
+
+    message = check(lab01.q1, divides_by_zero).message
+    assert "raised ZeroDivisionError" in message and "`divides_by_zero`: `return 1000 / count`" in message
+
+
+def test_lab01_q1_correct_message_says_what_was_graded():
+    message = check(lab01.q1, time_ms_right).message
+    assert ("simulated device" in message or "GPU sleep kernels" in message) and "reference timer" in message
+
+
+def test_lab01_q1_on_the_real_matmul_catches_what_the_simulation_cannot_see():
+    # Graded directly on the real matmul: the mistakes come out as factors far outside the noise band.
+    for fn, says in [(time_ms_total, "divide by iters"), (time_ms_seconds, "seconds"),
+                     (time_ms_warmup_timed, "warm-up calls are inside your timed region")]:
+        with pytest.raises(Wrong, match=re.escape(says)):
+            lab01._grade_on_matmul(fn)
+    assert "reference timer" in lab01._grade_on_matmul(time_ms_right)
+
+
+def time_ms_events(fn, iters, warmup, sync):  # the GPU way: CUDA events around the loop
+    for _ in range(warmup):
+        fn()
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+@needs_gpu
+def test_lab01_q1_on_a_gpu_accepts_events_and_catches_the_missing_sync():
+    for right in (time_ms_events, time_ms_right):
+        out = check(lab01.q1, right)
+        assert out.correct and "GPU sleep kernels" in out.message, out.message
+    out = check(lab01.q1, broken_time_ms())
+    assert "GPU kernels of known length" in out.message and "launch, not the work" in out.message
+    assert "Warm up first" in check(lab01.q1, time_ms_no_warmup).message
+    with pytest.raises(Wrong, match="GPU was still working"):
+        lab01._grade_on_matmul(broken_time_ms())  # returned with the work still queued
+    with pytest.raises(Wrong, match="faster than the reference timer's .* the clock stopped before the GPU finished"):
+        lab01._grade_on_matmul(time_ms_sync_too_late)  # waited, but after reading the clock
+
+
+def test_lab01_q1_is_fast_and_leaves_no_thread():
     t0 = time.perf_counter()
     for fn in (broken_time_ms(), time_ms_right):
-        check(lab01.q2, fn)
-    assert time.perf_counter() - t0 < 3.0  # each check < 1.5 s
+        check(lab01.q1, fn)
+    assert time.perf_counter() - t0 < 6.0
     assert not [t for t in threading.enumerate() if t.name == "AsyncDevice"]
 
 
-def test_lab01_q3_q4_q5_messages():
-    assert "write" in check(lab01.q3, 0.25).message
-    assert "bytes" in check(lab01.q3, 2 / 3).message
-    assert "ridge" in check(lab01.q4, "compute").message
-    assert "one of" in check(lab01.q4, "io").message
+def test_lab01_q1_restores_the_thread_count():
+    before = torch.get_num_threads()
+    check(lab01.q1, time_ms_right)
+    assert torch.get_num_threads() == before
+
+
+def test_lab01_q2_messages():
+    assert "factor 2" in check(lab01.q2, tflops_factor2).message
+    assert "creates its inputs" in check(lab01.q2, tflops_alloc_inside).message
+    assert "GFLOP/s" in check(lab01.q2, tflops_gflops).message
+    assert "milliseconds used as seconds" in check(lab01.q2, tflops_ms_as_s).message
+    assert "elementwise" in check(lab01.q2, tflops_elementwise).message
+    assert "never called timer" in check(lab01.q2, lambda n, device, timer: 1.0).message
+    assert "takes the function to time" in check(lab01.q2, lambda n, device, timer: timer(3.0)).message
+    message = check(lab01.q2, tflops_right).message
+    assert "TFLOP/s from" in message and "float32 matmul" in message
+
+
+def test_lab01_q3_messages():
+    message = check(lab01.q3, gbps_once).message
+    assert "factor-of-2 mistake" in message and "2 × nbytes" in message
+    assert "GiB/s" in check(lab01.q3, gbps_gib).message
+    assert "4x nbytes" in check(lab01.q3, gbps_elements).message
+    assert "creates its inputs" in check(lab01.q3, gbps_clone).message
+    assert "never called timer" in check(lab01.q3, gbps_no_timer).message
+    assert "read + write counted" in check(lab01.q3, gbps_right).message
+
+
+def test_lab01_q4_q5_q6_messages():
+    assert "write" in check(lab01.q4, 0.25).message
+    assert "bytes" in check(lab01.q4, 2 / 3).message
     assert "factor 1000" in check(lab01.q5, 0.206).message
     assert "factor 1000" in check(lab01.q5, 206_000).message
     assert "TF32" in check(lab01.q5, 103).message
+    assert "ridge" in check(lab01.q6, "compute").message
+    assert "one of" in check(lab01.q6, "io").message
 
 
-# --- the simulated device and the reference timer --------------------------------------------------
+# --- lab 01: the CUDA graph ------------------------------------------------------------------------------
+
+
+def graph_no_copy(chain, static_x, xs):  # replays on the captured input
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        static_y = chain(static_x)
+    outs = []
+    for _ in xs:
+        g.replay()
+        outs.append(static_y.clone())
+    return outs
+
+
+def graph_no_clone(chain, static_x, xs):  # every output is the same static tensor
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        static_y = chain(static_x)
+    outs = []
+    for x in xs:
+        static_x.copy_(x)
+        g.replay()
+        outs.append(static_y)
+    return outs
+
+
+def graph_eager(chain, static_x, xs):
+    return [chain(x) for x in xs]
+
+
+def graph_recapture(chain, static_x, xs):
+    outs = []
+    for x in xs:
+        static_x.copy_(x)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            y = chain(static_x)
+        g.replay()
+        outs.append(y.clone())
+    return outs
+
+
+def graph_without_side_stream(chain, static_x, xs):  # written differently: no warm-up, a list comprehension
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = chain(static_x)
+
+    def run(x):
+        static_x.copy_(x)
+        g.replay()
+        return out.clone()
+
+    return [run(x) for x in xs]
+
+
+@needs_no_gpu
+@pytest.mark.parametrize("answer", [lab01.reference_replay_with_graph, graph_eager, None, ..., 3])
+def test_lab01_q7_is_not_applicable_on_the_cpu_tier(answer):
+    out = check(lab01.q7, answer)
+    assert out.status is Status.NOT_APPLICABLE and not out.graded and not out.correct
+    assert str(out).startswith("[n/a] 01.7") and "not applicable on this tier" in str(out)
+    assert "need an NVIDIA GPU" in out.message and "H200 reference run" in out.message and "µs" in out.message
+    assert ("still blank" in out.message) == (answer is None or answer is ...)
+
+
+@needs_gpu
+def test_lab01_q7_on_a_gpu():
+    for right in (lab01.reference_replay_with_graph, graph_without_side_stream):
+        out = check(lab01.q7, right)
+        assert out.correct, out.message
+    for wrong, says in [(graph_no_copy, "static_x.copy_(x)"), (graph_no_clone, "clone()"),
+                        (graph_eager, "never captured"), (graph_recapture, "captured 32 times")]:
+        out = check(lab01.q7, wrong)
+        assert out.status is Status.INCORRECT and says in out.message, (wrong, out.message)
+    assert check(lab01.q7, None).status is Status.NOT_ATTEMPTED
+
+
+# --- the framework's code-exercise machinery --------------------------------------------------------------
+
+
+def test_run_student_returns_the_result_and_checks_its_kind():
+    assert run_student(lambda a, b: a + b, 2, 3) == 5
+    with pytest.raises(Wrong, match=r"f\(\) returned None \(NoneType\) \(does it end with `return \.\.\.`\?\); "
+                                    "expected a number"):
+        run_student(lambda: None, call="f()", returns=(int, float), returns_text="a number")
+    with pytest.raises(Wrong, match="returned True"):
+        run_student(lambda: True, call="f()", returns=(int, float), returns_text="a number")
+
+
+def test_run_student_shows_the_students_line_not_ours():
+    def students(x):
+        y = x - x
+        return x / y  # the line to show
+
+    with pytest.raises(Wrong) as info:
+        run_student(students, 1.0, what="ratio")
+    message = str(info.value)
+    assert message.startswith("ratio(1.0) raised ZeroDivisionError: float division by zero")
+    assert "line" in message and "of `students`: `return x / y  # the line to show`" in message
+    assert "lab_utils" not in message and "framework.py" not in message
+
+
+def test_run_student_through_a_library_names_the_students_call():
+    def students():
+        return torch.ones(2) @ torch.ones(3)  # raises inside torch
+
+    with pytest.raises(Wrong) as info:
+        run_student(students, call="students()")
+    assert "raised RuntimeError" in str(info.value) and "torch.ones(2) @ torch.ones(3)" in str(info.value)
+
+
+def spin_forever():
+    n = 0
+    while True:
+        n += 1
+
+
+def test_run_student_time_limit_in_the_main_thread():
+    t0 = time.perf_counter()
+    with pytest.raises(Wrong) as info:
+        run_student(spin_forever, call="spin_forever()", timeout_s=0.3)
+    assert time.perf_counter() - t0 < 5
+    message = str(info.value)
+    assert "did not return within 0.3 s" in message and "of `spin_forever`" in message
+
+
+def test_run_student_time_limit_restores_an_outer_timer():
+    import signal
+
+    fired = []
+    old = signal.signal(signal.SIGALRM, lambda *a: fired.append(1))
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 30)
+        assert run_student(lambda: 7, timeout_s=1) == 7
+        remaining, _ = signal.getitimer(signal.ITIMER_REAL)
+        assert 25 < remaining <= 30 and signal.getsignal(signal.SIGALRM) is not None and not fired
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def test_run_student_time_limit_in_another_thread():
+    box = {}
+
+    def grade():
+        try:
+            run_student(spin_forever, call="spin_forever()", timeout_s=0.3)
+        except Wrong as why:
+            box["why"] = str(why)
+
+    t = threading.Thread(target=grade)
+    t.start()
+    t.join(10)
+    assert "did not return within 0.3 s" in box["why"] and "spin_forever" in box["why"]
+    deadline = time.monotonic() + 5
+    while any(th.name.startswith("student") for th in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [th for th in threading.enumerate() if th.name.startswith("student")]  # interrupted, gone
+
+
+def test_run_student_lets_the_graders_own_verdicts_through():
+    def calls_back(report):
+        report()
+
+    def reject():
+        raise Wrong("the grader's own message")
+
+    with pytest.raises(Wrong, match="^the grader's own message$"):
+        run_student(calls_back, reject)
+
+
+def test_student_frame_reads_a_remote_traceback():
+    # What lab_utils.distributed.spawn.WorkerError.remote_traceback carries from a rank.
+    text = (
+        "Traceback (most recent call last):\n"
+        f'  File "{lab01.__file__}", line 190, in _worker\n'
+        "    result = fn(ctx, **kwargs)\n"
+        '  File "/tmp/ipykernel_1234/2764.py", line 4, in allreduce_worker\n'
+        "    dist.all_reduce(buf, op=dist.ReduceOp.SUM)\n"
+        '  File "/usr/lib/python3/site-packages/torch/distributed/c10d_logger.py", line 81, in wrapper\n'
+        "    return func(*args, **kwargs)\n"
+        "RuntimeError: Connection closed by peer\n"
+    )
+    frame = student_frame(text)
+    assert frame is not None and frame.lineno == 4 and frame.function == "allreduce_worker"
+    assert str(frame) == "line 4 of `allreduce_worker`: `dist.all_reduce(buf, op=dist.ReduceOp.SUM)`"
+    assert student_frame("no traceback here") is None
+
+
+def test_is_blank():
+    def stub_with_doc(x):
+        """Docstring."""
+        ...
+
+    def real(x):
+        return x
+
+    assert is_blank(None) and is_blank(...) and is_blank(stub_with_doc) and is_blank(lambda: None)
+    assert not is_blank(real) and not is_blank(0) and not is_blank("") and not is_blank(print)
+
+
+def test_not_applicable_from_a_grader_and_from_applicable():
+    def grade(value):
+        raise NotApplicable("needs two GPUs; this machine has one")
+
+    out = Exercise("x.1", "answer", grade).check(5, quiet=True)
+    assert out.status is Status.NOT_APPLICABLE and str(out) == (
+        "[n/a] x.1: not applicable on this tier. needs two GPUs; this machine has one")
+    ex = CodeExercise("x.2", "fn", lambda fn: fn(), signature="fn()", applicable=lambda: "no GPU here.")
+    assert ex.check(lambda: 1, quiet=True).message == "no GPU here. Your `fn` was not run."
+    ex = CodeExercise("x.3", "fn", lambda fn: None, signature="fn()", applicable=lambda: None)
+    assert ex.check(lambda: 1, quiet=True).correct
+
+
+def test_a_grader_note_is_added_to_correct():
+    ex = Exercise("x.4", "v", lambda v: "measured 3 ms.")
+    assert ex.check(1, quiet=True).message == "`v` = 1. measured 3 ms."
+
+
+# --- the simulated device and the reference timer ------------------------------------------------------
 
 
 def test_async_device_launch_returns_before_work_is_done():
@@ -288,10 +1015,10 @@ def test_async_device_leaves_no_thread_alive():
 
 def test_reference_time_ms_measures_the_work():
     with lab01.AsyncDevice(init_s=0.1) as dev:
-        ms = lab01.reference_time_ms(lambda: dev.launch(0.01), dev.synchronize, reps=3)
+        ms = lab01.reference_time_ms(lambda: dev.launch(0.01), 3, 1, dev.synchronize)
     assert 7 < ms < 20
     with pytest.raises(ValueError):
-        lab01.reference_time_ms(lambda: None, lambda: None, reps=0)
+        lab01.reference_time_ms(lambda: None, 0, 0, lambda: None)
 
 
 def test_import_starts_no_thread():
@@ -310,11 +1037,11 @@ def test_every_exercise_has_hints_and_solution(module):
     assert len(exercises) >= 4
     names = sorted(k for k, v in vars(module).items() if isinstance(v, Exercise))
     assert names == [f"q{i}" for i in range(1, len(names) + 1)]
-    for exercise in exercises:
+    for i, exercise in enumerate(exercises, 1):
+        assert exercise.name.startswith(f"{module.__name__[-2:]}.{i} "), exercise.name  # numbered in order
         assert 2 <= len(exercise.hints) <= 3, exercise.name
         assert all(h.strip() for h in exercise.hints), exercise.name
         assert exercise.solution_text.strip(), exercise.name
-
 
 
 test_hints_step_from_first_to_last, test_solution_prints = hint_and_solution_tests(
@@ -323,6 +1050,6 @@ test_hints_step_from_first_to_last, test_solution_prints = hint_and_solution_tes
 
 
 def test_check_prints_outcome(capsys):
-    out = lab00.q3.check(18)
+    out = lab00.q6.check(18)
     assert out.correct
     assert "[ok]" in capsys.readouterr().out

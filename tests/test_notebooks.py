@@ -129,7 +129,7 @@ def test_generated_lab_executes_with_quick_parameters(path, tmp_path, capsys):
     texts = ["".join(o.get("text", "") for o in c.outputs) for c in checks]
     assert texts and all(t.strip() for t in texts)
     # blanks (or the broken code a lab starts from) never break later cells
-    assert all("not attempted" in t or "incorrect" in t for t in texts), texts
+    assert all("not attempted" in t or "incorrect" in t or "not applicable on this tier" in t for t in texts), texts
     assert any("not attempted" in t for t in texts), texts
     results = sorted(tmp_path.glob("results_*.json"))
     assert results and json.loads(results[0].read_text()), "the lab recorded no measurement"

@@ -1,4 +1,5 @@
-"""Datasheet peaks of common NVIDIA data-centre GPUs, and the course's measured H200 numbers.
+"""Datasheet peaks of common NVIDIA data-centre GPUs, and the course's measured H200 numbers (read from the
+committed reference run).
 
 Every peak is the vendor's *dense* figure (NVIDIA datasheets quote tensor-core rates "with sparsity",
 twice the dense rate; those are halved here). Units are in the field names: TFLOP/s = 1e12 FLOP/s,
@@ -10,9 +11,14 @@ Imports nothing heavy: safe to import on any machine.
 
 from __future__ import annotations
 
+import functools
+import json
 import re
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
+
+from lab_utils.course.catalog import repo_root
 
 DTYPE_FIELDS = {
     "fp32": "fp32_tflops",
@@ -112,19 +118,33 @@ _TABLE: list[tuple[re.Pattern[str], GpuPeaks | None]] = [
     (re.compile(_B + r"T4" + _E, re.I), T4),
 ]
 
-# Measured on the course's reference H200 run (REFERENCE.md §1: one H200 SXM, driver 580.159.04,
-# torch 2.11.0+cu130). Matmuls 8192^3, torch `a @ b` (fp8: torch._scaled_mm, bf16 out), CUDA events,
-# mean of 20; copy: device-to-device 2 GiB counting read+write; h2d: pinned 1 GiB. Shown beside local
-# numbers so a student without a GPU can compare.
-H200_MEASURED: dict[str, float] = {
-    "bf16_tflops": 769.0,
-    "fp16_tflops": 746.0,
-    "tf32_tflops": 392.0,
-    "fp32_tflops": 51.3,
-    "fp8_tflops": 1369.0,
-    "copy_tbps": 4.23,
-    "h2d_pinned_gbps": 54.8,
-}
+# The course's measured H200 numbers are not typed in here: they are read from the committed reference run
+# (reference_runs/h200/results_<lab>.json, written by the notebooks on one H200 SXM), so a table beside a
+# student's numbers shows what that run recorded, and a new reference run updates every table at once.
+REFERENCE_RUN = "h200"
+
+
+@functools.lru_cache(maxsize=8)
+def _reference_values(path: str) -> tuple[tuple[str, float], ...]:
+    rows = json.loads(Path(path).read_text())
+    return tuple((r["name"], float(r["value"])) for r in rows if r.get("value") is not None)
+
+
+def h200_measured(lab: str = "01", run_dir: Path | str | None = None) -> dict[str, float]:
+    """What the committed H200 reference run recorded for ``lab``, by measurement name (units as recorded:
+    ``matmul_<dtype>`` TFLOP/s at n=8192, ``copy_bandwidth`` GB/s read + write, ``h2d_pinned`` GB/s,
+    ``launch_eager`` / ``launch_cuda_graph`` µs per kernel, ...). Empty when the run has no results for it."""
+    folder = Path(run_dir) if run_dir is not None else repo_root() / "reference_runs" / REFERENCE_RUN
+    path = folder / f"results_{lab}.json"
+    if not path.is_file():
+        return {}
+    return dict(_reference_values(str(path)))
+
+
+def h200_reference_tflops(run_dir: Path | str | None = None) -> dict[str, float]:
+    """The reference run's matmul TFLOP/s by dtype (``fp32``, ``tf32``, ``fp16``, ``bf16``, ``fp8``; n = 8192)."""
+    measured = h200_measured("01", run_dir)
+    return {d: measured[f"matmul_{d}"] for d in DTYPE_FIELDS if f"matmul_{d}" in measured}
 
 
 def peaks_for(name: str) -> GpuPeaks | None:

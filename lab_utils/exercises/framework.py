@@ -1,16 +1,42 @@
-"""Exercise checks with three outcomes: not attempted, incorrect (with the value and why), correct.
+"""Exercise checks with four outcomes: not attempted, incorrect (with the value and why), correct, and not
+applicable on this tier (the machine cannot run the check, e.g. CUDA graphs without a GPU).
 
-A check receives the student's value explicitly (``q1.check(flops)``); it never reads notebook
-globals. A blank answer (``None`` or ``...``) is *not attempted*, never an exception, so a lab with
-blanks runs top to bottom. Hints come in steps; the solution can be shown.
+A check receives the student's answer explicitly (``q1.check(flops)``); it never reads notebook globals. A
+blank answer (``None``, ``...``, or a function whose body is only ``...``/``pass``) is *not attempted*, never
+an exception, so a lab with blanks runs top to bottom. Hints come in steps; the solution can be shown.
+
+**Code exercises.** When the answer is code, the check *runs* it against the real component (the GPU when
+there is one, else the CPU) and compares what it produced with the reference implementation on the same
+input. ``run_student`` calls the student's function with a time limit and turns what can go wrong into a
+``Wrong`` that names the symptom and shows the student's own line, never a trace through this package:
+it raised (the exception and the line of the student's code where it happened), it hung (the line it was
+at when time ran out), or it returned the wrong kind of value. ``student_frame`` finds that line in a
+traceback object or in a traceback's text (for code that ran in another process, e.g. the ranks of
+``lab_utils.distributed.spawn.launch``: pass ``WorkerError.remote_traceback``). A ``CodeExercise`` adds the
+function's signature (told to a student who passes something else) and ``applicable``: a function that
+returns why the check cannot run on this machine, or ``None``; then the outcome is *not applicable on this
+tier*, which is neither a pass nor a failure.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import dis
 import enum
 import math
-from collections.abc import Callable, Mapping, Sequence
+import os
+import re
+import signal
+import sys
+import sysconfig
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 
@@ -18,9 +44,10 @@ class Status(enum.Enum):
     NOT_ATTEMPTED = "not attempted"
     INCORRECT = "incorrect"
     CORRECT = "correct"
+    NOT_APPLICABLE = "not applicable on this tier"
 
 
-_MARK = {Status.NOT_ATTEMPTED: "[ ]", Status.INCORRECT: "[x]", Status.CORRECT: "[ok]"}
+_MARK = {Status.NOT_ATTEMPTED: "[ ]", Status.INCORRECT: "[x]", Status.CORRECT: "[ok]", Status.NOT_APPLICABLE: "[n/a]"}
 
 
 @dataclass
@@ -35,6 +62,11 @@ class Outcome:
     def correct(self) -> bool:
         return self.status is Status.CORRECT
 
+    @property
+    def graded(self) -> bool:
+        """Whether the answer was judged (correct or incorrect), as opposed to blank or not applicable here."""
+        return self.status in (Status.CORRECT, Status.INCORRECT)
+
     def _ipython_display_(self) -> None:
         """Nothing: ``check`` has already printed the outcome; a cell ending in a check shows it once."""
 
@@ -46,16 +78,20 @@ class Wrong(Exception):
     """Raised by a grading function: the answer is wrong, and the message says why."""
 
 
-def _stub(*args: Any, **kwargs: Any) -> Any:
-    ...
+class NotApplicable(Exception):
+    """Raised by a grading function: this machine cannot run the check; the message says why."""
 
 
 def is_blank(value: Any) -> bool:
-    """True for an answer not filled in: None, ``...``, or a function whose body is only ``...``/``pass``."""
+    """True for an answer not filled in: None, ``...``, or a function whose body is only ``...``/``pass``
+    (a docstring and comments allowed)."""
     if value is None or value is Ellipsis:
         return True
     code = getattr(value, "__code__", None)
-    return code is not None and code.co_code == _stub.__code__.co_code and code.co_consts[:1] in ((None,), ())
+    if code is None:
+        return False
+    ops = [(i.opname, i.argval) for i in dis.get_instructions(code) if i.opname not in ("RESUME", "NOP", "CACHE")]
+    return ops in ([("LOAD_CONST", None), ("RETURN_VALUE", None)], [("RETURN_CONST", None)])
 
 
 def _short(value: Any, limit: int = 120) -> str:
@@ -67,33 +103,40 @@ def _short(value: Any, limit: int = 120) -> str:
 
 @dataclass
 class Exercise:
-    """One question: ``grade(value)`` returns normally when right and raises ``Wrong(why)`` when not."""
+    """One question: ``grade(value)`` returns normally when right and raises ``Wrong(why)`` when not.
+
+    ``grade`` may return a short text, added to the *correct* message (e.g. what the student's code measured);
+    it may raise ``NotApplicable(why)`` when this machine cannot run the check.
+    """
 
     name: str
     var: str
-    grade: Callable[[Any], None]
+    grade: Callable[[Any], Any]
     hints: Sequence[str] = ()
     solution_text: str = ""
     _hints_shown: int = field(default=0, repr=False)
 
     def check(self, value: Any, *, quiet: bool = False) -> Outcome:
         """Grade ``value`` (the student's ``var``); prints and returns the outcome."""
-        if is_blank(value):
-            out = Outcome(self.name, Status.NOT_ATTEMPTED,
-                          f"Set `{self.var}` above and run this cell again (q.hint() helps).")
-        else:
-            try:
-                self.grade(value)
-            except Wrong as why:
-                out = Outcome(self.name, Status.INCORRECT, f"`{self.var}` = {_short(value)}: {why}")
-            except Exception as err:  # the student's code failed inside the check: show it, don't crash
-                out = Outcome(self.name, Status.INCORRECT,
-                              f"checking `{self.var}` raised {type(err).__name__}: {err}")
-            else:
-                out = Outcome(self.name, Status.CORRECT, f"`{self.var}` = {_short(value)}.")
+        out = self._outcome(value)
         if not quiet:
             print(out)
         return out
+
+    def _outcome(self, value: Any) -> Outcome:
+        if is_blank(value):
+            return Outcome(self.name, Status.NOT_ATTEMPTED,
+                           f"Set `{self.var}` above and run this cell again (q.hint() helps).")
+        try:
+            note = self.grade(value)
+        except Wrong as why:
+            return Outcome(self.name, Status.INCORRECT, f"`{self.var}` = {_short(value)}: {why}")
+        except NotApplicable as why:
+            return Outcome(self.name, Status.NOT_APPLICABLE, str(why))
+        except Exception as err:  # the student's code failed inside the check: show it, don't crash
+            return Outcome(self.name, Status.INCORRECT, f"checking `{self.var}` raised {type(err).__name__}: {err}")
+        extra = f" {note}" if isinstance(note, str) and note else ""
+        return Outcome(self.name, Status.CORRECT, f"`{self.var}` = {_short(value)}.{extra}")
 
     def hint(self, n: int | None = None) -> str:
         """Show hint ``n`` (1-based), or the next one in order."""
@@ -116,6 +159,232 @@ class Exercise:
         return text
 
 
+@dataclass
+class CodeExercise(Exercise):
+    """An exercise whose answer is a function that the check runs (through ``run_student``).
+
+    ``signature`` is what the student must define, e.g. ``"time_ms(fn, iters, warmup, sync) -> float"``;
+    ``applicable()`` returns why this machine cannot run the check (the outcome is then *not applicable on
+    this tier*), or ``None``.
+    """
+
+    signature: str = ""
+    applicable: Callable[[], str | None] | None = None
+
+    def _outcome(self, value: Any) -> Outcome:
+        reason = self.applicable() if self.applicable is not None else None
+        if reason:
+            still = (f" (`{self.var}` is still blank: write it anyway, it runs where this check can)"
+                     if is_blank(value) else f" Your `{self.var}` was not run.")
+            return Outcome(self.name, Status.NOT_APPLICABLE, f"{reason}{still}")
+        if not is_blank(value) and not callable(value):
+            return Outcome(self.name, Status.INCORRECT,
+                           f"`{self.var}` = {_short(value)}: expected a function `{self.signature or self.var}`, "
+                           f"got a {type(value).__name__}. Define it with `def` and pass the function itself "
+                           "(its name, without parentheses).")
+        return super()._outcome(value)
+
+
+# --- running the student's code --------------------------------------------------------------------
+
+
+class StudentTimeout(BaseException):
+    """Raised inside the student's code when its time is up (a BaseException, so `except Exception` in the
+    student's own code cannot swallow it)."""
+
+
+@dataclass(frozen=True)
+class StudentLine:
+    """One frame of the student's code: where it raised or where it was when time ran out."""
+
+    filename: str
+    lineno: int
+    function: str
+    code: str
+
+    def __str__(self) -> str:
+        where = "your code" if self.function in ("<module>", "<lambda>") else f"`{self.function}`"
+        code = f": `{self.code}`" if self.code else ""
+        return f"line {self.lineno} of {where}{code}"
+
+
+_PACKAGE = Path(__file__).resolve().parents[1]  # lab_utils/
+
+
+def _library_dirs() -> list[str]:
+    paths = sysconfig.get_paths()
+    dirs = {paths.get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    return sorted({os.path.realpath(d) for d in dirs if d})
+
+
+_LIBRARIES = _library_dirs()
+
+
+def _is_students(filename: str) -> bool:
+    """True for a frame of the student's code: not this package, not the standard library, not an
+    installed package (a notebook cell, a test, exec'd text)."""
+    if filename.startswith("<"):
+        return not filename.startswith("<frozen")
+    real = os.path.realpath(filename)
+    if real.startswith(str(_PACKAGE) + os.sep):
+        return False
+    if "site-packages" in real or "dist-packages" in real:
+        return False
+    return not any(real.startswith(d + os.sep) for d in _LIBRARIES)
+
+
+_TB_LINE = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>.+)$')
+
+
+def student_frame(tb: TracebackType | BaseException | str | None) -> StudentLine | None:
+    """The innermost frame of the student's code in a traceback (an exception, its ``__traceback__``, or the
+    text of a formatted traceback, e.g. from another process); ``None`` when no frame is the student's."""
+    if isinstance(tb, BaseException):
+        tb = tb.__traceback__
+    frames: list[StudentLine] = []
+    if isinstance(tb, str):
+        block = tb.rsplit("Traceback (most recent call last):", 1)[-1]  # the last of a chain
+        lines = block.splitlines()
+        for i, line in enumerate(lines):
+            m = _TB_LINE.match(line)
+            if m:
+                code = lines[i + 1].strip() if i + 1 < len(lines) and not _TB_LINE.match(lines[i + 1]) else ""
+                frames.append(StudentLine(m["file"], int(m["line"]), m["func"].strip(), code))
+    elif tb is not None:
+        for f in traceback.extract_tb(tb):
+            frames.append(StudentLine(f.filename, f.lineno or 0, f.name, (f.line or "").strip()))
+    mine = [f for f in frames if _is_students(f.filename)]
+    return mine[-1] if mine else None
+
+
+def _stack_frame(frame: Any) -> StudentLine | None:
+    """The innermost frame of the student's code in a live stack (a thread that ran out of time)."""
+    summary = traceback.extract_stack(frame)
+    mine = [f for f in summary if _is_students(f.filename)]
+    if not mine:
+        return None
+    f = mine[-1]
+    return StudentLine(f.filename, f.lineno or 0, f.name, (f.line or "").strip())
+
+
+def _first_line(err: BaseException, limit: int = 200) -> str:
+    text = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def raised_message(call: str, err: BaseException, tb: TracebackType | str | None = None) -> str:
+    """``"time_ms(...) raised ZeroDivisionError: division by zero, at line 7 of `time_ms`: `return t / 0`"``."""
+    at = student_frame(tb if tb is not None else err)
+    what = f"{type(err).__name__}: {_first_line(err)}" if _first_line(err) else type(err).__name__
+    return f"{call} raised {what}" + (f", at {at}" if at else "")
+
+
+def _async_raise(thread: threading.Thread, exc: type[BaseException]) -> None:
+    # Best effort: interrupts Python code in that thread (not a blocking call into C).
+    if thread.ident is not None:
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(exc))
+
+
+@contextlib.contextmanager
+def _alarm(timeout_s: float) -> Iterator[None]:
+    """Raise ``StudentTimeout`` in the main thread after ``timeout_s`` (SIGALRM); an outer timer is re-armed."""
+
+    def on_alarm(signum: int, frame: Any) -> None:
+        raise StudentTimeout()
+
+    old_handler = signal.signal(signal.SIGALRM, on_alarm)
+    old_delay, old_interval = signal.setitimer(signal.ITIMER_REAL, timeout_s)
+    t0 = time.monotonic()
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old_handler)
+        if old_delay:
+            signal.setitimer(signal.ITIMER_REAL, max(old_delay - (time.monotonic() - t0), 1e-3), old_interval)
+
+
+def _describe_call(fn: Any, args: Sequence[Any], kwargs: Mapping[str, Any], what: str | None) -> str:
+    def show(v: Any) -> str:
+        if isinstance(v, (int, float, str, bool)) or v is None:
+            return repr(v)
+        return getattr(v, "__name__", None) or type(v).__name__
+
+    parts = [show(a) for a in args] + [f"{k}={show(v)}" for k, v in kwargs.items()]
+    return f"{what or getattr(fn, '__name__', 'your function')}({', '.join(parts)})"
+
+
+def run_student(
+    fn: Callable[..., Any],
+    *args: Any,
+    what: str | None = None,
+    call: str | None = None,
+    timeout_s: float = 60.0,
+    returns: type | tuple[type, ...] | None = None,
+    returns_text: str = "",
+    **kwargs: Any,
+) -> Any:
+    """Run the student's ``fn(*args, **kwargs)`` with a time limit and return its result.
+
+    Raises ``Wrong`` (never the student's exception) when it raises (the exception and the student's own
+    line), when it has not returned after ``timeout_s`` (the line it was at), or when ``returns`` is given
+    and the result is not an instance of it (``returns_text`` says what was expected). ``Wrong`` and
+    ``NotApplicable`` raised by a grader's callback inside the student's code pass through unchanged.
+    ``call`` is how the call is shown in messages (default: built from ``what`` and the arguments).
+    In the main thread the limit is a SIGALRM; elsewhere the function runs in a helper thread, which is
+    interrupted (best effort) when it runs over.
+    """
+    call = call or _describe_call(fn, args, kwargs, what)
+
+    def timed_out(at: StudentLine | None) -> Wrong:
+        where = f" (it was at {at})" if at else ""
+        return Wrong(f"{call} did not return within {timeout_s:g} s{where}: an endless loop, or waiting for "
+                     "work that never finishes?")
+
+    in_main = threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer")
+    if in_main:
+        try:
+            with _alarm(timeout_s):
+                result = fn(*args, **kwargs)
+        except StudentTimeout as t:
+            raise timed_out(student_frame(t)) from None
+        except (Wrong, NotApplicable):
+            raise
+        except Exception as err:
+            raise Wrong(raised_message(call, err)) from None
+    else:
+        box: dict[str, Any] = {}
+
+        def target() -> None:
+            try:
+                box["result"] = fn(*args, **kwargs)
+            except BaseException as err:  # handed to the caller's thread
+                box["error"] = err
+
+        worker = threading.Thread(target=target, name=f"student {what or 'code'}", daemon=True)
+        worker.start()
+        worker.join(timeout_s)
+        if worker.is_alive():
+            frame = sys._current_frames().get(worker.ident or -1)
+            at = _stack_frame(frame) if frame is not None else None
+            _async_raise(worker, StudentTimeout)
+            raise timed_out(at)
+        err = box.get("error")
+        if isinstance(err, (Wrong, NotApplicable)):
+            raise err
+        if isinstance(err, Exception):
+            raise Wrong(raised_message(call, err)) from None
+        if err is not None:
+            raise err
+        result = box.get("result")
+    kinds = returns if isinstance(returns, tuple) else (returns,)
+    if returns is not None and (not isinstance(result, kinds) or (isinstance(result, bool) and bool not in kinds)):
+        hint = " (does it end with `return ...`?)" if result is None else ""
+        raise Wrong(f"{call} returned {_short(result)} ({type(result).__name__}){hint}; "
+                    f"expected {returns_text or getattr(returns, '__name__', returns)}")
+    return result
+
+
 # --- grading building blocks -------------------------------------------------------------------
 
 
@@ -123,6 +392,8 @@ def number(value: Any, what: str = "the answer") -> float:
     """The value as a float, or ``Wrong`` saying a number was expected."""
     if isinstance(value, bool):
         raise Wrong(f"{what} should be a number, not a bool")
+    if value is None:
+        raise Wrong(f"{what} should be a number, got None (does the function end with `return ...`?)")
     try:
         out = float(value)
     except (TypeError, ValueError):
@@ -138,6 +409,14 @@ def integer(value: Any, what: str = "the answer") -> int:
     if not got.is_integer():
         raise Wrong(f"{what} should be a whole number (a count), got {got:g}")
     return int(got)
+
+
+def match_slip(ratio: float, slips: Mapping[float, str], rel: float) -> str | None:
+    """The message of the first slip whose ratio (answer / expected) matches ``ratio`` within ``rel``."""
+    for slip, message in slips.items():
+        if math.isclose(ratio, slip, rel_tol=rel):
+            return message
+    return None
 
 
 def close_to(
@@ -160,9 +439,9 @@ def close_to(
         if math.isclose(got, expected, rel_tol=rel, abs_tol=0.0 if expected else rel):
             return
         ratio = got / expected if expected else float("inf")
-        for slip, message in (slips or {}).items():
-            if math.isclose(ratio, slip, rel_tol=rel):
-                raise Wrong(message)
+        message = match_slip(ratio, slips or {}, rel)
+        if message:
+            raise Wrong(message)
         if reveal:
             raise Wrong(f"expected about {expected:.4g} (within {rel:.0%}); yours is {ratio:.3g}x that. "
                         f"{why}".strip())

@@ -1,237 +1,44 @@
 """Lab 00 exercises: environment and driver.
 
-The questions read the H200 runner's captures in ``lab_utils/data/h200/`` (nvidia-smi.txt,
-query-gpu.csv, topo-x2.txt), so every student answers about the same real machine.
+Three of the six are code the check runs: ``cuda_ceiling`` (parses nvidia-smi's banner: the H200 capture, and
+this machine's own output where nvidia-smi runs), the GPU inventory (``nvml_inventory`` through NVML where
+NVML starts, compared with ``nvidia-smi --query-gpu``; elsewhere ``smi_inventory`` on the H200 captures,
+compared with the reference parser) and ``cuda_verdict`` (graded on a table of driver/runtime cases). The
+others read the H200 runner's captures in ``lab_utils/data/h200/``, so every student answers about the same
+real machine.
 """
 
 from __future__ import annotations
 
+import csv
+import io
 import re
-from collections.abc import Mapping
+import shutil
+import subprocess
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from lab_utils.exercises.framework import Exercise, Wrong, close_to, integer
-
-__all__ = ["q1", "q2", "q3", "q4", "q5", "q6", "LAYERS", "COMPONENTS", "parse_version"]
-
-# --- q1: the CUDA version in nvidia-smi is a ceiling ---------------------------------------------
-
-_VERSION = re.compile(r"^\s*(\d+)(?:\.(\d+))?\s*$")
-
-
-def parse_version(text: str) -> tuple[int, int]:
-    """``"12.10"`` -> ``(12, 10)``: (major, minor) as integers, so 12.10 sorts after 12.4."""
-    major, minor = text.split(".")[:2] if "." in text else (text, "0")
-    return int(major), int(minor)
-
-
-def _version_answer(value: Any) -> tuple[int, int]:
-    """A student's version, given as "13.0", 13.0 or 13, as (major, minor)."""
-    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-        raise Wrong(f"expected a version: a string like '12.4' or a number like 12.4, "
-                    f"got {type(value).__name__}")
-    text = str(value).strip()
-    if re.fullmatch(r"5\d\d(\.\d+)*", text):  # R5xx drivers: 535.x, 550.x, 580.x
-        raise Wrong("that is the driver version (the 'Driver Version' field). The question asks for the "
-                    "'CUDA Version' field beside it: the newest CUDA that this driver supports.")
-    match = _VERSION.match(text)
-    if not match:
-        raise Wrong("expected a CUDA version of the form major.minor, like '12.4'")
-    return int(match[1]), int(match[2] or 0)
-
-
-def _grade_ceiling(value: Any) -> None:
-    if _version_answer(value) != (13, 0):
-        raise Wrong("not the version this capture reports: read the 'CUDA Version' field at the top right "
-                    "of the nvidia-smi header, beside 'Driver Version'.")
-
-
-q1 = Exercise(
-    name="00.1 CUDA version ceiling",
-    var="cuda_ceiling",
-    grade=_grade_ceiling,
-    hints=[
-        "Open lab_utils/data/h200/nvidia-smi.txt. The first box of the table has three fields on one line.",
-        "'Driver Version' is the driver you installed; 'CUDA Version' is not an installed toolkit but the "
-        "newest CUDA runtime this driver can run.",
-        "Copy the number after 'CUDA Version:' as a string, e.g. cuda_ceiling = \"12.4\" (with this "
-        "capture's value).",
-    ],
-    solution_text=(
-        'cuda_ceiling = "13.0"\n'
-        "# nvidia-smi's 'CUDA Version' (here 13.0) is the newest CUDA the driver 580.159.04 supports;\n"
-        "# NVML gives the same number: pynvml.nvmlSystemGetCudaDriverVersion() -> 13000."
-    ),
+from lab_utils.course import probe
+from lab_utils.exercises.framework import (
+    CodeExercise,
+    Exercise,
+    Outcome,
+    Wrong,
+    close_to,
+    integer,
+    match_slip,
+    number,
+    run_student,
 )
 
-# --- q2: can this runtime run under this driver? -------------------------------------------------
-
-# (driver_ceiling, runtime) -> expected, and why. Simple cases first, so a function that is wrong
-# everywhere hears about the simplest case; "12.10" is hypothetical but legal and catches comparing
-# versions as strings or floats ("12.10" < "12.4" as strings; 12.10 == 12.1 as a float).
-_RUNTIME_CASES: list[tuple[str, str, bool, str]] = [
-    ("13.0", "12.8", True, "an older runtime runs on a newer driver (drivers are backward compatible)"),
-    ("13.0", "13.0", True, "a runtime equal to the ceiling is supported"),
-    ("12.4", "13.0", False, "a runtime newer than the driver's ceiling needs forward compatibility"),
-    ("13.0", "13.1", False, "13.1 is newer than 13.0: the minor number counts too"),
-    ("13.0", "11.8", True, "an older major version runs on a newer driver"),
-    ("12.4", "12.10", False, "12.10 is a newer release than 12.4 (minor 10 > minor 4)"),
-    ("12.10", "12.9", True, "12.9 is an older release than 12.10 (minor 9 < minor 10)"),
+__all__ = [
+    "q1", "q2", "q3", "q4", "q5", "q6",
+    "LAYERS", "COMPONENTS", "VERDICTS", "INVENTORY_FIELDS", "VERDICT_CASES",
+    "parse_version", "cuda_verdict", "reference_cuda_ceiling", "reference_smi_inventory",
+    "reference_nvml_inventory", "nvml_unavailable",
 ]
 
-
-def _is_bool(result: Any) -> bool:
-    # numpy's bool (np.bool_ / np.bool) is a fine answer too.
-    kind = type(result)
-    return isinstance(result, bool) or (kind.__module__ == "numpy" and "bool" in kind.__name__)
-
-
-def _grade_runtime_ok(fn: Any) -> None:
-    if not callable(fn):
-        raise Wrong(f"expected a function runtime_ok(driver_ceiling, runtime) -> bool, "
-                    f"got a {type(fn).__name__}; define it with `def runtime_ok(...)` and pass the function")
-    for ceiling, runtime, expected, why in _RUNTIME_CASES:
-        call = f"runtime_ok({ceiling!r}, {runtime!r})"
-        try:
-            got = fn(ceiling, runtime)
-        except Exception as err:
-            raise Wrong(f"{call} raised {type(err).__name__}: {err}") from None
-        if not _is_bool(got):
-            raise Wrong(f"{call} returned {got!r} ({type(got).__name__}); return True or False")
-        if bool(got) == expected:
-            continue
-        # Where comparing as strings and as floats both give the wrong result, that is the bug to name.
-        naive = {runtime <= ceiling, float(runtime) <= float(ceiling)}
-        if expected not in naive:
-            raise Wrong(f"{call} returned {got}, expected {expected}: {why}. Compared as strings, "
-                        f"'12.10' < '12.4' (character by character, '1' < '4'); as floats, 12.10 == 12.1. "
-                        f"Compare (major, minor) as integers: tuple(int(p) for p in v.split('.')[:2]).")
-        raise Wrong(f"{call} returned {got}, expected {expected}: {why}.")
-
-
-q2 = Exercise(
-    name="00.2 runtime under driver",
-    var="runtime_ok",
-    grade=_grade_runtime_ok,
-    hints=[
-        "The runtime can run when it is not newer than the driver's ceiling: runtime <= driver_ceiling. "
-        "The catch is what '<=' means for versions.",
-        "'12.10' <= '12.4' is True for strings (compared character by character), and float('12.10') is "
-        "12.1. Versions are compared part by part, as integers.",
-        "Turn each version into a tuple of ints: tuple(int(p) for p in v.split('.')[:2]); tuples compare "
-        "element by element, so (12, 10) > (12, 4).",
-    ],
-    solution_text=(
-        "def runtime_ok(driver_ceiling: str, runtime: str) -> bool:\n"
-        '    """True when a CUDA runtime (e.g. torch.version.cuda) runs under a driver whose\n'
-        "    ceiling (nvidia-smi's 'CUDA Version') is driver_ceiling; newer needs forward compat.\"\"\"\n"
-        "    def key(v: str) -> tuple[int, int]:\n"
-        "        major, minor = (v.split('.') + ['0'])[:2]\n"
-        "        return int(major), int(minor)\n"
-        "    return key(runtime) <= key(driver_ceiling)"
-    ),
-)
-
-# --- q3: NVLinks between the two GPUs --------------------------------------------------------------
-
-
-def _grade_nvlinks(value: Any) -> None:
-    if isinstance(value, str) and value.strip().upper().startswith("NV"):
-        raise Wrong("that is the matrix entry. The legend says NV# is 'a bonded set of # NVLinks': "
-                    "answer with the number of links, as an int")
-    links = integer(value, "the number of NVLinks")
-    if links == 18:
-        return
-    if links == 2:
-        raise Wrong("2 is the number of GPUs; the question asks how many NVLinks join them")
-    if links in (450, 900):
-        raise Wrong("that is the NVLink bandwidth in GB/s; the question asks for the number of links")
-    raise Wrong("read the entry in row GPU0, column GPU1 of the topology matrix, and the legend for NV#")
-
-
-q3 = Exercise(
-    name="00.3 NVLinks between GPU0 and GPU1",
-    var="nvlinks",
-    grade=_grade_nvlinks,
-    hints=[
-        "Open lab_utils/data/h200/topo-x2.txt (the output of `nvidia-smi topo -m` on two H200s).",
-        "Find row GPU0, column GPU1. The legend at the bottom explains the code you find there.",
-        "NV# means 'a bonded set of # NVLinks': the number after NV is the answer (an int).",
-    ],
-    solution_text=(
-        "nvlinks = 18\n"
-        "# topo -m shows NV18 between GPU0 and GPU1: a bonded set of 18 NVLink 4 links, 25 GB/s each way\n"
-        "# per link: 450 GB/s per direction, the datasheet's 900 GB/s counting both directions."
-    ),
-)
-
-# --- q4: total memory in GiB -----------------------------------------------------------------------
-
-_MIB = 143771  # memory.total [MiB] in query-gpu.csv
-_GIB = _MIB / 1024  # 140.40 GiB
-
-q4 = Exercise(
-    name="00.4 H200 memory in GiB",
-    var="memory_gib",
-    grade=close_to(
-        _GIB,
-        rel=0.01,
-        reveal=False,
-        why="Take memory.total from query-gpu.csv (in MiB) and convert to GiB.",
-        slips={
-            1024.0: "that is the value in MiB, the CSV's unit; 1 GiB = 1024 MiB.",
-            2**30 / 1e9: "that is GB (1e9 bytes), not GiB (2**30 bytes = 1024 MiB): MiB / 1024 gives GiB.",
-            1.024: "divide MiB by 1024, not 1000: 1 GiB = 1024 MiB.",
-            1 / 1024: "that is TiB; the question asks for GiB (1024 MiB).",
-            2.0**30: "that is bytes; the question asks for GiB (2**30 bytes).",
-        },
-    ),
-    hints=[
-        "Open lab_utils/data/h200/query-gpu.csv; the header names each column's unit.",
-        "memory.total is given in MiB (2**20 bytes). A GiB is 2**30 bytes, i.e. 1024 MiB.",
-        "memory_gib = <memory.total in MiB> / 1024 (datasheets say '141 GB': GB of 1e9 bytes, rounded).",
-    ],
-    solution_text=(
-        "memory_gib = 143771 / 1024   # 140.4 GiB (= 150.8 GB of 1e9 bytes; the datasheet rounds to 141 GB)\n"
-        "# or with pandas:\n"
-        "# df = pd.read_csv(path, skipinitialspace=True)\n"
-        "# memory_gib = df['memory.total [MiB]'].str.split().str[0].astype(int)[0] / 1024"
-    ),
-)
-
-# --- q5: MIG --------------------------------------------------------------------------------------
-
-
-def _grade_mig(value: Any) -> None:
-    n = integer(value, "the number of MIG instances")
-    if n == 7:
-        return
-    if n == 8:
-        raise Wrong("8 is the number of memory slices; the compute side splits into 7 slices, and each "
-                    "GPU instance needs at least one")
-    if n > 8:
-        raise Wrong("more instances than the GPU has slices; look for the smallest MIG profile and how "
-                    "many of it fit")
-    raise Wrong("not the maximum: count how many of the smallest profile (1g.18gb) fit on one H200")
-
-
-q5 = Exercise(
-    name="00.5 MIG instances on an H200",
-    var="mig_max",
-    grade=_grade_mig,
-    hints=[
-        "MIG (Multi-Instance GPU) splits one GPU into isolated instances with their own SMs, memory and L2.",
-        "The most instances come from the smallest profile; `nvidia-smi mig -lgip` lists each profile with "
-        "how many fit (the H200 datasheet says the same under 'Multi-Instance GPUs').",
-        "The smallest H200 profile is 1g.18gb: 141 GB shared out at about 18 GB each.",
-    ],
-    solution_text=(
-        "mig_max = 7\n"
-        "# H200: up to 7 MIG instances of profile 1g.18gb (7 compute slices; 8 memory slices)."
-    ),
-)
-
-# --- q6: layers of the stack ---------------------------------------------------------------------
+# --- q1: layers of the stack ---------------------------------------------------------------------
 
 LAYERS = ("driver", "cuda runtime", "cuda-x library", "framework", "serving")
 
@@ -266,8 +73,8 @@ def _grade_layers(value: Any) -> None:
             raise Wrong(f"{component!r} is not in layer {answer!r}: {nudge}")
 
 
-q6 = Exercise(
-    name="00.6 layers of the stack",
+q1 = Exercise(
+    name="00.1 layers of the stack",
     var="layers",
     grade=_grade_layers,
     hints=[
@@ -285,5 +92,560 @@ q6 = Exercise(
         '    "PyTorch": "framework",\n'
         '    "Triton Inference Server": "serving",\n'
         "}"
+    ),
+)
+
+# --- versions ------------------------------------------------------------------------------------
+
+_VERSION = re.compile(r"^\s*(\d+)(?:\.(\d+))?\s*$")
+
+
+def parse_version(text: str) -> tuple[int, int]:
+    """``"12.10"`` -> ``(12, 10)``: (major, minor) as integers, so 12.10 sorts after 12.4."""
+    major, minor = text.split(".")[:2] if "." in text else (text, "0")
+    return int(major), int(minor)
+
+
+def _version_of(value: Any, what: str) -> tuple[int, int]:
+    """A student's CUDA version string as (major, minor); ``Wrong`` naming the usual confusions."""
+    if isinstance(value, bytes):
+        value = value.decode()
+    if isinstance(value, bool) or not isinstance(value, str):
+        if isinstance(value, int) and value >= 1000:
+            raise Wrong(f"{what} is {value}: NVML's integer form. Decode it: major = v // 1000, minor = "
+                        f"v % 1000 // 10, so 13000 -> '13.0' and 12040 -> '12.4'")
+        if isinstance(value, (int, float)):
+            raise Wrong(f"{what} is the number {value!r}: give the version as a string such as '13.0'. As a "
+                        "number, '12.10' becomes 12.1 and sorts before 12.4")
+        raise Wrong(f"{what} should be a version string such as '13.0', got {type(value).__name__}")
+    text = value.strip()
+    if re.fullmatch(r"\d{3}(\.\d+)+", text):  # R5xx drivers: 535.x, 550.x, 580.159.04
+        raise Wrong(f"{what} is {text!r}: that is the driver version (the 'Driver Version' field). The CUDA "
+                    "version is the 'CUDA Version' field beside it: the newest CUDA this driver supports")
+    if "cuda" in text.lower():
+        raise Wrong(f"{what} is {text!r}: give only the number, e.g. '13.0'")
+    match = _VERSION.match(text)
+    if not match:
+        raise Wrong(f"{what} is {text!r}: expected a CUDA version of the form major.minor, like '12.4'")
+    return int(match[1]), int(match[2] or 0)
+
+
+# --- q2: the CUDA ceiling from nvidia-smi's banner --------------------------------------------------
+
+
+def reference_cuda_ceiling(smi_text: str) -> str | None:
+    """The 'CUDA Version' field of plain ``nvidia-smi`` output: the newest CUDA the driver supports."""
+    return probe.parse_smi_header(smi_text)["cuda_ceiling"]
+
+
+def _run(cmd: list[str]) -> str | None:
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout if out.returncode == 0 and out.stdout.strip() else None
+
+
+def _live_smi() -> str | None:
+    """This machine's ``nvidia-smi`` banner, or None where there is no working nvidia-smi."""
+    return _run(["nvidia-smi"]) if shutil.which("nvidia-smi") else None
+
+
+def _grade_cuda_ceiling(fn: Any) -> str:
+    sources = [("the H200 capture", probe.capture("nvidia-smi"))]
+    live = _live_smi()
+    if live and reference_cuda_ceiling(live):
+        sources.append(("this machine's nvidia-smi", live))
+    for where, text in sources:
+        got = run_student(fn, text, call=f"cuda_ceiling(<{where}>)", timeout_s=10)
+        if got is None:
+            raise Wrong(f"on {where} your function returned None: find the 'CUDA Version: ...' field in the "
+                        "banner (a regular expression such as r'CUDA Version:\\s*([\\d.]+)' does it) and return it")
+        want = reference_cuda_ceiling(text)
+        if _version_of(got, f"on {where}, your result") != parse_version(want):
+            raise Wrong(f"on {where} it returned {got!r}, but the banner's 'CUDA Version' field reads {want!r}")
+    return f"Graded on {' and '.join(w for w, _ in sources)}."
+
+
+q2 = CodeExercise(
+    name="00.2 the CUDA ceiling from nvidia-smi",
+    var="cuda_ceiling",
+    grade=_grade_cuda_ceiling,
+    signature="cuda_ceiling(smi_text) -> str",
+    hints=[
+        "The banner's first line holds three fields: 'NVIDIA-SMI', 'Driver Version' and 'CUDA Version'. Only "
+        "the last is the CUDA ceiling; the first two are the driver's own version.",
+        "Search for the label, not just 'Version:': re.search(r'CUDA Version:\\s*([\\d.]+)', smi_text).",
+        "Return the match as a string (group(1)): '13.0'. Not a float: float('12.10') is 12.1.",
+    ],
+    solution_text=(
+        "import re\n\n"
+        "def cuda_ceiling(smi_text: str) -> str:\n"
+        '    """The newest CUDA this driver supports: the "CUDA Version" field of nvidia-smi."""\n'
+        "    return re.search(r'CUDA Version:\\s*([\\d.]+)', smi_text).group(1)\n"
+        "# NVML gives the same number: pynvml.nvmlSystemGetCudaDriverVersion() -> 13000 -> '13.0'."
+    ),
+)
+
+# --- q3: the GPU inventory: NVML where it runs, the H200 captures elsewhere ---------------------------
+
+INVENTORY_FIELDS = ("index", "name", "memory_total_mib", "driver_version", "cuda_version")
+
+
+def nvml_unavailable() -> str | None:
+    """Why NVML cannot start on this machine, or None when it can."""
+    try:
+        import pynvml
+    except ImportError:
+        return "nvidia-ml-py is not installed (pip install nvidia-ml-py), so NVML cannot be used"
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as err:
+        return probe._nvml_error_text(err)
+    pynvml.nvmlShutdown()
+    return None
+
+
+def reference_nvml_inventory() -> list[dict[str, Any]]:
+    """One dict per GPU (``INVENTORY_FIELDS``), read through NVML; NVML is shut down again afterwards."""
+    import pynvml
+
+    def text(v: Any) -> str:
+        return v.decode() if isinstance(v, bytes) else str(v)
+
+    pynvml.nvmlInit()
+    try:
+        driver = text(pynvml.nvmlSystemGetDriverVersion())
+        cuda = probe.decode_cuda_version(pynvml.nvmlSystemGetCudaDriverVersion())
+        rows = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            rows.append({"index": i, "name": text(pynvml.nvmlDeviceGetName(h)),
+                         "memory_total_mib": pynvml.nvmlDeviceGetMemoryInfo(h).total // 2**20,
+                         "driver_version": driver, "cuda_version": cuda})
+        return rows
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def reference_smi_inventory(query_csv: str, smi_text: str) -> list[dict[str, Any]]:
+    """The same inventory from ``nvidia-smi --query-gpu=...,name,driver_version,memory.total,... --format=csv``
+    (header with units, or noheader with index first) and the plain ``nvidia-smi`` banner (the CUDA ceiling)."""
+    reader = csv.reader(io.StringIO(query_csv), skipinitialspace=True)
+    rows = [r for r in reader if r and any(c.strip() for c in r)]
+    header = [h.strip().split(" ")[0] for h in rows[0]]
+    cuda = reference_cuda_ceiling(smi_text)
+    out = []
+    for i, row in enumerate(rows[1:]):
+        f = dict(zip(header, (c.strip() for c in row), strict=False))
+        out.append({"index": int(f["index"]) if "index" in f else i, "name": f["name"],
+                    "memory_total_mib": int(f["memory.total"].split()[0]),
+                    "driver_version": f["driver_version"], "cuda_version": cuda})
+    return out
+
+
+def _smi_query() -> list[dict[str, Any]] | None:
+    """This machine's inventory as nvidia-smi reports it (the comparison for ``nvml_inventory``)."""
+    if not shutil.which("nvidia-smi"):
+        return None
+    query = _run(["nvidia-smi", "--query-gpu=index,name,memory.total,driver_version", "--format=csv"])
+    banner = _live_smi()
+    if not query or not banner:
+        return None
+    return reference_smi_inventory(query, banner)
+
+
+def _two_gpu_query(query_csv: str) -> str:
+    # The H200x2 runner: the same GPU twice (its second row is the first's, as nvidia-smi prints it there).
+    lines = query_csv.strip().splitlines()
+    return "\n".join([lines[0], *lines[1:], *lines[1:]]) + "\n"
+
+
+_MEMORY_SLIPS = {
+    2.0**20: "memory_total_mib is in bytes: NVML's memory .total is bytes; divide by 2**20 for MiB.",
+    1 / 1024: "memory_total_mib is in GiB; the field is MiB (as nvidia-smi prints it).",
+    2**20 / 1e6: "memory_total_mib is in MB (1e6 bytes); MiB is 2**20 bytes: divide bytes by 2**20.",
+    2**20 / 1e9: "memory_total_mib is in GB (1e9 bytes); the field is MiB (2**20 bytes).",
+    1024.0: "memory_total_mib is in KiB; the field is MiB: divide by 1024 once more.",
+}
+
+
+def _rows_of(result: Any, call: str) -> list[Mapping[str, Any]]:
+    if hasattr(result, "to_dict") and hasattr(result, "columns"):  # a pandas DataFrame is fine too
+        result = result.to_dict("records")
+    if isinstance(result, Mapping) or not isinstance(result, Sequence) or isinstance(result, (str, bytes)):
+        raise Wrong(f"{call} returned a {type(result).__name__}: return a list with one dict per GPU, "
+                    f"with the keys {list(INVENTORY_FIELDS)}")
+    for row in result:
+        if not isinstance(row, Mapping):
+            raise Wrong(f"{call} returned a list of {type(row).__name__}: make each GPU a dict with the keys "
+                        f"{list(INVENTORY_FIELDS)}")
+    return list(result)
+
+
+def _compare_inventory(got: list[Mapping[str, Any]], want: list[dict[str, Any]], call: str, source: str) -> None:
+    if len(got) != len(want):
+        first = " Does it read only the first row?" if len(got) == 1 and len(want) > 1 else ""
+        raise Wrong(f"{call} found {len(got)} GPU(s); {source} lists {len(want)}.{first}")
+    for row, ref in zip(got, want, strict=True):
+        missing = [k for k in INVENTORY_FIELDS if k not in row]
+        if missing:
+            raise Wrong(f"{call}: GPU {ref['index']} has no {missing}; each dict needs the keys "
+                        f"{list(INVENTORY_FIELDS)}")
+        gpu = f"GPU {ref['index']}"
+        if integer(row["index"], f"{gpu}'s index") != ref["index"]:
+            raise Wrong(f"{call}: the GPU in position {want.index(ref)} has index {row['index']!r}, {source} says "
+                        f"{ref['index']} (NVML's indexes start at 0, in nvidia-smi's order)")
+        name = row["name"].decode() if isinstance(row["name"], bytes) else row["name"]
+        if not isinstance(name, str):
+            raise Wrong(f"{call}: {gpu}'s name is a {type(name).__name__}; give the name as a string")
+        if name != ref["name"]:
+            if name.strip() == ref["name"]:
+                raise Wrong(f"{call}: {gpu}'s name is {name!r}, with spaces around it: nvidia-smi's CSV puts a "
+                            "space after each comma; strip the fields (csv.reader(..., skipinitialspace=True))")
+            raise Wrong(f"{call}: {gpu}'s name is {name!r}, {source} says {ref['name']!r}")
+        mem = row["memory_total_mib"]
+        if isinstance(mem, str):
+            raise Wrong(f"{call}: {gpu}'s memory_total_mib is the text {mem!r}: return a number of MiB "
+                        "(strip the unit: int(text.split()[0]))")
+        mem = number(mem, f"{gpu}'s memory_total_mib")
+        ratio = mem / ref["memory_total_mib"]
+        if abs(ratio - 1) > 0.005:
+            slip = match_slip(ratio, _MEMORY_SLIPS, 0.01)
+            raise Wrong(f"{call}: {gpu} has memory_total_mib = {mem:g}, {source} says {ref['memory_total_mib']} "
+                        f"MiB. {slip or 'Read memory.total (MiB), not used or free memory.'}")
+        drv = row["driver_version"].decode() if isinstance(row["driver_version"], bytes) else row["driver_version"]
+        if isinstance(drv, str) and drv != ref["driver_version"] and drv.strip() == ref["driver_version"]:
+            raise Wrong(f"{call}: {gpu}'s driver_version is {drv!r}, with spaces around it: nvidia-smi's CSV puts "
+                        "a space after each comma; strip the fields (csv.reader(..., skipinitialspace=True))")
+        if not isinstance(drv, str) or drv != ref["driver_version"]:
+            swapped = " (that is the CUDA version: the two fields are swapped)" if str(drv) == ref["cuda_version"] \
+                else ""
+            raise Wrong(f"{call}: {gpu}'s driver_version is {drv!r}, {source} says "
+                        f"{ref['driver_version']!r}{swapped}")
+        if _version_of(row["cuda_version"], f"{gpu}'s cuda_version") != parse_version(ref["cuda_version"]):
+            raise Wrong(f"{call}: {gpu}'s cuda_version is {row['cuda_version']!r}, {source} says "
+                        f"{ref['cuda_version']!r} (the 'CUDA Version' field, the driver's ceiling)")
+
+
+def _grade_smi_inventory(fn: Any) -> str:
+    query, banner = probe.capture("query-gpu"), probe.capture("nvidia-smi")
+    for label, text in (("the H200 query", query), ("a two-H200 query", _two_gpu_query(query))):
+        call = f"smi_inventory(<{label}>, <banner>)"
+        got = _rows_of(run_student(fn, text, banner, call=call, timeout_s=10), call)
+        _compare_inventory(got, reference_smi_inventory(text, banner), call, "the reference parser")
+    return ("Graded on the H200 captures against the reference parser (with one GPU and with two), because "
+            "there is no NVML here; `nvml_inventory` was not run.")
+
+
+def _nvml_initialised() -> bool:
+    import pynvml
+
+    try:
+        pynvml.nvmlDeviceGetCount()
+    except pynvml.NVMLError:
+        return False
+    return True
+
+
+def _grade_nvml_inventory(fn: Any) -> str:
+    import pynvml
+
+    was_open = _nvml_initialised()  # someone else in this process holds NVML open: shutdown can't be checked
+    call = "nvml_inventory()"
+    result = run_student(fn, call=call, timeout_s=60)
+    left_open = not was_open and _nvml_initialised()
+    if left_open:
+        pynvml.nvmlShutdown()  # clean up after the student's function before judging it
+    want = _smi_query()
+    source = "`nvidia-smi --query-gpu`"
+    if want is None:
+        want, source = reference_nvml_inventory(), "the reference NVML inventory (nvidia-smi did not run)"
+    _compare_inventory(_rows_of(result, call), want, call, source)
+    if left_open:
+        raise Wrong("the inventory is right, but NVML is still initialised after your function returned: call "
+                    "pynvml.nvmlShutdown() in a `finally:` block, so it runs even when a query raises")
+    return f"Graded on this machine's {len(want)} GPU(s) through NVML, against {source}."
+
+
+class InventoryExercise(CodeExercise):
+    """Grades ``nvml_inventory()`` where NVML starts (compared with nvidia-smi), else ``smi_inventory(query_csv,
+    smi_text)`` on the H200 captures (compared with the reference parser); the outcome says which it graded."""
+
+    def check(self, nvml_inventory: Any = None, smi_inventory: Any = None, *, quiet: bool = False) -> Outcome:
+        """Grade the inventory this machine can run: ``nvml_inventory`` with NVML, else ``smi_inventory``."""
+        reason = nvml_unavailable()
+        if reason is None:
+            part = CodeExercise(self.name, "nvml_inventory", _grade_nvml_inventory,
+                                signature="nvml_inventory() -> list[dict]")
+            out = part._outcome(nvml_inventory)
+        else:
+            part = CodeExercise(self.name, "smi_inventory", _grade_smi_inventory,
+                                signature="smi_inventory(query_csv, smi_text) -> list[dict]")
+            out = part._outcome(smi_inventory)
+            if not out.graded:
+                out.message += f" (No NVML here: {reason}. So this grades `smi_inventory`, on the H200 captures.)"
+        if not quiet:
+            print(out)
+        return out
+
+
+q3 = InventoryExercise(
+    name="00.3 GPU inventory",
+    var="nvml_inventory / smi_inventory",
+    grade=lambda value: None,  # the two graders above do the work; see InventoryExercise.check
+    signature="nvml_inventory() -> list[dict], or smi_inventory(query_csv, smi_text) -> list[dict]",
+    hints=[
+        "With NVML: pynvml.nvmlInit(); then nvmlSystemGetDriverVersion(), nvmlSystemGetCudaDriverVersion() (an "
+        "int: 13000 is 13.0), nvmlDeviceGetCount(), and per index nvmlDeviceGetHandleByIndex(i) -> "
+        "nvmlDeviceGetName(h), nvmlDeviceGetMemoryInfo(h).total (bytes). nvmlShutdown() in a `finally:`.",
+        "From the captures: csv.reader(io.StringIO(query_csv), skipinitialspace=True); the header names the "
+        "columns with their units ('memory.total [MiB]'), each value carries the unit too ('143771 MiB'). The "
+        "CUDA version is not in the CSV: take it from the banner (your cuda_ceiling).",
+        "One dict per GPU: {'index': i, 'name': ..., 'memory_total_mib': int, 'driver_version': '580.159.04', "
+        "'cuda_version': '13.0'}. MiB = bytes // 2**20.",
+    ],
+    solution_text=(
+        "def nvml_inventory() -> list[dict]:\n"
+        "    import pynvml\n"
+        "    pynvml.nvmlInit()\n"
+        "    try:\n"
+        "        driver = pynvml.nvmlSystemGetDriverVersion()\n"
+        "        v = pynvml.nvmlSystemGetCudaDriverVersion()            # 13000\n"
+        "        cuda = f'{v // 1000}.{v % 1000 // 10}'                  # '13.0'\n"
+        "        gpus = []\n"
+        "        for i in range(pynvml.nvmlDeviceGetCount()):\n"
+        "            h = pynvml.nvmlDeviceGetHandleByIndex(i)\n"
+        "            gpus.append({'index': i, 'name': pynvml.nvmlDeviceGetName(h),\n"
+        "                         'memory_total_mib': pynvml.nvmlDeviceGetMemoryInfo(h).total // 2**20,\n"
+        "                         'driver_version': driver, 'cuda_version': cuda})\n"
+        "        return gpus\n"
+        "    finally:\n"
+        "        pynvml.nvmlShutdown()\n\n"
+        "def smi_inventory(query_csv: str, smi_text: str) -> list[dict]:\n"
+        "    rows = list(csv.reader(io.StringIO(query_csv), skipinitialspace=True))\n"
+        "    header = [h.split(' ')[0] for h in rows[0]]                # 'memory.total [MiB]' -> 'memory.total'\n"
+        "    cuda = cuda_ceiling(smi_text)\n"
+        "    gpus = []\n"
+        "    for i, row in enumerate(rows[1:]):\n"
+        "        f = dict(zip(header, row))\n"
+        "        gpus.append({'index': i, 'name': f['name'], 'memory_total_mib': int(f['memory.total'].split()[0]),\n"
+        "                     'driver_version': f['driver_version'], 'cuda_version': cuda})\n"
+        "    return gpus"
+    ),
+)
+
+# --- q4: total memory in GiB -----------------------------------------------------------------------
+
+_MIB = 143771  # memory.total [MiB] in query-gpu.csv
+_GIB = _MIB / 1024  # 140.40 GiB; = 150.75 GB of 1e9 bytes
+
+q4 = Exercise(
+    name="00.4 H200 memory in GiB",
+    var="memory_gib",
+    grade=close_to(
+        _GIB,
+        rel=0.01,
+        reveal=False,
+        why="Take memory.total from query-gpu.csv (in MiB) and convert to GiB.",
+        slips={
+            1024.0: "that is the value in MiB, the CSV's unit; 1 GiB = 1024 MiB.",
+            2**30 / 1e9: "that is GB (1e9 bytes), not GiB (2**30 bytes = 1024 MiB): 143771 MiB is 150.8 GB but "
+                         "140.4 GiB. (The datasheet's '141 GB' is the GiB figure, rounded: not decimal GB.)",
+            1.024: "divide MiB by 1024, not 1000: 1 GiB = 1024 MiB.",
+            1 / 1024: "that is TiB; the question asks for GiB (1024 MiB).",
+            2.0**30: "that is bytes; the question asks for GiB (2**30 bytes).",
+        },
+    ),
+    hints=[
+        "Open lab_utils/data/h200/query-gpu.csv; the header names each column's unit.",
+        "memory.total is given in MiB (2**20 bytes). A GiB is 2**30 bytes, i.e. 1024 MiB.",
+        "memory_gib = <memory.total in MiB> / 1024. The datasheet's '141 GB' is this binary figure (140.4 GiB) "
+        "rounded and labelled GB; in decimal GB (1e9 bytes) the same memory is 150.8 GB.",
+    ],
+    solution_text=(
+        "memory_gib = 143771 / 1024   # 140.4 GiB\n"
+        "# The datasheet's '141 GB' is this binary figure, rounded: 143,771 MiB = 140.4 GiB. In decimal units\n"
+        "# the same memory is 143771 * 2**20 / 1e9 = 150.8 GB, so '141 GB' is GiB labelled GB, not decimal GB.\n"
+        "# or with pandas:\n"
+        "# df = pd.read_csv(path, skipinitialspace=True)\n"
+        "# memory_gib = df['memory.total [MiB]'].str.split().str[0].astype(int)[0] / 1024"
+    ),
+)
+
+# --- q5: the compatibility verdict --------------------------------------------------------------------
+
+VERDICTS = ("compatible", "minor-version compatibility", "forward compatibility needed", "incompatible")
+_COMPATIBLE, _MINOR, _FORWARD, _INCOMPATIBLE = VERDICTS
+
+
+def cuda_verdict(driver_ceiling: str, runtime: str, datacenter_gpu: bool) -> str:
+    """Whether a CUDA ``runtime`` (e.g. ``torch.version.cuda``) runs under a driver whose ceiling (nvidia-smi's
+    'CUDA Version') is ``driver_ceiling``; one of ``VERDICTS``.
+
+    Drivers are backward compatible: a runtime up to the ceiling runs. A newer runtime of the *same major*
+    version runs through CUDA minor-version compatibility (features that need the newer driver, such as PTX
+    JIT of newer PTX, can fail). A newer *major* version needs the forward-compatibility libraries
+    (``cuda-compat``, carried by NGC images), which work on data-centre GPUs only; elsewhere it cannot run.
+    """
+    ceiling, rt = parse_version(driver_ceiling), parse_version(runtime)
+    if rt <= ceiling:
+        return _COMPATIBLE
+    if rt[0] == ceiling[0]:
+        return _MINOR
+    return _FORWARD if datacenter_gpu else _INCOMPATIBLE
+
+
+# (driver_ceiling, runtime, datacenter_gpu, expected, why). The simple cases come first, so a function wrong
+# everywhere hears about the simplest one. "12.10" is hypothetical but legal and catches comparing versions
+# as strings ("12.10" < "12.4") or floats (12.10 == 12.1).
+VERDICT_CASES: list[tuple[str, str, bool, str, str]] = [
+    ("13.0", "12.8", True, _COMPATIBLE, "an older runtime runs on a newer driver (drivers are backward compatible)"),
+    ("13.0", "13.0", False, _COMPATIBLE, "a runtime equal to the ceiling is supported"),
+    ("13.0", "11.8", False, _COMPATIBLE, "an older major version runs on a newer driver too"),
+    ("12.4", "12.8", False, _MINOR, "12.8 is newer than the ceiling 12.4 but of the same major version: CUDA "
+                                    "minor-version compatibility runs it, on any GPU"),
+    ("13.0", "13.1", True, _MINOR, "13.1 is newer than 13.0 within major version 13: minor-version compatibility"),
+    ("12.4", "12.10", True, _MINOR, "12.10 is a newer release than 12.4 (minor 10 > minor 4), same major"),
+    ("12.10", "12.9", False, _COMPATIBLE, "12.9 is an older release than 12.10 (minor 9 < minor 10)"),
+    ("12.1", "12.10", False, _MINOR, "12.10 is a newer release than 12.1 (minor 10 > minor 1), same major"),
+    ("12.4", "13.0", True, _FORWARD, "a newer major version needs the forward-compatibility libraries, which a "
+                                     "data-centre GPU can use"),
+    ("12.4", "13.0", False, _INCOMPATIBLE, "a newer major version on a GPU that is not a data-centre GPU: forward "
+                                           "compatibility is not available there"),
+    ("12.8", "13.2", False, _INCOMPATIBLE, "a newer major version, no data-centre GPU"),
+    ("11.8", "12.1", True, _FORWARD, "a newer major version on a data-centre GPU: forward compatibility"),
+]
+
+_KEYS: dict[str, tuple[Callable[[str], Any], str]] = {
+    "tuple": (parse_version, ""),
+    "string": (lambda v: v, "Compared as strings, '12.10' < '12.4' (character by character, '1' < '4'). "),
+    "float": (float, "As floats, 12.10 == 12.1 (so it sorts before 12.4, and equals 12.1). "),
+}
+
+
+def _rule(name: str, key: Callable[[str], Any]) -> Callable[[str, str, bool], str]:
+    def verdict(ceiling: str, runtime: str, dc: bool) -> str:
+        if key(runtime) <= key(ceiling):
+            return _COMPATIBLE
+        same_major = runtime.split(".")[0] == ceiling.split(".")[0]
+        if name == "right":
+            return _MINOR if same_major else (_FORWARD if dc else _INCOMPATIBLE)
+        if name == "no minor-version":
+            return _FORWARD if dc else _INCOMPATIBLE
+        if name == "always forward":
+            return _MINOR if same_major else _FORWARD
+        if name == "never forward":
+            return _MINOR if same_major else _INCOMPATIBLE
+        return _MINOR  # "minor everywhere"
+
+    return verdict
+
+
+_RULE_WHY = {
+    "right": "",
+    "no minor-version": "A newer runtime of the same major version is not a case for forward compatibility: "
+                        "CUDA minor-version compatibility runs it on the older driver (12.8 under a 12.4 "
+                        "driver), only features that need the newer driver can fail.",
+    "always forward": "Forward compatibility (the cuda-compat libraries) works on data-centre GPUs only: on "
+                      "another GPU a runtime of a newer major version is incompatible.",
+    "never forward": "On a data-centre GPU a newer major version can run with the forward-compatibility "
+                     "libraries (NGC images carry them): 'forward compatibility needed', not incompatible.",
+    "minor everywhere": "Minor-version compatibility holds within one major version only: 13.0 under a 12.4 "
+                        "driver needs forward compatibility (data-centre GPUs) or is incompatible.",
+}
+
+
+def _normal_verdict(value: Any) -> str | None:
+    if not isinstance(value, str):
+        return None
+    text = " ".join(value.strip().lower().replace("-", " ").replace("_", " ").split())
+    return {" ".join(v.replace("-", " ").split()): v for v in VERDICTS}.get(text)
+
+
+def _grade_verdict(fn: Any) -> str:
+    got = []
+    for ceiling, runtime, dc, _, _ in VERDICT_CASES:
+        call = f"cuda_verdict({ceiling!r}, {runtime!r}, datacenter_gpu={dc})"
+        result = run_student(fn, ceiling, runtime, dc, call=call, timeout_s=10)
+        verdict = _normal_verdict(result)
+        if verdict is None:
+            raise Wrong(f"{call} returned {result!r}: return one of {list(VERDICTS)} (the names in VERDICTS)")
+        got.append(verdict)
+    wrong = [(case, g) for case, g in zip(VERDICT_CASES, got, strict=True) if g != case[3]]
+    if not wrong:
+        return f"All {len(VERDICT_CASES)} cases agree with the rules."
+    (ceiling, runtime, dc, expected, why), verdict = wrong[0]
+    first = (f"cuda_verdict({ceiling!r}, {runtime!r}, datacenter_gpu={dc}) returned {verdict!r}, expected "
+             f"{expected!r}: {why}.")
+    cases = [(c, r, d) for c, r, d, _, _ in VERDICT_CASES]
+    for key_name, (key, key_why) in _KEYS.items():
+        for rule, rule_why in _RULE_WHY.items():
+            if key_name == "tuple" and rule == "right":
+                continue
+            if [_rule(rule, key)(*case) for case in cases] == got:
+                fix = "Compare (major, minor) as integers: tuple(int(p) for p in v.split('.')[:2]). " \
+                    if key_name != "tuple" else ""
+                raise Wrong(f"{first} {key_why}{fix}{rule_why}".strip())
+    raise Wrong(f"{first} ({len(wrong)} of {len(VERDICT_CASES)} cases differ.)")
+
+
+q5 = CodeExercise(
+    name="00.5 the compatibility verdict",
+    var="cuda_verdict",
+    grade=_grade_verdict,
+    signature="cuda_verdict(driver_ceiling, runtime, datacenter_gpu) -> str",
+    hints=[
+        "Three questions in order: is the runtime at most the ceiling? If not, is it the same major version? If "
+        "not, is this a data-centre GPU (where the forward-compatibility libraries work)?",
+        "Compare versions as (major, minor) integer tuples: as strings '12.10' < '12.4', as floats 12.10 == 12.1. "
+        "tuple(int(p) for p in v.split('.')[:2]).",
+        "runtime <= ceiling: 'compatible'; same major: 'minor-version compatibility'; newer major: 'forward "
+        "compatibility needed' on a data-centre GPU, else 'incompatible'.",
+    ],
+    solution_text=(
+        "def cuda_verdict(driver_ceiling: str, runtime: str, datacenter_gpu: bool) -> str:\n"
+        "    def key(v: str) -> tuple[int, int]:\n"
+        "        major, minor = (v.split('.') + ['0'])[:2]\n"
+        "        return int(major), int(minor)\n"
+        "    ceiling, rt = key(driver_ceiling), key(runtime)\n"
+        "    if rt <= ceiling:\n"
+        "        return 'compatible'                      # drivers are backward compatible\n"
+        "    if rt[0] == ceiling[0]:\n"
+        "        return 'minor-version compatibility'     # runs; features needing a newer driver may fail\n"
+        "    return 'forward compatibility needed' if datacenter_gpu else 'incompatible'"
+    ),
+)
+
+# --- q6: NVLinks between the two GPUs --------------------------------------------------------------
+
+
+def _grade_nvlinks(value: Any) -> None:
+    if isinstance(value, str) and value.strip().upper().startswith("NV"):
+        raise Wrong("that is the matrix entry. The legend says NV# is 'a bonded set of # NVLinks': "
+                    "answer with the number of links, as an int")
+    links = integer(value, "the number of NVLinks")
+    if links == 18:
+        return
+    if links == 2:
+        raise Wrong("2 is the number of GPUs; the question asks how many NVLinks join them")
+    if links in (450, 900):
+        raise Wrong("that is the NVLink bandwidth in GB/s; the question asks for the number of links")
+    raise Wrong("read the entry in row GPU0, column GPU1 of the topology matrix, and the legend for NV#")
+
+
+q6 = Exercise(
+    name="00.6 NVLinks between GPU0 and GPU1",
+    var="nvlinks",
+    grade=_grade_nvlinks,
+    hints=[
+        "Open lab_utils/data/h200/topo-x2.txt (the output of `nvidia-smi topo -m` on two H200s).",
+        "Find row GPU0, column GPU1. The legend at the bottom explains the code you find there.",
+        "NV# means 'a bonded set of # NVLinks': the number after NV is the answer (an int).",
+    ],
+    solution_text=(
+        "nvlinks = 18\n"
+        "# topo -m shows NV18 between GPU0 and GPU1: a bonded set of 18 NVLink 4 links, 25 GB/s each way\n"
+        "# per link: 450 GB/s per direction, the datasheet's 900 GB/s counting both directions."
     ),
 )

@@ -1,58 +1,84 @@
 """Lab 01 exercises: CUDA and cuBLAS timing.
 
-``AsyncDevice`` simulates the one property of a GPU that timing code must respect: a launch returns
-before the work is done. It is real concurrency (a worker thread), not a printed pretend value, so a
-student's timing function is judged on what it actually measures, on any machine.
+Four of the seven are code the check runs on this machine's real device (the GPU when torch can use one,
+else the CPU) and compares with the reference implementation on the same input:
+
+- ``time_ms(fn, iters, warmup, sync)``: graded twice. First on asynchronous work whose duration is known:
+  on a GPU, real ``torch.cuda._sleep`` kernels whose first launch is slow (as a first CUDA call is); without
+  one, ``AsyncDevice``, a worker thread that really does the work later, so a function that forgets to wait
+  for the work is caught on any machine. Then on a real matmul against the reference timer
+  (``lab_utils.timing.benchmark``), within a loose band: CPU timing on a busy machine is noisy, and the
+  mistakes it must catch (a clock stopped before the GPU finished, seconds for milliseconds, the total for
+  the mean, the warm-up timed too) are factors of 3 and more.
+- ``matmul_tflops(n, device, timer)`` and ``copy_gbps(nbytes, device, timer)``: the student creates the
+  inputs, times the operation with ``timer`` (the reference timer, instrumented: it sees whether the timed
+  function draws random numbers, i.e. creates its inputs, and what it returns) and turns the time into a
+  rate; the rate is checked exactly against the time the timer returned, so a missing factor 2 (FLOPs of a
+  multiply-add, or a copy's read + write) or a unit slip gets its own message whatever the machine's noise.
+- ``replay_with_graph(chain, static_x, xs)``: capture a chain of small kernels in a CUDA graph, replay it
+  per input. GPU only: on the CPU tier the check is *not applicable*, and says what the H200 reference
+  measured.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
 import queue
 import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from lab_utils.exercises.framework import Exercise, Wrong, close_to, number, one_of
+import torch
 
-__all__ = [
-    "q1", "q2", "q3", "q4", "q5",
-    "AsyncDevice", "BROKEN_SNIPPET", "reference_time_ms", "H200_RIDGE",
-]
-
-# --- q1: FLOPs of a matmul ----------------------------------------------------------------------------
-
-M = N = K = 8192
-_MATMUL_FLOPS = 2 * M * N * K  # 1.0995e12: each of m*n outputs needs k multiply-adds of 2 FLOPs
-
-q1 = Exercise(
-    name="01.1 FLOPs of an 8192^3 matmul",
-    var="matmul_flops",
-    grade=close_to(
-        _MATMUL_FLOPS,
-        rel=0.01,
-        reveal=False,
-        why="Count the operations for C[m,n] = A[m,k] @ B[k,n] with m = n = k = 8192.",
-        slips={
-            0.5: "factor 2 missing: m·n·k counts multiply-adds, and each is 2 FLOPs (a multiply and an add).",
-            1e-12: "that is in TFLOP; give the count of FLOPs (1 TFLOP = 1e12 FLOPs).",
-            1e-9: "that is in GFLOP; give the count of FLOPs (1 GFLOP = 1e9 FLOPs).",
-            1 / K: "k is missing: each of the m·n outputs is a dot product of length k.",
-        },
-    ),
-    hints=[
-        "C has m·n elements; each is a dot product of a row of A and a column of B, of length k.",
-        "A dot product of length k takes k multiplies and k adds (k multiply-adds).",
-        "FLOPs = 2·m·n·k; with m = n = k = 8192, that is about 1.1e12.",
-    ],
-    solution_text=(
-        "m = n = k = 8192\n"
-        "matmul_flops = 2 * m * n * k   # 1.0995e12 FLOPs; lab_utils.timing.matmul_flops(m, n, k) agrees"
-    ),
+from lab_utils import timing
+from lab_utils.course import specs
+from lab_utils.exercises.framework import (
+    CodeExercise,
+    Exercise,
+    Wrong,
+    close_to,
+    match_slip,
+    number,
+    one_of,
+    run_student,
 )
 
-# --- q2: repair a broken timing snippet ---------------------------------------------------------------
+__all__ = [
+    "q1", "q2", "q3", "q4", "q5", "q6", "q7",
+    "AsyncDevice", "BROKEN_SNIPPET", "H200_RIDGE",
+    "reference_time_ms", "reference_matmul_tflops", "reference_copy_gbps", "reference_replay_with_graph",
+    "graph_unavailable", "grading_device",
+]
+
+
+def grading_device() -> str:
+    """Where the code exercises run: ``"cuda"`` when torch can use a GPU, else ``"cpu"``."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _chip(device: str) -> str:
+    return "GPU" if device.startswith("cuda") else "CPU"
+
+
+@contextlib.contextmanager
+def _one_cpu_thread(device: str) -> Iterator[None]:
+    # Two BLAS threads on a shared 2-core machine stall each other whenever one loses its core: one thread
+    # makes the student's timing and the reference's comparable. The GPU is left alone.
+    if device != "cpu":
+        yield
+        return
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
+
+
+# --- q1: the timing loop ------------------------------------------------------------------------------
 
 
 class AsyncDevice:
@@ -133,103 +159,399 @@ class AsyncDevice:
 BROKEN_SNIPPET = '''\
 import time
 
-def time_ms(run, sync, reps):
-    """Milliseconds per call of run(). (Broken: what does it really measure?)"""
+def time_ms(fn, iters, warmup, sync):
+    """Milliseconds per call of fn(). (Broken: what does it really measure?)"""
     t0 = time.perf_counter()
-    for _ in range(reps):
-        run()
-    return (time.perf_counter() - t0) * 1000 / reps
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - t0) * 1000 / iters
 '''
 
 
-def reference_time_ms(run: Callable[[], Any], sync: Callable[[], Any], reps: int, warmup: int = 1) -> float:
-    """Milliseconds per call of ``run()``, where ``run`` only launches work and ``sync`` waits for it.
+def reference_time_ms(fn: Callable[[], Any], iters: int, warmup: int, sync: Callable[[], Any]) -> float:
+    """Milliseconds per call of ``fn()``, where ``fn`` may only launch work and ``sync()`` waits for it.
 
-    Warm-up calls absorb one-time costs (lazy initialisation, caches); synchronizing before starting
-    and before stopping the host clock makes it measure the work, not the launches.
+    ``warmup`` untimed calls absorb one-time costs (lazy initialisation, caches); synchronizing before
+    starting and before stopping the host clock makes it measure the work, not the launches.
     """
-    if reps < 1:
-        raise ValueError(f"reps must be >= 1, got {reps}")
+    if iters < 1:
+        raise ValueError(f"iters must be >= 1, got {iters}")
     for _ in range(warmup):
-        run()
+        fn()
     sync()  # the warm-up must be finished before the clock starts
     t0 = time.perf_counter()
-    for _ in range(reps):
-        run()
+    for _ in range(iters):
+        fn()
     sync()  # wait for the work itself, not just its launches
-    return (time.perf_counter() - t0) * 1e3 / reps
+    return (time.perf_counter() - t0) * 1e3 / iters
 
 
-_WORK_S = 0.02  # per call: long against thread wake-ups on a loaded machine, short for a quick check
-_INIT_S = 0.15  # one-time cost: at 5 reps it adds 30 ms per call, far outside the tolerance
-_REPS = 5
-_TOL = 0.3  # relative
+_WORK_S = 0.02  # per call on the simulated device: long against thread wake-ups on a loaded machine
+_INIT_S = 0.15  # one-time cost: at 5 calls it adds 30 ms per call, far outside the tolerance
+_ITERS_SIM = 5
+_TOL = 0.3  # relative, on work whose duration is known
+_GPU_WORK_MS, _GPU_INIT_MS = 5.0, 40.0  # same proportions as the simulation: no-warm-up gives 2.6x, not 5x
 
 
-def _grade_time_ms(fn: Any) -> None:
-    if not callable(fn):
-        raise Wrong(f"expected a function time_ms(run, sync, reps) -> float, got a {type(fn).__name__}")
-    with AsyncDevice(init_s=_INIT_S) as dev:
-        try:
-            got = fn(lambda: dev.launch(_WORK_S), dev.synchronize, _REPS)
-        except Exception as err:
-            raise Wrong(f"time_ms(run, sync, reps={_REPS}) raised {type(err).__name__}: {err}") from None
-        queued = dev.pending  # work still running when the function returned: it never synchronized
-        # Judge against how long the work really took here (sleep overshoots on a loaded machine).
-        ran_s = list(dev.work_s)
-        expected_ms = 1e3 * (statistics.median(ran_s) if ran_s else _WORK_S)
-    ms = number(got, "time_ms's result")
+def _judge_known_work(ms: float, expected_ms: float, pending: int | bool, iters: int, where: str) -> None:
     ratio = ms / expected_ms
     if 1 - _TOL <= ratio <= 1 + _TOL:
         return
     if ratio < 1 - _TOL:
-        if not queued and 1 - _TOL <= ratio * 1e3 <= 3:
-            raise Wrong("that looks like seconds per call; return milliseconds (multiply by 1000)")
-        still = f" ({queued} launches were still running when your function returned)" if queued else ""
-        raise Wrong(f"{ms:.3g} ms is far less than the work takes: you timed the launch, not the work"
-                    f"{still}. Call sync() to wait for the work before reading the clock.")
-    if abs(ratio / _REPS - 1) <= _TOL:
-        raise Wrong(f"{ms:.3g} ms looks like the total of all {_REPS} calls; return the time per call "
-                    "(divide by reps)")
-    raise Wrong(f"{ms:.3g} ms is far more than one call's work: your timed region includes the device's "
-                "one-time initialisation. Warm up first: one untimed run(), then sync(), then start the "
-                "clock.")
+        if not pending and 1 - _TOL <= ratio * 1e3 <= 3:
+            raise Wrong(f"{where}: {ms:.3g} looks like seconds per call; return milliseconds (multiply by 1000)")
+        still = " (work was still running when your function returned)" if pending else ""
+        raise Wrong(f"{where}: {ms:.3g} ms is far less than the work takes ({expected_ms:.3g} ms): you timed the "
+                    f"launch, not the work{still}. The clock stopped before the device finished: call sync() "
+                    "before reading the clock (or time with CUDA events).")
+    if abs(ratio / iters - 1) <= _TOL:
+        raise Wrong(f"{where}: {ms:.3g} ms looks like the total of all {iters} calls; return the time per call "
+                    "(divide by iters)")
+    raise Wrong(f"{where}: {ms:.3g} ms is far more than one call's work ({expected_ms:.3g} ms): your timed region "
+                "includes the device's one-time initialisation. Warm up first: `warmup` untimed calls of fn(), "
+                "then sync(), then start the clock.")
 
 
-q2 = Exercise(
-    name="01.2 repair the timing snippet",
+def _grade_on_simulated_device(fn: Any) -> str:
+    with AsyncDevice(init_s=_INIT_S) as dev:
+        got = run_student(fn, lambda: dev.launch(_WORK_S), _ITERS_SIM, 1, dev.synchronize,
+                          call=f"time_ms(launch, iters={_ITERS_SIM}, warmup=1, sync)", timeout_s=30)
+        pending = dev.pending  # work still running when the function returned: it never synchronized
+        ran_s = list(dev.work_s)  # how long the work really took here (sleep overshoots on a loaded machine)
+    expected_ms = 1e3 * (statistics.median(ran_s) if ran_s else _WORK_S)
+    where = "on the simulated asynchronous device"
+    ms = number(got, f"{where}, time_ms's result")
+    _judge_known_work(ms, expected_ms, pending, _ITERS_SIM, where)
+    return f"simulated device: {ms:.3g} ms for {expected_ms:.3g} ms of work"
+
+
+def _grade_on_gpu_kernels(fn: Any) -> str:
+    # Real asynchronous work of known length: torch.cuda._sleep spins a GPU kernel for a number of clock cycles.
+    cycles = 10_000_000
+    per_ms = cycles / timing.benchmark(lambda: torch.cuda._sleep(cycles), reps=3, warmup=1, device="cuda").median_ms
+    work, init = int(_GPU_WORK_MS * per_ms), int(_GPU_INIT_MS * per_ms)
+    expected_ms = timing.benchmark(lambda: torch.cuda._sleep(work), reps=3, warmup=1, device="cuda").median_ms
+    first = [True]
+
+    def launch() -> None:
+        if first[0]:  # the first call is slow, as a first CUDA call is (context, module loading, cuBLAS handle)
+            first[0] = False
+            torch.cuda._sleep(init)
+        torch.cuda._sleep(work)
+
+    torch.cuda.synchronize()
+    got = run_student(fn, launch, _ITERS_SIM, 1, torch.cuda.synchronize,
+                      call=f"time_ms(launch, iters={_ITERS_SIM}, warmup=1, sync)", timeout_s=60)
+    pending = not torch.cuda.current_stream().query()
+    torch.cuda.synchronize()
+    where = "on GPU kernels of known length"
+    ms = number(got, f"{where}, time_ms's result")
+    _judge_known_work(ms, expected_ms, pending, _ITERS_SIM, where)
+    return f"GPU sleep kernels: {ms:.3g} ms for {expected_ms:.3g} ms of work"
+
+
+_ITERS_MM, _WARMUP_MM = 8, 16  # timing the warm-up too gives 3x, the total 8x: both far outside the band
+_BAND = (0.5, 2.0)  # student / reference on a real matmul
+
+
+def _matmul_case(device: str) -> tuple[Callable[[], Any], str]:
+    if device == "cuda":
+        n, dtype = 8192, torch.bfloat16
+    else:
+        n, dtype = 384, torch.float32
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    return (lambda: a @ b), f"{n}x{n} {str(dtype).removeprefix('torch.')} matmul on the {_chip(device)}"
+
+
+def _grade_on_matmul(fn: Any) -> str:
+    device = grading_device()
+    mm, label = _matmul_case(device)
+    where = f"on a real {label}"
+    ratios, pairs = [], []
+    with _one_cpu_thread(device):
+        for _ in range(3):  # a noisy attempt (another process took the core) is retried, a wrong answer fails 3x
+            ref1 = timing.benchmark(mm, reps=_ITERS_MM, warmup=2, device=device).median_ms
+            got = run_student(fn, mm, _ITERS_MM, _WARMUP_MM, lambda: timing.sync(device),
+                              call=f"time_ms(matmul, iters={_ITERS_MM}, warmup={_WARMUP_MM}, sync)", timeout_s=120)
+            pending = device == "cuda" and not torch.cuda.current_stream().query()  # still working: no sync
+            ms = number(got, f"{where}, time_ms's result")
+            ref2 = timing.benchmark(mm, reps=_ITERS_MM, warmup=1, device=device).median_ms
+            ref = (ref1 + ref2) / 2
+            if pending:
+                raise Wrong(f"{where}: {ms:.3g} ms, {ref / ms:.0f}x faster than the reference timer's {ref:.3g} ms, "
+                            "and the GPU was still working when your function returned: the clock stopped before "
+                            "the GPU finished. Call sync() (torch.cuda.synchronize) before reading the clock, or time "
+                            "with CUDA events and read elapsed_time after end.synchronize().")
+            pairs.append((ms, ref))
+            ratios.append(ms / ref)
+            if _BAND[0] <= ratios[-1] <= _BAND[1]:
+                return f"{label}: {ms:.3g} ms against the reference timer's {ref:.3g} ms"
+    ratio = statistics.median(ratios)
+    ms, ref = pairs[ratios.index(sorted(ratios)[len(ratios) // 2])]
+    slips = {
+        1e-3: "that looks like seconds; return milliseconds (multiply by 1000)",
+        float(_ITERS_MM): f"that looks like the total of all {_ITERS_MM} calls; return the time per call "
+                          "(divide by iters)",
+        (_ITERS_MM + _WARMUP_MM) / _ITERS_MM: "the warm-up calls are inside your timed region: run the warm-up, "
+                                              "sync(), and only then start the clock",
+    }
+    slip = match_slip(ratio, slips, 0.35)
+    if slip:
+        raise Wrong(f"{where}: {ms:.3g} ms against the reference timer's {ref:.3g} ms: {slip}")
+    if ratio < _BAND[0] and device == "cuda":
+        raise Wrong(f"{where}: {ms:.3g} ms is {1 / ratio:.0f}x faster than the reference timer's {ref:.3g} ms: the "
+                    "clock stopped before the GPU finished. Call sync() (torch.cuda.synchronize) before reading "
+                    "the clock, or time with CUDA events and read elapsed_time after end.synchronize().")
+    side = "less" if ratio < 1 else "more"
+    raise Wrong(f"{where}: {ms:.3g} ms per call, {ratio:.2g}x the reference timer's {ref:.3g} ms (3 tries): far "
+                f"{side} than one call takes. Time `iters` calls after `warmup` untimed ones and divide by iters.")
+
+
+def _grade_time_ms(fn: Any) -> str:
+    first = _grade_on_gpu_kernels(fn) if grading_device() == "cuda" else _grade_on_simulated_device(fn)
+    second = _grade_on_matmul(fn)
+    return f"Graded on {first}; and on a {second}."
+
+
+q1 = CodeExercise(
+    name="01.1 the timing loop",
     var="time_ms",
     grade=_grade_time_ms,
+    signature="time_ms(fn, iters, warmup, sync) -> float",
     hints=[
-        "Run BROKEN_SNIPPET against AsyncDevice and compare with the work you launched: run() returns "
-        "as soon as the work is queued, long before it is done.",
-        "Two fixes: call sync() before reading the clock at the end, so you measure the work; and make "
-        "one untimed call first (then sync()), so one-time initialisation stays out of the timing.",
-        "warm-up run(); sync(); t0 = perf_counter(); reps x run(); sync(); return (perf_counter() - t0) "
-        "* 1000 / reps.",
+        "fn() returns as soon as its work is queued, long before it is done (on a GPU, and on the simulated "
+        "device the check uses without one). What does the host clock measure if nothing waits for the work?",
+        "Two fixes: `warmup` untimed calls first, then sync(), so one-time costs stay out; and sync() after the "
+        "timed loop, before reading the clock, so you measure the work, not its launches.",
+        "for _ in range(warmup): fn(); sync(); t0 = time.perf_counter(); for _ in range(iters): fn(); sync(); "
+        "return (time.perf_counter() - t0) * 1000 / iters. (On a GPU, CUDA events around the loop work too.)",
     ],
     solution_text=(
         "import time\n\n"
-        "def time_ms(run, sync, reps):\n"
-        '    """Milliseconds per call of run(); run() only launches work, sync() waits for it."""\n'
-        "    run()                      # warm-up: pays lazy initialisation outside the timing\n"
-        "    sync()                     # ...and is finished before the clock starts\n"
+        "def time_ms(fn, iters, warmup, sync):\n"
+        '    """Milliseconds per call of fn(); fn() may only launch work, sync() waits for it."""\n'
+        "    for _ in range(warmup):    # one-time costs (CUDA context, cuBLAS handle) outside the timing\n"
+        "        fn()\n"
+        "    sync()                     # ...and finished before the clock starts\n"
         "    t0 = time.perf_counter()\n"
-        "    for _ in range(reps):\n"
-        "        run()\n"
+        "    for _ in range(iters):\n"
+        "        fn()\n"
         "    sync()                     # wait for the work, not just the launches\n"
-        "    return (time.perf_counter() - t0) * 1000 / reps\n"
-        "# On a GPU: torch.cuda.synchronize() as sync, or CUDA events (lab_utils.timing.benchmark)."
+        "    return (time.perf_counter() - t0) * 1000 / iters\n"
+        "# On a GPU, CUDA events: start.record(); loop; end.record(); end.synchronize();\n"
+        "# start.elapsed_time(end) / iters (lab_utils.timing.benchmark does this per call)."
     ),
 )
 
-# --- q3/q4: arithmetic intensity of saxpy ---------------------------------------------------------
+# --- the instrumented timer handed to q2 and q3 -----------------------------------------------------------
+
+
+def _rng_state(device: str) -> list[torch.Tensor]:
+    states = [torch.get_rng_state()]
+    if device.startswith("cuda"):
+        states.append(torch.cuda.get_rng_state(device))
+    return states
+
+
+class _Timer:
+    """The reference timer, as the student's function receives it: ``timer(fn) -> ms`` (median per call).
+
+    It records what it saw: whether ``fn`` drew random numbers (it creates its inputs on every call), what
+    ``fn`` returned, and the milliseconds it handed back.
+    """
+
+    def __init__(self, device: str, iters: int, warmup: int) -> None:
+        self.device, self.iters, self.warmup = device, iters, warmup
+        self.calls: list[dict[str, Any]] = []
+
+    def __call__(self, fn: Any) -> float:
+        if not callable(fn):
+            raise Wrong(f"timer(...) takes the function to time, e.g. timer(lambda: a @ b); you passed a "
+                        f"{type(fn).__name__} (the result of calling it?)")
+        before = _rng_state(self.device)
+        out = fn()
+        drew = any(not torch.equal(x, y) for x, y in zip(before, _rng_state(self.device), strict=True))
+        ms = timing.benchmark(fn, reps=self.iters, warmup=self.warmup, device=self.device).median_ms
+        self.calls.append({"ms": ms, "random": drew, "out": out})
+        return ms
+
+
+def _timed_call(timer: _Timer, what: str) -> dict[str, Any]:
+    if not timer.calls:
+        raise Wrong(f"your function never called timer(...): time {what} with it, e.g. ms = timer(lambda: ...)")
+    last = timer.calls[-1]
+    if last["random"]:
+        raise Wrong("the function you timed draws random numbers: it creates its inputs (torch.randn) on every "
+                    "call, so the timing includes allocation and random-number generation. Create the tensors "
+                    f"once, before, and time only {what}.")
+    return last
+
+
+def _judge_rate(value: Any, timer: _Timer, expected_of: Callable[[float], float], slips: dict[float, str],
+                unit: str, call: str) -> float:
+    got = number(value, f"{call}'s result")
+    candidates = [expected_of(c["ms"]) for c in timer.calls]  # the rate from any time the timer handed back
+    if any(math.isclose(got, e, rel_tol=0.01) for e in candidates):
+        return got
+    expected = candidates[-1]
+    ratio = got / expected
+    slip = match_slip(ratio, slips, 0.02)
+    if slip:
+        raise Wrong(f"{call} returned {got:.4g} {unit}; from the {timer.calls[-1]['ms']:.4g} ms your timer "
+                    f"measured it is {expected:.4g} {unit}: {slip}")
+    raise Wrong(f"{call} returned {got:.4g} {unit}, {ratio:.3g}x what the {timer.calls[-1]['ms']:.4g} ms your timer "
+                f"measured gives ({expected:.4g} {unit}).")
+
+
+def _reference_ms(fn: Callable[[], Any], device: str, reps: int) -> float:
+    return timing.benchmark(fn, reps=reps, warmup=1, device=device).median_ms
+
+
+# --- q2: TFLOP/s from your timing ---------------------------------------------------------------------------
+
+
+def reference_matmul_tflops(n: int, device: str, timer: Callable[[Callable[[], Any]], float]) -> float:
+    """TFLOP/s of an n×n×n float32 matmul: inputs made once, only ``a @ b`` timed, 2·n³ FLOPs."""
+    a = torch.randn(n, n, device=device)
+    b = torch.randn(n, n, device=device)
+    ms = timer(lambda: a @ b)
+    return 2 * n**3 / (ms * 1e-3) / 1e12
+
+
+def _grade_matmul_tflops(fn: Any) -> str:
+    device = grading_device()
+    n = 4096 if device == "cuda" else 256
+    call = f"matmul_tflops({n}, {device!r}, timer)"
+    timer = _Timer(device, iters=5, warmup=2)
+    with _one_cpu_thread(device):
+        got = run_student(fn, n, device, timer, call=call, timeout_s=120)
+        last = _timed_call(timer, "a @ b")
+        out = last["out"]
+        if not isinstance(out, torch.Tensor) or tuple(out.shape) != (n, n):
+            shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+            raise Wrong(f"the function you timed returned {shape}, not the {n}x{n} product: time lambda: a @ b")
+        a = torch.randn(n, n, device=device)
+        b = torch.randn(n, n, device=device)
+        ratio = last["ms"] / _reference_ms(lambda: a @ b, device, reps=5)
+    if ratio < 0.2:
+        raise Wrong(f"what you timed ran {1 / ratio:.0f}x faster than a {n}x{n}x{n} float32 matmul here: is it "
+                    "a * b (elementwise: n² multiplies) rather than a @ b, or inputs smaller or in lower precision "
+                    "than n x n float32 (torch.randn's default)?")
+    if ratio > 5:
+        raise Wrong(f"what you timed ran {ratio:.0f}x slower than a {n}x{n}x{n} float32 matmul here: there is "
+                    "more than the matmul in the timed function (a conversion, a copy to the CPU, .item()?)")
+    slips = {
+        0.5: "factor 2 missing: an n×n×n matmul does n³ multiply-adds, each 2 FLOPs (a multiply and an add): "
+             "2·n³ FLOPs.",
+        1e3: "that is GFLOP/s (1e9): divide FLOP/s by 1e12 for TFLOP/s.",
+        1e12: "that is FLOP/s: divide by 1e12 for TFLOP/s.",
+        1e-3: "milliseconds used as seconds: the timer returns ms, so seconds = ms / 1000 (or * 1e-3).",
+        1 / n: "the FLOP count is 2·n² (one row times one column?); a matmul is 2·n³.",
+        0.5 / n: "the FLOP count is n²; an n×n×n matmul is 2·n³ FLOPs.",
+    }
+    tflops = _judge_rate(got, timer, lambda ms: 2 * n**3 / (ms * 1e-3) / 1e12, slips, "TFLOP/s", call)
+    return f"{tflops:.3g} TFLOP/s from {last['ms']:.3g} ms for a {n}x{n}x{n} float32 matmul on the {_chip(device)}."
+
+
+q2 = CodeExercise(
+    name="01.2 TFLOP/s from your timing",
+    var="matmul_tflops",
+    grade=_grade_matmul_tflops,
+    signature="matmul_tflops(n, device, timer) -> float",
+    hints=[
+        "Make two random n×n float32 tensors on `device` first; time only the multiply: ms = timer(lambda: a @ b).",
+        "C[m,n] = A[m,k]·B[k,n] is m·n·k multiply-adds, and a multiply-add is 2 FLOPs: 2·n³ FLOPs for n×n×n.",
+        "TFLOP/s = 2 * n**3 / (ms * 1e-3) / 1e12 (ms -> seconds, FLOP/s -> TFLOP/s).",
+    ],
+    solution_text=(
+        "def matmul_tflops(n, device, timer):\n"
+        "    a = torch.randn(n, n, device=device)   # inputs made once: random, never zeros\n"
+        "    b = torch.randn(n, n, device=device)\n"
+        "    ms = timer(lambda: a @ b)              # only the matmul is timed\n"
+        "    return 2 * n**3 / (ms * 1e-3) / 1e12   # 2·n³ FLOPs per matmul"
+    ),
+)
+
+# --- q3: device-to-device copy bandwidth -------------------------------------------------------------------
+
+
+def reference_copy_gbps(nbytes: int, device: str, timer: Callable[[Callable[[], Any]], float]) -> float:
+    """GB/s of copying ``nbytes`` on ``device`` (dst.copy_(src)), counting the read and the write: 2·nbytes."""
+    src = torch.randn(nbytes // 4, device=device)  # float32: 4 bytes per element
+    dst = torch.empty_like(src)
+    ms = timer(lambda: dst.copy_(src))
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def _grade_copy_gbps(fn: Any) -> str:
+    device = grading_device()
+    nbytes = 2**30 if device == "cuda" else 32 * 2**20  # well above the caches either way
+    label = f"{nbytes // 2**20} MiB"
+    call = f"copy_gbps({nbytes}, {device!r}, timer)"
+    timer = _Timer(device, iters=3, warmup=1)
+    with _one_cpu_thread(device):
+        got = run_student(fn, nbytes, device, timer, call=call, timeout_s=120)
+        last = _timed_call(timer, "dst.copy_(src)")
+        out = last["out"]
+        if isinstance(out, torch.Tensor):
+            size = out.numel() * out.element_size()
+            if size == 4 * nbytes:
+                raise Wrong(f"the tensor you copied holds {size} bytes, 4x nbytes: torch.empty(nbytes) of float32 "
+                            "has 4 bytes per element. Use nbytes // 4 float32 elements (or dtype=torch.uint8).")
+            if size != nbytes:
+                raise Wrong(f"the tensor you copied holds {size} bytes, not nbytes = {nbytes}: size the buffers so "
+                            "that they hold nbytes bytes (nbytes // 4 float32 elements)")
+        src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(3)
+        dst = torch.empty_like(src)
+        ratio = last["ms"] / _reference_ms(lambda: dst.copy_(src), device, reps=3)
+    if ratio > 3:
+        raise Wrong(f"what you timed took {ratio:.1f}x as long as copying {label} here: does the timed function "
+                    "allocate (clone(), torch.empty, torch.randn) or copy more than nbytes?")
+    if ratio < 1 / 3:
+        raise Wrong(f"what you timed took {ratio:.2f}x the time of copying {label} here: are the buffers smaller "
+                    "than nbytes (nbytes is bytes; a float32 element is 4 of them)?")
+    gib = 2**30 / 1e9
+    slips = {
+        0.5: "a copy moves every byte twice: it reads nbytes from src and writes nbytes to dst, so 2 × nbytes "
+             "cross the memory bus. You counted nbytes once (the factor-of-2 mistake).",
+        1 / gib: "that is GiB/s (2**30 bytes); bandwidth is quoted in GB/s, 1e9 bytes.",
+        0.5 / gib: "GiB/s and the bytes counted once: a copy moves 2 × nbytes, and GB/s means 1e9 bytes per second.",
+        1e3: "that is MB/s (1e6): divide bytes per second by 1e9 for GB/s.",
+        1e-3: "milliseconds used as seconds: the timer returns ms, so seconds = ms / 1000.",
+        2.0: "counted 4 × nbytes: a copy reads nbytes and writes nbytes, 2 × nbytes in all.",
+    }
+    gbps = _judge_rate(got, timer, lambda ms: 2 * nbytes / (ms * 1e-3) / 1e9, slips, "GB/s", call)
+    return f"{gbps:.4g} GB/s from {last['ms']:.3g} ms for {label} on the {_chip(device)} (read + write counted)."
+
+
+q3 = CodeExercise(
+    name="01.3 copy bandwidth",
+    var="copy_gbps",
+    grade=_grade_copy_gbps,
+    signature="copy_gbps(nbytes, device, timer) -> float",
+    hints=[
+        "Make src (random) and dst (empty, same shape) once, each holding nbytes bytes: nbytes // 4 float32 "
+        "elements. Time only the copy: ms = timer(lambda: dst.copy_(src)).",
+        "A copy reads every byte of src and writes every byte of dst: it moves 2 × nbytes through memory.",
+        "GB/s = 2 * nbytes / (ms * 1e-3) / 1e9 (GB = 1e9 bytes, as bandwidth is quoted).",
+    ],
+    solution_text=(
+        "def copy_gbps(nbytes, device, timer):\n"
+        "    src = torch.randn(nbytes // 4, device=device)   # float32: 4 bytes per element\n"
+        "    dst = torch.empty_like(src)\n"
+        "    ms = timer(lambda: dst.copy_(src))\n"
+        "    return 2 * nbytes / (ms * 1e-3) / 1e9          # read + write: 2 x nbytes moved"
+    ),
+)
+
+# --- q4/q5/q6: arithmetic intensity, the ridge, which roof ---------------------------------------------
 
 _SAXPY_INTENSITY = 2 / 12  # FLOP/byte: a multiply and an add per element; read x, read y, write y (fp32)
 H200_RIDGE = 989e12 / 4.8e12  # FLOP/byte: dense bf16 peak / HBM3e bandwidth (datasheet), ~206
 
-q3 = Exercise(
-    name="01.3 arithmetic intensity of saxpy",
+q4 = Exercise(
+    name="01.4 arithmetic intensity of saxpy",
     var="saxpy_intensity",
     grade=close_to(
         _SAXPY_INTENSITY,
@@ -253,34 +575,6 @@ q3 = Exercise(
         "saxpy_intensity = 2 / (3 * 4)   # 0.167 FLOP/byte: 2 FLOPs; read x, read y, write y, 4 bytes each"
     ),
 )
-
-
-def _grade_bound(value: Any) -> None:
-    # "memory-bound" and "memory bound" mean the same as "memory".
-    if isinstance(value, str):
-        value = value.strip().lower().removesuffix("bound").strip(" -_")
-    one_of("memory", ["memory", "compute"],
-           why=f"saxpy's ~0.17 FLOP/byte is far below the H200's ridge point (~{H200_RIDGE:.0f} FLOP/byte): "
-               "the chip waits on memory, not on arithmetic.")(value)
-
-
-q4 = Exercise(
-    name="01.4 saxpy: memory- or compute-bound",
-    var="saxpy_bound",
-    grade=_grade_bound,
-    hints=[
-        "Compare the op's arithmetic intensity (q3) with the GPU's ridge point: peak FLOP/s divided by "
-        "memory bandwidth.",
-        f"The H200's ridge is about {H200_RIDGE:.0f} FLOP/byte; below it, the op cannot use the arithmetic "
-        "the chip has.",
-        "0.17 FLOP/byte is more than a thousand times below the ridge: answer \"memory\" or \"compute\".",
-    ],
-    solution_text=(
-        'saxpy_bound = "memory"   # 0.17 FLOP/byte << ~206 FLOP/byte: time = bytes / bandwidth'
-    ),
-)
-
-# --- q5: the H200's ridge point -------------------------------------------------------------------
 
 q5 = Exercise(
     name="01.5 roofline ridge of the H200",
@@ -309,5 +603,160 @@ q5 = Exercise(
     ],
     solution_text=(
         "ridge_flop_per_byte = 989e12 / 4.8e12   # ~206 FLOP/byte: ops below it are memory-bound"
+    ),
+)
+
+
+def _grade_bound(value: Any) -> None:
+    # "memory-bound" and "memory bound" mean the same as "memory".
+    if isinstance(value, str):
+        value = value.strip().lower().removesuffix("bound").strip(" -_")
+    one_of("memory", ["memory", "compute"],
+           why=f"saxpy's ~0.17 FLOP/byte is far below the H200's ridge point (~{H200_RIDGE:.0f} FLOP/byte): "
+               "the chip waits on memory, not on arithmetic.")(value)
+
+
+q6 = Exercise(
+    name="01.6 saxpy: memory- or compute-bound",
+    var="saxpy_bound",
+    grade=_grade_bound,
+    hints=[
+        "Compare the op's arithmetic intensity (01.4) with the GPU's ridge point: peak FLOP/s divided by "
+        "memory bandwidth.",
+        f"The H200's ridge is about {H200_RIDGE:.0f} FLOP/byte; below it, the op cannot use the arithmetic "
+        "the chip has.",
+        "0.17 FLOP/byte is more than a thousand times below the ridge: answer \"memory\" or \"compute\".",
+    ],
+    solution_text=(
+        'saxpy_bound = "memory"   # 0.17 FLOP/byte << ~206 FLOP/byte: time = bytes / bandwidth'
+    ),
+)
+
+# --- q7: a CUDA graph ------------------------------------------------------------------------------------
+
+
+def graph_unavailable() -> str | None:
+    """Why CUDA graphs cannot run here (with the H200 reference's numbers), or None on a CUDA GPU."""
+    if torch.cuda.is_available():
+        return None
+    ref = specs.h200_measured("01")
+    eager, graph = ref.get("launch_eager"), ref.get("launch_cuda_graph")
+    seen = (f" On the H200 reference run, 1000 small kernels cost {eager:.2f} µs each launched one by one and "
+            f"{graph:.2f} µs each replayed from a graph ({eager / graph:.1f}x)." if eager and graph else "")
+    why = "this torch is a CPU-only build" if torch.version.cuda is None else "torch sees no CUDA GPU"
+    return (f"CUDA graphs record and replay CUDA kernels, so they need an NVIDIA GPU; {why} (the CPU tier), "
+            f"so this check cannot run here.{seen}")
+
+
+def reference_replay_with_graph(chain: Callable[[torch.Tensor], torch.Tensor], static_x: torch.Tensor,
+                                xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``[chain(x) for x in xs]``, computed by capturing ``chain(static_x)`` once in a CUDA graph and replaying it."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            chain(static_x)  # warm up on a side stream before capture (lazy initialisation must not be captured)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = chain(static_x)  # recorded, not run
+    outs = []
+    for x in xs:
+        static_x.copy_(x)  # new data into the captured input's memory
+        graph.replay()  # the whole chain in one launch
+        outs.append(static_y.clone())  # the next replay overwrites static_y
+    return outs
+
+
+_GRAPH_KERNELS, _GRAPH_INPUTS, _GRAPH_NUMEL = 100, 32, 4096
+
+
+def _grade_replay_with_graph(fn: Any) -> str:
+    if reason := graph_unavailable():  # the check is marked not applicable before grading; this is a guard
+        raise Wrong(reason)
+    counts = {"captured": 0, "eager": 0}
+
+    def body(x: torch.Tensor) -> torch.Tensor:
+        y = x
+        for _ in range(_GRAPH_KERNELS):  # 2 small kernels each: launch-bound when run eagerly
+            y = y * 0.999 + 0.001
+        return y
+
+    def chain(x: torch.Tensor) -> torch.Tensor:
+        counts["captured" if torch.cuda.is_current_stream_capturing() else "eager"] += 1
+        return body(x)
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    static_x = torch.randn(_GRAPH_NUMEL, device="cuda", generator=gen)
+    captured_input = body(static_x.clone())
+    xs = [torch.randn(_GRAPH_NUMEL, device="cuda", generator=gen) for _ in range(_GRAPH_INPUTS)]
+    want = [body(x) for x in xs]
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    got = run_student(fn, chain, static_x, xs, call="replay_with_graph(chain, static_x, xs)", timeout_s=120)
+    torch.cuda.synchronize()
+    student_ms = (time.perf_counter() - t0) * 1e3
+    if not isinstance(got, (list, tuple)) or len(got) != len(xs) or \
+            not all(isinstance(t, torch.Tensor) for t in got):
+        kind = f"{len(got)} items" if isinstance(got, (list, tuple)) else type(got).__name__
+        raise Wrong(f"replay_with_graph returned {kind}: return a list of {len(xs)} tensors, chain(x) for each x "
+                    "in xs, in order")
+    if counts["captured"] == 0:
+        raise Wrong("chain was never captured into a graph: create g = torch.cuda.CUDAGraph() and run chain(static_x) "
+                    "inside `with torch.cuda.graph(g):`, then g.replay() for each input")
+    if counts["captured"] > 1:
+        raise Wrong(f"chain was captured {counts['captured']} times: capture it once, then replay that graph for "
+                    "every input (capturing costs as much as running eagerly)")
+    if counts["eager"] >= len(xs):
+        raise Wrong(f"chain ran eagerly {counts['eager']} times for {len(xs)} inputs: the outputs must come from "
+                    "g.replay(), not from calling chain(x)")
+    same_memory = len({t.data_ptr() for t in got}) == 1
+    for i, (t, w) in enumerate(zip(got, want, strict=True)):
+        if t.shape == w.shape and torch.allclose(t, w, rtol=1e-5, atol=1e-6):
+            continue
+        if all(torch.allclose(o, captured_input, rtol=1e-5, atol=1e-6) for o in got):
+            raise Wrong("every output is chain() of the tensor static_x held at capture time: a graph replays on "
+                        "the memory it captured, so copy each input into it (static_x.copy_(x)) before g.replay()")
+        if same_memory or all(torch.allclose(o, want[-1], rtol=1e-5, atol=1e-6) for o in got):
+            raise Wrong("all your outputs are the last input's result: each replay writes into the same output "
+                        "tensor, so keep a copy after each replay (outs.append(static_y.clone()))")
+        err = float((t.float() - w.float()).abs().max()) if t.shape == w.shape else math.inf
+        raise Wrong(f"output {i} differs from chain(xs[{i}]) (largest difference {err:.3g}, shape "
+                    f"{tuple(t.shape)})")
+    return f"{len(xs)} inputs through one captured graph of {2 * _GRAPH_KERNELS} kernels in {student_ms:.1f} ms."
+
+
+q7 = CodeExercise(
+    name="01.7 capture and replay a CUDA graph",
+    var="replay_with_graph",
+    grade=_grade_replay_with_graph,
+    signature="replay_with_graph(chain, static_x, xs) -> list[Tensor]",
+    applicable=graph_unavailable,
+    hints=[
+        "A graph records the kernels of one call, on fixed memory: capture chain(static_x) once, inside "
+        "`with torch.cuda.graph(g):` (g = torch.cuda.CUDAGraph()); keep what it returns (static_y).",
+        "Replaying reads static_x's memory and writes static_y's: for each x, static_x.copy_(x), then g.replay(), "
+        "then keep static_y.clone() (the next replay overwrites it).",
+        "Warm up first, on a side stream (s = torch.cuda.Stream(); s.wait_stream(torch.cuda.current_stream()); "
+        "with torch.cuda.stream(s): chain(static_x) a few times; then torch.cuda.current_stream().wait_stream(s)), "
+        "so lazy initialisation is not captured.",
+    ],
+    solution_text=(
+        "def replay_with_graph(chain, static_x, xs):\n"
+        "    s = torch.cuda.Stream()\n"
+        "    s.wait_stream(torch.cuda.current_stream())\n"
+        "    with torch.cuda.stream(s):\n"
+        "        for _ in range(3):\n"
+        "            chain(static_x)              # warm-up: lazy initialisation stays out of the capture\n"
+        "    torch.cuda.current_stream().wait_stream(s)\n"
+        "    g = torch.cuda.CUDAGraph()\n"
+        "    with torch.cuda.graph(g):\n"
+        "        static_y = chain(static_x)       # recorded, not run\n"
+        "    outs = []\n"
+        "    for x in xs:\n"
+        "        static_x.copy_(x)                # new data into the captured input\n"
+        "        g.replay()                       # every kernel of the chain, one launch\n"
+        "        outs.append(static_y.clone())    # the next replay overwrites static_y\n"
+        "    return outs"
     ),
 )

@@ -123,41 +123,40 @@ def _check_dtypes(dtypes: Any, where: str) -> list[str]:
 # TF32
 
 
+def _new_precision_api() -> bool:
+    """torch >= 2.9 sets TF32 per backend: ``torch.backends.cuda.matmul.fp32_precision`` ("tf32" / "ieee")."""
+    return hasattr(torch.backends.cuda.matmul, "fp32_precision")
+
+
 def _precision_state(torch: Any) -> dict[str, str]:
-    # The legacy setting (what allow_tf32 and set_float32_matmul_precision write) and, on torch >= 2.9,
-    # the newer per-backend fp32_precision leaves that set_float32_matmul_precision also writes.
-    state = {"legacy": torch.get_float32_matmul_precision()}
-    for leaf in ("cuda.matmul", "mkldnn.matmul"):
-        mod = _backend(torch, leaf)
-        if mod is not None and hasattr(mod, "fp32_precision"):
-            state[leaf] = mod.fp32_precision
-    return state
-
-
-def _backend(torch: Any, leaf: str) -> Any:
-    mod = torch.backends
-    for part in leaf.split("."):
-        mod = getattr(mod, part, None)
-    return mod
+    # With the new API only its own settings are read: the legacy getters (allow_tf32,
+    # get_float32_matmul_precision) refuse to answer once the two APIs disagree.
+    if _new_precision_api():
+        return {"cuda.matmul": torch.backends.cuda.matmul.fp32_precision}
+    return {"legacy": torch.get_float32_matmul_precision()}
 
 
 @contextlib.contextmanager
 def tf32_matmul(enabled: bool = True) -> Iterator[None]:
-    """Set ``torch.backends.cuda.matmul.allow_tf32`` inside the block; restore the previous settings after.
+    """TF32 for fp32 matmuls inside the block (or, with ``enabled=False``, full fp32); the previous setting after.
 
-    TF32 rounds fp32 matmul inputs to a 10-bit mantissa so cuBLAS can use the tensor cores. The flag is
-    process-wide, so it is never left changed. torch >= 2.9 keeps a second, newer setting
-    (``...matmul.fp32_precision``) beside the legacy one and refuses to read ``allow_tf32`` when the two
-    disagree; both are saved and restored exactly, so the block leaves no such mix behind.
+    TF32 rounds fp32 matmul inputs to a 10-bit mantissa so cuBLAS can use the tensor cores. The switch is
+    ``torch.backends.cuda.matmul.fp32_precision = "tf32"`` ("ieee" for full fp32; torch >= 2.9); the older
+    ``torch.backends.cuda.matmul.allow_tf32`` / ``torch.set_float32_matmul_precision`` are deprecated and are
+    used only on a torch without the new switch. The setting is process-wide, so it is never left changed.
     """
     saved = _precision_state(torch)
-    torch.backends.cuda.matmul.allow_tf32 = bool(enabled)
+    if "cuda.matmul" in saved:
+        torch.backends.cuda.matmul.fp32_precision = "tf32" if enabled else "ieee"
+    else:
+        torch.backends.cuda.matmul.allow_tf32 = bool(enabled)
     try:
         yield
     finally:
-        torch.set_float32_matmul_precision(saved.pop("legacy"))
-        for leaf, value in saved.items():
-            _backend(torch, leaf).fp32_precision = value
+        if "cuda.matmul" in saved:
+            torch.backends.cuda.matmul.fp32_precision = saved["cuda.matmul"]
+        else:
+            torch.set_float32_matmul_precision(saved["legacy"])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -696,9 +695,11 @@ def roofline_points(
     """Measured points for a roofline: each measured matmul of ``sweep``, an elementwise add measured here,
     and each copy of ``copies``.
 
-    Copies do no arithmetic (intensity 0, tflops 0): they are the measured memory ceiling (``tbps``), not
-    points. ``.attrs`` holds ``measured_peak_tflops`` (best matmul) and ``measured_bw_tbps`` (best copy)
-    for ``plots.plot_roofline``. Columns: see ``ROOFLINE_COLUMNS``.
+    Each row carries only what it measures: a matmul its TFLOP/s (``tbps`` is NaN: it is not bandwidth-bound
+    at these sizes), a copy its TB/s (``intensity_flop_per_byte`` and ``tflops`` NaN: it does no arithmetic; it
+    is the measured memory ceiling, not a point), the elementwise add both. ``.attrs`` holds
+    ``measured_peak_tflops`` (best matmul) and ``measured_bw_tbps`` (best copy) for ``plots.plot_roofline``.
+    Columns: see ``ROOFLINE_COLUMNS``.
     """
     rows: list[dict[str, Any]] = []
     if sweep is not None:
@@ -713,7 +714,7 @@ def roofline_points(
                 {
                     "label": f"matmul {r.dtype} {r.n}", "kind": "matmul", "dtype": r.dtype,
                     "intensity_flop_per_byte": r.intensity_flop_per_byte, "tflops": r.tflops,
-                    "tbps": r.tflops / r.intensity_flop_per_byte, "device": r.device,
+                    "tbps": math.nan, "device": r.device,  # bandwidth is not what limits a large matmul
                 }
             )
     ew = elementwise_add(elementwise_numel, device=device, reps=reps)
@@ -729,7 +730,8 @@ def roofline_points(
             rows.append(
                 {
                     "label": f"copy {_bytes_label(r.size_bytes)}", "kind": "copy", "dtype": "",
-                    "intensity_flop_per_byte": 0.0, "tflops": 0.0, "tbps": r.gbps / 1e3, "device": r.device,
+                    "intensity_flop_per_byte": math.nan, "tflops": math.nan, "tbps": r.gbps / 1e3,
+                    "device": r.device,
                 }
             )
     df = pd.DataFrame(rows, columns=ROOFLINE_COLUMNS)
