@@ -1,9 +1,11 @@
-"""Lab 03 test data built once per test session: a briefly trained digits CNN and its ONNX export."""
+"""Lab 03 test data built once per test session: the digits CNN (lab 03's quick-mode model, shared with the
+exercise checks) and its ONNX export."""
 
 from __future__ import annotations
 
 import atexit
 import functools
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -12,14 +14,14 @@ from typing import Any
 
 @functools.lru_cache(maxsize=1)
 def digits_onnx() -> tuple[Any, Path, dict[str, Any]]:
-    """(model, onnx path, facts): the digits CNN trained 2 epochs, exported with a dynamic batch (a few seconds)."""
+    """(model, onnx path, facts): the digits CNN trained 3 epochs, exported with a dynamic batch (a few seconds)."""
     import torch
 
     from lab_utils import models
     from lab_utils.inference import onnx, workloads
 
-    folder = Path(tempfile.mkdtemp(prefix="nvlab-lab03-"))
+    folder = Path(tempfile.mkdtemp(prefix=f"nvlab-lab03-tests-{os.getpid()}-"))
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
-    model, facts = workloads.train_digits_cnn(epochs=2)
+    model, facts = workloads.trained_digits(3)
     path = onnx.export_onnx(model, folder / "digits.onnx", torch.from_numpy(models.digits_arrays()["x_test"][:2]))
     return model, path, facts

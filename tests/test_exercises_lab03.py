@@ -1,24 +1,399 @@
-"""Lab 03's exercise checks against right, wrong and blank answers; the specific messages; hints and
-solutions; the exported constants."""
+"""Lab 03's exercise checks. The code exercises run against the real components here (the torch exporter, ONNX
+Runtime, ModelOpt; TensorRT where it imports, else mypy against tensorrt-stubs) with right implementations
+written two or three ways, blanks, and the plausible wrong ones, each told its own symptom. The fixed-data
+exercises against right, wrong and blank answers; hints, solutions and the notebook's by-hand calls."""
 
 from __future__ import annotations
 
 import copy
+import importlib.util
+import json
+import textwrap
+from pathlib import Path
 
+import numpy as np
 import pytest
 from _exercise_harness import check, exercises_of, hint_and_solution_tests, standard_tests
 
 from lab_utils.exercises import lab03
-from lab_utils.exercises.framework import Exercise, Status
+from lab_utils.exercises.framework import CodeExercise, Exercise, Status
 
+ROOT = Path(__file__).resolve().parents[1]
 _SPEEDUP = 1 / (1 - 30 / (2_000_000 * 14 / 5000 / 60))  # 1.4737
 
+torch = pytest.importorskip("torch")
+ort = pytest.importorskip("onnxruntime")
+for _name in ("modelopt", "onnxscript"):
+    if importlib.util.find_spec(_name) is None:
+        pytest.skip(f"lab 03's checks need {_name}: pip install -e '.[lab]'", allow_module_level=True)
+
+from lab_utils.inference import onnx as lab_onnx  # noqa: E402
+from lab_utils.inference import tensorrt as trt_engine  # noqa: E402
+from lab_utils.timing import benchmark  # noqa: E402
+
+TRT_RUNS, _ = trt_engine.tensorrt_status()
+
+
+# ==================================================================================================
+# 03.1 the export: right (three ways), wrong (four symptoms), blank
+
+
+def export_dynamo(model, path, example):
+    model.eval()
+    batch = torch.export.Dim("batch", min=1, max=4096)
+    torch.onnx.export(model, (example,), str(path), dynamo=True, opset_version=lab03.ONNX_OPSET,
+                      input_names=["input"], output_names=["logits"], dynamic_shapes=({0: batch},))
+
+
+def export_legacy_dynamic_axes(model, path, example):
+    model.eval()  # the TorchScript exporter with dynamic_axes: deprecated, still right
+    torch.onnx.export(model, (example,), path, dynamo=False, opset_version=18, input_names=["x"],
+                      output_names=["y"], dynamic_axes={"x": {0: "n"}, "y": {0: "n"}})
+
+
+def export_through_torch_export(model, path, example):
+    program = torch.export.export(model.eval(), (example,), dynamic_shapes=({0: torch.export.Dim("b")},))
+    torch.onnx.export(program, f=str(path))  # the exporter's default opset
+
+
+def export_in_train_mode(model, path, example):
+    torch.onnx.export(model, (example,), str(path), dynamo=True, opset_version=18,
+                      dynamic_shapes=({0: torch.export.Dim("batch")},))
+
+
+def export_static(model, path, example):
+    model.eval()
+    torch.onnx.export(model, (example,), str(path), dynamo=True, opset_version=18)
+
+
+def export_old_opset(model, path, example):
+    model.eval()
+    torch.onnx.export(model, (example,), str(path), dynamo=False, opset_version=11, input_names=["input"],
+                      dynamic_axes={"input": {0: "batch"}})
+
+
+def export_no_file(model, path, example):
+    model.eval()
+    return torch.onnx.export(model, (example,), dynamo=True, dynamic_shapes=({0: torch.export.Dim("batch")},))
+
+
+def export_raises(model, path, example):
+    model.eval()
+    torch.onnx.export(model, (example[:1],), str(path), dynamo=True,  # a batch of 1 cannot be dynamic
+                      dynamic_shapes=({0: torch.export.Dim("batch", min=2)},))
+
+
+def export_blank(model, path, example):
+    """Write `model` to the ONNX file `path`, batch dimension dynamic."""
+    ...  # YOUR CODE HERE
+
+
+# ==================================================================================================
+# 03.2 ONNX Runtime session, timed
+
+
+def _level(level):
+    return getattr(ort.GraphOptimizationLevel, lab03.ORT_LEVELS[level])
+
+
+def ort_right(onnx_path, x, level):
+    so = ort.SessionOptions()
+    so.graph_optimization_level = _level(level)
+    session = ort.InferenceSession(str(onnx_path), so, providers=["CPUExecutionProvider"])
+    feed = {session.get_inputs()[0].name: x}
+    return session, benchmark(lambda: session.run(None, feed), reps=10, warmup=2, device="cpu")
+
+
+def ort_right_differently(onnx_path, x, level):
+    import functools
+
+    levels = {"disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL, "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+              "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+              "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED}
+    options = ort.SessionOptions()
+    options.graph_optimization_level = levels[level]
+    options.intra_op_num_threads = 1
+    session = ort.InferenceSession(onnx_path, sess_options=options,
+                                   providers=[("CPUExecutionProvider", {})])
+    name = session.get_inputs()[0].name
+    return session, benchmark(functools.partial(session.run, ["logits"], {name: x}), reps=8, warmup=1, device="cpu")
+
+
+def ort_options_not_passed(onnx_path, x, level):
+    so = ort.SessionOptions()
+    so.graph_optimization_level = _level(level)
+    session = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+    feed = {session.get_inputs()[0].name: x}
+    return session, benchmark(lambda: session.run(None, feed), reps=10, warmup=2, device="cpu")
+
+
+def ort_no_providers(onnx_path, x, level):
+    so = ort.SessionOptions()
+    so.graph_optimization_level = _level(level)
+    session = ort.InferenceSession(str(onnx_path), so)
+    feed = {session.get_inputs()[0].name: x}
+    return session, benchmark(lambda: session.run(None, feed), reps=10, warmup=2, device="cpu")
+
+
+def ort_session_in_timed_loop(onnx_path, x, level):
+    so = ort.SessionOptions()
+    so.graph_optimization_level = _level(level)
+
+    def run():
+        s = ort.InferenceSession(str(onnx_path), so, providers=["CPUExecutionProvider"])
+        return s.run(None, {s.get_inputs()[0].name: x})
+
+    session = ort.InferenceSession(str(onnx_path), so, providers=["CPUExecutionProvider"])
+    return session, benchmark(run, reps=5, warmup=1, device="cpu")
+
+
+def ort_returns_a_number(onnx_path, x, level):
+    session, timing = ort_right(onnx_path, x, level)
+    return session, timing.median_ms
+
+
+def ort_no_warmup(onnx_path, x, level):
+    so = ort.SessionOptions()
+    so.graph_optimization_level = _level(level)
+    session = ort.InferenceSession(str(onnx_path), so, providers=["CPUExecutionProvider"])
+    feed = {session.get_inputs()[0].name: x}
+    return session, benchmark(lambda: session.run(None, feed), reps=10, warmup=0, device="cpu")
+
+
+def ort_times_nothing(onnx_path, x, level):
+    so = ort.SessionOptions()
+    so.graph_optimization_level = _level(level)
+    session = ort.InferenceSession(str(onnx_path), so, providers=["CPUExecutionProvider"])
+    return session, benchmark(lambda: None, reps=10, warmup=2, device="cpu")
+
+
+# ==================================================================================================
+# 03.3 ModelOpt INT8
+
+
+def quantize_right(onnx_path, out_path, x_train):
+    from modelopt.onnx.quantization import quantize
+
+    quantize(str(onnx_path), quantize_mode="int8", calibration_data=x_train[:512], calibration_method="max",
+             calibration_eps=["cpu"], output_path=str(out_path))
+
+
+mo_quantize = None  # bound to ModelOpt's quantize by the fixture below, as a cell's top-level import would
+
+
+def quantize_right_differently(onnx_path, out_path, x_train):
+    rng = np.random.default_rng(0)
+    images = x_train[rng.choice(len(x_train), 256, replace=False)]  # a random subset, as a dict by input name
+    mo_quantize(onnx_path=str(onnx_path), calibration_data={"input": images}, output_path=str(out_path))
+
+
+def quantize_nhwc(onnx_path, out_path, x_train):
+    from modelopt.onnx.quantization import quantize
+
+    quantize(str(onnx_path), quantize_mode="int8", calibration_data=x_train[:512].transpose(0, 2, 3, 1),
+             output_path=str(out_path))
+
+
+def quantize_float64(onnx_path, out_path, x_train):
+    from modelopt.onnx.quantization import quantize
+
+    quantize(str(onnx_path), quantize_mode="int8", calibration_data=x_train[:512].astype(float),
+             output_path=str(out_path))
+
+
+def quantize_fp8(onnx_path, out_path, x_train):
+    from modelopt.onnx.quantization import quantize
+
+    quantize(str(onnx_path), quantize_mode="fp8", calibration_data=x_train[:256], calibration_eps=["cpu"],
+             output_path=str(out_path))
+
+
+def quantize_no_output_path(onnx_path, out_path, x_train):
+    from modelopt.onnx.quantization import quantize
+
+    quantize(str(onnx_path), quantize_mode="int8", calibration_data=x_train[:256], calibration_eps=["cpu"])
+
+
+def quantize_no_data(onnx_path, out_path, x_train):
+    from modelopt.onnx.quantization import quantize
+
+    quantize(str(onnx_path), quantize_mode="int8", output_path=str(out_path))
+
+
+def quantize_zeros(onnx_path, out_path, x_train):
+    from modelopt.onnx.quantization import quantize
+
+    quantize(str(onnx_path), calibration_data=np.zeros_like(x_train[:64]), output_path=str(out_path))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _cell_level_modelopt_import():
+    from modelopt.onnx.quantization import quantize
+
+    globals()["mo_quantize"] = quantize
+    yield
+
+
+# ==================================================================================================
+# 03.6 the TensorRT builder (run where TensorRT imports, read and type-checked elsewhere)
+
+
+def trt_right(onnx_path, batches, workspace_bytes=1 << 30):
+    import tensorrt as trt
+
+    logger = trt.Logger(trt.Logger.WARNING)
+    builder = trt.Builder(logger)
+    network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse_from_file(str(onnx_path)):
+        for i in range(parser.num_errors):
+            print(parser.get_error(i))
+        raise RuntimeError(f"TensorRT could not parse {onnx_path}")
+    config = builder.create_builder_config()
+    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, workspace_bytes)
+    name = network.get_input(0).name
+    sizes = sorted(int(x.shape[0]) for x in batches)
+    sample = tuple(batches[0].shape[1:])
+    profile = builder.create_optimization_profile()
+    profile.set_shape(name, (sizes[0], *sample), (sizes[-1], *sample), (sizes[-1], *sample))
+    config.add_optimization_profile(profile)
+    plan = builder.build_serialized_network(network, config)
+    if plan is None:
+        raise RuntimeError("the build failed")
+    engine = trt.Runtime(logger).deserialize_cuda_engine(plan)
+    context = engine.create_execution_context()
+    output = engine.get_tensor_name(engine.num_io_tensors - 1)
+    stream = torch.cuda.Stream()
+    results = []
+    for x in batches:
+        x = x.to("cuda", torch.float32).contiguous()
+        context.set_input_shape(name, tuple(x.shape))
+        y = torch.empty(tuple(context.get_tensor_shape(output)), device="cuda")
+        context.set_tensor_address(name, x.data_ptr())
+        context.set_tensor_address(output, y.data_ptr())
+        context.execute_async_v3(stream.cuda_stream)
+        stream.synchronize()
+        results.append(y)
+    return results
+
+
+def trt_right_differently(onnx_path, batches):
+    """Parsed from bytes, Dims objects, the flag looked up defensively (TensorRT 11 may drop it), tensor names
+    by mode, the output read on the current stream."""
+    import tensorrt as trt
+
+    log = trt.Logger(trt.Logger.ERROR)
+    builder = trt.Builder(log)
+    flag = getattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED", None)
+    net = builder.create_network(0 if flag is None else 1 << int(flag))
+    parser = trt.OnnxParser(net, log)
+    with open(onnx_path, "rb") as f:
+        ok = parser.parse(f.read(), str(onnx_path))
+    if not ok:
+        errors = [str(parser.get_error(i)) for i in range(parser.num_errors)]
+        raise RuntimeError("\n".join(errors))
+    cfg = builder.create_builder_config()
+    cfg.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, 256 << 20)
+    inp = net.get_input(0)
+    lo = min(b.shape[0] for b in batches)
+    hi = max(b.shape[0] for b in batches)
+    prof = builder.create_optimization_profile()
+    prof.set_shape(inp.name, trt.Dims([lo, 1, 8, 8]), trt.Dims([hi, 1, 8, 8]), trt.Dims([hi, 1, 8, 8]))
+    cfg.add_optimization_profile(prof)
+    serialized = builder.build_serialized_network(net, cfg)
+    runtime = trt.Runtime(log)
+    engine = runtime.deserialize_cuda_engine(serialized)
+    names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
+    out_name = next(n for n in names if engine.get_tensor_mode(n) == trt.TensorIOMode.OUTPUT)
+    ctx = engine.create_execution_context()
+    stream = torch.cuda.current_stream()
+    outs = []
+    for x in batches:
+        ctx.set_input_shape(inp.name, list(x.shape))
+        out = torch.empty((x.shape[0], 10), device="cuda")
+        ctx.set_tensor_address(inp.name, x.contiguous().data_ptr())
+        ctx.set_tensor_address(out_name, out.data_ptr())
+        ctx.execute_async_v3(stream.cuda_stream)
+        stream.synchronize()
+        outs.append(out.cpu())
+    return outs
+
+
+def trt_blank(onnx_path, batches, workspace_bytes=1 << 30):
+    """Build a strongly typed engine ... (YOUR CODE HERE)"""
+    ...
+
+
+def _variant(old: str, new: str) -> str:
+    """trt_right's source with one change: a plausible wrong version, defined from real source (so the check can
+    read it, as it reads a notebook cell)."""
+    import inspect
+
+    source = textwrap.dedent(inspect.getsource(trt_right))
+    assert old in source, old
+    return source.replace(old, new, 1)
+
+
+TRT_WRONG_SOURCES = {
+    "explicit_batch": (_variant("1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)",
+                                "1 << int(trt.NetworkDefinitionCreationFlag.EXPLICIT_BATCH)"),
+                       "`NetworkDefinitionCreationFlag.EXPLICIT_BATCH` is gone"),
+    "max_workspace_size": (_variant("config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, workspace_bytes)",
+                                    "config.max_workspace_size = workspace_bytes"),
+                           "`max_workspace_size` is gone (removed in TensorRT 10): use `config.set_memory_pool_limit"),
+    "build_engine": (_variant("plan = builder.build_serialized_network(network, config)",
+                              "plan = builder.build_engine(network, config)"),
+                     "`build_engine` is gone"),
+    "fp16_flag": (_variant("config.add_optimization_profile(profile)",
+                           "config.add_optimization_profile(profile)\n    config.set_flag(trt.BuilderFlag.FP16)"),
+                  "`BuilderFlag.FP16` is gone (removed in TensorRT 11; a strongly typed network refuses it in 10)"),
+    "max_batch_size": (_variant("config = builder.create_builder_config()",
+                                "builder.max_batch_size = 8\n    config = builder.create_builder_config()"),
+                       "`max_batch_size` is gone"),
+    "no_profile": (_variant("""    profile = builder.create_optimization_profile()
+    profile.set_shape(name, (sizes[0], *sample), (sizes[-1], *sample), (sizes[-1], *sample))
+    config.add_optimization_profile(profile)
+""", ""), "a step is missing from your function: an optimization profile (and 1 more step)"),
+    "no_parser_errors": (_variant("""        for i in range(parser.num_errors):
+            print(parser.get_error(i))
+""", ""), "the parser's errors printed"),
+    "weakly_typed": (_variant("builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))",
+                              "builder.create_network(0)"), "a strongly typed network"),
+    "no_execute": (_variant("context.execute_async_v3(stream.cuda_stream)", "pass"), "execute_async_v3"),
+}
+# Wrong only by the API's types, which the stubs know: caught by mypy where TensorRT cannot run.
+TRT_TYPE_ERRORS = {
+    "parse_with_a_verbosity": (_variant("parser.parse_from_file(str(onnx_path))",
+                                        "parser.parse_from_file(str(onnx_path), 2)"),
+                               'Too many arguments for "parse_from_file"'),
+    "shape_by_index": (_variant("context.get_tensor_shape(output)", "context.get_tensor_shape(1)"),
+                       'Argument 1 to "get_tensor_shape"'),
+    "misspelled_method": (_variant("builder.create_builder_config()", "builder.create_config()"),
+                          '"Builder" has no attribute "create_config"'),
+}
+
+
+def _load_functions(tmp_path: Path, sources: dict[str, str], prefix: str) -> dict[str, object]:
+    """Each source as a function defined in a real file (the check reads a function's source, as in a notebook)."""
+    text = "import numpy as np\nimport torch\n\n" + "\n\n".join(
+        src.replace("def trt_right(", f"def {prefix}{key}(", 1) for key, src in sources.items())
+    path = tmp_path / f"{prefix}variants.py"
+    path.write_text(text)
+    spec = importlib.util.spec_from_file_location(f"{prefix}variants", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return {key: getattr(module, f"{prefix}{key}") for key in sources}
+
+
+# ==================================================================================================
+# The fixed-data exercises
+
 CASES = [
-    (lab03.q1, ["int8", " INT8 ", "Int8"], ["fp8", "fp16", "fp32", "int4", 8, "best"]),
-    (lab03.q2, [_SPEEDUP, 1.47, 1.48, "1.474"], [1.32, 1.0054, 2.0, 1.0, 0.68, "fast"]),
-    (lab03.q3, [["a", "b", "c", "f"], {"f", "c", "b", "a"}, ("A", "B", "C", "F"), "abcf", "a, b, c, f"],
+    (lab03.q4, ["int8", " INT8 ", "Int8"], ["fp8", "fp16", "fp32", "int4", 8, "best"]),
+    (lab03.q5, [_SPEEDUP, 1.47, 1.48, "1.474"], [1.32, 1.0054, 2.0, 1.0, 0.68, "fast"]),
+    (lab03.q7, [["a", "b", "c", "f"], {"f", "c", "b", "a"}, ("A", "B", "C", "F"), "abcf", "a, b, c, f"],
      [["a", "b", "c", "d", "f"], ["a", "b", "c", "e", "f"], ["a", "b", "f"], ["b", "c", "f"], [], ["z"], 3]),
-    (lab03.q4, [32, 32.0, "32"], [64, 128, 16, 1, 48, 32.5, "big"]),
+    (lab03.q8, [32, 32.0, "32"], [48, 64, 128, 16, 1, 40, 32.5, "big"]),
 ]
 
 (
@@ -28,87 +403,258 @@ CASES = [
 ) = standard_tests(CASES)
 
 
+CODE = [lab03.q1, lab03.q2, lab03.q3, lab03.q6]
+
+
 def test_cases_cover_every_exercise():
-    assert {id(ex) for ex, *_ in CASES} == {id(ex) for ex in exercises_of(lab03)}
+    assert {id(ex) for ex, *_ in CASES} | {id(ex) for ex in CODE} == {id(ex) for ex in exercises_of(lab03)}
 
 
-# --- q1: precision for an accuracy budget ------------------------------------------------------------------
+def test_at_least_half_of_the_graded_exercises_run_code():
+    exercises = exercises_of(lab03)
+    code = [e for e in exercises if isinstance(e, CodeExercise)]
+    assert set(map(id, code)) == set(map(id, CODE)) and len(code) * 2 >= len(exercises)
 
 
-def test_q1_messages():
-    assert "more than the 1.0 point budget" in check(lab03.q1, "fp8").message
-    for p in ("fp16", "fp32"):
-        assert "take the fastest one that fits" in check(lab03.q1, p).message
-    assert "one of ['fp32', 'fp16', 'int8', 'fp8']" in check(lab03.q1, "int4").message
-    assert lab03.Q1_CHOICES == ("fp32", "fp16", "int8", "fp8")
+@pytest.mark.parametrize("exercise", CODE, ids=lambda e: e.name)
+@pytest.mark.parametrize("blank", [None, ..., "stub"])
+def test_code_blanks_are_not_attempted(exercise, blank):
+    value = (trt_blank if exercise is lab03.q6 else export_blank) if blank == "stub" else blank
+    out = check(exercise, value)
+    assert out.status is Status.NOT_ATTEMPTED, out.message
+    assert exercise.var in out.message
 
 
-def test_q1_grader_ignores_a_mutated_table():
-    saved = copy.deepcopy(lab03.Q1_CANDIDATES)
-    try:
-        lab03.Q1_CANDIDATES["fp8"]["accuracy_delta_points"] = 0.0  # a student's cell may change the shared dict
-        assert check(lab03.q1, "int8").correct
-    finally:
-        lab03.Q1_CANDIDATES.clear()
-        lab03.Q1_CANDIDATES.update(saved)
+def test_code_exercises_refuse_a_value_that_is_not_a_function():
+    out = check(lab03.q2, 3.0)
+    assert out.status is Status.INCORRECT and "expected a function" in out.message
 
 
-# --- q2: break-even speedup --------------------------------------------------------------------------------
+# --- 03.1 ------------------------------------------------------------------------------------------------
 
 
-def test_q2_value_and_messages():
-    assert _SPEEDUP == pytest.approx(1.47368, rel=1e-5)
-    assert check(lab03.q2, _SPEEDUP * 1.009).correct and not check(lab03.q2, _SPEEDUP * 1.02).correct
-    assert "1 + C/T" in check(lab03.q2, 1 + 30 / (2_000_000 * 14 / 5000 / 60)).message
-    assert "seconds" in check(lab03.q2, 1 / (1 - 30 / (2_000_000 * 14 / 5000))).message
-    message = check(lab03.q2, 2.0).message
-    assert "too high" in message and "1.47" not in message  # not given away
-    assert "number" in check(lab03.q2, "fast").message
+@pytest.mark.parametrize("fn", [export_dynamo, export_legacy_dynamic_axes, export_through_torch_export],
+                         ids=lambda f: f.__name__)
+def test_export_right_ways(fn):
+    out = check(lab03.q1, fn)
+    assert out.correct, out.message
+    assert "ONNX Runtime ran batch 1 and 7 like PyTorch" in out.message
 
 
-# --- q3: optimization profile ------------------------------------------------------------------------------
+@pytest.mark.parametrize(("fn", "symptom"), [
+    (export_in_train_mode, "exported in train mode (model.training is still True)"),
+    (export_static, "the batch is fixed at 4"),
+    (export_old_opset, "the file is opset 11"),
+    (export_no_file, "It returned an ONNXProgram"),
+    (export_raises, "raised"),
+], ids=lambda v: getattr(v, "__name__", "symptom"))
+def test_export_wrong_ways_are_told_their_symptom(fn, symptom):
+    out = check(lab03.q1, fn)
+    assert out.status is Status.INCORRECT, out.message
+    assert symptom in out.message and "`export_dynamic`" in out.message
 
 
-def test_q3_each_mistake_has_its_reason():
-    assert "one over the max" in check(lab03.q3, "abcdf").message
-    assert "fixes the image at 224x224" in check(lab03.q3, "abcef").message
-    assert "exactly the profile's max" in check(lab03.q3, "abf").message
-    assert "exactly the profile's min" in check(lab03.q3, "bcf").message
-    assert "opt shape itself" in check(lab03.q3, "acf").message
-    assert "between min 1 and max 64" in check(lab03.q3, "abc").message
-    assert "not requests" in check(lab03.q3, ["a", "z"]).message
-    assert "names of the requests" in check(lab03.q3, 3).message
+def test_export_in_train_mode_names_the_random_graph():
+    assert "RandomUniformLike: random numbers at every run" in check(lab03.q1, export_in_train_mode).message
+    assert "Call model.eval()" in check(lab03.q1, export_in_train_mode).message
 
 
-def test_q3_agrees_with_the_profile_class():
-    from lab_utils.inference.tensorrt import Profile
-
-    p = Profile("input", lab03.Q3_PROFILE["min"], lab03.Q3_PROFILE["opt"], lab03.Q3_PROFILE["max"])
-    runs = sorted(k for k, shape in lab03.Q3_REQUESTS.items() if p.accepts(shape))
-    assert runs == ["a", "b", "c", "f"] and check(lab03.q3, runs).correct
+def test_export_raise_shows_the_students_own_line():
+    message = check(lab03.q1, export_raises).message
+    assert "torch.onnx.export(model, (example[:1],)" in message and "lab_utils" not in message
 
 
-# --- q4: latency budget ------------------------------------------------------------------------------------
+def test_the_export_opset_is_the_course_opset():
+    assert lab03.ONNX_OPSET == lab_onnx.ONNX_OPSET
+    assert set(lab03.ORT_LEVELS.items()) <= set(lab_onnx.ORT_LEVELS.items())
+
+
+# --- 03.2 ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fn", [ort_right, ort_right_differently], ids=lambda f: f.__name__)
+def test_ort_right_ways(fn):
+    out = check(lab03.q2, fn)
+    assert out.correct, out.message
+    assert "at 'disable'" in out.message and f"for {lab03.ORT_BATCH} images" in out.message
+
+
+@pytest.mark.parametrize(("fn", "symptom"), [
+    (ort_options_not_passed, "runs at ORT_ENABLE_ALL, not ORT_DISABLE_ALL: that is ONNX Runtime's default"),
+    (ort_no_providers, "without providers=: it works with the CPU-only onnxruntime, but onnxruntime-gpu refuses it"),
+    (ort_session_in_timed_loop, "time only session.run, with the session made"),
+    (ort_returns_a_number, "the Timing that the lab-01 timer returns"),
+    (ort_no_warmup, "the timing has no warm-up"),
+    (ort_times_nothing, "does the timed function call session.run?"),
+], ids=lambda v: getattr(v, "__name__", "symptom"))
+def test_ort_wrong_ways_are_told_their_symptom(fn, symptom):
+    out = check(lab03.q2, fn)
+    assert out.status is Status.INCORRECT, out.message
+    assert symptom in out.message and "`ort_timed`" in out.message
+
+
+# --- 03.3 ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fn", [quantize_right, quantize_right_differently], ids=lambda f: f.__name__)
+def test_quantize_right_ways(fn):
+    out = check(lab03.q3, fn)
+    assert out.correct, out.message
+    assert "Q/DQ nodes" in out.message and "images)" in out.message
+
+
+@pytest.mark.parametrize(("fn", "symptom"), [
+    (quantize_nhwc, "has shape (512, 8, 8, 1); expected (N, 1, 8, 8) float32"),
+    (quantize_float64, "has dtype float64; expected (N, 1, 8, 8) float32"),
+    (quantize_fp8, "quantize to float8e4m3fn, not int8"),
+    (quantize_no_output_path, "no file at out_path: pass output_path"),
+    (quantize_no_data, "got no calibration_data: ModelOpt then calibrates on random inputs"),
+    (quantize_zeros, "all the same value"),
+], ids=lambda v: getattr(v, "__name__", "symptom"))
+def test_quantize_wrong_ways_are_told_their_symptom(fn, symptom):
+    out = check(lab03.q3, fn)
+    assert out.status is Status.INCORRECT, out.message
+    assert symptom in out.message and "`quantize_int8`" in out.message
+
+
+def test_quantize_check_leaves_modelopt_as_it_was():
+    import modelopt.onnx.quantization as mq
+
+    before = mq.quantize
+    check(lab03.q3, quantize_nhwc)
+    check(lab03.q3, quantize_right_differently)
+    assert mq.quantize is before and mo_quantize is before
+
+
+# --- 03.6 ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fn", [trt_right, trt_right_differently], ids=lambda f: f.__name__)
+def test_trt_right_ways(fn):
+    out = check(lab03.q6, fn)
+    assert out.correct, out.message
+    if TRT_RUNS:
+        assert "built and run here" in out.message
+    else:
+        assert "read and type-checked, not run: TensorRT cannot run here" in out.message
+        assert "mypy" in out.message and "tensorrt-stubs" in out.message
+
+
+@pytest.fixture(scope="module")
+def trt_wrongs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("trt-variants")
+    return (_load_functions(folder, {k: v[0] for k, v in TRT_WRONG_SOURCES.items()}, "wrong_"),
+            _load_functions(folder, {k: v[0] for k, v in TRT_TYPE_ERRORS.items()}, "typed_"))
+
+
+@pytest.mark.parametrize("key", list(TRT_WRONG_SOURCES))
+def test_trt_removed_calls_and_missing_steps_are_told_on_every_tier(trt_wrongs, key):
+    out = check(lab03.q6, trt_wrongs[0][key])
+    assert out.status is Status.INCORRECT, out.message
+    assert TRT_WRONG_SOURCES[key][1] in out.message and "`trt_build_and_run`" in out.message
+    if not TRT_RUNS:
+        assert "read and type-checked, not run: TensorRT cannot run here" in out.message
+
+
+@pytest.mark.parametrize("key", list(TRT_TYPE_ERRORS))
+def test_trt_type_errors(trt_wrongs, key):
+    out = check(lab03.q6, trt_wrongs[1][key])
+    assert out.status is Status.INCORRECT, out.message
+    if not TRT_RUNS:  # where TensorRT runs, the same code fails when it runs instead
+        assert TRT_TYPE_ERRORS[key][1] in out.message and "tensorrt-stubs" in out.message
+
+
+def test_trt_findings_name_the_line_of_the_cell(trt_wrongs):
+    fn = trt_wrongs[0]["max_workspace_size"]
+    line = next(i for i, ln in enumerate(Path(fn.__code__.co_filename).read_text().splitlines(), 1)
+                if "config.max_workspace_size" in ln)
+    assert f"line {line}:" in check(lab03.q6, fn).message
+
+
+@pytest.mark.skipif(TRT_RUNS, reason="TensorRT runs here: the check runs the code instead of reading it")
+def test_trt_function_without_source_is_told_why():
+    namespace: dict = {}
+    exec(textwrap.dedent("""
+        def trt_build_and_run(onnx_path, batches):
+            import tensorrt as trt
+            return trt.Builder(trt.Logger())
+    """), namespace)
+    out = check(lab03.q6, namespace["trt_build_and_run"])
+    assert out.status is Status.INCORRECT and "could not read your function's source" in out.message
+
+
+# --- the fixed-data exercises' messages ------------------------------------------------------------------------
 
 
 def test_q4_messages():
-    assert "queue" in check(lab03.q4, 64).message and "9.1 + 2.5 > 10.0" in check(lab03.q4, 64).message
-    assert "highest throughput" in check(lab03.q4, 128).message
-    assert "take the largest that fits" in check(lab03.q4, 16).message
-    assert "measured batch sizes" in check(lab03.q4, 48).message
-    assert "whole number" in check(lab03.q4, 32.5).message
+    assert "more than the 1.0 point budget" in check(lab03.q4, "fp8").message
+    for p in ("fp16", "fp32"):
+        assert "take the fastest one that fits" in check(lab03.q4, p).message
+    assert "one of ['fp32', 'fp16', 'int8', 'fp8']" in check(lab03.q4, "int4").message
+    assert lab03.PRECISION_CHOICES == ("fp32", "fp16", "int8", "fp8")
 
 
-def test_q4_blank_function_style_answer_is_not_attempted():
-    assert check(lab03.q4, ...).status is Status.NOT_ATTEMPTED
+def test_q4_grader_ignores_a_mutated_table():
+    saved = copy.deepcopy(lab03.PRECISION_CANDIDATES)
+    try:
+        lab03.PRECISION_CANDIDATES["fp8"]["accuracy_delta_points"] = 0.0  # a student's cell may change the dict
+        assert check(lab03.q4, "int8").correct
+    finally:
+        lab03.PRECISION_CANDIDATES.clear()
+        lab03.PRECISION_CANDIDATES.update(saved)
 
 
-# --- hints, solutions, completeness ------------------------------------------------------------------------
+def test_q5_value_and_messages():
+    assert _SPEEDUP == pytest.approx(1.47368, rel=1e-5)
+    assert check(lab03.q5, _SPEEDUP * 1.009).correct and not check(lab03.q5, _SPEEDUP * 1.02).correct
+    assert "1 + C/T" in check(lab03.q5, 1 + 30 / (2_000_000 * 14 / 5000 / 60)).message
+    assert "seconds" in check(lab03.q5, 1 / (1 - 30 / (2_000_000 * 14 / 5000))).message
+    message = check(lab03.q5, 2.0).message
+    assert "too high" in message and "1.47" not in message  # not given away
+    assert "number" in check(lab03.q5, "fast").message
+
+
+def test_q7_each_mistake_has_its_reason():
+    assert "one over the max" in check(lab03.q7, "abcdf").message
+    assert "fixes the image at 224x224" in check(lab03.q7, "abcef").message
+    assert "exactly the profile's max" in check(lab03.q7, "abf").message
+    assert "exactly the profile's min" in check(lab03.q7, "bcf").message
+    assert "opt shape itself" in check(lab03.q7, "acf").message
+    assert "between min 1 and max 64" in check(lab03.q7, "abc").message
+    assert "not requests" in check(lab03.q7, ["a", "z"]).message
+    assert "names of the requests" in check(lab03.q7, 3).message
+
+
+def test_q7_agrees_with_the_profile_class():
+    p = trt_engine.Profile("input", lab03.PROFILE["min"], lab03.PROFILE["opt"], lab03.PROFILE["max"])
+    runs = sorted(k for k, shape in lab03.REQUESTS.items() if p.accepts(shape))
+    assert runs == ["a", "b", "c", "f"] and check(lab03.q7, runs).correct
+
+
+def test_q8_each_latency_model_slip_has_its_message():
+    forgot_the_batch_in_flight = check(lab03.q8, 128).message
+    assert "arrive just after a batch has started" in forgot_the_batch_in_flight and "50 ms > 30" in \
+        forgot_the_batch_in_flight
+    p50 = check(lab03.q8, 64).message
+    assert "fits with the p50 times (13.0 + 13.0 = 26 ms)" in p50 and "36 ms > 30" in p50
+    assert "30.4 ms > 30" in check(lab03.q8, 48).message
+    assert "take the largest that fits" in check(lab03.q8, 16).message
+    assert "measured batch sizes" in check(lab03.q8, 40).message
+    assert "whole number" in check(lab03.q8, 32.5).message
+
+
+def test_q8_the_sum_model_gives_the_same_batch():
+    """Planning with queue + in-flight + own execution (a bound looser than the max) picks the same batch."""
+    summed = max(b for b, t in lab03.LATENCY_P95_MS.items() if lab03.QUEUE_DELAY_MS + 2 * t <= lab03.SLO_P95_MS)
+    assert summed == 32 and check(lab03.q8, summed).correct
+
+
+# --- hints, solutions, completeness ---------------------------------------------------------------------------
 
 
 def test_every_exercise_has_hints_and_solution():
     exercises = exercises_of(lab03)
-    assert len(exercises) >= 4
+    assert len(exercises) == 8
     names = sorted(k for k, v in vars(lab03).items() if isinstance(v, Exercise))
     assert names == [f"q{i}" for i in range(1, len(names) + 1)]
     for i, exercise in enumerate(sorted(exercises, key=lambda e: e.name), 1):
@@ -118,10 +664,18 @@ def test_every_exercise_has_hints_and_solution():
 
 
 @pytest.mark.parametrize("exercise", exercises_of(lab03), ids=lambda e: e.name)
-def test_solution_code_passes_its_check(exercise):
-    namespace = {k: getattr(lab03, k) for k in lab03.__all__}
-    exec(exercise.solution_text, namespace)
-    assert check(exercise, namespace[exercise.var]).correct
+def test_solution_code_passes_its_check(exercise, tmp_path):
+    """Each solution text, run as a student's cell would run it (from a file, so its source can be read)."""
+    header = ("import numpy as np\nimport onnxruntime as ort\nimport torch\n"
+              "from lab_utils.exercises import lab03 as ex\nfrom lab_utils.exercises.lab03 import *\n"
+              "from lab_utils.inference import onnx\nfrom lab_utils.timing import benchmark\n\n")
+    path = tmp_path / f"solution_{exercise.var}.py"
+    path.write_text(header + exercise.solution_text + "\n")
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = check(exercise, getattr(module, exercise.var))
+    assert out.correct, out.message
 
 
 test_hints_step_from_first_to_last, test_solution_prints = hint_and_solution_tests(exercises_of(lab03))
@@ -130,3 +684,13 @@ test_hints_step_from_first_to_last, test_solution_prints = hint_and_solution_tes
 def test_all_exports_exist():
     for name in lab03.__all__:
         assert hasattr(lab03, name), name
+
+
+def test_the_solution_writes_the_stack_calls_by_hand():
+    cells = json.loads((ROOT / "solutions" / "03_tensorrt.ipynb").read_text())["cells"]
+    code = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
+    for call in ("torch.onnx.export", "InferenceSession", "quantize(", "trt.Builder", "OnnxParser",
+                 "build_serialized_network", "execute_async_v3", "set_tensor_address", "create_optimization_profile"):
+        assert call in code, call
+    for exercise in CODE:
+        assert f"ex.{next(k for k, v in vars(lab03).items() if v is exercise)}.check({exercise.var})" in code

@@ -148,12 +148,93 @@ def test_torch_runners_on_cpu_offer_eager_only():
 
 def test_fp32_semantics_and_modes():
     assert "IEEE" in torch_paths.set_fp32_semantics("cpu")
-    assert torch.get_float32_matmul_precision() == "highest"
     assert torch_paths._no_cudagraph_mode("max-autotune") == "max-autotune-no-cudagraphs"
     assert torch_paths._no_cudagraph_mode("reduce-overhead") == "default"
     assert torch_paths._no_cudagraph_mode("default") == "default"
     with pytest.raises(ValueError, match="bf16"):
         torch_paths._amp_dtype("int4")
+
+
+def _tf32_state():
+    switches = torch_paths._tf32_switches()
+    if switches is None:
+        return (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)
+    return tuple(s.fp32_precision for s in switches)
+
+
+@pytest.mark.parametrize(("mode", "cudnn"), [("default", "tf32"), ("ieee", "ieee")])
+def test_fp32_mode_sets_one_baseline_and_restores_the_settings(mode, cudnn):
+    before = _tf32_state()
+    with torch_paths.fp32_mode(mode):
+        inside = _tf32_state()
+        if torch_paths._tf32_switches() is not None:  # torch >= 2.9: cuDNN conv and RNN together, matmul IEEE
+            assert inside == (cudnn, cudnn, "ieee")
+            if mode == "default":  # PyTorch's defaults: the legacy view stays readable
+                assert torch.backends.cudnn.allow_tf32 is True
+        else:
+            assert inside == (mode == "default", False)
+    assert _tf32_state() == before
+    with pytest.raises(ValueError, match="ieee"):
+        with torch_paths.fp32_mode("tf32"):
+            pass
+
+
+def test_torch_steps_change_one_knob_each():
+    assert torch_paths.TORCH_STEPS == ("eager-ieee", "eager", "autocast", "channels-last", "compile", "cuda-graph")
+    model, info = workloads.make_resnet50("cpu", width=4, image_size=32)
+    runners = list(torch_paths.torch_runners(model, torch.randn(2, *info.input_shape), steps=("eager-ieee", "eager")))
+    assert [(r.name, r.precision) for r in runners] == [("eager", "fp32")]  # the CPU has no TF32: one FP32
+
+
+def test_wilson_interval_and_mcnemar():
+    lo, hi = compare.wilson_interval(353, 357)
+    assert (round(lo, 3), round(hi, 3)) == (0.972, 0.996)
+    assert compare.wilson_interval(357, 357)[1] == 1.0 and compare.wilson_interval(0, 10)[0] == 0.0
+    assert compare._z(0.95) == pytest.approx(1.959964, abs=1e-5)
+    assert compare.mcnemar_p(1, 0) == 1.0 and compare.mcnemar_p(0, 0) == 1.0
+    assert compare.mcnemar_p(0, 6) == pytest.approx(2 / 64) and compare.mcnemar_p(10, 0) < 0.01
+    with pytest.raises(ValueError, match="0..n"):
+        compare.wilson_interval(5, 4)
+
+
+def test_accuracy_report_counts_images():
+    y = np.array([0, 1, 1, 0, 1])
+    ref = np.eye(2)[[0, 1, 0, 0, 1]]  # 4 of 5 right
+    other = np.eye(2)[[0, 1, 1, 1, 1]]  # fixes image 2, breaks image 3: 4 of 5 right
+    report = compare.accuracy_report({"fp32": ref, "int8": other}, y).set_index("precision")
+    assert report.loc["int8", "correct"] == 4 and report.loc["int8", "delta_images"] == 0
+    assert (report.loc["int8", "changed"], report.loc["int8", "fixed"], report.loc["int8", "broken"]) == (2, 1, 1)
+    assert report.loc["int8", "agreement"] == pytest.approx(0.6) and report.loc["int8", "mcnemar_p"] == 1.0
+    assert report.loc["fp32", "ci95_low"] < 0.8 < report.loc["fp32", "ci95_high"]
+    with pytest.raises(ValueError, match="reference"):
+        compare.accuracy_report({"int8": other}, y)
+
+
+def test_launch_overhead_notes_read_recorded_throughputs():
+    values = {"resnet50_torch-eager_fp32_b1_images_per_s": 322.6, "resnet50_torch-autocast_bf16_b1_images_per_s": 240.9,
+              "resnet50_torch-autocast_bf16_b32_images_per_s": 4369.2,
+              "resnet50_torch-autocast_bf16_b128_images_per_s": 14425.9,
+              "resnet50_torch-cuda-graph_bf16_b32_images_per_s": 16773.3}
+    notes = compare.launch_overhead_notes(values)
+    assert len(notes) == 2
+    assert "eager FP32 3.10 ms, autocast BF16 4.15 ms (slower)" in notes[0]
+    assert "14,426 images/s, 86% of the CUDA graph's 16,773 at batch 32" in notes[1]
+    assert compare.launch_overhead_notes({}) == []
+
+
+def test_the_export_check_model_differs_between_train_and_eval():
+    model = workloads.export_check_model()
+    assert model.training
+    x = torch.randn(8, 1, 8, 8)
+    with torch.no_grad():
+        a, b = model(x), model(x)
+        model.eval()
+        c, d = model(x), model(x)
+    assert not torch.equal(a, b) and torch.equal(c, d)
+
+
+def test_trained_digits_is_trained_once():
+    assert workloads.trained_digits(3) is workloads.trained_digits(3)
 
 
 def test_accuracy_and_logit_error():

@@ -143,3 +143,17 @@ def test_modelopt_session_ignores_stub_tensorrt_and_shows_its_log_on_failure():
         with quantize._modelopt_session("probe"):
             print("last step")
             raise RuntimeError("boom")
+
+
+def test_quiet_modelopt_passes_a_checkers_verdict_through_unchanged():
+    """The exercise check runs the student's quantize call inside quiet_modelopt: its own exceptions (a Wrong
+    verdict about the calibration data) must come out as they went in, not wrapped as a ModelOpt failure."""
+
+    class Verdict(Exception):
+        pass
+
+    with pytest.raises(Verdict, match="^calibration data$"):
+        with quantize.quiet_modelopt() as log:
+            print("ModelOpt says something")
+            raise Verdict("calibration data")
+    assert "ModelOpt says something" in log.getvalue()

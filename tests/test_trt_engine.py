@@ -6,7 +6,7 @@ Tests that need the TensorRT runtime (and a GPU) skip with the reason when it is
 
 from __future__ import annotations
 
-import importlib.metadata
+import importlib.util
 import json
 import os
 import re
@@ -18,7 +18,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from lab_utils.course import probe
 from lab_utils.inference import tensorrt as trt_engine
+from lab_utils.inference import trt_check
 
 ROOT = Path(__file__).resolve().parents[1]
 REQUIRE_ENV = "NVLAB_REQUIRE_TENSORRT"
@@ -38,57 +40,13 @@ def trt_runtime():
 # --- the type check against tensorrt-stubs -----------------------------------------------------------------
 
 
-def _split_params(text: str) -> list[str]:
-    out, depth, cur = [], 0, ""
-    for ch in text:
-        depth += ch in "([{"
-        depth -= ch in ")]}"
-        if ch == "," and depth == 0:
-            out.append(cur)
-            cur = ""
-        else:
-            cur += ch
-    return out + ([cur] if cur.strip() else [])
-
-
-def _repair_stub_line(line: str) -> str:
-    """Two generator slips make tensorrt-stubs 10.13 unparsable: parameters named ``in`` and a parameter
-    without a default after defaulted ones. Rename the first, give the second ``= ...``."""
-    line = re.sub(r"([(,]\s*)in(\s*:)", r"\1in_\2", line)
-    m = re.match(r"^(\s*def \w+\()(.*)(\)\s*->.*:\s*)$", line)
-    if not m:
-        return line
-    params, defaulted = _split_params(m.group(2)), False
-    for i, p in enumerate(params):
-        name = p.split(":")[0].split("=")[0].strip()
-        if name.startswith("*"):
-            defaulted = False
-        elif "=" in p:
-            defaulted = True
-        elif defaulted:
-            params[i] = p + " = ..."
-    return m.group(1) + ",".join(params) + m.group(3)
-
-
 def repaired_tensorrt_stubs(dst: Path) -> Path:
-    """A copy of the installed tensorrt-stubs that mypy can read: syntax repaired, the module-level ``bool``
-    DataType (which shadows the builtin in every annotation) renamed, the import of the runtime-only
-    ``tensorrt_libs`` dropped. The API surface is unchanged."""
+    """The installed tensorrt-stubs, repaired for mypy (lab_utils.inference.trt_check, which lab 03's builder
+    exercise uses too); a failure here, not a skip, when they are missing."""
     try:
-        files = importlib.metadata.files("tensorrt-stubs") or []
-    except importlib.metadata.PackageNotFoundError:
-        pytest.fail("tensorrt-stubs is not installed: pip install --no-deps tensorrt-stubs "
-                    "(the type check of lab_utils/inference/tensorrt.py needs it)")
-    stubs = [f for f in files if str(f).endswith(".pyi")]
-    assert any(str(f) == "tensorrt/__init__.pyi" for f in stubs), f"unexpected tensorrt-stubs layout: {stubs}"
-    for f in stubs:
-        text = "\n".join(_repair_stub_line(ln) for ln in Path(f.locate()).read_text().splitlines()) + "\n"
-        text = re.sub(r"(?m)^import tensorrt_libs as tensorrt_libs\n", "", text)
-        text = re.sub(r"(?m)^bool:", "bool_:", text)
-        out = dst / str(f)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text)
-    return dst
+        return trt_check.repaired_stubs(dst)
+    except trt_check.TypeCheckUnavailable as err:
+        pytest.fail(f"{err} (the type check of lab_utils/inference/tensorrt.py needs it)")
 
 
 MYPY_CONFIG = """\
@@ -154,17 +112,17 @@ def test_the_stubs_reject_removed_calls(mypy_run):
 
 # --- no removed TensorRT API anywhere ----------------------------------------------------------------------
 
-# Removed in TensorRT 10 or 11 (REFERENCE §5). `max_batch_size =` is Triton's field name too, so that pattern
-# is checked only where TensorRT itself is used (a file that imports it, or lab 03's notebooks).
-REMOVED = [
-    "max_workspace_size", "build_engine(", "BuilderFlag.INT8", "BuilderFlag.FP16", "BuilderFlag.FP8",
-    "BuilderFlag.BF16", "BuilderFlag.OBEY_PRECISION_CONSTRAINTS", "int8_calibrator", "IInt8EntropyCalibrator",
-    "IInt8MinMaxCalibrator", "IInt8LegacyCalibrator", "IInt8Calibrator", "get_binding_shape",
-    "get_binding_index", "binding_is_input", "set_binding_shape", "execute_async_v2", "num_bindings",
-    "NetworkDefinitionCreationFlag.EXPLICIT_BATCH", "platform_has_fast_fp16", "platform_has_fast_int8",
-]
+# Removed in TensorRT 10 or 11 (REFERENCE §5): the table lab 03's builder exercise checks students' code with.
+# `max_batch_size =` is Triton's field name too, so that pattern is checked only where TensorRT itself is used (a
+# file that imports it, or lab 03's notebooks).
+REMOVED = sorted({f"{r.shown}(" if r.name.startswith("build_") else r.shown
+                  for r in trt_check.REMOVED_API if r.name != "max_batch_size"})
 TRT_ONLY = ["max_batch_size ="]
 BOX = re.compile(r"<!-- WHAT CHANGED -->.*?<!-- END WHAT CHANGED -->", re.S)
+
+
+# The one module that names every removed call, to find them in a student's code (lab 03's builder exercise).
+NAMES_REMOVED_CALLS = "lab_utils/inference/trt_check.py"
 
 
 def _sources() -> list[tuple[str, str, bool]]:
@@ -172,6 +130,8 @@ def _sources() -> list[tuple[str, str, bool]]:
     found = []
     for p in sorted([*(ROOT / "lab_utils").rglob("*.py"), *(ROOT / "scripts").rglob("*.py"),
                      *(ROOT / "scripts").rglob("*.sh")]):
+        if str(p.relative_to(ROOT)) == NAMES_REMOVED_CALLS:
+            continue
         text = p.read_text()
         found.append((str(p.relative_to(ROOT)), text, "import tensorrt" in text))
     for folder in ("solutions", "labs"):
@@ -241,7 +201,7 @@ def test_profile_checks_and_accepts():
 def no_trtexec(monkeypatch, tmp_path):
     """A machine without trtexec: an empty PATH and no NGC location."""
     monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))
-    monkeypatch.setattr(trt_engine, "TRTEXEC_CANDIDATES", ())
+    monkeypatch.setattr(probe, "TRTEXEC_CANDIDATES", ())
 
 
 def _fake_trtexec(folder: Path, executable: bool = True) -> Path:
@@ -256,7 +216,7 @@ def test_trtexec_off_the_path_is_found_where_ngc_images_keep_it(no_trtexec, monk
     assert trt_engine.find_trtexec() is None
     not_executable = _fake_trtexec(tmp_path / "opt" / "tensorrt" / "bin", executable=False)
     ngc = _fake_trtexec(tmp_path / "usr" / "src" / "tensorrt" / "bin")
-    monkeypatch.setattr(trt_engine, "TRTEXEC_CANDIDATES", (tmp_path / "missing" / "trtexec", not_executable, ngc))
+    monkeypatch.setattr(probe, "TRTEXEC_CANDIDATES", (tmp_path / "missing" / "trtexec", not_executable, ngc))
     assert trt_engine.find_trtexec() == ngc  # the missing and the non-executable candidates are passed over
     p = trt_engine.batch_profile("input", (1, 8, 8), 1, 16, 64)
     lines = trt_engine.trtexec_commands("m.onnx", "m.plan", p)
@@ -268,7 +228,7 @@ def test_trtexec_off_the_path_is_found_where_ngc_images_keep_it(no_trtexec, monk
 def test_trtexec_on_the_path_comes_first(no_trtexec, monkeypatch, tmp_path):
     on_path = _fake_trtexec(tmp_path / "bin")
     monkeypatch.setenv("PATH", str(on_path.parent))
-    monkeypatch.setattr(trt_engine, "TRTEXEC_CANDIDATES", (_fake_trtexec(tmp_path / "opt"),))
+    monkeypatch.setattr(probe, "TRTEXEC_CANDIDATES", (_fake_trtexec(tmp_path / "opt"),))
     assert trt_engine.find_trtexec() == on_path
     p = trt_engine.batch_profile("input", (1, 8, 8), 1, 16, 64)
     assert trt_engine.trtexec_commands("m.onnx", "m.plan", p)["build"].startswith("trtexec --onnx=")
@@ -276,7 +236,8 @@ def test_trtexec_on_the_path_comes_first(no_trtexec, monkeypatch, tmp_path):
 
 def test_trtexec_command_lines(no_trtexec):
     p = trt_engine.batch_profile("input", (3, 224, 224), 1, 32, 128)
-    lines = trt_engine.trtexec_commands("m.onnx", "m.plan", p, timing_cache="t.cache", workspace_bytes=2 << 30)
+    lines = trt_engine.trtexec_commands("m.onnx", "m.plan", p, timing_cache="t.cache", workspace_bytes=2 << 30,
+                                        major=10)
     assert lines["build"] == ("trtexec --onnx=m.onnx --saveEngine=m.plan --stronglyTyped "
                               "--minShapes=input:1x3x224x224 --optShapes=input:32x3x224x224 "
                               "--maxShapes=input:128x3x224x224 --memPoolSize=workspace:2048M --timingCacheFile=t.cache")
@@ -287,6 +248,17 @@ def test_trtexec_command_lines(no_trtexec):
         trt_engine.trtexec_commands("m.onnx", "m.plan", p, run_batch=256)
     named = trt_engine.trtexec_commands("m.onnx", "m.plan", p, trtexec="/opt/x/trtexec")
     assert named["build"].startswith("/opt/x/trtexec --onnx=") and named["run"].startswith("/opt/x/trtexec ")
+
+
+def test_trtexec_lines_for_tensorrt_11_leave_out_its_deprecated_no_ops(no_trtexec):
+    p = trt_engine.batch_profile("input", (1, 8, 8), 1, 16, 64)
+    eleven = trt_engine.trtexec_commands("m.onnx", "m.plan", p, major=11)
+    text = " ".join(eleven.values())
+    for flag in ("--stronglyTyped", "--useCudaGraph", "--noDataTransfers"):
+        assert flag not in text, flag
+    assert eleven["run"] == "trtexec --loadEngine=m.plan --shapes=input:16x1x8x8 --warmUp=500 --duration=10"
+    if trt_engine.tensorrt_major() is None:  # no TensorRT here: the lines are for the newest major version
+        assert trt_engine.trtexec_commands("m.onnx", "m.plan", p) == eleven
 
 
 def test_network_flags_on_tensorrt_10_and_11():
@@ -375,5 +347,268 @@ def test_int8_engine_keeps_accuracy_and_timing_rows(trt_runtime, digits_plan, tm
 
 def test_stub_repair_is_minimal():
     line = "    def f(self: X, in: list[int], out: int = 0, last: int) -> None:"
-    assert _repair_stub_line(line) == "    def f(self: X, in_: list[int], out: int = 0, last: int = ...) -> None:"
-    assert _repair_stub_line("x: int = 3") == "x: int = 3"
+    repair = trt_check.repair_stub_line
+    assert repair(line) == "    def f(self: X, in_: list[int], out: int = 0, last: int = ...) -> None:"
+    assert repair("x: int = 3") == "x: int = 3"
+    # a Dims parameter takes a tuple or list too, as the runtime converts them
+    assert repair("    def set_shape(self, input: str, min: Dims, opt: Dims, max: Dims) -> None:") == (
+        "    def set_shape(self, input: str, min: Dims | typing.Sequence[int], opt: Dims | typing.Sequence[int], "
+        "max: Dims | typing.Sequence[int]) -> None:")
+    returns_dims = "    def get_tensor_shape(self, name: str) -> Dims:"
+    assert repair(returns_dims) == returns_dims
+
+
+def test_the_guard_looks_for_the_calls_tutorials_still_show():
+    for old in ("max_workspace_size", "build_engine(", "BuilderFlag.FP16", "BuilderFlag.INT8", "execute_async_v2",
+                "NetworkDefinitionCreationFlag.EXPLICIT_BATCH", "IInt8EntropyCalibrator2", "int8_calibrator"):
+        assert old in REMOVED, old
+
+
+# --- reading a student's TensorRT code ----------------------------------------------------------------------------
+
+GOOD_BUILDER = """
+def build(path, batches):
+    import tensorrt as trt
+    logger = trt.Logger(trt.Logger.WARNING)
+    builder = trt.Builder(logger)
+    network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse_from_file(path):
+        print([parser.get_error(i) for i in range(parser.num_errors)])
+    config = builder.create_builder_config()
+    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, 1 << 30)
+    profile = builder.create_optimization_profile()
+    profile.set_shape("input", (1, 1, 8, 8), (8, 1, 8, 8), (8, 1, 8, 8))
+    config.add_optimization_profile(profile)
+    engine = trt.Runtime(logger).deserialize_cuda_engine(builder.build_serialized_network(network, config))
+    context = engine.create_execution_context()
+    context.set_input_shape("input", (1, 1, 8, 8))
+    context.set_tensor_address("input", 0)
+    context.execute_async_v3(0)
+"""
+
+
+def test_removed_calls_are_found_with_their_line_and_what_changed():
+    code = GOOD_BUILDER.replace("config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, 1 << 30)",
+                                "config.max_workspace_size = 1 << 30\n    config.set_flag(trt.BuilderFlag.FP16)")
+    found = trt_check.removed_calls(code)
+    assert [f.line for f in found] == [11, 12]
+    assert "set_memory_pool_limit" in found[0].message and "AutoCast" in found[1].message
+    assert trt_check.removed_calls(GOOD_BUILDER) == []
+    assert trt_check.removed_calls("flags = trt.BuilderFlag.VERSION_COMPATIBLE\nx.FP16 = 1") == []  # other owners
+
+
+def test_missing_steps_in_build_order():
+    assert trt_check.missing_steps(GOOD_BUILDER) == []
+    code = GOOD_BUILDER.replace("context.execute_async_v3(0)", "").replace(
+        "print([parser.get_error(i) for i in range(parser.num_errors)])", "pass")
+    missing = [s.what for s in trt_check.missing_steps(code)]
+    assert missing == ["the parser's errors printed", "an execution on a stream"]
+    flagged = GOOD_BUILDER.replace("1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)",
+                                   'getattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED")')
+    assert trt_check.missing_steps(flagged) == []
+
+
+def test_a_student_function_is_type_checked_with_its_cell_lines(tmp_path):
+    pytest.importorskip("mypy")
+    module = tmp_path / "cell.py"
+    module.write_text("import numpy as np\nhelper = 3\n\n" + GOOD_BUILDER.replace(
+        "context.execute_async_v3(0)", "context.execute_async_v3(0)\n    context.execute_async_v2([], 0)"))
+    spec = importlib.util.spec_from_file_location("cell", module)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    src = trt_check.function_source(mod.build)
+    assert src.first_line == 5 and "import tensorrt" not in src.header  # imported inside the function
+    report = trt_check.type_check_source(src.checked)
+    assert len(report.errors) == 1 and "execute_async_v2" in report.errors[0].message
+    assert src.cell_line(report.errors[0].line) == 23  # the line in the student's file
+    assert report.stubs == trt_check.stubs_version()
+
+
+
+# --- the timing cache, with a stand-in for TensorRT's Python API ----------------------------------------------------
+
+
+class _FakeCache:
+    def __init__(self, data: bytes):
+        self.data = data
+
+    def serialize(self):
+        return memoryview(b"timings of this GPU")
+
+
+class _FakeConfig:
+    """Accepts a cache it wrote itself (b"timings of this GPU") or an empty one; refuses another GPU's; a damaged
+    file makes create_timing_cache raise."""
+
+    def __init__(self, no_cache_back: bool):
+        self.no_cache_back, self.cache = no_cache_back, None
+
+    def set_memory_pool_limit(self, pool, size):
+        pass
+
+    def add_optimization_profile(self, profile):
+        pass
+
+    def create_timing_cache(self, data):
+        if data == b"damaged":
+            raise RuntimeError("not a timing cache")
+        return _FakeCache(bytes(data))
+
+    def set_timing_cache(self, cache, ignore_mismatch):
+        assert ignore_mismatch is False
+        fits = cache.data in (b"", b"timings of this GPU")
+        self.cache = cache if fits else self.cache
+        return fits
+
+    def get_timing_cache(self):
+        return None if self.no_cache_back else self.cache
+
+
+def _fake_tensorrt(no_cache_back: bool = False) -> SimpleNamespace:
+    config = _FakeConfig(no_cache_back)
+    network = SimpleNamespace(num_inputs=1, get_input=lambda i: SimpleNamespace(name="input"))
+    builder = SimpleNamespace(create_network=lambda flags: network, create_builder_config=lambda: config,
+                              create_optimization_profile=lambda: SimpleNamespace(set_shape=lambda *a: None),
+                              build_serialized_network=lambda n, c: b"plan")
+    parser = SimpleNamespace(parse_from_file=lambda path: True, num_errors=0)
+    return SimpleNamespace(__version__="10.99.1", Logger=SimpleNamespace(WARNING=2, VERBOSE=4, __call__=None),
+                           Builder=lambda logger: builder, OnnxParser=lambda net, logger: parser,
+                           MemoryPoolType=SimpleNamespace(WORKSPACE=0), Dims=list,
+                           NetworkDefinitionCreationFlag=SimpleNamespace(STRONGLY_TYPED=1), config=config)
+
+
+@pytest.fixture
+def fake_trt(monkeypatch):
+    def install(**kwargs):
+        fake = _fake_tensorrt(**kwargs)
+        fake.Logger = lambda level: None
+        fake.Logger.WARNING, fake.Logger.VERBOSE = 2, 4
+        monkeypatch.setattr(trt_engine, "import_tensorrt", lambda: fake)
+        return fake
+
+    return install
+
+
+def _build(tmp_path, cache: Path):
+    profile = trt_engine.batch_profile("input", (1, 8, 8), 1, 16, 64)
+    return trt_engine.build_plan(tmp_path / "m.onnx", profile, timing_cache_path=cache)
+
+
+def test_a_new_timing_cache_is_written(fake_trt, tmp_path):
+    fake_trt()
+    cache = tmp_path / "caches" / "timing.cache"
+    built = _build(tmp_path, cache)
+    assert built.plan == b"plan" and not built.timing_cache_reused and built.timing_cache_note == ""
+    assert cache.read_bytes() == b"timings of this GPU" and not list(cache.parent.glob("*.tmp"))
+    again = _build(tmp_path, cache)
+    assert again.timing_cache_reused and again.timing_cache_note == ""
+
+
+@pytest.mark.parametrize("content", [b"timings of another GPU", b"damaged"])
+def test_a_timing_cache_that_does_not_fit_is_rebuilt(fake_trt, tmp_path, content):
+    fake_trt()
+    cache = tmp_path / "timing.cache"
+    cache.write_bytes(content)
+    built = _build(tmp_path, cache)
+    assert not built.timing_cache_reused
+    assert "does not fit TensorRT 10.99.1 on this GPU" in built.timing_cache_note and "started a new one" in \
+        built.timing_cache_note
+    assert cache.read_bytes() == b"timings of this GPU"  # replaced by this GPU's own
+
+
+def test_no_timing_cache_back_from_the_builder_is_said_not_crashed(fake_trt, tmp_path):
+    fake_trt(no_cache_back=True)
+    cache = tmp_path / "timing.cache"
+    built = _build(tmp_path, cache)
+    assert "returned no timing cache" in built.timing_cache_note and not cache.exists()
+
+
+def test_the_timing_cache_file_is_named_after_tensorrt_and_the_gpu(tmp_path):
+    path = trt_engine.timing_cache_file(tmp_path, version="10.14.1.48", gpu="NVIDIA H200 NVL")
+    assert path == tmp_path / "timing-trt10.14.1.48-NVIDIA-H200-NVL.cache"
+    if not trt_engine.tensorrt_status()[0]:
+        assert trt_engine.timing_cache_file(tmp_path).name.startswith("timing-trtunknown-")
+
+
+# --- nvlab doctor: which TensorRT, and where from ----------------------------------------------------------------
+
+
+def test_doctor_says_no_tensorrt_and_how_to_get_it(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))
+    monkeypatch.setattr(probe, "TRTEXEC_CANDIDATES", ())
+    if probe.tensorrt_runtime_present():
+        pytest.skip("TensorRT is installed here")
+    c = probe._tensorrt_component()
+    assert not c.present and c.where is None
+    assert "pip install tensorrt-cu13" in c.note and "NGC" in c.note
+    if importlib.util.find_spec("tensorrt") is not None:
+        assert "only tensorrt-stubs" in c.note
+
+
+def test_doctor_names_the_module_and_trtexec_it_found(monkeypatch, tmp_path):
+    package = tmp_path / "site" / "tensorrt"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("__version__ = '10.99.1'\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.delitem(sys.modules, "tensorrt", raising=False)  # ModelOpt may have imported the stub package
+    tool = _fake_trtexec(tmp_path / "bin")
+    monkeypatch.setenv("PATH", str(tool.parent))
+    c = probe._tensorrt_component()
+    assert c.present and c.where == str(package)
+    assert f"Python module {package}" in c.note and f"trtexec {tool}" in c.note
+
+
+def test_doctor_with_trtexec_but_no_python_module(monkeypatch, tmp_path):
+    if probe.tensorrt_runtime_present():
+        pytest.skip("TensorRT is installed here")
+    tool = _fake_trtexec(tmp_path / "usr" / "src" / "tensorrt" / "bin")
+    monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))
+    monkeypatch.setattr(probe, "TRTEXEC_CANDIDATES", (tool,))
+    c = probe._tensorrt_component()
+    assert not c.present and c.where == str(tool) and "but no Python module" in c.note
+
+
+# --- ./course's TensorRT step ---------------------------------------------------------------------------------------
+
+
+def _course_step(env_extra: dict[str, str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """Run ./course's install_tensorrt alone (sourced: the script only defines its steps), with this venv's Python
+    first on the PATH and pip pointed at an index that cannot answer (nothing is installed or fetched)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "NVLAB_TENSORRT"))}
+    env.update(PATH=f"{Path(sys.executable).parent}:/usr/bin:/bin", PIP_CONFIG_FILE=os.devnull,
+               PIP_INDEX_URL="http://127.0.0.1:9/simple", PIP_RETRIES="0", PIP_DEFAULT_TIMEOUT="5",
+               PIP_NO_INPUT="1", PIP_DISABLE_PIP_VERSION_CHECK="1", TMPDIR=str(tmp_path), **env_extra)
+    return subprocess.run(["bash", "-c", 'source ./course && install_tensorrt && echo "setup goes on"'], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=180)
+
+
+def test_course_tensorrt_step_offline_says_so_in_one_line_and_goes_on(tmp_path):
+    if probe.tensorrt_runtime_present():
+        pytest.skip("TensorRT is installed here: the step has nothing to do")
+    out = _course_step({"NVLAB_TENSORRT": "1"}, tmp_path)
+    assert out.returncode == 0 and out.stdout.strip() == "setup goes on", out.stdout + out.stderr
+    lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, out.stderr
+    from lab_utils.course.stack import pinned_image
+
+    assert lines[0].startswith("course: TensorRT not installed: pip could not install tensorrt-cu13>=")
+    assert pinned_image("pytorch") in lines[0] and lines[0].endswith("setup goes on without it")
+    assert not list(tmp_path.iterdir())  # pip's log removed
+    assert not probe.tensorrt_runtime_present()
+
+
+@pytest.mark.parametrize("asked", ["", "0"])
+def test_course_tensorrt_step_does_nothing_without_a_gpu_or_when_told_not_to(tmp_path, asked):
+    out = _course_step({"NVLAB_TENSORRT": asked} if asked else {}, tmp_path)  # no nvidia-smi on this PATH
+    assert out.returncode == 0 and out.stdout.strip() == "setup goes on" and out.stderr == "", out.stderr
+
+
+def test_pyproject_tensorrt_extras_are_what_the_course_installs():
+    out = subprocess.run(["bash", "-c", "source ./course && extra_requirements tensorrt && "
+                                        "extra_requirements tensorrt-cu12"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"})
+    assert out.returncode == 0, out.stderr
+    cu13, cu12 = out.stdout.split()
+    assert cu13.startswith("tensorrt-cu13>=") and cu12.startswith("tensorrt-cu12>=")

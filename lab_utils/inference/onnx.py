@@ -89,7 +89,7 @@ def failed_operator(message: str) -> str | None:
 
 
 @contextlib.contextmanager
-def _quiet_exporter() -> Iterator[None]:
+def quiet_exporter() -> Iterator[None]:
     """The exporter's informational warnings (torchvision ops it skips, deprecations) are not the lab's news."""
     loggers = [logging.getLogger(n) for n in ("torch.onnx", "torch._export", "torch.export", "onnxscript")]
     levels = [lg.level for lg in loggers]
@@ -135,7 +135,7 @@ def export_onnx(model: nn.Module, path: str | os.PathLike[str], example: torch.T
     if dynamic_batch:
         kwargs["dynamic_shapes"] = ({0: torch.export.Dim("batch", min=1, max=MAX_BATCH)},)
     try:
-        with _quiet_exporter(), torch.no_grad():
+        with quiet_exporter(), torch.no_grad():
             torch.onnx.export(model, (x,), str(path), input_names=[input_name], output_names=[output_name],
                               opset_version=opset, dynamo=True, verbose=False, **kwargs)
     except ImportError as err:  # onnxscript: the exporter imports it when it runs

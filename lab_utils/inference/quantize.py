@@ -62,9 +62,10 @@ def _require_modelopt() -> None:
 
 
 @contextlib.contextmanager
-def _modelopt_session(what: str) -> Iterator[io.StringIO]:
-    """Run ModelOpt quietly: its log, ONNX Runtime's calibration progress bars and polygraphy's notices are
-    captured (shown on failure); a stub-only ``tensorrt`` package is not taken for the TensorRT runtime.
+def quiet_modelopt() -> Iterator[io.StringIO]:
+    """Run ModelOpt quietly: its log, ONNX Runtime's calibration progress bars and polygraphy's notices go to the
+    yielded buffer; a stub-only ``tensorrt`` package is not taken for the TensorRT runtime. Exceptions pass
+    through unchanged (``_modelopt_session`` adds ModelOpt's last messages to them).
 
     ``tensorrt-stubs`` (type stubs, installed for the type check) makes ``import tensorrt`` succeed as a
     namespace package. ModelOpt then believes TensorRT is present and calls ``trt.Logger``, which the
@@ -86,10 +87,6 @@ def _modelopt_session(what: str) -> Iterator[io.StringIO]:
     try:
         with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
             yield buf
-    except Exception as err:
-        tail = "\n".join(buf.getvalue().strip().splitlines()[-15:])
-        raise QuantizationError(f"{what} failed: {type(err).__name__}: {err}"
-                                + (f"\nModelOpt's last messages:\n{tail}" if tail else "")) from err
     finally:
         trt_utils.TRT_PYTHON_AVAILABLE = saved_flag
         for lg, level in zip(loggers, levels, strict=True):
@@ -98,6 +95,18 @@ def _modelopt_session(what: str) -> Iterator[io.StringIO]:
             for h in list(lg.handlers):
                 if getattr(h, "stream", None) is buf:
                     lg.removeHandler(h)
+
+
+@contextlib.contextmanager
+def _modelopt_session(what: str) -> Iterator[io.StringIO]:
+    """``quiet_modelopt``, and a failure raised as ``QuantizationError`` with the tail of what ModelOpt printed."""
+    with quiet_modelopt() as buf:
+        try:
+            yield buf
+        except Exception as err:
+            tail = "\n".join(buf.getvalue().strip().splitlines()[-15:])
+            raise QuantizationError(f"{what} failed: {type(err).__name__}: {err}"
+                                    + (f"\nModelOpt's last messages:\n{tail}" if tail else "")) from err
 
 
 # --------------------------------------------------------------------------------------------------

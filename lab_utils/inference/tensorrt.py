@@ -15,6 +15,7 @@ fed from torch tensors on torch's CUDA streams, so torch is imported at the top.
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import shutil
 import time
@@ -25,6 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lab_utils.course.probe import TRTEXEC_CANDIDATES as TRTEXEC_CANDIDATES  # where NGC images keep trtexec
+from lab_utils.course.probe import find_trtexec as find_trtexec
 from lab_utils.course.probe import tensorrt_runtime_present
 from lab_utils.timing import benchmark
 
@@ -34,12 +37,13 @@ if TYPE_CHECKING:
 # Default builder workspace: ample for the lab's models; TensorRT uses less when tactics need less.
 WORKSPACE_BYTES = 1 << 30
 
-# Where NGC images (TensorRT, PyTorch) keep trtexec when it is not on the PATH: it ships with TensorRT's
-# samples, outside the PATH in some images. Searched after the PATH, in this order.
-TRTEXEC_CANDIDATES: tuple[Path, ...] = (Path("/opt/tensorrt/bin/trtexec"), Path("/usr/src/tensorrt/bin/trtexec"))
+# The newest TensorRT major version, for command lines printed where no TensorRT is installed.
+LATEST_MAJOR = 11
 
-_INSTALL_HINT = ("TensorRT's runtime is not on PyPI for every platform: use an NGC container "
-                 "(nvcr.io/nvidia/pytorch or nvcr.io/nvidia/tensorrt) or NVIDIA's TensorRT packages for your CUDA")
+_INSTALL_HINT = ("On a GPU machine with internet access `pip install tensorrt-cu13` (or tensorrt-cu12, matching "
+                 "torch's CUDA major; `./course setup` does it when nvidia-smi finds a GPU) fetches the real "
+                 "libraries; or use an NGC container (nvcr.io/nvidia/pytorch or nvcr.io/nvidia/tensorrt), which "
+                 "ships TensorRT")
 
 
 class TensorRTUnavailable(RuntimeError):
@@ -140,15 +144,6 @@ def batch_profile(input_name: str, sample_shape: Sequence[int], min_batch: int =
 # trtexec
 
 
-def find_trtexec() -> Path | None:
-    """The ``trtexec`` executable: on the PATH, else the first of ``TRTEXEC_CANDIDATES`` that is an executable
-    file; None when there is none (no TensorRT here, or a TensorRT installed as Python wheels only)."""
-    on_path = shutil.which("trtexec")
-    if on_path:
-        return Path(on_path)
-    return next((p for p in TRTEXEC_CANDIDATES if p.is_file() and os.access(p, os.X_OK)), None)
-
-
 def _trtexec_program() -> str:
     """How a command line names trtexec here: plain ``trtexec`` when the PATH finds it (or nothing does, for
     lines meant for another machine), its full path when it sits off the PATH."""
@@ -161,16 +156,20 @@ def _trtexec_program() -> str:
 def trtexec_commands(onnx_path: str | os.PathLike[str], engine_path: str | os.PathLike[str], profile: Profile,
                      timing_cache: str | os.PathLike[str] | None = None,
                      workspace_bytes: int = WORKSPACE_BYTES, run_batch: int | None = None,
-                     trtexec: str | os.PathLike[str] | None = None) -> dict[str, str]:
+                     trtexec: str | os.PathLike[str] | None = None, major: int | None = None) -> dict[str, str]:
     """The ``trtexec`` lines that do what ``build_plan`` and the benchmark do (build, then time the engine).
 
-    ``--stronglyTyped`` is needed on TensorRT 10.x and a no-op on 11.x. The timing run uses CUDA graphs and
-    no host transfers, so it reports GPU compute time, comparable with the lab's engine timings; trtexec's
+    ``major``: the TensorRT major version the lines are for (default: this machine's, else ``LATEST_MAJOR``).
+    TensorRT 10 needs ``--stronglyTyped`` to build from the graph's precision, and ``--useCudaGraph
+    --noDataTransfers`` to report GPU compute time comparable with the lab's engine timings; in TensorRT 11 all
+    three are deprecated and do nothing (every network is strongly typed), so they are left out. trtexec's
     throughput is executions / wall time (REFERENCE §5). ``trtexec``: the program to name (default: as
     ``find_trtexec`` finds it here, so the lines run as printed in an NGC image that keeps it off the PATH).
     """
+    major = major if major is not None else (tensorrt_major() or LATEST_MAJOR)
+    legacy = major < 11
     program = str(trtexec) if trtexec is not None else _trtexec_program()
-    build = [program, f"--onnx={onnx_path}", f"--saveEngine={engine_path}", "--stronglyTyped",
+    build = [program, f"--onnx={onnx_path}", f"--saveEngine={engine_path}", *(["--stronglyTyped"] if legacy else []),
              f"--minShapes={profile.shapes_flag('min')}", f"--optShapes={profile.shapes_flag('opt')}",
              f"--maxShapes={profile.shapes_flag('max')}", f"--memPoolSize=workspace:{workspace_bytes // 2**20}M"]
     if timing_cache is not None:
@@ -181,7 +180,7 @@ def trtexec_commands(onnx_path: str | os.PathLike[str], engine_path: str | os.Pa
         raise ValueError(f"trtexec_commands(run_batch={run_batch}): shape {shape} is outside the profile "
                          f"{profile.min_shape}..{profile.max_shape}")
     run = [program, f"--loadEngine={engine_path}", f"--shapes={profile.input_name}:{'x'.join(map(str, shape))}",
-           "--useCudaGraph", "--noDataTransfers", "--warmUp=500", "--duration=10"]
+           *(["--useCudaGraph", "--noDataTransfers"] if legacy else []), "--warmUp=500", "--duration=10"]
     return {"build": shlex.join(build), "run": shlex.join(run)}
 
 
@@ -198,8 +197,9 @@ class BuildResult:
     profile: Profile
     onnx_path: str
     timing_cache_path: str | None = None
-    timing_cache_reused: bool = False  # a cache file existed before this build
+    timing_cache_reused: bool = False  # a cache file existed before this build and fitted this TensorRT and GPU
     tensorrt_version: str = ""
+    timing_cache_note: str = ""  # what happened to the cache when it was not simply read and written
 
 
 def _network_flags(trt_mod: Any) -> int:
@@ -208,14 +208,71 @@ def _network_flags(trt_mod: Any) -> int:
     return 1 << int(flag) if flag is not None else 0
 
 
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9.]+", "-", text).strip("-") or "unknown"
+
+
+def timing_cache_file(folder: str | os.PathLike[str], version: str | None = None, gpu: str | None = None) -> Path:
+    """Where to keep the timing cache of one TensorRT version on one GPU model: ``timing-trt10.14.1-NVIDIA-H200.cache``.
+
+    A cache holds kernel timings of one GPU measured by one TensorRT; named after both, a cache never meets
+    another GPU or TensorRT (which would refuse it, see ``build_plan``). ``version``/``gpu`` default to this
+    machine's TensorRT and GPU.
+    """
+    if version is None:
+        ok, _ = tensorrt_status()
+        version = str(import_tensorrt().__version__) if ok else "unknown"
+    if gpu is None:
+        gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no-gpu"
+    return Path(folder) / f"timing-trt{_slug(version)}-{_slug(gpu)}.cache"
+
+
+def _attach_timing_cache(trt_mod: Any, config: trt.IBuilderConfig, cache_path: Path) -> tuple[bool, str]:
+    """Give ``config`` the timing cache in ``cache_path`` (created empty when there is none); returns (whether
+    the file's timings are used, a note when they are not).
+
+    ``set_timing_cache(cache, ignore_mismatch=False)`` returns False for a cache written by another GPU or
+    TensorRT version; such a cache (or a damaged file) is replaced by a fresh one, which the build then fills.
+    """
+    data = cache_path.read_bytes() if cache_path.exists() else b""
+    if data:
+        try:
+            cache: trt.ITimingCache | None = config.create_timing_cache(data)
+        except Exception:  # a damaged file: some versions raise, others return None
+            cache = None
+        if cache is not None and config.set_timing_cache(cache, False):
+            return True, ""
+        note = (f"the timing cache {cache_path.name} does not fit TensorRT {trt_mod.__version__} on this GPU (another "
+                "GPU or TensorRT wrote it, or it is damaged): started a new one")
+    else:
+        note = ""
+    fresh = config.create_timing_cache(b"")
+    if fresh is None or not config.set_timing_cache(fresh, False):
+        raise EngineBuildError(f"TensorRT {trt_mod.__version__} could not attach an empty timing cache")
+    return False, note
+
+
+def _save_timing_cache(config: trt.IBuilderConfig, cache_path: Path) -> str:
+    """Write the config's timing cache to ``cache_path`` (atomically); a note when there is none to write."""
+    cache = config.get_timing_cache()
+    if cache is None:  # documented: None when the config holds no cache
+        return f"the builder returned no timing cache, so {cache_path.name} was not written"
+    cache_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache_path.with_name(cache_path.name + f".{os.getpid()}.tmp")
+    tmp.write_bytes(bytes(cache.serialize()))
+    tmp.replace(cache_path)
+    return ""
+
+
 def build_plan(onnx_path: str | os.PathLike[str], profile: Profile,
                timing_cache_path: str | os.PathLike[str] | None = None,
                workspace_bytes: int = WORKSPACE_BYTES, verbose: bool = False) -> BuildResult:
     """Parse ``onnx_path`` into a strongly typed network and build a serialized engine for ``profile``.
 
     Precision is what the ONNX graph says (FP32, AutoCast FP16, INT8/FP8 Q/DQ). The timing cache, when a
-    path is given, is read before and written after the build: a rebuild on the same GPU and TensorRT
-    skips re-timing the kernels it has already timed.
+    path is given (``timing_cache_file`` names one per TensorRT version and GPU), is read before and written
+    after the build: a rebuild on the same GPU and TensorRT skips re-timing the kernels it has already timed.
+    A cache that does not fit this GPU and TensorRT is replaced, and ``timing_cache_note`` says so.
     """
     trt_mod = import_tensorrt()
     logger = trt_mod.Logger(trt_mod.Logger.VERBOSE if verbose else trt_mod.Logger.WARNING)
@@ -235,10 +292,10 @@ def build_plan(onnx_path: str | os.PathLike[str], profile: Profile,
                           trt_mod.Dims(list(profile.opt_shape)), trt_mod.Dims(list(profile.max_shape)))
     config.add_optimization_profile(opt_profile)
     cache_path = Path(timing_cache_path) if timing_cache_path is not None else None
-    reused = bool(cache_path and cache_path.exists() and cache_path.stat().st_size > 0)
+    reused, notes = False, []
     if cache_path is not None:
-        cache: trt.ITimingCache = config.create_timing_cache(cache_path.read_bytes() if reused else b"")
-        config.set_timing_cache(cache, False)  # ignore_mismatch=False: a cache from another GPU is refused
+        reused, note = _attach_timing_cache(trt_mod, config, cache_path)
+        notes.append(note)
     t0 = time.perf_counter()
     plan = builder.build_serialized_network(network, config)
     build_s = time.perf_counter() - t0
@@ -246,10 +303,9 @@ def build_plan(onnx_path: str | os.PathLike[str], profile: Profile,
         raise EngineBuildError(f"TensorRT {trt_mod.__version__} failed to build an engine from {onnx_path} "
                                "(its log above says which layer); check the profile and the workspace size")
     if cache_path is not None:
-        cache_path.parent.mkdir(parents=True, exist_ok=True)
-        cache_path.write_bytes(bytes(config.get_timing_cache().serialize()))
+        notes.append(_save_timing_cache(config, cache_path))
     return BuildResult(bytes(plan), build_s, profile, str(onnx_path), str(cache_path) if cache_path else None,
-                       reused, str(trt_mod.__version__))
+                       reused, str(trt_mod.__version__), "; ".join(n for n in notes if n))
 
 
 def save_engine(result: BuildResult, path: str | os.PathLike[str]) -> Path:

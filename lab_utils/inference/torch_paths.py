@@ -1,10 +1,11 @@
-"""Lab 03's torch inference paths, the substitutes for TensorRT on a GPU without it: eager FP32, then
-autocast (BF16/FP16, channels_last), then ``torch.compile`` (Inductor), then that captured in a CUDA graph,
-one step at a time so each step's gain is its own.
+"""Lab 03's torch inference paths, the substitutes for TensorRT on a GPU without it, one knob per step so each
+step's gain is its own: eager FP32 with TF32 off, eager FP32 as PyTorch runs it by default (cuDNN convolutions
+in TF32), autocast (BF16/FP16), channels-last memory, ``torch.compile`` (Inductor), and that captured in a CUDA
+graph.
 
-"FP32" is set to mean IEEE FP32 (``set_fp32_semantics``); Inductor's autotuning reports are summarized
-instead of printed (``quiet_autotuning``); the compile workers are stopped when the lab ends
-(``shutdown_compile_workers``). Times are milliseconds (``lab_utils.timing``).
+``fp32_mode`` sets what "FP32" means around each eager call and restores it after; Inductor's autotuning
+reports are summarized instead of printed (``quiet_autotuning``); the compile workers are stopped when the lab
+ends (``shutdown_compile_workers``). Times are milliseconds (``lab_utils.timing``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import contextlib
 import copy
 import logging
 import math
+import os
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -26,22 +28,70 @@ from torch import nn
 from lab_utils.timing import Timing, benchmark
 
 AMP_DTYPES = ("bf16", "fp16")
-TORCH_STEPS = ("eager", "autocast", "compile", "cuda-graph")
+# Each step adds one knob to the one before (the two eager FP32 steps are the two baselines).
+TORCH_STEPS = ("eager-ieee", "eager", "autocast", "channels-last", "compile", "cuda-graph")
+FP32_MODES = ("default", "ieee")
+
+
+def _tf32_switches() -> tuple[Any, Any, Any] | None:
+    """torch >= 2.9's per-backend precision switches (cuDNN conv, cuDNN RNN, cuBLAS matmul), or None."""
+    conv = getattr(torch.backends.cudnn, "conv", None)
+    rnn = getattr(torch.backends.cudnn, "rnn", None)
+    matmul = torch.backends.cuda.matmul
+    if all(m is not None and hasattr(m, "fp32_precision") for m in (conv, rnn, matmul)):
+        return conv, rnn, matmul
+    return None
+
+
+@contextlib.contextmanager
+def fp32_mode(mode: str) -> Iterator[None]:
+    """What FP32 means inside the block, restored after:
+
+    - ``"default"``: PyTorch's defaults, cuDNN convolutions in TF32 (``torch.backends.cudnn.conv.fp32_precision
+      = "tf32"``: inputs rounded to a 10-bit mantissa, tensor cores), matmuls in IEEE FP32;
+    - ``"ieee"``: TF32 off everywhere (``fp32_precision = "ieee"``): IEEE single precision, no tensor cores.
+
+    Uses torch >= 2.9's ``fp32_precision`` switches (cuDNN's conv and RNN set together, so that reading the
+    legacy ``allow_tf32`` stays valid), else the legacy ``allow_tf32`` flags. The CPU has no TF32.
+    """
+    if mode not in FP32_MODES:
+        raise ValueError(f"fp32_mode({mode!r}): use one of {FP32_MODES}")
+    cudnn_value = "tf32" if mode == "default" else "ieee"
+    switches = _tf32_switches()
+    if switches is not None:
+        conv, rnn, matmul = switches
+        saved = (conv.fp32_precision, rnn.fp32_precision, matmul.fp32_precision)
+        conv.fp32_precision = rnn.fp32_precision = cudnn_value
+        matmul.fp32_precision = "ieee"
+        try:
+            yield
+        finally:
+            conv.fp32_precision, rnn.fp32_precision, matmul.fp32_precision = saved
+    else:
+        legacy = (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)
+        torch.backends.cudnn.allow_tf32 = mode == "default"
+        torch.backends.cuda.matmul.allow_tf32 = False
+        try:
+            yield
+        finally:
+            torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = legacy
 
 
 def set_fp32_semantics(device: str) -> str:
-    """Make "FP32" mean IEEE FP32 on this device: TF32 off for matmuls and convolutions; cuDNN autotuning on.
+    """Turn cuDNN autotuning on (a GPU) and say what the two FP32 baselines mean here.
 
-    Returns a sentence saying what FP32 means here. Set explicitly because the defaults differ between
-    torch versions and NGC images (NVIDIA's containers enable TF32 for convolutions by default).
+    The eager FP32 steps set their precision themselves (``fp32_mode``), so the defaults of this torch build
+    or container (NGC images also turn on TF32 for matmuls) do not decide the baselines.
     """
-    torch.set_float32_matmul_precision("highest")
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
     if str(device).startswith("cuda"):
         torch.backends.cudnn.benchmark = True  # cuDNN times its algorithms per shape: TensorRT's tactic choice
-        return ("FP32 = IEEE single precision, TF32 off (torch.backends.cudnn.allow_tf32 = False, matmul precision "
-                "'highest'); cudnn.benchmark = True, so eager also gets the fastest cuDNN algorithm per shape")
+        override = ("; TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1 is set here (NGC images set it), so cuBLAS matmuls run in "
+                    "TF32 in both (ResNet-50 has one, its classifier)"
+                    if os.environ.get("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE") == "1" else "")
+        return ("two FP32 baselines: `fp32` = PyTorch's default (cuDNN convolutions in TF32, "
+                "torch.backends.cudnn.conv.fp32_precision = 'tf32'; matmuls IEEE) and `fp32-ieee` = TF32 off "
+                "(fp32_precision = 'ieee'); cudnn.benchmark = True, so eager gets the fastest cuDNN algorithm per "
+                f"shape{override}")
     return "FP32 = IEEE single precision (the CPU has no TF32)"
 
 
@@ -49,8 +99,8 @@ def set_fp32_semantics(device: str) -> str:
 class TorchRunner:
     """One torch backend, ready to run one batch: ``runner()`` returns the output (on the device)."""
 
-    name: str  # "eager", "autocast", "compile", "cuda-graph"
-    precision: str  # "fp32", "bf16", "fp16"
+    name: str  # "eager", "autocast", "channels-last", "compile", "cuda-graph"
+    precision: str  # "fp32" (PyTorch's default), "fp32-ieee" (TF32 off), "bf16", "fp16"
     batch: int
     fn: Callable[[], torch.Tensor]
     setup_s: float = 0.0  # compile or capture time paid before the first timed call
@@ -68,26 +118,29 @@ def _amp_dtype(amp: str) -> torch.dtype:
 
 
 def _no_cudagraph_mode(mode: str) -> str:
-    """torch.compile's mode without inductor's own CUDA graphs (the lab captures them itself, step 4)."""
+    """torch.compile's mode without inductor's own CUDA graphs (the lab captures them itself, the last step)."""
     return {"max-autotune": "max-autotune-no-cudagraphs", "reduce-overhead": "default"}.get(mode, mode)
 
 
 def torch_runners(model: nn.Module, x: torch.Tensor | np.ndarray, *, steps: Sequence[str] = TORCH_STEPS,
-                  amp: str = "bf16", compile_mode: str = "max-autotune", channels_last: bool = True,
+                  amp: str = "bf16", compile_mode: str = "max-autotune",
                   autotune_convs: bool = False) -> Iterator[TorchRunner]:
-    """The substitute chain on one batch ``x``, one step at a time, each adding one thing:
+    """The substitute chain on one batch ``x``, one step at a time, each changing one thing:
 
-    1. ``eager``: the model as trained, FP32 (see ``set_fp32_semantics``);
-    2. ``autocast``: ``torch.autocast`` in ``amp`` (bf16 or fp16) and channels_last memory (tensor cores);
-    3. ``compile``: ``torch.compile`` of step 2 in ``compile_mode`` without CUDA graphs: Inductor fuses
+    1. ``eager-ieee``: the model as trained, FP32 with TF32 off (precision ``fp32-ieee``);
+    2. ``eager``: FP32 as PyTorch runs it by default, convolutions in TF32 (precision ``fp32``);
+    3. ``autocast``: ``torch.autocast`` in ``amp`` (bf16 or fp16): lower precision, tensor cores (NCHW memory);
+    4. ``channels-last``: the same with the model and input in channels-last memory, the layout tensor-core
+       convolutions read without transposing;
+    5. ``compile``: ``torch.compile`` of step 4 in ``compile_mode`` without CUDA graphs: Inductor fuses
        element-wise work into the convolutions' neighbours and, with max-autotune, times kernel choices;
-    4. ``cuda-graph``: step 3 captured once in a CUDA graph and replayed: one launch per batch instead of
-       hundreds. ``max-autotune`` is steps 3 + 4 (Inductor's own CUDA graphs); here you see each half.
+    6. ``cuda-graph``: step 5 captured once in a CUDA graph and replayed: one launch per batch instead of
+       hundreds. ``max-autotune`` is steps 5 + 6 (Inductor's own CUDA graphs); here you see each half.
 
-    A generator, so each step is built (compiled, captured) only when the caller gets to it. Steps 2-4 need
-    a GPU; on a CPU only ``eager`` is offered. ``autotune_convs=False`` leaves convolutions to cuDNN (timed by
-    cudnn.benchmark) while max-autotune tunes the matmuls and fusions: Triton's convolution templates rarely
-    beat cuDNN on ResNet-50 and autotuning them costs minutes.
+    A generator, so each step is built (compiled, captured) only when the caller gets to it. Steps after
+    ``eager`` need a GPU; on a CPU only ``eager`` is offered (FP32 is IEEE there). ``autotune_convs=False``
+    leaves convolutions to cuDNN (timed by cudnn.benchmark) while max-autotune tunes the matmuls and fusions:
+    Triton's convolution templates rarely beat cuDNN on ResNet-50 and autotuning them costs minutes.
     """
     device = next(model.parameters()).device
     x = torch.as_tensor(x).to(device)
@@ -97,31 +150,44 @@ def torch_runners(model: nn.Module, x: torch.Tensor | np.ndarray, *, steps: Sequ
         raise ValueError(f"torch_runners(steps=...): unknown steps {sorted(unknown)}")
     batch = int(x.shape[0])
 
-    if "eager" in steps:
+    def eager_in(mode: str | None) -> Callable[[], torch.Tensor]:
         def eager() -> torch.Tensor:
-            with torch.inference_mode():
+            with fp32_mode(mode) if mode else contextlib.nullcontext(), torch.inference_mode():
                 return model(x)
 
-        yield TorchRunner("eager", "fp32", batch, eager)
+        return eager
+
+    if "eager-ieee" in steps and gpu:
+        yield TorchRunner("eager", "fp32-ieee", batch, eager_in("ieee"), note="TF32 off")
+    if "eager" in steps:
+        yield TorchRunner("eager", "fp32", batch, eager_in("default" if gpu else None),
+                          note="PyTorch's default: TF32 convolutions" if gpu else "")
     if not gpu:
         return
     dtype = _amp_dtype(amp)
+    if "autocast" in steps:
+        def autocast() -> torch.Tensor:
+            with torch.inference_mode(), torch.autocast("cuda", dtype=dtype):
+                return model(x)
+
+        yield TorchRunner("autocast", amp, batch, autocast, note="NCHW")
+    if not {"channels-last", "compile", "cuda-graph"} & set(steps):
+        return
     # A copy: .to(memory_format=...) converts a module in place, and the caller's eager model stays NCHW.
     # (Module.to takes memory_format; torch's annotated overloads leave it out.)
-    model_cl = (copy.deepcopy(model).to(memory_format=torch.channels_last)  # type: ignore[call-overload]
-                if channels_last else model)
-    x_cl = x.contiguous(memory_format=torch.channels_last) if channels_last else x
+    model_cl = copy.deepcopy(model).to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+    x_cl = x.contiguous(memory_format=torch.channels_last)
 
     def forward(inp: torch.Tensor) -> torch.Tensor:
         with torch.autocast("cuda", dtype=dtype):
             return model_cl(inp)
 
-    if "autocast" in steps:
-        def autocast() -> torch.Tensor:
+    if "channels-last" in steps:
+        def channels_last() -> torch.Tensor:
             with torch.inference_mode():
                 return forward(x_cl)
 
-        yield TorchRunner("autocast", amp, batch, autocast, note="channels_last" if channels_last else "")
+        yield TorchRunner("channels-last", amp, batch, channels_last, note="autocast + channels_last")
     if "compile" not in steps and "cuda-graph" not in steps:
         return
     mode = _no_cudagraph_mode(compile_mode)

@@ -8,6 +8,7 @@ The digits CNN is lab 02's, trained in seconds on scikit-learn's 8x8 digits. The
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -109,6 +110,49 @@ def train_digits_cnn(epochs: int = DIGITS_EPOCHS, seed: int = 0, width: int = DI
     facts = {"accuracy": accuracy(logits, data["y_test"]), "train_s": train_s, "epochs": epochs, "seed": seed,
              "width": width, "train_images": int(len(y)), "test_images": int(len(data["y_test"]))}
     return model, facts
+
+
+@functools.lru_cache(maxsize=4)
+def trained_digits(epochs: int = DIGITS_EPOCHS, seed: int = 0) -> tuple[DigitsCNN, dict[str, Any]]:
+    """``train_digits_cnn(epochs, seed)``, trained once per process: the lab and its exercise checks share it.
+
+    The model is in eval mode and must not be trained further by its users (copy it first).
+    """
+    return train_digits_cnn(epochs=epochs, seed=seed)
+
+
+class StochasticDepthNet(nn.Module):
+    """Input (B, 1, 8, 8) -> logits (B, 10): a convolution with batch norm, a residual block with stochastic depth
+    and dropout before the classifier. Its training behaviour differs from its inference behaviour (the
+    residual branch is dropped at random per sample in training, as in EfficientNet, ConvNeXt or Swin), which
+    is what an export of a model still in train mode gets wrong."""
+
+    def __init__(self, width: int = 8, survival: float = 0.5):
+        super().__init__()
+        self.survival = survival
+        self.stem = nn.Sequential(nn.Conv2d(1, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU())
+        self.block = nn.Sequential(nn.Conv2d(width, width, 3, padding=1), nn.BatchNorm2d(width))
+        self.head = nn.Sequential(nn.Flatten(), nn.Dropout(0.2), nn.Linear(width * 64, 10))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)  # (B, w, 8, 8)
+        branch = self.block(x)
+        if self.training:  # stochastic depth: keep the branch with probability `survival`, per sample
+            keep = (torch.rand(x.shape[0], 1, 1, 1, device=x.device) < self.survival).to(x.dtype)
+            branch = branch * keep / self.survival
+        return self.head(torch.relu(x + branch))
+
+
+def export_check_model(seed: int = 0) -> StochasticDepthNet:
+    """A ``StochasticDepthNet`` with random weights and settled batch-norm statistics, left in train mode as a
+    model is at the end of a training loop (what lab 03's export exercise hands the student's function)."""
+    torch.manual_seed(seed)
+    model = StochasticDepthNet()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _ in range(3):
+            model(torch.randn(32, 1, 8, 8, generator=gen))
+    return model.train()
 
 
 def digits_info(model: nn.Module) -> ModelInfo:
