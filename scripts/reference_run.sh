@@ -17,3 +17,15 @@ mkdir -p "$out"
 python3 -m lab_utils doctor --json > "$out/doctor.json"
 python3 -m lab_utils doctor | tee "$out/doctor.txt"
 python3 -m lab_utils run "${labs[@]}" --solutions --out "$out"
+# Executed notebooks are committed: no ANSI codes, no paths of this machine (checkout, output folder, temp folders).
+python3 - "$out" <<'PY'
+import sys
+from pathlib import Path
+
+from lab_utils.ops.notebooks import scrub
+
+out, root = Path(sys.argv[1]).resolve(), Path.cwd().resolve()
+paths = {str(out): "OUT", str(root): ".", str(Path.home()): "~"}
+for nb in sorted(out.glob("*.ipynb")):
+    print(nb.name, scrub(nb, paths), "outputs scrubbed")
+PY

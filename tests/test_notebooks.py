@@ -176,3 +176,21 @@ def test_nbval_hooks_fail_a_solution_check_that_is_not_correct(tmp_path):
 def test_nbval_hooks_fail_a_notebook_that_records_nothing(tmp_path):
     out = _nbval(tmp_path, "x = 1")
     assert out.returncode == 1 and "recorded no measurement" in out.stdout, out.stdout
+
+
+def test_scrub_removes_ansi_machine_paths_and_papermill_paths(tmp_path):
+    nb = new_notebook(cells=[new_code_cell("x")])
+    nb.cells[0].outputs = [
+        nbformat.v4.new_output("stream",
+                               text="\x1b[1mNVIDIA H200\x1b[0m at /srv/ci/course/labs and /tmp/nvlab-abc12\n"),
+        nbformat.v4.new_output("display_data", data={"text/plain": "\x1b[32mok\x1b[0m /srv/ci/out/results.json"}),
+    ]
+    nb.metadata["papermill"] = {"input_path": "/srv/ci/course/solutions/00.ipynb",
+                                "output_path": "/srv/ci/out/00.ipynb"}
+    p = tmp_path / "00.ipynb"
+    nbformat.write(nb, p)
+    assert notebooks.scrub(p, {"/srv/ci/course": ".", "/srv/ci/out": "OUT"}) == 2
+    text = p.read_text()
+    assert "\\u001b" not in text and "/srv/ci" not in text and "nvlab-abc12" not in text
+    out = nbformat.read(p, as_version=4).cells[0].outputs
+    assert out[0].text == "NVIDIA H200 at ./labs and /tmp/...\n" and out[1].data["text/plain"] == "ok OUT/results.json"

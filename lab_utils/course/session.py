@@ -94,7 +94,9 @@ def print_report(report: EnvReport, highlight: str | None = None, brief: bool = 
     from rich.console import Console
     from rich.table import Table
 
-    console = Console(width=120)
+    # Plain text in a notebook too (rich's Jupyter output carries ANSI codes in its text/plain copy); colour only
+    # on a terminal.
+    console = Console(width=120, force_jupyter=False)
     t = report.torch or {}
     head = Table(title="Stack", show_header=False, box=None)
     head.add_row("GPU source", report.source)

@@ -255,3 +255,41 @@ def execute(path: Path, out_dir: Path, parameters: dict[str, Any], run_id: str |
             else:
                 os.environ[k] = v
     return RunResult(path.name, output, time.perf_counter() - t0, True)
+
+
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+TEMP_PATH = re.compile(r"/tmp/[A-Za-z0-9_.-]+")
+
+
+def scrub(path: Path, paths: dict[str, str]) -> int:
+    """Make an executed notebook fit to commit: ANSI codes out of text outputs, papermill's input/output paths
+    out of the metadata, each key of ``paths`` (a checkout, an output folder) replaced by its value, and temporary
+    folders by ``/tmp/...``. Returns how many outputs changed."""
+    import nbformat
+
+    nb = nbformat.read(path, as_version=4)
+    meta = nb.metadata.get("papermill", {})
+    for key in ("input_path", "output_path"):
+        meta.pop(key, None)
+    ordered = sorted(paths.items(), key=lambda kv: -len(kv[0]))  # longest first: /a/b before /a
+
+    def clean(text: str) -> str:
+        text = ANSI.sub("", text)
+        for old, new in ordered:
+            text = text.replace(old, new)
+        return TEMP_PATH.sub("/tmp/...", text)
+
+    changed = 0
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            before = repr(out)
+            if "text" in out:
+                out["text"] = clean(out["text"])
+            for mime in ("text/plain", "text/html", "text/markdown"):
+                if mime in out.get("data", {}):
+                    out["data"][mime] = clean(out["data"][mime])
+            if "traceback" in out:
+                out["traceback"] = [clean(line) for line in out["traceback"]]
+            changed += repr(out) != before
+    nbformat.write(nb, path)
+    return changed
