@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 
 import numpy as np
@@ -131,9 +132,133 @@ def test_perf_analyzer_command():
     loop = triton_load.perf_analyzer_command("mlp", "127.0.0.1:8000", [1, 4, 16], protocol="http", shape="INPUT__0:64")
     assert loop.startswith("for c in 1 4 16; do perf_analyzer") and "--concurrency-range $c; done" in loop
     assert "-i http" in loop and "--shape INPUT__0:64" in loop
+    assert "--percentile 95" in cmd
+    avg = triton_load.perf_analyzer_command("mlp", "h:1", [8], percentile=None, max_trials=6, csv_path="pa.csv")
+    assert "--percentile" not in avg and "--max-trials 6" in avg and avg.endswith("-f pa.csv --concurrency-range 8:8:1")
 
 
 def test_no_thread_left_behind(server):
     before = {t.name for t in threading.enumerate()}
     run_load(server.grpc_url, "tiny", make_inputs, 2, window_s=0.2, warmup_s=0.1, max_windows=3)
     assert "nvlab-load" not in {t.name for t in threading.enumerate()} - before
+
+
+def test_verify_counts_wrong_answers_and_passes_right_ones(server):
+    def right(inputs, outputs):
+        assert outputs["OUTPUT__0"].shape == (1, 3)
+
+    def wrong(inputs, outputs):
+        raise ValueError("rows of another request")
+
+    ok = run_load(server.grpc_url, "tiny", make_inputs, 2, duration_s=0.4, window_s=0.2, warmup_s=0.1, verify=right,
+                  outputs=["OUTPUT__0"])
+    assert ok.requests > 0 and ok.errors_total == 0
+    bad = run_load(server.grpc_url, "tiny", make_inputs, 2, duration_s=0.4, window_s=0.2, warmup_s=0.1, verify=wrong)
+    assert bad.requests == 0 and bad.errors > 0
+    assert list(bad.error_messages) == ["WrongAnswer: wrong answer: rows of another request"]
+
+
+# --- perf_analyzer beside the generator --------------------------------------------------------------------
+
+# perf_analyzer's -f report as its report writer emits it (perf_analyzer 2.60, src/report_writer.cc): the concurrency,
+# Inferences/Second, Client Send, the server statistics (Network+Server Send/Recv, Server Queue, Server Compute
+# Input/Infer/Output), Client Recv, then p50/p90/p95/p99 latency; times in µs, rows sorted by throughput. This
+# is a run of `--concurrency-range 8:16:8` against the lab's MLP (python backend, dynamic batching).
+PA_CSV = """\
+Concurrency,Inferences/Second,Client Send,Network+Server Send/Recv,Server Queue,Server Compute Input,\
+Server Compute Infer,Server Compute Output,Client Recv,p50 latency,p90 latency,p95 latency,p99 latency
+8,1380.2,19,1102,1203,35,3050,22,5,5725,6312,6593,7210
+16,1794.6,21,1337,3561,38,3790,25,6,8803,9981,10433,11702
+"""
+# --verbose-csv without --percentile adds Avg latency, request/response and response wait; a decoupled model adds
+# Response Throughput, the response cache Server Cache Hit/Miss.
+PA_CSV_VERBOSE = """\
+Concurrency,Inferences/Second,Response Throughput,Client Send,Network+Server Send/Recv,Server Queue,\
+Server Compute Input,Server Compute Infer,Server Compute Output,Server Cache Hit,Server Cache Miss,Client Recv,\
+p50 latency,p90 latency,p95 latency,p99 latency,Avg latency,request/response,response wait
+4,912.4,912.4,17,980,402,33,2810,20,0,0,5,4310,4702,4866,5390,4381,22,4344
+"""
+
+
+def test_parse_perf_analyzer_csv():
+    rows = triton_load.parse_perf_analyzer_csv(PA_CSV, "perf_analyzer -m mlp")
+    assert [r.concurrency for r in rows] == [8, 16]  # by concurrency, whatever the file's order
+    r = rows[1]
+    assert r.throughput_infer_s == pytest.approx(1794.6)
+    assert (r.p50_ms, r.p90_ms, r.p95_ms, r.p99_ms) == pytest.approx((8.803, 9.981, 10.433, 11.702))
+    assert r.server_queue_us == 3561 and r.server_compute_infer_us == 3790 and r.network_server_us == 1337
+    assert r.client_send_us == 21 and r.client_recv_us == 6 and r.avg_ms is None and r.command == "perf_analyzer -m mlp"
+    assert r.to_row()["p95_ms"] == pytest.approx(10.433) and "command" not in r.to_row()
+    # Little's law holds in the sample: concurrency / throughput is about the average latency
+    assert 16 / r.throughput_infer_s * 1e3 == pytest.approx(r.p50_ms, rel=0.05)
+    (v,) = triton_load.parse_perf_analyzer_csv(PA_CSV_VERBOSE)
+    assert v.concurrency == 4 and v.avg_ms == pytest.approx(4.381) and v.server_queue_us == 402
+    header = PA_CSV.splitlines()[0]
+    assert triton_load.parse_perf_analyzer_csv(header) == []  # nothing stable: perf_analyzer writes no row
+    with pytest.raises(ValueError, match="Concurrency"):
+        triton_load.parse_perf_analyzer_csv("Request Rate,Inferences/Second\n100,99.5\n")
+    with pytest.raises(ValueError, match="p95 latency"):
+        triton_load.parse_perf_analyzer_csv("Concurrency,Inferences/Second,Client Send,Client Recv\n1,2,3,4\n")
+
+
+def test_perf_analyzer_status_here_is_real():
+    """No stand-in: what this machine says. Where it does not run, the reason names glibc and what to do."""
+    status = triton_load.perf_analyzer_status()
+    if status.runnable:  # the GPU runner, an NGC image
+        assert status.path and status.version and not status.reason
+        return
+    assert not status.runnable and "perf_analyzer does not run here" in str(status)
+    glibc = triton_load.glibc_version()
+    if status.path is None and glibc is not None and glibc < (2, 38):
+        assert f"glibc {glibc[0]}.{glibc[1]}" in status.reason and "2.38" in status.reason
+        assert "pip install perf-analyzer" in status.reason and "sdk image" in status.reason
+    with pytest.raises(triton_load.PerfAnalyzerError, match="does not run here"):
+        if status.path is None:
+            triton_load.run_perf_analyzer("mlp", "127.0.0.1:1", 1)
+        raise triton_load.PerfAnalyzerError(str(status))
+
+
+def _fake_perf_analyzer(tmp_path, body, folder="bin"):
+    fake = tmp_path / folder / "perf_analyzer"
+    fake.parent.mkdir()
+    fake.write_text(f"#!{sys.executable}\n{body}")
+    fake.chmod(0o755)
+    return fake
+
+
+def test_a_perf_analyzer_that_cannot_start_is_reported_with_its_words(tmp_path, monkeypatch):
+    # what the wheel's binary prints on Debian 12 (glibc 2.36), and its exit code
+    _fake_perf_analyzer(tmp_path, "import sys\nsys.stderr.write(\"perf_analyzer: /lib/x86_64-linux-gnu/libc.so.6: "
+                                  "version `GLIBC_2.38' not found (required by perf_analyzer)\\n\")\nsys.exit(1)\n")
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr(triton_load, "perf_analyzer_binary", lambda: str(tmp_path / "bin" / "perf_analyzer"))
+    status = triton_load.perf_analyzer_status()
+    assert not status.runnable and "GLIBC_2.38' not found" in status.reason and "--version failed" in status.reason
+
+
+def test_run_perf_analyzer_command_and_report(tmp_path, monkeypatch):
+    """The argv perf_analyzer gets and its CSV read back (a stand-in that writes the recorded report)."""
+    fake = _fake_perf_analyzer(tmp_path, f"""import sys
+args = sys.argv[1:]
+if args == ["--version"]:
+    print("Perf Analyzer Version 2.60.0 (commit abc)"); sys.exit(0)
+open(args[args.index("-f") + 1], "w").write({PA_CSV!r})
+print("args:", " ".join(args))
+""")
+    monkeypatch.setattr(triton_load, "perf_analyzer_binary", lambda: str(fake))
+    status = triton_load.perf_analyzer_status()
+    assert status.runnable and status.version == "2.60.0"
+    r = triton_load.run_perf_analyzer("mlp", "127.0.0.1:8001", 8, window_ms=500, max_trials=4)
+    assert r.concurrency == 8 and r.p95_ms == pytest.approx(6.593)
+    assert r.command.startswith("perf_analyzer -m mlp -u 127.0.0.1:8001 -i grpc --measurement-interval 500 ")
+    assert "--max-trials 4" in r.command and "--percentile" not in r.command  # the average, as run_load
+    assert r.command.endswith("-f perf.csv --concurrency-range 8:8:1")
+    nothing = _fake_perf_analyzer(tmp_path, "import sys\nprint(' '.join(sys.argv[1:]))\nprint('Failed to obtain "
+                                            "stable measurement within 4 measurement windows for concurrency 8.')\n"
+                                            "sys.exit(2)\n", "unstable")
+    with pytest.raises(triton_load.PerfAnalyzerError, match="(?s)no stable measurement.*interval 1000 .*max-trials 3"):
+        triton_load.run_perf_analyzer("mlp", "127.0.0.1:8001", 8, binary=str(nothing), window_ms=500, max_trials=4,
+                                      extensions=1, extension_trials=3)  # tried again with windows twice as long
+    broken = _fake_perf_analyzer(tmp_path, "import sys\nprint('error: failed to connect')\nsys.exit(99)\n", "broken")
+    with pytest.raises(triton_load.PerfAnalyzerError, match="(?s)exited with code 99 and wrote no report.*connect"):
+        triton_load.run_perf_analyzer("mlp", "127.0.0.1:8001", 8, binary=str(broken), extensions=2)

@@ -4,6 +4,7 @@ builder; the python-backend model's engines against the NumPy reference. No serv
 from __future__ import annotations
 
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -190,7 +191,7 @@ def test_committed_ngc_configs_are_what_the_builder_writes(tmp_path):
 # --- the python-backend model ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("engine", ["onnxruntime", "torch"])
+@pytest.mark.parametrize("engine", ["onnxruntime", "torch", "numpy"])
 def test_model_engines_match_the_reference(built, engine):
     vdir = built / "mlp" / "1"
     runner = triton_model.MlpRunner(vdir, engine=engine, device="cpu")
@@ -259,11 +260,31 @@ def test_execute_batches_requests_and_crosses_by_dlpack(built, monkeypatch):
     m.initialize({"model_config": json.dumps(cfg), "model_instance_kind": "CPU", "model_instance_device_id": "0",
                   "model_repository": str(built / "mlp"), "model_version": "1"})
     calls = []
-    real = m.runner.__call__
-    monkeypatch.setattr(m, "runner", lambda x: calls.append(x.shape) or real(x))
+    real = m.model.__call__
+    monkeypatch.setattr(m, "model", lambda x: calls.append(x.shape) or real(x))
     xs = [np.random.rand(n, 64).astype(np.float32) for n in (1, 3, 2)]
     out = m.execute([{"INPUT__0": _FakeTensor(x)} for x in xs])
     assert calls == [(6, 64)]  # one run for the three requests
     for x, resp in zip(xs, out, strict=True):
         np.testing.assert_allclose(resp.tensors[0].array, triton_repo.reference_mlp(built / "mlp" / "1", x),
                                    rtol=1e-4, atol=1e-5)
+
+
+def test_python_model_without_torch(tmp_path):
+    """What the lab's checks deploy: NumPy weights, the course's model.py on its numpy engine, a valid config."""
+    sizes = {"in_features": 4, "width": 8, "depth": 2, "out_features": 3}
+    cfg = mlp_config("small", in_features=4, out_features=3, max_batch_size=8)
+    cfg["parameters"]["engine"] = {"string_value": "numpy"}
+    model_dir = triton_repo.write_python_model(tmp_path, cfg, sizes=sizes, seed=2)
+    assert sorted(p.name for p in (model_dir / "1").iterdir()) == ["__pycache__", "model.py", "weights.npz"]
+    # compiled beside it: the stub writes no bytecode into the folder, so an unchanged model is not reloaded
+    assert list((model_dir / "1" / "__pycache__").glob(f"model.{sys.implementation.cache_tag}.pyc"))
+    assert (model_dir / "1" / "model.py").read_text() == triton_model.source()
+    triton_repo.validate_model_dir(model_dir, gpus=0)
+    x = np.random.default_rng(0).standard_normal((5, 4)).astype(np.float32)
+    y = triton_model.MlpRunner(model_dir / "1", engine="numpy")(x)
+    assert y.shape == (5, 3) and y.dtype == np.float32 and 0.01 < np.abs(y).max() < 10  # activations of order one
+    np.testing.assert_allclose(y, triton_repo.reference_mlp(model_dir / "1", x), rtol=1e-5, atol=1e-6)
+    again = triton_repo.save_mlp_weights(tmp_path / "again", seed=2, **sizes)
+    with np.load(again) as a, np.load(model_dir / "1" / "weights.npz") as b:
+        assert all(np.array_equal(a[k], b[k]) for k in b.files)  # seeded

@@ -568,8 +568,10 @@ def lab_tiers(report: EnvReport) -> list[LabTier]:
                       "no GPU: ONNX Runtime on the CPU stands in for TensorRT")
     wheel_only = server and c["tritonserver"].where == str(pytriton_server())
     via = "; the nvidia-pytriton server (python backend only) stands in for the NGC image" if wheel_only else ""
-    if gpu and server:
-        rows["04"] = ("full", "Triton server, KIND_GPU instances (torch on the GPU)", via.removeprefix("; "))
+    if gpu and server and wheel_only:  # a stand-in is not the full lab: no ONNX Runtime/TensorRT backends
+        rows["04"] = ("partial", "Triton server, KIND_GPU instances (torch on the GPU)", via.removeprefix("; "))
+    elif gpu and server:
+        rows["04"] = ("full", "Triton server, KIND_GPU instances (torch on the GPU)", "")
     elif server:
         rows["04"] = ("partial" if seen_gpu else "cpu", "Triton server, KIND_CPU instances (ONNX Runtime)",
                       "CPU instances" + via)
@@ -712,10 +714,10 @@ def container_verdicts(cuda_ceiling: str, datacenter_gpu: bool = True) -> list[d
         cuda = entry["cuda"]
         if version_tuple(cuda) <= version_tuple(cuda_ceiling):
             verdict = "runs: the driver supports this CUDA"
+        elif version_tuple(cuda)[:1] == version_tuple(cuda_ceiling)[:1]:  # same major: no compat package needed
+            verdict = "runs through minor-version compatibility; some features need a newer driver"
         elif datacenter_gpu:
             verdict = "runs through the image's forward-compatibility libraries (data-centre GPUs only)"
-        elif version_tuple(cuda)[:1] == version_tuple(cuda_ceiling)[:1]:
-            verdict = "runs through minor-version compatibility; some features need a newer driver"
         else:
             verdict = "fails: update the driver"
         rows.append({"image": entry["image"], "CUDA runtime": cuda, "driver ceiling": cuda_ceiling,

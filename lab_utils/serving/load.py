@@ -4,14 +4,17 @@ Stable API (lab 04 and lab 05 build on it; names and meanings do not change):
 
 - ``run_load(url, model, make_inputs, concurrency, *, protocol="grpc", duration_s=None, window_s=1.0,
   warmup_s=0.5, max_windows=10, stability=0.10, processes=None, outputs=None, stats_url=None,
-  on_window=None, timeout_s=10.0) -> LoadResult``.
+  on_window=None, timeout_s=10.0, verify=None) -> LoadResult``.
   ``concurrency`` clients each keep exactly one request in flight (closed loop). ``make_inputs()`` returns
   one request's inputs, ``{name: np.ndarray}`` (batch dimension included), or pass such a dict. With
   ``duration_s=None`` measurement windows of ``window_s`` repeat until three in a row agree within
   ``stability`` (10 %) on throughput and mean latency, as perf_analyzer does, or ``max_windows`` pass;
   with ``duration_s`` the run lasts that long. ``url``: ``host:port`` of the protocol's endpoint (an
   ``http://`` prefix is accepted); ``stats_url``: the server's HTTP URL for the statistics API (default:
-  ``url`` when the protocol is HTTP).
+  ``url`` when the protocol is HTTP). ``verify(inputs, outputs)``, given, checks every answer (both
+  ``{name: np.ndarray}``) and raises when it is wrong: such a response counts as a failed request whose
+  message starts ``wrong answer:`` (lab 04's check that each client got its own rows back). With client
+  processes it must be picklable (a module-level function).
 - ``LoadResult``: ``throughput_infer_s``, ``p50_ms``, ``p90_ms``, ``p95_ms``, ``p99_ms``, ``mean_ms``,
   ``requests``, ``errors``, ``error_messages`` ({message: count}), ``windows`` (per window: throughput,
   mean and p95 latency, errors), ``stable``, ``seconds``, ``server`` (the statistics-API split, or None),
@@ -19,7 +22,9 @@ Stable API (lab 04 and lab 05 build on it; names and meanings do not change):
 - ``sweep(url, model, make_inputs, concurrencies, **kw) -> pandas.DataFrame`` (one row per concurrency).
 - ``server_split(before, after)``: average queue / compute input / infer / output µs per request and the
   average batch from two statistics snapshots (``model_stats``).
-- ``perf_analyzer_command(...)``: the equivalent ``perf_analyzer`` command line.
+- ``perf_analyzer_command(...)``: the equivalent ``perf_analyzer`` command line; ``perf_analyzer_status()``:
+  whether it runs here (and why not: its wheel needs glibc >= 2.38); ``run_perf_analyzer(...)``: one concurrency
+  measured by it, parsed from its ``-f`` CSV report (``parse_perf_analyzer_csv``) into a ``PerfAnalyzerResult``.
 
 A failed request never stops the load: it is counted in ``errors`` with its message (the server died,
 refused the input, timed out), and the client backs off 10 ms before its next request so a dead server
@@ -36,6 +41,7 @@ import math
 import multiprocessing as mp
 import os
 import queue as queue_mod
+import re
 import threading
 import time
 import urllib.request
@@ -202,7 +208,8 @@ def _short_error(msg: str) -> str:
 
 
 async def _client_loop(protocol: str, url: str, model: str, payloads: list[dict], outputs: Sequence[str] | None,
-                       sink: _Sink, stop: threading.Event | Any, timeout_s: float, offset: int) -> None:
+                       sink: _Sink, stop: threading.Event | Any, timeout_s: float, offset: int,
+                       verify: Verify | None = None) -> None:
     if protocol == "grpc":
         import tritonclient.grpc.aio as tc
     else:
@@ -214,33 +221,55 @@ async def _client_loop(protocol: str, url: str, model: str, payloads: list[dict]
         k = offset
         kw = {"client_timeout": timeout_s} if protocol == "grpc" else {}
         while not stop.is_set():
-            ins, outs = reqs[k % len(reqs)]
+            i = k % len(reqs)
+            ins, outs = reqs[i]
             k += 1
             t = time.perf_counter()
             try:
-                await client.infer(model, ins, outputs=outs, **kw)
+                result = await client.infer(model, ins, outputs=outs, **kw)
+                t_done = time.perf_counter()  # checking the answer below is not the server's latency
+                if verify is not None:
+                    _verify(verify, payloads[i], result, outputs, protocol)
             except Exception as err:  # counted, never raised: the load goes on (a failure drill needs it)
                 sink.add(t, time.perf_counter(), False, f"{type(err).__name__}: {err}")
                 await asyncio.sleep(ERROR_BACKOFF_S)
             else:
-                sink.add(t, time.perf_counter(), True)
+                sink.add(t, t_done, True)
     finally:
         with contextlib.suppress(Exception):
             await client.close()
 
 
+class WrongAnswer(Exception):
+    """A response that ``verify`` refused: counted as a failed request, with the message ``wrong answer: ...``."""
+
+
+Verify = Callable[[Mapping[str, np.ndarray], Mapping[str, np.ndarray]], None]
+
+
+def _verify(verify: Verify, inputs: Mapping[str, np.ndarray], result: Any, outputs: Sequence[str] | None,
+            protocol: str) -> None:
+    names = list(outputs) if outputs else [o["name"] for o in (
+        result.get_response(as_json=True) if protocol == "grpc" else result.get_response()).get("outputs", [])]
+    got = {n: result.as_numpy(n) for n in names}
+    try:
+        verify(inputs, got)
+    except Exception as err:
+        raise WrongAnswer(f"wrong answer: {err}") from None
+
+
 def _run_clients(protocol: str, url: str, model: str, payloads: list[dict], outputs: Sequence[str] | None,
-                 n: int, sink: _Sink, stop: Any, timeout_s: float, first: int) -> None:
+                 n: int, sink: _Sink, stop: Any, timeout_s: float, first: int, verify: Verify | None = None) -> None:
     async def main() -> None:
         await asyncio.gather(*(_client_loop(protocol, url, model, payloads, outputs, sink, stop, timeout_s,
-                                            first + i) for i in range(n)))
+                                            first + i, verify) for i in range(n)))
 
     asyncio.run(main())
 
 
 def _process_worker(protocol: str, url: str, model: str, payloads: list[dict], outputs: Sequence[str] | None,
                     n: int, t0_value: Any, start: Any, window_s: float, stop: Any, out_q: Any, timeout_s: float,
-                    first: int) -> None:
+                    first: int, verify: Verify | None = None) -> None:
     """A client process: ``n`` closed-loop clients; hands each finished window to the parent.
 
     It reports "ready" once its imports are done and waits for the parent's start, so that the windows of
@@ -276,7 +305,8 @@ def _process_worker(protocol: str, url: str, model: str, payloads: list[dict], o
     th = threading.Thread(target=flusher, daemon=True)
     th.start()
     try:
-        _run_clients(protocol, url, model, payloads, outputs, n, locked, stop, timeout_s, first)  # type: ignore[arg-type]
+        _run_clients(protocol, url, model, payloads, outputs, n, locked, stop, timeout_s, first,  # type: ignore[arg-type]
+                     verify)
     except BaseException as err:
         out_q.put(("crash", -1, f"{type(err).__name__}: {err}"))
     finally:
@@ -343,6 +373,7 @@ def run_load(
     stats_url: str | None = None,
     on_window: Callable[[Window], None] | None = None,
     timeout_s: float = 10.0,
+    verify: Verify | None = None,
 ) -> LoadResult:
     """Closed-loop load at ``concurrency`` clients; see the module docstring for every argument."""
     if protocol not in PROTOCOLS:
@@ -391,7 +422,7 @@ def run_load(
         def target_fn() -> None:
             try:
                 _run_clients(protocol, target, model, payloads, outputs, concurrency, locked, stop,  # type: ignore[arg-type]
-                             timeout_s, 0)
+                             timeout_s, 0, verify)
             except BaseException as err:
                 err_box.append(err)
 
@@ -418,7 +449,7 @@ def run_load(
         out_q = ctx.Queue()
         procs = [ctx.Process(target=_process_worker, name=f"nvlab-load-{i}", daemon=True,
                              args=(protocol, target, model, payloads, outputs, shares[i], t0_value, start, window_s,
-                                   stop, out_q, timeout_s, sum(shares[:i])))
+                                   stop, out_q, timeout_s, sum(shares[:i]), verify))
                  for i in range(nproc)]
         for p in procs:
             p.start()
@@ -530,21 +561,264 @@ def sweep(url: str, model: str, make_inputs: Any, concurrencies: Sequence[int], 
     return pd.DataFrame(rows)
 
 
+# --- perf_analyzer, Triton's own load tool, beside this generator ----------------------------------------------
+
+PERF_ANALYZER_GLIBC = (2, 38)  # the perf-analyzer wheel's platform tag: manylinux_2_38
+PERF_ANALYZER_INSTALL = "pip install perf-analyzer"
+PERF_ANALYZER_IMAGE = "the NGC tritonserver:<yy.mm>-py3-sdk image"
+
+
 def perf_analyzer_command(model: str, url: str, concurrencies: Sequence[int], *, protocol: str = "grpc",
                           shape: str | None = None, window_ms: int = 5000, stability_pct: int = 10,
-                          percentile: int = 95) -> str:
-    """The ``perf_analyzer`` command (NGC ``tritonserver:<yy.mm>-py3-sdk`` image) measuring what ``sweep`` does."""
+                          percentile: int | None = 95, max_trials: int | None = None,
+                          csv_path: str | None = None) -> str:
+    """The ``perf_analyzer`` command measuring what ``sweep`` does (``-f csv_path`` writes its CSV report).
+
+    ``percentile=None`` stabilises on the average latency, as ``run_load`` does; a percentile stabilises on it.
+    """
     steps = sorted(set(concurrencies))
     diffs = {b - a for a, b in zip(steps, steps[1:], strict=False)}
     common = (f"-m {model} -u {host_port(url)} -i {protocol} --measurement-interval {window_ms} "
-              f"--stability-percentage {stability_pct} --percentile {percentile}")
+              f"--stability-percentage {stability_pct}")
+    if percentile is not None:
+        common += f" --percentile {percentile}"
+    if max_trials is not None:
+        common += f" --max-trials {max_trials}"
     if shape:
         common += f" --shape {shape}"
+    if csv_path:
+        common += f" -f {csv_path}"
     if len(diffs) <= 1:  # an arithmetic sweep is one range
         step = diffs.pop() if diffs else 1
         return f"perf_analyzer {common} --concurrency-range {steps[0]}:{steps[-1]}:{step}"
     return f"for c in {' '.join(map(str, steps))}; do perf_analyzer {common} --concurrency-range $c; done"
 
 
-__all__ = ["run_load", "sweep", "LoadResult", "Window", "model_stats", "server_split", "perf_analyzer_command",
+@dataclass(frozen=True)
+class PerfAnalyzerStatus:
+    """Whether ``perf_analyzer`` runs here: ``path`` (the binary found, or None), ``version``, and ``reason``
+    (why it cannot run, with what to do; empty when it can)."""
+
+    runnable: bool
+    path: str | None
+    version: str | None
+    reason: str
+
+    def __str__(self) -> str:
+        if self.runnable:
+            return f"perf_analyzer {self.version or ''} at {self.path}".replace("  ", " ")
+        return f"perf_analyzer does not run here: {self.reason}"
+
+
+def glibc_version() -> tuple[int, int] | None:
+    """The C library's version, e.g. (2, 36); None where it is not glibc (musl, macOS)."""
+    import platform
+
+    lib, version = platform.libc_ver()
+    if lib != "glibc" or not version:
+        return None
+    parts = version.split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return None
+
+
+def _glibc_note(installed: bool = False) -> str:
+    """Why ``pip install perf-analyzer`` does or does not help on this machine."""
+    have = glibc_version()
+    need = ".".join(map(str, PERF_ANALYZER_GLIBC))
+    if have is None:
+        return f"its wheel is built for Linux with glibc >= {need}"
+    head = "its wheel" if installed else f"`{PERF_ANALYZER_INSTALL}` cannot help here: its wheel"
+    if have < PERF_ANALYZER_GLIBC:
+        return (f"{head} needs glibc >= {need} (tag manylinux_2_38) and this machine has glibc {have[0]}.{have[1]} "
+                "(Debian 12 has 2.36; Ubuntu 24.04 and the NGC images have 2.39)")
+    return f"glibc {have[0]}.{have[1]} is new enough" + ("" if installed else f": `{PERF_ANALYZER_INSTALL}`")
+
+
+def perf_analyzer_binary() -> str | None:
+    """The ``perf_analyzer`` executable: the one inside an installed ``perf-analyzer`` wheel (its console script
+    on the PATH is a Python wrapper that drops the exit code, and a ``pip install --target`` leaves no script on
+    the PATH), else ``perf_analyzer`` on the PATH (the NGC SDK image)."""
+    import importlib.util
+    import shutil
+
+    try:
+        spec = importlib.util.find_spec("perf_analyzer")
+    except (ImportError, ValueError):
+        spec = None
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        binary = os.path.join(folder, "bin", "perf_analyzer")
+        if os.path.isfile(binary):
+            return binary
+    return shutil.which("perf_analyzer")
+
+
+def perf_analyzer_status(timeout_s: float = 30.0) -> PerfAnalyzerStatus:
+    """Find ``perf_analyzer`` and run ``perf_analyzer --version``: runnable when it exits 0 and names itself.
+
+    (``--help`` is no test: perf_analyzer has no such option and exits 99 after printing its usage.) Not found, not
+    executable, or failing to start (``GLIBC_2.38' not found``): the reason says why, with the glibc version.
+    """
+    import subprocess
+
+    path = perf_analyzer_binary()
+    if path is None:
+        return PerfAnalyzerStatus(False, None, None, f"not installed; {_glibc_note()}. It also ships in "
+                                                     f"{PERF_ANALYZER_IMAGE}.")
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=timeout_s)
+    except PermissionError:
+        return PerfAnalyzerStatus(False, path, None, f"{path} is not executable (chmod +x it)")
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return PerfAnalyzerStatus(False, path, None, f"{path} could not be run: {err}")
+    text = (out.stdout or "") + (out.stderr or "")
+    m = re.search(r"Perf Analyzer Version ([^\s]+)", text)
+    if out.returncode == 0 and m:
+        return PerfAnalyzerStatus(True, path, m.group(1), "")
+    first = next((ln.strip() for ln in text.splitlines() if ln.strip()), f"exit code {out.returncode}")
+    note = f" ({_glibc_note(installed=True)})" if "GLIBC" in text else ""
+    return PerfAnalyzerStatus(False, path, None, f"{path} --version failed: {first}{note}")
+
+
+@dataclass
+class PerfAnalyzerResult:
+    """One concurrency measured by perf_analyzer (its CSV report; latencies converted from µs to ms)."""
+
+    concurrency: int
+    throughput_infer_s: float
+    p50_ms: float
+    p90_ms: float
+    p95_ms: float
+    p99_ms: float
+    avg_ms: float | None  # only with --verbose-csv and no --percentile
+    client_send_us: float
+    network_server_us: float  # "Network+Server Send/Recv": client wait not accounted for by the server
+    server_queue_us: float | None
+    server_compute_input_us: float | None
+    server_compute_infer_us: float | None
+    server_compute_output_us: float | None
+    client_recv_us: float
+    command: str = ""
+
+    def to_row(self) -> dict[str, Any]:
+        """The same keys as ``LoadResult.to_row`` where they mean the same."""
+        return {k: v for k, v in asdict(self).items() if k != "command"}
+
+
+_PA_COLUMNS = {
+    "Concurrency": "concurrency", "Inferences/Second": "throughput_infer_s", "Client Send": "client_send_us",
+    "Network+Server Send/Recv": "network_server_us", "Server Queue": "server_queue_us",
+    "Server Compute Input": "server_compute_input_us", "Server Compute Infer": "server_compute_infer_us",
+    "Server Compute Output": "server_compute_output_us", "Client Recv": "client_recv_us",
+}
+
+
+def parse_perf_analyzer_csv(text: str, command: str = "") -> list[PerfAnalyzerResult]:
+    """The rows of perf_analyzer's ``-f`` CSV report, by concurrency (the file sorts them by throughput).
+
+    Columns, as perf_analyzer's report writer emits them: ``Concurrency`` (or ``Request Rate``: refused here,
+    the course measures closed loops), ``Inferences/Second``, ``Client Send``, then with server statistics
+    ``Network+Server Send/Recv, Server Queue, Server Compute Input/Infer/Output`` (and ``Server Cache Hit/Miss``
+    when the response cache is on), ``Client Recv``, ``p50/p90/p95/p99 latency``; with ``--verbose-csv`` also
+    ``Avg latency`` (no ``--percentile``), ``request/response``, ``response wait`` and GPU metrics. Times are µs.
+    """
+    import csv
+    import io
+
+    reader = csv.DictReader(io.StringIO(text.strip()))
+    fields = reader.fieldnames or []
+    if "Concurrency" not in fields:
+        raise ValueError("not a perf_analyzer concurrency report: the first column should be Concurrency, got "
+                         f"{fields[:1] or 'an empty file'}")
+    missing = [c for c in ("Inferences/Second", "Client Send", "Client Recv", "p95 latency") if c not in fields]
+    if missing:
+        raise ValueError(f"perf_analyzer CSV without the columns {missing} (it has {fields})")
+    rows = []
+    for raw in reader:
+        if not raw.get("Concurrency"):
+            continue
+        values: dict[str, Any] = {k: None for k in _PA_COLUMNS.values()}
+        for col, key in _PA_COLUMNS.items():
+            if raw.get(col) not in (None, ""):
+                values[key] = float(raw[col])
+        values["concurrency"] = int(float(raw["Concurrency"]))
+        for p in (50, 90, 95, 99):
+            values[f"p{p}_ms"] = float(raw[f"p{p} latency"]) / 1e3 if raw.get(f"p{p} latency") else float("nan")
+        values["avg_ms"] = float(raw["Avg latency"]) / 1e3 if raw.get("Avg latency") else None
+        rows.append(PerfAnalyzerResult(command=command, **values))
+    return sorted(rows, key=lambda r: r.concurrency)
+
+
+class PerfAnalyzerError(RuntimeError):
+    """perf_analyzer ran but measured nothing usable; the message carries its own words."""
+
+
+def run_perf_analyzer(model: str, url: str, concurrency: int, *, protocol: str = "grpc", window_ms: int = 5000,
+                      stability_pct: int = 10, max_trials: int = 10, shape: str | None = None,
+                      timeout_s: float | None = None, binary: str | None = None, extensions: int = 0,
+                      extension_trials: int = 6) -> PerfAnalyzerResult:
+    """Run perf_analyzer at one concurrency (stabilising on the average latency, as ``run_load``) and parse its CSV.
+
+    Without a stable measurement perf_analyzer writes no row; it is then run again with a measurement interval
+    twice as long, up to ``extensions`` times (``extension_trials`` windows each), as ``steps.measure`` does.
+    Raises ``PerfAnalyzerError`` with perf_analyzer's last lines when it fails or never stabilises. The process
+    is owned: killed with its group on timeout.
+    """
+    binary = binary or perf_analyzer_binary()
+    if binary is None:
+        raise PerfAnalyzerError(str(perf_analyzer_status()))
+    for attempt in range(1 + max(0, extensions)):
+        try:
+            return _perf_analyzer_once(binary, model, url, concurrency, protocol, window_ms, stability_pct,
+                                       max_trials, shape, timeout_s)
+        except _Unstable as err:
+            if attempt == max(0, extensions):
+                raise PerfAnalyzerError(str(err)) from None
+            window_ms, max_trials = 2 * window_ms, extension_trials
+    raise AssertionError("unreachable")
+
+
+class _Unstable(Exception):
+    pass
+
+
+def _perf_analyzer_once(binary: str, model: str, url: str, concurrency: int, protocol: str, window_ms: int,
+                        stability_pct: int, max_trials: int, shape: str | None,
+                        timeout_s: float | None) -> PerfAnalyzerResult:
+    import subprocess
+    import tempfile
+
+    from lab_utils.procs import popen_owned, stop_group
+
+    with tempfile.TemporaryDirectory(prefix="nvlab-perf-analyzer-") as tmp:
+        csv_path = os.path.join(tmp, "perf.csv")
+        command = perf_analyzer_command(model, url, [concurrency], protocol=protocol, shape=shape,
+                                        window_ms=window_ms, stability_pct=stability_pct, percentile=None,
+                                        max_trials=max_trials, csv_path=csv_path)
+        argv = [binary, *command.split()[1:]]
+        limit = timeout_s if timeout_s is not None else 60 + 3 * max_trials * window_ms / 1e3
+        proc = popen_owned(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            output, _ = proc.communicate(timeout=limit)
+        except subprocess.TimeoutExpired:
+            stop_group(proc, grace_s=1.0)
+            raise PerfAnalyzerError(f"perf_analyzer did not finish within {limit:g} s: {command}") from None
+        last = "\n".join(output.strip().splitlines()[-8:])
+        shown = command.replace(f" -f {csv_path}", " -f perf.csv")
+        rows = []
+        if os.path.exists(csv_path):
+            with open(csv_path) as f:
+                rows = parse_perf_analyzer_csv(f.read(), shown)
+    if rows:
+        return rows[0]
+    if "stable measurement" in output:
+        raise _Unstable(f"perf_analyzer found no stable measurement (exit code {proc.returncode}; {shown}):\n{last}")
+    raise PerfAnalyzerError(f"perf_analyzer exited with code {proc.returncode} and wrote no report ({shown}):\n{last}")
+
+
+__all__ = ["run_load", "sweep", "LoadResult", "Window", "WrongAnswer", "model_stats", "server_split",
+           "perf_analyzer_command", "perf_analyzer_status", "perf_analyzer_binary", "PerfAnalyzerStatus",
+           "PerfAnalyzerResult", "PerfAnalyzerError", "parse_perf_analyzer_csv", "run_perf_analyzer", "glibc_version",
            "PROTOCOLS"]

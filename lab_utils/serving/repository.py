@@ -462,6 +462,58 @@ def export_mlp(version_dir: str | os.PathLike[str], *, in_features: int = 64, wi
             "in_features": in_features, "out_features": out_features}
 
 
+def save_mlp_weights(version_dir: str | os.PathLike[str], *, in_features: int = 4, width: int = 8, depth: int = 1,
+                     out_features: int = 3, seed: int = 1) -> Path:
+    """``weights.npz`` of a random MLP (as ``export_mlp`` writes it, without torch or ONNX): what the python
+    model's ``numpy`` engine and ``reference_mlp`` read. Initialised as ``torch.nn.Linear`` is (uniform in
+    ±1/sqrt(fan_in)), so activations stay of order one through the layers."""
+    version_dir = Path(version_dir)
+    version_dir.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    sizes = [in_features] + [width] * depth + [out_features]
+    arrays: dict[str, Any] = {}
+    for i, (fan_in, fan_out) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
+        bound = 1 / np.sqrt(fan_in)
+        arrays[f"w{i}"] = rng.uniform(-bound, bound, (fan_out, fan_in)).astype(np.float32)  # [out, in] as torch
+        arrays[f"b{i}"] = rng.uniform(-bound, bound, fan_out).astype(np.float32)
+    path = version_dir / "weights.npz"
+    np.savez(path, **arrays)  # type: ignore[arg-type]
+    return path
+
+
+def write_python_model(repo: str | os.PathLike[str], config: Mapping[str, Any], *, sizes: Mapping[str, int],
+                       source: str | None = None, seed: int = 1, gpus: int | None = 0) -> Path:
+    """A python-backend model folder without torch: ``config.pbtxt`` (validated), ``1/weights.npz`` (random, seeded)
+    and ``1/model.py`` (``source``, default the course's model). Give the config ``engine: numpy``. For models the
+    lab's checks deploy: written in milliseconds, loaded without importing ONNX Runtime or torch."""
+    from lab_utils.serving.backend import model as triton_model
+
+    model_dir = Path(repo) / str(config["name"])
+    vdir = model_dir / "1"
+    save_mlp_weights(vdir, seed=seed, **sizes)
+    write_model_py(vdir, source if source is not None else triton_model.source())
+    write_config(model_dir, config, gpus=gpus)
+    return model_dir
+
+
+def write_model_py(version_dir: str | os.PathLike[str], source: str) -> Path:
+    """``model.py`` with its bytecode compiled beside it (``__pycache__``), for this Python.
+
+    The python stub imports model.py and, finding no bytecode, writes it: a new file in the model's folder, and
+    Triton reloads a model whose files changed on the next load request even when nothing else did (a second
+    ``load_model`` with the same configuration takes a full load instead of nothing). Compiled here, the stub of
+    the same Python finds the bytecode and writes nothing.
+    """
+    import importlib.util
+    import py_compile
+
+    path = Path(version_dir) / "model.py"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(source)
+    py_compile.compile(str(path), cfile=importlib.util.cache_from_source(str(path)), doraise=True)
+    return path
+
+
 def reference_mlp(version_dir: str | os.PathLike[str], x: Any) -> Any:
     """The exported MLP's output for ``x`` computed with NumPy from ``weights.npz`` (the ground truth)."""
     with np.load(Path(version_dir) / "weights.npz") as w:
@@ -541,8 +593,6 @@ def build_mlp_model(
 ) -> Path:
     """A python-backend model folder: ``config.pbtxt`` (``mlp_config(**config)``) and, per version, ``model.py``,
     ``model.onnx`` and ``weights.npz`` (each version its own seed, so versions differ)."""
-    import shutil
-
     from lab_utils.serving.backend import model as triton_model
 
     sizes = dict(MLP_PRESETS[preset] if isinstance(preset, str) else preset)
@@ -551,7 +601,7 @@ def build_mlp_model(
     for v in versions:
         vdir = model_dir / str(v)
         export_mlp(vdir, seed=v, **sizes)
-        shutil.copyfile(triton_model.__file__, vdir / "model.py")
+        write_model_py(vdir, triton_model.source())
     write_config(model_dir, cfg, gpus=gpus)
     validate_model_dir(model_dir, gpus=gpus)
     return model_dir

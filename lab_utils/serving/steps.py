@@ -58,18 +58,25 @@ def serving_config(config: Mapping[str, Any], server: triton_server.Server) -> d
 
 @dataclass
 class LoadSettings:
-    """How long each measurement runs: windows until three agree within 10 % (perf_analyzer's rule)."""
+    """How long each measurement runs: windows until three agree within 10 % (perf_analyzer's rule).
+
+    ``extensions``: when a measurement ends without three agreeing windows, it is repeated up to this many times
+    with windows twice as long each time (longer windows average out what made them disagree), as one raises
+    perf_analyzer's ``--measurement-interval``. Quick runs take none: they say "NOT stable" instead.
+    """
 
     window_s: float = 2.0
     warmup_s: float = 1.0
     max_windows: int = 10
     processes: int | None = None
+    extensions: int = 0
+    extension_windows: int = 6  # at most this many (longer) windows per extension
 
     @classmethod
     def for_run(cls, quick: bool, gpu: bool) -> LoadSettings:
         if quick:
-            return cls(window_s=0.5, warmup_s=0.3, max_windows=4)
-        return cls(window_s=2.0 if gpu else 1.0, warmup_s=1.0, max_windows=10)
+            return cls(window_s=0.5, warmup_s=0.3, max_windows=4, extensions=0)
+        return cls(window_s=2.0 if gpu else 1.0, warmup_s=1.0, max_windows=10, extensions=1)
 
 
 def inputs_maker(in_features: int, rows: int = 1, seed: int = 0) -> Callable[[], dict[str, np.ndarray]]:
@@ -110,24 +117,110 @@ def deploy(server: triton_server.Server, repo: Path, config: Mapping[str, Any], 
 
 def measure(server: triton_server.Server, model: str, make_inputs: Any, concurrency: int, settings: LoadSettings, *,
             protocol: str = "grpc", label: str = "") -> dict[str, Any]:
-    """One closed-loop measurement; a row: the client numbers and the server's split."""
+    """One closed-loop measurement; a row: the client numbers and the server's split.
+
+    Not stable after ``settings.max_windows``: measured again with windows twice as long, up to
+    ``settings.extensions`` times. The row says ``stable``, the window length that decided (``window_s``) and
+    how many measurements it took (``attempts``); an unstable row is kept, marked, never silently averaged.
+    """
     url = server.grpc_url if protocol == "grpc" else server.http_url
-    r = triton_load.run_load(url, model, make_inputs, concurrency, protocol=protocol, window_s=settings.window_s,
-                             warmup_s=settings.warmup_s, max_windows=settings.max_windows,
-                             processes=settings.processes, stats_url=server.http_url)
-    row = {"step": label or model, **r.to_row()}
-    return row
+    window_s, max_windows, attempts = settings.window_s, settings.max_windows, 0
+    while True:
+        attempts += 1
+        r = triton_load.run_load(url, model, make_inputs, concurrency, protocol=protocol, window_s=window_s,
+                                 warmup_s=settings.warmup_s, max_windows=max_windows,
+                                 processes=settings.processes, stats_url=server.http_url)
+        if r.stable or attempts > max(0, settings.extensions):
+            break
+        window_s, max_windows = window_s * 2, max(3, settings.extension_windows)
+    return {"step": label or model, **r.to_row(), "window_s": window_s, "attempts": attempts}
 
 
 def step_table(rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
-    """The knob steps side by side, each against the one before: throughput and p95 change."""
+    """The knob steps side by side, each against the one before: throughput and p95 change.
+
+    A ratio is computed only between two stable measurements: next to an unstable row it is left empty (NaN),
+    since a number that had not settled says nothing about the knob.
+    """
     df = pd.DataFrame(rows)
     keep = ["step", "concurrency", "throughput_infer_s", "p50_ms", "p95_ms", "p99_ms", "errors", "stable",
             "server_batch_avg", "server_queue_us", "server_compute_infer_us"]
     df = df[[c for c in keep if c in df.columns]].copy()
-    df["x_prev_throughput"] = df["throughput_infer_s"] / df["throughput_infer_s"].shift(1)
-    df["x_prev_p95"] = df["p95_ms"] / df["p95_ms"].shift(1)
+    both = df["stable"].astype(bool) & df["stable"].shift(1, fill_value=False).astype(bool) \
+        if "stable" in df.columns else pd.Series(True, index=df.index)
+    df["x_prev_throughput"] = (df["throughput_infer_s"] / df["throughput_infer_s"].shift(1)).where(both)
+    df["x_prev_p95"] = (df["p95_ms"] / df["p95_ms"].shift(1)).where(both)
     return df
+
+
+@dataclass
+class Headline:
+    """A ratio between two measurements, or why there is none: ``ratio`` is None unless both were stable."""
+
+    ratio: float | None
+    text: str
+    stable: bool
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def batching_headline(base: Mapping[str, Any], batched: Mapping[str, Any]) -> Headline:
+    """Dynamic batching's throughput over none's, computed only when both measurements were stable.
+
+    An unstable one gives no ratio: the text names which, after how many windows of how long, and what to do.
+    """
+    unstable = [r for r in (base, batched) if not r.get("stable")]
+    if unstable:
+        which = "; ".join(f"{r['step']}: {r.get('windows', '?')} windows of {r.get('window_s', float('nan')):g} s "
+                          f"did not agree within 10 %" for r in unstable)
+        extended = all(r.get("attempts", 1) > 1 for r in unstable)
+        todo = ("even with longer windows: something else shares these cores (other processes?); rerun when the "
+                "machine is quieter" if extended else
+                "rerun with quick=False, which repeats an unsettled measurement with longer windows")
+        tputs = f"{base['throughput_infer_s']:,.0f} and {batched['throughput_infer_s']:,.0f} infer/s"
+        return Headline(None, f"no ratio: not stable ({which}). The throughputs measured, {tputs}, are in the "
+                              "table, but a ratio of numbers that had not settled would be noise presented as a "
+                              f"result: {todo}.", False)
+    ratio = batched["throughput_infer_s"] / base["throughput_infer_s"]
+    return Headline(ratio, f"dynamic batching: {ratio:.2f}x the throughput (both measurements stable), p95 "
+                           f"{base['p95_ms']:.2f} -> {batched['p95_ms']:.2f} ms, "
+                           f"{batched.get('server_batch_avg', float('nan')):.1f} requests per execution", True)
+
+
+def perf_analyzer_table(ours: Mapping[str, Any], theirs: triton_load.PerfAnalyzerResult) -> pd.DataFrame:
+    """The course's generator and perf_analyzer on the same configuration: throughput, percentiles, the server's
+    split, and theirs over ours."""
+    keys = ["concurrency", "throughput_infer_s", "p50_ms", "p95_ms", "p99_ms", "server_queue_us",
+            "server_compute_infer_us"]
+    pa = theirs.to_row()
+    df = pd.DataFrame([{"tool": "course generator (Python, asyncio)", **{k: ours.get(k) for k in keys}},
+                       {"tool": "perf_analyzer (C++)", **{k: pa.get(k) for k in keys}}])
+    ratio = {"tool": "perf_analyzer / ours"}
+    for k in keys[1:]:
+        a, b = ours.get(k), pa.get(k)
+        ratio[k] = b / a if a and b is not None else float("nan")
+    return pd.concat([df, pd.DataFrame([ratio])], ignore_index=True)
+
+
+def perf_analyzer_verdict(ours: Mapping[str, Any], theirs: triton_load.PerfAnalyzerResult, tol: float = 0.10) -> str:
+    """Whether the two tools agree within ``tol`` on throughput and p95, and where a difference comes from."""
+    tput = theirs.throughput_infer_s / ours["throughput_infer_s"] - 1
+    p95 = theirs.p95_ms / ours["p95_ms"] - 1
+    head = f"throughput {tput:+.0%}, p95 {p95:+.0%} (perf_analyzer against the course's generator)"
+    if abs(tput) <= tol and abs(p95) <= tol:
+        return f"agree within {tol:.0%}: {head}."
+    # Time outside the server, per request: the client's own work and the network (µs).
+    ours_out = ours["mean_ms"] * 1e3 - (ours.get("server_request_us") or 0.0)
+    theirs_out = theirs.client_send_us + theirs.network_server_us + theirs.client_recv_us
+    why = (f"outside the server a request spends {ours_out:,.0f} µs with the course's Python clients and "
+           f"{theirs_out:,.0f} µs with perf_analyzer's (client send + network/server send-recv + client recv).")
+    if theirs_out < ours_out * (1 - tol) and tput > 0:
+        why += (" perf_analyzer's C++ client costs less per request, so at the same concurrency more requests reach "
+                "the server: the Python clients, not the server, limited the course's measurement.")
+    elif not ours.get("stable"):
+        why += " The course's measurement was not stable: compare again with longer windows."
+    return f"differ by more than {tol:.0%}: {head}. {why}"
 
 
 def split_table(rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:

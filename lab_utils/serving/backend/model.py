@@ -3,8 +3,9 @@
 This file is copied as ``<repo>/<model>/<version>/model.py``; the Triton python backend's stub imports it,
 so it imports nothing from ``lab_utils`` (an external server has no ``lab_utils``). Beside it in the
 version folder: ``model.onnx`` (the graph ONNX Runtime runs) and ``weights.npz`` (the same weights, for
-torch). ``config.pbtxt`` parameters: ``engine`` = ``auto`` | ``onnxruntime`` | ``torch``; ``threads`` =
-ONNX Runtime's intra-op threads (default 1: the server shares the cores with its clients).
+torch and NumPy). ``config.pbtxt`` parameters: ``engine`` = ``auto`` | ``onnxruntime`` | ``torch`` | ``numpy``
+(plain matmuls: no import beyond NumPy, what lab 04's exercise models use); ``threads`` = ONNX Runtime's
+intra-op threads (default 1: the server shares the cores with its clients).
 
 Optional added service time (lab 05, whose queueing must show on any machine; all default 0, lab 04 uses none),
 spent after the MLP has computed the answer, so answers are the same with or without it: ``service_ms`` +
@@ -17,6 +18,11 @@ batches the cost is launches and copies, not FLOPs, so batching helps), else ONN
 
 Dynamic batching hands ``execute`` a *list* of requests; the model concatenates their rows into one
 batch, runs it once, and splits the result. Without that step a python model gains nothing from batching.
+
+Lab 04's exercise: the student writes that ``execute`` in the notebook. The check appends the student's function
+to this file and serves ``ExerciseModel`` with it: ``self.model`` counts its runs, and each execution's number of
+requests and of runs goes to ``execute_log.txt`` in the version folder, so the check can tell one run per batch
+from one run per request.
 """
 
 from __future__ import annotations
@@ -29,7 +35,8 @@ from typing import Any
 
 import numpy as np
 
-ENGINES = ("auto", "onnxruntime", "torch")
+ENGINES = ("auto", "onnxruntime", "torch", "numpy")
+EXECUTE_LOG = "execute_log.txt"  # ExerciseModel: one line per execution, "<requests> <model runs>"
 
 
 class MlpRunner:
@@ -50,6 +57,10 @@ class MlpRunner:
             so.inter_op_num_threads = 1
             self.sess = ort.InferenceSession(str(version_dir / "model.onnx"), so, providers=["CPUExecutionProvider"])
             self.input_name = self.sess.get_inputs()[0].name
+        elif engine == "numpy":
+            with np.load(version_dir / "weights.npz") as w:
+                n = len([k for k in w.files if k.startswith("w")])
+                self.arrays = [(w[f"w{i}"].T.copy(), w[f"b{i}"].copy()) for i in range(n)]  # [in, out], [out]
         else:
             import torch
 
@@ -67,6 +78,13 @@ class MlpRunner:
     def __call__(self, x: np.ndarray) -> np.ndarray:
         if self.engine == "onnxruntime":
             return self.sess.run(None, {self.input_name: x})[0]
+        if self.engine == "numpy":
+            h = np.asarray(x, dtype=np.float32)
+            for i, (w, b) in enumerate(self.arrays):
+                h = h @ w + b
+                if i < len(self.arrays) - 1:
+                    h = np.maximum(h, 0)
+            return h
         torch = self.torch
         with torch.inference_mode():
             h = torch.tensor(x, device=self.device)  # a copy: inputs that cross the stub may be read-only
@@ -98,6 +116,18 @@ def numpy_to_tensor(pb_utils: Any, name: str, array: np.ndarray) -> Any:
     if not _NUMPY2:
         return pb_utils.Tensor(name, array)
     return pb_utils.Tensor.from_dlpack(name, array.__dlpack__())
+
+
+def to_numpy(tensor: Any) -> np.ndarray:
+    """A request's input tensor as a NumPy array: ``Tensor.as_numpy()``, across the stub by DLPack under NumPy 2."""
+    return tensor_to_numpy(tensor)
+
+
+def to_tensor(name: str, array: np.ndarray) -> Any:
+    """``pb_utils.Tensor(name, array)`` for a response, across the stub by DLPack under NumPy 2."""
+    import triton_python_backend_utils as pb_utils
+
+    return numpy_to_tensor(pb_utils, name, array)
 
 
 _CAPSULE_MSG = "PyCapsule_GetPointer called with incorrect name"
@@ -161,6 +191,7 @@ class TritonPythonModel:
         version_dir = Path(args["model_repository"]) / args["model_version"]
         self.runner = MlpRunner(version_dir, params.get("engine", "auto") or "auto", device,
                                 int(params.get("threads", "1") or 1))
+        self.model = self.runner  # what execute runs: [N, in_features] float32 -> [N, out_features]
         self.input_name = cfg["input"][0]["name"]
         self.output_name = cfg["output"][0]["name"]
         self.service = ServiceTime(params, device)
@@ -173,17 +204,62 @@ class TritonPythonModel:
             self.runner(np.zeros([1, *dims], np.float32))
 
     def execute(self, requests: list[Any]) -> list[Any]:
+        """One call per (dynamic) batch: one run over every request's rows, one response per request, in order."""
         import triton_python_backend_utils as pb_utils
 
-        xs = [tensor_to_numpy(pb_utils.get_input_tensor_by_name(r, self.input_name)) for r in requests]
+        xs = [to_numpy(pb_utils.get_input_tensor_by_name(r, self.input_name)) for r in requests]  # each [n_i, F]
         rows = [len(x) for x in xs]
-        y = self.runner(np.concatenate(xs) if len(xs) > 1 else xs[0])  # one run for the whole batch
+        y = self.model(np.concatenate(xs) if len(xs) > 1 else xs[0])  # one run for the whole batch: [sum n_i, O]
         self.service(sum(rows))
-        out, start = [], 0
+        responses, start = [], 0
         for n in rows:
-            out.append(pb_utils.InferenceResponse([numpy_to_tensor(pb_utils, self.output_name, y[start:start + n])]))
+            responses.append(pb_utils.InferenceResponse([to_tensor(self.output_name, y[start:start + n])]))
             start += n
-        return out
+        return responses
+
+
+class CountingRunner:
+    """``self.model`` of ``ExerciseModel``: the MLP, counting its runs."""
+
+    def __init__(self, runner: Any):
+        self.runner, self.calls = runner, 0
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        self.calls += 1
+        return self.runner(x)
+
+
+class ExerciseModel(TritonPythonModel):
+    """Serves lab 04's student-written ``execute`` (appended to this file by the check) and reports how it ran.
+
+    ``checked_execute`` calls it, refuses what Triton would mishandle (no list, one response too few: Triton would
+    leave the requests waiting) with a message that reaches the clients, and logs ``<requests> <model runs>``.
+    """
+
+    def initialize(self, args: dict[str, str]) -> None:
+        super().initialize(args)
+        self.model = CountingRunner(self.runner)
+        self.log_path = Path(args["model_repository"]) / args["model_version"] / EXECUTE_LOG
+
+    def checked_execute(self, requests: list[Any], execute: Any) -> list[Any]:
+        import triton_python_backend_utils as pb_utils
+
+        before = self.model.calls
+        responses = execute(self, requests)
+        runs = self.model.calls - before
+        with open(self.log_path, "a") as log:
+            log.write(f"{len(requests)} {runs}\n")
+        if not isinstance(responses, (list, tuple)):
+            raise TypeError(f"execute returned {type(responses).__name__}, not a list: return one "
+                            f"pb_utils.InferenceResponse per request, in the order of `requests`")
+        if len(responses) != len(requests):
+            raise ValueError(f"execute returned {len(responses)} responses for {len(requests)} requests: one "
+                             "pb_utils.InferenceResponse per request, in the order of `requests`")
+        for r in responses:
+            if not isinstance(r, pb_utils.InferenceResponse):
+                raise TypeError(f"execute returned a list holding a {type(r).__name__}: each item must be a "
+                                "pb_utils.InferenceResponse([output tensors])")
+        return list(responses)
 
 
 def source() -> str:
