@@ -1,15 +1,21 @@
 """Lab 05's exercise checks against right, wrong and blank answers; the specific messages; the PromQL checks
-graded by a real Prometheus on the recorded samples (and what they say where there is none); hints and
-solutions."""
+graded by a real Prometheus on the recorded samples, the alert rule by promtool test rules, the watchdog against a
+real Triton server (and what they say where there is none); hints and solutions."""
 
 from __future__ import annotations
 
+import threading
+import urllib.error
+import urllib.request
+
 import pytest
 from _exercise_harness import check, exercises_of, hint_and_solution_tests, standard_tests
+from _triton import require_server
 
 from lab_utils.exercises import lab05
 from lab_utils.exercises.framework import Exercise, Status
 from lab_utils.monitoring import prometheus
+from lab_utils.serving import server as triton_server
 
 QPS = "sum by (model) (rate(nv_inference_request_success[1m]))"
 LAT = ("sum by (model) (rate(nv_inference_request_duration_us[1m])) / "
@@ -70,16 +76,272 @@ OTHER_CASES = [
     (lab05.q3, [{"p99_ms": 76.5, "pending": 15}, {"p99_ms": 52, "pending": 11}, {"p99_ms": 150.0, "pending": 39}],
      [{"p99_ms": 50, "pending": 15}, {"p99_ms": 76.5, "pending": 10}, {"p99_ms": 200, "pending": 15},
       {"p99_ms": 76.5, "pending": 45}, {"p99_ms": 76.5}, [76.5, 15], {"p99_ms": "high", "pending": 15}]),
-    (lab05.q4, [GOOD_SNAPSHOT, {"qps": 240, "avg_batch": 8, "avg_queue_ms": 12.49}],
+    (lab05.q6, [GOOD_SNAPSHOT, {"qps": 240, "avg_batch": 8, "avg_queue_ms": 12.49}],
      [{**GOOD_SNAPSHOT, "qps": 2400}, {**GOOD_SNAPSHOT, "qps": 480}, {**GOOD_SNAPSHOT, "avg_batch": 4},
       {**GOOD_SNAPSHOT, "avg_queue_ms": 12500}, {**GOOD_SNAPSHOT, "avg_queue_ms": 6.25},
       {**GOOD_SNAPSHOT, "avg_queue_ms": 3.05}, {"qps": 240}, 240]),
-    (lab05.q5, [GOOD_BOTTLENECK, {"detector": " Queue", "ranker": "COMPUTE", "embedder": "outside"}],
+    (lab05.q7, [GOOD_BOTTLENECK, {"detector": " Queue", "ranker": "COMPUTE", "embedder": "outside"}],
      [{**GOOD_BOTTLENECK, "detector": "compute"}, {**GOOD_BOTTLENECK, "ranker": "queue"},
       {**GOOD_BOTTLENECK, "embedder": "compute"}, {**GOOD_BOTTLENECK, "embedder": "network"},
       {"detector": "queue"}, "queue"]),
 ]
 
+
+# --- q4: the alert rule -----------------------------------------------------------------------------------
+
+QUEUE_MS = ("sum by (model) (rate(nv_inference_queue_duration_us[1m])) "
+            "/ sum by (model) (rate(nv_inference_request_success[1m])) / 1000")
+ALERT_RULE = f"""
+alert: TritonQueueTimeHigh
+expr: {QUEUE_MS} > 100
+for: 2m
+labels:
+  severity: warning
+annotations:
+  summary: "{{{{ $labels.model }}}} requests wait {{{{ $value }}}} ms in the queue"
+"""
+
+
+def _rule(expr: str = f"{QUEUE_MS} > 100", for_: str | None = "2m", labels=None, **extra) -> dict:
+    rule = {"alert": "QueueTimeHigh", "expr": expr, "labels": {"severity": "warning"} if labels is None else labels}
+    if for_ is not None:
+        rule["for"] = for_
+    return {**rule, **extra}
+
+
+ALERT_RIGHT = [
+    ALERT_RULE,
+    # a dict; increase over increase (the same ratio); the threshold in µs, written first; 120s; critical; more labels
+    _rule("1e5 < sum by (model) (increase(nv_inference_queue_duration_us[1m])) "
+          "/ sum by (model) (increase(nv_inference_request_success[1m]))", "120s",
+          {"severity": "critical", "team": "serving"}),
+    # a whole rules file; sum without the other labels; 3m
+    "groups:\n- name: serving\n  rules:\n  - alert: QueueTimeHigh\n    expr: >-\n"
+    "      sum without (instance, job, version) (rate(nv_inference_queue_duration_us[1m]))\n"
+    "      / sum without (instance, job, version) (rate(nv_inference_request_success[1m])) > 100 * 1000\n"
+    "    for: 3m\n    labels: {severity: warning}\n",
+    # a list of one rule; no aggregation (one server here); 1m is still longer than the burst
+    "- alert: QueueTimeHigh\n  expr: rate(nv_inference_queue_duration_us[1m]) / rate(nv_inference_request_success[1m]) "
+    "/ 1e3 > 100\n  for: 1m\n  labels:\n    severity: warning\n",
+]
+ALERT_WRONG = {
+    "no for": _rule(for_=None),
+    "for too short": _rule(for_="30s"),
+    "for too long": _rule(for_="10m"),
+    "reversed": _rule(f"{QUEUE_MS} < 100"),
+    "reversed, written the other way": _rule(f"100 > {QUEUE_MS}"),
+    "increase for rate": _rule(QUEUE_MS.replace("rate(nv_inference_queue", "increase(nv_inference_queue") + " > 100"),
+    "microseconds": _rule(QUEUE_MS.removesuffix(" / 1000") + " > 100"),
+    "no severity": _rule(labels={}),
+    "severity made up": _rule(labels={"severity": "high"}),
+    "request time": _rule(QUEUE_MS.replace("queue_duration", "request_duration") + " > 100"),
+    "per second": _rule("sum by (model) (rate(nv_inference_queue_duration_us[1m])) / 1000 > 100"),
+    "5m window": _rule(QUEUE_MS.replace("[1m]", "[5m]") + " > 100"),
+    "no model": _rule("sum(rate(nv_inference_queue_duration_us[1m])) / sum(rate(nv_inference_request_success[1m])) "
+                      "/ 1000 > 100"),
+    "bool": _rule(f"{QUEUE_MS} > bool 100"),
+    "one model": _rule(QUEUE_MS.replace("success[1m]", 'success{model="resnet50"}[1m]') + " > 100"),
+    "not yaml": "alert: QueueTimeHigh\nexpr: up == 0\n for: 2m",
+    "recording rule": "record: queue_ms\nexpr: up",
+    "no expr": {"alert": "QueueTimeHigh", "for": "2m"},
+    "bad promql": _rule("sum by (model) (rate(nv_inference_queue_duration_us[1m]) > "),
+    "two rules": [_rule(), _rule()],
+}
+ALERT_CASES = [(lab05.q4, ALERT_RIGHT, list(ALERT_WRONG.values()))]
+
+# --- q5: the watchdog ---------------------------------------------------------------------------------------
+
+
+def _ready(url: str, timeout_s: float) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/v2/health/ready", timeout=timeout_s) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def watchdog_right(server, stop, poll_s=0.5, timeout_s=2.0, failures=3, backoff_s=1.0, max_backoff_s=30.0):
+    bad, delay = 0, backoff_s
+    while not stop.is_set():
+        if _ready(server.http_url, timeout_s):
+            bad, delay = 0, backoff_s
+        else:
+            bad += 1
+        if bad >= failures:
+            try:
+                server.restart()
+            except Exception:
+                pass
+            bad = 0
+            stop.wait(delay)
+            delay = min(2 * delay, max_backoff_s)
+        else:
+            stop.wait(poll_s)
+
+
+def watchdog_written_differently(server, stop, **settings):
+    """http.client instead of urllib; the last polls kept in a list; the backoff from the restarts in a row."""
+    import http.client
+    import urllib.parse
+
+    s = settings
+    recent: list[bool] = []
+    restarts_in_a_row = 0
+    while not stop.wait(s["poll_s"]):
+        parts = urllib.parse.urlsplit(server.http_url)
+        conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=s["timeout_s"])
+        try:
+            conn.request("GET", "/v2/health/ready")
+            ok = conn.getresponse().status == 200
+        except (OSError, http.client.HTTPException):
+            ok = False
+        finally:
+            conn.close()
+        recent = [*recent, ok][-s["failures"]:]
+        if ok:
+            restarts_in_a_row = 0
+        elif len(recent) == s["failures"] and not any(recent):
+            try:
+                server.restart()
+            except Exception:
+                pass  # a failed start: the next wait is longer
+            recent = []
+            stop.wait(min(s["backoff_s"] * 2**restarts_in_a_row, s["max_backoff_s"]))
+            restarts_in_a_row += 1
+
+
+def watchdog_no_timeout(server, stop, poll_s=0.5, timeout_s=2.0, failures=3, backoff_s=1.0, max_backoff_s=30.0):
+    bad, delay = 0, backoff_s
+    while not stop.is_set():
+        try:
+            with urllib.request.urlopen(f"{server.http_url}/v2/health/ready") as r:
+                ready = r.status == 200
+        except OSError:
+            ready = False
+        bad, delay = (0, backoff_s) if ready else (bad + 1, delay)
+        if bad >= failures:
+            try:
+                server.restart()
+            except Exception:
+                pass
+            bad = 0
+            stop.wait(delay)
+            delay = min(2 * delay, max_backoff_s)
+        else:
+            stop.wait(poll_s)
+
+
+def watchdog_no_backoff(server, stop, poll_s=0.5, timeout_s=2.0, failures=3, backoff_s=1.0, max_backoff_s=30.0):
+    bad = 0
+    while not stop.is_set():
+        bad = 0 if _ready(server.http_url, timeout_s) else bad + 1
+        if bad >= failures:
+            try:
+                server.restart()
+            except Exception:
+                pass
+            bad = 0
+        stop.wait(poll_s)
+
+
+def watchdog_restart_unguarded(server, stop, poll_s=0.5, timeout_s=2.0, failures=3, backoff_s=1.0,
+                               max_backoff_s=30.0):
+    bad, delay = 0, backoff_s
+    while not stop.is_set():
+        bad, delay = (0, backoff_s) if _ready(server.http_url, timeout_s) else (bad + 1, delay)
+        if bad >= failures:
+            server.restart()  # a failed start ends the watchdog
+            bad = 0
+            stop.wait(delay)
+            delay = min(2 * delay, max_backoff_s)
+        else:
+            stop.wait(poll_s)
+
+
+def watchdog_old_path(server, stop, poll_s=0.5, timeout_s=2.0, failures=3, backoff_s=1.0, max_backoff_s=30.0):
+    bad, delay = 0, backoff_s
+    while not stop.is_set():
+        try:
+            with urllib.request.urlopen(f"{server.http_url}/api/health/ready", timeout=timeout_s) as r:
+                ready = r.status == 200
+        except OSError:
+            ready = False
+        bad, delay = (0, backoff_s) if ready else (bad + 1, delay)
+        if bad >= failures:
+            try:
+                server.restart()
+            except Exception:
+                pass
+            bad = 0
+            stop.wait(delay)
+            delay = min(2 * delay, max_backoff_s)
+        else:
+            stop.wait(poll_s)
+
+
+def watchdog_urlerror_only(server, stop, poll_s=0.5, timeout_s=2.0, failures=3, backoff_s=1.0, max_backoff_s=30.0):
+    bad, delay = 0, backoff_s
+    while not stop.is_set():
+        try:
+            with urllib.request.urlopen(f"{server.http_url}/v2/health/ready", timeout=timeout_s) as r:
+                ready = r.status == 200
+        except urllib.error.URLError:  # a timeout while reading the answer is not a URLError
+            ready = False
+        bad, delay = (0, backoff_s) if ready else (bad + 1, delay)
+        if bad >= failures:
+            try:
+                server.restart()
+            except Exception:
+                pass
+            bad = 0
+            stop.wait(delay)
+            delay = min(2 * delay, max_backoff_s)
+        else:
+            stop.wait(poll_s)
+
+
+def watchdog_ignores_stop(server, stop, poll_s=0.5, timeout_s=2.0, failures=3, backoff_s=1.0, max_backoff_s=30.0):
+    import time
+
+    bad, delay = 0, backoff_s
+    while True:
+        bad, delay = (0, backoff_s) if _ready(server.http_url, timeout_s) else (bad + 1, delay)
+        if bad >= failures:
+            try:
+                server.restart()
+            except Exception:
+                pass
+            bad = 0
+            time.sleep(delay)
+            delay = min(2 * delay, max_backoff_s)
+        else:
+            time.sleep(poll_s)
+
+
+def watchdog_returns(server, stop, poll_s=0.5, timeout_s=2.0, failures=3, backoff_s=1.0, max_backoff_s=30.0):
+    if not _ready(server.http_url, timeout_s):
+        server.restart()
+
+
+def watchdog_blank(server, stop, poll_s=0.5, timeout_s=2.0, failures=3, backoff_s=1.0, max_backoff_s=30.0):
+    """Until stop is set: poll, restart after `failures` failed polls, back off."""
+    ...  # YOUR CODE HERE
+
+
+WATCHDOG_WRONG = {
+    "no timeout": (watchdog_no_timeout, ["hung", "did not restart it within", "timeout=timeout_s",
+                                         "urlopen(f\"{server.http_url}/v2/health/ready\")"]),
+    "no backoff": (watchdog_no_backoff, ["restart storm", "every restart failed", "double the wait"]),
+    "restart error not caught": (watchdog_restart_unguarded, ["raised ServerStartError", "server.restart()",
+                                                              "catch the error, back off"]),
+    "the v1 path": (watchdog_old_path, ["restarted a healthy server", "/api/health/ready"]),
+    # a timeout while reading the answer (the hung server), or a connection the killed server closed: both escape
+    "URLError only": (watchdog_urlerror_only, ["raised", "catch OSError", "urlopen raises URLError only"]),
+    "ignores stop": (watchdog_ignores_stop, ["did not return within", "after `stop` was set", "stop.wait",
+                                             "(it was at line"]),
+    "no loop": (watchdog_returns, ["returned after", "loop until `stop` is set"]),
+}
+WATCHDOG_CASES = [(lab05.q5, [watchdog_right, watchdog_written_differently], [])]
 
 @pytest.fixture
 def prometheus_here():
@@ -106,7 +368,14 @@ def prometheus_here():
 
 
 def test_cases_cover_every_exercise():
-    assert {id(ex) for ex, *_ in PROMQL_CASES + OTHER_CASES} == {id(ex) for ex in exercises_of(lab05)}
+    covered = PROMQL_CASES + OTHER_CASES + ALERT_CASES + WATCHDOG_CASES
+    assert {id(ex) for ex, *_ in covered} == {id(ex) for ex in exercises_of(lab05)}
+
+
+def test_at_least_half_of_the_exercises_run_code_against_the_real_component():
+    executed = [lab05.q1, lab05.q2, lab05.q4, lab05.q5]  # Prometheus, Prometheus, promtool, a Triton server
+    assert {type(e) for e in executed} == {lab05.PromQLExercise, lab05.AlertRuleExercise, lab05.CodeExercise}
+    assert 2 * len(executed) >= len(exercises_of(lab05))
 
 
 # --- the recorded data behind q1 and q2, as Prometheus serves it --------------------------------------------
@@ -196,13 +465,13 @@ def test_a_constant_that_matches_once_is_not_accepted():
 
 def test_without_prometheus_the_check_says_how_to_install_it(monkeypatch):
     monkeypatch.setenv(prometheus.BINARY_ENV, "none")  # as on a machine without prometheus and promtool
-    for exercise, answer in ((lab05.q1, QPS), (lab05.q2, "nonsense")):
+    for exercise, answer in ((lab05.q1, QPS), (lab05.q2, "nonsense"), (lab05.q4, ALERT_RULE)):
         out = check(exercise, answer)
         assert out.status is Status.NOT_ATTEMPTED  # not graded, so neither right nor wrong
         assert all(w in out.message for w in ("not checked", "sudo apt-get install prometheus",
                                               "brew install prometheus", "compose stack")), out.message
     assert check(lab05.q1, None).status is Status.NOT_ATTEMPTED and "Set `qps_query`" in check(lab05.q1, None).message
-    assert check(lab05.q5, GOOD_BOTTLENECK).correct  # the other checks need no Prometheus
+    assert check(lab05.q7, GOOD_BOTTLENECK).correct  # the other checks need no Prometheus
 
 
 def test_q3_messages_and_data():
@@ -216,29 +485,36 @@ def test_q3_messages_and_data():
     assert "two keys" in check(lab05.q3, [76.5, 15]).message
 
 
-def test_q4_messages_and_snapshot_text():
-    assert "divide by the seconds" in check(lab05.q4, {**GOOD_SNAPSHOT, "qps": 2400}).message
-    assert "inferences" in check(lab05.q4, {**GOOD_SNAPSHOT, "qps": 480}).message
-    assert "requests per execution" in check(lab05.q4, {**GOOD_SNAPSHOT, "avg_batch": 4}).message
-    assert "microseconds" in check(lab05.q4, {**GOOD_SNAPSHOT, "avg_queue_ms": 12500}).message
-    assert "divides by inferences" in check(lab05.q4, {**GOOD_SNAPSHOT, "avg_queue_ms": 6.25}).message
-    assert "since the server started" in check(lab05.q4, {**GOOD_SNAPSHOT, "avg_queue_ms": 3.05}).message
+def test_q6_messages_and_snapshot_text():
+    assert "divide by the seconds" in check(lab05.q6, {**GOOD_SNAPSHOT, "qps": 2400}).message
+    assert "inferences" in check(lab05.q6, {**GOOD_SNAPSHOT, "qps": 480}).message
+    assert "requests per execution" in check(lab05.q6, {**GOOD_SNAPSHOT, "avg_batch": 4}).message
+    assert "microseconds" in check(lab05.q6, {**GOOD_SNAPSHOT, "avg_queue_ms": 12500}).message
+    assert "divides by inferences" in check(lab05.q6, {**GOOD_SNAPSHOT, "avg_queue_ms": 6.25}).message
+    assert "since the server started" in check(lab05.q6, {**GOOD_SNAPSHOT, "avg_queue_ms": 3.05}).message
     types = prometheus.metric_types(lab05.SNAPSHOT_AFTER)
     assert types["nv_inference_request_success"] == "counter"
     assert types["nv_inference_pending_request_count"] == "gauge"
 
 
-def test_q5_each_model_explained():
-    msgs = {m: check(lab05.q5, {**GOOD_BOTTLENECK, m: "compute" if m != "ranker" else "queue"}).message
+def test_q7_each_model_explained_with_what_gpu_utilization_measures():
+    msgs = {m: check(lab05.q7, {**GOOD_BOTTLENECK, m: "compute" if m != "ranker" else "queue"}).message
             for m in GOOD_BOTTLENECK}
-    assert "instances" in msgs["detector"] and "faster model" in msgs["ranker"] and "network" in msgs["embedder"]
-    assert "one of" in check(lab05.q5, {**GOOD_BOTTLENECK, "embedder": "network"}).message
+    assert "instances" in msgs["detector"] and "SM activity" in msgs["ranker"] and "network" in msgs["embedder"]
+    # the embedder's GPU utilization reads 100 % while its SMs are active 3 %: the lesson is in the message
+    assert "100 %" in msgs["embedder"] and "SMs are active 3 %" in msgs["embedder"]
+    assert "tensor pipes" in msgs["ranker"]
+    models = lab05.BOTTLENECK_MODELS
+    assert models["embedder"]["gpu_util_pct"] == 100 and models["embedder"]["sm_active_pct"] < 5
+    assert "one of" in check(lab05.q7, {**GOOD_BOTTLENECK, "embedder": "network"}).message
 
 
 @pytest.mark.parametrize("exercise", exercises_of(lab05), ids=lambda e: e.name)
 def test_solution_code_passes_its_check(exercise, request):
-    if isinstance(exercise, lab05.PromQLExercise):
+    if isinstance(exercise, (lab05.PromQLExercise, lab05.AlertRuleExercise)):
         request.getfixturevalue("prometheus_here")
+    if exercise is lab05.q5:
+        require_server()
     namespace = {k: getattr(lab05, k) for k in lab05.__all__}
     exec(exercise.solution_text, namespace)
     assert check(exercise, namespace[exercise.var]).correct
@@ -246,7 +522,7 @@ def test_solution_code_passes_its_check(exercise, request):
 
 def test_every_exercise_has_hints_and_solution():
     exercises = exercises_of(lab05)
-    assert len(exercises) >= 4
+    assert len(exercises) >= 7
     names = sorted(k for k, v in vars(lab05).items() if isinstance(v, Exercise))
     assert names == [f"q{i}" for i in range(1, len(names) + 1)]
     for exercise in exercises:
@@ -259,3 +535,119 @@ test_hints_step_from_first_to_last, test_solution_prints = hint_and_solution_tes
 def test_all_exports_exist():
     for name in lab05.__all__:
         assert hasattr(lab05, name), name
+
+
+# --- q4: the alert rule, graded by promtool -------------------------------------------------------------------
+
+
+@pytest.fixture
+def promtool_here():
+    """The rule check needs promtool: skip without, fail under NVLAB_REQUIRE_PROMETHEUS=1."""
+    why = prometheus.missing("promtool")
+    if why is None:
+        return
+    if prometheus.required():
+        pytest.fail(f"{prometheus.REQUIRE_ENV}=1 but {why}")
+    pytest.skip(why)
+
+
+(
+    test_right_rules_are_correct,
+    test_wrong_rules_are_incorrect_and_show_the_value,
+    test_blank_rules_are_not_attempted,
+) = (pytest.mark.usefixtures("promtool_here")(t) for t in standard_tests(ALERT_CASES))
+
+
+@pytest.mark.usefixtures("promtool_here")
+@pytest.mark.parametrize(("case", "words"), [
+    ("no for", ["no `for:`", "fired on bert's burst at 4m15s", "for: 2m"]),
+    ("for too short", ["`for: 30s` is too short", "burst"]),
+    ("for too long", ["`for: 10m` is longer than the overload", "never fired"]),
+    ("reversed", ["points the wrong way", "queue time > 100"]),
+    ("reversed, written the other way", ["points the wrong way"]),
+    ("increase for rate", ["increase()", "60x"]),
+    ("microseconds", ["microseconds", "100000"]),
+    ("no severity", ["no severity label", "severity: warning"]),
+    ("severity made up", ["severity 'high'", "warning or critical"]),
+    ("request time", ["whole request's time", "nv_inference_queue_duration_us"]),
+    ("per second", ["per second", "not per request"]),
+    ("5m window", ["5m window", "[1m]"]),
+    ("no model", ["no model label", "sum by (model)"]),
+    ("bool", ["`bool`"]),
+    ("one model", ["keeps only some models", 'model="resnet50"']),
+    ("not yaml", ["not valid YAML", "line 3"]),
+    ("recording rule", ["recording rule"]),
+    ("no expr", ["no expr"]),
+    ("bad promql", ["promtool check rules refuses it", "unclosed left parenthesis"]),
+    ("two rules", ["one alerting rule", "found 2"]),
+])
+def test_q4_messages(case, words):
+    msg = _msg(lab05.q4, ALERT_WRONG[case])
+    assert all(w in msg for w in words), msg
+
+
+@pytest.mark.usefixtures("promtool_here")
+def test_q4_recorded_series_are_what_the_question_says():
+    frame = lab05.alert_series_frame()
+    bert, resnet = frame[frame["model"] == "bert"], frame[frame["model"] == "resnet50"]
+    burst = bert["minute"] == lab05.ALERT_BURST_S / 60
+    assert bert.loc[burst, "queue_ms"].item() == pytest.approx(2400)
+    assert bert.loc[~burst, "queue_ms"].between(20, 40).all()
+    assert (bert["request_ms"] > 100).all()  # a rule on the whole request time fires on calm bert
+    calm = resnet["minute"] <= lab05.ALERT_OVERLOAD_S / 60
+    assert resnet.loc[calm, "queue_ms"].between(15, 35).all() and resnet.loc[~calm, "queue_ms"].between(190, 420).all()
+    # the burst's [1m] average is above anything the overload reaches: no threshold alone separates them
+    burst_avg = (2 * 30 + 2400) / 3
+    assert burst_avg > resnet["queue_ms"].max()
+    out = check(lab05.q4, ALERT_RULE)
+    assert out.correct and "promtool test rules" in out.message
+
+
+# --- q5: the watchdog, graded against a real Triton server ---------------------------------------------------
+
+
+@pytest.fixture
+def triton_here():
+    require_server()
+
+
+def _nothing_left():
+    assert triton_server.running_servers() == []
+    assert not [t for t in threading.enumerate() if t.name == "student watchdog" and t.is_alive()]
+
+
+@pytest.mark.usefixtures("triton_here")
+@pytest.mark.parametrize("fn", [watchdog_right, watchdog_written_differently], ids=lambda f: f.__name__)
+def test_right_watchdogs_are_correct(fn):
+    out = check(lab05.q5, fn)
+    assert out.correct, out.message
+    assert "restarted once" in out.message and "backing off" in out.message
+    _nothing_left()
+
+
+@pytest.mark.usefixtures("triton_here")
+@pytest.mark.parametrize("blank", [None, ..., watchdog_blank], ids=["None", "Ellipsis", "body ..."])
+def test_blank_watchdog_is_not_attempted(blank):
+    out = check(lab05.q5, blank)
+    assert out.status is Status.NOT_ATTEMPTED and "watchdog" in out.message
+
+
+@pytest.mark.usefixtures("triton_here")
+@pytest.mark.parametrize(("fn", "words"), list(WATCHDOG_WRONG.values()), ids=list(WATCHDOG_WRONG))
+def test_wrong_watchdogs_are_told_their_symptom(fn, words):
+    out = check(lab05.q5, fn)
+    assert out.status is Status.INCORRECT, out.message
+    assert "`watchdog`" in out.message and all(w in out.message for w in words), out.message
+    _nothing_left()
+
+
+def test_watchdog_not_applicable_without_a_server(monkeypatch):
+    from lab_utils.serving.server import ServerNotFound
+
+    def no_server(local=False):
+        raise ServerNotFound("No Triton server is available. Three ways to get one: ...")
+
+    monkeypatch.setattr(triton_server, "find_server", no_server)
+    out = check(lab05.q5, watchdog_right)
+    assert out.status is Status.NOT_APPLICABLE and "real Triton server" in out.message
+    assert "was not run" in out.message

@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -87,10 +88,141 @@ def test_panels_by_tier():
     cpu = {p.key for p in panels.panels(gpu=False)}
     assert {"gpu_util", "gpu_memory", "gpu_power"} <= gpu and not {"host_cpu"} & gpu
     assert {"host_cpu", "host_memory"} <= cpu and not {"gpu_util"} & cpu
+    # the DCGM profiling fields only where a dcgm-exporter is scraped (the course's NVML exporter has none)
+    assert not {"sm_active", "tensor_active"} & gpu
+    assert {"sm_active", "tensor_active"} <= {p.key for p in panels.panels(gpu=True, profiling=True)}
+    assert not {"sm_active"} & {p.key for p in panels.panels(gpu=False, profiling=True)}
     assert {"qps", "batch", "latency", "queue_share", "p99", "pending"} <= gpu & cpu
     assert panels.panel("qps").expression("5s") == "sum by (model) (rate(nv_inference_request_success[5s]))"
     with pytest.raises(KeyError, match="the panels are"):
         panels.panel("nope")
+
+
+def test_every_panel_says_what_it_measures_and_gpu_utilization_is_not_sm_activity():
+    for p in panels.PANELS:
+        assert len(p.description) > 30, p.key
+    util = panels.panel("gpu_util")
+    assert "any kernel" in util.description and "100 %" in util.description and "SM_ACTIVE" in util.description
+    assert "busy" not in util.title.lower()  # the title says what it measures: time a kernel ran
+    for key, field in (("sm_active", "DCGM_FI_PROF_SM_ACTIVE"), ("tensor_active", "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE")):
+        p = panels.panel(key)
+        assert p.profiling and p.needs_gpu and field in p.expr
+        assert "dcgm-exporter" in p.description and "NVML exporter" in p.description
+    model = json.loads(panels.DASHBOARD_FILE.read_text())
+    described = {p["title"]: p.get("description", "") for p in model["panels"]}
+    assert all(described.values())
+    assert "dcgm profile" in described[panels.panel("sm_active").title]
+
+
+class _FakeGpuTorch:
+    """The torch calls gpu_utilization_demo makes, on a stand-in 'H200' with 132 SMs: what ran is remembered."""
+
+    bfloat16 = "bf16"
+
+    def __init__(self):
+        self.ran: list[str] = []
+        fake = self
+
+        class Cuda:
+            @staticmethod
+            def get_device_properties(device):
+                return SimpleNamespace(multi_processor_count=132, uuid="0001")
+
+            @staticmethod
+            def synchronize(device=None):
+                threading.Event().wait(0.01)
+
+            @staticmethod
+            def _sleep(cycles):
+                assert cycles > 1e6  # about 20 ms of spinning at the SM clock
+                fake.ran.append("spin")
+
+        self.cuda = Cuda
+
+    def randn(self, *shape, device, dtype):
+        assert device == "cuda:0" and dtype == "bf16"
+        return SimpleNamespace(shape=shape)
+
+    def empty(self, *shape, device, dtype):
+        return SimpleNamespace(shape=shape)
+
+    def mm(self, a, b, out):
+        self.ran.append("matmul")
+
+
+class _FakeGpmNvml:
+    """pynvml's utilization, power and GPM calls: utilization reads 100 % under any load (what NVML measures),
+    GPM's SM activity follows how many SMs the last load used."""
+
+    NVML_CLOCK_SM, NVML_GPM_METRICS_GET_VERSION = 1, 1
+    NVML_GPM_METRIC_SM_UTIL, NVML_GPM_METRIC_ANY_TENSOR_UTIL = 2, 5
+
+    def __init__(self, torch, gpm: bool = True):
+        self.torch, self.gpm, self.inits, self.shutdowns, self.samples = torch, gpm, 0, 0, 0
+
+    def nvmlInit(self):
+        self.inits += 1
+
+    def nvmlShutdown(self):
+        self.shutdowns += 1
+
+    def nvmlDeviceGetCount(self):
+        return 2
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        return i
+
+    def nvmlDeviceGetUUID(self, h):
+        return f"GPU-000{h}"
+
+    def nvmlDeviceGetMaxClockInfo(self, h, clock):
+        assert h == 1  # matched by UUID, not by index
+        return 1980
+
+    def _last(self):
+        return self.torch.ran[-1] if self.torch.ran else "idle"
+
+    def nvmlDeviceGetUtilizationRates(self, h):
+        return SimpleNamespace(gpu=0 if self._last() == "idle" else 100)
+
+    def nvmlDeviceGetPowerUsage(self, h):
+        return {"idle": 90_000, "spin": 120_000, "matmul": 650_000}[self._last()]
+
+    def nvmlGpmQueryDeviceSupport(self, h):
+        return SimpleNamespace(isSupportedDevice=int(self.gpm))
+
+    def nvmlGpmSampleAlloc(self):
+        self.samples += 1
+        return SimpleNamespace()
+
+    def nvmlGpmSampleGet(self, h, sample):
+        sample.last = self._last()
+
+    def nvmlGpmSampleFree(self, sample):
+        self.samples -= 1
+
+    def c_nvmlGpmMetricsGet_t(self):
+        return SimpleNamespace(metrics=[SimpleNamespace(metricId=0, nvmlReturn=0, value=0.0) for _ in range(2)])
+
+    def nvmlGpmMetricsGet(self, get):
+        sm = {"idle": 0.0, "spin": 100 / 132, "matmul": 98.0}[get.sample2.last]
+        for m in get.metrics:
+            m.value = sm if m.metricId == self.NVML_GPM_METRIC_SM_UTIL else (0.0 if sm < 50 else 80.0)
+
+
+def test_gpu_utilization_demo_with_stand_ins():
+    """GPU-only code, run here on stand-ins for torch and pynvml: the table it builds and its cleanup."""
+    torch = _FakeGpuTorch()
+    nvml = _FakeGpmNvml(torch)
+    df, why = panels.gpu_utilization_demo(seconds=0.05, nvml=nvml, torch=torch)
+    assert why == "" and nvml.inits == nvml.shutdowns == 1 and nvml.samples == 0
+    assert list(df.index) == ["idle", "one thread block spinning on one SM", "bf16 matmul 8192x8192, back to back"]
+    spin = df.loc["one thread block spinning on one SM"]
+    assert spin["SMs it can occupy"] == "1 of 132" and spin["gpu_util_pct"] == 100 and spin["sm_active_pct"] < 1
+    assert df.loc["bf16 matmul 8192x8192, back to back", "sm_active_pct"] > 90
+    torch = _FakeGpuTorch()
+    df, why = panels.gpu_utilization_demo(seconds=0.05, nvml=_FakeGpmNvml(torch, gpm=False), torch=torch)
+    assert "Hopper" in why and df["sm_active_pct"].isna().all() and (df["gpu_util_pct"] >= 0).all()
 
 
 def test_quantiles_of_parts_differ_from_the_pooled_one():

@@ -1,34 +1,80 @@
-"""Lab 05 exercises: PromQL, alert thresholds, reading metrics, finding the bottleneck.
+"""Lab 05 exercises: PromQL, an alert rule, a watchdog, alert thresholds, reading metrics, finding the bottleneck.
 
-The PromQL answers (q1, q2) are graded by Prometheus itself. ``RECORDED`` holds twelve minutes of two Triton
-servers' counters for two models, scraped every 15 s, the load changing every 3 minutes. A check starts a
-Prometheus that serves these samples (backfilled by promtool), evaluates the student's query and the reference at
-the end of each phase (``GRADING_TIMES``, where the reference's value changes), and compares the series: an
-equivalent query written another way gives the same numbers and passes, a constant that matches once does
-not. A wrong answer is told its symptom: a known mistake (``increase`` for ``rate``, inferences for requests,
-microseconds) is recognised by its numbers, evaluated by Prometheus too; a missing ``sum by (model)`` by its
-series. Without prometheus and promtool these two checks say how to install them instead of grading.
+Four of the seven are code that the check executes against the real component:
 
-The other questions take numbers or choices from fixed data in this module.
+- q1, q2 (PromQL) are graded by Prometheus itself. ``RECORDED`` holds twelve minutes of two Triton servers'
+  counters for two models, scraped every 15 s, the load changing every 3 minutes. A check starts a Prometheus that
+  serves these samples (backfilled by promtool), evaluates the student's query and the reference at the end of
+  each phase (``GRADING_TIMES``, where the reference's value changes), and compares the series: an equivalent
+  query written another way gives the same numbers and passes, a constant that matches once does not. A wrong
+  answer is told its symptom: a known mistake (``increase`` for ``rate``, inferences for requests, microseconds)
+  is recognised by its numbers, evaluated by Prometheus too; a missing ``sum by (model)`` by its series.
+- q4 (an alerting rule) is graded by ``promtool test rules`` over ``ALERT_SERIES``: fourteen minutes in which
+  one model has a one-minute burst and another is overloaded from minute 6. The rule must fire on the overload
+  and stay silent on the calm model, burst included. The verdicts are promtool's exit codes on small tests of
+  the ``ALERTS`` series the rule produced; a wrong rule's slip (no ``for:``, ``increase`` for ``rate``, µs, the
+  comparison reversed) is told from when it fired and from its values.
+- q5 (a watchdog loop) runs the student's function in a thread against a real Triton server that the check
+  starts, kills, hangs (SIGSTOP: the port stays taken, nothing answers) and makes fail to restart: it must
+  restart once per crash, time out on the hung server, back off while restarts fail, and return when told to
+  stop. Whatever happens, the check stops the server and ends the loop.
+
+Without prometheus and promtool the PromQL and rule checks say how to install them instead of grading; without a
+Triton server binary the watchdog check is not applicable. The other questions (q3, q6, q7) take numbers or
+choices from fixed data in this module.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import ctypes
+import http.client
+import json
 import math
-from collections.abc import Mapping, Sequence
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import urllib.error
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
-from lab_utils.exercises.framework import Exercise, Outcome, Status, Wrong, is_blank, number
+from lab_utils.exercises.framework import (
+    CodeExercise,
+    Exercise,
+    NotApplicable,
+    Outcome,
+    Status,
+    StudentLine,
+    StudentTimeout,
+    Wrong,
+    is_blank,
+    number,
+    raised_message,
+    student_frame,
+)
 from lab_utils.monitoring import prometheus
+from lab_utils.procs import free_port
+from lab_utils.serving import server as triton_server
 
 __all__ = [
-    "q1", "q2", "q3", "q4", "q5",
+    "q1", "q2", "q3", "q4", "q5", "q6", "q7",
     "RECORDED", "RECORDING_START", "GRADING_TIMES", "recorded_frame",
     "BASELINE_P99_MS", "INCIDENT_P99_MS", "BASELINE_PENDING", "INCIDENT_PENDING",
     "SNAPSHOT_BEFORE", "SNAPSHOT_AFTER", "SNAPSHOT_SECONDS",
-    "Q5_MODELS", "Q5_CHOICES",
+    "BOTTLENECK_MODELS", "BOTTLENECK_CHOICES",
+    "ALERT_SERIES", "ALERT_STEP_S", "ALERT_END_S", "ALERT_BURST_S", "ALERT_OVERLOAD_S", "ALERT_THRESHOLD_MS",
+    "alert_series_frame", "WATCHDOG_SETTINGS", "WatchedServer",
 ]
 
 # --- recorded samples for q1 and q2 -------------------------------------------------------------------------
@@ -403,7 +449,663 @@ q3 = Exercise(
     ),
 )
 
-# --- q4: read a metrics snapshot ------------------------------------------------------------------------------
+# --- q4: an alert rule, graded by promtool test rules -------------------------------------------------------
+
+# Fourteen minutes of one Triton server's counters, scraped every 15 s, for two models. bert is calm (requests
+# wait about 30 ms in the queue) except for one burst: in the 15 s before 4m15s its requests waited 2.4 s. resnet50
+# is calm until minute 6, then overloaded to the end: its queue time climbs from 200 to 400 ms. Each request also
+# computes (bert 80 ms, resnet50 50 ms), so the whole request of a calm bert takes over 100 ms.
+ALERT_STEP_S, ALERT_END_S = 15, 840
+ALERT_BURST_S = 255  # bert's slow scrape interval ends here (4m15s)
+ALERT_OVERLOAD_S = 360  # resnet50 overloaded from here (6m) to the end
+ALERT_THRESHOLD_MS = 100
+_ALERT_INSTANCE = {"job": "triton", "instance": "10.0.0.7:8002", "version": "1"}
+_ALERT_MODELS: dict[str, dict[str, float]] = {
+    "bert": {"qps": 40, "queue_ms": 30, "compute_ms": 80, "inferences": 2},
+    "resnet50": {"qps": 120, "queue_ms": 25, "compute_ms": 50, "inferences": 4},
+}
+
+
+def _alert_queue_ms(model: str, step: int) -> float:
+    """Queue time per request (ms) in the 15 s scrape interval that ends at ``step`` x 15 s."""
+    t = step * ALERT_STEP_S
+    j = list(_ALERT_MODELS).index(model)
+    calm = _ALERT_MODELS[model]["queue_ms"] * (1 + 0.15 * math.sin(0.8 * step + 1.7 * j))
+    if model == "bert" and t == ALERT_BURST_S:
+        return 2400.0
+    if model == "resnet50" and t > ALERT_OVERLOAD_S:
+        return 200 + 200 * (t - ALERT_OVERLOAD_S) / (ALERT_END_S - ALERT_OVERLOAD_S) * (1 + 0.05 * math.sin(step))
+    return calm
+
+
+def _alert_counters() -> dict[str, dict[str, list[float]]]:
+    """{model: {metric: [counter value at each scrape]}}: what the server exported, every 15 s from 0 to 14m."""
+    out: dict[str, dict[str, list[float]]] = {}
+    for j, (model, m) in enumerate(_ALERT_MODELS.items()):
+        req, queue_us, compute_us, inferences = 1_000_000.0, 1e6 * 10_000, 1e6 * 40_000, 1e6 * m["inferences"]
+        rows: dict[str, list[float]] = {k: [] for k in ("nv_inference_request_success", "nv_inference_count",
+                                                        "nv_inference_queue_duration_us",
+                                                        "nv_inference_compute_infer_duration_us",
+                                                        "nv_inference_request_duration_us")}
+        for step in range(ALERT_END_S // ALERT_STEP_S + 1):
+            if step:
+                n = round(m["qps"] * ALERT_STEP_S * (1 + 0.1 * math.sin(1.1 * step + j)))
+                req += n
+                inferences += n * m["inferences"]
+                queue_us += round(n * _alert_queue_ms(model, step) * 1000)
+                compute_us += round(n * m["compute_ms"] * 1000)
+            rows["nv_inference_request_success"].append(req)
+            rows["nv_inference_count"].append(inferences)
+            rows["nv_inference_queue_duration_us"].append(queue_us)
+            rows["nv_inference_compute_infer_duration_us"].append(compute_us)
+            rows["nv_inference_request_duration_us"].append(queue_us + compute_us)
+        out[model] = rows
+    return out
+
+
+ALERT_SERIES = _alert_counters()
+
+
+def alert_series_frame() -> pd.DataFrame:
+    """``ALERT_SERIES`` per scrape interval: minute, model, queue and request time per request (ms) in the 15 s
+    before it. (The alert itself averages over [1m]: four of these intervals.)"""
+    rows = []
+    for model, s in ALERT_SERIES.items():
+        req, queue, whole = (s[k] for k in ("nv_inference_request_success", "nv_inference_queue_duration_us",
+                                            "nv_inference_request_duration_us"))
+        for i in range(1, len(req)):
+            n = req[i] - req[i - 1]
+            rows.append({"minute": i * ALERT_STEP_S / 60, "model": model,
+                         "queue_ms": (queue[i] - queue[i - 1]) / n / 1000,
+                         "request_ms": (whole[i] - whole[i - 1]) / n / 1000})
+    return pd.DataFrame(rows)
+
+
+def _input_series() -> list[dict[str, str]]:
+    """``ALERT_SERIES`` as promtool's input_series."""
+    out = []
+    for model, metrics in ALERT_SERIES.items():
+        labels = ", ".join(f'{k}="{v}"' for k, v in {**_ALERT_INSTANCE, "model": model}.items())
+        for name, values in metrics.items():
+            out.append({"series": f"{name}{{{labels}}}", "values": " ".join(f"{v:.0f}" for v in values)})
+    return out
+
+
+_ALERT_BASE = ("sum by (model) (rate(nv_inference_queue_duration_us[1m])) "
+               "/ sum by (model) (rate(nv_inference_request_success[1m])) / 1000")
+_ALERT_REFERENCE = {
+    "alert": "TritonQueueTimeHigh",
+    "expr": f"{_ALERT_BASE} > {ALERT_THRESHOLD_MS}",
+    "for": "2m",
+    "labels": {"severity": "warning"},
+    "annotations": {"summary": "requests to {{ $labels.model }} wait {{ $value }} ms in the queue"},
+}
+_SEVERITIES = ("warning", "critical")
+_DURATION = re.compile(r"^(?:(\d+)(ms|s|m|h|d|w|y))+$")
+_UNIT_S = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800, "y": 31536000}
+
+
+def _duration_s(text: str) -> float | None:
+    """Seconds of a Prometheus duration ("2m", "1m30s"); None when it is not one."""
+    if not isinstance(text, str) or not _DURATION.match(text.strip()):
+        return None
+    return sum(int(n) * _UNIT_S[u] for n, u in re.findall(r"(\d+)(ms|s|m|h|d|w|y)", text))
+
+
+def _the_rule(value: Any) -> dict[str, Any]:
+    """The one alerting rule in the answer: YAML text (a rule, a list of one, or a rules file) or a dict."""
+    if isinstance(value, str):
+        import yaml
+
+        try:
+            value = yaml.safe_load(value)
+        except yaml.YAMLError as err:
+            where = getattr(err, "problem_mark", None)
+            at = f" (line {where.line + 1})" if where is not None else ""
+            raise Wrong(f"that is not valid YAML{at}: {getattr(err, 'problem', None) or err}. Indent the keys "
+                        "under the rule and quote text that contains ': '") from None
+    if isinstance(value, Mapping) and "groups" in value:
+        value = [r for g in value.get("groups") or [] for r in (g.get("rules") or [])]
+    if isinstance(value, list):
+        rules = [r for r in value if isinstance(r, Mapping) and "alert" in r]
+        if len(rules) != 1:
+            raise Wrong(f"give one alerting rule (found {len(rules)} with an `alert:` key)")
+        value = rules[0]
+    if not isinstance(value, Mapping):
+        raise Wrong("give the rule as YAML text (alert:, expr:, for:, labels:) or as a dict with those keys")
+    if "record" in value and "alert" not in value:
+        raise Wrong("that is a recording rule (record:): it stores a series and never fires. An alerting rule "
+                    "starts with `alert: <name>`")
+    missing = [k for k in ("alert", "expr") if not value.get(k)]
+    if missing:
+        raise Wrong(f"the rule has no {' and no '.join(missing)}: an alerting rule needs `alert: <name>` and "
+                    "`expr: <PromQL that returns the series in trouble>`")
+    if not isinstance(value["alert"], str) or not isinstance(value["expr"], str):
+        raise Wrong("`alert:` and `expr:` should be text")
+    return dict(value)
+
+
+def _promtool_passes(rule_file: Path, probes: Mapping[str, Sequence[tuple[str, float, float]]]) -> dict[str, bool]:
+    """For each probe (a list of (PromQL, eval time s, expected value) that must all hold), whether promtool's
+    rule test passes: the rule evaluated every 15 s over ``ALERT_SERIES`` as Prometheus would. One promtool
+    process per probe, all at once: the exit code is the verdict."""
+    tool = prometheus.find_binary("promtool")
+    if tool is None:
+        raise prometheus.PrometheusMissing(prometheus.missing("promtool") or "promtool not found")
+    series = _input_series()
+    procs = {}
+    for name, checks in probes.items():
+        test = {"rule_files": [rule_file.name], "evaluation_interval": f"{ALERT_STEP_S}s",
+                "tests": [{"interval": f"{ALERT_STEP_S}s", "input_series": series,
+                           "promql_expr_test": [{"expr": expr, "eval_time": f"{t:.0f}s",
+                                                 "exp_samples": [{"labels": "{}", "value": v}]}
+                                                for expr, t, v in checks]}]}
+        path = rule_file.parent / f"probe_{name}.yml"
+        path.write_text(json.dumps(test))
+        procs[name] = subprocess.Popen([tool, "test", "rules", path.name], cwd=rule_file.parent,
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    out = {}
+    for name, p in procs.items():
+        try:
+            out[name] = p.wait(timeout=120) == 0
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+            raise RuntimeError(f"promtool test rules did not finish in 120 s (probe {name})") from None
+    return out
+
+
+def _firing(name: str, model: str, window_s: float) -> str:
+    """1 when alert ``name`` was firing for ``model`` at some evaluation in the window, else 0."""
+    sel = f'ALERTS{{alertname={json.dumps(name)}, alertstate="firing", model="{model}"}}'
+    return f"max(max_over_time({sel}[{window_s:.0f}s])) or vector(0)"
+
+
+def _matches(expr: str, candidate: str) -> list[tuple[str, float, float]]:
+    """Checks that hold when every value the rule's expression returned from minute 5 on (once a 5m window is full)
+    equals ``candidate``'s, for some evaluation at least: the rule computes ``candidate``."""
+    ratio = f"abs(max by (model) ((\n{expr}\n)) / on (model) ({candidate}) - 1)"
+    window = f"[{ALERT_END_S - 300}s:{ALERT_STEP_S}s]"
+    return [(f"max_over_time((clamp_max(count({ratio} < 0.001), 1)){window}) or vector(0)", ALERT_END_S, 1),
+            (f"max_over_time((clamp_max(count({ratio} >= 0.001), 1)){window}) or vector(0)", ALERT_END_S, 0)]
+
+
+_ALERT_SLIPS = (
+    (f"60 * ({_ALERT_BASE})",
+     "increase() where the per-second rate() belongs: the queue time summed over the minute is 60x its rate, so "
+     "the average came out 60x too high and the alert fires on calm bert (about 30 ms a request). Divide rate by "
+     "rate, or increase by increase over the same window"),
+    (f"1000 * ({_ALERT_BASE})",
+     "your expression is in microseconds (Triton's *_duration_us) and the threshold in ms: calm bert's 30 ms is "
+     "30000 µs > 100, so it fires all the time. Divide by 1000, or compare with 100000"),
+    ("sum by (model) (rate(nv_inference_request_duration_us[1m])) "
+     "/ sum by (model) (rate(nv_inference_request_success[1m])) / 1000",
+     "that is the whole request's time (nv_inference_request_duration_us: queue + compute), and calm bert "
+     "computes 80 ms a request, so it fires without any queueing. The question is about queueing: "
+     "nv_inference_queue_duration_us"),
+    ("sum by (model) (rate(nv_inference_queue_duration_us[1m])) / 1000",
+     "that is milliseconds of queueing per second (all requests together), not per request: divide by the "
+     "request rate, sum by (model) (rate(nv_inference_request_success[1m]))"),
+    (_ALERT_BASE.replace("[1m]", "[5m]"),
+     "a 5m window keeps bert's burst in the average for five minutes, long enough to outlast `for:`, so it "
+     "fires on a burst that was over minutes ago; the question asks for [1m]"),
+)
+
+
+def _behaviour(rule_file: Path, name: str) -> dict[str, bool]:
+    end, over, burst = ALERT_END_S, ALERT_OVERLOAD_S, ALERT_BURST_S
+    return _promtool_passes(rule_file, {
+        # firing in the overload's last five minutes (before, a rule that fires on low values may still fire)
+        "fires_on_overload": [(_firing(name, "resnet50", 300), end, 1)],
+        "calm_before_overload": [(_firing(name, "resnet50", over), over, 0)],
+        "calm_on_bert": [(_firing(name, "bert", end), end, 0)],
+        "fires_on_burst": [(_firing(name, "bert", 180), burst + 165, 1)],
+        "calm_on_bert_but_burst": [(_firing(name, "bert", burst - 15), burst - 15, 0),
+                                   (_firing(name, "bert", end - burst - 165), end, 0)],
+        "fires_without_model": [(_firing(name, "", end), end, 1)],
+    })
+
+
+def _grade_alert_rule(value: Any) -> str:
+    rule = _the_rule(value)
+    name = rule["alert"]
+    picked = re.search(r'\bmodel\s*(=~|!~|!=|=)\s*"[^"]*"', rule["expr"])
+    if picked:
+        raise Wrong(f"the expression keeps only some models ({picked.group(0)}): the alert must watch every model "
+                    "the server serves, including the ones deployed next week. Drop the matcher")
+    for_s = _duration_s(str(rule.get("for", "0s")))
+    labels = rule.get("labels") or {}
+    with tempfile.TemporaryDirectory(prefix="nvlab-alert-") as tmp:
+        rule_file = Path(tmp) / "student_rules.yml"
+        rule_file.write_text(json.dumps({"groups": [{"name": "student", "rules": [rule]}]}, indent=2, default=str))
+        try:
+            prometheus.check_rules(rule_file)
+        except prometheus.ConfigError as err:
+            said = str(err).split("FAILED:", 1)[-1].strip()
+            said = re.sub(r'^.*?group "student", rule \d+(, "[^"]*")?: ', "", said.splitlines()[0] if said else "")
+            raise Wrong(f"promtool check rules refuses it: {said or err}") from None
+        seen = _behaviour(rule_file, name)
+        calm = seen["calm_on_bert"] and seen["calm_before_overload"]
+        slips = {}
+        if not calm:  # the condition held on a calm series: is it a known slip? (its values tell)
+            slips = _promtool_passes(rule_file, {f"slip{i}": _matches(rule["expr"], cand)
+                                                 for i, (cand, _) in enumerate(_ALERT_SLIPS)})
+    fired_on_burst = seen["fires_on_burst"] and not seen["calm_on_bert"]
+    if seen["fires_without_model"]:
+        raise Wrong("its alerts carry no model label: `sum(...)` without `by (model)` adds the models together, so "
+                    "the page cannot say which model is in trouble (and a calm model dilutes the overloaded one). "
+                    "Keep the model: sum by (model) (...)")
+    if for_s is None or for_s == 0:
+        spike = (f" It fired on bert's burst at {ALERT_BURST_S // 60}m{ALERT_BURST_S % 60}s: a single slow scrape "
+                 "interval, over within a minute, would have paged someone." if fired_on_burst else "")
+        raise Wrong(f"no `for:`: the alert fires at the first evaluation where the condition holds.{spike} Add "
+                    "`for: 2m` so that the condition must hold for two minutes")
+    if not calm:
+        for i, (_, message) in enumerate(_ALERT_SLIPS):
+            if slips.get(f"slip{i}"):
+                raise Wrong(message)
+        if not seen["fires_on_overload"]:
+            raise Wrong("the comparison points the wrong way: it fires while the queue time is low (calm bert, "
+                        "resnet50 before minute 6) and never during the overload. An alert expression returns the "
+                        "series that are in trouble: queue time > 100")
+        if " bool " in f" {rule['expr']} ":
+            raise Wrong("`bool` turns the comparison into 0 or 1 for every series, and an alert fires for every "
+                        "series its expression returns, 0 included: drop `bool`")
+        if seen["calm_on_bert_but_burst"] and seen["calm_before_overload"] and fired_on_burst:
+            raise Wrong(f"`for: {rule['for']}` is too short: it fired on bert's burst at {ALERT_BURST_S // 60}m"
+                        f"{ALERT_BURST_S % 60}s, which keeps the one-minute average above 100 ms for only about "
+                        "30 s. A longer `for:` (2m) rides out a blip and still catches the overload")
+        where = "calm bert" if not seen["calm_on_bert"] else "resnet50 before its overload (minute 6)"
+        raise Wrong(f"it fires on {where}, whose requests wait about 30 ms in the queue: check the threshold "
+                    f"({ALERT_THRESHOLD_MS} ms), its unit, and that the expression is the queue time per request "
+                    "over [1m]")
+    if not seen["fires_on_overload"]:
+        lasts = ALERT_END_S - ALERT_OVERLOAD_S
+        if for_s >= lasts - 90:
+            raise Wrong(f"`for: {rule['for']}` is longer than the overload had lasted when the recording ends "
+                        f"({lasts // 60} minutes, the queue time above 100 ms from about 6m30s): it never fired. A "
+                        "page that comes after the incident is no page; 2m is enough to ride out a blip")
+        raise Wrong("it never fires on resnet50's overload (from minute 6 its requests wait 200 to 400 ms in the "
+                    "queue): check the metric (nv_inference_queue_duration_us over nv_inference_request_success), "
+                    "the units (µs -> ms) and the threshold")
+    if "severity" not in labels:
+        raise Wrong("it fires at the right times, but has no severity label: Alertmanager routes, groups and "
+                    "silences alerts by their labels, and the course's rules say how urgent each one is with "
+                    "`labels: {severity: warning}` (or critical)")
+    if str(labels["severity"]).lower() not in _SEVERITIES:
+        raise Wrong(f"severity {labels['severity']!r}: the course's rules (and their routing) use "
+                    f"{' or '.join(_SEVERITIES)}")
+    return (f"promtool test rules: it fires during resnet50's overload and stays silent on bert, its burst at "
+            f"{ALERT_BURST_S // 60}m{ALERT_BURST_S % 60}s included (for: {rule['for']}).")
+
+
+class AlertRuleExercise(Exercise):
+    """An exercise whose answer is an alerting rule, graded by ``promtool test rules``. Where promtool is missing,
+    the check says how to install it instead of grading (the answer is not judged)."""
+
+    def check(self, value: Any, *, quiet: bool = False) -> Outcome:
+        why = prometheus.missing("promtool")
+        if why is None or is_blank(value):
+            return super().check(value, quiet=quiet)
+        out = Outcome(self.name, Status.NOT_ATTEMPTED,
+                      f"`{self.var}` was not checked (promtool grades this rule): {why}")
+        if not quiet:
+            print(out)
+        return out
+
+
+q4 = AlertRuleExercise(
+    name="05.4 an alert rule, tested by promtool",
+    var="alert_rule",
+    grade=_grade_alert_rule,
+    hints=[
+        "An alerting rule has `alert:` (its name), `expr:` (PromQL returning the series in trouble: a comparison "
+        "keeps the series for which it holds), `for:` (how long it must hold before the alert fires) and "
+        "`labels:` (severity, for routing).",
+        "The queue time per request is the queue-time counter's rate over the requests' rate, each summed by "
+        "model, in ms: the same shape as exercise 2 with nv_inference_queue_duration_us. Then `> 100`.",
+        "A one-minute burst must not page: `for: 2m`. And `labels: {severity: warning}`.",
+    ],
+    solution_text=(
+        'alert_rule = """\n'
+        "alert: TritonQueueTimeHigh\n"
+        "expr: >-\n"
+        "  sum by (model) (rate(nv_inference_queue_duration_us[1m]))\n"
+        "  / sum by (model) (rate(nv_inference_request_success[1m])) / 1000 > 100\n"
+        "for: 2m\n"
+        "labels:\n"
+        "  severity: warning\n"
+        "annotations:\n"
+        '  summary: "requests to {{ $labels.model }} wait {{ $value }} ms in the queue"\n'
+        '"""'
+    ),
+)
+
+# --- q5: a watchdog, graded against a real Triton server that the check kills --------------------------------
+
+# What the check passes to the student's watchdog: short times, so that the whole check takes seconds.
+WATCHDOG_SETTINGS = {"poll_s": 0.1, "timeout_s": 1.0, "failures": 2, "backoff_s": 0.1, "max_backoff_s": 2.0}
+_CALL = "watchdog(server, stop, " + ", ".join(f"{k}={v:g}" for k, v in WATCHDOG_SETTINGS.items()) + ")"
+# The bounds are generous: a verdict never depends on how loaded the machine is. A right watchdog restarts a
+# killed or hung server within about a second, and returns within a poll after stop is set.
+_HEALTHY_S = 0.8  # a ready server must not be restarted in this long
+_QUIET_S = 0.8  # nor again in this long once it is back
+_RESTART_WITHIN_S = 20.0  # a killed server restarted within this
+_HUNG_WITHIN_S = 8.0  # a hung server (accepts connections, never answers) restarted within this
+_READY_WITHIN_S = 120.0  # the restarted server ready again (the restart itself starts Triton)
+_STORM_S = 3.0  # restarts failing: the attempts are counted over this long
+_STORM_MAX = 7  # exponential backoff from 0.1 s tries about 5 times in 3 s; a fixed pause or none, 10 or more
+_STOP_WITHIN_S = 5.0  # stop set -> the function returned
+
+
+_ECHO_CONFIG = """name: "echo"
+backend: "python"
+max_batch_size: 8
+input [{ name: "INPUT__0" data_type: TYPE_FP32 dims: [ 4 ] }]
+output [{ name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ 4 ] }]
+instance_group [{ kind: KIND_CPU count: 1 }]
+"""
+_ECHO_MODEL = """import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor(
+            "OUTPUT__0", pb_utils.get_input_tensor_by_name(r, "INPUT__0").as_numpy())]) for r in requests]
+"""
+
+
+def _watchdog_repo() -> Path:
+    """A repository with one small python-backend model that echoes its input (written once per process, removed
+    at exit): the server the watchdog watches loads a model, as a real one does."""
+    if not _REPO:
+        root = Path(tempfile.mkdtemp(prefix="nvlab-watchdog-"))
+        atexit.register(shutil.rmtree, root, True)
+        (root / "repo" / "echo" / "1").mkdir(parents=True)
+        (root / "repo" / "echo" / "config.pbtxt").write_text(_ECHO_CONFIG)
+        (root / "repo" / "echo" / "1" / "model.py").write_text(_ECHO_MODEL)
+        _REPO.append(root / "repo")
+    return _REPO[0]
+
+
+_REPO: list[Path] = []
+
+
+class _Rig:
+    """The check's Triton server (fixed ports, so its address survives a restart) and what a restart does in each
+    phase: really restart it, or (``failing``) stop what is left and fail, as a start whose port is still taken."""
+
+    def __init__(self) -> None:
+        ports: list[int] = []
+        while len(ports) < 3:
+            p = free_port()
+            if p not in ports:
+                ports.append(p)
+        self.server = triton_server.TritonServer(
+            _watchdog_repo(), http_port=ports[0], grpc_port=ports[1], metrics_port=ports[2],
+            startup_timeout_s=_READY_WITHIN_S, stop_grace_s=0.2)
+        self.http_url = f"http://127.0.0.1:{ports[0]}"
+        self.failing = False
+        self.calls: list[list[Any]] = []  # [monotonic time of the call, whether the restart worked (None: under way)]
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def restart(self) -> None:
+        with self._lock:
+            if self._closed:
+                raise StudentTimeout()  # the check is over: this ends the student's loop
+            call = [time.monotonic(), None]  # counted from the moment it is asked for
+            self.calls.append(call)
+            try:
+                if self.failing:
+                    if self.server.alive():
+                        self.signal(signal.SIGCONT)  # a stopped process handles no SIGTERM: let stop() end it
+                    self.server.stop()
+                    raise triton_server.ServerStartError(
+                        "tritonserver exited with code 1 before it was ready (the port is still taken by the old "
+                        "process)")
+                self.server.restart()
+            except BaseException:
+                call[1] = False
+                raise
+            call[1] = True
+
+    def signal(self, sig: int) -> None:
+        """Send ``sig`` to the server's main process (SIGKILL: a crash; SIGSTOP: a hang)."""
+        pid = self.server.pid
+        if pid is None or pid <= 0:
+            raise RuntimeError("the check's server has no process")
+        os.kill(pid, sig)
+
+    def busy(self) -> bool:
+        """True while a restart is under way."""
+        if self._lock.acquire(blocking=False):
+            self._lock.release()
+            return False
+        return True
+
+    def close(self) -> None:
+        """No restart from now on (waits for one under way); stop the server and everything it started."""
+        with self._lock:
+            self._closed = True
+        if self.server.alive():  # a stopped ("hung") server must be able to exit
+            with contextlib.suppress(OSError):
+                self.signal(signal.SIGCONT)
+        self.server.stop()
+
+
+class WatchedServer:
+    """The server as the student's watchdog sees it: ``http_url`` and ``restart()``, as a ``TritonServer`` has."""
+
+    def __init__(self, rig: _Rig):
+        self._rig = rig
+
+    @property
+    def http_url(self) -> str:
+        return self._rig.http_url
+
+    def restart(self) -> WatchedServer:
+        """Stop the server (if it still runs) and start it again; raises when the start fails."""
+        self._rig.restart()
+        return self
+
+    def __repr__(self) -> str:
+        return f"<the check's Triton server at {self._rig.http_url}>"
+
+
+class _StudentLoop:
+    """The student's watchdog running in a thread until ``stop`` is set: what it raised or returned, and the line of
+    the student's code it is at now."""
+
+    def __init__(self, fn: Callable[..., Any], server: WatchedServer, stop: threading.Event):
+        self.error: BaseException | None = None
+        self.returned_at: float | None = None
+        self.last_seen: StudentLine | None = None  # where it was when it had to be interrupted
+        self.started = time.monotonic()
+        self.stop = stop
+
+        def run() -> None:
+            try:
+                fn(server, stop, **WATCHDOG_SETTINGS)
+                self.returned_at = time.monotonic()
+            except BaseException as err:  # handed to the check's thread
+                self.error = err
+
+        self.thread = threading.Thread(target=run, name="student watchdog", daemon=True)
+        self.thread.start()
+
+    def where(self) -> StudentLine | None:
+        frame = sys._current_frames().get(self.thread.ident or -1)
+        return student_frame("".join(traceback.format_stack(frame))) if frame is not None else None
+
+    def at(self) -> str:
+        line = self.where() if self.thread.is_alive() else self.last_seen
+        return f" (it was at {line})" if line else ""
+
+    def ended(self) -> Wrong | None:
+        """Why the loop is over while it should still watch; None while it runs (or when the check ended it)."""
+        if self.thread.is_alive() or isinstance(self.error, StudentTimeout):
+            return None
+        err = self.error
+        if err is None:
+            after = (self.returned_at or time.monotonic()) - self.started
+            return Wrong(f"{_CALL} returned after {after:.1f} s, while the server still needed watching: loop until "
+                         "`stop` is set (while not stop.is_set(): ...)")
+        message = raised_message(_CALL, err)
+        if isinstance(err, (OSError, http.client.HTTPException)) and not isinstance(err, urllib.error.URLError):
+            message += (". urlopen raises URLError only for what fails before the request is sent; a timeout or a "
+                        "connection closed while waiting for the answer raises TimeoutError or ConnectionError: "
+                        "catch OSError (URLError, HTTPError, refused connections and timeouts all are one)")
+        elif isinstance(err, triton_server.ServerStartError):
+            message += (". A restart can fail (the port still taken, a model that does not load): catch the "
+                        "error, back off and try again")
+        return Wrong(message)
+
+    def wait(self, condition: Callable[[], bool], timeout_s: float) -> bool:
+        """Wait until ``condition()`` holds (True) or ``timeout_s`` passes (False); Wrong when the loop ends."""
+        deadline = time.monotonic() + timeout_s
+        pause = threading.Event()
+        while True:
+            if condition():
+                return True
+            gone = self.ended()
+            if gone is not None:
+                raise gone
+            if time.monotonic() > deadline:
+                return False
+            pause.wait(0.02)
+
+    def end(self, timeout_s: float) -> None:
+        """Set stop and wait for the loop; a loop that does not return is interrupted (best effort)."""
+        self.stop.set()
+        self.thread.join(timeout_s)
+        if self.thread.is_alive() and self.thread.ident is not None:
+            self.last_seen = self.where()
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.thread.ident),
+                                                       ctypes.py_object(StudentTimeout))
+            self.thread.join(2.0)
+
+
+def _server_unavailable() -> str | None:
+    try:
+        triton_server.find_server(local=True)
+    except triton_server.ServerNotFound as err:
+        return "this check runs your watchdog against a real Triton server, and there is none here. " + \
+            str(err).splitlines()[0]
+    return None
+
+
+def _grade_watchdog(fn: Callable[..., Any]) -> str:
+    rig = _Rig()
+    try:
+        rig.server.start()
+    except Exception as err:
+        rig.close()
+        raise NotApplicable(f"the check's Triton server did not start here ({str(err).splitlines()[0]}); "
+                            "your watchdog was not run") from None
+    stop = threading.Event()
+    loop = _StudentLoop(fn, WatchedServer(rig), stop)
+    try:
+        # 1. A ready server: leave it alone.
+        if loop.wait(lambda: bool(rig.calls), _HEALTHY_S):
+            raise Wrong(f"it restarted a healthy server (it answered 200 on /v2/health/ready) after "
+                        f"{rig.calls[0][0] - loop.started:.1f} s: does your poll count HTTP 200 from "
+                        "f'{server.http_url}/v2/health/ready' as ready? (/api/health/ready is Triton's old v1 "
+                        "path: it answers 404)")
+        # 2. Killed, as a crash would: restarted once, ready again, and then left alone.
+        t_kill = time.monotonic()
+        rig.signal(signal.SIGKILL)
+        if not loop.wait(lambda: bool(rig.calls), _RESTART_WITHIN_S):
+            raise Wrong(f"the server was killed and {_CALL} did not restart it within {_RESTART_WITHIN_S:g} s"
+                        f"{loop.at()}: after `failures` failed polls in a row, call server.restart()")
+        if not loop.wait(lambda: not rig.busy() and any(ok for _, ok in rig.calls) and rig.server.ready(),
+                         _READY_WITHIN_S):
+            raise Wrong(f"the server was not ready again within {_READY_WITHIN_S:g} s of the kill: every restart "
+                        "failed")
+        recovery_s = time.monotonic() - t_kill
+        n = len(rig.calls)
+        if loop.wait(lambda: len(rig.calls) > n, _QUIET_S):
+            raise Wrong(f"the server was ready again {recovery_s:.1f} s after the kill, and {_CALL} restarted it "
+                        f"again: {len(rig.calls)} restarts for one crash (a restart storm). Once a poll answers 200, "
+                        "start counting failed polls from zero again")
+        # 3. Hung: the process still holds the port and accepts connections, but never answers. From now on a
+        # restart stops what is left of it and fails, as a start whose port is still taken would.
+        n, t_hang = len(rig.calls), time.monotonic()
+        rig.failing = True
+        rig.signal(signal.SIGSTOP)
+        if not loop.wait(lambda: len(rig.calls) > n, _HUNG_WITHIN_S):
+            raise Wrong(f"the server hung (its process holds the port and accepts connections, but never answers) "
+                        f"and {_CALL} did not restart it within {_HUNG_WITHIN_S:g} s{loop.at()}: give every request "
+                        "a timeout, urlopen(url, timeout=timeout_s); without one a poll of a hung server waits "
+                        "forever")
+        t_first = rig.calls[n][0]
+        hang_s = t_first - t_hang
+        # 4. Every restart fails: try again, ever more slowly. The tries are counted for _STORM_S from the first.
+        loop.wait(lambda: time.monotonic() - t_first >= _STORM_S, _STORM_S + 1)
+        tries = sum(1 for t, _ in rig.calls[n:] if t - t_first <= _STORM_S)
+        if tries > _STORM_MAX:
+            gap = _STORM_S / (tries - 1)
+            raise Wrong(f"a restart storm: while every restart failed, it tried {tries} times in {_STORM_S:g} s (one "
+                        f"every {gap:.2f} s on average). After a failed restart wait backoff_s, double the wait after "
+                        "each failure (at most max_backoff_s), and reset it once the server is ready again")
+        # 5. Stop: the function returns promptly.
+        loop.end(_STOP_WITHIN_S)
+        if loop.thread.is_alive() or isinstance(loop.error, StudentTimeout):
+            raise Wrong(f"{_CALL} did not return within {_STOP_WITHIN_S:g} s after `stop` was set{loop.at()}: check "
+                        "`stop` between polls, and wait with stop.wait(seconds), which returns as soon as stop is set "
+                        "(time.sleep does not)")
+        if loop.error is not None:
+            raise loop.ended() or Wrong(raised_message(_CALL, loop.error))
+        return (f"Against a real Triton: killed, it was restarted once and ready again {recovery_s:.1f} s later; "
+                f"hung, it was restarted after {hang_s:.1f} s; with every restart failing from then on, {tries} "
+                f"tries in {_STORM_S:g} s (backing off).")
+    finally:
+        stop.set()
+        rig.close()
+        loop.end(2.0)
+
+
+q5 = CodeExercise(
+    name="05.5 a watchdog, tested against a real Triton",
+    var="watchdog",
+    grade=_grade_watchdog,
+    signature="watchdog(server, stop, poll_s, timeout_s, failures, backoff_s, max_backoff_s) -> None",
+    applicable=_server_unavailable,
+    hints=[
+        "One loop until stop.is_set(): GET f'{server.http_url}/v2/health/ready' with urlopen(url, "
+        "timeout=timeout_s); HTTP 200 is ready, anything else (an HTTPError, a refused connection, a timeout: all "
+        "OSError) is a failed poll. Count failed polls in a row.",
+        "After `failures` failed polls in a row: server.restart() inside try/except (a restart can fail), then wait "
+        "`delay` and double it (at most max_backoff_s); when a poll is ready again, reset the count and the delay "
+        "to backoff_s.",
+        "Wait with stop.wait(seconds), not time.sleep: it returns as soon as stop is set, so the watchdog stops "
+        "promptly.",
+    ],
+    solution_text=(
+        "import urllib.request\n\n"
+        "def watchdog(server, stop, poll_s=0.5, timeout_s=2.0, failures=3, backoff_s=1.0, max_backoff_s=30.0):\n"
+        "    bad, delay = 0, backoff_s\n"
+        "    while not stop.is_set():\n"
+        "        try:\n"
+        "            with urllib.request.urlopen(f\"{server.http_url}/v2/health/ready\", timeout=timeout_s) as r:\n"
+        "                ready = r.status == 200\n"
+        "        except OSError:  # refused, reset, timed out, or HTTP 4xx/5xx (HTTPError is an OSError too)\n"
+        "            ready = False\n"
+        "        bad, delay = (0, backoff_s) if ready else (bad + 1, delay)\n"
+        "        if bad < failures:\n"
+        "            stop.wait(poll_s)\n"
+        "            continue\n"
+        "        try:\n"
+        "            server.restart()\n"
+        "        except Exception:\n"
+        "            pass  # the start failed: the backoff below grows, and the next failed polls try again\n"
+        "        bad = 0\n"
+        "        stop.wait(delay)\n"
+        "        delay = min(2 * delay, max_backoff_s)"
+    ),
+)
+
+# --- q6: read a metrics snapshot ------------------------------------------------------------------------------
 
 SNAPSHOT_SECONDS = 10.0
 _S_REQ, _S_BATCH, _S_INF_PER_EXEC, _S_QUEUE_US = 2400, 2, 8, 12_500
@@ -433,17 +1135,17 @@ def _exposition(success: int, queue_us: float) -> str:
 
 SNAPSHOT_BEFORE = _exposition(_S0["success"], _S0["queue_us"])
 SNAPSHOT_AFTER = _exposition(_S0["success"] + _S_REQ, _S0["queue_us"] + _S_REQ * _S_QUEUE_US)
-_Q4 = {"qps": _S_REQ / SNAPSHOT_SECONDS, "avg_batch": float(_S_INF_PER_EXEC), "avg_queue_ms": _S_QUEUE_US / 1000}
+_SNAPSHOT = {"qps": _S_REQ / SNAPSHOT_SECONDS, "avg_batch": float(_S_INF_PER_EXEC), "avg_queue_ms": _S_QUEUE_US / 1000}
 
 
 def _grade_snapshot(value: Any) -> None:
-    if not isinstance(value, Mapping) or set(value) != set(_Q4):
+    if not isinstance(value, Mapping) or set(value) != set(_SNAPSHOT):
         raise Wrong("give a dict with the keys 'qps', 'avg_batch' and 'avg_queue_ms'")
     qps = number(value["qps"], "snapshot['qps']")
-    if not _close(qps, _Q4["qps"]):
+    if not _close(qps, _SNAPSHOT["qps"]):
         if _close(qps, _S_REQ):
             raise Wrong("qps: that is the requests between the two scrapes; divide by the seconds between them")
-        if _close(qps, _Q4["qps"] * _S_BATCH):
+        if _close(qps, _SNAPSHOT["qps"] * _S_BATCH):
             raise Wrong("qps: that counts inferences (nv_inference_count); requests are "
                         "nv_inference_request_success")
         if qps > 1e4:
@@ -451,16 +1153,16 @@ def _grade_snapshot(value: Any) -> None:
         raise Wrong(f"qps = {qps:g}: requests per second is the growth of nv_inference_request_success over "
                     f"the {SNAPSHOT_SECONDS:g} s between the snapshots")
     batch = number(value["avg_batch"], "snapshot['avg_batch']")
-    if not _close(batch, _Q4["avg_batch"]):
-        if _close(batch, _Q4["avg_batch"] / _S_BATCH):
+    if not _close(batch, _SNAPSHOT["avg_batch"]):
+        if _close(batch, _SNAPSHOT["avg_batch"] / _S_BATCH):
             raise Wrong("avg_batch: that is requests per execution; a batch is counted in inferences "
                         "(nv_inference_count), and each request here carries 2")
         raise Wrong(f"avg_batch = {batch:g}: the average batch is Δ nv_inference_count / Δ nv_inference_exec_count")
     queue = number(value["avg_queue_ms"], "snapshot['avg_queue_ms']")
-    if not _close(queue, _Q4["avg_queue_ms"]):
-        if _close(queue, _Q4["avg_queue_ms"] * 1000):
+    if not _close(queue, _SNAPSHOT["avg_queue_ms"]):
+        if _close(queue, _SNAPSHOT["avg_queue_ms"] * 1000):
             raise Wrong("avg_queue_ms: that is in microseconds; divide by 1000")
-        if _close(queue, _Q4["avg_queue_ms"] / _S_BATCH):
+        if _close(queue, _SNAPSHOT["avg_queue_ms"] / _S_BATCH):
             raise Wrong("avg_queue_ms: that divides by inferences; the queue time is per request "
                         "(nv_inference_request_success)")
         if _close(queue, _S0["queue_us"] / _S0["success"] / 1000, 0.1) or _close(
@@ -470,8 +1172,8 @@ def _grade_snapshot(value: Any) -> None:
         raise Wrong(f"avg_queue_ms = {queue:g}: Δ queue µs / Δ successful requests / 1000")
 
 
-q4 = Exercise(
-    name="05.4 read a metrics snapshot",
+q6 = Exercise(
+    name="05.6 read a metrics snapshot",
     var="snapshot",
     grade=_grade_snapshot,
     hints=[
@@ -493,56 +1195,66 @@ q4 = Exercise(
     ),
 )
 
-# --- q5: where does the time go? -------------------------------------------------------------------------------
+# --- q7: where does the time go? -------------------------------------------------------------------------------
 
-Q5_CHOICES = ("queue", "compute", "outside")
-# Five-minute averages per request, from rate() of Triton's duration counters, and what else a dashboard shows.
-Q5_MODELS = {
+BOTTLENECK_CHOICES = ("queue", "compute", "outside")
+# Five-minute averages per request, from rate() of Triton's duration counters, and what else a dashboard shows:
+# gpu_util_pct is DCGM_FI_DEV_GPU_UTIL (the share of time any kernel ran), sm_active_pct DCGM_FI_PROF_SM_ACTIVE
+# and tensor_active_pct DCGM_FI_PROF_PIPE_TENSOR_ACTIVE (x 100), from dcgm-exporter's profiling metrics.
+BOTTLENECK_MODELS = {
     "detector": {"instances": 1, "queue_ms": 46.0, "compute_infer_ms": 6.1, "server_request_ms": 53.0,
-                 "client_p50_ms": 55.0, "gpu_util_pct": 34},
+                 "client_p50_ms": 55.0, "gpu_util_pct": 34, "sm_active_pct": 11, "tensor_active_pct": 4},
     "ranker": {"instances": 2, "queue_ms": 1.2, "compute_infer_ms": 38.5, "server_request_ms": 40.4,
-               "client_p50_ms": 43.0, "gpu_util_pct": 97},
+               "client_p50_ms": 43.0, "gpu_util_pct": 97, "sm_active_pct": 91, "tensor_active_pct": 2},
     "embedder": {"instances": 2, "queue_ms": 0.4, "compute_infer_ms": 2.9, "server_request_ms": 3.6,
-                 "client_p50_ms": 61.0, "gpu_util_pct": 22},
+                 "client_p50_ms": 61.0, "gpu_util_pct": 100, "sm_active_pct": 3, "tensor_active_pct": 1},
 }
-_Q5 = {"detector": "queue", "ranker": "compute", "embedder": "outside"}
-_Q5_WHY = {
-    "detector": "46 of its 53 server-side ms are spent waiting in the queue while the GPU is 34 % busy: one "
-                "instance cannot keep up. Add instances or allow larger batches (dynamic batching), not a faster GPU.",
-    "ranker": "its requests barely queue (1.2 ms) and spend 38.5 ms computing with the GPU at 97 %: the model "
-              "itself is the limit. A faster model (TensorRT, lower precision) or more GPUs help; more instances "
-              "on the same GPU do not.",
+_BOTTLENECK = {"detector": "queue", "ranker": "compute", "embedder": "outside"}
+_BOTTLENECK_WHY = {
+    "detector": "46 of its 53 server-side ms are spent waiting in the queue, while a kernel runs only 34 % of the "
+                "time and the SMs are active 11 % of their cycles: one instance cannot keep up. Add instances or "
+                "allow larger batches (dynamic batching), not a faster GPU.",
+    "ranker": "its requests barely queue (1.2 ms) and spend 38.5 ms computing. GPU utilization 97 % alone would "
+              "only say that some kernel was running; SM activity 91 % says the SMs really are busy: the model "
+              "itself is the limit. Its tensor pipes are busy 2 % of the cycles (FP32 math on the CUDA cores), so "
+              "a lower-precision engine (TensorRT FP16/BF16) is the first thing to try; more instances on the "
+              "same GPU do not help.",
     "embedder": "the server spends only 3.6 ms on a request but clients wait 61 ms: the time goes outside "
-                "Triton (network, serialization, the client's own queue). Look at the client and the path to it.",
+                "Triton (network, serialization, the client's own queue). Its GPU utilization reads 100 %, yet the "
+                "SMs are active 3 % of their cycles: a small kernel was running all the time, which is all "
+                "DCGM_FI_DEV_GPU_UTIL measures. The GPU is not the problem; look at the client and the path to it.",
 }
 
 
 def _grade_bottleneck(value: Any) -> None:
-    if not isinstance(value, Mapping) or set(value) != set(Q5_MODELS):
-        raise Wrong(f"give a dict with one answer per model: {{{', '.join(repr(m) + ': ...' for m in Q5_MODELS)}}}")
-    for model, expected in _Q5.items():
+    if not isinstance(value, Mapping) or set(value) != set(BOTTLENECK_MODELS):
+        keys = ", ".join(repr(m) + ": ..." for m in BOTTLENECK_MODELS)
+        raise Wrong(f"give a dict with one answer per model: {{{keys}}}")
+    for model, expected in _BOTTLENECK.items():
         got = value[model]
-        if not isinstance(got, str) or got.strip().lower() not in Q5_CHOICES:
-            raise Wrong(f"{model}: answer one of {list(Q5_CHOICES)}")
+        if not isinstance(got, str) or got.strip().lower() not in BOTTLENECK_CHOICES:
+            raise Wrong(f"{model}: answer one of {list(BOTTLENECK_CHOICES)}")
         if got.strip().lower() != expected:
-            raise Wrong(f"{model} is not {got.strip().lower()!r}: {_Q5_WHY[model]}")
+            raise Wrong(f"{model} is not {got.strip().lower()!r}: {_BOTTLENECK_WHY[model]}")
 
 
-q5 = Exercise(
-    name="05.5 find the bottleneck",
+q7 = Exercise(
+    name="05.7 find the bottleneck",
     var="bottleneck",
     grade=_grade_bottleneck,
     hints=[
         "Split each model's time: queue_ms + compute ≈ the server's request time; the client's latency adds "
         "what happens outside the server.",
-        "A long queue with an idle GPU means too little capacity configured; a short queue with a busy GPU "
-        "means the model itself is slow.",
+        "A long queue with idle SMs means too little capacity configured; a short queue with busy SMs means the "
+        "model itself is slow. Read SM activity for how busy the SMs are: GPU utilization only says that some "
+        "kernel was running.",
         "When the server's time is small but the client's is large, the server is not where the time goes.",
     ],
     solution_text=(
         'bottleneck = {"detector": "queue", "ranker": "compute", "embedder": "outside"}\n'
-        "# detector: queue 46 of 53 ms with the GPU 34 % busy -> more instances / larger batches\n"
-        "# ranker: compute 38.5 ms, GPU 97 % -> a faster model or more GPUs\n"
-        "# embedder: server 3.6 ms, client 61 ms -> network, serialization or the client"
+        "# detector: queue 46 of 53 ms, SMs active 11 % -> more instances / larger batches\n"
+        "# ranker: compute 38.5 ms, SMs active 91 %, tensor pipes 2 % -> a lower-precision engine, more GPUs\n"
+        "# embedder: server 3.6 ms, client 61 ms -> network, serialization or the client\n"
+        "#   (its GPU utilization 100 % with SMs active 3 %: a small kernel always running, not a busy GPU)"
     ),
 )

@@ -97,7 +97,7 @@ def default_phases(quick: bool) -> list[Phase]:
     """Ramp, steady, overload. The overload runs many more clients than the model's instances can serve,
     so requests queue: the latency grows while the throughput stays flat."""
     if quick:
-        return [Phase("ramp", 1, 3), Phase("ramp", 2, 3), Phase("steady", 4, 6), Phase("overload", 32, 8)]
+        return [Phase("ramp", 1, 2), Phase("ramp", 2, 2), Phase("steady", 4, 6), Phase("overload", 32, 8)]
     return [Phase("ramp", 1, 10), Phase("ramp", 2, 10), Phase("ramp", 4, 10), Phase("steady", 4, 30),
             Phase("overload", 64, 30)]
 

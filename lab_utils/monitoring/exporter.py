@@ -6,7 +6,7 @@ carry NVIDIA dcgm-exporter's names, units and labels (``gpu``, ``UUID``, ``devic
 the same rules and dashboard work with either exporter:
 
 =====================================  =======  ==========================================================
-``DCGM_FI_DEV_GPU_UTIL``               gauge    % of the last sample period in which a kernel ran
+``DCGM_FI_DEV_GPU_UTIL``               gauge    % of the last sample period in which any kernel ran
 ``DCGM_FI_DEV_MEM_COPY_UTIL``          gauge    % of that period the memory controller was busy
 ``DCGM_FI_DEV_FB_USED``                gauge    MiB allocated (driver-reserved memory excluded, as nvidia-smi)
 ``DCGM_FI_DEV_FB_FREE``                gauge    MiB free
@@ -28,6 +28,13 @@ the same rules and dashboard work with either exporter:
 
 A field a GPU does not support (NVML's NOT_SUPPORTED) is left out rather than exported as 0. Nothing
 here changes GPU state: only NVML's query functions are called.
+
+``DCGM_FI_DEV_GPU_UTIL`` is the share of time *any* kernel ran, not how busy the SMs were: one small kernel always
+running on one SM reads 100 %. How busy the SMs and the tensor cores are is in DCGM's profiling fields
+(``DCGM_FI_PROF_SM_ACTIVE``, ``DCGM_FI_PROF_PIPE_TENSOR_ACTIVE``), which need DCGM's profiling module: this
+exporter does not serve them; NVIDIA's dcgm-exporter does (the compose stack's optional ``dcgm`` profile, with a
+counters file that lists them). NVML has counterparts on Hopper and newer (its GPM metrics, which lab 05's
+``panels.gpu_utilization_demo`` reads), not served here either.
 """
 
 from __future__ import annotations
@@ -56,7 +63,8 @@ INFO_METRICS = ("nvlab_exporter_gpus", "nvlab_exporter_info")
 GPU_LABELS = ("gpu", "UUID", "device", "modelName")
 
 _HELP = {
-    "DCGM_FI_DEV_GPU_UTIL": "GPU utilization (in %): share of the sample period in which a kernel ran.",
+    "DCGM_FI_DEV_GPU_UTIL": "GPU utilization (in %): share of the sample period in which any kernel ran "
+                            "(not how busy the SMs were).",
     "DCGM_FI_DEV_MEM_COPY_UTIL": "Memory utilization (in %): share of the sample period the memory was read/written.",
     "DCGM_FI_DEV_FB_USED": "Framebuffer memory used (in MiB), driver-reserved memory excluded.",
     "DCGM_FI_DEV_FB_FREE": "Framebuffer memory free (in MiB).",

@@ -1,13 +1,31 @@
 """Lab 05's panels: one list of PromQL expressions for the notebook's plots and the Grafana dashboard, the
-dashboard generated from it, range queries per panel, and two lessons about reading them (quantiles cannot be
-averaged; Triton's GPU readings against the exporter's).
+dashboard generated from it (each panel with a description of what it measures), range queries per panel, and
+lessons about reading them: quantiles cannot be averaged; Triton's GPU readings against the exporter's; and GPU
+utilization is not SM activity (:func:`gpu_utilization_demo`).
+
+What the GPU utilization fields measure (DCGM's definitions):
+
+- ``DCGM_FI_DEV_GPU_UTIL`` (NVML's ``utilization.gpu``, what nvidia-smi shows): the share of the last sample
+  period (1/6 s to 1 s, by product) in which *any* kernel was running on the GPU. One thread block spinning on one
+  of an H200's 132 SMs reads 100 %.
+- ``DCGM_FI_PROF_SM_ACTIVE``: the share of cycles in which an SM had at least one warp resident, averaged over all
+  SMs (0 to 1). That spinning block gives at most 1/132.
+- ``DCGM_FI_PROF_PIPE_TENSOR_ACTIVE``: the share of cycles the tensor-core pipes were busy (0 to 1): whether the
+  math runs on the tensor cores at all (FP32 without TF32 does not).
+
+The ``DCGM_FI_PROF_*`` fields come from DCGM's profiling module: NVIDIA's dcgm-exporter serves them (the compose
+stack's optional ``dcgm`` profile) when its counters file lists them; the course's NVML exporter does not. (NVML
+itself has counterparts on Hopper and newer, its GPM metrics, which the demo reads and the exporter does not serve.)
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
+import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +52,8 @@ class Panel:
     legend: str = "{{model}}"
     needs_gpu: bool = False
     host_only: bool = False  # the CPU tier's stand-in for a GPU panel
+    profiling: bool = False  # a DCGM profiling field: only dcgm-exporter serves it, not the course's NVML exporter
+    description: str = ""  # what the panel measures (Grafana shows it in the panel's tooltip)
 
     def expression(self, window: str = "1m") -> str:
         """The expression with its rate window set (``"5s"``, ``"1m"``, Grafana's ``"$__rate_interval"``)."""
@@ -41,34 +61,63 @@ class Panel:
 
 
 PANELS: tuple[Panel, ...] = (
-    Panel("qps", "Throughput (requests/s)", "sum by (model) (rate(nv_inference_request_success[{w}]))", "req/s"),
+    Panel("qps", "Throughput (requests/s)", "sum by (model) (rate(nv_inference_request_success[{w}]))", "req/s",
+          description="Successful requests per second of each model, summed over servers and versions."),
     Panel("batch", "Average batch size (inferences per execution)",
           "sum by (model) (rate(nv_inference_count[{w}])) / sum by (model) (rate(nv_inference_exec_count[{w}]))",
-          "inferences"),
+          "inferences", description="Inferences (batch items) per model execution: how full the dynamic batcher's "
+                                    "batches are."),
     Panel("latency", "Average request latency (ms)",
           "sum by (model) (rate(nv_inference_request_duration_us[{w}])) "
-          "/ sum by (model) (rate(nv_inference_request_success[{w}])) / 1000", "ms"),
+          "/ sum by (model) (rate(nv_inference_request_success[{w}])) / 1000", "ms",
+          description="Server-side time per request (queue + compute), averaged over the window; Triton counts it "
+                      "in microseconds."),
     Panel("queue_share", "Share of request time spent queued",
           "sum by (model) (rate(nv_inference_queue_duration_us[{w}])) "
-          "/ sum by (model) (rate(nv_inference_request_duration_us[{w}]))", "fraction"),
+          "/ sum by (model) (rate(nv_inference_request_duration_us[{w}]))", "fraction",
+          description="Queue time over request time: near 1, requests wait for a free instance rather than compute."),
     Panel("p99", "p99 latency from Triton's summary (ms)",
-          'max by (model) (nv_inference_request_summary_us{quantile="0.99"}) / 1000', "ms"),
+          'max by (model) (nv_inference_request_summary_us{quantile="0.99"}) / 1000', "ms",
+          description="Triton's own p99 over its recent requests (a summary: the worst server is shown, because "
+                      "quantiles cannot be averaged)."),
     Panel("pending", "Pending requests (queued, not yet executing)",
-          "sum by (model) (nv_inference_pending_request_count)", "requests"),
-    Panel("gpu_util", "GPU utilization (%)", "DCGM_FI_DEV_GPU_UTIL", "%", "GPU {{gpu}}", needs_gpu=True),
-    Panel("gpu_memory", "GPU memory used (GiB)", "DCGM_FI_DEV_FB_USED / 1024", "GiB", "GPU {{gpu}}", needs_gpu=True),
-    Panel("gpu_power", "GPU power (W)", "DCGM_FI_DEV_POWER_USAGE", "W", "GPU {{gpu}}", needs_gpu=True),
-    Panel("host_cpu", "Host CPU busy (%)", "nvlab_host_cpu_utilization_percent", "%", "host", host_only=True),
+          "sum by (model) (nv_inference_pending_request_count)", "requests",
+          description="Requests waiting in the server's queues now (a gauge)."),
+    Panel("gpu_util", "GPU utilization: time a kernel ran (%)", "DCGM_FI_DEV_GPU_UTIL", "%", "GPU {{gpu}}",
+          needs_gpu=True, description=(
+              "DCGM_FI_DEV_GPU_UTIL (nvidia-smi's utilization): the share of the last sample period in which any "
+              "kernel was running. It is not how busy the SMs are: one small kernel always running on one SM reads "
+              "100 %. For that, see SM activity (DCGM_FI_PROF_SM_ACTIVE).")),
+    Panel("sm_active", "SM activity (%)", "DCGM_FI_PROF_SM_ACTIVE * 100", "%", "GPU {{gpu}}", needs_gpu=True,
+          profiling=True, description=(
+              "DCGM_FI_PROF_SM_ACTIVE: the share of cycles in which an SM had at least one warp resident, averaged "
+              "over all SMs. A profiling field: NVIDIA's dcgm-exporter serves it (the compose stack's dcgm profile, "
+              "with a counters file that lists it); the course's NVML exporter does not, so without dcgm-exporter "
+              "this panel is empty.")),
+    Panel("tensor_active", "Tensor-core pipes busy (%)", "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE * 100", "%",
+          "GPU {{gpu}}", needs_gpu=True, profiling=True, description=(
+              "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE: the share of cycles the tensor-core pipes were busy. Low while the "
+              "SMs are busy means the math is not on the tensor cores (FP32, or shapes they do not take). A "
+              "profiling field: dcgm-exporter only (the compose stack's dcgm profile), not the course's NVML "
+              "exporter.")),
+    Panel("gpu_memory", "GPU memory used (GiB)", "DCGM_FI_DEV_FB_USED / 1024", "GiB", "GPU {{gpu}}", needs_gpu=True,
+          description="Device memory allocated (DCGM_FI_DEV_FB_USED is in MiB; driver-reserved memory excluded)."),
+    Panel("gpu_power", "GPU power (W)", "DCGM_FI_DEV_POWER_USAGE", "W", "GPU {{gpu}}", needs_gpu=True,
+          description="Power drawn. With GPU utilization at 100 %, a draw near idle says the GPU is doing little."),
+    Panel("host_cpu", "Host CPU busy (%)", "nvlab_host_cpu_utilization_percent", "%", "host", host_only=True,
+          description="All CPUs of the host, busy share since the previous scrape (the CPU tier's stand-in)."),
     Panel("host_memory", "Host memory used (GiB)", "nvlab_host_memory_used_bytes / 2^30", "GiB", "host",
-          host_only=True),
-    Panel("up", "Targets up (1) or down (0)", "up", "", "{{job}}"),
+          host_only=True, description="MemTotal - MemAvailable, as `free` counts used memory."),
+    Panel("up", "Targets up (1) or down (0)", "up", "", "{{job}}",
+          description="1 when Prometheus' last scrape of the target succeeded, 0 when it failed."),
 )
 
 
-def panels(gpu: bool) -> list[Panel]:
-    """The notebook's panels: GPU panels with a GPU, the host's in their place without one."""
-    return [p for p in PANELS if (p.needs_gpu and gpu) or (p.host_only and not gpu) or
-            not (p.needs_gpu or p.host_only)]
+def panels(gpu: bool, profiling: bool = False) -> list[Panel]:
+    """The notebook's panels: GPU panels with a GPU, the host's in their place without one; the DCGM profiling
+    panels only when ``profiling`` (a dcgm-exporter is scraped: the course's NVML exporter has no such field)."""
+    return [p for p in PANELS if ((p.needs_gpu and gpu) or (p.host_only and not gpu) or
+                                  not (p.needs_gpu or p.host_only)) and (profiling or not p.profiling)]
 
 
 def panel(key: str) -> Panel:
@@ -91,6 +140,7 @@ def dashboard(window: str = "$__rate_interval") -> dict[str, Any]:
                 "W": "watt"}.get(p.unit, "short")
         out_panels.append({
             "id": i + 1, "type": "timeseries", "title": p.title, "datasource": ds,
+            **({"description": p.description} if p.description else {}),
             "gridPos": {"h": 8, "w": 8, "x": (i % 3) * 8, "y": (i // 3) * 8},
             "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
             "options": {"legend": {"displayMode": "list", "placement": "bottom"}},
@@ -224,3 +274,119 @@ def compare_gpu_sources(metrics: PromAPI, at: float, window_s: float, tolerance:
             rows.append({"metric": what, "uuid": r.uuid, "triton": r.triton, "exporter": r.exporter, "ratio": ratio,
                          "within": bool(abs(ratio - 1) <= tolerance)})
     return pd.DataFrame(rows, columns=["metric", "uuid", "triton", "exporter", "ratio", "within"])
+
+
+# --- GPU utilization is not SM activity -----------------------------------------------------------------------
+
+DEMO_SECONDS = 1.5  # each load runs this long: longer than NVML's utilization sample period (at most 1 s)
+
+
+def _nvml_handle(nvml: Any, torch: Any, device: int) -> Any:
+    """The NVML handle of torch's ``cuda:device`` (matched by UUID where torch tells it; CUDA_VISIBLE_DEVICES may
+    renumber the GPUs)."""
+    uuid = str(getattr(torch.cuda.get_device_properties(device), "uuid", "") or "")
+    for i in range(nvml.nvmlDeviceGetCount()):
+        h = nvml.nvmlDeviceGetHandleByIndex(i)
+        theirs = nvml.nvmlDeviceGetUUID(h)
+        theirs = theirs.decode() if isinstance(theirs, bytes) else str(theirs)
+        if uuid and theirs.removeprefix("GPU-") == uuid.removeprefix("GPU-"):
+            return h
+    return nvml.nvmlDeviceGetHandleByIndex(device)
+
+
+class _Gpm:
+    """NVML's GPU Performance Monitoring (Hopper and newer): SM and tensor activity between two samples, the
+    counterparts of DCGM_FI_PROF_SM_ACTIVE and DCGM_FI_PROF_PIPE_TENSOR_ACTIVE. ``why`` says why not, where not."""
+
+    def __init__(self, nvml: Any, handle: Any):
+        self.nvml, self.handle, self.why, self._first = nvml, handle, "", None
+        try:
+            if not nvml.nvmlGpmQueryDeviceSupport(handle).isSupportedDevice:
+                self.why = "this GPU has no GPM (NVML's GPM metrics start with Hopper)"
+        except Exception as err:  # an older driver or nvidia-ml-py: no GPM
+            self.why = f"NVML GPM not available ({type(err).__name__}: {err})"
+
+    def start(self) -> None:
+        if self.why:
+            return
+        try:
+            self._first = self.nvml.nvmlGpmSampleAlloc()
+            self.nvml.nvmlGpmSampleGet(self.handle, self._first)
+        except Exception as err:
+            self.why, self._first = f"NVML GPM sample failed ({type(err).__name__}: {err})", None
+
+    def read(self) -> dict[str, float]:
+        """{"sm_active_pct", "tensor_active_pct"} since ``start()``; NaN where GPM is not available."""
+        out = {"sm_active_pct": math.nan, "tensor_active_pct": math.nan}
+        if self.why or self._first is None:
+            return out
+        nvml, second = self.nvml, None
+        try:
+            second = nvml.nvmlGpmSampleAlloc()
+            nvml.nvmlGpmSampleGet(self.handle, second)
+            get = nvml.c_nvmlGpmMetricsGet_t()
+            get.version = nvml.NVML_GPM_METRICS_GET_VERSION
+            get.numMetrics = 2
+            get.sample1, get.sample2 = self._first, second
+            get.metrics[0].metricId = nvml.NVML_GPM_METRIC_SM_UTIL
+            get.metrics[1].metricId = nvml.NVML_GPM_METRIC_ANY_TENSOR_UTIL
+            nvml.nvmlGpmMetricsGet(get)
+            for i, key in enumerate(("sm_active_pct", "tensor_active_pct")):
+                if get.metrics[i].nvmlReturn == 0:
+                    out[key] = float(get.metrics[i].value)
+        except Exception as err:
+            self.why = f"NVML GPM read failed ({type(err).__name__}: {err})"
+        finally:
+            for sample in (self._first, second):
+                if sample is not None:
+                    with contextlib.suppress(Exception):
+                        nvml.nvmlGpmSampleFree(sample)
+            self._first = None
+        return out
+
+
+def gpu_utilization_demo(seconds: float = DEMO_SECONDS, device: int = 0, *, nvml: Any = None,
+                         torch: Any = None) -> tuple[pd.DataFrame, str]:
+    """GPU only. Three loads on ``cuda:device``, ``seconds`` each, and what NVML reads for each: idle; one thread
+    block spinning on one SM (``torch.cuda._sleep``, back to back); 8192² bf16 matmuls back to back on every SM.
+
+    Columns: the SMs the load can occupy, ``gpu_util_pct`` (NVML's utilization.gpu, which the exporter serves as
+    DCGM_FI_DEV_GPU_UTIL), ``power_w``, and where NVML has GPM (Hopper and newer) ``sm_active_pct`` and
+    ``tensor_active_pct`` over the same seconds (NaN elsewhere). Returns the frame and a note on GPM (empty when
+    it was read). ``nvml`` and ``torch`` are the modules (``pynvml``, ``torch``) unless given.
+    """
+    if nvml is None:
+        import pynvml as nvml
+    if torch is None:
+        import torch
+    nvml.nvmlInit()
+    try:
+        handle = _nvml_handle(nvml, torch, device)
+        sms = int(torch.cuda.get_device_properties(device).multi_processor_count)
+        clock_hz = nvml.nvmlDeviceGetMaxClockInfo(handle, nvml.NVML_CLOCK_SM) * 1e6
+        spin_cycles = int(0.02 * clock_hz)  # one spin kernel lasts about 20 ms
+        gpm = _Gpm(nvml, handle)
+        dev = f"cuda:{device}"
+        a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)  # random inputs: zeros run unrealistically
+        b = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+        c = torch.empty(8192, 8192, device=dev, dtype=torch.bfloat16)
+        torch.cuda.synchronize(device)
+        pause = threading.Event()
+        loads = (("idle", 0, lambda: pause.wait(0.05)),
+                 ("one thread block spinning on one SM", 1, lambda: torch.cuda._sleep(spin_cycles)),
+                 ("bf16 matmul 8192x8192, back to back", sms, lambda: torch.mm(a, b, out=c)))
+        rows = []
+        for name, used, step in loads:
+            gpm.start()
+            end = time.monotonic() + seconds
+            while time.monotonic() < end:
+                step()
+                torch.cuda.synchronize(device)  # a short gap between kernels: the GPU is never left idle long
+            util = nvml.nvmlDeviceGetUtilizationRates(handle).gpu  # the last sample period: all of it this load
+            power_w = nvml.nvmlDeviceGetPowerUsage(handle) / 1000
+            rows.append({"load": name, "SMs it can occupy": f"{used} of {sms}", "gpu_util_pct": float(util),
+                         "power_w": round(power_w, 1), **gpm.read()})
+        return pd.DataFrame(rows).set_index("load"), gpm.why
+    finally:
+        with contextlib.suppress(Exception):
+            nvml.nvmlShutdown()
