@@ -66,20 +66,26 @@ def pytest_runtest_call(item):
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item, nextitem):
-    """After a notebook's last cell (its kernel stopped): leftovers, recorded results, wall time."""
+    """After a notebook's last cell (its kernel stopped): wall time, leftovers, recorded results."""
     result = yield
     run = getattr(item.parent, "nvlab_run", None) if _nbval_cell(item) else None
     if run is None or (nextitem is not None and nextitem.parent is item.parent):
         return result
     from lab_utils.ops.notebooks import leftover_processes
 
-    _WALL_S.append((run["name"], time.perf_counter() - run["t0"]))
+    item.user_properties.append(("nvlab_wall_s", (run["name"], time.perf_counter() - run["t0"])))
     deadline = time.monotonic() + LEFTOVER_GRACE_S
     while (left := leftover_processes(run["run_id"])) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not left, f"{run['name']} left processes running after its kernel stopped:\n" + "\n".join(left)
     assert list(run["results"].glob("results_*.json")), f"{run['name']} recorded no measurement"
     return result
+
+
+def pytest_runtest_logreport(report):
+    """Collect notebook wall times where the summary is written (under xdist: the controller, from workers' reports)."""
+    if report.when == "teardown":  # its report carries every property the test recorded
+        _WALL_S.extend(tuple(v) for k, v in report.user_properties if k == "nvlab_wall_s")
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -113,15 +113,14 @@ def test_leftover_processes_are_found(monkeypatch):
 
 @pytest.mark.notebooks
 @pytest.mark.parametrize("path", SOLUTIONS, ids=lambda p: p.stem)
-def test_generated_lab_executes_with_quick_parameters(path, tmp_path, capsys):
+def test_generated_lab_executes_with_quick_parameters(path, tmp_path, record_property):
     """Every generated lab runs top to bottom with its blanks; nothing it started survives it.
 
     The solutions themselves run once, under nbval (see conftest.py), not here."""
     nb_path = ROOT / "labs" / path.name
     run_id = f"pytest-labs-{path.stem}"
     res = notebooks.execute(nb_path, tmp_path, {"quick": True}, run_id=run_id)
-    with capsys.disabled():
-        print(f"\n  labs/{path.name}: {res.seconds:.1f} s wall")
+    record_property("nvlab_wall_s", (f"labs/{path.stem}", res.seconds))  # printed in the run's summary
     assert res.ok, res.error
     assert notebooks.leftover_processes(run_id) == []
     executed = nbformat.read(res.output, as_version=4)
