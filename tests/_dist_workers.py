@@ -37,3 +37,40 @@ def read_env(ctx, names=()):
 def write_pid_and_sleep(ctx, folder):
     Path(folder, f"rank{ctx.rank}.pid").write_text(str(os.getpid()))
     time.sleep(120)
+
+
+def two_groups(ctx):
+    """launch(group=False, rendezvous=2): join a group from the torchrun-style environment, all-reduce, leave; then
+    a second group in the same process, at the second store."""
+    import torch
+    import torch.distributed as dist
+
+    sums = []
+    for port in ctx.rendezvous_ports:
+        os.environ["MASTER_PORT"] = str(port)
+        dist.init_process_group("gloo")
+        x = torch.full((2,), float(dist.get_rank() + 1))
+        dist.all_reduce(x)
+        sums.append(x.tolist())
+        dist.destroy_process_group()
+    return {"sums": sums, "env": {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                                                  "TORCHELASTIC_USE_AGENT_STORE")}}
+
+
+def subgroups(ctx):
+    """ctx.subgroup(n) for n = 1..world: rank, world size and a sum within each subgroup (None outside it)."""
+    import torch
+    import torch.distributed as dist
+
+    out = []
+    for n in range(1, ctx.world_size + 1):
+        sub = ctx.subgroup(n)
+        if sub is None:
+            out.append(None)
+        else:
+            x = torch.ones(1)
+            dist.all_reduce(x, group=sub.group)
+            sub.barrier()
+            out.append((sub.rank, sub.world_size, x.item()))
+        ctx.barrier()
+    return out

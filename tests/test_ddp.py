@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import pandas as pd
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -28,10 +29,14 @@ EPOCHS = 4  # enough for > 95 % on the digits; each launch costs seconds of proc
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The same seed and global batch on 1 and on 2 gloo ranks; the 2-rank run writes a checkpoint."""
+    """The same seed and global batch on 1 and on 2 gloo ranks, in one launch (the 1-rank run in a subgroup of
+    rank 0, as digits_comparison and scaling do); the 2-rank run writes a checkpoint."""
     ckpt = tmp_path_factory.mktemp("ddp") / "digits.pt"
-    one = ddp.run_digits(1, epochs=EPOCHS, seed=0, backend="gloo")
-    two = ddp.run_digits(2, epochs=EPOCHS, seed=0, backend="gloo", checkpoint_path=str(ckpt))
+    plan = [(1, {"epochs": EPOCHS, "batch_size": 64}),
+            (2, {"epochs": EPOCHS, "batch_size": 32, "checkpoint_path": str(ckpt)})]
+    by_rank = launch(ddp.each_world_size, 2, backend="gloo", kwargs={"fn": ddp.train_digits, "runs": plan})
+    assert by_rank[1][0] is None and by_rank[1][1]["world_size"] == 2  # rank 1 sat the 1-rank run out
+    one, two = by_rank[0]
     return one, two, ckpt
 
 
@@ -65,6 +70,8 @@ def test_models():
 def test_bad_arguments():
     with pytest.raises(ValueError, match="global_batch=63"):
         ddp.per_rank_batch(63, 2)
+    with pytest.raises(ValueError, match="one per world size"):
+        ddp.digits_comparison((1, 2), accumulate=(1, 2, 4))
     assert ddp.per_rank_batch(64, 2, accumulate=2) == 16
     with pytest.raises(ValueError, match="amp='fp8'"):
         ddp.train_digits(SimpleNamespace(device="cpu", world_size=1, rank=0), amp="fp8")
@@ -125,6 +132,22 @@ def test_fp16_grad_scaler_with_accumulation():
     assert res["amp"] == "fp16" and res["accumulate"] == 2 and res["batch_size"] == 16
     assert res["fp16_scale"] > 0 and math.isfinite(res["final_loss"])
     assert res["accuracy"] > 0.3  # learned something in one epoch (chance is 0.1)
+
+
+def test_h200x2_reference_beside_local_tables():
+    ref = ddp.h200x2_results()
+    assert ref["ddp_images_per_s_2"] > ref["ddp_images_per_s_1"] > 1000
+    local = pd.DataFrame({"world_size": [1, 2, 4], "images_per_s": [1.0, 2.0, 4.0]})
+    out = ddp.with_reference_scaling(local)
+    assert out["h200x2_images_per_s"].iloc[1] == ref["ddp_images_per_s_2"]
+    assert out["h200x2_scaling_efficiency"].iloc[1] == pytest.approx(ref["ddp_scaling_efficiency"], rel=1e-9)
+    assert math.isnan(out["h200x2_images_per_s"].iloc[2])  # that run had two GPUs
+    variants = ["bucket_cap_mb=25", "bucket_cap_mb=1", "no overlap (all-reduce after backward)", "bucket_cap_mb=7"]
+    over = ddp.with_reference_overlap(pd.DataFrame({"variant": variants}))
+    assert over["h200x2_step_ms"].iloc[1] == ref[ddp.record_name("bucket_cap_mb=1")]
+    assert over["h200x2_step_ms_vs_default"].iloc[0] == 1.0 and math.isnan(over["h200x2_step_ms"].iloc[3])
+    assert ddp.record_name("bucket_cap_mb=25, gradient_as_bucket_view") in ref  # names as the lab records them
+    assert ddp.with_reference_scaling(local, run_dir=ROOT / "no-such-run")["h200x2_images_per_s"].isna().all()
 
 
 def test_throughput_scaling():

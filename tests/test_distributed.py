@@ -12,6 +12,7 @@ from pathlib import Path
 import _dist_workers as w
 import pytest
 
+from lab_utils.distributed import ranks
 from lab_utils.distributed import spawn as d
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,10 +51,16 @@ def test_a_timeout_names_the_collective_and_stops_all_workers():
     # 20 s: time for two ranks to import torch and reach the collective on a busy 2-core runner, so the message
     # names it; the verdict is what the message says and that nothing survives, not how fast it came.
     t0 = time.monotonic()
-    with pytest.raises(d.WorkerTimeout, match="all_reduce 1 MiB"):
+    with pytest.raises(d.WorkerTimeout, match="all_reduce 1 MiB") as err:
         d.launch(w.hang_in_collective, 2, backend="gloo", timeout_s=20)
     assert time.monotonic() - t0 < 20 + 20  # the timeout, then at most 5 s of SIGTERM and 5 s of SIGKILL per rank
     assert _children() == []
+    # Each rank's Python stack when time ran out, even from inside the blocking collective (faulthandler).
+    frames = {r: [(Path(f.filename).name, f.function) for f in ranks.stack_frames(text)]
+              for r, text in err.value.stacks.items()}
+    assert ("_dist_workers.py", "hang_in_collective") in frames[1]
+    assert ("distributed_c10d.py", "all_reduce") in frames[1]
+    assert ("_dist_workers.py", "hang_in_collective") in frames[0]  # rank 0 sleeps before the collective
 
 
 def test_nccl_with_more_ranks_than_gpus_says_so_and_offers_gloo():
@@ -160,3 +167,136 @@ def test_workers_die_with_a_killed_kernel(tmp_path):
         time.sleep(0.2)
         alive = [p for p in pids if Path(f"/proc/{p}").exists() and ") Z" not in Path(f"/proc/{p}/stat").read_text()]
     assert alive == [], f"workers {alive} outlived their parent"
+
+
+# --- ranks owning their group; subgroups; the root cause of a failure ------------------------------------------
+
+
+def test_a_rank_can_join_groups_itself_like_under_torchrun():
+    out = d.launch(w.two_groups, 2, backend="gloo", group=False, rendezvous=2, timeout_s=120)
+    assert [r["sums"] for r in out] == [[[3.0, 3.0], [3.0, 3.0]]] * 2
+    assert out[1]["env"] == {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    assert _children() == []
+
+
+def test_subgroups_of_the_first_n_ranks():
+    out = d.launch(w.subgroups, 3, backend="gloo", timeout_s=120)
+    assert out[0] == [(0, 1, 1.0), (0, 2, 2.0), (0, 3, 3.0)]
+    assert out[1] == [None, (1, 2, 2.0), (1, 3, 3.0)] and out[2] == [None, None, (2, 3, 3.0)]
+
+
+def test_the_failing_rank_is_reported_not_the_peer_that_lost_it():
+    import queue
+
+    lost = "Traceback (most recent call last):\nRuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]"
+    cause = "Traceback (most recent call last):\nZeroDivisionError: division by zero"
+    q = queue.Queue()
+    q.put(("status", 1, "busy"))
+    q.put(("error", 1, cause))
+    assert d._root_cause(q, 0, lost, pending=2) == (1, cause)
+    assert d._root_cause(queue.Queue(), 0, lost, pending=2, grace_s=0.2) == (0, lost)  # nothing better came
+    assert d._root_cause(queue.Queue(), 1, cause, pending=2) == (1, cause)  # not a peer's loss: no waiting
+
+
+# --- notebook functions sent to the ranks as source ---------------------------------------------------------------
+
+# What a notebook cell holds: a constant, a dtype, a helper and the worker, in __main__, with a source only
+# linecache knows (as IPython registers each cell).
+_CELL = """
+import torch
+import torch.distributed as dist
+SCALE = 2.0
+DTYPE = torch.float64
+
+
+def helper(x):
+    return x * SCALE
+
+
+def worker(ctx, n=3):
+    x = torch.full((n,), float(ctx.rank + 1), dtype=DTYPE)
+    dist.all_reduce(x)
+    if ctx.rank == 1 and n == 0:
+        raise ValueError("rank 1 refuses")  # the line to report
+    return helper(x).tolist()
+
+
+def owner(value):
+    dist.init_process_group("gloo")
+    x = torch.tensor([value * (dist.get_rank() + 1)])
+    dist.all_reduce(x)
+    dist.destroy_process_group()
+    return x.item()
+"""
+
+
+_RAISE_LINE = _CELL.splitlines().index('        raise ValueError("rank 1 refuses")  # the line to report') + 1
+
+
+def _run_cell(source: str, namespace: dict, filename: str) -> None:
+    import linecache
+
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    exec(compile(source, filename, "exec"), namespace)
+
+
+@pytest.fixture
+def cell():
+    import linecache
+
+    namespace = {"__name__": "__main__"}
+    _run_cell(_CELL, namespace, "/tmp/ipykernel_0/2764.py")
+    yield namespace
+    for name in ("/tmp/ipykernel_0/2764.py", "/tmp/ipykernel_0/2765.py"):
+        linecache.cache.pop(name, None)
+
+
+def test_ship_writes_the_source_at_the_cells_line_numbers(cell, tmp_path):
+    shipped = ranks.ship(cell["worker"], tmp_path)
+    assert shipped.by_source and shipped.name == "worker"
+    files = {Path(f).name: Path(f).read_text().splitlines() for f in shipped.files}
+    assert set(files) == {"worker.py", "helper.py"}
+    assert files["worker.py"][_RAISE_LINE - 1].strip() == 'raise ValueError("rank 1 refuses")  # the line to report'
+    deps = Path(shipped.deps).read_text()
+    assert "import torch as torch" in deps and "import torch.distributed as dist" in deps
+    assert "SCALE = _nvlab_unpickle(" in deps and "DTYPE = _nvlab_unpickle(" in deps
+    fn = shipped.load()  # in this process too
+    assert fn.__name__ == "worker" and fn.__globals__["helper"](1.0) == 2.0
+    lib = ranks.ship(d.launch, tmp_path)  # library code goes by reference
+    assert not lib.by_source and lib.load() is d.launch
+
+
+def test_ship_refuses_what_cannot_travel_and_says_why(cell, tmp_path):
+    with pytest.raises(ranks.ShipError, match="lambda"):
+        ranks.ship(lambda ctx: 1, tmp_path)
+
+    def outer():
+        def inner(ctx):
+            return 1
+        return inner
+
+    with pytest.raises(ranks.ShipError, match="top level of a cell"):
+        ranks.ship(outer(), tmp_path)
+    _run_cell("import threading\nLOCK = threading.Lock()\nBIG = bytes(2**21)\n"
+              "def uses_lock(ctx):\n    return LOCK\n\ndef uses_big(ctx):\n    return BIG\n", cell,
+              "/tmp/ipykernel_0/2765.py")
+    with pytest.raises(ranks.ShipError, match="`uses_lock` uses the notebook's `LOCK`.*cannot be sent"):
+        ranks.ship(cell["uses_lock"], tmp_path)
+    with pytest.raises(ranks.ShipError, match="2.0 MiB: too large"):
+        ranks.ship(cell["uses_big"], tmp_path)
+    with pytest.raises(ranks.ShipError, match="defined with `def`"):
+        ranks.ship(print, tmp_path)
+
+
+def test_notebook_functions_run_in_ranks_and_fail_at_their_own_line(cell):
+    assert ranks.run(cell["worker"], 2, backend="gloo", timeout_s=120) == [[6.0] * 3, [6.0] * 3]
+    with pytest.raises(d.WorkerError) as err:
+        ranks.run(cell["worker"], 2, backend="gloo", kwargs={"n": 0}, timeout_s=120)
+    assert err.value.rank == 1  # the rank that raised, not the peer that lost it
+    tb = err.value.remote_traceback
+    assert f'worker.py", line {_RAISE_LINE}, in worker' in tb and 'raise ValueError("rank 1 refuses")' in tb
+    assert _children() == []
+
+
+def test_a_notebook_function_can_own_its_group(cell):
+    assert ranks.run(cell["owner"], 2, backend="gloo", group=False, kwargs={"value": 2.0}, timeout_s=120) == [6.0, 6.0]

@@ -24,7 +24,7 @@ import contextlib
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pandas as pd
@@ -113,6 +113,7 @@ def _grad_scaler(ctx: WorkerContext, amp: str | None) -> torch.amp.GradScaler:
 
 
 def _ddp(ctx: WorkerContext, model: torch.nn.Module, **kw: Any) -> DistributedDataParallel:
+    kw.setdefault("process_group", ctx.group)  # None: the default group
     if _is_cuda(ctx):  # one GPU per process: DDP must be told which one
         index = torch.device(ctx.device).index
         return DistributedDataParallel(model, device_ids=[index], output_device=index, **kw)
@@ -123,7 +124,7 @@ def _all_reduce(ctx: WorkerContext, values: Sequence[float | torch.Tensor], op: 
     """All-reduce a few numbers (SUM or MAX) in float64 on the rank's device (NCCL needs GPU tensors)."""
     t = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=ctx.device) for v in values])
     if dist.is_initialized() and ctx.world_size > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=ctx.group)
     return [float(v) for v in t.tolist()]
 
 
@@ -245,7 +246,7 @@ def train_digits(ctx: WorkerContext, epochs: int = DIGITS_DEFAULTS["epochs"], ba
                  lr: float = DIGITS_DEFAULTS["lr"], seed: int = 0, amp: str | None = None, accumulate: int = 1,
                  checkpoint_path: str | None = None, set_epoch: bool = True,
                  momentum: float = DIGITS_DEFAULTS["momentum"],
-                 width: int = DIGITS_DEFAULTS["width"]) -> dict[str, Any]:
+                 width: int = DIGITS_DEFAULTS["width"], cpu_threads: int | None = 1) -> dict[str, Any]:
     """Worker: train the digits CNN under DDP; every rank returns the same all-reduced metrics.
 
     ``batch_size`` is the micro-batch per rank; one optimizer step sees batch_size × world_size × accumulate
@@ -255,7 +256,9 @@ def train_digits(ctx: WorkerContext, epochs: int = DIGITS_DEFAULTS["epochs"], ba
     per optimizer step, all but the last under ``model.no_sync()`` (gradients summed locally, one
     all-reduce). ``set_epoch=False`` skips ``sampler.set_epoch``: every epoch repeats the same order (a bug,
     shown on purpose). Rank 0 writes ``checkpoint_path`` (model.module's state dict, optimizer, epoch);
-    the others wait at a barrier until it is written.
+    the others wait at a barrier until it is written. ``cpu_threads``: torch threads per CPU rank (default 1: the
+    CNN's operations are too small to split, and two threads on a busy 2-core machine ran a one-rank run 5x slower;
+    None shares the cores among the local ranks).
 
     Returns accuracy (final test accuracy, fraction), final_loss (last epoch's mean training loss),
     samples_per_s (training images per second of wall time, all ranks together, evaluation excluded),
@@ -269,7 +272,7 @@ def train_digits(ctx: WorkerContext, epochs: int = DIGITS_DEFAULTS["epochs"], ba
     amp = _check_amp(amp, where)
     if not lr > 0:
         raise ValueError(f"{where}(lr={lr!r}): the learning rate must be > 0")
-    _share_cpu_threads(ctx)
+    _share_cpu_threads(ctx, cpu_threads)
 
     ctx.status("loading digits")
     data = _digits_tensors(ctx.device)
@@ -360,13 +363,41 @@ def run_digits(nprocs: int = 1, *, global_batch: int = DIGITS_DEFAULTS["global_b
     return launch(train_digits, nprocs, backend=backend, kwargs=kw, timeout_s=timeout_s)[0]
 
 
-def digits_comparison(nprocs_list: Sequence[int] = (1, 2), **kwargs: Any) -> pd.DataFrame:
-    """``run_digits`` for each world size (same seed, same global batch): one row each, accuracy side by side."""
-    rows = []
-    for n in nprocs_list:
-        r = run_digits(n, **kwargs)
-        rows.append({k: r[k] for k in ("world_size", "backend", "global_batch", "batch_size", "accumulate", "lr",
-                                       "amp", "epochs", "accuracy", "final_loss", "samples_per_s")})
+def each_world_size(ctx: WorkerContext, fn: Callable[..., dict[str, Any]],
+                    runs: Sequence[tuple[int, dict[str, Any]]]) -> list[dict[str, Any] | None]:
+    """Worker: ``fn(sub, **kw)`` for each ``(n, kw)`` in turn, on the first n ranks only (``ctx.subgroup``).
+
+    One launch then measures several world sizes: while the first n ranks run as a job of n, the others wait at
+    a barrier (an idle CPU process, or an idle GPU). Returns this rank's result of each run (None where it sat
+    out); rank 0 takes part in every run.
+    """
+    out = []
+    for n, kw in runs:
+        sub = ctx.subgroup(n)
+        ctx.status(f"world size {n} of {ctx.world_size}" if sub is not None else f"waiting while {n} rank(s) run")
+        out.append(fn(sub, **kw) if sub is not None else None)
+        ctx.barrier()
+    return out
+
+
+def digits_comparison(nprocs_list: Sequence[int] = (1, 2), *, global_batch: int = DIGITS_DEFAULTS["global_batch"],
+                      accumulate: int | Sequence[int] = 1, backend: str = "auto", timeout_s: float = 300.0,
+                      **kwargs: Any) -> pd.DataFrame:
+    """``train_digits`` at each world size (same seed, same global batch): one row each, accuracy side by side.
+
+    ``accumulate``: micro-steps per optimizer step, one value for all or one per world size. All world sizes run
+    in one launch of max(nprocs_list) ranks (``each_world_size``), which saves a start-up per size.
+    """
+    sizes = [check_int(n, "nprocs_list", "digits_comparison") for n in nprocs_list]
+    accs = [accumulate] * len(sizes) if isinstance(accumulate, int) else list(accumulate)
+    if len(accs) != len(sizes):
+        raise ValueError(f"digits_comparison(accumulate={accumulate!r}): one value, or one per world size")
+    runs = [(n, {"batch_size": per_rank_batch(global_batch, n, a), "accumulate": a, **kwargs})
+            for n, a in zip(sizes, accs, strict=True)]
+    results = launch(each_world_size, max(sizes), backend=backend, timeout_s=timeout_s,
+                     kwargs={"fn": train_digits, "runs": runs})[0]
+    rows = [{k: r[k] for k in ("world_size", "backend", "global_batch", "batch_size", "accumulate", "lr", "amp",
+                               "epochs", "accuracy", "final_loss", "samples_per_s")} for r in results]
     df = pd.DataFrame(rows)
     df["accuracy_vs_first"] = df["accuracy"] - df["accuracy"].iloc[0]
     return df
@@ -449,7 +480,7 @@ def _time_steps(ctx: WorkerContext, cfg: dict[str, Any]) -> dict[str, Any]:
     else:  # the comparison without overlap: one all-reduce of all gradients after the whole backward pass
         net = model
         for p in params:
-            dist.broadcast(p.data, 0)
+            dist.broadcast(p.data, 0, group=ctx.group)  # rank 0 of the group is global rank 0
     opt = torch.optim.SGD(params, lr=0.01, momentum=0.9)
 
     def step() -> None:
@@ -458,7 +489,7 @@ def _time_steps(ctx: WorkerContext, cfg: dict[str, Any]) -> dict[str, Any]:
         loss.backward()
         if not cfg["overlap"] and ctx.world_size > 1:
             flat = torch.cat([p.grad.reshape(-1) for p in params])  # one flat fp32 buffer of all gradients
-            dist.all_reduce(flat)
+            dist.all_reduce(flat, group=ctx.group)
             flat /= ctx.world_size
             off = 0
             for p in params:
@@ -548,14 +579,17 @@ def scaling(nprocs_list: Sequence[int] | None = None, *, backend: str = "auto", 
     throughput_N / (N × throughput_1)). Per-worker batch is fixed (weak scaling), as in the DDP references.
     On CPU ranks (gloo) each worker gets the same number of threads at every world size,
     cores // max(nprocs_list) unless ``cpu_threads`` is given: a worker is then a fixed unit of compute, as a
-    GPU is, and the table measures what adding workers gains (not one rank using every core).
+    GPU is, and the table measures what adding workers gains (not one rank using every core). All world sizes
+    run in one launch of max(nprocs_list) ranks (``each_world_size``): the ranks not measured wait idle.
     """
     nprocs_list = list(nprocs_list) if nprocs_list is not None else [1, _default_nprocs()]
     for n in nprocs_list:
         check_int(n, "nprocs_list", "scaling")
     if choose_backend(max(nprocs_list), backend) == "gloo" and kwargs.get("cpu_threads") is None:
         kwargs["cpu_threads"] = max(1, cpu_cores() // max(nprocs_list))
-    rows = [launch(throughput, n, backend=backend, kwargs=kwargs, timeout_s=timeout_s)[0] for n in nprocs_list]
+    runs = [(n, kwargs) for n in nprocs_list]
+    rows = launch(each_world_size, max(nprocs_list), backend=backend, timeout_s=timeout_s,
+                  kwargs={"fn": throughput, "runs": runs})[0]
     df = pd.DataFrame(rows)
     base = df.loc[df["world_size"].idxmin()]
     df["speedup"] = df["images_per_s"] / base["images_per_s"]
@@ -630,3 +664,46 @@ def overlap_experiment(nprocs: int | None = None, variants: Sequence[dict[str, A
     first = ["variant", "bucket_cap_mb", "gradient_as_bucket_view", "overlap", "world_size", "step_ms",
              "images_per_s", "step_ms_vs_default", "images_per_s_vs_default", "buckets"]
     return df[first + [c for c in df.columns if c not in first]]
+
+
+# --------------------------------------------------------------------------------------------------
+# The two-H200 reference run beside the local numbers
+
+H200X2_RUN = "h200x2"  # reference_runs/h200x2: lab 02 executed on two H200 SXM joined by NV18 (NVLS off)
+# What that run's throughput sections trained (THROUGHPUT_DEFAULTS' GPU column), for the tables' captions.
+H200X2_WORKLOAD = "ResNet-18, 224 px, batch 256 per GPU, BF16 autocast, channels_last"
+
+
+def record_name(variant: str) -> str:
+    """The results name of an overlap variant's step time (as the lab records it): ``ddp_step_ms_<variant>``."""
+    return f"ddp_step_ms_{variant}".replace(" ", "_").replace("=", "_")
+
+
+def h200x2_results(run_dir: str | os.PathLike[str] | None = None) -> dict[str, float]:
+    """What the committed two-H200 run recorded for lab 02, by name (empty when the run has none)."""
+    from lab_utils.course.catalog import repo_root
+    from lab_utils.course.specs import h200_measured
+
+    return h200_measured("02", run_dir if run_dir is not None else repo_root() / "reference_runs" / H200X2_RUN)
+
+
+def with_reference_scaling(df: pd.DataFrame, run_dir: str | os.PathLike[str] | None = None) -> pd.DataFrame:
+    """``scaling``'s frame with the two-H200 run's images/s and efficiency at the same world size (NaN where that
+    run has none): columns ``h200x2_images_per_s`` and ``h200x2_scaling_efficiency``."""
+    ref = h200x2_results(run_dir)
+    out = df.copy()
+    out["h200x2_images_per_s"] = [ref.get(f"ddp_images_per_s_{int(n)}", math.nan) for n in out["world_size"]]
+    base = ref.get("ddp_images_per_s_1", math.nan)  # efficiency as ``scaling`` computes it, against 1 GPU
+    out["h200x2_scaling_efficiency"] = out["h200x2_images_per_s"] / (out["world_size"] * base)
+    return out
+
+
+def with_reference_overlap(df: pd.DataFrame, run_dir: str | os.PathLike[str] | None = None) -> pd.DataFrame:
+    """``overlap_experiment``'s frame with the two-H200 run's step time for the same variant, and that time
+    relative to its own default variant: columns ``h200x2_step_ms`` and ``h200x2_step_ms_vs_default``."""
+    ref = h200x2_results(run_dir)
+    out = df.copy()
+    out["h200x2_step_ms"] = [ref.get(record_name(v), math.nan) for v in out["variant"]]
+    base = ref.get(record_name(_variant_label(DEFAULT_BUCKETS)), math.nan)
+    out["h200x2_step_ms_vs_default"] = out["h200x2_step_ms"] / base
+    return out

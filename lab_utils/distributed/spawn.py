@@ -2,9 +2,15 @@
 
 ``launch(fn, nprocs)`` spawns one process per rank, initialises ``torch.distributed`` (NCCL when there is one
 GPU per rank, gloo otherwise), calls ``fn(ctx, **kwargs)`` and returns the results by rank. A worker's
-exception reaches the caller with its rank and traceback; a timeout names what each rank was doing; on any
-failure, interrupt or exit every worker is stopped, so no process and no port is left behind. Worker
-functions must live in an importable module (spawned processes cannot see functions defined in a notebook).
+exception reaches the caller with its rank and traceback; a timeout names what each rank was doing and carries
+each rank's Python stack at that moment; on any failure, interrupt or exit every worker is stopped, so no
+process and no port is left behind. Worker functions must live in an importable module (spawned processes
+cannot see functions defined in a notebook: ``lab_utils.distributed.ranks`` sends those as source).
+
+``launch(fn, nprocs, group=False)`` starts no group: each rank finds the environment torchrun would give it
+(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), so ``fn`` calls ``dist.init_process_group`` and
+``destroy_process_group`` itself, as a training script does. The rendezvous store stays in the launcher
+(``TORCHELASTIC_USE_AGENT_STORE``, as torchrun's agent does), so its port is taken before any rank starts.
 
 ``start_process_group`` and ``leave_process_group`` are the two ends of a rank's life in a group, shared with
 ``scripts/train_ddp.py`` under torchrun: a rank leaves by a barrier, then destroys the group while the
@@ -14,11 +20,17 @@ interpreter is still whole, so no backend thread runs into its shutdown.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
+import faulthandler
 import gc
 import multiprocessing as mp
 import os
 import queue as queue_mod
+import re
+import shutil
+import signal
+import tempfile
 import time
 import traceback
 import warnings
@@ -55,7 +67,15 @@ class WorkerError(RuntimeError):
 
 
 class WorkerTimeout(TimeoutError):
-    """The workers did not finish in time; the message names what each rank was doing."""
+    """The workers did not finish in time; the message names what each rank was doing.
+
+    ``stacks`` maps a rank to its Python stack when time ran out (``faulthandler``'s text, innermost call
+    first), for the ranks that could write one.
+    """
+
+    def __init__(self, message: str, stacks: dict[int, str] | None = None):
+        super().__init__(message)
+        self.stacks = dict(stacks or {})
 
 
 @dataclass
@@ -68,6 +88,12 @@ class WorkerContext:
     backend: str  # "nccl" or "gloo"
     device: str  # "cuda:<local_rank>" or "cpu"
     _events: Queue[tuple[str, int, Any]] | None = field(default=None, repr=False)
+    # launch(group=False, rendezvous=k): the ports of the launcher's k stores (MASTER_PORT is the first);
+    # a function that starts a second group in the same process points MASTER_PORT at the next one.
+    rendezvous_ports: tuple[int, ...] = field(default=(), repr=False)
+    # The process group this context's collectives use: None is the default (WORLD) group; ``subgroup`` makes
+    # contexts for the first n ranks, whose rank and world_size are then those in the subgroup.
+    group: Any = field(default=None, repr=False)
 
     @property
     def is_main(self) -> bool:
@@ -79,11 +105,26 @@ class WorkerContext:
             self._events.put(("status", self.rank, text))
 
     def barrier(self) -> None:
-        """Wait until every rank gets here (bounded by the group's timeout)."""
+        """Wait until every rank of this context's group gets here (bounded by the group's timeout)."""
         if self.backend == "nccl":
-            dist.barrier(device_ids=[self.local_rank])
+            dist.barrier(group=self.group, device_ids=[self.local_rank])
         else:
-            dist.barrier()
+            dist.barrier(group=self.group)
+
+    def subgroup(self, n: int) -> WorkerContext | None:
+        """A context for the first ``n`` ranks only, as if the job had ``n`` ranks; None on the other ranks.
+
+        Every rank must call it (making a group is a collective), in the same order. Lets one launch measure
+        several world sizes: the ranks outside the subgroup wait while the others run.
+        """
+        if not 1 <= n <= self.world_size:
+            raise ValueError(f"subgroup(n={n!r}): between 1 and world_size={self.world_size}")
+        if n == self.world_size and self.group is None:
+            return self
+        group = dist.new_group(list(range(n)))
+        if self.rank >= n:
+            return None
+        return dataclasses.replace(self, world_size=n, group=group)
 
 
 def torch_gpu_count() -> int:
@@ -173,24 +214,46 @@ def leave_process_group(ctx: WorkerContext, synchronize: bool = True) -> None:
 # The launcher
 
 
+# Environment for a rank whose function joins the group itself (launch(group=False)): the launcher hosts the
+# store, and torch's env:// rendezvous connects every rank to it as a client, as under torchrun's agent.
+_AGENT_STORE_ENV = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0"}
+
+
 def _worker(fn: Callable[..., Any], kwargs: dict[str, Any], rank: int, world: int, backend: str,
-            port: int, events: Queue[tuple[str, int, Any]], env: dict[str, str], timeout_s: float) -> None:
+            ports: tuple[int, ...], events: Queue[tuple[str, int, Any]], env: dict[str, str], timeout_s: float,
+            group: bool, stack_file: str) -> None:
     die_with_parent()  # Linux: SIGKILL this worker if the notebook's kernel dies, so no worker is orphaned
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        # On SIGUSR1 (sent by launch when time is up) write every thread's Python stack, even from inside a
+        # blocking collective, so a timeout can say which line each rank was stuck at.
+        faulthandler.register(signal.SIGUSR1, file=open(stack_file, "w"), all_threads=True)  # noqa: SIM115
     os.environ.update(env)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-                       "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+                       "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(ports[0])})
     try:
-        events.put(("status", rank, "joining the process group"))
-        timeout = datetime.timedelta(seconds=timeout_s)
-        store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
-        ctx = start_process_group(backend, rank, world, rank, timeout_s, store=store, events=events)
-        del store  # the group keeps its own reference; none may outlive it
-        done = False
+        if group:
+            events.put(("status", rank, "joining the process group"))
+            timeout = datetime.timedelta(seconds=timeout_s)
+            store = dist.TCPStore("127.0.0.1", ports[0], world, is_master=False, timeout=timeout)
+            ctx = start_process_group(backend, rank, world, rank, timeout_s, store=store, events=events)
+            del store  # the group keeps its own reference; none may outlive it
+        else:
+            os.environ.update(_AGENT_STORE_ENV)
+            device = f"cuda:{rank}" if backend == "nccl" else "cpu"
+            ctx = WorkerContext(rank, world, rank, backend, device, events)
+        ctx.rendezvous_ports = tuple(ports)
         try:
             result = fn(ctx, **kwargs)
-            done = True
-        finally:
-            leave_process_group(ctx, synchronize=done)
+        except BaseException:
+            # Reported before the group goes: leaving it makes the peers fail too ("connection closed by peer"),
+            # and the launcher should hear the cause first.
+            events.put(("error", rank, traceback.format_exc()))
+            leave_process_group(ctx, synchronize=False)
+            return
+        ctx.status("returned; waiting at the final barrier for the other ranks" if group else "returned")
+        # group=False: a function that left its group standing has it destroyed here, without a barrier (its
+        # peers may have destroyed theirs), so no backend thread runs into interpreter shutdown.
+        leave_process_group(ctx, synchronize=group)
         events.put(("done", rank, result))
     except BaseException:  # everything, including KeyboardInterrupt, goes back to the notebook with the rank
         events.put(("error", rank, traceback.format_exc()))
@@ -228,24 +291,87 @@ def _workers(procs: list[BaseProcess]) -> Iterator[None]:
                 p.join(5)
 
 
+# A rank that failed because a peer went away: its error is a consequence, not the cause.
+_PEER_LOST = re.compile(r"closed by peer|reset by peer|remote worker|Broken pipe|communicator was aborted|"
+                        r"Connection refused|NCCL.*(abort|error.*remote)", re.I)
+
+
+def _root_cause(events: Queue[tuple[str, int, Any]], rank: int, text: str, pending: int,
+                grace_s: float = 2.0) -> tuple[int, str]:
+    """The error to report: the first one that is not a peer's loss, waiting ``grace_s`` for the others.
+
+    When one rank raises, its peers fail in their next collective, and their errors may reach the queue first.
+    """
+
+    def lost(t: str) -> bool:
+        return bool(_PEER_LOST.search(t.strip().splitlines()[-1] if t.strip() else ""))
+
+    if not lost(text):
+        return rank, text
+    errors = [(rank, text)]
+    deadline = time.monotonic() + grace_s
+    while len(errors) < pending and (left := deadline - time.monotonic()) > 0:
+        try:
+            kind, r, payload = events.get(timeout=min(left, 0.2))
+        except queue_mod.Empty:
+            continue
+        if kind == "error":
+            if not lost(payload):
+                return r, payload
+            errors.append((r, payload))
+    return errors[0]
+
+
+def _stacks(procs: list[BaseProcess], files: list[str], wait_s: float = 1.0) -> dict[int, str]:
+    """Each live worker's Python stack: SIGUSR1 makes its faulthandler write it; rank -> text."""
+    asked = []
+    for r, p in enumerate(procs):
+        if p.is_alive() and p.pid is not None:
+            with contextlib.suppress(OSError):
+                os.kill(p.pid, signal.SIGUSR1)
+                asked.append(r)
+    out: dict[int, str] = {}
+    seen: dict[int, str] = {}
+    deadline = time.monotonic() + wait_s
+    while asked and time.monotonic() < deadline:
+        time.sleep(0.05)
+        for r in list(asked):
+            with contextlib.suppress(OSError):
+                with open(files[r]) as f:
+                    text = f.read()
+                if "File " in text and seen.get(r) == text:  # written, and no longer growing
+                    out[r] = text
+                    asked.remove(r)
+                seen[r] = text
+    out.update({r: seen[r] for r in asked if "File " in seen.get(r, "")})
+    return out
+
+
 def launch(fn: Callable[..., Any], nprocs: int, *, backend: str = "auto", kwargs: dict[str, Any] | None = None,
-           timeout_s: float = 300.0, env: dict[str, str] | None = None) -> list[Any]:
+           timeout_s: float = 300.0, env: dict[str, str] | None = None, group: bool = True,
+           rendezvous: int = 1) -> list[Any]:
     """Run ``fn(ctx, **kwargs)`` on ``nprocs`` ranks; returns each rank's result, indexed by rank.
 
     ``env`` adds variables for the workers (they inherit the parent's, ``NCCL_*`` included). A collective waits
-    at most max(``timeout_s``, 30) seconds for a peer. Raises ``WorkerError`` (rank and traceback) or
-    ``WorkerTimeout`` (each rank's last status); in every case all workers are stopped before it returns.
+    at most max(``timeout_s``, 30) seconds for a peer. ``group=False``: no group is started for ``fn``, which
+    joins one itself from the torchrun-style environment (see the module doc); ``rendezvous`` stores are hosted
+    for it, one per group it starts in turn (their ports: ``ctx.rendezvous_ports``). Raises ``WorkerError``
+    (rank and traceback) or ``WorkerTimeout`` (each rank's last status and stack); in every case all workers
+    are stopped before it returns.
     """
     if not callable(fn):
         raise TypeError(f"launch(fn=...): fn must be a function, got {type(fn).__name__}")
     if getattr(fn, "__module__", "__main__") == "__main__" or "<locals>" in getattr(fn, "__qualname__", ""):
         raise ValueError(
             f"launch(fn={getattr(fn, '__name__', fn)!r}): worker functions must be defined at the top level of "
-            "an importable module (e.g. lab_utils.distributed.collectives), not in a notebook cell"
+            "an importable module (e.g. lab_utils.distributed.collectives), not in a notebook cell; "
+            "lab_utils.distributed.ranks.run sends a notebook's function to the ranks"
         )
     chosen = choose_backend(nprocs, backend)
     if timeout_s <= 0:
         raise ValueError(f"launch(timeout_s={timeout_s!r}): must be > 0 seconds")
+    if isinstance(rendezvous, bool) or not isinstance(rendezvous, int) or rendezvous < 1:
+        raise ValueError(f"launch(rendezvous={rendezvous!r}): the number of stores must be an integer >= 1")
     group_timeout_s = max(timeout_s, MIN_GROUP_TIMEOUT_S)
     ctx = mp.get_context("spawn")
     events = ctx.Queue()
@@ -253,34 +379,44 @@ def launch(fn: Callable[..., Any], nprocs: int, *, backend: str = "auto", kwargs
     child_env.setdefault("NCCL_NVLS_ENABLE", os.environ.get("NCCL_NVLS_ENABLE", "0"))
     results: dict[int, Any] = {}
     status = {r: "starting" for r in range(nprocs)}
-    with _rendezvous_store(group_timeout_s) as port:
-        procs = [
-            ctx.Process(target=_worker, daemon=True, name=f"nvlab-rank{r}",
-                        args=(fn, kwargs or {}, r, nprocs, chosen, port, events, child_env, group_timeout_s))
-            for r in range(nprocs)
-        ]
-        with _workers(procs):
-            for p in procs:
-                p.start()
-            deadline = time.monotonic() + timeout_s
-            while len(results) < nprocs:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    doing = "; ".join(f"rank {r}: {s}" for r, s in status.items() if r not in results)
-                    raise WorkerTimeout(f"workers did not finish within {timeout_s:g} s ({doing}); all were stopped")
-                try:
-                    kind, rank, payload = events.get(timeout=min(left, 0.5))
-                except queue_mod.Empty:
-                    dead = [p for p in procs if not p.is_alive() and p.exitcode not in (0, None)]
-                    if dead:
-                        r = procs.index(dead[0])
-                        raise WorkerError(r, f"process exited with code {dead[0].exitcode} while {status[r]!r} "
-                                             "(killed, out of memory, or a crash in native code)") from None
-                    continue
-                if kind == "status":
-                    status[rank] = payload
-                elif kind == "done":
-                    results[rank] = payload
-                else:
-                    raise WorkerError(rank, payload)
+    stack_dir = tempfile.mkdtemp(prefix="nvlab-stacks-")
+    stack_files = [os.path.join(stack_dir, f"rank{r}.txt") for r in range(nprocs)]
+    try:
+        with contextlib.ExitStack() as stores:
+            ports = tuple(stores.enter_context(_rendezvous_store(group_timeout_s)) for _ in range(rendezvous))
+            procs = [
+                ctx.Process(target=_worker, daemon=True, name=f"nvlab-rank{r}",
+                            args=(fn, kwargs or {}, r, nprocs, chosen, ports, events, child_env, group_timeout_s,
+                                  group, stack_files[r]))
+                for r in range(nprocs)
+            ]
+            with _workers(procs):
+                for p in procs:
+                    p.start()
+                deadline = time.monotonic() + timeout_s
+                while len(results) < nprocs:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        doing = "; ".join(f"rank {r}: {s}" for r, s in status.items() if r not in results)
+                        stacks = {r: t for r, t in _stacks(procs, stack_files).items() if r not in results}
+                        raise WorkerTimeout(f"workers did not finish within {timeout_s:g} s ({doing}); "
+                                            "all were stopped", stacks)
+                    try:
+                        kind, rank, payload = events.get(timeout=min(left, 0.5))
+                    except queue_mod.Empty:
+                        dead = [p for p in procs if not p.is_alive() and p.exitcode not in (0, None)]
+                        if dead:
+                            r = procs.index(dead[0])
+                            raise WorkerError(r, f"process exited with code {dead[0].exitcode} while {status[r]!r} "
+                                                 "(killed, out of memory, or a crash in native code)") from None
+                        continue
+                    if kind == "status":
+                        status[rank] = payload
+                    elif kind == "done":
+                        results[rank] = payload
+                    else:
+                        rank, payload = _root_cause(events, rank, payload, nprocs - len(results))
+                        raise WorkerError(rank, payload)
+    finally:
+        shutil.rmtree(stack_dir, ignore_errors=True)
     return [results[r] for r in range(nprocs)]

@@ -1,27 +1,173 @@
 """Lab 02 exercises: NCCL collectives and multi-GPU DDP training.
 
-Bus-bandwidth factors follow the nccl-tests definitions (``shared/REFERENCE.md`` §2): busbw = algbw ×
-factor, with algbw = S / t in GB/s (1 GB = 1e9 bytes). The questions need no GPU: the student's
-function is called on fixed cases, the rest are numbers, a choice or a variable name.
+Four of the seven are code that the check runs; three of those run in real ranks, gloo processes on a CPU and
+NCCL with one GPU each where there are two or more GPUs (``grading_ranks``), and are compared with the
+reference implementation on the same input:
+
+- ``allreduce_bench(ctx, sizes_bytes, iters, warmup)``: the all-reduce benchmark worker. It runs in the ranks
+  beside ``reference_allreduce_bench``, turn about, on the same sizes. The check counts the student's
+  ``dist.all_reduce`` calls and the bytes of each (a missing warm-up, a buffer of the wrong size), compares the
+  time with the reference's within a loose band (a clock stopped before the GPU finished, the total for the
+  mean, seconds, the warm-up timed too) and recomputes algbw and busbw from the student's own time, which
+  catches unit slips exactly, whatever the noise: bits, GiB, algbw reported as busbw. On two ranks the
+  all_reduce factor 2(n-1)/n is 1, so the check runs on three gloo ranks on a CPU, and on GPUs adds a
+  three-rank gloo run when there are only two.
+- ``train_ddp(train_set, make_model, epochs, batch_size, lr, checkpoint_path)``: one rank of a DDP training job,
+  started as torchrun would start it. Ranks see a dataset that records which samples each rank read in which
+  order, a model factory that records autocast, and ``torch.save``, ``clip_grad_norm_`` and the GradScaler are
+  watched; the check then verifies disjoint shards, a new order each epoch, identical parameters on every
+  rank, FP16 autocast with a GradScaler unscaled before clipping, the accuracy of the reference's run within
+  one point, exactly one checkpoint (rank 0's) and the group destroyed.
+- ``global_accuracy(ctx, correct, seen)``: a metric summed over ranks with unequal shards.
+
+The student's function reaches the ranks as source (``lab_utils.distributed.ranks``), so a rank's traceback
+or a hang points at the student's own line. The other questions need no ranks: ``busbw_factor`` is called on
+fixed cases; the rest are a number, a variable name, a choice.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import math
+import os
 import re
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from lab_utils.distributed.bandwidth import busbw_factor  # the one definition the lab's measurements use
-from lab_utils.exercises.framework import Exercise, Wrong, close_to, number
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Dataset
+from torch.utils.data.distributed import DistributedSampler
+
+from lab_utils.distributed import ranks as ranks_mod
+from lab_utils.distributed.bandwidth import KIB, MIB, busbw_factor  # the one definition the lab's measurements use
+from lab_utils.distributed.spawn import WorkerContext, WorkerError, WorkerTimeout, launch, torch_gpu_count
+from lab_utils.exercises.framework import (
+    CodeExercise,
+    Exercise,
+    StudentLine,
+    Wrong,
+    close_to,
+    match_slip,
+    number,
+    run_student,
+    student_frame,
+)
+from lab_utils.models import DigitsCNN, digits_arrays
 
 __all__ = [
-    "q1", "q2", "q3", "q4", "q5",
+    "q1", "q2", "q3", "q4", "q5", "q6", "q7",
     "COLLECTIVES", "reference_busbw_factor",
-    "Q2_PARAMS", "Q2_BYTES_PER_PARAM", "Q2_RANKS", "Q2_BUSBW_GBPS",
-    "BUGGY_LOOP", "Q3_CHOICES",
-    "Q4_RANK_ACCURACIES",
-    "Q5_SCENARIO", "Q5_CHOICES",
+    "grading_ranks", "BENCH_ITERS", "BENCH_WARMUP", "bench_sizes", "reference_allreduce_bench",
+    "GRAD_PARAMS", "GRAD_BYTES_PER_PARAM", "GRAD_RANKS", "GRAD_BUSBW_GBPS",
+    "NCCL_SCENARIO", "NCCL_CHOICES",
+    "BUGGY_LOOP", "BUG_CHOICES",
+    "DDP_CHECK", "reference_train_ddp", "make_digits_model", "reference_ddp_run",
+    "metric_shards", "reference_global_accuracy",
 ]
+
+
+# --- running the student's function in ranks -----------------------------------------------------------
+
+
+def grading_ranks() -> tuple[str, int]:
+    """(backend, ranks) the rank exercises run on: NCCL on every GPU where there are two or more, else 2 gloo
+    processes on the CPU."""
+    gpus = torch_gpu_count()
+    if gpus >= 2 and dist.is_available() and dist.is_nccl_available():
+        return "nccl", gpus
+    return "gloo", 2
+
+
+def _no_distributed() -> str | None:
+    return None if dist.is_available() else "this torch build has no torch.distributed: no ranks can run here"
+
+
+def _exception_line(text: str, limit: int = 220) -> str:
+    """The last line of a formatted traceback ("ValueError: ..."), shortened."""
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    last = lines[-1].strip() if lines else "an error"
+    return last if len(last) <= limit else last[: limit - 3] + "..."
+
+
+def _rank_failure(call: str, err: WorkerError | WorkerTimeout, shipped: ranks_mod.Shipped,
+                  timeout_s: float) -> Wrong:
+    """The student's code failed in a rank: what it raised (or where each rank was stuck), at the student's line."""
+    if isinstance(err, WorkerError):
+        text = err.remote_traceback
+        if "Traceback (most recent call last)" not in text:  # the process died: no Python traceback
+            return Wrong(f"{call}: rank {err.rank}'s {text}")
+        at = student_frame(text)
+        return Wrong(f"{call} raised on rank {err.rank}: {_exception_line(text)}" + (f" (at {at})" if at else ""))
+    where = []
+    for rank, stack in sorted(err.stacks.items()):
+        mine = [f for f in ranks_mod.stack_frames(stack) if f.filename in shipped.files]
+        if mine:
+            f = mine[0]
+            line = StudentLine(f.filename, f.lineno, f.function, ranks_mod.code_at(f.filename, f.lineno))
+            where.append(f"rank {rank} at {line}")
+        else:
+            where.append(f"rank {rank} outside your function (returned, or waiting for the others)")
+    stuck = f" ({'; '.join(where)})" if where else ""
+    return Wrong(f"{call} did not finish within {timeout_s:g} s{stuck}: ranks waiting for each other? Every rank must "
+                 "make the same collective calls in the same order: a collective (or a barrier) that only some "
+                 "ranks reach, e.g. inside `if rank == 0:`, waits for ever.")
+
+
+def _run_in_ranks(worker: Callable[..., Any], shipped: ranks_mod.Shipped, call: str, nprocs: int, backend: str,
+                  timeout_s: float, kwargs: dict[str, Any], group: bool = True, rendezvous: int = 1) -> list[Any]:
+    try:
+        return launch(worker, nprocs, backend=backend, timeout_s=timeout_s, group=group, rendezvous=rendezvous,
+                      kwargs={"student": shipped, **kwargs})
+    except (WorkerError, WorkerTimeout) as err:
+        raise _rank_failure(call, err, shipped, timeout_s) from None
+
+
+@contextlib.contextmanager
+def _shipped(fn: Any, var: str) -> Iterator[ranks_mod.Shipped]:
+    try:
+        with ranks_mod.shipping(fn) as shipped:
+            yield shipped
+    except ranks_mod.ShipError as err:
+        raise Wrong(f"`{var}` cannot be sent to the ranks: {err}") from None
+
+
+def _plain(value: Any) -> Any:
+    """The student's result as plain Python for the trip back from a rank (anything else becomes its repr)."""
+    if isinstance(value, bool) or value is None or isinstance(value, (int, float, str)):
+        return value
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return float(value.item())
+    if hasattr(value, "to_dict") and hasattr(value, "columns"):  # a DataFrame
+        value = value.to_dict("records")
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    with contextlib.suppress(Exception):
+        return float(value)  # numpy scalars
+    return {"__repr__": f"{type(value).__name__}: {repr(value)[:80]}"}
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, dict) and "__repr__" in value:
+        return f"a {value['__repr__']}"
+    text = repr(value)
+    return text if len(text) <= 100 else text[:97] + "..."
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", MIB), ("KiB", KIB)):
+        if n >= size and n % size == 0:
+            return f"{n // size} {unit}"
+    return f"{n} B"
+
 
 # --- q1: busbw factor per collective ------------------------------------------------------------------
 
@@ -81,10 +227,9 @@ def _grade_busbw_factor(fn: Any) -> None:
         call = f"busbw_factor({collective!r}, {n})"
         expected = reference_busbw_factor(collective, n)
         try:
-            result = fn(collective, n)
-        except Exception as err:
-            raise Wrong(f"{call} raised {type(err).__name__}: {err}. The collectives are "
-                        f"{', '.join(COLLECTIVES)}.") from None
+            result = run_student(fn, collective, n, call=call, timeout_s=10)
+        except Wrong as err:
+            raise Wrong(f"{err}. The collectives are {', '.join(COLLECTIVES)}.") from None
         if result is None or isinstance(result, str):
             raise Wrong(f"{call} returned {result!r}; return the factor as a number")
         got = number(result, f"{call}'s result")
@@ -104,10 +249,11 @@ def _grade_busbw_factor(fn: Any) -> None:
         raise Wrong(f"{head}: {why}.")
 
 
-q1 = Exercise(
+q1 = CodeExercise(
     name="02.1 busbw factor per collective",
     var="busbw_factor",
     grade=_grade_busbw_factor,
+    signature="busbw_factor(collective, n) -> float",
     hints=[
         "busbw = algbw × factor: the factor turns 'bytes of the buffer per second' into 'bytes over the "
         "busiest link per second', so busbw can be held against the link speed for any n.",
@@ -130,40 +276,397 @@ q1 = Exercise(
     ),
 )
 
-# --- q2: all-reduce time for a model's gradients ------------------------------------------------------
+# --- q2: the all-reduce benchmark worker -----------------------------------------------------------------------
 
-Q2_PARAMS = 350_000_000  # parameters, all with gradients
-Q2_BYTES_PER_PARAM = 2  # bf16 gradients
-Q2_RANKS = 8
-Q2_BUSBW_GBPS = 340.0  # GB/s (1 GB = 1e9 bytes); REFERENCE.md §1: 338 GB/s measured on 2 H200s, NVLink 4
+BENCH_ITERS, BENCH_WARMUP = 5, 10  # warm-up calls timed too would triple the time: far outside the band
+BENCH_ROUNDS = 3  # reference then student, up to 3 times: one round inside the band is enough (CPU timing is noisy)
+BENCH_BAND = (0.5, 2.0)  # student time / reference time
+BENCH_TIMEOUT_S = 120.0
+_FORMULA_RANKS = 3  # the all_reduce factor 2(n-1)/n is 1 on 2 ranks: the formulas are checked on 3
 
-_Q2_BYTES = Q2_PARAMS * Q2_BYTES_PER_PARAM
-_Q2_FACTOR = reference_busbw_factor("all_reduce", Q2_RANKS)  # 1.75
-_Q2_MS = _Q2_BYTES * _Q2_FACTOR / (Q2_BUSBW_GBPS * 1e9) * 1e3  # 3.603 ms
+
+def bench_sizes(backend: str) -> tuple[int, ...]:
+    """The sizes (bytes) the check times: NCCL 16 MiB and 256 MiB; gloo 256 KiB and 4 MiB."""
+    return (16 * MIB, 256 * MIB) if backend == "nccl" else (256 * KIB, 4 * MIB)
+
+
+def reference_allreduce_bench(ctx: WorkerContext, sizes_bytes: Sequence[int], iters: int,
+                              warmup: int) -> list[dict[str, float]]:
+    """One rank's all_reduce benchmark: per size, ms per call, algbw and busbw in GB/s (nccl-tests definitions).
+
+    fp32 buffer of ``size`` bytes; ``warmup`` untimed calls (the first calls set up NCCL's connections and
+    buffers); then ``iters`` calls timed with CUDA events on a GPU, or with the host clock after a barrier on
+    gloo (its all_reduce on CPU tensors returns when done). 1 GB = 1e9 bytes.
+    """
+    n = ctx.world_size
+    rows = []
+    for size in sizes_bytes:
+        x = torch.ones(size // 4, dtype=torch.float32, device=ctx.device)  # 4 bytes per fp32 element
+        for _ in range(warmup):
+            dist.all_reduce(x)
+        if ctx.device.startswith("cuda"):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            for _ in range(iters):
+                dist.all_reduce(x)  # queued on the GPU: returns before the data has moved
+            end.record()
+            torch.cuda.synchronize()  # wait for the work itself
+            ms = start.elapsed_time(end) / iters
+        else:
+            dist.barrier()  # start together: the first call would absorb the other ranks' lateness
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                dist.all_reduce(x)
+            ms = (time.perf_counter() - t0) * 1e3 / iters
+        algbw = size / (ms * 1e-3) / 1e9
+        rows.append({"size_bytes": size, "time_ms": ms, "algbw_gbps": algbw,
+                     "busbw_gbps": algbw * 2 * (n - 1) / n})
+    return rows
+
+
+_ROW_KEYS = ("size_bytes", "time_ms", "algbw_gbps", "busbw_gbps")
+
+
+class _CountAllReduce:
+    """Counts ``dist.all_reduce`` calls and the bytes of each while active (rank side)."""
+
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+        self.on = False
+
+    @contextlib.contextmanager
+    def patched(self) -> Iterator[_CountAllReduce]:
+        import torch.distributed.distributed_c10d as c10d
+
+        original = c10d.all_reduce
+
+        def all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if self.on:
+                self.calls.append(int(tensor.numel() * tensor.element_size()))
+            return original(tensor, *args, **kwargs)
+
+        dist.all_reduce = c10d.all_reduce = all_reduce
+        try:
+            yield self
+        finally:
+            dist.all_reduce = c10d.all_reduce = original
+
+
+def _times(rows: Any, n: int) -> list[float] | None:
+    """The time_ms of each row when ``rows`` is a list of ``n`` dicts with numeric time_ms, else None."""
+    if not isinstance(rows, list) or len(rows) != n:
+        return None
+    out = []
+    for row in rows:
+        v = row.get("time_ms") if isinstance(row, dict) else None
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            return None
+        out.append(float(v))
+    return out
+
+
+def _bench_worker(ctx: WorkerContext, student: ranks_mod.Shipped, sizes: list[int], iters: int, warmup: int,
+                  rounds: int, timing: bool) -> dict[str, Any]:
+    """Rank side of q2: the reference, then the student's function, up to ``rounds`` times; each one's times,
+    the student's rows and the bytes of each all_reduce call the student made. Stops after a round whose times
+    agree with the reference's (the ranks decide together, from the slowest rank's times)."""
+    out: dict[str, Any] = {"ref_ms": [], "rows": [], "calls": []}
+    counter = _CountAllReduce()
+    with counter.patched():
+        fn = student.load()
+        for k in range(rounds):
+            if timing:
+                ctx.status(f"reference all_reduce bench, round {k + 1}")
+                out["ref_ms"].append([r["time_ms"] for r in reference_allreduce_bench(ctx, sizes, iters, warmup)])
+            ctx.status(f"allreduce_bench, round {k + 1}")
+            counter.calls, counter.on = [], True
+            rows = _plain(fn(ctx, list(sizes), iters, warmup))
+            counter.on = False
+            out["rows"].append(rows)
+            out["calls"].append(counter.calls)
+            if not timing:
+                break
+            mine = _times(rows, len(sizes))
+            agreed = torch.tensor([1.0 if mine is None else 0.0, *(mine or [0.0] * len(sizes)), *out["ref_ms"][-1]],
+                                  dtype=torch.float64, device=ctx.device)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX)  # every rank sees the slowest rank's times
+            bad, *slowest = agreed.tolist()
+            ratios = [m / r for m, r in zip(slowest[:len(sizes)], slowest[len(sizes):], strict=True) if r > 0]
+            if bad or (len(ratios) == len(sizes) and all(BENCH_BAND[0] <= q <= BENCH_BAND[1] for q in ratios)):
+                break  # malformed rows (the launcher says what is wrong), or the times agree
+    return out
+
+
+def _rows_of(value: Any, sizes: Sequence[int], call: str) -> list[dict[str, float]]:
+    if isinstance(value, dict) and "__repr__" not in value and set(_ROW_KEYS) & set(value):
+        raise Wrong(f"{call} returned one dict; return a list with one dict per size in sizes_bytes")
+    if not isinstance(value, list):
+        hint = " (does it end with `return rows`?)" if value is None else ""
+        raise Wrong(f"{call} returned {_show(value)}{hint}; expected a list of dicts, one per size, with keys "
+                    f"{', '.join(_ROW_KEYS)}")
+    if len(value) != len(sizes):
+        raise Wrong(f"{call} returned {len(value)} rows for {len(sizes)} sizes; one row per size in sizes_bytes")
+    rows = []
+    for i, row in enumerate(value):
+        if not isinstance(row, dict) or "__repr__" in row:
+            raise Wrong(f"{call}: row {i} is {_show(row)}, not a dict with keys {', '.join(_ROW_KEYS)}")
+        missing = [k for k in _ROW_KEYS if k not in row]
+        if missing:
+            raise Wrong(f"{call}: row {i} has no {', '.join(missing)} (keys needed: {', '.join(_ROW_KEYS)}; "
+                        f"it has {', '.join(row) or 'none'})")
+        clean = {}
+        for k in _ROW_KEYS:
+            v = row[k]
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise Wrong(f"{call}: row {i}'s {k} is {_show(v)}; expected a finite number")
+            clean[k] = float(v)
+        if int(clean["size_bytes"]) != sizes[i]:
+            raise Wrong(f"{call}: row {i}'s size_bytes is {clean['size_bytes']:g}, expected {sizes[i]} (the sizes "
+                        "in the order given)")
+        rows.append(clean)
+    return rows
+
+
+def _judge_calls(calls: list[int], sizes: Sequence[int], iters: int, warmup: int, call: str) -> None:
+    made = Counter(calls)
+    if not calls:
+        raise Wrong(f"{call} never called dist.all_reduce: there is nothing to time")
+    for size in sizes:
+        label = _fmt_bytes(size)
+        n = made.get(size, 0)
+        if n == 0:
+            if made.get(4 * size):
+                raise Wrong(f"{call}: the {label} case all-reduced a buffer of {_fmt_bytes(4 * size)}: "
+                            "torch.ones(size) makes `size` fp32 elements of 4 bytes each; use size // 4 elements")
+            if made.get(size // 4):
+                raise Wrong(f"{call}: the {label} case all-reduced only {_fmt_bytes(size // 4)}: size is in bytes and "
+                            "an fp32 element is 4 bytes, so the buffer needs size // 4 elements, not size // 16")
+            if made.get(8 * size) or made.get(size // 8):
+                raise Wrong(f"{call}: the {label} case all-reduced {_fmt_bytes(made.most_common(1)[0][0])}: "
+                            "bits and bytes mixed up; size is in bytes")
+            seen = ", ".join(_fmt_bytes(b) for b in sorted(made))
+            raise Wrong(f"{call}: no all_reduce of a {label} buffer (the buffers were {seen}): make a buffer of "
+                        "`size` bytes for each size, e.g. torch.ones(size // 4) in fp32")
+        if n < iters:
+            raise Wrong(f"{call}: only {n} all_reduce calls on the {label} buffer for iters={iters}: time `iters` "
+                        "calls and divide by iters")
+        if n == iters:
+            raise Wrong(f"{call}: {n} all_reduce calls on the {label} buffer for iters={iters}: no warm-up. The first "
+                        "calls set up the communicator's connections and buffers (hundreds of ms with NCCL); run "
+                        f"`warmup` untimed calls first (here {warmup}), then start the clock")
+
+
+def _judge_timing(per_rank: list[dict[str, Any]], sizes: Sequence[int], iters: int, warmup: int, gpu: bool,
+                  call: str) -> list[tuple[float, float]]:
+    """(student ms, reference ms) per size from the round closest to the reference (each round's reference ran
+    just before the student's function); Wrong when no round of a size falls in the band."""
+    rounds = len(per_rank[0]["rows"])
+    out = []
+    for i, size in enumerate(sizes):
+        # A collective is as slow as its slowest rank: the largest time over the ranks, for both.
+        pairs = [(max(r["rows"][k][i]["time_ms"] for r in per_rank), max(r["ref_ms"][k][i] for r in per_rank))
+                 for k in range(rounds)]
+        ratios = [m / r if r > 0 else math.inf for m, r in pairs]
+        best = min(range(rounds), key=lambda k: abs(math.log(ratios[k])) if 0 < ratios[k] < math.inf else math.inf)
+        if BENCH_BAND[0] <= ratios[best] <= BENCH_BAND[1]:
+            out.append(pairs[best])
+            continue
+        ratio = sorted(ratios)[rounds // 2]
+        mine, ref_ms = pairs[ratios.index(ratio)]
+        tries = f", {rounds} tries" if rounds > 1 else ""
+        head = (f"{call}: at {_fmt_bytes(size)} your time_ms is {mine:.3g}, the reference's {ref_ms:.3g} ms per call "
+                f"({ratio:.2g}x{tries})")
+        slips = {
+            1e-3: "that looks like seconds: time_ms must be milliseconds (× 1000)",
+            1e3: "that looks like microseconds: time_ms must be milliseconds (÷ 1000)",
+            float(iters): f"that looks like the total of all {iters} calls: divide by iters",
+            (iters + warmup) / iters: "the warm-up calls are inside your timed region: run them, then start the clock",
+        }
+        slip = match_slip(ratio, slips, 0.35)
+        if slip:
+            raise Wrong(f"{head}: {slip}.")
+        if ratio < BENCH_BAND[0] and gpu:
+            raise Wrong(f"{head}: far faster than the data can move. The clock stopped before the GPU finished: "
+                        "dist.all_reduce only queues the work on the GPU. Call torch.cuda.synchronize() before "
+                        "reading the clock, or time with CUDA events and synchronize before elapsed_time.")
+        side = "less" if ratio < 1 else "more"
+        raise Wrong(f"{head}: far {side} than one all_reduce takes. Time `iters` calls after `warmup` untimed ones "
+                    "and divide by iters.")
+    return out
+
+
+def _judge_formulas(rows: list[dict[str, float]], n: int, call: str, where: str) -> None:
+    factor = 2 * (n - 1) / n
+    for row in rows:
+        size, ms = row["size_bytes"], row["time_ms"]
+        label = _fmt_bytes(int(size))
+        if ms <= 0:
+            raise Wrong(f"{call}: time_ms {ms:g} at {label}: a time must be > 0")
+        expected = size / (ms * 1e-3) / 1e9
+        ratio = row["algbw_gbps"] / expected
+        if not math.isclose(ratio, 1.0, rel_tol=1e-3):
+            slips = {
+                8.0: "that is bits per second: algbw counts bytes (size_bytes / seconds / 1e9)",
+                1 / 8: "the bytes were divided by 8: size_bytes is already in bytes",
+                1e9 / 2**30: "that is GiB/s (2^30 bytes): nccl-tests' GB/s are 1e9 bytes per second",
+                2**30 / 1e9: "the conversion to GB went the wrong way: GB/s = bytes / seconds / 1e9",
+                1e3: "the time went in as seconds where it was milliseconds (or the other way): "
+                     "algbw = size_bytes / (time_ms * 1e-3) / 1e9",
+                1e-3: "the time went in as milliseconds where it was seconds: "
+                      "algbw = size_bytes / (time_ms * 1e-3) / 1e9",
+                0.25: "that divides the number of fp32 elements, not bytes, by the time: S is in bytes",
+                factor if n > 2 else -1.0: f"that is busbw (× 2(n-1)/n = {factor:.4g}) in the algbw column: algbw "
+                                           "is S / t alone",
+            }
+            slip = match_slip(ratio, slips, 1e-3)
+            raise Wrong(f"{call}{where}: at {label}, algbw_gbps = {row['algbw_gbps']:.4g}, but size_bytes / time_ms "
+                        f"gives {expected:.4g} GB/s ({ratio:.4g}x): "
+                        f"{slip or 'algbw = size_bytes / (time_ms * 1e-3) / 1e9'}.")
+        got = row["busbw_gbps"] / row["algbw_gbps"]
+        if not math.isclose(got, factor, rel_tol=1e-3):
+            head = (f"{call}{where}: on {n} ranks busbw_gbps / algbw_gbps should be 2(n-1)/n = {factor:.4g}; "
+                    f"yours is {got:.4g}")
+            slips = {
+                1.0: "algbw reported as busbw. busbw = algbw × 2(n-1)/n: an all_reduce moves each byte twice "
+                     "(reduce-scatter, then all-gather) through (n-1)/n of the ring; on 2 ranks the factor happens "
+                     "to be 1, which is why this check runs on 3",
+                (n - 1) / n: "that is (n-1)/n, one phase; all_reduce is two (reduce-scatter, then all-gather): "
+                             "2(n-1)/n",
+                2.0: "the /n is missing from 2(n-1)/n: 2(n-1)/n, not 2",
+                2 * (n - 1): "the /n is missing: 2(n-1)/n, not 2(n-1)",
+                1 / factor: "you divided by the factor: busbw = algbw × 2(n-1)/n",
+                factor * 1e9 / 2**30: "busbw is in GiB/s while algbw is in GB/s: use 1e9 for both",
+                0.0: "busbw is 0: integer division? 2 * (n - 1) // n is 1 for every n > 1; use /",
+            }
+            slip = match_slip(got, slips, 1e-3)
+            world = "ctx.world_size (or dist.get_world_size()), not a fixed 2"
+            raise Wrong(f"{head}: {slip or 'busbw = algbw × 2(n-1)/n with n = ' + world}.")
+
+
+def _grade_allreduce_bench(fn: Any, backend: str | None = None, nprocs: int | None = None) -> str:
+    if backend is None or nprocs is None:
+        b, n = grading_ranks()
+        backend, nprocs = backend or b, nprocs or n
+        if backend == "gloo" and nprocs == 2:
+            nprocs = _FORMULA_RANKS  # on a CPU, one run on 3 ranks checks the time and the formulas at once
+    sizes = list(bench_sizes(backend))
+    gpu = backend == "nccl"
+    call = (f"allreduce_bench(ctx, sizes_bytes=[{', '.join(_fmt_bytes(s) for s in sizes)}], iters={BENCH_ITERS}, "
+            f"warmup={BENCH_WARMUP}) on {nprocs} {backend} ranks")
+    with _shipped(fn, "allreduce_bench") as shipped:
+        res = _run_in_ranks(_bench_worker, shipped, call, nprocs, backend, BENCH_TIMEOUT_S,
+                            {"sizes": sizes, "iters": BENCH_ITERS, "warmup": BENCH_WARMUP, "rounds": BENCH_ROUNDS,
+                             "timing": True})
+        per_rank = []
+        for r in res:
+            per_rank.append({**r, "rows": [_rows_of(rows, sizes, call) for rows in r["rows"]]})
+        _judge_calls(res[0]["calls"][0], sizes, BENCH_ITERS, BENCH_WARMUP, call)
+        times = _judge_timing(per_rank, sizes, BENCH_ITERS, BENCH_WARMUP, gpu, call)
+        for rank, r in enumerate(per_rank):
+            _judge_formulas(r["rows"][0], nprocs, call, "" if rank == 0 else f" (rank {rank})")
+        extra = ""
+        if nprocs == 2:  # factor 1: the formulas once more on 3 gloo ranks
+            small = [256 * KIB]
+            call3 = (f"allreduce_bench(ctx, sizes_bytes=[256 KiB], iters={BENCH_ITERS}, warmup={BENCH_WARMUP}) on "
+                     f"{_FORMULA_RANKS} gloo CPU ranks (on 2 ranks busbw = algbw, so the factor is checked on 3; "
+                     "ctx.device is 'cpu' there)")
+            res3 = _run_in_ranks(_bench_worker, shipped, call3, _FORMULA_RANKS, "gloo", BENCH_TIMEOUT_S,
+                                 {"sizes": small, "iters": BENCH_ITERS, "warmup": BENCH_WARMUP, "rounds": 1,
+                                  "timing": False})
+            for rank, r in enumerate(res3):
+                _judge_formulas(_rows_of(r["rows"][0], small, call3), _FORMULA_RANKS, call3,
+                                "" if rank == 0 else f" (rank {rank})")
+            extra = f"; algbw and busbw also checked on {_FORMULA_RANKS} gloo ranks"
+    shown = ", ".join(f"{_fmt_bytes(s)} {mine:.3g} ms (reference {ref:.3g} ms)"
+                      for s, (mine, ref) in zip(sizes, times, strict=True))
+    return f"On {nprocs} {backend} ranks: {shown}; warm-up, units and busbw = algbw × 2(n-1)/n all right{extra}."
+
+
+q2 = CodeExercise(
+    name="02.2 the all-reduce benchmark worker",
+    var="allreduce_bench",
+    grade=_grade_allreduce_bench,
+    signature="allreduce_bench(ctx, sizes_bytes, iters, warmup) -> list[dict]",
+    applicable=_no_distributed,
+    hints=[
+        "Per size: a buffer of `size` bytes on ctx.device (fp32: size // 4 elements); `warmup` untimed "
+        "dist.all_reduce calls; then time `iters` calls. Return one dict per size: size_bytes, time_ms (per "
+        "call), algbw_gbps, busbw_gbps.",
+        "On a GPU dist.all_reduce returns once the work is queued: record CUDA events around the loop and "
+        "torch.cuda.synchronize() before elapsed_time. On gloo (ctx.device == 'cpu') the call returns when it is "
+        "done: dist.barrier(), then time.perf_counter() around the loop.",
+        "algbw = size / (ms * 1e-3) / 1e9 (GB = 1e9 bytes); busbw = algbw * 2 * (n - 1) / n with "
+        "n = ctx.world_size. On 2 ranks the factor is 1, so the check runs on 3.",
+    ],
+    solution_text=(
+        "import time\n"
+        "import torch\n"
+        "import torch.distributed as dist\n\n"
+        "def allreduce_bench(ctx, sizes_bytes, iters, warmup):\n"
+        "    n = ctx.world_size\n"
+        "    rows = []\n"
+        "    for size in sizes_bytes:\n"
+        "        x = torch.ones(size // 4, dtype=torch.float32, device=ctx.device)  # size bytes of fp32\n"
+        "        for _ in range(warmup):  # connections and buffers are set up on the first calls\n"
+        "            dist.all_reduce(x)\n"
+        "        if ctx.device.startswith(\"cuda\"):\n"
+        "            start = torch.cuda.Event(enable_timing=True)\n"
+        "            end = torch.cuda.Event(enable_timing=True)\n"
+        "            torch.cuda.synchronize()\n"
+        "            start.record()\n"
+        "            for _ in range(iters):\n"
+        "                dist.all_reduce(x)\n"
+        "            end.record()\n"
+        "            torch.cuda.synchronize()  # the all_reduces were only queued\n"
+        "            ms = start.elapsed_time(end) / iters\n"
+        "        else:\n"
+        "            dist.barrier()  # start together\n"
+        "            t0 = time.perf_counter()\n"
+        "            for _ in range(iters):\n"
+        "                dist.all_reduce(x)\n"
+        "            ms = (time.perf_counter() - t0) * 1e3 / iters\n"
+        "        algbw = size / (ms * 1e-3) / 1e9  # GB/s, 1 GB = 1e9 bytes\n"
+        "        rows.append({\"size_bytes\": size, \"time_ms\": ms, \"algbw_gbps\": algbw,\n"
+        "                     \"busbw_gbps\": algbw * 2 * (n - 1) / n})\n"
+        "    return rows"
+    ),
+)
+
+# --- q3: all-reduce time for a model's gradients ------------------------------------------------------
+
+GRAD_PARAMS = 350_000_000  # parameters, all with gradients
+GRAD_BYTES_PER_PARAM = 2  # bf16 gradients
+GRAD_RANKS = 8
+GRAD_BUSBW_GBPS = 340.0  # GB/s (1 GB = 1e9 bytes); REFERENCE.md §1: 338 GB/s measured on 2 H200s, NVLink 4
+
+_GRAD_BYTES = GRAD_PARAMS * GRAD_BYTES_PER_PARAM
+_GRAD_FACTOR = reference_busbw_factor("all_reduce", GRAD_RANKS)  # 1.75
+_GRAD_MS = _GRAD_BYTES * _GRAD_FACTOR / (GRAD_BUSBW_GBPS * 1e9) * 1e3  # 3.603 ms
 
 _GIB = 2**30 / 1e9
-q2 = Exercise(
-    name="02.2 all-reduce time for the gradients",
+q3 = Exercise(
+    name="02.3 all-reduce time for the gradients",
     var="allreduce_ms",
     grade=close_to(
-        _Q2_MS,
+        _GRAD_MS,
         rel=0.02,
         reveal=False,
-        why=f"t = S × 2(n-1)/n / busbw, with S the gradient bytes on one rank, n = {Q2_RANKS}, busbw in "
+        why=f"t = S × 2(n-1)/n / busbw, with S the gradient bytes on one rank, n = {GRAD_RANKS}, busbw in "
             "bytes/s; answer in milliseconds.",
         slips={
-            1 / _Q2_FACTOR: f"the all_reduce factor is missing: busbw = algbw × 2(n-1)/n, so the time is S × "
-                            f"{_Q2_FACTOR:g} / busbw, not S / busbw.",
+            1 / _GRAD_FACTOR: f"the all_reduce factor is missing: busbw = algbw × 2(n-1)/n, so the time is S × "
+                            f"{_GRAD_FACTOR:g} / busbw, not S / busbw.",
             0.5: "that factor is (n-1)/n, one phase; all_reduce is two (reduce-scatter, then all-gather): "
                  "2(n-1)/n.",
-            2 / _Q2_FACTOR: f"that is 2·S / busbw: either the gradients counted as fp32 (4 bytes) and no "
+            2 / _GRAD_FACTOR: f"that is 2·S / busbw: either the gradients counted as fp32 (4 bytes) and no "
                             f"all_reduce factor, or the factor 2 without (n-1)/n. Use S = params × "
-                            f"{Q2_BYTES_PER_PARAM} bytes (bf16) and 2(n-1)/n = {_Q2_FACTOR:g}.",
-            2.0: f"twice the time: the gradients are bf16, {Q2_BYTES_PER_PARAM} bytes each, not fp32 (4).",
+                            f"{GRAD_BYTES_PER_PARAM} bytes (bf16) and 2(n-1)/n = {_GRAD_FACTOR:g}.",
+            2.0: f"twice the time: the gradients are bf16, {GRAD_BYTES_PER_PARAM} bytes each, not fp32 (4).",
             1e-3: "that looks like seconds; answer in milliseconds (× 1000).",
             1e3: "that looks like microseconds; answer in milliseconds (÷ 1000).",
-            Q2_RANKS: "the /n is missing from 2(n-1)/n: the factor is a fraction of the buffer per link.",
-            1 / _Q2_FACTOR**2: "you divided by the factor: busbw = algbw × factor, so algbw = busbw / factor "
+            GRAD_RANKS: "the /n is missing from 2(n-1)/n: the factor is a fraction of the buffer per link.",
+            1 / _GRAD_FACTOR**2: "you divided by the factor: busbw = algbw × factor, so algbw = busbw / factor "
                                "and t = S / algbw = S × factor / busbw.",
             1 / _GIB: "GB/s means 1e9 bytes/s here (nccl-tests' convention), not GiB/s (2^30): don't mix "
                       "GiB and GB in one formula.",
@@ -174,19 +677,92 @@ q2 = Exercise(
     hints=[
         "algbw = S / t and busbw = algbw × factor, so t = S × factor / busbw, with S the bytes of the "
         "gradient buffer on one rank.",
-        f"S = Q2_PARAMS × Q2_BYTES_PER_PARAM bytes (bf16 is 2); the all_reduce factor for n = {Q2_RANKS} is "
-        f"2·{Q2_RANKS - 1}/{Q2_RANKS}; GB/s means 1e9 bytes/s.",
-        "allreduce_ms = Q2_PARAMS * Q2_BYTES_PER_PARAM * 2 * (Q2_RANKS - 1) / Q2_RANKS / (Q2_BUSBW_GBPS * 1e9) "
-        "* 1e3",
+        f"S = GRAD_PARAMS × GRAD_BYTES_PER_PARAM bytes (bf16 is 2); the all_reduce factor for n = {GRAD_RANKS} is "
+        f"2·{GRAD_RANKS - 1}/{GRAD_RANKS}; GB/s means 1e9 bytes/s.",
+        "allreduce_ms = GRAD_PARAMS * GRAD_BYTES_PER_PARAM * 2 * (GRAD_RANKS - 1) / GRAD_RANKS "
+        "/ (GRAD_BUSBW_GBPS * 1e9) * 1e3",
     ],
     solution_text=(
-        "S = Q2_PARAMS * Q2_BYTES_PER_PARAM                   # 7.0e8 bytes of bf16 gradients\n"
-        "factor = 2 * (Q2_RANKS - 1) / Q2_RANKS               # 1.75: reduce-scatter + all-gather\n"
-        "allreduce_ms = S * factor / (Q2_BUSBW_GBPS * 1e9) * 1e3   # ~3.60 ms per step, if not overlapped"
+        "S = GRAD_PARAMS * GRAD_BYTES_PER_PARAM                   # 7.0e8 bytes of bf16 gradients\n"
+        "factor = 2 * (GRAD_RANKS - 1) / GRAD_RANKS               # 1.75: reduce-scatter + all-gather\n"
+        "allreduce_ms = S * factor / (GRAD_BUSBW_GBPS * 1e9) * 1e3   # ~3.60 ms per step, if not overlapped"
     ),
 )
 
-# --- q3: the one bug in a DDP loop --------------------------------------------------------------------
+# --- q4: the NCCL variable for a scenario -------------------------------------------------------------
+
+# NCCL's own choice skips docker* and lo interfaces, then takes the first other one it finds; here that
+# is the management network, which the two nodes cannot reach each other over.
+NCCL_SCENARIO = (
+    "Two nodes, one GPU process per GPU, no InfiniBand. Each node has the interfaces lo, docker0, eth0 (a "
+    "1 GbE management network; a firewall between the nodes blocks it) and eth1 (the 100 GbE data network "
+    "the nodes reach each other over). init_process_group('nccl') hangs; NCCL_DEBUG=INFO shows "
+    "'NET/Socket : Using [0]eth0:...'. Which variable makes NCCL use eth1?"
+)
+
+NCCL_CHOICES = ("NCCL_SOCKET_IFNAME", "NCCL_IB_HCA", "NCCL_ALGO", "NCCL_PROTO", "NCCL_DEBUG",
+              "NCCL_P2P_DISABLE")
+
+_NCCL_WHY_NOT = {
+    "NCCL_IB_HCA": "NCCL_IB_HCA picks which InfiniBand/RoCE adapters and ports NCCL uses (e.g. mlx5_0:1). "
+                   "These nodes have none; the hang is about the socket interface NCCL bootstraps over.",
+    "NCCL_ALGO": "NCCL_ALGO chooses the collective algorithm (Ring, Tree, NVLS, ...). The hang is at init, "
+                 "before any collective runs, while the ranks try to reach each other.",
+    "NCCL_PROTO": "NCCL_PROTO chooses the wire protocol of collectives (LL, LL128, Simple). The hang is at "
+                  "init, before any collective runs, while the ranks try to reach each other.",
+    "NCCL_DEBUG": "NCCL_DEBUG=INFO is how you found the problem: it logs what NCCL picked. It changes "
+                  "nothing; another variable tells NCCL which interface to use.",
+    "NCCL_P2P_DISABLE": "NCCL_P2P_DISABLE turns off direct GPU-to-GPU transfers (NVLink, PCIe) inside a "
+                        "node. It has no say over the network interface between nodes.",
+}
+
+_NCCL_ANSWER = re.compile(r"""^(?:export\s+)?(NCCL_[A-Z0-9_]+)\s*(?:=\s*(['"]?)([^'"\s]*)\2)?$""", re.IGNORECASE)
+
+
+def _grade_nccl_var(value: Any) -> None:
+    if not isinstance(value, str):
+        raise Wrong(f"answer with one of {list(NCCL_CHOICES)}, as a string (a value may follow: 'NAME=value')")
+    match = _NCCL_ANSWER.match(value.strip())
+    if not match or match[1].upper() not in NCCL_CHOICES:
+        raise Wrong(f"answer with one of {list(NCCL_CHOICES)}, optionally with a value: 'NAME=value'")
+    name = match[1].upper()
+    if name != "NCCL_SOCKET_IFNAME":
+        raise Wrong(_NCCL_WHY_NOT[name])
+    setting = match[3] or ""
+    if setting in ("", "eth1", "=eth1"):
+        return
+    if setting.startswith("^"):
+        raise Wrong(f"NCCL_SOCKET_IFNAME is right, but '{setting}' only excludes: a list you give replaces "
+                    "NCCL's default one, so docker0 and lo are no longer skipped and may be picked. Name "
+                    "the interface to use: NCCL_SOCKET_IFNAME=eth1.")
+    if setting.lstrip("=") in ("eth0", "docker0", "lo"):
+        raise Wrong(f"NCCL_SOCKET_IFNAME is right, but {setting.lstrip('=')} is not the network the nodes "
+                    "reach each other over: that is eth1.")
+    if "eth1".startswith(setting) and setting:
+        raise Wrong(f"NCCL_SOCKET_IFNAME is right, but '{setting}' is a prefix: it matches eth0 too, which "
+                    "NCCL finds first. Name the interface: eth1 (or '=eth1', an exact match).")
+    raise Wrong(f"NCCL_SOCKET_IFNAME is right, but no interface '{setting}' is in the scenario; the data "
+                "network is eth1.")
+
+
+q4 = Exercise(
+    name="02.4 NCCL variable for a hang at init",
+    var="nccl_env_var",
+    grade=_grade_nccl_var,
+    hints=[
+        "The hang is at init, before any collective: the ranks cannot reach each other. Algorithms and "
+        "protocols do not run yet.",
+        "NCCL_DEBUG=INFO shows which network interface NCCL chose for its sockets; the variable you need "
+        "overrides that choice.",
+        "NCCL_SOCKET_IFNAME takes interface names or prefixes ('^' excludes, '=' means an exact name).",
+    ],
+    solution_text=(
+        'nccl_env_var = "NCCL_SOCKET_IFNAME=eth1"\n'
+        "# Set on every node before init (export NCCL_SOCKET_IFNAME=eth1, or in the launcher's env).\n"
+        "# The gloo backend's twin is GLOO_SOCKET_IFNAME."
+    ),
+)
+# --- q5: the one bug in a DDP loop --------------------------------------------------------------------
 
 BUGGY_LOOP = '''\
 import os
@@ -221,13 +797,13 @@ def train(model, dataset, epochs):
     dist.destroy_process_group()
 '''
 
-Q3_CHOICES = ("set_epoch", "no_sync", "all_reduce the metric", "barrier", "zero_grad")
+BUG_CHOICES = ("set_epoch", "no_sync", "all_reduce the metric", "barrier", "zero_grad")
 
 # A keyword that names each choice in a free-form answer ("sampler.set_epoch(epoch)", "zero_grad()").
-_Q3_KEYS = {"set_epoch": "set_epoch", "no_sync": "no_sync", "all_reduce": "all_reduce the metric",
+_BUG_KEYS = {"set_epoch": "set_epoch", "no_sync": "no_sync", "all_reduce": "all_reduce the metric",
             "allreduce": "all_reduce the metric", "barrier": "barrier", "zero_grad": "zero_grad"}
 
-_Q3_WHY_NOT = {
+_BUG_WHY_NOT = {
     "no_sync": "model.no_sync() skips the gradient all-reduce, for the micro-batches of gradient "
                "accumulation. This loop steps after every batch, so every backward must synchronize; with "
                "no_sync the replicas would drift apart.",
@@ -239,30 +815,30 @@ _Q3_WHY_NOT = {
 }
 
 
-def _q3_choice(value: Any) -> str:
+def _bug_choice(value: Any) -> str:
     if not isinstance(value, str):
-        raise Wrong(f"answer with one of {list(Q3_CHOICES)}, as a string")
+        raise Wrong(f"answer with one of {list(BUG_CHOICES)}, as a string")
     text = re.sub(r"[\s-]+", "_", value.strip().lower())
-    named = {choice for key, choice in _Q3_KEYS.items() if key in text}
+    named = {choice for key, choice in _BUG_KEYS.items() if key in text}
     if len(named) > 1:
         raise Wrong(f"name one fix, not several ({', '.join(sorted(named))}): the loop has exactly one bug")
     if not named:
-        raise Wrong(f"answer with one of {list(Q3_CHOICES)}")
+        raise Wrong(f"answer with one of {list(BUG_CHOICES)}")
     return named.pop()
 
 
 def _grade_missing_fix(value: Any) -> None:
-    choice = _q3_choice(value)
+    choice = _bug_choice(value)
     if choice != "set_epoch":
-        raise Wrong(_Q3_WHY_NOT[choice])
+        raise Wrong(_BUG_WHY_NOT[choice])
 
 
-q3 = Exercise(
-    name="02.3 the bug in a DDP loop",
+q5 = Exercise(
+    name="02.5 the bug in a DDP loop",
     var="missing_fix",
     grade=_grade_missing_fix,
     hints=[
-        "Each of Q3_CHOICES is a real DDP pitfall, but this loop has exactly one. Read it for what should "
+        "Each of BUG_CHOICES is a real DDP pitfall, but this loop has exactly one. Read it for what should "
         "change from one epoch to the next.",
         "DistributedSampler shuffles with a generator seeded by seed + epoch, and its epoch is whatever it "
         "was last told (0 unless told otherwise).",
@@ -279,138 +855,558 @@ q3 = Exercise(
     ),
 )
 
-# --- q4: a metric averaged the wrong way --------------------------------------------------------------
+# --- q6: DDP training, setup and step ----------------------------------------------------------------------------
 
-# Evaluation where each rank scores the shard files it was given: the shards differ in size (no
-# padding, unlike DistributedSampler), so the per-rank accuracies must be weighted by their samples.
-Q4_RANK_ACCURACIES = (
-    {"rank": 0, "accuracy": 0.92, "samples": 5000},
-    {"rank": 1, "accuracy": 0.85, "samples": 3000},
-    {"rank": 2, "accuracy": 0.80, "samples": 2500},
-    {"rank": 3, "accuracy": 0.70, "samples": 1500},
-)
-
-_Q4_ROWS = tuple((r["accuracy"], r["samples"]) for r in Q4_RANK_ACCURACIES)  # the grader's own copy
-_Q4_CORRECT = sum(round(acc * n) for acc, n in _Q4_ROWS)  # 10200
-_Q4_SAMPLES = sum(n for _, n in _Q4_ROWS)  # 12000
-_Q4_GLOBAL = _Q4_CORRECT / _Q4_SAMPLES  # 0.85
-_Q4_SLIPS = {
-    sum(acc for acc, _ in _Q4_ROWS) / len(_Q4_ROWS):
-        "that is the plain mean of the per-rank accuracies. The ranks scored different numbers of samples, "
-        "so each accuracy must count by its samples: sum(correct) / sum(samples).",
-    _Q4_ROWS[0][0]: "that is rank 0's accuracy only: its own shard, not the whole evaluation set. Combine "
-                    "all ranks (what dist.all_reduce of the counts does).",
-    sum(acc for acc, _ in _Q4_ROWS):
-        "that is the sum of the accuracies (what dist.all_reduce with the default SUM of each rank's accuracy "
-        "gives). Reduce the counts (correct, samples), then divide.",
-    _Q4_CORRECT: "that is the number of correct predictions; divide it by the number of samples.",
-    _Q4_GLOBAL * 100: "that is a percentage; answer as a fraction between 0 and 1.",
-}
+# What the check trains: the digits CNN at width 16 (FP16 convolutions are slow on CPUs), a global batch of 64,
+# two epochs (the least that shows whether the order changes), SGD with momentum 0.9.
+DDP_CHECK = {"epochs": 2, "global_batch": 64, "lr": 0.05, "width": 16, "seed": 0}
+CLIP_NORM = 5.0  # max_norm for clip_grad_norm_: loose enough to leave two epochs' learning alone (1.0 costs 6 points)
+DDP_TIMEOUT_S = 180.0
+ACCURACY_POINTS = 1.0  # how far below the reference's test accuracy the student's may be, in percentage points
+_COVERAGE = 0.9  # an epoch's shards together must cover this share of the training set (drop_last may drop some)
 
 
-def _grade_global_accuracy(value: Any) -> None:
-    got = number(value, "the global accuracy")
-    if math.isclose(got, _Q4_GLOBAL, abs_tol=5e-4):
-        return
-    for slip, message in _Q4_SLIPS.items():
-        if math.isclose(got, slip, rel_tol=5e-3):
-            raise Wrong(message)
-    side = "high" if got > _Q4_GLOBAL else "low"
-    raise Wrong(f"not the accuracy over all samples (too {side}): count each rank's correct predictions "
-                "(accuracy × samples), add them up and divide by all the samples.")
+def make_digits_model(width: int = DDP_CHECK["width"], seed: int = DDP_CHECK["seed"]) -> DigitsCNN:
+    """The digits CNN with the same initial weights everywhere (seeded without touching the global generator)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return DigitsCNN(width)
 
 
-q4 = Exercise(
-    name="02.4 global accuracy from per-rank accuracies",
-    var="global_accuracy",
-    grade=_grade_global_accuracy,
+def reference_train_ddp(train_set: Dataset, make_model: Callable[[], torch.nn.Module], epochs: int,
+                        batch_size: int, lr: float, checkpoint_path: str) -> None:
+    """One rank of a DDP job, started as torchrun starts it (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
+    MASTER_PORT set): FP16 autocast with a GradScaler, gradients clipped to norm 5 after unscaling, SGD with
+    momentum 0.9; rank 0 writes the model's state dict to ``checkpoint_path``. ``batch_size`` is per rank."""
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")
+    if cuda:
+        local_rank = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    model = make_model().to(device)
+    ddp = DistributedDataParallel(model, device_ids=[local_rank] if cuda else None)
+    sampler = DistributedSampler(train_set, shuffle=True, seed=0)  # this rank's 1/world_size of the samples
+    loader = DataLoader(train_set, batch_size=batch_size, sampler=sampler)
+    opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9)
+    scaler = torch.amp.GradScaler(device.type)  # FP16 gradients underflow to zero without loss scaling
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
+        for x, y in loader:
+            x, y = x.to(device), y.to(device)
+            with torch.autocast(device.type, dtype=torch.float16):
+                loss = F.cross_entropy(ddp(x), y)
+            opt.zero_grad(set_to_none=True)
+            scaler.scale(loss).backward()  # DDP all-reduces the (scaled) gradients during backward
+            scaler.unscale_(opt)  # the true gradients, before they are clipped
+            torch.nn.utils.clip_grad_norm_(ddp.parameters(), max_norm=5.0)
+            scaler.step(opt)  # skipped when the gradients overflowed
+            scaler.update()
+    if dist.get_rank() == 0:
+        torch.save(model.state_dict(), checkpoint_path)  # one writer: the ranks hold the same weights
+    dist.barrier()  # nobody leaves before the checkpoint is complete
+    dist.destroy_process_group()
+
+
+class _RecordingDigits(Dataset):
+    """The digits training set; remembers the index of every sample it hands out, in order (rank side)."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor):
+        self.x, self.y = x, y  # (n, 1, 8, 8) float32, (n,) int64
+        self.fetched: list[int] = []
+
+    def __len__(self) -> int:
+        return int(self.y.shape[0])
+
+    def _note(self, indices: list[int]) -> None:
+        if torch.utils.data.get_worker_info() is not None:
+            raise RuntimeError("the check's dataset records which samples each rank reads, which it cannot do in "
+                               "DataLoader worker processes: use num_workers=0 (the default; the digits are in "
+                               "memory already)")
+        self.fetched.extend(indices)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self._note([int(i)])
+        return self.x[i], self.y[i]
+
+    def __getitems__(self, indices: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        self._note([int(i) for i in indices])
+        return [(self.x[i], self.y[i]) for i in indices]
+
+
+class _TrainingProbe:
+    """Watches torch.save, clip_grad_norm_ and the GradScaler while the student's function runs (rank side)."""
+
+    def __init__(self) -> None:
+        self.saves: list[str] = []
+        self.clips = self.clips_scaled = self.scales = self.scales_disabled = self.unscales = 0
+        self.norms: list[float] = []
+        self.max_norms: set[float] = set()
+        self._pending = False  # scale() was called and unscale_() not yet
+
+    @contextlib.contextmanager
+    def patched(self) -> Iterator[_TrainingProbe]:
+        import torch.nn.utils.clip_grad as clip_mod
+        import torch.serialization as ser
+        from torch.amp.grad_scaler import GradScaler
+
+        save, clip = torch.save, clip_mod.clip_grad_norm_
+        scale, unscale = GradScaler.scale, GradScaler.unscale_
+
+        def p_save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
+            self.saves.append(os.fspath(f) if isinstance(f, (str, os.PathLike)) else repr(f))
+            return save(obj, f, *args, **kwargs)
+
+        def p_clip(parameters: Any, max_norm: float, *args: Any, **kwargs: Any) -> torch.Tensor:
+            self.clips += 1
+            self.clips_scaled += self._pending
+            self.max_norms.add(float(max_norm))
+            total = clip(parameters, max_norm, *args, **kwargs)
+            if len(self.norms) < 8:
+                self.norms.append(float(total))
+            return total
+
+        def p_scale(scaler: GradScaler, outputs: Any) -> Any:
+            if scaler.is_enabled():
+                self.scales += 1
+                self._pending = True
+            else:
+                self.scales_disabled += 1
+            return scale(scaler, outputs)
+
+        def p_unscale(scaler: GradScaler, optimizer: Any) -> Any:
+            self.unscales += 1
+            self._pending = False
+            return unscale(scaler, optimizer)
+
+        torch.save = ser.save = p_save
+        torch.nn.utils.clip_grad_norm_ = clip_mod.clip_grad_norm_ = p_clip
+        GradScaler.scale, GradScaler.unscale_ = p_scale, p_unscale  # type: ignore[method-assign]
+        try:
+            yield self
+        finally:
+            torch.save = ser.save = save
+            torch.nn.utils.clip_grad_norm_ = clip_mod.clip_grad_norm_ = clip
+            GradScaler.scale, GradScaler.unscale_ = scale, unscale  # type: ignore[method-assign]
+
+
+def _observe_training(ctx: WorkerContext, shipped: ranks_mod.Shipped, cfg: dict[str, Any],
+                      checkpoint_path: str) -> dict[str, Any]:
+    """Run one train_ddp function in this rank and return what it did."""
+    data = digits_arrays()
+    train_set = _RecordingDigits(torch.from_numpy(data["x_train"]), torch.from_numpy(data["y_train"]))
+    models: list[DigitsCNN] = []
+    forwards: list[tuple[bool, str]] = []
+
+    def note_forward(module: torch.nn.Module, args: Any) -> None:
+        if module.training and torch.is_grad_enabled() and len(forwards) < 1000:
+            kind = next(module.parameters()).device.type
+            dtype = str(torch.get_autocast_dtype(kind)).removeprefix("torch.")
+            forwards.append((torch.is_autocast_enabled(kind), dtype))
+
+    def make_model() -> DigitsCNN:
+        model = make_digits_model(cfg["width"], cfg["seed"])
+        model.register_forward_pre_hook(note_forward)
+        models.append(model)
+        return model
+
+    probe = _TrainingProbe()
+    with probe.patched():
+        fn = shipped.load()
+        fn(train_set, make_model, cfg["epochs"], cfg["batch_size"], cfg["lr"], checkpoint_path)
+    left = dist.is_initialized()
+    if left:
+        dist.destroy_process_group()
+    # numpy, not tensors: a tensor crosses the process boundary as shared memory that dies with this rank
+    state = {k: v.detach().float().cpu().numpy().copy() for k, v in models[-1].state_dict().items()} if models else None
+    obs = {"rank": ctx.rank, "fetched": train_set.fetched, "n_train": len(train_set), "models": len(models),
+           "forwards": len(forwards), "autocast": sorted(set(forwards)), "saves": probe.saves,
+           "clips": probe.clips, "clips_scaled": probe.clips_scaled, "norms": probe.norms,
+           "max_norms": sorted(probe.max_norms), "scales": probe.scales,
+           "scales_disabled": probe.scales_disabled, "unscales": probe.unscales, "left_group": left, "state": state}
+    models.clear()
+    del train_set, fn
+    gc.collect()  # DDP's hooks hold the group in reference cycles: gone before the next group starts
+    return obs
+
+
+def _tensors(state: dict[str, Any] | None) -> dict[str, torch.Tensor] | None:
+    return None if state is None else {k: torch.as_tensor(v) for k, v in state.items()}
+
+
+def _ddp_worker(ctx: WorkerContext, student: ranks_mod.Shipped, cfg: dict[str, Any], folder: str,
+                reference: bool) -> dict[str, Any]:
+    """Rank side of q6: the student's train_ddp, then (when the launcher has no result for it yet) the
+    reference's, each in a process group of its own."""
+    if not ctx.device.startswith("cuda"):
+        torch.set_num_threads(1)  # the ranks share the cores; a small CNN gains nothing from more threads
+    phases = [("student", student)]
+    if reference:
+        phases.append(("reference", ranks_mod.Shipped("reference_train_ddp", module=__name__,
+                                                      qualname="reference_train_ddp")))
+    out = {}
+    for i, (who, shipped) in enumerate(phases):
+        os.environ["MASTER_PORT"] = str(ctx.rendezvous_ports[i])  # a fresh rendezvous for each group
+        ctx.status(f"{who} train_ddp")
+        out[who] = _observe_training(ctx, shipped, cfg, os.path.join(folder, f"{who}.pt"))
+    return out
+
+
+_REFERENCE_RUNS: dict[tuple[Any, ...], dict[str, Any]] = {}
+
+
+def _evaluate(state: dict[str, torch.Tensor], width: int) -> float:
+    from lab_utils.distributed.ddp import evaluate
+
+    model = DigitsCNN(width)
+    model.load_state_dict(state)
+    return evaluate(model, "cpu")
+
+
+def _checkpoint_state(path: str, width: int) -> dict[str, torch.Tensor] | str:
+    """The model state dict in a checkpoint file (a plain state dict, or one under 'model'/'state_dict'; a
+    DDP 'module.' prefix is accepted), or what is wrong with the file."""
+    if not os.path.isfile(path):
+        return "no file at checkpoint_path"
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:
+        return f"torch.load could not read it ({type(err).__name__}: {_exception_line(str(err), 120)})"
+    if isinstance(obj, torch.nn.Module):
+        obj = obj.state_dict()
+    if isinstance(obj, dict):
+        for key in ("model", "model_state_dict", "state_dict"):
+            if isinstance(obj.get(key), dict):
+                obj = obj[key]
+                break
+    if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        return f"it holds {type(obj).__name__}, not a model state dict (save model.state_dict())"
+    state = {k.removeprefix("module."): v for k, v in obj.items()}
+    try:
+        DigitsCNN(width).load_state_dict(state)
+    except RuntimeError as err:
+        return f"its keys do not fit the model ({_exception_line(str(err), 160)})"
+    return state
+
+
+def _judge_ddp(obs: list[dict[str, Any]], ref_acc: float, ckpt: str, cfg: dict[str, Any], call: str,
+               backend: str) -> str:
+    obs = [{**o, "state": _tensors(o["state"])} for o in obs]
+    n, epochs = len(obs), cfg["epochs"]
+    total = obs[0]["n_train"]
+    if any(o["models"] == 0 for o in obs):
+        raise Wrong(f"{call} never called make_model(): build the model with it, so every rank starts from the "
+                    "weights the check knows")
+    if any(o["forwards"] == 0 for o in obs):
+        raise Wrong(f"{call}: the model make_model() returned never ran a training forward pass")
+    # Data: disjoint shards, covering the set, in a new order every epoch.
+    shards = []
+    for o in obs:
+        got = o["fetched"]
+        if not got:
+            raise Wrong(f"{call}: rank {o['rank']} read no sample from train_set: iterate over a DataLoader of it")
+        if len(got) % epochs:
+            raise Wrong(f"{call}: rank {o['rank']} read {len(got)} samples in {epochs} epochs, not the same number "
+                        "each epoch: one pass over its shard per epoch")
+        per = len(got) // epochs
+        shards.append([got[e * per:(e + 1) * per] for e in range(epochs)])
+    first = [set(s[0]) for s in shards]
+    for r in range(1, n):
+        common = first[0] & first[r]
+        if common:
+            if len(first[r]) > 0.9 * total and len(first[0]) > 0.9 * total:
+                raise Wrong(f"{call}: rank {r} trained on the same {len(first[r])} samples as rank 0 in epoch 1: no "
+                            "DistributedSampler. Each rank must read its own 1/world_size of the data: "
+                            "DataLoader(train_set, batch_size=..., sampler=DistributedSampler(train_set))")
+            raise Wrong(f"{call}: ranks 0 and {r} both read {len(common)} of the same samples in epoch 1: the "
+                        "shards overlap. DistributedSampler(train_set) takes the rank and the world size from the "
+                        "process group; pass it to the DataLoader as sampler=")
+    covered = len(set().union(*first))
+    if covered < _COVERAGE * total:
+        raise Wrong(f"{call}: in epoch 1 the {n} ranks together read {covered} of the {total} training samples: "
+                    "the shards should cover the data set (DistributedSampler gives each rank 1/world_size)")
+    if epochs > 1 and all(s[0] == s[1] for s in shards):
+        raise Wrong(f"{call}: every rank read its samples in the same order in epoch 1 and epoch 2: "
+                    "sampler.set_epoch(epoch) is missing (DistributedSampler shuffles with seed + epoch, and its "
+                    "epoch stays 0 unless told), or shuffle=False")
+    # One model: the same parameters on every rank.
+    for o in obs[1:]:
+        diff = max(float((o["state"][k] - obs[0]["state"][k]).abs().max()) for k in obs[0]["state"])
+        if diff > 1e-5:
+            raise Wrong(f"{call}: after training, rank {o['rank']}'s parameters differ from rank 0's (by up to "
+                        f"{diff:.3g}): each rank trained its own model on its own shard. Wrap the model in "
+                        "DistributedDataParallel, which averages the gradients over the ranks in backward, and train "
+                        "through the wrapper")
+    # Precision: FP16 autocast, a GradScaler, unscaled before clipping.
+    modes = obs[0]["autocast"]
+    if not any(enabled for enabled, _ in modes):
+        raise Wrong(f"{call}: the forward pass did not run under autocast: wrap the forward and the loss in "
+                    "torch.autocast(device.type, dtype=torch.float16)")
+    if not any(enabled and dtype == "float16" for enabled, dtype in modes):
+        got = ", ".join(dt for on, dt in modes if on)
+        raise Wrong(f"{call}: autocast ran in {got}; this exercise asks for float16 with a GradScaler (bfloat16 "
+                    "needs no scaler, which is why it is the usual choice on GPUs that have it)")
+    o0 = obs[0]
+    if o0["scales"] == 0:
+        extra = (" (it was created disabled: torch.cuda.amp.GradScaler() turns itself off without CUDA; use "
+                 "torch.amp.GradScaler(device.type))") if o0["scales_disabled"] else ""
+        raise Wrong(f"{call}: no GradScaler scaled the loss{extra}. In FP16, small gradients underflow to zero: "
+                    "scaler.scale(loss).backward(), then scaler.step(opt) and scaler.update()")
+    acc = _evaluate(o0["state"], cfg["width"])
+    versus = f"test accuracy {100 * acc:.1f} % against the reference's {100 * ref_acc:.1f} %"
+    if o0["clips"] == 0:
+        raise Wrong(f"{call}: the gradients were never clipped: torch.nn.utils.clip_grad_norm_(model.parameters(), "
+                    f"max_norm={CLIP_NORM:g}) each step, after scaler.unscale_(opt)")
+    if o0["clips_scaled"]:
+        norms = ", ".join(f"{v:.3g}" for v in o0["norms"][:3])
+        raise Wrong(f"{call}: the gradients were clipped while still multiplied by the loss scale (norms {norms}, "
+                    f"...): {versus}. The loss is scaled but never unscaled before clipping, so max_norm cut the "
+                    "true gradients to about 1/65536 of it. Call scaler.unscale_(opt) before clip_grad_norm_")
+    if o0["max_norms"] != [CLIP_NORM]:
+        got = ", ".join(f"{v:g}" for v in o0["max_norms"])
+        raise Wrong(f"{call}: clip_grad_norm_ was given max_norm={got}; this exercise clips at {CLIP_NORM:g} "
+                    f"({versus})")
+    if acc < ref_acc - ACCURACY_POINTS / 100:
+        raise Wrong(f"{call}: {versus} after {epochs} epochs, more than {ACCURACY_POINTS:g} point below. Use the "
+                    "given lr with SGD(momentum=0.9), batch_size per rank, and one optimizer step per batch")
+    # One checkpoint, by rank 0, holding the trained weights.
+    writers = [o["rank"] for o in obs if o["saves"]]
+    if not writers:
+        raise Wrong(f"{call}: no checkpoint was written: rank 0 saves model.state_dict() to checkpoint_path")
+    if writers != [0]:
+        others = [r for r in writers if r != 0]
+        if others and 0 in writers:
+            who = "every rank" if len(writers) == n else "ranks " + ", ".join(map(str, writers))
+            raise Wrong(f"{call}: {who} wrote the checkpoint: each rank saving. "
+                        "The ranks hold the same weights, so only rank 0 should write (`if dist.get_rank() == 0:`); "
+                        "several processes writing one file at once can leave it corrupt, and on a shared file "
+                        "system each writes the whole model again")
+        raise Wrong(f"{call}: rank {others[0]} wrote the checkpoint, not rank 0: `if dist.get_rank() == 0:`")
+    state = _checkpoint_state(ckpt, cfg["width"])
+    if isinstance(state, str):
+        raise Wrong(f"{call}: rank 0 saved, but the checkpoint at checkpoint_path is not usable: {state}")
+    if any(not torch.equal(state[k].float(), o0["state"][k]) for k in o0["state"]):
+        raise Wrong(f"{call}: the checkpoint holds other weights than the trained model: save after the last epoch")
+    if any(o["left_group"] for o in obs):
+        raise Wrong(f"{call}: the process group was still up when train_ddp returned: end with "
+                    "dist.destroy_process_group() (after a dist.barrier(), so no rank leaves before rank 0's "
+                    "checkpoint is complete); a group left to interpreter shutdown can abort the process")
+    per = len(shards[0][0])
+    return (f"On {n} {backend} ranks, {epochs} epochs: disjoint shards of {per} samples, a new order each epoch, "
+            f"identical parameters on every rank, FP16 with the GradScaler unscaled before clipping, {versus}, "
+            "one checkpoint written by rank 0.")
+
+
+def _ddp_config(nprocs: int) -> dict[str, Any]:
+    cfg = dict(DDP_CHECK)
+    cfg["batch_size"] = max(1, cfg.pop("global_batch") // nprocs)  # per rank (64 // 3 = 21 on 3 GPUs)
+    return cfg
+
+
+def _reference_key(backend: str, nprocs: int, cfg: dict[str, Any]) -> tuple[Any, ...]:
+    return (backend, nprocs, tuple(sorted(cfg.items())), torch.__version__)
+
+
+def _grade_train_ddp(fn: Any, backend: str | None = None, nprocs: int | None = None) -> str:
+    if backend is None or nprocs is None:
+        b, n = grading_ranks()
+        backend, nprocs = backend or b, nprocs or n
+    cfg = _ddp_config(nprocs)
+    key = _reference_key(backend, nprocs, cfg)
+    known = _REFERENCE_RUNS.get(key)
+    call = (f"train_ddp(train_set, make_model, epochs={cfg['epochs']}, batch_size={cfg['batch_size']}, "
+            f"lr={cfg['lr']}, checkpoint_path) on {nprocs} {backend} ranks")
+    with _shipped(fn, "train_ddp") as shipped, tempfile.TemporaryDirectory(prefix="nvlab-ddp-check-") as folder:
+        res = _run_in_ranks(_ddp_worker, shipped, call, nprocs, backend, DDP_TIMEOUT_S,
+                            {"cfg": cfg, "folder": folder, "reference": known is None}, group=False,
+                            rendezvous=1 if known else 2)
+        if known is None:
+            ref_obs = [r["reference"] for r in res]
+            state = _tensors(ref_obs[0]["state"])
+            known = {"accuracy": _evaluate(state, cfg["width"]), "state": state}
+            _REFERENCE_RUNS[key] = known
+        return _judge_ddp([r["student"] for r in res], known["accuracy"], os.path.join(folder, "student.pt"), cfg,
+                          call, backend)
+
+
+def reference_ddp_run(nprocs: int | None = None, backend: str | None = None) -> dict[str, Any]:
+    """The reference ``train_ddp`` on the check's ranks and settings: its rank-0 weights and test accuracy.
+
+    Runs it once (the check's own run is reused when the check ran first), so a lab with the exercise left blank
+    still gets the number. Returns accuracy (fraction), state (the trained state dict), world_size, backend and
+    the configuration.
+    """
+    if backend is None or nprocs is None:
+        b, n = grading_ranks()
+        backend, nprocs = backend or b, nprocs or n
+    cfg = _ddp_config(nprocs)
+    key = _reference_key(backend, nprocs, cfg)
+    if key not in _REFERENCE_RUNS:
+        with ranks_mod.shipping(reference_train_ddp) as shipped, \
+                tempfile.TemporaryDirectory(prefix="nvlab-ddp-ref-") as folder:
+            res = launch(_ddp_worker, nprocs, backend=backend, timeout_s=DDP_TIMEOUT_S, group=False,
+                         kwargs={"student": shipped, "cfg": cfg, "folder": folder, "reference": False})
+        state = _tensors(res[0]["student"]["state"])
+        _REFERENCE_RUNS[key] = {"accuracy": _evaluate(state, cfg["width"]), "state": state}
+    run = _REFERENCE_RUNS[key]
+    return {"accuracy": run["accuracy"], "state": run["state"], "world_size": nprocs, "backend": backend, **cfg}
+
+
+q6 = CodeExercise(
+    name="02.6 DDP training: setup and step",
+    var="train_ddp",
+    grade=_grade_train_ddp,
+    signature="train_ddp(train_set, make_model, epochs, batch_size, lr, checkpoint_path) -> None",
+    applicable=_no_distributed,
     hints=[
-        "The global accuracy is correct predictions over all samples, on all ranks. The ranks scored "
-        "different numbers of samples.",
-        "Each rank's correct count is accuracy × samples. In a real run you would all_reduce the two "
-        "counts (correct, samples) with SUM, never the accuracies themselves.",
-        "global_accuracy = sum(r['accuracy'] * r['samples'] for r in Q4_RANK_ACCURACIES) / "
-        "sum(r['samples'] for r in Q4_RANK_ACCURACIES)",
+        "Setup: dist.init_process_group('nccl' if torch.cuda.is_available() else 'gloo'); the device from "
+        "LOCAL_RANK (torch.cuda.set_device) or the CPU; model = make_model().to(device) wrapped in "
+        "DistributedDataParallel; a DataLoader with sampler=DistributedSampler(train_set); SGD(lr, momentum=0.9); "
+        "torch.amp.GradScaler(device.type).",
+        "Each epoch: sampler.set_epoch(epoch) first. Each batch: forward and loss under torch.autocast(device.type, "
+        "dtype=torch.float16); zero_grad; scaler.scale(loss).backward(); scaler.unscale_(opt) BEFORE "
+        "clip_grad_norm_(..., max_norm=5.0); scaler.step(opt); scaler.update().",
+        "After training: `if dist.get_rank() == 0: torch.save(model.state_dict(), checkpoint_path)`, then "
+        "dist.barrier() and dist.destroy_process_group() on every rank.",
     ],
     solution_text=(
-        "correct = sum(r['accuracy'] * r['samples'] for r in Q4_RANK_ACCURACIES)   # 10200\n"
-        "samples = sum(r['samples'] for r in Q4_RANK_ACCURACIES)                  # 12000\n"
-        "global_accuracy = correct / samples                                      # 0.85\n"
-        "# In DDP: t = torch.tensor([correct, samples], device=...); dist.all_reduce(t); t[0] / t[1]\n"
-        "# The plain mean of the accuracies (0.8175) weights a rank of 1500 samples like one of 5000."
+        "def train_ddp(train_set, make_model, epochs, batch_size, lr, checkpoint_path):\n"
+        "    cuda = torch.cuda.is_available()\n"
+        "    dist.init_process_group(\"nccl\" if cuda else \"gloo\")  # RANK, WORLD_SIZE, MASTER_* from the launcher\n"
+        "    if cuda:\n"
+        "        local_rank = int(os.environ[\"LOCAL_RANK\"])\n"
+        "        torch.cuda.set_device(local_rank)\n"
+        "        device = torch.device(\"cuda\", local_rank)\n"
+        "    else:\n"
+        "        device = torch.device(\"cpu\")\n"
+        "    model = make_model().to(device)\n"
+        "    ddp = DistributedDataParallel(model, device_ids=[local_rank] if cuda else None)\n"
+        "    sampler = DistributedSampler(train_set, shuffle=True, seed=0)\n"
+        "    loader = DataLoader(train_set, batch_size=batch_size, sampler=sampler)\n"
+        "    opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9)\n"
+        "    scaler = torch.amp.GradScaler(device.type)\n"
+        "    for epoch in range(epochs):\n"
+        "        sampler.set_epoch(epoch)  # a new shuffle each epoch\n"
+        "        for x, y in loader:\n"
+        "            x, y = x.to(device), y.to(device)\n"
+        "            with torch.autocast(device.type, dtype=torch.float16):\n"
+        "                loss = F.cross_entropy(ddp(x), y)\n"
+        "            opt.zero_grad(set_to_none=True)\n"
+        "            scaler.scale(loss).backward()\n"
+        "            scaler.unscale_(opt)  # true gradients before clipping\n"
+        "            torch.nn.utils.clip_grad_norm_(ddp.parameters(), max_norm=5.0)\n"
+        "            scaler.step(opt)\n"
+        "            scaler.update()\n"
+        "    if dist.get_rank() == 0:\n"
+        "        torch.save(model.state_dict(), checkpoint_path)  # one writer\n"
+        "    dist.barrier()\n"
+        "    dist.destroy_process_group()"
     ),
 )
 
-# --- q5: the NCCL variable for a scenario -------------------------------------------------------------
+# --- q7: a metric summed over ranks -----------------------------------------------------------------------------
 
-# NCCL's own choice skips docker* and lo interfaces, then takes the first other one it finds; here that
-# is the management network, which the two nodes cannot reach each other over.
-Q5_SCENARIO = (
-    "Two nodes, one GPU process per GPU, no InfiniBand. Each node has the interfaces lo, docker0, eth0 (a "
-    "1 GbE management network; a firewall between the nodes blocks it) and eth1 (the 100 GbE data network "
-    "the nodes reach each other over). init_process_group('nccl') hangs; NCCL_DEBUG=INFO shows "
-    "'NET/Socket : Using [0]eth0:...'. Which variable makes NCCL use eth1?"
-)
-
-Q5_CHOICES = ("NCCL_SOCKET_IFNAME", "NCCL_IB_HCA", "NCCL_ALGO", "NCCL_PROTO", "NCCL_DEBUG",
-              "NCCL_P2P_DISABLE")
-
-_Q5_WHY_NOT = {
-    "NCCL_IB_HCA": "NCCL_IB_HCA picks which InfiniBand/RoCE adapters and ports NCCL uses (e.g. mlx5_0:1). "
-                   "These nodes have none; the hang is about the socket interface NCCL bootstraps over.",
-    "NCCL_ALGO": "NCCL_ALGO chooses the collective algorithm (Ring, Tree, NVLS, ...). The hang is at init, "
-                 "before any collective runs, while the ranks try to reach each other.",
-    "NCCL_PROTO": "NCCL_PROTO chooses the wire protocol of collectives (LL, LL128, Simple). The hang is at "
-                  "init, before any collective runs, while the ranks try to reach each other.",
-    "NCCL_DEBUG": "NCCL_DEBUG=INFO is how you found the problem: it logs what NCCL picked. It changes "
-                  "nothing; another variable tells NCCL which interface to use.",
-    "NCCL_P2P_DISABLE": "NCCL_P2P_DISABLE turns off direct GPU-to-GPU transfers (NVLink, PCIe) inside a "
-                        "node. It has no say over the network interface between nodes.",
-}
-
-_Q5_ANSWER = re.compile(r"""^(?:export\s+)?(NCCL_[A-Z0-9_]+)\s*(?:=\s*(['"]?)([^'"\s]*)\2)?$""", re.IGNORECASE)
+# Each rank scored a shard of a different size (shards of files, as in a real evaluation; no padding): accuracy
+# and samples per rank, in rank order, repeated for more ranks. Integral correct counts.
+_SHARD_ROWS = ((0.92, 500), (0.85, 300), (0.80, 250), (0.70, 150), (0.95, 400), (0.60, 350), (0.90, 200),
+               (0.75, 100))
+METRIC_TIMEOUT_S = 90.0
 
 
-def _grade_nccl_var(value: Any) -> None:
-    if not isinstance(value, str):
-        raise Wrong(f"answer with one of {list(Q5_CHOICES)}, as a string (a value may follow: 'NAME=value')")
-    match = _Q5_ANSWER.match(value.strip())
-    if not match or match[1].upper() not in Q5_CHOICES:
-        raise Wrong(f"answer with one of {list(Q5_CHOICES)}, optionally with a value: 'NAME=value'")
-    name = match[1].upper()
-    if name != "NCCL_SOCKET_IFNAME":
-        raise Wrong(_Q5_WHY_NOT[name])
-    setting = match[3] or ""
-    if setting in ("", "eth1", "=eth1"):
-        return
-    if setting.startswith("^"):
-        raise Wrong(f"NCCL_SOCKET_IFNAME is right, but '{setting}' only excludes: a list you give replaces "
-                    "NCCL's default one, so docker0 and lo are no longer skipped and may be picked. Name "
-                    "the interface to use: NCCL_SOCKET_IFNAME=eth1.")
-    if setting.lstrip("=") in ("eth0", "docker0", "lo"):
-        raise Wrong(f"NCCL_SOCKET_IFNAME is right, but {setting.lstrip('=')} is not the network the nodes "
-                    "reach each other over: that is eth1.")
-    if "eth1".startswith(setting) and setting:
-        raise Wrong(f"NCCL_SOCKET_IFNAME is right, but '{setting}' is a prefix: it matches eth0 too, which "
-                    "NCCL finds first. Name the interface: eth1 (or '=eth1', an exact match).")
-    raise Wrong(f"NCCL_SOCKET_IFNAME is right, but no interface '{setting}' is in the scenario; the data "
-                "network is eth1.")
+def metric_shards(nprocs: int) -> list[dict[str, Any]]:
+    """Rank r's evaluation shard on ``nprocs`` ranks: rank, correct, seen, accuracy (= correct / seen)."""
+    rows = []
+    for r in range(nprocs):
+        acc, seen = _SHARD_ROWS[r % len(_SHARD_ROWS)]
+        correct = round(acc * seen)
+        rows.append({"rank": r, "correct": correct, "seen": seen, "accuracy": correct / seen})
+    return rows
 
 
-q5 = Exercise(
-    name="02.5 NCCL variable for a hang at init",
-    var="nccl_env_var",
-    grade=_grade_nccl_var,
+def reference_global_accuracy(ctx: WorkerContext, correct: int, seen: int) -> float:
+    """Accuracy over every rank's samples: the counts summed with one all_reduce, then divided (on every rank)."""
+    counts = torch.tensor([correct, seen], dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(counts)  # SUM over the ranks
+    return (counts[0] / counts[1]).item()
+
+
+def _metric_worker(ctx: WorkerContext, student: ranks_mod.Shipped, shards: list[dict[str, Any]]) -> Any:
+    fn = student.load()
+    mine = shards[ctx.rank]
+    return _plain(fn(ctx, mine["correct"], mine["seen"]))
+
+
+def _judge_metric(values: list[Any], shards: list[dict[str, Any]], call: str) -> str:
+    n = len(shards)
+    total = sum(s["correct"] for s in shards) / sum(s["seen"] for s in shards)
+    accs = [s["accuracy"] for s in shards]
+    for r, v in enumerate(values):
+        if v is None:
+            raise Wrong(f"{call} returned None on rank {r} (does it end with `return ...`?); expected the accuracy "
+                        "as a float on every rank")
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise Wrong(f"{call} returned {_show(v)} on rank {r}; expected the accuracy as a float")
+        if math.isclose(v, total, rel_tol=1e-6):
+            continue
+        own = shards[r]["accuracy"]
+        head = f"{call}: rank {r} returned {v:.6g}, not the accuracy over all {n} ranks' samples"
+        if math.isclose(v, own, rel_tol=1e-6):
+            if any(math.isclose(w, total, rel_tol=1e-6) for w in values if isinstance(w, (int, float))):
+                raise Wrong(f"{head}: it is rank {r}'s own accuracy, while another rank has the total. dist.reduce "
+                            "leaves the sum on one rank only; dist.all_reduce puts it on every rank")
+            raise Wrong(f"{head}: it is rank {r}'s own accuracy ({shards[r]['correct']}/{shards[r]['seen']}): "
+                        "nothing was combined over the ranks. dist.all_reduce the counts")
+        if math.isclose(v, sum(accs) / n, rel_tol=1e-6):
+            raise Wrong(f"{head}: it is the plain mean of the per-rank accuracies. The shards differ in size "
+                        f"({', '.join(str(s['seen']) for s in shards)} samples), so each accuracy must count by its "
+                        "samples: all_reduce the counts (correct, seen) with SUM, then divide")
+        if math.isclose(v, sum(accs), rel_tol=1e-6):
+            raise Wrong(f"{head}: it is the sum of the accuracies (an all_reduce, SUM by default, of each rank's "
+                        "accuracy). Reduce the counts (correct, seen), then divide")
+        if math.isclose(v, 100 * total, rel_tol=1e-6):
+            raise Wrong(f"{head}: that is a percentage; return a fraction between 0 and 1")
+        if math.isclose(v, sum(s["correct"] for s in shards), rel_tol=1e-6):
+            raise Wrong(f"{head}: that is the number of correct predictions; divide it by the samples seen")
+        if v == 0 or v == math.floor(total):
+            raise Wrong(f"{head}: integer division? correct // seen is 0; divide with / (or in a float tensor)")
+        raise Wrong(f"{head}: sum the correct counts and the sample counts over the ranks (one all_reduce of "
+                    "a tensor [correct, seen]), then divide")
+    return f"Every one of {n} ranks got {total:.5f} = {sum(s['correct'] for s in shards)}/" \
+           f"{sum(s['seen'] for s in shards)}, not the mean of the accuracies ({sum(accs) / n:.5f})."
+
+
+def _grade_global_accuracy(fn: Any, backend: str | None = None, nprocs: int | None = None) -> str:
+    if backend is None or nprocs is None:
+        b, n = grading_ranks()
+        backend, nprocs = backend or b, nprocs or n
+    shards = metric_shards(nprocs)
+    call = f"global_accuracy(ctx, correct, seen) on {nprocs} {backend} ranks"
+    with _shipped(fn, "global_accuracy") as shipped:
+        values = _run_in_ranks(_metric_worker, shipped, call, nprocs, backend, METRIC_TIMEOUT_S, {"shards": shards})
+    return _judge_metric(values, shards, call)
+
+
+q7 = CodeExercise(
+    name="02.7 a metric over all ranks",
+    var="global_accuracy",
+    grade=_grade_global_accuracy,
+    signature="global_accuracy(ctx, correct, seen) -> float",
+    applicable=_no_distributed,
     hints=[
-        "The hang is at init, before any collective: the ranks cannot reach each other. Algorithms and "
-        "protocols do not run yet.",
-        "NCCL_DEBUG=INFO shows which network interface NCCL chose for its sockets; the variable you need "
-        "overrides that choice.",
-        "NCCL_SOCKET_IFNAME takes interface names or prefixes ('^' excludes, '=' means an exact name).",
+        "The accuracy over all samples is all correct predictions over all samples seen, on every rank. The "
+        "shards differ in size, so the mean of the ranks' accuracies is not it.",
+        "Put both counts in one tensor on ctx.device (float64 is exact for counts), dist.all_reduce it (SUM is "
+        "the default), and divide. all_reduce, not reduce: every rank needs the answer.",
+        "t = torch.tensor([correct, seen], dtype=torch.float64, device=ctx.device); dist.all_reduce(t); "
+        "return (t[0] / t[1]).item()",
     ],
     solution_text=(
-        'nccl_env_var = "NCCL_SOCKET_IFNAME=eth1"\n'
-        "# Set on every node before init (export NCCL_SOCKET_IFNAME=eth1, or in the launcher's env).\n"
-        "# The gloo backend's twin is GLOO_SOCKET_IFNAME."
+        "def global_accuracy(ctx, correct, seen):\n"
+        "    counts = torch.tensor([correct, seen], dtype=torch.float64, device=ctx.device)\n"
+        "    dist.all_reduce(counts)                 # sums over the ranks, result on every rank\n"
+        "    return (counts[0] / counts[1]).item()  # correct / seen over all shards\n"
+        "# The mean of the per-rank accuracies weights a rank of 150 samples like one of 500."
     ),
 )
