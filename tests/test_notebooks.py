@@ -183,13 +183,16 @@ def test_scrub_removes_ansi_machine_paths_and_papermill_paths(tmp_path):
         nbformat.v4.new_output("stream",
                                text="\x1b[1mNVIDIA H200\x1b[0m at /srv/ci/course/labs and /tmp/nvlab-abc12\n"),
         nbformat.v4.new_output("display_data", data={"text/plain": "\x1b[32mok\x1b[0m /srv/ci/out/results.json"}),
+        nbformat.v4.new_output("stream", name="stderr",
+                               text="/opt/py/.venv/lib/python3.12/site-packages/torch/x.py:83: UserWarning\n"),
     ]
     nb.metadata["papermill"] = {"input_path": "/srv/ci/course/solutions/00.ipynb",
                                 "output_path": "/srv/ci/out/00.ipynb"}
     p = tmp_path / "00.ipynb"
     nbformat.write(nb, p)
-    assert notebooks.scrub(p, {"/srv/ci/course": ".", "/srv/ci/out": "OUT"}) == 2
+    assert notebooks.scrub(p, {"/srv/ci/course": ".", "/srv/ci/out": "OUT"}) == 3
     text = p.read_text()
     assert "\\u001b" not in text and "/srv/ci" not in text and "nvlab-abc12" not in text
     out = nbformat.read(p, as_version=4).cells[0].outputs
     assert out[0].text == "NVIDIA H200 at ./labs and /tmp/...\n" and out[1].data["text/plain"] == "ok OUT/results.json"
+    assert out[2].text == "site-packages/torch/x.py:83: UserWarning\n"

@@ -259,12 +259,13 @@ def execute(path: Path, out_dir: Path, parameters: dict[str, Any], run_id: str |
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 TEMP_PATH = re.compile(r"/tmp/[A-Za-z0-9_.-]+")
+SITE_PACKAGES = re.compile(r"/[^\s\"']*/site-packages/")  # an interpreter's install path in a warning
 
 
 def scrub(path: Path, paths: dict[str, str]) -> int:
     """Make an executed notebook fit to commit: ANSI codes out of text outputs, papermill's input/output paths
     out of the metadata, each key of ``paths`` (a checkout, an output folder) replaced by its value, and temporary
-    folders by ``/tmp/...``. Returns how many outputs changed."""
+    folders by ``/tmp/...`` and interpreter paths by ``site-packages/``. Returns how many outputs changed."""
     import nbformat
 
     nb = nbformat.read(path, as_version=4)
@@ -277,7 +278,7 @@ def scrub(path: Path, paths: dict[str, str]) -> int:
         text = ANSI.sub("", text)
         for old, new in ordered:
             text = text.replace(old, new)
-        return TEMP_PATH.sub("/tmp/...", text)
+        return SITE_PACKAGES.sub("site-packages/", TEMP_PATH.sub("/tmp/...", text))
 
     changed = 0
     for cell in nb.cells:
