@@ -144,7 +144,7 @@ ALERT_WRONG = {
     "not yaml": "alert: QueueTimeHigh\nexpr: up == 0\n for: 2m",
     "recording rule": "record: queue_ms\nexpr: up",
     "no expr": {"alert": "QueueTimeHigh", "for": "2m"},
-    "bad promql": _rule("sum by (model) (rate(nv_inference_queue_duration_us[1m]) > "),
+    "bad PromQL syntax": _rule("sum by (model) (rate(nv_inference_queue_duration_us[1m]) > "),
     "two rules": [_rule(), _rule()],
 }
 ALERT_CASES = [(lab05.q4, ALERT_RIGHT, list(ALERT_WRONG.values()))]
@@ -578,7 +578,7 @@ def promtool_here():
     ("not yaml", ["not valid YAML", "line 3"]),
     ("recording rule", ["recording rule"]),
     ("no expr", ["no expr"]),
-    ("bad promql", ["promtool check rules refuses it", "unclosed left parenthesis"]),
+    ("bad PromQL syntax", ["promtool check rules refuses it", "unclosed left parenthesis"]),
     ("two rules", ["one alerting rule", "found 2"]),
 ])
 def test_q4_messages(case, words):
