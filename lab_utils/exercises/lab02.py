@@ -279,9 +279,9 @@ q1 = CodeExercise(
 # --- q2: the all-reduce benchmark worker -----------------------------------------------------------------------
 
 BENCH_ITERS, BENCH_WARMUP = 5, 10  # warm-up calls timed too would triple the time: far outside the band
-BENCH_ROUNDS = 3  # reference then student, up to 3 times: one round inside the band is enough (CPU timing is noisy)
-BENCH_BAND = (0.5, 2.0)  # student time / reference time
-BENCH_TIMEOUT_S = 120.0
+BENCH_ROUNDS = 6  # reference then student, up to 6 times: one round inside the band is enough (CPU timing is noisy)
+BENCH_BAND = (0.35, 2.0)  # student time / reference time; the slips it catches are 1e-3, 3x, iters x or a GPU no-sync
+BENCH_TIMEOUT_S = 240.0
 _FORMULA_RANKS = 3  # the all_reduce factor 2(n-1)/n is 1 on 2 ranks: the formulas are checked on 3
 
 
@@ -861,7 +861,7 @@ q5 = Exercise(
 # two epochs (the least that shows whether the order changes), SGD with momentum 0.9.
 DDP_CHECK = {"epochs": 2, "global_batch": 64, "lr": 0.05, "width": 16, "seed": 0}
 CLIP_NORM = 5.0  # max_norm for clip_grad_norm_: loose enough to leave two epochs' learning alone (1.0 costs 6 points)
-DDP_TIMEOUT_S = 180.0
+DDP_TIMEOUT_S = 420.0  # FP16 on a CPU is slow, and a loaded 2-core machine slower still
 ACCURACY_POINTS = 1.0  # how far below the reference's test accuracy the student's may be, in percentage points
 _COVERAGE = 0.9  # an epoch's shards together must cover this share of the training set (drop_last may drop some)
 
@@ -1312,7 +1312,7 @@ q6 = CodeExercise(
 # and samples per rank, in rank order, repeated for more ranks. Integral correct counts.
 _SHARD_ROWS = ((0.92, 500), (0.85, 300), (0.80, 250), (0.70, 150), (0.95, 400), (0.60, 350), (0.90, 200),
                (0.75, 100))
-METRIC_TIMEOUT_S = 90.0
+METRIC_TIMEOUT_S = 180.0
 
 
 def metric_shards(nprocs: int) -> list[dict[str, Any]]:
