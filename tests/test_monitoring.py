@@ -378,11 +378,11 @@ def _fake_load(calls):
     return load
 
 
-def _drill(server, metrics, dog, calls, load_s):
+def _drill(server, metrics, dog, calls):
     return drills.failure_drill(
-        server, metrics, dog, lambda s: drills.chunked_load(
-            lambda: server.http_url.removeprefix("http://"), _fake_load(calls), 2, s, chunk_s=0.3),
-        load_s=load_s, kill_after_s=0.5, timeout_s=60)
+        server, metrics, dog, lambda stop: drills.chunked_load(
+            lambda: server.http_url.removeprefix("http://"), _fake_load(calls), 2, chunk_s=0.3, stop=stop),
+        kill_after_s=0.5, after_recovery_s=1.0, timeout_s=60)
 
 
 def test_failure_drill_with_prometheus_and_a_stub(tmp_path):
@@ -397,8 +397,8 @@ def test_failure_drill_with_prometheus_and_a_stub(tmp_path):
     try:
         metrics.wait_for(f'up{{job="{prometheus.TRITON_JOB}"}} == 1', timeout_s=60)
         dog.start()
-        # the load outlasts the recovery by far: the last chunks run against the restarted server
-        drill = _drill(server, metrics, dog, calls, load_s=15.0)
+        # the load runs until 1 s after the recovery: the last chunks run against the restarted server
+        drill = _drill(server, metrics, dog, calls)
     finally:
         dog.stop()
         metrics.stop()
@@ -420,7 +420,7 @@ def test_failure_drill_without_prometheus(tmp_path):
     calls: list[str] = []
     try:
         with dog:
-            drill = _drill(server, None, dog, calls, load_s=10.0)
+            drill = _drill(server, None, dog, calls)
     finally:
         server.stop()
     steps = drill.table()["step"].tolist()
@@ -451,6 +451,8 @@ def test_run_phases_and_chunked_load_tables():
 
     chunks = drills.chunked_load(lambda: "127.0.0.1:1", boom, 3, 0.5, chunk_s=0.2)
     assert (chunks["errors"] == 3).all() and chunks["error"].str.contains("nothing there").all()
+    with pytest.raises(ValueError, match="duration_s .* or stop"):
+        drills.chunked_load(lambda: "127.0.0.1:1", boom, 3)
     assert drills.default_phases(True)[-1].name == "overload"
 
 

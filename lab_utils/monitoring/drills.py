@@ -129,13 +129,18 @@ def run_phases(phases: Sequence[Phase], load: Callable[[int, float], Any]) -> pd
 
 
 def chunked_load(target: Callable[[], str], load: Callable[[str, int, float], Any], concurrency: int,
-                 duration_s: float, chunk_s: float = 1.0) -> pd.DataFrame:
+                 duration_s: float | None = None, chunk_s: float = 1.0,
+                 stop: threading.Event | None = None) -> pd.DataFrame:
     """Closed-loop load in chunks of ``chunk_s``, each aimed at ``target()`` (the server's current address, so
-    the clients follow a restarted server as a service address would); one row per chunk: start, end,
-    requests, errors, p99. ``load(url, concurrency, seconds)`` runs one chunk (lab 04's ``run_load``)."""
+    the clients follow a restarted server as a service address would), for ``duration_s`` or until ``stop`` is
+    set; one row per chunk: start, end, requests, errors, p99. ``load(url, concurrency, seconds)`` runs one
+    chunk (lab 04's ``run_load``)."""
+    if duration_s is None and stop is None:
+        raise ValueError("chunked_load needs duration_s (seconds) or stop (a threading.Event), or it never ends")
+    stop = stop or threading.Event()
+    end = time.time() + duration_s if duration_s is not None else math.inf
     rows = []
-    end = time.time() + duration_s
-    while time.time() < end:
+    while time.time() < end and not stop.is_set():
         t0 = time.time()
         seconds = max(0.2, min(chunk_s, end - t0))
         try:
@@ -146,7 +151,7 @@ def chunked_load(target: Callable[[], str], load: Callable[[str, int, float], An
         except Exception as err:  # the clients could not even start (no server there): a failed chunk
             rows.append({"start": t0, "end": time.time(), "requests": 0, "errors": concurrency, "p99_ms": math.nan,
                          "error": f"{type(err).__name__}: {str(err)[:120]}"})
-            threading.Event().wait(min(0.2, max(0.0, end - time.time())))
+            stop.wait(min(0.2, max(0.0, end - time.time())))
     return pd.DataFrame(rows, columns=["start", "end", "requests", "errors", "p99_ms", "error"])
 
 
@@ -366,21 +371,24 @@ class DrillResult:
 
 
 def failure_drill(server: Any, metrics: PromAPI | None, watchdog: Watchdog,
-                  load: Callable[[float], pd.DataFrame], *, load_s: float, kill_after_s: float,
-                  alert: str = "TritonServerDown", timeout_s: float = 60.0,
+                  load: Callable[[threading.Event], pd.DataFrame], *, kill_after_s: float,
+                  after_recovery_s: float = 3.0, alert: str = "TritonServerDown", timeout_s: float = 60.0,
                   up_expr: str = f'up{{job="{TRITON_JOB}"}}') -> DrillResult:
     """Kill the server under load and watch the recovery: client errors, ``up == 0`` in Prometheus, the alert
     firing, the watchdog's restart, ``up == 1`` again and requests succeeding again.
 
-    ``load(duration_s)`` runs closed-loop load (in a thread here) and returns its chunks. Without Prometheus
-    (``metrics=None``) the drill watches the server's own liveness instead of ``up`` and the alert.
+    ``load(stop)`` runs closed-loop load (in a thread here) until ``stop`` is set and returns its chunks; the
+    drill sets it ``after_recovery_s`` after the recovery (or when a step times out), so however long the
+    restart takes on a busy machine, the load runs on past it. Without Prometheus (``metrics=None``) the drill
+    watches the server's own liveness instead of ``up`` and the alert.
     """
     res = DrillResult()
     box: dict[str, Any] = {}
+    stop = threading.Event()  # ends the load; waits below are Event waits: interruptible, no bare sleeps
 
     def run() -> None:
         try:
-            box["result"] = load(load_s)
+            box["result"] = load(stop)
         except BaseException as err:  # shown to the caller, not lost in the thread
             box["error"] = err
 
@@ -388,7 +396,7 @@ def failure_drill(server: Any, metrics: PromAPI | None, watchdog: Watchdog,
     thread = threading.Thread(target=run, name="nvlab-drill-load", daemon=True)
     thread.start()
     res.step("load started", t_load)
-    pause = threading.Event()  # waits below are Event waits: interruptible, no bare sleeps
+    pause = threading.Event()  # never set: a sleep that is an Event wait
     try:
         pause.wait(kill_after_s)
         pid = kill(server)
@@ -410,6 +418,8 @@ def failure_drill(server: Any, metrics: PromAPI | None, watchdog: Watchdog,
         if metrics is not None:
             metrics.wait_for(f"{up_expr} == 1", timeout_s=timeout_s, poll_s=0.25)
             res.step("up == 1 again")
+            pause.wait(after_recovery_s)
+            stop.set()
             deadline = time.time() + timeout_s
             while time.time() < deadline:
                 df = metrics.alerts()
@@ -423,8 +433,10 @@ def failure_drill(server: Any, metrics: PromAPI | None, watchdog: Watchdog,
                 pause.wait(0.25)
             if health(server)["live"]:
                 res.step("live again")
+                pause.wait(after_recovery_s)
     finally:
-        thread.join(timeout=load_s + timeout_s)
+        stop.set()
+        thread.join(timeout=timeout_s)
     if "error" in box:
         raise box["error"]
     res.load = box.get("result")
