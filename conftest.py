@@ -7,6 +7,7 @@ and its wall time is printed at the end of the run.
 """
 
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -74,11 +75,14 @@ def pytest_runtest_teardown(item, nextitem):
     from lab_utils.ops.notebooks import leftover_processes
 
     item.user_properties.append(("nvlab_wall_s", (run["name"], time.perf_counter() - run["t0"])))
-    deadline = time.monotonic() + LEFTOVER_GRACE_S
-    while (left := leftover_processes(run["run_id"])) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not left, f"{run['name']} left processes running after its kernel stopped:\n" + "\n".join(left)
-    assert list(run["results"].glob("results_*.json")), f"{run['name']} recorded no measurement"
+    try:
+        deadline = time.monotonic() + LEFTOVER_GRACE_S
+        while (left := leftover_processes(run["run_id"])) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not left, f"{run['name']} left processes running after its kernel stopped:\n" + "\n".join(left)
+        assert list(run["results"].glob("results_*.json")), f"{run['name']} recorded no measurement"
+    finally:
+        shutil.rmtree(run["results"], ignore_errors=True)
     return result
 
 

@@ -11,9 +11,11 @@ import contextlib
 import ctypes
 import os
 import queue
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import threading
 import time
 import urllib.error
@@ -41,6 +43,22 @@ def _stop_everything_left() -> None:
     for obj in list(_STOP_AT_EXIT):
         with contextlib.suppress(Exception):
             obj.stop()
+
+
+def owned_tempdir(prefix: str) -> Path:
+    """A temporary folder named ``<prefix><pid>-…`` that is removed at this interpreter's exit.
+
+    A process killed outright (SIGKILL of a kernel or a test worker) runs no exit handler, so each call first
+    removes the folders of the same prefix whose owning process is gone: a later run cleans up after it.
+    """
+    tmp = Path(tempfile.gettempdir())
+    for old in tmp.glob(f"{prefix}*") if Path("/proc/self").exists() else ():  # liveness needs /proc
+        pid = old.name[len(prefix):].split("-", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(old, ignore_errors=True)
+    folder = Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-"))
+    atexit.register(shutil.rmtree, folder, True)
+    return folder
 
 
 def free_port(host: str = "127.0.0.1") -> int:

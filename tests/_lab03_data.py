@@ -3,13 +3,11 @@ exercise checks) and its ONNX export."""
 
 from __future__ import annotations
 
-import atexit
 import functools
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from lab_utils.procs import owned_tempdir
 
 
 @functools.lru_cache(maxsize=1)
@@ -20,8 +18,7 @@ def digits_onnx() -> tuple[Any, Path, dict[str, Any]]:
     from lab_utils import models
     from lab_utils.inference import onnx, workloads
 
-    folder = Path(tempfile.mkdtemp(prefix=f"nvlab-lab03-tests-{os.getpid()}-"))
-    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    folder = owned_tempdir("nvlab-lab03-tests-")
     model, facts = workloads.trained_digits(3)
     path = onnx.export_onnx(model, folder / "digits.onnx", torch.from_numpy(models.digits_arrays()["x_test"][:2]))
     return model, path, facts

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import socket
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -243,7 +242,7 @@ def test_recorded_server_serves_the_samples_and_leaves_nothing(prometheus_bin, p
 
 
 @pytest.fixture(scope="module")
-def triton():
+def triton(tmp_path_factory):
     from lab_utils.serving import server as triton_server
 
     try:
@@ -252,7 +251,7 @@ def triton():
         if _required("NVLAB_REQUIRE_TRITON"):
             pytest.fail(f"NVLAB_REQUIRE_TRITON=1 but no Triton server: {err}")
         pytest.skip("no Triton server binary (pip install --no-deps nvidia-pytriton)")
-    repo = drills.write_model(Path(tempfile.mkdtemp(prefix="nvlab-test-repo-")) / "repo")
+    repo = drills.write_model(tmp_path_factory.mktemp("triton") / "repo")
     with triton_server.TritonServer(repo) as server:
         yield server
 

@@ -30,7 +30,6 @@ import queue as queue_mod
 import re
 import shutil
 import signal
-import tempfile
 import time
 import traceback
 import warnings
@@ -51,7 +50,7 @@ import torch.distributed as dist
 # there ("terminate called without an active exception", SIGABRT at exit).
 import torch.distributed.nn  # noqa: F401
 
-from lab_utils.procs import die_with_parent
+from lab_utils.procs import die_with_parent, owned_tempdir
 
 BACKENDS = ("auto", "nccl", "gloo")
 # The group's collectives wait at least this long for a peer (a notebook's first NCCL call can take seconds).
@@ -379,7 +378,7 @@ def launch(fn: Callable[..., Any], nprocs: int, *, backend: str = "auto", kwargs
     child_env.setdefault("NCCL_NVLS_ENABLE", os.environ.get("NCCL_NVLS_ENABLE", "0"))
     results: dict[int, Any] = {}
     status = {r: "starting" for r in range(nprocs)}
-    stack_dir = tempfile.mkdtemp(prefix="nvlab-stacks-")
+    stack_dir = str(owned_tempdir("nvlab-stacks-"))
     stack_files = [os.path.join(stack_dir, f"rank{r}.txt") for r in range(nprocs)]
     try:
         with contextlib.ExitStack() as stores:

@@ -26,7 +26,6 @@ choices from fixed data in this module.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import ctypes
 import http.client
@@ -34,7 +33,6 @@ import json
 import math
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -64,7 +62,7 @@ from lab_utils.exercises.framework import (
     student_frame,
 )
 from lab_utils.monitoring import prometheus
-from lab_utils.procs import free_port
+from lab_utils.procs import free_port, owned_tempdir
 from lab_utils.serving import server as triton_server
 
 __all__ = [
@@ -819,8 +817,7 @@ def _watchdog_repo() -> Path:
     """A repository with one small python-backend model that echoes its input (written once per process, removed
     at exit): the server the watchdog watches loads a model, as a real one does."""
     if not _REPO:
-        root = Path(tempfile.mkdtemp(prefix="nvlab-watchdog-"))
-        atexit.register(shutil.rmtree, root, True)
+        root = owned_tempdir("nvlab-watchdog-")
         (root / "repo" / "echo" / "1").mkdir(parents=True)
         (root / "repo" / "echo" / "config.pbtxt").write_text(_ECHO_CONFIG)
         (root / "repo" / "echo" / "1" / "model.py").write_text(_ECHO_MODEL)

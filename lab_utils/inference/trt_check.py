@@ -13,7 +13,6 @@ No torch, no TensorRT: mypy runs in a subprocess, against a repaired copy of the
 from __future__ import annotations
 
 import ast
-import atexit
 import builtins
 import functools
 import importlib.metadata
@@ -30,6 +29,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from lab_utils.procs import owned_tempdir
 
 STUBS_DIST = "tensorrt-stubs"
 STUBS_INSTALL = "pip install --no-deps tensorrt-stubs==10.13.0.35.1 mypy"
@@ -219,9 +220,7 @@ def cache_root() -> Path:
 
 @functools.lru_cache(maxsize=1)
 def _temporary_cache() -> Path:
-    folder = Path(tempfile.mkdtemp(prefix=f"nvlab-cache-{os.getpid()}-"))
-    atexit.register(shutil.rmtree, folder, ignore_errors=True)
-    return folder
+    return owned_tempdir("nvlab-cache-")
 
 
 def _split_params(text: str) -> list[str]:

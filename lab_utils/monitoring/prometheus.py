@@ -24,7 +24,6 @@ import os
 import re
 import shutil
 import subprocess
-import tempfile
 import threading
 import time
 import urllib.error
@@ -40,6 +39,7 @@ from lab_utils import DATA_DIR
 from lab_utils.course.probe import PROMETHEUS_ENV, PROMETHEUS_INSTALL, prometheus_binary
 from lab_utils.procs import (
     free_port,
+    owned_tempdir,
     popen_owned,
     port_free,
     release_at_exit,
@@ -607,7 +607,7 @@ class PrometheusServer(PromAPI):
         """Check the configuration, start the server, wait until it is ready (raises with the log's tail)."""
         if self.alive():
             return self
-        self.workdir = Path(tempfile.mkdtemp(prefix="nvlab-prometheus-"))
+        self.workdir = owned_tempdir("nvlab-prometheus-")
         stop_at_exit(self)
         data = self.workdir / "data"
         write_config(self.config, self.config_path)  # type: ignore[arg-type]

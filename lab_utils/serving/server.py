@@ -47,7 +47,7 @@ from typing import Any, Protocol
 
 from lab_utils.course.probe import pytriton_server
 from lab_utils.course.stack import pinned_image
-from lab_utils.procs import free_port, popen_owned, port_free, stop_group, tail, wait_http_ok
+from lab_utils.procs import free_port, owned_tempdir, popen_owned, port_free, stop_group, tail, wait_http_ok
 
 MODEL_CONTROL = ("none", "explicit", "poll")
 URL_ENV = "TRITON_URL"  # http://host:8000 of a running server
@@ -168,14 +168,16 @@ def prepare_wheel_backends(binary: Path, root: Path | None = None) -> Path:
     with _wheel_lock:
         if key in _WHEEL_TREES and (_WHEEL_TREES[key] / "backends" / "python").is_dir():
             return _WHEEL_TREES[key]
-        base = Path(tempfile.mkdtemp(prefix="nvlab-triton-backends-", dir=root))
+        base = Path(tempfile.mkdtemp(prefix="nvlab-triton-backends-", dir=root)) if root else \
+            owned_tempdir("nvlab-triton-backends-")
         py = base / "backends" / "python"
         py.mkdir(parents=True)
         for name in ("libtriton_python.so", "triton_python_backend_utils.py"):
             (py / name).symlink_to(lay["tree"] / "backends" / "python" / name)
         (py / "triton_python_backend_stub").symlink_to(lay["stub"])
         (base / "caches").symlink_to(lay["tree"] / "caches")
-        atexit.register(shutil.rmtree, base, True)
+        if root:
+            atexit.register(shutil.rmtree, base, True)
         _WHEEL_TREES[key] = base
         return base
 
@@ -309,6 +311,7 @@ class TritonServer:
         self.exit_code: int | None = None
         self.stop_grace_s = float(DEFAULT_STOP_GRACE_S if stop_grace_s is None else stop_grace_s)
         self._shm_prefix = ""
+        self._python_envs: set[Path] = set()
 
     # urls ----------------------------------------------------------------------------------------------
     @property
@@ -448,9 +451,7 @@ class TritonServer:
 
     def _start_once(self, source: ServerSource) -> TritonServer:
         if not self._log_given:
-            logdir = Path(tempfile.mkdtemp(prefix="nvlab-triton-log-"))
-            atexit.register(shutil.rmtree, logdir, True)
-            self.log_path = logdir / "tritonserver.log"
+            self.log_path = owned_tempdir("nvlab-triton-log-") / "tritonserver.log"
         assert self.log_path is not None
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         _remove_stale_shm()
@@ -458,6 +459,7 @@ class TritonServer:
         self.argv = self._command(source)
         env = server_env(source, self._env_extra)
         t0 = time.perf_counter()
+        envs_before = _python_envs()
         with open(self.log_path, "wb") as log:
             self._proc = popen_owned(self.argv, stdout=log, stderr=log, stdin=_devnull(), env=env,
                                      cwd=str(self.model_repository.parent))
@@ -467,12 +469,14 @@ class TritonServer:
             ok = wait_http_ok(f"{self.http_url}/v2/health/ready", self._proc, self.startup_timeout_s,
                               give_up=lambda: _fatal_in_log(self.log_path))
         except TimeoutError:
+            self._python_envs = _python_envs() - envs_before
             self.stop()
             text = self.log_tail(400)
             raise ServerStartError(
                 f"Triton did not become ready within {self.startup_timeout_s:g} s (models still loading? raise "
                 f"startup_timeout_s). Log {self.log_path}, last lines:\n{self.log_tail(40)}",
                 self.log_tail(40), failed_models(text)) from None
+        self._python_envs = _python_envs() - envs_before
         if not ok:
             code = self._proc.returncode
             text = self.log_tail(400)
@@ -498,6 +502,9 @@ class TritonServer:
                 return self.exit_code
             self.exit_code = stop_group(proc, grace_s=self.stop_grace_s)
             _remove_shm(self._shm_prefix)
+            for folder in self._python_envs:  # a killed server's python backend leaves its empty env folder
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
             proc._nvlab_stopped = True
             with _running_lock:
                 _RUNNING.discard(self)
@@ -541,6 +548,12 @@ def _remove_shm(prefix: str) -> None:
     for f in Path("/dev/shm").glob(f"{prefix}*"):
         with contextlib.suppress(OSError):
             f.unlink()
+
+
+def _python_envs() -> set[Path]:
+    """The python backend's execution-environment folders (``/tmp/python_env_*``, a fixed path in Triton): the
+    ones that appear while a server starts are its own, removed when it stops (a killed server cannot)."""
+    return set(Path("/tmp").glob("python_env_*"))
 
 
 def _remove_stale_shm() -> None:
