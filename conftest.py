@@ -3,7 +3,8 @@
 nbval executes every solution once (``--nbval-lax``: cells marked ``# NBVAL_CHECK_OUTPUT`` are compared). Around
 each notebook these hooks add what the course promises besides: every exercise check in a solution says
 "correct.", the notebook recorded measurements, nothing it started is still running after its kernel stopped,
-and its wall time is printed at the end of the run.
+and its wall time is printed at the end of the run. The run as a whole must leave ``/tmp`` and ``/dev/shm`` as
+it found them (the course's folders and the python backend's ``python_env_*``).
 """
 
 import os
@@ -21,6 +22,32 @@ os.environ.setdefault("MPLBACKEND", "Agg")
 # A stopped kernel's children may take a moment to be reaped.
 LEFTOVER_GRACE_S = float(os.environ.get("NVLAB_LEFTOVER_GRACE_S", "10"))
 _WALL_S: list[tuple[str, float]] = []
+_LEFT_PATTERNS = [(Path(tempfile.gettempdir()), "nvlab-*"), (Path(tempfile.gettempdir()), "python_env_*"),
+                  (Path(tempfile.gettempdir()), "torchelastic_*"), (Path("/dev/shm"), "nvlab_triton_*")]
+_BEFORE: set[Path] = set()
+
+
+def _course_leftovers() -> set[Path]:
+    return {p for root, pattern in _LEFT_PATTERNS for p in root.glob(pattern)}
+
+
+def pytest_sessionstart(session):
+    if not hasattr(session.config, "workerinput"):  # the controller (or a run without xdist) takes stock
+        _BEFORE.update(_course_leftovers())
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Fail a passing run that left course folders or shared memory behind (workers' exit handlers get 15 s)."""
+    if hasattr(session.config, "workerinput") or os.environ.get("NVLAB_TMP_CHECK") == "0":
+        return
+    deadline = time.monotonic() + 15
+    while (left := _course_leftovers() - _BEFORE) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    if left:
+        names = ", ".join(sorted(str(p) for p in left))
+        session.config.stash[_LEFT_KEY] = names
+        if session.exitstatus == 0:
+            session.exitstatus = 1
 
 
 def _nbval_cell(item: pytest.Item) -> bool:
@@ -92,7 +119,15 @@ def pytest_runtest_logreport(report):
         _WALL_S.extend(tuple(v) for k, v in report.user_properties if k == "nvlab_wall_s")
 
 
+_LEFT_KEY = pytest.StashKey[str]()
+
+
 def pytest_terminal_summary(terminalreporter):
+    left = terminalreporter.config.stash.get(_LEFT_KEY, "")
+    if left:
+        terminalreporter.section("left behind")
+        terminalreporter.write_line(f"the test run left these behind (set NVLAB_TMP_CHECK=0 when other course "
+                                    f"processes share the machine): {left}", red=True)
     if _WALL_S:
         terminalreporter.section("notebook wall times")
         for name, seconds in _WALL_S:

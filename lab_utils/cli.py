@@ -28,12 +28,19 @@ def _literal(text: str) -> Any:
 def cmd_doctor(args: argparse.Namespace) -> int:
     from lab_utils.course.probe import probe
     from lab_utils.course.session import print_report
+    from lab_utils.procs import sweep_stale_tempdirs
+    from lab_utils.serving.server import remove_stale_shm
 
+    # what killed kernels and servers left behind (no exit handler ran): their owners are gone, so it goes
+    removed = [str(p) for p in sweep_stale_tempdirs()] + [f"/dev/shm/{n}" for n in remove_stale_shm()]
     report = probe()
     if args.json:
         print(report.to_json())
     else:
         print_report(report)
+    if removed:
+        print(f"nvlab doctor: removed {len(removed)} leftover(s) of course processes that were killed: "
+              + ", ".join(removed), file=sys.stderr if args.json else sys.stdout)
     if not report.can_run:
         print(f"nvlab doctor: the course cannot run here: missing {', '.join(report.missing)}; "
               "install with: pip install -e '.[lab]'", file=sys.stderr)

@@ -11,6 +11,7 @@ import contextlib
 import ctypes
 import os
 import queue
+import re
 import shutil
 import signal
 import socket
@@ -21,7 +22,7 @@ import time
 import urllib.error
 import urllib.request
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,20 +46,108 @@ def _stop_everything_left() -> None:
             obj.stop()
 
 
-def owned_tempdir(prefix: str) -> Path:
-    """A temporary folder named ``<prefix><pid>-…`` that is removed at this interpreter's exit.
+TEMP_PREFIX = "nvlab-"  # every temporary folder of the course: nvlab-<what>-<owner pid>-<random>
+_OWNED_NAME = re.compile(r"^nvlab-(?:[a-z][a-z0-9_]*-)+?(\d+)-[a-z0-9_]+$")
 
-    A process killed outright (SIGKILL of a kernel or a test worker) runs no exit handler, so each call first
-    removes the folders of the same prefix whose owning process is gone: a later run cleans up after it.
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, killed but not yet reaped by its parent, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def stale_tempdirs(root: Path | None = None) -> list[Path]:
+    """The course's temporary folders whose owning process is gone (killed outright: no exit handler ran).
+
+    Only names of the form ``nvlab-<what>-<pid>-<random>`` count; on a system without ``/proc`` none does.
     """
-    tmp = Path(tempfile.gettempdir())
-    for old in tmp.glob(f"{prefix}*") if Path("/proc/self").exists() else ():  # liveness needs /proc
-        pid = old.name[len(prefix):].split("-", 1)[0]
-        if pid.isdigit() and int(pid) != os.getpid() and not Path(f"/proc/{pid}").exists():
-            shutil.rmtree(old, ignore_errors=True)
-    folder = Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-"))
-    atexit.register(shutil.rmtree, folder, True)
+    if not Path("/proc/self").exists():
+        return []
+    root = root or Path(tempfile.gettempdir())
+    out = []
+    for path in root.glob(f"{TEMP_PREFIX}*"):
+        m = _OWNED_NAME.match(path.name)
+        if m and path.is_dir() and not path.is_symlink() and not pid_alive(int(m.group(1))):
+            out.append(path)
+    return sorted(out)
+
+
+def _started_at(pid: int) -> float | None:
+    """When process ``pid`` started (epoch seconds), from ``/proc``; None if it is gone."""
+    try:
+        ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        btime = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                     if line.startswith("btime "))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+    return btime + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def stale_python_envs(root: Path = Path("/tmp")) -> list[Path]:
+    """Empty ``python_env_*`` folders that no running Triton can own.
+
+    Triton's python backend makes one at a fixed path (``/tmp/python_env_XXXXXX``, not configurable) when it
+    loads, and removes it only on a clean shutdown. A folder older than every running ``tritonserver`` was made
+    by a server that is gone.
+    """
+    if not Path("/proc/self").exists():
+        return []
+    starts = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(OSError):
+            if (proc / "comm").read_text().strip() == "tritonserver":
+                started = _started_at(int(proc.name))
+                starts.append(started if started is not None else 0.0)
+    oldest = min(starts, default=float("inf"))
+    out = []
+    for path in root.glob("python_env_*"):
+        with contextlib.suppress(OSError):
+            if path.is_dir() and not path.is_symlink() and not any(path.iterdir()) and \
+                    path.stat().st_mtime < oldest - 1.0:
+                out.append(path)
+    return sorted(out)
+
+
+def sweep_stale_tempdirs(root: Path | None = None) -> list[Path]:
+    """Remove :func:`stale_tempdirs` and :func:`stale_python_envs`; returns what was removed (``nvlab doctor``
+    reports it)."""
+    removed = []
+    for path in stale_python_envs():
+        with contextlib.suppress(OSError):
+            path.rmdir()
+            removed.append(path)
+    for path in stale_tempdirs(root):
+        shutil.rmtree(path, ignore_errors=True)
+        if not path.exists():
+            removed.append(path)
+    return removed
+
+
+def owned_tempdir(what: str, at_exit: bool = True) -> Path:
+    """A new temporary folder ``nvlab-<what>-<pid>-<random>``, removed at this interpreter's exit (``at_exit``).
+
+    A process killed outright runs no exit handler, so each call first sweeps the folders of dead owners: the
+    next run of anything in the course cleans up after a killed kernel.
+    """
+    if not re.fullmatch(r"[a-z][a-z0-9_]*(-[a-z][a-z0-9_]*)*", what):
+        raise ValueError(f"owned_tempdir({what!r}): use lowercase words joined by '-', e.g. 'triton-log'")
+    sweep_stale_tempdirs()
+    folder = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{what}-{os.getpid()}-"))
+    if at_exit:
+        atexit.register(shutil.rmtree, folder, True)
     return folder
+
+
+@contextlib.contextmanager
+def temporary_folder(what: str) -> Iterator[Path]:
+    """:func:`owned_tempdir` for one block: removed when the block ends (and swept if the process is killed)."""
+    folder = owned_tempdir(what, at_exit=False)
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

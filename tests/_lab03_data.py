@@ -18,7 +18,7 @@ def digits_onnx() -> tuple[Any, Path, dict[str, Any]]:
     from lab_utils import models
     from lab_utils.inference import onnx, workloads
 
-    folder = owned_tempdir("nvlab-lab03-tests-")
+    folder = owned_tempdir("lab03-tests")
     model, facts = workloads.trained_digits(3)
     path = onnx.export_onnx(model, folder / "digits.onnx", torch.from_numpy(models.digits_arrays()["x_test"][:2]))
     return model, path, facts

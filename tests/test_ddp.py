@@ -249,7 +249,9 @@ def test_two_node_loopback(tmp_path):
     store = torch.distributed.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False,
                                        timeout=datetime.timedelta(seconds=60))
     out = tmp_path / "result.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+    # TMPDIR: torchrun's log folders (torchelastic_*) stay inside the test's own folder
+    env = {**os.environ, "TMPDIR": str(tmp_path), "OMP_NUM_THREADS": "1",
+           "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", "--max-restarts=0",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{store.port}", f"--rdzv-id=loopback-{os.getpid()}",

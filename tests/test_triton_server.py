@@ -10,6 +10,7 @@ import socket
 import stat
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 import uuid
@@ -238,8 +239,14 @@ def test_killed_kernel_leaves_no_server_or_stub(repo):
         os.kill(kernel_pid, signal.SIGKILL)
         assert _gone(pids, 15.0), f"still running after the kernel was killed: {[p for p in pids if _alive(p)]}"
         assert notebooks.leftover_processes(run_id) == []
-        triton_server._remove_stale_shm()  # what the next server start does: a dead owner's regions go
-        assert not list(Path("/dev/shm").glob(shm + "*"))
+        owned = list(Path(tempfile.gettempdir()).glob(f"nvlab-*-{kernel_pid}-*"))
+        assert owned, "the kernel's server made folders named by the kernel's PID (its log)"
+        # what `nvlab doctor` (and the next server start) does: a dead owner's folders and regions go
+        doctor = subprocess.run([sys.executable, "-m", "lab_utils", "doctor"], capture_output=True, text=True,
+                                timeout=120)
+        assert doctor.returncode == 0, doctor.stdout + doctor.stderr
+        assert "removed" in doctor.stdout and owned[0].name in doctor.stdout
+        assert not [p for p in owned if p.exists()] and not list(Path("/dev/shm").glob(shm + "*"))
     finally:
         if km.is_alive():
             km.shutdown_kernel(now=True)

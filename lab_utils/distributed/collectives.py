@@ -16,7 +16,6 @@ import math
 import os
 import re
 import socket
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -39,6 +38,7 @@ from lab_utils.distributed.bandwidth import (
 )
 from lab_utils.distributed.spawn import WorkerContext, choose_backend, launch, torch_gpu_count
 from lab_utils.plots import format_bytes
+from lab_utils.procs import temporary_folder
 from lab_utils.timing import benchmark, sync
 
 if TYPE_CHECKING:
@@ -469,7 +469,7 @@ def capture_nccl_debug(
         raise ValueError(f"{no_nccl}: here {nprocs} ranks run on gloo ({torch_gpu_count()} GPU(s)). "
                          "gloo writes no such log; nccl_log.parse_nccl_log works on a saved NCCL log instead")
     size_bytes = check_int(size_bytes, "size_bytes", "capture_nccl_debug")
-    with tempfile.TemporaryDirectory(prefix="nccl-debug-") as tmp:
+    with temporary_folder("nccl-debug") as tmp:
         env = {**extra, "NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": subsys,
                "NCCL_DEBUG_FILE": os.path.join(tmp, "nccl.%h.%p.log")}
         ranks = launch(nccl_debug_worker, nprocs, backend="nccl", timeout_s=timeout_s, env=env,

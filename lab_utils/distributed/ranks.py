@@ -27,7 +27,6 @@ import os
 import pickle
 import re
 import sysconfig
-import tempfile
 import textwrap
 import types
 from collections.abc import Callable, Iterator
@@ -36,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from lab_utils.distributed.spawn import WorkerContext, launch
+from lab_utils.procs import temporary_folder
 
 MAX_PICKLED_BYTES = 1 << 20  # a notebook value larger than this is refused: build it inside the function
 
@@ -226,7 +226,7 @@ def _pickled(value: Any, name: str, fn_name: str) -> bytes:
 @contextlib.contextmanager
 def shipping(fn: Callable[..., Any]) -> Iterator[Shipped]:
     """``ship(fn)`` into a temporary folder that is removed when the block ends."""
-    with tempfile.TemporaryDirectory(prefix="nvlab-ranks-") as folder:
+    with temporary_folder("ranks") as folder:
         yield ship(fn, folder)
 
 

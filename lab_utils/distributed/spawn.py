@@ -378,7 +378,7 @@ def launch(fn: Callable[..., Any], nprocs: int, *, backend: str = "auto", kwargs
     child_env.setdefault("NCCL_NVLS_ENABLE", os.environ.get("NCCL_NVLS_ENABLE", "0"))
     results: dict[int, Any] = {}
     status = {r: "starting" for r in range(nprocs)}
-    stack_dir = str(owned_tempdir("nvlab-stacks-"))
+    stack_dir = str(owned_tempdir("stacks"))
     stack_files = [os.path.join(stack_dir, f"rank{r}.txt") for r in range(nprocs)]
     try:
         with contextlib.ExitStack() as stores:

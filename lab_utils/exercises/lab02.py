@@ -32,7 +32,6 @@ import gc
 import math
 import os
 import re
-import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -60,6 +59,7 @@ from lab_utils.exercises.framework import (
     student_frame,
 )
 from lab_utils.models import DigitsCNN, digits_arrays
+from lab_utils.procs import temporary_folder
 
 __all__ = [
     "q1", "q2", "q3", "q4", "q5", "q6", "q7",
@@ -1218,7 +1218,7 @@ def _grade_train_ddp(fn: Any, backend: str | None = None, nprocs: int | None = N
     known = _REFERENCE_RUNS.get(key)
     call = (f"train_ddp(train_set, make_model, epochs={cfg['epochs']}, batch_size={cfg['batch_size']}, "
             f"lr={cfg['lr']}, checkpoint_path) on {nprocs} {backend} ranks")
-    with _shipped(fn, "train_ddp") as shipped, tempfile.TemporaryDirectory(prefix="nvlab-ddp-check-") as folder:
+    with _shipped(fn, "train_ddp") as shipped, temporary_folder("ddp-check") as folder:
         res = _run_in_ranks(_ddp_worker, shipped, call, nprocs, backend, DDP_TIMEOUT_S,
                             {"cfg": cfg, "folder": folder, "reference": known is None}, group=False,
                             rendezvous=1 if known else 2)
@@ -1245,7 +1245,7 @@ def reference_ddp_run(nprocs: int | None = None, backend: str | None = None) -> 
     key = _reference_key(backend, nprocs, cfg)
     if key not in _REFERENCE_RUNS:
         with ranks_mod.shipping(reference_train_ddp) as shipped, \
-                tempfile.TemporaryDirectory(prefix="nvlab-ddp-ref-") as folder:
+                temporary_folder("ddp-ref") as folder:
             res = launch(_ddp_worker, nprocs, backend=backend, timeout_s=DDP_TIMEOUT_S, group=False,
                          kwargs={"student": shipped, "cfg": cfg, "folder": folder, "reference": False})
         state = _tensors(res[0]["student"]["state"])

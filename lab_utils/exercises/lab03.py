@@ -21,10 +21,8 @@ import copy
 import functools
 import inspect
 import io
-import os
 import re
 import sys
-import tempfile
 import textwrap
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -33,6 +31,7 @@ from typing import Any
 
 from lab_utils.exercises.framework import CodeExercise, Exercise, Wrong, close_to, integer, run_student
 from lab_utils.inference import trt_check
+from lab_utils.procs import temporary_folder
 
 __all__ = [
     "q1", "q2", "q3", "q4", "q5", "q6", "q7", "q8",
@@ -81,8 +80,8 @@ class _Digits:
 @contextlib.contextmanager
 def _folder(what: str) -> Iterator[Path]:
     """A temporary folder for one check (its owner's PID in the name), removed when the check ends."""
-    with tempfile.TemporaryDirectory(prefix=f"nvlab-lab03-{what}-{os.getpid()}-") as tmp:
-        yield Path(tmp)
+    with temporary_folder(f"lab03-{what}") as tmp:
+        yield tmp
 
 
 @functools.lru_cache(maxsize=1)

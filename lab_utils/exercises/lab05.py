@@ -36,7 +36,6 @@ import re
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -62,7 +61,7 @@ from lab_utils.exercises.framework import (
     student_frame,
 )
 from lab_utils.monitoring import prometheus
-from lab_utils.procs import free_port, owned_tempdir
+from lab_utils.procs import free_port, owned_tempdir, temporary_folder
 from lab_utils.serving import server as triton_server
 
 __all__ = [
@@ -673,8 +672,8 @@ def _grade_alert_rule(value: Any) -> str:
                     "the server serves, including the ones deployed next week. Drop the matcher")
     for_s = _duration_s(str(rule.get("for", "0s")))
     labels = rule.get("labels") or {}
-    with tempfile.TemporaryDirectory(prefix="nvlab-alert-") as tmp:
-        rule_file = Path(tmp) / "student_rules.yml"
+    with temporary_folder("alert") as tmp:
+        rule_file = tmp / "student_rules.yml"
         rule_file.write_text(json.dumps({"groups": [{"name": "student", "rules": [rule]}]}, indent=2, default=str))
         try:
             prometheus.check_rules(rule_file)
@@ -817,7 +816,7 @@ def _watchdog_repo() -> Path:
     """A repository with one small python-backend model that echoes its input (written once per process, removed
     at exit): the server the watchdog watches loads a model, as a real one does."""
     if not _REPO:
-        root = owned_tempdir("nvlab-watchdog-")
+        root = owned_tempdir("watchdog")
         (root / "repo" / "echo" / "1").mkdir(parents=True)
         (root / "repo" / "echo" / "config.pbtxt").write_text(_ECHO_CONFIG)
         (root / "repo" / "echo" / "1" / "model.py").write_text(_ECHO_MODEL)

@@ -220,7 +220,7 @@ def cache_root() -> Path:
 
 @functools.lru_cache(maxsize=1)
 def _temporary_cache() -> Path:
-    return owned_tempdir("nvlab-cache-")
+    return owned_tempdir("cache")
 
 
 def _split_params(text: str) -> list[str]:

@@ -607,7 +607,7 @@ class PrometheusServer(PromAPI):
         """Check the configuration, start the server, wait until it is ready (raises with the log's tail)."""
         if self.alive():
             return self
-        self.workdir = owned_tempdir("nvlab-prometheus-")
+        self.workdir = owned_tempdir("prometheus")
         stop_at_exit(self)
         data = self.workdir / "data"
         write_config(self.config, self.config_path)  # type: ignore[arg-type]

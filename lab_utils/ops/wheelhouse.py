@@ -28,12 +28,13 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import zipfile
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from lab_utils.procs import temporary_folder
 
 ARCHES = ("x86_64", "aarch64")
 # The newest glibc a named platform assumes: Ubuntu 22.04 (2.35). nvidia-pytriton's wheels need it; NGC 25.xx and
@@ -340,8 +341,7 @@ def build(dest: Path | str, *, python: str | None = None, platforms: Sequence[st
     log(f"wheelhouse for {what} in {dest}; extras: {','.join(extras) or 'none'}"
         + (f"; left out (the NGC {rel['tag']} image has them): {', '.join(left_out)}" if left_out else ""))
 
-    with tempfile.TemporaryDirectory(prefix="nvlab-wheelhouse-") as tmp_name:
-        tmp = Path(tmp_name)
+    with temporary_folder("wheelhouse") as tmp:
         # The course's wheel, built from a copy so the checkout gets no build/ or egg-info from this.
         src = tmp / "src"
         src.mkdir()

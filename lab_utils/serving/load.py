@@ -53,6 +53,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from lab_utils.procs import temporary_folder
 from lab_utils.serving.client import build_request, host_port
 
 PROTOCOLS = ("grpc", "http")
@@ -788,12 +789,11 @@ def _perf_analyzer_once(binary: str, model: str, url: str, concurrency: int, pro
                         stability_pct: int, max_trials: int, shape: str | None,
                         timeout_s: float | None) -> PerfAnalyzerResult:
     import subprocess
-    import tempfile
 
     from lab_utils.procs import popen_owned, stop_group
 
-    with tempfile.TemporaryDirectory(prefix="nvlab-perf-analyzer-") as tmp:
-        csv_path = os.path.join(tmp, "perf.csv")
+    with temporary_folder("perf-analyzer") as tmp:
+        csv_path = str(tmp / "perf.csv")
         command = perf_analyzer_command(model, url, [concurrency], protocol=protocol, shape=shape,
                                         window_ms=window_ms, stability_pct=stability_pct, percentile=None,
                                         max_trials=max_trials, csv_path=csv_path)

@@ -47,7 +47,7 @@ from typing import Any, Protocol
 
 from lab_utils.course.probe import pytriton_server
 from lab_utils.course.stack import pinned_image
-from lab_utils.procs import free_port, owned_tempdir, popen_owned, port_free, stop_group, tail, wait_http_ok
+from lab_utils.procs import free_port, owned_tempdir, pid_alive, popen_owned, port_free, stop_group, tail, wait_http_ok
 
 MODEL_CONTROL = ("none", "explicit", "poll")
 URL_ENV = "TRITON_URL"  # http://host:8000 of a running server
@@ -169,7 +169,7 @@ def prepare_wheel_backends(binary: Path, root: Path | None = None) -> Path:
         if key in _WHEEL_TREES and (_WHEEL_TREES[key] / "backends" / "python").is_dir():
             return _WHEEL_TREES[key]
         base = Path(tempfile.mkdtemp(prefix="nvlab-triton-backends-", dir=root)) if root else \
-            owned_tempdir("nvlab-triton-backends-")
+            owned_tempdir("triton-backends")
         py = base / "backends" / "python"
         py.mkdir(parents=True)
         for name in ("libtriton_python.so", "triton_python_backend_utils.py"):
@@ -450,16 +450,18 @@ class TritonServer:
         raise AssertionError("unreachable")
 
     def _start_once(self, source: ServerSource) -> TritonServer:
-        if not self._log_given:
-            self.log_path = owned_tempdir("nvlab-triton-log-") / "tritonserver.log"
+        if not self._log_given and self.log_path is None:  # one folder per server: restarts append to its log
+            self.log_path = owned_tempdir("triton-log") / "tritonserver.log"
         assert self.log_path is not None
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        _remove_stale_shm()
+        remove_stale_shm()
         self._shm_prefix = f"{SHM_PREFIX}{os.getpid()}x{next(_counter)}_"
         self.argv = self._command(source)
         env = server_env(source, self._env_extra)
         t0 = time.perf_counter()
         envs_before = _python_envs()
+        if self.log_path.exists() and self.log_path.stat().st_size:  # a restart: keep the last run's log beside
+            self.log_path.replace(self.log_path.with_suffix(".previous.log"))
         with open(self.log_path, "wb") as log:
             self._proc = popen_owned(self.argv, stdout=log, stderr=log, stdin=_devnull(), env=env,
                                      cwd=str(self.model_repository.parent))
@@ -556,13 +558,17 @@ def _python_envs() -> set[Path]:
     return set(Path("/tmp").glob("python_env_*"))
 
 
-def _remove_stale_shm() -> None:
-    """Regions of servers whose owning interpreter is gone (a killed kernel): ``nvlab_triton_<pid>x<n>_...``."""
+def remove_stale_shm() -> list[str]:
+    """Remove regions of servers whose owning interpreter is gone (a killed kernel), ``nvlab_triton_<pid>x<n>_...``;
+    returns their names."""
+    removed = []
     for f in Path("/dev/shm").glob(f"{SHM_PREFIX}*"):
         m = re.match(re.escape(SHM_PREFIX) + r"(\d+)x", f.name)
-        if m and not Path(f"/proc/{m.group(1)}").exists():
+        if m and not pid_alive(int(m.group(1))):
             with contextlib.suppress(OSError):
                 f.unlink()
+                removed.append(f.name)
+    return removed
 
 
 def _devnull() -> Any:
