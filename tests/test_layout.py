@@ -57,8 +57,13 @@ def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative (ruff forbids them; resolved anyway, so one cannot hide an upward import)
+                package = path.relative_to(PKG.parent).parts[:-1]  # a module's package, or __init__'s own
+                anchor = package[: len(package) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            names = [base] + [f"{base}.{a.name}" for a in node.names]
         else:
             continue
         found |= {n for n in names if n in modules}

@@ -670,8 +670,6 @@ def overlap_experiment(nprocs: int | None = None, variants: Sequence[dict[str, A
 # The two-H200 reference run beside the local numbers
 
 H200X2_RUN = "h200x2"  # reference_runs/h200x2: lab 02 executed on two H200 SXM joined by NV18 (NVLS off)
-# What that run's throughput sections trained (THROUGHPUT_DEFAULTS' GPU column), for the tables' captions.
-H200X2_WORKLOAD = "ResNet-18, 224 px, batch 256 per GPU, BF16 autocast, channels_last"
 
 
 def record_name(variant: str) -> str:
