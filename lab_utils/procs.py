@@ -2,6 +2,8 @@
 
 Used by every server a lab starts (Triton, Prometheus) and by the distributed launcher's workers.
 Linux only where it matters (PR_SET_PDEATHSIG, ``/proc``); elsewhere the functions degrade to no-ops.
+Also the course's one reader of environment variables (``env_flag``, ``env_int``, ``env_url``: a bad value is an
+``EnvError`` naming the variable and the form expected) and its one HTTP probe (``http_ok``, ``check_service``).
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import http.client
 import os
 import queue
 import re
@@ -20,6 +23,7 @@ import tempfile
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import weakref
 from collections.abc import Callable, Iterator
@@ -44,6 +48,84 @@ def _stop_everything_left() -> None:
     for obj in list(_STOP_AT_EXIT):
         with contextlib.suppress(Exception):
             obj.stop()
+
+
+# --- environment variables: one reader, one wording ----------------------------------------------------------
+
+TRUE_WORDS = ("1", "true", "yes")
+FALSE_WORDS = ("0", "false", "no")
+
+
+class EnvError(ValueError):
+    """An environment variable the course cannot use; the message names it, its value and the form expected."""
+
+
+def _env(name: str) -> str:
+    return os.environ.get(name, "").strip()
+
+
+def env_flag(name: str, default: bool = False) -> bool:
+    """``$name`` as a yes/no switch: 1/true/yes or 0/false/no (any case); ``default`` when unset or empty."""
+    raw = _env(name)
+    if not raw:
+        return default
+    if raw.lower() in TRUE_WORDS:
+        return True
+    if raw.lower() in FALSE_WORDS:
+        return False
+    raise EnvError(f"{name}={raw!r}: expected one of {'/'.join(TRUE_WORDS + FALSE_WORDS)} (or unset it)")
+
+
+def env_int(name: str, default: int | None = None, minimum: int | None = None) -> int | None:
+    """``$name`` as an integer (>= ``minimum`` when given); ``default`` when unset or empty."""
+    raw = _env(name)
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = None
+    if value is None or (minimum is not None and value < minimum):
+        bound = f" >= {minimum}" if minimum is not None else ""
+        raise EnvError(f"{name}={raw!r}: expected an integer{bound}")
+    return value
+
+
+def check_url(value: str, name: str, *, default_port: int | None = None,
+              schemes: tuple[str, ...] = ("http", "https"), bare: bool = False, path_ok: bool = False) -> str:
+    """``value`` (from ``$name``, or an argument called ``name``) as ``scheme://host:port[/path]``, or ``host:port``
+    with ``bare``; a missing scheme means ``schemes[0]``, a missing port ``default_port``. Raises ``EnvError``
+    naming ``name`` and the form expected (a bad port, no host, a path where none belongs, another scheme)."""
+    form = "HOST:PORT" if bare else f"{schemes[0]}://HOST:PORT"
+    example = form.replace("HOST", "127.0.0.1").replace("PORT", str(default_port or 8000))
+    text = value.strip()
+
+    def bad(why: str) -> EnvError:
+        return EnvError(f"{name}={value!r}: expected {form}, e.g. {example} ({why})")
+
+    # urlsplit reads "localhost:8000" as scheme "localhost": a value without "://" gets the default scheme first.
+    parts = urllib.parse.urlsplit(text if "://" in text else f"{schemes[0]}://{text}")
+    if parts.scheme not in schemes:
+        raise bad(f"the scheme {parts.scheme!r} is not {' or '.join(schemes)}")
+    if not parts.hostname:
+        raise bad("no host")
+    try:
+        port = parts.port
+    except ValueError:
+        raise bad(f"the port {parts.netloc.rsplit(':', 1)[-1]!r} is not a number from 1 to 65535") from None
+    port = port or default_port
+    if not port:
+        raise bad("no port")
+    if parts.query or parts.fragment or (parts.path.strip("/") and not path_ok):
+        raise bad(f"nothing may follow the port, got {text[text.index(parts.netloc) + len(parts.netloc):]!r}")
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    return f"{host}:{port}" if bare else f"{parts.scheme}://{host}:{port}{parts.path.rstrip('/')}"
+
+
+def env_url(name: str, **kwargs: Any) -> str | None:
+    """``$name`` checked by :func:`check_url` (same keywords); None when unset or empty."""
+    raw = _env(name)
+    return check_url(raw, name, **kwargs) if raw else None
 
 
 TEMP_PREFIX = "nvlab-"  # every temporary folder of the course: nvlab-<what>-<owner pid>-<random>
@@ -283,6 +365,77 @@ def stop_group(proc: subprocess.Popen, grace_s: float = 10.0, kill_wait_s: float
             return proc.returncode
 
 
+def http_ok(url: str, timeout_s: float = 2.0, check: Callable[[bytes], bool] | None = None) -> tuple[bool, str]:
+    """GET ``url`` once, waiting at most ``timeout_s`` seconds: (answered 200, what happened).
+
+    What happened is ``"HTTP <status>"`` whenever an HTTP answer came (``"HTTP 200, unexpected body ..."`` when
+    ``check(body)`` refuses it), else the failure's name: ``ConnectionRefusedError``, ``TimeoutError``,
+    ``gaierror`` (unknown host), ``BadStatusLine`` (something that does not speak HTTP)...
+    """
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as r:
+            status = r.status
+            body = r.read(65536) if check is not None else b""
+    except urllib.error.HTTPError as err:
+        err.close()  # it holds the connection open
+        return False, f"HTTP {err.code}"
+    except urllib.error.URLError as err:
+        reason = err.reason
+        return False, type(reason).__name__ if isinstance(reason, BaseException) else str(reason)
+    except (OSError, http.client.HTTPException, ValueError) as err:  # ValueError: not a URL urllib can open
+        return False, type(err).__name__
+    if status != 200:
+        return False, f"HTTP {status}"
+    if check is not None:
+        try:
+            fits = bool(check(body))
+        except Exception:  # a body the check cannot parse is not the expected one
+            fits = False
+        if not fits:
+            return False, f"HTTP 200, unexpected body {body[:80]!r}"
+    return True, "HTTP 200"
+
+
+_NOT_HTTP = ("BadStatusLine", "LineTooLong", "IncompleteRead", "UnknownProtocol", "HTTPException")
+
+
+def check_service(url: str, path: str, looks_right: Callable[[bytes], bool], what: str, env: str | None = None,
+                  wait_s: float = 5.0, poll_s: float = 0.2, hint: str = "") -> str | None:
+    """None when ``GET url+path`` answers 200 with a body ``looks_right`` accepts (``url`` is ``what``, Triton or
+    Prometheus); else why not, in words naming ``env``, the variable the URL came from (``hint`` follows when
+    nothing answers).
+
+    An HTTP answer that is not ``what``'s is reported at once; no answer at all (refused, timed out) and HTTP 503
+    (starting) are retried for ``wait_s`` seconds first, for a server still starting.
+    """
+    where = urllib.parse.urlsplit(url).netloc or url
+    src = f" ({env})" if env else ""
+    deadline = time.monotonic() + wait_s
+    while True:
+        left = deadline - time.monotonic()
+        ok, why = http_ok(url.rstrip("/") + path, timeout_s=min(2.0, max(0.5, left)), check=looks_right)
+        if ok:
+            return None
+        late = time.monotonic() >= deadline
+        if why == "HTTP 503":  # Service Unavailable: a server still starting, or something else; wait first
+            if late:
+                return f"{where} answers HTTP but is not {what}, or is not ready: GET {path} gave {why}{src}"
+        elif why.startswith("HTTP "):
+            return f"{where} answers HTTP but is not {what}: GET {path} gave {why}{src}"
+        elif why in _NOT_HTTP:
+            return f"{where} answers but does not speak HTTP ({why}): it is not {what}{src}"
+        elif why == "gaierror":
+            return f"the host in {url} is not known (no DNS entry){src}"
+        elif late:
+            tip = f": {hint}" if hint else ""
+            if why == "ConnectionRefusedError":
+                return f"nothing listens at {where}{src}{tip}"
+            if why in ("TimeoutError", "timeout"):
+                return f"nothing answers at {where} within {wait_s:g} s{src}{tip}"
+            return f"nothing answers HTTP at {where} ({why}){src}{tip}"
+        threading.Event().wait(min(poll_s, max(0.0, deadline - time.monotonic())))
+
+
 def wait_http_ok(url: str, proc: subprocess.Popen | None, timeout_s: float, poll_s: float = 0.05,
                  give_up: Callable[[], bool] | None = None) -> bool:
     """Wait until ``GET url`` answers 200, checking that ``proc`` is still alive between tries.
@@ -297,10 +450,8 @@ def wait_http_ok(url: str, proc: subprocess.Popen | None, timeout_s: float, poll
             return False
         if give_up is not None and give_up():
             return False
-        with contextlib.suppress(urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-            with urllib.request.urlopen(url, timeout=1.0) as r:
-                if r.status == 200:
-                    return True
+        if http_ok(url, timeout_s=1.0)[0]:
+            return True
         if time.monotonic() > deadline:
             raise TimeoutError(f"{url} did not answer 200 within {timeout_s:g} s")
         if proc is not None:

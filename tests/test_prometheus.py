@@ -16,11 +16,11 @@ import pytest
 
 from lab_utils.monitoring import drills, panels, prometheus
 from lab_utils.monitoring import exporter as gpu_exporter
-from lab_utils.procs import group_members
+from lab_utils.procs import env_flag, group_members
 
 
 def _required(var: str) -> bool:
-    return os.environ.get(var, "").lower() in ("1", "true", "yes")
+    return env_flag(var)
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +159,8 @@ def test_start_metrics_backends(prometheus_bin, exporter, monkeypatch):
     monkeypatch.delenv(prometheus.URL_ENV, raising=False)
     with prometheus.start_metrics(jobs) as own:
         assert own.kind == "prometheus"
-        # the compose stack's case: PROMETHEUS_URL names a running server, which is used as it is
+        # the compose stack's case: PROMETHEUS_URL names a running server, which is used as it is (a real
+        # Prometheus passes the /api/v1/status/buildinfo identification that test_env_vars' look-alikes fail)
         monkeypatch.setenv(prometheus.URL_ENV, own.url)
         with prometheus.start_metrics(jobs) as ext:
             assert ext.kind == "external" and ext.url == own.url
@@ -169,7 +170,9 @@ def test_start_metrics_backends(prometheus_bin, exporter, monkeypatch):
         with prometheus.start_metrics(jobs, prefer="local") as local:  # the lab's own, PROMETHEUS_URL or not
             assert local.kind == "prometheus" and local.url != own.url
     monkeypatch.setenv(prometheus.URL_ENV, "http://127.0.0.1:1")
-    with pytest.raises(prometheus.PrometheusError, match="compose stack"):
+    monkeypatch.setattr(prometheus, "IDENTIFY_S", 0.5)  # how long a refused connection is retried
+    with pytest.raises(prometheus.PrometheusError, match=r"nothing listens at 127.0.0.1:1 \(PROMETHEUS_URL\): is the "
+                                                         "compose stack up"):
         prometheus.start_metrics(jobs)
     with pytest.raises(ValueError, match="auto, local or external"):
         prometheus.start_metrics(jobs, prefer="anything")

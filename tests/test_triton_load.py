@@ -86,6 +86,7 @@ def test_server_killed_mid_load_is_counted_not_raised(tmp_path):
         assert any(w.requests for w in r.windows)
         assert r.windows[-1].requests == 0 and r.windows[-1].errors > 0
         assert r.errors > 0 and any("UNAVAILABLE" in m or "unavailable" in m.lower() for m in r.error_messages)
+        assert sum(r.error_messages.values()) == r.errors_total >= r.errors  # every error has its message
         assert r.server is None or r.server["requests"] >= 0  # the split needs the server; the load numbers stand
 
 
@@ -121,8 +122,46 @@ def test_bad_arguments():
         run_load("x:1", "m", make_inputs, 1, protocol="udp")
     with pytest.raises(ValueError, match="concurrency"):
         run_load("x:1", "m", make_inputs, 0)
+    nan = float("nan")
+    for conc in (-2, 1.5, nan, True):
+        with pytest.raises(ValueError, match=r"run_load\(concurrency=.*\): must be an integer >= 1"):
+            run_load("x:1", "m", make_inputs, conc)
+    bad_seconds = [("duration_s", nan), ("duration_s", 0), ("duration_s", -1.0), ("duration_s", float("inf")),
+                   ("window_s", nan), ("window_s", 0), ("warmup_s", -0.1), ("warmup_s", nan), ("timeout_s", 0),
+                   ("timeout_s", nan)]
+    for arg, value in bad_seconds:  # before: NaN passed every check (NaN <= 0 is False) and failed later, unnamed
+        with pytest.raises(ValueError, match=rf"run_load\({arg}=.*\): must be a finite number of seconds"):
+            run_load("x:1", "m", make_inputs, 1, **{arg: value})
+    with pytest.raises(ValueError, match=r"run_load\(processes=0\)"):
+        run_load("x:1", "m", make_inputs, 1, processes=0)
+    with pytest.raises(ValueError, match=r"run_load\(max_windows=2\): must be an integer >= 3"):
+        run_load("x:1", "m", make_inputs, 1, max_windows=2)
+    with pytest.raises(ValueError, match=r"run_load\(stability=nan\)"):
+        run_load("x:1", "m", make_inputs, 1, stability=nan)
     with pytest.raises(TypeError, match="numpy"):
         run_load("x:1", "m", lambda: {"INPUT__0": [1, 2]}, 1)
+
+
+def test_a_windows_errors_and_their_messages_are_taken_together():
+    sink = triton_load._Sink(t0=100.0, window_s=1.0)
+    sink.add(99.0, 99.5, False, "warm-up failure")  # window -1
+    sink.add(100.0, 100.5, False, "refused")  # window 0
+    sink.add(100.0, 100.6, True)
+    for _ in range(3):  # a dead server fails fast: window 1 fills before window 0 is taken
+        sink.add(101.0, 101.2, False, "unavailable")
+    lat, errs, msgs = sink.take(0)
+    assert len(lat) == 1 and errs == 1 and msgs == {"refused": 1}  # before: window 1's messages came along
+    assert sink.take(1)[1:] == (3, {"unavailable": 3}) and sink.take(-1)[1:] == (1, {"warm-up failure": 1})
+    assert sink.take(2)[1:] == (0, {})
+
+
+def test_error_messages_past_the_top_ten_keep_their_count():
+    from collections import Counter
+
+    msgs = Counter({f"error {i}": i + 1 for i in range(12)})  # 12 distinct messages, 78 errors
+    top = triton_load._top_messages(msgs)
+    assert len(top) == 11 and top[triton_load.OTHER_MESSAGES] == 1 + 2 and sum(top.values()) == 78
+    assert triton_load._top_messages(Counter({"a": 2})) == {"a": 2}
 
 
 def test_perf_analyzer_command():

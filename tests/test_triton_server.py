@@ -14,6 +14,7 @@ import tempfile
 import textwrap
 import time
 import uuid
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -207,6 +208,22 @@ def test_bad_arguments():
         TritonServer(".", load_models=("x",))
     with pytest.raises(ServerStartError, match="not a folder"):
         TritonServer("/nonexistent/repo").start()
+
+
+def test_empty_repository_is_warned_about_before_the_start(tmp_path):
+    empty = tmp_path / "models"
+    (empty / ".ipynb_checkpoints").mkdir(parents=True)  # hidden folders and loose files are no models
+    (empty / "README.md").write_text("models go here\n")
+    never = triton_server.ServerSource("url", "http://127.0.0.1:1")  # refused after the check: nothing starts
+    for mode, then in (("none", "serve no model"), ("explicit", "load_model")):
+        with pytest.warns(triton_server.EmptyRepositoryWarning, match=rf"{empty} has no model folders.*{then}"), \
+                pytest.raises(ServerStartError, match="ExternalServer"):
+            TritonServer(empty, model_control=mode, source=never).start()
+    (empty / "m").mkdir()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", triton_server.EmptyRepositoryWarning)
+        with pytest.raises(Exception, match="config.pbtxt"):  # a model folder: no warning, validated instead
+            TritonServer(empty, source=never).start()
 
 
 def test_killed_kernel_leaves_no_server_or_stub(repo):

@@ -23,6 +23,7 @@ from typing import Any
 
 from lab_utils import DATA_DIR
 from lab_utils.course.catalog import LABS, repo_root
+from lab_utils.procs import EnvError, env_url
 
 REQUIRED = ("numpy", "pandas", "matplotlib", "torch", "papermill", "nbformat", "ipykernel")
 
@@ -448,10 +449,15 @@ def _tensorrt_component() -> Component:
 def _probe_components() -> dict[str, Component]:
     comps: dict[str, Component] = {}
     comps["tensorrt"] = _tensorrt_component()
-    url = os.environ.get("TRITON_URL")
+    try:
+        url, bad_url = env_url("TRITON_URL", default_port=8000), ""
+    except EnvError as err:  # the report shows it; the lab's own read raises it
+        url, bad_url = None, str(err)
     on_path = shutil.which("tritonserver")
     wheel = pytriton_server()
-    if url:
+    if bad_url:
+        comps["tritonserver"] = Component("Triton server", False, None, os.environ.get("TRITON_URL"), bad_url)
+    elif url:
         comps["tritonserver"] = Component("Triton server", True, None, url, "external server (TRITON_URL)")
     elif on_path:
         comps["tritonserver"] = Component(
@@ -466,9 +472,12 @@ def _probe_components() -> dict[str, Component]:
         comps["tritonserver"] = Component("Triton server", False, None, None, "pip install nvidia-pytriton")
     # Lab 05 runs its own Prometheus (it kills and restarts its own Triton) and grades PromQL with promtool, so
     # "present" means both binaries; the compose stack's server ($PROMETHEUS_URL) is noted, not counted.
-    purl = os.environ.get("PROMETHEUS_URL")
+    try:
+        purl = env_url("PROMETHEUS_URL", default_port=9090, path_ok=True)
+        also = f"; PROMETHEUS_URL={purl} is the compose stack's server" if purl else ""
+    except EnvError as err:
+        purl, also = None, f"; {err}"
     prom, promtool = prometheus_binary("prometheus"), prometheus_binary("promtool")
-    also = f"; PROMETHEUS_URL={purl} is the compose stack's server" if purl else ""
     if prom and promtool:
         out = _run([prom, "--version"], timeout=10) or ""
         m = re.search(r"version\s+([\w.\-+]+)", out)

@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
 from lab_utils.course.catalog import lab_by_number
 from lab_utils.course.probe import EnvReport, LabTier, probe
 from lab_utils.course.results import Recorder
+from lab_utils.procs import env_flag
 
 QUICK_ENV = "NVLAB_QUICK"
 
 
 def quick_mode() -> bool:
-    """True when ``NVLAB_QUICK=1``: CI's small sizes for runs that cannot pass papermill parameters."""
-    return os.environ.get(QUICK_ENV, "").lower() in ("1", "true", "yes")
+    """True when ``NVLAB_QUICK=1``: CI's small sizes for runs that cannot pass papermill parameters. Another value
+    than 1/0/true/false/yes/no is an ``EnvError`` (a typo must not silently run the full sizes)."""
+    return env_flag(QUICK_ENV)
 
 
 @dataclass

@@ -14,8 +14,6 @@ import os
 import signal
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +23,7 @@ import numpy as np
 import pandas as pd
 
 from lab_utils.monitoring.prometheus import TRITON_JOB, PromAPI
-from lab_utils.procs import release_at_exit, stop_at_exit
+from lab_utils.procs import http_ok, release_at_exit, stop_at_exit
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -159,14 +157,9 @@ def chunked_load(target: Callable[[], str], load: Callable[[str, int, float], An
 
 
 def probe(url: str, timeout_s: float = 2.0) -> tuple[bool, str]:
-    """GET ``url``: (answered 200, what happened) — for ``/v2/health/live`` and ``/v2/health/ready``."""
-    try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as r:
-            return r.status == 200, f"HTTP {r.status}"
-    except urllib.error.HTTPError as err:
-        return False, f"HTTP {err.code}"
-    except (urllib.error.URLError, OSError) as err:
-        return False, type(getattr(err, "reason", err)).__name__
+    """GET ``url`` within ``timeout_s`` s: (answered 200, "HTTP <status>" or the failure's name, e.g.
+    ``ConnectionRefusedError``) — for ``/v2/health/live`` and ``/v2/health/ready``. See ``procs.http_ok``."""
+    return http_ok(url, timeout_s=timeout_s)
 
 
 def health(server: Any) -> dict[str, Any]:

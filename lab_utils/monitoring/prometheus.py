@@ -38,7 +38,11 @@ import pandas as pd
 from lab_utils import DATA_DIR
 from lab_utils.course.probe import PROMETHEUS_ENV, PROMETHEUS_INSTALL, prometheus_binary
 from lab_utils.procs import (
+    check_service,
+    env_flag,
+    env_url,
     free_port,
+    http_ok,
     owned_tempdir,
     popen_owned,
     port_free,
@@ -50,6 +54,7 @@ from lab_utils.procs import (
 )
 
 URL_ENV = "PROMETHEUS_URL"
+IDENTIFY_S = 5.0  # how long $PROMETHEUS_URL may refuse connections before "nothing listens" (s)
 REQUIRE_ENV = "NVLAB_REQUIRE_PROMETHEUS"
 BINARY_ENV = PROMETHEUS_ENV  # a prometheus binary off the PATH, or "none" to try the no-Prometheus path
 
@@ -83,8 +88,9 @@ class QueryError(PrometheusError):
 
 
 def required() -> bool:
-    """True when ``NVLAB_REQUIRE_PROMETHEUS`` is set: a missing binary is an error, not a skipped section."""
-    return os.environ.get(REQUIRE_ENV, "").lower() in ("1", "true", "yes")
+    """True when ``NVLAB_REQUIRE_PROMETHEUS`` is 1/true/yes: a missing binary is an error, not a skipped section.
+    Another value than those and 0/false/no is an ``EnvError``."""
+    return env_flag(REQUIRE_ENV)
 
 
 def find_binary(name: str = "prometheus") -> str | None:
@@ -99,6 +105,8 @@ def missing(*names: str) -> str | None:
     if not lacking:
         return None
     where = (f"${BINARY_ENV}={os.environ[BINARY_ENV]}" if os.environ.get(BINARY_ENV) else "the PATH")
+    if os.environ.get(BINARY_ENV, "").lower() not in ("", "none"):
+        where += " (expected the path of an executable prometheus, promtool beside it; or none)"
     return f"{' and '.join(lacking)} not found (looked at {where}). {PROMETHEUS_INSTALL}"
 
 
@@ -465,10 +473,8 @@ class PromAPI:
         return pd.DataFrame(rows, columns=["job", "instance", "health", "lastError", "scrape_s"])
 
     def ready(self) -> bool:
-        with contextlib.suppress(PrometheusError):
-            self._get("/-/ready")
-            return True
-        return False
+        """True when ``/-/ready`` answers 200 now (within 5 s)."""
+        return http_ok(f"{self.url}/-/ready", timeout_s=min(5.0, self.timeout_s))[0]
 
     # waiting
     def wait_for(self, expr: str, timeout_s: float = 30.0, poll_s: float = 0.5,
@@ -506,6 +512,13 @@ class PromAPI:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+
+def _is_prometheus(body: bytes) -> bool:
+    """Whether a ``GET /api/v1/status/buildinfo`` body is Prometheus' (``status`` success, ``data.version``)."""
+    answer = json.loads(body)
+    return isinstance(answer, dict) and answer.get("status") == "success" and \
+        isinstance(answer.get("data"), dict) and "version" in answer["data"]
 
 
 def _t(at: float | None) -> str | None:
@@ -748,14 +761,20 @@ def start_metrics(jobs: Mapping[str, Sequence[str]], *, rule_files: Sequence[str
     """
     if prefer not in ("auto", "local", "external"):
         raise ValueError(f"prefer={prefer!r}: use auto, local or external")
-    url = os.environ.get(URL_ENV) if prefer != "local" else None
+    url = env_url(URL_ENV, default_port=9090, path_ok=True) if prefer != "local" else None
     backend: PromAPI
     if prefer == "external" or url:
         if not url:
             raise PrometheusError(f"prefer='external' but ${URL_ENV} is not set")
+        why = check_service(url, "/api/v1/status/buildinfo", _is_prometheus, "Prometheus", URL_ENV,
+                            wait_s=IDENTIFY_S, hint="is the compose stack up (`docker compose ps`)?")
+        if why:
+            raise PrometheusError(why)
         backend = PromAPI(url)
-        if not backend.ready():
-            raise PrometheusError(f"${URL_ENV}={url} does not answer /-/ready: is the compose stack up?")
+        ok, state = http_ok(f"{url}/-/ready", timeout_s=5.0)
+        if not ok:
+            raise PrometheusError(f"Prometheus at {url} ({URL_ENV}) is not ready (GET /-/ready: {state}): is the "
+                                  "compose stack up (`docker compose ps`)?")
         backend.notes.append(f"the compose stack's Prometheus scrapes its own targets (jobs {TRITON_JOB!r} and "
                              f"{EXPORTER_JOB!r}) and loads its own copy of the rules")
     else:

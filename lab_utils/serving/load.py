@@ -16,7 +16,8 @@ Stable API (lab 04 and lab 05 build on it; names and meanings do not change):
   message starts ``wrong answer:`` (lab 04's check that each client got its own rows back). With client
   processes it must be picklable (a module-level function).
 - ``LoadResult``: ``throughput_infer_s``, ``p50_ms``, ``p90_ms``, ``p95_ms``, ``p99_ms``, ``mean_ms``,
-  ``requests``, ``errors``, ``error_messages`` ({message: count}), ``windows`` (per window: throughput,
+  ``requests``, ``errors``, ``error_messages`` ({message: count}, summing to ``errors_total``: past the ten most
+  frequent, the rest are counted under ``OTHER_MESSAGES``), ``windows`` (per window: throughput,
   mean and p95 latency, errors), ``stable``, ``seconds``, ``server`` (the statistics-API split, or None),
   ``to_row()`` for a table.
 - ``sweep(url, model, make_inputs, concurrencies, **kw) -> pandas.DataFrame`` (one row per concurrency).
@@ -53,11 +54,14 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from lab_utils.args import check_int
 from lab_utils.procs import temporary_folder
 from lab_utils.serving.client import build_request, host_port
 
 PROTOCOLS = ("grpc", "http")
 ERROR_BACKOFF_S = 0.01
+TOP_MESSAGES = 10  # distinct error messages kept in LoadResult.error_messages; the rest are summed
+OTHER_MESSAGES = "(other messages)"
 _N_PAYLOADS = 8  # distinct request payloads made up front, so make_inputs costs nothing in the timed loop
 
 
@@ -87,7 +91,7 @@ class LoadResult:
     mean_ms: float
     requests: int  # successful requests measured
     errors: int  # failed requests measured (and during warm-up: see errors_total)
-    error_messages: dict[str, int]
+    error_messages: dict[str, int]  # {message: count}; the counts sum to errors_total
     windows: list[Window]
     stable: bool
     seconds: float  # measured time
@@ -180,27 +184,46 @@ def _payloads(make_inputs: Callable[[], Mapping[str, np.ndarray]] | Mapping[str,
 
 
 class _Sink:
-    """Per-request records of one client thread/process, bucketed by window on completion."""
+    """Per-request records of one client thread/process, bucketed by window on completion.
+
+    Error messages are bucketed by window too: a window's count and its messages are taken together, so errors
+    of a later window (a dead server fails fast) never lend their messages to an earlier one's count.
+    """
 
     def __init__(self, t0: float, window_s: float):
         self.t0, self.window_s = t0, window_s
         self.lat: dict[int, list[float]] = {}
-        self.err: dict[int, int] = {}
-        self.msgs: Counter[str] = Counter()
+        self.msgs: dict[int, Counter[str]] = {}
 
     def add(self, t_start: float, t_end: float, ok: bool, msg: str = "") -> None:
         w = max(-1, math.floor((t_end - self.t0) / self.window_s))  # -1: warm-up
         if ok:
             self.lat.setdefault(w, []).append((t_end - t_start) * 1e3)
         else:
-            self.err[w] = self.err.get(w, 0) + 1
-            self.msgs[_short_error(msg)] += 1
+            self.msgs.setdefault(w, Counter())[_short_error(msg)] += 1
 
     def take(self, w: int) -> tuple[np.ndarray, int, dict[str, int]]:
         lat = np.asarray(self.lat.pop(w, []), dtype=np.float64)
-        errs = self.err.pop(w, 0)
-        msgs, self.msgs = dict(self.msgs), Counter()
-        return lat, errs, msgs
+        msgs = dict(self.msgs.pop(w, Counter()))
+        return lat, sum(msgs.values()), msgs
+
+
+def _top_messages(msgs: Counter[str], n: int = TOP_MESSAGES) -> dict[str, int]:
+    """The ``n`` most frequent messages; the rest summed under ``OTHER_MESSAGES`` (the counts keep their total)."""
+    top = dict(msgs.most_common(n))
+    rest = sum(msgs.values()) - sum(top.values())
+    if rest:
+        top[OTHER_MESSAGES] = top.get(OTHER_MESSAGES, 0) + rest
+    return top
+
+
+def _seconds(value: Any, arg: str, zero_ok: bool = False) -> float:
+    """``value`` as a finite number of seconds > 0 (>= 0 with ``zero_ok``), or a ValueError naming ``arg``."""
+    ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool) and \
+        math.isfinite(value) and (value >= 0 if zero_ok else value > 0)
+    if not ok:
+        raise ValueError(f"run_load({arg}={value!r}): must be a finite number of seconds {'>=' if zero_ok else '>'} 0")
+    return float(value)
 
 
 def _short_error(msg: str) -> str:
@@ -379,12 +402,17 @@ def run_load(
     """Closed-loop load at ``concurrency`` clients; see the module docstring for every argument."""
     if protocol not in PROTOCOLS:
         raise ValueError(f"protocol={protocol!r}: use one of {PROTOCOLS}")
-    if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
-        raise ValueError(f"concurrency={concurrency!r}: the number of clients, an integer >= 1")
-    if window_s <= 0 or warmup_s < 0 or max_windows < 3:
-        raise ValueError("window_s > 0, warmup_s >= 0 and max_windows >= 3 are needed")
-    if duration_s is not None and duration_s <= 0:
-        raise ValueError(f"duration_s={duration_s!r}: a positive number of seconds, or None for the stability rule")
+    concurrency = check_int(concurrency, "concurrency", "run_load")  # the number of clients
+    window_s = _seconds(window_s, "window_s")
+    warmup_s = _seconds(warmup_s, "warmup_s", zero_ok=True)
+    timeout_s = _seconds(timeout_s, "timeout_s")
+    max_windows = check_int(max_windows, "max_windows", "run_load", minimum=3)
+    if processes is not None:
+        processes = check_int(processes, "processes", "run_load")
+    if duration_s is not None:  # None: the stability rule decides
+        duration_s = _seconds(duration_s, "duration_s")
+    if not (isinstance(stability, (int, float)) and math.isfinite(stability) and stability > 0):
+        raise ValueError(f"run_load(stability={stability!r}): must be a finite fraction > 0, e.g. 0.10")
     payloads = _payloads(make_inputs)
     batch = int(next(iter(payloads[0].values())).shape[0]) if next(iter(payloads[0].values())).ndim else 1
     target = host_port(url)
@@ -550,7 +578,7 @@ def run_load(
         throughput_infer_s=len(lat) * batch / measured_s if measured_s else float("nan"),
         p50_ms=float(pct[0]), p90_ms=float(pct[1]), p95_ms=float(pct[2]), p99_ms=float(pct[3]),
         mean_ms=float(lat.mean()) if len(lat) else float("nan"),
-        requests=int(len(lat)), errors=int(errors), error_messages=dict(msgs.most_common(10)),
+        requests=int(len(lat)), errors=int(errors), error_messages=_top_messages(msgs),
         windows=windows, stable=stable, seconds=measured_s, errors_total=int(errors_total), batch=batch,
         server=split, processes=nproc,
     )

@@ -9,14 +9,18 @@ Stable API (lab 04 and lab 05 build on it; names and meanings do not change):
 - ``TritonServer(model_repository, *, model_control="none"|"explicit"|"poll", metrics=True,
   metrics_config=("summary_latencies=true",), extra_args=(), startup_timeout_s=60, log_path=None,
   load_models=(), host="127.0.0.1", http_port=None, grpc_port=None, metrics_port=None, env=None)``:
-  a context manager with ``.start()`` (validates every ``config.pbtxt`` first, then waits for
-  ``/v2/health/ready``), ``.stop()`` (idempotent; the whole process group, python-backend stubs included),
+  a context manager with ``.start()`` (warns, ``EmptyRepositoryWarning``, on a repository without a model
+  folder; validates every ``config.pbtxt`` first, then waits for ``/v2/health/ready``), ``.stop()``
+  (idempotent; the whole process group, python-backend stubs included),
   ``.http_url`` (``http://127.0.0.1:PORT``), ``.grpc_url`` (``127.0.0.1:PORT``, a gRPC target),
   ``.metrics_url`` (``http://127.0.0.1:PORT/metrics``), ``.log_path``, ``.log_tail(n=40)``, ``.pid``,
   ``.alive()``, ``.source``, ``.startup_s``, ``.external`` (False). Failures raise ``ServerStartError``
   with the log tail and the models that failed to load.
 - ``ExternalServer(http_url, grpc_url=None, metrics_url=None)``: the same attributes for a server this
   process does not own (``stop()`` does nothing, ``external`` is True, ``log_tail`` says there is no log).
+  ``start()`` tells "nothing listens" and "answers HTTP but is not Triton" (``GET /v2``) apart within
+  ``IDENTIFY_S`` seconds; a malformed ``TRITON_URL`` (or ``TRITON_GRPC_URL``, ``TRITON_METRICS_URL``) is an
+  ``EnvError`` (a ValueError) naming the variable and the form expected.
 - ``connect_or_start(repo, **kw)``: an ``ExternalServer`` when ``TRITON_URL`` is set (the repository is
   then the server's own), else a started ``TritonServer(repo, **kw)``. Use it in a ``with`` block.
 - ``running_servers()``: the servers this process started and has not stopped.
@@ -47,7 +51,20 @@ from typing import Any, Protocol
 
 from lab_utils.course.probe import pytriton_server
 from lab_utils.course.stack import pinned_image
-from lab_utils.procs import free_port, owned_tempdir, pid_alive, popen_owned, port_free, stop_group, tail, wait_http_ok
+from lab_utils.procs import (
+    check_service,
+    check_url,
+    env_url,
+    free_port,
+    http_ok,
+    owned_tempdir,
+    pid_alive,
+    popen_owned,
+    port_free,
+    stop_group,
+    tail,
+    wait_http_ok,
+)
 
 MODEL_CONTROL = ("none", "explicit", "poll")
 URL_ENV = "TRITON_URL"  # http://host:8000 of a running server
@@ -56,6 +73,14 @@ URL_ENV = "TRITON_URL"  # http://host:8000 of a running server
 DEFAULT_STOP_GRACE_S = 1.0
 GRPC_URL_ENV = "TRITON_GRPC_URL"  # host:8001 (default: TRITON_URL's host, port 8001)
 METRICS_URL_ENV = "TRITON_METRICS_URL"  # http://host:8002/metrics (default: TRITON_URL's host)
+# How long an external server may refuse connections before "nothing listens" (s): a server that answers, Triton
+# or not, is told at once; the compose stack's Triton opens its ports only once its models are loaded.
+IDENTIFY_S = 5.0
+
+
+class EmptyRepositoryWarning(UserWarning):
+    """A server started on a repository with no model folder: it comes up ready and serves nothing."""
+
 
 THREE_WAYS = (
     "No Triton server is available. Three ways to get one:\n"
@@ -116,7 +141,8 @@ def find_server(local: bool = False) -> ServerSource:
     """
     url = os.environ.get(URL_ENV, "").strip()
     if url and not local:
-        return ServerSource("url", url, None, "a running server given by TRITON_URL")
+        return ServerSource("url", str(env_url(URL_ENV, default_port=8000)), None,
+                            "a running server given by TRITON_URL")
     on_path = shutil.which("tritonserver")
     if on_path:
         return ServerSource("path", on_path, os.environ.get("TRITON_SERVER_VERSION"),
@@ -358,14 +384,8 @@ class TritonServer:
         return "running" if code is None else describe_exit(code)
 
     def ready(self) -> bool:
-        """True when ``/v2/health/ready`` answers 200 now."""
-        import urllib.request
-
-        try:
-            with urllib.request.urlopen(f"{self.http_url}/v2/health/ready", timeout=2) as r:
-                return r.status == 200
-        except OSError:
-            return False
+        """True when ``/v2/health/ready`` answers 200 now (within 2 s)."""
+        return http_ok(f"{self.http_url}/v2/health/ready", timeout_s=2.0)[0]
 
     def log_tail(self, n: int = 40) -> str:
         """The last ``n`` lines of the server's log."""
@@ -427,6 +447,7 @@ class TritonServer:
             if not self.model_repository.is_dir():
                 raise ServerStartError(f"model repository {self.model_repository} is not a folder: build one with "
                                        "lab_utils.serving.repository (or pass the right path)")
+            warn_if_empty(self.model_repository, self.model_control)
             if self.validate:
                 from lab_utils.serving.repository import validate_repository
 
@@ -577,25 +598,45 @@ def _devnull() -> Any:
     return subprocess.DEVNULL
 
 
+def warn_if_empty(repo: Path, model_control: str) -> None:
+    """Warn (``EmptyRepositoryWarning``) when ``repo`` has no model folder: Triton starts ready all the same."""
+    import warnings
+
+    if any(d.is_dir() and not d.name.startswith(".") for d in repo.iterdir()):
+        return
+    then = ("load_model() finds nothing until a model folder is written there" if model_control == "explicit"
+            else "the server will be ready and serve no model")
+    warnings.warn(f"model repository {repo} has no model folders (expected {repo}/<model>/config.pbtxt): {then}. "
+                  "Build one with lab_utils.serving.repository, or pass the right path.",
+                  EmptyRepositoryWarning, stacklevel=3)
+
+
+def _is_triton(body: bytes) -> bool:
+    """Whether a ``GET /v2`` body is Triton's server metadata (``name``, ``version``, ``extensions``)."""
+    import json
+
+    meta = json.loads(body)
+    return isinstance(meta, dict) and "version" in meta and isinstance(meta.get("extensions"), list)
+
+
 class ExternalServer:
     """A server this process does not own (``TRITON_URL``): same attributes as ``TritonServer``, no lifecycle."""
 
     external = True
 
     def __init__(self, http_url: str, grpc_url: str | None = None, metrics_url: str | None = None):
+        # The URLs usually come from the environment: a bad one is an EnvError naming the variable.
         from urllib.parse import urlsplit
 
-        if "://" not in http_url:
-            http_url = "http://" + http_url
-        parts = urlsplit(http_url)
-        if not parts.hostname:
-            raise ValueError(f"TRITON_URL={http_url!r}: expected http://HOST:PORT")
-        self.host = parts.hostname
-        self.http_port = parts.port or 8000
-        self.http_url = f"{parts.scheme}://{self.host}:{self.http_port}"
-        self.grpc_url = grpc_url or f"{self.host}:8001"
+        self.http_url = check_url(http_url, URL_ENV, default_port=8000)
+        parts = urlsplit(self.http_url)
+        self.host, self.http_port = str(parts.hostname), int(parts.port or 8000)
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        self.grpc_url = (check_url(grpc_url, GRPC_URL_ENV, default_port=8001, schemes=("grpc",), bare=True)
+                         if grpc_url else f"{host}:8001")
         self.grpc_port = int(self.grpc_url.rsplit(":", 1)[1])
-        self.metrics_url = metrics_url or f"http://{self.host}:8002/metrics"
+        self.metrics_url = (check_url(metrics_url, METRICS_URL_ENV, default_port=8002, path_ok=True)
+                            if metrics_url else f"http://{host}:8002/metrics")
         self.source = ServerSource("url", self.http_url, None, "a running server given by TRITON_URL")
         self.log_path = None
         self.pid = None
@@ -604,29 +645,33 @@ class ExternalServer:
 
     @classmethod
     def from_env(cls) -> ExternalServer:
-        url = os.environ.get(URL_ENV, "").strip()
+        url = env_url(URL_ENV, default_port=8000)
         if not url:
             raise ServerNotFound(f"{URL_ENV} is not set")
-        return cls(url, os.environ.get(GRPC_URL_ENV) or None, os.environ.get(METRICS_URL_ENV) or None)
+        return cls(url, os.environ.get(GRPC_URL_ENV, "").strip() or None,
+                   os.environ.get(METRICS_URL_ENV, "").strip() or None)
 
     def alive(self) -> bool:
-        import urllib.request
-
-        try:
-            with urllib.request.urlopen(f"{self.http_url}/v2/health/live", timeout=2) as r:
-                return r.status == 200
-        except OSError:
-            return False
+        """True when ``/v2/health/live`` answers 200 now (within 2 s)."""
+        return http_ok(f"{self.http_url}/v2/health/live", timeout_s=2.0)[0]
 
     ready = alive
 
     def start(self, timeout_s: float = 30) -> ExternalServer:
-        """Wait until the external server is ready (it is not started here)."""
+        """Check that Triton answers at ``http_url`` and wait up to ``timeout_s`` s until it is ready (it is not
+        started here). Nothing listening, or another HTTP server there, is a ``ServerStartError`` within
+        ``IDENTIFY_S`` s, naming ``TRITON_URL``."""
+        why = check_service(self.http_url, "/v2", _is_triton, "Triton", URL_ENV, wait_s=min(IDENTIFY_S, timeout_s),
+                            hint=f"is the server up (`docker compose ps`)? Or unset {URL_ENV} to start one here")
+        if why:
+            raise ServerStartError(why)
         try:
             wait_http_ok(f"{self.http_url}/v2/health/ready", None, timeout_s)
         except TimeoutError:
-            raise ServerStartError(f"the server at {self.http_url} ({URL_ENV}) is not ready after {timeout_s:g} s: "
-                                   f"is it running? (`curl {self.http_url}/v2/health/ready`)") from None
+            state = http_ok(f"{self.http_url}/v2/health/ready")[1]
+            raise ServerStartError(f"Triton at {self.http_url} ({URL_ENV}) is not ready after {timeout_s:g} s "
+                                   f"(GET /v2/health/ready: {state}): models still loading, or one failed? "
+                                   "Its log says: `docker compose logs triton`") from None
         return self
 
     def stop(self) -> None:
@@ -647,6 +692,6 @@ class ExternalServer:
 
 def connect_or_start(model_repository: str | os.PathLike[str], **kwargs: Any) -> TritonServer | ExternalServer:
     """An ``ExternalServer`` when ``TRITON_URL`` is set, else a started ``TritonServer(model_repository, **kwargs)``."""
-    if os.environ.get(URL_ENV, "").strip():
+    if env_url(URL_ENV, default_port=8000):
         return ExternalServer.from_env().start()
     return TritonServer(model_repository, **kwargs).start()
