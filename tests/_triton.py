@@ -3,11 +3,11 @@ python-backend model repository."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
+from lab_utils.procs import env_flag
 from lab_utils.serving import repository as triton_repo
 from lab_utils.serving import server as triton_server
 from lab_utils.serving.server import ServerNotFound, find_server
@@ -21,7 +21,7 @@ def require_server():
     try:
         return find_server(local=True)
     except ServerNotFound as err:
-        if os.environ.get(REQUIRE_ENV, "") not in ("", "0"):
+        if env_flag(REQUIRE_ENV):
             pytest.fail(f"{REQUIRE_ENV} is set but no Triton server binary was found:\n{err}")
         pytest.skip(f"no Triton server binary: {err}")
 

@@ -18,6 +18,7 @@ import yaml
 
 from lab_utils import cli
 from lab_utils.course import stack
+from lab_utils.procs import env_flag
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKER = ROOT / "docker"
@@ -250,7 +251,7 @@ def test_mounted_files_exist(compose):
 def promtool() -> str:
     path = shutil.which("promtool") or ("/usr/bin/promtool" if Path("/usr/bin/promtool").exists() else None)
     if not path:
-        if os.environ.get("NVLAB_REQUIRE_PROMETHEUS") == "1":
+        if env_flag("NVLAB_REQUIRE_PROMETHEUS"):
             pytest.fail("NVLAB_REQUIRE_PROMETHEUS=1 but promtool is missing: apt-get install prometheus")
         pytest.skip("promtool is not installed (apt-get install prometheus)")
     return path

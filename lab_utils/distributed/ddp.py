@@ -37,6 +37,7 @@ from torch.utils.data.distributed import DistributedSampler
 from lab_utils.args import check_int
 from lab_utils.distributed.spawn import WorkerContext, choose_backend, launch, torch_gpu_count
 from lab_utils.models import MIB, DigitsCNN, digits_arrays, make_digits_cnn, make_resnet, param_mib, resnet_blocks
+from lab_utils.procs import env_int
 from lab_utils.timing import benchmark, cpu_cores, cpu_model, sync
 
 AMP_MODES = (None, "bf16", "fp16")
@@ -89,7 +90,7 @@ def _share_cpu_threads(ctx: WorkerContext, threads: int | None = None) -> None:
     if threads is not None:
         torch.set_num_threads(check_int(threads, "cpu_threads", "throughput"))
     elif "OMP_NUM_THREADS" not in os.environ:
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world_size))
+        local = env_int("LOCAL_WORLD_SIZE", ctx.world_size, minimum=1)
         torch.set_num_threads(max(1, cpu_cores() // max(1, local)))
 
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lab_utils.procs import owned_tempdir
+from lab_utils.procs import EnvError, owned_tempdir
 
 STUBS_DIST = "tensorrt-stubs"
 STUBS_INSTALL = "pip install --no-deps tensorrt-stubs==10.13.0.35.1 mypy"
@@ -215,6 +215,9 @@ def cache_root() -> Path:
             return wanted
     except OSError:
         pass
+    if os.environ.get("NVLAB_CACHE_DIR"):  # asked for by name: say so rather than quietly use another folder
+        raise EnvError(f"NVLAB_CACHE_DIR={os.environ['NVLAB_CACHE_DIR']!r}: expected a folder this user can create "
+                       "and write (or unset it for ~/.cache/nvlab)")
     return _temporary_cache()
 
 
