@@ -3,26 +3,114 @@
 from __future__ import annotations
 
 import argparse
-import ast
+import errno
 import json
 import os
 import secrets
 import shutil
+import signal
+import socket
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from lab_utils.course.catalog import repo_root
 
 
-def _literal(text: str) -> Any:
-    """A -p value as papermill would take it: a Python literal when it parses, else the string."""
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (exit code 2): the usage text is behind ``--help``."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see `{self.prog} --help`)\n")
+
+
+def _port(text: str) -> int:
     try:
-        return ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-        return text
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number: give an integer from 1 to 65535") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is out of range: a port is an integer from 1 to 65535")
+    return port
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number: give one greater than 0") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{value} is not allowed: give a whole number greater than 0")
+    return value
+
+
+def port_holder(port: int) -> str | None:
+    """``pid N (command)`` of the process listening on TCP ``port``, when this user may see it."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()  # sl local_address rem_address st ... inode
+            if len(f) > 9 and f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(f"socket:[{f[9]}]")
+    if not inodes:
+        return None
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            if any(os.readlink(fd) in inodes for fd in (d / "fd").iterdir()):
+                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+                return f"pid {d.name} ({cmd[:100] or d.name})"
+        except OSError:  # gone, or another user's process
+            continue
+    return None
+
+
+def port_problem(host: str, port: int, fix: str) -> str | None:
+    """Why a server cannot listen on ``host:port`` now (one line, with ``fix``), or None when it can."""
+    try:
+        addrs = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as err:
+        return f"{host!r} is not an address this machine can listen on ({err}): give an IP address such as 127.0.0.1"
+    failures = []
+    for family, kind, proto, _, addr in addrs:
+        with socket.socket(family, kind, proto) as s:
+            # as Jupyter and the exporter bind: a port whose connections sit in TIME_WAIT is free, a listener is not
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                s.bind(addr)
+            except OSError as err:
+                if err.errno == errno.EADDRINUSE:
+                    holder = port_holder(port)
+                    by = f"by {holder}" if holder else f"(see `ss -ltnp 'sport = :{port}'`)"
+                    return f"port {port} is already in use {by}: stop that, or {fix}"
+                failures.append(f"{addr[0]}: {err.strerror}")
+    if failures and len(failures) == len(addrs):
+        return f"cannot listen on {host} ({'; '.join(failures)}): give an address of this machine, e.g. 127.0.0.1"
+    return None
+
+
+def writable_problem(folder: Path, option: str) -> str | None:
+    """Why ``folder`` cannot be created and written (one line naming it), or None; it exists afterwards."""
+    try:
+        if folder.exists() and not folder.is_dir():
+            return f"{option} {folder}: that is a file, not a folder: pass a folder you can write"
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as err:
+        why = err.strerror or err
+        return f"{option} {folder}: cannot create or write this folder ({why}): pass a folder you can write"
+    return None
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
@@ -52,32 +140,109 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return 0
 
 
+def find_jupyter_lab() -> str | None:
+    """``jupyter-lab`` beside this interpreter (a venv used without activating it), else on PATH."""
+    here = Path(sys.executable).parent / "jupyter-lab"  # not resolved: a venv's python is a symlink
+    if here.is_file() and os.access(here, os.X_OK):
+        return str(here)
+    return shutil.which("jupyter-lab")
+
+
+def _runtime_dir(jupyter_lab: str) -> Path:
+    try:
+        from jupyter_core.paths import jupyter_runtime_dir
+    except ImportError:  # JupyterLab of another environment: ask its own jupyter
+        import subprocess
+
+        jupyter = str(Path(jupyter_lab).parent / "jupyter")
+        return Path(subprocess.run([jupyter, "--runtime-dir"], capture_output=True, text=True, check=True,
+                                   timeout=60).stdout.strip())
+    return Path(jupyter_runtime_dir())
+
+
+def _server_info(runtime: Path, pid: int) -> dict[str, Any] | None:
+    """What the Jupyter server ``pid`` wrote about itself (url, port, token), once it listens."""
+    for f in runtime.glob("jpserver-*.json"):
+        try:
+            info = json.loads(f.read_text())
+        except (OSError, ValueError):  # being written
+            continue
+        if isinstance(info, dict) and info.get("pid") == pid:
+            return info
+    return None
+
+
+def _lab_url(info: dict[str, Any], ip: str, token: str) -> str:
+    # a wildcard address is reached on loopback (a container's published port too), not at the container's name
+    host = "127.0.0.1" if ip in ("", "0.0.0.0", "::") else ip
+    host = f"[{host}]" if ":" in host else host
+    scheme = "https" if info.get("secure") else "http"
+    base = "/" + str(info.get("base_url") or "/").strip("/")
+    return f"{scheme}://{host}:{info['port']}{base.rstrip('/')}/lab?token={info.get('token') or token}"
+
+
 def cmd_lab(args: argparse.Namespace) -> int:
+    import subprocess
+
     folder = Path(args.dir) if args.dir else repo_root() / "labs"
     if not folder.is_dir():
         print(f"nvlab lab: {folder} is not a folder; pass --dir to the labs folder", file=sys.stderr)
         return 2
-    jupyter = shutil.which("jupyter")
-    if not jupyter:
-        print("nvlab lab: JupyterLab is not installed: pip install -e '.[lab]'", file=sys.stderr)
+    jupyter_lab = find_jupyter_lab()
+    if not jupyter_lab:
+        print(f"nvlab lab: JupyterLab is not installed for {sys.executable}: pip install -e '.[lab]'", file=sys.stderr)
+        return 2
+    if not args.any_port and (why := port_problem(args.ip, args.port, "pass --port with a free port, or "
+                                                  "--any-port to let JupyterLab pick one")):
+        print(f"nvlab lab: {why}", file=sys.stderr)
         return 2
     token = os.environ.get("JUPYTER_TOKEN") or secrets.token_hex(24)
     if args.ip not in ("127.0.0.1", "localhost", "::1"):
-        print(f"nvlab lab: listening on {args.ip}: anyone who can reach this machine can try the token")
-    argv = [jupyter, "lab", f"--ServerApp.root_dir={folder}", f"--ServerApp.ip={args.ip}",
-            f"--ServerApp.port={args.port}", "--ServerApp.open_browser=False"]
+        print(f"nvlab lab: listening on {args.ip}: anyone who can reach this machine can try the token",
+              file=sys.stderr)
+    # without --any-port Jupyter must not wander to another port (a race after the check above)
+    argv = [jupyter_lab, f"--ServerApp.root_dir={folder}", f"--ServerApp.ip={args.ip}",
+            f"--ServerApp.port={args.port}", f"--ServerApp.port_retries={50 if args.any_port else 0}",
+            "--ServerApp.open_browser=False"]
     if os.geteuid() == 0:  # containers and CI often run as root; Jupyter refuses that unless told
         argv.append("--allow-root")
     env = dict(os.environ, JUPYTER_TOKEN=token)  # token auth stays on: an empty token is never passed
-    print(f"JupyterLab on http://{args.ip}:{args.port}/lab?token={token}", flush=True)
-    os.execvpe(jupyter, argv, env)
-    return 0  # not reached
+    # notebooks' `!pip` and kernels find this environment's tools even when the venv is not activated
+    env["PATH"] = os.pathsep.join([str(Path(jupyter_lab).parent), env.get("PATH", "")])
+    runtime = _runtime_dir(jupyter_lab)
+    child = subprocess.Popen(argv, env=env)
+    # Ctrl-C reaches Jupyter from the terminal (it asks to confirm); a SIGTERM to nvlab is passed on
+    signal.signal(signal.SIGINT, lambda *_: None)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda signum, _: child.send_signal(signum))
+    deadline = time.monotonic() + 300
+    while child.poll() is None:
+        info = _server_info(runtime, child.pid)
+        if info:  # the port Jupyter itself reports, not the one asked for
+            print(f"JupyterLab on {_lab_url(info, args.ip, token)}", flush=True)
+            break
+        if time.monotonic() > deadline:
+            print(f"nvlab lab: JupyterLab (pid {child.pid}) has not reported its address in {runtime} after "
+                  "300 s; see its log above", file=sys.stderr, flush=True)
+            break
+        time.sleep(0.2)
+    code = child.wait()
+    if code and code > 0:
+        print(f"nvlab lab: JupyterLab exited with code {code}; see its log above", file=sys.stderr)
+    return 0 if code < 0 else code  # stopped by a signal: a normal end
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from lab_utils.ops.notebooks import execute, leftover_processes, select, update_expected
+    from lab_utils.ops.notebooks import (
+        NotebookError,
+        execute,
+        leftover_processes,
+        parameters_for,
+        select,
+        update_expected,
+    )
 
     console = Console(stderr=False)
     try:
@@ -91,14 +256,21 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.update_expected and not args.solutions:
         print("nvlab run: --update-expected writes into solutions/: add --solutions", file=sys.stderr)
         return 2
-    params = {name: _literal(value) for name, value in (args.parameter or [])}
+    try:
+        params = parameters_for(paths, args.parameter or [])
+    except (ValueError, NotebookError) as err:
+        print(f"nvlab run: {err}", file=sys.stderr)
+        return 2
     out = Path(args.out or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
+    if why := writable_problem(out, "--out"):
+        print(f"nvlab run: {why}", file=sys.stderr)
+        return 2
     run_id = uuid.uuid4().hex
     failed = 0
     total = time.perf_counter()
     for i, p in enumerate(paths, 1):
         console.print(f"[{i}/{len(paths)}] {p.parent.name}/{p.name} ...")
-        res = execute(p, out, params, run_id, timeout_s=args.timeout)
+        res = execute(p, out, params[p], run_id, timeout_s=args.timeout)
         left = leftover_processes(run_id)
         if res.ok and not left:
             console.print(f"    ok in {res.seconds:.1f} s -> {res.output}")
@@ -143,7 +315,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     ref = args.reference or ", ".join(str(p) for p in reference_dirs()) or "no reference run"
     try:
         df = compare(args.run_dir, args.reference)
-    except FileNotFoundError as err:
+    except (FileNotFoundError, ValueError) as err:  # ResultsError is a ValueError
         print(f"nvlab report: {err}", file=sys.stderr)
         return 2
     if df.empty:
@@ -168,6 +340,9 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_gpu_exporter(args: argparse.Namespace) -> int:
     from lab_utils.monitoring.exporter import serve
 
+    if why := port_problem(args.host, args.port, "pass --port with a free port (and scrape that one)"):
+        print(f"nvlab gpu-exporter: {why}", file=sys.stderr)
+        return 2
     return serve(port=args.port, host=args.host)
 
 
@@ -184,7 +359,7 @@ def cmd_wheelhouse(args: argparse.Namespace) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="nvlab", description=__doc__)
+    p = _Parser(prog="nvlab", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     d = sub.add_parser("doctor", help="what this machine has and which tier each lab runs in")
     d.add_argument("--json", action="store_true", help="machine-readable report")
@@ -192,7 +367,8 @@ def parser() -> argparse.ArgumentParser:
     d.set_defaults(fn=cmd_doctor)
     lab = sub.add_parser("lab", help="launch JupyterLab on labs/ (token auth, loopback)")
     lab.add_argument("--ip", default="127.0.0.1", help="address to listen on (default loopback only)")
-    lab.add_argument("--port", type=int, default=8888)
+    lab.add_argument("--port", type=_port, default=8888, help="port to listen on (default 8888); refused when taken")
+    lab.add_argument("--any-port", action="store_true", help="when --port is taken, let JupyterLab pick a free one")
     lab.add_argument("--dir", help="notebook folder (default: labs/ of the course)")
     lab.set_defaults(fn=cmd_lab)
     r = sub.add_parser("run", help="execute lab notebooks with papermill")
@@ -200,9 +376,10 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--all", action="store_true", help="every lab")
     r.add_argument("--solutions", action="store_true", help="run solutions/ instead of labs/")
     r.add_argument("-p", "--parameter", nargs=2, action="append", metavar=("NAME", "VALUE"),
-                   help="papermill parameter (a Python literal or a string)")
+                   help="a parameter of the notebooks' parameters cell, read as its declared type "
+                   "(true/false for a bool)")
     r.add_argument("--out", help="output folder (default runs/<time>)")
-    r.add_argument("--timeout", type=int, default=1800, help="per-cell timeout in seconds")
+    r.add_argument("--timeout", type=_positive_int, default=1800, help="per-cell timeout in seconds")
     r.add_argument("--update-expected", action="store_true",
                    help="with --solutions: store the outputs of '# NBVAL_CHECK_OUTPUT' cells for nbval")
     r.set_defaults(fn=cmd_run)
@@ -215,7 +392,7 @@ def parser() -> argparse.ArgumentParser:
     rep.add_argument("--json", action="store_true")
     rep.set_defaults(fn=cmd_report)
     ge = sub.add_parser("gpu-exporter", help="serve GPU (NVML) and host metrics for Prometheus until stopped")
-    ge.add_argument("--port", type=int, default=9400, help="port to listen on (default 9400, as dcgm-exporter)")
+    ge.add_argument("--port", type=_port, default=9400, help="port to listen on (default 9400, as dcgm-exporter)")
     ge.add_argument("--host", default="0.0.0.0", help="address to listen on (default all interfaces)")
     ge.set_defaults(fn=cmd_gpu_exporter)
     w = sub.add_parser("wheelhouse", help="download the course's wheels for an offline (--no-index) install")
@@ -233,7 +410,11 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    p = parser()
+    args, extra = p.parse_known_args(argv)
+    if extra:  # reported by the subcommand, so the message points at its --help
+        sub = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction))
+        sub.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     return int(args.fn(args))
 
 

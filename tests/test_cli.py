@@ -46,8 +46,10 @@ def test_build_labs_check_passes_on_the_checkout(capsys):
     assert cli.main(["build-labs", "--check"]) == 0
 
 
-def test_parameter_values_are_literals():
-    assert cli._literal("True") is True and cli._literal("[1, 2]") == [1, 2] and cli._literal("abc") == "abc"
+def test_untyped_parameter_values_are_literals():
+    from lab_utils.ops.notebooks import literal
+
+    assert literal("True") is True and literal("[1, 2]") == [1, 2] and literal("abc") == "abc"
 
 
 def test_report_compares_with_reference_as_ratios(tmp_path, capsys):

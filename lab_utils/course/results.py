@@ -76,14 +76,47 @@ class Recorder:
         return len(self._items)
 
 
-def load(directory: Path | str) -> list[dict[str, Any]]:
-    """Every measurement in ``results_*.json`` under ``directory``."""
+class ResultsError(ValueError):
+    """A results file that cannot be read: the message names the file and what is wrong."""
+
+
+FIELDS = ("lab", "name", "value", "unit", "tier", "device")
+
+
+def _rows(path: Path) -> list[dict[str, Any]]:
+    """The measurements of one ``results_*.json``, checked for the shape ``Recorder`` writes."""
+    fix = "run the lab again or delete the file"
+    try:
+        rows = json.loads(path.read_text())
+    except UnicodeDecodeError:
+        raise ResultsError(f"{path}: not a text file; {fix}") from None
+    except OSError as err:
+        raise ResultsError(f"{path}: cannot read it ({err.strerror or err})") from None
+    except json.JSONDecodeError as err:  # an interrupted write leaves a truncated file
+        raise ResultsError(f"{path}: not valid JSON ({err.msg} at line {err.lineno} column {err.colno}); "
+                           f"{fix}") from None
+    if not isinstance(rows, list):
+        raise ResultsError(f"{path}: a list of measurements expected, found a JSON {type(rows).__name__}; {fix}")
+    for i, r in enumerate(rows):
+        if not isinstance(r, dict):
+            raise ResultsError(f"{path}: measurement {i} is a JSON {type(r).__name__}, not an object; {fix}")
+        missing = [k for k in FIELDS if k not in r]
+        if missing:
+            raise ResultsError(f"{path}: measurement {i} lacks {', '.join(missing)}; {fix}")
+        v = r["value"]
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            raise ResultsError(f"{path}: measurement {i} ({r['name']}): value {v!r} is not a number; {fix}")
+    return rows
+
+
+def load(directory: Path | str, fix: str = "pass the folder `nvlab run` wrote") -> list[dict[str, Any]]:
+    """Every measurement in ``results_*.json`` under ``directory``; ResultsError names a broken file."""
     directory = Path(directory)
     if not directory.is_dir():
-        raise FileNotFoundError(f"{directory} is not a folder of results: pass the folder `nvlab run` wrote")
+        raise FileNotFoundError(f"{directory} is not a folder of results: {fix}")
     rows: list[dict[str, Any]] = []
     for p in sorted(directory.glob("results_*.json")):
-        rows.extend(json.loads(p.read_text()))
+        rows.extend(_rows(p))
     return rows
 
 
@@ -95,10 +128,15 @@ def compare(run: Path | str, reference: Path | str | None = None) -> pd.DataFram
     """
     local = load(run)
     ref: dict[tuple[str, str], dict[str, Any]] = {}
-    for ref_dir in [Path(reference)] if reference else reference_dirs():
-        if ref_dir.is_dir():
-            for r in load(ref_dir):
-                ref.setdefault((r["lab"], r["name"]), r)
+    if reference:  # asked for by name: a missing or empty one is an error, not "-" in every row
+        fix = "pass --reference a folder of reference_runs/ or one `nvlab run` wrote"
+        ref_rows = load(reference, fix)
+        if not ref_rows:
+            raise FileNotFoundError(f"{reference} holds no results_*.json: {fix}")
+    else:
+        ref_rows = [r for d in reference_dirs() if d.is_dir() for r in load(d)]
+    for r in ref_rows:
+        ref.setdefault((r["lab"], r["name"]), r)
     rows = []
     for r in local:
         other = ref.get((r["lab"], r["name"]))

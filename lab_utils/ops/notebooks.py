@@ -207,6 +207,95 @@ def select(names: Iterable[str], all_: bool, solutions: bool, root: Path | None 
     return paths
 
 
+TRUE, FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
+
+
+def literal(text: str) -> Any:
+    """A value as papermill takes it: a Python literal when it parses, else the string."""
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return text
+
+
+def declared_parameters(path: Path) -> dict[str, Any]:
+    """Name -> default (``...`` when not a literal) of each assignment in the ``parameters``-tagged cell."""
+    import nbformat
+
+    try:
+        nb = nbformat.read(path, as_version=4)
+    except Exception as err:  # nbformat raises several kinds for a broken file
+        raise NotebookError(f"{path}: cannot read the notebook ({err})") from None
+    cell = next((c for c in nb.cells if c.cell_type == "code" and "parameters" in c.metadata.get("tags", [])), None)
+    if cell is None:
+        return {}
+    try:
+        tree = ast.parse(cell.source)
+    except SyntaxError as err:
+        raise NotebookError(f"{path.name}: the parameters cell does not parse ({err})") from None
+    found: dict[str, Any] = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign):
+            targets, value = node.targets, node.value
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            targets, value = [node.target], node.value
+        else:
+            continue
+        try:
+            default = ast.literal_eval(value)
+        except (ValueError, SyntaxError, TypeError):
+            default = ...
+        found.update({t.id: default for t in targets if isinstance(t, ast.Name)})
+    return found
+
+
+def parse_parameter(name: str, text: str, default: Any) -> Any:
+    """``-p NAME TEXT`` as the type of the declared ``default``; ValueError says what is allowed."""
+    if isinstance(default, bool):
+        if text.strip().lower() in TRUE:
+            return True
+        if text.strip().lower() in FALSE:
+            return False
+        raise ValueError(f"-p {name} {text!r}: {name} is true or false: give one of {', '.join(TRUE + FALSE)}")
+    if isinstance(default, int):
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"-p {name} {text!r}: {name} is a whole number (default {default})") from None
+    if isinstance(default, float):
+        try:
+            return float(text)
+        except ValueError:
+            raise ValueError(f"-p {name} {text!r}: {name} is a number (default {default})") from None
+    if isinstance(default, str):
+        value = literal(text)  # a quoted string stays a string; anything else is the text itself
+        return value if isinstance(value, str) else text
+    if isinstance(default, (list, tuple, dict)):
+        value = literal(text)
+        if not isinstance(value, type(default)):
+            raise ValueError(f"-p {name} {text!r}: {name} is a {type(default).__name__}, e.g. {default!r}")
+        return value
+    return literal(text)  # None or not a literal: papermill's reading
+
+
+def parameters_for(paths: list[Path], pairs: Iterable[tuple[str, str]]) -> dict[Path, dict[str, Any]]:
+    """Each notebook's parameters from ``-p NAME VALUE`` pairs, typed by its parameters cell.
+
+    A name no notebook declares is a ValueError listing the valid names; a name only some declare goes to those.
+    """
+    declared = {p: declared_parameters(p) for p in paths}
+    params: dict[Path, dict[str, Any]] = {p: {} for p in paths}
+    for name, text in pairs:
+        takers = [p for p in paths if name in declared[p]]
+        if not takers:
+            valid = sorted({n for d in declared.values() for n in d})
+            which = f"{paths[0].stem} has" if len(paths) == 1 else "the selected notebooks have"
+            raise ValueError(f"-p {name}: {which} no parameter {name!r}; valid names: {', '.join(valid) or 'none'}")
+        for p in takers:
+            params[p][name] = parse_parameter(name, text, declared[p][name])
+    return params
+
+
 def leftover_processes(run_id: str) -> list[str]:
     """Processes still alive that inherited ``NVLAB_RUN_ID=run_id``: anything a notebook failed to stop."""
     found = []

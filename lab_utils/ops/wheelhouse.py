@@ -23,11 +23,13 @@ The folder gets ``README.txt`` (the install commands, ``install_commands``) and 
 from __future__ import annotations
 
 import email.parser
+import errno
 import platform
 import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import zipfile
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -333,7 +335,15 @@ def build(dest: Path | str, *, python: str | None = None, platforms: Sequence[st
     pkg_extras = [e for e in extras if e != "torch"]  # the torch extra is unpinned: the course's pin is used
 
     dest = Path(dest).resolve()
-    dest.mkdir(parents=True, exist_ok=True)
+    try:
+        if dest.exists() and not dest.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, "that is a file, not a folder")
+        dest.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=dest):
+            pass
+    except OSError as err:
+        raise WheelhouseError(f"wheelhouse folder {dest}: cannot create or write it ({err.strerror or err}): "
+                              "pass a folder you can write") from None
     target = ["--only-binary=:all:", "--python-version", py, "--implementation", "cp"]
     for t in tags:
         target += ["--platform", t]
