@@ -229,7 +229,8 @@ def _nvml_error_text(err: Exception) -> str:
     return f"NVML could not initialise ({err})"
 
 
-def _s(v: Any) -> str:
+def nvml_text(v: Any) -> str:
+    """An NVML string: older pynvml versions return bytes, newer ones str."""
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
@@ -245,7 +246,7 @@ def _probe_nvml(notes: list[str]) -> tuple[str | None, str | None, list[GpuInfo]
         notes.append(_nvml_error_text(err))
         return None
     try:
-        driver = _s(pynvml.nvmlSystemGetDriverVersion())
+        driver = nvml_text(pynvml.nvmlSystemGetDriverVersion())
         ceiling = decode_cuda_version(pynvml.nvmlSystemGetCudaDriverVersion())
 
         def opt(fn: Any, *args: Any) -> Any:
@@ -273,9 +274,9 @@ def _probe_nvml(notes: list[str]) -> tuple[str | None, str | None, list[GpuInfo]
             gpus.append(
                 GpuInfo(
                     index=i,
-                    name=_s(pynvml.nvmlDeviceGetName(h)),
-                    uuid=_s(opt(pynvml.nvmlDeviceGetUUID, h)),
-                    bus_id=_s(pci.busId) if pci else None,
+                    name=nvml_text(pynvml.nvmlDeviceGetName(h)),
+                    uuid=nvml_text(opt(pynvml.nvmlDeviceGetUUID, h)),
+                    bus_id=nvml_text(pci.busId) if pci else None,
                     compute_capability=f"{cc[0]}.{cc[1]}" if cc else None,
                     memory_total_mib=mem.total // 2**20 if mem else None,
                     max_sm_clock_mhz=opt(pynvml.nvmlDeviceGetMaxClockInfo, h, pynvml.NVML_CLOCK_SM),

@@ -46,6 +46,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from lab_utils.course.probe import nvml_text
 from lab_utils.procs import port_free, release_at_exit, stop_at_exit
 
 DEFAULT_PORT = 9400  # dcgm-exporter's port: scrape configs need not change between the two
@@ -148,10 +149,6 @@ class HostReader:
 # --- NVML ------------------------------------------------------------------------------------------
 
 
-def _s(v: Any) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
-
-
 class NvmlReader:
     """Per-GPU readings through NVML's query functions (``nvml`` is the ``pynvml`` module or a stand-in)."""
 
@@ -167,12 +164,12 @@ class NvmlReader:
         nv.nvmlInit()
         self._opened = True
         try:
-            self.driver_version = _s(nv.nvmlSystemGetDriverVersion())
+            self.driver_version = nvml_text(nv.nvmlSystemGetDriverVersion())
             for i in range(nv.nvmlDeviceGetCount()):
                 h = nv.nvmlDeviceGetHandleByIndex(i)
                 self.handles.append(h)
-                self.labels.append({"gpu": str(i), "UUID": _s(nv.nvmlDeviceGetUUID(h)), "device": f"nvidia{i}",
-                                    "modelName": _s(nv.nvmlDeviceGetName(h))})
+                self.labels.append({"gpu": str(i), "UUID": nvml_text(nv.nvmlDeviceGetUUID(h)), "device": f"nvidia{i}",
+                                    "modelName": nvml_text(nv.nvmlDeviceGetName(h))})
         except Exception:
             self.close()
             raise
