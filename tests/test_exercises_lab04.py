@@ -21,7 +21,7 @@ from tritonclient.utils import np_to_triton_dtype
 from lab_utils.exercises import lab04
 from lab_utils.exercises.framework import CodeExercise, Exercise, Status
 from lab_utils.serving import repository as triton_repo
-from lab_utils.serving.backend.model import to_numpy, to_tensor
+from lab_utils.serving.backend.model import NUMPY2, to_numpy, to_tensor
 from lab_utils.serving.server import TritonServer
 
 LAB_SIZES = {"in_features": 8, "width": 16, "depth": 2, "out_features": 4}
@@ -130,6 +130,15 @@ def deploy_asks_once(client, name, config, timeout_s):
         raise TimeoutError(name)
 
 
+def deploy_the_example(client, name, config, timeout_s):
+    client.load_model(lab04.DEPLOY_MODEL, config=json.dumps(lab04.DEPLOY_CONFIG))  # not the `config` it is given
+    deadline = time.monotonic() + timeout_s
+    while not client.is_model_ready(name):
+        if time.monotonic() > deadline:
+            raise TimeoutError(name)
+        time.sleep(0.1)
+
+
 def deploy_blank(client, name, config, timeout_s):
     """Load `name` with `config` and wait until it is ready."""
     ...  # YOUR CODE HERE
@@ -151,6 +160,7 @@ def test_deploy_right_blank_and_wrong(lab):
     assert_wrong(lab04.q2, deploy_no_deadline, "did not return within", "stays not ready", "Poll until a deadline")
     assert_wrong(lab04.q2, deploy_busy_poll, "per second", "time.sleep")
     assert_wrong(lab04.q2, deploy_returns_false, "returned after", "raise TimeoutError")
+    assert_wrong(lab04.q2, deploy_the_example, "another configuration than the `config` argument")
     assert_wrong(lab04.q2, deploy_without_config, "without config=", "config.pbtxt from disk")  # reloads from disk
     assert outcome(lab04.q2, deploy_model)[0] is Status.CORRECT  # and back
 
@@ -266,12 +276,18 @@ def http_returns_dict(url, model, x):
     return {"OUTPUT__0": client.infer(model, [inp]).as_numpy("OUTPUT__0")}
 
 
+def http_blank(url, model, x):
+    """One request over HTTP: the model's answer to x."""
+    ...  # YOUR CODE HERE
+
+
 def test_http_request_right_blank_and_wrong(lab):
     for fn in (http_infer, http_infer_json):
         status, message = outcome(lab04.q4, fn)
         assert status is Status.CORRECT, message
         assert "over http" in message
-    assert outcome(lab04.q4, None)[0] is Status.NOT_ATTEMPTED
+    for blank in (None, http_blank):
+        assert outcome(lab04.q4, blank)[0] is Status.NOT_ATTEMPTED
     assert_wrong(lab04.q4, http_grpc_client, "tritonclient.http for the HTTP one")
     assert_wrong(lab04.q4, http_returns_dict, "returned a dict")
     assert_wrong(lab04.q4, http_no_batch_dim, "batch dimension included")
@@ -403,7 +419,7 @@ def test_execute_blank_and_static_mistakes(lab):
     (execute_notebook_variable, ["NameError", "SCALE_IN_THE_NOTEBOOK", "line", "not the notebook's variables"]),
 ], ids=lambda v: getattr(v, "__name__", ""))
 def test_execute_wrong_versions_get_their_own_message(lab, fn, expected):
-    if fn in (execute_as_numpy, execute_tensor_constructor) and not lab04._NUMPY2:
+    if fn in (execute_as_numpy, execute_tensor_constructor) and not NUMPY2:
         pytest.skip("with NumPy 1 in the stub as_numpy() and pb_utils.Tensor(name, array) work")
     assert_wrong(lab04.q6, fn, *expected)
 
@@ -470,12 +486,57 @@ def test_stats_right_blank_and_wrong_on_the_fixed_and_the_live_response(lab):
 
 def test_stats_without_a_server_grades_the_fixed_response(monkeypatch):
     monkeypatch.setattr(lab04, "_BOUND", [])
-    status, message = outcome(lab04.q8, batch_and_queue)
-    assert status is Status.CORRECT and "on the fixed response" in message
+    for fn in (batch_and_queue, batch_and_queue_weighted):
+        status, message = outcome(lab04.q8, fn)
+        assert status is Status.CORRECT and "on the fixed response" in message and "drawn at random" in message
+
+
+def batch_and_queue_from_the_example(stats):
+    s = lab04.Q8_STATS["model_stats"][0]  # the fixed example, whatever it is given
+    q = s["inference_stats"]["queue"]
+    return s["inference_count"] / s["execution_count"], q["ns"] / q["count"] / 1e3
+
+
+def test_stats_constants_and_the_example_fail_on_the_random_response(monkeypatch):
+    monkeypatch.setattr(lab04, "_BOUND", [])  # no server: only the fixed and the random response
+    assert_wrong(lab04.q8, lambda s: (14.2222222, 3100.0), "drawn at random", "from the `stats` argument")
+    assert_wrong(lab04.q8, batch_and_queue_from_the_example, "drawn at random", "from the `stats` argument")
+    assert_wrong(lab04.q8, _stats_fn("largest", "queue"), "weight them")
+    assert outcome(lab04.q8, batch_and_queue_blank)[0] is Status.NOT_ATTEMPTED
+
+
+def batch_and_queue_blank(stats):
+    """(average batch, average queue time in µs) from a statistics response."""
+    ...  # YOUR CODE HERE
+
+
+def test_stats_random_responses_are_consistent_and_differ():
+    import random
+
+    seen = set()
+    for seed in range(50):
+        stats = lab04._random_stats(random.Random(seed))
+        s = stats["model_stats"][0]
+        assert sum(b["batch_size"] * b["compute_infer"]["count"] for b in s["batch_stats"]) == s["inference_count"]
+        assert sum(b["compute_infer"]["count"] for b in s["batch_stats"]) == s["execution_count"]
+        assert json.loads(json.dumps(stats)) == stats  # what a server's JSON could hold
+        batch, queue = batch_and_queue(stats)
+        assert abs(batch / 14.2222 - 1) > 0.05 and abs(queue / 3100 - 1) > 0.05
+        seen.add(round(batch, 6))
+    assert len(seen) > 40
 
 
 # ==================================================================================================
 # Not applicable without a server; the fixed-data exercises; hints, solutions
+
+
+def test_deploy_configs_are_drawn_and_differ_from_the_example():
+    import random
+
+    configs = [lab04._deploy_config(random.Random(seed)) for seed in range(30)]
+    assert all(c != lab04.DEPLOY_CONFIG for c in configs)
+    assert len({(c["max_batch_size"], c["dynamic_batching"]["max_queue_delay_microseconds"]) for c in configs}) > 5
+    assert all(c["max_batch_size"] != lab04.DEPLOY_DISK_CONFIG["max_batch_size"] for c in configs)
 
 
 def test_code_checks_without_a_server_are_not_applicable(monkeypatch):
@@ -501,6 +562,10 @@ RIGHT_CONFIG_2 = (RIGHT_CONFIG.replace('platform: "onnxruntime_onnx"', 'backend:
                   .replace("[8, 16]", "[16, 8]")
                   .replace("instance_group [{ count: 2 kind: KIND_CPU }]",
                            "instance_group [{ count: 1 kind: KIND_CPU }, { kind: KIND_CPU }]"))
+
+# no name (Triton takes the folder's, digits_onnx), an instance group without kind (KIND_AUTO: the CPU here)
+RIGHT_CONFIG_3 = (RIGHT_CONFIG.replace('name: "digits_onnx"\n', "")
+                  .replace("instance_group [{ count: 2 kind: KIND_CPU }]", "instance_group [{ count: 2 }]"))
 
 
 def cfg(old: str, new: str) -> str:
@@ -529,7 +594,8 @@ WRONG_CONFIGS = {
 _MS = lab04.Q5_CONCURRENCY / lab04.Q5_THROUGHPUT_INFER_S * 1e3
 
 CASES = [
-    (lab04.q1, [RIGHT_CONFIG, RIGHT_CONFIG_2], [c for c, _ in WRONG_CONFIGS.values()] + [42, {"name": "x"}]),
+    (lab04.q1, [RIGHT_CONFIG, RIGHT_CONFIG_2, RIGHT_CONFIG_3],
+     [c for c, _ in WRONG_CONFIGS.values()] + [42, {"name": "x"}]),
     (lab04.q5, [_MS, 6.7, "6.703"], [_MS / 1e3, _MS * 1e3, lab04.Q5_THROUGHPUT_INFER_S / 16, _MS / 16, 20.0, "fast"]),
     (lab04.q7, [200, 200.0, "200"], [500, 1000, 0, 100, 300, "fast", 2.5]),
 ]
@@ -557,6 +623,21 @@ def test_q1_names_the_problem(case):
     text, expected = WRONG_CONFIGS[case]
     out = check(lab04.q1, text)
     assert out.status is Status.INCORRECT and expected in out.message, out.message
+
+
+def test_q1_accepts_the_folder_name_and_kind_auto():
+    assert "name" not in RIGHT_CONFIG_3.split("input")[0] and "kind" not in RIGHT_CONFIG_3
+    for text in (RIGHT_CONFIG.replace('name: "digits_onnx"\n', ""),
+                 RIGHT_CONFIG.replace("count: 2 kind: KIND_CPU", "count: 2"), RIGHT_CONFIG_3):
+        out = check(lab04.q1, text)
+        assert out.correct, out.message
+    assert "KIND_AUTO" in check(lab04.q1, RIGHT_CONFIG_3).message  # told what it means on a GPU machine
+    assert "KIND_AUTO" not in check(lab04.q1, RIGHT_CONFIG).message
+    # still wrong elsewhere: the missing name does not hide another problem
+    out = check(lab04.q1, RIGHT_CONFIG_3.replace("count: 2", "count: 1"))
+    assert out.status is Status.INCORRECT and "count: 2" in out.message
+    out = check(lab04.q1, RIGHT_CONFIG_3.replace("count: 2 }", "count: 2 kind: KIND_GPU }"))
+    assert out.status is Status.INCORRECT and "KIND_GPU" in out.message
 
 
 def test_q1_schema_error_names_the_field():

@@ -39,6 +39,10 @@ Q1_WRONG = {
     "no such metric": "sum by (model) (rate(nv_inference_requests[1m]))",
     "twice": "2 * sum by (model) (rate(nv_inference_request_success[1m]))",
     "increase, no sum": "increase(nv_inference_request_success[1m])",
+    "delta": "sum by (model) (delta(nv_inference_request_success[1m])) / 60",
+    # right on RECORDED only: two servers per model, two requests per execution
+    "twice the average": "2 * avg by (model) (rate(nv_inference_request_success[1m]))",
+    "twice the executions": "2 * sum by (model) (rate(nv_inference_exec_count[1m]))",
 }
 Q2_WRONG = {
     "microseconds": "sum by (model) (rate(nv_inference_request_duration_us[1m])) / "
@@ -57,12 +61,17 @@ Q2_WRONG = {
                            "rate(nv_inference_request_success[1m])) / 1000",
     "no sum": "rate(nv_inference_request_duration_us[1m]) / rate(nv_inference_request_success[1m]) / 1000",
     "constant": "25",
+    "delta": "sum by (model) (delta(nv_inference_request_duration_us[1m])) / "
+             "sum by (model) (delta(nv_inference_request_success[1m])) / 1000",
+    "half per execution": "sum by (model) (rate(nv_inference_request_duration_us[1m])) / "  # right on RECORDED only
+                          "sum by (model) (rate(nv_inference_exec_count[1m])) / 2000",
 }
 
 PROMQL_CASES = [
     (lab05.q1, [QPS, "sum(rate(nv_inference_request_success[1m])) by (model)",
                 "sum by (model) (increase(nv_inference_request_success[1m])) / 60",
-                'sum by (model, job) (rate(nv_inference_request_success{job="triton"}[60s]))'],
+                'sum by (model, job) (rate(nv_inference_request_success{job="triton"}[60s]))',
+                "sum by (model) (sum by (model, instance, version) (rate(nv_inference_request_success[1m])))"],
      [*Q1_WRONG.values(), 42]),
     (lab05.q2, [LAT, "sum(rate(nv_inference_request_duration_us[1m])) by (model) / "
                      "sum(rate(nv_inference_request_success[1m])) by (model) / 1e3",
@@ -73,8 +82,10 @@ PROMQL_CASES = [
      list(Q2_WRONG.values())),
 ]
 OTHER_CASES = [
-    (lab05.q3, [{"p99_ms": 76.5, "pending": 15}, {"p99_ms": 52, "pending": 11}, {"p99_ms": 150.0, "pending": 39}],
+    (lab05.q3, [{"p99_ms": 76.5, "pending": 15}, {"p99_ms": 61.2, "pending": 12}, {"p99_ms": 150.0, "pending": 39},
+                {"p99_ms": "80", "pending": 14.5}],
      [{"p99_ms": 50, "pending": 15}, {"p99_ms": 76.5, "pending": 10}, {"p99_ms": 200, "pending": 15},
+      {"p99_ms": 52, "pending": 11}, {"p99_ms": 52, "pending": 15}, {"p99_ms": 76.5, "pending": 11},
       {"p99_ms": 76.5, "pending": 45}, {"p99_ms": 76.5}, [76.5, 15], {"p99_ms": "high", "pending": 15}]),
     (lab05.q6, [GOOD_SNAPSHOT, {"qps": 240, "avg_batch": 8, "avg_queue_ms": 12.49}],
      [{**GOOD_SNAPSHOT, "qps": 2400}, {**GOOD_SNAPSHOT, "qps": 480}, {**GOOD_SNAPSHOT, "avg_batch": 4},
@@ -146,6 +157,12 @@ ALERT_WRONG = {
     "no expr": {"alert": "QueueTimeHigh", "for": "2m"},
     "bad PromQL syntax": _rule("sum by (model) (rate(nv_inference_queue_duration_us[1m]) > "),
     "two rules": [_rule(), _rule()],
+    "delta": _rule("sum by (model) (delta(nv_inference_queue_duration_us[1m])) "
+                   "/ sum by (model) (delta(nv_inference_request_success[1m])) / 1000 > 100"),
+    # these fire at the right times on ALERT_SERIES, with values or a threshold that are not the question's
+    "twice, against 200": _rule(f"2 * {QUEUE_MS} > 200"),
+    "threshold 150": _rule(f"{QUEUE_MS} > 150"),
+    "threshold 60": _rule(f"{QUEUE_MS} > 60"),
 }
 ALERT_CASES = [(lab05.q4, ALERT_RIGHT, list(ALERT_WRONG.values()))]
 
@@ -374,7 +391,7 @@ def test_cases_cover_every_exercise():
 
 def test_at_least_half_of_the_exercises_run_code_against_the_real_component():
     executed = [lab05.q1, lab05.q2, lab05.q4, lab05.q5]  # Prometheus, Prometheus, promtool, a Triton server
-    assert {type(e) for e in executed} == {lab05.PromQLExercise, lab05.AlertRuleExercise, lab05.CodeExercise}
+    assert {type(e) for e in executed} == {lab05.PrometheusExercise, lab05.CodeExercise}
     assert 2 * len(executed) >= len(exercises_of(lab05))
 
 
@@ -432,6 +449,9 @@ def _msg(exercise: Exercise, value) -> str:
     ("no such metric", ["no series"]),
     ("twice", ["2x the reference"]),
     ("increase, no sum", ["missing sum by (model)", "increase instead of rate"]),  # two slips, both named
+    ("delta", ["delta() is for gauges", "resets", "use rate()"]),
+    ("twice the average", ["on ex.RECORDED, but not on a second recording", "into the second recording"]),
+    ("twice the executions", ["on ex.RECORDED, but not on a second recording"]),
 ])
 def test_q1_messages(case, words):
     msg = _msg(lab05.q1, Q1_WRONG[case])
@@ -449,6 +469,8 @@ def test_q1_messages(case, words):
     ("average of averages", ["averages the servers' averages"]),
     ("no sum", ["missing sum by (model)"]),
     ("constant", ["this query is a constant"]),
+    ("delta", ["delta() is for gauges"]),
+    ("half per execution", ["on ex.RECORDED, but not on a second recording"]),
 ])
 def test_q2_messages(case, words):
     msg = _msg(lab05.q2, Q2_WRONG[case])
@@ -472,6 +494,36 @@ def test_without_prometheus_the_check_says_how_to_install_it(monkeypatch):
                                               "brew install prometheus", "compose stack")), out.message
     assert check(lab05.q1, None).status is Status.NOT_ATTEMPTED and "Set `qps_query`" in check(lab05.q1, None).message
     assert check(lab05.q7, GOOD_BOTTLENECK).correct  # the other checks need no Prometheus
+
+
+@pytest.mark.usefixtures("prometheus_here")
+def test_the_second_recording_is_drawn_afresh_and_differs_from_the_first():
+    import random
+
+    draws = [lab05._hidden_samples(random.Random(seed)) for seed in (1, 2)]
+    assert draws[0] != draws[1]
+    for samples in draws:
+        assert min(t for _, t, _ in samples) > max(t for _, t, _ in lab05.RECORDED) + 3600
+        success = [(lab["instance"], lab["model"], lab["version"], t, v) for lab, t, v in samples
+                   if lab["__name__"] == "nv_inference_request_success"]
+        assert len({i for i, *_ in success}) == 3 and {v for _, m, v, *_ in success if m == "bert"} == {"1", "2"}
+        resets = 0
+        for key in {(i, m, v) for i, m, v, *_ in success}:
+            values = [v for *k, t, v in sorted(success, key=lambda r: r[3]) if tuple(k) == key]
+            resets += sum(b < a for a, b in zip(values, values[1:], strict=False))
+        assert resets == 3  # one server restarted: each of its three series (two models, bert in two versions)
+    # a slip recognised on RECORDED keeps its message (both recordings in one Prometheus)
+    assert "increase instead of rate" in _msg(lab05.q1, Q1_WRONG["increase"])
+
+
+def test_q3_headroom():
+    assert lab05.HEADROOM == 0.2
+    msg = check(lab05.q3, {"p99_ms": 52, "pending": 15}).message
+    assert "only 2.0 % above the healthy hour's peak (51ms)" in msg and "at least 20 % headroom" in msg, msg
+    assert "p99_ms >= 61.2ms" in msg
+    msg = check(lab05.q3, {"p99_ms": 76.5, "pending": 11}).message
+    assert "pending = 11 is only 10.0 % above" in msg and "pending >= 12" in msg, msg
+    assert check(lab05.q3, {"p99_ms": 61.2, "pending": 12}).correct  # exactly 20 % above both peaks
 
 
 def test_q3_messages_and_data():
@@ -511,7 +563,7 @@ def test_q7_each_model_explained_with_what_gpu_utilization_measures():
 
 @pytest.mark.parametrize("exercise", exercises_of(lab05), ids=lambda e: e.name)
 def test_solution_code_passes_its_check(exercise, request):
-    if isinstance(exercise, (lab05.PromQLExercise, lab05.AlertRuleExercise)):
+    if isinstance(exercise, lab05.PrometheusExercise):
         request.getfixturevalue("prometheus_here")
     if exercise is lab05.q5:
         require_server()
@@ -580,6 +632,10 @@ def promtool_here():
     ("no expr", ["no expr"]),
     ("bad PromQL syntax", ["promtool check rules refuses it", "unclosed left parenthesis"]),
     ("two rules", ["one alerting rule", "found 2"]),
+    ("delta", ["delta() is for gauges", "resets"]),
+    ("twice, against 200", ["not the queue time per request", "$value"]),
+    ("threshold 150", ["other evaluations than queue time > 100 ms", "compare with 100"]),
+    ("threshold 60", ["other evaluations than queue time > 100 ms"]),
 ])
 def test_q4_messages(case, words):
     msg = _msg(lab05.q4, ALERT_WRONG[case])

@@ -7,7 +7,8 @@ model that stays not ready); 04.3 a gRPC request and 04.4 an HTTP request (``Inf
 + ``set_data_from_numpy``, ``InferRequestedOutput``, ``infer``, ``as_numpy``) compared with the model computed in
 NumPy; 04.6 the python backend's ``execute`` for a dynamic batch, written into a ``model.py``, deployed under
 dynamic batching and driven by the load generator (every client must get its own rows back, from one model run
-per batch); 04.8 the average batch and queue time from a statistics response, on a fixed one and on the server's.
+per batch); 04.8 the average batch and queue time from a statistics response, on a fixed one, on one drawn at random
+and on the server's.
 Reasoning on fixed numbers: 04.1 a ``config.pbtxt`` checked by Triton's schema, 04.5 Little's law, 04.7 the queue
 delay for a p95 target.
 
@@ -22,6 +23,7 @@ import copy
 import inspect
 import json
 import math
+import random
 import re
 import textwrap
 import time
@@ -42,6 +44,7 @@ from lab_utils.exercises.framework import (
     number,
     run_student,
 )
+from lab_utils.serving.backend.model import NUMPY2  # the wheel's stub runs this interpreter's NumPy
 
 __all__ = [
     "q1", "q2", "q3", "q4", "q5", "q6", "q7", "q8",
@@ -152,7 +155,7 @@ output OUTPUT__0 of shape [batch, 10], float32) with Triton's ONNX Runtime backe
 Q1_MODEL_SHAPES: dict[str, list[int | str | None]] = {"INPUT__0": ["batch", 64]}
 
 
-def _grade_config(text: Any) -> None:
+def _grade_config(text: Any) -> str | None:
     from lab_utils.serving.repository import ConfigError, check_config, parse_config
 
     if not isinstance(text, str):
@@ -161,11 +164,13 @@ def _grade_config(text: Any) -> None:
         cfg = parse_config(text)
     except ConfigError as err:
         raise Wrong(f"Triton's schema refuses it: {err.problems[0][1]}") from None
-    problems = check_config(cfg, gpus=0, model_shapes=Q1_MODEL_SHAPES)
+    named = copy.deepcopy(cfg)
+    named.name = named.name or "digits_onnx"  # no name: Triton takes the folder's, digits_onnx
+    problems = check_config(named, gpus=0, model_shapes=Q1_MODEL_SHAPES)
     if problems:
         f, why = problems[0]
         raise Wrong(f"{f}: {why}")
-    if cfg.name != "digits_onnx":
+    if cfg.name and cfg.name != "digits_onnx":
         raise Wrong(f'name is {cfg.name!r}: the model is called "digits_onnx" (and so must its folder be)')
     if cfg.platform != "onnxruntime_onnx" and cfg.backend != "onnxruntime":
         got = cfg.platform or cfg.backend
@@ -198,8 +203,12 @@ def _grade_config(text: Any) -> None:
     if not cfg.instance_group or count != 2:
         raise Wrong(f"{count if cfg.instance_group else 'no'} instance(s): instance_group [{{ count: 2 kind: "
                     "KIND_CPU }] gives two")
-    if kinds != {"KIND_CPU"}:
+    if not kinds <= {"KIND_CPU", "KIND_AUTO"}:
         raise Wrong(f"instance kind {sorted(kinds)}: the instances run on the CPU, KIND_CPU")
+    if "KIND_AUTO" in kinds:  # no kind: KIND_AUTO, the CPU on this GPU-less model, but a GPU where there is one
+        return ("Without `kind` a group is KIND_AUTO: the CPU here, but a GPU on a machine with one; KIND_CPU says "
+                "what the requirement means.")
+    return None
 
 
 q1 = Exercise(
@@ -238,6 +247,17 @@ DEPLOY_DISK_CONFIG: dict[str, Any] = {"name": DEPLOY_MODEL, "max_batch_size": 8,
 DEPLOY_CONFIG: dict[str, Any] = {"name": DEPLOY_MODEL, "max_batch_size": 16, **_PYTHON_MODEL,
                                  "dynamic_batching": {"max_queue_delay_microseconds": 100}}
 _DEPLOY_TIMEOUT_S = 0.5  # the deadline given while the model stays not ready
+
+
+def _deploy_config(rng: random.Random) -> dict[str, Any]:
+    """``DEPLOY_CONFIG`` with its batch size and queue delay drawn here: a deploy that sends a configuration of its
+    own instead of the `config` argument (``ex.DEPLOY_CONFIG`` itself, say) serves the wrong one."""
+    while True:
+        cfg = copy.deepcopy(DEPLOY_CONFIG)
+        cfg["max_batch_size"] = rng.choice((12, 16, 24, 32))
+        cfg["dynamic_batching"] = {"max_queue_delay_microseconds": rng.choice((100, 200, 500))}
+        if cfg != DEPLOY_CONFIG:
+            return cfg
 _DEPLOY_MAX_POLLS_PER_S = 100  # more is a busy loop against the server
 
 
@@ -306,13 +326,14 @@ def _grade_deploy(fn: Any) -> str:
 
     lab = _lab()
     _deploy_model_dir(lab)
+    config = _deploy_config(random.Random())
     real = _grpc_client(lab)
     try:
         # 1. The real deploy: the configuration given must be what the server serves afterwards.
         client = _Client(real)
         t0 = time.perf_counter()
         try:
-            run_student(fn, client, DEPLOY_MODEL, copy.deepcopy(DEPLOY_CONFIG), 30.0, timeout_s=90,
+            run_student(fn, client, DEPLOY_MODEL, copy.deepcopy(config), 30.0, timeout_s=90,
                         call=f"deploy_model(client, {DEPLOY_MODEL!r}, config, timeout_s=30)")
         except Wrong as err:
             raise Wrong(f"{err}.{_hint(str(err), _DEPLOY_HINTS)}") from None
@@ -332,12 +353,14 @@ def _grade_deploy(fn: Any) -> str:
         except Exception:  # not JSON, or not a ModelConfig
             raise Wrong(f"config= was {str(given)[:60]!r}...: Triton wants the ModelConfig as JSON text, "
                         "json.dumps(config).") from None
-        if sent != parse_config(DEPLOY_CONFIG):
+        if sent != parse_config(config):
             raise Wrong("config= carried another configuration than the `config` argument: send it unchanged, "
                         "json.dumps(config).")
         served = json_format.ParseDict(real.get_model_config(DEPLOY_MODEL, as_json=True)["config"],
                                        type(sent)(), ignore_unknown_fields=True)
-        if served.max_batch_size != DEPLOY_CONFIG["max_batch_size"] or not served.HasField("dynamic_batching"):
+        delay = served.dynamic_batching.max_queue_delay_microseconds
+        if (served.max_batch_size != config["max_batch_size"] or not served.HasField("dynamic_batching")
+                or delay != config["dynamic_batching"]["max_queue_delay_microseconds"]):
             raise Wrong(f"after your deploy the server serves max_batch_size {served.max_batch_size}, dynamic "
                         f"batching {'on' if served.HasField('dynamic_batching') else 'off'}: not the configuration "
                         "given. Pass it to load_model as config=json.dumps(config).")
@@ -350,7 +373,7 @@ def _grade_deploy(fn: Any) -> str:
 
         def deploy_while_loading() -> BaseException | None:
             try:
-                fn(slow, DEPLOY_MODEL, copy.deepcopy(DEPLOY_CONFIG), _DEPLOY_TIMEOUT_S)
+                fn(slow, DEPLOY_MODEL, copy.deepcopy(config), _DEPLOY_TIMEOUT_S)
             except (TimeoutError, RuntimeError) as err:
                 return err
             return None
@@ -378,7 +401,8 @@ def _grade_deploy(fn: Any) -> str:
     if rate > _DEPLOY_MAX_POLLS_PER_S:
         raise Wrong(f"it asked is_model_ready {slow.polls} times in {waited:.2f} s ({rate:,.0f} per second): every "
                     "poll is a request the server must answer. Pause between polls (time.sleep(0.1)).")
-    return (f"the server serves {DEPLOY_MODEL} as given (max_batch_size 16, dynamic batching) after your deploy "
+    return (f"the server serves {DEPLOY_MODEL} as given (max_batch_size {config['max_batch_size']}, dynamic batching "
+            f"with a {config['dynamic_batching']['max_queue_delay_microseconds']} µs queue delay) after your deploy "
             f"({took:.2f} s); with a model that stayed not ready you polled {slow.polls} time(s) and raised "
             f"{type(raised).__name__} after {waited:.2f} s.")
 
@@ -444,7 +468,7 @@ def _grade_client(fn: Any, protocol: str) -> str:
     finally:
         real.close()
     reference = _numpy_mlp(lab.repo / lab.model / version)
-    rng = np.random.default_rng(4)
+    rng = np.random.default_rng()  # inputs drawn afresh at every check: no answer can be prepared for them
     name = getattr(fn, "__name__", f"{protocol}_infer")
     worst = 0.0
     for rows in _CLIENT_ROWS:
@@ -567,7 +591,6 @@ _EXECUTE_CONCURRENCY = 8
 _EXECUTE_SECONDS = 0.6
 _APPENDED = "# --- appended by lab 04's check 04.6: your execute, from the notebook ---"
 _STUB_FRAME = re.compile(r"model\.py\((\d+)\): (\w+)")
-_NUMPY2 = int(np.__version__.split(".")[0]) >= 2  # the wheel's stub runs this interpreter's NumPy
 
 
 def _execute_source(fn: Any) -> tuple[str, str, int]:
@@ -627,7 +650,7 @@ def _execute_failure(messages: dict[str, int], total: int, source: str, start: i
     as_numpy = ".as_numpy(" in source
     numpy_note = (" Your execute reads inputs with .as_numpy(): Triton 2.51's stub was built against NumPy 1 and "
                   f"this server's Python has NumPy {np.__version__}, where as_numpy() returns wrong data. Use "
-                  "to_numpy(tensor), which crosses by DLPack." if as_numpy and _NUMPY2 else "")
+                  "to_numpy(tensor), which crosses by DLPack." if as_numpy and NUMPY2 else "")
     if wrong:
         n_wrong = sum(wrong.values())
         example = max(wrong, key=lambda m: wrong[m]).split("wrong answer: ", 1)[-1]
@@ -675,7 +698,7 @@ def _grade_execute(fn: Any) -> str:
     except RuntimeError as err:
         raise Wrong(f"the server could not load a model.py holding your execute: {err}") from None
     reference = _numpy_mlp(vdir)
-    rng = np.random.default_rng(6)
+    rng = np.random.default_rng()  # inputs drawn afresh at every check
     sizes = iter(EXECUTE_ROWS * 3)
 
     def make_inputs() -> dict[str, np.ndarray]:
@@ -743,6 +766,8 @@ q6 = CodeExercise(
     solution_text=(
         "def execute(self, requests):\n"
         "    import triton_python_backend_utils as pb_utils\n"
+        "    # to_numpy(t) is t.as_numpy() and to_tensor(name, a) is pb_utils.Tensor(name, a), both crossing by\n"
+        "    # DLPack under NumPy 2 (where the plain calls return wrong data); on the NGC image the plain calls work\n"
         "    xs = [to_numpy(pb_utils.get_input_tensor_by_name(r, 'INPUT__0')) for r in requests]  # each [n_i, F]\n"
         "    rows = [len(x) for x in xs]\n"
         "    y = self.model(np.concatenate(xs))  # ONE run for the batch: [sum n_i, 3]\n"
@@ -823,10 +848,6 @@ Q8_STATS: dict[str, Any] = {  # GET v2/models/mlp/stats after a load test (Trito
         ],
     }],
 }
-_S = copy.deepcopy(Q8_STATS["model_stats"][0])
-_BATCH = _S["inference_count"] / _S["execution_count"]  # 14.22
-_QUEUE_US = _S["inference_stats"]["queue"]["ns"] / _S["inference_stats"]["queue"]["count"] / 1e3  # 3100 µs
-_REQUEST_US = _S["inference_stats"]["success"]["ns"] / _S["inference_stats"]["success"]["count"] / 1e3  # 6900
 
 
 def _pair(result: Any, call: str) -> tuple[float, float]:
@@ -869,26 +890,76 @@ def _expected_split(stats: dict[str, Any]) -> tuple[float, float, float, float]:
     return batch, queue, per_exec, request
 
 
-def _grade_stats(fn: Any) -> str:
-    import urllib.request
+def _random_stats(rng: random.Random) -> dict[str, Any]:
+    """A statistics response shaped like ``Q8_STATS`` with numbers drawn at random: a function that returns the
+    fixed answer, or reads ``ex.Q8_STATS`` instead of its argument, fails on it."""
+    fixed_batch, fixed_queue, _, _ = _expected_split(Q8_STATS)
+    while True:
+        sizes = sorted(rng.sample(range(2, 33), 3))
+        counts = [rng.randint(20, 400) for _ in sizes]
+        inferences, executions = sum(b * n for b, n in zip(sizes, counts, strict=True)), sum(counts)
+        batch = inferences / executions
+        queue_us = rng.uniform(300.0, 20_000.0)
+        far = [fixed_batch, max(sizes), sum(sizes) / len(sizes), 1.0]
+        if all(abs(batch / v - 1) > 0.05 for v in far) and abs(queue_us / fixed_queue - 1) > 0.05:
+            break
+    stages = {"queue": queue_us, "compute_input": rng.uniform(50, 400), "compute_infer": rng.uniform(500, 5000),
+              "compute_output": rng.uniform(50, 300)}
+    ns = {k: round(v * 1e3 * inferences) for k, v in stages.items()}
+    zero = {"count": 0, "ns": 0}
+    return {"model_stats": [{
+        "name": "mlp", "version": "1", "last_inference": 1764460800000 + rng.randint(0, 10**9),
+        "inference_count": inferences, "execution_count": executions,
+        "inference_stats": {"success": {"count": inferences, "ns": sum(ns.values()) + rng.randint(0, 10**9)},
+                            "fail": dict(zero), **{k: {"count": inferences, "ns": v} for k, v in ns.items()},
+                            "cache_hit": dict(zero), "cache_miss": dict(zero)},
+        "batch_stats": [{"batch_size": b, **{k: {"count": n, "ns": 0} for k in ("compute_input", "compute_infer",
+                                                                               "compute_output")}}
+                        for b, n in zip(sizes, counts, strict=True)],
+    }]}
 
-    fixed = copy.deepcopy(Q8_STATS)
-    call = "batch_and_queue(ex.Q8_STATS)"
-    got_batch, got_queue = _pair(run_student(fn, fixed, call=call, timeout_s=30), call)
-    batch, queue, per_exec, request = _expected_split(Q8_STATS)
+
+def _grade_response(fn: Any, stats: dict[str, Any], call: str) -> tuple[float, float]:
+    """The student's (avg_batch, queue_us) for ``stats``, or ``Wrong`` naming the slip."""
+    got_batch, got_queue = _pair(run_student(fn, copy.deepcopy(stats), call=call, timeout_s=30), call)
+    batch, queue, per_exec, request = _expected_split(stats)
     for slip in (_batch_slip(got_batch, batch), _queue_slip(got_queue, queue, per_exec, request)):
         if slip:
             raise Wrong(f"{call}: {slip}")
-    if math.isclose(got_batch, 16.0, rel_tol=0.01) or math.isclose(got_batch, 10.0, rel_tol=0.01):
+    sizes = [int(b["batch_size"]) for b in stats["model_stats"][0].get("batch_stats", [])]
+    unweighted = (max(sizes), sum(sizes) / len(sizes)) if sizes else ()
+    if not math.isclose(got_batch, batch, rel_tol=0.01) and any(math.isclose(got_batch, v, rel_tol=0.01)
+                                                                 for v in unweighted):
         raise Wrong(f"{call}: avg_batch: batch_stats lists sizes with how many executions ran at each: weight them, "
                     "or use inference_count / execution_count")
+    return got_batch, got_queue
+
+
+def _grade_stats(fn: Any) -> str:
+    import urllib.request
+
+    call = "batch_and_queue(ex.Q8_STATS)"
+    got_batch, got_queue = _grade_response(fn, Q8_STATS, call)
+    batch, queue, _, _ = _expected_split(Q8_STATS)
     for what, got, want in (("avg_batch", got_batch, batch), ("queue_us", got_queue, queue)):
         if not math.isclose(got, want, rel_tol=0.01):
             side = "high" if got > want else "low"
             raise Wrong(f"{call}: {what} {got:.4g} is too {side}: avg_batch = inferences per execution, queue_us = "
                         "queue time per queued request, in µs")
+    # A second response with numbers drawn here: the answer must be computed from the argument.
+    drawn = _random_stats(random.Random())
+    call = "batch_and_queue(<another response, its numbers drawn at random>)"
+    got = _grade_response(fn, drawn, call)
+    want = _expected_split(drawn)[:2]
+    if not all(math.isclose(g, w, rel_tol=0.01) for g, w in zip(got, want, strict=True)):
+        same = all(math.isclose(g, f, rel_tol=0.01) for g, f in zip(got, (batch, queue), strict=True))
+        why = ("the answer to ex.Q8_STATS again: compute it from the `stats` argument, not from fixed numbers" if same
+               else "avg_batch = inference_count / execution_count, queue_us = queue.ns / queue.count / 1000")
+        raise Wrong(f"{call} gave ({got[0]:.4g}, {got[1]:.4g}); that response says ({want[0]:.4g}, {want[1]:.4g}): "
+                    f"{why}")
     if not _BOUND or not _BOUND[0].server.alive():
-        return f"on the fixed response: avg_batch {got_batch:.2f}, queue {got_queue:,.0f} µs."
+        return (f"on the fixed response (avg_batch {got_batch:.2f}, queue {got_queue:,.0f} µs) and on one with "
+                "numbers drawn at random.")
     lab = _BOUND[0]
     real = _grpc_client(lab)
     try:
@@ -899,19 +970,16 @@ def _grade_stats(fn: Any) -> str:
     with urllib.request.urlopen(url, timeout=10) as resp:
         live = json.loads(resp.read())
     if not live.get("model_stats") or not int(live["model_stats"][0].get("execution_count", 0)):
-        return (f"on the fixed response: avg_batch {got_batch:.2f}, queue {got_queue:,.0f} µs (the server's own "
-                f"{lab.model} has served nothing yet).")
+        return (f"on the fixed response (avg_batch {got_batch:.2f}, queue {got_queue:,.0f} µs) and on one with "
+                f"numbers drawn at random (the server's own {lab.model} has served nothing yet).")
     call = f"batch_and_queue(<GET v2/models/{lab.model}/versions/{version}/stats>)"
-    got_batch, got_queue = _pair(run_student(fn, copy.deepcopy(live), call=call, timeout_s=30), call)
-    batch, queue, per_exec, request = _expected_split(live)
-    for slip in (_batch_slip(got_batch, batch), _queue_slip(got_queue, queue, per_exec, request)):
-        if slip:
-            raise Wrong(f"{call}: {slip}")
+    got_batch, got_queue = _grade_response(fn, live, call)
+    batch, queue, _, _ = _expected_split(live)
     if not (math.isclose(got_batch, batch, rel_tol=1e-6) and math.isclose(got_queue, queue, rel_tol=1e-6)):
         raise Wrong(f"{call} gave ({got_batch:.4g}, {got_queue:.4g}); the server's response says ({batch:.4g}, "
                     f"{queue:.4g}): read the counts as numbers (the JSON has them as integers)")
-    return (f"on the fixed response and on the server's own ({lab.model} version {version}: avg_batch "
-            f"{batch:.2f}, queue {queue:,.0f} µs per request).")
+    return (f"on the fixed response, on one with numbers drawn at random, and on the server's own ({lab.model} "
+            f"version {version}: avg_batch {batch:.2f}, queue {queue:,.0f} µs per request).")
 
 
 q8 = CodeExercise(

@@ -6,12 +6,17 @@ Four of the seven are code that the check executes against the real component:
   counters for two models, scraped every 15 s, the load changing every 3 minutes. A check starts a Prometheus that
   serves these samples (backfilled by promtool), evaluates the student's query and the reference at the end of
   each phase (``GRADING_TIMES``, where the reference's value changes), and compares the series: an equivalent
-  query written another way gives the same numbers and passes, a constant that matches once does not. A wrong
+  query written another way gives the same numbers and passes, a constant that matches once does not. The same
+  Prometheus also serves a second recording drawn afresh for each check and never shown (three servers, bert in
+  two versions, other batch sizes, a server restart that resets its counters): a query right only by a
+  coincidence of ``RECORDED`` fails there. ``delta()`` on these counters is refused outright. A wrong
   answer is told its symptom: a known mistake (``increase`` for ``rate``, inferences for requests, microseconds)
   is recognised by its numbers, evaluated by Prometheus too; a missing ``sum by (model)`` by its series.
 - q4 (an alerting rule) is graded by ``promtool test rules`` over ``ALERT_SERIES``: fourteen minutes in which
   one model has a one-minute burst and another is overloaded from minute 6. The rule must fire on the overload
-  and stay silent on the calm model, burst included. The verdicts are promtool's exit codes on small tests of
+  and stay silent on the calm model, burst included; its expression must return the queue time per request (ms,
+  or µs against 100000) exactly when that is over 100 ms, so a doubled value or another threshold that happens to
+  fire at the right times here fails. The verdicts are promtool's exit codes on small tests of
   the ``ALERTS`` series the rule produced; a wrong rule's slip (no ``for:``, ``increase`` for ``rate``, µs, the
   comparison reversed) is told from when it fired and from its values.
 - q5 (a watchdog loop) runs the student's function in a thread against a real Triton server that the check
@@ -32,6 +37,7 @@ import http.client
 import json
 import math
 import os
+import random
 import re
 import signal
 import subprocess
@@ -41,6 +47,7 @@ import time
 import traceback
 import urllib.error
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +74,7 @@ from lab_utils.serving import server as triton_server
 __all__ = [
     "q1", "q2", "q3", "q4", "q5", "q6", "q7",
     "RECORDED", "RECORDING_START", "GRADING_TIMES", "recorded_frame",
-    "BASELINE_P99_MS", "INCIDENT_P99_MS", "BASELINE_PENDING", "INCIDENT_PENDING",
+    "BASELINE_P99_MS", "INCIDENT_P99_MS", "BASELINE_PENDING", "INCIDENT_PENDING", "HEADROOM",
     "SNAPSHOT_BEFORE", "SNAPSHOT_AFTER", "SNAPSHOT_SECONDS",
     "BOTTLENECK_MODELS", "BOTTLENECK_CHOICES",
     "ALERT_SERIES", "ALERT_STEP_S", "ALERT_END_S", "ALERT_BURST_S", "ALERT_OVERLOAD_S", "ALERT_THRESHOLD_MS",
@@ -97,42 +104,79 @@ _START_REQUESTS, _START_LATENCY_MS = 1_000_000, 10.0
 GRADING_TIMES = tuple(RECORDING_START + _PHASE_S * (i + 1) for i in range(_PHASES))
 
 
-def _recorded_samples() -> list[prometheus.Sample]:
+def _recorded_samples(start: float = RECORDING_START, servers: Sequence[tuple[str, float]] = _SERVERS,
+                      models: Mapping[str, Mapping[str, Any]] = _MODELS,
+                      restart: tuple[int, int] | None = None) -> list[prometheus.Sample]:
+    """The samples of ``servers`` serving ``models`` from ``start``; a model may split its requests over
+    ``versions`` ({version: share}, default all "1"). ``restart`` = (server, step): that server restarts just
+    before that scrape, its counters starting again from 0."""
     rows: list[prometheus.Sample] = []
-    totals = {(s, m): [float(_START_REQUESTS), _START_REQUESTS * _START_LATENCY_MS * 1000]
-              for s in range(len(_SERVERS)) for m in _MODELS}  # requests, request time (us) so far
+    versions = {m: dict(spec.get("versions", {"1": 1.0})) for m, spec in models.items()}
+    totals = {(s, m, v): [_START_REQUESTS * vs, _START_REQUESTS * vs * _START_LATENCY_MS * 1000]
+              for s in range(len(servers)) for m in models for v, vs in versions[m].items()}  # requests, time (us)
     for step in range(_PHASES * _PHASE_S // _STEP_S + 1):
-        t = RECORDING_START + step * _STEP_S
+        t = start + step * _STEP_S
         phase = max(0, step - 1) * _STEP_S // _PHASE_S  # the phase of the 15 s that end at t
-        for s, (instance, share) in enumerate(_SERVERS):
+        for s, (instance, share) in enumerate(servers):
             rows.append(({"__name__": "up", "job": "triton", "instance": instance}, t, 1.0))
-            for j, (model, m) in enumerate(_MODELS.items()):
-                total = totals[(s, model)]
-                if step:
-                    wobble = 1 + 0.2 * math.sin(1.3 * step + 2.1 * s + 0.7 * j)
-                    n = m["qps"][phase] * share * _STEP_S * wobble
-                    total[0] += n
-                    total[1] += n * m["latency_ms"][phase][s] * 1000 * (1 + 0.1 * math.cos(0.9 * step + s + j))
-                requests, busy_us = total
-                labels = {"job": "triton", "instance": instance, "model": model, "version": "1"}
-                values = {
-                    "nv_inference_request_success": requests,
-                    "nv_inference_count": requests * m["inferences"],
-                    "nv_inference_exec_count": requests * m["inferences"] / m["per_exec"],
-                    "nv_inference_request_duration_us": busy_us,
-                    "nv_inference_queue_duration_us": busy_us * _QUEUE_SHARE,
-                    "nv_inference_compute_infer_duration_us": busy_us * _COMPUTE_SHARE,
-                    # Little's law: requests in the queue = arrival rate x time queued
-                    "nv_inference_pending_request_count": round(
-                        m["qps"][phase] * share * m["latency_ms"][phase][s] / 1000 * _QUEUE_SHARE),
-                }
-                for name, v in values.items():
-                    rows.append(({"__name__": name, **labels}, t, v))
-                rows.append(({"__name__": "nv_inference_request_failure", **labels, "reason": "BACKEND"}, t, 0.0))
+            for j, (model, m) in enumerate(models.items()):
+                for version, v_share in versions[model].items():
+                    total = totals[(s, model, version)]
+                    if restart == (s, step):
+                        total[0] = total[1] = 0.0
+                    if step:
+                        wobble = 1 + 0.2 * math.sin(1.3 * step + 2.1 * s + 0.7 * j)
+                        n = m["qps"][phase] * share * v_share * _STEP_S * wobble
+                        total[0] += n
+                        total[1] += n * m["latency_ms"][phase][s] * 1000 * (1 + 0.1 * math.cos(0.9 * step + s + j))
+                    requests, busy_us = total
+                    labels = {"job": "triton", "instance": instance, "model": model, "version": version}
+                    values = {
+                        "nv_inference_request_success": requests,
+                        "nv_inference_count": requests * m["inferences"],
+                        "nv_inference_exec_count": requests * m["inferences"] / m["per_exec"],
+                        "nv_inference_request_duration_us": busy_us,
+                        "nv_inference_queue_duration_us": busy_us * _QUEUE_SHARE,
+                        "nv_inference_compute_infer_duration_us": busy_us * _COMPUTE_SHARE,
+                        # Little's law: requests in the queue = arrival rate x time queued
+                        "nv_inference_pending_request_count": round(
+                            m["qps"][phase] * share * v_share * m["latency_ms"][phase][s] / 1000 * _QUEUE_SHARE),
+                    }
+                    for name, v in values.items():
+                        rows.append(({"__name__": name, **labels}, t, v))
+                    rows.append(({"__name__": "nv_inference_request_failure", **labels, "reason": "BACKEND"}, t,
+                                 0.0))
     return rows
 
 
 RECORDED = tuple(_recorded_samples())
+
+
+# A second recording, drawn afresh for every check and never shown: three servers, bert in two versions, other
+# batch sizes and loads, and one server restarting (its counters drop to 0) within a minute before a grading
+# time. A query that is right gives the reference's numbers here too; one that is right only by a coincidence of
+# RECORDED (two servers, two requests per execution) or that ignores counter resets does not.
+_HIDDEN_START = RECORDING_START + 4 * 3600  # hours after RECORDED: no window reaches back into it
+_HIDDEN_TIMES = tuple(_HIDDEN_START + _PHASE_S * (i + 1) for i in range(_PHASES))
+_HIDDEN_WHAT = ("a second recording the check draws afresh each time (three servers, bert in two versions, other "
+                "batch sizes, and a server restart that resets its counters)")
+
+
+def _hidden_samples(rng: random.Random) -> list[prometheus.Sample]:
+    shares = [rng.uniform(1.0, 3.0) for _ in range(3)]
+    servers = tuple((f"10.0.1.{i + 11}:8002", w / sum(shares)) for i, w in enumerate(shares))
+
+    def load(low: float, high: float, ms: tuple[float, float]) -> dict[str, Any]:
+        return {"qps": tuple(rng.uniform(low, high) for _ in range(_PHASES)),
+                "latency_ms": tuple(tuple(rng.uniform(*ms) for _ in servers) for _ in range(_PHASES))}
+
+    first = rng.uniform(0.5, 0.8)
+    models = {"resnet50": {**load(60, 240, (15, 60)), "inferences": 6, "per_exec": rng.choice((8, 16))},
+              "bert": {**load(20, 80, (6, 20)), "inferences": 3, "per_exec": rng.choice((4, 12)),
+                       "versions": {"1": first, "2": 1 - first}}}
+    phase = rng.randrange(1, _PHASES)  # the restart lands 15 to 45 s before the end of this phase
+    restart = (rng.randrange(len(servers)), (phase + 1) * _PHASE_S // _STEP_S - rng.randint(1, 3))
+    return _recorded_samples(_HIDDEN_START, servers, models, restart)
 
 
 def recorded_frame() -> pd.DataFrame:
@@ -148,24 +192,33 @@ Values = dict[float, dict[Labels, float]]  # {unix time: {series labels: value}}
 
 
 def _at(t: float) -> str:
+    if t >= _HIDDEN_START:
+        return f"{(t - _HIDDEN_START) / 60:g}m into the second recording"
     return f"{(t - RECORDING_START) / 60:g}m"
 
 
 def _evaluate(server: prometheus.PromAPI, expr: str) -> Values:
-    """``expr`` at every grading time, as Prometheus answers it; Wrong with Prometheus' words when it refuses."""
-    try:
-        df = server.query_range(expr, GRADING_TIMES[0], GRADING_TIMES[-1], _PHASE_S)
-    except prometheus.QueryError as err:
-        if "range vector" in err.why and "range query" in err.why:
-            raise Wrong("that is a range vector (metric[1m]: the raw samples of a window); wrap it in a function "
-                        "such as rate()") from None
-        raise Wrong(f"Prometheus refuses it: {err.why}") from None
-    out: Values = {t: {} for t in GRADING_TIMES}
-    names = [c for c in df.columns if c not in ("time", "value", "__name__")]
-    for r in df.to_dict("records"):
-        labels = tuple(sorted((k, r[k]) for k in names if isinstance(r[k], str)))
-        out.setdefault(round(r["time"], 3), {})[labels] = r["value"]
+    """``expr`` at every grading time of both recordings, as Prometheus answers it; Wrong with Prometheus' words
+    when it refuses."""
+    out: Values = {t: {} for t in (*GRADING_TIMES, *_HIDDEN_TIMES)}
+    for times in (GRADING_TIMES, _HIDDEN_TIMES):
+        try:
+            df = server.query_range(expr, times[0], times[-1], _PHASE_S)
+        except prometheus.QueryError as err:
+            if "range vector" in err.why and "range query" in err.why:
+                raise Wrong("that is a range vector (metric[1m]: the raw samples of a window); wrap it in a function "
+                            "such as rate()") from None
+            raise Wrong(f"Prometheus refuses it: {err.why}") from None
+        names = [c for c in df.columns if c not in ("time", "value", "__name__")]
+        for r in df.to_dict("records"):
+            labels = tuple(sorted((k, r[k]) for k in names if isinstance(r[k], str)))
+            out.setdefault(round(r["time"], 3), {})[labels] = r["value"]
     return out
+
+
+def _visible(values: Values) -> Values:
+    """``values`` at the grading times of ``RECORDED``, the recording the student sees."""
+    return {t: v for t, v in values.items() if t < _HIDDEN_START}
 
 
 def _project(values: Values, names: Sequence[str]) -> Values | None:
@@ -253,11 +306,27 @@ def _diagnose(got: Values, want: Values, what: str) -> None:
     raise Wrong(f"at {_at(t)} it gives {_show(proj[t])} where {what} is {_show(want[t])}")
 
 
+_DELTA = re.compile(r"\b(i?delta)\s*\(")
+
+
+def _no_delta(expr: str) -> None:
+    """``Wrong`` for delta()/idelta() in ``expr``: every series the questions use is a counter."""
+    m = _DELTA.search(expr)
+    if m:
+        fn = m.group(1)
+        raise Wrong(f"{fn}() is for gauges (a value that goes up and down); these are counters. On a counter "
+                    f"{fn}() breaks when a server restarts: the counter drops to 0 and {fn}() reports a huge negative "
+                    f"change. rate() (per second) or increase() (per window) account for counter resets: "
+                    f"use {'rate' if fn == 'delta' else 'irate'}()")
+
+
 def _grade_query(expr: Any, reference: str, mistakes: Sequence[tuple[str, str]], what: str) -> None:
-    """Grade ``expr`` against ``reference`` with a Prometheus serving ``RECORDED`` (started and stopped here)."""
+    """Grade ``expr`` against ``reference`` with a Prometheus serving ``RECORDED`` and a second recording drawn
+    here (started and stopped here)."""
     if not isinstance(expr, str) or not expr.strip():
         raise Wrong(f"give the PromQL expression as a string, e.g. 'rate(metric[1m])', not {type(expr).__name__}")
-    with prometheus.recorded_server(RECORDED) as server:
+    _no_delta(expr)
+    with prometheus.recorded_server([*RECORDED, *_hidden_samples(random.Random())]) as server:
         got = _evaluate(server, expr)
         want = _evaluate(server, reference)
         if _same(got, want):
@@ -272,19 +341,32 @@ def _grade_query(expr: Any, reference: str, mistakes: Sequence[tuple[str, str]],
             for values, message in slips:
                 if _same(summed, values):
                     raise Wrong(f"missing sum by (model) (one series per server and version), and {message}")
-    _diagnose(got, want, what)
+    seen, hidden = _visible(got), {t: v for t, v in got.items() if t >= _HIDDEN_START}
+    if _same(seen, _visible(want)):
+        proj = _project(hidden, _label_names(want)) or {}
+        t = next((t for t in _HIDDEN_TIMES if not _same({t: hidden.get(t, {})}, {t: want[t]})), _HIDDEN_TIMES[-1])
+        shown = _show(proj.get(t, hidden.get(t, {})))
+        raise Wrong(f"it gives the reference's numbers on ex.RECORDED, but not on {_HIDDEN_WHAT}: at {_at(t)} it "
+                    f"gives {shown} where {what} is {_show(want[t])}. A query right only "
+                    "because of how ex.RECORDED happens to be (two servers, two requests per execution, no restart) "
+                    "is not the question's quantity")
+    _diagnose(seen, _visible(want), what)
 
 
-class PromQLExercise(Exercise):
-    """An exercise whose answer is a PromQL query, graded by Prometheus. Where prometheus or promtool is
-    missing, the check says how to install them instead of grading (the answer is not judged)."""
+@dataclass
+class PrometheusExercise(Exercise):
+    """An exercise graded by Prometheus' own tools (``tools``: a query by prometheus and promtool, an alerting
+    rule by promtool). Where one is missing, the check says how to install it instead of grading (the answer is
+    not judged); ``graded_by`` says what would have graded it."""
+
+    tools: tuple[str, ...] = ("prometheus", "promtool")
+    graded_by: str = "Prometheus grades this query"
 
     def check(self, value: Any, *, quiet: bool = False) -> Outcome:
-        why = prometheus.missing()
+        why = prometheus.missing(*self.tools)
         if why is None or is_blank(value):
             return super().check(value, quiet=quiet)
-        out = Outcome(self.name, Status.NOT_ATTEMPTED,
-                      f"`{self.var}` was not checked (Prometheus grades this query): {why}")
+        out = Outcome(self.name, Status.NOT_ATTEMPTED, f"`{self.var}` was not checked ({self.graded_by}): {why}")
         if not quiet:
             print(out)
         return out
@@ -322,7 +404,7 @@ def _grade_qps(expr: Any) -> None:
     _grade_query(expr, _QPS, _QPS_SLIPS, "the requests per second")
 
 
-q1 = PromQLExercise(
+q1 = PrometheusExercise(
     name="05.1 QPS in PromQL",
     var="qps_query",
     grade=_grade_qps,
@@ -376,7 +458,7 @@ def _grade_latency(expr: Any) -> None:
     _grade_query(expr, _LATENCY, _LATENCY_SLIPS, "the average latency in ms")
 
 
-q2 = PromQLExercise(
+q2 = PrometheusExercise(
     name="05.2 average latency in PromQL",
     var="latency_query",
     grade=_grade_latency,
@@ -409,6 +491,9 @@ INCIDENT_PENDING = tuple([*BASELINE_PENDING[:20], *(int(40 + (i * 13) % 30) for 
 
 _P99_LOW, _P99_HIGH = max(BASELINE_P99_MS), min(INCIDENT_P99_MS[20:])
 _PEND_LOW, _PEND_HIGH = max(BASELINE_PENDING), min(INCIDENT_PENDING[20:])
+# A threshold at least this much above the healthy peak: a healthy hour's maximum is one sample, and the next
+# healthy hour's peak lands a little higher or lower; just above it pages on a normal busy minute.
+HEADROOM = 0.2
 
 
 def _grade_thresholds(value: Any) -> None:
@@ -422,6 +507,12 @@ def _grade_thresholds(value: Any) -> None:
             false_alarms = sum(v > got for v in base)
             raise Wrong(f"{what} = {got:g}{unit} is not above the healthy hour's maximum: it would have fired on "
                         f"{false_alarms} of its 60 minutes (false alarms teach people to ignore the page)")
+        if got < (1 + HEADROOM) * low:
+            above = 100 * (got / low - 1)
+            raise Wrong(f"{what} = {got:g}{unit} is only {above:.1f} % above the healthy hour's peak ({low:g}{unit}): "
+                        "one sample of one hour, and the next healthy hour peaks a little higher, so this pages on a "
+                        f"normal busy minute. Leave at least {100 * HEADROOM:g} % headroom: {what} >= "
+                        f"{(1 + HEADROOM) * low:g}{unit}")
         if got >= high:
             raise Wrong(f"{what} = {got:g}{unit}: the overload never stays above it, so the alert would sleep "
                         f"through the incident; stay below the overload's lowest minute")
@@ -436,8 +527,8 @@ q3 = Exercise(
         "what an incident shows.",
         "Look at max(BASELINE_P99_MS) and the lowest value of INCIDENT_P99_MS once the overload started "
         "(from minute 20); the same for pending requests.",
-        "Pick something with headroom above the healthy maximum, e.g. about 1.5x it, checking it stays below "
-        "the incident's minimum.",
+        "Leave headroom above the healthy maximum, at least 20 % (the check's ex.HEADROOM), e.g. about 1.5x it, "
+        "checking it stays below the incident's minimum.",
     ],
     solution_text=(
         "p99_cap = min(INCIDENT_P99_MS[20:]); pending_cap = min(INCIDENT_PENDING[20:])\n"
@@ -530,13 +621,6 @@ def _input_series() -> list[dict[str, str]]:
 
 _ALERT_BASE = ("sum by (model) (rate(nv_inference_queue_duration_us[1m])) "
                "/ sum by (model) (rate(nv_inference_request_success[1m])) / 1000")
-_ALERT_REFERENCE = {
-    "alert": "TritonQueueTimeHigh",
-    "expr": f"{_ALERT_BASE} > {ALERT_THRESHOLD_MS}",
-    "for": "2m",
-    "labels": {"severity": "warning"},
-    "annotations": {"summary": "requests to {{ $labels.model }} wait {{ $value }} ms in the queue"},
-}
 _SEVERITIES = ("warning", "critical")
 _DURATION = re.compile(r"^(?:(\d+)(ms|s|m|h|d|w|y))+$")
 _UNIT_S = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800, "y": 31536000}
@@ -649,9 +733,23 @@ _ALERT_SLIPS = (
 )
 
 
-def _behaviour(rule_file: Path, name: str) -> dict[str, bool]:
+def _same_times(expr: str) -> list[tuple[str, float, float]]:
+    """A check that holds when ``expr`` returns a series for the same models at every evaluation as the queue time
+    per request > the threshold does: its condition is the question's."""
+    def models(e: str) -> str:
+        return f"(count(count by (model) ((\n{e}\n))) or vector(0))"
+
+    differs = f"{models(expr)} != bool {models(f'{_ALERT_BASE} > {ALERT_THRESHOLD_MS}')}"
+    return [(f"max_over_time(({differs})[{ALERT_END_S}s:{ALERT_STEP_S}s])", ALERT_END_S, 0)]
+
+
+def _behaviour(rule_file: Path, name: str, expr: str) -> dict[str, bool]:
     end, over, burst = ALERT_END_S, ALERT_OVERLOAD_S, ALERT_BURST_S
     return _promtool_passes(rule_file, {
+        # the condition holds exactly when the question's does, and the values are the queue time (ms or µs)
+        "same_times": _same_times(expr),
+        "values_ms": _matches(expr, _ALERT_BASE),
+        "values_us": _matches(expr, f"1000 * ({_ALERT_BASE})"),
         # firing in the overload's last five minutes (before, a rule that fires on low values may still fire)
         "fires_on_overload": [(_firing(name, "resnet50", 300), end, 1)],
         "calm_before_overload": [(_firing(name, "resnet50", over), over, 0)],
@@ -670,6 +768,7 @@ def _grade_alert_rule(value: Any) -> str:
     if picked:
         raise Wrong(f"the expression keeps only some models ({picked.group(0)}): the alert must watch every model "
                     "the server serves, including the ones deployed next week. Drop the matcher")
+    _no_delta(rule["expr"])
     for_s = _duration_s(str(rule.get("for", "0s")))
     labels = rule.get("labels") or {}
     with temporary_folder("alert") as tmp:
@@ -681,7 +780,7 @@ def _grade_alert_rule(value: Any) -> str:
             said = str(err).split("FAILED:", 1)[-1].strip()
             said = re.sub(r'^.*?group "student", rule \d+(, "[^"]*")?: ', "", said.splitlines()[0] if said else "")
             raise Wrong(f"promtool check rules refuses it: {said or err}") from None
-        seen = _behaviour(rule_file, name)
+        seen = _behaviour(rule_file, name, rule["expr"])
         calm = seen["calm_on_bert"] and seen["calm_before_overload"]
         slips = {}
         if not calm:  # the condition held on a calm series: is it a known slip? (its values tell)
@@ -725,6 +824,17 @@ def _grade_alert_rule(value: Any) -> str:
         raise Wrong("it never fires on resnet50's overload (from minute 6 its requests wait 200 to 400 ms in the "
                     "queue): check the metric (nv_inference_queue_duration_us over nv_inference_request_success), "
                     "the units (µs -> ms) and the threshold")
+    values_right = seen["values_ms"] or seen["values_us"]
+    if not values_right:
+        raise Wrong("it fires at the right times on these series, but the values it returns are not the queue time "
+                    "per request (in ms, or in µs against 100000): e.g. twice it, against a threshold twice 100. "
+                    "The alert carries its expression's value ({{ $value }} on the page), and another load would "
+                    "fire it at other times: the queue-time counter's rate over the requests' rate, each summed "
+                    "by model, / 1000 > 100")
+    if not seen["same_times"]:
+        raise Wrong(f"the expression is the queue time per request, but its condition holds at other evaluations "
+                    f"than queue time > {ALERT_THRESHOLD_MS} ms does (it fires here, but with another threshold "
+                    f"than the question's): compare with {ALERT_THRESHOLD_MS} (ms), or 100000 in µs")
     if "severity" not in labels:
         raise Wrong("it fires at the right times, but has no severity label: Alertmanager routes, groups and "
                     "silences alerts by their labels, and the course's rules say how urgent each one is with "
@@ -736,23 +846,10 @@ def _grade_alert_rule(value: Any) -> str:
             f"{ALERT_BURST_S // 60}m{ALERT_BURST_S % 60}s included (for: {rule['for']}).")
 
 
-class AlertRuleExercise(Exercise):
-    """An exercise whose answer is an alerting rule, graded by ``promtool test rules``. Where promtool is missing,
-    the check says how to install it instead of grading (the answer is not judged)."""
-
-    def check(self, value: Any, *, quiet: bool = False) -> Outcome:
-        why = prometheus.missing("promtool")
-        if why is None or is_blank(value):
-            return super().check(value, quiet=quiet)
-        out = Outcome(self.name, Status.NOT_ATTEMPTED,
-                      f"`{self.var}` was not checked (promtool grades this rule): {why}")
-        if not quiet:
-            print(out)
-        return out
-
-
-q4 = AlertRuleExercise(
+q4 = PrometheusExercise(
     name="05.4 an alert rule, tested by promtool",
+    tools=("promtool",),
+    graded_by="promtool grades this rule",
     var="alert_rule",
     grade=_grade_alert_rule,
     hints=[

@@ -100,12 +100,12 @@ class MlpRunner:
 # Triton 2.51's python backend was built against NumPy 1.x. With NumPy 2 in the stub's environment
 # `Tensor.as_numpy()` returns zeros and `pb_utils.Tensor(name, ndarray)` an empty tensor, silently. DLPack
 # crosses the boundary without NumPy's C API, so it is used whenever NumPy is 2 or newer.
-_NUMPY2 = int(np.__version__.split(".")[0]) >= 2
+NUMPY2 = int(np.__version__.split(".")[0]) >= 2  # lab 04's check reads it too
 
 
 def tensor_to_numpy(tensor: Any) -> np.ndarray:
     """A request's input tensor as a NumPy array."""
-    if not _NUMPY2:
+    if not NUMPY2:
         return tensor.as_numpy()
     return np.from_dlpack(tensor)
 
@@ -113,7 +113,7 @@ def tensor_to_numpy(tensor: Any) -> np.ndarray:
 def numpy_to_tensor(pb_utils: Any, name: str, array: np.ndarray) -> Any:
     """An output tensor for a response."""
     array = np.ascontiguousarray(array)
-    if not _NUMPY2:
+    if not NUMPY2:
         return pb_utils.Tensor(name, array)
     return pb_utils.Tensor.from_dlpack(name, array.__dlpack__())
 
@@ -195,7 +195,7 @@ class TritonPythonModel:
         self.input_name = cfg["input"][0]["name"]
         self.output_name = cfg["output"][0]["name"]
         self.service = ServiceTime(params, device)
-        if _NUMPY2:
+        if NUMPY2:
             quiet_capsule_rename()
         # Warm up here, not on the first request (the first run allocates): a model load may be slow, a
         # request should not.
