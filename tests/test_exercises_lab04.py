@@ -726,3 +726,10 @@ test_hints_step_from_first_to_last, test_solution_prints = hint_and_solution_tes
 def test_all_exports_exist():
     for name in lab04.__all__:
         assert hasattr(lab04, name), name
+
+
+def test_a_malformed_triton_url_makes_the_server_checks_not_applicable_naming_it(monkeypatch):
+    monkeypatch.setattr(lab04, "_BOUND", [])
+    monkeypatch.setenv("TRITON_URL", "127.0.0.1:abc")
+    why = lab04._no_server()
+    assert why is not None and why.startswith("TRITON_URL='127.0.0.1:abc'") and "port 'abc'" in why

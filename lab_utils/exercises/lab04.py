@@ -83,11 +83,14 @@ def _no_server() -> str | None:
     """Why the code checks cannot run now (the outcome is then *not applicable*), or None."""
     if not _BOUND:
         try:
+            from lab_utils.procs import EnvError
             from lab_utils.serving.server import ServerNotFound, find_server
 
             find_server()
         except ServerNotFound:
             return "no Triton server on this machine, so nothing to run your code against."
+        except EnvError as err:  # a TRITON_URL that is not a URL: its message names the variable
+            return f"{err}, so there is no server to run your code against."
         return ("no server to check against yet: run the cell that starts the server (it calls "
                 "ex.use_server(server, repo)).")
     if not _BOUND[0].server.alive():
