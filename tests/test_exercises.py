@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import io
+import random
 import re
 import stat
 import subprocess
@@ -19,7 +20,7 @@ import torch
 from _exercise_harness import check, exercises_of, hint_and_solution_tests, standard_tests
 
 from lab_utils.course import probe
-from lab_utils.exercises import lab00, lab01
+from lab_utils.exercises import framework, lab00, lab01
 from lab_utils.exercises.framework import (
     CodeExercise,
     Exercise,
@@ -55,6 +56,19 @@ def ceiling_split(smi_text):  # written differently: no regular expression
 
 def ceiling_driver(smi_text):  # the first "Version:" on the line is the driver's
     return re.search(r"Version:\s*(\S+)", smi_text).group(1)
+
+
+def ceiling_three_parts(smi_text):  # written differently: "13.0.0" means 13.0
+    return ceiling_right(smi_text) + ".0"
+
+
+def ceiling_nvml_int(smi_text):  # written differently: NVML's integer form, 13000 for 13.0
+    major, minor = ceiling_right(smi_text).split(".")
+    return 1000 * int(major) + 10 * int(minor)
+
+
+def ceiling_constant(smi_text):  # the H200's answer, whatever the banner says
+    return "13.0"
 
 
 def ceiling_float(smi_text):
@@ -198,6 +212,10 @@ def time_ms_warmup_timed(fn, iters, warmup, sync):
     return (time.perf_counter() - t0) * 1000 / iters
 
 
+def time_ms_constant(fn, iters, warmup, sync):  # the simulated work's length, returned without measuring
+    return 20.0
+
+
 def tflops_right(n, device, timer):
     a = torch.randn(n, n, device=device)
     b = torch.randn(n, n, device=device)
@@ -280,22 +298,26 @@ def gbps_no_timer(nbytes, device, timer):
 
 # (exercise, right answers, wrong answers). lab00.q3 (two functions) and lab01.q7 (GPU only) have their own tests.
 CASES = [
-    (lab00.q1, [LAYERS_RIGHT], [{**LAYERS_RIGHT, "NCCL": "framework"}, {"PyTorch": "framework"}, "driver"]),
-    (lab00.q2, [ceiling_right, ceiling_split, lab00.reference_cuda_ceiling],
-     [ceiling_driver, ceiling_float, ceiling_no_return, ceiling_raises, "13.0"]),
-    (lab00.q4, [143771 / 1024, 140.4, 141], [143771, 150.75, 143.771, 120]),
+    (lab00.q1, [LAYERS_RIGHT, {k.upper(): v.title() for k, v in LAYERS_RIGHT.items()}],
+     [{**LAYERS_RIGHT, "NCCL": "framework"}, {**LAYERS_RIGHT, "libcuda.so": "cuda runtime"}, {"PyTorch": "framework"},
+      "driver"]),
+    (lab00.q2, [ceiling_right, ceiling_split, lab00.reference_cuda_ceiling, ceiling_three_parts, ceiling_nvml_int],
+     [ceiling_driver, ceiling_float, ceiling_no_return, ceiling_raises, ceiling_constant, "13.0"]),
+    (lab00.q4, [143771 / 1024, 140.4, 141, "140.4"], [143771, 150.75, 143.771, 120]),
     (lab00.q5, [verdict_right, verdict_packaging, lab00.cuda_verdict],
      [verdict_strings, verdict_floats, verdict_no_minor_version, verdict_ignores_gpu, verdict_bool, "compatible"]),
-    (lab00.q6, [18, 18.0], [2, "NV18", 18.5, 900]),
+    (lab00.q6, [18, 18.0, "18"], [2, "NV18", 18.5, 900]),
     (lab01.q1, [time_ms_right, time_ms_ns, lab01.reference_time_ms],
-     [broken_time_ms(), time_ms_no_warmup, time_ms_sync_too_late, time_ms_seconds, time_ms_total, 20.0]),
+     [broken_time_ms(), time_ms_no_warmup, time_ms_sync_too_late, time_ms_seconds, time_ms_total, time_ms_constant,
+      20.0]),
     (lab01.q2, [tflops_right, tflops_matmul_fn, lab01.reference_matmul_tflops],
      [tflops_factor2, tflops_alloc_inside, tflops_gflops, tflops_ms_as_s, tflops_elementwise]),
     (lab01.q3, [gbps_right, gbps_bytes, lab01.reference_copy_gbps],
      [gbps_once, gbps_gib, gbps_elements, gbps_clone, gbps_no_timer]),
     (lab01.q4, [2 / 12, 0.1667, 0.17], [0.25, 2 / 3, 6, 1 / 12]),
     (lab01.q5, [989e12 / 4.8e12, 206, 206.04], [0.206, 206_000, 103, 2.0]),
-    (lab01.q6, ["memory", "Memory-bound", " memory bound "], ["compute", "compute-bound", "io", 0.17]),
+    (lab01.q6, ["memory", "Memory-bound", " memory bound ", "bandwidth-bound", "memory_bandwidth"],
+     ["compute", "compute-bound", "FLOP-bound", "io", "memory or compute", "not memory-bound", 0.17]),
 ]
 
 
@@ -602,6 +624,9 @@ def fake_nvml(monkeypatch, tmp_path):
 
 def test_lab00_q3_through_nvml(fake_nvml):
     assert lab00.q3.check(nvml_pandas, None, quiet=True).correct
+    # Written differently: the CUDA version as NVML gives it (13000 is 13.0).
+    assert lab00.q3.check(nvml_variant(cuda_version=lambda nv, r: nv.nvmlSystemGetCudaDriverVersion()), None,
+                          quiet=True).correct
     out = lab00.q3.check(nvml_right, None, quiet=True)
     assert out.status is Status.CORRECT, out.message
     assert "through NVML" in out.message and "nvidia-smi --query-gpu" in out.message and "2 GPU(s)" in out.message
@@ -611,7 +636,6 @@ def test_lab00_q3_through_nvml(fake_nvml):
     for wrong, says in [
         (nvml_no_shutdown, "nvmlShutdown() in a `finally:`"),
         (nvml_variant(memory_total_mib=lambda nv, r: nv.nvmlDeviceGetMemoryInfo(r["index"]).total), "bytes"),
-        (nvml_variant(cuda_version=lambda nv, r: nv.nvmlSystemGetCudaDriverVersion()), "NVML's integer form"),
         (nvml_variant(cuda_version=lambda nv, r: nv.nvmlSystemGetCudaDriverVersion() / 1000), "as a string"),
         (nvml_variant(memory_total_mib=lambda nv, r: nv.nvmlDeviceGetMemoryInfo(r["index"]).used // 2**20),
          "not used or free memory"),
@@ -625,7 +649,7 @@ def test_lab00_q3_through_nvml(fake_nvml):
 
 def test_lab00_q2_also_reads_this_machines_nvidia_smi(fake_nvml):
     message = check(lab00.q2, ceiling_right).message
-    assert "the H200 capture and this machine's nvidia-smi" in message
+    assert "the H200 capture, another driver's banner and this machine's nvidia-smi" in message
 
 
 def test_nvml_unavailable_says_why_here():
@@ -1026,6 +1050,137 @@ def test_import_starts_no_thread():
     code = ("import threading; import lab_utils.exercises.lab00, lab_utils.exercises.lab01; "
             "assert threading.active_count() == 1, threading.enumerate()")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+# --- honest checkers: a constant cannot pass, one answer written several ways means one thing ----------------
+
+
+def test_lab00_q2_a_constant_fails_on_another_drivers_banner():
+    for constant in (ceiling_constant, lambda smi_text: "13.0"):
+        out = check(lab00.q2, constant)
+        assert out.status is Status.INCORRECT and "another driver's banner" in out.message, out.message
+    assert "another driver's banner" in check(lab00.q2, ceiling_right).message
+
+
+def test_lab00_other_banner_changes_both_versions_at_random():
+    h200 = probe.capture("nvidia-smi")
+    seen = set()
+    for seed in range(20):
+        text = lab00._other_banner(h200, random.Random(seed))
+        header = probe.parse_smi_header(text)
+        assert header["cuda_ceiling"] != "13.0" and header["driver_version"] != "580.159.04"
+        assert "580.159.04" not in text and text.count("CUDA Version:") == 1
+        seen.add(header["cuda_ceiling"])
+    assert len(seen) >= 3
+
+
+def test_lab00_versions_written_differently_are_one_version():
+    assert lab00._version_of("13.0.0", "v") == lab00._version_of(13000, "v") == lab00._version_of(b"13.0", "v")
+    assert lab00._version_of(12040, "v") == (12, 4) and lab00._version_of(" 12.10 ", "v") == (12, 10)
+    with pytest.raises(Wrong, match="driver version"):
+        lab00._version_of("580.159.04", "v")
+    with pytest.raises(Wrong, match="12.10"):
+        lab00._version_of(13.0, "v")
+
+
+def test_lab00_q3_accepts_the_cuda_version_as_nvml_gives_it(no_nvml):
+    def smi_nvml_int(query_csv, smi_text):
+        return [{**row, "cuda_version": ceiling_nvml_int(smi_text)} for row in smi_right(query_csv, smi_text)]
+
+    def smi_three_parts(query_csv, smi_text):
+        return [{**row, "cuda_version": ceiling_three_parts(smi_text)} for row in smi_right(query_csv, smi_text)]
+
+    for right in (smi_nvml_int, smi_three_parts):
+        out = lab00.q3.check(None, right, quiet=True)
+        assert out.status is Status.CORRECT, out.message
+
+
+def test_lab00_q5_a_table_of_the_known_cases_fails_on_random_ones():
+    table = {(c, r, dc): expected for c, r, dc, expected, _ in lab00.VERDICT_CASES}
+
+    def verdict_table(driver_ceiling, runtime, datacenter_gpu):
+        return table.get((driver_ceiling, runtime, datacenter_gpu), "incompatible")
+
+    out = check(lab00.q5, verdict_table)
+    assert out.status is Status.INCORRECT and "drawn at random" in out.message, out.message
+    assert "8 more drawn at random" in check(lab00.q5, verdict_right).message
+    lab00._grade_random_verdicts(verdict_packaging, random.Random(0))  # a right answer passes any draw
+
+
+def test_lab00_q3_a_fixed_inventory_fails_on_another_machine(no_nvml):
+    h200 = smi_right(probe.capture("query-gpu"), probe.capture("nvidia-smi"))
+    out = lab00.q3.check(None, lambda query_csv, smi_text: [dict(row) for row in h200], quiet=True)
+    assert out.status is Status.INCORRECT and "another machine" in out.message, out.message
+    labels = set()
+    for seed in range(20):
+        label, query, banner = lab00._other_machine(probe.capture("query-gpu"), probe.capture("nvidia-smi"),
+                                                    random.Random(seed))
+        rows = lab00.reference_smi_inventory(query, banner)
+        assert 2 <= len(rows) <= 4 and rows[0]["driver_version"] != "580.159.04"
+        assert smi_right(query, banner) == rows
+        labels.add((rows[0]["name"], len(rows)))
+    assert len(labels) >= 4
+
+
+def test_lab01_q1_a_constant_fails_whatever_it_is():
+    out = check(lab01.q1, time_ms_constant)
+    assert out.status is Status.INCORRECT and "fixed number" in out.message, out.message
+    for constant in (15.0, 20.0, 35.0, 50.0):
+        assert not check(lab01.q1, lambda fn, iters, warmup, sync, c=constant: c).correct
+
+
+def test_lab01_q1_work_lengths_are_drawn_far_enough_apart():
+    firsts = set()
+    for seed in range(50):
+        first, second = lab01._work_lengths(lab01._WORK_S, random.Random(seed))
+        assert lab01._WORK_S[0] <= first <= lab01._WORK_S[1]
+        # No number is within the tolerance of both lengths.
+        assert second * (1 - lab01._TOL) > first * (1 + lab01._TOL)
+        firsts.add(round(first, 6))
+    assert len(firsts) > 40
+
+
+def test_lab01_grading_device_is_the_labs_own_resolver():
+    from lab_utils.gpu.bench import resolve_device
+
+    assert lab01.grading_device() == resolve_device("auto")
+
+
+def test_lab01_q6_synonyms_name_the_same_roof():
+    assert "ridge point" in check(lab01.q6, "compute-bound").message
+    assert "one of" in check(lab01.q6, "memory or compute").message
+
+
+def test_normalizers():
+    assert framework.version("13") == framework.version("v13.0") == (13, 0)
+    with pytest.raises(Wrong, match="major.minor"):
+        framework.version("thirteen")
+    with pytest.raises(Wrong, match="string"):
+        framework.version(True)
+    assert framework.fraction("85%") == pytest.approx(0.85) and framework.fraction(" 85 % ") == pytest.approx(0.85)
+    assert framework.fraction("0.85") == framework.fraction(0.85) == 0.85
+    with pytest.raises(Wrong, match="fraction"):
+        framework.fraction("most")
+    assert framework.choice(" Memory_Bound ", ["memory bound", "compute"]) == "memory bound"
+    assert framework.choice("bandwidth-bound", ["memory"], {"memory": ["bandwidth bound"]}) == "memory"
+    assert framework.choice("it is memory bound", ["memory bound"]) is None  # a whole answer, not a word in one
+    assert framework.choice(3, ["memory"]) is None
+
+
+def test_students_frames_and_shipping_share_one_library_test():
+    from lab_utils.distributed import ranks
+
+    assert framework.is_library_file is ranks.is_library_file
+    assert not framework._is_students(framework.__file__) and not framework._is_students(threading.__file__)
+    assert framework._is_students("<ipython-input-3>") and not framework._is_students("<frozen runpy>")
+    assert framework._is_students(__file__)
+
+
+def test_lab00_imports_no_torch():
+    # Lab 00 is where a machine without torch is diagnosed: its checks must import without it.
+    code = "import sys, lab_utils.exercises.lab00; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "False"
 
 
 # --- hints, solutions, completeness ----------------------------------------------------------------

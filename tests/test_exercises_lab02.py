@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import math
 import os
 import re
 import time
@@ -76,6 +77,19 @@ def factor_floor_division(collective, n):
 
 def factor_broadcast_wrong(collective, n):
     return factor_right(collective, n) if collective not in ("broadcast", "reduce") else (n - 1) / n
+
+
+def factor_reduce_as_all_reduce(collective, n):  # right at n = 2 only, where 2(n-1)/n is 1
+    return 2 * (n - 1) / n if collective == "reduce" else factor_right(collective, n)
+
+
+def factor_log2(collective, n):  # a tree's depth: right at n = 2 only
+    return math.log2(n) if collective == "all_reduce" and n > 1 else factor_right(collective, n)
+
+
+def factor_table(collective, n):  # written differently: a table, names with dashes accepted, ints where whole
+    phases = {"all-reduce": 2, "reduce-scatter": 1, "all-gather": 1, "all-to-all": 1}.get(collective.replace("_", "-"))
+    return 1 if phases is None else phases * (n - 1) / n
 
 
 def factor_no_all_to_all(collective, n):
@@ -270,6 +284,14 @@ def accuracy_own(ctx, correct, seen):
     return correct / seen
 
 
+def accuracy_constant(ctx, correct, seen):  # the old fixed shards' answer, 715/800
+    return 0.89375
+
+
+def accuracy_percent_text(ctx, correct, seen):  # written differently: a percentage as text
+    return f"{100 * accuracy_right(ctx, correct, seen)!r}%"
+
+
 def accuracy_hangs(ctx, correct, seen):
     t = torch.tensor([correct, seen], dtype=torch.float64)
     if ctx.rank == 0:
@@ -282,15 +304,19 @@ _MS = lab02.GRAD_PARAMS * lab02.GRAD_BYTES_PER_PARAM * 2 * (lab02.GRAD_RANKS - 1
 
 # (exercise, right answers, wrong answers) for the exercises without ranks; the rank exercises follow below.
 CASES = [
-    (lab02.q1, [factor_right, lab02.reference_busbw_factor],
-     [factor_no_two, factor_two_everywhere, factor_floor_division, factor_broadcast_wrong, 1.75]),
+    (lab02.q1, [factor_right, lab02.reference_busbw_factor, factor_table],
+     [factor_no_two, factor_two_everywhere, factor_floor_division, factor_broadcast_wrong,
+      factor_reduce_as_all_reduce, factor_log2, 1.75]),
     (lab02.q3, [_MS, 3.6, 3.55, "3.6"], [_MS / 1.75, _MS * 2, _MS / 1e3, 10.0, "fast"]),
     (lab02.q4, ["NCCL_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME=eth1", "export NCCL_SOCKET_IFNAME=eth1",
-                "nccl_socket_ifname = 'eth1'", "NCCL_SOCKET_IFNAME==eth1"],
+                "nccl_socket_ifname = 'eth1'", "NCCL_SOCKET_IFNAME==eth1", "NCCL_SOCKET_IFNAME=^docker0,lo,eth0",
+                "NCCL_SOCKET_IFNAME=^docker,lo,eth0", "NCCL_SOCKET_IFNAME=^=lo,docker0,eth0"],
      ["NCCL_IB_HCA", "NCCL_ALGO", "NCCL_PROTO", "NCCL_DEBUG=INFO", "NCCL_P2P_DISABLE=1",
-      "NCCL_SOCKET_IFNAME=eth0", "NCCL_SOCKET_IFNAME=^eth0", "GLOO_SOCKET_IFNAME", 42]),
-    (lab02.q5, ["set_epoch", "sampler.set_epoch(epoch)", " SET_EPOCH "],
-     ["no_sync", "all_reduce the metric", "barrier", "zero_grad", "shuffle", 3]),
+      "NCCL_SOCKET_IFNAME=eth0", "NCCL_SOCKET_IFNAME=^eth0", "NCCL_SOCKET_IFNAME=^eth1", "NCCL_SOCKET_IFNAME=^lo,eth0",
+      "NCCL_SOCKET_IFNAME=eth1,eth0", "GLOO_SOCKET_IFNAME", "", 42]),
+    (lab02.q5, ["set_epoch", "sampler.set_epoch(epoch)", " SET_EPOCH ", "Set-Epoch", "'set_epoch'"],
+     ["no_sync", "all_reduce the metric", "barrier", "zero_grad", "shuffle", "set_epoch is fine, nothing missing",
+      "not set_epoch", 3]),
 ]
 
 # (exercise, right answers, wrong answers: (function, a phrase its message must contain)), run in gloo ranks.
@@ -300,8 +326,9 @@ RANK_CASES = [
     (lab02.q6, [train_right, train_other_way],
      [(train_no_sampler, "no DistributedSampler"), (train_no_set_epoch, "set_epoch(epoch) is missing"),
       (train_every_rank_saves, "each rank saving"), (train_never_unscaled, "never unscaled before clipping")]),
-    (lab02.q7, [accuracy_right, accuracy_other_way],
-     [(accuracy_mean, "plain mean of the per-rank accuracies"), (accuracy_own, "nothing was combined")]),
+    (lab02.q7, [accuracy_right, accuracy_other_way, accuracy_percent_text],
+     [(accuracy_mean, "plain mean of the per-rank accuracies"), (accuracy_own, "nothing was combined"),
+      (accuracy_constant, "not the accuracy over all")]),
 ]
 
 
@@ -512,6 +539,15 @@ def test_q1_broadcast_and_one_rank():
     assert "nothing crosses a link" in message
 
 
+def test_q1_checks_every_collective_beyond_two_ranks():
+    # At n = 2, 2(n-1)/n, 1 and log2(n) are all 1: each collective is checked at n = 2, 3, 4 and 8.
+    assert {(c, n) for c, n, _ in lab02._FACTOR_CASES} >= {(c, n) for c in lab02.COLLECTIVES for n in (2, 3, 4, 8)}
+    message = check(lab02.q1, factor_reduce_as_all_reduce).message
+    assert "busbw_factor('reduce', 4) returned 1.5, expected 1" in message and "all_reduce's factor" in message
+    message = check(lab02.q1, factor_log2).message
+    assert "busbw_factor('all_reduce', 8) returned 3, expected 1.75" in message and "log2(n)" in message
+
+
 def test_q1_wrong_kinds_and_raising():
     out = check(lab02.q1, 1.75)
     assert out.status is Status.INCORRECT and "function" in out.message
@@ -597,7 +633,10 @@ def test_q4_what_each_wrong_variable_does():
 def test_q4_values_of_the_right_variable():
     assert "not the network" in check(lab02.q4, "NCCL_SOCKET_IFNAME=eth0").message
     assert "not the network" in check(lab02.q4, "NCCL_SOCKET_IFNAME=docker0").message
-    assert "replaces" in check(lab02.q4, "NCCL_SOCKET_IFNAME=^eth0").message
+    message = check(lab02.q4, "NCCL_SOCKET_IFNAME=^eth0").message
+    assert "replaces" in message and "still allows lo, docker0" in message and "first allowed interface (lo)" in message
+    assert "excludes eth1" in check(lab02.q4, "NCCL_SOCKET_IFNAME=^eth1").message
+    assert "also allows eth0" in check(lab02.q4, "NCCL_SOCKET_IFNAME=eth1,eth0").message
     assert "prefix" in check(lab02.q4, "NCCL_SOCKET_IFNAME=eth").message
     assert "no interface" in check(lab02.q4, "NCCL_SOCKET_IFNAME=ens5").message
     assert "one of" in check(lab02.q4, "GLOO_SOCKET_IFNAME").message
@@ -633,6 +672,8 @@ def test_q5_why_not_each_wrong_choice():
 
 def test_q5_unknown_and_several_choices():
     assert "one of" in check(lab02.q5, "shuffle").message
+    message = check(lab02.q5, "set_epoch is fine, nothing missing").message  # a keyword inside a sentence
+    assert "exactly one of" in message and "not a sentence" in message
     assert "one of" in check(lab02.q5, 3).message
     out = check(lab02.q5, "set_epoch and zero_grad")
     assert out.status is Status.INCORRECT and "one fix" in out.message
@@ -767,10 +808,22 @@ def test_make_digits_model_leaves_the_global_generator_alone():
 # --- 02.7 a metric over all ranks -------------------------------------------------------------------------------
 
 
-def test_q7_shards_differ_in_size_and_have_whole_counts():
-    shards = lab02.metric_shards(2)
-    assert [s["seen"] for s in shards] == [500, 300] and [s["correct"] for s in shards] == [460, 255]
-    assert len(lab02.metric_shards(11)) == 11 and lab02.metric_shards(11)[8]["seen"] == 500
+def test_q7_shards_are_drawn_at_random_differ_in_size_and_have_whole_counts():
+    draws = [lab02.metric_shards(3) for _ in range(5)]
+    totals = {sum(s["correct"] for s in d) / sum(s["seen"] for s in d) for d in draws}
+    assert len(totals) == 5  # no fixed accuracy can pass
+    assert lab02.metric_shards(4, seed=7) == lab02.metric_shards(4, seed=7) != lab02.metric_shards(4, seed=8)
+    for shards in draws + [lab02.metric_shards(8)]:
+        assert [s["rank"] for s in shards] == list(range(len(shards)))
+        assert all(isinstance(s["correct"], int) and 0 < s["correct"] <= s["seen"] for s in shards)
+        assert all(s["accuracy"] == s["correct"] / s["seen"] for s in shards)
+        total = sum(s["correct"] for s in shards) / sum(s["seen"] for s in shards)
+        assert abs(sum(s["accuracy"] for s in shards) / len(shards) - total) > 0.005  # the plain mean is caught
+
+
+# The judge's messages on fixed shards: 460/500 and 255/300, 715/800 in all.
+_SHARDS = [{"rank": 0, "correct": 460, "seen": 500, "accuracy": 0.92},
+           {"rank": 1, "correct": 255, "seen": 300, "accuracy": 0.85}]
 
 
 @pytest.mark.parametrize(("values", "phrase"), [
@@ -784,11 +837,13 @@ def test_q7_shards_differ_in_size_and_have_whole_counts():
     ([0.5, 0.5], "sum the correct counts"),
     ([None, None], "returned None"),
     (["0.89", "0.89"], "expected the accuracy as a float"),
+    (["85%", "85%"], "sum the correct counts"),
 ])
 def test_q7_judge_messages(values, phrase):
     with pytest.raises(Wrong, match=re.escape(phrase)):
-        lab02._judge_metric(values, lab02.metric_shards(2), "global_accuracy(...)")
-    assert "715/800" in lab02._judge_metric([715 / 800] * 2, lab02.metric_shards(2), "g")
+        lab02._judge_metric(values, _SHARDS, "global_accuracy(...)")
+    assert "715/800" in lab02._judge_metric([715 / 800] * 2, _SHARDS, "g")
+    assert "715/800" in lab02._judge_metric(["89.375%", " 89.375 %"], _SHARDS, "g")  # the same, as a percentage
 
 
 def test_q7_a_hang_names_the_line_each_rank_was_at(monkeypatch):

@@ -32,10 +32,12 @@ import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from lab_utils.distributed.spawn import WorkerContext, launch
 from lab_utils.procs import temporary_folder
+
+if TYPE_CHECKING:
+    from lab_utils.distributed.spawn import WorkerContext
 
 MAX_PICKLED_BYTES = 1 << 20  # a notebook value larger than this is refused: build it inside the function
 
@@ -49,7 +51,10 @@ class ShipError(ValueError):
 
 
 def is_library_file(filename: str) -> bool:
-    """True for a file of this package, of the standard library or of an installed package (not the student's)."""
+    """True for a file of this package, of the standard library or of an installed package (not the student's).
+
+    The one test of "whose code is this" for shipping functions here and for the exercises' tracebacks; this
+    module imports no torch, so the torch-free lab 00 can use it too."""
     if not filename or filename.startswith("<"):
         return False
     real = os.path.realpath(filename)
@@ -247,6 +252,8 @@ def run(fn: Callable[..., Any], nprocs: int, *, backend: str = "auto", kwargs: d
     Errors as ``spawn.launch``: ``WorkerError`` with the rank's traceback (the notebook's own line numbers),
     ``WorkerTimeout``; ``ShipError`` when ``fn`` cannot be sent.
     """
+    from lab_utils.distributed.spawn import launch  # imports torch: only when ranks are started
+
     with shipping(fn) as shipped:
         return launch(call_shipped, nprocs, backend=backend, timeout_s=timeout_s, env=env, group=group,
                       kwargs={"shipped": shipped, "kwargs": dict(kwargs or {}), "group": group})

@@ -15,7 +15,12 @@ traceback object or in a traceback's text (for code that ran in another process,
 ``lab_utils.distributed.spawn.launch``: pass ``WorkerError.remote_traceback``). A ``CodeExercise`` adds the
 function's signature (told to a student who passes something else) and ``applicable``: a function that
 returns why the check cannot run on this machine, or ``None``; then the outcome is *not applicable on this
-tier*, which is neither a pass nor a failure.
+tier*, which is neither a pass nor a failure. Code checks draw their inputs at random where a fixed input
+would let a constant pass.
+
+**Normalizers.** One answer written several ways is one answer: ``version`` ("13.0", "13.0.0", NVML's 13000),
+``fraction`` ("85%") and ``choice`` (case, ``-``/``_``, synonyms; a whole answer, never a keyword inside a
+sentence) are the one place each is decided.
 """
 
 from __future__ import annotations
@@ -25,19 +30,18 @@ import ctypes
 import dis
 import enum
 import math
-import os
 import re
 import signal
 import sys
-import sysconfig
 import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from types import TracebackType
 from typing import Any
+
+from lab_utils.distributed.ranks import is_library_file
 
 
 class Status(enum.Enum):
@@ -208,29 +212,11 @@ class StudentLine:
         return f"line {self.lineno} of {where}{code}"
 
 
-_PACKAGE = Path(__file__).resolve().parents[1]  # lab_utils/
-
-
-def _library_dirs() -> list[str]:
-    paths = sysconfig.get_paths()
-    dirs = {paths.get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")}
-    return sorted({os.path.realpath(d) for d in dirs if d})
-
-
-_LIBRARIES = _library_dirs()
-
-
 def _is_students(filename: str) -> bool:
-    """True for a frame of the student's code: not this package, not the standard library, not an
-    installed package (a notebook cell, a test, exec'd text)."""
+    """True for a frame of the student's code: a notebook cell, a test, exec'd text; not a library's file."""
     if filename.startswith("<"):
         return not filename.startswith("<frozen")
-    real = os.path.realpath(filename)
-    if real.startswith(str(_PACKAGE) + os.sep):
-        return False
-    if "site-packages" in real or "dist-packages" in real:
-        return False
-    return not any(real.startswith(d + os.sep) for d in _LIBRARIES)
+    return not is_library_file(filename)
 
 
 _TB_LINE = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>.+)$')
@@ -411,6 +397,59 @@ def integer(value: Any, what: str = "the answer") -> int:
     return int(got)
 
 
+# --- normalizers: one answer written several ways means one thing ------------------------------------------
+
+_VERSION_TEXT = re.compile(r"^v?(\d+)(?:\.(\d+))?(?:\.\d+)*$")
+
+
+def version(value: Any, what: str = "the version") -> tuple[int, int]:
+    """A CUDA-style version as (major, minor): ``"13.0"``, ``"13"``, ``"13.0.0"``, ``b"13.0"`` or NVML's
+    integer ``13000`` (``12040`` is 12.4). A float is refused: ``12.10`` and ``12.1`` are one float."""
+    if isinstance(value, bytes):
+        value = value.decode(errors="replace")
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1000:
+        return value // 1000, value % 1000 // 10  # NVML's encoding: 1000 * major + 10 * minor
+    if isinstance(value, bool) or not isinstance(value, str):
+        if isinstance(value, (int, float)):
+            raise Wrong(f"{what} is the number {value!r}: give the version as a string such as '13.0'. As a "
+                        "number, '12.10' becomes 12.1 and sorts before 12.4")
+        raise Wrong(f"{what} should be a version string such as '13.0', got {type(value).__name__}")
+    match = _VERSION_TEXT.match(value.strip())
+    if not match:
+        raise Wrong(f"{what} is {value.strip()!r}: expected a version of the form major.minor, like '12.4'")
+    return int(match[1]), int(match[2] or 0)
+
+
+def fraction(value: Any, what: str = "the answer") -> float:
+    """A share as a float: ``0.85``, ``"0.85"`` or the percentage text ``"85%"`` (0.85)."""
+    if isinstance(value, str):
+        text = value.strip()
+        scale = 100.0 if text.endswith("%") else 1.0
+        try:
+            return number(float(text.removesuffix("%").strip()), what) / scale
+        except ValueError:
+            raise Wrong(f"{what} should be a number (a fraction such as 0.85, or '85%'), got {text!r}") from None
+    return number(value, what)
+
+
+def normal_text(value: str) -> str:
+    """Lower case, no surrounding quotes or space, and ``-``, ``_`` and runs of spaces as one space."""
+    return " ".join(re.sub(r"[-_\s]+", " ", value.strip().strip("'\"").lower()).split())
+
+
+def choice(value: Any, choices: Sequence[str], synonyms: Mapping[str, Sequence[str]] | None = None) -> str | None:
+    """The element of ``choices`` that ``value`` names, or ``None``: a whole answer, not a word inside one.
+
+    Case, ``-``/``_``/spaces and surrounding quotes are ignored; ``synonyms`` maps a choice to other whole
+    answers that mean it (``{"memory": ["bandwidth-bound"]}``)."""
+    if not isinstance(value, str):
+        return None
+    names = {normal_text(c): c for c in choices}
+    for c, others in (synonyms or {}).items():
+        names.update({normal_text(o): c for o in others})
+    return names.get(normal_text(value))
+
+
 def match_slip(ratio: float, slips: Mapping[float, str], rel: float) -> str | None:
     """The message of the first slip whose ratio (answer / expected) matches ``ratio`` within ``rel``."""
     for slip, message in slips.items():
@@ -451,14 +490,15 @@ def close_to(
     return grade
 
 
-def one_of(expected: str, choices: Sequence[str], why: str = "") -> Callable[[Any], None]:
-    """A grader for a choice among ``choices`` (case-insensitive)."""
-    normal = {c.lower(): c for c in choices}
+def one_of(expected: str, choices: Sequence[str], why: str = "",
+           synonyms: Mapping[str, Sequence[str]] | None = None) -> Callable[[Any], None]:
+    """A grader for a choice among ``choices`` (normalized by ``choice``; ``synonyms`` as there)."""
 
     def grade(value: Any) -> None:
-        if not isinstance(value, str) or value.strip().lower() not in normal:
+        picked = choice(value, choices, synonyms)
+        if picked is None:
             raise Wrong(f"answer with one of {list(choices)}")
-        if value.strip().lower() != expected.lower():
+        if picked != expected:
             raise Wrong(why or "not this one")
 
     return grade

@@ -1,17 +1,18 @@
 """Lab 00 exercises: environment and driver.
 
-Three of the six are code the check runs: ``cuda_ceiling`` (parses nvidia-smi's banner: the H200 capture, and
-this machine's own output where nvidia-smi runs), the GPU inventory (``nvml_inventory`` through NVML where
-NVML starts, compared with ``nvidia-smi --query-gpu``; elsewhere ``smi_inventory`` on the H200 captures,
-compared with the reference parser) and ``cuda_verdict`` (graded on a table of driver/runtime cases). The
-others read the H200 runner's captures in ``lab_utils/data/h200/``, so every student answers about the same
-real machine.
+Three of the six are code the check runs: ``cuda_ceiling`` (parses nvidia-smi's banner: the H200 capture,
+another driver's banner with a version picked at random, and this machine's own output where nvidia-smi
+runs), the GPU inventory (``nvml_inventory`` through NVML where NVML starts, compared with ``nvidia-smi
+--query-gpu``; elsewhere ``smi_inventory`` on the H200 captures, compared with the reference parser) and
+``cuda_verdict`` (graded on a table of driver/runtime cases). The others read the H200 runner's captures in
+``lab_utils/data/h200/``, so every student answers about the same real machine.
 """
 
 from __future__ import annotations
 
 import csv
 import io
+import random
 import re
 import shutil
 import subprocess
@@ -24,11 +25,13 @@ from lab_utils.exercises.framework import (
     Exercise,
     Outcome,
     Wrong,
+    choice,
     close_to,
     integer,
     match_slip,
     number,
     run_student,
+    version,
 )
 
 __all__ = [
@@ -97,9 +100,6 @@ q1 = Exercise(
 
 # --- versions ------------------------------------------------------------------------------------
 
-_VERSION = re.compile(r"^\s*(\d+)(?:\.(\d+))?\s*$")
-
-
 def parse_version(text: str) -> tuple[int, int]:
     """``"12.10"`` -> ``(12, 10)``: (major, minor) as integers, so 12.10 sorts after 12.4."""
     major, minor = text.split(".")[:2] if "." in text else (text, "0")
@@ -107,27 +107,16 @@ def parse_version(text: str) -> tuple[int, int]:
 
 
 def _version_of(value: Any, what: str) -> tuple[int, int]:
-    """A student's CUDA version string as (major, minor); ``Wrong`` naming the usual confusions."""
-    if isinstance(value, bytes):
-        value = value.decode()
-    if isinstance(value, bool) or not isinstance(value, str):
-        if isinstance(value, int) and value >= 1000:
-            raise Wrong(f"{what} is {value}: NVML's integer form. Decode it: major = v // 1000, minor = "
-                        f"v % 1000 // 10, so 13000 -> '13.0' and 12040 -> '12.4'")
-        if isinstance(value, (int, float)):
-            raise Wrong(f"{what} is the number {value!r}: give the version as a string such as '13.0'. As a "
-                        "number, '12.10' becomes 12.1 and sorts before 12.4")
-        raise Wrong(f"{what} should be a version string such as '13.0', got {type(value).__name__}")
-    text = value.strip()
-    if re.fullmatch(r"\d{3}(\.\d+)+", text):  # R5xx drivers: 535.x, 550.x, 580.159.04
-        raise Wrong(f"{what} is {text!r}: that is the driver version (the 'Driver Version' field). The CUDA "
-                    "version is the 'CUDA Version' field beside it: the newest CUDA this driver supports")
-    if "cuda" in text.lower():
-        raise Wrong(f"{what} is {text!r}: give only the number, e.g. '13.0'")
-    match = _VERSION.match(text)
-    if not match:
-        raise Wrong(f"{what} is {text!r}: expected a CUDA version of the form major.minor, like '12.4'")
-    return int(match[1]), int(match[2] or 0)
+    """A student's CUDA version as (major, minor) (``framework.version``); ``Wrong`` naming the usual confusions."""
+    text = value.decode(errors="replace").strip() if isinstance(value, bytes) else value
+    if isinstance(text, str):
+        text = text.strip()
+        if re.fullmatch(r"\d{3}(\.\d+)+", text):  # R5xx drivers: 535.x, 550.x, 580.159.04
+            raise Wrong(f"{what} is {text!r}: that is the driver version (the 'Driver Version' field). The CUDA "
+                        "version is the 'CUDA Version' field beside it: the newest CUDA this driver supports")
+        if "cuda" in text.lower():
+            raise Wrong(f"{what} is {text!r}: give only the number, e.g. '13.0'")
+    return version(text, what)
 
 
 # --- q2: the CUDA ceiling from nvidia-smi's banner --------------------------------------------------
@@ -151,8 +140,23 @@ def _live_smi() -> str | None:
     return _run(["nvidia-smi"]) if shutil.which("nvidia-smi") else None
 
 
+# (driver, CUDA ceiling) pairs as released drivers report them.
+_OTHER_BANNERS = (("535.183.01", "12.2"), ("550.54.15", "12.4"), ("570.86.10", "12.8"), ("575.51.03", "12.9"),
+                  ("520.61.05", "11.8"), ("590.44.01", "13.1"), ("560.35.03", "12.6"))
+
+
+def _other_banner(smi_text: str, rng: random.Random) -> str:
+    """The H200 banner as another driver prints it: another driver version and another CUDA ceiling, picked at
+    random, so a function returning a constant cannot pass."""
+    driver, cuda = rng.choice([b for b in _OTHER_BANNERS if b[1] != reference_cuda_ceiling(smi_text)])
+    old = probe.parse_smi_header(smi_text)
+    text = smi_text.replace(f"CUDA Version: {old['cuda_ceiling']}", f"CUDA Version: {cuda}")
+    return text.replace(str(old["driver_version"]), driver)
+
+
 def _grade_cuda_ceiling(fn: Any) -> str:
-    sources = [("the H200 capture", probe.capture("nvidia-smi"))]
+    h200 = probe.capture("nvidia-smi")
+    sources = [("the H200 capture", h200), ("another driver's banner", _other_banner(h200, random.Random()))]
     live = _live_smi()
     if live and reference_cuda_ceiling(live):
         sources.append(("this machine's nvidia-smi", live))
@@ -164,7 +168,8 @@ def _grade_cuda_ceiling(fn: Any) -> str:
         want = reference_cuda_ceiling(text)
         if _version_of(got, f"on {where}, your result") != parse_version(want):
             raise Wrong(f"on {where} it returned {got!r}, but the banner's 'CUDA Version' field reads {want!r}")
-    return f"Graded on {' and '.join(w for w, _ in sources)}."
+    names = [w for w, _ in sources]
+    return f"Graded on {', '.join(names[:-1])} and {names[-1]}."
 
 
 q2 = CodeExercise(
@@ -255,10 +260,24 @@ def _smi_query() -> list[dict[str, Any]] | None:
     return reference_smi_inventory(query, banner)
 
 
-def _two_gpu_query(query_csv: str) -> str:
-    # The H200x2 runner: the same GPU twice (its second row is the first's, as nvidia-smi prints it there).
-    lines = query_csv.strip().splitlines()
-    return "\n".join([lines[0], *lines[1:], *lines[1:]]) + "\n"
+# (name, memory.total MiB, clocks.max.sm MHz, power.limit W) of data-centre GPUs, as nvidia-smi reports them.
+_OTHER_GPUS = (("NVIDIA H100 80GB HBM3", 81559, 1980, 700.0), ("NVIDIA A100-SXM4-80GB", 81920, 1410, 400.0),
+               ("NVIDIA L40S", 46068, 2520, 350.0), ("NVIDIA H200", 143771, 1980, 700.0))
+
+
+def _other_machine(query_csv: str, smi_text: str, rng: random.Random) -> tuple[str, str, str]:
+    """(label, query, banner) of another machine, picked at random: 2 to 4 GPUs of one model, another driver
+    (``_other_banner``), the capture's columns. A function that returns the H200's rows cannot pass it."""
+    banner = _other_banner(smi_text, rng)
+    driver = probe.parse_smi_header(banner)["driver_version"]
+    name, mib, mhz, watts = rng.choice(_OTHER_GPUS)
+    values = {"name": name, "driver_version": driver, "memory.total": f"{mib} MiB", "clocks.max.sm": f"{mhz} MHz",
+              "power.limit": f"{watts:.2f} W"}
+    header = query_csv.strip().splitlines()[0]
+    columns = [h.strip().split(" ")[0] for h in header.split(",")]
+    count = rng.randint(2, 4)
+    rows = [", ".join(values.get(c, "[N/A]") for c in columns) for _ in range(count)]
+    return f"a {count}-GPU query of another machine", "\n".join([header, *rows]) + "\n", banner
 
 
 _MEMORY_SLIPS = {
@@ -330,12 +349,13 @@ def _compare_inventory(got: list[Mapping[str, Any]], want: list[dict[str, Any]],
 
 def _grade_smi_inventory(fn: Any) -> str:
     query, banner = probe.capture("query-gpu"), probe.capture("nvidia-smi")
-    for label, text in (("the H200 query", query), ("a two-H200 query", _two_gpu_query(query))):
+    other = _other_machine(query, banner, random.Random())
+    for label, text, smi in (("the H200 query", query, banner), other):
         call = f"smi_inventory(<{label}>, <banner>)"
-        got = _rows_of(run_student(fn, text, banner, call=call, timeout_s=10), call)
-        _compare_inventory(got, reference_smi_inventory(text, banner), call, "the reference parser")
-    return ("Graded on the H200 captures against the reference parser (with one GPU and with two), because "
-            "there is no NVML here; `nvml_inventory` was not run.")
+        got = _rows_of(run_student(fn, text, smi, call=call, timeout_s=10), call)
+        _compare_inventory(got, reference_smi_inventory(text, smi), call, "the reference parser")
+    return ("Graded on the H200 captures and on another machine drawn at random (several GPUs, another driver) "
+            "against the reference parser, because there is no NVML here; `nvml_inventory` was not run.")
 
 
 def _nvml_initialised() -> bool:
@@ -557,10 +577,26 @@ _RULE_WHY = {
 
 
 def _normal_verdict(value: Any) -> str | None:
-    if not isinstance(value, str):
-        return None
-    text = " ".join(value.strip().lower().replace("-", " ").replace("_", " ").split())
-    return {" ".join(v.replace("-", " ").split()): v for v in VERDICTS}.get(text)
+    return choice(value, VERDICTS)
+
+
+_RANDOM_VERDICTS = 8
+
+
+def _grade_random_verdicts(fn: Any, rng: random.Random) -> None:
+    """Versions the student cannot predict, against ``cuda_verdict``: a table of answers cannot pass."""
+    def pick() -> str:
+        return f"{rng.randint(11, 14)}.{rng.choice([0, 1, 2, 4, 6, 8, 9, 10, 12])}"
+
+    for _ in range(_RANDOM_VERDICTS):
+        ceiling, runtime, dc = pick(), pick(), rng.random() < 0.5
+        call = f"cuda_verdict({ceiling!r}, {runtime!r}, datacenter_gpu={dc})"
+        result = run_student(fn, ceiling, runtime, dc, call=call, timeout_s=10)
+        expected = cuda_verdict(ceiling, runtime, dc)
+        if _normal_verdict(result) != expected:
+            raise Wrong(f"{call} returned {result!r}, expected {expected!r}: every case of the table was right, but "
+                        "this one (drawn at random) is not. Apply the rules to the versions given, not to a list "
+                        "of known cases.")
 
 
 def _grade_verdict(fn: Any) -> str:
@@ -574,7 +610,8 @@ def _grade_verdict(fn: Any) -> str:
         got.append(verdict)
     wrong = [(case, g) for case, g in zip(VERDICT_CASES, got, strict=True) if g != case[3]]
     if not wrong:
-        return f"All {len(VERDICT_CASES)} cases agree with the rules."
+        _grade_random_verdicts(fn, random.Random())
+        return f"All {len(VERDICT_CASES)} cases agree with the rules, and {_RANDOM_VERDICTS} more drawn at random."
     (ceiling, runtime, dc, expected, why), verdict = wrong[0]
     first = (f"cuda_verdict({ceiling!r}, {runtime!r}, datacenter_gpu={dc}) returned {verdict!r}, expected "
              f"{expected!r}: {why}.")

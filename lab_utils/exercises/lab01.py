@@ -3,7 +3,8 @@
 Four of the seven are code the check runs on this machine's real device (the GPU when torch can use one,
 else the CPU) and compares with the reference implementation on the same input:
 
-- ``time_ms(fn, iters, warmup, sync)``: graded twice. First on asynchronous work whose duration is known:
+- ``time_ms(fn, iters, warmup, sync)``: graded twice. First on asynchronous work whose duration is known
+  (two lengths drawn at random per check, so a constant cannot pass):
   on a GPU, real ``torch.cuda._sleep`` kernels whose first launch is slow (as a first CUDA call is); without
   one, ``AsyncDevice``, a worker thread that really does the work later, so a function that forgets to wait
   for the work is caught on any machine. Then on a real matmul against the reference timer
@@ -25,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import math
 import queue
+import random
 import statistics
 import threading
 import time
@@ -45,6 +47,7 @@ from lab_utils.exercises.framework import (
     one_of,
     run_student,
 )
+from lab_utils.gpu.bench import resolve_device
 
 __all__ = [
     "q1", "q2", "q3", "q4", "q5", "q6", "q7",
@@ -55,8 +58,9 @@ __all__ = [
 
 
 def grading_device() -> str:
-    """Where the code exercises run: ``"cuda"`` when torch can use a GPU, else ``"cpu"``."""
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    """Where the code exercises run: ``"cuda"`` when torch can use a GPU, else ``"cpu"`` (the lab's own
+    ``resolve_device("auto")``, so the check and the lab's measurements pick the same device)."""
+    return resolve_device("auto")
 
 
 def _chip(device: str) -> str:
@@ -186,11 +190,32 @@ def reference_time_ms(fn: Callable[[], Any], iters: int, warmup: int, sync: Call
     return (time.perf_counter() - t0) * 1e3 / iters
 
 
-_WORK_S = 0.02  # per call on the simulated device: long against thread wake-ups on a loaded machine
-_INIT_S = 0.15  # one-time cost: at 5 calls it adds 30 ms per call, far outside the tolerance
+# The work per call is drawn at random for every check, twice, the second 2.2-2.6x the first: a function that
+# returns a constant cannot fall within the tolerance (±30%) of both. The one-time cost is 8x one call's work, so
+# forgetting the warm-up gives 1 + 8/5 = 2.6x at 5 calls, far outside the tolerance, whatever the draw.
+_WORK_S = (0.012, 0.02)  # the first length, seconds: long against thread wake-ups on a loaded machine
+_WORK_STEP = (2.2, 2.6)  # the second length / the first
+_INIT_PER_WORK = 8.0
 _ITERS_SIM = 5
 _TOL = 0.3  # relative, on work whose duration is known
-_GPU_WORK_MS, _GPU_INIT_MS = 5.0, 40.0  # same proportions as the simulation: no-warm-up gives 2.6x, not 5x
+_GPU_WORK_MS = (3.0, 5.0)  # the first length on a GPU, milliseconds
+
+
+def _work_lengths(low_high: tuple[float, float], rng: random.Random) -> tuple[float, float]:
+    first = rng.uniform(*low_high)
+    return first, first * rng.uniform(*_WORK_STEP)
+
+
+def _judge_runs(runs: list[tuple[float, float, int | bool]], where: str) -> str:
+    """Judge (ms, expected ms, work pending) of the two work lengths: a fixed result first, then each run."""
+    (first, want1, _), (second, want2, _) = runs
+    if first == second:  # the same float for work of two lengths: nothing was measured
+        raise Wrong(f"{where}: {first:.3g} ms for calls of {want1:.3g} ms and the same for calls of {want2:.3g} ms: "
+                    "the result does not follow the work. Measure it (the clock around the calls), don't return "
+                    "a fixed number.")
+    for ms, expected_ms, pending in runs:
+        _judge_known_work(ms, expected_ms, pending, _ITERS_SIM, where)
+    return " and ".join(f"{ms:.3g} ms for {expected_ms:.3g} ms of work" for ms, expected_ms, _ in runs)
 
 
 def _judge_known_work(ms: float, expected_ms: float, pending: int | bool, iters: int, where: str) -> None:
@@ -213,41 +238,45 @@ def _judge_known_work(ms: float, expected_ms: float, pending: int | bool, iters:
 
 
 def _grade_on_simulated_device(fn: Any) -> str:
-    with AsyncDevice(init_s=_INIT_S) as dev:
-        got = run_student(fn, lambda: dev.launch(_WORK_S), _ITERS_SIM, 1, dev.synchronize,
-                          call=f"time_ms(launch, iters={_ITERS_SIM}, warmup=1, sync)", timeout_s=30)
-        pending = dev.pending  # work still running when the function returned: it never synchronized
-        ran_s = list(dev.work_s)  # how long the work really took here (sleep overshoots on a loaded machine)
-    expected_ms = 1e3 * (statistics.median(ran_s) if ran_s else _WORK_S)
     where = "on the simulated asynchronous device"
-    ms = number(got, f"{where}, time_ms's result")
-    _judge_known_work(ms, expected_ms, pending, _ITERS_SIM, where)
-    return f"simulated device: {ms:.3g} ms for {expected_ms:.3g} ms of work"
+    lengths = _work_lengths(_WORK_S, random.Random())
+    runs: list[tuple[float, float, int | bool]] = []
+    for work in lengths:
+        with AsyncDevice(init_s=_INIT_PER_WORK * work) as dev:
+            got = run_student(fn, lambda w=work: dev.launch(w), _ITERS_SIM, 1, dev.synchronize,
+                              call=f"time_ms(launch, iters={_ITERS_SIM}, warmup=1, sync)", timeout_s=30)
+            pending = dev.pending  # work still running when the function returned: it never synchronized
+            ran_s = list(dev.work_s)  # how long the work really took here (sleep overshoots on a loaded machine)
+        expected_ms = 1e3 * (statistics.median(ran_s) if ran_s else work)
+        runs.append((number(got, f"{where}, time_ms's result"), expected_ms, pending))
+    return f"simulated device: {_judge_runs(runs, where)}"
 
 
 def _grade_on_gpu_kernels(fn: Any) -> str:
     # Real asynchronous work of known length: torch.cuda._sleep spins a GPU kernel for a number of clock cycles.
+    where = "on GPU kernels of known length"
     cycles = 10_000_000
     per_ms = cycles / timing.benchmark(lambda: torch.cuda._sleep(cycles), reps=3, warmup=1, device="cuda").median_ms
-    work, init = int(_GPU_WORK_MS * per_ms), int(_GPU_INIT_MS * per_ms)
-    expected_ms = timing.benchmark(lambda: torch.cuda._sleep(work), reps=3, warmup=1, device="cuda").median_ms
-    first = [True]
+    lengths = _work_lengths(_GPU_WORK_MS, random.Random())
+    runs: list[tuple[float, float, int | bool]] = []
+    for work_ms in lengths:
+        work, init = int(work_ms * per_ms), int(_INIT_PER_WORK * work_ms * per_ms)
+        expected_ms = timing.benchmark(lambda w=work: torch.cuda._sleep(w), reps=3, warmup=1, device="cuda").median_ms
+        first = [True]
 
-    def launch() -> None:
-        if first[0]:  # the first call is slow, as a first CUDA call is (context, module loading, cuBLAS handle)
-            first[0] = False
-            torch.cuda._sleep(init)
-        torch.cuda._sleep(work)
+        def launch(work: int = work, init: int = init, first: list[bool] = first) -> None:
+            if first[0]:  # the first call is slow, as a first CUDA call is (context, module loading, cuBLAS handle)
+                first[0] = False
+                torch.cuda._sleep(init)
+            torch.cuda._sleep(work)
 
-    torch.cuda.synchronize()
-    got = run_student(fn, launch, _ITERS_SIM, 1, torch.cuda.synchronize,
-                      call=f"time_ms(launch, iters={_ITERS_SIM}, warmup=1, sync)", timeout_s=60)
-    pending = not torch.cuda.current_stream().query()
-    torch.cuda.synchronize()
-    where = "on GPU kernels of known length"
-    ms = number(got, f"{where}, time_ms's result")
-    _judge_known_work(ms, expected_ms, pending, _ITERS_SIM, where)
-    return f"GPU sleep kernels: {ms:.3g} ms for {expected_ms:.3g} ms of work"
+        torch.cuda.synchronize()
+        got = run_student(fn, launch, _ITERS_SIM, 1, torch.cuda.synchronize,
+                          call=f"time_ms(launch, iters={_ITERS_SIM}, warmup=1, sync)", timeout_s=60)
+        pending = not torch.cuda.current_stream().query()
+        torch.cuda.synchronize()
+        runs.append((number(got, f"{where}, time_ms's result"), expected_ms, pending))
+    return f"GPU sleep kernels: {_judge_runs(runs, where)}"
 
 
 _ITERS_MM, _WARMUP_MM = 8, 16  # timing the warm-up too gives 3x, the total 8x: both far outside the band
@@ -631,11 +660,17 @@ q5 = Exercise(
 )
 
 
+# Whole answers that mean the same as each choice (a roofline's two roofs go by several names).
+_BOUND_SYNONYMS = {
+    "memory": ["memory-bound", "memory bandwidth", "memory-bandwidth-bound", "bandwidth", "bandwidth-bound",
+               "HBM-bound", "memory limited", "bandwidth limited"],
+    "compute": ["compute-bound", "math", "math-bound", "FLOP-bound", "FLOPs-bound", "compute limited",
+                "arithmetic-bound"],
+}
+
+
 def _grade_bound(value: Any) -> None:
-    # "memory-bound" and "memory bound" mean the same as "memory".
-    if isinstance(value, str):
-        value = value.strip().lower().removesuffix("bound").strip(" -_")
-    one_of("memory", ["memory", "compute"],
+    one_of("memory", ["memory", "compute"], synonyms=_BOUND_SYNONYMS,
            why=f"saxpy's ~0.17 FLOP/byte is far below the H200's ridge point (~{H200_RIDGE:.0f} FLOP/byte): "
                "the chip waits on memory, not on arithmetic.")(value)
 

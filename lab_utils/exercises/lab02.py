@@ -18,11 +18,13 @@ reference implementation on the same input:
   watched; the check then verifies disjoint shards, a new order each epoch, identical parameters on every
   rank, FP16 autocast with a GradScaler unscaled before clipping, the accuracy of the reference's run within
   one point, exactly one checkpoint (rank 0's) and the group destroyed.
-- ``global_accuracy(ctx, correct, seen)``: a metric summed over ranks with unequal shards.
+- ``global_accuracy(ctx, correct, seen)``: a metric summed over ranks with unequal shards, drawn at random per
+  check.
 
 The student's function reaches the ranks as source (``lab_utils.distributed.ranks``), so a rank's traceback
-or a hang points at the student's own line. The other questions need no ranks: ``busbw_factor`` is called on
-fixed cases; the rest are a number, a variable name, a choice.
+or a hang points at the student's own line. The other questions need no ranks: ``busbw_factor`` is called for
+every collective at n = 2, 3, 4 and 8 (at n = 2 alone different formulas agree); the rest are a number, a
+variable name (with its value, read by NCCL's own rules) and a choice.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import contextlib
 import gc
 import math
 import os
+import random
 import re
 import time
 from collections import Counter
@@ -52,7 +55,9 @@ from lab_utils.exercises.framework import (
     Exercise,
     StudentLine,
     Wrong,
+    choice,
     close_to,
+    fraction,
     match_slip,
     number,
     run_student,
@@ -195,24 +200,31 @@ def reference_busbw_factor(collective: str, n: int) -> float:
     return busbw_factor(key, int(n))
 
 
-# (collective, n, why). The most-used case first, so a function wrong everywhere hears about it.
+# Why each collective has its factor. Each is checked at n = 2, 3, 4 and 8: at n = 2 alone, 2(n-1)/n, 1 and
+# log2(n) agree, so a wrong formula would pass there.
+_FACTOR_WHY = {
+    "all_reduce": "all_reduce moves the data twice: a reduce-scatter, then an all-gather, each sending (n-1)/n of "
+                  "the buffer per rank, so 2(n-1)/n",
+    "all_gather": "all_gather is one phase: each rank receives the (n-1)/n of the gathered buffer it does not hold",
+    "reduce_scatter": "reduce_scatter is one phase: each rank sends out the (n-1)/n of the buffer it does not keep",
+    "all_to_all": "all_to_all is one phase: each rank keeps 1/n of its buffer and exchanges the other (n-1)/n",
+    "broadcast": "broadcast is pipelined along a chain: every link carries the whole buffer once, so busbw = algbw "
+                 "(factor 1) for any n",
+    "reduce": "reduce is a broadcast in reverse: every link carries the whole buffer once, factor 1 for any n",
+}
+# The ranks each collective is checked on, the most telling first (a function wrong everywhere hears about it).
+_FACTOR_RANKS = {"all_reduce": (8, 2, 3, 4), "all_gather": (8, 2, 3, 4), "reduce_scatter": (8, 2, 3, 4),
+                 "all_to_all": (4, 2, 3, 8), "broadcast": (8, 2, 3, 4), "reduce": (4, 2, 3, 8)}
+_FACTOR_NOTES = {
+    ("all_reduce", 2): "2(n-1)/n with n = 2 is 1: on two ranks busbw equals algbw",
+    ("all_reduce", 1): "with one rank nothing crosses a link: 2(n-1)/n = 0",
+    ("all_gather", 1): "with one rank there is nothing to gather: (n-1)/n = 0",
+}
+
+# (collective, n, why), the whole table the check runs.
 _FACTOR_CASES: list[tuple[str, int, str]] = [
-    ("all_reduce", 8, "all_reduce moves the data twice: a reduce-scatter, then an all-gather, each sending "
-                      "(n-1)/n of the buffer per rank, so 2(n-1)/n"),
-    ("all_reduce", 2, "2(n-1)/n with n = 2 is 1: on two ranks busbw equals algbw"),
-    ("all_gather", 8, "all_gather is one phase: each rank receives the (n-1)/n of the gathered buffer it "
-                      "does not hold"),
-    ("reduce_scatter", 8, "reduce_scatter is one phase: each rank sends out the (n-1)/n of the buffer it "
-                          "does not keep"),
-    ("all_to_all", 4, "all_to_all is one phase: each rank keeps 1/n of its buffer and exchanges the other "
-                      "(n-1)/n"),
-    ("broadcast", 8, "broadcast is pipelined along a chain: every link carries the whole buffer once, so "
-                     "busbw = algbw (factor 1) for any n"),
-    ("reduce", 2, "reduce is a broadcast in reverse: every link carries the whole buffer once, factor 1"),
-    ("all_reduce", 1, "with one rank nothing crosses a link: 2(n-1)/n = 0"),
-    ("all_gather", 1, "with one rank there is nothing to gather: (n-1)/n = 0"),
-    ("reduce_scatter", 2, "(n-1)/n with n = 2 is 0.5"),
-]
+    (c, n, _FACTOR_NOTES.get((c, n), _FACTOR_WHY[c])) for c, ranks in _FACTOR_RANKS.items() for n in ranks
+] + [(c, n, why) for (c, n), why in _FACTOR_NOTES.items() if n == 1]
 
 
 def _same(a: float, b: float) -> bool:
@@ -243,6 +255,10 @@ def _grade_busbw_factor(fn: Any) -> None:
             raise Wrong(f"{head}: only all_reduce has the 2 (two phases). {why}.")
         if n > 1 and got in (n - 1, 2 * (n - 1)):
             raise Wrong(f"{head}: the /n is missing; the factor is a fraction of the buffer. {why}.")
+        if n > 2 and _same(got, math.log2(n)):
+            raise Wrong(f"{head}: that is log2(n), the depth of a tree, not a share of the buffer per link. {why}.")
+        if collective in ("broadcast", "reduce") and n > 2 and _same(got, two_phase):
+            raise Wrong(f"{head}: 2(n-1)/n is all_reduce's factor (it equals 1 only at n = 2). {why}.")
         if got.is_integer() and got == math.floor(expected) and not expected.is_integer():
             raise Wrong(f"{head}: a whole number where a fraction is due looks like integer division "
                         f"((n - 1) // n is 0 in Python; use /). {why}.")
@@ -729,20 +745,50 @@ def _grade_nccl_var(value: Any) -> None:
     if name != "NCCL_SOCKET_IFNAME":
         raise Wrong(_NCCL_WHY_NOT[name])
     setting = match[3] or ""
-    if setting in ("", "eth1", "=eth1"):
+    if setting in ("", "=eth1"):
         return
-    if setting.startswith("^"):
-        raise Wrong(f"NCCL_SOCKET_IFNAME is right, but '{setting}' only excludes: a list you give replaces "
-                    "NCCL's default one, so docker0 and lo are no longer skipped and may be picked. Name "
-                    "the interface to use: NCCL_SOCKET_IFNAME=eth1.")
-    if setting.lstrip("=") in ("eth0", "docker0", "lo"):
-        raise Wrong(f"NCCL_SOCKET_IFNAME is right, but {setting.lstrip('=')} is not the network the nodes "
-                    "reach each other over: that is eth1.")
-    if "eth1".startswith(setting) and setting:
+    picked = _socket_ifname_matches(setting)
+    if picked == ["eth1"]:
+        return
+    exclude = setting.startswith("^")
+    if "eth1" not in picked:
+        if exclude:
+            raise Wrong(f"NCCL_SOCKET_IFNAME is right, but '{setting}' excludes eth1 ('^' means all but these), "
+                        "the network the nodes reach each other over. Name it: NCCL_SOCKET_IFNAME=eth1.")
+        if setting.lstrip("=") in ("eth0", "docker0", "lo"):
+            raise Wrong(f"NCCL_SOCKET_IFNAME is right, but {setting.lstrip('=')} is not the network the nodes "
+                        "reach each other over: that is eth1.")
+        raise Wrong(f"NCCL_SOCKET_IFNAME is right, but no interface '{setting}' is in the scenario; the data "
+                    "network is eth1.")
+    others = ", ".join(i for i in picked if i != "eth1")
+    if exclude:
+        raise Wrong(f"NCCL_SOCKET_IFNAME is right, but '{setting}' still allows {others}: '^' excludes only the "
+                    "prefixes listed, and a list you give replaces NCCL's default one, so docker0 and lo are no "
+                    f"longer skipped unless you list them. NCCL takes the first allowed interface ({picked[0]}). "
+                    "Exclude every other interface, or name the one to use: NCCL_SOCKET_IFNAME=eth1.")
+    if "eth1".startswith(setting.split(",")[0]) and "," not in setting:
         raise Wrong(f"NCCL_SOCKET_IFNAME is right, but '{setting}' is a prefix: it matches eth0 too, which "
                     "NCCL finds first. Name the interface: eth1 (or '=eth1', an exact match).")
-    raise Wrong(f"NCCL_SOCKET_IFNAME is right, but no interface '{setting}' is in the scenario; the data "
-                "network is eth1.")
+    raise Wrong(f"NCCL_SOCKET_IFNAME is right, but '{setting}' also allows {others}, which NCCL may pick. Name "
+                "only the interface to use: eth1.")
+
+
+# The scenario's interfaces in the order the system lists them (NCCL takes the first one its list allows).
+_INTERFACES = ("lo", "docker0", "eth0", "eth1")
+
+
+def _socket_ifname_matches(setting: str) -> list[str]:
+    """The scenario's interfaces that NCCL_SOCKET_IFNAME=``setting`` allows, in order: comma-separated prefixes,
+    '=' for an exact name, a leading '^' for "all but these" (NCCL's own rules)."""
+    exclude = setting.startswith("^")
+    text = setting[1:] if exclude else setting
+    exact = text.startswith("=")
+    names = [n.strip() for n in (text[1:] if exact else text).split(",") if n.strip()]
+
+    def listed(interface: str) -> bool:
+        return any(interface == n if exact else interface.startswith(n) for n in names)
+
+    return [i for i in _INTERFACES if listed(i) != exclude]
 
 
 q4 = Exercise(
@@ -799,9 +845,15 @@ def train(model, dataset, epochs):
 
 BUG_CHOICES = ("set_epoch", "no_sync", "all_reduce the metric", "barrier", "zero_grad")
 
-# A keyword that names each choice in a free-form answer ("sampler.set_epoch(epoch)", "zero_grad()").
-_BUG_KEYS = {"set_epoch": "set_epoch", "no_sync": "no_sync", "all_reduce": "all_reduce the metric",
-            "allreduce": "all_reduce the metric", "barrier": "barrier", "zero_grad": "zero_grad"}
+# Whole answers that name a choice by its call (a choice, never a word found inside a sentence: "set_epoch is
+# fine" must not count as set_epoch).
+_BUG_SYNONYMS = {
+    "set_epoch": ["sampler.set_epoch(epoch)", "sampler.set_epoch", "set_epoch(epoch)", "set_epoch()"],
+    "no_sync": ["model.no_sync()", "no_sync()"],
+    "all_reduce the metric": ["all_reduce", "allreduce", "dist.all_reduce(total)", "all_reduce(total)"],
+    "barrier": ["dist.barrier()", "barrier()"],
+    "zero_grad": ["opt.zero_grad()", "zero_grad()", "opt.zero_grad(set_to_none=True)"],
+}
 
 _BUG_WHY_NOT = {
     "no_sync": "model.no_sync() skips the gradient all-reduce, for the micro-batches of gradient "
@@ -815,22 +867,14 @@ _BUG_WHY_NOT = {
 }
 
 
-def _bug_choice(value: Any) -> str:
-    if not isinstance(value, str):
-        raise Wrong(f"answer with one of {list(BUG_CHOICES)}, as a string")
-    text = re.sub(r"[\s-]+", "_", value.strip().lower())
-    named = {choice for key, choice in _BUG_KEYS.items() if key in text}
-    if len(named) > 1:
-        raise Wrong(f"name one fix, not several ({', '.join(sorted(named))}): the loop has exactly one bug")
-    if not named:
-        raise Wrong(f"answer with one of {list(BUG_CHOICES)}")
-    return named.pop()
-
-
 def _grade_missing_fix(value: Any) -> None:
-    choice = _bug_choice(value)
-    if choice != "set_epoch":
-        raise Wrong(_BUG_WHY_NOT[choice])
+    picked = choice(value, BUG_CHOICES, _BUG_SYNONYMS)
+    if picked is None:
+        several = isinstance(value, str) and sum(c.split()[0] in value for c in BUG_CHOICES) > 1
+        why = "name one fix, not several: the loop has exactly one bug. " if several else ""
+        raise Wrong(f"{why}Answer with exactly one of {list(BUG_CHOICES)}: the choice itself, not a sentence")
+    if picked != "set_epoch":
+        raise Wrong(_BUG_WHY_NOT[picked])
 
 
 q5 = Exercise(
@@ -843,10 +887,11 @@ q5 = Exercise(
         "DistributedSampler shuffles with a generator seeded by seed + epoch, and its epoch is whatever it "
         "was last told (0 unless told otherwise).",
         "Without a call at the start of each epoch, every epoch replays the epoch-0 permutation: each rank "
-        "sees the same shard in the same order every epoch. Which choice tells the sampler the epoch?",
+        "sees the same shard in the same order every epoch. Which choice tells the sampler the epoch? Answer with "
+        "that element of BUG_CHOICES, as it is written there.",
     ],
     solution_text=(
-        'missing_fix = "set_epoch"\n'
+        'missing_fix = "set_epoch"   # one of BUG_CHOICES\n'
         "# In train(), first thing in each epoch:\n"
         "#     for epoch in range(epochs):\n"
         "#         sampler.set_epoch(epoch)   # a new shuffle each epoch, the same one on every rank\n"
@@ -1308,21 +1353,26 @@ q6 = CodeExercise(
 
 # --- q7: a metric summed over ranks -----------------------------------------------------------------------------
 
-# Each rank scored a shard of a different size (shards of files, as in a real evaluation; no padding): accuracy
-# and samples per rank, in rank order, repeated for more ranks. Integral correct counts.
-_SHARD_ROWS = ((0.92, 500), (0.85, 300), (0.80, 250), (0.70, 150), (0.95, 400), (0.60, 350), (0.90, 200),
-               (0.75, 100))
 METRIC_TIMEOUT_S = 180.0
 
 
-def metric_shards(nprocs: int) -> list[dict[str, Any]]:
-    """Rank r's evaluation shard on ``nprocs`` ranks: rank, correct, seen, accuracy (= correct / seen)."""
-    rows = []
-    for r in range(nprocs):
-        acc, seen = _SHARD_ROWS[r % len(_SHARD_ROWS)]
-        correct = round(acc * seen)
-        rows.append({"rank": r, "correct": correct, "seen": seen, "accuracy": correct / seen})
-    return rows
+def metric_shards(nprocs: int, seed: int | None = None) -> list[dict[str, Any]]:
+    """Rank r's evaluation shard on ``nprocs`` ranks: rank, correct, seen, accuracy (= correct / seen).
+
+    Drawn at random for every check (``seed`` makes them reproducible): shards of different sizes, as shards of
+    files are in a real evaluation, with whole counts, so no fixed accuracy can pass.
+    """
+    rng = random.Random(seed)
+    while True:
+        rows = []
+        for r in range(nprocs):
+            seen = rng.randrange(100, 801, 10)
+            correct = round(rng.uniform(0.55, 0.97) * seen)
+            rows.append({"rank": r, "correct": correct, "seen": seen, "accuracy": correct / seen})
+        total = sum(s["correct"] for s in rows) / sum(s["seen"] for s in rows)
+        mean = sum(s["accuracy"] for s in rows) / nprocs
+        if nprocs < 2 or abs(mean - total) > 0.005:  # the plain mean, the usual mistake, must not pass
+            return rows
 
 
 def reference_global_accuracy(ctx: WorkerContext, correct: int, seen: int) -> float:
@@ -1346,6 +1396,9 @@ def _judge_metric(values: list[Any], shards: list[dict[str, Any]], call: str) ->
         if v is None:
             raise Wrong(f"{call} returned None on rank {r} (does it end with `return ...`?); expected the accuracy "
                         "as a float on every rank")
+        if isinstance(v, str) and v.strip().endswith("%"):  # "85.3%" means 0.853: the same answer
+            with contextlib.suppress(Wrong):
+                v = fraction(v)
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise Wrong(f"{call} returned {_show(v)} on rank {r}; expected the accuracy as a float")
         if math.isclose(v, total, rel_tol=1e-6):
