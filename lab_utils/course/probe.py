@@ -602,6 +602,11 @@ def lab_tiers(report: EnvReport) -> list[LabTier]:
     else:
         rows["05"] = ("partial" if seen_gpu else "cpu", "nothing yet: the lab needs a Triton server",
                       "no Triton server: pip install --no-deps nvidia-pytriton")
+    if gpu:
+        rows["09"] = ("full", "the quiz; prefill and decode of the random-weight decoder on the GPU", "")
+    else:
+        rows["09"] = ("partial" if seen_gpu else "cpu", "the quiz; prefill and decode on the CPU",
+                      "the CPU stands in for the GPU; the H200's numbers come from its datasheet")
     return [
         LabTier(lab.number, lab.title, *rows[lab.number], notebook=(lab_dir / lab.filename).exists())
         for lab in LABS

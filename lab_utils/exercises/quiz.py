@@ -1,0 +1,880 @@
+"""Lab 09's exam review: the question bank, its graded questions, a quiz runner, the glossary and the stack map.
+
+**The bank** is YAML, one file per syllabus section (``lab_utils/data/quiz/s1_stack.yaml`` ... ``s6_industry.yaml``),
+each ``{section, title: {en, zh}, questions: [...]}``; a question has an ``id``, the syllabus ``rows`` it tests
+(ids from ``rows.yaml``), a ``form`` (single | multi | numeric | match | order), a ``prompt``, ``choices`` (absent
+for numeric), an ``answer``, an ``explanation``, optionally the ``lab`` that measured it, and ``terms`` (en↔zh).
+``load_bank`` validates every file against ``schema.json`` (when present) and checks what a schema cannot (the
+answer's keys are among the choices, ids are unique, both languages are there); an error names the file and the
+question. ``NVLAB_QUIZ_DIR`` points the course at another bank (a trainer's own, or the tests' fixture).
+
+**Grading** goes through the exercise framework: ``question.exercise("zh").check(answer)`` says *not attempted*
+(a blank), *incorrect* with why (for multi the missing and extra keys, for match the wrong pairs, for order the
+first item out of place; then the explanation) or *correct*. Answers are read forgivingly: key case and spaces,
+``"a,c"`` or ``["a", "c"]``, numbers as text (a trailing unit allowed), match as a dict or ``"a:1, b:2"``.
+
+**QuizRunner** draws questions by section with a fixed seed (the same order every run), one at a time with
+immediate feedback (``next()``, ``answer(x)``) or a section at once (``check(answers, section)``); ``score()`` per
+section and ``missed()`` to review. Blanks are never an exception: a quiz nobody answers scores 0, all "not
+attempted". ``glossary`` / ``write_glossary`` produce ``docs/glossary.md`` (generated: never edit it by hand);
+``stack_map`` is the course's map of the stack, every component linked to the lab that touched it.
+
+Importing this module reads nothing; YAML and jsonschema are imported when a bank is loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import html
+import json
+import math
+import os
+import re
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from lab_utils import DATA_DIR
+from lab_utils.course.catalog import LABS, repo_root
+from lab_utils.exercises.framework import Exercise, Outcome, Status, Wrong, is_blank, normal_text, number
+
+__all__ = [
+    "BANK_DIR", "QUIZ_ENV", "FORMS", "LANGUAGES", "BankError", "Question", "Bank", "load_bank", "QuizRunner",
+    "glossary", "glossary_markdown", "write_glossary", "GLOSSARY_PATH", "stack_map", "STACK",
+]
+
+BANK_DIR = DATA_DIR / "quiz"
+QUIZ_ENV = "NVLAB_QUIZ_DIR"  # another bank folder (a trainer's own; the tests' fixture)
+FORMS = ("single", "multi", "numeric", "match", "order")
+LANGUAGES = ("en", "zh")
+GLOSSARY_PATH = repo_root() / "docs" / "glossary.md"
+
+# The few phrases this module writes itself, in both languages of the bank.
+_T = {
+    "missing": {"en": "missing", "zh": "漏选"},
+    "extra": {"en": "not part of the answer", "zh": "多选"},
+    "why": {"en": "Why", "zh": "解析"},
+    "answer": {"en": "Answer", "zh": "答案"},
+    "lab": {"en": "Measured in lab", "zh": "相关实验"},
+    "rows": {"en": "Syllabus", "zh": "大纲"},
+    "unknown": {"en": "is not one of the choices", "zh": "不在选项中"},
+    "pairs": {"en": "wrong pairs", "zh": "配对错误"},
+    "unpaired": {"en": "not paired", "zh": "未配对"},
+    "first_wrong": {"en": "the first item out of place is at position", "zh": "第一个位置错误的是第"},
+    "pick_one": {"en": "pick one key", "zh": "请只选一个选项"},
+    "order_all": {"en": "put every item in order", "zh": "请排列所有选项"},
+    "high": {"en": "too high", "zh": "偏高"},
+    "low": {"en": "too low", "zh": "偏低"},
+    "within": {"en": "not within", "zh": "误差超过"},
+    "not_right": {"en": "not this one", "zh": "不是这个"},
+    "single": {"en": "one answer: a key", "zh": "单选：填一个选项字母"},
+    "multi": {"en": "several answers: keys, e.g. \"a,c\"", "zh": "多选：填多个选项，例如 \"a,c\""},
+    "numeric": {"en": "a number", "zh": "填一个数"},
+    "match": {"en": "pairs: {left: right}, e.g. {\"a\": \"1\"}", "zh": "配对：{左: 右}，例如 {\"a\": \"1\"}"},
+    "order": {"en": "every key in order, e.g. [\"b\", \"a\", \"c\"]",
+              "zh": "按顺序排列所有选项，例如 [\"b\", \"a\", \"c\"]"},
+    "in": {"en": "in", "zh": "单位"},
+}
+
+
+class BankError(ValueError):
+    """The bank cannot be used; the message names the file and, where there is one, the question id."""
+
+
+def _lang(language: str) -> str:
+    if language not in LANGUAGES:
+        raise ValueError(f"language={language!r}: use one of {LANGUAGES}")
+    return language
+
+
+def _tr(key: str, language: str) -> str:
+    return _T[key][language]
+
+
+# --- questions -------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Question:
+    """One question of the bank; ``exercise(language)`` grades answers to it."""
+
+    id: str
+    section: int
+    form: str
+    prompt: Mapping[str, str]
+    answer: Any
+    explanation: Mapping[str, str]
+    choices: Mapping[str, Any] | None = None
+    rows: tuple[str, ...] = ()
+    lab: Mapping[str, Any] | None = None
+    terms: tuple[Mapping[str, str], ...] = ()
+    file: str = ""
+    row_text: tuple[Mapping[str, str], ...] = ()  # the rows' {en, zh} from rows.yaml, where the bank has it
+
+    # -- text -----------------------------------------------------------------------------------------------
+
+    def _keys(self, side: str | None = None) -> list[str]:
+        if self.choices is None:
+            return []
+        return list((self.choices[side] if side else self.choices).keys())
+
+    def _choice_text(self, key: str, language: str, side: str | None = None) -> str:
+        block = self.choices[side] if side else self.choices  # type: ignore[index]
+        return block[key][language]
+
+    def text(self, language: str = "en", number_: int | None = None) -> str:
+        """The question as the student sees it: prompt, choices, and how to answer."""
+        lang = _lang(language)
+        head = f"[{self.id}] " if number_ is None else f"Q{number_} [{self.id}] "
+        lines = [head + self.prompt[lang]]
+        if self.form in ("single", "multi", "order"):
+            lines += [f"   {k}) {self._choice_text(k, lang)}" for k in self._keys()]
+        elif self.form == "match":
+            lines += [f"   {k}) {self._choice_text(k, lang, 'left')}" for k in self._keys("left")]
+            lines += ["   --"]
+            lines += [f"   {k}) {self._choice_text(k, lang, 'right')}" for k in self._keys("right")]
+        elif self.form == "numeric":
+            unit = self.answer["unit"][lang]
+            if unit:
+                lines += [f"   ({_tr('in', lang)}: {unit})"]
+        lines.append(f"   -> {_tr(self.form, lang)}")
+        return "\n".join(lines)
+
+    def key(self) -> Any:
+        """The right answer, in the form ``check`` accepts (a copy: changing it changes nothing here)."""
+        if self.form in ("multi", "order"):
+            return list(self.answer)
+        if self.form in ("match", "numeric"):
+            return dict(self.answer) if self.form == "match" else self.answer["value"]
+        return self.answer
+
+    def answer_text(self, language: str = "en") -> str:
+        """The right answer written out (keys and their text)."""
+        lang = _lang(language)
+        if self.form == "single":
+            return f"{self.answer}) {self._choice_text(self.answer, lang)}"
+        if self.form == "multi":
+            return "; ".join(f"{k}) {self._choice_text(k, lang)}" for k in self.answer)
+        if self.form == "order":
+            return " → ".join(f"{k}) {self._choice_text(k, lang)}" for k in self.answer)
+        if self.form == "match":
+            return "; ".join(f"{self._choice_text(a, lang, 'left')} ↔ {self._choice_text(b, lang, 'right')}"
+                             for a, b in self.answer.items())
+        unit = self.answer["unit"][lang]
+        return f"{self.answer['value']:g} {unit}".strip()
+
+    def lab_text(self, language: str = "en") -> str:
+        """Where the course measured this (``"lab 00: Exercise 1 (note)"``), or ``""``."""
+        if not self.lab:
+            return ""
+        lang = _lang(language)
+        where = (self.lab.get("where") or {}).get(lang, "")
+        note = (self.lab.get("note") or {}).get(lang, "")
+        text = f"{_tr('lab', lang)} {self.lab['lab']}" + (f": {where}" if where else "")
+        return text + (f" ({note})" if note else "")
+
+    # -- grading ----------------------------------------------------------------------------------------------
+
+    def grade(self, value: Any, language: str = "en") -> None:
+        """Return when ``value`` is right; raise ``Wrong`` saying why when not (then the explanation)."""
+        lang = _lang(language)
+        try:
+            _GRADERS[self.form](self, value, lang)
+        except Wrong as why:
+            raise Wrong(f"{why} {_tr('why', lang)}: {self.explanation[lang]}") from None
+
+    def exercise(self, language: str = "en", var: str = "answer") -> Exercise:
+        """This question as a framework ``Exercise``: ``.check(answer)`` prints and returns the ``Outcome``."""
+        lang = _lang(language)
+        hints = []
+        if self.rows:
+            rows = [t.get(lang) or r for r, t in zip(self.rows, self.row_text, strict=True)] if self.row_text \
+                else list(self.rows)
+            hints.append(f"{_tr('rows', lang)}: {'; '.join(rows)}. ({_tr(self.form, lang)})")
+        if self.lab:
+            hints.append(self.lab_text(lang))
+        hints = hints or [_tr(self.form, lang)]
+        return Exercise(
+            name=f"09 quiz {self.id}",
+            var=var,
+            grade=lambda value: self.grade(value, lang),
+            hints=hints,
+            solution_text=f"{_tr('answer', lang)}: {self.answer_text(lang)}\n{_tr('why', lang)}: "
+                          f"{self.explanation[lang]}",
+        )
+
+
+def _norm_key(value: Any) -> str:
+    if isinstance(value, bool):
+        raise Wrong(f"{value!r} is not a key")
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return normal_text(str(value))
+
+
+def _lookup(q: Question, value: Any, lang: str, side: str | None = None) -> str:
+    """The choice key that ``value`` names: the key (any case, spaces) or the choice's whole text in either
+    language."""
+    names: dict[str, str] = {}
+    block = q.choices[side] if side else q.choices  # type: ignore[index]
+    for k in block:  # keys first: a key always means itself, even where a choice's text reads like another key
+        names.setdefault(_norm_key(k), k)
+    for k, text in block.items():
+        for lg in LANGUAGES:
+            names.setdefault(normal_text(text[lg]), k)
+    got = names.get(_norm_key(value))
+    if got is None:
+        keys = ", ".join(str(k) for k in block)
+        raise Wrong(f"{value!r} {_tr('unknown', lang)} ({keys}).")
+    return got
+
+
+_SPLIT = re.compile(r"\s*(?:,|;|>|→|->|、|，|\s)\s*")
+
+
+def _items(value: Any, keys: Sequence[str] = ()) -> list[Any]:
+    """A list from ``["a", "c"]``, ``("a", "c")``, ``{"a", "c"}`` or the text ``"a, c"`` / ``"a c"`` / ``"b > a"``;
+    with one-letter ``keys``, also ``"ac"``."""
+    if isinstance(value, str):
+        parts = [p for p in _SPLIT.split(value.strip()) if p]
+        single = {k.lower() for k in keys if len(k) == 1}
+        if len(parts) == 1 and len(parts[0]) > 1 and single and all(ch in single for ch in parts[0].lower()):
+            return list(parts[0])  # "ac": every letter a one-letter key
+        return parts
+    if isinstance(value, (set, frozenset)):
+        return sorted(value, key=str)
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    return [value]
+
+
+def _grade_single(q: Question, value: Any, lang: str) -> None:
+    if isinstance(value, (list, tuple, set)):
+        if len(value) != 1:
+            raise Wrong(f"{_tr('pick_one', lang)} ({', '.join(q._keys())}).")
+        value = next(iter(value))
+    got = _lookup(q, value, lang)
+    if got != q.answer:
+        raise Wrong(f"{got}) {q._choice_text(got, lang)}: {_tr('not_right', lang)}.")
+
+
+def _grade_multi(q: Question, value: Any, lang: str) -> None:
+    got = {_lookup(q, v, lang) for v in _items(value, q._keys())}
+    want = set(q.answer)
+    if got == want:
+        return
+    parts = []
+    if missing := [k for k in q.answer if k not in got]:
+        parts.append(f"{_tr('missing', lang)}: {', '.join(missing)}")
+    if extra := [k for k in q._keys() if k in got - want]:
+        parts.append(f"{_tr('extra', lang)}: {', '.join(extra)}")
+    raise Wrong("; ".join(parts) + ".")
+
+
+_NUMBER = re.compile(r"^\s*([-+]?(?:\d[\d_]*\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*(.*?)\s*$")
+
+
+def _grade_numeric(q: Question, value: Any, lang: str) -> None:
+    want = float(q.answer["value"])
+    tol = float(q.answer["rel_tol"])
+    if isinstance(value, str):
+        m = _NUMBER.match(value.replace(",", ""))
+        units = {normal_text(q.answer["unit"][lg]) for lg in LANGUAGES}
+        if not m or (m[2] and normal_text(m[2]) not in units):
+            raise Wrong(f"{value!r}: {_tr('numeric', lang)} ({q.answer['unit'][lang]}).")
+        value = m[1].replace("_", "")
+    got = number(value)
+    if math.isclose(got, want, rel_tol=tol, abs_tol=0.0 if want else tol):
+        return
+    side = _tr("high", lang) if got > want else _tr("low", lang)
+    ratio = got / want if want else float("inf")
+    slip = ""
+    for r, text in _NUMERIC_SLIPS.items():
+        if want and math.isclose(ratio, r, rel_tol=max(tol, 0.005)):
+            slip = f" ({text[lang]})"
+            break
+    raise Wrong(f"{_tr('within', lang)} {tol:.0%}, {side}{slip}.")
+
+
+_GIB = 2**30 / 1e9
+_NUMERIC_SLIPS = {
+    2.0: {"en": "2x: a factor of 2 counted twice, or K and V where one was asked?",
+          "zh": "2 倍：是否多算了一个因子 2？"},
+    0.5: {"en": "half: a factor of 2 forgotten (K and V, read and write, or 2 FLOPs per multiply-add)?",
+          "zh": "一半：是否漏了因子 2（K 和 V、读和写，或乘加算 2 次运算）？"},
+    8.0: {"en": "8x: bits where bytes were asked?", "zh": "8 倍：是否把比特当成了字节？"},
+    1 / 8: {"en": "1/8: bytes where bits were asked?", "zh": "1/8：是否把字节当成了比特？"},
+    1e3: {"en": "1000x: a unit prefix off by one step (k, M, G; ms and s)?", "zh": "1000 倍：单位差了一级？"},
+    1e-3: {"en": "1/1000: a unit prefix off by one step (k, M, G; ms and s)?", "zh": "千分之一：单位差了一级？"},
+    _GIB: {"en": "GB where GiB was asked (or the reverse): 1 GiB = 1.074 GB",
+           "zh": "GB 与 GiB 混淆：1 GiB = 1.074 GB"},
+    1 / _GIB: {"en": "GiB where GB was asked (or the reverse): 1 GiB = 1.074 GB",
+               "zh": "GiB 与 GB 混淆：1 GiB = 1.074 GB"},
+}
+
+
+def _pairs(value: Any) -> list[tuple[Any, Any]]:
+    if isinstance(value, Mapping):
+        return list(value.items())
+    if isinstance(value, str):
+        out = []
+        for part in re.split(r"\s*[,;，；]\s*", value.strip()):
+            if part:  # the first separator present, in this order: keys may hold a "-" themselves
+                sep = next((x for x in (":", "：", "=", "->", "→", " - ", "—", "-") if x in part), None)
+                if sep is None:
+                    raise Wrong(f"{part!r}: write each pair as left:right.")
+                left, right = part.split(sep, 1)
+                out.append((left.strip(), right.strip()))
+        return out
+    if isinstance(value, (list, tuple)) and all(isinstance(p, (list, tuple)) and len(p) == 2 for p in value):
+        return [tuple(p) for p in value]
+    raise Wrong("a dict {left: right} (or \"a:1, b:2\") was expected.")
+
+
+def _grade_match(q: Question, value: Any, lang: str) -> None:
+    got = {_lookup(q, a, lang, "left"): _lookup(q, b, lang, "right") for a, b in _pairs(value)}
+    wrong = [a for a in q.answer if a in got and got[a] != q.answer[a]]
+    unpaired = [a for a in q.answer if a not in got]
+    if not wrong and not unpaired:
+        return
+    parts = []
+    if wrong:
+        parts.append(f"{_tr('pairs', lang)}: " + ", ".join(
+            f"{q._choice_text(a, lang, 'left')} ↔ {q._choice_text(got[a], lang, 'right')}" for a in wrong))
+    if unpaired:
+        parts.append(f"{_tr('unpaired', lang)}: " + ", ".join(q._choice_text(a, lang, 'left') for a in unpaired))
+    raise Wrong("; ".join(parts) + ".")
+
+
+def _grade_order(q: Question, value: Any, lang: str) -> None:
+    got = [_lookup(q, v, lang) for v in _items(value, q._keys())]
+    if sorted(got) != sorted(q.answer):
+        missing = [k for k in q.answer if k not in got]
+        twice = sorted({k for k in got if got.count(k) > 1})
+        detail = ", ".join(filter(None, [f"{_tr('missing', lang)}: {', '.join(missing)}" if missing else "",
+                                         f"2x: {', '.join(twice)}" if twice else ""]))
+        raise Wrong(f"{_tr('order_all', lang)} ({detail}).")
+    if got == list(q.answer):
+        return
+    i = next(i for i, (a, b) in enumerate(zip(got, q.answer, strict=True)) if a != b)
+    raise Wrong(f"{_tr('first_wrong', lang)} {i + 1}: {got[i]}) {q._choice_text(got[i], lang)}.")
+
+
+_GRADERS = {"single": _grade_single, "multi": _grade_multi, "numeric": _grade_numeric, "match": _grade_match,
+            "order": _grade_order}
+
+
+# --- the bank ----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Bank:
+    """Every question, by section; ``titles[n]`` is section n's ``{en, zh}`` title."""
+
+    questions: list[Question]
+    titles: dict[int, dict[str, str]]
+    rows: dict[str, dict[str, Any]] = field(default_factory=dict)
+    folder: Path | None = None
+
+    def __iter__(self) -> Iterator[Question]:
+        return iter(self.questions)
+
+    def __len__(self) -> int:
+        return len(self.questions)
+
+    @property
+    def sections(self) -> list[int]:
+        return sorted(self.titles)
+
+    def section(self, n: int) -> list[Question]:
+        return [q for q in self.questions if q.section == n]
+
+    def get(self, qid: str) -> Question:
+        for q in self.questions:
+            if q.id == qid:
+                return q
+        raise KeyError(f"no question {qid!r} in the bank")
+
+
+def bank_folder(folder: Path | str | None = None) -> Path:
+    """``folder``, else ``$NVLAB_QUIZ_DIR``, else the course's bank (``lab_utils/data/quiz``)."""
+    if folder is not None:
+        return Path(folder)
+    env = os.environ.get(QUIZ_ENV, "").strip()
+    return Path(env) if env else BANK_DIR
+
+
+def _where(file: str, qid: str | None) -> str:
+    return f"{file}, question {qid!r}" if qid else file
+
+
+def _text_ok(value: Any) -> bool:
+    return isinstance(value, Mapping) and all(isinstance(value.get(lg), str) for lg in LANGUAGES)
+
+
+def _check_question(raw: Mapping[str, Any], file: str, rows: Mapping[str, Any]) -> None:
+    """What a schema cannot say: the answer's keys are the choices', both languages everywhere, known rows."""
+    qid = raw.get("id")
+    where = _where(file, qid)
+
+    def fail(msg: str) -> None:
+        raise BankError(f"{where}: {msg}")
+
+    form = raw.get("form")
+    if form not in FORMS:
+        fail(f"form {form!r} is not one of {FORMS}")
+    for name in ("prompt", "explanation"):
+        if not _text_ok(raw.get(name)):
+            fail(f"{name} needs both languages ({', '.join(LANGUAGES)})")
+        if not raw[name]["en"].strip() or not raw[name]["zh"].strip():
+            fail(f"{name} is empty in one language")
+    choices, answer = raw.get("choices"), raw.get("answer")
+
+    def keyed(block: Any, what: str) -> list[str]:
+        if not isinstance(block, Mapping) or len(block) < 2:
+            fail(f"{what} needs at least two keyed choices")
+        for k, text in block.items():
+            if not _text_ok(text):
+                fail(f"{what} {k!r} needs both languages")
+        return [str(k) for k in block]
+
+    if form in ("single", "multi", "order"):
+        keys = keyed(choices, "choices")
+        picked = [answer] if form == "single" else answer
+        if not isinstance(picked, list) or not all(isinstance(k, str) for k in picked):
+            fail(f"a {form} answer is {'a key' if form == 'single' else 'a list of keys'}, got {answer!r}")
+        if bad := [k for k in picked if k not in keys]:
+            fail(f"answer names {bad}, not among the choices {keys}")
+        if form == "order" and sorted(picked) != sorted(keys):
+            fail(f"an order answer lists every choice once: {keys}")
+        if form == "multi" and len(set(picked)) != len(picked):
+            fail("a multi answer lists a key twice")
+    elif form == "match":
+        if not isinstance(choices, Mapping) or set(choices) != {"left", "right"}:
+            fail("match choices are {left: {...}, right: {...}}")
+        left, right = keyed(choices["left"], "left"), keyed(choices["right"], "right")
+        if not isinstance(answer, Mapping) or sorted(map(str, answer)) != sorted(left):
+            fail(f"a match answer pairs every left key {left} with a right key")
+        if bad := [v for v in answer.values() if str(v) not in right]:
+            fail(f"answer pairs with {bad}, not among the right keys {right}")
+    else:  # numeric
+        if choices is not None:
+            fail("a numeric question has no choices")
+        if not isinstance(answer, Mapping) or not isinstance(answer.get("value"), (int, float)) \
+                or isinstance(answer.get("value"), bool):
+            fail("a numeric answer is {value, rel_tol, unit}")
+        tol = answer.get("rel_tol")
+        if not isinstance(tol, (int, float)) or not 0 < tol < 1:
+            fail(f"rel_tol must be a fraction in (0, 1), got {tol!r}")
+        if not _text_ok(answer.get("unit")):
+            fail("the unit needs both languages")
+    if rows and (bad := [r for r in raw.get("rows") or [] if r not in rows]):
+        fail(f"rows {bad} are not in rows.yaml")
+    for t in raw.get("terms") or []:
+        if not _text_ok(t) or not t["en"].strip() or not t["zh"].strip():
+            fail(f"term {t!r} needs both languages")
+    lab = raw.get("lab")
+    if lab is not None and not (isinstance(lab, Mapping) and re.fullmatch(r"\d\d", str(lab.get("lab", "")))):
+        fail(f"lab is {{lab: \"NN\", where, note}}, got {lab!r}")
+
+
+def _schema_error(err: Any, data: Any, file: str) -> BankError:
+    path = list(err.absolute_path)
+    qid = None
+    if len(path) >= 2 and path[0] == "questions" and isinstance(path[1], int):
+        try:
+            qid = data["questions"][path[1]].get("id")
+        except (AttributeError, IndexError, KeyError, TypeError):
+            qid = None
+        qid = qid or f"#{path[1] + 1}"
+    at = "/".join(str(p) for p in path) or "(top)"
+    return BankError(f"{_where(file, qid)}: does not match schema.json at {at}: {err.message}")
+
+
+def load_bank(folder: Path | str | None = None) -> Bank:
+    """Read and validate the question bank in ``folder`` (see ``bank_folder``): every ``s<N>_*.yaml``, checked
+    against ``schema.json`` when the folder has one, with ``rows.yaml`` for the syllabus rows."""
+    try:
+        import yaml
+    except ImportError:  # pragma: no cover - pyyaml is in the course's lab extra
+        raise BankError("reading the question bank needs PyYAML: pip install pyyaml") from None
+    root = bank_folder(folder)
+    files = sorted(root.glob("s[0-9]*_*.yaml"), key=lambda p: (int(re.match(r"s(\d+)", p.name)[1]), p.name))
+    if not files:
+        raise BankError(f"no question bank in {root}: expected s1_stack.yaml ... s6_industry.yaml there "
+                        f"(or set {QUIZ_ENV} to a folder that has them)")
+    validator = None
+    schema_path = root / "schema.json"
+    if schema_path.exists():
+        try:
+            import jsonschema
+        except ImportError:
+            raise BankError(f"checking the bank against {schema_path.name} needs jsonschema: "
+                            "pip install jsonschema") from None
+        schema = json.loads(schema_path.read_text(encoding="utf-8"))
+        validator = jsonschema.validators.validator_for(schema)(schema)
+    rows: dict[str, dict[str, Any]] = {}
+    if (root / "rows.yaml").exists():
+        raw_rows = yaml.safe_load((root / "rows.yaml").read_text(encoding="utf-8")) or []
+        if isinstance(raw_rows, Mapping):  # {rows: [...]} is read too
+            raw_rows = raw_rows.get("rows", [])
+        rows = {str(r["id"]): dict(r) for r in raw_rows}
+    questions: list[Question] = []
+    titles: dict[int, dict[str, str]] = {}
+    seen: dict[str, str] = {}
+    for path in files:
+        name = path.name
+        try:
+            data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except yaml.YAMLError as err:
+            raise BankError(f"{name}: not valid YAML ({err})") from None
+        if validator is not None:
+            errors = sorted(validator.iter_errors(data), key=lambda e: list(map(str, e.absolute_path)))
+            if errors:
+                raise _schema_error(errors[0], data, name)
+        if not isinstance(data, Mapping) or not isinstance(data.get("questions"), list):
+            raise BankError(f"{name}: expected {{section, title, questions: [...]}}")
+        section = data.get("section")
+        if not isinstance(section, int) or not _text_ok(data.get("title")):
+            raise BankError(f"{name}: needs section (a number) and title {{en, zh}}")
+        if section in titles:
+            raise BankError(f"{name}: section {section} is also in another file")
+        titles[section] = dict(data["title"])
+        for i, raw in enumerate(data["questions"]):
+            if not isinstance(raw, Mapping) or not isinstance(raw.get("id"), str) or not raw["id"].strip():
+                raise BankError(f"{name}, question #{i + 1}: needs an id (text)")
+            _check_question(raw, name, rows)
+            qid = raw["id"]
+            if qid in seen:
+                raise BankError(f"{_where(name, qid)}: the id is used twice (also in {seen[qid]})")
+            seen[qid] = name
+            choices = raw.get("choices")
+            if raw["form"] == "match":
+                choices = {side: {str(k): v for k, v in choices[side].items()} for side in ("left", "right")}
+                answer: Any = {str(k): str(v) for k, v in raw["answer"].items()}
+            elif choices is not None:
+                choices = {str(k): v for k, v in choices.items()}
+                answer = raw["answer"]
+            else:
+                answer = raw["answer"]
+            questions.append(Question(
+                id=qid, section=section, form=raw["form"], prompt=dict(raw["prompt"]), answer=answer,
+                explanation=dict(raw["explanation"]), choices=choices, rows=tuple(raw.get("rows") or ()),
+                lab=raw.get("lab"), terms=tuple(dict(t) for t in raw.get("terms") or ()), file=name,
+                row_text=tuple(rows[r] for r in raw.get("rows") or ()) if rows else ()))
+    return Bank(questions, titles, rows, root)
+
+
+# --- the quiz runner -------------------------------------------------------------------------------------------
+
+
+def _draw(seed: int, qid: str) -> str:
+    """A question's place in the order for ``seed``: a hash of both, so the order is the same on every machine and
+    Python, and adding a question to the bank moves no other (the first n of a section change only when the new one
+    draws a place among them)."""
+    return hashlib.sha256(f"{seed}:{qid}".encode()).hexdigest()
+
+
+class QuizRunner:
+    """Questions of ``sections`` (all by default), ``n`` per section (all by default), in an order fixed by
+    ``seed`` (a hash of seed and id: the same on every machine); text and feedback in ``language`` ("en" or "zh").
+
+    One at a time: ``next()`` shows a question, ``answer(x)`` grades it at once (with the explanation). A section at
+    a time: ``show(section)`` prints its questions, ``check(answers, section)`` grades a dict ``{id: answer}``.
+    ``score()`` is a table per section; ``missed()`` lists what was wrong or left blank, with the right answer;
+    ``hint(id)`` and ``solution(id)`` help with one question.
+    """
+
+    def __init__(self, bank: Bank, sections: Sequence[int] | None = None, n: int | None = None, seed: int = 0,
+                 language: str = "en") -> None:
+        self.bank = bank
+        self.language = _lang(language)
+        wanted = list(sections) if sections is not None else bank.sections
+        if bad := [s for s in wanted if s not in bank.titles]:
+            raise ValueError(f"sections {bad} are not in the bank (it has {bank.sections})")
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(f"n={n!r}: the number of questions per section is a whole number >= 1, or None for all")
+        self.questions: list[Question] = []
+        for s in wanted:
+            pool = sorted(bank.section(s), key=lambda q: _draw(seed, q.id))
+            self.questions += pool[:n] if n is not None else pool
+        self.sections = wanted
+        self.outcomes: dict[str, Outcome] = {}
+        self.given: dict[str, Any] = {}
+        self._exercises: dict[str, Exercise] = {}
+        self._pos = 0
+        self._current: Question | None = None
+
+    def __len__(self) -> int:
+        return len(self.questions)
+
+    def in_section(self, section: int) -> list[Question]:
+        return [q for q in self.questions if q.section == section]
+
+    def title(self, section: int) -> str:
+        return self.bank.titles[section][self.language]
+
+    # one at a time
+    def next(self, show: bool = True) -> Question | None:
+        """The next question (printed), or ``None`` at the end."""
+        if self._pos >= len(self.questions):
+            self._current = None
+            if show:
+                print("End of the quiz: runner.score() and runner.missed()." if self.language == "en"
+                      else "测验结束：runner.score() 与 runner.missed()。")
+            return None
+        self._current = self.questions[self._pos]
+        self._pos += 1
+        if show:
+            print(self._current.text(self.language, self._pos))
+        return self._current
+
+    def answer(self, value: Any, quiet: bool = False) -> Outcome:
+        """Grade ``value`` for the question ``next()`` showed last; prints the outcome and the explanation."""
+        q = self._current
+        if q is None:
+            raise RuntimeError("no question is open: call runner.next() first")
+        out = self._grade(q, value)
+        if not quiet:
+            print(out)
+            if out.status is Status.CORRECT:
+                print(f"   {_tr('why', self.language)}: {q.explanation[self.language]}")
+            if (lab := q.lab_text(self.language)):
+                print(f"   {lab}")
+        return out
+
+    def _grade(self, q: Question, value: Any) -> Outcome:
+        out = self._exercise(q.id).check(value, quiet=True)
+        self.outcomes[q.id] = out
+        self.given[q.id] = value
+        return out
+
+    # a section at a time
+    def show(self, section: int | None = None) -> None:
+        """Print the questions of ``section`` (every chosen one when ``None``), numbered, with their ids."""
+        for s in [section] if section is not None else self.sections:
+            print(f"== {s}. {self.title(s)} ==")
+            for i, q in enumerate(self.in_section(s), 1):
+                print(q.text(self.language, i))
+                print()
+
+    def template(self, section: int | None = None) -> dict[str, None]:
+        """``{id: None}`` for the questions of ``section``: a dict to fill in."""
+        return {q.id: None for q in (self.in_section(section) if section is not None else self.questions)}
+
+    def key(self, section: int | None = None) -> dict[str, Any]:
+        """The right answers ``{id: answer}`` of ``section`` (or all): what a solution fills in."""
+        return {q.id: q.key() for q in (self.in_section(section) if section is not None else self.questions)}
+
+    def check(self, answers: Mapping[str, Any] | None, section: int | None = None,
+              quiet: bool = False) -> list[Outcome]:
+        """Grade ``answers`` (``{id: answer}``; ``None`` is all blank) for the questions of ``section`` (or all).
+
+        Prints one line per question (wrong ones with why and the explanation) and the section's tally."""
+        if answers is not None and not isinstance(answers, Mapping):
+            raise TypeError(f"answers should be a dict {{question id: answer}}, got {type(answers).__name__}")
+        answers = answers or {}
+        qs = self.in_section(section) if section is not None else self.questions
+        if unknown := sorted(set(answers) - {q.id for q in qs}):
+            print(f"(ignored: {', '.join(unknown)} not among these questions)")
+        outs = [self._grade(q, answers.get(q.id)) for q in qs]
+        if not quiet:
+            for o in outs:
+                print(o)
+            right = sum(o.correct for o in outs)
+            blank = sum(o.status is Status.NOT_ATTEMPTED for o in outs)
+            where = f"section {section}" if section is not None else "quiz"
+            print(f"{where}: {right}/{len(outs)} right, {blank} blank")
+        return outs
+
+    def hint(self, qid: str) -> str:
+        """The next hint of question ``qid``: its syllabus rows, then the lab that measured it."""
+        return self._exercise(qid).hint()
+
+    def solution(self, qid: str) -> str:
+        """The answer of question ``qid`` with its explanation."""
+        return self._exercise(qid).solution()
+
+    def _exercise(self, qid: str) -> Exercise:
+        if qid not in self._exercises:
+            self._exercises[qid] = self.bank.get(qid).exercise(self.language, var=f"answers[{qid!r}]")
+        return self._exercises[qid]
+
+    # results
+    def score(self) -> pd.DataFrame:
+        """One row per section: questions, answered, right, and the share right (of all its questions)."""
+        rows = []
+        for s in self.sections:
+            qs = self.in_section(s)
+            outs = [self.outcomes.get(q.id) for q in qs]
+            answered = sum(o is not None and o.graded for o in outs)
+            right = sum(o is not None and o.correct for o in outs)
+            rows.append({"section": s, "title": self.title(s), "questions": len(qs), "answered": answered,
+                         "right": right, "score": right / len(qs) if qs else float("nan")})
+        return pd.DataFrame(rows, columns=["section", "title", "questions", "answered", "right", "score"])
+
+    def missed(self) -> pd.DataFrame:
+        """Every question not answered right (wrong, or blank), with the right answer, why, and the lab."""
+        lang = self.language
+        rows = []
+        for q in self.questions:
+            out = self.outcomes.get(q.id)
+            if out is not None and out.correct:
+                continue
+            status = "not attempted" if out is None or out.status is Status.NOT_ATTEMPTED else out.status.value
+            given = self.given.get(q.id)
+            rows.append({"id": q.id, "section": q.section, "status": status,
+                         "yours": None if is_blank(given) else given, "answer": q.answer_text(lang),
+                         "why": q.explanation[lang], "lab": q.lab_text(lang)})
+        return pd.DataFrame(rows, columns=["id", "section", "status", "yours", "answer", "why", "lab"])
+
+
+# --- the glossary ---------------------------------------------------------------------------------------------
+
+
+def glossary(bank: Bank) -> pd.DataFrame:
+    """Every term of the bank, English ↔ Chinese, once per pair, sorted (case-insensitively) by the English;
+    ``sections`` lists where it appears."""
+    found: dict[tuple[str, str], set[int]] = {}
+    for q in bank:
+        for t in q.terms:
+            found.setdefault((t["en"].strip(), t["zh"].strip()), set()).add(q.section)
+    rows = [{"en": en, "zh": zh, "sections": ", ".join(map(str, sorted(s)))}
+            for (en, zh), s in sorted(found.items(), key=lambda kv: (kv[0][0].lower(), kv[0][0], kv[0][1]))]
+    return pd.DataFrame(rows, columns=["en", "zh", "sections"])
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def glossary_markdown(bank: Bank) -> str:
+    """The text of ``docs/glossary.md`` for ``bank``."""
+    table = glossary(bank)
+    lines = [
+        "# Glossary: English ↔ 中文",
+        "",
+        "<!-- GENERATED from the question bank (lab_utils/data/quiz) by "
+        "`python -m lab_utils.exercises.quiz glossary`. Do not edit by hand: tests/test_quiz.py fails when this "
+        "file differs from what that command writes. -->",
+        "",
+        f"{len(table)} terms from the lab 09 question bank. *sections*: the syllabus sections whose questions use "
+        "the term (1 stack, 2 inference, 3 NeMo, 4 lifecycle, 5 MLOps, 6 industry).",
+        "",
+        "| English | 中文 | sections |",
+        "|---|---|---|",
+    ]
+    lines += [f"| {_cell(r.en)} | {_cell(r.zh)} | {r.sections} |" for r in table.itertuples()]
+    return "\n".join(lines) + "\n"
+
+
+def write_glossary(path: Path | str | None = None, bank: Bank | None = None) -> Path:
+    """Write ``docs/glossary.md`` (or ``path``) from ``bank`` (default: ``load_bank()``); returns the path."""
+    target = Path(path) if path is not None else GLOSSARY_PATH
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(glossary_markdown(bank if bank is not None else load_bank()), encoding="utf-8")
+    return target
+
+
+# --- the stack map ----------------------------------------------------------------------------------------------
+
+# SYLLABUS.md §1's layers, bottom to top, with the components the course touches and the labs that touched them.
+# (layer en, layer zh, what it solves en, zh, [(component, [labs], what the lab did)])
+STACK: tuple[tuple[str, str, str, str, tuple[tuple[str, tuple[str, ...], str], ...]], ...] = (
+    ("driver", "驱动", "the OS sees and manages the GPU", "操作系统识别并管理 GPU", (
+        ("NVIDIA driver, nvidia-smi", ("00",), "the CUDA ceiling, driver ↔ CUDA compatibility"),
+        ("NVML (pynvml)", ("00", "05"), "inventory, topology, MIG and ECC; the GPU exporter's metrics"),
+    )),
+    ("CUDA", "CUDA", "general computation on the GPU: kernels, blocks, grids", "GPU 通用计算：内核、线程块、网格", (
+        ("CUDA runtime (in PyTorch's wheels)", ("00", "01"), "the runtime torch carries; no toolkit needed"),
+        ("streams, events, synchronize", ("01", "09"), "timing asynchronous work; prefill and decode timed"),
+        ("CUDA graphs", ("01",), "launch overhead removed by capture and replay"),
+    )),
+    ("accelerated libraries (CUDA-X)", "加速库（CUDA-X）", "tuned building blocks", "调优好的计算构件", (
+        ("cuBLAS", ("01", "09"), "matmul TFLOP/s by size and dtype; the decoder's matmuls"),
+        ("cuDNN", ("01",), "TF32 convolutions by default"),
+        ("NCCL", ("02",), "all-reduce busbw, DDP gradients"),
+        ("TensorRT, ModelOpt", ("03",), "engines, FP16/INT8/FP8, dynamic shapes"),
+        ("RAPIDS, DALI, Magnum IO", (), "named in the syllabus; not measured in this course"),
+    )),
+    ("frameworks", "框架", "models in Python; the framework calls the libraries", "用 Python 写模型，框架调用底层库", (
+        ("PyTorch", ("01", "02", "03", "09"), "AMP, DDP, torch.compile, export, a decoder with a KV cache"),
+        ("ONNX, ONNX Runtime", ("03", "04"), "export, the CPU stand-in, the served model"),
+    )),
+    ("platforms and services", "平台与服务", "packaged containers, models, deployment",
+     "打包好的容器、模型与部署工具", (
+        ("NGC containers", ("00",), "what goes in the image, what stays on the host"),
+        ("Dynamo-Triton (Triton Inference Server)", ("04", "05"), "model repository, dynamic batching, metrics"),
+        ("NIM", ("09",), "an OpenAI-compatible request, shown (no server here)"),
+        ("NeMo, Dynamo", ("09",), "exam review; Dynamo's prefill/decode split follows from lab 09's measurement"),
+    )),
+    ("operations", "运维", "service health, resource use, model quality", "服务健康、资源使用、模型质量", (
+        ("Prometheus, PromQL, alerts", ("05",), "QPS, latency, alert rules graded by promtool"),
+        ("DCGM-style GPU metrics", ("05",), "GPU_UTIL against SM and tensor activity"),
+    )),
+    ("enterprise suite", "企业套件", "supported, patched long-term branches", "有支持、有安全补丁的长期分支", (
+        ("NVIDIA AI Enterprise, GPU Operator", ("09",), "exam review only"),
+    )),
+    ("industry solutions", "行业解决方案", "domain platforms with SDKs and models", "带 SDK 与预训练模型的领域平台", (
+        ("Clara, DRIVE, Isaac, Omniverse, Riva, …", ("09",), "exam review only"),
+    )),
+)
+
+
+class StackMap(str):
+    """HTML text that a notebook renders as HTML (and a test reads as a string)."""
+
+    def _repr_html_(self) -> str:
+        return str(self)
+
+
+def stack_map(language: str = "en", open_layers: bool = False) -> StackMap:
+    """The stack, bottom to top: one ``<details>`` per layer, its components, and links to the labs of this course
+    that touched each (``../labs/NN_*.ipynb``, relative to a notebook in ``labs/`` or ``solutions/``)."""
+    lang = _lang(language)
+    labs = {lab.number: lab for lab in LABS}
+    head = ("component", "labs", "what the lab did") if lang == "en" else ("组件", "实验", "实验做了什么")
+    parts = ['<div class="nvlab-stack-map">']
+    for layer_en, layer_zh, what_en, what_zh, components in STACK:
+        name, what = (layer_en, what_en) if lang == "en" else (layer_zh, what_zh)
+        parts.append(f"<details{' open' if open_layers else ''}><summary><b>{html.escape(name)}</b>: "
+                     f"{html.escape(what)}</summary>")
+        parts.append(f"<table><tr><th>{head[0]}</th><th>{head[1]}</th><th>{head[2]}</th></tr>")
+        for comp, numbers, did in components:
+            links = []
+            for n in numbers:
+                lab = labs.get(n)
+                if lab is None:
+                    continue
+                links.append(f'<a href="../labs/{html.escape(lab.filename)}">{n} {html.escape(lab.title)}</a>')
+            parts.append(f"<tr><td>{html.escape(comp)}</td><td>{'<br>'.join(links) or '-'}</td>"
+                         f"<td>{html.escape(did)}</td></tr>")
+        parts.append("</table></details>")
+    parts.append("</div>")
+    return StackMap("\n".join(parts))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m lab_utils.exercises.quiz glossary [PATH]``: write the glossary; ``check``: validate the bank."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] not in ("glossary", "check"):
+        print("usage: python -m lab_utils.exercises.quiz glossary [PATH] | check [FOLDER]", file=sys.stderr)
+        return 2
+    try:
+        if args[0] == "check":
+            bank = load_bank(args[1] if len(args) > 1 else None)
+            print(f"{len(bank)} questions in sections {bank.sections}: valid")
+        else:
+            print(f"wrote {write_glossary(args[1] if len(args) > 1 else None)}")
+    except BankError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
