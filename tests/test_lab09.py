@@ -381,3 +381,20 @@ test_att_right, test_att_wrong, test_att_blank = standard_tests(ATT_CASES)
 def test_decode_attention_mistakes_are_named(answer, words):
     out = check(lab09.q5, answer)
     assert out.status is Status.INCORRECT and words in out.message, out.message
+
+
+def test_decoder_decode_step_continues_its_prefill_exactly():
+    """The fused (enable_gqa) attention of the model's decode step against a full prefill of one more token."""
+    import torch
+
+    from lab_utils.inference import llm
+
+    cfg = llm.DecoderConfig(vocab=512, d_model=64, n_layers=2, n_heads=8, n_kv_heads=2, d_ff=128, max_len=64)
+    model = llm.TinyDecoder(cfg).eval()
+    tokens = torch.randint(0, cfg.vocab, (2, 10))
+    cache, fresh = model.new_cache(2), model.new_cache(2)
+    nxt = model.prefill(tokens, cache)
+    with torch.inference_mode():
+        whole = model(torch.cat([tokens, nxt], 1), fresh, 0, last_only=True)
+        step = model(nxt, cache, 10, last_only=True)
+    assert torch.allclose(whole, step, atol=1e-4)

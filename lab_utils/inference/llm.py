@@ -28,6 +28,7 @@ import pandas as pd
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lab_utils import timing
 
@@ -111,6 +112,12 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
     return torch.softmax(scores, dim=-1) @ values
 
 
+# Not cuDNN's attention, which PyTorch prefers on Hopper: it plans per shape, and a decode step meets a new cache
+# length every token (on the H200 run, a by-hand decode loop took ~60 ms a token with it against ~11 ms per repeat
+# of one length).
+_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 class _RMSNorm(nn.Module):
     def __init__(self, d: int, **where: Any) -> None:
         super().__init__()
@@ -139,16 +146,14 @@ class _Block(nn.Module):
         h = self.norm1(x)
         q = self.q(h).view(b, t, cfg.n_heads, cfg.head_dim).transpose(1, 2)  # [B, heads, T, hd]
         k, v = self.kv(h).view(b, t, 2, cfg.n_kv_heads, cfg.head_dim).permute(2, 0, 3, 1, 4)  # [B, kvh, T, hd]
-        if t == 1:  # decode: one new token against the cache
-            att = decode_attention(q, k, v, k_cache, v_cache, pos)
-            return self._rest(x, att)
         k_cache[:, :, pos:pos + t] = k  # the KV cache: this step's keys and values, kept for later tokens
         v_cache[:, :, pos:pos + t] = v
         keys, values = k_cache[:, :, :pos + t], v_cache[:, :, :pos + t]  # every token so far
-        group = cfg.n_heads // cfg.n_kv_heads  # GQA: each KV head serves `group` query heads
-        keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
-        # prefill: causal over the prompt (prompts start at position 0 here; chunked prefill is not modelled)
-        att = F.scaled_dot_product_attention(q, keys, values, is_causal=pos == 0)
+        # decode_attention's arithmetic in one fused kernel: enable_gqa lets each KV head serve its group of query
+        # heads without copying the cache `group` times (repeat_interleave would, in every layer of every step).
+        # Prefill is causal over the prompt (prompts start at position 0 here; chunked prefill is not modelled).
+        with sdpa_kernel(_SDPA_BACKENDS):
+            att = F.scaled_dot_product_attention(q, keys, values, is_causal=t > 1 and pos == 0, enable_gqa=True)
         return self._rest(x, att)
 
     def _rest(self, x: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
@@ -254,25 +259,48 @@ def time_prefill(model: TinyDecoder, batch: int, prompt_len: int, reps: int = 5,
                             name=f"prefill B={batch} P={prompt_len}")
 
 
-def time_decode(model: TinyDecoder, batch: int, prompt_len: int, reps: int = 10, warmup: int = 2) -> timing.Timing:
+def time_decode(model: TinyDecoder, batch: int, prompt_len: int, reps: int = 10, warmup: int = 2,
+                graph: bool = False) -> timing.Timing:
     """Milliseconds of one decode step (one new token for each of ``batch`` sequences) with ``prompt_len`` tokens
-    already cached. Every repetition writes the same position, so the cache length stays fixed."""
+    already cached. Every repetition writes the same position, so the cache length stays fixed.
+
+    ``graph`` (CUDA only): the step captured once in a CUDA graph and replayed, as serving engines run decode, so
+    the several hundred kernel launches of an eager step (Python and the launch path) drop out of the time."""
     device = str(model.embed.weight.device)
     cache = model.new_cache(batch)
     nxt = model.prefill(_tokens(model.cfg, batch, prompt_len, device), cache)  # fill the cache, untimed
-    return timing.benchmark(lambda: model.decode_step(nxt, cache, prompt_len), reps=reps, warmup=warmup,
-                            device=device, name=f"decode B={batch} L={prompt_len}")
+    name = f"decode B={batch} L={prompt_len}"
+    if not graph:
+        return timing.benchmark(lambda: model.decode_step(nxt, cache, prompt_len), reps=reps, warmup=warmup,
+                                device=device, name=name)
+    if not device.startswith("cuda"):
+        raise ValueError(f"time_decode(graph=True) needs a CUDA device; the model is on {device}")
+    side = torch.cuda.Stream()  # warm-up off the default stream before capture, as torch.cuda.graphs asks
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            model.decode_step(nxt, cache, prompt_len)
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        model.decode_step(nxt, cache, prompt_len)
+    return timing.benchmark(g.replay, reps=reps, warmup=warmup, device=device, name=f"{name}, CUDA graph")
 
 
 def prefill_decode(model: TinyDecoder, batches: list[int], prompt_len: int, reps: int = 5) -> pd.DataFrame:
-    """Prefill and decode timed at each batch size: ms, tokens/s, achieved FLOP/s and bytes/s, intensity."""
+    """Prefill and decode timed at each batch size: ms, tokens/s, achieved FLOP/s and bytes/s, intensity. On a GPU
+    also ``decode_graph``: the decode step replayed from a CUDA graph."""
     cfg = model.cfg
     nbytes = model.embed.weight.element_size()
+    cuda = model.embed.weight.device.type == "cuda"
     rows = []
     for b in batches:
-        for phase, t in (("prefill", time_prefill(model, b, prompt_len, reps=reps)),
-                         ("decode", time_decode(model, b, prompt_len, reps=2 * reps))):
-            cost = phase_cost(cfg, phase, b, prompt_len, nbytes)
+        timed = [("prefill", time_prefill(model, b, prompt_len, reps=reps)),
+                 ("decode", time_decode(model, b, prompt_len, reps=2 * reps))]
+        if cuda:  # the same step without launch overhead: how close decode gets to the memory roofline
+            timed.append(("decode_graph", time_decode(model, b, prompt_len, reps=2 * reps, graph=True)))
+        for phase, t in timed:
+            cost = phase_cost(cfg, phase.removesuffix("_graph"), b, prompt_len, nbytes)
             s = t.median_ms * 1e-3
             new_tokens = b * prompt_len if phase == "prefill" else b
             rows.append({"phase": phase, "batch": b, "tokens": new_tokens, "median_ms": t.median_ms,
