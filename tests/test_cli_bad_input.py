@@ -70,6 +70,8 @@ SPECIFIC = [
     ("run-nothing", ["run"], "--all"),
     ("run-bool-maybe", ["run", "00", "-p", "quick", "maybe"], "true, yes, on, 1, false, no, off, 0"),
     ("run-unknown-parameter", ["run", "00", "-p", "quik", "true"], "valid names: quick"),
+    ("run-none-default-word", ["run", "01", "-p", "reps", "x"], "reps takes a number or a list of numbers"),
+    ("run-none-default-list-of-words", ["run", "09", "-p", "batches", "[a]"], "batches takes a number or a list"),
     ("run-unknown-parameter-all", ["run", "--all", "-p", "quik", "true"], "quick"),
     ("run-timeout-0", ["run", "00", "--timeout", "0"], "greater than 0"),
     ("run-timeout-negative", ["run", "00", "--timeout=-5"], "greater than 0"),

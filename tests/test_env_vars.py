@@ -291,3 +291,21 @@ def test_a_starting_server_answering_503_is_waited_for_then_named():
         assert why is not None and "is not Triton, or is not ready: GET /v2 gave HTTP 503 (TRITON_URL)" in why
     finally:
         fake.close()
+
+
+def test_folder_variables_name_themselves(monkeypatch, tmp_path):
+    from lab_utils.course import results
+    from lab_utils.exercises import quiz
+
+    monkeypatch.setenv("NVLAB_REFERENCE_DIR", str(tmp_path / "missing"))
+    with pytest.raises(EnvError, match="NVLAB_REFERENCE_DIR=.*no such folder"):
+        results.reference_dirs()
+    (tmp_path / "file").write_text("x")
+    monkeypatch.setenv("NVLAB_RESULTS_DIR", str(tmp_path / "file"))
+    with pytest.raises(EnvError, match="NVLAB_RESULTS_DIR=.*is a file"):
+        results.results_dir()
+    monkeypatch.setenv("NVLAB_QUIZ_DIR", str(tmp_path / "nope"))
+    with pytest.raises(EnvError, match="NVLAB_QUIZ_DIR=.*question files"):
+        quiz.bank_folder()
+    monkeypatch.setenv("NVLAB_REFERENCE_DIR", str(tmp_path))
+    assert results.reference_dirs() == [tmp_path]

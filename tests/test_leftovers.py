@@ -60,3 +60,50 @@ def test_python_env_folders_older_than_every_running_triton_are_stale(tmp_path):
     assert old_empty in stale and old_full not in stale  # a folder with files in it is never removed
     started = procs._started_at(os.getpid())
     assert started is not None and abs(started - time.time()) < 24 * 3600
+
+
+def test_a_killed_kernels_prometheus_ends_and_doctor_removes_its_folder(tmp_path):
+    """Lab 05's case: a Jupyter kernel starts Prometheus and is SIGKILLed; the server ends with it (parent-death
+    signal), and `nvlab doctor` removes its data folder, which no exit handler could."""
+    import signal
+
+    from lab_utils.monitoring import prometheus
+    from lab_utils.procs import env_flag
+
+    if prometheus.find_binary("prometheus") is None:
+        if env_flag(prometheus.REQUIRE_ENV):
+            pytest.fail(f"{prometheus.REQUIRE_ENV}=1 but the prometheus binary is not installed")
+        pytest.skip("the prometheus binary is not installed (apt-get install prometheus)")
+    jupyter_client = pytest.importorskip("jupyter_client")
+    km = jupyter_client.KernelManager(kernel_name="python3")
+    km.start_kernel()
+    try:
+        kc = km.client()
+        kc.start_channels()
+        kc.wait_for_ready(timeout=60)
+        out: list[str] = []
+        code = ("from lab_utils.monitoring import prometheus\n"
+                "p = prometheus.PrometheusServer({}).start()\n"
+                "print('PID', p.proc.pid, p.workdir)")
+        reply = kc.execute_interactive(code, timeout=90, output_hook=lambda m: out.append(
+            m.get("content", {}).get("text", "") + "".join(m.get("content", {}).get("traceback", []) or [])))
+        text = "".join(out)
+        assert reply["content"]["status"] == "ok", text
+        pid_text, folder = text.split("PID", 1)[1].split()[:2]
+        pid, workdir = int(pid_text), Path(folder)
+        kc.stop_channels()
+        kernel_pid = km.provisioner.process.pid
+        assert workdir.is_dir() and f"-{kernel_pid}-" in workdir.name
+        os.kill(kernel_pid, signal.SIGKILL)
+        deadline = time.monotonic() + 15
+        while procs.pid_alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not procs.pid_alive(pid), "Prometheus outlived the kernel that started it"
+        assert workdir.is_dir()  # SIGKILL: no exit handler ran
+        doctor = subprocess.run([sys.executable, "-m", "lab_utils", "doctor"], capture_output=True, text=True,
+                                timeout=120)
+        assert doctor.returncode == 0 and workdir.name in doctor.stdout, doctor.stdout + doctor.stderr
+        assert not workdir.exists()
+    finally:
+        if km.is_alive():
+            km.shutdown_kernel(now=True)

@@ -17,6 +17,7 @@ from typing import Any
 import pandas as pd
 
 from lab_utils.course.catalog import repo_root
+from lab_utils.procs import EnvError
 
 RESULTS_ENV = "NVLAB_RESULTS_DIR"
 REFERENCE_ENV = "NVLAB_REFERENCE_DIR"
@@ -37,13 +38,20 @@ class Measurement:
 
 def results_dir() -> Path:
     """Where this run's results go: ``$NVLAB_RESULTS_DIR`` or ``./nvlab-results``."""
-    return Path(os.environ.get(RESULTS_ENV) or "nvlab-results")
+    env = os.environ.get(RESULTS_ENV, "").strip()
+    if env and Path(env).exists() and not Path(env).is_dir():
+        raise EnvError(f"{RESULTS_ENV}={env!r}: expected a folder for results_*.json, and that is a file "
+                       "(or unset it for ./nvlab-results)")
+    return Path(env or "nvlab-results")
 
 
 def reference_dirs() -> list[Path]:
     """Every committed reference run (``h200`` for one-GPU labs, ``h200x2`` for lab 02), or the one in the env."""
-    env = os.environ.get(REFERENCE_ENV)
+    env = os.environ.get(REFERENCE_ENV, "").strip()
     if env:
+        if not Path(env).is_dir():
+            raise EnvError(f"{REFERENCE_ENV}={env!r}: expected a folder of a reference run (results_*.json), "
+                           "e.g. reference_runs/h200; there is no such folder (or unset it for the committed runs)")
         return [Path(env)]
     return sorted(p for p in (repo_root() / "reference_runs").glob("*") if p.is_dir())
 

@@ -41,6 +41,7 @@ import pandas as pd
 from lab_utils import DATA_DIR
 from lab_utils.course.catalog import LABS, repo_root
 from lab_utils.exercises.framework import Exercise, Outcome, Status, Wrong, is_blank, normal_text, number
+from lab_utils.procs import EnvError
 
 __all__ = [
     "BANK_DIR", "QUIZ_ENV", "FORMS", "LANGUAGES", "BankError", "Question", "Bank", "load_bank", "QuizRunner",
@@ -405,6 +406,9 @@ def bank_folder(folder: Path | str | None = None) -> Path:
     if folder is not None:
         return Path(folder)
     env = os.environ.get(QUIZ_ENV, "").strip()
+    if env and not Path(env).is_dir():
+        raise EnvError(f"{QUIZ_ENV}={env!r}: expected a folder of question files (s1_*.yaml ...), and there is none "
+                       "there (or unset it for the course's bank)")
     return Path(env) if env else BANK_DIR
 
 

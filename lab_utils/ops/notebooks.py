@@ -275,7 +275,15 @@ def parse_parameter(name: str, text: str, default: Any) -> Any:
         if not isinstance(value, type(default)):
             raise ValueError(f"-p {name} {text!r}: {name} is a {type(default).__name__}, e.g. {default!r}")
         return value
-    return literal(text)  # None or not a literal: papermill's reading
+    value = literal(text)
+    if default is None:  # "None: picked for the hardware" — every such parameter of the course is numeric
+        numbers = isinstance(value, (int, float)) and not isinstance(value, bool)
+        listed = isinstance(value, (list, tuple)) and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
+        if not (value is None or numbers or listed):
+            raise ValueError(f"-p {name} {text!r}: {name} takes a number or a list of numbers such as [1, 8, 32] "
+                             "(its default, None, picks one for the hardware)")
+    return value
 
 
 def parameters_for(paths: list[Path], pairs: Iterable[tuple[str, str]]) -> dict[Path, dict[str, Any]]:
