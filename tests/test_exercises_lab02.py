@@ -910,3 +910,14 @@ def test_solution_notebook_calls_the_stack_by_hand():
     for call in ("dist.all_reduce", "init_process_group", "DistributedSampler", "set_epoch",
                  "DistributedDataParallel", "GradScaler", "autocast", "synchronize", "destroy_process_group"):
         assert call in code, call
+
+
+def test_a_timeout_names_where_a_rank_outside_the_students_code_was():
+    stack = ('Thread 0x00007f1 (most recent call first):\n'
+             '  File "/usr/lib/python3.11/threading.py", line 324 in wait\n\n'
+             'Current thread 0x00007f2 (most recent call first):\n'
+             '  File "/x/site-packages/torch/distributed/distributed_c10d.py", line 2184 in destroy_process_group\n'
+             '  File "/x/lab_utils/exercises/lab02.py", line 1066 in _observe_training\n'
+             '  File "/x/lab_utils/distributed/spawn.py", line 245 in _worker\n')
+    assert lab02._worker_frame(stack) == "torch/distributed/distributed_c10d.py:2184 in destroy_process_group"
+    assert lab02._worker_frame("") == ""

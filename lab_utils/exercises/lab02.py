@@ -38,6 +38,7 @@ import re
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -101,6 +102,17 @@ def _exception_line(text: str, limit: int = 220) -> str:
     return last if len(last) <= limit else last[: limit - 3] + "..."
 
 
+def _worker_frame(stack: str) -> str:
+    """Where the rank's main thread was, from its faulthandler dump: the innermost frame of the thread that runs the
+    launcher's ``_worker`` (``.../torch/distributed/distributed_c10d.py:2184 in destroy_process_group``)."""
+    for block in re.split(r"\n(?=(?:Current thread|Thread) 0x)", stack):
+        frames = ranks_mod.stack_frames(block)
+        if frames and any(f.function == "_worker" for f in frames):
+            f = frames[0]
+            return f"{'/'.join(Path(f.filename).parts[-3:])}:{f.lineno} in {f.function}"
+    return ""
+
+
 def _rank_failure(call: str, err: WorkerError | WorkerTimeout, shipped: ranks_mod.Shipped,
                   timeout_s: float) -> Wrong:
     """The student's code failed in a rank: what it raised (or where each rank was stuck), at the student's line."""
@@ -118,7 +130,9 @@ def _rank_failure(call: str, err: WorkerError | WorkerTimeout, shipped: ranks_mo
             line = StudentLine(f.filename, f.lineno, f.function, ranks_mod.code_at(f.filename, f.lineno))
             where.append(f"rank {rank} at {line}")
         else:
-            where.append(f"rank {rank} outside your function (returned, or waiting for the others)")
+            at = _worker_frame(stack)
+            where.append(f"rank {rank} outside your function (returned, or waiting for the others)"
+                         + (f", at {at}" if at else ""))
     stuck = f" ({'; '.join(where)})" if where else ""
     return Wrong(f"{call} did not finish within {timeout_s:g} s{stuck}: ranks waiting for each other? Every rank must "
                  "make the same collective calls in the same order: a collective (or a barrier) that only some "
