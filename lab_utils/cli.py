@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from lab_utils.course.catalog import repo_root
+from lab_utils.procs import who_listens
 
 
 class _Parser(argparse.ArgumentParser):
@@ -47,32 +48,6 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def port_holder(port: int) -> str | None:
-    """``pid N (command)`` of the process listening on TCP ``port``, when this user may see it."""
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            lines = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            f = line.split()  # sl local_address rem_address st ... inode
-            if len(f) > 9 and f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:
-                inodes.add(f"socket:[{f[9]}]")
-    if not inodes:
-        return None
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            if any(os.readlink(fd) in inodes for fd in (d / "fd").iterdir()):
-                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-                return f"pid {d.name} ({cmd[:100] or d.name})"
-        except OSError:  # gone, or another user's process
-            continue
-    return None
-
-
 def port_problem(host: str, port: int, fix: str) -> str | None:
     """Why a server cannot listen on ``host:port`` now (one line, with ``fix``), or None when it can."""
     try:
@@ -90,9 +65,7 @@ def port_problem(host: str, port: int, fix: str) -> str | None:
                 s.bind(addr)
             except OSError as err:
                 if err.errno == errno.EADDRINUSE:
-                    holder = port_holder(port)
-                    by = f"by {holder}" if holder else f"(see `ss -ltnp 'sport = :{port}'`)"
-                    return f"port {port} is already in use {by}: stop that, or {fix}"
+                    return f"port {port} is already in use {who_listens(port)}: stop that, or {fix}"
                 failures.append(f"{addr[0]}: {err.strerror}")
     if failures and len(failures) == len(addrs):
         return f"cannot listen on {host} ({'; '.join(failures)}): give an address of this machine, e.g. 127.0.0.1"

@@ -239,6 +239,38 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def port_holder(port: int) -> str | None:
+    """``pid N (command)`` of the process listening on TCP ``port``, when this user may see it."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()  # sl local_address rem_address st ... inode
+            if len(f) > 9 and f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(f"socket:[{f[9]}]")
+    if not inodes:
+        return None
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            if any(os.readlink(fd) in inodes for fd in (d / "fd").iterdir()):
+                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+                return f"pid {d.name} ({cmd[:100] or d.name})"
+        except OSError:  # gone, or another user's process
+            continue
+    return None
+
+
+def who_listens(port: int) -> str:
+    """``by pid N (command)`` for a message about a taken ``port``, or how to find out when /proc does not say."""
+    holder = port_holder(port)
+    return f"by {holder}" if holder else f"(see `ss -ltnp 'sport = :{port}'`)"
+
+
 def port_free(port: int, host: str = "127.0.0.1") -> bool:
     """True when a server could listen on ``port`` now. The probe binds with SO_REUSEADDR, as Triton, Prometheus
     and Python's HTTP servers do, so a port whose last connections sit in TIME_WAIT (a server just killed) counts

@@ -47,7 +47,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from lab_utils.course.probe import nvml_text
-from lab_utils.procs import port_free, release_at_exit, stop_at_exit
+from lab_utils.procs import port_free, release_at_exit, stop_at_exit, who_listens
 
 DEFAULT_PORT = 9400  # dcgm-exporter's port: scrape configs need not change between the two
 
@@ -356,8 +356,8 @@ class GpuExporter:
         port = self.requested_port or 0
         if port and not port_free(port, self.host):
             if self.strict_port:
-                raise OSError(f"port {port} on {self.host} is busy: stop what listens there (`ss -ltnp "
-                              f"sport = :{port}`) or pass --port with a free port")
+                raise OSError(f"port {port} on {self.host} is busy, {who_listens(port)}: stop it or pass --port with "
+                              "a free port")
             self.notes.append(f"port {port} is busy: the exporter listens on a free port instead")
             port = 0
         self.collector = Collector(self._nvml, use_nvml=self._use_nvml)

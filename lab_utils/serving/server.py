@@ -64,6 +64,7 @@ from lab_utils.procs import (
     stop_group,
     tail,
     wait_http_ok,
+    who_listens,
 )
 
 MODEL_CONTROL = ("none", "explicit", "poll")
@@ -402,8 +403,9 @@ class TritonServer:
             fixed = self._ports_fixed[kind]
             if fixed is not None:
                 if not port_free(fixed, self.host):
-                    raise ServerStartError(f"{kind}_port={fixed} is already in use on {self.host}: pass another "
-                                           f"port, or None to let the server take a free one")
+                    raise ServerStartError(f"{kind}_port={fixed} is already in use on {self.host} "
+                                           f"{who_listens(fixed)}: pass another port, or None to let the server "
+                                           "take a free one")
                 port = fixed
             else:
                 port = free_port(self.host)
