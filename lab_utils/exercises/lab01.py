@@ -601,7 +601,7 @@ q3 = CodeExercise(
 # --- q4/q5/q6: arithmetic intensity, the ridge, which roof ---------------------------------------------
 
 _SAXPY_INTENSITY = 2 / 12  # FLOP/byte: a multiply and an add per element; read x, read y, write y (fp32)
-H200_RIDGE = 989e12 / 4.8e12  # FLOP/byte: dense bf16 peak / HBM3e bandwidth (datasheet), ~206
+H200_RIDGE = specs.ridge_point(specs.H200_SXM.bf16_tflops, specs.H200_SXM.hbm_tbps)  # FLOP/byte, ~206 (datasheet)
 
 q4 = Exercise(
     name="01.4 arithmetic intensity of saxpy",

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from lab_utils.exercises import lab01
 from lab_utils.exercises.framework import CodeExercise, Exercise, Wrong, close_to, number, run_student
 from lab_utils.inference.llm import decode_attention as reference_decode_attention
 
@@ -37,7 +38,7 @@ __all__ = [
 ]
 
 H200_MEM_GB = 141  # HBM3e, GB = 1e9 bytes (the datasheet's figure)
-H200_RIDGE = 989e12 / 4.8e12  # FLOP/byte: dense bf16 peak / HBM bandwidth, ~206
+H200_RIDGE = lab01.H200_RIDGE  # FLOP/byte: dense bf16 peak / HBM bandwidth, ~206 (lab 01 derives it)
 GIB = 2**30
 
 
