@@ -251,3 +251,26 @@ def digits_arrays() -> dict[str, np.ndarray]:
     mean, std = float(x[train].mean()), float(x[train].std())
     return {"x_train": (x[train] - mean) / std, "y_train": y[train], "x_test": (x[test] - mean) / std,
             "y_test": y[test]}
+
+
+def encode_png(image: np.ndarray, size: int | None = None) -> bytes:
+    """One digit (8x8, values 0..16) as grayscale PNG bytes, upscaled to ``size``×``size`` pixels when given:
+    what an image service or a data loader reading files receives."""
+    import io
+
+    from PIL import Image
+
+    pixels = np.clip(np.asarray(image, dtype=np.float32) * (255.0 / 16.0), 0, 255).astype(np.uint8)
+    img = Image.fromarray(pixels, mode="L")
+    if size is not None:
+        img = img.resize((check_int(size, "size", "encode_png", minimum=8), size), Image.Resampling.BILINEAR)
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@functools.lru_cache(maxsize=4)
+def digits_png(size: int = 64) -> tuple[tuple[bytes, ...], np.ndarray]:
+    """All 1797 digits as PNG bytes (``size``×``size``, grayscale) and their labels."""
+    images, y = _digits_raw()
+    return tuple(encode_png(im, size) for im in images), y

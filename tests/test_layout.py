@@ -16,9 +16,11 @@ LAYERS = [
     {"lab_utils", "lab_utils.args", "lab_utils.procs", "lab_utils.timing", "lab_utils.plots"},
     {"lab_utils.course"},
     {"lab_utils.models"},
-    {"lab_utils.gpu", "lab_utils.distributed", "lab_utils.inference", "lab_utils.serving"},
+    {"lab_utils.gpu", "lab_utils.distributed", "lab_utils.inference", "lab_utils.serving", "lab_utils.profiling"},
     {"lab_utils.monitoring"},
     {"lab_utils.exercises"},
+    # interactive panels drive measurements, servers, Prometheus and the quiz: above all of them
+    {"lab_utils.widgets"},
     {"lab_utils.ops"},
     {"lab_utils.cli"},
     {"lab_utils.__main__"},

@@ -1,0 +1,589 @@
+"""Lab 06 exercises: profiling and diagnosing a slow training program.
+
+Four of the six are code the check runs:
+
+- ``profile_steps(step, trace_path)``: torch.profiler by hand (CPU and, on a GPU, CUDA activities; a schedule
+  of wait 1, warm-up 1, active 3; ``prof.step()``; the Chrome trace exported). The check runs it on a real
+  training step of its own and reads the trace it wrote: the three active steps, the step's own annotation
+  three times, kernels where there is a GPU.
+- ``gpu_busy_fraction(trace)``: the union of kernel intervals over the steps' wall time. Graded against the
+  reference on real traces (the committed H200 ones and, on a GPU, one recorded by the check) and on traces
+  drawn at random with two overlapping streams, a kernel left over from before the steps and one that ends
+  after them, so summing overlaps, dividing by the kernel time or skipping the clipping each get caught.
+- ``make_loader(dataset, batch_size, device)``: the data-loading fix. The check iterates the student's loader
+  over a data set with a real read latency per sample while a training step takes its time, and measures how
+  long each ``next()`` waits, against a main-process loader on the same data.
+- ``train_loop(model, opt, batches, log_every)``: no host sync per step. The check counts the read-backs the
+  student's own lines make (``.item()``, ``.cpu()``, ``float(t)``, ``if t:``…) and compares the logged means
+  with the reference on a copy of the same model.
+
+Two are readings: which bottleneck four trace summaries show, and which side of the roofline ncu puts a GEMM and
+an elementwise kernel.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from lab_utils.course import results
+from lab_utils.exercises.framework import (
+    CodeExercise,
+    Exercise,
+    Wrong,
+    _is_students,
+    choice,
+    run_student,
+)
+from lab_utils.gpu.bench import resolve_device
+from lab_utils.procs import temporary_folder
+from lab_utils.profiling import trace as tr
+from lab_utils.profiling.workloads import PngDigits
+
+__all__ = [
+    "q1", "q2", "q3", "q4", "q5", "q6",
+    "reference_profile_steps", "reference_gpu_busy_fraction", "reference_make_loader", "reference_train_loop",
+    "random_trace", "committed_traces", "DIAGNOSIS_CASES", "SCHEDULE",
+]
+
+SCHEDULE = {"wait": 1, "warmup": 1, "active": 3}
+STEPS = sum(SCHEDULE.values())  # the step() calls profile_steps makes
+ACTIVE_STEPS = {f"{tr.STEP_PREFIX}{i}" for i in range(SCHEDULE["wait"] + SCHEDULE["warmup"], STEPS)}
+GRADER_RANGE = "grader_step"
+
+
+def grading_device() -> str:
+    """Where the code exercises run: the GPU when torch can use one, else the CPU."""
+    return resolve_device("auto")
+
+
+# --- reference implementations (later cells of the lab use these) -------------------------------------------
+
+
+def reference_profile_steps(step: Callable[[], Any], trace_path: str | Path) -> None:
+    """Profile ``step()`` with a wait-1/warm-up-1/active-3 schedule and export the Chrome trace."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities, schedule=schedule(wait=1, warmup=1, active=3)) as prof:
+        for _ in range(5):
+            step()
+            prof.step()  # tells the schedule a step ended; also labels each step ProfilerStep#N
+    prof.export_chrome_trace(str(trace_path))
+
+
+def reference_gpu_busy_fraction(trace: Mapping[str, Any]) -> float:
+    """Union of kernel intervals, clipped to the steps' wall time, over that wall time."""
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    steps = [e for e in events if e.get("cat") == "user_annotation" and e["name"].startswith("ProfilerStep#")]
+    kernels = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "kernel")
+    t0 = min(e["ts"] for e in steps)
+    t1 = max([e["ts"] + e["dur"] for e in steps] + [end for start, end in kernels if start >= t0])
+    busy, cur_s, cur_e = 0.0, None, None
+    for s, e in kernels:
+        s, e = max(s, t0), min(e, t1)
+        if e <= s:
+            continue
+        if cur_e is None or s > cur_e:
+            busy += (cur_e - cur_s) if cur_e is not None else 0.0
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    busy += (cur_e - cur_s) if cur_e is not None else 0.0
+    return busy / (t1 - t0)
+
+
+def reference_make_loader(dataset: torch.utils.data.Dataset, batch_size: int,
+                          device: str) -> torch.utils.data.DataLoader:
+    """Batches prepared by worker processes ahead of the loop, in pinned memory when they go to a GPU."""
+    from lab_utils.profiling.workloads import loader_workers
+
+    return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True, num_workers=loader_workers(),
+                                       pin_memory=device.startswith("cuda"), persistent_workers=True,
+                                       prefetch_factor=4, drop_last=True)
+
+
+def reference_train_loop(model: torch.nn.Module, opt: torch.optim.Optimizer,
+                         batches: Sequence[tuple[torch.Tensor, torch.Tensor]], log_every: int) -> list[float]:
+    """Train on ``batches``; return the mean loss of each window of ``log_every`` steps, read back once per window."""
+    logged = []
+    running = torch.zeros((), device=batches[0][0].device)
+    for i, (x, y) in enumerate(batches, start=1):
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        running += loss.detach()  # detach: keep the value, not the graph
+        if i % log_every == 0:
+            logged.append(running.item() / log_every)  # the only read-back: once per window
+            running.zero_()
+    return logged
+
+
+# --- q1: the profiler by hand -------------------------------------------------------------------------------
+
+
+def _grader_step(device: str) -> tuple[Callable[[], None], list[int]]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10)).to(device)
+    x = torch.randn(128, 64, device=device)
+    calls = [0]
+
+    def step() -> None:
+        with torch.profiler.record_function(GRADER_RANGE):
+            model(x).square().mean().backward()
+        calls[0] += 1
+
+    return step, calls
+
+
+def _grade_profile_steps(fn: Any) -> str:
+    device = grading_device()
+    step, calls = _grader_step(device)
+    with temporary_folder("profile-check") as d:
+        path = d / "trace.json"
+        run_student(fn, step, str(path), what="profile_steps", call="profile_steps(step, trace_path)",
+                    timeout_s=120)
+        if calls[0] != STEPS:
+            raise Wrong(f"step() was called {calls[0]} times; the schedule wait=1, warmup=1, active=3 needs "
+                        f"{STEPS} calls, each followed by prof.step()")
+        if not path.is_file():
+            raise Wrong("no trace at trace_path: call prof.export_chrome_trace(trace_path) after the `with` block")
+        trace = tr.load_trace(path)
+    ev = tr.events(trace)
+    steps = set(ev[(ev["cat"] == "user_annotation") & ev["name"].str.startswith(tr.STEP_PREFIX)]["name"])
+    grader = int((ev["name"] == GRADER_RANGE).sum())
+    if grader == STEPS:
+        raise Wrong("all 5 steps were recorded, the first (slow: one-time costs) included: pass "
+                    "schedule=torch.profiler.schedule(wait=1, warmup=1, active=3) to profile()")
+    if not steps:
+        raise Wrong("the trace has no ProfilerStep# ranges: call prof.step() after each step() so the schedule "
+                    "advances (without it nothing past 'wait' is recorded)")
+    if steps != ACTIVE_STEPS:
+        got = sorted(int(s.removeprefix(tr.STEP_PREFIX)) for s in steps)
+        why = ("every step was recorded, the first (slow, one-time costs) included: pass "
+               "schedule=torch.profiler.schedule(wait=1, warmup=1, active=3)" if len(got) == STEPS else
+               "the schedule is not wait=1, warmup=1, active=3")
+        raise Wrong(f"the trace holds steps {got}; expected {sorted(int(s[13:]) for s in ACTIVE_STEPS)}: {why}")
+    if grader != SCHEDULE["active"]:
+        raise Wrong(f"the step's own range appears {grader} times in the trace, expected {SCHEDULE['active']}")
+    kernels = int((ev["cat"] == "kernel").sum())
+    if device.startswith("cuda") and not kernels:
+        raise Wrong("no GPU kernels in the trace: profile CUDA activity too, "
+                    "activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]")
+    return f"Your trace holds 3 steps, {len(ev)} events" + (f", {kernels} kernels." if kernels else ".")
+
+
+q1 = CodeExercise(
+    name="06.1 a trace by hand",
+    var="profile_steps",
+    grade=_grade_profile_steps,
+    signature="profile_steps(step, trace_path) -> None",
+    hints=[
+        "with torch.profiler.profile(activities=[...], schedule=torch.profiler.schedule(wait=1, warmup=1, "
+        "active=3)) as prof: then call step() five times.",
+        "After each step() call prof.step(): it moves the schedule on and names the step ProfilerStep#N. "
+        "ProfilerActivity.CUDA records the kernels when torch.cuda.is_available().",
+        "After the with block: prof.export_chrome_trace(trace_path).",
+    ],
+    solution_text=(
+        "def profile_steps(step, trace_path):\n"
+        "    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])\n"
+        "    with profile(activities=activities, schedule=schedule(wait=1, warmup=1, active=3)) as prof:\n"
+        "        for _ in range(5):\n"
+        "            step()\n"
+        "            prof.step()\n"
+        "    prof.export_chrome_trace(str(trace_path))"
+    ),
+)
+
+
+# --- q2: GPU busy fraction ----------------------------------------------------------------------------------
+
+
+def random_trace(rng: random.Random) -> dict[str, Any]:
+    """A trace with 3 steps, kernels on two streams that overlap, gaps, one kernel from before the steps and one
+    that ends after the last step (the GPU finishing queued work after the host moved on)."""
+    ev: list[dict[str, Any]] = []
+    t = rng.uniform(1e6, 2e6)
+    t0 = t
+    ev.append({"ph": "X", "cat": "kernel", "name": "leftover_from_warmup", "ts": t0 - 300.0, "dur": 400.0,
+               "pid": 0, "tid": 7})
+    for i in range(3):
+        dur = rng.uniform(800, 1500)
+        ev.append({"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{i + 2}", "ts": t, "dur": dur,
+                   "pid": 1, "tid": 1})
+        k = t + rng.uniform(20, 60)
+        while k < t + dur - 50:
+            d = rng.uniform(10, 120)
+            ev.append({"ph": "X", "cat": "kernel", "name": "gemm", "ts": k, "dur": d, "pid": 0, "tid": 7})
+            if rng.random() < 0.5:  # a second stream overlapping this kernel
+                ev.append({"ph": "X", "cat": "kernel", "name": "nccl_allreduce", "ts": k + d * rng.uniform(0.1, 0.6),
+                           "dur": rng.uniform(30, 150), "pid": 0, "tid": 13})
+            k += d + rng.uniform(0, 80)
+        t += dur
+    ev.append({"ph": "X", "cat": "kernel", "name": "tail", "ts": t - 40.0, "dur": rng.uniform(200, 500),
+               "pid": 0, "tid": 7})
+    ev.append({"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": t0 + 5, "dur": 3000.0, "pid": 1, "tid": 1})
+    rng.shuffle(ev)
+    return {"traceEvents": ev}
+
+
+def committed_traces() -> list[Path]:
+    """Real traces kept from the reference runs (``reference_runs/*/traces_06/*.json.gz``)."""
+    return sorted(p for d in results.reference_dirs() for p in (d / "traces_06").glob("*.json.gz"))
+
+
+def _slips(trace: Mapping[str, Any], got: float, want: float) -> str | None:
+    ev = tr.events(trace)
+    k = ev[ev["cat"] == "kernel"]
+    t0, t1 = tr.step_window(ev)
+    total = float(k["dur_us"].sum())
+    steps = ev[(ev["cat"] == "user_annotation") & ev["name"].str.startswith(tr.STEP_PREFIX)]
+    s0, s1 = float(steps["ts_us"].min()), float(steps["end_us"].max())
+    guesses = {
+        "overlapping kernels counted twice: two streams can run at once; take the union of the intervals "
+        "(sort by start, merge overlaps), not the sum of durations": total / (t1 - t0),
+        "divided by the kernels' own time: the denominator is the steps' wall time": 1.0,
+        "kernels outside the steps counted too: clip each interval to the window first":
+            tr.union_us(zip(k["ts_us"], k["end_us"], strict=True)) / (t1 - t0),
+        "the window ends with the last ProfilerStep, but kernels still run after it: extend it to the last "
+        "kernel's end": tr.union_us(zip(k["ts_us"], k["end_us"], strict=True), (s0, s1)) / (s1 - s0),
+        "a percentage: return a fraction between 0 and 1": want * 100,
+    }
+    for why, value in guesses.items():
+        if math.isclose(got, value, rel_tol=1e-3) and not math.isclose(value, want, rel_tol=1e-3):
+            return why
+    return None
+
+
+def _grade_busy(fn: Any) -> str:
+    rng = random.Random()
+    cases: list[tuple[str, dict[str, Any]]] = [(f"random trace {i + 1}", random_trace(rng)) for i in range(3)]
+    cases += [(p.name.removesuffix(".json.gz"), tr.load_trace(p)) for p in committed_traces()]
+    device = grading_device()
+    if device.startswith("cuda"):
+        step, _ = _grader_step(device)
+        with temporary_folder("busy-check") as d:
+            reference_profile_steps(step, d / "t.json")
+            cases.append(("a trace recorded now on this GPU", tr.load_trace(d / "t.json")))
+    real = 0
+    for label, trace in cases:
+        want = reference_gpu_busy_fraction(trace)
+        got = run_student(fn, copy.deepcopy(trace), what="gpu_busy_fraction", call=f"gpu_busy_fraction(<{label}>)",
+                          returns=(float, int), returns_text="a number (a fraction of the wall time)")
+        if not math.isclose(float(got), want, rel_tol=1e-4, abs_tol=1e-6):
+            why = _slips(trace, float(got), want) or "check the union and the window rule"
+            raise Wrong(f"on {label}: {float(got):.4f}, expected {want:.4f}: {why}")
+        real += not label.startswith("random")
+    return f"Right on {len(cases)} traces ({real} real)."
+
+
+q2 = CodeExercise(
+    name="06.2 GPU busy fraction",
+    var="gpu_busy_fraction",
+    grade=_grade_busy,
+    signature="gpu_busy_fraction(trace) -> float",
+    hints=[
+        "Kernels are the events with cat == 'kernel' (ts and dur in µs); the steps are the 'user_annotation' "
+        "events named ProfilerStep#N. Window: first step's start to the later of the last step's end and the "
+        "last kernel's end (for kernels starting in the window).",
+        "Two streams run at once: sort the (start, end) intervals, merge the overlapping ones, clip each to the "
+        "window, then add up the merged lengths.",
+        "return busy_us / (t1 - t0): a fraction, 1.0 when some kernel runs at every instant.",
+    ],
+    solution_text=(
+        "def gpu_busy_fraction(trace):\n"
+        "    ev = [e for e in trace['traceEvents'] if e.get('ph') == 'X']\n"
+        "    steps = [e for e in ev if e.get('cat') == 'user_annotation' and e['name'].startswith('ProfilerStep#')]\n"
+        "    kernels = sorted((e['ts'], e['ts'] + e['dur']) for e in ev if e.get('cat') == 'kernel')\n"
+        "    t0 = min(e['ts'] for e in steps)\n"
+        "    t1 = max([e['ts'] + e['dur'] for e in steps] + [b for a, b in kernels if a >= t0])\n"
+        "    busy, cur = 0.0, None\n"
+        "    for a, b in kernels:\n"
+        "        a, b = max(a, t0), min(b, t1)\n"
+        "        if b <= a: continue\n"
+        "        if cur is None or a > cur[1]:\n"
+        "            busy += cur[1] - cur[0] if cur else 0.0\n"
+        "            cur = [a, b]\n"
+        "        else:\n"
+        "            cur[1] = max(cur[1], b)\n"
+        "    busy += cur[1] - cur[0] if cur else 0.0\n"
+        "    return busy / (t1 - t0)"
+    ),
+)
+
+
+# --- q3: the data loader ----------------------------------------------------------------------------------
+
+LOADER_STORAGE_MS = 2.0  # per-sample read latency of the check's data set
+LOADER_BATCH = 12
+LOADER_STEP_S = 0.045  # the training step the loop simulates: longer than one batch's reads (12 × 2 ms)
+
+
+def _batch_waits(loader: Any, batches: int = 7, step_s: float = LOADER_STEP_S) -> list[float]:
+    """Seconds each ``next()`` waited, with a training step of ``step_s`` between them; the first two excluded
+    (workers starting)."""
+    waits = []
+    it = iter(loader)
+    try:
+        for _ in range(batches):
+            t0 = time.perf_counter()
+            next(it)
+            waits.append(time.perf_counter() - t0)
+            time.sleep(step_s)
+    finally:
+        shutdown = getattr(it, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+    return waits[2:]
+
+
+def _grade_loader(fn: Any) -> str:
+    device = grading_device()
+    ds = PngDigits(size=16, storage_ms=LOADER_STORAGE_MS)
+    loader = run_student(fn, ds, LOADER_BATCH, device, what="make_loader",
+                         call=f"make_loader(dataset, {LOADER_BATCH}, {device!r})")
+    if not isinstance(loader, torch.utils.data.DataLoader):
+        raise Wrong(f"returned a {type(loader).__name__}; return the torch.utils.data.DataLoader itself (the loop "
+                    "calls iter() on it each epoch)")
+    if loader.dataset is not ds:
+        raise Wrong("the DataLoader is not over the `dataset` argument")
+    if loader.batch_size != LOADER_BATCH:
+        raise Wrong(f"batch_size is {loader.batch_size}; use the batch_size argument ({LOADER_BATCH})")
+    if loader.num_workers < 1:
+        raise Wrong("num_workers is 0: every sample is still read and decoded in the training process, between "
+                    "steps (pinned memory alone does not change that); give it worker processes")
+    if device.startswith("cuda") and not loader.pin_memory:
+        raise Wrong("pin_memory is off: batches bound for the GPU should be page-locked so the copy can be "
+                    "asynchronous (non_blocking=True) and runs at full PCIe speed")
+    planted = torch.utils.data.DataLoader(ds, batch_size=LOADER_BATCH, shuffle=True, num_workers=0)
+    base = sum(_batch_waits(planted))
+    mine = sum(_batch_waits(loader))
+    if mine > 0.5 * base:
+        raise Wrong(f"each next() still waited {mine / 5 * 1e3:.1f} ms on average (a main-process loader: "
+                    f"{base / 5 * 1e3:.1f} ms): are workers preparing the next batches while the step runs?")
+    return (f"Waiting per batch: {base / 5 * 1e3:.1f} ms in the main process, {mine / 5 * 1e3:.2f} ms with your "
+            f"loader ({loader.num_workers} workers).")
+
+
+q3 = CodeExercise(
+    name="06.3 fix the data loading",
+    var="make_loader",
+    grade=_grade_loader,
+    signature="make_loader(dataset, batch_size, device) -> DataLoader",
+    hints=[
+        "torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True, ...): which arguments move the "
+        "reading and decoding out of the training process?",
+        "num_workers=k starts k processes that prepare batches ahead (prefetch_factor each); persistent_workers=True "
+        "keeps them between epochs. pin_memory=True when the batches go to a GPU.",
+        "Then copy with x.to(device, non_blocking=True): from pinned memory the copy overlaps the GPU's work.",
+    ],
+    solution_text=(
+        "def make_loader(dataset, batch_size, device):\n"
+        "    return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True,\n"
+        "                                       num_workers=max(1, (os.cpu_count() or 2) - 1),\n"
+        "                                       pin_memory=device.startswith('cuda'), persistent_workers=True,\n"
+        "                                       prefetch_factor=4, drop_last=True)"
+    ),
+)
+
+
+# --- q4: no host sync per step ------------------------------------------------------------------------------
+
+SYNC_CALLS = ("item", "cpu", "tolist", "numpy", "__bool__", "__float__", "__int__", "__index__", "__format__")
+
+
+class SyncCounter(TorchFunctionMode):
+    """Counts tensor read-backs to the host (``.item()``, ``.cpu()``, ``float(t)``, ``if t:``…) made directly
+    by the student's own lines; the library's internals are not counted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (),
+                           kwargs: Mapping[str, Any] | None = None) -> Any:
+        name = getattr(func, "__name__", "")
+        if name in SYNC_CALLS:
+            caller = sys._getframe(1)
+            if _is_students(caller.f_code.co_filename):
+                self.calls.append(f"{name} (line {caller.f_lineno})")
+        return func(*args, **(kwargs or {}))
+
+
+def _loop_setup(device: str, seed: int) -> tuple[torch.nn.Module, list[tuple[torch.Tensor, torch.Tensor]]]:
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10)).to(device)
+    batches = [(torch.randn(64, 32, generator=g).to(device), torch.randint(0, 10, (64,), generator=g).to(device))
+               for _ in range(15)]
+    return model, batches
+
+
+def _grade_train_loop(fn: Any) -> str:
+    device = grading_device()
+    seed = random.randrange(10_000)
+    log_every = random.choice((3, 5))
+    model, batches = _loop_setup(device, seed)
+    ref_model = copy.deepcopy(model)
+    want = reference_train_loop(ref_model, torch.optim.SGD(ref_model.parameters(), lr=0.1), batches, log_every)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    counter = SyncCounter()
+    with counter:
+        got = run_student(fn, model, opt, batches, log_every, what="train_loop",
+                          call=f"train_loop(model, opt, batches, log_every={log_every})", returns=(list, tuple),
+                          returns_text="a list of floats, one mean loss per window")
+    logs = len(batches) // log_every
+    if len(got) != logs:
+        raise Wrong(f"returned {len(got)} values for {len(batches)} steps with log_every={log_every}; expected "
+                    f"{logs}, one per window")
+    try:
+        got_f = [float(v) for v in got]
+    except (TypeError, ValueError, RuntimeError):
+        raise Wrong(f"the values are not numbers: {got[:2]!r}") from None
+    if len(counter.calls) > logs:
+        raise Wrong(f"{len(counter.calls)} read-backs to the host for {len(batches)} steps "
+                    f"({', '.join(counter.calls[:3])}...): each one makes the CPU wait for the GPU. Keep a running "
+                    f"sum on the device and read it once per window ({logs} in all)")
+    for i, (g, w) in enumerate(zip(got_f, want, strict=True)):
+        if not math.isclose(g, w, rel_tol=1e-4, abs_tol=1e-6):
+            last = reference_last_losses(batches, log_every, seed, device)
+            why = ("that is the last step's loss of the window, not the mean over its steps"
+                   if math.isclose(g, last[i], rel_tol=1e-4) else
+                   "is the sum reset after each window, divided by log_every, and is zero_grad() called?")
+            raise Wrong(f"window {i + 1}: {g:.5f}, expected {w:.5f}: {why}")
+    return f"{len(counter.calls)} read-back(s) for {len(batches)} steps; the means match."
+
+
+def reference_last_losses(batches: Sequence[tuple[torch.Tensor, torch.Tensor]], log_every: int, seed: int,
+                          device: str) -> list[float]:
+    """The last step's loss of each window (a common wrong answer), from a fresh model of the same seed."""
+    model, _ = _loop_setup(device, seed)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    out = []
+    for i, (x, y) in enumerate(batches, start=1):
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if i % log_every == 0:
+            out.append(float(loss.detach()))
+    return out
+
+
+q4 = CodeExercise(
+    name="06.4 no host sync per step",
+    var="train_loop",
+    grade=_grade_train_loop,
+    signature="train_loop(model, opt, batches, log_every) -> list[float]",
+    hints=[
+        "loss.item() (and float(loss), print(loss), if loss > x:) copies a value to the host: the CPU waits for "
+        "every kernel queued so far, and cannot queue the next step meanwhile.",
+        "Keep running = torch.zeros((), device=...) and add loss.detach() each step (detach: the value, not the "
+        "graph). Every log_every steps read it once: running.item() / log_every, then zero it.",
+        "Each step: loss = F.cross_entropy(model(x), y); opt.zero_grad(set_to_none=True); loss.backward(); "
+        "opt.step().",
+    ],
+    solution_text=(
+        "def train_loop(model, opt, batches, log_every):\n"
+        "    logged, running = [], torch.zeros((), device=batches[0][0].device)\n"
+        "    for i, (x, y) in enumerate(batches, start=1):\n"
+        "        loss = torch.nn.functional.cross_entropy(model(x), y)\n"
+        "        opt.zero_grad(set_to_none=True)\n"
+        "        loss.backward()\n"
+        "        opt.step()\n"
+        "        running += loss.detach()\n"
+        "        if i % log_every == 0:\n"
+        "            logged.append(running.item() / log_every)\n"
+        "            running.zero_()\n"
+        "    return logged"
+    ),
+)
+
+
+# --- q5: diagnosis from trace summaries ---------------------------------------------------------------------
+
+CAUSES = ("data", "sync", "launch", "precision")
+_CAUSE_SYNONYMS = {
+    "data": ["data loading", "dataloader", "loader", "input pipeline", "io"],
+    "sync": ["host sync", "synchronization", "item", "host device sync", "read back"],
+    "launch": ["launch bound", "kernel launch", "launch overhead", "small kernels", "cpu bound"],
+    "precision": ["fp32", "dtype", "bf16", "mixed precision", "tensor cores"],
+}
+# The four planted programs behind the letters of the diagnosis table (not in the order the lab shows them).
+DIAGNOSIS_CASES = {"A": "sync", "B": "precision", "C": "data", "D": "launch"}
+
+
+def _grade_diagnosis(value: Any) -> None:
+    if not isinstance(value, Mapping):
+        raise Wrong('expected a dict {"A": cause, "B": ..., "C": ..., "D": ...}')
+    missing = sorted(set(DIAGNOSIS_CASES) - set(value))
+    if missing:
+        raise Wrong(f"no answer for {missing}; one of {list(CAUSES)} for each letter")
+    wrong = []
+    for letter, want in DIAGNOSIS_CASES.items():
+        picked = choice(value[letter], CAUSES, _CAUSE_SYNONYMS)
+        if picked is None:
+            raise Wrong(f"{letter}: {value[letter]!r} is not one of {list(CAUSES)}")
+        if picked != want:
+            wrong.append(letter)
+    if wrong:
+        raise Wrong(f"{len(wrong)} of 4 wrong ({', '.join(wrong)}): look at data_wait, syncs_per_step, "
+                    "kernel_us with launches_per_step, and whether the kernels are half precision")
+
+
+q5 = Exercise(
+    name="06.5 diagnose four traces",
+    var="diagnosis",
+    grade=_grade_diagnosis,
+    hints=[
+        "data_wait is the share of the step spent in the DataLoader's next(); syncs_per_step counts host calls "
+        "that wait for the GPU; a launch-bound step has many kernels of a few µs and a low busy fraction.",
+        "A step whose kernels are long, the GPU busy, and no half-precision kernels: the tensor cores idle.",
+    ],
+    solution_text='diagnosis = {"A": "sync", "B": "precision", "C": "data", "D": "launch"}',
+)
+
+
+# --- q6: ncu's Speed of Light ---------------------------------------------------------------------------------
+
+_BOUND_SYNONYMS = {"compute": ["compute bound", "sm", "math"], "memory": ["memory bound", "bandwidth",
+                                                                        "bandwidth bound", "dram"]}
+
+
+def _grade_bound(value: Any) -> None:
+    if not isinstance(value, Mapping) or set(value) != {"gemm", "elementwise"}:
+        raise Wrong('expected {"gemm": ..., "elementwise": ...} with "compute" or "memory" for each')
+    got = {k: choice(v, ("compute", "memory"), _BOUND_SYNONYMS) for k, v in value.items()}
+    if None in got.values():
+        raise Wrong('answer "compute" or "memory" for each kernel')
+    if got == {"gemm": "memory", "elementwise": "compute"}:
+        raise Wrong("swapped: compare each kernel's Compute (SM) Throughput with its Memory Throughput (% of peak)")
+    if got != {"gemm": "compute", "elementwise": "memory"}:
+        raise Wrong("one of the two is wrong: which of the two Speed-of-Light percentages is near its peak?")
+
+
+q6 = Exercise(
+    name="06.6 read ncu's Speed of Light",
+    var="kernel_bound",
+    grade=_grade_bound,
+    hints=[
+        "Speed of Light gives two percentages of the hardware's peak: Compute (SM) Throughput and Memory "
+        "Throughput. The one close to 100 % is the limit.",
+        "The GEMM does 2n³ FLOPs on 3n² values (intensity in the thousands of FLOP/byte); the add does 1 FLOP per "
+        "12 bytes.",
+    ],
+    solution_text='kernel_bound = {"gemm": "compute", "elementwise": "memory"}',
+)

@@ -1,0 +1,1 @@
+"""Lab 06: reading profiler traces, planted bottlenecks, memory and error diagnostics, Nsight runners."""

@@ -1,0 +1,347 @@
+"""Lab 06's training programs, each with one planted bottleneck and its fix, and a wall-clock step timer.
+
+Every program is built as a ``Program``: ``step()`` runs one training iteration (fetching its batch, forward,
+backward, optimizer), ``samples`` is the batch size, ``close()`` stops any loader workers. The four planted
+bottlenecks and their fixes:
+
+- ``data``: PNG digits decoded and augmented in the main process, copied from pageable memory
+  → DataLoader workers, pinned memory, ``non_blocking=True`` copies;
+- ``sync``: ``loss.item()`` and a NaN check read back every step → the loss kept on the device, read every N steps;
+- ``launch``: a deep, narrow MLP at batch 16 (hundreds of tiny kernels) → a larger batch, ``torch.compile``
+  (default, ``reduce-overhead`` with CUDA graphs, ``max-autotune``);
+- ``precision``: FP32 matmuls (TF32 off) → BF16 autocast.
+
+``all`` is the image program with every fix that applies to it (workers, pinned memory, no per-step sync, BF16,
+channels-last): the GPU busy fraction is read from its trace.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from lab_utils.models import digits_png
+
+__all__ = ["PROGRAMS", "VARIANTS", "Program", "PngDigits", "ImageNet", "build", "time_steps", "loader_workers",
+           "Sizes", "sizes_for"]
+
+PROGRAMS = ("data", "sync", "launch", "precision", "all")
+VARIANTS = {
+    "data": ("planted", "fixed"),
+    "sync": ("planted", "fixed"),
+    "launch": ("planted", "batch", "compile", "reduce-overhead", "max-autotune"),
+    "precision": ("planted", "fixed"),
+    "all": ("planted", "fixed"),
+}
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Problem sizes: image side (px) and batch, conv width, MLP shapes (tokens × width)."""
+
+    image: int
+    batch: int
+    width: int
+    mlp_batch: int
+    mlp_width: int
+    mlp_depth: int
+    big_tokens: int
+    big_width: int
+
+
+def sizes_for(device: str, quick: bool) -> Sizes:
+    """The sizes a lab uses here: a GPU gets work large enough to time; a CPU (and CI's quick mode) small work."""
+    if device.startswith("cuda"):
+        return Sizes(image=64, batch=256, width=64, mlp_batch=16, mlp_width=512, mlp_depth=16,
+                     big_tokens=8192, big_width=2048)
+    if quick:
+        return Sizes(image=32, batch=32, width=8, mlp_batch=16, mlp_width=128, mlp_depth=8,
+                     big_tokens=256, big_width=128)
+    return Sizes(image=48, batch=64, width=16, mlp_batch=16, mlp_width=256, mlp_depth=12,
+                 big_tokens=1024, big_width=256)
+
+
+def loader_workers() -> int:
+    """Worker processes for a DataLoader: the cores this process may use, less one for the training loop (≥ 1)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 2
+    return max(1, min(cores - 1, 12))
+
+
+class PngDigits(torch.utils.data.Dataset):
+    """The digits as PNG files would be read: each ``__getitem__`` decodes PNG bytes (Pillow), rotates by a random
+    angle (augmentation) and normalizes, like an image data set on disk. ``storage_ms`` adds a read latency per
+    sample (network storage), which workers hide and a 2-core machine can also show."""
+
+    def __init__(self, size: int = 64, storage_ms: float = 0.05, seed: int = 0):
+        self.png, self.labels = digits_png(size)
+        self.storage_s = storage_ms / 1e3
+        self.seed = seed
+
+    def __len__(self) -> int:
+        return len(self.png)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        from PIL import Image
+
+        if self.storage_s:
+            time.sleep(self.storage_s)
+        angle = float(np.random.default_rng((self.seed, i)).uniform(-12, 12))
+        img = Image.open(io.BytesIO(self.png[i])).rotate(angle, resample=Image.Resampling.BILINEAR)
+        x = torch.from_numpy(np.asarray(img, dtype=np.float32)).div_(255.0).sub_(0.5).div_(0.5)
+        return x[None], int(self.labels[i])
+
+
+class ImageNet(nn.Module):
+    """A plain convnet for the image programs: three stages of 3×3 convolutions (BatchNorm, ReLU), pooling, a
+    linear head; ``width`` channels in the first stage, doubled per stage."""
+
+    def __init__(self, width: int = 64, classes: int = 10):
+        super().__init__()
+
+        def stage(c_in: int, c_out: int, stride: int) -> list[nn.Module]:
+            return [nn.Conv2d(c_in, c_out, 3, stride=stride, padding=1, bias=False), nn.BatchNorm2d(c_out),
+                    nn.ReLU(inplace=True), nn.Conv2d(c_out, c_out, 3, padding=1, bias=False),
+                    nn.BatchNorm2d(c_out), nn.ReLU(inplace=True)]
+
+        w = width
+        self.body = nn.Sequential(*stage(1, w, 1), *stage(w, 2 * w, 2), *stage(2 * w, 4 * w, 2),
+                                  nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4 * w, classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+@dataclass
+class Program:
+    """One training program: ``step()`` runs an iteration; ``samples`` per step; ``close()`` frees workers."""
+
+    name: str
+    variant: str
+    step: Callable[[], Any]
+    samples: int
+    note: str = ""
+    closers: list[Callable[[], None]] = field(default_factory=list)
+
+    def close(self) -> None:
+        while self.closers:
+            self.closers.pop()()
+
+    def __enter__(self) -> Program:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def time_steps(step: Callable[[], Any], steps: int = 20, warmup: int = 3, device: str = "cpu") -> float:
+    """Wall-clock ms per training step: ``warmup`` steps, a synchronize, ``steps`` steps, a synchronize.
+
+    A loop's speed is its wall time (host and device together), so the clock is read only at both ends: a
+    per-step CUDA event pair would measure the GPU's share and miss the host stalls this lab is about."""
+    for _ in range(warmup):
+        step()
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    _sync(device)
+    return (time.perf_counter() - t0) * 1e3 / steps
+
+
+def _infinite_loader(ds: torch.utils.data.Dataset, batch: int, workers: int, pin: bool,
+                     seed: int = 0) -> torch.utils.data.DataLoader:
+    sampler = torch.utils.data.RandomSampler(ds, replacement=True, num_samples=10**9,
+                                             generator=torch.Generator().manual_seed(seed))
+    kw: dict[str, Any] = {"persistent_workers": True, "prefetch_factor": 4} if workers else {}
+    return torch.utils.data.DataLoader(ds, batch_size=batch, sampler=sampler, num_workers=workers,
+                                       pin_memory=pin, drop_last=True, **kw)
+
+
+def _close_loader(it: Any) -> Callable[[], None]:
+    def close() -> None:
+        shutdown = getattr(it, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()  # persistent workers otherwise live until the iterator is garbage-collected
+
+    return close
+
+
+def _image_program(name: str, variant: str, device: str, sz: Sizes, fixes: set[str], seed: int) -> Program:
+    """The image classifier trained from PNG digits with the given ``fixes`` applied (data, sync, bf16, cl)."""
+    torch.manual_seed(seed)
+    cuda = device.startswith("cuda")
+    model = ImageNet(sz.width).to(device)
+    fmt = torch.channels_last if "cl" in fixes and cuda else torch.contiguous_format
+    model = model.to(memory_format=fmt)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    loss_fn = nn.CrossEntropyLoss()
+    ds = PngDigits(sz.image, seed=seed)
+    workers = loader_workers() if "data" in fixes else 0
+    loader = _infinite_loader(ds, sz.batch, workers, pin="data" in fixes and cuda, seed=seed)
+    it = iter(loader)
+    non_blocking = "data" in fixes
+    bf16 = "bf16" in fixes
+    state = {"n": 0, "running": torch.zeros((), device=device)}
+    log_every = 20
+
+    def step() -> None:
+        x, y = next(it)
+        x = x.to(device, non_blocking=non_blocking, memory_format=fmt)
+        y = y.to(device, non_blocking=non_blocking)
+        with torch.autocast(device_type="cuda" if cuda else "cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = loss_fn(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        state["n"] += 1
+        if "sync" in fixes:
+            state["running"] += loss.detach()  # stays on the device: no wait for the GPU
+            if state["n"] % log_every == 0:
+                state["last_mean"] = state["running"].item() / log_every  # one read-back per log_every steps
+                state["running"].zero_()
+        else:
+            value = loss.item()  # the planted sync: the host waits for this step's last kernel
+            if not math.isfinite(value):
+                raise FloatingPointError(f"loss {value} at step {state['n']}")
+            state["last_mean"] = value
+
+    prog = Program(name, variant, step, sz.batch,
+                   note=f"{sz.image}×{sz.image} PNG digits, batch {sz.batch}, width {sz.width}, "
+                        f"{workers} loader workers" + (", bf16" if bf16 else "") + (", channels-last" if
+                                                                                      fmt is torch.channels_last
+                                                                                      else ""))
+    prog.closers.append(_close_loader(it))
+    return prog
+
+
+def _device_batches(sz: Sizes, device: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(sz.batch, 1, sz.image, sz.image, generator=g).to(device)
+    y = torch.randint(0, 10, (sz.batch,), generator=g).to(device)
+    return x, y
+
+
+def _sync_program(variant: str, device: str, sz: Sizes, seed: int) -> Program:
+    """The image model on a batch already on the device: only the per-step read-back differs."""
+    torch.manual_seed(seed)
+    model = ImageNet(max(sz.width // 2, 4)).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    loss_fn = nn.CrossEntropyLoss()
+    x, y = _device_batches(sz, device, seed)
+    state = {"n": 0, "running": torch.zeros((), device=device)}
+
+    def planted() -> None:
+        loss = loss_fn(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if not math.isfinite(loss.item()):  # host waits for the GPU every step
+            raise FloatingPointError("loss is not finite")
+        state["acc"] = (model(x[:8]).argmax(1) == y[:8]).float().mean().cpu()  # a second read-back
+
+    def fixed() -> None:
+        loss = loss_fn(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        state["n"] += 1
+        state["running"] += loss.detach()
+        if state["n"] % 50 == 0:
+            state["mean"] = state["running"].item() / 50
+            state["running"].zero_()
+
+    return Program("sync", variant, planted if variant == "planted" else fixed, sz.batch,
+                   note=f"batch {sz.batch} on the device, width {max(sz.width // 2, 4)}")
+
+
+def _mlp(width: int, depth: int) -> nn.Module:
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.LayerNorm(width), nn.GELU()]
+    return nn.Sequential(*layers, nn.Linear(width, 10))
+
+
+def _launch_program(variant: str, device: str, sz: Sizes, seed: int) -> Program:
+    torch.manual_seed(seed)
+    batch = sz.mlp_batch * (32 if variant == "batch" else 1)
+    model = _mlp(sz.mlp_width, sz.mlp_depth).to(device)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=True)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, sz.mlp_width, generator=g).to(device)
+    y = torch.randint(0, 10, (batch,), generator=g).to(device)
+    loss_fn = nn.CrossEntropyLoss()
+
+    def train_step() -> torch.Tensor:
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    step: Callable[[], Any] = train_step
+    if variant in ("compile", "reduce-overhead", "max-autotune"):
+        mode = None if variant == "compile" else variant
+        step = torch.compile(train_step, mode=mode)
+    return Program("launch", variant, step, batch,
+                   note=f"MLP {sz.mlp_depth}×{sz.mlp_width}, batch {batch}" + (
+                       f", torch.compile(mode={variant!r})" if variant not in ("planted", "batch") else ""))
+
+
+def _precision_program(variant: str, device: str, sz: Sizes, seed: int) -> Program:
+    torch.manual_seed(seed)
+    cuda = device.startswith("cuda")
+    w = sz.big_width
+    model = nn.Sequential(nn.Linear(w, 4 * w), nn.GELU(), nn.Linear(4 * w, w), nn.GELU(),
+                          nn.Linear(w, 4 * w), nn.GELU(), nn.Linear(4 * w, w)).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(sz.big_tokens, w, generator=g).to(device)
+    bf16 = variant == "fixed"
+
+    def step() -> None:
+        with torch.autocast(device_type="cuda" if cuda else "cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = model(x).float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return Program("precision", variant, step, sz.big_tokens,
+                   note=f"FFN {w}→{4 * w}→{w} ×2, {sz.big_tokens} tokens, " + ("bf16 autocast" if bf16 else
+                                                                                "fp32 (TF32 off)"))
+
+
+def build(name: str, variant: str, device: str, quick: bool = False, seed: int = 0) -> Program:
+    """The program ``name`` (one of ``PROGRAMS``) in ``variant`` (see ``VARIANTS``) on ``device``."""
+    if name not in VARIANTS:
+        raise ValueError(f"build(name={name!r}): one of {', '.join(PROGRAMS)}")
+    if variant not in VARIANTS[name]:
+        raise ValueError(f"build({name!r}, variant={variant!r}): one of {', '.join(VARIANTS[name])}")
+    sz = sizes_for(device, quick)
+    if name == "data":
+        return _image_program(name, variant, device, sz, {"sync"} | ({"data"} if variant == "fixed" else set()),
+                              seed)
+    if name == "all":
+        fixes = {"data", "sync", "bf16", "cl"} if variant == "fixed" else set()
+        return _image_program(name, variant, device, sz, fixes, seed)
+    if name == "sync":
+        return _sync_program(variant, device, sz, seed)
+    if name == "launch":
+        return _launch_program(variant, device, sz, seed)
+    return _precision_program(variant, device, sz, seed)
