@@ -378,3 +378,14 @@ def test_bad_index_on_gpu_surfaces_late_without_launch_blocking():
     right = errors.run_bad_index("cuda", launch_blocking=True)
     assert right["reported_line"] == errors.BAD_LINE
     assert late["reported_line"] != errors.BAD_LINE
+
+
+def test_ncu_rows_are_labelled_by_kernel_name_and_durations_scaled():
+    rows = [{"kernel": "void at::native::vectorized_elementwise_kernel<4>", "Duration [usecond]": 200.0},
+            {"kernel": "splitKreduce_kernel", "Duration [usecond]": 3.0},
+            {"kernel": "nvjet_tst_256x128", "Duration [msecond]": 1.5}]
+    rows[2]["Duration [usecond]"] = 1500.0
+    nsight.label_kernels(rows, 1024, 2**20)
+    assert rows[0]["op"].startswith("add") and rows[2]["op"].startswith("GEMM") and "op" not in rows[1]
+    assert nsight.duration_s({"Duration [nsecond]": 2e6}) == pytest.approx(2e-3)
+    assert nsight.duration_s({"x": 1}) is None

@@ -25,6 +25,7 @@ LABS: tuple[Lab, ...] = (
     Lab("03", "tensorrt", "TensorRT optimization", ("torch-cuda", "tensorrt")),
     Lab("04", "triton", "Triton serving", ("torch-cuda", "tritonserver")),
     Lab("05", "monitoring", "Monitoring and operations", ("tritonserver", "prometheus")),
+    Lab("06", "profiling", "Profiling and diagnosing", ("torch-cuda", "ncu")),
     Lab("09", "exam_review", "The stack map and exam review", ("torch-cuda",)),
 )
 

@@ -602,6 +602,15 @@ def lab_tiers(report: EnvReport) -> list[LabTier]:
     else:
         rows["05"] = ("partial" if seen_gpu else "cpu", "nothing yet: the lab needs a Triton server",
                       "no Triton server: pip install --no-deps nvidia-pytriton")
+    ncu = shutil.which("ncu") is not None
+    if gpu:
+        rows["06"] = ("full", "torch.profiler traces with CUDA kernels; four bottlenecks fixed; OOM, memory snapshot "
+                      "and async errors" + ("; ncu Speed of Light" if ncu else ""),
+                      "" if ncu else "no ncu here: the H200 reference run's Speed-of-Light numbers are shown")
+    else:
+        rows["06"] = ("partial" if seen_gpu else "cpu", "CPU traces; the data-loading fix; checkpointing and "
+                      "gradient accumulation measured", "the H200 reference run's traces and numbers stand in for "
+                                                        "the GPU-only bottlenecks, ncu and the memory snapshot")
     if gpu:
         rows["09"] = ("full", "the quiz; prefill and decode of the random-weight decoder on the GPU", "")
     else:

@@ -20,7 +20,7 @@ from typing import Any
 from lab_utils.procs import temporary_folder
 
 __all__ = ["ToolRun", "KERNELS_SCRIPT", "STEPS_SCRIPT", "ncu_command", "nsys_command", "run_ncu", "run_nsys",
-           "kernel_work", "NCU_INSTALL", "NSYS_INSTALL"]
+           "kernel_work", "label_kernels", "duration_s", "parse_ncu_csv", "NCU_INSTALL", "NSYS_INSTALL"]
 
 NCU_INSTALL = ("Nsight Compute (`ncu`) ships with the CUDA toolkit and the NGC PyTorch images; on another machine "
                "install the `nsight-compute` package of NVIDIA's CUDA repository")
@@ -150,7 +150,7 @@ def run_ncu(n: int = 8192, numel: int = 2**28, timeout_s: float = 300.0) -> Tool
         script = d / "kernels.py"
         script.write_text(KERNELS_SCRIPT.format(n=n, numel=numel))
         cmd = ncu_command(str(script))
-        shown = [c if c != str(script) else "kernels.py" for c in cmd]
+        shown = [{str(script): "kernels.py", sys.executable: "python"}.get(c, c) for c in cmd]
         if shutil.which("ncu") is None:
             return ToolRun("ncu", shown, False, f"ncu is not on the PATH. {NCU_INSTALL}")
         why = _gpu_reason()
@@ -164,9 +164,33 @@ def run_ncu(n: int = 8192, numel: int = 2**28, timeout_s: float = 300.0) -> Tool
                 "allows it with the nvidia driver option NVreg_RestrictProfilingToAdminUsers=0)"
                 if "ERR_NVGPUCTRPERM" in out else "")
         return ToolRun("ncu", shown, True, returncode=proc.returncode, output=out[-3000:] + hint, rows=rows)
-    for r, work in zip(rows, kernel_work(n, numel), strict=False):
-        r.update(work)
+    label_kernels(rows, n, numel)
     return ToolRun("ncu", shown, True, returncode=proc.returncode, output=out[-3000:], rows=rows)
+
+
+def label_kernels(rows: list[dict[str, Any]], n: int, numel: int) -> None:
+    """Attach the op, FLOPs and bytes of KERNELS_SCRIPT to ncu's rows by kernel name: the elementwise kernel says
+    so in its name; the GEMM is the longest of the others (a library may add a small helper kernel)."""
+    gemm, add = kernel_work(n, numel)
+    for r in rows:
+        if "elementwise" in r.get("kernel", "").lower():
+            r.update(add)
+    others = [r for r in rows if "op" not in r]
+    dur = [k for k in (others[0] if others else {}) if k.startswith("Duration")]
+    if others and dur:
+        max(others, key=lambda r: r.get(dur[0], 0.0)).update(gemm)
+
+
+def duration_s(row: dict[str, Any]) -> float | None:
+    """A row's kernel duration in seconds, whatever unit ncu printed; None when it has none."""
+    scale = {"nsecond": 1e-9, "ns": 1e-9, "usecond": 1e-6, "us": 1e-6, "msecond": 1e-3, "ms": 1e-3,
+             "second": 1.0, "s": 1.0}
+    for k, v in row.items():
+        if k.startswith("Duration"):
+            unit = k[k.find("[") + 1:k.find("]")] if "[" in k else "second"
+            if unit in scale:
+                return float(v) * scale[unit]
+    return None
 
 
 def kernel_work(n: int, numel: int) -> list[dict[str, Any]]:
@@ -184,7 +208,7 @@ def run_nsys(timeout_s: float = 300.0) -> ToolRun:
         script.write_text(STEPS_SCRIPT)
         report = str(Path(d) / "steps")
         cmd = nsys_command(str(script), report)
-        shown = [c.replace(str(d) + os.sep, "") for c in cmd]
+        shown = ["python" if c == sys.executable else c.replace(str(d) + os.sep, "") for c in cmd]
         if shutil.which("nsys") is None:
             return ToolRun("nsys", shown, False, f"nsys is not on the PATH. {NSYS_INSTALL}")
         why = _gpu_reason()

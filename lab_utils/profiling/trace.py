@@ -26,7 +26,7 @@ STEP_PREFIX = "ProfilerStep#"  # torch.profiler's annotation around each step of
 DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 # Host calls that wait for the device (a sync point: the CPU cannot queue work ahead while in one).
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cuStreamSynchronize",
-              "cudaMemcpy", "cudaMemcpyAsync")
+              "cudaMemcpy")
 SYNC_OPS = ("aten::item", "aten::_local_scalar_dense", "aten::is_nonzero")
 LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx", "cudaGraphLaunch")
 DATA_PREFIX = "enumerate(DataLoader)"  # torch.profiler's annotation around each `next()` of a DataLoader

@@ -32,7 +32,7 @@ from torch import nn
 from lab_utils.models import digits_png
 
 __all__ = ["PROGRAMS", "VARIANTS", "Program", "PngDigits", "ImageNet", "build", "time_steps", "loader_workers",
-           "Sizes", "sizes_for"]
+           "Sizes", "sizes_for", "infinite_loader", "close_iterator"]
 
 PROGRAMS = ("data", "sync", "launch", "precision", "all")
 VARIANTS = {
@@ -56,18 +56,20 @@ class Sizes:
     mlp_depth: int
     big_tokens: int
     big_width: int
+    storage_ms: float  # simulated read latency per sample (network storage), hidden by loader workers
+    sync_batch: int  # the sync program's batch: small, so kernels are short against the host's launch time
 
 
 def sizes_for(device: str, quick: bool) -> Sizes:
     """The sizes a lab uses here: a GPU gets work large enough to time; a CPU (and CI's quick mode) small work."""
     if device.startswith("cuda"):
-        return Sizes(image=64, batch=256, width=64, mlp_batch=16, mlp_width=512, mlp_depth=16,
-                     big_tokens=8192, big_width=2048)
+        return Sizes(image=64, batch=256, width=96, mlp_batch=16, mlp_width=512, mlp_depth=16,
+                     big_tokens=8192, big_width=2048, storage_ms=0.02, sync_batch=32)
     if quick:
         return Sizes(image=32, batch=32, width=8, mlp_batch=16, mlp_width=128, mlp_depth=8,
-                     big_tokens=256, big_width=128)
+                     big_tokens=256, big_width=128, storage_ms=0.4, sync_batch=32)
     return Sizes(image=48, batch=64, width=16, mlp_batch=16, mlp_width=256, mlp_depth=12,
-                 big_tokens=1024, big_width=256)
+                 big_tokens=1024, big_width=256, storage_ms=0.4, sync_batch=64)
 
 
 def loader_workers() -> int:
@@ -165,8 +167,9 @@ def time_steps(step: Callable[[], Any], steps: int = 20, warmup: int = 3, device
     return (time.perf_counter() - t0) * 1e3 / steps
 
 
-def _infinite_loader(ds: torch.utils.data.Dataset, batch: int, workers: int, pin: bool,
-                     seed: int = 0) -> torch.utils.data.DataLoader:
+def infinite_loader(ds: torch.utils.data.Dataset, batch: int, workers: int, pin: bool,
+                    seed: int = 0) -> torch.utils.data.DataLoader:
+    """A DataLoader that never runs out (samples drawn with replacement): a timed loop needs no epoch logic."""
     sampler = torch.utils.data.RandomSampler(ds, replacement=True, num_samples=10**9,
                                              generator=torch.Generator().manual_seed(seed))
     kw: dict[str, Any] = {"persistent_workers": True, "prefetch_factor": 4} if workers else {}
@@ -174,7 +177,9 @@ def _infinite_loader(ds: torch.utils.data.Dataset, batch: int, workers: int, pin
                                        pin_memory=pin, drop_last=True, **kw)
 
 
-def _close_loader(it: Any) -> Callable[[], None]:
+def close_iterator(it: Any) -> Callable[[], None]:
+    """A function that stops a DataLoader iterator's worker processes (persistent workers outlive the loop)."""
+
     def close() -> None:
         shutdown = getattr(it, "_shutdown_workers", None)
         if shutdown is not None:
@@ -192,9 +197,9 @@ def _image_program(name: str, variant: str, device: str, sz: Sizes, fixes: set[s
     model = model.to(memory_format=fmt)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss()
-    ds = PngDigits(sz.image, seed=seed)
+    ds = PngDigits(sz.image, storage_ms=sz.storage_ms, seed=seed)
     workers = loader_workers() if "data" in fixes else 0
-    loader = _infinite_loader(ds, sz.batch, workers, pin="data" in fixes and cuda, seed=seed)
+    loader = infinite_loader(ds, sz.batch, workers, pin="data" in fixes and cuda, seed=seed)
     it = iter(loader)
     non_blocking = "data" in fixes
     bf16 = "bf16" in fixes
@@ -227,15 +232,8 @@ def _image_program(name: str, variant: str, device: str, sz: Sizes, fixes: set[s
                         f"{workers} loader workers" + (", bf16" if bf16 else "") + (", channels-last" if
                                                                                       fmt is torch.channels_last
                                                                                       else ""))
-    prog.closers.append(_close_loader(it))
+    prog.closers.append(close_iterator(it))
     return prog
-
-
-def _device_batches(sz: Sizes, device: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(sz.batch, 1, sz.image, sz.image, generator=g).to(device)
-    y = torch.randint(0, 10, (sz.batch,), generator=g).to(device)
-    return x, y
 
 
 def _sync_program(variant: str, device: str, sz: Sizes, seed: int) -> Program:
@@ -244,7 +242,9 @@ def _sync_program(variant: str, device: str, sz: Sizes, seed: int) -> Program:
     model = ImageNet(max(sz.width // 2, 4)).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss()
-    x, y = _device_batches(sz, device, seed)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(sz.sync_batch, 1, sz.image, sz.image, generator=g).to(device)
+    y = torch.randint(0, 10, (sz.sync_batch,), generator=g).to(device)
     state = {"n": 0, "running": torch.zeros((), device=device)}
 
     def planted() -> None:
@@ -261,14 +261,15 @@ def _sync_program(variant: str, device: str, sz: Sizes, seed: int) -> Program:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        state["acc"] = (model(x[:8]).argmax(1) == y[:8]).float().mean()  # the same work, kept on the device
         state["n"] += 1
         state["running"] += loss.detach()
         if state["n"] % 50 == 0:
             state["mean"] = state["running"].item() / 50
             state["running"].zero_()
 
-    return Program("sync", variant, planted if variant == "planted" else fixed, sz.batch,
-                   note=f"batch {sz.batch} on the device, width {max(sz.width // 2, 4)}")
+    return Program("sync", variant, planted if variant == "planted" else fixed, sz.sync_batch,
+                   note=f"batch {sz.sync_batch} on the device, width {max(sz.width // 2, 4)}")
 
 
 def _mlp(width: int, depth: int) -> nn.Module:
