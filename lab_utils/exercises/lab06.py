@@ -163,7 +163,8 @@ def _grade_profile_steps(fn: Any) -> str:
         trace = tr.load_trace(path)
     ev = tr.events(trace)
     steps = set(ev[(ev["cat"] == "user_annotation") & ev["name"].str.startswith(tr.STEP_PREFIX)]["name"])
-    grader = int((ev["name"] == GRADER_RANGE).sum())
+    # CPU-side ranges only: on a GPU, record_function also leaves a gpu_user_annotation of the same name
+    grader = int(((ev["name"] == GRADER_RANGE) & (ev["cat"] == "user_annotation")).sum())
     if grader == STEPS:
         raise Wrong("all 5 steps were recorded, the first (slow: one-time costs) included: pass "
                     "schedule=torch.profiler.schedule(wait=1, warmup=1, active=3) to profile()")
@@ -580,8 +581,8 @@ q6 = Exercise(
     var="kernel_bound",
     grade=_grade_bound,
     hints=[
-        "Speed of Light gives two percentages of the hardware's peak: Compute (SM) Throughput and Memory "
-        "Throughput. The one close to 100 % is the limit.",
+        "Speed of Light gives percentages of the hardware's peak: Compute (SM) Throughput, Memory Throughput (the "
+        "busiest memory unit: L1/shared, L2 or DRAM) and DRAM Throughput. HBM-bound means DRAM near its peak.",
         "The GEMM does 2n³ FLOPs on 3n² values (intensity in the thousands of FLOP/byte); the add does 1 FLOP per "
         "12 bytes.",
     ],

@@ -50,7 +50,10 @@ def run_bad_index(device: str, launch_blocking: bool, timeout_s: float = 120.0) 
                               timeout=timeout_s, cwd=d)
     err = proc.stderr.replace(str(d) + os.sep, "")
     tb = err[err.rfind("Traceback (most recent call last):"):] if "Traceback" in err else err
-    last = next((ln for ln in reversed(tb.strip().splitlines()) if ln.strip() and not ln.startswith(" ")), "")
+    lines = tb.strip().splitlines()
+    # The exception's own line ("torch.AcceleratorError: CUDA error: ..."), not the hints printed after it.
+    last = next((ln for ln in lines if re.match(r"^[\w.]+(Error|Exception)\b.*:", ln)),
+                next((ln for ln in reversed(lines) if ln.strip() and not ln.startswith(" ")), ""))
     line = reported_line(tb)
     return {
         "device": device,

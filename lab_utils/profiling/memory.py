@@ -201,11 +201,11 @@ def snapshot_summary(path: str | Path, top: int = 8) -> dict[str, Any]:
     allocated = sum(b["size"] for b in live)
 
     def where(frames: list[dict[str, Any]]) -> str:
-        for fr in frames:
+        for fr in frames:  # the innermost Python frame outside torch (C++ frames have no .py file)
             fn = fr.get("filename", "")
-            if fn and "torch/" not in fn and not fn.startswith("<frozen"):
+            if fn.endswith(".py") and "/torch/" not in fn:
                 return f"{Path(fn).name}:{fr.get('line')} {fr.get('name')}"
-        return frames[0].get("name", "?") if frames else "?"
+        return "(no Python frame outside torch)"
 
     sites: Counter[str] = Counter()
     for b in live:
