@@ -26,6 +26,8 @@ LABS: tuple[Lab, ...] = (
     Lab("04", "triton", "Triton serving", ("torch-cuda", "tritonserver")),
     Lab("05", "monitoring", "Monitoring and operations", ("tritonserver", "prometheus")),
     Lab("06", "profiling", "Profiling and diagnosing", ("torch-cuda", "ncu")),
+    Lab("07", "service", "Capstone: the image-classification service", ("tritonserver", "nginx", "prometheus")),
+    Lab("08", "mlops", "The MLOps lifecycle", ("tritonserver", "nginx", "prometheus", "mlflow")),
     Lab("09", "exam_review", "The stack map and exam review", ("torch-cuda",)),
 )
 

@@ -611,6 +611,25 @@ def lab_tiers(report: EnvReport) -> list[LabTier]:
         rows["06"] = ("partial" if seen_gpu else "cpu", "CPU traces; the data-loading fix; checkpointing and "
                       "gradient accumulation measured", "the H200 reference run's traces and numbers stand in for "
                                                         "the GPU-only bottlenecks, ncu and the memory snapshot")
+    nginx = shutil.which("nginx") is not None or os.path.exists("/usr/sbin/nginx")
+    if server and nginx:
+        rows["07"] = ("full" if gpu and not wheel_only else "partial" if gpu or seen_gpu else "cpu",
+                      "nginx in front of two Triton servers, the image ensemble, open-loop load against the SLO, "
+                      "hot updates", via.removeprefix("; ") if wheel_only else "")
+    elif server:
+        rows["07"] = ("partial" if seen_gpu else "cpu", "one Triton server driven directly, the ensemble, open-loop "
+                      "load", "nginx is missing (apt-get install nginx): no load balancer, API key or rate limit")
+    else:
+        rows["07"] = ("partial" if seen_gpu else "cpu", "nothing yet: the lab needs a Triton server",
+                      "no Triton server: pip install --no-deps nvidia-pytriton")
+    mlflow = importlib.util.find_spec("mlflow") is not None
+    if server and nginx and mlflow:
+        rows["08"] = ("full" if gpu else "partial" if seen_gpu else "cpu", "MLflow tracking and registry, canary "
+                      "and A/B behind nginx, drift alerts, one retraining loop", "")
+    else:
+        lacking = [n for n, ok in (("tritonserver", server), ("nginx", nginx), ("mlflow", mlflow)) if not ok]
+        rows["08"] = ("partial" if seen_gpu else "cpu", "the statistics (A/B test, drift) only",
+                      f"missing: {', '.join(lacking)}")
     if gpu:
         rows["09"] = ("full", "the quiz; prefill and decode of the random-weight decoder on the GPU", "")
     else:
