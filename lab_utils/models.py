@@ -253,24 +253,38 @@ def digits_arrays() -> dict[str, np.ndarray]:
             "y_test": y[test]}
 
 
-def encode_png(image: np.ndarray, size: int | None = None) -> bytes:
-    """One digit (8x8, values 0..16) as grayscale PNG bytes, upscaled to ``size``×``size`` pixels when given:
-    what an image service or a data loader reading files receives."""
+def encode_png(image: np.ndarray, scale: int = 1, vmax: float = 16.0, smooth: bool = False) -> bytes:
+    """One grey image (H, W) with values 0..``vmax`` as PNG bytes, upscaled ``scale``× (nearest neighbour, or
+    bilinear with ``smooth``): what an image service or a data loader reading files receives."""
     import io
 
     from PIL import Image
 
-    pixels = np.clip(np.asarray(image, dtype=np.float32) * (255.0 / 16.0), 0, 255).astype(np.uint8)
+    scale = check_int(scale, "scale", "encode_png")
+    pixels = np.clip(np.rint(np.asarray(image, dtype=np.float32) * (255.0 / vmax)), 0, 255).astype(np.uint8)
     img = Image.fromarray(pixels, mode="L")
-    if size is not None:
-        img = img.resize((check_int(size, "size", "encode_png", minimum=8), size), Image.Resampling.BILINEAR)
+    if scale != 1:
+        resample = Image.Resampling.BILINEAR if smooth else Image.Resampling.NEAREST
+        img = img.resize((pixels.shape[1] * scale, pixels.shape[0] * scale), resample)
     buf = io.BytesIO()
     img.save(buf, format="PNG")
     return buf.getvalue()
 
 
+def digits_raw_split() -> dict[str, np.ndarray | float]:
+    """The fixed digits split (``digits_arrays``' split) as raw pixels 0..16, with the training set's mean and std
+    (one scalar each, pixel units): what a model serving raw images normalizes with."""
+    images, y = _digits_raw()
+    train, test = _stratified_split(y, DIGITS_TRAIN_SIZE, DIGITS_SPLIT_SEED)
+    x = images.astype(np.float32)
+    return {"x_train": x[train], "y_train": y[train], "x_test": x[test], "y_test": y[test],
+            "mean": float(x[train][:, None].mean()), "std": float(x[train][:, None].std())}
+
+
 @functools.lru_cache(maxsize=4)
 def digits_png(size: int = 64) -> tuple[tuple[bytes, ...], np.ndarray]:
-    """All 1797 digits as PNG bytes (``size``×``size``, grayscale) and their labels."""
+    """All 1797 digits as PNG bytes (``size``×``size`` pixels, a multiple of 8; grayscale) and their labels."""
+    if check_int(size, "size", "digits_png", minimum=8) % 8:
+        raise ValueError(f"digits_png(size={size}): the 8x8 digits scale to a multiple of 8 pixels")
     images, y = _digits_raw()
-    return tuple(encode_png(im, size) for im in images), y
+    return tuple(encode_png(im, size // 8, smooth=True) for im in images), y

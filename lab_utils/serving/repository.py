@@ -496,8 +496,9 @@ def write_python_model(repo: str | os.PathLike[str], config: Mapping[str, Any], 
     return model_dir
 
 
-def write_model_py(version_dir: str | os.PathLike[str], source: str) -> Path:
-    """``model.py`` with its bytecode compiled beside it (``__pycache__``), for this Python.
+def write_model_py(version_dir: str | os.PathLike[str], source: str, name: str = "model.py") -> Path:
+    """``model.py`` (or another module ``name`` that model.py imports from its folder) with its bytecode compiled
+    beside it (``__pycache__``), for this Python.
 
     The python stub imports model.py and, finding no bytecode, writes it: a new file in the model's folder, and
     Triton reloads a model whose files changed on the next load request even when nothing else did (a second
@@ -507,7 +508,7 @@ def write_model_py(version_dir: str | os.PathLike[str], source: str) -> Path:
     import importlib.util
     import py_compile
 
-    path = Path(version_dir) / "model.py"
+    path = Path(version_dir) / name
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(source)
     py_compile.compile(str(path), cfile=importlib.util.cache_from_source(str(path)), doraise=True)

@@ -1,0 +1,128 @@
+"""Lab 07's preprocessing model (python backend): encoded images in, normalized FP32 tensors out, batch-aware.
+
+Copied as ``<repo>/<model>/<version>/model.py``; the course's model file sits beside it as
+``nvlab_triton_model.py`` (the stub puts the version folder on ``sys.path``), for the tensor helpers that cross
+the stub by DLPack under NumPy 2. It imports nothing from ``lab_utils`` (an external server has none).
+
+Input ``IMAGE``: ``TYPE_STRING``, dims [1]: each item the bytes of an encoded image file (PNG, JPEG...), as a
+real image service receives them. Output: FP32 [channels, size, size]. ``config.pbtxt`` parameters:
+``image_size`` (px), ``channels`` (1 grey, 3 RGB), ``pixel_scale`` (0..255 is multiplied by it first: the
+digits were trained on 0..16), ``mean`` and ``std`` (comma-separated, one per channel, after the scale),
+``resample`` (``box``: averages whole blocks, the exact inverse of a nearest-neighbour upscale;
+``bilinear``), ``max_image_bytes`` and ``max_image_side`` (px): what is refused as oversized.
+
+A request with a bad item (bytes that are not an image, an oversized image, a corrupt file) gets an error
+response of its own, code ``INVALID_ARG`` (HTTP 400, gRPC INVALID_ARGUMENT), naming the item and the fix; the
+other requests of the same batch are answered and the model stays loaded. Wrong datatypes never get here:
+Triton refuses them against the configuration (also a 400).
+
+BYTES tensors cross the stub through NumPy's C API, which Triton 2.51's stub was built against in its 1.x form:
+under NumPy 2 the stub corrupts them before ``execute`` runs. The wheel's server therefore runs this model in
+an execution environment with NumPy 1 (``lab_utils.serving.ensemble.build_stub_env``).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from typing import Any
+
+import numpy as np
+from nvlab_triton_model import to_tensor
+
+RESAMPLE = ("box", "bilinear")
+SIGNATURES = {b"\x89PNG\r\n\x1a\n": "PNG", b"\xff\xd8\xff": "JPEG", b"GIF8": "GIF", b"BM": "BMP"}  # file magic
+
+
+class BadImage(ValueError):
+    """An item the model cannot turn into a tensor; the message names the item and the fix."""
+
+
+class TritonPythonModel:
+    """``initialize`` reads the parameters (and imports Pillow: a load fails at once without it)."""
+
+    def initialize(self, args: dict[str, str]) -> None:
+        from PIL import Image  # a missing Pillow refuses the load with ImportError, not every request
+
+        cfg = json.loads(args["model_config"])
+        p = {k: v.get("string_value", "") for k, v in cfg.get("parameters", {}).items()}
+        self.size = int(p.get("image_size", "8"))
+        self.channels = int(p.get("channels", "1"))
+        if self.channels not in (1, 3):
+            raise ValueError(f"parameter channels={self.channels}: use 1 (grey) or 3 (RGB)")
+        self.scale = float(p.get("pixel_scale", "1"))
+        mean = [float(v) for v in p.get("mean", "0").split(",")]
+        std = [float(v) for v in p.get("std", "1").split(",")]
+        if len(mean) not in (1, self.channels) or len(std) not in (1, self.channels):
+            raise ValueError(f"parameters mean={mean} and std={std}: one value, or one per channel ({self.channels})")
+        self.mean = np.array(mean * (self.channels // len(mean)), np.float32)[:, None, None]  # [C, 1, 1]
+        self.std = np.array(std * (self.channels // len(std)), np.float32)[:, None, None]
+        how = p.get("resample", "box")
+        if how not in RESAMPLE:
+            raise ValueError(f"parameter resample={how!r}: use one of {RESAMPLE}")
+        self.resample = Image.Resampling.BOX if how == "box" else Image.Resampling.BILINEAR
+        self.max_bytes = int(p.get("max_image_bytes", str(1 << 20)))
+        self.max_side = int(p.get("max_image_side", "4096"))
+        self.input_name = cfg["input"][0]["name"]
+        self.output_name = cfg["output"][0]["name"]
+        self.mode = "L" if self.channels == 1 else "RGB"
+
+    def decode(self, i: int, data: Any) -> np.ndarray:
+        """Item ``i`` (encoded bytes) -> [channels, size, size] float32, normalized as in training."""
+        from PIL import Image, UnidentifiedImageError
+
+        if not isinstance(data, (bytes, bytearray)):
+            raise BadImage(f"{self.input_name}[{i}] is {type(data).__name__}, not bytes: send the encoded image "
+                           "file as a BYTES element")
+        if not data:
+            raise BadImage(f"{self.input_name}[{i}] is empty: send the bytes of an image file (PNG, JPEG)")
+        if len(data) > self.max_bytes:
+            raise BadImage(f"{self.input_name}[{i}] is {len(data)} bytes, over this service's limit of "
+                           f"{self.max_bytes} bytes: send a smaller image (at most {self.max_side} px a side)")
+        try:
+            img = Image.open(io.BytesIO(data))  # reads the header only: the size is known before any decoding
+        except Image.DecompressionBombError:
+            raise BadImage(f"{self.input_name}[{i}] declares more pixels than Pillow decodes safely: resize it to "
+                           f"at most {self.max_side} px a side") from None
+        except (UnidentifiedImageError, OSError, ValueError):
+            kind = next((k for sig, k in SIGNATURES.items() if bytes(data[:len(sig)]) == sig), None)
+            if kind:  # the right start, then something Pillow cannot read
+                raise BadImage(f"{self.input_name}[{i}]: {len(data)} bytes that start like a {kind} file but are "
+                               "truncated or corrupt: send the complete file") from None
+            raise BadImage(f"{self.input_name}[{i}]: {len(data)} bytes starting {bytes(data[:8])!r} are not an image "
+                           "file Pillow can decode: send the encoded file (PNG or JPEG), not raw pixels or text"
+                           ) from None
+        w, h = img.size
+        if max(w, h) > self.max_side:
+            raise BadImage(f"{self.input_name}[{i}] is {w}x{h} px, over this service's limit of {self.max_side} "
+                           f"px a side: resize it before sending (the model sees {self.size}x{self.size})")
+        try:
+            img = img.convert(self.mode)  # decodes: a truncated file fails here
+        except (OSError, ValueError, SyntaxError) as err:
+            raise BadImage(f"{self.input_name}[{i}] ({img.format}, {w}x{h} px) is corrupt or truncated ({err}): "
+                           "send the complete file") from None
+        if img.size != (self.size, self.size):
+            img = img.resize((self.size, self.size), self.resample)
+        a = np.asarray(img, dtype=np.float32)  # [S, S] or [S, S, 3], 0..255
+        a = a[None] if self.channels == 1 else a.transpose(2, 0, 1)  # [C, S, S]
+        return (a * self.scale - self.mean) / self.std
+
+    def execute(self, requests: list[Any]) -> list[Any]:
+        """One response per request, in order: its items' tensors [N, C, S, S], or its own error."""
+        import triton_python_backend_utils as pb_utils
+
+        code = getattr(pb_utils.TritonError, "INVALID_ARG", None)
+        responses = []
+        for r in requests:
+            try:
+                # BYTES arrive as an object array of bytes, [N, 1] (as_numpy: DLPack cannot carry objects)
+                items = pb_utils.get_input_tensor_by_name(r, self.input_name).as_numpy().reshape(-1)
+                x = np.stack([self.decode(i, item) for i, item in enumerate(items)]).astype(np.float32)
+                responses.append(pb_utils.InferenceResponse([to_tensor(self.output_name, x)]))
+            except BadImage as err:
+                error = pb_utils.TritonError(str(err), code) if code is not None else pb_utils.TritonError(str(err))
+                responses.append(pb_utils.InferenceResponse(error=error))
+            except Exception as err:  # a bug here must fail one request, not the model
+                responses.append(pb_utils.InferenceResponse(
+                    error=pb_utils.TritonError(f"preprocessing failed: {type(err).__name__}: {err}")))
+        return responses

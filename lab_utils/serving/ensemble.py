@@ -1,0 +1,654 @@
+"""Lab 07's model path: the digits classifier behind a Triton ensemble (PNG bytes in, top-k labels out), its
+versions, the response cache, and the clients that send encoded images.
+
+The repository (``build_service_repository``)::
+
+    digits_preprocess   python backend: IMAGE (TYPE_STRING, encoded PNG) -> PIXELS FP32 [1, 8, 8]
+    digits_classifier   model.onnx (DigitsCNN, dynamic batch): input FP32 [1, 8, 8] -> logits FP32 [10];
+                        Triton's onnxruntime backend on the NGC server, the python backend running ONNX Runtime
+                        on the wheel's server (which ships the python backend only); dynamic batching
+    digits_postprocess  python backend: LOGITS FP32 [10] -> LABELS TYPE_STRING [k], SCORES FP32 [k]
+    digits_service      ensemble chaining the three; ``response_cache { enable: true }``
+
+Every ``config.pbtxt`` is written through ``repository.write_config`` (Triton's schema and the course's checks);
+the ensemble's steps are checked against the models they name (``ensemble_problems``).
+
+Clients send 32x32 PNGs (the 8x8 digits upscaled 4x, as a real image service receives files, not tensors); the
+preprocessing model resizes them back to the 8x8 the classifier was trained on (a box filter: the exact inverse
+of the upscale) and normalizes them as in training.
+
+The wheel's server (Triton 2.51) has a python-backend stub built against NumPy 1: under NumPy 2 it corrupts
+``TYPE_STRING`` tensors before ``execute`` runs (every byte becomes the first one; the stub then dies). The pre-
+and postprocessing models then run in an execution environment with NumPy 1 (``build_stub_env``: a small venv
+that reuses this one's packages, given as ``EXECUTION_ENV_PATH``; ``python -m lab_utils.serving.ensemble
+--stub-env`` builds it once).
+
+The response cache: the wheel's build ships ``caches/local`` (``cache_library``); ``--cache-config
+local,size=BYTES`` turns it on (``ServiceRepo.server_kwargs``) and ``response_cache { enable: true }`` on the
+ensemble answers a repeated image without running any step. Its counters per model are
+``nv_cache_num_hits_per_model`` and ``nv_cache_num_misses_per_model`` (``cache_stats``); the server-wide
+``nv_cache_num_hits`` gauges stay 0 in Triton 2.51.
+
+Versions: ``write_classifier_version`` (another training), ``write_broken_version`` (a 9-way head where the
+config says 10: refused at load, the loaded version keeps serving), ``set_served_versions`` (the version policy
+the next ``load_model`` applies). Units are in names: ``_s`` seconds, ``_mib`` MiB, ``_us`` µs.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+import sysconfig
+import time
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from lab_utils.serving import client as triton_client
+from lab_utils.serving import repository as triton_repo
+from lab_utils.serving.server import ServerNotFound, ServerSource, find_server, wheel_layout
+from lab_utils.timing import cpu_cores
+
+PREFIX = "digits"
+SERVICE, PREPROCESS, CLASSIFIER, POSTPROCESS = (f"{PREFIX}_service", f"{PREFIX}_preprocess", f"{PREFIX}_classifier",
+                                                f"{PREFIX}_postprocess")
+IMAGE, PIXELS, LOGITS, LABELS, SCORES = "IMAGE", "PIXELS", "LOGITS", "LABELS", "SCORES"
+ONNX_INPUT, ONNX_OUTPUT = "input", "logits"  # the classifier file's tensor names (export_onnx's arguments)
+DIGIT_LABELS = tuple(str(d) for d in range(10))
+DIGITS_SIZE = 8  # px: what DigitsCNN was trained on
+PNG_SCALE = 4  # clients send 8 px digits upscaled to 32 px PNGs
+TOP_K = 3
+MAX_BATCH = 64
+QUEUE_DELAY_US = 500  # dynamic batching: how long a request may wait for others (µs); well under the 100 ms SLO
+MAX_IMAGE_BYTES = 256 * 1024  # what the preprocessing model accepts; nginx's client_max_body_size sits above it
+MAX_IMAGE_SIDE = 1024  # px
+CACHE_PLACES = ("service", "classifier", None)
+CACHE_MIB = 64  # the local response cache's size (MiB): a digit's top-k response is about 100 bytes
+STUB_ENV_DIR = "nvlab-triton-stub-env"  # under sys.prefix: tied to this venv's packages
+STUB_NUMPY = "numpy<2"
+STUB_PTH = "nvlab_main_site.pth"  # adds this venv's packages after the environment's own NumPy
+CACHE_METRICS = {"hits": "nv_cache_num_hits_per_model", "misses": "nv_cache_num_misses_per_model",
+                 "hit_us": "nv_cache_hit_duration_per_model", "miss_us": "nv_cache_miss_duration_per_model"}
+_PY_MODEL = "nvlab_triton_model.py"  # the course's model file, beside each python model's model.py
+
+
+# --- the data: digits as raw pixels and as PNG files ----------------------------------------------------
+
+
+# The split and the PNG encoding live in lab_utils.models (lab 06's data loader reads the same files); imported
+# when called, so importing this module does not import torch.
+def digits_raw_split() -> dict[str, Any]:
+    """``lab_utils.models.digits_raw_split``: the fixed split as raw pixels 0..16, with the training mean/std."""
+    from lab_utils import models
+
+    return models.digits_raw_split()
+
+
+def encode_png(image: np.ndarray, scale: int = PNG_SCALE, vmax: float = 16.0) -> bytes:
+    """``lab_utils.models.encode_png`` at the service's scale (8 px digits → 32 px PNGs, nearest neighbour)."""
+    from lab_utils import models
+
+    return models.encode_png(image, scale, vmax)
+
+
+def digits_pngs(split: str = "test", n: int | None = None, scale: int = PNG_SCALE) -> tuple[list[bytes], np.ndarray]:
+    """Held-out (``test``, 357) or training digits as PNG bytes (32x32 px by default) and their labels."""
+    if split not in ("test", "train"):
+        raise ValueError(f"split={split!r}: use 'test' (held out) or 'train'")
+    data = digits_raw_split()
+    x, y = data[f"x_{split}"][:n], data[f"y_{split}"][:n]
+    return [encode_png(img, scale) for img in x], y
+
+
+# --- the classifier: trained, exported, versioned --------------------------------------------------------
+
+
+def train_classifier(epochs: int = 4, seed: int = 0) -> tuple[Any, dict[str, Any]]:
+    """The course's DigitsCNN trained here (``workloads.train_digits_cnn``: seconds on a CPU); (model, facts)."""
+    from lab_utils.inference.workloads import train_digits_cnn
+
+    return train_digits_cnn(epochs=epochs, seed=seed)
+
+
+def export_classifier(model: Any, version_dir: str | Path, image_size: int = DIGITS_SIZE, channels: int = 1) -> Path:
+    """``model.onnx`` in ``version_dir`` with a dynamic batch (the course's ``export_onnx``); returns its path."""
+    import torch
+
+    from lab_utils.inference.onnx import export_onnx
+
+    example = torch.zeros(2, channels, image_size, image_size)
+    return export_onnx(model, Path(version_dir) / "model.onnx", example, input_name=ONNX_INPUT,
+                       output_name=ONNX_OUTPUT)
+
+
+def broken_classifier(classes: int = 9, seed: int = 0) -> Any:
+    """A DigitsCNN whose head has ``classes`` outputs (not 10): the wrong output shape a server must refuse."""
+    import torch
+
+    from lab_utils.models import make_digits_cnn
+
+    torch.manual_seed(seed)
+    model = make_digits_cnn()
+    model.head[-1] = torch.nn.Linear(model.head[-1].in_features, classes)
+    return model.eval()
+
+
+def write_classifier_version(repo: str | Path, version: int, *, epochs: int = 4, seed: int | None = None,
+                             name: str = CLASSIFIER, model: Any = None) -> dict[str, Any]:
+    """Train (or take ``model``) and write ``<repo>/<name>/<version>/``: ``model.onnx`` and, for the python backend,
+    ``model.py``. The config is left as it is (see ``set_served_versions``). Returns the training facts
+    (``accuracy`` in-process on the held-out digits), with ``version`` and ``export_s``."""
+    model_dir = Path(repo) / name
+    backend = _classifier_backend(model_dir)
+    facts: dict[str, Any] = {}
+    if model is None:
+        model, facts = train_classifier(epochs=epochs, seed=version - 1 if seed is None else seed)
+    vdir = model_dir / str(version)
+    t0 = time.perf_counter()
+    export_classifier(model, vdir)
+    if backend == "python":
+        _write_python_files(vdir, "onnx_classifier")
+    return {**facts, "version": version, "export_s": time.perf_counter() - t0}
+
+
+def write_broken_version(repo: str | Path, version: int = 2, *, name: str = CLASSIFIER, classes: int = 9) -> Path:
+    """Write a version whose ONNX file outputs ``classes`` logits where the config says 10: Triton refuses it at
+    load (the onnxruntime backend's check, or ``onnx_classifier``'s on the python backend). Returns its folder."""
+    write_classifier_version(repo, version, name=name, model=broken_classifier(classes))
+    return Path(repo) / name / str(version)
+
+
+def set_served_versions(repo: str | Path, versions: Sequence[int] | None, *, name: str = CLASSIFIER) -> Path:
+    """Rewrite ``<name>/config.pbtxt`` to serve exactly ``versions`` (``version_policy { specific }``), or the latest
+    one (None). The server reads it at the next ``load_model``. Returns the config's path."""
+    model_dir = Path(repo) / name
+    cfg = triton_repo.parse_config((model_dir / "config.pbtxt").read_text())  # the protobuf: values round-trip
+    cfg.ClearField("version_policy")
+    if versions:
+        cfg.version_policy.specific.versions.extend(int(v) for v in versions)
+    gpus = int(any(g.kind == g.KIND_GPU for g in cfg.instance_group))
+    return triton_repo.write_config(model_dir, cfg, gpus=gpus)
+
+
+def _classifier_backend(model_dir: Path) -> str:
+    cfg_path = model_dir / "config.pbtxt"
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"{cfg_path} does not exist: build the repository first (build_service_repository)")
+    cfg = triton_repo.parse_config(cfg_path.read_text())
+    return "python" if cfg.backend == "python" else "onnxruntime"
+
+
+def _write_python_files(version_dir: Path, model: str) -> None:
+    """``model.py`` (the backend file ``model``) and the course's model file beside it, both compiled."""
+    from lab_utils.serving import backend
+
+    folder = Path(backend.__file__).parent
+    triton_repo.write_model_py(version_dir, (folder / f"{model}.py").read_text())
+    triton_repo.write_model_py(version_dir, (folder / "model.py").read_text(), name=_PY_MODEL)
+
+
+# --- configurations --------------------------------------------------------------------------------------
+
+
+def default_instances(gpus: int = 0) -> int:
+    """Classifier instances worth having: 2 with a GPU or 4+ cores (one runs while the other gathers its batch),
+    else 1 (on 2 cores the pre- and postprocessing stubs and the clients already share them)."""
+    return 2 if gpus or cpu_cores() >= 4 else 1
+
+
+def classifier_config(name: str = CLASSIFIER, *, backend: str = "python", image_size: int = DIGITS_SIZE,
+                      channels: int = 1, classes: int = 10, max_batch_size: int = MAX_BATCH,
+                      queue_delay_us: int = QUEUE_DELAY_US, instances: int = 1, gpus: int = 0,
+                      threads: int = 1, versions: Sequence[int] | None = None, cache: bool = False) -> dict[str, Any]:
+    """The classifier's configuration: ``onnxruntime`` (Triton's ONNX Runtime backend, NGC server) or ``python``
+    (the course's python model running the same ``model.onnx``), with dynamic batching. ``cache``: its own
+    response cache (keyed by this model's version: a new version is never answered from an old one's entries)."""
+    if backend not in ("python", "onnxruntime"):
+        raise ValueError(f"backend={backend!r}: use 'onnxruntime' (NGC server) or 'python' (the wheel's server)")
+    cfg: dict[str, Any] = {
+        "name": name, "max_batch_size": max_batch_size,
+        "input": [{"name": ONNX_INPUT, "data_type": "TYPE_FP32", "dims": [channels, image_size, image_size]}],
+        "output": [{"name": ONNX_OUTPUT, "data_type": "TYPE_FP32", "dims": [classes]}],
+        "dynamic_batching": {"max_queue_delay_microseconds": queue_delay_us},
+        "instance_group": [{"kind": "KIND_GPU" if gpus else "KIND_CPU", "count": instances}],
+    }
+    if backend == "python":
+        cfg["backend"] = "python"
+        cfg["parameters"] = {"engine": {"string_value": "onnxruntime"}, "threads": {"string_value": str(threads)}}
+    else:
+        cfg["platform"] = "onnxruntime_onnx"
+    if versions:
+        cfg["version_policy"] = {"specific": {"versions": list(versions)}}
+    if cache:
+        cfg["response_cache"] = {"enable": True}
+    return cfg
+
+
+def _params(values: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: {"string_value": str(v)} for k, v in values.items()}
+
+
+def preprocess_config(name: str = PREPROCESS, *, image_size: int = DIGITS_SIZE, channels: int = 1,
+                      pixel_scale: float = 16 / 255, mean: Sequence[float] = (0.0,), std: Sequence[float] = (1.0,),
+                      resample: str = "box", max_batch_size: int = MAX_BATCH, stub_env: str | Path | None = None,
+                      max_image_bytes: int = MAX_IMAGE_BYTES, max_image_side: int = MAX_IMAGE_SIDE,
+                      instances: int = 1) -> dict[str, Any]:
+    """The preprocessing model's configuration (``backend/preprocess_png.py``): ``TYPE_STRING`` in, FP32 out."""
+    params = {"image_size": image_size, "channels": channels, "pixel_scale": repr(float(pixel_scale)),
+              "mean": ",".join(repr(float(m)) for m in mean), "std": ",".join(repr(float(s)) for s in std),
+              "resample": resample, "max_image_bytes": max_image_bytes, "max_image_side": max_image_side}
+    if stub_env:
+        params["EXECUTION_ENV_PATH"] = str(stub_env)
+    return {"name": name, "backend": "python", "max_batch_size": max_batch_size,
+            "input": [{"name": IMAGE, "data_type": "TYPE_STRING", "dims": [1]}],
+            "output": [{"name": PIXELS, "data_type": "TYPE_FP32", "dims": [channels, image_size, image_size]}],
+            "dynamic_batching": {},  # the ensemble's concurrent requests reach execute() together
+            "instance_group": [{"kind": "KIND_CPU", "count": instances}], "parameters": _params(params)}
+
+
+def postprocess_config(name: str = POSTPROCESS, *, labels: Sequence[str] = DIGIT_LABELS, top_k: int = TOP_K,
+                       max_batch_size: int = MAX_BATCH, stub_env: str | Path | None = None) -> dict[str, Any]:
+    """The postprocessing model's configuration (``backend/postprocess_topk.py``): logits in, top-k out."""
+    if not 1 <= top_k <= len(labels):
+        raise ValueError(f"top_k={top_k}: between 1 and the {len(labels)} classes")
+    bad = [s for s in labels if "," in s]
+    if bad:
+        raise ValueError(f"labels {bad[:3]} contain commas: the label parameter is comma-separated")
+    params: dict[str, Any] = {"labels": ",".join(labels)}
+    if stub_env:
+        params["EXECUTION_ENV_PATH"] = str(stub_env)
+    return {"name": name, "backend": "python", "max_batch_size": max_batch_size,
+            "input": [{"name": LOGITS, "data_type": "TYPE_FP32", "dims": [len(labels)]}],
+            "output": [{"name": LABELS, "data_type": "TYPE_STRING", "dims": [top_k]},
+                       {"name": SCORES, "data_type": "TYPE_FP32", "dims": [top_k]}],
+            "dynamic_batching": {}, "instance_group": [{"kind": "KIND_CPU", "count": 1}],
+            "parameters": _params(params)}
+
+
+def ensemble_config(name: str = SERVICE, *, preprocess: str = PREPROCESS, classifier: str = CLASSIFIER,
+                    postprocess: str = POSTPROCESS, top_k: int = TOP_K, max_batch_size: int = MAX_BATCH,
+                    cache: bool = True, classifier_version: int = -1) -> dict[str, Any]:
+    """The ensemble chaining the three models (``classifier_version`` -1: the newest one loaded). ``cache``: the
+    response cache on the ensemble: a repeated image is answered without running any step. Its entries are keyed
+    by the ensemble's name and version, not its steps': after a hot update of the classifier, images already
+    cached keep getting the old version's answer (measured on Triton 2.51, a reload of the ensemble included)."""
+    cfg: dict[str, Any] = {
+        "name": name, "platform": "ensemble", "max_batch_size": max_batch_size,
+        "input": [{"name": IMAGE, "data_type": "TYPE_STRING", "dims": [1]}],
+        "output": [{"name": LABELS, "data_type": "TYPE_STRING", "dims": [top_k]},
+                   {"name": SCORES, "data_type": "TYPE_FP32", "dims": [top_k]}],
+        "ensemble_scheduling": {"step": [
+            {"model_name": preprocess, "model_version": -1,
+             "input_map": {IMAGE: IMAGE}, "output_map": {PIXELS: "pixels"}},
+            {"model_name": classifier, "model_version": classifier_version,
+             "input_map": {ONNX_INPUT: "pixels"}, "output_map": {ONNX_OUTPUT: "logits"}},
+            {"model_name": postprocess, "model_version": -1,
+             "input_map": {LOGITS: "logits"}, "output_map": {LABELS: LABELS, SCORES: SCORES}},
+        ]},
+    }
+    if cache:
+        cfg["response_cache"] = {"enable": True}
+    return cfg
+
+
+def ensemble_problems(repo: str | Path, config: Any) -> list[tuple[str, str]]:
+    """What Triton's schema cannot see in an ensemble: each step's model exists in ``repo``, its ``input_map`` keys
+    are that model's inputs and its ``output_map`` keys its outputs, every tensor a step reads was produced before
+    (or is an ensemble input), and every ensemble output is produced. [] when all hold."""
+    cfg = triton_repo.parse_config(config)
+    problems: list[tuple[str, str]] = []
+    have = {t.name for t in cfg.input}
+    for i, step in enumerate(cfg.ensemble_scheduling.step):
+        f = f"ensemble_scheduling.step[{i}]"
+        model_cfg = Path(repo) / step.model_name / "config.pbtxt"
+        if not model_cfg.is_file():
+            problems.append((f"{f}.model_name", f"{step.model_name!r} has no {model_cfg}: build that model first"))
+            continue
+        sub = triton_repo.parse_config(model_cfg.read_text())
+        ins, outs = {t.name for t in sub.input}, {t.name for t in sub.output}
+        for key, tensor in step.input_map.items():
+            if key not in ins:
+                problems.append((f"{f}.input_map", f"{key!r} is not an input of {step.model_name} (it has "
+                                                   f"{sorted(ins)})"))
+            if tensor not in have:
+                problems.append((f"{f}.input_map", f"{tensor!r} is read before any step produces it (ensemble "
+                                                   f"inputs and earlier outputs: {sorted(have)})"))
+        for key in sorted(ins - set(step.input_map)):
+            problems.append((f"{f}.input_map", f"{step.model_name}'s input {key!r} is not mapped"))
+        for key, tensor in step.output_map.items():
+            if key not in outs:
+                problems.append((f"{f}.output_map", f"{key!r} is not an output of {step.model_name} (it has "
+                                                     f"{sorted(outs)})"))
+            have.add(tensor)
+    for t in cfg.output:
+        if t.name not in have:
+            problems.append(("output", f"{t.name!r} is produced by no step"))
+    return problems
+
+
+def write_ensemble(repo: str | Path, config: Mapping[str, Any]) -> Path:
+    """Validate (schema, course checks, ``ensemble_problems``) and write an ensemble's folder with its empty ``1/``."""
+    problems = ensemble_problems(repo, config)
+    model_dir = Path(repo) / str(config["name"])
+    if problems:
+        raise triton_repo.ConfigError(problems, model=str(config["name"]), where=str(model_dir / "config.pbtxt"))
+    (model_dir / "1").mkdir(parents=True, exist_ok=True)  # Triton wants a version folder, even an empty one
+    return triton_repo.write_config(model_dir, config, gpus=0)
+
+
+# --- the python backend's NumPy 1 environment (the wheel's server) ---------------------------------------
+
+
+def server_source() -> ServerSource | None:
+    """The server the repository is for (``find_server``: ``TRITON_URL``, the NGC binary, the wheel's), or None
+    when there is none here (the repository is then written for the NGC server)."""
+    try:
+        return find_server()
+    except ServerNotFound:
+        return None
+
+
+def stub_env_needed(source: ServerSource | None) -> bool:
+    """True when the server's python backend would run under NumPy 2 with a NumPy-1 stub: the wheel's server,
+    whose stub uses this interpreter's packages, and NumPy 2 here."""
+    return source is not None and source.kind == "wheel" and int(np.__version__.split(".")[0]) >= 2
+
+
+def default_stub_env() -> Path:
+    return Path(sys.prefix) / STUB_ENV_DIR
+
+
+def stub_env_ready(path: str | Path | None = None) -> bool:
+    path = Path(path or default_stub_env())
+    site = _stub_site(path)
+    return (path / "bin" / "activate").is_file() and (site / STUB_PTH).is_file() and \
+        any(site.glob("numpy-1.*.dist-info"))
+
+
+def _stub_site(path: Path) -> Path:
+    v = sys.version_info
+    return path / "lib" / f"python{v.major}.{v.minor}" / "site-packages"
+
+
+def build_stub_env(path: str | Path | None = None, numpy_spec: str = STUB_NUMPY, timeout_s: float = 300) -> Path:
+    """The python backend's execution environment (``EXECUTION_ENV_PATH``), built once: a venv of this Python
+    holding only NumPy 1 (pip, from the package index) and a ``.pth`` line that adds this venv's packages after it
+    (Pillow, ONNX Runtime). Triton sources its ``bin/activate`` before it starts the stub. Returns its folder."""
+    import fcntl
+
+    path = Path(path or default_stub_env())
+    if stub_env_ready(path):
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / f".{path.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a lab and a test building at once: one builds, the other waits
+        if not stub_env_ready(path):
+            _build_stub_env(path, numpy_spec, timeout_s)
+    return path
+
+
+def _build_stub_env(path: Path, numpy_spec: str, timeout_s: float) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)  # a half-built one (interrupted): start again
+    # Built where it stays: bin/activate holds the venv's own path, which a rename would leave pointing nowhere.
+    try:
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True, capture_output=True,
+                       text=True, timeout=timeout_s)
+        site = _stub_site(path)
+        pip = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(site),
+                              numpy_spec], capture_output=True, text=True, timeout=timeout_s)
+        if pip.returncode != 0:
+            raise RuntimeError(f"pip could not install {numpy_spec!r} for the python backend's environment (it needs "
+                               f"the package index): {(pip.stderr or pip.stdout).strip()[-600:]}")
+        main_site = sysconfig.get_paths()["purelib"]
+        # written last: stub_env_ready() looks for it
+        (site / STUB_PTH).write_text(f"import site; site.addsitedir({main_site!r})\n")
+    except BaseException:
+        shutil.rmtree(path, ignore_errors=True)
+        raise
+
+
+def stub_env(source: ServerSource | None, *, build: bool = False) -> Path | None:
+    """The execution environment the pre/postprocessing models need on this server, or None when they need none.
+
+    Missing and ``build`` False: ``RuntimeError`` with the command that builds it."""
+    if not stub_env_needed(source):
+        return None
+    if stub_env_ready():
+        return default_stub_env()
+    if build:
+        return build_stub_env()
+    raise RuntimeError(f"the wheel's Triton python backend needs NumPy 1 for TYPE_STRING tensors (this Python has "
+                       f"NumPy {np.__version__}), and {default_stub_env()} is not built: run "
+                       f"`python -m lab_utils.serving.ensemble --stub-env` once (pip installs {STUB_NUMPY!r} there)")
+
+
+# --- the whole repository --------------------------------------------------------------------------------
+
+
+@dataclass
+class ServiceRepo:
+    """A built service repository: its folder, model names, and how to start a server on it."""
+
+    path: Path
+    service: str
+    preprocess: str
+    classifier: str
+    postprocess: str
+    backend: str  # the classifier's: "python" or "onnxruntime"
+    stub_env: Path | None
+    facts: dict[str, Any] = field(default_factory=dict)  # version 1's training facts
+    note: str = ""
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        return (self.preprocess, self.classifier, self.postprocess, self.service)
+
+    def server_kwargs(self, cache_mib: int | None = CACHE_MIB) -> dict[str, Any]:
+        """``TritonServer`` arguments: explicit model control loading the ensemble (and with it its steps), and the
+        local response cache of ``cache_mib`` MiB (None: no cache)."""
+        extra = (f"--cache-config=local,size={int(cache_mib) * 2**20}",) if cache_mib else ()
+        return {"model_control": "explicit", "load_models": (self.service,), "extra_args": extra}
+
+
+def build_service(repo: str | Path, model: Any, *, prefix: str, labels: Sequence[str], image_size: int,
+                  channels: int, pixel_scale: float, mean: Sequence[float], std: Sequence[float],
+                  resample: str = "box", top_k: int = TOP_K, backend: str | None = None, gpus: int = 0,
+                  instances: int | None = None, cache: str | None = "service", source: ServerSource | None = None,
+                  build_env: bool = True, note: str = "") -> ServiceRepo:
+    """The four model folders of a service ``<prefix>_{preprocess,classifier,postprocess,service}`` for a trained
+    ``model`` (a torch module, (B, channels, size, size) -> (B, classes)), every config validated.
+
+    ``source``: the server it is for (default ``server_source()``). ``backend`` None: ``python`` on the wheel's
+    server (it has no onnxruntime backend), else ``onnxruntime``.
+    ``cache``: where the response cache is on: ``"service"`` (the ensemble: a hit skips every step),
+    ``"classifier"`` (a hit skips the model only, and a new version starts with no entries) or None."""
+    if cache not in CACHE_PLACES:
+        raise ValueError(f"cache={cache!r}: use one of {CACHE_PLACES}")
+    repo = Path(repo)
+    source = source or server_source()
+    backend = backend or ("python" if source is not None and source.kind == "wheel" else "onnxruntime")
+    env = stub_env(source, build=build_env)
+    names = {k: f"{prefix}_{k}" for k in ("preprocess", "classifier", "postprocess", "service")}
+    instances = default_instances(gpus) if instances is None else instances
+
+    pre_dir = repo / names["preprocess"]
+    _write_python_files(pre_dir / "1", "preprocess_png")
+    triton_repo.write_config(pre_dir, preprocess_config(
+        names["preprocess"], image_size=image_size, channels=channels, pixel_scale=pixel_scale, mean=mean, std=std,
+        resample=resample, stub_env=env), gpus=0)
+
+    cls_dir = repo / names["classifier"]
+    t0 = time.perf_counter()
+    export_classifier(model, cls_dir / "1", image_size, channels)
+    if backend == "python":
+        _write_python_files(cls_dir / "1", "onnx_classifier")
+    triton_repo.write_config(cls_dir, classifier_config(
+        names["classifier"], backend=backend, image_size=image_size, channels=channels, classes=len(labels),
+        instances=instances, gpus=gpus, cache=cache == "classifier"), gpus=gpus)
+    export_s = time.perf_counter() - t0
+
+    post_dir = repo / names["postprocess"]
+    _write_python_files(post_dir / "1", "postprocess_topk")
+    triton_repo.write_config(post_dir, postprocess_config(names["postprocess"], labels=labels, top_k=top_k,
+                                                          stub_env=env), gpus=0)
+
+    write_ensemble(repo, ensemble_config(names["service"], preprocess=names["preprocess"],
+                                         classifier=names["classifier"], postprocess=names["postprocess"],
+                                         top_k=top_k, cache=cache == "service"))
+    triton_repo.validate_repository(repo, models=list(names.values()), gpus=gpus)
+    return ServiceRepo(repo, names["service"], names["preprocess"], names["classifier"], names["postprocess"],
+                       backend, env, {"export_s": export_s}, note)
+
+
+def build_service_repository(repo: str | Path, *, epochs: int = 4, seed: int = 0, top_k: int = TOP_K,
+                             backend: str | None = None, gpus: int = 0, instances: int | None = None,
+                             cache: str | None = "service", source: ServerSource | None = None,
+                             build_env: bool = True) -> ServiceRepo:
+    """The digits service: DigitsCNN trained here (seconds), exported to ONNX, behind the PNG ensemble.
+
+    Its ``facts`` hold the in-process held-out accuracy, to compare with ``service_accuracy`` through Triton."""
+    model, facts = train_classifier(epochs=epochs, seed=seed)
+    raw = digits_raw_split()
+    svc = build_service(repo, model, prefix=PREFIX, labels=DIGIT_LABELS, image_size=DIGITS_SIZE, channels=1,
+                        pixel_scale=16 / 255, mean=(raw["mean"],), std=(raw["std"],), resample="box", top_k=top_k,
+                        backend=backend, gpus=gpus, instances=instances, cache=cache, source=source,
+                        build_env=build_env)
+    svc.facts.update(facts)
+    return svc
+
+
+def build_resnet50_service(repo: str | Path, *, image_size: int = 224, width: int = 64, top_k: int = 5,
+                           backend: str | None = None, gpus: int = 0, instances: int | None = None,
+                           cache: str | None = None, source: ServerSource | None = None,
+                           build_env: bool = True) -> ServiceRepo:
+    """``resnet50_*``: a ResNet-50 (``workloads.make_resnet50``; torchvision's where it imports, else the course's
+    same-layout ``BottleneckResNet``) with RANDOM WEIGHTS, for speed only: its labels mean nothing. RGB
+    ``image_size`` px, ImageNet normalization, 1000 classes. The export takes tens of seconds on a CPU."""
+    from lab_utils.inference.workloads import make_resnet50
+
+    model, info = make_resnet50("cpu", width=width, image_size=image_size)
+    svc = build_service(repo, model, prefix="resnet50", labels=[f"class_{i}" for i in range(1000)],
+                        image_size=image_size, channels=3, pixel_scale=1 / 255, mean=(0.485, 0.456, 0.406),
+                        std=(0.229, 0.224, 0.225), resample="bilinear", top_k=top_k, backend=backend, gpus=gpus,
+                        instances=instances, cache=cache, source=source, build_env=build_env,
+                        note=f"random weights, speed only: {info}")
+    svc.facts.update({"model": str(info), "params_m": info.params_m, "gflop_per_image": info.gflop_per_image})
+    return svc
+
+
+def random_pngs(n: int, size: int = 224, seed: int = 0) -> list[bytes]:
+    """``n`` random RGB PNGs of ``size`` px (for the ResNet-50 service's speed runs)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        buf = io.BytesIO()
+        Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8), mode="RGB").save(buf, format="PNG")
+        out.append(buf.getvalue())
+    return out
+
+
+# --- the server side: cache, versions --------------------------------------------------------------------
+
+
+def cache_library(source: ServerSource | None = None) -> Path | None:
+    """The local response cache's library of the server binary (``caches/local/libtritoncache_local.so``), or None
+    when that build has none (or the server is remote: ``TRITON_URL``)."""
+    source = source or server_source()
+    if source is None or source.kind == "url":
+        return None
+    tree = wheel_layout(Path(source.location))["tree"] if source.kind == "wheel" else Path(source.location).parents[1]
+    lib = tree / "caches" / "local" / "libtritoncache_local.so"
+    return lib if lib.is_file() else None
+
+
+def metric_samples(metrics_url: str, timeout_s: float = 5.0) -> list[tuple[dict[str, str], float]]:
+    """The samples of Triton's ``/metrics`` now: ``({"__name__": ..., labels...}, value)``."""
+    from lab_utils.monitoring.prometheus import parse_exposition
+
+    with urllib.request.urlopen(metrics_url, timeout=timeout_s) as r:
+        return parse_exposition(r.read().decode())
+
+
+def cache_stats(metrics_url: str, model: str = SERVICE) -> dict[str, float]:
+    """The response cache's counters for ``model`` from Triton's metrics: ``hits``, ``misses`` (counts), ``hit_us``
+    and ``miss_us`` (total µs spent on lookups and insertions), and ``hit_ratio`` (NaN before any lookup).
+    Absent metrics (no cache, or the model has no ``response_cache``) count as 0."""
+    out = dict.fromkeys(CACHE_METRICS, 0.0)
+    for labels, value in metric_samples(metrics_url):
+        for key, metric in CACHE_METRICS.items():
+            if labels.get("__name__") == metric and labels.get("model") == model:
+                out[key] += value
+    lookups = out["hits"] + out["misses"]
+    out["hit_ratio"] = out["hits"] / lookups if lookups else float("nan")
+    return out
+
+
+def version_states(url: str, model: str = CLASSIFIER, protocol: str = "grpc") -> dict[str, str]:
+    """``{version: state}`` of ``model`` from the repository index (READY, UNAVAILABLE with a reason...)."""
+    out = {}
+    for m in triton_client.repository_index(url, protocol):
+        if m.get("name") == model and m.get("version"):
+            reason = m.get("reason", "")
+            out[str(m["version"])] = m.get("state", "") + (f": {reason}" if reason else "")
+    return out
+
+
+# --- clients ---------------------------------------------------------------------------------------------
+
+
+def image_batch(pngs: Sequence[bytes]) -> np.ndarray:
+    """Encoded images as the ensemble's input: an object array of bytes, shape [N, 1] (datatype BYTES)."""
+    arr = np.empty((len(pngs), 1), dtype=object)
+    for i, b in enumerate(pngs):
+        arr[i, 0] = bytes(b)
+    return arr
+
+
+def classify(url: str, pngs: Sequence[bytes], *, protocol: str = "grpc", model: str = SERVICE,
+             version: str = "", timeout_s: float = 30.0) -> tuple[list[list[str]], np.ndarray]:
+    """Send ``pngs`` (encoded images) in one request; (top-k labels per image, best first; scores [N, k])."""
+    out = triton_client.infer(url, model, {IMAGE: image_batch(pngs)}, protocol=protocol, outputs=[LABELS, SCORES],
+                              version=version, timeout_s=timeout_s)
+    labels = [[b.decode() if isinstance(b, bytes) else str(b) for b in row] for row in out[LABELS]]
+    return labels, np.asarray(out[SCORES], dtype=np.float32)
+
+
+def service_accuracy(url: str, *, protocol: str = "grpc", n: int | None = None, batch_size: int = 16,
+                     model: str = SERVICE) -> dict[str, Any]:
+    """Top-1 accuracy on the held-out digits sent through the whole service as PNG bytes (``batch_size`` images a
+    request); with the wrong predictions (index, label, predicted) and the wall time (s)."""
+    pngs, y = digits_pngs("test", n)
+    t0 = time.perf_counter()
+    predicted: list[str] = []
+    for i in range(0, len(pngs), batch_size):
+        labels, _ = classify(url, pngs[i:i + batch_size], protocol=protocol, model=model)
+        predicted += [row[0] for row in labels]
+    wall_s = time.perf_counter() - t0
+    wrong = [(i, int(t), p) for i, (t, p) in enumerate(zip(y, predicted, strict=True)) if str(int(t)) != p]
+    return {"accuracy": 1 - len(wrong) / len(y), "images": len(y), "wrong": wrong, "wall_s": wall_s,
+            "protocol": protocol, "requests": -(-len(y) // batch_size)}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m lab_utils.serving.ensemble --stub-env``: build the python backend's NumPy-1 environment."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args != ["--stub-env"]:
+        print("usage: python -m lab_utils.serving.ensemble --stub-env   (builds "
+              f"{default_stub_env()}: {STUB_NUMPY} for Triton's python backend)", file=sys.stderr)
+        return 2
+    print(json.dumps({"stub_env": str(build_stub_env())}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

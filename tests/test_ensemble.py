@@ -1,0 +1,246 @@
+"""Lab 07's model path against a real Triton: PNG bytes through the ensemble (preprocess -> ONNX classifier ->
+top-k) over HTTP and gRPC, bad input refused per request with a 400, the response cache's hits in the metrics,
+versions loaded and refused under explicit model control, and nothing left running. One server for the module."""
+
+from __future__ import annotations
+
+import io
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+from _triton import REQUIRE_ENV, quick_stop, require_server  # noqa: F401 (an autouse fixture)
+
+from lab_utils import procs
+from lab_utils.models import digits_arrays
+from lab_utils.procs import env_flag
+from lab_utils.serving import client as triton_client
+from lab_utils.serving import ensemble as ens
+from lab_utils.serving import repository as triton_repo
+from lab_utils.serving import server as triton_server
+from lab_utils.serving.server import TritonServer
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    source = require_server()
+    try:
+        ens.stub_env(source, build=True)
+    except (RuntimeError, OSError) as err:  # pip cannot reach the package index: NumPy 1 for the stub is missing
+        if env_flag(REQUIRE_ENV):
+            pytest.fail(f"{REQUIRE_ENV} is set but the python backend's environment cannot be built: {err}")
+        pytest.skip(f"the python backend's NumPy-1 environment is not built and cannot be: {err}")
+    return ens.build_service_repository(tmp_path_factory.mktemp("lab07") / "repo", source=source)
+
+
+@pytest.fixture(scope="module")
+def server(built):
+    # a short grace before SIGKILL, as quick_stop gives per test (what a stop leaves is tested, not its pace)
+    with TritonServer(built.path, stop_grace_s=0.3, **built.server_kwargs()) as s:
+        yield s
+
+
+def test_repository_is_valid_and_bad_ensembles_are_named(built):
+    entries = triton_repo.validate_repository(built.path, models=list(built.models), gpus=0)
+    assert entries[ens.SERVICE].config.platform == "ensemble"
+    assert entries[ens.SERVICE].config.response_cache.enable
+    cls = entries[ens.CLASSIFIER].config
+    assert cls.HasField("dynamic_batching") and cls.max_batch_size == ens.MAX_BATCH
+    assert built.backend == ("python" if triton_server.find_server(local=True).kind == "wheel" else "onnxruntime")
+    bad = ens.ensemble_config("broken_service")
+    steps = bad["ensemble_scheduling"]["step"]
+    steps[1]["input_map"] = {"INPUT__0": "pixles"}  # a wrong input name and a misspelt tensor
+    steps[2]["output_map"] = {"TOP": ens.LABELS}
+    with pytest.raises(triton_repo.ConfigError) as err:
+        ens.write_ensemble(built.path, bad)
+    text = str(err.value)
+    assert "'INPUT__0' is not an input of digits_classifier" in text and "'pixles' is read before" in text
+    assert "input 'input' is not mapped" in text and "'TOP' is not an output" in text
+    assert "'SCORES' is produced by no step" in text
+    assert not (built.path / "broken_service").exists()
+    # the NGC server's form of the classifier (Triton's onnxruntime backend, on a GPU) is valid as well
+    ngc = ens.classifier_config(backend="onnxruntime", gpus=1, instances=2)
+    assert triton_repo.validate_config(ngc, gpus=1).platform == "onnxruntime_onnx"
+    with pytest.raises(triton_repo.ConfigError, match="respons_cache"):  # the schema names a misspelt field
+        triton_repo.parse_config({**ens.ensemble_config(), "respons_cache": {"enable": True}})
+
+
+def test_accuracy_through_the_service_over_http_and_grpc(built, server):
+    # different batch sizes: different requests, so the second protocol is not answered from the cache
+    http = ens.service_accuracy(server.http_url, protocol="http", batch_size=16)
+    grpc = ens.service_accuracy(server.grpc_url, protocol="grpc", batch_size=7)
+    assert http["images"] == grpc["images"] == 357
+    assert http["accuracy"] > 0.9 and grpc["accuracy"] > 0.9, (http, grpc)
+    # the PNG round trip and the preprocessing reproduce training's input: the same answers as in-process
+    assert abs(http["accuracy"] - built.facts["accuracy"]) < 0.01 and http["wrong"] == grpc["wrong"]
+    # the preprocessing model alone: the PNGs come back as the normalized tensors the CNN was trained on
+    pngs, y = ens.digits_pngs("test", 40)
+    x = triton_client.infer(server.http_url, ens.PREPROCESS, {ens.IMAGE: ens.image_batch(pngs)},
+                            protocol="http")[ens.PIXELS]
+    assert x.shape == (40, 1, 8, 8) and np.abs(x - digits_arrays()["x_test"][:40]).max() < 0.02
+    pngs = pngs[:3]
+    labels, scores = ens.classify(server.grpc_url, pngs)
+    assert len(labels) == 3 and all(len(row) == ens.TOP_K for row in labels) and scores.shape == (3, ens.TOP_K)
+    assert np.all(np.diff(scores, axis=1) <= 0) and np.all(scores.sum(axis=1) <= 1.0 + 1e-5)
+    assert all(set(row) <= set(ens.DIGIT_LABELS) and len(set(row)) == ens.TOP_K for row in labels)
+
+
+def _png(size: tuple[int, int], noise: bool = False) -> bytes:
+    """A grey PNG of ``size`` (w, h) px: black (a few hundred bytes at any size) or noise (incompressible)."""
+    from PIL import Image
+
+    img = Image.new("L", size)
+    if noise:
+        img = Image.fromarray(np.random.default_rng(0).integers(0, 256, size[::-1], dtype=np.uint8), mode="L")
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _status(url: str, protocol: str, array: np.ndarray) -> tuple[str, str]:
+    """(status, message) of one request sent with tritonclient itself: the HTTP code or the gRPC status."""
+    from tritonclient.utils import InferenceServerException
+
+    mod = triton_client._module(protocol)
+    c = mod.InferenceServerClient(triton_client.host_port(url))
+    try:
+        ins, _ = triton_client.build_request(mod, protocol, {ens.IMAGE: array}, None)
+        c.infer(ens.SERVICE, ins)
+    except InferenceServerException as err:
+        return str(err.status()), str(err.message())
+    finally:
+        c.close()
+    return "ok", ""
+
+
+BAD = {  # what a client sends -> words the error must hold (the problem and the fix)
+    "not an image": (b"hello, this is text", ["not an image file", "send the encoded file"]),
+    "truncated PNG header": (_png((32, 32))[:40], ["start like a PNG file", "send the complete file"]),
+    "truncated PNG data": (_png((64, 64), noise=True)[:2000], ["corrupt or truncated", "send the complete file"]),
+    "oversized bytes": (b"\x89PNG" + bytes(ens.MAX_IMAGE_BYTES), ["over this service's limit", "smaller image"]),
+    "oversized image": (_png((ens.MAX_IMAGE_SIDE + 1, 8)), ["1025x8 px", "resize it"]),
+}
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_bad_input_is_a_400_naming_the_fix_and_the_server_stays_healthy(server, protocol):
+    url = server.http_url if protocol == "http" else server.grpc_url
+    want = "400" if protocol == "http" else "StatusCode.INVALID_ARGUMENT"
+    good, _ = ens.digits_pngs("train", 2)
+    for what, (payload, words) in BAD.items():
+        status, message = _status(url, protocol, ens.image_batch([good[0], payload]))
+        assert status == want, (what, status, message)
+        assert all(w in message for w in words) and "IMAGE[1]" in message, (what, message)
+    status, message = _status(url, protocol, np.zeros((1, 1), np.float32))  # wrong dtype: refused by Triton itself
+    assert status == want and "data-type is 'FP32'" in message and "expects 'BYTES'" in message, message
+    # bad and good requests at once: each bad one fails alone, the others in the same batch are answered
+    payloads = [[good[0]], [BAD["not an image"][0]], [good[1]], [BAD["oversized image"][0]]]
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda p: _status(url, protocol, ens.image_batch(p)), payloads))
+    assert [r[0] for r in results] == ["ok", want, "ok", want], results
+    assert server.alive() and server.ready() and triton_client.model_ready(url, ens.PREPROCESS, protocol)
+    assert "not healthy" not in server.log_tail(400) and "terminate called" not in server.log_tail(400)
+    assert ens.classify(url, good[:1], protocol=protocol)[0][0][0] in ens.DIGIT_LABELS
+
+
+def test_cache_hits_rise_on_repeated_images(server):
+    lib = ens.cache_library(server.source)
+    if lib is None:
+        pytest.skip(f"this Triton build ({server.source}) has no caches/local/libtritoncache_local.so: no response "
+                    "cache to measure")
+    assert "--cache-config=local" in " ".join(server.argv)
+    png = ens.encode_png(np.arange(64, dtype=np.float32).reshape(8, 8) % 17)  # an image no other test sends
+    before = ens.cache_stats(server.metrics_url)
+    first = ens.classify(server.http_url, [png], protocol="http")
+    for _ in range(3):
+        again = ens.classify(server.grpc_url, [png])  # the cache key is the request, not the protocol
+        assert again[0] == first[0] and np.array_equal(again[1], first[1])
+    after = ens.cache_stats(server.metrics_url)
+    assert after["misses"] - before["misses"] == 1 and after["hits"] - before["hits"] == 3, (before, after)
+    assert after["hit_us"] > before["hit_us"] and 0 < after["hit_ratio"] < 1
+
+
+def test_broken_version_refused_at_load_and_version_1_serves(built, server):
+    pngs, _ = ens.digits_pngs("train", 5)
+    before = ens.classify(server.grpc_url, pngs)
+    vdir = ens.write_broken_version(built.path, 2)
+    try:
+        with pytest.raises(RuntimeError) as err:  # the default policy serves the latest version: 2
+            triton_client.load_model(server.grpc_url, ens.CLASSIFIER)
+        text = str(err.value)
+        assert "version 2" in text and "[-1, 9]" in text and "dims [10]" in text, text
+        states = ens.version_states(server.grpc_url)
+        assert states["1"] == "READY" and states["2"].startswith("UNAVAILABLE"), states
+        x = np.zeros((2, 1, 8, 8), np.float32)
+        assert triton_client.infer(server.http_url, ens.CLASSIFIER, {ens.ONNX_INPUT: x},
+                                   protocol="http")[ens.ONNX_OUTPUT].shape == (2, 10)
+        after = ens.classify(server.http_url, pngs, protocol="http")
+        assert after[0] == before[0]
+    finally:
+        shutil.rmtree(vdir)
+
+
+def test_version_2_hot_update_and_the_stale_ensemble_cache(built, server):
+    """Version 2 loads beside 1, then alone. The ensemble's cache keeps version 1's answers for images it holds:
+    its entries are keyed by the ensemble, not by the classifier behind it (what the lab's hot update must show)."""
+    pngs, y = ens.digits_pngs("train", 40)
+    cached = ens.classify(server.grpc_url, pngs[:1])  # cached, answered by version 1
+    facts = ens.write_classifier_version(built.path, 2, epochs=6, seed=1)
+    assert facts["accuracy"] > 0.9 and facts["version"] == 2
+    try:
+        ens.set_served_versions(built.path, [1, 2])
+        triton_client.load_model(server.grpc_url, ens.CLASSIFIER)
+        assert ens.version_states(server.grpc_url) == {"1": "READY", "2": "READY"}
+        x = triton_client.infer(server.grpc_url, ens.PREPROCESS, {ens.IMAGE: ens.image_batch(pngs[:8])})[ens.PIXELS]
+        v1, v2 = (triton_client.infer(server.grpc_url, ens.CLASSIFIER, {ens.ONNX_INPUT: x}, version=v)[ens.ONNX_OUTPUT]
+                  for v in ("1", "2"))
+        assert not np.allclose(v1, v2) and np.mean(v2.argmax(1) == y[:8]) > 0.8
+        ens.set_served_versions(built.path, [2])
+        triton_client.load_model(server.grpc_url, ens.CLASSIFIER)
+        assert ens.version_states(server.grpc_url).get("2") == "READY"
+        fresh = ens.classify(server.http_url, pngs[1:], protocol="http")  # not cached: version 2 answers
+        assert np.mean([row[0] == str(t) for row, t in zip(fresh[0], y[1:], strict=True)]) > 0.9
+        again = ens.classify(server.grpc_url, pngs[:1])
+        assert np.array_equal(again[1], cached[1]), "the cached image is still answered by version 1"
+    finally:
+        ens.set_served_versions(built.path, None)
+        shutil.rmtree(built.path / ens.CLASSIFIER / "2", ignore_errors=True)
+
+
+def test_resnet50_variant_serves_any_png(built, server):
+    """The ResNet-50 service's path (RGB, bilinear resize, ImageNet normalization, 1000 labels) at the CPU's small
+    size, width 16 and 64 px; the GPU run builds width 64 at 224 px. Random weights: speed only."""
+    svc = ens.build_resnet50_service(built.path, width=16, image_size=64, source=server.source)
+    assert "random weights, speed only" in svc.note and svc.facts["params_m"] < 3
+    triton_client.load_model(server.grpc_url, svc.service)
+    labels, scores = ens.classify(server.grpc_url, ens.random_pngs(3, 64), model=svc.service)
+    assert scores.shape == (3, 5) and all(label.startswith("class_") for row in labels for label in row)
+    grey, _ = ens.digits_pngs("test", 1)  # grey 32 px: converted to RGB and resized like any other image
+    assert len(ens.classify(server.http_url, grey, protocol="http", model=svc.service)[0][0]) == 5
+
+
+def test_stop_leaves_nothing(server):
+    pid, prefix = server.pid, server._shm_prefix
+    stubs = [p for p in procs.group_members(pid) if p != pid]
+    assert len(stubs) >= 3, "one stub per python model instance"
+    server.stop()
+    assert not server.alive() and server not in triton_server.running_servers()
+    assert not procs.group_members(pid)
+    assert not list(Path("/dev/shm").glob(f"{prefix}*"))
+    assert server.stop() == server.exit_code  # twice is fine
+
+
+def test_missing_stub_env_names_the_command(monkeypatch, tmp_path):
+    wheel = triton_server.ServerSource("wheel", "/x/bin/tritonserver")
+    ngc = triton_server.ServerSource("path", "/opt/tritonserver/bin/tritonserver")
+    monkeypatch.setattr(ens, "default_stub_env", lambda: tmp_path / "env")
+    monkeypatch.setattr(ens.np, "__version__", "2.4.6")
+    assert ens.stub_env_needed(wheel) and not ens.stub_env_needed(ngc) and not ens.stub_env_needed(None)
+    assert ens.stub_env(ngc) is None  # the NGC image's stub matches its own NumPy
+    with pytest.raises(RuntimeError, match=r"python -m lab_utils\.serving\.ensemble --stub-env") as err:
+        ens.stub_env(wheel)
+    assert "TYPE_STRING" in str(err.value) and str(tmp_path / "env") in str(err.value)
+    monkeypatch.setattr(ens.np, "__version__", "1.26.4")
+    assert ens.stub_env(wheel) is None

@@ -1,0 +1,234 @@
+"""Open-loop load against real servers: a one-worker HTTP server with a fixed service time (so the queueing math is
+known), Triton through the tritonclient asyncio clients, and a server that is down. Poisson arrivals, latency from
+the intended send time, errors and timeouts counted, the stability rule, the capacity search."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from _triton import quick_stop, require_server, tiny_repo  # noqa: F401 (an autouse fixture)
+
+from lab_utils.procs import free_port, popen_owned, stop_group, wait_http_ok
+from lab_utils.serving import openloop as ol
+from lab_utils.serving.openloop import (
+    HttpTarget,
+    OpenLoopWindow,
+    compare_loops,
+    find_capacity,
+    is_stable,
+    meets_slo,
+    poisson_arrivals,
+    run_closed_loop,
+    run_open_loop,
+)
+from lab_utils.serving.server import TritonServer, find_server, prepare_wheel_backends
+
+# One worker: requests wait in FIFO order (asyncio.Lock is fair) for SERVICE_MS each, an M/D/1 queue. The service is
+# a sleep, so the machine's two cores stay free for the client. /health skips the queue (readiness).
+BACKEND = r"""
+import asyncio, sys
+from aiohttp import web
+port, service_s, name = int(sys.argv[1]), float(sys.argv[2]) / 1e3, sys.argv[3]
+lock = asyncio.Lock()
+async def work(request):
+    await request.read()
+    if request.path != "/health" and service_s > 0:
+        async with lock:
+            await asyncio.sleep(service_s)
+    return web.Response(text=name)
+app = web.Application(client_max_size=64 * 2**20)
+app.router.add_route("*", "/{tail:.*}", work)
+web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None, handle_signals=True)
+"""
+
+SERVICE_MS = 20.0
+
+
+class Backend:
+    """A real HTTP server in an owned process (stopped with its group)."""
+
+    def __init__(self, service_ms: float = 0.0, name: str = "backend"):
+        self.port = free_port()
+        self.name = name
+        self.proc = popen_owned([sys.executable, "-c", BACKEND, str(self.port), str(service_ms), name])
+        if not wait_http_ok(f"{self.url}/health", self.proc, timeout_s=20):
+            raise RuntimeError(f"test backend exited with code {self.proc.returncode}")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        stop_group(self.proc, grace_s=2.0)
+
+    def __enter__(self) -> Backend:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def triton(tmp_path: Path) -> TritonServer:
+    """A tiny Triton whose log and (wheel) backend folder live under pytest's tmp_path: with ``-n 0`` the course's
+    own /tmp folders would stay until the interpreter exits, after the session's leftover check."""
+    source = find_server(local=True)
+    if source.kind == "wheel":
+        prepare_wheel_backends(Path(source.location), root=tmp_path)  # cached for the process from here on
+    return TritonServer(tiny_repo(tmp_path), log_path=tmp_path / "triton.log", source=source)
+
+
+@pytest.fixture(scope="module")
+def slow():
+    with Backend(SERVICE_MS, "slow") as b:
+        yield b
+
+
+def test_poisson_arrivals_mean_gap_and_seed():
+    t = poisson_arrivals(200.0, 20.0, seed=1)
+    gaps = np.diff(np.concatenate([[0.0], t]))
+    assert len(t) == pytest.approx(4000, rel=0.06)  # 4000 ± 4 sigma
+    assert gaps.mean() == pytest.approx(1 / 200, rel=0.05)
+    assert gaps.std() == pytest.approx(gaps.mean(), rel=0.1)  # exponential: the spread equals the mean
+    assert np.all(np.diff(t) > 0) and t[-1] < 20.0
+    assert np.array_equal(t, poisson_arrivals(200.0, 20.0, seed=1))
+    assert not np.array_equal(t[:50], poisson_arrivals(200.0, 20.0, seed=2)[:50])
+
+
+def test_sends_follow_the_schedule_and_every_request_is_counted(slow):
+    seen: list[OpenLoopWindow] = []
+    r = run_open_loop(HttpTarget(slow.url), 20.0, 2.0, warmup_s=0.5, window_s=0.5, seed=3, on_window=seen.append)
+    expected = len(poisson_arrivals(20.0, 2.5, seed=3))
+    assert r.sent_total == expected and r.errors_total == 0  # nothing dropped, nothing added
+    assert r.requests == sum(w.requests for w in r.windows) and len(r.windows) == 4 and seen == r.windows
+    assert r.offered_rps == pytest.approx(20.0, rel=0.5) and r.achieved_rps == pytest.approx(r.offered_rps, rel=0.3)
+    # rho = 0.4: a short queue. Bounds leave room for a busy CI machine (two test workers on two cores).
+    assert SERVICE_MS <= r.p50_ms <= r.p95_ms <= r.p99_ms < 400
+    assert r.send_lag_p99_ms < 60 and r.stable and meets_slo(r, 400)[0]
+    assert "open loop 20 req/s offered" in str(r) and r.to_row()["mode"] == "open"
+
+
+def test_open_loop_sees_the_queue_the_closed_loop_hides(slow):
+    """One worker at 20 ms: closed loop with one client measures 20 ms and 50 req/s. Poisson arrivals at 90 % of
+    that (M/D/1, rho = 0.9) wait on average rho / (2 mu (1 - rho)) = 90 ms before service: p95 several times
+    higher. The closed loop never sees that queue."""
+    cmp = compare_loops(HttpTarget(slow.url), concurrency=1, rate_fraction=0.9, duration_s=2.5, warmup_s=0.3,
+                        window_s=0.5, seed=0)
+    closed, opened = cmp.closed, cmp.open
+    assert closed.achieved_rps == pytest.approx(1e3 / SERVICE_MS, rel=0.25)
+    assert closed.p95_ms < 2 * SERVICE_MS + 10
+    assert cmp.rate_rps == pytest.approx(0.9 * closed.achieved_rps)
+    assert opened.p95_ms > 2.5 * closed.p95_ms and cmp.understatement > 2.5
+    assert closed.errors == opened.errors == 0
+    table = cmp.table()
+    assert list(table["mode"]) == ["closed", "open"] and "understat" not in table.columns
+    assert "x the closed loop's" in str(cmp)
+
+
+def test_overload_is_not_stable_and_timeouts_are_counted(slow):
+    # 80 req/s offered to a 50 req/s server: the queue grows ~0.6 s per second; 0.4 s timeouts catch it
+    r = run_open_loop(HttpTarget(slow.url), 80.0, 1.5, warmup_s=0.2, window_s=0.5, timeout_s=0.4, seed=5)
+    assert r.timeouts > 0 and r.errors >= r.timeouts
+    assert any(m.startswith("TimeoutError: no answer within 0.4 s") for m in r.error_messages)
+    assert sum(r.error_messages.values()) == r.errors_total
+    assert r.requests + r.errors == round(r.offered_rps * r.seconds)  # every measured request is accounted for
+    ok, why = meets_slo(r, 100)
+    assert not ok and "failed" in why
+    ol.drain(HttpTarget(slow.url), SERVICE_MS * 3, limit_s=5)  # leave the module's server idle
+
+
+def test_errors_are_counted_when_the_server_is_down():
+    down = f"http://127.0.0.1:{free_port()}/"
+    r = run_open_loop(HttpTarget(down), 50.0, 1.0, warmup_s=0.2, window_s=0.5, seed=0)
+    assert r.requests == 0 and r.errors == round(r.offered_rps * r.seconds) > 0
+    assert r.errors_total == r.sent_total == len(poisson_arrivals(50.0, 1.2, seed=0))
+    assert any("ClientConnectorError" in m or "Cannot connect" in m for m in r.error_messages)
+    ok, why = meets_slo(r, 100)
+    assert not r.stable and not ok and why.startswith("nothing answered at 50 req/s")
+    closed = run_closed_loop(HttpTarget(down), 2, 0.5, warmup_s=0.1, window_s=0.25)
+    assert closed.requests == 0 and closed.errors > 0  # backs off 10 ms per failure, does not spin
+
+
+def test_http_status_errors_and_a_plain_async_function(slow):
+    calls = []
+
+    async def send():
+        calls.append(1)
+        if len(calls) % 2:
+            raise ValueError("odd request refused")
+
+    r = run_open_loop(send, 40.0, 0.5, warmup_s=0.1, window_s=0.25, seed=1)
+    assert r.errors_total == (len(calls) + 1) // 2 and r.error_messages == {"ValueError: odd request refused":
+                                                                            r.errors_total}
+    bad = run_open_loop(HttpTarget(slow.url, ok_status=(204,)), 10.0, 0.5, warmup_s=0.1, window_s=0.25)
+    assert list(bad.error_messages) == ["HttpStatusError: HTTP 200: slow"]
+
+
+def test_find_capacity_bisects_on_the_rate(slow):
+    """The 20 ms server holds about 50 req/s; with a 150 ms p95 SLO the capacity lies around 35 to 45 req/s."""
+    steps = []
+    cap = find_capacity(HttpTarget(slow.url), 150.0, lo_rps=10.0, hi_rps=70.0, duration_s=1.5, warmup_s=0.2,
+                        window_s=0.5, tolerance=0.3, on_step=steps.append)
+    assert cap.bounded and steps == cap.steps and steps[0]["rate_rps"] == 10.0 and steps[0]["passed"]
+    assert steps[1]["rate_rps"] == 70.0 and not steps[1]["passed"]
+    assert 20.0 <= cap.capacity_rps <= 55.0 and cap.best is not None and cap.best.p95_ms <= 150.0
+    assert all(s["passed"] == (s["rate_rps"] <= cap.capacity_rps) for s in steps)
+    assert "capacity" in str(cap) and len(cap.table()) == len(steps)
+
+
+def test_stability_rule():
+    def w(i, offered, achieved, p50):
+        return OpenLoopWindow(i, 1.0, int(achieved), 0, achieved, p50, p50, offered_rps=offered,
+                              achieved_rps=achieved, p50_ms=p50)
+
+    assert is_stable([w(0, 100, 100, 5.0), w(1, 100, 98, 6.0), w(2, 100, 101, 5.5)])
+    assert not is_stable([w(0, 100, 100, 5.0)])  # two windows at least
+    assert not is_stable([w(0, 100, 80, 5.0), w(1, 100, 80, 5.0)])  # fell behind
+    assert not is_stable([w(0, 100, 100, 20.0), w(1, 100, 95, 80.0)])  # a queue building up
+    assert is_stable([w(0, 100, 100, 2.0), w(1, 100, 100, 12.0)])  # a few ms of jitter is not a queue
+
+
+def test_bad_arguments():
+    t = HttpTarget("http://127.0.0.1:1/")
+    for kw, match in [({"rate_rps": 0}, "rate_rps=0"), ({"rate_rps": float("nan")}, "rate_rps=nan"),
+                      ({"duration_s": -1}, "duration_s=-1"), ({"timeout_s": 0}, "timeout_s=0"),
+                      ({"stability": 1.5}, "stability=1.5"), ({"max_in_flight": 0}, "max_in_flight=0")]:
+        args = {"rate_rps": 10.0, "duration_s": 1.0, **kw}
+        with pytest.raises(ValueError, match=rf"run_open_loop\({match}"):
+            run_open_loop(t, **args)
+    with pytest.raises(TypeError, match="async def send"):
+        run_open_loop(lambda: None, 1.0, 1.0)
+    with pytest.raises(ValueError, match="full URL"):
+        HttpTarget("127.0.0.1:8000")
+    with pytest.raises(ValueError, match="hi_rps must be above lo_rps"):
+        find_capacity(t, 100, lo_rps=50, hi_rps=10)
+    with pytest.raises(ValueError, match=r"run_closed_loop\(concurrency=0\)"):
+        run_closed_loop(t, 0, 1.0)
+
+
+def test_triton_target_http_and_grpc(tmp_path):
+    require_server()
+
+    def right(inputs, outputs):
+        assert outputs["OUTPUT__0"].shape == (1, 3)
+
+    def make():
+        return {"INPUT__0": np.random.rand(1, 4).astype(np.float32)}
+
+    before = {t.name for t in threading.enumerate()}
+    with triton(tmp_path) as server:
+        for protocol, url in (("http", server.http_url), ("grpc", server.grpc_url)):
+            target = ol.TritonTarget(url, "tiny", make, protocol=protocol, outputs=["OUTPUT__0"], verify=right)
+            r = run_open_loop(target, 50.0, 0.6, warmup_s=0.2, window_s=0.3, seed=0)
+            assert r.requests > 12 and r.errors_total == 0 and r.p95_ms < 200, (protocol, r)
+        wrong = ol.TritonTarget(server.grpc_url, "tiny", {"INPUT__0": np.zeros((1, 5), np.float32)}, protocol="grpc")
+        r = run_open_loop(wrong, 20.0, 0.5, warmup_s=0.1, window_s=0.25)
+        assert r.requests == 0 and any("unexpected shape" in m for m in r.error_messages)
+    assert "nvlab-openloop" not in {t.name for t in threading.enumerate()} - before
