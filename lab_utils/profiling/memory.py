@@ -9,7 +9,6 @@ allocator statistics) from the profiler's ``[memory]`` events (``profile_memory=
 from __future__ import annotations
 
 import pickle
-import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -18,6 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from lab_utils.profiling.workloads import time_steps
 
 __all__ = ["peak_bytes", "Blocks", "checkpoint_table", "accumulation_table", "oom_error", "snapshot_summary",
            "SAVE_OPS"]
@@ -104,16 +105,6 @@ def _train_fn(model: nn.Module, x: torch.Tensor) -> Callable[[], None]:
     return run
 
 
-def _time_ms(fn: Callable[[], Any], device: str, reps: int) -> float:
-    fn()
-    _sync(device)
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    _sync(device)
-    return (time.perf_counter() - t0) * 1e3 / reps
-
-
 def checkpoint_table(width: int, depth: int, tokens: int, device: str, reps: int = 5) -> list[dict[str, Any]]:
     """Peak memory of forward + backward above the weights, and time per step, without checkpointing, with
     every block checkpointed, and with selective checkpointing. Same weights and input for all three."""
@@ -128,7 +119,7 @@ def checkpoint_table(width: int, depth: int, tokens: int, device: str, reps: int
         run()  # warm-up: first-call allocations and kernel choice stay out of the numbers
         model.zero_grad(set_to_none=False)  # gradients exist before the measurement, as in a training loop
         peak = peak_bytes(run, device)
-        ms = _time_ms(run, device, reps)
+        ms = time_steps(run, steps=reps, warmup=1, device=device)
         rows.append({"mode": mode, "peak_mib": peak / MiB, "step_ms": ms})
     base = rows[0]
     for r in rows:
@@ -160,7 +151,7 @@ def accumulation_table(width: int, depth: int, tokens: int, micro: int, device: 
         grads[name] = [p.grad.detach().clone() for p in model.parameters()]
         peak = peak_bytes(fn, device)
         model.zero_grad(set_to_none=True)
-        ms = _time_ms(fn, device, reps)
+        ms = time_steps(fn, steps=reps, warmup=1, device=device)
         out.append({"variant": name, "rows": tokens * micro, "peak_mib": peak / MiB, "step_ms": ms,
                     "us_per_sample": ms * 1e3 / (tokens * micro)})
     a, b = grads.values()
