@@ -16,7 +16,9 @@ LAYERS = [
     {"lab_utils", "lab_utils.args", "lab_utils.procs", "lab_utils.timing", "lab_utils.plots"},
     {"lab_utils.course"},
     {"lab_utils.models"},
-    {"lab_utils.gpu", "lab_utils.distributed", "lab_utils.inference", "lab_utils.serving", "lab_utils.profiling"},
+    {"lab_utils.gpu", "lab_utils.distributed", "lab_utils.inference", "lab_utils.profiling"},
+    # serving builds what inference exports (lab 07's ensemble serves the ONNX classifier)
+    {"lab_utils.serving"},
     {"lab_utils.monitoring"},
     # lab 08's lifecycle drives the service's servers and reads Prometheus: beside monitoring's users
     {"lab_utils.mlops"},

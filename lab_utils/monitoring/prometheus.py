@@ -52,6 +52,7 @@ from lab_utils.procs import (
     tail,
     wait_http_ok,
 )
+from lab_utils.serving.metrics import metric_types, parse_exposition  # noqa: F401  (re-exported)
 
 URL_ENV = "PROMETHEUS_URL"
 IDENTIFY_S = 5.0  # how long $PROMETHEUS_URL may refuse connections before "nothing listens" (s)
@@ -281,32 +282,7 @@ def lab_rules(out_dir: str | Path, *, for_s: float | Mapping[str, float] = 2.0, 
     return out
 
 
-# --- the text format Prometheus scrapes ---------------------------------------------------------------------
-
-
-def parse_exposition(text: str) -> list[tuple[dict[str, str], float]]:
-    """Samples of a Prometheus text exposition: ``({"__name__": ..., labels...}, value)``, with
-    prometheus_client's parser (the one the Python client ships)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    # The parser names counter samples "<family>_total" even where the text has no suffix (Triton's counters
-    # have none); Prometheus keeps the exposed name, and so does this.
-    exposed = set(re.findall(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?=[{\s])", text, flags=re.M))
-    out = []
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            name = s.name
-            if name not in exposed and name.endswith("_total") and name[:-6] in exposed:
-                name = name[:-6]
-            out.append(({"__name__": name, **s.labels}, float(s.value)))
-    return out
-
-
-def metric_types(text: str) -> dict[str, str]:
-    """{family: type} from a text exposition's ``# TYPE`` lines (counter, gauge, summary, histogram...)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    return {fam.name: fam.type for fam in text_string_to_metric_families(text)}
+# --- the text format Prometheus scrapes: parsed in lab_utils.serving.metrics (Triton's /metrics needs it too) ---
 
 
 # --- results as data frames ------------------------------------------------------------------------

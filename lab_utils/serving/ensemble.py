@@ -42,7 +42,6 @@ import subprocess
 import sys
 import sysconfig
 import time
-import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +51,7 @@ import numpy as np
 
 from lab_utils.serving import client as triton_client
 from lab_utils.serving import repository as triton_repo
+from lab_utils.serving.metrics import metric_samples
 from lab_utils.serving.server import ServerNotFound, ServerSource, find_server, wheel_layout
 from lab_utils.timing import cpu_cores
 
@@ -569,14 +569,6 @@ def cache_library(source: ServerSource | None = None) -> Path | None:
     tree = wheel_layout(Path(source.location))["tree"] if source.kind == "wheel" else Path(source.location).parents[1]
     lib = tree / "caches" / "local" / "libtritoncache_local.so"
     return lib if lib.is_file() else None
-
-
-def metric_samples(metrics_url: str, timeout_s: float = 5.0) -> list[tuple[dict[str, str], float]]:
-    """The samples of Triton's ``/metrics`` now: ``({"__name__": ..., labels...}, value)``."""
-    from lab_utils.monitoring.prometheus import parse_exposition
-
-    with urllib.request.urlopen(metrics_url, timeout=timeout_s) as r:
-        return parse_exposition(r.read().decode())
 
 
 def cache_stats(metrics_url: str, model: str = SERVICE) -> dict[str, float]:
