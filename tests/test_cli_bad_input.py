@@ -66,7 +66,7 @@ SPECIFIC = [
     ("gpu-exporter-port-busy", ["gpu-exporter", "--host", "127.0.0.1", "--port", "{busy}"],
      "port {busy} is already in use by pid {pid}"),
     ("gpu-exporter-host-not-here", ["gpu-exporter", "--host", "192.0.2.1"], "192.0.2.1"),
-    ("run-unknown-lab", ["run", "7"], "unknown lab '7'"),
+    ("run-unknown-lab", ["run", "17"], "unknown lab '17'"),
     ("run-nothing", ["run"], "--all"),
     ("run-bool-maybe", ["run", "00", "-p", "quick", "maybe"], "true, yes, on, 1, false, no, off, 0"),
     ("run-unknown-parameter", ["run", "00", "-p", "quik", "true"], "valid names: quick"),
