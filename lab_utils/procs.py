@@ -506,3 +506,70 @@ def tail(path: Path | str | None, n: int = 40) -> str:
     except OSError:
         return ""
     return "\n".join(text.splitlines()[-n:])
+
+
+# --- a watchdog for a process group: what PR_SET_PDEATHSIG cannot reach ---------------------------------------
+
+# Runs as `python -c` in a session of its own. The owner writes the group id on its stdin (a pipe only the owner
+# holds) and "stopped" once it stopped the group itself. End of file without "stopped" means the owner died (a killed
+# kernel): PR_SET_PDEATHSIG ended the direct child, not the processes it started (nginx's workers, the uvicorn server
+# behind `mlflow server`), so the watchdog ends the whole group and removes the owner's folder.
+_GROUP_WATCHDOG = r"""
+import os, shutil, signal, sys, time
+folder, term_s, kill_s = sys.argv[1], float(sys.argv[2]), float(sys.argv[3])
+pgid = sys.stdin.readline().strip()
+rest = sys.stdin.read()
+if "stopped" not in rest:
+    if pgid.isdigit():
+        pgid = int(pgid)
+        for sig, wait_s in ((signal.SIGTERM, term_s), (signal.SIGKILL, kill_s)):
+            try:
+                os.killpg(pgid, sig)
+            except OSError:
+                break
+            end = time.monotonic() + wait_s
+            while time.monotonic() < end:
+                try:
+                    os.killpg(pgid, 0)
+                except OSError:
+                    break
+                time.sleep(0.02)
+    shutil.rmtree(folder, ignore_errors=True)
+"""
+
+
+class GroupWatchdog:
+    """Ends a process group and removes ``folder`` if this interpreter dies without stopping them.
+
+    Start it before the group, ``arm(pgid)`` once the group's leader runs (``start_new_session=True``), and
+    ``disarm()`` after stopping the group yourself. ``term_s``/``kill_s``: seconds to wait after SIGTERM, SIGKILL.
+    """
+
+    def __init__(self, folder: str | os.PathLike[str], term_s: float = 1.0, kill_s: float = 2.0):
+        import sys
+
+        read_fd, write_fd = os.pipe()  # close-on-exec: no other child inherits the owner's end
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _GROUP_WATCHDOG, str(folder), str(term_s),
+                                          str(kill_s)], stdin=read_fd, stdout=subprocess.DEVNULL,
+                                         stderr=subprocess.DEVNULL, cwd="/",
+                                         start_new_session=True)  # not in the group it may have to kill
+        finally:
+            os.close(read_fd)
+        self._pipe = os.fdopen(write_fd, "w")
+
+    def arm(self, pgid: int) -> None:
+        self._pipe.write(f"{pgid}\n")
+        self._pipe.flush()
+
+    def disarm(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            self._pipe.write("stopped\n")
+            self._pipe.flush()
+        with contextlib.suppress(OSError):
+            self._pipe.close()
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()

@@ -1,0 +1,392 @@
+"""Drift: the inputs (and the model's confidence) move away from what it was trained on, while every service metric
+stays green. PSI and the two-sample KS statistic against the training reference, shifted digits to serve, an
+exporter of the statistics for Prometheus, and alert rules checked by promtool.
+
+- ``psi(reference, current, bins=10)``, ``ks_statistic(reference, current)``: one feature each.
+- ``image_features(images)``: per image ``mean_intensity``, ``ink_fraction``, ``center_row``, ``center_col``
+  (pixels 0..16, positions in px); ``pixels`` is every pixel value. ``confidence(logits)``: max softmax.
+- ``rotated``, ``noisy``, ``rescaled``, ``shift(images, kind, strength)``: raw digits (N, 8, 8) moved away.
+- ``DriftReference.from_images(x_train, confidences)``, ``drift_table(reference, images, confidences)``.
+- ``DriftMonitor(reference, window=300)`` with ``observe(images, confidences)``; ``DriftExporter(monitor)`` serves
+  ``nvlab_drift_psi{feature}``, ``nvlab_drift_ks{feature}``, ``nvlab_drift_window_images`` and the histogram
+  ``nvlab_prediction_confidence``.
+- ``drift_rules(...)``, ``write_drift_rules(folder)`` (promtool-checked), ``write_drift_rules_test(folder)``.
+
+Why an exporter in the lab's process rather than metrics from the python-backend preprocessing model: the
+statistics need the reference distribution and a window of recent images, state a stateless preprocessing step
+should not carry (several instances would each see a part of the traffic); Triton's custom-metrics API works only
+inside the stub, which on the wheel's server runs the NumPy-1 environment; and the monitor must not add latency to
+the serving path. Production does the same: the service logs (a sample of) its inputs and a monitor computes drift
+beside it (KServe's payload logging with Alibi Detect, SageMaker Model Monitor). The lab feeds the monitor the
+images it sends, which are exactly those the preprocessing step sees.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from lab_utils.mlops.exporters import MetricsServer
+
+PSI_ALERT = 0.25  # rule of thumb: < 0.1 stable, 0.1-0.25 moderate shift, > 0.25 significant
+KS_ALERT = 0.2  # with a window of 300 images against 1440, KS's 1 % critical value is ~0.10
+FEATURES = ("pixels", "mean_intensity", "ink_fraction", "center_row", "center_col")
+CONFIDENCE = "confidence"
+SHIFTS = ("rotated", "noisy", "rescaled")
+INK = 4.0  # a pixel above 4 of 16 counts as ink
+PSI_METRIC, KS_METRIC, WINDOW_METRIC = "nvlab_drift_psi", "nvlab_drift_ks", "nvlab_drift_window_images"
+CONFIDENCE_METRIC = "nvlab_prediction_confidence"
+_EPS = 1e-4  # floor for empty bins' shares: PSI's log would be infinite
+
+
+# --- the statistics ---------------------------------------------------------------------------------------------
+
+
+def _sample(x: Any, name: str) -> np.ndarray:
+    a = np.asarray(x, dtype=float).ravel()
+    if a.size == 0:
+        raise ValueError(f"{name}: no values (give at least one)")
+    if not np.all(np.isfinite(a)):
+        raise ValueError(f"{name}: NaN or infinite values; clean them first")
+    return a
+
+
+def bin_edges(reference: Any, bins: int = 10) -> np.ndarray:
+    """Inner bin edges at the reference's quantiles (equal shares), duplicates dropped (discrete values such as
+    pixels 0..16 give fewer bins); the outer bins reach to -inf and +inf."""
+    ref = _sample(reference, "reference")
+    if not (isinstance(bins, int) and bins >= 2):
+        raise ValueError(f"bins={bins!r}: an integer >= 2 (10 is usual)")
+    qs = np.quantile(ref, np.linspace(0, 1, bins + 1)[1:-1])
+    return np.unique(qs)
+
+
+def _shares(x: np.ndarray, edges: np.ndarray) -> np.ndarray:
+    idx = np.searchsorted(edges, x, side="right")  # bin i holds edges[i-1] < x <= ... (right-closed by searchsorted)
+    counts = np.bincount(idx, minlength=len(edges) + 1).astype(float)
+    return np.maximum(counts / counts.sum(), _EPS)
+
+
+def psi(reference: Any, current: Any, bins: int = 10, edges: np.ndarray | None = None) -> float:
+    """Population stability index: sum over bins of (c - r) ln(c / r), r and c the reference's and the current
+    sample's shares per bin (bins at the reference's quantiles unless ``edges``). 0 for the same distribution."""
+    ref, cur = _sample(reference, "reference"), _sample(current, "current")
+    e = bin_edges(ref, bins) if edges is None else np.asarray(edges, dtype=float)
+    r, c = _shares(ref, e), _shares(cur, e)
+    return float(np.sum((c - r) * np.log(c / r)))
+
+
+def ks_statistic(reference: Any, current: Any) -> float:
+    """Two-sample Kolmogorov-Smirnov statistic: the largest gap between the two empirical CDFs (0..1)."""
+    ref, cur = np.sort(_sample(reference, "reference")), np.sort(_sample(current, "current"))
+    values = np.concatenate([ref, cur])
+    cdf_ref = np.searchsorted(ref, values, side="right") / len(ref)
+    cdf_cur = np.searchsorted(cur, values, side="right") / len(cur)
+    return float(np.max(np.abs(cdf_ref - cdf_cur)))
+
+
+# --- features ---------------------------------------------------------------------------------------------------
+
+
+def _images(images: Any, name: str = "images") -> np.ndarray:
+    x = np.asarray(images, dtype=np.float32)
+    if x.ndim == 4 and x.shape[1] == 1:
+        x = x[:, 0]
+    if x.ndim == 2 and x.shape == (8, 8):
+        x = x[None]
+    if x.ndim != 3 or x.shape[0] == 0 or x.shape[1:] != (8, 8):
+        raise ValueError(f"{name}: raw digits of shape (N, 8, 8), values 0..16; got shape {x.shape}")
+    return x
+
+
+def image_features(images: Any) -> dict[str, np.ndarray]:
+    """Per-image statistics of raw digits (N, 8, 8): mean intensity (0..16), ink fraction (share of pixels above
+    4), centre of mass (row, col in px); and ``pixels``, every pixel value."""
+    x = _images(images)
+    mass = x.sum(axis=(1, 2))
+    safe = np.where(mass > 0, mass, 1.0)
+    rows = np.arange(x.shape[1], dtype=np.float32)[None, :, None]
+    cols = np.arange(x.shape[2], dtype=np.float32)[None, None, :]
+    mid_r, mid_c = (x.shape[1] - 1) / 2, (x.shape[2] - 1) / 2
+    return {"pixels": x.ravel(), "mean_intensity": x.mean(axis=(1, 2)), "ink_fraction": (x > INK).mean(axis=(1, 2)),
+            "center_row": np.where(mass > 0, (x * rows).sum(axis=(1, 2)) / safe, mid_r),
+            "center_col": np.where(mass > 0, (x * cols).sum(axis=(1, 2)) / safe, mid_c)}
+
+
+def confidence(logits: Any) -> np.ndarray:
+    """The top class's softmax probability per row of ``logits`` (N, classes): 0..1."""
+    z = np.asarray(logits, dtype=float)
+    if z.ndim != 2 or z.shape[1] < 2:
+        raise ValueError(f"logits: shape (N, classes) expected, got {z.shape} (scores already softmaxed? then take "
+                         "their max per row)")
+    z = z - z.max(axis=1, keepdims=True)
+    p = np.exp(z)
+    return (p.max(axis=1) / p.sum(axis=1)).astype(float)
+
+
+# --- shifted digits ----------------------------------------------------------------------------------------------
+
+
+def _pil_map(x: np.ndarray, fn: Any) -> np.ndarray:
+    from PIL import Image
+
+    out = np.empty_like(x)
+    for i, img in enumerate(x):
+        out[i] = np.asarray(fn(Image.fromarray(img.astype(np.float32), mode="F")), dtype=np.float32)
+    return np.clip(out, 0, 16)
+
+
+def rotated(images: Any, degrees: float = 30.0, seed: int | None = 0, jitter: float = 0.0) -> np.ndarray:
+    """Each digit rotated by ``degrees`` (+- ``jitter`` at random), bilinear, about its centre."""
+    from PIL import Image
+
+    x = _images(images)
+    rng = np.random.default_rng(seed)
+    angles = degrees + rng.uniform(-jitter, jitter, len(x)) if jitter else np.full(len(x), float(degrees))
+    out = np.empty_like(x)
+    for i, (img, a) in enumerate(zip(x, angles, strict=True)):
+        out[i] = np.asarray(Image.fromarray(img, mode="F").rotate(float(a), resample=Image.Resampling.BILINEAR))
+    return np.clip(out, 0, 16)
+
+
+def noisy(images: Any, sigma: float = 3.0, seed: int | None = 0) -> np.ndarray:
+    """Gaussian noise of ``sigma`` (pixel units, of 16) added, clipped to 0..16."""
+    if not (isinstance(sigma, (int, float)) and sigma >= 0):
+        raise ValueError(f"sigma={sigma!r}: noise in pixel units (0..16 scale), >= 0")
+    x = _images(images)
+    return np.clip(x + np.random.default_rng(seed).normal(0, sigma, x.shape).astype(np.float32), 0, 16)
+
+
+def rescaled(images: Any, factor: float = 0.6) -> np.ndarray:
+    """Each digit zoomed by ``factor`` about the centre (< 1: smaller, as from a farther camera), bilinear."""
+    from PIL import Image
+
+    if not (isinstance(factor, (int, float)) and 0.2 <= factor <= 3):
+        raise ValueError(f"factor={factor!r}: a zoom between 0.2 and 3 (0.6 shrinks the digit to 60 %)")
+    x = _images(images)
+    h, w = x.shape[1:]
+    cy, cx = (h - 1) / 2, (w - 1) / 2
+    # PIL's affine maps output (u, v) to input (a u + b v + c, d u + e v + f): the inverse zoom about the centre
+    coeffs = (1 / factor, 0, cx - cx / factor, 0, 1 / factor, cy - cy / factor)
+    return _pil_map(x, lambda im: im.transform((w, h), Image.Transform.AFFINE, coeffs,
+                                               resample=Image.Resampling.BILINEAR))
+
+
+def shift(images: Any, kind: str, strength: float = 1.0, seed: int | None = 0) -> np.ndarray:
+    """A shift by name: ``rotated`` (30 deg x strength), ``noisy`` (sigma 3 x strength), ``rescaled`` (zoom
+    1 - 0.4 x strength)."""
+    if kind == "rotated":
+        return rotated(images, 30.0 * strength, seed)
+    if kind == "noisy":
+        return noisy(images, 3.0 * strength, seed)
+    if kind == "rescaled":
+        return rescaled(images, 1 - 0.4 * strength)
+    raise ValueError(f"kind={kind!r}: one of {SHIFTS}")
+
+
+# --- the reference and the report --------------------------------------------------------------------------------
+
+
+@dataclass
+class DriftReference:
+    """The training data's features (and the model's confidences on held-out data), with PSI's bin edges."""
+
+    features: dict[str, np.ndarray]
+    edges: dict[str, np.ndarray]
+
+    @classmethod
+    def from_images(cls, images: Any, confidences: Any = None, bins: int = 10) -> DriftReference:
+        feats = image_features(images)
+        if confidences is not None:
+            feats[CONFIDENCE] = _sample(confidences, "confidences")
+        return cls(feats, {k: bin_edges(v, bins) for k, v in feats.items()})
+
+    def statistics(self, images: Any, confidences: Any = None) -> dict[str, dict[str, float]]:
+        """{feature: {"psi": ..., "ks": ...}} of a batch against this reference."""
+        feats = image_features(images)
+        if confidences is not None and CONFIDENCE in self.features:
+            feats[CONFIDENCE] = _sample(confidences, "confidences")
+        return {k: {"psi": psi(self.features[k], v, edges=self.edges[k]), "ks": ks_statistic(self.features[k], v)}
+                for k, v in feats.items() if k in self.features}
+
+
+def drift_table(reference: DriftReference, images: Any, confidences: Any = None) -> pd.DataFrame:
+    """One row per feature: PSI, KS, and whether each is over its alert threshold."""
+    stats = reference.statistics(images, confidences)
+    return pd.DataFrame([{"feature": k, "psi": s["psi"], "ks": s["ks"], "psi_alert": s["psi"] > PSI_ALERT,
+                          "ks_alert": s["ks"] > KS_ALERT} for k, s in stats.items()])
+
+
+class DriftMonitor:
+    """A sliding window of the last ``window`` images (and confidences) seen, compared with the reference."""
+
+    def __init__(self, reference: DriftReference, window: int = 300):
+        if not (isinstance(window, int) and window >= 10):
+            raise ValueError(f"window={window!r}: the number of recent images compared, >= 10 (300 is usual)")
+        self.reference, self.window = reference, window
+        self._images: collections.deque[np.ndarray] = collections.deque(maxlen=window)
+        self._conf: collections.deque[float] = collections.deque(maxlen=window)
+        self._lock = threading.Lock()
+        self.seen = 0
+        self._confidence_hist: Any = None  # a prometheus_client Histogram, set by DriftExporter
+
+    def observe(self, images: Any, confidences: Any = None) -> None:
+        """Add served images (raw digits, (N, 8, 8)) and, optionally, the model's confidence on each."""
+        x = _images(images)
+        conf = None if confidences is None else _sample(confidences, "confidences")
+        if conf is not None and len(conf) != len(x):
+            raise ValueError(f"observe: {len(x)} images but {len(conf)} confidences; one per image")
+        with self._lock:
+            self._images.extend(x)
+            self.seen += len(x)
+            if conf is not None:
+                self._conf.extend(conf.tolist())
+                if self._confidence_hist is not None:
+                    for c in conf:
+                        self._confidence_hist.observe(float(c))
+
+    def size(self) -> int:
+        with self._lock:
+            return len(self._images)
+
+    def statistics(self) -> dict[str, dict[str, float]]:
+        """PSI and KS per feature over the window ({} before any image)."""
+        with self._lock:
+            if not self._images:
+                return {}
+            x = np.stack(list(self._images))
+            conf = np.array(self._conf) if len(self._conf) else None
+        return self.reference.statistics(x, conf)
+
+    def reset(self) -> None:
+        with self._lock:
+            self._images.clear()
+            self._conf.clear()
+
+
+class _DriftCollector:
+    """Computes the statistics when Prometheus scrapes (a window of 300 images: about a millisecond)."""
+
+    def __init__(self, monitor: DriftMonitor):
+        self.monitor = monitor
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import GaugeMetricFamily
+
+        stats = self.monitor.statistics()
+        p = GaugeMetricFamily(PSI_METRIC, "population stability index against the training reference",
+                              labels=["feature"])
+        k = GaugeMetricFamily(KS_METRIC, "two-sample KS statistic against the training reference",
+                              labels=["feature"])
+        for feature, s in stats.items():
+            p.add_metric([feature], s["psi"])
+            k.add_metric([feature], s["ks"])
+        yield p
+        yield k
+        yield GaugeMetricFamily(WINDOW_METRIC, "images in the drift window", value=self.monitor.size())
+
+
+class DriftExporter(MetricsServer):
+    """``monitor``'s statistics served for Prometheus (a free port unless given): PSI and KS per feature, the
+    window's size, and the histogram of prediction confidence."""
+
+    def __init__(self, monitor: DriftMonitor, *, port: int | None = None, host: str = "127.0.0.1"):
+        from prometheus_client import Histogram
+
+        super().__init__([_DriftCollector(monitor)], port=port, host=host)
+        self.monitor = monitor
+        monitor._confidence_hist = Histogram(CONFIDENCE_METRIC, "top-class softmax probability of served predictions",
+                                             buckets=(0.5, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0), registry=self.registry)
+
+
+# --- alert rules ---------------------------------------------------------------------------------------------------
+
+
+def drift_rules(*, psi_threshold: float = PSI_ALERT, ks_threshold: float = KS_ALERT, for_s: int = 10,
+                features: Sequence[str] = ("pixels", "mean_intensity", "ink_fraction", "center_row", "center_col"),
+                min_window: int = 50) -> dict[str, Any]:
+    """Alerting rules: ``InputDrift`` (PSI of an input feature over ``psi_threshold``), ``ConfidenceDrift`` (KS of
+    prediction confidence over ``ks_threshold``), each held ``for_s`` seconds and only once ``min_window`` images
+    are in the window (a handful of images is no evidence)."""
+    if not (isinstance(psi_threshold, (int, float)) and psi_threshold > 0):
+        raise ValueError(f"psi_threshold={psi_threshold!r}: > 0 (0.25 is the usual 'significant shift')")
+    if not (isinstance(ks_threshold, (int, float)) and 0 < ks_threshold < 1):
+        raise ValueError(f"ks_threshold={ks_threshold!r}: between 0 and 1")
+    if not (isinstance(for_s, int) and for_s >= 0):
+        raise ValueError(f"for_s={for_s!r}: whole seconds >= 0")
+    feats = "|".join(features)
+    enough = f"on() ({WINDOW_METRIC} >= {min_window})"
+    return {"groups": [{"name": "nvlab_drift", "rules": [
+        {"alert": "InputDrift",
+         "expr": f'max by (feature) ({PSI_METRIC}{{feature=~"{feats}"}}) > {psi_threshold:g} and {enough}',
+         "for": f"{for_s}s", "labels": {"severity": "warning"},
+         "annotations": {"summary": "input drift: PSI of {{ $labels.feature }} is {{ $value | printf \"%.2f\" }}",
+                         "description": "the served images no longer look like the training data: check accuracy "
+                                        "on labelled samples, and retrain on recent data"}},
+        {"alert": "ConfidenceDrift",
+         "expr": f'max by (feature) ({KS_METRIC}{{feature="{CONFIDENCE}"}}) > {ks_threshold:g} and {enough}',
+         "for": f"{for_s}s", "labels": {"severity": "warning"},
+         "annotations": {"summary": "prediction confidence drifted: KS {{ $value | printf \"%.2f\" }}",
+                         "description": "the model is less sure of its answers than on held-out data"}},
+    ]}]}
+
+
+def write_drift_rules(folder: str | Path, check: bool = True, **kwargs: Any) -> Path:
+    """``drift_rules(**kwargs)`` written as ``drift_rules.yml`` (JSON, which YAML includes) in ``folder``, checked by
+    ``promtool check rules`` when ``check`` and promtool is installed (``ConfigError`` with promtool's words)."""
+    from lab_utils.monitoring.prometheus import check_rules, find_binary
+
+    path = Path(folder) / "drift_rules.yml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(drift_rules(**kwargs), indent=2) + "\n")
+    if check and find_binary("promtool"):
+        check_rules(path)
+    return path
+
+
+def write_drift_rules_test(folder: str | Path, rules: str | Path, for_s: int = 10) -> Path:
+    """A ``promtool test rules`` file for ``rules``: a drifting feature fires ``InputDrift`` after ``for_s`` s, a
+    stable one and a too-small window fire nothing, drifting confidence fires ``ConfidenceDrift``."""
+    # series every 15 s, the drift from 30 s on: pending at 30 s, firing at the first evaluation >= for_s later
+    after = 30 + 15 * (for_s // 15 + 1) + 15
+    test = {"rule_files": [str(Path(rules).resolve())], "evaluation_interval": "15s", "tests": [{
+        "interval": "15s",
+        "input_series": [
+            {"series": f'{PSI_METRIC}{{feature="pixels"}}', "values": "0.02 0.03 0.6x30"},
+            {"series": f'{PSI_METRIC}{{feature="ink_fraction"}}', "values": "0.01x32"},
+            {"series": f'{KS_METRIC}{{feature="{CONFIDENCE}"}}', "values": "0.05 0.05 0.4x30"},
+            {"series": WINDOW_METRIC, "values": "300x32"},
+        ],
+        "alert_rule_test": [
+            {"eval_time": "15s", "alertname": "InputDrift", "exp_alerts": []},
+            {"eval_time": f"{after}s", "alertname": "InputDrift", "exp_alerts": [{
+                "exp_labels": {"severity": "warning", "feature": "pixels"},
+                "exp_annotations": {"summary": "input drift: PSI of pixels is 0.60",
+                                    "description": "the served images no longer look like the training data: check "
+                                                   "accuracy on labelled samples, and retrain on recent data"}}]},
+            {"eval_time": f"{after}s", "alertname": "ConfidenceDrift", "exp_alerts": [{
+                "exp_labels": {"severity": "warning", "feature": CONFIDENCE},
+                "exp_annotations": {"summary": "prediction confidence drifted: KS 0.40",
+                                    "description": "the model is less sure of its answers than on held-out data"}}]},
+        ]}, {
+        "interval": "15s",
+        "input_series": [{"series": f'{PSI_METRIC}{{feature="pixels"}}', "values": "0.6x32"},
+                         {"series": WINDOW_METRIC, "values": "10x32"}],
+        "alert_rule_test": [{"eval_time": f"{after}s", "alertname": "InputDrift", "exp_alerts": []}]}]}
+    path = Path(folder) / "drift_rules_test.yml"
+    path.write_text(json.dumps(test, indent=2) + "\n")
+    return path
+
+
+def statistics_frame(stats: Mapping[str, Mapping[str, float]]) -> pd.DataFrame:
+    """``DriftMonitor.statistics()`` as a table (feature, psi, ks)."""
+    return pd.DataFrame([{"feature": k, "psi": v["psi"], "ks": v["ks"]} for k, v in stats.items()],
+                        columns=["feature", "psi", "ks"])

@@ -1,0 +1,129 @@
+"""Prometheus exporters served from a thread of this process (prometheus_client): the labelled-feedback counters
+a canary's accuracy guard reads, and the base the drift exporter builds on.
+
+``MetricsServer(collectors, port=None)``: a registry with ``collectors`` served at ``http://127.0.0.1:PORT/metrics``
+(a free port unless given); ``stop()`` shuts it down (safe twice, and at interpreter exit).
+``FeedbackExporter``: ``record(variant, predicted, label)`` counts labelled answers per variant as
+``nvlab_feedback_total{variant}`` and ``nvlab_feedback_correct_total{variant}``; accuracy over a window is
+``increase(correct) / increase(total)`` (``canary.QUERIES["accuracy"]``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from lab_utils.procs import port_free, release_at_exit, stop_at_exit, who_listens
+
+FEEDBACK_TOTAL = "nvlab_feedback_total"  # counter: labelled requests answered, per variant
+FEEDBACK_CORRECT = "nvlab_feedback_correct_total"  # counter: of those, answered with the right label
+VARIANT_LABEL = "variant"
+
+
+class MetricsServer:
+    """A prometheus_client registry served over HTTP from a daemon thread; ``address`` is ``host:port`` for a
+    scrape configuration."""
+
+    def __init__(self, collectors: Iterable[Any] = (), *, port: int | None = None, host: str = "127.0.0.1"):
+        from prometheus_client import CollectorRegistry
+
+        self.registry = CollectorRegistry(auto_describe=False)
+        for c in collectors:
+            self.registry.register(c)
+        self.host, self.requested_port = host, port
+        self.port: int | None = None
+        self._server: Any = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def address(self) -> str:
+        if self.port is None:
+            raise RuntimeError(f"{type(self).__name__} is not started: call start() (or use it in a with block)")
+        return f"{self.host}:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.address}/metrics"
+
+    def start(self) -> MetricsServer:
+        """Serve on ``port`` (a busy one is an ``OSError`` naming its holder) or a free one."""
+        from prometheus_client import start_http_server
+
+        if self._server is not None:
+            return self
+        port = self.requested_port or 0
+        if port and not port_free(port, self.host):
+            raise OSError(f"port {port} on {self.host} is busy, {who_listens(port)}: pass another, or None for a free "
+                          "one")
+        self._server, self._thread = start_http_server(port, addr=self.host, registry=self.registry)
+        self.port = self._server.server_port
+        stop_at_exit(self)
+        return self
+
+    def stop(self) -> None:
+        """Stop serving and join the thread; safe twice."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+        release_at_exit(self)
+
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def text(self) -> str:
+        """The exposition a scrape would get now."""
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry).decode()
+
+    def __enter__(self) -> MetricsServer:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+class FeedbackExporter(MetricsServer):
+    """Labelled feedback per variant: requests whose true label is known, and how many the variant got right."""
+
+    def __init__(self, variants: Sequence[str] = ("champion", "challenger"), *, port: int | None = None,
+                 host: str = "127.0.0.1"):
+        from prometheus_client import Counter
+
+        super().__init__(port=port, host=host)
+        if isinstance(variants, str) or not variants:
+            raise ValueError(f"variants={variants!r}: give the variant names, e.g. ('champion', 'challenger')")
+        self.variants = tuple(variants)
+        # prometheus_client adds "_total" to a counter's name: these expose FEEDBACK_TOTAL and FEEDBACK_CORRECT
+        self._total = Counter(FEEDBACK_TOTAL.removesuffix("_total"), "labelled requests answered",
+                              [VARIANT_LABEL], registry=self.registry)
+        self._correct = Counter(FEEDBACK_CORRECT.removesuffix("_total"), "labelled requests answered correctly",
+                                [VARIANT_LABEL], registry=self.registry)
+        for v in self.variants:  # every series exists from the first scrape: increase() has a start value
+            self._total.labels(v)
+            self._correct.labels(v)
+        self._lock = threading.Lock()
+        self.counts = {v: [0, 0] for v in self.variants}  # variant -> [total, correct], for tables
+
+    def record(self, variant: str, predicted: Any, label: Any) -> bool:
+        """Count one labelled answer of ``variant``; returns whether it was right (compared as strings)."""
+        if variant not in self.counts:
+            raise ValueError(f"variant={variant!r}: not one of {self.variants}")
+        ok = str(predicted) == str(label)
+        with self._lock:
+            self._total.labels(variant).inc()
+            self.counts[variant][0] += 1
+            if ok:
+                self._correct.labels(variant).inc()
+                self.counts[variant][1] += 1
+        return ok
+
+    def accuracy(self, variant: str) -> float:
+        """Right answers / labelled answers of ``variant`` since the start (NaN before any)."""
+        total, correct = self.counts[variant]
+        return correct / total if total else float("nan")

@@ -1,0 +1,178 @@
+"""Lab 08 against a real Prometheus: the canary loop reads its PromQL from Prometheus scraping in-process metric
+sources (Triton's metric names, values set by the test; labelled feedback from FeedbackExporter) and promotes a good
+challenger, rolls back a wrong or slow one; the drift exporter is scraped and its promtool-checked rules fire.
+Without Prometheus these skip (fail under NVLAB_REQUIRE_PROMETHEUS=1)."""
+
+from __future__ import annotations
+
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from lab_utils.mlops import canary, drift
+from lab_utils.mlops.exporters import FeedbackExporter, MetricsServer
+from lab_utils.mlops.tracking import digits_data
+from lab_utils.monitoring import prometheus
+from lab_utils.procs import env_flag
+
+
+@pytest.fixture(scope="module", autouse=True)
+def need_prometheus():
+    why = prometheus.missing()
+    if why:
+        if env_flag(prometheus.REQUIRE_ENV):
+            pytest.fail(f"{prometheus.REQUIRE_ENV}=1 but {why}")
+        pytest.skip(why)
+
+
+class FakeTriton:
+    """Triton's request counters and p95 summary for one model, as gauges whose values follow the rates set."""
+
+    def __init__(self, model: str = canary.SERVICE_MODEL):
+        self.model, self.rps, self.error_rate, self.p95_ms = model, 0.0, 0.0, 20.0
+        self.success = self.failure = 0.0
+        self._t = time.monotonic()
+        self._lock = threading.Lock()
+
+    def set(self, rps: float | None = None, error_rate: float | None = None, p95_ms: float | None = None) -> None:
+        with self._lock:
+            self._advance()
+            self.rps = self.rps if rps is None else rps
+            self.error_rate = self.error_rate if error_rate is None else error_rate
+            self.p95_ms = self.p95_ms if p95_ms is None else p95_ms
+
+    def _advance(self) -> None:
+        now = time.monotonic()
+        n = self.rps * (now - self._t)
+        self.success += n * (1 - self.error_rate)
+        self.failure += n * self.error_rate
+        self._t = now
+
+    def collect(self):
+        from prometheus_client.core import GaugeMetricFamily
+
+        with self._lock:
+            self._advance()
+            s = GaugeMetricFamily("nv_inference_request_success", "ok", labels=["model", "version"])
+            s.add_metric([self.model, "1"], self.success)
+            f = GaugeMetricFamily("nv_inference_request_failure", "failed", labels=["model", "version", "reason"])
+            f.add_metric([self.model, "1", "BACKEND"], self.failure)
+            q = GaugeMetricFamily("nv_inference_request_summary_us", "p", labels=["model", "version", "quantile"])
+            q.add_metric([self.model, "1", "0.95"], self.p95_ms * 1000)
+        yield s
+        yield f
+        yield q
+
+
+class Service:
+    """Two variants behind a 'load balancer' whose weight the canary sets; labelled feedback at 40 answers/s."""
+
+    def __init__(self, challenger_accuracy: float, challenger_p95_ms: float = 20.0, rps: float = 100.0):
+        self.champ, self.chall = FakeTriton(), FakeTriton()
+        self.chall.set(p95_ms=challenger_p95_ms)
+        self.rps, self.acc = rps, {"champion": 0.97, "challenger": challenger_accuracy}
+        self.weights: list[int] = []
+        self.servers = [MetricsServer([self.champ]).start(), MetricsServer([self.chall]).start()]
+        self.feedback = FeedbackExporter().start()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._feed, daemon=True)
+        self.set_weight(0)
+        self._thread.start()
+
+    def set_weight(self, w: int) -> None:
+        self.weights.append(w)
+        self.champ.set(rps=self.rps * (100 - w) / 100)
+        self.chall.set(rps=self.rps * w / 100)
+
+    def _feed(self) -> None:
+        i = 0
+        while not self._stop.wait(0.05):
+            for variant in ("champion", "challenger"):
+                # right answers spread evenly: a share acc of every stretch of requests (floor steps)
+                acc = self.acc[variant]
+                right = int((i + 1) * acc) > int(i * acc)
+                self.feedback.record(variant, "7" if right else "1", "7")
+            i += 1
+
+    def jobs(self) -> dict[str, list[str]]:
+        return {"champion": [self.servers[0].address], "challenger": [self.servers[1].address],
+                "feedback": [self.feedback.address]}
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        for s in (*self.servers, self.feedback):
+            s.stop()
+
+
+GUARDS = canary.Guards(min_requests=5, min_feedback=10, checks_per_step=2, max_idle_checks=8)
+
+
+def _run(service: Service) -> canary.CanaryRun:
+    with prometheus.PrometheusServer(service.jobs(), scrape_interval_s=0.5, evaluation_interval_s=0.5) as prom:
+        prom.wait_for('up{job="challenger"} == 1', timeout_s=20)
+        return canary.run_canary(prom, service.set_weight, guards=GUARDS, interval_s=1.0, window="3s",
+                                 timeout_s=60)
+
+
+def test_a_good_challenger_is_promoted():
+    service = Service(challenger_accuracy=0.97)
+    try:
+        run = _run(service)
+    finally:
+        service.close()
+    assert run.promoted and run.alerts == [], run.timeline
+    assert service.weights == [0, 10, 50, 100]
+    tl = run.timeline
+    assert list(tl[tl.action == "promote"]["weight"]) == [50, 100]
+    checked = tl[tl.action.isin(["hold", "promote"])]
+    assert (checked["challenger_error_rate"] == 0).all()  # the "or ... * 0" branch: no failures yet
+    assert checked["challenger_p95_ms"].iloc[-1] == pytest.approx(20.0)
+    assert checked["champion_accuracy"].dropna().between(0.9, 1.0).all()
+
+
+def test_a_challenger_wrong_on_a_class_is_rolled_back():
+    service = Service(challenger_accuracy=0.80)  # e.g. it never gets one digit of ten right
+    try:
+        run = _run(service)
+    finally:
+        service.close()
+    assert run.rolled_back and run.alerts == ["CanaryAccuracy"], run.timeline
+    assert service.weights == [0, 10, 0]  # never past 10 %
+    last = run.timeline.iloc[-1]
+    assert last["weight"] == 0 and 0.7 < last["challenger_accuracy"] < 0.9 and "champion" in last["reason"]
+
+
+def test_a_slow_challenger_is_rolled_back():
+    service = Service(challenger_accuracy=0.97, challenger_p95_ms=250.0)
+    try:
+        run = _run(service)
+    finally:
+        service.close()
+    assert run.rolled_back and run.alerts == ["CanaryLatency"] and service.weights[-1] == 0, run.timeline
+
+
+def test_drift_exporter_is_scraped_and_its_rules_fire(tmp_path):
+    data = digits_data()
+    ref = drift.DriftReference.from_images(data["x_train"], confidences=[0.99] * 100 + [0.95] * 20)
+    mon = drift.DriftMonitor(ref, window=200)
+    rules = drift.write_drift_rules(tmp_path, for_s=1)
+    assert "SUCCESS" in prometheus.check_rules(rules)
+    assert "SUCCESS" in prometheus.test_rules(drift.write_drift_rules_test(tmp_path, rules, for_s=1))
+    with drift.DriftExporter(mon) as exp:
+        mon.observe(data["x_test"][:200], [0.99] * 200)
+        text = urllib.request.urlopen(exp.url, timeout=5).read().decode()
+        assert 'nvlab_drift_psi{feature="pixels"}' in text and "nvlab_prediction_confidence_bucket" in text
+        with prometheus.PrometheusServer({"drift": [exp.address]}, rule_files=[rules], scrape_interval_s=0.5,
+                                         evaluation_interval_s=0.5) as prom:
+            prom.wait_for(f"{drift.WINDOW_METRIC} == 200", timeout_s=20)
+            time.sleep(2)  # a few evaluations on unshifted digits: nothing may fire
+            assert prom.alerts().empty
+            mon.observe(drift.rescaled(data["x_test"][:200], 0.6), [0.6] * 200)
+            fired = prom.wait_for_alert("InputDrift", timeout_s=20)
+            assert fired["value"].max() > drift.PSI_ALERT
+            prom.wait_for_alert("ConfidenceDrift", timeout_s=20)
+    with pytest.raises(ValueError, match="between 0 and 1"):
+        drift.drift_rules(ks_threshold=2)
