@@ -113,6 +113,9 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return 0
 
 
+LAB_SETTINGS_DIR = Path(__file__).parent / "data" / "jupyter" / "settings"
+
+
 def find_jupyter_lab() -> str | None:
     """``jupyter-lab`` beside this interpreter (a venv used without activating it), else on PATH."""
     here = Path(sys.executable).parent / "jupyter-lab"  # not resolved: a venv's python is a symlink
@@ -176,7 +179,9 @@ def cmd_lab(args: argparse.Namespace) -> int:
     # without --any-port Jupyter must not wander to another port (a race after the check above)
     argv = [jupyter_lab, f"--ServerApp.root_dir={folder}", f"--ServerApp.ip={args.ip}",
             f"--ServerApp.port={args.port}", f"--ServerApp.port_retries={50 if args.any_port else 0}",
-            "--ServerApp.open_browser=False"]
+            "--ServerApp.open_browser=False",
+            # the course's settings (overrides.json): no news or update pop-up over the lab on first start
+            f"--LabApp.app_settings_dir={LAB_SETTINGS_DIR}"]
     if os.geteuid() == 0:  # containers and CI often run as root; Jupyter refuses that unless told
         argv.append("--allow-root")
     env = dict(os.environ, JUPYTER_TOKEN=token)  # token auth stays on: an empty token is never passed

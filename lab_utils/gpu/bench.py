@@ -379,6 +379,7 @@ def matmul_sweep(
     reps: int = 10,
     warmup: int = 3,
     fp8_fast_accum: bool = False,
+    progress: Callable[..., Any] | None = None,
 ) -> pd.DataFrame:
     """Achieved TFLOP/s of square n×n×n matmuls for each dtype and size, at the median of ``reps``.
 
@@ -386,7 +387,8 @@ def matmul_sweep(
     peak of the GPU (NaN on the CPU or an unknown GPU). Rows that cannot run here (TF32 and FP8 on the
     CPU, FP8 below compute capability 8.9) come back with ``status='skipped'`` and a ``reason``.
     Default sizes: 1024..8192 on a GPU, 128..512 on the CPU (bf16/fp16 CPU matmuls are slow).
-    Columns: see ``SWEEP_COLUMNS`` (``min_bytes``: A and B read once, C written once).
+    Columns: see ``SWEEP_COLUMNS`` (``min_bytes``: A and B read once, C written once). ``progress``: a
+    ``progress(iterable, total=, desc=)`` wrapper over the (dtype, n) cases (``lab_utils.widgets.progress``).
     """
     where = "matmul_sweep"
     dev = resolve_device(device, f"{where}(device)")
@@ -399,42 +401,42 @@ def matmul_sweep(
     name = device_name(dev)
     peaks = device_peaks(dev)
     rows = []
-    for dtype in dtypes:
+    cases = [(dtype, n) for dtype in dtypes for n in sizes]
+    for dtype, n in progress(cases, total=len(cases), desc="matmul sweep") if progress else cases:
         peak = peaks.tflops(dtype) if peaks else None
-        for n in sizes:
-            itemsize = {"fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2, "fp8": 1}[dtype]
-            flops = matmul_flops(n, n, n)
-            nbytes = matmul_bytes(n, n, n, itemsize, out_itemsize=2 if dtype == "fp8" else None)
-            row: dict[str, Any] = {
-                "dtype": dtype, "n": n, "status": "ok", "reason": "", "flops": flops, "min_bytes": nbytes,
-                "intensity_flop_per_byte": flops / nbytes, "median_ms": math.nan, "p10_ms": math.nan,
-                "p90_ms": math.nan, "spread": math.nan, "tflops": math.nan,
-                "peak_tflops": math.nan if peak is None else float(peak), "pct_of_peak": math.nan,
-                "device": dev, "device_name": name,
-            }
-            reason = matmul_skip_reason(dtype, n, dev)
-            if reason:
-                row.update(status="skipped", reason=reason)
-                rows.append(row)
-                continue
-            try:
-                case = make_matmul(n, dtype, dev, fp8_fast_accum=fp8_fast_accum)
-                with tf32_matmul(case.tf32):  # fp32 rows run with TF32 explicitly off
-                    t = benchmark(case.fn, reps=reps, warmup=warmup, device=dev, name=f"{dtype} {n}^3")
-            except RuntimeError as exc:
-                if dtype != "fp8":
-                    raise
-                # _scaled_mm's requirements change between torch releases; say what it said, keep the sweep.
-                row.update(status="error", reason=f"torch._scaled_mm failed: {str(exc).splitlines()[0]}")
-                rows.append(row)
-                continue
-            tflops = t.tflops(flops)
-            row.update(
-                median_ms=t.median_ms, p10_ms=t.p10_ms, p90_ms=t.p90_ms, spread=t.spread, tflops=tflops,
-                pct_of_peak=100.0 * tflops / peak if peak else math.nan,
-            )
+        itemsize = {"fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2, "fp8": 1}[dtype]
+        flops = matmul_flops(n, n, n)
+        nbytes = matmul_bytes(n, n, n, itemsize, out_itemsize=2 if dtype == "fp8" else None)
+        row: dict[str, Any] = {
+            "dtype": dtype, "n": n, "status": "ok", "reason": "", "flops": flops, "min_bytes": nbytes,
+            "intensity_flop_per_byte": flops / nbytes, "median_ms": math.nan, "p10_ms": math.nan,
+            "p90_ms": math.nan, "spread": math.nan, "tflops": math.nan,
+            "peak_tflops": math.nan if peak is None else float(peak), "pct_of_peak": math.nan,
+            "device": dev, "device_name": name,
+        }
+        reason = matmul_skip_reason(dtype, n, dev)
+        if reason:
+            row.update(status="skipped", reason=reason)
             rows.append(row)
-            del case
+            continue
+        try:
+            case = make_matmul(n, dtype, dev, fp8_fast_accum=fp8_fast_accum)
+            with tf32_matmul(case.tf32):  # fp32 rows run with TF32 explicitly off
+                t = benchmark(case.fn, reps=reps, warmup=warmup, device=dev, name=f"{dtype} {n}^3")
+        except RuntimeError as exc:
+            if dtype != "fp8":
+                raise
+            # _scaled_mm's requirements change between torch releases; say what it said, keep the sweep.
+            row.update(status="error", reason=f"torch._scaled_mm failed: {str(exc).splitlines()[0]}")
+            rows.append(row)
+            continue
+        tflops = t.tflops(flops)
+        row.update(
+            median_ms=t.median_ms, p10_ms=t.p10_ms, p90_ms=t.p90_ms, spread=t.spread, tflops=tflops,
+            pct_of_peak=100.0 * tflops / peak if peak else math.nan,
+        )
+        rows.append(row)
+        del case
     return pd.DataFrame(rows, columns=SWEEP_COLUMNS)
 
 

@@ -17,7 +17,7 @@ import math
 import os
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -123,8 +123,8 @@ def _no_cudagraph_mode(mode: str) -> str:
 
 
 def torch_runners(model: nn.Module, x: torch.Tensor | np.ndarray, *, steps: Sequence[str] = TORCH_STEPS,
-                  amp: str = "bf16", compile_mode: str = "max-autotune",
-                  autotune_convs: bool = False) -> Iterator[TorchRunner]:
+                  amp: str = "bf16", compile_mode: str = "max-autotune", autotune_convs: bool = False,
+                  progress: Callable[..., Iterable[Any]] | None = None) -> Iterator[TorchRunner]:
     """The substitute chain on one batch ``x``, one step at a time, each changing one thing:
 
     1. ``eager-ieee``: the model as trained, FP32 with TF32 off (precision ``fp32-ieee``);
@@ -141,7 +141,24 @@ def torch_runners(model: nn.Module, x: torch.Tensor | np.ndarray, *, steps: Sequ
     ``eager`` need a GPU; on a CPU only ``eager`` is offered (FP32 is IEEE there). ``autotune_convs=False``
     leaves convolutions to cuDNN (timed by cudnn.benchmark) while max-autotune tunes the matmuls and fusions:
     Triton's convolution templates rarely beat cuDNN on ResNet-50 and autotuning them costs minutes.
+
+    ``progress``: a ``progress(iterable, total=, desc=)`` wrapper over the steps (``lab_utils.widgets.progress``):
+    its bar waits on the step being built, so it shows which step a minutes-long ``torch.compile`` is at. None
+    shows nothing.
     """
+    runners = _torch_runners(model, x, steps=steps, amp=amp, compile_mode=compile_mode,
+                             autotune_convs=autotune_convs)
+    if progress is None:
+        yield from runners
+        return
+    gpu = next(model.parameters()).device.type == "cuda"
+    total = sum(1 for s in TORCH_STEPS if s in steps and (gpu or s == "eager"))  # on a CPU only eager is offered
+    yield from progress(runners, total=total, desc=f"torch paths, batch {int(torch.as_tensor(x).shape[0])}")
+
+
+def _torch_runners(model: nn.Module, x: torch.Tensor | np.ndarray, *, steps: Sequence[str],
+                   amp: str, compile_mode: str, autotune_convs: bool) -> Iterator[TorchRunner]:
+    """The chain of :func:`torch_runners`, without the progress bar."""
     device = next(model.parameters()).device
     x = torch.as_tensor(x).to(device)
     gpu = device.type == "cuda"

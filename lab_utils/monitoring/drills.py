@@ -9,12 +9,13 @@ stops the server it watches. Every wait here is an Event wait (interruptible), n
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -109,12 +110,14 @@ def _field(res: Any, *names: str, default: Any = math.nan) -> Any:
     return default
 
 
-def run_phases(phases: Sequence[Phase], load: Callable[[int, float], Any]) -> pd.DataFrame:
+def run_phases(phases: Sequence[Phase], load: Callable[[int, float], Any],
+               progress: Callable[..., Iterable[Any]] | None = None) -> pd.DataFrame:
     """Run each phase with ``load(concurrency, duration_s)`` (lab 04's ``run_load``, bound to a model);
     a data frame with each phase's wall-clock start and end (unix seconds, for the PromQL range queries) and
-    results."""
+    results. ``progress``: a ``progress(iterable, total=, desc=)`` wrapper over the phases
+    (``lab_utils.widgets.progress``); None shows nothing."""
     rows = []
-    for ph in phases:
+    for ph in progress(phases, total=len(phases), desc="load phases") if progress else phases:
         start = time.time()
         res = load(ph.concurrency, ph.duration_s)
         end = time.time()
@@ -349,8 +352,12 @@ class DrillResult:
     load: pd.DataFrame | None = None  # the load generator's chunks: start, end, requests, errors...
     watchdog_events: pd.DataFrame | None = None
 
+    on_step: Callable[[str], None] | None = field(default=None, repr=False)  # told each step as it is recorded
+
     def step(self, what: str, t: float | None = None, **extra: Any) -> None:
         self.steps.append({"step": what, "time": time.time() if t is None else t, **extra})
+        if self.on_step is not None:
+            self.on_step(what)
 
     def time_of(self, what: str) -> float | None:
         return next((s["time"] for s in self.steps if s["step"] == what), None)
@@ -366,16 +373,23 @@ class DrillResult:
 def failure_drill(server: Any, metrics: PromAPI | None, watchdog: Watchdog,
                   load: Callable[[threading.Event], pd.DataFrame], *, kill_after_s: float,
                   after_recovery_s: float = 3.0, alert: str = "TritonServerDown", timeout_s: float = 60.0,
-                  up_expr: str = f'up{{job="{TRITON_JOB}"}}') -> DrillResult:
+                  up_expr: str = f'up{{job="{TRITON_JOB}"}}',
+                  progress: Callable[..., Iterable[Any]] | None = None) -> DrillResult:
     """Kill the server under load and watch the recovery: client errors, ``up == 0`` in Prometheus, the alert
     firing, the watchdog's restart, ``up == 1`` again and requests succeeding again.
 
     ``load(stop)`` runs closed-loop load (in a thread here) until ``stop`` is set and returns its chunks; the
     drill sets it ``after_recovery_s`` after the recovery (or when a step times out), so however long the
     restart takes on a busy machine, the load runs on past it. Without Prometheus (``metrics=None``) the drill
-    watches the server's own liveness instead of ``up`` and the alert.
+    watches the server's own liveness instead of ``up`` and the alert. ``progress``: a ``progress(iterable,
+    total=, desc=)`` wrapper (``lab_utils.widgets.progress``) advanced one step per step of the drill; None shows
+    nothing.
     """
     res = DrillResult()
+    # the drill's steps up to the load's end, when all goes well: load started, killed, (up == 0, alert firing,)
+    # restarted, up == 1 or live again, (alert resolved)
+    ticks = _Ticks(progress, total=7 if metrics is not None else 4, desc="failure drill")
+    res.on_step = ticks.step
     box: dict[str, Any] = {}
     stop = threading.Event()  # ends the load; waits below are Event waits: interruptible, no bare sleeps
 
@@ -430,12 +444,36 @@ def failure_drill(server: Any, metrics: PromAPI | None, watchdog: Watchdog,
     finally:
         stop.set()
         thread.join(timeout=timeout_s)
+        ticks.close()  # the bar ends with the load, however the drill ended
+        res.on_step = None
     if "error" in box:
         raise box["error"]
     res.load = box.get("result")
     res.step("load finished")
     res.watchdog_events = watchdog.timeline()
     return res
+
+
+class _Ticks:
+    """A ``progress`` hook driven by events instead of a loop: ``step()`` advances it by one, ``close()`` ends it.
+
+    The hook wraps an iterable and counts an item when its loop comes back for the next one; so the bar is primed
+    with one item, each ``step()`` takes the next, and ``close()`` ends the loop."""
+
+    def __init__(self, progress: Callable[..., Iterable[Any]] | None, total: int, desc: str):
+        self._it: Iterator[Any] | None = None
+        if progress is not None:
+            self._it = iter(progress(itertools.count(), total=total, desc=desc))  # ends on close(), not on a count
+            next(self._it, None)
+
+    def step(self, _what: str = "") -> None:
+        if self._it is not None:
+            next(self._it, None)
+
+    def close(self) -> None:
+        it, self._it = self._it, None
+        if it is not None and hasattr(it, "close"):
+            it.close()  # a generator's: tqdm's bar ends, the headless hook prints its line
 
 
 def plot_drill(drill: DrillResult, up: pd.DataFrame | None = None) -> Figure:

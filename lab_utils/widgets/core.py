@@ -1,0 +1,103 @@
+"""When a panel is interactive, how it is shown, and the progress bar the long loops take.
+
+The rule, in one line: a panel is interactive in an IPython kernel unless ``NVLAB_HEADLESS=1`` or the course's own
+executors run the notebook (``nvlab run`` with papermill and the test suite's nbval set ``NVLAB_RUN_ID``).
+"""
+
+from __future__ import annotations
+
+import html
+import os
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from lab_utils.procs import env_flag
+
+HEADLESS_ENV = "NVLAB_HEADLESS"  # 1: print instead of showing widgets (papermill run by hand, a script)
+# Set by lab_utils.ops.notebooks and the test suite for every kernel they start (a layer above: named, not imported).
+_RUN_ID_ENV = "NVLAB_RUN_ID"
+
+
+def _in_kernel() -> bool:
+    shell = sys.modules.get("IPython") and sys.modules["IPython"].get_ipython()
+    return bool(shell) and getattr(shell, "kernel", None) is not None
+
+
+def interactive() -> bool:
+    """True when widgets can be seen and used: see the module docstring for the rule."""
+    if env_flag(HEADLESS_ENV) or os.environ.get(_RUN_ID_ENV):
+        return False
+    return _in_kernel()
+
+
+def show(panel: Any) -> Any:
+    """Display ``panel.widget`` when :func:`interactive`, else print ``panel.headless()`` (its initial result).
+
+    Returns the panel, so a notebook (or a test) can drive it further; it displays as nothing itself.
+    """
+    if interactive():
+        from IPython.display import display
+
+        display(panel.widget)
+    else:
+        panel.headless()
+    return panel
+
+
+class Panel:
+    """Base of the panels: ``widget`` is what JupyterLab shows, ``headless()`` prints the same result as text.
+
+    A returned panel shows nothing of its own when it ends a cell (the widget or the text is already out)."""
+
+    widget: Any
+
+    def headless(self) -> None:
+        raise NotImplementedError
+
+    def _ipython_display_(self) -> None:
+        pass
+
+
+def error_html(err: BaseException) -> str:
+    """An error as a panel shows it (red, escaped): a callback's exception would otherwise go to the kernel's log,
+    where the student does not look."""
+    return f"<span style='color:#b00'>{type(err).__name__}: {html.escape(str(err))}</span>"
+
+
+def progress(iterable: Iterable[Any], total: int | None = None, desc: str = "") -> Iterator[Any]:
+    """``iterable`` with a progress bar: tqdm's (a widget in JupyterLab) when :func:`interactive`, else one line when
+    the loop ends (``desc: N steps in S s``, seconds of wall time). ``total``: the number of items expected (None:
+    unknown, or ``len(iterable)``). The hook the long loops of ``lab_utils`` take as ``progress=``.
+
+    Steps count when the loop comes back for the next item, as tqdm counts them; a loop left early (``break``, an
+    error) still ends its bar or prints its line."""
+    if total is not None and (isinstance(total, bool) or not isinstance(total, int) or total < 0):
+        raise ValueError(f"progress(total={total!r}): the number of items, a whole number >= 0, or None")
+    if not isinstance(desc, str):
+        raise TypeError(f"progress(desc={desc!r}): a label, a str")
+    if not isinstance(iterable, Iterable):
+        raise TypeError(f"progress({type(iterable).__name__}): needs something to loop over (a list, a range, ...)")
+    # checked here, at the call, not at the first step of the loop (a generator's body runs only then)
+    return _bar(iterable, total, desc) if interactive() else _line(iterable, desc)
+
+
+def _bar(iterable: Iterable[Any], total: int | None, desc: str) -> Iterator[Any]:
+    from tqdm.auto import tqdm
+
+    # leave=False: the bar goes when the loop ends and the cell's result stays (tqdm closes it on early exit too)
+    yield from tqdm(iterable, total=total, desc=desc, leave=False)
+
+
+def _line(iterable: Iterable[Any], desc: str) -> Iterator[Any]:
+    t0, n = time.perf_counter(), 0
+    try:
+        for item in iterable:
+            yield item
+            n += 1
+    finally:  # also when the consumer stops early: the generator is closed then
+        print(f"{desc or 'done'}: {n} step{'s' if n != 1 else ''} in {time.perf_counter() - t0:.1f} s")
+
+
+Progress = Callable[..., Iterable[Any]]  # the type of a ``progress=`` hook: progress(iterable, total=, desc=)

@@ -1,0 +1,106 @@
+"""Lab 09's quiz, one question at a time: the question, a control fitted to its form (choices, several choices,
+an order, pairs, a number), Submit grades it with the runner's own check, Next moves on."""
+
+from __future__ import annotations
+
+import html
+from typing import Any
+
+from lab_utils.exercises.framework import Outcome
+from lab_utils.exercises.quiz import Question, QuizRunner
+from lab_utils.widgets.core import Panel, interactive, show
+
+
+class QuizPanel(Panel):
+    """``runner``'s questions in order; ``answer_value()`` is what the control holds, in the form ``check`` takes.
+
+    The panel grades through ``runner`` (``runner.answer``), so ``runner.score()`` counts what was submitted here.
+    """
+
+    def __init__(self, runner: QuizRunner):
+        import ipywidgets as w
+
+        self.runner = runner
+        self.question: Question | None = None
+        self.outcome: Outcome | None = None
+        self.prompt = w.HTML()
+        self.control = w.VBox()
+        self.feedback = w.HTML()
+        self.submit = w.Button(description="Submit", button_style="primary")
+        self.next_button = w.Button(description="Next question")
+        self.submit.on_click(lambda _b: self.grade())
+        self.next_button.on_click(lambda _b: self.advance())
+        self.widget = w.VBox([self.prompt, self.control, w.HBox([self.submit, self.next_button]), self.feedback])
+        self._inputs: dict[str, Any] = {}
+
+    def advance(self) -> Question | None:
+        """Open the next question (``None`` at the end) and build its control."""
+        import ipywidgets as w
+
+        q = self.question = self.runner.next(show=False)
+        self.outcome, self.feedback.value, self._inputs = None, "", {}
+        if q is None:
+            self.prompt.value = "<b>End of the quiz.</b> <code>runner.score()</code> has the tally."
+            self.control.children = ()
+            self.submit.disabled = self.next_button.disabled = True
+            return None
+        lang = self.runner.language
+        text = html.escape(q.text(lang, self.runner._pos))
+        self.prompt.value = f"<pre style='white-space: pre-wrap'>{text}</pre>"
+        keys = q._keys() if q.form != "match" else q._keys("left")
+        if q.form == "single":
+            self._inputs["value"] = w.RadioButtons(options=keys, value=None, description="answer")
+        elif q.form == "multi":
+            self._inputs.update({k: w.Checkbox(description=k, value=False, indent=False) for k in keys})
+        elif q.form == "order":
+            self._inputs["value"] = w.Text(placeholder=", ".join(keys), description="order")
+        elif q.form == "match":
+            rights = [("", None)] + [(k, k) for k in q._keys("right")]
+            self._inputs.update({k: w.Dropdown(options=rights, value=None, description=k) for k in keys})
+        else:  # numeric
+            self._inputs["value"] = w.Text(placeholder="a number", description="answer")
+        self.control.children = tuple(self._inputs.values())
+        self.submit.disabled = False
+        return q
+
+    def answer_value(self) -> Any:
+        """The control's value as ``QuizRunner.answer`` takes it (None when left blank)."""
+        q = self.question
+        if q is None:
+            return None
+        if q.form == "multi":
+            picked = [k for k, box in self._inputs.items() if box.value]
+            return picked or None
+        if q.form == "match":
+            pairs = {k: d.value for k, d in self._inputs.items() if d.value is not None}
+            return pairs or None
+        value = self._inputs["value"].value
+        if q.form == "order":
+            return [k.strip() for k in value.split(",") if k.strip()] or None
+        return value if value not in ("", None) else None
+
+    def grade(self) -> Outcome | None:
+        """Grade the control's answer; the outcome (with why, and the explanation when right) is shown below."""
+        if self.question is None:
+            return None
+        out = self.outcome = self.runner.answer(self.answer_value(), quiet=True)
+        lines = [str(out)]
+        if out.correct:
+            lines.append(f"why: {self.question.explanation[self.runner.language]}")
+        if lab := self.question.lab_text(self.runner.language):
+            lines.append(lab)
+        self.feedback.value = "<br>".join(html.escape(t) for t in lines)
+        return out
+
+    def headless(self) -> None:
+        q = self.advance()
+        print(q.text(self.runner.language, self.runner._pos) if q else "no questions")
+        print(f"(one of {len(self.runner)}; in JupyterLab this is a panel: answer, Submit, Next question)")
+
+
+def quiz_panel(runner: QuizRunner) -> QuizPanel:
+    """Show ``runner``'s quiz one question at a time (headless: print the first question)."""
+    panel = QuizPanel(runner)
+    if interactive():
+        panel.advance()
+    return show(panel)
