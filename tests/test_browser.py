@@ -31,6 +31,7 @@ from pathlib import Path
 
 import pytest
 
+from lab_utils.course import specs
 from lab_utils.procs import env_flag, free_port, popen_owned, stop_group
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -333,7 +334,8 @@ def test_lab01_roofline_explorer_answers_its_dtype_control(page, shots):
     plot_before = plot.first.get_attribute("src")
     cell.locator(".widget-dropdown select").first.select_option("bf16")
     status.filter(has_text=re.compile(r"bf16 n=\d+( on |: not measured)")).wait_for(timeout=60_000)
-    assert status.inner_text() != before and "H200 reference 786.1" in status.inner_text()
+    bf16_ref = specs.h200_reference_tflops()["bf16"]  # the committed H200 run's point
+    assert status.inner_text() != before and f"H200 reference {bf16_ref:.1f}" in status.inner_text()
     # the roofline redrawn with the new point: one image still, another picture (it follows the status line)
     expect(plot).to_have_count(1)
     expect(plot.first).not_to_have_attribute("src", plot_before, timeout=60_000)
