@@ -150,7 +150,8 @@ def env_file() -> dict[str, str]:
     return stack.parse_env_file((DOCKER / ".env").read_text())
 
 
-SECRETS = {"JUPYTER_TOKEN": "0123456789abcdef0123", "GRAFANA_ADMIN_PASSWORD": "0123456789abcdef"}
+SECRETS = {"JUPYTER_TOKEN": "0123456789abcdef0123", "GRAFANA_ADMIN_PASSWORD": "0123456789abcdef",
+           "NVLAB_API_KEY": "0123456789abcdef"}
 
 
 def resolved(node, env: dict[str, str]):
@@ -298,3 +299,33 @@ def test_scrape_targets_match_the_services(compose):
     mounts = {v.split(":")[1] for v in compose["services"]["prometheus"]["volumes"]}
     for rule_file in config["rule_files"]:
         assert f"/etc/prometheus/{rule_file}" in mounts
+
+
+# --- lab 07's nginx -----------------------------------------------------------------------------------------
+
+
+def test_compose_nginx_config_is_generated_and_nginx_accepts_it(compose):
+    """docker/nginx/nginx.conf is the lab's generated config; with the key the container puts in (and the stack's
+    hostname replaced by an address, which `nginx -t` resolves) nginx accepts it; the service mounts it where its
+    command reads it, replaces the placeholder, and publishes the ports the config listens on (loopback only)."""
+    from lab_utils.serving import nginx as nginx_mod
+    from lab_utils.serving import service
+
+    conf = DOCKER / "nginx" / "nginx.conf"
+    assert conf.read_text() == service.compose_nginx_config(), \
+        "regenerate: python -c 'from lab_utils.serving import service as s; " \
+        "open(\"docker/nginx/nginx.conf\", \"w\").write(s.compose_nginx_config())'"
+    svc = compose["services"]["nginx"]
+    command = " ".join(svc["command"])
+    assert f"s/{service.COMPOSE_KEY_PLACEHOLDER}/$${{NVLAB_API_KEY}}/" in command
+    assert "./nginx/nginx.conf:/etc/nvlab/nginx.conf:ro" in svc["volumes"] and "/etc/nvlab/nginx.conf" in command
+    published_ports = {str(p).rsplit(":", 1)[1] for p in svc["ports"]}
+    assert published_ports == {str(service.COMPOSE_PORTS["http"]), str(service.COMPOSE_PORTS["grpc"])}
+    if nginx_mod.missing():
+        if env_flag(nginx_mod.REQUIRE_ENV):
+            pytest.fail(f"{nginx_mod.REQUIRE_ENV}=1 but {nginx_mod.missing()}")
+        pytest.skip(nginx_mod.missing())
+    text = conf.read_text().replace(service.COMPOSE_KEY_PLACEHOLDER, SECRETS["NVLAB_API_KEY"])
+    nginx_mod.check_config(text.replace("server triton:", "server 127.0.0.1:"))
+    with pytest.raises(nginx_mod.NginxConfigError):  # really checking: a broken copy is refused
+        nginx_mod.check_config(text.replace("server triton:8000;", "server 127.0.0.1:8000"))

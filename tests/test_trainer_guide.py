@@ -78,7 +78,7 @@ def test_compose_commands_and_variables(commands):
     compose_text = (ROOT / "docker" / "compose.yaml").read_text()
     env_file = (ROOT / "docker" / ".env").read_text()
     required = {n for n in re.findall(r"\$\{([A-Z_]+):\?", compose_text) if f"{n}=" not in env_file}
-    assert required == {"JUPYTER_TOKEN", "GRAFANA_ADMIN_PASSWORD"}
+    assert required == {"JUPYTER_TOKEN", "GRAFANA_ADMIN_PASSWORD", "NVLAB_API_KEY"}
     i = commands.index("cd docker")
     export = commands[i + 1]
     assert export.startswith("export ") and all(f"{n}=$(openssl rand -hex" in export for n in required)

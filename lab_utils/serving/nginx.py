@@ -40,7 +40,6 @@ import re
 import secrets
 import shutil
 import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -51,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from lab_utils.procs import (
+    GroupWatchdog,
     check_url,
     env_flag,
     free_port,
@@ -653,63 +653,6 @@ def reload_nginx(prefix: str | os.PathLike[str], conf: str | os.PathLike[str], b
         raise NginxError(f"`{' '.join(argv)}` failed: {(out.stderr or out.stdout).strip()}")
 
 
-# --- the watchdog: workers die with the owner too -----------------------------------------------------------------
-
-# Runs as `python -c` in a session of its own. The owner writes the nginx group id on its stdin (a pipe only the owner
-# holds), and "stopped" when it stopped nginx itself. End of file without "stopped" means the owner died (a killed
-# kernel): the kernel's PDEATHSIG killed the master, not the workers, so this kills the group and removes the prefix.
-_WATCHDOG = r"""
-import os, shutil, signal, sys, time
-folder = sys.argv[1]
-pgid = sys.stdin.readline().strip()
-rest = sys.stdin.read()
-if "stopped" not in rest:
-    if pgid.isdigit():
-        pgid = int(pgid)
-        for sig, wait_s in ((signal.SIGTERM, 1.0), (signal.SIGKILL, 2.0)):
-            try:
-                os.killpg(pgid, sig)
-            except OSError:
-                break
-            end = time.monotonic() + wait_s
-            while time.monotonic() < end:
-                try:
-                    os.killpg(pgid, 0)
-                except OSError:
-                    break
-                time.sleep(0.02)
-    shutil.rmtree(folder, ignore_errors=True)
-"""
-
-
-class _Watchdog:
-    def __init__(self, folder: Path):
-        read_fd, write_fd = os.pipe()  # both ends close-on-exec: no other child inherits the owner's end
-        try:
-            self.proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _WATCHDOG, str(folder)], stdin=read_fd,
-                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd="/",
-                                         start_new_session=True)  # not in the group it may have to kill
-        finally:
-            os.close(read_fd)
-        self._pipe = os.fdopen(write_fd, "w")
-
-    def arm(self, pgid: int) -> None:
-        self._pipe.write(f"{pgid}\n")
-        self._pipe.flush()
-
-    def disarm(self) -> None:
-        with contextlib.suppress(OSError, ValueError):
-            self._pipe.write("stopped\n")
-            self._pipe.flush()
-        with contextlib.suppress(OSError):
-            self._pipe.close()
-        try:
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-
 # --- the server ---------------------------------------------------------------------------------------------
 
 _RUNNING: set[NginxServer] = set()
@@ -779,7 +722,7 @@ class NginxServer:
         self.exit_code: int | None = None
         self.startup_s: float | None = None
         self._proc: subprocess.Popen | None = None
-        self._watchdog: _Watchdog | None = None
+        self._watchdog: GroupWatchdog | None = None
         self._lock = threading.RLock()
         self._render(probe_ports=True)  # a bad argument fails here, before anything starts
 
@@ -908,7 +851,7 @@ class NginxServer:
             out = _test(binary, self.prefix, self.conf_path)
             if out.returncode != 0:
                 raise _explain(out.stderr + out.stdout, self.config_text, spans)
-            self._watchdog = _Watchdog(self.prefix)
+            self._watchdog = GroupWatchdog(self.prefix)  # kills the workers a killed kernel's PDEATHSIG misses
             self.argv = [binary, "-p", f"{self.prefix}/", "-c", str(self.conf_path),
                          *_error_log_arg(binary, self.prefix),
                          "-g", "daemon off;"]
@@ -964,10 +907,12 @@ class NginxServer:
     # reload --------------------------------------------------------------------------------------------------
     def reload(self, timeout_s: float = 10.0) -> None:
         """Apply the current settings without dropping a request: render, ``nginx -t``, ``nginx -s reload``, and
-        wait until the new workers answer (``/generation`` on the status port says the new number)."""
+        wait until the new workers answer (``/generation`` on the status port says the new number) and the old ones
+        have finished their requests and exited (until then they still accept connections, with the old config)."""
         with self._lock:
             if not self.alive():
                 raise NginxError(f"nginx is not running ({self!r}): start() it first")
+            old_workers = set(self.worker_pids())
             self.generation += 1
             text, spans = self._render()
             new = self.conf_path.with_name("nginx.conf.new")
@@ -987,13 +932,19 @@ class NginxServer:
                 try:
                     with urllib.request.urlopen(url, timeout=2) as r:
                         if r.read().strip() == want:
-                            return
+                            break
                 except OSError:
                     pass
                 if time.monotonic() > deadline or not self.alive():
                     raise NginxError(f"nginx did not take the new config within {timeout_s:g} s; its log:\n"
                                      f"{self.log_tail(10)}")
                 threading.Event().wait(0.02)
+            # Old workers accept new connections until they act on the master's signal to quit: wait until they are
+            # gone (each finishes its requests in flight first), so that no request sent after this returns meets
+            # the old config. A long request keeps its worker: after 5 s, return anyway.
+            end = time.monotonic() + min(timeout_s, 5.0)
+            while any(pid_alive(p) for p in old_workers) and time.monotonic() < end:
+                threading.Event().wait(0.01)
 
     def set_weights(self, http: dict[str, int] | None = None, grpc: dict[str, int] | None = None,
                     timeout_s: float = 10.0) -> None:

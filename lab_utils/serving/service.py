@@ -1,0 +1,496 @@
+"""Lab 07's service as one owned object: the digits ensemble on two Triton servers, nginx in front.
+
+Stable API (lab 07 builds on it):
+
+- ``Service(servers=2, cache="classifier", ...)``: a context manager. ``start()`` builds the repository
+  (``ensemble.build_service_repository``: DigitsCNN trained here, ONNX with a dynamic batch, the PNG ensemble),
+  starts ``servers`` Triton servers on it (explicit model control, the local response cache), and nginx in front
+  of them (HTTP and gRPC, an API key, a body limit, a rate limit, JSON access logs). Without nginx
+  (``nginx.available()`` False) it drives one Triton server directly and ``skipped`` says what that leaves out.
+  ``stop()`` stops what it started, last started first (monitoring handed to ``own()`` included); safe twice;
+  also at interpreter exit. If the interpreter is killed, each server's own guard (PR_SET_PDEATHSIG, nginx's
+  watchdog) ends it.
+- The front door: ``http_url``, ``grpc_url`` (nginx's, or the one Triton's), ``headers`` (the API key),
+  ``via`` ("nginx" or "triton"); ``target(protocol)`` an open-loop target sending one held-out PNG a request;
+  ``classify(pngs)``, ``accuracy()``: through the front door.
+- Behind it: ``servers`` (``TritonServer``), ``lb`` (``NginxServer`` or None), ``repo`` (``ServiceRepo``),
+  ``scrape_jobs()`` (``{"triton": [...]}``, the nginx exporter's job added by the monitoring).
+- ``infer(url, model, inputs, protocol, headers)``: one request with headers (tritonclient), as ``client.infer``.
+- ``send_raw(url, body, headers)``: one raw HTTP POST to the service's infer endpoint: (status, JSON or text).
+
+Cache placement: the response cache sits on the **classifier** by default. An ensemble's cache entries are keyed
+by the ensemble, not the classifier version behind it: after a hot update an image already cached would keep
+getting version 1's answer. The classifier's cache is keyed by its version, so a new version starts empty.
+Units are in names: ``_s`` seconds, ``_ms`` milliseconds, ``_rps`` requests per second, ``_mib`` MiB.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from lab_utils.procs import owned_tempdir, release_at_exit, stop_at_exit
+from lab_utils.serving import client as triton_client
+from lab_utils.serving import ensemble as ens
+from lab_utils.serving import nginx as nginx_mod
+from lab_utils.serving.openloop import TritonTarget
+from lab_utils.serving.server import TritonServer, find_server
+
+RATE_LIMIT_RPS = 5000  # per client address: above what the servers can take, so only a flood meets it (a limit
+# at the capacity would make every capacity search measure nginx's limit instead of the servers)
+RATE_BURST = 1000  # requests of slack: Poisson arrivals come in clumps
+BODY_LIMIT = "1m"  # nginx's limit (413); the preprocessing model's own 256 KiB limit sits below it (400)
+STOP_GRACE_S = 1.0
+
+
+class ServiceError(RuntimeError):
+    """The service could not start; the message says which part and what to do."""
+
+
+def infer(url: str, model: str, inputs: Mapping[str, np.ndarray], *, protocol: str = "http",
+          headers: Mapping[str, str] | None = None, outputs: Sequence[str] | None = None,
+          timeout_s: float = 30.0) -> dict[str, np.ndarray]:
+    """One synchronous request with ``headers`` (the API key through nginx); ``{output: array}``. Raises
+    tritonclient's ``InferenceServerException`` (``.status()``: "401", "StatusCode.INVALID_ARGUMENT"...)."""
+    mod = triton_client._module(protocol)
+    c = mod.InferenceServerClient(triton_client.host_port(url),
+                                  **({"network_timeout": timeout_s} if protocol == "http" else {}))
+    hdrs = {(k.lower() if protocol == "grpc" else k): v for k, v in (headers or {}).items()} or None
+    try:
+        ins, outs = triton_client.build_request(mod, protocol, inputs, outputs, True)
+        kw = {"client_timeout": timeout_s} if protocol == "grpc" else {}
+        res = c.infer(model, ins, outputs=outs, headers=hdrs, **kw)
+        names = list(outputs) if outputs else [o["name"] for o in triton_client._result_outputs(res, protocol)]
+        return {n: res.as_numpy(n) for n in names}
+    finally:
+        c.close()
+
+
+def send_raw(url: str, body: bytes, headers: Mapping[str, str] | None = None, model: str = ens.SERVICE,
+             timeout_s: float = 30.0) -> tuple[int, Any]:
+    """POST ``body`` to ``{url}/v2/models/{model}/infer`` as it is (no client library): (HTTP status, the JSON
+    answer or its text). For what a well-behaved client never sends: a huge body, a malformed request."""
+    req = urllib.request.Request(f"{url}/v2/models/{model}/infer", data=body, method="POST",
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            status, text = r.status, r.read().decode(errors="replace")
+    except urllib.error.HTTPError as err:
+        status, text = err.code, err.read().decode(errors="replace")
+    try:
+        return status, json.loads(text)
+    except ValueError:
+        return status, text
+
+
+class Service:
+    """The digits service: ``servers`` Triton servers behind nginx (or one Triton alone without nginx).
+
+    ``cache``: where the response cache is (``"classifier"``, ``"service"``: the ensemble, or None);
+    ``cache_mib``: its size. ``use_nginx`` None: nginx when it is installed (``NVLAB_REQUIRE_NGINX=1`` makes a
+    missing one an error). ``api_key`` None: a random one. The nginx limits: ``rate_limit_rps`` (+ ``rate_burst``)
+    per client address, ``client_max_body_size``. ``repo``: an already built ``ServiceRepo`` to serve instead.
+    """
+
+    def __init__(self, *, servers: int = 2, cache: str | None = "classifier", cache_mib: int = ens.CACHE_MIB,
+                 epochs: int = 4, seed: int = 0, use_nginx: bool | None = None, api_key: str | None = None,
+                 rate_limit_rps: float | None = RATE_LIMIT_RPS, rate_burst: int = RATE_BURST,
+                 client_max_body_size: int | str = BODY_LIMIT, instances: int | None = None, gpus: int = 0,
+                 repo: ens.ServiceRepo | None = None, startup_timeout_s: float = 120.0,
+                 stop_grace_s: float = STOP_GRACE_S, build_env: bool = True):
+        if isinstance(servers, bool) or not isinstance(servers, int) or servers < 1:
+            raise ValueError(f"Service(servers={servers!r}): the number of Triton servers, an integer >= 1")
+        if cache not in ens.CACHE_PLACES:
+            raise ValueError(f"Service(cache={cache!r}): use one of {ens.CACHE_PLACES}")
+        self.cache, self.cache_mib = cache, cache_mib
+        self.epochs, self.seed, self.instances, self.gpus = epochs, seed, instances, gpus
+        self.want_servers = servers
+        self.use_nginx = use_nginx
+        self.nginx_kwargs = {"api_keys": api_key, "rate_limit_rps": rate_limit_rps, "rate_burst": rate_burst,
+                             "client_max_body_size": client_max_body_size}
+        nginx_mod.nginx_config(["127.0.0.1:1"], ["127.0.0.1:2"], http_port=3, grpc_port=4, status_port=5,
+                               api_keys=api_key or (), rate_limit_rps=rate_limit_rps, rate_burst=rate_burst,
+                               client_max_body_size=client_max_body_size)  # a bad limit fails here, not later
+        self.startup_timeout_s, self.stop_grace_s, self.build_env = startup_timeout_s, stop_grace_s, build_env
+        self.repo: ens.ServiceRepo | None = repo
+        self._repo_given = repo is not None
+        self.workdir: Path | None = None
+        self.servers: list[TritonServer] = []
+        self.lb: nginx_mod.NginxServer | None = None
+        self.skipped: list[str] = []
+        self._owned: list[Any] = []
+        self._lock = threading.RLock()
+        self.startup_s: dict[str, float] = {}
+
+    # lifecycle ------------------------------------------------------------------------------------------------
+    def start(self) -> Service:
+        """Build, start and wait for every part; on any failure stop what was started and raise with its log."""
+        import time
+
+        with self._lock:
+            if self.servers and all(s.alive() for s in self.servers):
+                return self
+            stop_at_exit(self)
+            try:
+                with_nginx = nginx_mod.available(show=True) if self.use_nginx is None else self.use_nginx
+                if with_nginx:
+                    nginx_mod.find_nginx()  # NginxNotFound with the install line, before anything starts
+                source = find_server(local=True)
+                if self.repo is None:
+                    self.workdir = owned_tempdir("service")
+                    t0 = time.perf_counter()
+                    self.repo = ens.build_service_repository(
+                        self.workdir / "repo", epochs=self.epochs, seed=self.seed, gpus=self.gpus,
+                        instances=self.instances, cache=self.cache, source=source, build_env=self.build_env)
+                    self.startup_s["build"] = time.perf_counter() - t0
+                n = self.want_servers if with_nginx else 1
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    s = TritonServer(self.repo.path, startup_timeout_s=self.startup_timeout_s,
+                                     stop_grace_s=self.stop_grace_s, source=source,
+                                     **self.repo.server_kwargs(self.cache_mib if self.cache else None))
+                    self.servers.append(s)
+                    s.start()
+                self.startup_s["triton"] = time.perf_counter() - t0
+                if with_nginx:
+                    self.lb = nginx_mod.NginxServer([s.http_url for s in self.servers],
+                                                    [s.grpc_url for s in self.servers], **self.nginx_kwargs)
+                    self.lb.start()
+                    self.startup_s["nginx"] = self.lb.startup_s or 0.0
+                else:
+                    self.skipped = [
+                        f"load balancing over {self.want_servers} Triton servers (one server serves directly)",
+                        "the API key (401), nginx's body limit (413) and rate limit (429)",
+                        "nginx's JSON access log and its metrics"]
+            except BaseException:
+                self.stop()
+                raise
+            return self
+
+    def own(self, obj: Any) -> Any:
+        """Stop ``obj`` (anything with ``stop()``: the monitoring) with the service, before the servers."""
+        with self._lock:
+            self._owned.append(obj)
+        return obj
+
+    def stop(self) -> None:
+        """Stop the monitoring handed to ``own``, nginx, the Triton servers, and remove the built repository.
+        Safe to call twice."""
+        with self._lock:
+            for obj in reversed(self._owned):
+                try:
+                    obj.stop()
+                except Exception as err:  # one part failing to stop must not leave the others running
+                    print(f"stopping {obj!r} failed: {err}")
+            self._owned.clear()
+            if self.lb is not None:
+                self.lb.stop()
+            for s in reversed(self.servers):
+                s.stop()
+            if self.workdir is not None and not self._repo_given:
+                shutil.rmtree(self.workdir, ignore_errors=True)
+            release_at_exit(self)
+
+    def __enter__(self) -> Service:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def alive(self) -> bool:
+        """Every part still runs."""
+        return bool(self.servers) and all(s.alive() for s in self.servers) and (self.lb is None or self.lb.alive())
+
+    def __repr__(self) -> str:
+        state = "running" if self.alive() else "stopped"
+        return f"Service({state}, {len(self.servers)} Triton, via {self.via}, front door {self.http_url})"
+
+    # the front door -------------------------------------------------------------------------------------------
+    @property
+    def via(self) -> str:
+        return "nginx" if self.lb is not None else "triton"
+
+    @property
+    def http_url(self) -> str:
+        if self.lb is not None:
+            return self.lb.http_url
+        return self.servers[0].http_url if self.servers else ""
+
+    @property
+    def grpc_url(self) -> str:
+        if self.lb is not None:
+            return self.lb.grpc_url
+        return self.servers[0].grpc_url if self.servers else ""
+
+    def url(self, protocol: str = "http") -> str:
+        return self.grpc_url if protocol == "grpc" else self.http_url
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The API key header (empty without nginx)."""
+        return self.lb.auth_headers if self.lb is not None else {}
+
+    @property
+    def model(self) -> str:
+        return self.repo.service if self.repo else ens.SERVICE
+
+    def target(self, protocol: str = "http", pngs: Sequence[bytes] | None = None, *, verify: bool = False,
+               headers: Mapping[str, str] | None = None) -> TritonTarget:
+        """An open-loop target: one PNG a request through the front door, cycling over ``pngs`` (default: all
+        1,797 digits, held-out ones first: at 100 QPS an image comes back after 18 s, so the cache helps only
+        then). ``verify``: a request whose top label is not a digit counts as failed."""
+        if pngs is None:
+            pngs = all_pngs()
+        payloads = [{ens.IMAGE: ens.image_batch([p])} for p in pngs]
+        target = TritonTarget(self.url(protocol), self.model, payloads[0], protocol=protocol,
+                              headers=self.headers if headers is None else headers,
+                              outputs=[ens.LABELS, ens.SCORES], verify=_verify_digit if verify else None)
+        target.payloads = payloads  # every image, in order (the target cycles over its payloads)
+        return target
+
+    def classify(self, pngs: Sequence[bytes], protocol: str = "http") -> tuple[list[list[str]], np.ndarray]:
+        """Top-k labels and scores of ``pngs`` (one request) through the front door."""
+        out = infer(self.url(protocol), self.model, {ens.IMAGE: ens.image_batch(pngs)}, protocol=protocol,
+                    headers=self.headers, outputs=[ens.LABELS, ens.SCORES])
+        labels = [[b.decode() if isinstance(b, bytes) else str(b) for b in row] for row in out[ens.LABELS]]
+        return labels, np.asarray(out[ens.SCORES], np.float32)
+
+    def accuracy(self, protocol: str = "http", n: int | None = None, batch_size: int = 16) -> dict[str, Any]:
+        """Top-1 accuracy on the held-out digits sent through the whole service (front door included)."""
+        import time
+
+        pngs, y = ens.digits_pngs("test", n)
+        t0 = time.perf_counter()
+        predicted: list[str] = []
+        for i in range(0, len(pngs), batch_size):
+            predicted += [row[0] for row in self.classify(pngs[i:i + batch_size], protocol)[0]]
+        wrong = [(i, int(t), p) for i, (t, p) in enumerate(zip(y, predicted, strict=True)) if str(int(t)) != p]
+        return {"accuracy": 1 - len(wrong) / len(y), "images": len(y), "wrong": wrong,
+                "wall_s": time.perf_counter() - t0, "protocol": protocol, "via": self.via}
+
+    # behind it ------------------------------------------------------------------------------------------------
+    def scrape_jobs(self) -> dict[str, list[str]]:
+        """``{"triton": [host:port of each server's metrics]}`` for Prometheus."""
+        return {"triton": [s.metrics_url.split("//", 1)[1].split("/", 1)[0] for s in self.servers]}
+
+    def backends(self, protocol: str = "http") -> list[str]:
+        """``host:port`` of each Triton server's HTTP (or gRPC) endpoint: what nginx's upstream lists."""
+        return [triton_client.host_port(s.http_url if protocol == "http" else s.grpc_url) for s in self.servers]
+
+    def health(self) -> dict[str, Any]:
+        """Each part's state now: Triton ready, nginx answering, the service model ready through the front door."""
+        from lab_utils.procs import http_ok
+
+        out: dict[str, Any] = {f"triton_{i}_ready": s.alive() and s.ready() for i, s in enumerate(self.servers)}
+        if self.lb is not None:
+            out["nginx_alive"] = self.lb.alive()
+            out["nginx_status_ok"] = http_ok(self.lb.status_url)[0]
+        req = urllib.request.Request(f"{self.http_url}/v2/models/{self.model}/ready", headers=self.headers)
+        out["service_ready"] = False
+        for _ in range(5):  # a moment after a reload or a burst: ask again before saying no
+            try:
+                with urllib.request.urlopen(req, timeout=5) as r:
+                    out["service_ready"] = r.status == 200
+                    break
+            except urllib.error.HTTPError as err:
+                out["service_status"] = err.code  # why not: 429 (rate limit), 401, 502...
+            except OSError as err:
+                out["service_status"] = str(err)
+            time.sleep(0.2)
+        return out
+
+
+_ALL: list[bytes] = []
+
+
+def all_pngs() -> list[bytes]:
+    """Every digit as a 32 px PNG: the 357 held-out ones, then the 1,440 training ones (made once)."""
+    if not _ALL:
+        _ALL.extend(ens.digits_pngs("test")[0] + ens.digits_pngs("train")[0])
+    return list(_ALL)
+
+
+# --- the hot update ------------------------------------------------------------------------------------------
+
+
+def version_counts(servers: Sequence[Any], model: str = ens.CLASSIFIER) -> dict[str, float]:
+    """``{version: successful requests}`` of ``model`` summed over ``servers`` (Triton's counters now; a cache hit
+    counts as a success of the version that cached it)."""
+    out: dict[str, float] = {}
+    for s in servers:
+        try:
+            samples = ens.metric_samples(s.metrics_url, timeout_s=2.0)
+        except OSError:
+            continue
+        for labels, value in samples:
+            if labels.get("__name__") == "nv_inference_request_success" and labels.get("model") == model:
+                out[labels.get("version", "?")] = out.get(labels.get("version", "?"), 0.0) + value
+    return out
+
+
+@dataclass
+class HotUpdate:
+    """A hot update under open-loop load: the load's ``result`` (``errors_total`` is what the clients saw fail),
+    the ``timeline`` (per ``sample_s``: requests/s per classifier version) and the ``steps`` taken (t_s, what)."""
+
+    result: Any
+    timeline: pd.DataFrame
+    steps: list[dict[str, Any]]
+    states: dict[str, str]
+
+    def switch_p95_ms(self) -> float:
+        """The worst window p95 (ms) from one second before the first step to one second after the last."""
+        if not self.steps or not self.result.windows:
+            return float("nan")
+        a, b = self.steps[0]["t_s"] - 1, self.steps[-1]["t_s"] + 1
+        warmup = float(self.timeline.attrs.get("warmup_s", 0.0))
+        ps = [w.p95_ms for w in self.result.windows
+              if a <= warmup + (w.index + 1) * w.seconds and warmup + w.index * w.seconds <= b
+              and np.isfinite(w.p95_ms)]
+        return float(max(ps)) if ps else float("nan")
+
+
+def hot_update(svc: Service, new_version: int = 2, *, rate_rps: float = 100.0, duration_s: float = 20.0,
+               warmup_s: float = 1.0, protocol: str = "grpc", sample_s: float = 0.5, pause_s: float = 1.5,
+               timeout_s: float = 10.0) -> HotUpdate:
+    """Move the service from the classifier version it serves to ``new_version`` (already written to the
+    repository: ``ensemble.write_classifier_version``) while open-loop load flows through the front door.
+
+    With two or more servers behind nginx, server by server: the last server loads ``new_version`` beside the
+    old one (explicit model control; the ensemble's step asks for the newest version, so it answers at once),
+    nginx's weights move the traffic to it (3:1, then the others drained), the others load it, weights back to
+    equal, then every server unloads the old version (``version_policy`` of ``new_version`` only). With one
+    server: load beside, then unload the old. ``pause_s`` between steps, so each shows in the timeline.
+
+    The clients speak gRPC by default: each nginx reload retires the old workers, which close their idle client
+    connections. HTTP/2 announces that (GOAWAY) and the client moves on; an HTTP/1.1 client reusing a keep-alive
+    connection at that instant gets a reset instead of an answer (measured: 1 in 2,553 requests over four
+    reloads), which a client must retry (inference requests are idempotent)."""
+    from lab_utils.serving.openloop import run_open_loop
+
+    repo = svc.repo
+    if repo is None or not svc.alive():
+        raise ServiceError("the service is not running: start() it first")
+    vdir = repo.path / repo.classifier / str(new_version)
+    if not (vdir / "model.onnx").is_file():
+        raise FileNotFoundError(f"{vdir}/model.onnx does not exist: write version {new_version} first "
+                                f"(ensemble.write_classifier_version(service.repo.path, {new_version}))")
+    old = sorted(int(v) for v, st in ens.version_states(svc.servers[0].grpc_url, repo.classifier).items()
+                 if st == "READY")
+    steps: list[dict[str, Any]] = []
+    samples: list[dict[str, float]] = []
+    box: dict[str, Any] = {}
+    t0 = time.perf_counter()
+    stop = threading.Event()
+
+    def step(what: str) -> None:
+        steps.append({"t_s": time.perf_counter() - t0, "step": what})
+
+    def sampler() -> None:
+        while not stop.is_set():
+            samples.append({"t_s": time.perf_counter() - t0, **version_counts(svc.servers, repo.classifier)})
+            stop.wait(sample_s)
+
+    def load() -> None:
+        try:
+            box["result"] = run_open_loop(svc.target(protocol), rate_rps, duration_s, warmup_s=warmup_s,
+                                          timeout_s=timeout_s)
+        except BaseException as err:  # handed to the caller
+            box["error"] = err
+
+    th_load = threading.Thread(target=load, name="nvlab-hot-update-load", daemon=True)
+    th_samp = threading.Thread(target=sampler, name="nvlab-hot-update-sampler", daemon=True)
+    th_samp.start()
+    th_load.start()
+    try:
+        stop.wait(warmup_s + pause_s)
+        ens.set_served_versions(repo.path, [*old, new_version], name=repo.classifier)
+        first, rest = svc.servers[-1], svc.servers[:-1]
+        triton_client.load_model(first.grpc_url, repo.classifier)
+        step(f"server {len(svc.servers) - 1}: v{new_version} loaded beside v{','.join(map(str, old))}")
+        if svc.lb is not None and rest:
+            addr = triton_client.host_port
+            stop.wait(pause_s)
+            svc.lb.set_weights(http={addr(first.http_url): 3, **{addr(s.http_url): 1 for s in rest}},
+                               grpc={addr(first.grpc_url): 3, **{addr(s.grpc_url): 1 for s in rest}})
+            step("nginx weights 3:1 towards the new version")
+            stop.wait(pause_s)
+            svc.lb.set_weights(http={addr(s.http_url): 0 for s in rest}, grpc={addr(s.grpc_url): 0 for s in rest})
+            step("nginx: the old version's servers drained (down)")
+            for s in rest:
+                triton_client.load_model(s.grpc_url, repo.classifier)
+            step(f"the other servers: v{new_version} loaded")
+            stop.wait(pause_s)
+            svc.lb.set_weights(http={addr(s.http_url): 1 for s in svc.servers},
+                               grpc={addr(s.grpc_url): 1 for s in svc.servers})
+            step("nginx weights equal again")
+        stop.wait(pause_s)
+        ens.set_served_versions(repo.path, [new_version], name=repo.classifier)
+        for s in svc.servers:
+            triton_client.load_model(s.grpc_url, repo.classifier)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(  # load_model returns while the old version still unloads
+                st.startswith(("UNLOADING", "LOADING")) for s in svc.servers
+                for st in ens.version_states(s.grpc_url, repo.classifier).values()):
+            stop.wait(0.1)
+        step(f"v{','.join(map(str, old))} unloaded: v{new_version} alone")
+    finally:
+        th_load.join()
+        stop.set()
+        th_samp.join(timeout=5)
+    if "error" in box:
+        raise box["error"]
+    frame = pd.DataFrame(samples).fillna(0.0)
+    cols = [c for c in frame.columns if c != "t_s"]
+    rates = frame[cols].diff().div(frame["t_s"].diff(), axis=0).clip(lower=0)
+    timeline = pd.concat([frame[["t_s"]], rates.add_prefix("v").add_suffix("_rps")], axis=1).iloc[1:]
+    timeline.attrs["warmup_s"] = warmup_s
+    return HotUpdate(box["result"], timeline.reset_index(drop=True), steps,
+                     ens.version_states(svc.servers[0].grpc_url, repo.classifier))
+
+
+# --- the compose stack's nginx -------------------------------------------------------------------------------
+
+COMPOSE_KEY_PLACEHOLDER = "NVLAB_API_KEY_FROM_ENVIRONMENT"  # replaced by $NVLAB_API_KEY when the container starts
+COMPOSE_PORTS = {"http": 8080, "grpc": 8081, "status": 8082}
+
+
+def compose_nginx_config() -> str:
+    """``docker/nginx/nginx.conf``: the lab's nginx config (``nginx.nginx_config``, the same limits as ``Service``) in
+    front of the compose stack's Triton (``triton:8000`` HTTP, ``triton:8001`` gRPC), listening on all interfaces
+    of its container; the API key is a placeholder that the container's command replaces with ``$NVLAB_API_KEY``.
+    Generated, never edited by hand: ``python -c 'from lab_utils.serving import service as s;
+    open("docker/nginx/nginx.conf", "w").write(s.compose_nginx_config())'``."""
+    text = nginx_mod.nginx_config(["triton:8000"], ["triton:8001"], http_port=COMPOSE_PORTS["http"],
+                                  grpc_port=COMPOSE_PORTS["grpc"], status_port=COMPOSE_PORTS["status"],
+                                  host="0.0.0.0", api_keys=[COMPOSE_KEY_PLACEHOLDER],
+                                  client_max_body_size=BODY_LIMIT, rate_limit_rps=RATE_LIMIT_RPS,
+                                  rate_burst=RATE_BURST)
+    lines = [ln for ln in text.splitlines() if not ln.startswith("user ")]  # the container runs it as `lab`
+    lines[0] = "# docker/nginx/nginx.conf, generated by lab_utils.serving.service.compose_nginx_config: do not edit."
+    lines[1] = ("# docker/compose.yaml's nginx service runs it as nginx -p /tmp/nginx/ -c conf/nginx.conf "
+                "-g 'daemon off;'\n# (relative paths below are relative to that prefix).")
+    return "\n".join(lines) + "\n"
+
+
+def _verify_digit(inputs: Any, outputs: Mapping[str, np.ndarray]) -> None:
+    top = outputs[ens.LABELS][0][0]
+    top = top.decode() if isinstance(top, bytes) else str(top)
+    if top not in ens.DIGIT_LABELS:
+        raise ValueError(f"top label {top!r} is not a digit")
+
+
+__all__ = ["Service", "ServiceError", "HotUpdate", "hot_update", "version_counts", "infer", "send_raw", "all_pngs",
+           "RATE_LIMIT_RPS", "RATE_BURST", "BODY_LIMIT", "compose_nginx_config", "COMPOSE_KEY_PLACEHOLDER",
+           "COMPOSE_PORTS"]

@@ -1,0 +1,296 @@
+"""Lab 07's service against the real components: two Triton servers behind nginx, PNGs through the ensemble, bad
+input refused with a clear 4xx and the service healthy after, Prometheus scraping both servers and nginx, the SLO
+rules and dashboard checked by promtool, a hot update under load without a failed request, and nothing left
+running: after stop(), and after the kernel that started it is killed mid-lab."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+from _triton import REQUIRE_ENV, require_server
+
+from lab_utils import procs
+from lab_utils.monitoring import prometheus
+from lab_utils.monitoring import service_monitoring as sm
+from lab_utils.ops import notebooks
+from lab_utils.procs import env_flag
+from lab_utils.serving import ensemble as ens
+from lab_utils.serving import nginx as nginx_mod
+from lab_utils.serving import server as triton_server
+from lab_utils.serving import service
+
+
+def _require_all():
+    source = require_server()
+    if not nginx_mod.available(show=False):
+        if env_flag(nginx_mod.REQUIRE_ENV):
+            pytest.fail(f"{nginx_mod.REQUIRE_ENV}=1 but {nginx_mod.missing()}")
+        pytest.skip(f"nginx is not installed: {nginx_mod.missing()}")
+    try:
+        ens.stub_env(source, build=True)
+    except (RuntimeError, OSError) as err:
+        if env_flag(REQUIRE_ENV):
+            pytest.fail(f"the python backend's NumPy-1 environment cannot be built: {err}")
+        pytest.skip(f"the python backend's NumPy-1 environment is not built and cannot be: {err}")
+    return source
+
+
+def _prometheus_here():
+    if prometheus.missing("prometheus", "promtool"):
+        if env_flag(prometheus.REQUIRE_ENV):
+            pytest.fail(f"{prometheus.REQUIRE_ENV}=1 but {prometheus.missing('prometheus', 'promtool')}")
+        pytest.skip("Prometheus is not installed (apt-get install prometheus)")
+
+
+@pytest.fixture(scope="module")
+def svc():
+    _require_all()
+    with service.Service(stop_grace_s=0.3) as s:
+        yield s
+
+
+# --- without a running service ---------------------------------------------------------------------------------
+
+
+def test_bad_arguments_fail_before_anything_starts():
+    with pytest.raises(ValueError, match="servers"):
+        service.Service(servers=0)
+    with pytest.raises(ValueError, match="cache"):
+        service.Service(cache="ensemble")
+    with pytest.raises(ValueError, match="client_max_body_size"):
+        service.Service(client_max_body_size="big")
+    with pytest.raises(ValueError, match="rate_limit_rps"):
+        service.Service(rate_limit_rps=-1)
+
+
+def test_service_rules_pass_promtool_and_their_tests():
+    _prometheus_here()
+    assert "SUCCESS" in prometheus.check_rules(sm.SERVICE_RULES_FILE)
+    assert "SUCCESS" in prometheus.test_rules(sm.SERVICE_RULES_TEST_FILE)
+
+
+def test_committed_service_dashboard_is_generated_and_every_expression_passes_promtool(tmp_path):
+    assert sm.SERVICE_DASHBOARD_FILE.read_text() == sm.dashboard_text(), \
+        "regenerate: python -c 'from lab_utils.monitoring import service_monitoring as m; " \
+        "m.SERVICE_DASHBOARD_FILE.write_text(m.dashboard_text())'"
+    _prometheus_here()
+    from lab_utils.monitoring import panels
+
+    rules = [{"record": f"nvlab:service_dashboard:{i}", "expr": expr}
+             for i, (_, expr) in enumerate(panels.dashboard_expressions(sm.SERVICE_DASHBOARD_FILE, window="30s"))]
+    assert len(rules) == len(sm.SERVICE_PANELS) and all(p.description for p in sm.SERVICE_PANELS)
+    path = tmp_path / "dashboard_rules.yml"
+    path.write_text(json.dumps({"groups": [{"name": "dashboard", "rules": rules}]}))
+    assert "SUCCESS" in prometheus.check_rules(path)
+
+
+# --- the running service ---------------------------------------------------------------------------------------
+
+
+def test_accuracy_through_nginx_over_both_protocols_and_both_servers(svc):
+    t0 = time.time()
+    http, grpc = svc.accuracy("http"), svc.accuracy("grpc", batch_size=7)
+    assert http["accuracy"] > 0.9 and http["wrong"] == grpc["wrong"] and http["via"] == "nginx"
+    assert abs(http["accuracy"] - svc.repo.facts["accuracy"]) < 0.01
+    seen = svc.lb.access_summary(since=t0)
+    assert set(seen["by_upstream"]) == set(svc.backends("http")) | set(svc.backends("grpc")), seen
+    assert seen["by_listener"].keys() == {"http", "grpc"} and set(seen["by_status"]) == {200}
+    assert all(svc.health().values())
+
+
+def _png(size, noise=False):
+    from PIL import Image
+
+    a = (np.random.default_rng(0).integers(0, 256, size[::-1], dtype=np.uint8) if noise
+         else np.zeros(size[::-1], np.uint8))
+    buf = io.BytesIO()
+    Image.fromarray(a, mode="L").save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _attempt(svc, inputs, headers=None, protocol="http"):
+    from tritonclient.utils import InferenceServerException
+
+    try:
+        service.infer(svc.url(protocol), svc.model, inputs, protocol=protocol,
+                      headers=svc.headers if headers is None else headers)
+        return "200", ""
+    except InferenceServerException as err:
+        return str(err.status()), str(err.message())
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_bad_input_is_a_clear_4xx_and_the_service_stays_healthy(svc, protocol):
+    good = ens.digits_pngs("test", 1)[0][0]
+    bad = "400" if protocol == "http" else "StatusCode.INVALID_ARGUMENT"
+    cases = [  # inputs, headers, the status, words the message must hold
+        ({"IMAGE": ens.image_batch([b"hello"])}, None, bad, ["not an image file", "send the encoded file"]),
+        ({"IMAGE": ens.image_batch([_png((2000, 8))])}, None, bad, ["2000x8 px", "resize it"]),
+        ({"IMAGE": np.zeros((1, 1), np.float32)}, None, bad, ["FP32", "BYTES"]),
+        ({"IMAGE": ens.image_batch([good])}, {}, "401" if protocol == "http" else "StatusCode.UNAUTHENTICATED",
+         ["API key"] if protocol == "http" else ["401"]),
+        ({"IMAGE": ens.image_batch([_png((1200, 1200), noise=True)])}, None,
+         "413" if protocol == "http" else "StatusCode.UNKNOWN", ["413"] if protocol == "grpc" else ["body over"]),
+    ]
+    for inputs, headers, status, words in cases:
+        got, message = _attempt(svc, inputs, headers, protocol)
+        assert got == status and all(w in message for w in words), (status, got, message)
+    assert all(svc.health().values()) and svc.classify([good], protocol)[0][0][0] in ens.DIGIT_LABELS
+
+
+def test_over_the_rate_limit_is_a_429_and_the_limit_comes_back(svc):
+    good = ens.digits_pngs("test", 1)[0][0]
+    svc.lb.options.update(rate_limit_rps=5, rate_burst=0)
+    svc.lb.reload()
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            got = list(pool.map(lambda _: _attempt(svc, {"IMAGE": ens.image_batch([good])}), range(24)))
+    finally:
+        svc.lb.options.update(rate_limit_rps=service.RATE_LIMIT_RPS, rate_burst=service.RATE_BURST)
+        svc.lb.reload()
+    refused = [m for s, m in got if s == "429"]
+    assert len(refused) >= 20 and "rate limit" in refused[0] and "5r/s" in refused[0], got  # at most ~1 passes
+    assert all(s == "200" for s, _ in (_attempt(svc, {"IMAGE": ens.image_batch([good])}) for _ in range(10)))
+
+
+def test_monitoring_scrapes_both_tritons_and_nginx(svc):
+    _prometheus_here()
+    mon = svc.own(sm.ServiceMonitoring(svc, for_s=1.0, window="5s").start())
+    try:
+        targets = mon.metrics.targets()
+        assert sorted(targets["job"]) == ["nginx", "triton", "triton"] and (targets["health"] == "up").all()
+        for _ in range(20):
+            svc.classify(ens.digits_pngs("test", 1)[0])
+        mon.metrics.wait_for('sum(nvlab_nginx_requests_total{status="200"}) >= 20', timeout_s=20)
+        mon.metrics.wait_for("count(nvlab_nginx_upstream_requests_total) >= 2", timeout_s=10)  # both servers
+        assert mon.metrics.value("sum(nvlab_nginx_request_duration_seconds_count)") >= 20
+        assert set(mon.metrics.rules()["name"]) >= {"ServiceP95OverSLO", "ServiceErrors", "ServiceBackendDown"}
+        for p in sm.SERVICE_PANELS:  # every dashboard expression evaluates against the live series
+            mon.metrics.query(p.expression("5s"))
+    finally:
+        mon.stop()
+        mon.stop()  # twice is fine
+    assert not mon.alive() and not mon.exporter.alive()
+
+
+def test_hot_update_under_load_has_no_failed_request(svc):
+    ens.write_classifier_version(svc.repo.path, 2, epochs=3, seed=1)
+    try:
+        up = service.hot_update(svc, 2, rate_rps=50, duration_s=8.0, pause_s=0.8)
+        assert up.result.errors_total == 0, up.result.error_messages
+        assert up.states == {"1": "UNAVAILABLE: unloaded", "2": "READY"}, up.states
+        assert up.timeline["v1_rps"].iloc[:3].sum() > 0 and up.timeline["v2_rps"].iloc[-3:].sum() > 0
+        assert up.timeline["v1_rps"].iloc[-3:].sum() == 0
+        assert [s["step"] for s in up.steps][-1].startswith("v1 unloaded") and len(up.steps) == 6
+        assert np.isfinite(up.switch_p95_ms())
+        assert svc.accuracy("http", n=100)["accuracy"] > 0.9
+    finally:
+        ens.set_served_versions(svc.repo.path, [1])
+        for s in svc.servers:
+            from lab_utils.serving import client as triton_client
+
+            triton_client.load_model(s.grpc_url, ens.CLASSIFIER)
+    with pytest.raises(FileNotFoundError, match="write version 7 first"):
+        service.hot_update(svc, 7)
+
+
+def test_stop_leaves_nothing_and_twice_is_fine():
+    _require_all()
+    s = service.Service(stop_grace_s=0.3).start()
+    pids = [p for t in s.servers for p in procs.group_members(t.pid)] + procs.group_members(s.lb.pid)
+    shm = [t._shm_prefix for t in s.servers]
+    prefix, workdir = s.lb.prefix, s.workdir
+    assert len(pids) >= 2 * 4 and all(list(Path("/dev/shm").glob(f"{p}*")) for p in shm)
+    s.stop()
+    s.stop()
+    assert not [p for p in pids if procs.pid_alive(p)] and not nginx_mod.leftover_nginx(prefix)
+    assert not any(list(Path("/dev/shm").glob(f"{p}*")) for p in shm) and not workdir.exists()
+    assert not s.alive() and s not in triton_server.running_servers()
+
+
+# --- a killed kernel ---------------------------------------------------------------------------------------------
+
+
+class _Collector:
+    def __init__(self):
+        self.text = ""
+
+    def __call__(self, msg):
+        c = msg.get("content", {})
+        self.text += c.get("text", "") + "".join(c.get("traceback", []) or [])
+
+
+def _gone(pids, timeout_s):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not [p for p in pids if procs.pid_alive(p)]:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_killed_kernel_leaves_no_nginx_triton_stub_or_shared_memory():
+    """A Jupyter kernel runs the lab's setup (the service, its monitoring) and is SIGKILLed mid-lab: every Triton
+    server and stub, nginx's master and workers, Prometheus and the exporter's thread end with it; `nvlab doctor`
+    removes what no exit handler could (the folders and shared-memory regions named by the kernel's PID)."""
+    _require_all()
+    _prometheus_here()
+    jupyter_client = pytest.importorskip("jupyter_client")
+    run_id = f"pytest-service-kill-{uuid.uuid4().hex[:8]}"
+    km = jupyter_client.KernelManager(kernel_name="python3")
+    km.start_kernel(env=dict(os.environ, **{notebooks.RUN_ID_ENV: run_id}))
+    try:
+        kc = km.client()
+        kc.start_channels()
+        kc.wait_for_ready(timeout=60)
+        code = textwrap.dedent("""
+            import json
+            from lab_utils import procs
+            from lab_utils.monitoring import service_monitoring as sm
+            from lab_utils.serving import ensemble as ens, service
+            svc = service.Service().start()
+            mon = sm.start_monitoring(svc)
+            svc.classify(ens.digits_pngs("test", 2)[0])
+            pids = [p for t in svc.servers for p in procs.group_members(t.pid)] + procs.group_members(svc.lb.pid)
+            pids += [mon.metrics.pid]
+            print("STATE", json.dumps({"pids": pids, "nginx": str(svc.lb.prefix),
+                                       "shm": [t._shm_prefix for t in svc.servers]}))
+        """)
+        out = _Collector()
+        reply = kc.execute_interactive(code, timeout=240, output_hook=out)
+        assert reply["content"]["status"] == "ok", out.text
+        state = json.loads(out.text.split("STATE", 1)[1].strip().splitlines()[0])
+        pids = state["pids"]
+        assert len(pids) >= 2 * 4 + 2 and all(procs.pid_alive(p) for p in pids)
+        assert all(list(Path("/dev/shm").glob(f"{p}*")) for p in state["shm"])
+        kc.stop_channels()
+        kernel_pid = km.provisioner.process.pid
+        os.kill(kernel_pid, signal.SIGKILL)
+        left = [p for p in pids if procs.pid_alive(p)] if not _gone(pids, 20.0) else []
+        assert not left, f"still running after the kernel was killed: {left}"
+        assert not nginx_mod.leftover_nginx(state["nginx"])
+        assert _gone([int(line.split()[0]) for line in notebooks.leftover_processes(run_id)], 10.0), \
+            notebooks.leftover_processes(run_id)
+        owned = list(Path(tempfile.gettempdir()).glob(f"nvlab-*-{kernel_pid}-*"))
+        assert owned, "the kernel's service made folders named by the kernel's PID"
+        doctor = subprocess.run([sys.executable, "-m", "lab_utils", "doctor"], capture_output=True, text=True,
+                                timeout=180)
+        assert doctor.returncode == 0, doctor.stdout + doctor.stderr
+        assert not [p for p in owned if p.exists()], [p for p in owned if p.exists()]
+        assert not any(list(Path("/dev/shm").glob(f"{p}*")) for p in state["shm"])
+    finally:
+        if km.is_alive():
+            km.shutdown_kernel(now=True)
