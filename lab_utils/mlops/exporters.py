@@ -14,6 +14,7 @@ import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from lab_utils.monitoring.exporter import serve_registry, stop_serving
 from lab_utils.procs import port_free, release_at_exit, stop_at_exit, who_listens
 
 FEEDBACK_TOTAL = "nvlab_feedback_total"  # counter: labelled requests answered, per variant
@@ -48,28 +49,21 @@ class MetricsServer:
 
     def start(self) -> MetricsServer:
         """Serve on ``port`` (a busy one is an ``OSError`` naming its holder) or a free one."""
-        from prometheus_client import start_http_server
-
         if self._server is not None:
             return self
         port = self.requested_port or 0
         if port and not port_free(port, self.host):
             raise OSError(f"port {port} on {self.host} is busy, {who_listens(port)}: pass another, or None for a free "
                           "one")
-        self._server, self._thread = start_http_server(port, addr=self.host, registry=self.registry)
+        self._server, self._thread = serve_registry(self.registry, self.host, port)
         self.port = self._server.server_port
         stop_at_exit(self)
         return self
 
     def stop(self) -> None:
         """Stop serving and join the thread; safe twice."""
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-            self._thread = None
+        stop_serving(self._server, self._thread)
+        self._server, self._thread = None, None
         release_at_exit(self)
 
     def alive(self) -> bool:

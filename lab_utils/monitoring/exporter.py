@@ -306,6 +306,23 @@ class Collector:
         yield info
 
 
+
+def serve_registry(registry: Any, host: str, port: int = 0) -> tuple[Any, threading.Thread]:
+    """Serve a prometheus_client registry over HTTP on a daemon thread: ``(server, thread)``; port 0 picks a free
+    one (read it from ``server.server_port``)."""
+    from prometheus_client import start_http_server
+
+    return start_http_server(port, addr=host, registry=registry)
+
+
+def stop_serving(server: Any, thread: threading.Thread | None, timeout_s: float = 5.0) -> None:
+    """Stop what ``serve_registry`` started: shut the server down, close its socket, join its thread (timeout in s)."""
+    if server is not None:
+        server.shutdown()
+        server.server_close()
+    if thread is not None:
+        thread.join(timeout=timeout_s)
+
 class GpuExporter:
     """The exporter served from a thread of this process: ``with GpuExporter() as exp: exp.url``.
 
@@ -351,7 +368,7 @@ class GpuExporter:
     def start(self) -> GpuExporter:
         if self._server is not None:
             return self
-        from prometheus_client import CollectorRegistry, start_http_server
+        from prometheus_client import CollectorRegistry
 
         port = self.requested_port or 0
         if port and not port_free(port, self.host):
@@ -364,7 +381,7 @@ class GpuExporter:
         registry = CollectorRegistry(auto_describe=False)
         registry.register(self.collector)
         try:
-            self._server, self._thread = start_http_server(port, addr=self.host, registry=registry)
+            self._server, self._thread = serve_registry(registry, self.host, port)
         except OSError:
             self.collector.close()
             self.collector = None
@@ -375,13 +392,8 @@ class GpuExporter:
 
     def stop(self) -> None:
         """Stop serving, join the thread, release NVML; safe to call twice."""
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-            self._thread = None
+        stop_serving(self._server, self._thread)
+        self._server, self._thread = None, None
         if self.collector is not None:
             self.collector.close()
         release_at_exit(self)

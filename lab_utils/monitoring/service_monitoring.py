@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from lab_utils.monitoring import prometheus
+from lab_utils.monitoring.exporter import serve_registry, stop_serving
 from lab_utils.monitoring.panels import Panel
 from lab_utils.procs import owned_tempdir, port_free, release_at_exit, stop_at_exit
 from lab_utils.serving import nginx as nginx_mod
@@ -137,25 +138,20 @@ class NginxExporter:
     def start(self) -> NginxExporter:
         if self._server is not None:
             return self
-        from prometheus_client import CollectorRegistry, start_http_server
+        from prometheus_client import CollectorRegistry
 
         port = self.requested_port if self.requested_port and port_free(self.requested_port, self.host) else 0
         registry = CollectorRegistry(auto_describe=False)
         registry.register(_Collector(_Reader(self.lb)))
-        self._server, self._thread = start_http_server(port, addr=self.host, registry=registry)
+        self._server, self._thread = serve_registry(registry, self.host, port)
         self.port = self._server.server_port
         stop_at_exit(self)
         return self
 
     def stop(self) -> None:
         """Stop serving and join the thread; safe twice."""
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-            self._thread = None
+        stop_serving(self._server, self._thread)
+        self._server, self._thread = None, None
         release_at_exit(self)
 
     def alive(self) -> bool:
