@@ -284,8 +284,9 @@ def test_killed_kernel_leaves_no_nginx_triton_stub_or_shared_memory():
         assert not nginx_mod.leftover_nginx(state["nginx"])
         assert _gone([int(line.split()[0]) for line in notebooks.leftover_processes(run_id)], 10.0), \
             notebooks.leftover_processes(run_id)
+        # the folders named by the kernel's PID: doctor removes them below, unless another test worker's next
+        # temporary folder already swept them (their owner is dead)
         owned = list(Path(tempfile.gettempdir()).glob(f"nvlab-*-{kernel_pid}-*"))
-        assert owned, "the kernel's service made folders named by the kernel's PID"
         doctor = subprocess.run([sys.executable, "-m", "lab_utils", "doctor"], capture_output=True, text=True,
                                 timeout=180)
         assert doctor.returncode == 0, doctor.stdout + doctor.stderr
