@@ -64,12 +64,15 @@ def test_wheelhouse_commands_are_the_tested_ones(commands):
 def test_gpu_commands_are_the_workflows(commands, gpu_job):
     flags = " ".join(gpu_job["env"]["GPU_FLAGS"].split())
     runs = [c for c in commands if c.startswith("docker run") and "nvlab-ci" in c]
-    assert len(runs) == 3
+    assert len(runs) == 4
     for c in runs:
         assert f"--rm --init --no-healthcheck {flags}" in c, c
     script = " ".join(" ".join(s.get("run", "").replace("\\\n", " ").split()) for s in gpu_job["steps"])
     for inner in ("nvlab doctor --require-gpu", "nvlab run --all --solutions --out /out/run", "nvlab report /out/run"):
         assert inner in script and any(c.endswith(f"nvlab-ci {inner}") for c in runs), inner
+    browser = next(c for c in runs if "tests/test_browser.py" in c)
+    inner = browser.split("nvlab-ci ", 1)[1]
+    assert " ".join(inner.split()) in script, "the guide's browser test command is the workflow's"
     build = next(c for c in commands if c.startswith("docker build"))
     assert build.replace("-t nvlab-ci", '-t "$IMAGE"') in script
 

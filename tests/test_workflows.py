@@ -87,3 +87,18 @@ def test_nvlab_commands_of_the_gpu_job_parse(ci):
             cli.parser().parse_args(argv[1:])
         except SystemExit:
             pytest.fail(f"the workflow runs `{shlex.join(argv)}`, which nvlab does not accept")
+
+
+def test_gpu_job_runs_the_browser_test_and_keeps_its_screenshots(ci):
+    """The browser test runs in the lab image too, required (not skipped), its screenshots in the uploaded folder."""
+    steps = ci["jobs"]["gpu"]["steps"]
+    runs = [s for s in steps if "tests/test_browser.py" in s.get("run", "")]
+    assert len(runs) == 1, "the GPU job runs tests/test_browser.py once"
+    script = runs[0]["run"]
+    assert runs[0].get("if") == "always()", "the browser test runs even when a lab failed"
+    assert "NVLAB_REQUIRE_BROWSER=1" in script and "NVLAB_SCREENSHOTS=/out/" in script
+    assert '-v "$OUT:/out"' in script
+    uploads = [s for s in steps if s.get("uses", "").startswith("actions/upload-artifact")]
+    assert any(u["with"]["path"] == "${{ env.OUT }}" and u.get("if") == "always()" for u in uploads)
+    # torch is the image's: the install is held by the image's pip constraint file
+    assert "--constraint" in script and "torch" not in script
