@@ -298,12 +298,15 @@ def run_canary(prom: Any, set_weight: Callable[[int], None], *, guards: Guards =
                steps: Sequence[int] = STEPS, interval_s: float = 5.0, timeout_s: float = 300.0, window: str = "30s",
                model: str = SERVICE_MODEL, by: str = "job", feedback_by: str = VARIANT_LABEL,
                queries: Mapping[str, str] | None = None, on_row: Callable[[dict[str, Any]], None] | None = None,
-               stop: threading.Event | None = None) -> CanaryRun:
+               stop: threading.Event | None = None,
+               decide_fn: Callable[[CanaryState, Mapping[str, VariantMetrics], Guards], Decision] | None = None
+               ) -> CanaryRun:
     """Drive a canary: ``set_weight(steps[0])``, then every ``interval_s`` read Prometheus, ``decide``, and apply a
     new weight (``set_weight(w)``: the challenger's %, 0 to roll back). Ends promoted, rolled back, or after
     ``timeout_s`` rolled back (``CanaryTimeout``). A failed ``set_weight`` is retried as a rollback to 0 and then
     raised. A failed query counts as a check without evidence. ``on_row(row)`` sees each timeline row as it is
-    written (a live plot, a print); ``stop`` (an Event) ends the loop early, leaving the weight as it is."""
+    written (a live plot, a print); ``stop`` (an Event) ends the loop early, leaving the weight as it is.
+    ``decide_fn``: the decision function (default ``decide``; an exercise passes the student's)."""
     from lab_utils.monitoring.prometheus import PrometheusError
 
     state = CanaryState(tuple(steps))
@@ -353,7 +356,7 @@ def run_canary(prom: Any, set_weight: Callable[[int], None], *, guards: Guards =
             metrics = {v: VariantMetrics() for v in VARIANTS}
             note = f" (query failed: {err})"
         before = state.weight
-        decision = decide(state, metrics, guards)
+        decision = (decide_fn or decide)(state, metrics, guards)
         state = decision.state
         if state.weight != before:
             apply(state.weight)

@@ -84,6 +84,9 @@ _KEY = re.compile(r"[A-Za-z0-9_-]{8,256}")  # what a map key may hold unquoted: 
 _SIZE = re.compile(r"(\d+)([kKmMgG]?)")
 
 
+UPSTREAM_HEADER = "X-Upstream-Addr"  # response header naming the Triton server that answered (lab 08's canary)
+
+
 class NginxError(RuntimeError):
     """Nginx could not be used; the message says why and what to do."""
 
@@ -434,6 +437,7 @@ def nginx_config(
         out += ["    server {", f"        listen {host}:{http_port};", *guard(), *errors, "        location / {",
                 *limit,
                 f"            proxy_pass http://{http_up};",
+                f"            add_header {UPSTREAM_HEADER} $upstream_addr always;  # which server answered",
                 "            proxy_http_version 1.1;  # keep-alive to the backends",
                 '            proxy_set_header Connection "";', "            proxy_set_header Host $host;",
                 f'            proxy_set_header {API_KEY_HEADER} "";  # the key stays at the door',
