@@ -244,3 +244,136 @@ def test_missing_stub_env_names_the_command(monkeypatch, tmp_path):
     assert "TYPE_STRING" in str(err.value) and str(tmp_path / "env") in str(err.value)
     monkeypatch.setattr(ens.np, "__version__", "1.26.4")
     assert ens.stub_env(wheel) is None
+
+
+# --- the torch engine (the GPU path, forced onto the CPU here) --------------------------------------------
+
+ONNX_SERVICE, ONNX_CLASSIFIER = "digits_onnx_service", "digits_onnx_classifier"
+
+
+def test_engine_defaults_torch_with_a_gpu_and_onnx_without():
+    gpu = ens.classifier_config(backend="python", gpus=1, instances=2)
+    assert gpu["instance_group"] == [{"kind": "KIND_GPU", "count": 2}]
+    assert gpu["parameters"]["engine"]["string_value"] == "torch"
+    assert gpu["parameters"]["precision"]["string_value"] == "fp32"  # as exported: the ONNX path's answers
+    assert triton_repo.validate_config(gpu, gpus=1).backend == "python"
+    assert ens.classifier_config()["parameters"]["engine"]["string_value"] == "onnxruntime"
+    assert ens.resolve_engine(None, "onnxruntime", gpus=1) == "onnxruntime"  # the NGC server: ORT's own GPU path
+    half = ens.classifier_config(engine="torch", precision="bf16")
+    assert half["parameters"]["precision"]["string_value"] == "bf16"
+    with pytest.raises(ValueError, match="backend='python'"):
+        ens.resolve_engine("torch", "onnxruntime")
+    with pytest.raises(ValueError, match="use one of"):
+        ens.classifier_config(engine="tensorrt")
+    with pytest.raises(ValueError, match="give engine='torch'"):
+        ens.classifier_config(engine="onnxruntime", precision="fp16")
+
+
+@pytest.fixture(scope="module")
+def torch_built(tmp_path_factory):
+    """The digits service with the torch engine forced on the CPU, and beside it the same model.onnx behind the
+    ONNX path (``digits_onnx_service``): one training, so the two paths hold the same weights."""
+    source = require_server()
+    try:
+        ens.stub_env(source, build=True)
+    except (RuntimeError, OSError) as err:
+        if env_flag(REQUIRE_ENV):
+            pytest.fail(f"{REQUIRE_ENV} is set but the python backend's environment cannot be built: {err}")
+        pytest.skip(f"the python backend's NumPy-1 environment is not built and cannot be: {err}")
+    svc = ens.build_service_repository(tmp_path_factory.mktemp("lab07-torch") / "repo", source=source,
+                                       classifier_engine="torch", gpus=0, instances=1, cache=None)
+    onnx_dir = svc.path / ONNX_CLASSIFIER
+    (onnx_dir / "1").mkdir(parents=True)
+    for f in (svc.path / ens.CLASSIFIER / "1").glob("model.onnx*"):  # with its external data, if any
+        shutil.copy(f, onnx_dir / "1" / f.name)
+    ens._write_python_files(onnx_dir / "1", "onnx_classifier")
+    triton_repo.write_config(onnx_dir, ens.classifier_config(ONNX_CLASSIFIER, engine="onnxruntime"), gpus=0)
+    ens.write_ensemble(svc.path, ens.ensemble_config(ONNX_SERVICE, classifier=ONNX_CLASSIFIER, cache=False))
+    return svc
+
+
+@pytest.fixture(scope="module")
+def torch_server(torch_built):
+    kwargs = {**torch_built.server_kwargs(None), "load_models": (torch_built.service, ONNX_SERVICE)}
+    with TritonServer(torch_built.path, stop_grace_s=0.3, **kwargs) as s:
+        yield s
+
+
+def test_torch_engine_exports_torchscript_beside_onnx(torch_built):
+    vdir = torch_built.path / ens.CLASSIFIER / "1"
+    assert torch_built.engine == "torch" and torch_built.backend == "python"
+    assert (vdir / ens.TORCH_FILE).is_file() and (vdir / "model.onnx").is_file()
+    assert "run by torch" in (vdir / "model.py").read_text()
+    cfg = triton_repo.parse_config((vdir.parent / "config.pbtxt").read_text())
+    group = cfg.instance_group[0]
+    assert cfg.parameters["engine"].string_value == "torch" and group.kind == group.KIND_CPU
+
+
+def test_torch_engine_answers_as_the_onnx_path(torch_built, torch_server):
+    """Held-out digits through both services on one server: the same top-k labels and scores (FP32 both ways),
+    and the classifiers' logits equal ONNX Runtime's in-process on the same model.onnx."""
+    import onnxruntime as ort
+
+    pngs, y = ens.digits_pngs("test")
+    url = torch_server.grpc_url
+    got_t, got_o = [], []
+    for i in range(0, len(pngs), 32):
+        got_t.append(ens.classify(url, pngs[i:i + 32], model=torch_built.service))
+        got_o.append(ens.classify(torch_server.http_url, pngs[i:i + 32], protocol="http", model=ONNX_SERVICE))
+    labels_t = [row for lab, _ in got_t for row in lab]
+    labels_o = [row for lab, _ in got_o for row in lab]
+    scores_t, scores_o = np.concatenate([s for _, s in got_t]), np.concatenate([s for _, s in got_o])
+    assert len(labels_t) == 357 and labels_t == labels_o
+    assert np.abs(scores_t - scores_o).max() < 1e-5
+    acc = np.mean([row[0] == str(int(t)) for row, t in zip(labels_t, y, strict=True)])
+    assert acc > 0.9 and abs(acc - torch_built.facts["accuracy"]) < 0.01
+    # the classifier alone: same names, dtype and shapes as the ONNX path
+    x = triton_client.infer(url, ens.PREPROCESS, {ens.IMAGE: ens.image_batch(pngs[:40])})[ens.PIXELS]
+    lt = triton_client.infer(url, ens.CLASSIFIER, {ens.ONNX_INPUT: x})[ens.ONNX_OUTPUT]
+    lo = triton_client.infer(url, ONNX_CLASSIFIER, {ens.ONNX_INPUT: x})[ens.ONNX_OUTPUT]
+    sess = ort.InferenceSession(str(torch_built.path / ens.CLASSIFIER / "1" / "model.onnx"),
+                                providers=["CPUExecutionProvider"])
+    ref = sess.run(None, {ens.ONNX_INPUT: x})[0]
+    assert lt.dtype == lo.dtype == np.float32 and lt.shape == lo.shape == (40, 10)
+    assert np.abs(lt - lo).max() < 1e-4 and np.abs(lt - ref).max() < 1e-4
+    assert (lt.argmax(1) == y[:40]).mean() > 0.9
+
+
+def test_torch_engine_refuses_a_broken_version_at_load(torch_built, torch_server):
+    vdir = ens.write_broken_version(torch_built.path, 2)
+    try:
+        assert (vdir / ens.TORCH_FILE).is_file() and "run by torch" in (vdir / "model.py").read_text()
+        with pytest.raises(RuntimeError) as err:
+            triton_client.load_model(torch_server.grpc_url, ens.CLASSIFIER)
+        text = str(err.value)
+        assert "version 2" in text and "[-1, 9]" in text and "dims [10]" in text, text
+        assert ens.version_states(torch_server.grpc_url)["1"] == "READY"
+        assert ens.classify(torch_server.grpc_url, ens.digits_pngs("test", 2)[0],
+                            model=torch_built.service)[0][0][0] in ens.DIGIT_LABELS
+    finally:
+        shutil.rmtree(vdir)
+
+
+def test_torch_engine_on_a_gpu_instance_without_a_gpu_names_the_fix(torch_built, monkeypatch):
+    import importlib.util
+    import sys
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("torch sees a GPU here: the no-GPU error cannot show")
+    vdir = torch_built.path / ens.CLASSIFIER / "1"
+    monkeypatch.syspath_prepend(str(vdir))  # model.py imports nvlab_triton_model from its folder, as in the stub
+    spec = importlib.util.spec_from_file_location("nvlab_torch_classifier_test", vdir / "model.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    sys.modules.pop("nvlab_triton_model", None)  # that folder's copy: no other test should import it by name
+    with pytest.raises(RuntimeError, match=r"GPU instance \(cuda:0\).*sees no GPU.*gpus=0"):
+        mod.TorchClassifier(vdir / ens.TORCH_FILE, "cuda:0")
+    with pytest.raises(ValueError, match="precision='fp8'"):
+        mod.TorchClassifier(vdir / ens.TORCH_FILE, "cpu", precision="fp8")
+    cpu = mod.TorchClassifier(vdir / ens.TORCH_FILE, "cpu", precision="bf16")  # autocast: close, not equal
+    x = digits_arrays()["x_test"][:16].astype(np.float32)
+    y = cpu(x)
+    assert y.dtype == np.float32 and y.shape == (16, 10)
+    assert (y.argmax(1) == mod.TorchClassifier(vdir / ens.TORCH_FILE, "cpu")(x).argmax(1)).mean() > 0.8

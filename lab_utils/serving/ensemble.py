@@ -7,6 +7,8 @@ The repository (``build_service_repository``)::
     digits_classifier   model.onnx (DigitsCNN, dynamic batch): input FP32 [1, 8, 8] -> logits FP32 [10];
                         Triton's onnxruntime backend on the NGC server, the python backend running ONNX Runtime
                         on the wheel's server (which ships the python backend only); dynamic batching
+                        With a GPU (``gpus`` >= 1) on the python backend: model.pt (TorchScript, beside the
+                        ONNX file) run by torch on the instance's GPU (``classifier_engine``)
     digits_postprocess  python backend: LOGITS FP32 [10] -> LABELS TYPE_STRING [k], SCORES FP32 [k]
     digits_service      ensemble chaining the three; ``response_cache { enable: true }``
 
@@ -22,6 +24,14 @@ The wheel's server (Triton 2.51) has a python-backend stub built against NumPy 1
 and postprocessing models then run in an execution environment with NumPy 1 (``build_stub_env``: a small venv
 that reuses this one's packages, given as ``EXECUTION_ENV_PATH``; ``python -m lab_utils.serving.ensemble
 --stub-env`` builds it once).
+
+The classifier's engine on the python backend (``classifier_engine``): ``onnxruntime`` (``onnx_classifier``: ONNX
+Runtime on the CPU, the default without a GPU) or ``torch`` (``torch_classifier``: ``model.pt`` on
+``cuda:<model_instance_device_id>`` for a ``KIND_GPU`` instance, on the CPU for a ``KIND_CPU`` one), the default
+with ``gpus`` >= 1: the course's ONNX Runtime is CPU-only, so a GPU instance running it would leave the GPU idle.
+The classifier has no ``EXECUTION_ENV_PATH``: its stub runs in the server's environment (``server_env``: this
+Python's site-packages on ``PYTHONPATH``), where torch is imported from. Its FP32 tensors cross the stub by DLPack,
+which needs no NumPy 1.
 
 The response cache: the wheel's build ships ``caches/local`` (``cache_library``); ``--cache-config
 local,size=BYTES`` turns it on (``ServiceRepo.server_kwargs``) and ``response_cache { enable: true }`` on the
@@ -60,6 +70,9 @@ SERVICE, PREPROCESS, CLASSIFIER, POSTPROCESS = (f"{PREFIX}_service", f"{PREFIX}_
                                                 f"{PREFIX}_postprocess")
 IMAGE, PIXELS, LOGITS, LABELS, SCORES = "IMAGE", "PIXELS", "LOGITS", "LABELS", "SCORES"
 ONNX_INPUT, ONNX_OUTPUT = "input", "logits"  # the classifier file's tensor names (export_onnx's arguments)
+TORCH_FILE = "model.pt"  # TorchScript beside model.onnx: what torch_classifier loads without the model's class
+CLASSIFIER_ENGINES = {"onnxruntime": "onnx_classifier", "torch": "torch_classifier"}  # engine -> backend file
+PRECISIONS = ("fp32", "fp16", "bf16")  # torch_classifier's autocast; fp32: as exported
 DIGIT_LABELS = tuple(str(d) for d in range(10))
 DIGITS_SIZE = 8  # px: what DigitsCNN was trained on
 PNG_SCALE = 4  # clients send 8 px digits upscaled to 32 px PNGs
@@ -116,15 +129,52 @@ def train_classifier(epochs: int = 4, seed: int = 0) -> tuple[Any, dict[str, Any
     return train_digits_cnn(epochs=epochs, seed=seed)
 
 
-def export_classifier(model: Any, version_dir: str | Path, image_size: int = DIGITS_SIZE, channels: int = 1) -> Path:
-    """``model.onnx`` in ``version_dir`` with a dynamic batch (the course's ``export_onnx``); returns its path."""
+def export_classifier(model: Any, version_dir: str | Path, image_size: int = DIGITS_SIZE, channels: int = 1,
+                      torchscript: bool = False) -> Path:
+    """``model.onnx`` in ``version_dir`` with a dynamic batch (the course's ``export_onnx``); returns its path.
+    ``torchscript``: ``model.pt`` beside it as well (``export_torchscript``: what the torch engine loads)."""
     import torch
 
     from lab_utils.inference.onnx import export_onnx
 
     example = torch.zeros(2, channels, image_size, image_size)
-    return export_onnx(model, Path(version_dir) / "model.onnx", example, input_name=ONNX_INPUT,
+    path = export_onnx(model, Path(version_dir) / "model.onnx", example, input_name=ONNX_INPUT,
                        output_name=ONNX_OUTPUT)
+    if torchscript:
+        export_torchscript(model, version_dir, image_size, channels)
+    return path
+
+
+def export_torchscript(model: Any, version_dir: str | Path, image_size: int = DIGITS_SIZE,
+                       channels: int = 1) -> Path:
+    """``model.pt`` in ``version_dir``: the model traced on the CPU (``torch.jit.trace``, FP32, eval mode) and saved
+    with ``torch.jit.save``, so the python backend loads it without the model's Python class and on any device
+    (``map_location``). Checked here at another batch size than the trace's: a trace that froze the batch fails
+    now, not in the server. Returns its path."""
+    import copy
+    import warnings
+
+    import torch
+
+    path = Path(version_dir) / TORCH_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # a CPU copy: the caller's model stays where it is (and in its mode)
+    cpu = copy.deepcopy(model).to("cpu").float().eval()
+    example = torch.zeros(2, channels, image_size, image_size)
+    check = torch.randn(3, channels, image_size, image_size, generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():  # torch >= 2.9 flags TorchScript as deprecated; it still traces and loads
+        warnings.simplefilter("ignore", DeprecationWarning)
+        with torch.no_grad():
+            traced = torch.jit.trace(cpu, example)
+            torch.jit.save(traced, str(path))
+            want = cpu(check)
+            got = torch.jit.load(str(path), map_location="cpu")(check)
+    if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-4, atol=1e-4):
+        path.unlink()
+        raise RuntimeError(f"{path}: the traced model answers a batch of 3 differently from the model (shape "
+                           f"{tuple(got.shape)} vs {tuple(want.shape)}): its forward depends on the batch size or on "
+                           "Python control flow that tracing cannot record; make it shape-generic")
+    return path
 
 
 def broken_classifier(classes: int = 9, seed: int = 0) -> Any:
@@ -145,21 +195,22 @@ def write_classifier_version(repo: str | Path, version: int, *, epochs: int = 4,
     ``model.py``. The config is left as it is (see ``set_served_versions``). Returns the training facts
     (``accuracy`` in-process on the held-out digits), with ``version`` and ``export_s``."""
     model_dir = Path(repo) / name
-    backend = _classifier_backend(model_dir)
+    backend, engine = _classifier_backend(model_dir), _classifier_engine(model_dir)
     facts: dict[str, Any] = {}
     if model is None:
         model, facts = train_classifier(epochs=epochs, seed=version - 1 if seed is None else seed)
     vdir = model_dir / str(version)
     t0 = time.perf_counter()
-    export_classifier(model, vdir)
+    export_classifier(model, vdir, torchscript=engine == "torch")
     if backend == "python":
-        _write_python_files(vdir, "onnx_classifier")
+        _write_python_files(vdir, CLASSIFIER_ENGINES[engine])
     return {**facts, "version": version, "export_s": time.perf_counter() - t0}
 
 
 def write_broken_version(repo: str | Path, version: int = 2, *, name: str = CLASSIFIER, classes: int = 9) -> Path:
     """Write a version whose ONNX file outputs ``classes`` logits where the config says 10: Triton refuses it at
-    load (the onnxruntime backend's check, or ``onnx_classifier``'s on the python backend). Returns its folder."""
+    load (the onnxruntime backend's check, or ``onnx_classifier``'s / ``torch_classifier``'s on the python backend).
+    Returns its folder."""
     write_classifier_version(repo, version, name=name, model=broken_classifier(classes))
     return Path(repo) / name / str(version)
 
@@ -184,6 +235,27 @@ def _classifier_backend(model_dir: Path) -> str:
     return "python" if cfg.backend == "python" else "onnxruntime"
 
 
+def _classifier_engine(model_dir: Path) -> str:
+    """The python classifier's ``engine`` parameter (``onnxruntime`` for Triton's onnxruntime backend)."""
+    cfg = triton_repo.parse_config((model_dir / "config.pbtxt").read_text())
+    engine = cfg.parameters["engine"].string_value if "engine" in cfg.parameters else ""
+    return engine if cfg.backend == "python" and engine in CLASSIFIER_ENGINES else "onnxruntime"
+
+
+def resolve_engine(engine: str | None, backend: str, gpus: int = 0) -> str:
+    """The classifier's engine: ``engine``, or (None) ``torch`` on the python backend with a GPU (ONNX Runtime is
+    CPU-only here: a GPU instance running it would leave the GPU idle), else ``onnxruntime``."""
+    if engine is None:
+        return "torch" if backend == "python" and gpus else "onnxruntime"
+    if engine not in CLASSIFIER_ENGINES:
+        raise ValueError(f"classifier_engine={engine!r}: use one of {tuple(CLASSIFIER_ENGINES)}, or None (torch "
+                         "with a GPU, ONNX Runtime without)")
+    if engine == "torch" and backend != "python":
+        raise ValueError(f"classifier_engine='torch' runs on the python backend, not {backend!r}: give "
+                         "backend='python' (or leave backend None on the wheel's server)")
+    return engine
+
+
 def _write_python_files(version_dir: Path, model: str) -> None:
     """``model.py`` (the backend file ``model``) and the course's model file beside it, both compiled."""
     from lab_utils.serving import backend
@@ -205,12 +277,21 @@ def default_instances(gpus: int = 0) -> int:
 def classifier_config(name: str = CLASSIFIER, *, backend: str = "python", image_size: int = DIGITS_SIZE,
                       channels: int = 1, classes: int = 10, max_batch_size: int = MAX_BATCH,
                       queue_delay_us: int = QUEUE_DELAY_US, instances: int = 1, gpus: int = 0,
-                      threads: int = 1, versions: Sequence[int] | None = None, cache: bool = False) -> dict[str, Any]:
+                      threads: int = 1, versions: Sequence[int] | None = None, cache: bool = False,
+                      engine: str | None = None, precision: str = "fp32") -> dict[str, Any]:
     """The classifier's configuration: ``onnxruntime`` (Triton's ONNX Runtime backend, NGC server) or ``python``
-    (the course's python model running the same ``model.onnx``), with dynamic batching. ``cache``: its own
-    response cache (keyed by this model's version: a new version is never answered from an old one's entries)."""
+    (the course's python model), with dynamic batching. ``engine`` (python backend): ``onnxruntime`` (``model.onnx``
+    on the CPU) or ``torch`` (``model.pt`` on the instance's device: the GPU with ``gpus``), None as
+    ``resolve_engine`` (torch with a GPU, else ONNX Runtime); ``precision``: the torch
+    engine's autocast (``fp32``: as exported). ``cache``: its own response cache (keyed by this model's version: a
+    new version is never answered from an old one's entries)."""
     if backend not in ("python", "onnxruntime"):
         raise ValueError(f"backend={backend!r}: use 'onnxruntime' (NGC server) or 'python' (the wheel's server)")
+    engine = resolve_engine(engine, backend, gpus)
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r}: use one of {PRECISIONS}")
+    if precision != "fp32" and engine != "torch":
+        raise ValueError(f"precision={precision!r} is the torch engine's autocast: give engine='torch', or fp32")
     cfg: dict[str, Any] = {
         "name": name, "max_batch_size": max_batch_size,
         "input": [{"name": ONNX_INPUT, "data_type": "TYPE_FP32", "dims": [channels, image_size, image_size]}],
@@ -220,7 +301,10 @@ def classifier_config(name: str = CLASSIFIER, *, backend: str = "python", image_
     }
     if backend == "python":
         cfg["backend"] = "python"
-        cfg["parameters"] = {"engine": {"string_value": "onnxruntime"}, "threads": {"string_value": str(threads)}}
+        params: dict[str, Any] = {"engine": engine, "threads": threads}
+        if engine == "torch":
+            params["precision"] = precision
+        cfg["parameters"] = _params(params)
     else:
         cfg["platform"] = "onnxruntime_onnx"
     if versions:
@@ -446,6 +530,7 @@ class ServiceRepo:
     stub_env: Path | None
     facts: dict[str, Any] = field(default_factory=dict)  # version 1's training facts
     note: str = ""
+    engine: str = "onnxruntime"  # the classifier's on the python backend: "onnxruntime" or "torch"
 
     @property
     def models(self) -> tuple[str, ...]:
@@ -462,19 +547,26 @@ def build_service(repo: str | Path, model: Any, *, prefix: str, labels: Sequence
                   channels: int, pixel_scale: float, mean: Sequence[float], std: Sequence[float],
                   resample: str = "box", top_k: int = TOP_K, backend: str | None = None, gpus: int = 0,
                   instances: int | None = None, cache: str | None = "service", source: ServerSource | None = None,
-                  build_env: bool = True, note: str = "") -> ServiceRepo:
+                  build_env: bool = True, note: str = "", classifier_engine: str | None = None,
+                  classifier_precision: str = "fp32") -> ServiceRepo:
     """The four model folders of a service ``<prefix>_{preprocess,classifier,postprocess,service}`` for a trained
     ``model`` (a torch module, (B, channels, size, size) -> (B, classes)), every config validated.
 
     ``source``: the server it is for (default ``server_source()``). ``backend`` None: ``python`` on the wheel's
-    server (it has no onnxruntime backend), else ``onnxruntime``.
+    server (it has no onnxruntime backend), else ``onnxruntime``. ``classifier_engine`` (``resolve_engine``): None
+    runs torch on the GPU with ``gpus`` >= 1 on the python backend, ONNX Runtime on the CPU otherwise; ``"torch"``
+    with ``gpus=0`` runs torch on the CPU (the tests' way to check it without a GPU). ``classifier_precision``:
+    the torch engine's autocast (``fp32``, ``fp16``, ``bf16``).
     ``cache``: where the response cache is on: ``"service"`` (the ensemble: a hit skips every step),
     ``"classifier"`` (a hit skips the model only, and a new version starts with no entries) or None."""
     if cache not in CACHE_PLACES:
         raise ValueError(f"cache={cache!r}: use one of {CACHE_PLACES}")
     repo = Path(repo)
     source = source or server_source()
-    backend = backend or ("python" if source is not None and source.kind == "wheel" else "onnxruntime")
+    if backend is None:
+        wheel = source is not None and source.kind == "wheel"
+        backend = "python" if wheel or classifier_engine == "torch" else "onnxruntime"
+    engine = resolve_engine(classifier_engine, backend, gpus)
     env = stub_env(source, build=build_env)
     names = {k: f"{prefix}_{k}" for k in ("preprocess", "classifier", "postprocess", "service")}
     instances = default_instances(gpus) if instances is None else instances
@@ -487,12 +579,13 @@ def build_service(repo: str | Path, model: Any, *, prefix: str, labels: Sequence
 
     cls_dir = repo / names["classifier"]
     t0 = time.perf_counter()
-    export_classifier(model, cls_dir / "1", image_size, channels)
+    export_classifier(model, cls_dir / "1", image_size, channels, torchscript=engine == "torch")
     if backend == "python":
-        _write_python_files(cls_dir / "1", "onnx_classifier")
+        _write_python_files(cls_dir / "1", CLASSIFIER_ENGINES[engine])
     triton_repo.write_config(cls_dir, classifier_config(
         names["classifier"], backend=backend, image_size=image_size, channels=channels, classes=len(labels),
-        instances=instances, gpus=gpus, cache=cache == "classifier"), gpus=gpus)
+        instances=instances, gpus=gpus, cache=cache == "classifier", engine=engine,
+        precision=classifier_precision), gpus=gpus)
     export_s = time.perf_counter() - t0
 
     post_dir = repo / names["postprocess"]
@@ -505,14 +598,16 @@ def build_service(repo: str | Path, model: Any, *, prefix: str, labels: Sequence
                                          top_k=top_k, cache=cache == "service"))
     triton_repo.validate_repository(repo, models=list(names.values()), gpus=gpus)
     return ServiceRepo(repo, names["service"], names["preprocess"], names["classifier"], names["postprocess"],
-                       backend, env, {"export_s": export_s}, note)
+                       backend, env, {"export_s": export_s}, note, engine)
 
 
 def build_service_repository(repo: str | Path, *, epochs: int = 4, seed: int = 0, top_k: int = TOP_K,
                              backend: str | None = None, gpus: int = 0, instances: int | None = None,
                              cache: str | None = "service", source: ServerSource | None = None,
-                             build_env: bool = True) -> ServiceRepo:
-    """The digits service: DigitsCNN trained here (seconds), exported to ONNX, behind the PNG ensemble.
+                             build_env: bool = True, classifier_engine: str | None = None,
+                             classifier_precision: str = "fp32") -> ServiceRepo:
+    """The digits service: DigitsCNN trained here (seconds), exported to ONNX (and TorchScript for the torch
+    engine: ``build_service``'s ``classifier_engine``), behind the PNG ensemble.
 
     Its ``facts`` hold the in-process held-out accuracy, to compare with ``service_accuracy`` through Triton."""
     model, facts = train_classifier(epochs=epochs, seed=seed)
@@ -520,7 +615,8 @@ def build_service_repository(repo: str | Path, *, epochs: int = 4, seed: int = 0
     svc = build_service(repo, model, prefix=PREFIX, labels=DIGIT_LABELS, image_size=DIGITS_SIZE, channels=1,
                         pixel_scale=16 / 255, mean=(raw["mean"],), std=(raw["std"],), resample="box", top_k=top_k,
                         backend=backend, gpus=gpus, instances=instances, cache=cache, source=source,
-                        build_env=build_env)
+                        build_env=build_env, classifier_engine=classifier_engine,
+                        classifier_precision=classifier_precision)
     svc.facts.update(facts)
     return svc
 
@@ -528,10 +624,12 @@ def build_service_repository(repo: str | Path, *, epochs: int = 4, seed: int = 0
 def build_resnet50_service(repo: str | Path, *, image_size: int = 224, width: int = 64, top_k: int = 5,
                            backend: str | None = None, gpus: int = 0, instances: int | None = None,
                            cache: str | None = None, source: ServerSource | None = None,
-                           build_env: bool = True) -> ServiceRepo:
+                           build_env: bool = True, classifier_engine: str | None = None,
+                           classifier_precision: str = "fp32") -> ServiceRepo:
     """``resnet50_*``: a ResNet-50 (``workloads.make_resnet50``; torchvision's where it imports, else the course's
     same-layout ``BottleneckResNet``) with RANDOM WEIGHTS, for speed only: its labels mean nothing. RGB
-    ``image_size`` px, ImageNet normalization, 1000 classes. The export takes tens of seconds on a CPU."""
+    ``image_size`` px, ImageNet normalization, 1000 classes. The export takes tens of seconds on a CPU. With
+    ``gpus`` >= 1 on the wheel's server the classifier runs in torch on the GPU (``build_service``)."""
     from lab_utils.inference.workloads import make_resnet50
 
     model, info = make_resnet50("cpu", width=width, image_size=image_size)
@@ -539,7 +637,8 @@ def build_resnet50_service(repo: str | Path, *, image_size: int = 224, width: in
                         image_size=image_size, channels=3, pixel_scale=1 / 255, mean=(0.485, 0.456, 0.406),
                         std=(0.229, 0.224, 0.225), resample="bilinear", top_k=top_k, backend=backend, gpus=gpus,
                         instances=instances, cache=cache, source=source, build_env=build_env,
-                        note=f"random weights, speed only: {info}")
+                        note=f"random weights, speed only: {info}", classifier_engine=classifier_engine,
+                        classifier_precision=classifier_precision)
     svc.facts.update({"model": str(info), "params_m": info.params_m, "gflop_per_image": info.gflop_per_image})
     return svc
 
