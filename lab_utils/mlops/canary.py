@@ -5,9 +5,11 @@ then 50 %, then 100 %, each step held while its guards pass; a tripped guard rol
   ``VariantMetrics(error_rate, p95_ms, accuracy, requests, feedback)``. Guards, in the order checked:
   ``CanaryErrors`` (challenger error share above ``max_error_rate``, or above the champion's by more than
   ``max_error_rate_delta``), ``CanaryLatency`` (p95 above ``max_p95_ms``, or above ``max_p95_ratio`` x the
-  champion's), ``CanaryAccuracy`` (accuracy on labelled feedback below the champion's by more than
-  ``max_accuracy_drop``, once ``min_feedback`` labelled answers are in), ``CanaryNoTraffic`` (no evidence for
-  ``max_idle_checks`` checks in a row). Too few requests is not a failure: the step waits (``hold``). After
+  champion's but never below ``p95_floor_ms``), ``CanaryAccuracy`` (accuracy on labelled feedback below the
+  champion's by more than ``max_accuracy_drop``, once ``min_feedback`` labelled answers are in), ``CanaryNoTraffic``
+  (no evidence for
+  ``max_idle_checks`` checks in a row). Too few requests, or fewer than ``min_feedback`` labelled answers (0: no
+  labels expected), is not a failure: the step waits (``hold``). After
   ``checks_per_step`` healthy checks in a row the challenger moves to the next step (``promote``); the last step
   (100 %) is the promotion.
 - ``read_metrics(prom, queries) -> {variant: VariantMetrics}``: the PromQL in ``QUERIES`` (strings with
@@ -94,6 +96,7 @@ class Guards:
     max_error_rate_delta: float = 0.005  # above the champion's
     max_p95_ms: float | None = 100.0  # the service's SLO; None: no absolute bound
     max_p95_ratio: float = 1.5  # x the champion's p95
+    p95_floor_ms: float = 20.0  # the relative bound is never below this: 4 ms against 12 ms is scheduling noise
     max_accuracy_drop: float = 0.03  # below the champion's accuracy on labelled feedback
     min_requests: int = 20  # a check with fewer challenger requests decides nothing (hold)
     min_feedback: int = 20  # labelled answers before the accuracy guard counts
@@ -107,6 +110,8 @@ class Guards:
                 raise ValueError(f"Guards({name}={v!r}): a fraction between 0 and 1 (0.01 is 1 %)")
         if self.max_p95_ms is not None and not (isinstance(self.max_p95_ms, (int, float)) and self.max_p95_ms > 0):
             raise ValueError(f"Guards(max_p95_ms={self.max_p95_ms!r}): milliseconds > 0, or None")
+        if not (isinstance(self.p95_floor_ms, (int, float)) and self.p95_floor_ms >= 0):
+            raise ValueError(f"Guards(p95_floor_ms={self.p95_floor_ms!r}): milliseconds >= 0")
         if not (isinstance(self.max_p95_ratio, (int, float)) and self.max_p95_ratio >= 1):
             raise ValueError(f"Guards(max_p95_ratio={self.max_p95_ratio!r}): a ratio >= 1 (1.5 allows 50 % slower)")
         for name in ("min_requests", "min_feedback", "checks_per_step", "max_idle_checks"):
@@ -209,7 +214,7 @@ def decide(state: CanaryState, metrics: Mapping[str, VariantMetrics], guards: Gu
         if not _nan(chall.p95_ms):
             slow_abs = guards.max_p95_ms is not None and chall.p95_ms > guards.max_p95_ms
             slow_rel = not _nan(champ.p95_ms) and champ.p95_ms > 0 and \
-                chall.p95_ms > guards.max_p95_ratio * champ.p95_ms
+                chall.p95_ms > max(guards.max_p95_ratio * champ.p95_ms, guards.p95_floor_ms)
             checks["latency"] = not (slow_abs or slow_rel)
             if not checks["latency"]:
                 ref = "" if _nan(champ.p95_ms) else f"; champion {champ.p95_ms:.1f} ms"
@@ -221,6 +226,15 @@ def decide(state: CanaryState, metrics: Mapping[str, VariantMetrics], guards: Gu
             return rollback("CanaryAccuracy", f"challenger accuracy {chall.accuracy:.1%} on {chall.feedback:.0f} "
                             f"labelled requests, champion {champ.accuracy:.1%} (allowed drop "
                             f"{guards.max_accuracy_drop:.1%})", checks)
+    # no step on traffic alone: a model wrong on one class answers as fast as a right one (when labels are expected)
+    short = guards.min_feedback > 0 and chall.feedback < guards.min_feedback
+    if enough and short:
+        idle = state.idle + 1
+        if idle >= guards.max_idle_checks:
+            return rollback("CanaryNoTraffic", f"{idle} checks without {guards.min_feedback} labelled answers from "
+                            "the challenger: no evidence it is right", checks)
+        return Decision("hold", replace(state, idle=idle, healthy=0),
+                        f"waiting for labelled feedback: {chall.feedback:.0f} of {guards.min_feedback}", None, checks)
     if not enough:
         idle = state.idle + 1
         if idle >= guards.max_idle_checks:
