@@ -49,8 +49,9 @@ UPSTREAM_HEADER = nginx_mod.UPSTREAM_HEADER
 
 
 def install_onnx(repo: Any, onnx: str | Path, version: int) -> Path:
-    """Copy ``onnx`` (and the files beside it that share its name, e.g. ``model.onnx.data``) into the repository's
-    classifier as ``version``; the python backend's files come along from version 1. Returns the version folder."""
+    """Copy ``onnx`` (and the files beside it that share its name, e.g. ``model.onnx.data``, and ``model.pt``, the
+    TorchScript a GPU instance serves) into the repository's classifier as ``version``; the python backend's files
+    come along from version 1. Returns the version folder."""
     src = Path(onnx)
     if not src.is_file():
         raise FileNotFoundError(f"{src}: no ONNX file there (download it from the registry first: "
@@ -61,6 +62,10 @@ def install_onnx(repo: Any, onnx: str | Path, version: int) -> Path:
     if src.name == ONNX_FILE:  # the registry's: model.onnx and its external data (model.onnx.data) if any
         for f in src.parent.glob(f"{src.name}*"):
             shutil.copy2(f, vdir / f.name)
+        if (src.parent / ens.TORCH_FILE).is_file():  # TorchScript: what the torch engine (a GPU instance) serves
+            shutil.copy2(src.parent / ens.TORCH_FILE, vdir / ens.TORCH_FILE)
+        elif (vdir / ens.TORCH_FILE).exists():  # never serve a stale TorchScript beside a new ONNX file
+            (vdir / ens.TORCH_FILE).unlink()
     else:  # weights inside the file: the graph names no external file to follow
         shutil.copy2(src, vdir / ONNX_FILE)
     first = model_dir / "1"

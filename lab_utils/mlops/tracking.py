@@ -486,8 +486,8 @@ def _experiment_id(client: Any, experiment: str) -> str:
 def log_run(tracking: Any, result: TrainResult, *, experiment: str = EXPERIMENT, run_name: str | None = None,
             data_name: str = "digits", tags: Mapping[str, str] | None = None,
             commit: tuple[str, bool | None] | None = None) -> RunRecord:
-    """Log a trained ``result`` as one MLflow run: params, per-epoch metrics (step = epoch), the ONNX export under
-    ``model/`` (``model.onnx`` and any external-data file beside it), and tags ``data_sha256``, ``val_sha256``,
+    """Log a trained ``result`` as one MLflow run: params, per-epoch metrics (step = epoch), the exports under
+    ``model/`` (``model.onnx`` and any external-data file beside it, and ``model.pt``, TorchScript), and tags ``data_sha256``, ``val_sha256``,
     ``data_name``, ``git_commit``, ``git_dirty``.
     A failure marks the run FAILED (never left RUNNING)."""
     from mlflow.entities import Metric, Param
@@ -509,7 +509,8 @@ def log_run(tracking: Any, result: TrainResult, *, experiment: str = EXPERIMENT,
         metrics.append(Metric("train_s", result.train_s, now_ms, 0))
         client.log_batch(run_id, metrics=metrics, params=[Param(k, str(v)) for k, v in result.params.items()])
         with temporary_folder("mlflow-export") as tmp:
-            export_classifier(result.model, tmp)
+            # model.pt (TorchScript) beside model.onnx: a GPU deployment serves it with torch (ensemble's engines)
+            export_classifier(result.model, tmp, torchscript=True)
             # the whole folder: torch's exporter may keep the weights beside the graph (model.onnx.data)
             client.log_artifacts(run_id, str(tmp), artifact_path=MODEL_ARTIFACT)
         client.set_terminated(run_id, "FINISHED")
