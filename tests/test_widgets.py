@@ -84,6 +84,111 @@ def test_progress_hooks_of_the_load_phases_the_drill_and_torch_paths(capsys):
     assert "torch paths, batch 2: 1 step in " in capsys.readouterr().out
 
 
+def test_progress_bar_headless_prints_a_line_now_and_then_and_one_at_the_end(capsys, monkeypatch):
+    from types import SimpleNamespace
+
+    clock = iter(float(t) for t in range(100))  # one second per reading of the clock
+    monkeypatch.setattr(core.time, "perf_counter", lambda: next(clock))
+    with widgets.progress_bar(total=4, desc="SLO run", every_s=2) as bar:
+        for _ in range(3):
+            bar.update(SimpleNamespace(p95_ms=3.0))  # what on_window passes: one step
+        bar.update(1)
+        assert bar.n == 4 and not bar.closed
+    assert bar.closed
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[:2] == ["SLO run: 2/4 after 2 s", "SLO run: 4/4 after 4 s"]  # at most one line every 2 s
+    assert lines[-1] == "SLO run: 4 steps in 5.0 s" and len(lines) == 3
+    bar.close()
+    bar.update()  # closed: nothing
+    assert capsys.readouterr().out == "" and bar.n == 4
+
+
+def test_progress_bar_refuses_bad_input():
+    with pytest.raises(ValueError, match="total=-1"):
+        widgets.progress_bar(total=-1)
+    with pytest.raises(ValueError, match="total=True"):
+        widgets.progress_bar(total=True)
+    with pytest.raises(TypeError, match="desc"):
+        widgets.progress_bar(desc=3)
+    with pytest.raises(ValueError, match="every_s"):
+        widgets.progress_bar(every_s=0)
+    bar = widgets.progress_bar(desc="x")
+    with pytest.raises(ValueError, match="update"):
+        bar.update(-2)
+    bar.close()
+
+
+def test_progress_bar_interactive_is_a_tqdm_bar(monkeypatch, capsys):
+    monkeypatch.delenv(core.HEADLESS_ENV, raising=False)
+    monkeypatch.delenv("NVLAB_RUN_ID", raising=False)
+    monkeypatch.setattr(core, "_in_kernel", lambda: True)
+    with widgets.progress_bar(total=3, desc="windows") as bar:
+        bar.update(object())
+        bar.update(2)
+        assert bar._tqdm is not None and bar._tqdm.n == 3 and bar._tqdm.total == 3
+    assert bar.closed and capsys.readouterr().out == ""  # the bar, no printed lines
+    assert list(widgets.progress(range(2), total=2, desc="i")) == [0, 1]  # the loop hook too
+    assert capsys.readouterr().out == ""
+
+
+def test_find_capacity_advances_its_progress_hook_per_rate_tried(monkeypatch, capsys):
+    from types import SimpleNamespace
+
+    from lab_utils.serving import openloop
+
+    async def send():
+        pass
+
+    # a server that holds 37 req/s: the runs and the SLO rule faked, the search itself is the real one
+    monkeypatch.setattr(openloop, "run_open_loop", lambda target, rate, *a, **k: SimpleNamespace(
+        rate=rate, achieved_rps=rate, p50_ms=1.0, p95_ms=2.0, p99_ms=3.0, errors=0, stable=True))
+    monkeypatch.setattr(openloop, "meets_slo", lambda r, *a: (r.rate <= 37, "faked"))
+    monkeypatch.setattr(openloop, "drain", lambda *a, **k: True)
+    kw = {"lo_rps": 10.0, "hi_rps": 70.0, "tolerance": 0.05}
+    plain = openloop.find_capacity(send, 100.0, **kw)
+    assert capsys.readouterr().out == ""  # no hook: nothing shown
+    shown = openloop.find_capacity(send, 100.0, progress=widgets.progress, **kw)
+    assert shown.steps == plain.steps and shown.capacity_rps == plain.capacity_rps and 30 <= plain.capacity_rps <= 37
+    assert f"capacity search: {len(plain.steps)} steps in " in capsys.readouterr().out
+    capped = openloop.find_capacity(send, 100.0, progress=widgets.progress, max_steps=4, **kw)
+    assert len(capped.steps) == 4 and "capacity search: 4 steps in " in capsys.readouterr().out
+    openloop.find_capacity(send, 100.0, progress=widgets.progress, lo_rps=40.0, hi_rps=70.0)  # lo fails: 1 run
+    assert "capacity search: 1 step in " in capsys.readouterr().out
+    openloop.find_capacity(send, 100.0, progress=widgets.progress, lo_rps=1.0, hi_rps=20.0)  # hi passes: 2 runs
+    assert "capacity search: 2 steps in " in capsys.readouterr().out
+
+
+def test_hot_update_advances_its_progress_hook_per_step(monkeypatch, capsys, tmp_path):
+    from types import SimpleNamespace
+
+    from lab_utils.serving import ensemble as ens
+    from lab_utils.serving import openloop, service
+
+    (tmp_path / "clf" / "2").mkdir(parents=True)
+    (tmp_path / "clf" / "2" / "model.onnx").write_bytes(b"")
+    served = {"v": ["1"]}
+    monkeypatch.setattr(ens, "version_states", lambda *a, **k: {v: "READY" for v in served["v"]})
+    monkeypatch.setattr(ens, "set_served_versions", lambda path, vs, name=None: served.update(v=[str(v) for v in vs]))
+    monkeypatch.setattr(service.triton_client, "load_model", lambda *a, **k: None)
+    monkeypatch.setattr(service, "version_counts", lambda *a, **k: {"1": 1.0})
+    monkeypatch.setattr(openloop, "run_open_loop", lambda *a, **k: "the load's result")
+    svc = SimpleNamespace(repo=SimpleNamespace(path=tmp_path, classifier="clf"), alive=lambda: True, lb=None,
+                          servers=[SimpleNamespace(grpc_url="g:1")], target=lambda protocol: None)
+    up = service.hot_update(svc, 2, warmup_s=0.01, pause_s=0.01, sample_s=0.01, progress=widgets.progress)
+    assert up.result == "the load's result" and len(up.steps) == 2
+    assert "hot update: 2 steps in " in capsys.readouterr().out
+    service.hot_update(svc, 2, warmup_s=0.01, pause_s=0.01, sample_s=0.01)  # no hook: nothing printed
+    assert capsys.readouterr().out == ""
+
+
+def test_digits_comparison_counts_rank_0s_epochs(capfd):
+    from lab_utils.distributed import ddp
+
+    df = ddp.digits_comparison((1,), epochs=2, backend="gloo", progress=widgets.progress)
+    assert list(df["epochs"]) == [2]
+    assert "digits training: epochs: 2 steps in " in capfd.readouterr().out
+
+
 # --- lab 01: the roofline explorer ------------------------------------------------------------------------------
 
 

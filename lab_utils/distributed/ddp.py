@@ -21,8 +21,11 @@ wall time. Accuracies are fractions in [0, 1].
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
+import multiprocessing as mp
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -381,13 +384,36 @@ def each_world_size(ctx: WorkerContext, fn: Callable[..., dict[str, Any]],
     return out
 
 
+class _EpochTicks:
+    """Rank 0's status events, passed on, and one item on ``ticks`` per epoch started (``train_digits`` says
+    ``epoch k/n`` as each begins)."""
+
+    def __init__(self, events: Any, ticks: Any):
+        self.events, self.ticks = events, ticks
+
+    def put(self, item: tuple[str, int, Any]) -> None:
+        if self.events is not None:
+            self.events.put(item)
+        if item[0] == "status" and str(item[2]).startswith("epoch "):
+            self.ticks.put(1)
+
+
+def _train_digits_ticking(ctx: WorkerContext, ticks: Any, **kw: Any) -> dict[str, Any]:
+    """Worker: ``train_digits``, with rank 0's epochs reported on ``ticks`` (``digits_comparison(progress=)``)."""
+    if ctx.rank == 0:
+        ctx = dataclasses.replace(ctx, _events=_EpochTicks(ctx._events, ticks))
+    return train_digits(ctx, **kw)
+
+
 def digits_comparison(nprocs_list: Sequence[int] = (1, 2), *, global_batch: int = DIGITS_DEFAULTS["global_batch"],
                       accumulate: int | Sequence[int] = 1, backend: str = "auto", timeout_s: float = 300.0,
-                      **kwargs: Any) -> pd.DataFrame:
+                      progress: Callable[..., Any] | None = None, **kwargs: Any) -> pd.DataFrame:
     """``train_digits`` at each world size (same seed, same global batch): one row each, accuracy side by side.
 
     ``accumulate``: micro-steps per optimizer step, one value for all or one per world size. All world sizes run
     in one launch of max(nprocs_list) ranks (``each_world_size``), which saves a start-up per size.
+    ``progress``: a hook such as ``lab_utils.widgets.progress`` (``progress(iterable, total=, desc=)``), advanced
+    per epoch that rank 0 starts, over all the runs (None: no display).
     """
     sizes = [check_int(n, "nprocs_list", "digits_comparison") for n in nprocs_list]
     accs = [accumulate] * len(sizes) if isinstance(accumulate, int) else list(accumulate)
@@ -395,8 +421,27 @@ def digits_comparison(nprocs_list: Sequence[int] = (1, 2), *, global_batch: int 
         raise ValueError(f"digits_comparison(accumulate={accumulate!r}): one value, or one per world size")
     runs = [(n, {"batch_size": per_rank_batch(global_batch, n, a), "accumulate": a, **kwargs})
             for n, a in zip(sizes, accs, strict=True)]
-    results = launch(each_world_size, max(sizes), backend=backend, timeout_s=timeout_s,
-                     kwargs={"fn": train_digits, "runs": runs})[0]
+    if progress is None:
+        results = launch(each_world_size, max(sizes), backend=backend, timeout_s=timeout_s,
+                         kwargs={"fn": train_digits, "runs": runs})[0]
+    else:  # rank 0 reports each epoch it starts on a queue; a thread here turns them into the hook's steps
+        epochs = kwargs.get("epochs", DIGITS_DEFAULTS["epochs"])
+        ticks = mp.get_context("spawn").Queue()
+        runs = [(n, {**kw, "ticks": ticks}) for n, kw in runs]
+        total = epochs * len(runs) if isinstance(epochs, int) else None
+
+        def show() -> None:
+            for _ in progress(iter(ticks.get, None), total=total, desc="digits training: epochs"):
+                pass
+
+        shown = threading.Thread(target=show, name="nvlab-ddp-progress", daemon=True)
+        shown.start()
+        try:
+            results = launch(each_world_size, max(sizes), backend=backend, timeout_s=timeout_s,
+                             kwargs={"fn": _train_digits_ticking, "runs": runs})[0]
+        finally:
+            ticks.put(None)
+            shown.join(timeout=10)
     rows = [{k: r[k] for k in ("world_size", "backend", "global_batch", "batch_size", "accumulate", "lr", "amp",
                                "epochs", "accuracy", "final_loss", "samples_per_s")} for r in results]
     df = pd.DataFrame(rows)

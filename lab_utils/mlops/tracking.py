@@ -487,8 +487,8 @@ def log_run(tracking: Any, result: TrainResult, *, experiment: str = EXPERIMENT,
             data_name: str = "digits", tags: Mapping[str, str] | None = None,
             commit: tuple[str, bool | None] | None = None) -> RunRecord:
     """Log a trained ``result`` as one MLflow run: params, per-epoch metrics (step = epoch), the exports under
-    ``model/`` (``model.onnx`` and any external-data file beside it, and ``model.pt``, TorchScript), and tags ``data_sha256``, ``val_sha256``,
-    ``data_name``, ``git_commit``, ``git_dirty``.
+    ``model/`` (``model.onnx`` and any external-data file beside it, and ``model.pt``, TorchScript), and tags
+    ``data_sha256``, ``val_sha256``, ``data_name``, ``git_commit``, ``git_dirty``.
     A failure marks the run FAILED (never left RUNNING)."""
     from mlflow.entities import Metric, Param
 

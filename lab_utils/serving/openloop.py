@@ -673,14 +673,17 @@ class CapacityResult:
 def find_capacity(target: Any, slo_ms: float = 100.0, *, lo_rps: float, hi_rps: float, duration_s: float = 5.0,
                   warmup_s: float = 1.0, window_s: float = 1.0, percentile: int = 95, tolerance: float = 0.05,
                   max_steps: int = 10, seed: int | None = 0, timeout_s: float | None = None, stability: float = 0.10,
-                  on_step: Callable[[dict[str, Any]], None] | None = None) -> CapacityResult:
+                  on_step: Callable[[dict[str, Any]], None] | None = None,
+                  progress: Callable[..., Any] | None = None) -> CapacityResult:
     """The highest open-loop rate whose ``percentile`` latency stays under ``slo_ms`` (``meets_slo``), by bisection.
 
     ``lo_rps`` is tried first (fails: capacity 0), then ``hi_rps`` (passes: capacity ``hi_rps``, unbounded); then the
     middle of the range, halving it until it is narrower than ``tolerance`` × its top, or ``max_steps`` runs.
     ``timeout_s`` defaults to 20 × the SLO (at least 2 s): a request that late has failed the SLO anyway. After a
     failed rate the server's queue is drained (one request at a time until one answers within the SLO) before the
-    next run, so a backlog does not count against the next rate.
+    next run, so a backlog does not count against the next rate. ``progress``: a hook such as
+    ``lab_utils.widgets.progress`` (``progress(iterable, total=, desc=)``), advanced once per rate tried (None:
+    no display).
     """
     where = "find_capacity"
     slo = _positive(slo_ms, "slo_ms", where)
@@ -712,16 +715,30 @@ def find_capacity(target: Any, slo_ms: float = 100.0, *, lo_rps: float, hi_rps: 
             drain(target, slo, limit_s=timeout + 5)
         return ok
 
-    if not probe(lo):
+    # lo_rps, then hi_rps, then bisection: one probe per pass of this loop (at most max_steps), each pass deciding
+    # first whether the last probe ended the search, so that a progress hook counts every rate tried
+    tries = range(steps_max)
+    tries_iter = iter(progress(tries, total=steps_max, desc="capacity search") if progress is not None else tries)
+    passed: list[bool] = []
+    try:
+        for i in tries_iter:
+            if (i == 1 and not passed[0]) or (i == 2 and passed[1]) or (i >= 2 and not hi - lo > tol * hi):
+                break
+            rate = lo if i == 0 else hi if i == 1 else (lo + hi) / 2
+            passed.append(probe(rate))
+            if i >= 2:
+                if passed[-1]:
+                    lo = rate
+                else:
+                    hi = rate
+    finally:  # the hook's bar or line ends with the search, however it ends
+        close = getattr(tries_iter, "close", None)
+        if close is not None:
+            close()
+    if not passed[0]:
         return CapacityResult(0.0, slo, percentile, True, steps, None)
-    if probe(hi):
+    if passed[1]:
         return CapacityResult(hi, slo, percentile, False, steps, results[hi])
-    while hi - lo > tol * hi and len(steps) < steps_max:
-        mid = (lo + hi) / 2
-        if probe(mid):
-            lo = mid
-        else:
-            hi = mid
     return CapacityResult(lo, slo, percentile, True, steps, results[lo])
 
 

@@ -363,7 +363,7 @@ class HotUpdate:
 
 def hot_update(svc: Service, new_version: int = 2, *, rate_rps: float = 100.0, duration_s: float = 20.0,
                warmup_s: float = 1.0, protocol: str = "grpc", sample_s: float = 0.5, pause_s: float = 1.5,
-               timeout_s: float = 10.0) -> HotUpdate:
+               timeout_s: float = 10.0, progress: Any = None) -> HotUpdate:
     """Move the service from the classifier version it serves to ``new_version`` (already written to the
     repository: ``ensemble.write_classifier_version``) while open-loop load flows through the front door.
 
@@ -376,7 +376,12 @@ def hot_update(svc: Service, new_version: int = 2, *, rate_rps: float = 100.0, d
     The clients speak gRPC by default: each nginx reload retires the old workers, which close their idle client
     connections. HTTP/2 announces that (GOAWAY) and the client moves on; an HTTP/1.1 client reusing a keep-alive
     connection at that instant gets a reset instead of an answer (measured: 1 in 2,553 requests over four
-    reloads), which a client must retry (inference requests are idempotent)."""
+    reloads), which a client must retry (inference requests are idempotent).
+
+    ``progress``: a hook such as ``lab_utils.widgets.progress`` (``progress(iterable, total=, desc=)``), advanced
+    once per step of the update; it ends when the load does (None: no display)."""
+    import itertools
+
     from lab_utils.serving.openloop import run_open_loop
 
     repo = svc.repo
@@ -394,8 +399,17 @@ def hot_update(svc: Service, new_version: int = 2, *, rate_rps: float = 100.0, d
     t0 = time.perf_counter()
     stop = threading.Event()
 
+    # the steps are events, not a loop: the hook's iterator is primed with one item and each step takes the next
+    # (a hook counts an item when its loop comes back for the next one); closed once the load has ended
+    n_steps = 5 if svc.lb is not None and len(svc.servers) > 1 else 2
+    ticks = iter(progress(itertools.count(), total=n_steps, desc="hot update")) if progress is not None else None
+    if ticks is not None:
+        next(ticks, None)
+
     def step(what: str) -> None:
         steps.append({"t_s": time.perf_counter() - t0, "step": what})
+        if ticks is not None:
+            next(ticks, None)
 
     def sampler() -> None:
         while not stop.is_set():
@@ -449,6 +463,9 @@ def hot_update(svc: Service, new_version: int = 2, *, rate_rps: float = 100.0, d
         th_load.join()
         stop.set()
         th_samp.join(timeout=5)
+        close = getattr(ticks, "close", None)
+        if close is not None:
+            close()
     if "error" in box:
         raise box["error"]
     frame = pd.DataFrame(samples).fillna(0.0)

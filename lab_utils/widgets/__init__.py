@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from lab_utils.widgets.core import HEADLESS_ENV, interactive, progress, show
+from lab_utils.widgets.core import HEADLESS_ENV, ProgressBar, interactive, progress, progress_bar, show
 
-__all__ = ["HEADLESS_ENV", "interactive", "progress", "show", "roofline_explorer", "knob_panel", "live_view",
-           "quiz_panel"]
+__all__ = ["HEADLESS_ENV", "interactive", "progress", "progress_bar", "ProgressBar", "show", "roofline_explorer",
+           "knob_panel", "live_view", "quiz_panel"]
 
 
 def roofline_explorer(*args: Any, **kwargs: Any) -> Any:

@@ -1,4 +1,4 @@
-"""When a panel is interactive, how it is shown, and the progress bar the long loops take.
+"""When a panel is interactive, how it is shown, and the progress bars of the long loops and callbacks.
 
 The rule, in one line: a panel is interactive in an IPython kernel unless ``NVLAB_HEADLESS=1`` or the course's own
 executors run the notebook (``nvlab run`` with papermill and the test suite's nbval set ``NVLAB_RUN_ID``).
@@ -98,6 +98,76 @@ def _line(iterable: Iterable[Any], desc: str) -> Iterator[Any]:
             n += 1
     finally:  # also when the consumer stops early: the generator is closed then
         print(f"{desc or 'done'}: {n} step{'s' if n != 1 else ''} in {time.perf_counter() - t0:.1f} s")
+
+
+class ProgressBar:
+    """A progress display driven by calls instead of a loop (see :func:`progress_bar`): ``update()`` per step,
+    ``close()`` at the end (twice is harmless); a context manager that closes on leaving the block."""
+
+    def __init__(self, total: int | None, desc: str, every_s: float):
+        self.total, self.desc, self.every_s = total, desc, every_s
+        self.n = 0
+        self.closed = False
+        self._t0 = self._last = time.perf_counter()
+        self._tqdm: Any = None
+        if interactive():
+            from tqdm.auto import tqdm
+
+            self._tqdm = tqdm(total=total, desc=desc, leave=False)
+
+    def update(self, step: Any = 1) -> None:
+        """Advance by ``step`` when it is a whole number; anything else (a load window, a step's record: what an
+        ``on_window=`` or ``on_step=`` callback passes) counts as one step, so ``on_window=bar.update`` works.
+        Headless, a line ``desc: n/total after S s`` at most every ``every_s`` seconds."""
+        if self.closed:
+            return
+        n = step if isinstance(step, int) and not isinstance(step, bool) else 1
+        if n < 0:
+            raise ValueError(f"ProgressBar.update({step!r}): steps done, a whole number >= 0")
+        self.n += n
+        if self._tqdm is not None:
+            self._tqdm.update(n)
+            return
+        now = time.perf_counter()
+        if now - self._last >= self.every_s:
+            self._last = now
+            of = f"/{self.total}" if self.total is not None else ""
+            print(f"{self.desc or 'progress'}: {self.n}{of} after {now - self._t0:.0f} s")
+
+    def close(self) -> None:
+        """End the bar (interactive) or print the closing line ``desc: N steps in S s`` (headless)."""
+        if self.closed:
+            return
+        self.closed = True
+        if self._tqdm is not None:
+            self._tqdm.close()
+        else:
+            print(f"{self.desc or 'done'}: {self.n} step{'s' if self.n != 1 else ''} in "
+                  f"{time.perf_counter() - self._t0:.1f} s")
+
+    def __enter__(self) -> ProgressBar:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def progress_bar(total: int | None = None, desc: str = "", every_s: float = 10.0) -> ProgressBar:
+    """A progress display for work that reports by callback (``run_open_loop(..., on_window=bar.update)``), where
+    :func:`progress` needs a loop: tqdm's bar when :func:`interactive`, else a short line at most every ``every_s``
+    seconds and one when it closes (``desc: N steps in S s``, as :func:`progress` prints). ``total``: steps
+    expected (None: unknown). Use it as a context manager, or call ``close()``::
+
+        with widgets.progress_bar(total=60, desc="SLO run") as bar:
+            result = openloop.run_open_loop(target, 100, 60, on_window=bar.update)
+    """
+    if total is not None and (isinstance(total, bool) or not isinstance(total, int) or total < 0):
+        raise ValueError(f"progress_bar(total={total!r}): the number of steps, a whole number >= 0, or None")
+    if not isinstance(desc, str):
+        raise TypeError(f"progress_bar(desc={desc!r}): a label, a str")
+    if isinstance(every_s, bool) or not isinstance(every_s, (int, float)) or not every_s > 0:
+        raise ValueError(f"progress_bar(every_s={every_s!r}): seconds between headless lines, a number > 0")
+    return ProgressBar(total, desc, float(every_s))
 
 
 Progress = Callable[..., Iterable[Any]]  # the type of a ``progress=`` hook: progress(iterable, total=, desc=)
