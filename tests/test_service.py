@@ -27,6 +27,7 @@ from lab_utils.monitoring import prometheus
 from lab_utils.monitoring import service_monitoring as sm
 from lab_utils.ops import notebooks
 from lab_utils.procs import env_flag
+from lab_utils.serving import client as triton_client
 from lab_utils.serving import ensemble as ens
 from lab_utils.serving import nginx as nginx_mod
 from lab_utils.serving import server as triton_server
@@ -184,6 +185,20 @@ def test_monitoring_scrapes_both_tritons_and_nginx(svc):
         mon.stop()
         mon.stop()  # twice is fine
     assert not mon.alive() and not mon.exporter.alive()
+
+
+def test_an_overload_leaves_no_backlog(svc):
+    """Far over capacity, Triton refuses what its bounded queues cannot hold (``ensemble.MAX_QUEUE``) instead of
+    queueing minutes of work: straight after the overload, a light load is answered within the SLO, no error."""
+    from lab_utils.serving.openloop import run_open_loop
+
+    # the server's own endpoint: nginx's rate limit would refuse the flood before the queues see it
+    target = svc.target("grpc")
+    target.url, target.headers = triton_client.host_port(svc.servers[0].grpc_url), None
+    flood = run_open_loop(target, 3000, 4.0, warmup_s=0.0, timeout_s=2.0)
+    assert flood.errors_total > 0, flood  # it was an overload
+    after = run_open_loop(svc.target("grpc"), 40, 3.0, warmup_s=0.5, timeout_s=5.0)
+    assert after.errors_total == 0 and after.p95_ms < 100, (str(after), after.error_messages)
 
 
 def test_hot_update_under_load_has_no_failed_request(svc):
