@@ -276,11 +276,6 @@ def test_wrong_answers_are_told_their_symptom(svc):
     assert not (svc.repo.path / ex.Q1_NAME).exists()  # the check's ensemble is removed after each check
 
 
-def test_capacity_search_against_the_service_follows_its_probes(svc):
-    out = check(ex.q4, ex.reference_find_capacity)
-    assert out.correct and "Against the running service through nginx" in out.message, out.message
-
-
 def test_checks_without_a_service_are_not_applicable_or_offline(monkeypatch):
     monkeypatch.setattr(ex, "_BOUND", [])
     assert check(ex.q1, ex.reference_ensemble()).status is Status.NOT_APPLICABLE
@@ -314,7 +309,10 @@ def test_at_least_half_of_the_exercises_run_code():
 def test_solution_code_passes_its_check(exercise, svc):
     namespace = {k: getattr(ex, k) for k in ex.__all__} | {"ex": ex, "svc": svc, "np": np, "io": io, "math": math}
     exec(exercise.solution_text, namespace)
-    assert check(exercise, namespace[exercise.var]).correct
+    out = check(exercise, namespace[exercise.var])
+    assert out.correct, out.message
+    if exercise is ex.q4:  # the search also ran for real (a live search costs ~25 s: this is the one that says so)
+        assert "Against the running service through nginx" in out.message, out.message
 
 
 def test_every_exercise_has_hints_and_solution():
