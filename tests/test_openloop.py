@@ -234,3 +234,18 @@ def test_triton_target_http_and_grpc(tmp_path):
         r = run_open_loop(wrong, 20.0, 0.5, warmup_s=0.1, window_s=0.25)
         assert r.requests == 0 and any("unexpected shape" in m for m in r.error_messages)
     assert "nvlab-openloop" not in {t.name for t in threading.enumerate()} - before
+
+
+def test_compare_loops_advances_its_progress_hook_per_loop(monkeypatch, capsys):
+    from types import SimpleNamespace
+
+    from lab_utils import widgets
+
+    ran = []
+    monkeypatch.setattr(ol, "run_closed_loop", lambda *a, **k: ran.append("closed") or SimpleNamespace(
+        achieved_rps=50.0, p95_ms=2.0, errors=0, error_messages={}))
+    monkeypatch.setattr(ol, "run_open_loop", lambda *a, **k: ran.append("open") or SimpleNamespace(p95_ms=5.0))
+    plain = ol.compare_loops(object())
+    assert capsys.readouterr().out == "" and ran == ["closed", "open"] and plain.understatement == 2.5
+    ol.compare_loops(object(), progress=widgets.progress)
+    assert "closed then open loop: 2 steps in " in capsys.readouterr().out

@@ -606,19 +606,26 @@ class LoopComparison:
 
 def compare_loops(target: Any, *, concurrency: int = 1, rate_rps: float | None = None, rate_fraction: float = 0.9,
                   duration_s: float = 5.0, warmup_s: float = 1.0, window_s: float = 1.0, seed: int | None = 0,
-                  timeout_s: float = 10.0) -> LoopComparison:
+                  timeout_s: float = 10.0, progress: Callable[..., Any] | None = None) -> LoopComparison:
     """Closed loop at ``concurrency``, then open loop at ``rate_rps`` (default: ``rate_fraction`` of the closed
-    loop's throughput: the same load, arriving as users do) against the same target."""
+    loop's throughput: the same load, arriving as users do) against the same target. ``progress``: a hook such as
+    ``lab_utils.widgets.progress``, advanced once per loop run (None: no display)."""
     if not (isinstance(rate_fraction, (int, float)) and 0 < rate_fraction <= 2):
         raise ValueError(f"compare_loops(rate_fraction={rate_fraction!r}): a fraction of the closed loop's "
                          "throughput, e.g. 0.9")
     kw = {"duration_s": duration_s, "warmup_s": warmup_s, "window_s": window_s, "timeout_s": timeout_s}
+    phases = ("closed loop", "open loop")
+    ticks = iter(progress(phases, total=len(phases), desc="closed then open loop") if progress is not None
+                 else phases)
+    next(ticks)
     closed = run_closed_loop(target, concurrency, **kw)  # type: ignore[arg-type]
     rate = rate_rps if rate_rps is not None else rate_fraction * closed.achieved_rps
     if not rate or not math.isfinite(rate):
         raise RuntimeError(f"the closed loop got no answer ({closed.errors} errors: {closed.error_messages}): "
                            "is the server up?")
+    next(ticks)
     opened = run_open_loop(target, rate, seed=seed, **kw)  # type: ignore[arg-type]
+    next(ticks, None)  # the hook's loop ends: its display closes
     ratio = opened.p95_ms / closed.p95_ms if closed.p95_ms else float("nan")
     return LoopComparison(closed, opened, float(rate), float(ratio))
 
