@@ -2,14 +2,17 @@
 the one nginx front door, the challenger's share of requests set by nginx's weights; labelled traffic whose answers
 are attributed to the variant that gave them.
 
-- ``CanaryService(champion_onnx, challenger_onnx=None, gpus=0)``: a ``Service`` (lab 07's object: front door,
-  ``target()``, ``headers``, ``stop()``) whose two Triton servers serve the same PNG ensemble with different
-  classifiers. ``set_weight(w)``: the challenger's share in % (0: marked ``down``, 100: the champion ``down``;
-  a reload, no request dropped). ``deploy_challenger(onnx)``: a new classifier version on the challenger's server
-  (loaded while it takes no traffic). ``promote()``: after a canary reached 100 %, the champion's server takes the
-  challenger's classifier as its next version and all traffic returns to it, so the challenger's server is free
-  for the next candidate (what a rollout does when it scales the stable deployment to the new version).
+- ``CanaryService(champion_onnx, challenger_onnx=None, gpus=0, drift_reference=None)``: a ``Service`` (lab 07's
+  object: front door, ``target()``, ``headers``, ``stop()``) whose two Triton servers serve the same PNG ensemble
+  with different classifiers. ``set_weight(w)``: the challenger's share in % (0: marked ``down``, 100: the
+  champion ``down``; a reload, no request dropped). ``deploy_challenger(onnx)``: a new classifier version on the
+  challenger's server (loaded while it takes no traffic). ``promote()``: after a canary reached 100 %, the
+  champion's server takes the challenger's classifier as its next version and all traffic returns to it, so the
+  challenger's server is free for the next candidate (what a rollout does when it scales the stable deployment to
+  the new version).
   ``scrape_jobs()``: Prometheus jobs ``champion`` and ``challenger`` (one Triton each): the variant is the job.
+  With ``drift_reference`` (``drift.reference_bins`` of the training images) the preprocessing step of each server
+  exports the PSI of what it decodes (``nvlab_drift_psi``) on Triton's metrics endpoint.
 - ``LabelledTraffic(svc, feedback, images, labels, rate_rps)``: a thread sending labelled digits through the front
   door over HTTP; nginx names the server that answered (``X-Upstream-Addr``), so each answer is counted for its
   variant in a ``FeedbackExporter``; an optional ``DriftMonitor`` sees every image and the top-1 confidence.
@@ -75,7 +78,8 @@ def install_onnx(repo: Any, onnx: str | Path, version: int) -> Path:
     return vdir
 
 
-def _skeleton(folder: Path, gpus: int, instances: int | None, source: Any, build_env: bool) -> ens.ServiceRepo:
+def _skeleton(folder: Path, gpus: int, instances: int | None, source: Any, build_env: bool,
+              drift_reference: Any = None, drift_window: int = 200) -> ens.ServiceRepo:
     """The digits service's repository around an untrained DigitsCNN: its classifier is replaced by ``install_onnx``
     (the served model is the registry's file, byte for byte)."""
     import torch
@@ -87,7 +91,8 @@ def _skeleton(folder: Path, gpus: int, instances: int | None, source: Any, build
     return ens.build_service(folder, DigitsCNN().eval(), prefix=ens.PREFIX, labels=ens.DIGIT_LABELS,
                              image_size=ens.DIGITS_SIZE, channels=1, pixel_scale=16 / 255, mean=(raw["mean"],),
                              std=(raw["std"],), resample="box", gpus=gpus, instances=instances, cache=None,
-                             source=source, build_env=build_env, note="lab 08: classifier from the registry")
+                             source=source, build_env=build_env, note="lab 08: classifier from the registry",
+                             drift_reference=drift_reference, drift_window=drift_window)
 
 
 class CanaryService(Service):
@@ -97,7 +102,8 @@ class CanaryService(Service):
 
     def __init__(self, champion_onnx: str | Path, challenger_onnx: str | Path | None = None, *, gpus: int = 0,
                  instances: int | None = None, api_key: str | None = None, startup_timeout_s: float = 120.0,
-                 stop_grace_s: float = 1.0, build_env: bool = True):
+                 stop_grace_s: float = 1.0, build_env: bool = True, drift_reference: Any = None,
+                 drift_window: int = 200):
         super().__init__(servers=2, cache=None, gpus=gpus, instances=instances, api_key=api_key, use_nginx=True,
                          startup_timeout_s=startup_timeout_s, stop_grace_s=stop_grace_s, build_env=build_env)
         self.champion_onnx = Path(champion_onnx)
@@ -105,6 +111,8 @@ class CanaryService(Service):
         for p in (self.champion_onnx, self.challenger_onnx):
             if p is not None and not p.is_file():
                 raise FileNotFoundError(f"{p}: no ONNX file there (tracking.download_onnx gives the registry's)")
+        # reference_bins of the training images: the preprocessing step exports its drift statistics (PSI)
+        self.drift_reference, self.drift_window = drift_reference, drift_window
         self.repos: dict[str, ens.ServiceRepo] = {}
         self.versions = {v: 1 for v in VARIANTS}  # the classifier version each server serves
         self.weight = 0
@@ -120,7 +128,8 @@ class CanaryService(Service):
                 source = find_server(local=True)
                 self.workdir = owned_tempdir("canary")
                 t0 = time.perf_counter()
-                champ = _skeleton(self.workdir / "champion", self.gpus, self.instances, source, self.build_env)
+                champ = _skeleton(self.workdir / "champion", self.gpus, self.instances, source, self.build_env,
+                                  self.drift_reference, self.drift_window)
                 install_onnx(champ, self.champion_onnx, 1)
                 shutil.copytree(champ.path, self.workdir / "challenger", symlinks=True)
                 chall = replace(champ, path=self.workdir / "challenger")

@@ -36,89 +36,28 @@ import pandas as pd
 
 from lab_utils.mlops.exporters import MetricsServer
 
+# the statistics live with the service's preprocessing model, which computes them too (one implementation)
+from lab_utils.serving.backend.drift_stats import (  # noqa: F401 (re-exported: the lab's names)
+    FEATURES,
+    INK,
+    KS_METRIC,
+    PSI_METRIC,
+    WINDOW_METRIC,
+    as_digits,
+    bin_edges,
+    image_features,
+    ks_statistic,
+    psi,
+    reference_bins,
+    sample,
+)
+
 PSI_ALERT = 0.25  # rule of thumb: < 0.1 stable, 0.1-0.25 moderate shift, > 0.25 significant
 KS_ALERT = 0.2  # with a window of 300 images against 1440, KS's 1 % critical value is ~0.10
-FEATURES = ("pixels", "mean_intensity", "ink_fraction", "center_row", "center_col")
 CONFIDENCE = "confidence"
 SHIFTS = ("rotated", "noisy", "rescaled")
-INK = 4.0  # a pixel above 4 of 16 counts as ink
-PSI_METRIC, KS_METRIC, WINDOW_METRIC = "nvlab_drift_psi", "nvlab_drift_ks", "nvlab_drift_window_images"
 CONFIDENCE_METRIC = "nvlab_prediction_confidence"
-_EPS = 1e-4  # floor for empty bins' shares: PSI's log would be infinite
-
-
-# --- the statistics ---------------------------------------------------------------------------------------------
-
-
-def _sample(x: Any, name: str) -> np.ndarray:
-    a = np.asarray(x, dtype=float).ravel()
-    if a.size == 0:
-        raise ValueError(f"{name}: no values (give at least one)")
-    if not np.all(np.isfinite(a)):
-        raise ValueError(f"{name}: NaN or infinite values; clean them first")
-    return a
-
-
-def bin_edges(reference: Any, bins: int = 10) -> np.ndarray:
-    """Inner bin edges at the reference's quantiles (equal shares), duplicates dropped (discrete values such as
-    pixels 0..16 give fewer bins); the outer bins reach to -inf and +inf."""
-    ref = _sample(reference, "reference")
-    if not (isinstance(bins, int) and bins >= 2):
-        raise ValueError(f"bins={bins!r}: an integer >= 2 (10 is usual)")
-    qs = np.quantile(ref, np.linspace(0, 1, bins + 1)[1:-1])
-    return np.unique(qs)
-
-
-def _shares(x: np.ndarray, edges: np.ndarray) -> np.ndarray:
-    idx = np.searchsorted(edges, x, side="right")  # bin i holds edges[i-1] < x <= ... (right-closed by searchsorted)
-    counts = np.bincount(idx, minlength=len(edges) + 1).astype(float)
-    return np.maximum(counts / counts.sum(), _EPS)
-
-
-def psi(reference: Any, current: Any, bins: int = 10, edges: np.ndarray | None = None) -> float:
-    """Population stability index: sum over bins of (c - r) ln(c / r), r and c the reference's and the current
-    sample's shares per bin (bins at the reference's quantiles unless ``edges``). 0 for the same distribution."""
-    ref, cur = _sample(reference, "reference"), _sample(current, "current")
-    e = bin_edges(ref, bins) if edges is None else np.asarray(edges, dtype=float)
-    r, c = _shares(ref, e), _shares(cur, e)
-    return float(np.sum((c - r) * np.log(c / r)))
-
-
-def ks_statistic(reference: Any, current: Any) -> float:
-    """Two-sample Kolmogorov-Smirnov statistic: the largest gap between the two empirical CDFs (0..1)."""
-    ref, cur = np.sort(_sample(reference, "reference")), np.sort(_sample(current, "current"))
-    values = np.concatenate([ref, cur])
-    cdf_ref = np.searchsorted(ref, values, side="right") / len(ref)
-    cdf_cur = np.searchsorted(cur, values, side="right") / len(cur)
-    return float(np.max(np.abs(cdf_ref - cdf_cur)))
-
-
-# --- features ---------------------------------------------------------------------------------------------------
-
-
-def _images(images: Any, name: str = "images") -> np.ndarray:
-    x = np.asarray(images, dtype=np.float32)
-    if x.ndim == 4 and x.shape[1] == 1:
-        x = x[:, 0]
-    if x.ndim == 2 and x.shape == (8, 8):
-        x = x[None]
-    if x.ndim != 3 or x.shape[0] == 0 or x.shape[1:] != (8, 8):
-        raise ValueError(f"{name}: raw digits of shape (N, 8, 8), values 0..16; got shape {x.shape}")
-    return x
-
-
-def image_features(images: Any) -> dict[str, np.ndarray]:
-    """Per-image statistics of raw digits (N, 8, 8): mean intensity (0..16), ink fraction (share of pixels above
-    4), centre of mass (row, col in px); and ``pixels``, every pixel value."""
-    x = _images(images)
-    mass = x.sum(axis=(1, 2))
-    safe = np.where(mass > 0, mass, 1.0)
-    rows = np.arange(x.shape[1], dtype=np.float32)[None, :, None]
-    cols = np.arange(x.shape[2], dtype=np.float32)[None, None, :]
-    mid_r, mid_c = (x.shape[1] - 1) / 2, (x.shape[2] - 1) / 2
-    return {"pixels": x.ravel(), "mean_intensity": x.mean(axis=(1, 2)), "ink_fraction": (x > INK).mean(axis=(1, 2)),
-            "center_row": np.where(mass > 0, (x * rows).sum(axis=(1, 2)) / safe, mid_r),
-            "center_col": np.where(mass > 0, (x * cols).sum(axis=(1, 2)) / safe, mid_c)}
+_images, _sample = as_digits, sample  # this module's names for them
 
 
 def confidence(logits: Any) -> np.ndarray:
@@ -275,8 +214,8 @@ class DriftMonitor:
 class _DriftCollector:
     """Computes the statistics when Prometheus scrapes (a window of 300 images: about a millisecond)."""
 
-    def __init__(self, monitor: DriftMonitor):
-        self.monitor = monitor
+    def __init__(self, monitor: DriftMonitor, features: Sequence[str] | None = None):
+        self.monitor, self.features = monitor, features
 
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import GaugeMetricFamily
@@ -287,6 +226,8 @@ class _DriftCollector:
         k = GaugeMetricFamily(KS_METRIC, "two-sample KS statistic against the training reference",
                               labels=["feature"])
         for feature, s in stats.items():
+            if self.features is not None and feature not in self.features:
+                continue
             p.add_metric([feature], s["psi"])
             k.add_metric([feature], s["ks"])
         yield p
@@ -298,10 +239,13 @@ class DriftExporter(MetricsServer):
     """``monitor``'s statistics served for Prometheus (a free port unless given): PSI and KS per feature, the
     window's size, and the histogram of prediction confidence."""
 
-    def __init__(self, monitor: DriftMonitor, *, port: int | None = None, host: str = "127.0.0.1"):
+    def __init__(self, monitor: DriftMonitor, *, port: int | None = None, host: str = "127.0.0.1",
+                 features: Sequence[str] | None = None):
         from prometheus_client import Histogram
 
-        super().__init__([_DriftCollector(monitor)], port=port, host=host)
+        # features: which statistics to export (None: all; [CONFIDENCE] where the service's preprocessing step
+        # exports the inputs' own)
+        super().__init__([_DriftCollector(monitor, features)], port=port, host=host)
         self.monitor = monitor
         monitor._confidence_hist = Histogram(CONFIDENCE_METRIC, "top-class softmax probability of served predictions",
                                              buckets=(0.5, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0), registry=self.registry)

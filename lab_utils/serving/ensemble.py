@@ -89,6 +89,7 @@ STUB_PTH = "nvlab_main_site.pth"  # adds this venv's packages after the environm
 CACHE_METRICS = {"hits": "nv_cache_num_hits_per_model", "misses": "nv_cache_num_misses_per_model",
                  "hit_us": "nv_cache_hit_duration_per_model", "miss_us": "nv_cache_miss_duration_per_model"}
 _PY_MODEL = "nvlab_triton_model.py"  # the course's model file, beside each python model's model.py
+_DRIFT_MODULE = "nvlab_drift.py"  # backend/drift_stats.py beside the preprocessing model
 
 
 # --- the data: digits as raw pixels and as PNG files ----------------------------------------------------
@@ -263,6 +264,8 @@ def _write_python_files(version_dir: Path, model: str) -> None:
     folder = Path(backend.__file__).parent
     triton_repo.write_model_py(version_dir, (folder / f"{model}.py").read_text())
     triton_repo.write_model_py(version_dir, (folder / "model.py").read_text(), name=_PY_MODEL)
+    if model == "preprocess_png":  # its drift statistics (NumPy only)
+        triton_repo.write_model_py(version_dir, (folder / "drift_stats.py").read_text(), name=_DRIFT_MODULE)
 
 
 # --- configurations --------------------------------------------------------------------------------------
@@ -338,11 +341,17 @@ def preprocess_config(name: str = PREPROCESS, *, image_size: int = DIGITS_SIZE, 
                       pixel_scale: float = 16 / 255, mean: Sequence[float] = (0.0,), std: Sequence[float] = (1.0,),
                       resample: str = "box", max_batch_size: int = MAX_BATCH, stub_env: str | Path | None = None,
                       max_image_bytes: int = MAX_IMAGE_BYTES, max_image_side: int = MAX_IMAGE_SIDE,
-                      instances: int = 1) -> dict[str, Any]:
-    """The preprocessing model's configuration (``backend/preprocess_png.py``): ``TYPE_STRING`` in, FP32 out."""
+                      instances: int = 1, drift_reference: Mapping[str, Any] | None = None,
+                      drift_window: int = 200) -> dict[str, Any]:
+    """The preprocessing model's configuration (``backend/preprocess_png.py``): ``TYPE_STRING`` in, FP32 out.
+    ``drift_reference`` (``drift_stats.reference_bins`` of the training images): it also exports PSI per feature
+    over its last ``drift_window`` images as Triton custom metrics."""
     params = {"image_size": image_size, "channels": channels, "pixel_scale": repr(float(pixel_scale)),
               "mean": ",".join(repr(float(m)) for m in mean), "std": ",".join(repr(float(s)) for s in std),
               "resample": resample, "max_image_bytes": max_image_bytes, "max_image_side": max_image_side}
+    if drift_reference:
+        params["drift_reference"] = json.dumps(drift_reference, separators=(",", ":"))
+        params["drift_window"] = int(drift_window)
     if stub_env:
         params["EXECUTION_ENV_PATH"] = str(stub_env)
     return {"name": name, "backend": "python", "max_batch_size": max_batch_size,
@@ -564,7 +573,8 @@ def build_service(repo: str | Path, model: Any, *, prefix: str, labels: Sequence
                   resample: str = "box", top_k: int = TOP_K, backend: str | None = None, gpus: int = 0,
                   instances: int | None = None, cache: str | None = "service", source: ServerSource | None = None,
                   build_env: bool = True, note: str = "", classifier_engine: str | None = None,
-                  classifier_precision: str = "fp32") -> ServiceRepo:
+                  classifier_precision: str = "fp32", drift_reference: Mapping[str, Any] | None = None,
+                  drift_window: int = 200) -> ServiceRepo:
     """The four model folders of a service ``<prefix>_{preprocess,classifier,postprocess,service}`` for a trained
     ``model`` (a torch module, (B, channels, size, size) -> (B, classes)), every config validated.
 
@@ -591,7 +601,8 @@ def build_service(repo: str | Path, model: Any, *, prefix: str, labels: Sequence
     _write_python_files(pre_dir / "1", "preprocess_png")
     triton_repo.write_config(pre_dir, preprocess_config(
         names["preprocess"], image_size=image_size, channels=channels, pixel_scale=pixel_scale, mean=mean, std=std,
-        resample=resample, stub_env=env, instances=preprocess_instances(gpus)), gpus=0)
+        resample=resample, stub_env=env, instances=preprocess_instances(gpus), drift_reference=drift_reference,
+        drift_window=drift_window), gpus=0)
 
     cls_dir = repo / names["classifier"]
     t0 = time.perf_counter()

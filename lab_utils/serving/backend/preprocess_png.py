@@ -9,7 +9,9 @@ real image service receives them. Output: FP32 [channels, size, size]. ``config.
 ``image_size`` (px), ``channels`` (1 grey, 3 RGB), ``pixel_scale`` (0..255 is multiplied by it first: the
 digits were trained on 0..16), ``mean`` and ``std`` (comma-separated, one per channel, after the scale),
 ``resample`` (``box``: averages whole blocks, the exact inverse of a nearest-neighbour upscale;
-``bilinear``), ``max_image_bytes`` and ``max_image_side`` (px): what is refused as oversized.
+``bilinear``), ``max_image_bytes`` and ``max_image_side`` (px): what is refused as oversized. ``drift_reference``
+(JSON, ``drift_stats.reference_bins``) and ``drift_window`` (images): drift statistics of what it decodes, as
+Triton custom metrics ``nvlab_drift_psi{feature,instance}`` and ``nvlab_drift_window_images{instance}``.
 
 A request with a bad item (bytes that are not an image, an oversized image, a corrupt file) gets an error
 response of its own, code ``INVALID_ARG`` (HTTP 400, gRPC INVALID_ARGUMENT), naming the item and the fix; the
@@ -66,6 +68,40 @@ class TritonPythonModel:
         self.input_name = cfg["input"][0]["name"]
         self.output_name = cfg["output"][0]["name"]
         self.mode = "L" if self.channels == 1 else "RGB"
+        self.drift = None
+        if p.get("drift_reference"):
+            self._start_drift(json.loads(p["drift_reference"]), int(p.get("drift_window", "200")),
+                              args.get("model_instance_name", "0"))
+
+    def _start_drift(self, bins: dict[str, Any], size: int, instance: str) -> None:
+        """Drift statistics of the images this instance decodes (raw digits, 0..16): PSI per feature against the
+        training reference over its last ``size`` images, exported as Triton custom metrics (gauges on Triton's
+        metrics endpoint, where Prometheus scrapes the service)."""
+        import triton_python_backend_utils as pb_utils
+        from nvlab_drift import PSI_METRIC, WINDOW_METRIC, Window  # copied beside this file
+
+        if self.channels != 1 or self.size != 8:
+            raise ValueError(f"parameter drift_reference: drift statistics are for 8x8 grey digits; this model "
+                             f"makes {self.channels}x{self.size}x{self.size}: remove the parameter")
+        self.drift = Window(bins, size)
+        gauge = pb_utils.MetricFamily.GAUGE
+        # the families are kept: a metric must not outlive its family
+        self._psi_family = pb_utils.MetricFamily(name=PSI_METRIC, kind=gauge,
+                                                 description="PSI of served images against the training reference")
+        self._win_family = pb_utils.MetricFamily(name=WINDOW_METRIC, kind=gauge,
+                                                 description="images in the drift window")
+        self._psi = {f: self._psi_family.Metric(labels={"feature": f, "instance": instance}) for f in bins}
+        self._win = self._win_family.Metric(labels={"instance": instance})
+
+    def _observe(self, x: np.ndarray) -> None:
+        """Add decoded tensors [N, 1, 8, 8] (normalized) to the window as raw digits; update the gauges."""
+        raw = (x * self.std + self.mean)[:, 0]
+        # back on the digits' grid: the PNG's 8 bits put a pixel of 4 at 4.016 (64/255 x 16), across the ink
+        # threshold and the reference's bin edges; quarter steps undo that and keep any real shift
+        self.drift.observe(np.round(raw * 4) / 4)
+        for feature, value in self.drift.psi().items():
+            self._psi[feature].set(value)
+        self._win.set(len(self.drift))
 
     def decode(self, i: int, data: Any) -> np.ndarray:
         """Item ``i`` (encoded bytes) -> [channels, size, size] float32, normalized as in training."""
@@ -118,6 +154,8 @@ class TritonPythonModel:
                 # BYTES arrive as an object array of bytes, [N, 1] (as_numpy: DLPack cannot carry objects)
                 items = pb_utils.get_input_tensor_by_name(r, self.input_name).as_numpy().reshape(-1)
                 x = np.stack([self.decode(i, item) for i, item in enumerate(items)]).astype(np.float32)
+                if self.drift is not None:
+                    self._observe(x)
                 responses.append(pb_utils.InferenceResponse([to_tensor(self.output_name, x)]))
             except BadImage as err:
                 error = pb_utils.TritonError(str(err), code) if code is not None else pb_utils.TritonError(str(err))
