@@ -3,7 +3,8 @@ sources whose history the check scripts, and the canary loop of ``lab_utils.mlop
 
 ``use_tracking(server)`` tells q1 which tracking server (``lab_utils.mlops.tracking.TrackingServer``) to log to;
 ``use_ab(result)`` gives q6 the A/B result the lab measured (``lab_utils.mlops.abtest.AbResult``);
-``use_bench(bench)`` (optional) lets q2 and q3 share one started ``MetricsBench`` instead of starting their own.
+``use_bench(bench)`` (optional) lets q2 and q3 share one ``MetricsBench`` (started by the first check that needs
+it) instead of starting their own.
 
 - q1 ``log_run(tracking_uri, experiment, result, onnx_path) -> run_id``: the MLflow calls of one training run
   (params, one metric point per epoch at its step, the ONNX file as an artifact, tags ``data_sha256`` and
@@ -619,8 +620,11 @@ class MetricsBench:
 
 @contextmanager
 def _bench() -> Iterator[MetricsBench]:
-    """The bound bench when alive, else one started for this check and stopped after it."""
+    """The bound bench (started here by the first check that needs it), else one started for this check and
+    stopped after it."""
     bound = _BOUND.get("bench")
+    if bound is not None and bound.prom is None:  # bound, never started: a lab whose answers are blank never pays
+        bound.start()
     if bound is not None and bound.alive():
         yield bound
         return
