@@ -47,7 +47,6 @@ from lab_utils.serving.server import TritonServer, find_server
 from lab_utils.serving.service import Service, ServiceError
 
 VARIANTS = ("champion", "challenger")
-WARMUP_REQUESTS = 20  # sent to a newly loaded classifier before it takes traffic
 UPSTREAM_HEADER = nginx_mod.UPSTREAM_HEADER
 
 
@@ -213,17 +212,10 @@ class CanaryService(Service):
             time.sleep(0.1)
         else:
             raise ServiceError(f"{variant}: classifier version {version} not alone READY after 60 s: {states}")
+        # no warm-up requests here: the classifier's model_warmup ran every batch size at load, outside the request
+        # metrics (requests sent now would enter the p95 the canary judges the challenger by)
         self.versions[variant] = version
-        self._warm_up(server)
         return version
-
-    def _warm_up(self, server: TritonServer, requests: int = WARMUP_REQUESTS) -> None:
-        """Requests straight to a server whose classifier just loaded: a version's first executions are slow (a
-        session's first run allocates), and a canary must not judge the challenger by them."""
-        pngs, _ = ens.digits_pngs("test", 8)
-        for i in range(requests):
-            ens.classify(server.grpc_url, pngs[i % len(pngs):i % len(pngs) + 1], protocol="grpc")
-        ens.classify(server.grpc_url, pngs, protocol="grpc")
 
     def deploy_challenger(self, onnx: str | Path) -> int:
         """Serve ``onnx`` on the challenger's server (as its next classifier version); the weight must be 0."""

@@ -281,6 +281,15 @@ def _batching(**extra: Any) -> dict[str, Any]:
     return {**extra, "default_queue_policy": {"max_queue_size": MAX_QUEUE}}
 
 
+def _warmup_sizes(max_batch_size: int) -> list[int]:
+    """1, 2, 4 ... up to ``max_batch_size`` (which is included)."""
+    sizes, b = [], 1
+    while b < max_batch_size:
+        sizes.append(b)
+        b *= 2
+    return [*sizes, max_batch_size] if max_batch_size >= 1 else []
+
+
 def preprocess_instances(gpus: int = 0) -> int:
     """Preprocessing instances (CPU, one Python process each): with a GPU the decoding must keep the GPU fed, so
     half the cores up to 8; without one, 1 (the classifier shares the same cores)."""
@@ -317,6 +326,13 @@ def classifier_config(name: str = CLASSIFIER, *, backend: str = "python", image_
         "output": [{"name": ONNX_OUTPUT, "data_type": "TYPE_FP32", "dims": [classes]}],
         "dynamic_batching": _batching(max_queue_delay_microseconds=queue_delay_us),
         "instance_group": [{"kind": "KIND_GPU" if gpus else "KIND_CPU", "count": instances}],
+        # every batch size the batcher may form, run at load (before READY, outside the request metrics): a new
+        # version's first batches (TorchScript's profiling runs, cuDNN's algorithm search) never meet a client or
+        # a canary's p95
+        "model_warmup": [{"name": f"batch_{b}", "batch_size": b, "count": 2,
+                          "inputs": {ONNX_INPUT: {"data_type": "TYPE_FP32", "dims": [channels, image_size, image_size],
+                                                  "zero_data": True}}}
+                         for b in _warmup_sizes(max_batch_size)],
     }
     if backend == "python":
         cfg["backend"] = "python"
