@@ -281,6 +281,24 @@ def _batching(**extra: Any) -> dict[str, Any]:
     return {**extra, "default_queue_policy": {"max_queue_size": MAX_QUEUE}}
 
 
+def _write_png_warmup(model_dir: Path, image_size: int, channels: int) -> dict[str, Any]:
+    """A blank PNG of the model's size as ``<model_dir>/warmup/blank_png`` (a BYTES element: 4-byte little-endian
+    length, then the bytes) and the ``model_warmup`` entry that sends it: every preprocessing instance decodes once
+    at load, so a server's first requests do not pay each Python instance's first decode."""
+    import struct
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("L" if channels == 1 else "RGB", (image_size * (PNG_SCALE if image_size == DIGITS_SIZE else 1),) * 2
+              ).save(buf, format="PNG")
+    png = buf.getvalue()
+    (model_dir / "warmup").mkdir(parents=True, exist_ok=True)
+    (model_dir / "warmup" / "blank_png").write_bytes(struct.pack("<I", len(png)) + png)
+    return {"name": "blank_png", "batch_size": 1, "count": 2,
+            "inputs": {IMAGE: {"data_type": "TYPE_STRING", "dims": [1], "input_data_file": "blank_png"}}}
+
+
 def _warmup_sizes(max_batch_size: int) -> list[int]:
     """1, 2, 4 ... up to ``max_batch_size`` (which is included)."""
     sizes, b = [], 1
@@ -615,10 +633,12 @@ def build_service(repo: str | Path, model: Any, *, prefix: str, labels: Sequence
 
     pre_dir = repo / names["preprocess"]
     _write_python_files(pre_dir / "1", "preprocess_png")
-    triton_repo.write_config(pre_dir, preprocess_config(
+    pre_cfg = preprocess_config(
         names["preprocess"], image_size=image_size, channels=channels, pixel_scale=pixel_scale, mean=mean, std=std,
         resample=resample, stub_env=env, instances=preprocess_instances(gpus), drift_reference=drift_reference,
-        drift_window=drift_window), gpus=0)
+        drift_window=drift_window)
+    pre_cfg["model_warmup"] = [_write_png_warmup(pre_dir, image_size, channels)]
+    triton_repo.write_config(pre_dir, pre_cfg, gpus=0)
 
     cls_dir = repo / names["classifier"]
     t0 = time.perf_counter()
