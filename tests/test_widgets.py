@@ -360,3 +360,32 @@ def test_live_view_refreshes_while_the_load_runs_and_stops_with_it(triton, capsy
         assert f"live view (refreshes in JupyterLab): {n} readings" in out
     with widgets.live_view(None) as none:
         assert none is None
+
+
+def _recording_hook(calls):
+    """A fake ``progress=`` hook: records each loop's total and desc, and how many steps the loop came back for."""
+
+    def hook(iterable, total=None, desc=""):
+        rec = {"total": total, "desc": desc, "steps": 0}
+        calls.append(rec)
+        for item in iterable:
+            yield item
+            rec["steps"] += 1
+
+    return hook
+
+
+def test_ddp_scaling_and_overlap_advance_their_progress_hooks_per_run():
+    from lab_utils.distributed import ddp
+
+    tiny = {"steps": 1, "warmup_steps": 1, "batch_size": 2, "image_size": 8, "width": 4, "depth": 10,
+            "num_classes": 4, "cpu_threads": 1}
+    calls = []
+    df = ddp.scaling((1, 2), backend="gloo", progress=_recording_hook(calls), **tiny)
+    assert list(df["world_size"]) == [1, 2]
+    assert calls == [{"total": 2, "desc": "DDP scaling: world sizes", "steps": 2}]  # one step per world size
+    calls.clear()
+    df = ddp.overlap_experiment(2, variants=[{"bucket_cap_mb": 1}, {"overlap": False}], repeats=1, backend="gloo",
+                                progress=_recording_hook(calls), **tiny)
+    assert len(df) == 3  # the default variant added
+    assert calls == [{"total": 3, "desc": "DDP bucket variants: runs", "steps": 3}]  # one step per variant timed

@@ -27,7 +27,7 @@ import multiprocessing as mp
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import pandas as pd
@@ -384,25 +384,54 @@ def each_world_size(ctx: WorkerContext, fn: Callable[..., dict[str, Any]],
     return out
 
 
-class _EpochTicks:
-    """Rank 0's status events, passed on, and one item on ``ticks`` per epoch started (``train_digits`` says
-    ``epoch k/n`` as each begins)."""
+class _StatusTicks:
+    """Rank 0's status events, passed on, and one item on ``ticks`` per status that starts with ``prefix``:
+    ``train_digits`` says ``epoch k/n`` as each epoch begins, ``each_world_size`` ``world size n of N`` before each
+    run, ``overlap_worker`` ``repeat r/R: variant`` before each variant it times."""
 
-    def __init__(self, events: Any, ticks: Any):
-        self.events, self.ticks = events, ticks
+    def __init__(self, events: Any, ticks: Any, prefix: str = "epoch "):
+        self.events, self.ticks, self.prefix = events, ticks, prefix
 
     def put(self, item: tuple[str, int, Any]) -> None:
         if self.events is not None:
             self.events.put(item)
-        if item[0] == "status" and str(item[2]).startswith("epoch "):
+        if item[0] == "status" and str(item[2]).startswith(self.prefix):
             self.ticks.put(1)
 
 
 def _train_digits_ticking(ctx: WorkerContext, ticks: Any, **kw: Any) -> dict[str, Any]:
     """Worker: ``train_digits``, with rank 0's epochs reported on ``ticks`` (``digits_comparison(progress=)``)."""
     if ctx.rank == 0:
-        ctx = dataclasses.replace(ctx, _events=_EpochTicks(ctx._events, ticks))
+        ctx = dataclasses.replace(ctx, _events=_StatusTicks(ctx._events, ticks))
     return train_digits(ctx, **kw)
+
+
+def _ticking(ctx: WorkerContext, tick_queue: Any, tick_prefix: str, tick_work: Callable[..., Any],
+             **kw: Any) -> Any:
+    """Worker: ``tick_work(ctx, **kw)``, with rank 0's statuses that start with ``tick_prefix`` reported on
+    ``tick_queue`` (``scaling(progress=)``, ``overlap_experiment(progress=)``)."""
+    if ctx.rank == 0:
+        ctx = dataclasses.replace(ctx, _events=_StatusTicks(ctx._events, tick_queue, tick_prefix))
+    return tick_work(ctx, **kw)
+
+
+@contextlib.contextmanager
+def _rank0_ticks(progress: Callable[..., Any], total: int | None, desc: str) -> Iterator[Any]:
+    """A queue for the ranks (rank 0 puts one item on it per step) and a thread here that turns its items into
+    the steps of ``progress(iterable, total=, desc=)``; the display ends when the block does."""
+    ticks = mp.get_context("spawn").Queue()
+
+    def show() -> None:
+        for _ in progress(iter(ticks.get, None), total=total, desc=desc):
+            pass
+
+    shown = threading.Thread(target=show, name="nvlab-ddp-progress", daemon=True)
+    shown.start()
+    try:
+        yield ticks
+    finally:
+        ticks.put(None)
+        shown.join(timeout=10)
 
 
 def digits_comparison(nprocs_list: Sequence[int] = (1, 2), *, global_batch: int = DIGITS_DEFAULTS["global_batch"],
@@ -426,22 +455,11 @@ def digits_comparison(nprocs_list: Sequence[int] = (1, 2), *, global_batch: int 
                          kwargs={"fn": train_digits, "runs": runs})[0]
     else:  # rank 0 reports each epoch it starts on a queue; a thread here turns them into the hook's steps
         epochs = kwargs.get("epochs", DIGITS_DEFAULTS["epochs"])
-        ticks = mp.get_context("spawn").Queue()
-        runs = [(n, {**kw, "ticks": ticks}) for n, kw in runs]
         total = epochs * len(runs) if isinstance(epochs, int) else None
-
-        def show() -> None:
-            for _ in progress(iter(ticks.get, None), total=total, desc="digits training: epochs"):
-                pass
-
-        shown = threading.Thread(target=show, name="nvlab-ddp-progress", daemon=True)
-        shown.start()
-        try:
+        with _rank0_ticks(progress, total, "digits training: epochs") as ticks:
+            runs = [(n, {**kw, "ticks": ticks}) for n, kw in runs]
             results = launch(each_world_size, max(sizes), backend=backend, timeout_s=timeout_s,
                              kwargs={"fn": _train_digits_ticking, "runs": runs})[0]
-        finally:
-            ticks.put(None)
-            shown.join(timeout=10)
     rows = [{k: r[k] for k in ("world_size", "backend", "global_batch", "batch_size", "accumulate", "lr", "amp",
                                "epochs", "accuracy", "final_loss", "samples_per_s")} for r in results]
     df = pd.DataFrame(rows)
@@ -616,7 +634,7 @@ def _default_nprocs() -> int:
 
 
 def scaling(nprocs_list: Sequence[int] | None = None, *, backend: str = "auto", timeout_s: float = 600.0,
-            **kwargs: Any) -> pd.DataFrame:
+            progress: Callable[..., Any] | None = None, **kwargs: Any) -> pd.DataFrame:
     """Launch ``throughput`` at each world size (default 1 and max(2, GPUs)); one row per world size.
 
     Columns: world_size, backend, device, batch_size (per worker), global_batch, step_ms, images_per_s,
@@ -627,6 +645,8 @@ def scaling(nprocs_list: Sequence[int] | None = None, *, backend: str = "auto", 
     cores // max(nprocs_list) unless ``cpu_threads`` is given: a worker is then a fixed unit of compute, as a
     GPU is, and the table measures what adding workers gains (not one rank using every core). All world sizes
     run in one launch of max(nprocs_list) ranks (``each_world_size``): the ranks not measured wait idle.
+    ``progress``: a hook such as ``lab_utils.widgets.progress`` (``progress(iterable, total=, desc=)``), advanced
+    per world size that rank 0 starts (None: no display).
     """
     nprocs_list = list(nprocs_list) if nprocs_list is not None else [1, _default_nprocs()]
     for n in nprocs_list:
@@ -634,8 +654,14 @@ def scaling(nprocs_list: Sequence[int] | None = None, *, backend: str = "auto", 
     if choose_backend(max(nprocs_list), backend) == "gloo" and kwargs.get("cpu_threads") is None:
         kwargs["cpu_threads"] = max(1, cpu_cores() // max(nprocs_list))
     runs = [(n, kwargs) for n in nprocs_list]
-    rows = launch(each_world_size, max(nprocs_list), backend=backend, timeout_s=timeout_s,
-                  kwargs={"fn": throughput, "runs": runs})[0]
+    work = {"fn": throughput, "runs": runs}
+    if progress is None:
+        rows = launch(each_world_size, max(nprocs_list), backend=backend, timeout_s=timeout_s, kwargs=work)[0]
+    else:  # rank 0 says "world size n of N" as each run starts: one step each
+        with _rank0_ticks(progress, len(runs), "DDP scaling: world sizes") as ticks:
+            rows = launch(_ticking, max(nprocs_list), backend=backend, timeout_s=timeout_s,
+                          kwargs={"tick_queue": ticks, "tick_prefix": "world size ", "tick_work": each_world_size,
+                                  **work})[0]
     df = pd.DataFrame(rows)
     base = df.loc[df["world_size"].idxmin()]
     df["speedup"] = df["images_per_s"] / base["images_per_s"]
@@ -684,7 +710,7 @@ def overlap_worker(ctx: WorkerContext, variants: Sequence[dict[str, Any]], repea
 
 def overlap_experiment(nprocs: int | None = None, variants: Sequence[dict[str, Any]] | None = None, *,
                        repeats: int = 2, backend: str = "auto", timeout_s: float = 600.0,
-                       **kwargs: Any) -> pd.DataFrame:
+                       progress: Callable[..., Any] | None = None, **kwargs: Any) -> pd.DataFrame:
     """The measured effect of DDP's bucket settings on step time, at ``nprocs`` ranks (default max(2, GPUs)).
 
     ``variants``: dicts of bucket_cap_mb, gradient_as_bucket_view and overlap (False: no DDP, one all-reduce
@@ -692,6 +718,8 @@ def overlap_experiment(nprocs: int | None = None, variants: Sequence[dict[str, A
     default configuration (25 MB, no views, overlap) is added when missing. Other keyword arguments go to
     ``throughput`` (model size, batch, amp...). Columns: variant, bucket_cap_mb, gradient_as_bucket_view,
     overlap, step_ms, images_per_s, step_ms_vs_default (< 1 is faster), images_per_s_vs_default, buckets.
+    ``progress``: a hook such as ``lab_utils.widgets.progress`` (``progress(iterable, total=, desc=)``), advanced
+    per variant timed (repeats × variants in all; None: no display).
     """
     nprocs = _default_nprocs() if nprocs is None else check_int(nprocs, "nprocs", "overlap_experiment")
     check_int(repeats, "repeats", "overlap_experiment")
@@ -701,7 +729,13 @@ def overlap_experiment(nprocs: int | None = None, variants: Sequence[dict[str, A
     if DEFAULT_BUCKETS not in full:
         full.insert(0, dict(DEFAULT_BUCKETS))
     kw = {"variants": full, "repeats": repeats, **kwargs}
-    rows = launch(overlap_worker, nprocs, backend=backend, kwargs=kw, timeout_s=timeout_s)[0]
+    if progress is None:
+        rows = launch(overlap_worker, nprocs, backend=backend, kwargs=kw, timeout_s=timeout_s)[0]
+    else:  # rank 0 says "repeat r/R: variant" as it starts timing each variant: one step each
+        with _rank0_ticks(progress, repeats * len(full), "DDP bucket variants: runs") as ticks:
+            rows = launch(_ticking, nprocs, backend=backend, timeout_s=timeout_s,
+                          kwargs={"tick_queue": ticks, "tick_prefix": "repeat ", "tick_work": overlap_worker,
+                                  **kw})[0]
     df = pd.DataFrame(rows)
     df.insert(0, "variant", [_variant_label(v) for v in full])
     base = df.loc[[v == DEFAULT_BUCKETS for v in full]].iloc[0]
