@@ -10,6 +10,7 @@ import urllib.request
 
 import pytest
 from _exercise_harness import check, exercises_of, hint_and_solution_tests, standard_tests
+from _prometheus import require_prometheus
 from _triton import require_server
 
 from lab_utils.exercises import lab05
@@ -363,12 +364,7 @@ WATCHDOG_CASES = [(lab05.q5, [watchdog_right, watchdog_written_differently], [])
 @pytest.fixture
 def prometheus_here():
     """The PromQL checks need prometheus and promtool: skip without, fail under NVLAB_REQUIRE_PROMETHEUS=1."""
-    why = prometheus.missing()
-    if why is None:
-        return
-    if prometheus.required():
-        pytest.fail(f"{prometheus.REQUIRE_ENV}=1 but {why}")
-    pytest.skip(why)
+    require_prometheus()
 
 
 (

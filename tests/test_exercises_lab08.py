@@ -13,13 +13,12 @@ from statistics import NormalDist
 import numpy as np
 import pytest
 from _exercise_harness import check, exercises_of, hint_and_solution_tests, standard_tests
+from _prometheus import require_prometheus
 
 from lab_utils.exercises import lab08 as ex
 from lab_utils.exercises.framework import Exercise, Status
 from lab_utils.mlops import abtest, canary, drift
 from lab_utils.mlops import tracking as tr
-from lab_utils.monitoring import prometheus
-from lab_utils.procs import env_flag
 
 # --- fixtures ---------------------------------------------------------------------------------------------------
 
@@ -36,11 +35,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def bench():
-    why = prometheus.missing()
-    if why:
-        if env_flag(prometheus.REQUIRE_ENV):
-            pytest.fail(f"{prometheus.REQUIRE_ENV}=1 but {why}")
-        pytest.skip(why)
+    require_prometheus()
     with ex.MetricsBench() as b:
         ex.use_bench(b)
         yield b

@@ -10,21 +10,17 @@ import time
 import urllib.request
 
 import pytest
+from _prometheus import require_prometheus
 
 from lab_utils.mlops import canary, drift
 from lab_utils.mlops.exporters import FeedbackExporter, MetricsServer
 from lab_utils.mlops.tracking import digits_data
 from lab_utils.monitoring import prometheus
-from lab_utils.procs import env_flag
 
 
 @pytest.fixture(scope="module", autouse=True)
 def need_prometheus():
-    why = prometheus.missing()
-    if why:
-        if env_flag(prometheus.REQUIRE_ENV):
-            pytest.fail(f"{prometheus.REQUIRE_ENV}=1 but {why}")
-        pytest.skip(why)
+    require_prometheus()
 
 
 class FakeTriton:

@@ -17,19 +17,13 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from _prometheus import require_prometheus
 
 from lab_utils.monitoring import drills, panels, prometheus
 from lab_utils.procs import free_port, popen_owned, stop_group, wait_http_ok
 
 
-def _need(*names: str) -> None:
-    """Skip without the Prometheus binaries; fail under NVLAB_REQUIRE_PROMETHEUS=1 (CI installs them)."""
-    why = prometheus.missing(*names)
-    if why is None:
-        return
-    if prometheus.required():
-        pytest.fail(f"{prometheus.REQUIRE_ENV}=1 but {why}")
-    pytest.skip(why)
+_need = require_prometheus  # skip without the binaries; fail under NVLAB_REQUIRE_PROMETHEUS=1 (CI installs them)
 
 
 def _until(condition, timeout_s: float = 30.0, poll_s: float = 0.05) -> bool:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _prometheus import require_prometheus
 from _triton import REQUIRE_ENV, require_server
 
 from lab_utils import procs
@@ -50,10 +51,7 @@ def _require_all():
 
 
 def _prometheus_here():
-    if prometheus.missing("prometheus", "promtool"):
-        if env_flag(prometheus.REQUIRE_ENV):
-            pytest.fail(f"{prometheus.REQUIRE_ENV}=1 but {prometheus.missing('prometheus', 'promtool')}")
-        pytest.skip("Prometheus is not installed (apt-get install prometheus)")
+    require_prometheus("prometheus", "promtool")
 
 
 @pytest.fixture(scope="module")

@@ -86,12 +86,9 @@ def _skeleton(folder: Path, gpus: int, instances: int | None, source: Any, build
     from lab_utils.models import DigitsCNN
 
     torch.manual_seed(0)
-    raw = ens.digits_raw_split()
-    return ens.build_service(folder, DigitsCNN().eval(), prefix=ens.PREFIX, labels=ens.DIGIT_LABELS,
-                             image_size=ens.DIGITS_SIZE, channels=1, pixel_scale=16 / 255, mean=(raw["mean"],),
-                             std=(raw["std"],), resample="box", gpus=gpus, instances=instances, cache=None,
-                             source=source, build_env=build_env, note="lab 08: classifier from the registry",
-                             drift_reference=drift_reference, drift_window=drift_window)
+    return ens.build_service_repository(folder, model=DigitsCNN().eval(), gpus=gpus, instances=instances, cache=None,
+                                        source=source, build_env=build_env, drift_reference=drift_reference,
+                                        drift_window=drift_window, note="lab 08: classifier from the registry")
 
 
 class CanaryService(Service):

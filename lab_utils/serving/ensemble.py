@@ -668,18 +668,24 @@ def build_service_repository(repo: str | Path, *, epochs: int = 4, seed: int = 0
                              backend: str | None = None, gpus: int = 0, instances: int | None = None,
                              cache: str | None = "service", source: ServerSource | None = None,
                              build_env: bool = True, classifier_engine: str | None = None,
-                             classifier_precision: str = "fp32") -> ServiceRepo:
-    """The digits service: DigitsCNN trained here (seconds), exported to ONNX (and TorchScript for the torch
-    engine: ``build_service``'s ``classifier_engine``), behind the PNG ensemble.
+                             classifier_precision: str = "fp32", model: Any = None,
+                             drift_reference: Mapping[str, Any] | None = None, drift_window: int = 200,
+                             note: str = "") -> ServiceRepo:
+    """The digits service: DigitsCNN trained here (seconds; or ``model``, a DigitsCNN given), exported to ONNX (and
+    TorchScript for the torch engine: ``build_service``'s ``classifier_engine``), behind the PNG ensemble;
+    ``drift_reference``: the preprocessing step exports its drift statistics (``preprocess_config``).
 
     Its ``facts`` hold the in-process held-out accuracy, to compare with ``service_accuracy`` through Triton."""
-    model, facts = train_classifier(epochs=epochs, seed=seed)
+    facts: dict[str, Any] = {}
+    if model is None:
+        model, facts = train_classifier(epochs=epochs, seed=seed)
     raw = digits_raw_split()
     svc = build_service(repo, model, prefix=PREFIX, labels=DIGIT_LABELS, image_size=DIGITS_SIZE, channels=1,
                         pixel_scale=16 / 255, mean=(raw["mean"],), std=(raw["std"],), resample="box", top_k=top_k,
                         backend=backend, gpus=gpus, instances=instances, cache=cache, source=source,
                         build_env=build_env, classifier_engine=classifier_engine,
-                        classifier_precision=classifier_precision)
+                        classifier_precision=classifier_precision, drift_reference=drift_reference,
+                        drift_window=drift_window, note=note)
     svc.facts.update(facts)
     return svc
 
