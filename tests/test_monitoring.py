@@ -22,7 +22,6 @@ from _prometheus import require_prometheus
 from lab_utils.monitoring import drills, panels, prometheus
 from lab_utils.procs import free_port, popen_owned, stop_group, wait_http_ok
 
-
 _need = require_prometheus  # skip without the binaries; fail under NVLAB_REQUIRE_PROMETHEUS=1 (CI installs them)
 
 
