@@ -37,3 +37,34 @@ def tiny_repo(root: Path, name: str = "tiny", **config) -> Path:
 def quick_stop(monkeypatch):
     """Tests stop servers many times: a short grace before SIGKILL (what a stop leaves is tested, not its pace)."""
     monkeypatch.setattr(triton_server, "DEFAULT_STOP_GRACE_S", 0.3)
+
+
+def require_service():
+    """What lab 07's service needs (a Triton server, nginx, the python backend's NumPy-1 environment): skip without
+    it, fail where CI requires it. Returns the server's source."""
+    from lab_utils.serving import ensemble as ens
+    from lab_utils.serving import nginx as nginx_mod
+
+    source = require_server()
+    if not nginx_mod.available(show=False):
+        if env_flag(nginx_mod.REQUIRE_ENV):
+            pytest.fail(f"{nginx_mod.REQUIRE_ENV}=1 but {nginx_mod.missing()}")
+        pytest.skip(f"nginx is not installed: {nginx_mod.missing()}")
+    try:
+        ens.stub_env(source, build=True)
+    except (RuntimeError, OSError) as err:
+        if env_flag(REQUIRE_ENV):
+            pytest.fail(f"the python backend's NumPy-1 environment cannot be built: {err}")
+        pytest.skip(f"the python backend's NumPy-1 environment is not built and cannot be: {err}")
+    return source
+
+
+class KernelOutput:
+    """An ``execute_interactive`` output hook: the kernel's text and tracebacks, joined in ``text``."""
+
+    def __init__(self):
+        self.text = ""
+
+    def __call__(self, msg):
+        c = msg.get("content", {})
+        self.text += c.get("text", "") + "".join(c.get("traceback", []) or [])

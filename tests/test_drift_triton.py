@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 import urllib.request
 
-from test_service import _require_all
+from _triton import require_service
 
 from lab_utils.mlops import deploy, drift, tracking
 from lab_utils.procs import temporary_folder
@@ -28,7 +28,7 @@ def _window(metrics_url: str) -> float:
 
 
 def test_preprocessing_step_exports_input_drift():
-    _require_all()
+    require_service()
     data = tracking.digits_data()
     result = tracking.train_digits(data["x_train"], data["y_train"], data["x_test"], data["y_test"], epochs=1)
     bins = drift.reference_bins(drift.image_features(data["x_train"]))

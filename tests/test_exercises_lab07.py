@@ -10,28 +10,16 @@ import math
 import numpy as np
 import pytest
 from _exercise_harness import check, exercises_of, hint_and_solution_tests, standard_tests
-from _triton import REQUIRE_ENV, require_server
+from _triton import require_service
 
 from lab_utils.exercises import lab07 as ex
 from lab_utils.exercises.framework import Exercise, Status
-from lab_utils.procs import env_flag
-from lab_utils.serving import ensemble as ens
 from lab_utils.serving import nginx as nginx_mod
 
 
 @pytest.fixture(scope="module")
 def svc():
-    source = require_server()
-    if not nginx_mod.available(show=False):
-        if env_flag(nginx_mod.REQUIRE_ENV):
-            pytest.fail(f"{nginx_mod.REQUIRE_ENV}=1 but {nginx_mod.missing()}")
-        pytest.skip(f"nginx is not installed: {nginx_mod.missing()}")
-    try:
-        ens.stub_env(source, build=True)
-    except (RuntimeError, OSError) as err:
-        if env_flag(REQUIRE_ENV):
-            pytest.fail(f"the python backend's NumPy-1 environment cannot be built: {err}")
-        pytest.skip(f"the python backend's NumPy-1 environment is not built and cannot be: {err}")
+    require_service()
     from lab_utils.serving.service import Service
 
     with Service(stop_grace_s=0.3) as s:

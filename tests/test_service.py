@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from _prometheus import require_prometheus
-from _triton import REQUIRE_ENV, require_server
+from _triton import KernelOutput, require_service
 
 from lab_utils import procs
 from lab_utils.monitoring import prometheus
@@ -34,20 +34,7 @@ from lab_utils.serving import nginx as nginx_mod
 from lab_utils.serving import server as triton_server
 from lab_utils.serving import service
 
-
-def _require_all():
-    source = require_server()
-    if not nginx_mod.available(show=False):
-        if env_flag(nginx_mod.REQUIRE_ENV):
-            pytest.fail(f"{nginx_mod.REQUIRE_ENV}=1 but {nginx_mod.missing()}")
-        pytest.skip(f"nginx is not installed: {nginx_mod.missing()}")
-    try:
-        ens.stub_env(source, build=True)
-    except (RuntimeError, OSError) as err:
-        if env_flag(REQUIRE_ENV):
-            pytest.fail(f"the python backend's NumPy-1 environment cannot be built: {err}")
-        pytest.skip(f"the python backend's NumPy-1 environment is not built and cannot be: {err}")
-    return source
+_require_all = require_service
 
 
 def _prometheus_here():
@@ -237,15 +224,6 @@ def test_stop_leaves_nothing_and_twice_is_fine():
 # --- a killed kernel ---------------------------------------------------------------------------------------------
 
 
-class _Collector:
-    def __init__(self):
-        self.text = ""
-
-    def __call__(self, msg):
-        c = msg.get("content", {})
-        self.text += c.get("text", "") + "".join(c.get("traceback", []) or [])
-
-
 def _gone(pids, timeout_s):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -305,7 +283,7 @@ def test_killed_kernel_leaves_no_mlflow_nginx_triton_stub_or_shared_memory():
         """) + (textwrap.dedent(LAB08_SETUP) if lab08 else "") + \
             'print("STATE", json.dumps({"pids": pids, "nginx": nginx_prefixes, "shm": shm}))\n'
 
-        out = _Collector()
+        out = KernelOutput()
         reply = kc.execute_interactive(code, timeout=360, output_hook=out)
         assert reply["content"]["status"] == "ok", out.text
         state = json.loads(out.text.split("STATE", 1)[1].strip().splitlines()[0])

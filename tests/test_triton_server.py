@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _triton import quick_stop, require_server, tiny_repo  # noqa: F401 (an autouse fixture)
+from _triton import KernelOutput, quick_stop, require_server, tiny_repo  # noqa: F401 (an autouse fixture)
 
 from lab_utils import procs
 from lab_utils.ops import notebooks
@@ -242,7 +242,7 @@ def test_killed_kernel_leaves_no_server_or_stub(repo):
             server = TritonServer({str(repo)!r}).start()
             print("PIDS", server.pid)
         """)
-        _collect = _Collector()
+        _collect = KernelOutput()
         reply = kc.execute_interactive(code, timeout=90, output_hook=_collect)
         assert reply["content"]["status"] == "ok", _collect.text
         pid = int(_collect.text.split("PIDS", 1)[1].split()[0])
@@ -268,15 +268,6 @@ def test_killed_kernel_leaves_no_server_or_stub(repo):
     finally:
         if km.is_alive():
             km.shutdown_kernel(now=True)
-
-
-class _Collector:
-    def __init__(self):
-        self.text = ""
-
-    def __call__(self, msg):
-        c = msg.get("content", {})
-        self.text += c.get("text", "") + "".join(c.get("traceback", []) or [])
 
 
 def test_describe_exit():

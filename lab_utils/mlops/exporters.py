@@ -11,75 +11,15 @@ a canary's accuracy guard reads, and the base the drift exporter builds on.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from lab_utils.monitoring.exporter import serve_registry, stop_serving
-from lab_utils.procs import port_free, release_at_exit, stop_at_exit, who_listens
+# the base lives with the other exporters (monitoring); re-exported here for lab 08's modules
+from lab_utils.monitoring.exporter import MetricsServer  # noqa: F401
 
 FEEDBACK_TOTAL = "nvlab_feedback_total"  # counter: labelled requests answered, per variant
 FEEDBACK_CORRECT = "nvlab_feedback_correct_total"  # counter: of those, answered with the right label
 VARIANT_LABEL = "variant"
-
-
-class MetricsServer:
-    """A prometheus_client registry served over HTTP from a daemon thread; ``address`` is ``host:port`` for a
-    scrape configuration."""
-
-    def __init__(self, collectors: Iterable[Any] = (), *, port: int | None = None, host: str = "127.0.0.1"):
-        from prometheus_client import CollectorRegistry
-
-        self.registry = CollectorRegistry(auto_describe=False)
-        for c in collectors:
-            self.registry.register(c)
-        self.host, self.requested_port = host, port
-        self.port: int | None = None
-        self._server: Any = None
-        self._thread: threading.Thread | None = None
-
-    @property
-    def address(self) -> str:
-        if self.port is None:
-            raise RuntimeError(f"{type(self).__name__} is not started: call start() (or use it in a with block)")
-        return f"{self.host}:{self.port}"
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.address}/metrics"
-
-    def start(self) -> MetricsServer:
-        """Serve on ``port`` (a busy one is an ``OSError`` naming its holder) or a free one."""
-        if self._server is not None:
-            return self
-        port = self.requested_port or 0
-        if port and not port_free(port, self.host):
-            raise OSError(f"port {port} on {self.host} is busy, {who_listens(port)}: pass another, or None for a free "
-                          "one")
-        self._server, self._thread = serve_registry(self.registry, self.host, port)
-        self.port = self._server.server_port
-        stop_at_exit(self)
-        return self
-
-    def stop(self) -> None:
-        """Stop serving and join the thread; safe twice."""
-        stop_serving(self._server, self._thread)
-        self._server, self._thread = None, None
-        release_at_exit(self)
-
-    def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
-    def text(self) -> str:
-        """The exposition a scrape would get now."""
-        from prometheus_client import generate_latest
-
-        return generate_latest(self.registry).decode()
-
-    def __enter__(self) -> MetricsServer:
-        return self.start()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
 
 
 class FeedbackExporter(MetricsServer):

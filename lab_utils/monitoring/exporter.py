@@ -43,7 +43,7 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from lab_utils.course.probe import nvml_text
@@ -406,6 +406,72 @@ class GpuExporter:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+
+class MetricsServer:
+    """A prometheus_client registry served over HTTP from a daemon thread; ``address`` is ``host:port`` for a
+    scrape configuration."""
+
+    def __init__(self, collectors: Iterable[Any] = (), *, port: int | None = None, host: str = "127.0.0.1",
+                 fallback_port: bool = False):
+        from prometheus_client import CollectorRegistry
+
+        self.registry = CollectorRegistry(auto_describe=False)
+        for c in collectors:
+            self.registry.register(c)
+        # fallback_port: a busy requested port means a free one instead of an error (a lab's helper exporter)
+        self.host, self.requested_port, self.fallback_port = host, port, fallback_port
+        self.port: int | None = None
+        self._server: Any = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def address(self) -> str:
+        if self.port is None:
+            raise RuntimeError(f"{type(self).__name__} is not started: call start() (or use it in a with block)")
+        return f"{self.host}:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.address}/metrics"
+
+    def start(self) -> MetricsServer:
+        """Serve on ``port`` (a busy one is an ``OSError`` naming its holder, or a free port with
+        ``fallback_port``) or a free one."""
+        if self._server is not None:
+            return self
+        port = self.requested_port or 0
+        if port and not port_free(port, self.host) and self.fallback_port:
+            port = 0
+        if port and not port_free(port, self.host):
+            raise OSError(f"port {port} on {self.host} is busy, {who_listens(port)}: pass another, or None for a free "
+                          "one")
+        self._server, self._thread = serve_registry(self.registry, self.host, port)
+        self.port = self._server.server_port
+        stop_at_exit(self)
+        return self
+
+    def stop(self) -> None:
+        """Stop serving and join the thread; safe twice."""
+        stop_serving(self._server, self._thread)
+        self._server, self._thread = None, None
+        release_at_exit(self)
+
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def text(self) -> str:
+        """The exposition a scrape would get now."""
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry).decode()
+
+    def __enter__(self) -> MetricsServer:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
 
 
 def serve(port: int = DEFAULT_PORT, host: str = "0.0.0.0") -> int:

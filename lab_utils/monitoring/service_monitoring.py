@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from lab_utils.monitoring import prometheus
-from lab_utils.monitoring.exporter import serve_registry, stop_serving
+from lab_utils.monitoring.exporter import MetricsServer
 from lab_utils.monitoring.panels import Panel
-from lab_utils.procs import owned_tempdir, port_free, release_at_exit, stop_at_exit
+from lab_utils.procs import owned_tempdir, release_at_exit, stop_at_exit
 from lab_utils.serving import nginx as nginx_mod
 
 NGINX_JOB = "nginx"
@@ -118,50 +118,13 @@ class _Collector:
                                   value=stub["requests"])
 
 
-class NginxExporter:
-    """nginx's metrics for Prometheus (see the module's docstring), served on a free loopback port by a thread."""
+class NginxExporter(MetricsServer):
+    """nginx's metrics for Prometheus (see the module's docstring), served on a free loopback port by a thread (a
+    busy ``port`` falls back to a free one)."""
 
     def __init__(self, lb: nginx_mod.NginxServer, host: str = "127.0.0.1", port: int | None = None):
-        self.lb, self.host, self.requested_port = lb, host, port
-        self.port: int | None = None
-        self._server: Any = None
-        self._thread: threading.Thread | None = None
-
-    @property
-    def address(self) -> str:
-        return f"{self.host}:{self.port}"
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.address}/metrics"
-
-    def start(self) -> NginxExporter:
-        if self._server is not None:
-            return self
-        from prometheus_client import CollectorRegistry
-
-        port = self.requested_port if self.requested_port and port_free(self.requested_port, self.host) else 0
-        registry = CollectorRegistry(auto_describe=False)
-        registry.register(_Collector(_Reader(self.lb)))
-        self._server, self._thread = serve_registry(registry, self.host, port)
-        self.port = self._server.server_port
-        stop_at_exit(self)
-        return self
-
-    def stop(self) -> None:
-        """Stop serving and join the thread; safe twice."""
-        stop_serving(self._server, self._thread)
-        self._server, self._thread = None, None
-        release_at_exit(self)
-
-    def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
-    def __enter__(self) -> NginxExporter:
-        return self.start()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
+        super().__init__([_Collector(_Reader(lb))], port=port, host=host, fallback_port=True)
+        self.lb = lb
 
     def __repr__(self) -> str:
         return f"NginxExporter({'serving ' + self.url if self.alive() else 'stopped'})"
