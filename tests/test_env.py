@@ -1,6 +1,9 @@
+import builtins
 import json
 import os
 import stat
+import subprocess
+import sys
 
 import pytest
 
@@ -156,3 +159,111 @@ def test_doctor_and_lab00_verdict_agree():
             assert "forward compatibility" in why[0] and "update the driver" in why[0]
     ok, why = env._compatibility(_gpu(), "12.4", _torch(cuda="12.10"))  # not incompatible: minor-version
     assert ok and "minor-version" in why[0]
+
+
+# --- ModelOpt: named in lab 03's tier only when it imports --------------------------------------------------------
+
+
+@pytest.fixture
+def no_modelopt(monkeypatch):
+    """This process as on a machine without ModelOpt: every ``import modelopt...`` fails as a missing package does."""
+    real_import = builtins.__import__
+
+    def fake_import(name, globals=None, locals=None, fromlist=(), level=0):
+        if level == 0 and name.split(".")[0] == "modelopt":
+            raise ModuleNotFoundError("No module named 'modelopt'", name="modelopt")
+        return real_import(name, globals, locals, fromlist, level)
+
+    monkeypatch.setattr(builtins, "__import__", fake_import)
+
+
+def _gpu_report(components, trt=False):
+    """A usable H200 as the probe would report it, with these components (TensorRT present or not)."""
+    comps = {"tritonserver": env.Component("Triton server", False), "prometheus": env.Component("Prometheus", False),
+             **components, "tensorrt": env.Component("TensorRT", trt)}
+    report = env.EnvReport("nvml", "580.159.04", "13.0", _gpu(), None, _torch(), comps, True, [], [], [])
+    report.tiers = env.lab_tiers(report)
+    return report
+
+
+def _lab03(report):
+    return next(t for t in report.tiers if t.lab == "03")
+
+
+def test_doctor_names_modelopt_in_lab03_only_when_it_imports(no_modelopt, capsys):
+    comps = env._probe_components()
+    mo = comps["modelopt"]
+    assert not mo.present and "No module named 'modelopt'" in mo.note and "pip install nvidia-modelopt" in mo.note
+    for trt, runs in ((False, "ONNX Runtime; torch autocast"), (True, "TensorRT engines from the FP32 ONNX file")):
+        row = _lab03(_gpu_report(comps, trt=trt))
+        assert row.tier == "partial" and row.runs.startswith(runs), row
+        assert "ModelOpt" not in row.runs and "FP16, INT8 and FP8 models are skipped" in row.substitutes, row
+        assert "pip install nvidia-modelopt" in row.substitutes, row
+    # what `nvlab doctor` prints: lab 03's row of the tier table is partial and says how to get ModelOpt
+    from lab_utils.course.session import print_report
+
+    print_report(_gpu_report(comps), highlight="03")
+    table = capsys.readouterr().out.split("Lab tiers on this machine", 1)[1]
+    row03 = table[table.index("│ 03 "):table.index("│ 04 ")]
+    assert "PARTIAL" in row03 and "nvidia-modelopt" in row03, row03
+    # without a GPU too: the CPU tier runs ONNX Runtime and names no ModelOpt model
+    cpu = next(t for t in env.probe().tiers if t.lab == "03")
+    assert cpu.tier == "cpu" and "ModelOpt" not in cpu.runs and "pip install nvidia-modelopt" in cpu.substitutes
+
+
+def test_doctor_names_modelopt_where_it_imports():
+    pytest.importorskip("modelopt")
+    comps = env._probe_components()
+    if not comps["modelopt"].present:
+        pytest.skip(f"ModelOpt's ONNX path is incomplete here: {comps['modelopt'].note}")
+    assert _lab03(_gpu_report(comps, trt=True)).tier == "full"
+    row = _lab03(_gpu_report(comps))
+    assert row.runs.startswith("ModelOpt ONNX models in ONNX Runtime") and "skipped" not in row.substitutes
+
+
+def test_a_report_without_the_components_names_neither():
+    row = _lab03(_gpu_report({}))  # a report built by hand (or an older JSON) has no ONNX Runtime or ModelOpt
+    assert row.tier == "partial" and "nothing yet" in row.runs and "ModelOpt" not in row.runs
+
+
+def test_the_probe_imports_modelopt_cheaply():
+    """``import modelopt`` only: its ONNX path (lief, a second or two) is left to the lab that quantizes."""
+    code = ("import sys; from lab_utils.course import probe; c = probe._probe_components()['modelopt']; "
+            "print(c.present, 'modelopt.onnx' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.split()[-1] == "False", out.stdout
+
+
+def test_lab03_quantize_path_without_modelopt_says_what_it_skips(no_modelopt, tmp_path):
+    np = pytest.importorskip("numpy")
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto, helper
+
+    from lab_utils.exercises import lab03
+    from lab_utils.exercises.framework import Status
+    from lab_utils.inference import quantize
+
+    ok, why = quantize.modelopt_status()
+    assert not ok and "No module named 'modelopt'" in why and "`pip install nvidia-modelopt`" in why
+    line = quantize.skip_line("the INT8 model")
+    assert line.startswith("Skipped: the INT8 model.") and "pip install nvidia-modelopt" in line
+    assert "\n" not in line
+    # a model of the digits' input shape: ModelOpt is refused before it is needed, as an ImportError saying why
+    graph = helper.make_graph([helper.make_node("Relu", ["input"], ["logits"])], "tiny",
+                              [helper.make_tensor_value_info("input", TensorProto.FLOAT, [None, 1, 8, 8])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [None, 1, 8, 8])])
+    path = tmp_path / "tiny.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), str(path))
+    x = np.random.default_rng(0).random((4, 1, 8, 8), dtype=np.float32)
+    calls = (lambda: quantize.autocast(path, tmp_path / "fp16.onnx"),
+             lambda: quantize.quantize_onnx(path, tmp_path / "int8.onnx", x))
+    for call in calls:
+        with pytest.raises(ImportError, match="pip install nvidia-modelopt") as err:
+            call()
+        assert isinstance(err.value, quantize.ModelOptMissing)
+    # the exercise check: not applicable on this tier, blank or not, and the student's function is not run
+    ran = []
+    for answer in (None, lambda onnx_path, out_path, x_train: ran.append(1)):
+        out = lab03.q3.check(answer, quiet=True)
+        assert out.status is Status.NOT_APPLICABLE and "pip install nvidia-modelopt" in out.message, out
+    assert not ran

@@ -22,7 +22,7 @@ LABS: tuple[Lab, ...] = (
     Lab("00", "environment", "Environment and driver", ("nvml",)),
     Lab("01", "cuda_timing", "CUDA and cuBLAS timing", ("torch-cuda",)),
     Lab("02", "nccl_ddp", "NCCL and multi-GPU training", ("torch-cuda", "nccl", "2 GPUs")),
-    Lab("03", "tensorrt", "TensorRT optimization", ("torch-cuda", "tensorrt")),
+    Lab("03", "tensorrt", "TensorRT optimization", ("torch-cuda", "tensorrt", "modelopt")),
     Lab("04", "triton", "Triton serving", ("torch-cuda", "tritonserver")),
     Lab("05", "monitoring", "Monitoring and operations", ("tritonserver", "prometheus")),
     Lab("06", "profiling", "Profiling and diagnosing", ("torch-cuda", "ncu")),

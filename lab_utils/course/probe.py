@@ -447,9 +447,65 @@ def _tensorrt_component() -> Component:
     return Component("TensorRT", False, None, None, f"not installed{stubs}; {how}")
 
 
+MODELOPT_INSTALL = "pip install nvidia-modelopt"
+# What ModelOpt's ONNX path imports besides modelopt itself (module -> pip name). Its wheel does not bring them, and
+# nvidia-modelopt[onnx] would pull onnxruntime-gpu and cupy: the course installs them one by one (the lab extra).
+MODELOPT_ONNX_NEEDS = {"onnx": "onnx", "onnxruntime": "onnxruntime", "onnx_graphsurgeon": "onnx-graphsurgeon",
+                       "onnxconverter_common": "onnxconverter-common", "onnxslim": "onnxslim", "lief": "lief",
+                       "polygraphy": "polygraphy"}
+
+
+def _failure(err: BaseException) -> str:
+    return f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else '-'}"
+
+
+def _findable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent that fails to import; a module set to None in sys.modules
+        return False
+
+
+def _onnxruntime_component() -> Component:
+    """ONNX Runtime, imported (a tenth of a second): lab 03 runs every ONNX file in it."""
+    try:
+        import onnxruntime as ort
+    except Exception as err:  # ImportError, or a wheel whose shared library does not load
+        return Component("ONNX Runtime", False, None, None,
+                         f"`import onnxruntime` failed ({_failure(err)}): pip install onnxruntime")
+    providers = ", ".join(ort.get_available_providers())
+    return Component("ONNX Runtime", True, getattr(ort, "__version__", None), str(Path(ort.__file__).parent),
+                     f"providers: {providers}")
+
+
+def _modelopt_component() -> Component:
+    """ModelOpt's ONNX path: ``import modelopt`` itself, and each module that path imports found on the path.
+
+    Importing the path (``modelopt.onnx``) loads lief and takes a second or two, too slow for every lab's start;
+    the lab imports it where it quantizes (``lab_utils.inference.quantize.modelopt_status``) and skips, saying why,
+    when that fails."""
+    try:
+        import modelopt
+    except Exception as err:  # ImportError, or an install broken in another way: the reason is kept
+        return Component("ModelOpt", False, None, None, f"`import modelopt` failed ({_failure(err)}): "
+                                                        f"{MODELOPT_INSTALL}")
+    if getattr(modelopt, "__file__", None) is None:  # a namespace package: a folder without ModelOpt's code
+        return Component("ModelOpt", False, None, None, f"`modelopt` is an empty namespace package here: "
+                                                        f"{MODELOPT_INSTALL}")
+    version = getattr(modelopt, "__version__", None) or _dist_version("nvidia-modelopt")
+    where = str(Path(modelopt.__file__).parent)
+    lacking = [pip for module, pip in MODELOPT_ONNX_NEEDS.items() if not _findable(module)]
+    if lacking:
+        return Component("ModelOpt", False, version, where,
+                         f"its ONNX path needs {', '.join(lacking)}: pip install {' '.join(lacking)}")
+    return Component("ModelOpt", True, version, where, "ONNX path: AutoCast, INT8/FP8 quantization")
+
+
 def _probe_components() -> dict[str, Component]:
     comps: dict[str, Component] = {}
     comps["tensorrt"] = _tensorrt_component()
+    comps["onnxruntime"] = _onnxruntime_component()
+    comps["modelopt"] = _modelopt_component()
     try:
         url, bad_url = env_url("TRITON_URL", default_port=8000), ""
     except EnvError as err:  # the report shows it; the lab's own read raises it
@@ -568,14 +624,26 @@ def lab_tiers(report: EnvReport) -> list[LabTier]:
         rows["02"] = ("partial", "NCCL on 1 GPU, DDP", "gloo processes for multi-rank collectives")
     else:
         rows["02"] = ("cpu", "gloo process groups on CPU, DDP", "gloo stands in for NCCL")
-    if gpu and trt:
+    # A component is named in a row only when it imported here; a report built without it has it absent.
+    ort = c.get("onnxruntime", Component("ONNX Runtime", False, note="not probed"))
+    mo = c.get("modelopt", Component("ModelOpt", False, note="not probed"))
+    no_mo = "" if mo.present else f"no ModelOpt, so its FP16, INT8 and FP8 models are skipped ({mo.note})"
+    if not ort.present:
+        rows["03"] = ("partial" if seen_gpu else "cpu", "nothing yet: the lab runs its ONNX files in ONNX Runtime",
+                      ort.note)
+    elif gpu and trt and mo.present:
         rows["03"] = ("full", "TensorRT engines from ModelOpt FP16/INT8/FP8 ONNX files", "")
+    elif gpu and trt:
+        rows["03"] = ("partial", "TensorRT engines from the FP32 ONNX file; ONNX Runtime", no_mo)
     elif gpu:
-        rows["03"] = ("partial", "ModelOpt ONNX models in ONNX Runtime; torch autocast, torch.compile, CUDA graphs",
-                      "no TensorRT: torch.compile and CUDA graphs stand in for engines")
+        rows["03"] = ("partial", ("ModelOpt ONNX models in ONNX Runtime; " if mo.present else "ONNX Runtime; ")
+                      + "torch autocast, torch.compile, CUDA graphs",
+                      "; ".join(filter(None, ["no TensorRT: torch.compile and CUDA graphs stand in for engines",
+                                              no_mo])))
     else:
-        rows["03"] = ("cpu", "ModelOpt FP16/INT8 ONNX models; ONNX Runtime optimization levels",
-                      "no GPU: ONNX Runtime on the CPU stands in for TensorRT")
+        rows["03"] = ("cpu", ("ModelOpt FP16/INT8 ONNX models; " if mo.present else "")
+                      + "ONNX Runtime optimization levels",
+                      "; ".join(filter(None, ["no GPU: ONNX Runtime on the CPU stands in for TensorRT", no_mo])))
     wheel_only = server and c["tritonserver"].where == str(pytriton_server())
     via = "; the nvidia-pytriton server (python backend only) stands in for the NGC image" if wheel_only else ""
     if gpu and server and wheel_only:  # a stand-in is not the full lab: no ONNX Runtime/TensorRT backends

@@ -403,6 +403,14 @@ def _checked_quantize(fn: Any, seen: dict[str, Any]) -> Iterator[None]:
             glb[k] = original
 
 
+def _modelopt_missing() -> str | None:
+    """Why ModelOpt's quantize cannot run here (the check is then *not applicable*), or None."""
+    from lab_utils.inference import quantize as q
+
+    ok, why = q.modelopt_status()
+    return None if ok else f"{why}, so this check cannot run here."
+
+
 def _grade_quantize(fn: Any) -> str:
     from lab_utils.inference import compare
     from lab_utils.inference import quantize as q
@@ -447,6 +455,7 @@ q3 = CodeExercise(
     var="quantize_int8",
     grade=_grade_quantize,
     signature="quantize_int8(onnx_path, out_path, x_train) -> None",
+    applicable=_modelopt_missing,
     hints=[
         "modelopt.onnx.quantization.quantize(onnx_path, quantize_mode=..., calibration_data=..., "
         "output_path=...) writes a new ONNX file with Q/DQ pairs; calibration_data is a numpy array shaped like "

@@ -8,7 +8,9 @@ calibration data. The resulting files run in ONNX Runtime on any CPU, so accurac
 
 ModelOpt's ONNX path runs on the CPU here (``calibration_eps=["cpu"]``, ``providers=["cpu"]``). Its
 messages are captured and shown only when something fails. nvidia-modelopt (optional, and seconds to import)
-and onnxruntime are imported where they are used, so the module imports without them.
+and onnxruntime are imported where they are used, so the module imports without them. ``modelopt_status`` says
+whether ModelOpt's ONNX path imports here and why not; without it the ModelOpt calls raise ``ModelOptMissing``
+(an ImportError), and ``skip_line`` is the one line a lab prints for what it skips.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import numpy as np
 import onnx
 import pandas as pd
 
-from lab_utils.course.probe import tensorrt_runtime_present
+from lab_utils.course.probe import MODELOPT_INSTALL, MODELOPT_ONNX_NEEDS, tensorrt_runtime_present
 from lab_utils.inference.compare import accuracy, logit_error
 from lab_utils.inference.onnx import ort_predict, ort_session
 from lab_utils.plots import new_axes, require_columns
@@ -41,8 +43,6 @@ HIGH_PRECISION = ("fp32", "fp16", "bf16")  # what the nodes left unquantized run
 LOW_PRECISION = ("fp16", "bf16")
 FP8_MIN_CAPABILITY = (8, 9)  # Ada (8.9) and Hopper (9.0) and later have FP8 tensor cores
 
-_INSTALL = ("pip install nvidia-modelopt onnx-graphsurgeon onnxconverter-common onnxslim lief polygraphy "
-            "(one by one, not nvidia-modelopt[onnx], which pulls onnxruntime-gpu and cupy)")
 
 
 class CalibrationDataError(ValueError):
@@ -53,12 +53,36 @@ class QuantizationError(RuntimeError):
     """ModelOpt failed; the message carries the tail of what it printed."""
 
 
-def _require_modelopt() -> None:
+class ModelOptMissing(ImportError):
+    """ModelOpt's ONNX path does not import here; the message says why and what to install."""
+
+
+def modelopt_status() -> tuple[bool, str]:
+    """(usable, why): whether ModelOpt's ONNX path (AutoCast and quantization) imports here, and when not, the
+    import's failure and the ``pip install`` that fixes it. The first call imports it: a second or two."""
     try:
-        import modelopt.onnx  # noqa: F401
-    except ImportError as err:
-        raise ImportError(f"lab_utils.inference.quantize needs NVIDIA ModelOpt's ONNX path ({err}): "
-                          f"{_INSTALL}") from err
+        import modelopt.onnx.autocast  # noqa: F401
+        import modelopt.onnx.quantization  # noqa: F401
+    except Exception as err:  # ImportError, or an install whose native library does not load (lief)
+        missing = (getattr(err, "name", None) or "").split(".")[0]
+        fix = f"pip install {MODELOPT_ONNX_NEEDS[missing]}" if missing in MODELOPT_ONNX_NEEDS else MODELOPT_INSTALL
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        return False, f"ModelOpt's ONNX path does not import here ({first}); `{fix}` to get it"
+    import modelopt
+
+    return True, f"ModelOpt {getattr(modelopt, '__version__', '?')}"
+
+
+def skip_line(what: str) -> str:
+    """The one line a lab prints where it skips ``what`` for want of ModelOpt: what, why, and how to get it."""
+    _, why = modelopt_status()
+    return f"Skipped: {what}. {why}."
+
+
+def _require_modelopt() -> None:
+    ok, why = modelopt_status()
+    if not ok:
+        raise ModelOptMissing(f"lab_utils.inference.quantize needs NVIDIA ModelOpt's ONNX path: {why}")
 
 
 @contextlib.contextmanager
