@@ -129,8 +129,10 @@ class Exercise:
 
     def _outcome(self, value: Any) -> Outcome:
         if is_blank(value):
+            number = re.match(r"\d+\.(\d+)\b", self.name)  # "01.3 copy bandwidth" is the lab's `ex.q3`
+            hint = f"`ex.q{number[1]}.hint()`" if number else "its `.hint()`"
             return Outcome(self.name, Status.NOT_ATTEMPTED,
-                           f"Set `{self.var}` above and run this cell again (q.hint() helps).")
+                           f"Set `{self.var}` above and run this cell again ({hint} helps).")
         try:
             note = self.grade(value)
         except Wrong as why:
