@@ -91,7 +91,7 @@ SPECIFIC = [
 
 
 @pytest.fixture
-def places(tmp_path):
+def places(tmp_path, monkeypatch, capsys):
     """Paths for the table: a regular file, broken and good results folders, a port something listens on."""
     (tmp_path / "file").write_text("a regular file: nothing can be created under it\n")
     row = {"lab": "01", "name": "m", "value": 1.0, "unit": "s", "tier": "cpu", "device": "x", "versions": {}}
@@ -104,25 +104,49 @@ def places(tmp_path):
         s.listen()
         yield {"file": str(tmp_path / "file"), "trunc": str(tmp_path / "trunc"), "shape": str(tmp_path / "shape"),
                "good": str(tmp_path / "good"), "busy": str(s.getsockname()[1]), "pid": str(os.getpid()),
-               "tmp": tmp_path}
+               "tmp": tmp_path, "monkeypatch": monkeypatch, "capsys": capsys}
 
 
 def _nvlab(argv: list[str], cwd: Path, timeout: float = 30) -> subprocess.CompletedProcess:
+    """``nvlab ARGV`` as a user runs it: a new Python process (the two subprocess cases below)."""
     env = {k: v for k, v in os.environ.items() if k not in ("NVLAB_REFERENCE_DIR", "JUPYTER_TOKEN")}
     return subprocess.run([sys.executable, "-m", "lab_utils", *argv], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
 
+def _check_refusal(argv: list[str], code: int | None, out: str, err: str, must_hold: str) -> str:
+    assert "Traceback" not in out + err, out + err
+    assert code == 2, f"nvlab {' '.join(argv)}: exit {code}\n{out}{err}"
+    err = err.strip()
+    assert err and "\n" not in err, f"not one line on stderr:\n{err}"
+    assert must_hold in err, err
+    return err
+
+
 def _refused(argv: list[str], places: dict, must_hold: str) -> str:
+    """``cli.main(argv)`` in this process (a new interpreter per case cost a second each): exit 2, one line."""
+    argv = [a.format(**places) for a in argv]
+    mp, capsys = places["monkeypatch"], places["capsys"]
+    for name in ("NVLAB_REFERENCE_DIR", "JUPYTER_TOKEN"):
+        mp.delenv(name, raising=False)
+    mp.chdir(places["tmp"])
+    capsys.readouterr()
+    try:
+        code = cli.main(argv)
+    except SystemExit as stop:  # argparse and the subcommands' refusals
+        code = stop.code
+    out, err = capsys.readouterr()
+    return _check_refusal(argv, code, out, err, must_hold.format(**places))
+
+
+@pytest.mark.parametrize("argv,must_hold", [
+    (["run", "17"], "unknown lab '17'"), (["lab", "--port", "{busy}"], "port {busy} is already in use by pid {pid}")],
+    ids=["run-unknown-lab", "lab-port-busy"])
+def test_a_refusal_in_a_new_process_is_one_line_and_exit_2(argv, must_hold, places):
+    """The in-process cases above hold for the real command line too (entry point, no traceback, exit 2)."""
     argv = [a.format(**places) for a in argv]
     r = _nvlab(argv, places["tmp"])
-    out = r.stdout + r.stderr
-    assert "Traceback" not in out, out
-    assert r.returncode == 2, f"nvlab {' '.join(argv)}: exit {r.returncode}\n{out}"
-    err = r.stderr.strip()
-    assert err and "\n" not in err, f"not one line on stderr:\n{r.stderr}"
-    assert must_hold.format(**places) in err, err
-    return err
+    _check_refusal(argv, r.returncode, r.stdout, r.stderr, must_hold.format(**places))
 
 
 @pytest.mark.parametrize("argv,must_hold", [pytest.param(a, m, id=i) for i, a, m in _generic_cases()])

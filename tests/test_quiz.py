@@ -145,7 +145,9 @@ def test_more_forgiving_forms():
 def test_runner_hint_and_solution(capsys):
     runner = quiz.QuizRunner(FIX, sections=[1])
     assert "driver compatibility" in runner.hint("s1-ceiling") and "00" in runner.hint("s1-ceiling")
-    assert "b) The newest CUDA" in runner.solution("s1-ceiling")
+    shown = next(q for q in runner.questions if q.id == "s1-ceiling")
+    assert f"{shown.answer}) The newest CUDA" in runner.solution("s1-ceiling")  # the letter this quiz shows
+    assert "b) The newest CUDA" in quiz.QuizRunner(FIX, sections=[1], shuffle=False).solution("s1-ceiling")
     assert "Hint 1/2" in capsys.readouterr().out
 
 
@@ -255,6 +257,120 @@ def test_a_fixed_seed_gives_a_reproducible_order():
     assert len({tuple(o) for o in orders.values()}) > 1
     sections = [q.section for q in quiz.QuizRunner(FIX, seed=5).questions]
     assert sections == sorted(sections)  # by section, shuffled within
+
+
+# --- shuffled choices ---------------------------------------------------------------------------------------
+
+
+def _texts(q: quiz.Question, keys) -> list[str]:
+    return [q.choices[k]["en"] for k in keys]
+
+
+def _pairs(q: quiz.Question) -> set[tuple[str, str]]:
+    return {(q.choices["left"][a]["en"], q.choices["right"][b]["en"]) for a, b in q.answer.items()}
+
+
+@pytest.mark.parametrize("seed", [0, 1, 7])
+def test_shuffled_letters_follow_their_choices(seed):
+    runner = quiz.QuizRunner(BANK, seed=seed)
+    moved = 0
+    for shown in runner.questions:
+        bank_q = BANK.get(shown.id)
+        if shown.form in ("single", "multi"):
+            right = [shown.answer] if shown.form == "single" else shown.answer
+            bank_right = [bank_q.answer] if bank_q.form == "single" else bank_q.answer
+            assert sorted(_texts(shown, right)) == sorted(_texts(bank_q, bank_right))  # the key followed its choice
+            assert shown._keys() == [chr(ord("a") + i) for i in range(len(shown.choices))]  # lettered as shown
+            for k in right:  # what the student reads beside a letter is what that letter is graded as
+                assert f"   {k}) {shown.choices[k]['en']}" in shown.text()
+            ex = runner._exercise(shown)
+            assert ex.check(shown.key(), quiet=True).correct
+            if shown.form == "single" and shown.answer != bank_q.answer:
+                moved += 1  # the bank's letter now names another choice: wrong
+                assert ex.check(bank_q.answer, quiet=True).status is Status.INCORRECT
+                assert ex.check(bank_q.choices[bank_q.answer]["en"], quiet=True).correct  # the text still is right
+        elif shown.form == "match":
+            assert _pairs(shown) == _pairs(bank_q)
+        elif shown.form == "order":
+            assert _texts(shown, shown.answer) == _texts(bank_q, bank_q.answer)
+        else:
+            assert shown == bank_q
+    assert moved >= len(BANK) // 10  # shuffling moved letters
+
+
+def test_shuffling_is_fixed_by_the_seed():
+    def letters(seed):
+        return [q.key() for q in quiz.QuizRunner(BANK, seed=seed).questions]
+    assert letters(3) == letters(3) and letters(3) != letters(4)
+    plain = quiz.QuizRunner(BANK, shuffle=False)
+    assert all(q is BANK.get(q.id) for q in plain.questions)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_every_letter_is_dealt_about_as_often(seed):
+    """A single-choice question's right letter is dealt, not drawn: among questions with n choices the letters'
+    counts differ by at most one, whatever the seed (drawn letters would favour one in some seeds)."""
+    for n_per_section in (None, 3):
+        runner = quiz.QuizRunner(BANK, seed=seed, n=n_per_section)
+        counts: dict[int, dict[str, int]] = {}
+        for q in runner.questions:
+            if q.form == "single":
+                per = counts.setdefault(len(q.choices), dict.fromkeys(q._keys(), 0))
+                per[q.answer] += 1
+        for per in counts.values():
+            assert max(per.values()) - min(per.values()) <= 1, (seed, n_per_section, counts)
+
+
+def test_the_runner_grades_the_question_it_shows():
+    runner = quiz.QuizRunner(BANK, seed=2)
+    q = runner.next(show=False)
+    assert runner.answer(q.key(), quiet=True).correct
+    runner.questions[0] = BANK.get(q.id)  # another object for the same id (a panel's test does this): graded as it
+    runner._pos = 0
+    assert runner.answer(runner.next(show=False).key(), quiet=True).correct
+
+
+# --- guessing ----------------------------------------------------------------------------------------------------
+
+
+def _over(table):
+    return table[table["score"] > quiz.GUESS_LIMIT][["strategy", "right", "answered", "score"]].to_dict("records")
+
+
+@pytest.mark.skipif(not REAL, reason="the course's question bank (lab_utils/data/quiz) is not there yet")
+@pytest.mark.parametrize("language", quiz.LANGUAGES)
+def test_no_fixed_strategy_passes_the_bank_as_written(language):
+    table = quiz.strategy_scores(BANK, language)
+    assert set(table["strategy"]) >= {"always a", "always b", "always c", "always d", "always the longest choice",
+                                      "the first two", "all of them", "pairs in listed order"}
+    assert (table["answered"] > 0).all()
+    assert not _over(table), _over(table)
+
+
+@pytest.mark.skipif(not REAL, reason="the course's question bank (lab_utils/data/quiz) is not there yet")
+@pytest.mark.parametrize("language", quiz.LANGUAGES)
+@pytest.mark.parametrize("seed", [0, 1, 2, 5, 11, 42])
+def test_no_fixed_strategy_passes_a_shuffled_quiz(seed, language):
+    table = quiz.strategy_scores(quiz.QuizRunner(BANK, seed=seed, language=language).questions, language)
+    assert not _over(table), _over(table)
+
+
+def test_the_strategy_check_can_fail():
+    """A bank whose key is always the first choice (as the course's once was) is caught."""
+    first = [q.reordered([q.answer] + [k for k in q.choices if k != q.answer]) if q.form == "single" else q
+             for q in BANK]
+    table = quiz.strategy_scores(first).set_index("strategy")
+    assert table.loc["always a", "score"] == 1.0 and table.loc["always b", "score"] == 0.0
+
+
+def test_the_strategies_command(capsys, monkeypatch):
+    code = quiz.main(["strategies", str(BANK_DIR), "--seed", "3"])
+    out = capsys.readouterr().out
+    assert "always the longest choice" in out and "seed 3" in out and "limit 35%" in out
+    assert code == (1 if "too guessable" in out else 0) and (code == 0 or not REAL)
+    assert quiz.main(["strategies", str(BANK_DIR), "--language", "zh"]) == code
+    monkeypatch.setattr(quiz, "GUESS_LIMIT", 0.0)  # every strategy that scores at all is now too much
+    assert quiz.main(["strategies", str(BANK_DIR)]) == 1 and "too guessable" in capsys.readouterr().out
 
 
 def test_sections_and_n_choose_questions():

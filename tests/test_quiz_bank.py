@@ -2,8 +2,9 @@
 
 Every section file validates against schema.json; ids are unique; every answer refers to keys that exist;
 every text is given in English and Simplified Chinese; every row of rows.yaml (SYLLABUS.md §1-§6) is
-covered by a question and every question's rows exist. The checks are also run on broken questions, so
-that they are seen to fail.
+covered by a question and every question's rows exist; no fixed way of answering ("always a", the longest
+choice, the first three) scores over 35 % of the bank as written. The checks are also run on broken
+questions, so that they are seen to fail.
 """
 
 from __future__ import annotations
@@ -326,6 +327,51 @@ def test_broken_question_fails_schema_and_text_checks():
     numeric = next(q for q in section["questions"] if q["form"] == "numeric")
     numeric["answer"]["rel_tol"] = 0.5
     assert schema_errors(section)
+
+
+# ---------------------------------------------------------------- guessing
+
+GUESS_LIMIT = 0.35  # as quiz.GUESS_LIMIT; literal here, where the bank is read as data only
+
+
+def _share(hits: list[bool]) -> float:
+    return sum(hits) / len(hits) if hits else 0.0
+
+
+def guess_scores(questions: list[dict]) -> dict[str, float]:
+    """How fixed ways of answering without reading score on the bank as written: for each, the share right of
+    the questions it answers (the key in file order, as a trainer printing the bank shows it)."""
+    singles = [q for q in questions if q["form"] == "single"]
+    multis = [q for q in questions if q["form"] == "multi"]
+    scores = {f"always {k}": _share([q["answer"] == k for q in singles]) for k in "abcd"}
+    for lang in ("en", "zh"):
+        for name, pick in (("longest", max), ("shortest", min)):
+            scores[f"always the {name} choice ({lang})"] = _share(
+                [pick(q["choices"], key=lambda k, q=q: len(q["choices"][k][lang])) == q["answer"] for q in singles])
+    keys = {q["id"]: list(q["choices"]) for q in multis}
+    for name, take in (("the first two", lambda ks: ks[:2]), ("the first three", lambda ks: ks[:3]),
+                       ("all but the last", lambda ks: ks[:-1]), ("all of them", lambda ks: ks),
+                       ("the last two", lambda ks: ks[-2:])):
+        scores[name] = _share([sorted(take(keys[q["id"]])) == sorted(q["answer"]) for q in multis])
+    scores["as listed (order)"] = _share([q["answer"] == list(q["choices"]) for q in questions if q["form"] == "order"])
+    scores["pairs in listed order (match)"] = _share(
+        [all(q["answer"].get(a) == b for a, b in zip(q["choices"]["left"], q["choices"]["right"], strict=False))
+         for q in questions if q["form"] == "match"])
+    return scores
+
+
+def test_no_fixed_guess_passes_the_bank():
+    scores = guess_scores(QUESTIONS)
+    over = {name: round(v, 3) for name, v in scores.items() if v > GUESS_LIMIT}
+    assert not over, f"answering without reading scores over {GUESS_LIMIT:.0%}: {over}"
+
+
+def test_the_guess_check_can_fail():
+    every_a = copy.deepcopy(QUESTIONS)
+    for q in every_a:
+        if q["form"] == "single":
+            q["answer"] = "a"
+    assert guess_scores(every_a)["always a"] == 1.0
 
 
 def test_uncovered_row_is_reported():

@@ -924,6 +924,13 @@ def _watchdog_repo() -> Path:
 _REPO: list[Path] = []
 
 
+def watched_server(http_port: int, grpc_port: int, metrics_port: int) -> Any:
+    """The real Triton server the watchdog watches, on fixed ports (its address survives a restart). The course's
+    tests grade wrong watchdogs against a stand-in process with the same ``start/stop/restart/alive/ready/pid``."""
+    return triton_server.TritonServer(_watchdog_repo(), http_port=http_port, grpc_port=grpc_port,
+                                      metrics_port=metrics_port, startup_timeout_s=_READY_WITHIN_S, stop_grace_s=0.2)
+
+
 class _Rig:
     """The check's Triton server (fixed ports, so its address survives a restart) and what a restart does in each
     phase: really restart it, or (``failing``) stop what is left and fail, as a start whose port is still taken."""
@@ -934,9 +941,7 @@ class _Rig:
             p = free_port()
             if p not in ports:
                 ports.append(p)
-        self.server = triton_server.TritonServer(
-            _watchdog_repo(), http_port=ports[0], grpc_port=ports[1], metrics_port=ports[2],
-            startup_timeout_s=_READY_WITHIN_S, stop_grace_s=0.2)
+        self.server = watched_server(*ports)
         self.http_url = f"http://127.0.0.1:{ports[0]}"
         self.failing = False
         self.calls: list[list[Any]] = []  # [monotonic time of the call, whether the restart worked (None: under way)]

@@ -13,11 +13,14 @@ question. ``NVLAB_QUIZ_DIR`` points the course at another bank (a trainer's own,
 first item out of place; then the explanation) or *correct*. Answers are read forgivingly: key case and spaces,
 ``"a,c"`` or ``["a", "c"]``, numbers as text (a trailing unit allowed), match as a dict or ``"a:1, b:2"``.
 
-**QuizRunner** draws questions by section with a fixed seed (the same order every run), one at a time with
-immediate feedback (``next()``, ``answer(x)``) or a section at once (``check(answers, section)``); ``score()`` per
-section and ``missed()`` to review. Blanks are never an exception: a quiz nobody answers scores 0, all "not
-attempted". ``glossary`` / ``write_glossary`` produce ``docs/glossary.md`` (generated: never edit it by hand);
-``stack_map`` is the course's map of the stack, every component linked to the lab that touched it.
+**QuizRunner** draws questions by section with a fixed seed (the same order every run) and shows their choices
+shuffled by that seed and lettered again: an answer is graded against the letters shown (the key follows its
+choice). One at a time with immediate feedback (``next()``, ``answer(x)``) or a section at once
+(``check(answers, section)``); ``score()`` per section and ``missed()`` to review. Blanks are never an exception: a
+quiz nobody answers scores 0, all "not attempted". ``strategy_scores`` says how fixed ways of answering without
+reading ("always a", "the longest choice", "all of them" ...) score; none may pass ``GUESS_LIMIT``.
+``glossary`` / ``write_glossary`` produce ``docs/glossary.md`` (generated: never edit it by hand); ``stack_map`` is
+the course's map of the stack, every component linked to the lab that touched it.
 
 Importing this module reads nothing; YAML and jsonschema are imported when a bank is loaded.
 """
@@ -29,10 +32,11 @@ import html
 import json
 import math
 import os
+import random
 import re
 import sys
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +50,7 @@ from lab_utils.procs import EnvError
 __all__ = [
     "BANK_DIR", "QUIZ_ENV", "FORMS", "LANGUAGES", "BankError", "Question", "Bank", "load_bank", "QuizRunner",
     "glossary", "glossary_markdown", "write_glossary", "GLOSSARY_PATH", "stack_map", "STACK",
+    "shuffled", "STRATEGIES", "GUESS_LIMIT", "strategy_scores",
 ]
 
 BANK_DIR = DATA_DIR / "quiz"
@@ -153,6 +158,28 @@ class Question:
             return dict(self.answer) if self.form == "match" else self.answer["value"]
         return self.answer
 
+    def reordered(self, order: Sequence[str] | None = None, left: Sequence[str] | None = None,
+                  right: Sequence[str] | None = None) -> Question:
+        """This question with its choices shown in ``order`` (bank keys; ``left``/``right`` for a match).
+
+        Keys that only name a place (``a, b, c …`` or ``1, 2, 3 …``) are given out again in the new order, and the
+        answer follows its choice: a student answering by letter is graded against the letters shown."""
+        if self.choices is None:
+            return self
+        if self.form == "match":
+            lblock, lmap = _arrange(self.choices["left"], left)
+            rblock, rmap = _arrange(self.choices["right"], right)
+            return replace(self, choices={"left": lblock, "right": rblock},
+                           answer={lmap[a]: rmap[b] for a, b in self.answer.items()})
+        block, rename = _arrange(self.choices, order)
+        if self.form == "single":
+            answer: Any = rename[self.answer]
+        elif self.form == "multi":  # in the order shown
+            answer = [rename[k] for k in rename if k in self.answer]
+        else:
+            answer = [rename[k] for k in self.answer]
+        return replace(self, choices=block, answer=answer)
+
     def answer_text(self, language: str = "en") -> str:
         """The right answer written out (keys and their text)."""
         lang = _lang(language)
@@ -207,6 +234,26 @@ class Question:
             solution_text=f"{_tr('answer', lang)}: {self.answer_text(lang)}\n{_tr('why', lang)}: "
                           f"{self.explanation[lang]}",
         )
+
+
+def _places(keys: Sequence[str]) -> list[str] | None:
+    """``keys`` in their place order when they only name a place (a permutation of ``a, b, c …`` or ``1, 2, 3 …``),
+    else ``None`` (keys that are words keep their names when the choices move)."""
+    n = len(keys)
+    for labels in ([chr(ord("a") + i) for i in range(n)], [str(i + 1) for i in range(n)]):
+        if sorted(keys) == sorted(labels):
+            return labels
+    return None
+
+
+def _arrange(block: Mapping[str, Any], order: Sequence[str] | None) -> tuple[dict[str, Any], dict[str, str]]:
+    """``block``'s choices in ``order`` (all of its keys; ``None``: as they are) and the new name of every key."""
+    keys = list(order) if order is not None else list(block)
+    if sorted(keys) != sorted(block):
+        raise ValueError(f"order {keys} is not an order of the keys {list(block)}")
+    labels = _places(keys)
+    rename = dict(zip(keys, labels, strict=True)) if labels else {k: k for k in keys}
+    return {rename[k]: block[k] for k in keys}, rename
 
 
 def _norm_key(value: Any) -> str:
@@ -583,9 +630,50 @@ def _draw(seed: int, qid: str) -> str:
     return hashlib.sha256(f"{seed}:{qid}".encode()).hexdigest()
 
 
+def _rng(seed: int, what: str) -> random.Random:
+    return random.Random(int(_draw(seed, what), 16))  # an int seed: the same sequence on every machine
+
+
+def shuffled(questions: Sequence[Question], seed: int) -> list[Question]:
+    """``questions`` with their choices in an order fixed by ``seed``, letters given out again (``reordered``).
+
+    Every order comes from a hash of seed and id, except that a single-choice question's right letter is dealt,
+    not drawn: questions with n choices take the letters of a shuffled ``a … n`` in turn, so every letter is right
+    about equally often. (Drawn letters put over 35 % of this bank's 60 on one letter in about 4 seeds of 10.)"""
+    dealt: dict[int, list[int]] = {}  # number of choices -> right places still to give out
+    rounds: dict[int, int] = {}
+    out = []
+    for q in questions:
+        rng = _rng(seed, f"choices:{q.id}")
+        if q.form == "match":
+            left, right = list(q.choices["left"]), list(q.choices["right"])
+            rng.shuffle(left)
+            rng.shuffle(right)
+            out.append(q.reordered(left=left, right=right))
+        elif q.form == "single":
+            others = [k for k in q.choices if k != q.answer]
+            rng.shuffle(others)
+            n = len(q.choices)
+            if not dealt.get(n):
+                rounds[n] = rounds.get(n, 0) + 1
+                dealt[n] = list(range(n))
+                _rng(seed, f"deal:{n}:{rounds[n]}").shuffle(dealt[n])
+            others.insert(dealt[n].pop(), q.answer)
+            out.append(q.reordered(others))
+        elif q.form in ("multi", "order"):
+            order = list(q.choices)
+            rng.shuffle(order)
+            out.append(q.reordered(order))
+        else:
+            out.append(q)
+    return out
+
+
 class QuizRunner:
     """Questions of ``sections`` (all by default), ``n`` per section (all by default), in an order fixed by
     ``seed`` (a hash of seed and id: the same on every machine); text and feedback in ``language`` ("en" or "zh").
+    The choices are shuffled by ``seed`` too (``shuffled``; ``shuffle=False`` shows the bank's order): the letters
+    shown are the letters graded, and ``key()`` gives them.
 
     One at a time: ``next()`` shows a question, ``answer(x)`` grades it at once (with the explanation). A section at
     a time: ``show(section)`` prints its questions, ``check(answers, section)`` grades a dict ``{id: answer}``.
@@ -594,7 +682,7 @@ class QuizRunner:
     """
 
     def __init__(self, bank: Bank, sections: Sequence[int] | None = None, n: int | None = None, seed: int = 0,
-                 language: str = "en") -> None:
+                 language: str = "en", shuffle: bool = True) -> None:
         self.bank = bank
         self.language = _lang(language)
         wanted = list(sections) if sections is not None else bank.sections
@@ -606,10 +694,12 @@ class QuizRunner:
         for s in wanted:
             pool = sorted(bank.section(s), key=lambda q: _draw(seed, q.id))
             self.questions += pool[:n] if n is not None else pool
+        if shuffle:
+            self.questions = shuffled(self.questions, seed)
         self.sections = wanted
         self.outcomes: dict[str, Outcome] = {}
         self.given: dict[str, Any] = {}
-        self._exercises: dict[str, Exercise] = {}
+        self._exercises: dict[str, tuple[Question, Exercise]] = {}
         self._pos = 0
         self._current: Question | None = None
 
@@ -652,7 +742,7 @@ class QuizRunner:
         return out
 
     def _grade(self, q: Question, value: Any) -> Outcome:
-        out = self._exercise(q.id).check(value, quiet=True)
+        out = self._exercise(q).check(value, quiet=True)
         self.outcomes[q.id] = out
         self.given[q.id] = value
         return out
@@ -697,16 +787,22 @@ class QuizRunner:
 
     def hint(self, qid: str) -> str:
         """The next hint of question ``qid``: its syllabus rows, then the lab that measured it."""
-        return self._exercise(qid).hint()
+        return self._exercise(self._question(qid)).hint()
 
     def solution(self, qid: str) -> str:
-        """The answer of question ``qid`` with its explanation."""
-        return self._exercise(qid).solution()
+        """The answer of question ``qid`` with its explanation (in the letters this quiz shows)."""
+        return self._exercise(self._question(qid)).solution()
 
-    def _exercise(self, qid: str) -> Exercise:
-        if qid not in self._exercises:
-            self._exercises[qid] = self.bank.get(qid).exercise(self.language, var=f"answers[{qid!r}]")
-        return self._exercises[qid]
+    def _question(self, qid: str) -> Question:
+        """Question ``qid`` as this quiz shows it (its choices in this seed's order), else as the bank has it."""
+        return next((q for q in self.questions if q.id == qid), None) or self.bank.get(qid)
+
+    def _exercise(self, q: Question) -> Exercise:
+        # Graded as shown: the exercise is the shown question's, made again if another object stands for the id.
+        held = self._exercises.get(q.id)
+        if held is None or held[0] is not q:
+            held = self._exercises[q.id] = (q, q.exercise(self.language, var=f"answers[{q.id!r}]"))
+        return held[1]
 
     # results
     def score(self) -> pd.DataFrame:
@@ -735,6 +831,64 @@ class QuizRunner:
                          "yours": None if is_blank(given) else given, "answer": q.answer_text(lang),
                          "why": q.explanation[lang], "lab": q.lab_text(lang)})
         return pd.DataFrame(rows, columns=["id", "section", "status", "yours", "answer", "why", "lab"])
+
+
+# --- guessing: can the review be passed without reading it? ------------------------------------------------------
+
+GUESS_LIMIT = 0.35  # the most any fixed way of answering may score, as a share of the questions it answers
+
+
+def _by_length(q: Question, lang: str, longest: bool = True) -> list[str]:
+    """The keys, longest choice text first (or shortest); a tie keeps the shown order."""
+    return sorted(q._keys(), key=lambda k: len(q._choice_text(k, lang)), reverse=longest)
+
+
+def _first(n: int) -> Any:
+    return lambda q, lang: q._keys()[:n]
+
+
+def _always(key: str) -> Any:
+    return lambda q, lang: key
+
+
+# A strategy answers the forms it names and leaves the others blank. Letters and places are those shown.
+STRATEGIES: dict[str, dict[str, Any]] = {
+    **{f"always {k}": {"single": _always(k)} for k in "abcd"},
+    "always the longest choice": {"single": lambda q, lang: _by_length(q, lang)[0]},
+    "always the shortest choice": {"single": lambda q, lang: _by_length(q, lang, longest=False)[0]},
+    "the first two": {"multi": _first(2)},
+    "the first three": {"multi": _first(3)},
+    "all but the last": {"multi": lambda q, lang: q._keys()[:-1]},
+    "all of them": {"multi": lambda q, lang: q._keys()},
+    "the two longest": {"multi": lambda q, lang: _by_length(q, lang)[:2]},
+    "the three longest": {"multi": lambda q, lang: _by_length(q, lang)[:3]},
+    "as listed": {"order": lambda q, lang: q._keys()},
+    "pairs in listed order": {"match": lambda q, lang: dict(zip(q._keys("left"), q._keys("right"), strict=False))},
+    "a, and the first three of several": {"single": _always("a"), "multi": _first(3)},
+}
+
+
+def strategy_scores(questions: Sequence[Question] | Bank, language: str = "en") -> pd.DataFrame:
+    """How each of ``STRATEGIES`` scores on ``questions`` (as shown: a bank's own order, or ``shuffled``): the
+    questions it answers, how many right, ``score`` (right / answered, held to ``GUESS_LIMIT``) and ``of_all``
+    (right / every question)."""
+    lang = _lang(language)
+    qs = list(questions)
+    rows = []
+    for name, forms in STRATEGIES.items():
+        answered = right = 0
+        for q in qs:
+            if q.form not in forms:
+                continue
+            answered += 1
+            try:
+                q.grade(forms[q.form](q, lang), lang)
+            except Wrong:
+                continue
+            right += 1
+        rows.append({"strategy": name, "forms": ", ".join(forms), "answered": answered, "right": right,
+                     "score": right / answered if answered else 0.0, "of_all": right / len(qs) if qs else 0.0})
+    return pd.DataFrame(rows, columns=["strategy", "forms", "answered", "right", "score", "of_all"])
 
 
 # --- the glossary ---------------------------------------------------------------------------------------------
@@ -862,21 +1016,55 @@ def stack_map(language: str = "en", open_layers: bool = False) -> StackMap:
     return StackMap("\n".join(parts))
 
 
+def _strategies(args: list[str]) -> int:
+    """Print ``strategy_scores`` for the bank as written and for the whole-bank quiz of ``--seed`` (as a student
+    sees it); 1 when any strategy scores over ``GUESS_LIMIT``."""
+    opts = {"--seed": "0", "--language": "en"}
+    rest = []
+    while args:
+        a = args.pop(0)
+        if a in opts and args:
+            opts[a] = args.pop(0)
+        else:
+            rest.append(a)
+    bank = load_bank(rest[0] if rest else None)
+    if not re.fullmatch(r"-?\d+", opts["--seed"]):
+        raise ValueError(f"--seed {opts['--seed']!r}: the seed is a whole number")
+    seed, lang = int(opts["--seed"]), _lang(opts["--language"])
+    worst = 0.0
+    for title, qs in (("in the bank's order", bank.questions),
+                      (f"shuffled, seed {seed}", QuizRunner(bank, seed=seed, language=lang).questions)):
+        table = strategy_scores(qs, lang)
+        worst = max(worst, float(table["score"].max()))
+        print(f"== {len(qs)} questions {title} ({lang}): share right of the questions each strategy answers ==")
+        print(table.to_string(index=False, formatters={"score": "{:.0%}".format, "of_all": "{:.0%}".format}))
+        print()
+    print(f"best strategy: {worst:.0%} (limit {GUESS_LIMIT:.0%}): {'too guessable' if worst > GUESS_LIMIT else 'ok'}")
+    return 1 if worst > GUESS_LIMIT else 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m lab_utils.exercises.quiz glossary [PATH]``: write the glossary; ``check``: validate the bank."""
+    """``python -m lab_utils.exercises.quiz glossary [PATH]``: write the glossary; ``check [FOLDER]``: validate the
+    bank; ``strategies [FOLDER] [--seed N] [--language zh]``: how fixed guesses score (exit 1 over the limit)."""
     args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] not in ("glossary", "check"):
-        print("usage: python -m lab_utils.exercises.quiz glossary [PATH] | check [FOLDER]", file=sys.stderr)
+    if not args or args[0] not in ("glossary", "check", "strategies"):
+        print("usage: python -m lab_utils.exercises.quiz glossary [PATH] | check [FOLDER] | "
+              "strategies [FOLDER] [--seed N] [--language en|zh]", file=sys.stderr)
         return 2
     try:
         if args[0] == "check":
             bank = load_bank(args[1] if len(args) > 1 else None)
             print(f"{len(bank)} questions in sections {bank.sections}: valid")
+        elif args[0] == "strategies":
+            return _strategies(args[1:])
         else:
             print(f"wrote {write_glossary(args[1] if len(args) > 1 else None)}")
     except BankError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
+    except ValueError as err:  # a --seed that is no number, a --language the bank lacks
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     return 0
 
 
