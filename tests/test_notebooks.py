@@ -197,3 +197,62 @@ def test_scrub_removes_ansi_machine_paths_and_papermill_paths(tmp_path):
     out = nbformat.read(p, as_version=4).cells[0].outputs
     assert out[0].text == "NVIDIA H200 at ./labs and /tmp/...\n" and out[1].data["text/plain"] == "ok OUT/results.json"
     assert out[2].text == "site-packages/torch/x.py:83: UserWarning\n"
+
+
+# --- scaffolding in the generated labs: hints, folded answers, the top of each lab --------------------------------
+
+
+def _built(path: Path):
+    return notebooks.build_lab(nbformat.read(path, as_version=4))
+
+
+@pytest.mark.parametrize("path", SOLUTIONS, ids=lambda p: p.stem)
+def test_every_check_is_followed_by_how_to_get_hints_and_the_hints_folded(path):
+    import importlib
+
+    lab = _built(path)
+    module = next(importlib.import_module(f"lab_utils.exercises.{m[1]}") for c in lab.cells if c.cell_type == "code"
+                  for m in notebooks.EXERCISES_IMPORT.finditer(c.source))
+    seen = []
+    for i, cell in enumerate(lab.cells):
+        if cell.cell_type != "code":
+            continue
+        names = list(dict.fromkeys(notebooks.CHECK_CALL.findall(cell.source)))
+        for below, name in zip(lab.cells[i + 1:i + 1 + len(names)], names, strict=True):  # right under the check
+            seen.append(name)
+            hints = getattr(module, name).hints
+            assert below.cell_type == "markdown" and f"`ex.{name}.hint()`" in below.source, (path.name, name)
+            assert f"`ex.{name}.solution()`" in below.source, below.source
+            assert below.source.count("<details><summary>Hint ") == len(hints) > 0, (path.name, name)
+            for k, hint in enumerate(hints, start=1):
+                assert f"<summary>Hint {k} of {len(hints)}</summary>\n\n{notebooks.markdown_text(hint)}\n\n" \
+                       "</details>" in below.source
+    assert seen, f"{path.name}: no exercise checks"
+
+
+def test_hints_are_escaped_for_markdown_and_keep_their_code_spans():
+    text = "2 * n**3 FLOPs; `a_b * c` stays code; <memory.total> / 1024; x_train[:512]; $5 & ~x | #1 \\d"
+    out = notebooks.markdown_text(text)
+    assert "`a_b * c`" in out and "2 \\* n\\*\\*3" in out and "\\<memory.total\\>" in out
+    assert "x\\_train\\[:512\\]" in out and "\\$5 \\& \\~x \\| \\#1 \\\\d" in out
+
+
+def test_answers_are_folded_after_an_attempt_cell(tmp_path):
+    nb = new_notebook(cells=[new_markdown_cell("## Check\n1. Q?\n<!-- BEGIN ANSWERS -->\n1. secret\n"
+                                               "<!-- END ANSWERS -->\n\n## Summary\nDone.", id="cyu")])
+    lab = notebooks.build_lab(nb)
+    assert [c.source for c in lab.cells] == [
+        "## Check\n1. Q?", notebooks.ATTEMPT_PLACEHOLDER,
+        "<details><summary>Answers</summary>\n\n1. secret\n\n</details>", "## Summary\nDone."]
+    assert [c.id for c in lab.cells] == ["cyu", "cyu-attempt", "cyu-answers", "cyu-after"]
+    for broken in ("Q\n<!-- BEGIN ANSWERS -->\nsecret", "Q\n<!-- END ANSWERS -->\nsecret"):
+        with pytest.raises(notebooks.NotebookError, match="do not pair up"):
+            notebooks.build_lab(new_notebook(cells=[new_markdown_cell(broken)]))
+
+
+def test_a_check_of_an_exercise_the_module_lacks_is_named():
+    nb = new_notebook(cells=[new_code_cell("from lab_utils.exercises import lab01 as ex"),
+                             new_code_cell("ex.q42.check(x)")])
+    with pytest.raises(notebooks.NotebookError, match="cell 1: ex.q42.check.*lab01 has no q42"):
+        notebooks.build_lab(nb)
+

@@ -4,6 +4,12 @@ In a solution, exercise code sits between ``# BEGIN SOLUTION`` and ``# END SOLUT
 replaces it with the lines marked ``# STUDENT: ...`` inside the block, or else with ``name = None`` for
 each name the block assigns, and strips every output. In markdown, text between
 ``<!-- BEGIN SOLUTION -->`` and ``<!-- END SOLUTION -->`` becomes a prompt for the student's answer.
+Text between ``<!-- BEGIN ANSWERS -->`` and ``<!-- END ANSWERS -->`` (the answers to a "check your
+understanding" section) becomes an attempt cell followed by the answers, folded (``<details>``).
+
+Under each exercise's check cell (``ex.q3.check(...)``) the lab gets a markdown cell naming ``ex.q3.hint()`` and
+``ex.q3.solution()``, with each hint folded. The hints are read from the exercise module the notebook imports
+(``from lab_utils.exercises import lab03 as ex``) when the lab is built, so they are the ones the checks give.
 """
 
 from __future__ import annotations
@@ -24,6 +30,10 @@ from lab_utils.course.catalog import lab_by_number, repo_root
 BEGIN, END, STUDENT = "# BEGIN SOLUTION", "# END SOLUTION", "# STUDENT:"
 MD_BLOCK = re.compile(r"<!-- BEGIN SOLUTION -->.*?<!-- END SOLUTION -->", re.S)
 MD_PLACEHOLDER = "*Your answer here.*"
+MD_ANSWERS = re.compile(r"<!-- BEGIN ANSWERS -->(.*?)<!-- END ANSWERS -->", re.S)
+ATTEMPT_PLACEHOLDER = "*Your answers here: double-click this cell to write them, then open the answers below.*"
+EXERCISES_IMPORT = re.compile(r"^from lab_utils\.exercises import (lab\d\d) as ex$", re.M)
+CHECK_CALL = re.compile(r"\bex\.(q\d+)\.check\(")
 CHECK_MARKER = "# NBVAL_CHECK_OUTPUT"  # cells whose stored outputs nbval compares
 RUN_ID_ENV = "NVLAB_RUN_ID"  # every process a run starts inherits it: how leftovers are found
 
@@ -89,14 +99,92 @@ def strip_solution(source: str, where: str = "cell") -> str:
     return "\n".join(out)
 
 
+_MD_SPECIAL = re.compile(r"([\\`*_\[\]<>#|$~&])")  # what would format, link, tag or typeset
+
+
+def markdown_text(text: str) -> str:
+    """Plain text (a hint) safe in markdown: spans in backticks stay code, other special characters are escaped."""
+    parts = re.split(r"(`[^`]*`)", text)
+    return "".join(p if p.startswith("`") and p.endswith("`") and len(p) > 1 else _MD_SPECIAL.sub(r"\\\1", p)
+                   for p in parts)
+
+
+def hint_markdown(name: str, exercise: Any) -> str:
+    """The markdown under an exercise's check: how to get a hint and the solution, then each hint folded."""
+    hints = list(getattr(exercise, "hints", ()) or ())
+    text = (f"**Stuck?** `ex.{name}.hint()` prints the next hint, `ex.{name}.solution()` the worked solution"
+            + (f"; the {'hint is' if len(hints) == 1 else f'{len(hints)} hints are'} also folded below, one at a "
+               "time." if hints else "."))
+    for k, hint in enumerate(hints, start=1):
+        text += (f"\n\n<details><summary>Hint {k} of {len(hints)}</summary>\n\n{markdown_text(hint)}\n\n"
+                 "</details>")
+    return text
+
+
+def _exercise_module(nb: Any) -> Any:
+    """The exercise module a notebook imports as ``ex``, or None (a notebook without exercises)."""
+    import importlib
+
+    found = next((m for c in nb.cells if c.cell_type == "code" for m in EXERCISES_IMPORT.finditer(c.source)), None)
+    if found is None:
+        return None
+    try:
+        return importlib.import_module(f"lab_utils.exercises.{found[1]}")
+    except Exception as err:  # the hints come from the module: without it the lab cannot be written
+        raise NotebookError(f"cannot import lab_utils.exercises.{found[1]} to write its hints ({err})") from None
+
+
+def _hint_cells(cell: Any, module: Any, where: str) -> list[Any]:
+    from nbformat.v4 import new_markdown_cell
+
+    cells = []
+    for name in dict.fromkeys(CHECK_CALL.findall(cell.source)):  # each exercise once, in the cell's order
+        exercise = getattr(module, name, None) if module is not None else None
+        if exercise is None:
+            owner = module.__name__ if module is not None else "no exercise module (import one as `ex`)"
+            raise NotebookError(f"{where}: ex.{name}.check(...) but {owner} has no {name}")
+        cells.append(new_markdown_cell(hint_markdown(name, exercise), id=f"{cell.id}-hint-{name}"[:64]))
+    return cells
+
+
+def _answer_cells(cell: Any, where: str) -> list[Any]:
+    """A markdown cell with an answers block, as the lab shows it: the text before, an attempt cell, the answers
+    folded, the text after."""
+    from nbformat.v4 import new_markdown_cell
+
+    out, rest, n = [], cell.source, 0
+    while (m := MD_ANSWERS.search(rest)) is not None:
+        before, rest = rest[: m.start()].strip("\n"), rest[m.end():]
+        suffix = f"-{n}" if n else ""
+        if before:
+            out.append(new_markdown_cell(before, id=cell.id if not out else f"{cell.id}-text{suffix}"[:64]))
+        out.append(new_markdown_cell(ATTEMPT_PLACEHOLDER, id=f"{cell.id}-attempt{suffix}"[:64]))
+        answers = m[1].strip("\n")
+        out.append(new_markdown_cell(f"<details><summary>Answers</summary>\n\n{answers}\n\n</details>",
+                                     id=f"{cell.id}-answers{suffix}"[:64]))
+        n += 1
+    if "ANSWERS -->" in rest:
+        raise NotebookError(f"{where}: '<!-- BEGIN ANSWERS -->' and '<!-- END ANSWERS -->' do not pair up")
+    if rest.strip("\n"):
+        out.append(new_markdown_cell(rest.strip("\n"), id=f"{cell.id}-after"[:64]))
+    for c in out:
+        c.metadata.update(cell.metadata)
+    return out
+
+
 def build_lab(solution: Any) -> Any:
-    """The student notebook (an ``nbformat`` node) for a solution notebook: placeholders, no outputs."""
+    """The student notebook (an ``nbformat`` node) for a solution notebook: placeholders, no outputs, hints under
+    each exercise's check and the understanding questions' answers folded after an attempt cell."""
     import copy
 
     nb = copy.deepcopy(solution)
+    module = _exercise_module(nb)
+    cells = []
     for i, cell in enumerate(nb.cells):
         where = f"cell {i}"
+        extra = []
         if cell.cell_type == "code":
+            extra = _hint_cells(cell, module, where)
             source = strip_solution(cell.source, where)
             # nbval's marker matters only in solutions (labs are not compared): keep it out of students' way
             cell.source = "\n".join(ln for ln in source.split("\n") if ln.strip() != CHECK_MARKER)
@@ -105,6 +193,12 @@ def build_lab(solution: Any) -> Any:
         elif cell.cell_type == "markdown":
             cell.source = MD_BLOCK.sub(MD_PLACEHOLDER, cell.source)
         cell.metadata.pop("execution", None)
+        if cell.cell_type == "markdown" and "ANSWERS -->" in cell.source:
+            cells.extend(_answer_cells(cell, where))
+        else:
+            cells.append(cell)
+        cells.extend(extra)
+    nb.cells = cells
     nb.metadata.pop("papermill", None)
     nb.metadata.get("language_info", {}).pop("version", None)
     return nb
