@@ -256,3 +256,54 @@ def test_a_check_of_an_exercise_the_module_lacks_is_named():
     with pytest.raises(notebooks.NotebookError, match="cell 1: ex.q42.check.*lab01 has no q42"):
         notebooks.build_lab(nb)
 
+
+def _understanding(nb) -> tuple[str, str]:
+    cell = next(c for c in nb.cells if c.cell_type == "markdown" and "## Check your understanding" in c.source)
+    text = cell.source.split("## Check your understanding", 1)[1]
+    questions, _, rest = text.partition("<!-- BEGIN ANSWERS -->")
+    return questions, rest.partition("<!-- END ANSWERS -->")[0]
+
+
+@pytest.mark.parametrize("path", SOLUTIONS, ids=lambda p: p.stem)
+def test_every_understanding_question_has_its_answer_folded_in_the_lab(path):
+    import re
+
+    questions, answers = _understanding(nbformat.read(path, as_version=4))
+    asked = re.findall(r"^(\d+)\. ", questions, re.M)
+    assert asked, f"{path.name}: no numbered questions under 'Check your understanding'"
+    assert answers, f"{path.name}: no <!-- BEGIN ANSWERS --> ... <!-- END ANSWERS --> block for its questions"
+    assert re.findall(r"^(\d+)\. ", answers, re.M) == asked, f"{path.name}: one answer per question, in order"
+    lab = _built(path)
+    folded = next(c for c in lab.cells if c.source.startswith("<details><summary>Answers</summary>"))
+    attempt = lab.cells[lab.cells.index(folded) - 1]
+    assert attempt.source == notebooks.ATTEMPT_PLACEHOLDER, path.name
+
+
+@pytest.mark.parametrize("path", SOLUTIONS, ids=lambda p: p.stem)
+def test_every_lab_states_prerequisites_time_and_hardware_at_its_top(path):
+    top = nbformat.read(path, as_version=4).cells[0]
+    assert top.cell_type == "markdown" and top.source.startswith("# Lab "), path.name
+    for label in ("**Prerequisites:**", "**Time:**", "**Hardware:**"):
+        assert label in top.source, f"{path.name}: the first cell has no {label} line"
+
+
+@pytest.mark.parametrize("path", SOLUTIONS, ids=lambda p: p.stem)
+def test_optional_sections_are_marked_one_way_and_hold_no_exercise(path):
+    import re
+
+    optional_level = None
+    for cell in nbformat.read(path, as_version=4).cells:
+        if cell.cell_type == "markdown":
+            for line in cell.source.split("\n"):
+                heading = re.match(r"^(#+) (.*)$", line)
+                if not heading:
+                    continue
+                level, title = len(heading[1]), heading[2]
+                if "optional" in title.lower():
+                    assert title.endswith(" (optional)"), f"{path.name}: write {title!r} as '... (optional)'"
+                if optional_level is not None and level <= optional_level:
+                    optional_level = None
+                if title.endswith(" (optional)"):
+                    optional_level = level
+        elif optional_level is not None:
+            assert not notebooks.CHECK_CALL.search(cell.source), f"{path.name}: an exercise in an optional section"
