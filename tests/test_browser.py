@@ -2,8 +2,8 @@
 Playwright through Debian's chromium. What papermill and nbval cannot see: the token page, JupyterLab opening the
 labs, lab 00 run from the page (no error output, the tier table and an HTML table rendered, a blank exercise "not
 attempted", one typed in "correct"), lab 01's roofline explorer answering its dtype control, a plot rendered as an
-image, no first-start pop-up, and layout basics at 1280 px. A broken copy of a lab and a missing token are shown to
-be caught.
+image, a folded hint under an exercise opened by a click, no first-start pop-up, and layout basics at 1280 px. A
+broken copy of a lab and a missing token are shown to be caught.
 
 A notebook runs from the Run menu only once its kernel is connected and idle: before that the toolbar already
 reads "idle" beside "No Kernel", and cells run then are silently dropped (why Run All once never started).
@@ -340,3 +340,29 @@ def test_lab01_roofline_explorer_answers_its_dtype_control(page, shots):
     expect(plot).to_have_count(1)
     expect(plot.first).not_to_have_attribute("src", plot_before, timeout=60_000)
     shot(page, shots, "08-lab01-explorer-bf16")
+
+
+# --- a hint folded under an exercise -----------------------------------------------------------------------------
+
+
+def test_a_folded_hint_opens_when_its_summary_is_clicked(page, shots):
+    """The generated lab's hints are closed ``<details>`` blocks under the check; a click on one shows its text."""
+    from playwright.sync_api import expect
+
+    from lab_utils.exercises import lab01
+
+    open_notebook(page, "01_cuda_timing.ipynb")
+    nb = _notebook(page)
+    hints = lab01.q1.hints
+    block = nb.locator(".jp-MarkdownOutput details").filter(
+        has=page.locator("summary", has_text=f"Hint 1 of {len(hints)}")).first
+    block.scroll_into_view_if_needed(timeout=60_000)
+    # the markdown escapes and code spans are gone once rendered: compare the words
+    words = " ".join(hints[0].replace("`", "").split())
+    text = block.get_by_text(words[:60])
+    expect(text).to_be_hidden()  # closed: the summary shows, the hint does not
+    assert nb.locator(".jp-MarkdownOutput", has_text="ex.q1.hint()").first.is_visible()
+    block.locator("summary").click()
+    expect(text).to_be_visible()
+    shot(page, shots, "09-lab01-hint-open")
+    assert " ".join(block.inner_text().split()).endswith(words)
