@@ -160,7 +160,7 @@ NIM_REORDERED = {"stream": True, "max_tokens": 128, "temperature": 0.2,
 
 CASES = [
     (lab09.q1, [kv_right, kv_right_float], [kv_no_factor_2, kv_bits, kv_one_layer, kv_kib, kv_constant, 131072]),
-    (lab09.q2, [2 * 80 * 8 * 128 * 2 * 8192 / 1e9, "2.68"],
+    (lab09.q2, [2 * 80 * 8 * 128 * 2 * 8192 / 1e9, "2.68", "2.68 GB", "2.5 GiB"],  # a named unit is read in it
      [2 * 80 * 64 * 128 * 2 * 8192 / 1e9, 80 * 8 * 128 * 2 * 8192 / 1e9, 2 * 80 * 8 * 128 * 2 * 8192 / 2**30]),
     (lab09.q3, [seq_right, seq_right_floordiv], [seq_gib, seq_no_reserve, seq_negative, seq_float, seq_per_token]),
     (lab09.q4, [waste_right, waste_right_list], [waste_floor, waste_swapped, waste_mean_of_fractions, waste_percent]),
@@ -196,6 +196,7 @@ def test_a_blank_function_is_not_attempted():
     (lab09.q1, kv_constant, "constant"),
     (lab09.q2, 2 * 80 * 64 * 128 * 2 * 8192 / 1e9, "KV heads"),
     (lab09.q2, 2 * 80 * 8 * 128 * 2 * 8192 / 2**30, "GiB"),
+    (lab09.q2, "2.5", "GiB"),  # a bare GiB figure is GB/GiB confusion, named as such
     (lab09.q3, seq_gib, "GiB"),
     (lab09.q3, seq_no_reserve, "kept back"),
     (lab09.q3, seq_negative, "never a negative"),

@@ -151,6 +151,16 @@ def test_runner_hint_and_solution(capsys):
     assert "Hint 1/2" in capsys.readouterr().out
 
 
+def test_an_answer_that_names_its_byte_unit_is_read_in_it():
+    kib = FIX.get("s2-kv-bytes").exercise()  # asks KiB: 128
+    for right in ("131072 bytes", "0.125 MiB", "128 kib", "131.072 kB"):
+        assert kib.check(right, quiet=True).correct, right
+    assert "GB where GiB" in _msg("s2-kv-bytes", 128 * 2**30 / 1e9)  # the GB/GiB slip is named
+    assert quiz.in_byte_unit("150.8 GB", "GiB") == pytest.approx(140.44, rel=1e-3)
+    assert quiz.in_byte_unit("150.8", "GiB") == "150.8" and quiz.in_byte_unit("3 s", "GiB") == "3 s"
+    assert quiz.in_byte_unit("150.8 GB", "ms") == "150.8 GB"  # not a byte question: left to the unit check
+
+
 def test_unknown_keys_are_named_not_crashed():
     assert "is not one of the choices" in _msg("s1-ceiling", "z")
     assert "is not one of the choices" in _msg("s3-nemo-parts", "a, q")

@@ -458,35 +458,48 @@ q3 = InventoryExercise(
 # --- q4: total memory in GiB -----------------------------------------------------------------------
 
 _MIB = 143771  # memory.total [MiB] in query-gpu.csv
-_GIB = _MIB / 1024  # 140.40 GiB; = 150.75 GB of 1e9 bytes
+_GIB = _MIB / 1024  # 140.40 GiB; = 150.75 GB of 1e9 bytes. The datasheet's 141 GB is 141e9 bytes (131.3 GiB).
+_q4_close = close_to(
+    _GIB,
+    rel=0.01,
+    reveal=False,
+    why="Take memory.total from query-gpu.csv (in MiB) and convert to GiB.",
+    slips={
+        1024.0: "that is the value in MiB, the CSV's unit; 1 GiB = 1024 MiB.",
+        2**30 / 1e9: "that is GB (1e9 bytes), not GiB (2**30 bytes = 1024 MiB): 143771 MiB is 150.8 GB but "
+                     "140.4 GiB. (The datasheet's '141 GB' is decimal too, 141e9 bytes: not the GiB figure, "
+                     "though 141 looks like 140.4.)",
+        1.024: "divide MiB by 1024, not 1000: 1 GiB = 1024 MiB.",
+        1 / 1024: "that is TiB; the question asks for GiB (1024 MiB).",
+        2.0**30: "that is bytes; the question asks for GiB (2**30 bytes).",
+        141e9 / 2**30 / _GIB: "that is the datasheet's 141 GB (141e9 bytes = 131.3 GiB); the question asks for "
+                              "what nvidia-smi reports, 143771 MiB, in GiB.",
+    },
+)
+
+
+def _grade_q4(value: Any) -> None:
+    from lab_utils.exercises.quiz import in_byte_unit  # imported here: lab 00 needs no pandas
+
+    _q4_close(in_byte_unit(value, "GiB"))  # "150.8 GB" says its unit: read in it
+
 
 q4 = Exercise(
     name="00.4 H200 memory in GiB",
     var="memory_gib",
-    grade=close_to(
-        _GIB,
-        rel=0.01,
-        reveal=False,
-        why="Take memory.total from query-gpu.csv (in MiB) and convert to GiB.",
-        slips={
-            1024.0: "that is the value in MiB, the CSV's unit; 1 GiB = 1024 MiB.",
-            2**30 / 1e9: "that is GB (1e9 bytes), not GiB (2**30 bytes = 1024 MiB): 143771 MiB is 150.8 GB but "
-                         "140.4 GiB. (The datasheet's '141 GB' is the GiB figure, rounded: not decimal GB.)",
-            1.024: "divide MiB by 1024, not 1000: 1 GiB = 1024 MiB.",
-            1 / 1024: "that is TiB; the question asks for GiB (1024 MiB).",
-            2.0**30: "that is bytes; the question asks for GiB (2**30 bytes).",
-        },
-    ),
+    grade=_grade_q4,
     hints=[
         "Open lab_utils/data/h200/query-gpu.csv; the header names each column's unit.",
         "memory.total is given in MiB (2**20 bytes). A GiB is 2**30 bytes, i.e. 1024 MiB.",
-        "memory_gib = <memory.total in MiB> / 1024. The datasheet's '141 GB' is this binary figure (140.4 GiB) "
-        "rounded and labelled GB; in decimal GB (1e9 bytes) the same memory is 150.8 GB.",
+        "memory_gib = <memory.total in MiB> / 1024. That is the binary figure, 140.4 GiB; in decimal GB (1e9 "
+        "bytes, the unit datasheets write) the same memory is 150.8 GB. The datasheet's '141 GB' is decimal: "
+        "141e9 bytes, not 141 GiB.",
     ],
     solution_text=(
         "memory_gib = 143771 / 1024   # 140.4 GiB\n"
-        "# The datasheet's '141 GB' is this binary figure, rounded: 143,771 MiB = 140.4 GiB. In decimal units\n"
-        "# the same memory is 143771 * 2**20 / 1e9 = 150.8 GB, so '141 GB' is GiB labelled GB, not decimal GB.\n"
+        "# 143,771 MiB = 140.4 GiB, the binary figure; in decimal units the same memory is\n"
+        "# 143771 * 2**20 / 1e9 = 150.8 GB. The datasheet's '141 GB' is decimal (141e9 bytes = 131.3 GiB):\n"
+        "# 141 looks like 140.4, but the two are in different units.\n"
         "# or with pandas:\n"
         "# df = pd.read_csv(path, skipinitialspace=True)\n"
         "# memory_gib = df['memory.total [MiB]'].str.split().str[0].astype(int)[0] / 1024"

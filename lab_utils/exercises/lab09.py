@@ -28,6 +28,7 @@ import torch
 
 from lab_utils.exercises import lab01
 from lab_utils.exercises.framework import CodeExercise, Exercise, Wrong, close_to, number, run_student
+from lab_utils.exercises.quiz import in_byte_unit
 from lab_utils.inference.llm import decode_attention as reference_decode_attention
 
 __all__ = [
@@ -135,20 +136,28 @@ q1 = CodeExercise(
 _LLAMA70B = {"layers": 80, "heads": 64, "kv_heads": 8, "head_dim": 128, "dtype_bytes": 2, "tokens": 8192}
 _KV_70B_GB = reference_kv_bytes_per_token(80, 8, 128, 2) * 8192 / 1e9  # 2.68 GB
 
+_q2_close = close_to(
+    _KV_70B_GB, rel=0.02, reveal=False,
+    why="2 (K, V) x 80 layers x 8 KV heads x 128 x 2 bytes x 8192 tokens, in GB (1e9 bytes).",
+    slips={
+        8.0: "8x: either the 64 attention heads instead of the 8 KV heads (GQA stores only KV heads), or bits "
+             "(16) where bytes (2) are meant.",
+        0.5: "half: every token stores a key and a value (the factor 2).",
+        1 / (GIB / 1e9): "that is GiB (2**30 bytes); the question asks for GB (1e9 bytes). (A text that names its "
+                         "unit, such as '... GiB', is read in that unit.)",
+        1e3: "1000x: that is MB; the question asks for GB.",
+        4.0: "4x: the 64 query heads instead of 8 KV heads, and K/V forgotten?",
+    })
+
+
+def _grade_q2(value: Any) -> None:
+    _q2_close(in_byte_unit(value, "GB"))  # "2.5 GiB" says its unit: read in it; a bare 2.5 is GiB taken for GB
+
+
 q2 = Exercise(
     name="09.2 KV cache of one Llama-3.1-70B sequence",
     var="kv_gb_70b",
-    grade=close_to(
-        _KV_70B_GB, rel=0.02, reveal=False,
-        why="2 (K, V) x 80 layers x 8 KV heads x 128 x 2 bytes x 8192 tokens, in GB (1e9 bytes).",
-        slips={
-            8.0: "8x: either the 64 attention heads instead of the 8 KV heads (GQA stores only KV heads), or bits "
-                 "(16) where bytes (2) are meant.",
-            0.5: "half: every token stores a key and a value (the factor 2).",
-            1 / (GIB / 1e9): "that is GiB (2**30 bytes); the question asks for GB (1e9 bytes).",
-            1e3: "1000x: that is MB; the question asks for GB.",
-            4.0: "4x: the 64 query heads instead of 8 KV heads, and K/V forgotten?",
-        }),
+    grade=_grade_q2,
     hints=[
         "Your kv_bytes_per_token with Llama-3.1-70B's shape, times the sequence length.",
         "80 layers, 8 KV heads (64 query heads share them: GQA), head_dim 128, bf16 = 2 bytes; 8192 tokens.",

@@ -11,7 +11,8 @@ question. ``NVLAB_QUIZ_DIR`` points the course at another bank (a trainer's own,
 **Grading** goes through the exercise framework: ``question.exercise("zh").check(answer)`` says *not attempted*
 (a blank), *incorrect* with why (for multi the missing and extra keys, for match the wrong pairs, for order the
 first item out of place; then the explanation) or *correct*. Answers are read forgivingly: key case and spaces,
-``"a,c"`` or ``["a", "c"]``, numbers as text (a trailing unit allowed), match as a dict or ``"a:1, b:2"``.
+``"a,c"`` or ``["a", "c"]``, numbers as text (a trailing unit allowed; a byte unit such as ``"150.8 GB"`` is
+converted to the one asked), match as a dict or ``"a:1, b:2"``.
 
 **QuizRunner** draws questions by section with a fixed seed (the same order every run) and shows their choices
 shuffled by that seed and lettered again: an answer is graded against the letters shown (the key follows its
@@ -50,7 +51,7 @@ from lab_utils.procs import EnvError
 __all__ = [
     "BANK_DIR", "QUIZ_ENV", "FORMS", "LANGUAGES", "BankError", "Question", "Bank", "load_bank", "QuizRunner",
     "glossary", "glossary_markdown", "write_glossary", "GLOSSARY_PATH", "stack_map", "STACK",
-    "shuffled", "STRATEGIES", "GUESS_LIMIT", "strategy_scores",
+    "shuffled", "BYTE_UNITS", "in_byte_unit", "STRATEGIES", "GUESS_LIMIT", "strategy_scores",
 ]
 
 BANK_DIR = DATA_DIR / "quiz"
@@ -326,9 +327,27 @@ def _grade_multi(q: Question, value: Any, lang: str) -> None:
 _NUMBER = re.compile(r"^\s*([-+]?(?:\d[\d_]*\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*(.*?)\s*$")
 
 
+# Byte units as tools write them: GB = 1e9 bytes (datasheets, nccl-tests' busbw), GiB = 2**30 bytes (nvidia-smi's
+# MiB is 2**20). Read case-insensitively: students write "gb" for GB.
+BYTE_UNITS = {"b": 1, "byte": 1, "bytes": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
+              "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def in_byte_unit(value: Any, unit: str) -> Any:
+    """``value`` as a number of ``unit`` when it is a text that names a byte unit of its own (``"150.8 GB"`` is
+    140.4 for ``unit="GiB"``): an answer that says its unit is read in it. Anything else comes back unchanged."""
+    if not isinstance(value, str) or unit.lower() not in BYTE_UNITS:
+        return value
+    m = _NUMBER.match(value.replace(",", ""))
+    if not m or m[2].lower() not in BYTE_UNITS:
+        return value
+    return float(m[1].replace("_", "")) * BYTE_UNITS[m[2].lower()] / BYTE_UNITS[unit.lower()]
+
+
 def _grade_numeric(q: Question, value: Any, lang: str) -> None:
     want = float(q.answer["value"])
     tol = float(q.answer["rel_tol"])
+    value = in_byte_unit(value, q.answer["unit"]["en"])
     if isinstance(value, str):
         m = _NUMBER.match(value.replace(",", ""))
         units = {normal_text(q.answer["unit"][lg]) for lg in LANGUAGES}
