@@ -55,6 +55,9 @@ from lab_utils.procs import die_with_parent, owned_tempdir
 BACKENDS = ("auto", "nccl", "gloo")
 # The group's collectives wait at least this long for a peer (a notebook's first NCCL call can take seconds).
 MIN_GROUP_TIMEOUT_S = 30.0
+# Starting the ranks (a new interpreter importing torch, joining the group) has its own limit: launch's timeout_s
+# counts from the moment every rank is ready to run fn, so a busy machine's slow start never eats into it.
+STARTUP_TIMEOUT_S = 180.0
 
 
 class WorkerError(RuntimeError):
@@ -241,6 +244,7 @@ def _worker(fn: Callable[..., Any], kwargs: dict[str, Any], rank: int, world: in
             device = f"cuda:{rank}" if backend == "nccl" else "cpu"
             ctx = WorkerContext(rank, world, rank, backend, device, events)
         ctx.rendezvous_ports = tuple(ports)
+        events.put(("ready", rank, None))
         try:
             result = fn(ctx, **kwargs)
         except BaseException:
@@ -351,10 +355,12 @@ def launch(fn: Callable[..., Any], nprocs: int, *, backend: str = "auto", kwargs
            rendezvous: int = 1) -> list[Any]:
     """Run ``fn(ctx, **kwargs)`` on ``nprocs`` ranks; returns each rank's result, indexed by rank.
 
+    ``timeout_s`` counts from when every rank is ready to run ``fn`` (starting them has ``STARTUP_TIMEOUT_S``).
     ``env`` adds variables for the workers (they inherit the parent's, ``NCCL_*`` included). A collective waits
     at most max(``timeout_s``, 30) seconds for a peer. ``group=False``: no group is started for ``fn``, which
     joins one itself from the torchrun-style environment (see the module doc); ``rendezvous`` stores are hosted
-    for it, one per group it starts in turn (their ports: ``ctx.rendezvous_ports``). Raises ``WorkerError``
+    for it, one per group it starts in turn (their ports: ``ctx.rendezvous_ports``); on gloo its ranks see no
+    GPU (``CUDA_VISIBLE_DEVICES=""`` unless ``env`` sets it), so they choose gloo too. Raises ``WorkerError``
     (rank and traceback) or ``WorkerTimeout`` (each rank's last status and stack); in every case all workers
     are stopped before it returns.
     """
@@ -376,6 +382,11 @@ def launch(fn: Callable[..., Any], nprocs: int, *, backend: str = "auto", kwargs
     events = ctx.Queue()
     child_env = dict(env or {})
     child_env.setdefault("NCCL_NVLS_ENABLE", os.environ.get("NCCL_NVLS_ENABLE", "0"))
+    if chosen == "gloo" and not group:
+        # A rank that joins its group itself picks its backend from torch.cuda.is_available(), as a torchrun
+        # script does: gloo ranks must find no GPU, or with fewer GPUs than ranks (one GPU, two ranks) they pick
+        # NCCL and ask for a GPU that is not there ("invalid device ordinal").
+        child_env.setdefault("CUDA_VISIBLE_DEVICES", "")
     results: dict[int, Any] = {}
     status = {r: "starting" for r in range(nprocs)}
     stack_dir = str(owned_tempdir("stacks"))
@@ -392,14 +403,16 @@ def launch(fn: Callable[..., Any], nprocs: int, *, backend: str = "auto", kwargs
             with _workers(procs):
                 for p in procs:
                     p.start()
-                deadline = time.monotonic() + timeout_s
+                ready: set[int] = set()
+                deadline = time.monotonic() + STARTUP_TIMEOUT_S  # then timeout_s, once every rank is ready
                 while len(results) < nprocs:
                     left = deadline - time.monotonic()
                     if left <= 0:
                         doing = "; ".join(f"rank {r}: {s}" for r, s in status.items() if r not in results)
                         stacks = {r: t for r, t in _stacks(procs, stack_files).items() if r not in results}
-                        raise WorkerTimeout(f"workers did not finish within {timeout_s:g} s ({doing}); "
-                                            "all were stopped", stacks)
+                        what = f"finish within {timeout_s:g} s" if len(ready) == nprocs else \
+                            f"start within {STARTUP_TIMEOUT_S:g} s"
+                        raise WorkerTimeout(f"workers did not {what} ({doing}); all were stopped", stacks)
                     try:
                         kind, rank, payload = events.get(timeout=min(left, 0.5))
                     except queue_mod.Empty:
@@ -409,7 +422,11 @@ def launch(fn: Callable[..., Any], nprocs: int, *, backend: str = "auto", kwargs
                             raise WorkerError(r, f"process exited with code {dead[0].exitcode} while {status[r]!r} "
                                                  "(killed, out of memory, or a crash in native code)") from None
                         continue
-                    if kind == "status":
+                    if kind == "ready":
+                        ready.add(rank)
+                        if len(ready) == nprocs:
+                            deadline = time.monotonic() + timeout_s
+                    elif kind == "status":
                         status[rank] = payload
                     elif kind == "done":
                         results[rank] = payload
