@@ -22,13 +22,65 @@ os.environ.setdefault("MPLBACKEND", "Agg")
 # A stopped kernel's children may take a moment to be reaped.
 LEFTOVER_GRACE_S = float(os.environ.get("NVLAB_LEFTOVER_GRACE_S", "10"))
 _WALL_S: list[tuple[str, float]] = []
-_LEFT_PATTERNS = [(Path(tempfile.gettempdir()), "nvlab-*"), (Path(tempfile.gettempdir()), "python_env_*"),
-                  (Path(tempfile.gettempdir()), "torchelastic_*"), (Path("/dev/shm"), "nvlab_triton_*")]
+# The session's own TMPDIR (made by the controller, inherited by the workers and everything they start): what the
+# course leaves there is this session's. Triton's python backend and shared memory use fixed places, checked as a
+# before/after difference, unless NVLAB_TMP_CHECK=own (a session nested in a test, beside other workers).
+_TMP_ENV = "NVLAB_TEST_TMPDIR"
+_OWN_PATTERNS = ["nvlab-*", "torchelastic_*"]
+_SHARED_PATTERNS = [(Path("/tmp"), "python_env_*"), (Path("/dev/shm"), "nvlab_triton_*")]
 _BEFORE: set[Path] = set()
+# Longest first, so that no worker starts a long notebook at the end (seconds measured on the 2-core CI machine);
+# everything else keeps its file order after these.
+_LONGEST_FIRST = ["solutions/08_mlops.ipynb", "solutions/07_service.ipynb", "solutions/05_monitoring.ipynb",
+                  "tests/test_notebooks.py", "tests/test_exercises_lab05.py", "tests/test_service.py",
+                  "solutions/04_triton.ipynb", "solutions/02_nccl_ddp.ipynb", "tests/test_exercises_lab02.py"]
 
 
 def _course_leftovers() -> set[Path]:
-    return {p for root, pattern in _LEFT_PATTERNS for p in root.glob(pattern)}
+    own = Path(os.environ[_TMP_ENV]) if _TMP_ENV in os.environ else Path(tempfile.gettempdir())
+    found = {p for pattern in _OWN_PATTERNS for p in own.glob(pattern)}
+    if os.environ.get("NVLAB_TMP_CHECK") != "own":
+        found |= {p for root, pattern in _SHARED_PATTERNS for p in root.glob(pattern)}
+    return found
+
+
+def pytest_addoption(parser):
+    parser.addoption("--all", action="store_true", dest="nvlab_all",
+                     help="also the nightly set (tests marked nightly: every generated lab, the PyPI wheelhouse)")
+
+
+def pytest_configure(config):
+    """The controller gives the session a TMPDIR of its own before the workers start (they inherit it)."""
+    if hasattr(config, "workerinput") or _TMP_ENV in os.environ:
+        return
+    root = tempfile.mkdtemp(prefix="pytest-nvlab-")
+    os.environ["TMPDIR"] = os.environ[_TMP_ENV] = root
+    tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+    config.add_cleanup(lambda: shutil.rmtree(root, ignore_errors=True))
+
+
+def _group(item) -> str:
+    """The xdist group of an item: its own xdist_group mark (a shared server), else its file (a notebook's cells
+    and a module's fixtures stay on one worker, in order)."""
+    mark = item.get_closest_marker("xdist_group")
+    return mark.args[0] if mark and mark.args else item.nodeid.split("::", 1)[0]
+
+
+def pytest_collection_modifyitems(config, items):
+    """Leave out the nightly set unless --all; group per file or shared server; the longest groups first."""
+    if not config.getoption("nvlab_all"):
+        nightly = [i for i in items if i.get_closest_marker("nightly")]
+        if nightly:
+            config.hook.pytest_deselected(items=nightly)
+            items[:] = [i for i in items if not i.get_closest_marker("nightly")]
+    for item in items:
+        if not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group(_group(item)))
+    rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
+    first_seen: dict[str, int] = {}
+    for i, item in enumerate(items):
+        first_seen.setdefault(_group(item), i)
+    items.sort(key=lambda it: (rank.get(_group(it), len(rank)), first_seen[_group(it)]))
 
 
 def pytest_sessionstart(session):

@@ -1,10 +1,13 @@
 """Single source (solutions -> labs) and notebook execution."""
 
+import ast
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -111,8 +114,83 @@ def test_leftover_processes_are_found(monkeypatch):
     assert notebooks.leftover_processes(run_id) == []
 
 
+def _top_level_names(tree: ast.Module) -> set[str]:
+    """Names a block of code binds at the notebook's top level (defs, classes, imports, assignment targets)."""
+    names: set[str] = set()
+    for stmt in tree.body:
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(stmt.name)
+        elif isinstance(stmt, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in stmt.names}
+        else:
+            names |= {n.id for n in ast.walk(stmt) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    return names
+
+
+def _reads(stmt: ast.stmt, names: set[str]) -> set[str]:
+    """Which of ``names`` one statement reads, outside ``.check(...)``'s arguments (a check of a blank says "not
+    attempted": the exercise harness proves that for every check) and not bound in the statement itself."""
+    local = {n.id for n in ast.walk(stmt) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    local |= {a.arg for a in ast.walk(stmt) if isinstance(a, ast.arg)}
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "check":
+            return visit(node.func)
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id in names - local:
+            found.add(node.id)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(stmt)
+    return found
+
+
+def student_name_reads(path: Path) -> list[tuple[int, str]]:
+    """(cell, name) wherever a generated lab's code reads, after the exercise that binds it, a name the student
+    writes (a top-level name bound between ``# BEGIN SOLUTION`` and ``# END SOLUTION``). Only such a lab can fail
+    on a student's blank in a cell other than a check: CI runs it every time; the others run in the nightly set."""
+    student: set[str] = set()
+    reads = []
+    for i, cell in enumerate(nbformat.read(path, as_version=4).cells):
+        if cell.cell_type != "code":
+            continue
+        source = "\n".join(ln for ln in cell.source.split("\n") if not ln.lstrip().startswith(("%", "!")))
+        lab = ast.parse(notebooks.strip_solution(source))
+        for stmt in lab.body:
+            reads += [(i, name) for name in sorted(_reads(stmt, student))]
+            student -= _top_level_names(ast.Module(body=[stmt], type_ignores=[]))  # rebound by the lab itself
+        blocks = re.findall(r"# BEGIN SOLUTION\n(.*?)# END SOLUTION", source, re.S)
+        student |= set().union(*(_top_level_names(ast.parse(textwrap.dedent(b))) for b in blocks))
+    return reads
+
+
+# The generated labs whose later cells read a name the student writes: executed on every CI run. Every other
+# generated lab differs from its solution (executed by nbval on every run) only by blanks its checks answer
+# "not attempted" to, and runs in the nightly set (`./course test --all`).
+EVERY_RUN = {"05_monitoring"}
+
+
+def test_every_run_set_is_the_labs_that_read_a_students_name():
+    found = {p.stem: reads for p in SOLUTIONS if (reads := student_name_reads(p))}
+    assert set(found) == EVERY_RUN, (
+        f"generated labs whose later cells read a student's name: {found}; EVERY_RUN lists {sorted(EVERY_RUN)}. "
+        "Add a new one to EVERY_RUN (its generated lab then runs in every CI run), or have the later cell use the "
+        "reference implementation")
+
+
+def test_a_later_read_of_a_students_name_is_found(tmp_path):
+    nb = new_notebook(cells=[
+        new_code_cell("# BEGIN SOLUTION\ndef f(x):\n    return x\n# STUDENT: def f(x):\n# STUDENT:     ...\n"
+                      "# END SOLUTION\nex.q1.check(f)"),
+        new_code_cell("g = f(2)"), new_code_cell("f = reference\nh = f(3)")])
+    nbformat.write(nb, tmp_path / "01_x.ipynb")
+    assert student_name_reads(tmp_path / "01_x.ipynb") == [(1, "f")]
+
+
 @pytest.mark.notebooks
-@pytest.mark.parametrize("path", SOLUTIONS, ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", [pytest.param(p, marks=() if p.stem in EVERY_RUN else pytest.mark.nightly)
+                                  for p in SOLUTIONS], ids=lambda p: p.stem)
 def test_generated_lab_executes_with_quick_parameters(path, tmp_path, record_property):
     """Every generated lab runs top to bottom with its blanks; nothing it started survives it.
 
@@ -140,7 +218,11 @@ def _nbval(tmp_path: Path, *sources: str) -> subprocess.CompletedProcess:
     nb = new_notebook(cells=[new_code_cell(s) for s in sources],
                       metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})
     nbformat.write(nb, tmp_path / "99_probe.ipynb")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "NVLAB_LEFTOVER_GRACE_S": "1"}
+    # its own TMPDIR, and no look at the machine-wide places: the other workers' servers are not its leftovers
+    own_tmp = tmp_path / "tmp"
+    own_tmp.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "NVLAB_TEST_TMPDIR"}
+    env.update(PYTHONPATH=str(ROOT), NVLAB_LEFTOVER_GRACE_S="1", TMPDIR=str(own_tmp), NVLAB_TMP_CHECK="own")
     return subprocess.run([sys.executable, "-m", "pytest", "-p", "conftest", "--nbval-lax", "-q", "-p",
                            "no:cacheprovider", "99_probe.ipynb"], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=180)

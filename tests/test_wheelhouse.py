@@ -176,6 +176,7 @@ def sh(cmd: str, **kw) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.network
+@pytest.mark.nightly
 def test_offline_install_from_a_fresh_wheelhouse(tmp_path):
     t0 = time.perf_counter()
     wh = tmp_path / "wheelhouse"
