@@ -18,6 +18,16 @@ returns why the check cannot run on this machine, or ``None``; then the outcome 
 tier*, which is neither a pass nor a failure. Code checks draw their inputs at random where a fixed input
 would let a constant pass.
 
+**Delegation.** A code answer must do the work, not hand it to the course's own implementation of it. ``REFERENCES``
+is the one registry: per code exercise, its reference implementations (the lab's ``reference_*`` and the library
+functions that do the same job, e.g. ``lab_utils.mlops.canary.decide``) and what to do instead. A check refuses,
+before anything runs, an answer that is one of them or reaches one: through its code and nested code, names it reads
+(``ex.reference_time_ms``, ``canary.decide``, a name imported inside the function), defaults, closures,
+``functools.partial`` and the student's own classes. While the check runs the student's code, those functions are
+traps for calls from the student's code (what the static walk cannot see: ``getattr`` with a built name, ``eval``);
+the check's own calls, and the package's helpers calling them, pass. Either way the outcome is one line naming the
+function and the fix. Other helpers of the package (timers, loaders) are not references and stay allowed.
+
 **Normalizers.** One answer written several ways is one answer: ``version`` ("13.0", "13.0.0", NVML's 13000),
 ``fraction`` ("85%") and ``choice`` (case, ``-``/``_``, synonyms; a whole answer, never a keyword inside a
 sentence) are the one place each is decided.
@@ -29,15 +39,21 @@ import contextlib
 import ctypes
 import dis
 import enum
+import functools
+import inspect
+import itertools
 import math
+import os
 import re
 import signal
 import sys
 import threading
 import time
 import traceback
+import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -99,6 +115,8 @@ def is_blank(value: Any) -> bool:
 
 
 def _short(value: Any, limit: int = 120) -> str:
+    if isinstance(value, functools.partial):
+        return f"functools.partial({_short(value.func)}, ...)"
     if callable(value) and hasattr(value, "__name__"):
         return f"<function {value.__name__}>"  # no address: outputs stay the same from run to run
     text = repr(value)
@@ -176,8 +194,24 @@ class CodeExercise(Exercise):
 
     signature: str = ""
     applicable: Callable[[], str | None] | None = None
+    lab: str = field(default="", init=False, repr=False)  # the module whose REFERENCES rows apply (the grader's)
+
+    def __post_init__(self) -> None:
+        self.lab = getattr(self.grade, "__module__", None) or ""
+
+    def refusal(self, value: Any) -> Outcome | None:
+        """*Incorrect* when ``value`` is, or reaches, a reference implementation of this exercise (found without
+        running it: ``REFERENCES``); None otherwise, and for a blank or a value that is not a function."""
+        if is_blank(value) or not callable(value):
+            return None
+        why = _delegation(value, _references_of(self.lab, self.var))
+        return Outcome(self.name, Status.INCORRECT, f"`{self.var}` = {_short(value)}: {why}") if why else None
 
     def _outcome(self, value: Any) -> Outcome:
+        # Refused first: a delegating answer is wrong on every machine, and nothing expensive has started yet.
+        refused = self.refusal(value)
+        if refused is not None:
+            return refused
         reason = self.applicable() if self.applicable is not None else None
         if reason:
             still = (f" (`{self.var}` is still blank: write it anyway, it runs where this check can)"
@@ -188,7 +222,18 @@ class CodeExercise(Exercise):
                            f"`{self.var}` = {_short(value)}: expected a function `{self.signature or self.var}`, "
                            f"got a {type(value).__name__}. Define it with `def` and pass the function itself "
                            "(its name, without parentheses).")
-        return super()._outcome(value)
+        if is_blank(value):
+            return super()._outcome(value)
+        with _Guard(_references_of(self.lab, self.var)) as guard:
+            try:
+                out = super()._outcome(value)
+            except ReferenceCalled:
+                if guard.refused is None:  # an enclosing check's trap: that check decides
+                    raise
+        if guard.refused is not None:
+            # However the grader took it (the student's code may even have caught the trap), the call is the verdict.
+            return Outcome(self.name, Status.INCORRECT, f"`{self.var}` = {_short(value)}: {guard.refused}")
+        return out
 
 
 # --- running the student's code --------------------------------------------------------------------
@@ -317,7 +362,8 @@ def run_student(
     Raises ``Wrong`` (never the student's exception) when it raises (the exception and the student's own
     line), when it has not returned after ``timeout_s`` (the line it was at), or when ``returns`` is given
     and the result is not an instance of it (``returns_text`` says what was expected). ``Wrong`` and
-    ``NotApplicable`` raised by a grader's callback inside the student's code pass through unchanged.
+    ``NotApplicable`` raised by a grader's callback inside the student's code pass through unchanged, and so does
+    ``ReferenceCalled`` (the student's code called a reference implementation: the check refuses it).
     ``call`` is how the call is shown in messages (default: built from ``what`` and the arguments).
     In the main thread the limit is a SIGALRM; elsewhere the function runs in a helper thread, which is
     interrupted (best effort) when it runs over.
@@ -371,6 +417,473 @@ def run_student(
         raise Wrong(f"{call} returned {_short(result)} ({type(result).__name__}){hint}; "
                     f"expected {returns_text or getattr(returns, '__name__', returns)}")
     return result
+
+
+# --- answers that hand the work to a reference implementation ------------------------------------------------
+
+
+@dataclass(frozen=True)
+class References:
+    """The course's implementations of one exercise's answer (dotted names), and what to do instead (``fix``)."""
+
+    fix: str
+    targets: tuple[str, ...]
+
+
+_LAB = "lab_utils.exercises."
+_GRPC_HTTP = ("lab_utils.serving.client.infer", "lab_utils.serving.repository.reference_mlp")
+
+# The one registry: "labNN.var" -> what an answer to that exercise may not call. The lab's reference_* (later cells
+# call them, so that a blank never stops a lab), and the library functions that do the same job. A public
+# reference_* of a lab that no row names is refused in every code exercise of its lab (with a generic fix). Other
+# helpers of the package are not here on purpose: a timer, a loader or a parser the lesson is not about. The value
+# exercises (07.1, 07.3, 08.6) have rows so that every public reference is accounted for, but a value cannot be
+# walked: only code answers are guarded.
+REFERENCES: dict[str, References] = {
+    "lab00.cuda_ceiling": References("find the 'CUDA Version' field in the banner yourself", (
+        f"{_LAB}lab00.reference_cuda_ceiling", "lab_utils.course.probe.parse_smi_header")),
+    "lab00.nvml_inventory": References("ask NVML (pynvml) for each GPU yourself", (
+        f"{_LAB}lab00.reference_nvml_inventory",)),
+    "lab00.smi_inventory": References("read the CSV yourself (csv.reader)", (
+        f"{_LAB}lab00.reference_smi_inventory", "lab_utils.course.probe.parse_smi_csv")),
+    "lab00.cuda_verdict": References("apply the compatibility rules yourself", (f"{_LAB}lab00.cuda_verdict",)),
+    "lab01.time_ms": References("write the timing loop yourself", (f"{_LAB}lab01.reference_time_ms",)),
+    "lab01.matmul_tflops": References("make the inputs, time a @ b with `timer` and count the FLOPs yourself", (
+        f"{_LAB}lab01.reference_matmul_tflops",)),
+    "lab01.copy_gbps": References("make the buffers, time the copy with `timer` and count the bytes yourself", (
+        f"{_LAB}lab01.reference_copy_gbps",)),
+    "lab01.replay_with_graph": References("capture the chain in a CUDA graph and replay it yourself", (
+        f"{_LAB}lab01.reference_replay_with_graph",)),
+    "lab02.busbw_factor": References("write each collective's factor yourself", (
+        f"{_LAB}lab02.reference_busbw_factor", "lab_utils.distributed.bandwidth.busbw_factor")),
+    "lab02.allreduce_bench": References("time the all_reduce calls and compute the bandwidths yourself", (
+        f"{_LAB}lab02.reference_allreduce_bench", "lab_utils.distributed.collectives.bare_allreduce_worker")),
+    "lab02.train_ddp": References("write the DDP setup and training step yourself", (
+        f"{_LAB}lab02.reference_train_ddp", f"{_LAB}lab02.reference_ddp_run",
+        "lab_utils.distributed.ddp.train_digits")),
+    "lab02.global_accuracy": References("all_reduce the counts and divide yourself", (
+        f"{_LAB}lab02.reference_global_accuracy",)),
+    "lab03.export_dynamic": References("call torch.onnx.export yourself", ("lab_utils.inference.onnx.export_onnx",)),
+    "lab03.ort_timed": References("build the SessionOptions and the session, and time session.run, yourself", (
+        "lab_utils.inference.onnx.ort_session", "lab_utils.inference.onnx.time_ort")),
+    "lab03.quantize_int8": References("call ModelOpt's quantize yourself", (
+        "lab_utils.inference.quantize.quantize_onnx",)),
+    "lab03.trt_build_and_run": References("build and run the engine with TensorRT's API yourself", (
+        "lab_utils.inference.tensorrt.build_plan", "lab_utils.inference.tensorrt.load_engine",
+        "lab_utils.inference.tensorrt.TrtRunner")),
+    "lab04.grpc_infer": References("send the request with tritonclient.grpc yourself", _GRPC_HTTP),
+    "lab04.http_infer": References("send the request with tritonclient.http yourself", _GRPC_HTTP),
+    "lab04.execute": References("gather the requests, run self.model once and split its answer yourself", (
+        "lab_utils.serving.backend.model.TritonPythonModel.execute",
+        "lab_utils.serving.backend.model.ExerciseModel.execute")),
+    "lab05.watchdog": References("write the poll, restart and back-off loop yourself", (
+        "lab_utils.monitoring.drills.Watchdog",)),
+    "lab06.profile_steps": References("run torch.profiler with the schedule yourself", (
+        f"{_LAB}lab06.reference_profile_steps",)),
+    "lab06.gpu_busy_fraction": References("take the union of the kernel intervals yourself", (
+        f"{_LAB}lab06.reference_gpu_busy_fraction", "lab_utils.profiling.trace.busy_fraction")),
+    "lab06.make_loader": References("build the DataLoader yourself", (f"{_LAB}lab06.reference_make_loader",)),
+    "lab06.train_loop": References("write the training loop yourself", (f"{_LAB}lab06.reference_train_loop",)),
+    "lab07.preprocess": References("decode, resize and normalize the images yourself", (
+        f"{_LAB}lab07.reference_preprocess",)),
+    "lab07.find_capacity": References("write the bisection over the rate yourself", (
+        f"{_LAB}lab07.reference_find_capacity",)),
+    "lab07.servers_needed": References("work out the number of servers yourself", (
+        f"{_LAB}lab07.reference_servers_needed",)),
+    "lab07.ensemble": References("write the ensemble's configuration yourself", (
+        f"{_LAB}lab07.reference_ensemble", "lab_utils.serving.ensemble.ensemble_config")),
+    "lab07.upstream_block": References("write the upstream block yourself", (f"{_LAB}lab07.reference_upstream",)),
+    "lab08.log_run": References("make the MLflow calls yourself", (
+        f"{_LAB}lab08.reference_log_run", "lab_utils.mlops.tracking.log_run")),
+    "lab08.canary_queries": References("write the PromQL yourself", (
+        f"{_LAB}lab08.reference_canary_queries", "lab_utils.mlops.canary.render_queries")),
+    "lab08.decide": References("write the canary's decision rules yourself", (
+        f"{_LAB}lab08.reference_decide", "lab_utils.mlops.canary.decide")),
+    "lab08.sample_size": References("compute the sample size from the z-test yourself", (
+        f"{_LAB}lab08.reference_sample_size", "lab_utils.mlops.abtest.sample_size")),
+    "lab08.psi": References("bin the values and sum the PSI terms yourself", (
+        f"{_LAB}lab08.reference_psi", "lab_utils.mlops.drift.psi")),
+    "lab08.ab_verdict": References("read the interval yourself", (f"{_LAB}lab08.reference_verdict",)),
+}
+
+
+class ReferenceCalled(BaseException):
+    """Raised in the student's code when it calls a reference implementation while its check runs (a
+    BaseException, so `except Exception` in the student's code cannot swallow it)."""
+
+
+@dataclass
+class _Refs:
+    """One exercise's references as a check sees them: names, and the objects of the modules loaded so far."""
+
+    fixes: dict[str, str]  # dotted name -> the fix
+    objects: dict[int, tuple[str, Any]] = field(default_factory=dict)  # id -> (dotted name, the object)
+    codes: dict[int, str] = field(default_factory=dict)  # id of a function's __code__ -> dotted name
+
+
+def _static_attr(obj: Any, name: str) -> Any:
+    """``obj.name`` without running the object's code (no property, no ``__getattr__``); None when unknown."""
+    if isinstance(obj, types.ModuleType):
+        found = obj.__dict__.get(name)
+        return found if found is not None else sys.modules.get(f"{obj.__name__}.{name}")
+    try:
+        found = inspect.getattr_static(obj, name)
+    except Exception:  # AttributeError, or an object too odd to inspect: unknown either way
+        return None
+    return found.__func__ if isinstance(found, (staticmethod, classmethod)) else found
+
+
+def _resolve(dotted: str) -> Any:
+    """The object a dotted name names, from the modules already imported (nothing is imported); None if unknown."""
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        obj = sys.modules.get(".".join(parts[:i]))
+        if obj is None:
+            continue
+        for name in parts[i:]:
+            obj = _static_attr(obj, name)
+            if obj is None:
+                return None
+        return obj
+    return None
+
+
+def _dotted(obj: Any) -> str | None:
+    """Where a module, function or class is defined, as a dotted name (``lab_utils.mlops.canary.decide``)."""
+    if isinstance(obj, types.ModuleType):
+        return obj.__name__
+    if isinstance(obj, types.MethodType):
+        obj = obj.__func__
+    if isinstance(obj, (types.FunctionType, type)):
+        module, qualname = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
+        if isinstance(module, str) and isinstance(qualname, str):
+            return f"{module}.{qualname}"
+    return None
+
+
+def _references_of(lab: str, var: str) -> _Refs:
+    """The references an answer to ``var`` of the lab module ``lab`` may not reach."""
+    short = lab.rpartition(".")[2]
+    row = REFERENCES.get(f"{short}.{var}")
+    fixes = dict.fromkeys(row.targets, row.fix) if row else {}
+    module = sys.modules.get(lab) if lab.startswith(_LAB) else None
+    if module is not None:  # a public reference_* that no row names: refused in every code exercise of its lab
+        named = {t for r in REFERENCES.values() for t in r.targets}
+        for name in getattr(module, "__all__", ()):
+            if name.startswith("reference_") and f"{lab}.{name}" not in named:
+                fixes[f"{lab}.{name}"] = f"write `{var}` yourself"
+    refs = _Refs(fixes)
+    for name in fixes:
+        obj = _resolve(name)
+        if obj is None:
+            continue
+        # By identity too: a re-export (lab02.busbw_factor is bandwidth's, drift.psi drift_stats') is one object.
+        refs.objects.setdefault(id(obj), (name, obj))
+        if isinstance(obj, types.FunctionType):
+            refs.codes[id(obj.__code__)] = name
+    return refs
+
+
+# --- the static walk: what the answer's code reaches, without running it
+
+_STACK_OPS = ("SWAP", "POP_TOP", "COPY", "ROT_TWO")  # between an import's IMPORT_FROMs and STOREs
+
+
+def _line_of(ins: dis.Instruction, last: int) -> int:
+    pos = getattr(ins, "positions", None)
+    if pos is not None and pos.lineno:
+        return int(pos.lineno)
+    start = ins.starts_line
+    return start if isinstance(start, int) and not isinstance(start, bool) else last
+
+
+def _name_chains(code: types.CodeType,
+                 aliases: dict[str, str] | None = None) -> Iterator[tuple[str, str, tuple[str, ...], int, str]]:
+    """(kind, root name, attributes, line, function) of every name a code object reads, followed by the attributes
+    read off it (``ex.reference_x`` is ("global", "ex", ("reference_x",), ...)); nested code objects included.
+    A name bound by an import inside the code is kind "import" with the module path as the root."""
+    aliases = dict(aliases or {})
+    consts: list[Any] = [None, None]  # the last two constants: an import's level and fromlist
+    imp: dict[str, Any] | None = None
+    chain: list[Any] | None = None
+    line = code.co_firstlineno
+    for ins in dis.get_instructions(code):
+        line = _line_of(ins, line)
+        op, arg = ins.opname, ins.argval
+        if op in ("LOAD_CONST", "LOAD_SMALL_INT"):
+            consts = [consts[1], arg]
+        if op == "IMPORT_NAME":
+            level, fromlist = consts
+            from_form = isinstance(fromlist, tuple)
+            base = arg if not level and isinstance(arg, str) and arg else None
+            imp = {"base": base, "from": from_form, "cur": base if from_form or base is None else base.split(".")[0]}
+            if base:
+                yield "import", base, (), line, code.co_name
+            chain = None
+            continue
+        if op == "IMPORT_FROM" and imp is not None and imp["base"]:
+            imp["cur"] = f"{imp['base'] if imp['from'] else imp['cur']}.{arg}"
+            if imp["from"]:
+                yield "import", imp["cur"], (), line, code.co_name
+            continue
+        if op.startswith("STORE_") and imp is not None and imp["base"] and isinstance(arg, str):
+            aliases[arg] = imp["cur"]
+            if not imp["from"]:
+                imp = None
+            continue
+        if op not in _STACK_OPS:
+            imp = None
+        if op in ("LOAD_GLOBAL", "LOAD_NAME", "LOAD_DEREF", "LOAD_CLASSDEREF") or (
+                op.startswith("LOAD_FAST") and isinstance(arg, str)):
+            kind = "import" if arg in aliases else "global" if op in ("LOAD_GLOBAL", "LOAD_NAME") else \
+                "deref" if "DEREF" in op else "fast"
+            chain = [kind, aliases.get(arg, arg), []]
+            yield kind, chain[1], (), line, code.co_name
+        elif op in ("LOAD_ATTR", "LOAD_METHOD") and chain is not None and isinstance(arg, str):
+            chain[2].append(arg)
+            yield chain[0], chain[1], tuple(chain[2]), line, code.co_name
+        else:
+            chain = None
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _name_chains(const, aliases)
+
+
+def _worth_walking(obj: Any) -> bool:
+    return callable(obj) or isinstance(obj, (list, tuple, set, frozenset, dict, staticmethod, classmethod))
+
+
+def _some(items: Any) -> list[Any]:
+    """The first items of a container worth walking: a table of functions is short, a data set is not one."""
+    return [v for v in itertools.islice(items, 64) if _worth_walking(v)]
+
+
+def _students_class(cls: type) -> bool:
+    return any(isinstance(v, types.FunctionType) and _is_students(v.__code__.co_filename) for v in vars(cls).values())
+
+
+def _where(line: int, function: str) -> str:
+    return str(StudentLine("", line, function, ""))
+
+
+class _Walk:
+    """Everything an answer reaches without running it, until a reference implementation turns up."""
+
+    def __init__(self, refs: _Refs):
+        self.refs = refs
+        self.seen: set[int] = set()
+        self.kept: list[Any] = []  # what was seen stays alive, so that no id is reused during the walk
+        self.todo: list[tuple[Any, str | None, str | None]] = []  # (object or None, dotted path, where)
+
+    def hit(self, obj: Any, path: str | None) -> str | None:
+        refs = self.refs
+        if path in refs.fixes:  # the name the student wrote, where it is a registered one
+            return path
+        if obj is not None:
+            own = _dotted(obj)
+            if own in refs.fixes:
+                return own
+            if id(obj) in refs.objects:
+                return refs.objects[id(obj)][0]
+            if isinstance(obj, types.FunctionType) and id(obj.__code__) in refs.codes:
+                return refs.codes[id(obj.__code__)]  # a copy of a reference (types.FunctionType(ref.__code__, ...))
+        return None
+
+    def find(self, value: Any) -> tuple[str, str | None, bool] | None:
+        """(the reference's dotted name, where the student's code reaches it, whether it is the answer itself)."""
+        name = self.hit(value, None)
+        if name:
+            return name, None, True
+        self.todo.append((value, None, None))
+        while self.todo:
+            obj, path, where = self.todo.pop()
+            name = self.hit(obj, path)
+            if name:
+                return name, where, False
+            if obj is None or id(obj) in self.seen:
+                continue
+            self.seen.add(id(obj))
+            self.kept.append(obj)
+            kids = list(self.children(obj, where))  # walk_code queues onto self.todo itself
+            self.todo.extend((child, None, at) for child, at in kids)
+        return None
+
+    def children(self, obj: Any, where: str | None) -> Iterator[tuple[Any, str | None]]:
+        if isinstance(obj, functools.partial):
+            yield from ((x, where) for x in (obj.func, *obj.args, *obj.keywords.values()) if _worth_walking(x))
+        elif isinstance(obj, (staticmethod, classmethod, types.MethodType)):
+            yield obj.__func__, where
+        elif isinstance(obj, types.FunctionType):
+            wrapped = obj.__dict__.get("__wrapped__")
+            if wrapped is not None:
+                yield wrapped, where
+            if _is_students(obj.__code__.co_filename):  # a library function is not walked into: it may use anything
+                self.walk_code(obj)
+        elif isinstance(obj, type):
+            if _students_class(obj):
+                yield from ((v, where) for v in vars(obj).values() if _worth_walking(v))
+                yield from ((base, where) for base in obj.__bases__)
+        elif isinstance(obj, dict):
+            yield from ((v, where) for v in _some(obj.values()))
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            yield from ((v, where) for v in _some(obj))
+        elif callable(obj) and _students_class(type(obj)):  # a callable object of the student's own class
+            yield type(obj), where
+            state = getattr(obj, "__dict__", None)
+            if isinstance(state, dict):
+                yield from ((v, where) for v in _some(state.values()))
+
+    def walk_code(self, fn: types.FunctionType) -> None:
+        """Queue what a student's function reads: names and their attribute chains, defaults, closures."""
+        glb = fn.__globals__
+        builtins = glb.get("__builtins__", {})
+        builtins = builtins if isinstance(builtins, dict) else vars(builtins)
+        cells: dict[str, Any] = {}
+        for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=False):
+            with contextlib.suppress(ValueError):  # an empty cell
+                cells[name] = cell.cell_contents
+        here = _where(fn.__code__.co_firstlineno, fn.__code__.co_name)
+        defaults = [*(fn.__defaults__ or ()), *(fn.__kwdefaults__ or {}).values(), *cells.values()]
+        self.todo.extend((v, None, here) for v in defaults if _worth_walking(v))
+        suffixes = list(self.refs.fixes)
+        for kind, root, attrs, line, function in _name_chains(fn.__code__):
+            at = _where(line, function)
+            if kind == "import":
+                obj, path = _resolve(root), root
+            elif kind == "global" and root in glb:
+                obj, path = glb[root], None
+            elif kind == "deref" and root in cells:
+                obj, path = cells[root], None
+            elif kind == "global" and root not in builtins and attrs:
+                # Unknown here (code that runs elsewhere, e.g. in Triton's python backend): match by the names only.
+                text = ".".join((root, *attrs))
+                match = next((s for s in suffixes if s.endswith("." + text)), None)
+                if match:
+                    self.todo.append((None, match, at))
+                continue
+            else:
+                continue
+            path = path or _dotted(obj)
+            for name in attrs:
+                obj = _static_attr(obj, name) if obj is not None else None
+                path = f"{path}.{name}" if path else None
+            if obj is not None and _worth_walking(obj) or path in self.refs.fixes:
+                self.todo.append((obj, path, at))
+
+
+def _delegation(value: Any, refs: _Refs) -> str | None:
+    """The one-line refusal of an answer that is, or reaches, one of ``refs``; None when it reaches none."""
+    if not refs.fixes:
+        return None
+    found = _Walk(refs).find(value)
+    if found is None:
+        return None
+    name, where, itself = found
+    fix = refs.fixes[name]
+    if itself:
+        return f"your answer is {name}: {fix}"
+    return f"your answer calls {name}" + (f" ({where})" if where else "") + f": {fix}"
+
+
+# --- the dynamic guard: references become traps for the student's code while its check runs
+
+_PACKAGE_DIR = str(Path(__file__).resolve().parents[1]) + os.sep  # lab_utils/
+
+
+@functools.lru_cache(maxsize=4096)
+def _in_package(filename: str) -> bool:
+    return not filename.startswith("<") and os.path.realpath(filename).startswith(_PACKAGE_DIR)
+
+
+def _students_caller(frame: types.FrameType | None) -> StudentLine | None:
+    """The student's line that called a reference, or None when this package's code did (a check, or a helper).
+    Frames of the standard library and installed packages are looked through (``map``, ``functools``)."""
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if _in_package(filename):
+            return None
+        if _is_students(filename):
+            return StudentLine(filename, frame.f_lineno, frame.f_code.co_name, "")
+        frame = frame.f_back
+    return None
+
+
+def _trap_body(*args: Any, **kwargs: Any) -> Any:
+    # This code object becomes a reference's __code__ while a check runs, so it runs with that module's globals:
+    # it reaches this module through the import system, not a name.
+    return __import__("lab_utils.exercises.framework", None, None, ["_sprung"])._sprung(args, kwargs)
+
+
+# id(trap code) -> (the trap code, the reference, a function running the reference's own code); made once per
+# reference and kept, so that a call already inside a trap when its check ends still finds its entry
+_TRAPS: dict[int, tuple[types.CodeType, types.FunctionType, Callable[..., Any]]] = {}
+_TRAP_OF: dict[int, types.CodeType] = {}  # id(a reference function) -> its trap code
+_GUARDS: list[_Guard] = []
+
+
+def _sprung(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A trapped reference was called: refuse when the student's code called it, else run the real one."""
+    trap = sys._getframe(1)
+    _, _, original = _TRAPS[id(trap.f_code)]
+    at = _students_caller(trap.f_back)
+    if at is not None:
+        owner = next((g for g in reversed(_GUARDS) if id(trap.f_code) in g.owned), None)
+        if owner is not None:
+            raise owner.refuse(owner.owned[id(trap.f_code)], at)
+    return original(*args, **kwargs)
+
+
+def _trap_for(fn: types.FunctionType) -> types.CodeType | None:
+    """The trap code for a reference function (made once), or None where one cannot replace its code."""
+    if fn.__closure__:  # the trap has no free variables, and a code object must match its function's closure
+        return None
+    if id(fn.__code__) in _TRAPS:  # already trapped by an enclosing check
+        return None
+    trap = _TRAP_OF.get(id(fn))
+    if trap is None:
+        original = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+        original.__kwdefaults__ = fn.__kwdefaults__
+        original.__qualname__ = fn.__qualname__
+        trap = _trap_body.__code__.replace(co_name=fn.__code__.co_name)
+        _TRAP_OF[id(fn)] = trap
+        _TRAPS[id(trap)] = (trap, fn, original)
+    return trap
+
+
+class _Guard:
+    """While one check grades: its references' code is a trap for calls from the student's code."""
+
+    def __init__(self, refs: _Refs):
+        self.refs = refs
+        self.refused: str | None = None
+        self.owned: dict[int, str] = {}  # id of a trap code this guard put in place -> the reference's name
+        self._undo: list[tuple[types.FunctionType, types.CodeType]] = []
+
+    def __enter__(self) -> _Guard:
+        _GUARDS.append(self)
+        for name, obj in self.refs.objects.values():  # a class is trapped at its __init__
+            fn = obj if isinstance(obj, types.FunctionType) else vars(obj).get("__init__") \
+                if isinstance(obj, type) else None
+            if not isinstance(fn, types.FunctionType):
+                continue
+            trap = _trap_for(fn)
+            if trap is None:
+                continue
+            self._undo.append((fn, fn.__code__))
+            self.owned[id(trap)] = name
+            fn.__code__ = trap
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for fn, code in reversed(self._undo):
+            fn.__code__ = code
+        _GUARDS.remove(self)
+
+    def refuse(self, name: str, at: StudentLine) -> ReferenceCalled:
+        fix = self.refs.fixes.get(name) or next(iter(self.refs.fixes.values()), "write it yourself")
+        message = f"your answer calls {name} ({_where(at.lineno, at.function)}): {fix}"
+        self.refused = self.refused or message
+        return ReferenceCalled(message)
 
 
 # --- grading building blocks -------------------------------------------------------------------
