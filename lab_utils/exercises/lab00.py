@@ -395,14 +395,18 @@ class InventoryExercise(CodeExercise):
     def check(self, nvml_inventory: Any = None, smi_inventory: Any = None, *, quiet: bool = False) -> Outcome:
         """Grade the inventory this machine can run: ``nvml_inventory`` with NVML, else ``smi_inventory``."""
         reason = nvml_unavailable()
-        if reason is None:
-            part = CodeExercise(self.name, "nvml_inventory", _grade_nvml_inventory,
-                                signature="nvml_inventory() -> list[dict]")
-            out = part._outcome(nvml_inventory)
+        nvml = CodeExercise(self.name, "nvml_inventory", _grade_nvml_inventory,
+                            signature="nvml_inventory() -> list[dict]")
+        smi = CodeExercise(self.name, "smi_inventory", _grade_smi_inventory,
+                           signature="smi_inventory(query_csv, smi_text) -> list[dict]")
+        # The part this machine does not grade is refused too when it only calls a reference implementation.
+        refused = nvml.refusal(nvml_inventory) or smi.refusal(smi_inventory)
+        if refused is not None:
+            out = refused
+        elif reason is None:
+            out = nvml._outcome(nvml_inventory)
         else:
-            part = CodeExercise(self.name, "smi_inventory", _grade_smi_inventory,
-                                signature="smi_inventory(query_csv, smi_text) -> list[dict]")
-            out = part._outcome(smi_inventory)
+            out = smi._outcome(smi_inventory)
             if not out.graded:
                 out.message += f" (No NVML here: {reason}. So this grades `smi_inventory`, on the H200 captures.)"
         if not quiet:
