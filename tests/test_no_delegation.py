@@ -1,0 +1,358 @@
+"""An answer that hands its work to a reference implementation is refused, in one line naming it and the fix.
+
+For every lab with code exercises (00-08) and every reference of ``framework.REFERENCES``: a wrapper that calls it,
+and the reference itself, are refused before the check does anything expensive (no server, no rank, no grader
+run); a call the static walk cannot see (a name built at run time) is refused while the check runs. The solution
+notebooks' ``# BEGIN SOLUTION`` code is never refused, and where its check is cheap it still passes.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import functools
+import importlib
+import json
+import linecache
+import re
+import time
+import types
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lab_utils.exercises.framework import REFERENCES, CodeExercise, Exercise, Outcome, Status
+
+LABS = ("00", "01", "02", "03", "04", "05", "06", "07", "08")
+MODULES = {lab: importlib.import_module(f"lab_utils.exercises.lab{lab}") for lab in LABS}
+SOLUTIONS = Path(__file__).resolve().parents[1] / "solutions"
+INVENTORY_PARTS = ("nvml_inventory", "smi_inventory")  # 00.3 grades one of two functions: InventoryExercise
+FAST_S = 1.0  # a refusal comes from reading the answer, not running it
+
+
+def exercise_of(lab: str, var: str) -> Exercise | None:
+    """The exercise of ``lab`` whose answer is ``var`` (00.3's two functions: q3)."""
+    module = MODULES[lab]
+    if var in INVENTORY_PARTS:
+        return module.q3
+    return next((e for k, e in vars(module).items() if isinstance(e, Exercise) and not k.startswith("_")
+                 and e.var == var), None)
+
+
+def is_code(lab: str, var: str) -> bool:
+    return isinstance(exercise_of(lab, var), CodeExercise)
+
+
+def check(lab: str, var: str, answer: Any) -> Outcome:
+    if var in INVENTORY_PARTS:
+        return MODULES[lab].q3.check(**{var: answer}, quiet=True)
+    return exercise_of(lab, var).check(answer, quiet=True)
+
+
+def must_not_run(*_: Any) -> None:
+    raise AssertionError("the grader ran: the refusal should have come first")
+
+
+def probe(lab: str, var: str) -> CodeExercise:
+    """A code exercise with ``var``'s references whose grader and applicability must never be consulted."""
+    part = CodeExercise(f"{lab} {var}", var, must_not_run, signature=f"{var}(...)", applicable=must_not_run)
+    part.lab = MODULES[lab].__name__
+    return part
+
+
+ROWS = [(key, row) for key, row in REFERENCES.items()]
+CODE_ROWS = [(key, row) for key, row in ROWS if is_code(key[3:5], key.partition(".")[2])]
+TARGETS = [(key, target, row.fix) for key, row in CODE_ROWS for target in row.targets]
+
+
+def split(target: str) -> tuple[types.ModuleType, list[str]]:
+    """The module a dotted name lives in (imported) and the attributes after it."""
+    parts = target.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        try:
+            return importlib.import_module(".".join(parts[:i])), parts[i:]
+        except ImportError:
+            continue
+    raise AssertionError(f"{target}: no importable module")
+
+
+def resolve(target: str) -> Any:
+    obj, attrs = split(target)
+    for name in attrs:
+        obj = getattr(obj, name)
+    return obj
+
+
+def student_function(source: str, name: str, namespace: dict[str, Any], filename: str = "<answer cell>") -> Any:
+    """``name`` defined by ``source`` as a notebook cell defines it (the source readable through linecache)."""
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    exec(compile(source, filename, "exec"), namespace)  # noqa: S102 (the test's own answer text)
+    return namespace[name]
+
+
+def wrapper(var: str, target: str) -> Callable[..., Any]:
+    """``def var(*args, **kwargs): return module.attr(*args, **kwargs)``: the wrapper a student might write."""
+    module, attrs = split(target)
+    source = f"def {var}(*args, **kwargs):\n    return lib.{'.'.join(attrs)}(*args, **kwargs)\n"
+    return student_function(source, var, {"lib": module})
+
+
+def one_line_refusal(out: Outcome, target: str, fix: str, verb: str = "calls") -> None:
+    text = str(out)
+    assert out.status is Status.INCORRECT, text
+    assert "\n" not in text, text
+    assert f"your answer {verb} {target}" in out.message, text
+    assert text.endswith(fix), text
+
+
+# --- the registry -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("lab", LABS)
+def test_every_public_reference_is_registered_and_resolves(lab):
+    module = MODULES[lab]
+    named = {t for row in REFERENCES.values() for t in row.targets}
+    public = [f"{module.__name__}.{n}" for n in module.__all__ if n.startswith("reference_")]
+    assert set(public) <= named, set(public) - named
+    for key, row in ROWS:
+        if key.startswith(f"lab{lab}."):
+            var = key.partition(".")[2]
+            assert exercise_of(lab, var) is not None, f"{key}: no exercise answers {var!r}"
+            assert row.fix and not row.fix.endswith("."), key
+            for target in row.targets:
+                assert callable(resolve(target)), target
+    if lab == "00":  # a reference without the reference_ prefix, called by the lab's later cells
+        assert f"{module.__name__}.cuda_verdict" in named
+
+
+@pytest.mark.parametrize("lab", LABS)
+def test_every_code_exercise_is_guarded(lab):
+    """Each code exercise of the lab has its row (04.2 and 04.8 have no reference implementation to call)."""
+    unguarded = {"deploy_model", "batch_and_queue"} if lab == "04" else set()
+    module = MODULES[lab]
+    for exercise in vars(module).values():
+        if not isinstance(exercise, CodeExercise) or exercise.var in unguarded:
+            continue
+        answers = INVENTORY_PARTS if lab == "00" and exercise is module.q3 else (exercise.var,)
+        for var in answers:
+            assert f"lab{lab}.{var}" in REFERENCES, (lab, var)
+
+
+# --- refused, before anything runs --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("key", "target", "fix"), TARGETS, ids=[f"{k}:{t.rpartition('.')[2]}" for k, t, _ in TARGETS])
+def test_a_wrapper_is_refused_at_once(key, target, fix):
+    lab, var = key[3:5], key.partition(".")[2]
+    answer = wrapper(var, target)
+    t0 = time.perf_counter()
+    out = check(lab, var, answer)
+    assert time.perf_counter() - t0 < FAST_S
+    one_line_refusal(out, target, fix)
+    assert "(line 2 of `" in out.message  # where the answer makes the call
+    # The refusal comes before the grader and before applicability (a server, ranks, a GPU): neither is consulted.
+    one_line_refusal(probe(lab, var).check(answer, quiet=True), target, fix)
+
+
+@pytest.mark.parametrize(("key", "target", "fix"), TARGETS, ids=[f"{k}:{t.rpartition('.')[2]}" for k, t, _ in TARGETS])
+def test_the_reference_itself_is_refused(key, target, fix):
+    lab, var = key[3:5], key.partition(".")[2]
+    ref = resolve(target)
+    # Named where it is defined when that name is registered too (ExerciseModel.execute is TritonPythonModel's).
+    own = f"{ref.__module__}.{ref.__qualname__}"
+    named = own if own in REFERENCES[key].targets else target
+    one_line_refusal(check(lab, var, ref), named, fix, verb="is")
+    one_line_refusal(probe(lab, var).check(functools.partial(ref), quiet=True), named, fix)
+
+
+def answer_cell(source: str, name: str, **names: Any) -> Any:
+    return student_function(source, name, dict(names))
+
+
+def test_every_way_of_reaching_a_reference_is_seen_without_running_it():
+    import lab_utils.exercises.lab00 as ex
+
+    fix = REFERENCES["lab00.cuda_verdict"].fix
+    target = "lab_utils.exercises.lab00.cuda_verdict"
+    answers = {
+        "an import inside": answer_cell(
+            "def f(a, b, c):\n    from lab_utils.exercises.lab00 import cuda_verdict as v\n    return v(a, b, c)\n",
+            "f"),
+        "a module imported inside": answer_cell(
+            "def f(a, b, c):\n    import lab_utils.exercises.lab00 as m\n    return m.cuda_verdict(a, b, c)\n", "f"),
+        "a default": answer_cell("def f(a, b, c, rule=ex.cuda_verdict):\n    return rule(a, b, c)\n", "f", ex=ex),
+        "a helper": answer_cell(
+            "def helper(*a):\n    return ex.cuda_verdict(*a)\n\ndef f(*a):\n    return helper(*a)\n", "f", ex=ex),
+        "a closure": answer_cell("def make(rule):\n    def f(*a):\n        return rule(*a)\n    return f\n",
+                                 "make")(ex.cuda_verdict),
+        "a lambda": answer_cell("f = lambda *a: ex.cuda_verdict(*a)\n", "f", ex=ex),
+        "a comprehension": answer_cell("def f(*a):\n    return [ex.cuda_verdict(*a) for _ in range(1)][0]\n", "f",
+                                       ex=ex),
+        "a callable object": answer_cell(
+            "class Rule:\n    def __call__(self, *a):\n        return ex.cuda_verdict(*a)\n\nf = Rule()\n", "f", ex=ex),
+        "a subclass's method": answer_cell(
+            "class Rule:\n    impl = staticmethod(ex.cuda_verdict)\n    def __call__(self, *a):\n"
+            "        return self.impl(*a)\n\nf = Rule()\n", "f", ex=ex),
+        "a table of functions": answer_cell("RULES = {'v': ex.cuda_verdict}\n\ndef f(*a):\n    return RULES['v'](*a)\n",
+                                            "f", ex=ex),
+        "a partial": functools.partial(ex.cuda_verdict),
+        "a copy of its code": types.FunctionType(ex.cuda_verdict.__code__, ex.__dict__, "f"),
+        "functools.wraps": functools.wraps(ex.cuda_verdict)(lambda *a: "compatible"),
+    }
+    for how, answer in answers.items():
+        t0 = time.perf_counter()
+        out = ex.q5.check(answer, quiet=True)
+        assert time.perf_counter() - t0 < FAST_S, how
+        assert out.status is Status.INCORRECT and target in out.message and out.message.endswith(fix), (how, str(out))
+
+
+def test_code_for_the_triton_stub_is_read_by_its_names():
+    # 04.6 runs in the server's python backend, where ExerciseModel is defined: the notebook has no such name.
+    answer = answer_cell("def execute(self, requests):\n    return ExerciseModel.execute(self, requests)\n", "execute")
+    out = MODULES["04"].q6.check(answer, quiet=True)
+    one_line_refusal(out, "lab_utils.serving.backend.model.ExerciseModel.execute", REFERENCES["lab04.execute"].fix)
+
+
+# --- refused while the check runs: what the static walk cannot see --------------------------------------------------
+
+# Exercises whose grader calls the answer early and cheaply, and a reference function of each.
+DYNAMIC = [
+    ("lab00.cuda_ceiling", "lab_utils.exercises.lab00.reference_cuda_ceiling"),
+    ("lab00.smi_inventory", "lab_utils.course.probe.parse_smi_csv"),
+    ("lab00.cuda_verdict", "lab_utils.exercises.lab00.cuda_verdict"),
+    ("lab01.time_ms", "lab_utils.exercises.lab01.reference_time_ms"),
+    ("lab02.busbw_factor", "lab_utils.distributed.bandwidth.busbw_factor"),
+    ("lab06.gpu_busy_fraction", "lab_utils.profiling.trace.busy_fraction"),
+    ("lab06.train_loop", "lab_utils.exercises.lab06.reference_train_loop"),
+    ("lab07.find_capacity", "lab_utils.exercises.lab07.reference_find_capacity"),
+    ("lab07.servers_needed", "lab_utils.exercises.lab07.reference_servers_needed"),
+    ("lab08.sample_size", "lab_utils.mlops.abtest.sample_size"),
+    ("lab08.psi", "lab_utils.exercises.lab08.reference_psi"),
+]
+
+HIDDEN = '''\
+import importlib
+
+
+def {var}(*args, **kwargs):
+    found = getattr(importlib.import_module("{module}"), "{head}" + "{tail}")  # a name no reader sees
+    {body}
+'''
+
+
+@pytest.mark.parametrize(("key", "target"), DYNAMIC, ids=[k for k, _ in DYNAMIC])
+def test_a_call_built_at_run_time_is_refused_while_the_check_runs(key, target):
+    lab, var = key[3:5], key.partition(".")[2]
+    fn = resolve(target)
+    module, attrs = split(target)
+    name = attrs[0]
+    before = fn.__code__
+    for body in ("return found(*args, **kwargs)",
+                 # caught by the student's own code: still refused, the call itself is the verdict
+                 "try:\n        return found(*args, **kwargs)\n    except BaseException:\n        return None"):
+        source = HIDDEN.format(var=var, module=module.__name__, head=name[:3], tail=name[3:], body=body)
+        answer = student_function(source, var, {})
+        assert probe(lab, var).refusal(answer) is None  # the walk cannot see it
+        t0 = time.perf_counter()
+        out = check(lab, var, answer)
+        assert time.perf_counter() - t0 < 2 * FAST_S
+        one_line_refusal(out, target, REFERENCES[key].fix)
+        assert f"of `{var}`)" in out.message  # the line of the call
+    assert fn.__code__ is before  # the trap is gone after the check
+
+
+def test_the_checks_own_calls_and_the_labs_calls_are_not_trapped():
+    ex = MODULES["00"]
+    before = ex.cuda_verdict.__code__
+    right = solution_functions("00")["cuda_verdict"]
+    out = ex.q5.check(right, quiet=True)  # the grader calls ex.cuda_verdict while the trap is set
+    assert out.correct, str(out)
+    assert ex.cuda_verdict.__code__ is before
+    assert ex.cuda_verdict("12.4", "12.8", False) == "minor-version compatibility"  # a later cell, no check running
+
+
+def test_another_exercises_reference_is_allowed():
+    # 00.3's smi_inventory may use the CUDA ceiling of 00.2: that lesson is done. Only 00.3's own references count.
+    ex = MODULES["00"]
+    solution = solution_functions("00")["smi_inventory"]
+    namespace = dict(solution.__globals__, cuda_ceiling=ex.reference_cuda_ceiling)
+    answer = types.FunctionType(solution.__code__, namespace, "smi_inventory")
+    assert probe("00", "smi_inventory").refusal(answer) is None
+    if ex.nvml_unavailable():  # graded here: the smi part
+        assert check("00", "smi_inventory", answer).correct
+
+
+# --- the solutions' code is never refused, and passes where its check is cheap ----------------------------------
+
+
+def _cell_tree(text: str) -> ast.Module | None:
+    lines = [ln for ln in text.splitlines() if not ln.lstrip().startswith(("%", "!"))]  # IPython magics
+    try:
+        return ast.parse("\n".join(lines))
+    except SyntaxError:
+        return None
+
+
+def _binds(node: ast.Import | ast.ImportFrom) -> set[str]:
+    return {(a.asname or a.name).split(".")[0] for a in node.names}
+
+
+@functools.cache
+def solution_functions(lab: str) -> dict[str, Callable[..., Any]]:
+    """The functions of the solution notebook's ``# BEGIN SOLUTION`` blocks, defined beside the notebook's imports
+    (only those the functions use), as a student's cells define them."""
+    path = next(SOLUTIONS.glob(f"{lab}_*.ipynb"))
+    cells = ["".join(c["source"]) for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"]
+    imports: list[ast.Import | ast.ImportFrom] = []
+    defs: list[ast.FunctionDef] = []
+    for text in cells:
+        tree = _cell_tree(text)
+        if tree is not None:
+            imports += [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+        for block in re.findall(r"# BEGIN SOLUTION\n(.*?)# END SOLUTION", text, re.S):
+            tree = _cell_tree(block)
+            assert tree is not None, f"{path.name}: a solution block does not parse"
+            imports += [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+            defs += [n for n in tree.body if isinstance(n, ast.FunctionDef)]
+    used = {n.id for d in defs for n in ast.walk(d) if isinstance(n, ast.Name)}
+    namespace: dict[str, Any] = {"__name__": f"solution_{lab}"}
+    for node in imports:
+        if _binds(node) & used:
+            exec(compile(ast.Module([node], []), "<solution imports>", "exec"), namespace)  # noqa: S102
+    source = "\n\n".join(ast.unparse(d) for d in defs) + "\n"
+    student_function(source, defs[0].name, namespace, filename=f"<solution {path.name}>")
+    return {d.name: namespace[d.name] for d in defs}
+
+
+@pytest.mark.parametrize(("key", "row"), CODE_ROWS, ids=[k for k, _ in CODE_ROWS])
+def test_the_solution_is_not_refused(key, row):
+    lab, var = key[3:5], key.partition(".")[2]
+    solution = solution_functions(lab).get(var)
+    assert solution is not None, f"no `def {var}` in the solution notebook of lab {lab}"
+    exercise = exercise_of(lab, var)
+    assert (probe(lab, var) if var in INVENTORY_PARTS else exercise).refusal(solution) is None
+
+
+# Checks that are cheap on a CPU with no server: the solution's code still passes them, traps set.
+CHEAP = ["lab00.cuda_ceiling", "lab00.smi_inventory", "lab00.cuda_verdict", "lab02.busbw_factor",
+         "lab04.batch_and_queue", "lab06.gpu_busy_fraction", "lab06.train_loop", "lab07.find_capacity",
+         "lab07.servers_needed", "lab08.sample_size", "lab08.psi"]
+
+
+@pytest.mark.parametrize("key", CHEAP)
+def test_the_solution_still_passes(key):
+    lab, var = key[3:5], key.partition(".")[2]
+    if var == "smi_inventory" and not MODULES[lab].nvml_unavailable():
+        pytest.skip("NVML works here: 00.3 grades nvml_inventory")
+    out = check(lab, var, solution_functions(lab)[var])
+    assert out.correct, str(out)
+
+
+def test_a_refused_check_leaves_the_exercise_as_it_was():
+    ex = MODULES["00"]
+    exercise = copy.copy(ex.q5)
+    assert check("00", "cuda_verdict", ex.cuda_verdict).status is Status.INCORRECT
+    assert exercise.lab == ex.q5.lab == ex.__name__
+    assert check("00", "cuda_verdict", solution_functions("00")["cuda_verdict"]).correct
