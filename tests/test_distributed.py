@@ -92,6 +92,20 @@ def test_workers_keep_the_parents_nccl_settings(monkeypatch):
     assert r0 == {"NCCL_DEBUG": "WARN", "NCCL_ALGO": "Ring", "NCCL_NVLS_ENABLE": "0"}
 
 
+def test_gloo_ranks_that_join_their_own_group_see_no_gpu(monkeypatch):
+    """A torchrun-style rank picks NCCL when torch.cuda.is_available(): on one GPU with two gloo ranks it would ask
+    for a second GPU. gloo ranks started with group=False find CUDA_VISIBLE_DEVICES empty; the launcher's own
+    groups and an explicit setting are left alone."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    names = {"names": ("CUDA_VISIBLE_DEVICES",)}
+    (own,) = d.launch(w.read_env, 1, backend="gloo", group=False, kwargs=names, timeout_s=120)
+    (made,) = d.launch(w.read_env, 1, backend="gloo", kwargs=names, timeout_s=120)
+    (told,) = d.launch(w.read_env, 1, backend="gloo", group=False, env={"CUDA_VISIBLE_DEVICES": "0"}, kwargs=names,
+                       timeout_s=120)
+    assert (own, made, told) == ({"CUDA_VISIBLE_DEVICES": ""}, {"CUDA_VISIBLE_DEVICES": None},
+                                 {"CUDA_VISIBLE_DEVICES": "0"})
+
+
 def test_the_rendezvous_port_is_bound_before_any_worker_starts():
     """launch hosts the workers' store on a port the OS picks while binding it: no window in which another
     process could take it, and it is closed when launch returns."""
