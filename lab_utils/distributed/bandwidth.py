@@ -26,6 +26,11 @@ _FACTOR_NAMES = (*COLLECTIVES, "reduce")
 
 KIB, MIB, GIB = 2**10, 2**20, 2**30
 
+# The sweeps' default sizes (``collectives.collective_sweep``, ``plan.lab_plan``): GPU sizes reach the >= 1 GiB
+# where NVLink busbw levels off (REFERENCE §1); CPU sizes keep a gloo sweep on a 2-core laptop to seconds.
+GPU_SIZES = (MIB, 4 * MIB, 16 * MIB, 64 * MIB, 256 * MIB, GIB, 2 * GIB)
+CPU_SIZES = (4 * KIB, 16 * KIB, 64 * KIB, 256 * KIB, MIB, 4 * MIB, 16 * MIB)
+
 # [H200 run] all_reduce busbw in GB/s, 2 GPUs over NV18, fp32, blocking torch.distributed loop
 # (REFERENCE §1): shown beside local numbers where there is no GPU.
 H200_ALLREDUCE_BUSBW_GBPS = {MIB: 21.6, 16 * MIB: 216.0, 256 * MIB: 298.0, GIB: 327.0, 2 * GIB: 338.0}

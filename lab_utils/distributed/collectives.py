@@ -28,7 +28,9 @@ import torch.distributed as dist
 from lab_utils.args import check_int
 from lab_utils.distributed.bandwidth import (
     COLLECTIVES,
+    CPU_SIZES,
     GIB,
+    GPU_SIZES,
     KIB,
     MIB,
     algbw_gbps,
@@ -43,11 +45,6 @@ from lab_utils.timing import benchmark, sync
 
 if TYPE_CHECKING:
     from lab_utils.course.probe import EnvReport
-
-# Defaults: GPU sizes reach the ≥ 1 GiB where NVLink busbw levels off (REFERENCE §1); CPU sizes keep a
-# gloo sweep on a 2-core laptop to seconds.
-GPU_SIZES = (MIB, 4 * MIB, 16 * MIB, 64 * MIB, 256 * MIB, GIB, 2 * GIB)
-CPU_SIZES = (4 * KIB, 16 * KIB, 64 * KIB, 256 * KIB, MIB, 4 * MIB, 16 * MIB)
 
 SWEEP_COLUMNS = [
     "collective", "size_bytes", "size_label", "n_ranks", "backend", "dtype", "status", "reason", "time_ms",

@@ -50,6 +50,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from lab_utils.distributed import ranks as ranks_mod
 from lab_utils.distributed.bandwidth import KIB, MIB, busbw_factor  # the one definition the lab's measurements use
+from lab_utils.distributed.plan import lab_plan
 from lab_utils.distributed.spawn import WorkerContext, WorkerError, WorkerTimeout, launch, torch_gpu_count
 from lab_utils.exercises.framework import (
     CodeExercise,
@@ -83,12 +84,10 @@ __all__ = [
 
 
 def grading_ranks() -> tuple[str, int]:
-    """(backend, ranks) the rank exercises run on: NCCL on every GPU where there are two or more, else 2 gloo
-    processes on the CPU."""
-    gpus = torch_gpu_count()
-    if gpus >= 2 and dist.is_available() and dist.is_nccl_available():
-        return "nccl", gpus
-    return "gloo", 2
+    """(backend, ranks) the rank exercises run on: the lab's own (``distributed.plan.lab_plan``), NCCL on every
+    GPU where there are two or more, else 2 gloo processes on the CPU (one GPU included)."""
+    plan = lab_plan(torch_gpu_count())
+    return plan.backend, plan.nprocs
 
 
 def _no_distributed() -> str | None:
