@@ -39,6 +39,8 @@ def test_one_gpu_runs_gloo_ranks_with_cpu_sizes(quick):
     assert (plan.backend, plan.nprocs, plan.on_gpus) == ("gloo", 2, False)
     assert max(plan.sweep_sizes_bytes) <= max(CPU_SIZES) and plan.compare_bytes == 4 * MIB
     assert plan.compare_iters == 10 and plan.sweep_warmup == 2
+    assert plan.one_gpu and "section 6" in plan.one_gpu_note
+    assert plan.one_gpu_sizes_bytes and plan.one_gpu_reps >= 5
 
 
 @pytest.mark.parametrize("quick", [True, False], ids=["quick", "full"])
@@ -50,13 +52,15 @@ def test_two_or_more_gpus_run_nccl_on_every_gpu_with_gpu_sizes(gpus, quick):
     assert plan.compare_bytes == GIB and plan.compare_iters == 20
     assert not quick or plan.sweep_sizes_bytes == (16 * MIB, 256 * MIB, GIB, 2 * GIB)
     assert quick or plan.sweep_sizes_bytes == GPU_SIZES
+    assert not plan.one_gpu and f"{gpus} GPUs" in plan.one_gpu_note
 
 
-def test_no_gpu_runs_gloo():
+def test_no_gpu_runs_gloo_and_skips_the_single_gpu_section():
     plan = lab_plan(0, True)
     assert (plan.backend, plan.nprocs) == ("gloo", 2)
     assert plan.sweep_sizes_bytes == (64 * 2**10, MIB, 4 * MIB) and plan.compare_bytes == 4 * MIB
     assert lab_plan(0, False).sweep_sizes_bytes == CPU_SIZES
+    assert not plan.one_gpu and "no GPU" in plan.one_gpu_note
 
 
 def test_sizes_follow_the_backend_not_the_gpu_count():
@@ -66,18 +70,21 @@ def test_sizes_follow_the_backend_not_the_gpu_count():
         assert max(plan.sweep_sizes_bytes) <= max(CPU_SIZES) and plan.compare_bytes <= 4 * MIB
     nccl = lab_plan(8, True, 2, nccl=True)  # fewer ranks than GPUs: NCCL on two of them
     assert (nccl.backend, nccl.nprocs, nccl.compare_bytes) == ("nccl", 2, GIB)
+    assert not lab_plan(1, True, nccl=False).one_gpu  # the single-GPU section needs NCCL
 
 
 @pytest.mark.parametrize("gpus", GPU_COUNTS)
 def test_the_plan_agrees_with_the_launchers_backend(gpus, monkeypatch):
     # The helpers check the backend they are given with spawn.choose_backend: with the GPU count faked, it
-    # must choose what the plan chose.
+    # must choose what the plan chose, for the plan's ranks and for one rank on one GPU.
     spawn = pytest.importorskip("lab_utils.distributed.spawn")
     monkeypatch.setattr(spawn, "torch_gpu_count", lambda: gpus)
     monkeypatch.setattr(spawn.dist, "is_nccl_available", lambda: True)
     plan = lab_plan(gpus, True, nccl=True)
     assert spawn.choose_backend(plan.nprocs) == plan.backend
     assert spawn.choose_backend(plan.nprocs, plan.backend) == plan.backend
+    if plan.one_gpu:
+        assert spawn.choose_backend(1, "nccl") == "nccl"
 
 
 def test_counts_and_the_digits_batch():
@@ -107,8 +114,8 @@ def test_bad_arguments_are_named(kwargs, match):
         lab_plan(**kwargs)
 
 
-def test_summary_says_ranks_and_backend():
-    assert lab_plan(1, True, nccl=True).summary() == "2 ranks with GLOO (CPU processes), quick sizes"
+def test_summary_says_ranks_backend_and_the_single_gpu_section():
+    assert lab_plan(1, True, nccl=True).summary().startswith("2 ranks with GLOO (CPU processes), quick sizes; one GPU")
     assert lab_plan(4, False, nccl=True).summary().startswith("4 ranks with NCCL (one GPU each), full sizes")
     assert lab_plan(2, True, nccl=True).as_dict()["backend"] == "nccl"
 
@@ -133,3 +140,4 @@ def test_the_solution_takes_every_gpu_dependent_choice_from_the_plan():
             continue
         assert not re.search(r"\b(gpus|quick)\b", src), src
         assert "compare_bytes =" not in src or "plan.compare_bytes" in src, src
+    assert "if plan.one_gpu:" in "\n".join(code)  # the single-GPU section asks the plan too

@@ -35,6 +35,13 @@ CPU_SIZES = (4 * KIB, 16 * KIB, 64 * KIB, 256 * KIB, MIB, 4 * MIB, 16 * MIB)
 # (REFERENCE §1): shown beside local numbers where there is no GPU.
 H200_ALLREDUCE_BUSBW_GBPS = {MIB: 21.6, 16 * MIB: 216.0, 256 * MIB: 298.0, GIB: 327.0, 2 * GIB: 338.0}
 
+# [H200 run] one rank alone on one H200 (NCCL 2.28.9, world size 1, fp32), ms per call, median of 20
+# (collectives.collective_sweep): the in-place all_reduce moves nothing, so its time is the call's fixed cost at
+# every size (a second run: 0.040 and 0.044 ms); all_gather copies into a second buffer, 1 GiB in 0.504 ms =
+# 2,128 GB/s (4.26 TB/s counting read and write).
+H200_ONE_RANK_MS = {("all_reduce", MIB): 0.035, ("all_reduce", GIB): 0.035,
+                    ("all_gather", MIB): 0.046, ("all_gather", GIB): 0.504}
+
 # NVLink 2, 3 and 4 each carry 25 GB/s per link per direction (H100/H200: 18 links = 450 GB/s);
 # NVLink 5 (Blackwell) doubles it.
 NVLINK_GBPS_PER_LINK = 25.0

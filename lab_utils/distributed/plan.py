@@ -3,7 +3,7 @@
 ``lab_plan(gpus, quick)`` decides everything in the lab that depends on the number of GPUs, and every cell reads
 the plan rather than testing the GPU count itself. Sizes follow the backend, not the GPU count: with one GPU the
 ranks are gloo CPU processes, so they get the CPU sizes, and the size the bare loop is compared at is always one
-of the sweep's sizes.
+of the sweep's sizes. The single-GPU section (NCCL and DDP on one rank) runs only where there is exactly one GPU.
 No torch: the plan is arithmetic on the GPU count, so a CPU test can fake any count. Units are in the names:
 ``_bytes`` bytes, ``_steps`` and ``_iters`` counts of steps and calls.
 """
@@ -23,6 +23,9 @@ QUICK_CPU_SIZES = (64 * KIB, MIB, 4 * MIB)
 # The bare loop's size: >= 1 GiB on GPUs (where per-call costs vanish), 4 MiB on gloo (seconds on 2 cores).
 GPU_COMPARE_BYTES = GIB
 CPU_COMPARE_BYTES = 4 * MIB
+# One rank on one GPU: from a size where the call's fixed cost dominates up to 1 GiB.
+ONE_GPU_SIZES = (64 * KIB, MIB, 16 * MIB, 256 * MIB, GIB)
+QUICK_ONE_GPU_SIZES = (MIB, 256 * MIB, GIB)
 DIGITS_BATCH = 64  # the digits runs' global batch, rounded up to a multiple of 2 × ranks
 FP32_BYTES = 4  # the sweeps' and the bare loop's dtype
 
@@ -55,6 +58,10 @@ class LabPlan:
     ddp_steps: int | None  # ResNet steps timed per run; None: ddp.throughput's default for the device
     ddp_warmup_steps: int | None
     overlap_repeats: int  # rounds over the bucket variants (each keeps its fastest)
+    one_gpu: bool  # the single-GPU section runs: exactly one GPU, and NCCL
+    one_gpu_sizes_bytes: tuple[int, ...]  # its one-rank NCCL sweep
+    one_gpu_reps: int  # timed calls per collective and size there
+    one_gpu_note: str  # why the single-GPU section runs, or why not
 
     def __post_init__(self) -> None:
         if self.backend not in ("nccl", "gloo"):
@@ -73,10 +80,10 @@ class LabPlan:
         return self.backend == "nccl"
 
     def summary(self) -> str:
-        """One line: ranks, backend, where they run, quick or full sizes."""
+        """One line: ranks, backend, where they run, and what the single-GPU section does."""
         where = "one GPU each" if self.on_gpus else "CPU processes"
         mode = "quick" if self.quick else "full"
-        return f"{self.nprocs} ranks with {self.backend.upper()} ({where}), {mode} sizes"
+        return f"{self.nprocs} ranks with {self.backend.upper()} ({where}), {mode} sizes; {self.one_gpu_note}"
 
     def as_dict(self) -> dict[str, object]:
         """The plan's fields by name (for a table or a record's note)."""
@@ -112,6 +119,15 @@ def lab_plan(gpus: int, quick: bool = False, nprocs: int | None = None, *, nccl:
     has_nccl = _nccl_here() if nccl is None else bool(nccl)
     backend = "nccl" if has_nccl and gpus >= nprocs else "gloo"
     gpu = backend == "nccl"
+    if gpus == 1 and has_nccl:
+        one_gpu, note = True, "one GPU: section 6 also runs NCCL and DDP on it alone"
+    elif gpus == 1:
+        one_gpu, note = False, "one GPU, but this torch has no NCCL: section 6 (one rank on the GPU) needs it"
+    elif gpus == 0:
+        one_gpu, note = False, "no GPU: section 6 (NCCL and DDP on one GPU) shows the H200 reference instead"
+    else:
+        one_gpu, note = False, (f"{gpus} GPUs: section 6 (one rank alone on one GPU) runs only where there is "
+                                "exactly one")
     if digits_epochs is None:
         digits_epochs = 2 if quick else 8
     digits_epochs = check_int(digits_epochs, "digits_epochs", where)
@@ -129,4 +145,8 @@ def lab_plan(gpus: int, quick: bool = False, nprocs: int | None = None, *, nccl:
         ddp_steps=4 if quick else None,
         ddp_warmup_steps=2 if quick else None,
         overlap_repeats=1 if quick else 2,
+        one_gpu=one_gpu,
+        one_gpu_sizes_bytes=QUICK_ONE_GPU_SIZES if quick else ONE_GPU_SIZES,
+        one_gpu_reps=5 if quick else 20,
+        one_gpu_note=note,
     )
