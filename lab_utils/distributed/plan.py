@@ -122,12 +122,11 @@ def lab_plan(gpus: int, quick: bool = False, nprocs: int | None = None, *, nccl:
     if gpus == 1 and has_nccl:
         one_gpu, note = True, "one GPU: section 6 also runs NCCL and DDP on it alone"
     elif gpus == 1:
-        one_gpu, note = False, "one GPU, but this torch has no NCCL: section 6 (one rank on the GPU) needs it"
+        one_gpu, note = False, "one GPU, but this torch has no NCCL: section 6 needs it, and shows one H200's numbers"
     elif gpus == 0:
-        one_gpu, note = False, "no GPU: section 6 (NCCL and DDP on one GPU) shows the H200 reference instead"
+        one_gpu, note = False, "no GPU here: section 6 needs exactly one, and shows one H200's numbers instead"
     else:
-        one_gpu, note = False, (f"{gpus} GPUs: section 6 (one rank alone on one GPU) runs only where there is "
-                                "exactly one")
+        one_gpu, note = False, f"{gpus} GPUs here: section 6 needs exactly one, and shows one H200's numbers instead"
     if digits_epochs is None:
         digits_epochs = 2 if quick else 8
     digits_epochs = check_int(digits_epochs, "digits_epochs", where)
