@@ -32,7 +32,7 @@ _BEFORE: set[Path] = set()
 # Longest first, so that no worker starts a long notebook at the end (seconds measured on the 2-core CI machine);
 # everything else keeps its file order after these.
 _LONGEST_FIRST = ["solutions/08_mlops.ipynb", "solutions/07_service.ipynb", "solutions/05_monitoring.ipynb",
-                  "tests/test_notebooks.py", "tests/test_exercises_lab05.py", "tests/test_service.py",
+                  "tests/test_notebooks.py", "tests/test_exercises_lab05.py", "service",
                   "solutions/04_triton.ipynb", "solutions/02_nccl_ddp.ipynb", "tests/test_exercises_lab02.py"]
 
 
@@ -59,28 +59,53 @@ def pytest_configure(config):
     config.add_cleanup(lambda: shutil.rmtree(root, ignore_errors=True))
 
 
-def _group(item) -> str:
-    """The xdist group of an item: its own xdist_group mark (a shared server), else its file (a notebook's cells
-    and a module's fixtures stay on one worker, in order)."""
-    mark = item.get_closest_marker("xdist_group")
-    return mark.args[0] if mark and mark.args else item.nodeid.split("::", 1)[0]
+# Servers several test files share, started once per session (the fixtures below): the files of a group run on one
+# worker, so the server starts once. Every other file is a group of its own (a notebook's cells and a module's
+# fixtures stay on one worker, in order).
+SHARED_GROUPS = {"tests/test_service.py": "service", "tests/test_exercises_lab07.py": "service"}
+
+
+def _group(nodeid: str) -> str:
+    file = nodeid.split("::", 1)[0]
+    return SHARED_GROUPS.get(file, file)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's file scheduling, with the shared-server groups above as one unit each."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class _Groups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _group(nodeid)
+
+    return _Groups(config, log)
 
 
 def pytest_collection_modifyitems(config, items):
-    """Leave out the nightly set unless --all; group per file or shared server; the longest groups first."""
+    """Leave out the nightly set unless --all; the longest groups first (xdist hands them out in this order)."""
     if not config.getoption("nvlab_all"):
         nightly = [i for i in items if i.get_closest_marker("nightly")]
         if nightly:
             config.hook.pytest_deselected(items=nightly)
             items[:] = [i for i in items if not i.get_closest_marker("nightly")]
-    for item in items:
-        if not item.get_closest_marker("xdist_group"):
-            item.add_marker(pytest.mark.xdist_group(_group(item)))
     rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
     first_seen: dict[str, int] = {}
     for i, item in enumerate(items):
-        first_seen.setdefault(_group(item), i)
-    items.sort(key=lambda it: (rank.get(_group(it), len(rank)), first_seen[_group(it)]))
+        first_seen.setdefault(_group(item.nodeid), i)
+    items.sort(key=lambda it: (rank.get(_group(it.nodeid), len(rank)), first_seen[_group(it.nodeid)]))
+
+
+@pytest.fixture(scope="session")
+def service_stack():
+    """Lab 07's service (two Triton servers behind nginx), started once for the files of the "service" group
+    (tests/test_service.py checks that every file using it is in the group)."""
+    from _triton import require_service
+
+    require_service()
+    from lab_utils.serving.service import Service
+
+    with Service(stop_grace_s=0.3) as s:
+        yield s
 
 
 def pytest_sessionstart(session):

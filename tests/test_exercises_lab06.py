@@ -111,7 +111,7 @@ def busy_steps_only(trace):
 
 
 def busy_percent(trace):
-    return 100 * lab06.reference_gpu_busy_fraction(trace)
+    return 100 * busy_right_with_helper_logic(trace)
 
 
 def loader_right_two_workers(dataset, batch_size, device):

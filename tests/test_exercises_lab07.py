@@ -10,21 +10,18 @@ import math
 import numpy as np
 import pytest
 from _exercise_harness import check, exercises_of, hint_and_solution_tests, standard_tests
-from _triton import require_service
 
 from lab_utils.exercises import lab07 as ex
 from lab_utils.exercises.framework import Exercise, Status
 from lab_utils.serving import nginx as nginx_mod
 
+# the service is conftest.py's, shared with the other file of its group (SHARED_GROUPS)
+
 
 @pytest.fixture(scope="module")
-def svc():
-    require_service()
-    from lab_utils.serving.service import Service
-
-    with Service(stop_grace_s=0.3) as s:
-        ex.use_service(s)
-        yield s
+def svc(service_stack):
+    ex.use_service(service_stack)
+    yield service_stack
     ex._BOUND.clear()
 
 

@@ -12,12 +12,12 @@ from statistics import NormalDist
 
 import numpy as np
 import pytest
-from _exercise_harness import check, exercises_of, hint_and_solution_tests, standard_tests
+from _exercise_harness import check, exercises_of, hint_and_solution_tests, solution_functions, standard_tests
 from _prometheus import require_prometheus
 
 from lab_utils.exercises import lab08 as ex
 from lab_utils.exercises.framework import Exercise, Status
-from lab_utils.mlops import abtest, canary, drift
+from lab_utils.mlops import abtest, canary
 from lab_utils.mlops import tracking as tr
 
 # --- fixtures ---------------------------------------------------------------------------------------------------
@@ -150,7 +150,8 @@ _M = 'model="digits_service"'
 
 def _queries(error_rate=None, p95=None, accuracy=None, window=None):
     def canary_queries(w):
-        q = ex.reference_canary_queries(window or w)
+        # the notebook's code: the delegation guard refuses a call of the reference
+        q = solution_functions("08")["canary_queries"](window or w)
         for key, v in (("error_rate", error_rate), ("p95_ms", p95), ("accuracy", accuracy)):
             if v is not None:
                 q[key] = v.replace("WINDOW", window or w)
@@ -172,8 +173,8 @@ def _increase_form(window):
 
 _OK = f"sum by (job) (rate(nv_inference_request_success{{{_M}}}[WINDOW]))"
 _FAIL = f"(sum by (job) (rate(nv_inference_request_failure{{{_M}}}[WINDOW])) or {_OK} * 0)"
-Q2_RIGHT = [ex.reference_canary_queries, _increase_form,
-            lambda w: {k: v for k, v in canary.render_queries(w).items() if k in ("error_rate", "p95_ms", "accuracy")}]
+# (a wrapper of canary.render_queries is refused by the delegation guard: tests/test_no_delegation.py)
+Q2_RIGHT = [ex.reference_canary_queries, _increase_form]
 Q2_WRONG = [
     (_queries(error_rate=f"{_FAIL} / {_OK}"), "failures / successes"),
     (_queries(error_rate=f"sum by (job) (rate(nv_inference_request_failure{{{_M}}}[WINDOW])) / ({_OK} + "
@@ -300,8 +301,7 @@ def _ss(**kw):
     return sample_size
 
 
-Q4_RIGHT = [ex.reference_sample_size, _sample_size_unpooled,
-            lambda p_a, p_b, alpha=0.05, power=0.8: abtest.sample_size(p_a, p_b, alpha=alpha, power=power)]
+Q4_RIGHT = [ex.reference_sample_size, _sample_size_unpooled]
 Q4_WRONG = [(_ss(one_sided=True), "one-sided"), (_ss(total=True), "both groups"), (_ss(float=True), "whole"),
             (_ss(floor=True), "rounded down"), (_ss(no_sqrt=True), "square root"), (_ss(power_z=True), "1 - power")]
 
@@ -346,7 +346,7 @@ def _psi_closed(reference, current, bins=10):
     return float(np.sum((c - r) * np.log(c / r)))
 
 
-Q5_RIGHT = [ex.reference_psi, _psi_histogram, lambda reference, current, bins=10: drift.psi(reference, current, bins)]
+Q5_RIGHT = [ex.reference_psi, _psi_histogram]
 Q5_WRONG = [(_psi(cur_edges=True), "current sample's quantiles"), (_psi(no_eps=True), "epsilon"),
             (_psi(counts=True), "counts, not shares"), (_psi(kl=True), "KL"), (_psi(neg=True), "negative"),
             (_psi_closed, "open-ended")]

@@ -8,26 +8,21 @@ notebooks' ``# BEGIN SOLUTION`` code is never refused, and where its check is ch
 
 from __future__ import annotations
 
-import ast
 import copy
 import functools
 import importlib
-import json
-import linecache
-import re
 import time
 import types
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
+from _exercise_harness import solution_functions, student_function
 
 from lab_utils.exercises.framework import REFERENCES, CodeExercise, Exercise, Outcome, Status
 
 LABS = ("00", "01", "02", "03", "04", "05", "06", "07", "08")
 MODULES = {lab: importlib.import_module(f"lab_utils.exercises.lab{lab}") for lab in LABS}
-SOLUTIONS = Path(__file__).resolve().parents[1] / "solutions"
 INVENTORY_PARTS = ("nvml_inventory", "smi_inventory")  # 00.3 grades one of two functions: InventoryExercise
 FAST_S = 1.0  # a refusal comes from reading the answer, not running it
 
@@ -83,13 +78,6 @@ def resolve(target: str) -> Any:
     for name in attrs:
         obj = getattr(obj, name)
     return obj
-
-
-def student_function(source: str, name: str, namespace: dict[str, Any], filename: str = "<answer cell>") -> Any:
-    """``name`` defined by ``source`` as a notebook cell defines it (the source readable through linecache)."""
-    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-    exec(compile(source, filename, "exec"), namespace)  # noqa: S102 (the test's own answer text)
-    return namespace[name]
 
 
 def wrapper(var: str, target: str) -> Callable[..., Any]:
@@ -285,45 +273,6 @@ def test_another_exercises_reference_is_allowed():
 
 
 # --- the solutions' code is never refused, and passes where its check is cheap ----------------------------------
-
-
-def _cell_tree(text: str) -> ast.Module | None:
-    lines = [ln for ln in text.splitlines() if not ln.lstrip().startswith(("%", "!"))]  # IPython magics
-    try:
-        return ast.parse("\n".join(lines))
-    except SyntaxError:
-        return None
-
-
-def _binds(node: ast.Import | ast.ImportFrom) -> set[str]:
-    return {(a.asname or a.name).split(".")[0] for a in node.names}
-
-
-@functools.cache
-def solution_functions(lab: str) -> dict[str, Callable[..., Any]]:
-    """The functions of the solution notebook's ``# BEGIN SOLUTION`` blocks, defined beside the notebook's imports
-    (only those the functions use), as a student's cells define them."""
-    path = next(SOLUTIONS.glob(f"{lab}_*.ipynb"))
-    cells = ["".join(c["source"]) for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"]
-    imports: list[ast.Import | ast.ImportFrom] = []
-    defs: list[ast.FunctionDef] = []
-    for text in cells:
-        tree = _cell_tree(text)
-        if tree is not None:
-            imports += [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
-        for block in re.findall(r"# BEGIN SOLUTION\n(.*?)# END SOLUTION", text, re.S):
-            tree = _cell_tree(block)
-            assert tree is not None, f"{path.name}: a solution block does not parse"
-            imports += [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
-            defs += [n for n in tree.body if isinstance(n, ast.FunctionDef)]
-    used = {n.id for d in defs for n in ast.walk(d) if isinstance(n, ast.Name)}
-    namespace: dict[str, Any] = {"__name__": f"solution_{lab}"}
-    for node in imports:
-        if _binds(node) & used:
-            exec(compile(ast.Module([node], []), "<solution imports>", "exec"), namespace)  # noqa: S102
-    source = "\n\n".join(ast.unparse(d) for d in defs) + "\n"
-    student_function(source, defs[0].name, namespace, filename=f"<solution {path.name}>")
-    return {d.name: namespace[d.name] for d in defs}
 
 
 @pytest.mark.parametrize(("key", "row"), CODE_ROWS, ids=[k for k, _ in CODE_ROWS])

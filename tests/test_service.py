@@ -41,11 +41,22 @@ def _prometheus_here():
     require_prometheus("prometheus", "promtool")
 
 
+# the service is conftest.py's, shared with the other file of its group (SHARED_GROUPS)
+
+
 @pytest.fixture(scope="module")
-def svc():
-    _require_all()
-    with service.Service(stop_grace_s=0.3) as s:
-        yield s
+def svc(service_stack):
+    return service_stack
+
+
+def test_every_file_using_the_shared_service_is_in_its_group():
+    """A file using conftest.py's service_stack outside the "service" group would start a second service on
+    another worker."""
+    import conftest
+
+    root = Path(__file__).resolve().parent.parent
+    users = {f"tests/{p.name}" for p in (root / "tests").glob("test_*.py") if "service_stack" in p.read_text()}
+    assert users == {f for f, g in conftest.SHARED_GROUPS.items() if g == "service"}
 
 
 # --- without a running service ---------------------------------------------------------------------------------
