@@ -167,15 +167,25 @@ def _started_at(pid: int) -> float | None:
     return btime + ticks / os.sysconf("SC_CLK_TCK")
 
 
+PYTHON_ENV_OWNER = ".nvlab-owner"  # the pid of the tritonserver whose python backend made the folder
+
+
 def stale_python_envs(root: Path = Path("/tmp")) -> list[Path]:
     """Empty ``python_env_*`` folders that no running Triton can own.
 
     Triton's python backend makes one at a fixed path (``/tmp/python_env_XXXXXX``, not configurable) when it
-    loads, and removes it only on a clean shutdown. A folder older than every running ``tritonserver`` was made
-    by a server that is gone.
+    loads, and removes it only on a clean shutdown. A folder holding only the course's owner mark whose
+    ``tritonserver`` is gone is stale (a killed kernel's servers), and so is an empty one older than every
+    running ``tritonserver``.
     """
     if not Path("/proc/self").exists():
         return []
+    out = []
+    for path in root.glob("python_env_*"):  # the course's servers mark their folder with their pid
+        with contextlib.suppress(OSError, ValueError):
+            owner = path / PYTHON_ENV_OWNER
+            if [p.name for p in path.iterdir()] == [PYTHON_ENV_OWNER] and not pid_alive(int(owner.read_text())):
+                out.append(path)
     starts = []
     for proc in Path("/proc").glob("[0-9]*"):
         with contextlib.suppress(OSError):
@@ -183,13 +193,12 @@ def stale_python_envs(root: Path = Path("/tmp")) -> list[Path]:
                 started = _started_at(int(proc.name))
                 starts.append(started if started is not None else 0.0)
     oldest = min(starts, default=float("inf"))
-    out = []
     for path in root.glob("python_env_*"):
         with contextlib.suppress(OSError):
             if path.is_dir() and not path.is_symlink() and not any(path.iterdir()) and \
                     path.stat().st_mtime < oldest - 1.0:
                 out.append(path)
-    return sorted(out)
+    return sorted(set(out))
 
 
 def sweep_stale_tempdirs(root: Path | None = None) -> list[Path]:
@@ -198,6 +207,7 @@ def sweep_stale_tempdirs(root: Path | None = None) -> list[Path]:
     removed = []
     for path in stale_python_envs():
         with contextlib.suppress(OSError):
+            (path / PYTHON_ENV_OWNER).unlink(missing_ok=True)
             path.rmdir()
             removed.append(path)
     for path in stale_tempdirs(root):

@@ -62,6 +62,19 @@ def test_python_env_folders_older_than_every_running_triton_are_stale(tmp_path):
     assert started is not None and abs(started - time.time()) < 24 * 3600
 
 
+@pytest.mark.skipif(not Path("/proc/self").exists(), reason="process liveness is read from /proc")
+def test_python_env_folders_marked_by_a_dead_server_are_stale_beside_a_live_one(tmp_path):
+    """A killed kernel's servers leave their marked folders while another (older) Triton runs: the mark decides."""
+    dead_pid = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+    dead, live, used = (tmp_path / f"python_env_{n}" for n in ("dddddd", "llllll", "uuuuuu"))
+    for d, pid in ((dead, dead_pid), (live, str(os.getpid())), (used, dead_pid)):
+        d.mkdir()
+        (d / procs.PYTHON_ENV_OWNER).write_text(pid)
+    (used / "env").mkdir()  # an extracted environment: never removed
+    assert procs.stale_python_envs(tmp_path) == [dead]
+
+
 def test_a_killed_kernels_prometheus_ends_and_doctor_removes_its_folder(tmp_path):
     """Lab 05's case: a Jupyter kernel starts Prometheus and is SIGKILLed; the server ends with it (parent-death
     signal), and `nvlab doctor` removes its data folder, which no exit handler could."""

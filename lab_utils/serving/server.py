@@ -52,6 +52,7 @@ from typing import Any, Protocol
 from lab_utils.course.probe import pytriton_server
 from lab_utils.course.stack import pinned_image
 from lab_utils.procs import (
+    PYTHON_ENV_OWNER,
     check_service,
     check_url,
     env_url,
@@ -502,6 +503,7 @@ class TritonServer:
                 f"startup_timeout_s). Log {self.log_path}, last lines:\n{self.log_tail(40)}",
                 self.log_tail(40), failed_models(text)) from None
         self._python_envs = _python_envs() - envs_before
+        _mark_python_envs(self._python_envs, self._proc.pid)
         if not ok:
             code = self._proc.returncode
             text = self.log_tail(400)
@@ -529,6 +531,7 @@ class TritonServer:
             _remove_shm(self._shm_prefix)
             for folder in self._python_envs:  # a killed server's python backend leaves its empty env folder
                 with contextlib.suppress(OSError):
+                    (folder / PYTHON_ENV_OWNER).unlink(missing_ok=True)
                     folder.rmdir()
             proc._nvlab_stopped = True
             with _running_lock:
@@ -573,6 +576,15 @@ def _remove_shm(prefix: str) -> None:
     for f in Path("/dev/shm").glob(f"{prefix}*"):
         with contextlib.suppress(OSError):
             f.unlink()
+
+
+def _mark_python_envs(folders: set[Path], pid: int) -> None:
+    """Write the server's pid into its env folders, so that ``nvlab doctor`` removes them once it is gone (when other
+    servers run, folder ages alone cannot tell a dead server's folder from a live one's). Triton's clean shutdown
+    deletes the folder with what is in it."""
+    for folder in folders:
+        with contextlib.suppress(OSError):
+            (folder / PYTHON_ENV_OWNER).write_text(str(pid))
 
 
 def _python_envs() -> set[Path]:
