@@ -47,7 +47,8 @@ class OwnedServer:
     log_lines = 20  # lines of the log in a failed start's message
     poll_s = 0.05  # s between readiness probes
 
-    def __init__(self, *, host: str, ports: dict[str, int | None], startup_timeout_s: float, stop_grace_s: float):
+    def __init__(self, *, host: str, ports: dict[str, int | None], startup_timeout_s: float = 30.0,
+                 stop_grace_s: float = 10.0):
         self.host = host
         self._ports_fixed = dict(ports)  # attribute name -> the port asked for (None: a free one)
         self.startup_timeout_s, self.stop_grace_s = float(startup_timeout_s), float(stop_grace_s)
