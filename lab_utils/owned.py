@@ -242,3 +242,21 @@ class OwnedServer:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+
+class HttpGrpcEndpoints:
+    """``http_url`` and ``grpc_url`` of a server listening on ``host`` at ``http_port`` and ``grpc_port`` (Triton, and
+    nginx in front of it)."""
+
+    host: str
+    http_port: int
+    grpc_port: int
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.host}:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        """``host:port``: a gRPC target."""
+        return f"{self.host}:{self.grpc_port}"

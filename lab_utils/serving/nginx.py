@@ -49,7 +49,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from lab_utils.owned import OwnedServer
+from lab_utils.owned import HttpGrpcEndpoints, OwnedServer
 from lab_utils.procs import (
     check_url,
     env_flag,
@@ -656,7 +656,7 @@ def running_nginx() -> list[NginxServer]:
     return NginxServer.running()
 
 
-class NginxServer(OwnedServer):
+class NginxServer(OwnedServer, HttpGrpcEndpoints):
     """One nginx (master and workers) owned by this interpreter, in front of Triton's HTTP and gRPC ports.
 
     >>> with NginxServer([s1.http_url, s2.http_url], [s1.grpc_url, s2.grpc_url]) as lb:   # doctest: +SKIP
@@ -728,14 +728,6 @@ class NginxServer(OwnedServer):
         return text, spans
 
     # urls and paths ----------------------------------------------------------------------------------------
-    @property
-    def http_url(self) -> str:
-        return f"http://{self.host}:{self.http_port}"
-
-    @property
-    def grpc_url(self) -> str:
-        return f"{self.host}:{self.grpc_port}"
-
     @property
     def status_url(self) -> str:
         return f"http://{self.host}:{self.status_port}/stub_status"

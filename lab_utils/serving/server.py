@@ -50,7 +50,7 @@ from typing import Any, Protocol
 
 from lab_utils.course.probe import pytriton_server
 from lab_utils.course.stack import pinned_image
-from lab_utils.owned import OwnedServer
+from lab_utils.owned import HttpGrpcEndpoints, OwnedServer
 from lab_utils.procs import (
     PYTHON_ENV_OWNER,
     check_service,
@@ -264,7 +264,7 @@ def _fatal_in_log(path: Path | None) -> bool:
     return bool(_STUB_FAIL.search(tail(path, 200)))
 
 
-class TritonServer(OwnedServer):
+class TritonServer(OwnedServer, HttpGrpcEndpoints):
     """One ``tritonserver`` process (and its python-backend stubs) owned by this interpreter.
 
     >>> with TritonServer(repo, model_control="explicit") as server:   # doctest: +SKIP
@@ -326,14 +326,6 @@ class TritonServer(OwnedServer):
         self._envs_before: set[Path] = set()
 
     # urls ----------------------------------------------------------------------------------------------
-    @property
-    def http_url(self) -> str:
-        return f"http://{self.host}:{self.http_port}"
-
-    @property
-    def grpc_url(self) -> str:
-        return f"{self.host}:{self.grpc_port}"
-
     @property
     def metrics_url(self) -> str:
         return f"http://{self.host}:{self.metrics_port}/metrics"
