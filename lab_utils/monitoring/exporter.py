@@ -46,6 +46,8 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+import psutil
+
 from lab_utils.course.probe import nvml_text
 from lab_utils.owned import OwnedServer
 from lab_utils.procs import who_listens
@@ -82,37 +84,22 @@ _HELP = {
 _MIB = 2**20
 
 
-# --- host readings (Linux /proc; zeros are never invented: a missing file leaves the metric out) -----
+# --- host readings (psutil; zeros are never invented: a reading that fails leaves the metric out) -----
 
 
 def _cpu_times() -> tuple[float, float] | None:
-    """(busy, total) jiffies over all CPUs from /proc/stat."""
+    """(busy, total) CPU seconds over all CPUs since boot."""
     try:
-        with open("/proc/stat") as f:
-            fields = [float(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
+        t = psutil.cpu_times()
+    except (OSError, psutil.Error):
         return None
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)  # idle + iowait
-    total = sum(fields[:8])  # guest time is already inside user/nice
+    idle = t.idle + getattr(t, "iowait", 0.0)
+    total = sum(t) - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)  # guest time is inside user/nice
     return total - idle, total
 
 
-def _meminfo() -> dict[str, int]:
-    out = {}
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                key, _, rest = line.partition(":")
-                parts = rest.split()
-                if parts:
-                    out[key] = int(parts[0]) * 1024  # kB
-    except (OSError, ValueError):
-        return {}
-    return out
-
-
 class HostReader:
-    """CPU utilization between calls (from /proc/stat deltas), memory and load."""
+    """CPU utilization between calls (from CPU-time deltas), memory and load."""
 
     def __init__(self) -> None:
         self._last = _cpu_times()
@@ -138,10 +125,10 @@ class HostReader:
         pct = self.cpu_percent()
         if pct is not None:
             values["nvlab_host_cpu_utilization_percent"] = pct
-        mem = _meminfo()
-        if "MemTotal" in mem and "MemAvailable" in mem:
-            values["nvlab_host_memory_total_bytes"] = float(mem["MemTotal"])
-            values["nvlab_host_memory_used_bytes"] = float(mem["MemTotal"] - mem["MemAvailable"])
+        with contextlib.suppress(OSError, psutil.Error):
+            mem = psutil.virtual_memory()
+            values["nvlab_host_memory_total_bytes"] = float(mem.total)
+            values["nvlab_host_memory_used_bytes"] = float(mem.total - mem.available)
         with contextlib.suppress(OSError):
             values["nvlab_host_load1"] = os.getloadavg()[0]
         return values

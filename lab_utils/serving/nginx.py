@@ -49,6 +49,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from lab_utils.owned import HttpGrpcEndpoints, OwnedServer
 from lab_utils.procs import (
     check_url,
@@ -924,18 +926,15 @@ def leftover_nginx(prefix: str | os.PathLike[str]) -> list[int]:
     command line; the workers' command line does not, but they run in it (their working folder)."""
     needle = str(prefix).rstrip("/")
     out = []
-    for d in Path("/proc").glob("[0-9]*"):
-        try:
-            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            if not cmd.startswith("nginx"):
-                continue
-            cwd = ""
-            with contextlib.suppress(OSError):
-                cwd = os.readlink(d / "cwd").removesuffix(" (deleted)")
-        except OSError:
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if not cmd.startswith("nginx"):
             continue
-        if (needle in cmd or cwd == needle or cwd.startswith(needle + "/")) and pid_alive(int(d.name)):
-            out.append(int(d.name))
+        cwd = ""
+        with contextlib.suppress(psutil.Error):  # another user's process: its command line is enough
+            cwd = p.cwd()
+        if (needle in cmd or cwd == needle or cwd.startswith(needle + "/")) and pid_alive(p.pid):
+            out.append(p.pid)
     return out
 
 
