@@ -15,7 +15,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from lab_utils.procs import (
     GroupWatchdog,
@@ -32,6 +32,7 @@ from lab_utils.procs import (
 
 _RUNNING: set[OwnedServer] = set()  # strong references: a server dropped by its caller is still stopped at exit
 _running_lock = threading.Lock()
+S = TypeVar("S", bound="OwnedServer")
 
 
 class OwnedServer:
@@ -167,7 +168,7 @@ class OwnedServer:
                 _RUNNING.add(self)
         stop_at_exit(self)
 
-    def start(self) -> Any:
+    def start(self: S) -> S:
         """Start on free ports (or those asked for) and wait until ready; ``error`` with the log's tail if not."""
         with self._owner_lock:
             if self.alive():
@@ -186,7 +187,7 @@ class OwnedServer:
                     avoid |= {getattr(self, name) for name in self._ports_fixed}
         raise AssertionError("unreachable")
 
-    def _start_once(self) -> Any:
+    def _start_once(self: S) -> S:
         t0 = time.perf_counter()
         ok: bool | None = None
         try:
@@ -237,7 +238,7 @@ class OwnedServer:
             release_at_exit(self)
             return self.exit_code
 
-    def __enter__(self) -> Any:
+    def __enter__(self: S) -> S:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:

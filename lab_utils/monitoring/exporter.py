@@ -354,7 +354,7 @@ class MetricsServer(OwnedServer):
     def _port_taken(self, err: Exception) -> bool:
         return False
 
-    def _start_once(self) -> Any:
+    def _start_once(self) -> MetricsServer:
         self._server, self._thread = serve_registry(self.registry, self.host, self.port or 0)
         self.port = self._server.server_port
         self._register()
@@ -416,18 +416,19 @@ class GpuExporter(MetricsServer):
         return OSError(f"port {port} on {self.host} is busy, {who_listens(port)}: stop it or pass --port with a free "
                        "port")
 
-    def _start_once(self) -> Any:
+    def _start_once(self) -> GpuExporter:
         from prometheus_client import CollectorRegistry
 
         self.collector = Collector(self._nvml, use_nvml=self._use_nvml)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self.collector)
         try:
-            return super()._start_once()
+            super()._start_once()
         except OSError:
             self.collector.close()
             self.collector = None
             raise
+        return self
 
     def _cleanup(self) -> None:
         """Stop serving, join the thread, release NVML."""
