@@ -1,7 +1,7 @@
 """Owned child processes: die with the parent, whole process groups stopped, readiness waits without sleeps.
 
 Used by every server a lab starts (Triton, Prometheus) and by the distributed launcher's workers.
-Linux only where it matters (PR_SET_PDEATHSIG, ``/proc``); elsewhere the functions degrade to no-ops.
+Processes and ports are read through psutil; PR_SET_PDEATHSIG is Linux only (elsewhere a no-op).
 Also the course's one reader of environment variables (``env_flag``, ``env_int``, ``env_url``: a bad value is an
 ``EnvError`` naming the variable and the form expected) and its one HTTP probe (``http_ok``, ``check_service``).
 """
@@ -29,6 +29,8 @@ import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 _STOP_AT_EXIT: weakref.WeakSet[Any] = weakref.WeakSet()
 
@@ -132,21 +134,22 @@ TEMP_PREFIX = "nvlab-"  # every temporary folder of the course: nvlab-<what>-<ow
 _OWNED_NAME = re.compile(r"^nvlab-(?:[a-z][a-z0-9_]*-)+?(\d+)-[a-z0-9_]+$")
 
 
+_ENDED = (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+
+
 def pid_alive(pid: int) -> bool:
     """Whether process ``pid`` runs (a zombie, killed but not yet reaped by its parent, does not)."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
+        return pid > 0 and psutil.Process(pid).status() not in _ENDED
+    except psutil.Error:
         return False
 
 
 def stale_tempdirs(root: Path | None = None) -> list[Path]:
     """The course's temporary folders whose owning process is gone (killed outright: no exit handler ran).
 
-    Only names of the form ``nvlab-<what>-<pid>-<random>`` count; on a system without ``/proc`` none does.
+    Only names of the form ``nvlab-<what>-<pid>-<random>`` count.
     """
-    if not Path("/proc/self").exists():
-        return []
     root = root or Path(tempfile.gettempdir())
     out = []
     for path in root.glob(f"{TEMP_PREFIX}*"):
@@ -157,14 +160,11 @@ def stale_tempdirs(root: Path | None = None) -> list[Path]:
 
 
 def _started_at(pid: int) -> float | None:
-    """When process ``pid`` started (epoch seconds), from ``/proc``; None if it is gone."""
+    """When process ``pid`` started (epoch seconds); None if it is gone."""
     try:
-        ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
-        btime = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
-                     if line.startswith("btime "))
-    except (OSError, ValueError, IndexError, StopIteration):
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
         return None
-    return btime + ticks / os.sysconf("SC_CLK_TCK")
 
 
 PYTHON_ENV_OWNER = ".nvlab-owner"  # the pid of the tritonserver whose python backend made the folder
@@ -178,20 +178,14 @@ def stale_python_envs(root: Path = Path("/tmp")) -> list[Path]:
     ``tritonserver`` is gone is stale (a killed kernel's servers), and so is an empty one older than every
     running ``tritonserver``.
     """
-    if not Path("/proc/self").exists():
-        return []
     out = []
     for path in root.glob("python_env_*"):  # the course's servers mark their folder with their pid
         with contextlib.suppress(OSError, ValueError):
             owner = path / PYTHON_ENV_OWNER
             if [p.name for p in path.iterdir()] == [PYTHON_ENV_OWNER] and not pid_alive(int(owner.read_text())):
                 out.append(path)
-    starts = []
-    for proc in Path("/proc").glob("[0-9]*"):
-        with contextlib.suppress(OSError):
-            if (proc / "comm").read_text().strip() == "tritonserver":
-                started = _started_at(int(proc.name))
-                starts.append(started if started is not None else 0.0)
+    starts = [p.info["create_time"] or 0.0 for p in psutil.process_iter(["name", "create_time"])
+              if p.info["name"] == "tritonserver"]
     oldest = min(starts, default=float("inf"))
     for path in root.glob("python_env_*"):
         with contextlib.suppress(OSError):
@@ -251,32 +245,20 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def port_holder(port: int) -> str | None:
     """``pid N (command)`` of the process listening on TCP ``port``, when this user may see it."""
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            lines = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            f = line.split()  # sl local_address rem_address st ... inode
-            if len(f) > 9 and f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:
-                inodes.add(f"socket:[{f[9]}]")
-    if not inodes:
+    try:
+        listeners = [c.pid for c in psutil.net_connections(kind="tcp")
+                     if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid]
+    except psutil.Error:  # a system that shows other processes' sockets only to root
         return None
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            if any(os.readlink(fd) in inodes for fd in (d / "fd").iterdir()):
-                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-                return f"pid {d.name} ({cmd[:100] or d.name})"
-        except OSError:  # gone, or another user's process
-            continue
+    for pid in listeners:
+        with contextlib.suppress(psutil.Error):  # gone meanwhile
+            cmd = " ".join(psutil.Process(pid).cmdline())
+            return f"pid {pid} ({cmd[:100] or pid})"
     return None
 
 
 def who_listens(port: int) -> str:
-    """``by pid N (command)`` for a message about a taken ``port``, or how to find out when /proc does not say."""
+    """``by pid N (command)`` for a message about a taken ``port``, or how to find out when the holder is hidden."""
     holder = port_holder(port)
     return f"by {holder}" if holder else f"(see `ss -ltnp 'sport = :{port}'`)"
 
@@ -361,19 +343,12 @@ def popen_owned(argv: list[str], **kwargs: Any) -> subprocess.Popen:
 
 
 def group_members(pgid: int) -> list[int]:
-    """Live (non-zombie) processes of process group ``pgid``, from ``/proc`` (Linux)."""
+    """Live (non-zombie) processes of process group ``pgid``."""
     out = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            stat = (d / "stat").read_text()
-        except OSError:
-            continue
-        # fields after the ")" that closes the command name: state ppid pgrp ...
-        rest = stat[stat.rfind(")") + 2 :].split()
-        if len(rest) >= 3 and int(rest[2]) == pgid and rest[0] not in ("Z", "X"):
-            out.append(int(d.name))
+    for p in psutil.process_iter(["status"]):
+        with contextlib.suppress(OSError):  # gone meanwhile
+            if p.info["status"] not in _ENDED and os.getpgid(p.pid) == pgid:
+                out.append(p.pid)
     return out
 
 
@@ -393,7 +368,7 @@ def stop_group(proc: subprocess.Popen, grace_s: float = 10.0, kill_wait_s: float
             pass
     deadline = time.monotonic() + kill_wait_s
     while True:
-        members = group_members(pgid) if os.path.isdir("/proc") else []
+        members = group_members(pgid)
         if proc.poll() is None or members:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pgid, signal.SIGKILL)

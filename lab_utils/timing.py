@@ -249,7 +249,7 @@ def _driver_version() -> str | None:
 
 def cpu_model() -> str:
     """The CPU's model name (from /proc/cpuinfo on Linux)."""
-    try:
+    try:  # /proc, not psutil: psutil does not give the CPU's model name
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("model name"):

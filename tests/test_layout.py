@@ -14,6 +14,8 @@ PKG = repo_root() / "lab_utils"
 # Layers from the bottom up: a module may import its own package and anything on a lower layer, nothing above.
 LAYERS = [
     {"lab_utils", "lab_utils.args", "lab_utils.procs", "lab_utils.timing", "lab_utils.plots"},
+    # one owned server's lifecycle, on the process primitives: what every server class of the course is
+    {"lab_utils.owned"},
     {"lab_utils.course"},
     {"lab_utils.models"},
     {"lab_utils.gpu", "lab_utils.distributed", "lab_utils.inference", "lab_utils.profiling"},

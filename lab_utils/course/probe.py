@@ -6,6 +6,7 @@ report says why and every lab runs in its CPU tier. Nothing here raises on a mac
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import importlib.metadata
 import importlib.util
@@ -20,6 +21,8 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 from lab_utils import DATA_DIR
 from lab_utils.course.catalog import LABS, repo_root
@@ -711,12 +714,8 @@ def lab_tiers(report: EnvReport) -> list[LabTier]:
 
 def _host() -> dict[str, Any]:
     mem_gib = None
-    try:
-        with open("/proc/meminfo") as f:
-            kib = int(next(ln for ln in f if ln.startswith("MemTotal")).split()[1])
-            mem_gib = round(kib / 2**20, 1)
-    except (OSError, StopIteration, ValueError):
-        pass
+    with contextlib.suppress(OSError, psutil.Error):
+        mem_gib = round(psutil.virtual_memory().total / 2**30, 1)
     from lab_utils.timing import cpu_model
 
     return {

@@ -28,10 +28,8 @@ import hashlib
 import importlib.util
 import os
 import re
-import shutil
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -41,22 +39,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from lab_utils.procs import (
-    GroupWatchdog,
-    free_port,
-    group_members,
-    http_ok,
-    owned_tempdir,
-    popen_owned,
-    port_free,
-    release_at_exit,
-    stop_at_exit,
-    stop_group,
-    tail,
-    temporary_folder,
-    wait_http_ok,
-    who_listens,
-)
+from lab_utils.owned import OwnedServer
+from lab_utils.procs import group_members, http_ok, owned_tempdir, temporary_folder, who_listens
 
 MLFLOW_INSTALL = "pip install 'mlflow>=2.16' (or the course's lab extra: pip install -e '.[lab]')"
 EXPERIMENT = "digits"
@@ -87,26 +71,26 @@ def mlflow_missing() -> str | None:
 
 # --- the server ----------------------------------------------------------------------------------------------
 
-_RUNNING: set[TrackingServer] = set()
-_running_lock = threading.Lock()
-
 
 def running_tracking_servers() -> list[TrackingServer]:
     """Tracking servers this process started and has not stopped."""
-    with _running_lock:
-        return list(_RUNNING)
+    return TrackingServer.running()
 
 
 def _is_health(body: bytes) -> bool:
     return body.strip() == b"OK"
 
 
-class TrackingServer:
+class TrackingServer(OwnedServer):
     """One ``mlflow server`` (the CLI and its uvicorn server) owned by this interpreter.
 
     >>> with TrackingServer() as server:   # doctest: +SKIP
     ...     run = log_training_run(server, epochs=3, lr=0.05)
     """
+
+    error = TrackingError
+    watchdog_s = (2.0, 3.0)  # uvicorn is the CLI's child: the kernel's PDEATHSIG does not reach it
+    poll_s = 0.1
 
     def __init__(self, *, host: str = "127.0.0.1", port: int | None = None, workers: int = 1,
                  startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S, stop_grace_s: float = DEFAULT_STOP_GRACE_S,
@@ -118,17 +102,11 @@ class TrackingServer:
             raise ValueError(f"startup_timeout_s={startup_timeout_s!r}: a positive number of seconds")
         if port is not None and not (isinstance(port, int) and 0 < port < 65536):
             raise ValueError(f"port={port!r}: a TCP port from 1 to 65535, or None for a free one")
-        self.host, self.requested_port, self.workers = host, port, workers
-        self.startup_timeout_s, self.stop_grace_s = float(startup_timeout_s), float(stop_grace_s)
+        super().__init__(host=host, ports={"port": port}, startup_timeout_s=startup_timeout_s,
+                         stop_grace_s=stop_grace_s)
+        self.requested_port, self.workers = port, workers
         self.extra_args = list(extra_args)
         self.port: int | None = None
-        self.folder: Path | None = None
-        self.argv: list[str] = []
-        self.startup_s: float | None = None
-        self.exit_code: int | None = None
-        self._proc: subprocess.Popen | None = None
-        self._watchdog: GroupWatchdog | None = None
-        self._lock = threading.RLock()
 
     # where things are -------------------------------------------------------------------------------------
     @property
@@ -152,10 +130,6 @@ class TrackingServer:
     def log_path(self) -> Path | None:
         return self.folder / "mlflow.log" if self.folder else None
 
-    @property
-    def pid(self) -> int | None:
-        return self._proc.pid if self._proc is not None else None
-
     def _need_folder(self) -> Path:
         if self.folder is None:
             raise TrackingError("the tracking server is not started: call start() first")
@@ -165,15 +139,9 @@ class TrackingServer:
         """The server's live processes (the CLI and uvicorn: its process group)."""
         return group_members(self._proc.pid) if self._proc is not None else []
 
-    def alive(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
-
     def ready(self) -> bool:
         """True when ``/health`` answers ``OK`` now."""
         return self.port is not None and http_ok(f"{self.url}/health", timeout_s=2.0, check=_is_health)[0]
-
-    def log_tail(self, n: int = 40) -> str:
-        return tail(self.log_path, n)
 
     def client(self) -> Any:
         """An ``mlflow.MlflowClient`` for this server."""
@@ -182,11 +150,26 @@ class TrackingServer:
         return MlflowClient(tracking_uri=self.url, registry_uri=self.url)
 
     def __repr__(self) -> str:
-        state = "running" if self.alive() else ("stopped" if self._proc is not None else "not started")
         where = f"http://{self.host}:{self.port}" if self.port else "no port yet"
-        return f"TrackingServer({state}, {where}, folder={self.folder})"
+        return f"TrackingServer({self._state()}, {where}, folder={self.folder})"
 
-    # lifecycle --------------------------------------------------------------------------------------------
+    # lifecycle: see OwnedServer ---------------------------------------------------------------------------
+    def _check(self) -> None:
+        why = mlflow_missing()
+        if why:
+            raise MlflowMissing(f"the MLflow tracking server cannot start: {why}")
+
+    def _prepare(self) -> dict[str, Any]:
+        self.folder = owned_tempdir("mlflow")
+        (self.folder / "artifacts").mkdir()
+        env = dict(os.environ)
+        # MLflow 3's job runner starts a huey consumer pool (7 more processes) and a queue folder in /dev/shm that
+        # a killed server leaves behind; the lab runs no server-side jobs.
+        env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] = "false"
+        env["PYTHONUNBUFFERED"] = "1"
+        env.pop("MLFLOW_TRACKING_URI", None)  # the server's own store is the one given on its command line
+        return {"env": env, "cwd": str(self.folder)}
+
     def _command(self) -> list[str]:
         folder = self._need_folder()
         # `python -m mlflow`: this interpreter's mlflow, whatever is first on the PATH.
@@ -197,72 +180,19 @@ class TrackingServer:
                 "--host", self.host, "--port", str(self.port), "--workers", str(self.workers),
                 *self.extra_args]
 
-    def start(self) -> TrackingServer:
-        """Start the server on a free port and wait until ``/health`` answers (``startup_timeout_s``).
+    def _ready_url(self) -> str:
+        return f"{self.url}/health"
 
-        Raises ``MlflowMissing`` or ``TrackingError`` (port taken, exited, timed out: with the log's last lines);
-        a failed start leaves no process and no folder."""
-        with self._lock:
-            if self.alive():
-                return self
-            why = mlflow_missing()
-            if why:
-                raise MlflowMissing(f"the MLflow tracking server cannot start: {why}")
-            if self.requested_port is not None and not port_free(self.requested_port, self.host):
-                raise TrackingError(f"port={self.requested_port} is already in use on {self.host} "
-                                    f"{who_listens(self.requested_port)}: pass another port, or None for a free one")
-            for attempt in range(3):
-                self.port = self.requested_port or free_port(self.host)
-                try:
-                    return self._start_once()
-                except TrackingError as err:
-                    # a free port taken by someone else between the probe and uvicorn's bind: another port
-                    if "address already in use" not in str(err).lower() or self.requested_port or attempt == 2:
-                        raise
-        raise AssertionError("unreachable")
-
-    def _start_once(self) -> TrackingServer:
-        self.folder = owned_tempdir("mlflow")
-        (self.folder / "artifacts").mkdir()
-        self.argv = self._command()
-        env = dict(os.environ)
-        # MLflow 3's job runner starts a huey consumer pool (7 more processes) and a queue folder in /dev/shm that
-        # a killed server leaves behind; the lab runs no server-side jobs.
-        env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] = "false"
-        env["PYTHONUNBUFFERED"] = "1"
-        env.pop("MLFLOW_TRACKING_URI", None)  # the server's own store is the one given on its command line
-        t0 = time.perf_counter()
-        try:
-            self._watchdog = GroupWatchdog(self.folder, term_s=2.0, kill_s=3.0)
-            with open(self.folder / "mlflow.log", "wb") as log:
-                self._proc = popen_owned(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env=env, cwd=str(self.folder))
-            self._watchdog.arm(self._proc.pid)  # start_new_session: the CLI's pid is the group id
-            with _running_lock:
-                _RUNNING.add(self)
-            stop_at_exit(self)
-            ok = wait_http_ok(f"{self.url}/health", self._proc, self.startup_timeout_s, poll_s=0.1,
-                              give_up=self._start_failed)
-        except TimeoutError:
-            text = self.log_tail(20)
-            self.stop()
-            raise TrackingError(f"the MLflow server did not answer GET /health within {self.startup_timeout_s:g} s "
-                                f"(a busy machine? raise startup_timeout_s). Its log:\n{text}") from None
-        except BaseException:
-            self.stop()
-            raise
-        if not ok:
-            code = self._proc.returncode
-            text = self.log_tail(20)
-            self.stop()
-            how = f"exited with code {code}" if code is not None else "failed"
-            raise TrackingError(f"the MLflow server {how} before it was ready ({self._reason(text)}). Its log:\n{text}")
-        self.startup_s = time.perf_counter() - t0
-        return self
-
-    def _start_failed(self) -> bool:
+    def _give_up(self) -> bool:
         """A uvicorn that could not bind exits, but the CLI above it waits on: read it from the log."""
         return bool(re.search(r"address already in use", self.log_tail(60), re.I))
+
+    def _failure(self, timed_out: bool, code: int | None, text: str) -> Exception:
+        if timed_out:
+            return TrackingError(f"the MLflow server did not answer GET /health within {self.startup_timeout_s:g} s "
+                                 f"(a busy machine? raise startup_timeout_s). Its log:\n{text}")
+        how = f"exited with code {code}" if code is not None else "failed"
+        return TrackingError(f"the MLflow server {how} before it was ready ({self._reason(text)}). Its log:\n{text}")
 
     def _reason(self, text: str) -> str:
         if re.search(r"address already in use", text, re.I):
@@ -270,29 +200,6 @@ class TrackingServer:
         if "No module named" in text:
             return f"a module is missing: {MLFLOW_INSTALL}"
         return "see the log below"
-
-    def stop(self) -> int | None:
-        """Stop the whole process group, the watchdog, and remove the folder (store and artifacts). Safe twice."""
-        with self._lock:
-            proc, dog = self._proc, self._watchdog
-            if proc is not None and not getattr(proc, "_nvlab_stopped", False):
-                self.exit_code = stop_group(proc, grace_s=self.stop_grace_s)
-                proc._nvlab_stopped = True  # type: ignore[attr-defined]
-            if dog is not None:
-                dog.disarm()
-                self._watchdog = None
-            if self.folder is not None:
-                shutil.rmtree(self.folder, ignore_errors=True)
-            with _running_lock:
-                _RUNNING.discard(self)
-            release_at_exit(self)
-            return self.exit_code
-
-    def __enter__(self) -> TrackingServer:
-        return self.start()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
 
 
 def _client(tracking: Any) -> Any:

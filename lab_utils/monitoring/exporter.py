@@ -46,8 +46,11 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+import psutil
+
 from lab_utils.course.probe import nvml_text
-from lab_utils.procs import port_free, release_at_exit, stop_at_exit, who_listens
+from lab_utils.owned import OwnedServer
+from lab_utils.procs import who_listens
 
 DEFAULT_PORT = 9400  # dcgm-exporter's port: scrape configs need not change between the two
 
@@ -81,37 +84,22 @@ _HELP = {
 _MIB = 2**20
 
 
-# --- host readings (Linux /proc; zeros are never invented: a missing file leaves the metric out) -----
+# --- host readings (psutil; zeros are never invented: a reading that fails leaves the metric out) -----
 
 
 def _cpu_times() -> tuple[float, float] | None:
-    """(busy, total) jiffies over all CPUs from /proc/stat."""
+    """(busy, total) CPU seconds over all CPUs since boot."""
     try:
-        with open("/proc/stat") as f:
-            fields = [float(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
+        t = psutil.cpu_times()
+    except (OSError, psutil.Error):
         return None
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)  # idle + iowait
-    total = sum(fields[:8])  # guest time is already inside user/nice
+    idle = t.idle + getattr(t, "iowait", 0.0)
+    total = sum(t) - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)  # guest time is inside user/nice
     return total - idle, total
 
 
-def _meminfo() -> dict[str, int]:
-    out = {}
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                key, _, rest = line.partition(":")
-                parts = rest.split()
-                if parts:
-                    out[key] = int(parts[0]) * 1024  # kB
-    except (OSError, ValueError):
-        return {}
-    return out
-
-
 class HostReader:
-    """CPU utilization between calls (from /proc/stat deltas), memory and load."""
+    """CPU utilization between calls (from CPU-time deltas), memory and load."""
 
     def __init__(self) -> None:
         self._last = _cpu_times()
@@ -137,10 +125,10 @@ class HostReader:
         pct = self.cpu_percent()
         if pct is not None:
             values["nvlab_host_cpu_utilization_percent"] = pct
-        mem = _meminfo()
-        if "MemTotal" in mem and "MemAvailable" in mem:
-            values["nvlab_host_memory_total_bytes"] = float(mem["MemTotal"])
-            values["nvlab_host_memory_used_bytes"] = float(mem["MemTotal"] - mem["MemAvailable"])
+        with contextlib.suppress(OSError, psutil.Error):
+            mem = psutil.virtual_memory()
+            values["nvlab_host_memory_total_bytes"] = float(mem.total)
+            values["nvlab_host_memory_used_bytes"] = float(mem.total - mem.available)
         with contextlib.suppress(OSError):
             values["nvlab_host_load1"] = os.getloadavg()[0]
         return values
@@ -323,7 +311,71 @@ def stop_serving(server: Any, thread: threading.Thread | None, timeout_s: float 
     if thread is not None:
         thread.join(timeout=timeout_s)
 
-class GpuExporter:
+
+class MetricsServer(OwnedServer):
+    """A prometheus_client registry served over HTTP from a daemon thread; ``address`` is ``host:port`` for a
+    scrape configuration."""
+
+    error = OSError
+    registered = False
+
+    def __init__(self, collectors: Iterable[Any] = (), *, port: int | None = None, host: str = "127.0.0.1",
+                 fallback_port: bool = False):
+        from prometheus_client import CollectorRegistry
+
+        super().__init__(host=host, ports={"port": port})
+        self.registry = CollectorRegistry(auto_describe=False)
+        for c in collectors:
+            self.registry.register(c)
+        # fallback_port: a busy requested port means a free one instead of an error (a lab's helper exporter)
+        self.requested_port, self.fallback_port = port, fallback_port
+        self.port: int | None = None
+        self._server: Any = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def address(self) -> str:
+        if self.port is None:
+            raise RuntimeError(f"{type(self).__name__} is not started: call start() (or use it in a with block)")
+        return f"{self.host}:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.address}/metrics"
+
+    # lifecycle: see OwnedServer; a thread, not a process ------------------------------------------------
+    def _busy(self, name: str, port: int) -> Exception:
+        return OSError(f"port {port} on {self.host} is busy, {who_listens(port)}: pass another, or None for a free "
+                       "one")
+
+    def _free_port(self) -> int:
+        return 0  # the OS picks one as the server binds: no other process can take it first
+
+    def _port_taken(self, err: Exception) -> bool:
+        return False
+
+    def _start_once(self) -> MetricsServer:
+        self._server, self._thread = serve_registry(self.registry, self.host, self.port or 0)
+        self.port = self._server.server_port
+        self._register()
+        return self
+
+    def _cleanup(self) -> None:
+        """Stop serving and join the thread."""
+        stop_serving(self._server, self._thread)
+        self._server, self._thread = None, None
+
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def text(self) -> str:
+        """The exposition a scrape would get now."""
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry).decode()
+
+
+class GpuExporter(MetricsServer):
     """The exporter served from a thread of this process: ``with GpuExporter() as exp: exp.url``.
 
     ``port=None`` takes a free port; a busy requested port is avoided (a free one is taken and ``notes``
@@ -331,25 +383,20 @@ class GpuExporter:
     ``stop()`` shuts the HTTP server and its thread down and releases NVML; safe to call twice.
     """
 
+    busy_note = "port {port} is busy: the exporter listens on a free port instead"
+
     def __init__(self, port: int | None = None, host: str = "127.0.0.1", *, nvml: Any = None,
                  use_nvml: bool = True, strict_port: bool = False):
-        self.host, self.requested_port, self.strict_port = host, port, strict_port
+        super().__init__(port=port, host=host, fallback_port=not strict_port)
+        self.strict_port = strict_port
         self._nvml, self._use_nvml = nvml, use_nvml
         self.collector: Collector | None = None
-        self.port: int | None = None
-        self._server: Any = None
-        self._thread: threading.Thread | None = None
-        self.notes: list[str] = []
 
     @property
     def address(self) -> str:
         """host:port for a scrape configuration."""
         host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
         return f"{host}:{self.port}"
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.address}/metrics"
 
     @property
     def source(self) -> str:
@@ -365,113 +412,29 @@ class GpuExporter:
             what = self.collector.why_no_gpu
         return f"GPU exporter at {self.url}: {what}"
 
-    def start(self) -> GpuExporter:
-        if self._server is not None:
-            return self
+    def _busy(self, name: str, port: int) -> Exception:
+        return OSError(f"port {port} on {self.host} is busy, {who_listens(port)}: stop it or pass --port with a free "
+                       "port")
+
+    def _start_once(self) -> GpuExporter:
         from prometheus_client import CollectorRegistry
 
-        port = self.requested_port or 0
-        if port and not port_free(port, self.host):
-            if self.strict_port:
-                raise OSError(f"port {port} on {self.host} is busy, {who_listens(port)}: stop it or pass --port with "
-                              "a free port")
-            self.notes.append(f"port {port} is busy: the exporter listens on a free port instead")
-            port = 0
         self.collector = Collector(self._nvml, use_nvml=self._use_nvml)
-        registry = CollectorRegistry(auto_describe=False)
-        registry.register(self.collector)
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self.collector)
         try:
-            self._server, self._thread = serve_registry(registry, self.host, port)
+            super()._start_once()
         except OSError:
             self.collector.close()
             self.collector = None
             raise
-        self.port = self._server.server_port
-        stop_at_exit(self)
         return self
 
-    def stop(self) -> None:
-        """Stop serving, join the thread, release NVML; safe to call twice."""
-        stop_serving(self._server, self._thread)
-        self._server, self._thread = None, None
+    def _cleanup(self) -> None:
+        """Stop serving, join the thread, release NVML."""
+        super()._cleanup()
         if self.collector is not None:
             self.collector.close()
-        release_at_exit(self)
-
-    def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
-    def __enter__(self) -> GpuExporter:
-        return self.start()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
-
-
-class MetricsServer:
-    """A prometheus_client registry served over HTTP from a daemon thread; ``address`` is ``host:port`` for a
-    scrape configuration."""
-
-    def __init__(self, collectors: Iterable[Any] = (), *, port: int | None = None, host: str = "127.0.0.1",
-                 fallback_port: bool = False):
-        from prometheus_client import CollectorRegistry
-
-        self.registry = CollectorRegistry(auto_describe=False)
-        for c in collectors:
-            self.registry.register(c)
-        # fallback_port: a busy requested port means a free one instead of an error (a lab's helper exporter)
-        self.host, self.requested_port, self.fallback_port = host, port, fallback_port
-        self.port: int | None = None
-        self._server: Any = None
-        self._thread: threading.Thread | None = None
-
-    @property
-    def address(self) -> str:
-        if self.port is None:
-            raise RuntimeError(f"{type(self).__name__} is not started: call start() (or use it in a with block)")
-        return f"{self.host}:{self.port}"
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.address}/metrics"
-
-    def start(self) -> MetricsServer:
-        """Serve on ``port`` (a busy one is an ``OSError`` naming its holder, or a free port with
-        ``fallback_port``) or a free one."""
-        if self._server is not None:
-            return self
-        port = self.requested_port or 0
-        if port and not port_free(port, self.host) and self.fallback_port:
-            port = 0
-        if port and not port_free(port, self.host):
-            raise OSError(f"port {port} on {self.host} is busy, {who_listens(port)}: pass another, or None for a free "
-                          "one")
-        self._server, self._thread = serve_registry(self.registry, self.host, port)
-        self.port = self._server.server_port
-        stop_at_exit(self)
-        return self
-
-    def stop(self) -> None:
-        """Stop serving and join the thread; safe twice."""
-        stop_serving(self._server, self._thread)
-        self._server, self._thread = None, None
-        release_at_exit(self)
-
-    def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
-    def text(self) -> str:
-        """The exposition a scrape would get now."""
-        from prometheus_client import generate_latest
-
-        return generate_latest(self.registry).decode()
-
-    def __enter__(self) -> MetricsServer:
-        return self.start()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
-
 
 
 def serve(port: int = DEFAULT_PORT, host: str = "0.0.0.0") -> int:

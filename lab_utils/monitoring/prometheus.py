@@ -22,7 +22,6 @@ import json
 import math
 import os
 import re
-import shutil
 import subprocess
 import threading
 import time
@@ -37,20 +36,14 @@ import pandas as pd
 
 from lab_utils import DATA_DIR
 from lab_utils.course.probe import PROMETHEUS_ENV, PROMETHEUS_INSTALL, prometheus_binary
+from lab_utils.owned import OwnedServer
 from lab_utils.procs import (
     check_service,
     env_flag,
     env_url,
-    free_port,
     http_ok,
     owned_tempdir,
-    popen_owned,
-    port_free,
-    release_at_exit,
-    stop_at_exit,
-    stop_group,
     tail,
-    wait_http_ok,
 )
 from lab_utils.serving.metrics import metric_types, parse_exposition  # noqa: F401  (re-exported)
 
@@ -513,7 +506,7 @@ def _pause(seconds: float) -> None:
 
 # --- a server the lab owns ---------------------------------------------------------------------------
 
-class PrometheusServer(PromAPI):
+class PrometheusServer(OwnedServer, PromAPI):
     """A ``prometheus`` process scraping ``jobs`` (``{"triton": ["127.0.0.1:8002"], ...}``), owned by the lab.
 
     ``start()`` writes the configuration into a temporary folder, has promtool check it (its message is the
@@ -524,6 +517,12 @@ class PrometheusServer(PromAPI):
     """
 
     kind = "prometheus"
+    error = PrometheusError
+    fallback_port = True
+    busy_note = "port {port} is busy: Prometheus listens on a free port instead"
+    registered = False  # a server nobody holds is stopped when collected (``__del__``)
+    log_mode = "ab"  # one log over the start's tries
+    log_lines = 30
 
     def __init__(self, jobs: Mapping[str, Sequence[str]], *, rule_files: Sequence[str | Path] = (),
                  scrape_interval_s: float = 1.0, evaluation_interval_s: float = 1.0, binary: str | None = None,
@@ -538,16 +537,14 @@ class PrometheusServer(PromAPI):
         self.scrape_interval_s, self.evaluation_interval_s = scrape_interval_s, evaluation_interval_s
         self._version: str | None = None
         self.config = self._config()
-        self.host, self.requested_port = host, port
-        self.startup_timeout_s = startup_timeout_s
+        OwnedServer.__init__(self, host=host, ports={"port": port}, startup_timeout_s=startup_timeout_s,
+                             stop_grace_s=10.0)
+        PromAPI.__init__(self, f"http://{host}:0")
+        self.requested_port = port
         self.extra_args = list(extra_args)
         self._log_path = Path(log_path) if log_path else None
         self.samples = list(samples) if samples is not None else None
-        self.workdir: Path | None = None
-        self.proc: subprocess.Popen | None = None
         self.port: int | None = None
-        super().__init__(f"http://{host}:0")
-        self.notes: list[str] = []
 
     def describe(self) -> str:
         return f"Prometheus {self.version()} started here at {self.url} (scrape every {self.scrape_interval_s:g} s)"
@@ -568,75 +565,48 @@ class PrometheusServer(PromAPI):
                              major_version=major)
 
     @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc else None
+    def proc(self) -> subprocess.Popen | None:
+        return self._proc
+
+    @property
+    def workdir(self) -> Path | None:
+        """The server's folder (configuration, storage, log), removed at stop; None when stopped."""
+        return self.folder
 
     @property
     def log_path(self) -> Path | None:
-        return self._log_path or (self.workdir / "prometheus.log" if self.workdir else None)
+        return self._log_path or (self.folder / "prometheus.log" if self.folder else None)
 
     @property
     def config_path(self) -> Path | None:
-        return self.workdir / "prometheus.yml" if self.workdir else None
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        return self.folder / "prometheus.yml" if self.folder else None
 
     def log_tail(self, n: int = 30) -> str:
         return tail(self.log_path, n)
 
-    def _pick_port(self) -> int:
-        if self.requested_port and port_free(self.requested_port, self.host):
-            return self.requested_port
-        if self.requested_port:
-            self.notes.append(f"port {self.requested_port} is busy: Prometheus listens on a free port instead")
-        return free_port(self.host)
-
-    def start(self) -> PrometheusServer:
-        """Check the configuration, start the server, wait until it is ready (raises with the log's tail)."""
-        if self.alive():
-            return self
-        self.workdir = owned_tempdir("prometheus")
-        stop_at_exit(self)
-        data = self.workdir / "data"
+    # lifecycle: see OwnedServer ---------------------------------------------------------------------------
+    def _prepare(self) -> dict[str, Any]:
+        self.folder = owned_tempdir("prometheus")
         write_config(self.config, self.config_path)  # type: ignore[arg-type]
-        try:
-            if find_binary("promtool"):
-                check_config(self.config_path)  # type: ignore[arg-type]
-            if self.samples is not None:
-                backfill(self.samples, data)
-        except PrometheusError:
-            self.stop()
-            raise
-        for attempt in range(3):  # a port taken between the check and the bind: try another
-            self.port = self._pick_port()
-            self.url = f"http://{self.host}:{self.port}"
-            argv = [str(self.binary), f"--config.file={self.config_path}", f"--storage.tsdb.path={data}",
-                    f"--web.listen-address={self.host}:{self.port}", "--web.enable-lifecycle",
-                    "--storage.tsdb.retention.time=1d", "--log.level=info", *self.extra_args]
-            log = open(self.log_path, "ab")  # type: ignore[arg-type]  # noqa: SIM115 (kept for the process)
-            try:
-                self.proc = popen_owned(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                        cwd=self.workdir)
-            finally:
-                log.close()
-            try:
-                ok = wait_http_ok(f"{self.url}/-/ready", self.proc, self.startup_timeout_s)
-            except TimeoutError:
-                log_tail = self.log_tail()
-                self.stop()
-                raise PrometheusError(
-                    f"Prometheus was not ready within {self.startup_timeout_s:g} s; log:\n{log_tail}") from None
-            if ok:
-                return self
-            log_tail = self.log_tail()
-            stop_group(self.proc)
-            if "address already in use" in log_tail and attempt < 2:
-                self.requested_port = None
-                continue
-            self.stop()
-            raise PrometheusError(f"Prometheus exited during start (code {self.proc.returncode}); log:\n{log_tail}")
-        raise PrometheusError("Prometheus found no free port")  # pragma: no cover
+        if find_binary("promtool"):
+            check_config(self.config_path)  # type: ignore[arg-type]
+        if self.samples is not None:
+            backfill(self.samples, self.folder / "data")
+        self.url = f"http://{self.host}:{self.port}"
+        return {"cwd": self.folder}
+
+    def _command(self) -> list[str]:
+        return [str(self.binary), f"--config.file={self.config_path}", f"--storage.tsdb.path={self.folder}/data",
+                f"--web.listen-address={self.host}:{self.port}", "--web.enable-lifecycle",
+                "--storage.tsdb.retention.time=1d", "--log.level=info", *self.extra_args]
+
+    def _ready_url(self) -> str:
+        return f"{self.url}/-/ready"
+
+    def _failure(self, timed_out: bool, code: int | None, text: str) -> Exception:
+        if timed_out:
+            return PrometheusError(f"Prometheus was not ready within {self.startup_timeout_s:g} s; log:\n{text}")
+        return PrometheusError(f"Prometheus exited during start (code {code}); log:\n{text}")
 
     def reload(self, jobs: Mapping[str, Sequence[str]] | None = None,
                rule_files: Sequence[str | Path] | None = None) -> None:
@@ -653,17 +623,10 @@ class PrometheusServer(PromAPI):
             check_config(self.config_path)  # type: ignore[arg-type]
         self._get("/-/reload", method="POST")
 
-    def stop(self) -> None:
+    def stop(self) -> None:  # type: ignore[override]
         """Stop the whole process group and remove the temporary folder; safe to call twice."""
-        if self.proc is not None:
-            stop_group(self.proc)
-        if self.workdir is not None:
-            shutil.rmtree(self.workdir, ignore_errors=True)
-            self.workdir = None
-        release_at_exit(self)
-
-    def __enter__(self) -> PrometheusServer:
-        return self.start()
+        super().stop()
+        self.folder = None
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):

@@ -15,6 +15,7 @@ Under each exercise's check cell (``ex.q3.check(...)``) the lab gets a markdown 
 from __future__ import annotations
 
 import ast
+import contextlib
 import os
 import re
 import sys
@@ -24,6 +25,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 from lab_utils.course.catalog import lab_by_number, repo_root
 
@@ -401,20 +404,13 @@ def parameters_for(paths: list[Path], pairs: Iterable[tuple[str, str]]) -> dict[
 def leftover_processes(run_id: str) -> list[str]:
     """Processes still alive that inherited ``NVLAB_RUN_ID=run_id``: anything a notebook failed to stop."""
     found = []
-    me = os.getpid()
-    needle = f"{RUN_ID_ENV}={run_id}".encode()
-    for d in Path("/proc").glob("[0-9]*"):
-        if int(d.name) == me:
+    for p in psutil.process_iter(["status"]):
+        # a zombie has already ended; its parent just has not reaped it
+        if p.pid == os.getpid() or p.info["status"] in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
             continue
-        try:
-            if needle in (d / "environ").read_bytes().split(b"\0"):
-                stat = (d / "stat").read_text()
-                if ") Z" in stat:  # a zombie has already ended; its parent just has not reaped it
-                    continue
-                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-                found.append(f"{d.name} {cmd}")
-        except OSError:
-            continue
+        with contextlib.suppress(psutil.Error):  # gone, or another user's process
+            if p.environ().get(RUN_ID_ENV) == run_id:
+                found.append(f"{p.pid} {' '.join(p.cmdline())}".strip())
     return found
 
 

@@ -49,24 +49,18 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import psutil
+
+from lab_utils.owned import HttpGrpcEndpoints, OwnedServer
 from lab_utils.procs import (
-    GroupWatchdog,
     check_url,
     env_flag,
-    free_port,
     group_members,
     http_ok,
     owned_tempdir,
     pid_alive,
-    popen_owned,
-    port_free,
-    release_at_exit,
-    stop_at_exit,
-    stop_group,
     tail,
     temporary_folder,
-    wait_http_ok,
-    who_listens,
 )
 
 REQUIRE_ENV = "NVLAB_REQUIRE_NGINX"  # 1: a missing nginx is an error (CI), not a skipped section
@@ -659,17 +653,12 @@ def reload_nginx(prefix: str | os.PathLike[str], conf: str | os.PathLike[str], b
 
 # --- the server ---------------------------------------------------------------------------------------------
 
-_RUNNING: set[NginxServer] = set()
-_running_lock = threading.Lock()
-
-
 def running_nginx() -> list[NginxServer]:
     """nginx servers this process started and has not stopped."""
-    with _running_lock:
-        return list(_RUNNING)
+    return NginxServer.running()
 
 
-class NginxServer:
+class NginxServer(OwnedServer, HttpGrpcEndpoints):
     """One nginx (master and workers) owned by this interpreter, in front of Triton's HTTP and gRPC ports.
 
     >>> with NginxServer([s1.http_url, s2.http_url], [s1.grpc_url, s2.grpc_url]) as lb:   # doctest: +SKIP
@@ -680,6 +669,9 @@ class NginxServer:
     """
 
     external = False
+    error = NginxStartError
+    free_hint = "to let the course take a free one"
+    watchdog_s = (1.0, 2.0)  # kills the workers a killed kernel's PDEATHSIG misses
 
     def __init__(
         self,
@@ -711,23 +703,15 @@ class NginxServer:
                         "rate_burst": rate_burst, "balance": balance, "keepalive": keepalive, "workers": workers,
                         "proxy_timeout_s": proxy_timeout_s}
         self.upstream_block, self.grpc_upstream_block = upstream_block, grpc_upstream_block
-        self.host = host
-        self._ports_fixed = {"http": http_port, "grpc": grpc_port, "status": status_port}
-        self.http_port = self.grpc_port = self.status_port = 0
         if not (isinstance(startup_timeout_s, (int, float)) and startup_timeout_s > 0):
             raise ValueError(f"startup_timeout_s={startup_timeout_s!r}: a positive number of seconds")
-        self.startup_timeout_s = float(startup_timeout_s)
-        self.stop_grace_s = float(DEFAULT_STOP_GRACE_S if stop_grace_s is None else stop_grace_s)
+        super().__init__(host=host, ports={"http_port": http_port, "grpc_port": grpc_port, "status_port": status_port},
+                         startup_timeout_s=startup_timeout_s,
+                         stop_grace_s=DEFAULT_STOP_GRACE_S if stop_grace_s is None else stop_grace_s)
+        self.http_port = self.grpc_port = self.status_port = 0
         self.binary = binary
         self.generation = 0
-        self.prefix: Path | None = None
         self.config_text = ""
-        self.argv: list[str] = []
-        self.exit_code: int | None = None
-        self.startup_s: float | None = None
-        self._proc: subprocess.Popen | None = None
-        self._watchdog: GroupWatchdog | None = None
-        self._lock = threading.RLock()
         self._render(probe_ports=True)  # a bad argument fails here, before anything starts
 
     # config -----------------------------------------------------------------------------------------------
@@ -746,14 +730,6 @@ class NginxServer:
         return text, spans
 
     # urls and paths ----------------------------------------------------------------------------------------
-    @property
-    def http_url(self) -> str:
-        return f"http://{self.host}:{self.http_port}"
-
-    @property
-    def grpc_url(self) -> str:
-        return f"{self.host}:{self.grpc_port}"
-
     @property
     def status_url(self) -> str:
         return f"http://{self.host}:{self.status_port}/stub_status"
@@ -779,15 +755,15 @@ class NginxServer:
     def error_log_path(self) -> Path:
         return self._need_prefix() / "logs" / "error.log"
 
-    def _need_prefix(self) -> Path:
-        if self.prefix is None:
-            raise NginxError("nginx is not started: call start() (or use `with NginxServer(...) as lb:`)")
-        return self.prefix
-
     @property
-    def pid(self) -> int | None:
-        """The master's pid (None before start)."""
-        return self._proc.pid if self._proc is not None else None
+    def prefix(self) -> Path | None:
+        """nginx's prefix folder (config, logs, pid, temp files); None before start."""
+        return self.folder
+
+    def _need_prefix(self) -> Path:
+        if self.folder is None:
+            raise NginxError("nginx is not started: call start() (or use `with NginxServer(...) as lb:`)")
+        return self.folder
 
     def worker_pids(self) -> list[int]:
         """The worker processes now (after a reload, old workers finishing their requests included)."""
@@ -795,125 +771,53 @@ class NginxServer:
             return []
         return sorted(p for p in group_members(self._proc.pid) if p != self._proc.pid)  # type: ignore[union-attr]
 
-    def alive(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
-
     def log_tail(self, n: int = 40) -> str:
         """The last ``n`` lines of nginx's error log (and of what it printed at start)."""
-        if self.prefix is None:
+        if self.folder is None:
             return ""
-        return "\n".join(t for t in (tail(self.prefix / "logs" / "stderr.log", n), tail(self.error_log_path, n)) if t)
+        return "\n".join(t for t in (tail(self._log_file(), n), tail(self.error_log_path, n)) if t)
 
     def __repr__(self) -> str:
-        state = "running" if self.alive() else ("stopped" if self._proc is not None else "not started")
         grpc_ = f", grpc={self.grpc_url}" if self.has_grpc else ""
-        return f"NginxServer({state}, http={self.http_url}{grpc_}, prefix={self.prefix})"
+        return f"NginxServer({self._state()}, http={self.http_url}{grpc_}, prefix={self.prefix})"
 
-    # lifecycle -----------------------------------------------------------------------------------------------
-    def _pick_ports(self, avoid: set[int]) -> None:
-        chosen: list[int] = []
-        for kind in ("http", "grpc", "status"):
-            fixed = self._ports_fixed[kind]
-            if fixed is not None:
-                if not port_free(fixed, self.host):
-                    raise NginxStartError(f"{kind}_port={fixed} is already in use on {self.host} {who_listens(fixed)}:"
-                                          " pass another port, or None to let the course take a free one")
-                port = fixed
-            else:
-                port = free_port(self.host)
-                while port in chosen or port in avoid:
-                    port = free_port(self.host)
-            chosen.append(port)
-        self.http_port, self.grpc_port, self.status_port = chosen
+    # lifecycle: see OwnedServer (the prefix folder goes at stop: read the access log before) -----------------
+    def _check(self) -> None:
+        self.binary = self.binary or find_nginx()
 
-    def start(self) -> NginxServer:
-        """Write the config, check it (``nginx -t``), start nginx on free ports and wait until it answers.
+    def _log_file(self) -> Path:
+        return self._need_prefix() / "logs" / "stderr.log"
 
-        Raises ``NginxNotFound``, ``NginxConfigError`` (nothing started) or ``NginxStartError`` (with its log).
-        """
-        with self._lock:
-            if self.alive():
-                return self
-            binary = self.binary = self.binary or find_nginx()
-            avoid: set[int] = set()
-            for attempt in range(3):
-                self._pick_ports(avoid)
-                try:
-                    return self._start_once(binary)
-                except NginxStartError as err:
-                    if "Address already in use" not in str(err) or any(self._ports_fixed.values()) or attempt == 2:
-                        raise
-                    avoid |= {self.http_port, self.grpc_port, self.status_port}  # taken meanwhile: new ports
-        raise AssertionError("unreachable")
-
-    def _start_once(self, binary: str) -> NginxServer:
-        self.prefix = owned_tempdir("nginx")
-        _prefix_dirs(self.prefix)
+    def _prepare(self) -> dict[str, Any]:
+        self.folder = owned_tempdir("nginx")
+        _prefix_dirs(self.folder)
         self.config_text, spans = self._render()
         self.conf_path.write_text(self.config_text)
-        try:
-            out = _test(binary, self.prefix, self.conf_path)
-            if out.returncode != 0:
-                raise _explain(out.stderr + out.stdout, self.config_text, spans)
-            self._watchdog = GroupWatchdog(self.prefix)  # kills the workers a killed kernel's PDEATHSIG misses
-            self.argv = [binary, "-p", f"{self.prefix}/", "-c", str(self.conf_path),
-                         *_error_log_arg(binary, self.prefix),
-                         "-g", "daemon off;"]
-            t0 = time.perf_counter()
-            with open(self.prefix / "logs" / "stderr.log", "wb") as log:
-                self._proc = popen_owned(self.argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
-                                         cwd=str(self.prefix))
-            self._watchdog.arm(self._proc.pid)  # start_new_session: the master's pid is the group id
-            with _running_lock:
-                _RUNNING.add(self)
-            stop_at_exit(self)
-            ok = wait_http_ok(f"http://{self.host}:{self.status_port}/generation", self._proc, self.startup_timeout_s)
-        except TimeoutError:
-            text = self.log_tail(20)
-            self.stop()
-            raise NginxStartError(f"nginx did not answer within {self.startup_timeout_s:g} s; its log:\n"
-                                  f"{text}") from None
-        except BaseException:
-            self.stop()
-            raise
-        if not ok:
-            code = self._proc.returncode
-            text = self.log_tail(20)
-            self.stop()
-            raise NginxStartError(f"nginx exited with code {code} before it answered; its log:\n{text}")
-        self.startup_s = time.perf_counter() - t0
-        return self
+        out = _test(str(self.binary), self.folder, self.conf_path)
+        if out.returncode != 0:
+            raise _explain(out.stderr + out.stdout, self.config_text, spans)
+        return {"cwd": str(self.folder)}
 
-    def stop(self) -> int | None:
-        """Stop nginx (the whole group: master and workers), the watchdog, and remove the prefix folder. Safe twice.
-        Returns the master's exit code (None if it never started). Read the access log before: it goes too."""
-        with self._lock:
-            proc, dog = self._proc, self._watchdog
-            if proc is not None and not getattr(proc, "_nvlab_stopped", False):
-                self.exit_code = stop_group(proc, grace_s=self.stop_grace_s)
-                proc._nvlab_stopped = True  # type: ignore[attr-defined]
-            if dog is not None:
-                dog.disarm()
-                self._watchdog = None
-            if self.prefix is not None:
-                shutil.rmtree(self.prefix, ignore_errors=True)
-            with _running_lock:
-                _RUNNING.discard(self)
-            release_at_exit(self)
-            return self.exit_code
+    def _command(self) -> list[str]:
+        binary = str(self.binary)
+        prefix = self._need_prefix()
+        return [binary, "-p", f"{prefix}/", "-c", str(self.conf_path), *_error_log_arg(binary, prefix),
+                "-g", "daemon off;"]
 
-    def __enter__(self) -> NginxServer:
-        return self.start()
+    def _ready_url(self) -> str:
+        return f"http://{self.host}:{self.status_port}/generation"
 
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
+    def _failure(self, timed_out: bool, code: int | None, text: str) -> Exception:
+        if timed_out:
+            return NginxStartError(f"nginx did not answer within {self.startup_timeout_s:g} s; its log:\n{text}")
+        return NginxStartError(f"nginx exited with code {code} before it answered; its log:\n{text}")
 
     # reload --------------------------------------------------------------------------------------------------
     def reload(self, timeout_s: float = 10.0) -> None:
         """Apply the current settings without dropping a request: render, ``nginx -t``, ``nginx -s reload``, and
         wait until the new workers answer (``/generation`` on the status port says the new number) and the old ones
         have finished their requests and exited (until then they still accept connections, with the old config)."""
-        with self._lock:
+        with self._owner_lock:
             if not self.alive():
                 raise NginxError(f"nginx is not running ({self!r}): start() it first")
             old_workers = set(self.worker_pids())
@@ -968,7 +872,7 @@ class NginxServer:
                 raise ValueError(f"{what}: every server would be down; at least one must take traffic")
             return out
 
-        with self._lock:
+        with self._owner_lock:
             if (http and self.upstream_block is not None) or (grpc and self.grpc_upstream_block is not None):
                 raise ValueError("this nginx serves a hand-written upstream block: edit the block instead")
             old = (self.http_backends, self.grpc_backends)
@@ -1022,18 +926,15 @@ def leftover_nginx(prefix: str | os.PathLike[str]) -> list[int]:
     command line; the workers' command line does not, but they run in it (their working folder)."""
     needle = str(prefix).rstrip("/")
     out = []
-    for d in Path("/proc").glob("[0-9]*"):
-        try:
-            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            if not cmd.startswith("nginx"):
-                continue
-            cwd = ""
-            with contextlib.suppress(OSError):
-                cwd = os.readlink(d / "cwd").removesuffix(" (deleted)")
-        except OSError:
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if not cmd.startswith("nginx"):
             continue
-        if (needle in cmd or cwd == needle or cwd.startswith(needle + "/")) and pid_alive(int(d.name)):
-            out.append(int(d.name))
+        cwd = ""
+        with contextlib.suppress(psutil.Error):  # another user's process: its command line is enough
+            cwd = p.cwd()
+        if (needle in cmd or cwd == needle or cwd.startswith(needle + "/")) and pid_alive(p.pid):
+            out.append(p.pid)
     return out
 
 

@@ -44,13 +44,13 @@ import shutil
 import sys
 import tempfile
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 from lab_utils.course.probe import pytriton_server
 from lab_utils.course.stack import pinned_image
+from lab_utils.owned import HttpGrpcEndpoints, OwnedServer
 from lab_utils.procs import (
     PYTHON_ENV_OWNER,
     check_service,
@@ -62,10 +62,8 @@ from lab_utils.procs import (
     pid_alive,
     popen_owned,
     port_free,
-    stop_group,
     tail,
     wait_http_ok,
-    who_listens,
 )
 
 MODEL_CONTROL = ("none", "explicit", "poll")
@@ -232,23 +230,10 @@ def server_env(source: ServerSource, extra: dict[str, str] | None = None) -> dic
 
 # --- the server ------------------------------------------------------------------------------------------
 
-_RUNNING: set[TritonServer] = set()
-_running_lock = threading.Lock()
-
-
 def running_servers() -> list[TritonServer]:
     """Servers this process started and has not stopped yet."""
-    with _running_lock:
-        return list(_RUNNING)
+    return TritonServer.running()
 
-
-def _stop_all() -> None:
-    for s in running_servers():
-        with contextlib.suppress(Exception):
-            s.stop()
-
-
-atexit.register(_stop_all)
 
 _LOAD_FAIL = re.compile(r"failed to load '([^']+)' version (\d+): (.*?)(?:\"$|$)")
 _STUB_FAIL = re.compile(r"Failed to (?:pre)?initialize Python stub(?: for auto-complete)?: (.*)$", re.M)
@@ -279,7 +264,7 @@ def _fatal_in_log(path: Path | None) -> bool:
     return bool(_STUB_FAIL.search(tail(path, 200)))
 
 
-class TritonServer:
+class TritonServer(OwnedServer, HttpGrpcEndpoints):
     """One ``tritonserver`` process (and its python-backend stubs) owned by this interpreter.
 
     >>> with TritonServer(repo, model_control="explicit") as server:   # doctest: +SKIP
@@ -287,6 +272,10 @@ class TritonServer:
     """
 
     external = False
+    error = ServerStartError
+    free_hint = "to let the server take a free one"
+    log_lines = 400  # the failed models are read from them
+    log_path: Path | None = None  # given, or a folder of its own at the first start (kept after a stop)
 
     def __init__(
         self,
@@ -322,45 +311,24 @@ class TritonServer:
         self.metrics = metrics
         self.metrics_config = tuple(metrics_config)
         self.extra_args = tuple(extra_args)
-        self.startup_timeout_s = float(startup_timeout_s)
         self.load_models = tuple(load_models)
-        self.host = host
-        self._ports_fixed = {"http": http_port, "grpc": grpc_port, "metrics": metrics_port}
+        ports = {"http_port": http_port, "grpc_port": grpc_port, "metrics_port": metrics_port}
+        super().__init__(host=host, ports=ports, startup_timeout_s=startup_timeout_s,
+                         stop_grace_s=DEFAULT_STOP_GRACE_S if stop_grace_s is None else stop_grace_s)
         self.http_port = self.grpc_port = self.metrics_port = 0
         self._env_extra = dict(env or {})
         self.validate = validate
         self.source = source
         self._log_given = log_path is not None
-        self.log_path: Path | None = Path(log_path) if log_path is not None else None
-        self._proc: Any = None
-        self._lock = threading.RLock()
-        self.startup_s: float | None = None
-        self.argv: list[str] = []
-        self.exit_code: int | None = None
-        self.stop_grace_s = float(DEFAULT_STOP_GRACE_S if stop_grace_s is None else stop_grace_s)
+        self.log_path = Path(log_path) if log_path is not None else None
         self._shm_prefix = ""
         self._python_envs: set[Path] = set()
+        self._envs_before: set[Path] = set()
 
     # urls ----------------------------------------------------------------------------------------------
     @property
-    def http_url(self) -> str:
-        return f"http://{self.host}:{self.http_port}"
-
-    @property
-    def grpc_url(self) -> str:
-        return f"{self.host}:{self.grpc_port}"
-
-    @property
     def metrics_url(self) -> str:
         return f"http://{self.host}:{self.metrics_port}/metrics"
-
-    @property
-    def pid(self) -> int | None:
-        return self._proc.pid if self._proc is not None else None
-
-    def alive(self) -> bool:
-        """True while the server process runs (it may still be loading models)."""
-        return self._proc is not None and self._proc.poll() is None
 
     def wait_exit(self, timeout_s: float = 30.0) -> int | None:
         """Wait until the server process has exited and been reaped; its exit code (negative: killed by that
@@ -389,33 +357,23 @@ class TritonServer:
         """True when ``/v2/health/ready`` answers 200 now (within 2 s)."""
         return http_ok(f"{self.http_url}/v2/health/ready", timeout_s=2.0)[0]
 
-    def log_tail(self, n: int = 40) -> str:
-        """The last ``n`` lines of the server's log."""
-        return tail(self.log_path, n)
-
     def __repr__(self) -> str:
-        state = "running" if self.alive() else ("stopped" if self._proc is not None else "not started")
-        return f"TritonServer({str(self.model_repository)!r}, {state}, http={self.http_url}, grpc={self.grpc_url})"
+        return (f"TritonServer({str(self.model_repository)!r}, {self._state()}, http={self.http_url}, "
+                f"grpc={self.grpc_url})")
 
-    # lifecycle -----------------------------------------------------------------------------------------
-    def _pick_ports(self, avoid: set[int]) -> None:
-        chosen: list[int] = []
-        for kind in ("http", "grpc", "metrics"):
-            fixed = self._ports_fixed[kind]
-            if fixed is not None:
-                if not port_free(fixed, self.host):
-                    raise ServerStartError(f"{kind}_port={fixed} is already in use on {self.host} "
-                                           f"{who_listens(fixed)}: pass another port, or None to let the server "
-                                           "take a free one")
-                port = fixed
-            else:
-                port = free_port(self.host)
-                while port in chosen or port in avoid:
-                    port = free_port(self.host)
-            chosen.append(port)
-        self.http_port, self.grpc_port, self.metrics_port = chosen
+    # lifecycle: see OwnedServer (this module's names: tests replace them) ---------------------------------
+    def _free_port(self) -> int:
+        return free_port(self.host)
 
-    def _command(self, source: ServerSource) -> list[str]:
+    def _port_free(self, port: int) -> bool:
+        return port_free(port, self.host)
+
+    def _spawn(self, argv: list[str], **kwargs: Any) -> Any:
+        return popen_owned(argv, **kwargs)
+
+    def _command(self) -> list[str]:
+        source = self.source
+        assert source is not None
         argv = [source.location if source.kind != "url" else "tritonserver",
                 f"--model-repository={self.model_repository}",
                 f"--model-control-mode={self.model_control}",
@@ -438,105 +396,70 @@ class TritonServer:
         argv += list(self.extra_args)
         return argv
 
-    def start(self) -> TritonServer:
-        """Validate the repository, start the server on free ports and wait until it is ready.
+    def _check(self) -> None:
+        """Validate the repository and find the binary: raises ``ConfigError`` (a bad ``config.pbtxt``: nothing
+        started), ``ServerNotFound`` or ``ServerStartError``."""
+        if not self.model_repository.is_dir():
+            raise ServerStartError(f"model repository {self.model_repository} is not a folder: build one with "
+                                   "lab_utils.serving.repository (or pass the right path)")
+        warn_if_empty(self.model_repository, self.model_control)
+        if self.validate:
+            from lab_utils.serving.repository import validate_repository
 
-        Raises ``ConfigError`` (a bad ``config.pbtxt``: nothing started), ``ServerNotFound`` (no binary) or
-        ``ServerStartError`` (the server exited or timed out; the log tail and failed models are in it).
-        """
-        with self._lock:
-            if self.alive():
-                return self
-            if not self.model_repository.is_dir():
-                raise ServerStartError(f"model repository {self.model_repository} is not a folder: build one with "
-                                       "lab_utils.serving.repository (or pass the right path)")
-            warn_if_empty(self.model_repository, self.model_control)
-            if self.validate:
-                from lab_utils.serving.repository import validate_repository
+            validate_repository(self.model_repository, models=self.load_models or None, require_files=True)
+        source = self.source or find_server(local=True)
+        if source.kind == "url":
+            raise ServerStartError("TritonServer starts a local binary; for TRITON_URL use ExternalServer or "
+                                   "connect_or_start()")
+        self.source = source
 
-                validate_repository(self.model_repository, models=self.load_models or None,
-                                    require_files=True)
-            source = self.source or find_server(local=True)
-            if source.kind == "url":
-                raise ServerStartError("TritonServer starts a local binary; for TRITON_URL use ExternalServer or "
-                                       "connect_or_start()")
-            self.source = source
-            avoid: set[int] = set()
-            for attempt in range(3):
-                self._pick_ports(avoid)
-                try:
-                    return self._start_once(source)
-                except ServerStartError as err:
-                    busy = _PORT_BUSY.search(err.log_tail or "")
-                    if not busy or any(self._ports_fixed.values()) or attempt == 2:
-                        raise
-                    avoid |= {self.http_port, self.grpc_port, self.metrics_port}  # taken meanwhile: new ports
-        raise AssertionError("unreachable")
+    def _port_taken(self, err: Exception) -> bool:
+        return bool(_PORT_BUSY.search(getattr(err, "log_tail", "") or ""))
 
-    def _start_once(self, source: ServerSource) -> TritonServer:
+    def _prepare(self) -> dict[str, Any]:
         if not self._log_given and self.log_path is None:  # one folder per server: restarts append to its log
             self.log_path = owned_tempdir("triton-log") / "tritonserver.log"
-        assert self.log_path is not None
+        assert self.log_path is not None and self.source is not None
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         remove_stale_shm()
         self._shm_prefix = f"{SHM_PREFIX}{os.getpid()}x{next(_counter)}_"
-        self.argv = self._command(source)
-        env = server_env(source, self._env_extra)
-        t0 = time.perf_counter()
-        envs_before = _python_envs()
+        self._envs_before = _python_envs()
         if self.log_path.exists() and self.log_path.stat().st_size:  # a restart: keep the last run's log beside
             self.log_path.replace(self.log_path.with_suffix(".previous.log"))
-        with open(self.log_path, "wb") as log:
-            self._proc = popen_owned(self.argv, stdout=log, stderr=log, stdin=_devnull(), env=env,
-                                     cwd=str(self.model_repository.parent))
-        with _running_lock:
-            _RUNNING.add(self)
-        try:
-            ok = wait_http_ok(f"{self.http_url}/v2/health/ready", self._proc, self.startup_timeout_s,
-                              give_up=lambda: _fatal_in_log(self.log_path))
-        except TimeoutError:
-            self._python_envs = _python_envs() - envs_before
-            self.stop()
-            text = self.log_tail(400)
-            raise ServerStartError(
-                f"Triton did not become ready within {self.startup_timeout_s:g} s (models still loading? raise "
-                f"startup_timeout_s). Log {self.log_path}, last lines:\n{self.log_tail(40)}",
-                self.log_tail(40), failed_models(text)) from None
-        self._python_envs = _python_envs() - envs_before
-        _mark_python_envs(self._python_envs, self._proc.pid)
-        if not ok:
-            code = self._proc.returncode
-            text = self.log_tail(400)
-            self.stop()
-            failed = failed_models(text)
-            why = "".join(f"\n  model {k} failed to load: {v}" for k, v in failed.items())
-            if not failed:
-                why = "".join(f"\n  {line}" for line in log_errors(self.log_path))
-            how = f"exited with code {code}" if code is not None else "failed (stopped it)"
-            raise ServerStartError(
-                f"tritonserver {how} before it was ready.{why}\nLog {self.log_path}, last "
-                f"lines:\n{tail(self.log_path, 40)}", tail(self.log_path, 40), failed)
-        self.startup_s = time.perf_counter() - t0
-        return self
+        return {"env": server_env(self.source, self._env_extra), "cwd": str(self.model_repository.parent)}
 
-    def stop(self) -> int | None:
-        """Stop the server and everything in its process group (safe to call twice). Returns its exit code."""
-        with self._lock:
-            proc = self._proc
-            if proc is None:
-                return None
-            if getattr(proc, "_nvlab_stopped", False):
-                return self.exit_code
-            self.exit_code = stop_group(proc, grace_s=self.stop_grace_s)
-            _remove_shm(self._shm_prefix)
-            for folder in self._python_envs:  # a killed server's python backend leaves its empty env folder
-                with contextlib.suppress(OSError):
-                    (folder / PYTHON_ENV_OWNER).unlink(missing_ok=True)
-                    folder.rmdir()
-            proc._nvlab_stopped = True
-            with _running_lock:
-                _RUNNING.discard(self)
-            return self.exit_code
+    def _ready_url(self) -> str:
+        return f"{self.http_url}/v2/health/ready"
+
+    def _give_up(self) -> bool:
+        return _fatal_in_log(self.log_path)
+
+    def _started(self) -> None:
+        self._python_envs = _python_envs() - self._envs_before
+        if self._proc is not None:
+            _mark_python_envs(self._python_envs, self._proc.pid)
+
+    def _failure(self, timed_out: bool, code: int | None, text: str) -> Exception:
+        failed = failed_models(text)
+        if timed_out:
+            return ServerStartError(
+                f"Triton did not become ready within {self.startup_timeout_s:g} s (models still loading? raise "
+                f"startup_timeout_s). Log {self.log_path}, last lines:\n{self.log_tail(40)}", self.log_tail(40), failed)
+        why = "".join(f"\n  model {k} failed to load: {v}" for k, v in failed.items())
+        if not failed:
+            why = "".join(f"\n  {line}" for line in log_errors(self.log_path))
+        how = f"exited with code {code}" if code is not None else "failed (stopped it)"
+        return ServerStartError(f"tritonserver {how} before it was ready.{why}\nLog {self.log_path}, last "
+                                f"lines:\n{self.log_tail(40)}", self.log_tail(40), failed)
+
+    def _halt(self, proc: Any) -> int | None:
+        code = super()._halt(proc)
+        _remove_shm(self._shm_prefix)
+        for folder in self._python_envs:  # a killed server's python backend leaves its empty env folder
+            with contextlib.suppress(OSError):
+                (folder / PYTHON_ENV_OWNER).unlink(missing_ok=True)
+                folder.rmdir()
+        return code
 
     def restart(self) -> TritonServer:
         """Stop (if running) and start again (after a crash, say): on the fixed ports given, else on new free
@@ -544,12 +467,6 @@ class TritonServer:
         self.stop()
         self._proc = None
         return self.start()
-
-    def __enter__(self) -> TritonServer:
-        return self.start()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
 
 
 def describe_exit(code: int) -> str:
