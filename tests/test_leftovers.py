@@ -115,8 +115,10 @@ def test_a_killed_kernels_prometheus_ends_and_doctor_removes_its_folder(tmp_path
         assert workdir.is_dir()  # SIGKILL: no exit handler ran
         doctor = subprocess.run([sys.executable, "-m", "lab_utils", "doctor"], capture_output=True, text=True,
                                 timeout=120)
-        assert doctor.returncode == 0 and workdir.name in doctor.stdout, doctor.stdout + doctor.stderr
-        assert not workdir.exists()
+        assert doctor.returncode == 0, doctor.stdout + doctor.stderr
+        # the doctor names what it removed; another worker's owned_tempdir() may have swept the folder first (every
+        # course process sweeps dead owners' folders): gone is what counts
+        assert not workdir.exists(), doctor.stdout
     finally:
         if km.is_alive():
             km.shutdown_kernel(now=True)
