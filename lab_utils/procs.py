@@ -170,6 +170,15 @@ def _started_at(pid: int) -> float | None:
 PYTHON_ENV_OWNER = ".nvlab-owner"  # the pid of the tritonserver whose python backend made the folder
 
 
+def python_env_unowned(folder: Path) -> bool:
+    """A python backend env folder that is empty, or holds only the owner mark of a server that is gone."""
+    with contextlib.suppress(OSError, ValueError):
+        names = [p.name for p in folder.iterdir()]
+        return not names or (names == [PYTHON_ENV_OWNER] and
+                             not pid_alive(int((folder / PYTHON_ENV_OWNER).read_text())))
+    return False
+
+
 def stale_python_envs(root: Path = Path("/tmp")) -> list[Path]:
     """Empty ``python_env_*`` folders that no running Triton can own.
 
@@ -180,9 +189,8 @@ def stale_python_envs(root: Path = Path("/tmp")) -> list[Path]:
     """
     out = []
     for path in root.glob("python_env_*"):  # the course's servers mark their folder with their pid
-        with contextlib.suppress(OSError, ValueError):
-            owner = path / PYTHON_ENV_OWNER
-            if [p.name for p in path.iterdir()] == [PYTHON_ENV_OWNER] and not pid_alive(int(owner.read_text())):
+        with contextlib.suppress(OSError):
+            if (path / PYTHON_ENV_OWNER).exists() and python_env_unowned(path):
                 out.append(path)
     starts = [p.info["create_time"] or 0.0 for p in psutil.process_iter(["name", "create_time"])
               if p.info["name"] == "tritonserver"]

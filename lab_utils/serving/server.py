@@ -62,6 +62,7 @@ from lab_utils.procs import (
     pid_alive,
     popen_owned,
     port_free,
+    python_env_unowned,
     tail,
     wait_http_ok,
 )
@@ -457,7 +458,7 @@ class TritonServer(OwnedServer, HttpGrpcEndpoints):
         _remove_shm(self._shm_prefix)
         # a killed server's python backend leaves its empty env folder: the ones seen at the start, and those made
         # later (a python model loaded after ready, or a start beside another server's) that no live server marks
-        late = {f for f in _python_envs() - getattr(self, "_envs_before", set()) if _unowned_env(f)}
+        late = {f for f in _python_envs() - getattr(self, "_envs_before", set()) if python_env_unowned(f)}
         for folder in self._python_envs | late:
             with contextlib.suppress(OSError):
                 (folder / PYTHON_ENV_OWNER).unlink(missing_ok=True)
@@ -505,15 +506,6 @@ def _mark_python_envs(folders: set[Path], pid: int) -> None:
     for folder in folders:
         with contextlib.suppress(OSError):
             (folder / PYTHON_ENV_OWNER).write_text(str(pid))
-
-
-def _unowned_env(folder: Path) -> bool:
-    """An env folder that is empty, or holds only the owner mark of a server that is gone."""
-    with contextlib.suppress(OSError, ValueError):
-        names = [p.name for p in folder.iterdir()]
-        return not names or (names == [PYTHON_ENV_OWNER] and
-                             not pid_alive(int((folder / PYTHON_ENV_OWNER).read_text())))
-    return False
 
 
 def _python_envs() -> set[Path]:
