@@ -1,21 +1,13 @@
 """The course's version manifest (``data/stack/versions.json``) and the files that must agree with it.
 
-One file says which NGC release the lab image and the compose stack use, and what each NGC release carries
-(CUDA, torch, TensorRT, Triton server and the matching ``tritonclient``). ``check(root)`` compares it with
-``docker/Dockerfile``'s build arguments, ``docker/.env`` (the compose file's image tags), the images and build
-arguments in ``docker/compose.yaml``, ``./course``'s pins and ``pyproject.toml``; each mismatch names both sides.
-Lab 00's container table reads the manifest directly (``lab_utils.course.probe.container_verdicts``).
+``check(root)`` compares the manifest with the Dockerfile, ``docker/.env``, ``docker/compose.yaml``, ``./course``
+and ``pyproject.toml``; ``same_release`` and ``pip_version`` compare the manifest's versions with pip's.
 
     python -m lab_utils.course.stack env > docker/.env    # write the compose file's image tags from the manifest
     python -m lab_utils.course.stack check                # exit 1 with one line per mismatch
     python -m lab_utils.course.stack installed 26.09 torch  # print pip's torch here; exit 1 unless it is the image's
 
-A release's ``preinstalled`` versions are release numbers ("torch": "2.14.0"), not what pip reports: NVIDIA builds
-the image's torch from a commit before that release, so pip sees a pre-release ("2.14.0a0+5fa4b7e", which sorts
-below 2.14.0 under PEP 440), and TensorRT carries its build number as a fourth part ("11.3.0.36").
-``same_release`` compares at the manifest's precision; ``pip_version`` gives the form pip reports.
-
-Standard library only, except PyYAML for reading compose.yaml in ``check``.
+Design notes: docs/internals.md#lab_utilscoursestackpy
 """
 
 from __future__ import annotations
@@ -31,7 +23,7 @@ from lab_utils import DATA_DIR
 
 MANIFEST_PATH = DATA_DIR / "stack" / "versions.json"
 MANIFEST_NAME = "lab_utils/data/stack/versions.json"
-# What the pinned release must state (REFERENCE: NGC tag -> CUDA, torch, TensorRT, Triton, tritonclient).
+# What the pinned release must state (the NGC release notes: tag -> CUDA, torch, TensorRT, Triton, tritonclient).
 PINNED_FIELDS = ("cuda", "python", "torch", "tensorrt", "triton_server", "tritonclient")
 REGISTRY = "nvcr.io/nvidia"
 

@@ -1,6 +1,6 @@
 """Collective bandwidth as nccl-tests defines it, and the link to hold it against. No torch, no GPU.
 
-Definitions follow nccl-tests (``shared/REFERENCE.md`` §2): algbw = S / t, busbw = algbw × factor, with
+Definitions follow nccl-tests (its doc/PERFORMANCE.md): algbw = S / t, busbw = algbw × factor, with
 S the bytes of one rank's buffer (all_reduce, broadcast, reduce) or of the whole gathered buffer
 (all_gather, reduce_scatter, all_to_all), t the time of one collective, GB = 1e9 bytes. busbw is what
 to hold against the link's speed per direction, whatever the number of ranks; ``link_peak_gbps`` reads
@@ -27,12 +27,12 @@ _FACTOR_NAMES = (*COLLECTIVES, "reduce")
 KIB, MIB, GIB = 2**10, 2**20, 2**30
 
 # The sweeps' default sizes (``collectives.collective_sweep``, ``plan.lab_plan``): GPU sizes reach the >= 1 GiB
-# where NVLink busbw levels off (REFERENCE §1); CPU sizes keep a gloo sweep on a 2-core laptop to seconds.
+# where NVLink busbw levels off (2 H200s, NVLink 4); CPU sizes keep a gloo sweep on a 2-core laptop to seconds.
 GPU_SIZES = (MIB, 4 * MIB, 16 * MIB, 64 * MIB, 256 * MIB, GIB, 2 * GIB)
 CPU_SIZES = (4 * KIB, 16 * KIB, 64 * KIB, 256 * KIB, MIB, 4 * MIB, 16 * MIB)
 
 # [H200 run] all_reduce busbw in GB/s, 2 GPUs over NV18, fp32, blocking torch.distributed loop
-# (REFERENCE §1): shown beside local numbers where there is no GPU.
+# (the reference measurement): shown beside local numbers where there is no GPU.
 H200_ALLREDUCE_BUSBW_GBPS = {MIB: 21.6, 16 * MIB: 216.0, 256 * MIB: 298.0, GIB: 327.0, 2 * GIB: 338.0}
 
 # [H200 run] one rank alone on one H200 (NCCL 2.28.9, world size 1, fp32), ms per call, median of 20

@@ -1,21 +1,12 @@
 """Lab 02 DDP training: digits accuracy under DistributedDataParallel, and ResNet throughput scaling.
 
-Two workloads, both run as worker functions under ``lab_utils.distributed.spawn.launch`` (or torchrun, through
-``scripts/train_ddp.py``):
+Worker functions for ``lab_utils.distributed.spawn.launch`` or torchrun (``scripts/train_ddp.py``):
+``train_digits`` (correctness: N ranks reach the single-process test accuracy) and ``throughput`` (speed:
+images/s per world size, scaling efficiency, DDP's gradient buckets). Units are in names: ``_ms`` milliseconds,
+``_s`` seconds, ``_mib`` MiB (2**20 bytes), ``images_per_s`` and ``samples_per_s`` per second of wall time.
+Accuracies are fractions in [0, 1].
 
-* ``train_digits``: a small CNN on scikit-learn's 8x8 digits (1440 train / 357 test images, a fixed
-  stratified split). It measures *correctness*: with the same seed and the same global batch, a run on N
-  ranks reaches the single-process test accuracy. The training set is 1440 images so that every world
-  size up to 6 shards it without padding, and the CNN has no BatchNorm and no dropout: one optimizer step
-  on N ranks then sees exactly the same images and the same averaged gradient as one step in one process
-  (only the order of float additions differs).
-* ``throughput``: a ResNet with basic residual blocks fed random images made on the device (no data loader
-  in the way). It measures *speed*: images/s per world size, the scaling efficiency, and the effect of
-  DDP's gradient buckets (``bucket_cap_mb``, ``gradient_as_bucket_view``).
-
-Training only: the models and the digits come from ``lab_utils.models``. Units are in names: ``_ms``
-milliseconds, ``_s`` seconds, ``_mib`` MiB (2**20 bytes), ``images_per_s`` and ``samples_per_s`` per second of
-wall time. Accuracies are fractions in [0, 1].
+Design notes: docs/internals.md#lab_utilsdistributedddppy
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
 """Run a function written in a notebook cell (or a test) on N ranks: how by-hand cells and code exercises reach
 the ranks.
 
-Spawned ranks start a fresh interpreter: they cannot import a function defined in a notebook's ``__main__``
-(pickle sends functions by name). ``ship`` sends it as source instead. Each such function's source goes into a
-file of its own in a temporary folder, preceded by blank lines so that every line keeps the number it has in its
-cell: a traceback or a stack from a rank then points at the student's own line, with its text. The names the
-function takes from the notebook go into one more file, run first in the rank: modules become imports, classes
-and functions of installed packages become imports by name, other functions of the same notebook are shipped
-the same way, and small plain values (numbers, strings, a dtype) travel pickled. Library functions (this package,
-installed packages) are sent by reference.
+``ship`` sends a notebook function to spawned ranks as source, with the names it uses, so a rank's traceback points
+at the student's own line. ``run(fn, nprocs)`` runs ``fn(ctx, **kwargs)`` on every rank (``spawn.launch``), or with
+``group=False`` ``fn(**kwargs)`` in the environment torchrun would give. ``stack_frames`` reads the stacks a
+timeout collects (``spawn.WorkerTimeout.stacks``).
 
-``run(fn, nprocs)`` does it all for a by-hand cell: ``fn(ctx, **kwargs)`` on every rank (``spawn.launch``), or
-with ``group=False`` ``fn(**kwargs)`` in the environment torchrun would give, so ``fn`` starts and ends its own
-process group. ``stack_frames`` reads the stacks a timeout collects (``spawn.WorkerTimeout.stacks``).
+Design notes: docs/internals.md#lab_utilsdistributedrankspy
 """
 
 from __future__ import annotations

@@ -1,20 +1,13 @@
 """Launch N worker processes for a function from a notebook, with a process group in each.
 
 ``launch(fn, nprocs)`` spawns one process per rank, initialises ``torch.distributed`` (NCCL when there is one
-GPU per rank, gloo otherwise), calls ``fn(ctx, **kwargs)`` and returns the results by rank. A worker's
-exception reaches the caller with its rank and traceback; a timeout names what each rank was doing and carries
-each rank's Python stack at that moment; on any failure, interrupt or exit every worker is stopped, so no
-process and no port is left behind. Worker functions must live in an importable module (spawned processes
-cannot see functions defined in a notebook: ``lab_utils.distributed.ranks`` sends those as source).
+GPU per rank, gloo otherwise), calls ``fn(ctx, **kwargs)`` and returns the results by rank. A failure names its
+rank; no process and no port is left behind. ``launch(fn, nprocs, group=False)`` starts no group: each rank gets
+the environment torchrun would give it. ``start_process_group`` and ``leave_process_group`` are the two ends of a
+rank's life in a group. Worker functions must live in an importable module (``lab_utils.distributed.ranks``
+ships notebook functions).
 
-``launch(fn, nprocs, group=False)`` starts no group: each rank finds the environment torchrun would give it
-(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), so ``fn`` calls ``dist.init_process_group`` and
-``destroy_process_group`` itself, as a training script does. The rendezvous store stays in the launcher
-(``TORCHELASTIC_USE_AGENT_STORE``, as torchrun's agent does), so its port is taken before any rank starts.
-
-``start_process_group`` and ``leave_process_group`` are the two ends of a rank's life in a group, shared with
-``scripts/train_ddp.py`` under torchrun: a rank leaves by a barrier, then destroys the group while the
-interpreter is still whole, so no backend thread runs into its shutdown.
+Design notes: docs/internals.md#lab_utilsdistributedspawnpy
 """
 
 from __future__ import annotations

@@ -1,36 +1,13 @@
 """Exercise checks with four outcomes: not attempted, incorrect (with the value and why), correct, and not
 applicable on this tier (the machine cannot run the check, e.g. CUDA graphs without a GPU).
 
-A check receives the student's answer explicitly (``q1.check(flops)``); it never reads notebook globals. A
-blank answer (``None``, ``...``, or a function whose body is only ``...``/``pass``) is *not attempted*, never
-an exception, so a lab with blanks runs top to bottom. Hints come in steps; the solution can be shown.
+A check receives the student's answer explicitly (``q1.check(flops)``) and never reads notebook globals; a blank
+answer is *not attempted*, never an exception. Hints come in steps; the solution can be shown. A ``CodeExercise``
+runs a code answer against the real component and compares it with the reference (``run_student``,
+``student_frame``); ``REFERENCES`` lists what a code answer may not delegate to. ``version``, ``fraction`` and
+``choice`` normalize answers written several ways.
 
-**Code exercises.** When the answer is code, the check *runs* it against the real component (the GPU when
-there is one, else the CPU) and compares what it produced with the reference implementation on the same
-input. ``run_student`` calls the student's function with a time limit and turns what can go wrong into a
-``Wrong`` that names the symptom and shows the student's own line, never a trace through this package:
-it raised (the exception and the line of the student's code where it happened), it hung (the line it was
-at when time ran out), or it returned the wrong kind of value. ``student_frame`` finds that line in a
-traceback object or in a traceback's text (for code that ran in another process, e.g. the ranks of
-``lab_utils.distributed.spawn.launch``: pass ``WorkerError.remote_traceback``). A ``CodeExercise`` adds the
-function's signature (told to a student who passes something else) and ``applicable``: a function that
-returns why the check cannot run on this machine, or ``None``; then the outcome is *not applicable on this
-tier*, which is neither a pass nor a failure. Code checks draw their inputs at random where a fixed input
-would let a constant pass.
-
-**Delegation.** A code answer must do the work, not hand it to the course's own implementation of it. ``REFERENCES``
-is the one registry: per code exercise, its reference implementations (the lab's ``reference_*`` and the library
-functions that do the same job, e.g. ``lab_utils.mlops.canary.decide``) and what to do instead. A check refuses,
-before anything runs, an answer that is one of them or reaches one: through its code and nested code, names it reads
-(``ex.reference_time_ms``, ``canary.decide``, a name imported inside the function), defaults, closures,
-``functools.partial`` and the student's own classes. While the check runs the student's code, those functions are
-traps for calls from the student's code (what the static walk cannot see: ``getattr`` with a built name, ``eval``);
-the check's own calls, and the package's helpers calling them, pass. Either way the outcome is one line naming the
-function and the fix. Other helpers of the package (timers, loaders) are not references and stay allowed.
-
-**Normalizers.** One answer written several ways is one answer: ``version`` ("13.0", "13.0.0", NVML's 13000),
-``fraction`` ("85%") and ``choice`` (case, ``-``/``_``, synonyms; a whole answer, never a keyword inside a
-sentence) are the one place each is decided.
+Design notes: docs/internals.md#lab_utilsexercisesframeworkpy
 """
 
 from __future__ import annotations

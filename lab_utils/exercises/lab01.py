@@ -1,24 +1,12 @@
 """Lab 01 exercises: CUDA and cuBLAS timing.
 
-Four of the seven are code the check runs on this machine's real device (the GPU when torch can use one,
-else the CPU) and compares with the reference implementation on the same input:
+Four of the seven are code the check runs on this machine's real device (the GPU when torch can use one, else
+the CPU) and compares with the reference implementation on the same input: ``time_ms(fn, iters, warmup, sync)``,
+``matmul_tflops(n, device, timer)``, ``copy_gbps(nbytes, device, timer)`` and ``replay_with_graph(chain,
+static_x, xs)`` (GPU only: *not applicable* on the CPU tier). Units: times in ms, TFLOP/s = 1e12 FLOP/s,
+GB/s = 1e9 bytes/s.
 
-- ``time_ms(fn, iters, warmup, sync)``: graded twice. First on asynchronous work whose duration is known
-  (two lengths drawn at random per check, so a constant cannot pass):
-  on a GPU, real ``torch.cuda._sleep`` kernels whose first launch is slow (as a first CUDA call is); without
-  one, ``AsyncDevice``, a worker thread that really does the work later, so a function that forgets to wait
-  for the work is caught on any machine. Then on a real matmul against the reference timer
-  (``lab_utils.timing.benchmark``), within a loose band: CPU timing on a busy machine is noisy, and the
-  mistakes it must catch (a clock stopped before the GPU finished, seconds for milliseconds, the total for
-  the mean, the warm-up timed too) are factors of 3 and more.
-- ``matmul_tflops(n, device, timer)`` and ``copy_gbps(nbytes, device, timer)``: the student creates the
-  inputs, times the operation with ``timer`` (the reference timer, instrumented: it sees whether the timed
-  function draws random numbers, i.e. creates its inputs, and what it returns) and turns the time into a
-  rate; the rate is checked exactly against the time the timer returned, so a missing factor 2 (FLOPs of a
-  multiply-add, or a copy's read + write) or a unit slip gets its own message whatever the machine's noise.
-- ``replay_with_graph(chain, static_x, xs)``: capture a chain of small kernels in a CUDA graph, replay it
-  per input. GPU only: on the CPU tier the check is *not applicable*, and says what the H200 reference
-  measured.
+Design notes: docs/internals.md#lab_utilsexerciseslab01py
 """
 
 from __future__ import annotations

@@ -1,30 +1,12 @@
 """Lab 02 exercises: NCCL collectives and multi-GPU DDP training.
 
-Four of the seven are code that the check runs; three of those run in real ranks, gloo processes on a CPU and
-NCCL with one GPU each where there are two or more GPUs (``grading_ranks``), and are compared with the
-reference implementation on the same input:
+Four of the seven are code that the check runs. Three run in real ranks (gloo processes on a CPU, NCCL with one
+GPU each where there are two or more GPUs: ``grading_ranks``) and are compared with the reference on the same
+input: ``allreduce_bench(ctx, sizes_bytes, iters, warmup)``, ``train_ddp(train_set, make_model, epochs,
+batch_size, lr, checkpoint_path)`` and ``global_accuracy(ctx, correct, seen)``. ``busbw_factor`` needs no ranks;
+the rest are a number, a variable name and a choice. Sizes are in bytes; bandwidths in GB/s (1 GB = 1e9 bytes).
 
-- ``allreduce_bench(ctx, sizes_bytes, iters, warmup)``: the all-reduce benchmark worker. It runs in the ranks
-  beside ``reference_allreduce_bench``, turn about, on the same sizes. The check counts the student's
-  ``dist.all_reduce`` calls and the bytes of each (a missing warm-up, a buffer of the wrong size), compares the
-  time with the reference's within a loose band (a clock stopped before the GPU finished, the total for the
-  mean, seconds, the warm-up timed too) and recomputes algbw and busbw from the student's own time, which
-  catches unit slips exactly, whatever the noise: bits, GiB, algbw reported as busbw. On two ranks the
-  all_reduce factor 2(n-1)/n is 1, so the check runs on three gloo ranks on a CPU, and on GPUs adds a
-  three-rank gloo run when there are only two.
-- ``train_ddp(train_set, make_model, epochs, batch_size, lr, checkpoint_path)``: one rank of a DDP training job,
-  started as torchrun would start it. Ranks see a dataset that records which samples each rank read in which
-  order, a model factory that records autocast, and ``torch.save``, ``clip_grad_norm_`` and the GradScaler are
-  watched; the check then verifies disjoint shards, a new order each epoch, identical parameters on every
-  rank, FP16 autocast with a GradScaler unscaled before clipping, the accuracy of the reference's run within
-  one point, exactly one checkpoint (rank 0's) and the group destroyed.
-- ``global_accuracy(ctx, correct, seen)``: a metric summed over ranks with unequal shards, drawn at random per
-  check.
-
-The student's function reaches the ranks as source (``lab_utils.distributed.ranks``), so a rank's traceback
-or a hang points at the student's own line. The other questions need no ranks: ``busbw_factor`` is called for
-every collective at n = 2, 3, 4 and 8 (at n = 2 alone different formulas agree); the rest are a number, a
-variable name (with its value, read by NCCL's own rules) and a choice.
+Design notes: docs/internals.md#lab_utilsexerciseslab02py
 """
 
 from __future__ import annotations
@@ -667,7 +649,7 @@ q2 = CodeExercise(
 GRAD_PARAMS = 350_000_000  # parameters, all with gradients
 GRAD_BYTES_PER_PARAM = 2  # bf16 gradients
 GRAD_RANKS = 8
-GRAD_BUSBW_GBPS = 340.0  # GB/s (1 GB = 1e9 bytes); REFERENCE.md §1: 338 GB/s measured on 2 H200s, NVLink 4
+GRAD_BUSBW_GBPS = 340.0  # GB/s (1 GB = 1e9 bytes): 338 GB/s measured on 2 H200s linked by NVLink 4
 
 _GRAD_BYTES = GRAD_PARAMS * GRAD_BYTES_PER_PARAM
 _GRAD_FACTOR = reference_busbw_factor("all_reduce", GRAD_RANKS)  # 1.75

@@ -1,16 +1,13 @@
 """Lab 03 exercises: the code an inference engineer writes, run against the real thing, and the decisions made
 with its numbers.
 
-Code, run by the check: 03.1 the ONNX export with a dynamic batch (loaded in ONNX Runtime, run at batch 1 and 7,
-compared with PyTorch); 03.2 an ONNX Runtime session at a graph optimization level with explicit providers,
-timed with the lab-01 timer; 03.3 ModelOpt's INT8 ``quantize`` call with a calibration set of the right shape
-and type (accuracy rerun, Q/DQ nodes counted); 03.6 the TensorRT builder, from logger to ``execute_async_v3``
-(built and run where TensorRT imports; elsewhere read for removed calls and missing steps and type-checked
-against tensorrt-stubs, and the outcome says which). Decisions, on fixed data so a check gives the same verdict
-everywhere: 03.4 the precision an accuracy budget allows, 03.5 the speedup that pays for calibration, 03.7
-which requests an optimization profile accepts, 03.8 the largest batch a p95 latency target allows.
+Code, run by the check: 03.1 the ONNX export with a dynamic batch, 03.2 an ONNX Runtime session, 03.3
+ModelOpt's INT8 ``quantize`` call, 03.6 the TensorRT builder. Decisions, on fixed data: 03.4 the precision an
+accuracy budget allows, 03.5 the speedup that pays for calibration, 03.7 which requests an optimization profile
+accepts, 03.8 the largest batch a p95 latency target allows. torch, onnx, ONNX Runtime and ModelOpt are imported
+when a check runs, never at import.
 
-torch, onnx, ONNX Runtime and ModelOpt are imported when a check runs, never at import.
+Design notes: docs/internals.md#lab_utilsexerciseslab03py
 """
 
 from __future__ import annotations

@@ -1,18 +1,13 @@
 """Lab 04 exercises: the code a serving engineer writes, run against the running Triton server, and the numbers
 read off it.
 
-Code, run by the check against the lab's server (``use_server(server, repo)`` tells the checks which one):
-04.2 the deploy: ``load_model(config=...)`` and a poll of ``is_model_ready`` with a deadline (the real load, then a
-model that stays not ready); 04.3 a gRPC request and 04.4 an HTTP request (``InferenceServerClient``, ``InferInput``
-+ ``set_data_from_numpy``, ``InferRequestedOutput``, ``infer``, ``as_numpy``) compared with the model computed in
-NumPy; 04.6 the python backend's ``execute`` for a dynamic batch, written into a ``model.py``, deployed under
-dynamic batching and driven by the load generator (every client must get its own rows back, from one model run
-per batch); 04.8 the average batch and queue time from a statistics response, on a fixed one, on one drawn at random
-and on the server's.
-Reasoning on fixed numbers: 04.1 a ``config.pbtxt`` checked by Triton's schema, 04.5 Little's law, 04.7 the queue
-delay for a p95 target.
+Code, run by the check against the lab's server (``use_server(server, repo)`` tells the checks which one): 04.2
+the deploy (``load_model`` and a poll of ``is_model_ready``), 04.3 a gRPC and 04.4 an HTTP request, 04.6 the
+python backend's ``execute`` for a dynamic batch, 04.8 the average batch and queue time from a statistics
+response. Reasoning on fixed numbers: 04.1 a ``config.pbtxt``, 04.5 Little's law, 04.7 the queue delay for a p95
+target. Nothing is imported or started at import: the checks import tritonclient when they run.
 
-Nothing is imported or started at import: the checks import tritonclient when they run.
+Design notes: docs/internals.md#lab_utilsexerciseslab04py
 """
 
 from __future__ import annotations

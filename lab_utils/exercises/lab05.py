@@ -1,32 +1,13 @@
 """Lab 05 exercises: PromQL, an alert rule, a watchdog, alert thresholds, reading metrics, finding the bottleneck.
 
-Four of the seven are code that the check executes against the real component:
+Four of the seven are code that the check executes against the real component: q1 and q2 (PromQL) are graded by a
+Prometheus serving recorded samples (``RECORDED``, evaluated at ``GRADING_TIMES``), q4 (an alerting rule) by
+``promtool test rules`` over ``ALERT_SERIES``, q5 (a watchdog loop) against a real Triton server that the check
+kills and hangs. q3, q6 and q7 take numbers or choices from fixed data in this module. Without prometheus and
+promtool the PromQL and rule checks say how to install them instead of grading; without a Triton server binary
+the watchdog check is not applicable.
 
-- q1, q2 (PromQL) are graded by Prometheus itself. ``RECORDED`` holds twelve minutes of two Triton servers'
-  counters for two models, scraped every 15 s, the load changing every 3 minutes. A check starts a Prometheus that
-  serves these samples (backfilled by promtool), evaluates the student's query and the reference at the end of
-  each phase (``GRADING_TIMES``, where the reference's value changes), and compares the series: an equivalent
-  query written another way gives the same numbers and passes, a constant that matches once does not. The same
-  Prometheus also serves a second recording drawn afresh for each check and never shown (three servers, bert in
-  two versions, other batch sizes, a server restart that resets its counters): a query right only by a
-  coincidence of ``RECORDED`` fails there. ``delta()`` on these counters is refused outright. A wrong
-  answer is told its symptom: a known mistake (``increase`` for ``rate``, inferences for requests, microseconds)
-  is recognised by its numbers, evaluated by Prometheus too; a missing ``sum by (model)`` by its series.
-- q4 (an alerting rule) is graded by ``promtool test rules`` over ``ALERT_SERIES``: fourteen minutes in which
-  one model has a one-minute burst and another is overloaded from minute 6. The rule must fire on the overload
-  and stay silent on the calm model, burst included; its expression must return the queue time per request (ms,
-  or µs against 100000) exactly when that is over 100 ms, so a doubled value or another threshold that happens to
-  fire at the right times here fails. The verdicts are promtool's exit codes on small tests of
-  the ``ALERTS`` series the rule produced; a wrong rule's slip (no ``for:``, ``increase`` for ``rate``, µs, the
-  comparison reversed) is told from when it fired and from its values.
-- q5 (a watchdog loop) runs the student's function in a thread against a real Triton server that the check
-  starts, kills, hangs (SIGSTOP: the port stays taken, nothing answers) and makes fail to restart: it must
-  restart once per crash, time out on the hung server, back off while restarts fail, and return when told to
-  stop. Whatever happens, the check stops the server and ends the loop.
-
-Without prometheus and promtool the PromQL and rule checks say how to install them instead of grading; without a
-Triton server binary the watchdog check is not applicable. The other questions (q3, q6, q7) take numbers or
-choices from fixed data in this module.
+Design notes: docs/internals.md#lab_utilsexerciseslab05py
 """
 
 from __future__ import annotations

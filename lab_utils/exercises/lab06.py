@@ -1,24 +1,12 @@
 """Lab 06 exercises: profiling and diagnosing a slow training program.
 
-Four of the six are code the check runs:
+Four of the six are code the check runs: ``profile_steps(step, trace_path)`` (torch.profiler by hand, the Chrome
+trace exported), ``gpu_busy_fraction(trace)`` (the union of kernel intervals over the steps' wall time, a
+fraction 0..1), ``make_loader(dataset, batch_size, device)`` (the data-loading fix) and ``train_loop(model, opt,
+batches, log_every)`` (no host sync per step). Two are readings: which bottleneck four trace summaries show, and
+which side of the roofline ncu puts a GEMM and an elementwise kernel.
 
-- ``profile_steps(step, trace_path)``: torch.profiler by hand (CPU and, on a GPU, CUDA activities; a schedule
-  of wait 1, warm-up 1, active 3; ``prof.step()``; the Chrome trace exported). The check runs it on a real
-  training step of its own and reads the trace it wrote: the three active steps, the step's own annotation
-  three times, kernels where there is a GPU.
-- ``gpu_busy_fraction(trace)``: the union of kernel intervals over the steps' wall time. Graded against the
-  reference on real traces (the committed H200 ones and, on a GPU, one recorded by the check) and on traces
-  drawn at random with two overlapping streams, a kernel left over from before the steps and one that ends
-  after them, so summing overlaps, dividing by the kernel time or skipping the clipping each get caught.
-- ``make_loader(dataset, batch_size, device)``: the data-loading fix. The check iterates the student's loader
-  over a data set with a real read latency per sample while a training step takes its time, and measures how
-  long each ``next()`` waits, against a main-process loader on the same data.
-- ``train_loop(model, opt, batches, log_every)``: no host sync per step. The check counts the read-backs the
-  student's own lines make (``.item()``, ``.cpu()``, ``float(t)``, ``if t:``…) and compares the logged means
-  with the reference on a copy of the same model.
-
-Two are readings: which bottleneck four trace summaries show, and which side of the roofline ncu puts a GEMM and
-an elementwise kernel.
+Design notes: docs/internals.md#lab_utilsexerciseslab06py
 """
 
 from __future__ import annotations

@@ -1,23 +1,13 @@
 """Lab 07 exercises: the service's code and configuration, checked against the running service.
 
-``use_service(service)`` tells the checks which service (``lab_utils.serving.service.Service``) to use.
-
-- q1 the ensemble's ``config.pbtxt`` (a dict or pbtxt text): Triton's schema and the course's step checks, then the
-  check loads it on one of the service's Triton servers under its own name and sends held-out PNGs through it:
-  the answers must be the service's.
-- q2 the preprocessing step, ``preprocess(items) -> [N, 1, 8, 8] float32``, the body of the python backend's
-  ``execute``: graded on real PNG bytes (digits, other sizes, RGB) against the running service's preprocessing
-  model, and on bad items (not an image, empty, oversized) which must raise ``ValueError`` naming the item.
-- q3 nginx's upstream block over the two Triton servers: ``nginx -t``, then an nginx started with it, traffic sent
-  through it, and both servers must have answered.
-- q4 the capacity search, ``find_capacity(probe, lo_rps, hi_rps, slo_ms, tolerance) -> float``: bisection with the
-  SLO rule (no error, stable, p95 <= SLO). First on a simulated service whose traps catch p50 for p95, an unstable
-  run taken for a pass and fast failures taken for speed; then against the running service (real open-loop
-  probes through nginx), where its answer must follow from the probes it made.
-- q5 the capacity plan, ``servers_needed(peak_rps, capacity_rps, headroom, spares) -> int``: on fixed and random
-  cases against the reference.
-
+``use_service(service)`` tells the checks which service (``lab_utils.serving.service.Service``) to use. q1 the
+ensemble's ``config.pbtxt`` (a dict or pbtxt text); q2 the preprocessing step, ``preprocess(items) -> [N, 1, 8,
+8] float32``; q3 nginx's upstream block over the two Triton servers; q4 the capacity search,
+``find_capacity(probe, lo_rps, hi_rps, slo_ms, tolerance) -> float``; q5 the capacity plan,
+``servers_needed(peak_rps, capacity_rps, headroom, spares) -> int``. Rates are in requests/s, latencies in ms.
 Nothing is imported or started at import.
+
+Design notes: docs/internals.md#lab_utilsexerciseslab07py
 """
 
 from __future__ import annotations

@@ -1,28 +1,13 @@
 """Lab 08 exercises: MLOps, checked against the real tools: an MLflow tracking server, a Prometheus scraping metric
 sources whose history the check scripts, and the canary loop of ``lab_utils.mlops.canary``.
 
-``use_tracking(server)`` tells q1 which tracking server (``lab_utils.mlops.tracking.TrackingServer``) to log to;
-``use_ab(result)`` gives q6 the A/B result the lab measured (``lab_utils.mlops.abtest.AbResult``);
-``use_bench(bench)`` (optional) lets q2 and q3 share one ``MetricsBench`` (started by the first check that needs
-it) instead of starting their own.
+``use_tracking(server)``, ``use_ab(result)`` and ``use_bench(bench)`` (optional) hand the checks what the lab
+started or measured. q1 ``log_run(tracking_uri, experiment, result, onnx_path) -> run_id``; q2
+``canary_queries(window) -> {"error_rate", "p95_ms", "accuracy"}``; q3 ``decide(state, metrics, guards) ->
+Decision``; q4 ``sample_size(p_a, p_b, alpha=0.05, power=0.8) -> int`` per group; q5 ``psi(reference, current,
+bins=10) -> float``; q6 the A/B verdict, ``"real"`` or ``"not real"``. Nothing is imported or started at import.
 
-- q1 ``log_run(tracking_uri, experiment, result, onnx_path) -> run_id``: the MLflow calls of one training run
-  (params, one metric point per epoch at its step, the ONNX file as an artifact, tags ``data_sha256`` and
-  ``git_commit``). The check calls it on a small ``TrainResult`` against the tracking server and reads the run back.
-- q2 ``canary_queries(window) -> {"error_rate", "p95_ms", "accuracy"}``: the canary's PromQL. The check runs it on a
-  real Prometheus scraping Triton-like and feedback sources whose history is scripted so that counters read
-  without ``rate``/``increase``, a missing ``sum by``, failures / successes, microseconds, the other model on the
-  same server and a failure counter that does not exist yet each give a wrong number.
-- q3 ``decide(state, metrics, guards) -> Decision``: the controller's decision, on scripted sequences against the
-  reference (``canary.decide``), then driving ``canary.run_canary`` live (Prometheus over fake Tritons whose
-  traffic follows the weight) for a good and a bad challenger.
-- q4 ``sample_size(p_a, p_b, alpha=0.05, power=0.8) -> int`` per group, two-sided two-proportion z-test (the pooled
-  form; the unpooled one is accepted too).
-- q5 ``psi(reference, current, bins=10) -> float``: the population stability index, bins at the reference's
-  quantiles, shares floored at a small epsilon.
-- q6 the A/B verdict: is the measured difference real (``"real"`` / ``"not real"``)?
-
-Nothing is imported or started at import.
+Design notes: docs/internals.md#lab_utilsexerciseslab08py
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """Lab 09 exercises: LLM-serving arithmetic (the quiz itself is ``lab_utils.exercises.quiz``).
 
-Four are code the check runs on inputs drawn at random for every check, so a constant cannot pass and a
-mistake shows as a ratio the check can name:
+Four are code the check runs on inputs drawn at random: ``kv_bytes_per_token(layers, kv_heads, head_dim,
+dtype_bytes)``, ``max_sequences(gpu_mem_gb, weights_gb, seq_len, kv_bytes_per_token, reserve_frac)`` (GB = 1e9
+bytes), ``kv_waste(lengths, max_len, block)`` and ``ttft_tpot(prefill_ms, decode_ms, batch, new_tokens)``. Four
+are values: the KV cache of a Llama-3.1-70B sequence, decode's arithmetic intensity, the batch where decode meets
+the H200's ridge, and the body of an OpenAI-compatible chat request to a NIM (no request is sent).
 
-- ``kv_bytes_per_token(layers, kv_heads, head_dim, dtype_bytes)``: 2·layers·kv_heads·head_dim·dtype_bytes, on
-  several model shapes (GQA ones among them);
-- ``max_sequences(gpu_mem_gb, weights_gb, seq_len, kv_bytes_per_token, reserve_frac)``: how many sequences of
-  ``seq_len`` tokens fit beside the weights (a fraction of the GPU kept back, GB = 1e9 bytes, whole sequences);
-- ``kv_waste(lengths, max_len, block)``: the share of reserved KV memory left unused, contiguous (every sequence
-  reserves ``max_len``) and paged (blocks of ``block`` tokens, as vLLM and TensorRT-LLM do);
-- ``ttft_tpot(prefill_ms, decode_ms, batch, new_tokens)``: time to first token, time per output token and tokens/s
-  of a static batch, from measured prefill and decode-step times.
-
-Four are values: the KV cache of a Llama-3.1-70B sequence, decode's arithmetic intensity, the batch where decode
-meets the H200's ridge, and the body of an OpenAI-compatible chat request to a NIM (no request is sent).
+Design notes: docs/internals.md#lab_utilsexerciseslab09py
 """
 
 from __future__ import annotations

@@ -1,29 +1,13 @@
 """Lab 09's exam review: the question bank, its graded questions, a quiz runner, the glossary and the stack map.
 
-**The bank** is YAML, one file per syllabus section (``lab_utils/data/quiz/s1_stack.yaml`` ... ``s6_industry.yaml``),
-each ``{section, title: {en, zh}, questions: [...]}``; a question has an ``id``, the syllabus ``rows`` it tests
-(ids from ``rows.yaml``), a ``form`` (single | multi | numeric | match | order), a ``prompt``, ``choices`` (absent
-for numeric), an ``answer``, an ``explanation``, optionally the ``lab`` that measured it, and ``terms`` (en↔zh).
-``load_bank`` validates every file against ``schema.json`` (when present) and checks what a schema cannot (the
-answer's keys are among the choices, ids are unique, both languages are there); an error names the file and the
-question. ``NVLAB_QUIZ_DIR`` points the course at another bank (a trainer's own, or the tests' fixture).
+``load_bank`` reads and validates the YAML bank (``lab_utils/data/quiz/``; ``NVLAB_QUIZ_DIR`` points at another);
+``question.exercise("zh").check(answer)`` grades one answer through the exercise framework. ``QuizRunner`` draws
+questions by section with a fixed seed: ``next()``, ``answer(x)``, ``check(answers, section)``, ``score()``,
+``missed()``. ``strategy_scores`` scores fixed ways of guessing against ``GUESS_LIMIT``. ``glossary`` /
+``write_glossary`` produce ``docs/glossary.md`` (generated: never edit it by hand); ``stack_map`` links the stack
+to the labs. Importing this module reads nothing; YAML and jsonschema are imported when a bank is loaded.
 
-**Grading** goes through the exercise framework: ``question.exercise("zh").check(answer)`` says *not attempted*
-(a blank), *incorrect* with why (for multi the missing and extra keys, for match the wrong pairs, for order the
-first item out of place; then the explanation) or *correct*. Answers are read forgivingly: key case and spaces,
-``"a,c"`` or ``["a", "c"]``, numbers as text (a trailing unit allowed; a byte unit such as ``"150.8 GB"`` is
-converted to the one asked), match as a dict or ``"a:1, b:2"``.
-
-**QuizRunner** draws questions by section with a fixed seed (the same order every run) and shows their choices
-shuffled by that seed and lettered again: an answer is graded against the letters shown (the key follows its
-choice). One at a time with immediate feedback (``next()``, ``answer(x)``) or a section at once
-(``check(answers, section)``); ``score()`` per section and ``missed()`` to review. Blanks are never an exception: a
-quiz nobody answers scores 0, all "not attempted". ``strategy_scores`` says how fixed ways of answering without
-reading ("always a", "the longest choice", "all of them" ...) score; none may pass ``GUESS_LIMIT``.
-``glossary`` / ``write_glossary`` produce ``docs/glossary.md`` (generated: never edit it by hand); ``stack_map`` is
-the course's map of the stack, every component linked to the lab that touched it.
-
-Importing this module reads nothing; YAML and jsonschema are imported when a bank is loaded.
+Design notes: docs/internals.md#lab_utilsexercisesquizpy
 """
 
 from __future__ import annotations
@@ -959,7 +943,7 @@ def write_glossary(path: Path | str | None = None, bank: Bank | None = None) -> 
 
 # --- the stack map ----------------------------------------------------------------------------------------------
 
-# SYLLABUS.md §1's layers, bottom to top, with the components the course touches and the labs that touched them.
+# The stack's layers, bottom to top, with the components the course touches and the labs that touched them.
 # (layer en, layer zh, what it solves en, zh, [(component, [labs], what the lab did)])
 STACK: tuple[tuple[str, str, str, str, tuple[tuple[str, tuple[str, ...], str], ...]], ...] = (
     ("driver", "驱动", "the OS sees and manages the GPU", "操作系统识别并管理 GPU", (

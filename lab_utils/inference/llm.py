@@ -1,21 +1,12 @@
 """Lab 09's small decoder-only transformer (RANDOM WEIGHTS: it generates nonsense, on purpose) and the timing of
 its two phases, prefill and decode, with the FLOPs and bytes each moves.
 
-The model is the shape of a modern LLM at toy size: token embedding, ``n_layers`` blocks of RMSNorm → attention with
-grouped-query heads (``n_kv_heads`` key/value heads shared by ``n_heads`` query heads) → RMSNorm → a SiLU MLP, and an
-LM head tied to the embedding. Its weights are random (``torch.manual_seed``): the lab measures *speed*, which
-depends on the shapes, not on what the weights learned.
+Prefill runs the prompt through the model in one forward (compute-bound); decode produces one token per sequence
+per step (memory-bound). ``prefill_decode`` times both with ``lab_utils.timing.benchmark`` and reports achieved
+FLOP/s, bytes/s and intensity (FLOP/byte) from ``phase_cost``'s counts. Shapes: tokens ``[B, T]``, cache
+``[layers, B, kv_heads, max_len, head_dim]``.
 
-- **Prefill** runs the prompt's P tokens through the model in one forward and fills the KV cache: every weight is
-  read once and used for B·P tokens, so it is compute-bound (like a big matmul).
-- **Decode** produces one token per sequence per step: every weight is read again for only B tokens, and the whole
-  KV cache is read too, so it is memory-bound (arithmetic intensity ≈ B FLOP/byte in bf16, far below the H200's
-  ridge of ~206 FLOP/byte).
-
-``prefill_decode`` times both with ``lab_utils.timing.benchmark`` (CUDA events on a GPU) and reports achieved
-FLOP/s, bytes/s and intensity from ``phase_cost``'s counts (matmul FLOPs and the fewest bytes: weights once, KV
-cache read/written; activations are not counted). Shapes: tokens ``[B, T]``, cache ``[layers, B, kv_heads,
-max_len, head_dim]``.
+Design notes: docs/internals.md#lab_utilsinferencellmpy
 """
 
 from __future__ import annotations

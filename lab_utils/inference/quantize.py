@@ -1,16 +1,12 @@
 """Lab 03 precision in the graph, the TensorRT 11 way: ModelOpt AutoCast (FP16/BF16) and explicit
 quantization (INT8/FP8 Q/DQ nodes) of ONNX files, calibrated on real inputs, checked in ONNX Runtime.
 
-TensorRT 11 builds strongly typed networks only: the precision of every tensor is written in the ONNX graph
-before the build (REFERENCE §5). ModelOpt writes it: ``autocast`` converts FP32 nodes to FP16/BF16 where
-their values fit; ``quantize_onnx`` inserts QuantizeLinear/DequantizeLinear pairs whose scales come from
-calibration data. The resulting files run in ONNX Runtime on any CPU, so accuracy is measured everywhere.
+``autocast`` converts FP32 nodes to FP16/BF16 where their values fit; ``quantize_onnx`` inserts Q/DQ pairs whose
+scales come from calibration data. ``modelopt_status`` says whether ModelOpt's ONNX path imports here and why
+not; without it the ModelOpt calls raise ``ModelOptMissing`` (an ImportError), and ``skip_line`` is the one line a
+lab prints for what it skips.
 
-ModelOpt's ONNX path runs on the CPU here (``calibration_eps=["cpu"]``, ``providers=["cpu"]``). Its
-messages are captured and shown only when something fails. nvidia-modelopt (optional, and seconds to import)
-and onnxruntime are imported where they are used, so the module imports without them. ``modelopt_status`` says
-whether ModelOpt's ONNX path imports here and why not; without it the ModelOpt calls raise ``ModelOptMissing``
-(an ImportError), and ``skip_line`` is the one line a lab prints for what it skips.
+Design notes: docs/internals.md#lab_utilsinferencequantizepy
 """
 
 from __future__ import annotations

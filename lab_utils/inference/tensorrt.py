@@ -1,15 +1,11 @@
 """Lab 03 TensorRT: strongly typed engines from ONNX files, optimization profiles, a timing cache, engine
 files, execution from torch tensors on a CUDA stream, and the equivalent ``trtexec`` command lines.
 
-Works on TensorRT 10.x and 11.x with the same calls: precision comes from the ONNX graph (ModelOpt AutoCast
-and Q/DQ nodes, see ``lab_utils.inference.quantize``), never from builder flags; the network is created strongly typed
-(the flag is required on 10.x and ignored on 11.x, where every network is); tensors are addressed by name
-(``set_input_shape``, ``set_tensor_address``, ``execute_async_v3``). Type-checked with mypy against
-``tensorrt-stubs`` (TensorRT 10.13's API).
+Works on TensorRT 10.x and 11.x with the same calls; precision comes from the ONNX graph
+(``lab_utils.inference.quantize``), never from builder flags. The module imports on machines without TensorRT;
+``tensorrt_status`` says whether it can run here and why.
 
-``tensorrt`` is imported inside the functions (and under TYPE_CHECKING for annotations), so this module
-imports on machines without TensorRT; ``tensorrt_status`` says whether it can run here and why. Engines are
-fed from torch tensors on torch's CUDA streams, so torch is imported at the top.
+Design notes: docs/internals.md#lab_utilsinferencetensorrtpy
 """
 
 from __future__ import annotations
@@ -163,7 +159,7 @@ def trtexec_commands(onnx_path: str | os.PathLike[str], engine_path: str | os.Pa
     TensorRT 10 needs ``--stronglyTyped`` to build from the graph's precision, and ``--useCudaGraph
     --noDataTransfers`` to report GPU compute time comparable with the lab's engine timings; in TensorRT 11 all
     three are deprecated and do nothing (every network is strongly typed), so they are left out. trtexec's
-    throughput is executions / wall time (REFERENCE §5). ``trtexec``: the program to name (default: as
+    throughput is executions / wall time. ``trtexec``: the program to name (default: as
     ``find_trtexec`` finds it here, so the lines run as printed in an NGC image that keeps it off the PATH).
     """
     major = major if major is not None else (tensorrt_major() or LATEST_MAJOR)

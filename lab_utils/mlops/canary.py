@@ -1,26 +1,13 @@
 """A canary controller (the reference implementation of lab 08's exercise): the challenger takes 10 % of the traffic,
 then 50 %, then 100 %, each step held while its guards pass; a tripped guard rolls it back to 0 %.
 
-- ``decide(state, metrics, guards) -> Decision``: pure. ``metrics`` maps ``"champion"`` and ``"challenger"`` to
-  ``VariantMetrics(error_rate, p95_ms, accuracy, requests, feedback)``. Guards, in the order checked:
-  ``CanaryErrors`` (challenger error share above ``max_error_rate``, or above the champion's by more than
-  ``max_error_rate_delta``), ``CanaryLatency`` (p95 above ``max_p95_ms``, or above ``max_p95_ratio`` x the
-  champion's but never below ``p95_floor_ms``), ``CanaryAccuracy`` (accuracy on labelled feedback below the
-  champion's by more than ``max_accuracy_drop``, once ``min_feedback`` labelled answers are in), ``CanaryNoTraffic``
-  (no evidence for
-  ``max_idle_checks`` checks in a row). Too few requests, or fewer than ``min_feedback`` labelled answers (0: no
-  labels expected), is not a failure: the step waits (``hold``). After
-  ``checks_per_step`` healthy checks in a row the challenger moves to the next step (``promote``); the last step
-  (100 %) is the promotion.
-- ``read_metrics(prom, queries) -> {variant: VariantMetrics}``: the PromQL in ``QUERIES`` (strings with
-  ``{window}``, ``{model}``, ``{by}``), grouped by the label whose values are the variant names: the scrape job
-  (one Triton per variant behind nginx) for the service's metrics, ``variant`` for the feedback counters.
-- ``run_canary(prom, set_weight, ...) -> CanaryRun``: the loop: read, decide, apply the weight through the
-  callback (``lambda w: lb.set_weights({champ: 100 - w, chall: w})``), log a timeline row; until promoted, rolled
-  back, or ``timeout_s`` (a rollback). ``CanaryRun.timeline`` is a DataFrame: time, weight, metrics, action,
-  alert, reason.
+``decide(state, metrics, guards) -> Decision`` is the pure decision: hold, promote, or a guard's rollback
+(``CanaryErrors``, ``CanaryLatency``, ``CanaryAccuracy``, ``CanaryNoTraffic``). ``read_metrics(prom, queries) ->
+{variant: VariantMetrics}`` runs the PromQL in ``QUERIES``. ``run_canary(prom, set_weight, ...) -> CanaryRun``
+loops: read, decide, apply the weight, log a timeline row. Units: error rates and accuracy are fractions 0..1,
+latency in ms, weights in % of requests.
 
-Units: error rates and accuracy are fractions 0..1, latency in ms, weights in % of requests.
+Design notes: docs/internals.md#lab_utilsmlopscanarypy
 """
 
 from __future__ import annotations

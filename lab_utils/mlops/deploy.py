@@ -1,26 +1,13 @@
 """Lab 08's release machinery on lab 07's service: a champion and a challenger, each on its own Triton server behind
-the one nginx front door, the challenger's share of requests set by nginx's weights; labelled traffic whose answers
-are attributed to the variant that gave them.
+the one nginx front door, the challenger's share set by nginx's weights; labelled traffic counted per variant.
 
-- ``CanaryService(champion_onnx, challenger_onnx=None, gpus=0, drift_reference=None)``: a ``Service`` (lab 07's
-  object: front door, ``target()``, ``headers``, ``stop()``) whose two Triton servers serve the same PNG ensemble
-  with different classifiers. ``set_weight(w)``: the challenger's share in % (0: marked ``down``, 100: the
-  champion ``down``; a reload, no request dropped). ``deploy_challenger(onnx)``: a new classifier version on the
-  challenger's server (loaded while it takes no traffic). ``promote()``: after a canary reached 100 %, the
-  champion's server takes the challenger's classifier as its next version and all traffic returns to it, so the
-  challenger's server is free for the next candidate (what a rollout does when it scales the stable deployment to
-  the new version).
-  ``scrape_jobs()``: Prometheus jobs ``champion`` and ``challenger`` (one Triton each): the variant is the job.
-  With ``drift_reference`` (``drift.reference_bins`` of the training images) the preprocessing step of each server
-  exports the PSI of what it decodes (``nvlab_drift_psi``) on Triton's metrics endpoint.
-- ``LabelledTraffic(svc, feedback, images, labels, rate_rps)``: a thread sending labelled digits through the front
-  door over HTTP; nginx names the server that answered (``X-Upstream-Addr``), so each answer is counted for its
-  variant in a ``FeedbackExporter``; an optional ``DriftMonitor`` sees every image and the top-1 confidence.
-  ``set_stream(images, labels)`` switches what is sent (the drift). Errors are counted, never raised.
-- ``install_onnx(repo, onnx, version)``: a classifier version from a registry's ONNX file (and its external-data
-  file, when the exporter wrote one).
+``CanaryService(champion_onnx, challenger_onnx=None, gpus=0, drift_reference=None)`` is a ``Service`` with
+``set_weight(w)``, ``deploy_challenger(onnx)``, ``promote()`` and ``scrape_jobs()``. ``LabelledTraffic(svc,
+feedback, images, labels, rate_rps)`` sends labelled digits through the front door. ``install_onnx(repo, onnx,
+version)`` adds a classifier version from a registry's ONNX file. Units: weights in % of requests, rates in
+requests/s, times in s.
 
-Units: weights in % of requests, rates in requests/s, times in s.
+Design notes: docs/internals.md#lab_utilsmlopsdeploypy
 """
 
 from __future__ import annotations

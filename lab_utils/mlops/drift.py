@@ -2,23 +2,12 @@
 stays green. PSI and the two-sample KS statistic against the training reference, shifted digits to serve, an
 exporter of the statistics for Prometheus, and alert rules checked by promtool.
 
-- ``psi(reference, current, bins=10)``, ``ks_statistic(reference, current)``: one feature each.
-- ``image_features(images)``: per image ``mean_intensity``, ``ink_fraction``, ``center_row``, ``center_col``
-  (pixels 0..16, positions in px); ``pixels`` is every pixel value. ``confidence(logits)``: max softmax.
+- ``psi``, ``ks_statistic``, ``image_features`` (pixels 0..16, positions in px), ``confidence`` (max softmax).
 - ``rotated``, ``noisy``, ``rescaled``, ``shift(images, kind, strength)``: raw digits (N, 8, 8) moved away.
-- ``DriftReference.from_images(x_train, confidences)``, ``drift_table(reference, images, confidences)``.
-- ``DriftMonitor(reference, window=300)`` with ``observe(images, confidences)``; ``DriftExporter(monitor)`` serves
-  ``nvlab_drift_psi{feature}``, ``nvlab_drift_ks{feature}``, ``nvlab_drift_window_images`` and the histogram
-  ``nvlab_prediction_confidence``.
+- ``DriftReference``, ``drift_table``, ``DriftMonitor(reference, window=300)`` (images), ``DriftExporter(monitor)``.
 - ``drift_rules(...)``, ``write_drift_rules(folder)`` (promtool-checked), ``write_drift_rules_test(folder)``.
 
-Why an exporter in the lab's process rather than metrics from the python-backend preprocessing model: the
-statistics need the reference distribution and a window of recent images, state a stateless preprocessing step
-should not carry (several instances would each see a part of the traffic); Triton's custom-metrics API works only
-inside the stub, which on the wheel's server runs the NumPy-1 environment; and the monitor must not add latency to
-the serving path. Production does the same: the service logs (a sample of) its inputs and a monitor computes drift
-beside it (KServe's payload logging with Alibi Detect, SageMaker Model Monitor). The lab feeds the monitor the
-images it sends, which are exactly those the preprocessing step sees.
+Design notes: docs/internals.md#lab_utilsmlopsdriftpy
 """
 
 from __future__ import annotations

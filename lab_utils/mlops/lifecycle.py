@@ -1,5 +1,5 @@
 """The lifecycle map that closes lab 08: each stage, what the labs used for it, the NVIDIA tool at scale, the common
-tool, and the lab where the student did it (``SYLLABUS.md`` §4-§5)."""
+tool, and the lab where the student did it (the syllabus's lifecycle and MLOps sections)."""
 
 from __future__ import annotations
 

@@ -2,23 +2,13 @@
 service's digits classifier logged to it, runs compared, the best registered, aliases, and lineage back from a
 served version to its run, data hash and commit.
 
-- ``TrackingServer(port=None, workers=1, startup_timeout_s=120)``: ``mlflow server`` with a SQLite backend store
-  and a local artifact folder served through the server (``--artifacts-destination``: clients upload over HTTP,
-  runs get ``mlflow-artifacts:/`` URIs), in ``owned_tempdir("mlflow")``, on a free loopback port; ready when
-  ``GET /health`` answers ``OK``. A context manager; ``stop()`` ends the whole process group (the ``mlflow`` CLI
-  and the uvicorn server it runs) and removes the folder; safe twice; at interpreter exit too. If the owning
-  interpreter is killed, PR_SET_PDEATHSIG ends the CLI and a watchdog process ends the rest (uvicorn is the CLI's
-  child: the kernel's signal does not reach it) and removes the folder. A server that cannot start raises
-  ``TrackingError`` saying why (mlflow missing, the port taken, its log's last lines); nothing is left.
-- ``dataset_sha256(*arrays)``, ``git_commit()``: what identifies the data and the code of a run.
-- ``train_digits(...) -> TrainResult`` (per-epoch history), ``log_run(tracking, result, ...) -> RunRecord``,
-  ``log_training_run(tracking, ...)`` (both), ``compare_runs(tracking, experiment) -> DataFrame``,
-  ``metric_history(tracking, run_id, key) -> DataFrame``, ``register_run(tracking, run_id, name, alias=None)``,
-  ``register_best(tracking, experiment, name, metric)``, ``set_alias(tracking, name, alias, version)``,
-  ``lineage(tracking, name, version=None, alias=None) -> Lineage``, ``download_onnx(tracking, name, ...)``.
+``TrackingServer(port=None, workers=1, startup_timeout_s=120)`` is the owned server (a context manager). Runs:
+``train_digits``, ``log_run``, ``log_training_run``, ``compare_runs``, ``metric_history``. Registry:
+``register_run``, ``register_best``, ``set_alias``, ``lineage``, ``download_onnx``. Identity: ``dataset_sha256``,
+``git_commit``. ``tracking`` is a ``TrackingServer``, its URL, or an ``mlflow.MlflowClient``. Units are in names
+(``_s`` seconds).
 
-``tracking`` is a ``TrackingServer``, its URL, or an ``mlflow.MlflowClient``: helpers use an explicit client,
-never MLflow's process-wide tracking URI. Units are in names (``_s`` seconds).
+Design notes: docs/internals.md#lab_utilsmlopstrackingpy
 """
 
 from __future__ import annotations

@@ -1,40 +1,14 @@
 """A small Prometheus exporter for the GPUs (through NVML, read-only) and the host, for machines where no
 DCGM exporter runs. ``nvlab gpu-exporter --port 9400`` serves it; a lab runs it from a thread.
 
-Metric names (the alert rules, the Grafana dashboard and the compose stack rely on them). GPU metrics
-carry NVIDIA dcgm-exporter's names, units and labels (``gpu``, ``UUID``, ``device``, ``modelName``), so
-the same rules and dashboard work with either exporter:
-
-=====================================  =======  ==========================================================
-``DCGM_FI_DEV_GPU_UTIL``               gauge    % of the last sample period in which any kernel ran
-``DCGM_FI_DEV_MEM_COPY_UTIL``          gauge    % of that period the memory controller was busy
-``DCGM_FI_DEV_FB_USED``                gauge    MiB allocated (driver-reserved memory excluded, as nvidia-smi)
-``DCGM_FI_DEV_FB_FREE``                gauge    MiB free
-``DCGM_FI_DEV_FB_RESERVED``            gauge    MiB reserved by the driver and firmware
-``DCGM_FI_DEV_FB_TOTAL``               gauge    MiB of device memory
-``DCGM_FI_DEV_POWER_USAGE``            gauge    W drawn (NVML's reading; averaged over ~1 s on recent GPUs)
-``DCGM_FI_DEV_ENFORCED_POWER_LIMIT``   gauge    W the board is held to
-``DCGM_FI_DEV_GPU_TEMP``               gauge    degrees C
-``DCGM_FI_DEV_SM_CLOCK``               gauge    MHz, streaming multiprocessors
-``DCGM_FI_DEV_MEM_CLOCK``              gauge    MHz, memory
-``nvlab_host_cpu_utilization_percent``  gauge   % of all CPUs busy since the previous scrape
-``nvlab_host_cpu_count``               gauge    logical CPUs
-``nvlab_host_memory_used_bytes``       gauge    MemTotal - MemAvailable (as ``free`` counts "used")
-``nvlab_host_memory_total_bytes``      gauge    MemTotal
-``nvlab_host_load1``                   gauge    1-minute load average
-``nvlab_exporter_gpus``                gauge    GPUs seen through NVML (0 on a CPU machine)
-``nvlab_exporter_info``                gauge    1, labels ``source`` ("nvml" or "host") and ``driver_version``
-=====================================  =======  ==========================================================
-
-A field a GPU does not support (NVML's NOT_SUPPORTED) is left out rather than exported as 0. Nothing
-here changes GPU state: only NVML's query functions are called.
-
-``DCGM_FI_DEV_GPU_UTIL`` is the share of time *any* kernel ran, not how busy the SMs were: one small kernel always
-running on one SM reads 100 %. How busy the SMs and the tensor cores are is in DCGM's profiling fields
-(``DCGM_FI_PROF_SM_ACTIVE``, ``DCGM_FI_PROF_PIPE_TENSOR_ACTIVE``), which need DCGM's profiling module: this
-exporter does not serve them; NVIDIA's dcgm-exporter does (the compose stack's optional ``dcgm`` profile, with a
-counters file that lists them). NVML has counterparts on Hopper and newer (its GPM metrics, which lab 05's
-``panels.gpu_utilization_demo`` reads), not served here either.
+The exported gauges (dcgm-exporter's names, units and labels for the GPU; the rules and dashboard rely on them):
+``DCGM_FI_DEV_GPU_UTIL``, ``DCGM_FI_DEV_MEM_COPY_UTIL`` (%), ``DCGM_FI_DEV_FB_USED``, ``DCGM_FI_DEV_FB_FREE``,
+``DCGM_FI_DEV_FB_RESERVED``, ``DCGM_FI_DEV_FB_TOTAL`` (MiB), ``DCGM_FI_DEV_POWER_USAGE``,
+``DCGM_FI_DEV_ENFORCED_POWER_LIMIT`` (W), ``DCGM_FI_DEV_GPU_TEMP`` (°C), ``DCGM_FI_DEV_SM_CLOCK``,
+``DCGM_FI_DEV_MEM_CLOCK`` (MHz); ``nvlab_host_cpu_utilization_percent``, ``nvlab_host_cpu_count``,
+``nvlab_host_memory_used_bytes``, ``nvlab_host_memory_total_bytes``, ``nvlab_host_load1``, ``nvlab_exporter_gpus``,
+``nvlab_exporter_info``.
+Design notes: docs/internals.md#lab_utilsmonitoringexporterpy
 """
 
 from __future__ import annotations

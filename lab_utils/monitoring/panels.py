@@ -3,19 +3,10 @@ dashboard generated from it (each panel with a description of what it measures),
 lessons about reading them: quantiles cannot be averaged; Triton's GPU readings against the exporter's; and GPU
 utilization is not SM activity (:func:`gpu_utilization_demo`).
 
-What the GPU utilization fields measure (DCGM's definitions):
+``PANELS`` / ``panels(gpu)`` are the list; ``dashboard_text()`` writes ``DASHBOARD_FILE``; ``panel_frames`` and
+``plot_panels`` query and draw them; ``quantile_of_parts`` and ``compare_gpu_sources`` are the lessons' numbers.
 
-- ``DCGM_FI_DEV_GPU_UTIL`` (NVML's ``utilization.gpu``, what nvidia-smi shows): the share of the last sample
-  period (1/6 s to 1 s, by product) in which *any* kernel was running on the GPU. One thread block spinning on one
-  of an H200's 132 SMs reads 100 %.
-- ``DCGM_FI_PROF_SM_ACTIVE``: the share of cycles in which an SM had at least one warp resident, averaged over all
-  SMs (0 to 1). That spinning block gives at most 1/132.
-- ``DCGM_FI_PROF_PIPE_TENSOR_ACTIVE``: the share of cycles the tensor-core pipes were busy (0 to 1): whether the
-  math runs on the tensor cores at all (FP32 without TF32 does not).
-
-The ``DCGM_FI_PROF_*`` fields come from DCGM's profiling module: NVIDIA's dcgm-exporter serves them (the compose
-stack's optional ``dcgm`` profile) when its counters file lists them; the course's NVML exporter does not. (NVML
-itself has counterparts on Hopper and newer, its GPM metrics, which the demo reads and the exporter does not serve.)
+Design notes: docs/internals.md#lab_utilsmonitoringpanelspy
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
 """Prometheus for the labs: a server the lab owns (or the compose stack's), its configuration and rules checked
 by promtool, queries returned as data frames, and a server loaded with recorded samples.
 
-``start_metrics(jobs, rule_files=...)`` uses the server at ``$PROMETHEUS_URL`` (the compose stack) or starts a
-``prometheus`` binary here with a generated configuration (Debian's package, Homebrew's, the course image's),
-and says which. Where there is neither it raises :class:`PrometheusMissing`, whose message says how to install
-Prometheus; a lab checks :func:`available` first and skips its PromQL sections (``NVLAB_REQUIRE_PROMETHEUS=1``,
-as in CI, makes a missing binary an error instead).
+``start_metrics(jobs, rule_files=...)`` uses the server at ``$PROMETHEUS_URL`` or starts a local ``prometheus``;
+without either it raises :class:`PrometheusMissing` (check :func:`available` first). Both answer ``query``,
+``query_range``, ``value``, ``alerts``, ``rules``, ``targets``, ``wait_for``, ``wait_for_alert``.
+:func:`recorded_server` serves fixed samples, so that Prometheus itself evaluates a query at fixed times.
 
-Both answer the same calls: ``query`` and ``query_range`` (data frames with one column per label plus ``time``
-and ``value``), ``value``, ``alerts``, ``rules``, ``targets``, ``wait_for``, ``wait_for_alert``. A server started
-here scrapes every 1-2 s, lives in a temporary folder removed at stop, and is stopped on context exit, at
-interpreter exit, and with its parent (PR_SET_PDEATHSIG). :func:`recorded_server` serves fixed samples
-(backfilled with ``promtool tsdb create-blocks-from openmetrics``) so that a query can be evaluated by
-Prometheus itself at fixed times: how lab 05's PromQL exercises are graded.
+Design notes: docs/internals.md#lab_utilsmonitoringprometheuspy
 """
 
 from __future__ import annotations

@@ -1,17 +1,13 @@
 """Lab 07's monitoring: Prometheus scraping both Triton servers and nginx, the service's SLO alert rules, and its
 dashboard (generated from one panel list, as lab 05's).
 
-- ``NginxExporter(lb)``: nginx's numbers for Prometheus, served from a thread of this process. nginx's open-source
-  build has no Prometheus endpoint: ``stub_status`` gives connections and a request count, and the JSON access
-  log gives the rest, read incrementally at each scrape: ``nvlab_nginx_requests_total{listener,status}``,
-  ``nvlab_nginx_upstream_requests_total{upstream}`` and the histogram ``nvlab_nginx_request_duration_seconds``
-  (nginx's ``$request_time``: first byte read to last byte sent, i.e. what the client sees minus the network).
+- ``NginxExporter(lb)``: nginx's numbers for Prometheus (``nvlab_nginx_*``), served from a thread of this process.
 - ``SERVICE_RULES_FILE`` (the SLO alerts), ``SERVICE_RULES_TEST_FILE`` (their ``promtool test rules``),
   ``SERVICE_DASHBOARD_FILE`` (``dashboard_text()`` writes it), ``SERVICE_PANELS``.
-- ``ServiceMonitoring(service)``: the exporter and a Prometheus (``prometheus.start_metrics``, local) with a lab
-  copy of the rules (short ``for:``); ``start()``, ``stop()`` (twice is fine); ``service.own(...)`` stops it with
-  the service. ``start_monitoring(service, ...)`` does both; where Prometheus is missing it says how to install it
-  and returns None.
+- ``ServiceMonitoring(service)``: the exporter and a local Prometheus; ``start()``, ``stop()``.
+  ``start_monitoring(service, ...)`` does both, or returns None where Prometheus is missing.
+
+Design notes: docs/internals.md#lab_utilsmonitoringservice_monitoringpy
 """
 
 from __future__ import annotations

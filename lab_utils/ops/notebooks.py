@@ -1,15 +1,11 @@
 """Single source (solutions -> labs) and notebook execution with papermill.
 
-In a solution, exercise code sits between ``# BEGIN SOLUTION`` and ``# END SOLUTION``. Generation
-replaces it with the lines marked ``# STUDENT: ...`` inside the block, or else with ``name = None`` for
-each name the block assigns, and strips every output. In markdown, text between
-``<!-- BEGIN SOLUTION -->`` and ``<!-- END SOLUTION -->`` becomes a prompt for the student's answer.
-Text between ``<!-- BEGIN ANSWERS -->`` and ``<!-- END ANSWERS -->`` (the answers to a "check your
-understanding" section) becomes an attempt cell followed by the answers, folded (``<details>``).
+Solutions mark exercise code with ``# BEGIN SOLUTION`` / ``# END SOLUTION`` (and ``# STUDENT: ...`` lines), and
+markdown with ``<!-- BEGIN SOLUTION -->`` / ``<!-- END SOLUTION -->`` and ``<!-- BEGIN ANSWERS -->`` /
+``<!-- END ANSWERS -->``. Generating a lab turns them into blanks, prompts and folded answers, strips every
+output, and adds a hints cell under each check cell.
 
-Under each exercise's check cell (``ex.q3.check(...)``) the lab gets a markdown cell naming ``ex.q3.hint()`` and
-``ex.q3.solution()``, with each hint folded. The hints are read from the exercise module the notebook imports
-(``from lab_utils.exercises import lab03 as ex``) when the lab is built, so they are the ones the checks give.
+Design notes: docs/internals.md#lab_utilsopsnotebookspy
 """
 
 from __future__ import annotations

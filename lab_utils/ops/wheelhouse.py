@@ -5,19 +5,10 @@ NGC container without network)::
 
     nvlab wheelhouse DIR [--python 3.12] [--platform linux_x86_64] [--extras lab,torch] [--exclude-preinstalled]
 
-``pip download`` resolves the course's dependencies as binary wheels for the target's Python and platform tags.
-The course's own wheel, setuptools (so that ``pip install -e`` of the checkout builds offline), torch at the
-course's pin (``--extras torch``), and nvidia-pytriton and tensorrt-stubs (installed ``--no-deps``, as
-``./course`` does) join them. pip evaluates environment markers for the Python that runs it, not for the target,
-so every wheel's requirements are then evaluated again for the target and whatever is missing is fetched too.
+``--exclude-preinstalled`` leaves out what the pinned NGC PyTorch image already has. The folder gets
+``README.txt`` (the install commands, ``install_commands``) and ``requirements.txt``.
 
-``--exclude-preinstalled`` targets the pinned NGC PyTorch image (its Python by default): what the version
-manifest lists as preinstalled there (torch, TensorRT) is left out, and the resolution treats it as installed
-at the version pip reports in the image (torch 2.14.0 is NVIDIA's pre-release build 2.14.0a0+<commit>, which does
-not satisfy ``torch>=2.14``), so neither torch nor the CUDA wheels it would pull are downloaded, and a dependency
-the image's torch cannot satisfy fails the build here rather than the install there.
-
-The folder gets ``README.txt`` (the install commands, ``install_commands``) and ``requirements.txt``.
+Design notes: docs/internals.md#lab_utilsopswheelhousepy
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """Lab 06's training programs, each with one planted bottleneck and its fix, and a wall-clock step timer.
 
-Every program is built as a ``Program``: ``step()`` runs one training iteration (fetching its batch, forward,
-backward, optimizer), ``samples`` is the batch size, ``close()`` stops any loader workers. The four planted
-bottlenecks and their fixes:
+``build(name, variant, device)`` makes a ``Program``: ``step()`` runs one training iteration, ``samples`` is the
+batch size, ``close()`` stops any loader workers. ``PROGRAMS``: ``data``, ``sync``, ``launch`` and ``precision``
+(one planted bottleneck each), and ``all`` (every fix that applies); ``VARIANTS`` names each one's fixes (``planted``,
+``fixed``, ``gpu-data``...). ``time_steps`` returns the wall-clock ms per step.
 
-- ``data``: PNG digits decoded and augmented in the main process, copied from pageable memory
-  → DataLoader workers, pinned memory, ``non_blocking=True`` copies;
-- ``sync``: ``loss.item()`` and a NaN check read back every step → the loss kept on the device, read every N steps;
-- ``launch``: a deep, narrow MLP at batch 16 (hundreds of tiny kernels) → a larger batch, ``torch.compile``
-  (default, ``reduce-overhead`` with CUDA graphs, ``max-autotune``);
-- ``precision``: FP32 matmuls (TF32 off) → BF16 autocast.
-
-``all`` is the image program with every fix that applies to it (workers, pinned memory, no per-step sync, BF16,
-channels-last). Once BF16 makes the GPU fast, the CPU workers cannot decode fast enough and the GPU waits again;
-``gpu-data`` moves the input pipeline to the GPU (images decoded once and kept there as uint8, the random
-rotation done on the GPU: what NVIDIA DALI does for real data sets), so the GPU busy fraction is read from it.
+Design notes: docs/internals.md#lab_utilsprofilingworkloadspy
 """
 
 from __future__ import annotations

@@ -1,47 +1,14 @@
 """Lab 07's model path: the digits classifier behind a Triton ensemble (PNG bytes in, top-k labels out), its
 versions, the response cache, and the clients that send encoded images.
 
-The repository (``build_service_repository``)::
+``build_service_repository`` writes ``digits_preprocess`` (PNG bytes -> FP32 [1, 8, 8]), ``digits_classifier``
+(DigitsCNN: -> logits FP32 [10]), ``digits_postprocess`` (-> top-k ``LABELS``, ``SCORES``) and the ensemble
+``digits_service``. ``build_stub_env`` (``python -m lab_utils.serving.ensemble --stub-env``) makes the NumPy-1
+stub environment; ``cache_stats`` reads the response cache's counters; ``classify`` and ``service_accuracy`` send
+PNGs. Versions: ``write_classifier_version``, ``write_broken_version``, ``set_served_versions``. Units are in
+names: ``_s`` seconds, ``_mib`` MiB, ``_us`` µs.
 
-    digits_preprocess   python backend: IMAGE (TYPE_STRING, encoded PNG) -> PIXELS FP32 [1, 8, 8]
-    digits_classifier   model.onnx (DigitsCNN, dynamic batch): input FP32 [1, 8, 8] -> logits FP32 [10];
-                        Triton's onnxruntime backend on the NGC server, the python backend running ONNX Runtime
-                        on the wheel's server (which ships the python backend only); dynamic batching
-                        With a GPU (``gpus`` >= 1) on the python backend: model.pt (TorchScript, beside the
-                        ONNX file) run by torch on the instance's GPU (``classifier_engine``)
-    digits_postprocess  python backend: LOGITS FP32 [10] -> LABELS TYPE_STRING [k], SCORES FP32 [k]
-    digits_service      ensemble chaining the three; ``response_cache { enable: true }``
-
-Every ``config.pbtxt`` is written through ``repository.write_config`` (Triton's schema and the course's checks);
-the ensemble's steps are checked against the models they name (``ensemble_problems``).
-
-Clients send 32x32 PNGs (the 8x8 digits upscaled 4x, as a real image service receives files, not tensors); the
-preprocessing model resizes them back to the 8x8 the classifier was trained on (a box filter: the exact inverse
-of the upscale) and normalizes them as in training.
-
-The wheel's server (Triton 2.51) has a python-backend stub built against NumPy 1: under NumPy 2 it corrupts
-``TYPE_STRING`` tensors before ``execute`` runs (every byte becomes the first one; the stub then dies). The pre-
-and postprocessing models then run in an execution environment with NumPy 1 (``build_stub_env``: a small venv
-that reuses this one's packages, given as ``EXECUTION_ENV_PATH``; ``python -m lab_utils.serving.ensemble
---stub-env`` builds it once).
-
-The classifier's engine on the python backend (``classifier_engine``): ``onnxruntime`` (``onnx_classifier``: ONNX
-Runtime on the CPU, the default without a GPU) or ``torch`` (``torch_classifier``: ``model.pt`` on
-``cuda:<model_instance_device_id>`` for a ``KIND_GPU`` instance, on the CPU for a ``KIND_CPU`` one), the default
-with ``gpus`` >= 1: the course's ONNX Runtime is CPU-only, so a GPU instance running it would leave the GPU idle.
-The classifier has no ``EXECUTION_ENV_PATH``: its stub runs in the server's environment (``server_env``: this
-Python's site-packages on ``PYTHONPATH``), where torch is imported from. Its FP32 tensors cross the stub by DLPack,
-which needs no NumPy 1.
-
-The response cache: the wheel's build ships ``caches/local`` (``cache_library``); ``--cache-config
-local,size=BYTES`` turns it on (``ServiceRepo.server_kwargs``) and ``response_cache { enable: true }`` on the
-ensemble answers a repeated image without running any step. Its counters per model are
-``nv_cache_num_hits_per_model`` and ``nv_cache_num_misses_per_model`` (``cache_stats``); the server-wide
-``nv_cache_num_hits`` gauges stay 0 in Triton 2.51.
-
-Versions: ``write_classifier_version`` (another training), ``write_broken_version`` (a 9-way head where the
-config says 10: refused at load, the loaded version keeps serving), ``set_served_versions`` (the version policy
-the next ``load_model`` applies). Units are in names: ``_s`` seconds, ``_mib`` MiB, ``_us`` µs.
+Design notes: docs/internals.md#lab_utilsservingensemblepy
 """
 
 from __future__ import annotations

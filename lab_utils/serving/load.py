@@ -1,36 +1,14 @@
 """Closed-loop load against a Triton server: throughput, latency percentiles, the server-side split.
 
 Stable API (lab 04 and lab 05 build on it; names and meanings do not change):
-
-- ``run_load(url, model, make_inputs, concurrency, *, protocol="grpc", duration_s=None, window_s=1.0,
-  warmup_s=0.5, max_windows=10, stability=0.10, processes=None, outputs=None, stats_url=None,
-  on_window=None, timeout_s=10.0, verify=None) -> LoadResult``.
-  ``concurrency`` clients each keep exactly one request in flight (closed loop). ``make_inputs()`` returns
-  one request's inputs, ``{name: np.ndarray}`` (batch dimension included), or pass such a dict. With
-  ``duration_s=None`` measurement windows of ``window_s`` repeat until three in a row agree within
-  ``stability`` (10 %) on throughput and mean latency, as perf_analyzer does, or ``max_windows`` pass;
-  with ``duration_s`` the run lasts that long. ``url``: ``host:port`` of the protocol's endpoint (an
-  ``http://`` prefix is accepted); ``stats_url``: the server's HTTP URL for the statistics API (default:
-  ``url`` when the protocol is HTTP). ``verify(inputs, outputs)``, given, checks every answer (both
-  ``{name: np.ndarray}``) and raises when it is wrong: such a response counts as a failed request whose
-  message starts ``wrong answer:`` (lab 04's check that each client got its own rows back). With client
-  processes it must be picklable (a module-level function).
-- ``LoadResult``: ``throughput_infer_s``, ``p50_ms``, ``p90_ms``, ``p95_ms``, ``p99_ms``, ``mean_ms``,
-  ``requests``, ``errors``, ``error_messages`` ({message: count}, summing to ``errors_total``: past the ten most
-  frequent, the rest are counted under ``OTHER_MESSAGES``), ``windows`` (per window: throughput,
-  mean and p95 latency, errors), ``stable``, ``seconds``, ``server`` (the statistics-API split, or None),
-  ``to_row()`` for a table.
-- ``sweep(url, model, make_inputs, concurrencies, **kw) -> pandas.DataFrame`` (one row per concurrency).
-- ``server_split(before, after)``: average queue / compute input / infer / output µs per request and the
-  average batch from two statistics snapshots (``model_stats``).
-- ``perf_analyzer_command(...)``: the equivalent ``perf_analyzer`` command line; ``perf_analyzer_status()``:
-  whether it runs here (and why not: its wheel needs glibc >= 2.38); ``run_perf_analyzer(...)``: one concurrency
-  measured by it, parsed from its ``-f`` CSV report (``parse_perf_analyzer_csv``) into a ``PerfAnalyzerResult``.
-
-A failed request never stops the load: it is counted in ``errors`` with its message (the server died,
-refused the input, timed out), and the client backs off 10 ms before its next request so a dead server
-is not spun against. Clients run as asyncio tasks in one thread of this process, or, with
-``processes > 1`` (the default on machines with more than 8 cores), in separate client processes.
+- ``run_load(url, model, make_inputs, concurrency, *, protocol="grpc", duration_s=None, ...) -> LoadResult``:
+  ``concurrency`` clients, each with one request in flight. ``LoadResult`` has ``throughput_infer_s`` (infer/s),
+  ``p50_ms`` ... ``p99_ms``, ``mean_ms``, ``requests``, ``errors``, ``windows``, ``server`` and ``to_row()``.
+- ``sweep(url, model, make_inputs, concurrencies, **kw) -> pandas.DataFrame``: one row per concurrency.
+- ``server_split(before, after)``: queue / compute µs per request and the average batch, from two snapshots.
+- ``perf_analyzer_command``, ``perf_analyzer_status``, ``run_perf_analyzer``: the same with ``perf_analyzer``.
+A failed request never stops the load: it is counted in ``errors`` with its message.
+Design notes: docs/internals.md#lab_utilsservingloadpy
 """
 
 from __future__ import annotations

@@ -1,31 +1,14 @@
 """Nginx in front of Triton: an owned ``nginx`` process, its generated config, and its JSON access log read back.
 
 Stable API (lab 07 builds on it; lab 08 reloads weights for its canaries):
+- ``find_nginx()``, ``missing()``, ``available(show=True)``, ``required()``: the binary, or ``NginxNotFound``.
+- ``Backend(address, weight=1, down=False)``, ``nginx_config(http_backends, grpc_backends, ...) -> str``,
+  ``check_config(text)`` (``nginx -t``, or ``NginxConfigError``).
+- ``NginxServer(...)``: the owned server, a context manager (``start``, ``stop``, ``reload``, ``set_weights``,
+  ``access_rows``, ``access_summary``, ``stub_status``); ``serve_upstream``, ``check_upstream_block``, ``reload_nginx``.
+- ``read_access_log``, ``summarize_access``, ``parse_stub_status``: the access log and ``stub_status`` read back.
 
-- ``find_nginx() -> str``: the binary (``$NVLAB_NGINX``, the PATH, ``/usr/sbin``); ``NginxNotFound`` says how
-  to install it. ``missing()``, ``available(show=True)`` and ``required()`` (``NVLAB_REQUIRE_NGINX=1``) as for
-  Prometheus.
-- ``Backend(address, weight=1, down=False)``: one upstream server; ``"127.0.0.1:8000"`` or ``(address, weight)``
-  are accepted wherever a backend is.
-- ``nginx_config(http_backends, grpc_backends, *, http_port, grpc_port, status_port, ...) -> str``: the whole
-  ``nginx.conf`` (upstreams, API key, body limit, rate limit, JSON access log, ``stub_status``). nginx's own
-  refusals on the HTTP port (401, 413, 429, 502, 504) answer ``{"error": "..."}`` as Triton does, so tritonclient
-  shows their words; on the gRPC port they arrive as gRPC status codes (401: UNAUTHENTICATED, 429: UNAVAILABLE).
-- ``check_config(text) -> str``: ``nginx -t`` on it; ``NginxConfigError`` names the problem, the line and the fix.
-- ``NginxServer(...)``: the owned server (a context manager; ``start()``, ``stop()``, ``reload()``,
-  ``set_weights()``, ``access_rows()``, ``access_summary()``, ``stub_status()``).
-- ``serve_upstream(upstream_block, **kw) -> NginxServer``: a started server whose HTTP upstream is the block a
-  student wrote (lab 07's exercise); ``check_upstream_block(text)`` only validates it.
-- ``reload_nginx(prefix, conf, binary=None)``: ``nginx -s reload -p PREFIX -c CONF`` (new workers take the new
-  config; the old ones finish their requests first: nothing is dropped).
-- ``read_access_log(path, since=None) -> list[dict]``, ``summarize_access(rows) -> dict``,
-  ``parse_stub_status(text) -> dict``.
-
-Lifetime: nginx runs in the foreground (``-g 'daemon off;'``) in a process group of its own, its prefix (config,
-logs, pid, temp files) in ``owned_tempdir("nginx")``. It stops on ``with`` exit, ``stop()`` (twice is fine) and
-interpreter exit. If the interpreter is killed, the kernel's PR_SET_PDEATHSIG kills the master, and a watchdog
-process (which waits on a pipe only the owner holds) kills the workers, which nginx would leave running, and
-removes the folder.
+Design notes: docs/internals.md#lab_utilsservingnginxpy
 """
 
 from __future__ import annotations

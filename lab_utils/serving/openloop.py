@@ -1,38 +1,13 @@
 """Open-loop load: requests arrive on a schedule (Poisson, seeded) whether or not the server keeps up.
 
-A closed loop (``load.run_load``) sends a client's next request only when its last one answered: a slow server
-slows the clients, the queue forms in the clients instead of the measurement, and the percentiles look better
-than any real user sees (coordinated omission). Here each request's send time is drawn in advance and its
-latency counts from that intended time: waiting behind a busy server, or behind a client that fell late, is in
-the number. A request that fails or times out is counted with its message, never dropped.
+Stable API (lab 07 builds on it): ``poisson_arrivals(rate_rps, duration_s, seed=0)`` (send times in s); targets
+``TritonTarget``, ``HttpTarget`` or any ``async def send()``; ``run_open_loop(target, rate_rps, duration_s, ...)``
+and ``run_closed_loop(target, concurrency, duration_s, ...)`` -> ``OpenLoopResult`` (as ``load.LoadResult``, plus
+``offered_rps``, ``achieved_rps``, ``timeouts``...); ``compare_loops`` -> ``LoopComparison``; ``meets_slo(result,
+slo_ms, percentile=95)``; ``find_capacity(target, slo_ms=100.0, ...)`` -> ``CapacityResult``. Latency counts from
+each request's intended send time. Units are in names: ``_s`` seconds, ``_ms`` milliseconds, ``_rps`` requests/s.
 
-Stable API (lab 07 builds on it):
-
-- ``poisson_arrivals(rate_rps, duration_s, seed=0) -> np.ndarray``: intended send times (s from the start).
-- Targets, what one request is: ``TritonTarget(url, model, make_inputs, protocol="http", headers=None,
-  outputs=None, verify=None)`` (tritonclient's asyncio clients, e.g. through nginx with its API key),
-  ``HttpTarget(url, body=None, method=None, headers=None, ok_status=(200,))`` (any HTTP endpoint, aiohttp), or
-  any ``async def send() -> None`` that raises when the request failed.
-- ``run_open_loop(target, rate_rps, duration_s, *, warmup_s=1.0, window_s=1.0, seed=0, timeout_s=10.0,
-  stability=0.10, max_in_flight=10_000, on_window=None) -> OpenLoopResult``.
-- ``run_closed_loop(target, concurrency, duration_s, ...) -> OpenLoopResult``: the same target with
-  ``concurrency`` clients, each with one request in flight (latency from the actual send), for the comparison.
-- ``compare_loops(target, concurrency=1, rate_fraction=0.9, ...) -> LoopComparison``: closed loop, then open loop
-  at ``rate_fraction`` of the closed loop's throughput; how far the closed-loop p95 understates the truth.
-- ``meets_slo(result, slo_ms, percentile=95) -> (bool, why)``: the rule a rate must pass, stability included.
-- ``find_capacity(target, slo_ms=100.0, *, lo_rps, hi_rps, ...) -> CapacityResult``: bisection on the rate, the
-  highest rate that ``meets_slo`` (lab 07's exercise is graded against it).
-
-``OpenLoopResult`` mirrors ``load.LoadResult`` (``throughput_infer_s``, ``p50_ms`` ... ``p99_ms``, ``requests``,
-``errors``, ``error_messages`` {message: count} with the same top-ten rule, ``windows``, ``stable``, ``to_row()``)
-and adds ``rate_rps`` (the target), ``offered_rps`` (what was sent), ``achieved_rps`` (what was answered),
-``timeouts``, ``send_lag_p99_ms`` (how late the client itself sent) and ``max_in_flight``. Its windows
-(``OpenLoopWindow``, a ``load.Window``) group requests by intended send time; their ``throughput_infer_s`` counts
-answers completed in the window.
-
-The stability rule (``stable``): at least two measured windows; the server kept up (answered at least
-``1 - stability`` of the requests offered); and no queue built up (the last window's median latency is at most
-twice the first window's plus ``TREND_SLACK_MS``). The clients run as asyncio tasks in one thread of this process.
+Design notes: docs/internals.md#lab_utilsservingopenlooppy
 """
 
 from __future__ import annotations

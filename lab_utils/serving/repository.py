@@ -1,15 +1,13 @@
 """Triton model repositories from Python values, validated with Triton's own schema before any server starts.
 
-A model configuration is written as plain Python values (the field names of Triton's ``ModelConfig``
-protobuf, as in ``config.pbtxt``), parsed with ``tritonclient.grpc.model_config_pb2`` (a misspelled field
-or a bad enum is refused with the field named), then checked for what the schema cannot see: the batch
-dimension against ``max_batch_size``, preferred batch sizes against the maximum, ``KIND_GPU`` on a machine
-without a GPU, the model files each version needs. ``validate_repository`` runs all of it over a folder.
-
-Repository layout (what Triton reads)::
+A model configuration is written as plain Python values (the field names of Triton's ``ModelConfig`` protobuf,
+as in ``config.pbtxt``), parsed with ``tritonclient.grpc.model_config_pb2``, then checked for what the schema
+cannot see (``check_config``). ``validate_repository`` runs all of it over a folder laid out as Triton reads it::
 
     repo/<model>/config.pbtxt
     repo/<model>/<version>/model.py | model.onnx | model.plan   (version = a positive integer)
+
+Design notes: docs/internals.md#lab_utilsservingrepositorypy
 """
 
 from __future__ import annotations

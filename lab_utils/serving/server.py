@@ -1,34 +1,14 @@
 """A real Triton Inference Server as an owned object: found, started on free ports, ready, stopped.
 
 Stable API (lab 04 and lab 05 build on it; names and meanings do not change):
-
-- ``find_server(local=False) -> ServerSource``: where a server comes from, in this order:
-  ``TRITON_URL`` (a running server, e.g. the course's compose stack) → ``tritonserver`` on the ``PATH``
-  (the NGC ``tritonserver`` image) → the binary inside the ``nvidia-pytriton`` wheel. With none,
-  ``ServerNotFound`` explains the three ways to get one. ``local=True`` skips ``TRITON_URL``.
-- ``TritonServer(model_repository, *, model_control="none"|"explicit"|"poll", metrics=True,
-  metrics_config=("summary_latencies=true",), extra_args=(), startup_timeout_s=60, log_path=None,
-  load_models=(), host="127.0.0.1", http_port=None, grpc_port=None, metrics_port=None, env=None)``:
-  a context manager with ``.start()`` (warns, ``EmptyRepositoryWarning``, on a repository without a model
-  folder; validates every ``config.pbtxt`` first, then waits for ``/v2/health/ready``), ``.stop()``
-  (idempotent; the whole process group, python-backend stubs included),
-  ``.http_url`` (``http://127.0.0.1:PORT``), ``.grpc_url`` (``127.0.0.1:PORT``, a gRPC target),
-  ``.metrics_url`` (``http://127.0.0.1:PORT/metrics``), ``.log_path``, ``.log_tail(n=40)``, ``.pid``,
-  ``.alive()``, ``.source``, ``.startup_s``, ``.external`` (False). Failures raise ``ServerStartError``
-  with the log tail and the models that failed to load.
-- ``ExternalServer(http_url, grpc_url=None, metrics_url=None)``: the same attributes for a server this
-  process does not own (``stop()`` does nothing, ``external`` is True, ``log_tail`` says there is no log).
-  ``start()`` tells "nothing listens" and "answers HTTP but is not Triton" (``GET /v2``) apart within
-  ``IDENTIFY_S`` seconds; a malformed ``TRITON_URL`` (or ``TRITON_GRPC_URL``, ``TRITON_METRICS_URL``) is an
-  ``EnvError`` (a ValueError) naming the variable and the form expected.
-- ``connect_or_start(repo, **kw)``: an ``ExternalServer`` when ``TRITON_URL`` is set (the repository is
-  then the server's own), else a started ``TritonServer(repo, **kw)``. Use it in a ``with`` block.
-- ``running_servers()``: the servers this process started and has not stopped.
-
-Every started server is stopped on ``with`` exit, on ``.stop()``, and at interpreter exit (a kernel
-shutdown included); if the interpreter is killed, the kernel's PR_SET_PDEATHSIG kills the server and its
-stubs notice their parent is gone. Environment variables (``NCCL_*``, ``CUDA_VISIBLE_DEVICES``,
-``PYTHONPATH``, the run id that tests use to find leftovers) are inherited.
+- ``find_server(local=False) -> ServerSource``: ``TRITON_URL``, else ``tritonserver`` on the PATH, else the wheel's.
+- ``TritonServer(model_repository, *, model_control="none", ...)``: a context manager with ``start()``, ``stop()``,
+  ``http_url``, ``grpc_url``, ``metrics_url``, ``log_tail(n=40)``; failures raise ``ServerStartError``.
+- ``ExternalServer(http_url, grpc_url=None, metrics_url=None)``: the same attributes for a server not owned here.
+- ``connect_or_start(repo, **kw)``: an ``ExternalServer`` when ``TRITON_URL`` is set, else a started
+  ``TritonServer``. ``running_servers()``: the servers this process started and has not stopped.
+Every started server is stopped on ``with`` exit, on ``stop()`` and at interpreter exit.
+Design notes: docs/internals.md#lab_utilsservingserverpy
 """
 
 from __future__ import annotations

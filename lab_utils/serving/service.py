@@ -1,27 +1,14 @@
 """Lab 07's service as one owned object: the digits ensemble on two Triton servers, nginx in front.
 
 Stable API (lab 07 builds on it):
-
-- ``Service(servers=2, cache="classifier", ...)``: a context manager. ``start()`` builds the repository
-  (``ensemble.build_service_repository``: DigitsCNN trained here, ONNX with a dynamic batch, the PNG ensemble),
-  starts ``servers`` Triton servers on it (explicit model control, the local response cache), and nginx in front
-  of them (HTTP and gRPC, an API key, a body limit, a rate limit, JSON access logs). Without nginx
-  (``nginx.available()`` False) it drives one Triton server directly and ``skipped`` says what that leaves out.
-  ``stop()`` stops what it started, last started first (monitoring handed to ``own()`` included); safe twice;
-  also at interpreter exit. If the interpreter is killed, each server's own guard (PR_SET_PDEATHSIG, nginx's
-  watchdog) ends it.
-- The front door: ``http_url``, ``grpc_url`` (nginx's, or the one Triton's), ``headers`` (the API key),
-  ``via`` ("nginx" or "triton"); ``target(protocol)`` an open-loop target sending one held-out PNG a request;
-  ``classify(pngs)``, ``accuracy()``: through the front door.
-- Behind it: ``servers`` (``TritonServer``), ``lb`` (``NginxServer`` or None), ``repo`` (``ServiceRepo``),
-  ``scrape_jobs()`` (``{"triton": [...]}``, the nginx exporter's job added by the monitoring).
-- ``infer(url, model, inputs, protocol, headers)``: one request with headers (tritonclient), as ``client.infer``.
-- ``send_raw(url, body, headers)``: one raw HTTP POST to the service's infer endpoint: (status, JSON or text).
-
-Cache placement: the response cache sits on the **classifier** by default. An ensemble's cache entries are keyed
-by the ensemble, not the classifier version behind it: after a hot update an image already cached would keep
-getting version 1's answer. The classifier's cache is keyed by its version, so a new version starts empty.
+- ``Service(servers=2, cache="classifier", ...)``: a context manager; ``start()`` builds the repository and starts
+  the Triton servers and nginx (without nginx one Triton server: ``skipped`` says what that leaves out); ``stop()``.
+- The front door: ``http_url``, ``grpc_url``, ``headers`` (the API key), ``via``, ``target(protocol)``,
+  ``classify(pngs)``, ``accuracy()``. Behind it: ``servers``, ``lb``, ``repo``, ``scrape_jobs()``.
+- ``infer(url, model, inputs, protocol, headers)`` and ``send_raw(url, body, headers)``: one request each.
 Units are in names: ``_s`` seconds, ``_ms`` milliseconds, ``_rps`` requests per second, ``_mib`` MiB.
+
+Design notes: docs/internals.md#lab_utilsservingservicepy
 """
 
 from __future__ import annotations

@@ -1,28 +1,13 @@
 """The lab's python-backend model: an MLP served by Triton, run by ONNX Runtime on CPU or by torch on a GPU.
 
-This file is copied as ``<repo>/<model>/<version>/model.py``; the Triton python backend's stub imports it,
-so it imports nothing from ``lab_utils`` (an external server has no ``lab_utils``). Beside it in the
-version folder: ``model.onnx`` (the graph ONNX Runtime runs) and ``weights.npz`` (the same weights, for
-torch and NumPy). ``config.pbtxt`` parameters: ``engine`` = ``auto`` | ``onnxruntime`` | ``torch`` | ``numpy``
-(plain matmuls: no import beyond NumPy, what lab 04's exercise models use); ``threads`` = ONNX Runtime's
-intra-op threads (default 1: the server shares the cores with its clients).
+Copied as ``<repo>/<model>/<version>/model.py``, beside ``model.onnx`` and ``weights.npz``; it imports nothing
+from ``lab_utils``. ``config.pbtxt`` parameters: ``engine`` = ``auto`` | ``onnxruntime`` | ``torch`` |
+``numpy``; ``threads`` (ONNX Runtime's intra-op threads, default 1); an optional added service time, default 0:
+``service_ms`` + ``service_per_item_ms`` x batch (ms of sleep), ``gpu_matmul_reps`` x batch matmuls of
+``gpu_matmul_n``^2. ``execute`` runs a dynamic batch's requests as one batch; ``ExerciseModel`` serves lab 04's
+exercise.
 
-Optional added service time (lab 05, whose queueing must show on any machine; all default 0, lab 04 uses none),
-spent after the MLP has computed the answer, so answers are the same with or without it: ``service_ms`` +
-``service_per_item_ms`` x batch of sleep per execution (a *simulated* service time that leaves the cores to the
-clients), and on a GPU instance ``gpu_matmul_reps`` x batch fp32 matmuls of ``gpu_matmul_n``^2 (real work, so
-the GPU's utilization, memory and power move).
-
-``auto`` picks torch on the instance's GPU for a ``KIND_GPU`` instance (one eager kernel per layer: at small
-batches the cost is launches and copies, not FLOPs, so batching helps), else ONNX Runtime on the CPU.
-
-Dynamic batching hands ``execute`` a *list* of requests; the model concatenates their rows into one
-batch, runs it once, and splits the result. Without that step a python model gains nothing from batching.
-
-Lab 04's exercise: the student writes that ``execute`` in the notebook. The check appends the student's function
-to this file and serves ``ExerciseModel`` with it: ``self.model`` counts its runs, and each execution's number of
-requests and of runs goes to ``execute_log.txt`` in the version folder, so the check can tell one run per batch
-from one run per request.
+Design notes: docs/internals.md#lab_utilsservingbackendmodelpy
 """
 
 from __future__ import annotations

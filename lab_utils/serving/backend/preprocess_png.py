@@ -1,26 +1,13 @@
 """Lab 07's preprocessing model (python backend): encoded images in, normalized FP32 tensors out, batch-aware.
 
-Copied as ``<repo>/<model>/<version>/model.py``; the course's model file sits beside it as
-``nvlab_triton_model.py`` (the stub puts the version folder on ``sys.path``), for the tensor helpers that cross
-the stub by DLPack under NumPy 2. It imports nothing from ``lab_utils`` (an external server has none).
+Copied as ``<repo>/<model>/<version>/model.py`` beside ``nvlab_triton_model.py``; it imports nothing from
+``lab_utils``. Input ``IMAGE``: ``TYPE_STRING``, dims [1], each item an encoded image file. Output: FP32
+[channels, size, size]. ``config.pbtxt`` parameters: ``image_size`` (px), ``channels``, ``pixel_scale``,
+``mean``, ``std``, ``resample``, ``max_image_bytes``, ``max_image_side`` (px), ``drift_reference`` and
+``drift_window`` (images). A bad item gets an error response of its own (``INVALID_ARG``); the other requests of
+the batch are answered.
 
-Input ``IMAGE``: ``TYPE_STRING``, dims [1]: each item the bytes of an encoded image file (PNG, JPEG...), as a
-real image service receives them. Output: FP32 [channels, size, size]. ``config.pbtxt`` parameters:
-``image_size`` (px), ``channels`` (1 grey, 3 RGB), ``pixel_scale`` (0..255 is multiplied by it first: the
-digits were trained on 0..16), ``mean`` and ``std`` (comma-separated, one per channel, after the scale),
-``resample`` (``box``: averages whole blocks, the exact inverse of a nearest-neighbour upscale;
-``bilinear``), ``max_image_bytes`` and ``max_image_side`` (px): what is refused as oversized. ``drift_reference``
-(JSON, ``drift_stats.reference_bins``) and ``drift_window`` (images): drift statistics of what it decodes, as
-Triton custom metrics ``nvlab_drift_psi{feature,instance}`` and ``nvlab_drift_window_images{instance}``.
-
-A request with a bad item (bytes that are not an image, an oversized image, a corrupt file) gets an error
-response of its own, code ``INVALID_ARG`` (HTTP 400, gRPC INVALID_ARGUMENT), naming the item and the fix; the
-other requests of the same batch are answered and the model stays loaded. Wrong datatypes never get here:
-Triton refuses them against the configuration (also a 400).
-
-BYTES tensors cross the stub through NumPy's C API, which Triton 2.51's stub was built against in its 1.x form:
-under NumPy 2 the stub corrupts them before ``execute`` runs. The wheel's server therefore runs this model in
-an execution environment with NumPy 1 (``lab_utils.serving.ensemble.build_stub_env``).
+Design notes: docs/internals.md#lab_utilsservingbackendpreprocess_pngpy
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """Lab 07's classifier on the python backend, run by torch: on the instance's GPU for a ``KIND_GPU`` instance
 (``cuda:<model_instance_device_id>``), on the CPU for a ``KIND_CPU`` one (what CI tests without a GPU).
 
-Copied as ``<repo>/<model>/<version>/model.py``; the course's model file sits beside it as
-``nvlab_triton_model.py`` (the tensor helpers that cross the stub by DLPack under NumPy 2). It imports nothing
-from ``lab_utils`` (an external server has none) and loads ``model.pt``, a TorchScript file written beside
-``model.onnx`` (``lab_utils.serving.ensemble.export_torchscript``): no Python class of the model is needed.
+Copied as ``<repo>/<model>/<version>/model.py`` beside ``nvlab_triton_model.py``; it imports nothing from
+``lab_utils`` and loads ``model.pt`` (TorchScript). ``input`` FP32 [B, C, H, W] -> ``logits`` FP32 [B, classes].
+``config.pbtxt`` parameters: ``engine`` = ``torch``; ``precision`` = ``fp32`` (default) | ``fp16`` | ``bf16``
+(autocast); ``threads`` (torch's intra-op threads on the CPU, default 1).
 
-``config.pbtxt`` parameters: ``engine`` = ``torch`` (the only one this file runs); ``precision`` = ``fp32``
-(default) | ``fp16`` | ``bf16``: autocast around the forward pass. The default runs the model as exported, in
-FP32, so its answers match the ONNX path's (the tests compare them); FP16/BF16 trade a little accuracy for
-speed on a GPU, and the logits are returned as FP32 either way (the config's ``TYPE_FP32``). ``threads``: torch's
-intra-op threads on the CPU (default 1: the server shares the cores with its clients).
-
-Inputs and outputs are those of the ONNX path: ``input`` FP32 [B, C, H, W] -> ``logits`` FP32 [B, classes]. As
-``onnx_classifier`` does, a version whose output shape differs from ``config.pbtxt`` is refused at load.
+Design notes: docs/internals.md#lab_utilsservingbackendtorch_classifierpy
 """
 
 from __future__ import annotations
