@@ -15,6 +15,7 @@ import http.client
 import os
 import queue
 import re
+import select
 import shutil
 import signal
 import socket
@@ -294,6 +295,26 @@ def die_with_parent() -> None:
     prctl = _prctl()
     if prctl is not None:
         prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def die_with(pid: int) -> None:
+    """SIGKILL this process when process ``pid`` exits (a pidfd watched by a daemon thread; Linux >= 5.3).
+
+    For a child whose parent is not its owner: a rank forked by multiprocessing's forkserver has the forkserver as
+    its parent, and the forkserver outlives a killed kernel while its ranks hold the kernel's end of its pipe.
+    """
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:  # gone already
+        os.kill(os.getpid(), signal.SIGKILL)
+    except (AttributeError, OSError):  # no pidfd here: PR_SET_PDEATHSIG (die_with_parent) is all there is
+        return
+
+    def wait() -> None:
+        select.select([fd], [], [])  # readable once the process has exited
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=wait, name=f"nvlab-die-with-{pid}", daemon=True).start()
 
 
 _PRCTL: list[Any] = []

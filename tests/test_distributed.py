@@ -1,6 +1,7 @@
 """The worker launcher: real gloo process groups, errors, timeouts, environment, no survivors; leaving a group
 ends its threads."""
 
+import contextlib
 import os
 import signal
 import socket
@@ -10,6 +11,7 @@ import time
 from pathlib import Path
 
 import _dist_workers as w
+import psutil
 import pytest
 
 from lab_utils.distributed import ranks
@@ -19,17 +21,17 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _children() -> list[int]:
-    """Live worker processes of this test process (multiprocessing's resource tracker is not a worker)."""
-    me, kids = os.getpid(), []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        cmd = (stat.parent / "cmdline").read_bytes() if int(fields[1]) == me else b""
-        if fields[0] != "Z" and b"spawn_main" in cmd:
-            kids.append(int(stat.parent.name))
-    return kids
+    """Live rank processes of this test process: forked by its multiprocessing forkserver (or spawned by it)."""
+    me = psutil.Process()
+    ranks = []
+    for kid in me.children():
+        with contextlib.suppress(psutil.Error):
+            cmd = " ".join(kid.cmdline())
+            if "forkserver" in cmd:
+                ranks += [g.pid for g in kid.children() if g.status() != psutil.STATUS_ZOMBIE]
+            elif "spawn_main" in cmd and kid.status() != psutil.STATUS_ZOMBIE:
+                ranks.append(kid.pid)
+    return ranks
 
 
 def test_results_come_back_by_rank():

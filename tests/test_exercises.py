@@ -1003,6 +1003,21 @@ def test_not_applicable_from_a_grader_and_from_applicable():
     assert ex.check(lambda: 1, quiet=True).correct
 
 
+def test_accepted_is_the_last_correct_answer_and_none_otherwise():
+    def grade(v):
+        if v != 3:
+            raise Wrong("not 3")
+
+    ex = Exercise("x.5", "v", grade)
+    assert ex.accepted is None
+    ex.check(None, quiet=True)  # blank
+    assert ex.accepted is None
+    ex.check(3, quiet=True)
+    assert ex.accepted == 3
+    ex.check(4, quiet=True)  # a later wrong answer withdraws it: a later cell must not run an answer now refused
+    assert ex.accepted is None
+
+
 def test_a_grader_note_is_added_to_correct():
     ex = Exercise("x.4", "v", lambda v: "measured 3 ms.")
     assert ex.check(1, quiet=True).message == "`v` = 1. measured 3 ms."

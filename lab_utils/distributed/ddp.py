@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import multiprocessing as mp
 import os
 import threading
 import time
@@ -29,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data.distributed import DistributedSampler
 
 from lab_utils.args import check_int
-from lab_utils.distributed.spawn import WorkerContext, choose_backend, launch, torch_gpu_count
+from lab_utils.distributed.spawn import WorkerContext, choose_backend, launch, mp_context, torch_gpu_count
 from lab_utils.models import MIB, DigitsCNN, digits_arrays, make_digits_cnn, make_resnet, param_mib, resnet_blocks
 from lab_utils.procs import env_int
 from lab_utils.timing import benchmark, cpu_cores, cpu_model, sync
@@ -415,7 +414,7 @@ def _ticking(ctx: WorkerContext, tick_queue: Any, tick_prefix: str, tick_work: C
 def _rank0_ticks(progress: Callable[..., Any], total: int | None, desc: str) -> Iterator[Any]:
     """A queue for the ranks (rank 0 puts one item on it per step) and a thread here that turns its items into
     the steps of ``progress(iterable, total=, desc=)``; the display ends when the block does."""
-    ticks = mp.get_context("spawn").Queue()
+    ticks = mp_context().Queue()
 
     def show() -> None:
         for _ in progress(iter(ticks.get, None), total=total, desc=desc):

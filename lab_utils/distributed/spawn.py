@@ -43,7 +43,7 @@ import torch.distributed as dist
 # there ("terminate called without an active exception", SIGABRT at exit).
 import torch.distributed.nn  # noqa: F401
 
-from lab_utils.procs import die_with_parent, owned_tempdir
+from lab_utils.procs import die_with, die_with_parent, owned_tempdir
 
 BACKENDS = ("auto", "nccl", "gloo")
 # The group's collectives wait at least this long for a peer (a notebook's first NCCL call can take seconds).
@@ -209,6 +209,21 @@ def leave_process_group(ctx: WorkerContext, synchronize: bool = True) -> None:
 # The launcher
 
 
+# Ranks fork from multiprocessing's forkserver, which imports these once per launching process: a spawned rank
+# imports torch anew (1.5 s of CPU each on an idle machine), a forked one starts in milliseconds. Importing them
+# starts no CUDA context, so each rank still initializes its own GPU (fork after CUDA initialization is what breaks).
+_PRELOAD = ["torch", "torch.distributed", "lab_utils.distributed.spawn"]
+
+
+def mp_context() -> Any:
+    """The multiprocessing context ranks start in: forkserver with torch preloaded, or spawn where there is none."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)  # read when the server starts; later calls change nothing
+    return ctx
+
+
 # Environment for a rank whose function joins the group itself (launch(group=False)): the launcher hosts the
 # store, and torch's env:// rendezvous connects every rank to it as a client, as under torchrun's agent.
 _AGENT_STORE_ENV = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0"}
@@ -216,13 +231,18 @@ _AGENT_STORE_ENV = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTAR
 
 def _worker(fn: Callable[..., Any], kwargs: dict[str, Any], rank: int, world: int, backend: str,
             ports: tuple[int, ...], events: Queue[tuple[str, int, Any]], env: dict[str, str], timeout_s: float,
-            group: bool, stack_file: str) -> None:
-    die_with_parent()  # Linux: SIGKILL this worker if the notebook's kernel dies, so no worker is orphaned
+            group: bool, stack_file: str, launcher: int) -> None:
+    # Linux: SIGKILL this worker if the notebook's kernel dies, so no worker is orphaned (its parent is the
+    # forkserver, which stays while a rank lives)
+    die_with_parent()
+    die_with(launcher)
     with contextlib.suppress(OSError, ValueError, AttributeError):
         # On SIGUSR1 (sent by launch when time is up) write every thread's Python stack, even from inside a
         # blocking collective, so a timeout can say which line each rank was stuck at.
         faulthandler.register(signal.SIGUSR1, file=open(stack_file, "w"), all_threads=True)  # noqa: SIM115
-    os.environ.update(env)
+    if os.environ != env:  # a forked rank has the forkserver's environment: the launcher's, as it was then
+        os.environ.clear()
+        os.environ.update(env)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(ports[0])})
     try:
@@ -371,7 +391,7 @@ def launch(fn: Callable[..., Any], nprocs: int, *, backend: str = "auto", kwargs
     if isinstance(rendezvous, bool) or not isinstance(rendezvous, int) or rendezvous < 1:
         raise ValueError(f"launch(rendezvous={rendezvous!r}): the number of stores must be an integer >= 1")
     group_timeout_s = max(timeout_s, MIN_GROUP_TIMEOUT_S)
-    ctx = mp.get_context("spawn")
+    ctx = mp_context()
     events = ctx.Queue()
     child_env = dict(env or {})
     child_env.setdefault("NCCL_NVLS_ENABLE", os.environ.get("NCCL_NVLS_ENABLE", "0"))
@@ -380,6 +400,7 @@ def launch(fn: Callable[..., Any], nprocs: int, *, backend: str = "auto", kwargs
         # script does: gloo ranks must find no GPU, or with fewer GPUs than ranks (one GPU, two ranks) they pick
         # NCCL and ask for a GPU that is not there ("invalid device ordinal").
         child_env.setdefault("CUDA_VISIBLE_DEVICES", "")
+    child_env = {**os.environ, **child_env}  # the launcher's environment now, with the additions
     results: dict[int, Any] = {}
     status = {r: "starting" for r in range(nprocs)}
     stack_dir = str(owned_tempdir("stacks"))
@@ -390,7 +411,7 @@ def launch(fn: Callable[..., Any], nprocs: int, *, backend: str = "auto", kwargs
             procs = [
                 ctx.Process(target=_worker, daemon=True, name=f"nvlab-rank{r}",
                             args=(fn, kwargs or {}, r, nprocs, chosen, ports, events, child_env, group_timeout_s,
-                                  group, stack_files[r]))
+                                  group, stack_files[r], os.getpid()))
                 for r in range(nprocs)
             ]
             with _workers(procs):

@@ -114,10 +114,14 @@ class Exercise:
     hints: Sequence[str] = ()
     solution_text: str = ""
     _hints_shown: int = field(default=0, repr=False)
+    # the value of the last check that was correct, None until one is (or after a later one is not): what a later
+    # cell uses instead of the student's name, so a blank or a wrong answer cannot fail that cell
+    accepted: Any = field(default=None, init=False, repr=False)
 
     def check(self, value: Any, *, quiet: bool = False) -> Outcome:
         """Grade ``value`` (the student's ``var``); prints and returns the outcome."""
         out = self._outcome(value)
+        self.accepted = value if out.correct else None
         if not quiet:
             print(out)
         return out
