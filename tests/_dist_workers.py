@@ -74,3 +74,25 @@ def subgroups(ctx):
             out.append((sub.rank, sub.world_size, x.item()))
         ctx.barrier()
     return out
+
+
+def rank1_lingers(ctx, seconds=600):
+    """Rank 0 returns at once; rank 1 stays (a rank that never follows its peers)."""
+    if ctx.rank == 1:
+        time.sleep(seconds)
+    return ctx.rank
+
+
+def destroy_process_group(seconds):  # named as torch's: what the check recognizes in a rank's stack
+    time.sleep(seconds)
+
+
+def teardown_hangs(ctx, flag, times=1, student=None):
+    """Rank 1 hangs in a function named destroy_process_group on its first ``times`` launches (``flag``: a file
+    counting them), then returns like rank 0. ``student``: what a lab check passes its workers (unused)."""
+    if ctx.rank == 1:
+        count = int(Path(flag).read_text()) if Path(flag).exists() else 0
+        Path(flag).write_text(str(count + 1))
+        if count < times:
+            destroy_process_group(600)
+    return ctx.rank

@@ -317,3 +317,11 @@ def test_notebook_functions_run_in_ranks_and_fail_at_their_own_line(cell):
 
 def test_a_notebook_function_can_own_its_group(cell):
     assert ranks.run(cell["owner"], 2, backend="gloo", group=False, kwargs={"value": 2.0}, timeout_s=120) == [6.0, 6.0]
+
+
+def test_a_straggler_after_a_peer_returned_is_stopped_early():
+    t0 = time.monotonic()
+    with pytest.raises(d.WorkerTimeout, match=r"rank 1 still running 2 s after rank 0 returned") as err:
+        d.launch(w.rank1_lingers, 2, backend="gloo", timeout_s=120, group=False, straggler_s=2)
+    assert time.monotonic() - t0 < d.STARTUP_TIMEOUT_S + 2 + 20  # not the 120 s
+    assert "rank1_lingers" in err.value.stacks[1] and _children() == []

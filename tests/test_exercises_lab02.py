@@ -688,6 +688,27 @@ def test_q6_right_answer_and_its_report():
     assert "against the reference's" in message
 
 
+def test_a_rank_hung_in_teardown_gets_the_launch_once_more(tmp_path):
+    import _dist_workers as w
+
+    flag = tmp_path / "launches"
+    out = lab02._launch(w.teardown_hangs, 2, "gloo", 120, {"flag": str(flag)}, group=False, straggler_s=2)
+    assert out == [0, 1] and flag.read_text() == "2"  # rank 1 hung the first time, returned the second
+
+
+def test_a_teardown_hang_twice_is_not_blamed_on_the_student(tmp_path):
+    import _dist_workers as w
+
+    flag = tmp_path / "launches"
+    with lab02.ranks_mod.shipping(train_right) as shipped:
+        with pytest.raises(Wrong) as err:
+            lab02._run_in_ranks(w.teardown_hangs, shipped, "train_ddp(...)", 2, "gloo", 120,
+                                {"flag": str(flag), "times": 2}, group=False, straggler_s=2)
+    assert flag.read_text() == "2"
+    assert "hung inside torch's dist.destroy_process_group()" in str(err.value)
+    assert "Your code is not the cause" in str(err.value)
+
+
 def test_q6_unscale_message_shows_the_accuracy_it_cost():
     message = ranked(lab02.q6, train_never_unscaled).message
     assert "scaler.unscale_(opt) before clip_grad_norm_" in message and "test accuracy" in message

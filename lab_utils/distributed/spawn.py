@@ -68,9 +68,10 @@ class WorkerTimeout(TimeoutError):
     first), for the ranks that could write one.
     """
 
-    def __init__(self, message: str, stacks: dict[int, str] | None = None):
+    def __init__(self, message: str, stacks: dict[int, str] | None = None, straggler: bool = False):
         super().__init__(message)
         self.stacks = dict(stacks or {})
+        self.straggler = straggler  # a peer had returned: these ranks did not follow within straggler_s
 
 
 @dataclass
@@ -365,7 +366,7 @@ def _stacks(procs: list[BaseProcess], files: list[str], wait_s: float = 1.0) -> 
 
 def launch(fn: Callable[..., Any], nprocs: int, *, backend: str = "auto", kwargs: dict[str, Any] | None = None,
            timeout_s: float = 300.0, env: dict[str, str] | None = None, group: bool = True,
-           rendezvous: int = 1) -> list[Any]:
+           rendezvous: int = 1, straggler_s: float | None = None) -> list[Any]:
     """Run ``fn(ctx, **kwargs)`` on ``nprocs`` ranks; returns each rank's result, indexed by rank.
 
     ``timeout_s`` counts from when every rank is ready to run ``fn`` (starting them has ``STARTUP_TIMEOUT_S``).
@@ -373,7 +374,8 @@ def launch(fn: Callable[..., Any], nprocs: int, *, backend: str = "auto", kwargs
     at most max(``timeout_s``, 30) seconds for a peer. ``group=False``: no group is started for ``fn``, which
     joins one itself from the torchrun-style environment (see the module doc); ``rendezvous`` stores are hosted
     for it, one per group it starts in turn (their ports: ``ctx.rendezvous_ports``); on gloo its ranks see no
-    GPU (``CUDA_VISIBLE_DEVICES=""`` unless ``env`` sets it), so they choose gloo too. Raises ``WorkerError``
+    GPU (``CUDA_VISIBLE_DEVICES=""`` unless ``env`` sets it), so they choose gloo too. ``straggler_s``: how long
+    the others may run on once one rank has returned (for functions whose ranks end together). Raises ``WorkerError``
     (rank and traceback) or ``WorkerTimeout`` (each rank's last status and stack); in every case all workers
     are stopped before it returns.
     """
@@ -418,9 +420,17 @@ def launch(fn: Callable[..., Any], nprocs: int, *, backend: str = "auto", kwargs
                 for p in procs:
                     p.start()
                 ready: set[int] = set()
+                first_done: float | None = None
                 deadline = time.monotonic() + STARTUP_TIMEOUT_S  # then timeout_s, once every rank is ready
                 while len(results) < nprocs:
                     left = deadline - time.monotonic()
+                    if straggler_s is not None and results and first_done is not None and \
+                            time.monotonic() - first_done > straggler_s:
+                        late = [r for r in range(nprocs) if r not in results]
+                        stacks = {r: t for r, t in _stacks(procs, stack_files).items() if r not in results}
+                        raise WorkerTimeout(f"rank {', '.join(map(str, late))} still running {straggler_s:g} s after "
+                                            f"rank {min(results)} returned; all were stopped", stacks,
+                                            straggler=True)
                     if left <= 0:
                         doing = "; ".join(f"rank {r}: {s}" for r, s in status.items() if r not in results)
                         stacks = {r: t for r, t in _stacks(procs, stack_files).items() if r not in results}
@@ -444,6 +454,7 @@ def launch(fn: Callable[..., Any], nprocs: int, *, backend: str = "auto", kwargs
                         status[rank] = payload
                     elif kind == "done":
                         results[rank] = payload
+                        first_done = first_done or time.monotonic()
                     else:
                         rank, payload = _root_cause(events, rank, payload, nprocs - len(results))
                         raise WorkerError(rank, payload)
