@@ -7,7 +7,6 @@ import errno
 import json
 import os
 import secrets
-import shutil
 import signal
 import socket
 import sys
@@ -116,14 +115,6 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 LAB_SETTINGS_DIR = Path(__file__).parent / "data" / "jupyter" / "settings"
 
 
-def find_jupyter_lab() -> str | None:
-    """``jupyter-lab`` beside this interpreter (a venv used without activating it), else on PATH."""
-    here = Path(sys.executable).parent / "jupyter-lab"  # not resolved: a venv's python is a symlink
-    if here.is_file() and os.access(here, os.X_OK):
-        return str(here)
-    return shutil.which("jupyter-lab")
-
-
 def _runtime_dir(jupyter_lab: str) -> Path:
     try:
         from jupyter_core.paths import jupyter_runtime_dir
@@ -159,6 +150,8 @@ def _lab_url(info: dict[str, Any], ip: str, token: str) -> str:
 
 def cmd_lab(args: argparse.Namespace) -> int:
     import subprocess
+
+    from lab_utils.course.probe import find_jupyter_lab
 
     folder = Path(args.dir) if args.dir else repo_root() / "labs"
     if not folder.is_dir():
@@ -316,7 +309,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_gpu_exporter(args: argparse.Namespace) -> int:
-    from lab_utils.monitoring.exporter import serve
+    from lab_utils.monitoring.gpu_exporter import serve
 
     if why := port_problem(args.host, args.port, "pass --port with a free port (and scrape that one)"):
         print(f"nvlab gpu-exporter: {why}", file=sys.stderr)

@@ -16,9 +16,9 @@ def digits_onnx() -> tuple[Any, Path, dict[str, Any]]:
     import torch
 
     from lab_utils import models
-    from lab_utils.inference import onnx, workloads
+    from lab_utils.inference import model_zoo, onnx
 
     folder = owned_tempdir("lab03-tests")
-    model, facts = workloads.trained_digits(3)
+    model, facts = model_zoo.trained_digits(3)
     path = onnx.export_onnx(model, folder / "digits.onnx", torch.from_numpy(models.digits_arrays()["x_test"][:2]))
     return model, path, facts

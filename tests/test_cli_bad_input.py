@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from lab_utils import cli
+from lab_utils.course import probe
 from lab_utils.course.catalog import repo_root
 from lab_utils.ops import notebooks
 
@@ -217,7 +218,7 @@ def test_find_jupyter_lab_beside_the_interpreter_without_path(monkeypatch):
     if not beside.exists():
         pytest.skip("JupyterLab is not installed beside this interpreter")
     monkeypatch.setenv("PATH", "/nonexistent")
-    assert cli.find_jupyter_lab() == str(beside)
+    assert probe.find_jupyter_lab() == str(beside)
 
 
 def test_lab_any_port_prints_the_port_jupyter_took(places, tmp_path):

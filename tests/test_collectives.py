@@ -23,8 +23,8 @@ torch = pytest.importorskip("torch")
 
 from lab_utils.course import probe as env
 from lab_utils.distributed import bandwidth as bw
+from lab_utils.distributed import bandwidth_plots, nccl_log, spawn
 from lab_utils.distributed import collectives as col
-from lab_utils.distributed import nccl_log, plots, spawn
 from lab_utils.exercises.lab02 import reference_busbw_factor
 
 TWO_GPUS = spawn.torch_gpu_count() >= 2 and torch.distributed.is_nccl_available()
@@ -52,7 +52,7 @@ def gloo_sweep(gloo_run) -> pd.DataFrame:
 
 def test_arithmetic_log_and_plot_modules_need_no_torch():
     code = ("import sys, lab_utils.distributed.bandwidth, lab_utils.distributed.nccl_log, "
-            "lab_utils.distributed.plots; print('torch' in sys.modules)")
+            "lab_utils.distributed.bandwidth_plots; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
@@ -362,14 +362,14 @@ def test_link_peak_over_pcie_and_unknown():
 
 
 def test_plot_busbw(gloo_sweep):
-    fig = plots.plot_busbw(gloo_sweep, peak_gbps=450.0, reference=bw.H200_ALLREDUCE_BUSBW_GBPS)
+    fig = bandwidth_plots.plot_busbw(gloo_sweep, peak_gbps=450.0, reference=bw.H200_ALLREDUCE_BUSBW_GBPS)
     ax = fig.axes[0]
     labels = [line.get_label() for line in ax.get_lines()]
     assert set(bw.COLLECTIVES) <= set(labels)
     assert any("450" in label for label in labels) and "reference all_reduce" in labels
     assert ax.get_xscale() == "log"
     with pytest.raises(ValueError, match="collective_sweep"):
-        plots.plot_busbw(pd.DataFrame({"x": [1]}))
+        bandwidth_plots.plot_busbw(pd.DataFrame({"x": [1]}))
 
 
 # ------------------------------------------------------------------------------------ two GPUs, NCCL

@@ -30,7 +30,7 @@ def _one_blas_thread():
 
 from lab_utils.course.specs import H200_SXM
 from lab_utils.gpu import bench as cb
-from lab_utils.gpu import plots as gpu_plots
+from lab_utils.gpu import bench_plots
 
 HAS_CUDA = torch.cuda.is_available()
 needs_gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
@@ -61,7 +61,7 @@ def _reset_tf32() -> None:
 
 
 def test_import_does_no_work():
-    code = ("import threading, torch, lab_utils.gpu.bench, lab_utils.gpu.plots; "
+    code = ("import threading, torch, lab_utils.gpu.bench, lab_utils.gpu.bench_plots; "
             "print(torch.cuda.is_initialized(), threading.active_count())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "1"], out.stdout  # no CUDA context, no thread started
@@ -274,40 +274,40 @@ def _measured(pts: pd.DataFrame) -> dict[str, float]:
 
 
 def test_plots_return_figures(sweep, copies):
-    fig = gpu_plots.plot_matmul_sweep(sweep)
+    fig = bench_plots.plot_matmul_sweep(sweep)
     assert isinstance(fig, matplotlib.figure.Figure)
     assert len(fig.axes[0].lines) == 3  # fp32, fp16, bf16 measured; no peaks on a CPU
 
     pts = cb.roofline_points(sweep, copies, device="cpu", elementwise_numel=2**16, reps=2)
-    fig = gpu_plots.plot_roofline(pts, H200_SXM.bf16_tflops, H200_SXM.hbm_tbps, **_measured(pts))
+    fig = bench_plots.plot_roofline(pts, H200_SXM.bf16_tflops, H200_SXM.hbm_tbps, **_measured(pts))
     assert isinstance(fig, matplotlib.figure.Figure)
     ax = fig.axes[0]
     assert ax.get_xscale() == "log" and ax.get_yscale() == "log"
     assert any("datasheet ridge 206" in t.get_text() for t in ax.texts)
 
-    fig = gpu_plots.plot_roofline(pts, None, None, **_measured(pts))
+    fig = bench_plots.plot_roofline(pts, None, None, **_measured(pts))
     assert isinstance(fig, matplotlib.figure.Figure)
     with pytest.raises(ValueError, match="no roof"):
-        gpu_plots.plot_roofline(pts, None, None)
+        bench_plots.plot_roofline(pts, None, None)
 
-    fig = gpu_plots.plot_bandwidth(copies)
+    fig = bench_plots.plot_bandwidth(copies)
     assert isinstance(fig, matplotlib.figure.Figure) and len(fig.axes[0].lines) == 1
 
 
 def test_plot_peak_lines_and_host_device_groups():
     sweep = pd.DataFrame({"dtype": ["bf16", "bf16"], "n": [1024, 2048], "status": ["ok", "ok"],
                           "tflops": [400.0, 700.0], "peak_tflops": [989.0, 989.0]})
-    fig = gpu_plots.plot_matmul_sweep(sweep)
+    fig = bench_plots.plot_matmul_sweep(sweep)
     assert len(fig.axes[0].lines) == 2  # the measured line and its dashed peak
     hd = pd.DataFrame({"direction": ["H2D", "D2H", "H2D", "D2H"],
                        "host_memory": ["pinned", "pinned", "pageable", "pageable"],
                        "size_bytes": [2**30] * 4, "gbps": [54.8, 55.0, 20.0, 18.0],
                        "peak_gbps": [63.0] * 4})
-    fig = gpu_plots.plot_bandwidth(hd)
+    fig = bench_plots.plot_bandwidth(hd)
     labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
     assert "H2D pinned" in labels and "D2H pageable" in labels and any("63" in s for s in labels)
     with pytest.raises(ValueError, match="missing columns"):
-        gpu_plots.plot_bandwidth(pd.DataFrame({"x": [1]}))
+        bench_plots.plot_bandwidth(pd.DataFrame({"x": [1]}))
 
 
 # ----------------------------------------------------------------------------------------- GPU only

@@ -326,6 +326,6 @@ def test_compose_nginx_config_is_generated_and_nginx_accepts_it(compose):
             pytest.fail(f"{nginx_mod.REQUIRE_ENV}=1 but {nginx_mod.missing()}")
         pytest.skip(nginx_mod.missing())
     text = conf.read_text().replace(service.COMPOSE_KEY_PLACEHOLDER, SECRETS["NVLAB_API_KEY"])
-    nginx_mod.check_config(text.replace("server triton:", "server 127.0.0.1:"))
+    nginx_mod.check_nginx_config(text.replace("server triton:", "server 127.0.0.1:"))
     with pytest.raises(nginx_mod.NginxConfigError):  # really checking: a broken copy is refused
-        nginx_mod.check_config(text.replace("server triton:8000;", "server 127.0.0.1:8000"))
+        nginx_mod.check_nginx_config(text.replace("server triton:8000;", "server 127.0.0.1:8000"))

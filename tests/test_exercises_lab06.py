@@ -13,7 +13,7 @@ from torch.profiler import ProfilerActivity, profile, schedule
 
 from lab_utils.exercises import lab06
 from lab_utils.exercises.framework import Status
-from lab_utils.profiling import errors, memory, nsight, workloads
+from lab_utils.profiling import errors, memory, nsight, programs
 from lab_utils.profiling import trace as tr
 
 # --- student-style answers ----------------------------------------------------------------------------------
@@ -292,7 +292,7 @@ def test_trace_errors_name_the_fix(tmp_path):
 
 
 def test_a_real_cpu_trace_summary_and_timeline(tmp_path):
-    with workloads.build("data", "planted", "cpu", quick=True) as prog:
+    with programs.build("data", "planted", "cpu", quick=True) as prog:
         lab06.reference_profile_steps(prog.step, tmp_path / "t.json")
     trace = tr.load_trace(tmp_path / "t.json")
     s = tr.summarize(trace)
@@ -315,12 +315,12 @@ def test_a_real_cpu_trace_summary_and_timeline(tmp_path):
 
 
 def test_every_program_runs_and_closes_its_workers():
-    for name in workloads.PROGRAMS:
-        for variant in workloads.VARIANTS[name]:
+    for name in programs.PROGRAMS:
+        for variant in programs.VARIANTS[name]:
             if variant in ("compile", "reduce-overhead", "max-autotune"):
                 continue  # compiling takes tens of seconds on 2 cores; the lab runs them on a GPU
-            with workloads.build(name, variant, "cpu", quick=True) as prog:
-                assert workloads.time_steps(prog.step, steps=2, warmup=1) > 0
+            with programs.build(name, variant, "cpu", quick=True) as prog:
+                assert programs.time_steps(prog.step, steps=2, warmup=1) > 0
     import multiprocessing
 
     assert not multiprocessing.active_children()
@@ -328,9 +328,9 @@ def test_every_program_runs_and_closes_its_workers():
 
 def test_build_rejects_unknown_names():
     with pytest.raises(ValueError, match="one of data, sync"):
-        workloads.build("dataa", "planted", "cpu")
+        programs.build("dataa", "planted", "cpu")
     with pytest.raises(ValueError, match="one of planted, fixed"):
-        workloads.build("data", "fast", "cpu")
+        programs.build("data", "fast", "cpu")
 
 
 def test_checkpointing_saves_memory_and_accumulation_matches():

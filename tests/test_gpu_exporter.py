@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from lab_utils.monitoring import exporter as gpu_exporter
+from lab_utils.monitoring import gpu_exporter
 from lab_utils.monitoring.prometheus import parse_exposition
 from lab_utils.procs import free_port, popen_owned, stop_group, wait_http_ok
 

@@ -20,11 +20,11 @@ if importlib.util.find_spec("onnxscript") is None:  # found, not imported: the e
 from _lab03_data import digits_onnx
 
 from lab_utils import models
-from lab_utils.inference import compare, onnx, torch_paths, workloads
+from lab_utils.inference import compare, model_zoo, onnx, torch_paths
 from lab_utils.timing import Timing
 
 ROOT = Path(__file__).resolve().parents[1]
-LAB03_MODULES = ["compare", "onnx", "quantize", "tensorrt", "torch_paths", "workloads"]
+LAB03_MODULES = ["compare", "model_zoo", "onnx", "quantize", "tensorrt", "torch_paths"]
 
 
 def _imported_after(statement: str, watched: tuple[str, ...]) -> list[str]:
@@ -44,18 +44,18 @@ def test_import_loads_no_optional_dependency():
 def test_full_size_resnet50_is_torchvisions_layout():
     model = models.BottleneckResNet().eval()
     assert sum(p.numel() for p in model.parameters()) == 25_557_032  # torchvision.models.resnet50
-    assert workloads.count_gflop(model, (3, 224, 224)) == pytest.approx(8.18, rel=0.01)  # 4.09 G multiply-adds
+    assert model_zoo.count_gflop(model, (3, 224, 224)) == pytest.approx(8.18, rel=0.01)  # 4.09 G multiply-adds
 
 
 def test_cpu_resnet50_is_small_and_in_eval_mode():
-    model, info = workloads.make_resnet50("cpu")
+    model, info = model_zoo.make_resnet50("cpu")
     assert not model.training and info.input_shape == (3, 64, 64) and info.params_m < 3
     assert "width 16" in info.source and "random weights" in str(info)
     with torch.no_grad():
         out = model(torch.randn(2, *info.input_shape))
     assert out.shape == (2, 1000) and torch.isfinite(out).all()
     with pytest.raises(ValueError, match="width"):
-        workloads.make_resnet50("cpu", width=0)
+        model_zoo.make_resnet50("cpu", width=0)
 
 
 def test_train_digits_cnn_is_accurate_and_restores_threads():
@@ -137,7 +137,7 @@ def test_ort_predict_batches_and_casts():
 
 
 def test_torch_runners_on_cpu_offer_eager_only():
-    model, info = workloads.make_resnet50("cpu", width=4, image_size=32)
+    model, info = model_zoo.make_resnet50("cpu", width=4, image_size=32)
     runners = list(torch_paths.torch_runners(model, torch.randn(2, *info.input_shape)))
     assert [(r.name, r.precision, r.batch) for r in runners] == [("eager", "fp32", 2)]
     assert runners[0]().shape == (2, 1000)
@@ -181,7 +181,7 @@ def test_fp32_mode_sets_one_baseline_and_restores_the_settings(mode, cudnn):
 
 def test_torch_steps_change_one_knob_each():
     assert torch_paths.TORCH_STEPS == ("eager-ieee", "eager", "autocast", "channels-last", "compile", "cuda-graph")
-    model, info = workloads.make_resnet50("cpu", width=4, image_size=32)
+    model, info = model_zoo.make_resnet50("cpu", width=4, image_size=32)
     runners = list(torch_paths.torch_runners(model, torch.randn(2, *info.input_shape), steps=("eager-ieee", "eager")))
     assert [(r.name, r.precision) for r in runners] == [("eager", "fp32")]  # the CPU has no TF32: one FP32
 
@@ -223,7 +223,7 @@ def test_launch_overhead_notes_read_recorded_throughputs():
 
 
 def test_the_export_check_model_differs_between_train_and_eval():
-    model = workloads.export_check_model()
+    model = model_zoo.export_check_model()
     assert model.training
     x = torch.randn(8, 1, 8, 8)
     with torch.no_grad():
@@ -234,7 +234,7 @@ def test_the_export_check_model_differs_between_train_and_eval():
 
 
 def test_trained_digits_is_trained_once():
-    assert workloads.trained_digits(3) is workloads.trained_digits(3)
+    assert model_zoo.trained_digits(3) is model_zoo.trained_digits(3)
 
 
 def test_accuracy_and_logit_error():

@@ -13,9 +13,10 @@ PKG = repo_root() / "lab_utils"
 
 # Layers from the bottom up: a module may import its own package and anything on a lower layer, nothing above.
 LAYERS = [
-    {"lab_utils", "lab_utils.args", "lab_utils.procs", "lab_utils.timing", "lab_utils.plots"},
+    {"lab_utils", "lab_utils.args", "lab_utils.procs", "lab_utils.timing", "lab_utils.plotting"},
     # one owned server's lifecycle, on the process primitives: what every server class of the course is
     {"lab_utils.owned"},
+    # course.probe is the one place that locates programs (find_<program>() -> str | None), below all that run them
     {"lab_utils.course"},
     {"lab_utils.models"},
     {"lab_utils.gpu", "lab_utils.distributed", "lab_utils.inference", "lab_utils.profiling"},
@@ -35,8 +36,8 @@ LAYERS = [
 # What a student without torch, a trainer and CI tooling import: none of it may pull torch in.
 TORCH_FREE = ["lab_utils", "lab_utils.cli", "lab_utils.course.session", "lab_utils.course.probe",
               "lab_utils.course.results", "lab_utils.course.stack", "lab_utils.ops.notebooks",
-              "lab_utils.ops.wheelhouse", "lab_utils.monitoring.exporter", "lab_utils.plots", "lab_utils.timing",
-              "lab_utils.procs"]
+              "lab_utils.ops.wheelhouse", "lab_utils.monitoring.gpu_exporter", "lab_utils.plotting",
+              "lab_utils.timing", "lab_utils.procs"]
 
 
 def _modules() -> dict[str, Path]:

@@ -80,10 +80,11 @@ def test_a_killed_kernels_prometheus_ends_and_doctor_removes_its_folder(tmp_path
     signal), and `nvlab doctor` removes its data folder, which no exit handler could."""
     import signal
 
+    from lab_utils.course.probe import find_prometheus
     from lab_utils.monitoring import prometheus
     from lab_utils.procs import env_flag
 
-    if prometheus.find_binary("prometheus") is None:
+    if find_prometheus("prometheus") is None:
         if env_flag(prometheus.REQUIRE_ENV):
             pytest.fail(f"{prometheus.REQUIRE_ENV}=1 but the prometheus binary is not installed")
         pytest.skip("the prometheus binary is not installed (apt-get install prometheus)")

@@ -13,7 +13,7 @@ import pytest
 from _prometheus import require_prometheus
 
 from lab_utils.mlops import canary, drift
-from lab_utils.mlops.exporters import FeedbackExporter, MetricsServer
+from lab_utils.mlops.feedback import FeedbackExporter, MetricsServer
 from lab_utils.mlops.tracking import digits_data
 from lab_utils.monitoring import prometheus
 

@@ -33,7 +33,7 @@ def require_nginx() -> str:
         if ng.required():
             pytest.fail(f"{ng.REQUIRE_ENV}=1 but {why}")
         pytest.skip(f"no nginx here: {why}")
-    return ng.find_nginx()
+    return ng.nginx_binary()
 
 
 def fetch(url: str, headers: dict | None = None, data: bytes | None = None) -> tuple[int, str]:

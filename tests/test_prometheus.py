@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from lab_utils.monitoring import drills, panels, prometheus
-from lab_utils.monitoring import exporter as gpu_exporter
+from lab_utils.course import probe
+from lab_utils.monitoring import drills, gpu_exporter, panels, prometheus
 from lab_utils.procs import env_flag, group_members
 
 
@@ -25,7 +25,7 @@ def _required(var: str) -> bool:
 
 @pytest.fixture(scope="module")
 def promtool_bin():
-    path = prometheus.find_binary("promtool")
+    path = probe.find_prometheus("promtool")
     if path is None:
         if _required(prometheus.REQUIRE_ENV):
             pytest.fail(f"{prometheus.REQUIRE_ENV}=1 but promtool is not installed (apt-get install prometheus)")
@@ -35,7 +35,7 @@ def promtool_bin():
 
 @pytest.fixture(scope="module")
 def prometheus_bin():
-    path = prometheus.find_binary("prometheus")
+    path = probe.find_prometheus("prometheus")
     if path is None:
         if _required(prometheus.REQUIRE_ENV):
             pytest.fail(f"{prometheus.REQUIRE_ENV}=1 but the prometheus binary is not installed")
@@ -181,13 +181,11 @@ def test_start_metrics_backends(prometheus_bin, exporter, monkeypatch):
 def test_without_prometheus_the_lab_is_told_how_to_install_it(monkeypatch, capsys):
     """NVLAB_PROMETHEUS=none hides the binaries, as on a machine without them: every way in says how to
     install Prometheus (Debian/Ubuntu, macOS, the container) instead of failing obscurely."""
-    from lab_utils.course import probe
-
     monkeypatch.delenv(prometheus.URL_ENV, raising=False)
     monkeypatch.delenv(prometheus.REQUIRE_ENV, raising=False)
     monkeypatch.setenv(prometheus.BINARY_ENV, "none")
     install = ("sudo apt-get install prometheus", "brew install prometheus", "compose stack")
-    assert prometheus.find_binary("prometheus") is None and prometheus.find_binary("promtool") is None
+    assert probe.find_prometheus("prometheus") is None and probe.find_prometheus("promtool") is None
     assert all(w in prometheus.missing() for w in install)
     assert prometheus.available() is False
     out = capsys.readouterr().out
@@ -214,10 +212,10 @@ def test_without_prometheus_the_lab_is_told_how_to_install_it(monkeypatch, capsy
 
 def test_binary_named_by_the_environment(monkeypatch, prometheus_bin, promtool_bin):
     monkeypatch.setenv(prometheus.BINARY_ENV, prometheus_bin)
-    assert prometheus.find_binary("prometheus") == prometheus_bin
-    assert prometheus.find_binary("promtool") == str(Path(prometheus_bin).with_name("promtool"))
+    assert probe.find_prometheus("prometheus") == prometheus_bin
+    assert probe.find_prometheus("promtool") == str(Path(prometheus_bin).with_name("promtool"))
     monkeypatch.setenv(prometheus.BINARY_ENV, "/nowhere/prometheus")
-    assert prometheus.find_binary("prometheus") is None and "/nowhere/prometheus" in prometheus.missing()
+    assert probe.find_prometheus("prometheus") is None and "/nowhere/prometheus" in prometheus.missing()
 
 
 # --- Prometheus on recorded samples -------------------------------------------------------------------------

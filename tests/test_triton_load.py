@@ -270,7 +270,7 @@ def test_a_perf_analyzer_that_cannot_start_is_reported_with_its_words(tmp_path, 
     _fake_perf_analyzer(tmp_path, "import sys\nsys.stderr.write(\"perf_analyzer: /lib/x86_64-linux-gnu/libc.so.6: "
                                   "version `GLIBC_2.38' not found (required by perf_analyzer)\\n\")\nsys.exit(1)\n")
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
-    monkeypatch.setattr(triton_load, "perf_analyzer_binary", lambda: str(tmp_path / "bin" / "perf_analyzer"))
+    monkeypatch.setattr(triton_load, "find_perf_analyzer", lambda: str(tmp_path / "bin" / "perf_analyzer"))
     status = triton_load.perf_analyzer_status()
     assert not status.runnable and "GLIBC_2.38' not found" in status.reason and "--version failed" in status.reason
 
@@ -284,7 +284,7 @@ if args == ["--version"]:
 open(args[args.index("-f") + 1], "w").write({PA_CSV!r})
 print("args:", " ".join(args))
 """)
-    monkeypatch.setattr(triton_load, "perf_analyzer_binary", lambda: str(fake))
+    monkeypatch.setattr(triton_load, "find_perf_analyzer", lambda: str(fake))
     status = triton_load.perf_analyzer_status()
     assert status.runnable and status.version == "2.60.0"
     r = triton_load.run_perf_analyzer("mlp", "127.0.0.1:8001", 8, window_ms=500, max_trials=4)

@@ -14,7 +14,7 @@ from lab_utils.serving import repository as triton_repo
 from lab_utils.serving.backend import model as triton_model
 from lab_utils.serving.repository import (
     ConfigError,
-    check_config,
+    check_model_config,
     config_text,
     mlp_config,
     parse_config,
@@ -63,41 +63,41 @@ def test_values_refused_with_the_field_named():
 
 def test_semantic_checks():
     ok = mlp_config("mlp", dynamic_batching={"preferred_batch_size": [8, 16]})
-    assert check_config(ok, gpus=0, model_shapes=SHAPES) == []
+    assert check_model_config(ok, gpus=0, model_shapes=SHAPES) == []
     # batch dimension written into dims although max_batch_size adds it
     cfg = mlp_config("mlp")
     cfg["input"][0]["dims"] = [-1, 64]
-    problems = check_config(cfg, gpus=0, model_shapes=SHAPES)
+    problems = check_model_config(cfg, gpus=0, model_shapes=SHAPES)
     assert fields(problems) == ["input[0].dims"] and "includes the batch dimension" in problems[0][1]
     assert "[64]" in problems[0][1]
     # max_batch_size 0 needs the full shape
     cfg = mlp_config("mlp", max_batch_size=0)
     cfg["input"][0]["dims"] = [64]
-    problems = check_config(cfg, gpus=0, model_shapes=SHAPES)
+    problems = check_model_config(cfg, gpus=0, model_shapes=SHAPES)
     assert fields(problems) == ["input[0].dims"] and "[-1, 64]" in problems[0][1]
     # preferred size above the maximum; dynamic batching without batching
     bad = mlp_config("mlp", max_batch_size=8, dynamic_batching={"preferred_batch_size": [4, 16]})
-    assert fields(check_config(bad, gpus=0)) == ["dynamic_batching.preferred_batch_size[1]"]
+    assert fields(check_model_config(bad, gpus=0)) == ["dynamic_batching.preferred_batch_size[1]"]
     bad = mlp_config("mlp", max_batch_size=0, dynamic_batching=True)
-    assert "dynamic_batching" in fields(check_config(bad, gpus=0))
+    assert "dynamic_batching" in fields(check_model_config(bad, gpus=0))
     # KIND_GPU where there is no GPU; a GPU index that does not exist
-    problems = check_config(mlp_config("mlp", kind="KIND_GPU"), gpus=0)
+    problems = check_model_config(mlp_config("mlp", kind="KIND_GPU"), gpus=0)
     assert fields(problems) == ["instance_group[0].kind"] and "KIND_CPU" in problems[0][1]
-    assert check_config(mlp_config("mlp", kind="KIND_GPU"), gpus=1) == []
+    assert check_model_config(mlp_config("mlp", kind="KIND_GPU"), gpus=1) == []
     two = mlp_config("mlp", kind="KIND_GPU")
     two["instance_group"][0]["gpus"] = [1]
-    assert fields(check_config(two, gpus=1)) == ["instance_group[0].gpus"]
+    assert fields(check_model_config(two, gpus=1)) == ["instance_group[0].gpus"]
     # the rest: no backend, a contradicting backend, duplicate names, a zero dimension
-    assert "backend" in fields(check_config({"name": "m", "max_batch_size": 1, "input": ok["input"],
+    assert "backend" in fields(check_model_config({"name": "m", "max_batch_size": 1, "input": ok["input"],
                                              "output": ok["output"]}, gpus=0))
     clash = dict(ok, platform="onnxruntime_onnx")
-    assert "backend" in fields(check_config(clash, gpus=0))
+    assert "backend" in fields(check_model_config(clash, gpus=0))
     dup = mlp_config("mlp")
     dup["input"].append(dict(dup["input"][0]))
-    assert "input[1].name" in fields(check_config(dup, gpus=0))
+    assert "input[1].name" in fields(check_model_config(dup, gpus=0))
     zero = mlp_config("mlp")
     zero["input"][0]["dims"] = [0]
-    assert "input[0].dims[0]" in fields(check_config(zero, gpus=0))
+    assert "input[0].dims[0]" in fields(check_model_config(zero, gpus=0))
 
 
 def test_validate_config_lists_every_problem():

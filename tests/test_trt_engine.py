@@ -213,11 +213,11 @@ def _fake_trtexec(folder: Path, executable: bool = True) -> Path:
 
 
 def test_trtexec_off_the_path_is_found_where_ngc_images_keep_it(no_trtexec, monkeypatch, tmp_path):
-    assert trt_engine.find_trtexec() is None
+    assert probe.find_trtexec() is None
     not_executable = _fake_trtexec(tmp_path / "opt" / "tensorrt" / "bin", executable=False)
     ngc = _fake_trtexec(tmp_path / "usr" / "src" / "tensorrt" / "bin")
     monkeypatch.setattr(probe, "TRTEXEC_CANDIDATES", (tmp_path / "missing" / "trtexec", not_executable, ngc))
-    assert trt_engine.find_trtexec() == ngc  # the missing and the non-executable candidates are passed over
+    assert probe.find_trtexec() == str(ngc)  # the missing and the non-executable candidates are passed over
     p = trt_engine.batch_profile("input", (1, 8, 8), 1, 16, 64)
     lines = trt_engine.trtexec_commands("m.onnx", "m.plan", p)
     assert lines["build"].startswith(f"{ngc} --onnx=m.onnx") and lines["run"].startswith(f"{ngc} --loadEngine=")
@@ -229,7 +229,7 @@ def test_trtexec_on_the_path_comes_first(no_trtexec, monkeypatch, tmp_path):
     on_path = _fake_trtexec(tmp_path / "bin")
     monkeypatch.setenv("PATH", str(on_path.parent))
     monkeypatch.setattr(probe, "TRTEXEC_CANDIDATES", (_fake_trtexec(tmp_path / "opt"),))
-    assert trt_engine.find_trtexec() == on_path
+    assert probe.find_trtexec() == str(on_path)
     p = trt_engine.batch_profile("input", (1, 8, 8), 1, 16, 64)
     assert trt_engine.trtexec_commands("m.onnx", "m.plan", p)["build"].startswith("trtexec --onnx=")
 

@@ -338,11 +338,12 @@ def test_knob_panel_apply_redeploys_and_measure_appends_a_row(triton, capsys):
 
 
 def test_live_view_refreshes_while_the_load_runs_and_stops_with_it(triton, capsys):
+    from lab_utils.course.probe import find_prometheus
     from lab_utils.monitoring import prometheus
     from lab_utils.serving import load as triton_load
     from lab_utils.serving import steps as triton_lab
 
-    if prometheus.find_binary("prometheus") is None:
+    if find_prometheus("prometheus") is None:
         if prometheus.required():
             pytest.fail(f"{prometheus.REQUIRE_ENV}=1 but the prometheus binary is not installed")
         pytest.skip("the prometheus binary is not installed (apt-get install prometheus)")

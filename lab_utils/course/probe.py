@@ -1,4 +1,6 @@
-"""Environment probe: GPUs, driver, CUDA ceiling, torch, topology, components, and each lab's tier.
+"""Environment probe: GPUs, driver, CUDA ceiling, torch, topology, components, and each lab's tier; and where
+the programs the course runs are (``find_prometheus``, ``find_trtexec``, ``find_nginx``, ``find_perf_analyzer``,
+``find_jupyter_lab``: a path, or None).
 
 NVML (``nvidia-ml-py``) is the primary source; ``nvidia-smi`` CSV is the fallback; with neither the
 report says why and every lab runs in its CPU tier. Nothing here raises on a machine without a GPU.
@@ -377,13 +379,17 @@ def _dist_version(*names: str) -> str | None:
     return None
 
 
+# --- programs: where each one the course runs is -------------------------------------------------
+# One form, ``find_<program>(...) -> str | None``: the path of an executable, None when there is none. The modules
+# that run a program import its finder from here.
+
 PROMETHEUS_ENV = "NVLAB_PROMETHEUS"  # a prometheus binary off the PATH, or "none" to act as if none were installed
 PROMETHEUS_INSTALL = ("Install Prometheus (it brings promtool): Debian/Ubuntu `sudo apt-get install prometheus`, "
                       "macOS `brew install prometheus`; the course container ships it, and the compose stack runs "
                       "it as its `prometheus` service")
 
 
-def prometheus_binary(name: str = "prometheus") -> str | None:
+def find_prometheus(name: str = "prometheus") -> str | None:
     """``prometheus`` or ``promtool``: next to ``$NVLAB_PROMETHEUS`` if set, else on the PATH; None when absent
     or hidden (``NVLAB_PROMETHEUS=none`` tries a lab's no-Prometheus path on a machine that has one)."""
     env = os.environ.get(PROMETHEUS_ENV, "")
@@ -393,6 +399,61 @@ def prometheus_binary(name: str = "prometheus") -> str | None:
         candidate = Path(env) if name == "prometheus" else Path(env).with_name(name)
         return str(candidate) if candidate.is_file() and os.access(candidate, os.X_OK) else None
     return shutil.which(name)
+
+
+# Where NGC images (TensorRT, PyTorch) keep trtexec when it is not on the PATH: it ships with TensorRT's
+# samples, outside the PATH in some images. Searched after the PATH, in this order.
+TRTEXEC_CANDIDATES: tuple[Path, ...] = (Path("/opt/tensorrt/bin/trtexec"), Path("/usr/src/tensorrt/bin/trtexec"))
+
+
+def find_trtexec() -> str | None:
+    """The ``trtexec`` executable: on the PATH, else the first of ``TRTEXEC_CANDIDATES`` that is an executable
+    file; None when there is none (no TensorRT here, or a TensorRT installed as Python wheels only)."""
+    on_path = shutil.which("trtexec")
+    if on_path:
+        return on_path
+    return next((str(p) for p in TRTEXEC_CANDIDATES if p.is_file() and os.access(p, os.X_OK)), None)
+
+
+NGINX_ENV = "NVLAB_NGINX"  # the path of an nginx binary, or "none" to try a lab's no-nginx path
+# Searched after the PATH: Debian puts nginx in /usr/sbin, which is not on a normal user's PATH.
+NGINX_SEARCH = ("/usr/sbin/nginx", "/usr/local/sbin/nginx", "/usr/local/nginx/sbin/nginx", "/opt/homebrew/bin/nginx")
+
+
+def find_nginx() -> str | None:
+    """``nginx``: ``$NVLAB_NGINX`` if set (None unless it is an executable file), else on the PATH, else the first
+    of ``NGINX_SEARCH`` that is an executable file; None when absent or hidden (``NVLAB_NGINX=none``)."""
+    env = os.environ.get(NGINX_ENV, "").strip()
+    if env.lower() == "none":
+        return None
+    if env:
+        return env if os.path.isfile(env) and os.access(env, os.X_OK) else None
+    found = shutil.which("nginx")
+    return found or next((p for p in NGINX_SEARCH if os.path.isfile(p) and os.access(p, os.X_OK)), None)
+
+
+def find_perf_analyzer() -> str | None:
+    """The ``perf_analyzer`` executable: the one inside an installed ``perf-analyzer`` wheel (its console script
+    on the PATH is a Python wrapper that drops the exit code, and a ``pip install --target`` leaves no script on
+    the PATH), else ``perf_analyzer`` on the PATH (the NGC SDK image); None when there is none. Whether it runs
+    here (its wheel needs a new glibc) is ``lab_utils.serving.load.perf_analyzer_status``."""
+    try:
+        spec = importlib.util.find_spec("perf_analyzer")
+    except (ImportError, ValueError):
+        spec = None
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        binary = os.path.join(folder, "bin", "perf_analyzer")
+        if os.path.isfile(binary):
+            return binary
+    return shutil.which("perf_analyzer")
+
+
+def find_jupyter_lab() -> str | None:
+    """``jupyter-lab`` beside this interpreter (a venv used without activating it), else on PATH."""
+    here = Path(sys.executable).parent / "jupyter-lab"  # not resolved: a venv's python is a symlink
+    if here.is_file() and os.access(here, os.X_OK):
+        return str(here)
+    return shutil.which("jupyter-lab")
 
 
 def pytriton_server() -> Path | None:
@@ -412,20 +473,6 @@ def tensorrt_runtime_present() -> bool:
     """
     spec = importlib.util.find_spec("tensorrt")
     return spec is not None and spec.origin not in (None, "namespace")
-
-
-# Where NGC images (TensorRT, PyTorch) keep trtexec when it is not on the PATH: it ships with TensorRT's
-# samples, outside the PATH in some images. Searched after the PATH, in this order.
-TRTEXEC_CANDIDATES: tuple[Path, ...] = (Path("/opt/tensorrt/bin/trtexec"), Path("/usr/src/tensorrt/bin/trtexec"))
-
-
-def find_trtexec() -> Path | None:
-    """The ``trtexec`` executable: on the PATH, else the first of ``TRTEXEC_CANDIDATES`` that is an executable
-    file; None when there is none (no TensorRT here, or a TensorRT installed as Python wheels only)."""
-    on_path = shutil.which("trtexec")
-    if on_path:
-        return Path(on_path)
-    return next((p for p in TRTEXEC_CANDIDATES if p.is_file() and os.access(p, os.X_OK)), None)
 
 
 def _tensorrt_component() -> Component:
@@ -537,7 +584,7 @@ def _probe_components() -> dict[str, Component]:
         also = f"; PROMETHEUS_URL={purl} is the compose stack's server" if purl else ""
     except EnvError as err:
         purl, also = None, f"; {err}"
-    prom, promtool = prometheus_binary("prometheus"), prometheus_binary("promtool")
+    prom, promtool = find_prometheus("prometheus"), find_prometheus("promtool")
     if prom and promtool:
         out = _run([prom, "--version"], timeout=10) or ""
         m = re.search(r"version\s+([\w.\-+]+)", out)

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 
 import pandas as pd
 
-from lab_utils import plots
-from lab_utils.plots import format_bytes
+from lab_utils import plotting
+from lab_utils.plotting import format_bytes
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -33,16 +33,16 @@ def plot_busbw(
     ``bandwidth.H200_ALLREDUCE_BUSBW_GBPS``).
     """
     made_by = "distributed.collectives.collective_sweep"
-    plots.require_columns(df, {"collective", "size_bytes", "busbw_gbps"}, "plot_busbw", made_by)
-    fig, ax = plots.new_axes(ax)
+    plotting.require_columns(df, {"collective", "size_bytes", "busbw_gbps"}, "plot_busbw", made_by)
+    fig, ax = plotting.new_axes(ax)
     ok = df[df["status"] == "ok"] if "status" in df else df
     for collective, group in ok.groupby("collective", sort=False):
         group = group.sort_values("size_bytes")
         ax.plot(group["size_bytes"], group["busbw_gbps"], marker="o", label=str(collective))
     if peak_gbps is None and "peak_gbps" in df:
-        finite = [float(p) for p in df["peak_gbps"].dropna().unique() if plots.is_finite(p)]
+        finite = [float(p) for p in df["peak_gbps"].dropna().unique() if plotting.is_finite(p)]
         peak_gbps = finite[0] if finite else None
-    if plots.is_finite(peak_gbps):
+    if plotting.is_finite(peak_gbps):
         ax.axhline(float(peak_gbps), color="gray", linestyle="--", linewidth=1,
                    label=f"link peak {float(peak_gbps):.4g} GB/s per direction")
     if reference:
@@ -66,6 +66,6 @@ def plot_busbw(
         title = f"Collective bus bandwidth{where}"
     ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
-    if len(ok) or reference or plots.is_finite(peak_gbps):
+    if len(ok) or reference or plotting.is_finite(peak_gbps):
         ax.legend(fontsize="small")
     return fig

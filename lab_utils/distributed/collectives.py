@@ -39,7 +39,7 @@ from lab_utils.distributed.bandwidth import (
     link_peak_gbps,
 )
 from lab_utils.distributed.spawn import WorkerContext, choose_backend, launch, torch_gpu_count
-from lab_utils.plots import format_bytes
+from lab_utils.plotting import format_bytes
 from lab_utils.procs import temporary_folder
 from lab_utils.timing import benchmark, sync
 

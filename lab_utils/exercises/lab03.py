@@ -88,9 +88,9 @@ def _digits() -> _Digits:
     import torch
 
     from lab_utils import models
-    from lab_utils.inference import onnx, workloads
+    from lab_utils.inference import model_zoo, onnx
 
-    model, _ = workloads.trained_digits(_FIXTURE_EPOCHS)
+    model, _ = model_zoo.trained_digits(_FIXTURE_EPOCHS)
     data = models.digits_arrays()
     with _folder("digits") as tmp:
         path = onnx.export_onnx(model, tmp / "digits.onnx", torch.from_numpy(data["x_test"][:2]))
@@ -137,11 +137,11 @@ def _grade_export(fn: Any) -> str:
     import onnxruntime as ort
     import torch
 
+    from lab_utils.inference import model_zoo
     from lab_utils.inference import onnx as lab_onnx
-    from lab_utils.inference import workloads
 
-    model = workloads.export_check_model()  # in train mode, as at the end of a training loop
-    example = torch.from_numpy(workloads.random_images(4, (1, 8, 8), seed=3))
+    model = model_zoo.export_check_model()  # in train mode, as at the end of a training loop
+    example = torch.from_numpy(model_zoo.random_images(4, (1, 8, 8), seed=3))
     with _folder("export") as folder:
         path = folder / "model.onnx"
         # The exporter's progress lines and notices (torchvision ops it skips) are not the news; errors are.
@@ -176,7 +176,7 @@ def _grade_export(fn: Any) -> str:
         reference = copy.deepcopy(model).eval()
         worst = 0.0
         for batch in EXPORT_BATCHES:
-            x = workloads.random_images(batch, (1, 8, 8), seed=10 + batch)
+            x = model_zoo.random_images(batch, (1, 8, 8), seed=10 + batch)
             try:
                 out = session.run(None, {name: x})[0]
             except Exception as err:

@@ -154,7 +154,7 @@ Q1_MODEL_SHAPES: dict[str, list[int | str | None]] = {"INPUT__0": ["batch", 64]}
 
 
 def _grade_config(text: Any) -> str | None:
-    from lab_utils.serving.repository import ConfigError, check_config, parse_config
+    from lab_utils.serving.repository import ConfigError, check_model_config, parse_config
 
     if not isinstance(text, str):
         raise Wrong(f"expected the text of a config.pbtxt (a str), got a {type(text).__name__}")
@@ -164,7 +164,7 @@ def _grade_config(text: Any) -> str | None:
         raise Wrong(f"Triton's schema refuses it: {err.problems[0][1]}") from None
     named = copy.deepcopy(cfg)
     named.name = named.name or "digits_onnx"  # no name: Triton takes the folder's, digits_onnx
-    problems = check_config(named, gpus=0, model_shapes=Q1_MODEL_SHAPES)
+    problems = check_model_config(named, gpus=0, model_shapes=Q1_MODEL_SHAPES)
     if problems:
         f, why = problems[0]
         raise Wrong(f"{f}: {why}")

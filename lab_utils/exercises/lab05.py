@@ -34,6 +34,7 @@ from typing import Any
 
 import pandas as pd
 
+from lab_utils.course.probe import find_prometheus
 from lab_utils.exercises.framework import (
     CodeExercise,
     Exercise,
@@ -651,7 +652,7 @@ def _promtool_passes(rule_file: Path, probes: Mapping[str, Sequence[tuple[str, f
     """For each probe (a list of (PromQL, eval time s, expected value) that must all hold), whether promtool's
     rule test passes: the rule evaluated every 15 s over ``ALERT_SERIES`` as Prometheus would. One promtool
     process per probe, all at once: the exit code is the verdict."""
-    tool = prometheus.find_binary("promtool")
+    tool = find_prometheus("promtool")
     if tool is None:
         raise prometheus.PrometheusMissing(prometheus.missing("promtool") or "promtool not found")
     series = _input_series()

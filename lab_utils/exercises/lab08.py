@@ -508,7 +508,7 @@ class _FeedbackSource:
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import GaugeMetricFamily
 
-        from lab_utils.mlops.exporters import FEEDBACK_CORRECT, FEEDBACK_TOTAL
+        from lab_utils.mlops.feedback import FEEDBACK_CORRECT, FEEDBACK_TOTAL
 
         t = self.bench.elapsed()
         total = GaugeMetricFamily(FEEDBACK_TOTAL, "labelled requests answered", labels=["variant"])
@@ -548,7 +548,7 @@ class MetricsBench:
         return 0.0 if self.t0 is None else max(0.0, time.time() - self.t0)
 
     def start(self) -> MetricsBench:
-        from lab_utils.mlops.exporters import MetricsServer
+        from lab_utils.mlops.feedback import MetricsServer
         from lab_utils.monitoring.prometheus import PrometheusServer
 
         try:

@@ -700,7 +700,7 @@ def roofline_points(
     Each row carries only what it measures: a matmul its TFLOP/s (``tbps`` is NaN: it is not bandwidth-bound
     at these sizes), a copy its TB/s (``intensity_flop_per_byte`` and ``tflops`` NaN: it does no arithmetic; it
     is the measured memory ceiling, not a point), the elementwise add both. ``.attrs`` holds
-    ``measured_peak_tflops`` (best matmul) and ``measured_bw_tbps`` (best copy) for ``plots.plot_roofline``.
+    ``measured_peak_tflops`` (best matmul) and ``measured_bw_tbps`` (best copy) for ``bench_plots.plot_roofline``.
     Columns: see ``ROOFLINE_COLUMNS``.
     """
     rows: list[dict[str, Any]] = []

@@ -12,16 +12,16 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from lab_utils import plots
+from lab_utils import plotting
 from lab_utils.course.specs import ridge_point
-from lab_utils.plots import format_bytes
+from lab_utils.plotting import format_bytes
 
 
 def plot_matmul_sweep(df: pd.DataFrame, ax: Any = None, title: str | None = None) -> Any:
     """Achieved TFLOP/s against matrix size n (n×n×n), one line per dtype; the dtype's datasheet peak
     as a dashed line of the same colour when known. Input: ``gpu.bench.matmul_sweep``'s frame."""
-    plots.require_columns(df, {"dtype", "n", "tflops"}, "plot_matmul_sweep", "gpu.bench.matmul_sweep")
-    fig, ax = plots.new_axes(ax)
+    plotting.require_columns(df, {"dtype", "n", "tflops"}, "plot_matmul_sweep", "gpu.bench.matmul_sweep")
+    fig, ax = plotting.new_axes(ax)
     ok = df[df["status"] == "ok"] if "status" in df else df
     for dtype, group in ok.groupby("dtype", sort=False):
         group = group.sort_values("n")
@@ -61,16 +61,16 @@ def plot_roofline(
     Dotted: the measured roof, when given (``points_df.attrs`` from ``gpu.bench.roofline_points``
     holds both). Points: rows with positive intensity and TFLOP/s; copies (no FLOPs) only set the roof.
     """
-    plots.require_columns(points_df, {"intensity_flop_per_byte", "tflops"}, "plot_roofline",
+    plotting.require_columns(points_df, {"intensity_flop_per_byte", "tflops"}, "plot_roofline",
                           "gpu.bench.roofline_points")
     roofs = []
-    if plots.is_finite(peak_tflops) or plots.is_finite(bw_tbps):
-        if not (plots.is_finite(peak_tflops) and plots.is_finite(bw_tbps)):
+    if plotting.is_finite(peak_tflops) or plotting.is_finite(bw_tbps):
+        if not (plotting.is_finite(peak_tflops) and plotting.is_finite(bw_tbps)):
             raise ValueError(
                 f"plot_roofline(peak_tflops={peak_tflops!r}, bw_tbps={bw_tbps!r}): give both or neither"
             )
         roofs.append(("datasheet", float(peak_tflops), float(bw_tbps), "-"))
-    if plots.is_finite(measured_peak_tflops) and plots.is_finite(measured_bw_tbps):
+    if plotting.is_finite(measured_peak_tflops) and plotting.is_finite(measured_bw_tbps):
         roofs.append(("measured", float(measured_peak_tflops), float(measured_bw_tbps), ":"))
     if not roofs:
         raise ValueError(
@@ -81,7 +81,7 @@ def plot_roofline(
     ridges = [ridge_point(p, b) for _, p, b, _ in roofs]
     xs = list(pts["intensity_flop_per_byte"]) + ridges
     x_lo, x_hi = min(xs) / 4, max(xs) * 4
-    fig, ax = plots.new_axes(ax)
+    fig, ax = plotting.new_axes(ax)
     x = np.logspace(math.log10(x_lo), math.log10(x_hi), 200)
     for i, ((label, peak, bw, style), ridge) in enumerate(zip(roofs, ridges, strict=True)):
         ax.plot(x, np.minimum(peak, bw * x), linestyle=style, color="black",
@@ -110,8 +110,8 @@ def plot_bandwidth(df: pd.DataFrame, ax: Any = None, title: str | None = None) -
     (``gpu.bench.host_device_bandwidth``), else one line (``gpu.bench.copy_bandwidth``). The
     ``peak_gbps`` column, when finite, is drawn dashed."""
     made_by = "gpu.bench.copy_bandwidth or host_device_bandwidth"
-    plots.require_columns(df, {"size_bytes", "gbps"}, "plot_bandwidth", made_by)
-    fig, ax = plots.new_axes(ax)
+    plotting.require_columns(df, {"size_bytes", "gbps"}, "plot_bandwidth", made_by)
+    fig, ax = plotting.new_axes(ax)
     keys = [c for c in ("direction", "host_memory") if c in df.columns]
     groups = df.groupby(keys, sort=False) if keys else [("copy (read + write)", df)]
     for key, group in groups:

@@ -16,7 +16,7 @@ import pandas as pd
 from numpy.typing import ArrayLike
 
 from lab_utils.args import check_int
-from lab_utils.plots import new_axes, require_columns
+from lab_utils.plotting import new_axes, require_columns
 from lab_utils.timing import Timing
 
 if TYPE_CHECKING:

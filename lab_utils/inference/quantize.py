@@ -27,7 +27,7 @@ import pandas as pd
 from lab_utils.course.probe import MODELOPT_INSTALL, MODELOPT_ONNX_NEEDS, tensorrt_runtime_present
 from lab_utils.inference.compare import accuracy, logit_error
 from lab_utils.inference.onnx import ort_predict, ort_session
-from lab_utils.plots import new_axes, require_columns
+from lab_utils.plotting import new_axes, require_columns
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes

@@ -22,9 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lab_utils.course.probe import TRTEXEC_CANDIDATES as TRTEXEC_CANDIDATES  # where NGC images keep trtexec
-from lab_utils.course.probe import find_trtexec as find_trtexec
-from lab_utils.course.probe import tensorrt_runtime_present
+from lab_utils.course.probe import find_trtexec, tensorrt_runtime_present
 from lab_utils.timing import benchmark
 
 if TYPE_CHECKING:
@@ -145,8 +143,7 @@ def _trtexec_program() -> str:
     lines meant for another machine), its full path when it sits off the PATH."""
     if shutil.which("trtexec"):
         return "trtexec"
-    found = find_trtexec()
-    return "trtexec" if found is None else str(found)
+    return find_trtexec() or "trtexec"
 
 
 def trtexec_commands(onnx_path: str | os.PathLike[str], engine_path: str | os.PathLike[str], profile: Profile,
@@ -160,7 +157,8 @@ def trtexec_commands(onnx_path: str | os.PathLike[str], engine_path: str | os.Pa
     --noDataTransfers`` to report GPU compute time comparable with the lab's engine timings; in TensorRT 11 all
     three are deprecated and do nothing (every network is strongly typed), so they are left out. trtexec's
     throughput is executions / wall time. ``trtexec``: the program to name (default: as
-    ``find_trtexec`` finds it here, so the lines run as printed in an NGC image that keeps it off the PATH).
+    ``lab_utils.course.probe.find_trtexec`` finds it here, so the lines run as printed in an NGC image that keeps
+    it off the PATH).
     """
     major = major if major is not None else (tensorrt_major() or LATEST_MAJOR)
     legacy = major < 11

@@ -21,7 +21,7 @@ from typing import Any
 
 import pandas as pd
 
-from lab_utils.mlops.exporters import FEEDBACK_CORRECT, FEEDBACK_TOTAL, VARIANT_LABEL
+from lab_utils.mlops.feedback import FEEDBACK_CORRECT, FEEDBACK_TOTAL, VARIANT_LABEL
 
 VARIANTS = ("champion", "challenger")
 STEPS = (10, 50, 100)

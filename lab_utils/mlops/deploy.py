@@ -107,7 +107,7 @@ class CanaryService(Service):
                 return self
             stop_at_exit(self)
             try:
-                nginx_mod.find_nginx()  # the canary lives in nginx's weights: no nginx, no canary
+                nginx_mod.nginx_binary()  # the canary lives in nginx's weights: no nginx, no canary
                 source = find_server(local=True)
                 self.workdir = owned_tempdir("canary")
                 t0 = time.perf_counter()

@@ -1,5 +1,5 @@
-"""Prometheus exporters served from a thread of this process (prometheus_client): the labelled-feedback counters
-a canary's accuracy guard reads, and the base the drift exporter builds on.
+"""Labelled feedback for Prometheus, served from a thread of this process (prometheus_client): the counters a
+canary's accuracy guard reads; and ``MetricsServer``, the base the drift exporter builds on.
 
 ``MetricsServer(collectors, port=None)``: a registry with ``collectors`` served at ``http://127.0.0.1:PORT/metrics``
 (a free port unless given); ``stop()`` shuts it down (safe twice, and at interpreter exit).
@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 # the base lives with the other exporters (monitoring); re-exported here for lab 08's modules
-from lab_utils.monitoring.exporter import MetricsServer  # noqa: F401
+from lab_utils.monitoring.gpu_exporter import MetricsServer  # noqa: F401
 
 FEEDBACK_TOTAL = "nvlab_feedback_total"  # counter: labelled requests answered, per variant
 FEEDBACK_CORRECT = "nvlab_feedback_correct_total"  # counter: of those, answered with the right label

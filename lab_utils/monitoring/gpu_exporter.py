@@ -8,7 +8,7 @@ The exported gauges (dcgm-exporter's names, units and labels for the GPU; the ru
 ``DCGM_FI_DEV_MEM_CLOCK`` (MHz); ``nvlab_host_cpu_utilization_percent``, ``nvlab_host_cpu_count``,
 ``nvlab_host_memory_used_bytes``, ``nvlab_host_memory_total_bytes``, ``nvlab_host_load1``, ``nvlab_exporter_gpus``,
 ``nvlab_exporter_info``.
-Design notes: docs/internals.md#lab_utilsmonitoringexporterpy
+Design notes: docs/internals.md#lab_utilsmonitoringgpu_exporterpy
 """
 
 from __future__ import annotations

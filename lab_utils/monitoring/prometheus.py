@@ -29,7 +29,7 @@ from typing import Any
 import pandas as pd
 
 from lab_utils import DATA_DIR
-from lab_utils.course.probe import PROMETHEUS_ENV, PROMETHEUS_INSTALL, prometheus_binary
+from lab_utils.course.probe import PROMETHEUS_ENV, PROMETHEUS_INSTALL, find_prometheus
 from lab_utils.owned import OwnedServer
 from lab_utils.procs import (
     check_service,
@@ -81,15 +81,10 @@ def required() -> bool:
     return env_flag(REQUIRE_ENV)
 
 
-def find_binary(name: str = "prometheus") -> str | None:
-    """``prometheus`` or ``promtool``: next to ``$NVLAB_PROMETHEUS`` if set, else on the PATH; None if absent."""
-    return prometheus_binary(name)
-
-
 def missing(*names: str) -> str | None:
     """Why the binaries ``names`` (default: prometheus and promtool) cannot be used here, with the install line;
     None when they can."""
-    lacking = [n for n in names or ("prometheus", "promtool") if find_binary(n) is None]
+    lacking = [n for n in names or ("prometheus", "promtool") if find_prometheus(n) is None]
     if not lacking:
         return None
     where = (f"${BINARY_ENV}={os.environ[BINARY_ENV]}" if os.environ.get(BINARY_ENV) else "the PATH")
@@ -122,7 +117,7 @@ def skipped(what: str) -> None:
 
 def promtool(*args: str, what: str, timeout_s: float = 60) -> str:
     """Run ``promtool args``; its output on success, :class:`ConfigError` with promtool's message if not."""
-    tool = find_binary("promtool")
+    tool = find_prometheus("promtool")
     if tool is None:
         raise PrometheusMissing(f"{what}: not checked: promtool is not installed here. {PROMETHEUS_INSTALL}")
     try:
@@ -135,7 +130,7 @@ def promtool(*args: str, what: str, timeout_s: float = 60) -> str:
     return text
 
 
-def check_config(path: str | Path) -> str:
+def check_prometheus_config(path: str | Path) -> str:
     """``promtool check config``: also checks the rule files the configuration names."""
     return promtool("check", "config", str(path), what=f"Prometheus configuration {Path(path).name}")
 
@@ -264,7 +259,7 @@ def lab_rules(out_dir: str | Path, *, for_s: float | Mapping[str, float] = 2.0, 
     out = Path(out_dir) / "alert_rules.lab.yml"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rules, indent=2) + "\n")
-    if check and find_binary("promtool"):
+    if check and find_prometheus("promtool"):
         check_rules(out)
     return out
 
@@ -523,7 +518,7 @@ class PrometheusServer(OwnedServer, PromAPI):
                  host: str = "127.0.0.1", port: int | None = None, startup_timeout_s: float = 30.0,
                  extra_args: Sequence[str] = (), log_path: str | Path | None = None,
                  samples: Iterable[Sample] | None = None):
-        self.binary = binary or find_binary("prometheus")
+        self.binary = binary or find_prometheus("prometheus")
         if self.binary is None:
             raise PrometheusMissing(f"the prometheus binary is not installed here. {PROMETHEUS_INSTALL}")
         self.jobs = {k: list(v) for k, v in jobs.items()}
@@ -582,8 +577,8 @@ class PrometheusServer(OwnedServer, PromAPI):
     def _prepare(self) -> dict[str, Any]:
         self.folder = owned_tempdir("prometheus")
         write_config(self.config, self.config_path)  # type: ignore[arg-type]
-        if find_binary("promtool"):
-            check_config(self.config_path)  # type: ignore[arg-type]
+        if find_prometheus("promtool"):
+            check_prometheus_config(self.config_path)  # type: ignore[arg-type]
         if self.samples is not None:
             backfill(self.samples, self.folder / "data")
         self.url = f"http://{self.host}:{self.port}"
@@ -613,8 +608,8 @@ class PrometheusServer(OwnedServer, PromAPI):
         if not self.alive():
             return
         write_config(self.config, self.config_path)  # type: ignore[arg-type]
-        if find_binary("promtool"):
-            check_config(self.config_path)  # type: ignore[arg-type]
+        if find_prometheus("promtool"):
+            check_prometheus_config(self.config_path)  # type: ignore[arg-type]
         self._get("/-/reload", method="POST")
 
     def stop(self) -> None:  # type: ignore[override]

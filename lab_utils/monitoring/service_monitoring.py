@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from lab_utils.monitoring import prometheus
-from lab_utils.monitoring.exporter import MetricsServer
+from lab_utils.monitoring.gpu_exporter import MetricsServer
 from lab_utils.monitoring.panels import Panel
 from lab_utils.procs import owned_tempdir, release_at_exit, stop_at_exit
 from lab_utils.serving import nginx as nginx_mod

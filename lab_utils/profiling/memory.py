@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from lab_utils.profiling.workloads import time_steps
+from lab_utils.profiling.programs import time_steps
 
 __all__ = ["peak_bytes", "Blocks", "checkpoint_table", "accumulation_table", "oom_error", "snapshot_summary",
            "SAVE_OPS"]

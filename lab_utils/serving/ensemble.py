@@ -91,8 +91,8 @@ def digits_pngs(split: str = "test", n: int | None = None, scale: int = PNG_SCAL
 
 
 def train_classifier(epochs: int = 4, seed: int = 0) -> tuple[Any, dict[str, Any]]:
-    """The course's DigitsCNN trained here (``workloads.train_digits_cnn``: seconds on a CPU); (model, facts)."""
-    from lab_utils.inference.workloads import train_digits_cnn
+    """The course's DigitsCNN trained here (``model_zoo.train_digits_cnn``: seconds on a CPU); (model, facts)."""
+    from lab_utils.inference.model_zoo import train_digits_cnn
 
     return train_digits_cnn(epochs=epochs, seed=seed)
 
@@ -662,11 +662,11 @@ def build_resnet50_service(repo: str | Path, *, image_size: int = 224, width: in
                            cache: str | None = None, source: ServerSource | None = None,
                            build_env: bool = True, classifier_engine: str | None = None,
                            classifier_precision: str = "fp32") -> ServiceRepo:
-    """``resnet50_*``: a ResNet-50 (``workloads.make_resnet50``; torchvision's where it imports, else the course's
+    """``resnet50_*``: a ResNet-50 (``model_zoo.make_resnet50``; torchvision's where it imports, else the course's
     same-layout ``BottleneckResNet``) with RANDOM WEIGHTS, for speed only: its labels mean nothing. RGB
     ``image_size`` px, ImageNet normalization, 1000 classes. The export takes tens of seconds on a CPU. With
     ``gpus`` >= 1 on the wheel's server the classifier runs in torch on the GPU (``build_service``)."""
-    from lab_utils.inference.workloads import make_resnet50
+    from lab_utils.inference.model_zoo import make_resnet50
 
     model, info = make_resnet50("cpu", width=width, image_size=image_size)
     svc = build_service(repo, model, prefix="resnet50", labels=[f"class_{i}" for i in range(1000)],

@@ -33,6 +33,7 @@ import numpy as np
 import pandas as pd
 
 from lab_utils.args import check_int
+from lab_utils.course.probe import find_perf_analyzer
 from lab_utils.procs import temporary_folder
 from lab_utils.serving.client import build_request, host_port
 
@@ -644,24 +645,6 @@ def _glibc_note(installed: bool = False) -> str:
     return f"glibc {have[0]}.{have[1]} is new enough" + ("" if installed else f": `{PERF_ANALYZER_INSTALL}`")
 
 
-def perf_analyzer_binary() -> str | None:
-    """The ``perf_analyzer`` executable: the one inside an installed ``perf-analyzer`` wheel (its console script
-    on the PATH is a Python wrapper that drops the exit code, and a ``pip install --target`` leaves no script on
-    the PATH), else ``perf_analyzer`` on the PATH (the NGC SDK image)."""
-    import importlib.util
-    import shutil
-
-    try:
-        spec = importlib.util.find_spec("perf_analyzer")
-    except (ImportError, ValueError):
-        spec = None
-    for folder in (spec.submodule_search_locations or []) if spec else []:
-        binary = os.path.join(folder, "bin", "perf_analyzer")
-        if os.path.isfile(binary):
-            return binary
-    return shutil.which("perf_analyzer")
-
-
 def perf_analyzer_status(timeout_s: float = 30.0) -> PerfAnalyzerStatus:
     """Find ``perf_analyzer`` and run ``perf_analyzer --version``: runnable when it exits 0 and names itself.
 
@@ -670,7 +653,7 @@ def perf_analyzer_status(timeout_s: float = 30.0) -> PerfAnalyzerStatus:
     """
     import subprocess
 
-    path = perf_analyzer_binary()
+    path = find_perf_analyzer()
     if path is None:
         return PerfAnalyzerStatus(False, None, None, f"not installed; {_glibc_note()}. It also ships in "
                                                      f"{PERF_ANALYZER_IMAGE}.")
@@ -773,7 +756,7 @@ def run_perf_analyzer(model: str, url: str, concurrency: int, *, protocol: str =
     Raises ``PerfAnalyzerError`` with perf_analyzer's last lines when it fails or never stabilises. The process
     is owned: killed with its group on timeout.
     """
-    binary = binary or perf_analyzer_binary()
+    binary = binary or find_perf_analyzer()
     if binary is None:
         raise PerfAnalyzerError(str(perf_analyzer_status()))
     for attempt in range(1 + max(0, extensions)):
@@ -825,6 +808,5 @@ def _perf_analyzer_once(binary: str, model: str, url: str, concurrency: int, pro
 
 
 __all__ = ["run_load", "sweep", "LoadResult", "Window", "WrongAnswer", "model_stats", "server_split",
-           "perf_analyzer_command", "perf_analyzer_status", "perf_analyzer_binary", "PerfAnalyzerStatus",
-           "PerfAnalyzerResult", "PerfAnalyzerError", "parse_perf_analyzer_csv", "run_perf_analyzer", "glibc_version",
-           "PROTOCOLS"]
+           "perf_analyzer_command", "perf_analyzer_status", "PerfAnalyzerStatus", "PerfAnalyzerResult",
+           "PerfAnalyzerError", "parse_perf_analyzer_csv", "run_perf_analyzer", "glibc_version", "PROTOCOLS"]

@@ -1,9 +1,10 @@
 """Nginx in front of Triton: an owned ``nginx`` process, its generated config, and its JSON access log read back.
 
 Stable API (lab 07 builds on it; lab 08 reloads weights for its canaries):
-- ``find_nginx()``, ``missing()``, ``available(show=True)``, ``required()``: the binary, or ``NginxNotFound``.
+- ``nginx_binary()``, ``missing()``, ``available(show=True)``, ``required()``: the binary, or ``NginxNotFound``
+  (``lab_utils.course.probe.find_nginx`` finds it).
 - ``Backend(address, weight=1, down=False)``, ``nginx_config(http_backends, grpc_backends, ...) -> str``,
-  ``check_config(text)`` (``nginx -t``, or ``NginxConfigError``).
+  ``check_nginx_config(text)`` (``nginx -t``, or ``NginxConfigError``).
 - ``NginxServer(...)``: the owned server, a context manager (``start``, ``stop``, ``reload``, ``set_weights``,
   ``access_rows``, ``access_summary``, ``stub_status``); ``serve_upstream``, ``check_upstream_block``, ``reload_nginx``.
 - ``read_access_log``, ``summarize_access``, ``parse_stub_status``: the access log and ``stub_status`` read back.
@@ -21,7 +22,6 @@ import os
 import pwd
 import re
 import secrets
-import shutil
 import subprocess
 import threading
 import time
@@ -34,6 +34,7 @@ from typing import Any
 
 import psutil
 
+from lab_utils.course.probe import NGINX_ENV, NGINX_SEARCH, find_nginx
 from lab_utils.owned import HttpGrpcEndpoints, OwnedServer
 from lab_utils.procs import (
     check_url,
@@ -47,11 +48,10 @@ from lab_utils.procs import (
 )
 
 REQUIRE_ENV = "NVLAB_REQUIRE_NGINX"  # 1: a missing nginx is an error (CI), not a skipped section
-BINARY_ENV = "NVLAB_NGINX"  # the path of an nginx binary, or "none" to try a lab's no-nginx path
+BINARY_ENV = NGINX_ENV  # the path of an nginx binary, or "none" to try a lab's no-nginx path
 NGINX_INSTALL = ("Install it: `sudo apt-get install nginx` (Debian/Ubuntu; in an NGC container, which is Ubuntu: "
                  "`apt-get update && apt-get install -y nginx`), or `brew install nginx` (macOS); or point "
                  f"{BINARY_ENV} at an nginx binary")
-_SEARCH = ("/usr/sbin/nginx", "/usr/local/sbin/nginx", "/usr/local/nginx/sbin/nginx", "/opt/homebrew/bin/nginx")
 API_KEY_HEADER = "X-API-Key"  # or "Authorization: Bearer <key>"
 HTTP_UPSTREAM = "triton_http"
 GRPC_UPSTREAM = "triton_grpc"
@@ -93,34 +93,23 @@ def required() -> bool:
     return env_flag(REQUIRE_ENV)
 
 
-def _binary() -> str | None:
-    env = os.environ.get(BINARY_ENV, "").strip()
-    if env.lower() == "none":
-        return None
-    if env:
-        return env if os.path.isfile(env) and os.access(env, os.X_OK) else None
-    # Debian puts nginx in /usr/sbin, which is not on a normal user's PATH.
-    found = shutil.which("nginx")
-    return found or next((p for p in _SEARCH if os.path.isfile(p) and os.access(p, os.X_OK)), None)
-
-
 def missing() -> str | None:
     """Why nginx cannot be used here, with the install line; None when it can."""
-    if _binary() is not None:
+    if find_nginx() is not None:
         return None
     env = os.environ.get(BINARY_ENV, "").strip()
-    where = f"${BINARY_ENV}={env}" if env else f"the PATH and {', '.join(_SEARCH[:2])}"
+    where = f"${BINARY_ENV}={env}" if env else f"the PATH and {', '.join(NGINX_SEARCH[:2])}"
     if env and env.lower() != "none":
         where += " (expected the path of an executable nginx, or none)"
     return f"nginx not found (looked at {where}). {NGINX_INSTALL}"
 
 
-def find_nginx() -> str:
+def nginx_binary() -> str:
     """The nginx binary; ``NginxNotFound`` (with how to install it) when there is none."""
     why = missing()
     if why:
         raise NginxNotFound(why)
-    return str(_binary())
+    return str(find_nginx())
 
 
 def available(show: bool = True) -> bool:
@@ -139,7 +128,7 @@ def available(show: bool = True) -> bool:
 
 def nginx_version(binary: str | None = None) -> str:
     """``nginx/1.22.1``: what ``nginx -v`` says."""
-    out = subprocess.run([binary or find_nginx(), "-v"], capture_output=True, text=True, timeout=10)
+    out = subprocess.run([binary or nginx_binary(), "-v"], capture_output=True, text=True, timeout=10)
     m = re.search(r"nginx/\S+", out.stderr + out.stdout)
     return m.group(0) if m else (out.stderr + out.stdout).strip()
 
@@ -510,13 +499,13 @@ def _test(binary: str, prefix: Path, conf: Path, timeout_s: float = 30.0) -> sub
     return subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
 
 
-def check_config(text: str, binary: str | None = None, what: str = "the config",
-                 spans: dict[str, tuple[int, int]] | None = None) -> str:
+def check_nginx_config(text: str, binary: str | None = None, what: str = "the config",
+                       spans: dict[str, tuple[int, int]] | None = None) -> str:
     """Run ``nginx -t`` on config ``text`` (in a temporary prefix); its warnings ('' when none).
 
     Raises ``NginxConfigError`` naming nginx's problem, the line and the fix; ``NginxNotFound`` without nginx.
     """
-    binary = binary or find_nginx()
+    binary = binary or nginx_binary()
     with temporary_folder("nginx-check") as prefix:
         _prefix_dirs(prefix)
         conf = prefix / "conf" / "nginx.conf"
@@ -534,7 +523,7 @@ def check_upstream_block(block: str, grpc: bool = False, binary: str | None = No
     kw = {"grpc_upstream_block": block, "grpc_port": 2} if grpc else {"upstream_block": block}
     spans: dict[str, tuple[int, int]] = {}
     text = nginx_config(http_port=1, status_port=3, api_keys=(), block_lines=spans, **kw)  # type: ignore[arg-type]
-    check_config(text, binary, spans=spans)
+    check_nginx_config(text, binary, spans=spans)
     return name
 
 
@@ -627,7 +616,7 @@ def reload_nginx(prefix: str | os.PathLike[str], conf: str | os.PathLike[str], b
     """``nginx -s reload -p PREFIX -c CONF``: the master re-reads CONF, starts workers with it, and lets the old
     workers finish their requests before they exit (nothing is dropped). ``NginxError`` with nginx's words when
     the signal could not be sent (no master running with that prefix's pid file)."""
-    binary = binary or find_nginx()
+    binary = binary or nginx_binary()
     argv = [binary, "-s", "reload", "-p", f"{prefix}/", "-c", str(conf), *_error_log_arg(binary, Path(prefix))]
     out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
     if out.returncode != 0:
@@ -766,7 +755,7 @@ class NginxServer(OwnedServer, HttpGrpcEndpoints):
 
     # lifecycle: see OwnedServer (the prefix folder goes at stop: read the access log before) -----------------
     def _check(self) -> None:
-        self.binary = self.binary or find_nginx()
+        self.binary = self.binary or nginx_binary()
 
     def _log_file(self) -> Path:
         return self._need_prefix() / "logs" / "stderr.log"
@@ -922,7 +911,7 @@ def leftover_nginx(prefix: str | os.PathLike[str]) -> list[int]:
 
 
 __all__ = ["Backend", "NginxServer", "NginxError", "NginxNotFound", "NginxStartError", "NginxConfigError",
-           "find_nginx", "missing", "available", "required", "nginx_version", "nginx_config", "check_config",
+           "nginx_binary", "missing", "available", "required", "nginx_version", "nginx_config", "check_nginx_config",
            "check_upstream_block", "serve_upstream", "reload_nginx", "read_access_log", "summarize_access",
            "parse_stub_status", "new_api_key", "as_backend", "upstream_name", "leftover_nginx", "running_nginx",
            "API_KEY_HEADER", "REQUIRE_ENV"]

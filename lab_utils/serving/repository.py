@@ -2,7 +2,7 @@
 
 A model configuration is written as plain Python values (the field names of Triton's ``ModelConfig`` protobuf,
 as in ``config.pbtxt``), parsed with ``tritonclient.grpc.model_config_pb2``, then checked for what the schema
-cannot see (``check_config``). ``validate_repository`` runs all of it over a folder laid out as Triton reads it::
+cannot see (``check_model_config``). ``validate_repository`` runs all of it over a folder laid out as Triton reads it::
 
     repo/<model>/config.pbtxt
     repo/<model>/<version>/model.py | model.onnx | model.plan   (version = a positive integer)
@@ -162,7 +162,7 @@ def nvml_gpu_count() -> int:
     return n
 
 
-def check_config(
+def check_model_config(
     config: str | Mapping[str, Any] | Any,
     *,
     gpus: int | None = None,
@@ -297,7 +297,7 @@ def validate_config(
 ) -> Any:
     """The parsed ``ModelConfig``, or ``ConfigError`` listing every problem with its field."""
     cfg = parse_config(config, where=where)
-    problems = check_config(cfg, gpus=gpus, model_dir=model_dir, model_shapes=model_shapes)
+    problems = check_model_config(cfg, gpus=gpus, model_dir=model_dir, model_shapes=model_shapes)
     if problems:
         raise ConfigError(problems, model=cfg.name, where=where)
     return cfg
@@ -373,7 +373,7 @@ def validate_model_dir(model_dir: Path, *, gpus: int | None = None, require_file
                 shapes = onnx_input_shapes(onnx_files[-1])
             except Exception:  # an unreadable ONNX file is the server's to report; skip the shape check
                 shapes = None
-    problems += check_config(cfg, gpus=gpus, model_dir=model_dir, model_shapes=shapes)
+    problems += check_model_config(cfg, gpus=gpus, model_dir=model_dir, model_shapes=shapes)
     if problems:
         raise ConfigError(problems, model=cfg.name or model_dir.name, where=str(cfg_path))
     return ModelEntry(cfg.name, cfg, versions, model_dir)

@@ -132,7 +132,7 @@ class Service:
             try:
                 with_nginx = nginx_mod.available(show=True) if self.use_nginx is None else self.use_nginx
                 if with_nginx:
-                    nginx_mod.find_nginx()  # NginxNotFound with the install line, before anything starts
+                    nginx_mod.nginx_binary()  # NginxNotFound with the install line, before anything starts
                 source = find_server(local=True)
                 if self.repo is None:
                     self.workdir = owned_tempdir("service")

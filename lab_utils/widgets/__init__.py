@@ -41,6 +41,6 @@ def live_view(*args: Any, **kwargs: Any) -> Any:
 
 def quiz_panel(*args: Any, **kwargs: Any) -> Any:
     """Lab 09: the quiz one question at a time, graded on Submit."""
-    from lab_utils.widgets.quiz import quiz_panel as make
+    from lab_utils.widgets.quiz_view import quiz_panel as make
 
     return make(*args, **kwargs)

@@ -9,7 +9,7 @@ from typing import Any
 import pandas as pd
 
 from lab_utils.course import specs
-from lab_utils.gpu import bench, plots
+from lab_utils.gpu import bench, bench_plots
 from lab_utils.timing import matmul_bytes, matmul_flops
 from lab_utils.widgets.core import Panel, error_html, interactive, show
 
@@ -90,7 +90,7 @@ class RooflineExplorer(Panel):
         h200 = specs.H200_SXM
         pts = pd.concat([reference_points(), self.points], ignore_index=True)
         pts[["intensity_flop_per_byte", "tflops"]] = pts[["intensity_flop_per_byte", "tflops"]].astype(float)
-        fig = plots.plot_roofline(pts, h200.tflops("bf16"), h200.hbm_tbps,
+        fig = bench_plots.plot_roofline(pts, h200.tflops("bf16"), h200.hbm_tbps,
                                   title="Your matmuls on the H200 roofline (datasheet bf16 roof)")
         plt.close(fig)  # shown by display(), not again by the inline backend at the end of the cell
         return fig
