@@ -42,7 +42,7 @@ def quick_stop(monkeypatch):
 def require_service():
     """What lab 07's service needs (a Triton server, nginx, the python backend's NumPy-1 environment): skip without
     it, fail where CI requires it. Returns the server's source."""
-    from lab_utils.serving import ensemble as ens
+    from lab_utils.compat import numpy1_env
     from lab_utils.serving import nginx as nginx_mod
 
     source = require_server()
@@ -51,7 +51,7 @@ def require_service():
             pytest.fail(f"{nginx_mod.REQUIRE_ENV}=1 but {nginx_mod.missing()}")
         pytest.skip(f"nginx is not installed: {nginx_mod.missing()}")
     try:
-        ens.stub_env(source, build=True)
+        numpy1_env.stub_env(source, build=True)
     except (RuntimeError, OSError) as err:
         if env_flag(REQUIRE_ENV):
             pytest.fail(f"the python backend's NumPy-1 environment cannot be built: {err}")

@@ -14,6 +14,7 @@ import pytest
 from _triton import REQUIRE_ENV, quick_stop, require_server  # noqa: F401 (an autouse fixture)
 
 from lab_utils import procs
+from lab_utils.compat import numpy1_env
 from lab_utils.models import digits_arrays
 from lab_utils.procs import env_flag
 from lab_utils.serving import client as triton_client
@@ -27,7 +28,7 @@ from lab_utils.serving.server import TritonServer
 def built(tmp_path_factory):
     source = require_server()
     try:
-        ens.stub_env(source, build=True)
+        numpy1_env.stub_env(source, build=True)
     except (RuntimeError, OSError) as err:  # pip cannot reach the package index: NumPy 1 for the stub is missing
         if env_flag(REQUIRE_ENV):
             pytest.fail(f"{REQUIRE_ENV} is set but the python backend's environment cannot be built: {err}")
@@ -235,15 +236,16 @@ def test_stop_leaves_nothing(server):
 def test_missing_stub_env_names_the_command(monkeypatch, tmp_path):
     wheel = triton_server.ServerSource("wheel", "/x/bin/tritonserver")
     ngc = triton_server.ServerSource("path", "/opt/tritonserver/bin/tritonserver")
-    monkeypatch.setattr(ens, "default_stub_env", lambda: tmp_path / "env")
-    monkeypatch.setattr(ens.np, "__version__", "2.4.6")
-    assert ens.stub_env_needed(wheel) and not ens.stub_env_needed(ngc) and not ens.stub_env_needed(None)
-    assert ens.stub_env(ngc) is None  # the NGC image's stub matches its own NumPy
-    with pytest.raises(RuntimeError, match=r"python -m lab_utils\.serving\.ensemble --stub-env") as err:
-        ens.stub_env(wheel)
+    monkeypatch.setattr(numpy1_env, "default_stub_env", lambda: tmp_path / "env")
+    monkeypatch.setattr(numpy1_env.np, "__version__", "2.4.6")
+    needed = numpy1_env.stub_env_needed
+    assert needed(wheel) and not needed(ngc) and not needed(None)
+    assert numpy1_env.stub_env(ngc) is None  # the NGC image's stub matches its own NumPy
+    with pytest.raises(RuntimeError, match=r"python -m lab_utils\.compat\.numpy1_env") as err:
+        numpy1_env.stub_env(wheel)
     assert "TYPE_STRING" in str(err.value) and str(tmp_path / "env") in str(err.value)
-    monkeypatch.setattr(ens.np, "__version__", "1.26.4")
-    assert ens.stub_env(wheel) is None
+    monkeypatch.setattr(numpy1_env.np, "__version__", "1.26.4")
+    assert numpy1_env.stub_env(wheel) is None
 
 
 # --- the torch engine (the GPU path, forced onto the CPU here) --------------------------------------------
@@ -275,7 +277,7 @@ def torch_built(tmp_path_factory):
     ONNX path (``digits_onnx_service``): one training, so the two paths hold the same weights."""
     source = require_server()
     try:
-        ens.stub_env(source, build=True)
+        numpy1_env.stub_env(source, build=True)
     except (RuntimeError, OSError) as err:
         if env_flag(REQUIRE_ENV):
             pytest.fail(f"{REQUIRE_ENV} is set but the python backend's environment cannot be built: {err}")

@@ -18,6 +18,9 @@ LAYERS = [
     {"lab_utils.owned"},
     # course.probe is the one place that locates programs (find_<program>() -> str | None), below all that run them
     {"lab_utils.course"},
+    # what exists only because of the course's environment (the pytriton wheel, Debian 12, tensorrt-stubs): above the
+    # process primitives and the probes, below every module that uses the stack as it is meant to be used
+    {"lab_utils.compat"},
     {"lab_utils.models"},
     {"lab_utils.gpu", "lab_utils.distributed", "lab_utils.inference", "lab_utils.profiling"},
     # serving builds what inference exports (lab 07's ensemble serves the ONNX classifier)
@@ -37,7 +40,8 @@ LAYERS = [
 TORCH_FREE = ["lab_utils", "lab_utils.cli", "lab_utils.course.session", "lab_utils.course.probe",
               "lab_utils.course.results", "lab_utils.course.stack", "lab_utils.ops.notebooks",
               "lab_utils.ops.wheelhouse", "lab_utils.monitoring.gpu_exporter", "lab_utils.plotting",
-              "lab_utils.timing", "lab_utils.procs"]
+              "lab_utils.timing", "lab_utils.procs", "lab_utils.compat.numpy1_env", "lab_utils.compat.glibc",
+              "lab_utils.compat.tensorrt_stubs"]
 
 
 def _modules() -> dict[str, Path]:

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from _triton import quick_stop, require_server, tiny_repo  # noqa: F401 (an autouse fixture)
 
+from lab_utils.compat.glibc import glibc_version
 from lab_utils.serving import load as triton_load
 from lab_utils.serving.load import Window, run_load, server_split
 from lab_utils.serving.server import TritonServer
@@ -247,7 +248,7 @@ def test_perf_analyzer_status_here_is_real():
         assert status.path and status.version and not status.reason
         return
     assert not status.runnable and "perf_analyzer does not run here" in str(status)
-    glibc = triton_load.glibc_version()
+    glibc = glibc_version()
     if status.path is None and glibc is not None and glibc < (2, 38):
         assert f"glibc {glibc[0]}.{glibc[1]}" in status.reason and "2.38" in status.reason
         assert "pip install perf-analyzer" in status.reason and "sdk image" in status.reason

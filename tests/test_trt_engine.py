@@ -18,6 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from lab_utils.compat import tensorrt_stubs
 from lab_utils.course import probe
 from lab_utils.inference import tensorrt as trt_engine
 from lab_utils.inference import trt_check
@@ -347,7 +348,7 @@ def test_int8_engine_keeps_accuracy_and_timing_rows(trt_runtime, digits_plan, tm
 
 def test_stub_repair_is_minimal():
     line = "    def f(self: X, in: list[int], out: int = 0, last: int) -> None:"
-    repair = trt_check.repair_stub_line
+    repair = tensorrt_stubs.repair_stub_line
     assert repair(line) == "    def f(self: X, in_: list[int], out: int = 0, last: int = ...) -> None:"
     assert repair("x: int = 3") == "x: int = 3"
     # a Dims parameter takes a tuple or list too, as the runtime converts them

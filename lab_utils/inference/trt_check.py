@@ -6,8 +6,8 @@ student's function is read for removed calls and missing steps and type-checked 
 course's own ``lab_utils.inference.tensorrt`` is type-checked the same way by its tests. Where TensorRT runs,
 the exercise builds and runs the student's engine as well.
 
-No torch, no TensorRT: mypy runs in a subprocess, against a repaired copy of the installed ``tensorrt-stubs``
-(TensorRT 10.13's API) kept in the course's cache folder.
+No torch, no TensorRT: mypy runs in a subprocess, against a copy of the installed ``tensorrt-stubs`` (TensorRT
+10.13's API) that ``lab_utils.compat.tensorrt_stubs`` repairs, kept in the course's cache folder.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import importlib.metadata
 import inspect
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lab_utils.compat import tensorrt_stubs
 from lab_utils.procs import EnvError, owned_tempdir
 
 STUBS_DIST = "tensorrt-stubs"
@@ -191,7 +191,7 @@ def missing_steps(source: str, steps: Sequence[Step] = BUILD_STEPS) -> list[Step
 
 
 # --------------------------------------------------------------------------------------------------
-# tensorrt-stubs, repaired for mypy
+# tensorrt-stubs, repaired for mypy (lab_utils.compat.tensorrt_stubs)
 
 
 def stubs_version() -> str | None:
@@ -226,59 +226,10 @@ def _temporary_cache() -> Path:
     return owned_tempdir("cache")
 
 
-def _split_params(text: str) -> list[str]:
-    out, depth, cur = [], 0, ""
-    for ch in text:
-        depth += ch in "([{"
-        depth -= ch in ")]}"
-        if ch == "," and depth == 0:
-            out.append(cur)
-            cur = ""
-        else:
-            cur += ch
-    return out + ([cur] if cur.strip() else [])
-
-
-_DIMS_PARAM = re.compile(r"(:\s*)Dims(\s*(?:=|$))")
-
-
-def repair_stub_line(line: str) -> str:
-    """Two generator slips make tensorrt-stubs 10.13 unparsable: parameters named ``in`` and a parameter without a
-    default after defaulted ones. Rename the first, give the second ``= ...``. And a parameter typed ``Dims``
-    also takes a tuple or list of ints, as the runtime does (``profile.set_shape(name, (1, 3, 8, 8), ...)``)."""
-    line = re.sub(r"([(,]\s*)in(\s*:)", r"\1in_\2", line)
-    m = re.match(r"^(\s*def \w+\()(.*)(\)\s*->.*:\s*)$", line)
-    if not m:
-        return line
-    params, defaulted = _split_params(m.group(2)), False
-    for i, p in enumerate(params):
-        name = p.split(":")[0].split("=")[0].strip()
-        if name.startswith("*"):
-            defaulted = False
-        elif "=" in p:
-            defaulted = True
-        elif defaulted:
-            params[i] = p + " = ..."
-        params[i] = _DIMS_PARAM.sub(r"\1Dims | typing.Sequence[int]\2", params[i])
-    return m.group(1) + ",".join(params) + m.group(3)
-
-
-def _repair_stub_text(text: str) -> str:
-    text = "\n".join(repair_stub_line(ln) for ln in text.splitlines()) + "\n"
-    text = re.sub(r"(?m)^import tensorrt_libs as tensorrt_libs\n", "", text)
-    text = re.sub(r"(?m)^bool:", "bool_:", text)
-    # Dims is a sequence at runtime (len, indexing, iteration: tuple(dims) works); the stubs leave out __iter__.
-    return re.sub(r"(?m)^(class Dims:\n(?:    \"\"\"(?:.|\n)*?\"\"\"\n)?)",
-                  r"\1    def __iter__(self) -> typing.Iterator[int]:\n        ...\n", text, count=1)
-
-
 def repaired_stubs(dst: Path | None = None) -> Path:
-    """A copy of the installed tensorrt-stubs that mypy can read (a folder to put on ``MYPYPATH``).
-
-    Syntax repaired, the module-level ``bool`` DataType (which shadows the builtin in every annotation)
-    renamed, the import of the runtime-only ``tensorrt_libs`` dropped, and two runtime conversions the
-    stubs leave out allowed (a tuple for ``Dims``, iterating a ``Dims``). The API surface is otherwise
-    unchanged. Without ``dst``: kept in the course cache, one folder per stubs version, written once.
+    """A copy of the installed tensorrt-stubs that mypy can read (a folder to put on ``MYPYPATH``), repaired by
+    ``lab_utils.compat.tensorrt_stubs``. Without ``dst``: kept in the course cache, one folder per stubs version,
+    written once.
     """
     version = stubs_version()
     if version is None:
@@ -287,26 +238,12 @@ def repaired_stubs(dst: Path | None = None) -> Path:
     stubs = [f for f in files if str(f).endswith(".pyi")]
     if not any(str(f) == "tensorrt/__init__.pyi" for f in stubs):
         raise TypeCheckUnavailable(f"unexpected tensorrt-stubs {version} layout: {[str(f) for f in stubs][:5]}")
-    final = dst if dst is not None else cache_root() / "tensorrt-typecheck" / f"stubs-{version}-r2"
-    if dst is None and (final / "tensorrt" / "__init__.pyi").exists():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".stubs-", dir=final.parent))
-    try:
-        for f in stubs:
-            out = staging / str(f)
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(_repair_stub_text(Path(str(f.locate())).read_text()))
-        if dst is not None and final.exists():
-            shutil.rmtree(final)
-        try:
-            staging.rename(final)  # atomic: a second process writing the same folder loses the race harmlessly
-        except OSError:
-            if not (final / "tensorrt" / "__init__.pyi").exists():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return final
+    if dst is not None:
+        return tensorrt_stubs.write_repaired(stubs, dst, replace=True)
+    cached = cache_root() / "tensorrt-typecheck" / f"stubs-{version}-{tensorrt_stubs.REVISION}"
+    if (cached / "tensorrt" / "__init__.pyi").exists():
+        return cached
+    return tensorrt_stubs.write_repaired(stubs, cached)
 
 
 # --------------------------------------------------------------------------------------------------

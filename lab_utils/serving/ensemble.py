@@ -3,8 +3,8 @@ versions, the response cache, and the clients that send encoded images.
 
 ``build_service_repository`` writes ``digits_preprocess`` (PNG bytes -> FP32 [1, 8, 8]), ``digits_classifier``
 (DigitsCNN: -> logits FP32 [10]), ``digits_postprocess`` (-> top-k ``LABELS``, ``SCORES``) and the ensemble
-``digits_service``. ``build_stub_env`` (``python -m lab_utils.serving.ensemble --stub-env``) makes the NumPy-1
-stub environment; ``cache_stats`` reads the response cache's counters; ``classify`` and ``service_accuracy`` send
+``digits_service`` (on the wheel's server the python models run in ``lab_utils.compat.numpy1_env``'s NumPy-1
+environment); ``cache_stats`` reads the response cache's counters; ``classify`` and ``service_accuracy`` send
 PNGs. Versions: ``write_classifier_version``, ``write_broken_version``, ``set_served_versions``. Units are in
 names: ``_s`` seconds, ``_mib`` MiB, ``_us`` µs.
 
@@ -15,9 +15,6 @@ from __future__ import annotations
 
 import io
 import json
-import subprocess
-import sys
-import sysconfig
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -26,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from lab_utils.compat import numpy1_env
 from lab_utils.serving import client as triton_client
 from lab_utils.serving import repository as triton_repo
 from lab_utils.serving.metrics import metric_samples
@@ -50,9 +48,6 @@ MAX_IMAGE_BYTES = 256 * 1024  # what the preprocessing model accepts; nginx's cl
 MAX_IMAGE_SIDE = 1024  # px
 CACHE_PLACES = ("service", "classifier", None)
 CACHE_MIB = 64  # the local response cache's size (MiB): a digit's top-k response is about 100 bytes
-STUB_ENV_DIR = "nvlab-triton-stub-env"  # under sys.prefix: tied to this venv's packages
-STUB_NUMPY = "numpy<2"
-STUB_PTH = "nvlab_main_site.pth"  # adds this venv's packages after the environment's own NumPy
 CACHE_METRICS = {"hits": "nv_cache_num_hits_per_model", "misses": "nv_cache_num_misses_per_model",
                  "hit_us": "nv_cache_hit_duration_per_model", "miss_us": "nv_cache_miss_duration_per_model"}
 _PY_MODEL = "nvlab_triton_model.py"  # the course's model file, beside each python model's model.py
@@ -452,7 +447,7 @@ def write_ensemble(repo: str | Path, config: Mapping[str, Any]) -> Path:
     return triton_repo.write_config(model_dir, config, gpus=0)
 
 
-# --- the python backend's NumPy 1 environment (the wheel's server) ---------------------------------------
+# --- the server the repository is for --------------------------------------------------------------------
 
 
 def server_source() -> ServerSource | None:
@@ -462,82 +457,6 @@ def server_source() -> ServerSource | None:
         return find_server()
     except ServerNotFound:
         return None
-
-
-def stub_env_needed(source: ServerSource | None) -> bool:
-    """True when the server's python backend would run under NumPy 2 with a NumPy-1 stub: the wheel's server,
-    whose stub uses this interpreter's packages, and NumPy 2 here."""
-    return source is not None and source.kind == "wheel" and int(np.__version__.split(".")[0]) >= 2
-
-
-def default_stub_env() -> Path:
-    return Path(sys.prefix) / STUB_ENV_DIR
-
-
-def stub_env_ready(path: str | Path | None = None) -> bool:
-    path = Path(path or default_stub_env())
-    site = _stub_site(path)
-    return (path / "bin" / "activate").is_file() and (site / STUB_PTH).is_file() and \
-        any(site.glob("numpy-1.*.dist-info"))
-
-
-def _stub_site(path: Path) -> Path:
-    v = sys.version_info
-    return path / "lib" / f"python{v.major}.{v.minor}" / "site-packages"
-
-
-def build_stub_env(path: str | Path | None = None, numpy_spec: str = STUB_NUMPY, timeout_s: float = 300) -> Path:
-    """The python backend's execution environment (``EXECUTION_ENV_PATH``), built once: a venv of this Python
-    holding only NumPy 1 (pip, from the package index) and a ``.pth`` line that adds this venv's packages after it
-    (Pillow, ONNX Runtime). Triton sources its ``bin/activate`` before it starts the stub. Returns its folder."""
-    import fcntl
-
-    path = Path(path or default_stub_env())
-    if stub_env_ready(path):
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.parent / f".{path.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # a lab and a test building at once: one builds, the other waits
-        if not stub_env_ready(path):
-            _build_stub_env(path, numpy_spec, timeout_s)
-    return path
-
-
-def _build_stub_env(path: Path, numpy_spec: str, timeout_s: float) -> None:
-    import shutil
-
-    shutil.rmtree(path, ignore_errors=True)  # a half-built one (interrupted): start again
-    # Built where it stays: bin/activate holds the venv's own path, which a rename would leave pointing nowhere.
-    try:
-        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True, capture_output=True,
-                       text=True, timeout=timeout_s)
-        site = _stub_site(path)
-        pip = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(site),
-                              numpy_spec], capture_output=True, text=True, timeout=timeout_s)
-        if pip.returncode != 0:
-            raise RuntimeError(f"pip could not install {numpy_spec!r} for the python backend's environment (it needs "
-                               f"the package index): {(pip.stderr or pip.stdout).strip()[-600:]}")
-        main_site = sysconfig.get_paths()["purelib"]
-        # written last: stub_env_ready() looks for it
-        (site / STUB_PTH).write_text(f"import site; site.addsitedir({main_site!r})\n")
-    except BaseException:
-        shutil.rmtree(path, ignore_errors=True)
-        raise
-
-
-def stub_env(source: ServerSource | None, *, build: bool = False) -> Path | None:
-    """The execution environment the pre/postprocessing models need on this server, or None when they need none.
-
-    Missing and ``build`` False: ``RuntimeError`` with the command that builds it."""
-    if not stub_env_needed(source):
-        return None
-    if stub_env_ready():
-        return default_stub_env()
-    if build:
-        return build_stub_env()
-    raise RuntimeError(f"the wheel's Triton python backend needs NumPy 1 for TYPE_STRING tensors (this Python has "
-                       f"NumPy {np.__version__}), and {default_stub_env()} is not built: run "
-                       f"`python -m lab_utils.serving.ensemble --stub-env` once (pip installs {STUB_NUMPY!r} there)")
 
 
 # --- the whole repository --------------------------------------------------------------------------------
@@ -594,7 +513,7 @@ def build_service(repo: str | Path, model: Any, *, prefix: str, labels: Sequence
         wheel = source is not None and source.kind == "wheel"
         backend = "python" if wheel or classifier_engine == "torch" else "onnxruntime"
     engine = resolve_engine(classifier_engine, backend, gpus)
-    env = stub_env(source, build=build_env)
+    env = numpy1_env.stub_env(source, build=build_env)
     names = {k: f"{prefix}_{k}" for k in ("preprocess", "classifier", "postprocess", "service")}
     instances = default_instances(gpus) if instances is None else instances
 
@@ -764,18 +683,3 @@ def service_accuracy(url: str, *, protocol: str = "grpc", n: int | None = None, 
     wrong = [(i, int(t), p) for i, (t, p) in enumerate(zip(y, predicted, strict=True)) if str(int(t)) != p]
     return {"accuracy": 1 - len(wrong) / len(y), "images": len(y), "wrong": wrong, "wall_s": wall_s,
             "protocol": protocol, "requests": -(-len(y) // batch_size)}
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m lab_utils.serving.ensemble --stub-env``: build the python backend's NumPy-1 environment."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    if args != ["--stub-env"]:
-        print("usage: python -m lab_utils.serving.ensemble --stub-env   (builds "
-              f"{default_stub_env()}: {STUB_NUMPY} for Triton's python backend)", file=sys.stderr)
-        return 2
-    print(json.dumps({"stub_env": str(build_stub_env())}))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -33,6 +33,7 @@ import numpy as np
 import pandas as pd
 
 from lab_utils.args import check_int
+from lab_utils.compat import glibc
 from lab_utils.course.probe import find_perf_analyzer
 from lab_utils.procs import temporary_folder
 from lab_utils.serving.client import build_request, host_port
@@ -571,7 +572,6 @@ def sweep(url: str, model: str, make_inputs: Any, concurrencies: Sequence[int], 
 
 # --- perf_analyzer, Triton's own load tool, beside this generator ----------------------------------------------
 
-PERF_ANALYZER_GLIBC = (2, 38)  # the perf-analyzer wheel's platform tag: manylinux_2_38
 PERF_ANALYZER_INSTALL = "pip install perf-analyzer"
 PERF_ANALYZER_IMAGE = "the NGC tritonserver:<yy.mm>-py3-sdk image"
 
@@ -618,45 +618,19 @@ class PerfAnalyzerStatus:
         return f"perf_analyzer does not run here: {self.reason}"
 
 
-def glibc_version() -> tuple[int, int] | None:
-    """The C library's version, e.g. (2, 36); None where it is not glibc (musl, macOS)."""
-    import platform
-
-    lib, version = platform.libc_ver()
-    if lib != "glibc" or not version:
-        return None
-    parts = version.split(".")
-    try:
-        return int(parts[0]), int(parts[1])
-    except (IndexError, ValueError):
-        return None
-
-
-def _glibc_note(installed: bool = False) -> str:
-    """Why ``pip install perf-analyzer`` does or does not help on this machine."""
-    have = glibc_version()
-    need = ".".join(map(str, PERF_ANALYZER_GLIBC))
-    if have is None:
-        return f"its wheel is built for Linux with glibc >= {need}"
-    head = "its wheel" if installed else f"`{PERF_ANALYZER_INSTALL}` cannot help here: its wheel"
-    if have < PERF_ANALYZER_GLIBC:
-        return (f"{head} needs glibc >= {need} (tag manylinux_2_38) and this machine has glibc {have[0]}.{have[1]} "
-                "(Debian 12 has 2.36; Ubuntu 24.04 and the NGC images have 2.39)")
-    return f"glibc {have[0]}.{have[1]} is new enough" + ("" if installed else f": `{PERF_ANALYZER_INSTALL}`")
-
-
 def perf_analyzer_status(timeout_s: float = 30.0) -> PerfAnalyzerStatus:
     """Find ``perf_analyzer`` and run ``perf_analyzer --version``: runnable when it exits 0 and names itself.
 
     (``--help`` is no test: perf_analyzer has no such option and exits 99 after printing its usage.) Not found, not
-    executable, or failing to start (``GLIBC_2.38' not found``): the reason says why, with the glibc version.
+    executable, or failing to start (``GLIBC_2.38' not found``): the reason says why, with the glibc version
+    (``lab_utils.compat.glibc``).
     """
     import subprocess
 
     path = find_perf_analyzer()
     if path is None:
-        return PerfAnalyzerStatus(False, None, None, f"not installed; {_glibc_note()}. It also ships in "
-                                                     f"{PERF_ANALYZER_IMAGE}.")
+        why = glibc.perf_analyzer_note(PERF_ANALYZER_INSTALL)
+        return PerfAnalyzerStatus(False, None, None, f"not installed; {why}. It also ships in {PERF_ANALYZER_IMAGE}.")
     try:
         out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=timeout_s)
     except PermissionError:
@@ -668,8 +642,7 @@ def perf_analyzer_status(timeout_s: float = 30.0) -> PerfAnalyzerStatus:
     if out.returncode == 0 and m:
         return PerfAnalyzerStatus(True, path, m.group(1), "")
     first = next((ln.strip() for ln in text.splitlines() if ln.strip()), f"exit code {out.returncode}")
-    note = f" ({_glibc_note(installed=True)})" if "GLIBC" in text else ""
-    return PerfAnalyzerStatus(False, path, None, f"{path} --version failed: {first}{note}")
+    return PerfAnalyzerStatus(False, path, None, f"{path} --version failed: {first}{glibc.start_failure_note(text)}")
 
 
 @dataclass
@@ -809,4 +782,4 @@ def _perf_analyzer_once(binary: str, model: str, url: str, concurrency: int, pro
 
 __all__ = ["run_load", "sweep", "LoadResult", "Window", "WrongAnswer", "model_stats", "server_split",
            "perf_analyzer_command", "perf_analyzer_status", "PerfAnalyzerStatus", "PerfAnalyzerResult",
-           "PerfAnalyzerError", "parse_perf_analyzer_csv", "run_perf_analyzer", "glibc_version", "PROTOCOLS"]
+           "PerfAnalyzerError", "parse_perf_analyzer_csv", "run_perf_analyzer", "PROTOCOLS"]

@@ -1,4 +1,8 @@
-"""Lab 07's classifier on the python backend: the course's model (``model.py``: ONNX Runtime, batch-aware) plus
+"""Works around: the pytriton wheel's Triton has the python backend only, no onnxruntime backend, so ONNX Runtime
+runs lab 07's classifier inside a python model. Goes when: the course serves from the NGC tritonserver image, whose
+onnxruntime backend serves ``model.onnx`` as it is (``classifier_config(backend="onnxruntime")``).
+
+Lab 07's classifier on the python backend: the course's model (``model.py``: ONNX Runtime, batch-aware) plus
 the check that Triton's own onnxruntime backend makes at load: the ONNX file's inputs and outputs must match
 ``config.pbtxt``. A version exported with the wrong output shape is refused at load, not at the first request.
 

@@ -1,10 +1,13 @@
-"""Lab 07's classifier on the python backend, run by torch: on the instance's GPU for a ``KIND_GPU`` instance
-(``cuda:<model_instance_device_id>``), on the CPU for a ``KIND_CPU`` one (what CI tests without a GPU).
+"""Works around: the pytriton wheel's Triton has the python backend only and the course's ONNX Runtime is CPU-only,
+so torch runs lab 07's classifier on a GPU inside a python model. Goes when: the course serves from the NGC
+tritonserver image, whose onnxruntime backend runs ``model.onnx`` on the GPU.
 
-Copied as ``<repo>/<model>/<version>/model.py`` beside ``nvlab_triton_model.py``; it imports nothing from
-``lab_utils`` and loads ``model.pt`` (TorchScript). ``input`` FP32 [B, C, H, W] -> ``logits`` FP32 [B, classes].
-``config.pbtxt`` parameters: ``engine`` = ``torch``; ``precision`` = ``fp32`` (default) | ``fp16`` | ``bf16``
-(autocast); ``threads`` (torch's intra-op threads on the CPU, default 1).
+Lab 07's classifier on the python backend, run by torch: on the instance's GPU for a ``KIND_GPU`` instance
+(``cuda:<model_instance_device_id>``), on the CPU for a ``KIND_CPU`` one (what CI tests without a GPU). Copied as
+``<repo>/<model>/<version>/model.py`` beside ``nvlab_triton_model.py``; it imports nothing from ``lab_utils`` and
+loads ``model.pt`` (TorchScript). ``input`` FP32 [B, C, H, W] -> ``logits`` FP32 [B, classes]. ``config.pbtxt``
+parameters: ``engine`` = ``torch``; ``precision`` = ``fp32`` (default) | ``fp16`` | ``bf16`` (autocast);
+``threads`` (torch's intra-op threads on the CPU, default 1).
 
 Design notes: docs/internals.md#lab_utilsservingbackendtorch_classifierpy
 """
