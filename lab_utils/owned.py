@@ -261,3 +261,16 @@ class HttpGrpcEndpoints:
     def grpc_url(self) -> str:
         """``host:port``: a gRPC target."""
         return f"{self.host}:{self.grpc_port}"
+
+
+def usable(why: str | None, *, name: str, require_env: str, required: bool, error: type[Exception], skipped: str,
+           show: bool = True) -> bool:
+    """A component's ``available()``: True when ``why`` (its ``missing()``) is None. Otherwise raises ``error`` when
+    ``require_env``=1 (``required``), or prints why, what the lab skips (``show``), and returns False."""
+    if why is None:
+        return True
+    if required:
+        raise error(f"{require_env}=1 but {why}")
+    if show:
+        print(f"{name} is not available here: {why}\n{skipped} Install it and run the lab again.")
+    return False

@@ -30,7 +30,7 @@ import pandas as pd
 
 from lab_utils import DATA_DIR
 from lab_utils.course.probe import PROMETHEUS_ENV, PROMETHEUS_INSTALL, find_prometheus
-from lab_utils.owned import OwnedServer
+from lab_utils.owned import OwnedServer, usable
 from lab_utils.procs import (
     check_service,
     env_flag,
@@ -96,15 +96,8 @@ def missing(*names: str) -> str | None:
 def available(show: bool = True) -> bool:
     """True when this machine can run Prometheus for a lab (both binaries). When not, prints how to install it
     (``show``) and returns False, or raises :class:`PrometheusMissing` under ``NVLAB_REQUIRE_PROMETHEUS=1``."""
-    why = missing()
-    if why is None:
-        return True
-    if required():
-        raise PrometheusMissing(f"{REQUIRE_ENV}=1 but {why}")
-    if show:
-        print(f"Prometheus is not available here: {why}\nThe sections that need it are skipped, each saying so; "
-              "the rest of the lab runs. Install it and run the lab again.")
-    return False
+    return usable(missing(), name="Prometheus", require_env=REQUIRE_ENV, required=required(), error=PrometheusMissing,
+                  skipped="The sections that need it are skipped, each saying so; the rest of the lab runs.", show=show)
 
 
 def skipped(what: str) -> None:

@@ -35,7 +35,7 @@ from typing import Any
 import psutil
 
 from lab_utils.course.probe import NGINX_ENV, NGINX_SEARCH, find_nginx
-from lab_utils.owned import HttpGrpcEndpoints, OwnedServer
+from lab_utils.owned import HttpGrpcEndpoints, OwnedServer, usable
 from lab_utils.procs import (
     check_url,
     env_flag,
@@ -115,15 +115,8 @@ def nginx_binary() -> str:
 def available(show: bool = True) -> bool:
     """True when nginx can run here. When not: prints how to install it (``show``) and returns False, or raises
     ``NginxNotFound`` under ``NVLAB_REQUIRE_NGINX=1``."""
-    why = missing()
-    if why is None:
-        return True
-    if required():
-        raise NginxNotFound(f"{REQUIRE_ENV}=1 but {why}")
-    if show:
-        print(f"nginx is not available here: {why}\nThe lab then drives one Triton server directly and says what it "
-              "skipped. Install nginx and run the lab again.")
-    return False
+    return usable(missing(), name="nginx", require_env=REQUIRE_ENV, required=required(), error=NginxNotFound,
+                  skipped="The lab then drives one Triton server directly and says what it skipped.", show=show)
 
 
 def nginx_version(binary: str | None = None) -> str:
