@@ -424,7 +424,7 @@ def launch(fn: Callable[..., Any], nprocs: int, *, backend: str = "auto", kwargs
                 deadline = time.monotonic() + STARTUP_TIMEOUT_S  # then timeout_s, once every rank is ready
                 while len(results) < nprocs:
                     left = deadline - time.monotonic()
-                    if straggler_s is not None and results and first_done is not None and \
+                    if straggler_s is not None and first_done is not None and \
                             time.monotonic() - first_done > straggler_s:
                         late = [r for r in range(nprocs) if r not in results]
                         stacks = {r: t for r, t in _stacks(procs, stack_files).items() if r not in results}

@@ -250,7 +250,6 @@ def _grade_ort(fn: Any) -> str:
 
 
 def _ort_levels(fn: Any, fx: _Digits, onnx_path: Path, x: Any) -> dict[str, float]:
-
     import numpy as np
     import onnxruntime as ort
 
@@ -305,13 +304,11 @@ def _fastest_session_run(session: Any, feed: dict, timing: Any) -> float:
     """The fastest ``session.run`` as the check times it, in ms, measured again (three times at most) while the
     student's fastest run is below a third of it. Fastest against fastest: load on a shared machine only ever adds
     time, to some repetitions, while a timed region that does more (or less) than session.run shifts every one."""
-    import functools as ft
-
     from lab_utils.timing import benchmark
 
     fastest = float("inf")
     for _ in range(3):
-        ref = benchmark(ft.partial(session.run, None, feed), reps=max(5, min(timing.reps, 20)), warmup=2,
+        ref = benchmark(functools.partial(session.run, None, feed), reps=max(5, min(timing.reps, 20)), warmup=2,
                         device="cpu", name="reference")
         fastest = min(fastest, ref.min_ms)
         if timing.min_ms >= fastest / 3:
