@@ -213,7 +213,7 @@ def test_q2_without_prometheus_is_not_applicable(monkeypatch):
 
 
 def _decide(promote_first=False, acc_before_min=False, ratio_only=False, idle_now=False, nan_acc=False,
-            abs_errors=False, no_feedback_wait=False):
+            abs_errors=False, no_feedback_wait=False, p95_on_any_count=False):
     def decide(state, metrics, guards):
         ch, cl = metrics["champion"], metrics["challenger"]
 
@@ -226,7 +226,8 @@ def _decide(promote_first=False, acc_before_min=False, ratio_only=False, idle_no
                     not abs_errors and not math.isnan(ch.error_rate)
                     and cl.error_rate > ch.error_rate + guards.max_error_rate_delta):
                 return back("CanaryErrors")
-            slow = cl.p95_ms > guards.max_p95_ratio * ch.p95_ms
+            slow = cl.p95_ms > guards.max_p95_ratio * ch.p95_ms and \
+                (p95_on_any_count or cl.requests >= guards.min_latency_requests)
             if not ratio_only:
                 slow = slow or cl.p95_ms > guards.max_p95_ms
             if slow:
@@ -259,6 +260,7 @@ Q3_WRONG = [(_decide(promote_first=True), "promoted after 1 healthy check"),
             (_decide(idle_now=True), "max_idle_checks"),
             (_decide(nan_acc=True), "champion's accuracy is NaN"),
             (_decide(abs_errors=True), "max_error_rate_delta"),
+            (_decide(p95_on_any_count=True), "min_latency_requests"),
             (lambda state, metrics, guards: "promote", "canary.Decision")]
 
 

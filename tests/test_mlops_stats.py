@@ -4,6 +4,7 @@ statistics on shifted and unshifted digits, the canary's decision function, and 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -172,7 +173,7 @@ def test_a_healthy_challenger_is_promoted_step_by_step():
     (VariantMetrics(error_rate=0.05, p95_ms=20, accuracy=0.97, requests=100, feedback=50), "CanaryErrors"),
     (VariantMetrics(error_rate=0.008, p95_ms=20, accuracy=0.97, requests=100, feedback=50), "CanaryErrors"),  # delta
     (VariantMetrics(error_rate=0.0, p95_ms=150, accuracy=0.97, requests=100, feedback=50), "CanaryLatency"),  # SLO
-    (VariantMetrics(error_rate=0.0, p95_ms=40, accuracy=0.97, requests=100, feedback=50), "CanaryLatency"),  # 2x
+    (VariantMetrics(error_rate=0.0, p95_ms=40, accuracy=0.97, requests=200, feedback=50), "CanaryLatency"),  # 2x
     (VariantMetrics(error_rate=0.0, p95_ms=20, accuracy=0.88, requests=100, feedback=50), "CanaryAccuracy"),
 ])
 def test_a_tripped_guard_rolls_back(chall, alert):
@@ -180,6 +181,14 @@ def test_a_tripped_guard_rolls_back(chall, alert):
     d = decide(state, both(chall))
     assert (d.action, d.alert, d.weight, d.state.status) == ("rollback", alert, 0, "rolled_back")
     assert decide(d.state, both(GOOD)).action == "done"
+
+
+def test_the_relative_latency_bound_waits_for_enough_requests_the_slo_does_not():
+    slow = VariantMetrics(error_rate=0.0, p95_ms=60, accuracy=0.97, requests=199, feedback=50)  # 3 x, under the SLO
+    assert decide(CanaryState(), both(slow)).action == "hold"
+    assert decide(CanaryState(), both(replace(slow, requests=200))).alert == "CanaryLatency"
+    assert decide(CanaryState(), both(replace(slow, p95_ms=150))).alert == "CanaryLatency"  # over the SLO: any count
+    assert decide(CanaryState(), both(slow), Guards(min_latency_requests=0)).alert == "CanaryLatency"
 
 
 def test_short_evidence_holds_then_rolls_back_as_no_traffic():

@@ -172,7 +172,8 @@ def reference_decide(state: Any, metrics: Mapping[str, Any], guards: Any) -> Any
             return rollback("CanaryErrors", f"error rate {chall.error_rate:.2%} over {limit:.2%}")
         if not nan(chall.p95_ms):
             limit = math.inf if guards.max_p95_ms is None else guards.max_p95_ms  # the SLO
-            if not nan(champ.p95_ms) and champ.p95_ms > 0:  # relative, but never below the floor (noise)
+            # relative, on enough requests for a p95, and never below the floor (noise)
+            if not nan(champ.p95_ms) and champ.p95_ms > 0 and chall.requests >= guards.min_latency_requests:
                 limit = min(limit, max(guards.max_p95_ratio * champ.p95_ms, guards.p95_floor_ms))
             if chall.p95_ms > limit:
                 return rollback("CanaryLatency", f"p95 {chall.p95_ms:.1f} ms over {limit:.1f} ms")
@@ -812,6 +813,8 @@ def _sequences() -> list[tuple[str, Any, list[dict[str, Any]]]]:
          [{"champion": _vm(error_rate=0.001, p95_ms=120.0, accuracy=0.97, requests=4500.0, feedback=900.0),
            "challenger": _vm(error_rate=0.001, p95_ms=150.0, accuracy=0.97, requests=500.0, feedback=100.0)}]),
         ("a slower challenger (2 x the champion's p95, under the SLO)", g, [_healthy(p95_ms=85.0)]),
+        ("a slower challenger on 100 requests (too few for a p95 against the champion's)", g,
+         [_healthy(p95_ms=85.0, requests=100.0)]),
         ("an error spike", g, [_healthy(), _healthy(error_rate=0.05)]),
         ("errors under 1 % but well above the champion's", g, [_healthy(error_rate=0.008)]),
         ("too few requests", g, [_healthy(requests=3.0, error_rate=0.0) for _ in range(g.max_idle_checks)]),
@@ -849,6 +852,11 @@ def _why(mine: Any, ref: Any, state: Any, m: Mapping[str, Any], g: Any) -> str:
         if mine.alert == "CanaryAccuracy" and chall.feedback < g.min_feedback:
             return (f"it applied the accuracy guard on {chall.feedback:g} labelled answers: below "
                     f"guards.min_feedback ({g.min_feedback}) the accuracy is noise; skip the guard until then")
+        if mine.alert == "CanaryLatency" and chall.requests < g.min_latency_requests and \
+                (g.max_p95_ms is None or chall.p95_ms <= g.max_p95_ms):
+            return (f"it compared the challenger's p95 with the champion's on {chall.requests:g} challenger requests: "
+                    f"below guards.min_latency_requests ({g.min_latency_requests}) a p95 is a few slow requests; "
+                    "only the SLO bound (guards.max_p95_ms) applies until then")
         if mine.alert == "CanaryAccuracy" and math.isnan(champ.accuracy):
             return ("it rolled back on accuracy while the champion's accuracy is NaN (no labelled answers): with "
                     "nothing to compare with, the accuracy guard is not evaluated (`not (a >= nan)` is True)")
@@ -964,7 +972,8 @@ q3 = CodeExercise(
     signature="decide(state: CanaryState, metrics: dict[str, VariantMetrics], guards: Guards) -> Decision",
     hints=(
         "Guards in order: errors (above guards.max_error_rate, or above the champion's + max_error_rate_delta), "
-        "latency (p95 above guards.max_p95_ms, or above max_p95_ratio x the champion's), accuracy (below the "
+        "latency (p95 above guards.max_p95_ms, or above max_p95_ratio x the champion's once the challenger has "
+        "guards.min_latency_requests requests), accuracy (below the "
         "champion's - max_accuracy_drop, only once feedback >= min_feedback and both accuracies are numbers). "
         "A trip: Decision('rollback', replace(state, status='rolled_back'), why, alert).",
         "Fewer than guards.min_requests challenger requests: a hold (state.idle + 1, healthy back to 0); after "

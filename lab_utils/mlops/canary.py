@@ -84,6 +84,9 @@ class Guards:
     max_p95_ms: float | None = 100.0  # the service's SLO; None: no absolute bound
     max_p95_ratio: float = 1.5  # x the champion's p95
     p95_floor_ms: float = 20.0  # the relative bound is never below this: 4 ms against 12 ms is scheduling noise
+    # the relative bound needs this many challenger requests in the window: the p95 of 100 requests is their 5
+    # slowest, one CPU stall; the champion's, over 9 x as many, is not comparable. The SLO bound always applies.
+    min_latency_requests: int = 200
     max_accuracy_drop: float = 0.03  # below the champion's accuracy on labelled feedback
     min_requests: int = 20  # a check with fewer challenger requests decides nothing (hold)
     min_feedback: int = 20  # labelled answers before the accuracy guard counts
@@ -101,7 +104,7 @@ class Guards:
             raise ValueError(f"Guards(p95_floor_ms={self.p95_floor_ms!r}): milliseconds >= 0")
         if not (isinstance(self.max_p95_ratio, (int, float)) and self.max_p95_ratio >= 1):
             raise ValueError(f"Guards(max_p95_ratio={self.max_p95_ratio!r}): a ratio >= 1 (1.5 allows 50 % slower)")
-        for name in ("min_requests", "min_feedback", "checks_per_step", "max_idle_checks"):
+        for name in ("min_requests", "min_latency_requests", "min_feedback", "checks_per_step", "max_idle_checks"):
             v = getattr(self, name)
             if not (isinstance(v, int) and v >= (1 if name in ("checks_per_step", "max_idle_checks") else 0)):
                 raise ValueError(f"Guards({name}={v!r}): a non-negative integer (checks_per_step, max_idle_checks "
@@ -200,8 +203,8 @@ def decide(state: CanaryState, metrics: Mapping[str, VariantMetrics], guards: Gu
                             checks)
         if not _nan(chall.p95_ms):
             slow_abs = guards.max_p95_ms is not None and chall.p95_ms > guards.max_p95_ms
-            slow_rel = not _nan(champ.p95_ms) and champ.p95_ms > 0 and \
-                chall.p95_ms > max(guards.max_p95_ratio * champ.p95_ms, guards.p95_floor_ms)
+            slow_rel = not _nan(champ.p95_ms) and champ.p95_ms > 0 and chall.requests >= guards.min_latency_requests \
+                and chall.p95_ms > max(guards.max_p95_ratio * champ.p95_ms, guards.p95_floor_ms)
             checks["latency"] = not (slow_abs or slow_rel)
             if not checks["latency"]:
                 ref = "" if _nan(champ.p95_ms) else f"; champion {champ.p95_ms:.1f} ms"
