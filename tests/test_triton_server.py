@@ -180,6 +180,23 @@ def test_killed_server_reported_and_restarted(repo):
     assert not server.alive()
 
 
+def test_a_crashed_server_is_named_and_lab04_restarts_it_before_a_check(repo):
+    """Triton's SIGSEGV handler logs the signal and can leave the process alive and deaf (seen in CI: every later
+    load_model hung): crashed() reads the log, and lab 04's checks restart such a server first."""
+    from lab_utils.exercises import lab04
+
+    with TritonServer(repo) as server:
+        assert server.crashed() is None
+        old = server.pid
+        os.kill(old, signal.SIGSEGV)
+        deadline = time.monotonic() + 10
+        while server.crashed() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert server.crashed() == "tritonserver logged signal 11 and stopped answering"
+        lab04._restart_if_crashed(server)
+        assert server.crashed() is None and server.pid != old and server.ready()
+
+
 def test_startup_failure_shows_log_tail(repo):
     with pytest.raises(ServerStartError) as err:
         TritonServer(repo, extra_args=("--no-such-flag=1",)).start()

@@ -90,7 +90,17 @@ def _no_server() -> str | None:
                 "ex.use_server(server, repo)).")
     if not _BOUND[0].server.alive():
         return "the lab's server is not running: start it again (server.restart()) and rerun this check."
+    _restart_if_crashed(_BOUND[0].server)
     return None
+
+
+def _restart_if_crashed(server: Any) -> None:
+    """A server that crashed (its process alive, hung in its signal handler) is restarted before a check: a hang in
+    the check would look like the student's fault."""
+    why = getattr(server, "crashed", lambda: None)()
+    if why:
+        print(f"the lab's server is broken ({why}): restarting it for this check; your code is not the cause")
+        server.restart()
 
 
 def _lab() -> _Lab:

@@ -210,19 +210,26 @@ def repository_index(url: str, protocol: str = "grpc") -> list[dict[str, Any]]:
         c.close()
 
 
-def load_model(url: str, model: str, protocol: str = "grpc", config: str | None = None) -> None:
+def load_model(url: str, model: str, protocol: str = "grpc", config: str | None = None,
+               timeout_s: float = 120.0) -> None:
     """``POST v2/repository/models/{model}/load`` (explicit model control): (re)load from the repository.
 
     A reload re-reads ``config.pbtxt`` and the version folders; ``config`` (JSON) overrides the file.
-    A model that fails to load raises with the server's reason.
+    A model that fails to load, or no answer within ``timeout_s`` (gRPC), raises with the server's reason.
     """
     from tritonclient.utils import InferenceServerException
 
     c = client(url, protocol)
     try:
-        c.load_model(model, config=config)
+        if protocol == "grpc":  # a hung server must not hang the caller
+            c.load_model(model, config=config, client_timeout=timeout_s)
+        else:
+            c.load_model(model, config=config)
     except InferenceServerException as err:
-        raise RuntimeError(f"loading {model!r} failed: {err.message()}") from None
+        msg = err.message() or ""
+        if "deadline" in msg.lower():
+            msg = f"no answer within {timeout_s:g} s (is the server hung? its log says)"
+        raise RuntimeError(f"loading {model!r} failed: {msg}") from None
     finally:
         c.close()
 

@@ -218,6 +218,8 @@ def running_servers() -> list[TritonServer]:
 
 _LOAD_FAIL = re.compile(r"failed to load '([^']+)' version (\d+): (.*?)(?:\"$|$)")
 _STUB_FAIL = re.compile(r"Failed to (?:pre)?initialize Python stub(?: for auto-complete)?: (.*)$", re.M)
+# the server's own signal handler logs this, then may hang instead of exiting (the 2.51 wheel after a SIGSEGV)
+_FATAL_SIGNAL = re.compile(r"^Signal \((\d+)\) received\.", re.M)
 _PORT_BUSY = re.compile(r"(already in use|Address in use|failed to start .* service)", re.I)
 
 
@@ -444,6 +446,11 @@ class TritonServer(OwnedServer, HttpGrpcEndpoints):
                 (folder / PYTHON_ENV_OWNER).unlink(missing_ok=True)
                 folder.rmdir()
         return code
+
+    def crashed(self) -> str | None:
+        """Why this running server is broken though its process lives (its log shows a fatal signal), else None."""
+        m = _FATAL_SIGNAL.search(tail(self.log_path, 400)) if self.log_path is not None else None
+        return f"tritonserver logged signal {m.group(1)} and stopped answering" if m else None
 
     def restart(self) -> TritonServer:
         """Stop (if running) and start again (after a crash, say): on the fixed ports given, else on new free
