@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from lab_utils.course.catalog import repo_root
-from lab_utils.procs import who_listens
+from lab_utils.procs import sweep_stale_tempdirs, who_listens
 
 
 class _Parser(argparse.ArgumentParser):
@@ -86,10 +86,9 @@ def writable_problem(folder: Path, option: str) -> str | None:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from lab_utils.course.probe import probe
-    from lab_utils.course.session import print_report
-    from lab_utils.procs import sweep_stale_tempdirs
-    from lab_utils.serving.server import remove_stale_shm
+    from lab_utils.course.probe import probe  # lazy: subcommand only (cli stays fast to import)
+    from lab_utils.course.session import print_report  # lazy: pulls pandas (cli stays fast to import)
+    from lab_utils.serving.server import remove_stale_shm  # lazy: subcommand only (cli stays fast to import)
 
     # what killed kernels and servers left behind (no exit handler ran): their owners are gone, so it goes
     removed = [str(p) for p in sweep_stale_tempdirs()] + [f"/dev/shm/{n}" for n in remove_stale_shm()]
@@ -151,7 +150,7 @@ def _lab_url(info: dict[str, Any], ip: str, token: str) -> str:
 def cmd_lab(args: argparse.Namespace) -> int:
     import subprocess
 
-    from lab_utils.course.probe import find_jupyter_lab
+    from lab_utils.course.probe import find_jupyter_lab  # lazy: subcommand only (cli stays fast to import)
 
     folder = Path(args.dir) if args.dir else repo_root() / "labs"
     if not folder.is_dir():
@@ -206,7 +205,7 @@ def cmd_lab(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from lab_utils.ops.notebooks import (
+    from lab_utils.ops.notebooks import (  # lazy: subcommand only (cli stays fast to import)
         NotebookError,
         execute,
         leftover_processes,
@@ -259,7 +258,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_build_labs(args: argparse.Namespace) -> int:
-    from lab_utils.ops.notebooks import NotebookError, build_labs
+    from lab_utils.ops.notebooks import NotebookError, build_labs  # lazy: subcommand only (cli stays fast to import)
 
     try:
         changed = build_labs(check=args.check)
@@ -281,7 +280,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from lab_utils.course.results import compare, reference_dirs
+    from lab_utils.course.results import compare, reference_dirs  # lazy: pulls pandas (cli stays fast to import)
 
     ref = args.reference or ", ".join(str(p) for p in reference_dirs()) or "no reference run"
     try:
@@ -309,7 +308,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_gpu_exporter(args: argparse.Namespace) -> int:
-    from lab_utils.monitoring.gpu_exporter import serve
+    from lab_utils.monitoring.gpu_exporter import serve  # lazy: subcommand only (cli stays fast to import)
 
     if why := port_problem(args.host, args.port, "pass --port with a free port (and scrape that one)"):
         print(f"nvlab gpu-exporter: {why}", file=sys.stderr)
@@ -318,7 +317,7 @@ def cmd_gpu_exporter(args: argparse.Namespace) -> int:
 
 
 def cmd_wheelhouse(args: argparse.Namespace) -> int:
-    from lab_utils.ops.wheelhouse import WheelhouseError, build
+    from lab_utils.ops.wheelhouse import WheelhouseError, build  # lazy: subcommand only (cli stays fast to import)
 
     try:
         build(args.dir, python=args.python, platforms=args.platform, extras=args.extras.split(","),

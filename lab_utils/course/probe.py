@@ -28,6 +28,7 @@ import psutil
 
 from lab_utils import DATA_DIR
 from lab_utils.course.catalog import LABS, repo_root
+from lab_utils.course.stack import manifest, ngc_images, pinned_release
 from lab_utils.procs import EnvError, env_url
 
 REQUIRED = ("numpy", "pandas", "matplotlib", "torch", "papermill", "nbformat", "ipykernel")
@@ -763,7 +764,7 @@ def _host() -> dict[str, Any]:
     mem_gib = None
     with contextlib.suppress(OSError, psutil.Error):
         mem_gib = round(psutil.virtual_memory().total / 2**30, 1)
-    from lab_utils.timing import cpu_model
+    from lab_utils.timing import cpu_model  # lazy: pulls numpy, which the probe reports when missing
 
     return {
         "python": platform.python_version(),
@@ -850,7 +851,6 @@ def stack_table(report: EnvReport) -> list[dict[str, str]]:
          else "absent"),
         ("operations: Prometheus", (c["prometheus"].version or "present") if c["prometheus"].present else "absent"),
     ]
-    from lab_utils.course.stack import manifest, pinned_release
 
     rel = pinned_release()
     in_image = "(in the image)"
@@ -864,8 +864,6 @@ def stack_table(report: EnvReport) -> list[dict[str, str]]:
 
 def container_verdicts(cuda_ceiling: str, datacenter_gpu: bool = True) -> list[dict[str, str]]:
     """Whether each NGC image's CUDA runtime runs on a driver with ``cuda_ceiling``, and why."""
-    from lab_utils.course.stack import ngc_images
-
     rows = []
     for entry in ngc_images():
         cuda = entry["cuda"]

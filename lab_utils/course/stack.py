@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from lab_utils import DATA_DIR
+from lab_utils.course.catalog import repo_root
 
 MANIFEST_PATH = DATA_DIR / "stack" / "versions.json"
 MANIFEST_NAME = "lab_utils/data/stack/versions.json"
@@ -312,8 +313,6 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(compose_env())
         return 0
     if argv == ["check"]:
-        from lab_utils.course.catalog import repo_root
-
         try:
             problems = check(repo_root())
         except RuntimeError as err:

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from lab_utils.args import check_int
+from lab_utils.course.probe import probe
 from lab_utils.course.specs import PCIE_GEN3_GBPS, PCIE_GEN4_GBPS, PCIE_GEN5_GBPS, peaks_for
 
 if TYPE_CHECKING:
@@ -101,9 +102,7 @@ def link_peak_gbps(report: EnvReport | None = None, n_gpus: int = 2) -> tuple[fl
     """
     n_gpus = check_int(n_gpus, "n_gpus", "link_peak_gbps", minimum=2)
     if report is None:
-        from lab_utils.course.probe import probe  # nvidia-smi and NVML: only when no report is given
-
-        report = probe()
+        report = probe()  # nvidia-smi and NVML: only when no report is given
     gpus = list(getattr(report, "gpus", None) or [])
     topo = getattr(report, "topology", None) or {}
     if not gpus and not topo:

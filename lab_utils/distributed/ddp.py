@@ -28,6 +28,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data.distributed import DistributedSampler
 
 from lab_utils.args import check_int
+from lab_utils.course.catalog import repo_root
+from lab_utils.course.specs import h200_measured
 from lab_utils.distributed.spawn import WorkerContext, choose_backend, launch, mp_context, torch_gpu_count
 from lab_utils.models import MIB, DigitsCNN, digits_arrays, make_digits_cnn, make_resnet, param_mib, resnet_blocks
 from lab_utils.procs import env_int
@@ -754,9 +756,6 @@ def record_name(variant: str) -> str:
 
 def h200x2_results(run_dir: str | os.PathLike[str] | None = None) -> dict[str, float]:
     """What the committed two-H200 run recorded for lab 02, by name (empty when the run has none)."""
-    from lab_utils.course.catalog import repo_root
-    from lab_utils.course.specs import h200_measured
-
     return h200_measured("02", run_dir if run_dir is not None else repo_root() / "reference_runs" / H200X2_RUN)
 
 

@@ -246,7 +246,7 @@ def run(fn: Callable[..., Any], nprocs: int, *, backend: str = "auto", kwargs: d
     Errors as ``spawn.launch``: ``WorkerError`` with the rank's traceback (the notebook's own line numbers),
     ``WorkerTimeout``; ``ShipError`` when ``fn`` cannot be sent.
     """
-    from lab_utils.distributed.spawn import launch  # imports torch: only when ranks are started
+    from lab_utils.distributed.spawn import launch  # lazy: pulls torch (only when ranks are started)
 
     with shipping(fn) as shipped:
         return launch(call_shipped, nprocs, backend=backend, timeout_s=timeout_s, env=env, group=group,

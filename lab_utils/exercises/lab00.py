@@ -483,7 +483,7 @@ _q4_close = close_to(
 
 
 def _grade_q4(value: Any) -> None:
-    from lab_utils.exercises.quiz import in_byte_unit  # imported here: lab 00 needs no pandas
+    from lab_utils.exercises.quiz import in_byte_unit  # lazy: pulls pandas (lab 00 needs none)
 
     _q4_close(in_byte_unit(value, "GiB"))  # "150.8 GB" says its unit: read in it
 

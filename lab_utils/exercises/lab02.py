@@ -32,6 +32,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from lab_utils.distributed import ranks as ranks_mod
 from lab_utils.distributed.bandwidth import KIB, MIB, busbw_factor  # the one definition the lab's measurements use
+from lab_utils.distributed.ddp import evaluate
 from lab_utils.distributed.plan import lab_plan
 from lab_utils.distributed.spawn import WorkerContext, WorkerError, WorkerTimeout, launch, torch_gpu_count
 from lab_utils.exercises.framework import (
@@ -1129,8 +1130,6 @@ _REFERENCE_RUNS: dict[tuple[Any, ...], dict[str, Any]] = {}
 
 
 def _evaluate(state: dict[str, torch.Tensor], width: int) -> float:
-    from lab_utils.distributed.ddp import evaluate
-
     model = DigitsCNN(width)
     model.load_state_dict(state)
     return evaluate(model, "cpu")

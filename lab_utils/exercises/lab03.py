@@ -27,8 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from lab_utils.exercises.framework import CodeExercise, Exercise, Wrong, close_to, integer, run_student
-from lab_utils.inference import trt_check
+from lab_utils.inference import compare, trt_check
 from lab_utils.procs import temporary_folder
+from lab_utils.timing import Timing, benchmark
 
 __all__ = [
     "q1", "q2", "q3", "q4", "q5", "q6", "q7", "q8",
@@ -87,8 +88,8 @@ def _digits() -> _Digits:
     import onnx as onnx_lib
     import torch
 
-    from lab_utils import models
-    from lab_utils.inference import model_zoo, onnx
+    from lab_utils import models  # lazy: pulls torch
+    from lab_utils.inference import model_zoo, onnx  # lazy: pulls torch and onnx
 
     model, _ = model_zoo.trained_digits(_FIXTURE_EPOCHS)
     data = models.digits_arrays()
@@ -137,8 +138,8 @@ def _grade_export(fn: Any) -> str:
     import onnxruntime as ort
     import torch
 
-    from lab_utils.inference import model_zoo
-    from lab_utils.inference import onnx as lab_onnx
+    from lab_utils.inference import model_zoo  # lazy: pulls torch
+    from lab_utils.inference import onnx as lab_onnx  # lazy: pulls torch and onnx
 
     model = model_zoo.export_check_model()  # in train mode, as at the end of a training loop
     example = torch.from_numpy(model_zoo.random_images(4, (1, 8, 8), seed=3))
@@ -253,8 +254,6 @@ def _ort_levels(fn: Any, fx: _Digits, onnx_path: Path, x: Any) -> dict[str, floa
     import numpy as np
     import onnxruntime as ort
 
-    from lab_utils.timing import Timing
-
     medians: dict[str, float] = {}
     for level in ("disable", "all"):
         call = f"ort_timed(onnx_path, x, {level!r})"
@@ -304,8 +303,6 @@ def _fastest_session_run(session: Any, feed: dict, timing: Any) -> float:
     """The fastest ``session.run`` as the check times it, in ms, measured again (three times at most) while the
     student's fastest run is below a third of it. Fastest against fastest: load on a shared machine only ever adds
     time, to some repetitions, while a timed region that does more (or less) than session.run shifts every one."""
-    from lab_utils.timing import benchmark
-
     fastest = float("inf")
     for _ in range(3):
         ref = benchmark(functools.partial(session.run, None, feed), reps=max(5, min(timing.reps, 20)), warmup=2,
@@ -356,7 +353,7 @@ def _calibration_array(data: Any, onnx_path: Path) -> Any:
     """The array ModelOpt would calibrate on, or ``Wrong`` saying what is wrong with it."""
     import numpy as np
 
-    from lab_utils.inference import quantize as q
+    from lab_utils.inference import quantize as q  # lazy: pulls torch and onnx
 
     if data is None:
         raise Wrong("quantize(...) got no calibration_data: ModelOpt then calibrates on random inputs, and the "
@@ -414,15 +411,14 @@ def _checked_quantize(fn: Any, seen: dict[str, Any]) -> Iterator[None]:
 
 def _modelopt_missing() -> str | None:
     """Why ModelOpt's quantize cannot run here (the check is then *not applicable*), or None."""
-    from lab_utils.inference import quantize as q
+    from lab_utils.inference import quantize as q  # lazy: pulls torch and onnx
 
     ok, why = q.modelopt_status()
     return None if ok else f"{why}, so this check cannot run here."
 
 
 def _grade_quantize(fn: Any) -> str:
-    from lab_utils.inference import compare
-    from lab_utils.inference import quantize as q
+    from lab_utils.inference import quantize as q  # lazy: pulls torch and onnx
 
     fx = _digits()
     with _folder("quantize") as folder:
@@ -588,7 +584,7 @@ q5 = Exercise(
 
 
 def _trt_status() -> tuple[bool, str]:
-    from lab_utils.inference import tensorrt as trt_engine
+    from lab_utils.inference import tensorrt as trt_engine  # lazy: pulls torch
 
     return trt_engine.tensorrt_status()
 

@@ -32,6 +32,7 @@ import numpy as np
 from lab_utils.exercises.framework import (
     CodeExercise,
     Exercise,
+    NotApplicable,
     StudentLine,
     Wrong,
     close_to,
@@ -39,7 +40,15 @@ from lab_utils.exercises.framework import (
     number,
     run_student,
 )
+from lab_utils.procs import EnvError
+from lab_utils.serving import client as triton_client
+from lab_utils.serving import load as triton_load
+from lab_utils.serving import repository as triton_repo
+from lab_utils.serving.backend import model as triton_model
 from lab_utils.serving.backend.model import NUMPY2  # the wheel's stub runs this interpreter's NumPy
+from lab_utils.serving.client import host_port
+from lab_utils.serving.repository import ConfigError, check_model_config, parse_config
+from lab_utils.serving.server import ServerNotFound, find_server
 
 __all__ = [
     "q1", "q2", "q3", "q4", "q5", "q6", "q7", "q8",
@@ -78,9 +87,6 @@ def _no_server() -> str | None:
     """Why the code checks cannot run now (the outcome is then *not applicable*), or None."""
     if not _BOUND:
         try:
-            from lab_utils.procs import EnvError
-            from lab_utils.serving.server import ServerNotFound, find_server
-
             find_server()
         except ServerNotFound:
             return "no Triton server on this machine, so nothing to run your code against."
@@ -106,16 +112,12 @@ def _restart_if_crashed(server: Any) -> None:
 def _lab() -> _Lab:
     reason = _no_server()
     if reason:
-        from lab_utils.exercises.framework import NotApplicable
-
         raise NotApplicable(reason)
     return _BOUND[0]
 
 
 def _grpc_client(lab: _Lab) -> Any:
     import tritonclient.grpc as grpcclient
-
-    from lab_utils.serving.client import host_port
 
     return grpcclient.InferenceServerClient(host_port(lab.server.grpc_url))
 
@@ -164,8 +166,6 @@ Q1_MODEL_SHAPES: dict[str, list[int | str | None]] = {"INPUT__0": ["batch", 64]}
 
 
 def _grade_config(text: Any) -> str | None:
-    from lab_utils.serving.repository import ConfigError, check_model_config, parse_config
-
     if not isinstance(text, str):
         raise Wrong(f"expected the text of a config.pbtxt (a str), got a {type(text).__name__}")
     try:
@@ -310,8 +310,6 @@ class _Client:
 
 def _deploy_model_dir(lab: _Lab) -> Path:
     """``q_deploy`` on disk (config.pbtxt without batching), written once: a rewrite would make Triton reload it."""
-    from lab_utils.serving import repository as triton_repo
-
     model_dir = lab.repo / DEPLOY_MODEL
     if not (model_dir / "1" / "weights.npz").exists() or not (model_dir / "config.pbtxt").exists():
         triton_repo.write_python_model(lab.repo, DEPLOY_DISK_CONFIG, sizes=_DEPLOY_SIZES, seed=4)
@@ -329,8 +327,6 @@ _DEPLOY_HINTS = {
 
 def _grade_deploy(fn: Any) -> str:
     from google.protobuf import json_format
-
-    from lab_utils.serving.repository import parse_config
 
     lab = _lab()
     _deploy_model_dir(lab)
@@ -465,8 +461,6 @@ def _served_version(lab: _Lab, client: Any) -> str:
 
 
 def _grade_client(fn: Any, protocol: str) -> str:
-    from lab_utils.serving.client import host_port
-
     lab = _lab()
     url = host_port(lab.server.grpc_url if protocol == "grpc" else lab.server.http_url)
     real = _grpc_client(lab)
@@ -624,8 +618,6 @@ def _execute_source(fn: Any) -> tuple[str, str, int]:
 def _model_source(source: str, name: str) -> tuple[str, int]:
     """model.py: the course's model file, the student's function, and the class that serves it; and the line
     (1-based) where the student's function starts in it."""
-    from lab_utils.serving.backend import model as triton_model
-
     head = triton_model.source().rstrip("\n") + "\n\n\n" + _APPENDED + "\n"
     start = head.count("\n") + 1
     tail = (f"\n\nclass TritonPythonModel(ExerciseModel):  # the class the python backend serves\n"
@@ -685,11 +677,6 @@ def _execute_failure(messages: dict[str, int], total: int, source: str, start: i
 
 
 def _grade_execute(fn: Any) -> str:
-    from lab_utils.serving import client as triton_client
-    from lab_utils.serving import load as triton_load
-    from lab_utils.serving import repository as triton_repo
-    from lab_utils.serving.backend import model as triton_model
-
     lab = _lab()
     source, name, first = _execute_source(fn)
     text, start = _model_source(source, name)
@@ -908,8 +895,12 @@ def _random_stats(rng: random.Random) -> dict[str, Any]:
         inferences, executions = sum(b * n for b, n in zip(sizes, counts, strict=True)), sum(counts)
         batch = inferences / executions
         queue_us = rng.uniform(300.0, 20_000.0)
-        far = [fixed_batch, max(sizes), sum(sizes) / len(sizes), 1.0]
-        if all(abs(batch / v - 1) > 0.05 for v in far) and abs(queue_us / fixed_queue - 1) > 0.05:
+        slips = [max(sizes), sum(sizes) / len(sizes)]  # the unweighted answers _grade_response names
+        far = [fixed_batch, *slips, 1.0]
+        # the fixed answer must not pass for an unweighted one either (sizes 7, 14, 22 average 14.33: the fixed
+        # 14.22 then read as "weight them" instead of "compute it from the argument")
+        if all(abs(batch / v - 1) > 0.05 for v in far) and abs(queue_us / fixed_queue - 1) > 0.05 and \
+                all(abs(fixed_batch / v - 1) > 0.05 for v in slips):
             break
     stages = {"queue": queue_us, "compute_input": rng.uniform(50, 400), "compute_infer": rng.uniform(500, 5000),
               "compute_output": rng.uniform(50, 300)}

@@ -35,7 +35,7 @@ from lab_utils.exercises.framework import (
 from lab_utils.gpu.bench import resolve_device
 from lab_utils.procs import temporary_folder
 from lab_utils.profiling import trace as tr
-from lab_utils.profiling.programs import PngDigits
+from lab_utils.profiling.programs import PngDigits, loader_workers
 
 __all__ = [
     "q1", "q2", "q3", "q4", "q5", "q6",
@@ -95,8 +95,6 @@ def reference_gpu_busy_fraction(trace: Mapping[str, Any]) -> float:
 def reference_make_loader(dataset: torch.utils.data.Dataset, batch_size: int,
                           device: str) -> torch.utils.data.DataLoader:
     """Batches prepared by worker processes ahead of the loop, in pinned memory when they go to a GPU."""
-    from lab_utils.profiling.programs import loader_workers
-
     return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True, num_workers=loader_workers(),
                                        pin_memory=device.startswith("cuda"), persistent_workers=True,
                                        prefetch_factor=4, drop_last=True)

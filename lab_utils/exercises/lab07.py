@@ -35,6 +35,12 @@ from lab_utils.exercises.framework import (
     _short,
     run_student,
 )
+from lab_utils.serving import client as triton_client
+from lab_utils.serving import ensemble as ens
+from lab_utils.serving import nginx as nginx_mod
+from lab_utils.serving import openloop
+from lab_utils.serving import repository as triton_repo
+from lab_utils.serving.openloop import OpenLoopResult
 
 __all__ = [
     "q1", "q2", "q3", "q4", "q5", "use_service",
@@ -53,8 +59,6 @@ Q4_LO_RPS, Q4_HI_RPS, Q4_TOLERANCE = 25.0, 2500.0, 0.3  # the real search's rang
 
 def pixel_stats() -> tuple[float, float]:
     """(mean, std) of the training digits in 0..16 units: what the preprocessing normalizes with."""
-    from lab_utils.serving import ensemble as ens
-
     raw = ens.digits_raw_split()
     return raw["mean"], raw["std"]
 
@@ -172,10 +176,6 @@ def reference_servers_needed(peak_rps: float, capacity_rps: float, headroom: flo
 
 
 def _grade_ensemble(config: Any) -> str:
-    from lab_utils.serving import client as triton_client
-    from lab_utils.serving import ensemble as ens
-    from lab_utils.serving import repository as triton_repo
-
     if not isinstance(config, (dict, str)):
         raise Wrong(f"give the configuration as a dict (as reference_ensemble's form) or config.pbtxt text, not a "
                     f"{type(config).__name__}")
@@ -260,8 +260,6 @@ def _q2_images(seed: int) -> list[bytes]:
     """Held-out digits as 32 px PNGs, and the same digits at other sizes and as RGB (drawn at random)."""
     from PIL import Image
 
-    from lab_utils.serving import ensemble as ens
-
     rng = random.Random(seed)
     raw = ens.digits_raw_split()
     idx = rng.sample(range(len(raw["x_test"])), 8)
@@ -283,8 +281,6 @@ def _bad_items() -> list[tuple[str, bytes]]:
 
 
 def _grade_preprocess(fn: Any) -> str:
-    from lab_utils.serving import ensemble as ens
-
     images = _q2_images(random.randrange(10**6))
     items = ens.image_batch(images)
     got = run_student(fn, items, what="preprocess", call="preprocess(items)", timeout_s=60,
@@ -299,8 +295,6 @@ def _grade_preprocess(fn: Any) -> str:
     where = "the service's preprocessing model"
     try:
         svc = _service()
-        from lab_utils.serving import client as triton_client
-
         want = triton_client.infer(svc.servers[0].grpc_url, ens.PREPROCESS, {ens.IMAGE: items})[ens.PIXELS]
     except NotApplicable:
         want, where = reference_preprocess(items), "the reference preprocessing"
@@ -359,8 +353,6 @@ q2 = CodeExercise(
 
 def _grade_upstream(block: Any) -> str:
     import urllib.request
-
-    from lab_utils.serving import nginx as nginx_mod
 
     if not isinstance(block, str):
         raise Wrong(f"give the block as text (a str), not a {type(block).__name__}")
@@ -437,8 +429,6 @@ class SimulatedService:
         self.calls: list[float] = []
 
     def probe(self, rate_rps: float) -> Any:
-        from lab_utils.serving.openloop import OpenLoopResult
-
         self.calls.append(float(rate_rps))
 
         def lat(edge: float) -> float:  # SLO_MS exactly at the edge, growing fast after it
@@ -495,7 +485,6 @@ def _grade_capacity(fn: Any) -> str:
         svc = _service()
     except NotApplicable as why:
         return f"it found the capacity of four simulated services ({why} The real search is skipped.)"
-    from lab_utils.serving.openloop import run_open_loop
 
     target = svc.target("http")
     probes: list[dict[str, Any]] = []
@@ -507,7 +496,8 @@ def _grade_capacity(fn: Any) -> str:
         if len(probes) >= 12:
             raise Wrong("more than 12 probes against the real service: stop when the range is narrower than the "
                         "tolerance")
-        r = run_open_loop(target, float(rate), probe_s[0], warmup_s=probe_s[1], window_s=probe_s[1], timeout_s=2.0)
+        r = openloop.run_open_loop(target, float(rate), probe_s[0], warmup_s=probe_s[1], window_s=probe_s[1],
+                                   timeout_s=2.0)
         ok = r.errors == 0 and r.stable and r.p95_ms <= SLO_MS
         probes.append({"rate": float(rate), "ok": ok, "p95_ms": r.p95_ms})
         return r

@@ -36,6 +36,13 @@ from lab_utils.exercises.framework import (
     number,
     run_student,
 )
+from lab_utils.mlops import canary
+from lab_utils.mlops.canary import CanaryState, Decision, Guards, VariantMetrics
+from lab_utils.mlops.feedback import FEEDBACK_CORRECT, FEEDBACK_TOTAL, MetricsServer
+from lab_utils.mlops.tracking import TrainResult, git_commit, mlflow_missing
+from lab_utils.monitoring import prometheus
+from lab_utils.monitoring.prometheus import PrometheusError, PrometheusServer
+from lab_utils.procs import temporary_folder
 
 __all__ = [
     "q1", "q2", "q3", "q4", "q5", "q6", "use_tracking", "use_ab", "use_bench", "MetricsBench",
@@ -96,14 +103,10 @@ def _tracking() -> Any:
 
 
 def _mlflow_missing() -> str | None:
-    from lab_utils.mlops.tracking import mlflow_missing
-
     return mlflow_missing()
 
 
 def _prometheus_missing() -> str | None:
-    from lab_utils.monitoring import prometheus
-
     why = prometheus.missing()
     return f"this check runs your code on a real Prometheus: {why}" if why else None
 
@@ -115,7 +118,7 @@ def reference_log_run(tracking_uri: str, experiment: str, result: Any, onnx_path
     """Log ``result`` (a ``TrainResult``) as one MLflow run; returns the run's id."""
     import mlflow
 
-    from lab_utils.mlops.tracking import git_commit
+    from lab_utils.mlops.tracking import git_commit  # in the function: its source is the solution shown
 
     mlflow.set_tracking_uri(tracking_uri)
     mlflow.set_experiment(experiment)  # created if it does not exist yet
@@ -150,7 +153,7 @@ def reference_decide(state: Any, metrics: Mapping[str, Any], guards: Any) -> Any
     import math
     from dataclasses import replace
 
-    from lab_utils.mlops.canary import Decision
+    from lab_utils.mlops.canary import Decision  # in the function: its source is the solution shown
 
     champ, chall = metrics["champion"], metrics["challenger"]
 
@@ -252,8 +255,6 @@ def _onnx_bytes(rng: random.Random) -> bytes:
 
 
 def _check_result(rng: random.Random) -> Any:
-    from lab_utils.mlops.tracking import TrainResult
-
     n = rng.randint(3, 5)
     history, loss = [], rng.uniform(1.5, 2.2)
     for epoch in range(1, n + 1):
@@ -276,9 +277,6 @@ def _artifact_files(client: Any, run_id: str, path: str | None = None) -> list[A
 
 def _grade_log_run(fn: Any) -> str:
     import mlflow
-
-    from lab_utils.mlops.tracking import git_commit
-    from lab_utils.procs import temporary_folder
 
     server = _tracking()
     client = server.client()
@@ -315,8 +313,6 @@ def _grade_log_run(fn: Any) -> str:
 
 def _check_run(client: Any, run: Any, exp_id: str, experiment: str, result: Any, onnx_path: str, data: bytes,
                sha: str, left_open: str | None) -> str:
-    from lab_utils.procs import temporary_folder
-
     run_id = run.info.run_id
     if run.info.experiment_id != exp_id:
         got = client.get_experiment(run.info.experiment_id).name
@@ -509,8 +505,6 @@ class _FeedbackSource:
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import GaugeMetricFamily
 
-        from lab_utils.mlops.feedback import FEEDBACK_CORRECT, FEEDBACK_TOTAL
-
         t = self.bench.elapsed()
         total = GaugeMetricFamily(FEEDBACK_TOTAL, "labelled requests answered", labels=["variant"])
         right = GaugeMetricFamily(FEEDBACK_CORRECT, "labelled requests answered correctly", labels=["variant"])
@@ -549,9 +543,6 @@ class MetricsBench:
         return 0.0 if self.t0 is None else max(0.0, time.time() - self.t0)
 
     def start(self) -> MetricsBench:
-        from lab_utils.mlops.feedback import MetricsServer
-        from lab_utils.monitoring.prometheus import PrometheusServer
-
         try:
             sources = [_TritonSource(self, v) for v in VARIANTS] + [_FeedbackSource(self, i) for i in range(2)]
             self._servers = [MetricsServer([s]).start() for s in sources]
@@ -686,8 +677,6 @@ def _same(got: Mapping[str, list[float]], want: Mapping[str, list[float]]) -> bo
 
 
 def _grade_queries(fn: Any) -> str:
-    from lab_utils.monitoring.prometheus import PrometheusError
-
     queries = run_student(fn, Q2_WINDOW, what="canary_queries", call=f"canary_queries({Q2_WINDOW!r})",
                           timeout_s=10, returns=Mapping, returns_text="a dict {'error_rate': ..., 'p95_ms': ..., "
                                                                       "'accuracy': ...} of PromQL strings")
@@ -785,8 +774,6 @@ LIVE_GUARDS = {"min_requests": 5, "min_feedback": 10, "checks_per_step": 2, "max
 
 
 def _vm(**kw: Any) -> Any:
-    from lab_utils.mlops.canary import VariantMetrics
-
     return VariantMetrics(**kw)
 
 
@@ -798,8 +785,6 @@ def _healthy(**chall: Any) -> dict[str, Any]:
 
 def _sequences() -> list[tuple[str, Any, list[dict[str, Any]]]]:
     """(what, guards, metrics per check): the reference's decisions on them are the expected ones."""
-    from lab_utils.mlops.canary import Guards
-
     g = Guards()
     nan = math.nan
     champ_no_acc = _vm(error_rate=0.001, p95_ms=40.0, accuracy=nan, requests=4500.0, feedback=0.0)
@@ -892,8 +877,6 @@ def _why(mine: Any, ref: Any, state: Any, m: Mapping[str, Any], g: Any) -> str:
 
 
 def _run_decide(fn: Any, state: Any, m: Mapping[str, Any], g: Any) -> Any:
-    from lab_utils.mlops.canary import CanaryState, Decision
-
     d = run_student(fn, state, m, g, what="decide", call="decide(state, metrics, guards)", timeout_s=10,
                     returns=Decision, returns_text="a canary.Decision(action, state, reason, alert)")
     if not isinstance(d.state, CanaryState):
@@ -903,8 +886,6 @@ def _run_decide(fn: Any, state: Any, m: Mapping[str, Any], g: Any) -> Any:
 
 
 def _grade_scripted(fn: Any) -> int:
-    from lab_utils.mlops import canary
-
     checks = 0
     for what, g, seq in _sequences():
         mine_state = ref_state = canary.CanaryState()
@@ -926,8 +907,6 @@ def _grade_scripted(fn: Any) -> int:
 
 
 def _live(fn: Any) -> str:
-    from lab_utils.mlops import canary
-
     guards = canary.Guards(**LIVE_GUARDS)
 
     def decide_fn(state: Any, metrics: Any, g: Any) -> Any:

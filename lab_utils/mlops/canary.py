@@ -22,6 +22,7 @@ from typing import Any
 import pandas as pd
 
 from lab_utils.mlops.feedback import FEEDBACK_CORRECT, FEEDBACK_TOTAL, VARIANT_LABEL
+from lab_utils.monitoring.prometheus import PrometheusError
 
 VARIANTS = ("champion", "challenger")
 STEPS = (10, 50, 100)
@@ -311,8 +312,6 @@ def run_canary(prom: Any, set_weight: Callable[[int], None], *, guards: Guards =
     raised. A failed query counts as a check without evidence. ``on_row(row)`` sees each timeline row as it is
     written (a live plot, a print); ``stop`` (an Event) ends the loop early, leaving the weight as it is.
     ``decide_fn``: the decision function (default ``decide``; an exercise passes the student's)."""
-    from lab_utils.monitoring.prometheus import PrometheusError
-
     state = CanaryState(tuple(steps))
     if not (isinstance(interval_s, (int, float)) and interval_s > 0):
         raise ValueError(f"interval_s={interval_s!r}: seconds between checks, > 0")

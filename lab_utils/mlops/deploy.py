@@ -30,6 +30,7 @@ from lab_utils.procs import owned_tempdir, stop_at_exit
 from lab_utils.serving import client as triton_client
 from lab_utils.serving import ensemble as ens
 from lab_utils.serving import nginx as nginx_mod
+from lab_utils.serving import openloop
 from lab_utils.serving.server import TritonServer, find_server
 from lab_utils.serving.service import Service, ServiceError
 
@@ -70,7 +71,7 @@ def _skeleton(folder: Path, gpus: int, instances: int | None, source: Any, build
     (the served model is the registry's file, byte for byte)."""
     import torch
 
-    from lab_utils.models import DigitsCNN
+    from lab_utils.models import DigitsCNN  # lazy: pulls torch
 
     torch.manual_seed(0)
     return ens.build_service_repository(folder, model=DigitsCNN().eval(), gpus=gpus, instances=instances, cache=None,
@@ -366,14 +367,12 @@ class BackgroundLoad:
         return self
 
     def _run(self) -> None:
-        from lab_utils.serving.openloop import run_open_loop
-
         seed = 0
         while not self._stop.is_set():
             try:
-                self.results.append(run_open_loop(self.target, self.rate_rps, self.segment_s, warmup_s=0.0,
-                                                  window_s=min(1.0, self.segment_s), seed=seed,
-                                                  timeout_s=self.timeout_s))
+                self.results.append(openloop.run_open_loop(self.target, self.rate_rps, self.segment_s, warmup_s=0.0,
+                                                           window_s=min(1.0, self.segment_s), seed=seed,
+                                                           timeout_s=self.timeout_s))
             except BaseException as err:  # shown by stop(), not lost in a thread
                 self.failure = err
                 return

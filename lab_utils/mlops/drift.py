@@ -23,7 +23,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from lab_utils.course.probe import find_prometheus
 from lab_utils.mlops.feedback import MetricsServer
+from lab_utils.monitoring.prometheus import check_rules
 
 # the statistics live with the service's preprocessing model, which computes them too (one implementation)
 from lab_utils.serving.backend.drift_stats import (  # noqa: F401 (re-exported: the lab's names)
@@ -275,9 +277,6 @@ def drift_rules(*, psi_threshold: float = PSI_ALERT, ks_threshold: float = KS_AL
 def write_drift_rules(folder: str | Path, check: bool = True, **kwargs: Any) -> Path:
     """``drift_rules(**kwargs)`` written as ``drift_rules.yml`` (JSON, which YAML includes) in ``folder``, checked by
     ``promtool check rules`` when ``check`` and promtool is installed (``ConfigError`` with promtool's words)."""
-    from lab_utils.course.probe import find_prometheus
-    from lab_utils.monitoring.prometheus import check_rules
-
     path = Path(folder) / "drift_rules.yml"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(drift_rules(**kwargs), indent=2) + "\n")

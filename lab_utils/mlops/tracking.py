@@ -31,6 +31,7 @@ import pandas as pd
 
 from lab_utils.owned import OwnedServer
 from lab_utils.procs import group_members, http_ok, owned_tempdir, temporary_folder, who_listens
+from lab_utils.serving.ensemble import digits_raw_split, export_classifier
 
 MLFLOW_INSTALL = "pip install 'mlflow>=2.16' (or the course's lab extra: pip install -e '.[lab]')"
 EXPERIMENT = "digits"
@@ -243,8 +244,6 @@ def git_commit(path: str | os.PathLike[str] | None = None) -> tuple[str, bool | 
 def digits_data() -> dict[str, Any]:
     """The service's digits as raw pixels 0..16: ``x_train`` (1440, 8, 8), ``y_train``, ``x_test`` (357, 8, 8),
     ``y_test``, and the normalization (``mean``, ``std``) the service's preprocessing applies."""
-    from lab_utils.serving.ensemble import digits_raw_split
-
     return digits_raw_split()
 
 
@@ -296,7 +295,7 @@ def train_digits(x_train: np.ndarray, y_train: np.ndarray, x_val: np.ndarray, y_
     import torch
     from torch import nn
 
-    from lab_utils.models import make_digits_cnn
+    from lab_utils.models import make_digits_cnn  # lazy: pulls torch
 
     for v, name in ((epochs, "epochs"), (batch_size, "batch_size"), (width, "width")):
         if not (isinstance(v, int) and v >= 1):
@@ -388,8 +387,6 @@ def log_run(tracking: Any, result: TrainResult, *, experiment: str = EXPERIMENT,
     ``data_sha256``, ``val_sha256``, ``data_name``, ``git_commit``, ``git_dirty``.
     A failure marks the run FAILED (never left RUNNING)."""
     from mlflow.entities import Metric, Param
-
-    from lab_utils.serving.ensemble import export_classifier
 
     client = _client(tracking)
     exp_id = _experiment_id(client, experiment)

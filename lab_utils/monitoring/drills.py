@@ -25,6 +25,8 @@ import pandas as pd
 
 from lab_utils.monitoring.prometheus import TRITON_JOB, PromAPI
 from lab_utils.procs import http_ok, release_at_exit, stop_at_exit
+from lab_utils.serving import repository as triton_repo
+from lab_utils.serving.repository import INPUT_NAME
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -47,8 +49,6 @@ def write_model(repo: str | Path, *, gpu: bool = False, max_batch_size: int = 4,
     simulated service time: a sleep leaves the machine's cores to the clients and Prometheus). GPU instance:
     torch runs the MLP, then ``gpu_reps`` x batch fp32 matmuls of ``gpu_matrix``^2, so the GPU metrics move.
     """
-    from lab_utils.serving import repository as triton_repo
-
     repo = Path(repo)
     if gpu:
         service: dict[str, str | float] = {"gpu_matmul_n": gpu_matrix, "gpu_matmul_reps": gpu_reps}
@@ -63,15 +63,11 @@ def write_model(repo: str | Path, *, gpu: bool = False, max_batch_size: int = 4,
 
 def reference_output(repo: str | Path, x: np.ndarray) -> np.ndarray:
     """What ``mm`` must answer for ``x`` ([N, 16] float32), computed in NumPy from the deployed weights."""
-    from lab_utils.serving import repository as triton_repo
-
     return triton_repo.reference_mlp(Path(repo) / MODEL_NAME / "1", x)
 
 
 def make_inputs(features: int = MODEL_PRESET["in_features"]) -> Callable[[], dict[str, np.ndarray]]:
     """One request's inputs for ``mm``: a batch of one row of ``features`` floats."""
-    from lab_utils.serving.repository import INPUT_NAME
-
     rng = np.random.default_rng(0)
 
     def make() -> dict[str, np.ndarray]:

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lab_utils.course.catalog import repo_root
+from lab_utils.course.stack import manifest, pinned_release, pip_version
 from lab_utils.procs import temporary_folder
 
 ARCHES = ("x86_64", "aarch64")
@@ -208,8 +210,6 @@ def install_commands(wheelhouse: str, extras: str = "lab") -> list[str]:
     spec = f".[{extras}]" if extras else "."
     cmds = [f"python -m pip install --no-index --find-links {wheelhouse} -e '{spec}'"]
     if "lab" in extras.split(","):
-        from lab_utils.course.stack import manifest
-
         cmds.append(f"python -m pip install --no-index --find-links {wheelhouse} --no-deps "
                     f"nvidia-pytriton=={manifest()['course']['nvidia-pytriton']}")
     cmds.append("nvlab doctor")
@@ -298,9 +298,6 @@ def build(dest: Path | str, *, python: str | None = None, platforms: Sequence[st
           extras: Sequence[str] = ("lab", "torch"), exclude_preinstalled: bool = False, root: Path | None = None,
           log: Callable[[str], None] = print) -> Wheelhouse:
     """Download wheels of the course and its dependencies into ``dest`` for the target; see the module docstring."""
-    from lab_utils.course.catalog import repo_root
-    from lab_utils.course.stack import manifest, pinned_release, pip_version
-
     requirements, _ = _packaging()
     root = root or repo_root()
     if not (root / "pyproject.toml").is_file():

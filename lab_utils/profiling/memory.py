@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from lab_utils.procs import temporary_folder
 from lab_utils.profiling.programs import time_steps
 
 __all__ = ["peak_bytes", "Blocks", "checkpoint_table", "accumulation_table", "oom_error", "snapshot_summary",
@@ -53,8 +54,6 @@ def peak_bytes(fn: Callable[[], Any], device: str) -> int:
 def _peak_from_trace(prof: Any) -> int:
     """The largest running "Total Allocated" of the CPU allocator in the profile's ``[memory]`` events."""
     import json
-
-    from lab_utils.procs import temporary_folder
 
     with temporary_folder("memtrace") as d:
         path = d / "trace.json"

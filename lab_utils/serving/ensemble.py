@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from lab_utils.compat import numpy1_env
+from lab_utils.serving import backend as backend_files
 from lab_utils.serving import client as triton_client
 from lab_utils.serving import repository as triton_repo
 from lab_utils.serving.metrics import metric_samples
@@ -61,14 +62,14 @@ _DRIFT_MODULE = "nvlab_drift.py"  # backend/drift_stats.py beside the preprocess
 # when called, so importing this module does not import torch.
 def digits_raw_split() -> dict[str, Any]:
     """``lab_utils.models.digits_raw_split``: the fixed split as raw pixels 0..16, with the training mean/std."""
-    from lab_utils import models
+    from lab_utils import models  # lazy: pulls torch
 
     return models.digits_raw_split()
 
 
 def encode_png(image: np.ndarray, scale: int = PNG_SCALE, vmax: float = 16.0) -> bytes:
     """``lab_utils.models.encode_png`` at the service's scale (8 px digits → 32 px PNGs, nearest neighbour)."""
-    from lab_utils import models
+    from lab_utils import models  # lazy: pulls torch
 
     return models.encode_png(image, scale, vmax)
 
@@ -87,7 +88,7 @@ def digits_pngs(split: str = "test", n: int | None = None, scale: int = PNG_SCAL
 
 def train_classifier(epochs: int = 4, seed: int = 0) -> tuple[Any, dict[str, Any]]:
     """The course's DigitsCNN trained here (``model_zoo.train_digits_cnn``: seconds on a CPU); (model, facts)."""
-    from lab_utils.inference.model_zoo import train_digits_cnn
+    from lab_utils.inference.model_zoo import train_digits_cnn  # lazy: pulls torch
 
     return train_digits_cnn(epochs=epochs, seed=seed)
 
@@ -98,7 +99,7 @@ def export_classifier(model: Any, version_dir: str | Path, image_size: int = DIG
     ``torchscript``: ``model.pt`` beside it as well (``export_torchscript``: what the torch engine loads)."""
     import torch
 
-    from lab_utils.inference.onnx import export_onnx
+    from lab_utils.inference.onnx import export_onnx  # lazy: pulls torch and onnx
 
     example = torch.zeros(2, channels, image_size, image_size)
     path = export_onnx(model, Path(version_dir) / "model.onnx", example, input_name=ONNX_INPUT,
@@ -144,7 +145,7 @@ def broken_classifier(classes: int = 9, seed: int = 0) -> Any:
     """A DigitsCNN whose head has ``classes`` outputs (not 10): the wrong output shape a server must refuse."""
     import torch
 
-    from lab_utils.models import make_digits_cnn
+    from lab_utils.models import make_digits_cnn  # lazy: pulls torch
 
     torch.manual_seed(seed)
     model = make_digits_cnn()
@@ -221,9 +222,7 @@ def resolve_engine(engine: str | None, backend: str, gpus: int = 0) -> str:
 
 def _write_python_files(version_dir: Path, model: str) -> None:
     """``model.py`` (the backend file ``model``) and the course's model file beside it, both compiled."""
-    from lab_utils.serving import backend
-
-    folder = Path(backend.__file__).parent
+    folder = Path(backend_files.__file__).parent
     triton_repo.write_model_py(version_dir, (folder / f"{model}.py").read_text())
     triton_repo.write_model_py(version_dir, (folder / "model.py").read_text(), name=_PY_MODEL)
     if model == "preprocess_png":  # its drift statistics (NumPy only)
@@ -585,7 +584,7 @@ def build_resnet50_service(repo: str | Path, *, image_size: int = 224, width: in
     same-layout ``BottleneckResNet``) with RANDOM WEIGHTS, for speed only: its labels mean nothing. RGB
     ``image_size`` px, ImageNet normalization, 1000 classes. The export takes tens of seconds on a CPU. With
     ``gpus`` >= 1 on the wheel's server the classifier runs in torch on the GPU (``build_service``)."""
-    from lab_utils.inference.model_zoo import make_resnet50
+    from lab_utils.inference.model_zoo import make_resnet50  # lazy: pulls torch
 
     model, info = make_resnet50("cpu", width=width, image_size=image_size)
     svc = build_service(repo, model, prefix="resnet50", labels=[f"class_{i}" for i in range(1000)],

@@ -35,8 +35,8 @@ import pandas as pd
 from lab_utils.args import check_int
 from lab_utils.compat import glibc
 from lab_utils.course.probe import find_perf_analyzer
-from lab_utils.procs import temporary_folder
-from lab_utils.serving.client import build_request, host_port
+from lab_utils.procs import die_with_parent, popen_owned, stop_group, temporary_folder
+from lab_utils.serving.client import _module, build_request, host_port, infer
 
 PROTOCOLS = ("grpc", "http")
 ERROR_BACKOFF_S = 0.01
@@ -279,9 +279,6 @@ def _process_worker(protocol: str, url: str, model: str, payloads: list[dict], o
     It reports "ready" once its imports are done and waits for the parent's start, so that the windows of
     every process begin at the same time (``t0``, on the system-wide monotonic clock).
     """
-    from lab_utils.procs import die_with_parent
-    from lab_utils.serving.client import _module
-
     die_with_parent()
     _module(protocol, aio=True)  # the slow imports, before the clock starts
     out_q.put(("ready", -1, None))
@@ -332,8 +329,6 @@ def _probe(protocol: str, url: str, model: str, payload: dict, outputs: Sequence
            timeout_s: float) -> list[str]:
     """One request before the clients start: a first request that is slow (a lazy import, a first allocation, a
     new connection) must not fall into a measured window. Returns its error, if any (counted, not raised)."""
-    from lab_utils.serving.client import infer
-
     try:
         infer(url, model, payload, protocol=protocol, outputs=outputs, timeout_s=timeout_s)
     except Exception as err:  # InferError, or the server is unreachable
@@ -751,8 +746,6 @@ def _perf_analyzer_once(binary: str, model: str, url: str, concurrency: int, pro
                         stability_pct: int, max_trials: int, shape: str | None,
                         timeout_s: float | None) -> PerfAnalyzerResult:
     import subprocess
-
-    from lab_utils.procs import popen_owned, stop_group
 
     with temporary_folder("perf-analyzer") as tmp:
         csv_path = str(tmp / "perf.csv")

@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from lab_utils.serving.backend import model as triton_model
+
 PLATFORM_FILES = {  # platform or backend -> the file each version folder must hold (Triton's defaults)
     "python": "model.py",
     "onnxruntime_onnx": "model.onnx",
@@ -440,7 +442,7 @@ def export_mlp(version_dir: str | os.PathLike[str], *, in_features: int = 64, wi
 
     import torch
 
-    from lab_utils.models import make_mlp
+    from lab_utils.models import make_mlp  # lazy: pulls torch
 
     version_dir = Path(version_dir)
     version_dir.mkdir(parents=True, exist_ok=True)
@@ -484,8 +486,6 @@ def write_python_model(repo: str | os.PathLike[str], config: Mapping[str, Any], 
     """A python-backend model folder without torch: ``config.pbtxt`` (validated), ``1/weights.npz`` (random, seeded)
     and ``1/model.py`` (``source``, default the course's model). Give the config ``engine: numpy``. For models the
     lab's checks deploy: written in milliseconds, loaded without importing ONNX Runtime or torch."""
-    from lab_utils.serving.backend import model as triton_model
-
     model_dir = Path(repo) / str(config["name"])
     vdir = model_dir / "1"
     save_mlp_weights(vdir, seed=seed, **sizes)
@@ -592,8 +592,6 @@ def build_mlp_model(
 ) -> Path:
     """A python-backend model folder: ``config.pbtxt`` (``mlp_config(**config)``) and, per version, ``model.py``,
     ``model.onnx`` and ``weights.npz`` (each version its own seed, so versions differ)."""
-    from lab_utils.serving.backend import model as triton_model
-
     sizes = dict(MLP_PRESETS[preset] if isinstance(preset, str) else preset)
     model_dir = Path(repo) / name
     cfg = mlp_config(name, in_features=sizes["in_features"], out_features=sizes["out_features"], **config)

@@ -46,6 +46,7 @@ from lab_utils.procs import (
     tail,
     wait_http_ok,
 )
+from lab_utils.serving.repository import validate_repository
 
 MODEL_CONTROL = ("none", "explicit", "poll")
 URL_ENV = "TRITON_URL"  # http://host:8000 of a running server
@@ -387,8 +388,6 @@ class TritonServer(OwnedServer, HttpGrpcEndpoints):
                                    "lab_utils.serving.repository (or pass the right path)")
         warn_if_empty(self.model_repository, self.model_control)
         if self.validate:
-            from lab_utils.serving.repository import validate_repository
-
             validate_repository(self.model_repository, models=self.load_models or None, require_files=True)
         source = self.source or find_server(local=True)
         if source.kind == "url":

@@ -27,10 +27,11 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from lab_utils.procs import owned_tempdir, release_at_exit, stop_at_exit
+from lab_utils.procs import http_ok, owned_tempdir, release_at_exit, stop_at_exit
 from lab_utils.serving import client as triton_client
 from lab_utils.serving import ensemble as ens
 from lab_utils.serving import nginx as nginx_mod
+from lab_utils.serving import openloop
 from lab_utils.serving.openloop import TritonTarget
 from lab_utils.serving.server import TritonServer, find_server
 
@@ -277,8 +278,6 @@ class Service:
 
     def health(self) -> dict[str, Any]:
         """Each part's state now: Triton ready, nginx answering, the service model ready through the front door."""
-        from lab_utils.procs import http_ok
-
         out: dict[str, Any] = {f"triton_{i}_ready": s.alive() and s.ready() for i, s in enumerate(self.servers)}
         if self.lb is not None:
             out["nginx_alive"] = self.lb.alive()
@@ -369,8 +368,6 @@ def hot_update(svc: Service, new_version: int = 2, *, rate_rps: float = 100.0, d
     once per step of the update; it ends when the load does (None: no display)."""
     import itertools
 
-    from lab_utils.serving.openloop import run_open_loop
-
     repo = svc.repo
     if repo is None or not svc.alive():
         raise ServiceError("the service is not running: start() it first")
@@ -405,8 +402,8 @@ def hot_update(svc: Service, new_version: int = 2, *, rate_rps: float = 100.0, d
 
     def load() -> None:
         try:
-            box["result"] = run_open_loop(svc.target(protocol), rate_rps, duration_s, warmup_s=warmup_s,
-                                          timeout_s=timeout_s)
+            box["result"] = openloop.run_open_loop(svc.target(protocol), rate_rps, duration_s, warmup_s=warmup_s,
+                                                   timeout_s=timeout_s)
         except BaseException as err:  # handed to the caller
             box["error"] = err
 

@@ -20,27 +20,27 @@ __all__ = ["HEADLESS_ENV", "interactive", "progress", "progress_bar", "ProgressB
 
 def roofline_explorer(*args: Any, **kwargs: Any) -> Any:
     """Lab 01: pick a dtype and a size, measure the matmul here, see it beside the H200 reference points."""
-    from lab_utils.widgets.roofline import roofline_explorer as make
+    from lab_utils.widgets.roofline import roofline_explorer as make  # lazy: pulls torch
 
     return make(*args, **kwargs)
 
 
 def knob_panel(*args: Any, **kwargs: Any) -> Any:
     """Lab 04: Triton's batching, delay, instance and concurrency knobs; Apply redeploys, Measure runs a load."""
-    from lab_utils.widgets.knobs import knob_panel as make
+    from lab_utils.widgets.knobs import knob_panel as make  # lazy: pulls pandas and the serving stack
 
     return make(*args, **kwargs)
 
 
 def live_view(*args: Any, **kwargs: Any) -> Any:
     """Lab 05: QPS, p95 and queue time from Prometheus while a load runs (a context manager)."""
-    from lab_utils.widgets.live import live_view as make
+    from lab_utils.widgets.live import live_view as make  # lazy: pulls pandas
 
     return make(*args, **kwargs)
 
 
 def quiz_panel(*args: Any, **kwargs: Any) -> Any:
     """Lab 09: the quiz one question at a time, graded on Submit."""
-    from lab_utils.widgets.quiz_view import quiz_panel as make
+    from lab_utils.widgets.quiz_view import quiz_panel as make  # lazy: pulls pandas
 
     return make(*args, **kwargs)
