@@ -339,17 +339,18 @@ def bench_sizes(backend: str) -> tuple[int, ...]:
 
 
 def reference_allreduce_bench(ctx: WorkerContext, sizes_bytes: Sequence[int], iters: int,
-                              warmup: int) -> list[dict[str, float]]:
+                              warmup: int, *, dtype: torch.dtype = torch.float32) -> list[dict[str, float]]:
     """One rank's all_reduce benchmark: per size, ms per call, algbw and busbw in GB/s (nccl-tests definitions).
 
-    fp32 buffer of ``size`` bytes; ``warmup`` untimed calls (the first calls set up NCCL's connections and
-    buffers); then ``iters`` calls timed with CUDA events on a GPU, or with the host clock after a barrier on
-    gloo (its all_reduce on CPU tensors returns when done). 1 GB = 1e9 bytes.
+    fp32 buffer of ``size`` bytes (``dtype``: the check times the student's element type too); ``warmup``
+    untimed calls (the first calls set up NCCL's connections and buffers); then ``iters`` calls timed with CUDA
+    events on a GPU, or with the host clock after a barrier on gloo (its all_reduce on CPU tensors returns when
+    done). 1 GB = 1e9 bytes.
     """
     n = ctx.world_size
     rows = []
     for size in sizes_bytes:
-        x = torch.ones(size // 4, dtype=torch.float32, device=ctx.device)  # 4 bytes per fp32 element
+        x = torch.ones(size // dtype.itemsize, dtype=dtype, device=ctx.device)  # 4 bytes per fp32 element
         for _ in range(warmup):
             dist.all_reduce(x)
         if ctx.device.startswith("cuda"):
@@ -381,6 +382,7 @@ class _CountAllReduce:
 
     def __init__(self) -> None:
         self.calls: list[int] = []
+        self.dtypes: Counter[torch.dtype] = Counter()  # the element types the student reduced
         self.on = False
 
     @contextlib.contextmanager
@@ -392,6 +394,7 @@ class _CountAllReduce:
         def all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             if self.on:
                 self.calls.append(int(tensor.numel() * tensor.element_size()))
+                self.dtypes[tensor.dtype] += 1
             return original(tensor, *args, **kwargs)
 
         dist.all_reduce = c10d.all_reduce = all_reduce
@@ -426,7 +429,11 @@ def _bench_worker(ctx: WorkerContext, student: ranks_mod.Shipped, sizes: list[in
         for k in range(rounds):
             if timing:
                 ctx.status(f"reference all_reduce bench, round {k + 1}")
-                out["ref_ms"].append([r["time_ms"] for r in reference_allreduce_bench(ctx, sizes, iters, warmup)])
+                # after the first round, the reference reduces the student's element type: on gloo a bf16 sum
+                # runs in software, 2.5x an fp32 one of the same bytes on a busy CPU, which is no slip
+                dtype = counter.dtypes.most_common(1)[0][0] if counter.dtypes else torch.float32
+                out["ref_ms"].append([r["time_ms"] for r in reference_allreduce_bench(ctx, sizes, iters, warmup,
+                                                                                      dtype=dtype)])
             ctx.status(f"allreduce_bench, round {k + 1}")
             counter.calls, counter.on = [], True
             rows = _plain(fn(ctx, list(sizes), iters, warmup))
