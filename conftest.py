@@ -73,10 +73,10 @@ def _group(nodeid: str) -> str:
 
 
 def pytest_xdist_auto_num_workers(config):
-    """``-n auto``: two workers more than the cores, at most 4. Much of the suite waits (servers starting, loads of a
+    """``-n auto``: one worker more than the cores, at most 4. Much of the suite waits (servers starting, loads of a
     fixed duration, ranks meeting): with two workers on the 2-core CI machine the run used 851 s of CPU in 777 s,
-    1.1 of its 2 cores; with three, 673 s of CPU in 587 s (setup included), 1.15."""
-    return min(4, (os.cpu_count() or 1) + 2)
+    1.1 of its 2 cores."""
+    return min(4, (os.cpu_count() or 1) + 1)
 
 
 def pytest_xdist_make_scheduler(config, log):
