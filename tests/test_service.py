@@ -225,8 +225,11 @@ def test_hot_update_under_load_has_no_failed_request(svc):
         up = service.hot_update(svc, 2, rate_rps=50, duration_s=8.0, pause_s=0.8)
         assert up.result.errors_total == 0, up.result.error_messages
         assert up.states == {"1": "UNAVAILABLE: unloaded", "2": "READY"}, up.states
-        assert up.timeline["v1_rps"].iloc[:3].sum() > 0 and up.timeline["v2_rps"].iloc[-3:].sum() > 0
-        assert up.timeline["v1_rps"].iloc[-3:].sum() == 0
+        # the windows that saw traffic: on a busy machine the switch can outlast the load, and the sampler's last
+        # windows (until the switch ends) then hold no requests at all (seen in a nightly run)
+        busy = up.timeline[(up.timeline["v1_rps"] + up.timeline["v2_rps"]) > 0]
+        assert busy["v1_rps"].iloc[:3].sum() > 0 and busy["v2_rps"].iloc[-3:].sum() > 0, up.timeline
+        assert busy["v1_rps"].iloc[-3:].sum() == 0, up.timeline
         assert [s["step"] for s in up.steps][-1].startswith("v1 unloaded") and len(up.steps) == 6
         assert np.isfinite(up.switch_p95_ms())
         assert svc.accuracy("http", n=100)["accuracy"] > 0.9
