@@ -350,7 +350,7 @@ def reference_allreduce_bench(ctx: WorkerContext, sizes_bytes: Sequence[int], it
     n = ctx.world_size
     rows = []
     for size in sizes_bytes:
-        x = torch.ones(size // dtype.itemsize, dtype=dtype, device=ctx.device)  # 4 bytes per fp32 element
+        x = torch.ones(size // dtype.itemsize, dtype=dtype, device=ctx.device)  # size bytes: 4 per fp32 element
         for _ in range(warmup):
             dist.all_reduce(x)
         if ctx.device.startswith("cuda"):

@@ -96,7 +96,6 @@ def _no_server() -> str | None:
                 "ex.use_server(server, repo)).")
     if not _BOUND[0].server.alive():
         return "the lab's server is not running: start it again (server.restart()) and rerun this check."
-    _restart_if_crashed(_BOUND[0].server)
     return None
 
 
@@ -113,6 +112,7 @@ def _lab() -> _Lab:
     reason = _no_server()
     if reason:
         raise NotApplicable(reason)
+    _restart_if_crashed(_BOUND[0].server)
     return _BOUND[0]
 
 
