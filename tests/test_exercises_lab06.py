@@ -3,6 +3,8 @@ the trace helpers against hand-computed traces; the planted programs, memory tab
 
 from __future__ import annotations
 
+import copy
+import math
 import os
 import random
 
@@ -389,3 +391,17 @@ def test_ncu_rows_are_labelled_by_kernel_name_and_durations_scaled():
     assert rows[0]["op"].startswith("add") and rows[2]["op"].startswith("GEMM") and "op" not in rows[1]
     assert nsight.duration_s({"Duration [nsecond]": 2e6}) == pytest.approx(2e-3)
     assert nsight.duration_s({"x": 1}) is None
+
+
+def test_each_wrong_busy_fraction_is_named_on_every_random_trace():
+    """The slip is named on any trace the grader may draw: a clipped sum of durations near 1.0 once read as
+    "divided by the kernels' own time" (a tolerance looser than the grading's)."""
+    variants = [(busy_sum_of_durations, "union"), (busy_over_kernel_time, "wall time"), (busy_no_clipping, "clip"),
+                (busy_steps_only, "last kernel"), (busy_percent, "percentage")]
+    for seed in range(400):
+        trace = lab06.random_trace(random.Random(seed))
+        want = lab06.reference_gpu_busy_fraction(trace)
+        for fn, word in variants:
+            got = float(fn(copy.deepcopy(trace)))
+            if not math.isclose(got, want, rel_tol=1e-4, abs_tol=1e-6):
+                assert word in (lab06._slips(trace, got, want) or ""), (seed, fn.__name__, got, want)

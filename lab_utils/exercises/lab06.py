@@ -239,20 +239,24 @@ def _slips(trace: Mapping[str, Any], got: float, want: float) -> str | None:
     total = float(k["dur_us"].sum())
     steps = ev[(ev["cat"] == "user_annotation") & ev["name"].str.startswith(tr.STEP_PREFIX)]
     s0, s1 = float(steps["ts_us"].min()), float(steps["end_us"].max())
-    guesses = {
-        "overlapping kernels counted twice: two streams can run at once; take the union of the intervals "
-        "(sort by start, merge overlaps), not the sum of durations": total / (t1 - t0),
-        "divided by the kernels' own time: the denominator is the steps' wall time": 1.0,
-        "kernels outside the steps counted too: clip each interval to the window first":
-            tr.union_us(zip(k["ts_us"], k["end_us"], strict=True)) / (t1 - t0),
-        "the window ends with the last ProfilerStep, but kernels still run after it: extend it to the last "
-        "kernel's end": tr.union_us(zip(k["ts_us"], k["end_us"], strict=True), (s0, s1)) / (s1 - s0),
-        "a percentage: return a fraction between 0 and 1": want * 100,
-    }
-    for why, value in guesses.items():
-        if math.isclose(got, value, rel_tol=1e-3) and not math.isclose(value, want, rel_tol=1e-3):
-            return why
-    return None
+    clipped = float((k["end_us"].clip(upper=t1) - k["ts_us"].clip(lower=t0)).clip(lower=0).sum())
+    twice = ("overlapping kernels counted twice: two streams can run at once; take the union of the intervals "
+             "(sort by start, merge overlaps), not the sum of durations")
+    guesses = [
+        (twice, total / (t1 - t0)),
+        (twice, clipped / (t1 - t0)),
+        ("divided by the kernels' own time: the denominator is the steps' wall time", 1.0),
+        ("kernels outside the steps counted too: clip each interval to the window first",
+         tr.union_us(zip(k["ts_us"], k["end_us"], strict=True)) / (t1 - t0)),
+        ("the window ends with the last ProfilerStep, but kernels still run after it: extend it to the last "
+         "kernel's end", tr.union_us(zip(k["ts_us"], k["end_us"], strict=True), (s0, s1)) / (s1 - s0)),
+        ("a percentage: return a fraction between 0 and 1", want * 100),
+    ]
+    # The nearest guess within the grading's tolerance: two guesses can lie close together on a random trace (a
+    # sum of durations of 0.9992 once read as "divided by the kernels' own time", which is exactly 1).
+    near = [(abs(got - value), why) for why, value in guesses
+            if math.isclose(got, value, rel_tol=1e-4) and not math.isclose(value, want, rel_tol=1e-4)]
+    return min(near)[1] if near else None
 
 
 def _grade_busy(fn: Any) -> str:
