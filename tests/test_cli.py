@@ -1,4 +1,6 @@
 import json
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -64,6 +66,21 @@ def test_report_compares_with_reference_as_ratios(tmp_path, capsys):
     assert rows["only_here"]["reference"] is None
     assert cli.main(["report", str(run), "--reference", str(ref)]) == 0
     assert "matmul_bf16" in capsys.readouterr().out
+
+
+def test_report_takes_the_committed_reference_of_the_runs_tier():
+    """Lab 02 has a one-GPU reference (h200, partial: gloo ranks) and a two-GPU one (h200x2, full): a run is compared
+    with the one of its tier, a CPU run with the first holding the name."""
+    name = "ddp_images_per_s_2"
+    refs = results.repo_root() / "reference_runs"
+    want = {tier: next(r["value"] for r in results.load(refs / d) if r["lab"] == "02" and r["name"] == name)
+            for tier, d in (("partial", "h200"), ("full", "h200x2"))}
+    assert want["partial"] != want["full"]
+    for tier in ("partial", "full", "cpu"):
+        with tempfile.TemporaryDirectory() as run:
+            results.Recorder("02", tier, "x", {}, Path(run)).record(name, 1.0, "images/s")
+            got = results.compare(run).set_index("name").loc[name, "reference"]
+        assert got == want.get(tier, want["partial"]), tier
 
 
 def test_report_on_missing_folder_explains(tmp_path, capsys):

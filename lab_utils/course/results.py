@@ -131,8 +131,9 @@ def load(directory: Path | str, fix: str = "pass the folder `nvlab run` wrote") 
 def compare(run: Path | str, reference: Path | str | None = None) -> pd.DataFrame:
     """A table of each measurement in ``run`` beside the reference runs' value and their ratio.
 
-    ``reference``: one run folder; by default every folder under ``reference_runs/`` (the first holding a
-    lab's results wins).
+    ``reference``: one run folder; by default every folder under ``reference_runs/``: for each measurement the
+    first reference of the same tier as the run's (lab 02 on one GPU is ``partial``, on two ``full``), else the
+    first holding it.
     """
     local = load(run)
     ref: dict[tuple[str, str], dict[str, Any]] = {}
@@ -144,10 +145,11 @@ def compare(run: Path | str, reference: Path | str | None = None) -> pd.DataFram
     else:
         ref_rows = [r for d in reference_dirs() if d.is_dir() for r in load(d)]
     for r in ref_rows:
-        ref.setdefault((r["lab"], r["name"]), r)
+        ref.setdefault((r["lab"], r["name"], r.get("tier")), r)
+        ref.setdefault((r["lab"], r["name"], None), r)
     rows = []
     for r in local:
-        other = ref.get((r["lab"], r["name"]))
+        other = ref.get((r["lab"], r["name"], r.get("tier"))) or ref.get((r["lab"], r["name"], None))
         rv = other["value"] if other else None
         ratio = r["value"] / rv if (r["value"] is not None and rv) else None
         rows.append({
