@@ -122,6 +122,8 @@ BAD = {  # what a client sends -> words the error must hold (the problem and the
     "truncated PNG data": (_png((64, 64), noise=True)[:2000], ["corrupt or truncated", "send the complete file"]),
     "oversized bytes": (b"\x89PNG" + bytes(ens.MAX_IMAGE_BYTES), ["over this service's limit", "smaller image"]),
     "oversized image": (_png((ens.MAX_IMAGE_SIDE + 1, 8)), ["1025x8 px", "resize it"]),
+    "decompression bomb": (ens.decompression_bomb(), ["px, over this service's limit", "resize it"]),
+    "truncated JPEG": (ens.photo_jpegs(1)[0][:5000], ["JPEG", "corrupt or truncated", "send the complete file"]),
 }
 
 
@@ -144,6 +146,39 @@ def test_bad_input_is_a_400_naming_the_fix_and_the_server_stays_healthy(server, 
     assert server.alive() and server.ready() and triton_client.model_ready(url, ens.PREPROCESS, protocol)
     assert "not healthy" not in server.log_tail(400) and "terminate called" not in server.log_tail(400)
     assert ens.classify(url, good[:1], protocol=protocol)[0][0][0] in ens.DIGIT_LABELS
+
+
+def test_nothing_decodes_before_the_size_is_checked(built, monkeypatch):
+    """The preprocessing model refuses a decompression bomb (13 KB declaring 110 Mpixels) and an oversized body from
+    what it knows before decoding: with Pillow's decoder replaced by a trap, the refusals are the size ones."""
+    import importlib.util
+    import json
+    import sys
+
+    from PIL import ImageFile
+
+    vdir = built.path / ens.PREPROCESS / "1"
+    monkeypatch.syspath_prepend(str(vdir))  # model.py imports nvlab_triton_model from its folder, as in the stub
+    spec = importlib.util.spec_from_file_location("nvlab_preprocess_test", vdir / "model.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    sys.modules.pop("nvlab_triton_model", None)  # that folder's copy: no other test should import it by name
+    model = mod.TritonPythonModel()
+    params = {"image_size": "8", "max_image_bytes": str(ens.MAX_IMAGE_BYTES), "max_image_side": str(ens.MAX_IMAGE_SIDE)}
+    model.initialize({"model_config": json.dumps({
+        "input": [{"name": ens.IMAGE}], "output": [{"name": ens.PIXELS}],
+        "parameters": {k: {"string_value": v} for k, v in params.items()}})})
+    photo = ens.photo_jpegs(1, (300, 300))[0]
+    assert model.decode(0, photo).shape == (1, 8, 8)  # a real JPEG decodes (before the trap)
+
+    def trap(self, *a, **k):
+        raise AssertionError("decoded before the size was checked")
+
+    monkeypatch.setattr(ImageFile.ImageFile, "load", trap)
+    with pytest.raises(mod.BadImage, match=r"IMAGE\[0\] is \d+x\d+ px, over this service's limit of 1024 px"):
+        model.decode(0, ens.decompression_bomb())
+    with pytest.raises(mod.BadImage, match="over this service's limit of"):
+        model.decode(0, photo + bytes(ens.MAX_IMAGE_BYTES))
 
 
 def test_cache_hits_rise_on_repeated_images(server):
@@ -210,7 +245,7 @@ def test_version_2_hot_update_and_the_stale_ensemble_cache(built, server):
         shutil.rmtree(built.path / ens.CLASSIFIER / "2", ignore_errors=True)
 
 
-def test_resnet50_variant_serves_any_png(built, server):
+def test_resnet50_variant_serves_pngs_and_jpeg_photographs(built, server):
     """The ResNet-50 service's path (RGB, bilinear resize, ImageNet normalization, 1000 labels) at the CPU's small
     size, width 16 and 64 px; the GPU run builds width 64 at 224 px. Random weights: speed only."""
     svc = ens.build_resnet50_service(built.path, width=16, image_size=64, source=server.source)
@@ -220,6 +255,9 @@ def test_resnet50_variant_serves_any_png(built, server):
     assert scores.shape == (3, 5) and all(label.startswith("class_") for row in labels for label in row)
     grey, _ = ens.digits_pngs("test", 1)  # grey 32 px: converted to RGB and resized like any other image
     assert len(ens.classify(server.http_url, grey, protocol="http", model=svc.service)[0][0]) == 5
+    photos = ens.photo_jpegs(4)  # JPEG photographs of 224-512 px, a few tens of KB each
+    assert all(10_000 < len(p) < 100_000 for p in photos) and len(set(photos)) == 4
+    assert ens.classify(server.grpc_url, photos, model=svc.service)[1].shape == (4, 5)
 
 
 def test_stop_leaves_nothing(server):

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _retry import tried
 from _triton import quick_stop, require_server, tiny_repo  # noqa: F401 (an autouse fixture)
 
 from lab_utils.procs import free_port, popen_owned, stop_group, wait_http_ok
@@ -174,10 +175,17 @@ def test_http_status_errors_and_a_plain_async_function(slow):
 
 def test_find_capacity_bisects_on_the_rate(slow):
     """The 20 ms server holds about 50 req/s; with a 150 ms p95 SLO the capacity lies around 35 to 45 req/s."""
-    steps = []
-    # 1 s windows: at 10 req/s a shorter window holds a handful of requests, too few for the stability rule's medians
-    cap = find_capacity(HttpTarget(slow.url), 150.0, lo_rps=10.0, hi_rps=70.0, duration_s=3.0, warmup_s=0.3,
-                        window_s=1.0, tolerance=0.3, on_step=steps.append)
+    def search():
+        steps.clear()
+        # 1 s windows: at 10 req/s a shorter window holds a handful of requests, too few for the stability
+        # rule's medians
+        return find_capacity(HttpTarget(slow.url), 150.0, lo_rps=10.0, hi_rps=70.0, duration_s=3.0, warmup_s=0.3,
+                             window_s=1.0, tolerance=0.3, on_step=steps.append)
+
+    steps: list = []
+    # A burst of load on the CI machine once slowed the one-worker server at 10 req/s (median 23 -> 59 ms: "a
+    # queue"): the lowest rate failing is the machine, not the bisection, so the search gets three tries.
+    cap = tried(search, lambda c: bool(c.steps) and c.steps[0]["passed"])
     assert cap.bounded and steps == cap.steps and steps[0]["rate_rps"] == 10.0 and steps[0]["passed"]
     assert steps[1]["rate_rps"] == 70.0 and not steps[1]["passed"]
     # about 40 on a quiet machine; a loaded CI machine slows the one-worker server, so only the bracket is fixed

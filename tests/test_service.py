@@ -142,11 +142,64 @@ def test_bad_input_is_a_clear_4xx_and_the_service_stays_healthy(svc, protocol):
          ["API key"] if protocol == "http" else ["401"]),
         ({"IMAGE": ens.image_batch([_png((1200, 1200), noise=True)])}, None,
          "413" if protocol == "http" else "StatusCode.UNKNOWN", ["413"] if protocol == "grpc" else ["body over"]),
+        ({"IMAGE": ens.image_batch([ens.decompression_bomb()])}, None, bad, ["px, over this service's limit",
+                                                                             "resize it"]),
+        ({"IMAGE": ens.image_batch([ens.photo_jpegs(1)[0][:4000]])}, None, bad, ["JPEG", "truncated"]),
     ]
     for inputs, headers, status, words in cases:
         got, message = _attempt(svc, inputs, headers, protocol)
         assert got == status and all(w in message for w in words), (status, got, message)
     assert all(svc.health().values()) and svc.classify([good], protocol)[0][0][0] in ens.DIGIT_LABELS
+
+
+def test_a_body_of_another_type_is_a_415_before_any_server_reads_it(svc):
+    """Text, a raw JPEG or a file upload posted to the inference URL: nginx answers 415 naming the type it takes; a
+    KServe v2 JSON request with a charset still passes (so does curl -d's form type), and the service stays healthy."""
+    import urllib.error
+    import urllib.request
+
+    photo = ens.photo_jpegs(1)[0]
+    url = f"{svc.url('http')}/v2/models/{svc.model}/infer"
+    for ctype, body in [("text/plain", b"hello"), ("image/jpeg", photo), ("multipart/form-data; boundary=x", photo)]:
+        req = urllib.request.Request(url, data=body, method="POST", headers={**svc.headers, "Content-Type": ctype})
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(req, timeout=10)
+        message = json.loads(err.value.read())["error"]
+        assert err.value.code == 415 and "application/json" in message, (ctype, err.value.code, message)
+    request = {"inputs": [{"name": "IMAGE", "shape": [1, 1], "datatype": "BYTES", "data": ["not an image"]}]}
+    req = urllib.request.Request(url, data=json.dumps(request).encode(), method="POST",
+                                 headers={**svc.headers, "Content-Type": "application/json; charset=utf-8"})
+    with pytest.raises(urllib.error.HTTPError) as err:  # reaches Triton: its 400 for the bytes, not nginx's 415
+        urllib.request.urlopen(req, timeout=10)
+    assert err.value.code == 400 and "not an image file" in err.value.read().decode()
+    assert all(svc.health().values()) and svc.classify(ens.digits_pngs("test", 1)[0], "http")[0][0][0] in \
+        ens.DIGIT_LABELS
+
+
+def test_where_a_requests_time_goes_per_step_model_and_process(svc):
+    """At two offered rates: Triton's stages per step model summed over both servers, the batch sizes, the CPU per
+    process group, and the client's own lag, in one table, and its stacked bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from lab_utils.serving import breakdown
+
+    with pytest.raises(ValueError, match="rates_rps"):
+        breakdown.where_time_goes(svc, svc.target("http"), [])
+    df = breakdown.where_time_goes(svc, svc.target("http"), [20, 60], duration_s=2.0, warmup_s=0.5)
+    assert set(df["model"]) == set(svc.repo.models) and set(df["offered_rps"]) == {20, 60}
+    for rate, rows in df.groupby("offered_rps"):
+        rows = rows.set_index("model")
+        ensemble, clf = rows.loc[svc.repo.service], rows.loc[svc.repo.classifier]
+        assert ensemble["errors"] == 0 and ensemble["requests"] >= 0.8 * rate * 2, ensemble
+        assert abs(clf["requests"] - ensemble["requests"]) <= 0.1 * ensemble["requests"] + 2, rows["requests"]
+        assert clf["compute_infer_ms"] > 0 and clf["batch_avg"] >= 1 and rows.loc[svc.repo.preprocess,
+                                                                                 "compute_infer_ms"] > 0
+        assert ensemble["request_ms"] >= clf["compute_infer_ms"]
+        assert ensemble["cpu_python_stubs_cores"] > 0 and ensemble["cpu_client_cores"] > 0
+        assert ensemble["send_lag_p99_ms"] < 1000
+    ax = breakdown.plot_split(df)
+    assert len(ax.patches) == len(breakdown.STAGES) * int(df["batch_avg"].notna().sum())
 
 
 def test_over_the_rate_limit_is_a_429_and_the_limit_comes_back(svc):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -608,6 +609,46 @@ def random_pngs(n: int, size: int = 224, seed: int = 0) -> list[bytes]:
         Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8), mode="RGB").save(buf, format="PNG")
         out.append(buf.getvalue())
     return out
+
+
+def photo_jpegs(n: int, size: tuple[int, int] = (224, 512), quality: int = 90, seed: int = 0) -> list[bytes]:
+    """``n`` JPEG photographs (quality ``quality``, each side drawn from ``size`` px): random crops, flips and
+    scales of the two photographs scikit-learn ships (``load_sample_images``: 427x640 px), so an image service
+    receives what cameras send (a few tens of KB at 224-512 px) with no download. Reproducible per ``seed``."""
+    from PIL import Image
+    from sklearn.datasets import load_sample_images  # lazy: scikit-learn is the lab extra's
+
+    lo, hi = size
+    if not (isinstance(n, int) and n >= 0 and 16 <= lo <= hi):
+        raise ValueError(f"photo_jpegs(n={n!r}, size={size!r}): n >= 0 images, sides 16 <= low <= high px")
+    photos = [Image.fromarray(a) for a in load_sample_images().images]
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        img = photos[int(rng.integers(len(photos)))]
+        w, h = img.size
+        side = int(rng.integers(min(w, h) // 2, min(w, h) + 1))  # a crop of half to all of the short side
+        x, y = int(rng.integers(0, w - side + 1)), int(rng.integers(0, h - side + 1))
+        crop = img.crop((x, y, x + side, y + side))
+        out_w, out_h = (int(v) for v in rng.integers(lo, hi + 1, 2))
+        crop = crop.resize((out_w, out_h), Image.Resampling.BILINEAR)
+        if rng.random() < 0.5:
+            crop = crop.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        buf = io.BytesIO()
+        crop.save(buf, format="JPEG", quality=quality)
+        out.append(buf.getvalue())
+    return out
+
+
+def decompression_bomb(pixels: int = 110_000_000) -> bytes:
+    """A PNG of a few KB whose header declares ``pixels`` (one-bit, all black): what a service must refuse from its
+    header, before decoding (decoded as RGB floats it would take 12 bytes a pixel)."""
+    from PIL import Image
+
+    side = int(math.isqrt(pixels))
+    buf = io.BytesIO()
+    Image.new("1", (side + 1, pixels // side)).save(buf, format="PNG", optimize=True)
+    return buf.getvalue()
 
 
 # --- the server side: cache, versions --------------------------------------------------------------------

@@ -62,6 +62,8 @@ _SIZE = re.compile(r"(\d+)([kKmMgG]?)")
 
 
 UPSTREAM_HEADER = "X-Upstream-Addr"  # response header naming the Triton server that answered (lab 08's canary)
+BAD_TYPE_WORDS = ("unsupported Content-Type: send application/json (KServe v2 JSON, binary tensors after it with "
+                  "Inference-Header-Content-Length), not a file upload (multipart), a raw image or text")
 
 
 class NginxError(RuntimeError):
@@ -341,7 +343,12 @@ def nginx_config(
             "", f"    log_format nvlab_json escape=json {LOG_FORMAT};",
             "    access_log logs/access.json nvlab_json;  # one JSON object per line, written per request",
             f"    map $server_port $nvlab_listener {{ default other; {http_port} http;"
-            + (f" {grpc_port} grpc;" if grpc_port else "") + " }", ""]
+            + (f" {grpc_port} grpc;" if grpc_port else "") + " }", "",
+            "    # what Triton's HTTP API reads: KServe v2 JSON (binary tensors after it), no type, or the form type",
+            "    # curl -d and urllib send by default; other bodies (a file upload, a raw image, text) get 415",
+            '    map "$request_method:$content_type" $nvlab_bad_type {', "        default 0;", '        "POST:" 0;',
+            '        "~*^POST:application/(json|octet-stream|x-www-form-urlencoded)" 0;', '        "~^POST:" 1;',
+            "    }", ""]
     if keys:
         out += ["    # API key: X-API-Key: KEY, or Authorization: Bearer KEY (401 without one)",
                 "    map $http_x_api_key $nvlab_key_header {", "        default 0;",
@@ -392,9 +399,11 @@ def nginx_config(
 
     burst = f" burst={rate_burst} nodelay" if rate_burst else ""  # nginx refuses burst=0
     limit = [f"            limit_req zone=nvlab_rate{burst};"] if rate_limit_rps is not None else []
+    media = ['        if ($nvlab_bad_type) {',
+             f"            return 415 '{{\"error\":\"{BAD_TYPE_WORDS}\"}}';", "        }"]
     if http_up is not None:
-        out += ["    server {", f"        listen {host}:{http_port};", *guard(), *errors, "        location / {",
-                *limit,
+        out += ["    server {", f"        listen {host}:{http_port};", *guard(), *media, *errors,
+                "        location / {", *limit,
                 f"            proxy_pass http://{http_up};",
                 f"            add_header {UPSTREAM_HEADER} $upstream_addr always;  # which server answered",
                 "            proxy_http_version 1.1;  # keep-alive to the backends",

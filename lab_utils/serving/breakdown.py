@@ -1,0 +1,154 @@
+"""Where a request's time goes in lab 07's service: Triton's statistics per step model (queue, compute input,
+infer, output, batch size, summed over the servers) and the CPU each kind of process used, at a few offered rates,
+beside what the client saw (p95, and how late it sent: a client that sends late measures itself, not the service).
+
+``snapshot(svc)`` reads the counters; ``split(before, after)`` and ``cpu_cores(before, after)`` turn two snapshots
+into milliseconds per request and cores; ``where_time_goes(svc, target, rates)`` runs the open loop at each rate
+between two snapshots; ``plot_split`` draws the stacked bars. Units are in names: ``_ms`` milliseconds, ``_s``
+seconds, ``_rps`` requests per second.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pandas as pd
+import psutil
+
+from lab_utils.serving import openloop
+from lab_utils.serving.load import model_stats, server_split
+
+STAGES = ("queue", "compute_input", "compute_infer", "compute_output")  # Triton's per-request stages, in order
+CPU_GROUPS = ("triton", "python stubs", "nginx", "client")  # what the CPU time is split into
+
+
+@dataclass
+class Snapshot:
+    """The service's counters at one moment: statistics per model (summed over servers) and CPU seconds per
+    process group."""
+
+    t_s: float
+    stats: dict[str, dict[str, Any]]
+    cpu_s: dict[str, float] = field(default_factory=dict)
+
+
+def _add(a: dict[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
+    """Two ``model_stats`` answers summed (the same model on two servers)."""
+    out = {"inference_count": a["inference_count"] + b["inference_count"],
+           "execution_count": a["execution_count"] + b["execution_count"], "inference_stats": {}}
+    for src in (a["inference_stats"], b["inference_stats"]):
+        for k, v in src.items():
+            d = out["inference_stats"].setdefault(k, {"count": 0, "ns": 0})
+            d["count"] += v["count"]
+            d["ns"] += v["ns"]
+    return out
+
+
+def _cpu_s(procs: Sequence[psutil.Process]) -> float:
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except (psutil.NoSuchProcess, psutil.AccessDenied):  # gone since it was listed: its time is lost, not wrong
+            pass
+    return total
+
+
+def _groups(svc: Any) -> dict[str, list[psutil.Process]]:
+    """The service's processes by kind: each Triton server, its python-backend stubs (its children), nginx's
+    master and workers, and this process (the client)."""
+    groups: dict[str, list[psutil.Process]] = {g: [] for g in CPU_GROUPS}
+    for s in svc.servers:
+        if s.pid is None:
+            continue
+        try:
+            root = psutil.Process(s.pid)
+            groups["triton"].append(root)
+            groups["python stubs"] += root.children(recursive=True)
+        except psutil.NoSuchProcess:
+            continue
+    if svc.lb is not None and svc.lb.pid is not None:
+        try:
+            groups["nginx"] = [psutil.Process(svc.lb.pid), *psutil.Process(svc.lb.pid).children()]
+        except psutil.NoSuchProcess:
+            pass
+    groups["client"] = [psutil.Process(os.getpid())]
+    return groups
+
+
+def snapshot(svc: Any) -> Snapshot:
+    """The statistics API's counters of every model of ``svc.repo`` on every server, and CPU seconds per group."""
+    stats: dict[str, dict[str, Any]] = {}
+    for model in svc.repo.models:
+        per_server = [model_stats(s.http_url, model) for s in svc.servers]
+        total = per_server[0]
+        for more in per_server[1:]:
+            total = _add(total, more)
+        stats[model] = total
+    return Snapshot(time.monotonic(), stats, {g: _cpu_s(p) for g, p in _groups(svc).items()})
+
+
+def split(before: Snapshot, after: Snapshot) -> pd.DataFrame:
+    """Per model, between two snapshots: requests, average batch, and milliseconds per request in each stage and
+    in all (``request_ms``: Triton's whole time for the request, the ensemble's including its steps')."""
+    rows = []
+    for model in after.stats:
+        s = server_split(before.stats[model], after.stats[model])
+        rows.append({"model": model, "requests": int(s["requests"]), "batch_avg": s["batch_avg"],
+                     **{f"{k}_ms": s[f"{k}_us"] / 1e3 for k in STAGES}, "request_ms": s["request_us"] / 1e3})
+    return pd.DataFrame(rows).set_index("model")
+
+
+def cpu_cores(before: Snapshot, after: Snapshot) -> dict[str, float]:
+    """CPU cores each process group used on average between two snapshots."""
+    wall = max(after.t_s - before.t_s, 1e-9)
+    return {g: (after.cpu_s.get(g, 0.0) - before.cpu_s.get(g, 0.0)) / wall for g in after.cpu_s}
+
+
+def where_time_goes(svc: Any, target: Any, rates_rps: Sequence[float], *, duration_s: float = 5.0,
+                    warmup_s: float = 1.0, timeout_s: float = 10.0) -> pd.DataFrame:
+    """The open loop at each offered rate through ``target``, between two snapshots: one row per (rate, model)
+    with the stages in ms per request, the batch, the CPU cores per group, and the client's p95 and send lag."""
+    if not rates_rps or any(not (isinstance(r, (int, float)) and r > 0) for r in rates_rps):
+        raise ValueError(f"rates_rps={rates_rps!r}: give one or more offered rates > 0 (requests/s)")
+    rows = []
+    for rate in rates_rps:
+        if warmup_s > 0:  # the queues and batches of this rate, before the counters are read
+            openloop.run_open_loop(target, rate, warmup_s, warmup_s=0.0, timeout_s=timeout_s)
+        before = snapshot(svc)
+        res = openloop.run_open_loop(target, rate, duration_s, warmup_s=0.0, timeout_s=timeout_s)
+        after = snapshot(svc)
+        cores = cpu_cores(before, after)
+        table = split(before, after)
+        for model, r in table.iterrows():
+            rows.append({"offered_rps": rate, "model": model, **r.to_dict(),
+                         **{f"cpu_{g.replace(' ', '_')}_cores": c for g, c in cores.items()},
+                         "answered_rps": res.achieved_rps, "client_p95_ms": res.p95_ms,
+                         "send_lag_p99_ms": res.send_lag_p99_ms, "errors": res.errors})
+    return pd.DataFrame(rows)
+
+
+def plot_split(df: pd.DataFrame, ax: Any = None, title: str | None = None) -> Any:
+    """Stacked bars, one per (rate, model): milliseconds per request in each of Triton's stages (the ensemble's bar
+    is its whole request, its steps' included)."""
+    import matplotlib.pyplot as plt  # lazy: pulls matplotlib
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(9, 3.5))
+    steps = df[df["batch_avg"].notna()]
+    labels = [f"{r:g}/s\n{m}" for r, m in zip(steps["offered_rps"], steps["model"], strict=True)]
+    bottom = None
+    for stage in STAGES:
+        values = steps[f"{stage}_ms"].to_numpy()
+        ax.bar(labels, values, bottom=bottom, label=stage.replace("_", " "))
+        bottom = values if bottom is None else bottom + values
+    ax.set_ylabel("ms per request")
+    ax.set_title(title or "Where a request's time goes, per step model and offered rate")
+    ax.tick_params(axis="x", labelsize=7)
+    ax.legend(fontsize=8)
+    return ax
