@@ -4,6 +4,7 @@ the intended send time, errors and timeouts counted, the stability rule, the cap
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from pathlib import Path
@@ -114,6 +115,35 @@ def test_sends_follow_the_schedule_and_every_request_is_counted(slow):
     assert SERVICE_MS <= r.p50_ms <= r.p95_ms <= r.p99_ms < 400
     assert r.send_lag_p99_ms < 60 and r.stable and meets_slo(r, 400)[0]
     assert "open loop 20 req/s offered" in str(r) and r.to_row()["mode"] == "open"
+
+
+def test_the_schedule_dealt_over_client_processes_is_the_same_schedule(slow):
+    """Two spawned client processes send one seeded Poisson schedule between them: every request counted once, the
+    windows and latencies as from one process, and no client process left after the run."""
+    import psutil
+
+    seen: list[OpenLoopWindow] = []
+    before = {c.pid for c in psutil.Process().children(recursive=True)}
+    r = run_open_loop(HttpTarget(slow.url), 20.0, 2.0, warmup_s=0.5, window_s=0.5, seed=3, processes=2,
+                      on_window=seen.append)
+    assert r.sent_total == len(poisson_arrivals(20.0, 2.5, seed=3)) and r.errors_total == 0
+    assert len(r.windows) == 4 and seen == r.windows and r.requests == sum(w.requests for w in r.windows)
+    assert r.achieved_rps == pytest.approx(r.offered_rps, rel=0.3) and SERVICE_MS <= r.p50_ms <= r.p99_ms < 400
+    assert r.send_lag_p99_ms < 60 and r.stable
+    # multiprocessing's resource tracker stays until this interpreter exits (one per interpreter, not a client)
+    left = [c for c in psutil.Process().children(recursive=True) if c.pid not in before and c.is_running()
+            and c.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(c.cmdline())]
+    assert not left, left
+    assert ol.client_processes(10.0, 3) == 3 and ol.client_processes(10.0, None) == 1
+    assert 1 <= ol.client_processes(1e6, None) <= max(1, os.cpu_count() - 1)
+    with pytest.raises(ValueError, match="processes"):
+        run_open_loop(HttpTarget(slow.url), 20.0, 1.0, processes=0)
+
+    async def local():
+        pass
+
+    with pytest.raises(TypeError, match="does not pickle.*processes=1"):
+        run_open_loop(local, 20.0, 1.0, processes=2)
 
 
 def test_open_loop_sees_the_queue_the_closed_loop_hides(slow):

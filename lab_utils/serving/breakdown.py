@@ -111,17 +111,19 @@ def cpu_cores(before: Snapshot, after: Snapshot) -> dict[str, float]:
 
 
 def where_time_goes(svc: Any, target: Any, rates_rps: Sequence[float], *, duration_s: float = 5.0,
-                    warmup_s: float = 1.0, timeout_s: float = 10.0) -> pd.DataFrame:
+                    warmup_s: float = 1.0, timeout_s: float = 10.0, processes: int | None = 1) -> pd.DataFrame:
     """The open loop at each offered rate through ``target``, between two snapshots: one row per (rate, model)
-    with the stages in ms per request, the batch, the CPU cores per group, and the client's p95 and send lag."""
+    with the stages in ms per request, the batch, the CPU cores per group, and the client's p95 and send lag.
+    ``processes``: client processes (``openloop.run_open_loop``; their CPU is not in ``cpu_client_cores``)."""
     if not rates_rps or any(not (isinstance(r, (int, float)) and r > 0) for r in rates_rps):
         raise ValueError(f"rates_rps={rates_rps!r}: give one or more offered rates > 0 (requests/s)")
     rows = []
     for rate in rates_rps:
         if warmup_s > 0:  # the queues and batches of this rate, before the counters are read
-            openloop.run_open_loop(target, rate, warmup_s, warmup_s=0.0, timeout_s=timeout_s)
+            openloop.run_open_loop(target, rate, warmup_s, warmup_s=0.0, timeout_s=timeout_s, processes=processes)
         before = snapshot(svc)
-        res = openloop.run_open_loop(target, rate, duration_s, warmup_s=0.0, timeout_s=timeout_s)
+        res = openloop.run_open_loop(target, rate, duration_s, warmup_s=0.0, timeout_s=timeout_s,
+                                     processes=processes)
         after = snapshot(svc)
         cores = cpu_cores(before, after)
         table = split(before, after)

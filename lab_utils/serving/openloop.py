@@ -39,6 +39,7 @@ from lab_utils.serving.load import (
     _top_messages,
     _verify,
 )
+from lab_utils.timing import cpu_cores
 
 TREND_FACTOR = 2.0  # the last window's median may be this many times the first's...
 TREND_SLACK_MS = 10.0  # ...plus this (ms): jitter at a few ms is not a queue
@@ -351,7 +352,8 @@ class OpenLoopResult:
              f"{self.p95_ms:.1f} ms, p99 {self.p99_ms:.1f} ms, {self.errors} errors ({self.timeouts} timeouts), "
              f"{'stable' if self.stable else 'NOT stable'}")
         if self.send_lag_p99_ms > 5:
-            s += f"; the client sent late (p99 {self.send_lag_p99_ms:.0f} ms): it, not only the server, is saturated"
+            s += (f"; the client sent late (p99 {self.send_lag_p99_ms:.0f} ms): it, not only the server, is saturated "
+                  "(spread it: processes=None)")
         return s
 
 
@@ -478,7 +480,7 @@ def _checks(where: str, duration_s: Any, warmup_s: Any, window_s: Any, timeout_s
 
 def run_open_loop(target: Any, rate_rps: float, duration_s: float, *, warmup_s: float = 1.0,
                   window_s: float = 1.0, seed: int | None = 0, timeout_s: float = 10.0, stability: float = 0.10,
-                  max_in_flight: int = 10_000,
+                  max_in_flight: int = 10_000, processes: int | None = 1,
                   on_window: Callable[[OpenLoopWindow], None] | None = None) -> OpenLoopResult:
     """Send requests at Poisson times of mean rate ``rate_rps`` for ``warmup_s + duration_s`` seconds, whatever
     the server does, and measure each from its intended send time.
@@ -486,6 +488,10 @@ def run_open_loop(target: Any, rate_rps: float, duration_s: float, *, warmup_s: 
     The first ``warmup_s`` seconds are sent but not measured (their errors count in ``errors_total``). A request
     without an answer after ``timeout_s`` counts as a timeout; one due while ``max_in_flight`` are outstanding is
     counted as failed ("client limit") rather than sent. Every request is awaited before this returns.
+    ``processes``: the schedule dealt over that many client processes (None: one per ``RPS_PER_PROCESS`` of the
+    rate, up to the cores less one), for rates one Python event loop cannot send on time (its ``send_lag_p99_ms``
+    says when); the target must pickle (``TritonTarget``, ``HttpTarget``) and ``on_window`` sees the windows at
+    the end.
     """
     where = "run_open_loop"
     target = as_target(target)
@@ -495,6 +501,13 @@ def run_open_loop(target: Any, rate_rps: float, duration_s: float, *, warmup_s: 
     cap = check_int(max_in_flight, "max_in_flight", where)
     arrivals = poisson_arrivals(rate, warmup + duration, seed)
     rec = _Records(warmup, window, n_windows, int(getattr(target, "batch", 1)))
+    n_proc = client_processes(rate, processes)
+    if n_proc > 1:
+        windows = _run_spread(target, rec, arrivals, n_proc, timeout, max(1, cap // n_proc))
+        for w in windows:
+            if on_window is not None:
+                on_window(w)
+        return _result(rec, "open", repr(target), rate, None, windows, stability)
     runner = _Runner(rec, target)
 
     async def body() -> None:
@@ -520,6 +533,102 @@ def run_open_loop(target: Any, rate_rps: float, duration_s: float, *, warmup_s: 
 
     windows = runner.run(body, on_window, join_s=timeout + 10)
     return _result(rec, "open", repr(target), rate, None, windows, stability)
+
+
+RPS_PER_PROCESS = 400  # requests/s one client process sends on time (an H200 run's single loop lagged at 750)
+_SPREAD_START_S = 0.2  # s from the client processes' start (all up, imports done) to the first send
+_SPREAD_UP_S = 120.0  # s for the client processes to start (spawned: each imports the clients anew)
+
+
+def client_processes(rate_rps: float, processes: int | None) -> int:
+    """How many client processes send ``rate_rps``: ``processes`` as given, or (None) one per ``RPS_PER_PROCESS``
+    up to this machine's cores less one."""
+    if processes is None:
+        return max(1, min(math.ceil(rate_rps / RPS_PER_PROCESS), cpu_cores() - 1))
+    return check_int(processes, "processes", "run_open_loop")
+
+
+def _send_schedule(target: Any, dues: np.ndarray, t0: float, timeout_s: float, cap: int) -> tuple[list, ...]:
+    """One client process's share of an open loop: send at ``t0 + due`` (``time.monotonic``, the same clock in
+    every process) and return (due, sent, end, ok, message) lists, times relative to ``t0``."""
+    rec = _Records(0.0, 1.0, 1, 1)
+
+    async def body() -> None:
+        await target.open()
+        tasks = set()
+        try:
+            for due in dues:
+                delay = t0 + due - time.monotonic()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                rec.begin(due)
+                if rec.in_flight > cap:
+                    now = time.monotonic() - t0
+                    rec.finish(due, now, now, False, f"client limit: {cap} requests in flight (raise max_in_flight)")
+                    continue
+                task = asyncio.ensure_future(_one_at(target, rec, t0, float(due), timeout_s))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+            if tasks:
+                await asyncio.gather(*tasks)
+        finally:
+            await target.close()
+
+    asyncio.run(body())
+    return rec.due, rec.sent, rec.end, rec.ok, rec.msg
+
+
+async def _one_at(target: Any, rec: _Records, t0: float, due: float, timeout_s: float) -> None:
+    """``_one`` on ``time.monotonic`` (shared by processes) instead of ``perf_counter``."""
+    sent = time.monotonic() - t0
+    try:
+        await asyncio.wait_for(target.send(), timeout_s)
+    except asyncio.TimeoutError:
+        rec.finish(due, sent, time.monotonic() - t0, False, f"TimeoutError: no answer within {timeout_s:g} s")
+    except Exception as err:  # counted, never raised: the load goes on
+        rec.finish(due, sent, time.monotonic() - t0, False, f"{type(err).__name__}: {err}")
+    else:
+        rec.finish(due, sent, time.monotonic() - t0, True)
+
+
+def _client_up(barrier: Any) -> None:
+    """A client process's start: wait until all of them are up, so the schedule starts on time in every one."""
+    barrier.wait(timeout=_SPREAD_UP_S)
+
+
+def _run_spread(target: Any, rec: _Records, arrivals: np.ndarray, n: int, timeout_s: float,
+                cap: int) -> list[OpenLoopWindow]:
+    """The schedule dealt round-robin over ``n`` spawned processes (a superposition of Poisson streams is the
+    same Poisson stream), started together at one ``time.monotonic`` instant; their records merged into ``rec``."""
+    import multiprocessing
+    import pickle
+
+    try:
+        pickle.dumps(target)
+    except Exception as err:
+        raise TypeError(f"run_open_loop(processes={n}): the target {target!r} does not pickle ({err}): use a "
+                        "TritonTarget or HttpTarget, or processes=1") from None
+    ctx = multiprocessing.get_context("spawn")  # not fork: a notebook's threads and event loops stay behind
+    barrier = ctx.Barrier(n + 1)
+    pool = ctx.Pool(n, initializer=_client_up, initargs=(barrier,))
+    try:
+        try:
+            barrier.wait(timeout=_SPREAD_UP_S)  # every client process is up, its imports done
+        except threading.BrokenBarrierError:
+            raise RuntimeError(f"run_open_loop(processes={n}): the client processes did not start within "
+                               f"{_SPREAD_UP_S:g} s: use fewer processes, or processes=1") from None
+        t0 = time.monotonic() + _SPREAD_START_S
+        jobs = [pool.apply_async(_send_schedule, (target, arrivals[i::n], t0, timeout_s, cap)) for i in range(n)]
+        deadline = t0 + float(arrivals[-1] if len(arrivals) else 0.0) + timeout_s + 30  # every answer in by then
+        parts = [j.get(timeout=max(1.0, deadline - time.monotonic())) for j in jobs]
+    finally:
+        pool.terminate()  # an interrupt or a timeout leaves no client process sending
+        pool.join()
+    for due, sent, end, ok, msg in parts:
+        for row in zip(due, sent, end, ok, msg, strict=True):
+            rec.begin(row[0])
+            rec.finish(*row[:4], row[4])
+    return [rec.window(w) for w in range(rec.n_windows)]
 
 
 def run_closed_loop(target: Any, concurrency: int, duration_s: float, *, warmup_s: float = 1.0,
@@ -656,7 +765,7 @@ def find_capacity(target: Any, slo_ms: float = 100.0, *, lo_rps: float, hi_rps: 
                   warmup_s: float = 1.0, window_s: float = 1.0, percentile: int = 95, tolerance: float = 0.05,
                   max_steps: int = 10, seed: int | None = 0, timeout_s: float | None = None, stability: float = 0.10,
                   on_step: Callable[[dict[str, Any]], None] | None = None,
-                  progress: Callable[..., Any] | None = None) -> CapacityResult:
+                  progress: Callable[..., Any] | None = None, processes: int | None = 1) -> CapacityResult:
     """The highest open-loop rate whose ``percentile`` latency stays under ``slo_ms`` (``meets_slo``), by bisection.
 
     ``lo_rps`` is tried first (fails: capacity 0), then ``hi_rps`` (passes: capacity ``hi_rps``, unbounded); then the
@@ -665,7 +774,7 @@ def find_capacity(target: Any, slo_ms: float = 100.0, *, lo_rps: float, hi_rps: 
     failed rate the server's queue is drained (one request at a time until one answers within the SLO) before the
     next run, so a backlog does not count against the next rate. ``progress``: a hook such as
     ``lab_utils.widgets.progress`` (``progress(iterable, total=, desc=)``), advanced once per rate tried (None:
-    no display).
+    no display). ``processes``: client processes per probe, as for ``run_open_loop`` (None: by the rate).
     """
     where = "find_capacity"
     slo = _positive(slo_ms, "slo_ms", where)
@@ -684,7 +793,8 @@ def find_capacity(target: Any, slo_ms: float = 100.0, *, lo_rps: float, hi_rps: 
 
     def probe(rate: float) -> bool:
         r = run_open_loop(target, rate, duration_s, warmup_s=warmup_s, window_s=window_s,
-                          seed=None if seed is None else seed + len(steps), timeout_s=timeout, stability=stability)
+                          seed=None if seed is None else seed + len(steps), timeout_s=timeout, stability=stability,
+                          processes=processes)
         ok, why = meets_slo(r, slo, percentile, stability)
         step = {"step": len(steps) + 1, "rate_rps": rate, "passed": ok, "achieved_rps": r.achieved_rps,
                 "p50_ms": r.p50_ms, "p95_ms": r.p95_ms, "p99_ms": r.p99_ms, "errors": r.errors, "stable": r.stable,
