@@ -129,7 +129,7 @@ def test_the_schedule_dealt_over_client_processes_is_the_same_schedule(slow):
     assert r.sent_total == len(poisson_arrivals(20.0, 2.5, seed=3)) and r.errors_total == 0
     assert len(r.windows) == 4 and seen == r.windows and r.requests == sum(w.requests for w in r.windows)
     assert r.achieved_rps == pytest.approx(r.offered_rps, rel=0.3) and SERVICE_MS <= r.p50_ms <= r.p99_ms < 400
-    assert r.send_lag_p99_ms < 60 and r.stable
+    assert r.send_lag_p99_ms < 60 and r.stable and r.processes == 2 and r.to_row()["processes"] == 2
     # multiprocessing's resource tracker stays until this interpreter exits (one per interpreter, not a client)
     left = [c for c in psutil.Process().children(recursive=True) if c.pid not in before and c.is_running()
             and c.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(c.cmdline())]

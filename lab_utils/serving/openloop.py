@@ -333,6 +333,7 @@ class OpenLoopResult:
     send_lag_p99_ms: float = 0.0  # how late the client sent (open loop): large means the client, not the server, lags
     max_in_flight: int = 0
     batch: int = 1
+    processes: int = 1  # client processes the schedule was dealt over (open loop)
 
     def percentile(self, q: int) -> float:
         """p50/p90/p95/p99 latency (ms) by number."""
@@ -352,13 +353,15 @@ class OpenLoopResult:
              f"{self.p95_ms:.1f} ms, p99 {self.p99_ms:.1f} ms, {self.errors} errors ({self.timeouts} timeouts), "
              f"{'stable' if self.stable else 'NOT stable'}")
         if self.send_lag_p99_ms > 5:
+            more = ("spread it: processes=None" if self.processes == 1 else
+                    f"{self.processes} client processes: give more, or run the client where cores are free")
             s += (f"; the client sent late (p99 {self.send_lag_p99_ms:.0f} ms): it, not only the server, is saturated "
-                  "(spread it: processes=None)")
+                  f"({more})")
         return s
 
 
 def _result(rec: _Records, mode: str, target: str, rate: float | None, concurrency: int | None,
-            windows: list[OpenLoopWindow], stability: float) -> OpenLoopResult:
+            windows: list[OpenLoopWindow], stability: float, processes: int = 1) -> OpenLoopResult:
     due, sent, end, ok = rec.arrays()
     a, b = rec.warmup_s, rec.warmup_s + rec.n_windows * rec.window_s
     span = b - a
@@ -378,7 +381,8 @@ def _result(rec: _Records, mode: str, target: str, rate: float | None, concurren
         errors=int(sum(measured.values())), timeouts=sum(n for m, n in measured.items() if _is_timeout(m)),
         error_messages=_top_messages(all_msgs), windows=windows, stable=is_stable(windows, stability),
         seconds=span, errors_total=int(sum(all_msgs.values())), sent_total=len(due),
-        send_lag_p99_ms=float(np.percentile(lag, 99)), max_in_flight=rec.max_in_flight, batch=rec.batch)
+        send_lag_p99_ms=float(np.percentile(lag, 99)), max_in_flight=rec.max_in_flight, batch=rec.batch,
+        processes=processes)
 
 
 # --- the runs ----------------------------------------------------------------------------------------------
@@ -507,7 +511,7 @@ def run_open_loop(target: Any, rate_rps: float, duration_s: float, *, warmup_s: 
         for w in windows:
             if on_window is not None:
                 on_window(w)
-        return _result(rec, "open", repr(target), rate, None, windows, stability)
+        return _result(rec, "open", repr(target), rate, None, windows, stability, n_proc)
     runner = _Runner(rec, target)
 
     async def body() -> None:
@@ -536,7 +540,7 @@ def run_open_loop(target: Any, rate_rps: float, duration_s: float, *, warmup_s: 
 
 
 RPS_PER_PROCESS = 400  # requests/s one client process sends on time (an H200 run's single loop lagged at 750)
-_SPREAD_START_S = 0.2  # s from the client processes' start (all up, imports done) to the first send
+_SPREAD_START_S = 0.1  # s from the clients' meeting (all targets open) to the first send
 _SPREAD_UP_S = 120.0  # s for the client processes to start (spawned: each imports the clients anew)
 
 
@@ -548,15 +552,19 @@ def client_processes(rate_rps: float, processes: int | None) -> int:
     return check_int(processes, "processes", "run_open_loop")
 
 
-def _send_schedule(target: Any, dues: np.ndarray, t0: float, timeout_s: float, cap: int) -> tuple[list, ...]:
-    """One client process's share of an open loop: send at ``t0 + due`` (``time.monotonic``, the same clock in
-    every process) and return (due, sent, end, ok, message) lists, times relative to ``t0``."""
+def _send_schedule(target: Any, dues: np.ndarray, timeout_s: float, cap: int) -> tuple[list, ...]:
+    """One client process's share of an open loop: open the target, wait until every client has (the barrier
+    ``_client_up`` left), then send at ``t0 + due`` and return (due, sent, end, ok, message) lists, relative to
+    this process's ``t0`` (the clients leave the barrier within milliseconds of each other)."""
     rec = _Records(0.0, 1.0, 1, 1)
 
     async def body() -> None:
-        await target.open()
+        await target.open()  # imports and connections before the clock starts
         tasks = set()
         try:
+            assert _BARRIER is not None, "a client process starts through _client_up"
+            _BARRIER.wait(timeout=_SPREAD_UP_S)
+            t0 = time.monotonic() + _SPREAD_START_S
             for due in dues:
                 delay = t0 + due - time.monotonic()
                 if delay > 0:
@@ -591,15 +599,20 @@ async def _one_at(target: Any, rec: _Records, t0: float, due: float, timeout_s: 
         rec.finish(due, sent, time.monotonic() - t0, True)
 
 
+_BARRIER: Any = None  # in a client process: where its clients meet before the first send
+
+
 def _client_up(barrier: Any) -> None:
-    """A client process's start: wait until all of them are up, so the schedule starts on time in every one."""
-    barrier.wait(timeout=_SPREAD_UP_S)
+    """A client process's start: keep the barrier every client meets at once its target is open."""
+    global _BARRIER
+    _BARRIER = barrier
 
 
 def _run_spread(target: Any, rec: _Records, arrivals: np.ndarray, n: int, timeout_s: float,
                 cap: int) -> list[OpenLoopWindow]:
     """The schedule dealt round-robin over ``n`` spawned processes (a superposition of Poisson streams is the
-    same Poisson stream), started together at one ``time.monotonic`` instant; their records merged into ``rec``."""
+    same Poisson stream), started together once every one has opened its target; their records merged into
+    ``rec``."""
     import multiprocessing
     import pickle
 
@@ -609,18 +622,16 @@ def _run_spread(target: Any, rec: _Records, arrivals: np.ndarray, n: int, timeou
         raise TypeError(f"run_open_loop(processes={n}): the target {target!r} does not pickle ({err}): use a "
                         "TritonTarget or HttpTarget, or processes=1") from None
     ctx = multiprocessing.get_context("spawn")  # not fork: a notebook's threads and event loops stay behind
-    barrier = ctx.Barrier(n + 1)
-    pool = ctx.Pool(n, initializer=_client_up, initargs=(barrier,))
+    pool = ctx.Pool(n, initializer=_client_up, initargs=(ctx.Barrier(n),))
     try:
+        jobs = [pool.apply_async(_send_schedule, (target, arrivals[i::n], timeout_s, cap)) for i in range(n)]
+        # every answer in by then: the clients' start, the schedule, the last request's timeout, and slack
+        deadline = time.monotonic() + _SPREAD_UP_S + float(arrivals[-1] if len(arrivals) else 0.0) + timeout_s + 30
         try:
-            barrier.wait(timeout=_SPREAD_UP_S)  # every client process is up, its imports done
+            parts = [j.get(timeout=max(1.0, deadline - time.monotonic())) for j in jobs]
         except threading.BrokenBarrierError:
-            raise RuntimeError(f"run_open_loop(processes={n}): the client processes did not start within "
+            raise RuntimeError(f"run_open_loop(processes={n}): the client processes did not all start within "
                                f"{_SPREAD_UP_S:g} s: use fewer processes, or processes=1") from None
-        t0 = time.monotonic() + _SPREAD_START_S
-        jobs = [pool.apply_async(_send_schedule, (target, arrivals[i::n], t0, timeout_s, cap)) for i in range(n)]
-        deadline = t0 + float(arrivals[-1] if len(arrivals) else 0.0) + timeout_s + 30  # every answer in by then
-        parts = [j.get(timeout=max(1.0, deadline - time.monotonic())) for j in jobs]
     finally:
         pool.terminate()  # an interrupt or a timeout leaves no client process sending
         pool.join()
