@@ -8,6 +8,7 @@ import io
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -148,21 +149,27 @@ def test_bad_input_is_a_400_naming_the_fix_and_the_server_stays_healthy(server, 
     assert ens.classify(url, good[:1], protocol=protocol)[0][0][0] in ens.DIGIT_LABELS
 
 
-def test_nothing_decodes_before_the_size_is_checked(built, monkeypatch):
-    """The preprocessing model refuses a decompression bomb (13 KB declaring 110 Mpixels) and an oversized body from
-    what it knows before decoding: with Pillow's decoder replaced by a trap, the refusals are the size ones."""
+def _backend_module(vdir: Path, name: str, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A python-backend model.py of a built repository, imported here as the stub imports it."""
     import importlib.util
-    import json
     import sys
 
-    from PIL import ImageFile
-
-    vdir = built.path / ens.PREPROCESS / "1"
     monkeypatch.syspath_prepend(str(vdir))  # model.py imports nvlab_triton_model from its folder, as in the stub
-    spec = importlib.util.spec_from_file_location("nvlab_preprocess_test", vdir / "model.py")
+    spec = importlib.util.spec_from_file_location(name, vdir / "model.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     sys.modules.pop("nvlab_triton_model", None)  # that folder's copy: no other test should import it by name
+    return mod
+
+
+def test_nothing_decodes_before_the_size_is_checked(built, monkeypatch):
+    """The preprocessing model refuses a decompression bomb (13 KB declaring 110 Mpixels) and an oversized body from
+    what it knows before decoding: with Pillow's decoder replaced by a trap, the refusals are the size ones."""
+    import json
+
+    from PIL import ImageFile
+
+    mod = _backend_module(built.path / ens.PREPROCESS / "1", "nvlab_preprocess_test", monkeypatch)
     model = mod.TritonPythonModel()
     params = {"image_size": "8", "max_image_bytes": str(ens.MAX_IMAGE_BYTES), "max_image_side": str(ens.MAX_IMAGE_SIDE)}
     model.initialize({"model_config": json.dumps({
@@ -395,19 +402,12 @@ def test_torch_engine_refuses_a_broken_version_at_load(torch_built, torch_server
 
 
 def test_torch_engine_on_a_gpu_instance_without_a_gpu_names_the_fix(torch_built, monkeypatch):
-    import importlib.util
-    import sys
-
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("torch sees a GPU here: the no-GPU error cannot show")
     vdir = torch_built.path / ens.CLASSIFIER / "1"
-    monkeypatch.syspath_prepend(str(vdir))  # model.py imports nvlab_triton_model from its folder, as in the stub
-    spec = importlib.util.spec_from_file_location("nvlab_torch_classifier_test", vdir / "model.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    sys.modules.pop("nvlab_triton_model", None)  # that folder's copy: no other test should import it by name
+    mod = _backend_module(vdir, "nvlab_torch_classifier_test", monkeypatch)
     with pytest.raises(RuntimeError, match=r"GPU instance \(cuda:0\).*sees no GPU.*gpus=0"):
         mod.TorchClassifier(vdir / ens.TORCH_FILE, "cuda:0")
     with pytest.raises(ValueError, match="precision='fp8'"):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +20,7 @@ import pandas as pd
 import psutil
 
 from lab_utils.serving import openloop
-from lab_utils.serving.load import model_stats, server_split
+from lab_utils.serving.load import model_stats, server_split, sum_stats
 
 STAGES = ("queue", "compute_input", "compute_infer", "compute_output")  # Triton's per-request stages, in order
 CPU_GROUPS = ("triton", "python stubs", "nginx", "client")  # what the CPU time is split into
@@ -34,18 +34,6 @@ class Snapshot:
     t_s: float
     stats: dict[str, dict[str, Any]]
     cpu_s: dict[str, float] = field(default_factory=dict)
-
-
-def _add(a: dict[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
-    """Two ``model_stats`` answers summed (the same model on two servers)."""
-    out = {"inference_count": a["inference_count"] + b["inference_count"],
-           "execution_count": a["execution_count"] + b["execution_count"], "inference_stats": {}}
-    for src in (a["inference_stats"], b["inference_stats"]):
-        for k, v in src.items():
-            d = out["inference_stats"].setdefault(k, {"count": 0, "ns": 0})
-            d["count"] += v["count"]
-            d["ns"] += v["ns"]
-    return out
 
 
 def _cpu_s(procs: Sequence[psutil.Process]) -> float:
@@ -74,7 +62,8 @@ def _groups(svc: Any) -> dict[str, list[psutil.Process]]:
             continue
     if svc.lb is not None and svc.lb.pid is not None:
         try:
-            groups["nginx"] = [psutil.Process(svc.lb.pid), *psutil.Process(svc.lb.pid).children()]
+            master = psutil.Process(svc.lb.pid)
+            groups["nginx"] = [master, *master.children()]
         except psutil.NoSuchProcess:
             pass
     groups["client"] = [psutil.Process(os.getpid())]
@@ -85,11 +74,7 @@ def snapshot(svc: Any) -> Snapshot:
     """The statistics API's counters of every model of ``svc.repo`` on every server, and CPU seconds per group."""
     stats: dict[str, dict[str, Any]] = {}
     for model in svc.repo.models:
-        per_server = [model_stats(s.http_url, model) for s in svc.servers]
-        total = per_server[0]
-        for more in per_server[1:]:
-            total = _add(total, more)
-        stats[model] = total
+        stats[model] = sum_stats([model_stats(s.http_url, model) for s in svc.servers])
     return Snapshot(time.monotonic(), stats, {g: _cpu_s(p) for g, p in _groups(svc).items()})
 
 

@@ -13,6 +13,7 @@ Design notes: docs/internals.md#lab_utilsservingensemblepy
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import math
@@ -616,12 +617,11 @@ def photo_jpegs(n: int, size: tuple[int, int] = (224, 512), quality: int = 90, s
     scales of the two photographs scikit-learn ships (``load_sample_images``: 427x640 px), so an image service
     receives what cameras send (a few tens of KB at 224-512 px) with no download. Reproducible per ``seed``."""
     from PIL import Image
-    from sklearn.datasets import load_sample_images  # lazy: scikit-learn is the lab extra's
 
     lo, hi = size
     if not (isinstance(n, int) and n >= 0 and 16 <= lo <= hi):
         raise ValueError(f"photo_jpegs(n={n!r}, size={size!r}): n >= 0 images, sides 16 <= low <= high px")
-    photos = [Image.fromarray(a) for a in load_sample_images().images]
+    photos = _sample_photos()
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(n):
@@ -640,6 +640,16 @@ def photo_jpegs(n: int, size: tuple[int, int] = (224, 512), quality: int = 90, s
     return out
 
 
+@functools.lru_cache(maxsize=1)
+def _sample_photos() -> tuple[Any, ...]:
+    """scikit-learn's two shipped photographs as Pillow images, read once."""
+    from PIL import Image
+    from sklearn.datasets import load_sample_images  # lazy: scikit-learn is the lab extra's
+
+    return tuple(Image.fromarray(a) for a in load_sample_images().images)
+
+
+@functools.lru_cache(maxsize=4)  # a second encoding of 110 Mpixels takes another second for the same bytes
 def decompression_bomb(pixels: int = 110_000_000) -> bytes:
     """A PNG of a few KB whose header declares ``pixels`` (one-bit, all black): what a service must refuse from its
     header, before decoding (decoded as RGB floats it would take 12 bytes a pixel)."""

@@ -110,7 +110,11 @@ def model_stats(http_url: str, model: str, version: str = "") -> dict[str, Any]:
     path = f"/v2/models/{model}" + (f"/versions/{version}" if version else "") + "/stats"
     with urllib.request.urlopen(_http_base(http_url).rstrip("/") + path, timeout=5) as r:
         data = json.loads(r.read())
-    entries = data.get("model_stats", [])
+    return sum_stats(data.get("model_stats", []))
+
+
+def sum_stats(entries: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Statistics-API entries (versions of a model, or one model on several servers) added up."""
     total: dict[str, Any] = {"inference_count": 0, "execution_count": 0, "inference_stats": {}}
     for e in entries:
         total["inference_count"] += int(e.get("inference_count", 0))

@@ -388,16 +388,18 @@ def _result(rec: _Records, mode: str, target: str, rate: float | None, concurren
 # --- the runs ----------------------------------------------------------------------------------------------
 
 
-async def _one(target: Any, rec: _Records, t0: float, due: float, timeout_s: float) -> None:
-    sent = time.perf_counter() - t0
+async def _one(target: Any, rec: _Records, t0: float, due: float, timeout_s: float,
+               clock: Callable[[], float] = time.perf_counter) -> None:
+    """One request, recorded; ``clock``: ``time.monotonic`` where several client processes share a start."""
+    sent = clock() - t0
     try:
         await asyncio.wait_for(target.send(), timeout_s)
     except asyncio.TimeoutError:  # (TimeoutError itself from Python 3.11)
-        rec.finish(due, sent, time.perf_counter() - t0, False, f"TimeoutError: no answer within {timeout_s:g} s")
+        rec.finish(due, sent, clock() - t0, False, f"TimeoutError: no answer within {timeout_s:g} s")
     except Exception as err:  # counted, never raised: the load goes on
-        rec.finish(due, sent, time.perf_counter() - t0, False, f"{type(err).__name__}: {err}")
+        rec.finish(due, sent, clock() - t0, False, f"{type(err).__name__}: {err}")
     else:
-        rec.finish(due, sent, time.perf_counter() - t0, True)
+        rec.finish(due, sent, clock() - t0, True)
 
 
 class _Runner:
@@ -574,7 +576,7 @@ def _send_schedule(target: Any, dues: np.ndarray, timeout_s: float, cap: int) ->
                     now = time.monotonic() - t0
                     rec.finish(due, now, now, False, f"client limit: {cap} requests in flight (raise max_in_flight)")
                     continue
-                task = asyncio.ensure_future(_one_at(target, rec, t0, float(due), timeout_s))
+                task = asyncio.ensure_future(_one(target, rec, t0, float(due), timeout_s, time.monotonic))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
             if tasks:
@@ -584,19 +586,6 @@ def _send_schedule(target: Any, dues: np.ndarray, timeout_s: float, cap: int) ->
 
     asyncio.run(body())
     return rec.due, rec.sent, rec.end, rec.ok, rec.msg
-
-
-async def _one_at(target: Any, rec: _Records, t0: float, due: float, timeout_s: float) -> None:
-    """``_one`` on ``time.monotonic`` (shared by processes) instead of ``perf_counter``."""
-    sent = time.monotonic() - t0
-    try:
-        await asyncio.wait_for(target.send(), timeout_s)
-    except asyncio.TimeoutError:
-        rec.finish(due, sent, time.monotonic() - t0, False, f"TimeoutError: no answer within {timeout_s:g} s")
-    except Exception as err:  # counted, never raised: the load goes on
-        rec.finish(due, sent, time.monotonic() - t0, False, f"{type(err).__name__}: {err}")
-    else:
-        rec.finish(due, sent, time.monotonic() - t0, True)
 
 
 _BARRIER: Any = None  # in a client process: where its clients meet before the first send
