@@ -417,3 +417,95 @@ def test_torch_engine_on_a_gpu_instance_without_a_gpu_names_the_fix(torch_built,
     y = cpu(x)
     assert y.dtype == np.float32 and y.shape == (16, 10)
     assert (y.argmax(1) == mod.TorchClassifier(vdir / ens.TORCH_FILE, "cpu")(x).argmax(1)).mean() > 0.8
+
+
+# --- the GPU path's pieces, run on the CPU ------------------------------------------------------------------
+
+
+calls: list[int] = []  # how many images each call of the decoder below received
+
+
+def _pillow_decode_jpeg(data, mode=None, device="cpu"):
+    """torchvision's ``decode_jpeg`` (a list of encoded uint8 tensors -> uint8 [C, H, W] each) done by Pillow, so
+    the GPU preprocessing's batching, resizing and normalization run where torchvision and a GPU are not."""
+    import torch
+    from PIL import Image
+
+    calls.append(len(data))
+    out = []
+    for t in data:
+        if t.numpy()[-3] == 0x42:  # a marker the test plants: what nvJPEG refuses
+            raise RuntimeError("nvjpegDecodeBatched failed")
+        rgb = np.array(Image.open(io.BytesIO(t.numpy().tobytes())).convert("RGB"))
+        out.append(torch.from_numpy(rgb).permute(2, 0, 1).contiguous().to(device))
+    return out
+
+
+def test_gpu_preprocessing_batches_resizes_and_normalizes_like_pillow(built, monkeypatch):
+    """``GpuImages`` (the KIND_GPU preprocessing): a batch's complete JPEGs in ONE decode call, resized and normalized
+    to what the CPU path gives (mean difference < 0.02 of a normalized unit: torch's antialiased bilinear against
+    Pillow's); a PNG and a JPEG the decoder refuses go through Pillow; a truncated JPEG (no end marker) is refused
+    by Pillow for its own request while the others are answered."""
+    import json
+
+    mod = _backend_module(built.path / ens.PREPROCESS / "1", "nvlab_preprocess_gpu_test", monkeypatch)
+    model = mod.TritonPythonModel()
+    params = {"image_size": "64", "channels": "3", "pixel_scale": repr(1 / 255), "mean": "0.485,0.456,0.406",
+              "std": "0.229,0.224,0.225", "resample": "bilinear", "max_image_bytes": str(ens.MAX_IMAGE_BYTES),
+              "max_image_side": str(ens.MAX_IMAGE_SIDE)}
+    model.initialize({"model_config": json.dumps({
+        "max_batch_size": 8, "input": [{"name": ens.IMAGE}], "output": [{"name": ens.PIXELS}],
+        "parameters": {k: {"string_value": v} for k, v in params.items()}})})
+    assert model.gpu is None  # a KIND_CPU instance
+    gpu = mod.GpuImages("cpu", 64, 3, 1 / 255, model.mean, model.std, "bilinear", max_rows=2,
+                        decode_jpeg=_pillow_decode_jpeg, read_mode=None)
+    photos = ens.photo_jpegs(5, (80, 300), seed=3)
+    png = ens.random_pngs(1, 70)[0]
+    refused = photos[4][:-3] + b"\x42" + photos[4][-2:]  # still ends with FF D9: the fake decoder refuses it
+    truncated = photos[3][: len(photos[3]) // 2]
+    assert mod.jpeg_complete(photos[0]) and not mod.jpeg_complete(truncated)
+    requests = [[photos[0], photos[1]], [png, photos[2]], [truncated], [refused]]
+    results = [[(i, d, model.open_checked(i, d)) for i, d in enumerate(r)] for r in requests]
+    calls.clear()
+    out = gpu.decode_requests(results, model)
+    assert calls[0] == 4  # one call for the batch's 4 complete JPEGs (it failed on one: then one call each)
+    assert calls[1:] == [1] * 4
+    assert isinstance(out[2], str) and "corrupt or truncated" in out[2]
+    for got, items in zip([out[0], out[1], out[3]], [requests[0], requests[1], requests[3]], strict=True):
+        want = np.stack([model.decode(i, d) for i, d in enumerate(items)])
+        assert got.shape == want.shape == (len(items), 3, 64, 64) and got.dtype == np.float32
+        assert float(np.abs(got - want).mean()) < 0.02
+    assert len(gpu.host) >= 5  # the pinned buffer grew past max_rows
+    first = gpu.decode_requests(["IMAGE[0] is empty", [(0, photos[0], model.open_checked(0, photos[0]))]], model)
+    assert first[0] == "IMAGE[0] is empty" and first[1].shape == (1, 3, 64, 64)  # an error passes through
+
+
+def test_classifier_knobs_channels_last_and_cuda_graphs(torch_built, monkeypatch):
+    """channels_last runs on the CPU with the same answers; CUDA graphs are refused there with the fix named; the
+    configuration carries both, and refuses them off the torch engine or without a GPU."""
+    vdir = torch_built.path / ens.CLASSIFIER / "1"
+    mod = _backend_module(vdir, "nvlab_torch_knobs_test", monkeypatch)
+    assert mod.graph_sizes(64) == [1, 2, 4, 8, 16, 32, 64] and mod.graph_sizes(48) == [1, 2, 4, 8, 16, 32, 48]
+    assert mod.graph_sizes(1) == [1]
+    x = digits_arrays()["x_test"][:16].astype(np.float32)
+    nhwc = mod.TorchClassifier(vdir / ens.TORCH_FILE, "cpu", channels_last=True)(x)
+    assert np.allclose(nhwc, mod.TorchClassifier(vdir / ens.TORCH_FILE, "cpu")(x), atol=1e-4)
+    with pytest.raises(ValueError, match=r"cuda_graphs=1 on cpu.*KIND_GPU"):
+        mod.TorchClassifier(vdir / ens.TORCH_FILE, "cpu", graphs=(1, 8, 8, 4))
+    cfg = ens.classifier_config(engine="torch", gpus=1, precision="bf16", channels_last=True, cuda_graphs=True)
+    assert {k: v["string_value"] for k, v in cfg["parameters"].items()} == {
+        "engine": "torch", "threads": "1", "precision": "bf16", "channels_last": "1", "cuda_graphs": "1"}
+    with pytest.raises(ValueError, match="needs a GPU instance"):
+        ens.classifier_config(engine="torch", cuda_graphs=True)
+    with pytest.raises(ValueError, match="torch engine's"):
+        ens.classifier_config(engine="onnxruntime", channels_last=True)
+    pre = ens.preprocess_config(device="gpu", instances=2, queue_delay_us=300)
+    assert pre["instance_group"] == [{"kind": "KIND_GPU", "count": 2}]
+    assert pre["dynamic_batching"]["max_queue_delay_microseconds"] == 300
+    assert triton_repo.validate_config(pre, gpus=1).backend == "python"
+    with pytest.raises(ValueError, match="device='tpu'"):
+        ens.preprocess_config(device="tpu")
+    with pytest.raises(ValueError, match="needs a GPU"):
+        ens.build_service(torch_built.path / "x", None, prefix="x", labels=["a"], image_size=8, channels=1,
+                          pixel_scale=1.0, mean=(0.0,), std=(1.0,), preprocess_device="gpu",
+                          source=triton_server.ServerSource("path", "/x"))

@@ -218,7 +218,45 @@ def _plan(kind):
 Q5_RIGHT = [ex.reference_servers_needed, _plan_int_division]
 Q5_WRONG = [_plan("no_headroom"), _plan("times"), _plan("no_spare"), _plan("round"), _plan("float")]
 
-OFFLINE_CASES = [(ex.q5, Q5_RIGHT, Q5_WRONG)]
+# --- q6: the GPU decode step (on the CPU here, with the Pillow stand-in of decode_jpeg) ---------------------------
+
+
+def _gpu_pre(kind):
+    def gpu_preprocess(items, decode_jpeg, device, size=ex.Q6_SIZE):
+        import torch
+        import torch.nn.functional as F
+
+        data = [torch.frombuffer(bytearray(bytes(i)), dtype=torch.uint8)
+                for i in np.asarray(items, dtype=object).ravel()]
+        images = [decode_jpeg([d], device=device)[0] for d in data] if kind == "one_by_one" else \
+            decode_jpeg(data, device=device)
+        x = torch.stack([F.interpolate(img[None].float() / 255, size=(size, size), mode="bilinear",
+                                       antialias=kind != "no_antialias")[0] for img in images])
+        mean = torch.tensor(ex.IMAGENET_MEAN).view(1, 3, 1, 1)
+        std = torch.tensor(ex.IMAGENET_STD).view(1, 3, 1, 1)
+        if kind == "not_normalized":
+            return x
+        if kind == "not_scaled":
+            return x * 255
+        if kind == "float64":
+            return ((x - mean) / std).double()
+        return (x - mean) / std  # resized on the 0..1 scale: the same values, another order
+
+    return gpu_preprocess
+
+
+Q6_RIGHT = [_gpu_pre("right")]
+Q6_WRONG = [_gpu_pre("one_by_one"), _gpu_pre("no_antialias"), _gpu_pre("not_normalized"), _gpu_pre("not_scaled"),
+            _gpu_pre("float64")]
+
+
+def test_gpu_decode_slips_get_their_own_message():
+    got = [check(ex.q6, fn).message for fn in Q6_WRONG]
+    assert "called 6 times for 6 images" in got[0] and "antialias=True" in got[1]
+    assert "0..1 scale, not normalized" in got[2] and "raw 0..255" in got[3] and "float64" in got[4]
+
+
+OFFLINE_CASES = [(ex.q5, Q5_RIGHT, Q5_WRONG), (ex.q6, Q6_RIGHT, Q6_WRONG)]
 SERVICE_CASES = [(ex.q1, Q1_RIGHT, Q1_WRONG), (ex.q2, Q2_RIGHT, Q2_WRONG)]
 RECORDED_CASES = [(ex.q4, Q4_RIGHT, Q4_WRONG)]
 
@@ -302,7 +340,7 @@ def test_cases_cover_every_exercise():
 
 
 def test_at_least_half_of_the_exercises_run_code():
-    code = [ex.q2, ex.q4, ex.q5]  # functions the checks call (q1 and q3 run in Triton and nginx)
+    code = [ex.q2, ex.q4, ex.q5, ex.q6]  # functions the checks call (q1 and q3 run in Triton and nginx)
     assert 2 * len(code) >= len(exercises_of(ex))
 
 

@@ -474,6 +474,8 @@ REFERENCES: dict[str, References] = {
     "lab07.ensemble": References("write the ensemble's configuration yourself", (
         f"{_LAB}lab07.reference_ensemble", "lab_utils.serving.ensemble.ensemble_config")),
     "lab07.upstream_block": References("write the upstream block yourself", (f"{_LAB}lab07.reference_upstream",)),
+    "lab07.gpu_preprocess": References("decode the batch, resize and normalize it yourself", (
+        f"{_LAB}lab07.reference_gpu_preprocess",)),
     "lab08.log_run": References("make the MLflow calls yourself", (
         f"{_LAB}lab08.reference_log_run", "lab_utils.mlops.tracking.log_run")),
     "lab08.canary_queries": References("write the PromQL yourself", (

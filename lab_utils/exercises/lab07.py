@@ -4,7 +4,8 @@
 ensemble's ``config.pbtxt`` (a dict or pbtxt text); q2 the preprocessing step, ``preprocess(items) -> [N, 1, 8,
 8] float32``; q3 nginx's upstream block over the two Triton servers; q4 the capacity search,
 ``find_capacity(probe, lo_rps, hi_rps, slo_ms, tolerance) -> float``; q5 the capacity plan,
-``servers_needed(peak_rps, capacity_rps, headroom, spares) -> int``. Rates are in requests/s, latencies in ms.
+``servers_needed(peak_rps, capacity_rps, headroom, spares) -> int``; q6 the GPU decode step,
+``gpu_preprocess(items, decode_jpeg, device) -> torch.Tensor [N, 3, 64, 64]``. Rates are in requests/s, latencies in ms.
 Nothing is imported or started at import.
 
 Design notes: docs/internals.md#lab_utilsexerciseslab07py
@@ -43,7 +44,8 @@ from lab_utils.serving import repository as triton_repo
 from lab_utils.serving.openloop import OpenLoopResult
 
 __all__ = [
-    "q1", "q2", "q3", "q4", "q5", "use_service",
+    "q1", "q2", "q3", "q4", "q5", "q6", "use_service", "decode_jpeg", "jpeg_decoder", "reference_gpu_preprocess",
+    "Q6_SIZE", "IMAGENET_MEAN", "IMAGENET_STD",
     "Q1_NAME", "PIXEL_SCALE", "SIZE", "MAX_SIDE", "Q4_LO_RPS", "Q4_HI_RPS", "Q4_TOLERANCE", "SLO_MS",
     "reference_ensemble", "reference_preprocess", "reference_find_capacity", "reference_upstream",
     "reference_servers_needed", "SimulatedService", "pixel_stats",
@@ -54,6 +56,8 @@ Q1_NAME = "digits_mine"  # the name the student's ensemble is loaded under (besi
 SIZE = 8  # px: what the classifier was trained on
 PIXEL_SCALE = 16 / 255  # PNG grey 0..255 -> the digits' 0..16
 MAX_SIDE = 1024  # px: a larger image is refused
+Q6_SIZE = 64  # px: the side q6's check asks for (the ResNet-50 service's is 224)
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # per RGB channel, on the 0..1 scale
 Q4_LO_RPS, Q4_HI_RPS, Q4_TOLERANCE = 25.0, 2500.0, 0.3  # the real search's range (req/s) and tolerance
 
 
@@ -584,4 +588,115 @@ q5 = CodeExercise(
         "math.ceil(peak_rps / (capacity_rps * (1 - headroom))) servers carry the peak; add `spares` on top.",
     ),
     solution_text=_source(reference_servers_needed, "servers_needed"),
+)
+
+
+# --- q6: the GPU decode step ----------------------------------------------------------------------------------
+
+
+def decode_jpeg(data: list[Any], mode: Any = None, device: Any = "cpu") -> list[Any]:
+    """torchvision's batched ``decode_jpeg`` done by Pillow, for a machine without torchvision or a GPU: encoded
+    JPEGs (uint8 tensors) -> uint8 [3, H, W] tensors on ``device`` (``mode`` is accepted and RGB is given)."""
+    import torch
+    from PIL import Image
+
+    if isinstance(data, torch.Tensor):
+        return decode_jpeg([data], mode, device)[0]
+    out = []
+    for t in data:
+        rgb = np.array(Image.open(io.BytesIO(t.cpu().numpy().tobytes())).convert("RGB"))
+        out.append(torch.from_numpy(rgb).permute(2, 0, 1).contiguous().to(device))
+    return out
+
+
+def jpeg_decoder() -> tuple[Callable[..., Any], str]:
+    """(decode_jpeg, device): torchvision's nvJPEG decode on ``cuda`` where torchvision and a GPU are there, else
+    this module's Pillow ``decode_jpeg`` on the CPU (the same call, so the same answer works on both)."""
+    import torch
+
+    if torch.cuda.is_available():
+        try:
+            from torchvision.io import decode_jpeg as nvjpeg  # optional: not in the CPU environment
+        except (ImportError, RuntimeError):
+            return decode_jpeg, "cpu"
+        return nvjpeg, "cuda"
+    return decode_jpeg, "cpu"
+
+
+def reference_gpu_preprocess(items: Any, decode_jpeg: Callable[..., Any], device: Any, size: int = Q6_SIZE) -> Any:
+    import torch
+    import torch.nn.functional as F
+
+    data = [torch.frombuffer(bytearray(bytes(item)), dtype=torch.uint8)
+            for item in np.asarray(items, dtype=object).reshape(-1)]
+    images = decode_jpeg(data, device=device)  # ONE call: nvJPEG decodes the batch together
+    x = torch.stack([F.interpolate(img[None].float(), size=(size, size), mode="bilinear", antialias=True,
+                                   align_corners=False)[0] for img in images])
+    mean = torch.tensor(IMAGENET_MEAN, device=x.device).view(1, 3, 1, 1)
+    std = torch.tensor(IMAGENET_STD, device=x.device).view(1, 3, 1, 1)
+    return (x / 255 - mean) / std
+
+
+def _grade_gpu_preprocess(fn: Any) -> str:
+    import torch
+
+    decode, device = jpeg_decoder()
+    calls: list[int] = []
+
+    def counted(data: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(len(data) if isinstance(data, (list, tuple)) else 1)
+        return decode(data, *args, **kwargs)
+
+    photos = ens.photo_jpegs(6, (80, 300), seed=random.randrange(10**6))
+    items = ens.image_batch(photos)
+    got = run_student(fn, items, counted, device, what="gpu_preprocess", call="gpu_preprocess(items, decode_jpeg, "
+                      f"{device!r})", timeout_s=60, returns=torch.Tensor, returns_text="a torch tensor [N, 3, 64, 64]")
+    n = len(photos)
+    if len(calls) != 1:
+        raise Wrong(f"decode_jpeg was called {len(calls)} times for {n} images: pass the whole list in ONE call "
+                    "(decode_jpeg(list_of_tensors, device=device)); nvJPEG decodes a batch together, one call per "
+                    "image pays its launch and synchronization every time")
+    if tuple(got.shape) != (n, 3, Q6_SIZE, Q6_SIZE):
+        raise Wrong(f"for {n} images it returned shape {tuple(got.shape)}; expected ({n}, 3, {Q6_SIZE}, {Q6_SIZE}): "
+                    "resize each decoded [3, H, W] image to 64x64 and torch.stack them")
+    if got.dtype != torch.float32:
+        raise Wrong(f"dtype {got.dtype}: the classifier's input is float32 (img.float() before resizing)")
+    if got.device.type != torch.device(device).type:
+        raise Wrong(f"the tensor is on {got.device}, not {device}: keep the work where decode_jpeg put the images "
+                    "(a copy to the CPU and back costs more than the decode)")
+    want = reference_gpu_preprocess(items, decode, device)
+    err = float((got - want).abs().mean())
+    if err <= 0.02:
+        return (f"its tensors match the reference on {n} JPEG photographs ({device}), decoded in one call, "
+                f"mean difference {err:.4f}.")
+    mean = torch.tensor(IMAGENET_MEAN, device=want.device).view(1, 3, 1, 1)
+    std = torch.tensor(IMAGENET_STD, device=want.device).view(1, 3, 1, 1)
+    pixels = (want * std + mean) * 255  # the reference before normalizing: 0..255
+    slips = [(pixels / 255, "the values are on the 0..1 scale, not normalized: subtract ex.IMAGENET_MEAN and divide "
+              "by ex.IMAGENET_STD per channel (view(1, 3, 1, 1))"),
+             (pixels, "the values are the raw 0..255 pixels: divide by 255, then normalize with ex.IMAGENET_MEAN "
+              "and ex.IMAGENET_STD"),
+             ((pixels - mean) / std, "the 0..255 pixels were normalized with the 0..1 mean and std: divide by 255 "
+              "first")]
+    for value, why in slips:
+        if float((got - value).abs().mean()) < 0.05:
+            raise Wrong(why)
+    raise Wrong(f"differs from the reference by {err:.3g} on average (normalized units): resize each image with "
+                "F.interpolate(img[None].float(), size=(64, 64), mode='bilinear', antialias=True) (antialias, as "
+                "Pillow does when it shrinks), on the 0..255 values, then (x / 255 - mean) / std")
+
+
+q6 = CodeExercise(
+    name="07.6 the GPU decode step",
+    var="gpu_preprocess",
+    grade=_grade_gpu_preprocess,
+    signature="gpu_preprocess(items, decode_jpeg, device) -> torch.Tensor [N, 3, 64, 64] float32 on device",
+    hints=(
+        "Each item is JPEG bytes: torch.frombuffer(bytearray(bytes(item)), dtype=torch.uint8) for every item of "
+        "np.asarray(items, dtype=object).reshape(-1); then ONE decode_jpeg(list, device=device) call.",
+        "Per decoded [3, H, W] uint8 image: F.interpolate(img[None].float(), size=(64, 64), mode='bilinear', "
+        "antialias=True)[0]; torch.stack them; then (x / 255 - mean) / std with ex.IMAGENET_MEAN and "
+        "ex.IMAGENET_STD as tensors of shape (1, 3, 1, 1) on the same device.",
+    ),
+    solution_text=_source(reference_gpu_preprocess, "gpu_preprocess"),
 )

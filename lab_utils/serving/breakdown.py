@@ -70,10 +70,11 @@ def _groups(svc: Any) -> dict[str, list[psutil.Process]]:
     return groups
 
 
-def snapshot(svc: Any) -> Snapshot:
-    """The statistics API's counters of every model of ``svc.repo`` on every server, and CPU seconds per group."""
+def snapshot(svc: Any, models: Sequence[str] | None = None) -> Snapshot:
+    """The statistics API's counters of every model of ``svc.repo`` (or ``models``) on every server, and CPU
+    seconds per group."""
     stats: dict[str, dict[str, Any]] = {}
-    for model in svc.repo.models:
+    for model in svc.repo.models if models is None else models:
         stats[model] = sum_stats([model_stats(s.http_url, model) for s in svc.servers])
     return Snapshot(time.monotonic(), stats, {g: _cpu_s(p) for g, p in _groups(svc).items()})
 
@@ -96,20 +97,22 @@ def cpu_cores(before: Snapshot, after: Snapshot) -> dict[str, float]:
 
 
 def where_time_goes(svc: Any, target: Any, rates_rps: Sequence[float], *, duration_s: float = 5.0,
-                    warmup_s: float = 1.0, timeout_s: float = 10.0, processes: int | None = 1) -> pd.DataFrame:
+                    warmup_s: float = 1.0, timeout_s: float = 10.0, processes: int | None = 1,
+                    models: Sequence[str] | None = None) -> pd.DataFrame:
     """The open loop at each offered rate through ``target``, between two snapshots: one row per (rate, model)
     with the stages in ms per request, the batch, the CPU cores per group, and the client's p95 and send lag.
-    ``processes``: client processes (``openloop.run_open_loop``; their CPU is not in ``cpu_client_cores``)."""
+    ``processes``: client processes (``openloop.run_open_loop``; their CPU is not in ``cpu_client_cores``);
+    ``models``: the models to read (default ``svc.repo``'s; another service in the same servers: its ``models``)."""
     if not rates_rps or any(not (isinstance(r, (int, float)) and r > 0) for r in rates_rps):
         raise ValueError(f"rates_rps={rates_rps!r}: give one or more offered rates > 0 (requests/s)")
     rows = []
     for rate in rates_rps:
         if warmup_s > 0:  # the queues and batches of this rate, before the counters are read
             openloop.run_open_loop(target, rate, warmup_s, warmup_s=0.0, timeout_s=timeout_s, processes=processes)
-        before = snapshot(svc)
+        before = snapshot(svc, models)
         res = openloop.run_open_loop(target, rate, duration_s, warmup_s=0.0, timeout_s=timeout_s,
                                      processes=processes)
-        after = snapshot(svc)
+        after = snapshot(svc, models)
         cores = cpu_cores(before, after)
         table = split(before, after)
         for model, r in table.iterrows():

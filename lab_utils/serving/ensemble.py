@@ -41,6 +41,7 @@ ONNX_INPUT, ONNX_OUTPUT = "input", "logits"  # the classifier file's tensor name
 TORCH_FILE = "model.pt"  # TorchScript beside model.onnx: what torch_classifier loads without the model's class
 CLASSIFIER_ENGINES = {"onnxruntime": "onnx_classifier", "torch": "torch_classifier"}  # engine -> backend file
 PRECISIONS = ("fp32", "fp16", "bf16")  # torch_classifier's autocast; fp32: as exported
+PREPROCESS_DEVICES = ("cpu", "gpu")  # where the preprocessing model decodes (gpu: nvJPEG through torchvision)
 DIGIT_LABELS = tuple(str(d) for d in range(10))
 DIGITS_SIZE = 8  # px: what DigitsCNN was trained on
 PNG_SCALE = 4  # clients send 8 px digits upscaled to 32 px PNGs
@@ -96,13 +97,16 @@ def train_classifier(epochs: int = 4, seed: int = 0) -> tuple[Any, dict[str, Any
 
 
 def export_classifier(model: Any, version_dir: str | Path, image_size: int = DIGITS_SIZE, channels: int = 1,
-                      torchscript: bool = False) -> Path:
+                      torchscript: bool = False, onnx: bool = True) -> Path:
     """``model.onnx`` in ``version_dir`` with a dynamic batch (the course's ``export_onnx``); returns its path.
-    ``torchscript``: ``model.pt`` beside it as well (``export_torchscript``: what the torch engine loads)."""
+    ``torchscript``: ``model.pt`` beside it as well (``export_torchscript``: what the torch engine loads);
+    ``onnx`` False: ``model.pt`` only (the torch engine reads nothing else), and its path is returned."""
     import torch
 
     from lab_utils.inference.onnx import export_onnx  # lazy: pulls torch and onnx
 
+    if not onnx:
+        return export_torchscript(model, version_dir, image_size, channels)
     example = torch.zeros(2, channels, image_size, image_size)
     path = export_onnx(model, Path(version_dir) / "model.onnx", example, input_name=ONNX_INPUT,
                        output_name=ONNX_OUTPUT)
@@ -244,22 +248,22 @@ def _batching(**extra: Any) -> dict[str, Any]:
     return {**extra, "default_queue_policy": {"max_queue_size": MAX_QUEUE}}
 
 
-def _write_png_warmup(model_dir: Path, image_size: int, channels: int) -> dict[str, Any]:
-    """A blank PNG of the model's size as ``<model_dir>/warmup/blank_png`` (a BYTES element: 4-byte little-endian
-    length, then the bytes) and the ``model_warmup`` entry that sends it: every preprocessing instance decodes once
-    at load, so a server's first requests do not pay each Python instance's first decode."""
+def _write_png_warmup(model_dir: Path, image_size: int, channels: int, fmt: str = "PNG") -> dict[str, Any]:
+    """A blank image (``fmt``: PNG or JPEG) of the model's size as ``<model_dir>/warmup/blank_<fmt>`` (a BYTES
+    element: 4-byte little-endian length, then the bytes) and the ``model_warmup`` entry that sends it: every
+    preprocessing instance decodes once at load, so a server's first requests do not pay its first decode."""
     import struct
 
     from PIL import Image
 
     buf = io.BytesIO()
     Image.new("L" if channels == 1 else "RGB", (image_size * (PNG_SCALE if image_size == DIGITS_SIZE else 1),) * 2
-              ).save(buf, format="PNG")
-    png = buf.getvalue()
+              ).save(buf, format=fmt)
+    data, name = buf.getvalue(), f"blank_{fmt.lower()}"
     (model_dir / "warmup").mkdir(parents=True, exist_ok=True)
-    (model_dir / "warmup" / "blank_png").write_bytes(struct.pack("<I", len(png)) + png)
-    return {"name": "blank_png", "batch_size": 1, "count": 2,
-            "inputs": {IMAGE: {"data_type": "TYPE_STRING", "dims": [1], "input_data_file": "blank_png"}}}
+    (model_dir / "warmup" / name).write_bytes(struct.pack("<I", len(data)) + data)
+    return {"name": name, "batch_size": 1, "count": 2,
+            "inputs": {IMAGE: {"data_type": "TYPE_STRING", "dims": [1], "input_data_file": name}}}
 
 
 def _warmup_sizes(max_batch_size: int) -> list[int]:
@@ -287,13 +291,15 @@ def classifier_config(name: str = CLASSIFIER, *, backend: str = "python", image_
                       channels: int = 1, classes: int = 10, max_batch_size: int = MAX_BATCH,
                       queue_delay_us: int = QUEUE_DELAY_US, instances: int = 1, gpus: int = 0,
                       threads: int = 1, versions: Sequence[int] | None = None, cache: bool = False,
-                      engine: str | None = None, precision: str = "fp32") -> dict[str, Any]:
+                      engine: str | None = None, precision: str = "fp32", channels_last: bool = False,
+                      cuda_graphs: bool = False) -> dict[str, Any]:
     """The classifier's configuration: ``onnxruntime`` (Triton's ONNX Runtime backend, NGC server) or ``python``
     (the course's python model), with dynamic batching. ``engine`` (python backend): ``onnxruntime`` (``model.onnx``
     on the CPU) or ``torch`` (``model.pt`` on the instance's device: the GPU with ``gpus``), None as
     ``resolve_engine`` (torch with a GPU, else ONNX Runtime); ``precision``: the torch
-    engine's autocast (``fp32``: as exported). ``cache``: its own response cache (keyed by this model's version: a
-    new version is never answered from an old one's entries)."""
+    engine's autocast (``fp32``: as exported); ``channels_last`` (torch: NHWC activations) and ``cuda_graphs`` (torch
+    on a GPU: each batch size replayed from a CUDA graph captured at load). ``cache``: its own response cache (keyed
+    by this model's version: a new version is never answered from an old one's entries)."""
     if backend not in ("python", "onnxruntime"):
         raise ValueError(f"backend={backend!r}: use 'onnxruntime' (NGC server) or 'python' (the wheel's server)")
     engine = resolve_engine(engine, backend, gpus)
@@ -301,6 +307,10 @@ def classifier_config(name: str = CLASSIFIER, *, backend: str = "python", image_
         raise ValueError(f"precision={precision!r}: use one of {PRECISIONS}")
     if precision != "fp32" and engine != "torch":
         raise ValueError(f"precision={precision!r} is the torch engine's autocast: give engine='torch', or fp32")
+    if (channels_last or cuda_graphs) and engine != "torch":
+        raise ValueError("channels_last and cuda_graphs are the torch engine's: give engine='torch'")
+    if cuda_graphs and not gpus:
+        raise ValueError("cuda_graphs=True needs a GPU instance: give gpus >= 1, or leave cuda_graphs False")
     cfg: dict[str, Any] = {
         "name": name, "max_batch_size": max_batch_size,
         "input": [{"name": ONNX_INPUT, "data_type": "TYPE_FP32", "dims": [channels, image_size, image_size]}],
@@ -320,6 +330,7 @@ def classifier_config(name: str = CLASSIFIER, *, backend: str = "python", image_
         params: dict[str, Any] = {"engine": engine, "threads": threads}
         if engine == "torch":
             params["precision"] = precision
+            params.update({k: "1" for k, on in (("channels_last", channels_last), ("cuda_graphs", cuda_graphs)) if on})
         cfg["parameters"] = _params(params)
     else:
         cfg["platform"] = "onnxruntime_onnx"
@@ -339,10 +350,14 @@ def preprocess_config(name: str = PREPROCESS, *, image_size: int = DIGITS_SIZE, 
                       resample: str = "box", max_batch_size: int = MAX_BATCH, stub_env: str | Path | None = None,
                       max_image_bytes: int = MAX_IMAGE_BYTES, max_image_side: int = MAX_IMAGE_SIDE,
                       instances: int = 1, drift_reference: Mapping[str, Any] | None = None,
-                      drift_window: int = 200) -> dict[str, Any]:
+                      drift_window: int = 200, device: str = "cpu", queue_delay_us: int | None = None
+                      ) -> dict[str, Any]:
     """The preprocessing model's configuration (``backend/preprocess_png.py``): ``TYPE_STRING`` in, FP32 out.
     ``drift_reference`` (``drift_stats.reference_bins`` of the training images): it also exports PSI per feature
-    over its last ``drift_window`` images as Triton custom metrics."""
+    over its last ``drift_window`` images as Triton custom metrics. ``device`` ``gpu``: ``KIND_GPU`` instances that
+    decode a batch's JPEGs in one call on the GPU; ``queue_delay_us``: how long a request may wait for others."""
+    if device not in PREPROCESS_DEVICES:
+        raise ValueError(f"device={device!r}: use one of {PREPROCESS_DEVICES}")
     params = {"image_size": image_size, "channels": channels, "pixel_scale": repr(float(pixel_scale)),
               "mean": ",".join(repr(float(m)) for m in mean), "std": ",".join(repr(float(s)) for s in std),
               "resample": resample, "max_image_bytes": max_image_bytes, "max_image_side": max_image_side}
@@ -354,8 +369,10 @@ def preprocess_config(name: str = PREPROCESS, *, image_size: int = DIGITS_SIZE, 
     return {"name": name, "backend": "python", "max_batch_size": max_batch_size,
             "input": [{"name": IMAGE, "data_type": "TYPE_STRING", "dims": [1]}],
             "output": [{"name": PIXELS, "data_type": "TYPE_FP32", "dims": [channels, image_size, image_size]}],
-            "dynamic_batching": _batching(),  # the ensemble's concurrent requests reach execute() together
-            "instance_group": [{"kind": "KIND_CPU", "count": instances}], "parameters": _params(params)}
+            # the ensemble's concurrent requests reach execute() together
+            "dynamic_batching": _batching(**({} if queue_delay_us is None else
+                                             {"max_queue_delay_microseconds": int(queue_delay_us)})),
+            "instance_group": [{"kind": f"KIND_{device.upper()}", "count": instances}], "parameters": _params(params)}
 
 
 def postprocess_config(name: str = POSTPROCESS, *, labels: Sequence[str] = DIGIT_LABELS, top_k: int = TOP_K,
@@ -495,7 +512,9 @@ def build_service(repo: str | Path, model: Any, *, prefix: str, labels: Sequence
                   instances: int | None = None, cache: str | None = "service", source: ServerSource | None = None,
                   build_env: bool = True, note: str = "", classifier_engine: str | None = None,
                   classifier_precision: str = "fp32", drift_reference: Mapping[str, Any] | None = None,
-                  drift_window: int = 200) -> ServiceRepo:
+                  drift_window: int = 200, preprocess_device: str = "cpu", preprocess_count: int | None = None,
+                  preprocess_delay_us: int | None = None, channels_last: bool = False,
+                  cuda_graphs: bool = False, onnx: bool | None = True) -> ServiceRepo:
     """The four model folders of a service ``<prefix>_{preprocess,classifier,postprocess,service}`` for a trained
     ``model`` (a torch module, (B, channels, size, size) -> (B, classes)), every config validated.
 
@@ -503,7 +522,10 @@ def build_service(repo: str | Path, model: Any, *, prefix: str, labels: Sequence
     server (it has no onnxruntime backend), else ``onnxruntime``. ``classifier_engine`` (``resolve_engine``): None
     runs torch on the GPU with ``gpus`` >= 1 on the python backend, ONNX Runtime on the CPU otherwise; ``"torch"``
     with ``gpus=0`` runs torch on the CPU (the tests' way to check it without a GPU). ``classifier_precision``:
-    the torch engine's autocast (``fp32``, ``fp16``, ``bf16``).
+    the torch engine's autocast (``fp32``, ``fp16``, ``bf16``); ``channels_last``, ``cuda_graphs``: its memory
+    format and graphs (``classifier_config``). ``preprocess_device`` ``gpu`` (with ``gpus``): JPEGs decoded on the
+    GPU in ``preprocess_count`` instances (default 2; on the CPU ``preprocess_instances``), batched with a wait of
+    ``preprocess_delay_us``. ``onnx``: export ``model.onnx`` (None: only where the engine reads it, not torch's).
     ``cache``: where the response cache is on: ``"service"`` (the ensemble: a hit skips every step),
     ``"classifier"`` (a hit skips the model only, and a new version starts with no entries) or None."""
     if cache not in CACHE_PLACES:
@@ -518,24 +540,29 @@ def build_service(repo: str | Path, model: Any, *, prefix: str, labels: Sequence
     names = {k: f"{prefix}_{k}" for k in ("preprocess", "classifier", "postprocess", "service")}
     instances = default_instances(gpus) if instances is None else instances
 
+    if preprocess_device == "gpu" and not gpus:
+        raise ValueError("preprocess_device='gpu' needs a GPU: give gpus >= 1, or preprocess_device='cpu'")
     pre_dir = repo / names["preprocess"]
     _write_python_files(pre_dir / "1", "preprocess_png")
+    count = preprocess_count or (2 if preprocess_device == "gpu" else preprocess_instances(gpus))
     pre_cfg = preprocess_config(
         names["preprocess"], image_size=image_size, channels=channels, pixel_scale=pixel_scale, mean=mean, std=std,
-        resample=resample, stub_env=env, instances=preprocess_instances(gpus), drift_reference=drift_reference,
-        drift_window=drift_window)
-    pre_cfg["model_warmup"] = [_write_png_warmup(pre_dir, image_size, channels)]
-    triton_repo.write_config(pre_dir, pre_cfg, gpus=0)
+        resample=resample, stub_env=env, instances=count, drift_reference=drift_reference,
+        drift_window=drift_window, device=preprocess_device, queue_delay_us=preprocess_delay_us)
+    pre_cfg["model_warmup"] = [_write_png_warmup(pre_dir, image_size, channels, fmt)
+                               for fmt in (("PNG", "JPEG") if preprocess_device == "gpu" else ("PNG",))]
+    triton_repo.write_config(pre_dir, pre_cfg, gpus=gpus if preprocess_device == "gpu" else 0)
 
     cls_dir = repo / names["classifier"]
     t0 = time.perf_counter()
-    export_classifier(model, cls_dir / "1", image_size, channels, torchscript=engine == "torch")
+    export_classifier(model, cls_dir / "1", image_size, channels, torchscript=engine == "torch",
+                      onnx=engine != "torch" if onnx is None else onnx)
     if backend == "python":
         _write_python_files(cls_dir / "1", CLASSIFIER_ENGINES[engine])
     triton_repo.write_config(cls_dir, classifier_config(
         names["classifier"], backend=backend, image_size=image_size, channels=channels, classes=len(labels),
         instances=instances, gpus=gpus, cache=cache == "classifier", engine=engine,
-        precision=classifier_precision), gpus=gpus)
+        precision=classifier_precision, channels_last=channels_last, cuda_graphs=cuda_graphs), gpus=gpus)
     export_s = time.perf_counter() - t0
 
     post_dir = repo / names["postprocess"]
@@ -581,20 +608,23 @@ def build_resnet50_service(repo: str | Path, *, image_size: int = 224, width: in
                            backend: str | None = None, gpus: int = 0, instances: int | None = None,
                            cache: str | None = None, source: ServerSource | None = None,
                            build_env: bool = True, classifier_engine: str | None = None,
-                           classifier_precision: str = "fp32") -> ServiceRepo:
+                           classifier_precision: str = "fp32", prefix: str = "resnet50",
+                           **knobs: Any) -> ServiceRepo:
     """``resnet50_*``: a ResNet-50 (``model_zoo.make_resnet50``; torchvision's where it imports, else the course's
     same-layout ``BottleneckResNet``) with RANDOM WEIGHTS, for speed only: its labels mean nothing. RGB
     ``image_size`` px, ImageNet normalization, 1000 classes. The export takes tens of seconds on a CPU. With
-    ``gpus`` >= 1 on the wheel's server the classifier runs in torch on the GPU (``build_service``)."""
+    ``gpus`` >= 1 on the wheel's server the classifier runs in torch on the GPU (``build_service``, which takes
+    ``knobs``: ``preprocess_device``, ``preprocess_count``, ``preprocess_delay_us``, ``channels_last``,
+    ``cuda_graphs``). ``prefix``: the models' names, one per variant in one repository."""
     from lab_utils.inference.model_zoo import make_resnet50  # lazy: pulls torch
 
     model, info = make_resnet50("cpu", width=width, image_size=image_size)
-    svc = build_service(repo, model, prefix="resnet50", labels=[f"class_{i}" for i in range(1000)],
+    svc = build_service(repo, model, prefix=prefix, labels=[f"class_{i}" for i in range(1000)],
                         image_size=image_size, channels=3, pixel_scale=1 / 255, mean=(0.485, 0.456, 0.406),
                         std=(0.229, 0.224, 0.225), resample="bilinear", top_k=top_k, backend=backend, gpus=gpus,
                         instances=instances, cache=cache, source=source, build_env=build_env,
                         note=f"random weights, speed only: {info}", classifier_engine=classifier_engine,
-                        classifier_precision=classifier_precision)
+                        classifier_precision=classifier_precision, onnx=None, **knobs)
     svc.facts.update({"model": str(info), "params_m": info.params_m, "gflop_per_image": info.gflop_per_image})
     return svc
 

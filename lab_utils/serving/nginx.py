@@ -379,7 +379,10 @@ def nginx_config(
         out.append("")
 
     def guard() -> list[str]:
-        g = [f"        client_max_body_size {size};  # larger bodies: 413"]
+        # a body over client_body_buffer_size goes to a temporary file and is sent on from there: measured here, a
+        # 35 KB JPEG then waited 40 ms more (p50 49 against 4.8 ms straight to Triton); in memory it does not
+        g = [f"        client_max_body_size {size};  # larger bodies: 413",
+             f"        client_body_buffer_size {size};  # every accepted body stays in memory"]
         if keys:
             g += ["        if ($nvlab_authorized = 0) {",
                   f"            return 401 '{{\"error\":\"missing or wrong API key: send {API_KEY_HEADER}: <key> or "
