@@ -34,6 +34,7 @@ from lab_utils.exercises.framework import (
     number,
     one_of,
     run_student,
+    source_as,
 )
 from lab_utils.gpu.bench import resolve_device
 
@@ -168,14 +169,14 @@ def reference_time_ms(fn: Callable[[], Any], iters: int, warmup: int, sync: Call
     """
     if iters < 1:
         raise ValueError(f"iters must be >= 1, got {iters}")
-    for _ in range(warmup):
+    for _ in range(warmup):  # one-time costs (CUDA context, cuBLAS handle) outside the timing
         fn()
-    sync()  # the warm-up must be finished before the clock starts
+    sync()  # ...and finished before the clock starts
     t0 = time.perf_counter()
     for _ in range(iters):
         fn()
-    sync()  # wait for the work itself, not just its launches
-    return (time.perf_counter() - t0) * 1e3 / iters
+    sync()  # wait for the work, not just the launches
+    return (time.perf_counter() - t0) * 1000 / iters
 
 
 # The work per call is drawn at random for every check, twice, the second 2.2-2.6x the first: a function that
@@ -358,21 +359,9 @@ q1 = CodeExercise(
         "for _ in range(warmup): fn(); sync(); t0 = time.perf_counter(); for _ in range(iters): fn(); sync(); "
         "return (time.perf_counter() - t0) * 1000 / iters. (On a GPU, CUDA events around the loop work too.)",
     ],
-    solution_text=(
-        "import time\n\n"
-        "def time_ms(fn, iters, warmup, sync):\n"
-        '    """Milliseconds per call of fn(); fn() may only launch work, sync() waits for it."""\n'
-        "    for _ in range(warmup):    # one-time costs (CUDA context, cuBLAS handle) outside the timing\n"
-        "        fn()\n"
-        "    sync()                     # ...and finished before the clock starts\n"
-        "    t0 = time.perf_counter()\n"
-        "    for _ in range(iters):\n"
-        "        fn()\n"
-        "    sync()                     # wait for the work, not just the launches\n"
-        "    return (time.perf_counter() - t0) * 1000 / iters\n"
+    solution_text="import time\n\n" + source_as(reference_time_ms, "time_ms(fn, iters, warmup, sync)") + (
         "# On a GPU, CUDA events: start.record(); loop; end.record(); end.synchronize();\n"
-        "# start.elapsed_time(end) / iters (lab_utils.timing.benchmark does this per call)."
-    ),
+        "# start.elapsed_time(end) / iters (lab_utils.timing.benchmark does this per call)."),
 )
 
 # --- the instrumented timer handed to q2 and q3 -----------------------------------------------------------
@@ -461,10 +450,10 @@ def _ratio_to_reference(timed: dict[str, Any], reference: Callable[[], Any], dev
 
 def reference_matmul_tflops(n: int, device: str, timer: Callable[[Callable[[], Any]], float]) -> float:
     """TFLOP/s of an n×n×n float32 matmul: inputs made once, only ``a @ b`` timed, 2·n³ FLOPs."""
-    a = torch.randn(n, n, device=device)
+    a = torch.randn(n, n, device=device)  # inputs made once: random, never zeros
     b = torch.randn(n, n, device=device)
-    ms = timer(lambda: a @ b)
-    return 2 * n**3 / (ms * 1e-3) / 1e12
+    ms = timer(lambda: a @ b)  # only the matmul is timed
+    return 2 * n**3 / (ms * 1e-3) / 1e12  # 2·n³ FLOPs per matmul
 
 
 def _grade_matmul_tflops(fn: Any) -> str:
@@ -512,13 +501,7 @@ q2 = CodeExercise(
         "C[m,n] = A[m,k]·B[k,n] is m·n·k multiply-adds, and a multiply-add is 2 FLOPs: 2·n³ FLOPs for n×n×n.",
         "TFLOP/s = 2 * n**3 / (ms * 1e-3) / 1e12 (ms -> seconds, FLOP/s -> TFLOP/s).",
     ],
-    solution_text=(
-        "def matmul_tflops(n, device, timer):\n"
-        "    a = torch.randn(n, n, device=device)   # inputs made once: random, never zeros\n"
-        "    b = torch.randn(n, n, device=device)\n"
-        "    ms = timer(lambda: a @ b)              # only the matmul is timed\n"
-        "    return 2 * n**3 / (ms * 1e-3) / 1e12   # 2·n³ FLOPs per matmul"
-    ),
+    solution_text=source_as(reference_matmul_tflops, "matmul_tflops(n, device, timer)"),
 )
 
 # --- q3: device-to-device copy bandwidth -------------------------------------------------------------------
@@ -529,7 +512,7 @@ def reference_copy_gbps(nbytes: int, device: str, timer: Callable[[Callable[[], 
     src = torch.randn(nbytes // 4, device=device)  # float32: 4 bytes per element
     dst = torch.empty_like(src)
     ms = timer(lambda: dst.copy_(src))
-    return 2 * nbytes / (ms * 1e-3) / 1e9
+    return 2 * nbytes / (ms * 1e-3) / 1e9  # read + write: 2 x nbytes moved
 
 
 def _grade_copy_gbps(fn: Any) -> str:
@@ -584,13 +567,7 @@ q3 = CodeExercise(
         "A copy reads every byte of src and writes every byte of dst: it moves 2 × nbytes through memory.",
         "GB/s = 2 * nbytes / (ms * 1e-3) / 1e9 (GB = 1e9 bytes, as bandwidth is quoted).",
     ],
-    solution_text=(
-        "def copy_gbps(nbytes, device, timer):\n"
-        "    src = torch.randn(nbytes // 4, device=device)   # float32: 4 bytes per element\n"
-        "    dst = torch.empty_like(src)\n"
-        "    ms = timer(lambda: dst.copy_(src))\n"
-        "    return 2 * nbytes / (ms * 1e-3) / 1e9          # read + write: 2 x nbytes moved"
-    ),
+    solution_text=source_as(reference_copy_gbps, "copy_gbps(nbytes, device, timer)"),
 )
 
 # --- q4/q5/q6: arithmetic intensity, the ridge, which roof ---------------------------------------------
@@ -705,19 +682,19 @@ def graph_unavailable() -> str | None:
 def reference_replay_with_graph(chain: Callable[[torch.Tensor], torch.Tensor], static_x: torch.Tensor,
                                 xs: list[torch.Tensor]) -> list[torch.Tensor]:
     """``[chain(x) for x in xs]``, computed by capturing ``chain(static_x)`` once in a CUDA graph and replaying it."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
         for _ in range(3):
-            chain(static_x)  # warm up on a side stream before capture (lazy initialisation must not be captured)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+            chain(static_x)  # warm-up on a side stream: lazy initialisation stays out of the capture
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
         static_y = chain(static_x)  # recorded, not run
     outs = []
     for x in xs:
         static_x.copy_(x)  # new data into the captured input's memory
-        graph.replay()  # the whole chain in one launch
+        g.replay()  # every kernel of the chain, one launch
         outs.append(static_y.clone())  # the next replay overwrites static_y
     return outs
 
@@ -795,22 +772,5 @@ q7 = CodeExercise(
         "with torch.cuda.stream(s): chain(static_x) a few times; then torch.cuda.current_stream().wait_stream(s)), "
         "so lazy initialisation is not captured.",
     ],
-    solution_text=(
-        "def replay_with_graph(chain, static_x, xs):\n"
-        "    s = torch.cuda.Stream()\n"
-        "    s.wait_stream(torch.cuda.current_stream())\n"
-        "    with torch.cuda.stream(s):\n"
-        "        for _ in range(3):\n"
-        "            chain(static_x)              # warm-up: lazy initialisation stays out of the capture\n"
-        "    torch.cuda.current_stream().wait_stream(s)\n"
-        "    g = torch.cuda.CUDAGraph()\n"
-        "    with torch.cuda.graph(g):\n"
-        "        static_y = chain(static_x)       # recorded, not run\n"
-        "    outs = []\n"
-        "    for x in xs:\n"
-        "        static_x.copy_(x)                # new data into the captured input\n"
-        "        g.replay()                       # every kernel of the chain, one launch\n"
-        "        outs.append(static_y.clone())    # the next replay overwrites static_y\n"
-        "    return outs"
-    ),
+    solution_text=source_as(reference_replay_with_graph, "replay_with_graph(chain, static_x, xs)"),
 )

@@ -46,6 +46,7 @@ from lab_utils.exercises.framework import (
     match_slip,
     number,
     run_student,
+    source_as,
     student_frame,
 )
 from lab_utils.models import DigitsCNN, digits_arrays
@@ -654,38 +655,8 @@ q2 = CodeExercise(
         "algbw = size / (ms * 1e-3) / 1e9 (GB = 1e9 bytes); busbw = algbw * 2 * (n - 1) / n with "
         "n = ctx.world_size. On 2 ranks the factor is 1, so the check runs on 3.",
     ],
-    solution_text=(
-        "import time\n"
-        "import torch\n"
-        "import torch.distributed as dist\n\n"
-        "def allreduce_bench(ctx, sizes_bytes, iters, warmup):\n"
-        "    n = ctx.world_size\n"
-        "    rows = []\n"
-        "    for size in sizes_bytes:\n"
-        "        x = torch.ones(size // 4, dtype=torch.float32, device=ctx.device)  # size bytes of fp32\n"
-        "        for _ in range(warmup):  # connections and buffers are set up on the first calls\n"
-        "            dist.all_reduce(x)\n"
-        "        if ctx.device.startswith(\"cuda\"):\n"
-        "            start = torch.cuda.Event(enable_timing=True)\n"
-        "            end = torch.cuda.Event(enable_timing=True)\n"
-        "            torch.cuda.synchronize()\n"
-        "            start.record()\n"
-        "            for _ in range(iters):\n"
-        "                dist.all_reduce(x)\n"
-        "            end.record()\n"
-        "            torch.cuda.synchronize()  # the all_reduces were only queued\n"
-        "            ms = start.elapsed_time(end) / iters\n"
-        "        else:\n"
-        "            dist.barrier()  # start together\n"
-        "            t0 = time.perf_counter()\n"
-        "            for _ in range(iters):\n"
-        "                dist.all_reduce(x)\n"
-        "            ms = (time.perf_counter() - t0) * 1e3 / iters\n"
-        "        algbw = size / (ms * 1e-3) / 1e9  # GB/s, 1 GB = 1e9 bytes\n"
-        "        rows.append({\"size_bytes\": size, \"time_ms\": ms, \"algbw_gbps\": algbw,\n"
-        "                     \"busbw_gbps\": algbw * 2 * (n - 1) / n})\n"
-        "    return rows"
-    ),
+    solution_text="import time\nimport torch\nimport torch.distributed as dist\n\n" + source_as(
+        reference_allreduce_bench, "allreduce_bench(ctx, sizes_bytes, iters, warmup, *, dtype=torch.float32)"),
 )
 
 # --- q3: all-reduce time for a model's gradients ------------------------------------------------------
@@ -1340,39 +1311,8 @@ q6 = CodeExercise(
         "After training: `if dist.get_rank() == 0: torch.save(model.state_dict(), checkpoint_path)`, then "
         "dist.barrier() and dist.destroy_process_group() on every rank.",
     ],
-    solution_text=(
-        "def train_ddp(train_set, make_model, epochs, batch_size, lr, checkpoint_path):\n"
-        "    cuda = torch.cuda.is_available()\n"
-        "    dist.init_process_group(\"nccl\" if cuda else \"gloo\")  # RANK, WORLD_SIZE, MASTER_* from the launcher\n"
-        "    if cuda:\n"
-        "        local_rank = int(os.environ[\"LOCAL_RANK\"])\n"
-        "        torch.cuda.set_device(local_rank)\n"
-        "        device = torch.device(\"cuda\", local_rank)\n"
-        "    else:\n"
-        "        device = torch.device(\"cpu\")\n"
-        "    model = make_model().to(device)\n"
-        "    ddp = DistributedDataParallel(model, device_ids=[local_rank] if cuda else None)\n"
-        "    sampler = DistributedSampler(train_set, shuffle=True, seed=0)\n"
-        "    loader = DataLoader(train_set, batch_size=batch_size, sampler=sampler)\n"
-        "    opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9)\n"
-        "    scaler = torch.amp.GradScaler(device.type)\n"
-        "    for epoch in range(epochs):\n"
-        "        sampler.set_epoch(epoch)  # a new shuffle each epoch\n"
-        "        for x, y in loader:\n"
-        "            x, y = x.to(device), y.to(device)\n"
-        "            with torch.autocast(device.type, dtype=torch.float16):\n"
-        "                loss = F.cross_entropy(ddp(x), y)\n"
-        "            opt.zero_grad(set_to_none=True)\n"
-        "            scaler.scale(loss).backward()\n"
-        "            scaler.unscale_(opt)  # true gradients before clipping\n"
-        "            torch.nn.utils.clip_grad_norm_(ddp.parameters(), max_norm=5.0)\n"
-        "            scaler.step(opt)\n"
-        "            scaler.update()\n"
-        "    if dist.get_rank() == 0:\n"
-        "        torch.save(model.state_dict(), checkpoint_path)  # one writer\n"
-        "    dist.barrier()\n"
-        "    dist.destroy_process_group()"
-    ),
+    solution_text=source_as(reference_train_ddp,
+                            "train_ddp(train_set, make_model, epochs, batch_size, lr, checkpoint_path)"),
 )
 
 # --- q7: a metric summed over ranks -----------------------------------------------------------------------------
@@ -1402,8 +1342,8 @@ def metric_shards(nprocs: int, seed: int | None = None) -> list[dict[str, Any]]:
 def reference_global_accuracy(ctx: WorkerContext, correct: int, seen: int) -> float:
     """Accuracy over every rank's samples: the counts summed with one all_reduce, then divided (on every rank)."""
     counts = torch.tensor([correct, seen], dtype=torch.float64, device=ctx.device)
-    dist.all_reduce(counts)  # SUM over the ranks
-    return (counts[0] / counts[1]).item()
+    dist.all_reduce(counts)  # sums over the ranks, result on every rank
+    return (counts[0] / counts[1]).item()  # correct / seen over all shards
 
 
 def _metric_worker(ctx: WorkerContext, student: ranks_mod.Shipped, shards: list[dict[str, Any]]) -> Any:
@@ -1479,11 +1419,6 @@ q7 = CodeExercise(
         "t = torch.tensor([correct, seen], dtype=torch.float64, device=ctx.device); dist.all_reduce(t); "
         "return (t[0] / t[1]).item()",
     ],
-    solution_text=(
-        "def global_accuracy(ctx, correct, seen):\n"
-        "    counts = torch.tensor([correct, seen], dtype=torch.float64, device=ctx.device)\n"
-        "    dist.all_reduce(counts)                 # sums over the ranks, result on every rank\n"
-        "    return (counts[0] / counts[1]).item()  # correct / seen over all shards\n"
-        "# The mean of the per-rank accuracies weights a rank of 150 samples like one of 500."
-    ),
+    solution_text=source_as(reference_global_accuracy, "global_accuracy(ctx, correct, seen)")
+    + "# The mean of the per-rank accuracies weights a rank of 150 samples like one of 500.",
 )

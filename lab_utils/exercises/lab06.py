@@ -31,6 +31,7 @@ from lab_utils.exercises.framework import (
     _is_students,
     choice,
     run_student,
+    source_as,
 )
 from lab_utils.gpu.bench import resolve_device
 from lab_utils.procs import temporary_folder
@@ -184,15 +185,7 @@ q1 = CodeExercise(
         "ProfilerActivity.CUDA records the kernels when torch.cuda.is_available().",
         "After the with block: prof.export_chrome_trace(trace_path).",
     ],
-    solution_text=(
-        "def profile_steps(step, trace_path):\n"
-        "    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])\n"
-        "    with profile(activities=activities, schedule=schedule(wait=1, warmup=1, active=3)) as prof:\n"
-        "        for _ in range(5):\n"
-        "            step()\n"
-        "            prof.step()\n"
-        "    prof.export_chrome_trace(str(trace_path))"
-    ),
+    solution_text=source_as(reference_profile_steps, "profile_steps(step, trace_path)"),
 )
 
 
@@ -487,20 +480,7 @@ q4 = CodeExercise(
         "Each step: loss = F.cross_entropy(model(x), y); opt.zero_grad(set_to_none=True); loss.backward(); "
         "opt.step().",
     ],
-    solution_text=(
-        "def train_loop(model, opt, batches, log_every):\n"
-        "    logged, running = [], torch.zeros((), device=batches[0][0].device)\n"
-        "    for i, (x, y) in enumerate(batches, start=1):\n"
-        "        loss = torch.nn.functional.cross_entropy(model(x), y)\n"
-        "        opt.zero_grad(set_to_none=True)\n"
-        "        loss.backward()\n"
-        "        opt.step()\n"
-        "        running += loss.detach()\n"
-        "        if i % log_every == 0:\n"
-        "            logged.append(running.item() / log_every)\n"
-        "            running.zero_()\n"
-        "    return logged"
-    ),
+    solution_text=source_as(reference_train_loop, "train_loop(model, opt, batches, log_every)"),
 )
 
 

@@ -12,13 +12,11 @@ Design notes: docs/internals.md#lab_utilsexerciseslab08py
 
 from __future__ import annotations
 
-import inspect
 import math
 import random
-import textwrap
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -35,6 +33,7 @@ from lab_utils.exercises.framework import (
     integer,
     number,
     run_student,
+    source_as,
 )
 from lab_utils.mlops import canary
 from lab_utils.mlops.canary import CanaryState, Decision, Guards, VariantMetrics
@@ -58,11 +57,6 @@ _AT_S = 6.5  # q2's queries are evaluated at start + this: the window (3.5 s .. 
 _SCRAPE_S = 0.5
 VARIANTS = ("champion", "challenger")
 METRIC_KEYS = ("train_loss", "val_loss", "val_accuracy")
-
-
-def _source(fn: Callable[..., Any], name: str) -> str:
-    """A reference function's source under the name the student defines."""
-    return textwrap.dedent(inspect.getsource(fn)).replace(f"def {fn.__name__}(", f"def {name}(", 1)
 
 
 # --- what the checks are bound to -----------------------------------------------------------------------------
@@ -402,7 +396,7 @@ q1 = CodeExercise(
         "Tags: mlflow.set_tags({'data_sha256': result.data_sha256, 'git_commit': git_commit()[0]}) "
         "(from lab_utils.mlops.tracking import git_commit; it returns (sha, dirty)).",
     ),
-    solution_text=_source(reference_log_run, "log_run"),
+    solution_text=source_as(reference_log_run, "log_run"),
 )
 
 
@@ -763,7 +757,7 @@ q2 = CodeExercise(
         "p95_ms: max by (job) of nv_inference_request_summary_us{model=..., quantile=\"0.95\"}, / 1000 "
         "(Triton reports microseconds).",
     ),
-    solution_text=_source(reference_canary_queries, "canary_queries"),
+    solution_text=source_as(reference_canary_queries, "canary_queries"),
 )
 
 
@@ -960,7 +954,7 @@ q3 = CodeExercise(
         "A healthy check adds 1 to state.healthy; at guards.checks_per_step: promote, replace(state, step=step + 1, "
         "healthy=0, idle=0), with status 'promoted' when the new step is the last (100 %).",
     ),
-    solution_text=_source(reference_decide, "decide"),
+    solution_text=source_as(reference_decide, "decide"),
 )
 
 
@@ -1055,7 +1049,7 @@ q4 = CodeExercise(
         "Pooled under H0 with p = (p_a + p_b) / 2: n = (z_a sqrt(2 p (1 - p)) + z_b sqrt(p_a (1 - p_a) + p_b (1 - "
         "p_b)))^2 / (p_a - p_b)^2 per group; math.ceil it.",
     ),
-    solution_text=_source(reference_sample_size, "sample_size"),
+    solution_text=source_as(reference_sample_size, "sample_size"),
 )
 
 
@@ -1154,7 +1148,7 @@ q5 = CodeExercise(
         "Shares, not counts (divide by the sample's size), floored at a small epsilon (np.maximum(share, 1e-4)); "
         "PSI = sum((c - r) * np.log(c / r)).",
     ),
-    solution_text=_source(reference_psi, "psi"),
+    solution_text=source_as(reference_psi, "psi"),
 )
 
 
