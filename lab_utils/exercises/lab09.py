@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from lab_utils.exercises import lab01
-from lab_utils.exercises.framework import CodeExercise, Exercise, Wrong, close_to, number, run_student
+from lab_utils.exercises.framework import CodeExercise, Exercise, Wrong, close_to, number, run_student, source_as
 from lab_utils.exercises.quiz import in_byte_unit
 from lab_utils.inference.llm import decode_attention as reference_decode_attention
 
@@ -49,7 +49,7 @@ def _close(a: float, b: float, rel: float = 1e-6) -> bool:
 
 def reference_kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
     """Bytes of KV cache one token adds: a key and a value vector per KV head, in every layer."""
-    return 2 * layers * kv_heads * head_dim * dtype_bytes
+    return 2 * layers * kv_heads * head_dim * dtype_bytes  # K and V, every layer, every KV head
 
 
 # Real shapes (layers, KV heads, head dim) beside random ones: Llama-3.1-8B/70B/405B, Mistral-7B, Llama-2-7B (MHA).
@@ -118,10 +118,8 @@ q1 = CodeExercise(
         "are stored, not the (more numerous) query heads.",
         "return 2 * layers * kv_heads * head_dim * dtype_bytes",
     ],
-    solution_text=(
-        "def kv_bytes_per_token(layers, kv_heads, head_dim, dtype_bytes):\n"
-        "    return 2 * layers * kv_heads * head_dim * dtype_bytes   # K and V, every layer, every KV head"
-    ),
+    solution_text=source_as(reference_kv_bytes_per_token,
+                            "kv_bytes_per_token(layers, kv_heads, head_dim, dtype_bytes)"),
 )
 
 # --- q2: one Llama-3.1-70B sequence -------------------------------------------------------------------------
@@ -167,8 +165,8 @@ def reference_max_sequences(gpu_mem_gb: float, weights_gb: float, seq_len: int, 
     """Whole sequences of ``seq_len`` tokens whose KV cache fits in what is left of the GPU's memory once
     ``reserve_frac`` of it is kept back (activations, CUDA context, fragmentation) and the weights are loaded.
     GB = 1e9 bytes; 0 when the weights alone do not fit."""
-    free_bytes = (gpu_mem_gb * (1 - reserve_frac) - weights_gb) * 1e9
-    return max(0, math.floor(free_bytes / (seq_len * kv_bytes_per_token)))
+    free_bytes = (gpu_mem_gb * (1 - reserve_frac) - weights_gb) * 1e9  # GB = 1e9 bytes
+    return max(0, math.floor(free_bytes / (seq_len * kv_bytes_per_token)))  # whole sequences
 
 
 def _seq_variants(mem: float, w: float, seq: int, kv: int, reserve: float) -> list[tuple[int, str]]:
@@ -248,11 +246,8 @@ q3 = CodeExercise(
         "kv_bytes_per_token bytes.",
         "return max(0, math.floor(free_bytes / (seq_len * kv_bytes_per_token)))",
     ],
-    solution_text=(
-        "def max_sequences(gpu_mem_gb, weights_gb, seq_len, kv_bytes_per_token, reserve_frac):\n"
-        "    free_bytes = (gpu_mem_gb * (1 - reserve_frac) - weights_gb) * 1e9   # GB = 1e9 bytes\n"
-        "    return max(0, math.floor(free_bytes / (seq_len * kv_bytes_per_token)))   # whole sequences"
-    ),
+    solution_text=source_as(reference_max_sequences,
+                            "max_sequences(gpu_mem_gb, weights_gb, seq_len, kv_bytes_per_token, reserve_frac)"),
 )
 
 # --- q4: paged against contiguous KV memory --------------------------------------------------------------------
@@ -262,8 +257,8 @@ def reference_kv_waste(lengths: list[int], max_len: int, block: int) -> tuple[fl
     """(contiguous, paged) share of reserved KV memory that holds no token. Contiguous: every sequence reserves
     ``max_len`` slots. Paged: a sequence holds ceil(length / block) blocks of ``block`` slots."""
     used = sum(lengths)
-    contiguous = 1 - used / (len(lengths) * max_len)
-    paged = 1 - used / sum(math.ceil(n / block) * block for n in lengths)
+    contiguous = 1 - used / (len(lengths) * max_len)  # max_len reserved each
+    paged = 1 - used / sum(math.ceil(n / block) * block for n in lengths)  # whole blocks only
     return contiguous, paged
 
 
@@ -329,13 +324,7 @@ q4 = CodeExercise(
         "used = sum(lengths); return 1 - used / (len(lengths) * max_len), "
         "1 - used / sum(math.ceil(n / block) * block for n in lengths)",
     ],
-    solution_text=(
-        "def kv_waste(lengths, max_len, block):\n"
-        "    used = sum(lengths)\n"
-        "    contiguous = 1 - used / (len(lengths) * max_len)                          # max_len reserved each\n"
-        "    paged = 1 - used / sum(math.ceil(n / block) * block for n in lengths)     # whole blocks only\n"
-        "    return contiguous, paged"
-    ),
+    solution_text=source_as(reference_kv_waste, "kv_waste(lengths, max_len, block)"),
 )
 
 # --- q5: one decode step's attention with a KV cache ----------------------------------------------------------
@@ -435,16 +424,7 @@ q5 = CodeExercise(
         "KV head: .repeat_interleave(heads // kv_heads, dim=1).",
         "scores = q @ keys.transpose(-2, -1) / math.sqrt(head_dim); return torch.softmax(scores, dim=-1) @ values",
     ],
-    solution_text=(
-        "def decode_attention(q, k_new, v_new, k_cache, v_cache, pos):\n"
-        "    k_cache[:, :, pos] = k_new[:, :, 0]          # the cache grows by the new token\n"
-        "    v_cache[:, :, pos] = v_new[:, :, 0]\n"
-        "    group = q.shape[1] // k_cache.shape[1]       # query heads per KV head (GQA)\n"
-        "    keys = k_cache[:, :, :pos + 1].repeat_interleave(group, dim=1)\n"
-        "    values = v_cache[:, :, :pos + 1].repeat_interleave(group, dim=1)\n"
-        "    scores = q @ keys.transpose(-2, -1) / math.sqrt(q.shape[-1])\n"
-        "    return torch.softmax(scores, dim=-1) @ values"
-    ),
+    solution_text=source_as(reference_decode_attention, "decode_attention(q, k_new, v_new, k_cache, v_cache, pos)"),
 )
 
 # --- q8: TTFT, TPOT and throughput of a static batch ---------------------------------------------------------------
@@ -455,8 +435,8 @@ def reference_ttft_tpot(prefill_ms: Mapping[int, float], decode_ms: Mapping[int,
     """(TTFT ms, TPOT ms, output tokens/s) of ``batch`` requests that arrive together and are served as one batch:
     their prompts prefilled in one forward (``prefill_ms[batch]``, which also yields each first token), then
     ``new_tokens - 1`` decode steps of ``decode_ms[batch]`` each."""
-    ttft = prefill_ms[batch]
-    tpot = decode_ms[batch]
+    ttft = prefill_ms[batch]  # one forward over every prompt: first tokens
+    tpot = decode_ms[batch]  # every request waits a whole step per token
     total_ms = ttft + (new_tokens - 1) * tpot
     return ttft, tpot, batch * new_tokens / (total_ms / 1e3)
 
@@ -525,13 +505,7 @@ q8 = CodeExercise(
         "decode steps follow.",
         "total_ms = ttft + (new_tokens - 1) * tpot; tokens_per_s = batch * new_tokens / (total_ms / 1000)",
     ],
-    solution_text=(
-        "def ttft_tpot(prefill_ms, decode_ms, batch, new_tokens):\n"
-        "    ttft = prefill_ms[batch]                      # one forward over every prompt: first tokens\n"
-        "    tpot = decode_ms[batch]                       # every request waits a whole step per token\n"
-        "    total_ms = ttft + (new_tokens - 1) * tpot\n"
-        "    return ttft, tpot, batch * new_tokens / (total_ms / 1000)"
-    ),
+    solution_text=source_as(reference_ttft_tpot, "ttft_tpot(prefill_ms, decode_ms, batch, new_tokens)"),
 )
 
 # --- q6/q7: decode's intensity and the ridge ---------------------------------------------------------------------
