@@ -67,11 +67,14 @@ __all__ = [
 # --- running the student's function in ranks -----------------------------------------------------------
 
 
-def grading_ranks() -> tuple[str, int]:
+def grading_ranks(backend: str | None = None, nprocs: int | None = None) -> tuple[str, int]:
     """(backend, ranks) the rank exercises run on: the lab's own (``distributed.plan.lab_plan``), NCCL on every
-    GPU where there are two or more, else 2 gloo processes on the CPU (one GPU included)."""
-    plan = lab_plan(torch_gpu_count())
-    return plan.backend, plan.nprocs
+    GPU where there are two or more, else 2 gloo processes on the CPU (one GPU included); a ``backend`` or
+    ``nprocs`` given is kept."""
+    if backend is None or nprocs is None:
+        plan = lab_plan(torch_gpu_count())
+        backend, nprocs = backend or plan.backend, nprocs or plan.nprocs
+    return backend, nprocs
 
 
 def _no_distributed() -> str | None:
@@ -602,8 +605,7 @@ def _judge_formulas(rows: list[dict[str, float]], n: int, call: str, where: str)
 
 def _grade_allreduce_bench(fn: Any, backend: str | None = None, nprocs: int | None = None) -> str:
     if backend is None or nprocs is None:
-        b, n = grading_ranks()
-        backend, nprocs = backend or b, nprocs or n
+        backend, nprocs = grading_ranks(backend, nprocs)
         if backend == "gloo" and nprocs == 2:
             nprocs = _FORMULA_RANKS  # on a CPU, one run on 3 ranks checks the time and the formulas at once
     sizes = list(bench_sizes(backend))
@@ -1253,14 +1255,8 @@ def _ddp_config(nprocs: int) -> dict[str, Any]:
     return cfg
 
 
-def _reference_key(backend: str, nprocs: int, cfg: dict[str, Any]) -> tuple[Any, ...]:
-    return (backend, nprocs, tuple(sorted(cfg.items())), torch.__version__)
-
-
 def _grade_train_ddp(fn: Any, backend: str | None = None, nprocs: int | None = None) -> str:
-    if backend is None or nprocs is None:
-        b, n = grading_ranks()
-        backend, nprocs = backend or b, nprocs or n
+    backend, nprocs = grading_ranks(backend, nprocs)
     cfg = _ddp_config(nprocs)
     ref_acc = reference_ddp_run(nprocs, backend)["accuracy"]  # once per process: later checks reuse it
     call = (f"train_ddp(train_set, make_model, epochs={cfg['epochs']}, batch_size={cfg['batch_size']}, "
@@ -1278,11 +1274,9 @@ def reference_ddp_run(nprocs: int | None = None, backend: str | None = None) -> 
     still gets the number. Returns accuracy (fraction), state (the trained state dict), world_size, backend and
     the configuration.
     """
-    if backend is None or nprocs is None:
-        b, n = grading_ranks()
-        backend, nprocs = backend or b, nprocs or n
+    backend, nprocs = grading_ranks(backend, nprocs)
     cfg = _ddp_config(nprocs)
-    key = _reference_key(backend, nprocs, cfg)
+    key = (backend, nprocs, tuple(sorted(cfg.items())), torch.__version__)
     if key not in _REFERENCE_RUNS:
         with ranks_mod.shipping(reference_train_ddp) as shipped, \
                 temporary_folder("ddp-ref") as folder:
@@ -1395,9 +1389,7 @@ def _judge_metric(values: list[Any], shards: list[dict[str, Any]], call: str) ->
 
 
 def _grade_global_accuracy(fn: Any, backend: str | None = None, nprocs: int | None = None) -> str:
-    if backend is None or nprocs is None:
-        b, n = grading_ranks()
-        backend, nprocs = backend or b, nprocs or n
+    backend, nprocs = grading_ranks(backend, nprocs)
     shards = metric_shards(nprocs)
     call = f"global_accuracy(ctx, correct, seen) on {nprocs} {backend} ranks"
     with _shipped(fn, "global_accuracy") as shipped:

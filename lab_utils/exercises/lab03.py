@@ -75,13 +75,6 @@ class _Digits:
         return path
 
 
-@contextlib.contextmanager
-def _folder(what: str) -> Iterator[Path]:
-    """A temporary folder for one check (its owner's PID in the name), removed when the check ends."""
-    with temporary_folder(f"lab03-{what}") as tmp:
-        yield tmp
-
-
 @functools.lru_cache(maxsize=1)
 def _digits() -> _Digits:
     """Trained and exported once per process (the lab's own quick-mode model: shared with the lab)."""
@@ -93,7 +86,7 @@ def _digits() -> _Digits:
 
     model, _ = model_zoo.trained_digits(_FIXTURE_EPOCHS)
     data = models.digits_arrays()
-    with _folder("digits") as tmp:
+    with temporary_folder("lab03-digits") as tmp:
         path = onnx.export_onnx(model, tmp / "digits.onnx", torch.from_numpy(data["x_test"][:2]))
         proto = onnx_lib.load(str(path))  # with its external data: one self-contained file
         logits = onnx.ort_predict(onnx.ort_session(path), data["x_test"])
@@ -143,7 +136,7 @@ def _grade_export(fn: Any) -> str:
 
     model = model_zoo.export_check_model()  # in train mode, as at the end of a training loop
     example = torch.from_numpy(model_zoo.random_images(4, (1, 8, 8), seed=3))
-    with _folder("export") as folder:
+    with temporary_folder("lab03-export") as folder:
         path = folder / "model.onnx"
         # The exporter's progress lines and notices (torchvision ops it skips) are not the news; errors are.
         try:
@@ -244,7 +237,7 @@ def _grade_ort(fn: Any) -> str:
                         "onnxruntime, but onnxruntime-gpu refuses it (since 1.9 an ONNX Runtime with several "
                         "execution providers must be told which to use, in order of preference). Pass "
                         "providers=['CPUExecutionProvider'] (or ['CUDAExecutionProvider', 'CPUExecutionProvider']).")
-    with _folder("session") as folder:
+    with temporary_folder("lab03-session") as folder:
         medians = _ort_levels(fn, fx, fx.write(folder), x)
     return (f"p50 {medians['disable']:.3f} ms at 'disable', {medians['all']:.3f} ms at 'all' for {len(x)} images "
             "(your timing, within 3x of the check's own).")
@@ -421,7 +414,7 @@ def _grade_quantize(fn: Any) -> str:
     from lab_utils.inference import quantize as q  # lazy: pulls torch and onnx
 
     fx = _digits()
-    with _folder("quantize") as folder:
+    with temporary_folder("lab03-quantize") as folder:
         src = fx.write(folder)
         out = folder / "digits.int8.onnx"
         seen: dict[str, Any] = {}
@@ -615,7 +608,7 @@ def _run_trt(fn: Any, why: str) -> str:
     fx = _digits()
     batches = [torch.from_numpy(fx.x_test[:b]).cuda() for b in EXPORT_BATCHES]
     call = "trt_build_and_run(onnx_path, [batch of 1, batch of 7])"
-    with _folder("builder") as folder:
+    with temporary_folder("lab03-builder") as folder:
         outputs = run_student(fn, str(fx.write(folder)), batches, call=call, timeout_s=600)
     if not isinstance(outputs, (list, tuple)) or len(outputs) != len(batches):
         raise Wrong(f"{call} returned {type(outputs).__name__}; expected a list of {len(batches)} outputs, one per "

@@ -820,6 +820,12 @@ q7 = Exercise(
 # --------------------------------------------------------------------------------------------------
 # 04.8 the statistics API: average batch and queue time, from a fixed response and from the server's
 
+def _batch_stats(sizes: list[int], counts: list[int]) -> list[dict[str, Any]]:
+    """Triton's batch_stats: per batch size, how many executions ran at it (the times are not used here)."""
+    stages = ("compute_input", "compute_infer", "compute_output")
+    return [{"batch_size": b, **{k: {"count": n, "ns": 0} for k in stages}} for b, n in zip(sizes, counts, strict=True)]
+
+
 Q8_STATS: dict[str, Any] = {  # GET v2/models/mlp/stats after a load test (Triton's statistics extension)
     "model_stats": [{
         "name": "mlp", "version": "1", "last_inference": 1764460800000,
@@ -833,14 +839,7 @@ Q8_STATS: dict[str, Any] = {  # GET v2/models/mlp/stats after a load test (Trito
             "compute_output": {"count": 6400, "ns": 960_000_000},
             "cache_hit": {"count": 0, "ns": 0}, "cache_miss": {"count": 0, "ns": 0},
         },
-        "batch_stats": [
-            {"batch_size": 6, "compute_input": {"count": 20, "ns": 0}, "compute_infer": {"count": 20, "ns": 0},
-             "compute_output": {"count": 20, "ns": 0}},
-            {"batch_size": 8, "compute_input": {"count": 75, "ns": 0}, "compute_infer": {"count": 75, "ns": 0},
-             "compute_output": {"count": 75, "ns": 0}},
-            {"batch_size": 16, "compute_input": {"count": 355, "ns": 0}, "compute_infer": {"count": 355, "ns": 0},
-             "compute_output": {"count": 355, "ns": 0}},
-        ],
+        "batch_stats": _batch_stats([6, 8, 16], [20, 75, 355]),
     }],
 }
 
@@ -912,9 +911,7 @@ def _random_stats(rng: random.Random) -> dict[str, Any]:
         "inference_stats": {"success": {"count": inferences, "ns": sum(ns.values()) + rng.randint(0, 10**9)},
                             "fail": dict(zero), **{k: {"count": inferences, "ns": v} for k, v in ns.items()},
                             "cache_hit": dict(zero), "cache_miss": dict(zero)},
-        "batch_stats": [{"batch_size": b, **{k: {"count": n, "ns": 0} for k in ("compute_input", "compute_infer",
-                                                                               "compute_output")}}
-                        for b, n in zip(sizes, counts, strict=True)],
+        "batch_stats": _batch_stats(sizes, counts),
     }]}
 
 

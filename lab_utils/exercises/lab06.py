@@ -33,7 +33,7 @@ from lab_utils.exercises.framework import (
     run_student,
     source_as,
 )
-from lab_utils.gpu.bench import resolve_device
+from lab_utils.exercises.lab01 import grading_device  # the lab's own device: the GPU when torch can use one
 from lab_utils.procs import temporary_folder
 from lab_utils.profiling import trace as tr
 from lab_utils.profiling.programs import PngDigits, loader_workers
@@ -48,11 +48,6 @@ SCHEDULE = {"wait": 1, "warmup": 1, "active": 3}
 STEPS = sum(SCHEDULE.values())  # the step() calls profile_steps makes
 ACTIVE_STEPS = {f"{tr.STEP_PREFIX}{i}" for i in range(SCHEDULE["wait"] + SCHEDULE["warmup"], STEPS)}
 GRADER_RANGE = "grader_step"
-
-
-def grading_device() -> str:
-    """Where the code exercises run: the GPU when torch can use one, else the CPU."""
-    return resolve_device("auto")
 
 
 # --- reference implementations (later cells of the lab use these) -------------------------------------------

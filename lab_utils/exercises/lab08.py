@@ -96,10 +96,6 @@ def _tracking() -> Any:
     return server
 
 
-def _mlflow_missing() -> str | None:
-    return mlflow_missing()
-
-
 def _prometheus_missing() -> str | None:
     why = prometheus.missing()
     return f"this check runs your code on a real Prometheus: {why}" if why else None
@@ -387,7 +383,7 @@ q1 = CodeExercise(
     var="log_run",
     grade=_grade_log_run,
     signature="log_run(tracking_uri, experiment, result, onnx_path) -> str",
-    applicable=_mlflow_missing,
+    applicable=mlflow_missing,
     hints=(
         "mlflow.set_tracking_uri(tracking_uri); mlflow.set_experiment(experiment) (it creates it when new); then "
         "`with mlflow.start_run() as run:` (the run ends FINISHED with the block) and return run.info.run_id.",
