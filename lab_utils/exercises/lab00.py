@@ -593,10 +593,6 @@ _RULE_WHY = {
 }
 
 
-def _normal_verdict(value: Any) -> str | None:
-    return choice(value, VERDICTS)
-
-
 _RANDOM_VERDICTS = 8
 
 
@@ -610,7 +606,7 @@ def _grade_random_verdicts(fn: Any, rng: random.Random) -> None:
         call = f"cuda_verdict({ceiling!r}, {runtime!r}, datacenter_gpu={dc})"
         result = run_student(fn, ceiling, runtime, dc, call=call, timeout_s=10)
         expected = cuda_verdict(ceiling, runtime, dc)
-        if _normal_verdict(result) != expected:
+        if choice(result, VERDICTS) != expected:
             raise Wrong(f"{call} returned {result!r}, expected {expected!r}: every case of the table was right, but "
                         "this one (drawn at random) is not. Apply the rules to the versions given, not to a list "
                         "of known cases.")
@@ -621,7 +617,7 @@ def _grade_verdict(fn: Any) -> str:
     for ceiling, runtime, dc, _, _ in VERDICT_CASES:
         call = f"cuda_verdict({ceiling!r}, {runtime!r}, datacenter_gpu={dc})"
         result = run_student(fn, ceiling, runtime, dc, call=call, timeout_s=10)
-        verdict = _normal_verdict(result)
+        verdict = choice(result, VERDICTS)
         if verdict is None:
             raise Wrong(f"{call} returned {result!r}: return one of {list(VERDICTS)} (the names in VERDICTS)")
         got.append(verdict)

@@ -452,23 +452,21 @@ _CLIENT_HINTS = {
 }
 
 
-def _served_version(lab: _Lab, client: Any) -> str:
-    """The version a request without a version reaches: the highest that is ready (loaded first if need be)."""
-    if not client.is_model_ready(lab.model):
-        client.load_model(lab.model)
-    versions = client.get_model_metadata(lab.model, as_json=True).get("versions", [])
-    return str(max(int(v) for v in versions))
+def _served_version(lab: _Lab) -> tuple[str, dict[str, Any]]:
+    """The version a request without a version reaches (the highest that is ready, loaded first if need be), and
+    the model's metadata."""
+    with contextlib.closing(_grpc_client(lab)) as client:
+        if not client.is_model_ready(lab.model):
+            client.load_model(lab.model)
+        meta = client.get_model_metadata(lab.model, as_json=True)
+    return str(max(int(v) for v in meta.get("versions", []))), meta
 
 
 def _grade_client(fn: Any, protocol: str) -> str:
     lab = _lab()
     url = host_port(lab.server.grpc_url if protocol == "grpc" else lab.server.http_url)
-    real = _grpc_client(lab)
-    try:
-        version = _served_version(lab, real)
-        features = int(real.get_model_metadata(lab.model, as_json=True)["inputs"][0]["shape"][-1])
-    finally:
-        real.close()
+    version, meta = _served_version(lab)
+    features = int(meta["inputs"][0]["shape"][-1])
     reference = _numpy_mlp(lab.repo / lab.model / version)
     rng = np.random.default_rng()  # inputs drawn afresh at every check: no answer can be prepared for them
     name = getattr(fn, "__name__", f"{protocol}_infer")
@@ -957,11 +955,7 @@ def _grade_stats(fn: Any) -> str:
         return (f"on the fixed response (avg_batch {got_batch:.2f}, queue {got_queue:,.0f} µs) and on one with "
                 "numbers drawn at random.")
     lab = _BOUND[0]
-    real = _grpc_client(lab)
-    try:
-        version = _served_version(lab, real)
-    finally:
-        real.close()
+    version, _ = _served_version(lab)
     url = f"{lab.server.http_url.rstrip('/')}/v2/models/{lab.model}/versions/{version}/stats"
     with urllib.request.urlopen(url, timeout=10) as resp:
         live = json.loads(resp.read())

@@ -36,10 +36,6 @@ H200_RIDGE = lab01.H200_RIDGE  # FLOP/byte: dense bf16 peak / HBM bandwidth, ~20
 GIB = 2**30
 
 
-def _rng() -> random.Random:
-    return random.Random()
-
-
 def _close(a: float, b: float, rel: float = 1e-6) -> bool:
     return math.isclose(a, b, rel_tol=rel, abs_tol=1e-12)
 
@@ -68,12 +64,8 @@ def _shapes(rng: random.Random, n: int = 5) -> list[tuple[int, int, int, int]]:
     return out
 
 
-def _same_ratio(ratios: list[float], target: float) -> bool:
-    return all(math.isclose(r, target, rel_tol=1e-6) for r in ratios)
-
-
 def _grade_kv_bytes(fn: Any) -> str:
-    shapes = _shapes(_rng())
+    shapes = _shapes(random.Random())
     got, want = [], []
     for layers, kvh, hd, nb in shapes:
         call = f"kv_bytes_per_token(layers={layers}, kv_heads={kvh}, head_dim={hd}, dtype_bytes={nb})"
@@ -94,7 +86,7 @@ def _grade_kv_bytes(fn: Any) -> str:
         1e-6: "that is MB: return bytes.",
     }
     for r, msg in slips.items():
-        if _same_ratio(ratios, r):
+        if all(math.isclose(x, r, rel_tol=1e-6) for x in ratios):
             raise Wrong(msg)
     if all(math.isclose(g * s[0], w, rel_tol=1e-6) for g, w, s in zip(got, want, shapes, strict=True)):
         raise Wrong("one layer's worth: every layer keeps its own keys and values (multiply by layers).")
@@ -210,7 +202,7 @@ def _seq_cases(rng: random.Random) -> list[tuple[float, float, int, int, float]]
 
 
 def _grade_max_sequences(fn: Any) -> str:
-    for mem, w, seq, kv, reserve in _seq_cases(_rng()):
+    for mem, w, seq, kv, reserve in _seq_cases(random.Random()):
         call = (f"max_sequences(gpu_mem_gb={mem}, weights_gb={w}, seq_len={seq}, kv_bytes_per_token={kv}, "
                 f"reserve_frac={reserve})")
         raw = run_student(fn, mem, w, seq, kv, reserve, call=call, timeout_s=10)
@@ -277,7 +269,7 @@ def _pair(value: Any, call: str) -> tuple[float, float]:
 
 
 def _grade_kv_waste(fn: Any) -> str:
-    rng = _rng()
+    rng = random.Random()
     for _ in range(3):
         lengths, max_len, block = _waste_case(rng)
         call = f"kv_waste(lengths=<{len(lengths)} lengths>, max_len={max_len}, block={block})"
@@ -353,7 +345,7 @@ def _close_t(a: Any, b: torch.Tensor) -> bool:
 
 
 def _grade_decode_attention(fn: Any) -> str:
-    rng = _rng()
+    rng = random.Random()
     gen = torch.Generator().manual_seed(rng.randrange(2**31))
     for b, h, kvh, hd, max_len, pos in _attn_cases(rng):
         k_cache = torch.zeros(b, kvh, max_len, hd)
@@ -450,7 +442,7 @@ def _timing_case(rng: random.Random) -> tuple[dict[int, float], dict[int, float]
 
 
 def _grade_ttft_tpot(fn: Any) -> str:
-    rng = _rng()
+    rng = random.Random()
     for _ in range(3):
         prefill, decode, b, n = _timing_case(rng)
         call = f"ttft_tpot(prefill_ms, decode_ms, batch={b}, new_tokens={n})"
