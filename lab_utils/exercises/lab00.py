@@ -77,9 +77,7 @@ def _grade_layers(value: Any) -> None:
 
 
 q1 = Exercise(
-    name="00.1 layers of the stack",
-    var="layers",
-    grade=_grade_layers,
+    name="00.1 layers of the stack", var="layers", grade=_grade_layers,
     hints=[
         f"Make a dict with every component of COMPONENTS as a key and one of LAYERS as its value: {LAYERS}.",
         "Bottom up: the driver (kernel module, libcuda, NVML tools) -> the CUDA runtime (libcudart) -> "
@@ -173,9 +171,7 @@ def _grade_cuda_ceiling(fn: Any) -> str:
 
 
 q2 = CodeExercise(
-    name="00.2 the CUDA ceiling from nvidia-smi",
-    var="cuda_ceiling",
-    grade=_grade_cuda_ceiling,
+    name="00.2 the CUDA ceiling from nvidia-smi", var="cuda_ceiling", grade=_grade_cuda_ceiling,
     signature="cuda_ceiling(smi_text) -> str",
     hints=[
         "The banner's first line holds three fields: 'NVIDIA-SMI', 'Driver Version' and 'CUDA Version'. Only "
@@ -415,8 +411,7 @@ class InventoryExercise(CodeExercise):
 
 
 q3 = InventoryExercise(
-    name="00.3 GPU inventory",
-    var="nvml_inventory / smi_inventory",
+    name="00.3 GPU inventory", var="nvml_inventory / smi_inventory",
     grade=lambda value: None,  # the two graders above do the work; see InventoryExercise.check
     signature="nvml_inventory() -> list[dict], or smi_inventory(query_csv, smi_text) -> list[dict]",
     hints=[
@@ -464,9 +459,7 @@ q3 = InventoryExercise(
 _MIB = 143771  # memory.total [MiB] in query-gpu.csv
 _GIB = _MIB / 1024  # 140.40 GiB; = 150.75 GB of 1e9 bytes. The datasheet's 141 GB is 141e9 bytes (131.3 GiB).
 _q4_close = close_to(
-    _GIB,
-    rel=0.01,
-    reveal=False,
+    _GIB, rel=0.01, reveal=False,
     why="Take memory.total from query-gpu.csv (in MiB) and convert to GiB.",
     slips={
         1024.0: "that is the value in MiB, the CSV's unit; 1 GiB = 1024 MiB.",
@@ -489,9 +482,7 @@ def _grade_q4(value: Any) -> None:
 
 
 q4 = Exercise(
-    name="00.4 H200 memory in GiB",
-    var="memory_gib",
-    grade=_grade_q4,
+    name="00.4 H200 memory in GiB", var="memory_gib", grade=_grade_q4,
     hints=[
         "Open lab_utils/data/h200/query-gpu.csv; the header names each column's unit.",
         "memory.total is given in MiB (2**20 bytes). A GiB is 2**30 bytes, i.e. 1024 MiB.",
@@ -641,9 +632,7 @@ def _grade_verdict(fn: Any) -> str:
 
 
 q5 = CodeExercise(
-    name="00.5 the compatibility verdict",
-    var="cuda_verdict",
-    grade=_grade_verdict,
+    name="00.5 the compatibility verdict", var="cuda_verdict", grade=_grade_verdict,
     signature="cuda_verdict(driver_ceiling, runtime, datacenter_gpu) -> str",
     hints=[
         "Three questions in order: is the runtime at most the ceiling? If not, is it the same major version? If "
@@ -685,9 +674,7 @@ def _grade_nvlinks(value: Any) -> None:
 
 
 q6 = Exercise(
-    name="00.6 NVLinks between GPU0 and GPU1",
-    var="nvlinks",
-    grade=_grade_nvlinks,
+    name="00.6 NVLinks between GPU0 and GPU1", var="nvlinks", grade=_grade_nvlinks,
     hints=[
         "Open lab_utils/data/h200/topo-x2.txt (the output of `nvidia-smi topo -m` on two H200s).",
         "Find row GPU0, column GPU1. The legend at the bottom explains the code you find there.",

@@ -347,9 +347,7 @@ def _grade_time_ms(fn: Any) -> str:
 
 
 q1 = CodeExercise(
-    name="01.1 the timing loop",
-    var="time_ms",
-    grade=_grade_time_ms,
+    name="01.1 the timing loop", var="time_ms", grade=_grade_time_ms,
     signature="time_ms(fn, iters, warmup, sync) -> float",
     hints=[
         "fn() returns as soon as its work is queued, long before it is done (on a GPU, and on the simulated "
@@ -492,9 +490,7 @@ def _grade_matmul_tflops(fn: Any) -> str:
 
 
 q2 = CodeExercise(
-    name="01.2 TFLOP/s from your timing",
-    var="matmul_tflops",
-    grade=_grade_matmul_tflops,
+    name="01.2 TFLOP/s from your timing", var="matmul_tflops", grade=_grade_matmul_tflops,
     signature="matmul_tflops(n, device, timer) -> float",
     hints=[
         "Make two random n×n float32 tensors on `device` first; time only the multiply: ms = timer(lambda: a @ b).",
@@ -557,9 +553,7 @@ def _grade_copy_gbps(fn: Any) -> str:
 
 
 q3 = CodeExercise(
-    name="01.3 copy bandwidth",
-    var="copy_gbps",
-    grade=_grade_copy_gbps,
+    name="01.3 copy bandwidth", var="copy_gbps", grade=_grade_copy_gbps,
     signature="copy_gbps(nbytes, device, timer) -> float",
     hints=[
         "Make src (random) and dst (empty, same shape) once, each holding nbytes bytes: nbytes // 4 float32 "
@@ -576,12 +570,9 @@ _SAXPY_INTENSITY = 2 / 12  # FLOP/byte: a multiply and an add per element; read 
 H200_RIDGE = specs.ridge_point(specs.H200_SXM.bf16_tflops, specs.H200_SXM.hbm_tbps)  # FLOP/byte, ~206 (datasheet)
 
 q4 = Exercise(
-    name="01.4 arithmetic intensity of saxpy",
-    var="saxpy_intensity",
+    name="01.4 arithmetic intensity of saxpy", var="saxpy_intensity",
     grade=close_to(
-        _SAXPY_INTENSITY,
-        rel=0.05,
-        reveal=False,
+        _SAXPY_INTENSITY, rel=0.05, reveal=False,
         why="Intensity = FLOPs / bytes moved to and from memory, per element of y = a*x + y in fp32.",
         slips={
             1.5: "the write counts too: y is read and written back, so 3 fp32 values move per element.",
@@ -596,18 +587,13 @@ q4 = Exercise(
         "2 FLOPs (multiply, add). x and y are read, y is written: 3 values of fp32, 4 bytes each.",
         "saxpy_intensity = 2 / (3 * 4) FLOP/byte.",
     ],
-    solution_text=(
-        "saxpy_intensity = 2 / (3 * 4)   # 0.167 FLOP/byte: 2 FLOPs; read x, read y, write y, 4 bytes each"
-    ),
+    solution_text="saxpy_intensity = 2 / (3 * 4)   # 0.167 FLOP/byte: 2 FLOPs; read x, read y, write y, 4 bytes each",
 )
 
 q5 = Exercise(
-    name="01.5 roofline ridge of the H200",
-    var="ridge_flop_per_byte",
+    name="01.5 roofline ridge of the H200", var="ridge_flop_per_byte",
     grade=close_to(
-        H200_RIDGE,
-        rel=0.02,
-        reveal=False,
+        H200_RIDGE, rel=0.02, reveal=False,
         why="Ridge = peak FLOP/s / bandwidth in bytes/s, for dense bf16 on the H200 datasheet.",
         slips={
             1e-3: "a units slip (factor 1000): TFLOP/s is 1e12 FLOP/s and TB/s is 1e12 bytes/s, so divide "
@@ -626,9 +612,7 @@ q5 = Exercise(
         "H200 datasheet: 989 TFLOP/s dense bf16 (tensor cores), 4.8 TB/s HBM3e.",
         "ridge_flop_per_byte = 989e12 / 4.8e12.",
     ],
-    solution_text=(
-        "ridge_flop_per_byte = 989e12 / 4.8e12   # ~206 FLOP/byte: ops below it are memory-bound"
-    ),
+    solution_text="ridge_flop_per_byte = 989e12 / 4.8e12   # ~206 FLOP/byte: ops below it are memory-bound",
 )
 
 
@@ -648,9 +632,7 @@ def _grade_bound(value: Any) -> None:
 
 
 q6 = Exercise(
-    name="01.6 saxpy: memory- or compute-bound",
-    var="saxpy_bound",
-    grade=_grade_bound,
+    name="01.6 saxpy: memory- or compute-bound", var="saxpy_bound", grade=_grade_bound,
     hints=[
         "Compare the op's arithmetic intensity (01.4) with the GPU's ridge point: peak FLOP/s divided by "
         "memory bandwidth.",
@@ -658,9 +640,7 @@ q6 = Exercise(
         "the chip has.",
         "0.17 FLOP/byte is more than a thousand times below the ridge: answer \"memory\" or \"compute\".",
     ],
-    solution_text=(
-        'saxpy_bound = "memory"   # 0.17 FLOP/byte << ~206 FLOP/byte: time = bytes / bandwidth'
-    ),
+    solution_text='saxpy_bound = "memory"   # 0.17 FLOP/byte << ~206 FLOP/byte: time = bytes / bandwidth',
 )
 
 # --- q7: a CUDA graph ------------------------------------------------------------------------------------
@@ -758,11 +738,8 @@ def _grade_replay_with_graph(fn: Any) -> str:
 
 
 q7 = CodeExercise(
-    name="01.7 capture and replay a CUDA graph",
-    var="replay_with_graph",
-    grade=_grade_replay_with_graph,
-    signature="replay_with_graph(chain, static_x, xs) -> list[Tensor]",
-    applicable=graph_unavailable,
+    name="01.7 capture and replay a CUDA graph", var="replay_with_graph", grade=_grade_replay_with_graph,
+    signature="replay_with_graph(chain, static_x, xs) -> list[Tensor]", applicable=graph_unavailable,
     hints=[
         "A graph records the kernels of one call, on fixed memory: capture chain(static_x) once, inside "
         "`with torch.cuda.graph(g):` (g = torch.cuda.CUDAGraph()); keep what it returns (static_y).",

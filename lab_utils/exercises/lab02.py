@@ -302,9 +302,7 @@ def _grade_busbw_factor(fn: Any) -> None:
 
 
 q1 = CodeExercise(
-    name="02.1 busbw factor per collective",
-    var="busbw_factor",
-    grade=_grade_busbw_factor,
+    name="02.1 busbw factor per collective", var="busbw_factor", grade=_grade_busbw_factor,
     signature="busbw_factor(collective, n) -> float",
     hints=[
         "busbw = algbw × factor: the factor turns 'bytes of the buffer per second' into 'bytes over the "
@@ -642,11 +640,8 @@ def _grade_allreduce_bench(fn: Any, backend: str | None = None, nprocs: int | No
 
 
 q2 = CodeExercise(
-    name="02.2 the all-reduce benchmark worker",
-    var="allreduce_bench",
-    grade=_grade_allreduce_bench,
-    signature="allreduce_bench(ctx, sizes_bytes, iters, warmup) -> list[dict]",
-    applicable=_no_distributed,
+    name="02.2 the all-reduce benchmark worker", var="allreduce_bench", grade=_grade_allreduce_bench,
+    signature="allreduce_bench(ctx, sizes_bytes, iters, warmup) -> list[dict]", applicable=_no_distributed,
     hints=[
         "Per size: a buffer of `size` bytes on ctx.device (fp32: size // 4 elements); `warmup` untimed "
         "dist.all_reduce calls; then time `iters` calls. Return one dict per size: size_bytes, time_ms (per "
@@ -674,12 +669,9 @@ _GRAD_MS = _GRAD_BYTES * _GRAD_FACTOR / (GRAD_BUSBW_GBPS * 1e9) * 1e3  # 3.603 m
 
 _GIB = 2**30 / 1e9
 q3 = Exercise(
-    name="02.3 all-reduce time for the gradients",
-    var="allreduce_ms",
+    name="02.3 all-reduce time for the gradients", var="allreduce_ms",
     grade=close_to(
-        _GRAD_MS,
-        rel=0.02,
-        reveal=False,
+        _GRAD_MS, rel=0.02, reveal=False,
         why=f"t = S × 2(n-1)/n / busbw, with S the gradient bytes on one rank, n = {GRAD_RANKS}, busbw in "
             "bytes/s; answer in milliseconds.",
         slips={
@@ -804,9 +796,7 @@ def _socket_ifname_matches(setting: str) -> list[str]:
 
 
 q4 = Exercise(
-    name="02.4 NCCL variable for a hang at init",
-    var="nccl_env_var",
-    grade=_grade_nccl_var,
+    name="02.4 NCCL variable for a hang at init", var="nccl_env_var", grade=_grade_nccl_var,
     hints=[
         "The hang is at init, before any collective: the ranks cannot reach each other. Algorithms and "
         "protocols do not run yet.",
@@ -890,9 +880,7 @@ def _grade_missing_fix(value: Any) -> None:
 
 
 q5 = Exercise(
-    name="02.5 the bug in a DDP loop",
-    var="missing_fix",
-    grade=_grade_missing_fix,
+    name="02.5 the bug in a DDP loop", var="missing_fix", grade=_grade_missing_fix,
     hints=[
         "Each of BUG_CHOICES is a real DDP pitfall, but this loop has exactly one. Read it for what should "
         "change from one epoch to the next.",
@@ -1289,9 +1277,7 @@ def reference_ddp_run(nprocs: int | None = None, backend: str | None = None) -> 
 
 
 q6 = CodeExercise(
-    name="02.6 DDP training: setup and step",
-    var="train_ddp",
-    grade=_grade_train_ddp,
+    name="02.6 DDP training: setup and step", var="train_ddp", grade=_grade_train_ddp,
     signature="train_ddp(train_set, make_model, epochs, batch_size, lr, checkpoint_path) -> None",
     applicable=_no_distributed,
     hints=[
@@ -1398,11 +1384,8 @@ def _grade_global_accuracy(fn: Any, backend: str | None = None, nprocs: int | No
 
 
 q7 = CodeExercise(
-    name="02.7 a metric over all ranks",
-    var="global_accuracy",
-    grade=_grade_global_accuracy,
-    signature="global_accuracy(ctx, correct, seen) -> float",
-    applicable=_no_distributed,
+    name="02.7 a metric over all ranks", var="global_accuracy", grade=_grade_global_accuracy,
+    signature="global_accuracy(ctx, correct, seen) -> float", applicable=_no_distributed,
     hints=[
         "The accuracy over all samples is all correct predictions over all samples seen, on every rank. The "
         "shards differ in size, so the mean of the ranks' accuracies is not it.",

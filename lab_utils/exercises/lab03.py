@@ -197,9 +197,7 @@ def _grade_export(fn: Any) -> str:
 
 
 q1 = CodeExercise(
-    name="03.1 export with a dynamic batch",
-    var="export_dynamic",
-    grade=_grade_export,
+    name="03.1 export with a dynamic batch", var="export_dynamic", grade=_grade_export,
     signature="export_dynamic(model, path, example) -> None",
     hints=[
         "Three things make an export servable: the model in inference mode (model.eval()), the batch dimension "
@@ -307,9 +305,7 @@ def _fastest_session_run(session: Any, feed: dict, timing: Any) -> float:
 
 
 q2 = CodeExercise(
-    name="03.2 an ONNX Runtime session, timed",
-    var="ort_timed",
-    grade=_grade_ort,
+    name="03.2 an ONNX Runtime session, timed", var="ort_timed", grade=_grade_ort,
     signature="ort_timed(onnx_path, x, level) -> (session, timing)",
     hints=[
         "Options go in an ort.SessionOptions: graph_optimization_level (the names are in ex.ORT_LEVELS) and "
@@ -449,11 +445,8 @@ def _grade_quantize(fn: Any) -> str:
 
 
 q3 = CodeExercise(
-    name="03.3 INT8 with ModelOpt",
-    var="quantize_int8",
-    grade=_grade_quantize,
-    signature="quantize_int8(onnx_path, out_path, x_train) -> None",
-    applicable=_modelopt_missing,
+    name="03.3 INT8 with ModelOpt", var="quantize_int8", grade=_grade_quantize,
+    signature="quantize_int8(onnx_path, out_path, x_train) -> None", applicable=_modelopt_missing,
     hints=[
         "modelopt.onnx.quantization.quantize(onnx_path, quantize_mode=..., calibration_data=..., "
         "output_path=...) writes a new ONNX file with Q/DQ pairs; calibration_data is a numpy array shaped like "
@@ -510,9 +503,7 @@ def _grade_precision(value: Any) -> None:
 
 
 q4 = Exercise(
-    name="03.4 pick the precision for an accuracy budget",
-    var="precision",
-    grade=_grade_precision,
+    name="03.4 pick the precision for an accuracy budget", var="precision", grade=_grade_precision,
     hints=[
         "First drop every precision that loses more than PRECISION_BUDGET_POINTS of accuracy; then compare speed.",
         "Of fp32, fp16 and int8 (within budget), which has the highest images_per_s?",
@@ -538,12 +529,9 @@ _SERVE_MIN = IMAGES_PER_DAY * RETRAIN_DAYS / FP16_IMAGES_PER_S / 60  # 93.3 GPU-
 _SPEEDUP = 1 / (1 - CALIBRATION_GPU_MIN / _SERVE_MIN)  # 1.4737
 
 q5 = Exercise(
-    name="03.5 the speedup that pays for calibration",
-    var="breakeven_speedup",
+    name="03.5 the speedup that pays for calibration", var="breakeven_speedup",
     grade=close_to(
-        _SPEEDUP,
-        rel=0.01,
-        reveal=False,
+        _SPEEDUP, rel=0.01, reveal=False,
         why="INT8 saves T·(1 - 1/s) GPU-minutes over the model's life, T being the FP16 serving time; it must "
             "save at least the calibration's cost.",
         slips={
@@ -655,9 +643,7 @@ def _grade_trt(fn: Any) -> str:
 
 
 q6 = CodeExercise(
-    name="03.6 the TensorRT builder",
-    var="trt_build_and_run",
-    grade=_grade_trt,
+    name="03.6 the TensorRT builder", var="trt_build_and_run", grade=_grade_trt,
     signature="trt_build_and_run(onnx_path, batches) -> list of outputs",
     hints=[
         "Build: trt.Logger -> trt.Builder -> builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag."
@@ -769,9 +755,7 @@ def _grade_runnable(value: Any) -> None:
 
 
 q7 = Exercise(
-    name="03.7 read an optimization profile",
-    var="runnable",
-    grade=_grade_runnable,
+    name="03.7 read an optimization profile", var="runnable", grade=_grade_runnable,
     hints=[
         "An engine built with a profile accepts an input when every dimension lies between the profile's min "
         "and max, both included. opt only says which shape the kernels were tuned for.",
@@ -835,9 +819,7 @@ def _grade_batch(value: Any) -> None:
 
 
 q8 = Exercise(
-    name="03.8 a p95 latency target -> batch size",
-    var="max_batch",
-    grade=_grade_batch,
+    name="03.8 a p95 latency target -> batch size", var="max_batch", grade=_grade_batch,
     hints=[
         "The target is a p95, so plan with the p95 execution times. One GPU instance runs one batch at a time.",
         "The worst case: a request arrives just after a batch has started. It waits for that batch to finish "

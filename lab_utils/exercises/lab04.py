@@ -412,11 +412,8 @@ def _grade_deploy(fn: Any) -> str:
 
 
 q2 = CodeExercise(
-    name="04.2 deploy and wait until ready",
-    var="deploy_model",
-    grade=_grade_deploy,
-    signature="deploy_model(client, name, config, timeout_s) -> None",
-    applicable=_no_server,
+    name="04.2 deploy and wait until ready", var="deploy_model", grade=_grade_deploy,
+    signature="deploy_model(client, name, config, timeout_s) -> None", applicable=_no_server,
     hints=(
         "Two steps: a load request carrying the configuration (explicit model-control mode serves nothing until "
         "asked), then asking the server whether the model is ready until it is, or until a deadline.",
@@ -503,11 +500,8 @@ def _grade_client(fn: Any, protocol: str) -> str:
 
 
 q3 = CodeExercise(
-    name="04.3 a gRPC request by hand",
-    var="grpc_infer",
-    grade=lambda fn: _grade_client(fn, "grpc"),
-    signature="grpc_infer(url, model, x) -> np.ndarray",
-    applicable=_no_server,
+    name="04.3 a gRPC request by hand", var="grpc_infer", grade=lambda fn: _grade_client(fn, "grpc"),
+    signature="grpc_infer(url, model, x) -> np.ndarray", applicable=_no_server,
     hints=(
         "tritonclient.grpc: a client for the URL, one InferInput per input (name, shape, datatype) filled from the "
         "array, the outputs you want, then client.infer(model, inputs, outputs=...).",
@@ -527,11 +521,8 @@ q3 = CodeExercise(
 )
 
 q4 = CodeExercise(
-    name="04.4 an HTTP request by hand",
-    var="http_infer",
-    grade=lambda fn: _grade_client(fn, "http"),
-    signature="http_infer(url, model, x) -> np.ndarray",
-    applicable=_no_server,
+    name="04.4 an HTTP request by hand", var="http_infer", grade=lambda fn: _grade_client(fn, "http"),
+    signature="http_infer(url, model, x) -> np.ndarray", applicable=_no_server,
     hints=(
         "tritonclient.http has the same classes as tritonclient.grpc; the URL is the HTTP endpoint's host:port.",
         "Over HTTP a tensor travels as JSON numbers unless asked otherwise: set_data_from_numpy(x, binary_data=True) "
@@ -743,11 +734,8 @@ def _grade_execute(fn: Any) -> str:
 
 
 q6 = CodeExercise(
-    name="04.6 execute for a dynamic batch",
-    var="execute",
-    grade=_grade_execute,
-    signature="execute(self, requests) -> list of pb_utils.InferenceResponse",
-    applicable=_no_server,
+    name="04.6 execute for a dynamic batch", var="execute", grade=_grade_execute,
+    signature="execute(self, requests) -> list of pb_utils.InferenceResponse", applicable=_no_server,
     hints=(
         "`requests` holds every request of one batch; each carries its own number of rows. Gather their inputs, run "
         "self.model ONCE on all rows, then give each request its own slice, in order.",
@@ -973,9 +961,7 @@ def _grade_stats(fn: Any) -> str:
 
 
 q8 = CodeExercise(
-    name="04.8 average batch and queue time",
-    var="batch_and_queue",
-    grade=_grade_stats,
+    name="04.8 average batch and queue time", var="batch_and_queue", grade=_grade_stats,
     signature="batch_and_queue(stats) -> (avg_batch, queue_us)",
     hints=(
         "stats['model_stats'][0] holds inference_count (rows served), execution_count (runs of the model) and "

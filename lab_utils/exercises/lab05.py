@@ -381,8 +381,7 @@ _QPS_SLIPS = [
 ]
 
 q1 = PrometheusExercise(
-    name="05.1 QPS in PromQL",
-    var="qps_query",
+    name="05.1 QPS in PromQL", var="qps_query",
     grade=functools.partial(_grade_query, reference=_QPS, mistakes=_QPS_SLIPS, what="the requests per second"),
     hints=[
         "Triton counts successful requests in a counter; a counter only grows, so look at how fast it grows.",
@@ -429,8 +428,7 @@ _LATENCY_SLIPS = [
 ]
 
 q2 = PrometheusExercise(
-    name="05.2 average latency in PromQL",
-    var="latency_query",
+    name="05.2 average latency in PromQL", var="latency_query",
     grade=functools.partial(_grade_query, reference=_LATENCY, mistakes=_LATENCY_SLIPS,
                             what="the average latency in ms"),
     hints=[
@@ -490,9 +488,7 @@ def _grade_thresholds(value: Any) -> None:
 
 
 q3 = Exercise(
-    name="05.3 alert thresholds from a baseline",
-    var="thresholds",
-    grade=_grade_thresholds,
+    name="05.3 alert thresholds from a baseline", var="thresholds", grade=_grade_thresholds,
     hints=[
         "An alert threshold sits between normal and broken: above everything a healthy hour shows, below "
         "what an incident shows.",
@@ -815,11 +811,8 @@ def _grade_alert_rule(value: Any) -> str:
 
 
 q4 = PrometheusExercise(
-    name="05.4 an alert rule, tested by promtool",
-    tools=("promtool",),
-    graded_by="promtool grades this rule",
-    var="alert_rule",
-    grade=_grade_alert_rule,
+    name="05.4 an alert rule, tested by promtool", var="alert_rule", grade=_grade_alert_rule,
+    tools=("promtool",), graded_by="promtool grades this rule",
     hints=[
         "An alerting rule has `alert:` (its name), `expr:` (PromQL returning the series in trouble: a comparison "
         "keeps the series for which it holds), `for:` (how long it must hold before the alert fires) and "
@@ -1131,9 +1124,7 @@ def _grade_watchdog(fn: Callable[..., Any]) -> str:
 
 
 q5 = CodeExercise(
-    name="05.5 a watchdog, tested against a real Triton",
-    var="watchdog",
-    grade=_grade_watchdog,
+    name="05.5 a watchdog, tested against a real Triton", var="watchdog", grade=_grade_watchdog,
     signature="watchdog(server, stop, poll_s, timeout_s, failures, backoff_s, max_backoff_s) -> None",
     applicable=_server_unavailable,
     hints=[
@@ -1234,9 +1225,7 @@ def _grade_snapshot(value: Any) -> None:
 
 
 q6 = Exercise(
-    name="05.6 read a metrics snapshot",
-    var="snapshot",
-    grade=_grade_snapshot,
+    name="05.6 read a metrics snapshot", var="snapshot", grade=_grade_snapshot,
     hints=[
         "Counters mean something only as differences: subtract SNAPSHOT_BEFORE's value from SNAPSHOT_AFTER's "
         "(prometheus.parse_exposition reads the text for you).",
@@ -1300,9 +1289,7 @@ def _grade_bottleneck(value: Any) -> None:
 
 
 q7 = Exercise(
-    name="05.7 find the bottleneck",
-    var="bottleneck",
-    grade=_grade_bottleneck,
+    name="05.7 find the bottleneck", var="bottleneck", grade=_grade_bottleneck,
     hints=[
         "Split each model's time: queue_ms + compute ≈ the server's request time; the client's latency adds "
         "what happens outside the server.",

@@ -169,9 +169,7 @@ def _grade_profile_steps(fn: Any) -> str:
 
 
 q1 = CodeExercise(
-    name="06.1 a trace by hand",
-    var="profile_steps",
-    grade=_grade_profile_steps,
+    name="06.1 a trace by hand", var="profile_steps", grade=_grade_profile_steps,
     signature="profile_steps(step, trace_path) -> None",
     hints=[
         "with torch.profiler.profile(activities=[...], schedule=torch.profiler.schedule(wait=1, warmup=1, "
@@ -270,9 +268,7 @@ def _grade_busy(fn: Any) -> str:
 
 
 q2 = CodeExercise(
-    name="06.2 GPU busy fraction",
-    var="gpu_busy_fraction",
-    grade=_grade_busy,
+    name="06.2 GPU busy fraction", var="gpu_busy_fraction", grade=_grade_busy,
     signature="gpu_busy_fraction(trace) -> float",
     hints=[
         "Kernels are the events with cat == 'kernel' (ts and dur in µs); the steps are the 'user_annotation' "
@@ -358,9 +354,7 @@ def _grade_loader(fn: Any) -> str:
 
 
 q3 = CodeExercise(
-    name="06.3 fix the data loading",
-    var="make_loader",
-    grade=_grade_loader,
+    name="06.3 fix the data loading", var="make_loader", grade=_grade_loader,
     signature="make_loader(dataset, batch_size, device) -> DataLoader",
     hints=[
         "torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True, ...): which arguments move the "
@@ -463,9 +457,7 @@ def reference_last_losses(batches: Sequence[tuple[torch.Tensor, torch.Tensor]], 
 
 
 q4 = CodeExercise(
-    name="06.4 no host sync per step",
-    var="train_loop",
-    grade=_grade_train_loop,
+    name="06.4 no host sync per step", var="train_loop", grade=_grade_train_loop,
     signature="train_loop(model, opt, batches, log_every) -> list[float]",
     hints=[
         "loss.item() (and float(loss), print(loss), if loss > x:) copies a value to the host: the CPU waits for "
@@ -511,9 +503,7 @@ def _grade_diagnosis(value: Any) -> None:
 
 
 q5 = Exercise(
-    name="06.5 diagnose four traces",
-    var="diagnosis",
-    grade=_grade_diagnosis,
+    name="06.5 diagnose four traces", var="diagnosis", grade=_grade_diagnosis,
     hints=[
         "data_wait is the share of the step spent in the DataLoader's next(); syncs_per_step counts host calls "
         "that wait for the GPU; a launch-bound step has many kernels of a few µs and a low busy fraction.",
@@ -542,9 +532,7 @@ def _grade_bound(value: Any) -> None:
 
 
 q6 = Exercise(
-    name="06.6 read ncu's Speed of Light",
-    var="kernel_bound",
-    grade=_grade_bound,
+    name="06.6 read ncu's Speed of Light", var="kernel_bound", grade=_grade_bound,
     hints=[
         "Speed of Light gives percentages of the hardware's peak: Compute (SM) Throughput, Memory Throughput (the "
         "busiest memory unit: L1/shared, L2 or DRAM) and DRAM Throughput. HBM-bound means DRAM near its peak.",

@@ -100,9 +100,7 @@ def _grade_kv_bytes(fn: Any) -> str:
 
 
 q1 = CodeExercise(
-    name="09.1 KV cache bytes per token",
-    var="kv_bytes_per_token",
-    grade=_grade_kv_bytes,
+    name="09.1 KV cache bytes per token", var="kv_bytes_per_token", grade=_grade_kv_bytes,
     signature="kv_bytes_per_token(layers, kv_heads, head_dim, dtype_bytes) -> int",
     hints=[
         "Each new token leaves, in every layer, one key vector and one value vector per KV head.",
@@ -138,9 +136,7 @@ def _grade_q2(value: Any) -> None:
 
 
 q2 = Exercise(
-    name="09.2 KV cache of one Llama-3.1-70B sequence",
-    var="kv_gb_70b",
-    grade=_grade_q2,
+    name="09.2 KV cache of one Llama-3.1-70B sequence", var="kv_gb_70b", grade=_grade_q2,
     hints=[
         "Your kv_bytes_per_token with Llama-3.1-70B's shape, times the sequence length.",
         "80 layers, 8 KV heads (64 query heads share them: GQA), head_dim 128, bf16 = 2 bytes; 8192 tokens.",
@@ -228,9 +224,7 @@ def _grade_max_sequences(fn: Any) -> str:
 
 
 q3 = CodeExercise(
-    name="09.3 sequences that fit beside the weights",
-    var="max_sequences",
-    grade=_grade_max_sequences,
+    name="09.3 sequences that fit beside the weights", var="max_sequences", grade=_grade_max_sequences,
     signature="max_sequences(gpu_mem_gb, weights_gb, seq_len, kv_bytes_per_token, reserve_frac) -> int",
     hints=[
         "Keep reserve_frac of the GPU's memory back, load the weights, and give the rest to the KV cache.",
@@ -305,9 +299,7 @@ def _grade_kv_waste(fn: Any) -> str:
 
 
 q4 = CodeExercise(
-    name="09.4 KV memory wasted: contiguous against paged",
-    var="kv_waste",
-    grade=_grade_kv_waste,
+    name="09.4 KV memory wasted: contiguous against paged", var="kv_waste", grade=_grade_kv_waste,
     signature="kv_waste(lengths, max_len, block) -> (contiguous_waste, paged_waste)",
     hints=[
         "Used slots: sum(lengths). A contiguous cache reserves max_len slots for every sequence; a paged one only "
@@ -405,9 +397,7 @@ def _grade_decode_attention(fn: Any) -> str:
 
 
 q5 = CodeExercise(
-    name="09.5 one decode step with a KV cache",
-    var="decode_attention",
-    grade=_grade_decode_attention,
+    name="09.5 one decode step with a KV cache", var="decode_attention", grade=_grade_decode_attention,
     signature="decode_attention(q, k_new, v_new, k_cache, v_cache, pos) -> Tensor",
     hints=[
         "First the cache: the new token's key and value go in at index pos (k_cache[:, :, pos] = k_new[:, :, 0]); "
@@ -486,9 +476,7 @@ def _grade_ttft_tpot(fn: Any) -> str:
 
 
 q8 = CodeExercise(
-    name="09.8 TTFT, TPOT and tokens/s of a batch",
-    var="ttft_tpot",
-    grade=_grade_ttft_tpot,
+    name="09.8 TTFT, TPOT and tokens/s of a batch", var="ttft_tpot", grade=_grade_ttft_tpot,
     signature="ttft_tpot(prefill_ms, decode_ms, batch, new_tokens) -> (ttft_ms, tpot_ms, tokens_per_s)",
     hints=[
         "The batch's prompts go through one forward: every request's first token appears when it ends. After that "
@@ -503,8 +491,7 @@ q8 = CodeExercise(
 # --- q6/q7: decode's intensity and the ridge ---------------------------------------------------------------------
 
 q6 = Exercise(
-    name="09.6 arithmetic intensity of a batch-1 decode step",
-    var="decode_flop_per_byte",
+    name="09.6 arithmetic intensity of a batch-1 decode step", var="decode_flop_per_byte",
     grade=close_to(
         1.0, rel=0.05, reveal=False,
         why="Per weight: a multiply-add (FLOPs) for one token, and the weight read once from HBM in bf16 (bytes).",
@@ -524,8 +511,7 @@ q6 = Exercise(
 )
 
 q7 = Exercise(
-    name="09.7 batch at which decode reaches the ridge",
-    var="ridge_batch",
+    name="09.7 batch at which decode reaches the ridge", var="ridge_batch",
     grade=close_to(
         H200_RIDGE, rel=0.05, reveal=False,
         why="At batch B a weight read once serves B tokens: intensity ≈ B FLOP/byte in bf16; set it equal to the "
@@ -590,9 +576,7 @@ def _grade_nim_request(value: Any) -> None:
 
 
 q9 = Exercise(
-    name="09.9 an OpenAI-compatible chat request to a NIM",
-    var="nim_request",
-    grade=_grade_nim_request,
+    name="09.9 an OpenAI-compatible chat request to a NIM", var="nim_request", grade=_grade_nim_request,
     hints=[
         "POST /v1/chat/completions takes a JSON object: model, messages, and generation options.",
         "messages is a list of {\"role\": \"user\", \"content\": ...}; max_tokens is a number; stream a boolean.",
