@@ -278,25 +278,7 @@ q2 = CodeExercise(
         "window, then add up the merged lengths.",
         "return busy_us / (t1 - t0): a fraction, 1.0 when some kernel runs at every instant.",
     ],
-    solution_text=(
-        "def gpu_busy_fraction(trace):\n"
-        "    ev = [e for e in trace['traceEvents'] if e.get('ph') == 'X']\n"
-        "    steps = [e for e in ev if e.get('cat') == 'user_annotation' and e['name'].startswith('ProfilerStep#')]\n"
-        "    kernels = sorted((e['ts'], e['ts'] + e['dur']) for e in ev if e.get('cat') == 'kernel')\n"
-        "    t0 = min(e['ts'] for e in steps)\n"
-        "    t1 = max([e['ts'] + e['dur'] for e in steps] + [b for a, b in kernels if a >= t0])\n"
-        "    busy, cur = 0.0, None\n"
-        "    for a, b in kernels:\n"
-        "        a, b = max(a, t0), min(b, t1)\n"
-        "        if b <= a: continue\n"
-        "        if cur is None or a > cur[1]:\n"
-        "            busy += cur[1] - cur[0] if cur else 0.0\n"
-        "            cur = [a, b]\n"
-        "        else:\n"
-        "            cur[1] = max(cur[1], b)\n"
-        "    busy += cur[1] - cur[0] if cur else 0.0\n"
-        "    return busy / (t1 - t0)"
-    ),
+    solution_text=source_as(reference_gpu_busy_fraction, "gpu_busy_fraction(trace)"),
 )
 
 
