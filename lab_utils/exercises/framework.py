@@ -252,9 +252,10 @@ def _is_students(filename: str) -> bool:
 _TB_LINE = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>.+)$')
 
 
-def student_frame(tb: TracebackType | BaseException | str | None) -> StudentLine | None:
-    """The innermost frame of the student's code in a traceback (an exception, its ``__traceback__``, or the
-    text of a formatted traceback, e.g. from another process); ``None`` when no frame is the student's."""
+def student_frame(tb: TracebackType | BaseException | str | types.FrameType | None) -> StudentLine | None:
+    """The innermost frame of the student's code in a traceback (an exception, its ``__traceback__``, the text of a
+    formatted traceback, e.g. from another process) or a live stack (a thread's frame, e.g. one that ran out of
+    time); ``None`` when no frame is the student's."""
     if isinstance(tb, BaseException):
         tb = tb.__traceback__
     frames: list[StudentLine] = []
@@ -267,20 +268,10 @@ def student_frame(tb: TracebackType | BaseException | str | None) -> StudentLine
                 code = lines[i + 1].strip() if i + 1 < len(lines) and not _TB_LINE.match(lines[i + 1]) else ""
                 frames.append(StudentLine(m["file"], int(m["line"]), m["func"].strip(), code))
     elif tb is not None:
-        for f in traceback.extract_tb(tb):
-            frames.append(StudentLine(f.filename, f.lineno or 0, f.name, (f.line or "").strip()))
+        summary = traceback.extract_stack(tb) if isinstance(tb, types.FrameType) else traceback.extract_tb(tb)
+        frames = [StudentLine(f.filename, f.lineno or 0, f.name, (f.line or "").strip()) for f in summary]
     mine = [f for f in frames if _is_students(f.filename)]
     return mine[-1] if mine else None
-
-
-def _stack_frame(frame: Any) -> StudentLine | None:
-    """The innermost frame of the student's code in a live stack (a thread that ran out of time)."""
-    summary = traceback.extract_stack(frame)
-    mine = [f for f in summary if _is_students(f.filename)]
-    if not mine:
-        return None
-    f = mine[-1]
-    return StudentLine(f.filename, f.lineno or 0, f.name, (f.line or "").strip())
 
 
 def _first_line(err: BaseException, limit: int = 200) -> str:
@@ -383,7 +374,7 @@ def run_student(
         worker.join(timeout_s)
         if worker.is_alive():
             frame = sys._current_frames().get(worker.ident or -1)
-            at = _stack_frame(frame) if frame is not None else None
+            at = student_frame(frame)
             _async_raise(worker, StudentTimeout)
             raise timed_out(at)
         err = box.get("error")

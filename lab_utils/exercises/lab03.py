@@ -93,32 +93,19 @@ def _digits() -> _Digits:
     return _Digits(proto.SerializeToString(), data["x_train"], data["x_test"], data["y_test"], logits)
 
 
-def _source(fn: Callable[..., Any]) -> str | None:
+def _calls(fn: Callable[..., Any], name: str) -> list[ast.Call]:
+    """The calls in ``fn``'s source of a function or method called ``name`` (``InferenceSession``); none when its
+    source cannot be read."""
     try:
-        return textwrap.dedent(inspect.getsource(fn))
+        source = textwrap.dedent(inspect.getsource(fn))
     except (OSError, TypeError):
-        return None
-
-
-def _calls(source: str | None, name: str) -> list[ast.Call]:
-    """The calls in ``source`` of a function or method called ``name`` (``InferenceSession``)."""
-    if not source:
         return []
-    out = []
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Call):
-            f = node.func
-            if (isinstance(f, ast.Name) and f.id == name) or (isinstance(f, ast.Attribute) and f.attr == name):
-                out.append(node)
-    return out
+    return [node for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Call) and (
+        (isinstance(node.func, ast.Name) and node.func.id == name) or getattr(node.func, "attr", None) == name)]
 
 
 # --------------------------------------------------------------------------------------------------
 # 03.1 the export
-
-
-def _opset(proto: Any) -> int | None:
-    return next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), None)
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -152,7 +139,7 @@ def _grade_export(fn: Any) -> str:
             raise Wrong(f"export_dynamic(model, path, example) wrote no file at `path`: pass `path` to "
                         f"torch.onnx.export (its third argument).{program}")
         proto = onnx_lib.load(str(path), load_external_data=False)
-        opset = _opset(proto)
+        opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), None)
         if opset is None or opset < EXPORT_MIN_OPSET:
             raise Wrong(f"the file is opset {opset}: older tutorials' opset_version=11 or 13 (the TorchScript "
                         f"exporter). Export at opset {ONNX_OPSET} or newer: ModelOpt converts older graphs to opset "
@@ -228,8 +215,7 @@ q1 = CodeExercise(
 def _grade_ort(fn: Any) -> str:
     fx = _digits()
     x = fx.x_test[:ORT_BATCH]  # small: a run takes well under a session's creation, so timing one shows
-    source = _source(fn)
-    for node in _calls(source, "InferenceSession"):
+    for node in _calls(fn, "InferenceSession"):
         if len(node.args) < 3 and not any(k.arg == "providers" for k in node.keywords):
             raise Wrong("InferenceSession(...) is created without providers=: it works with the CPU-only "
                         "onnxruntime, but onnxruntime-gpu refuses it (since 1.9 an ONNX Runtime with several "
@@ -564,19 +550,6 @@ q5 = Exercise(
 # 03.6 the TensorRT builder
 
 
-def _trt_status() -> tuple[bool, str]:
-    from lab_utils.inference import tensorrt as trt_engine  # lazy: pulls torch
-
-    return trt_engine.tensorrt_status()
-
-
-def _read_trt_source(fn: Any) -> trt_check.FunctionSource | None:
-    try:
-        return trt_check.function_source(fn)
-    except (OSError, TypeError):
-        return None
-
-
 def _static_trt_findings(src: trt_check.FunctionSource, where: str) -> None:
     removed = trt_check.removed_calls(src.source)
     if removed:
@@ -618,8 +591,13 @@ def _run_trt(fn: Any, why: str) -> str:
 
 
 def _grade_trt(fn: Any) -> str:
-    ok, why = _trt_status()
-    src = _read_trt_source(fn)
+    from lab_utils.inference import tensorrt as trt_engine  # lazy: pulls torch
+
+    ok, why = trt_engine.tensorrt_status()
+    try:
+        src: trt_check.FunctionSource | None = trt_check.function_source(fn)
+    except (OSError, TypeError):
+        src = None
     where = "" if ok else " (your function was read and type-checked, not run: TensorRT cannot run here)"
     if src is not None:
         _static_trt_findings(src, where)

@@ -44,10 +44,10 @@ from lab_utils.exercises.framework import (
     StudentTimeout,
     Wrong,
     _async_raise,
-    _stack_frame,
     is_blank,
     number,
     raised_message,
+    student_frame,
 )
 from lab_utils.monitoring import prometheus
 from lab_utils.procs import free_port, owned_tempdir, temporary_folder
@@ -995,7 +995,7 @@ class _StudentLoop:
 
     def where(self) -> StudentLine | None:
         frame = sys._current_frames().get(self.thread.ident or -1)
-        return _stack_frame(frame) if frame is not None else None
+        return student_frame(frame)
 
     def at(self) -> str:
         line = self.where() if self.thread.is_alive() else self.last_seen

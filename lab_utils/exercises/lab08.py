@@ -653,14 +653,11 @@ def _by_variant(df: Any, key: str) -> dict[str, list[float]]:
     return out
 
 
-def _close(a: float, b: float) -> bool:
-    if math.isnan(a) or math.isnan(b):
-        return math.isnan(a) and math.isnan(b)
-    return math.isclose(a, b, rel_tol=2e-3, abs_tol=1e-9)
-
-
 def _same(got: Mapping[str, list[float]], want: Mapping[str, list[float]]) -> bool:
-    return all(len(got[v]) == 1 and len(want[v]) == 1 and _close(got[v][0], want[v][0]) for v in VARIANTS)
+    def close(a: float, b: float) -> bool:
+        return math.isnan(a) and math.isnan(b) or math.isclose(a, b, rel_tol=2e-3, abs_tol=1e-9)
+
+    return all(len(got[v]) == 1 and len(want[v]) == 1 and close(got[v][0], want[v][0]) for v in VARIANTS)
 
 
 def _grade_queries(fn: Any) -> str:
