@@ -14,7 +14,6 @@ import csv
 import io
 import random
 import re
-import shutil
 import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -126,16 +125,12 @@ def reference_cuda_ceiling(smi_text: str) -> str | None:
 
 
 def _run(cmd: list[str]) -> str | None:
+    """What ``cmd`` printed, or None where it is missing (no nvidia-smi), fails or prints nothing."""
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=False)
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout if out.returncode == 0 and out.stdout.strip() else None
-
-
-def _live_smi() -> str | None:
-    """This machine's ``nvidia-smi`` banner, or None where there is no working nvidia-smi."""
-    return _run(["nvidia-smi"]) if shutil.which("nvidia-smi") else None
 
 
 # (driver, CUDA ceiling) pairs as released drivers report them.
@@ -155,7 +150,7 @@ def _other_banner(smi_text: str, rng: random.Random) -> str:
 def _grade_cuda_ceiling(fn: Any) -> str:
     h200 = probe.capture("nvidia-smi")
     sources = [("the H200 capture", h200), ("another driver's banner", _other_banner(h200, random.Random()))]
-    live = _live_smi()
+    live = _run(["nvidia-smi"])  # this machine's banner, where nvidia-smi works
     if live and reference_cuda_ceiling(live):
         sources.append(("this machine's nvidia-smi", live))
     for where, text in sources:
@@ -247,10 +242,8 @@ def reference_smi_inventory(query_csv: str, smi_text: str) -> list[dict[str, Any
 
 def _smi_query() -> list[dict[str, Any]] | None:
     """This machine's inventory as nvidia-smi reports it (the comparison for ``nvml_inventory``)."""
-    if not shutil.which("nvidia-smi"):
-        return None
     query = _run(["nvidia-smi", "--query-gpu=index,name,memory.total,driver_version", "--format=csv"])
-    banner = _live_smi()
+    banner = _run(["nvidia-smi"])
     if not query or not banner:
         return None
     return reference_smi_inventory(query, banner)
