@@ -1149,14 +1149,12 @@ def _grade_verdict(value: Any) -> str:
     if res is None:
         raise NotApplicable("no A/B result to compare with yet: run the cell that compares the two groups (it calls "
                             "ex.use_ab(result)), then this one again.")
-    if isinstance(value, bool):
-        picked = "real" if value else "not real"
-    else:
-        picked = choice(value, _VERDICTS, _VERDICT_SYNONYMS)
+    picked = ("real" if value else "not real") if isinstance(value, bool) else \
+        choice(value, _VERDICTS, _VERDICT_SYNONYMS)
     if picked is None:
         raise Wrong('answer "real" or "not real" (yes / no)')
     lo, hi = res.boot_low, res.boot_high
-    real = not (lo <= 0 <= hi)
+    real = reference_verdict(res) == "real"
     interval = f"the 95 % interval of B - A is [{lo:+.2%}, {hi:+.2%}] (p = {res.test.p_value:.3g})"
     if picked == "real" and not real:
         raise Wrong(f"{interval}: it contains 0, so no difference at all fits the data as well as the one measured; "
