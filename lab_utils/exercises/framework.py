@@ -12,6 +12,7 @@ Design notes: docs/internals.md#lab_utilsexercisesframeworkpy
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import ctypes
 import dis
@@ -24,6 +25,7 @@ import os
 import re
 import signal
 import sys
+import textwrap
 import threading
 import time
 import traceback
@@ -250,9 +252,10 @@ def _is_students(filename: str) -> bool:
 _TB_LINE = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>.+)$')
 
 
-def student_frame(tb: TracebackType | BaseException | str | None) -> StudentLine | None:
-    """The innermost frame of the student's code in a traceback (an exception, its ``__traceback__``, or the
-    text of a formatted traceback, e.g. from another process); ``None`` when no frame is the student's."""
+def student_frame(tb: TracebackType | BaseException | str | types.FrameType | None) -> StudentLine | None:
+    """The innermost frame of the student's code in a traceback (an exception, its ``__traceback__``, the text of a
+    formatted traceback, e.g. from another process) or a live stack (a thread's frame, e.g. one that ran out of
+    time); ``None`` when no frame is the student's."""
     if isinstance(tb, BaseException):
         tb = tb.__traceback__
     frames: list[StudentLine] = []
@@ -265,20 +268,10 @@ def student_frame(tb: TracebackType | BaseException | str | None) -> StudentLine
                 code = lines[i + 1].strip() if i + 1 < len(lines) and not _TB_LINE.match(lines[i + 1]) else ""
                 frames.append(StudentLine(m["file"], int(m["line"]), m["func"].strip(), code))
     elif tb is not None:
-        for f in traceback.extract_tb(tb):
-            frames.append(StudentLine(f.filename, f.lineno or 0, f.name, (f.line or "").strip()))
+        summary = traceback.extract_stack(tb) if isinstance(tb, types.FrameType) else traceback.extract_tb(tb)
+        frames = [StudentLine(f.filename, f.lineno or 0, f.name, (f.line or "").strip()) for f in summary]
     mine = [f for f in frames if _is_students(f.filename)]
     return mine[-1] if mine else None
-
-
-def _stack_frame(frame: Any) -> StudentLine | None:
-    """The innermost frame of the student's code in a live stack (a thread that ran out of time)."""
-    summary = traceback.extract_stack(frame)
-    mine = [f for f in summary if _is_students(f.filename)]
-    if not mine:
-        return None
-    f = mine[-1]
-    return StudentLine(f.filename, f.lineno or 0, f.name, (f.line or "").strip())
 
 
 def _first_line(err: BaseException, limit: int = 200) -> str:
@@ -381,7 +374,7 @@ def run_student(
         worker.join(timeout_s)
         if worker.is_alive():
             frame = sys._current_frames().get(worker.ident or -1)
-            at = _stack_frame(frame) if frame is not None else None
+            at = student_frame(frame)
             _async_raise(worker, StudentTimeout)
             raise timed_out(at)
         err = box.get("error")
@@ -870,6 +863,16 @@ class _Guard:
 
 
 # --- grading building blocks -------------------------------------------------------------------
+
+
+def source_as(fn: Callable[..., Any], name: str) -> str:
+    """A reference function's source under the name the student defines, or under the header ``name`` when it
+    holds the arguments (``"time_ms(fn, iters, warmup, sync)"``: no annotations): the solution is the reference."""
+    source = textwrap.dedent(inspect.getsource(fn))
+    if "(" not in name:
+        return source.replace(f"def {fn.__name__}(", f"def {name}(", 1)
+    body = ast.parse(source).body[0].body[0].lineno - 1  # type: ignore[attr-defined]
+    return f"def {name}:\n" + "".join(source.splitlines(keepends=True)[body:])
 
 
 def number(value: Any, what: str = "the answer") -> float:

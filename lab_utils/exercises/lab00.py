@@ -14,7 +14,6 @@ import csv
 import io
 import random
 import re
-import shutil
 import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -77,9 +76,7 @@ def _grade_layers(value: Any) -> None:
 
 
 q1 = Exercise(
-    name="00.1 layers of the stack",
-    var="layers",
-    grade=_grade_layers,
+    name="00.1 layers of the stack", var="layers", grade=_grade_layers,
     hints=[
         f"Make a dict with every component of COMPONENTS as a key and one of LAYERS as its value: {LAYERS}.",
         "Bottom up: the driver (kernel module, libcuda, NVML tools) -> the CUDA runtime (libcudart) -> "
@@ -128,16 +125,12 @@ def reference_cuda_ceiling(smi_text: str) -> str | None:
 
 
 def _run(cmd: list[str]) -> str | None:
+    """What ``cmd`` printed, or None where it is missing (no nvidia-smi), fails or prints nothing."""
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=False)
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout if out.returncode == 0 and out.stdout.strip() else None
-
-
-def _live_smi() -> str | None:
-    """This machine's ``nvidia-smi`` banner, or None where there is no working nvidia-smi."""
-    return _run(["nvidia-smi"]) if shutil.which("nvidia-smi") else None
 
 
 # (driver, CUDA ceiling) pairs as released drivers report them.
@@ -157,7 +150,7 @@ def _other_banner(smi_text: str, rng: random.Random) -> str:
 def _grade_cuda_ceiling(fn: Any) -> str:
     h200 = probe.capture("nvidia-smi")
     sources = [("the H200 capture", h200), ("another driver's banner", _other_banner(h200, random.Random()))]
-    live = _live_smi()
+    live = _run(["nvidia-smi"])  # this machine's banner, where nvidia-smi works
     if live and reference_cuda_ceiling(live):
         sources.append(("this machine's nvidia-smi", live))
     for where, text in sources:
@@ -173,9 +166,7 @@ def _grade_cuda_ceiling(fn: Any) -> str:
 
 
 q2 = CodeExercise(
-    name="00.2 the CUDA ceiling from nvidia-smi",
-    var="cuda_ceiling",
-    grade=_grade_cuda_ceiling,
+    name="00.2 the CUDA ceiling from nvidia-smi", var="cuda_ceiling", grade=_grade_cuda_ceiling,
     signature="cuda_ceiling(smi_text) -> str",
     hints=[
         "The banner's first line holds three fields: 'NVIDIA-SMI', 'Driver Version' and 'CUDA Version'. Only "
@@ -251,10 +242,8 @@ def reference_smi_inventory(query_csv: str, smi_text: str) -> list[dict[str, Any
 
 def _smi_query() -> list[dict[str, Any]] | None:
     """This machine's inventory as nvidia-smi reports it (the comparison for ``nvml_inventory``)."""
-    if not shutil.which("nvidia-smi"):
-        return None
     query = _run(["nvidia-smi", "--query-gpu=index,name,memory.total,driver_version", "--format=csv"])
-    banner = _live_smi()
+    banner = _run(["nvidia-smi"])
     if not query or not banner:
         return None
     return reference_smi_inventory(query, banner)
@@ -415,8 +404,7 @@ class InventoryExercise(CodeExercise):
 
 
 q3 = InventoryExercise(
-    name="00.3 GPU inventory",
-    var="nvml_inventory / smi_inventory",
+    name="00.3 GPU inventory", var="nvml_inventory / smi_inventory",
     grade=lambda value: None,  # the two graders above do the work; see InventoryExercise.check
     signature="nvml_inventory() -> list[dict], or smi_inventory(query_csv, smi_text) -> list[dict]",
     hints=[
@@ -464,9 +452,7 @@ q3 = InventoryExercise(
 _MIB = 143771  # memory.total [MiB] in query-gpu.csv
 _GIB = _MIB / 1024  # 140.40 GiB; = 150.75 GB of 1e9 bytes. The datasheet's 141 GB is 141e9 bytes (131.3 GiB).
 _q4_close = close_to(
-    _GIB,
-    rel=0.01,
-    reveal=False,
+    _GIB, rel=0.01, reveal=False,
     why="Take memory.total from query-gpu.csv (in MiB) and convert to GiB.",
     slips={
         1024.0: "that is the value in MiB, the CSV's unit; 1 GiB = 1024 MiB.",
@@ -489,9 +475,7 @@ def _grade_q4(value: Any) -> None:
 
 
 q4 = Exercise(
-    name="00.4 H200 memory in GiB",
-    var="memory_gib",
-    grade=_grade_q4,
+    name="00.4 H200 memory in GiB", var="memory_gib", grade=_grade_q4,
     hints=[
         "Open lab_utils/data/h200/query-gpu.csv; the header names each column's unit.",
         "memory.total is given in MiB (2**20 bytes). A GiB is 2**30 bytes, i.e. 1024 MiB.",
@@ -593,10 +577,6 @@ _RULE_WHY = {
 }
 
 
-def _normal_verdict(value: Any) -> str | None:
-    return choice(value, VERDICTS)
-
-
 _RANDOM_VERDICTS = 8
 
 
@@ -610,7 +590,7 @@ def _grade_random_verdicts(fn: Any, rng: random.Random) -> None:
         call = f"cuda_verdict({ceiling!r}, {runtime!r}, datacenter_gpu={dc})"
         result = run_student(fn, ceiling, runtime, dc, call=call, timeout_s=10)
         expected = cuda_verdict(ceiling, runtime, dc)
-        if _normal_verdict(result) != expected:
+        if choice(result, VERDICTS) != expected:
             raise Wrong(f"{call} returned {result!r}, expected {expected!r}: every case of the table was right, but "
                         "this one (drawn at random) is not. Apply the rules to the versions given, not to a list "
                         "of known cases.")
@@ -621,7 +601,7 @@ def _grade_verdict(fn: Any) -> str:
     for ceiling, runtime, dc, _, _ in VERDICT_CASES:
         call = f"cuda_verdict({ceiling!r}, {runtime!r}, datacenter_gpu={dc})"
         result = run_student(fn, ceiling, runtime, dc, call=call, timeout_s=10)
-        verdict = _normal_verdict(result)
+        verdict = choice(result, VERDICTS)
         if verdict is None:
             raise Wrong(f"{call} returned {result!r}: return one of {list(VERDICTS)} (the names in VERDICTS)")
         got.append(verdict)
@@ -645,9 +625,7 @@ def _grade_verdict(fn: Any) -> str:
 
 
 q5 = CodeExercise(
-    name="00.5 the compatibility verdict",
-    var="cuda_verdict",
-    grade=_grade_verdict,
+    name="00.5 the compatibility verdict", var="cuda_verdict", grade=_grade_verdict,
     signature="cuda_verdict(driver_ceiling, runtime, datacenter_gpu) -> str",
     hints=[
         "Three questions in order: is the runtime at most the ceiling? If not, is it the same major version? If "
@@ -689,9 +667,7 @@ def _grade_nvlinks(value: Any) -> None:
 
 
 q6 = Exercise(
-    name="00.6 NVLinks between GPU0 and GPU1",
-    var="nvlinks",
-    grade=_grade_nvlinks,
+    name="00.6 NVLinks between GPU0 and GPU1", var="nvlinks", grade=_grade_nvlinks,
     hints=[
         "Open lab_utils/data/h200/topo-x2.txt (the output of `nvidia-smi topo -m` on two H200s).",
         "Find row GPU0, column GPU1. The legend at the bottom explains the code you find there.",

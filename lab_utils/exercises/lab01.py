@@ -34,6 +34,7 @@ from lab_utils.exercises.framework import (
     number,
     one_of,
     run_student,
+    source_as,
 )
 from lab_utils.gpu.bench import resolve_device
 
@@ -168,14 +169,14 @@ def reference_time_ms(fn: Callable[[], Any], iters: int, warmup: int, sync: Call
     """
     if iters < 1:
         raise ValueError(f"iters must be >= 1, got {iters}")
-    for _ in range(warmup):
+    for _ in range(warmup):  # one-time costs (CUDA context, cuBLAS handle) outside the timing
         fn()
-    sync()  # the warm-up must be finished before the clock starts
+    sync()  # ...and finished before the clock starts
     t0 = time.perf_counter()
     for _ in range(iters):
         fn()
-    sync()  # wait for the work itself, not just its launches
-    return (time.perf_counter() - t0) * 1e3 / iters
+    sync()  # wait for the work, not just the launches
+    return (time.perf_counter() - t0) * 1000 / iters
 
 
 # The work per call is drawn at random for every check, twice, the second 2.2-2.6x the first: a function that
@@ -346,9 +347,7 @@ def _grade_time_ms(fn: Any) -> str:
 
 
 q1 = CodeExercise(
-    name="01.1 the timing loop",
-    var="time_ms",
-    grade=_grade_time_ms,
+    name="01.1 the timing loop", var="time_ms", grade=_grade_time_ms,
     signature="time_ms(fn, iters, warmup, sync) -> float",
     hints=[
         "fn() returns as soon as its work is queued, long before it is done (on a GPU, and on the simulated "
@@ -358,21 +357,9 @@ q1 = CodeExercise(
         "for _ in range(warmup): fn(); sync(); t0 = time.perf_counter(); for _ in range(iters): fn(); sync(); "
         "return (time.perf_counter() - t0) * 1000 / iters. (On a GPU, CUDA events around the loop work too.)",
     ],
-    solution_text=(
-        "import time\n\n"
-        "def time_ms(fn, iters, warmup, sync):\n"
-        '    """Milliseconds per call of fn(); fn() may only launch work, sync() waits for it."""\n'
-        "    for _ in range(warmup):    # one-time costs (CUDA context, cuBLAS handle) outside the timing\n"
-        "        fn()\n"
-        "    sync()                     # ...and finished before the clock starts\n"
-        "    t0 = time.perf_counter()\n"
-        "    for _ in range(iters):\n"
-        "        fn()\n"
-        "    sync()                     # wait for the work, not just the launches\n"
-        "    return (time.perf_counter() - t0) * 1000 / iters\n"
+    solution_text="import time\n\n" + source_as(reference_time_ms, "time_ms(fn, iters, warmup, sync)") + (
         "# On a GPU, CUDA events: start.record(); loop; end.record(); end.synchronize();\n"
-        "# start.elapsed_time(end) / iters (lab_utils.timing.benchmark does this per call)."
-    ),
+        "# start.elapsed_time(end) / iters (lab_utils.timing.benchmark does this per call)."),
 )
 
 # --- the instrumented timer handed to q2 and q3 -----------------------------------------------------------
@@ -461,10 +448,10 @@ def _ratio_to_reference(timed: dict[str, Any], reference: Callable[[], Any], dev
 
 def reference_matmul_tflops(n: int, device: str, timer: Callable[[Callable[[], Any]], float]) -> float:
     """TFLOP/s of an n×n×n float32 matmul: inputs made once, only ``a @ b`` timed, 2·n³ FLOPs."""
-    a = torch.randn(n, n, device=device)
+    a = torch.randn(n, n, device=device)  # inputs made once: random, never zeros
     b = torch.randn(n, n, device=device)
-    ms = timer(lambda: a @ b)
-    return 2 * n**3 / (ms * 1e-3) / 1e12
+    ms = timer(lambda: a @ b)  # only the matmul is timed
+    return 2 * n**3 / (ms * 1e-3) / 1e12  # 2·n³ FLOPs per matmul
 
 
 def _grade_matmul_tflops(fn: Any) -> str:
@@ -503,22 +490,14 @@ def _grade_matmul_tflops(fn: Any) -> str:
 
 
 q2 = CodeExercise(
-    name="01.2 TFLOP/s from your timing",
-    var="matmul_tflops",
-    grade=_grade_matmul_tflops,
+    name="01.2 TFLOP/s from your timing", var="matmul_tflops", grade=_grade_matmul_tflops,
     signature="matmul_tflops(n, device, timer) -> float",
     hints=[
         "Make two random n×n float32 tensors on `device` first; time only the multiply: ms = timer(lambda: a @ b).",
         "C[m,n] = A[m,k]·B[k,n] is m·n·k multiply-adds, and a multiply-add is 2 FLOPs: 2·n³ FLOPs for n×n×n.",
         "TFLOP/s = 2 * n**3 / (ms * 1e-3) / 1e12 (ms -> seconds, FLOP/s -> TFLOP/s).",
     ],
-    solution_text=(
-        "def matmul_tflops(n, device, timer):\n"
-        "    a = torch.randn(n, n, device=device)   # inputs made once: random, never zeros\n"
-        "    b = torch.randn(n, n, device=device)\n"
-        "    ms = timer(lambda: a @ b)              # only the matmul is timed\n"
-        "    return 2 * n**3 / (ms * 1e-3) / 1e12   # 2·n³ FLOPs per matmul"
-    ),
+    solution_text=source_as(reference_matmul_tflops, "matmul_tflops(n, device, timer)"),
 )
 
 # --- q3: device-to-device copy bandwidth -------------------------------------------------------------------
@@ -529,7 +508,7 @@ def reference_copy_gbps(nbytes: int, device: str, timer: Callable[[Callable[[], 
     src = torch.randn(nbytes // 4, device=device)  # float32: 4 bytes per element
     dst = torch.empty_like(src)
     ms = timer(lambda: dst.copy_(src))
-    return 2 * nbytes / (ms * 1e-3) / 1e9
+    return 2 * nbytes / (ms * 1e-3) / 1e9  # read + write: 2 x nbytes moved
 
 
 def _grade_copy_gbps(fn: Any) -> str:
@@ -574,9 +553,7 @@ def _grade_copy_gbps(fn: Any) -> str:
 
 
 q3 = CodeExercise(
-    name="01.3 copy bandwidth",
-    var="copy_gbps",
-    grade=_grade_copy_gbps,
+    name="01.3 copy bandwidth", var="copy_gbps", grade=_grade_copy_gbps,
     signature="copy_gbps(nbytes, device, timer) -> float",
     hints=[
         "Make src (random) and dst (empty, same shape) once, each holding nbytes bytes: nbytes // 4 float32 "
@@ -584,13 +561,7 @@ q3 = CodeExercise(
         "A copy reads every byte of src and writes every byte of dst: it moves 2 × nbytes through memory.",
         "GB/s = 2 * nbytes / (ms * 1e-3) / 1e9 (GB = 1e9 bytes, as bandwidth is quoted).",
     ],
-    solution_text=(
-        "def copy_gbps(nbytes, device, timer):\n"
-        "    src = torch.randn(nbytes // 4, device=device)   # float32: 4 bytes per element\n"
-        "    dst = torch.empty_like(src)\n"
-        "    ms = timer(lambda: dst.copy_(src))\n"
-        "    return 2 * nbytes / (ms * 1e-3) / 1e9          # read + write: 2 x nbytes moved"
-    ),
+    solution_text=source_as(reference_copy_gbps, "copy_gbps(nbytes, device, timer)"),
 )
 
 # --- q4/q5/q6: arithmetic intensity, the ridge, which roof ---------------------------------------------
@@ -599,12 +570,9 @@ _SAXPY_INTENSITY = 2 / 12  # FLOP/byte: a multiply and an add per element; read 
 H200_RIDGE = specs.ridge_point(specs.H200_SXM.bf16_tflops, specs.H200_SXM.hbm_tbps)  # FLOP/byte, ~206 (datasheet)
 
 q4 = Exercise(
-    name="01.4 arithmetic intensity of saxpy",
-    var="saxpy_intensity",
+    name="01.4 arithmetic intensity of saxpy", var="saxpy_intensity",
     grade=close_to(
-        _SAXPY_INTENSITY,
-        rel=0.05,
-        reveal=False,
+        _SAXPY_INTENSITY, rel=0.05, reveal=False,
         why="Intensity = FLOPs / bytes moved to and from memory, per element of y = a*x + y in fp32.",
         slips={
             1.5: "the write counts too: y is read and written back, so 3 fp32 values move per element.",
@@ -619,18 +587,13 @@ q4 = Exercise(
         "2 FLOPs (multiply, add). x and y are read, y is written: 3 values of fp32, 4 bytes each.",
         "saxpy_intensity = 2 / (3 * 4) FLOP/byte.",
     ],
-    solution_text=(
-        "saxpy_intensity = 2 / (3 * 4)   # 0.167 FLOP/byte: 2 FLOPs; read x, read y, write y, 4 bytes each"
-    ),
+    solution_text="saxpy_intensity = 2 / (3 * 4)   # 0.167 FLOP/byte: 2 FLOPs; read x, read y, write y, 4 bytes each",
 )
 
 q5 = Exercise(
-    name="01.5 roofline ridge of the H200",
-    var="ridge_flop_per_byte",
+    name="01.5 roofline ridge of the H200", var="ridge_flop_per_byte",
     grade=close_to(
-        H200_RIDGE,
-        rel=0.02,
-        reveal=False,
+        H200_RIDGE, rel=0.02, reveal=False,
         why="Ridge = peak FLOP/s / bandwidth in bytes/s, for dense bf16 on the H200 datasheet.",
         slips={
             1e-3: "a units slip (factor 1000): TFLOP/s is 1e12 FLOP/s and TB/s is 1e12 bytes/s, so divide "
@@ -649,9 +612,7 @@ q5 = Exercise(
         "H200 datasheet: 989 TFLOP/s dense bf16 (tensor cores), 4.8 TB/s HBM3e.",
         "ridge_flop_per_byte = 989e12 / 4.8e12.",
     ],
-    solution_text=(
-        "ridge_flop_per_byte = 989e12 / 4.8e12   # ~206 FLOP/byte: ops below it are memory-bound"
-    ),
+    solution_text="ridge_flop_per_byte = 989e12 / 4.8e12   # ~206 FLOP/byte: ops below it are memory-bound",
 )
 
 
@@ -671,9 +632,7 @@ def _grade_bound(value: Any) -> None:
 
 
 q6 = Exercise(
-    name="01.6 saxpy: memory- or compute-bound",
-    var="saxpy_bound",
-    grade=_grade_bound,
+    name="01.6 saxpy: memory- or compute-bound", var="saxpy_bound", grade=_grade_bound,
     hints=[
         "Compare the op's arithmetic intensity (01.4) with the GPU's ridge point: peak FLOP/s divided by "
         "memory bandwidth.",
@@ -681,9 +640,7 @@ q6 = Exercise(
         "the chip has.",
         "0.17 FLOP/byte is more than a thousand times below the ridge: answer \"memory\" or \"compute\".",
     ],
-    solution_text=(
-        'saxpy_bound = "memory"   # 0.17 FLOP/byte << ~206 FLOP/byte: time = bytes / bandwidth'
-    ),
+    solution_text='saxpy_bound = "memory"   # 0.17 FLOP/byte << ~206 FLOP/byte: time = bytes / bandwidth',
 )
 
 # --- q7: a CUDA graph ------------------------------------------------------------------------------------
@@ -705,19 +662,19 @@ def graph_unavailable() -> str | None:
 def reference_replay_with_graph(chain: Callable[[torch.Tensor], torch.Tensor], static_x: torch.Tensor,
                                 xs: list[torch.Tensor]) -> list[torch.Tensor]:
     """``[chain(x) for x in xs]``, computed by capturing ``chain(static_x)`` once in a CUDA graph and replaying it."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
         for _ in range(3):
-            chain(static_x)  # warm up on a side stream before capture (lazy initialisation must not be captured)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+            chain(static_x)  # warm-up on a side stream: lazy initialisation stays out of the capture
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
         static_y = chain(static_x)  # recorded, not run
     outs = []
     for x in xs:
         static_x.copy_(x)  # new data into the captured input's memory
-        graph.replay()  # the whole chain in one launch
+        g.replay()  # every kernel of the chain, one launch
         outs.append(static_y.clone())  # the next replay overwrites static_y
     return outs
 
@@ -781,11 +738,8 @@ def _grade_replay_with_graph(fn: Any) -> str:
 
 
 q7 = CodeExercise(
-    name="01.7 capture and replay a CUDA graph",
-    var="replay_with_graph",
-    grade=_grade_replay_with_graph,
-    signature="replay_with_graph(chain, static_x, xs) -> list[Tensor]",
-    applicable=graph_unavailable,
+    name="01.7 capture and replay a CUDA graph", var="replay_with_graph", grade=_grade_replay_with_graph,
+    signature="replay_with_graph(chain, static_x, xs) -> list[Tensor]", applicable=graph_unavailable,
     hints=[
         "A graph records the kernels of one call, on fixed memory: capture chain(static_x) once, inside "
         "`with torch.cuda.graph(g):` (g = torch.cuda.CUDAGraph()); keep what it returns (static_y).",
@@ -795,22 +749,5 @@ q7 = CodeExercise(
         "with torch.cuda.stream(s): chain(static_x) a few times; then torch.cuda.current_stream().wait_stream(s)), "
         "so lazy initialisation is not captured.",
     ],
-    solution_text=(
-        "def replay_with_graph(chain, static_x, xs):\n"
-        "    s = torch.cuda.Stream()\n"
-        "    s.wait_stream(torch.cuda.current_stream())\n"
-        "    with torch.cuda.stream(s):\n"
-        "        for _ in range(3):\n"
-        "            chain(static_x)              # warm-up: lazy initialisation stays out of the capture\n"
-        "    torch.cuda.current_stream().wait_stream(s)\n"
-        "    g = torch.cuda.CUDAGraph()\n"
-        "    with torch.cuda.graph(g):\n"
-        "        static_y = chain(static_x)       # recorded, not run\n"
-        "    outs = []\n"
-        "    for x in xs:\n"
-        "        static_x.copy_(x)                # new data into the captured input\n"
-        "        g.replay()                       # every kernel of the chain, one launch\n"
-        "        outs.append(static_y.clone())    # the next replay overwrites static_y\n"
-        "    return outs"
-    ),
+    solution_text=source_as(reference_replay_with_graph, "replay_with_graph(chain, static_x, xs)"),
 )

@@ -46,6 +46,7 @@ from lab_utils.exercises.framework import (
     match_slip,
     number,
     run_student,
+    source_as,
     student_frame,
 )
 from lab_utils.models import DigitsCNN, digits_arrays
@@ -66,11 +67,14 @@ __all__ = [
 # --- running the student's function in ranks -----------------------------------------------------------
 
 
-def grading_ranks() -> tuple[str, int]:
+def grading_ranks(backend: str | None = None, nprocs: int | None = None) -> tuple[str, int]:
     """(backend, ranks) the rank exercises run on: the lab's own (``distributed.plan.lab_plan``), NCCL on every
-    GPU where there are two or more, else 2 gloo processes on the CPU (one GPU included)."""
-    plan = lab_plan(torch_gpu_count())
-    return plan.backend, plan.nprocs
+    GPU where there are two or more, else 2 gloo processes on the CPU (one GPU included); a ``backend`` or
+    ``nprocs`` given is kept."""
+    if backend is None or nprocs is None:
+        plan = lab_plan(torch_gpu_count())
+        backend, nprocs = backend or plan.backend, nprocs or plan.nprocs
+    return backend, nprocs
 
 
 def _no_distributed() -> str | None:
@@ -298,9 +302,7 @@ def _grade_busbw_factor(fn: Any) -> None:
 
 
 q1 = CodeExercise(
-    name="02.1 busbw factor per collective",
-    var="busbw_factor",
-    grade=_grade_busbw_factor,
+    name="02.1 busbw factor per collective", var="busbw_factor", grade=_grade_busbw_factor,
     signature="busbw_factor(collective, n) -> float",
     hints=[
         "busbw = algbw × factor: the factor turns 'bytes of the buffer per second' into 'bytes over the "
@@ -601,8 +603,7 @@ def _judge_formulas(rows: list[dict[str, float]], n: int, call: str, where: str)
 
 def _grade_allreduce_bench(fn: Any, backend: str | None = None, nprocs: int | None = None) -> str:
     if backend is None or nprocs is None:
-        b, n = grading_ranks()
-        backend, nprocs = backend or b, nprocs or n
+        backend, nprocs = grading_ranks(backend, nprocs)
         if backend == "gloo" and nprocs == 2:
             nprocs = _FORMULA_RANKS  # on a CPU, one run on 3 ranks checks the time and the formulas at once
     sizes = list(bench_sizes(backend))
@@ -639,11 +640,8 @@ def _grade_allreduce_bench(fn: Any, backend: str | None = None, nprocs: int | No
 
 
 q2 = CodeExercise(
-    name="02.2 the all-reduce benchmark worker",
-    var="allreduce_bench",
-    grade=_grade_allreduce_bench,
-    signature="allreduce_bench(ctx, sizes_bytes, iters, warmup) -> list[dict]",
-    applicable=_no_distributed,
+    name="02.2 the all-reduce benchmark worker", var="allreduce_bench", grade=_grade_allreduce_bench,
+    signature="allreduce_bench(ctx, sizes_bytes, iters, warmup) -> list[dict]", applicable=_no_distributed,
     hints=[
         "Per size: a buffer of `size` bytes on ctx.device (fp32: size // 4 elements); `warmup` untimed "
         "dist.all_reduce calls; then time `iters` calls. Return one dict per size: size_bytes, time_ms (per "
@@ -654,38 +652,8 @@ q2 = CodeExercise(
         "algbw = size / (ms * 1e-3) / 1e9 (GB = 1e9 bytes); busbw = algbw * 2 * (n - 1) / n with "
         "n = ctx.world_size. On 2 ranks the factor is 1, so the check runs on 3.",
     ],
-    solution_text=(
-        "import time\n"
-        "import torch\n"
-        "import torch.distributed as dist\n\n"
-        "def allreduce_bench(ctx, sizes_bytes, iters, warmup):\n"
-        "    n = ctx.world_size\n"
-        "    rows = []\n"
-        "    for size in sizes_bytes:\n"
-        "        x = torch.ones(size // 4, dtype=torch.float32, device=ctx.device)  # size bytes of fp32\n"
-        "        for _ in range(warmup):  # connections and buffers are set up on the first calls\n"
-        "            dist.all_reduce(x)\n"
-        "        if ctx.device.startswith(\"cuda\"):\n"
-        "            start = torch.cuda.Event(enable_timing=True)\n"
-        "            end = torch.cuda.Event(enable_timing=True)\n"
-        "            torch.cuda.synchronize()\n"
-        "            start.record()\n"
-        "            for _ in range(iters):\n"
-        "                dist.all_reduce(x)\n"
-        "            end.record()\n"
-        "            torch.cuda.synchronize()  # the all_reduces were only queued\n"
-        "            ms = start.elapsed_time(end) / iters\n"
-        "        else:\n"
-        "            dist.barrier()  # start together\n"
-        "            t0 = time.perf_counter()\n"
-        "            for _ in range(iters):\n"
-        "                dist.all_reduce(x)\n"
-        "            ms = (time.perf_counter() - t0) * 1e3 / iters\n"
-        "        algbw = size / (ms * 1e-3) / 1e9  # GB/s, 1 GB = 1e9 bytes\n"
-        "        rows.append({\"size_bytes\": size, \"time_ms\": ms, \"algbw_gbps\": algbw,\n"
-        "                     \"busbw_gbps\": algbw * 2 * (n - 1) / n})\n"
-        "    return rows"
-    ),
+    solution_text="import time\nimport torch\nimport torch.distributed as dist\n\n" + source_as(
+        reference_allreduce_bench, "allreduce_bench(ctx, sizes_bytes, iters, warmup, *, dtype=torch.float32)"),
 )
 
 # --- q3: all-reduce time for a model's gradients ------------------------------------------------------
@@ -701,12 +669,9 @@ _GRAD_MS = _GRAD_BYTES * _GRAD_FACTOR / (GRAD_BUSBW_GBPS * 1e9) * 1e3  # 3.603 m
 
 _GIB = 2**30 / 1e9
 q3 = Exercise(
-    name="02.3 all-reduce time for the gradients",
-    var="allreduce_ms",
+    name="02.3 all-reduce time for the gradients", var="allreduce_ms",
     grade=close_to(
-        _GRAD_MS,
-        rel=0.02,
-        reveal=False,
+        _GRAD_MS, rel=0.02, reveal=False,
         why=f"t = S × 2(n-1)/n / busbw, with S the gradient bytes on one rank, n = {GRAD_RANKS}, busbw in "
             "bytes/s; answer in milliseconds.",
         slips={
@@ -831,9 +796,7 @@ def _socket_ifname_matches(setting: str) -> list[str]:
 
 
 q4 = Exercise(
-    name="02.4 NCCL variable for a hang at init",
-    var="nccl_env_var",
-    grade=_grade_nccl_var,
+    name="02.4 NCCL variable for a hang at init", var="nccl_env_var", grade=_grade_nccl_var,
     hints=[
         "The hang is at init, before any collective: the ranks cannot reach each other. Algorithms and "
         "protocols do not run yet.",
@@ -917,9 +880,7 @@ def _grade_missing_fix(value: Any) -> None:
 
 
 q5 = Exercise(
-    name="02.5 the bug in a DDP loop",
-    var="missing_fix",
-    grade=_grade_missing_fix,
+    name="02.5 the bug in a DDP loop", var="missing_fix", grade=_grade_missing_fix,
     hints=[
         "Each of BUG_CHOICES is a real DDP pitfall, but this loop has exactly one. Read it for what should "
         "change from one epoch to the next.",
@@ -1282,14 +1243,8 @@ def _ddp_config(nprocs: int) -> dict[str, Any]:
     return cfg
 
 
-def _reference_key(backend: str, nprocs: int, cfg: dict[str, Any]) -> tuple[Any, ...]:
-    return (backend, nprocs, tuple(sorted(cfg.items())), torch.__version__)
-
-
 def _grade_train_ddp(fn: Any, backend: str | None = None, nprocs: int | None = None) -> str:
-    if backend is None or nprocs is None:
-        b, n = grading_ranks()
-        backend, nprocs = backend or b, nprocs or n
+    backend, nprocs = grading_ranks(backend, nprocs)
     cfg = _ddp_config(nprocs)
     ref_acc = reference_ddp_run(nprocs, backend)["accuracy"]  # once per process: later checks reuse it
     call = (f"train_ddp(train_set, make_model, epochs={cfg['epochs']}, batch_size={cfg['batch_size']}, "
@@ -1307,11 +1262,9 @@ def reference_ddp_run(nprocs: int | None = None, backend: str | None = None) -> 
     still gets the number. Returns accuracy (fraction), state (the trained state dict), world_size, backend and
     the configuration.
     """
-    if backend is None or nprocs is None:
-        b, n = grading_ranks()
-        backend, nprocs = backend or b, nprocs or n
+    backend, nprocs = grading_ranks(backend, nprocs)
     cfg = _ddp_config(nprocs)
-    key = _reference_key(backend, nprocs, cfg)
+    key = (backend, nprocs, tuple(sorted(cfg.items())), torch.__version__)
     if key not in _REFERENCE_RUNS:
         with ranks_mod.shipping(reference_train_ddp) as shipped, \
                 temporary_folder("ddp-ref") as folder:
@@ -1324,9 +1277,7 @@ def reference_ddp_run(nprocs: int | None = None, backend: str | None = None) -> 
 
 
 q6 = CodeExercise(
-    name="02.6 DDP training: setup and step",
-    var="train_ddp",
-    grade=_grade_train_ddp,
+    name="02.6 DDP training: setup and step", var="train_ddp", grade=_grade_train_ddp,
     signature="train_ddp(train_set, make_model, epochs, batch_size, lr, checkpoint_path) -> None",
     applicable=_no_distributed,
     hints=[
@@ -1340,39 +1291,8 @@ q6 = CodeExercise(
         "After training: `if dist.get_rank() == 0: torch.save(model.state_dict(), checkpoint_path)`, then "
         "dist.barrier() and dist.destroy_process_group() on every rank.",
     ],
-    solution_text=(
-        "def train_ddp(train_set, make_model, epochs, batch_size, lr, checkpoint_path):\n"
-        "    cuda = torch.cuda.is_available()\n"
-        "    dist.init_process_group(\"nccl\" if cuda else \"gloo\")  # RANK, WORLD_SIZE, MASTER_* from the launcher\n"
-        "    if cuda:\n"
-        "        local_rank = int(os.environ[\"LOCAL_RANK\"])\n"
-        "        torch.cuda.set_device(local_rank)\n"
-        "        device = torch.device(\"cuda\", local_rank)\n"
-        "    else:\n"
-        "        device = torch.device(\"cpu\")\n"
-        "    model = make_model().to(device)\n"
-        "    ddp = DistributedDataParallel(model, device_ids=[local_rank] if cuda else None)\n"
-        "    sampler = DistributedSampler(train_set, shuffle=True, seed=0)\n"
-        "    loader = DataLoader(train_set, batch_size=batch_size, sampler=sampler)\n"
-        "    opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9)\n"
-        "    scaler = torch.amp.GradScaler(device.type)\n"
-        "    for epoch in range(epochs):\n"
-        "        sampler.set_epoch(epoch)  # a new shuffle each epoch\n"
-        "        for x, y in loader:\n"
-        "            x, y = x.to(device), y.to(device)\n"
-        "            with torch.autocast(device.type, dtype=torch.float16):\n"
-        "                loss = F.cross_entropy(ddp(x), y)\n"
-        "            opt.zero_grad(set_to_none=True)\n"
-        "            scaler.scale(loss).backward()\n"
-        "            scaler.unscale_(opt)  # true gradients before clipping\n"
-        "            torch.nn.utils.clip_grad_norm_(ddp.parameters(), max_norm=5.0)\n"
-        "            scaler.step(opt)\n"
-        "            scaler.update()\n"
-        "    if dist.get_rank() == 0:\n"
-        "        torch.save(model.state_dict(), checkpoint_path)  # one writer\n"
-        "    dist.barrier()\n"
-        "    dist.destroy_process_group()"
-    ),
+    solution_text=source_as(reference_train_ddp,
+                            "train_ddp(train_set, make_model, epochs, batch_size, lr, checkpoint_path)"),
 )
 
 # --- q7: a metric summed over ranks -----------------------------------------------------------------------------
@@ -1402,8 +1322,8 @@ def metric_shards(nprocs: int, seed: int | None = None) -> list[dict[str, Any]]:
 def reference_global_accuracy(ctx: WorkerContext, correct: int, seen: int) -> float:
     """Accuracy over every rank's samples: the counts summed with one all_reduce, then divided (on every rank)."""
     counts = torch.tensor([correct, seen], dtype=torch.float64, device=ctx.device)
-    dist.all_reduce(counts)  # SUM over the ranks
-    return (counts[0] / counts[1]).item()
+    dist.all_reduce(counts)  # sums over the ranks, result on every rank
+    return (counts[0] / counts[1]).item()  # correct / seen over all shards
 
 
 def _metric_worker(ctx: WorkerContext, student: ranks_mod.Shipped, shards: list[dict[str, Any]]) -> Any:
@@ -1455,9 +1375,7 @@ def _judge_metric(values: list[Any], shards: list[dict[str, Any]], call: str) ->
 
 
 def _grade_global_accuracy(fn: Any, backend: str | None = None, nprocs: int | None = None) -> str:
-    if backend is None or nprocs is None:
-        b, n = grading_ranks()
-        backend, nprocs = backend or b, nprocs or n
+    backend, nprocs = grading_ranks(backend, nprocs)
     shards = metric_shards(nprocs)
     call = f"global_accuracy(ctx, correct, seen) on {nprocs} {backend} ranks"
     with _shipped(fn, "global_accuracy") as shipped:
@@ -1466,11 +1384,8 @@ def _grade_global_accuracy(fn: Any, backend: str | None = None, nprocs: int | No
 
 
 q7 = CodeExercise(
-    name="02.7 a metric over all ranks",
-    var="global_accuracy",
-    grade=_grade_global_accuracy,
-    signature="global_accuracy(ctx, correct, seen) -> float",
-    applicable=_no_distributed,
+    name="02.7 a metric over all ranks", var="global_accuracy", grade=_grade_global_accuracy,
+    signature="global_accuracy(ctx, correct, seen) -> float", applicable=_no_distributed,
     hints=[
         "The accuracy over all samples is all correct predictions over all samples seen, on every rank. The "
         "shards differ in size, so the mean of the ranks' accuracies is not it.",
@@ -1479,11 +1394,6 @@ q7 = CodeExercise(
         "t = torch.tensor([correct, seen], dtype=torch.float64, device=ctx.device); dist.all_reduce(t); "
         "return (t[0] / t[1]).item()",
     ],
-    solution_text=(
-        "def global_accuracy(ctx, correct, seen):\n"
-        "    counts = torch.tensor([correct, seen], dtype=torch.float64, device=ctx.device)\n"
-        "    dist.all_reduce(counts)                 # sums over the ranks, result on every rank\n"
-        "    return (counts[0] / counts[1]).item()  # correct / seen over all shards\n"
-        "# The mean of the per-rank accuracies weights a rank of 150 samples like one of 500."
-    ),
+    solution_text=source_as(reference_global_accuracy, "global_accuracy(ctx, correct, seen)")
+    + "# The mean of the per-rank accuracies weights a rank of 150 samples like one of 500.",
 )

@@ -75,13 +75,6 @@ class _Digits:
         return path
 
 
-@contextlib.contextmanager
-def _folder(what: str) -> Iterator[Path]:
-    """A temporary folder for one check (its owner's PID in the name), removed when the check ends."""
-    with temporary_folder(f"lab03-{what}") as tmp:
-        yield tmp
-
-
 @functools.lru_cache(maxsize=1)
 def _digits() -> _Digits:
     """Trained and exported once per process (the lab's own quick-mode model: shared with the lab)."""
@@ -93,39 +86,26 @@ def _digits() -> _Digits:
 
     model, _ = model_zoo.trained_digits(_FIXTURE_EPOCHS)
     data = models.digits_arrays()
-    with _folder("digits") as tmp:
+    with temporary_folder("lab03-digits") as tmp:
         path = onnx.export_onnx(model, tmp / "digits.onnx", torch.from_numpy(data["x_test"][:2]))
         proto = onnx_lib.load(str(path))  # with its external data: one self-contained file
         logits = onnx.ort_predict(onnx.ort_session(path), data["x_test"])
     return _Digits(proto.SerializeToString(), data["x_train"], data["x_test"], data["y_test"], logits)
 
 
-def _source(fn: Callable[..., Any]) -> str | None:
+def _calls(fn: Callable[..., Any], name: str) -> list[ast.Call]:
+    """The calls in ``fn``'s source of a function or method called ``name`` (``InferenceSession``); none when its
+    source cannot be read."""
     try:
-        return textwrap.dedent(inspect.getsource(fn))
+        source = textwrap.dedent(inspect.getsource(fn))
     except (OSError, TypeError):
-        return None
-
-
-def _calls(source: str | None, name: str) -> list[ast.Call]:
-    """The calls in ``source`` of a function or method called ``name`` (``InferenceSession``)."""
-    if not source:
         return []
-    out = []
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Call):
-            f = node.func
-            if (isinstance(f, ast.Name) and f.id == name) or (isinstance(f, ast.Attribute) and f.attr == name):
-                out.append(node)
-    return out
+    return [node for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Call) and (
+        (isinstance(node.func, ast.Name) and node.func.id == name) or getattr(node.func, "attr", None) == name)]
 
 
 # --------------------------------------------------------------------------------------------------
 # 03.1 the export
-
-
-def _opset(proto: Any) -> int | None:
-    return next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), None)
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -143,7 +123,7 @@ def _grade_export(fn: Any) -> str:
 
     model = model_zoo.export_check_model()  # in train mode, as at the end of a training loop
     example = torch.from_numpy(model_zoo.random_images(4, (1, 8, 8), seed=3))
-    with _folder("export") as folder:
+    with temporary_folder("lab03-export") as folder:
         path = folder / "model.onnx"
         # The exporter's progress lines and notices (torchvision ops it skips) are not the news; errors are.
         try:
@@ -159,7 +139,7 @@ def _grade_export(fn: Any) -> str:
             raise Wrong(f"export_dynamic(model, path, example) wrote no file at `path`: pass `path` to "
                         f"torch.onnx.export (its third argument).{program}")
         proto = onnx_lib.load(str(path), load_external_data=False)
-        opset = _opset(proto)
+        opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), None)
         if opset is None or opset < EXPORT_MIN_OPSET:
             raise Wrong(f"the file is opset {opset}: older tutorials' opset_version=11 or 13 (the TorchScript "
                         f"exporter). Export at opset {ONNX_OPSET} or newer: ModelOpt converts older graphs to opset "
@@ -204,9 +184,7 @@ def _grade_export(fn: Any) -> str:
 
 
 q1 = CodeExercise(
-    name="03.1 export with a dynamic batch",
-    var="export_dynamic",
-    grade=_grade_export,
+    name="03.1 export with a dynamic batch", var="export_dynamic", grade=_grade_export,
     signature="export_dynamic(model, path, example) -> None",
     hints=[
         "Three things make an export servable: the model in inference mode (model.eval()), the batch dimension "
@@ -237,14 +215,13 @@ q1 = CodeExercise(
 def _grade_ort(fn: Any) -> str:
     fx = _digits()
     x = fx.x_test[:ORT_BATCH]  # small: a run takes well under a session's creation, so timing one shows
-    source = _source(fn)
-    for node in _calls(source, "InferenceSession"):
+    for node in _calls(fn, "InferenceSession"):
         if len(node.args) < 3 and not any(k.arg == "providers" for k in node.keywords):
             raise Wrong("InferenceSession(...) is created without providers=: it works with the CPU-only "
                         "onnxruntime, but onnxruntime-gpu refuses it (since 1.9 an ONNX Runtime with several "
                         "execution providers must be told which to use, in order of preference). Pass "
                         "providers=['CPUExecutionProvider'] (or ['CUDAExecutionProvider', 'CPUExecutionProvider']).")
-    with _folder("session") as folder:
+    with temporary_folder("lab03-session") as folder:
         medians = _ort_levels(fn, fx, fx.write(folder), x)
     return (f"p50 {medians['disable']:.3f} ms at 'disable', {medians['all']:.3f} ms at 'all' for {len(x)} images "
             "(your timing, within 3x of the check's own).")
@@ -314,9 +291,7 @@ def _fastest_session_run(session: Any, feed: dict, timing: Any) -> float:
 
 
 q2 = CodeExercise(
-    name="03.2 an ONNX Runtime session, timed",
-    var="ort_timed",
-    grade=_grade_ort,
+    name="03.2 an ONNX Runtime session, timed", var="ort_timed", grade=_grade_ort,
     signature="ort_timed(onnx_path, x, level) -> (session, timing)",
     hints=[
         "Options go in an ort.SessionOptions: graph_optimization_level (the names are in ex.ORT_LEVELS) and "
@@ -421,7 +396,7 @@ def _grade_quantize(fn: Any) -> str:
     from lab_utils.inference import quantize as q  # lazy: pulls torch and onnx
 
     fx = _digits()
-    with _folder("quantize") as folder:
+    with temporary_folder("lab03-quantize") as folder:
         src = fx.write(folder)
         out = folder / "digits.int8.onnx"
         seen: dict[str, Any] = {}
@@ -456,11 +431,8 @@ def _grade_quantize(fn: Any) -> str:
 
 
 q3 = CodeExercise(
-    name="03.3 INT8 with ModelOpt",
-    var="quantize_int8",
-    grade=_grade_quantize,
-    signature="quantize_int8(onnx_path, out_path, x_train) -> None",
-    applicable=_modelopt_missing,
+    name="03.3 INT8 with ModelOpt", var="quantize_int8", grade=_grade_quantize,
+    signature="quantize_int8(onnx_path, out_path, x_train) -> None", applicable=_modelopt_missing,
     hints=[
         "modelopt.onnx.quantization.quantize(onnx_path, quantize_mode=..., calibration_data=..., "
         "output_path=...) writes a new ONNX file with Q/DQ pairs; calibration_data is a numpy array shaped like "
@@ -517,9 +489,7 @@ def _grade_precision(value: Any) -> None:
 
 
 q4 = Exercise(
-    name="03.4 pick the precision for an accuracy budget",
-    var="precision",
-    grade=_grade_precision,
+    name="03.4 pick the precision for an accuracy budget", var="precision", grade=_grade_precision,
     hints=[
         "First drop every precision that loses more than PRECISION_BUDGET_POINTS of accuracy; then compare speed.",
         "Of fp32, fp16 and int8 (within budget), which has the highest images_per_s?",
@@ -545,12 +515,9 @@ _SERVE_MIN = IMAGES_PER_DAY * RETRAIN_DAYS / FP16_IMAGES_PER_S / 60  # 93.3 GPU-
 _SPEEDUP = 1 / (1 - CALIBRATION_GPU_MIN / _SERVE_MIN)  # 1.4737
 
 q5 = Exercise(
-    name="03.5 the speedup that pays for calibration",
-    var="breakeven_speedup",
+    name="03.5 the speedup that pays for calibration", var="breakeven_speedup",
     grade=close_to(
-        _SPEEDUP,
-        rel=0.01,
-        reveal=False,
+        _SPEEDUP, rel=0.01, reveal=False,
         why="INT8 saves T·(1 - 1/s) GPU-minutes over the model's life, T being the FP16 serving time; it must "
             "save at least the calibration's cost.",
         slips={
@@ -583,19 +550,6 @@ q5 = Exercise(
 # 03.6 the TensorRT builder
 
 
-def _trt_status() -> tuple[bool, str]:
-    from lab_utils.inference import tensorrt as trt_engine  # lazy: pulls torch
-
-    return trt_engine.tensorrt_status()
-
-
-def _read_trt_source(fn: Any) -> trt_check.FunctionSource | None:
-    try:
-        return trt_check.function_source(fn)
-    except (OSError, TypeError):
-        return None
-
-
 def _static_trt_findings(src: trt_check.FunctionSource, where: str) -> None:
     removed = trt_check.removed_calls(src.source)
     if removed:
@@ -615,7 +569,7 @@ def _run_trt(fn: Any, why: str) -> str:
     fx = _digits()
     batches = [torch.from_numpy(fx.x_test[:b]).cuda() for b in EXPORT_BATCHES]
     call = "trt_build_and_run(onnx_path, [batch of 1, batch of 7])"
-    with _folder("builder") as folder:
+    with temporary_folder("lab03-builder") as folder:
         outputs = run_student(fn, str(fx.write(folder)), batches, call=call, timeout_s=600)
     if not isinstance(outputs, (list, tuple)) or len(outputs) != len(batches):
         raise Wrong(f"{call} returned {type(outputs).__name__}; expected a list of {len(batches)} outputs, one per "
@@ -637,8 +591,13 @@ def _run_trt(fn: Any, why: str) -> str:
 
 
 def _grade_trt(fn: Any) -> str:
-    ok, why = _trt_status()
-    src = _read_trt_source(fn)
+    from lab_utils.inference import tensorrt as trt_engine  # lazy: pulls torch
+
+    ok, why = trt_engine.tensorrt_status()
+    try:
+        src: trt_check.FunctionSource | None = trt_check.function_source(fn)
+    except (OSError, TypeError):
+        src = None
     where = "" if ok else " (your function was read and type-checked, not run: TensorRT cannot run here)"
     if src is not None:
         _static_trt_findings(src, where)
@@ -662,9 +621,7 @@ def _grade_trt(fn: Any) -> str:
 
 
 q6 = CodeExercise(
-    name="03.6 the TensorRT builder",
-    var="trt_build_and_run",
-    grade=_grade_trt,
+    name="03.6 the TensorRT builder", var="trt_build_and_run", grade=_grade_trt,
     signature="trt_build_and_run(onnx_path, batches) -> list of outputs",
     hints=[
         "Build: trt.Logger -> trt.Builder -> builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag."
@@ -776,9 +733,7 @@ def _grade_runnable(value: Any) -> None:
 
 
 q7 = Exercise(
-    name="03.7 read an optimization profile",
-    var="runnable",
-    grade=_grade_runnable,
+    name="03.7 read an optimization profile", var="runnable", grade=_grade_runnable,
     hints=[
         "An engine built with a profile accepts an input when every dimension lies between the profile's min "
         "and max, both included. opt only says which shape the kernels were tuned for.",
@@ -842,9 +797,7 @@ def _grade_batch(value: Any) -> None:
 
 
 q8 = Exercise(
-    name="03.8 a p95 latency target -> batch size",
-    var="max_batch",
-    grade=_grade_batch,
+    name="03.8 a p95 latency target -> batch size", var="max_batch", grade=_grade_batch,
     hints=[
         "The target is a p95, so plan with the p95 execution times. One GPU instance runs one batch at a time.",
         "The worst case: a request arrives just after a batch has started. It waits for that batch to finish "

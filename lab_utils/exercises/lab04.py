@@ -412,11 +412,8 @@ def _grade_deploy(fn: Any) -> str:
 
 
 q2 = CodeExercise(
-    name="04.2 deploy and wait until ready",
-    var="deploy_model",
-    grade=_grade_deploy,
-    signature="deploy_model(client, name, config, timeout_s) -> None",
-    applicable=_no_server,
+    name="04.2 deploy and wait until ready", var="deploy_model", grade=_grade_deploy,
+    signature="deploy_model(client, name, config, timeout_s) -> None", applicable=_no_server,
     hints=(
         "Two steps: a load request carrying the configuration (explicit model-control mode serves nothing until "
         "asked), then asking the server whether the model is ready until it is, or until a deadline.",
@@ -452,23 +449,21 @@ _CLIENT_HINTS = {
 }
 
 
-def _served_version(lab: _Lab, client: Any) -> str:
-    """The version a request without a version reaches: the highest that is ready (loaded first if need be)."""
-    if not client.is_model_ready(lab.model):
-        client.load_model(lab.model)
-    versions = client.get_model_metadata(lab.model, as_json=True).get("versions", [])
-    return str(max(int(v) for v in versions))
+def _served_version(lab: _Lab) -> tuple[str, dict[str, Any]]:
+    """The version a request without a version reaches (the highest that is ready, loaded first if need be), and
+    the model's metadata."""
+    with contextlib.closing(_grpc_client(lab)) as client:
+        if not client.is_model_ready(lab.model):
+            client.load_model(lab.model)
+        meta = client.get_model_metadata(lab.model, as_json=True)
+    return str(max(int(v) for v in meta.get("versions", []))), meta
 
 
 def _grade_client(fn: Any, protocol: str) -> str:
     lab = _lab()
     url = host_port(lab.server.grpc_url if protocol == "grpc" else lab.server.http_url)
-    real = _grpc_client(lab)
-    try:
-        version = _served_version(lab, real)
-        features = int(real.get_model_metadata(lab.model, as_json=True)["inputs"][0]["shape"][-1])
-    finally:
-        real.close()
+    version, meta = _served_version(lab)
+    features = int(meta["inputs"][0]["shape"][-1])
     reference = _numpy_mlp(lab.repo / lab.model / version)
     rng = np.random.default_rng()  # inputs drawn afresh at every check: no answer can be prepared for them
     name = getattr(fn, "__name__", f"{protocol}_infer")
@@ -505,11 +500,8 @@ def _grade_client(fn: Any, protocol: str) -> str:
 
 
 q3 = CodeExercise(
-    name="04.3 a gRPC request by hand",
-    var="grpc_infer",
-    grade=lambda fn: _grade_client(fn, "grpc"),
-    signature="grpc_infer(url, model, x) -> np.ndarray",
-    applicable=_no_server,
+    name="04.3 a gRPC request by hand", var="grpc_infer", grade=lambda fn: _grade_client(fn, "grpc"),
+    signature="grpc_infer(url, model, x) -> np.ndarray", applicable=_no_server,
     hints=(
         "tritonclient.grpc: a client for the URL, one InferInput per input (name, shape, datatype) filled from the "
         "array, the outputs you want, then client.infer(model, inputs, outputs=...).",
@@ -529,11 +521,8 @@ q3 = CodeExercise(
 )
 
 q4 = CodeExercise(
-    name="04.4 an HTTP request by hand",
-    var="http_infer",
-    grade=lambda fn: _grade_client(fn, "http"),
-    signature="http_infer(url, model, x) -> np.ndarray",
-    applicable=_no_server,
+    name="04.4 an HTTP request by hand", var="http_infer", grade=lambda fn: _grade_client(fn, "http"),
+    signature="http_infer(url, model, x) -> np.ndarray", applicable=_no_server,
     hints=(
         "tritonclient.http has the same classes as tritonclient.grpc; the URL is the HTTP endpoint's host:port.",
         "Over HTTP a tensor travels as JSON numbers unless asked otherwise: set_data_from_numpy(x, binary_data=True) "
@@ -745,11 +734,8 @@ def _grade_execute(fn: Any) -> str:
 
 
 q6 = CodeExercise(
-    name="04.6 execute for a dynamic batch",
-    var="execute",
-    grade=_grade_execute,
-    signature="execute(self, requests) -> list of pb_utils.InferenceResponse",
-    applicable=_no_server,
+    name="04.6 execute for a dynamic batch", var="execute", grade=_grade_execute,
+    signature="execute(self, requests) -> list of pb_utils.InferenceResponse", applicable=_no_server,
     hints=(
         "`requests` holds every request of one batch; each carries its own number of rows. Gather their inputs, run "
         "self.model ONCE on all rows, then give each request its own slice, in order.",
@@ -820,6 +806,12 @@ q7 = Exercise(
 # --------------------------------------------------------------------------------------------------
 # 04.8 the statistics API: average batch and queue time, from a fixed response and from the server's
 
+def _batch_stats(sizes: list[int], counts: list[int]) -> list[dict[str, Any]]:
+    """Triton's batch_stats: per batch size, how many executions ran at it (the times are not used here)."""
+    stages = ("compute_input", "compute_infer", "compute_output")
+    return [{"batch_size": b, **{k: {"count": n, "ns": 0} for k in stages}} for b, n in zip(sizes, counts, strict=True)]
+
+
 Q8_STATS: dict[str, Any] = {  # GET v2/models/mlp/stats after a load test (Triton's statistics extension)
     "model_stats": [{
         "name": "mlp", "version": "1", "last_inference": 1764460800000,
@@ -833,14 +825,7 @@ Q8_STATS: dict[str, Any] = {  # GET v2/models/mlp/stats after a load test (Trito
             "compute_output": {"count": 6400, "ns": 960_000_000},
             "cache_hit": {"count": 0, "ns": 0}, "cache_miss": {"count": 0, "ns": 0},
         },
-        "batch_stats": [
-            {"batch_size": 6, "compute_input": {"count": 20, "ns": 0}, "compute_infer": {"count": 20, "ns": 0},
-             "compute_output": {"count": 20, "ns": 0}},
-            {"batch_size": 8, "compute_input": {"count": 75, "ns": 0}, "compute_infer": {"count": 75, "ns": 0},
-             "compute_output": {"count": 75, "ns": 0}},
-            {"batch_size": 16, "compute_input": {"count": 355, "ns": 0}, "compute_infer": {"count": 355, "ns": 0},
-             "compute_output": {"count": 355, "ns": 0}},
-        ],
+        "batch_stats": _batch_stats([6, 8, 16], [20, 75, 355]),
     }],
 }
 
@@ -912,9 +897,7 @@ def _random_stats(rng: random.Random) -> dict[str, Any]:
         "inference_stats": {"success": {"count": inferences, "ns": sum(ns.values()) + rng.randint(0, 10**9)},
                             "fail": dict(zero), **{k: {"count": inferences, "ns": v} for k, v in ns.items()},
                             "cache_hit": dict(zero), "cache_miss": dict(zero)},
-        "batch_stats": [{"batch_size": b, **{k: {"count": n, "ns": 0} for k in ("compute_input", "compute_infer",
-                                                                               "compute_output")}}
-                        for b, n in zip(sizes, counts, strict=True)],
+        "batch_stats": _batch_stats(sizes, counts),
     }]}
 
 
@@ -960,11 +943,7 @@ def _grade_stats(fn: Any) -> str:
         return (f"on the fixed response (avg_batch {got_batch:.2f}, queue {got_queue:,.0f} µs) and on one with "
                 "numbers drawn at random.")
     lab = _BOUND[0]
-    real = _grpc_client(lab)
-    try:
-        version = _served_version(lab, real)
-    finally:
-        real.close()
+    version, _ = _served_version(lab)
     url = f"{lab.server.http_url.rstrip('/')}/v2/models/{lab.model}/versions/{version}/stats"
     with urllib.request.urlopen(url, timeout=10) as resp:
         live = json.loads(resp.read())
@@ -982,9 +961,7 @@ def _grade_stats(fn: Any) -> str:
 
 
 q8 = CodeExercise(
-    name="04.8 average batch and queue time",
-    var="batch_and_queue",
-    grade=_grade_stats,
+    name="04.8 average batch and queue time", var="batch_and_queue", grade=_grade_stats,
     signature="batch_and_queue(stats) -> (avg_batch, queue_us)",
     hints=(
         "stats['model_stats'][0] holds inference_count (rows served), execution_count (runs of the model) and "

@@ -13,7 +13,7 @@ Design notes: docs/internals.md#lab_utilsexerciseslab05py
 from __future__ import annotations
 
 import contextlib
-import ctypes
+import functools
 import http.client
 import json
 import math
@@ -25,7 +25,6 @@ import subprocess
 import sys
 import threading
 import time
-import traceback
 import urllib.error
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -44,6 +43,7 @@ from lab_utils.exercises.framework import (
     StudentLine,
     StudentTimeout,
     Wrong,
+    _async_raise,
     is_blank,
     number,
     raised_message,
@@ -380,16 +380,9 @@ _QPS_SLIPS = [
     *_window_slips(_QPS, "the request rate"),
 ]
 
-
-
-def _grade_qps(expr: Any) -> None:
-    _grade_query(expr, _QPS, _QPS_SLIPS, "the requests per second")
-
-
 q1 = PrometheusExercise(
-    name="05.1 QPS in PromQL",
-    var="qps_query",
-    grade=_grade_qps,
+    name="05.1 QPS in PromQL", var="qps_query",
+    grade=functools.partial(_grade_query, reference=_QPS, mistakes=_QPS_SLIPS, what="the requests per second"),
     hints=[
         "Triton counts successful requests in a counter; a counter only grows, so look at how fast it grows.",
         "rate(counter[1m]) is the per-second increase averaged over the last minute; sum by (model) adds up the "
@@ -434,16 +427,10 @@ _LATENCY_SLIPS = [
     *_window_slips(_LATENCY, "the average latency"),
 ]
 
-
-
-def _grade_latency(expr: Any) -> None:
-    _grade_query(expr, _LATENCY, _LATENCY_SLIPS, "the average latency in ms")
-
-
 q2 = PrometheusExercise(
-    name="05.2 average latency in PromQL",
-    var="latency_query",
-    grade=_grade_latency,
+    name="05.2 average latency in PromQL", var="latency_query",
+    grade=functools.partial(_grade_query, reference=_LATENCY, mistakes=_LATENCY_SLIPS,
+                            what="the average latency in ms"),
     hints=[
         "Triton adds every request's duration (µs) to a counter and counts the requests in another: their "
         "ratio is an average.",
@@ -501,9 +488,7 @@ def _grade_thresholds(value: Any) -> None:
 
 
 q3 = Exercise(
-    name="05.3 alert thresholds from a baseline",
-    var="thresholds",
-    grade=_grade_thresholds,
+    name="05.3 alert thresholds from a baseline", var="thresholds", grade=_grade_thresholds,
     hints=[
         "An alert threshold sits between normal and broken: above everything a healthy hour shows, below "
         "what an incident shows.",
@@ -553,10 +538,7 @@ def _alert_counters() -> dict[str, dict[str, list[float]]]:
     out: dict[str, dict[str, list[float]]] = {}
     for j, (model, m) in enumerate(_ALERT_MODELS.items()):
         req, queue_us, compute_us, inferences = 1_000_000.0, 1e6 * 10_000, 1e6 * 40_000, 1e6 * m["inferences"]
-        rows: dict[str, list[float]] = {k: [] for k in ("nv_inference_request_success", "nv_inference_count",
-                                                        "nv_inference_queue_duration_us",
-                                                        "nv_inference_compute_infer_duration_us",
-                                                        "nv_inference_request_duration_us")}
+        rows: dict[str, list[float]] = {}
         for step in range(ALERT_END_S // ALERT_STEP_S + 1):
             if step:
                 n = round(m["qps"] * ALERT_STEP_S * (1 + 0.1 * math.sin(1.1 * step + j)))
@@ -564,11 +546,11 @@ def _alert_counters() -> dict[str, dict[str, list[float]]]:
                 inferences += n * m["inferences"]
                 queue_us += round(n * _alert_queue_ms(model, step) * 1000)
                 compute_us += round(n * m["compute_ms"] * 1000)
-            rows["nv_inference_request_success"].append(req)
-            rows["nv_inference_count"].append(inferences)
-            rows["nv_inference_queue_duration_us"].append(queue_us)
-            rows["nv_inference_compute_infer_duration_us"].append(compute_us)
-            rows["nv_inference_request_duration_us"].append(queue_us + compute_us)
+            for name, v in (("nv_inference_request_success", req), ("nv_inference_count", inferences),
+                            ("nv_inference_queue_duration_us", queue_us),
+                            ("nv_inference_compute_infer_duration_us", compute_us),
+                            ("nv_inference_request_duration_us", queue_us + compute_us)):
+                rows.setdefault(name, []).append(v)
         out[model] = rows
     return out
 
@@ -829,11 +811,8 @@ def _grade_alert_rule(value: Any) -> str:
 
 
 q4 = PrometheusExercise(
-    name="05.4 an alert rule, tested by promtool",
-    tools=("promtool",),
-    graded_by="promtool grades this rule",
-    var="alert_rule",
-    grade=_grade_alert_rule,
+    name="05.4 an alert rule, tested by promtool", var="alert_rule", grade=_grade_alert_rule,
+    tools=("promtool",), graded_by="promtool grades this rule",
     hints=[
         "An alerting rule has `alert:` (its name), `expr:` (PromQL returning the series in trouble: a comparison "
         "keeps the series for which it holds), `for:` (how long it must hold before the alert fires) and "
@@ -1016,7 +995,7 @@ class _StudentLoop:
 
     def where(self) -> StudentLine | None:
         frame = sys._current_frames().get(self.thread.ident or -1)
-        return student_frame("".join(traceback.format_stack(frame))) if frame is not None else None
+        return student_frame(frame)
 
     def at(self) -> str:
         line = self.where() if self.thread.is_alive() else self.last_seen
@@ -1059,10 +1038,9 @@ class _StudentLoop:
         """Set stop and wait for the loop; a loop that does not return is interrupted (best effort)."""
         self.stop.set()
         self.thread.join(timeout_s)
-        if self.thread.is_alive() and self.thread.ident is not None:
+        if self.thread.is_alive():
             self.last_seen = self.where()
-            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.thread.ident),
-                                                       ctypes.py_object(StudentTimeout))
+            _async_raise(self.thread, StudentTimeout)
             self.thread.join(2.0)
 
 
@@ -1146,9 +1124,7 @@ def _grade_watchdog(fn: Callable[..., Any]) -> str:
 
 
 q5 = CodeExercise(
-    name="05.5 a watchdog, tested against a real Triton",
-    var="watchdog",
-    grade=_grade_watchdog,
+    name="05.5 a watchdog, tested against a real Triton", var="watchdog", grade=_grade_watchdog,
     signature="watchdog(server, stop, poll_s, timeout_s, failures, backoff_s, max_backoff_s) -> None",
     applicable=_server_unavailable,
     hints=[
@@ -1192,25 +1168,21 @@ _S_REQ, _S_BATCH, _S_INF_PER_EXEC, _S_QUEUE_US = 2400, 2, 8, 12_500
 _S0 = {"success": 500_000, "queue_us": 500_000 * 3_000}
 
 
+_EXPOSED = (  # (name, help, type) of each series in the snapshot, in the order Triton writes them
+    ("nv_inference_request_success", "Number of successful inference requests, all batch sizes", "counter"),
+    ("nv_inference_count", "Number of inferences performed (does not include cached requests)", "counter"),
+    ("nv_inference_exec_count", "Number of model executions performed (does not include cached requests)",
+     "counter"),
+    ("nv_inference_queue_duration_us", "Cumulative inference queuing duration in microseconds", "counter"),
+    ("nv_inference_pending_request_count", "Instantaneous number of pending requests awaiting execution", "gauge"),
+)
+
+
 def _exposition(success: int, queue_us: float) -> str:
     infer = success * _S_BATCH
-    return (
-        "# HELP nv_inference_request_success Number of successful inference requests, all batch sizes\n"
-        "# TYPE nv_inference_request_success counter\n"
-        f'nv_inference_request_success{{model="detector",version="1"}} {success}\n'
-        "# HELP nv_inference_count Number of inferences performed (does not include cached requests)\n"
-        "# TYPE nv_inference_count counter\n"
-        f'nv_inference_count{{model="detector",version="1"}} {infer}\n'
-        "# HELP nv_inference_exec_count Number of model executions performed (does not include cached requests)\n"
-        "# TYPE nv_inference_exec_count counter\n"
-        f'nv_inference_exec_count{{model="detector",version="1"}} {infer // _S_INF_PER_EXEC}\n'
-        "# HELP nv_inference_queue_duration_us Cumulative inference queuing duration in microseconds\n"
-        "# TYPE nv_inference_queue_duration_us counter\n"
-        f'nv_inference_queue_duration_us{{model="detector",version="1"}} {queue_us:.0f}\n'
-        "# HELP nv_inference_pending_request_count Instantaneous number of pending requests awaiting execution\n"
-        "# TYPE nv_inference_pending_request_count gauge\n"
-        f'nv_inference_pending_request_count{{model="detector",version="1"}} 17\n'
-    )
+    values = (success, infer, infer // _S_INF_PER_EXEC, f"{queue_us:.0f}", 17)
+    return "".join(f"# HELP {name} {what}\n# TYPE {name} {kind}\n{name}{{model=\"detector\",version=\"1\"}} {v}\n"
+                   for (name, what, kind), v in zip(_EXPOSED, values, strict=True))
 
 
 SNAPSHOT_BEFORE = _exposition(_S0["success"], _S0["queue_us"])
@@ -1253,9 +1225,7 @@ def _grade_snapshot(value: Any) -> None:
 
 
 q6 = Exercise(
-    name="05.6 read a metrics snapshot",
-    var="snapshot",
-    grade=_grade_snapshot,
+    name="05.6 read a metrics snapshot", var="snapshot", grade=_grade_snapshot,
     hints=[
         "Counters mean something only as differences: subtract SNAPSHOT_BEFORE's value from SNAPSHOT_AFTER's "
         "(prometheus.parse_exposition reads the text for you).",
@@ -1319,9 +1289,7 @@ def _grade_bottleneck(value: Any) -> None:
 
 
 q7 = Exercise(
-    name="05.7 find the bottleneck",
-    var="bottleneck",
-    grade=_grade_bottleneck,
+    name="05.7 find the bottleneck", var="bottleneck", grade=_grade_bottleneck,
     hints=[
         "Split each model's time: queue_ms + compute ≈ the server's request time; the client's latency adds "
         "what happens outside the server.",

@@ -31,8 +31,9 @@ from lab_utils.exercises.framework import (
     _is_students,
     choice,
     run_student,
+    source_as,
 )
-from lab_utils.gpu.bench import resolve_device
+from lab_utils.exercises.lab01 import grading_device  # the lab's own device: the GPU when torch can use one
 from lab_utils.procs import temporary_folder
 from lab_utils.profiling import trace as tr
 from lab_utils.profiling.programs import PngDigits, loader_workers
@@ -47,11 +48,6 @@ SCHEDULE = {"wait": 1, "warmup": 1, "active": 3}
 STEPS = sum(SCHEDULE.values())  # the step() calls profile_steps makes
 ACTIVE_STEPS = {f"{tr.STEP_PREFIX}{i}" for i in range(SCHEDULE["wait"] + SCHEDULE["warmup"], STEPS)}
 GRADER_RANGE = "grader_step"
-
-
-def grading_device() -> str:
-    """Where the code exercises run: the GPU when torch can use one, else the CPU."""
-    return resolve_device("auto")
 
 
 # --- reference implementations (later cells of the lab use these) -------------------------------------------
@@ -173,9 +169,7 @@ def _grade_profile_steps(fn: Any) -> str:
 
 
 q1 = CodeExercise(
-    name="06.1 a trace by hand",
-    var="profile_steps",
-    grade=_grade_profile_steps,
+    name="06.1 a trace by hand", var="profile_steps", grade=_grade_profile_steps,
     signature="profile_steps(step, trace_path) -> None",
     hints=[
         "with torch.profiler.profile(activities=[...], schedule=torch.profiler.schedule(wait=1, warmup=1, "
@@ -184,15 +178,7 @@ q1 = CodeExercise(
         "ProfilerActivity.CUDA records the kernels when torch.cuda.is_available().",
         "After the with block: prof.export_chrome_trace(trace_path).",
     ],
-    solution_text=(
-        "def profile_steps(step, trace_path):\n"
-        "    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])\n"
-        "    with profile(activities=activities, schedule=schedule(wait=1, warmup=1, active=3)) as prof:\n"
-        "        for _ in range(5):\n"
-        "            step()\n"
-        "            prof.step()\n"
-        "    prof.export_chrome_trace(str(trace_path))"
-    ),
+    solution_text=source_as(reference_profile_steps, "profile_steps(step, trace_path)"),
 )
 
 
@@ -282,9 +268,7 @@ def _grade_busy(fn: Any) -> str:
 
 
 q2 = CodeExercise(
-    name="06.2 GPU busy fraction",
-    var="gpu_busy_fraction",
-    grade=_grade_busy,
+    name="06.2 GPU busy fraction", var="gpu_busy_fraction", grade=_grade_busy,
     signature="gpu_busy_fraction(trace) -> float",
     hints=[
         "Kernels are the events with cat == 'kernel' (ts and dur in µs); the steps are the 'user_annotation' "
@@ -294,25 +278,7 @@ q2 = CodeExercise(
         "window, then add up the merged lengths.",
         "return busy_us / (t1 - t0): a fraction, 1.0 when some kernel runs at every instant.",
     ],
-    solution_text=(
-        "def gpu_busy_fraction(trace):\n"
-        "    ev = [e for e in trace['traceEvents'] if e.get('ph') == 'X']\n"
-        "    steps = [e for e in ev if e.get('cat') == 'user_annotation' and e['name'].startswith('ProfilerStep#')]\n"
-        "    kernels = sorted((e['ts'], e['ts'] + e['dur']) for e in ev if e.get('cat') == 'kernel')\n"
-        "    t0 = min(e['ts'] for e in steps)\n"
-        "    t1 = max([e['ts'] + e['dur'] for e in steps] + [b for a, b in kernels if a >= t0])\n"
-        "    busy, cur = 0.0, None\n"
-        "    for a, b in kernels:\n"
-        "        a, b = max(a, t0), min(b, t1)\n"
-        "        if b <= a: continue\n"
-        "        if cur is None or a > cur[1]:\n"
-        "            busy += cur[1] - cur[0] if cur else 0.0\n"
-        "            cur = [a, b]\n"
-        "        else:\n"
-        "            cur[1] = max(cur[1], b)\n"
-        "    busy += cur[1] - cur[0] if cur else 0.0\n"
-        "    return busy / (t1 - t0)"
-    ),
+    solution_text=source_as(reference_gpu_busy_fraction, "gpu_busy_fraction(trace)"),
 )
 
 
@@ -370,9 +336,7 @@ def _grade_loader(fn: Any) -> str:
 
 
 q3 = CodeExercise(
-    name="06.3 fix the data loading",
-    var="make_loader",
-    grade=_grade_loader,
+    name="06.3 fix the data loading", var="make_loader", grade=_grade_loader,
     signature="make_loader(dataset, batch_size, device) -> DataLoader",
     hints=[
         "torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True, ...): which arguments move the "
@@ -475,9 +439,7 @@ def reference_last_losses(batches: Sequence[tuple[torch.Tensor, torch.Tensor]], 
 
 
 q4 = CodeExercise(
-    name="06.4 no host sync per step",
-    var="train_loop",
-    grade=_grade_train_loop,
+    name="06.4 no host sync per step", var="train_loop", grade=_grade_train_loop,
     signature="train_loop(model, opt, batches, log_every) -> list[float]",
     hints=[
         "loss.item() (and float(loss), print(loss), if loss > x:) copies a value to the host: the CPU waits for "
@@ -487,20 +449,7 @@ q4 = CodeExercise(
         "Each step: loss = F.cross_entropy(model(x), y); opt.zero_grad(set_to_none=True); loss.backward(); "
         "opt.step().",
     ],
-    solution_text=(
-        "def train_loop(model, opt, batches, log_every):\n"
-        "    logged, running = [], torch.zeros((), device=batches[0][0].device)\n"
-        "    for i, (x, y) in enumerate(batches, start=1):\n"
-        "        loss = torch.nn.functional.cross_entropy(model(x), y)\n"
-        "        opt.zero_grad(set_to_none=True)\n"
-        "        loss.backward()\n"
-        "        opt.step()\n"
-        "        running += loss.detach()\n"
-        "        if i % log_every == 0:\n"
-        "            logged.append(running.item() / log_every)\n"
-        "            running.zero_()\n"
-        "    return logged"
-    ),
+    solution_text=source_as(reference_train_loop, "train_loop(model, opt, batches, log_every)"),
 )
 
 
@@ -536,9 +485,7 @@ def _grade_diagnosis(value: Any) -> None:
 
 
 q5 = Exercise(
-    name="06.5 diagnose four traces",
-    var="diagnosis",
-    grade=_grade_diagnosis,
+    name="06.5 diagnose four traces", var="diagnosis", grade=_grade_diagnosis,
     hints=[
         "data_wait is the share of the step spent in the DataLoader's next(); syncs_per_step counts host calls "
         "that wait for the GPU; a launch-bound step has many kernels of a few µs and a low busy fraction.",
@@ -567,9 +514,7 @@ def _grade_bound(value: Any) -> None:
 
 
 q6 = Exercise(
-    name="06.6 read ncu's Speed of Light",
-    var="kernel_bound",
-    grade=_grade_bound,
+    name="06.6 read ncu's Speed of Light", var="kernel_bound", grade=_grade_bound,
     hints=[
         "Speed of Light gives percentages of the hardware's peak: Compute (SM) Throughput, Memory Throughput (the "
         "busiest memory unit: L1/shared, L2 or DRAM) and DRAM Throughput. HBM-bound means DRAM near its peak.",

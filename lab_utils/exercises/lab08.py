@@ -12,13 +12,11 @@ Design notes: docs/internals.md#lab_utilsexerciseslab08py
 
 from __future__ import annotations
 
-import inspect
 import math
 import random
-import textwrap
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -35,6 +33,7 @@ from lab_utils.exercises.framework import (
     integer,
     number,
     run_student,
+    source_as,
 )
 from lab_utils.mlops import canary
 from lab_utils.mlops.canary import CanaryState, Decision, Guards, VariantMetrics
@@ -58,11 +57,6 @@ _AT_S = 6.5  # q2's queries are evaluated at start + this: the window (3.5 s .. 
 _SCRAPE_S = 0.5
 VARIANTS = ("champion", "challenger")
 METRIC_KEYS = ("train_loss", "val_loss", "val_accuracy")
-
-
-def _source(fn: Callable[..., Any], name: str) -> str:
-    """A reference function's source under the name the student defines."""
-    return textwrap.dedent(inspect.getsource(fn)).replace(f"def {fn.__name__}(", f"def {name}(", 1)
 
 
 # --- what the checks are bound to -----------------------------------------------------------------------------
@@ -100,10 +94,6 @@ def _tracking() -> Any:
         raise NotApplicable("the lab's tracking server is not running: start it again (the cell with "
                             "TrackingServer()) and rerun this check.")
     return server
-
-
-def _mlflow_missing() -> str | None:
-    return mlflow_missing()
 
 
 def _prometheus_missing() -> str | None:
@@ -389,11 +379,8 @@ def _check_run(client: Any, run: Any, exp_id: str, experiment: str, result: Any,
 
 
 q1 = CodeExercise(
-    name="08.1 log a training run",
-    var="log_run",
-    grade=_grade_log_run,
-    signature="log_run(tracking_uri, experiment, result, onnx_path) -> str",
-    applicable=_mlflow_missing,
+    name="08.1 log a training run", var="log_run", grade=_grade_log_run,
+    signature="log_run(tracking_uri, experiment, result, onnx_path) -> str", applicable=mlflow_missing,
     hints=(
         "mlflow.set_tracking_uri(tracking_uri); mlflow.set_experiment(experiment) (it creates it when new); then "
         "`with mlflow.start_run() as run:` (the run ends FINISHED with the block) and return run.info.run_id.",
@@ -402,7 +389,7 @@ q1 = CodeExercise(
         "Tags: mlflow.set_tags({'data_sha256': result.data_sha256, 'git_commit': git_commit()[0]}) "
         "(from lab_utils.mlops.tracking import git_commit; it returns (sha, dirty)).",
     ),
-    solution_text=_source(reference_log_run, "log_run"),
+    solution_text=source_as(reference_log_run, "log_run"),
 )
 
 
@@ -666,14 +653,11 @@ def _by_variant(df: Any, key: str) -> dict[str, list[float]]:
     return out
 
 
-def _close(a: float, b: float) -> bool:
-    if math.isnan(a) or math.isnan(b):
-        return math.isnan(a) and math.isnan(b)
-    return math.isclose(a, b, rel_tol=2e-3, abs_tol=1e-9)
-
-
 def _same(got: Mapping[str, list[float]], want: Mapping[str, list[float]]) -> bool:
-    return all(len(got[v]) == 1 and len(want[v]) == 1 and _close(got[v][0], want[v][0]) for v in VARIANTS)
+    def close(a: float, b: float) -> bool:
+        return math.isnan(a) and math.isnan(b) or math.isclose(a, b, rel_tol=2e-3, abs_tol=1e-9)
+
+    return all(len(got[v]) == 1 and len(want[v]) == 1 and close(got[v][0], want[v][0]) for v in VARIANTS)
 
 
 def _grade_queries(fn: Any) -> str:
@@ -748,11 +732,8 @@ def _grade_queries(fn: Any) -> str:
 
 
 q2 = CodeExercise(
-    name="08.2 the canary's PromQL",
-    var="canary_queries",
-    grade=_grade_queries,
-    signature="canary_queries(window: str) -> dict[str, str]",
-    applicable=_prometheus_missing,
+    name="08.2 the canary's PromQL", var="canary_queries", grade=_grade_queries,
+    signature="canary_queries(window: str) -> dict[str, str]", applicable=_prometheus_missing,
     hints=(
         "Every number is over the last window: rate(counter[window]) (or increase) of Triton's counters "
         f"nv_inference_request_success and nv_inference_request_failure, filtered to {{model=\"{SERVICE_MODEL}\"}}, "
@@ -763,7 +744,7 @@ q2 = CodeExercise(
         "p95_ms: max by (job) of nv_inference_request_summary_us{model=..., quantile=\"0.95\"}, / 1000 "
         "(Triton reports microseconds).",
     ),
-    solution_text=_source(reference_canary_queries, "canary_queries"),
+    solution_text=source_as(reference_canary_queries, "canary_queries"),
 )
 
 
@@ -945,9 +926,7 @@ def _grade_decide(fn: Any) -> str:
 
 
 q3 = CodeExercise(
-    name="08.3 the canary's decision",
-    var="decide",
-    grade=_grade_decide,
+    name="08.3 the canary's decision", var="decide", grade=_grade_decide,
     signature="decide(state: CanaryState, metrics: dict[str, VariantMetrics], guards: Guards) -> Decision",
     hints=(
         "Guards in order: errors (above guards.max_error_rate, or above the champion's + max_error_rate_delta), "
@@ -960,7 +939,7 @@ q3 = CodeExercise(
         "A healthy check adds 1 to state.healthy; at guards.checks_per_step: promote, replace(state, step=step + 1, "
         "healthy=0, idle=0), with status 'promoted' when the new step is the last (100 %).",
     ),
-    solution_text=_source(reference_decide, "decide"),
+    solution_text=source_as(reference_decide, "decide"),
 )
 
 
@@ -1045,9 +1024,7 @@ def _grade_sample_size(fn: Any) -> str:
 
 
 q4 = CodeExercise(
-    name="08.4 the A/B test's sample size",
-    var="sample_size",
-    grade=_grade_sample_size,
+    name="08.4 the A/B test's sample size", var="sample_size", grade=_grade_sample_size,
     signature="sample_size(p_a, p_b, alpha=0.05, power=0.8) -> int",
     hints=(
         "z_a = NormalDist().inv_cdf(1 - alpha / 2) (two-sided), z_b = NormalDist().inv_cdf(power) (from statistics "
@@ -1055,7 +1032,7 @@ q4 = CodeExercise(
         "Pooled under H0 with p = (p_a + p_b) / 2: n = (z_a sqrt(2 p (1 - p)) + z_b sqrt(p_a (1 - p_a) + p_b (1 - "
         "p_b)))^2 / (p_a - p_b)^2 per group; math.ceil it.",
     ),
-    solution_text=_source(reference_sample_size, "sample_size"),
+    solution_text=source_as(reference_sample_size, "sample_size"),
 )
 
 
@@ -1144,9 +1121,7 @@ def _grade_psi(fn: Any) -> str:
 
 
 q5 = CodeExercise(
-    name="08.5 the population stability index",
-    var="psi",
-    grade=_grade_psi,
+    name="08.5 the population stability index", var="psi", grade=_grade_psi,
     signature="psi(reference, current, bins=10) -> float",
     hints=(
         "Bins from the reference: inner edges = np.quantile(reference, np.linspace(0, 1, bins + 1)[1:-1]); the "
@@ -1154,7 +1129,7 @@ q5 = CodeExercise(
         "Shares, not counts (divide by the sample's size), floored at a small epsilon (np.maximum(share, 1e-4)); "
         "PSI = sum((c - r) * np.log(c / r)).",
     ),
-    solution_text=_source(reference_psi, "psi"),
+    solution_text=source_as(reference_psi, "psi"),
 )
 
 
@@ -1174,14 +1149,12 @@ def _grade_verdict(value: Any) -> str:
     if res is None:
         raise NotApplicable("no A/B result to compare with yet: run the cell that compares the two groups (it calls "
                             "ex.use_ab(result)), then this one again.")
-    if isinstance(value, bool):
-        picked = "real" if value else "not real"
-    else:
-        picked = choice(value, _VERDICTS, _VERDICT_SYNONYMS)
+    picked = ("real" if value else "not real") if isinstance(value, bool) else \
+        choice(value, _VERDICTS, _VERDICT_SYNONYMS)
     if picked is None:
         raise Wrong('answer "real" or "not real" (yes / no)')
     lo, hi = res.boot_low, res.boot_high
-    real = not (lo <= 0 <= hi)
+    real = reference_verdict(res) == "real"
     interval = f"the 95 % interval of B - A is [{lo:+.2%}, {hi:+.2%}] (p = {res.test.p_value:.3g})"
     if picked == "real" and not real:
         raise Wrong(f"{interval}: it contains 0, so no difference at all fits the data as well as the one measured; "
@@ -1193,9 +1166,7 @@ def _grade_verdict(value: Any) -> str:
 
 
 q6 = Exercise(
-    name="08.6 the A/B verdict",
-    var="ab_verdict",
-    grade=_grade_verdict,
+    name="08.6 the A/B verdict", var="ab_verdict", grade=_grade_verdict,
     hints=(
         "Read the 95 % interval of B - A (result.boot_low, result.boot_high) and the p-value (result.test.p_value).",
         "The difference is real when the interval excludes 0 (then p < 0.05 too): a 0 inside means 'no difference' "

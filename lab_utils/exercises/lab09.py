@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from lab_utils.exercises import lab01
-from lab_utils.exercises.framework import CodeExercise, Exercise, Wrong, close_to, number, run_student
+from lab_utils.exercises.framework import CodeExercise, Exercise, Wrong, close_to, number, run_student, source_as
 from lab_utils.exercises.quiz import in_byte_unit
 from lab_utils.inference.llm import decode_attention as reference_decode_attention
 
@@ -36,10 +36,6 @@ H200_RIDGE = lab01.H200_RIDGE  # FLOP/byte: dense bf16 peak / HBM bandwidth, ~20
 GIB = 2**30
 
 
-def _rng() -> random.Random:
-    return random.Random()
-
-
 def _close(a: float, b: float, rel: float = 1e-6) -> bool:
     return math.isclose(a, b, rel_tol=rel, abs_tol=1e-12)
 
@@ -49,7 +45,7 @@ def _close(a: float, b: float, rel: float = 1e-6) -> bool:
 
 def reference_kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
     """Bytes of KV cache one token adds: a key and a value vector per KV head, in every layer."""
-    return 2 * layers * kv_heads * head_dim * dtype_bytes
+    return 2 * layers * kv_heads * head_dim * dtype_bytes  # K and V, every layer, every KV head
 
 
 # Real shapes (layers, KV heads, head dim) beside random ones: Llama-3.1-8B/70B/405B, Mistral-7B, Llama-2-7B (MHA).
@@ -68,12 +64,8 @@ def _shapes(rng: random.Random, n: int = 5) -> list[tuple[int, int, int, int]]:
     return out
 
 
-def _same_ratio(ratios: list[float], target: float) -> bool:
-    return all(math.isclose(r, target, rel_tol=1e-6) for r in ratios)
-
-
 def _grade_kv_bytes(fn: Any) -> str:
-    shapes = _shapes(_rng())
+    shapes = _shapes(random.Random())
     got, want = [], []
     for layers, kvh, hd, nb in shapes:
         call = f"kv_bytes_per_token(layers={layers}, kv_heads={kvh}, head_dim={hd}, dtype_bytes={nb})"
@@ -94,7 +86,7 @@ def _grade_kv_bytes(fn: Any) -> str:
         1e-6: "that is MB: return bytes.",
     }
     for r, msg in slips.items():
-        if _same_ratio(ratios, r):
+        if all(math.isclose(x, r, rel_tol=1e-6) for x in ratios):
             raise Wrong(msg)
     if all(math.isclose(g * s[0], w, rel_tol=1e-6) for g, w, s in zip(got, want, shapes, strict=True)):
         raise Wrong("one layer's worth: every layer keeps its own keys and values (multiply by layers).")
@@ -108,9 +100,7 @@ def _grade_kv_bytes(fn: Any) -> str:
 
 
 q1 = CodeExercise(
-    name="09.1 KV cache bytes per token",
-    var="kv_bytes_per_token",
-    grade=_grade_kv_bytes,
+    name="09.1 KV cache bytes per token", var="kv_bytes_per_token", grade=_grade_kv_bytes,
     signature="kv_bytes_per_token(layers, kv_heads, head_dim, dtype_bytes) -> int",
     hints=[
         "Each new token leaves, in every layer, one key vector and one value vector per KV head.",
@@ -118,10 +108,8 @@ q1 = CodeExercise(
         "are stored, not the (more numerous) query heads.",
         "return 2 * layers * kv_heads * head_dim * dtype_bytes",
     ],
-    solution_text=(
-        "def kv_bytes_per_token(layers, kv_heads, head_dim, dtype_bytes):\n"
-        "    return 2 * layers * kv_heads * head_dim * dtype_bytes   # K and V, every layer, every KV head"
-    ),
+    solution_text=source_as(reference_kv_bytes_per_token,
+                            "kv_bytes_per_token(layers, kv_heads, head_dim, dtype_bytes)"),
 )
 
 # --- q2: one Llama-3.1-70B sequence -------------------------------------------------------------------------
@@ -148,9 +136,7 @@ def _grade_q2(value: Any) -> None:
 
 
 q2 = Exercise(
-    name="09.2 KV cache of one Llama-3.1-70B sequence",
-    var="kv_gb_70b",
-    grade=_grade_q2,
+    name="09.2 KV cache of one Llama-3.1-70B sequence", var="kv_gb_70b", grade=_grade_q2,
     hints=[
         "Your kv_bytes_per_token with Llama-3.1-70B's shape, times the sequence length.",
         "80 layers, 8 KV heads (64 query heads share them: GQA), head_dim 128, bf16 = 2 bytes; 8192 tokens.",
@@ -167,8 +153,8 @@ def reference_max_sequences(gpu_mem_gb: float, weights_gb: float, seq_len: int, 
     """Whole sequences of ``seq_len`` tokens whose KV cache fits in what is left of the GPU's memory once
     ``reserve_frac`` of it is kept back (activations, CUDA context, fragmentation) and the weights are loaded.
     GB = 1e9 bytes; 0 when the weights alone do not fit."""
-    free_bytes = (gpu_mem_gb * (1 - reserve_frac) - weights_gb) * 1e9
-    return max(0, math.floor(free_bytes / (seq_len * kv_bytes_per_token)))
+    free_bytes = (gpu_mem_gb * (1 - reserve_frac) - weights_gb) * 1e9  # GB = 1e9 bytes
+    return max(0, math.floor(free_bytes / (seq_len * kv_bytes_per_token)))  # whole sequences
 
 
 def _seq_variants(mem: float, w: float, seq: int, kv: int, reserve: float) -> list[tuple[int, str]]:
@@ -212,7 +198,7 @@ def _seq_cases(rng: random.Random) -> list[tuple[float, float, int, int, float]]
 
 
 def _grade_max_sequences(fn: Any) -> str:
-    for mem, w, seq, kv, reserve in _seq_cases(_rng()):
+    for mem, w, seq, kv, reserve in _seq_cases(random.Random()):
         call = (f"max_sequences(gpu_mem_gb={mem}, weights_gb={w}, seq_len={seq}, kv_bytes_per_token={kv}, "
                 f"reserve_frac={reserve})")
         raw = run_student(fn, mem, w, seq, kv, reserve, call=call, timeout_s=10)
@@ -238,9 +224,7 @@ def _grade_max_sequences(fn: Any) -> str:
 
 
 q3 = CodeExercise(
-    name="09.3 sequences that fit beside the weights",
-    var="max_sequences",
-    grade=_grade_max_sequences,
+    name="09.3 sequences that fit beside the weights", var="max_sequences", grade=_grade_max_sequences,
     signature="max_sequences(gpu_mem_gb, weights_gb, seq_len, kv_bytes_per_token, reserve_frac) -> int",
     hints=[
         "Keep reserve_frac of the GPU's memory back, load the weights, and give the rest to the KV cache.",
@@ -248,11 +232,8 @@ q3 = CodeExercise(
         "kv_bytes_per_token bytes.",
         "return max(0, math.floor(free_bytes / (seq_len * kv_bytes_per_token)))",
     ],
-    solution_text=(
-        "def max_sequences(gpu_mem_gb, weights_gb, seq_len, kv_bytes_per_token, reserve_frac):\n"
-        "    free_bytes = (gpu_mem_gb * (1 - reserve_frac) - weights_gb) * 1e9   # GB = 1e9 bytes\n"
-        "    return max(0, math.floor(free_bytes / (seq_len * kv_bytes_per_token)))   # whole sequences"
-    ),
+    solution_text=source_as(reference_max_sequences,
+                            "max_sequences(gpu_mem_gb, weights_gb, seq_len, kv_bytes_per_token, reserve_frac)"),
 )
 
 # --- q4: paged against contiguous KV memory --------------------------------------------------------------------
@@ -262,8 +243,8 @@ def reference_kv_waste(lengths: list[int], max_len: int, block: int) -> tuple[fl
     """(contiguous, paged) share of reserved KV memory that holds no token. Contiguous: every sequence reserves
     ``max_len`` slots. Paged: a sequence holds ceil(length / block) blocks of ``block`` slots."""
     used = sum(lengths)
-    contiguous = 1 - used / (len(lengths) * max_len)
-    paged = 1 - used / sum(math.ceil(n / block) * block for n in lengths)
+    contiguous = 1 - used / (len(lengths) * max_len)  # max_len reserved each
+    paged = 1 - used / sum(math.ceil(n / block) * block for n in lengths)  # whole blocks only
     return contiguous, paged
 
 
@@ -282,7 +263,7 @@ def _pair(value: Any, call: str) -> tuple[float, float]:
 
 
 def _grade_kv_waste(fn: Any) -> str:
-    rng = _rng()
+    rng = random.Random()
     for _ in range(3):
         lengths, max_len, block = _waste_case(rng)
         call = f"kv_waste(lengths=<{len(lengths)} lengths>, max_len={max_len}, block={block})"
@@ -318,9 +299,7 @@ def _grade_kv_waste(fn: Any) -> str:
 
 
 q4 = CodeExercise(
-    name="09.4 KV memory wasted: contiguous against paged",
-    var="kv_waste",
-    grade=_grade_kv_waste,
+    name="09.4 KV memory wasted: contiguous against paged", var="kv_waste", grade=_grade_kv_waste,
     signature="kv_waste(lengths, max_len, block) -> (contiguous_waste, paged_waste)",
     hints=[
         "Used slots: sum(lengths). A contiguous cache reserves max_len slots for every sequence; a paged one only "
@@ -329,13 +308,7 @@ q4 = CodeExercise(
         "used = sum(lengths); return 1 - used / (len(lengths) * max_len), "
         "1 - used / sum(math.ceil(n / block) * block for n in lengths)",
     ],
-    solution_text=(
-        "def kv_waste(lengths, max_len, block):\n"
-        "    used = sum(lengths)\n"
-        "    contiguous = 1 - used / (len(lengths) * max_len)                          # max_len reserved each\n"
-        "    paged = 1 - used / sum(math.ceil(n / block) * block for n in lengths)     # whole blocks only\n"
-        "    return contiguous, paged"
-    ),
+    solution_text=source_as(reference_kv_waste, "kv_waste(lengths, max_len, block)"),
 )
 
 # --- q5: one decode step's attention with a KV cache ----------------------------------------------------------
@@ -364,7 +337,7 @@ def _close_t(a: Any, b: torch.Tensor) -> bool:
 
 
 def _grade_decode_attention(fn: Any) -> str:
-    rng = _rng()
+    rng = random.Random()
     gen = torch.Generator().manual_seed(rng.randrange(2**31))
     for b, h, kvh, hd, max_len, pos in _attn_cases(rng):
         k_cache = torch.zeros(b, kvh, max_len, hd)
@@ -424,9 +397,7 @@ def _grade_decode_attention(fn: Any) -> str:
 
 
 q5 = CodeExercise(
-    name="09.5 one decode step with a KV cache",
-    var="decode_attention",
-    grade=_grade_decode_attention,
+    name="09.5 one decode step with a KV cache", var="decode_attention", grade=_grade_decode_attention,
     signature="decode_attention(q, k_new, v_new, k_cache, v_cache, pos) -> Tensor",
     hints=[
         "First the cache: the new token's key and value go in at index pos (k_cache[:, :, pos] = k_new[:, :, 0]); "
@@ -435,16 +406,7 @@ q5 = CodeExercise(
         "KV head: .repeat_interleave(heads // kv_heads, dim=1).",
         "scores = q @ keys.transpose(-2, -1) / math.sqrt(head_dim); return torch.softmax(scores, dim=-1) @ values",
     ],
-    solution_text=(
-        "def decode_attention(q, k_new, v_new, k_cache, v_cache, pos):\n"
-        "    k_cache[:, :, pos] = k_new[:, :, 0]          # the cache grows by the new token\n"
-        "    v_cache[:, :, pos] = v_new[:, :, 0]\n"
-        "    group = q.shape[1] // k_cache.shape[1]       # query heads per KV head (GQA)\n"
-        "    keys = k_cache[:, :, :pos + 1].repeat_interleave(group, dim=1)\n"
-        "    values = v_cache[:, :, :pos + 1].repeat_interleave(group, dim=1)\n"
-        "    scores = q @ keys.transpose(-2, -1) / math.sqrt(q.shape[-1])\n"
-        "    return torch.softmax(scores, dim=-1) @ values"
-    ),
+    solution_text=source_as(reference_decode_attention, "decode_attention(q, k_new, v_new, k_cache, v_cache, pos)"),
 )
 
 # --- q8: TTFT, TPOT and throughput of a static batch ---------------------------------------------------------------
@@ -455,8 +417,8 @@ def reference_ttft_tpot(prefill_ms: Mapping[int, float], decode_ms: Mapping[int,
     """(TTFT ms, TPOT ms, output tokens/s) of ``batch`` requests that arrive together and are served as one batch:
     their prompts prefilled in one forward (``prefill_ms[batch]``, which also yields each first token), then
     ``new_tokens - 1`` decode steps of ``decode_ms[batch]`` each."""
-    ttft = prefill_ms[batch]
-    tpot = decode_ms[batch]
+    ttft = prefill_ms[batch]  # one forward over every prompt: first tokens
+    tpot = decode_ms[batch]  # every request waits a whole step per token
     total_ms = ttft + (new_tokens - 1) * tpot
     return ttft, tpot, batch * new_tokens / (total_ms / 1e3)
 
@@ -470,7 +432,7 @@ def _timing_case(rng: random.Random) -> tuple[dict[int, float], dict[int, float]
 
 
 def _grade_ttft_tpot(fn: Any) -> str:
-    rng = _rng()
+    rng = random.Random()
     for _ in range(3):
         prefill, decode, b, n = _timing_case(rng)
         call = f"ttft_tpot(prefill_ms, decode_ms, batch={b}, new_tokens={n})"
@@ -514,9 +476,7 @@ def _grade_ttft_tpot(fn: Any) -> str:
 
 
 q8 = CodeExercise(
-    name="09.8 TTFT, TPOT and tokens/s of a batch",
-    var="ttft_tpot",
-    grade=_grade_ttft_tpot,
+    name="09.8 TTFT, TPOT and tokens/s of a batch", var="ttft_tpot", grade=_grade_ttft_tpot,
     signature="ttft_tpot(prefill_ms, decode_ms, batch, new_tokens) -> (ttft_ms, tpot_ms, tokens_per_s)",
     hints=[
         "The batch's prompts go through one forward: every request's first token appears when it ends. After that "
@@ -525,20 +485,13 @@ q8 = CodeExercise(
         "decode steps follow.",
         "total_ms = ttft + (new_tokens - 1) * tpot; tokens_per_s = batch * new_tokens / (total_ms / 1000)",
     ],
-    solution_text=(
-        "def ttft_tpot(prefill_ms, decode_ms, batch, new_tokens):\n"
-        "    ttft = prefill_ms[batch]                      # one forward over every prompt: first tokens\n"
-        "    tpot = decode_ms[batch]                       # every request waits a whole step per token\n"
-        "    total_ms = ttft + (new_tokens - 1) * tpot\n"
-        "    return ttft, tpot, batch * new_tokens / (total_ms / 1000)"
-    ),
+    solution_text=source_as(reference_ttft_tpot, "ttft_tpot(prefill_ms, decode_ms, batch, new_tokens)"),
 )
 
 # --- q6/q7: decode's intensity and the ridge ---------------------------------------------------------------------
 
 q6 = Exercise(
-    name="09.6 arithmetic intensity of a batch-1 decode step",
-    var="decode_flop_per_byte",
+    name="09.6 arithmetic intensity of a batch-1 decode step", var="decode_flop_per_byte",
     grade=close_to(
         1.0, rel=0.05, reveal=False,
         why="Per weight: a multiply-add (FLOPs) for one token, and the weight read once from HBM in bf16 (bytes).",
@@ -558,8 +511,7 @@ q6 = Exercise(
 )
 
 q7 = Exercise(
-    name="09.7 batch at which decode reaches the ridge",
-    var="ridge_batch",
+    name="09.7 batch at which decode reaches the ridge", var="ridge_batch",
     grade=close_to(
         H200_RIDGE, rel=0.05, reveal=False,
         why="At batch B a weight read once serves B tokens: intensity ≈ B FLOP/byte in bf16; set it equal to the "
@@ -624,9 +576,7 @@ def _grade_nim_request(value: Any) -> None:
 
 
 q9 = Exercise(
-    name="09.9 an OpenAI-compatible chat request to a NIM",
-    var="nim_request",
-    grade=_grade_nim_request,
+    name="09.9 an OpenAI-compatible chat request to a NIM", var="nim_request", grade=_grade_nim_request,
     hints=[
         "POST /v1/chat/completions takes a JSON object: model, messages, and generation options.",
         "messages is a list of {\"role\": \"user\", \"content\": ...}; max_tokens is a number; stream a boolean.",

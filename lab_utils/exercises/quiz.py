@@ -29,7 +29,7 @@ import pandas as pd
 
 from lab_utils import DATA_DIR
 from lab_utils.course.catalog import LABS, repo_root
-from lab_utils.exercises.framework import Exercise, Outcome, Status, Wrong, is_blank, normal_text, number
+from lab_utils.exercises.framework import Exercise, Outcome, Status, Wrong, is_blank, match_slip, normal_text, number
 from lab_utils.procs import EnvError
 
 __all__ = [
@@ -342,13 +342,8 @@ def _grade_numeric(q: Question, value: Any, lang: str) -> None:
     if math.isclose(got, want, rel_tol=tol, abs_tol=0.0 if want else tol):
         return
     side = _tr("high", lang) if got > want else _tr("low", lang)
-    ratio = got / want if want else float("inf")
-    slip = ""
-    for r, text in _NUMERIC_SLIPS.items():
-        if want and math.isclose(ratio, r, rel_tol=max(tol, 0.005)):
-            slip = f" ({text[lang]})"
-            break
-    raise Wrong(f"{_tr('within', lang)} {tol:.0%}, {side}{slip}.")
+    slip = match_slip(got / want, {r: t[lang] for r, t in _NUMERIC_SLIPS.items()}, max(tol, 0.005)) if want else None
+    raise Wrong(f"{_tr('within', lang)} {tol:.0%}, {side}{f' ({slip})' if slip else ''}.")
 
 
 _GIB = 2**30 / 1e9
