@@ -84,9 +84,8 @@ class ResNet(nn.Module):
                  image_size: int = 224):
         super().__init__()
         if image_size >= 128:
-            self.stem = nn.Sequential(nn.Conv2d(3, width, 7, stride=2, padding=3, bias=False),
-                                      nn.BatchNorm2d(width), nn.ReLU(inplace=True),
-                                      nn.MaxPool2d(3, stride=2, padding=1))
+            self.stem = nn.Sequential(nn.Conv2d(3, width, 7, stride=2, padding=3, bias=False), nn.BatchNorm2d(width),
+                                      nn.ReLU(inplace=True), nn.MaxPool2d(3, stride=2, padding=1))
         else:
             self.stem = nn.Sequential(nn.Conv2d(3, width, 3, padding=1, bias=False),
                                       nn.BatchNorm2d(width), nn.ReLU(inplace=True))
@@ -122,8 +121,7 @@ class Bottleneck(nn.Module):
         self.relu = nn.ReLU(inplace=True)
         self.downsample: nn.Module | None = None
         if stride != 1 or c_in != c_out:
-            self.downsample = nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride=stride, bias=False),
-                                            nn.BatchNorm2d(c_out))
+            self.downsample = nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride=stride, bias=False), nn.BatchNorm2d(c_out))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         identity = x if self.downsample is None else self.downsample(x)

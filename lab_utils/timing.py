@@ -79,23 +79,13 @@ class Timing:
 
     def summary(self) -> dict[str, Any]:
         """Plain values for a table row."""
-        return {
-            "name": self.name,
-            "device": self.device,
-            "reps": self.reps,
-            "median_ms": self.median_ms,
-            "mean_ms": self.mean_ms,
-            "min_ms": self.min_ms,
-            "p10_ms": self.p10_ms,
-            "p90_ms": self.p90_ms,
-            "spread": self.spread,
-        }
+        return {"name": self.name, "device": self.device, "reps": self.reps, "median_ms": self.median_ms,
+                "mean_ms": self.mean_ms, "min_ms": self.min_ms, "p10_ms": self.p10_ms, "p90_ms": self.p90_ms,
+                "spread": self.spread}
 
     def __str__(self) -> str:
-        return (
-            f"{self.name}: median {self.median_ms:.4g} ms (p10 {self.p10_ms:.4g}, p90 {self.p90_ms:.4g}, "
-            f"min {self.min_ms:.4g}; {self.reps} reps on {self.device})"
-        )
+        return (f"{self.name}: median {self.median_ms:.4g} ms (p10 {self.p10_ms:.4g}, p90 {self.p90_ms:.4g}, "
+                f"min {self.min_ms:.4g}; {self.reps} reps on {self.device})")
 
 
 def matmul_flops(m: int, n: int, k: int) -> int:
@@ -130,26 +120,16 @@ def _resolve_device(device: Any) -> str:
 
 def _check_args(fn: Any, reps: Any, warmup: Any) -> None:
     if not callable(fn):
-        raise TypeError(
-            f"benchmark(fn=...): fn must be callable, got {type(fn).__name__} {fn!r}; "
-            "pass the work itself, for example benchmark(lambda: a @ b)"
-        )
+        raise TypeError(f"benchmark(fn=...): fn must be callable, got {type(fn).__name__} {fn!r}; "
+                        "pass the work itself, for example benchmark(lambda: a @ b)")
     if isinstance(reps, bool) or not isinstance(reps, int) or reps < 1:
         raise ValueError(f"benchmark(reps={reps!r}): reps must be an integer >= 1 (the number of timed runs)")
     if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
         raise ValueError(f"benchmark(warmup={warmup!r}): warmup must be an integer >= 0")
 
 
-def benchmark(
-    fn: Callable[[], Any],
-    *,
-    reps: int = 20,
-    warmup: int = 3,
-    device: Any = "auto",
-    flush_l2: bool = False,
-    flush_bytes: int = L2_FLUSH_BYTES,
-    name: str | None = None,
-) -> Timing:
+def benchmark(fn: Callable[[], Any], *, reps: int = 20, warmup: int = 3, device: Any = "auto", flush_l2: bool = False,
+              flush_bytes: int = L2_FLUSH_BYTES, name: str | None = None) -> Timing:
     """Time ``fn()`` ``reps`` times after ``warmup`` untimed calls; returns per-repetition ms.
 
     On CUDA: a start and an end event around each call, one synchronize after the loop, so the
@@ -204,15 +184,9 @@ def _time_cpu(fn: Callable[[], Any], reps: int, warmup: int, flush: bool, nbytes
 def run_header(device: str = "auto") -> dict[str, Any]:
     """What a number depends on: device, driver, library versions, threads and relevant environment."""
     dev = _resolve_device(device)
-    head: dict[str, Any] = {
-        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "host": platform.node(),
-        "python": platform.python_version(),
-        "cpu": cpu_model(),
-        "cpu_threads": os.cpu_count(),
-        "device": "cpu",
-        "numpy": np.__version__,
-    }
+    head: dict[str, Any] = {"time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "host": platform.node(),
+                            "python": platform.python_version(), "cpu": cpu_model(), "cpu_threads": os.cpu_count(),
+                            "device": "cpu", "numpy": np.__version__}
     try:
         import torch
 

@@ -36,11 +36,9 @@ REQUIRED = ("numpy", "pandas", "matplotlib", "torch", "papermill", "nbformat", "
 # NVML topology levels -> the abbreviations `nvidia-smi topo -m` prints.
 _TOPO_LEVEL = {0: "X", 10: "PIX", 20: "PXB", 30: "PHB", 40: "NODE", 50: "SYS"}
 
-_SMI_FIELDS = (
-    "index,name,uuid,pci.bus_id,compute_cap,memory.total,clocks.max.sm,clocks.max.mem,power.limit,"
-    "pcie.link.gen.current,pcie.link.width.current,pcie.link.gen.max,pcie.link.width.max,"
-    "mig.mode.current,ecc.mode.current,driver_version"
-)
+_SMI_FIELDS = ("index,name,uuid,pci.bus_id,compute_cap,memory.total,clocks.max.sm,clocks.max.mem,power.limit,"
+               "pcie.link.gen.current,pcie.link.width.current,pcie.link.gen.max,pcie.link.width.max,"
+               "mig.mode.current,ecc.mode.current,driver_version")
 
 
 @dataclass
@@ -156,25 +154,16 @@ def parse_smi_csv(text: str) -> list[GpuInfo]:
     gpus = []
     for i, row in enumerate(rows):
         f = {h: c.strip() for h, c in zip(header, row, strict=False)}
-        gpus.append(
-            GpuInfo(
-                index=_num(f.get("index")) if f.get("index") else i,
-                name=f.get("name", "?"),
-                uuid=f.get("uuid"),
-                bus_id=f.get("pci.bus_id"),
-                compute_capability=f.get("compute_cap"),
-                memory_total_mib=_num(f.get("memory.total")),
-                max_sm_clock_mhz=_num(f.get("clocks.max.sm")),
-                max_mem_clock_mhz=_num(f.get("clocks.max.mem")),
-                power_limit_w=_num(f.get("power.limit"), float),
-                pcie_gen=_num(f.get("pcie.link.gen.current")),
-                pcie_width=_num(f.get("pcie.link.width.current")),
-                pcie_gen_max=_num(f.get("pcie.link.gen.max")),
-                pcie_width_max=_num(f.get("pcie.link.width.max")),
-                mig_mode=_mode(f.get("mig.mode.current")),
-                ecc_mode=_mode(f.get("ecc.mode.current")),
-            )
-        )
+        gpus.append(GpuInfo(index=_num(f.get("index")) if f.get("index") else i, name=f.get("name", "?"),
+                            uuid=f.get("uuid"), bus_id=f.get("pci.bus_id"), compute_capability=f.get("compute_cap"),
+                            memory_total_mib=_num(f.get("memory.total")), max_sm_clock_mhz=_num(f.get("clocks.max.sm")),
+                            max_mem_clock_mhz=_num(f.get("clocks.max.mem")),
+                            power_limit_w=_num(f.get("power.limit"), float),
+                            pcie_gen=_num(f.get("pcie.link.gen.current")),
+                            pcie_width=_num(f.get("pcie.link.width.current")),
+                            pcie_gen_max=_num(f.get("pcie.link.gen.max")),
+                            pcie_width_max=_num(f.get("pcie.link.width.max")),
+                            mig_mode=_mode(f.get("mig.mode.current")), ecc_mode=_mode(f.get("ecc.mode.current"))))
     return gpus
 
 
@@ -277,26 +266,20 @@ def _probe_nvml(notes: list[str]) -> tuple[str | None, str | None, list[GpuInfo]
                 if state is None:
                     break
                 links += int(state == pynvml.NVML_FEATURE_ENABLED)
-            gpus.append(
-                GpuInfo(
-                    index=i,
-                    name=nvml_text(pynvml.nvmlDeviceGetName(h)),
-                    uuid=nvml_text(opt(pynvml.nvmlDeviceGetUUID, h)),
-                    bus_id=nvml_text(pci.busId) if pci else None,
-                    compute_capability=f"{cc[0]}.{cc[1]}" if cc else None,
-                    memory_total_mib=mem.total // 2**20 if mem else None,
-                    max_sm_clock_mhz=opt(pynvml.nvmlDeviceGetMaxClockInfo, h, pynvml.NVML_CLOCK_SM),
-                    max_mem_clock_mhz=opt(pynvml.nvmlDeviceGetMaxClockInfo, h, pynvml.NVML_CLOCK_MEM),
-                    power_limit_w=power / 1000 if power else None,
-                    pcie_gen=opt(pynvml.nvmlDeviceGetCurrPcieLinkGeneration, h),
-                    pcie_width=opt(pynvml.nvmlDeviceGetCurrPcieLinkWidth, h),
-                    pcie_gen_max=opt(pynvml.nvmlDeviceGetMaxPcieLinkGeneration, h),
-                    pcie_width_max=opt(pynvml.nvmlDeviceGetMaxPcieLinkWidth, h),
-                    nvlinks_active=links,
-                    mig_mode=None if mig is None else ("enabled" if mig[0] else "disabled"),
-                    ecc_mode=None if ecc is None else ("enabled" if ecc[0] else "disabled"),
-                )
-            )
+            gpus.append(GpuInfo(index=i, name=nvml_text(pynvml.nvmlDeviceGetName(h)),
+                                uuid=nvml_text(opt(pynvml.nvmlDeviceGetUUID, h)),
+                                bus_id=nvml_text(pci.busId) if pci else None,
+                                compute_capability=f"{cc[0]}.{cc[1]}" if cc else None,
+                                memory_total_mib=mem.total // 2**20 if mem else None,
+                                max_sm_clock_mhz=opt(pynvml.nvmlDeviceGetMaxClockInfo, h, pynvml.NVML_CLOCK_SM),
+                                max_mem_clock_mhz=opt(pynvml.nvmlDeviceGetMaxClockInfo, h, pynvml.NVML_CLOCK_MEM),
+                                power_limit_w=power / 1000 if power else None,
+                                pcie_gen=opt(pynvml.nvmlDeviceGetCurrPcieLinkGeneration, h),
+                                pcie_width=opt(pynvml.nvmlDeviceGetCurrPcieLinkWidth, h),
+                                pcie_gen_max=opt(pynvml.nvmlDeviceGetMaxPcieLinkGeneration, h),
+                                pcie_width_max=opt(pynvml.nvmlDeviceGetMaxPcieLinkWidth, h), nvlinks_active=links,
+                                mig_mode=None if mig is None else ("enabled" if mig[0] else "disabled"),
+                                ecc_mode=None if ecc is None else ("enabled" if ecc[0] else "disabled")))
         topo = None
         if len(handles) > 1:
             labels = [f"GPU{g.index}" for g in gpus]
@@ -350,15 +333,8 @@ def _probe_torch(notes: list[str]) -> dict[str, Any] | None:
     except ImportError:
         notes.append("torch is not installed: pip install torch (not inside an NGC image, which has its own)")
         return None
-    info: dict[str, Any] = {
-        "version": torch.__version__,
-        "cuda": torch.version.cuda,
-        "cudnn": None,
-        "nccl": None,
-        "cuda_available": False,
-        "device_count": 0,
-        "arch_list": [],
-    }
+    info: dict[str, Any] = {"version": torch.__version__, "cuda": torch.version.cuda, "cudnn": None, "nccl": None,
+                            "cuda_available": False, "device_count": 0, "arch_list": []}
     if torch.version.cuda:
         info["cuda_available"] = torch.cuda.is_available()
         info["device_count"] = torch.cuda.device_count() if info["cuda_available"] else 0
@@ -568,14 +544,11 @@ def _probe_components() -> dict[str, Component]:
     elif url:
         comps["tritonserver"] = Component("Triton server", True, None, url, "external server (TRITON_URL)")
     elif on_path:
-        comps["tritonserver"] = Component(
-            "Triton server", True, os.environ.get("TRITON_SERVER_VERSION"), on_path, "on the PATH"
-        )
+        comps["tritonserver"] = Component("Triton server", True, os.environ.get("TRITON_SERVER_VERSION"), on_path,
+                                          "on the PATH")
     elif wheel:
-        comps["tritonserver"] = Component(
-            "Triton server", True, f"nvidia-pytriton {_dist_version('nvidia-pytriton')}", str(wheel),
-            "binary from the nvidia-pytriton wheel (python backend only)",
-        )
+        comps["tritonserver"] = Component("Triton server", True, f"nvidia-pytriton {_dist_version('nvidia-pytriton')}",
+                                          str(wheel), "binary from the nvidia-pytriton wheel (python backend only)")
     else:
         comps["tritonserver"] = Component("Triton server", False, None, None, "pip install nvidia-pytriton")
     # Lab 05 runs its own Prometheus (it kills and restarts its own Triton) and grades PromQL with promtool, so
@@ -598,9 +571,8 @@ def _probe_components() -> dict[str, Component]:
     return comps
 
 
-def _compatibility(
-    gpus: list[GpuInfo], ceiling: str | None, torch: dict[str, Any] | None
-) -> tuple[bool | None, list[str]]:
+def _compatibility(gpus: list[GpuInfo], ceiling: str | None,
+                   torch: dict[str, Any] | None) -> tuple[bool | None, list[str]]:
     if not gpus:
         return None, ["no NVIDIA GPU found: every lab runs in its CPU tier"]
     if torch is None:
@@ -614,11 +586,9 @@ def _compatibility(
     elif version_tuple(runtime) <= version_tuple(ceiling):
         reasons.append(f"driver supports CUDA <= {ceiling}; torch's runtime is CUDA {runtime}: compatible")
     elif version_tuple(runtime)[:1] == version_tuple(ceiling)[:1]:
-        reasons.append(
-            f"torch's CUDA {runtime} is newer than the driver's ceiling {ceiling} within one major version: "
-            "it runs through minor-version compatibility, but kernels needing a newer driver can fail; "
-            "update the driver to be safe"
-        )
+        reasons.append(f"torch's CUDA {runtime} is newer than the driver's ceiling {ceiling} within one major version: "
+                       "it runs through minor-version compatibility, but kernels needing a newer driver can fail; "
+                       "update the driver to be safe")
     else:
         ok = False
         reasons.append(
@@ -754,10 +724,8 @@ def lab_tiers(report: EnvReport) -> list[LabTier]:
     else:
         rows["09"] = ("partial" if seen_gpu else "cpu", "the quiz; prefill and decode on the CPU",
                       "the CPU stands in for the GPU; the H200's numbers come from its datasheet")
-    return [
-        LabTier(lab.number, lab.title, *rows[lab.number], notebook=(lab_dir / lab.filename).exists())
-        for lab in LABS
-    ]
+    return [LabTier(lab.number, lab.title, *rows[lab.number], notebook=(lab_dir / lab.filename).exists())
+            for lab in LABS]
 
 
 def _host() -> dict[str, Any]:
@@ -766,13 +734,8 @@ def _host() -> dict[str, Any]:
         mem_gib = round(psutil.virtual_memory().total / 2**30, 1)
     from lab_utils.timing import cpu_model  # lazy: pulls numpy, which the probe reports when missing
 
-    return {
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cpu": cpu_model(),
-        "cpu_threads": os.cpu_count(),
-        "memory_gib": mem_gib,
-    }
+    return {"python": platform.python_version(), "platform": platform.platform(), "cpu": cpu_model(),
+            "cpu_threads": os.cpu_count(), "memory_gib": mem_gib}
 
 
 def probe() -> EnvReport:
@@ -854,10 +817,8 @@ def stack_table(report: EnvReport) -> list[dict[str, str]]:
 
     rel = pinned_release()
     in_image = "(in the image)"
-    image = [
-        "(the host's)", "(the host's, mapped in at start)", rel["cuda"], in_image, in_image, rel["tensorrt"],
-        rel["torch"], f"{rel['triton_server']} (tritonserver image)", manifest()["services"]["prometheus"],
-    ]
+    image = ["(the host's)", "(the host's, mapped in at start)", rel["cuda"], in_image, in_image, rel["tensorrt"],
+             rel["torch"], f"{rel['triton_server']} (tritonserver image)", manifest()["services"]["prometheus"]]
     column = f"course image (NGC {rel['tag']})"
     return [{"layer": a, "on this machine": b, column: i} for (a, b), i in zip(rows, image, strict=True)]
 
@@ -875,6 +836,5 @@ def container_verdicts(cuda_ceiling: str, datacenter_gpu: bool = True) -> list[d
             verdict = "runs through the image's forward-compatibility libraries (data-centre GPUs only)"
         else:
             verdict = "fails: update the driver"
-        rows.append({"image": entry["image"], "CUDA runtime": cuda, "driver ceiling": cuda_ceiling,
-                     "verdict": verdict})
+        rows.append({"image": entry["image"], "CUDA runtime": cuda, "driver ceiling": cuda_ceiling, "verdict": verdict})
     return rows

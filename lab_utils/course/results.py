@@ -152,9 +152,7 @@ def compare(run: Path | str, reference: Path | str | None = None) -> pd.DataFram
         other = ref.get((r["lab"], r["name"], r.get("tier"))) or ref.get((r["lab"], r["name"], None))
         rv = other["value"] if other else None
         ratio = r["value"] / rv if (r["value"] is not None and rv) else None
-        rows.append({
-            "lab": r["lab"], "name": r["name"], "unit": r["unit"], "value": r["value"],
-            "reference": rv, "ratio": ratio, "tier": r["tier"], "device": r["device"],
-            "reference_device": other["device"] if other else None,
-        })
+        rows.append({"lab": r["lab"], "name": r["name"], "unit": r["unit"], "value": r["value"], "reference": rv,
+                     "ratio": ratio, "tier": r["tier"], "device": r["device"],
+                     "reference_device": other["device"] if other else None})
     return pd.DataFrame(rows)

@@ -81,12 +81,10 @@ def gpu_rows(report: EnvReport) -> list[dict[str, str]]:
         pcie = f"gen{_fmt(g.pcie_gen)} x{_fmt(g.pcie_width)}"
         if g.pcie_gen_max:
             pcie += f" (max gen{g.pcie_gen_max} x{_fmt(g.pcie_width_max)})"
-        rows.append({
-            "GPU": str(g.index), "name": g.name, "CC": _fmt(g.compute_capability),
-            "memory": _fmt(g.memory_total_mib, " MiB"), "max SM clock": _fmt(g.max_sm_clock_mhz, " MHz"),
-            "power limit": _fmt(g.power_limit_w, " W"), "PCIe": pcie, "NVLinks": _fmt(g.nvlinks_active),
-            "MIG": _fmt(g.mig_mode), "ECC": _fmt(g.ecc_mode),
-        })
+        rows.append({"GPU": str(g.index), "name": g.name, "CC": _fmt(g.compute_capability),
+                     "memory": _fmt(g.memory_total_mib, " MiB"), "max SM clock": _fmt(g.max_sm_clock_mhz, " MHz"),
+                     "power limit": _fmt(g.power_limit_w, " W"), "PCIe": pcie, "NVLinks": _fmt(g.nvlinks_active),
+                     "MIG": _fmt(g.mig_mode), "ECC": _fmt(g.ecc_mode)})
     return rows
 
 

@@ -141,14 +141,9 @@ def env_values(m: dict[str, Any] | None = None) -> dict[str, str]:
     """The variables ``docker/.env`` holds for the compose file (image tags and build arguments)."""
     m = m or manifest()
     rel = pinned_release(m)
-    return {
-        "NGC_TAG": rel["tag"],
-        "TRITONCLIENT_VERSION": rel["tritonclient"],
-        "PYTRITON_VERSION": m["course"]["nvidia-pytriton"],
-        "PROMETHEUS_VERSION": m["services"]["prometheus"],
-        "GRAFANA_VERSION": m["services"]["grafana"],
-        "DCGM_EXPORTER_TAG": m["services"]["dcgm_exporter"],
-    }
+    return {"NGC_TAG": rel["tag"], "TRITONCLIENT_VERSION": rel["tritonclient"],
+            "PYTRITON_VERSION": m["course"]["nvidia-pytriton"], "PROMETHEUS_VERSION": m["services"]["prometheus"],
+            "GRAFANA_VERSION": m["services"]["grafana"], "DCGM_EXPORTER_TAG": m["services"]["dcgm_exporter"]}
 
 
 def compose_env(m: dict[str, Any] | None = None) -> str:
@@ -265,12 +260,10 @@ def check(root: Path, m: dict[str, Any] | None = None) -> list[str]:
     # docker/compose.yaml: every image tag and version build argument comes from those variables.
     compose = _load_yaml(root / "docker" / "compose.yaml")
     services = compose.get("services", {})
-    want_images = {
-        "triton": image_ref("tritonserver", tag),
-        "prometheus": f"prom/prometheus:{expected['PROMETHEUS_VERSION']}",
-        "grafana": f"grafana/grafana:{expected['GRAFANA_VERSION']}",
-        "dcgm-exporter": f"{REGISTRY}/k8s/dcgm-exporter:{expected['DCGM_EXPORTER_TAG']}",
-    }
+    want_images = {"triton": image_ref("tritonserver", tag),
+                   "prometheus": f"prom/prometheus:{expected['PROMETHEUS_VERSION']}",
+                   "grafana": f"grafana/grafana:{expected['GRAFANA_VERSION']}",
+                   "dcgm-exporter": f"{REGISTRY}/k8s/dcgm-exporter:{expected['DCGM_EXPORTER_TAG']}"}
     for name, want in want_images.items():
         raw = services.get(name, {}).get("image", "")
         try:

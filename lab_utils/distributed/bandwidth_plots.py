@@ -18,13 +18,8 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 
-def plot_busbw(
-    df: pd.DataFrame,
-    peak_gbps: float | None = None,
-    reference: dict[int, float] | None = None,
-    ax: Axes | None = None,
-    title: str | None = None,
-) -> Figure:
+def plot_busbw(df: pd.DataFrame, peak_gbps: float | None = None, reference: dict[int, float] | None = None,
+               ax: Axes | None = None, title: str | None = None) -> Figure:
     """Bus bandwidth (GB/s) against message size S (log scale), one line per collective.
 
     Input: ``collectives.collective_sweep``'s frame (rows with status 'ok' are drawn). ``peak_gbps`` (else the

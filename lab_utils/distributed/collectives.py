@@ -46,10 +46,8 @@ from lab_utils.timing import benchmark, sync
 if TYPE_CHECKING:
     from lab_utils.course.probe import EnvReport
 
-SWEEP_COLUMNS = [
-    "collective", "size_bytes", "size_label", "n_ranks", "backend", "dtype", "status", "reason", "time_ms",
-    "algbw_gbps", "busbw_gbps", "peak_gbps", "pct_of_peak", "correct", "reps",
-]
+SWEEP_COLUMNS = ["collective", "size_bytes", "size_label", "n_ranks", "backend", "dtype", "status", "reason", "time_ms",
+                 "algbw_gbps", "busbw_gbps", "peak_gbps", "pct_of_peak", "correct", "reps"]
 
 # Exception texts that mean "this backend cannot do this op or dtype", as opposed to a failure.
 _UNSUPPORTED = re.compile(
@@ -70,10 +68,8 @@ def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
     """A floating-point torch dtype from its name ("float32", "bfloat16", "float8_e4m3fn"...) or itself."""
     dt = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
     if not isinstance(dt, torch.dtype) or not dt.is_floating_point:
-        raise ValueError(
-            f"dtype={dtype!r}: use the name of a floating-point torch dtype, e.g. 'float32', 'bfloat16', "
-            "'float16' or 'float8_e4m3fn' (gloo refuses float8: a row marked unsupported)"
-        )
+        raise ValueError(f"dtype={dtype!r}: use the name of a floating-point torch dtype, e.g. 'float32', 'bfloat16', "
+                         "'float16' or 'float8_e4m3fn' (gloo refuses float8: a row marked unsupported)")
     return dt
 
 
@@ -86,10 +82,8 @@ def buffer_numels(collective: str, size_bytes: int, n: int, itemsize: int) -> tu
     check_collective(collective, "buffer_numels")
     per_rank = size_bytes // itemsize // n
     if per_rank < 1:
-        raise ValueError(
-            f"size_bytes={size_bytes}: too small for {n} ranks of {itemsize}-byte elements; "
-            f"use at least {n * itemsize} bytes"
-        )
+        raise ValueError(f"size_bytes={size_bytes}: too small for {n} ranks of {itemsize}-byte elements; "
+                         f"use at least {n * itemsize} bytes")
     total = per_rank * n
     ins = {"all_gather": per_rank}.get(collective, total)
     outs = {"reduce_scatter": per_rank}.get(collective, total)
@@ -153,10 +147,8 @@ def check_result(collective: str, out: torch.Tensor, rank: int, n: int) -> str |
             bad = ((got.double() - want).abs() > tol) | got.isnan()
             first = int(bad.nonzero()[0, 0]) + j * size
             where = f" chunk {j}" if len(expected) > 1 else ""
-            return (
-                f"rank {rank}{where}: values in [{lo:g}, {hi:g}], expected {want:g}; "
-                f"first wrong element {first} = {out.reshape(-1)[first].item():g}"
-            )
+            return (f"rank {rank}{where}: values in [{lo:g}, {hi:g}], expected {want:g}; "
+                    f"first wrong element {first} = {out.reshape(-1)[first].item():g}")
     return None
 
 
@@ -219,11 +211,9 @@ def _bench_one(ctx: WorkerContext, collective: str, size: int, dtype: str, reps:
     n, rank, dev = ctx.world_size, ctx.rank, ctx.device
     n_in, n_out, s_bytes = buffer_numels(collective, size, n, torch.empty((), dtype=dt).element_size())
     label = f"{collective} {format_bytes(s_bytes)} {dtype}"
-    row: dict[str, Any] = {
-        "collective": collective, "size_bytes": s_bytes, "n_ranks": n, "backend": ctx.backend, "dtype": dtype,
-        "rank": rank, "status": "ok", "reason": "", "correct": None, "rank_time_ms": math.nan,
-        "time_ms": math.nan, "reps": reps,
-    }
+    row: dict[str, Any] = {"collective": collective, "size_bytes": s_bytes, "n_ranks": n, "backend": ctx.backend,
+                           "dtype": dtype, "rank": rank, "status": "ok", "reason": "", "correct": None,
+                           "rank_time_ms": math.nan, "time_ms": math.nan, "reps": reps}
     ctx.status(f"{label}: allocating and checking")
     inp = make_input(collective, rank, n, n_in, dt, dev)
     out = inp if collective in ("all_reduce", "broadcast") else torch.empty(n_out, dtype=dt, device=dev)
@@ -317,18 +307,10 @@ def _check_sizes(sizes: Any, where: str) -> list[int]:
     return [int(s) for s in sizes]
 
 
-def collective_sweep(
-    nprocs: int,
-    sizes_bytes: Sequence[int] | None = None,
-    collectives: Sequence[str] = COLLECTIVES,
-    backend: str = "auto",
-    reps: int | None = None,
-    warmup: int | None = None,
-    timeout_s: float = 900.0,
-    dtype: str | Sequence[str] = "float32",
-    report: EnvReport | None = None,
-    corrupt_rank: int | None = None,
-) -> pd.DataFrame:
+def collective_sweep(nprocs: int, sizes_bytes: Sequence[int] | None = None, collectives: Sequence[str] = COLLECTIVES,
+                     backend: str = "auto", reps: int | None = None, warmup: int | None = None,
+                     timeout_s: float = 900.0, dtype: str | Sequence[str] = "float32", report: EnvReport | None = None,
+                     corrupt_rank: int | None = None) -> pd.DataFrame:
     """algbw and busbw of each collective at each size on ``nprocs`` ranks (NCCL on GPUs, else gloo).
 
     Defaults: NCCL 1 MiB..2 GiB (``GPU_SIZES``), 20 reps after 5 warm-ups; gloo 4 KiB..16 MiB
@@ -382,14 +364,10 @@ def _merge_rows(per_rank: list[list[dict[str, Any]]], peak: float | None) -> pd.
         unsupported = [r for r in same if r["status"] != "ok"]
         time_ms = max(r["rank_time_ms"] for r in same) if not unsupported else math.nan
         row = {k: first[k] for k in ("collective", "size_bytes", "n_ranks", "backend", "dtype", "reps")}
-        row.update(
-            size_label=format_bytes(first["size_bytes"]),
-            status="unsupported" if unsupported else "ok",
-            reason=next((r["reason"] for r in unsupported if r["reason"]), ""),
-            time_ms=time_ms,
-            correct=None if unsupported else all(bool(r["correct"]) for r in same),
-            peak_gbps=math.nan if peak is None else float(peak),
-        )
+        row.update(size_label=format_bytes(first["size_bytes"]), status="unsupported" if unsupported else "ok",
+                   reason=next((r["reason"] for r in unsupported if r["reason"]), ""), time_ms=time_ms,
+                   correct=None if unsupported else all(bool(r["correct"]) for r in same),
+                   peak_gbps=math.nan if peak is None else float(peak))
         if time_ms > 0:
             row["algbw_gbps"] = algbw_gbps(row["size_bytes"], time_ms)
             row["busbw_gbps"] = busbw_gbps(row["collective"], row["size_bytes"], time_ms, n)
@@ -402,14 +380,8 @@ def _merge_rows(per_rank: list[list[dict[str, Any]]], peak: float | None) -> pd.
     return df
 
 
-def bare_allreduce(
-    nprocs: int,
-    size_bytes: int | None = None,
-    iters: int | None = None,
-    backend: str = "auto",
-    warmup: int = 5,
-    timeout_s: float = 600.0,
-) -> dict[str, Any]:
+def bare_allreduce(nprocs: int, size_bytes: int | None = None, iters: int | None = None, backend: str = "auto",
+                   warmup: int = 5, timeout_s: float = 600.0) -> dict[str, Any]:
     """The simplest fp32 all_reduce loop (``bare_allreduce_worker``): time_ms, algbw_gbps, busbw_gbps.
 
     Defaults: NCCL 1 GiB × 20 iterations, gloo 4 MiB × 10. Compare with ``collective_sweep``'s all_reduce
@@ -425,10 +397,8 @@ def bare_allreduce(
                  kwargs={"size_bytes": size_bytes, "iters": iters, "warmup": warmup})
     time_ms = max(r["rank_time_ms"] for r in res)
     nbytes = res[0]["size_bytes"]
-    return {
-        "size_bytes": nbytes, "n_ranks": nprocs, "backend": chosen, "iters": iters, "time_ms": time_ms,
-        "algbw_gbps": algbw_gbps(nbytes, time_ms), "busbw_gbps": busbw_gbps("all_reduce", nbytes, time_ms, nprocs),
-    }
+    return {"size_bytes": nbytes, "n_ranks": nprocs, "backend": chosen, "iters": iters, "time_ms": time_ms,
+            "algbw_gbps": algbw_gbps(nbytes, time_ms), "busbw_gbps": busbw_gbps("all_reduce", nbytes, time_ms, nprocs)}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -438,14 +408,8 @@ def bare_allreduce(
 NCCL_DEBUG_SUBSYS = "INIT,GRAPH,ENV,TUNING"
 
 
-def capture_nccl_debug(
-    nprocs: int = 2,
-    size_bytes: int = 256 * MIB,
-    extra_env: dict[str, str] | None = None,
-    backend: str = "auto",
-    subsys: str = NCCL_DEBUG_SUBSYS,
-    timeout_s: float = 300.0,
-) -> str:
+def capture_nccl_debug(nprocs: int = 2, size_bytes: int = 256 * MIB, extra_env: dict[str, str] | None = None,
+                       backend: str = "auto", subsys: str = NCCL_DEBUG_SUBSYS, timeout_s: float = 300.0) -> str:
     """NCCL's INFO log of a few all_reduces on ``nprocs`` GPUs: every rank's file, concatenated by rank.
 
     Runs ``nccl_debug_worker`` with NCCL_DEBUG=INFO, NCCL_DEBUG_SUBSYS=``subsys`` and NCCL_DEBUG_FILE set to

@@ -47,16 +47,8 @@ DIGITS_DEFAULTS = {"epochs": 8, "global_batch": 64, "lr": 0.05, "momentum": 0.9,
 # an H200, GPU-bound, and DDP hides its 45 MiB all-reduce (~0.2 ms over NVLink) in the backward pass: 99 %
 # scaling efficiency on 2 H200s [H200 run]. At batch 128 a step (~11 ms) is bound by the host's kernel
 # launches instead, DDP's per-step host work shows, and the same run gave 79 %. CPU: a tiny ResNet.
-THROUGHPUT_DEFAULTS = {
-    "steps": (30, 10),
-    "warmup_steps": (10, 3),
-    "batch_size": (256, 16),
-    "image_size": (224, 32),
-    "width": (64, 8),
-    "depth": (18, 10),
-    "amp": ("bf16", None),
-    "channels_last": (True, False),
-}
+THROUGHPUT_DEFAULTS = {"steps": (30, 10), "warmup_steps": (10, 3), "batch_size": (256, 16), "image_size": (224, 32),
+                       "width": (64, 8), "depth": (18, 10), "amp": ("bf16", None), "channels_last": (True, False)}
 DEFAULT_BUCKETS = {"bucket_cap_mb": 25, "gradient_as_bucket_view": False, "overlap": True}
 
 # [H200 run] one H200 alone, the GPU defaults above (ResNet-18, 224 px, batch 256, bf16), ms per step (mean of 30
@@ -331,29 +323,14 @@ def train_digits(ctx: WorkerContext, epochs: int = DIGITS_DEFAULTS["epochs"], ba
         ctx.barrier()  # no rank returns (and no reader looks) before rank 0 has written the file
 
     global_batch = batch_size * ctx.world_size * accumulate
-    return {
-        "accuracy": history[-1]["test_accuracy"],
-        "final_loss": history[-1]["train_loss"],
-        "epochs": epochs,
-        "samples_per_s": n_train * epochs / train_s if train_s > 0 else float("nan"),
-        "train_s": train_s,
-        "world_size": ctx.world_size,
-        "rank": ctx.rank,
-        "backend": ctx.backend,
-        "device": str(ctx.device),
-        "batch_size": batch_size,
-        "accumulate": accumulate,
-        "global_batch": global_batch,
-        "steps_per_epoch": math.ceil(math.ceil(n_train / ctx.world_size / batch_size) / accumulate),
-        "lr": lr,
-        "momentum": momentum,
-        "amp": amp,
-        "fp16_scale": float(scaler.get_scale()) if amp == "fp16" else None,
-        "seed": seed,
-        "set_epoch": set_epoch,
-        "checkpoint_path": None if checkpoint_path is None else os.fspath(checkpoint_path),
-        "history": history,
-    }
+    return {"accuracy": history[-1]["test_accuracy"], "final_loss": history[-1]["train_loss"], "epochs": epochs,
+            "samples_per_s": n_train * epochs / train_s if train_s > 0 else float("nan"), "train_s": train_s,
+            "world_size": ctx.world_size, "rank": ctx.rank, "backend": ctx.backend, "device": str(ctx.device),
+            "batch_size": batch_size, "accumulate": accumulate, "global_batch": global_batch,
+            "steps_per_epoch": math.ceil(math.ceil(n_train / ctx.world_size / batch_size) / accumulate), "lr": lr,
+            "momentum": momentum, "amp": amp, "fp16_scale": float(scaler.get_scale()) if amp == "fp16" else None,
+            "seed": seed, "set_epoch": set_epoch,
+            "checkpoint_path": None if checkpoint_path is None else os.fspath(checkpoint_path), "history": history}
 
 
 def run_digits(nprocs: int = 1, *, global_batch: int = DIGITS_DEFAULTS["global_batch"], accumulate: int = 1,
@@ -403,8 +380,7 @@ def _train_digits_ticking(ctx: WorkerContext, ticks: Any, **kw: Any) -> dict[str
     return train_digits(ctx, **kw)
 
 
-def _ticking(ctx: WorkerContext, tick_queue: Any, tick_prefix: str, tick_work: Callable[..., Any],
-             **kw: Any) -> Any:
+def _ticking(ctx: WorkerContext, tick_queue: Any, tick_prefix: str, tick_work: Callable[..., Any], **kw: Any) -> Any:
     """Worker: ``tick_work(ctx, **kw)``, with rank 0's statuses that start with ``tick_prefix`` reported on
     ``tick_queue`` (``scaling(progress=)``, ``overlap_experiment(progress=)``)."""
     if ctx.rank == 0:
@@ -464,8 +440,7 @@ def digits_comparison(nprocs_list: Sequence[int] = (1, 2), *, global_batch: int 
     return df
 
 
-def accumulation_check(ctx: WorkerContext, micro_batch: int = 16, accumulate: int = 2,
-                       seed: int = 0) -> dict[str, Any]:
+def accumulation_check(ctx: WorkerContext, micro_batch: int = 16, accumulate: int = 2, seed: int = 0) -> dict[str, Any]:
     """Worker: DDP gradients after ``accumulate`` micro-steps (all but the last under no_sync) vs one big batch.
 
     Every rank also computes, without DDP, the gradient of the whole global batch
@@ -600,10 +575,9 @@ def _device_label(ctx: WorkerContext) -> str:
 
 def throughput(ctx: WorkerContext, steps: int | None = None, warmup_steps: int | None = None,
                batch_size: int | None = None, image_size: int | None = None, width: int | None = None,
-               depth: int | Sequence[int] | None = None,
-               amp: str | None = "auto", bucket_cap_mb: float = 25, gradient_as_bucket_view: bool = False,
-               channels_last: bool | None = None, num_classes: int = 1000, overlap: bool = True,
-               cpu_threads: int | None = None) -> dict[str, Any]:
+               depth: int | Sequence[int] | None = None, amp: str | None = "auto", bucket_cap_mb: float = 25,
+               gradient_as_bucket_view: bool = False, channels_last: bool | None = None, num_classes: int = 1000,
+               overlap: bool = True, cpu_threads: int | None = None) -> dict[str, Any]:
     """Worker: DDP training steps of a ResNet on random images; time per step and images/s.
 
     Defaults (None/'auto') depend on the device: GPU ResNet-18 (width 64) at 224 px, batch 256 per GPU, bf16
@@ -731,8 +705,7 @@ def overlap_experiment(nprocs: int | None = None, variants: Sequence[dict[str, A
     else:  # rank 0 says "repeat r/R: variant" as it starts timing each variant: one step each
         with _rank0_ticks(progress, repeats * len(full), "DDP bucket variants: runs") as ticks:
             rows = launch(_ticking, nprocs, backend=backend, timeout_s=timeout_s,
-                          kwargs={"tick_queue": ticks, "tick_prefix": "repeat ", "tick_work": overlap_worker,
-                                  **kw})[0]
+                          kwargs={"tick_queue": ticks, "tick_prefix": "repeat ", "tick_work": overlap_worker, **kw})[0]
     df = pd.DataFrame(rows)
     df.insert(0, "variant", [_variant_label(v) for v in full])
     base = df.loc[[v == DEFAULT_BUCKETS for v in full]].iloc[0]

@@ -77,13 +77,12 @@ def parse_nccl_log(text: str) -> dict[str, Any]:
         text = text.decode(errors="replace")
     if not isinstance(text, str):
         raise ValueError(f"parse_nccl_log(text=...): expected the log as a string, got {type(text).__name__}")
-    out: dict[str, Any] = {
-        "version": None, "n_ranks": None, "n_nodes": None, "cuda_driver": None, "transports": Counter(),
-        "transport_kinds": Counter(), "n_channels": None, "rings": [], "trees": [], "coll_channels": None,
-        "p2p_channels": None, "graphs": [], "system_bw_gbps": None, "tuning": [], "choices": [], "network": None,
-        "net_plugins": [], "net_unavailable": [], "env": {}, "nvls_available": None, "connected": [],
-        "init_time_s": None, "n_lines": 0, "explanations": [],
-    }
+    out: dict[str, Any] = {"version": None, "n_ranks": None, "n_nodes": None, "cuda_driver": None,
+                           "transports": Counter(), "transport_kinds": Counter(), "n_channels": None, "rings": [],
+                           "trees": [], "coll_channels": None, "p2p_channels": None, "graphs": [],
+                           "system_bw_gbps": None, "tuning": [], "choices": [], "network": None, "net_plugins": [],
+                           "net_unavailable": [], "env": {}, "nvls_available": None, "connected": [],
+                           "init_time_s": None, "n_lines": 0, "explanations": []}
     state: dict[str, Any] = {"ring_channels": set(), "link_channels": set(), "nranks": [], "algos": [],
                              "protos": [], "tuning_seen": set()}
     for raw in text.splitlines():
@@ -158,11 +157,9 @@ def _parse_line(line: str, out: dict[str, Any], state: dict[str, Any]) -> None:
         _add_once(out["net_unavailable"], m.group(1) or m.group(2))
     m = _RE["choice"].search(line)
     if m:
-        out["choices"].append({
-            "collective": m.group(1), "bytes": int(m.group(2)), "algorithm": _name(m.group(3), _ALGOS),
-            "protocol": _name(m.group(4), _PROTOS),
-            "channels": int(m.group(6)) - int(m.group(5)) + 1 if m.group(5) is not None else None,
-        })
+        out["choices"].append({"collective": m.group(1), "bytes": int(m.group(2)),
+                               "algorithm": _name(m.group(3), _ALGOS), "protocol": _name(m.group(4), _PROTOS),
+                               "channels": int(m.group(6)) - int(m.group(5)) + 1 if m.group(5) is not None else None})
     m = _RE["connected"].search(line)
     if m:
         _add_once(out["connected"], m.group(1))
@@ -223,11 +220,9 @@ def _explain(p: dict[str, Any]) -> list[str]:
     kinds, vias = p["transport_kinds"], p["transports"]
     if kinds.get("P2P"):
         how = ", ".join(sorted(v for v in vias if v.startswith("P2P")))
-        says.append(
-            f"{kinds['P2P']} channel connections go GPU to GPU directly (P2P: {how}), over NVLink or PCIe peer "
-            "access. CUMEM: buffers shared through CUDA's virtual memory API; IPC: legacy CUDA IPC handles; "
-            "/read: the receiver reads from the sender's memory."
-        )
+        says.append(f"{kinds['P2P']} channel connections go GPU to GPU directly (P2P: {how}), over NVLink or PCIe peer "
+                    "access. CUMEM: buffers shared through CUDA's virtual memory API; IPC: legacy CUDA IPC handles; "
+                    "/read: the receiver reads from the sender's memory.")
     if kinds.get("SHM"):
         says.append(
             f"{kinds['SHM']} channel connections go through host shared memory: the GPUs do not use peer access "

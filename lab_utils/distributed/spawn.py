@@ -171,8 +171,7 @@ def start_process_group(backend: str, rank: int, world_size: int, local_rank: in
         kw["device_id"] = torch.device(device)
     timeout = datetime.timedelta(seconds=timeout_s)
     if store is None:
-        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size, timeout=timeout,
-                                **kw)
+        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size, timeout=timeout, **kw)
     else:
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **kw)
     return WorkerContext(rank, world_size, local_rank, backend, device, events)
@@ -429,8 +428,7 @@ def launch(fn: Callable[..., Any], nprocs: int, *, backend: str = "auto", kwargs
                         late = [r for r in range(nprocs) if r not in results]
                         stacks = {r: t for r, t in _stacks(procs, stack_files).items() if r not in results}
                         raise WorkerTimeout(f"rank {', '.join(map(str, late))} still running {straggler_s:g} s after "
-                                            f"rank {min(results)} returned; all were stopped", stacks,
-                                            straggler=True)
+                                            f"rank {min(results)} returned; all were stopped", stacks, straggler=True)
                     if left <= 0:
                         doing = "; ".join(f"rank {r}: {s}" for r, s in status.items() if r not in results)
                         stacks = {r: t for r, t in _stacks(procs, stack_files).items() if r not in results}

@@ -48,20 +48,15 @@ def resolve_device(device: str | None = "auto", where: str = "device") -> str:
         return name
     if name == "cuda" or name.startswith("cuda:"):
         if not torch.cuda.is_available():
-            why = (
-                "this torch is a CPU-only build (torch.version.cuda is None)"
-                if torch.version.cuda is None
-                else "no NVIDIA GPU is visible (check nvidia-smi and CUDA_VISIBLE_DEVICES)"
-            )
+            why = ("this torch is a CPU-only build (torch.version.cuda is None)" if torch.version.cuda is None
+                   else "no NVIDIA GPU is visible (check nvidia-smi and CUDA_VISIBLE_DEVICES)")
             raise ValueError(
                 f"{where}={device!r}: torch.cuda.is_available() is False: {why}. Pass device='cpu' or 'auto'."
             )
         index = torch.device(name).index
         if index is not None and index >= torch.cuda.device_count():
-            raise ValueError(
-                f"{where}={device!r}: only {torch.cuda.device_count()} CUDA device(s) are visible; "
-                f"use 'cuda:0' .. 'cuda:{torch.cuda.device_count() - 1}'"
-            )
+            raise ValueError(f"{where}={device!r}: only {torch.cuda.device_count()} CUDA device(s) are visible; "
+                             f"use 'cuda:0' .. 'cuda:{torch.cuda.device_count() - 1}'")
         return name
     raise ValueError(f"{where}={device!r}: use 'cpu', 'cuda', 'cuda:N' or 'auto'")
 
@@ -215,19 +210,13 @@ def make_matmul(n: int, dtype: str, dev: str, fp8_fast_accum: bool = False) -> M
         scale = torch.ones((), device=dev, dtype=torch.float32)
 
         def fn() -> Any:
-            out = torch._scaled_mm(
-                a, b, scale_a=scale, scale_b=scale, out_dtype=torch.bfloat16, use_fast_accum=fp8_fast_accum
-            )
+            out = torch._scaled_mm(a, b, scale_a=scale, scale_b=scale, out_dtype=torch.bfloat16,
+                                   use_fast_accum=fp8_fast_accum)
             return out[0] if isinstance(out, tuple) else out  # torch 2.1-2.4 returned (out, amax)
 
         nbytes = matmul_bytes(n, n, n, 1, out_itemsize=2)
         return MatmulCase(dtype, n, fn, matmul_flops(n, n, n), nbytes, False, (a, b))
-    torch_dtype = {
-        "fp32": torch.float32,
-        "tf32": torch.float32,
-        "fp16": torch.float16,
-        "bf16": torch.bfloat16,
-    }
+    torch_dtype = {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
     a = torch.randn(n, n, device=dev, dtype=torch_dtype[dtype])
     b = torch.randn(n, n, device=dev, dtype=torch_dtype[dtype])
     itemsize = a.element_size()
@@ -243,9 +232,8 @@ def make_matmul(n: int, dtype: str, dev: str, fp8_fast_accum: bool = False) -> M
 # 1. Asynchronous launches
 
 
-def async_pitfall(
-    n: int | None = None, device: str | None = "auto", dtype: str = "fp32", reps: int = 20, warmup: int = 3
-) -> pd.DataFrame:
+def async_pitfall(n: int | None = None, device: str | None = "auto", dtype: str = "fp32", reps: int = 20,
+                  warmup: int = 3) -> pd.DataFrame:
     """Time one n×n matmul three ways: host clock without synchronize (wrong on a GPU), host clock with
     synchronize, and ``benchmark`` (CUDA events on a GPU).
 
@@ -291,29 +279,17 @@ def async_pitfall(
         timed = benchmark(case.fn, reps=reps, warmup=warmup, device=dev, name=f"{dtype} matmul {n}")
 
     ref_ms = timed.median_ms
-    for method, ms in (
-        ("host clock, no synchronize", float(np.median(no_sync))),
-        ("host clock + synchronize", float(np.median(with_sync))),
-        ("benchmark (CUDA events)" if _is_cuda(dev) else "benchmark (host clock)", ref_ms),
-    ):
-        rows.append(
-            {
-                "method": method,
-                "median_ms": ms,
-                "apparent_tflops": case.flops / (ms * 1e-3) / 1e12,
-                "ratio_to_benchmark": ms / ref_ms,
-                "async_launch": _is_cuda(dev),
-                "n": n,
-                "dtype": dtype,
-                "device": dev,
-            }
-        )
+    for method, ms in (("host clock, no synchronize", float(np.median(no_sync))),
+                       ("host clock + synchronize", float(np.median(with_sync))),
+                       ("benchmark (CUDA events)" if _is_cuda(dev) else "benchmark (host clock)", ref_ms)):
+        rows.append({"method": method, "median_ms": ms, "apparent_tflops": case.flops / (ms * 1e-3) / 1e12,
+                     "ratio_to_benchmark": ms / ref_ms, "async_launch": _is_cuda(dev), "n": n, "dtype": dtype,
+                     "device": dev})
     return pd.DataFrame(rows)
 
 
-def first_call_cost(
-    n: int | None = None, device: str | None = "auto", dtype: str = "fp32", reps: int = 20
-) -> pd.DataFrame:
+def first_call_cost(n: int | None = None, device: str | None = "auto", dtype: str = "fp32",
+                    reps: int = 20) -> pd.DataFrame:
     """Wall time of the first matmul on fresh tensors against the steady-state median.
 
     The first call pays for what is set up lazily: on a GPU the cuBLAS handle and workspace, kernel
@@ -342,10 +318,7 @@ def first_call_cost(
         sync(dev)
         first_ms = (time.perf_counter() - t0) * 1e3
         steady = benchmark(case.fn, reps=reps, warmup=2, device=dev, name=f"{dtype} matmul {n}")
-    rows = [
-        ("first call", first_ms),
-        ("steady state (median)", steady.median_ms),
-    ]
+    rows = [("first call", first_ms), ("steady state (median)", steady.median_ms)]
     return pd.DataFrame(
         [
             {
@@ -366,21 +339,13 @@ def first_call_cost(
 # 2. Matmul throughput
 
 
-SWEEP_COLUMNS = [
-    "dtype", "n", "status", "reason", "flops", "min_bytes", "intensity_flop_per_byte", "median_ms",
-    "p10_ms", "p90_ms", "spread", "tflops", "peak_tflops", "pct_of_peak", "device", "device_name",
-]
+SWEEP_COLUMNS = ["dtype", "n", "status", "reason", "flops", "min_bytes", "intensity_flop_per_byte", "median_ms",
+                 "p10_ms", "p90_ms", "spread", "tflops", "peak_tflops", "pct_of_peak", "device", "device_name"]
 
 
-def matmul_sweep(
-    sizes: Sequence[int] | None = None,
-    dtypes: Sequence[str] = DTYPES,
-    device: str | None = "auto",
-    reps: int = 10,
-    warmup: int = 3,
-    fp8_fast_accum: bool = False,
-    progress: Callable[..., Any] | None = None,
-) -> pd.DataFrame:
+def matmul_sweep(sizes: Sequence[int] | None = None, dtypes: Sequence[str] = DTYPES, device: str | None = "auto",
+                 reps: int = 10, warmup: int = 3, fp8_fast_accum: bool = False,
+                 progress: Callable[..., Any] | None = None) -> pd.DataFrame:
     """Achieved TFLOP/s of square n×n×n matmuls for each dtype and size, at the median of ``reps``.
 
     Inputs are random normal, allocated before timing. ``pct_of_peak`` compares with the dense datasheet
@@ -407,13 +372,11 @@ def matmul_sweep(
         itemsize = {"fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2, "fp8": 1}[dtype]
         flops = matmul_flops(n, n, n)
         nbytes = matmul_bytes(n, n, n, itemsize, out_itemsize=2 if dtype == "fp8" else None)
-        row: dict[str, Any] = {
-            "dtype": dtype, "n": n, "status": "ok", "reason": "", "flops": flops, "min_bytes": nbytes,
-            "intensity_flop_per_byte": flops / nbytes, "median_ms": math.nan, "p10_ms": math.nan,
-            "p90_ms": math.nan, "spread": math.nan, "tflops": math.nan,
-            "peak_tflops": math.nan if peak is None else float(peak), "pct_of_peak": math.nan,
-            "device": dev, "device_name": name,
-        }
+        row: dict[str, Any] = {"dtype": dtype, "n": n, "status": "ok", "reason": "", "flops": flops,
+                               "min_bytes": nbytes, "intensity_flop_per_byte": flops / nbytes, "median_ms": math.nan,
+                               "p10_ms": math.nan, "p90_ms": math.nan, "spread": math.nan, "tflops": math.nan,
+                               "peak_tflops": math.nan if peak is None else float(peak), "pct_of_peak": math.nan,
+                               "device": dev, "device_name": name}
         reason = matmul_skip_reason(dtype, n, dev)
         if reason:
             row.update(status="skipped", reason=reason)
@@ -431,18 +394,15 @@ def matmul_sweep(
             rows.append(row)
             continue
         tflops = t.tflops(flops)
-        row.update(
-            median_ms=t.median_ms, p10_ms=t.p10_ms, p90_ms=t.p90_ms, spread=t.spread, tflops=tflops,
-            pct_of_peak=100.0 * tflops / peak if peak else math.nan,
-        )
+        row.update(median_ms=t.median_ms, p10_ms=t.p10_ms, p90_ms=t.p90_ms, spread=t.spread, tflops=tflops,
+                   pct_of_peak=100.0 * tflops / peak if peak else math.nan)
         rows.append(row)
         del case
     return pd.DataFrame(rows, columns=SWEEP_COLUMNS)
 
 
-def bare_matmul_loop(
-    n: int | None = None, dtype: str | None = None, iters: int = 20, device: str | None = "auto", warmup: int = 3
-) -> float:
+def bare_matmul_loop(n: int | None = None, dtype: str | None = None, iters: int = 20, device: str | None = "auto",
+                     warmup: int = 3) -> float:
     """TFLOP/s of the simplest loop, for comparison with ``benchmark``: mean time over ``iters`` matmuls.
 
     On a GPU: one event before the loop, one after, one synchronize. On the CPU: a host clock around
@@ -493,9 +453,8 @@ def _bytes_label(nbytes: float) -> str:
     return f"{nbytes:g} B"
 
 
-def copy_bandwidth(
-    sizes_bytes: Sequence[int] | None = None, device: str | None = "auto", reps: int = 10, warmup: int = 3
-) -> pd.DataFrame:
+def copy_bandwidth(sizes_bytes: Sequence[int] | None = None, device: str | None = "auto", reps: int = 10,
+                   warmup: int = 3) -> pd.DataFrame:
     """Bandwidth of ``dst.copy_(src)`` in GB/s, counting the read and the write (2 × size).
 
     On a GPU this is HBM bandwidth, device to device; on the CPU it is DRAM bandwidth, provided the sizes
@@ -522,27 +481,19 @@ def copy_bandwidth(
         t = benchmark(lambda d=dst, s=src: d.copy_(s), reps=reps, warmup=warmup, device=dev, name="copy")
         moved = copy_bytes(nbytes)
         gbps = t.gbps(moved)
-        rows.append(
-            {
-                "size_bytes": nbytes, "size_mib": nbytes / MIB, "bytes_moved": moved,
-                "median_ms": t.median_ms, "p10_ms": t.p10_ms, "p90_ms": t.p90_ms, "spread": t.spread,
-                "gbps": gbps, "peak_gbps": peak_gbps, "pct_of_peak": 100.0 * gbps / peak_gbps,
-                "device": dev, "device_name": name,
-            }
-        )
+        rows.append({"size_bytes": nbytes, "size_mib": nbytes / MIB, "bytes_moved": moved, "median_ms": t.median_ms,
+                     "p10_ms": t.p10_ms, "p90_ms": t.p90_ms, "spread": t.spread, "gbps": gbps, "peak_gbps": peak_gbps,
+                     "pct_of_peak": 100.0 * gbps / peak_gbps, "device": dev, "device_name": name})
         del src, dst
     return pd.DataFrame(rows)
 
 
-HOST_DEVICE_COLUMNS = [
-    "direction", "host_memory", "size_bytes", "median_ms", "p10_ms", "p90_ms", "spread", "gbps",
-    "peak_gbps", "pct_of_peak", "device", "reason",
-]
+HOST_DEVICE_COLUMNS = ["direction", "host_memory", "size_bytes", "median_ms", "p10_ms", "p90_ms", "spread", "gbps",
+                       "peak_gbps", "pct_of_peak", "device", "reason"]
 
 
-def host_device_bandwidth(
-    nbytes: int = GIB, reps: int = 10, device: str | None = "auto", warmup: int = 2
-) -> pd.DataFrame:
+def host_device_bandwidth(nbytes: int = GIB, reps: int = 10, device: str | None = "auto",
+                          warmup: int = 2) -> pd.DataFrame:
     """Host→device (H2D) and device→host (D2H) copy bandwidth in GB/s, pinned against pageable host memory.
 
     Pinned (page-locked) memory lets the GPU's copy engine read host memory directly; pageable memory is
@@ -568,20 +519,14 @@ def host_device_bandwidth(
         host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=host_memory == "pinned")
         host.fill_(3)
         pinned = host_memory == "pinned"
-        for direction, fn in (
-            ("H2D", lambda h=host, p=pinned: gpu.copy_(h, non_blocking=p)),
-            ("D2H", lambda h=host, p=pinned: h.copy_(gpu, non_blocking=p)),
-        ):
+        for direction, fn in (("H2D", lambda h=host, p=pinned: gpu.copy_(h, non_blocking=p)),
+                              ("D2H", lambda h=host, p=pinned: h.copy_(gpu, non_blocking=p))):
             t = benchmark(fn, reps=reps, warmup=warmup, device=dev, name=f"{direction} {host_memory}")
             gbps = t.gbps(nbytes)
-            rows.append(
-                {
-                    "direction": direction, "host_memory": host_memory, "size_bytes": nbytes,
-                    "median_ms": t.median_ms, "p10_ms": t.p10_ms, "p90_ms": t.p90_ms, "spread": t.spread,
-                    "gbps": gbps, "peak_gbps": peak_gbps, "pct_of_peak": 100.0 * gbps / peak_gbps,
-                    "device": dev, "reason": "",
-                }
-            )
+            rows.append({"direction": direction, "host_memory": host_memory, "size_bytes": nbytes,
+                         "median_ms": t.median_ms, "p10_ms": t.p10_ms, "p90_ms": t.p90_ms, "spread": t.spread,
+                         "gbps": gbps, "peak_gbps": peak_gbps, "pct_of_peak": 100.0 * gbps / peak_gbps, "device": dev,
+                         "reason": ""})
         del host
     return pd.DataFrame(rows, columns=HOST_DEVICE_COLUMNS)
 
@@ -590,9 +535,8 @@ def host_device_bandwidth(
 # 4. Launch overhead and CUDA graphs
 
 
-def launch_overhead(
-    n_kernels: int = 1000, numel: int = 1024, device: str | None = "auto", reps: int = 20, warmup: int = 3
-) -> pd.DataFrame:
+def launch_overhead(n_kernels: int = 1000, numel: int = 1024, device: str | None = "auto", reps: int = 20,
+                    warmup: int = 3) -> pd.DataFrame:
     """Cost per tiny kernel: a chain of ``n_kernels`` ``x.add_(1.0)`` on ``numel`` floats, launched one by
     one (eager) and replayed from a captured ``torch.cuda.CUDAGraph``.
 
@@ -615,11 +559,9 @@ def launch_overhead(
     eager = benchmark(chain, reps=reps, warmup=warmup, device=dev, name=f"eager {n_kernels} x add_")
 
     def row(mode: str, available: bool, reason: str, median_ms: float, speedup: float) -> dict[str, Any]:
-        return {
-            "mode": mode, "available": available, "reason": reason, "n_kernels": n_kernels, "numel": numel,
-            "median_ms": median_ms, "us_per_kernel": median_ms * 1e3 / n_kernels,
-            "speedup_vs_eager": speedup, "device": dev,
-        }
+        return {"mode": mode, "available": available, "reason": reason, "n_kernels": n_kernels, "numel": numel,
+                "median_ms": median_ms, "us_per_kernel": median_ms * 1e3 / n_kernels, "speedup_vs_eager": speedup,
+                "device": dev}
 
     rows = [row("eager", True, "", eager.median_ms, 1.0)]
     if not _is_cuda(dev):
@@ -662,9 +604,8 @@ def launch_overhead(
 ROOFLINE_COLUMNS = ["label", "kind", "dtype", "intensity_flop_per_byte", "tflops", "tbps", "device"]
 
 
-def elementwise_add(
-    numel: int | None = None, device: str | None = "auto", reps: int = 10, warmup: int = 3
-) -> dict[str, Any]:
+def elementwise_add(numel: int | None = None, device: str | None = "auto", reps: int = 10,
+                    warmup: int = 3) -> dict[str, Any]:
     """Measure ``torch.add(x, y, out=z)`` in fp32: 1 FLOP per element over 3 × 4 bytes (two reads, one write).
 
     Default size: 64 Mi elements on a GPU (768 MiB moved), 8 Mi on the CPU (96 MiB, above the caches).
@@ -680,20 +621,13 @@ def elementwise_add(
     z = torch.empty_like(x)
     t = benchmark(lambda: torch.add(x, y, out=z), reps=reps, warmup=warmup, device=dev, name=f"add {numel}")
     nbytes = 3 * numel * x.element_size()
-    return {
-        "label": f"add fp32 {_bytes_label(numel * 4)}", "kind": "elementwise", "dtype": "fp32",
-        "intensity_flop_per_byte": numel / nbytes, "tflops": t.tflops(numel), "tbps": t.gbps(nbytes) / 1e3,
-        "device": dev, "median_ms": t.median_ms,
-    }
+    return {"label": f"add fp32 {_bytes_label(numel * 4)}", "kind": "elementwise", "dtype": "fp32",
+            "intensity_flop_per_byte": numel / nbytes, "tflops": t.tflops(numel), "tbps": t.gbps(nbytes) / 1e3,
+            "device": dev, "median_ms": t.median_ms}
 
 
-def roofline_points(
-    sweep: pd.DataFrame | None = None,
-    copies: pd.DataFrame | None = None,
-    device: str | None = "auto",
-    elementwise_numel: int | None = None,
-    reps: int = 10,
-) -> pd.DataFrame:
+def roofline_points(sweep: pd.DataFrame | None = None, copies: pd.DataFrame | None = None, device: str | None = "auto",
+                    elementwise_numel: int | None = None, reps: int = 10) -> pd.DataFrame:
     """Measured points for a roofline: each measured matmul of ``sweep``, an elementwise add measured here,
     and each copy of ``copies``.
 
@@ -707,9 +641,7 @@ def roofline_points(
     if sweep is not None:
         missing = {"dtype", "n", "tflops", "intensity_flop_per_byte"} - set(sweep.columns)
         if missing:
-            raise ValueError(
-                f"roofline_points(sweep=...): not a matmul_sweep frame, missing columns {sorted(missing)}"
-            )
+            raise ValueError(f"roofline_points(sweep=...): not a matmul_sweep frame, missing columns {sorted(missing)}")
         ok = sweep[sweep["status"] == "ok"] if "status" in sweep else sweep
         for r in ok.itertuples(index=False):
             rows.append(
@@ -729,13 +661,9 @@ def roofline_points(
                 f"roofline_points(copies=...): not a copy_bandwidth frame, missing columns {sorted(missing)}"
             )
         for r in copies.itertuples(index=False):
-            rows.append(
-                {
-                    "label": f"copy {_bytes_label(r.size_bytes)}", "kind": "copy", "dtype": "",
-                    "intensity_flop_per_byte": math.nan, "tflops": math.nan, "tbps": r.gbps / 1e3,
-                    "device": r.device,
-                }
-            )
+            rows.append({"label": f"copy {_bytes_label(r.size_bytes)}", "kind": "copy", "dtype": "",
+                         "intensity_flop_per_byte": math.nan, "tflops": math.nan, "tbps": r.gbps / 1e3,
+                         "device": r.device})
     df = pd.DataFrame(rows, columns=ROOFLINE_COLUMNS)
     mm = df.loc[df["kind"] == "matmul", "tflops"]
     cp = df.loc[df["kind"] == "copy", "tbps"]

@@ -46,15 +46,9 @@ def plot_matmul_sweep(df: pd.DataFrame, ax: Any = None, title: str | None = None
     return fig
 
 
-def plot_roofline(
-    points_df: pd.DataFrame,
-    peak_tflops: float | None,
-    bw_tbps: float | None,
-    measured_peak_tflops: float | None = None,
-    measured_bw_tbps: float | None = None,
-    ax: Any = None,
-    title: str | None = None,
-) -> Any:
+def plot_roofline(points_df: pd.DataFrame, peak_tflops: float | None, bw_tbps: float | None,
+                  measured_peak_tflops: float | None = None, measured_bw_tbps: float | None = None, ax: Any = None,
+                  title: str | None = None) -> Any:
     """Log-log roofline: attainable TFLOP/s = min(peak, bandwidth × intensity), the ridge point marked.
 
     Solid: datasheet roof (``peak_tflops``, ``bw_tbps``; pass None when unknown, e.g. on the CPU).
@@ -66,17 +60,13 @@ def plot_roofline(
     roofs = []
     if plotting.is_finite(peak_tflops) or plotting.is_finite(bw_tbps):
         if not (plotting.is_finite(peak_tflops) and plotting.is_finite(bw_tbps)):
-            raise ValueError(
-                f"plot_roofline(peak_tflops={peak_tflops!r}, bw_tbps={bw_tbps!r}): give both or neither"
-            )
+            raise ValueError(f"plot_roofline(peak_tflops={peak_tflops!r}, bw_tbps={bw_tbps!r}): give both or neither")
         roofs.append(("datasheet", float(peak_tflops), float(bw_tbps), "-"))
     if plotting.is_finite(measured_peak_tflops) and plotting.is_finite(measured_bw_tbps):
         roofs.append(("measured", float(measured_peak_tflops), float(measured_bw_tbps), ":"))
     if not roofs:
-        raise ValueError(
-            "plot_roofline: no roof to draw: pass peak_tflops and bw_tbps (datasheet) or "
-            "measured_peak_tflops and measured_bw_tbps (e.g. points_df.attrs from roofline_points)"
-        )
+        raise ValueError("plot_roofline: no roof to draw: pass peak_tflops and bw_tbps (datasheet) or "
+                         "measured_peak_tflops and measured_bw_tbps (e.g. points_df.attrs from roofline_points)")
     pts = points_df[(points_df["intensity_flop_per_byte"] > 0) & (points_df["tflops"] > 0)]
     ridges = [ridge_point(p, b) for _, p, b, _ in roofs]
     xs = list(pts["intensity_flop_per_byte"]) + ridges

@@ -196,10 +196,8 @@ class Comparison:
         if timing is not None:
             p50_ms, p90_ms, device = timing.median_ms, timing.p90_ms, device or timing.device
         ref = self._fp32_accuracy.get(model)
-        row = {"model": model, "backend": backend, "precision": precision, "batch": int(batch),
-               "p50_ms": p50_ms, "p90_ms": p90_ms,
-               "images_per_s": batch / (p50_ms / 1e3) if p50_ms else None,
-               "accuracy": accuracy,
+        row = {"model": model, "backend": backend, "precision": precision, "batch": int(batch), "p50_ms": p50_ms,
+               "p90_ms": p90_ms, "images_per_s": batch / (p50_ms / 1e3) if p50_ms else None, "accuracy": accuracy,
                "accuracy_delta_points": (accuracy - ref) * 100 if accuracy is not None and ref is not None else None,
                "top1_agreement": top1_agreement, "rel_logit_error": rel_logit_error, "device": device, "note": note}
         self.rows.append(row)

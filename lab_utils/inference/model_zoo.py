@@ -161,9 +161,8 @@ def digits_info(model: nn.Module) -> ModelInfo:
                      count_gflop(model, (1, 8, 8)), slug="digits")
 
 
-def make_resnet50(device: str = "cpu", width: int | None = None, image_size: int | None = None,
-                  num_classes: int = 1000, seed: int = 0,
-                  prefer_torchvision: bool = True) -> tuple[nn.Module, ModelInfo]:
+def make_resnet50(device: str = "cpu", width: int | None = None, image_size: int | None = None, num_classes: int = 1000,
+                  seed: int = 0, prefer_torchvision: bool = True) -> tuple[nn.Module, ModelInfo]:
     """A ResNet-50 with random weights for speed measurements, in eval mode on ``device``.
 
     On a GPU, at full size: ``torchvision.models.resnet50(weights=None)`` when torchvision imports, else

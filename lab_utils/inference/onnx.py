@@ -340,9 +340,8 @@ def fusion_table(onnx_path: str | os.PathLike[str], workdir: str | os.PathLike[s
         rows.append({"level": level, "nodes": sum(counts.values()),
                      "conv_nodes": sum(v for k, v in counts.items() if k.split("[")[0] in ("Conv", "FusedConv")),
                      "fused": ", ".join(f"{k} {v}" for k, v in sorted(fused.items())),
-                     "top_ops": ", ".join(f"{k} {v}" for k, v in counts.most_common(4)),
-                     "session_s": create_s, "batch": int(x.shape[0]), "p50_ms": t.median_ms,
-                     "images_per_s": x.shape[0] / (t.median_ms / 1e3)})
+                     "top_ops": ", ".join(f"{k} {v}" for k, v in counts.most_common(4)), "session_s": create_s,
+                     "batch": int(x.shape[0]), "p50_ms": t.median_ms, "images_per_s": x.shape[0] / (t.median_ms / 1e3)})
     df = pd.DataFrame(rows)
     df["speedup_vs_disable"] = df["p50_ms"].iloc[0] / df["p50_ms"]
     return df

@@ -254,9 +254,8 @@ def qdq_summary(path: str | os.PathLike[str]) -> dict[str, Any]:
             if n.op_type == "DequantizeLinear" and i in inits and inits[i].data_type not in (1, 10, 11, 16):
                 types.add(onnx.TensorProto.DataType.Name(inits[i].data_type).lower())
     return {"quantize_nodes": sum(n.op_type == "QuantizeLinear" for n in nodes),
-            "dequantize_nodes": sum(n.op_type == "DequantizeLinear" for n in nodes),
-            "quantized_types": sorted(types), "compute_nodes": len(compute),
-            "quantized_compute_nodes": [f"{n.op_type} {n.name}" for n in quantized],
+            "dequantize_nodes": sum(n.op_type == "DequantizeLinear" for n in nodes), "quantized_types": sorted(types),
+            "compute_nodes": len(compute), "quantized_compute_nodes": [f"{n.op_type} {n.name}" for n in quantized],
             "float_compute_nodes": [f"{n.op_type} {n.name}" for n in compute if n not in quantized]}
 
 

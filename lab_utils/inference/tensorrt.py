@@ -479,17 +479,15 @@ def substitution_plan(gpu: bool, tensorrt_ok: bool, tensorrt_why: str) -> list[d
         ]
     why = tensorrt_why
     if gpu:
-        rows = [
-            ("parse ONNX into a strongly typed network", "ONNX Runtime (CPU) runs the same ONNX files", why),
-            ("fuse layers", "torch.compile (Inductor) fuses into generated kernels; ONNX Runtime's optimized "
-             "graph shows the node-level fusions", why),
-            ("lower precision (from the graph)", "torch.autocast BF16/FP16 on the GPU for speed; the ModelOpt "
-             "FP16/INT8/FP8 ONNX models in ONNX Runtime for accuracy", why),
-            ("pick the fastest kernels (tactics), timing cache", "torch.compile(mode='max-autotune') times "
-             "kernel candidates; cudnn.benchmark picks convolution algorithms", why),
-            ("engine file, profile, execute_async_v3", "CUDA graphs: one replay per batch instead of hundreds of "
-             "launches; trtexec lines are shown to run elsewhere", why),
-        ]
+        rows = [("parse ONNX into a strongly typed network", "ONNX Runtime (CPU) runs the same ONNX files", why),
+                ("fuse layers", "torch.compile (Inductor) fuses into generated kernels; ONNX Runtime's optimized "
+                 "graph shows the node-level fusions", why),
+                ("lower precision (from the graph)", "torch.autocast BF16/FP16 on the GPU for speed; the ModelOpt "
+                 "FP16/INT8/FP8 ONNX models in ONNX Runtime for accuracy", why),
+                ("pick the fastest kernels (tactics), timing cache", "torch.compile(mode='max-autotune') times "
+                 "kernel candidates; cudnn.benchmark picks convolution algorithms", why),
+                ("engine file, profile, execute_async_v3", "CUDA graphs: one replay per batch instead of hundreds of "
+                 "launches; trtexec lines are shown to run elsewhere", why)]
     else:
         rows = [
             ("parse ONNX into a strongly typed network", "ONNX Runtime on the CPU runs the same ONNX files",

@@ -146,8 +146,7 @@ def torch_runners(model: nn.Module, x: torch.Tensor | np.ndarray, *, steps: Sequ
     its bar waits on the step being built, so it shows which step a minutes-long ``torch.compile`` is at. None
     shows nothing.
     """
-    runners = _torch_runners(model, x, steps=steps, amp=amp, compile_mode=compile_mode,
-                             autotune_convs=autotune_convs)
+    runners = _torch_runners(model, x, steps=steps, amp=amp, compile_mode=compile_mode, autotune_convs=autotune_convs)
     if progress is None:
         yield from runners
         return
@@ -244,8 +243,7 @@ def _torch_runners(model: nn.Module, x: torch.Tensor | np.ndarray, *, steps: Seq
         yield graphed
 
 
-def time_torch(runner: Callable[[], Any], device: str, reps: int = 10, warmup: int = 2,
-               name: str = "torch") -> Timing:
+def time_torch(runner: Callable[[], Any], device: str, reps: int = 10, warmup: int = 2, name: str = "torch") -> Timing:
     """Time a torch runner (CUDA events on a GPU, the host clock on a CPU); per-repetition ms."""
     return benchmark(runner, reps=reps, warmup=warmup, device="cuda" if str(device).startswith("cuda") else "cpu",
                      name=name)

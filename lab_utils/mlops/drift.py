@@ -214,8 +214,7 @@ class _DriftCollector:
         stats = self.monitor.statistics()
         p = GaugeMetricFamily(PSI_METRIC, "population stability index against the training reference",
                               labels=["feature"])
-        k = GaugeMetricFamily(KS_METRIC, "two-sample KS statistic against the training reference",
-                              labels=["feature"])
+        k = GaugeMetricFamily(KS_METRIC, "two-sample KS statistic against the training reference", labels=["feature"])
         for feature, s in stats.items():
             if self.features is not None and feature not in self.features:
                 continue

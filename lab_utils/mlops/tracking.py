@@ -283,10 +283,9 @@ def _check_images(x: Any, y: Any, what: str) -> tuple[np.ndarray, np.ndarray]:
     return x.astype(np.float32), y.astype(np.int64)
 
 
-def train_digits(x_train: np.ndarray, y_train: np.ndarray, x_val: np.ndarray, y_val: np.ndarray, *,
-                 epochs: int = 4, lr: float = 0.05, seed: int = 0, width: int = 32, batch_size: int = 64,
-                 mean: float | None = None, std: float | None = None,
-                 on_epoch: Callable[[dict[str, float]], None] | None = None) -> TrainResult:
+def train_digits(x_train: np.ndarray, y_train: np.ndarray, x_val: np.ndarray, y_val: np.ndarray, *, epochs: int = 4,
+                 lr: float = 0.05, seed: int = 0, width: int = 32, batch_size: int = 64, mean: float | None = None,
+                 std: float | None = None, on_epoch: Callable[[dict[str, float]], None] | None = None) -> TrainResult:
     """Train the service's DigitsCNN on raw images (N, 8, 8), values 0..16, normalized with the service's
     ``mean``/``std`` (default: the original training set's, which the preprocessing model applies, so a retrained
     model fits the same service). SGD with momentum 0.9, cross-entropy, CPU, one thread (seconds).
@@ -445,8 +444,7 @@ def compare_runs(tracking: Any, experiment: str = EXPERIMENT, metric: str = METR
     rows = []
     for r in runs:
         rows.append({"run_id": r.info.run_id, "run_name": r.info.run_name,
-                     **{k: _num(v) for k, v in r.data.params.items() if k not in ("optimizer",)},
-                     **r.data.metrics,
+                     **{k: _num(v) for k, v in r.data.params.items() if k not in ("optimizer",)}, **r.data.metrics,
                      "data_sha256": r.data.tags.get("data_sha256", ""), "git_commit": r.data.tags.get("git_commit", ""),
                      "start_time": pd.to_datetime(r.info.start_time, unit="ms", utc=True)})
     df = pd.DataFrame(rows)

@@ -56,8 +56,7 @@ def write_model(repo: str | Path, *, gpu: bool = False, max_batch_size: int = 4,
         service = {"service_ms": float(base_ms), "service_per_item_ms": float(per_item_ms)}
     triton_repo.build_mlp_model(repo, MODEL_NAME, preset=MODEL_PRESET, gpus=1 if gpu else 0,
                                 kind="KIND_GPU" if gpu else "KIND_CPU", max_batch_size=max_batch_size,
-                                dynamic_batching={"max_queue_delay_microseconds": queue_delay_us},
-                                parameters=service)
+                                dynamic_batching={"max_queue_delay_microseconds": queue_delay_us}, parameters=service)
     return repo
 
 

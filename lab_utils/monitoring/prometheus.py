@@ -31,14 +31,7 @@ import pandas as pd
 from lab_utils import DATA_DIR
 from lab_utils.course.probe import PROMETHEUS_ENV, PROMETHEUS_INSTALL, find_prometheus
 from lab_utils.owned import OwnedServer, usable
-from lab_utils.procs import (
-    check_service,
-    env_flag,
-    env_url,
-    http_ok,
-    owned_tempdir,
-    tail,
-)
+from lab_utils.procs import check_service, env_flag, env_url, http_ok, owned_tempdir, tail
 from lab_utils.serving.metrics import metric_types, parse_exposition  # noqa: F401  (re-exported)
 
 URL_ENV = "PROMETHEUS_URL"
@@ -404,8 +397,7 @@ class PromAPI:
                  "labels": {k: v for k, v in a["labels"].items() if k not in ("alertname", "severity")},
                  "summary": a.get("annotations", {}).get("summary", "")}
                 for a in data.get("alerts", [])]
-        return pd.DataFrame(rows, columns=["alertname", "state", "severity", "activeAt", "value", "labels",
-                                           "summary"])
+        return pd.DataFrame(rows, columns=["alertname", "state", "severity", "activeAt", "value", "labels", "summary"])
 
     def rules(self) -> pd.DataFrame:
         """Loaded rules (``/api/v1/rules``): group, name, type, state, health, query."""

@@ -123,12 +123,10 @@ def platform_tags(platforms: Sequence[str] | None) -> tuple[str, list[str]]:
 
 def target_environment(python: str, arch: str) -> dict[str, str]:
     """Environment-marker values of the target (PEP 508), for re-evaluating requirements."""
-    return {
-        "python_version": python, "python_full_version": f"{python}.0", "implementation_name": "cpython",
-        "implementation_version": f"{python}.0", "platform_python_implementation": "CPython", "os_name": "posix",
-        "sys_platform": "linux", "platform_system": "Linux", "platform_machine": arch, "platform_release": "",
-        "platform_version": "",
-    }
+    return {"python_version": python, "python_full_version": f"{python}.0", "implementation_name": "cpython",
+            "implementation_version": f"{python}.0", "platform_python_implementation": "CPython", "os_name": "posix",
+            "sys_platform": "linux", "platform_system": "Linux", "platform_machine": arch, "platform_release": "",
+            "platform_version": ""}
 
 
 # --- reading wheels ------------------------------------------------------------------------------
@@ -414,17 +412,12 @@ def _write_instructions(house: Wheelhouse, course_version: str, pkg_extras: list
         f"# Top-level requirements of this wheelhouse (CPython {house.python}, Linux {house.arch}); see README.txt.\n"
         + "\n".join(reqs) + "\n")
     left = ", ".join(f"{n} {v}" for n, v in house.left_out.items())
-    lines = [
-        f"Wheels of nvlab {course_version} and its dependencies for CPython {house.python} on Linux {house.arch} "
-        f"({house.platform_tags[0]} and older); extras: {','.join(house.extras) or 'none'}.",
-        f"{len(house.wheels)} wheels, {house.size_mib:.0f} MiB."
-        + (f" Left out because the target already has them (NGC {m['pinned']} image): {left}." if left else ""),
-        "",
-        "Install with no package index, in the course checkout (labs and solutions included):",
-        "",
-        *[f"    {c}" for c in install_commands(str(house.path), extras)],
-        "",
-    ]
+    lines = [f"Wheels of nvlab {course_version} and its dependencies for CPython {house.python} on Linux {house.arch} "
+             f"({house.platform_tags[0]} and older); extras: {','.join(house.extras) or 'none'}.",
+             f"{len(house.wheels)} wheels, {house.size_mib:.0f} MiB."
+             + (f" Left out because the target already has them (NGC {m['pinned']} image): {left}." if left else ""),
+             "", "Install with no package index, in the course checkout (labs and solutions included):", "",
+             *[f"    {c}" for c in install_commands(str(house.path), extras)], ""]
     if "lab" in pkg_extras:
         lines += [
             "or let ./course do the same offline" + (" (torch comes from here when none is importable):"
@@ -433,13 +426,9 @@ def _write_instructions(house: Wheelhouse, course_version: str, pkg_extras: list
             f"    PIP_NO_INDEX=1 PIP_FIND_LINKS={house.path} ./course lab",
             "",
         ]
-    lines += [
-        "Without the checkout (the nvlab command and lab_utils only):",
-        "",
-        f"    python -m pip install --no-index --find-links {house.path} -r {house.path / 'requirements.txt'}",
-        "",
-        "If this folder moves, use its new path in these commands.",
-    ]
+    lines += ["Without the checkout (the nvlab command and lab_utils only):", "",
+              f"    python -m pip install --no-index --find-links {house.path} -r {house.path / 'requirements.txt'}",
+              "", "If this folder moves, use its new path in these commands."]
     if "torch" not in house.extras and not house.left_out:
         lines.append("torch is not in this wheelhouse: the target must have it (nvlab doctor says so if not).")
     (house.path / "README.txt").write_text("\n".join(lines) + "\n")

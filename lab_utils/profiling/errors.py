@@ -55,16 +55,9 @@ def run_bad_index(device: str, launch_blocking: bool, timeout_s: float = 120.0) 
     last = next((ln for ln in lines if re.match(r"^[\w.]+(Error|Exception)\b.*:", ln)),
                 next((ln for ln in reversed(lines) if ln.strip() and not ln.startswith(" ")), ""))
     line = reported_line(tb)
-    return {
-        "device": device,
-        "CUDA_LAUNCH_BLOCKING": "1" if launch_blocking else "unset",
-        "returncode": proc.returncode,
-        "reported_line": line,
-        "faulty_line": BAD_LINE,
-        "at_fault": line == BAD_LINE,
-        "error": last[:200],
-        "traceback": _short_traceback(tb),
-    }
+    return {"device": device, "CUDA_LAUNCH_BLOCKING": "1" if launch_blocking else "unset",
+            "returncode": proc.returncode, "reported_line": line, "faulty_line": BAD_LINE, "at_fault": line == BAD_LINE,
+            "error": last[:200], "traceback": _short_traceback(tb)}
 
 
 def _short_traceback(tb: str, keep: int = 14) -> str:

@@ -202,11 +202,6 @@ def snapshot_summary(path: str | Path, top: int = 8) -> dict[str, Any]:
         sites[where(b.get("frames", []))] += b["size"]
     traces = [t for dev in snap.get("device_traces", []) for t in dev]
     actions = Counter(t.get("action") for t in traces)
-    return {
-        "reserved_mib": reserved / MiB,
-        "allocated_mib": allocated / MiB,
-        "segments": len(segments),
-        "live_blocks": len(live),
-        "top_sites_mib": {k: v / MiB for k, v in sites.most_common(top)},
-        "events": dict(actions),
-    }
+    return {"reserved_mib": reserved / MiB, "allocated_mib": allocated / MiB, "segments": len(segments),
+            "live_blocks": len(live), "top_sites_mib": {k: v / MiB for k, v in sites.most_common(top)},
+            "events": dict(actions)}

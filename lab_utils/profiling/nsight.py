@@ -102,8 +102,7 @@ def ncu_command(script: str, out_csv: bool = True) -> list[str]:
 
 def nsys_command(script: str, report: str) -> list[str]:
     """The ``nsys profile`` command line: CUDA API and kernels, NVTX ranges, OS runtime calls."""
-    return ["nsys", "profile", "--trace=cuda,nvtx,osrt", "--force-overwrite=true", "-o", report, sys.executable,
-            script]
+    return ["nsys", "profile", "--trace=cuda,nvtx,osrt", "--force-overwrite=true", "-o", report, sys.executable, script]
 
 
 def _env() -> dict[str, str]:
@@ -195,10 +194,8 @@ def duration_s(row: dict[str, Any]) -> float | None:
 
 def kernel_work(n: int, numel: int) -> list[dict[str, Any]]:
     """FLOPs and minimum bytes moved by KERNELS_SCRIPT's two kernels, in launch order."""
-    return [
-        {"op": f"GEMM bf16 {n}³", "flops": 2 * n**3, "bytes": 3 * n * n * 2},
-        {"op": f"add fp32 {numel:,}", "flops": numel, "bytes": 3 * numel * 4},
-    ]
+    return [{"op": f"GEMM bf16 {n}³", "flops": 2 * n**3, "bytes": 3 * n * n * 2},
+            {"op": f"add fp32 {numel:,}", "flops": numel, "bytes": 3 * numel * 4}]
 
 
 def run_nsys(timeout_s: float = 300.0) -> ToolRun:

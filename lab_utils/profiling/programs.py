@@ -28,13 +28,9 @@ __all__ = ["PROGRAMS", "VARIANTS", "Program", "PngDigits", "ImageNet", "build", 
            "Sizes", "sizes_for", "infinite_loader", "close_iterator"]
 
 PROGRAMS = ("data", "sync", "launch", "precision", "all")
-VARIANTS = {
-    "data": ("planted", "fixed"),
-    "sync": ("planted", "fixed"),
-    "launch": ("planted", "batch", "compile", "reduce-overhead", "max-autotune"),
-    "precision": ("planted", "fixed"),
-    "all": ("planted", "fixed", "gpu-data"),
-}
+VARIANTS = {"data": ("planted", "fixed"), "sync": ("planted", "fixed"),
+            "launch": ("planted", "batch", "compile", "reduce-overhead", "max-autotune"),
+            "precision": ("planted", "fixed"), "all": ("planted", "fixed", "gpu-data")}
 
 
 @dataclass(frozen=True)
@@ -378,8 +374,7 @@ def build(name: str, variant: str, device: str, quick: bool = False, seed: int =
         raise ValueError(f"build({name!r}, variant={variant!r}): one of {', '.join(VARIANTS[name])}")
     sz = sizes_for(device, quick)
     if name == "data":
-        return _image_program(name, variant, device, sz, {"sync"} | ({"data"} if variant == "fixed" else set()),
-                              seed)
+        return _image_program(name, variant, device, sz, {"sync"} | ({"data"} if variant == "fixed" else set()), seed)
     if name == "all" and variant == "gpu-data":
         return _gpu_data_program(device, sz, seed)
     if name == "all":

@@ -16,10 +16,8 @@ from typing import Any
 
 import pandas as pd
 
-__all__ = [
-    "STEP_PREFIX", "load_trace", "events", "step_window", "kernel_intervals", "union_us", "busy_fraction",
-    "summarize", "top_ops", "trim_trace", "plot_timeline",
-]
+__all__ = ["STEP_PREFIX", "load_trace", "events", "step_window", "kernel_intervals", "union_us", "busy_fraction",
+           "summarize", "top_ops", "trim_trace", "plot_timeline"]
 
 STEP_PREFIX = "ProfilerStep#"  # torch.profiler's annotation around each step of a schedule's active phase
 # Categories of device work: kernels and copies/memsets the GPU executes.
@@ -151,28 +149,21 @@ def summarize(trace: Mapping[str, Any] | pd.DataFrame) -> dict[str, Any]:
     syncs += int(in_win["name"].isin(SYNC_OPS).sum()) if runtime.empty else 0  # CPU-only: count the ops
     busy = busy_fraction(df)
     names = " ".join(kernels["name"].unique().tolist()).lower()
-    return {
-        "steps": steps,
-        "step_ms": wall / max(steps, 1) / 1e3,
-        "gpu_busy": busy,
-        "data_wait": union_us(zip(data["ts_us"], data["end_us"], strict=True), (t0, t1)) / wall,
-        "syncs_per_step": syncs / max(steps, 1),
-        "launches_per_step": int(runtime["name"].isin(LAUNCH_CALLS).sum()) / max(steps, 1),
-        "kernels_per_step": len(kernels) / max(steps, 1),
-        "kernel_us": float(kernels["dur_us"].mean()) if len(kernels) else None,
-        "half_precision_kernels": any(k in names for k in ("bf16", "f16", "half", "h16", "bfloat")),
-    }
+    return {"steps": steps, "step_ms": wall / max(steps, 1) / 1e3, "gpu_busy": busy,
+            "data_wait": union_us(zip(data["ts_us"], data["end_us"], strict=True), (t0, t1)) / wall,
+            "syncs_per_step": syncs / max(steps, 1),
+            "launches_per_step": int(runtime["name"].isin(LAUNCH_CALLS).sum()) / max(steps, 1),
+            "kernels_per_step": len(kernels) / max(steps, 1),
+            "kernel_us": float(kernels["dur_us"].mean()) if len(kernels) else None,
+            "half_precision_kernels": any(k in names for k in ("bf16", "f16", "half", "h16", "bfloat"))}
 
 
 def trim_trace(trace: Mapping[str, Any], keep_cats: Sequence[str] = (*DEVICE_CATS, "user_annotation",
                                                                      "gpu_user_annotation")) -> dict[str, Any]:
     """A smaller trace holding only the events of ``keep_cats`` (kernels and step annotations by default):
     enough for the busy fraction, small enough to commit."""
-    keep = [
-        {k: e[k] for k in ("ph", "cat", "name", "ts", "dur", "pid", "tid") if k in e}
-        for e in _event_list(trace)
-        if e.get("ph") == "X" and e.get("cat") in keep_cats
-    ]
+    keep = [{k: e[k] for k in ("ph", "cat", "name", "ts", "dur", "pid", "tid") if k in e} for e in _event_list(trace)
+            if e.get("ph") == "X" and e.get("cat") in keep_cats]
     return {"traceEvents": keep}
 
 

@@ -58,10 +58,9 @@ class KnobPanel(Panel):
         self.measure_button.on_click(lambda _b: self._guard(self.measure))
         self.status = w.HTML()
         self.table_out, self.plot_out = w.Output(), w.Output()
-        self.widget = w.VBox([
-            w.HBox([self.batching, self.preferred, self.delay_us]),
-            w.HBox([self.instances, self.concurrency, self.apply_button, self.measure_button]),
-            self.status, self.table_out, self.plot_out])
+        self.widget = w.VBox([w.HBox([self.batching, self.preferred, self.delay_us]),
+                              w.HBox([self.instances, self.concurrency, self.apply_button, self.measure_button]),
+                              self.status, self.table_out, self.plot_out])
 
     def config(self) -> dict[str, Any]:
         """The model configuration the controls describe (``config.pbtxt``'s fields)."""
