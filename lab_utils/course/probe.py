@@ -802,18 +802,14 @@ def stack_table(report: EnvReport) -> list[dict[str, str]]:
     t = report.torch or {}
     c = report.components
     gpu = ", ".join(sorted({g.name for g in report.gpus})) or "none found"
-    rows = [
-        ("GPU hardware", gpu),
-        ("driver (kernel module + libcuda, NVML)", report.driver_version or "absent"),
-        ("CUDA runtime (what torch ships)", t.get("cuda") or "none (CPU build of torch)"),
-        ("CUDA-X: cuDNN", str(t.get("cudnn") or "absent")),
-        ("CUDA-X: NCCL", str(t.get("nccl") or "absent")),
-        ("CUDA-X: TensorRT", c["tensorrt"].version or ("present" if c["tensorrt"].present else "absent")),
-        ("framework: PyTorch", t.get("version") or "absent"),
-        ("platform: Triton server", (c["tritonserver"].version or "present") if c["tritonserver"].present
-         else "absent"),
-        ("operations: Prometheus", (c["prometheus"].version or "present") if c["prometheus"].present else "absent"),
-    ]
+    rows = [("GPU hardware", gpu), ("driver (kernel module + libcuda, NVML)", report.driver_version or "absent"),
+            ("CUDA runtime (what torch ships)", t.get("cuda") or "none (CPU build of torch)"),
+            ("CUDA-X: cuDNN", str(t.get("cudnn") or "absent")), ("CUDA-X: NCCL", str(t.get("nccl") or "absent")),
+            ("CUDA-X: TensorRT", c["tensorrt"].version or ("present" if c["tensorrt"].present else "absent")),
+            ("framework: PyTorch", t.get("version") or "absent"),
+            ("platform: Triton server", (c["tritonserver"].version or "present") if c["tritonserver"].present
+             else "absent"),
+            ("operations: Prometheus", (c["prometheus"].version or "present") if c["prometheus"].present else "absent")]
 
     rel = pinned_release()
     in_image = "(in the image)"

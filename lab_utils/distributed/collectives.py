@@ -346,11 +346,9 @@ def collective_sweep(nprocs: int, sizes_bytes: Sequence[int] | None = None, coll
         peak, peak_desc = link_peak_gbps(report, n_gpus=max(nprocs, 2))
     else:
         peak, peak_desc = None, "no GPU link (gloo over loopback/shared memory)"
-    per_rank = launch(
-        bench_worker, nprocs, backend=chosen, timeout_s=timeout_s,
-        kwargs={"collectives": list(collectives), "sizes_bytes": sizes, "reps": reps, "warmup": warmup,
-                "dtype": dtypes, "corrupt_rank": corrupt_rank},
-    )
+    per_rank = launch(bench_worker, nprocs, backend=chosen, timeout_s=timeout_s,
+                      kwargs={"collectives": list(collectives), "sizes_bytes": sizes, "reps": reps, "warmup": warmup,
+                              "dtype": dtypes, "corrupt_rank": corrupt_rank})
     df = _merge_rows(per_rank, peak)
     df.attrs["peak_description"] = peak_desc
     return df

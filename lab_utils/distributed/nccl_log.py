@@ -172,10 +172,9 @@ def _parse_line(line: str, out: dict[str, Any], state: dict[str, Any]) -> None:
     m = _RE["graph"].search(line)
     if m:
         pattern = int(m.group(1))
-        _add_once(out["graphs"], {
-            "pattern": _PATTERNS.get(pattern, f"pattern {pattern}"), "n_channels": int(m.group(2)),
-            "bw_gbps": float(m.group(3)), "type": m.group(5),
-        })
+        _add_once(out["graphs"],
+                  {"pattern": _PATTERNS.get(pattern, f"pattern {pattern}"), "n_channels": int(m.group(2)),
+                   "bw_gbps": float(m.group(3)), "type": m.group(5)})
     m = _RE["init_time"].search(line)
     if m:
         out["init_time_s"] = max(out["init_time_s"] or 0.0, float(m.group(1)))

@@ -139,11 +139,9 @@ def choose_backend(nprocs: int, backend: str = "auto") -> str:
         return "nccl" if gpus >= nprocs and dist.is_nccl_available() else "gloo"
     if backend == "nccl":
         if gpus < nprocs:
-            raise ValueError(
-                f"NCCL needs one GPU per rank: asked for {nprocs} ranks, {gpus} GPU(s) here. "
-                + (f"Use backend='gloo' (CPU processes) or nprocs <= {gpus}" if gpus
-                   else "With no GPU, use backend='gloo' (CPU processes)")
-            )
+            raise ValueError(f"NCCL needs one GPU per rank: asked for {nprocs} ranks, {gpus} GPU(s) here. "
+                             + (f"Use backend='gloo' (CPU processes) or nprocs <= {gpus}" if gpus
+                                else "With no GPU, use backend='gloo' (CPU processes)"))
         if not dist.is_nccl_available():
             raise ValueError("this torch build has no NCCL: use backend='gloo'")
     return backend
@@ -409,12 +407,9 @@ def launch(fn: Callable[..., Any], nprocs: int, *, backend: str = "auto", kwargs
     try:
         with contextlib.ExitStack() as stores:
             ports = tuple(stores.enter_context(_rendezvous_store(group_timeout_s)) for _ in range(rendezvous))
-            procs = [
-                ctx.Process(target=_worker, daemon=True, name=f"nvlab-rank{r}",
-                            args=(fn, kwargs or {}, r, nprocs, chosen, ports, events, child_env, group_timeout_s,
-                                  group, stack_files[r], os.getpid()))
-                for r in range(nprocs)
-            ]
+            procs = [ctx.Process(target=_worker, daemon=True, name=f"nvlab-rank{r}",
+                                 args=(fn, kwargs or {}, r, nprocs, chosen, ports, events, child_env, group_timeout_s,
+                                       group, stack_files[r], os.getpid())) for r in range(nprocs)]
             with _workers(procs):
                 for p in procs:
                     p.start()

@@ -319,20 +319,8 @@ def first_call_cost(n: int | None = None, device: str | None = "auto", dtype: st
         first_ms = (time.perf_counter() - t0) * 1e3
         steady = benchmark(case.fn, reps=reps, warmup=2, device=dev, name=f"{dtype} matmul {n}")
     rows = [("first call", first_ms), ("steady state (median)", steady.median_ms)]
-    return pd.DataFrame(
-        [
-            {
-                "call": call,
-                "latency_ms": ms,
-                "x_steady": ms / steady.median_ms,
-                "n": n,
-                "dtype": dtype,
-                "device": dev,
-                "runtime_initialized_before": initialized,
-            }
-            for call, ms in rows
-        ]
-    )
+    return pd.DataFrame([{"call": call, "latency_ms": ms, "x_steady": ms / steady.median_ms, "n": n, "dtype": dtype,
+                          "device": dev, "runtime_initialized_before": initialized} for call, ms in rows])
 
 
 # --------------------------------------------------------------------------------------------------

@@ -341,13 +341,12 @@ def ort_runs_fp8() -> tuple[bool, str]:
     import onnxruntime as ort
     from onnx import TensorProto, helper
 
-    graph = helper.make_graph(
-        [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q"]),
-         helper.make_node("DequantizeLinear", ["q", "s", "z"], ["y"])],
-        "fp8_probe", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])],
-        [helper.make_tensor("s", TensorProto.FLOAT, [], [1.0]),
-         helper.make_tensor("z", TensorProto.FLOAT8E4M3FN, [], [0])])
+    graph = helper.make_graph([helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q"]),
+                               helper.make_node("DequantizeLinear", ["q", "s", "z"], ["y"])], "fp8_probe",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])],
+                              [helper.make_tensor("s", TensorProto.FLOAT, [], [1.0]),
+                               helper.make_tensor("z", TensorProto.FLOAT8E4M3FN, [], [0])])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)])
     model.ir_version = 9
     try:

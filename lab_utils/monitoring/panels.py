@@ -129,28 +129,19 @@ def dashboard(window: str = "$__rate_interval") -> dict[str, Any]:
     for i, p in enumerate(PANELS):
         unit = {"req/s": "reqps", "ms": "ms", "fraction": "percentunit", "%": "percent", "GiB": "decgbytes",
                 "W": "watt"}.get(p.unit, "short")
-        out_panels.append({
-            "id": i + 1, "type": "timeseries", "title": p.title, "datasource": ds,
-            **({"description": p.description} if p.description else {}),
-            "gridPos": {"h": 8, "w": 8, "x": (i % 3) * 8, "y": (i // 3) * 8},
-            "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
-            "options": {"legend": {"displayMode": "list", "placement": "bottom"}},
-            "targets": [{"refId": "A", "datasource": ds, "expr": p.expression(window), "legendFormat": p.legend}],
-        })
-    return {
-        "title": "Triton and GPU (nvlab lab 05)",
-        "uid": "nvlab-triton-gpu",
-        "tags": ["nvlab", "triton", "gpu"],
-        "timezone": "browser",
-        "schemaVersion": 39,
-        "version": 1,
-        "refresh": "5s",
-        "time": {"from": "now-15m", "to": "now"},
-        "templating": {"list": [{"name": "datasource", "type": "datasource", "query": "prometheus",
-                                 "label": "Prometheus", "current": {}, "hide": 0}]},
-        "annotations": {"list": []},
-        "panels": out_panels,
-    }
+        out_panels.append({"id": i + 1, "type": "timeseries", "title": p.title, "datasource": ds,
+                           **({"description": p.description} if p.description else {}),
+                           "gridPos": {"h": 8, "w": 8, "x": (i % 3) * 8, "y": (i // 3) * 8},
+                           "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+                           "options": {"legend": {"displayMode": "list", "placement": "bottom"}},
+                           "targets": [{"refId": "A", "datasource": ds, "expr": p.expression(window),
+                                        "legendFormat": p.legend}]})
+    return {"title": "Triton and GPU (nvlab lab 05)", "uid": "nvlab-triton-gpu", "tags": ["nvlab", "triton", "gpu"],
+            "timezone": "browser", "schemaVersion": 39, "version": 1, "refresh": "5s",
+            "time": {"from": "now-15m", "to": "now"},
+            "templating": {"list": [{"name": "datasource", "type": "datasource", "query": "prometheus",
+                                     "label": "Prometheus", "current": {}, "hide": 0}]}, "annotations": {"list": []},
+            "panels": out_panels}
 
 
 def dashboard_text() -> str:
@@ -238,13 +229,11 @@ def quantile_of_parts(latencies_ms: Sequence[Sequence[float]], q: float = 0.99) 
 
 # (what, Triton's expression, the exporter's expression), each averaged over the window; the last row is a
 # diagnostic: NVML's v1 "used" included driver-reserved memory, so if Triton's DCGM counts it, that row agrees.
-SOURCE_PAIRS = (
-    ("memory_used_bytes", "avg_over_time(nv_gpu_memory_used_bytes[{w}])",
-     "avg_over_time(DCGM_FI_DEV_FB_USED[{w}]) * 1048576"),
-    ("power_w", "avg_over_time(nv_gpu_power_usage[{w}])", "avg_over_time(DCGM_FI_DEV_POWER_USAGE[{w}])"),
-    ("memory_used_plus_reserved_bytes", "avg_over_time(nv_gpu_memory_used_bytes[{w}])",
-     "(avg_over_time(DCGM_FI_DEV_FB_USED[{w}]) + avg_over_time(DCGM_FI_DEV_FB_RESERVED[{w}])) * 1048576"),
-)
+SOURCE_PAIRS = (("memory_used_bytes", "avg_over_time(nv_gpu_memory_used_bytes[{w}])",
+                 "avg_over_time(DCGM_FI_DEV_FB_USED[{w}]) * 1048576"),
+                ("power_w", "avg_over_time(nv_gpu_power_usage[{w}])", "avg_over_time(DCGM_FI_DEV_POWER_USAGE[{w}])"),
+                ("memory_used_plus_reserved_bytes", "avg_over_time(nv_gpu_memory_used_bytes[{w}])",
+                 "(avg_over_time(DCGM_FI_DEV_FB_USED[{w}]) + avg_over_time(DCGM_FI_DEV_FB_RESERVED[{w}])) * 1048576"))
 
 
 def compare_gpu_sources(metrics: PromAPI, at: float, window_s: float, tolerance: float = 0.10) -> pd.DataFrame:

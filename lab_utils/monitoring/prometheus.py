@@ -161,17 +161,13 @@ def scrape_config(jobs: Mapping[str, Sequence[str]], *, scrape_interval_s: float
         if not (isinstance(v, (int, float)) and 0.1 <= v <= 600):
             raise ValueError(f"{what}={v!r}: give seconds between 0.1 and 600 (the lab uses 1)")
     interval = _duration(scrape_interval_s)
-    return {
-        "global": {"scrape_interval": interval, "scrape_timeout": interval,
-                   "evaluation_interval": _duration(evaluation_interval_s)},
-        "rule_files": [str(Path(p).resolve()) for p in rule_files],
-        "scrape_configs": [
-            {"job_name": name, "metrics_path": (metrics_paths or {}).get(name, "/metrics"),
-             "static_configs": [{"targets": list(targets)}],
-             **({"fallback_scrape_protocol": "PrometheusText0.0.4"} if major_version >= 3 else {})}
-            for name, targets in jobs.items()
-        ],
-    }
+    return {"global": {"scrape_interval": interval, "scrape_timeout": interval,
+                       "evaluation_interval": _duration(evaluation_interval_s)},
+            "rule_files": [str(Path(p).resolve()) for p in rule_files],
+            "scrape_configs": [{"job_name": name, "metrics_path": (metrics_paths or {}).get(name, "/metrics"),
+                                "static_configs": [{"targets": list(targets)}],
+                                **({"fallback_scrape_protocol": "PrometheusText0.0.4"} if major_version >= 3 else {})}
+                               for name, targets in jobs.items()]}
 
 
 def write_config(config: Mapping[str, Any], path: str | Path) -> Path:
@@ -392,11 +388,9 @@ class PromAPI:
         """Active alerts (``/api/v1/alerts``): alertname, state (pending/firing), labels, activeAt, value."""
         data = self._get("/api/v1/alerts")
         rows = [{"alertname": a["labels"].get("alertname"), "state": a.get("state"),
-                 "severity": a["labels"].get("severity"), "activeAt": a.get("activeAt"),
-                 "value": _num(a.get("value")),
+                 "severity": a["labels"].get("severity"), "activeAt": a.get("activeAt"), "value": _num(a.get("value")),
                  "labels": {k: v for k, v in a["labels"].items() if k not in ("alertname", "severity")},
-                 "summary": a.get("annotations", {}).get("summary", "")}
-                for a in data.get("alerts", [])]
+                 "summary": a.get("annotations", {}).get("summary", "")} for a in data.get("alerts", [])]
         return pd.DataFrame(rows, columns=["alertname", "state", "severity", "activeAt", "value", "labels", "summary"])
 
     def rules(self) -> pd.DataFrame:

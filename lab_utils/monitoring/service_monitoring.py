@@ -167,13 +167,12 @@ def dashboard(window: str = "$__rate_interval") -> dict[str, Any]:
     units = {"req/s": "reqps", "ms": "ms", "fraction": "percentunit"}
     out = []
     for i, p in enumerate(SERVICE_PANELS):
-        out.append({
-            "id": i + 1, "type": "timeseries", "title": p.title, "datasource": ds, "description": p.description,
-            "gridPos": {"h": 8, "w": 8, "x": (i % 3) * 8, "y": (i // 3) * 8},
-            "fieldConfig": {"defaults": {"unit": units.get(p.unit, "short")}, "overrides": []},
-            "options": {"legend": {"displayMode": "list", "placement": "bottom"}},
-            "targets": [{"refId": "A", "datasource": ds, "expr": p.expression(window), "legendFormat": p.legend}],
-        })
+        out.append({"id": i + 1, "type": "timeseries", "title": p.title, "datasource": ds, "description": p.description,
+                    "gridPos": {"h": 8, "w": 8, "x": (i % 3) * 8, "y": (i // 3) * 8},
+                    "fieldConfig": {"defaults": {"unit": units.get(p.unit, "short")}, "overrides": []},
+                    "options": {"legend": {"displayMode": "list", "placement": "bottom"}},
+                    "targets": [{"refId": "A", "datasource": ds, "expr": p.expression(window),
+                                 "legendFormat": p.legend}]})
     return {"title": "Image-classification service (nvlab lab 07)", "uid": "nvlab-service", "tags": ["nvlab", "nginx",
             "triton", "slo"], "timezone": "browser", "schemaVersion": 39, "version": 1, "refresh": "5s",
             "time": {"from": "now-15m", "to": "now"},

@@ -419,13 +419,9 @@ def _write_instructions(house: Wheelhouse, course_version: str, pkg_extras: list
              "", "Install with no package index, in the course checkout (labs and solutions included):", "",
              *[f"    {c}" for c in install_commands(str(house.path), extras)], ""]
     if "lab" in pkg_extras:
-        lines += [
-            "or let ./course do the same offline" + (" (torch comes from here when none is importable):"
-                                                     if "torch" in house.extras else ":"),
-            "",
-            f"    PIP_NO_INDEX=1 PIP_FIND_LINKS={house.path} ./course lab",
-            "",
-        ]
+        lines += ["or let ./course do the same offline" + (" (torch comes from here when none is importable):"
+                                                           if "torch" in house.extras else ":"), "",
+                  f"    PIP_NO_INDEX=1 PIP_FIND_LINKS={house.path} ./course lab", ""]
     lines += ["Without the checkout (the nvlab command and lab_utils only):", "",
               f"    python -m pip install --no-index --find-links {house.path} -r {house.path / 'requirements.txt'}",
               "", "If this folder moves, use its new path in these commands."]

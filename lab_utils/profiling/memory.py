@@ -74,9 +74,8 @@ class Blocks(nn.Module):
         if mode not in ("none", "full", "selective"):
             raise ValueError(f"Blocks(mode={mode!r}): one of none, full, selective")
         self.mode = mode
-        self.blocks = nn.ModuleList(
-            nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
-            for _ in range(depth))
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.GELU(),
+                                                  nn.Linear(4 * width, width)) for _ in range(depth))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for blk in self.blocks:

@@ -218,9 +218,8 @@ def _image_program(name: str, variant: str, device: str, sz: Sizes, fixes: set[s
 
     prog = Program(name, variant, step, sz.batch,
                    note=f"{sz.image}×{sz.image} PNG digits, batch {sz.batch}, width {sz.width}, "
-                        f"{workers} loader workers" + (", bf16" if bf16 else "") + (", channels-last" if
-                                                                                      fmt is torch.channels_last
-                                                                                      else ""))
+                   f"{workers} loader workers" + (", bf16" if bf16 else "") + (", channels-last" if
+                                                                               fmt is torch.channels_last else ""))
     prog.closers.append(close_iterator(it))
     return prog
 

@@ -58,12 +58,9 @@ def _event_list(trace: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> list[
 
 def events(trace: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> pd.DataFrame:
     """Complete events (``ph == "X"``) as a table: name, cat, ts_us, dur_us, end_us, pid, tid."""
-    rows = [
-        {"name": e.get("name", ""), "cat": e.get("cat", ""), "ts_us": float(e["ts"]), "dur_us": float(e["dur"]),
-         "pid": e.get("pid"), "tid": e.get("tid")}
-        for e in _event_list(trace)
-        if e.get("ph") == "X" and "ts" in e and "dur" in e
-    ]
+    rows = [{"name": e.get("name", ""), "cat": e.get("cat", ""), "ts_us": float(e["ts"]), "dur_us": float(e["dur"]),
+             "pid": e.get("pid"), "tid": e.get("tid")} for e in _event_list(trace)
+            if e.get("ph") == "X" and "ts" in e and "dur" in e]
     df = pd.DataFrame(rows, columns=["name", "cat", "ts_us", "dur_us", "pid", "tid"])
     df["end_us"] = df["ts_us"] + df["dur_us"]
     return df.sort_values("ts_us", kind="stable").reset_index(drop=True)
