@@ -7,8 +7,7 @@
 * ``make_mlp``: the MLP lab 04 exports to ONNX and serves.
 
 Weights are random unless a lab trains them; no weights or data are downloaded. The digits are read from the
-file scikit-learn ships, without importing scikit-learn (seconds per spawned rank).
-"""
+file scikit-learn ships, without importing scikit-learn (seconds per spawned rank)."""
 
 from __future__ import annotations
 
@@ -77,8 +76,7 @@ class ResNet(nn.Module):
     """Basic-block ResNet: stages of width w, 2w, 4w, 8w. Input (B, 3, H, W) -> logits (B, classes).
 
     Images of 128 px and more get the ImageNet stem (7x7 stride 2 + max-pool: 224 -> 56 px); smaller ones
-    a 3x3 stride-1 stem (CIFAR style), so a 32 px image still has 4 px left in the last stage.
-    """
+    a 3x3 stride-1 stem (CIFAR style), so a 32 px image still has 4 px left in the last stage."""
 
     def __init__(self, width: int = 64, blocks: Sequence[int] = (2, 2, 2, 2), num_classes: int = 1000,
                  image_size: int = 224):
@@ -205,8 +203,7 @@ def _digits_raw() -> tuple[np.ndarray, np.ndarray]:
     """scikit-learn's digits: images (1797, 8, 8) with values 0..16 and labels (1797,).
 
     Read straight from the CSV that ships inside scikit-learn (what ``load_digits`` reads): importing
-    sklearn costs seconds (it pulls in scipy), which every spawned rank would pay again.
-    """
+    sklearn costs seconds (it pulls in scipy), which every spawned rank would pay again."""
     spec = importlib.util.find_spec("sklearn")  # finds the package without importing it
     path = os.path.join(os.path.dirname(spec.origin), "datasets", "data", "digits.csv.gz") if spec and spec.origin \
         else None
@@ -241,8 +238,7 @@ def digits_arrays() -> dict[str, np.ndarray]:
     """The fixed digits split as float32/int64 arrays: x_train (1440, 1, 8, 8), y_train (1440,), x_test (357, ...).
 
     Stratified, seed ``DIGITS_SPLIT_SEED``. Pixels (0..16) are standardised with the training set's mean and
-    standard deviation (one scalar each).
-    """
+    standard deviation (one scalar each)."""
     images, y = _digits_raw()
     x = images.astype(np.float32)[:, None]  # (1797, 1, 8, 8)
     train, test = _stratified_split(y, DIGITS_TRAIN_SIZE, DIGITS_SPLIT_SEED)

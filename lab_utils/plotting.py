@@ -2,8 +2,7 @@
 (``lab_utils.gpu.bench_plots`` for lab 01, ...); each takes a frame from a lab helper and returns a matplotlib Figure.
 
 matplotlib is imported inside the functions, and no backend is forced: in a notebook the inline
-backend shows the figure; tests select Agg themselves. Pass ``ax`` to draw into an existing axes.
-"""
+backend shows the figure; tests select Agg themselves. Pass ``ax`` to draw into an existing axes."""
 
 from __future__ import annotations
 

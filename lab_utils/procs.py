@@ -3,8 +3,7 @@
 Used by every server a lab starts (Triton, Prometheus) and by the distributed launcher's workers.
 Processes and ports are read through psutil; PR_SET_PDEATHSIG is Linux only (elsewhere a no-op).
 Also the course's one reader of environment variables (``env_flag``, ``env_int``, ``env_url``: a bad value is an
-``EnvError`` naming the variable and the form expected) and its one HTTP probe (``http_ok``, ``check_service``).
-"""
+``EnvError`` naming the variable and the form expected) and its one HTTP probe (``http_ok``, ``check_service``)."""
 
 from __future__ import annotations
 
@@ -149,8 +148,7 @@ def pid_alive(pid: int) -> bool:
 def stale_tempdirs(root: Path | None = None) -> list[Path]:
     """The course's temporary folders whose owning process is gone (killed outright: no exit handler ran).
 
-    Only names of the form ``nvlab-<what>-<pid>-<random>`` count.
-    """
+    Only names of the form ``nvlab-<what>-<pid>-<random>`` count."""
     root = root or Path(tempfile.gettempdir())
     out = []
     for path in root.glob(f"{TEMP_PREFIX}*"):
@@ -186,8 +184,7 @@ def stale_python_envs(root: Path = Path("/tmp")) -> list[Path]:
     Triton's python backend makes one at a fixed path (``/tmp/python_env_XXXXXX``, not configurable) when it
     loads, and removes it only on a clean shutdown. A folder holding only the course's owner mark whose
     ``tritonserver`` is gone is stale (a killed kernel's servers), and so is an empty one older than every
-    running ``tritonserver``.
-    """
+    running ``tritonserver``."""
     out = []
     for path in root.glob("python_env_*"):  # the course's servers mark their folder with their pid
         with contextlib.suppress(OSError):
@@ -224,8 +221,7 @@ def owned_tempdir(what: str, at_exit: bool = True) -> Path:
     """A new temporary folder ``nvlab-<what>-<pid>-<random>``, removed at this interpreter's exit (``at_exit``).
 
     A process killed outright runs no exit handler, so each call first sweeps the folders of dead owners: the
-    next run of anything in the course cleans up after a killed kernel.
-    """
+    next run of anything in the course cleans up after a killed kernel."""
     if not re.fullmatch(r"[a-z][a-z0-9_]*(-[a-z][a-z0-9_]*)*", what):
         raise ValueError(f"owned_tempdir({what!r}): use lowercase words joined by '-', e.g. 'triton-log'")
     sweep_stale_tempdirs()
@@ -290,8 +286,7 @@ def die_with_parent() -> None:
 
     Call it in the child (``preexec_fn``, or first thing in a worker). The kernel delivers the signal when
     the parent *thread* that forked the child exits, which is why :func:`popen_owned` forks from one
-    long-lived thread.
-    """
+    long-lived thread."""
     prctl = _prctl()
     if prctl is not None:
         prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
@@ -301,8 +296,7 @@ def die_with(pid: int) -> None:
     """SIGKILL this process when process ``pid`` exits (a pidfd watched by a daemon thread; Linux >= 5.3).
 
     For a child whose parent is not its owner: a rank forked by multiprocessing's forkserver has the forkserver as
-    its parent, and the forkserver outlives a killed kernel while its ranks hold the kernel's end of its pipe.
-    """
+    its parent, and the forkserver outlives a killed kernel while its ranks hold the kernel's end of its pipe."""
     try:
         fd = os.pidfd_open(pid)
     except ProcessLookupError:  # gone already
@@ -363,8 +357,7 @@ def popen_owned(argv: list[str], **kwargs: Any) -> subprocess.Popen:
 
     The fork happens in one long-lived daemon thread: PR_SET_PDEATHSIG fires when the *thread* that forked
     the child ends, so a server started from a short-lived thread (a callback, a thread pool) must not be
-    forked there.
-    """
+    forked there."""
     kwargs.setdefault("start_new_session", True)
     _prctl()
     kwargs["preexec_fn"] = die_with_parent
@@ -385,8 +378,7 @@ def stop_group(proc: subprocess.Popen, grace_s: float = 10.0, kill_wait_s: float
     """SIGTERM the process group of ``proc``, SIGKILL what is left after ``grace_s``; wait until it is empty.
 
     Safe to call twice and on a process that already exited (its orphaned children are still reaped by
-    the group kill). Returns the leader's exit code.
-    """
+    the group kill). Returns the leader's exit code."""
     pgid = proc.pid  # start_new_session: the leader's pid is the group id
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -416,8 +408,7 @@ def http_ok(url: str, timeout_s: float = 2.0, check: Callable[[bytes], bool] | N
 
     What happened is ``"HTTP <status>"`` whenever an HTTP answer came (``"HTTP 200, unexpected body ..."`` when
     ``check(body)`` refuses it), else the failure's name: ``ConnectionRefusedError``, ``TimeoutError``,
-    ``gaierror`` (unknown host), ``BadStatusLine`` (something that does not speak HTTP)...
-    """
+    ``gaierror`` (unknown host), ``BadStatusLine`` (something that does not speak HTTP)..."""
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as r:
             status = r.status
@@ -452,8 +443,7 @@ def check_service(url: str, path: str, looks_right: Callable[[bytes], bool], wha
     nothing answers).
 
     An HTTP answer that is not ``what``'s is reported at once; no answer at all (refused, timed out) and HTTP 503
-    (starting) are retried for ``wait_s`` seconds first, for a server still starting.
-    """
+    (starting) are retried for ``wait_s`` seconds first, for a server still starting."""
     where = urllib.parse.urlsplit(url).netloc or url
     src = f" ({env})" if env else ""
     deadline = time.monotonic() + wait_s
@@ -488,8 +478,7 @@ def wait_http_ok(url: str, proc: subprocess.Popen | None, timeout_s: float, poll
 
     Returns True when ready, False when ``proc`` exited first or ``give_up()`` says the start has failed
     (a fatal line in the log, say); raises ``TimeoutError`` after ``timeout_s``. The pause between tries is a
-    wait on the process itself, so an exit is noticed at once.
-    """
+    wait on the process itself, so an exit is noticed at once."""
     deadline = time.monotonic() + timeout_s
     while True:
         if proc is not None and proc.poll() is not None:
@@ -556,8 +545,7 @@ class GroupWatchdog:
     """Ends a process group and removes ``folder`` if this interpreter dies without stopping them.
 
     Start it before the group, ``arm(pgid)`` once the group's leader runs (``start_new_session=True``), and
-    ``disarm()`` after stopping the group yourself. ``term_s``/``kill_s``: seconds to wait after SIGTERM, SIGKILL.
-    """
+    ``disarm()`` after stopping the group yourself. ``term_s``/``kill_s``: seconds to wait after SIGTERM, SIGKILL."""
 
     def __init__(self, folder: str | os.PathLike[str], term_s: float = 1.0, kill_s: float = 2.0):
         import sys

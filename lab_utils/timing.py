@@ -2,8 +2,7 @@
 
 GPU work is asynchronous: a host clock read right after a launch measures the launch, not the work.
 On a CUDA device each repetition is bracketed by CUDA events and the stream is synchronized once at the
-end; on the CPU ``time.perf_counter`` brackets each repetition. All times are milliseconds.
-"""
+end; on the CPU ``time.perf_counter`` brackets each repetition. All times are milliseconds."""
 
 from __future__ import annotations
 
@@ -135,8 +134,7 @@ def benchmark(fn: Callable[[], Any], *, reps: int = 20, warmup: int = 3, device:
     On CUDA: a start and an end event around each call, one synchronize after the loop, so the
     host never waits between repetitions. With ``flush_l2`` a buffer of ``flush_bytes`` is
     overwritten before each repetition, outside the timed region, so every repetition starts
-    with a cold cache (kernel-level numbers). On the CPU the same flush evicts the last-level cache.
-    """
+    with a cold cache (kernel-level numbers). On the CPU the same flush evicts the last-level cache."""
     _check_args(fn, reps, warmup)
     dev = _resolve_device(device)
     label = name or getattr(fn, "__name__", "fn")

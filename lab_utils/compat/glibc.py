@@ -6,8 +6,7 @@ ships a wheel for an older glibc.
 machine and ``start_failure_note`` why a binary that names a missing ``GLIBC_`` cannot start. Both end up in
 ``lab_utils.serving.load.perf_analyzer_status``'s reasons.
 
-Design notes: docs/internals.md#lab_utilscompatglibcpy
-"""
+Design notes: docs/internals.md#lab_utilscompatglibcpy"""
 
 from __future__ import annotations
 

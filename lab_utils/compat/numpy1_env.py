@@ -6,8 +6,7 @@ server: a venv of this Python holding only NumPy 1, with this venv's packages af
 to ``lab_utils.serving.ensemble`` (None where the server needs none); ``python -m lab_utils.compat.numpy1_env``
 builds it once (``./course`` does).
 
-Design notes: docs/internals.md#lab_utilscompatnumpy1_envpy
-"""
+Design notes: docs/internals.md#lab_utilscompatnumpy1_envpy"""
 
 from __future__ import annotations
 

@@ -6,8 +6,7 @@ that mypy reads as shipped (``trt_check`` then puts the installed package on ``M
 ``.pyi`` files. ``lab_utils.inference.trt_check.repaired_stubs`` finds the installed stubs and keeps the copy in
 the course cache, one folder per stubs version and ``REVISION``.
 
-Design notes: docs/internals.md#lab_utilscompattensorrt_stubspy
-"""
+Design notes: docs/internals.md#lab_utilscompattensorrt_stubspy"""
 
 from __future__ import annotations
 
@@ -73,8 +72,7 @@ def write_repaired(stubs: Iterable[PackagePath], final: Path, *, replace: bool =
     Syntax repaired, the module-level ``bool`` DataType (which shadows the builtin in every annotation)
     renamed, the import of the runtime-only ``tensorrt_libs`` dropped, and two runtime conversions the
     stubs leave out allowed (a tuple for ``Dims``, iterating a ``Dims``). The API surface is otherwise
-    unchanged. Written beside ``final`` and renamed into place; ``replace``: an existing ``final`` is replaced.
-    """
+    unchanged. Written beside ``final`` and renamed into place; ``replace``: an existing ``final`` is replaced."""
     final.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".stubs-", dir=final.parent))
     try:

@@ -3,8 +3,7 @@ the programs the course runs are (``find_prometheus``, ``find_trtexec``, ``find_
 ``find_jupyter_lab``: a path, or None).
 
 NVML (``nvidia-ml-py``) is the primary source; ``nvidia-smi`` CSV is the fallback; with neither the
-report says why and every lab runs in its CPU tier. Nothing here raises on a machine without a GPU.
-"""
+report says why and every lab runs in its CPU tier. Nothing here raises on a machine without a GPU."""
 
 from __future__ import annotations
 
@@ -446,8 +445,7 @@ def tensorrt_runtime_present() -> bool:
     """True when ``import tensorrt`` gives the real runtime, not the stub-only namespace package.
 
     ``tensorrt-stubs`` installs a ``tensorrt/`` folder of ``.pyi`` files, so a bare ``find_spec`` succeeds on
-    machines without TensorRT; the real package has an ``__init__.py`` (an origin).
-    """
+    machines without TensorRT; the real package has an ``__init__.py`` (an origin)."""
     spec = importlib.util.find_spec("tensorrt")
     return spec is not None and spec.origin not in (None, "namespace")
 

@@ -1,8 +1,7 @@
 """Recorded measurements: each lab writes (name, value, unit, tier, device, versions) to a JSON file.
 
 ``nvlab run`` points ``NVLAB_RESULTS_DIR`` at its output folder; interactively the results go to
-``./nvlab-results``. ``compare`` lines a run up against the committed reference GPU run as ratios.
-"""
+``./nvlab-results``. ``compare`` lines a run up against the committed reference GPU run as ratios."""
 
 from __future__ import annotations
 
@@ -133,8 +132,7 @@ def compare(run: Path | str, reference: Path | str | None = None) -> pd.DataFram
 
     ``reference``: one run folder; by default every folder under ``reference_runs/``: for each measurement the
     first reference of the same tier as the run's (lab 02 on one GPU is ``partial``, on two ``full``), else the
-    first holding it.
-    """
+    first holding it."""
     local = load(run)
     ref: dict[tuple[str, str], dict[str, Any]] = {}
     if reference:  # asked for by name: a missing or empty one is an error, not "-" in every row

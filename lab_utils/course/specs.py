@@ -6,8 +6,7 @@ twice the dense rate; those are halved here). Units are in the field names: TFLO
 TB/s = 1e12 B/s, GB/s = 1e9 B/s. A GPU whose numbers are not known with confidence is left out:
 ``peaks_for`` then answers ``None`` rather than a guess.
 
-Imports nothing heavy: safe to import on any machine.
-"""
+Imports nothing heavy: safe to import on any machine."""
 
 from __future__ import annotations
 
@@ -151,8 +150,7 @@ def known_gpus() -> list[GpuPeaks]:
 def ridge_point(peak_tflops: float, bw_tbps: float) -> float:
     """Arithmetic intensity in FLOP/byte where the roofline turns: peak rate / memory bandwidth.
 
-    Kernels below it are bound by memory, above it by arithmetic. H200 bf16: 989 / 4.8 ≈ 206.
-    """
+    Kernels below it are bound by memory, above it by arithmetic. H200 bf16: 989 / 4.8 ≈ 206."""
     for arg, value in (("peak_tflops", peak_tflops), ("bw_tbps", bw_tbps)):
         if value is None or not value > 0:
             raise ValueError(f"ridge_point({arg}={value!r}): must be a positive number (TFLOP/s, TB/s)")

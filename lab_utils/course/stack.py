@@ -7,8 +7,7 @@ and ``pyproject.toml``; ``same_release`` and ``pip_version`` compare the manifes
     python -m lab_utils.course.stack check                # exit 1 with one line per mismatch
     python -m lab_utils.course.stack installed 26.09 torch  # print pip's torch here; exit 1 unless it is the image's
 
-Design notes: docs/internals.md#lab_utilscoursestackpy
-"""
+Design notes: docs/internals.md#lab_utilscoursestackpy"""
 
 from __future__ import annotations
 

@@ -5,8 +5,7 @@ S the bytes of one rank's buffer (all_reduce, broadcast, reduce) or of the whole
 (all_gather, reduce_scatter, all_to_all), t the time of one collective, GB = 1e9 bytes. busbw is what
 to hold against the link's speed per direction, whatever the number of ranks; ``link_peak_gbps`` reads
 that speed from the topology ``course.probe`` records. Units are in the names: ``_ms`` milliseconds,
-``_gbps`` GB/s (1e9 B/s), ``_bytes`` bytes.
-"""
+``_gbps`` GB/s (1e9 B/s), ``_bytes`` bytes."""
 
 from __future__ import annotations
 
@@ -98,8 +97,7 @@ def link_peak_gbps(report: EnvReport | None = None, n_gpus: int = 2) -> tuple[fl
     Reads ``report.topology`` (``course.probe.probe()``; probed here when ``report`` is None) and ``report.gpus``:
     ``NV#`` is # NVLinks at 25 GB/s each per direction, capped at the GPU's datasheet NVLink figure; PIX,
     PXB, PHB, NODE and SYS go over PCIe, at the GPU's PCIe link rate. Indices are NVML's, which equal
-    CUDA's unless CUDA_VISIBLE_DEVICES reorders them.
-    """
+    CUDA's unless CUDA_VISIBLE_DEVICES reorders them."""
     n_gpus = check_int(n_gpus, "n_gpus", "link_peak_gbps", minimum=2)
     if report is None:
         report = probe()  # nvidia-smi and NVML: only when no report is given

@@ -6,8 +6,7 @@ the time reported is the largest of the ranks' medians; ``bandwidth`` turns it i
 (nccl-tests definitions) and finds the link's peak. Workers are top-level functions started by
 ``lab_utils.distributed.spawn.launch``; ``capture_nccl_debug`` records NCCL's own log, which
 ``nccl_log.parse_nccl_log`` reads. Units are in the names: ``_ms`` milliseconds, ``_gbps`` GB/s (1e9 B/s),
-``_bytes`` bytes.
-"""
+``_bytes`` bytes."""
 
 from __future__ import annotations
 
@@ -77,8 +76,7 @@ def buffer_numels(collective: str, size_bytes: int, n: int, itemsize: int) -> tu
     """(input elements, output elements, S in bytes actually used) for one rank.
 
     S is rounded down to a whole number of elements per rank, so every chunk has the same length.
-    all_reduce and broadcast work in place (input = output).
-    """
+    all_reduce and broadcast work in place (input = output)."""
     check_collective(collective, "buffer_numels")
     per_rank = size_bytes // itemsize // n
     if per_rank < 1:
@@ -93,8 +91,7 @@ def buffer_numels(collective: str, size_bytes: int, n: int, itemsize: int) -> tu
 def input_chunks(collective: str, rank: int, n: int) -> list[float]:
     """The value of each chunk of ``rank``'s input (one value: the whole buffer holds it).
 
-    Chosen so every rank and every chunk differ, and small integers keep sums exact in bf16.
-    """
+    Chosen so every rank and every chunk differ, and small integers keep sums exact in bf16."""
     check_collective(collective, "input_chunks")
     if collective == "reduce_scatter":
         return [float((rank + 1) * (j + 1)) for j in range(n)]  # rank r's piece for rank j
@@ -130,8 +127,7 @@ def check_result(collective: str, out: torch.Tensor, rank: int, n: int) -> str |
     """``None`` when ``out`` holds what ``collective`` must give on ``rank`` of ``n``; else what is wrong.
 
     Data-moving collectives must match exactly (in the tensor's dtype); reductions within a few rounding
-    steps of the dtype (the order of a sum is the backend's choice).
-    """
+    steps of the dtype (the order of a sum is the backend's choice)."""
     expected = expected_chunks(collective, rank, n)
     if out.numel() % len(expected):
         return f"rank {rank}: output has {out.numel()} elements, not a multiple of {len(expected)} chunks"
@@ -156,8 +152,7 @@ def collective_call(collective: str, inp: torch.Tensor, out: torch.Tensor) -> Ca
     """A no-argument function that runs ``collective`` once, blocking (``async_op=False``).
 
     torch >= 2.13 names the tensor forms ``all_gather_single`` / ``reduce_scatter_single`` and warns on
-    the older ``all_gather_into_tensor`` / ``reduce_scatter_tensor``; older torch has only the latter.
-    """
+    the older ``all_gather_into_tensor`` / ``reduce_scatter_tensor``; older torch has only the latter."""
     if collective == "all_reduce":
         return lambda: dist.all_reduce(inp)
     if collective == "broadcast":
@@ -195,8 +190,7 @@ def bench_worker(ctx: WorkerContext, collectives: Sequence[str], sizes_bytes: Se
     on any rank raises ``CollectiveCheckError`` on every rank, naming collective, size and ranks. An op or
     dtype the backend refuses gives a row with ``status='unsupported'`` and the backend's words. ``time_ms``
     is the largest median over the ranks; ``rank_time_ms`` this rank's. ``corrupt_rank`` overwrites one
-    element of that rank's result before the check, to see the check fire.
-    """
+    element of that rank's result before the check, to see the check fire."""
     rows = []
     for name in [dtype] if isinstance(dtype, str) else dtype:
         for collective in collectives:
@@ -255,8 +249,7 @@ def bare_allreduce_worker(ctx: WorkerContext, size_bytes: int, iters: int, warmu
     """The simplest all_reduce loop on fp32, for comparison with ``bench_worker``: ms per iteration.
 
     CUDA: one event before ``iters`` all_reduces, one after, one synchronize. CPU: a barrier, then the host
-    clock around the loop. ``time_ms`` is the largest over the ranks.
-    """
+    clock around the loop. ``time_ms`` is the largest over the ranks."""
     numel = max(size_bytes // 4, 1)
     ctx.status(f"bare all_reduce {format_bytes(numel * 4)}")
     x = torch.full((numel,), float(ctx.rank + 1), dtype=torch.float32, device=ctx.device)
@@ -319,8 +312,7 @@ def collective_sweep(nprocs: int, sizes_bytes: Sequence[int] | None = None, coll
     ``course.probe.probe()``, probed when None), NaN on gloo. A wrong result raises (through
     ``spawn.WorkerError``); an op or dtype
     the backend refuses gives ``status='unsupported'`` and a reason.
-    Columns: see ``SWEEP_COLUMNS``; ``.attrs['peak_description']`` says which link the peak is.
-    """
+    Columns: see ``SWEEP_COLUMNS``; ``.attrs['peak_description']`` says which link the peak is."""
     where = "collective_sweep"
     chosen = choose_backend(nprocs, backend)
     gpu = chosen == "nccl"
@@ -383,8 +375,7 @@ def bare_allreduce(nprocs: int, size_bytes: int | None = None, iters: int | None
     """The simplest fp32 all_reduce loop (``bare_allreduce_worker``): time_ms, algbw_gbps, busbw_gbps.
 
     Defaults: NCCL 1 GiB × 20 iterations, gloo 4 MiB × 10. Compare with ``collective_sweep``'s all_reduce
-    row at the same size: the helper's per-repetition events should cost next to nothing at ≥ 1 GiB.
-    """
+    row at the same size: the helper's per-repetition events should cost next to nothing at ≥ 1 GiB."""
     where = "bare_allreduce"
     chosen = choose_backend(nprocs, backend)
     gpu = chosen == "nccl"
@@ -413,8 +404,7 @@ def capture_nccl_debug(nprocs: int = 2, size_bytes: int = 256 * MIB, extra_env: 
     Runs ``nccl_debug_worker`` with NCCL_DEBUG=INFO, NCCL_DEBUG_SUBSYS=``subsys`` and NCCL_DEBUG_FILE set to
     one file per process (``%h`` host, ``%p`` pid) in a temporary folder. ``extra_env`` adds variables
     (e.g. ``{"NCCL_P2P_DISABLE": "1"}`` to see the fall-back transport); NCCL_NVLS_ENABLE is refused:
-    it stays as inherited. Read the result with ``nccl_log.parse_nccl_log``.
-    """
+    it stays as inherited. Read the result with ``nccl_log.parse_nccl_log``."""
     extra = dict(extra_env or {})
     if "NCCL_NVLS_ENABLE" in extra:
         raise ValueError("capture_nccl_debug(extra_env=...): NCCL_NVLS_ENABLE is not changed by the labs; "

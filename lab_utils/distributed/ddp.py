@@ -6,8 +6,7 @@ images/s per world size, scaling efficiency, DDP's gradient buckets). Units are 
 ``_s`` seconds, ``_mib`` MiB (2**20 bytes), ``images_per_s`` and ``samples_per_s`` per second of wall time.
 Accuracies are fractions in [0, 1].
 
-Design notes: docs/internals.md#lab_utilsdistributedddppy
-"""
+Design notes: docs/internals.md#lab_utilsdistributedddppy"""
 
 from __future__ import annotations
 
@@ -75,8 +74,7 @@ def _share_cpu_threads(ctx: WorkerContext, threads: int | None = None) -> None:
     """CPU ranks on one machine share its cores: each gets ``threads`` or an equal share of them.
 
     Without this every rank starts one thread per core and the ranks fight for them (slower than one rank).
-    OMP_NUM_THREADS, when set (torchrun sets it to 1 for several ranks per node), is left to rule.
-    """
+    OMP_NUM_THREADS, when set (torchrun sets it to 1 for several ranks per node), is left to rule."""
     if _is_cuda(ctx):
         return
     if threads is not None:
@@ -146,8 +144,7 @@ def sampler_orders(n: int, world_size: int, epochs: int, seed: int = 0,
     """The indices DistributedSampler(shuffle=True, seed) hands each rank, by epoch: ``orders[epoch][rank]``.
 
     No process group needed (the sampler is told num_replicas and rank). With ``set_epoch=False`` every epoch
-    repeats epoch 0's order: the bug ``sampler.set_epoch(epoch)`` prevents.
-    """
+    repeats epoch 0's order: the bug ``sampler.set_epoch(epoch)`` prevents."""
     check_int(n, "n", "sampler_orders")
     check_int(world_size, "world_size", "sampler_orders")
     check_int(epochs, "epochs", "sampler_orders")
@@ -186,8 +183,7 @@ def _sharded_test_accuracy(ctx: WorkerContext, model: torch.nn.Module,
     DistributedSampler(shuffle=False) gives rank r the positions r, r+N, r+2N, ... of the index list padded
     (by repeating its head) to a multiple of N; a position is a real sample when it is < n. Those come
     first in the rank's list, so the rank keeps the first len(range(r, n, N)) indices and drops the padding
-    (357 test images on 2 ranks: rank 0 scores 179, rank 1 178, not 179 + 179 with one image twice).
-    """
+    (357 test images on 2 ranks: rank 0 scores 179, rank 1 178, not 179 + 179 with one image twice)."""
     n = int(data["y_test"].shape[0])
     sampler = DistributedSampler(range(n), num_replicas=ctx.world_size, rank=ctx.rank, shuffle=False)
     real = len(range(ctx.rank, n, ctx.world_size))
@@ -256,8 +252,7 @@ def train_digits(ctx: WorkerContext, epochs: int = DIGITS_DEFAULTS["epochs"], ba
     Returns accuracy (final test accuracy, fraction), final_loss (last epoch's mean training loss),
     samples_per_s (training images per second of wall time, all ranks together, evaluation excluded),
     train_s, history (per epoch: train_loss, train_accuracy, test_accuracy, epoch_s, first_indices = this
-    rank's first 8 sample indices), and the configuration.
-    """
+    rank's first 8 sample indices), and the configuration."""
     where = "train_digits"
     epochs = check_int(epochs, "epochs", where)
     batch_size = check_int(batch_size, "batch_size", where)
@@ -347,8 +342,7 @@ def each_world_size(ctx: WorkerContext, fn: Callable[..., dict[str, Any]],
 
     One launch then measures several world sizes: while the first n ranks run as a job of n, the others wait at
     a barrier (an idle CPU process, or an idle GPU). Returns this rank's result of each run (None where it sat
-    out); rank 0 takes part in every run.
-    """
+    out); rank 0 takes part in every run."""
     out = []
     for n, kw in runs:
         sub = ctx.subgroup(n)
@@ -415,8 +409,7 @@ def digits_comparison(nprocs_list: Sequence[int] = (1, 2), *, global_batch: int 
     ``accumulate``: micro-steps per optimizer step, one value for all or one per world size. All world sizes run
     in one launch of max(nprocs_list) ranks (``each_world_size``), which saves a start-up per size.
     ``progress``: a hook such as ``lab_utils.widgets.progress`` (``progress(iterable, total=, desc=)``), advanced
-    per epoch that rank 0 starts, over all the runs (None: no display).
-    """
+    per epoch that rank 0 starts, over all the runs (None: no display)."""
     sizes = [check_int(n, "nprocs_list", "digits_comparison") for n in nprocs_list]
     accs = [accumulate] * len(sizes) if isinstance(accumulate, int) else list(accumulate)
     if len(accs) != len(sizes):
@@ -445,8 +438,7 @@ def accumulation_check(ctx: WorkerContext, micro_batch: int = 16, accumulate: in
 
     Every rank also computes, without DDP, the gradient of the whole global batch
     (micro_batch × accumulate × world_size images) on a plain copy of the model; returns the largest
-    absolute difference (max over ranks) and the gradient's largest magnitude, for scale.
-    """
+    absolute difference (max over ranks) and the gradient's largest magnitude, for scale."""
     micro_batch = check_int(micro_batch, "micro_batch", "accumulation_check")
     accumulate = check_int(accumulate, "accumulate", "accumulation_check")
     _share_cpu_threads(ctx)
@@ -587,8 +579,7 @@ def throughput(ctx: WorkerContext, steps: int | None = None, warmup_steps: int |
     ``cpu_threads``: torch threads per CPU rank (default: the cores shared equally among the local ranks).
 
     Returns step_ms, step_ms_median, images_per_s (whole job), images_per_s_per_worker, n_params,
-    params_mib, grads_mib (all-reduced per step), buckets (where torch reports it) and the configuration.
-    """
+    params_mib, grads_mib (all-reduced per step), buckets (where torch reports it) and the configuration."""
     _share_cpu_threads(ctx, cpu_threads)
     if _is_cuda(ctx):
         torch.backends.cudnn.benchmark = True  # fixed shapes: let cuDNN pick its fastest kernels in warm-up
@@ -617,8 +608,7 @@ def scaling(nprocs_list: Sequence[int] | None = None, *, backend: str = "auto", 
     GPU is, and the table measures what adding workers gains (not one rank using every core). All world sizes
     run in one launch of max(nprocs_list) ranks (``each_world_size``): the ranks not measured wait idle.
     ``progress``: a hook such as ``lab_utils.widgets.progress`` (``progress(iterable, total=, desc=)``), advanced
-    per world size that rank 0 starts (None: no display).
-    """
+    per world size that rank 0 starts (None: no display)."""
     nprocs_list = list(nprocs_list) if nprocs_list is not None else [1, _default_nprocs()]
     for n in nprocs_list:
         check_int(n, "nprocs_list", "scaling")
@@ -664,8 +654,7 @@ def overlap_worker(ctx: WorkerContext, variants: Sequence[dict[str, Any]], repea
     """Worker: ``throughput`` for each bucket variant in one process group, round-robin ``repeats`` times.
 
     Round-robin (not one variant after the other) spreads slow drifts (clocks, temperature) over all
-    variants; each variant keeps its fastest repeat.
-    """
+    variants; each variant keeps its fastest repeat."""
     _share_cpu_threads(ctx, cpu_threads)
     if _is_cuda(ctx):
         torch.backends.cudnn.benchmark = True
@@ -690,8 +679,7 @@ def overlap_experiment(nprocs: int | None = None, variants: Sequence[dict[str, A
     ``throughput`` (model size, batch, amp...). Columns: variant, bucket_cap_mb, gradient_as_bucket_view,
     overlap, step_ms, images_per_s, step_ms_vs_default (< 1 is faster), images_per_s_vs_default, buckets.
     ``progress``: a hook such as ``lab_utils.widgets.progress`` (``progress(iterable, total=, desc=)``), advanced
-    per variant timed (repeats × variants in all; None: no display).
-    """
+    per variant timed (repeats × variants in all; None: no display)."""
     nprocs = _default_nprocs() if nprocs is None else check_int(nprocs, "nprocs", "overlap_experiment")
     check_int(repeats, "repeats", "overlap_experiment")
     if variants is None:

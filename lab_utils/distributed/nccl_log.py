@@ -4,8 +4,7 @@
 capture such as ``course.probe.capture("nccl-debug")``) and returns the transports, channels, rings and
 trees, NCCL's tuning model and per-call choices, and the ``NCCL_*`` variables it read. Plain text in, plain
 values out: no torch, no GPU. Units are in the names: ``_gbps`` GB/s (1e9 B/s), ``_us`` microseconds,
-``_s`` seconds.
-"""
+``_s`` seconds."""
 
 from __future__ import annotations
 
@@ -71,8 +70,7 @@ def parse_nccl_log(text: str) -> dict[str, Any]:
     estimate of the GPU-to-GPU path), tuning (NCCL's model: collective, algorithm, protocol, latency_us,
     bw_gbps; non-zero entries), choices (per call: collective, bytes, algorithm, protocol, channels),
     network, net_plugins, net_unavailable, env (NCCL_* variables it read), nvls_available, connected,
-    init_time_s, n_lines, explanations. Unknown lines are ignored; nothing here raises on odd input.
-    """
+    init_time_s, n_lines, explanations. Unknown lines are ignored; nothing here raises on odd input."""
     if isinstance(text, bytes):
         text = text.decode(errors="replace")
     if not isinstance(text, str):

@@ -5,8 +5,7 @@ the plan rather than testing the GPU count itself. Sizes follow the backend, not
 ranks are gloo CPU processes, so they get the CPU sizes, and the size the bare loop is compared at is always one
 of the sweep's sizes. The single-GPU section (NCCL and DDP on one rank) runs only where there is exactly one GPU.
 No torch: the plan is arithmetic on the GPU count, so a CPU test can fake any count. Units are in the names:
-``_bytes`` bytes, ``_steps`` and ``_iters`` counts of steps and calls.
-"""
+``_bytes`` bytes, ``_steps`` and ``_iters`` counts of steps and calls."""
 
 from __future__ import annotations
 
@@ -107,8 +106,7 @@ def lab_plan(gpus: int, quick: bool = False, nprocs: int | None = None, *, nccl:
     as ``spawn.choose_backend`` decides; sizes and counts then follow that backend: NCCL ``GPU_SIZES`` (1 MiB ..
     2 GiB) compared at 1 GiB, gloo ``CPU_SIZES`` (4 KiB .. 16 MiB) compared at 4 MiB; ``quick`` fewer sizes and
     repetitions, both keeping the compared size. Sizes are whole fp32 elements per rank (``whole_per_rank``), so
-    the sweep measures each as asked. ``digits_epochs``: None takes 2 (quick) or 8.
-    """
+    the sweep measures each as asked. ``digits_epochs``: None takes 2 (quick) or 8."""
     where = "lab_plan"
     gpus = check_int(gpus, "gpus", where, minimum=0)
     quick = bool(quick)

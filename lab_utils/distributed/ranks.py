@@ -6,8 +6,7 @@ at the student's own line. ``run(fn, nprocs)`` runs ``fn(ctx, **kwargs)`` on eve
 ``group=False`` ``fn(**kwargs)`` in the environment torchrun would give. ``stack_frames`` reads the stacks a
 timeout collects (``spawn.WorkerTimeout.stacks``).
 
-Design notes: docs/internals.md#lab_utilsdistributedrankspy
-"""
+Design notes: docs/internals.md#lab_utilsdistributedrankspy"""
 
 from __future__ import annotations
 
@@ -63,8 +62,7 @@ class Shipped:
 
     ``files``: one file per shipped function, its lines numbered as in its cell; ``deps``: the file that defines
     the names they use; ``aliases``: (name, function name) pairs for functions the notebook calls by another
-    name. ``load()`` (in the rank) returns the function.
-    """
+    name. ``load()`` (in the rank) returns the function."""
 
     name: str
     module: str | None = None
@@ -244,8 +242,7 @@ def run(fn: Callable[..., Any], nprocs: int, *, backend: str = "auto", kwargs: d
     world_size, device...). ``group=False``: ``fn(**kwargs)`` with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
     MASTER_PORT set, as under torchrun: ``fn`` calls ``init_process_group`` and ``destroy_process_group``.
     Errors as ``spawn.launch``: ``WorkerError`` with the rank's traceback (the notebook's own line numbers),
-    ``WorkerTimeout``; ``ShipError`` when ``fn`` cannot be sent.
-    """
+    ``WorkerTimeout``; ``ShipError`` when ``fn`` cannot be sent."""
     from lab_utils.distributed.spawn import launch  # lazy: pulls torch (only when ranks are started)
 
     with shipping(fn) as shipped:

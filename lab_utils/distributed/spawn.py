@@ -7,8 +7,7 @@ the environment torchrun would give it. ``start_process_group`` and ``leave_proc
 rank's life in a group. Worker functions must live in an importable module (``lab_utils.distributed.ranks``
 ships notebook functions).
 
-Design notes: docs/internals.md#lab_utilsdistributedspawnpy
-"""
+Design notes: docs/internals.md#lab_utilsdistributedspawnpy"""
 
 from __future__ import annotations
 
@@ -65,8 +64,7 @@ class WorkerTimeout(TimeoutError):
     """The workers did not finish in time; the message names what each rank was doing.
 
     ``stacks`` maps a rank to its Python stack when time ran out (``faulthandler``'s text, innermost call
-    first), for the ranks that could write one.
-    """
+    first), for the ranks that could write one."""
 
     def __init__(self, message: str, stacks: dict[int, str] | None = None, straggler: bool = False):
         super().__init__(message)
@@ -111,8 +109,7 @@ class WorkerContext:
         """A context for the first ``n`` ranks only, as if the job had ``n`` ranks; None on the other ranks.
 
         Every rank must call it (making a group is a collective), in the same order. Lets one launch measure
-        several world sizes: the ranks outside the subgroup wait while the others run.
-        """
+        several world sizes: the ranks outside the subgroup wait while the others run."""
         if not 1 <= n <= self.world_size:
             raise ValueError(f"subgroup(n={n!r}): between 1 and world_size={self.world_size}")
         if n == self.world_size and self.group is None:
@@ -159,8 +156,7 @@ def start_process_group(backend: str, rank: int, world_size: int, local_rank: in
     NCCL ranks use GPU ``local_rank`` (set before any CUDA work, so NCCL's context lands there); gloo ranks the
     CPU. ``store``: the rendezvous store (``launch`` gives each worker a client of the one it hosts); None reads
     MASTER_ADDR and MASTER_PORT from the environment, as torchrun sets them. Every collective, the final
-    barrier included, waits at most ``timeout_s`` seconds for a peer (then raises).
-    """
+    barrier included, waits at most ``timeout_s`` seconds for a peer (then raises)."""
     device = "cpu"
     kw: dict[str, Any] = {}
     if backend == "nccl":
@@ -182,8 +178,7 @@ def leave_process_group(ctx: WorkerContext, synchronize: bool = True) -> None:
     not wait for peers that may be inside a collective). The barrier is bounded by the group's timeout, so a
     rank whose peer died raises instead of hanging. A group still referenced after destruction keeps its
     backend's threads (gloo's loop and workers, NCCL's watchdog) alive into interpreter shutdown, where one
-    that touches Python aborts the process: that is reported as a RuntimeWarning. Safe to call twice.
-    """
+    that touches Python aborts the process: that is reported as a RuntimeWarning. Safe to call twice."""
     if not dist.is_initialized():
         return
     try:
@@ -278,8 +273,7 @@ def _rendezvous_store(timeout_s: float) -> Iterator[int]:
     """A TCPStore hosted in this process for the workers to meet at; yields its port, closes it at the end.
 
     The store binds port 0 and listens before any worker starts, so the OS picks a free port and nothing can
-    take it between the choice and its use (a port chosen first and bound later by rank 0 leaves that window).
-    """
+    take it between the choice and its use (a port chosen first and bound later by rank 0 leaves that window)."""
     store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
                           wait_for_workers=False)
     try:
@@ -314,8 +308,7 @@ def _root_cause(events: Queue[tuple[str, int, Any]], rank: int, text: str, pendi
                 grace_s: float = 2.0) -> tuple[int, str]:
     """The error to report: the first one that is not a peer's loss, waiting ``grace_s`` for the others.
 
-    When one rank raises, its peers fail in their next collective, and their errors may reach the queue first.
-    """
+    When one rank raises, its peers fail in their next collective, and their errors may reach the queue first."""
 
     def lost(t: str) -> bool:
         return bool(_PEER_LOST.search(t.strip().splitlines()[-1] if t.strip() else ""))
@@ -374,8 +367,7 @@ def launch(fn: Callable[..., Any], nprocs: int, *, backend: str = "auto", kwargs
     GPU (``CUDA_VISIBLE_DEVICES=""`` unless ``env`` sets it), so they choose gloo too. ``straggler_s``: how long
     the others may run on once one rank has returned (for functions whose ranks end together). Raises ``WorkerError``
     (rank and traceback) or ``WorkerTimeout`` (each rank's last status and stack); in every case all workers
-    are stopped before it returns.
-    """
+    are stopped before it returns."""
     if not callable(fn):
         raise TypeError(f"launch(fn=...): fn must be a function, got {type(fn).__name__}")
     if getattr(fn, "__module__", "__main__") == "__main__" or "<locals>" in getattr(fn, "__qualname__", ""):

@@ -7,8 +7,7 @@ measure are returned with ``status``/``available`` saying so and a ``reason``. A
 
 Units are in column names: ``_ms`` milliseconds, ``_us`` microseconds, ``tflops`` TFLOP/s (1e12),
 ``gbps`` GB/s (1e9 B/s), ``tbps`` TB/s (1e12 B/s), ``intensity_flop_per_byte`` FLOP per byte.
-Importing this module imports torch and does no other work.
-"""
+Importing this module imports torch and does no other work."""
 
 from __future__ import annotations
 
@@ -39,8 +38,7 @@ GIB = 2**30
 def resolve_device(device: str | None = "auto", where: str = "device") -> str:
     """'cpu', 'cuda' or 'cuda:N' as a string; 'auto' (or None) picks the GPU when there is one.
 
-    Asking for a GPU that is not there is an error, not a silent fall-back to the CPU.
-    """
+    Asking for a GPU that is not there is an error, not a silent fall-back to the CPU."""
     if device is None or device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     name = str(device)
@@ -138,8 +136,7 @@ def tf32_matmul(enabled: bool = True) -> Iterator[None]:
     TF32 rounds fp32 matmul inputs to a 10-bit mantissa so cuBLAS can use the tensor cores. The switch is
     ``torch.backends.cuda.matmul.fp32_precision = "tf32"`` ("ieee" for full fp32; torch >= 2.9); the older
     ``torch.backends.cuda.matmul.allow_tf32`` / ``torch.set_float32_matmul_precision`` are deprecated and are
-    used only on a torch without the new switch. The setting is process-wide, so it is never left changed.
-    """
+    used only on a torch without the new switch. The setting is process-wide, so it is never left changed."""
     saved = _precision_state(torch)
     if "cuda.matmul" in saved:
         torch.backends.cuda.matmul.fp32_precision = "tf32" if enabled else "ieee"
@@ -162,8 +159,7 @@ def tf32_matmul(enabled: bool = True) -> Iterator[None]:
 class MatmulCase:
     """One square matmul, inputs already on the device; ``fn()`` runs it once (run it under ``tf32``).
 
-    ``inputs`` are (A, B) as passed to the matmul (for fp8, B is a column-major view), for checking.
-    """
+    ``inputs`` are (A, B) as passed to the matmul (for fp8, B is a column-major view), for checking."""
 
     dtype: str
     n: int
@@ -240,8 +236,7 @@ def async_pitfall(n: int | None = None, device: str | None = "auto", dtype: str 
     On a GPU the first measures only the launch (microseconds) and claims an impossible TFLOP/s. On the
     CPU a matmul returns when it is done, so all three agree; ``async_launch`` says which case this is.
     Default n: 4096 on a GPU, 512 on the CPU.
-    Columns: method, median_ms, apparent_tflops, ratio_to_benchmark, async_launch, n, dtype, device.
-    """
+    Columns: method, median_ms, apparent_tflops, ratio_to_benchmark, async_launch, n, dtype, device."""
     where = "async_pitfall"
     dev = resolve_device(device, f"{where}(device)")
     n = _check_int(_default(n, dev, 4096, 512), "n", where)
@@ -297,8 +292,7 @@ def first_call_cost(n: int | None = None, device: str | None = "auto", dtype: st
     kernel selection. Only the first call in a process (at this shape) sees all of it, so run this
     first in a fresh kernel. The first call is timed with a host clock and synchronize, because part
     of its cost is host work that device events would not bracket. Default n: 4096 on a GPU, 512 on the CPU.
-    Columns: call, latency_ms, x_steady, n, dtype, device, runtime_initialized_before.
-    """
+    Columns: call, latency_ms, x_steady, n, dtype, device, runtime_initialized_before."""
     where = "first_call_cost"
     dev = resolve_device(device, f"{where}(device)")
     n = _check_int(_default(n, dev, 4096, 512), "n", where)
@@ -341,8 +335,7 @@ def matmul_sweep(sizes: Sequence[int] | None = None, dtypes: Sequence[str] = DTY
     CPU, FP8 below compute capability 8.9) come back with ``status='skipped'`` and a ``reason``.
     Default sizes: 1024..8192 on a GPU, 128..512 on the CPU (bf16/fp16 CPU matmuls are slow).
     Columns: see ``SWEEP_COLUMNS`` (``min_bytes``: A and B read once, C written once). ``progress``: a
-    ``progress(iterable, total=, desc=)`` wrapper over the (dtype, n) cases (``lab_utils.widgets.progress``).
-    """
+    ``progress(iterable, total=, desc=)`` wrapper over the (dtype, n) cases (``lab_utils.widgets.progress``)."""
     where = "matmul_sweep"
     dev = resolve_device(device, f"{where}(device)")
     if sizes is None:
@@ -395,8 +388,7 @@ def bare_matmul_loop(n: int | None = None, dtype: str | None = None, iters: int 
 
     On a GPU: one event before the loop, one after, one synchronize. On the CPU: a host clock around
     the loop. ``warmup`` untimed calls come first so the first-call cost stays out.
-    Defaults: bf16 8192 on a GPU (the reference run's case), fp32 512 on the CPU.
-    """
+    Defaults: bf16 8192 on a GPU (the reference run's case), fp32 512 on the CPU."""
     where = "bare_matmul_loop"
     dev = resolve_device(device, f"{where}(device)")
     n = _check_int(_default(n, dev, 8192, 512), "n", where)
@@ -448,8 +440,7 @@ def copy_bandwidth(sizes_bytes: Sequence[int] | None = None, device: str | None 
     On a GPU this is HBM bandwidth, device to device; on the CPU it is DRAM bandwidth, provided the sizes
     are well above the last-level cache (the CPU defaults are 64 and 256 MiB). Sizes are rounded down to
     whole float32 elements. Columns: size_bytes, size_mib, bytes_moved, median_ms, p10_ms, p90_ms,
-    spread, gbps, peak_gbps, pct_of_peak, device, device_name.
-    """
+    spread, gbps, peak_gbps, pct_of_peak, device, device_name."""
     where = "copy_bandwidth"
     dev = resolve_device(device, f"{where}(device)")
     if sizes_bytes is None:
@@ -487,8 +478,7 @@ def host_device_bandwidth(nbytes: int = GIB, reps: int = 10, device: str | None 
     Pinned (page-locked) memory lets the GPU's copy engine read host memory directly; pageable memory is
     first staged through a pinned buffer by the driver. ``peak_gbps`` is the PCIe link, one direction.
     With no GPU the frame is empty and ``.attrs['reason']`` (and the ``reason`` column) say why.
-    Columns: see ``HOST_DEVICE_COLUMNS``.
-    """
+    Columns: see ``HOST_DEVICE_COLUMNS``."""
     where = "host_device_bandwidth"
     nbytes = _check_int(nbytes, "nbytes", where)
     reps = _check_int(reps, "reps", where)
@@ -530,8 +520,7 @@ def launch_overhead(n_kernels: int = 1000, numel: int = 1024, device: str | None
 
     Each tiny kernel does almost no work, so eager time is the host's launch cost; a graph replay
     submits the whole chain at once. On the CPU only the eager row (per-op dispatch) is measured.
-    Columns: mode, available, reason, n_kernels, numel, median_ms, us_per_kernel, speedup_vs_eager, device.
-    """
+    Columns: mode, available, reason, n_kernels, numel, median_ms, us_per_kernel, speedup_vs_eager, device."""
     where = "launch_overhead"
     n_kernels = _check_int(n_kernels, "n_kernels", where)
     numel = _check_int(numel, "numel", where)
@@ -597,8 +586,7 @@ def elementwise_add(numel: int | None = None, device: str | None = "auto", reps:
     """Measure ``torch.add(x, y, out=z)`` in fp32: 1 FLOP per element over 3 × 4 bytes (two reads, one write).
 
     Default size: 64 Mi elements on a GPU (768 MiB moved), 8 Mi on the CPU (96 MiB, above the caches).
-    Returns a roofline row (see ``ROOFLINE_COLUMNS``) plus median_ms.
-    """
+    Returns a roofline row (see ``ROOFLINE_COLUMNS``) plus median_ms."""
     where = "elementwise_add"
     dev = resolve_device(device, f"{where}(device)")
     if numel is None:
@@ -623,8 +611,7 @@ def roofline_points(sweep: pd.DataFrame | None = None, copies: pd.DataFrame | No
     at these sizes), a copy its TB/s (``intensity_flop_per_byte`` and ``tflops`` NaN: it does no arithmetic; it
     is the measured memory ceiling, not a point), the elementwise add both. ``.attrs`` holds
     ``measured_peak_tflops`` (best matmul) and ``measured_bw_tbps`` (best copy) for ``bench_plots.plot_roofline``.
-    Columns: see ``ROOFLINE_COLUMNS``.
-    """
+    Columns: see ``ROOFLINE_COLUMNS``."""
     rows: list[dict[str, Any]] = []
     if sweep is not None:
         missing = {"dtype", "n", "tflops", "intensity_flop_per_byte"} - set(sweep.columns)

@@ -1,8 +1,7 @@
 """Lab 01's plots: matmul throughput by size and dtype, the roofline, copy bandwidth.
 
 matplotlib is imported inside the functions and no backend is forced (a notebook shows the figure inline;
-tests select Agg). Pass ``ax`` to draw into an existing axes.
-"""
+tests select Agg). Pass ``ax`` to draw into an existing axes."""
 
 from __future__ import annotations
 
@@ -53,8 +52,7 @@ def plot_roofline(points_df: pd.DataFrame, peak_tflops: float | None, bw_tbps: f
 
     Solid: datasheet roof (``peak_tflops``, ``bw_tbps``; pass None when unknown, e.g. on the CPU).
     Dotted: the measured roof, when given (``points_df.attrs`` from ``gpu.bench.roofline_points``
-    holds both). Points: rows with positive intensity and TFLOP/s; copies (no FLOPs) only set the roof.
-    """
+    holds both). Points: rows with positive intensity and TFLOP/s; copies (no FLOPs) only set the roof."""
     plotting.require_columns(points_df, {"intensity_flop_per_byte", "tflops"}, "plot_roofline",
                           "gpu.bench.roofline_points")
     roofs = []

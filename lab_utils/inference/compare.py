@@ -3,8 +3,7 @@ with what each cost in accuracy (against labels) or in fidelity (against the FP3
 
 Units are in names: ``_ms`` milliseconds, ``images_per_s`` images per second of wall time at the p50
 latency; accuracies and agreements are fractions in [0, 1], accuracy changes are percentage points.
-numpy and pandas only: the ONNX, torch and TensorRT modules of this package feed it.
-"""
+numpy and pandas only: the ONNX, torch and TensorRT modules of this package feed it."""
 
 from __future__ import annotations
 
@@ -61,8 +60,7 @@ def wilson_interval(correct: int, n: int, confidence: float = 0.95) -> tuple[flo
     """The Wilson score interval for an accuracy of ``correct`` out of ``n`` (fractions in [0, 1]).
 
     Unlike the normal approximation p ± z·sqrt(p(1-p)/n) it stays inside [0, 1] and is honest near 100 %,
-    where a lab's accuracies sit: 353/357 gives 0.972..0.996, not 0.978..1.000.
-    """
+    where a lab's accuracies sit: 353/357 gives 0.972..0.996, not 0.978..1.000."""
     check_int(n, "n", "wilson_interval", 1)
     if not 0 <= correct <= n:
         raise ValueError(f"wilson_interval: correct must lie in 0..n, got {correct} of {n}")
@@ -102,8 +100,7 @@ def accuracy_report(logits: dict[str, ArrayLike], labels: ArrayLike, reference: 
     """Per precision: accuracy with its Wilson interval, the change against ``reference`` counted in images, and
     the agreement with the reference's predictions (which images changed, fixed or broken, and McNemar's p).
 
-    One row per key of ``logits`` ((N, classes) arrays, the same N images); ``labels`` (N,).
-    """
+    One row per key of ``logits`` ((N, classes) arrays, the same N images); ``labels`` (N,)."""
     if reference not in logits:
         raise ValueError(f"accuracy_report: the reference {reference!r} is not among {list(logits)}")
     y = np.asarray(labels)
@@ -138,8 +135,7 @@ def launch_overhead_notes(values: dict[str, float], slug: str = "resnet50", amp:
                           small: int = 1, graph_batch: int = 32, large: int = 128) -> list[str]:
     """Sentences on launch overhead from recorded throughputs (``name -> images/s``, names as lab 03 records
     them): why autocast is slower than FP32 at batch ``small``, and how much of the CUDA graph's gain at
-    ``graph_batch`` eager low precision reaches by batch ``large`` alone. Missing values leave a sentence out.
-    """
+    ``graph_batch`` eager low precision reaches by batch ``large`` alone. Missing values leave a sentence out."""
     notes = []
     eager = _images_per_s(values, slug, "eager", "fp32", small)
     low = {s: _images_per_s(values, slug, s, amp, small) for s in ("autocast", "channels-last")}
@@ -176,8 +172,7 @@ def launch_overhead_notes(values: dict[str, float], slug: str = "resnet50", amp:
 class Comparison:
     """Rows of backend x precision x batch -> p50 latency, throughput and accuracy change against FP32.
 
-    ``add`` one measurement at a time from any section of the lab; ``frame()`` is the table.
-    """
+    ``add`` one measurement at a time from any section of the lab; ``frame()`` is the table."""
 
     def __init__(self) -> None:
         self.rows: list[dict[str, Any]] = []
@@ -220,8 +215,7 @@ def plot_comparison(df: pd.DataFrame, model: str | None = None, ax: Axes | None 
                     title: str | None = None) -> Figure:
     """Throughput (images/s) against batch size, one line per backend + precision, for one model.
 
-    Input: ``Comparison.frame()``. Log-log axes; rows without a latency are skipped.
-    """
+    Input: ``Comparison.frame()``. Log-log axes; rows without a latency are skipped."""
     require_columns(df, {"model", "backend", "precision", "batch", "images_per_s"}, "plot_comparison",
                     "Comparison.frame()")
     model = model or str(df["model"].iloc[0])

@@ -6,8 +6,7 @@ per step (memory-bound). ``prefill_decode`` times both with ``lab_utils.timing.b
 FLOP/s, bytes/s and intensity (FLOP/byte) from ``phase_cost``'s counts. Shapes: tokens ``[B, T]``, cache
 ``[layers, B, kv_heads, max_len, head_dim]``.
 
-Design notes: docs/internals.md#lab_utilsinferencellmpy
-"""
+Design notes: docs/internals.md#lab_utilsinferencellmpy"""
 
 from __future__ import annotations
 

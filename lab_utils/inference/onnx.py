@@ -4,8 +4,7 @@ each level fuses and costs.
 
 Units are in names: ``_ms`` milliseconds, ``_s`` seconds, ``images_per_s`` images per second of wall time.
 onnxruntime is imported where a session is made (its annotations under TYPE_CHECKING), so the export half
-imports without it.
-"""
+imports without it."""
 
 from __future__ import annotations
 
@@ -115,8 +114,7 @@ def export_onnx(model: nn.Module, path: str | os.PathLike[str], example: torch.T
     it (``torch.fx.experimental.optimization.fuse``; eval-mode arithmetic, the same graph the exporter and
     every inference engine produce, and half the operations for the exporter to trace). The file is checked
     with ``onnx.checker`` (full check, with shape inference).
-    A failed export raises ``OnnxExportError`` naming the operator with no ONNX translation.
-    """
+    A failed export raises ``OnnxExportError`` naming the operator with no ONNX translation."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if not hasattr(example, "shape"):
@@ -193,8 +191,7 @@ def op_counts(model_or_path: onnx.ModelProto | str | os.PathLike[str]) -> Counte
     """Operator types of an ONNX graph (a path or a ModelProto) and how often each occurs.
 
     Operators outside the standard ONNX domain carry it in brackets: ``FusedConv[microsoft]``, and the
-    blocked-layout convolutions of ONNX Runtime's layout level ``Conv[nchwc]``.
-    """
+    blocked-layout convolutions of ONNX Runtime's layout level ``Conv[nchwc]``."""
     model = (model_or_path if isinstance(model_or_path, onnx.ModelProto)
              else onnx.load(str(model_or_path), load_external_data=False))
     return Counter(n.op_type if n.domain in ("", "ai.onnx") else f"{n.op_type}[{n.domain.split('.')[-1]}]"
@@ -225,8 +222,7 @@ def ort_session(path: str | os.PathLike[str], level: str = "all", threads: int |
     """An ONNX Runtime session on the CPU provider at graph optimization ``level``.
 
     ``threads``: intra-op threads (default: torch's thread count, so both frameworks get the same cores).
-    ``optimized_path``: where ONNX Runtime writes the graph it will run (to count what it fused).
-    """
+    ``optimized_path``: where ONNX Runtime writes the graph it will run (to count what it fused)."""
     ort = _onnxruntime()
     if level not in ORT_LEVELS:
         raise ValueError(f"ort_session(level={level!r}): use one of {list(ORT_LEVELS)}")
@@ -260,8 +256,7 @@ def cpu_threads() -> int:
     """Threads for CPU inference in the lab: half the cores this process may use (at least 1).
 
     Leaves room for the notebook, the OS and ONNX Runtime's own scheduling; on a busy 2-core machine a
-    second spinning OpenMP thread costs far more than it brings.
-    """
+    second spinning OpenMP thread costs far more than it brings."""
     return max(1, cpu_cores() // 2)
 
 
@@ -289,8 +284,7 @@ def parity(model: nn.Module, onnx_path: str | os.PathLike[str],
            inputs: Sequence[torch.Tensor | ArrayLike]) -> pd.DataFrame:
     """Largest absolute difference between PyTorch (fp32, CPU) and ONNX Runtime outputs, per input batch.
 
-    Several batch sizes prove the dynamic batch dimension: one export, any batch.
-    """
+    Several batch sizes prove the dynamic batch dimension: one export, any batch."""
     session = ort_session(onnx_path, "all")
     rows = []
     cpu_model = _cpu_copy(model)
@@ -320,8 +314,7 @@ def fusion_table(onnx_path: str | os.PathLike[str], workdir: str | os.PathLike[s
 
     Per level: the number of nodes ONNX Runtime will execute, the fused operators among them (FusedConv,
     NCHWc Conv...), the most common operators, session creation time, and the p50 latency of ``example``
-    (a batch) with the course's timing helper.
-    """
+    (a batch) with the course's timing helper."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     x = np.asarray(example, dtype=np.float32)

@@ -6,8 +6,7 @@ scales come from calibration data. ``modelopt_status`` says whether ModelOpt's O
 not; without it the ModelOpt calls raise ``ModelOptMissing`` (an ImportError), and ``skip_line`` is the one line a
 lab prints for what it skips.
 
-Design notes: docs/internals.md#lab_utilsinferencequantizepy
-"""
+Design notes: docs/internals.md#lab_utilsinferencequantizepy"""
 
 from __future__ import annotations
 
@@ -89,8 +88,7 @@ def quiet_modelopt() -> Iterator[io.StringIO]:
 
     ``tensorrt-stubs`` (type stubs, installed for the type check) makes ``import tensorrt`` succeed as a
     namespace package. ModelOpt then believes TensorRT is present and calls ``trt.Logger``, which the
-    stubs do not have; where the real runtime is absent we tell ModelOpt so.
-    """
+    stubs do not have; where the real runtime is absent we tell ModelOpt so."""
     _require_modelopt()
     import onnxruntime as ort
     from modelopt.onnx import trt_utils
@@ -160,8 +158,7 @@ def check_calibration_data(data: Any, onnx_path: str | os.PathLike[str], min_ima
     Calibration runs the model on these images and records the range of every tensor that gets a Q/DQ pair;
     images of another shape or scale would set scales for inputs the model never sees. So: a numpy array
     (or a torch tensor) with the model's input shape, the batch dimension first, and its dtype exactly
-    (no silent casts: float64 pixels usually mean the preprocessing was skipped).
-    """
+    (no silent casts: float64 pixels usually mean the preprocessing was skipped)."""
     name, shape, dtype = onnx_input(onnx_path)
     expected = f"{_shape_text(shape)} {np.dtype(dtype).name if dtype is not None else 'bfloat16'}"
     if hasattr(data, "detach"):
@@ -195,8 +192,7 @@ def autocast(onnx_path: str | os.PathLike[str], out_path: str | os.PathLike[str]
              keep_io_types: bool = True) -> Path:
     """FP16 (or BF16) mixed precision with ModelOpt AutoCast; nodes whose values would overflow stay FP32.
 
-    ``keep_io_types`` keeps the inputs and outputs FP32, so callers feed the same arrays as before.
-    """
+    ``keep_io_types`` keeps the inputs and outputs FP32, so callers feed the same arrays as before."""
     if precision not in LOW_PRECISION:
         raise ValueError(f"autocast(precision={precision!r}): use one of {LOW_PRECISION}")
     out_path = Path(out_path)
@@ -215,8 +211,7 @@ def quantize_onnx(onnx_path: str | os.PathLike[str], out_path: str | os.PathLike
 
     ``method``: ModelOpt's calibrator (``max`` or ``entropy``; None is ModelOpt's default for the mode).
     ``high_precision``: the type of what stays unquantized (fp32 runs fastest in ONNX Runtime on a CPU; for a
-    TensorRT engine fp16 is the usual choice). Calibration runs in ONNX Runtime on the CPU.
-    """
+    TensorRT engine fp16 is the usual choice). Calibration runs in ONNX Runtime on the CPU."""
     if mode not in QUANT_MODES:
         raise ValueError(f"quantize_onnx(mode={mode!r}): use one of {QUANT_MODES}")
     if method is not None and method not in CALIBRATION_METHODS:
@@ -282,8 +277,7 @@ def calibration_sweep(onnx_path: str | os.PathLike[str], x_calibration: np.ndarr
 
     Columns: method, calibration_images, accuracy, accuracy_delta_points (against FP32), top1_agreement,
     rel_logit_error (mean |logit difference| / mean |FP32 logit|), quantize_s. The images are taken in the
-    order given: shuffle them first (the digits training split already is).
-    """
+    order given: shuffle them first (the digits training split already is)."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     x_calibration = check_calibration_data(x_calibration, onnx_path)

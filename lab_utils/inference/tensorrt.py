@@ -5,8 +5,7 @@ Works on TensorRT 10.x and 11.x with the same calls; precision comes from the ON
 (``lab_utils.inference.quantize``), never from builder flags. The module imports on machines without TensorRT;
 ``tensorrt_status`` says whether it can run here and why.
 
-Design notes: docs/internals.md#lab_utilsinferencetensorrtpy
-"""
+Design notes: docs/internals.md#lab_utilsinferencetensorrtpy"""
 
 from __future__ import annotations
 
@@ -99,8 +98,7 @@ class Profile:
     """An optimization profile for one input: shapes the engine accepts (min..max) and the one it is tuned for.
 
     TensorRT picks kernels for ``opt_shape``; any shape between ``min_shape`` and ``max_shape`` (each
-    dimension) runs, others are refused at ``set_input_shape``.
-    """
+    dimension) runs, others are refused at ``set_input_shape``."""
 
     input_name: str
     min_shape: tuple[int, ...]
@@ -158,8 +156,7 @@ def trtexec_commands(onnx_path: str | os.PathLike[str], engine_path: str | os.Pa
     three are deprecated and do nothing (every network is strongly typed), so they are left out. trtexec's
     throughput is executions / wall time. ``trtexec``: the program to name (default: as
     ``lab_utils.course.probe.find_trtexec`` finds it here, so the lines run as printed in an NGC image that keeps
-    it off the PATH).
-    """
+    it off the PATH)."""
     major = major if major is not None else (tensorrt_major() or LATEST_MAJOR)
     legacy = major < 11
     program = str(trtexec) if trtexec is not None else _trtexec_program()
@@ -211,8 +208,7 @@ def timing_cache_file(folder: str | os.PathLike[str], version: str | None = None
 
     A cache holds kernel timings of one GPU measured by one TensorRT; named after both, a cache never meets
     another GPU or TensorRT (which would refuse it, see ``build_plan``). ``version``/``gpu`` default to this
-    machine's TensorRT and GPU.
-    """
+    machine's TensorRT and GPU."""
     if version is None:
         ok, _ = tensorrt_status()
         version = str(import_tensorrt().__version__) if ok else "unknown"
@@ -226,8 +222,7 @@ def _attach_timing_cache(trt_mod: Any, config: trt.IBuilderConfig, cache_path: P
     the file's timings are used, a note when they are not).
 
     ``set_timing_cache(cache, ignore_mismatch=False)`` returns False for a cache written by another GPU or
-    TensorRT version; such a cache (or a damaged file) is replaced by a fresh one, which the build then fills.
-    """
+    TensorRT version; such a cache (or a damaged file) is replaced by a fresh one, which the build then fills."""
     data = cache_path.read_bytes() if cache_path.exists() else b""
     if data:
         try:
@@ -266,8 +261,7 @@ def build_plan(onnx_path: str | os.PathLike[str], profile: Profile,
     Precision is what the ONNX graph says (FP32, AutoCast FP16, INT8/FP8 Q/DQ). The timing cache, when a
     path is given (``timing_cache_file`` names one per TensorRT version and GPU), is read before and written
     after the build: a rebuild on the same GPU and TensorRT skips re-timing the kernels it has already timed.
-    A cache that does not fit this GPU and TensorRT is replaced, and ``timing_cache_note`` says so.
-    """
+    A cache that does not fit this GPU and TensorRT is replaced, and ``timing_cache_note`` says so."""
     trt_mod = import_tensorrt()
     logger = trt_mod.Logger(trt_mod.Logger.VERBOSE if verbose else trt_mod.Logger.WARNING)
     builder: trt.Builder = trt_mod.Builder(logger)
@@ -323,8 +317,7 @@ def load_engine(plan: bytes | str | os.PathLike[str]) -> LoadedEngine:
     """Deserialize an engine from a plan file (or its bytes).
 
     An engine runs only on the TensorRT version and the GPU model it was built for; any other gives
-    ``EngineLoadError`` telling to rebuild it from its ONNX file.
-    """
+    ``EngineLoadError`` telling to rebuild it from its ONNX file."""
     trt_mod = import_tensorrt()
     source = "engine bytes" if isinstance(plan, bytes) else str(plan)
     data = plan if isinstance(plan, bytes) else Path(plan).read_bytes()
@@ -389,8 +382,7 @@ class TrtRunner:
 
     ``bind(x)`` sets the input shape and the device addresses of the input and of freshly allocated outputs
     (returned); ``run()`` enqueues one execution with ``execute_async_v3``; ``infer(x)`` does both and
-    waits. Benchmarks call ``bind`` once and time ``run``: no allocation in the timed loop.
-    """
+    waits. Benchmarks call ``bind`` once and time ``run``: no allocation in the timed loop."""
 
     loaded: LoadedEngine
     context: trt.IExecutionContext = field(init=False)
@@ -452,8 +444,7 @@ def time_engine(runner: TrtRunner, sample_shape: Sequence[int], batches: Sequenc
                 warmup: int = 10, seed: int = 0) -> list[dict[str, Any]]:
     """p50/p90 latency (ms, GPU time between CUDA events) and images/s of ``runner`` at each batch size.
 
-    Random inputs (not zeros), bound once per batch size; only ``execute_async_v3`` is timed.
-    """
+    Random inputs (not zeros), bound once per batch size; only ``execute_async_v3`` is timed."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
     rows: list[dict[str, Any]] = []
     for batch in batches:

@@ -5,8 +5,7 @@ graph.
 
 ``fp32_mode`` sets what "FP32" means around each eager call and restores it after; Inductor's autotuning
 reports are summarized instead of printed (``quiet_autotuning``); the compile workers are stopped when the lab
-ends (``shutdown_compile_workers``). Times are milliseconds (``lab_utils.timing``).
-"""
+ends (``shutdown_compile_workers``). Times are milliseconds (``lab_utils.timing``)."""
 
 from __future__ import annotations
 
@@ -52,8 +51,7 @@ def fp32_mode(mode: str) -> Iterator[None]:
     - ``"ieee"``: TF32 off everywhere (``fp32_precision = "ieee"``): IEEE single precision, no tensor cores.
 
     Uses torch >= 2.9's ``fp32_precision`` switches (cuDNN's conv and RNN set together, so that reading the
-    legacy ``allow_tf32`` stays valid), else the legacy ``allow_tf32`` flags. The CPU has no TF32.
-    """
+    legacy ``allow_tf32`` stays valid), else the legacy ``allow_tf32`` flags. The CPU has no TF32."""
     if mode not in FP32_MODES:
         raise ValueError(f"fp32_mode({mode!r}): use one of {FP32_MODES}")
     cudnn_value = "tf32" if mode == "default" else "ieee"
@@ -81,8 +79,7 @@ def set_fp32_semantics(device: str) -> str:
     """Turn cuDNN autotuning on (a GPU) and say what the two FP32 baselines mean here.
 
     The eager FP32 steps set their precision themselves (``fp32_mode``), so the defaults of this torch build
-    or container (NGC images also turn on TF32 for matmuls) do not decide the baselines.
-    """
+    or container (NGC images also turn on TF32 for matmuls) do not decide the baselines."""
     if str(device).startswith("cuda"):
         torch.backends.cudnn.benchmark = True  # cuDNN times its algorithms per shape: TensorRT's tactic choice
         override = ("; TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1 is set here (NGC images set it), so cuBLAS matmuls run in "
@@ -144,8 +141,7 @@ def torch_runners(model: nn.Module, x: torch.Tensor | np.ndarray, *, steps: Sequ
 
     ``progress``: a ``progress(iterable, total=, desc=)`` wrapper over the steps (``lab_utils.widgets.progress``):
     its bar waits on the step being built, so it shows which step a minutes-long ``torch.compile`` is at. None
-    shows nothing.
-    """
+    shows nothing."""
     runners = _torch_runners(model, x, steps=steps, amp=amp, compile_mode=compile_mode, autotune_convs=autotune_convs)
     if progress is None:
         yield from runners
@@ -259,8 +255,7 @@ def quiet_autotuning(summary: dict[str, Any]) -> Iterator[dict[str, Any]]:
     mostly Triton configurations needing more shared memory than an SM has), ``biggest`` (the largest
     GEMM: its shapes, the winning kernel, its time in ms, and cuBLAS's time in ms).
     The reports are turned off through Inductor's own settings; the failures are filtered from its logger.
-    Nothing here changes which kernels are tried or chosen.
-    """
+    Nothing here changes which kernels are tried or chosen."""
     summary.update(gemms=0, choices=0, skipped=0, biggest=None)
     patches: dict[str, Any] = {}
     stack = contextlib.ExitStack()

@@ -7,8 +7,7 @@ course's own ``lab_utils.inference.tensorrt`` is type-checked the same way by it
 the exercise builds and runs the student's engine as well.
 
 No torch, no TensorRT: mypy runs in a subprocess, against a copy of the installed ``tensorrt-stubs`` (TensorRT
-10.13's API) that ``lab_utils.compat.tensorrt_stubs`` repairs, kept in the course's cache folder.
-"""
+10.13's API) that ``lab_utils.compat.tensorrt_stubs`` repairs, kept in the course's cache folder."""
 
 from __future__ import annotations
 
@@ -229,8 +228,7 @@ def _temporary_cache() -> Path:
 def repaired_stubs(dst: Path | None = None) -> Path:
     """A copy of the installed tensorrt-stubs that mypy can read (a folder to put on ``MYPYPATH``), repaired by
     ``lab_utils.compat.tensorrt_stubs``. Without ``dst``: kept in the course cache, one folder per stubs version,
-    written once.
-    """
+    written once."""
     version = stubs_version()
     if version is None:
         raise TypeCheckUnavailable(f"tensorrt-stubs is not installed: {STUBS_INSTALL}")

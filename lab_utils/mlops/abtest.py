@@ -2,8 +2,7 @@
 with a two-proportion z-test and a bootstrap confidence interval, and the sample size needed beforehand.
 
 Closed forms with the standard library only (``statistics.NormalDist``); scipy, where installed, agrees (the tests
-compare). Accuracies are fractions 0..1; differences are B - A.
-"""
+compare). Accuracies are fractions 0..1; differences are B - A."""
 
 from __future__ import annotations
 

@@ -7,8 +7,7 @@ then 50 %, then 100 %, each step held while its guards pass; a tripped guard rol
 loops: read, decide, apply the weight, log a timeline row. Units: error rates and accuracy are fractions 0..1,
 latency in ms, weights in % of requests.
 
-Design notes: docs/internals.md#lab_utilsmlopscanarypy
-"""
+Design notes: docs/internals.md#lab_utilsmlopscanarypy"""
 
 from __future__ import annotations
 

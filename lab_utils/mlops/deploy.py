@@ -7,8 +7,7 @@ feedback, images, labels, rate_rps)`` sends labelled digits through the front do
 version)`` adds a classifier version from a registry's ONNX file. Units: weights in % of requests, rates in
 requests/s, times in s.
 
-Design notes: docs/internals.md#lab_utilsmlopsdeploypy
-"""
+Design notes: docs/internals.md#lab_utilsmlopsdeploypy"""
 
 from __future__ import annotations
 

@@ -7,8 +7,7 @@ exporter of the statistics for Prometheus, and alert rules checked by promtool.
 - ``DriftReference``, ``drift_table``, ``DriftMonitor(reference, window=300)`` (images), ``DriftExporter(monitor)``.
 - ``drift_rules(...)``, ``write_drift_rules(folder)`` (promtool-checked), ``write_drift_rules_test(folder)``.
 
-Design notes: docs/internals.md#lab_utilsmlopsdriftpy
-"""
+Design notes: docs/internals.md#lab_utilsmlopsdriftpy"""
 
 from __future__ import annotations
 

@@ -4,8 +4,7 @@ whose steps are recorded (name, start, duration, outcome, details) so a student 
 
 ``retrain(tracking, x_new, y_new, x_val, y_val, ...) -> PipelineRecord``; ``record.table()`` is one row per step;
 ``record.ok``; ``record.raise_for_failure()``. A failed step stops the pipeline: later steps are not run, nothing is
-registered, and the failure (its exception in words) is in the record.
-"""
+registered, and the failure (its exception in words) is in the record."""
 
 from __future__ import annotations
 

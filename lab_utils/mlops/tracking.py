@@ -8,8 +8,7 @@ served version to its run, data hash and commit.
 ``git_commit``. ``tracking`` is a ``TrackingServer``, its URL, or an ``mlflow.MlflowClient``. Units are in names
 (``_s`` seconds).
 
-Design notes: docs/internals.md#lab_utilsmlopstrackingpy
-"""
+Design notes: docs/internals.md#lab_utilsmlopstrackingpy"""
 
 from __future__ import annotations
 
@@ -76,8 +75,7 @@ class TrackingServer(OwnedServer):
     """One ``mlflow server`` (the CLI and its uvicorn server) owned by this interpreter.
 
     >>> with TrackingServer() as server:   # doctest: +SKIP
-    ...     run = log_training_run(server, epochs=3, lr=0.05)
-    """
+    ...     run = log_training_run(server, epochs=3, lr=0.05)"""
 
     error = TrackingError
     watchdog_s = (2.0, 3.0)  # uvicorn is the CLI's child: the kernel's PDEATHSIG does not reach it

@@ -3,8 +3,7 @@ restarts a dead or hung server with backoff, and the failure drill that kills th
 watches it recover.
 
 The watchdog is an owned thread: it stops on ``stop()``, on context exit and at interpreter exit, and never
-stops the server it watches. Every wait here is an Event wait (interruptible), never a sleep.
-"""
+stops the server it watches. Every wait here is an Event wait (interruptible), never a sleep."""
 
 from __future__ import annotations
 
@@ -47,8 +46,7 @@ def write_model(repo: str | Path, *, gpu: bool = False, max_batch_size: int = 4,
 
     CPU instance: ONNX Runtime runs the MLP, then each execution waits ``base_ms + per_item_ms`` x batch (a
     simulated service time: a sleep leaves the machine's cores to the clients and Prometheus). GPU instance:
-    torch runs the MLP, then ``gpu_reps`` x batch fp32 matmuls of ``gpu_matrix``^2, so the GPU metrics move.
-    """
+    torch runs the MLP, then ``gpu_reps`` x batch fp32 matmuls of ``gpu_matrix``^2, so the GPU metrics move."""
     repo = Path(repo)
     if gpu:
         service: dict[str, str | float] = {"gpu_matmul_n": gpu_matrix, "gpu_matmul_reps": gpu_reps}
@@ -178,8 +176,7 @@ class Watchdog:
     After ``max_restarts`` in a row it gives up (``gave_up``) instead of hammering a crash loop.
     ``on_restart(server)`` runs after each restart (the lab points Prometheus at the server's new address
     there). ``pause()`` returns once no check or restart is in progress, so a ``server.stop()`` after it is
-    never taken for a crash; ``stop()`` ends the watchdog, never the server.
-    """
+    never taken for a crash; ``stop()`` ends the watchdog, never the server."""
 
     def __init__(self, server: Any, *, check_s: float = 0.25, backoff_s: float = 1.0, max_backoff_s: float = 30.0,
                  max_restarts: int = 5, stable_s: float = 30.0, failures: int = 3, probe_timeout_s: float = 2.0,
@@ -378,8 +375,7 @@ def failure_drill(server: Any, metrics: PromAPI | None, watchdog: Watchdog,
     restart takes on a busy machine, the load runs on past it. Without Prometheus (``metrics=None``) the drill
     watches the server's own liveness instead of ``up`` and the alert. ``progress``: a ``progress(iterable,
     total=, desc=)`` wrapper (``lab_utils.widgets.progress``) advanced one step per step of the drill; None shows
-    nothing.
-    """
+    nothing."""
     res = DrillResult()
     # the drill's steps up to the load's end, when all goes well: load started, killed, (up == 0, alert firing,)
     # restarted, up == 1 or live again, (alert resolved)

@@ -8,8 +8,7 @@ The exported gauges (dcgm-exporter's names, units and labels for the GPU; the ru
 ``DCGM_FI_DEV_MEM_CLOCK`` (MHz); ``nvlab_host_cpu_utilization_percent``, ``nvlab_host_cpu_count``,
 ``nvlab_host_memory_used_bytes``, ``nvlab_host_memory_total_bytes``, ``nvlab_host_load1``, ``nvlab_exporter_gpus``,
 ``nvlab_exporter_info``.
-Design notes: docs/internals.md#lab_utilsmonitoringgpu_exporterpy
-"""
+Design notes: docs/internals.md#lab_utilsmonitoringgpu_exporterpy"""
 
 from __future__ import annotations
 
@@ -351,8 +350,7 @@ class GpuExporter(MetricsServer):
 
     ``port=None`` takes a free port; a busy requested port is avoided (a free one is taken and ``notes``
     says so) unless ``strict_port`` (the command line, where the scrape configuration names the port).
-    ``stop()`` shuts the HTTP server and its thread down and releases NVML; safe to call twice.
-    """
+    ``stop()`` shuts the HTTP server and its thread down and releases NVML; safe to call twice."""
 
     busy_note = "port {port} is busy: the exporter listens on a free port instead"
 

@@ -6,8 +6,7 @@ utilization is not SM activity (:func:`gpu_utilization_demo`).
 ``PANELS`` / ``panels(gpu)`` are the list; ``dashboard_text()`` writes ``DASHBOARD_FILE``; ``panel_frames`` and
 ``plot_panels`` query and draw them; ``quantile_of_parts`` and ``compare_gpu_sources`` are the lessons' numbers.
 
-Design notes: docs/internals.md#lab_utilsmonitoringpanelspy
-"""
+Design notes: docs/internals.md#lab_utilsmonitoringpanelspy"""
 
 from __future__ import annotations
 
@@ -333,8 +332,7 @@ def gpu_utilization_demo(seconds: float = DEMO_SECONDS, device: int = 0, *, nvml
     Columns: the SMs the load can occupy, ``gpu_util_pct`` (NVML's utilization.gpu, which the exporter serves as
     DCGM_FI_DEV_GPU_UTIL), ``power_w``, and where NVML has GPM (Hopper and newer) ``sm_active_pct`` and
     ``tensor_active_pct`` over the same seconds (NaN elsewhere). Returns the frame and a note on GPM (empty when
-    it was read). ``nvml`` and ``torch`` are the modules (``pynvml``, ``torch``) unless given.
-    """
+    it was read). ``nvml`` and ``torch`` are the modules (``pynvml``, ``torch``) unless given."""
     if nvml is None:
         import pynvml as nvml
     if torch is None:

@@ -6,8 +6,7 @@ without either it raises :class:`PrometheusMissing` (check :func:`available` fir
 ``query_range``, ``value``, ``alerts``, ``rules``, ``targets``, ``wait_for``, ``wait_for_alert``.
 :func:`recorded_server` serves fixed samples, so that Prometheus itself evaluates a query at fixed times.
 
-Design notes: docs/internals.md#lab_utilsmonitoringprometheuspy
-"""
+Design notes: docs/internals.md#lab_utilsmonitoringprometheuspy"""
 
 from __future__ import annotations
 
@@ -147,8 +146,7 @@ def scrape_config(jobs: Mapping[str, Sequence[str]], *, scrape_interval_s: float
 
     The scrape timeout follows the interval (it may not exceed it); rules are evaluated every
     ``evaluation_interval_s``. For Prometheus 3 (``major_version=3``) each job names the text format as the
-    fallback protocol: 3.x refuses a scrape whose Content-Type it cannot read unless told (2.x rejects the key).
-    """
+    fallback protocol: 3.x refuses a scrape whose Content-Type it cannot read unless told (2.x rejects the key)."""
     for name, targets in jobs.items():
         if not re.fullmatch(r"[a-zA-Z_][a-zA-Z0-9_]*", name):
             raise ValueError(f"job name {name!r}: use letters, digits and _")
@@ -218,8 +216,7 @@ def lab_rules(out_dir: str | Path, *, for_s: float | Mapping[str, float] = 2.0, 
               source: str | Path = RULES_FILE, check: bool = True) -> Path:
     """Write the lab's copy of the rules: shorter ``for:`` (``for_s`` seconds; per alert if a mapping, the
     others ``default_for_s`` or as in the file), rate windows set to ``window``, and ``thresholds`` per alert
-    name. promtool checks the copy when installed (:class:`ConfigError` carries its message). Returns its path.
-    """
+    name. promtool checks the copy when installed (:class:`ConfigError` carries its message). Returns its path."""
     rules = load_rules(source)
     names = {r["alert"] for g in rules["groups"] for r in g["rules"] if "alert" in r}
     unknown = (set(thresholds or {}) | set(for_s if isinstance(for_s, Mapping) else {})) - names
@@ -255,8 +252,7 @@ def lab_rules(out_dir: str | Path, *, for_s: float | Mapping[str, float] = 2.0, 
 def frame(data: Mapping[str, Any]) -> pd.DataFrame:
     """A data frame from the ``data`` of a query answer: one column per label, then ``time`` and ``value``.
 
-    A range result comes in long form (one row per series and step); ``pivot(df, "model")`` widens it.
-    """
+    A range result comes in long form (one row per series and step); ``pivot(df, "model")`` widens it."""
     kind, result = data.get("resultType"), data.get("result")
     rows: list[dict[str, Any]] = []
     if kind == "scalar" or kind == "string":
@@ -481,8 +477,7 @@ class PrometheusServer(OwnedServer, PromAPI):
     error), starts the server on a free loopback port with ``--web.enable-lifecycle``, and waits for
     ``/-/ready``. ``stop()`` ends the process group and removes the folder (data included); it is safe to
     call twice and runs at interpreter exit. With ``samples`` it first writes them into its storage
-    (:func:`backfill`), to serve them.
-    """
+    (:func:`backfill`), to serve them."""
 
     kind = "prometheus"
     error = PrometheusError
@@ -664,8 +659,7 @@ def start_metrics(jobs: Mapping[str, Sequence[str]], *, rule_files: Sequence[str
     """A started Prometheus for ``jobs``: the one at ``$PROMETHEUS_URL``, else a ``prometheus`` binary started
     here (``prefer="local"`` skips ``$PROMETHEUS_URL``, for targets only this process can reach;
     ``prefer="external"`` insists on it). Prints which. :class:`PrometheusMissing`, saying how to install it,
-    when there is none.
-    """
+    when there is none."""
     if prefer not in ("auto", "local", "external"):
         raise ValueError(f"prefer={prefer!r}: use auto, local or external")
     url = env_url(URL_ENV, default_port=9090, path_ok=True) if prefer != "local" else None

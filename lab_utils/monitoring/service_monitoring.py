@@ -7,8 +7,7 @@ dashboard (generated from one panel list, as lab 05's).
 - ``ServiceMonitoring(service)``: the exporter and a local Prometheus; ``start()``, ``stop()``.
   ``start_monitoring(service, ...)`` does both, or returns None where Prometheus is missing.
 
-Design notes: docs/internals.md#lab_utilsmonitoringservice_monitoringpy
-"""
+Design notes: docs/internals.md#lab_utilsmonitoringservice_monitoringpy"""
 
 from __future__ import annotations
 

@@ -5,8 +5,7 @@ markdown with ``<!-- BEGIN SOLUTION -->`` / ``<!-- END SOLUTION -->`` and ``<!--
 ``<!-- END ANSWERS -->``. Generating a lab turns them into blanks, prompts and folded answers, strips every
 output, and adds a hints cell under each check cell.
 
-Design notes: docs/internals.md#lab_utilsopsnotebookspy
-"""
+Design notes: docs/internals.md#lab_utilsopsnotebookspy"""
 
 from __future__ import annotations
 
@@ -244,8 +243,7 @@ def update_expected(solution: Path, executed: Path) -> int:
     """Copy the outputs of ``# NBVAL_CHECK_OUTPUT`` cells from an executed run into the solution.
 
     Those outputs are what nbval compares against; every other cell of the solution stays without
-    outputs. Returns the number of cells that now carry expected output.
-    """
+    outputs. Returns the number of cells that now carry expected output."""
     import nbformat
 
     sol = nbformat.read(solution, as_version=4)
@@ -382,8 +380,7 @@ def parse_parameter(name: str, text: str, default: Any) -> Any:
 def parameters_for(paths: list[Path], pairs: Iterable[tuple[str, str]]) -> dict[Path, dict[str, Any]]:
     """Each notebook's parameters from ``-p NAME VALUE`` pairs, typed by its parameters cell.
 
-    A name no notebook declares is a ValueError listing the valid names; a name only some declare goes to those.
-    """
+    A name no notebook declares is a ValueError listing the valid names; a name only some declare goes to those."""
     declared = {p: declared_parameters(p) for p in paths}
     params: dict[Path, dict[str, Any]] = {p: {} for p in paths}
     for name, text in pairs:

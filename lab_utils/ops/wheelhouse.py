@@ -8,8 +8,7 @@ NGC container without network)::
 ``--exclude-preinstalled`` leaves out what the pinned NGC PyTorch image already has. The folder gets
 ``README.txt`` (the install commands, ``install_commands``) and ``requirements.txt``.
 
-Design notes: docs/internals.md#lab_utilsopswheelhousepy
-"""
+Design notes: docs/internals.md#lab_utilsopswheelhousepy"""
 
 from __future__ import annotations
 
@@ -161,8 +160,7 @@ def missing_requirements(folder: Path, roots: Iterable[tuple[str, Iterable[str]]
     ``roots`` are (name, extras); markers are evaluated with ``environment`` (``target_environment``);
     ``provided`` maps names the target already has (left out on purpose) to the version pip reports there
     ("2.14.0a0+5fa4b7e", or ``stack.pip_version``'s "2.14.0a0"): a requirement that version does not satisfy is
-    missing too, as pip on the target would find it unmet.
-    """
+    missing too, as pip on the target would find it unmet."""
     requirements, version = _packaging()
     wheels: dict[str, list[tuple[Any, list[str]]]] = {}
     for w in sorted(folder.glob("*.whl")):

@@ -1,8 +1,7 @@
 """An asynchronous CUDA error located: the same bad index run with and without ``CUDA_LAUNCH_BLOCKING=1``.
 
 A device-side assert leaves the CUDA context unusable, so each run happens in its own subprocess. The script's
-lines are numbered so that the traceback's line can be shown beside the line that really failed.
-"""
+lines are numbered so that the traceback's line can be shown beside the line that really failed."""
 
 from __future__ import annotations
 

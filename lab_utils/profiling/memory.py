@@ -3,8 +3,7 @@ accumulation against a larger batch, a real out-of-memory error, and a CUDA memo
 
 Peak memory is read where the device keeps it: ``torch.cuda.max_memory_allocated`` on a GPU; on the CPU (no
 allocator statistics) from the profiler's ``[memory]`` events (``profile_memory=True``), whose
-"Total Allocated" counts every allocation made while profiling.
-"""
+"Total Allocated" counts every allocation made while profiling."""
 
 from __future__ import annotations
 

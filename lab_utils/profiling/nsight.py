@@ -2,8 +2,7 @@
 back. Elsewhere each function returns the command it would have run and why it did not.
 
 ``ncu`` always runs with ``--clock-control none``: its default locks the GPU's clocks to base for the
-measurement, and a lab reads the GPU's state, it never changes it.
-"""
+measurement, and a lab reads the GPU's state, it never changes it."""
 
 from __future__ import annotations
 

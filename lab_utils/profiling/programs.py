@@ -5,8 +5,7 @@ batch size, ``close()`` stops any loader workers. ``PROGRAMS``: ``data``, ``sync
 (one planted bottleneck each), and ``all`` (every fix that applies); ``VARIANTS`` names each one's fixes (``planted``,
 ``fixed``, ``gpu-data``...). ``time_steps`` returns the wall-clock ms per step.
 
-Design notes: docs/internals.md#lab_utilsprofilingprogramspy
-"""
+Design notes: docs/internals.md#lab_utilsprofilingprogramspy"""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 The trace is what ``prof.export_chrome_trace(path)`` writes: ``{"traceEvents": [...]}``, each complete event
 (``"ph": "X"``) with a category (``cat``: ``kernel``, ``gpu_memcpy``, ``cuda_runtime``, ``cpu_op``,
 ``user_annotation`` …), a start ``ts`` and a duration ``dur`` in microseconds. Nothing here runs the profiler:
-the lab's student writes that part.
-"""
+the lab's student writes that part."""
 
 from __future__ import annotations
 
@@ -132,8 +131,7 @@ def summarize(trace: Mapping[str, Any] | pd.DataFrame) -> dict[str, Any]:
 
     ``gpu_busy``: kernel time union / wall time (None without kernels); ``data_wait``: the DataLoader's
     ``next()`` share of the wall time; ``syncs``: host calls that wait for the device (+ ``.item()``-like ops);
-    ``launches``: kernel launches; ``kernel_us``: mean kernel duration.
-    """
+    ``launches``: kernel launches; ``kernel_us``: mean kernel duration."""
     df = trace if isinstance(trace, pd.DataFrame) else events(trace)
     t0, t1 = step_window(df)
     in_win = df[(df["ts_us"] >= t0) & (df["ts_us"] < t1)]

@@ -5,8 +5,7 @@ Each panel has one entry point a notebook calls in one line: :func:`roofline_exp
 shown and its controls re-run the measurement; headless (see :func:`interactive`) the same call prints the result
 of the panel's initial values instead, so papermill, nbval and the tests see text, not a widget.
 
-Importing this package imports neither torch nor ipywidgets: each panel's module is loaded on first use.
-"""
+Importing this package imports neither torch nor ipywidgets: each panel's module is loaded on first use."""
 
 from __future__ import annotations
 

@@ -14,8 +14,7 @@ from lab_utils.widgets.core import Panel, interactive, show
 class QuizPanel(Panel):
     """``runner``'s questions in order; ``answer_value()`` is what the control holds, in the form ``check`` takes.
 
-    The panel grades through ``runner`` (``runner.answer``), so ``runner.score()`` counts what was submitted here.
-    """
+    The panel grades through ``runner`` (``runner.answer``), so ``runner.score()`` counts what was submitted here."""
 
     def __init__(self, runner: QuizRunner):
         import ipywidgets as w
