@@ -215,13 +215,8 @@ def _save_checkpoint(path: str | os.PathLike[str], model: torch.nn.Module, opt: 
                      width: int, accuracy: float) -> None:
     path = os.fspath(path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    state = {
-        "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},  # model.module's: no "module." keys
-        "optimizer": opt.state_dict(),
-        "epoch": epoch,
-        "model_config": {"width": width},
-        "accuracy": accuracy,
-    }
+    state = {"model": {k: v.detach().cpu() for k, v in model.state_dict().items()},  # model.module's: no "module." keys
+             "optimizer": opt.state_dict(), "epoch": epoch, "model_config": {"width": width}, "accuracy": accuracy}
     tmp = f"{path}.tmp{os.getpid()}"
     torch.save(state, tmp)
     os.replace(tmp, path)  # atomic: a reader never sees half a file
@@ -539,23 +534,15 @@ def _time_steps(ctx: WorkerContext, cfg: dict[str, Any]) -> dict[str, Any]:
             sizes = str(log.get("rebuilt_bucket_sizes") or log.get("bucket_sizes", "")).strip()  # "bytes, ..."
             buckets = len(sizes.split(",")) if sizes else None
     global_batch = b * ctx.world_size
-    out = {
-        "world_size": ctx.world_size,
-        "backend": ctx.backend,
-        "device": _device_label(ctx),
-        **{k: cfg[k] for k in ("batch_size", "image_size", "width", "amp", "channels_last", "bucket_cap_mb",
-                               "gradient_as_bucket_view", "overlap", "steps", "warmup_steps")},
-        "depth": cfg["depth"] if isinstance(cfg["depth"], int) else tuple(cfg["depth"]),
-        "global_batch": global_batch,
-        "step_ms": mean_ms,
-        "step_ms_median": median_ms,
-        "images_per_s": global_batch / (mean_ms * 1e-3),
-        "images_per_s_per_worker": b / (mean_ms * 1e-3),
-        "n_params": sum(p.numel() for p in params),
-        "params_mib": param_mib(model),
-        "grads_mib": sum(p.numel() * 4 for p in params) / MIB,  # DDP reduces fp32 gradients, even under autocast
-        "buckets": buckets,
-    }
+    out = {"world_size": ctx.world_size, "backend": ctx.backend, "device": _device_label(ctx),
+           **{k: cfg[k] for k in ("batch_size", "image_size", "width", "amp", "channels_last", "bucket_cap_mb",
+                                  "gradient_as_bucket_view", "overlap", "steps", "warmup_steps")},
+           "depth": cfg["depth"] if isinstance(cfg["depth"], int) else tuple(cfg["depth"]),
+           "global_batch": global_batch, "step_ms": mean_ms, "step_ms_median": median_ms,
+           "images_per_s": global_batch / (mean_ms * 1e-3), "images_per_s_per_worker": b / (mean_ms * 1e-3),
+           "n_params": sum(p.numel() for p in params), "params_mib": param_mib(model),
+           "grads_mib": sum(p.numel() * 4 for p in params) / MIB,  # DDP reduces fp32 gradients, even under autocast
+           "buckets": buckets}
     return out  # the model, optimizer and batch go with this frame: the next variant starts with free memory
 
 

@@ -129,21 +129,13 @@ def lab_plan(gpus: int, quick: bool = False, nprocs: int | None = None, *, nccl:
         digits_epochs = 2 if quick else 8
     digits_epochs = check_int(digits_epochs, "digits_epochs", where)
     sizes = (QUICK_GPU_SIZES if gpu else QUICK_CPU_SIZES) if quick else (GPU_SIZES if gpu else CPU_SIZES)
-    return LabPlan(
-        gpus=gpus, quick=quick, nprocs=nprocs, backend=backend,
-        sweep_sizes_bytes=tuple(whole_per_rank(s, nprocs) for s in sizes),
-        sweep_reps=5 if quick else (20 if gpu else 10),
-        sweep_warmup=5 if gpu else 2,
-        compare_bytes=whole_per_rank(GPU_COMPARE_BYTES if gpu else CPU_COMPARE_BYTES, nprocs),
-        compare_iters=20 if gpu else 10,
-        compare_warmup=5,
-        digits_epochs=digits_epochs,
-        digits_global_batch=2 * nprocs * -(-DIGITS_BATCH // (2 * nprocs)),  # 64 for 1, 2, 4, 8 ranks
-        ddp_steps=4 if quick else None,
-        ddp_warmup_steps=2 if quick else None,
-        overlap_repeats=1 if quick else 2,
-        one_gpu=one_gpu,
-        one_gpu_sizes_bytes=QUICK_ONE_GPU_SIZES if quick else ONE_GPU_SIZES,
-        one_gpu_reps=5 if quick else 20,
-        one_gpu_note=note,
-    )
+    return LabPlan(gpus=gpus, quick=quick, nprocs=nprocs, backend=backend,
+                   sweep_sizes_bytes=tuple(whole_per_rank(s, nprocs) for s in sizes),
+                   sweep_reps=5 if quick else (20 if gpu else 10), sweep_warmup=5 if gpu else 2,
+                   compare_bytes=whole_per_rank(GPU_COMPARE_BYTES if gpu else CPU_COMPARE_BYTES, nprocs),
+                   compare_iters=20 if gpu else 10, compare_warmup=5, digits_epochs=digits_epochs,
+                   digits_global_batch=2 * nprocs * -(-DIGITS_BATCH // (2 * nprocs)),  # 64 for 1, 2, 4, 8 ranks
+                   ddp_steps=4 if quick else None, ddp_warmup_steps=2 if quick else None,
+                   overlap_repeats=1 if quick else 2, one_gpu=one_gpu,
+                   one_gpu_sizes_bytes=QUICK_ONE_GPU_SIZES if quick else ONE_GPU_SIZES, one_gpu_reps=5 if quick else 20,
+                   one_gpu_note=note)

@@ -66,13 +66,11 @@ class OnnxExportError(RuntimeError):
         self.operator = operator
 
 
-_OP_PATTERNS = (
-    re.compile(r"OpOverload\(op='([\w.:]+)', overload='(\w+)'\)"),  # torch.export-based exporter
-    re.compile(r"target=torch\.ops\.([\w.]+)"),
-    re.compile(r"Unsupported FX nodes: \{'call_function': \['([\w.:]+)'"),
-    re.compile(r"Exporting the operator '?([\w:.]+)'? to ONNX"),  # TorchScript-based exporter
-    re.compile(r"(aten::\w+)"),
-)
+_OP_PATTERNS = (re.compile(r"OpOverload\(op='([\w.:]+)', overload='(\w+)'\)"),  # torch.export-based exporter
+                re.compile(r"target=torch\.ops\.([\w.]+)"),
+                re.compile(r"Unsupported FX nodes: \{'call_function': \['([\w.:]+)'"),
+                re.compile(r"Exporting the operator '?([\w:.]+)'? to ONNX"),  # TorchScript-based exporter
+                re.compile(r"(aten::\w+)"))
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
