@@ -110,37 +110,42 @@ def panels(gpu: bool, profiling: bool = False) -> list[Panel]:
                                   not (p.needs_gpu or p.host_only)) and (profiling or not p.profiling)]
 
 
-def panel(key: str) -> Panel:
-    """The panel named ``key`` ("qps", "p99", ...)."""
-    found = next((p for p in PANELS if p.key == key), None)
+def panel(key: str, among: Sequence[Panel] = PANELS) -> Panel:
+    """The panel named ``key`` ("qps", "p99", ...) of ``among``."""
+    found = next((p for p in among if p.key == key), None)
     if found is None:
-        raise KeyError(f"no panel {key!r}; the panels are {[p.key for p in PANELS]}")
+        raise KeyError(f"no panel {key!r}; the panels are {[p.key for p in among]}")
     return found
 
 
 # --- the Grafana dashboard -------------------------------------------------------------------------------
 
+GRAFANA_UNITS = {"req/s": "reqps", "ms": "ms", "fraction": "percentunit", "%": "percent", "GiB": "decgbytes",
+                 "W": "watt"}
+
+
+def grafana_dashboard(panel_list: Sequence[Panel], title: str, uid: str, tags: list[str],
+                      window: str = "$__rate_interval") -> dict[str, Any]:
+    """A Grafana dashboard (JSON model) of ``panel_list``, three panels a row: the same expressions as the notebook."""
+    ds = {"type": "prometheus", "uid": "${datasource}"}
+    out = [{"id": i + 1, "type": "timeseries", "title": p.title, "datasource": ds,
+            **({"description": p.description} if p.description else {}),
+            "gridPos": {"h": 8, "w": 8, "x": (i % 3) * 8, "y": (i // 3) * 8},
+            "fieldConfig": {"defaults": {"unit": GRAFANA_UNITS.get(p.unit, "short")}, "overrides": []},
+            "options": {"legend": {"displayMode": "list", "placement": "bottom"}},
+            "targets": [{"refId": "A", "datasource": ds, "expr": p.expression(window), "legendFormat": p.legend}]}
+           for i, p in enumerate(panel_list)]
+    return {"title": title, "uid": uid, "tags": tags, "timezone": "browser", "schemaVersion": 39, "version": 1,
+            "refresh": "5s", "time": {"from": "now-15m", "to": "now"},
+            "templating": {"list": [{"name": "datasource", "type": "datasource", "query": "prometheus",
+                                     "label": "Prometheus", "current": {}, "hide": 0}]},
+            "annotations": {"list": []}, "panels": out}
+
 
 def dashboard(window: str = "$__rate_interval") -> dict[str, Any]:
-    """The Grafana dashboard (JSON model) built from :data:`PANELS`: the same expressions as the notebook."""
-    ds = {"type": "prometheus", "uid": "${datasource}"}
-    out_panels = []
-    for i, p in enumerate(PANELS):
-        unit = {"req/s": "reqps", "ms": "ms", "fraction": "percentunit", "%": "percent", "GiB": "decgbytes",
-                "W": "watt"}.get(p.unit, "short")
-        out_panels.append({"id": i + 1, "type": "timeseries", "title": p.title, "datasource": ds,
-                           **({"description": p.description} if p.description else {}),
-                           "gridPos": {"h": 8, "w": 8, "x": (i % 3) * 8, "y": (i // 3) * 8},
-                           "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
-                           "options": {"legend": {"displayMode": "list", "placement": "bottom"}},
-                           "targets": [{"refId": "A", "datasource": ds, "expr": p.expression(window),
-                                        "legendFormat": p.legend}]})
-    return {"title": "Triton and GPU (nvlab lab 05)", "uid": "nvlab-triton-gpu", "tags": ["nvlab", "triton", "gpu"],
-            "timezone": "browser", "schemaVersion": 39, "version": 1, "refresh": "5s",
-            "time": {"from": "now-15m", "to": "now"},
-            "templating": {"list": [{"name": "datasource", "type": "datasource", "query": "prometheus",
-                                     "label": "Prometheus", "current": {}, "hide": 0}]}, "annotations": {"list": []},
-            "panels": out_panels}
+    """The Grafana dashboard built from :data:`PANELS`."""
+    return grafana_dashboard(PANELS, "Triton and GPU (nvlab lab 05)", "nvlab-triton-gpu", ["nvlab", "triton", "gpu"],
+                             window)
 
 
 def dashboard_text() -> str:

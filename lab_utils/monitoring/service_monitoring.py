@@ -19,7 +19,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from lab_utils.monitoring import prometheus
+from lab_utils.monitoring import panels, prometheus
 from lab_utils.monitoring.gpu_exporter import MetricsServer
 from lab_utils.monitoring.panels import Panel
 from lab_utils.procs import owned_tempdir, release_at_exit, stop_at_exit
@@ -162,22 +162,8 @@ SERVICE_PANELS: tuple[Panel, ...] = (
 
 def dashboard(window: str = "$__rate_interval") -> dict[str, Any]:
     """The service's Grafana dashboard (JSON model) built from ``SERVICE_PANELS``."""
-    ds = {"type": "prometheus", "uid": "${datasource}"}
-    units = {"req/s": "reqps", "ms": "ms", "fraction": "percentunit"}
-    out = []
-    for i, p in enumerate(SERVICE_PANELS):
-        out.append({"id": i + 1, "type": "timeseries", "title": p.title, "datasource": ds, "description": p.description,
-                    "gridPos": {"h": 8, "w": 8, "x": (i % 3) * 8, "y": (i // 3) * 8},
-                    "fieldConfig": {"defaults": {"unit": units.get(p.unit, "short")}, "overrides": []},
-                    "options": {"legend": {"displayMode": "list", "placement": "bottom"}},
-                    "targets": [{"refId": "A", "datasource": ds, "expr": p.expression(window),
-                                 "legendFormat": p.legend}]})
-    return {"title": "Image-classification service (nvlab lab 07)", "uid": "nvlab-service", "tags": ["nvlab", "nginx",
-            "triton", "slo"], "timezone": "browser", "schemaVersion": 39, "version": 1, "refresh": "5s",
-            "time": {"from": "now-15m", "to": "now"},
-            "templating": {"list": [{"name": "datasource", "type": "datasource", "query": "prometheus",
-                                     "label": "Prometheus", "current": {}, "hide": 0}]},
-            "annotations": {"list": []}, "panels": out}
+    return panels.grafana_dashboard(SERVICE_PANELS, "Image-classification service (nvlab lab 07)", "nvlab-service",
+                                    ["nvlab", "nginx", "triton", "slo"], window)
 
 
 def dashboard_text() -> str:
@@ -187,10 +173,7 @@ def dashboard_text() -> str:
 
 
 def panel(key: str) -> Panel:
-    found = next((p for p in SERVICE_PANELS if p.key == key), None)
-    if found is None:
-        raise KeyError(f"no panel {key!r}; the panels are {[p.key for p in SERVICE_PANELS]}")
-    return found
+    return panels.panel(key, SERVICE_PANELS)
 
 
 # --- Prometheus for the service ------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from lab_utils.procs import temporary_folder
 from lab_utils.profiling.programs import time_steps
+from lab_utils.timing import sync
 
 __all__ = ["peak_bytes", "Blocks", "checkpoint_table", "accumulation_table", "oom_error", "snapshot_summary",
            "SAVE_OPS"]
@@ -29,19 +30,14 @@ MiB = 2**20
 SAVE_OPS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
 
 
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
 def peak_bytes(fn: Callable[[], Any], device: str) -> int:
     """Peak bytes allocated on ``device`` while ``fn()`` runs, above what was allocated before it."""
     if device.startswith("cuda"):
-        _sync(device)
+        sync(device)
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         fn()
-        _sync(device)
+        sync(device)
         return int(torch.cuda.max_memory_allocated() - base)
     from torch.profiler import ProfilerActivity, profile
 

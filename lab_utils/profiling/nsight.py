@@ -112,7 +112,10 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _gpu_reason() -> str | None:
+def _why_not(tool: str, install: str) -> str | None:
+    """Why ``tool`` cannot profile here (not on the PATH, no torch, no GPU), or None."""
+    if shutil.which(tool) is None:
+        return f"{tool} is not on the PATH. {install}"
     try:
         import torch
     except ImportError:
@@ -149,21 +152,18 @@ def run_ncu(n: int = 8192, numel: int = 2**28, timeout_s: float = 300.0) -> Tool
         script.write_text(KERNELS_SCRIPT.format(n=n, numel=numel))
         cmd = ncu_command(str(script))
         shown = [{str(script): "kernels.py", sys.executable: "python"}.get(c, c) for c in cmd]
-        if shutil.which("ncu") is None:
-            return ToolRun("ncu", shown, False, f"ncu is not on the PATH. {NCU_INSTALL}")
-        why = _gpu_reason()
-        if why:
+        if why := _why_not("ncu", NCU_INSTALL):
             return ToolRun("ncu", shown, False, why)
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=d, env=_env())
     out = proc.stdout + proc.stderr
     rows = parse_ncu_csv(proc.stdout)
-    if proc.returncode != 0 or not rows:
+    hint = ""
+    if proc.returncode == 0 and rows:
+        label_kernels(rows, n, numel)
+    elif "ERR_NVGPUCTRPERM" in out:
         hint = (" (ERR_NVGPUCTRPERM: this user may not read the GPU's performance counters; an administrator "
-                "allows it with the nvidia driver option NVreg_RestrictProfilingToAdminUsers=0)"
-                if "ERR_NVGPUCTRPERM" in out else "")
-        return ToolRun("ncu", shown, True, returncode=proc.returncode, output=out[-3000:] + hint, rows=rows)
-    label_kernels(rows, n, numel)
-    return ToolRun("ncu", shown, True, returncode=proc.returncode, output=out[-3000:], rows=rows)
+                "allows it with the nvidia driver option NVreg_RestrictProfilingToAdminUsers=0)")
+    return ToolRun("ncu", shown, True, returncode=proc.returncode, output=out[-3000:] + hint, rows=rows)
 
 
 def label_kernels(rows: list[dict[str, Any]], n: int, numel: int) -> None:
@@ -205,10 +205,7 @@ def run_nsys(timeout_s: float = 300.0) -> ToolRun:
         report = str(Path(d) / "steps")
         cmd = nsys_command(str(script), report)
         shown = ["python" if c == sys.executable else c.replace(str(d) + os.sep, "") for c in cmd]
-        if shutil.which("nsys") is None:
-            return ToolRun("nsys", shown, False, f"nsys is not on the PATH. {NSYS_INSTALL}")
-        why = _gpu_reason()
-        if why:
+        if why := _why_not("nsys", NSYS_INSTALL):
             return ToolRun("nsys", shown, False, why)
         prof = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=d, env=_env())
         if prof.returncode != 0:

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from lab_utils.models import digits_png
+from lab_utils.timing import sync
 
 __all__ = ["PROGRAMS", "VARIANTS", "Program", "PngDigits", "ImageNet", "build", "time_steps", "loader_workers",
            "Sizes", "sizes_for", "infinite_loader", "close_iterator"]
@@ -135,11 +136,6 @@ class Program:
         self.close()
 
 
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
 def time_steps(step: Callable[[], Any], steps: int = 20, warmup: int = 3, device: str = "cpu") -> float:
     """Wall-clock ms per training step: ``warmup`` steps, a synchronize, ``steps`` steps, a synchronize.
 
@@ -147,11 +143,11 @@ def time_steps(step: Callable[[], Any], steps: int = 20, warmup: int = 3, device
     per-step CUDA event pair would measure the GPU's share and miss the host stalls this lab is about."""
     for _ in range(warmup):
         step()
-    _sync(device)
+    sync(device)
     t0 = time.perf_counter()
     for _ in range(steps):
         step()
-    _sync(device)
+    sync(device)
     return (time.perf_counter() - t0) * 1e3 / steps
 
 
