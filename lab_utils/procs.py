@@ -181,10 +181,9 @@ def python_env_unowned(folder: Path) -> bool:
 def stale_python_envs(root: Path = Path("/tmp")) -> list[Path]:
     """Empty ``python_env_*`` folders that no running Triton can own.
 
-    Triton's python backend makes one at a fixed path (``/tmp/python_env_XXXXXX``, not configurable) when it
-    loads, and removes it only on a clean shutdown. A folder holding only the course's owner mark whose
-    ``tritonserver`` is gone is stale (a killed kernel's servers), and so is an empty one older than every
-    running ``tritonserver``."""
+    Triton's python backend makes one at a fixed path (``/tmp/python_env_XXXXXX``, not configurable) when it loads, and
+    removes it only on a clean shutdown. A folder holding only the course's owner mark whose ``tritonserver`` is gone is
+    stale (a killed kernel's servers), and so is an empty one older than every running ``tritonserver``."""
     out = []
     for path in root.glob("python_env_*"):  # the course's servers mark their folder with their pid
         with contextlib.suppress(OSError):
@@ -284,9 +283,8 @@ def port_free(port: int, host: str = "127.0.0.1") -> bool:
 def die_with_parent() -> None:
     """Linux: ask the kernel to SIGKILL this process when its parent dies, so nothing is orphaned.
 
-    Call it in the child (``preexec_fn``, or first thing in a worker). The kernel delivers the signal when
-    the parent *thread* that forked the child exits, which is why :func:`popen_owned` forks from one
-    long-lived thread."""
+    Call it in the child (``preexec_fn``, or first thing in a worker). The kernel delivers the signal when the parent
+    *thread* that forked the child exits, which is why :func:`popen_owned` forks from one long-lived thread."""
     prctl = _prctl()
     if prctl is not None:
         prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
@@ -355,9 +353,8 @@ def _in_spawner(fn: Callable[[], Any]) -> Any:
 def popen_owned(argv: list[str], **kwargs: Any) -> subprocess.Popen:
     """``subprocess.Popen`` in a new session (its own process group) that dies with this interpreter.
 
-    The fork happens in one long-lived daemon thread: PR_SET_PDEATHSIG fires when the *thread* that forked
-    the child ends, so a server started from a short-lived thread (a callback, a thread pool) must not be
-    forked there."""
+    The fork happens in one long-lived daemon thread: PR_SET_PDEATHSIG fires when the *thread* that forked the child
+    ends, so a server started from a short-lived thread (a callback, a thread pool) must not be forked there."""
     kwargs.setdefault("start_new_session", True)
     _prctl()
     kwargs["preexec_fn"] = die_with_parent

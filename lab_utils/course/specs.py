@@ -1,10 +1,9 @@
-"""Datasheet peaks of common NVIDIA data-centre GPUs, and the course's measured H200 numbers (read from the
-committed reference run).
+"""Datasheet peaks of common NVIDIA data-centre GPUs, and the course's measured H200 numbers (read from the committed
+reference run).
 
-Every peak is the vendor's *dense* figure (NVIDIA datasheets quote tensor-core rates "with sparsity",
-twice the dense rate; those are halved here). Units are in the field names: TFLOP/s = 1e12 FLOP/s,
-TB/s = 1e12 B/s, GB/s = 1e9 B/s. A GPU whose numbers are not known with confidence is left out:
-``peaks_for`` then answers ``None`` rather than a guess.
+Every peak is the vendor's *dense* figure (NVIDIA datasheets quote tensor-core rates "with sparsity", twice the dense
+rate; those are halved here). Units are in the field names: TFLOP/s = 1e12 FLOP/s, TB/s = 1e12 B/s, GB/s = 1e9 B/s. A
+GPU whose numbers are not known with confidence is left out: ``peaks_for`` then answers ``None`` rather than a guess.
 
 Imports nothing heavy: safe to import on any machine."""
 

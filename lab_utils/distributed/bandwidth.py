@@ -1,11 +1,10 @@
 """Collective bandwidth as nccl-tests defines it, and the link to hold it against. No torch, no GPU.
 
-Definitions follow nccl-tests (its doc/PERFORMANCE.md): algbw = S / t, busbw = algbw × factor, with
-S the bytes of one rank's buffer (all_reduce, broadcast, reduce) or of the whole gathered buffer
-(all_gather, reduce_scatter, all_to_all), t the time of one collective, GB = 1e9 bytes. busbw is what
-to hold against the link's speed per direction, whatever the number of ranks; ``link_peak_gbps`` reads
-that speed from the topology ``course.probe`` records. Units are in the names: ``_ms`` milliseconds,
-``_gbps`` GB/s (1e9 B/s), ``_bytes`` bytes."""
+Definitions follow nccl-tests (its doc/PERFORMANCE.md): algbw = S / t, busbw = algbw × factor, with S the bytes of one
+rank's buffer (all_reduce, broadcast, reduce) or of the whole gathered buffer (all_gather, reduce_scatter, all_to_all),
+t the time of one collective, GB = 1e9 bytes. busbw is what to hold against the link's speed per direction, whatever the
+number of ranks; ``link_peak_gbps`` reads that speed from the topology ``course.probe`` records. Units are in the names:
+``_ms`` milliseconds, ``_gbps`` GB/s (1e9 B/s), ``_bytes`` bytes."""
 
 from __future__ import annotations
 

@@ -21,10 +21,9 @@ def plot_busbw(df: pd.DataFrame, peak_gbps: float | None = None, reference: dict
                ax: Axes | None = None, title: str | None = None) -> Figure:
     """Bus bandwidth (GB/s) against message size S (log scale), one line per collective.
 
-    Input: ``collectives.collective_sweep``'s frame (rows with status 'ok' are drawn). ``peak_gbps`` (else the
-    frame's ``peak_gbps`` column, when finite) is drawn dashed: the link's speed per direction.
-    ``reference`` maps size in bytes to busbw GB/s, drawn as black crosses (e.g. the H200 all_reduce run,
-    ``bandwidth.H200_ALLREDUCE_BUSBW_GBPS``)."""
+    Input: ``collectives.collective_sweep``'s frame (rows with status 'ok' are drawn). ``peak_gbps`` (else the frame's
+    ``peak_gbps`` column, when finite) is drawn dashed: the link's speed per direction. ``reference`` maps size in bytes
+    to busbw GB/s, drawn as black crosses (e.g. the H200 all_reduce run, ``bandwidth.H200_ALLREDUCE_BUSBW_GBPS``)."""
     made_by = "distributed.collectives.collective_sweep"
     plotting.require_columns(df, {"collective", "size_bytes", "busbw_gbps"}, "plot_busbw", made_by)
     fig, ax = plotting.new_axes(ax)

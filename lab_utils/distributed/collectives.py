@@ -1,12 +1,11 @@
 """Lab 02 experiments: collective bandwidth (algbw, busbw) with NCCL on GPUs or gloo on CPU processes.
 
-Every measurement first runs the collective once and checks the result against the values each rank put
-in, then times it with ``lab_utils.timing.benchmark``. A collective takes as long as its slowest rank, so
-the time reported is the largest of the ranks' medians; ``bandwidth`` turns it into algbw and busbw
-(nccl-tests definitions) and finds the link's peak. Workers are top-level functions started by
-``lab_utils.distributed.spawn.launch``; ``capture_nccl_debug`` records NCCL's own log, which
-``nccl_log.parse_nccl_log`` reads. Units are in the names: ``_ms`` milliseconds, ``_gbps`` GB/s (1e9 B/s),
-``_bytes`` bytes."""
+Every measurement first runs the collective once and checks the result against the values each rank put in, then times
+it with ``lab_utils.timing.benchmark``. A collective takes as long as its slowest rank, so the time reported is the
+largest of the ranks' medians; ``bandwidth`` turns it into algbw and busbw (nccl-tests definitions) and finds the link's
+peak. Workers are top-level functions started by ``lab_utils.distributed.spawn.launch``; ``capture_nccl_debug`` records
+NCCL's own log, which ``nccl_log.parse_nccl_log`` reads. Units are in the names: ``_ms`` milliseconds, ``_gbps`` GB/s
+(1e9 B/s), ``_bytes`` bytes."""
 
 from __future__ import annotations
 
@@ -306,13 +305,12 @@ def collective_sweep(nprocs: int, sizes_bytes: Sequence[int] | None = None, coll
                      corrupt_rank: int | None = None) -> pd.DataFrame:
     """algbw and busbw of each collective at each size on ``nprocs`` ranks (NCCL on GPUs, else gloo).
 
-    Defaults: NCCL 1 MiB..2 GiB (``GPU_SIZES``), 20 reps after 5 warm-ups; gloo 4 KiB..16 MiB
-    (``CPU_SIZES``), 10 reps after 2. ``dtype``: a torch dtype name, or several (one set of rows each).
-    ``peak_gbps`` is the GPU link per direction (``bandwidth.link_peak_gbps``; ``report`` from
-    ``course.probe.probe()``, probed when None), NaN on gloo. A wrong result raises (through
-    ``spawn.WorkerError``); an op or dtype
-    the backend refuses gives ``status='unsupported'`` and a reason.
-    Columns: see ``SWEEP_COLUMNS``; ``.attrs['peak_description']`` says which link the peak is."""
+    Defaults: NCCL 1 MiB..2 GiB (``GPU_SIZES``), 20 reps after 5 warm-ups; gloo 4 KiB..16 MiB (``CPU_SIZES``), 10 reps
+    after 2. ``dtype``: a torch dtype name, or several (one set of rows each). ``peak_gbps`` is the GPU link per
+    direction (``bandwidth.link_peak_gbps``; ``report`` from ``course.probe.probe()``, probed when None), NaN on gloo. A
+    wrong result raises (through ``spawn.WorkerError``); an op or dtype the backend refuses gives
+    ``status='unsupported'`` and a reason. Columns: see ``SWEEP_COLUMNS``; ``.attrs['peak_description']`` says which
+    link the peak is."""
     where = "collective_sweep"
     chosen = choose_backend(nprocs, backend)
     gpu = chosen == "nccl"

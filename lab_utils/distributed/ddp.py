@@ -1,10 +1,9 @@
 """Lab 02 DDP training: digits accuracy under DistributedDataParallel, and ResNet throughput scaling.
 
-Worker functions for ``lab_utils.distributed.spawn.launch`` or torchrun (``scripts/train_ddp.py``):
-``train_digits`` (correctness: N ranks reach the single-process test accuracy) and ``throughput`` (speed:
-images/s per world size, scaling efficiency, DDP's gradient buckets). Units are in names: ``_ms`` milliseconds,
-``_s`` seconds, ``_mib`` MiB (2**20 bytes), ``images_per_s`` and ``samples_per_s`` per second of wall time.
-Accuracies are fractions in [0, 1].
+Worker functions for ``lab_utils.distributed.spawn.launch`` or torchrun (``scripts/train_ddp.py``): ``train_digits``
+(correctness: N ranks reach the single-process test accuracy) and ``throughput`` (speed: images/s per world size,
+scaling efficiency, DDP's gradient buckets). Units are in names: ``_ms`` milliseconds, ``_s`` seconds, ``_mib`` MiB
+(2**20 bytes), ``images_per_s`` and ``samples_per_s`` per second of wall time. Accuracies are fractions in [0, 1].
 
 Design notes: docs/internals.md#lab_utilsdistributedddppy"""
 
@@ -233,21 +232,20 @@ def train_digits(ctx: WorkerContext, epochs: int = DIGITS_DEFAULTS["epochs"], ba
                  width: int = DIGITS_DEFAULTS["width"], cpu_threads: int | None = 1) -> dict[str, Any]:
     """Worker: train the digits CNN under DDP; every rank returns the same all-reduced metrics.
 
-    ``batch_size`` is the micro-batch per rank; one optimizer step sees batch_size × world_size × accumulate
-    images (``global_batch``). For runs comparable across world sizes keep that global batch constant
-    (``per_rank_batch``, ``run_digits``) and keep the lr: then N ranks take the same steps as one process.
-    ``amp``: None (fp32), 'bf16' (autocast) or 'fp16' (autocast + GradScaler). ``accumulate`` micro-steps
-    per optimizer step, all but the last under ``model.no_sync()`` (gradients summed locally, one
-    all-reduce). ``set_epoch=False`` skips ``sampler.set_epoch``: every epoch repeats the same order (a bug,
-    shown on purpose). Rank 0 writes ``checkpoint_path`` (model.module's state dict, optimizer, epoch);
-    the others wait at a barrier until it is written. ``cpu_threads``: torch threads per CPU rank (default 1: the
-    CNN's operations are too small to split, and two threads on a busy 2-core machine ran a one-rank run 5x slower;
-    None shares the cores among the local ranks).
+    ``batch_size`` is the micro-batch per rank; one optimizer step sees batch_size × world_size × accumulate images
+    (``global_batch``). For runs comparable across world sizes keep that global batch constant (``per_rank_batch``,
+    ``run_digits``) and keep the lr: then N ranks take the same steps as one process. ``amp``: None (fp32), 'bf16'
+    (autocast) or 'fp16' (autocast + GradScaler). ``accumulate`` micro-steps per optimizer step, all but the last under
+    ``model.no_sync()`` (gradients summed locally, one all-reduce). ``set_epoch=False`` skips ``sampler.set_epoch``:
+    every epoch repeats the same order (a bug, shown on purpose). Rank 0 writes ``checkpoint_path`` (model.module's
+    state dict, optimizer, epoch); the others wait at a barrier until it is written. ``cpu_threads``: torch threads per
+    CPU rank (default 1: the CNN's operations are too small to split, and two threads on a busy 2-core machine ran a
+    one-rank run 5x slower; None shares the cores among the local ranks).
 
-    Returns accuracy (final test accuracy, fraction), final_loss (last epoch's mean training loss),
-    samples_per_s (training images per second of wall time, all ranks together, evaluation excluded),
-    train_s, history (per epoch: train_loss, train_accuracy, test_accuracy, epoch_s, first_indices = this
-    rank's first 8 sample indices), and the configuration."""
+    Returns accuracy (final test accuracy, fraction), final_loss (last epoch's mean training loss), samples_per_s
+    (training images per second of wall time, all ranks together, evaluation excluded), train_s, history (per epoch:
+    train_loss, train_accuracy, test_accuracy, epoch_s, first_indices = this rank's first 8 sample indices), and the
+    configuration."""
     where = "train_digits"
     epochs = check_int(epochs, "epochs", where)
     batch_size = check_int(batch_size, "batch_size", where)
@@ -587,15 +585,14 @@ def scaling(nprocs_list: Sequence[int] | None = None, *, backend: str = "auto", 
     """Launch ``throughput`` at each world size (default 1 and max(2, GPUs)); one row per world size.
 
     Columns: world_size, backend, device, batch_size (per worker), global_batch, step_ms, images_per_s,
-    images_per_s_per_worker, speedup and scaling_efficiency, both against the smallest world size measured:
-    efficiency = images_per_s_N / ((N / N_0) × images_per_s_N0), 1.0 = perfect (with N_0 = 1 the usual
-    throughput_N / (N × throughput_1)). Per-worker batch is fixed (weak scaling), as in the DDP references.
-    On CPU ranks (gloo) each worker gets the same number of threads at every world size,
-    cores // max(nprocs_list) unless ``cpu_threads`` is given: a worker is then a fixed unit of compute, as a
-    GPU is, and the table measures what adding workers gains (not one rank using every core). All world sizes
-    run in one launch of max(nprocs_list) ranks (``each_world_size``): the ranks not measured wait idle.
-    ``progress``: a hook such as ``lab_utils.widgets.progress`` (``progress(iterable, total=, desc=)``), advanced
-    per world size that rank 0 starts (None: no display)."""
+    images_per_s_per_worker, speedup and scaling_efficiency, both against the smallest world size measured: efficiency =
+    images_per_s_N / ((N / N_0) × images_per_s_N0), 1.0 = perfect (with N_0 = 1 the usual throughput_N / (N ×
+    throughput_1)). Per-worker batch is fixed (weak scaling), as in the DDP references. On CPU ranks (gloo) each worker
+    gets the same number of threads at every world size, cores // max(nprocs_list) unless ``cpu_threads`` is given: a
+    worker is then a fixed unit of compute, as a GPU is, and the table measures what adding workers gains (not one rank
+    using every core). All world sizes run in one launch of max(nprocs_list) ranks (``each_world_size``): the ranks not
+    measured wait idle. ``progress``: a hook such as ``lab_utils.widgets.progress`` (``progress(iterable, total=,
+    desc=)``), advanced per world size that rank 0 starts (None: no display)."""
     nprocs_list = list(nprocs_list) if nprocs_list is not None else [1, _default_nprocs()]
     for n in nprocs_list:
         check_int(n, "nprocs_list", "scaling")

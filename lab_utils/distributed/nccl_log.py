@@ -1,10 +1,9 @@
 """Reading NCCL's own account of a run: what an ``NCCL_DEBUG=INFO`` log says, with sentences explaining it.
 
-``parse_nccl_log(text)`` takes the log as text (``collectives.capture_nccl_debug`` on two GPUs, or a saved
-capture such as ``course.probe.capture("nccl-debug")``) and returns the transports, channels, rings and
-trees, NCCL's tuning model and per-call choices, and the ``NCCL_*`` variables it read. Plain text in, plain
-values out: no torch, no GPU. Units are in the names: ``_gbps`` GB/s (1e9 B/s), ``_us`` microseconds,
-``_s`` seconds."""
+``parse_nccl_log(text)`` takes the log as text (``collectives.capture_nccl_debug`` on two GPUs, or a saved capture such
+as ``course.probe.capture("nccl-debug")``) and returns the transports, channels, rings and trees, NCCL's tuning model
+and per-call choices, and the ``NCCL_*`` variables it read. Plain text in, plain values out: no torch, no GPU. Units are
+in the names: ``_gbps`` GB/s (1e9 B/s), ``_us`` microseconds, ``_s`` seconds."""
 
 from __future__ import annotations
 

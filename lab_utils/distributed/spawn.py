@@ -1,11 +1,10 @@
 """Launch N worker processes for a function from a notebook, with a process group in each.
 
-``launch(fn, nprocs)`` spawns one process per rank, initialises ``torch.distributed`` (NCCL when there is one
-GPU per rank, gloo otherwise), calls ``fn(ctx, **kwargs)`` and returns the results by rank. A failure names its
-rank; no process and no port is left behind. ``launch(fn, nprocs, group=False)`` starts no group: each rank gets
-the environment torchrun would give it. ``start_process_group`` and ``leave_process_group`` are the two ends of a
-rank's life in a group. Worker functions must live in an importable module (``lab_utils.distributed.ranks``
-ships notebook functions).
+``launch(fn, nprocs)`` spawns one process per rank, initialises ``torch.distributed`` (NCCL when there is one GPU per
+rank, gloo otherwise), calls ``fn(ctx, **kwargs)`` and returns the results by rank. A failure names its rank; no process
+and no port is left behind. ``launch(fn, nprocs, group=False)`` starts no group: each rank gets the environment torchrun
+would give it. ``start_process_group`` and ``leave_process_group`` are the two ends of a rank's life in a group. Worker
+functions must live in an importable module (``lab_utils.distributed.ranks`` ships notebook functions).
 
 Design notes: docs/internals.md#lab_utilsdistributedspawnpy"""
 
@@ -359,15 +358,14 @@ def launch(fn: Callable[..., Any], nprocs: int, *, backend: str = "auto", kwargs
            rendezvous: int = 1, straggler_s: float | None = None) -> list[Any]:
     """Run ``fn(ctx, **kwargs)`` on ``nprocs`` ranks; returns each rank's result, indexed by rank.
 
-    ``timeout_s`` counts from when every rank is ready to run ``fn`` (starting them has ``STARTUP_TIMEOUT_S``).
-    ``env`` adds variables for the workers (they inherit the parent's, ``NCCL_*`` included). A collective waits
-    at most max(``timeout_s``, 30) seconds for a peer. ``group=False``: no group is started for ``fn``, which
-    joins one itself from the torchrun-style environment (see the module doc); ``rendezvous`` stores are hosted
-    for it, one per group it starts in turn (their ports: ``ctx.rendezvous_ports``); on gloo its ranks see no
-    GPU (``CUDA_VISIBLE_DEVICES=""`` unless ``env`` sets it), so they choose gloo too. ``straggler_s``: how long
-    the others may run on once one rank has returned (for functions whose ranks end together). Raises ``WorkerError``
-    (rank and traceback) or ``WorkerTimeout`` (each rank's last status and stack); in every case all workers
-    are stopped before it returns."""
+    ``timeout_s`` counts from when every rank is ready to run ``fn`` (starting them has ``STARTUP_TIMEOUT_S``). ``env``
+    adds variables for the workers (they inherit the parent's, ``NCCL_*`` included). A collective waits at most
+    max(``timeout_s``, 30) seconds for a peer. ``group=False``: no group is started for ``fn``, which joins one itself
+    from the torchrun-style environment (see the module doc); ``rendezvous`` stores are hosted for it, one per group it
+    starts in turn (their ports: ``ctx.rendezvous_ports``); on gloo its ranks see no GPU (``CUDA_VISIBLE_DEVICES=""``
+    unless ``env`` sets it), so they choose gloo too. ``straggler_s``: how long the others may run on once one rank has
+    returned (for functions whose ranks end together). Raises ``WorkerError`` (rank and traceback) or ``WorkerTimeout``
+    (each rank's last status and stack); in every case all workers are stopped before it returns."""
     if not callable(fn):
         raise TypeError(f"launch(fn=...): fn must be a function, got {type(fn).__name__}")
     if getattr(fn, "__module__", "__main__") == "__main__" or "<locals>" in getattr(fn, "__qualname__", ""):

@@ -230,13 +230,12 @@ def make_matmul(n: int, dtype: str, dev: str, fp8_fast_accum: bool = False) -> M
 
 def async_pitfall(n: int | None = None, device: str | None = "auto", dtype: str = "fp32", reps: int = 20,
                   warmup: int = 3) -> pd.DataFrame:
-    """Time one n×n matmul three ways: host clock without synchronize (wrong on a GPU), host clock with
-    synchronize, and ``benchmark`` (CUDA events on a GPU).
+    """Time one n×n matmul three ways: host clock without synchronize (wrong on a GPU), host clock with synchronize, and
+    ``benchmark`` (CUDA events on a GPU).
 
-    On a GPU the first measures only the launch (microseconds) and claims an impossible TFLOP/s. On the
-    CPU a matmul returns when it is done, so all three agree; ``async_launch`` says which case this is.
-    Default n: 4096 on a GPU, 512 on the CPU.
-    Columns: method, median_ms, apparent_tflops, ratio_to_benchmark, async_launch, n, dtype, device."""
+    On a GPU the first measures only the launch (microseconds) and claims an impossible TFLOP/s. On the CPU a matmul
+    returns when it is done, so all three agree; ``async_launch`` says which case this is. Default n: 4096 on a GPU, 512
+    on the CPU. Columns: method, median_ms, apparent_tflops, ratio_to_benchmark, async_launch, n, dtype, device."""
     where = "async_pitfall"
     dev = resolve_device(device, f"{where}(device)")
     n = _check_int(_default(n, dev, 4096, 512), "n", where)
@@ -287,12 +286,11 @@ def first_call_cost(n: int | None = None, device: str | None = "auto", dtype: st
                     reps: int = 20) -> pd.DataFrame:
     """Wall time of the first matmul on fresh tensors against the steady-state median.
 
-    The first call pays for what is set up lazily: on a GPU the cuBLAS handle and workspace, kernel
-    module loading and the heuristic's choice for this shape; on the CPU the BLAS thread pool and
-    kernel selection. Only the first call in a process (at this shape) sees all of it, so run this
-    first in a fresh kernel. The first call is timed with a host clock and synchronize, because part
-    of its cost is host work that device events would not bracket. Default n: 4096 on a GPU, 512 on the CPU.
-    Columns: call, latency_ms, x_steady, n, dtype, device, runtime_initialized_before."""
+    The first call pays for what is set up lazily: on a GPU the cuBLAS handle and workspace, kernel module loading and
+    the heuristic's choice for this shape; on the CPU the BLAS thread pool and kernel selection. Only the first call in
+    a process (at this shape) sees all of it, so run this first in a fresh kernel. The first call is timed with a host
+    clock and synchronize, because part of its cost is host work that device events would not bracket. Default n: 4096
+    on a GPU, 512 on the CPU. Columns: call, latency_ms, x_steady, n, dtype, device, runtime_initialized_before."""
     where = "first_call_cost"
     dev = resolve_device(device, f"{where}(device)")
     n = _check_int(_default(n, dev, 4096, 512), "n", where)
@@ -475,10 +473,9 @@ def host_device_bandwidth(nbytes: int = GIB, reps: int = 10, device: str | None 
                           warmup: int = 2) -> pd.DataFrame:
     """Host→device (H2D) and device→host (D2H) copy bandwidth in GB/s, pinned against pageable host memory.
 
-    Pinned (page-locked) memory lets the GPU's copy engine read host memory directly; pageable memory is
-    first staged through a pinned buffer by the driver. ``peak_gbps`` is the PCIe link, one direction.
-    With no GPU the frame is empty and ``.attrs['reason']`` (and the ``reason`` column) say why.
-    Columns: see ``HOST_DEVICE_COLUMNS``."""
+    Pinned (page-locked) memory lets the GPU's copy engine read host memory directly; pageable memory is first staged
+    through a pinned buffer by the driver. ``peak_gbps`` is the PCIe link, one direction. With no GPU the frame is empty
+    and ``.attrs['reason']`` (and the ``reason`` column) say why. Columns: see ``HOST_DEVICE_COLUMNS``."""
     where = "host_device_bandwidth"
     nbytes = _check_int(nbytes, "nbytes", where)
     reps = _check_int(reps, "reps", where)
@@ -604,14 +601,13 @@ def elementwise_add(numel: int | None = None, device: str | None = "auto", reps:
 
 def roofline_points(sweep: pd.DataFrame | None = None, copies: pd.DataFrame | None = None, device: str | None = "auto",
                     elementwise_numel: int | None = None, reps: int = 10) -> pd.DataFrame:
-    """Measured points for a roofline: each measured matmul of ``sweep``, an elementwise add measured here,
-    and each copy of ``copies``.
+    """Measured points for a roofline: each measured matmul of ``sweep``, an elementwise add measured here, and each
+    copy of ``copies``.
 
-    Each row carries only what it measures: a matmul its TFLOP/s (``tbps`` is NaN: it is not bandwidth-bound
-    at these sizes), a copy its TB/s (``intensity_flop_per_byte`` and ``tflops`` NaN: it does no arithmetic; it
-    is the measured memory ceiling, not a point), the elementwise add both. ``.attrs`` holds
-    ``measured_peak_tflops`` (best matmul) and ``measured_bw_tbps`` (best copy) for ``bench_plots.plot_roofline``.
-    Columns: see ``ROOFLINE_COLUMNS``."""
+    Each row carries only what it measures: a matmul its TFLOP/s (``tbps`` is NaN: it is not bandwidth-bound at these
+    sizes), a copy its TB/s (``intensity_flop_per_byte`` and ``tflops`` NaN: it does no arithmetic; it is the measured
+    memory ceiling, not a point), the elementwise add both. ``.attrs`` holds ``measured_peak_tflops`` (best matmul) and
+    ``measured_bw_tbps`` (best copy) for ``bench_plots.plot_roofline``. Columns: see ``ROOFLINE_COLUMNS``."""
     rows: list[dict[str, Any]] = []
     if sweep is not None:
         missing = {"dtype", "n", "tflops", "intensity_flop_per_byte"} - set(sweep.columns)

@@ -164,9 +164,8 @@ def make_resnet50(device: str = "cpu", width: int | None = None, image_size: int
 
     On a GPU, at full size: ``torchvision.models.resnet50(weights=None)`` when torchvision imports, else
     ``lab_utils.models.BottleneckResNet`` (the same layout). On a CPU the same layout at width 16 and 64 px
-    (``RESNET_SIZES``). BatchNorm statistics are settled on a few random batches, so activations keep a
-    realistic scale (random weights with fresh statistics let values grow layer after layer, which low
-    precision punishes unfairly)."""
+    (``RESNET_SIZES``). BatchNorm statistics are settled on a few random batches, so activations keep a realistic scale
+    (random weights with fresh statistics let values grow layer after layer, which low precision punishes unfairly)."""
     kind = "cuda" if str(device).startswith("cuda") else "cpu"
     width = RESNET_SIZES[kind]["width"] if width is None else check_int(width, "width", "make_resnet50")
     image_size = (RESNET_SIZES[kind]["image_size"] if image_size is None

@@ -1,10 +1,8 @@
-"""Lab 03's ONNX half: export from PyTorch with a dynamic batch, the file's checks and contents, and ONNX
-Runtime on the CPU: sessions at each graph optimization level, predictions, parity with PyTorch, and what
-each level fuses and costs.
+"""Lab 03's ONNX half: export from PyTorch with a dynamic batch, the file's checks and contents, and ONNX Runtime on the
+CPU: sessions at each graph optimization level, predictions, parity with PyTorch, and what each level fuses and costs.
 
-Units are in names: ``_ms`` milliseconds, ``_s`` seconds, ``images_per_s`` images per second of wall time.
-onnxruntime is imported where a session is made (its annotations under TYPE_CHECKING), so the export half
-imports without it."""
+Units are in names: ``_ms`` milliseconds, ``_s`` seconds, ``images_per_s`` images per second of wall time. onnxruntime
+is imported where a session is made (its annotations under TYPE_CHECKING), so the export half imports without it."""
 
 from __future__ import annotations
 

@@ -1,11 +1,10 @@
-"""Lab 03's torch inference paths, the substitutes for TensorRT on a GPU without it, one knob per step so each
-step's gain is its own: eager FP32 with TF32 off, eager FP32 as PyTorch runs it by default (cuDNN convolutions
-in TF32), autocast (BF16/FP16), channels-last memory, ``torch.compile`` (Inductor), and that captured in a CUDA
-graph.
+"""Lab 03's torch inference paths, the substitutes for TensorRT on a GPU without it, one knob per step so each step's
+gain is its own: eager FP32 with TF32 off, eager FP32 as PyTorch runs it by default (cuDNN convolutions in TF32),
+autocast (BF16/FP16), channels-last memory, ``torch.compile`` (Inductor), and that captured in a CUDA graph.
 
-``fp32_mode`` sets what "FP32" means around each eager call and restores it after; Inductor's autotuning
-reports are summarized instead of printed (``quiet_autotuning``); the compile workers are stopped when the lab
-ends (``shutdown_compile_workers``). Times are milliseconds (``lab_utils.timing``)."""
+``fp32_mode`` sets what "FP32" means around each eager call and restores it after; Inductor's autotuning reports are
+summarized instead of printed (``quiet_autotuning``); the compile workers are stopped when the lab ends
+(``shutdown_compile_workers``). Times are milliseconds (``lab_utils.timing``)."""
 
 from __future__ import annotations
 
@@ -249,13 +248,12 @@ def time_torch(runner: Callable[[], Any], device: str, reps: int = 10, warmup: i
 def quiet_autotuning(summary: dict[str, Any]) -> Iterator[dict[str, Any]]:
     """Silence Inductor's max-autotune reports while compiling and collect them in ``summary`` instead.
 
-    Inductor otherwise writes, for every matrix multiplication it tunes, a table of candidate kernels and a
-    JSON line of statistics, and logs an error for each candidate that cannot run. ``summary`` gets:
-    ``gemms`` (operations tuned), ``choices`` (candidates timed), ``skipped`` (candidates that could not run,
-    mostly Triton configurations needing more shared memory than an SM has), ``biggest`` (the largest
-    GEMM: its shapes, the winning kernel, its time in ms, and cuBLAS's time in ms).
-    The reports are turned off through Inductor's own settings; the failures are filtered from its logger.
-    Nothing here changes which kernels are tried or chosen."""
+    Inductor otherwise writes, for every matrix multiplication it tunes, a table of candidate kernels and a JSON line of
+    statistics, and logs an error for each candidate that cannot run. ``summary`` gets: ``gemms`` (operations tuned),
+    ``choices`` (candidates timed), ``skipped`` (candidates that could not run, mostly Triton configurations needing
+    more shared memory than an SM has), ``biggest`` (the largest GEMM: its shapes, the winning kernel, its time in ms,
+    and cuBLAS's time in ms). The reports are turned off through Inductor's own settings; the failures are filtered from
+    its logger. Nothing here changes which kernels are tried or chosen."""
     summary.update(gemms=0, choices=0, skipped=0, biggest=None)
     patches: dict[str, Any] = {}
     stack = contextlib.ExitStack()

@@ -1,11 +1,10 @@
-"""Lab 08's release machinery on lab 07's service: a champion and a challenger, each on its own Triton server behind
-the one nginx front door, the challenger's share set by nginx's weights; labelled traffic counted per variant.
+"""Lab 08's release machinery on lab 07's service: a champion and a challenger, each on its own Triton server behind the
+one nginx front door, the challenger's share set by nginx's weights; labelled traffic counted per variant.
 
 ``CanaryService(champion_onnx, challenger_onnx=None, gpus=0, drift_reference=None)`` is a ``Service`` with
-``set_weight(w)``, ``deploy_challenger(onnx)``, ``promote()`` and ``scrape_jobs()``. ``LabelledTraffic(svc,
-feedback, images, labels, rate_rps)`` sends labelled digits through the front door. ``install_onnx(repo, onnx,
-version)`` adds a classifier version from a registry's ONNX file. Units: weights in % of requests, rates in
-requests/s, times in s.
+``set_weight(w)``, ``deploy_challenger(onnx)``, ``promote()`` and ``scrape_jobs()``. ``LabelledTraffic(svc, feedback,
+images, labels, rate_rps)`` sends labelled digits through the front door. ``install_onnx(repo, onnx, version)`` adds a
+classifier version from a registry's ONNX file. Units: weights in % of requests, rates in requests/s, times in s.
 
 Design notes: docs/internals.md#lab_utilsmlopsdeploypy"""
 

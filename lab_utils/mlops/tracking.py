@@ -1,12 +1,11 @@
-"""Experiment tracking and a model registry, for real: an owned MLflow tracking server, training runs of the
-service's digits classifier logged to it, runs compared, the best registered, aliases, and lineage back from a
-served version to its run, data hash and commit.
+"""Experiment tracking and a model registry, for real: an owned MLflow tracking server, training runs of the service's
+digits classifier logged to it, runs compared, the best registered, aliases, and lineage back from a served version to
+its run, data hash and commit.
 
 ``TrackingServer(port=None, workers=1, startup_timeout_s=120)`` is the owned server (a context manager). Runs:
-``train_digits``, ``log_run``, ``log_training_run``, ``compare_runs``, ``metric_history``. Registry:
-``register_run``, ``register_best``, ``set_alias``, ``lineage``, ``download_onnx``. Identity: ``dataset_sha256``,
-``git_commit``. ``tracking`` is a ``TrackingServer``, its URL, or an ``mlflow.MlflowClient``. Units are in names
-(``_s`` seconds).
+``train_digits``, ``log_run``, ``log_training_run``, ``compare_runs``, ``metric_history``. Registry: ``register_run``,
+``register_best``, ``set_alias``, ``lineage``, ``download_onnx``. Identity: ``dataset_sha256``, ``git_commit``.
+``tracking`` is a ``TrackingServer``, its URL, or an ``mlflow.MlflowClient``. Units are in names (``_s`` seconds).
 
 Design notes: docs/internals.md#lab_utilsmlopstrackingpy"""
 

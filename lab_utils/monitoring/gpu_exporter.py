@@ -1,5 +1,5 @@
-"""A small Prometheus exporter for the GPUs (through NVML, read-only) and the host, for machines where no
-DCGM exporter runs. ``nvlab gpu-exporter --port 9400`` serves it; a lab runs it from a thread.
+"""A small Prometheus exporter for the GPUs (through NVML, read-only) and the host, for machines where no DCGM exporter
+runs. ``nvlab gpu-exporter --port 9400`` serves it; a lab runs it from a thread.
 
 The exported gauges (dcgm-exporter's names, units and labels for the GPU; the rules and dashboard rely on them):
 ``DCGM_FI_DEV_GPU_UTIL``, ``DCGM_FI_DEV_MEM_COPY_UTIL`` (%), ``DCGM_FI_DEV_FB_USED``, ``DCGM_FI_DEV_FB_FREE``,
@@ -7,8 +7,7 @@ The exported gauges (dcgm-exporter's names, units and labels for the GPU; the ru
 ``DCGM_FI_DEV_ENFORCED_POWER_LIMIT`` (W), ``DCGM_FI_DEV_GPU_TEMP`` (°C), ``DCGM_FI_DEV_SM_CLOCK``,
 ``DCGM_FI_DEV_MEM_CLOCK`` (MHz); ``nvlab_host_cpu_utilization_percent``, ``nvlab_host_cpu_count``,
 ``nvlab_host_memory_used_bytes``, ``nvlab_host_memory_total_bytes``, ``nvlab_host_load1``, ``nvlab_exporter_gpus``,
-``nvlab_exporter_info``.
-Design notes: docs/internals.md#lab_utilsmonitoringgpu_exporterpy"""
+``nvlab_exporter_info``. Design notes: docs/internals.md#lab_utilsmonitoringgpu_exporterpy"""
 
 from __future__ import annotations
 

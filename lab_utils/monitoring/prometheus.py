@@ -473,11 +473,10 @@ def _pause(seconds: float) -> None:
 class PrometheusServer(OwnedServer, PromAPI):
     """A ``prometheus`` process scraping ``jobs`` (``{"triton": ["127.0.0.1:8002"], ...}``), owned by the lab.
 
-    ``start()`` writes the configuration into a temporary folder, has promtool check it (its message is the
-    error), starts the server on a free loopback port with ``--web.enable-lifecycle``, and waits for
-    ``/-/ready``. ``stop()`` ends the process group and removes the folder (data included); it is safe to
-    call twice and runs at interpreter exit. With ``samples`` it first writes them into its storage
-    (:func:`backfill`), to serve them."""
+    ``start()`` writes the configuration into a temporary folder, has promtool check it (its message is the error),
+    starts the server on a free loopback port with ``--web.enable-lifecycle``, and waits for ``/-/ready``. ``stop()``
+    ends the process group and removes the folder (data included); it is safe to call twice and runs at interpreter
+    exit. With ``samples`` it first writes them into its storage (:func:`backfill`), to serve them."""
 
     kind = "prometheus"
     error = PrometheusError
@@ -656,10 +655,9 @@ def recorded_server(samples: Iterable[Sample], **kwargs: Any) -> PrometheusServe
 def start_metrics(jobs: Mapping[str, Sequence[str]], *, rule_files: Sequence[str | Path] = (),
                   scrape_interval_s: float = 1.0, evaluation_interval_s: float = 1.0,
                   prefer: str = "auto", show: bool = True) -> PromAPI:
-    """A started Prometheus for ``jobs``: the one at ``$PROMETHEUS_URL``, else a ``prometheus`` binary started
-    here (``prefer="local"`` skips ``$PROMETHEUS_URL``, for targets only this process can reach;
-    ``prefer="external"`` insists on it). Prints which. :class:`PrometheusMissing`, saying how to install it,
-    when there is none."""
+    """A started Prometheus for ``jobs``: the one at ``$PROMETHEUS_URL``, else a ``prometheus`` binary started here
+    (``prefer="local"`` skips ``$PROMETHEUS_URL``, for targets only this process can reach; ``prefer="external"``
+    insists on it). Prints which. :class:`PrometheusMissing`, saying how to install it, when there is none."""
     if prefer not in ("auto", "local", "external"):
         raise ValueError(f"prefer={prefer!r}: use auto, local or external")
     url = env_url(URL_ENV, default_port=9090, path_ok=True) if prefer != "local" else None
