@@ -79,8 +79,7 @@ def busbw_gbps(collective: str, size_bytes: float, time_ms: float, n: int) -> fl
     return algbw_gbps(size_bytes, time_ms) * busbw_factor(collective, n)
 
 
-# --------------------------------------------------------------------------------------------------
-# Link peak from the topology
+# --- Link peak from the topology ------------------------------------------------------------------
 
 
 def _pcie_gbps(gen: int | None, width: int | None) -> float | None:

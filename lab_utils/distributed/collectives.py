@@ -58,8 +58,7 @@ class CollectiveCheckError(RuntimeError):
     """A collective returned values other than the ones its inputs imply; the message names what and where."""
 
 
-# --------------------------------------------------------------------------------------------------
-# Buffers, inputs, expected results
+# --- Buffers, inputs, expected results ------------------------------------------------------------
 
 
 def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -177,8 +176,7 @@ def _max_over_ranks(value: float, device: str) -> float:
     return float(t.item())
 
 
-# --------------------------------------------------------------------------------------------------
-# Workers (run in each rank's process by spawn.launch)
+# --- Workers (run in each rank's process by spawn.launch) -----------------------------------------
 
 
 def bench_worker(ctx: WorkerContext, collectives: Sequence[str], sizes_bytes: Sequence[int], reps: int, warmup: int,
@@ -283,8 +281,7 @@ def nccl_debug_worker(ctx: WorkerContext, size_bytes: int) -> dict[str, Any]:
     return {"rank": ctx.rank, "pid": os.getpid(), "host": socket.gethostname()}
 
 
-# --------------------------------------------------------------------------------------------------
-# Parent side: what the notebook calls
+# --- Parent side: what the notebook calls ---------------------------------------------------------
 
 
 def _check_sizes(sizes: Any, where: str) -> list[int]:
@@ -388,8 +385,7 @@ def bare_allreduce(nprocs: int, size_bytes: int | None = None, iters: int | None
             "algbw_gbps": algbw_gbps(nbytes, time_ms), "busbw_gbps": busbw_gbps("all_reduce", nbytes, time_ms, nprocs)}
 
 
-# --------------------------------------------------------------------------------------------------
-# NCCL's own account: NCCL_DEBUG=INFO
+# --- NCCL's own account: NCCL_DEBUG=INFO ----------------------------------------------------------
 
 
 NCCL_DEBUG_SUBSYS = "INIT,GRAPH,ENV,TUNING"

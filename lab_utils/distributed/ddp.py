@@ -55,8 +55,7 @@ DEFAULT_BUCKETS = {"bucket_cap_mb": 25, "gradient_as_bucket_view": False, "overl
 H200_ONE_GPU_STEP_MS = {"DDP, 25 MB buckets": 20.13, "DDP, gradient_as_bucket_view": 19.97, "no DDP": 19.64}
 
 
-# --------------------------------------------------------------------------------------------------
-# Checks and small helpers
+# --- Checks and small helpers ---------------------------------------------------------------------
 
 
 def _check_amp(amp: Any, where: str) -> str | None:
@@ -118,8 +117,7 @@ def _all_reduce(ctx: WorkerContext, values: Sequence[float | torch.Tensor], op: 
     return [float(v) for v in t.tolist()]
 
 
-# --------------------------------------------------------------------------------------------------
-# Digits data
+# --- Digits data ----------------------------------------------------------------------------------
 
 
 def _digits_tensors(device: str) -> dict[str, torch.Tensor]:
@@ -158,8 +156,7 @@ def sampler_orders(n: int, world_size: int, epochs: int, seed: int = 0,
     return orders
 
 
-# --------------------------------------------------------------------------------------------------
-# Evaluation
+# --- Evaluation -----------------------------------------------------------------------------------
 
 
 def _eval_counts(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
@@ -221,8 +218,7 @@ def _save_checkpoint(path: str | os.PathLike[str], model: torch.nn.Module, opt: 
     os.replace(tmp, path)  # atomic: a reader never sees half a file
 
 
-# --------------------------------------------------------------------------------------------------
-# Digits training worker
+# --- Digits training worker -----------------------------------------------------------------------
 
 
 def train_digits(ctx: WorkerContext, epochs: int = DIGITS_DEFAULTS["epochs"], batch_size: int = 64,
@@ -456,8 +452,7 @@ def accumulation_check(ctx: WorkerContext, micro_batch: int = 16, accumulate: in
             "global_batch": per_rank * ctx.world_size}
 
 
-# --------------------------------------------------------------------------------------------------
-# Throughput
+# --- Throughput -----------------------------------------------------------------------------------
 
 
 def _throughput_config(ctx: WorkerContext, **kw: Any) -> dict[str, Any]:
@@ -688,8 +683,7 @@ def overlap_experiment(nprocs: int | None = None, variants: Sequence[dict[str, A
     return df[first + [c for c in df.columns if c not in first]]
 
 
-# --------------------------------------------------------------------------------------------------
-# The two-H200 reference run beside the local numbers
+# --- The two-H200 reference run beside the local numbers ------------------------------------------
 
 H200X2_RUN = "h200x2"  # reference_runs/h200x2: lab 02 executed on two H200 SXM joined by NV18 (NVLS off)
 

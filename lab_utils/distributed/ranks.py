@@ -250,8 +250,7 @@ def run(fn: Callable[..., Any], nprocs: int, *, backend: str = "auto", kwargs: d
                       kwargs={"shipped": shipped, "kwargs": dict(kwargs or {}), "group": group})
 
 
-# --------------------------------------------------------------------------------------------------
-# Reading a rank's stack (faulthandler's format: innermost call first)
+# --- Reading a rank's stack (faulthandler's format: innermost call first) -------------------------
 
 _FH_LINE = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
 

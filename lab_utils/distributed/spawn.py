@@ -143,8 +143,7 @@ def choose_backend(nprocs: int, backend: str = "auto") -> str:
     return backend
 
 
-# --------------------------------------------------------------------------------------------------
-# One rank's life in a process group
+# --- One rank's life in a process group -----------------------------------------------------------
 
 
 def start_process_group(backend: str, rank: int, world_size: int, local_rank: int, timeout_s: float,
@@ -197,8 +196,7 @@ def leave_process_group(ctx: WorkerContext, synchronize: bool = True) -> None:
             )
 
 
-# --------------------------------------------------------------------------------------------------
-# The launcher
+# --- The launcher ---------------------------------------------------------------------------------
 
 
 # Ranks fork from multiprocessing's forkserver, which imports these once per launching process: a spawned rank

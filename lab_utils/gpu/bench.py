@@ -112,8 +112,7 @@ def _check_dtypes(dtypes: Any, where: str) -> list[str]:
     return dtypes
 
 
-# --------------------------------------------------------------------------------------------------
-# TF32
+# --- TF32 -----------------------------------------------------------------------------------------
 
 
 def _new_precision_api() -> bool:
@@ -151,8 +150,7 @@ def tf32_matmul(enabled: bool = True) -> Iterator[None]:
             torch.set_float32_matmul_precision(saved["legacy"])
 
 
-# --------------------------------------------------------------------------------------------------
-# Matmul cases
+# --- Matmul cases ---------------------------------------------------------------------------------
 
 
 @dataclass
@@ -224,8 +222,7 @@ def make_matmul(n: int, dtype: str, dev: str, fp8_fast_accum: bool = False) -> M
     return MatmulCase(dtype, n, mm, matmul_flops(n, n, n), nbytes, dtype == "tf32", (a, b))
 
 
-# --------------------------------------------------------------------------------------------------
-# 1. Asynchronous launches
+# --- 1. Asynchronous launches ---------------------------------------------------------------------
 
 
 def async_pitfall(n: int | None = None, device: str | None = "auto", dtype: str = "fp32", reps: int = 20,
@@ -315,8 +312,7 @@ def first_call_cost(n: int | None = None, device: str | None = "auto", dtype: st
                           "device": dev, "runtime_initialized_before": initialized} for call, ms in rows])
 
 
-# --------------------------------------------------------------------------------------------------
-# 2. Matmul throughput
+# --- 2. Matmul throughput -------------------------------------------------------------------------
 
 
 SWEEP_COLUMNS = ["dtype", "n", "status", "reason", "flops", "min_bytes", "intensity_flop_per_byte", "median_ms",
@@ -420,8 +416,7 @@ def bare_matmul_loop(n: int | None = None, dtype: str | None = None, iters: int 
     return case.flops * iters / (total_ms * 1e-3) / 1e12
 
 
-# --------------------------------------------------------------------------------------------------
-# 3. Memory bandwidth
+# --- 3. Memory bandwidth --------------------------------------------------------------------------
 
 
 def _bytes_label(nbytes: float) -> str:
@@ -506,8 +501,7 @@ def host_device_bandwidth(nbytes: int = GIB, reps: int = 10, device: str | None 
     return pd.DataFrame(rows, columns=HOST_DEVICE_COLUMNS)
 
 
-# --------------------------------------------------------------------------------------------------
-# 4. Launch overhead and CUDA graphs
+# --- 4. Launch overhead and CUDA graphs -----------------------------------------------------------
 
 
 def launch_overhead(n_kernels: int = 1000, numel: int = 1024, device: str | None = "auto", reps: int = 20,
@@ -571,8 +565,7 @@ def launch_overhead(n_kernels: int = 1000, numel: int = 1024, device: str | None
     return pd.DataFrame(rows)
 
 
-# --------------------------------------------------------------------------------------------------
-# 5. Roofline
+# --- 5. Roofline ----------------------------------------------------------------------------------
 
 
 ROOFLINE_COLUMNS = ["label", "kind", "dtype", "intensity_flop_per_byte", "tflops", "tbps", "device"]

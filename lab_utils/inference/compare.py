@@ -26,8 +26,7 @@ COMPARISON_COLUMNS = ["model", "backend", "precision", "batch", "p50_ms", "p90_m
                       "accuracy", "accuracy_delta_points", "top1_agreement", "rel_logit_error", "device", "note"]
 
 
-# --------------------------------------------------------------------------------------------------
-# What a precision or a backend cost
+# --- What a precision or a backend cost -----------------------------------------------------------
 
 
 def accuracy(logits: ArrayLike, labels: ArrayLike) -> float:
@@ -52,8 +51,7 @@ def logit_error(logits: ArrayLike, reference: ArrayLike) -> dict[str, float]:
             "rel_logit_error": float(np.abs(a - r).mean() / max(float(np.abs(r).mean()), 1e-12))}
 
 
-# --------------------------------------------------------------------------------------------------
-# How sure: accuracy on a small test set
+# --- How sure: accuracy on a small test set -------------------------------------------------------
 
 
 def wilson_interval(correct: int, n: int, confidence: float = 0.95) -> tuple[float, float]:
@@ -122,8 +120,7 @@ def accuracy_report(logits: dict[str, ArrayLike], labels: ArrayLike, reference: 
     return pd.DataFrame(rows)
 
 
-# --------------------------------------------------------------------------------------------------
-# Where a GPU's time goes at small batches
+# --- Where a GPU's time goes at small batches -----------------------------------------------------
 
 
 def _images_per_s(values: dict[str, float], slug: str, backend: str, precision: str, batch: int) -> float | None:
@@ -165,8 +162,7 @@ def launch_overhead_notes(values: dict[str, float], slug: str = "resnet50", amp:
     return notes
 
 
-# --------------------------------------------------------------------------------------------------
-# The table
+# --- The table ------------------------------------------------------------------------------------
 
 
 class Comparison:

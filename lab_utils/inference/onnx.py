@@ -52,8 +52,7 @@ ORT_FP8_UNSAFE_REWRITES = ("ReluQuantRewrite",)
 _ORT_INSTALL = "pip install onnxruntime (or pip install -e '.[lab]')"
 
 
-# --------------------------------------------------------------------------------------------------
-# ONNX export
+# --- ONNX export ----------------------------------------------------------------------------------
 
 
 class OnnxExportError(RuntimeError):
@@ -194,8 +193,7 @@ def op_counts(model_or_path: onnx.ModelProto | str | os.PathLike[str]) -> Counte
                    for n in model.graph.node)
 
 
-# --------------------------------------------------------------------------------------------------
-# ONNX Runtime
+# --- ONNX Runtime ---------------------------------------------------------------------------------
 
 
 def _onnxruntime() -> Any:

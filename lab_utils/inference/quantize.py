@@ -127,8 +127,7 @@ def _modelopt_session(what: str) -> Iterator[io.StringIO]:
                                     + (f"\nModelOpt's last messages:\n{tail}" if tail else "")) from err
 
 
-# --------------------------------------------------------------------------------------------------
-# Inputs and calibration data
+# --- Inputs and calibration data ------------------------------------------------------------------
 
 
 # ONNX element type -> numpy type; 16 = bfloat16 has none
@@ -184,8 +183,7 @@ def check_calibration_data(data: Any, onnx_path: str | os.PathLike[str], min_ima
     return data
 
 
-# --------------------------------------------------------------------------------------------------
-# AutoCast and explicit quantization
+# --- AutoCast and explicit quantization -----------------------------------------------------------
 
 
 def autocast(onnx_path: str | os.PathLike[str], out_path: str | os.PathLike[str], precision: str = "fp16",
@@ -326,8 +324,7 @@ def plot_calibration_sweep(df: pd.DataFrame, ax: Axes | None = None, title: str 
     return fig
 
 
-# --------------------------------------------------------------------------------------------------
-# FP8
+# --- FP8 ------------------------------------------------------------------------------------------
 
 
 def ort_runs_fp8() -> tuple[bool, str]:

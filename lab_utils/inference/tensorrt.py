@@ -51,8 +51,7 @@ class EngineLoadError(RuntimeError):
     """A serialized engine did not deserialize: it must be rebuilt for this TensorRT version and GPU."""
 
 
-# --------------------------------------------------------------------------------------------------
-# Is TensorRT here?
+# --- Is TensorRT here? ----------------------------------------------------------------------------
 
 
 def tensorrt_status() -> tuple[bool, str]:
@@ -89,8 +88,7 @@ def tensorrt_major() -> int | None:
     return int(str(trt_mod.__version__).split(".")[0])
 
 
-# --------------------------------------------------------------------------------------------------
-# Optimization profiles
+# --- Optimization profiles ------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -132,8 +130,7 @@ def batch_profile(input_name: str, sample_shape: Sequence[int], min_batch: int =
     return Profile(input_name, (min_batch, *sample), (opt_batch, *sample), (max_batch, *sample))
 
 
-# --------------------------------------------------------------------------------------------------
-# trtexec
+# --- trtexec --------------------------------------------------------------------------------------
 
 
 def _trtexec_program() -> str:
@@ -174,8 +171,7 @@ def trtexec_commands(onnx_path: str | os.PathLike[str], engine_path: str | os.Pa
     return {"build": shlex.join(build), "run": shlex.join(run)}
 
 
-# --------------------------------------------------------------------------------------------------
-# Build, save, load
+# --- Build, save, load ----------------------------------------------------------------------------
 
 
 @dataclass
@@ -337,8 +333,7 @@ def load_engine(plan: bytes | str | os.PathLike[str]) -> LoadedEngine:
     return LoadedEngine(engine, runtime, source)
 
 
-# --------------------------------------------------------------------------------------------------
-# Run
+# --- Run ------------------------------------------------------------------------------------------
 
 
 def _dims(d: trt.Dims) -> tuple[int, ...]:
@@ -455,8 +450,7 @@ def time_engine(runner: TrtRunner, sample_shape: Sequence[int], batches: Sequenc
     return rows
 
 
-# --------------------------------------------------------------------------------------------------
-# What runs here instead
+# --- What runs here instead -----------------------------------------------------------------------
 
 
 def substitution_plan(gpu: bool, tensorrt_ok: bool, tensorrt_why: str) -> list[dict[str, str]]:

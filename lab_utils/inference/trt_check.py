@@ -34,8 +34,7 @@ from lab_utils.procs import EnvError, owned_tempdir
 STUBS_DIST = "tensorrt-stubs"
 STUBS_INSTALL = "pip install --no-deps tensorrt-stubs==10.13.0.35.1 mypy"
 
-# --------------------------------------------------------------------------------------------------
-# What TensorRT 10 and 11 removed
+# --- What TensorRT 10 and 11 removed --------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -127,8 +126,7 @@ def removed_calls(source: str) -> list[Finding]:
     return sorted(set(found), key=lambda f: f.line)
 
 
-# --------------------------------------------------------------------------------------------------
-# The steps an engine build needs
+# --- The steps an engine build needs --------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -189,8 +187,7 @@ def missing_steps(source: str, steps: Sequence[Step] = BUILD_STEPS) -> list[Step
     return [s for s in steps if not used & set(s.names)]
 
 
-# --------------------------------------------------------------------------------------------------
-# tensorrt-stubs, repaired for mypy (lab_utils.compat.tensorrt_stubs)
+# --- tensorrt-stubs, repaired for mypy (lab_utils.compat.tensorrt_stubs) --------------------------
 
 
 def stubs_version() -> str | None:
@@ -244,8 +241,7 @@ def repaired_stubs(dst: Path | None = None) -> Path:
     return tensorrt_stubs.write_repaired(stubs, cached)
 
 
-# --------------------------------------------------------------------------------------------------
-# mypy
+# --- mypy -----------------------------------------------------------------------------------------
 
 
 class TypeCheckUnavailable(RuntimeError):
@@ -328,8 +324,7 @@ def type_check_source(source: str, timeout_s: float = 180.0) -> TypeCheckReport:
     return TypeCheckReport(errors, stubs_version() or "?", mypy)
 
 
-# --------------------------------------------------------------------------------------------------
-# A function's source, as mypy should see it
+# --- A function's source, as mypy should see it ---------------------------------------------------
 
 
 @dataclass

@@ -243,9 +243,6 @@ def lab_rules(out_dir: str | Path, *, for_s: float | Mapping[str, float] = 2.0, 
     return out
 
 
-# --- the text format Prometheus scrapes: parsed in lab_utils.serving.metrics (Triton's /metrics needs it too) ---
-
-
 # --- results as data frames ------------------------------------------------------------------------
 
 
