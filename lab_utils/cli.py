@@ -9,6 +9,7 @@ import os
 import secrets
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -118,8 +119,6 @@ def _runtime_dir(jupyter_lab: str) -> Path:
     try:
         from jupyter_core.paths import jupyter_runtime_dir
     except ImportError:  # JupyterLab of another environment: ask its own jupyter
-        import subprocess
-
         jupyter = str(Path(jupyter_lab).parent / "jupyter")
         return Path(subprocess.run([jupyter, "--runtime-dir"], capture_output=True, text=True, check=True,
                                    timeout=60).stdout.strip())
@@ -148,8 +147,6 @@ def _lab_url(info: dict[str, Any], ip: str, token: str) -> str:
 
 
 def cmd_lab(args: argparse.Namespace) -> int:
-    import subprocess
-
     from lab_utils.course.probe import find_jupyter_lab  # lazy: subcommand only (cli stays fast to import)
 
     folder = Path(args.dir) if args.dir else repo_root() / "labs"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import io
 import os
 from collections.abc import Sequence
 
@@ -250,8 +251,6 @@ def digits_arrays() -> dict[str, np.ndarray]:
 def encode_png(image: np.ndarray, scale: int = 1, vmax: float = 16.0, smooth: bool = False) -> bytes:
     """One grey image (H, W) with values 0..``vmax`` as PNG bytes, upscaled ``scale``× (nearest neighbour, or
     bilinear with ``smooth``): what an image service or a data loader reading files receives."""
-    import io
-
     from PIL import Image
 
     scale = check_int(scale, "scale", "encode_png")

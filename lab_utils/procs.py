@@ -19,6 +19,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -545,8 +546,6 @@ class GroupWatchdog:
     ``disarm()`` after stopping the group yourself. ``term_s``/``kill_s``: seconds to wait after SIGTERM, SIGKILL."""
 
     def __init__(self, folder: str | os.PathLike[str], term_s: float = 1.0, kill_s: float = 2.0):
-        import sys
-
         read_fd, write_fd = os.pipe()  # close-on-exec: no other child inherits the owner's end
         try:
             self.proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _GROUP_WATCHDOG, str(folder), str(term_s),

@@ -10,13 +10,13 @@ Design notes: docs/internals.md#lab_utilscompatglibcpy"""
 
 from __future__ import annotations
 
+import platform
+
 PERF_ANALYZER_GLIBC = (2, 38)  # the perf-analyzer wheel's platform tag: manylinux_2_38
 
 
 def glibc_version() -> tuple[int, int] | None:
     """The C library's version, e.g. (2, 36); None where it is not glibc (musl, macOS)."""
-    import platform
-
     lib, version = platform.libc_ver()
     if lib != "glibc" or not version:
         return None

@@ -11,7 +11,9 @@ Design notes: docs/internals.md#lab_utilscompatnumpy1_envpy"""
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -59,8 +61,6 @@ def build_stub_env(path: str | Path | None = None, numpy_spec: str = STUB_NUMPY,
     """The python backend's execution environment (``EXECUTION_ENV_PATH``), built once: a venv of this Python
     holding only NumPy 1 (pip, from the package index) and a ``.pth`` line that adds this venv's packages after it
     (Pillow, ONNX Runtime). Triton sources its ``bin/activate`` before it starts the stub. Returns its folder."""
-    import fcntl
-
     path = Path(path or default_stub_env())
     if stub_env_ready(path):
         return path
@@ -73,8 +73,6 @@ def build_stub_env(path: str | Path | None = None, numpy_spec: str = STUB_NUMPY,
 
 
 def _build_stub_env(path: Path, numpy_spec: str, timeout_s: float) -> None:
-    import shutil
-
     shutil.rmtree(path, ignore_errors=True)  # a half-built one (interrupted): start again
     # Built where it stays: bin/activate holds the venv's own path, which a rename would leave pointing nowhere.
     try:

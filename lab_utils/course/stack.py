@@ -12,6 +12,7 @@ Design notes: docs/internals.md#lab_utilscoursestackpy"""
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import json
 import re
 import sys
@@ -316,8 +317,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{MANIFEST_NAME} (NGC {manifest()['pinned']}) agrees with docker/, ./course and pyproject.toml")
         return 1 if problems else 0
     if len(argv) == 3 and argv[0] == "installed":
-        import importlib.metadata
-
         tag, name = argv[1], argv[2]
         try:
             reported: str | None = importlib.metadata.version(name)  # the version pip reports, not __version__

@@ -12,6 +12,7 @@ Design notes: docs/internals.md#lab_utilsmlopscanarypy"""
 from __future__ import annotations
 
 import math
+import re
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -56,8 +57,6 @@ def render_queries(window: str = "30s", model: str = SERVICE_MODEL, by: str = "j
                    feedback_by: str = VARIANT_LABEL, queries: Mapping[str, str] | None = None) -> dict[str, str]:
     """``QUERIES`` with the window (``"30s"``, at least 2 scrape intervals), the Triton model and the grouping
     labels filled in: PromQL a student can paste into Prometheus."""
-    import re
-
     if not re.fullmatch(r"\d+(ms|s|m|h)", window):
         raise ValueError(f"window={window!r}: a PromQL duration such as '30s' or '1m'")
     return {k: q.format(window=window, model=model, by=by, feedback_by=feedback_by)

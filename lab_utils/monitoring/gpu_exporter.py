@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -407,8 +408,6 @@ class GpuExporter(MetricsServer):
 
 def serve(port: int = DEFAULT_PORT, host: str = "0.0.0.0") -> int:
     """Serve until SIGTERM or SIGINT (``nvlab gpu-exporter``); returns an exit code."""
-    import signal
-
     done = threading.Event()
     exporter = GpuExporter(port, host, strict_port=True)
     try:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import pandas as pd
 
 from lab_utils.monitoring.prometheus import RULES_DIR, PromAPI, pivot
@@ -219,8 +220,6 @@ def plot_panels(frames: Mapping[str, pd.DataFrame], panel_list: Sequence[Panel],
 def quantile_of_parts(latencies_ms: Sequence[Sequence[float]], q: float = 0.99) -> dict[str, float]:
     """The q-quantile of all latencies together against the mean of each part's q-quantile (why a dashboard
     must not average p99s across instances or time windows). Values in the latencies' unit (ms)."""
-    import numpy as np
-
     parts = [np.asarray(p, dtype=float) for p in latencies_ms if len(p)]
     if not parts:
         raise ValueError("no latencies given")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import threading
 import urllib.error
 from collections import Counter
@@ -220,8 +221,6 @@ class ServiceMonitoring:
         if self.exporter is not None:
             self.exporter.stop()
         if self.workdir is not None:
-            import shutil
-
             shutil.rmtree(self.workdir, ignore_errors=True)
             self.workdir = None
         release_at_exit(self)

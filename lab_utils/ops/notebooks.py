@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import copy
+import importlib
 import os
 import re
 import sys
+import textwrap
 import time
 import uuid
 from collections.abc import Iterable
@@ -68,8 +71,6 @@ def _placeholder(block: list[str], where: str) -> list[str]:
 
 
 def _dedent(code: str) -> str:
-    import textwrap
-
     return textwrap.dedent(code)
 
 
@@ -121,8 +122,6 @@ def hint_markdown(name: str, exercise: Any) -> str:
 
 def _exercise_module(nb: Any) -> Any:
     """The exercise module a notebook imports as ``ex``, or None (a notebook without exercises)."""
-    import importlib
-
     found = next((m for c in nb.cells if c.cell_type == "code" for m in EXERCISES_IMPORT.finditer(c.source)), None)
     if found is None:
         return None
@@ -173,8 +172,6 @@ def _answer_cells(cell: Any, where: str) -> list[Any]:
 def build_lab(solution: Any) -> Any:
     """The student notebook (an ``nbformat`` node) for a solution notebook: placeholders, no outputs, hints under
     each exercise's check and the understanding questions' answers folded after an attempt cell."""
-    import copy
-
     nb = copy.deepcopy(solution)
     module = _exercise_module(nb)
     cells = []

@@ -7,6 +7,7 @@ allocator statistics) from the profiler's ``[memory]`` events (``profile_memory=
 
 from __future__ import annotations
 
+import json
 import pickle
 from collections import Counter
 from collections.abc import Callable
@@ -48,8 +49,6 @@ def peak_bytes(fn: Callable[[], Any], device: str) -> int:
 
 def _peak_from_trace(prof: Any) -> int:
     """The largest running "Total Allocated" of the CPU allocator in the profile's ``[memory]`` events."""
-    import json
-
     with temporary_folder("memtrace") as d:
         path = d / "trace.json"
         prof.export_chrome_trace(str(path))
