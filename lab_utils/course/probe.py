@@ -210,8 +210,7 @@ _NVML_WHY = {
     "NO_PERMISSION": "no permission to open /dev/nvidia*: run as a user in the video group, or fix the "
     "container's device mounts",
     "LIB_RM_VERSION_MISMATCH": "the driver library and the loaded kernel module differ in version: reboot "
-    "after the driver update (or reload the nvidia modules)",
-}
+    "after the driver update (or reload the nvidia modules)"}
 
 
 def _nvml_error_text(err: Exception) -> str:
@@ -591,8 +590,7 @@ def _compatibility(gpus: list[GpuInfo], ceiling: str | None,
         ok = False
         reasons.append(
             f"torch's CUDA {runtime} is newer than the driver's ceiling {ceiling}: update the driver, install "
-            f"a torch built for CUDA <= {ceiling}, or use an NGC container (forward compatibility, data-centre GPUs)"
-        )
+            f"a torch built for CUDA <= {ceiling}, or use an NGC container (forward compatibility, data-centre GPUs)")
     arch = torch.get("arch_list") or []
     for g in gpus:
         if not g.compute_capability or not arch:
@@ -608,8 +606,7 @@ def _compatibility(gpus: list[GpuInfo], ceiling: str | None,
             ok = False
             reasons.append(
                 f"GPU{g.index} {g.name}: compute capability {g.compute_capability} is not supported by this torch "
-                f"(built for {', '.join(arch)}): install a torch build that includes {sm}"
-            )
+                f"(built for {', '.join(arch)}): install a torch build that includes {sm}")
     if ok and not torch["cuda_available"]:
         ok = False
         reasons.append("torch.cuda.is_available() is False although a GPU is present: check CUDA_VISIBLE_DEVICES")

@@ -94,8 +94,7 @@ _TABLE: list[tuple[re.Pattern[str], GpuPeaks | None]] = [
     (re.compile(_B + r"L40S" + _E, re.I), L40S),
     (re.compile(_B + r"L4" + _E, re.I), L4),
     (re.compile(_B + r"A10" + _E, re.I), A10),
-    (re.compile(_B + r"T4" + _E, re.I), T4),
-]
+    (re.compile(_B + r"T4" + _E, re.I), T4)]
 
 # The course's measured H200 numbers are not typed in here: they are read from the committed reference run
 # (reference_runs/h200/results_<lab>.json, written by the notebooks on one H200 SXM), so a table beside a

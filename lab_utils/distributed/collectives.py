@@ -50,8 +50,7 @@ SWEEP_COLUMNS = ["collective", "size_bytes", "size_label", "n_ranks", "backend",
 # Exception texts that mean "this backend cannot do this op or dtype", as opposed to a failure.
 _UNSUPPORTED = re.compile(
     r"not supported|unsupported|not implemented|does not support|invalid scalar type|not curren(t|tl)ly supported",
-    re.I,
-)
+    re.I)
 
 
 class CollectiveCheckError(RuntimeError):

@@ -29,20 +29,17 @@ _RE = {
     # P2P prints "Channel 00/0 : 0[0] -> 1[1] via P2P/CUMEM", SHM "Channel 00 : 0[0] -> 1[1] via SHM/direct/direct",
     # the network "Channel 00/0 : 2[0] -> 0[0] [receive] via NET/IB/3/GDRDMA".
     "transport": re.compile(
-        r"Channel (\d+)(?:/\d+)? : (\d+)\[(\w+)\] -> (\d+)\[(\w+)\]\s*(?:\[(send|receive)\]\s*)?via (\S+)"
-    ),
+        r"Channel (\d+)(?:/\d+)? : (\d+)\[(\w+)\] -> (\d+)\[(\w+)\]\s*(?:\[(send|receive)\]\s*)?via (\S+)"),
     "ring": re.compile(r"Channel (\d+)/(\d+) :((?:\s+\d+)+)\s*$"),
     "tree": re.compile(r"Trees\s+(\[\d+\].*)$"),
     "coll_channels": re.compile(
-        r"(\d+) coll channels, (\d+) collnet channels, (\d+) nvls channels, (\d+) p2p channels"
-    ),
+        r"(\d+) coll channels, (\d+) collnet channels, (\d+) nvls channels, (\d+) p2p channels"),
     "env": re.compile(r"(NCCL_\w+) set by environment to (.*?)\.?\s*$"),
     "net": re.compile(r"(?:Using network|Assigned NET plugin) (\w+)"),
     "net_ok": re.compile(r"Initialized NET plugin (\w+)|NET/(\w+) : Using \[\d"),
     "net_failed": re.compile(r"Failed to initialize NET plugin (\w+)|NET/(\w+) : No device found"),
     "choice": re.compile(
-        r"(\w+): (\d+) Bytes -> Algo (\w+) proto (\w+)(?:.*?channel\{Lo\.\.Hi\}=\{(\d+)\.\.(\d+)\})?", re.I
-    ),
+        r"(\w+): (\d+) Bytes -> Algo (\w+) proto (\w+)(?:.*?channel\{Lo\.\.Hi\}=\{(\d+)\.\.(\d+)\})?", re.I),
     "connected": re.compile(r"Connected all (rings|trees)"),
     "cuda_driver": re.compile(r"cudaDriverVersion (\d+)"),
     "nvls": re.compile(r"NVLS multicast support is (not )?available"),
@@ -51,8 +48,7 @@ _RE = {
     "init_time": re.compile(r"Init timings.*?total ([\d.]+)"),
     "table_algos": re.compile(r"NCCL INFO\s+Algorithm\s+\|(.*)$"),
     "table_protos": re.compile(r"NCCL INFO\s+Protocol\s+\|(.*)$"),
-    "table_row": re.compile(r"NCCL INFO\s+(Broadcast|Reduce|AllGather|ReduceScatter|AllReduce)\s+\|(.*)$"),
-}
+    "table_row": re.compile(r"NCCL INFO\s+(Broadcast|Reduce|AllGather|ReduceScatter|AllReduce)\s+\|(.*)$")}
 
 
 def _name(value: str, table: list[str]) -> str:
@@ -222,19 +218,16 @@ def _explain(p: dict[str, Any]) -> list[str]:
     if kinds.get("SHM"):
         says.append(
             f"{kinds['SHM']} channel connections go through host shared memory: the GPUs do not use peer access "
-            "(none between them, across CPU sockets, or NCCL_P2P_DISABLE=1), so data crosses PCIe twice."
-        )
+            "(none between them, across CPU sockets, or NCCL_P2P_DISABLE=1), so data crosses PCIe twice.")
     if kinds.get("NET"):
         says.append(
             f"{kinds['NET']} channel connections go through the network "
             f"({', '.join(sorted(v for v in vias if v.startswith('NET')))}): expected between nodes; inside one "
-            "node it means P2P and SHM were not usable."
-        )
+            "node it means P2P and SHM were not usable.")
     if p["n_channels"]:
         says.append(
             f"{p['n_channels']} channels: NCCL splits each collective over them, each run by its own CUDA block "
-            "on its own path; more channels use more links and SMs in parallel."
-        )
+            "on its own path; more channels use more links and SMs in parallel.")
     if p["rings"]:
         says.append(f"Ring order, e.g. {p['rings'][0]}: each rank sends to the next and receives from the one "
                     "before; all_reduce goes round twice (reduce-scatter, then all-gather).")

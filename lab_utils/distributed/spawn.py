@@ -192,8 +192,7 @@ def leave_process_group(ctx: WorkerContext, synchronize: bool = True) -> None:
                 "threads will run into interpreter shutdown and may abort the process at exit. Drop models and "
                 "tensors that hold it before leaving, and import modules that capture group.WORLD (such as "
                 "torch.distributed.nn) before init_process_group",
-                RuntimeWarning, stacklevel=2,
-            )
+                RuntimeWarning, stacklevel=2)
 
 
 # --- The launcher ---------------------------------------------------------------------------------
@@ -370,8 +369,7 @@ def launch(fn: Callable[..., Any], nprocs: int, *, backend: str = "auto", kwargs
         raise ValueError(
             f"launch(fn={getattr(fn, '__name__', fn)!r}): worker functions must be defined at the top level of "
             "an importable module (e.g. lab_utils.distributed.collectives), not in a notebook cell; "
-            "lab_utils.distributed.ranks.run sends a notebook's function to the ranks"
-        )
+            "lab_utils.distributed.ranks.run sends a notebook's function to the ranks")
     chosen = choose_backend(nprocs, backend)
     if timeout_s <= 0:
         raise ValueError(f"launch(timeout_s={timeout_s!r}): must be > 0 seconds")

@@ -49,8 +49,7 @@ def resolve_device(device: str | None = "auto", where: str = "device") -> str:
             why = ("this torch is a CPU-only build (torch.version.cuda is None)" if torch.version.cuda is None
                    else "no NVIDIA GPU is visible (check nvidia-smi and CUDA_VISIBLE_DEVICES)")
             raise ValueError(
-                f"{where}={device!r}: torch.cuda.is_available() is False: {why}. Pass device='cpu' or 'auto'."
-            )
+                f"{where}={device!r}: torch.cuda.is_available() is False: {why}. Pass device='cpu' or 'auto'.")
         index = torch.device(name).index
         if index is not None and index >= torch.cuda.device_count():
             raise ValueError(f"{where}={device!r}: only {torch.cuda.device_count()} CUDA device(s) are visible; "
@@ -613,8 +612,7 @@ def roofline_points(sweep: pd.DataFrame | None = None, copies: pd.DataFrame | No
                     "label": f"matmul {r.dtype} {r.n}", "kind": "matmul", "dtype": r.dtype,
                     "intensity_flop_per_byte": r.intensity_flop_per_byte, "tflops": r.tflops,
                     "tbps": math.nan, "device": r.device,  # bandwidth is not what limits a large matmul
-                }
-            )
+                })
     ew = elementwise_add(elementwise_numel, device=device, reps=reps)
     ew.pop("median_ms")
     rows.append(ew)
@@ -622,8 +620,7 @@ def roofline_points(sweep: pd.DataFrame | None = None, copies: pd.DataFrame | No
         missing = {"size_bytes", "gbps"} - set(copies.columns)
         if missing:
             raise ValueError(
-                f"roofline_points(copies=...): not a copy_bandwidth frame, missing columns {sorted(missing)}"
-            )
+                f"roofline_points(copies=...): not a copy_bandwidth frame, missing columns {sorted(missing)}")
         for r in copies.itertuples(index=False):
             rows.append({"label": f"copy {_bytes_label(r.size_bytes)}", "kind": "copy", "dtype": "",
                          "intensity_flop_per_byte": math.nan, "tflops": math.nan, "tbps": r.gbps / 1e3,

@@ -40,8 +40,7 @@ ORT_LEVELS = {
     "basic": "ORT_ENABLE_BASIC",  # constant folding, redundant node removal, Conv+BatchNorm/Mul/Add folding
     "extended": "ORT_ENABLE_EXTENDED",  # operator fusion: Conv+Relu -> FusedConv, Gemm+Relu, GELU, attention...
     "layout": "ORT_ENABLE_LAYOUT",  # layout transforms: NCHW -> NCHWc blocked convolutions
-    "all": "ORT_ENABLE_ALL",
-}
+    "all": "ORT_ENABLE_ALL"}
 
 ONNX_OPSET = 18  # the dynamo exporter's own default; TensorRT 10 and 11 parse it
 MAX_BATCH = 4096  # upper bound of the exported batch dimension (the engines' profiles choose their own)

@@ -86,8 +86,7 @@ REMOVED_API: tuple[Removed, ...] = (
                                             "get_binding_name", "get_binding_dtype", "binding_is_input",
                                             "set_binding_shape", "num_bindings")),
     *(Removed(p, _TRT10, "strongly typed networks make the question moot: the graph says which precision runs")
-      for p in ("platform_has_fast_fp16", "platform_has_fast_int8")),
-)
+      for p in ("platform_has_fast_fp16", "platform_has_fast_int8")))
 
 
 @dataclass(frozen=True)
@@ -165,8 +164,7 @@ BUILD_STEPS: tuple[Step, ...] = (
     Step("the tensor addresses set", ("set_tensor_address",),
          "`context.set_tensor_address(name, tensor.data_ptr())` for the input and the output"),
     Step("an execution on a stream", ("execute_async_v3",), "`context.execute_async_v3(stream.cuda_stream)`, then "
-         "wait for the stream (`stream.synchronize()`) before reading the output"),
-)
+         "wait for the stream (`stream.synchronize()`) before reading the output"))
 
 
 def _used_names(source: str) -> set[str]:

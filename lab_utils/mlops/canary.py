@@ -49,8 +49,7 @@ QUERIES = {
     # accuracy on labelled feedback over the window (0..1), and how many labelled answers it rests on
     "accuracy": (f"sum by ({{feedback_by}}) (increase({FEEDBACK_CORRECT}[{{window}}])) / "
                  f"sum by ({{feedback_by}}) (increase({FEEDBACK_TOTAL}[{{window}}]))"),
-    "feedback": f"sum by ({{feedback_by}}) (increase({FEEDBACK_TOTAL}[{{window}}]))",
-}
+    "feedback": f"sum by ({{feedback_by}}) (increase({FEEDBACK_TOTAL}[{{window}}]))"}
 
 
 def render_queries(window: str = "30s", model: str = SERVICE_MODEL, by: str = "job",

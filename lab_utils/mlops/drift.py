@@ -268,8 +268,7 @@ def drift_rules(*, psi_threshold: float = PSI_ALERT, ks_threshold: float = KS_AL
          "expr": f'max by (feature) ({KS_METRIC}{{feature="{CONFIDENCE}"}}) > {ks_threshold:g} and {enough}',
          "for": f"{for_s}s", "labels": {"severity": "warning"},
          "annotations": {"summary": "prediction confidence drifted: KS {{ $value | printf \"%.2f\" }}",
-                         "description": "the model is less sure of its answers than on held-out data"}},
-    ]}]}
+                         "description": "the model is less sure of its answers than on held-out data"}}]}]}
 
 
 def write_drift_rules(folder: str | Path, check: bool = True, **kwargs: Any) -> Path:
@@ -294,8 +293,7 @@ def write_drift_rules_test(folder: str | Path, rules: str | Path, for_s: int = 1
             {"series": f'{PSI_METRIC}{{feature="pixels"}}', "values": "0.02 0.03 0.6x30"},
             {"series": f'{PSI_METRIC}{{feature="ink_fraction"}}', "values": "0.01x32"},
             {"series": f'{KS_METRIC}{{feature="{CONFIDENCE}"}}', "values": "0.05 0.05 0.4x30"},
-            {"series": WINDOW_METRIC, "values": "300x32"},
-        ],
+            {"series": WINDOW_METRIC, "values": "300x32"}],
         "alert_rule_test": [
             {"eval_time": "15s", "alertname": "InputDrift", "exp_alerts": []},
             {"eval_time": f"{after}s", "alertname": "InputDrift", "exp_alerts": [{

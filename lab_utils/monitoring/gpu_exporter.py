@@ -48,8 +48,7 @@ _HELP = {
     "DCGM_FI_DEV_ENFORCED_POWER_LIMIT": "Enforced power limit (in W).",
     "DCGM_FI_DEV_GPU_TEMP": "GPU temperature (in C).",
     "DCGM_FI_DEV_SM_CLOCK": "SM clock frequency (in MHz).",
-    "DCGM_FI_DEV_MEM_CLOCK": "Memory clock frequency (in MHz).",
-}
+    "DCGM_FI_DEV_MEM_CLOCK": "Memory clock frequency (in MHz)."}
 
 _MIB = 2**20
 

@@ -100,8 +100,7 @@ PANELS: tuple[Panel, ...] = (
     Panel("host_memory", "Host memory used (GiB)", "nvlab_host_memory_used_bytes / 2^30", "GiB", "host",
           host_only=True, description="MemTotal - MemAvailable, as `free` counts used memory."),
     Panel("up", "Targets up (1) or down (0)", "up", "", "{{job}}",
-          description="1 when Prometheus' last scrape of the target succeeded, 0 when it failed."),
-)
+          description="1 when Prometheus' last scrape of the target succeeded, 0 when it failed."))
 
 
 def panels(gpu: bool, profiling: bool = False) -> list[Panel]:

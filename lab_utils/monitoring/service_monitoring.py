@@ -157,8 +157,7 @@ SERVICE_PANELS: tuple[Panel, ...] = (
     Panel("connections", "Open client connections at nginx", "nvlab_nginx_connections_active", "connections",
           "active", description="stub_status's active connections: clients connected now."),
     Panel("up", "Targets up (1) or down (0)", "up", "", "{{job}} {{instance}}",
-          description="1 when Prometheus' last scrape of the target (each Triton, the nginx exporter) succeeded."),
-)
+          description="1 when Prometheus' last scrape of the target (each Triton, the nginx exporter) succeeded."))
 
 
 def dashboard(window: str = "$__rate_interval") -> dict[str, Any]:

@@ -24,8 +24,7 @@ def queries(window: str = "5s") -> dict[str, str]:
         # a quantile cannot be averaged: the worst model's p95 is shown
         "p95_ms": 'max(nv_inference_request_summary_us{quantile="0.95"}) / 1000',
         "queue_ms": f"sum(rate(nv_inference_queue_duration_us[{window}])) "
-                    f"/ sum(rate(nv_inference_request_success[{window}])) / 1000",
-    }
+                    f"/ sum(rate(nv_inference_request_success[{window}])) / 1000"}
 
 
 class LiveView(Panel):
