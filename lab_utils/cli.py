@@ -11,14 +11,13 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
 from typing import Any, NoReturn
 
 from lab_utils.course.catalog import repo_root
-from lab_utils.procs import sweep_stale_tempdirs, who_listens
+from lab_utils.procs import sweep_stale_tempdirs, who_listens, writable_problem
 
 
 class _Parser(argparse.ArgumentParser):
@@ -69,20 +68,6 @@ def port_problem(host: str, port: int, fix: str) -> str | None:
                 failures.append(f"{addr[0]}: {err.strerror}")
     if failures and len(failures) == len(addrs):
         return f"cannot listen on {host} ({'; '.join(failures)}): give an address of this machine, e.g. 127.0.0.1"
-    return None
-
-
-def writable_problem(folder: Path, option: str) -> str | None:
-    """Why ``folder`` cannot be created and written (one line naming it), or None; it exists afterwards."""
-    try:
-        if folder.exists() and not folder.is_dir():
-            return f"{option} {folder}: that is a file, not a folder: pass a folder you can write"
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=folder):
-            pass
-    except OSError as err:
-        why = err.strerror or err
-        return f"{option} {folder}: cannot create or write this folder ({why}): pass a folder you can write"
     return None
 
 

@@ -241,6 +241,20 @@ def temporary_folder(what: str) -> Iterator[Path]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def writable_problem(folder: Path, option: str) -> str | None:
+    """Why ``folder`` cannot be created and written (one line naming it), or None; it exists afterwards."""
+    try:
+        if folder.exists() and not folder.is_dir():
+            return f"{option} {folder}: that is a file, not a folder: pass a folder you can write"
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as err:
+        why = err.strerror or err
+        return f"{option} {folder}: cannot create or write this folder ({why}): pass a folder you can write"
+    return None
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port nothing listens on right now (the OS picks it, so a busy port is never chosen)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

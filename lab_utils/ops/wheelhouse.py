@@ -13,13 +13,11 @@ Design notes: docs/internals.md#lab_utilsopswheelhousepy"""
 from __future__ import annotations
 
 import email.parser
-import errno
 import platform
 import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import zipfile
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -28,7 +26,7 @@ from typing import Any
 
 from lab_utils.course.catalog import repo_root
 from lab_utils.course.stack import manifest, pinned_release, pip_version
-from lab_utils.procs import temporary_folder
+from lab_utils.procs import temporary_folder, writable_problem
 
 ARCHES = ("x86_64", "aarch64")
 # The newest glibc a named platform assumes: Ubuntu 22.04 (2.35). nvidia-pytriton's wheels need it; NGC 25.xx and
@@ -319,15 +317,8 @@ def build(dest: Path | str, *, python: str | None = None, platforms: Sequence[st
     pkg_extras = [e for e in extras if e != "torch"]  # the torch extra is unpinned: the course's pin is used
 
     dest = Path(dest).resolve()
-    try:
-        if dest.exists() and not dest.is_dir():
-            raise NotADirectoryError(errno.ENOTDIR, "that is a file, not a folder")
-        dest.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=dest):
-            pass
-    except OSError as err:
-        raise WheelhouseError(f"wheelhouse folder {dest}: cannot create or write it ({err.strerror or err}): "
-                              "pass a folder you can write") from None
+    if why := writable_problem(dest, "wheelhouse folder"):
+        raise WheelhouseError(why)
     target = ["--only-binary=:all:", "--python-version", py, "--implementation", "cp"]
     for t in tags:
         target += ["--platform", t]
