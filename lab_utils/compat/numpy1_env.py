@@ -109,10 +109,9 @@ def stub_env(source: Source | None, *, build: bool = False) -> Path | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m lab_utils.compat.numpy1_env``: build the python backend's NumPy-1 environment."""
-    parser = argparse.ArgumentParser(
-        prog="python -m lab_utils.compat.numpy1_env",
-        description=f"Build {default_stub_env()} ({STUB_NUMPY} for the pytriton wheel's Triton python backend) once, "
-                    "and print its path as JSON.")
+    parser = argparse.ArgumentParser(prog="python -m lab_utils.compat.numpy1_env",
+                                     description=f"Build {default_stub_env()} ({STUB_NUMPY} for the pytriton wheel's "
+                                     "Triton python backend) once, and print its path as JSON.")
     parser.parse_args(argv)
     print(json.dumps({"stub_env": str(build_stub_env())}))
     return 0

@@ -463,8 +463,7 @@ def _tensorrt_component() -> Component:
         note = f"Python module {folder} ({wheel})" + (f"; {tool}" if tool else "; no trtexec")
         return Component("TensorRT", True, dists[0][1] if dists else None, folder, note)
     stubs = " (only tensorrt-stubs, type stubs, is installed)" if importlib.util.find_spec("tensorrt") else ""
-    how = ("./course installs it on a GPU machine (pip install tensorrt-cu13); in an NGC PyTorch image it is "
-           "included")
+    how = "./course installs it on a GPU machine (pip install tensorrt-cu13); in an NGC PyTorch image it is included"
     if trtexec:
         return Component("TensorRT", False, None, str(trtexec),
                          f"{tool} but no Python module{stubs}: the lab's engines need `import tensorrt`; {how}")
@@ -604,9 +603,8 @@ def _compatibility(gpus: list[GpuInfo], ceiling: str | None,
             reasons.append(f"GPU{g.index}: {sm} not built, runs through PTX JIT from {ptx[-1]} (slow first start)")
         else:
             ok = False
-            reasons.append(
-                f"GPU{g.index} {g.name}: compute capability {g.compute_capability} is not supported by this torch "
-                f"(built for {', '.join(arch)}): install a torch build that includes {sm}")
+            reasons.append(f"GPU{g.index} {g.name}: compute capability {g.compute_capability} is not supported by this "
+                           f"torch (built for {', '.join(arch)}): install a torch build that includes {sm}")
     if ok and not torch["cuda_available"]:
         ok = False
         reasons.append("torch.cuda.is_available() is False although a GPU is present: check CUDA_VISIBLE_DEVICES")

@@ -95,10 +95,8 @@ def _grad_scaler(ctx: WorkerContext, amp: str | None) -> torch.amp.GradScaler:
     try:
         return torch.amp.GradScaler(dev, enabled=amp == "fp16")
     except (AttributeError, TypeError, RuntimeError) as exc:
-        raise RuntimeError(
-            f"amp='fp16' needs torch.amp.GradScaler({dev!r}), which torch {torch.__version__} does not offer "
-            f"({exc}); use amp='bf16' (no scaler needed) or a GPU"
-        ) from exc
+        raise RuntimeError(f"amp='fp16' needs torch.amp.GradScaler({dev!r}), which torch {torch.__version__} does not "
+                           f"offer ({exc}); use amp='bf16' (no scaler needed) or a GPU") from exc
 
 
 def _ddp(ctx: WorkerContext, model: torch.nn.Module, **kw: Any) -> DistributedDataParallel:

@@ -220,14 +220,12 @@ def _explain(p: dict[str, Any]) -> list[str]:
             f"{kinds['SHM']} channel connections go through host shared memory: the GPUs do not use peer access "
             "(none between them, across CPU sockets, or NCCL_P2P_DISABLE=1), so data crosses PCIe twice.")
     if kinds.get("NET"):
-        says.append(
-            f"{kinds['NET']} channel connections go through the network "
-            f"({', '.join(sorted(v for v in vias if v.startswith('NET')))}): expected between nodes; inside one "
-            "node it means P2P and SHM were not usable.")
+        says.append(f"{kinds['NET']} channel connections go through the network "
+                    f"({', '.join(sorted(v for v in vias if v.startswith('NET')))}): expected between nodes; inside "
+                    "one node it means P2P and SHM were not usable.")
     if p["n_channels"]:
-        says.append(
-            f"{p['n_channels']} channels: NCCL splits each collective over them, each run by its own CUDA block "
-            "on its own path; more channels use more links and SMs in parallel.")
+        says.append(f"{p['n_channels']} channels: NCCL splits each collective over them, each run by its own CUDA "
+                    "block on its own path; more channels use more links and SMs in parallel.")
     if p["rings"]:
         says.append(f"Ring order, e.g. {p['rings'][0]}: each rank sends to the next and receives from the one "
                     "before; all_reduce goes round twice (reduce-scatter, then all-gather).")

@@ -187,12 +187,11 @@ def leave_process_group(ctx: WorkerContext, synchronize: bool = True) -> None:
         dist.destroy_process_group()
         gc.collect()  # DDP's autograd hooks form reference cycles that keep the group until a collection
         if world() is not None:
-            warnings.warn(
-                f"rank {ctx.rank}: the process group is still referenced after destroy_process_group(), so its "
-                "threads will run into interpreter shutdown and may abort the process at exit. Drop models and "
-                "tensors that hold it before leaving, and import modules that capture group.WORLD (such as "
-                "torch.distributed.nn) before init_process_group",
-                RuntimeWarning, stacklevel=2)
+            warnings.warn(f"rank {ctx.rank}: the process group is still referenced after destroy_process_group(), so "
+                          "its threads will run into interpreter shutdown and may abort the process at exit. Drop "
+                          "models and tensors that hold it before leaving, and import modules that capture "
+                          "group.WORLD (such as torch.distributed.nn) before init_process_group", RuntimeWarning,
+                          stacklevel=2)
 
 
 # --- The launcher ---------------------------------------------------------------------------------
@@ -366,10 +365,9 @@ def launch(fn: Callable[..., Any], nprocs: int, *, backend: str = "auto", kwargs
     if not callable(fn):
         raise TypeError(f"launch(fn=...): fn must be a function, got {type(fn).__name__}")
     if getattr(fn, "__module__", "__main__") == "__main__" or "<locals>" in getattr(fn, "__qualname__", ""):
-        raise ValueError(
-            f"launch(fn={getattr(fn, '__name__', fn)!r}): worker functions must be defined at the top level of "
-            "an importable module (e.g. lab_utils.distributed.collectives), not in a notebook cell; "
-            "lab_utils.distributed.ranks.run sends a notebook's function to the ranks")
+        raise ValueError(f"launch(fn={getattr(fn, '__name__', fn)!r}): worker functions must be defined at the top "
+                         "level of an importable module (e.g. lab_utils.distributed.collectives), not in a notebook "
+                         "cell; lab_utils.distributed.ranks.run sends a notebook's function to the ranks")
     chosen = choose_backend(nprocs, backend)
     if timeout_s <= 0:
         raise ValueError(f"launch(timeout_s={timeout_s!r}): must be > 0 seconds")

@@ -139,10 +139,9 @@ def export_onnx(model: nn.Module, path: str | os.PathLike[str], example: torch.T
         said = [re.sub(r"^<class '[\w.]+'>: ", "", ln.strip()) for ln in text.splitlines()
                 if "No ONNX function found" in ln or "not supported" in ln]
         said = said or [ln.strip() for ln in text.splitlines() if ln.strip()][:1] or [type(err).__name__]
-        raise OnnxExportError(
-            f"ONNX export of {type(original).__name__} failed: {where}. Replace it with supported operations, "
-            f"register a translation (torch.onnx's custom_translation_table) or, for TensorRT, a plugin. "
-            f"The exporter said: {said[0]}", op) from err
+        raise OnnxExportError(f"ONNX export of {type(original).__name__} failed: {where}. Replace it with supported "
+                              "operations, register a translation (torch.onnx's custom_translation_table) or, for "
+                              f"TensorRT, a plugin. The exporter said: {said[0]}", op) from err
     finally:
         original.train(was_training)
     if check:

@@ -330,8 +330,7 @@ def autotuning_line(summary: dict[str, Any] | None) -> str:
     """One sentence about a compile's autotuning (``quiet_autotuning``'s summary)."""
     if not summary or not summary.get("gemms"):
         return "no matrix multiplication was autotuned (a compile without max-autotune, or results from the cache)"
-    line = (f"max-autotune timed {summary['choices']} candidate kernels for {summary['gemms']} matrix "
-            f"multiplications")
+    line = f"max-autotune timed {summary['choices']} candidate kernels for {summary['gemms']} matrix multiplications"
     if summary.get("skipped"):
         line += (f" ({summary['skipped']} candidates skipped: Triton configurations needing more shared memory "
                  "than an SM has, normal and harmless)")

@@ -228,9 +228,8 @@ def decide(state: CanaryState, metrics: Mapping[str, VariantMetrics], guards: Gu
         if idle >= guards.max_idle_checks:
             return rollback("CanaryNoTraffic", f"{idle} checks without {guards.min_requests} challenger requests: "
                             "no evidence it works", checks)
-        return Decision("hold", replace(state, idle=idle, healthy=0),
-                        f"waiting for evidence: {chall.requests:.0f} challenger requests in the window, "
-                        f"{guards.min_requests} needed", None, checks)
+        return Decision("hold", replace(state, idle=idle, healthy=0), f"waiting for evidence: {chall.requests:.0f} "
+                        f"challenger requests in the window, {guards.min_requests} needed", None, checks)
     healthy = state.healthy + 1
     if healthy < guards.checks_per_step:
         return Decision("hold", replace(state, healthy=healthy, idle=0),

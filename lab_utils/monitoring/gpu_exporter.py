@@ -314,8 +314,7 @@ class MetricsServer(OwnedServer):
 
     # lifecycle: see OwnedServer; a thread, not a process ------------------------------------------------
     def _busy(self, name: str, port: int) -> Exception:
-        return OSError(f"port {port} on {self.host} is busy, {who_listens(port)}: pass another, or None for a free "
-                       "one")
+        return OSError(f"port {port} on {self.host} is busy, {who_listens(port)}: pass another, or None for a free one")
 
     def _free_port(self) -> int:
         return 0  # the OS picks one as the server binds: no other process can take it first

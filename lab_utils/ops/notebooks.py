@@ -115,8 +115,7 @@ def hint_markdown(name: str, exercise: Any) -> str:
             + (f"; the {'hint is' if len(hints) == 1 else f'{len(hints)} hints are'} also folded below, one at a "
                "time." if hints else "."))
     for k, hint in enumerate(hints, start=1):
-        text += (f"\n\n<details><summary>Hint {k} of {len(hints)}</summary>\n\n{markdown_text(hint)}\n\n"
-                 "</details>")
+        text += f"\n\n<details><summary>Hint {k} of {len(hints)}</summary>\n\n{markdown_text(hint)}\n\n</details>"
     return text
 
 
