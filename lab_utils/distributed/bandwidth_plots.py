@@ -49,8 +49,7 @@ def plot_busbw(df: pd.DataFrame, peak_gbps: float | None = None, reference: dict
         ax.set_xticks(sizes)  # one tick per measured size, labelled in KiB/MiB/GiB
         ax.minorticks_off()
     ax.xaxis.set_major_formatter(FuncFormatter(format_bytes))
-    ax.set_xlabel("message size S (nccl-tests definition)")
-    ax.set_ylabel("busbw, GB/s (slowest rank's median)")
+    ax.set(xlabel="message size S (nccl-tests definition)", ylabel="busbw, GB/s (slowest rank's median)")
     if title is None:
         where = ""
         if len(ok) and {"backend", "n_ranks"} <= set(ok.columns):

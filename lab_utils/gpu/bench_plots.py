@@ -33,8 +33,7 @@ def plot_matmul_sweep(df: pd.DataFrame, ax: Any = None, title: str | None = None
     if sizes:
         ax.set_xticks(sizes, [str(int(n)) for n in sizes])
         ax.minorticks_off()
-    ax.set_xlabel("matrix size n (n×n×n)")
-    ax.set_ylabel("achieved TFLOP/s (median)")
+    ax.set(xlabel="matrix size n (n×n×n)", ylabel="achieved TFLOP/s (median)")
     if title is None:
         where = ok["device_name"].iloc[0] if "device_name" in ok and len(ok) else ""
         title = f"Matmul throughput{' on ' + where if where else ''} (dashed: datasheet peak)"
@@ -83,11 +82,8 @@ def plot_roofline(points_df: pd.DataFrame, peak_tflops: float | None, bw_tbps: f
     for key, group in groups:
         label = " ".join(str(k) for k in key if k) if isinstance(key, tuple) else str(key)
         ax.scatter(group["intensity_flop_per_byte"], group["tflops"], label=label, zorder=3)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("arithmetic intensity (FLOP/byte)")
-    ax.set_ylabel("TFLOP/s")
-    ax.set_title(title or "Roofline")
+    ax.set(xscale="log", yscale="log", xlabel="arithmetic intensity (FLOP/byte)", ylabel="TFLOP/s",
+           title=title or "Roofline")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize="small")
     return fig
@@ -113,9 +109,7 @@ def plot_bandwidth(df: pd.DataFrame, ax: Any = None, title: str | None = None) -
 
     ax.set_xscale("log", base=2)
     ax.xaxis.set_major_formatter(FuncFormatter(format_bytes))
-    ax.set_xlabel("transfer size")
-    ax.set_ylabel("GB/s (median)")
-    ax.set_title(title or "Bandwidth")
+    ax.set(xlabel="transfer size", ylabel="GB/s (median)", title=title or "Bandwidth")
     ax.grid(True, which="both", alpha=0.3)
     if len(df):
         ax.legend(fontsize="small")

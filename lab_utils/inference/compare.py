@@ -226,9 +226,8 @@ def plot_comparison(df: pd.DataFrame, model: str | None = None, ax: Axes | None 
     if sizes:
         ax.set_xticks(sizes, [str(int(b)) for b in sizes])
         ax.minorticks_off()
-    ax.set_xlabel("batch size")
-    ax.set_ylabel("images/s (at the p50 latency)")
-    ax.set_title(title or f"{model}: throughput by backend and precision")
+    ax.set(xlabel="batch size", ylabel="images/s (at the p50 latency)",
+           title=title or f"{model}: throughput by backend and precision")
     ax.grid(True, which="both", alpha=0.3)
     if len(rows):
         ax.legend(fontsize="small")

@@ -312,9 +312,7 @@ def plot_calibration_sweep(df: pd.DataFrame, ax: Axes | None = None, title: str 
                           label=f"{method}: logit error")
         right.plot(group["calibration_images"], group["accuracy_delta_points"], marker="x", linestyle="--",
                    color=line.get_color(), label=f"{method}: accuracy change")
-    ax.set_xscale("log")
-    ax.set_xlabel("calibration images")
-    ax.set_ylabel("mean |logit error| / mean |FP32 logit|, %")
+    ax.set(xscale="log", xlabel="calibration images", ylabel="mean |logit error| / mean |FP32 logit|, %")
     right.set_ylabel("accuracy change vs FP32, points")
     right.axhline(0.0, color="gray", linewidth=0.8)
     ax.set_title(title or "INT8 calibration: how many images?")

@@ -486,9 +486,7 @@ def plot_drill(drill: DrillResult, up: pd.DataFrame | None = None) -> Figure:
     else:
         ax2.text(0.5, 0.5, "no Prometheus: up not recorded", ha="center", va="center", transform=ax2.transAxes,
                  color="gray")
-    ax2.set_ylim(-0.1, 1.2)
-    ax2.set_ylabel("up")
-    ax2.set_xlabel("seconds after the kill")
+    ax2.set(ylim=(-0.1, 1.2), ylabel="up", xlabel="seconds after the kill")
     for s in drill.steps:
         if s["step"] in ("load started", "load finished"):
             continue

@@ -200,9 +200,7 @@ def plot_timeline(trace: Mapping[str, Any] | pd.DataFrame, step: int | None = No
         bars = [((s - t0) / 1e3, max(d, 0.5) / 1e3) for s, d in zip(g["ts_us"], g["dur_us"], strict=True)]
         ax.broken_barh(bars, (y - 0.4, 0.8), facecolors=color, edgecolor="none", alpha=0.8)
     ax.set_yticks(range(len(lanes)), [lane[0] for lane in lanes])
-    ax.set_ylim(len(lanes) - 0.5, -0.5)
-    ax.set_xlim(0, (t1 - t0) / 1e3)
-    ax.set_xlabel("ms from the start of the step")
-    ax.set_title(title or f"{steps.loc[i, 'name']}: {(t1 - t0) / 1e3:.2f} ms")
+    ax.set(ylim=(len(lanes) - 0.5, -0.5), xlim=(0, (t1 - t0) / 1e3), xlabel="ms from the start of the step",
+           title=title or f"{steps.loc[i, 'name']}: {(t1 - t0) / 1e3:.2f} ms")
     ax.grid(axis="x", alpha=0.3)
     return ax
