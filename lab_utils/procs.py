@@ -395,20 +395,16 @@ def stop_group(proc: subprocess.Popen, grace_s: float = 10.0, kill_wait_s: float
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pgid, signal.SIGTERM)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            pass
     deadline = time.monotonic() + kill_wait_s
     while True:
         members = group_members(pgid)
         if proc.poll() is None or members:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pgid, signal.SIGKILL)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=0.05)
-        except subprocess.TimeoutExpired:
-            pass
         if proc.poll() is not None and not group_members(pgid):
             return proc.returncode
         if time.monotonic() > deadline:

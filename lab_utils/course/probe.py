@@ -745,10 +745,8 @@ def probe() -> EnvReport:
     if source == "nvml" and len(gpus) > 1 and shutil.which("nvidia-smi"):
         # nvidia-smi's own matrix is the reference reading (NVML cannot see through every switch setup).
         text = _run(["nvidia-smi", "topo", "-m"])
-        try:
+        with contextlib.suppress(ValueError):
             topo = parse_topology(text) if text else topo
-        except ValueError:
-            pass
     torch = _probe_torch(notes)
     missing = [m for m in REQUIRED if importlib.util.find_spec(m) is None]
     ok, reasons = _compatibility(gpus, ceiling, torch)

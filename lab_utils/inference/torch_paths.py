@@ -277,7 +277,7 @@ def quiet_autotuning(summary: dict[str, Any]) -> Iterator[dict[str, Any]]:
     select_log = logging.getLogger("torch._inductor.select_algorithm")
     select_log.addFilter(failures)
     restore = None
-    try:
+    with contextlib.suppress(Exception):
         from torch._inductor.select_algorithm import AlgorithmSelectorCache
 
         original = AlgorithmSelectorCache.__dict__.get("log_results")
@@ -285,17 +285,13 @@ def quiet_autotuning(summary: dict[str, Any]) -> Iterator[dict[str, Any]]:
             inner = original.__func__
 
             def log_results(*args: Any, **kwargs: Any) -> Any:
-                try:
+                with contextlib.suppress(Exception):  # the summary is a courtesy: never let it break a compile
                     named = dict(zip(("name", "input_nodes", "timings"), args, strict=False)) | kwargs
                     _note_autotuning(summary, named["name"], named["input_nodes"], named["timings"])
-                except Exception:  # the summary is a courtesy: never let it break a compile
-                    pass
                 return inner(*args, **kwargs)
 
             AlgorithmSelectorCache.log_results = staticmethod(log_results)  # type: ignore[method-assign]
             restore = (AlgorithmSelectorCache, original)
-    except Exception:
-        pass
     try:
         with stack, warnings.catch_warnings():
             # Inductor's own call of a deprecated storage API; nothing the student can act on.

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import contextlib
 import functools
 import importlib.metadata
 import inspect
@@ -203,12 +204,10 @@ def cache_root() -> Path:
         wanted = Path(os.environ["NVLAB_CACHE_DIR"])
     else:
         wanted = Path(os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")) / "nvlab"
-    try:
+    with contextlib.suppress(OSError):
         wanted.mkdir(parents=True, exist_ok=True)
         if os.access(wanted, os.W_OK):
             return wanted
-    except OSError:
-        pass
     if os.environ.get("NVLAB_CACHE_DIR"):  # asked for by name: say so rather than quietly use another folder
         raise EnvError(f"NVLAB_CACHE_DIR={os.environ['NVLAB_CACHE_DIR']!r}: expected a folder this user can create "
                        "and write (or unset it for ~/.cache/nvlab)")

@@ -190,10 +190,8 @@ def scrape_jobs(server: Any, exporter: Any = None) -> dict[str, list[str]]:
 def load_rules(path: str | Path = RULES_FILE) -> dict[str, Any]:
     """A rules file as data (YAML, or the JSON form the lab writes)."""
     text = Path(path).read_text()
-    try:
+    with contextlib.suppress(ValueError):
         return json.loads(text)
-    except ValueError:
-        pass
     try:
         import yaml
     except ImportError:
