@@ -426,9 +426,7 @@ def find_perf_analyzer() -> str | None:
 def find_jupyter_lab() -> str | None:
     """``jupyter-lab`` beside this interpreter (a venv used without activating it), else on PATH."""
     here = Path(sys.executable).parent / "jupyter-lab"  # not resolved: a venv's python is a symlink
-    if here.is_file() and os.access(here, os.X_OK):
-        return str(here)
-    return shutil.which("jupyter-lab")
+    return str(here) if here.is_file() and os.access(here, os.X_OK) else shutil.which("jupyter-lab")
 
 
 def pytriton_server() -> Path | None:
@@ -783,9 +781,7 @@ def live_or_capture(kind: str) -> tuple[str, str]:
     if cmd is None:
         raise ValueError(f"live_or_capture({kind!r}): use 'nvidia-smi' or 'topo'")
     text = _run(cmd) if shutil.which("nvidia-smi") else None
-    if text:
-        return text, "this machine"
-    return capture(kind), "H200 reference capture (no nvidia-smi here)"
+    return (text, "this machine") if text else (capture(kind), "H200 reference capture (no nvidia-smi here)")
 
 
 def stack_table(report: EnvReport) -> list[dict[str, str]]:

@@ -114,9 +114,7 @@ def h200_measured(lab: str = "01", run_dir: Path | str | None = None) -> dict[st
     ``launch_eager`` / ``launch_cuda_graph`` µs per kernel, ...). Empty when the run has no results for it."""
     folder = Path(run_dir) if run_dir is not None else repo_root() / "reference_runs" / REFERENCE_RUN
     path = folder / f"results_{lab}.json"
-    if not path.is_file():
-        return {}
-    return dict(_reference_values(str(path)))
+    return dict(_reference_values(str(path))) if path.is_file() else {}
 
 
 def h200_reference_tflops(run_dir: Path | str | None = None) -> dict[str, float]:

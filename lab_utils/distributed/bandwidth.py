@@ -84,9 +84,7 @@ def busbw_gbps(collective: str, size_bytes: float, time_ms: float, n: int) -> fl
 
 def _pcie_gbps(gen: int | None, width: int | None) -> float | None:
     per_x16 = {3: PCIE_GEN3_GBPS, 4: PCIE_GEN4_GBPS, 5: PCIE_GEN5_GBPS}.get(gen or 0)
-    if per_x16 is None:
-        return None
-    return per_x16 * (width or 16) / 16
+    return None if per_x16 is None else per_x16 * (width or 16) / 16
 
 
 def link_peak_gbps(report: EnvReport | None = None, n_gpus: int = 2) -> tuple[float | None, str]:

@@ -538,9 +538,7 @@ def _time_steps(ctx: WorkerContext, cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def _device_label(ctx: WorkerContext) -> str:
-    if _is_cuda(ctx):
-        return torch.cuda.get_device_name(ctx.device)
-    return f"cpu ({cpu_model()})"
+    return torch.cuda.get_device_name(ctx.device) if _is_cuda(ctx) else f"cpu ({cpu_model()})"
 
 
 def throughput(ctx: WorkerContext, steps: int | None = None, warmup_steps: int | None = None,

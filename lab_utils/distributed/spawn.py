@@ -114,9 +114,7 @@ class WorkerContext:
         if n == self.world_size and self.group is None:
             return self
         group = dist.new_group(list(range(n)))
-        if self.rank >= n:
-            return None
-        return dataclasses.replace(self, world_size=n, group=group)
+        return None if self.rank >= n else dataclasses.replace(self, world_size=n, group=group)
 
 
 def torch_gpu_count() -> int:

@@ -64,9 +64,7 @@ def _is_cuda(dev: str) -> bool:
 
 def device_name(dev: str) -> str:
     """The name torch reports for a CUDA device, or the CPU model."""
-    if _is_cuda(dev):
-        return torch.cuda.get_device_name(dev)
-    return cpu_model()
+    return torch.cuda.get_device_name(dev) if _is_cuda(dev) else cpu_model()
 
 
 def device_peaks(dev: str) -> GpuPeaks | None:

@@ -136,9 +136,7 @@ def batch_profile(input_name: str, sample_shape: Sequence[int], min_batch: int =
 def _trtexec_program() -> str:
     """How a command line names trtexec here: plain ``trtexec`` when the PATH finds it (or nothing does, for
     lines meant for another machine), its full path when it sits off the PATH."""
-    if shutil.which("trtexec"):
-        return "trtexec"
-    return find_trtexec() or "trtexec"
+    return "trtexec" if shutil.which("trtexec") else find_trtexec() or "trtexec"
 
 
 def trtexec_commands(onnx_path: str | os.PathLike[str], engine_path: str | os.PathLike[str], profile: Profile,

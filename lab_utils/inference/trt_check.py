@@ -101,9 +101,7 @@ class Finding:
 def _owner_name(node: ast.expr) -> str:
     if isinstance(node, ast.Attribute):
         return node.attr
-    if isinstance(node, ast.Name):
-        return node.id
-    return ""
+    return node.id if isinstance(node, ast.Name) else ""
 
 
 def removed_calls(source: str) -> list[Finding]:

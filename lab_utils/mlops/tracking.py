@@ -185,9 +185,7 @@ class TrackingServer(OwnedServer):
     def _reason(self, text: str) -> str:
         if re.search(r"address already in use", text, re.I):
             return f"port {self.port} is already in use {who_listens(int(self.port or 0))}"
-        if "No module named" in text:
-            return f"a module is missing: {MLFLOW_INSTALL}"
-        return "see the log below"
+        return f"a module is missing: {MLFLOW_INSTALL}" if "No module named" in text else "see the log below"
 
 
 def _client(tracking: Any) -> Any:

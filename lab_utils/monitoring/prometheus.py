@@ -339,9 +339,7 @@ class PromAPI:
         return answer.get("data")
 
     def _error(self, why: str, expr: str | None) -> PrometheusError:
-        if expr is not None:
-            return QueryError(f"query {expr!r} failed: {why}", why)
-        return PrometheusError(why)
+        return QueryError(f"query {expr!r} failed: {why}", why) if expr is not None else PrometheusError(why)
 
     # queries
     def query_raw(self, expr: str, at: float | None = None) -> dict[str, Any]:
