@@ -88,10 +88,6 @@ class WorkerContext:
     # contexts for the first n ranks, whose rank and world_size are then those in the subgroup.
     group: Any = field(default=None, repr=False)
 
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
     def status(self, text: str) -> None:
         """Tell the launcher what this rank is doing now (a timeout names it); a no-op outside ``launch``."""
         if self._events is not None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import collections
 import json
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -313,9 +313,3 @@ def write_drift_rules_test(folder: str | Path, rules: str | Path, for_s: int = 1
     path = Path(folder) / "drift_rules_test.yml"
     path.write_text(json.dumps(test, indent=2) + "\n")
     return path
-
-
-def statistics_frame(stats: Mapping[str, Mapping[str, float]]) -> pd.DataFrame:
-    """``DriftMonitor.statistics()`` as a table (feature, psi, ks)."""
-    return pd.DataFrame([{"feature": k, "psi": v["psi"], "ks": v["ks"]} for k, v in stats.items()],
-                        columns=["feature", "psi", "ks"])
