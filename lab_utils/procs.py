@@ -151,12 +151,8 @@ def stale_tempdirs(root: Path | None = None) -> list[Path]:
 
     Only names of the form ``nvlab-<what>-<pid>-<random>`` count."""
     root = root or Path(tempfile.gettempdir())
-    out = []
-    for path in root.glob(f"{TEMP_PREFIX}*"):
-        m = _OWNED_NAME.match(path.name)
-        if m and path.is_dir() and not path.is_symlink() and not pid_alive(int(m.group(1))):
-            out.append(path)
-    return sorted(out)
+    return sorted(path for path in root.glob(f"{TEMP_PREFIX}*") if (m := _OWNED_NAME.match(path.name))
+                  and path.is_dir() and not path.is_symlink() and not pid_alive(int(m.group(1))))
 
 
 def _started_at(pid: int) -> float | None:

@@ -88,12 +88,8 @@ def pinned_image(kind: str, m: dict[str, Any] | None = None) -> str:
 def ngc_images(m: dict[str, Any] | None = None) -> list[dict[str, str]]:
     """Every NGC image the manifest names, newest release first: image reference, release, kind, CUDA runtime."""
     m = m or manifest()
-    rows = []
-    for tag in sorted(m["ngc"], key=release, reverse=True):
-        rel = m["ngc"][tag]
-        for kind in rel["images"]:
-            rows.append({"image": image_ref(kind, tag), "release": tag, "kind": kind, "cuda": rel["cuda"]})
-    return rows
+    return [{"image": image_ref(kind, tag), "release": tag, "kind": kind, "cuda": m["ngc"][tag]["cuda"]}
+            for tag in sorted(m["ngc"], key=release, reverse=True) for kind in m["ngc"][tag]["images"]]
 
 
 # --- what an image has, as pip reports it ---------------------------------------------------------

@@ -187,12 +187,9 @@ def bench_worker(ctx: WorkerContext, collectives: Sequence[str], sizes_bytes: Se
     dtype the backend refuses gives a row with ``status='unsupported'`` and the backend's words. ``time_ms``
     is the largest median over the ranks; ``rank_time_ms`` this rank's. ``corrupt_rank`` overwrites one
     element of that rank's result before the check, to see the check fire."""
-    rows = []
-    for name in [dtype] if isinstance(dtype, str) else dtype:
-        for collective in collectives:
-            for size in sizes_bytes:
-                rows.append(_bench_one(ctx, collective, int(size), name, reps, warmup, corrupt_rank))
-    return rows
+    return [_bench_one(ctx, collective, int(size), name, reps, warmup, corrupt_rank)
+            for name in ([dtype] if isinstance(dtype, str) else dtype) for collective in collectives
+            for size in sizes_bytes]
 
 
 def _bench_one(ctx: WorkerContext, collective: str, size: int, dtype: str, reps: int, warmup: int,

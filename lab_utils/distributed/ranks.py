@@ -264,12 +264,7 @@ class Frame:
 
 def stack_frames(text: str) -> list[Frame]:
     """The frames of a stack ``faulthandler`` wrote, innermost first, every thread's in turn (main last)."""
-    out = []
-    for line in text.splitlines():
-        m = _FH_LINE.match(line)
-        if m:
-            out.append(Frame(m["file"], int(m["line"]), m["func"]))
-    return out
+    return [Frame(m["file"], int(m["line"]), m["func"]) for m in map(_FH_LINE.match, text.splitlines()) if m]
 
 
 def code_at(filename: str, lineno: int) -> str:

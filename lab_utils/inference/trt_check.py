@@ -308,11 +308,8 @@ def type_check_source(source: str, timeout_s: float = 180.0) -> TypeCheckReport:
                                  capture_output=True, text=True, timeout=timeout_s, cwd=tmp)
         except subprocess.TimeoutExpired:
             raise TypeCheckUnavailable(f"mypy did not finish within {timeout_s:g} s") from None
-    errors = []
-    for ln in out.stdout.splitlines():
-        m = re.match(r"^(?P<file>[^:]+):(?P<line>\d+): error: (?P<msg>.*)$", ln)
-        if m and Path(m["file"]).name == path.name:
-            errors.append(TypeError_(int(m["line"]), m["msg"].strip()))
+    found = (re.match(r"^(?P<file>[^:]+):(?P<line>\d+): error: (?P<msg>.*)$", ln) for ln in out.stdout.splitlines())
+    errors = [TypeError_(int(m["line"]), m["msg"].strip()) for m in found if m and Path(m["file"]).name == path.name]
     if out.returncode not in (0, 1) or (out.returncode == 1 and not errors):
         tail = (out.stderr or out.stdout).strip().splitlines()[-3:]
         raise TypeCheckUnavailable(f"mypy failed to run (exit {out.returncode}): {' '.join(tail)}")

@@ -436,13 +436,11 @@ def compare_runs(tracking: Any, experiment: str = EXPERIMENT, metric: str = METR
     if exp is None:
         raise TrackingError(f"no experiment {experiment!r} on {client.tracking_uri}: log a run first")
     runs = client.search_runs([exp.experiment_id], filter_string="attributes.status = 'FINISHED'", max_results=1000)
-    rows = []
-    for r in runs:
-        rows.append({"run_id": r.info.run_id, "run_name": r.info.run_name,
-                     **{k: _num(v) for k, v in r.data.params.items() if k not in ("optimizer",)}, **r.data.metrics,
-                     "data_sha256": r.data.tags.get("data_sha256", ""), "git_commit": r.data.tags.get("git_commit", ""),
-                     "start_time": pd.to_datetime(r.info.start_time, unit="ms", utc=True)})
-    df = pd.DataFrame(rows)
+    df = pd.DataFrame([{"run_id": r.info.run_id, "run_name": r.info.run_name,
+                        **{k: _num(v) for k, v in r.data.params.items() if k not in ("optimizer",)}, **r.data.metrics,
+                        "data_sha256": r.data.tags.get("data_sha256", ""),
+                        "git_commit": r.data.tags.get("git_commit", ""),
+                        "start_time": pd.to_datetime(r.info.start_time, unit="ms", utc=True)} for r in runs])
     if df.empty or metric not in df.columns:
         return df
     return df.sort_values(metric, ascending=False, kind="stable").reset_index(drop=True)

@@ -156,12 +156,8 @@ def dashboard_text() -> str:
 def dashboard_expressions(path: str | Path = DASHBOARD_FILE, window: str = "5s") -> list[tuple[str, str]]:
     """(title, expression) of every query in a dashboard file, Grafana's ``$__rate_interval`` set to ``window``."""
     model = json.loads(Path(path).read_text())
-    out = []
-    for p in model.get("panels", []):
-        for t in p.get("targets", []):
-            expr = re.sub(r"\$__rate_interval|\$__interval|\$\{__rate_interval\}", window, t["expr"])
-            out.append((p.get("title", "?"), expr))
-    return out
+    return [(p.get("title", "?"), re.sub(r"\$__rate_interval|\$__interval|\$\{__rate_interval\}", window, t["expr"]))
+            for p in model.get("panels", []) for t in p.get("targets", [])]
 
 
 # --- panels over time ----------------------------------------------------------------------------------------
