@@ -185,15 +185,11 @@ class Watchdog:
         self.server = server
         self.check_s, self.backoff_s, self.max_backoff_s = check_s, backoff_s, max_backoff_s
         self.max_restarts, self.stable_s, self.failures = max_restarts, stable_s, failures
-        self.probe_timeout_s = probe_timeout_s
-        self.liveness = liveness
+        self.probe_timeout_s, self.liveness = probe_timeout_s, liveness
         self._restart = restart or _default_restart
         self.on_restart = on_restart
         self.events: list[dict[str, Any]] = []
-        self.restarts = 0
-        self.gave_up = False
-        self._streak = 0
-        self._restarted_at = 0.0
+        self.restarts, self.gave_up, self._streak, self._restarted_at = 0, False, 0, 0.0
         self._paused = threading.Event()
         self._stop = threading.Event()
         self._halt = threading.Event()  # set by pause() and stop(): cuts a probe pause or a backoff short

@@ -113,8 +113,7 @@ class NvmlReader:
         self.nvml = nvml
         self.handles: list[Any] = []
         self.labels: list[dict[str, str]] = []
-        self.driver_version = ""
-        self._opened = False
+        self.driver_version, self._opened = "", False
 
     def open(self) -> None:
         nv = self.nvml

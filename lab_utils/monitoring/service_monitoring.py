@@ -38,8 +38,7 @@ class _Reader:
     """The access log read from where the last scrape stopped: counters that only grow, as Prometheus wants."""
 
     def __init__(self, lb: nginx_mod.NginxServer):
-        self.lb = lb
-        self.offset = 0
+        self.lb, self.offset = lb, 0
         self.requests: Counter[tuple[str, str]] = Counter()  # (listener, status)
         self.upstreams: Counter[str] = Counter()
         self.buckets: dict[str, list[int]] = {}  # listener -> count per bucket (not cumulative), +Inf last

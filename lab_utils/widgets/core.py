@@ -104,8 +104,7 @@ class ProgressBar:
 
     def __init__(self, total: int | None, desc: str, every_s: float):
         self.total, self.desc, self.every_s = total, desc, every_s
-        self.n = 0
-        self.closed = False
+        self.n, self.closed = 0, False
         self._t0 = self._last = time.perf_counter()
         self._tqdm: Any = None
         if interactive():
