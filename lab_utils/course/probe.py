@@ -614,6 +614,7 @@ def lab_tiers(report: EnvReport) -> list[LabTier]:
     gpu = report.gpu_usable
     n_gpu = report.torch["device_count"] if gpu and report.torch else 0
     seen_gpu = bool(report.gpus)
+    low = "partial" if seen_gpu else "cpu"  # the tier of a lab that cannot use the GPU here
     c = report.components
     trt, server, prom = c["tensorrt"].present, c["tritonserver"].present, c["prometheus"].present
     lab_dir = repo_root() / "solutions"
@@ -628,7 +629,7 @@ def lab_tiers(report: EnvReport) -> list[LabTier]:
         rows["01"] = ("full", "cuBLAS matmul sweep, HBM copy, PCIe, CUDA graphs", "")
     else:
         why = "GPU not usable by torch: " if seen_gpu else ""
-        rows["01"] = ("partial" if seen_gpu else "cpu", "CPU BLAS and DRAM bandwidth with the same harness",
+        rows["01"] = (low, "CPU BLAS and DRAM bandwidth with the same harness",
                       why + "the H200 reference run is shown beside")
     if n_gpu >= 2 and report.torch and report.torch.get("nccl"):
         rows["02"] = ("full", f"NCCL across {n_gpu} GPUs, DDP", "")
@@ -641,8 +642,7 @@ def lab_tiers(report: EnvReport) -> list[LabTier]:
     mo = c.get("modelopt", Component("ModelOpt", False, note="not probed"))
     no_mo = "" if mo.present else f"no ModelOpt, so its FP16, INT8 and FP8 models are skipped ({mo.note})"
     if not ort.present:
-        rows["03"] = ("partial" if seen_gpu else "cpu", "nothing yet: the lab runs its ONNX files in ONNX Runtime",
-                      ort.note)
+        rows["03"] = (low, "nothing yet: the lab runs its ONNX files in ONNX Runtime", ort.note)
     elif gpu and trt and mo.present:
         rows["03"] = ("full", "TensorRT engines from ModelOpt FP16/INT8/FP8 ONNX files", "")
     elif gpu and trt:
@@ -663,24 +663,21 @@ def lab_tiers(report: EnvReport) -> list[LabTier]:
     elif gpu and server:
         rows["04"] = ("full", "Triton server, KIND_GPU instances (torch on the GPU)", "")
     elif server:
-        rows["04"] = ("partial" if seen_gpu else "cpu", "Triton server, KIND_CPU instances (ONNX Runtime)",
-                      "CPU instances" + via)
+        rows["04"] = (low, "Triton server, KIND_CPU instances (ONNX Runtime)", "CPU instances" + via)
     else:
-        rows["04"] = ("partial" if seen_gpu else "cpu", "configuration checks only, no serving",
-                      "no Triton server: set TRITON_URL, use the NGC tritonserver image, or "
-                      "pip install --no-deps nvidia-pytriton")
+        rows["04"] = (low, "configuration checks only, no serving", "no Triton server: set TRITON_URL, use the NGC "
+                      "tritonserver image, or pip install --no-deps nvidia-pytriton")
     if gpu and server and prom:
         rows["05"] = ("full", "Prometheus scraping Triton and the GPUs (NVML, DCGM), alerts, failure drill", "")
     elif server and prom:
-        rows["05"] = ("partial" if seen_gpu else "cpu", "Triton, Prometheus, PromQL, alerts and the failure drill",
+        rows["05"] = (low, "Triton, Prometheus, PromQL, alerts and the failure drill",
                       "host CPU and memory stand in for GPU metrics")
     elif server:
-        rows["05"] = ("partial" if seen_gpu else "cpu",
-                      "Triton's /metrics, health checks and the watchdog; PromQL, alerts and their checks need "
+        rows["05"] = (low, "Triton's /metrics, health checks and the watchdog; PromQL, alerts and their checks need "
                       "Prometheus", ("" if gpu else "host CPU and memory stand in for GPU metrics; ")
                       + f"Prometheus is missing. {PROMETHEUS_INSTALL}")
     else:
-        rows["05"] = ("partial" if seen_gpu else "cpu", "nothing yet: the lab needs a Triton server",
+        rows["05"] = (low, "nothing yet: the lab needs a Triton server",
                       "no Triton server: pip install --no-deps nvidia-pytriton")
     ncu = shutil.which("ncu") is not None
     if gpu:
@@ -688,32 +685,31 @@ def lab_tiers(report: EnvReport) -> list[LabTier]:
                       "and async errors" + ("; ncu Speed of Light" if ncu else ""),
                       "" if ncu else "no ncu here: the H200 reference run's Speed-of-Light numbers are shown")
     else:
-        rows["06"] = ("partial" if seen_gpu else "cpu", "CPU traces; the data-loading fix; checkpointing and "
+        rows["06"] = (low, "CPU traces; the data-loading fix; checkpointing and "
                       "gradient accumulation measured", "the H200 reference run's traces and numbers stand in for "
                                                         "the GPU-only bottlenecks, ncu and the memory snapshot")
     nginx = shutil.which("nginx") is not None or os.path.exists("/usr/sbin/nginx")
     if server and nginx:
-        rows["07"] = ("full" if gpu and not wheel_only else "partial" if gpu or seen_gpu else "cpu",
+        rows["07"] = ("full" if gpu and not wheel_only else low,
                       "nginx in front of two Triton servers, the image ensemble, open-loop load against the SLO, "
                       "hot updates", via.removeprefix("; ") if wheel_only else "")
     elif server:
-        rows["07"] = ("partial" if seen_gpu else "cpu", "one Triton server driven directly, the ensemble, open-loop "
+        rows["07"] = (low, "one Triton server driven directly, the ensemble, open-loop "
                       "load", "nginx is missing (apt-get install nginx): no load balancer, API key or rate limit")
     else:
-        rows["07"] = ("partial" if seen_gpu else "cpu", "nothing yet: the lab needs a Triton server",
+        rows["07"] = (low, "nothing yet: the lab needs a Triton server",
                       "no Triton server: pip install --no-deps nvidia-pytriton")
     mlflow = importlib.util.find_spec("mlflow") is not None
     if server and nginx and mlflow:
-        rows["08"] = ("full" if gpu else "partial" if seen_gpu else "cpu", "MLflow tracking and registry, canary "
+        rows["08"] = ("full" if gpu else low, "MLflow tracking and registry, canary "
                       "and A/B behind nginx, drift alerts, one retraining loop", "")
     else:
         lacking = [n for n, ok in (("tritonserver", server), ("nginx", nginx), ("mlflow", mlflow)) if not ok]
-        rows["08"] = ("partial" if seen_gpu else "cpu", "the statistics (A/B test, drift) only",
-                      f"missing: {', '.join(lacking)}")
+        rows["08"] = (low, "the statistics (A/B test, drift) only", f"missing: {', '.join(lacking)}")
     if gpu:
         rows["09"] = ("full", "the quiz; prefill and decode of the random-weight decoder on the GPU", "")
     else:
-        rows["09"] = ("partial" if seen_gpu else "cpu", "the quiz; prefill and decode on the CPU",
+        rows["09"] = (low, "the quiz; prefill and decode on the CPU",
                       "the CPU stands in for the GPU; the H200's numbers come from its datasheet")
     return [LabTier(lab.number, lab.title, *rows[lab.number], notebook=(lab_dir / lab.filename).exists())
             for lab in LABS]
