@@ -108,24 +108,17 @@ def print_report(report: EnvReport, highlight: str | None = None, brief: bool = 
     console.print(head)
     if report.gpus:
         rows = gpu_rows(report)
-        table = Table(title="GPUs")
-        for col in rows[0]:
-            table.add_column(col)
+        table = Table(*rows[0], title="GPUs")
         for r in rows:
             table.add_row(*r.values())
         console.print(table)
     if report.topology and not brief:
-        topo = Table(title=f"Topology ({report.topology['source']})")
-        topo.add_column("")
-        for lab in report.topology["labels"]:
-            topo.add_column(lab)
+        topo = Table("", *report.topology["labels"], title=f"Topology ({report.topology['source']})")
         for lab, row in zip(report.topology["labels"], report.topology["matrix"], strict=False):
             topo.add_row(lab, *row)
         console.print(topo)
     if not brief:
-        comp = Table(title="Components")
-        for col in ("component", "present", "version", "where", "note"):
-            comp.add_column(col)
+        comp = Table("component", "present", "version", "where", "note", title="Components")
         for c in report.components.values():
             comp.add_row(c.name, "yes" if c.present else "no", _fmt(c.version), _fmt(c.where), c.note)
         console.print(comp)
@@ -138,9 +131,7 @@ def print_report(report: EnvReport, highlight: str | None = None, brief: bool = 
     if report.missing:
         console.print(f"[red]missing required packages: {', '.join(report.missing)}[/] "
                       "(pip install -e '.[lab]' from the course folder)")
-    tiers = Table(title="Lab tiers on this machine")
-    for col in ("lab", "title", "tier", "runs", "stands in"):
-        tiers.add_column(col)
+    tiers = Table("lab", "title", "tier", "runs", "stands in", title="Lab tiers on this machine")
     for lt in report.tiers:
         style = "bold" if lt.lab == highlight else ("dim" if not lt.notebook else "")
         title = lt.title if lt.notebook else f"{lt.title} (not in this release)"
