@@ -96,9 +96,6 @@ def _default(value: Any, dev: str, gpu: Any, cpu: Any) -> Any:
     return gpu if _is_cuda(dev) else cpu
 
 
-_check_int = check_int
-
-
 def _check_dtypes(dtypes: Any, where: str) -> list[str]:
     if isinstance(dtypes, str):
         dtypes = [dtypes]
@@ -232,9 +229,9 @@ def async_pitfall(n: int | None = None, device: str | None = "auto", dtype: str 
     on the CPU. Columns: method, median_ms, apparent_tflops, ratio_to_benchmark, async_launch, n, dtype, device."""
     where = "async_pitfall"
     dev = resolve_device(device, f"{where}(device)")
-    n = _check_int(_default(n, dev, 4096, 512), "n", where)
-    reps = _check_int(reps, "reps", where)
-    warmup = _check_int(warmup, "warmup", where, minimum=0)
+    n = check_int(_default(n, dev, 4096, 512), "n", where)
+    reps = check_int(reps, "reps", where)
+    warmup = check_int(warmup, "warmup", where, minimum=0)
     (dtype,) = _check_dtypes([dtype], where)
     reason = matmul_skip_reason(dtype, n, dev)
     if reason:
@@ -287,8 +284,8 @@ def first_call_cost(n: int | None = None, device: str | None = "auto", dtype: st
     on a GPU, 512 on the CPU. Columns: call, latency_ms, x_steady, n, dtype, device, runtime_initialized_before."""
     where = "first_call_cost"
     dev = resolve_device(device, f"{where}(device)")
-    n = _check_int(_default(n, dev, 4096, 512), "n", where)
-    reps = _check_int(reps, "reps", where)
+    n = check_int(_default(n, dev, 4096, 512), "n", where)
+    reps = check_int(reps, "reps", where)
     (dtype,) = _check_dtypes([dtype], where)
     # Whether the CUDA context existed before this call (read before anything below creates it). It is
     # created outside the timed region either way, so the first-call number is about the matmul alone.
@@ -333,8 +330,8 @@ def matmul_sweep(sizes: Sequence[int] | None = None, dtypes: Sequence[str] = DTY
         sizes = (1024, 2048, 4096, 8192) if _is_cuda(dev) else (128, 256, 512)
     sizes = _check_positive_ints(sizes, "sizes", where)
     dtypes = _check_dtypes(dtypes, where)
-    reps = _check_int(reps, "reps", where)
-    warmup = _check_int(warmup, "warmup", where, minimum=0)
+    reps = check_int(reps, "reps", where)
+    warmup = check_int(warmup, "warmup", where, minimum=0)
     name = device_name(dev)
     peaks = device_peaks(dev)
     rows = []
@@ -382,9 +379,9 @@ def bare_matmul_loop(n: int | None = None, dtype: str | None = None, iters: int 
     Defaults: bf16 8192 on a GPU (the reference run's case), fp32 512 on the CPU."""
     where = "bare_matmul_loop"
     dev = resolve_device(device, f"{where}(device)")
-    n = _check_int(_default(n, dev, 8192, 512), "n", where)
-    iters = _check_int(iters, "iters", where)
-    warmup = _check_int(warmup, "warmup", where, minimum=0)
+    n = check_int(_default(n, dev, 8192, 512), "n", where)
+    iters = check_int(iters, "iters", where)
+    warmup = check_int(warmup, "warmup", where, minimum=0)
     (dtype,) = _check_dtypes([_default(dtype, dev, "bf16", "fp32")], where)
     reason = matmul_skip_reason(dtype, n, dev)
     if reason:
@@ -436,8 +433,8 @@ def copy_bandwidth(sizes_bytes: Sequence[int] | None = None, device: str | None 
     if sizes_bytes is None:
         sizes_bytes = (MIB, 16 * MIB, 256 * MIB, 2 * GIB) if _is_cuda(dev) else (64 * MIB, 256 * MIB)
     sizes_bytes = _check_positive_ints(sizes_bytes, "sizes_bytes", where)
-    reps = _check_int(reps, "reps", where)
-    warmup = _check_int(warmup, "warmup", where, minimum=0)
+    reps = check_int(reps, "reps", where)
+    warmup = check_int(warmup, "warmup", where, minimum=0)
     peaks = device_peaks(dev)
     peak_gbps = peaks.hbm_tbps * 1e3 if peaks else math.nan
     name = device_name(dev)
@@ -469,9 +466,9 @@ def host_device_bandwidth(nbytes: int = GIB, reps: int = 10, device: str | None 
     through a pinned buffer by the driver. ``peak_gbps`` is the PCIe link, one direction. With no GPU the frame is empty
     and ``.attrs['reason']`` (and the ``reason`` column) say why. Columns: see ``HOST_DEVICE_COLUMNS``."""
     where = "host_device_bandwidth"
-    nbytes = _check_int(nbytes, "nbytes", where)
-    reps = _check_int(reps, "reps", where)
-    warmup = _check_int(warmup, "warmup", where, minimum=0)
+    nbytes = check_int(nbytes, "nbytes", where)
+    reps = check_int(reps, "reps", where)
+    warmup = check_int(warmup, "warmup", where, minimum=0)
     dev = resolve_device(device, f"{where}(device)")
     if not _is_cuda(dev):
         df = pd.DataFrame(columns=HOST_DEVICE_COLUMNS)
@@ -510,10 +507,10 @@ def launch_overhead(n_kernels: int = 1000, numel: int = 1024, device: str | None
     submits the whole chain at once. On the CPU only the eager row (per-op dispatch) is measured.
     Columns: mode, available, reason, n_kernels, numel, median_ms, us_per_kernel, speedup_vs_eager, device."""
     where = "launch_overhead"
-    n_kernels = _check_int(n_kernels, "n_kernels", where)
-    numel = _check_int(numel, "numel", where)
-    reps = _check_int(reps, "reps", where)
-    warmup = _check_int(warmup, "warmup", where, minimum=0)
+    n_kernels = check_int(n_kernels, "n_kernels", where)
+    numel = check_int(numel, "numel", where)
+    reps = check_int(reps, "reps", where)
+    warmup = check_int(warmup, "warmup", where, minimum=0)
     dev = resolve_device(device, f"{where}(device)")
     x = torch.randn(numel, device=dev)
 
@@ -578,7 +575,7 @@ def elementwise_add(numel: int | None = None, device: str | None = "auto", reps:
     dev = resolve_device(device, f"{where}(device)")
     if numel is None:
         numel = 64 * 2**20 if _is_cuda(dev) else 8 * 2**20
-    numel = _check_int(numel, "numel", where)
+    numel = check_int(numel, "numel", where)
     x = torch.randn(numel, device=dev)
     y = torch.randn(numel, device=dev)
     z = torch.empty_like(x)
