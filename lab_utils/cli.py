@@ -138,8 +138,7 @@ def cmd_lab(args: argparse.Namespace) -> int:
     if not folder.is_dir():
         print(f"nvlab lab: {folder} is not a folder; pass --dir to the labs folder", file=sys.stderr)
         return 2
-    jupyter_lab = find_jupyter_lab()
-    if not jupyter_lab:
+    if not (jupyter_lab := find_jupyter_lab()):
         print(f"nvlab lab: JupyterLab is not installed for {sys.executable}: pip install -e '.[lab]'", file=sys.stderr)
         return 2
     if not args.any_port and (why := port_problem(args.ip, args.port, "pass --port with a free port, or "
@@ -169,8 +168,7 @@ def cmd_lab(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda signum, _: child.send_signal(signum))
     deadline = time.monotonic() + 300
     while child.poll() is None:
-        info = _server_info(runtime, child.pid)
-        if info:  # the port Jupyter itself reports, not the one asked for
+        if info := _server_info(runtime, child.pid):  # the port Jupyter itself reports, not the one asked for
             print(f"JupyterLab on {_lab_url(info, args.ip, token)}", flush=True)
             break
         if time.monotonic() > deadline:
@@ -178,8 +176,7 @@ def cmd_lab(args: argparse.Namespace) -> int:
                   "300 s; see its log above", file=sys.stderr, flush=True)
             break
         time.sleep(0.2)
-    code = child.wait()
-    if code and code > 0:
+    if (code := child.wait()) and code > 0:
         print(f"nvlab lab: JupyterLab exited with code {code}; see its log above", file=sys.stderr)
     return 0 if code < 0 else code  # stopped by a signal: a normal end
 

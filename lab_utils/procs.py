@@ -69,8 +69,7 @@ def _env(name: str) -> str:
 
 def env_flag(name: str, default: bool = False) -> bool:
     """``$name`` as a yes/no switch: 1/true/yes or 0/false/no (any case); ``default`` when unset or empty."""
-    raw = _env(name)
-    if not raw:
+    if not (raw := _env(name)):
         return default
     if raw.lower() in TRUE_WORDS:
         return True
@@ -81,8 +80,7 @@ def env_flag(name: str, default: bool = False) -> bool:
 
 def env_int(name: str, default: int | None = None, minimum: int | None = None) -> int | None:
     """``$name`` as an integer (>= ``minimum`` when given); ``default`` when unset or empty."""
-    raw = _env(name)
-    if not raw:
+    if not (raw := _env(name)):
         return default
     try:
         value = int(raw)
@@ -116,8 +114,7 @@ def check_url(value: str, name: str, *, default_port: int | None = None,
         port = parts.port
     except ValueError:
         raise bad(f"the port {parts.netloc.rsplit(':', 1)[-1]!r} is not a number from 1 to 65535") from None
-    port = port or default_port
-    if not port:
+    if not (port := port or default_port):
         raise bad("no port")
     if parts.query or parts.fragment or (parts.path.strip("/") and not path_ok):
         raise bad(f"nothing may follow the port, got {text[text.index(parts.netloc) + len(parts.netloc):]!r}")

@@ -41,8 +41,7 @@ def repair_stub_line(line: str) -> str:
     default after defaulted ones. Rename the first, give the second ``= ...``. And a parameter typed ``Dims``
     also takes a tuple or list of ints, as the runtime does (``profile.set_shape(name, (1, 3, 8, 8), ...)``)."""
     line = re.sub(r"([(,]\s*)in(\s*:)", r"\1in_\2", line)
-    m = re.match(r"^(\s*def \w+\()(.*)(\)\s*->.*:\s*)$", line)
-    if not m:
+    if not (m := re.match(r"^(\s*def \w+\()(.*)(\)\s*->.*:\s*)$", line)):
         return line
     params, defaulted = _split_params(m.group(2)), False
     for i, p in enumerate(params):

@@ -301,8 +301,7 @@ def _probe_nvml(notes: list[str]) -> tuple[str | None, str | None, list[GpuInfo]
 
 
 def _probe_smi(notes: list[str]) -> tuple[str | None, str | None, list[GpuInfo], dict[str, Any] | None] | None:
-    smi = shutil.which("nvidia-smi")
-    if not smi:
+    if not (smi := shutil.which("nvidia-smi")):
         notes.append("nvidia-smi is not on the PATH: no NVIDIA driver tools on this machine")
         return None
     text = _run([smi, f"--query-gpu={_SMI_FIELDS}", "--format=csv,noheader,nounits"])
@@ -384,8 +383,7 @@ TRTEXEC_CANDIDATES: tuple[Path, ...] = (Path("/opt/tensorrt/bin/trtexec"), Path(
 def find_trtexec() -> str | None:
     """The ``trtexec`` executable: on the PATH, else the first of ``TRTEXEC_CANDIDATES`` that is an executable
     file; None when there is none (no TensorRT here, or a TensorRT installed as Python wheels only)."""
-    on_path = shutil.which("trtexec")
-    if on_path:
+    if on_path := shutil.which("trtexec"):
         return on_path
     return next((str(p) for p in TRTEXEC_CANDIDATES if p.is_file() and os.access(p, os.X_OK)), None)
 
@@ -515,8 +513,7 @@ def _modelopt_component() -> Component:
                                                         f"{MODELOPT_INSTALL}")
     version = getattr(modelopt, "__version__", None) or _dist_version("nvidia-modelopt")
     where = str(Path(modelopt.__file__).parent)
-    lacking = [pip for module, pip in MODELOPT_ONNX_NEEDS.items() if not _findable(module)]
-    if lacking:
+    if lacking := [pip for module, pip in MODELOPT_ONNX_NEEDS.items() if not _findable(module)]:
         return Component("ModelOpt", False, version, where,
                          f"its ONNX path needs {', '.join(lacking)}: pip install {' '.join(lacking)}")
     return Component("ModelOpt", True, version, where, "ONNX path: AutoCast, INT8/FP8 quantization")

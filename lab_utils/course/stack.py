@@ -41,8 +41,7 @@ _RELEASE = re.compile(r"\s*v?(?:\d+!)?(\d+(?:\.\d+)*)")
 
 def release(version: str) -> tuple[int, ...]:
     """The release numbers of a version: (2, 14, 0) for "2.14.0a0+5fa4b7e", (10, 13, 3, 9) for "10.13.3.9"."""
-    m = _RELEASE.match(version)
-    if not m:
+    if not (m := _RELEASE.match(version)):
         raise ValueError(f"{version!r} is not a version: expected release numbers first, e.g. 2.14.0 or 2.14.0a0+abc")
     return tuple(int(p) for p in m.group(1).split("."))
 
@@ -100,8 +99,7 @@ def recorded_version(name: str, tag: str | None = None, m: dict[str, Any] | None
     ``preinstalled`` entry ("2.14.0"), else the release's own field ("torch": "2.10"); KeyError naming the fix."""
     m = m or manifest()
     rel = ngc_release(tag or m["pinned"], m)
-    version = rel.get("preinstalled", {}).get(name) or rel.get(name)
-    if not version:
+    if not (version := rel.get("preinstalled", {}).get(name) or rel.get(name)):
         raise KeyError(f"{MANIFEST_NAME}: NGC {rel['tag']} records no {name} version: add it under the release's "
                        "'preinstalled'")
     return str(version)
@@ -160,8 +158,7 @@ def parse_env_file(text: str) -> dict[str, str]:
     """``KEY=VALUE`` lines of a compose ``.env`` file (comments and blank lines skipped)."""
     out = {}
     for line in text.splitlines():
-        line = line.strip()
-        if line and not line.startswith("#") and "=" in line:
+        if (line := line.strip()) and not line.startswith("#") and "=" in line:
             k, v = line.split("=", 1)
             out[k.strip()] = v.strip().strip("\"'")
     return out
@@ -211,8 +208,7 @@ def check(root: Path, m: dict[str, Any] | None = None) -> list[str]:
     tag = rel["tag"]
     src = MANIFEST_NAME
 
-    missing = [f for f in PINNED_FIELDS if not rel.get(f)]
-    if missing:
+    if missing := [f for f in PINNED_FIELDS if not rel.get(f)]:
         problems.append(f"{src}: pinned release {tag} does not state {', '.join(missing)}")
     for t, r in m["ngc"].items():
         if r.get("triton_server") and r.get("tritonclient") and r["triton_server"] != r["tritonclient"]:
@@ -224,8 +220,7 @@ def check(root: Path, m: dict[str, Any] | None = None) -> list[str]:
         for name, version in r.get("preinstalled", {}).items():
             if r.get(name) and not same_release(r[name], version):
                 problems.append(f"{src}: release {t} has {name} {r[name]} but lists {name} {version} as preinstalled")
-        unknown = sorted(set(r.get("pip_prerelease", [])) - set(r.get("preinstalled", {})))
-        if unknown:
+        if unknown := sorted(set(r.get("pip_prerelease", [])) - set(r.get("preinstalled", {}))):
             problems.append(f"{src}: release {t} lists {', '.join(unknown)} under pip_prerelease but not under "
                             "preinstalled")
 

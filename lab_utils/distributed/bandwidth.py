@@ -115,8 +115,7 @@ def link_peak_gbps(report: EnvReport | None = None, n_gpus: int = 2) -> tuple[fl
             pair = f"{cell} between {labels[a]} and {labels[b]}"
             gpu = by_index.get(int(labels[a][3:]))
             peaks = peaks_for(gpu.name) if gpu is not None and getattr(gpu, "name", None) else None
-            m = re.fullmatch(r"NV(\d+)", cell)
-            if m:
+            if m := re.fullmatch(r"NV(\d+)", cell):
                 links = int(m.group(1))
                 gbps = links * NVLINK_GBPS_PER_LINK
                 gen = re.search(r"NVLink (\d)", peaks.notes) if peaks else None

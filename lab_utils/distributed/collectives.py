@@ -283,8 +283,7 @@ def nccl_debug_worker(ctx: WorkerContext, size_bytes: int) -> dict[str, Any]:
 def _check_sizes(sizes: Any, where: str) -> list[int]:
     if isinstance(sizes, (int, np.integer)):
         sizes = [sizes]
-    sizes = list(sizes)
-    if not sizes:
+    if not (sizes := list(sizes)):
         raise ValueError(f"{where}(sizes_bytes=[]): give at least one size in bytes")
     for s in sizes:
         if isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 1:

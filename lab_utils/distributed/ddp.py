@@ -617,8 +617,7 @@ def _variant_label(v: dict[str, Any]) -> str:
 
 
 def _normalise_variant(v: dict[str, Any]) -> dict[str, Any]:
-    unknown = set(v) - set(DEFAULT_BUCKETS)
-    if unknown:
+    if unknown := set(v) - set(DEFAULT_BUCKETS):
         raise ValueError(f"overlap_experiment(variants=...): unknown key(s) {sorted(unknown)}; "
                          f"use {sorted(DEFAULT_BUCKETS)}")
     return {**DEFAULT_BUCKETS, **v}

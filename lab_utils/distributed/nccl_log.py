@@ -99,88 +99,68 @@ def _add_once(items: list[Any], item: Any) -> None:
 
 
 def _parse_line(line: str, out: dict[str, Any], state: dict[str, Any]) -> None:
-    m = _RE["transport"].search(line)
-    if m:
+    if m := _RE["transport"].search(line):
         via = m.group(7)
         out["transports"][via] += 1
         out["transport_kinds"][via.split("/")[0]] += 1
         state["link_channels"].add(int(m.group(1)))
         return
-    m = _RE["ring"].search(line)
-    if m:
+    if m := _RE["ring"].search(line):
         ch, total = int(m.group(1)), int(m.group(2))
         state["ring_channels"].add(ch)
         out["n_channels"] = max(out["n_channels"] or 0, total)
         _add_once(out["rings"], f"channel {ch:02d}: " + " -> ".join(m.group(3).split()))
         return
-    m = _RE["tree"].search(line)
-    if m:
+    if m := _RE["tree"].search(line):
         _add_once(out["trees"], m.group(1).strip())
         return
     if _parse_table(line, out, state):
         return
-    m = _RE["version"].search(line)
-    if m and out["version"] is None:
+    if (m := _RE["version"].search(line)) and out["version"] is None:
         out["version"] = m.group(1)
-    m = _RE["nnodes"].search(line)
-    if m:
+    if m := _RE["nnodes"].search(line):
         state["nranks"].append(int(m.group(1)))
         out["n_nodes"] = max(out["n_nodes"] or 0, int(m.group(2)))
     else:
-        m = _RE["init"].search(line)
-        if m:
+        if m := _RE["init"].search(line):
             state["nranks"].append(int(m.group(2)))
-    m = _RE["cuda_driver"].search(line)
-    if m:
+    if m := _RE["cuda_driver"].search(line):
         out["cuda_driver"] = int(m.group(1))
-    m = _RE["coll_channels"].search(line)
-    if m:
+    if m := _RE["coll_channels"].search(line):
         out["coll_channels"], out["p2p_channels"] = int(m.group(1)), int(m.group(4))
-    m = _RE["env"].search(line)
-    if m:
+    if m := _RE["env"].search(line):
         out["env"][m.group(1)] = m.group(2).strip()
-    m = _RE["net"].search(line)
-    if m:
+    if m := _RE["net"].search(line):
         out["network"] = m.group(1)
-    m = _RE["net_ok"].search(line)
-    if m:
+    if m := _RE["net_ok"].search(line):
         _add_once(out["net_plugins"], m.group(1) or m.group(2))
-    m = _RE["net_failed"].search(line)
-    if m:
+    if m := _RE["net_failed"].search(line):
         _add_once(out["net_unavailable"], m.group(1) or m.group(2))
-    m = _RE["choice"].search(line)
-    if m:
+    if m := _RE["choice"].search(line):
         out["choices"].append({"collective": m.group(1), "bytes": int(m.group(2)),
                                "algorithm": _name(m.group(3), _ALGOS), "protocol": _name(m.group(4), _PROTOS),
                                "channels": int(m.group(6)) - int(m.group(5)) + 1 if m.group(5) is not None else None})
-    m = _RE["connected"].search(line)
-    if m:
+    if m := _RE["connected"].search(line):
         _add_once(out["connected"], m.group(1))
-    m = _RE["nvls"].search(line)
-    if m:
+    if m := _RE["nvls"].search(line):
         out["nvls_available"] = m.group(1) is None
-    m = _RE["system_bw"].search(line)
-    if m:
+    if m := _RE["system_bw"].search(line):
         out["system_bw_gbps"] = float(m.group(1))
-    m = _RE["graph"].search(line)
-    if m:
+    if m := _RE["graph"].search(line):
         pattern = int(m.group(1))
         _add_once(out["graphs"],
                   {"pattern": _PATTERNS.get(pattern, f"pattern {pattern}"), "n_channels": int(m.group(2)),
                    "bw_gbps": float(m.group(3)), "type": m.group(5)})
-    m = _RE["init_time"].search(line)
-    if m:
+    if m := _RE["init_time"].search(line):
         out["init_time_s"] = max(out["init_time_s"] or 0.0, float(m.group(1)))
 
 
 def _parse_table(line: str, out: dict[str, Any], state: dict[str, Any]) -> bool:
     """NCCL's tuning table (TUNING): per collective, 'latency_us/ bw_gbps' for each algorithm and protocol."""
-    m = _RE["table_algos"].search(line)
-    if m:
+    if m := _RE["table_algos"].search(line):
         state["algos"] = [a.strip() for a in m.group(1).split("|") if a.strip()]
         return True
-    m = _RE["table_protos"].search(line)
-    if m:
+    if m := _RE["table_protos"].search(line):
         state["protos"] = [p.strip() for p in m.group(1).split("|") if p.strip()]
         return True
     m = _RE["table_row"].search(line)
@@ -240,14 +220,12 @@ def _explain(p: dict[str, Any]) -> list[str]:
         says.append(f"NCCL's model of the fastest GPU path: {p['system_bw_gbps']:g} GB/s"
                     + (" (NCCL rates a Hopper NVLink below the datasheet's 25 GB/s per link: 370.8 for 18 links, "
                        "against 450)." if nvl else "."))
-    best = [t for t in p["tuning"] if t["collective"] == "AllReduce"]
-    if best:
+    if best := [t for t in p["tuning"] if t["collective"] == "AllReduce"]:
         top = max(best, key=lambda t: t["bw_gbps"])
         says.append(f"NCCL's tuning model for AllReduce: best {top['algorithm']}/{top['protocol']} at "
                     f"{top['bw_gbps']:g} GB/s (algorithm bandwidth) with {top['latency_us']:g} µs latency; it "
                     "picks per call the pair with the least predicted time.")
-    algos = Counter(f"{c['algorithm']}/{c['protocol']}" for c in p["choices"])
-    if algos:
+    if algos := Counter(f"{c['algorithm']}/{c['protocol']}" for c in p["choices"]):
         says.append("Algorithm/protocol chosen per call: " + ", ".join(f"{k} ×{v}" for k, v in algos.items())
                     + " (LL/LL128 for small messages: low latency; SIMPLE for large: full bandwidth).")
     if p["network"]:

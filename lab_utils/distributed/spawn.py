@@ -411,8 +411,7 @@ def launch(fn: Callable[..., Any], nprocs: int, *, backend: str = "auto", kwargs
                     try:
                         kind, rank, payload = events.get(timeout=min(left, 0.5))
                     except queue_mod.Empty:
-                        dead = [p for p in procs if not p.is_alive() and p.exitcode not in (0, None)]
-                        if dead:
+                        if dead := [p for p in procs if not p.is_alive() and p.exitcode not in (0, None)]:
                             r = procs.index(dead[0])
                             raise WorkerError(r, f"process exited with code {dead[0].exitcode} while {status[r]!r} "
                                                  "(killed, out of memory, or a crash in native code)") from None

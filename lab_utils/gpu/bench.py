@@ -233,8 +233,7 @@ def async_pitfall(n: int | None = None, device: str | None = "auto", dtype: str 
     reps = check_int(reps, "reps", where)
     warmup = check_int(warmup, "warmup", where, minimum=0)
     (dtype,) = _check_dtypes([dtype], where)
-    reason = matmul_skip_reason(dtype, n, dev)
-    if reason:
+    if reason := matmul_skip_reason(dtype, n, dev):
         raise ValueError(f"{where}(dtype={dtype!r}): {reason}; use dtype='fp32'")
     case = make_matmul(n, dtype, dev)
     rows = []
@@ -290,8 +289,7 @@ def first_call_cost(n: int | None = None, device: str | None = "auto", dtype: st
     # Whether the CUDA context existed before this call (read before anything below creates it). It is
     # created outside the timed region either way, so the first-call number is about the matmul alone.
     initialized = bool(torch.cuda.is_initialized()) if _is_cuda(dev) else None
-    reason = matmul_skip_reason(dtype, n, dev)
-    if reason:
+    if reason := matmul_skip_reason(dtype, n, dev):
         raise ValueError(f"{where}(dtype={dtype!r}): {reason}; use dtype='fp32'")
     case = make_matmul(n, dtype, dev)
     with tf32_matmul(case.tf32):
@@ -346,8 +344,7 @@ def matmul_sweep(sizes: Sequence[int] | None = None, dtypes: Sequence[str] = DTY
                                "p10_ms": math.nan, "p90_ms": math.nan, "spread": math.nan, "tflops": math.nan,
                                "peak_tflops": math.nan if peak is None else float(peak), "pct_of_peak": math.nan,
                                "device": dev, "device_name": name}
-        reason = matmul_skip_reason(dtype, n, dev)
-        if reason:
+        if reason := matmul_skip_reason(dtype, n, dev):
             row.update(status="skipped", reason=reason)
             rows.append(row)
             continue
@@ -383,8 +380,7 @@ def bare_matmul_loop(n: int | None = None, dtype: str | None = None, iters: int 
     iters = check_int(iters, "iters", where)
     warmup = check_int(warmup, "warmup", where, minimum=0)
     (dtype,) = _check_dtypes([_default(dtype, dev, "bf16", "fp32")], where)
-    reason = matmul_skip_reason(dtype, n, dev)
-    if reason:
+    if reason := matmul_skip_reason(dtype, n, dev):
         raise ValueError(f"{where}(dtype={dtype!r}): {reason}")
     case = make_matmul(n, dtype, dev)
     fn = case.fn
@@ -597,8 +593,7 @@ def roofline_points(sweep: pd.DataFrame | None = None, copies: pd.DataFrame | No
     ``measured_bw_tbps`` (best copy) for ``bench_plots.plot_roofline``. Columns: see ``ROOFLINE_COLUMNS``."""
     rows: list[dict[str, Any]] = []
     if sweep is not None:
-        missing = {"dtype", "n", "tflops", "intensity_flop_per_byte"} - set(sweep.columns)
-        if missing:
+        if missing := {"dtype", "n", "tflops", "intensity_flop_per_byte"} - set(sweep.columns):
             raise ValueError(f"roofline_points(sweep=...): not a matmul_sweep frame, missing columns {sorted(missing)}")
         ok = sweep[sweep["status"] == "ok"] if "status" in sweep else sweep
         for r in ok.itertuples(index=False):
@@ -612,8 +607,7 @@ def roofline_points(sweep: pd.DataFrame | None = None, copies: pd.DataFrame | No
     ew.pop("median_ms")
     rows.append(ew)
     if copies is not None:
-        missing = {"size_bytes", "gbps"} - set(copies.columns)
-        if missing:
+        if missing := {"size_bytes", "gbps"} - set(copies.columns):
             raise ValueError(
                 f"roofline_points(copies=...): not a copy_bandwidth frame, missing columns {sorted(missing)}")
         for r in copies.itertuples(index=False):

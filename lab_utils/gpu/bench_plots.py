@@ -29,8 +29,7 @@ def plot_matmul_sweep(df: pd.DataFrame, ax: Any = None, title: str | None = None
         if len(peaks):
             ax.axhline(float(peaks.iloc[0]), color=line.get_color(), linestyle="--", linewidth=1)
     ax.set_xscale("log", base=2)
-    sizes = sorted(ok["n"].unique())
-    if sizes:
+    if sizes := sorted(ok["n"].unique()):
         ax.set_xticks(sizes, [str(int(n)) for n in sizes])
         ax.minorticks_off()
     ax.set(xlabel="matrix size n (n×n×n)", ylabel="achieved TFLOP/s (median)")

@@ -222,8 +222,7 @@ def plot_comparison(df: pd.DataFrame, model: str | None = None, ax: Axes | None 
         ax.plot(group["batch"], group["images_per_s"], marker="o", label=f"{backend} {precision}")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    sizes = sorted(rows["batch"].unique())
-    if sizes:
+    if sizes := sorted(rows["batch"].unique()):
         ax.set_xticks(sizes, [str(int(b)) for b in sizes])
         ax.minorticks_off()
     ax.set(xlabel="batch size", ylabel="images/s (at the p50 latency)",

@@ -75,8 +75,7 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 def failed_operator(message: str) -> str | None:
     """The operator an exporter error message blames (``aten._linalg_svd.default``), or None."""
     for pattern in _OP_PATTERNS:
-        m = pattern.search(message)
-        if m:
+        if m := pattern.search(message):
             return ".".join(g for g in m.groups() if g)
     return None
 

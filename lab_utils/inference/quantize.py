@@ -279,8 +279,7 @@ def calibration_sweep(onnx_path: str | os.PathLike[str], x_calibration: np.ndarr
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     x_calibration = check_calibration_data(x_calibration, onnx_path)
-    too_many = [n for n in sizes if n > len(x_calibration)]
-    if too_many:
+    if too_many := [n for n in sizes if n > len(x_calibration)]:
         raise ValueError(f"calibration_sweep(sizes=...): {too_many} exceed the {len(x_calibration)} calibration "
                          "images given")
     ref = ort_predict(ort_session(onnx_path, "all"), x_test)

@@ -216,8 +216,7 @@ def _attach_timing_cache(trt_mod: Any, config: trt.IBuilderConfig, cache_path: P
 
     ``set_timing_cache(cache, ignore_mismatch=False)`` returns False for a cache written by another GPU or
     TensorRT version; such a cache (or a damaged file) is replaced by a fresh one, which the build then fills."""
-    data = cache_path.read_bytes() if cache_path.exists() else b""
-    if data:
+    if data := (cache_path.read_bytes() if cache_path.exists() else b""):
         try:
             cache: trt.ITimingCache | None = config.create_timing_cache(data)
         except Exception:  # a damaged file: some versions raise, others return None

@@ -156,8 +156,7 @@ def _torch_runners(model: nn.Module, x: torch.Tensor | np.ndarray, *, steps: Seq
     device = next(model.parameters()).device
     x = torch.as_tensor(x).to(device)
     gpu = device.type == "cuda"
-    unknown = set(steps) - set(TORCH_STEPS)
-    if unknown:
+    if unknown := set(steps) - set(TORCH_STEPS):
         raise ValueError(f"torch_runners(steps=...): unknown steps {sorted(unknown)}")
     batch = int(x.shape[0])
 
@@ -307,8 +306,7 @@ def _note_autotuning(summary: dict[str, Any], name: str, input_nodes: Any, timin
     """Add one tuned operation (Inductor's ``log_results`` arguments) to ``quiet_autotuning``'s summary."""
     summary["gemms"] += 1
     summary["choices"] += len(timings)
-    finite = {c: t for c, t in timings.items() if t is not None and math.isfinite(t)}
-    if not finite:
+    if not (finite := {c: t for c, t in timings.items() if t is not None and math.isfinite(t)}):
         return
     sizes = [tuple(int(d) for d in n.get_size()) for n in input_nodes]
     a, b = sizes[-2], sizes[-1]  # mm(A, B), addmm(bias, A, B): the last two inputs are the operands
@@ -330,8 +328,7 @@ def autotuning_line(summary: dict[str, Any] | None) -> str:
     if summary.get("skipped"):
         line += (f" ({summary['skipped']} candidates skipped: Triton configurations needing more shared memory "
                  "than an SM has, normal and harmless)")
-    big = summary.get("biggest")
-    if big:
+    if big := summary.get("biggest"):
         cublas = f", cuBLAS {big['cublas_ms']:.4f} ms" if big.get("cublas_ms") is not None else ""
         line += f"; the biggest, {big['op']}, went to {big['kernel']} ({big['best_ms']:.4f} ms{cublas})"
     return line

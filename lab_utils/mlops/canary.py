@@ -188,8 +188,7 @@ def decide(state: CanaryState, metrics: Mapping[str, VariantMetrics], guards: Gu
         return Decision("rollback", replace(state, status="rolled_back", healthy=0), why, alert, checks)
 
     checks: dict[str, bool] = {}
-    enough = chall.requests >= guards.min_requests and not _nan(chall.error_rate)
-    if enough:
+    if enough := chall.requests >= guards.min_requests and not _nan(chall.error_rate):
         # errors: an absolute bound, and a bound relative to the champion (when it has traffic to compare with)
         bad_abs = chall.error_rate > guards.max_error_rate
         bad_rel = not _nan(champ.error_rate) and chall.error_rate > champ.error_rate + guards.max_error_rate_delta

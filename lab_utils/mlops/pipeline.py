@@ -88,8 +88,7 @@ def retrain(tracking: Any, x_new: np.ndarray, y_new: np.ndarray, x_val: np.ndarr
     def check() -> dict[str, Any]:
         x, y = tr._check_images(x_new, y_new, "retrain(x_new, y_new)")
         tr._check_images(x_val, y_val, "retrain(x_val, y_val)")
-        missing = sorted(set(range(10)) - set(np.unique(y).tolist()))
-        if missing:
+        if missing := sorted(set(range(10)) - set(np.unique(y).tolist())):
             raise ValueError(f"the new data has no example of class(es) {missing}: the model would never predict "
                              "them; collect labelled examples of every digit first")
         return {"images": len(y), "data_sha256": tr.dataset_sha256(x, y)[:12]}

@@ -143,8 +143,7 @@ class TrackingServer(OwnedServer):
 
     # lifecycle: see OwnedServer ---------------------------------------------------------------------------
     def _check(self) -> None:
-        why = mlflow_missing()
-        if why:
+        if why := mlflow_missing():
             raise MlflowMissing(f"the MLflow tracking server cannot start: {why}")
 
     def _prepare(self) -> dict[str, Any]:

@@ -403,8 +403,7 @@ def failure_drill(server: Any, metrics: PromAPI | None, watchdog: Watchdog,
         deadline = time.time() + timeout_s
         while watchdog.restarts == 0 and time.time() < deadline and not watchdog.gave_up:
             pause.wait(0.1)
-        restarted = next((e for e in watchdog.events if e["event"] == "restarted"), None)
-        if restarted:
+        if restarted := next((e for e in watchdog.events if e["event"] == "restarted"), None):
             res.step("watchdog restarted the server", restarted["time"], pid=restarted.get("pid"))
         if metrics is not None:
             metrics.wait_for(f"{up_expr} == 1", timeout_s=timeout_s, poll_s=0.25)

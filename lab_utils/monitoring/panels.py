@@ -215,8 +215,7 @@ def plot_panels(frames: Mapping[str, pd.DataFrame], panel_list: Sequence[Panel],
 def quantile_of_parts(latencies_ms: Sequence[Sequence[float]], q: float = 0.99) -> dict[str, float]:
     """The q-quantile of all latencies together against the mean of each part's q-quantile (why a dashboard
     must not average p99s across instances or time windows). Values in the latencies' unit (ms)."""
-    parts = [np.asarray(p, dtype=float) for p in latencies_ms if len(p)]
-    if not parts:
+    if not (parts := [np.asarray(p, dtype=float) for p in latencies_ms if len(p)]):
         raise ValueError("no latencies given")
     pooled = float(np.quantile(np.concatenate(parts), q))
     mean_of = float(np.mean([np.quantile(p, q) for p in parts]))

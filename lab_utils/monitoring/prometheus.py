@@ -76,8 +76,7 @@ def required() -> bool:
 def missing(*names: str) -> str | None:
     """Why the binaries ``names`` (default: prometheus and promtool) cannot be used here, with the install line;
     None when they can."""
-    lacking = [n for n in names or ("prometheus", "promtool") if find_prometheus(n) is None]
-    if not lacking:
+    if not (lacking := [n for n in names or ("prometheus", "promtool") if find_prometheus(n) is None]):
         return None
     where = (f"${BINARY_ENV}={os.environ[BINARY_ENV]}" if os.environ.get(BINARY_ENV) else "the PATH")
     if os.environ.get(BINARY_ENV, "").lower() not in ("", "none"):
@@ -217,8 +216,7 @@ def lab_rules(out_dir: str | Path, *, for_s: float | Mapping[str, float] = 2.0, 
     name. promtool checks the copy when installed (:class:`ConfigError` carries its message). Returns its path."""
     rules = load_rules(source)
     names = {r["alert"] for g in rules["groups"] for r in g["rules"] if "alert" in r}
-    unknown = (set(thresholds or {}) | set(for_s if isinstance(for_s, Mapping) else {})) - names
-    if unknown:
+    if unknown := (set(thresholds or {}) | set(for_s if isinstance(for_s, Mapping) else {})) - names:
         raise ValueError(f"thresholds for unknown alerts {sorted(unknown)}; the alerts are {sorted(names)}")
     for group in rules["groups"]:
         for rule in group["rules"]:
@@ -636,8 +634,7 @@ def recorded_server(samples: Iterable[Sample], **kwargs: Any) -> PrometheusServe
     """A started Prometheus that serves ``samples`` and scrapes nothing: a query evaluated on it at the samples'
     times gives Prometheus' own answer. Stop it (or use it as a context manager); its files go with it.
     :class:`PrometheusMissing` when prometheus or promtool is not installed."""
-    why = missing()
-    if why:
+    if why := missing():
         raise PrometheusMissing(why)
     return PrometheusServer({}, samples=samples, **kwargs).start()
 
@@ -670,8 +667,7 @@ def start_metrics(jobs: Mapping[str, Sequence[str]], *, rule_files: Sequence[str
         backend.notes.append(f"the compose stack's Prometheus scrapes its own targets (jobs {TRITON_JOB!r} and "
                              f"{EXPORTER_JOB!r}) and loads its own copy of the rules")
     else:
-        why = missing("prometheus")
-        if why:
+        if why := missing("prometheus"):
             raise PrometheusMissing(f"{REQUIRE_ENV}=1 but {why}" if required() else why)
         backend = PrometheusServer(jobs, rule_files=rule_files, scrape_interval_s=scrape_interval_s,
                                    evaluation_interval_s=evaluation_interval_s).start()

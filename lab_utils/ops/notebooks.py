@@ -44,8 +44,7 @@ class NotebookError(RuntimeError):
 
 
 def _placeholder(block: list[str], where: str) -> list[str]:
-    student = [ln.split(STUDENT, 1)[1].removeprefix(" ") for ln in block if ln.strip().startswith(STUDENT)]
-    if student:
+    if student := [ln.split(STUDENT, 1)[1].removeprefix(" ") for ln in block if ln.strip().startswith(STUDENT)]:
         indent = block[0][: len(block[0]) - len(block[0].lstrip())]
         return [indent + s if s else s for s in student]
     code = "\n".join(ln for ln in block)
@@ -211,8 +210,7 @@ def build_labs(check: bool = False, root: Path | None = None) -> list[str]:
     root = root or repo_root()
     src, dst = root / "solutions", root / "labs"
     changed = []
-    solutions = sorted(src.glob("[0-9][0-9]_*.ipynb"))
-    if not solutions:
+    if not (solutions := sorted(src.glob("[0-9][0-9]_*.ipynb"))):
         raise NotebookError(f"no solution notebooks in {src}")
     expected_names = {p.name for p in solutions}
     for p in solutions:
@@ -280,8 +278,7 @@ def select(names: Iterable[str], all_: bool, solutions: bool, root: Path | None 
     present = sorted(folder.glob("[0-9][0-9]_*.ipynb"))
     if all_:
         return present
-    names = list(names)
-    if not names:
+    if not (names := list(names)):
         raise ValueError("name the labs to run (e.g. `nvlab run 00 01`) or pass --all")
     paths = []
     for n in names:
@@ -380,8 +377,7 @@ def parameters_for(paths: list[Path], pairs: Iterable[tuple[str, str]]) -> dict[
     declared = {p: declared_parameters(p) for p in paths}
     params: dict[Path, dict[str, Any]] = {p: {} for p in paths}
     for name, text in pairs:
-        takers = [p for p in paths if name in declared[p]]
-        if not takers:
+        if not (takers := [p for p in paths if name in declared[p]]):
             valid = sorted({n for d in declared.values() for n in d})
             which = f"{paths[0].stem} has" if len(paths) == 1 else "the selected notebooks have"
             raise ValueError(f"-p {name}: {which} no parameter {name!r}; valid names: {', '.join(valid) or 'none'}")

@@ -64,8 +64,7 @@ def target_python(text: str | None) -> str:
     """``"3.12"`` from ``--python`` (default: this interpreter); WheelhouseError below the course's minimum."""
     if text is None:
         return f"{sys.version_info.major}.{sys.version_info.minor}"
-    m = re.fullmatch(r"(?:cp|py)?(\d)\.?(\d+)", text.strip())
-    if not m:
+    if not (m := re.fullmatch(r"(?:cp|py)?(\d)\.?(\d+)", text.strip())):
         raise WheelhouseError(f"--python {text!r}: give the target's Python as MAJOR.MINOR, e.g. --python 3.12")
     version = (int(m.group(1)), int(m.group(2)))
     if version < MIN_PYTHON:
@@ -304,8 +303,7 @@ def build(dest: Path | str, *, python: str | None = None, platforms: Sequence[st
     arch, tags = platform_tags(platforms)
     valid = _project_extras(root)
     extras = [e for e in dict.fromkeys(x.strip() for x in extras) if e]
-    unknown = [e for e in extras if e not in valid]
-    if unknown:
+    if unknown := [e for e in extras if e not in valid]:
         raise WheelhouseError(f"--extras {','.join(unknown)}: the course's extras are {', '.join(valid)}")
     left_out: dict[str, str] = dict(rel.get("preinstalled", {})) if exclude_preinstalled else {}
     # What pip will report in the image (2.14.0a0+<commit>, not 2.14.0): requirements are judged against it.
@@ -365,12 +363,10 @@ def build(dest: Path | str, *, python: str | None = None, platforms: Sequence[st
         env = target_environment(py, arch)
         added: list[str] = []
         for _ in range(3):
-            missing = missing_requirements(dest, roots, env, provided)
-            if not missing:
+            if not (missing := missing_requirements(dest, roots, env, provided)):
                 break
             # A requirement on what the image has cannot be downloaded: pip there keeps the image's version.
-            unmet = [r for r in missing if canonical(requirements.Requirement(r).name) in image_names]
-            if unmet:
+            if unmet := [r for r in missing if canonical(requirements.Requirement(r).name) in image_names]:
                 raise WheelhouseError(f"for Python {py} the wheels need {', '.join(unmet)}. {image_note}")
             log(f"for Python {py} the wheels also need: {', '.join(missing)} (pip judged markers for Python "
                 f"{target_python(None)}); downloading them ...")
@@ -380,8 +376,7 @@ def build(dest: Path | str, *, python: str | None = None, platforms: Sequence[st
                 stub.unlink()
             added += missing
         else:
-            missing = missing_requirements(dest, roots, env, provided)
-            if missing:
+            if missing := missing_requirements(dest, roots, env, provided):
                 raise WheelhouseError(f"the wheelhouse still lacks {', '.join(missing)} for Python {py}")
 
     course_version = wheel_metadata(next(dest.glob("nvlab-*.whl")))[1]

@@ -108,8 +108,7 @@ def union_us(intervals: Iterable[tuple[float, float]], window: tuple[float, floa
 def busy_fraction(trace: Mapping[str, Any] | pd.DataFrame, cats: Iterable[str] = ("kernel",)) -> float | None:
     """Fraction of the steps' wall time with at least one kernel running (None: the trace has no kernels)."""
     df = trace if isinstance(trace, pd.DataFrame) else events(trace)
-    iv = kernel_intervals(df, cats)
-    if not iv:
+    if not (iv := kernel_intervals(df, cats)):
         return None
     t0, t1 = step_window(df)
     return union_us(iv, (t0, t1)) / (t1 - t0)
