@@ -293,8 +293,7 @@ def die_with_parent() -> None:
 
     Call it in the child (``preexec_fn``, or first thing in a worker). The kernel delivers the signal when the parent
     *thread* that forked the child exits, which is why :func:`popen_owned` forks from one long-lived thread."""
-    prctl = _prctl()
-    if prctl is not None:
+    if (prctl := _prctl()) is not None:
         prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 

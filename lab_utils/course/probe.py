@@ -128,8 +128,7 @@ def parse_smi_header(text: str) -> dict[str, str | None]:
 def _num(text: str | None, kind: type = int) -> Any:
     if text is None:
         return None
-    t = text.strip().split(" ")[0]
-    if t in ("", "[N/A]", "N/A", "[Not Supported]", "Not", "[Unknown"):
+    if (t := text.strip().split(" ")[0]) in ("", "[N/A]", "N/A", "[Not Supported]", "Not", "[Unknown"):
         return None
     try:
         return kind(float(t)) if kind is int else kind(t)
@@ -169,8 +168,7 @@ def parse_smi_csv(text: str) -> list[GpuInfo]:
 def parse_topology(text: str) -> dict[str, Any]:
     """The device matrix of ``nvidia-smi topo -m``: labels (GPU0, NIC0, ...) and cells (X, NV18, PIX, SYS...)."""
     lines = [ln.rstrip() for ln in text.splitlines() if ln.strip()]
-    header_i = next((i for i, ln in enumerate(lines) if re.match(r"^\s+(GPU|NIC)\d", ln)), None)
-    if header_i is None:
+    if (header_i := next((i for i, ln in enumerate(lines) if re.match(r"^\s+(GPU|NIC)\d", ln)), None)) is None:
         raise ValueError("no topology matrix found: expected the output of `nvidia-smi topo -m`")
     labels = [t for t in lines[header_i].split() if re.fullmatch(r"(GPU|NIC)\d+", t)]
     matrix = []
@@ -260,8 +258,7 @@ def _probe_nvml(notes: list[str]) -> tuple[str | None, str | None, list[GpuInfo]
             pci = opt(pynvml.nvmlDeviceGetPciInfo, h)
             links = 0
             for link in range(pynvml.NVML_NVLINK_MAX_LINKS):
-                state = opt(pynvml.nvmlDeviceGetNvLinkState, h, link)
-                if state is None:
+                if (state := opt(pynvml.nvmlDeviceGetNvLinkState, h, link)) is None:
                     break
                 links += int(state == pynvml.NVML_FEATURE_ENABLED)
             gpus.append(GpuInfo(index=i, name=nvml_text(pynvml.nvmlDeviceGetName(h)),
@@ -304,14 +301,12 @@ def _probe_smi(notes: list[str]) -> tuple[str | None, str | None, list[GpuInfo],
     if not (smi := shutil.which("nvidia-smi")):
         notes.append("nvidia-smi is not on the PATH: no NVIDIA driver tools on this machine")
         return None
-    text = _run([smi, f"--query-gpu={_SMI_FIELDS}", "--format=csv,noheader,nounits"])
-    if text is None:
+    if (text := _run([smi, f"--query-gpu={_SMI_FIELDS}", "--format=csv,noheader,nounits"])) is None:
         notes.append("nvidia-smi is present but failed: the driver is not working (try `nvidia-smi` in a shell)")
         return None
     gpus = parse_smi_csv(text)
     header = parse_smi_header(_run([smi]) or "")
-    driver = header["driver_version"]
-    if driver is None:
+    if (driver := header["driver_version"]) is None:
         row = next(csv.reader(io.StringIO(text)), [])
         driver = row[-1].strip() if row else None
     topo = None
@@ -770,8 +765,7 @@ def capture(name: str) -> str:
 
 def live_or_capture(kind: str) -> tuple[str, str]:
     """(text, source): this machine's ``nvidia-smi`` (or ``nvidia-smi topo -m``) output, else the H200 capture."""
-    cmd = {"nvidia-smi": ["nvidia-smi"], "topo": ["nvidia-smi", "topo", "-m"]}.get(kind)
-    if cmd is None:
+    if (cmd := {"nvidia-smi": ["nvidia-smi"], "topo": ["nvidia-smi", "topo", "-m"]}.get(kind)) is None:
         raise ValueError(f"live_or_capture({kind!r}): use 'nvidia-smi' or 'topo'")
     text = _run(cmd) if shutil.which("nvidia-smi") else None
     return (text, "this machine") if text else (capture(kind), "H200 reference capture (no nvidia-smi here)")

@@ -128,8 +128,7 @@ def link_peak_gbps(report: EnvReport | None = None, n_gpus: int = 2) -> tuple[fl
                             f"{NVLINK_GBPS_PER_LINK:g} GB/s, assumed: NVLink 2-4; NVLink 5 doubles it)")
             elif cell in ("PIX", "PXB", "PHB", "NODE", "SYS"):
                 gen, width = getattr(gpu, "pcie_gen_max", None), getattr(gpu, "pcie_width_max", None)
-                gbps = _pcie_gbps(gen, width)
-                if gbps is not None:
+                if (gbps := _pcie_gbps(gen, width)) is not None:
                     desc = f"{pair}: PCIe gen{gen} x{width or 16}: {gbps:g} GB/s per direction"
                 elif peaks is not None:
                     gbps = peaks.pcie_gbps_per_dir

@@ -75,8 +75,7 @@ def buffer_numels(collective: str, size_bytes: int, n: int, itemsize: int) -> tu
     S is rounded down to a whole number of elements per rank, so every chunk has the same length.
     all_reduce and broadcast work in place (input = output)."""
     check_collective(collective, "buffer_numels")
-    per_rank = size_bytes // itemsize // n
-    if per_rank < 1:
+    if (per_rank := size_bytes // itemsize // n) < 1:
         raise ValueError(f"size_bytes={size_bytes}: too small for {n} ranks of {itemsize}-byte elements; "
                          f"use at least {n * itemsize} bytes")
     total = per_rank * n
@@ -220,8 +219,7 @@ def _bench_one(ctx: WorkerContext, collective: str, size: int, dtype: str, reps:
         if not _is_unsupported(exc):
             raise
         code, problem = 1, f"{ctx.backend} refused it: {str(exc).strip().splitlines()[0]}"
-    agreed = int(_max_over_ranks(code, dev))
-    if agreed == 2:
+    if (agreed := int(_max_over_ranks(code, dev))) == 2:
         reports: list[str | None] = [None] * n
         dist.all_gather_object(reports, problem if code == 2 else "")
         wrong = "; ".join(r for r in reports if r)
@@ -307,8 +305,7 @@ def collective_sweep(nprocs: int, sizes_bytes: Sequence[int] | None = None, coll
     chosen = choose_backend(nprocs, backend)
     gpu = chosen == "nccl"
     collectives = [collectives] if isinstance(collectives, str) else list(collectives)
-    bad = [c for c in collectives if c not in COLLECTIVES]
-    if bad or not collectives:
+    if (bad := [c for c in collectives if c not in COLLECTIVES]) or not collectives:
         raise ValueError(f"{where}(collectives={collectives!r}): unknown {bad}; valid names are {list(COLLECTIVES)}")
     if sizes_bytes is None:
         sizes_bytes = GPU_SIZES if gpu else CPU_SIZES

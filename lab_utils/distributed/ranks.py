@@ -114,8 +114,7 @@ def _global_names(code: types.CodeType) -> set[str]:
 def _def_time_names(source: str) -> set[str]:
     """Names a ``def`` evaluates when it runs: decorators, default values, annotations."""
     tree = ast.parse(source)
-    node = next((n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))), None)
-    if node is None:
+    if (node := next((n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))), None)) is None:
         return set()
     a = node.args
     parts: list[ast.AST | None] = [*node.decorator_list, *a.defaults, *a.kw_defaults, node.returns]
@@ -137,8 +136,7 @@ def _importable(value: Any) -> tuple[str, str] | None:
 def _check_function(fn: Any) -> types.FunctionType:
     if not isinstance(fn, types.FunctionType):
         raise ShipError(f"expected a function defined with `def`, got {type(fn).__name__}")
-    name = fn.__name__
-    if name == "<lambda>":
+    if (name := fn.__name__) == "<lambda>":
         raise ShipError("a lambda cannot be sent to the ranks: define the function with `def` at the top of a cell")
     if "<locals>" in fn.__qualname__ or fn.__closure__:
         raise ShipError(f"`{name}` is defined inside another function: define it at the top level of a cell, "

@@ -41,8 +41,7 @@ def resolve_device(device: str | None = "auto", where: str = "device") -> str:
     Asking for a GPU that is not there is an error, not a silent fall-back to the CPU."""
     if device is None or device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    name = str(device)
-    if name == "cpu":
+    if (name := str(device)) == "cpu":
         return name
     if name == "cuda" or name.startswith("cuda:"):
         if not torch.cuda.is_available():
@@ -100,8 +99,7 @@ def _check_dtypes(dtypes: Any, where: str) -> list[str]:
     if isinstance(dtypes, str):
         dtypes = [dtypes]
     dtypes = list(dtypes)
-    bad = [d for d in dtypes if d not in DTYPES]
-    if bad or not dtypes:
+    if (bad := [d for d in dtypes if d not in DTYPES]) or not dtypes:
         raise ValueError(f"{where}(dtypes={dtypes!r}): unknown dtype {bad}; valid dtypes are {list(DTYPES)}")
     return dtypes
 

@@ -85,8 +85,7 @@ def _z(confidence: float) -> float:
 def mcnemar_p(fixed: int, broken: int) -> float:
     """Exact two-sided McNemar p-value: the chance of a split at least this uneven between the images a change
     fixed and the images it broke, if the change made no difference (each flip a fair coin)."""
-    n = fixed + broken
-    if n == 0:
+    if (n := fixed + broken) == 0:
         return 1.0
     k = min(fixed, broken)
     tail = sum(math.comb(n, i) for i in range(k + 1)) / 2**n

@@ -235,8 +235,7 @@ def _attach_timing_cache(trt_mod: Any, config: trt.IBuilderConfig, cache_path: P
 
 def _save_timing_cache(config: trt.IBuilderConfig, cache_path: Path) -> str:
     """Write the config's timing cache to ``cache_path`` (atomically); a note when there is none to write."""
-    cache = config.get_timing_cache()
-    if cache is None:  # documented: None when the config holds no cache
+    if (cache := config.get_timing_cache()) is None:  # documented: None when the config holds no cache
         return f"the builder returned no timing cache, so {cache_path.name} was not written"
     cache_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = cache_path.with_name(cache_path.name + f".{os.getpid()}.tmp")

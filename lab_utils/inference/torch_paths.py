@@ -54,8 +54,7 @@ def fp32_mode(mode: str) -> Iterator[None]:
     if mode not in FP32_MODES:
         raise ValueError(f"fp32_mode({mode!r}): use one of {FP32_MODES}")
     cudnn_value = "tf32" if mode == "default" else "ieee"
-    switches = _tf32_switches()
-    if switches is not None:
+    if (switches := _tf32_switches()) is not None:
         conv, rnn, matmul = switches
         saved = (conv.fp32_precision, rnn.fp32_precision, matmul.fp32_precision)
         conv.fp32_precision = rnn.fp32_precision = cudnn_value

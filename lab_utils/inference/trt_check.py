@@ -221,8 +221,7 @@ def repaired_stubs(dst: Path | None = None) -> Path:
     """A copy of the installed tensorrt-stubs that mypy can read (a folder to put on ``MYPYPATH``), repaired by
     ``lab_utils.compat.tensorrt_stubs``. Without ``dst``: kept in the course cache, one folder per stubs version,
     written once."""
-    version = stubs_version()
-    if version is None:
+    if (version := stubs_version()) is None:
         raise TypeCheckUnavailable(f"tensorrt-stubs is not installed: {STUBS_INSTALL}")
     files = importlib.metadata.files(STUBS_DIST) or []
     stubs = [f for f in files if str(f).endswith(".pyi")]
@@ -289,8 +288,7 @@ def mypy_version() -> str | None:
 def type_check_source(source: str, timeout_s: float = 180.0) -> TypeCheckReport:
     """mypy (``check_untyped_defs``, not strict: a student's function has no annotations) over ``source``
     against the repaired tensorrt-stubs; errors in ``source`` only, with its line numbers."""
-    mypy = mypy_version()
-    if mypy is None:
+    if (mypy := mypy_version()) is None:
         raise TypeCheckUnavailable(f"mypy is not installed: {STUBS_INSTALL}")
     stubs = repaired_stubs()
     root = stubs.parent

@@ -338,8 +338,7 @@ class LabelledTraffic(_InThread):
                 self._i += 1
             self._one(x[i], y[i], *reqs[i])
             nxt += period
-            delay = nxt - time.monotonic()
-            if delay > 0:
+            if (delay := nxt - time.monotonic()) > 0:
                 self._stop.wait(delay)
             else:
                 nxt = time.monotonic()  # behind: do not burst to catch up

@@ -54,8 +54,7 @@ class PipelineRecord:
                              for s in self.steps], columns=["step", "ok", "duration_s", "detail"])
 
     def raise_for_failure(self) -> None:
-        bad = next((s for s in self.steps if not s.ok), None)
-        if bad is not None:
+        if (bad := next((s for s in self.steps if not s.ok), None)) is not None:
             raise PipelineError(f"step {bad.name!r} failed: {bad.error}")
 
 

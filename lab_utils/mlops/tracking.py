@@ -360,14 +360,12 @@ class RunRecord:
 
 
 def _experiment_id(client: Any, experiment: str) -> str:
-    exp = client.get_experiment_by_name(experiment)
-    if exp is not None:
+    if (exp := client.get_experiment_by_name(experiment)) is not None:
         return exp.experiment_id
     try:
         return client.create_experiment(experiment)
     except Exception:  # created meanwhile by another client: read it back
-        exp = client.get_experiment_by_name(experiment)
-        if exp is None:
+        if (exp := client.get_experiment_by_name(experiment)) is None:
             raise
         return exp.experiment_id
 
@@ -431,8 +429,7 @@ def compare_runs(tracking: Any, experiment: str = EXPERIMENT, metric: str = METR
     """The experiment's finished runs, best ``metric`` first: run_id, run_name, the params, the final metrics,
     data_sha256, git_commit, start time (UTC)."""
     client = _client(tracking)
-    exp = client.get_experiment_by_name(experiment)
-    if exp is None:
+    if (exp := client.get_experiment_by_name(experiment)) is None:
         raise TrackingError(f"no experiment {experiment!r} on {client.tracking_uri}: log a run first")
     runs = client.search_runs([exp.experiment_id], filter_string="attributes.status = 'FINISHED'", max_results=1000)
     df = pd.DataFrame([{"run_id": r.info.run_id, "run_name": r.info.run_name,

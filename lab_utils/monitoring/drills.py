@@ -320,8 +320,7 @@ def _default_restart(server: Any) -> Any:
 
 def kill(server: Any) -> int:
     """SIGKILL the server's main process, as a crash would (its children follow: PR_SET_PDEATHSIG). The pid."""
-    pid = server.pid
-    if pid is None:
+    if (pid := server.pid) is None:
         raise RuntimeError("the server has no process to kill (not started, or not owned here)")
     os.kill(pid, signal.SIGKILL)
     return pid

@@ -91,8 +91,7 @@ class HostReader:
 
     def read(self) -> dict[str, float]:
         values: dict[str, float] = {"nvlab_host_cpu_count": float(os.cpu_count() or 0)}
-        pct = self.cpu_percent()
-        if pct is not None:
+        if (pct := self.cpu_percent()) is not None:
             values["nvlab_host_cpu_utilization_percent"] = pct
         with contextlib.suppress(OSError, psutil.Error):
             mem = psutil.virtual_memory()
@@ -149,8 +148,7 @@ class NvmlReader:
         out = []
         for h in self.handles:
             v: dict[str, float] = {}
-            util = self._opt("nvmlDeviceGetUtilizationRates", h)
-            if util is not None:
+            if (util := self._opt("nvmlDeviceGetUtilizationRates", h)) is not None:
                 v["DCGM_FI_DEV_GPU_UTIL"] = float(util.gpu)
                 v["DCGM_FI_DEV_MEM_COPY_UTIL"] = float(util.memory)
             version = getattr(nv, "nvmlMemory_v2", None)
@@ -163,20 +161,15 @@ class NvmlReader:
                 v["DCGM_FI_DEV_FB_USED"] = mem.used / _MIB
                 v["DCGM_FI_DEV_FB_FREE"] = mem.free / _MIB
                 v["DCGM_FI_DEV_FB_TOTAL"] = mem.total / _MIB
-            power = self._opt("nvmlDeviceGetPowerUsage", h)
-            if power is not None:
+            if (power := self._opt("nvmlDeviceGetPowerUsage", h)) is not None:
                 v["DCGM_FI_DEV_POWER_USAGE"] = power / 1000.0  # mW -> W
-            limit = self._opt("nvmlDeviceGetEnforcedPowerLimit", h)
-            if limit is not None:
+            if (limit := self._opt("nvmlDeviceGetEnforcedPowerLimit", h)) is not None:
                 v["DCGM_FI_DEV_ENFORCED_POWER_LIMIT"] = limit / 1000.0
-            temp = self._opt("nvmlDeviceGetTemperature", h, getattr(nv, "NVML_TEMPERATURE_GPU", 0))
-            if temp is not None:
+            if (temp := self._opt("nvmlDeviceGetTemperature", h, getattr(nv, "NVML_TEMPERATURE_GPU", 0))) is not None:
                 v["DCGM_FI_DEV_GPU_TEMP"] = float(temp)
-            sm = self._opt("nvmlDeviceGetClockInfo", h, getattr(nv, "NVML_CLOCK_SM", 1))
-            if sm is not None:
+            if (sm := self._opt("nvmlDeviceGetClockInfo", h, getattr(nv, "NVML_CLOCK_SM", 1))) is not None:
                 v["DCGM_FI_DEV_SM_CLOCK"] = float(sm)
-            memclk = self._opt("nvmlDeviceGetClockInfo", h, getattr(nv, "NVML_CLOCK_MEM", 2))
-            if memclk is not None:
+            if (memclk := self._opt("nvmlDeviceGetClockInfo", h, getattr(nv, "NVML_CLOCK_MEM", 2))) is not None:
                 v["DCGM_FI_DEV_MEM_CLOCK"] = float(memclk)
             out.append(v)
         return out

@@ -112,8 +112,7 @@ def panels(gpu: bool, profiling: bool = False) -> list[Panel]:
 
 def panel(key: str, among: Sequence[Panel] = PANELS) -> Panel:
     """The panel named ``key`` ("qps", "p99", ...) of ``among``."""
-    found = next((p for p in among if p.key == key), None)
-    if found is None:
+    if (found := next((p for p in among if p.key == key), None)) is None:
         raise KeyError(f"no panel {key!r}; the panels are {[p.key for p in among]}")
     return found
 

@@ -101,8 +101,7 @@ def skipped(what: str) -> None:
 
 def promtool(*args: str, what: str, timeout_s: float = 60) -> str:
     """Run ``promtool args``; its output on success, :class:`ConfigError` with promtool's message if not."""
-    tool = find_prometheus("promtool")
-    if tool is None:
+    if (tool := find_prometheus("promtool")) is None:
         raise PrometheusMissing(f"{what}: not checked: promtool is not installed here. {PROMETHEUS_INSTALL}")
     try:
         out = subprocess.run([tool, *args], capture_output=True, text=True, timeout=timeout_s, check=False)
@@ -220,8 +219,7 @@ def lab_rules(out_dir: str | Path, *, for_s: float | Mapping[str, float] = 2.0, 
         raise ValueError(f"thresholds for unknown alerts {sorted(unknown)}; the alerts are {sorted(names)}")
     for group in rules["groups"]:
         for rule in group["rules"]:
-            name = rule.get("alert")
-            if name is None:
+            if (name := rule.get("alert")) is None:
                 continue
             f = for_s.get(name, default_for_s) if isinstance(for_s, Mapping) else for_s
             if isinstance(f, (int, float)):

@@ -168,8 +168,7 @@ def missing_requirements(folder: Path, roots: Iterable[tuple[str, Iterable[str]]
     seen: set[tuple[str, frozenset[str]]] = set()
     queue = [(canonical(n), frozenset(e)) for n, e in roots]
     while queue:
-        key = queue.pop()
-        if key in seen:
+        if (key := queue.pop()) in seen:
             continue
         seen.add(key)
         name, extras = key

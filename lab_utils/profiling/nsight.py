@@ -132,15 +132,13 @@ def _number(text: str) -> float | None:
 
 def parse_ncu_csv(text: str) -> list[dict[str, Any]]:
     """Rows of ``ncu --csv --page details``, one dict per kernel: name, and each metric as ``metric [unit]``."""
-    start = text.find('"ID"')
-    if start < 0:
+    if (start := text.find('"ID"')) < 0:
         return []
     kernels: dict[str, dict[str, Any]] = {}
     for r in csv.DictReader(io.StringIO(text[start:])):
         k = kernels.setdefault(r["ID"], {"id": int(r["ID"]), "kernel": r.get("Kernel Name", "")[:80]})
         unit = r.get("Metric Unit", "")
-        value = _number(r.get("Metric Value", ""))
-        if value is not None:
+        if (value := _number(r.get("Metric Value", ""))) is not None:
             k[f"{r['Metric Name']} [{unit}]" if unit else r["Metric Name"]] = value
     return list(kernels.values())
 

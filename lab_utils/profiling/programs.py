@@ -165,8 +165,7 @@ def close_iterator(it: Any) -> Callable[[], None]:
     """A function that stops a DataLoader iterator's worker processes (persistent workers outlive the loop)."""
 
     def close() -> None:
-        shutdown = getattr(it, "_shutdown_workers", None)
-        if shutdown is not None:
+        if (shutdown := getattr(it, "_shutdown_workers", None)) is not None:
             shutdown()  # persistent workers otherwise live until the iterator is garbage-collected
 
     return close

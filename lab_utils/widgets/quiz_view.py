@@ -64,8 +64,7 @@ class QuizPanel(Panel):
 
     def answer_value(self) -> Any:
         """The control's value as ``QuizRunner.answer`` takes it (None when left blank)."""
-        q = self.question
-        if q is None:
+        if (q := self.question) is None:
             return None
         if q.form == "multi":
             picked = [k for k, box in self._inputs.items() if box.value]
