@@ -71,10 +71,6 @@ def device_peaks(dev: str) -> GpuPeaks | None:
     return peaks_for(device_name(dev)) if _is_cuda(dev) else None
 
 
-def _capability(dev: str) -> tuple[int, int] | None:
-    return tuple(torch.cuda.get_device_capability(dev)) if _is_cuda(dev) else None
-
-
 def _check_positive_ints(values: Any, arg: str, where: str) -> list[int]:
     if isinstance(values, int):
         values = [values]
@@ -107,15 +103,11 @@ def _check_dtypes(dtypes: Any, where: str) -> list[str]:
 # --- TF32 -----------------------------------------------------------------------------------------
 
 
-def _new_precision_api() -> bool:
-    """torch >= 2.9 sets TF32 per backend: ``torch.backends.cuda.matmul.fp32_precision`` ("tf32" / "ieee")."""
-    return hasattr(torch.backends.cuda.matmul, "fp32_precision")
-
-
 def _precision_state(torch: Any) -> dict[str, str]:
-    # With the new API only its own settings are read: the legacy getters (allow_tf32,
-    # get_float32_matmul_precision) refuse to answer once the two APIs disagree.
-    if _new_precision_api():
+    # torch >= 2.9 sets TF32 per backend (``torch.backends.cuda.matmul.fp32_precision``: "tf32" / "ieee"). With that
+    # API only its own settings are read: the legacy getters (allow_tf32, get_float32_matmul_precision) refuse to
+    # answer once the two APIs disagree.
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
         return {"cuda.matmul": torch.backends.cuda.matmul.fp32_precision}
     return {"legacy": torch.get_float32_matmul_precision()}
 
@@ -166,7 +158,7 @@ class MatmulCase:
 
 def matmul_skip_reason(dtype: str, n: int, dev: str) -> str | None:
     """Why ``dtype`` cannot be measured at size ``n`` on ``dev``; ``None`` when it can."""
-    cc = _capability(dev)
+    cc = tuple(torch.cuda.get_device_capability(dev)) if _is_cuda(dev) else None
     if dtype == "tf32":
         if cc is None:
             return REASON_TF32_CPU

@@ -49,7 +49,7 @@ def _placeholder(block: list[str], where: str) -> list[str]:
         return [indent + s if s else s for s in student]
     code = "\n".join(ln for ln in block)
     try:
-        tree = ast.parse(_dedent(code))
+        tree = ast.parse(textwrap.dedent(code))
     except SyntaxError as err:
         raise NotebookError(f"{where}: the solution block does not parse ({err}); fix the solution cell") from None
     names: list[str] = []
@@ -67,10 +67,6 @@ def _placeholder(block: list[str], where: str) -> list[str]:
         raise NotebookError(f"{where}: the solution block assigns nothing; add '# STUDENT:' lines")
     indent = block[0][: len(block[0]) - len(block[0].lstrip())] if block else ""
     return [f"{indent}{n} = None  # YOUR CODE HERE" for n in names]
-
-
-def _dedent(code: str) -> str:
-    return textwrap.dedent(code)
 
 
 def strip_solution(source: str, where: str = "cell") -> str:
