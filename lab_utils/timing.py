@@ -6,6 +6,7 @@ end; on the CPU ``time.perf_counter`` brackets each repetition. All times are mi
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import platform
@@ -221,13 +222,11 @@ def _driver_version() -> str | None:
 
 def cpu_model() -> str:
     """The CPU's model name (from /proc/cpuinfo on Linux)."""
-    try:  # /proc, not psutil: psutil does not give the CPU's model name
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
+    # /proc, not psutil: psutil does not give the CPU's model name
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
     return platform.processor() or platform.machine()
 
 

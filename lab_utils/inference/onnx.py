@@ -117,11 +117,9 @@ def export_onnx(model: nn.Module, path: str | os.PathLike[str], example: torch.T
     model = _cpu_copy(model)  # in eval mode
     if dynamic_batch and x.shape[0] < 2:
         x = x.expand(2, *x.shape[1:]).contiguous()
-    if fold_batchnorm:
-        try:
+    if fold_batchnorm:  # a model symbolic tracing cannot follow (data-dependent control flow) is exported as is
+        with contextlib.suppress(Exception):
             model = fuse(model, inplace=False)
-        except Exception:  # a model symbolic tracing cannot follow (data-dependent control flow): export it as is
-            pass
     kwargs: dict[str, Any] = {}
     if dynamic_batch:
         kwargs["dynamic_shapes"] = ({0: torch.export.Dim("batch", min=1, max=MAX_BATCH)},)

@@ -255,14 +255,13 @@ def quiet_autotuning(summary: dict[str, Any]) -> Iterator[dict[str, Any]]:
     summary.update(gemms=0, choices=0, skipped=0, biggest=None)
     patches: dict[str, Any] = {}
     stack = contextlib.ExitStack()
-    try:
+    # private settings: a torch without them prints its reports, and the lab still runs
+    with contextlib.suppress(Exception):
         from torch._inductor import config as inductor_config
 
         patches = {k: v for k, v in (("max_autotune_report_choices_stats", False),
                                      ("autotune_num_choices_displayed", 0)) if hasattr(inductor_config, k)}
         stack.enter_context(inductor_config.patch(patches))
-    except Exception:  # private settings: a torch without them prints its reports, and the lab still runs
-        pass
 
     class _Failures(logging.Filter):
         def filter(self, record: logging.LogRecord) -> bool:
