@@ -47,6 +47,12 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _fail(command: str, why: Any, code: int = 2) -> int:
+    """Say on stderr why ``nvlab command`` stops; its exit code."""
+    print(f"nvlab {command}: {why}", file=sys.stderr)
+    return code
+
+
 def port_problem(host: str, port: int, fix: str) -> str | None:
     """Why a server cannot listen on ``host:port`` now (one line, with ``fix``), or None when it can."""
     try:
@@ -92,8 +98,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         return 1
     if args.require_gpu and not report.gpu_usable:
         why = "; ".join(report.reasons)
-        print(f"nvlab doctor: --require-gpu, but no GPU is usable by torch: {why}", file=sys.stderr)
-        return 2
+        return _fail("doctor", f"--require-gpu, but no GPU is usable by torch: {why}")
     return 0
 
 
@@ -136,15 +141,12 @@ def cmd_lab(args: argparse.Namespace) -> int:
 
     folder = Path(args.dir) if args.dir else repo_root() / "labs"
     if not folder.is_dir():
-        print(f"nvlab lab: {folder} is not a folder; pass --dir to the labs folder", file=sys.stderr)
-        return 2
+        return _fail("lab", f"{folder} is not a folder; pass --dir to the labs folder")
     if not (jupyter_lab := find_jupyter_lab()):
-        print(f"nvlab lab: JupyterLab is not installed for {sys.executable}: pip install -e '.[lab]'", file=sys.stderr)
-        return 2
+        return _fail("lab", f"JupyterLab is not installed for {sys.executable}: pip install -e '.[lab]'")
     if not args.any_port and (why := port_problem(args.ip, args.port, "pass --port with a free port, or "
                                                   "--any-port to let JupyterLab pick one")):
-        print(f"nvlab lab: {why}", file=sys.stderr)
-        return 2
+        return _fail("lab", why)
     token = os.environ.get("JUPYTER_TOKEN") or secrets.token_hex(24)
     if args.ip not in ("127.0.0.1", "localhost", "::1"):
         print(f"nvlab lab: listening on {args.ip}: anyone who can reach this machine can try the token",
@@ -197,23 +199,18 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         paths = select(args.labs, args.all, args.solutions)
     except ValueError as err:
-        print(f"nvlab run: {err}", file=sys.stderr)
-        return 2
+        return _fail("run", err)
     if not paths:
-        print("nvlab run: no notebooks to run", file=sys.stderr)
-        return 2
+        return _fail("run", "no notebooks to run")
     if args.update_expected and not args.solutions:
-        print("nvlab run: --update-expected writes into solutions/: add --solutions", file=sys.stderr)
-        return 2
+        return _fail("run", "--update-expected writes into solutions/: add --solutions")
     try:
         params = parameters_for(paths, args.parameter or [])
     except (ValueError, NotebookError) as err:
-        print(f"nvlab run: {err}", file=sys.stderr)
-        return 2
+        return _fail("run", err)
     out = Path(args.out or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
     if why := writable_problem(out, "--out"):
-        print(f"nvlab run: {why}", file=sys.stderr)
-        return 2
+        return _fail("run", why)
     run_id = uuid.uuid4().hex
     failed = 0
     total = time.perf_counter()
@@ -242,8 +239,7 @@ def cmd_build_labs(args: argparse.Namespace) -> int:
     try:
         changed = build_labs(check=args.check)
     except NotebookError as err:
-        print(f"nvlab build-labs: {err}", file=sys.stderr)
-        return 2
+        return _fail("build-labs", err)
     if args.check:
         if changed:
             print("labs/ differs from what solutions/ generates: " + ", ".join(changed)
@@ -265,11 +261,9 @@ def cmd_report(args: argparse.Namespace) -> int:
     try:
         df = compare(args.run_dir, args.reference)
     except (FileNotFoundError, ValueError) as err:  # ResultsError is a ValueError
-        print(f"nvlab report: {err}", file=sys.stderr)
-        return 2
+        return _fail("report", err)
     if df.empty:
-        print(f"nvlab report: no results_*.json in {args.run_dir}", file=sys.stderr)
-        return 2
+        return _fail("report", f"no results_*.json in {args.run_dir}")
     if args.json:
         clean = df.astype(object).where(df.notna(), None)  # JSON null, not NaN, for a missing reference
         print(json.dumps(clean.to_dict(orient="records"), indent=1, default=str))
@@ -290,8 +284,7 @@ def cmd_gpu_exporter(args: argparse.Namespace) -> int:
     from lab_utils.monitoring.gpu_exporter import serve  # lazy: subcommand only (cli stays fast to import)
 
     if why := port_problem(args.host, args.port, "pass --port with a free port (and scrape that one)"):
-        print(f"nvlab gpu-exporter: {why}", file=sys.stderr)
-        return 2
+        return _fail("gpu-exporter", why)
     return serve(port=args.port, host=args.host)
 
 
@@ -302,8 +295,7 @@ def cmd_wheelhouse(args: argparse.Namespace) -> int:
         build(args.dir, python=args.python, platforms=args.platform, extras=args.extras.split(","),
               exclude_preinstalled=args.exclude_preinstalled)
     except WheelhouseError as err:
-        print(f"nvlab wheelhouse: {err}", file=sys.stderr)
-        return 2
+        return _fail("wheelhouse", err)
     return 0
 
 
