@@ -244,3 +244,21 @@ def sync(device: str) -> None:
         import torch  # only CUDA devices get here, and they imply torch
 
         torch.cuda.synchronize(device)
+
+
+def cuda_graph(fn: Callable[[], Any], warmup: int = 3) -> tuple[Any, Any]:
+    """``fn`` captured in a ``torch.cuda.CUDAGraph`` after ``warmup`` calls on a side stream, as the torch docs require
+    (lazy initialisation must not happen during capture): ``(graph, what the captured call returned)``. The capture
+    records ``fn``'s kernels, it does not run them; ``graph.replay()`` does, on the memory of the capture."""
+    import torch  # only CUDA devices get here, and they imply torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out

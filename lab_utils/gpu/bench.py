@@ -24,7 +24,7 @@ import torch
 
 from lab_utils.args import check_int
 from lab_utils.course.specs import GpuPeaks, peaks_for
-from lab_utils.timing import benchmark, copy_bytes, cpu_model, matmul_bytes, matmul_flops, sync
+from lab_utils.timing import benchmark, copy_bytes, cpu_model, cuda_graph, matmul_bytes, matmul_flops, sync
 
 DTYPES = ("fp32", "tf32", "fp16", "bf16", "fp8")
 
@@ -518,17 +518,7 @@ def launch_overhead(n_kernels: int = 1000, numel: int = 1024, device: str | None
         return pd.DataFrame(rows)
 
     with torch.cuda.device(dev):
-        # Warm up on a side stream before capture, as the torch docs require (lazy initialisation must not
-        # happen during capture).
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                chain()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            chain()  # recorded, not run
+        graph, _ = cuda_graph(chain)
         torch.cuda.synchronize()
 
         # The graph must do the same work: one replay adds n_kernels to every element.

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from lab_utils.timing import Timing, benchmark
+from lab_utils.timing import Timing, benchmark, cuda_graph
 
 AMP_DTYPES = ("bf16", "fp16")
 # Each step adds one knob to the one before (the two eager FP32 steps are the two baselines).
@@ -336,15 +336,7 @@ def _cuda_graph_runner(run: Callable[[], torch.Tensor], static_x: torch.Tensor, 
                        mode: str) -> TorchRunner:
     """Capture ``run`` (which reads ``static_x``) in a CUDA graph; replays reuse the same input and output memory."""
     t0 = time.perf_counter()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up on a side stream, as capture requires
-        for _ in range(3):
-            run()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = run()
+    graph, static_out = cuda_graph(run)
     torch.cuda.synchronize()
 
     def replay() -> torch.Tensor:
