@@ -214,19 +214,15 @@ def decide(state: CanaryState, metrics: Mapping[str, VariantMetrics], guards: Gu
                             f"labelled requests, champion {champ.accuracy:.1%} (allowed drop "
                             f"{guards.max_accuracy_drop:.1%})", checks)
     # no step on traffic alone: a model wrong on one class answers as fast as a right one (when labels are expected)
-    short = guards.min_feedback > 0 and chall.feedback < guards.min_feedback
-    if enough and short:
+    if not enough or (guards.min_feedback > 0 and chall.feedback < guards.min_feedback):
+        lacking, wait = ((f"{guards.min_requests} challenger requests: no evidence it works",
+                          f"waiting for evidence: {chall.requests:.0f} challenger requests in the window, "
+                          f"{guards.min_requests} needed") if not enough else
+                         (f"{guards.min_feedback} labelled answers from the challenger: no evidence it is right",
+                          f"waiting for labelled feedback: {chall.feedback:.0f} of {guards.min_feedback}"))
         if (idle := state.idle + 1) >= guards.max_idle_checks:
-            return rollback("CanaryNoTraffic", f"{idle} checks without {guards.min_feedback} labelled answers from "
-                            "the challenger: no evidence it is right", checks)
-        return Decision("hold", replace(state, idle=idle, healthy=0),
-                        f"waiting for labelled feedback: {chall.feedback:.0f} of {guards.min_feedback}", None, checks)
-    if not enough:
-        if (idle := state.idle + 1) >= guards.max_idle_checks:
-            return rollback("CanaryNoTraffic", f"{idle} checks without {guards.min_requests} challenger requests: "
-                            "no evidence it works", checks)
-        return Decision("hold", replace(state, idle=idle, healthy=0), f"waiting for evidence: {chall.requests:.0f} "
-                        f"challenger requests in the window, {guards.min_requests} needed", None, checks)
+            return rollback("CanaryNoTraffic", f"{idle} checks without {lacking}", checks)
+        return Decision("hold", replace(state, idle=idle, healthy=0), wait, None, checks)
     if (healthy := state.healthy + 1) < guards.checks_per_step:
         return Decision("hold", replace(state, healthy=healthy, idle=0),
                         f"healthy check {healthy} of {guards.checks_per_step} at {state.weight} %", None, checks)
