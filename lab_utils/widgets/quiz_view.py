@@ -6,6 +6,8 @@ from __future__ import annotations
 import html
 from typing import Any
 
+import ipywidgets as w
+
 from lab_utils.exercises.framework import Outcome
 from lab_utils.exercises.quiz import Question, QuizRunner
 from lab_utils.widgets.core import Panel, interactive, show
@@ -17,8 +19,6 @@ class QuizPanel(Panel):
     The panel grades through ``runner`` (``runner.answer``), so ``runner.score()`` counts what was submitted here."""
 
     def __init__(self, runner: QuizRunner):
-        import ipywidgets as w
-
         self.runner = runner
         self.question: Question | None = None
         self.outcome: Outcome | None = None
@@ -34,8 +34,6 @@ class QuizPanel(Panel):
 
     def advance(self) -> Question | None:
         """Open the next question (``None`` at the end) and build its control."""
-        import ipywidgets as w
-
         q = self.question = self.runner.next(show=False)
         self.outcome, self.feedback.value, self._inputs = None, "", {}
         if q is None:
