@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import onnx
 import pandas as pd
+from onnx import TensorProto, helper
 
 from lab_utils.course.probe import MODELOPT_INSTALL, MODELOPT_ONNX_NEEDS, tensorrt_runtime_present
 from lab_utils.inference.compare import accuracy, logit_error
@@ -327,7 +328,6 @@ def plot_calibration_sweep(df: pd.DataFrame, ax: Axes | None = None, title: str 
 def ort_runs_fp8() -> tuple[bool, str]:
     """Whether this onnxruntime runs FP8 (float8e4m3fn) Q/DQ on the CPU: tried on a two-node graph."""
     import onnxruntime as ort
-    from onnx import TensorProto, helper
 
     graph = helper.make_graph([helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q"]),
                                helper.make_node("DequantizeLinear", ["q", "s", "z"], ["y"])], "fp8_probe",

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.profiler import ProfilerActivity, profile
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from lab_utils.procs import temporary_folder
@@ -40,8 +41,6 @@ def peak_bytes(fn: Callable[[], Any], device: str) -> int:
         fn()
         sync(device)
         return int(torch.cuda.max_memory_allocated() - base)
-    from torch.profiler import ProfilerActivity, profile
-
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     return _peak_from_trace(prof)
