@@ -24,7 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import nbformat
 import psutil
+from nbformat.v4 import new_markdown_cell
 
 from lab_utils.course.catalog import lab_by_number, repo_root
 
@@ -126,8 +128,6 @@ def _exercise_module(nb: Any) -> Any:
 
 
 def _hint_cells(cell: Any, module: Any, where: str) -> list[Any]:
-    from nbformat.v4 import new_markdown_cell
-
     cells = []
     for name in dict.fromkeys(CHECK_CALL.findall(cell.source)):  # each exercise once, in the cell's order
         exercise = getattr(module, name, None) if module is not None else None
@@ -141,8 +141,6 @@ def _hint_cells(cell: Any, module: Any, where: str) -> list[Any]:
 def _answer_cells(cell: Any, where: str) -> list[Any]:
     """A markdown cell with an answers block, as the lab shows it: the text before, an attempt cell, the answers
     folded, the text after."""
-    from nbformat.v4 import new_markdown_cell
-
     out, rest, n = [], cell.source, 0
     while (m := MD_ANSWERS.search(rest)) is not None:
         before, rest = rest[: m.start()].strip("\n"), rest[m.end():]
@@ -194,15 +192,11 @@ def build_lab(solution: Any) -> Any:
 
 
 def notebook_text(nb: Any) -> str:
-    import nbformat
-
     return nbformat.writes(nb) + "\n"
 
 
 def build_labs(check: bool = False, root: Path | None = None) -> list[str]:
     """Write ``labs/`` from ``solutions/``; with ``check`` write nothing and return the drifted files."""
-    import nbformat
-
     root = root or repo_root()
     src, dst = root / "solutions", root / "labs"
     changed = []
@@ -234,8 +228,6 @@ def update_expected(solution: Path, executed: Path) -> int:
 
     Those outputs are what nbval compares against; every other cell of the solution stays without
     outputs. Returns the number of cells that now carry expected output."""
-    import nbformat
-
     sol = nbformat.read(solution, as_version=4)
     ran = {c.get("id"): c for c in nbformat.read(executed, as_version=4).cells}
     kept = 0
@@ -300,8 +292,6 @@ def literal(text: str) -> Any:
 
 def declared_parameters(path: Path) -> dict[str, Any]:
     """Name -> default (``...`` when not a literal) of each assignment in the ``parameters``-tagged cell."""
-    import nbformat
-
     try:
         nb = nbformat.read(path, as_version=4)
     except Exception as err:  # nbformat raises several kinds for a broken file
@@ -434,8 +424,6 @@ def scrub(path: Path, paths: dict[str, str]) -> int:
     """Make an executed notebook fit to commit: ANSI codes out of text outputs, papermill's input/output paths
     out of the metadata, each key of ``paths`` (a checkout, an output folder) replaced by its value, and temporary
     folders by ``/tmp/...`` and interpreter paths by ``site-packages/``. Returns how many outputs changed."""
-    import nbformat
-
     nb = nbformat.read(path, as_version=4)
     meta = nb.metadata.get("papermill", {})
     for key in ("input_path", "output_path"):
