@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
+from PIL import Image
 from torch import nn
 
 from lab_utils.args import check_int
@@ -251,8 +252,6 @@ def digits_arrays() -> dict[str, np.ndarray]:
 def encode_png(image: np.ndarray, scale: int = 1, vmax: float = 16.0, smooth: bool = False) -> bytes:
     """One grey image (H, W) with values 0..``vmax`` as PNG bytes, upscaled ``scale``× (nearest neighbour, or
     bilinear with ``smooth``): what an image service or a data loader reading files receives."""
-    from PIL import Image
-
     scale = check_int(scale, "scale", "encode_png")
     pixels = np.clip(np.rint(np.asarray(image, dtype=np.float32) * (255.0 / vmax)), 0, 255).astype(np.uint8)
     img = Image.fromarray(pixels, mode="L")

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+from PIL import Image
 
 from lab_utils.course.probe import find_prometheus
 from lab_utils.mlops.feedback import MetricsServer
@@ -65,8 +66,6 @@ def confidence(logits: Any) -> np.ndarray:
 
 
 def _pil_map(x: np.ndarray, fn: Any) -> np.ndarray:
-    from PIL import Image
-
     out = np.empty_like(x)
     for i, img in enumerate(x):
         out[i] = np.asarray(fn(Image.fromarray(img.astype(np.float32), mode="F")), dtype=np.float32)
@@ -75,8 +74,6 @@ def _pil_map(x: np.ndarray, fn: Any) -> np.ndarray:
 
 def rotated(images: Any, degrees: float = 30.0, seed: int | None = 0, jitter: float = 0.0) -> np.ndarray:
     """Each digit rotated by ``degrees`` (+- ``jitter`` at random), bilinear, about its centre."""
-    from PIL import Image
-
     x = _images(images)
     rng = np.random.default_rng(seed)
     angles = degrees + rng.uniform(-jitter, jitter, len(x)) if jitter else np.full(len(x), float(degrees))
@@ -96,8 +93,6 @@ def noisy(images: Any, sigma: float = 3.0, seed: int | None = 0) -> np.ndarray:
 
 def rescaled(images: Any, factor: float = 0.6) -> np.ndarray:
     """Each digit zoomed by ``factor`` about the centre (< 1: smaller, as from a farther camera), bilinear."""
-    from PIL import Image
-
     if not (isinstance(factor, (int, float)) and 0.2 <= factor <= 3):
         raise ValueError(f"factor={factor!r}: a zoom between 0.2 and 3 (0.6 shrinks the digit to 60 %)")
     x = _images(images)

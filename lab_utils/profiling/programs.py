@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from PIL import Image
 from torch import nn
 
 from lab_utils.models import digits_png
@@ -84,8 +85,6 @@ class PngDigits(torch.utils.data.Dataset):
         return len(self.png)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
-        from PIL import Image
-
         if self.storage_s:
             time.sleep(self.storage_s)
         angle = float(np.random.default_rng((self.seed, i)).uniform(-12, 12))
@@ -319,8 +318,6 @@ def _precision_program(variant: str, device: str, sz: Sizes, seed: int) -> Progr
 def _gpu_data_program(device: str, sz: Sizes, seed: int) -> Program:
     """Every fix, and the input pipeline on the device: PNGs decoded once into a uint8 tensor there; each step
     draws indices, rotates by random angles (affine_grid + grid_sample) and normalizes, all on the device."""
-    from PIL import Image
-
     torch.manual_seed(seed)
     cuda = device.startswith("cuda")
     png, labels = digits_png(sz.image)
