@@ -279,6 +279,7 @@ class MetricsServer(OwnedServer):
 
     error = OSError
     registered = False
+    busy_fix = "pass another, or None for a free one"  # the end of a busy-port message
 
     def __init__(self, collectors: Iterable[Any] = (), *, port: int | None = None, host: str = "127.0.0.1",
                  fallback_port: bool = False):
@@ -306,7 +307,7 @@ class MetricsServer(OwnedServer):
 
     # lifecycle: see OwnedServer; a thread, not a process ------------------------------------------------
     def _busy(self, name: str, port: int) -> Exception:
-        return OSError(f"port {port} on {self.host} is busy, {who_listens(port)}: pass another, or None for a free one")
+        return OSError(f"port {port} on {self.host} is busy, {who_listens(port)}: {self.busy_fix}")
 
     def _free_port(self) -> int:
         return 0  # the OS picks one as the server binds: no other process can take it first
@@ -343,6 +344,7 @@ class GpuExporter(MetricsServer):
     ``stop()`` shuts the HTTP server and its thread down and releases NVML; safe to call twice."""
 
     busy_note = "port {port} is busy: the exporter listens on a free port instead"
+    busy_fix = "stop it or pass --port with a free port"
 
     def __init__(self, port: int | None = None, host: str = "127.0.0.1", *, nvml: Any = None,
                  use_nvml: bool = True, strict_port: bool = False):
@@ -370,10 +372,6 @@ class GpuExporter(MetricsServer):
         else:
             what = self.collector.why_no_gpu
         return f"GPU exporter at {self.url}: {what}"
-
-    def _busy(self, name: str, port: int) -> Exception:
-        return OSError(f"port {port} on {self.host} is busy, {who_listens(port)}: stop it or pass --port with a free "
-                       "port")
 
     def _start_once(self) -> GpuExporter:
         from prometheus_client import CollectorRegistry
