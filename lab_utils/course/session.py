@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from rich.console import Console
+from rich.table import Table
+
 from lab_utils.course.catalog import lab_by_number
 from lab_utils.course.probe import EnvReport, LabTier, probe
 from lab_utils.course.results import Recorder
@@ -90,9 +93,6 @@ def gpu_rows(report: EnvReport) -> list[dict[str, str]]:
 
 def print_report(report: EnvReport, highlight: str | None = None, brief: bool = False) -> None:
     """Print the report with rich: stack versions, GPUs, topology, components, verdict, lab tiers."""
-    from rich.console import Console
-    from rich.table import Table
-
     # Plain text in a notebook too (rich's Jupyter output carries ANSI codes in its text/plain copy); colour only
     # on a terminal.
     console = Console(width=120, force_jupyter=False)
