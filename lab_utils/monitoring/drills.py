@@ -387,6 +387,14 @@ def failure_drill(server: Any, metrics: PromAPI | None, watchdog: Watchdog,
     thread.start()
     res.step("load started", t_load)
     pause = threading.Event()  # never set: a sleep that is an Event wait
+
+    def until(done: Callable[[], bool], poll_s: float = 0.25) -> bool:
+        """Poll ``done()`` until it is true or ``timeout_s`` has passed; its last answer."""
+        deadline = time.time() + timeout_s
+        while not (ok := done()) and time.time() < deadline:
+            pause.wait(poll_s)
+        return ok
+
     try:
         pause.wait(kill_after_s)
         pid = kill(server)
@@ -399,9 +407,7 @@ def failure_drill(server: Any, metrics: PromAPI | None, watchdog: Watchdog,
                 res.step(f"alert {alert} firing")
             except TimeoutError as err:
                 res.step(f"alert {alert} did not fire", error=str(err))
-        deadline = time.time() + timeout_s
-        while watchdog.restarts == 0 and time.time() < deadline and not watchdog.gave_up:
-            pause.wait(0.1)
+        until(lambda: watchdog.restarts > 0 or watchdog.gave_up, poll_s=0.1)
         if restarted := next((e for e in watchdog.events if e["event"] == "restarted"), None):
             res.step("watchdog restarted the server", restarted["time"], pid=restarted.get("pid"))
         if metrics is not None:
@@ -409,18 +415,10 @@ def failure_drill(server: Any, metrics: PromAPI | None, watchdog: Watchdog,
             res.step("up == 1 again")
             pause.wait(after_recovery_s)
             stop.set()
-            deadline = time.time() + timeout_s
-            while time.time() < deadline:
-                df = metrics.alerts()
-                if df[df["alertname"] == alert].empty:
-                    res.step(f"alert {alert} resolved")
-                    break
-                pause.wait(0.25)
+            if until(lambda: (df := metrics.alerts())[df["alertname"] == alert].empty):
+                res.step(f"alert {alert} resolved")
         else:
-            deadline = time.time() + timeout_s
-            while not health(server)["live"] and time.time() < deadline:
-                pause.wait(0.25)
-            if health(server)["live"]:
+            if until(lambda: health(server)["live"]):
                 res.step("live again")
                 pause.wait(after_recovery_s)
     finally:
