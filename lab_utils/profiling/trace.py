@@ -87,21 +87,12 @@ def kernel_intervals(df: pd.DataFrame, cats: Iterable[str] = ("kernel",)) -> lis
 
 def union_us(intervals: Iterable[tuple[float, float]], window: tuple[float, float] | None = None) -> float:
     """Length (µs) of the union of intervals, clipped to ``window``: overlapping kernels count once."""
-    spans = sorted(intervals)
     lo_w, hi_w = window if window is not None else (float("-inf"), float("inf"))
-    total, cur_s, cur_e = 0.0, None, None
-    for s, e in spans:
-        s, e = max(s, lo_w), min(e, hi_w)
-        if e <= s:
-            continue
-        if cur_e is None or s > cur_e:
-            if cur_e is not None:
-                total += cur_e - cur_s
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
-    if cur_e is not None:
-        total += cur_e - cur_s
+    total, covered = 0.0, float("-inf")  # covered: the end of the union so far
+    for s, e in sorted(intervals):  # by start: each adds only its part past what is covered
+        s, e = max(s, lo_w, covered), min(e, hi_w)
+        if e > s:
+            total, covered = total + (e - s), e
     return total
 
 
