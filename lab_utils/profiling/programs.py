@@ -209,10 +209,9 @@ def _image_program(name: str, variant: str, device: str, sz: Sizes, fixes: set[s
                 raise FloatingPointError(f"loss {value} at step {state['n']}")
             state["last_mean"] = value
 
-    prog = Program(name, variant, step, sz.batch,
-                   note=f"{sz.image}×{sz.image} PNG digits, batch {sz.batch}, width {sz.width}, "
-                   f"{workers} loader workers" + (", bf16" if bf16 else "") + (", channels-last" if
-                                                                               fmt is torch.channels_last else ""))
+    knobs = (", bf16" if bf16 else "") + (", channels-last" if fmt is torch.channels_last else "")
+    prog = Program(name, variant, step, sz.batch, note=f"{sz.image}×{sz.image} PNG digits, batch {sz.batch}, "
+                   f"width {sz.width}, {workers} loader workers{knobs}")
     prog.closers.append(close_iterator(it))
     return prog
 
