@@ -314,9 +314,7 @@ def matmul_sweep(sizes: Sequence[int] | None = None, dtypes: Sequence[str] = DTY
     ``progress(iterable, total=, desc=)`` wrapper over the (dtype, n) cases (``lab_utils.widgets.progress``)."""
     where = "matmul_sweep"
     dev = resolve_device(device, f"{where}(device)")
-    if sizes is None:
-        sizes = (1024, 2048, 4096, 8192) if _is_cuda(dev) else (128, 256, 512)
-    sizes = _check_positive_ints(sizes, "sizes", where)
+    sizes = _check_positive_ints(_default(sizes, dev, (1024, 2048, 4096, 8192), (128, 256, 512)), "sizes", where)
     dtypes = _check_dtypes(dtypes, where)
     reps = check_int(reps, "reps", where)
     warmup = check_int(warmup, "warmup", where, minimum=0)
@@ -416,9 +414,8 @@ def copy_bandwidth(sizes_bytes: Sequence[int] | None = None, device: str | None 
     spread, gbps, peak_gbps, pct_of_peak, device, device_name."""
     where = "copy_bandwidth"
     dev = resolve_device(device, f"{where}(device)")
-    if sizes_bytes is None:
-        sizes_bytes = (MIB, 16 * MIB, 256 * MIB, 2 * GIB) if _is_cuda(dev) else (64 * MIB, 256 * MIB)
-    sizes_bytes = _check_positive_ints(sizes_bytes, "sizes_bytes", where)
+    sizes_bytes = _check_positive_ints(_default(sizes_bytes, dev, (MIB, 16 * MIB, 256 * MIB, 2 * GIB),
+                                                (64 * MIB, 256 * MIB)), "sizes_bytes", where)
     reps = check_int(reps, "reps", where)
     warmup = check_int(warmup, "warmup", where, minimum=0)
     peaks = device_peaks(dev)
@@ -549,9 +546,7 @@ def elementwise_add(numel: int | None = None, device: str | None = "auto", reps:
     Returns a roofline row (see ``ROOFLINE_COLUMNS``) plus median_ms."""
     where = "elementwise_add"
     dev = resolve_device(device, f"{where}(device)")
-    if numel is None:
-        numel = 64 * 2**20 if _is_cuda(dev) else 8 * 2**20
-    numel = check_int(numel, "numel", where)
+    numel = check_int(_default(numel, dev, 64 * 2**20, 8 * 2**20), "numel", where)
     x = torch.randn(numel, device=dev)
     y = torch.randn(numel, device=dev)
     z = torch.empty_like(x)
