@@ -255,22 +255,19 @@ def check(root: Path, m: dict[str, Any] | None = None) -> list[str]:
                    "prometheus": f"prom/prometheus:{expected['PROMETHEUS_VERSION']}",
                    "grafana": f"grafana/grafana:{expected['GRAFANA_VERSION']}",
                    "dcgm-exporter": f"{REGISTRY}/k8s/dcgm-exporter:{expected['DCGM_EXPORTER_TAG']}"}
-    for name, want in want_images.items():
-        raw = services.get(name, {}).get("image", "")
+
+    def composed(raw: str) -> str:  # what compose makes of a value, or the value and why it cannot
         try:
-            got = interpolate(raw, env)
+            return interpolate(raw, env)
         except KeyError as err:
-            got = f"{raw} ({err})"
-        if got != want:
+            return f"{raw} ({err})"
+
+    for name, want in want_images.items():
+        if (got := composed(services.get(name, {}).get("image", ""))) != want:
             problems.append(f"docker/compose.yaml service {name} runs image {got or '(none)'} but {src} says {want}")
     build_args = services.get("lab", {}).get("build", {}).get("args", {})
     for arg in ("NGC_TAG", "TRITONCLIENT_VERSION", "PYTRITON_VERSION", "PROMETHEUS_VERSION"):
-        raw = str(build_args.get(arg, ""))
-        try:
-            got = interpolate(raw, env)
-        except KeyError as err:
-            got = f"{raw} ({err})"
-        if got != expected[arg]:
+        if (got := composed(str(build_args.get(arg, "")))) != expected[arg]:
             problems.append(f"docker/compose.yaml builds the lab with {arg}={got or '(not passed)'} but {src} says "
                             f"{expected[arg]}")
 
