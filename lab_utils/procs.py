@@ -397,9 +397,7 @@ def stop_group(proc: subprocess.Popen, grace_s: float = 10.0, kill_wait_s: float
                 os.killpg(pgid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=0.05)
-        if proc.poll() is not None and not group_members(pgid):
-            return proc.returncode
-        if time.monotonic() > deadline:
+        if (proc.poll() is not None and not group_members(pgid)) or time.monotonic() > deadline:
             return proc.returncode
 
 
@@ -481,9 +479,7 @@ def wait_http_ok(url: str, proc: subprocess.Popen | None, timeout_s: float, poll
     wait on the process itself, so an exit is noticed at once."""
     deadline = time.monotonic() + timeout_s
     while True:
-        if proc is not None and proc.poll() is not None:
-            return False
-        if give_up is not None and give_up():
+        if (proc is not None and proc.poll() is not None) or (give_up is not None and give_up()):
             return False
         if http_ok(url, timeout_s=1.0)[0]:
             return True
@@ -500,15 +496,10 @@ def tail(path: Path | str | None, n: int = 40) -> str:
     """The last ``n`` lines of a text file ('' when there is none)."""
     if path is None:
         return ""
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - 256 * 1024))
-            text = f.read().decode("utf-8", errors="replace")
-    except OSError:
-        return ""
-    return "\n".join(text.splitlines()[-n:])
+    with contextlib.suppress(OSError), open(path, "rb") as f:
+        f.seek(max(0, f.seek(0, os.SEEK_END) - 256 * 1024))  # seek returns where it went: the end is the size
+        return "\n".join(f.read().decode("utf-8", errors="replace").splitlines()[-n:])
+    return ""
 
 
 # --- a watchdog for a process group: what PR_SET_PDEATHSIG cannot reach ---------------------------------------
