@@ -9,15 +9,15 @@ import os
 import secrets
 import signal
 import socket
+import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
 from typing import Any, NoReturn
 
 from lab_utils.course.catalog import repo_root
-from lab_utils.procs import sweep_stale_tempdirs, who_listens
+from lab_utils.procs import sweep_stale_tempdirs, who_listens, writable_problem
 
 
 class _Parser(argparse.ArgumentParser):
@@ -47,6 +47,12 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _fail(command: str, why: Any, code: int = 2) -> int:
+    """Say on stderr why ``nvlab command`` stops; its exit code."""
+    print(f"nvlab {command}: {why}", file=sys.stderr)
+    return code
+
+
 def port_problem(host: str, port: int, fix: str) -> str | None:
     """Why a server cannot listen on ``host:port`` now (one line, with ``fix``), or None when it can."""
     try:
@@ -71,20 +77,6 @@ def port_problem(host: str, port: int, fix: str) -> str | None:
     return None
 
 
-def writable_problem(folder: Path, option: str) -> str | None:
-    """Why ``folder`` cannot be created and written (one line naming it), or None; it exists afterwards."""
-    try:
-        if folder.exists() and not folder.is_dir():
-            return f"{option} {folder}: that is a file, not a folder: pass a folder you can write"
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=folder):
-            pass
-    except OSError as err:
-        why = err.strerror or err
-        return f"{option} {folder}: cannot create or write this folder ({why}): pass a folder you can write"
-    return None
-
-
 def cmd_doctor(args: argparse.Namespace) -> int:
     from lab_utils.course.probe import probe  # lazy: subcommand only (cli stays fast to import)
     from lab_utils.course.session import print_report  # lazy: pulls pandas (cli stays fast to import)
@@ -106,8 +98,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         return 1
     if args.require_gpu and not report.gpu_usable:
         why = "; ".join(report.reasons)
-        print(f"nvlab doctor: --require-gpu, but no GPU is usable by torch: {why}", file=sys.stderr)
-        return 2
+        return _fail("doctor", f"--require-gpu, but no GPU is usable by torch: {why}")
     return 0
 
 
@@ -118,8 +109,6 @@ def _runtime_dir(jupyter_lab: str) -> Path:
     try:
         from jupyter_core.paths import jupyter_runtime_dir
     except ImportError:  # JupyterLab of another environment: ask its own jupyter
-        import subprocess
-
         jupyter = str(Path(jupyter_lab).parent / "jupyter")
         return Path(subprocess.run([jupyter, "--runtime-dir"], capture_output=True, text=True, check=True,
                                    timeout=60).stdout.strip())
@@ -148,22 +137,16 @@ def _lab_url(info: dict[str, Any], ip: str, token: str) -> str:
 
 
 def cmd_lab(args: argparse.Namespace) -> int:
-    import subprocess
-
     from lab_utils.course.probe import find_jupyter_lab  # lazy: subcommand only (cli stays fast to import)
 
     folder = Path(args.dir) if args.dir else repo_root() / "labs"
     if not folder.is_dir():
-        print(f"nvlab lab: {folder} is not a folder; pass --dir to the labs folder", file=sys.stderr)
-        return 2
-    jupyter_lab = find_jupyter_lab()
-    if not jupyter_lab:
-        print(f"nvlab lab: JupyterLab is not installed for {sys.executable}: pip install -e '.[lab]'", file=sys.stderr)
-        return 2
+        return _fail("lab", f"{folder} is not a folder; pass --dir to the labs folder")
+    if not (jupyter_lab := find_jupyter_lab()):
+        return _fail("lab", f"JupyterLab is not installed for {sys.executable}: pip install -e '.[lab]'")
     if not args.any_port and (why := port_problem(args.ip, args.port, "pass --port with a free port, or "
                                                   "--any-port to let JupyterLab pick one")):
-        print(f"nvlab lab: {why}", file=sys.stderr)
-        return 2
+        return _fail("lab", why)
     token = os.environ.get("JUPYTER_TOKEN") or secrets.token_hex(24)
     if args.ip not in ("127.0.0.1", "localhost", "::1"):
         print(f"nvlab lab: listening on {args.ip}: anyone who can reach this machine can try the token",
@@ -187,8 +170,7 @@ def cmd_lab(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda signum, _: child.send_signal(signum))
     deadline = time.monotonic() + 300
     while child.poll() is None:
-        info = _server_info(runtime, child.pid)
-        if info:  # the port Jupyter itself reports, not the one asked for
+        if info := _server_info(runtime, child.pid):  # the port Jupyter itself reports, not the one asked for
             print(f"JupyterLab on {_lab_url(info, args.ip, token)}", flush=True)
             break
         if time.monotonic() > deadline:
@@ -196,8 +178,7 @@ def cmd_lab(args: argparse.Namespace) -> int:
                   "300 s; see its log above", file=sys.stderr, flush=True)
             break
         time.sleep(0.2)
-    code = child.wait()
-    if code and code > 0:
+    if (code := child.wait()) and code > 0:
         print(f"nvlab lab: JupyterLab exited with code {code}; see its log above", file=sys.stderr)
     return 0 if code < 0 else code  # stopped by a signal: a normal end
 
@@ -218,23 +199,18 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         paths = select(args.labs, args.all, args.solutions)
     except ValueError as err:
-        print(f"nvlab run: {err}", file=sys.stderr)
-        return 2
+        return _fail("run", err)
     if not paths:
-        print("nvlab run: no notebooks to run", file=sys.stderr)
-        return 2
+        return _fail("run", "no notebooks to run")
     if args.update_expected and not args.solutions:
-        print("nvlab run: --update-expected writes into solutions/: add --solutions", file=sys.stderr)
-        return 2
+        return _fail("run", "--update-expected writes into solutions/: add --solutions")
     try:
         params = parameters_for(paths, args.parameter or [])
     except (ValueError, NotebookError) as err:
-        print(f"nvlab run: {err}", file=sys.stderr)
-        return 2
+        return _fail("run", err)
     out = Path(args.out or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
     if why := writable_problem(out, "--out"):
-        print(f"nvlab run: {why}", file=sys.stderr)
-        return 2
+        return _fail("run", why)
     run_id = uuid.uuid4().hex
     failed = 0
     total = time.perf_counter()
@@ -263,8 +239,7 @@ def cmd_build_labs(args: argparse.Namespace) -> int:
     try:
         changed = build_labs(check=args.check)
     except NotebookError as err:
-        print(f"nvlab build-labs: {err}", file=sys.stderr)
-        return 2
+        return _fail("build-labs", err)
     if args.check:
         if changed:
             print("labs/ differs from what solutions/ generates: " + ", ".join(changed)
@@ -286,11 +261,9 @@ def cmd_report(args: argparse.Namespace) -> int:
     try:
         df = compare(args.run_dir, args.reference)
     except (FileNotFoundError, ValueError) as err:  # ResultsError is a ValueError
-        print(f"nvlab report: {err}", file=sys.stderr)
-        return 2
+        return _fail("report", err)
     if df.empty:
-        print(f"nvlab report: no results_*.json in {args.run_dir}", file=sys.stderr)
-        return 2
+        return _fail("report", f"no results_*.json in {args.run_dir}")
     if args.json:
         clean = df.astype(object).where(df.notna(), None)  # JSON null, not NaN, for a missing reference
         print(json.dumps(clean.to_dict(orient="records"), indent=1, default=str))
@@ -311,8 +284,7 @@ def cmd_gpu_exporter(args: argparse.Namespace) -> int:
     from lab_utils.monitoring.gpu_exporter import serve  # lazy: subcommand only (cli stays fast to import)
 
     if why := port_problem(args.host, args.port, "pass --port with a free port (and scrape that one)"):
-        print(f"nvlab gpu-exporter: {why}", file=sys.stderr)
-        return 2
+        return _fail("gpu-exporter", why)
     return serve(port=args.port, host=args.host)
 
 
@@ -323,8 +295,7 @@ def cmd_wheelhouse(args: argparse.Namespace) -> int:
         build(args.dir, python=args.python, platforms=args.platform, extras=args.extras.split(","),
               exclude_preinstalled=args.exclude_preinstalled)
     except WheelhouseError as err:
-        print(f"nvlab wheelhouse: {err}", file=sys.stderr)
-        return 2
+        return _fail("wheelhouse", err)
     return 0
 
 

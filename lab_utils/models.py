@@ -7,18 +7,19 @@
 * ``make_mlp``: the MLP lab 04 exports to ONNX and serves.
 
 Weights are random unless a lab trains them; no weights or data are downloaded. The digits are read from the
-file scikit-learn ships, without importing scikit-learn (seconds per spawned rank).
-"""
+file scikit-learn ships, without importing scikit-learn (seconds per spawned rank)."""
 
 from __future__ import annotations
 
 import functools
 import importlib.util
+import io
 import os
 from collections.abc import Sequence
 
 import numpy as np
 import torch
+from PIL import Image
 from torch import nn
 
 from lab_utils.args import check_int
@@ -77,16 +78,14 @@ class ResNet(nn.Module):
     """Basic-block ResNet: stages of width w, 2w, 4w, 8w. Input (B, 3, H, W) -> logits (B, classes).
 
     Images of 128 px and more get the ImageNet stem (7x7 stride 2 + max-pool: 224 -> 56 px); smaller ones
-    a 3x3 stride-1 stem (CIFAR style), so a 32 px image still has 4 px left in the last stage.
-    """
+    a 3x3 stride-1 stem (CIFAR style), so a 32 px image still has 4 px left in the last stage."""
 
     def __init__(self, width: int = 64, blocks: Sequence[int] = (2, 2, 2, 2), num_classes: int = 1000,
                  image_size: int = 224):
         super().__init__()
         if image_size >= 128:
-            self.stem = nn.Sequential(nn.Conv2d(3, width, 7, stride=2, padding=3, bias=False),
-                                      nn.BatchNorm2d(width), nn.ReLU(inplace=True),
-                                      nn.MaxPool2d(3, stride=2, padding=1))
+            self.stem = nn.Sequential(nn.Conv2d(3, width, 7, stride=2, padding=3, bias=False), nn.BatchNorm2d(width),
+                                      nn.ReLU(inplace=True), nn.MaxPool2d(3, stride=2, padding=1))
         else:
             self.stem = nn.Sequential(nn.Conv2d(3, width, 3, padding=1, bias=False),
                                       nn.BatchNorm2d(width), nn.ReLU(inplace=True))
@@ -122,8 +121,7 @@ class Bottleneck(nn.Module):
         self.relu = nn.ReLU(inplace=True)
         self.downsample: nn.Module | None = None
         if stride != 1 or c_in != c_out:
-            self.downsample = nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride=stride, bias=False),
-                                            nn.BatchNorm2d(c_out))
+            self.downsample = nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride=stride, bias=False), nn.BatchNorm2d(c_out))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         identity = x if self.downsample is None else self.downsample(x)
@@ -207,8 +205,7 @@ def _digits_raw() -> tuple[np.ndarray, np.ndarray]:
     """scikit-learn's digits: images (1797, 8, 8) with values 0..16 and labels (1797,).
 
     Read straight from the CSV that ships inside scikit-learn (what ``load_digits`` reads): importing
-    sklearn costs seconds (it pulls in scipy), which every spawned rank would pay again.
-    """
+    sklearn costs seconds (it pulls in scipy), which every spawned rank would pay again."""
     spec = importlib.util.find_spec("sklearn")  # finds the package without importing it
     path = os.path.join(os.path.dirname(spec.origin), "datasets", "data", "digits.csv.gz") if spec and spec.origin \
         else None
@@ -243,8 +240,7 @@ def digits_arrays() -> dict[str, np.ndarray]:
     """The fixed digits split as float32/int64 arrays: x_train (1440, 1, 8, 8), y_train (1440,), x_test (357, ...).
 
     Stratified, seed ``DIGITS_SPLIT_SEED``. Pixels (0..16) are standardised with the training set's mean and
-    standard deviation (one scalar each).
-    """
+    standard deviation (one scalar each)."""
     images, y = _digits_raw()
     x = images.astype(np.float32)[:, None]  # (1797, 1, 8, 8)
     train, test = _stratified_split(y, DIGITS_TRAIN_SIZE, DIGITS_SPLIT_SEED)
@@ -256,10 +252,6 @@ def digits_arrays() -> dict[str, np.ndarray]:
 def encode_png(image: np.ndarray, scale: int = 1, vmax: float = 16.0, smooth: bool = False) -> bytes:
     """One grey image (H, W) with values 0..``vmax`` as PNG bytes, upscaled ``scale``× (nearest neighbour, or
     bilinear with ``smooth``): what an image service or a data loader reading files receives."""
-    import io
-
-    from PIL import Image
-
     scale = check_int(scale, "scale", "encode_png")
     pixels = np.clip(np.rint(np.asarray(image, dtype=np.float32) * (255.0 / vmax)), 0, 255).astype(np.uint8)
     img = Image.fromarray(pixels, mode="L")

@@ -5,8 +5,7 @@ group (safe twice), stopped at interpreter exit, a context manager, its log's ta
 A subclass says what differs: its command line (``_command``), its readiness probe (``_ready_url``), what it sets up
 before a start (``_prepare``) and the words of its errors (``error``, ``_failure``). Triton, nginx, Prometheus and
 MLflow run as processes; an exporter served from a thread overrides the process hooks (``_start_once``, ``alive``,
-``_cleanup``).
-"""
+``_cleanup``)."""
 
 from __future__ import annotations
 

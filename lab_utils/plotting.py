@@ -2,8 +2,7 @@
 (``lab_utils.gpu.bench_plots`` for lab 01, ...); each takes a frame from a lab helper and returns a matplotlib Figure.
 
 matplotlib is imported inside the functions, and no backend is forced: in a notebook the inline
-backend shows the figure; tests select Agg themselves. Pass ``ax`` to draw into an existing axes.
-"""
+backend shows the figure; tests select Agg themselves. Pass ``ax`` to draw into an existing axes."""
 
 from __future__ import annotations
 
@@ -27,8 +26,7 @@ def require_columns(df: Any, columns: set[str], where: str, made_by: str) -> Non
     """Raise a ValueError naming ``where`` and ``made_by`` unless ``df`` is a frame with ``columns``."""
     if not isinstance(df, pd.DataFrame):
         raise ValueError(f"{where}(df=...): expected the frame {made_by} returns, not {type(df).__name__}")
-    missing = columns - set(df.columns)
-    if missing:
+    if missing := columns - set(df.columns):
         raise ValueError(f"{where}(df=...): missing columns {sorted(missing)}; pass what {made_by} returns")
 
 

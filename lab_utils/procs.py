@@ -3,8 +3,7 @@
 Used by every server a lab starts (Triton, Prometheus) and by the distributed launcher's workers.
 Processes and ports are read through psutil; PR_SET_PDEATHSIG is Linux only (elsewhere a no-op).
 Also the course's one reader of environment variables (``env_flag``, ``env_int``, ``env_url``: a bad value is an
-``EnvError`` naming the variable and the form expected) and its one HTTP probe (``http_ok``, ``check_service``).
-"""
+``EnvError`` naming the variable and the form expected) and its one HTTP probe (``http_ok``, ``check_service``)."""
 
 from __future__ import annotations
 
@@ -20,6 +19,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -69,8 +69,7 @@ def _env(name: str) -> str:
 
 def env_flag(name: str, default: bool = False) -> bool:
     """``$name`` as a yes/no switch: 1/true/yes or 0/false/no (any case); ``default`` when unset or empty."""
-    raw = _env(name)
-    if not raw:
+    if not (raw := _env(name)):
         return default
     if raw.lower() in TRUE_WORDS:
         return True
@@ -81,8 +80,7 @@ def env_flag(name: str, default: bool = False) -> bool:
 
 def env_int(name: str, default: int | None = None, minimum: int | None = None) -> int | None:
     """``$name`` as an integer (>= ``minimum`` when given); ``default`` when unset or empty."""
-    raw = _env(name)
-    if not raw:
+    if not (raw := _env(name)):
         return default
     try:
         value = int(raw)
@@ -116,8 +114,7 @@ def check_url(value: str, name: str, *, default_port: int | None = None,
         port = parts.port
     except ValueError:
         raise bad(f"the port {parts.netloc.rsplit(':', 1)[-1]!r} is not a number from 1 to 65535") from None
-    port = port or default_port
-    if not port:
+    if not (port := port or default_port):
         raise bad("no port")
     if parts.query or parts.fragment or (parts.path.strip("/") and not path_ok):
         raise bad(f"nothing may follow the port, got {text[text.index(parts.netloc) + len(parts.netloc):]!r}")
@@ -149,15 +146,10 @@ def pid_alive(pid: int) -> bool:
 def stale_tempdirs(root: Path | None = None) -> list[Path]:
     """The course's temporary folders whose owning process is gone (killed outright: no exit handler ran).
 
-    Only names of the form ``nvlab-<what>-<pid>-<random>`` count.
-    """
+    Only names of the form ``nvlab-<what>-<pid>-<random>`` count."""
     root = root or Path(tempfile.gettempdir())
-    out = []
-    for path in root.glob(f"{TEMP_PREFIX}*"):
-        m = _OWNED_NAME.match(path.name)
-        if m and path.is_dir() and not path.is_symlink() and not pid_alive(int(m.group(1))):
-            out.append(path)
-    return sorted(out)
+    return sorted(path for path in root.glob(f"{TEMP_PREFIX}*") if (m := _OWNED_NAME.match(path.name))
+                  and path.is_dir() and not path.is_symlink() and not pid_alive(int(m.group(1))))
 
 
 def _started_at(pid: int) -> float | None:
@@ -183,11 +175,9 @@ def python_env_unowned(folder: Path) -> bool:
 def stale_python_envs(root: Path = Path("/tmp")) -> list[Path]:
     """Empty ``python_env_*`` folders that no running Triton can own.
 
-    Triton's python backend makes one at a fixed path (``/tmp/python_env_XXXXXX``, not configurable) when it
-    loads, and removes it only on a clean shutdown. A folder holding only the course's owner mark whose
-    ``tritonserver`` is gone is stale (a killed kernel's servers), and so is an empty one older than every
-    running ``tritonserver``.
-    """
+    Triton's python backend makes one at a fixed path (``/tmp/python_env_XXXXXX``, not configurable) when it loads, and
+    removes it only on a clean shutdown. A folder holding only the course's owner mark whose ``tritonserver`` is gone is
+    stale (a killed kernel's servers), and so is an empty one older than every running ``tritonserver``."""
     out = []
     for path in root.glob("python_env_*"):  # the course's servers mark their folder with their pid
         with contextlib.suppress(OSError):
@@ -224,8 +214,7 @@ def owned_tempdir(what: str, at_exit: bool = True) -> Path:
     """A new temporary folder ``nvlab-<what>-<pid>-<random>``, removed at this interpreter's exit (``at_exit``).
 
     A process killed outright runs no exit handler, so each call first sweeps the folders of dead owners: the
-    next run of anything in the course cleans up after a killed kernel.
-    """
+    next run of anything in the course cleans up after a killed kernel."""
     if not re.fullmatch(r"[a-z][a-z0-9_]*(-[a-z][a-z0-9_]*)*", what):
         raise ValueError(f"owned_tempdir({what!r}): use lowercase words joined by '-', e.g. 'triton-log'")
     sweep_stale_tempdirs()
@@ -243,6 +232,20 @@ def temporary_folder(what: str) -> Iterator[Path]:
         yield folder
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def writable_problem(folder: Path, option: str) -> str | None:
+    """Why ``folder`` cannot be created and written (one line naming it), or None; it exists afterwards."""
+    try:
+        if folder.exists() and not folder.is_dir():
+            return f"{option} {folder}: that is a file, not a folder: pass a folder you can write"
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as err:
+        why = err.strerror or err
+        return f"{option} {folder}: cannot create or write this folder ({why}): pass a folder you can write"
+    return None
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -288,12 +291,9 @@ def port_free(port: int, host: str = "127.0.0.1") -> bool:
 def die_with_parent() -> None:
     """Linux: ask the kernel to SIGKILL this process when its parent dies, so nothing is orphaned.
 
-    Call it in the child (``preexec_fn``, or first thing in a worker). The kernel delivers the signal when
-    the parent *thread* that forked the child exits, which is why :func:`popen_owned` forks from one
-    long-lived thread.
-    """
-    prctl = _prctl()
-    if prctl is not None:
+    Call it in the child (``preexec_fn``, or first thing in a worker). The kernel delivers the signal when the parent
+    *thread* that forked the child exits, which is why :func:`popen_owned` forks from one long-lived thread."""
+    if (prctl := _prctl()) is not None:
         prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
@@ -301,8 +301,7 @@ def die_with(pid: int) -> None:
     """SIGKILL this process when process ``pid`` exits (a pidfd watched by a daemon thread; Linux >= 5.3).
 
     For a child whose parent is not its owner: a rank forked by multiprocessing's forkserver has the forkserver as
-    its parent, and the forkserver outlives a killed kernel while its ranks hold the kernel's end of its pipe.
-    """
+    its parent, and the forkserver outlives a killed kernel while its ranks hold the kernel's end of its pipe."""
     try:
         fd = os.pidfd_open(pid)
     except ProcessLookupError:  # gone already
@@ -361,10 +360,8 @@ def _in_spawner(fn: Callable[[], Any]) -> Any:
 def popen_owned(argv: list[str], **kwargs: Any) -> subprocess.Popen:
     """``subprocess.Popen`` in a new session (its own process group) that dies with this interpreter.
 
-    The fork happens in one long-lived daemon thread: PR_SET_PDEATHSIG fires when the *thread* that forked
-    the child ends, so a server started from a short-lived thread (a callback, a thread pool) must not be
-    forked there.
-    """
+    The fork happens in one long-lived daemon thread: PR_SET_PDEATHSIG fires when the *thread* that forked the child
+    ends, so a server started from a short-lived thread (a callback, a thread pool) must not be forked there."""
     kwargs.setdefault("start_new_session", True)
     _prctl()
     kwargs["preexec_fn"] = die_with_parent
@@ -385,29 +382,22 @@ def stop_group(proc: subprocess.Popen, grace_s: float = 10.0, kill_wait_s: float
     """SIGTERM the process group of ``proc``, SIGKILL what is left after ``grace_s``; wait until it is empty.
 
     Safe to call twice and on a process that already exited (its orphaned children are still reaped by
-    the group kill). Returns the leader's exit code.
-    """
+    the group kill). Returns the leader's exit code."""
     pgid = proc.pid  # start_new_session: the leader's pid is the group id
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pgid, signal.SIGTERM)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            pass
     deadline = time.monotonic() + kill_wait_s
     while True:
         members = group_members(pgid)
         if proc.poll() is None or members:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pgid, signal.SIGKILL)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=0.05)
-        except subprocess.TimeoutExpired:
-            pass
-        if proc.poll() is not None and not group_members(pgid):
-            return proc.returncode
-        if time.monotonic() > deadline:
+        if (proc.poll() is not None and not group_members(pgid)) or time.monotonic() > deadline:
             return proc.returncode
 
 
@@ -416,8 +406,7 @@ def http_ok(url: str, timeout_s: float = 2.0, check: Callable[[bytes], bool] | N
 
     What happened is ``"HTTP <status>"`` whenever an HTTP answer came (``"HTTP 200, unexpected body ..."`` when
     ``check(body)`` refuses it), else the failure's name: ``ConnectionRefusedError``, ``TimeoutError``,
-    ``gaierror`` (unknown host), ``BadStatusLine`` (something that does not speak HTTP)...
-    """
+    ``gaierror`` (unknown host), ``BadStatusLine`` (something that does not speak HTTP)..."""
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as r:
             status = r.status
@@ -452,8 +441,7 @@ def check_service(url: str, path: str, looks_right: Callable[[bytes], bool], wha
     nothing answers).
 
     An HTTP answer that is not ``what``'s is reported at once; no answer at all (refused, timed out) and HTTP 503
-    (starting) are retried for ``wait_s`` seconds first, for a server still starting.
-    """
+    (starting) are retried for ``wait_s`` seconds first, for a server still starting."""
     where = urllib.parse.urlsplit(url).netloc or url
     src = f" ({env})" if env else ""
     deadline = time.monotonic() + wait_s
@@ -488,13 +476,10 @@ def wait_http_ok(url: str, proc: subprocess.Popen | None, timeout_s: float, poll
 
     Returns True when ready, False when ``proc`` exited first or ``give_up()`` says the start has failed
     (a fatal line in the log, say); raises ``TimeoutError`` after ``timeout_s``. The pause between tries is a
-    wait on the process itself, so an exit is noticed at once.
-    """
+    wait on the process itself, so an exit is noticed at once."""
     deadline = time.monotonic() + timeout_s
     while True:
-        if proc is not None and proc.poll() is not None:
-            return False
-        if give_up is not None and give_up():
+        if (proc is not None and proc.poll() is not None) or (give_up is not None and give_up()):
             return False
         if http_ok(url, timeout_s=1.0)[0]:
             return True
@@ -511,15 +496,10 @@ def tail(path: Path | str | None, n: int = 40) -> str:
     """The last ``n`` lines of a text file ('' when there is none)."""
     if path is None:
         return ""
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - 256 * 1024))
-            text = f.read().decode("utf-8", errors="replace")
-    except OSError:
-        return ""
-    return "\n".join(text.splitlines()[-n:])
+    with contextlib.suppress(OSError), open(path, "rb") as f:
+        f.seek(max(0, f.seek(0, os.SEEK_END) - 256 * 1024))  # seek returns where it went: the end is the size
+        return "\n".join(f.read().decode("utf-8", errors="replace").splitlines()[-n:])
+    return ""
 
 
 # --- a watchdog for a process group: what PR_SET_PDEATHSIG cannot reach ---------------------------------------
@@ -556,12 +536,9 @@ class GroupWatchdog:
     """Ends a process group and removes ``folder`` if this interpreter dies without stopping them.
 
     Start it before the group, ``arm(pgid)`` once the group's leader runs (``start_new_session=True``), and
-    ``disarm()`` after stopping the group yourself. ``term_s``/``kill_s``: seconds to wait after SIGTERM, SIGKILL.
-    """
+    ``disarm()`` after stopping the group yourself. ``term_s``/``kill_s``: seconds to wait after SIGTERM, SIGKILL."""
 
     def __init__(self, folder: str | os.PathLike[str], term_s: float = 1.0, kill_s: float = 2.0):
-        import sys
-
         read_fd, write_fd = os.pipe()  # close-on-exec: no other child inherits the owner's end
         try:
             self.proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _GROUP_WATCHDOG, str(folder), str(term_s),

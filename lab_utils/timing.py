@@ -2,11 +2,11 @@
 
 GPU work is asynchronous: a host clock read right after a launch measures the launch, not the work.
 On a CUDA device each repetition is bracketed by CUDA events and the stream is synchronized once at the
-end; on the CPU ``time.perf_counter`` brackets each repetition. All times are milliseconds.
-"""
+end; on the CPU ``time.perf_counter`` brackets each repetition. All times are milliseconds."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import platform
@@ -79,23 +79,13 @@ class Timing:
 
     def summary(self) -> dict[str, Any]:
         """Plain values for a table row."""
-        return {
-            "name": self.name,
-            "device": self.device,
-            "reps": self.reps,
-            "median_ms": self.median_ms,
-            "mean_ms": self.mean_ms,
-            "min_ms": self.min_ms,
-            "p10_ms": self.p10_ms,
-            "p90_ms": self.p90_ms,
-            "spread": self.spread,
-        }
+        return {"name": self.name, "device": self.device, "reps": self.reps, "median_ms": self.median_ms,
+                "mean_ms": self.mean_ms, "min_ms": self.min_ms, "p10_ms": self.p10_ms, "p90_ms": self.p90_ms,
+                "spread": self.spread}
 
     def __str__(self) -> str:
-        return (
-            f"{self.name}: median {self.median_ms:.4g} ms (p10 {self.p10_ms:.4g}, p90 {self.p90_ms:.4g}, "
-            f"min {self.min_ms:.4g}; {self.reps} reps on {self.device})"
-        )
+        return (f"{self.name}: median {self.median_ms:.4g} ms (p10 {self.p10_ms:.4g}, p90 {self.p90_ms:.4g}, "
+                f"min {self.min_ms:.4g}; {self.reps} reps on {self.device})")
 
 
 def matmul_flops(m: int, n: int, k: int) -> int:
@@ -130,33 +120,22 @@ def _resolve_device(device: Any) -> str:
 
 def _check_args(fn: Any, reps: Any, warmup: Any) -> None:
     if not callable(fn):
-        raise TypeError(
-            f"benchmark(fn=...): fn must be callable, got {type(fn).__name__} {fn!r}; "
-            "pass the work itself, for example benchmark(lambda: a @ b)"
-        )
+        raise TypeError(f"benchmark(fn=...): fn must be callable, got {type(fn).__name__} {fn!r}; "
+                        "pass the work itself, for example benchmark(lambda: a @ b)")
     if isinstance(reps, bool) or not isinstance(reps, int) or reps < 1:
         raise ValueError(f"benchmark(reps={reps!r}): reps must be an integer >= 1 (the number of timed runs)")
     if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
         raise ValueError(f"benchmark(warmup={warmup!r}): warmup must be an integer >= 0")
 
 
-def benchmark(
-    fn: Callable[[], Any],
-    *,
-    reps: int = 20,
-    warmup: int = 3,
-    device: Any = "auto",
-    flush_l2: bool = False,
-    flush_bytes: int = L2_FLUSH_BYTES,
-    name: str | None = None,
-) -> Timing:
+def benchmark(fn: Callable[[], Any], *, reps: int = 20, warmup: int = 3, device: Any = "auto", flush_l2: bool = False,
+              flush_bytes: int = L2_FLUSH_BYTES, name: str | None = None) -> Timing:
     """Time ``fn()`` ``reps`` times after ``warmup`` untimed calls; returns per-repetition ms.
 
     On CUDA: a start and an end event around each call, one synchronize after the loop, so the
     host never waits between repetitions. With ``flush_l2`` a buffer of ``flush_bytes`` is
     overwritten before each repetition, outside the timed region, so every repetition starts
-    with a cold cache (kernel-level numbers). On the CPU the same flush evicts the last-level cache.
-    """
+    with a cold cache (kernel-level numbers). On the CPU the same flush evicts the last-level cache."""
     _check_args(fn, reps, warmup)
     dev = _resolve_device(device)
     label = name or getattr(fn, "__name__", "fn")
@@ -204,15 +183,9 @@ def _time_cpu(fn: Callable[[], Any], reps: int, warmup: int, flush: bool, nbytes
 def run_header(device: str = "auto") -> dict[str, Any]:
     """What a number depends on: device, driver, library versions, threads and relevant environment."""
     dev = _resolve_device(device)
-    head: dict[str, Any] = {
-        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "host": platform.node(),
-        "python": platform.python_version(),
-        "cpu": cpu_model(),
-        "cpu_threads": os.cpu_count(),
-        "device": "cpu",
-        "numpy": np.__version__,
-    }
+    head: dict[str, Any] = {"time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "host": platform.node(),
+                            "python": platform.python_version(), "cpu": cpu_model(), "cpu_threads": os.cpu_count(),
+                            "device": "cpu", "numpy": np.__version__}
     try:
         import torch
 
@@ -249,13 +222,11 @@ def _driver_version() -> str | None:
 
 def cpu_model() -> str:
     """The CPU's model name (from /proc/cpuinfo on Linux)."""
-    try:  # /proc, not psutil: psutil does not give the CPU's model name
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
+    # /proc, not psutil: psutil does not give the CPU's model name
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
     return platform.processor() or platform.machine()
 
 
@@ -273,3 +244,21 @@ def sync(device: str) -> None:
         import torch  # only CUDA devices get here, and they imply torch
 
         torch.cuda.synchronize(device)
+
+
+def cuda_graph(fn: Callable[[], Any], warmup: int = 3) -> tuple[Any, Any]:
+    """``fn`` captured in a ``torch.cuda.CUDAGraph`` after ``warmup`` calls on a side stream, as the torch docs require
+    (lazy initialisation must not happen during capture): ``(graph, what the captured call returned)``. The capture
+    records ``fn``'s kernels, it does not run them; ``graph.replay()`` does, on the memory of the capture."""
+    import torch  # only CUDA devices get here, and they imply torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out

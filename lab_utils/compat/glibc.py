@@ -6,18 +6,17 @@ ships a wheel for an older glibc.
 machine and ``start_failure_note`` why a binary that names a missing ``GLIBC_`` cannot start. Both end up in
 ``lab_utils.serving.load.perf_analyzer_status``'s reasons.
 
-Design notes: docs/internals.md#lab_utilscompatglibcpy
-"""
+Design notes: docs/internals.md#lab_utilscompatglibcpy"""
 
 from __future__ import annotations
+
+import platform
 
 PERF_ANALYZER_GLIBC = (2, 38)  # the perf-analyzer wheel's platform tag: manylinux_2_38
 
 
 def glibc_version() -> tuple[int, int] | None:
     """The C library's version, e.g. (2, 36); None where it is not glibc (musl, macOS)."""
-    import platform
-
     lib, version = platform.libc_ver()
     if lib != "glibc" or not version:
         return None

@@ -6,13 +6,14 @@ server: a venv of this Python holding only NumPy 1, with this venv's packages af
 to ``lab_utils.serving.ensemble`` (None where the server needs none); ``python -m lab_utils.compat.numpy1_env``
 builds it once (``./course`` does).
 
-Design notes: docs/internals.md#lab_utilscompatnumpy1_envpy
-"""
+Design notes: docs/internals.md#lab_utilscompatnumpy1_envpy"""
 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -60,8 +61,6 @@ def build_stub_env(path: str | Path | None = None, numpy_spec: str = STUB_NUMPY,
     """The python backend's execution environment (``EXECUTION_ENV_PATH``), built once: a venv of this Python
     holding only NumPy 1 (pip, from the package index) and a ``.pth`` line that adds this venv's packages after it
     (Pillow, ONNX Runtime). Triton sources its ``bin/activate`` before it starts the stub. Returns its folder."""
-    import fcntl
-
     path = Path(path or default_stub_env())
     if stub_env_ready(path):
         return path
@@ -74,8 +73,6 @@ def build_stub_env(path: str | Path | None = None, numpy_spec: str = STUB_NUMPY,
 
 
 def _build_stub_env(path: Path, numpy_spec: str, timeout_s: float) -> None:
-    import shutil
-
     shutil.rmtree(path, ignore_errors=True)  # a half-built one (interrupted): start again
     # Built where it stays: bin/activate holds the venv's own path, which a rename would leave pointing nowhere.
     try:
@@ -112,10 +109,9 @@ def stub_env(source: Source | None, *, build: bool = False) -> Path | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m lab_utils.compat.numpy1_env``: build the python backend's NumPy-1 environment."""
-    parser = argparse.ArgumentParser(
-        prog="python -m lab_utils.compat.numpy1_env",
-        description=f"Build {default_stub_env()} ({STUB_NUMPY} for the pytriton wheel's Triton python backend) once, "
-                    "and print its path as JSON.")
+    parser = argparse.ArgumentParser(prog="python -m lab_utils.compat.numpy1_env",
+                                     description=f"Build {default_stub_env()} ({STUB_NUMPY} for the pytriton wheel's "
+                                     "Triton python backend) once, and print its path as JSON.")
     parser.parse_args(argv)
     print(json.dumps({"stub_env": str(build_stub_env())}))
     return 0

@@ -6,8 +6,7 @@ that mypy reads as shipped (``trt_check`` then puts the installed package on ``M
 ``.pyi`` files. ``lab_utils.inference.trt_check.repaired_stubs`` finds the installed stubs and keeps the copy in
 the course cache, one folder per stubs version and ``REVISION``.
 
-Design notes: docs/internals.md#lab_utilscompattensorrt_stubspy
-"""
+Design notes: docs/internals.md#lab_utilscompattensorrt_stubspy"""
 
 from __future__ import annotations
 
@@ -42,8 +41,7 @@ def repair_stub_line(line: str) -> str:
     default after defaulted ones. Rename the first, give the second ``= ...``. And a parameter typed ``Dims``
     also takes a tuple or list of ints, as the runtime does (``profile.set_shape(name, (1, 3, 8, 8), ...)``)."""
     line = re.sub(r"([(,]\s*)in(\s*:)", r"\1in_\2", line)
-    m = re.match(r"^(\s*def \w+\()(.*)(\)\s*->.*:\s*)$", line)
-    if not m:
+    if not (m := re.match(r"^(\s*def \w+\()(.*)(\)\s*->.*:\s*)$", line)):
         return line
     params, defaulted = _split_params(m.group(2)), False
     for i, p in enumerate(params):
@@ -73,8 +71,7 @@ def write_repaired(stubs: Iterable[PackagePath], final: Path, *, replace: bool =
     Syntax repaired, the module-level ``bool`` DataType (which shadows the builtin in every annotation)
     renamed, the import of the runtime-only ``tensorrt_libs`` dropped, and two runtime conversions the
     stubs leave out allowed (a tuple for ``Dims``, iterating a ``Dims``). The API surface is otherwise
-    unchanged. Written beside ``final`` and renamed into place; ``replace``: an existing ``final`` is replaced.
-    """
+    unchanged. Written beside ``final`` and renamed into place; ``replace``: an existing ``final`` is replaced."""
     final.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".stubs-", dir=final.parent))
     try:

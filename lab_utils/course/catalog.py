@@ -18,18 +18,17 @@ class Lab:
         return f"{self.number}_{self.slug}.ipynb"
 
 
-LABS: tuple[Lab, ...] = (
-    Lab("00", "environment", "Environment and driver", ("nvml",)),
-    Lab("01", "cuda_timing", "CUDA and cuBLAS timing", ("torch-cuda",)),
-    Lab("02", "nccl_ddp", "NCCL and multi-GPU training", ("torch-cuda", "nccl", "2 GPUs")),
-    Lab("03", "tensorrt", "TensorRT optimization", ("torch-cuda", "tensorrt", "modelopt")),
-    Lab("04", "triton", "Triton serving", ("torch-cuda", "tritonserver")),
-    Lab("05", "monitoring", "Monitoring and operations", ("tritonserver", "prometheus")),
-    Lab("06", "profiling", "Profiling and diagnosing", ("torch-cuda", "ncu")),
-    Lab("07", "service", "Capstone: the image-classification service", ("tritonserver", "nginx", "prometheus")),
-    Lab("08", "mlops", "The MLOps lifecycle", ("tritonserver", "nginx", "prometheus", "mlflow")),
-    Lab("09", "exam_review", "The stack map and exam review", ("torch-cuda",)),
-)
+LABS: tuple[Lab, ...] = (Lab("00", "environment", "Environment and driver", ("nvml",)),
+                         Lab("01", "cuda_timing", "CUDA and cuBLAS timing", ("torch-cuda",)),
+                         Lab("02", "nccl_ddp", "NCCL and multi-GPU training", ("torch-cuda", "nccl", "2 GPUs")),
+                         Lab("03", "tensorrt", "TensorRT optimization", ("torch-cuda", "tensorrt", "modelopt")),
+                         Lab("04", "triton", "Triton serving", ("torch-cuda", "tritonserver")),
+                         Lab("05", "monitoring", "Monitoring and operations", ("tritonserver", "prometheus")),
+                         Lab("06", "profiling", "Profiling and diagnosing", ("torch-cuda", "ncu")),
+                         Lab("07", "service", "Capstone: the image-classification service",
+                             ("tritonserver", "nginx", "prometheus")),
+                         Lab("08", "mlops", "The MLOps lifecycle", ("tritonserver", "nginx", "prometheus", "mlflow")),
+                         Lab("09", "exam_review", "The stack map and exam review", ("torch-cuda",)))
 
 
 def repo_root() -> Path:

@@ -3,8 +3,7 @@ the programs the course runs are (``find_prometheus``, ``find_trtexec``, ``find_
 ``find_jupyter_lab``: a path, or None).
 
 NVML (``nvidia-ml-py``) is the primary source; ``nvidia-smi`` CSV is the fallback; with neither the
-report says why and every lab runs in its CPU tier. Nothing here raises on a machine without a GPU.
-"""
+report says why and every lab runs in its CPU tier. Nothing here raises on a machine without a GPU."""
 
 from __future__ import annotations
 
@@ -36,11 +35,9 @@ REQUIRED = ("numpy", "pandas", "matplotlib", "torch", "papermill", "nbformat", "
 # NVML topology levels -> the abbreviations `nvidia-smi topo -m` prints.
 _TOPO_LEVEL = {0: "X", 10: "PIX", 20: "PXB", 30: "PHB", 40: "NODE", 50: "SYS"}
 
-_SMI_FIELDS = (
-    "index,name,uuid,pci.bus_id,compute_cap,memory.total,clocks.max.sm,clocks.max.mem,power.limit,"
-    "pcie.link.gen.current,pcie.link.width.current,pcie.link.gen.max,pcie.link.width.max,"
-    "mig.mode.current,ecc.mode.current,driver_version"
-)
+_SMI_FIELDS = ("index,name,uuid,pci.bus_id,compute_cap,memory.total,clocks.max.sm,clocks.max.mem,power.limit,"
+               "pcie.link.gen.current,pcie.link.width.current,pcie.link.gen.max,pcie.link.width.max,"
+               "mig.mode.current,ecc.mode.current,driver_version")
 
 
 @dataclass
@@ -131,8 +128,7 @@ def parse_smi_header(text: str) -> dict[str, str | None]:
 def _num(text: str | None, kind: type = int) -> Any:
     if text is None:
         return None
-    t = text.strip().split(" ")[0]
-    if t in ("", "[N/A]", "N/A", "[Not Supported]", "Not", "[Unknown"):
+    if (t := text.strip().split(" ")[0]) in ("", "[N/A]", "N/A", "[Not Supported]", "Not", "[Unknown"):
         return None
     try:
         return kind(float(t)) if kind is int else kind(t)
@@ -156,33 +152,23 @@ def parse_smi_csv(text: str) -> list[GpuInfo]:
     gpus = []
     for i, row in enumerate(rows):
         f = {h: c.strip() for h, c in zip(header, row, strict=False)}
-        gpus.append(
-            GpuInfo(
-                index=_num(f.get("index")) if f.get("index") else i,
-                name=f.get("name", "?"),
-                uuid=f.get("uuid"),
-                bus_id=f.get("pci.bus_id"),
-                compute_capability=f.get("compute_cap"),
-                memory_total_mib=_num(f.get("memory.total")),
-                max_sm_clock_mhz=_num(f.get("clocks.max.sm")),
-                max_mem_clock_mhz=_num(f.get("clocks.max.mem")),
-                power_limit_w=_num(f.get("power.limit"), float),
-                pcie_gen=_num(f.get("pcie.link.gen.current")),
-                pcie_width=_num(f.get("pcie.link.width.current")),
-                pcie_gen_max=_num(f.get("pcie.link.gen.max")),
-                pcie_width_max=_num(f.get("pcie.link.width.max")),
-                mig_mode=_mode(f.get("mig.mode.current")),
-                ecc_mode=_mode(f.get("ecc.mode.current")),
-            )
-        )
+        gpus.append(GpuInfo(index=_num(f.get("index")) if f.get("index") else i, name=f.get("name", "?"),
+                            uuid=f.get("uuid"), bus_id=f.get("pci.bus_id"), compute_capability=f.get("compute_cap"),
+                            memory_total_mib=_num(f.get("memory.total")), max_sm_clock_mhz=_num(f.get("clocks.max.sm")),
+                            max_mem_clock_mhz=_num(f.get("clocks.max.mem")),
+                            power_limit_w=_num(f.get("power.limit"), float),
+                            pcie_gen=_num(f.get("pcie.link.gen.current")),
+                            pcie_width=_num(f.get("pcie.link.width.current")),
+                            pcie_gen_max=_num(f.get("pcie.link.gen.max")),
+                            pcie_width_max=_num(f.get("pcie.link.width.max")),
+                            mig_mode=_mode(f.get("mig.mode.current")), ecc_mode=_mode(f.get("ecc.mode.current"))))
     return gpus
 
 
 def parse_topology(text: str) -> dict[str, Any]:
     """The device matrix of ``nvidia-smi topo -m``: labels (GPU0, NIC0, ...) and cells (X, NV18, PIX, SYS...)."""
     lines = [ln.rstrip() for ln in text.splitlines() if ln.strip()]
-    header_i = next((i for i, ln in enumerate(lines) if re.match(r"^\s+(GPU|NIC)\d", ln)), None)
-    if header_i is None:
+    if (header_i := next((i for i, ln in enumerate(lines) if re.match(r"^\s+(GPU|NIC)\d", ln)), None)) is None:
         raise ValueError("no topology matrix found: expected the output of `nvidia-smi topo -m`")
     labels = [t for t in lines[header_i].split() if re.fullmatch(r"(GPU|NIC)\d+", t)]
     matrix = []
@@ -222,8 +208,7 @@ _NVML_WHY = {
     "NO_PERMISSION": "no permission to open /dev/nvidia*: run as a user in the video group, or fix the "
     "container's device mounts",
     "LIB_RM_VERSION_MISMATCH": "the driver library and the loaded kernel module differ in version: reboot "
-    "after the driver update (or reload the nvidia modules)",
-}
+    "after the driver update (or reload the nvidia modules)"}
 
 
 def _nvml_error_text(err: Exception) -> str:
@@ -273,30 +258,23 @@ def _probe_nvml(notes: list[str]) -> tuple[str | None, str | None, list[GpuInfo]
             pci = opt(pynvml.nvmlDeviceGetPciInfo, h)
             links = 0
             for link in range(pynvml.NVML_NVLINK_MAX_LINKS):
-                state = opt(pynvml.nvmlDeviceGetNvLinkState, h, link)
-                if state is None:
+                if (state := opt(pynvml.nvmlDeviceGetNvLinkState, h, link)) is None:
                     break
                 links += int(state == pynvml.NVML_FEATURE_ENABLED)
-            gpus.append(
-                GpuInfo(
-                    index=i,
-                    name=nvml_text(pynvml.nvmlDeviceGetName(h)),
-                    uuid=nvml_text(opt(pynvml.nvmlDeviceGetUUID, h)),
-                    bus_id=nvml_text(pci.busId) if pci else None,
-                    compute_capability=f"{cc[0]}.{cc[1]}" if cc else None,
-                    memory_total_mib=mem.total // 2**20 if mem else None,
-                    max_sm_clock_mhz=opt(pynvml.nvmlDeviceGetMaxClockInfo, h, pynvml.NVML_CLOCK_SM),
-                    max_mem_clock_mhz=opt(pynvml.nvmlDeviceGetMaxClockInfo, h, pynvml.NVML_CLOCK_MEM),
-                    power_limit_w=power / 1000 if power else None,
-                    pcie_gen=opt(pynvml.nvmlDeviceGetCurrPcieLinkGeneration, h),
-                    pcie_width=opt(pynvml.nvmlDeviceGetCurrPcieLinkWidth, h),
-                    pcie_gen_max=opt(pynvml.nvmlDeviceGetMaxPcieLinkGeneration, h),
-                    pcie_width_max=opt(pynvml.nvmlDeviceGetMaxPcieLinkWidth, h),
-                    nvlinks_active=links,
-                    mig_mode=None if mig is None else ("enabled" if mig[0] else "disabled"),
-                    ecc_mode=None if ecc is None else ("enabled" if ecc[0] else "disabled"),
-                )
-            )
+            gpus.append(GpuInfo(index=i, name=nvml_text(pynvml.nvmlDeviceGetName(h)),
+                                uuid=nvml_text(opt(pynvml.nvmlDeviceGetUUID, h)),
+                                bus_id=nvml_text(pci.busId) if pci else None,
+                                compute_capability=f"{cc[0]}.{cc[1]}" if cc else None,
+                                memory_total_mib=mem.total // 2**20 if mem else None,
+                                max_sm_clock_mhz=opt(pynvml.nvmlDeviceGetMaxClockInfo, h, pynvml.NVML_CLOCK_SM),
+                                max_mem_clock_mhz=opt(pynvml.nvmlDeviceGetMaxClockInfo, h, pynvml.NVML_CLOCK_MEM),
+                                power_limit_w=power / 1000 if power else None,
+                                pcie_gen=opt(pynvml.nvmlDeviceGetCurrPcieLinkGeneration, h),
+                                pcie_width=opt(pynvml.nvmlDeviceGetCurrPcieLinkWidth, h),
+                                pcie_gen_max=opt(pynvml.nvmlDeviceGetMaxPcieLinkGeneration, h),
+                                pcie_width_max=opt(pynvml.nvmlDeviceGetMaxPcieLinkWidth, h), nvlinks_active=links,
+                                mig_mode=None if mig is None else ("enabled" if mig[0] else "disabled"),
+                                ecc_mode=None if ecc is None else ("enabled" if ecc[0] else "disabled")))
         topo = None
         if len(handles) > 1:
             labels = [f"GPU{g.index}" for g in gpus]
@@ -320,18 +298,15 @@ def _probe_nvml(notes: list[str]) -> tuple[str | None, str | None, list[GpuInfo]
 
 
 def _probe_smi(notes: list[str]) -> tuple[str | None, str | None, list[GpuInfo], dict[str, Any] | None] | None:
-    smi = shutil.which("nvidia-smi")
-    if not smi:
+    if not (smi := shutil.which("nvidia-smi")):
         notes.append("nvidia-smi is not on the PATH: no NVIDIA driver tools on this machine")
         return None
-    text = _run([smi, f"--query-gpu={_SMI_FIELDS}", "--format=csv,noheader,nounits"])
-    if text is None:
+    if (text := _run([smi, f"--query-gpu={_SMI_FIELDS}", "--format=csv,noheader,nounits"])) is None:
         notes.append("nvidia-smi is present but failed: the driver is not working (try `nvidia-smi` in a shell)")
         return None
     gpus = parse_smi_csv(text)
     header = parse_smi_header(_run([smi]) or "")
-    driver = header["driver_version"]
-    if driver is None:
+    if (driver := header["driver_version"]) is None:
         row = next(csv.reader(io.StringIO(text)), [])
         driver = row[-1].strip() if row else None
     topo = None
@@ -350,15 +325,8 @@ def _probe_torch(notes: list[str]) -> dict[str, Any] | None:
     except ImportError:
         notes.append("torch is not installed: pip install torch (not inside an NGC image, which has its own)")
         return None
-    info: dict[str, Any] = {
-        "version": torch.__version__,
-        "cuda": torch.version.cuda,
-        "cudnn": None,
-        "nccl": None,
-        "cuda_available": False,
-        "device_count": 0,
-        "arch_list": [],
-    }
+    info: dict[str, Any] = {"version": torch.__version__, "cuda": torch.version.cuda, "cudnn": None, "nccl": None,
+                            "cuda_available": False, "device_count": 0, "arch_list": []}
     if torch.version.cuda:
         info["cuda_available"] = torch.cuda.is_available()
         info["device_count"] = torch.cuda.device_count() if info["cuda_available"] else 0
@@ -410,8 +378,7 @@ TRTEXEC_CANDIDATES: tuple[Path, ...] = (Path("/opt/tensorrt/bin/trtexec"), Path(
 def find_trtexec() -> str | None:
     """The ``trtexec`` executable: on the PATH, else the first of ``TRTEXEC_CANDIDATES`` that is an executable
     file; None when there is none (no TensorRT here, or a TensorRT installed as Python wheels only)."""
-    on_path = shutil.which("trtexec")
-    if on_path:
+    if on_path := shutil.which("trtexec"):
         return on_path
     return next((str(p) for p in TRTEXEC_CANDIDATES if p.is_file() and os.access(p, os.X_OK)), None)
 
@@ -452,9 +419,7 @@ def find_perf_analyzer() -> str | None:
 def find_jupyter_lab() -> str | None:
     """``jupyter-lab`` beside this interpreter (a venv used without activating it), else on PATH."""
     here = Path(sys.executable).parent / "jupyter-lab"  # not resolved: a venv's python is a symlink
-    if here.is_file() and os.access(here, os.X_OK):
-        return str(here)
-    return shutil.which("jupyter-lab")
+    return str(here) if here.is_file() and os.access(here, os.X_OK) else shutil.which("jupyter-lab")
 
 
 def pytriton_server() -> Path | None:
@@ -470,8 +435,7 @@ def tensorrt_runtime_present() -> bool:
     """True when ``import tensorrt`` gives the real runtime, not the stub-only namespace package.
 
     ``tensorrt-stubs`` installs a ``tensorrt/`` folder of ``.pyi`` files, so a bare ``find_spec`` succeeds on
-    machines without TensorRT; the real package has an ``__init__.py`` (an origin).
-    """
+    machines without TensorRT; the real package has an ``__init__.py`` (an origin)."""
     spec = importlib.util.find_spec("tensorrt")
     return spec is not None and spec.origin not in (None, "namespace")
 
@@ -490,8 +454,7 @@ def _tensorrt_component() -> Component:
         note = f"Python module {folder} ({wheel})" + (f"; {tool}" if tool else "; no trtexec")
         return Component("TensorRT", True, dists[0][1] if dists else None, folder, note)
     stubs = " (only tensorrt-stubs, type stubs, is installed)" if importlib.util.find_spec("tensorrt") else ""
-    how = ("./course installs it on a GPU machine (pip install tensorrt-cu13); in an NGC PyTorch image it is "
-           "included")
+    how = "./course installs it on a GPU machine (pip install tensorrt-cu13); in an NGC PyTorch image it is included"
     if trtexec:
         return Component("TensorRT", False, None, str(trtexec),
                          f"{tool} but no Python module{stubs}: the lab's engines need `import tensorrt`; {how}")
@@ -545,8 +508,7 @@ def _modelopt_component() -> Component:
                                                         f"{MODELOPT_INSTALL}")
     version = getattr(modelopt, "__version__", None) or _dist_version("nvidia-modelopt")
     where = str(Path(modelopt.__file__).parent)
-    lacking = [pip for module, pip in MODELOPT_ONNX_NEEDS.items() if not _findable(module)]
-    if lacking:
+    if lacking := [pip for module, pip in MODELOPT_ONNX_NEEDS.items() if not _findable(module)]:
         return Component("ModelOpt", False, version, where,
                          f"its ONNX path needs {', '.join(lacking)}: pip install {' '.join(lacking)}")
     return Component("ModelOpt", True, version, where, "ONNX path: AutoCast, INT8/FP8 quantization")
@@ -568,14 +530,11 @@ def _probe_components() -> dict[str, Component]:
     elif url:
         comps["tritonserver"] = Component("Triton server", True, None, url, "external server (TRITON_URL)")
     elif on_path:
-        comps["tritonserver"] = Component(
-            "Triton server", True, os.environ.get("TRITON_SERVER_VERSION"), on_path, "on the PATH"
-        )
+        comps["tritonserver"] = Component("Triton server", True, os.environ.get("TRITON_SERVER_VERSION"), on_path,
+                                          "on the PATH")
     elif wheel:
-        comps["tritonserver"] = Component(
-            "Triton server", True, f"nvidia-pytriton {_dist_version('nvidia-pytriton')}", str(wheel),
-            "binary from the nvidia-pytriton wheel (python backend only)",
-        )
+        comps["tritonserver"] = Component("Triton server", True, f"nvidia-pytriton {_dist_version('nvidia-pytriton')}",
+                                          str(wheel), "binary from the nvidia-pytriton wheel (python backend only)")
     else:
         comps["tritonserver"] = Component("Triton server", False, None, None, "pip install nvidia-pytriton")
     # Lab 05 runs its own Prometheus (it kills and restarts its own Triton) and grades PromQL with promtool, so
@@ -598,9 +557,8 @@ def _probe_components() -> dict[str, Component]:
     return comps
 
 
-def _compatibility(
-    gpus: list[GpuInfo], ceiling: str | None, torch: dict[str, Any] | None
-) -> tuple[bool | None, list[str]]:
+def _compatibility(gpus: list[GpuInfo], ceiling: str | None,
+                   torch: dict[str, Any] | None) -> tuple[bool | None, list[str]]:
     if not gpus:
         return None, ["no NVIDIA GPU found: every lab runs in its CPU tier"]
     if torch is None:
@@ -614,17 +572,14 @@ def _compatibility(
     elif version_tuple(runtime) <= version_tuple(ceiling):
         reasons.append(f"driver supports CUDA <= {ceiling}; torch's runtime is CUDA {runtime}: compatible")
     elif version_tuple(runtime)[:1] == version_tuple(ceiling)[:1]:
-        reasons.append(
-            f"torch's CUDA {runtime} is newer than the driver's ceiling {ceiling} within one major version: "
-            "it runs through minor-version compatibility, but kernels needing a newer driver can fail; "
-            "update the driver to be safe"
-        )
+        reasons.append(f"torch's CUDA {runtime} is newer than the driver's ceiling {ceiling} within one major version: "
+                       "it runs through minor-version compatibility, but kernels needing a newer driver can fail; "
+                       "update the driver to be safe")
     else:
         ok = False
         reasons.append(
             f"torch's CUDA {runtime} is newer than the driver's ceiling {ceiling}: update the driver, install "
-            f"a torch built for CUDA <= {ceiling}, or use an NGC container (forward compatibility, data-centre GPUs)"
-        )
+            f"a torch built for CUDA <= {ceiling}, or use an NGC container (forward compatibility, data-centre GPUs)")
     arch = torch.get("arch_list") or []
     for g in gpus:
         if not g.compute_capability or not arch:
@@ -638,10 +593,8 @@ def _compatibility(
             reasons.append(f"GPU{g.index}: {sm} not built, runs through PTX JIT from {ptx[-1]} (slow first start)")
         else:
             ok = False
-            reasons.append(
-                f"GPU{g.index} {g.name}: compute capability {g.compute_capability} is not supported by this torch "
-                f"(built for {', '.join(arch)}): install a torch build that includes {sm}"
-            )
+            reasons.append(f"GPU{g.index} {g.name}: compute capability {g.compute_capability} is not supported by this "
+                           f"torch (built for {', '.join(arch)}): install a torch build that includes {sm}")
     if ok and not torch["cuda_available"]:
         ok = False
         reasons.append("torch.cuda.is_available() is False although a GPU is present: check CUDA_VISIBLE_DEVICES")
@@ -653,6 +606,7 @@ def lab_tiers(report: EnvReport) -> list[LabTier]:
     gpu = report.gpu_usable
     n_gpu = report.torch["device_count"] if gpu and report.torch else 0
     seen_gpu = bool(report.gpus)
+    low = "partial" if seen_gpu else "cpu"  # the tier of a lab that cannot use the GPU here
     c = report.components
     trt, server, prom = c["tensorrt"].present, c["tritonserver"].present, c["prometheus"].present
     lab_dir = repo_root() / "solutions"
@@ -667,7 +621,7 @@ def lab_tiers(report: EnvReport) -> list[LabTier]:
         rows["01"] = ("full", "cuBLAS matmul sweep, HBM copy, PCIe, CUDA graphs", "")
     else:
         why = "GPU not usable by torch: " if seen_gpu else ""
-        rows["01"] = ("partial" if seen_gpu else "cpu", "CPU BLAS and DRAM bandwidth with the same harness",
+        rows["01"] = (low, "CPU BLAS and DRAM bandwidth with the same harness",
                       why + "the H200 reference run is shown beside")
     if n_gpu >= 2 and report.torch and report.torch.get("nccl"):
         rows["02"] = ("full", f"NCCL across {n_gpu} GPUs, DDP", "")
@@ -680,8 +634,7 @@ def lab_tiers(report: EnvReport) -> list[LabTier]:
     mo = c.get("modelopt", Component("ModelOpt", False, note="not probed"))
     no_mo = "" if mo.present else f"no ModelOpt, so its FP16, INT8 and FP8 models are skipped ({mo.note})"
     if not ort.present:
-        rows["03"] = ("partial" if seen_gpu else "cpu", "nothing yet: the lab runs its ONNX files in ONNX Runtime",
-                      ort.note)
+        rows["03"] = (low, "nothing yet: the lab runs its ONNX files in ONNX Runtime", ort.note)
     elif gpu and trt and mo.present:
         rows["03"] = ("full", "TensorRT engines from ModelOpt FP16/INT8/FP8 ONNX files", "")
     elif gpu and trt:
@@ -702,24 +655,21 @@ def lab_tiers(report: EnvReport) -> list[LabTier]:
     elif gpu and server:
         rows["04"] = ("full", "Triton server, KIND_GPU instances (torch on the GPU)", "")
     elif server:
-        rows["04"] = ("partial" if seen_gpu else "cpu", "Triton server, KIND_CPU instances (ONNX Runtime)",
-                      "CPU instances" + via)
+        rows["04"] = (low, "Triton server, KIND_CPU instances (ONNX Runtime)", "CPU instances" + via)
     else:
-        rows["04"] = ("partial" if seen_gpu else "cpu", "configuration checks only, no serving",
-                      "no Triton server: set TRITON_URL, use the NGC tritonserver image, or "
-                      "pip install --no-deps nvidia-pytriton")
+        rows["04"] = (low, "configuration checks only, no serving", "no Triton server: set TRITON_URL, use the NGC "
+                      "tritonserver image, or pip install --no-deps nvidia-pytriton")
     if gpu and server and prom:
         rows["05"] = ("full", "Prometheus scraping Triton and the GPUs (NVML, DCGM), alerts, failure drill", "")
     elif server and prom:
-        rows["05"] = ("partial" if seen_gpu else "cpu", "Triton, Prometheus, PromQL, alerts and the failure drill",
+        rows["05"] = (low, "Triton, Prometheus, PromQL, alerts and the failure drill",
                       "host CPU and memory stand in for GPU metrics")
     elif server:
-        rows["05"] = ("partial" if seen_gpu else "cpu",
-                      "Triton's /metrics, health checks and the watchdog; PromQL, alerts and their checks need "
+        rows["05"] = (low, "Triton's /metrics, health checks and the watchdog; PromQL, alerts and their checks need "
                       "Prometheus", ("" if gpu else "host CPU and memory stand in for GPU metrics; ")
                       + f"Prometheus is missing. {PROMETHEUS_INSTALL}")
     else:
-        rows["05"] = ("partial" if seen_gpu else "cpu", "nothing yet: the lab needs a Triton server",
+        rows["05"] = (low, "nothing yet: the lab needs a Triton server",
                       "no Triton server: pip install --no-deps nvidia-pytriton")
     ncu = shutil.which("ncu") is not None
     if gpu:
@@ -727,37 +677,34 @@ def lab_tiers(report: EnvReport) -> list[LabTier]:
                       "and async errors" + ("; ncu Speed of Light" if ncu else ""),
                       "" if ncu else "no ncu here: the H200 reference run's Speed-of-Light numbers are shown")
     else:
-        rows["06"] = ("partial" if seen_gpu else "cpu", "CPU traces; the data-loading fix; checkpointing and "
+        rows["06"] = (low, "CPU traces; the data-loading fix; checkpointing and "
                       "gradient accumulation measured", "the H200 reference run's traces and numbers stand in for "
                                                         "the GPU-only bottlenecks, ncu and the memory snapshot")
     nginx = shutil.which("nginx") is not None or os.path.exists("/usr/sbin/nginx")
     if server and nginx:
-        rows["07"] = ("full" if gpu and not wheel_only else "partial" if gpu or seen_gpu else "cpu",
+        rows["07"] = ("full" if gpu and not wheel_only else low,
                       "nginx in front of two Triton servers, the image ensemble, open-loop load against the SLO, "
                       "hot updates", via.removeprefix("; ") if wheel_only else "")
     elif server:
-        rows["07"] = ("partial" if seen_gpu else "cpu", "one Triton server driven directly, the ensemble, open-loop "
+        rows["07"] = (low, "one Triton server driven directly, the ensemble, open-loop "
                       "load", "nginx is missing (apt-get install nginx): no load balancer, API key or rate limit")
     else:
-        rows["07"] = ("partial" if seen_gpu else "cpu", "nothing yet: the lab needs a Triton server",
+        rows["07"] = (low, "nothing yet: the lab needs a Triton server",
                       "no Triton server: pip install --no-deps nvidia-pytriton")
     mlflow = importlib.util.find_spec("mlflow") is not None
     if server and nginx and mlflow:
-        rows["08"] = ("full" if gpu else "partial" if seen_gpu else "cpu", "MLflow tracking and registry, canary "
+        rows["08"] = ("full" if gpu else low, "MLflow tracking and registry, canary "
                       "and A/B behind nginx, drift alerts, one retraining loop", "")
     else:
         lacking = [n for n, ok in (("tritonserver", server), ("nginx", nginx), ("mlflow", mlflow)) if not ok]
-        rows["08"] = ("partial" if seen_gpu else "cpu", "the statistics (A/B test, drift) only",
-                      f"missing: {', '.join(lacking)}")
+        rows["08"] = (low, "the statistics (A/B test, drift) only", f"missing: {', '.join(lacking)}")
     if gpu:
         rows["09"] = ("full", "the quiz; prefill and decode of the random-weight decoder on the GPU", "")
     else:
-        rows["09"] = ("partial" if seen_gpu else "cpu", "the quiz; prefill and decode on the CPU",
+        rows["09"] = (low, "the quiz; prefill and decode on the CPU",
                       "the CPU stands in for the GPU; the H200's numbers come from its datasheet")
-    return [
-        LabTier(lab.number, lab.title, *rows[lab.number], notebook=(lab_dir / lab.filename).exists())
-        for lab in LABS
-    ]
+    return [LabTier(lab.number, lab.title, *rows[lab.number], notebook=(lab_dir / lab.filename).exists())
+            for lab in LABS]
 
 
 def _host() -> dict[str, Any]:
@@ -766,13 +713,8 @@ def _host() -> dict[str, Any]:
         mem_gib = round(psutil.virtual_memory().total / 2**30, 1)
     from lab_utils.timing import cpu_model  # lazy: pulls numpy, which the probe reports when missing
 
-    return {
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cpu": cpu_model(),
-        "cpu_threads": os.cpu_count(),
-        "memory_gib": mem_gib,
-    }
+    return {"python": platform.python_version(), "platform": platform.platform(), "cpu": cpu_model(),
+            "cpu_threads": os.cpu_count(), "memory_gib": mem_gib}
 
 
 def probe() -> EnvReport:
@@ -789,10 +731,8 @@ def probe() -> EnvReport:
     if source == "nvml" and len(gpus) > 1 and shutil.which("nvidia-smi"):
         # nvidia-smi's own matrix is the reference reading (NVML cannot see through every switch setup).
         text = _run(["nvidia-smi", "topo", "-m"])
-        try:
+        with contextlib.suppress(ValueError):
             topo = parse_topology(text) if text else topo
-        except ValueError:
-            pass
     torch = _probe_torch(notes)
     missing = [m for m in REQUIRED if importlib.util.find_spec(m) is None]
     ok, reasons = _compatibility(gpus, ceiling, torch)
@@ -825,13 +765,10 @@ def capture(name: str) -> str:
 
 def live_or_capture(kind: str) -> tuple[str, str]:
     """(text, source): this machine's ``nvidia-smi`` (or ``nvidia-smi topo -m``) output, else the H200 capture."""
-    cmd = {"nvidia-smi": ["nvidia-smi"], "topo": ["nvidia-smi", "topo", "-m"]}.get(kind)
-    if cmd is None:
+    if (cmd := {"nvidia-smi": ["nvidia-smi"], "topo": ["nvidia-smi", "topo", "-m"]}.get(kind)) is None:
         raise ValueError(f"live_or_capture({kind!r}): use 'nvidia-smi' or 'topo'")
     text = _run(cmd) if shutil.which("nvidia-smi") else None
-    if text:
-        return text, "this machine"
-    return capture(kind), "H200 reference capture (no nvidia-smi here)"
+    return (text, "this machine") if text else (capture(kind), "H200 reference capture (no nvidia-smi here)")
 
 
 def stack_table(report: EnvReport) -> list[dict[str, str]]:
@@ -839,25 +776,19 @@ def stack_table(report: EnvReport) -> list[dict[str, str]]:
     t = report.torch or {}
     c = report.components
     gpu = ", ".join(sorted({g.name for g in report.gpus})) or "none found"
-    rows = [
-        ("GPU hardware", gpu),
-        ("driver (kernel module + libcuda, NVML)", report.driver_version or "absent"),
-        ("CUDA runtime (what torch ships)", t.get("cuda") or "none (CPU build of torch)"),
-        ("CUDA-X: cuDNN", str(t.get("cudnn") or "absent")),
-        ("CUDA-X: NCCL", str(t.get("nccl") or "absent")),
-        ("CUDA-X: TensorRT", c["tensorrt"].version or ("present" if c["tensorrt"].present else "absent")),
-        ("framework: PyTorch", t.get("version") or "absent"),
-        ("platform: Triton server", (c["tritonserver"].version or "present") if c["tritonserver"].present
-         else "absent"),
-        ("operations: Prometheus", (c["prometheus"].version or "present") if c["prometheus"].present else "absent"),
-    ]
+    rows = [("GPU hardware", gpu), ("driver (kernel module + libcuda, NVML)", report.driver_version or "absent"),
+            ("CUDA runtime (what torch ships)", t.get("cuda") or "none (CPU build of torch)"),
+            ("CUDA-X: cuDNN", str(t.get("cudnn") or "absent")), ("CUDA-X: NCCL", str(t.get("nccl") or "absent")),
+            ("CUDA-X: TensorRT", c["tensorrt"].version or ("present" if c["tensorrt"].present else "absent")),
+            ("framework: PyTorch", t.get("version") or "absent"),
+            ("platform: Triton server", (c["tritonserver"].version or "present") if c["tritonserver"].present
+             else "absent"),
+            ("operations: Prometheus", (c["prometheus"].version or "present") if c["prometheus"].present else "absent")]
 
     rel = pinned_release()
     in_image = "(in the image)"
-    image = [
-        "(the host's)", "(the host's, mapped in at start)", rel["cuda"], in_image, in_image, rel["tensorrt"],
-        rel["torch"], f"{rel['triton_server']} (tritonserver image)", manifest()["services"]["prometheus"],
-    ]
+    image = ["(the host's)", "(the host's, mapped in at start)", rel["cuda"], in_image, in_image, rel["tensorrt"],
+             rel["torch"], f"{rel['triton_server']} (tritonserver image)", manifest()["services"]["prometheus"]]
     column = f"course image (NGC {rel['tag']})"
     return [{"layer": a, "on this machine": b, column: i} for (a, b), i in zip(rows, image, strict=True)]
 
@@ -875,6 +806,5 @@ def container_verdicts(cuda_ceiling: str, datacenter_gpu: bool = True) -> list[d
             verdict = "runs through the image's forward-compatibility libraries (data-centre GPUs only)"
         else:
             verdict = "fails: update the driver"
-        rows.append({"image": entry["image"], "CUDA runtime": cuda, "driver ceiling": cuda_ceiling,
-                     "verdict": verdict})
+        rows.append({"image": entry["image"], "CUDA runtime": cuda, "driver ceiling": cuda_ceiling, "verdict": verdict})
     return rows

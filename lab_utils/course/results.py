@@ -1,8 +1,7 @@
 """Recorded measurements: each lab writes (name, value, unit, tier, device, versions) to a JSON file.
 
 ``nvlab run`` points ``NVLAB_RESULTS_DIR`` at its output folder; interactively the results go to
-``./nvlab-results``. ``compare`` lines a run up against the committed reference GPU run as ratios.
-"""
+``./nvlab-results``. ``compare`` lines a run up against the committed reference GPU run as ratios."""
 
 from __future__ import annotations
 
@@ -38,8 +37,7 @@ class Measurement:
 
 def results_dir() -> Path:
     """Where this run's results go: ``$NVLAB_RESULTS_DIR`` or ``./nvlab-results``."""
-    env = os.environ.get(RESULTS_ENV, "").strip()
-    if env and Path(env).exists() and not Path(env).is_dir():
+    if (env := os.environ.get(RESULTS_ENV, "").strip()) and Path(env).exists() and not Path(env).is_dir():
         raise EnvError(f"{RESULTS_ENV}={env!r}: expected a folder for results_*.json, and that is a file "
                        "(or unset it for ./nvlab-results)")
     return Path(env or "nvlab-results")
@@ -47,8 +45,7 @@ def results_dir() -> Path:
 
 def reference_dirs() -> list[Path]:
     """Every committed reference run (``h200`` for one-GPU labs, ``h200x2`` for lab 02), or the one in the env."""
-    env = os.environ.get(REFERENCE_ENV, "").strip()
-    if env:
+    if env := os.environ.get(REFERENCE_ENV, "").strip():
         if not Path(env).is_dir():
             raise EnvError(f"{REFERENCE_ENV}={env!r}: expected a folder of a reference run (results_*.json), "
                            "e.g. reference_runs/h200; there is no such folder (or unset it for the committed runs)")
@@ -108,8 +105,7 @@ def _rows(path: Path) -> list[dict[str, Any]]:
     for i, r in enumerate(rows):
         if not isinstance(r, dict):
             raise ResultsError(f"{path}: measurement {i} is a JSON {type(r).__name__}, not an object; {fix}")
-        missing = [k for k in FIELDS if k not in r]
-        if missing:
+        if missing := [k for k in FIELDS if k not in r]:
             raise ResultsError(f"{path}: measurement {i} lacks {', '.join(missing)}; {fix}")
         v = r["value"]
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
@@ -133,14 +129,12 @@ def compare(run: Path | str, reference: Path | str | None = None) -> pd.DataFram
 
     ``reference``: one run folder; by default every folder under ``reference_runs/``: for each measurement the
     first reference of the same tier as the run's (lab 02 on one GPU is ``partial``, on two ``full``), else the
-    first holding it.
-    """
+    first holding it."""
     local = load(run)
     ref: dict[tuple[str, str], dict[str, Any]] = {}
     if reference:  # asked for by name: a missing or empty one is an error, not "-" in every row
         fix = "pass --reference a folder of reference_runs/ or one `nvlab run` wrote"
-        ref_rows = load(reference, fix)
-        if not ref_rows:
+        if not (ref_rows := load(reference, fix)):
             raise FileNotFoundError(f"{reference} holds no results_*.json: {fix}")
     else:
         ref_rows = [r for d in reference_dirs() if d.is_dir() for r in load(d)]
@@ -152,9 +146,7 @@ def compare(run: Path | str, reference: Path | str | None = None) -> pd.DataFram
         other = ref.get((r["lab"], r["name"], r.get("tier"))) or ref.get((r["lab"], r["name"], None))
         rv = other["value"] if other else None
         ratio = r["value"] / rv if (r["value"] is not None and rv) else None
-        rows.append({
-            "lab": r["lab"], "name": r["name"], "unit": r["unit"], "value": r["value"],
-            "reference": rv, "ratio": ratio, "tier": r["tier"], "device": r["device"],
-            "reference_device": other["device"] if other else None,
-        })
+        rows.append({"lab": r["lab"], "name": r["name"], "unit": r["unit"], "value": r["value"], "reference": rv,
+                     "ratio": ratio, "tier": r["tier"], "device": r["device"],
+                     "reference_device": other["device"] if other else None})
     return pd.DataFrame(rows)

@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from rich.console import Console
+from rich.table import Table
+
 from lab_utils.course.catalog import lab_by_number
 from lab_utils.course.probe import EnvReport, LabTier, probe
 from lab_utils.course.results import Recorder
@@ -81,20 +84,15 @@ def gpu_rows(report: EnvReport) -> list[dict[str, str]]:
         pcie = f"gen{_fmt(g.pcie_gen)} x{_fmt(g.pcie_width)}"
         if g.pcie_gen_max:
             pcie += f" (max gen{g.pcie_gen_max} x{_fmt(g.pcie_width_max)})"
-        rows.append({
-            "GPU": str(g.index), "name": g.name, "CC": _fmt(g.compute_capability),
-            "memory": _fmt(g.memory_total_mib, " MiB"), "max SM clock": _fmt(g.max_sm_clock_mhz, " MHz"),
-            "power limit": _fmt(g.power_limit_w, " W"), "PCIe": pcie, "NVLinks": _fmt(g.nvlinks_active),
-            "MIG": _fmt(g.mig_mode), "ECC": _fmt(g.ecc_mode),
-        })
+        rows.append({"GPU": str(g.index), "name": g.name, "CC": _fmt(g.compute_capability),
+                     "memory": _fmt(g.memory_total_mib, " MiB"), "max SM clock": _fmt(g.max_sm_clock_mhz, " MHz"),
+                     "power limit": _fmt(g.power_limit_w, " W"), "PCIe": pcie, "NVLinks": _fmt(g.nvlinks_active),
+                     "MIG": _fmt(g.mig_mode), "ECC": _fmt(g.ecc_mode)})
     return rows
 
 
 def print_report(report: EnvReport, highlight: str | None = None, brief: bool = False) -> None:
     """Print the report with rich: stack versions, GPUs, topology, components, verdict, lab tiers."""
-    from rich.console import Console
-    from rich.table import Table
-
     # Plain text in a notebook too (rich's Jupyter output carries ANSI codes in its text/plain copy); colour only
     # on a terminal.
     console = Console(width=120, force_jupyter=False)
@@ -110,24 +108,17 @@ def print_report(report: EnvReport, highlight: str | None = None, brief: bool = 
     console.print(head)
     if report.gpus:
         rows = gpu_rows(report)
-        table = Table(title="GPUs")
-        for col in rows[0]:
-            table.add_column(col)
+        table = Table(*rows[0], title="GPUs")
         for r in rows:
             table.add_row(*r.values())
         console.print(table)
     if report.topology and not brief:
-        topo = Table(title=f"Topology ({report.topology['source']})")
-        topo.add_column("")
-        for lab in report.topology["labels"]:
-            topo.add_column(lab)
+        topo = Table("", *report.topology["labels"], title=f"Topology ({report.topology['source']})")
         for lab, row in zip(report.topology["labels"], report.topology["matrix"], strict=False):
             topo.add_row(lab, *row)
         console.print(topo)
     if not brief:
-        comp = Table(title="Components")
-        for col in ("component", "present", "version", "where", "note"):
-            comp.add_column(col)
+        comp = Table("component", "present", "version", "where", "note", title="Components")
         for c in report.components.values():
             comp.add_row(c.name, "yes" if c.present else "no", _fmt(c.version), _fmt(c.where), c.note)
         console.print(comp)
@@ -140,9 +131,7 @@ def print_report(report: EnvReport, highlight: str | None = None, brief: bool = 
     if report.missing:
         console.print(f"[red]missing required packages: {', '.join(report.missing)}[/] "
                       "(pip install -e '.[lab]' from the course folder)")
-    tiers = Table(title="Lab tiers on this machine")
-    for col in ("lab", "title", "tier", "runs", "stands in"):
-        tiers.add_column(col)
+    tiers = Table("lab", "title", "tier", "runs", "stands in", title="Lab tiers on this machine")
     for lt in report.tiers:
         style = "bold" if lt.lab == highlight else ("dim" if not lt.notebook else "")
         title = lt.title if lt.notebook else f"{lt.title} (not in this release)"

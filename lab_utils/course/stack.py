@@ -7,12 +7,12 @@ and ``pyproject.toml``; ``same_release`` and ``pip_version`` compare the manifes
     python -m lab_utils.course.stack check                # exit 1 with one line per mismatch
     python -m lab_utils.course.stack installed 26.09 torch  # print pip's torch here; exit 1 unless it is the image's
 
-Design notes: docs/internals.md#lab_utilscoursestackpy
-"""
+Design notes: docs/internals.md#lab_utilscoursestackpy"""
 
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import json
 import re
 import sys
@@ -41,8 +41,7 @@ _RELEASE = re.compile(r"\s*v?(?:\d+!)?(\d+(?:\.\d+)*)")
 
 def release(version: str) -> tuple[int, ...]:
     """The release numbers of a version: (2, 14, 0) for "2.14.0a0+5fa4b7e", (10, 13, 3, 9) for "10.13.3.9"."""
-    m = _RELEASE.match(version)
-    if not m:
+    if not (m := _RELEASE.match(version)):
         raise ValueError(f"{version!r} is not a version: expected release numbers first, e.g. 2.14.0 or 2.14.0a0+abc")
     return tuple(int(p) for p in m.group(1).split("."))
 
@@ -88,12 +87,8 @@ def pinned_image(kind: str, m: dict[str, Any] | None = None) -> str:
 def ngc_images(m: dict[str, Any] | None = None) -> list[dict[str, str]]:
     """Every NGC image the manifest names, newest release first: image reference, release, kind, CUDA runtime."""
     m = m or manifest()
-    rows = []
-    for tag in sorted(m["ngc"], key=release, reverse=True):
-        rel = m["ngc"][tag]
-        for kind in rel["images"]:
-            rows.append({"image": image_ref(kind, tag), "release": tag, "kind": kind, "cuda": rel["cuda"]})
-    return rows
+    return [{"image": image_ref(kind, tag), "release": tag, "kind": kind, "cuda": m["ngc"][tag]["cuda"]}
+            for tag in sorted(m["ngc"], key=release, reverse=True) for kind in m["ngc"][tag]["images"]]
 
 
 # --- what an image has, as pip reports it ---------------------------------------------------------
@@ -104,8 +99,7 @@ def recorded_version(name: str, tag: str | None = None, m: dict[str, Any] | None
     ``preinstalled`` entry ("2.14.0"), else the release's own field ("torch": "2.10"); KeyError naming the fix."""
     m = m or manifest()
     rel = ngc_release(tag or m["pinned"], m)
-    version = rel.get("preinstalled", {}).get(name) or rel.get(name)
-    if not version:
+    if not (version := rel.get("preinstalled", {}).get(name) or rel.get(name)):
         raise KeyError(f"{MANIFEST_NAME}: NGC {rel['tag']} records no {name} version: add it under the release's "
                        "'preinstalled'")
     return str(version)
@@ -141,14 +135,9 @@ def env_values(m: dict[str, Any] | None = None) -> dict[str, str]:
     """The variables ``docker/.env`` holds for the compose file (image tags and build arguments)."""
     m = m or manifest()
     rel = pinned_release(m)
-    return {
-        "NGC_TAG": rel["tag"],
-        "TRITONCLIENT_VERSION": rel["tritonclient"],
-        "PYTRITON_VERSION": m["course"]["nvidia-pytriton"],
-        "PROMETHEUS_VERSION": m["services"]["prometheus"],
-        "GRAFANA_VERSION": m["services"]["grafana"],
-        "DCGM_EXPORTER_TAG": m["services"]["dcgm_exporter"],
-    }
+    return {"NGC_TAG": rel["tag"], "TRITONCLIENT_VERSION": rel["tritonclient"],
+            "PYTRITON_VERSION": m["course"]["nvidia-pytriton"], "PROMETHEUS_VERSION": m["services"]["prometheus"],
+            "GRAFANA_VERSION": m["services"]["grafana"], "DCGM_EXPORTER_TAG": m["services"]["dcgm_exporter"]}
 
 
 def compose_env(m: dict[str, Any] | None = None) -> str:
@@ -169,8 +158,7 @@ def parse_env_file(text: str) -> dict[str, str]:
     """``KEY=VALUE`` lines of a compose ``.env`` file (comments and blank lines skipped)."""
     out = {}
     for line in text.splitlines():
-        line = line.strip()
-        if line and not line.startswith("#") and "=" in line:
+        if (line := line.strip()) and not line.startswith("#") and "=" in line:
             k, v = line.split("=", 1)
             out[k.strip()] = v.strip().strip("\"'")
     return out
@@ -220,8 +208,7 @@ def check(root: Path, m: dict[str, Any] | None = None) -> list[str]:
     tag = rel["tag"]
     src = MANIFEST_NAME
 
-    missing = [f for f in PINNED_FIELDS if not rel.get(f)]
-    if missing:
+    if missing := [f for f in PINNED_FIELDS if not rel.get(f)]:
         problems.append(f"{src}: pinned release {tag} does not state {', '.join(missing)}")
     for t, r in m["ngc"].items():
         if r.get("triton_server") and r.get("tritonclient") and r["triton_server"] != r["tritonclient"]:
@@ -233,8 +220,7 @@ def check(root: Path, m: dict[str, Any] | None = None) -> list[str]:
         for name, version in r.get("preinstalled", {}).items():
             if r.get(name) and not same_release(r[name], version):
                 problems.append(f"{src}: release {t} has {name} {r[name]} but lists {name} {version} as preinstalled")
-        unknown = sorted(set(r.get("pip_prerelease", [])) - set(r.get("preinstalled", {})))
-        if unknown:
+        if unknown := sorted(set(r.get("pip_prerelease", [])) - set(r.get("preinstalled", {}))):
             problems.append(f"{src}: release {t} lists {', '.join(unknown)} under pip_prerelease but not under "
                             "preinstalled")
 
@@ -265,28 +251,23 @@ def check(root: Path, m: dict[str, Any] | None = None) -> list[str]:
     # docker/compose.yaml: every image tag and version build argument comes from those variables.
     compose = _load_yaml(root / "docker" / "compose.yaml")
     services = compose.get("services", {})
-    want_images = {
-        "triton": image_ref("tritonserver", tag),
-        "prometheus": f"prom/prometheus:{expected['PROMETHEUS_VERSION']}",
-        "grafana": f"grafana/grafana:{expected['GRAFANA_VERSION']}",
-        "dcgm-exporter": f"{REGISTRY}/k8s/dcgm-exporter:{expected['DCGM_EXPORTER_TAG']}",
-    }
-    for name, want in want_images.items():
-        raw = services.get(name, {}).get("image", "")
+    want_images = {"triton": image_ref("tritonserver", tag),
+                   "prometheus": f"prom/prometheus:{expected['PROMETHEUS_VERSION']}",
+                   "grafana": f"grafana/grafana:{expected['GRAFANA_VERSION']}",
+                   "dcgm-exporter": f"{REGISTRY}/k8s/dcgm-exporter:{expected['DCGM_EXPORTER_TAG']}"}
+
+    def composed(raw: str) -> str:  # what compose makes of a value, or the value and why it cannot
         try:
-            got = interpolate(raw, env)
+            return interpolate(raw, env)
         except KeyError as err:
-            got = f"{raw} ({err})"
-        if got != want:
+            return f"{raw} ({err})"
+
+    for name, want in want_images.items():
+        if (got := composed(services.get(name, {}).get("image", ""))) != want:
             problems.append(f"docker/compose.yaml service {name} runs image {got or '(none)'} but {src} says {want}")
     build_args = services.get("lab", {}).get("build", {}).get("args", {})
     for arg in ("NGC_TAG", "TRITONCLIENT_VERSION", "PYTRITON_VERSION", "PROMETHEUS_VERSION"):
-        raw = str(build_args.get(arg, ""))
-        try:
-            got = interpolate(raw, env)
-        except KeyError as err:
-            got = f"{raw} ({err})"
-        if got != expected[arg]:
+        if (got := composed(str(build_args.get(arg, "")))) != expected[arg]:
             problems.append(f"docker/compose.yaml builds the lab with {arg}={got or '(not passed)'} but {src} says "
                             f"{expected[arg]}")
 
@@ -324,8 +305,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{MANIFEST_NAME} (NGC {manifest()['pinned']}) agrees with docker/, ./course and pyproject.toml")
         return 1 if problems else 0
     if len(argv) == 3 and argv[0] == "installed":
-        import importlib.metadata
-
         tag, name = argv[1], argv[2]
         try:
             reported: str | None = importlib.metadata.version(name)  # the version pip reports, not __version__

@@ -6,5 +6,4 @@ a torchrun script does); ``ranks`` sends a function written in a notebook cell t
 cells and the code exercises); ``bandwidth`` the nccl-tests arithmetic and the link's peak; ``collectives`` the
 checked, timed sweeps; ``nccl_log`` reads ``NCCL_DEBUG=INFO`` logs; ``ddp`` DDP training; ``bandwidth_plots`` the
 busbw plot; ``plan`` the lab's ranks, backend, sizes and counts for the GPUs found, chosen in one place.
-``bandwidth``, ``nccl_log``, ``bandwidth_plots`` and ``plan`` need no torch.
-"""
+``bandwidth``, ``nccl_log``, ``bandwidth_plots`` and ``plan`` need no torch."""

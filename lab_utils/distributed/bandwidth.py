@@ -1,12 +1,10 @@
 """Collective bandwidth as nccl-tests defines it, and the link to hold it against. No torch, no GPU.
 
-Definitions follow nccl-tests (its doc/PERFORMANCE.md): algbw = S / t, busbw = algbw × factor, with
-S the bytes of one rank's buffer (all_reduce, broadcast, reduce) or of the whole gathered buffer
-(all_gather, reduce_scatter, all_to_all), t the time of one collective, GB = 1e9 bytes. busbw is what
-to hold against the link's speed per direction, whatever the number of ranks; ``link_peak_gbps`` reads
-that speed from the topology ``course.probe`` records. Units are in the names: ``_ms`` milliseconds,
-``_gbps`` GB/s (1e9 B/s), ``_bytes`` bytes.
-"""
+Definitions follow nccl-tests (its doc/PERFORMANCE.md): algbw = S / t, busbw = algbw × factor, with S the bytes of one
+rank's buffer (all_reduce, broadcast, reduce) or of the whole gathered buffer (all_gather, reduce_scatter, all_to_all),
+t the time of one collective, GB = 1e9 bytes. busbw is what to hold against the link's speed per direction, whatever the
+number of ranks; ``link_peak_gbps`` reads that speed from the topology ``course.probe`` records. Units are in the names:
+``_ms`` milliseconds, ``_gbps`` GB/s (1e9 B/s), ``_bytes`` bytes."""
 
 from __future__ import annotations
 
@@ -81,15 +79,12 @@ def busbw_gbps(collective: str, size_bytes: float, time_ms: float, n: int) -> fl
     return algbw_gbps(size_bytes, time_ms) * busbw_factor(collective, n)
 
 
-# --------------------------------------------------------------------------------------------------
-# Link peak from the topology
+# --- Link peak from the topology ------------------------------------------------------------------
 
 
 def _pcie_gbps(gen: int | None, width: int | None) -> float | None:
     per_x16 = {3: PCIE_GEN3_GBPS, 4: PCIE_GEN4_GBPS, 5: PCIE_GEN5_GBPS}.get(gen or 0)
-    if per_x16 is None:
-        return None
-    return per_x16 * (width or 16) / 16
+    return None if per_x16 is None else per_x16 * (width or 16) / 16
 
 
 def link_peak_gbps(report: EnvReport | None = None, n_gpus: int = 2) -> tuple[float | None, str]:
@@ -98,8 +93,7 @@ def link_peak_gbps(report: EnvReport | None = None, n_gpus: int = 2) -> tuple[fl
     Reads ``report.topology`` (``course.probe.probe()``; probed here when ``report`` is None) and ``report.gpus``:
     ``NV#`` is # NVLinks at 25 GB/s each per direction, capped at the GPU's datasheet NVLink figure; PIX,
     PXB, PHB, NODE and SYS go over PCIe, at the GPU's PCIe link rate. Indices are NVML's, which equal
-    CUDA's unless CUDA_VISIBLE_DEVICES reorders them.
-    """
+    CUDA's unless CUDA_VISIBLE_DEVICES reorders them."""
     n_gpus = check_int(n_gpus, "n_gpus", "link_peak_gbps", minimum=2)
     if report is None:
         report = probe()  # nvidia-smi and NVML: only when no report is given
@@ -121,8 +115,7 @@ def link_peak_gbps(report: EnvReport | None = None, n_gpus: int = 2) -> tuple[fl
             pair = f"{cell} between {labels[a]} and {labels[b]}"
             gpu = by_index.get(int(labels[a][3:]))
             peaks = peaks_for(gpu.name) if gpu is not None and getattr(gpu, "name", None) else None
-            m = re.fullmatch(r"NV(\d+)", cell)
-            if m:
+            if m := re.fullmatch(r"NV(\d+)", cell):
                 links = int(m.group(1))
                 gbps = links * NVLINK_GBPS_PER_LINK
                 gen = re.search(r"NVLink (\d)", peaks.notes) if peaks else None
@@ -135,8 +128,7 @@ def link_peak_gbps(report: EnvReport | None = None, n_gpus: int = 2) -> tuple[fl
                             f"{NVLINK_GBPS_PER_LINK:g} GB/s, assumed: NVLink 2-4; NVLink 5 doubles it)")
             elif cell in ("PIX", "PXB", "PHB", "NODE", "SYS"):
                 gen, width = getattr(gpu, "pcie_gen_max", None), getattr(gpu, "pcie_width_max", None)
-                gbps = _pcie_gbps(gen, width)
-                if gbps is not None:
+                if (gbps := _pcie_gbps(gen, width)) is not None:
                     desc = f"{pair}: PCIe gen{gen} x{width or 16}: {gbps:g} GB/s per direction"
                 elif peaks is not None:
                     gbps = peaks.pcie_gbps_per_dir

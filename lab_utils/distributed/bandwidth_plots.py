@@ -1,8 +1,7 @@
 """Lab 02's plot: bus bandwidth against message size, one line per collective, against the link's peak.
 
 matplotlib is imported inside the function and no backend is forced (a notebook shows the figure inline;
-tests select Agg). Pass ``ax`` to draw into an existing axes.
-"""
+tests select Agg). Pass ``ax`` to draw into an existing axes."""
 
 from __future__ import annotations
 
@@ -18,20 +17,13 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 
-def plot_busbw(
-    df: pd.DataFrame,
-    peak_gbps: float | None = None,
-    reference: dict[int, float] | None = None,
-    ax: Axes | None = None,
-    title: str | None = None,
-) -> Figure:
+def plot_busbw(df: pd.DataFrame, peak_gbps: float | None = None, reference: dict[int, float] | None = None,
+               ax: Axes | None = None, title: str | None = None) -> Figure:
     """Bus bandwidth (GB/s) against message size S (log scale), one line per collective.
 
-    Input: ``collectives.collective_sweep``'s frame (rows with status 'ok' are drawn). ``peak_gbps`` (else the
-    frame's ``peak_gbps`` column, when finite) is drawn dashed: the link's speed per direction.
-    ``reference`` maps size in bytes to busbw GB/s, drawn as black crosses (e.g. the H200 all_reduce run,
-    ``bandwidth.H200_ALLREDUCE_BUSBW_GBPS``).
-    """
+    Input: ``collectives.collective_sweep``'s frame (rows with status 'ok' are drawn). ``peak_gbps`` (else the frame's
+    ``peak_gbps`` column, when finite) is drawn dashed: the link's speed per direction. ``reference`` maps size in bytes
+    to busbw GB/s, drawn as black crosses (e.g. the H200 all_reduce run, ``bandwidth.H200_ALLREDUCE_BUSBW_GBPS``)."""
     made_by = "distributed.collectives.collective_sweep"
     plotting.require_columns(df, {"collective", "size_bytes", "busbw_gbps"}, "plot_busbw", made_by)
     fig, ax = plotting.new_axes(ax)
@@ -57,8 +49,7 @@ def plot_busbw(
         ax.set_xticks(sizes)  # one tick per measured size, labelled in KiB/MiB/GiB
         ax.minorticks_off()
     ax.xaxis.set_major_formatter(FuncFormatter(format_bytes))
-    ax.set_xlabel("message size S (nccl-tests definition)")
-    ax.set_ylabel("busbw, GB/s (slowest rank's median)")
+    ax.set(xlabel="message size S (nccl-tests definition)", ylabel="busbw, GB/s (slowest rank's median)")
     if title is None:
         where = ""
         if len(ok) and {"backend", "n_ranks"} <= set(ok.columns):

@@ -1,13 +1,11 @@
 """Lab 02 experiments: collective bandwidth (algbw, busbw) with NCCL on GPUs or gloo on CPU processes.
 
-Every measurement first runs the collective once and checks the result against the values each rank put
-in, then times it with ``lab_utils.timing.benchmark``. A collective takes as long as its slowest rank, so
-the time reported is the largest of the ranks' medians; ``bandwidth`` turns it into algbw and busbw
-(nccl-tests definitions) and finds the link's peak. Workers are top-level functions started by
-``lab_utils.distributed.spawn.launch``; ``capture_nccl_debug`` records NCCL's own log, which
-``nccl_log.parse_nccl_log`` reads. Units are in the names: ``_ms`` milliseconds, ``_gbps`` GB/s (1e9 B/s),
-``_bytes`` bytes.
-"""
+Every measurement first runs the collective once and checks the result against the values each rank put in, then times
+it with ``lab_utils.timing.benchmark``. A collective takes as long as its slowest rank, so the time reported is the
+largest of the ranks' medians; ``bandwidth`` turns it into algbw and busbw (nccl-tests definitions) and finds the link's
+peak. Workers are top-level functions started by ``lab_utils.distributed.spawn.launch``; ``capture_nccl_debug`` records
+NCCL's own log, which ``nccl_log.parse_nccl_log`` reads. Units are in the names: ``_ms`` milliseconds, ``_gbps`` GB/s
+(1e9 B/s), ``_bytes`` bytes."""
 
 from __future__ import annotations
 
@@ -46,34 +44,28 @@ from lab_utils.timing import benchmark, sync
 if TYPE_CHECKING:
     from lab_utils.course.probe import EnvReport
 
-SWEEP_COLUMNS = [
-    "collective", "size_bytes", "size_label", "n_ranks", "backend", "dtype", "status", "reason", "time_ms",
-    "algbw_gbps", "busbw_gbps", "peak_gbps", "pct_of_peak", "correct", "reps",
-]
+SWEEP_COLUMNS = ["collective", "size_bytes", "size_label", "n_ranks", "backend", "dtype", "status", "reason", "time_ms",
+                 "algbw_gbps", "busbw_gbps", "peak_gbps", "pct_of_peak", "correct", "reps"]
 
 # Exception texts that mean "this backend cannot do this op or dtype", as opposed to a failure.
 _UNSUPPORTED = re.compile(
     r"not supported|unsupported|not implemented|does not support|invalid scalar type|not curren(t|tl)ly supported",
-    re.I,
-)
+    re.I)
 
 
 class CollectiveCheckError(RuntimeError):
     """A collective returned values other than the ones its inputs imply; the message names what and where."""
 
 
-# --------------------------------------------------------------------------------------------------
-# Buffers, inputs, expected results
+# --- Buffers, inputs, expected results ------------------------------------------------------------
 
 
 def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
     """A floating-point torch dtype from its name ("float32", "bfloat16", "float8_e4m3fn"...) or itself."""
     dt = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
     if not isinstance(dt, torch.dtype) or not dt.is_floating_point:
-        raise ValueError(
-            f"dtype={dtype!r}: use the name of a floating-point torch dtype, e.g. 'float32', 'bfloat16', "
-            "'float16' or 'float8_e4m3fn' (gloo refuses float8: a row marked unsupported)"
-        )
+        raise ValueError(f"dtype={dtype!r}: use the name of a floating-point torch dtype, e.g. 'float32', 'bfloat16', "
+                         "'float16' or 'float8_e4m3fn' (gloo refuses float8: a row marked unsupported)")
     return dt
 
 
@@ -81,15 +73,11 @@ def buffer_numels(collective: str, size_bytes: int, n: int, itemsize: int) -> tu
     """(input elements, output elements, S in bytes actually used) for one rank.
 
     S is rounded down to a whole number of elements per rank, so every chunk has the same length.
-    all_reduce and broadcast work in place (input = output).
-    """
+    all_reduce and broadcast work in place (input = output)."""
     check_collective(collective, "buffer_numels")
-    per_rank = size_bytes // itemsize // n
-    if per_rank < 1:
-        raise ValueError(
-            f"size_bytes={size_bytes}: too small for {n} ranks of {itemsize}-byte elements; "
-            f"use at least {n * itemsize} bytes"
-        )
+    if (per_rank := size_bytes // itemsize // n) < 1:
+        raise ValueError(f"size_bytes={size_bytes}: too small for {n} ranks of {itemsize}-byte elements; "
+                         f"use at least {n * itemsize} bytes")
     total = per_rank * n
     ins = {"all_gather": per_rank}.get(collective, total)
     outs = {"reduce_scatter": per_rank}.get(collective, total)
@@ -99,8 +87,7 @@ def buffer_numels(collective: str, size_bytes: int, n: int, itemsize: int) -> tu
 def input_chunks(collective: str, rank: int, n: int) -> list[float]:
     """The value of each chunk of ``rank``'s input (one value: the whole buffer holds it).
 
-    Chosen so every rank and every chunk differ, and small integers keep sums exact in bf16.
-    """
+    Chosen so every rank and every chunk differ, and small integers keep sums exact in bf16."""
     check_collective(collective, "input_chunks")
     if collective == "reduce_scatter":
         return [float((rank + 1) * (j + 1)) for j in range(n)]  # rank r's piece for rank j
@@ -136,8 +123,7 @@ def check_result(collective: str, out: torch.Tensor, rank: int, n: int) -> str |
     """``None`` when ``out`` holds what ``collective`` must give on ``rank`` of ``n``; else what is wrong.
 
     Data-moving collectives must match exactly (in the tensor's dtype); reductions within a few rounding
-    steps of the dtype (the order of a sum is the backend's choice).
-    """
+    steps of the dtype (the order of a sum is the backend's choice)."""
     expected = expected_chunks(collective, rank, n)
     if out.numel() % len(expected):
         return f"rank {rank}: output has {out.numel()} elements, not a multiple of {len(expected)} chunks"
@@ -153,10 +139,8 @@ def check_result(collective: str, out: torch.Tensor, rank: int, n: int) -> str |
             bad = ((got.double() - want).abs() > tol) | got.isnan()
             first = int(bad.nonzero()[0, 0]) + j * size
             where = f" chunk {j}" if len(expected) > 1 else ""
-            return (
-                f"rank {rank}{where}: values in [{lo:g}, {hi:g}], expected {want:g}; "
-                f"first wrong element {first} = {out.reshape(-1)[first].item():g}"
-            )
+            return (f"rank {rank}{where}: values in [{lo:g}, {hi:g}], expected {want:g}; "
+                    f"first wrong element {first} = {out.reshape(-1)[first].item():g}")
     return None
 
 
@@ -164,8 +148,7 @@ def collective_call(collective: str, inp: torch.Tensor, out: torch.Tensor) -> Ca
     """A no-argument function that runs ``collective`` once, blocking (``async_op=False``).
 
     torch >= 2.13 names the tensor forms ``all_gather_single`` / ``reduce_scatter_single`` and warns on
-    the older ``all_gather_into_tensor`` / ``reduce_scatter_tensor``; older torch has only the latter.
-    """
+    the older ``all_gather_into_tensor`` / ``reduce_scatter_tensor``; older torch has only the latter."""
     if collective == "all_reduce":
         return lambda: dist.all_reduce(inp)
     if collective == "broadcast":
@@ -191,8 +174,7 @@ def _max_over_ranks(value: float, device: str) -> float:
     return float(t.item())
 
 
-# --------------------------------------------------------------------------------------------------
-# Workers (run in each rank's process by spawn.launch)
+# --- Workers (run in each rank's process by spawn.launch) -----------------------------------------
 
 
 def bench_worker(ctx: WorkerContext, collectives: Sequence[str], sizes_bytes: Sequence[int], reps: int, warmup: int,
@@ -203,14 +185,10 @@ def bench_worker(ctx: WorkerContext, collectives: Sequence[str], sizes_bytes: Se
     on any rank raises ``CollectiveCheckError`` on every rank, naming collective, size and ranks. An op or
     dtype the backend refuses gives a row with ``status='unsupported'`` and the backend's words. ``time_ms``
     is the largest median over the ranks; ``rank_time_ms`` this rank's. ``corrupt_rank`` overwrites one
-    element of that rank's result before the check, to see the check fire.
-    """
-    rows = []
-    for name in [dtype] if isinstance(dtype, str) else dtype:
-        for collective in collectives:
-            for size in sizes_bytes:
-                rows.append(_bench_one(ctx, collective, int(size), name, reps, warmup, corrupt_rank))
-    return rows
+    element of that rank's result before the check, to see the check fire."""
+    return [_bench_one(ctx, collective, int(size), name, reps, warmup, corrupt_rank)
+            for name in ([dtype] if isinstance(dtype, str) else dtype) for collective in collectives
+            for size in sizes_bytes]
 
 
 def _bench_one(ctx: WorkerContext, collective: str, size: int, dtype: str, reps: int, warmup: int,
@@ -219,11 +197,9 @@ def _bench_one(ctx: WorkerContext, collective: str, size: int, dtype: str, reps:
     n, rank, dev = ctx.world_size, ctx.rank, ctx.device
     n_in, n_out, s_bytes = buffer_numels(collective, size, n, torch.empty((), dtype=dt).element_size())
     label = f"{collective} {format_bytes(s_bytes)} {dtype}"
-    row: dict[str, Any] = {
-        "collective": collective, "size_bytes": s_bytes, "n_ranks": n, "backend": ctx.backend, "dtype": dtype,
-        "rank": rank, "status": "ok", "reason": "", "correct": None, "rank_time_ms": math.nan,
-        "time_ms": math.nan, "reps": reps,
-    }
+    row: dict[str, Any] = {"collective": collective, "size_bytes": s_bytes, "n_ranks": n, "backend": ctx.backend,
+                           "dtype": dtype, "rank": rank, "status": "ok", "reason": "", "correct": None,
+                           "rank_time_ms": math.nan, "time_ms": math.nan, "reps": reps}
     ctx.status(f"{label}: allocating and checking")
     inp = make_input(collective, rank, n, n_in, dt, dev)
     out = inp if collective in ("all_reduce", "broadcast") else torch.empty(n_out, dtype=dt, device=dev)
@@ -243,8 +219,7 @@ def _bench_one(ctx: WorkerContext, collective: str, size: int, dtype: str, reps:
         if not _is_unsupported(exc):
             raise
         code, problem = 1, f"{ctx.backend} refused it: {str(exc).strip().splitlines()[0]}"
-    agreed = int(_max_over_ranks(code, dev))
-    if agreed == 2:
+    if (agreed := int(_max_over_ranks(code, dev))) == 2:
         reports: list[str | None] = [None] * n
         dist.all_gather_object(reports, problem if code == 2 else "")
         wrong = "; ".join(r for r in reports if r)
@@ -265,8 +240,7 @@ def bare_allreduce_worker(ctx: WorkerContext, size_bytes: int, iters: int, warmu
     """The simplest all_reduce loop on fp32, for comparison with ``bench_worker``: ms per iteration.
 
     CUDA: one event before ``iters`` all_reduces, one after, one synchronize. CPU: a barrier, then the host
-    clock around the loop. ``time_ms`` is the largest over the ranks.
-    """
+    clock around the loop. ``time_ms`` is the largest over the ranks."""
     numel = max(size_bytes // 4, 1)
     ctx.status(f"bare all_reduce {format_bytes(numel * 4)}")
     x = torch.full((numel,), float(ctx.rank + 1), dtype=torch.float32, device=ctx.device)
@@ -301,15 +275,13 @@ def nccl_debug_worker(ctx: WorkerContext, size_bytes: int) -> dict[str, Any]:
     return {"rank": ctx.rank, "pid": os.getpid(), "host": socket.gethostname()}
 
 
-# --------------------------------------------------------------------------------------------------
-# Parent side: what the notebook calls
+# --- Parent side: what the notebook calls ---------------------------------------------------------
 
 
 def _check_sizes(sizes: Any, where: str) -> list[int]:
     if isinstance(sizes, (int, np.integer)):
         sizes = [sizes]
-    sizes = list(sizes)
-    if not sizes:
+    if not (sizes := list(sizes)):
         raise ValueError(f"{where}(sizes_bytes=[]): give at least one size in bytes")
     for s in sizes:
         if isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 1:
@@ -317,34 +289,23 @@ def _check_sizes(sizes: Any, where: str) -> list[int]:
     return [int(s) for s in sizes]
 
 
-def collective_sweep(
-    nprocs: int,
-    sizes_bytes: Sequence[int] | None = None,
-    collectives: Sequence[str] = COLLECTIVES,
-    backend: str = "auto",
-    reps: int | None = None,
-    warmup: int | None = None,
-    timeout_s: float = 900.0,
-    dtype: str | Sequence[str] = "float32",
-    report: EnvReport | None = None,
-    corrupt_rank: int | None = None,
-) -> pd.DataFrame:
+def collective_sweep(nprocs: int, sizes_bytes: Sequence[int] | None = None, collectives: Sequence[str] = COLLECTIVES,
+                     backend: str = "auto", reps: int | None = None, warmup: int | None = None,
+                     timeout_s: float = 900.0, dtype: str | Sequence[str] = "float32", report: EnvReport | None = None,
+                     corrupt_rank: int | None = None) -> pd.DataFrame:
     """algbw and busbw of each collective at each size on ``nprocs`` ranks (NCCL on GPUs, else gloo).
 
-    Defaults: NCCL 1 MiB..2 GiB (``GPU_SIZES``), 20 reps after 5 warm-ups; gloo 4 KiB..16 MiB
-    (``CPU_SIZES``), 10 reps after 2. ``dtype``: a torch dtype name, or several (one set of rows each).
-    ``peak_gbps`` is the GPU link per direction (``bandwidth.link_peak_gbps``; ``report`` from
-    ``course.probe.probe()``, probed when None), NaN on gloo. A wrong result raises (through
-    ``spawn.WorkerError``); an op or dtype
-    the backend refuses gives ``status='unsupported'`` and a reason.
-    Columns: see ``SWEEP_COLUMNS``; ``.attrs['peak_description']`` says which link the peak is.
-    """
+    Defaults: NCCL 1 MiB..2 GiB (``GPU_SIZES``), 20 reps after 5 warm-ups; gloo 4 KiB..16 MiB (``CPU_SIZES``), 10 reps
+    after 2. ``dtype``: a torch dtype name, or several (one set of rows each). ``peak_gbps`` is the GPU link per
+    direction (``bandwidth.link_peak_gbps``; ``report`` from ``course.probe.probe()``, probed when None), NaN on gloo. A
+    wrong result raises (through ``spawn.WorkerError``); an op or dtype the backend refuses gives
+    ``status='unsupported'`` and a reason. Columns: see ``SWEEP_COLUMNS``; ``.attrs['peak_description']`` says which
+    link the peak is."""
     where = "collective_sweep"
     chosen = choose_backend(nprocs, backend)
     gpu = chosen == "nccl"
     collectives = [collectives] if isinstance(collectives, str) else list(collectives)
-    bad = [c for c in collectives if c not in COLLECTIVES]
-    if bad or not collectives:
+    if (bad := [c for c in collectives if c not in COLLECTIVES]) or not collectives:
         raise ValueError(f"{where}(collectives={collectives!r}): unknown {bad}; valid names are {list(COLLECTIVES)}")
     if sizes_bytes is None:
         sizes_bytes = GPU_SIZES if gpu else CPU_SIZES
@@ -364,11 +325,9 @@ def collective_sweep(
         peak, peak_desc = link_peak_gbps(report, n_gpus=max(nprocs, 2))
     else:
         peak, peak_desc = None, "no GPU link (gloo over loopback/shared memory)"
-    per_rank = launch(
-        bench_worker, nprocs, backend=chosen, timeout_s=timeout_s,
-        kwargs={"collectives": list(collectives), "sizes_bytes": sizes, "reps": reps, "warmup": warmup,
-                "dtype": dtypes, "corrupt_rank": corrupt_rank},
-    )
+    per_rank = launch(bench_worker, nprocs, backend=chosen, timeout_s=timeout_s,
+                      kwargs={"collectives": list(collectives), "sizes_bytes": sizes, "reps": reps, "warmup": warmup,
+                              "dtype": dtypes, "corrupt_rank": corrupt_rank})
     df = _merge_rows(per_rank, peak)
     df.attrs["peak_description"] = peak_desc
     return df
@@ -382,14 +341,10 @@ def _merge_rows(per_rank: list[list[dict[str, Any]]], peak: float | None) -> pd.
         unsupported = [r for r in same if r["status"] != "ok"]
         time_ms = max(r["rank_time_ms"] for r in same) if not unsupported else math.nan
         row = {k: first[k] for k in ("collective", "size_bytes", "n_ranks", "backend", "dtype", "reps")}
-        row.update(
-            size_label=format_bytes(first["size_bytes"]),
-            status="unsupported" if unsupported else "ok",
-            reason=next((r["reason"] for r in unsupported if r["reason"]), ""),
-            time_ms=time_ms,
-            correct=None if unsupported else all(bool(r["correct"]) for r in same),
-            peak_gbps=math.nan if peak is None else float(peak),
-        )
+        row.update(size_label=format_bytes(first["size_bytes"]), status="unsupported" if unsupported else "ok",
+                   reason=next((r["reason"] for r in unsupported if r["reason"]), ""), time_ms=time_ms,
+                   correct=None if unsupported else all(bool(r["correct"]) for r in same),
+                   peak_gbps=math.nan if peak is None else float(peak))
         if time_ms > 0:
             row["algbw_gbps"] = algbw_gbps(row["size_bytes"], time_ms)
             row["busbw_gbps"] = busbw_gbps(row["collective"], row["size_bytes"], time_ms, n)
@@ -402,19 +357,12 @@ def _merge_rows(per_rank: list[list[dict[str, Any]]], peak: float | None) -> pd.
     return df
 
 
-def bare_allreduce(
-    nprocs: int,
-    size_bytes: int | None = None,
-    iters: int | None = None,
-    backend: str = "auto",
-    warmup: int = 5,
-    timeout_s: float = 600.0,
-) -> dict[str, Any]:
+def bare_allreduce(nprocs: int, size_bytes: int | None = None, iters: int | None = None, backend: str = "auto",
+                   warmup: int = 5, timeout_s: float = 600.0) -> dict[str, Any]:
     """The simplest fp32 all_reduce loop (``bare_allreduce_worker``): time_ms, algbw_gbps, busbw_gbps.
 
     Defaults: NCCL 1 GiB × 20 iterations, gloo 4 MiB × 10. Compare with ``collective_sweep``'s all_reduce
-    row at the same size: the helper's per-repetition events should cost next to nothing at ≥ 1 GiB.
-    """
+    row at the same size: the helper's per-repetition events should cost next to nothing at ≥ 1 GiB."""
     where = "bare_allreduce"
     chosen = choose_backend(nprocs, backend)
     gpu = chosen == "nccl"
@@ -425,34 +373,24 @@ def bare_allreduce(
                  kwargs={"size_bytes": size_bytes, "iters": iters, "warmup": warmup})
     time_ms = max(r["rank_time_ms"] for r in res)
     nbytes = res[0]["size_bytes"]
-    return {
-        "size_bytes": nbytes, "n_ranks": nprocs, "backend": chosen, "iters": iters, "time_ms": time_ms,
-        "algbw_gbps": algbw_gbps(nbytes, time_ms), "busbw_gbps": busbw_gbps("all_reduce", nbytes, time_ms, nprocs),
-    }
+    return {"size_bytes": nbytes, "n_ranks": nprocs, "backend": chosen, "iters": iters, "time_ms": time_ms,
+            "algbw_gbps": algbw_gbps(nbytes, time_ms), "busbw_gbps": busbw_gbps("all_reduce", nbytes, time_ms, nprocs)}
 
 
-# --------------------------------------------------------------------------------------------------
-# NCCL's own account: NCCL_DEBUG=INFO
+# --- NCCL's own account: NCCL_DEBUG=INFO ----------------------------------------------------------
 
 
 NCCL_DEBUG_SUBSYS = "INIT,GRAPH,ENV,TUNING"
 
 
-def capture_nccl_debug(
-    nprocs: int = 2,
-    size_bytes: int = 256 * MIB,
-    extra_env: dict[str, str] | None = None,
-    backend: str = "auto",
-    subsys: str = NCCL_DEBUG_SUBSYS,
-    timeout_s: float = 300.0,
-) -> str:
+def capture_nccl_debug(nprocs: int = 2, size_bytes: int = 256 * MIB, extra_env: dict[str, str] | None = None,
+                       backend: str = "auto", subsys: str = NCCL_DEBUG_SUBSYS, timeout_s: float = 300.0) -> str:
     """NCCL's INFO log of a few all_reduces on ``nprocs`` GPUs: every rank's file, concatenated by rank.
 
     Runs ``nccl_debug_worker`` with NCCL_DEBUG=INFO, NCCL_DEBUG_SUBSYS=``subsys`` and NCCL_DEBUG_FILE set to
     one file per process (``%h`` host, ``%p`` pid) in a temporary folder. ``extra_env`` adds variables
     (e.g. ``{"NCCL_P2P_DISABLE": "1"}`` to see the fall-back transport); NCCL_NVLS_ENABLE is refused:
-    it stays as inherited. Read the result with ``nccl_log.parse_nccl_log``.
-    """
+    it stays as inherited. Read the result with ``nccl_log.parse_nccl_log``."""
     extra = dict(extra_env or {})
     if "NCCL_NVLS_ENABLE" in extra:
         raise ValueError("capture_nccl_debug(extra_env=...): NCCL_NVLS_ENABLE is not changed by the labs; "

@@ -1,13 +1,11 @@
 """Lab 02 DDP training: digits accuracy under DistributedDataParallel, and ResNet throughput scaling.
 
-Worker functions for ``lab_utils.distributed.spawn.launch`` or torchrun (``scripts/train_ddp.py``):
-``train_digits`` (correctness: N ranks reach the single-process test accuracy) and ``throughput`` (speed:
-images/s per world size, scaling efficiency, DDP's gradient buckets). Units are in names: ``_ms`` milliseconds,
-``_s`` seconds, ``_mib`` MiB (2**20 bytes), ``images_per_s`` and ``samples_per_s`` per second of wall time.
-Accuracies are fractions in [0, 1].
+Worker functions for ``lab_utils.distributed.spawn.launch`` or torchrun (``scripts/train_ddp.py``): ``train_digits``
+(correctness: N ranks reach the single-process test accuracy) and ``throughput`` (speed: images/s per world size,
+scaling efficiency, DDP's gradient buckets). Units are in names: ``_ms`` milliseconds, ``_s`` seconds, ``_mib`` MiB
+(2**20 bytes), ``images_per_s`` and ``samples_per_s`` per second of wall time. Accuracies are fractions in [0, 1].
 
-Design notes: docs/internals.md#lab_utilsdistributedddppy
-"""
+Design notes: docs/internals.md#lab_utilsdistributedddppy"""
 
 from __future__ import annotations
 
@@ -47,16 +45,8 @@ DIGITS_DEFAULTS = {"epochs": 8, "global_batch": 64, "lr": 0.05, "momentum": 0.9,
 # an H200, GPU-bound, and DDP hides its 45 MiB all-reduce (~0.2 ms over NVLink) in the backward pass: 99 %
 # scaling efficiency on 2 H200s [H200 run]. At batch 128 a step (~11 ms) is bound by the host's kernel
 # launches instead, DDP's per-step host work shows, and the same run gave 79 %. CPU: a tiny ResNet.
-THROUGHPUT_DEFAULTS = {
-    "steps": (30, 10),
-    "warmup_steps": (10, 3),
-    "batch_size": (256, 16),
-    "image_size": (224, 32),
-    "width": (64, 8),
-    "depth": (18, 10),
-    "amp": ("bf16", None),
-    "channels_last": (True, False),
-}
+THROUGHPUT_DEFAULTS = {"steps": (30, 10), "warmup_steps": (10, 3), "batch_size": (256, 16), "image_size": (224, 32),
+                       "width": (64, 8), "depth": (18, 10), "amp": ("bf16", None), "channels_last": (True, False)}
 DEFAULT_BUCKETS = {"bucket_cap_mb": 25, "gradient_as_bucket_view": False, "overlap": True}
 
 # [H200 run] one H200 alone, the GPU defaults above (ResNet-18, 224 px, batch 256, bf16), ms per step (mean of 30
@@ -65,8 +55,7 @@ DEFAULT_BUCKETS = {"bucket_cap_mb": 25, "gradient_as_bucket_view": False, "overl
 H200_ONE_GPU_STEP_MS = {"DDP, 25 MB buckets": 20.13, "DDP, gradient_as_bucket_view": 19.97, "no DDP": 19.64}
 
 
-# --------------------------------------------------------------------------------------------------
-# Checks and small helpers
+# --- Checks and small helpers ---------------------------------------------------------------------
 
 
 def _check_amp(amp: Any, where: str) -> str | None:
@@ -83,8 +72,7 @@ def _share_cpu_threads(ctx: WorkerContext, threads: int | None = None) -> None:
     """CPU ranks on one machine share its cores: each gets ``threads`` or an equal share of them.
 
     Without this every rank starts one thread per core and the ranks fight for them (slower than one rank).
-    OMP_NUM_THREADS, when set (torchrun sets it to 1 for several ranks per node), is left to rule.
-    """
+    OMP_NUM_THREADS, when set (torchrun sets it to 1 for several ranks per node), is left to rule."""
     if _is_cuda(ctx):
         return
     if threads is not None:
@@ -107,10 +95,8 @@ def _grad_scaler(ctx: WorkerContext, amp: str | None) -> torch.amp.GradScaler:
     try:
         return torch.amp.GradScaler(dev, enabled=amp == "fp16")
     except (AttributeError, TypeError, RuntimeError) as exc:
-        raise RuntimeError(
-            f"amp='fp16' needs torch.amp.GradScaler({dev!r}), which torch {torch.__version__} does not offer "
-            f"({exc}); use amp='bf16' (no scaler needed) or a GPU"
-        ) from exc
+        raise RuntimeError(f"amp='fp16' needs torch.amp.GradScaler({dev!r}), which torch {torch.__version__} does not "
+                           f"offer ({exc}); use amp='bf16' (no scaler needed) or a GPU") from exc
 
 
 def _ddp(ctx: WorkerContext, model: torch.nn.Module, **kw: Any) -> DistributedDataParallel:
@@ -129,8 +115,7 @@ def _all_reduce(ctx: WorkerContext, values: Sequence[float | torch.Tensor], op: 
     return [float(v) for v in t.tolist()]
 
 
-# --------------------------------------------------------------------------------------------------
-# Digits data
+# --- Digits data ----------------------------------------------------------------------------------
 
 
 def _digits_tensors(device: str) -> dict[str, torch.Tensor]:
@@ -154,8 +139,7 @@ def sampler_orders(n: int, world_size: int, epochs: int, seed: int = 0,
     """The indices DistributedSampler(shuffle=True, seed) hands each rank, by epoch: ``orders[epoch][rank]``.
 
     No process group needed (the sampler is told num_replicas and rank). With ``set_epoch=False`` every epoch
-    repeats epoch 0's order: the bug ``sampler.set_epoch(epoch)`` prevents.
-    """
+    repeats epoch 0's order: the bug ``sampler.set_epoch(epoch)`` prevents."""
     check_int(n, "n", "sampler_orders")
     check_int(world_size, "world_size", "sampler_orders")
     check_int(epochs, "epochs", "sampler_orders")
@@ -170,8 +154,7 @@ def sampler_orders(n: int, world_size: int, epochs: int, seed: int = 0,
     return orders
 
 
-# --------------------------------------------------------------------------------------------------
-# Evaluation
+# --- Evaluation -----------------------------------------------------------------------------------
 
 
 def _eval_counts(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
@@ -194,8 +177,7 @@ def _sharded_test_accuracy(ctx: WorkerContext, model: torch.nn.Module,
     DistributedSampler(shuffle=False) gives rank r the positions r, r+N, r+2N, ... of the index list padded
     (by repeating its head) to a multiple of N; a position is a real sample when it is < n. Those come
     first in the rank's list, so the rank keeps the first len(range(r, n, N)) indices and drops the padding
-    (357 test images on 2 ranks: rank 0 scores 179, rank 1 178, not 179 + 179 with one image twice).
-    """
+    (357 test images on 2 ranks: rank 0 scores 179, rank 1 178, not 179 + 179 with one image twice)."""
     n = int(data["y_test"].shape[0])
     sampler = DistributedSampler(range(n), num_replicas=ctx.world_size, rank=ctx.rank, shuffle=False)
     real = len(range(ctx.rank, n, ctx.world_size))
@@ -227,20 +209,14 @@ def _save_checkpoint(path: str | os.PathLike[str], model: torch.nn.Module, opt: 
                      width: int, accuracy: float) -> None:
     path = os.fspath(path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    state = {
-        "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},  # model.module's: no "module." keys
-        "optimizer": opt.state_dict(),
-        "epoch": epoch,
-        "model_config": {"width": width},
-        "accuracy": accuracy,
-    }
+    state = {"model": {k: v.detach().cpu() for k, v in model.state_dict().items()},  # model.module's: no "module." keys
+             "optimizer": opt.state_dict(), "epoch": epoch, "model_config": {"width": width}, "accuracy": accuracy}
     tmp = f"{path}.tmp{os.getpid()}"
     torch.save(state, tmp)
     os.replace(tmp, path)  # atomic: a reader never sees half a file
 
 
-# --------------------------------------------------------------------------------------------------
-# Digits training worker
+# --- Digits training worker -----------------------------------------------------------------------
 
 
 def train_digits(ctx: WorkerContext, epochs: int = DIGITS_DEFAULTS["epochs"], batch_size: int = 64,
@@ -250,22 +226,20 @@ def train_digits(ctx: WorkerContext, epochs: int = DIGITS_DEFAULTS["epochs"], ba
                  width: int = DIGITS_DEFAULTS["width"], cpu_threads: int | None = 1) -> dict[str, Any]:
     """Worker: train the digits CNN under DDP; every rank returns the same all-reduced metrics.
 
-    ``batch_size`` is the micro-batch per rank; one optimizer step sees batch_size × world_size × accumulate
-    images (``global_batch``). For runs comparable across world sizes keep that global batch constant
-    (``per_rank_batch``, ``run_digits``) and keep the lr: then N ranks take the same steps as one process.
-    ``amp``: None (fp32), 'bf16' (autocast) or 'fp16' (autocast + GradScaler). ``accumulate`` micro-steps
-    per optimizer step, all but the last under ``model.no_sync()`` (gradients summed locally, one
-    all-reduce). ``set_epoch=False`` skips ``sampler.set_epoch``: every epoch repeats the same order (a bug,
-    shown on purpose). Rank 0 writes ``checkpoint_path`` (model.module's state dict, optimizer, epoch);
-    the others wait at a barrier until it is written. ``cpu_threads``: torch threads per CPU rank (default 1: the
-    CNN's operations are too small to split, and two threads on a busy 2-core machine ran a one-rank run 5x slower;
-    None shares the cores among the local ranks).
+    ``batch_size`` is the micro-batch per rank; one optimizer step sees batch_size × world_size × accumulate images
+    (``global_batch``). For runs comparable across world sizes keep that global batch constant (``per_rank_batch``,
+    ``run_digits``) and keep the lr: then N ranks take the same steps as one process. ``amp``: None (fp32), 'bf16'
+    (autocast) or 'fp16' (autocast + GradScaler). ``accumulate`` micro-steps per optimizer step, all but the last under
+    ``model.no_sync()`` (gradients summed locally, one all-reduce). ``set_epoch=False`` skips ``sampler.set_epoch``:
+    every epoch repeats the same order (a bug, shown on purpose). Rank 0 writes ``checkpoint_path`` (model.module's
+    state dict, optimizer, epoch); the others wait at a barrier until it is written. ``cpu_threads``: torch threads per
+    CPU rank (default 1: the CNN's operations are too small to split, and two threads on a busy 2-core machine ran a
+    one-rank run 5x slower; None shares the cores among the local ranks).
 
-    Returns accuracy (final test accuracy, fraction), final_loss (last epoch's mean training loss),
-    samples_per_s (training images per second of wall time, all ranks together, evaluation excluded),
-    train_s, history (per epoch: train_loss, train_accuracy, test_accuracy, epoch_s, first_indices = this
-    rank's first 8 sample indices), and the configuration.
-    """
+    Returns accuracy (final test accuracy, fraction), final_loss (last epoch's mean training loss), samples_per_s
+    (training images per second of wall time, all ranks together, evaluation excluded), train_s, history (per epoch:
+    train_loss, train_accuracy, test_accuracy, epoch_s, first_indices = this rank's first 8 sample indices), and the
+    configuration."""
     where = "train_digits"
     epochs = check_int(epochs, "epochs", where)
     batch_size = check_int(batch_size, "batch_size", where)
@@ -331,29 +305,14 @@ def train_digits(ctx: WorkerContext, epochs: int = DIGITS_DEFAULTS["epochs"], ba
         ctx.barrier()  # no rank returns (and no reader looks) before rank 0 has written the file
 
     global_batch = batch_size * ctx.world_size * accumulate
-    return {
-        "accuracy": history[-1]["test_accuracy"],
-        "final_loss": history[-1]["train_loss"],
-        "epochs": epochs,
-        "samples_per_s": n_train * epochs / train_s if train_s > 0 else float("nan"),
-        "train_s": train_s,
-        "world_size": ctx.world_size,
-        "rank": ctx.rank,
-        "backend": ctx.backend,
-        "device": str(ctx.device),
-        "batch_size": batch_size,
-        "accumulate": accumulate,
-        "global_batch": global_batch,
-        "steps_per_epoch": math.ceil(math.ceil(n_train / ctx.world_size / batch_size) / accumulate),
-        "lr": lr,
-        "momentum": momentum,
-        "amp": amp,
-        "fp16_scale": float(scaler.get_scale()) if amp == "fp16" else None,
-        "seed": seed,
-        "set_epoch": set_epoch,
-        "checkpoint_path": None if checkpoint_path is None else os.fspath(checkpoint_path),
-        "history": history,
-    }
+    return {"accuracy": history[-1]["test_accuracy"], "final_loss": history[-1]["train_loss"], "epochs": epochs,
+            "samples_per_s": n_train * epochs / train_s if train_s > 0 else float("nan"), "train_s": train_s,
+            "world_size": ctx.world_size, "rank": ctx.rank, "backend": ctx.backend, "device": str(ctx.device),
+            "batch_size": batch_size, "accumulate": accumulate, "global_batch": global_batch,
+            "steps_per_epoch": math.ceil(math.ceil(n_train / ctx.world_size / batch_size) / accumulate), "lr": lr,
+            "momentum": momentum, "amp": amp, "fp16_scale": float(scaler.get_scale()) if amp == "fp16" else None,
+            "seed": seed, "set_epoch": set_epoch,
+            "checkpoint_path": None if checkpoint_path is None else os.fspath(checkpoint_path), "history": history}
 
 
 def run_digits(nprocs: int = 1, *, global_batch: int = DIGITS_DEFAULTS["global_batch"], accumulate: int = 1,
@@ -370,8 +329,7 @@ def each_world_size(ctx: WorkerContext, fn: Callable[..., dict[str, Any]],
 
     One launch then measures several world sizes: while the first n ranks run as a job of n, the others wait at
     a barrier (an idle CPU process, or an idle GPU). Returns this rank's result of each run (None where it sat
-    out); rank 0 takes part in every run.
-    """
+    out); rank 0 takes part in every run."""
     out = []
     for n, kw in runs:
         sub = ctx.subgroup(n)
@@ -403,8 +361,7 @@ def _train_digits_ticking(ctx: WorkerContext, ticks: Any, **kw: Any) -> dict[str
     return train_digits(ctx, **kw)
 
 
-def _ticking(ctx: WorkerContext, tick_queue: Any, tick_prefix: str, tick_work: Callable[..., Any],
-             **kw: Any) -> Any:
+def _ticking(ctx: WorkerContext, tick_queue: Any, tick_prefix: str, tick_work: Callable[..., Any], **kw: Any) -> Any:
     """Worker: ``tick_work(ctx, **kw)``, with rank 0's statuses that start with ``tick_prefix`` reported on
     ``tick_queue`` (``scaling(progress=)``, ``overlap_experiment(progress=)``)."""
     if ctx.rank == 0:
@@ -439,8 +396,7 @@ def digits_comparison(nprocs_list: Sequence[int] = (1, 2), *, global_batch: int 
     ``accumulate``: micro-steps per optimizer step, one value for all or one per world size. All world sizes run
     in one launch of max(nprocs_list) ranks (``each_world_size``), which saves a start-up per size.
     ``progress``: a hook such as ``lab_utils.widgets.progress`` (``progress(iterable, total=, desc=)``), advanced
-    per epoch that rank 0 starts, over all the runs (None: no display).
-    """
+    per epoch that rank 0 starts, over all the runs (None: no display)."""
     sizes = [check_int(n, "nprocs_list", "digits_comparison") for n in nprocs_list]
     accs = [accumulate] * len(sizes) if isinstance(accumulate, int) else list(accumulate)
     if len(accs) != len(sizes):
@@ -464,14 +420,12 @@ def digits_comparison(nprocs_list: Sequence[int] = (1, 2), *, global_batch: int 
     return df
 
 
-def accumulation_check(ctx: WorkerContext, micro_batch: int = 16, accumulate: int = 2,
-                       seed: int = 0) -> dict[str, Any]:
+def accumulation_check(ctx: WorkerContext, micro_batch: int = 16, accumulate: int = 2, seed: int = 0) -> dict[str, Any]:
     """Worker: DDP gradients after ``accumulate`` micro-steps (all but the last under no_sync) vs one big batch.
 
     Every rank also computes, without DDP, the gradient of the whole global batch
     (micro_batch × accumulate × world_size images) on a plain copy of the model; returns the largest
-    absolute difference (max over ranks) and the gradient's largest magnitude, for scale.
-    """
+    absolute difference (max over ranks) and the gradient's largest magnitude, for scale."""
     micro_batch = check_int(micro_batch, "micro_batch", "accumulation_check")
     accumulate = check_int(accumulate, "accumulate", "accumulation_check")
     _share_cpu_threads(ctx)
@@ -496,8 +450,7 @@ def accumulation_check(ctx: WorkerContext, micro_batch: int = 16, accumulate: in
             "global_batch": per_rank * ctx.world_size}
 
 
-# --------------------------------------------------------------------------------------------------
-# Throughput
+# --- Throughput -----------------------------------------------------------------------------------
 
 
 def _throughput_config(ctx: WorkerContext, **kw: Any) -> dict[str, Any]:
@@ -572,38 +525,24 @@ def _time_steps(ctx: WorkerContext, cfg: dict[str, Any]) -> dict[str, Any]:
             sizes = str(log.get("rebuilt_bucket_sizes") or log.get("bucket_sizes", "")).strip()  # "bytes, ..."
             buckets = len(sizes.split(",")) if sizes else None
     global_batch = b * ctx.world_size
-    out = {
-        "world_size": ctx.world_size,
-        "backend": ctx.backend,
-        "device": _device_label(ctx),
-        **{k: cfg[k] for k in ("batch_size", "image_size", "width", "amp", "channels_last", "bucket_cap_mb",
-                               "gradient_as_bucket_view", "overlap", "steps", "warmup_steps")},
-        "depth": cfg["depth"] if isinstance(cfg["depth"], int) else tuple(cfg["depth"]),
-        "global_batch": global_batch,
-        "step_ms": mean_ms,
-        "step_ms_median": median_ms,
-        "images_per_s": global_batch / (mean_ms * 1e-3),
-        "images_per_s_per_worker": b / (mean_ms * 1e-3),
-        "n_params": sum(p.numel() for p in params),
-        "params_mib": param_mib(model),
-        "grads_mib": sum(p.numel() * 4 for p in params) / MIB,  # DDP reduces fp32 gradients, even under autocast
-        "buckets": buckets,
-    }
+    out = {"world_size": ctx.world_size, "backend": ctx.backend,
+           "device": torch.cuda.get_device_name(ctx.device) if _is_cuda(ctx) else f"cpu ({cpu_model()})",
+           **{k: cfg[k] for k in ("batch_size", "image_size", "width", "amp", "channels_last", "bucket_cap_mb",
+                                  "gradient_as_bucket_view", "overlap", "steps", "warmup_steps")},
+           "depth": cfg["depth"] if isinstance(cfg["depth"], int) else tuple(cfg["depth"]),
+           "global_batch": global_batch, "step_ms": mean_ms, "step_ms_median": median_ms,
+           "images_per_s": global_batch / (mean_ms * 1e-3), "images_per_s_per_worker": b / (mean_ms * 1e-3),
+           "n_params": sum(p.numel() for p in params), "params_mib": param_mib(model),
+           "grads_mib": sum(p.numel() * 4 for p in params) / MIB,  # DDP reduces fp32 gradients, even under autocast
+           "buckets": buckets}
     return out  # the model, optimizer and batch go with this frame: the next variant starts with free memory
-
-
-def _device_label(ctx: WorkerContext) -> str:
-    if _is_cuda(ctx):
-        return torch.cuda.get_device_name(ctx.device)
-    return f"cpu ({cpu_model()})"
 
 
 def throughput(ctx: WorkerContext, steps: int | None = None, warmup_steps: int | None = None,
                batch_size: int | None = None, image_size: int | None = None, width: int | None = None,
-               depth: int | Sequence[int] | None = None,
-               amp: str | None = "auto", bucket_cap_mb: float = 25, gradient_as_bucket_view: bool = False,
-               channels_last: bool | None = None, num_classes: int = 1000, overlap: bool = True,
-               cpu_threads: int | None = None) -> dict[str, Any]:
+               depth: int | Sequence[int] | None = None, amp: str | None = "auto", bucket_cap_mb: float = 25,
+               gradient_as_bucket_view: bool = False, channels_last: bool | None = None, num_classes: int = 1000,
+               overlap: bool = True, cpu_threads: int | None = None) -> dict[str, Any]:
     """Worker: DDP training steps of a ResNet on random images; time per step and images/s.
 
     Defaults (None/'auto') depend on the device: GPU ResNet-18 (width 64) at 224 px, batch 256 per GPU, bf16
@@ -613,8 +552,7 @@ def throughput(ctx: WorkerContext, steps: int | None = None, warmup_steps: int |
     ``cpu_threads``: torch threads per CPU rank (default: the cores shared equally among the local ranks).
 
     Returns step_ms, step_ms_median, images_per_s (whole job), images_per_s_per_worker, n_params,
-    params_mib, grads_mib (all-reduced per step), buckets (where torch reports it) and the configuration.
-    """
+    params_mib, grads_mib (all-reduced per step), buckets (where torch reports it) and the configuration."""
     _share_cpu_threads(ctx, cpu_threads)
     if _is_cuda(ctx):
         torch.backends.cudnn.benchmark = True  # fixed shapes: let cuDNN pick its fastest kernels in warm-up
@@ -635,16 +573,14 @@ def scaling(nprocs_list: Sequence[int] | None = None, *, backend: str = "auto", 
     """Launch ``throughput`` at each world size (default 1 and max(2, GPUs)); one row per world size.
 
     Columns: world_size, backend, device, batch_size (per worker), global_batch, step_ms, images_per_s,
-    images_per_s_per_worker, speedup and scaling_efficiency, both against the smallest world size measured:
-    efficiency = images_per_s_N / ((N / N_0) × images_per_s_N0), 1.0 = perfect (with N_0 = 1 the usual
-    throughput_N / (N × throughput_1)). Per-worker batch is fixed (weak scaling), as in the DDP references.
-    On CPU ranks (gloo) each worker gets the same number of threads at every world size,
-    cores // max(nprocs_list) unless ``cpu_threads`` is given: a worker is then a fixed unit of compute, as a
-    GPU is, and the table measures what adding workers gains (not one rank using every core). All world sizes
-    run in one launch of max(nprocs_list) ranks (``each_world_size``): the ranks not measured wait idle.
-    ``progress``: a hook such as ``lab_utils.widgets.progress`` (``progress(iterable, total=, desc=)``), advanced
-    per world size that rank 0 starts (None: no display).
-    """
+    images_per_s_per_worker, speedup and scaling_efficiency, both against the smallest world size measured: efficiency =
+    images_per_s_N / ((N / N_0) × images_per_s_N0), 1.0 = perfect (with N_0 = 1 the usual throughput_N / (N ×
+    throughput_1)). Per-worker batch is fixed (weak scaling), as in the DDP references. On CPU ranks (gloo) each worker
+    gets the same number of threads at every world size, cores // max(nprocs_list) unless ``cpu_threads`` is given: a
+    worker is then a fixed unit of compute, as a GPU is, and the table measures what adding workers gains (not one rank
+    using every core). All world sizes run in one launch of max(nprocs_list) ranks (``each_world_size``): the ranks not
+    measured wait idle. ``progress``: a hook such as ``lab_utils.widgets.progress`` (``progress(iterable, total=,
+    desc=)``), advanced per world size that rank 0 starts (None: no display)."""
     nprocs_list = list(nprocs_list) if nprocs_list is not None else [1, _default_nprocs()]
     for n in nprocs_list:
         check_int(n, "nprocs_list", "scaling")
@@ -678,8 +614,7 @@ def _variant_label(v: dict[str, Any]) -> str:
 
 
 def _normalise_variant(v: dict[str, Any]) -> dict[str, Any]:
-    unknown = set(v) - set(DEFAULT_BUCKETS)
-    if unknown:
+    if unknown := set(v) - set(DEFAULT_BUCKETS):
         raise ValueError(f"overlap_experiment(variants=...): unknown key(s) {sorted(unknown)}; "
                          f"use {sorted(DEFAULT_BUCKETS)}")
     return {**DEFAULT_BUCKETS, **v}
@@ -690,8 +625,7 @@ def overlap_worker(ctx: WorkerContext, variants: Sequence[dict[str, Any]], repea
     """Worker: ``throughput`` for each bucket variant in one process group, round-robin ``repeats`` times.
 
     Round-robin (not one variant after the other) spreads slow drifts (clocks, temperature) over all
-    variants; each variant keeps its fastest repeat.
-    """
+    variants; each variant keeps its fastest repeat."""
     _share_cpu_threads(ctx, cpu_threads)
     if _is_cuda(ctx):
         torch.backends.cudnn.benchmark = True
@@ -716,8 +650,7 @@ def overlap_experiment(nprocs: int | None = None, variants: Sequence[dict[str, A
     ``throughput`` (model size, batch, amp...). Columns: variant, bucket_cap_mb, gradient_as_bucket_view,
     overlap, step_ms, images_per_s, step_ms_vs_default (< 1 is faster), images_per_s_vs_default, buckets.
     ``progress``: a hook such as ``lab_utils.widgets.progress`` (``progress(iterable, total=, desc=)``), advanced
-    per variant timed (repeats × variants in all; None: no display).
-    """
+    per variant timed (repeats × variants in all; None: no display)."""
     nprocs = _default_nprocs() if nprocs is None else check_int(nprocs, "nprocs", "overlap_experiment")
     check_int(repeats, "repeats", "overlap_experiment")
     if variants is None:
@@ -731,8 +664,7 @@ def overlap_experiment(nprocs: int | None = None, variants: Sequence[dict[str, A
     else:  # rank 0 says "repeat r/R: variant" as it starts timing each variant: one step each
         with _rank0_ticks(progress, repeats * len(full), "DDP bucket variants: runs") as ticks:
             rows = launch(_ticking, nprocs, backend=backend, timeout_s=timeout_s,
-                          kwargs={"tick_queue": ticks, "tick_prefix": "repeat ", "tick_work": overlap_worker,
-                                  **kw})[0]
+                          kwargs={"tick_queue": ticks, "tick_prefix": "repeat ", "tick_work": overlap_worker, **kw})[0]
     df = pd.DataFrame(rows)
     df.insert(0, "variant", [_variant_label(v) for v in full])
     base = df.loc[[v == DEFAULT_BUCKETS for v in full]].iloc[0]
@@ -743,8 +675,7 @@ def overlap_experiment(nprocs: int | None = None, variants: Sequence[dict[str, A
     return df[first + [c for c in df.columns if c not in first]]
 
 
-# --------------------------------------------------------------------------------------------------
-# The two-H200 reference run beside the local numbers
+# --- The two-H200 reference run beside the local numbers ------------------------------------------
 
 H200X2_RUN = "h200x2"  # reference_runs/h200x2: lab 02 executed on two H200 SXM joined by NV18 (NVLS off)
 

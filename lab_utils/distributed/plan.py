@@ -5,8 +5,7 @@ the plan rather than testing the GPU count itself. Sizes follow the backend, not
 ranks are gloo CPU processes, so they get the CPU sizes, and the size the bare loop is compared at is always one
 of the sweep's sizes. The single-GPU section (NCCL and DDP on one rank) runs only where there is exactly one GPU.
 No torch: the plan is arithmetic on the GPU count, so a CPU test can fake any count. Units are in the names:
-``_bytes`` bytes, ``_steps`` and ``_iters`` counts of steps and calls.
-"""
+``_bytes`` bytes, ``_steps`` and ``_iters`` counts of steps and calls."""
 
 from __future__ import annotations
 
@@ -107,8 +106,7 @@ def lab_plan(gpus: int, quick: bool = False, nprocs: int | None = None, *, nccl:
     as ``spawn.choose_backend`` decides; sizes and counts then follow that backend: NCCL ``GPU_SIZES`` (1 MiB ..
     2 GiB) compared at 1 GiB, gloo ``CPU_SIZES`` (4 KiB .. 16 MiB) compared at 4 MiB; ``quick`` fewer sizes and
     repetitions, both keeping the compared size. Sizes are whole fp32 elements per rank (``whole_per_rank``), so
-    the sweep measures each as asked. ``digits_epochs``: None takes 2 (quick) or 8.
-    """
+    the sweep measures each as asked. ``digits_epochs``: None takes 2 (quick) or 8."""
     where = "lab_plan"
     gpus = check_int(gpus, "gpus", where, minimum=0)
     quick = bool(quick)
@@ -131,21 +129,13 @@ def lab_plan(gpus: int, quick: bool = False, nprocs: int | None = None, *, nccl:
         digits_epochs = 2 if quick else 8
     digits_epochs = check_int(digits_epochs, "digits_epochs", where)
     sizes = (QUICK_GPU_SIZES if gpu else QUICK_CPU_SIZES) if quick else (GPU_SIZES if gpu else CPU_SIZES)
-    return LabPlan(
-        gpus=gpus, quick=quick, nprocs=nprocs, backend=backend,
-        sweep_sizes_bytes=tuple(whole_per_rank(s, nprocs) for s in sizes),
-        sweep_reps=5 if quick else (20 if gpu else 10),
-        sweep_warmup=5 if gpu else 2,
-        compare_bytes=whole_per_rank(GPU_COMPARE_BYTES if gpu else CPU_COMPARE_BYTES, nprocs),
-        compare_iters=20 if gpu else 10,
-        compare_warmup=5,
-        digits_epochs=digits_epochs,
-        digits_global_batch=2 * nprocs * -(-DIGITS_BATCH // (2 * nprocs)),  # 64 for 1, 2, 4, 8 ranks
-        ddp_steps=4 if quick else None,
-        ddp_warmup_steps=2 if quick else None,
-        overlap_repeats=1 if quick else 2,
-        one_gpu=one_gpu,
-        one_gpu_sizes_bytes=QUICK_ONE_GPU_SIZES if quick else ONE_GPU_SIZES,
-        one_gpu_reps=5 if quick else 20,
-        one_gpu_note=note,
-    )
+    return LabPlan(gpus=gpus, quick=quick, nprocs=nprocs, backend=backend,
+                   sweep_sizes_bytes=tuple(whole_per_rank(s, nprocs) for s in sizes),
+                   sweep_reps=5 if quick else (20 if gpu else 10), sweep_warmup=5 if gpu else 2,
+                   compare_bytes=whole_per_rank(GPU_COMPARE_BYTES if gpu else CPU_COMPARE_BYTES, nprocs),
+                   compare_iters=20 if gpu else 10, compare_warmup=5, digits_epochs=digits_epochs,
+                   digits_global_batch=2 * nprocs * -(-DIGITS_BATCH // (2 * nprocs)),  # 64 for 1, 2, 4, 8 ranks
+                   ddp_steps=4 if quick else None, ddp_warmup_steps=2 if quick else None,
+                   overlap_repeats=1 if quick else 2, one_gpu=one_gpu,
+                   one_gpu_sizes_bytes=QUICK_ONE_GPU_SIZES if quick else ONE_GPU_SIZES, one_gpu_reps=5 if quick else 20,
+                   one_gpu_note=note)

@@ -6,8 +6,7 @@ at the student's own line. ``run(fn, nprocs)`` runs ``fn(ctx, **kwargs)`` on eve
 ``group=False`` ``fn(**kwargs)`` in the environment torchrun would give. ``stack_frames`` reads the stacks a
 timeout collects (``spawn.WorkerTimeout.stacks``).
 
-Design notes: docs/internals.md#lab_utilsdistributedrankspy
-"""
+Design notes: docs/internals.md#lab_utilsdistributedrankspy"""
 
 from __future__ import annotations
 
@@ -63,8 +62,7 @@ class Shipped:
 
     ``files``: one file per shipped function, its lines numbered as in its cell; ``deps``: the file that defines
     the names they use; ``aliases``: (name, function name) pairs for functions the notebook calls by another
-    name. ``load()`` (in the rank) returns the function.
-    """
+    name. ``load()`` (in the rank) returns the function."""
 
     name: str
     module: str | None = None
@@ -116,8 +114,7 @@ def _global_names(code: types.CodeType) -> set[str]:
 def _def_time_names(source: str) -> set[str]:
     """Names a ``def`` evaluates when it runs: decorators, default values, annotations."""
     tree = ast.parse(source)
-    node = next((n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))), None)
-    if node is None:
+    if (node := next((n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))), None)) is None:
         return set()
     a = node.args
     parts: list[ast.AST | None] = [*node.decorator_list, *a.defaults, *a.kw_defaults, node.returns]
@@ -139,8 +136,7 @@ def _importable(value: Any) -> tuple[str, str] | None:
 def _check_function(fn: Any) -> types.FunctionType:
     if not isinstance(fn, types.FunctionType):
         raise ShipError(f"expected a function defined with `def`, got {type(fn).__name__}")
-    name = fn.__name__
-    if name == "<lambda>":
+    if (name := fn.__name__) == "<lambda>":
         raise ShipError("a lambda cannot be sent to the ranks: define the function with `def` at the top of a cell")
     if "<locals>" in fn.__qualname__ or fn.__closure__:
         raise ShipError(f"`{name}` is defined inside another function: define it at the top level of a cell, "
@@ -244,8 +240,7 @@ def run(fn: Callable[..., Any], nprocs: int, *, backend: str = "auto", kwargs: d
     world_size, device...). ``group=False``: ``fn(**kwargs)`` with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
     MASTER_PORT set, as under torchrun: ``fn`` calls ``init_process_group`` and ``destroy_process_group``.
     Errors as ``spawn.launch``: ``WorkerError`` with the rank's traceback (the notebook's own line numbers),
-    ``WorkerTimeout``; ``ShipError`` when ``fn`` cannot be sent.
-    """
+    ``WorkerTimeout``; ``ShipError`` when ``fn`` cannot be sent."""
     from lab_utils.distributed.spawn import launch  # lazy: pulls torch (only when ranks are started)
 
     with shipping(fn) as shipped:
@@ -253,8 +248,7 @@ def run(fn: Callable[..., Any], nprocs: int, *, backend: str = "auto", kwargs: d
                       kwargs={"shipped": shipped, "kwargs": dict(kwargs or {}), "group": group})
 
 
-# --------------------------------------------------------------------------------------------------
-# Reading a rank's stack (faulthandler's format: innermost call first)
+# --- Reading a rank's stack (faulthandler's format: innermost call first) -------------------------
 
 _FH_LINE = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
 
@@ -268,12 +262,7 @@ class Frame:
 
 def stack_frames(text: str) -> list[Frame]:
     """The frames of a stack ``faulthandler`` wrote, innermost first, every thread's in turn (main last)."""
-    out = []
-    for line in text.splitlines():
-        m = _FH_LINE.match(line)
-        if m:
-            out.append(Frame(m["file"], int(m["line"]), m["func"]))
-    return out
+    return [Frame(m["file"], int(m["line"]), m["func"]) for m in map(_FH_LINE.match, text.splitlines()) if m]
 
 
 def code_at(filename: str, lineno: int) -> str:

@@ -1,14 +1,12 @@
 """Launch N worker processes for a function from a notebook, with a process group in each.
 
-``launch(fn, nprocs)`` spawns one process per rank, initialises ``torch.distributed`` (NCCL when there is one
-GPU per rank, gloo otherwise), calls ``fn(ctx, **kwargs)`` and returns the results by rank. A failure names its
-rank; no process and no port is left behind. ``launch(fn, nprocs, group=False)`` starts no group: each rank gets
-the environment torchrun would give it. ``start_process_group`` and ``leave_process_group`` are the two ends of a
-rank's life in a group. Worker functions must live in an importable module (``lab_utils.distributed.ranks``
-ships notebook functions).
+``launch(fn, nprocs)`` spawns one process per rank, initialises ``torch.distributed`` (NCCL when there is one GPU per
+rank, gloo otherwise), calls ``fn(ctx, **kwargs)`` and returns the results by rank. A failure names its rank; no process
+and no port is left behind. ``launch(fn, nprocs, group=False)`` starts no group: each rank gets the environment torchrun
+would give it. ``start_process_group`` and ``leave_process_group`` are the two ends of a rank's life in a group. Worker
+functions must live in an importable module (``lab_utils.distributed.ranks`` ships notebook functions).
 
-Design notes: docs/internals.md#lab_utilsdistributedspawnpy
-"""
+Design notes: docs/internals.md#lab_utilsdistributedspawnpy"""
 
 from __future__ import annotations
 
@@ -65,8 +63,7 @@ class WorkerTimeout(TimeoutError):
     """The workers did not finish in time; the message names what each rank was doing.
 
     ``stacks`` maps a rank to its Python stack when time ran out (``faulthandler``'s text, innermost call
-    first), for the ranks that could write one.
-    """
+    first), for the ranks that could write one."""
 
     def __init__(self, message: str, stacks: dict[int, str] | None = None, straggler: bool = False):
         super().__init__(message)
@@ -91,10 +88,6 @@ class WorkerContext:
     # contexts for the first n ranks, whose rank and world_size are then those in the subgroup.
     group: Any = field(default=None, repr=False)
 
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
     def status(self, text: str) -> None:
         """Tell the launcher what this rank is doing now (a timeout names it); a no-op outside ``launch``."""
         if self._events is not None:
@@ -111,16 +104,13 @@ class WorkerContext:
         """A context for the first ``n`` ranks only, as if the job had ``n`` ranks; None on the other ranks.
 
         Every rank must call it (making a group is a collective), in the same order. Lets one launch measure
-        several world sizes: the ranks outside the subgroup wait while the others run.
-        """
+        several world sizes: the ranks outside the subgroup wait while the others run."""
         if not 1 <= n <= self.world_size:
             raise ValueError(f"subgroup(n={n!r}): between 1 and world_size={self.world_size}")
         if n == self.world_size and self.group is None:
             return self
         group = dist.new_group(list(range(n)))
-        if self.rank >= n:
-            return None
-        return dataclasses.replace(self, world_size=n, group=group)
+        return None if self.rank >= n else dataclasses.replace(self, world_size=n, group=group)
 
 
 def torch_gpu_count() -> int:
@@ -139,18 +129,15 @@ def choose_backend(nprocs: int, backend: str = "auto") -> str:
         return "nccl" if gpus >= nprocs and dist.is_nccl_available() else "gloo"
     if backend == "nccl":
         if gpus < nprocs:
-            raise ValueError(
-                f"NCCL needs one GPU per rank: asked for {nprocs} ranks, {gpus} GPU(s) here. "
-                + (f"Use backend='gloo' (CPU processes) or nprocs <= {gpus}" if gpus
-                   else "With no GPU, use backend='gloo' (CPU processes)")
-            )
+            raise ValueError(f"NCCL needs one GPU per rank: asked for {nprocs} ranks, {gpus} GPU(s) here. "
+                             + (f"Use backend='gloo' (CPU processes) or nprocs <= {gpus}" if gpus
+                                else "With no GPU, use backend='gloo' (CPU processes)"))
         if not dist.is_nccl_available():
             raise ValueError("this torch build has no NCCL: use backend='gloo'")
     return backend
 
 
-# --------------------------------------------------------------------------------------------------
-# One rank's life in a process group
+# --- One rank's life in a process group -----------------------------------------------------------
 
 
 def start_process_group(backend: str, rank: int, world_size: int, local_rank: int, timeout_s: float,
@@ -161,8 +148,7 @@ def start_process_group(backend: str, rank: int, world_size: int, local_rank: in
     NCCL ranks use GPU ``local_rank`` (set before any CUDA work, so NCCL's context lands there); gloo ranks the
     CPU. ``store``: the rendezvous store (``launch`` gives each worker a client of the one it hosts); None reads
     MASTER_ADDR and MASTER_PORT from the environment, as torchrun sets them. Every collective, the final
-    barrier included, waits at most ``timeout_s`` seconds for a peer (then raises).
-    """
+    barrier included, waits at most ``timeout_s`` seconds for a peer (then raises)."""
     device = "cpu"
     kw: dict[str, Any] = {}
     if backend == "nccl":
@@ -171,8 +157,7 @@ def start_process_group(backend: str, rank: int, world_size: int, local_rank: in
         kw["device_id"] = torch.device(device)
     timeout = datetime.timedelta(seconds=timeout_s)
     if store is None:
-        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size, timeout=timeout,
-                                **kw)
+        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size, timeout=timeout, **kw)
     else:
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **kw)
     return WorkerContext(rank, world_size, local_rank, backend, device, events)
@@ -185,8 +170,7 @@ def leave_process_group(ctx: WorkerContext, synchronize: bool = True) -> None:
     not wait for peers that may be inside a collective). The barrier is bounded by the group's timeout, so a
     rank whose peer died raises instead of hanging. A group still referenced after destruction keeps its
     backend's threads (gloo's loop and workers, NCCL's watchdog) alive into interpreter shutdown, where one
-    that touches Python aborts the process: that is reported as a RuntimeWarning. Safe to call twice.
-    """
+    that touches Python aborts the process: that is reported as a RuntimeWarning. Safe to call twice."""
     if not dist.is_initialized():
         return
     try:
@@ -197,17 +181,14 @@ def leave_process_group(ctx: WorkerContext, synchronize: bool = True) -> None:
         dist.destroy_process_group()
         gc.collect()  # DDP's autograd hooks form reference cycles that keep the group until a collection
         if world() is not None:
-            warnings.warn(
-                f"rank {ctx.rank}: the process group is still referenced after destroy_process_group(), so its "
-                "threads will run into interpreter shutdown and may abort the process at exit. Drop models and "
-                "tensors that hold it before leaving, and import modules that capture group.WORLD (such as "
-                "torch.distributed.nn) before init_process_group",
-                RuntimeWarning, stacklevel=2,
-            )
+            warnings.warn(f"rank {ctx.rank}: the process group is still referenced after destroy_process_group(), so "
+                          "its threads will run into interpreter shutdown and may abort the process at exit. Drop "
+                          "models and tensors that hold it before leaving, and import modules that capture "
+                          "group.WORLD (such as torch.distributed.nn) before init_process_group", RuntimeWarning,
+                          stacklevel=2)
 
 
-# --------------------------------------------------------------------------------------------------
-# The launcher
+# --- The launcher ---------------------------------------------------------------------------------
 
 
 # Ranks fork from multiprocessing's forkserver, which imports these once per launching process: a spawned rank
@@ -281,8 +262,7 @@ def _rendezvous_store(timeout_s: float) -> Iterator[int]:
     """A TCPStore hosted in this process for the workers to meet at; yields its port, closes it at the end.
 
     The store binds port 0 and listens before any worker starts, so the OS picks a free port and nothing can
-    take it between the choice and its use (a port chosen first and bound later by rank 0 leaves that window).
-    """
+    take it between the choice and its use (a port chosen first and bound later by rank 0 leaves that window)."""
     store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
                           wait_for_workers=False)
     try:
@@ -317,8 +297,7 @@ def _root_cause(events: Queue[tuple[str, int, Any]], rank: int, text: str, pendi
                 grace_s: float = 2.0) -> tuple[int, str]:
     """The error to report: the first one that is not a peer's loss, waiting ``grace_s`` for the others.
 
-    When one rank raises, its peers fail in their next collective, and their errors may reach the queue first.
-    """
+    When one rank raises, its peers fail in their next collective, and their errors may reach the queue first."""
 
     def lost(t: str) -> bool:
         return bool(_PEER_LOST.search(t.strip().splitlines()[-1] if t.strip() else ""))
@@ -369,24 +348,20 @@ def launch(fn: Callable[..., Any], nprocs: int, *, backend: str = "auto", kwargs
            rendezvous: int = 1, straggler_s: float | None = None) -> list[Any]:
     """Run ``fn(ctx, **kwargs)`` on ``nprocs`` ranks; returns each rank's result, indexed by rank.
 
-    ``timeout_s`` counts from when every rank is ready to run ``fn`` (starting them has ``STARTUP_TIMEOUT_S``).
-    ``env`` adds variables for the workers (they inherit the parent's, ``NCCL_*`` included). A collective waits
-    at most max(``timeout_s``, 30) seconds for a peer. ``group=False``: no group is started for ``fn``, which
-    joins one itself from the torchrun-style environment (see the module doc); ``rendezvous`` stores are hosted
-    for it, one per group it starts in turn (their ports: ``ctx.rendezvous_ports``); on gloo its ranks see no
-    GPU (``CUDA_VISIBLE_DEVICES=""`` unless ``env`` sets it), so they choose gloo too. ``straggler_s``: how long
-    the others may run on once one rank has returned (for functions whose ranks end together). Raises ``WorkerError``
-    (rank and traceback) or ``WorkerTimeout`` (each rank's last status and stack); in every case all workers
-    are stopped before it returns.
-    """
+    ``timeout_s`` counts from when every rank is ready to run ``fn`` (starting them has ``STARTUP_TIMEOUT_S``). ``env``
+    adds variables for the workers (they inherit the parent's, ``NCCL_*`` included). A collective waits at most
+    max(``timeout_s``, 30) seconds for a peer. ``group=False``: no group is started for ``fn``, which joins one itself
+    from the torchrun-style environment (see the module doc); ``rendezvous`` stores are hosted for it, one per group it
+    starts in turn (their ports: ``ctx.rendezvous_ports``); on gloo its ranks see no GPU (``CUDA_VISIBLE_DEVICES=""``
+    unless ``env`` sets it), so they choose gloo too. ``straggler_s``: how long the others may run on once one rank has
+    returned (for functions whose ranks end together). Raises ``WorkerError`` (rank and traceback) or ``WorkerTimeout``
+    (each rank's last status and stack); in every case all workers are stopped before it returns."""
     if not callable(fn):
         raise TypeError(f"launch(fn=...): fn must be a function, got {type(fn).__name__}")
     if getattr(fn, "__module__", "__main__") == "__main__" or "<locals>" in getattr(fn, "__qualname__", ""):
-        raise ValueError(
-            f"launch(fn={getattr(fn, '__name__', fn)!r}): worker functions must be defined at the top level of "
-            "an importable module (e.g. lab_utils.distributed.collectives), not in a notebook cell; "
-            "lab_utils.distributed.ranks.run sends a notebook's function to the ranks"
-        )
+        raise ValueError(f"launch(fn={getattr(fn, '__name__', fn)!r}): worker functions must be defined at the top "
+                         "level of an importable module (e.g. lab_utils.distributed.collectives), not in a notebook "
+                         "cell; lab_utils.distributed.ranks.run sends a notebook's function to the ranks")
     chosen = choose_backend(nprocs, backend)
     if timeout_s <= 0:
         raise ValueError(f"launch(timeout_s={timeout_s!r}): must be > 0 seconds")
@@ -410,12 +385,9 @@ def launch(fn: Callable[..., Any], nprocs: int, *, backend: str = "auto", kwargs
     try:
         with contextlib.ExitStack() as stores:
             ports = tuple(stores.enter_context(_rendezvous_store(group_timeout_s)) for _ in range(rendezvous))
-            procs = [
-                ctx.Process(target=_worker, daemon=True, name=f"nvlab-rank{r}",
-                            args=(fn, kwargs or {}, r, nprocs, chosen, ports, events, child_env, group_timeout_s,
-                                  group, stack_files[r], os.getpid()))
-                for r in range(nprocs)
-            ]
+            procs = [ctx.Process(target=_worker, daemon=True, name=f"nvlab-rank{r}",
+                                 args=(fn, kwargs or {}, r, nprocs, chosen, ports, events, child_env, group_timeout_s,
+                                       group, stack_files[r], os.getpid())) for r in range(nprocs)]
             with _workers(procs):
                 for p in procs:
                     p.start()
@@ -429,8 +401,7 @@ def launch(fn: Callable[..., Any], nprocs: int, *, backend: str = "auto", kwargs
                         late = [r for r in range(nprocs) if r not in results]
                         stacks = {r: t for r, t in _stacks(procs, stack_files).items() if r not in results}
                         raise WorkerTimeout(f"rank {', '.join(map(str, late))} still running {straggler_s:g} s after "
-                                            f"rank {min(results)} returned; all were stopped", stacks,
-                                            straggler=True)
+                                            f"rank {min(results)} returned; all were stopped", stacks, straggler=True)
                     if left <= 0:
                         doing = "; ".join(f"rank {r}: {s}" for r, s in status.items() if r not in results)
                         stacks = {r: t for r, t in _stacks(procs, stack_files).items() if r not in results}
@@ -440,8 +411,7 @@ def launch(fn: Callable[..., Any], nprocs: int, *, backend: str = "auto", kwargs
                     try:
                         kind, rank, payload = events.get(timeout=min(left, 0.5))
                     except queue_mod.Empty:
-                        dead = [p for p in procs if not p.is_alive() and p.exitcode not in (0, None)]
-                        if dead:
+                        if dead := [p for p in procs if not p.is_alive() and p.exitcode not in (0, None)]:
                             r = procs.index(dead[0])
                             raise WorkerError(r, f"process exited with code {dead[0].exitcode} while {status[r]!r} "
                                                  "(killed, out of memory, or a crash in native code)") from None

@@ -7,8 +7,7 @@ measure are returned with ``status``/``available`` saying so and a ``reason``. A
 
 Units are in column names: ``_ms`` milliseconds, ``_us`` microseconds, ``tflops`` TFLOP/s (1e12),
 ``gbps`` GB/s (1e9 B/s), ``tbps`` TB/s (1e12 B/s), ``intensity_flop_per_byte`` FLOP per byte.
-Importing this module imports torch and does no other work.
-"""
+Importing this module imports torch and does no other work."""
 
 from __future__ import annotations
 
@@ -25,7 +24,7 @@ import torch
 
 from lab_utils.args import check_int
 from lab_utils.course.specs import GpuPeaks, peaks_for
-from lab_utils.timing import benchmark, copy_bytes, cpu_model, matmul_bytes, matmul_flops, sync
+from lab_utils.timing import benchmark, copy_bytes, cpu_model, cuda_graph, matmul_bytes, matmul_flops, sync
 
 DTYPES = ("fp32", "tf32", "fp16", "bf16", "fp8")
 
@@ -39,29 +38,21 @@ GIB = 2**30
 def resolve_device(device: str | None = "auto", where: str = "device") -> str:
     """'cpu', 'cuda' or 'cuda:N' as a string; 'auto' (or None) picks the GPU when there is one.
 
-    Asking for a GPU that is not there is an error, not a silent fall-back to the CPU.
-    """
+    Asking for a GPU that is not there is an error, not a silent fall-back to the CPU."""
     if device is None or device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    name = str(device)
-    if name == "cpu":
+    if (name := str(device)) == "cpu":
         return name
     if name == "cuda" or name.startswith("cuda:"):
         if not torch.cuda.is_available():
-            why = (
-                "this torch is a CPU-only build (torch.version.cuda is None)"
-                if torch.version.cuda is None
-                else "no NVIDIA GPU is visible (check nvidia-smi and CUDA_VISIBLE_DEVICES)"
-            )
+            why = ("this torch is a CPU-only build (torch.version.cuda is None)" if torch.version.cuda is None
+                   else "no NVIDIA GPU is visible (check nvidia-smi and CUDA_VISIBLE_DEVICES)")
             raise ValueError(
-                f"{where}={device!r}: torch.cuda.is_available() is False: {why}. Pass device='cpu' or 'auto'."
-            )
+                f"{where}={device!r}: torch.cuda.is_available() is False: {why}. Pass device='cpu' or 'auto'.")
         index = torch.device(name).index
         if index is not None and index >= torch.cuda.device_count():
-            raise ValueError(
-                f"{where}={device!r}: only {torch.cuda.device_count()} CUDA device(s) are visible; "
-                f"use 'cuda:0' .. 'cuda:{torch.cuda.device_count() - 1}'"
-            )
+            raise ValueError(f"{where}={device!r}: only {torch.cuda.device_count()} CUDA device(s) are visible; "
+                             f"use 'cuda:0' .. 'cuda:{torch.cuda.device_count() - 1}'")
         return name
     raise ValueError(f"{where}={device!r}: use 'cpu', 'cuda', 'cuda:N' or 'auto'")
 
@@ -72,18 +63,12 @@ def _is_cuda(dev: str) -> bool:
 
 def device_name(dev: str) -> str:
     """The name torch reports for a CUDA device, or the CPU model."""
-    if _is_cuda(dev):
-        return torch.cuda.get_device_name(dev)
-    return cpu_model()
+    return torch.cuda.get_device_name(dev) if _is_cuda(dev) else cpu_model()
 
 
 def device_peaks(dev: str) -> GpuPeaks | None:
     """Datasheet peaks of the device (``None`` for the CPU and for GPUs not in ``lab_utils.course.specs``)."""
     return peaks_for(device_name(dev)) if _is_cuda(dev) else None
-
-
-def _capability(dev: str) -> tuple[int, int] | None:
-    return tuple(torch.cuda.get_device_capability(dev)) if _is_cuda(dev) else None
 
 
 def _check_positive_ints(values: Any, arg: str, where: str) -> list[int]:
@@ -106,32 +91,23 @@ def _default(value: Any, dev: str, gpu: Any, cpu: Any) -> Any:
     return gpu if _is_cuda(dev) else cpu
 
 
-_check_int = check_int
-
-
 def _check_dtypes(dtypes: Any, where: str) -> list[str]:
     if isinstance(dtypes, str):
         dtypes = [dtypes]
     dtypes = list(dtypes)
-    bad = [d for d in dtypes if d not in DTYPES]
-    if bad or not dtypes:
+    if (bad := [d for d in dtypes if d not in DTYPES]) or not dtypes:
         raise ValueError(f"{where}(dtypes={dtypes!r}): unknown dtype {bad}; valid dtypes are {list(DTYPES)}")
     return dtypes
 
 
-# --------------------------------------------------------------------------------------------------
-# TF32
-
-
-def _new_precision_api() -> bool:
-    """torch >= 2.9 sets TF32 per backend: ``torch.backends.cuda.matmul.fp32_precision`` ("tf32" / "ieee")."""
-    return hasattr(torch.backends.cuda.matmul, "fp32_precision")
+# --- TF32 -----------------------------------------------------------------------------------------
 
 
 def _precision_state(torch: Any) -> dict[str, str]:
-    # With the new API only its own settings are read: the legacy getters (allow_tf32,
-    # get_float32_matmul_precision) refuse to answer once the two APIs disagree.
-    if _new_precision_api():
+    # torch >= 2.9 sets TF32 per backend (``torch.backends.cuda.matmul.fp32_precision``: "tf32" / "ieee"). With that
+    # API only its own settings are read: the legacy getters (allow_tf32, get_float32_matmul_precision) refuse to
+    # answer once the two APIs disagree.
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
         return {"cuda.matmul": torch.backends.cuda.matmul.fp32_precision}
     return {"legacy": torch.get_float32_matmul_precision()}
 
@@ -143,8 +119,7 @@ def tf32_matmul(enabled: bool = True) -> Iterator[None]:
     TF32 rounds fp32 matmul inputs to a 10-bit mantissa so cuBLAS can use the tensor cores. The switch is
     ``torch.backends.cuda.matmul.fp32_precision = "tf32"`` ("ieee" for full fp32; torch >= 2.9); the older
     ``torch.backends.cuda.matmul.allow_tf32`` / ``torch.set_float32_matmul_precision`` are deprecated and are
-    used only on a torch without the new switch. The setting is process-wide, so it is never left changed.
-    """
+    used only on a torch without the new switch. The setting is process-wide, so it is never left changed."""
     saved = _precision_state(torch)
     if "cuda.matmul" in saved:
         torch.backends.cuda.matmul.fp32_precision = "tf32" if enabled else "ieee"
@@ -159,16 +134,14 @@ def tf32_matmul(enabled: bool = True) -> Iterator[None]:
             torch.set_float32_matmul_precision(saved["legacy"])
 
 
-# --------------------------------------------------------------------------------------------------
-# Matmul cases
+# --- Matmul cases ---------------------------------------------------------------------------------
 
 
 @dataclass
 class MatmulCase:
     """One square matmul, inputs already on the device; ``fn()`` runs it once (run it under ``tf32``).
 
-    ``inputs`` are (A, B) as passed to the matmul (for fp8, B is a column-major view), for checking.
-    """
+    ``inputs`` are (A, B) as passed to the matmul (for fp8, B is a column-major view), for checking."""
 
     dtype: str
     n: int
@@ -185,7 +158,7 @@ class MatmulCase:
 
 def matmul_skip_reason(dtype: str, n: int, dev: str) -> str | None:
     """Why ``dtype`` cannot be measured at size ``n`` on ``dev``; ``None`` when it can."""
-    cc = _capability(dev)
+    cc = tuple(torch.cuda.get_device_capability(dev)) if _is_cuda(dev) else None
     if dtype == "tf32":
         if cc is None:
             return REASON_TF32_CPU
@@ -215,19 +188,13 @@ def make_matmul(n: int, dtype: str, dev: str, fp8_fast_accum: bool = False) -> M
         scale = torch.ones((), device=dev, dtype=torch.float32)
 
         def fn() -> Any:
-            out = torch._scaled_mm(
-                a, b, scale_a=scale, scale_b=scale, out_dtype=torch.bfloat16, use_fast_accum=fp8_fast_accum
-            )
+            out = torch._scaled_mm(a, b, scale_a=scale, scale_b=scale, out_dtype=torch.bfloat16,
+                                   use_fast_accum=fp8_fast_accum)
             return out[0] if isinstance(out, tuple) else out  # torch 2.1-2.4 returned (out, amax)
 
         nbytes = matmul_bytes(n, n, n, 1, out_itemsize=2)
         return MatmulCase(dtype, n, fn, matmul_flops(n, n, n), nbytes, False, (a, b))
-    torch_dtype = {
-        "fp32": torch.float32,
-        "tf32": torch.float32,
-        "fp16": torch.float16,
-        "bf16": torch.bfloat16,
-    }
+    torch_dtype = {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
     a = torch.randn(n, n, device=dev, dtype=torch_dtype[dtype])
     b = torch.randn(n, n, device=dev, dtype=torch_dtype[dtype])
     itemsize = a.element_size()
@@ -239,29 +206,24 @@ def make_matmul(n: int, dtype: str, dev: str, fp8_fast_accum: bool = False) -> M
     return MatmulCase(dtype, n, mm, matmul_flops(n, n, n), nbytes, dtype == "tf32", (a, b))
 
 
-# --------------------------------------------------------------------------------------------------
-# 1. Asynchronous launches
+# --- 1. Asynchronous launches ---------------------------------------------------------------------
 
 
-def async_pitfall(
-    n: int | None = None, device: str | None = "auto", dtype: str = "fp32", reps: int = 20, warmup: int = 3
-) -> pd.DataFrame:
-    """Time one n×n matmul three ways: host clock without synchronize (wrong on a GPU), host clock with
-    synchronize, and ``benchmark`` (CUDA events on a GPU).
+def async_pitfall(n: int | None = None, device: str | None = "auto", dtype: str = "fp32", reps: int = 20,
+                  warmup: int = 3) -> pd.DataFrame:
+    """Time one n×n matmul three ways: host clock without synchronize (wrong on a GPU), host clock with synchronize, and
+    ``benchmark`` (CUDA events on a GPU).
 
-    On a GPU the first measures only the launch (microseconds) and claims an impossible TFLOP/s. On the
-    CPU a matmul returns when it is done, so all three agree; ``async_launch`` says which case this is.
-    Default n: 4096 on a GPU, 512 on the CPU.
-    Columns: method, median_ms, apparent_tflops, ratio_to_benchmark, async_launch, n, dtype, device.
-    """
+    On a GPU the first measures only the launch (microseconds) and claims an impossible TFLOP/s. On the CPU a matmul
+    returns when it is done, so all three agree; ``async_launch`` says which case this is. Default n: 4096 on a GPU, 512
+    on the CPU. Columns: method, median_ms, apparent_tflops, ratio_to_benchmark, async_launch, n, dtype, device."""
     where = "async_pitfall"
     dev = resolve_device(device, f"{where}(device)")
-    n = _check_int(_default(n, dev, 4096, 512), "n", where)
-    reps = _check_int(reps, "reps", where)
-    warmup = _check_int(warmup, "warmup", where, minimum=0)
+    n = check_int(_default(n, dev, 4096, 512), "n", where)
+    reps = check_int(reps, "reps", where)
+    warmup = check_int(warmup, "warmup", where, minimum=0)
     (dtype,) = _check_dtypes([dtype], where)
-    reason = matmul_skip_reason(dtype, n, dev)
-    if reason:
+    if reason := matmul_skip_reason(dtype, n, dev):
         raise ValueError(f"{where}(dtype={dtype!r}): {reason}; use dtype='fp32'")
     case = make_matmul(n, dtype, dev)
     rows = []
@@ -291,48 +253,33 @@ def async_pitfall(
         timed = benchmark(case.fn, reps=reps, warmup=warmup, device=dev, name=f"{dtype} matmul {n}")
 
     ref_ms = timed.median_ms
-    for method, ms in (
-        ("host clock, no synchronize", float(np.median(no_sync))),
-        ("host clock + synchronize", float(np.median(with_sync))),
-        ("benchmark (CUDA events)" if _is_cuda(dev) else "benchmark (host clock)", ref_ms),
-    ):
-        rows.append(
-            {
-                "method": method,
-                "median_ms": ms,
-                "apparent_tflops": case.flops / (ms * 1e-3) / 1e12,
-                "ratio_to_benchmark": ms / ref_ms,
-                "async_launch": _is_cuda(dev),
-                "n": n,
-                "dtype": dtype,
-                "device": dev,
-            }
-        )
+    for method, ms in (("host clock, no synchronize", float(np.median(no_sync))),
+                       ("host clock + synchronize", float(np.median(with_sync))),
+                       ("benchmark (CUDA events)" if _is_cuda(dev) else "benchmark (host clock)", ref_ms)):
+        rows.append({"method": method, "median_ms": ms, "apparent_tflops": case.flops / (ms * 1e-3) / 1e12,
+                     "ratio_to_benchmark": ms / ref_ms, "async_launch": _is_cuda(dev), "n": n, "dtype": dtype,
+                     "device": dev})
     return pd.DataFrame(rows)
 
 
-def first_call_cost(
-    n: int | None = None, device: str | None = "auto", dtype: str = "fp32", reps: int = 20
-) -> pd.DataFrame:
+def first_call_cost(n: int | None = None, device: str | None = "auto", dtype: str = "fp32",
+                    reps: int = 20) -> pd.DataFrame:
     """Wall time of the first matmul on fresh tensors against the steady-state median.
 
-    The first call pays for what is set up lazily: on a GPU the cuBLAS handle and workspace, kernel
-    module loading and the heuristic's choice for this shape; on the CPU the BLAS thread pool and
-    kernel selection. Only the first call in a process (at this shape) sees all of it, so run this
-    first in a fresh kernel. The first call is timed with a host clock and synchronize, because part
-    of its cost is host work that device events would not bracket. Default n: 4096 on a GPU, 512 on the CPU.
-    Columns: call, latency_ms, x_steady, n, dtype, device, runtime_initialized_before.
-    """
+    The first call pays for what is set up lazily: on a GPU the cuBLAS handle and workspace, kernel module loading and
+    the heuristic's choice for this shape; on the CPU the BLAS thread pool and kernel selection. Only the first call in
+    a process (at this shape) sees all of it, so run this first in a fresh kernel. The first call is timed with a host
+    clock and synchronize, because part of its cost is host work that device events would not bracket. Default n: 4096
+    on a GPU, 512 on the CPU. Columns: call, latency_ms, x_steady, n, dtype, device, runtime_initialized_before."""
     where = "first_call_cost"
     dev = resolve_device(device, f"{where}(device)")
-    n = _check_int(_default(n, dev, 4096, 512), "n", where)
-    reps = _check_int(reps, "reps", where)
+    n = check_int(_default(n, dev, 4096, 512), "n", where)
+    reps = check_int(reps, "reps", where)
     (dtype,) = _check_dtypes([dtype], where)
     # Whether the CUDA context existed before this call (read before anything below creates it). It is
     # created outside the timed region either way, so the first-call number is about the matmul alone.
     initialized = bool(torch.cuda.is_initialized()) if _is_cuda(dev) else None
-    reason = matmul_skip_reason(dtype, n, dev)
-    if reason:
+    if reason := matmul_skip_reason(dtype, n, dev):
         raise ValueError(f"{where}(dtype={dtype!r}): {reason}; use dtype='fp32'")
     case = make_matmul(n, dtype, dev)
     with tf32_matmul(case.tf32):
@@ -342,45 +289,21 @@ def first_call_cost(
         sync(dev)
         first_ms = (time.perf_counter() - t0) * 1e3
         steady = benchmark(case.fn, reps=reps, warmup=2, device=dev, name=f"{dtype} matmul {n}")
-    rows = [
-        ("first call", first_ms),
-        ("steady state (median)", steady.median_ms),
-    ]
-    return pd.DataFrame(
-        [
-            {
-                "call": call,
-                "latency_ms": ms,
-                "x_steady": ms / steady.median_ms,
-                "n": n,
-                "dtype": dtype,
-                "device": dev,
-                "runtime_initialized_before": initialized,
-            }
-            for call, ms in rows
-        ]
-    )
+    rows = [("first call", first_ms), ("steady state (median)", steady.median_ms)]
+    return pd.DataFrame([{"call": call, "latency_ms": ms, "x_steady": ms / steady.median_ms, "n": n, "dtype": dtype,
+                          "device": dev, "runtime_initialized_before": initialized} for call, ms in rows])
 
 
-# --------------------------------------------------------------------------------------------------
-# 2. Matmul throughput
+# --- 2. Matmul throughput -------------------------------------------------------------------------
 
 
-SWEEP_COLUMNS = [
-    "dtype", "n", "status", "reason", "flops", "min_bytes", "intensity_flop_per_byte", "median_ms",
-    "p10_ms", "p90_ms", "spread", "tflops", "peak_tflops", "pct_of_peak", "device", "device_name",
-]
+SWEEP_COLUMNS = ["dtype", "n", "status", "reason", "flops", "min_bytes", "intensity_flop_per_byte", "median_ms",
+                 "p10_ms", "p90_ms", "spread", "tflops", "peak_tflops", "pct_of_peak", "device", "device_name"]
 
 
-def matmul_sweep(
-    sizes: Sequence[int] | None = None,
-    dtypes: Sequence[str] = DTYPES,
-    device: str | None = "auto",
-    reps: int = 10,
-    warmup: int = 3,
-    fp8_fast_accum: bool = False,
-    progress: Callable[..., Any] | None = None,
-) -> pd.DataFrame:
+def matmul_sweep(sizes: Sequence[int] | None = None, dtypes: Sequence[str] = DTYPES, device: str | None = "auto",
+                 reps: int = 10, warmup: int = 3, fp8_fast_accum: bool = False,
+                 progress: Callable[..., Any] | None = None) -> pd.DataFrame:
     """Achieved TFLOP/s of square n×n×n matmuls for each dtype and size, at the median of ``reps``.
 
     Inputs are random normal, allocated before timing. ``pct_of_peak`` compares with the dense datasheet
@@ -388,16 +311,13 @@ def matmul_sweep(
     CPU, FP8 below compute capability 8.9) come back with ``status='skipped'`` and a ``reason``.
     Default sizes: 1024..8192 on a GPU, 128..512 on the CPU (bf16/fp16 CPU matmuls are slow).
     Columns: see ``SWEEP_COLUMNS`` (``min_bytes``: A and B read once, C written once). ``progress``: a
-    ``progress(iterable, total=, desc=)`` wrapper over the (dtype, n) cases (``lab_utils.widgets.progress``).
-    """
+    ``progress(iterable, total=, desc=)`` wrapper over the (dtype, n) cases (``lab_utils.widgets.progress``)."""
     where = "matmul_sweep"
     dev = resolve_device(device, f"{where}(device)")
-    if sizes is None:
-        sizes = (1024, 2048, 4096, 8192) if _is_cuda(dev) else (128, 256, 512)
-    sizes = _check_positive_ints(sizes, "sizes", where)
+    sizes = _check_positive_ints(_default(sizes, dev, (1024, 2048, 4096, 8192), (128, 256, 512)), "sizes", where)
     dtypes = _check_dtypes(dtypes, where)
-    reps = _check_int(reps, "reps", where)
-    warmup = _check_int(warmup, "warmup", where, minimum=0)
+    reps = check_int(reps, "reps", where)
+    warmup = check_int(warmup, "warmup", where, minimum=0)
     name = device_name(dev)
     peaks = device_peaks(dev)
     rows = []
@@ -407,15 +327,12 @@ def matmul_sweep(
         itemsize = {"fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2, "fp8": 1}[dtype]
         flops = matmul_flops(n, n, n)
         nbytes = matmul_bytes(n, n, n, itemsize, out_itemsize=2 if dtype == "fp8" else None)
-        row: dict[str, Any] = {
-            "dtype": dtype, "n": n, "status": "ok", "reason": "", "flops": flops, "min_bytes": nbytes,
-            "intensity_flop_per_byte": flops / nbytes, "median_ms": math.nan, "p10_ms": math.nan,
-            "p90_ms": math.nan, "spread": math.nan, "tflops": math.nan,
-            "peak_tflops": math.nan if peak is None else float(peak), "pct_of_peak": math.nan,
-            "device": dev, "device_name": name,
-        }
-        reason = matmul_skip_reason(dtype, n, dev)
-        if reason:
+        row: dict[str, Any] = {"dtype": dtype, "n": n, "status": "ok", "reason": "", "flops": flops,
+                               "min_bytes": nbytes, "intensity_flop_per_byte": flops / nbytes, "median_ms": math.nan,
+                               "p10_ms": math.nan, "p90_ms": math.nan, "spread": math.nan, "tflops": math.nan,
+                               "peak_tflops": math.nan if peak is None else float(peak), "pct_of_peak": math.nan,
+                               "device": dev, "device_name": name}
+        if reason := matmul_skip_reason(dtype, n, dev):
             row.update(status="skipped", reason=reason)
             rows.append(row)
             continue
@@ -431,32 +348,27 @@ def matmul_sweep(
             rows.append(row)
             continue
         tflops = t.tflops(flops)
-        row.update(
-            median_ms=t.median_ms, p10_ms=t.p10_ms, p90_ms=t.p90_ms, spread=t.spread, tflops=tflops,
-            pct_of_peak=100.0 * tflops / peak if peak else math.nan,
-        )
+        row.update(median_ms=t.median_ms, p10_ms=t.p10_ms, p90_ms=t.p90_ms, spread=t.spread, tflops=tflops,
+                   pct_of_peak=100.0 * tflops / peak if peak else math.nan)
         rows.append(row)
         del case
     return pd.DataFrame(rows, columns=SWEEP_COLUMNS)
 
 
-def bare_matmul_loop(
-    n: int | None = None, dtype: str | None = None, iters: int = 20, device: str | None = "auto", warmup: int = 3
-) -> float:
+def bare_matmul_loop(n: int | None = None, dtype: str | None = None, iters: int = 20, device: str | None = "auto",
+                     warmup: int = 3) -> float:
     """TFLOP/s of the simplest loop, for comparison with ``benchmark``: mean time over ``iters`` matmuls.
 
     On a GPU: one event before the loop, one after, one synchronize. On the CPU: a host clock around
     the loop. ``warmup`` untimed calls come first so the first-call cost stays out.
-    Defaults: bf16 8192 on a GPU (the reference run's case), fp32 512 on the CPU.
-    """
+    Defaults: bf16 8192 on a GPU (the reference run's case), fp32 512 on the CPU."""
     where = "bare_matmul_loop"
     dev = resolve_device(device, f"{where}(device)")
-    n = _check_int(_default(n, dev, 8192, 512), "n", where)
-    iters = _check_int(iters, "iters", where)
-    warmup = _check_int(warmup, "warmup", where, minimum=0)
+    n = check_int(_default(n, dev, 8192, 512), "n", where)
+    iters = check_int(iters, "iters", where)
+    warmup = check_int(warmup, "warmup", where, minimum=0)
     (dtype,) = _check_dtypes([_default(dtype, dev, "bf16", "fp32")], where)
-    reason = matmul_skip_reason(dtype, n, dev)
-    if reason:
+    if reason := matmul_skip_reason(dtype, n, dev):
         raise ValueError(f"{where}(dtype={dtype!r}): {reason}")
     case = make_matmul(n, dtype, dev)
     fn = case.fn
@@ -482,8 +394,7 @@ def bare_matmul_loop(
     return case.flops * iters / (total_ms * 1e-3) / 1e12
 
 
-# --------------------------------------------------------------------------------------------------
-# 3. Memory bandwidth
+# --- 3. Memory bandwidth --------------------------------------------------------------------------
 
 
 def _bytes_label(nbytes: float) -> str:
@@ -493,23 +404,20 @@ def _bytes_label(nbytes: float) -> str:
     return f"{nbytes:g} B"
 
 
-def copy_bandwidth(
-    sizes_bytes: Sequence[int] | None = None, device: str | None = "auto", reps: int = 10, warmup: int = 3
-) -> pd.DataFrame:
+def copy_bandwidth(sizes_bytes: Sequence[int] | None = None, device: str | None = "auto", reps: int = 10,
+                   warmup: int = 3) -> pd.DataFrame:
     """Bandwidth of ``dst.copy_(src)`` in GB/s, counting the read and the write (2 × size).
 
     On a GPU this is HBM bandwidth, device to device; on the CPU it is DRAM bandwidth, provided the sizes
     are well above the last-level cache (the CPU defaults are 64 and 256 MiB). Sizes are rounded down to
     whole float32 elements. Columns: size_bytes, size_mib, bytes_moved, median_ms, p10_ms, p90_ms,
-    spread, gbps, peak_gbps, pct_of_peak, device, device_name.
-    """
+    spread, gbps, peak_gbps, pct_of_peak, device, device_name."""
     where = "copy_bandwidth"
     dev = resolve_device(device, f"{where}(device)")
-    if sizes_bytes is None:
-        sizes_bytes = (MIB, 16 * MIB, 256 * MIB, 2 * GIB) if _is_cuda(dev) else (64 * MIB, 256 * MIB)
-    sizes_bytes = _check_positive_ints(sizes_bytes, "sizes_bytes", where)
-    reps = _check_int(reps, "reps", where)
-    warmup = _check_int(warmup, "warmup", where, minimum=0)
+    sizes_bytes = _check_positive_ints(_default(sizes_bytes, dev, (MIB, 16 * MIB, 256 * MIB, 2 * GIB),
+                                                (64 * MIB, 256 * MIB)), "sizes_bytes", where)
+    reps = check_int(reps, "reps", where)
+    warmup = check_int(warmup, "warmup", where, minimum=0)
     peaks = device_peaks(dev)
     peak_gbps = peaks.hbm_tbps * 1e3 if peaks else math.nan
     name = device_name(dev)
@@ -522,38 +430,28 @@ def copy_bandwidth(
         t = benchmark(lambda d=dst, s=src: d.copy_(s), reps=reps, warmup=warmup, device=dev, name="copy")
         moved = copy_bytes(nbytes)
         gbps = t.gbps(moved)
-        rows.append(
-            {
-                "size_bytes": nbytes, "size_mib": nbytes / MIB, "bytes_moved": moved,
-                "median_ms": t.median_ms, "p10_ms": t.p10_ms, "p90_ms": t.p90_ms, "spread": t.spread,
-                "gbps": gbps, "peak_gbps": peak_gbps, "pct_of_peak": 100.0 * gbps / peak_gbps,
-                "device": dev, "device_name": name,
-            }
-        )
+        rows.append({"size_bytes": nbytes, "size_mib": nbytes / MIB, "bytes_moved": moved, "median_ms": t.median_ms,
+                     "p10_ms": t.p10_ms, "p90_ms": t.p90_ms, "spread": t.spread, "gbps": gbps, "peak_gbps": peak_gbps,
+                     "pct_of_peak": 100.0 * gbps / peak_gbps, "device": dev, "device_name": name})
         del src, dst
     return pd.DataFrame(rows)
 
 
-HOST_DEVICE_COLUMNS = [
-    "direction", "host_memory", "size_bytes", "median_ms", "p10_ms", "p90_ms", "spread", "gbps",
-    "peak_gbps", "pct_of_peak", "device", "reason",
-]
+HOST_DEVICE_COLUMNS = ["direction", "host_memory", "size_bytes", "median_ms", "p10_ms", "p90_ms", "spread", "gbps",
+                       "peak_gbps", "pct_of_peak", "device", "reason"]
 
 
-def host_device_bandwidth(
-    nbytes: int = GIB, reps: int = 10, device: str | None = "auto", warmup: int = 2
-) -> pd.DataFrame:
+def host_device_bandwidth(nbytes: int = GIB, reps: int = 10, device: str | None = "auto",
+                          warmup: int = 2) -> pd.DataFrame:
     """Host→device (H2D) and device→host (D2H) copy bandwidth in GB/s, pinned against pageable host memory.
 
-    Pinned (page-locked) memory lets the GPU's copy engine read host memory directly; pageable memory is
-    first staged through a pinned buffer by the driver. ``peak_gbps`` is the PCIe link, one direction.
-    With no GPU the frame is empty and ``.attrs['reason']`` (and the ``reason`` column) say why.
-    Columns: see ``HOST_DEVICE_COLUMNS``.
-    """
+    Pinned (page-locked) memory lets the GPU's copy engine read host memory directly; pageable memory is first staged
+    through a pinned buffer by the driver. ``peak_gbps`` is the PCIe link, one direction. With no GPU the frame is empty
+    and ``.attrs['reason']`` (and the ``reason`` column) say why. Columns: see ``HOST_DEVICE_COLUMNS``."""
     where = "host_device_bandwidth"
-    nbytes = _check_int(nbytes, "nbytes", where)
-    reps = _check_int(reps, "reps", where)
-    warmup = _check_int(warmup, "warmup", where, minimum=0)
+    nbytes = check_int(nbytes, "nbytes", where)
+    reps = check_int(reps, "reps", where)
+    warmup = check_int(warmup, "warmup", where, minimum=0)
     dev = resolve_device(device, f"{where}(device)")
     if not _is_cuda(dev):
         df = pd.DataFrame(columns=HOST_DEVICE_COLUMNS)
@@ -568,43 +466,34 @@ def host_device_bandwidth(
         host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=host_memory == "pinned")
         host.fill_(3)
         pinned = host_memory == "pinned"
-        for direction, fn in (
-            ("H2D", lambda h=host, p=pinned: gpu.copy_(h, non_blocking=p)),
-            ("D2H", lambda h=host, p=pinned: h.copy_(gpu, non_blocking=p)),
-        ):
+        for direction, fn in (("H2D", lambda h=host, p=pinned: gpu.copy_(h, non_blocking=p)),
+                              ("D2H", lambda h=host, p=pinned: h.copy_(gpu, non_blocking=p))):
             t = benchmark(fn, reps=reps, warmup=warmup, device=dev, name=f"{direction} {host_memory}")
             gbps = t.gbps(nbytes)
-            rows.append(
-                {
-                    "direction": direction, "host_memory": host_memory, "size_bytes": nbytes,
-                    "median_ms": t.median_ms, "p10_ms": t.p10_ms, "p90_ms": t.p90_ms, "spread": t.spread,
-                    "gbps": gbps, "peak_gbps": peak_gbps, "pct_of_peak": 100.0 * gbps / peak_gbps,
-                    "device": dev, "reason": "",
-                }
-            )
+            rows.append({"direction": direction, "host_memory": host_memory, "size_bytes": nbytes,
+                         "median_ms": t.median_ms, "p10_ms": t.p10_ms, "p90_ms": t.p90_ms, "spread": t.spread,
+                         "gbps": gbps, "peak_gbps": peak_gbps, "pct_of_peak": 100.0 * gbps / peak_gbps, "device": dev,
+                         "reason": ""})
         del host
     return pd.DataFrame(rows, columns=HOST_DEVICE_COLUMNS)
 
 
-# --------------------------------------------------------------------------------------------------
-# 4. Launch overhead and CUDA graphs
+# --- 4. Launch overhead and CUDA graphs -----------------------------------------------------------
 
 
-def launch_overhead(
-    n_kernels: int = 1000, numel: int = 1024, device: str | None = "auto", reps: int = 20, warmup: int = 3
-) -> pd.DataFrame:
+def launch_overhead(n_kernels: int = 1000, numel: int = 1024, device: str | None = "auto", reps: int = 20,
+                    warmup: int = 3) -> pd.DataFrame:
     """Cost per tiny kernel: a chain of ``n_kernels`` ``x.add_(1.0)`` on ``numel`` floats, launched one by
     one (eager) and replayed from a captured ``torch.cuda.CUDAGraph``.
 
     Each tiny kernel does almost no work, so eager time is the host's launch cost; a graph replay
     submits the whole chain at once. On the CPU only the eager row (per-op dispatch) is measured.
-    Columns: mode, available, reason, n_kernels, numel, median_ms, us_per_kernel, speedup_vs_eager, device.
-    """
+    Columns: mode, available, reason, n_kernels, numel, median_ms, us_per_kernel, speedup_vs_eager, device."""
     where = "launch_overhead"
-    n_kernels = _check_int(n_kernels, "n_kernels", where)
-    numel = _check_int(numel, "numel", where)
-    reps = _check_int(reps, "reps", where)
-    warmup = _check_int(warmup, "warmup", where, minimum=0)
+    n_kernels = check_int(n_kernels, "n_kernels", where)
+    numel = check_int(numel, "numel", where)
+    reps = check_int(reps, "reps", where)
+    warmup = check_int(warmup, "warmup", where, minimum=0)
     dev = resolve_device(device, f"{where}(device)")
     x = torch.randn(numel, device=dev)
 
@@ -615,11 +504,9 @@ def launch_overhead(
     eager = benchmark(chain, reps=reps, warmup=warmup, device=dev, name=f"eager {n_kernels} x add_")
 
     def row(mode: str, available: bool, reason: str, median_ms: float, speedup: float) -> dict[str, Any]:
-        return {
-            "mode": mode, "available": available, "reason": reason, "n_kernels": n_kernels, "numel": numel,
-            "median_ms": median_ms, "us_per_kernel": median_ms * 1e3 / n_kernels,
-            "speedup_vs_eager": speedup, "device": dev,
-        }
+        return {"mode": mode, "available": available, "reason": reason, "n_kernels": n_kernels, "numel": numel,
+                "median_ms": median_ms, "us_per_kernel": median_ms * 1e3 / n_kernels, "speedup_vs_eager": speedup,
+                "device": dev}
 
     rows = [row("eager", True, "", eager.median_ms, 1.0)]
     if not _is_cuda(dev):
@@ -628,17 +515,7 @@ def launch_overhead(
         return pd.DataFrame(rows)
 
     with torch.cuda.device(dev):
-        # Warm up on a side stream before capture, as the torch docs require (lazy initialisation must not
-        # happen during capture).
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                chain()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            chain()  # recorded, not run
+        graph, _ = cuda_graph(chain)
         torch.cuda.synchronize()
 
         # The graph must do the same work: one replay adds n_kernels to every element.
@@ -655,61 +532,44 @@ def launch_overhead(
     return pd.DataFrame(rows)
 
 
-# --------------------------------------------------------------------------------------------------
-# 5. Roofline
+# --- 5. Roofline ----------------------------------------------------------------------------------
 
 
 ROOFLINE_COLUMNS = ["label", "kind", "dtype", "intensity_flop_per_byte", "tflops", "tbps", "device"]
 
 
-def elementwise_add(
-    numel: int | None = None, device: str | None = "auto", reps: int = 10, warmup: int = 3
-) -> dict[str, Any]:
+def elementwise_add(numel: int | None = None, device: str | None = "auto", reps: int = 10,
+                    warmup: int = 3) -> dict[str, Any]:
     """Measure ``torch.add(x, y, out=z)`` in fp32: 1 FLOP per element over 3 × 4 bytes (two reads, one write).
 
     Default size: 64 Mi elements on a GPU (768 MiB moved), 8 Mi on the CPU (96 MiB, above the caches).
-    Returns a roofline row (see ``ROOFLINE_COLUMNS``) plus median_ms.
-    """
+    Returns a roofline row (see ``ROOFLINE_COLUMNS``) plus median_ms."""
     where = "elementwise_add"
     dev = resolve_device(device, f"{where}(device)")
-    if numel is None:
-        numel = 64 * 2**20 if _is_cuda(dev) else 8 * 2**20
-    numel = _check_int(numel, "numel", where)
+    numel = check_int(_default(numel, dev, 64 * 2**20, 8 * 2**20), "numel", where)
     x = torch.randn(numel, device=dev)
     y = torch.randn(numel, device=dev)
     z = torch.empty_like(x)
     t = benchmark(lambda: torch.add(x, y, out=z), reps=reps, warmup=warmup, device=dev, name=f"add {numel}")
     nbytes = 3 * numel * x.element_size()
-    return {
-        "label": f"add fp32 {_bytes_label(numel * 4)}", "kind": "elementwise", "dtype": "fp32",
-        "intensity_flop_per_byte": numel / nbytes, "tflops": t.tflops(numel), "tbps": t.gbps(nbytes) / 1e3,
-        "device": dev, "median_ms": t.median_ms,
-    }
+    return {"label": f"add fp32 {_bytes_label(numel * 4)}", "kind": "elementwise", "dtype": "fp32",
+            "intensity_flop_per_byte": numel / nbytes, "tflops": t.tflops(numel), "tbps": t.gbps(nbytes) / 1e3,
+            "device": dev, "median_ms": t.median_ms}
 
 
-def roofline_points(
-    sweep: pd.DataFrame | None = None,
-    copies: pd.DataFrame | None = None,
-    device: str | None = "auto",
-    elementwise_numel: int | None = None,
-    reps: int = 10,
-) -> pd.DataFrame:
-    """Measured points for a roofline: each measured matmul of ``sweep``, an elementwise add measured here,
-    and each copy of ``copies``.
+def roofline_points(sweep: pd.DataFrame | None = None, copies: pd.DataFrame | None = None, device: str | None = "auto",
+                    elementwise_numel: int | None = None, reps: int = 10) -> pd.DataFrame:
+    """Measured points for a roofline: each measured matmul of ``sweep``, an elementwise add measured here, and each
+    copy of ``copies``.
 
-    Each row carries only what it measures: a matmul its TFLOP/s (``tbps`` is NaN: it is not bandwidth-bound
-    at these sizes), a copy its TB/s (``intensity_flop_per_byte`` and ``tflops`` NaN: it does no arithmetic; it
-    is the measured memory ceiling, not a point), the elementwise add both. ``.attrs`` holds
-    ``measured_peak_tflops`` (best matmul) and ``measured_bw_tbps`` (best copy) for ``bench_plots.plot_roofline``.
-    Columns: see ``ROOFLINE_COLUMNS``.
-    """
+    Each row carries only what it measures: a matmul its TFLOP/s (``tbps`` is NaN: it is not bandwidth-bound at these
+    sizes), a copy its TB/s (``intensity_flop_per_byte`` and ``tflops`` NaN: it does no arithmetic; it is the measured
+    memory ceiling, not a point), the elementwise add both. ``.attrs`` holds ``measured_peak_tflops`` (best matmul) and
+    ``measured_bw_tbps`` (best copy) for ``bench_plots.plot_roofline``. Columns: see ``ROOFLINE_COLUMNS``."""
     rows: list[dict[str, Any]] = []
     if sweep is not None:
-        missing = {"dtype", "n", "tflops", "intensity_flop_per_byte"} - set(sweep.columns)
-        if missing:
-            raise ValueError(
-                f"roofline_points(sweep=...): not a matmul_sweep frame, missing columns {sorted(missing)}"
-            )
+        if missing := {"dtype", "n", "tflops", "intensity_flop_per_byte"} - set(sweep.columns):
+            raise ValueError(f"roofline_points(sweep=...): not a matmul_sweep frame, missing columns {sorted(missing)}")
         ok = sweep[sweep["status"] == "ok"] if "status" in sweep else sweep
         for r in ok.itertuples(index=False):
             rows.append(
@@ -717,25 +577,18 @@ def roofline_points(
                     "label": f"matmul {r.dtype} {r.n}", "kind": "matmul", "dtype": r.dtype,
                     "intensity_flop_per_byte": r.intensity_flop_per_byte, "tflops": r.tflops,
                     "tbps": math.nan, "device": r.device,  # bandwidth is not what limits a large matmul
-                }
-            )
+                })
     ew = elementwise_add(elementwise_numel, device=device, reps=reps)
     ew.pop("median_ms")
     rows.append(ew)
     if copies is not None:
-        missing = {"size_bytes", "gbps"} - set(copies.columns)
-        if missing:
+        if missing := {"size_bytes", "gbps"} - set(copies.columns):
             raise ValueError(
-                f"roofline_points(copies=...): not a copy_bandwidth frame, missing columns {sorted(missing)}"
-            )
+                f"roofline_points(copies=...): not a copy_bandwidth frame, missing columns {sorted(missing)}")
         for r in copies.itertuples(index=False):
-            rows.append(
-                {
-                    "label": f"copy {_bytes_label(r.size_bytes)}", "kind": "copy", "dtype": "",
-                    "intensity_flop_per_byte": math.nan, "tflops": math.nan, "tbps": r.gbps / 1e3,
-                    "device": r.device,
-                }
-            )
+            rows.append({"label": f"copy {_bytes_label(r.size_bytes)}", "kind": "copy", "dtype": "",
+                         "intensity_flop_per_byte": math.nan, "tflops": math.nan, "tbps": r.gbps / 1e3,
+                         "device": r.device})
     df = pd.DataFrame(rows, columns=ROOFLINE_COLUMNS)
     mm = df.loc[df["kind"] == "matmul", "tflops"]
     cp = df.loc[df["kind"] == "copy", "tbps"]

@@ -1,8 +1,7 @@
 """Lab 01's plots: matmul throughput by size and dtype, the roofline, copy bandwidth.
 
 matplotlib is imported inside the functions and no backend is forced (a notebook shows the figure inline;
-tests select Agg). Pass ``ax`` to draw into an existing axes.
-"""
+tests select Agg). Pass ``ax`` to draw into an existing axes."""
 
 from __future__ import annotations
 
@@ -30,12 +29,10 @@ def plot_matmul_sweep(df: pd.DataFrame, ax: Any = None, title: str | None = None
         if len(peaks):
             ax.axhline(float(peaks.iloc[0]), color=line.get_color(), linestyle="--", linewidth=1)
     ax.set_xscale("log", base=2)
-    sizes = sorted(ok["n"].unique())
-    if sizes:
+    if sizes := sorted(ok["n"].unique()):
         ax.set_xticks(sizes, [str(int(n)) for n in sizes])
         ax.minorticks_off()
-    ax.set_xlabel("matrix size n (n×n×n)")
-    ax.set_ylabel("achieved TFLOP/s (median)")
+    ax.set(xlabel="matrix size n (n×n×n)", ylabel="achieved TFLOP/s (median)")
     if title is None:
         where = ok["device_name"].iloc[0] if "device_name" in ok and len(ok) else ""
         title = f"Matmul throughput{' on ' + where if where else ''} (dashed: datasheet peak)"
@@ -46,37 +43,26 @@ def plot_matmul_sweep(df: pd.DataFrame, ax: Any = None, title: str | None = None
     return fig
 
 
-def plot_roofline(
-    points_df: pd.DataFrame,
-    peak_tflops: float | None,
-    bw_tbps: float | None,
-    measured_peak_tflops: float | None = None,
-    measured_bw_tbps: float | None = None,
-    ax: Any = None,
-    title: str | None = None,
-) -> Any:
+def plot_roofline(points_df: pd.DataFrame, peak_tflops: float | None, bw_tbps: float | None,
+                  measured_peak_tflops: float | None = None, measured_bw_tbps: float | None = None, ax: Any = None,
+                  title: str | None = None) -> Any:
     """Log-log roofline: attainable TFLOP/s = min(peak, bandwidth × intensity), the ridge point marked.
 
     Solid: datasheet roof (``peak_tflops``, ``bw_tbps``; pass None when unknown, e.g. on the CPU).
     Dotted: the measured roof, when given (``points_df.attrs`` from ``gpu.bench.roofline_points``
-    holds both). Points: rows with positive intensity and TFLOP/s; copies (no FLOPs) only set the roof.
-    """
+    holds both). Points: rows with positive intensity and TFLOP/s; copies (no FLOPs) only set the roof."""
     plotting.require_columns(points_df, {"intensity_flop_per_byte", "tflops"}, "plot_roofline",
                           "gpu.bench.roofline_points")
     roofs = []
     if plotting.is_finite(peak_tflops) or plotting.is_finite(bw_tbps):
         if not (plotting.is_finite(peak_tflops) and plotting.is_finite(bw_tbps)):
-            raise ValueError(
-                f"plot_roofline(peak_tflops={peak_tflops!r}, bw_tbps={bw_tbps!r}): give both or neither"
-            )
+            raise ValueError(f"plot_roofline(peak_tflops={peak_tflops!r}, bw_tbps={bw_tbps!r}): give both or neither")
         roofs.append(("datasheet", float(peak_tflops), float(bw_tbps), "-"))
     if plotting.is_finite(measured_peak_tflops) and plotting.is_finite(measured_bw_tbps):
         roofs.append(("measured", float(measured_peak_tflops), float(measured_bw_tbps), ":"))
     if not roofs:
-        raise ValueError(
-            "plot_roofline: no roof to draw: pass peak_tflops and bw_tbps (datasheet) or "
-            "measured_peak_tflops and measured_bw_tbps (e.g. points_df.attrs from roofline_points)"
-        )
+        raise ValueError("plot_roofline: no roof to draw: pass peak_tflops and bw_tbps (datasheet) or "
+                         "measured_peak_tflops and measured_bw_tbps (e.g. points_df.attrs from roofline_points)")
     pts = points_df[(points_df["intensity_flop_per_byte"] > 0) & (points_df["tflops"] > 0)]
     ridges = [ridge_point(p, b) for _, p, b, _ in roofs]
     xs = list(pts["intensity_flop_per_byte"]) + ridges
@@ -95,11 +81,8 @@ def plot_roofline(
     for key, group in groups:
         label = " ".join(str(k) for k in key if k) if isinstance(key, tuple) else str(key)
         ax.scatter(group["intensity_flop_per_byte"], group["tflops"], label=label, zorder=3)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("arithmetic intensity (FLOP/byte)")
-    ax.set_ylabel("TFLOP/s")
-    ax.set_title(title or "Roofline")
+    ax.set(xscale="log", yscale="log", xlabel="arithmetic intensity (FLOP/byte)", ylabel="TFLOP/s",
+           title=title or "Roofline")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize="small")
     return fig
@@ -125,9 +108,7 @@ def plot_bandwidth(df: pd.DataFrame, ax: Any = None, title: str | None = None) -
 
     ax.set_xscale("log", base=2)
     ax.xaxis.set_major_formatter(FuncFormatter(format_bytes))
-    ax.set_xlabel("transfer size")
-    ax.set_ylabel("GB/s (median)")
-    ax.set_title(title or "Bandwidth")
+    ax.set(xlabel="transfer size", ylabel="GB/s (median)", title=title or "Bandwidth")
     ax.grid(True, which="both", alpha=0.3)
     if len(df):
         ax.legend(fontsize="small")

@@ -3,8 +3,7 @@ with what each cost in accuracy (against labels) or in fidelity (against the FP3
 
 Units are in names: ``_ms`` milliseconds, ``images_per_s`` images per second of wall time at the p50
 latency; accuracies and agreements are fractions in [0, 1], accuracy changes are percentage points.
-numpy and pandas only: the ONNX, torch and TensorRT modules of this package feed it.
-"""
+numpy and pandas only: the ONNX, torch and TensorRT modules of this package feed it."""
 
 from __future__ import annotations
 
@@ -27,8 +26,7 @@ COMPARISON_COLUMNS = ["model", "backend", "precision", "batch", "p50_ms", "p90_m
                       "accuracy", "accuracy_delta_points", "top1_agreement", "rel_logit_error", "device", "note"]
 
 
-# --------------------------------------------------------------------------------------------------
-# What a precision or a backend cost
+# --- What a precision or a backend cost -----------------------------------------------------------
 
 
 def accuracy(logits: ArrayLike, labels: ArrayLike) -> float:
@@ -53,16 +51,14 @@ def logit_error(logits: ArrayLike, reference: ArrayLike) -> dict[str, float]:
             "rel_logit_error": float(np.abs(a - r).mean() / max(float(np.abs(r).mean()), 1e-12))}
 
 
-# --------------------------------------------------------------------------------------------------
-# How sure: accuracy on a small test set
+# --- How sure: accuracy on a small test set -------------------------------------------------------
 
 
 def wilson_interval(correct: int, n: int, confidence: float = 0.95) -> tuple[float, float]:
     """The Wilson score interval for an accuracy of ``correct`` out of ``n`` (fractions in [0, 1]).
 
     Unlike the normal approximation p ± z·sqrt(p(1-p)/n) it stays inside [0, 1] and is honest near 100 %,
-    where a lab's accuracies sit: 353/357 gives 0.972..0.996, not 0.978..1.000.
-    """
+    where a lab's accuracies sit: 353/357 gives 0.972..0.996, not 0.978..1.000."""
     check_int(n, "n", "wilson_interval", 1)
     if not 0 <= correct <= n:
         raise ValueError(f"wilson_interval: correct must lie in 0..n, got {correct} of {n}")
@@ -89,8 +85,7 @@ def _z(confidence: float) -> float:
 def mcnemar_p(fixed: int, broken: int) -> float:
     """Exact two-sided McNemar p-value: the chance of a split at least this uneven between the images a change
     fixed and the images it broke, if the change made no difference (each flip a fair coin)."""
-    n = fixed + broken
-    if n == 0:
+    if (n := fixed + broken) == 0:
         return 1.0
     k = min(fixed, broken)
     tail = sum(math.comb(n, i) for i in range(k + 1)) / 2**n
@@ -102,8 +97,7 @@ def accuracy_report(logits: dict[str, ArrayLike], labels: ArrayLike, reference: 
     """Per precision: accuracy with its Wilson interval, the change against ``reference`` counted in images, and
     the agreement with the reference's predictions (which images changed, fixed or broken, and McNemar's p).
 
-    One row per key of ``logits`` ((N, classes) arrays, the same N images); ``labels`` (N,).
-    """
+    One row per key of ``logits`` ((N, classes) arrays, the same N images); ``labels`` (N,)."""
     if reference not in logits:
         raise ValueError(f"accuracy_report: the reference {reference!r} is not among {list(logits)}")
     y = np.asarray(labels)
@@ -125,8 +119,7 @@ def accuracy_report(logits: dict[str, ArrayLike], labels: ArrayLike, reference: 
     return pd.DataFrame(rows)
 
 
-# --------------------------------------------------------------------------------------------------
-# Where a GPU's time goes at small batches
+# --- Where a GPU's time goes at small batches -----------------------------------------------------
 
 
 def _images_per_s(values: dict[str, float], slug: str, backend: str, precision: str, batch: int) -> float | None:
@@ -138,8 +131,7 @@ def launch_overhead_notes(values: dict[str, float], slug: str = "resnet50", amp:
                           small: int = 1, graph_batch: int = 32, large: int = 128) -> list[str]:
     """Sentences on launch overhead from recorded throughputs (``name -> images/s``, names as lab 03 records
     them): why autocast is slower than FP32 at batch ``small``, and how much of the CUDA graph's gain at
-    ``graph_batch`` eager low precision reaches by batch ``large`` alone. Missing values leave a sentence out.
-    """
+    ``graph_batch`` eager low precision reaches by batch ``large`` alone. Missing values leave a sentence out."""
     notes = []
     eager = _images_per_s(values, slug, "eager", "fp32", small)
     low = {s: _images_per_s(values, slug, s, amp, small) for s in ("autocast", "channels-last")}
@@ -169,15 +161,13 @@ def launch_overhead_notes(values: dict[str, float], slug: str = "resnet50", amp:
     return notes
 
 
-# --------------------------------------------------------------------------------------------------
-# The table
+# --- The table ------------------------------------------------------------------------------------
 
 
 class Comparison:
     """Rows of backend x precision x batch -> p50 latency, throughput and accuracy change against FP32.
 
-    ``add`` one measurement at a time from any section of the lab; ``frame()`` is the table.
-    """
+    ``add`` one measurement at a time from any section of the lab; ``frame()`` is the table."""
 
     def __init__(self) -> None:
         self.rows: list[dict[str, Any]] = []
@@ -196,10 +186,8 @@ class Comparison:
         if timing is not None:
             p50_ms, p90_ms, device = timing.median_ms, timing.p90_ms, device or timing.device
         ref = self._fp32_accuracy.get(model)
-        row = {"model": model, "backend": backend, "precision": precision, "batch": int(batch),
-               "p50_ms": p50_ms, "p90_ms": p90_ms,
-               "images_per_s": batch / (p50_ms / 1e3) if p50_ms else None,
-               "accuracy": accuracy,
+        row = {"model": model, "backend": backend, "precision": precision, "batch": int(batch), "p50_ms": p50_ms,
+               "p90_ms": p90_ms, "images_per_s": batch / (p50_ms / 1e3) if p50_ms else None, "accuracy": accuracy,
                "accuracy_delta_points": (accuracy - ref) * 100 if accuracy is not None and ref is not None else None,
                "top1_agreement": top1_agreement, "rel_logit_error": rel_logit_error, "device": device, "note": note}
         self.rows.append(row)
@@ -222,8 +210,7 @@ def plot_comparison(df: pd.DataFrame, model: str | None = None, ax: Axes | None 
                     title: str | None = None) -> Figure:
     """Throughput (images/s) against batch size, one line per backend + precision, for one model.
 
-    Input: ``Comparison.frame()``. Log-log axes; rows without a latency are skipped.
-    """
+    Input: ``Comparison.frame()``. Log-log axes; rows without a latency are skipped."""
     require_columns(df, {"model", "backend", "precision", "batch", "images_per_s"}, "plot_comparison",
                     "Comparison.frame()")
     model = model or str(df["model"].iloc[0])
@@ -234,13 +221,11 @@ def plot_comparison(df: pd.DataFrame, model: str | None = None, ax: Axes | None 
         ax.plot(group["batch"], group["images_per_s"], marker="o", label=f"{backend} {precision}")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    sizes = sorted(rows["batch"].unique())
-    if sizes:
+    if sizes := sorted(rows["batch"].unique()):
         ax.set_xticks(sizes, [str(int(b)) for b in sizes])
         ax.minorticks_off()
-    ax.set_xlabel("batch size")
-    ax.set_ylabel("images/s (at the p50 latency)")
-    ax.set_title(title or f"{model}: throughput by backend and precision")
+    ax.set(xlabel="batch size", ylabel="images/s (at the p50 latency)",
+           title=title or f"{model}: throughput by backend and precision")
     ax.grid(True, which="both", alpha=0.3)
     if len(rows):
         ax.legend(fontsize="small")

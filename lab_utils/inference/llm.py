@@ -6,8 +6,7 @@ per step (memory-bound). ``prefill_decode`` times both with ``lab_utils.timing.b
 FLOP/s, bytes/s and intensity (FLOP/byte) from ``phase_cost``'s counts. Shapes: tokens ``[B, T]``, cache
 ``[layers, B, kv_heads, max_len, head_dim]``.
 
-Design notes: docs/internals.md#lab_utilsinferencellmpy
-"""
+Design notes: docs/internals.md#lab_utilsinferencellmpy"""
 
 from __future__ import annotations
 
@@ -266,15 +265,7 @@ def time_decode(model: TinyDecoder, batch: int, prompt_len: int, reps: int = 10,
                                 device=device, name=name)
     if not device.startswith("cuda"):
         raise ValueError(f"time_decode(graph=True) needs a CUDA device; the model is on {device}")
-    side = torch.cuda.Stream()  # warm-up off the default stream before capture, as torch.cuda.graphs asks
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            model.decode_step(nxt, cache, prompt_len)
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        model.decode_step(nxt, cache, prompt_len)
+    g, _ = timing.cuda_graph(lambda: model.decode_step(nxt, cache, prompt_len), warmup=2)
     return timing.benchmark(g.replay, reps=reps, warmup=warmup, device=device, name=f"{name}, CUDA graph")
 
 

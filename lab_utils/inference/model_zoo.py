@@ -3,8 +3,7 @@ random weights, for speed; what each is (``ModelInfo``) and the random images th
 
 The digits CNN is lab 02's, trained in seconds on scikit-learn's 8x8 digits. The ResNet-50 is torchvision's
 ``resnet50`` on a GPU where torchvision imports (an optional dependency, imported where it is used), else
-``lab_utils.models.BottleneckResNet``; on a CPU the same layout at width 16 and 64 px, so the lab stays fast.
-"""
+``lab_utils.models.BottleneckResNet``; on a CPU the same layout at width 16 and 64 px, so the lab stays fast."""
 
 from __future__ import annotations
 
@@ -83,8 +82,7 @@ def train_digits_cnn(epochs: int = DIGITS_EPOCHS, seed: int = 0, width: int = DI
     """Train lab 02's digits CNN in this process on the CPU; returns (model in eval mode, facts).
 
     1440 training images, SGD with momentum, cross-entropy; a few seconds on a laptop CPU. The facts hold
-    ``accuracy`` (test set, 357 images, fp32), ``train_s`` and the recipe.
-    """
+    ``accuracy`` (test set, 357 images, fp32), ``train_s`` and the recipe."""
     check_int(epochs, "epochs", "train_digits_cnn")
     check_int(batch_size, "batch_size", "train_digits_cnn")
     torch.manual_seed(seed)
@@ -116,8 +114,7 @@ def train_digits_cnn(epochs: int = DIGITS_EPOCHS, seed: int = 0, width: int = DI
 def trained_digits(epochs: int = DIGITS_EPOCHS, seed: int = 0) -> tuple[DigitsCNN, dict[str, Any]]:
     """``train_digits_cnn(epochs, seed)``, trained once per process: the lab and its exercise checks share it.
 
-    The model is in eval mode and must not be trained further by its users (copy it first).
-    """
+    The model is in eval mode and must not be trained further by its users (copy it first)."""
     return train_digits_cnn(epochs=epochs, seed=seed)
 
 
@@ -161,17 +158,14 @@ def digits_info(model: nn.Module) -> ModelInfo:
                      count_gflop(model, (1, 8, 8)), slug="digits")
 
 
-def make_resnet50(device: str = "cpu", width: int | None = None, image_size: int | None = None,
-                  num_classes: int = 1000, seed: int = 0,
-                  prefer_torchvision: bool = True) -> tuple[nn.Module, ModelInfo]:
+def make_resnet50(device: str = "cpu", width: int | None = None, image_size: int | None = None, num_classes: int = 1000,
+                  seed: int = 0, prefer_torchvision: bool = True) -> tuple[nn.Module, ModelInfo]:
     """A ResNet-50 with random weights for speed measurements, in eval mode on ``device``.
 
     On a GPU, at full size: ``torchvision.models.resnet50(weights=None)`` when torchvision imports, else
     ``lab_utils.models.BottleneckResNet`` (the same layout). On a CPU the same layout at width 16 and 64 px
-    (``RESNET_SIZES``). BatchNorm statistics are settled on a few random batches, so activations keep a
-    realistic scale (random weights with fresh statistics let values grow layer after layer, which low
-    precision punishes unfairly).
-    """
+    (``RESNET_SIZES``). BatchNorm statistics are settled on a few random batches, so activations keep a realistic scale
+    (random weights with fresh statistics let values grow layer after layer, which low precision punishes unfairly)."""
     kind = "cuda" if str(device).startswith("cuda") else "cpu"
     width = RESNET_SIZES[kind]["width"] if width is None else check_int(width, "width", "make_resnet50")
     image_size = (RESNET_SIZES[kind]["image_size"] if image_size is None

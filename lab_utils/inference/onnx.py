@@ -1,11 +1,8 @@
-"""Lab 03's ONNX half: export from PyTorch with a dynamic batch, the file's checks and contents, and ONNX
-Runtime on the CPU: sessions at each graph optimization level, predictions, parity with PyTorch, and what
-each level fuses and costs.
+"""Lab 03's ONNX half: export from PyTorch with a dynamic batch, the file's checks and contents, and ONNX Runtime on the
+CPU: sessions at each graph optimization level, predictions, parity with PyTorch, and what each level fuses and costs.
 
-Units are in names: ``_ms`` milliseconds, ``_s`` seconds, ``images_per_s`` images per second of wall time.
-onnxruntime is imported where a session is made (its annotations under TYPE_CHECKING), so the export half
-imports without it.
-"""
+Units are in names: ``_ms`` milliseconds, ``_s`` seconds, ``images_per_s`` images per second of wall time. onnxruntime
+is imported where a session is made (its annotations under TYPE_CHECKING), so the export half imports without it."""
 
 from __future__ import annotations
 
@@ -43,8 +40,7 @@ ORT_LEVELS = {
     "basic": "ORT_ENABLE_BASIC",  # constant folding, redundant node removal, Conv+BatchNorm/Mul/Add folding
     "extended": "ORT_ENABLE_EXTENDED",  # operator fusion: Conv+Relu -> FusedConv, Gemm+Relu, GELU, attention...
     "layout": "ORT_ENABLE_LAYOUT",  # layout transforms: NCHW -> NCHWc blocked convolutions
-    "all": "ORT_ENABLE_ALL",
-}
+    "all": "ORT_ENABLE_ALL"}
 
 ONNX_OPSET = 18  # the dynamo exporter's own default; TensorRT 10 and 11 parse it
 MAX_BATCH = 4096  # upper bound of the exported batch dimension (the engines' profiles choose their own)
@@ -55,8 +51,7 @@ ORT_FP8_UNSAFE_REWRITES = ("ReluQuantRewrite",)
 _ORT_INSTALL = "pip install onnxruntime (or pip install -e '.[lab]')"
 
 
-# --------------------------------------------------------------------------------------------------
-# ONNX export
+# --- ONNX export ----------------------------------------------------------------------------------
 
 
 class OnnxExportError(RuntimeError):
@@ -67,13 +62,11 @@ class OnnxExportError(RuntimeError):
         self.operator = operator
 
 
-_OP_PATTERNS = (
-    re.compile(r"OpOverload\(op='([\w.:]+)', overload='(\w+)'\)"),  # torch.export-based exporter
-    re.compile(r"target=torch\.ops\.([\w.]+)"),
-    re.compile(r"Unsupported FX nodes: \{'call_function': \['([\w.:]+)'"),
-    re.compile(r"Exporting the operator '?([\w:.]+)'? to ONNX"),  # TorchScript-based exporter
-    re.compile(r"(aten::\w+)"),
-)
+_OP_PATTERNS = (re.compile(r"OpOverload\(op='([\w.:]+)', overload='(\w+)'\)"),  # torch.export-based exporter
+                re.compile(r"target=torch\.ops\.([\w.]+)"),
+                re.compile(r"Unsupported FX nodes: \{'call_function': \['([\w.:]+)'"),
+                re.compile(r"Exporting the operator '?([\w:.]+)'? to ONNX"),  # TorchScript-based exporter
+                re.compile(r"(aten::\w+)"))
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -82,8 +75,7 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 def failed_operator(message: str) -> str | None:
     """The operator an exporter error message blames (``aten._linalg_svd.default``), or None."""
     for pattern in _OP_PATTERNS:
-        m = pattern.search(message)
-        if m:
+        if m := pattern.search(message):
             return ".".join(g for g in m.groups() if g)
     return None
 
@@ -115,8 +107,7 @@ def export_onnx(model: nn.Module, path: str | os.PathLike[str], example: torch.T
     it (``torch.fx.experimental.optimization.fuse``; eval-mode arithmetic, the same graph the exporter and
     every inference engine produce, and half the operations for the exporter to trace). The file is checked
     with ``onnx.checker`` (full check, with shape inference).
-    A failed export raises ``OnnxExportError`` naming the operator with no ONNX translation.
-    """
+    A failed export raises ``OnnxExportError`` naming the operator with no ONNX translation."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if not hasattr(example, "shape"):
@@ -126,11 +117,9 @@ def export_onnx(model: nn.Module, path: str | os.PathLike[str], example: torch.T
     model = _cpu_copy(model)  # in eval mode
     if dynamic_batch and x.shape[0] < 2:
         x = x.expand(2, *x.shape[1:]).contiguous()
-    if fold_batchnorm:
-        try:
+    if fold_batchnorm:  # a model symbolic tracing cannot follow (data-dependent control flow) is exported as is
+        with contextlib.suppress(Exception):
             model = fuse(model, inplace=False)
-        except Exception:  # a model symbolic tracing cannot follow (data-dependent control flow): export it as is
-            pass
     kwargs: dict[str, Any] = {}
     if dynamic_batch:
         kwargs["dynamic_shapes"] = ({0: torch.export.Dim("batch", min=1, max=MAX_BATCH)},)
@@ -147,10 +136,9 @@ def export_onnx(model: nn.Module, path: str | os.PathLike[str], example: torch.T
         said = [re.sub(r"^<class '[\w.]+'>: ", "", ln.strip()) for ln in text.splitlines()
                 if "No ONNX function found" in ln or "not supported" in ln]
         said = said or [ln.strip() for ln in text.splitlines() if ln.strip()][:1] or [type(err).__name__]
-        raise OnnxExportError(
-            f"ONNX export of {type(original).__name__} failed: {where}. Replace it with supported operations, "
-            f"register a translation (torch.onnx's custom_translation_table) or, for TensorRT, a plugin. "
-            f"The exporter said: {said[0]}", op) from err
+        raise OnnxExportError(f"ONNX export of {type(original).__name__} failed: {where}. Replace it with supported "
+                              "operations, register a translation (torch.onnx's custom_translation_table) or, for "
+                              f"TensorRT, a plugin. The exporter said: {said[0]}", op) from err
     finally:
         original.train(was_training)
     if check:
@@ -193,16 +181,14 @@ def op_counts(model_or_path: onnx.ModelProto | str | os.PathLike[str]) -> Counte
     """Operator types of an ONNX graph (a path or a ModelProto) and how often each occurs.
 
     Operators outside the standard ONNX domain carry it in brackets: ``FusedConv[microsoft]``, and the
-    blocked-layout convolutions of ONNX Runtime's layout level ``Conv[nchwc]``.
-    """
+    blocked-layout convolutions of ONNX Runtime's layout level ``Conv[nchwc]``."""
     model = (model_or_path if isinstance(model_or_path, onnx.ModelProto)
              else onnx.load(str(model_or_path), load_external_data=False))
     return Counter(n.op_type if n.domain in ("", "ai.onnx") else f"{n.op_type}[{n.domain.split('.')[-1]}]"
                    for n in model.graph.node)
 
 
-# --------------------------------------------------------------------------------------------------
-# ONNX Runtime
+# --- ONNX Runtime ---------------------------------------------------------------------------------
 
 
 def _onnxruntime() -> Any:
@@ -225,8 +211,7 @@ def ort_session(path: str | os.PathLike[str], level: str = "all", threads: int |
     """An ONNX Runtime session on the CPU provider at graph optimization ``level``.
 
     ``threads``: intra-op threads (default: torch's thread count, so both frameworks get the same cores).
-    ``optimized_path``: where ONNX Runtime writes the graph it will run (to count what it fused).
-    """
+    ``optimized_path``: where ONNX Runtime writes the graph it will run (to count what it fused)."""
     ort = _onnxruntime()
     if level not in ORT_LEVELS:
         raise ValueError(f"ort_session(level={level!r}): use one of {list(ORT_LEVELS)}")
@@ -260,8 +245,7 @@ def cpu_threads() -> int:
     """Threads for CPU inference in the lab: half the cores this process may use (at least 1).
 
     Leaves room for the notebook, the OS and ONNX Runtime's own scheduling; on a busy 2-core machine a
-    second spinning OpenMP thread costs far more than it brings.
-    """
+    second spinning OpenMP thread costs far more than it brings."""
     return max(1, cpu_cores() // 2)
 
 
@@ -289,8 +273,7 @@ def parity(model: nn.Module, onnx_path: str | os.PathLike[str],
            inputs: Sequence[torch.Tensor | ArrayLike]) -> pd.DataFrame:
     """Largest absolute difference between PyTorch (fp32, CPU) and ONNX Runtime outputs, per input batch.
 
-    Several batch sizes prove the dynamic batch dimension: one export, any batch.
-    """
+    Several batch sizes prove the dynamic batch dimension: one export, any batch."""
     session = ort_session(onnx_path, "all")
     rows = []
     cpu_model = _cpu_copy(model)
@@ -320,8 +303,7 @@ def fusion_table(onnx_path: str | os.PathLike[str], workdir: str | os.PathLike[s
 
     Per level: the number of nodes ONNX Runtime will execute, the fused operators among them (FusedConv,
     NCHWc Conv...), the most common operators, session creation time, and the p50 latency of ``example``
-    (a batch) with the course's timing helper.
-    """
+    (a batch) with the course's timing helper."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     x = np.asarray(example, dtype=np.float32)
@@ -340,9 +322,8 @@ def fusion_table(onnx_path: str | os.PathLike[str], workdir: str | os.PathLike[s
         rows.append({"level": level, "nodes": sum(counts.values()),
                      "conv_nodes": sum(v for k, v in counts.items() if k.split("[")[0] in ("Conv", "FusedConv")),
                      "fused": ", ".join(f"{k} {v}" for k, v in sorted(fused.items())),
-                     "top_ops": ", ".join(f"{k} {v}" for k, v in counts.most_common(4)),
-                     "session_s": create_s, "batch": int(x.shape[0]), "p50_ms": t.median_ms,
-                     "images_per_s": x.shape[0] / (t.median_ms / 1e3)})
+                     "top_ops": ", ".join(f"{k} {v}" for k, v in counts.most_common(4)), "session_s": create_s,
+                     "batch": int(x.shape[0]), "p50_ms": t.median_ms, "images_per_s": x.shape[0] / (t.median_ms / 1e3)})
     df = pd.DataFrame(rows)
     df["speedup_vs_disable"] = df["p50_ms"].iloc[0] / df["p50_ms"]
     return df

@@ -6,8 +6,7 @@ scales come from calibration data. ``modelopt_status`` says whether ModelOpt's O
 not; without it the ModelOpt calls raise ``ModelOptMissing`` (an ImportError), and ``skip_line`` is the one line a
 lab prints for what it skips.
 
-Design notes: docs/internals.md#lab_utilsinferencequantizepy
-"""
+Design notes: docs/internals.md#lab_utilsinferencequantizepy"""
 
 from __future__ import annotations
 
@@ -23,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import onnx
 import pandas as pd
+from onnx import TensorProto, helper
 
 from lab_utils.course.probe import MODELOPT_INSTALL, MODELOPT_ONNX_NEEDS, tensorrt_runtime_present
 from lab_utils.inference.compare import accuracy, logit_error
@@ -89,8 +89,7 @@ def quiet_modelopt() -> Iterator[io.StringIO]:
 
     ``tensorrt-stubs`` (type stubs, installed for the type check) makes ``import tensorrt`` succeed as a
     namespace package. ModelOpt then believes TensorRT is present and calls ``trt.Logger``, which the
-    stubs do not have; where the real runtime is absent we tell ModelOpt so.
-    """
+    stubs do not have; where the real runtime is absent we tell ModelOpt so."""
     _require_modelopt()
     import onnxruntime as ort
     from modelopt.onnx import trt_utils
@@ -129,8 +128,7 @@ def _modelopt_session(what: str) -> Iterator[io.StringIO]:
                                     + (f"\nModelOpt's last messages:\n{tail}" if tail else "")) from err
 
 
-# --------------------------------------------------------------------------------------------------
-# Inputs and calibration data
+# --- Inputs and calibration data ------------------------------------------------------------------
 
 
 # ONNX element type -> numpy type; 16 = bfloat16 has none
@@ -160,8 +158,7 @@ def check_calibration_data(data: Any, onnx_path: str | os.PathLike[str], min_ima
     Calibration runs the model on these images and records the range of every tensor that gets a Q/DQ pair;
     images of another shape or scale would set scales for inputs the model never sees. So: a numpy array
     (or a torch tensor) with the model's input shape, the batch dimension first, and its dtype exactly
-    (no silent casts: float64 pixels usually mean the preprocessing was skipped).
-    """
+    (no silent casts: float64 pixels usually mean the preprocessing was skipped)."""
     name, shape, dtype = onnx_input(onnx_path)
     expected = f"{_shape_text(shape)} {np.dtype(dtype).name if dtype is not None else 'bfloat16'}"
     if hasattr(data, "detach"):
@@ -187,16 +184,14 @@ def check_calibration_data(data: Any, onnx_path: str | os.PathLike[str], min_ima
     return data
 
 
-# --------------------------------------------------------------------------------------------------
-# AutoCast and explicit quantization
+# --- AutoCast and explicit quantization -----------------------------------------------------------
 
 
 def autocast(onnx_path: str | os.PathLike[str], out_path: str | os.PathLike[str], precision: str = "fp16",
              keep_io_types: bool = True) -> Path:
     """FP16 (or BF16) mixed precision with ModelOpt AutoCast; nodes whose values would overflow stay FP32.
 
-    ``keep_io_types`` keeps the inputs and outputs FP32, so callers feed the same arrays as before.
-    """
+    ``keep_io_types`` keeps the inputs and outputs FP32, so callers feed the same arrays as before."""
     if precision not in LOW_PRECISION:
         raise ValueError(f"autocast(precision={precision!r}): use one of {LOW_PRECISION}")
     out_path = Path(out_path)
@@ -215,8 +210,7 @@ def quantize_onnx(onnx_path: str | os.PathLike[str], out_path: str | os.PathLike
 
     ``method``: ModelOpt's calibrator (``max`` or ``entropy``; None is ModelOpt's default for the mode).
     ``high_precision``: the type of what stays unquantized (fp32 runs fastest in ONNX Runtime on a CPU; for a
-    TensorRT engine fp16 is the usual choice). Calibration runs in ONNX Runtime on the CPU.
-    """
+    TensorRT engine fp16 is the usual choice). Calibration runs in ONNX Runtime on the CPU."""
     if mode not in QUANT_MODES:
         raise ValueError(f"quantize_onnx(mode={mode!r}): use one of {QUANT_MODES}")
     if method is not None and method not in CALIBRATION_METHODS:
@@ -254,9 +248,8 @@ def qdq_summary(path: str | os.PathLike[str]) -> dict[str, Any]:
             if n.op_type == "DequantizeLinear" and i in inits and inits[i].data_type not in (1, 10, 11, 16):
                 types.add(onnx.TensorProto.DataType.Name(inits[i].data_type).lower())
     return {"quantize_nodes": sum(n.op_type == "QuantizeLinear" for n in nodes),
-            "dequantize_nodes": sum(n.op_type == "DequantizeLinear" for n in nodes),
-            "quantized_types": sorted(types), "compute_nodes": len(compute),
-            "quantized_compute_nodes": [f"{n.op_type} {n.name}" for n in quantized],
+            "dequantize_nodes": sum(n.op_type == "DequantizeLinear" for n in nodes), "quantized_types": sorted(types),
+            "compute_nodes": len(compute), "quantized_compute_nodes": [f"{n.op_type} {n.name}" for n in quantized],
             "float_compute_nodes": [f"{n.op_type} {n.name}" for n in compute if n not in quantized]}
 
 
@@ -283,13 +276,11 @@ def calibration_sweep(onnx_path: str | os.PathLike[str], x_calibration: np.ndarr
 
     Columns: method, calibration_images, accuracy, accuracy_delta_points (against FP32), top1_agreement,
     rel_logit_error (mean |logit difference| / mean |FP32 logit|), quantize_s. The images are taken in the
-    order given: shuffle them first (the digits training split already is).
-    """
+    order given: shuffle them first (the digits training split already is)."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     x_calibration = check_calibration_data(x_calibration, onnx_path)
-    too_many = [n for n in sizes if n > len(x_calibration)]
-    if too_many:
+    if too_many := [n for n in sizes if n > len(x_calibration)]:
         raise ValueError(f"calibration_sweep(sizes=...): {too_many} exceed the {len(x_calibration)} calibration "
                          "images given")
     ref = ort_predict(ort_session(onnx_path, "all"), x_test)
@@ -321,9 +312,7 @@ def plot_calibration_sweep(df: pd.DataFrame, ax: Axes | None = None, title: str 
                           label=f"{method}: logit error")
         right.plot(group["calibration_images"], group["accuracy_delta_points"], marker="x", linestyle="--",
                    color=line.get_color(), label=f"{method}: accuracy change")
-    ax.set_xscale("log")
-    ax.set_xlabel("calibration images")
-    ax.set_ylabel("mean |logit error| / mean |FP32 logit|, %")
+    ax.set(xscale="log", xlabel="calibration images", ylabel="mean |logit error| / mean |FP32 logit|, %")
     right.set_ylabel("accuracy change vs FP32, points")
     right.axhline(0.0, color="gray", linewidth=0.8)
     ax.set_title(title or "INT8 calibration: how many images?")
@@ -333,22 +322,19 @@ def plot_calibration_sweep(df: pd.DataFrame, ax: Axes | None = None, title: str 
     return fig
 
 
-# --------------------------------------------------------------------------------------------------
-# FP8
+# --- FP8 ------------------------------------------------------------------------------------------
 
 
 def ort_runs_fp8() -> tuple[bool, str]:
     """Whether this onnxruntime runs FP8 (float8e4m3fn) Q/DQ on the CPU: tried on a two-node graph."""
     import onnxruntime as ort
-    from onnx import TensorProto, helper
 
-    graph = helper.make_graph(
-        [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q"]),
-         helper.make_node("DequantizeLinear", ["q", "s", "z"], ["y"])],
-        "fp8_probe", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])],
-        [helper.make_tensor("s", TensorProto.FLOAT, [], [1.0]),
-         helper.make_tensor("z", TensorProto.FLOAT8E4M3FN, [], [0])])
+    graph = helper.make_graph([helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q"]),
+                               helper.make_node("DequantizeLinear", ["q", "s", "z"], ["y"])], "fp8_probe",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])],
+                              [helper.make_tensor("s", TensorProto.FLOAT, [], [1.0]),
+                               helper.make_tensor("z", TensorProto.FLOAT8E4M3FN, [], [0])])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)])
     model.ir_version = 9
     try:

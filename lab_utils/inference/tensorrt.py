@@ -5,8 +5,7 @@ Works on TensorRT 10.x and 11.x with the same calls; precision comes from the ON
 (``lab_utils.inference.quantize``), never from builder flags. The module imports on machines without TensorRT;
 ``tensorrt_status`` says whether it can run here and why.
 
-Design notes: docs/internals.md#lab_utilsinferencetensorrtpy
-"""
+Design notes: docs/internals.md#lab_utilsinferencetensorrtpy"""
 
 from __future__ import annotations
 
@@ -52,8 +51,7 @@ class EngineLoadError(RuntimeError):
     """A serialized engine did not deserialize: it must be rebuilt for this TensorRT version and GPU."""
 
 
-# --------------------------------------------------------------------------------------------------
-# Is TensorRT here?
+# --- Is TensorRT here? ----------------------------------------------------------------------------
 
 
 def tensorrt_status() -> tuple[bool, str]:
@@ -90,8 +88,7 @@ def tensorrt_major() -> int | None:
     return int(str(trt_mod.__version__).split(".")[0])
 
 
-# --------------------------------------------------------------------------------------------------
-# Optimization profiles
+# --- Optimization profiles ------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -99,8 +96,7 @@ class Profile:
     """An optimization profile for one input: shapes the engine accepts (min..max) and the one it is tuned for.
 
     TensorRT picks kernels for ``opt_shape``; any shape between ``min_shape`` and ``max_shape`` (each
-    dimension) runs, others are refused at ``set_input_shape``.
-    """
+    dimension) runs, others are refused at ``set_input_shape``."""
 
     input_name: str
     min_shape: tuple[int, ...]
@@ -134,16 +130,13 @@ def batch_profile(input_name: str, sample_shape: Sequence[int], min_batch: int =
     return Profile(input_name, (min_batch, *sample), (opt_batch, *sample), (max_batch, *sample))
 
 
-# --------------------------------------------------------------------------------------------------
-# trtexec
+# --- trtexec --------------------------------------------------------------------------------------
 
 
 def _trtexec_program() -> str:
     """How a command line names trtexec here: plain ``trtexec`` when the PATH finds it (or nothing does, for
     lines meant for another machine), its full path when it sits off the PATH."""
-    if shutil.which("trtexec"):
-        return "trtexec"
-    return find_trtexec() or "trtexec"
+    return "trtexec" if shutil.which("trtexec") else find_trtexec() or "trtexec"
 
 
 def trtexec_commands(onnx_path: str | os.PathLike[str], engine_path: str | os.PathLike[str], profile: Profile,
@@ -152,14 +145,12 @@ def trtexec_commands(onnx_path: str | os.PathLike[str], engine_path: str | os.Pa
                      trtexec: str | os.PathLike[str] | None = None, major: int | None = None) -> dict[str, str]:
     """The ``trtexec`` lines that do what ``build_plan`` and the benchmark do (build, then time the engine).
 
-    ``major``: the TensorRT major version the lines are for (default: this machine's, else ``LATEST_MAJOR``).
-    TensorRT 10 needs ``--stronglyTyped`` to build from the graph's precision, and ``--useCudaGraph
-    --noDataTransfers`` to report GPU compute time comparable with the lab's engine timings; in TensorRT 11 all
-    three are deprecated and do nothing (every network is strongly typed), so they are left out. trtexec's
-    throughput is executions / wall time. ``trtexec``: the program to name (default: as
-    ``lab_utils.course.probe.find_trtexec`` finds it here, so the lines run as printed in an NGC image that keeps
-    it off the PATH).
-    """
+    ``major``: the TensorRT major version the lines are for (default: this machine's, else ``LATEST_MAJOR``). TensorRT
+    10 needs ``--stronglyTyped`` to build from the graph's precision, and ``--useCudaGraph --noDataTransfers`` to report
+    GPU compute time comparable with the lab's engine timings; in TensorRT 11 all three are deprecated and do nothing
+    (every network is strongly typed), so they are left out. trtexec's throughput is executions / wall time.
+    ``trtexec``: the program to name (default: as ``lab_utils.course.probe.find_trtexec`` finds it here, so the lines
+    run as printed in an NGC image that keeps it off the PATH)."""
     major = major if major is not None else (tensorrt_major() or LATEST_MAJOR)
     legacy = major < 11
     program = str(trtexec) if trtexec is not None else _trtexec_program()
@@ -178,8 +169,7 @@ def trtexec_commands(onnx_path: str | os.PathLike[str], engine_path: str | os.Pa
     return {"build": shlex.join(build), "run": shlex.join(run)}
 
 
-# --------------------------------------------------------------------------------------------------
-# Build, save, load
+# --- Build, save, load ----------------------------------------------------------------------------
 
 
 @dataclass
@@ -211,8 +201,7 @@ def timing_cache_file(folder: str | os.PathLike[str], version: str | None = None
 
     A cache holds kernel timings of one GPU measured by one TensorRT; named after both, a cache never meets
     another GPU or TensorRT (which would refuse it, see ``build_plan``). ``version``/``gpu`` default to this
-    machine's TensorRT and GPU.
-    """
+    machine's TensorRT and GPU."""
     if version is None:
         ok, _ = tensorrt_status()
         version = str(import_tensorrt().__version__) if ok else "unknown"
@@ -226,10 +215,8 @@ def _attach_timing_cache(trt_mod: Any, config: trt.IBuilderConfig, cache_path: P
     the file's timings are used, a note when they are not).
 
     ``set_timing_cache(cache, ignore_mismatch=False)`` returns False for a cache written by another GPU or
-    TensorRT version; such a cache (or a damaged file) is replaced by a fresh one, which the build then fills.
-    """
-    data = cache_path.read_bytes() if cache_path.exists() else b""
-    if data:
+    TensorRT version; such a cache (or a damaged file) is replaced by a fresh one, which the build then fills."""
+    if data := (cache_path.read_bytes() if cache_path.exists() else b""):
         try:
             cache: trt.ITimingCache | None = config.create_timing_cache(data)
         except Exception:  # a damaged file: some versions raise, others return None
@@ -248,8 +235,7 @@ def _attach_timing_cache(trt_mod: Any, config: trt.IBuilderConfig, cache_path: P
 
 def _save_timing_cache(config: trt.IBuilderConfig, cache_path: Path) -> str:
     """Write the config's timing cache to ``cache_path`` (atomically); a note when there is none to write."""
-    cache = config.get_timing_cache()
-    if cache is None:  # documented: None when the config holds no cache
+    if (cache := config.get_timing_cache()) is None:  # documented: None when the config holds no cache
         return f"the builder returned no timing cache, so {cache_path.name} was not written"
     cache_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = cache_path.with_name(cache_path.name + f".{os.getpid()}.tmp")
@@ -266,8 +252,7 @@ def build_plan(onnx_path: str | os.PathLike[str], profile: Profile,
     Precision is what the ONNX graph says (FP32, AutoCast FP16, INT8/FP8 Q/DQ). The timing cache, when a
     path is given (``timing_cache_file`` names one per TensorRT version and GPU), is read before and written
     after the build: a rebuild on the same GPU and TensorRT skips re-timing the kernels it has already timed.
-    A cache that does not fit this GPU and TensorRT is replaced, and ``timing_cache_note`` says so.
-    """
+    A cache that does not fit this GPU and TensorRT is replaced, and ``timing_cache_note`` says so."""
     trt_mod = import_tensorrt()
     logger = trt_mod.Logger(trt_mod.Logger.VERBOSE if verbose else trt_mod.Logger.WARNING)
     builder: trt.Builder = trt_mod.Builder(logger)
@@ -323,8 +308,7 @@ def load_engine(plan: bytes | str | os.PathLike[str]) -> LoadedEngine:
     """Deserialize an engine from a plan file (or its bytes).
 
     An engine runs only on the TensorRT version and the GPU model it was built for; any other gives
-    ``EngineLoadError`` telling to rebuild it from its ONNX file.
-    """
+    ``EngineLoadError`` telling to rebuild it from its ONNX file."""
     trt_mod = import_tensorrt()
     source = "engine bytes" if isinstance(plan, bytes) else str(plan)
     data = plan if isinstance(plan, bytes) else Path(plan).read_bytes()
@@ -345,8 +329,7 @@ def load_engine(plan: bytes | str | os.PathLike[str]) -> LoadedEngine:
     return LoadedEngine(engine, runtime, source)
 
 
-# --------------------------------------------------------------------------------------------------
-# Run
+# --- Run ------------------------------------------------------------------------------------------
 
 
 def _dims(d: trt.Dims) -> tuple[int, ...]:
@@ -389,8 +372,7 @@ class TrtRunner:
 
     ``bind(x)`` sets the input shape and the device addresses of the input and of freshly allocated outputs
     (returned); ``run()`` enqueues one execution with ``execute_async_v3``; ``infer(x)`` does both and
-    waits. Benchmarks call ``bind`` once and time ``run``: no allocation in the timed loop.
-    """
+    waits. Benchmarks call ``bind`` once and time ``run``: no allocation in the timed loop."""
 
     loaded: LoadedEngine
     context: trt.IExecutionContext = field(init=False)
@@ -452,8 +434,7 @@ def time_engine(runner: TrtRunner, sample_shape: Sequence[int], batches: Sequenc
                 warmup: int = 10, seed: int = 0) -> list[dict[str, Any]]:
     """p50/p90 latency (ms, GPU time between CUDA events) and images/s of ``runner`` at each batch size.
 
-    Random inputs (not zeros), bound once per batch size; only ``execute_async_v3`` is timed.
-    """
+    Random inputs (not zeros), bound once per batch size; only ``execute_async_v3`` is timed."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
     rows: list[dict[str, Any]] = []
     for batch in batches:
@@ -465,42 +446,35 @@ def time_engine(runner: TrtRunner, sample_shape: Sequence[int], batches: Sequenc
     return rows
 
 
-# --------------------------------------------------------------------------------------------------
-# What runs here instead
+# --- What runs here instead -----------------------------------------------------------------------
 
 
 def substitution_plan(gpu: bool, tensorrt_ok: bool, tensorrt_why: str) -> list[dict[str, str]]:
     """For each thing TensorRT does in this lab: what runs on this machine, and why."""
     if tensorrt_ok:
-        return [
-            {"TensorRT step": s, "runs here": "TensorRT", "why": tensorrt_why}
-            for s in ("parse ONNX into a strongly typed network", "fuse layers", "lower precision (from the graph)",
-                      "pick the fastest kernels (tactics), timing cache", "engine file, profile, execute_async_v3")
-        ]
+        return [{"TensorRT step": s, "runs here": "TensorRT", "why": tensorrt_why}
+                for s in ("parse ONNX into a strongly typed network", "fuse layers", "lower precision (from the graph)",
+                          "pick the fastest kernels (tactics), timing cache", "engine file, profile, execute_async_v3")]
     why = tensorrt_why
     if gpu:
-        rows = [
-            ("parse ONNX into a strongly typed network", "ONNX Runtime (CPU) runs the same ONNX files", why),
-            ("fuse layers", "torch.compile (Inductor) fuses into generated kernels; ONNX Runtime's optimized "
-             "graph shows the node-level fusions", why),
-            ("lower precision (from the graph)", "torch.autocast BF16/FP16 on the GPU for speed; the ModelOpt "
-             "FP16/INT8/FP8 ONNX models in ONNX Runtime for accuracy", why),
-            ("pick the fastest kernels (tactics), timing cache", "torch.compile(mode='max-autotune') times "
-             "kernel candidates; cudnn.benchmark picks convolution algorithms", why),
-            ("engine file, profile, execute_async_v3", "CUDA graphs: one replay per batch instead of hundreds of "
-             "launches; trtexec lines are shown to run elsewhere", why),
-        ]
+        rows = [("parse ONNX into a strongly typed network", "ONNX Runtime (CPU) runs the same ONNX files", why),
+                ("fuse layers", "torch.compile (Inductor) fuses into generated kernels; ONNX Runtime's optimized "
+                 "graph shows the node-level fusions", why),
+                ("lower precision (from the graph)", "torch.autocast BF16/FP16 on the GPU for speed; the ModelOpt "
+                 "FP16/INT8/FP8 ONNX models in ONNX Runtime for accuracy", why),
+                ("pick the fastest kernels (tactics), timing cache", "torch.compile(mode='max-autotune') times "
+                 "kernel candidates; cudnn.benchmark picks convolution algorithms", why),
+                ("engine file, profile, execute_async_v3", "CUDA graphs: one replay per batch instead of hundreds of "
+                 "launches; trtexec lines are shown to run elsewhere", why)]
     else:
-        rows = [
-            ("parse ONNX into a strongly typed network", "ONNX Runtime on the CPU runs the same ONNX files",
-             f"no GPU here; {why}"),
-            ("fuse layers", "ONNX Runtime's graph optimization levels (basic, extended, layout): node counts "
-             "before and after", "no GPU here"),
-            ("lower precision (from the graph)", "the ModelOpt FP16 and INT8 Q/DQ models in ONNX Runtime "
-             "(accuracy real; speed is the CPU's, not a GPU's)", "no GPU here"),
-            ("pick the fastest kernels (tactics), timing cache", "not on a CPU: ONNX Runtime's CPU kernels are "
-             "fixed; the H200 reference run's numbers stand beside", "no GPU here"),
-            ("engine file, profile, execute_async_v3", "the trtexec lines are shown to run on a GPU machine",
-             "no GPU here"),
-        ]
+        rows = [("parse ONNX into a strongly typed network", "ONNX Runtime on the CPU runs the same ONNX files",
+                 f"no GPU here; {why}"),
+                ("fuse layers", "ONNX Runtime's graph optimization levels (basic, extended, layout): node counts "
+                 "before and after", "no GPU here"),
+                ("lower precision (from the graph)", "the ModelOpt FP16 and INT8 Q/DQ models in ONNX Runtime "
+                 "(accuracy real; speed is the CPU's, not a GPU's)", "no GPU here"),
+                ("pick the fastest kernels (tactics), timing cache", "not on a CPU: ONNX Runtime's CPU kernels are "
+                 "fixed; the H200 reference run's numbers stand beside", "no GPU here"),
+                ("engine file, profile, execute_async_v3", "the trtexec lines are shown to run on a GPU machine",
+                 "no GPU here")]
     return [{"TensorRT step": a, "runs here": b, "why": c} for a, b, c in rows]

@@ -1,12 +1,10 @@
-"""Lab 03's torch inference paths, the substitutes for TensorRT on a GPU without it, one knob per step so each
-step's gain is its own: eager FP32 with TF32 off, eager FP32 as PyTorch runs it by default (cuDNN convolutions
-in TF32), autocast (BF16/FP16), channels-last memory, ``torch.compile`` (Inductor), and that captured in a CUDA
-graph.
+"""Lab 03's torch inference paths, the substitutes for TensorRT on a GPU without it, one knob per step so each step's
+gain is its own: eager FP32 with TF32 off, eager FP32 as PyTorch runs it by default (cuDNN convolutions in TF32),
+autocast (BF16/FP16), channels-last memory, ``torch.compile`` (Inductor), and that captured in a CUDA graph.
 
-``fp32_mode`` sets what "FP32" means around each eager call and restores it after; Inductor's autotuning
-reports are summarized instead of printed (``quiet_autotuning``); the compile workers are stopped when the lab
-ends (``shutdown_compile_workers``). Times are milliseconds (``lab_utils.timing``).
-"""
+``fp32_mode`` sets what "FP32" means around each eager call and restores it after; Inductor's autotuning reports are
+summarized instead of printed (``quiet_autotuning``); the compile workers are stopped when the lab ends
+(``shutdown_compile_workers``). Times are milliseconds (``lab_utils.timing``)."""
 
 from __future__ import annotations
 
@@ -25,7 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from lab_utils.timing import Timing, benchmark
+from lab_utils.timing import Timing, benchmark, cuda_graph
 
 AMP_DTYPES = ("bf16", "fp16")
 # Each step adds one knob to the one before (the two eager FP32 steps are the two baselines).
@@ -52,13 +50,11 @@ def fp32_mode(mode: str) -> Iterator[None]:
     - ``"ieee"``: TF32 off everywhere (``fp32_precision = "ieee"``): IEEE single precision, no tensor cores.
 
     Uses torch >= 2.9's ``fp32_precision`` switches (cuDNN's conv and RNN set together, so that reading the
-    legacy ``allow_tf32`` stays valid), else the legacy ``allow_tf32`` flags. The CPU has no TF32.
-    """
+    legacy ``allow_tf32`` stays valid), else the legacy ``allow_tf32`` flags. The CPU has no TF32."""
     if mode not in FP32_MODES:
         raise ValueError(f"fp32_mode({mode!r}): use one of {FP32_MODES}")
     cudnn_value = "tf32" if mode == "default" else "ieee"
-    switches = _tf32_switches()
-    if switches is not None:
+    if (switches := _tf32_switches()) is not None:
         conv, rnn, matmul = switches
         saved = (conv.fp32_precision, rnn.fp32_precision, matmul.fp32_precision)
         conv.fp32_precision = rnn.fp32_precision = cudnn_value
@@ -81,8 +77,7 @@ def set_fp32_semantics(device: str) -> str:
     """Turn cuDNN autotuning on (a GPU) and say what the two FP32 baselines mean here.
 
     The eager FP32 steps set their precision themselves (``fp32_mode``), so the defaults of this torch build
-    or container (NGC images also turn on TF32 for matmuls) do not decide the baselines.
-    """
+    or container (NGC images also turn on TF32 for matmuls) do not decide the baselines."""
     if str(device).startswith("cuda"):
         torch.backends.cudnn.benchmark = True  # cuDNN times its algorithms per shape: TensorRT's tactic choice
         override = ("; TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1 is set here (NGC images set it), so cuBLAS matmuls run in "
@@ -144,10 +139,8 @@ def torch_runners(model: nn.Module, x: torch.Tensor | np.ndarray, *, steps: Sequ
 
     ``progress``: a ``progress(iterable, total=, desc=)`` wrapper over the steps (``lab_utils.widgets.progress``):
     its bar waits on the step being built, so it shows which step a minutes-long ``torch.compile`` is at. None
-    shows nothing.
-    """
-    runners = _torch_runners(model, x, steps=steps, amp=amp, compile_mode=compile_mode,
-                             autotune_convs=autotune_convs)
+    shows nothing."""
+    runners = _torch_runners(model, x, steps=steps, amp=amp, compile_mode=compile_mode, autotune_convs=autotune_convs)
     if progress is None:
         yield from runners
         return
@@ -162,8 +155,7 @@ def _torch_runners(model: nn.Module, x: torch.Tensor | np.ndarray, *, steps: Seq
     device = next(model.parameters()).device
     x = torch.as_tensor(x).to(device)
     gpu = device.type == "cuda"
-    unknown = set(steps) - set(TORCH_STEPS)
-    if unknown:
+    if unknown := set(steps) - set(TORCH_STEPS):
         raise ValueError(f"torch_runners(steps=...): unknown steps {sorted(unknown)}")
     batch = int(x.shape[0])
 
@@ -244,8 +236,7 @@ def _torch_runners(model: nn.Module, x: torch.Tensor | np.ndarray, *, steps: Seq
         yield graphed
 
 
-def time_torch(runner: Callable[[], Any], device: str, reps: int = 10, warmup: int = 2,
-               name: str = "torch") -> Timing:
+def time_torch(runner: Callable[[], Any], device: str, reps: int = 10, warmup: int = 2, name: str = "torch") -> Timing:
     """Time a torch runner (CUDA events on a GPU, the host clock on a CPU); per-repetition ms."""
     return benchmark(runner, reps=reps, warmup=warmup, device="cuda" if str(device).startswith("cuda") else "cpu",
                      name=name)
@@ -255,25 +246,22 @@ def time_torch(runner: Callable[[], Any], device: str, reps: int = 10, warmup: i
 def quiet_autotuning(summary: dict[str, Any]) -> Iterator[dict[str, Any]]:
     """Silence Inductor's max-autotune reports while compiling and collect them in ``summary`` instead.
 
-    Inductor otherwise writes, for every matrix multiplication it tunes, a table of candidate kernels and a
-    JSON line of statistics, and logs an error for each candidate that cannot run. ``summary`` gets:
-    ``gemms`` (operations tuned), ``choices`` (candidates timed), ``skipped`` (candidates that could not run,
-    mostly Triton configurations needing more shared memory than an SM has), ``biggest`` (the largest
-    GEMM: its shapes, the winning kernel, its time in ms, and cuBLAS's time in ms).
-    The reports are turned off through Inductor's own settings; the failures are filtered from its logger.
-    Nothing here changes which kernels are tried or chosen.
-    """
+    Inductor otherwise writes, for every matrix multiplication it tunes, a table of candidate kernels and a JSON line of
+    statistics, and logs an error for each candidate that cannot run. ``summary`` gets: ``gemms`` (operations tuned),
+    ``choices`` (candidates timed), ``skipped`` (candidates that could not run, mostly Triton configurations needing
+    more shared memory than an SM has), ``biggest`` (the largest GEMM: its shapes, the winning kernel, its time in ms,
+    and cuBLAS's time in ms). The reports are turned off through Inductor's own settings; the failures are filtered from
+    its logger. Nothing here changes which kernels are tried or chosen."""
     summary.update(gemms=0, choices=0, skipped=0, biggest=None)
     patches: dict[str, Any] = {}
     stack = contextlib.ExitStack()
-    try:
+    # private settings: a torch without them prints its reports, and the lab still runs
+    with contextlib.suppress(Exception):
         from torch._inductor import config as inductor_config
 
         patches = {k: v for k, v in (("max_autotune_report_choices_stats", False),
                                      ("autotune_num_choices_displayed", 0)) if hasattr(inductor_config, k)}
         stack.enter_context(inductor_config.patch(patches))
-    except Exception:  # private settings: a torch without them prints its reports, and the lab still runs
-        pass
 
     class _Failures(logging.Filter):
         def filter(self, record: logging.LogRecord) -> bool:
@@ -286,7 +274,7 @@ def quiet_autotuning(summary: dict[str, Any]) -> Iterator[dict[str, Any]]:
     select_log = logging.getLogger("torch._inductor.select_algorithm")
     select_log.addFilter(failures)
     restore = None
-    try:
+    with contextlib.suppress(Exception):
         from torch._inductor.select_algorithm import AlgorithmSelectorCache
 
         original = AlgorithmSelectorCache.__dict__.get("log_results")
@@ -294,17 +282,13 @@ def quiet_autotuning(summary: dict[str, Any]) -> Iterator[dict[str, Any]]:
             inner = original.__func__
 
             def log_results(*args: Any, **kwargs: Any) -> Any:
-                try:
+                with contextlib.suppress(Exception):  # the summary is a courtesy: never let it break a compile
                     named = dict(zip(("name", "input_nodes", "timings"), args, strict=False)) | kwargs
                     _note_autotuning(summary, named["name"], named["input_nodes"], named["timings"])
-                except Exception:  # the summary is a courtesy: never let it break a compile
-                    pass
                 return inner(*args, **kwargs)
 
             AlgorithmSelectorCache.log_results = staticmethod(log_results)  # type: ignore[method-assign]
             restore = (AlgorithmSelectorCache, original)
-    except Exception:
-        pass
     try:
         with stack, warnings.catch_warnings():
             # Inductor's own call of a deprecated storage API; nothing the student can act on.
@@ -320,8 +304,7 @@ def _note_autotuning(summary: dict[str, Any], name: str, input_nodes: Any, timin
     """Add one tuned operation (Inductor's ``log_results`` arguments) to ``quiet_autotuning``'s summary."""
     summary["gemms"] += 1
     summary["choices"] += len(timings)
-    finite = {c: t for c, t in timings.items() if t is not None and math.isfinite(t)}
-    if not finite:
+    if not (finite := {c: t for c, t in timings.items() if t is not None and math.isfinite(t)}):
         return
     sizes = [tuple(int(d) for d in n.get_size()) for n in input_nodes]
     a, b = sizes[-2], sizes[-1]  # mm(A, B), addmm(bias, A, B): the last two inputs are the operands
@@ -339,13 +322,11 @@ def autotuning_line(summary: dict[str, Any] | None) -> str:
     """One sentence about a compile's autotuning (``quiet_autotuning``'s summary)."""
     if not summary or not summary.get("gemms"):
         return "no matrix multiplication was autotuned (a compile without max-autotune, or results from the cache)"
-    line = (f"max-autotune timed {summary['choices']} candidate kernels for {summary['gemms']} matrix "
-            f"multiplications")
+    line = f"max-autotune timed {summary['choices']} candidate kernels for {summary['gemms']} matrix multiplications"
     if summary.get("skipped"):
         line += (f" ({summary['skipped']} candidates skipped: Triton configurations needing more shared memory "
                  "than an SM has, normal and harmless)")
-    big = summary.get("biggest")
-    if big:
+    if big := summary.get("biggest"):
         cublas = f", cuBLAS {big['cublas_ms']:.4f} ms" if big.get("cublas_ms") is not None else ""
         line += f"; the biggest, {big['op']}, went to {big['kernel']} ({big['best_ms']:.4f} ms{cublas})"
     return line
@@ -355,15 +336,7 @@ def _cuda_graph_runner(run: Callable[[], torch.Tensor], static_x: torch.Tensor, 
                        mode: str) -> TorchRunner:
     """Capture ``run`` (which reads ``static_x``) in a CUDA graph; replays reuse the same input and output memory."""
     t0 = time.perf_counter()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up on a side stream, as capture requires
-        for _ in range(3):
-            run()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = run()
+    graph, static_out = cuda_graph(run)
     torch.cuda.synchronize()
 
     def replay() -> torch.Tensor:

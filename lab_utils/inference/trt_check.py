@@ -7,13 +7,13 @@ course's own ``lab_utils.inference.tensorrt`` is type-checked the same way by it
 the exercise builds and runs the student's engine as well.
 
 No torch, no TensorRT: mypy runs in a subprocess, against a copy of the installed ``tensorrt-stubs`` (TensorRT
-10.13's API) that ``lab_utils.compat.tensorrt_stubs`` repairs, kept in the course's cache folder.
-"""
+10.13's API) that ``lab_utils.compat.tensorrt_stubs`` repairs, kept in the course's cache folder."""
 
 from __future__ import annotations
 
 import ast
 import builtins
+import contextlib
 import functools
 import importlib.metadata
 import inspect
@@ -35,8 +35,7 @@ from lab_utils.procs import EnvError, owned_tempdir
 STUBS_DIST = "tensorrt-stubs"
 STUBS_INSTALL = "pip install --no-deps tensorrt-stubs==10.13.0.35.1 mypy"
 
-# --------------------------------------------------------------------------------------------------
-# What TensorRT 10 and 11 removed
+# --- What TensorRT 10 and 11 removed --------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -88,8 +87,7 @@ REMOVED_API: tuple[Removed, ...] = (
                                             "get_binding_name", "get_binding_dtype", "binding_is_input",
                                             "set_binding_shape", "num_bindings")),
     *(Removed(p, _TRT10, "strongly typed networks make the question moot: the graph says which precision runs")
-      for p in ("platform_has_fast_fp16", "platform_has_fast_int8")),
-)
+      for p in ("platform_has_fast_fp16", "platform_has_fast_int8")))
 
 
 @dataclass(frozen=True)
@@ -103,9 +101,7 @@ class Finding:
 def _owner_name(node: ast.expr) -> str:
     if isinstance(node, ast.Attribute):
         return node.attr
-    if isinstance(node, ast.Name):
-        return node.id
-    return ""
+    return node.id if isinstance(node, ast.Name) else ""
 
 
 def removed_calls(source: str) -> list[Finding]:
@@ -128,8 +124,7 @@ def removed_calls(source: str) -> list[Finding]:
     return sorted(set(found), key=lambda f: f.line)
 
 
-# --------------------------------------------------------------------------------------------------
-# The steps an engine build needs
+# --- The steps an engine build needs --------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -168,8 +163,7 @@ BUILD_STEPS: tuple[Step, ...] = (
     Step("the tensor addresses set", ("set_tensor_address",),
          "`context.set_tensor_address(name, tensor.data_ptr())` for the input and the output"),
     Step("an execution on a stream", ("execute_async_v3",), "`context.execute_async_v3(stream.cuda_stream)`, then "
-         "wait for the stream (`stream.synchronize()`) before reading the output"),
-)
+         "wait for the stream (`stream.synchronize()`) before reading the output"))
 
 
 def _used_names(source: str) -> set[str]:
@@ -190,8 +184,7 @@ def missing_steps(source: str, steps: Sequence[Step] = BUILD_STEPS) -> list[Step
     return [s for s in steps if not used & set(s.names)]
 
 
-# --------------------------------------------------------------------------------------------------
-# tensorrt-stubs, repaired for mypy (lab_utils.compat.tensorrt_stubs)
+# --- tensorrt-stubs, repaired for mypy (lab_utils.compat.tensorrt_stubs) --------------------------
 
 
 def stubs_version() -> str | None:
@@ -209,12 +202,10 @@ def cache_root() -> Path:
         wanted = Path(os.environ["NVLAB_CACHE_DIR"])
     else:
         wanted = Path(os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")) / "nvlab"
-    try:
+    with contextlib.suppress(OSError):
         wanted.mkdir(parents=True, exist_ok=True)
         if os.access(wanted, os.W_OK):
             return wanted
-    except OSError:
-        pass
     if os.environ.get("NVLAB_CACHE_DIR"):  # asked for by name: say so rather than quietly use another folder
         raise EnvError(f"NVLAB_CACHE_DIR={os.environ['NVLAB_CACHE_DIR']!r}: expected a folder this user can create "
                        "and write (or unset it for ~/.cache/nvlab)")
@@ -229,10 +220,8 @@ def _temporary_cache() -> Path:
 def repaired_stubs(dst: Path | None = None) -> Path:
     """A copy of the installed tensorrt-stubs that mypy can read (a folder to put on ``MYPYPATH``), repaired by
     ``lab_utils.compat.tensorrt_stubs``. Without ``dst``: kept in the course cache, one folder per stubs version,
-    written once.
-    """
-    version = stubs_version()
-    if version is None:
+    written once."""
+    if (version := stubs_version()) is None:
         raise TypeCheckUnavailable(f"tensorrt-stubs is not installed: {STUBS_INSTALL}")
     files = importlib.metadata.files(STUBS_DIST) or []
     stubs = [f for f in files if str(f).endswith(".pyi")]
@@ -246,8 +235,7 @@ def repaired_stubs(dst: Path | None = None) -> Path:
     return tensorrt_stubs.write_repaired(stubs, cached)
 
 
-# --------------------------------------------------------------------------------------------------
-# mypy
+# --- mypy -----------------------------------------------------------------------------------------
 
 
 class TypeCheckUnavailable(RuntimeError):
@@ -300,8 +288,7 @@ def mypy_version() -> str | None:
 def type_check_source(source: str, timeout_s: float = 180.0) -> TypeCheckReport:
     """mypy (``check_untyped_defs``, not strict: a student's function has no annotations) over ``source``
     against the repaired tensorrt-stubs; errors in ``source`` only, with its line numbers."""
-    mypy = mypy_version()
-    if mypy is None:
+    if (mypy := mypy_version()) is None:
         raise TypeCheckUnavailable(f"mypy is not installed: {STUBS_INSTALL}")
     stubs = repaired_stubs()
     root = stubs.parent
@@ -319,19 +306,15 @@ def type_check_source(source: str, timeout_s: float = 180.0) -> TypeCheckReport:
                                  capture_output=True, text=True, timeout=timeout_s, cwd=tmp)
         except subprocess.TimeoutExpired:
             raise TypeCheckUnavailable(f"mypy did not finish within {timeout_s:g} s") from None
-    errors = []
-    for ln in out.stdout.splitlines():
-        m = re.match(r"^(?P<file>[^:]+):(?P<line>\d+): error: (?P<msg>.*)$", ln)
-        if m and Path(m["file"]).name == path.name:
-            errors.append(TypeError_(int(m["line"]), m["msg"].strip()))
+    found = (re.match(r"^(?P<file>[^:]+):(?P<line>\d+): error: (?P<msg>.*)$", ln) for ln in out.stdout.splitlines())
+    errors = [TypeError_(int(m["line"]), m["msg"].strip()) for m in found if m and Path(m["file"]).name == path.name]
     if out.returncode not in (0, 1) or (out.returncode == 1 and not errors):
         tail = (out.stderr or out.stdout).strip().splitlines()[-3:]
         raise TypeCheckUnavailable(f"mypy failed to run (exit {out.returncode}): {' '.join(tail)}")
     return TypeCheckReport(errors, stubs_version() or "?", mypy)
 
 
-# --------------------------------------------------------------------------------------------------
-# A function's source, as mypy should see it
+# --- A function's source, as mypy should see it ---------------------------------------------------
 
 
 @dataclass

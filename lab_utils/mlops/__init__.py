@@ -3,5 +3,4 @@ decisions driven by Prometheus (``canary``) on labelled feedback (``feedback``),
 (``abtest``), drift statistics and their exporter (``drift``), the retraining pipeline (``pipeline``) and the
 lifecycle map (``lifecycle``).
 
-Importing this package starts nothing and imports neither torch nor mlflow; each module imports what it needs.
-"""
+Importing this package starts nothing and imports neither torch nor mlflow; each module imports what it needs."""

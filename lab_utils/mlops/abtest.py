@@ -2,8 +2,7 @@
 with a two-proportion z-test and a bootstrap confidence interval, and the sample size needed beforehand.
 
 Closed forms with the standard library only (``statistics.NormalDist``); scipy, where installed, agrees (the tests
-compare). Accuracies are fractions 0..1; differences are B - A.
-"""
+compare). Accuracies are fractions 0..1; differences are B - A."""
 
 from __future__ import annotations
 
@@ -59,8 +58,7 @@ def _count(successes: int, n: int, name: str) -> None:
                          "fraction)")
 
 
-def two_proportion_ztest(successes_a: int, n_a: int, successes_b: int, n_b: int,
-                         confidence: float = 0.95) -> ZTest:
+def two_proportion_ztest(successes_a: int, n_a: int, successes_b: int, n_b: int, confidence: float = 0.95) -> ZTest:
     """z = (p_B - p_A) / sqrt(p(1-p)(1/n_A + 1/n_B)) with p the pooled proportion; p-value two-sided."""
     _count(successes_a, n_a, "group A")
     _count(successes_b, n_b, "group B")

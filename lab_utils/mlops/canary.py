@@ -7,12 +7,12 @@ then 50 %, then 100 %, each step held while its guards pass; a tripped guard rol
 loops: read, decide, apply the weight, log a timeline row. Units: error rates and accuracy are fractions 0..1,
 latency in ms, weights in % of requests.
 
-Design notes: docs/internals.md#lab_utilsmlopscanarypy
-"""
+Design notes: docs/internals.md#lab_utilsmlopscanarypy"""
 
 from __future__ import annotations
 
 import math
+import re
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -49,16 +49,13 @@ QUERIES = {
     # accuracy on labelled feedback over the window (0..1), and how many labelled answers it rests on
     "accuracy": (f"sum by ({{feedback_by}}) (increase({FEEDBACK_CORRECT}[{{window}}])) / "
                  f"sum by ({{feedback_by}}) (increase({FEEDBACK_TOTAL}[{{window}}]))"),
-    "feedback": f"sum by ({{feedback_by}}) (increase({FEEDBACK_TOTAL}[{{window}}]))",
-}
+    "feedback": f"sum by ({{feedback_by}}) (increase({FEEDBACK_TOTAL}[{{window}}]))"}
 
 
 def render_queries(window: str = "30s", model: str = SERVICE_MODEL, by: str = "job",
                    feedback_by: str = VARIANT_LABEL, queries: Mapping[str, str] | None = None) -> dict[str, str]:
     """``QUERIES`` with the window (``"30s"``, at least 2 scrape intervals), the Triton model and the grouping
     labels filled in: PromQL a student can paste into Prometheus."""
-    import re
-
     if not re.fullmatch(r"\d+(ms|s|m|h)", window):
         raise ValueError(f"window={window!r}: a PromQL duration such as '30s' or '1m'")
     return {k: q.format(window=window, model=model, by=by, feedback_by=feedback_by)
@@ -191,8 +188,7 @@ def decide(state: CanaryState, metrics: Mapping[str, VariantMetrics], guards: Gu
         return Decision("rollback", replace(state, status="rolled_back", healthy=0), why, alert, checks)
 
     checks: dict[str, bool] = {}
-    enough = chall.requests >= guards.min_requests and not _nan(chall.error_rate)
-    if enough:
+    if enough := chall.requests >= guards.min_requests and not _nan(chall.error_rate):
         # errors: an absolute bound, and a bound relative to the champion (when it has traffic to compare with)
         bad_abs = chall.error_rate > guards.max_error_rate
         bad_rel = not _nan(champ.error_rate) and chall.error_rate > champ.error_rate + guards.max_error_rate_delta
@@ -218,24 +214,16 @@ def decide(state: CanaryState, metrics: Mapping[str, VariantMetrics], guards: Gu
                             f"labelled requests, champion {champ.accuracy:.1%} (allowed drop "
                             f"{guards.max_accuracy_drop:.1%})", checks)
     # no step on traffic alone: a model wrong on one class answers as fast as a right one (when labels are expected)
-    short = guards.min_feedback > 0 and chall.feedback < guards.min_feedback
-    if enough and short:
-        idle = state.idle + 1
-        if idle >= guards.max_idle_checks:
-            return rollback("CanaryNoTraffic", f"{idle} checks without {guards.min_feedback} labelled answers from "
-                            "the challenger: no evidence it is right", checks)
-        return Decision("hold", replace(state, idle=idle, healthy=0),
-                        f"waiting for labelled feedback: {chall.feedback:.0f} of {guards.min_feedback}", None, checks)
-    if not enough:
-        idle = state.idle + 1
-        if idle >= guards.max_idle_checks:
-            return rollback("CanaryNoTraffic", f"{idle} checks without {guards.min_requests} challenger requests: "
-                            "no evidence it works", checks)
-        return Decision("hold", replace(state, idle=idle, healthy=0),
-                        f"waiting for evidence: {chall.requests:.0f} challenger requests in the window, "
-                        f"{guards.min_requests} needed", None, checks)
-    healthy = state.healthy + 1
-    if healthy < guards.checks_per_step:
+    if not enough or (guards.min_feedback > 0 and chall.feedback < guards.min_feedback):
+        lacking, wait = ((f"{guards.min_requests} challenger requests: no evidence it works",
+                          f"waiting for evidence: {chall.requests:.0f} challenger requests in the window, "
+                          f"{guards.min_requests} needed") if not enough else
+                         (f"{guards.min_feedback} labelled answers from the challenger: no evidence it is right",
+                          f"waiting for labelled feedback: {chall.feedback:.0f} of {guards.min_feedback}"))
+        if (idle := state.idle + 1) >= guards.max_idle_checks:
+            return rollback("CanaryNoTraffic", f"{idle} checks without {lacking}", checks)
+        return Decision("hold", replace(state, idle=idle, healthy=0), wait, None, checks)
+    if (healthy := state.healthy + 1) < guards.checks_per_step:
         return Decision("hold", replace(state, healthy=healthy, idle=0),
                         f"healthy check {healthy} of {guards.checks_per_step} at {state.weight} %", None, checks)
     nxt = min(state.step + 1, len(state.steps) - 1)  # steps=(100,): already at 100 %, promoted now

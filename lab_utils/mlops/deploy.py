@@ -1,14 +1,12 @@
-"""Lab 08's release machinery on lab 07's service: a champion and a challenger, each on its own Triton server behind
-the one nginx front door, the challenger's share set by nginx's weights; labelled traffic counted per variant.
+"""Lab 08's release machinery on lab 07's service: a champion and a challenger, each on its own Triton server behind the
+one nginx front door, the challenger's share set by nginx's weights; labelled traffic counted per variant.
 
 ``CanaryService(champion_onnx, challenger_onnx=None, gpus=0, drift_reference=None)`` is a ``Service`` with
-``set_weight(w)``, ``deploy_challenger(onnx)``, ``promote()`` and ``scrape_jobs()``. ``LabelledTraffic(svc,
-feedback, images, labels, rate_rps)`` sends labelled digits through the front door. ``install_onnx(repo, onnx,
-version)`` adds a classifier version from a registry's ONNX file. Units: weights in % of requests, rates in
-requests/s, times in s.
+``set_weight(w)``, ``deploy_challenger(onnx)``, ``promote()`` and ``scrape_jobs()``. ``LabelledTraffic(svc, feedback,
+images, labels, rate_rps)`` sends labelled digits through the front door. ``install_onnx(repo, onnx, version)`` adds a
+classifier version from a registry's ONNX file. Units: weights in % of requests, rates in requests/s, times in s.
 
-Design notes: docs/internals.md#lab_utilsmlopsdeploypy
-"""
+Design notes: docs/internals.md#lab_utilsmlopsdeploypy"""
 
 from __future__ import annotations
 
@@ -237,9 +235,41 @@ def _request(pngs: Sequence[bytes]) -> tuple[bytes, int]:
     return body, int(json_size or 0)
 
 
-class LabelledTraffic:
+class _InThread:
+    """``_run`` in a daemon thread from ``start()`` until ``stop()`` (also at interpreter exit); a context manager."""
+
+    thread_name = ""
+    _thread: threading.Thread | None = None
+
+    def _join_s(self) -> float:
+        raise NotImplementedError
+
+    def start(self: Any) -> Any:
+        if self._thread is None:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
+            self._thread.start()
+            stop_at_exit(self)
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(self._join_s())
+            self._thread = None
+
+    def __enter__(self: Any) -> Any:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+class LabelledTraffic(_InThread):
     """Labelled digits through the front door at ``rate_rps`` (HTTP, one image a request), each answer counted for
     the variant that gave it (``feedback.record``) and seen by ``monitor`` (image, top-1 confidence)."""
+
+    thread_name = "nvlab-labelled-traffic"
 
     def __init__(self, svc: CanaryService, feedback: Any, images: np.ndarray, labels: np.ndarray, *,
                  rate_rps: float = 20.0, monitor: Any = None, timeout_s: float = 10.0):
@@ -249,7 +279,6 @@ class LabelledTraffic:
         self.rate_rps, self.timeout_s = float(rate_rps), timeout_s
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         self.sent = self.errors = self.unattributed = 0
         self.last_error = ""
         self.set_stream(images, labels)
@@ -264,25 +293,8 @@ class LabelledTraffic:
             self._stream = (x, y, [_request([p]) for p in pngs])
             self._i = 0
 
-    def start(self) -> LabelledTraffic:
-        if self._thread is None:
-            self._stop.clear()
-            self._thread = threading.Thread(target=self._run, name="nvlab-labelled-traffic", daemon=True)
-            self._thread.start()
-            stop_at_exit(self)
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(self.timeout_s + 5)
-            self._thread = None
-
-    def __enter__(self) -> LabelledTraffic:
-        return self.start()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
+    def _join_s(self) -> float:
+        return self.timeout_s + 5
 
     def _one(self, x: np.ndarray, y: Any, body: bytes, json_size: int) -> None:
         import tritonclient.http as th
@@ -326,17 +338,18 @@ class LabelledTraffic:
                 self._i += 1
             self._one(x[i], y[i], *reqs[i])
             nxt += period
-            delay = nxt - time.monotonic()
-            if delay > 0:
+            if (delay := nxt - time.monotonic()) > 0:
                 self._stop.wait(delay)
             else:
                 nxt = time.monotonic()  # behind: do not burst to catch up
 
 
-class BackgroundLoad:
+class BackgroundLoad(_InThread):
     """Lab 07's open-loop load in a thread, in segments of ``segment_s`` until ``stop()``: the canary runs under
     it. ``set_target`` switches what the next segment sends (the drift). ``results``: one ``OpenLoopResult`` per
     segment; ``errors`` and ``sent`` sum them."""
+
+    thread_name = "nvlab-background-load"
 
     def __init__(self, target: Any, rate_rps: float, *, segment_s: float = 5.0, timeout_s: float = 10.0):
         if not (isinstance(rate_rps, (int, float)) and rate_rps > 0):
@@ -345,7 +358,6 @@ class BackgroundLoad:
         self.results: list[Any] = []
         self.failure: BaseException | None = None
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
 
     def set_target(self, target: Any) -> None:
         self.target = target
@@ -357,14 +369,6 @@ class BackgroundLoad:
     @property
     def sent(self) -> int:
         return sum(r.sent_total for r in self.results)
-
-    def start(self) -> BackgroundLoad:
-        if self._thread is None:
-            self._stop.clear()
-            self._thread = threading.Thread(target=self._run, name="nvlab-background-load", daemon=True)
-            self._thread.start()
-            stop_at_exit(self)
-        return self
 
     def _run(self) -> None:
         seed = 0
@@ -380,19 +384,13 @@ class BackgroundLoad:
 
     def stop(self) -> None:
         """Let the running segment finish (every request answered), then stop; re-raise a failure of the load."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(self.segment_s + self.timeout_s + 10)
-            self._thread = None
+        super().stop()
         if self.failure is not None:
             err, self.failure = self.failure, None
             raise err
 
-    def __enter__(self) -> BackgroundLoad:
-        return self.start()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
+    def _join_s(self) -> float:
+        return self.segment_s + self.timeout_s + 10
 
     def __str__(self) -> str:
         p95 = max((r.p95_ms for r in self.results if np.isfinite(r.p95_ms)), default=float("nan"))

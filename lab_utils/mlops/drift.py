@@ -7,21 +7,21 @@ exporter of the statistics for Prometheus, and alert rules checked by promtool.
 - ``DriftReference``, ``drift_table``, ``DriftMonitor(reference, window=300)`` (images), ``DriftExporter(monitor)``.
 - ``drift_rules(...)``, ``write_drift_rules(folder)`` (promtool-checked), ``write_drift_rules_test(folder)``.
 
-Design notes: docs/internals.md#lab_utilsmlopsdriftpy
-"""
+Design notes: docs/internals.md#lab_utilsmlopsdriftpy"""
 
 from __future__ import annotations
 
 import collections
 import json
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
+from PIL import Image
 
 from lab_utils.course.probe import find_prometheus
 from lab_utils.mlops.feedback import MetricsServer
@@ -66,8 +66,6 @@ def confidence(logits: Any) -> np.ndarray:
 
 
 def _pil_map(x: np.ndarray, fn: Any) -> np.ndarray:
-    from PIL import Image
-
     out = np.empty_like(x)
     for i, img in enumerate(x):
         out[i] = np.asarray(fn(Image.fromarray(img.astype(np.float32), mode="F")), dtype=np.float32)
@@ -76,8 +74,6 @@ def _pil_map(x: np.ndarray, fn: Any) -> np.ndarray:
 
 def rotated(images: Any, degrees: float = 30.0, seed: int | None = 0, jitter: float = 0.0) -> np.ndarray:
     """Each digit rotated by ``degrees`` (+- ``jitter`` at random), bilinear, about its centre."""
-    from PIL import Image
-
     x = _images(images)
     rng = np.random.default_rng(seed)
     angles = degrees + rng.uniform(-jitter, jitter, len(x)) if jitter else np.full(len(x), float(degrees))
@@ -97,8 +93,6 @@ def noisy(images: Any, sigma: float = 3.0, seed: int | None = 0) -> np.ndarray:
 
 def rescaled(images: Any, factor: float = 0.6) -> np.ndarray:
     """Each digit zoomed by ``factor`` about the centre (< 1: smaller, as from a farther camera), bilinear."""
-    from PIL import Image
-
     if not (isinstance(factor, (int, float)) and 0.2 <= factor <= 3):
         raise ValueError(f"factor={factor!r}: a zoom between 0.2 and 3 (0.6 shrinks the digit to 60 %)")
     x = _images(images)
@@ -214,8 +208,7 @@ class _DriftCollector:
         stats = self.monitor.statistics()
         p = GaugeMetricFamily(PSI_METRIC, "population stability index against the training reference",
                               labels=["feature"])
-        k = GaugeMetricFamily(KS_METRIC, "two-sample KS statistic against the training reference",
-                              labels=["feature"])
+        k = GaugeMetricFamily(KS_METRIC, "two-sample KS statistic against the training reference", labels=["feature"])
         for feature, s in stats.items():
             if self.features is not None and feature not in self.features:
                 continue
@@ -270,8 +263,7 @@ def drift_rules(*, psi_threshold: float = PSI_ALERT, ks_threshold: float = KS_AL
          "expr": f'max by (feature) ({KS_METRIC}{{feature="{CONFIDENCE}"}}) > {ks_threshold:g} and {enough}',
          "for": f"{for_s}s", "labels": {"severity": "warning"},
          "annotations": {"summary": "prediction confidence drifted: KS {{ $value | printf \"%.2f\" }}",
-                         "description": "the model is less sure of its answers than on held-out data"}},
-    ]}]}
+                         "description": "the model is less sure of its answers than on held-out data"}}]}]}
 
 
 def write_drift_rules(folder: str | Path, check: bool = True, **kwargs: Any) -> Path:
@@ -296,8 +288,7 @@ def write_drift_rules_test(folder: str | Path, rules: str | Path, for_s: int = 1
             {"series": f'{PSI_METRIC}{{feature="pixels"}}', "values": "0.02 0.03 0.6x30"},
             {"series": f'{PSI_METRIC}{{feature="ink_fraction"}}', "values": "0.01x32"},
             {"series": f'{KS_METRIC}{{feature="{CONFIDENCE}"}}', "values": "0.05 0.05 0.4x30"},
-            {"series": WINDOW_METRIC, "values": "300x32"},
-        ],
+            {"series": WINDOW_METRIC, "values": "300x32"}],
         "alert_rule_test": [
             {"eval_time": "15s", "alertname": "InputDrift", "exp_alerts": []},
             {"eval_time": f"{after}s", "alertname": "InputDrift", "exp_alerts": [{
@@ -317,9 +308,3 @@ def write_drift_rules_test(folder: str | Path, rules: str | Path, for_s: int = 1
     path = Path(folder) / "drift_rules_test.yml"
     path.write_text(json.dumps(test, indent=2) + "\n")
     return path
-
-
-def statistics_frame(stats: Mapping[str, Mapping[str, float]]) -> pd.DataFrame:
-    """``DriftMonitor.statistics()`` as a table (feature, psi, ks)."""
-    return pd.DataFrame([{"feature": k, "psi": v["psi"], "ks": v["ks"]} for k, v in stats.items()],
-                        columns=["feature", "psi", "ks"])

@@ -5,8 +5,7 @@ canary's accuracy guard reads; and ``MetricsServer``, the base the drift exporte
 (a free port unless given); ``stop()`` shuts it down (safe twice, and at interpreter exit).
 ``FeedbackExporter``: ``record(variant, predicted, label)`` counts labelled answers per variant as
 ``nvlab_feedback_total{variant}`` and ``nvlab_feedback_correct_total{variant}``; accuracy over a window is
-``increase(correct) / increase(total)`` (``canary.QUERIES["accuracy"]``).
-"""
+``increase(correct) / increase(total)`` (``canary.QUERIES["accuracy"]``)."""
 
 from __future__ import annotations
 

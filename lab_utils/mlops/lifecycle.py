@@ -30,8 +30,7 @@ LIFECYCLE = (
     ("pipeline automation", "one explicit function: check data, train, evaluate, log, register, set challenger",
      "NeMo Framework launcher, Run:ai workloads", "Kubeflow Pipelines, Airflow", "08"),
     ("orchestration and scheduling", "owned processes on free ports; the course's compose stack",
-     "Run:ai, Base Command, Slurm (with Pyxis/Enroot)", "Kubernetes, Slurm", "00, 02"),
-)
+     "Run:ai, Base Command, Slurm (with Pyxis/Enroot)", "Kubernetes, Slurm", "00, 02"))
 
 
 def lifecycle_map() -> pd.DataFrame:

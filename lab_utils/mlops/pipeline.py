@@ -4,8 +4,7 @@ whose steps are recorded (name, start, duration, outcome, details) so a student 
 
 ``retrain(tracking, x_new, y_new, x_val, y_val, ...) -> PipelineRecord``; ``record.table()`` is one row per step;
 ``record.ok``; ``record.raise_for_failure()``. A failed step stops the pipeline: later steps are not run, nothing is
-registered, and the failure (its exception in words) is in the record.
-"""
+registered, and the failure (its exception in words) is in the record."""
 
 from __future__ import annotations
 
@@ -55,8 +54,7 @@ class PipelineRecord:
                              for s in self.steps], columns=["step", "ok", "duration_s", "detail"])
 
     def raise_for_failure(self) -> None:
-        bad = next((s for s in self.steps if not s.ok), None)
-        if bad is not None:
+        if (bad := next((s for s in self.steps if not s.ok), None)) is not None:
             raise PipelineError(f"step {bad.name!r} failed: {bad.error}")
 
 
@@ -89,8 +87,7 @@ def retrain(tracking: Any, x_new: np.ndarray, y_new: np.ndarray, x_val: np.ndarr
     def check() -> dict[str, Any]:
         x, y = tr._check_images(x_new, y_new, "retrain(x_new, y_new)")
         tr._check_images(x_val, y_val, "retrain(x_val, y_val)")
-        missing = sorted(set(range(10)) - set(np.unique(y).tolist()))
-        if missing:
+        if missing := sorted(set(range(10)) - set(np.unique(y).tolist())):
             raise ValueError(f"the new data has no example of class(es) {missing}: the model would never predict "
                              "them; collect labelled examples of every digit first")
         return {"images": len(y), "data_sha256": tr.dataset_sha256(x, y)[:12]}

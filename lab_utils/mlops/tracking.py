@@ -1,15 +1,13 @@
-"""Experiment tracking and a model registry, for real: an owned MLflow tracking server, training runs of the
-service's digits classifier logged to it, runs compared, the best registered, aliases, and lineage back from a
-served version to its run, data hash and commit.
+"""Experiment tracking and a model registry, for real: an owned MLflow tracking server, training runs of the service's
+digits classifier logged to it, runs compared, the best registered, aliases, and lineage back from a served version to
+its run, data hash and commit.
 
 ``TrackingServer(port=None, workers=1, startup_timeout_s=120)`` is the owned server (a context manager). Runs:
-``train_digits``, ``log_run``, ``log_training_run``, ``compare_runs``, ``metric_history``. Registry:
-``register_run``, ``register_best``, ``set_alias``, ``lineage``, ``download_onnx``. Identity: ``dataset_sha256``,
-``git_commit``. ``tracking`` is a ``TrackingServer``, its URL, or an ``mlflow.MlflowClient``. Units are in names
-(``_s`` seconds).
+``train_digits``, ``log_run``, ``log_training_run``, ``compare_runs``, ``metric_history``. Registry: ``register_run``,
+``register_best``, ``set_alias``, ``lineage``, ``download_onnx``. Identity: ``dataset_sha256``, ``git_commit``.
+``tracking`` is a ``TrackingServer``, its URL, or an ``mlflow.MlflowClient``. Units are in names (``_s`` seconds).
 
-Design notes: docs/internals.md#lab_utilsmlopstrackingpy
-"""
+Design notes: docs/internals.md#lab_utilsmlopstrackingpy"""
 
 from __future__ import annotations
 
@@ -76,8 +74,7 @@ class TrackingServer(OwnedServer):
     """One ``mlflow server`` (the CLI and its uvicorn server) owned by this interpreter.
 
     >>> with TrackingServer() as server:   # doctest: +SKIP
-    ...     run = log_training_run(server, epochs=3, lr=0.05)
-    """
+    ...     run = log_training_run(server, epochs=3, lr=0.05)"""
 
     error = TrackingError
     watchdog_s = (2.0, 3.0)  # uvicorn is the CLI's child: the kernel's PDEATHSIG does not reach it
@@ -146,8 +143,7 @@ class TrackingServer(OwnedServer):
 
     # lifecycle: see OwnedServer ---------------------------------------------------------------------------
     def _check(self) -> None:
-        why = mlflow_missing()
-        if why:
+        if why := mlflow_missing():
             raise MlflowMissing(f"the MLflow tracking server cannot start: {why}")
 
     def _prepare(self) -> dict[str, Any]:
@@ -188,9 +184,7 @@ class TrackingServer(OwnedServer):
     def _reason(self, text: str) -> str:
         if re.search(r"address already in use", text, re.I):
             return f"port {self.port} is already in use {who_listens(int(self.port or 0))}"
-        if "No module named" in text:
-            return f"a module is missing: {MLFLOW_INSTALL}"
-        return "see the log below"
+        return f"a module is missing: {MLFLOW_INSTALL}" if "No module named" in text else "see the log below"
 
 
 def _client(tracking: Any) -> Any:
@@ -283,10 +277,9 @@ def _check_images(x: Any, y: Any, what: str) -> tuple[np.ndarray, np.ndarray]:
     return x.astype(np.float32), y.astype(np.int64)
 
 
-def train_digits(x_train: np.ndarray, y_train: np.ndarray, x_val: np.ndarray, y_val: np.ndarray, *,
-                 epochs: int = 4, lr: float = 0.05, seed: int = 0, width: int = 32, batch_size: int = 64,
-                 mean: float | None = None, std: float | None = None,
-                 on_epoch: Callable[[dict[str, float]], None] | None = None) -> TrainResult:
+def train_digits(x_train: np.ndarray, y_train: np.ndarray, x_val: np.ndarray, y_val: np.ndarray, *, epochs: int = 4,
+                 lr: float = 0.05, seed: int = 0, width: int = 32, batch_size: int = 64, mean: float | None = None,
+                 std: float | None = None, on_epoch: Callable[[dict[str, float]], None] | None = None) -> TrainResult:
     """Train the service's DigitsCNN on raw images (N, 8, 8), values 0..16, normalized with the service's
     ``mean``/``std`` (default: the original training set's, which the preprocessing model applies, so a retrained
     model fits the same service). SGD with momentum 0.9, cross-entropy, CPU, one thread (seconds).
@@ -367,14 +360,12 @@ class RunRecord:
 
 
 def _experiment_id(client: Any, experiment: str) -> str:
-    exp = client.get_experiment_by_name(experiment)
-    if exp is not None:
+    if (exp := client.get_experiment_by_name(experiment)) is not None:
         return exp.experiment_id
     try:
         return client.create_experiment(experiment)
     except Exception:  # created meanwhile by another client: read it back
-        exp = client.get_experiment_by_name(experiment)
-        if exp is None:
+        if (exp := client.get_experiment_by_name(experiment)) is None:
             raise
         return exp.experiment_id
 
@@ -438,18 +429,14 @@ def compare_runs(tracking: Any, experiment: str = EXPERIMENT, metric: str = METR
     """The experiment's finished runs, best ``metric`` first: run_id, run_name, the params, the final metrics,
     data_sha256, git_commit, start time (UTC)."""
     client = _client(tracking)
-    exp = client.get_experiment_by_name(experiment)
-    if exp is None:
+    if (exp := client.get_experiment_by_name(experiment)) is None:
         raise TrackingError(f"no experiment {experiment!r} on {client.tracking_uri}: log a run first")
     runs = client.search_runs([exp.experiment_id], filter_string="attributes.status = 'FINISHED'", max_results=1000)
-    rows = []
-    for r in runs:
-        rows.append({"run_id": r.info.run_id, "run_name": r.info.run_name,
-                     **{k: _num(v) for k, v in r.data.params.items() if k not in ("optimizer",)},
-                     **r.data.metrics,
-                     "data_sha256": r.data.tags.get("data_sha256", ""), "git_commit": r.data.tags.get("git_commit", ""),
-                     "start_time": pd.to_datetime(r.info.start_time, unit="ms", utc=True)})
-    df = pd.DataFrame(rows)
+    df = pd.DataFrame([{"run_id": r.info.run_id, "run_name": r.info.run_name,
+                        **{k: _num(v) for k, v in r.data.params.items() if k not in ("optimizer",)}, **r.data.metrics,
+                        "data_sha256": r.data.tags.get("data_sha256", ""),
+                        "git_commit": r.data.tags.get("git_commit", ""),
+                        "start_time": pd.to_datetime(r.info.start_time, unit="ms", utc=True)} for r in runs])
     if df.empty or metric not in df.columns:
         return df
     return df.sort_values(metric, ascending=False, kind="stable").reset_index(drop=True)

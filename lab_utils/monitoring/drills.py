@@ -1,10 +1,8 @@
-"""Lab 05's operations: the model under load (phases of closed-loop clients), health checks, a watchdog that
-restarts a dead or hung server with backoff, and the failure drill that kills the server under load and
-watches it recover.
+"""Lab 05's operations: the model under load (phases of closed-loop clients), health checks, a watchdog that restarts a
+dead or hung server with backoff, and the failure drill that kills the server under load and watches it recover.
 
-The watchdog is an owned thread: it stops on ``stop()``, on context exit and at interpreter exit, and never
-stops the server it watches. Every wait here is an Event wait (interruptible), never a sleep.
-"""
+The watchdog is an owned thread: it stops on ``stop()``, on context exit and at interpreter exit, and never stops the
+server it watches. Every wait here is an Event wait (interruptible), never a sleep."""
 
 from __future__ import annotations
 
@@ -47,8 +45,7 @@ def write_model(repo: str | Path, *, gpu: bool = False, max_batch_size: int = 4,
 
     CPU instance: ONNX Runtime runs the MLP, then each execution waits ``base_ms + per_item_ms`` x batch (a
     simulated service time: a sleep leaves the machine's cores to the clients and Prometheus). GPU instance:
-    torch runs the MLP, then ``gpu_reps`` x batch fp32 matmuls of ``gpu_matrix``^2, so the GPU metrics move.
-    """
+    torch runs the MLP, then ``gpu_reps`` x batch fp32 matmuls of ``gpu_matrix``^2, so the GPU metrics move."""
     repo = Path(repo)
     if gpu:
         service: dict[str, str | float] = {"gpu_matmul_n": gpu_matrix, "gpu_matmul_reps": gpu_reps}
@@ -56,8 +53,7 @@ def write_model(repo: str | Path, *, gpu: bool = False, max_batch_size: int = 4,
         service = {"service_ms": float(base_ms), "service_per_item_ms": float(per_item_ms)}
     triton_repo.build_mlp_model(repo, MODEL_NAME, preset=MODEL_PRESET, gpus=1 if gpu else 0,
                                 kind="KIND_GPU" if gpu else "KIND_CPU", max_batch_size=max_batch_size,
-                                dynamic_batching={"max_queue_delay_microseconds": queue_delay_us},
-                                parameters=service)
+                                dynamic_batching={"max_queue_delay_microseconds": queue_delay_us}, parameters=service)
     return repo
 
 
@@ -169,18 +165,16 @@ def health(server: Any) -> dict[str, Any]:
 
 
 class Watchdog:
-    """Restarts a server that died or stopped answering, with exponential backoff: the shell loop
-    ``while true; do tritonserver ...; sleep 1; done`` done properly.
+    """Restarts a server that died or stopped answering, with exponential backoff: the shell loop ``while true; do
+    tritonserver ...; sleep 1; done`` done properly.
 
-    Every ``check_s`` it looks at the process (``server.alive()``) and, when given, a liveness URL
-    (``liveness(server)`` -> URL; ``failures`` failed probes in a row, each allowed ``probe_timeout_s``, count
-    as hung). A dead or hung server is stopped (its whole process group), then restarted after ``backoff_s`` ×
-    2^k (k = restarts in a row, capped at ``max_backoff_s``); a restart that stays up ``stable_s`` resets k.
-    After ``max_restarts`` in a row it gives up (``gave_up``) instead of hammering a crash loop.
-    ``on_restart(server)`` runs after each restart (the lab points Prometheus at the server's new address
-    there). ``pause()`` returns once no check or restart is in progress, so a ``server.stop()`` after it is
-    never taken for a crash; ``stop()`` ends the watchdog, never the server.
-    """
+    Every ``check_s`` it looks at the process (``server.alive()``) and, when given, a liveness URL (``liveness(server)``
+    -> URL; ``failures`` failed probes in a row, each allowed ``probe_timeout_s``, count as hung). A dead or hung server
+    is stopped (its whole process group), then restarted after ``backoff_s`` × 2^k (k = restarts in a row, capped at
+    ``max_backoff_s``); a restart that stays up ``stable_s`` resets k. After ``max_restarts`` in a row it gives up
+    (``gave_up``) instead of hammering a crash loop. ``on_restart(server)`` runs after each restart (the lab points
+    Prometheus at the server's new address there). ``pause()`` returns once no check or restart is in progress, so a
+    ``server.stop()`` after it is never taken for a crash; ``stop()`` ends the watchdog, never the server."""
 
     def __init__(self, server: Any, *, check_s: float = 0.25, backoff_s: float = 1.0, max_backoff_s: float = 30.0,
                  max_restarts: int = 5, stable_s: float = 30.0, failures: int = 3, probe_timeout_s: float = 2.0,
@@ -191,15 +185,11 @@ class Watchdog:
         self.server = server
         self.check_s, self.backoff_s, self.max_backoff_s = check_s, backoff_s, max_backoff_s
         self.max_restarts, self.stable_s, self.failures = max_restarts, stable_s, failures
-        self.probe_timeout_s = probe_timeout_s
-        self.liveness = liveness
+        self.probe_timeout_s, self.liveness = probe_timeout_s, liveness
         self._restart = restart or _default_restart
         self.on_restart = on_restart
         self.events: list[dict[str, Any]] = []
-        self.restarts = 0
-        self.gave_up = False
-        self._streak = 0
-        self._restarted_at = 0.0
+        self.restarts, self.gave_up, self._streak, self._restarted_at = 0, False, 0, 0.0
         self._paused = threading.Event()
         self._stop = threading.Event()
         self._halt = threading.Event()  # set by pause() and stop(): cuts a probe pause or a backoff short
@@ -330,8 +320,7 @@ def _default_restart(server: Any) -> Any:
 
 def kill(server: Any) -> int:
     """SIGKILL the server's main process, as a crash would (its children follow: PR_SET_PDEATHSIG). The pid."""
-    pid = server.pid
-    if pid is None:
+    if (pid := server.pid) is None:
         raise RuntimeError("the server has no process to kill (not started, or not owned here)")
     os.kill(pid, signal.SIGKILL)
     return pid
@@ -371,16 +360,14 @@ def failure_drill(server: Any, metrics: PromAPI | None, watchdog: Watchdog,
                   after_recovery_s: float = 3.0, alert: str = "TritonServerDown", timeout_s: float = 60.0,
                   up_expr: str = f'up{{job="{TRITON_JOB}"}}',
                   progress: Callable[..., Iterable[Any]] | None = None) -> DrillResult:
-    """Kill the server under load and watch the recovery: client errors, ``up == 0`` in Prometheus, the alert
-    firing, the watchdog's restart, ``up == 1`` again and requests succeeding again.
+    """Kill the server under load and watch the recovery: client errors, ``up == 0`` in Prometheus, the alert firing,
+    the watchdog's restart, ``up == 1`` again and requests succeeding again.
 
-    ``load(stop)`` runs closed-loop load (in a thread here) until ``stop`` is set and returns its chunks; the
-    drill sets it ``after_recovery_s`` after the recovery (or when a step times out), so however long the
-    restart takes on a busy machine, the load runs on past it. Without Prometheus (``metrics=None``) the drill
-    watches the server's own liveness instead of ``up`` and the alert. ``progress``: a ``progress(iterable,
-    total=, desc=)`` wrapper (``lab_utils.widgets.progress``) advanced one step per step of the drill; None shows
-    nothing.
-    """
+    ``load(stop)`` runs closed-loop load (in a thread here) until ``stop`` is set and returns its chunks; the drill sets
+    it ``after_recovery_s`` after the recovery (or when a step times out), so however long the restart takes on a busy
+    machine, the load runs on past it. Without Prometheus (``metrics=None``) the drill watches the server's own liveness
+    instead of ``up`` and the alert. ``progress``: a ``progress(iterable, total=, desc=)`` wrapper
+    (``lab_utils.widgets.progress``) advanced one step per step of the drill; None shows nothing."""
     res = DrillResult()
     # the drill's steps up to the load's end, when all goes well: load started, killed, (up == 0, alert firing,)
     # restarted, up == 1 or live again, (alert resolved)
@@ -400,6 +387,14 @@ def failure_drill(server: Any, metrics: PromAPI | None, watchdog: Watchdog,
     thread.start()
     res.step("load started", t_load)
     pause = threading.Event()  # never set: a sleep that is an Event wait
+
+    def until(done: Callable[[], bool], poll_s: float = 0.25) -> bool:
+        """Poll ``done()`` until it is true or ``timeout_s`` has passed; its last answer."""
+        deadline = time.time() + timeout_s
+        while not (ok := done()) and time.time() < deadline:
+            pause.wait(poll_s)
+        return ok
+
     try:
         pause.wait(kill_after_s)
         pid = kill(server)
@@ -412,29 +407,18 @@ def failure_drill(server: Any, metrics: PromAPI | None, watchdog: Watchdog,
                 res.step(f"alert {alert} firing")
             except TimeoutError as err:
                 res.step(f"alert {alert} did not fire", error=str(err))
-        deadline = time.time() + timeout_s
-        while watchdog.restarts == 0 and time.time() < deadline and not watchdog.gave_up:
-            pause.wait(0.1)
-        restarted = next((e for e in watchdog.events if e["event"] == "restarted"), None)
-        if restarted:
+        until(lambda: watchdog.restarts > 0 or watchdog.gave_up, poll_s=0.1)
+        if restarted := next((e for e in watchdog.events if e["event"] == "restarted"), None):
             res.step("watchdog restarted the server", restarted["time"], pid=restarted.get("pid"))
         if metrics is not None:
             metrics.wait_for(f"{up_expr} == 1", timeout_s=timeout_s, poll_s=0.25)
             res.step("up == 1 again")
             pause.wait(after_recovery_s)
             stop.set()
-            deadline = time.time() + timeout_s
-            while time.time() < deadline:
-                df = metrics.alerts()
-                if df[df["alertname"] == alert].empty:
-                    res.step(f"alert {alert} resolved")
-                    break
-                pause.wait(0.25)
+            if until(lambda: (df := metrics.alerts())[df["alertname"] == alert].empty):
+                res.step(f"alert {alert} resolved")
         else:
-            deadline = time.time() + timeout_s
-            while not health(server)["live"] and time.time() < deadline:
-                pause.wait(0.25)
-            if health(server)["live"]:
+            if until(lambda: health(server)["live"]):
                 res.step("live again")
                 pause.wait(after_recovery_s)
     finally:
@@ -494,9 +478,7 @@ def plot_drill(drill: DrillResult, up: pd.DataFrame | None = None) -> Figure:
     else:
         ax2.text(0.5, 0.5, "no Prometheus: up not recorded", ha="center", va="center", transform=ax2.transAxes,
                  color="gray")
-    ax2.set_ylim(-0.1, 1.2)
-    ax2.set_ylabel("up")
-    ax2.set_xlabel("seconds after the kill")
+    ax2.set(ylim=(-0.1, 1.2), ylabel="up", xlabel="seconds after the kill")
     for s in drill.steps:
         if s["step"] in ("load started", "load finished"):
             continue

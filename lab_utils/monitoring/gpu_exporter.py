@@ -1,5 +1,5 @@
-"""A small Prometheus exporter for the GPUs (through NVML, read-only) and the host, for machines where no
-DCGM exporter runs. ``nvlab gpu-exporter --port 9400`` serves it; a lab runs it from a thread.
+"""A small Prometheus exporter for the GPUs (through NVML, read-only) and the host, for machines where no DCGM exporter
+runs. ``nvlab gpu-exporter --port 9400`` serves it; a lab runs it from a thread.
 
 The exported gauges (dcgm-exporter's names, units and labels for the GPU; the rules and dashboard rely on them):
 ``DCGM_FI_DEV_GPU_UTIL``, ``DCGM_FI_DEV_MEM_COPY_UTIL`` (%), ``DCGM_FI_DEV_FB_USED``, ``DCGM_FI_DEV_FB_FREE``,
@@ -7,14 +7,13 @@ The exported gauges (dcgm-exporter's names, units and labels for the GPU; the ru
 ``DCGM_FI_DEV_ENFORCED_POWER_LIMIT`` (W), ``DCGM_FI_DEV_GPU_TEMP`` (°C), ``DCGM_FI_DEV_SM_CLOCK``,
 ``DCGM_FI_DEV_MEM_CLOCK`` (MHz); ``nvlab_host_cpu_utilization_percent``, ``nvlab_host_cpu_count``,
 ``nvlab_host_memory_used_bytes``, ``nvlab_host_memory_total_bytes``, ``nvlab_host_load1``, ``nvlab_exporter_gpus``,
-``nvlab_exporter_info``.
-Design notes: docs/internals.md#lab_utilsmonitoringgpu_exporterpy
-"""
+``nvlab_exporter_info``. Design notes: docs/internals.md#lab_utilsmonitoringgpu_exporterpy"""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -28,15 +27,12 @@ from lab_utils.procs import who_listens
 
 DEFAULT_PORT = 9400  # dcgm-exporter's port: scrape configs need not change between the two
 
-GPU_METRICS = (
-    "DCGM_FI_DEV_GPU_UTIL", "DCGM_FI_DEV_MEM_COPY_UTIL", "DCGM_FI_DEV_FB_USED", "DCGM_FI_DEV_FB_FREE",
-    "DCGM_FI_DEV_FB_RESERVED", "DCGM_FI_DEV_FB_TOTAL", "DCGM_FI_DEV_POWER_USAGE", "DCGM_FI_DEV_ENFORCED_POWER_LIMIT",
-    "DCGM_FI_DEV_GPU_TEMP", "DCGM_FI_DEV_SM_CLOCK", "DCGM_FI_DEV_MEM_CLOCK",
-)
-HOST_METRICS = (
-    "nvlab_host_cpu_utilization_percent", "nvlab_host_cpu_count", "nvlab_host_memory_used_bytes",
-    "nvlab_host_memory_total_bytes", "nvlab_host_load1",
-)
+GPU_METRICS = ("DCGM_FI_DEV_GPU_UTIL", "DCGM_FI_DEV_MEM_COPY_UTIL", "DCGM_FI_DEV_FB_USED", "DCGM_FI_DEV_FB_FREE",
+               "DCGM_FI_DEV_FB_RESERVED", "DCGM_FI_DEV_FB_TOTAL", "DCGM_FI_DEV_POWER_USAGE",
+               "DCGM_FI_DEV_ENFORCED_POWER_LIMIT", "DCGM_FI_DEV_GPU_TEMP", "DCGM_FI_DEV_SM_CLOCK",
+               "DCGM_FI_DEV_MEM_CLOCK")
+HOST_METRICS = ("nvlab_host_cpu_utilization_percent", "nvlab_host_cpu_count", "nvlab_host_memory_used_bytes",
+                "nvlab_host_memory_total_bytes", "nvlab_host_load1")
 INFO_METRICS = ("nvlab_exporter_gpus", "nvlab_exporter_info")
 GPU_LABELS = ("gpu", "UUID", "device", "modelName")
 
@@ -52,8 +48,7 @@ _HELP = {
     "DCGM_FI_DEV_ENFORCED_POWER_LIMIT": "Enforced power limit (in W).",
     "DCGM_FI_DEV_GPU_TEMP": "GPU temperature (in C).",
     "DCGM_FI_DEV_SM_CLOCK": "SM clock frequency (in MHz).",
-    "DCGM_FI_DEV_MEM_CLOCK": "Memory clock frequency (in MHz).",
-}
+    "DCGM_FI_DEV_MEM_CLOCK": "Memory clock frequency (in MHz)."}
 
 _MIB = 2**20
 
@@ -96,8 +91,7 @@ class HostReader:
 
     def read(self) -> dict[str, float]:
         values: dict[str, float] = {"nvlab_host_cpu_count": float(os.cpu_count() or 0)}
-        pct = self.cpu_percent()
-        if pct is not None:
+        if (pct := self.cpu_percent()) is not None:
             values["nvlab_host_cpu_utilization_percent"] = pct
         with contextlib.suppress(OSError, psutil.Error):
             mem = psutil.virtual_memory()
@@ -118,8 +112,7 @@ class NvmlReader:
         self.nvml = nvml
         self.handles: list[Any] = []
         self.labels: list[dict[str, str]] = []
-        self.driver_version = ""
-        self._opened = False
+        self.driver_version, self._opened = "", False
 
     def open(self) -> None:
         nv = self.nvml
@@ -155,8 +148,7 @@ class NvmlReader:
         out = []
         for h in self.handles:
             v: dict[str, float] = {}
-            util = self._opt("nvmlDeviceGetUtilizationRates", h)
-            if util is not None:
+            if (util := self._opt("nvmlDeviceGetUtilizationRates", h)) is not None:
                 v["DCGM_FI_DEV_GPU_UTIL"] = float(util.gpu)
                 v["DCGM_FI_DEV_MEM_COPY_UTIL"] = float(util.memory)
             version = getattr(nv, "nvmlMemory_v2", None)
@@ -169,20 +161,15 @@ class NvmlReader:
                 v["DCGM_FI_DEV_FB_USED"] = mem.used / _MIB
                 v["DCGM_FI_DEV_FB_FREE"] = mem.free / _MIB
                 v["DCGM_FI_DEV_FB_TOTAL"] = mem.total / _MIB
-            power = self._opt("nvmlDeviceGetPowerUsage", h)
-            if power is not None:
+            if (power := self._opt("nvmlDeviceGetPowerUsage", h)) is not None:
                 v["DCGM_FI_DEV_POWER_USAGE"] = power / 1000.0  # mW -> W
-            limit = self._opt("nvmlDeviceGetEnforcedPowerLimit", h)
-            if limit is not None:
+            if (limit := self._opt("nvmlDeviceGetEnforcedPowerLimit", h)) is not None:
                 v["DCGM_FI_DEV_ENFORCED_POWER_LIMIT"] = limit / 1000.0
-            temp = self._opt("nvmlDeviceGetTemperature", h, getattr(nv, "NVML_TEMPERATURE_GPU", 0))
-            if temp is not None:
+            if (temp := self._opt("nvmlDeviceGetTemperature", h, getattr(nv, "NVML_TEMPERATURE_GPU", 0))) is not None:
                 v["DCGM_FI_DEV_GPU_TEMP"] = float(temp)
-            sm = self._opt("nvmlDeviceGetClockInfo", h, getattr(nv, "NVML_CLOCK_SM", 1))
-            if sm is not None:
+            if (sm := self._opt("nvmlDeviceGetClockInfo", h, getattr(nv, "NVML_CLOCK_SM", 1))) is not None:
                 v["DCGM_FI_DEV_SM_CLOCK"] = float(sm)
-            memclk = self._opt("nvmlDeviceGetClockInfo", h, getattr(nv, "NVML_CLOCK_MEM", 2))
-            if memclk is not None:
+            if (memclk := self._opt("nvmlDeviceGetClockInfo", h, getattr(nv, "NVML_CLOCK_MEM", 2))) is not None:
                 v["DCGM_FI_DEV_MEM_CLOCK"] = float(memclk)
             out.append(v)
         return out
@@ -292,6 +279,7 @@ class MetricsServer(OwnedServer):
 
     error = OSError
     registered = False
+    busy_fix = "pass another, or None for a free one"  # the end of a busy-port message
 
     def __init__(self, collectors: Iterable[Any] = (), *, port: int | None = None, host: str = "127.0.0.1",
                  fallback_port: bool = False):
@@ -319,8 +307,7 @@ class MetricsServer(OwnedServer):
 
     # lifecycle: see OwnedServer; a thread, not a process ------------------------------------------------
     def _busy(self, name: str, port: int) -> Exception:
-        return OSError(f"port {port} on {self.host} is busy, {who_listens(port)}: pass another, or None for a free "
-                       "one")
+        return OSError(f"port {port} on {self.host} is busy, {who_listens(port)}: {self.busy_fix}")
 
     def _free_port(self) -> int:
         return 0  # the OS picks one as the server binds: no other process can take it first
@@ -354,10 +341,10 @@ class GpuExporter(MetricsServer):
 
     ``port=None`` takes a free port; a busy requested port is avoided (a free one is taken and ``notes``
     says so) unless ``strict_port`` (the command line, where the scrape configuration names the port).
-    ``stop()`` shuts the HTTP server and its thread down and releases NVML; safe to call twice.
-    """
+    ``stop()`` shuts the HTTP server and its thread down and releases NVML; safe to call twice."""
 
     busy_note = "port {port} is busy: the exporter listens on a free port instead"
+    busy_fix = "stop it or pass --port with a free port"
 
     def __init__(self, port: int | None = None, host: str = "127.0.0.1", *, nvml: Any = None,
                  use_nvml: bool = True, strict_port: bool = False):
@@ -386,10 +373,6 @@ class GpuExporter(MetricsServer):
             what = self.collector.why_no_gpu
         return f"GPU exporter at {self.url}: {what}"
 
-    def _busy(self, name: str, port: int) -> Exception:
-        return OSError(f"port {port} on {self.host} is busy, {who_listens(port)}: stop it or pass --port with a free "
-                       "port")
-
     def _start_once(self) -> GpuExporter:
         from prometheus_client import CollectorRegistry
 
@@ -413,8 +396,6 @@ class GpuExporter(MetricsServer):
 
 def serve(port: int = DEFAULT_PORT, host: str = "0.0.0.0") -> int:
     """Serve until SIGTERM or SIGINT (``nvlab gpu-exporter``); returns an exit code."""
-    import signal
-
     done = threading.Event()
     exporter = GpuExporter(port, host, strict_port=True)
     try:

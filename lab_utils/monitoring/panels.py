@@ -6,8 +6,7 @@ utilization is not SM activity (:func:`gpu_utilization_demo`).
 ``PANELS`` / ``panels(gpu)`` are the list; ``dashboard_text()`` writes ``DASHBOARD_FILE``; ``panel_frames`` and
 ``plot_panels`` query and draw them; ``quantile_of_parts`` and ``compare_gpu_sources`` are the lessons' numbers.
 
-Design notes: docs/internals.md#lab_utilsmonitoringpanelspy
-"""
+Design notes: docs/internals.md#lab_utilsmonitoringpanelspy"""
 
 from __future__ import annotations
 
@@ -22,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import pandas as pd
 
 from lab_utils.monitoring.prometheus import RULES_DIR, PromAPI, pivot
@@ -100,8 +100,7 @@ PANELS: tuple[Panel, ...] = (
     Panel("host_memory", "Host memory used (GiB)", "nvlab_host_memory_used_bytes / 2^30", "GiB", "host",
           host_only=True, description="MemTotal - MemAvailable, as `free` counts used memory."),
     Panel("up", "Targets up (1) or down (0)", "up", "", "{{job}}",
-          description="1 when Prometheus' last scrape of the target succeeded, 0 when it failed."),
-)
+          description="1 when Prometheus' last scrape of the target succeeded, 0 when it failed."))
 
 
 def panels(gpu: bool, profiling: bool = False) -> list[Panel]:
@@ -111,46 +110,41 @@ def panels(gpu: bool, profiling: bool = False) -> list[Panel]:
                                   not (p.needs_gpu or p.host_only)) and (profiling or not p.profiling)]
 
 
-def panel(key: str) -> Panel:
-    """The panel named ``key`` ("qps", "p99", ...)."""
-    found = next((p for p in PANELS if p.key == key), None)
-    if found is None:
-        raise KeyError(f"no panel {key!r}; the panels are {[p.key for p in PANELS]}")
+def panel(key: str, among: Sequence[Panel] = PANELS) -> Panel:
+    """The panel named ``key`` ("qps", "p99", ...) of ``among``."""
+    if (found := next((p for p in among if p.key == key), None)) is None:
+        raise KeyError(f"no panel {key!r}; the panels are {[p.key for p in among]}")
     return found
 
 
 # --- the Grafana dashboard -------------------------------------------------------------------------------
 
+GRAFANA_UNITS = {"req/s": "reqps", "ms": "ms", "fraction": "percentunit", "%": "percent", "GiB": "decgbytes",
+                 "W": "watt"}
 
-def dashboard(window: str = "$__rate_interval") -> dict[str, Any]:
-    """The Grafana dashboard (JSON model) built from :data:`PANELS`: the same expressions as the notebook."""
+
+def grafana_dashboard(panel_list: Sequence[Panel], title: str, uid: str, tags: list[str],
+                      window: str = "$__rate_interval") -> dict[str, Any]:
+    """A Grafana dashboard (JSON model) of ``panel_list``, three panels a row: the same expressions as the notebook."""
     ds = {"type": "prometheus", "uid": "${datasource}"}
-    out_panels = []
-    for i, p in enumerate(PANELS):
-        unit = {"req/s": "reqps", "ms": "ms", "fraction": "percentunit", "%": "percent", "GiB": "decgbytes",
-                "W": "watt"}.get(p.unit, "short")
-        out_panels.append({
-            "id": i + 1, "type": "timeseries", "title": p.title, "datasource": ds,
+    out = [{"id": i + 1, "type": "timeseries", "title": p.title, "datasource": ds,
             **({"description": p.description} if p.description else {}),
             "gridPos": {"h": 8, "w": 8, "x": (i % 3) * 8, "y": (i // 3) * 8},
-            "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+            "fieldConfig": {"defaults": {"unit": GRAFANA_UNITS.get(p.unit, "short")}, "overrides": []},
             "options": {"legend": {"displayMode": "list", "placement": "bottom"}},
-            "targets": [{"refId": "A", "datasource": ds, "expr": p.expression(window), "legendFormat": p.legend}],
-        })
-    return {
-        "title": "Triton and GPU (nvlab lab 05)",
-        "uid": "nvlab-triton-gpu",
-        "tags": ["nvlab", "triton", "gpu"],
-        "timezone": "browser",
-        "schemaVersion": 39,
-        "version": 1,
-        "refresh": "5s",
-        "time": {"from": "now-15m", "to": "now"},
-        "templating": {"list": [{"name": "datasource", "type": "datasource", "query": "prometheus",
-                                 "label": "Prometheus", "current": {}, "hide": 0}]},
-        "annotations": {"list": []},
-        "panels": out_panels,
-    }
+            "targets": [{"refId": "A", "datasource": ds, "expr": p.expression(window), "legendFormat": p.legend}]}
+           for i, p in enumerate(panel_list)]
+    return {"title": title, "uid": uid, "tags": tags, "timezone": "browser", "schemaVersion": 39, "version": 1,
+            "refresh": "5s", "time": {"from": "now-15m", "to": "now"},
+            "templating": {"list": [{"name": "datasource", "type": "datasource", "query": "prometheus",
+                                     "label": "Prometheus", "current": {}, "hide": 0}]},
+            "annotations": {"list": []}, "panels": out}
+
+
+def dashboard(window: str = "$__rate_interval") -> dict[str, Any]:
+    """The Grafana dashboard built from :data:`PANELS`."""
+    return grafana_dashboard(PANELS, "Triton and GPU (nvlab lab 05)", "nvlab-triton-gpu", ["nvlab", "triton", "gpu"],
+                             window)
 
 
 def dashboard_text() -> str:
@@ -161,12 +155,8 @@ def dashboard_text() -> str:
 def dashboard_expressions(path: str | Path = DASHBOARD_FILE, window: str = "5s") -> list[tuple[str, str]]:
     """(title, expression) of every query in a dashboard file, Grafana's ``$__rate_interval`` set to ``window``."""
     model = json.loads(Path(path).read_text())
-    out = []
-    for p in model.get("panels", []):
-        for t in p.get("targets", []):
-            expr = re.sub(r"\$__rate_interval|\$__interval|\$\{__rate_interval\}", window, t["expr"])
-            out.append((p.get("title", "?"), expr))
-    return out
+    return [(p.get("title", "?"), re.sub(r"\$__rate_interval|\$__interval|\$\{__rate_interval\}", window, t["expr"]))
+            for p in model.get("panels", []) for t in p.get("targets", [])]
 
 
 # --- panels over time ----------------------------------------------------------------------------------------
@@ -224,10 +214,7 @@ def plot_panels(frames: Mapping[str, pd.DataFrame], panel_list: Sequence[Panel],
 def quantile_of_parts(latencies_ms: Sequence[Sequence[float]], q: float = 0.99) -> dict[str, float]:
     """The q-quantile of all latencies together against the mean of each part's q-quantile (why a dashboard
     must not average p99s across instances or time windows). Values in the latencies' unit (ms)."""
-    import numpy as np
-
-    parts = [np.asarray(p, dtype=float) for p in latencies_ms if len(p)]
-    if not parts:
+    if not (parts := [np.asarray(p, dtype=float) for p in latencies_ms if len(p)]):
         raise ValueError("no latencies given")
     pooled = float(np.quantile(np.concatenate(parts), q))
     mean_of = float(np.mean([np.quantile(p, q) for p in parts]))
@@ -238,13 +225,11 @@ def quantile_of_parts(latencies_ms: Sequence[Sequence[float]], q: float = 0.99) 
 
 # (what, Triton's expression, the exporter's expression), each averaged over the window; the last row is a
 # diagnostic: NVML's v1 "used" included driver-reserved memory, so if Triton's DCGM counts it, that row agrees.
-SOURCE_PAIRS = (
-    ("memory_used_bytes", "avg_over_time(nv_gpu_memory_used_bytes[{w}])",
-     "avg_over_time(DCGM_FI_DEV_FB_USED[{w}]) * 1048576"),
-    ("power_w", "avg_over_time(nv_gpu_power_usage[{w}])", "avg_over_time(DCGM_FI_DEV_POWER_USAGE[{w}])"),
-    ("memory_used_plus_reserved_bytes", "avg_over_time(nv_gpu_memory_used_bytes[{w}])",
-     "(avg_over_time(DCGM_FI_DEV_FB_USED[{w}]) + avg_over_time(DCGM_FI_DEV_FB_RESERVED[{w}])) * 1048576"),
-)
+SOURCE_PAIRS = (("memory_used_bytes", "avg_over_time(nv_gpu_memory_used_bytes[{w}])",
+                 "avg_over_time(DCGM_FI_DEV_FB_USED[{w}]) * 1048576"),
+                ("power_w", "avg_over_time(nv_gpu_power_usage[{w}])", "avg_over_time(DCGM_FI_DEV_POWER_USAGE[{w}])"),
+                ("memory_used_plus_reserved_bytes", "avg_over_time(nv_gpu_memory_used_bytes[{w}])",
+                 "(avg_over_time(DCGM_FI_DEV_FB_USED[{w}]) + avg_over_time(DCGM_FI_DEV_FB_RESERVED[{w}])) * 1048576"))
 
 
 def compare_gpu_sources(metrics: PromAPI, at: float, window_s: float, tolerance: float = 0.10) -> pd.DataFrame:
@@ -344,8 +329,7 @@ def gpu_utilization_demo(seconds: float = DEMO_SECONDS, device: int = 0, *, nvml
     Columns: the SMs the load can occupy, ``gpu_util_pct`` (NVML's utilization.gpu, which the exporter serves as
     DCGM_FI_DEV_GPU_UTIL), ``power_w``, and where NVML has GPM (Hopper and newer) ``sm_active_pct`` and
     ``tensor_active_pct`` over the same seconds (NaN elsewhere). Returns the frame and a note on GPM (empty when
-    it was read). ``nvml`` and ``torch`` are the modules (``pynvml``, ``torch``) unless given.
-    """
+    it was read). ``nvml`` and ``torch`` are the modules (``pynvml``, ``torch``) unless given."""
     if nvml is None:
         import pynvml as nvml
     if torch is None:

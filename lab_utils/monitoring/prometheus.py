@@ -6,8 +6,7 @@ without either it raises :class:`PrometheusMissing` (check :func:`available` fir
 ``query_range``, ``value``, ``alerts``, ``rules``, ``targets``, ``wait_for``, ``wait_for_alert``.
 :func:`recorded_server` serves fixed samples, so that Prometheus itself evaluates a query at fixed times.
 
-Design notes: docs/internals.md#lab_utilsmonitoringprometheuspy
-"""
+Design notes: docs/internals.md#lab_utilsmonitoringprometheuspy"""
 
 from __future__ import annotations
 
@@ -31,14 +30,7 @@ import pandas as pd
 from lab_utils import DATA_DIR
 from lab_utils.course.probe import PROMETHEUS_ENV, PROMETHEUS_INSTALL, find_prometheus
 from lab_utils.owned import OwnedServer, usable
-from lab_utils.procs import (
-    check_service,
-    env_flag,
-    env_url,
-    http_ok,
-    owned_tempdir,
-    tail,
-)
+from lab_utils.procs import check_service, env_flag, env_url, http_ok, owned_tempdir, tail
 from lab_utils.serving.metrics import metric_types, parse_exposition  # noqa: F401  (re-exported)
 
 URL_ENV = "PROMETHEUS_URL"
@@ -84,8 +76,7 @@ def required() -> bool:
 def missing(*names: str) -> str | None:
     """Why the binaries ``names`` (default: prometheus and promtool) cannot be used here, with the install line;
     None when they can."""
-    lacking = [n for n in names or ("prometheus", "promtool") if find_prometheus(n) is None]
-    if not lacking:
+    if not (lacking := [n for n in names or ("prometheus", "promtool") if find_prometheus(n) is None]):
         return None
     where = (f"${BINARY_ENV}={os.environ[BINARY_ENV]}" if os.environ.get(BINARY_ENV) else "the PATH")
     if os.environ.get(BINARY_ENV, "").lower() not in ("", "none"):
@@ -110,8 +101,7 @@ def skipped(what: str) -> None:
 
 def promtool(*args: str, what: str, timeout_s: float = 60) -> str:
     """Run ``promtool args``; its output on success, :class:`ConfigError` with promtool's message if not."""
-    tool = find_prometheus("promtool")
-    if tool is None:
+    if (tool := find_prometheus("promtool")) is None:
         raise PrometheusMissing(f"{what}: not checked: promtool is not installed here. {PROMETHEUS_INSTALL}")
     try:
         out = subprocess.run([tool, *args], capture_output=True, text=True, timeout=timeout_s, check=False)
@@ -154,8 +144,7 @@ def scrape_config(jobs: Mapping[str, Sequence[str]], *, scrape_interval_s: float
 
     The scrape timeout follows the interval (it may not exceed it); rules are evaluated every
     ``evaluation_interval_s``. For Prometheus 3 (``major_version=3``) each job names the text format as the
-    fallback protocol: 3.x refuses a scrape whose Content-Type it cannot read unless told (2.x rejects the key).
-    """
+    fallback protocol: 3.x refuses a scrape whose Content-Type it cannot read unless told (2.x rejects the key)."""
     for name, targets in jobs.items():
         if not re.fullmatch(r"[a-zA-Z_][a-zA-Z0-9_]*", name):
             raise ValueError(f"job name {name!r}: use letters, digits and _")
@@ -168,17 +157,13 @@ def scrape_config(jobs: Mapping[str, Sequence[str]], *, scrape_interval_s: float
         if not (isinstance(v, (int, float)) and 0.1 <= v <= 600):
             raise ValueError(f"{what}={v!r}: give seconds between 0.1 and 600 (the lab uses 1)")
     interval = _duration(scrape_interval_s)
-    return {
-        "global": {"scrape_interval": interval, "scrape_timeout": interval,
-                   "evaluation_interval": _duration(evaluation_interval_s)},
-        "rule_files": [str(Path(p).resolve()) for p in rule_files],
-        "scrape_configs": [
-            {"job_name": name, "metrics_path": (metrics_paths or {}).get(name, "/metrics"),
-             "static_configs": [{"targets": list(targets)}],
-             **({"fallback_scrape_protocol": "PrometheusText0.0.4"} if major_version >= 3 else {})}
-            for name, targets in jobs.items()
-        ],
-    }
+    return {"global": {"scrape_interval": interval, "scrape_timeout": interval,
+                       "evaluation_interval": _duration(evaluation_interval_s)},
+            "rule_files": [str(Path(p).resolve()) for p in rule_files],
+            "scrape_configs": [{"job_name": name, "metrics_path": (metrics_paths or {}).get(name, "/metrics"),
+                                "static_configs": [{"targets": list(targets)}],
+                                **({"fallback_scrape_protocol": "PrometheusText0.0.4"} if major_version >= 3 else {})}
+                               for name, targets in jobs.items()]}
 
 
 def write_config(config: Mapping[str, Any], path: str | Path) -> Path:
@@ -203,10 +188,8 @@ def scrape_jobs(server: Any, exporter: Any = None) -> dict[str, list[str]]:
 def load_rules(path: str | Path = RULES_FILE) -> dict[str, Any]:
     """A rules file as data (YAML, or the JSON form the lab writes)."""
     text = Path(path).read_text()
-    try:
+    with contextlib.suppress(ValueError):
         return json.loads(text)
-    except ValueError:
-        pass
     try:
         import yaml
     except ImportError:
@@ -229,17 +212,14 @@ def lab_rules(out_dir: str | Path, *, for_s: float | Mapping[str, float] = 2.0, 
               source: str | Path = RULES_FILE, check: bool = True) -> Path:
     """Write the lab's copy of the rules: shorter ``for:`` (``for_s`` seconds; per alert if a mapping, the
     others ``default_for_s`` or as in the file), rate windows set to ``window``, and ``thresholds`` per alert
-    name. promtool checks the copy when installed (:class:`ConfigError` carries its message). Returns its path.
-    """
+    name. promtool checks the copy when installed (:class:`ConfigError` carries its message). Returns its path."""
     rules = load_rules(source)
     names = {r["alert"] for g in rules["groups"] for r in g["rules"] if "alert" in r}
-    unknown = (set(thresholds or {}) | set(for_s if isinstance(for_s, Mapping) else {})) - names
-    if unknown:
+    if unknown := (set(thresholds or {}) | set(for_s if isinstance(for_s, Mapping) else {})) - names:
         raise ValueError(f"thresholds for unknown alerts {sorted(unknown)}; the alerts are {sorted(names)}")
     for group in rules["groups"]:
         for rule in group["rules"]:
-            name = rule.get("alert")
-            if name is None:
+            if (name := rule.get("alert")) is None:
                 continue
             f = for_s.get(name, default_for_s) if isinstance(for_s, Mapping) else for_s
             if isinstance(f, (int, float)):
@@ -257,17 +237,13 @@ def lab_rules(out_dir: str | Path, *, for_s: float | Mapping[str, float] = 2.0, 
     return out
 
 
-# --- the text format Prometheus scrapes: parsed in lab_utils.serving.metrics (Triton's /metrics needs it too) ---
-
-
 # --- results as data frames ------------------------------------------------------------------------
 
 
 def frame(data: Mapping[str, Any]) -> pd.DataFrame:
     """A data frame from the ``data`` of a query answer: one column per label, then ``time`` and ``value``.
 
-    A range result comes in long form (one row per series and step); ``pivot(df, "model")`` widens it.
-    """
+    A range result comes in long form (one row per series and step); ``pivot(df, "model")`` widens it."""
     kind, result = data.get("resultType"), data.get("result")
     rows: list[dict[str, Any]] = []
     if kind == "scalar" or kind == "string":
@@ -359,9 +335,7 @@ class PromAPI:
         return answer.get("data")
 
     def _error(self, why: str, expr: str | None) -> PrometheusError:
-        if expr is not None:
-            return QueryError(f"query {expr!r} failed: {why}", why)
-        return PrometheusError(why)
+        return QueryError(f"query {expr!r} failed: {why}", why) if expr is not None else PrometheusError(why)
 
     # queries
     def query_raw(self, expr: str, at: float | None = None) -> dict[str, Any]:
@@ -399,13 +373,10 @@ class PromAPI:
         """Active alerts (``/api/v1/alerts``): alertname, state (pending/firing), labels, activeAt, value."""
         data = self._get("/api/v1/alerts")
         rows = [{"alertname": a["labels"].get("alertname"), "state": a.get("state"),
-                 "severity": a["labels"].get("severity"), "activeAt": a.get("activeAt"),
-                 "value": _num(a.get("value")),
+                 "severity": a["labels"].get("severity"), "activeAt": a.get("activeAt"), "value": _num(a.get("value")),
                  "labels": {k: v for k, v in a["labels"].items() if k not in ("alertname", "severity")},
-                 "summary": a.get("annotations", {}).get("summary", "")}
-                for a in data.get("alerts", [])]
-        return pd.DataFrame(rows, columns=["alertname", "state", "severity", "activeAt", "value", "labels",
-                                           "summary"])
+                 "summary": a.get("annotations", {}).get("summary", "")} for a in data.get("alerts", [])]
+        return pd.DataFrame(rows, columns=["alertname", "state", "severity", "activeAt", "value", "labels", "summary"])
 
     def rules(self) -> pd.DataFrame:
         """Loaded rules (``/api/v1/rules``): group, name, type, state, health, query."""
@@ -491,12 +462,10 @@ def _pause(seconds: float) -> None:
 class PrometheusServer(OwnedServer, PromAPI):
     """A ``prometheus`` process scraping ``jobs`` (``{"triton": ["127.0.0.1:8002"], ...}``), owned by the lab.
 
-    ``start()`` writes the configuration into a temporary folder, has promtool check it (its message is the
-    error), starts the server on a free loopback port with ``--web.enable-lifecycle``, and waits for
-    ``/-/ready``. ``stop()`` ends the process group and removes the folder (data included); it is safe to
-    call twice and runs at interpreter exit. With ``samples`` it first writes them into its storage
-    (:func:`backfill`), to serve them.
-    """
+    ``start()`` writes the configuration into a temporary folder, has promtool check it (its message is the error),
+    starts the server on a free loopback port with ``--web.enable-lifecycle``, and waits for ``/-/ready``. ``stop()``
+    ends the process group and removes the folder (data included); it is safe to call twice and runs at interpreter
+    exit. With ``samples`` it first writes them into its storage (:func:`backfill`), to serve them."""
 
     kind = "prometheus"
     error = PrometheusError
@@ -663,8 +632,7 @@ def recorded_server(samples: Iterable[Sample], **kwargs: Any) -> PrometheusServe
     """A started Prometheus that serves ``samples`` and scrapes nothing: a query evaluated on it at the samples'
     times gives Prometheus' own answer. Stop it (or use it as a context manager); its files go with it.
     :class:`PrometheusMissing` when prometheus or promtool is not installed."""
-    why = missing()
-    if why:
+    if why := missing():
         raise PrometheusMissing(why)
     return PrometheusServer({}, samples=samples, **kwargs).start()
 
@@ -675,11 +643,9 @@ def recorded_server(samples: Iterable[Sample], **kwargs: Any) -> PrometheusServe
 def start_metrics(jobs: Mapping[str, Sequence[str]], *, rule_files: Sequence[str | Path] = (),
                   scrape_interval_s: float = 1.0, evaluation_interval_s: float = 1.0,
                   prefer: str = "auto", show: bool = True) -> PromAPI:
-    """A started Prometheus for ``jobs``: the one at ``$PROMETHEUS_URL``, else a ``prometheus`` binary started
-    here (``prefer="local"`` skips ``$PROMETHEUS_URL``, for targets only this process can reach;
-    ``prefer="external"`` insists on it). Prints which. :class:`PrometheusMissing`, saying how to install it,
-    when there is none.
-    """
+    """A started Prometheus for ``jobs``: the one at ``$PROMETHEUS_URL``, else a ``prometheus`` binary started here
+    (``prefer="local"`` skips ``$PROMETHEUS_URL``, for targets only this process can reach; ``prefer="external"``
+    insists on it). Prints which. :class:`PrometheusMissing`, saying how to install it, when there is none."""
     if prefer not in ("auto", "local", "external"):
         raise ValueError(f"prefer={prefer!r}: use auto, local or external")
     url = env_url(URL_ENV, default_port=9090, path_ok=True) if prefer != "local" else None
@@ -699,8 +665,7 @@ def start_metrics(jobs: Mapping[str, Sequence[str]], *, rule_files: Sequence[str
         backend.notes.append(f"the compose stack's Prometheus scrapes its own targets (jobs {TRITON_JOB!r} and "
                              f"{EXPORTER_JOB!r}) and loads its own copy of the rules")
     else:
-        why = missing("prometheus")
-        if why:
+        if why := missing("prometheus"):
             raise PrometheusMissing(f"{REQUIRE_ENV}=1 but {why}" if required() else why)
         backend = PrometheusServer(jobs, rule_files=rule_files, scrape_interval_s=scrape_interval_s,
                                    evaluation_interval_s=evaluation_interval_s).start()

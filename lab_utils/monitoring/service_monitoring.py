@@ -7,20 +7,20 @@ dashboard (generated from one panel list, as lab 05's).
 - ``ServiceMonitoring(service)``: the exporter and a local Prometheus; ``start()``, ``stop()``.
   ``start_monitoring(service, ...)`` does both, or returns None where Prometheus is missing.
 
-Design notes: docs/internals.md#lab_utilsmonitoringservice_monitoringpy
-"""
+Design notes: docs/internals.md#lab_utilsmonitoringservice_monitoringpy"""
 
 from __future__ import annotations
 
 import json
 import re
+import shutil
 import threading
 import urllib.error
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from lab_utils.monitoring import prometheus
+from lab_utils.monitoring import panels, prometheus
 from lab_utils.monitoring.gpu_exporter import MetricsServer
 from lab_utils.monitoring.panels import Panel
 from lab_utils.procs import owned_tempdir, release_at_exit, stop_at_exit
@@ -38,8 +38,7 @@ class _Reader:
     """The access log read from where the last scrape stopped: counters that only grow, as Prometheus wants."""
 
     def __init__(self, lb: nginx_mod.NginxServer):
-        self.lb = lb
-        self.offset = 0
+        self.lb, self.offset = lb, 0
         self.requests: Counter[tuple[str, str]] = Counter()  # (listener, status)
         self.upstreams: Counter[str] = Counter()
         self.buckets: dict[str, list[int]] = {}  # listener -> count per bucket (not cumulative), +Inf last
@@ -157,29 +156,13 @@ SERVICE_PANELS: tuple[Panel, ...] = (
     Panel("connections", "Open client connections at nginx", "nvlab_nginx_connections_active", "connections",
           "active", description="stub_status's active connections: clients connected now."),
     Panel("up", "Targets up (1) or down (0)", "up", "", "{{job}} {{instance}}",
-          description="1 when Prometheus' last scrape of the target (each Triton, the nginx exporter) succeeded."),
-)
+          description="1 when Prometheus' last scrape of the target (each Triton, the nginx exporter) succeeded."))
 
 
 def dashboard(window: str = "$__rate_interval") -> dict[str, Any]:
     """The service's Grafana dashboard (JSON model) built from ``SERVICE_PANELS``."""
-    ds = {"type": "prometheus", "uid": "${datasource}"}
-    units = {"req/s": "reqps", "ms": "ms", "fraction": "percentunit"}
-    out = []
-    for i, p in enumerate(SERVICE_PANELS):
-        out.append({
-            "id": i + 1, "type": "timeseries", "title": p.title, "datasource": ds, "description": p.description,
-            "gridPos": {"h": 8, "w": 8, "x": (i % 3) * 8, "y": (i // 3) * 8},
-            "fieldConfig": {"defaults": {"unit": units.get(p.unit, "short")}, "overrides": []},
-            "options": {"legend": {"displayMode": "list", "placement": "bottom"}},
-            "targets": [{"refId": "A", "datasource": ds, "expr": p.expression(window), "legendFormat": p.legend}],
-        })
-    return {"title": "Image-classification service (nvlab lab 07)", "uid": "nvlab-service", "tags": ["nvlab", "nginx",
-            "triton", "slo"], "timezone": "browser", "schemaVersion": 39, "version": 1, "refresh": "5s",
-            "time": {"from": "now-15m", "to": "now"},
-            "templating": {"list": [{"name": "datasource", "type": "datasource", "query": "prometheus",
-                                     "label": "Prometheus", "current": {}, "hide": 0}]},
-            "annotations": {"list": []}, "panels": out}
+    return panels.grafana_dashboard(SERVICE_PANELS, "Image-classification service (nvlab lab 07)", "nvlab-service",
+                                    ["nvlab", "nginx", "triton", "slo"], window)
 
 
 def dashboard_text() -> str:
@@ -189,10 +172,7 @@ def dashboard_text() -> str:
 
 
 def panel(key: str) -> Panel:
-    found = next((p for p in SERVICE_PANELS if p.key == key), None)
-    if found is None:
-        raise KeyError(f"no panel {key!r}; the panels are {[p.key for p in SERVICE_PANELS]}")
-    return found
+    return panels.panel(key, SERVICE_PANELS)
 
 
 # --- Prometheus for the service ------------------------------------------------------------------------------
@@ -239,8 +219,6 @@ class ServiceMonitoring:
         if self.exporter is not None:
             self.exporter.stop()
         if self.workdir is not None:
-            import shutil
-
             shutil.rmtree(self.workdir, ignore_errors=True)
             self.workdir = None
         release_at_exit(self)

@@ -5,16 +5,18 @@ markdown with ``<!-- BEGIN SOLUTION -->`` / ``<!-- END SOLUTION -->`` and ``<!--
 ``<!-- END ANSWERS -->``. Generating a lab turns them into blanks, prompts and folded answers, strips every
 output, and adds a hints cell under each check cell.
 
-Design notes: docs/internals.md#lab_utilsopsnotebookspy
-"""
+Design notes: docs/internals.md#lab_utilsopsnotebookspy"""
 
 from __future__ import annotations
 
 import ast
 import contextlib
+import copy
+import importlib
 import os
 import re
 import sys
+import textwrap
 import time
 import uuid
 from collections.abc import Iterable
@@ -22,7 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import nbformat
 import psutil
+from nbformat.v4 import new_markdown_cell
 
 from lab_utils.course.catalog import lab_by_number, repo_root
 
@@ -42,13 +46,12 @@ class NotebookError(RuntimeError):
 
 
 def _placeholder(block: list[str], where: str) -> list[str]:
-    student = [ln.split(STUDENT, 1)[1].removeprefix(" ") for ln in block if ln.strip().startswith(STUDENT)]
-    if student:
+    if student := [ln.split(STUDENT, 1)[1].removeprefix(" ") for ln in block if ln.strip().startswith(STUDENT)]:
         indent = block[0][: len(block[0]) - len(block[0].lstrip())]
         return [indent + s if s else s for s in student]
     code = "\n".join(ln for ln in block)
     try:
-        tree = ast.parse(_dedent(code))
+        tree = ast.parse(textwrap.dedent(code))
     except SyntaxError as err:
         raise NotebookError(f"{where}: the solution block does not parse ({err}); fix the solution cell") from None
     names: list[str] = []
@@ -66,12 +69,6 @@ def _placeholder(block: list[str], where: str) -> list[str]:
         raise NotebookError(f"{where}: the solution block assigns nothing; add '# STUDENT:' lines")
     indent = block[0][: len(block[0]) - len(block[0].lstrip())] if block else ""
     return [f"{indent}{n} = None  # YOUR CODE HERE" for n in names]
-
-
-def _dedent(code: str) -> str:
-    import textwrap
-
-    return textwrap.dedent(code)
 
 
 def strip_solution(source: str, where: str = "cell") -> str:
@@ -115,15 +112,12 @@ def hint_markdown(name: str, exercise: Any) -> str:
             + (f"; the {'hint is' if len(hints) == 1 else f'{len(hints)} hints are'} also folded below, one at a "
                "time." if hints else "."))
     for k, hint in enumerate(hints, start=1):
-        text += (f"\n\n<details><summary>Hint {k} of {len(hints)}</summary>\n\n{markdown_text(hint)}\n\n"
-                 "</details>")
+        text += f"\n\n<details><summary>Hint {k} of {len(hints)}</summary>\n\n{markdown_text(hint)}\n\n</details>"
     return text
 
 
 def _exercise_module(nb: Any) -> Any:
     """The exercise module a notebook imports as ``ex``, or None (a notebook without exercises)."""
-    import importlib
-
     found = next((m for c in nb.cells if c.cell_type == "code" for m in EXERCISES_IMPORT.finditer(c.source)), None)
     if found is None:
         return None
@@ -134,8 +128,6 @@ def _exercise_module(nb: Any) -> Any:
 
 
 def _hint_cells(cell: Any, module: Any, where: str) -> list[Any]:
-    from nbformat.v4 import new_markdown_cell
-
     cells = []
     for name in dict.fromkeys(CHECK_CALL.findall(cell.source)):  # each exercise once, in the cell's order
         exercise = getattr(module, name, None) if module is not None else None
@@ -149,8 +141,6 @@ def _hint_cells(cell: Any, module: Any, where: str) -> list[Any]:
 def _answer_cells(cell: Any, where: str) -> list[Any]:
     """A markdown cell with an answers block, as the lab shows it: the text before, an attempt cell, the answers
     folded, the text after."""
-    from nbformat.v4 import new_markdown_cell
-
     out, rest, n = [], cell.source, 0
     while (m := MD_ANSWERS.search(rest)) is not None:
         before, rest = rest[: m.start()].strip("\n"), rest[m.end():]
@@ -174,8 +164,6 @@ def _answer_cells(cell: Any, where: str) -> list[Any]:
 def build_lab(solution: Any) -> Any:
     """The student notebook (an ``nbformat`` node) for a solution notebook: placeholders, no outputs, hints under
     each exercise's check and the understanding questions' answers folded after an attempt cell."""
-    import copy
-
     nb = copy.deepcopy(solution)
     module = _exercise_module(nb)
     cells = []
@@ -204,20 +192,15 @@ def build_lab(solution: Any) -> Any:
 
 
 def notebook_text(nb: Any) -> str:
-    import nbformat
-
     return nbformat.writes(nb) + "\n"
 
 
 def build_labs(check: bool = False, root: Path | None = None) -> list[str]:
     """Write ``labs/`` from ``solutions/``; with ``check`` write nothing and return the drifted files."""
-    import nbformat
-
     root = root or repo_root()
     src, dst = root / "solutions", root / "labs"
     changed = []
-    solutions = sorted(src.glob("[0-9][0-9]_*.ipynb"))
-    if not solutions:
+    if not (solutions := sorted(src.glob("[0-9][0-9]_*.ipynb"))):
         raise NotebookError(f"no solution notebooks in {src}")
     expected_names = {p.name for p in solutions}
     for p in solutions:
@@ -244,10 +227,7 @@ def update_expected(solution: Path, executed: Path) -> int:
     """Copy the outputs of ``# NBVAL_CHECK_OUTPUT`` cells from an executed run into the solution.
 
     Those outputs are what nbval compares against; every other cell of the solution stays without
-    outputs. Returns the number of cells that now carry expected output.
-    """
-    import nbformat
-
+    outputs. Returns the number of cells that now carry expected output."""
     sol = nbformat.read(solution, as_version=4)
     ran = {c.get("id"): c for c in nbformat.read(executed, as_version=4).cells}
     kept = 0
@@ -286,8 +266,7 @@ def select(names: Iterable[str], all_: bool, solutions: bool, root: Path | None 
     present = sorted(folder.glob("[0-9][0-9]_*.ipynb"))
     if all_:
         return present
-    names = list(names)
-    if not names:
+    if not (names := list(names)):
         raise ValueError("name the labs to run (e.g. `nvlab run 00 01`) or pass --all")
     paths = []
     for n in names:
@@ -313,8 +292,6 @@ def literal(text: str) -> Any:
 
 def declared_parameters(path: Path) -> dict[str, Any]:
     """Name -> default (``...`` when not a literal) of each assignment in the ``parameters``-tagged cell."""
-    import nbformat
-
     try:
         nb = nbformat.read(path, as_version=4)
     except Exception as err:  # nbformat raises several kinds for a broken file
@@ -382,13 +359,11 @@ def parse_parameter(name: str, text: str, default: Any) -> Any:
 def parameters_for(paths: list[Path], pairs: Iterable[tuple[str, str]]) -> dict[Path, dict[str, Any]]:
     """Each notebook's parameters from ``-p NAME VALUE`` pairs, typed by its parameters cell.
 
-    A name no notebook declares is a ValueError listing the valid names; a name only some declare goes to those.
-    """
+    A name no notebook declares is a ValueError listing the valid names; a name only some declare goes to those."""
     declared = {p: declared_parameters(p) for p in paths}
     params: dict[Path, dict[str, Any]] = {p: {} for p in paths}
     for name, text in pairs:
-        takers = [p for p in paths if name in declared[p]]
-        if not takers:
+        if not (takers := [p for p in paths if name in declared[p]]):
             valid = sorted({n for d in declared.values() for n in d})
             which = f"{paths[0].stem} has" if len(paths) == 1 else "the selected notebooks have"
             raise ValueError(f"-p {name}: {which} no parameter {name!r}; valid names: {', '.join(valid) or 'none'}")
@@ -449,8 +424,6 @@ def scrub(path: Path, paths: dict[str, str]) -> int:
     """Make an executed notebook fit to commit: ANSI codes out of text outputs, papermill's input/output paths
     out of the metadata, each key of ``paths`` (a checkout, an output folder) replaced by its value, and temporary
     folders by ``/tmp/...`` and interpreter paths by ``site-packages/``. Returns how many outputs changed."""
-    import nbformat
-
     nb = nbformat.read(path, as_version=4)
     meta = nb.metadata.get("papermill", {})
     for key in ("input_path", "output_path"):

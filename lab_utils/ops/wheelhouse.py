@@ -8,19 +8,16 @@ NGC container without network)::
 ``--exclude-preinstalled`` leaves out what the pinned NGC PyTorch image already has. The folder gets
 ``README.txt`` (the install commands, ``install_commands``) and ``requirements.txt``.
 
-Design notes: docs/internals.md#lab_utilsopswheelhousepy
-"""
+Design notes: docs/internals.md#lab_utilsopswheelhousepy"""
 
 from __future__ import annotations
 
 import email.parser
-import errno
 import platform
 import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import zipfile
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -29,7 +26,7 @@ from typing import Any
 
 from lab_utils.course.catalog import repo_root
 from lab_utils.course.stack import manifest, pinned_release, pip_version
-from lab_utils.procs import temporary_folder
+from lab_utils.procs import temporary_folder, writable_problem
 
 ARCHES = ("x86_64", "aarch64")
 # The newest glibc a named platform assumes: Ubuntu 22.04 (2.35). nvidia-pytriton's wheels need it; NGC 25.xx and
@@ -67,8 +64,7 @@ def target_python(text: str | None) -> str:
     """``"3.12"`` from ``--python`` (default: this interpreter); WheelhouseError below the course's minimum."""
     if text is None:
         return f"{sys.version_info.major}.{sys.version_info.minor}"
-    m = re.fullmatch(r"(?:cp|py)?(\d)\.?(\d+)", text.strip())
-    if not m:
+    if not (m := re.fullmatch(r"(?:cp|py)?(\d)\.?(\d+)", text.strip())):
         raise WheelhouseError(f"--python {text!r}: give the target's Python as MAJOR.MINOR, e.g. --python 3.12")
     version = (int(m.group(1)), int(m.group(2)))
     if version < MIN_PYTHON:
@@ -123,12 +119,10 @@ def platform_tags(platforms: Sequence[str] | None) -> tuple[str, list[str]]:
 
 def target_environment(python: str, arch: str) -> dict[str, str]:
     """Environment-marker values of the target (PEP 508), for re-evaluating requirements."""
-    return {
-        "python_version": python, "python_full_version": f"{python}.0", "implementation_name": "cpython",
-        "implementation_version": f"{python}.0", "platform_python_implementation": "CPython", "os_name": "posix",
-        "sys_platform": "linux", "platform_system": "Linux", "platform_machine": arch, "platform_release": "",
-        "platform_version": "",
-    }
+    return {"python_version": python, "python_full_version": f"{python}.0", "implementation_name": "cpython",
+            "implementation_version": f"{python}.0", "platform_python_implementation": "CPython", "os_name": "posix",
+            "sys_platform": "linux", "platform_system": "Linux", "platform_machine": arch, "platform_release": "",
+            "platform_version": ""}
 
 
 # --- reading wheels ------------------------------------------------------------------------------
@@ -163,8 +157,7 @@ def missing_requirements(folder: Path, roots: Iterable[tuple[str, Iterable[str]]
     ``roots`` are (name, extras); markers are evaluated with ``environment`` (``target_environment``);
     ``provided`` maps names the target already has (left out on purpose) to the version pip reports there
     ("2.14.0a0+5fa4b7e", or ``stack.pip_version``'s "2.14.0a0"): a requirement that version does not satisfy is
-    missing too, as pip on the target would find it unmet.
-    """
+    missing too, as pip on the target would find it unmet."""
     requirements, version = _packaging()
     wheels: dict[str, list[tuple[Any, list[str]]]] = {}
     for w in sorted(folder.glob("*.whl")):
@@ -175,8 +168,7 @@ def missing_requirements(folder: Path, roots: Iterable[tuple[str, Iterable[str]]
     seen: set[tuple[str, frozenset[str]]] = set()
     queue = [(canonical(n), frozenset(e)) for n, e in roots]
     while queue:
-        key = queue.pop()
-        if key in seen:
+        if (key := queue.pop()) in seen:
             continue
         seen.add(key)
         name, extras = key
@@ -310,8 +302,7 @@ def build(dest: Path | str, *, python: str | None = None, platforms: Sequence[st
     arch, tags = platform_tags(platforms)
     valid = _project_extras(root)
     extras = [e for e in dict.fromkeys(x.strip() for x in extras) if e]
-    unknown = [e for e in extras if e not in valid]
-    if unknown:
+    if unknown := [e for e in extras if e not in valid]:
         raise WheelhouseError(f"--extras {','.join(unknown)}: the course's extras are {', '.join(valid)}")
     left_out: dict[str, str] = dict(rel.get("preinstalled", {})) if exclude_preinstalled else {}
     # What pip will report in the image (2.14.0a0+<commit>, not 2.14.0): requirements are judged against it.
@@ -323,15 +314,8 @@ def build(dest: Path | str, *, python: str | None = None, platforms: Sequence[st
     pkg_extras = [e for e in extras if e != "torch"]  # the torch extra is unpinned: the course's pin is used
 
     dest = Path(dest).resolve()
-    try:
-        if dest.exists() and not dest.is_dir():
-            raise NotADirectoryError(errno.ENOTDIR, "that is a file, not a folder")
-        dest.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=dest):
-            pass
-    except OSError as err:
-        raise WheelhouseError(f"wheelhouse folder {dest}: cannot create or write it ({err.strerror or err}): "
-                              "pass a folder you can write") from None
+    if why := writable_problem(dest, "wheelhouse folder"):
+        raise WheelhouseError(why)
     target = ["--only-binary=:all:", "--python-version", py, "--implementation", "cp"]
     for t in tags:
         target += ["--platform", t]
@@ -378,12 +362,10 @@ def build(dest: Path | str, *, python: str | None = None, platforms: Sequence[st
         env = target_environment(py, arch)
         added: list[str] = []
         for _ in range(3):
-            missing = missing_requirements(dest, roots, env, provided)
-            if not missing:
+            if not (missing := missing_requirements(dest, roots, env, provided)):
                 break
             # A requirement on what the image has cannot be downloaded: pip there keeps the image's version.
-            unmet = [r for r in missing if canonical(requirements.Requirement(r).name) in image_names]
-            if unmet:
+            if unmet := [r for r in missing if canonical(requirements.Requirement(r).name) in image_names]:
                 raise WheelhouseError(f"for Python {py} the wheels need {', '.join(unmet)}. {image_note}")
             log(f"for Python {py} the wheels also need: {', '.join(missing)} (pip judged markers for Python "
                 f"{target_python(None)}); downloading them ...")
@@ -393,8 +375,7 @@ def build(dest: Path | str, *, python: str | None = None, platforms: Sequence[st
                 stub.unlink()
             added += missing
         else:
-            missing = missing_requirements(dest, roots, env, provided)
-            if missing:
+            if missing := missing_requirements(dest, roots, env, provided):
                 raise WheelhouseError(f"the wheelhouse still lacks {', '.join(missing)} for Python {py}")
 
     course_version = wheel_metadata(next(dest.glob("nvlab-*.whl")))[1]
@@ -414,32 +395,19 @@ def _write_instructions(house: Wheelhouse, course_version: str, pkg_extras: list
         f"# Top-level requirements of this wheelhouse (CPython {house.python}, Linux {house.arch}); see README.txt.\n"
         + "\n".join(reqs) + "\n")
     left = ", ".join(f"{n} {v}" for n, v in house.left_out.items())
-    lines = [
-        f"Wheels of nvlab {course_version} and its dependencies for CPython {house.python} on Linux {house.arch} "
-        f"({house.platform_tags[0]} and older); extras: {','.join(house.extras) or 'none'}.",
-        f"{len(house.wheels)} wheels, {house.size_mib:.0f} MiB."
-        + (f" Left out because the target already has them (NGC {m['pinned']} image): {left}." if left else ""),
-        "",
-        "Install with no package index, in the course checkout (labs and solutions included):",
-        "",
-        *[f"    {c}" for c in install_commands(str(house.path), extras)],
-        "",
-    ]
+    lines = [f"Wheels of nvlab {course_version} and its dependencies for CPython {house.python} on Linux {house.arch} "
+             f"({house.platform_tags[0]} and older); extras: {','.join(house.extras) or 'none'}.",
+             f"{len(house.wheels)} wheels, {house.size_mib:.0f} MiB."
+             + (f" Left out because the target already has them (NGC {m['pinned']} image): {left}." if left else ""),
+             "", "Install with no package index, in the course checkout (labs and solutions included):", "",
+             *[f"    {c}" for c in install_commands(str(house.path), extras)], ""]
     if "lab" in pkg_extras:
-        lines += [
-            "or let ./course do the same offline" + (" (torch comes from here when none is importable):"
-                                                     if "torch" in house.extras else ":"),
-            "",
-            f"    PIP_NO_INDEX=1 PIP_FIND_LINKS={house.path} ./course lab",
-            "",
-        ]
-    lines += [
-        "Without the checkout (the nvlab command and lab_utils only):",
-        "",
-        f"    python -m pip install --no-index --find-links {house.path} -r {house.path / 'requirements.txt'}",
-        "",
-        "If this folder moves, use its new path in these commands.",
-    ]
+        lines += ["or let ./course do the same offline" + (" (torch comes from here when none is importable):"
+                                                           if "torch" in house.extras else ":"), "",
+                  f"    PIP_NO_INDEX=1 PIP_FIND_LINKS={house.path} ./course lab", ""]
+    lines += ["Without the checkout (the nvlab command and lab_utils only):", "",
+              f"    python -m pip install --no-index --find-links {house.path} -r {house.path / 'requirements.txt'}",
+              "", "If this folder moves, use its new path in these commands."]
     if "torch" not in house.extras and not house.left_out:
         lines.append("torch is not in this wheelhouse: the target must have it (nvlab doctor says so if not).")
     (house.path / "README.txt").write_text("\n".join(lines) + "\n")

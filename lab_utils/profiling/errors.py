@@ -1,8 +1,7 @@
 """An asynchronous CUDA error located: the same bad index run with and without ``CUDA_LAUNCH_BLOCKING=1``.
 
 A device-side assert leaves the CUDA context unusable, so each run happens in its own subprocess. The script's
-lines are numbered so that the traceback's line can be shown beside the line that really failed.
-"""
+lines are numbered so that the traceback's line can be shown beside the line that really failed."""
 
 from __future__ import annotations
 
@@ -55,16 +54,9 @@ def run_bad_index(device: str, launch_blocking: bool, timeout_s: float = 120.0) 
     last = next((ln for ln in lines if re.match(r"^[\w.]+(Error|Exception)\b.*:", ln)),
                 next((ln for ln in reversed(lines) if ln.strip() and not ln.startswith(" ")), ""))
     line = reported_line(tb)
-    return {
-        "device": device,
-        "CUDA_LAUNCH_BLOCKING": "1" if launch_blocking else "unset",
-        "returncode": proc.returncode,
-        "reported_line": line,
-        "faulty_line": BAD_LINE,
-        "at_fault": line == BAD_LINE,
-        "error": last[:200],
-        "traceback": _short_traceback(tb),
-    }
+    return {"device": device, "CUDA_LAUNCH_BLOCKING": "1" if launch_blocking else "unset",
+            "returncode": proc.returncode, "reported_line": line, "faulty_line": BAD_LINE, "at_fault": line == BAD_LINE,
+            "error": last[:200], "traceback": _short_traceback(tb)}
 
 
 def _short_traceback(tb: str, keep: int = 14) -> str:

@@ -3,11 +3,11 @@ accumulation against a larger batch, a real out-of-memory error, and a CUDA memo
 
 Peak memory is read where the device keeps it: ``torch.cuda.max_memory_allocated`` on a GPU; on the CPU (no
 allocator statistics) from the profiler's ``[memory]`` events (``profile_memory=True``), whose
-"Total Allocated" counts every allocation made while profiling.
-"""
+"Total Allocated" counts every allocation made while profiling."""
 
 from __future__ import annotations
 
+import json
 import pickle
 from collections import Counter
 from collections.abc import Callable
@@ -16,10 +16,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.profiler import ProfilerActivity, profile
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from lab_utils.procs import temporary_folder
 from lab_utils.profiling.programs import time_steps
+from lab_utils.timing import sync
 
 __all__ = ["peak_bytes", "Blocks", "checkpoint_table", "accumulation_table", "oom_error", "snapshot_summary",
            "SAVE_OPS"]
@@ -30,22 +32,15 @@ MiB = 2**20
 SAVE_OPS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
 
 
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
 def peak_bytes(fn: Callable[[], Any], device: str) -> int:
     """Peak bytes allocated on ``device`` while ``fn()`` runs, above what was allocated before it."""
     if device.startswith("cuda"):
-        _sync(device)
+        sync(device)
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         fn()
-        _sync(device)
+        sync(device)
         return int(torch.cuda.max_memory_allocated() - base)
-    from torch.profiler import ProfilerActivity, profile
-
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     return _peak_from_trace(prof)
@@ -53,8 +48,6 @@ def peak_bytes(fn: Callable[[], Any], device: str) -> int:
 
 def _peak_from_trace(prof: Any) -> int:
     """The largest running "Total Allocated" of the CPU allocator in the profile's ``[memory]`` events."""
-    import json
-
     with temporary_folder("memtrace") as d:
         path = d / "trace.json"
         prof.export_chrome_trace(str(path))
@@ -74,9 +67,8 @@ class Blocks(nn.Module):
         if mode not in ("none", "full", "selective"):
             raise ValueError(f"Blocks(mode={mode!r}): one of none, full, selective")
         self.mode = mode
-        self.blocks = nn.ModuleList(
-            nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
-            for _ in range(depth))
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.GELU(),
+                                                  nn.Linear(4 * width, width)) for _ in range(depth))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for blk in self.blocks:
@@ -202,11 +194,6 @@ def snapshot_summary(path: str | Path, top: int = 8) -> dict[str, Any]:
         sites[where(b.get("frames", []))] += b["size"]
     traces = [t for dev in snap.get("device_traces", []) for t in dev]
     actions = Counter(t.get("action") for t in traces)
-    return {
-        "reserved_mib": reserved / MiB,
-        "allocated_mib": allocated / MiB,
-        "segments": len(segments),
-        "live_blocks": len(live),
-        "top_sites_mib": {k: v / MiB for k, v in sites.most_common(top)},
-        "events": dict(actions),
-    }
+    return {"reserved_mib": reserved / MiB, "allocated_mib": allocated / MiB, "segments": len(segments),
+            "live_blocks": len(live), "top_sites_mib": {k: v / MiB for k, v in sites.most_common(top)},
+            "events": dict(actions)}

@@ -2,8 +2,7 @@
 back. Elsewhere each function returns the command it would have run and why it did not.
 
 ``ncu`` always runs with ``--clock-control none``: its default locks the GPU's clocks to base for the
-measurement, and a lab reads the GPU's state, it never changes it.
-"""
+measurement, and a lab reads the GPU's state, it never changes it."""
 
 from __future__ import annotations
 
@@ -102,8 +101,7 @@ def ncu_command(script: str, out_csv: bool = True) -> list[str]:
 
 def nsys_command(script: str, report: str) -> list[str]:
     """The ``nsys profile`` command line: CUDA API and kernels, NVTX ranges, OS runtime calls."""
-    return ["nsys", "profile", "--trace=cuda,nvtx,osrt", "--force-overwrite=true", "-o", report, sys.executable,
-            script]
+    return ["nsys", "profile", "--trace=cuda,nvtx,osrt", "--force-overwrite=true", "-o", report, sys.executable, script]
 
 
 def _env() -> dict[str, str]:
@@ -114,7 +112,10 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _gpu_reason() -> str | None:
+def _why_not(tool: str, install: str) -> str | None:
+    """Why ``tool`` cannot profile here (not on the PATH, no torch, no GPU), or None."""
+    if shutil.which(tool) is None:
+        return f"{tool} is not on the PATH. {install}"
     try:
         import torch
     except ImportError:
@@ -131,15 +132,13 @@ def _number(text: str) -> float | None:
 
 def parse_ncu_csv(text: str) -> list[dict[str, Any]]:
     """Rows of ``ncu --csv --page details``, one dict per kernel: name, and each metric as ``metric [unit]``."""
-    start = text.find('"ID"')
-    if start < 0:
+    if (start := text.find('"ID"')) < 0:
         return []
     kernels: dict[str, dict[str, Any]] = {}
     for r in csv.DictReader(io.StringIO(text[start:])):
         k = kernels.setdefault(r["ID"], {"id": int(r["ID"]), "kernel": r.get("Kernel Name", "")[:80]})
         unit = r.get("Metric Unit", "")
-        value = _number(r.get("Metric Value", ""))
-        if value is not None:
+        if (value := _number(r.get("Metric Value", ""))) is not None:
             k[f"{r['Metric Name']} [{unit}]" if unit else r["Metric Name"]] = value
     return list(kernels.values())
 
@@ -151,21 +150,18 @@ def run_ncu(n: int = 8192, numel: int = 2**28, timeout_s: float = 300.0) -> Tool
         script.write_text(KERNELS_SCRIPT.format(n=n, numel=numel))
         cmd = ncu_command(str(script))
         shown = [{str(script): "kernels.py", sys.executable: "python"}.get(c, c) for c in cmd]
-        if shutil.which("ncu") is None:
-            return ToolRun("ncu", shown, False, f"ncu is not on the PATH. {NCU_INSTALL}")
-        why = _gpu_reason()
-        if why:
+        if why := _why_not("ncu", NCU_INSTALL):
             return ToolRun("ncu", shown, False, why)
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=d, env=_env())
     out = proc.stdout + proc.stderr
     rows = parse_ncu_csv(proc.stdout)
-    if proc.returncode != 0 or not rows:
+    hint = ""
+    if proc.returncode == 0 and rows:
+        label_kernels(rows, n, numel)
+    elif "ERR_NVGPUCTRPERM" in out:
         hint = (" (ERR_NVGPUCTRPERM: this user may not read the GPU's performance counters; an administrator "
-                "allows it with the nvidia driver option NVreg_RestrictProfilingToAdminUsers=0)"
-                if "ERR_NVGPUCTRPERM" in out else "")
-        return ToolRun("ncu", shown, True, returncode=proc.returncode, output=out[-3000:] + hint, rows=rows)
-    label_kernels(rows, n, numel)
-    return ToolRun("ncu", shown, True, returncode=proc.returncode, output=out[-3000:], rows=rows)
+                "allows it with the nvidia driver option NVreg_RestrictProfilingToAdminUsers=0)")
+    return ToolRun("ncu", shown, True, returncode=proc.returncode, output=out[-3000:] + hint, rows=rows)
 
 
 def label_kernels(rows: list[dict[str, Any]], n: int, numel: int) -> None:
@@ -195,10 +191,8 @@ def duration_s(row: dict[str, Any]) -> float | None:
 
 def kernel_work(n: int, numel: int) -> list[dict[str, Any]]:
     """FLOPs and minimum bytes moved by KERNELS_SCRIPT's two kernels, in launch order."""
-    return [
-        {"op": f"GEMM bf16 {n}³", "flops": 2 * n**3, "bytes": 3 * n * n * 2},
-        {"op": f"add fp32 {numel:,}", "flops": numel, "bytes": 3 * numel * 4},
-    ]
+    return [{"op": f"GEMM bf16 {n}³", "flops": 2 * n**3, "bytes": 3 * n * n * 2},
+            {"op": f"add fp32 {numel:,}", "flops": numel, "bytes": 3 * numel * 4}]
 
 
 def run_nsys(timeout_s: float = 300.0) -> ToolRun:
@@ -209,10 +203,7 @@ def run_nsys(timeout_s: float = 300.0) -> ToolRun:
         report = str(Path(d) / "steps")
         cmd = nsys_command(str(script), report)
         shown = ["python" if c == sys.executable else c.replace(str(d) + os.sep, "") for c in cmd]
-        if shutil.which("nsys") is None:
-            return ToolRun("nsys", shown, False, f"nsys is not on the PATH. {NSYS_INSTALL}")
-        why = _gpu_reason()
-        if why:
+        if why := _why_not("nsys", NSYS_INSTALL):
             return ToolRun("nsys", shown, False, why)
         prof = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=d, env=_env())
         if prof.returncode != 0:

@@ -5,8 +5,7 @@ batch size, ``close()`` stops any loader workers. ``PROGRAMS``: ``data``, ``sync
 (one planted bottleneck each), and ``all`` (every fix that applies); ``VARIANTS`` names each one's fixes (``planted``,
 ``fixed``, ``gpu-data``...). ``time_steps`` returns the wall-clock ms per step.
 
-Design notes: docs/internals.md#lab_utilsprofilingprogramspy
-"""
+Design notes: docs/internals.md#lab_utilsprofilingprogramspy"""
 
 from __future__ import annotations
 
@@ -20,21 +19,19 @@ from typing import Any
 
 import numpy as np
 import torch
+from PIL import Image
 from torch import nn
 
 from lab_utils.models import digits_png
+from lab_utils.timing import sync
 
 __all__ = ["PROGRAMS", "VARIANTS", "Program", "PngDigits", "ImageNet", "build", "time_steps", "loader_workers",
            "Sizes", "sizes_for", "infinite_loader", "close_iterator"]
 
 PROGRAMS = ("data", "sync", "launch", "precision", "all")
-VARIANTS = {
-    "data": ("planted", "fixed"),
-    "sync": ("planted", "fixed"),
-    "launch": ("planted", "batch", "compile", "reduce-overhead", "max-autotune"),
-    "precision": ("planted", "fixed"),
-    "all": ("planted", "fixed", "gpu-data"),
-}
+VARIANTS = {"data": ("planted", "fixed"), "sync": ("planted", "fixed"),
+            "launch": ("planted", "batch", "compile", "reduce-overhead", "max-autotune"),
+            "precision": ("planted", "fixed"), "all": ("planted", "fixed", "gpu-data")}
 
 
 @dataclass(frozen=True)
@@ -88,8 +85,6 @@ class PngDigits(torch.utils.data.Dataset):
         return len(self.png)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
-        from PIL import Image
-
         if self.storage_s:
             time.sleep(self.storage_s)
         angle = float(np.random.default_rng((self.seed, i)).uniform(-12, 12))
@@ -140,11 +135,6 @@ class Program:
         self.close()
 
 
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
 def time_steps(step: Callable[[], Any], steps: int = 20, warmup: int = 3, device: str = "cpu") -> float:
     """Wall-clock ms per training step: ``warmup`` steps, a synchronize, ``steps`` steps, a synchronize.
 
@@ -152,11 +142,11 @@ def time_steps(step: Callable[[], Any], steps: int = 20, warmup: int = 3, device
     per-step CUDA event pair would measure the GPU's share and miss the host stalls this lab is about."""
     for _ in range(warmup):
         step()
-    _sync(device)
+    sync(device)
     t0 = time.perf_counter()
     for _ in range(steps):
         step()
-    _sync(device)
+    sync(device)
     return (time.perf_counter() - t0) * 1e3 / steps
 
 
@@ -174,8 +164,7 @@ def close_iterator(it: Any) -> Callable[[], None]:
     """A function that stops a DataLoader iterator's worker processes (persistent workers outlive the loop)."""
 
     def close() -> None:
-        shutdown = getattr(it, "_shutdown_workers", None)
-        if shutdown is not None:
+        if (shutdown := getattr(it, "_shutdown_workers", None)) is not None:
             shutdown()  # persistent workers otherwise live until the iterator is garbage-collected
 
     return close
@@ -220,11 +209,9 @@ def _image_program(name: str, variant: str, device: str, sz: Sizes, fixes: set[s
                 raise FloatingPointError(f"loss {value} at step {state['n']}")
             state["last_mean"] = value
 
-    prog = Program(name, variant, step, sz.batch,
-                   note=f"{sz.image}×{sz.image} PNG digits, batch {sz.batch}, width {sz.width}, "
-                        f"{workers} loader workers" + (", bf16" if bf16 else "") + (", channels-last" if
-                                                                                      fmt is torch.channels_last
-                                                                                      else ""))
+    knobs = (", bf16" if bf16 else "") + (", channels-last" if fmt is torch.channels_last else "")
+    prog = Program(name, variant, step, sz.batch, note=f"{sz.image}×{sz.image} PNG digits, batch {sz.batch}, "
+                   f"width {sz.width}, {workers} loader workers{knobs}")
     prog.closers.append(close_iterator(it))
     return prog
 
@@ -330,8 +317,6 @@ def _precision_program(variant: str, device: str, sz: Sizes, seed: int) -> Progr
 def _gpu_data_program(device: str, sz: Sizes, seed: int) -> Program:
     """Every fix, and the input pipeline on the device: PNGs decoded once into a uint8 tensor there; each step
     draws indices, rotates by random angles (affine_grid + grid_sample) and normalizes, all on the device."""
-    from PIL import Image
-
     torch.manual_seed(seed)
     cuda = device.startswith("cuda")
     png, labels = digits_png(sz.image)
@@ -378,8 +363,7 @@ def build(name: str, variant: str, device: str, quick: bool = False, seed: int =
         raise ValueError(f"build({name!r}, variant={variant!r}): one of {', '.join(VARIANTS[name])}")
     sz = sizes_for(device, quick)
     if name == "data":
-        return _image_program(name, variant, device, sz, {"sync"} | ({"data"} if variant == "fixed" else set()),
-                              seed)
+        return _image_program(name, variant, device, sz, {"sync"} | ({"data"} if variant == "fixed" else set()), seed)
     if name == "all" and variant == "gpu-data":
         return _gpu_data_program(device, sz, seed)
     if name == "all":

@@ -3,8 +3,7 @@
 The trace is what ``prof.export_chrome_trace(path)`` writes: ``{"traceEvents": [...]}``, each complete event
 (``"ph": "X"``) with a category (``cat``: ``kernel``, ``gpu_memcpy``, ``cuda_runtime``, ``cpu_op``,
 ``user_annotation`` …), a start ``ts`` and a duration ``dur`` in microseconds. Nothing here runs the profiler:
-the lab's student writes that part.
-"""
+the lab's student writes that part."""
 
 from __future__ import annotations
 
@@ -16,10 +15,8 @@ from typing import Any
 
 import pandas as pd
 
-__all__ = [
-    "STEP_PREFIX", "load_trace", "events", "step_window", "kernel_intervals", "union_us", "busy_fraction",
-    "summarize", "top_ops", "trim_trace", "plot_timeline",
-]
+__all__ = ["STEP_PREFIX", "load_trace", "events", "step_window", "kernel_intervals", "union_us", "busy_fraction",
+           "summarize", "top_ops", "trim_trace", "plot_timeline"]
 
 STEP_PREFIX = "ProfilerStep#"  # torch.profiler's annotation around each step of a schedule's active phase
 # Categories of device work: kernels and copies/memsets the GPU executes.
@@ -60,12 +57,9 @@ def _event_list(trace: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> list[
 
 def events(trace: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> pd.DataFrame:
     """Complete events (``ph == "X"``) as a table: name, cat, ts_us, dur_us, end_us, pid, tid."""
-    rows = [
-        {"name": e.get("name", ""), "cat": e.get("cat", ""), "ts_us": float(e["ts"]), "dur_us": float(e["dur"]),
-         "pid": e.get("pid"), "tid": e.get("tid")}
-        for e in _event_list(trace)
-        if e.get("ph") == "X" and "ts" in e and "dur" in e
-    ]
+    rows = [{"name": e.get("name", ""), "cat": e.get("cat", ""), "ts_us": float(e["ts"]), "dur_us": float(e["dur"]),
+             "pid": e.get("pid"), "tid": e.get("tid")} for e in _event_list(trace)
+            if e.get("ph") == "X" and "ts" in e and "dur" in e]
     df = pd.DataFrame(rows, columns=["name", "cat", "ts_us", "dur_us", "pid", "tid"])
     df["end_us"] = df["ts_us"] + df["dur_us"]
     return df.sort_values("ts_us", kind="stable").reset_index(drop=True)
@@ -93,29 +87,19 @@ def kernel_intervals(df: pd.DataFrame, cats: Iterable[str] = ("kernel",)) -> lis
 
 def union_us(intervals: Iterable[tuple[float, float]], window: tuple[float, float] | None = None) -> float:
     """Length (µs) of the union of intervals, clipped to ``window``: overlapping kernels count once."""
-    spans = sorted(intervals)
     lo_w, hi_w = window if window is not None else (float("-inf"), float("inf"))
-    total, cur_s, cur_e = 0.0, None, None
-    for s, e in spans:
-        s, e = max(s, lo_w), min(e, hi_w)
-        if e <= s:
-            continue
-        if cur_e is None or s > cur_e:
-            if cur_e is not None:
-                total += cur_e - cur_s
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
-    if cur_e is not None:
-        total += cur_e - cur_s
+    total, covered = 0.0, float("-inf")  # covered: the end of the union so far
+    for s, e in sorted(intervals):  # by start: each adds only its part past what is covered
+        s, e = max(s, lo_w, covered), min(e, hi_w)
+        if e > s:
+            total, covered = total + (e - s), e
     return total
 
 
 def busy_fraction(trace: Mapping[str, Any] | pd.DataFrame, cats: Iterable[str] = ("kernel",)) -> float | None:
     """Fraction of the steps' wall time with at least one kernel running (None: the trace has no kernels)."""
     df = trace if isinstance(trace, pd.DataFrame) else events(trace)
-    iv = kernel_intervals(df, cats)
-    if not iv:
+    if not (iv := kernel_intervals(df, cats)):
         return None
     t0, t1 = step_window(df)
     return union_us(iv, (t0, t1)) / (t1 - t0)
@@ -137,8 +121,7 @@ def summarize(trace: Mapping[str, Any] | pd.DataFrame) -> dict[str, Any]:
 
     ``gpu_busy``: kernel time union / wall time (None without kernels); ``data_wait``: the DataLoader's
     ``next()`` share of the wall time; ``syncs``: host calls that wait for the device (+ ``.item()``-like ops);
-    ``launches``: kernel launches; ``kernel_us``: mean kernel duration.
-    """
+    ``launches``: kernel launches; ``kernel_us``: mean kernel duration."""
     df = trace if isinstance(trace, pd.DataFrame) else events(trace)
     t0, t1 = step_window(df)
     in_win = df[(df["ts_us"] >= t0) & (df["ts_us"] < t1)]
@@ -151,28 +134,21 @@ def summarize(trace: Mapping[str, Any] | pd.DataFrame) -> dict[str, Any]:
     syncs += int(in_win["name"].isin(SYNC_OPS).sum()) if runtime.empty else 0  # CPU-only: count the ops
     busy = busy_fraction(df)
     names = " ".join(kernels["name"].unique().tolist()).lower()
-    return {
-        "steps": steps,
-        "step_ms": wall / max(steps, 1) / 1e3,
-        "gpu_busy": busy,
-        "data_wait": union_us(zip(data["ts_us"], data["end_us"], strict=True), (t0, t1)) / wall,
-        "syncs_per_step": syncs / max(steps, 1),
-        "launches_per_step": int(runtime["name"].isin(LAUNCH_CALLS).sum()) / max(steps, 1),
-        "kernels_per_step": len(kernels) / max(steps, 1),
-        "kernel_us": float(kernels["dur_us"].mean()) if len(kernels) else None,
-        "half_precision_kernels": any(k in names for k in ("bf16", "f16", "half", "h16", "bfloat")),
-    }
+    return {"steps": steps, "step_ms": wall / max(steps, 1) / 1e3, "gpu_busy": busy,
+            "data_wait": union_us(zip(data["ts_us"], data["end_us"], strict=True), (t0, t1)) / wall,
+            "syncs_per_step": syncs / max(steps, 1),
+            "launches_per_step": int(runtime["name"].isin(LAUNCH_CALLS).sum()) / max(steps, 1),
+            "kernels_per_step": len(kernels) / max(steps, 1),
+            "kernel_us": float(kernels["dur_us"].mean()) if len(kernels) else None,
+            "half_precision_kernels": any(k in names for k in ("bf16", "f16", "half", "h16", "bfloat"))}
 
 
 def trim_trace(trace: Mapping[str, Any], keep_cats: Sequence[str] = (*DEVICE_CATS, "user_annotation",
                                                                      "gpu_user_annotation")) -> dict[str, Any]:
     """A smaller trace holding only the events of ``keep_cats`` (kernels and step annotations by default):
     enough for the busy fraction, small enough to commit."""
-    keep = [
-        {k: e[k] for k in ("ph", "cat", "name", "ts", "dur", "pid", "tid") if k in e}
-        for e in _event_list(trace)
-        if e.get("ph") == "X" and e.get("cat") in keep_cats
-    ]
+    keep = [{k: e[k] for k in ("ph", "cat", "name", "ts", "dur", "pid", "tid") if k in e} for e in _event_list(trace)
+            if e.get("ph") == "X" and e.get("cat") in keep_cats]
     return {"traceEvents": keep}
 
 
@@ -214,9 +190,7 @@ def plot_timeline(trace: Mapping[str, Any] | pd.DataFrame, step: int | None = No
         bars = [((s - t0) / 1e3, max(d, 0.5) / 1e3) for s, d in zip(g["ts_us"], g["dur_us"], strict=True)]
         ax.broken_barh(bars, (y - 0.4, 0.8), facecolors=color, edgecolor="none", alpha=0.8)
     ax.set_yticks(range(len(lanes)), [lane[0] for lane in lanes])
-    ax.set_ylim(len(lanes) - 0.5, -0.5)
-    ax.set_xlim(0, (t1 - t0) / 1e3)
-    ax.set_xlabel("ms from the start of the step")
-    ax.set_title(title or f"{steps.loc[i, 'name']}: {(t1 - t0) / 1e3:.2f} ms")
+    ax.set(ylim=(len(lanes) - 0.5, -0.5), xlim=(0, (t1 - t0) / 1e3), xlabel="ms from the start of the step",
+           title=title or f"{steps.loc[i, 'name']}: {(t1 - t0) / 1e3:.2f} ms")
     ax.grid(axis="x", alpha=0.3)
     return ax

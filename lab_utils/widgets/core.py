@@ -1,8 +1,7 @@
 """When a panel is interactive, how it is shown, and the progress bars of the long loops and callbacks.
 
 The rule, in one line: a panel is interactive in an IPython kernel unless ``NVLAB_HEADLESS=1`` or the course's own
-executors run the notebook (``nvlab run`` with papermill and the test suite's nbval set ``NVLAB_RUN_ID``).
-"""
+executors run the notebook (``nvlab run`` with papermill and the test suite's nbval set ``NVLAB_RUN_ID``)."""
 
 from __future__ import annotations
 
@@ -35,8 +34,7 @@ def interactive() -> bool:
 def show(panel: Any) -> Any:
     """Display ``panel.widget`` when :func:`interactive`, else print ``panel.headless()`` (its initial result).
 
-    Returns the panel, so a notebook (or a test) can drive it further; it displays as nothing itself.
-    """
+    Returns the panel, so a notebook (or a test) can drive it further; it displays as nothing itself."""
     if interactive():
         from IPython.display import display
 
@@ -106,8 +104,7 @@ class ProgressBar:
 
     def __init__(self, total: int | None, desc: str, every_s: float):
         self.total, self.desc, self.every_s = total, desc, every_s
-        self.n = 0
-        self.closed = False
+        self.n, self.closed = 0, False
         self._t0 = self._last = time.perf_counter()
         self._tqdm: Any = None
         if interactive():
@@ -159,8 +156,7 @@ def progress_bar(total: int | None = None, desc: str = "", every_s: float = 10.0
     expected (None: unknown). Use it as a context manager, or call ``close()``::
 
         with widgets.progress_bar(total=60, desc="SLO run") as bar:
-            result = openloop.run_open_loop(target, 100, 60, on_window=bar.update)
-    """
+            result = openloop.run_open_loop(target, 100, 60, on_window=bar.update)"""
     if total is not None and (isinstance(total, bool) or not isinstance(total, int) or total < 0):
         raise ValueError(f"progress_bar(total={total!r}): the number of steps, a whole number >= 0, or None")
     if not isinstance(desc, str):

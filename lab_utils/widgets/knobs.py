@@ -10,7 +10,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import ipywidgets as w
+import matplotlib.pyplot as plt
 import pandas as pd
+from IPython.display import display
 
 from lab_utils.serving import steps as triton_lab
 from lab_utils.widgets.core import Panel, error_html, interactive, show
@@ -34,8 +37,6 @@ class KnobPanel(Panel):
                  settings: triton_lab.LoadSettings, *, gpus: int = 0, concurrency: int = 8,
                  rows: Sequence[Mapping[str, Any]] = (), batching: bool = True, preferred: Sequence[int] = (),
                  delay_us: int = 0, instances: int = 1):
-        import ipywidgets as w
-
         self.server, self.repo, self.make_inputs, self.settings, self.gpus = server, Path(repo), make_inputs, \
             settings, gpus
         self.base = copy.deepcopy(dict(base_config))
@@ -58,10 +59,9 @@ class KnobPanel(Panel):
         self.measure_button.on_click(lambda _b: self._guard(self.measure))
         self.status = w.HTML()
         self.table_out, self.plot_out = w.Output(), w.Output()
-        self.widget = w.VBox([
-            w.HBox([self.batching, self.preferred, self.delay_us]),
-            w.HBox([self.instances, self.concurrency, self.apply_button, self.measure_button]),
-            self.status, self.table_out, self.plot_out])
+        self.widget = w.VBox([w.HBox([self.batching, self.preferred, self.delay_us]),
+                              w.HBox([self.instances, self.concurrency, self.apply_button, self.measure_button]),
+                              self.status, self.table_out, self.plot_out])
 
     def config(self) -> dict[str, Any]:
         """The model configuration the controls describe (``config.pbtxt``'s fields)."""
@@ -115,8 +115,6 @@ class KnobPanel(Panel):
 
     def figure(self) -> Any:
         """p95 against throughput: one point per measurement, labelled by its knobs."""
-        import matplotlib.pyplot as plt
-
         fig, ax = plt.subplots(figsize=(7.0, 4.5))
         curves = {}
         for r in self.rows:
@@ -127,8 +125,6 @@ class KnobPanel(Panel):
         return fig
 
     def _render(self) -> None:
-        from IPython.display import display
-
         with self.table_out:
             self.table_out.clear_output(wait=True)
             display(self.table().round(2))
@@ -145,8 +141,6 @@ class KnobPanel(Panel):
             return None
 
     def headless(self) -> None:
-        from IPython.display import display
-
         row = self.measure()
         print(f"knob panel (interactive in JupyterLab): measured {row['step']} at concurrency {row['concurrency']}")
         display(self.table().round(2))

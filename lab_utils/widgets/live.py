@@ -12,7 +12,9 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import ipywidgets as w
 import pandas as pd
+from IPython.display import display
 
 from lab_utils.widgets.core import Panel, interactive
 
@@ -24,8 +26,7 @@ def queries(window: str = "5s") -> dict[str, str]:
         # a quantile cannot be averaged: the worst model's p95 is shown
         "p95_ms": 'max(nv_inference_request_summary_us{quantile="0.95"}) / 1000',
         "queue_ms": f"sum(rate(nv_inference_queue_duration_us[{window}])) "
-                    f"/ sum(rate(nv_inference_request_success[{window}])) / 1000",
-    }
+                    f"/ sum(rate(nv_inference_request_success[{window}])) / 1000"}
 
 
 class LiveView(Panel):
@@ -33,8 +34,6 @@ class LiveView(Panel):
     table (seconds since start, qps, p95_ms, queue_ms); NaN where Prometheus has no value yet."""
 
     def __init__(self, metrics: Any, window: str = "5s", every_s: float = 2.0):
-        import ipywidgets as w
-
         if not (isinstance(window, str) and re.fullmatch(r"\d+(ms|s|m|h)", window)):
             raise ValueError(f"live_view(window={window!r}): a PromQL range such as '5s' or '1m' (the rate's window)")
         if isinstance(every_s, bool) or not isinstance(every_s, (int, float)) or not 0.1 <= every_s <= 3600:
@@ -101,8 +100,6 @@ class LiveView(Panel):
         self.sample()
 
     def headless(self) -> None:
-        from IPython.display import display
-
         print(f"live view (refreshes in JupyterLab): {len(self.rows)} readings, every {self.every_s:g} s")
         display(self.samples.round(2))
 
@@ -118,8 +115,6 @@ def live_view(metrics: Any, window: str = "5s", every_s: float = 2.0) -> Iterato
         return
     view = LiveView(metrics, window, every_s)
     if interactive():
-        from IPython.display import display
-
         display(view.widget)
     view.start()
     try:

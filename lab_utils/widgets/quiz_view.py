@@ -6,6 +6,8 @@ from __future__ import annotations
 import html
 from typing import Any
 
+import ipywidgets as w
+
 from lab_utils.exercises.framework import Outcome
 from lab_utils.exercises.quiz import Question, QuizRunner
 from lab_utils.widgets.core import Panel, interactive, show
@@ -14,12 +16,9 @@ from lab_utils.widgets.core import Panel, interactive, show
 class QuizPanel(Panel):
     """``runner``'s questions in order; ``answer_value()`` is what the control holds, in the form ``check`` takes.
 
-    The panel grades through ``runner`` (``runner.answer``), so ``runner.score()`` counts what was submitted here.
-    """
+    The panel grades through ``runner`` (``runner.answer``), so ``runner.score()`` counts what was submitted here."""
 
     def __init__(self, runner: QuizRunner):
-        import ipywidgets as w
-
         self.runner = runner
         self.question: Question | None = None
         self.outcome: Outcome | None = None
@@ -35,8 +34,6 @@ class QuizPanel(Panel):
 
     def advance(self) -> Question | None:
         """Open the next question (``None`` at the end) and build its control."""
-        import ipywidgets as w
-
         q = self.question = self.runner.next(show=False)
         self.outcome, self.feedback.value, self._inputs = None, "", {}
         if q is None:
@@ -65,8 +62,7 @@ class QuizPanel(Panel):
 
     def answer_value(self) -> Any:
         """The control's value as ``QuizRunner.answer`` takes it (None when left blank)."""
-        q = self.question
-        if q is None:
+        if (q := self.question) is None:
             return None
         if q.form == "multi":
             picked = [k for k, box in self._inputs.items() if box.value]

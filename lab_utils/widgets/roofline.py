@@ -6,7 +6,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import ipywidgets as w
+import matplotlib.pyplot as plt
 import pandas as pd
+from IPython.display import display
 
 from lab_utils.course import specs
 from lab_utils.gpu import bench, bench_plots
@@ -36,8 +39,6 @@ class RooflineExplorer(Panel):
 
     def __init__(self, device: str, sizes: Sequence[int], dtypes: Sequence[str] = bench.DTYPES, reps: int = 5,
                  dtype: str | None = None, n: int | None = None):
-        import ipywidgets as w
-
         # said here, at the call: a bad choice would otherwise surface as a traitlets error from inside ipywidgets
         if not sizes or any(isinstance(s, bool) or int(s) != s or s < 1 for s in sizes):
             raise ValueError(f"roofline_explorer(sizes={sizes!r}): matmul sizes n, whole numbers >= 1, e.g. [256, 512]")
@@ -85,8 +86,6 @@ class RooflineExplorer(Panel):
 
     def figure(self) -> Any:
         """The H200 datasheet roof (bf16) with its reference points and every point measured here."""
-        import matplotlib.pyplot as plt
-
         h200 = specs.H200_SXM
         pts = pd.concat([reference_points(), self.points], ignore_index=True)
         pts[["intensity_flop_per_byte", "tflops"]] = pts[["intensity_flop_per_byte", "tflops"]].astype(float)
@@ -96,8 +95,6 @@ class RooflineExplorer(Panel):
         return fig
 
     def _render(self) -> None:
-        from IPython.display import display
-
         self.status.value = f"<b>{self.summary()}</b>"
         with self.out:
             self.out.clear_output(wait=True)
@@ -113,8 +110,6 @@ class RooflineExplorer(Panel):
         self._render()
 
     def headless(self) -> None:
-        from IPython.display import display
-
         self.measure()
         print(self.summary())
         display(self.figure())
