@@ -179,6 +179,9 @@ def _backends(values: Iterable[BackendLike] | None, what: str) -> list[Backend]:
     return out
 
 
+BODY_BUFFER = "512k"  # request bodies nginx keeps in memory (HTTP): the service's images are at most 256 KB
+
+
 def _size(value: int | str, what: str = "client_max_body_size") -> str:
     """A size for nginx: an int of bytes, or ``"8m"``, ``"512k"``, ``"1g"``."""
     if isinstance(value, bool) or not isinstance(value, (int, str)) or \
@@ -379,10 +382,7 @@ def nginx_config(
         out.append("")
 
     def guard() -> list[str]:
-        # a body over client_body_buffer_size goes to a temporary file and is sent on from there: measured here, a
-        # 35 KB JPEG then waited 40 ms more (p50 49 against 4.8 ms straight to Triton); in memory it does not
-        g = [f"        client_max_body_size {size};  # larger bodies: 413",
-             f"        client_body_buffer_size {size};  # every accepted body stays in memory"]
+        g = [f"        client_max_body_size {size};  # larger bodies: 413"]
         if keys:
             g += ["        if ($nvlab_authorized = 0) {",
                   f"            return 401 '{{\"error\":\"missing or wrong API key: send {API_KEY_HEADER}: <key> or "
@@ -405,7 +405,11 @@ def nginx_config(
     media = ['        if ($nvlab_bad_type) {',
              f"            return 415 '{{\"error\":\"{BAD_TYPE_WORDS}\"}}';", "        }"]
     if http_up is not None:
-        out += ["    server {", f"        listen {host}:{http_port};", *guard(), *media, *errors,
+        # a body over client_body_buffer_size goes to a temporary file and is sent on from there: measured here, a
+        # 35 KB JPEG then waited 40 ms more (p50 49 against 4.8 ms straight to Triton). HTTP/1.1 bodies give their
+        # length, and nginx allocates only that; gRPC's HTTP/2 bodies do not, and would each get the whole buffer
+        out += ["    server {", f"        listen {host}:{http_port};", *guard(),
+                f"        client_body_buffer_size {BODY_BUFFER};  # bodies up to it stay in memory", *media, *errors,
                 "        location / {", *limit,
                 f"            proxy_pass http://{http_up};",
                 f"            add_header {UPSTREAM_HEADER} $upstream_addr always;  # which server answered",
