@@ -16,6 +16,7 @@ from _triton import REQUIRE_ENV, quick_stop, require_server  # noqa: F401 (an au
 
 from lab_utils import procs
 from lab_utils.compat import numpy1_env
+from lab_utils.exercises import lab07
 from lab_utils.models import digits_arrays
 from lab_utils.procs import env_flag
 from lab_utils.serving import client as triton_client
@@ -265,6 +266,18 @@ def test_resnet50_variant_serves_pngs_and_jpeg_photographs(built, server):
     photos = ens.photo_jpegs(4)  # JPEG photographs of 224-512 px, a few tens of KB each
     assert all(10_000 < len(p) < 100_000 for p in photos) and len(set(photos)) == 4
     assert ens.classify(server.grpc_url, photos, model=svc.service)[1].shape == (4, 5)
+    with pytest.raises(ValueError, match="only a torch-engine variant has a model.pt"):
+        ens.build_resnet50_service(built.path, prefix="resnet50_again", width=16, image_size=64, exported=svc)
+    # lab 07's variants: one export, its model.pt copied into the next variant's classifier
+    first = ens.build_resnet50_service(built.path, prefix="resnet50_t1", width=16, image_size=64,
+                                       source=server.source, classifier_engine="torch", cache=None)
+    second = ens.build_resnet50_service(built.path, prefix="resnet50_t2", width=16, image_size=64,
+                                        source=server.source, classifier_engine="torch", cache=None, exported=first)
+    pt = [r.path / r.classifier / "1" / ens.TORCH_FILE for r in (first, second)]
+    assert pt[0].read_bytes() == pt[1].read_bytes() and not (pt[1].parent / "model.onnx").exists()
+    triton_client.load_model(server.grpc_url, second.service)
+    assert ens.classify(server.grpc_url, photos[:2], model=second.service)[1].shape == (2, 5)
+    triton_client.unload_model(server.grpc_url, second.service)
 
 
 def test_stop_leaves_nothing(server):
@@ -426,19 +439,12 @@ calls: list[int] = []  # how many images each call of the decoder below received
 
 
 def _pillow_decode_jpeg(data, mode=None, device="cpu"):
-    """torchvision's ``decode_jpeg`` (a list of encoded uint8 tensors -> uint8 [C, H, W] each) done by Pillow, so
-    the GPU preprocessing's batching, resizing and normalization run where torchvision and a GPU are not."""
-    import torch
-    from PIL import Image
-
+    """Lab 07's Pillow stand-in for torchvision's ``decode_jpeg``, counting each call's images and refusing what the
+    test marks, so the GPU preprocessing's batching, resizing and normalization run without torchvision or a GPU."""
     calls.append(len(data))
-    out = []
-    for t in data:
-        if t.numpy()[-3] == 0x42:  # a marker the test plants: what nvJPEG refuses
-            raise RuntimeError("nvjpegDecodeBatched failed")
-        rgb = np.array(Image.open(io.BytesIO(t.numpy().tobytes())).convert("RGB"))
-        out.append(torch.from_numpy(rgb).permute(2, 0, 1).contiguous().to(device))
-    return out
+    if any(t.numpy()[-3] == 0x42 for t in data):  # a marker the test plants: what nvJPEG refuses
+        raise RuntimeError("nvjpegDecodeBatched failed")
+    return lab07.decode_jpeg(data, mode, device)
 
 
 def test_gpu_preprocessing_batches_resizes_and_normalizes_like_pillow(built, monkeypatch):
@@ -467,7 +473,7 @@ def test_gpu_preprocessing_batches_resizes_and_normalizes_like_pillow(built, mon
     requests = [[photos[0], photos[1]], [png, photos[2]], [truncated], [refused]]
     results = [[(i, d, model.open_checked(i, d)) for i, d in enumerate(r)] for r in requests]
     calls.clear()
-    out = gpu.decode_requests(results, model)
+    out = gpu.decode_requests(results, model.pixels)
     assert calls[0] == 4  # one call for the batch's 4 complete JPEGs (it failed on one: then one call each)
     assert calls[1:] == [1] * 4
     assert isinstance(out[2], str) and "corrupt or truncated" in out[2]
@@ -476,7 +482,7 @@ def test_gpu_preprocessing_batches_resizes_and_normalizes_like_pillow(built, mon
         assert got.shape == want.shape == (len(items), 3, 64, 64) and got.dtype == np.float32
         assert float(np.abs(got - want).mean()) < 0.02
     assert len(gpu.host) >= 5  # the pinned buffer grew past max_rows
-    first = gpu.decode_requests(["IMAGE[0] is empty", [(0, photos[0], model.open_checked(0, photos[0]))]], model)
+    first = gpu.decode_requests(["IMAGE[0] is empty", [(0, photos[0], model.open_checked(0, photos[0]))]], model.pixels)
     assert first[0] == "IMAGE[0] is empty" and first[1].shape == (1, 3, 64, 64)  # an error passes through
 
 

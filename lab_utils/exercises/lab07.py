@@ -13,13 +13,11 @@ Design notes: docs/internals.md#lab_utilsexerciseslab07py
 
 from __future__ import annotations
 
-import inspect
 import io
 import math
 import pprint
 import random
 import shutil
-import textwrap
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,6 +33,7 @@ from lab_utils.exercises.framework import (
     Wrong,
     _short,
     run_student,
+    source_as,
 )
 from lab_utils.serving import client as triton_client
 from lab_utils.serving import ensemble as ens
@@ -65,11 +64,6 @@ def pixel_stats() -> tuple[float, float]:
     """(mean, std) of the training digits in 0..16 units: what the preprocessing normalizes with."""
     raw = ens.digits_raw_split()
     return raw["mean"], raw["std"]
-
-
-def _source(fn: Callable[..., Any], name: str) -> str:
-    """A reference function's source under the name the student defines."""
-    return textwrap.dedent(inspect.getsource(fn)).replace(f"def {fn.__name__}(", f"def {name}(", 1)
 
 
 # --- the service the checks use -----------------------------------------------------------------------------
@@ -348,7 +342,7 @@ q2 = CodeExercise(
         "Bad items: wrap Image.open (and img.load(), which decodes) in try/except and raise "
         "ValueError(f\"item {i} ...\"); check max(img.size) > ex.MAX_SIDE before resizing.",
     ),
-    solution_text=_source(reference_preprocess, "preprocess"),
+    solution_text=source_as(reference_preprocess, "preprocess"),
 )
 
 
@@ -531,7 +525,7 @@ q4 = CodeExercise(
         "Try lo_rps (fails: return 0) and hi_rps (passes: return hi_rps); then while hi - lo > tolerance * hi: "
         "probe the middle; it becomes the new lo if it passed, the new hi if not. Return lo.",
     ),
-    solution_text=_source(reference_find_capacity, "find_capacity"),
+    solution_text=source_as(reference_find_capacity, "find_capacity"),
 )
 
 
@@ -587,7 +581,7 @@ q5 = CodeExercise(
         "Each server may be loaded to (1 - headroom) x capacity_rps.",
         "math.ceil(peak_rps / (capacity_rps * (1 - headroom))) servers carry the peak; add `spares` on top.",
     ),
-    solution_text=_source(reference_servers_needed, "servers_needed"),
+    solution_text=source_as(reference_servers_needed, "servers_needed"),
 )
 
 
@@ -698,5 +692,5 @@ q6 = CodeExercise(
         "antialias=True)[0]; torch.stack them; then (x / 255 - mean) / std with ex.IMAGENET_MEAN and "
         "ex.IMAGENET_STD as tensors of shape (1, 3, 1, 1) on the same device.",
     ),
-    solution_text=_source(reference_gpu_preprocess, "gpu_preprocess"),
+    solution_text=source_as(reference_gpu_preprocess, "gpu_preprocess"),
 )

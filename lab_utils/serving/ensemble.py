@@ -17,6 +17,7 @@ import functools
 import io
 import json
 import math
+import shutil
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -100,7 +101,13 @@ def export_classifier(model: Any, version_dir: str | Path, image_size: int = DIG
                       torchscript: bool = False, onnx: bool = True) -> Path:
     """``model.onnx`` in ``version_dir`` with a dynamic batch (the course's ``export_onnx``); returns its path.
     ``torchscript``: ``model.pt`` beside it as well (``export_torchscript``: what the torch engine loads);
-    ``onnx`` False: ``model.pt`` only (the torch engine reads nothing else), and its path is returned."""
+    ``onnx`` False: ``model.pt`` only (the torch engine reads nothing else), and its path is returned; then
+    ``model`` may be an exported ``model.pt`` (a path), copied as it is (one export for several variants)."""
+    if isinstance(model, (str, Path)):
+        if onnx:
+            raise ValueError(f"export_classifier({model!r}): a saved model.pt is copied only with onnx=False")
+        Path(version_dir).mkdir(parents=True, exist_ok=True)
+        return Path(shutil.copyfile(model, Path(version_dir) / TORCH_FILE))
     import torch
 
     from lab_utils.inference.onnx import export_onnx  # lazy: pulls torch and onnx
@@ -609,16 +616,22 @@ def build_resnet50_service(repo: str | Path, *, image_size: int = 224, width: in
                            cache: str | None = None, source: ServerSource | None = None,
                            build_env: bool = True, classifier_engine: str | None = None,
                            classifier_precision: str = "fp32", prefix: str = "resnet50",
-                           **knobs: Any) -> ServiceRepo:
+                           exported: ServiceRepo | None = None, **knobs: Any) -> ServiceRepo:
     """``resnet50_*``: a ResNet-50 (``model_zoo.make_resnet50``; torchvision's where it imports, else the course's
     same-layout ``BottleneckResNet``) with RANDOM WEIGHTS, for speed only: its labels mean nothing. RGB
     ``image_size`` px, ImageNet normalization, 1000 classes. The export takes tens of seconds on a CPU. With
     ``gpus`` >= 1 on the wheel's server the classifier runs in torch on the GPU (``build_service``, which takes
     ``knobs``: ``preprocess_device``, ``preprocess_count``, ``preprocess_delay_us``, ``channels_last``,
-    ``cuda_graphs``). ``prefix``: the models' names, one per variant in one repository."""
+    ``cuda_graphs``). ``prefix``: the models' names, one per variant in one repository. ``exported``: an earlier
+    variant of the same size on the torch engine, whose ``model.pt`` is copied (the same weights, no new export)."""
     from lab_utils.inference.model_zoo import make_resnet50  # lazy: pulls torch
 
     model, info = make_resnet50("cpu", width=width, image_size=image_size)
+    if exported is not None:
+        if exported.engine != "torch":
+            raise ValueError(f"exported={exported.service}: its classifier runs on {exported.engine}; only a "
+                             "torch-engine variant has a model.pt to copy (leave exported=None to export)")
+        model = exported.path / exported.classifier / "1" / TORCH_FILE
     svc = build_service(repo, model, prefix=prefix, labels=[f"class_{i}" for i in range(1000)],
                         image_size=image_size, channels=3, pixel_scale=1 / 255, mean=(0.485, 0.456, 0.406),
                         std=(0.229, 0.224, 0.225), resample="bilinear", top_k=top_k, backend=backend, gpus=gpus,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import io
 import json
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -168,7 +169,7 @@ class TritonPythonModel:
             except Exception as err:  # a bug here must fail one request, not the model
                 results.append(f"preprocessing failed: {type(err).__name__}: {err}")
         if self.gpu is not None:
-            results = self.gpu.decode_requests(results, self)
+            results = self.gpu.decode_requests(results, self.pixels)
         responses = []
         for x in results:
             if isinstance(x, str):
@@ -240,9 +241,10 @@ class GpuImages:
                     out.append(None)
             return out
 
-    def decode_requests(self, results: list[Any], model: TritonPythonModel) -> list[Any]:
+    def decode_requests(self, results: list[Any], pixels: Callable[[int, Any], np.ndarray]) -> list[Any]:
         """``results`` (per request: [(index, bytes, checked Pillow image)] or an error message) -> per request
-        its rows (a view of the pinned buffer, valid until the next call) or its error message."""
+        its rows (a view of the pinned buffer, valid until the next call) or its error message. ``pixels(index,
+        image)``: Pillow's decode of one item the GPU does not take (float32 [C, S, S])."""
         torch = self.torch
         jpegs = [(k, j) for k, req in enumerate(results) if not isinstance(req, str)
                  for j, (_, data, img) in enumerate(req) if img.format == "JPEG" and jpeg_complete(data)]
@@ -260,7 +262,7 @@ class GpuImages:
                     if gpu_img is not None:
                         mine.append(self._resized(gpu_img))
                     else:  # Pillow decodes it, or names what is wrong with it
-                        mine.append(torch.from_numpy(model.pixels(i, img)).to(self.device))
+                        mine.append(torch.from_numpy(pixels(i, img)).to(self.device))
             except BadImage as err:
                 spans.append(str(err))
                 continue
