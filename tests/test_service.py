@@ -202,6 +202,16 @@ def test_where_a_requests_time_goes_per_step_model_and_process(svc):
     assert len(ax.patches) == len(breakdown.STAGES) * int(df["batch_avg"].notna().sum())
 
 
+def test_the_digits_service_holds_its_slo_as_lab_07_runs_it_in_quick_mode(svc):
+    """Lab 07's SLO on the CPU tier, as its quick run measures it: 100 requests/s of open-loop load for 10 s through
+    nginx, every answer checked, p95 under 100 ms, no error, every window stable (``openloop.meets_slo``)."""
+    from lab_utils.serving import openloop
+
+    slo = openloop.run_open_loop(svc.target("http", verify=True), 100, 10.0, warmup_s=2.0, timeout_s=10.0)
+    ok, why = openloop.meets_slo(slo, 100.0)
+    assert ok, (why, str(slo), slo.error_messages)
+
+
 def test_over_the_rate_limit_is_a_429_and_the_limit_comes_back(svc):
     good = ens.digits_pngs("test", 1)[0][0]
     svc.lb.options.update(rate_limit_rps=5, rate_burst=0)
