@@ -870,19 +870,15 @@ class TritonPythonModel:
 """
 
 
+@functools.cache
 def _watchdog_repo() -> Path:
     """A repository with one small python-backend model that echoes its input (written once per process, removed
     at exit): the server the watchdog watches loads a model, as a real one does."""
-    if not _REPO:
-        root = owned_tempdir("watchdog")
-        (root / "repo" / "echo" / "1").mkdir(parents=True)
-        (root / "repo" / "echo" / "config.pbtxt").write_text(_ECHO_CONFIG)
-        (root / "repo" / "echo" / "1" / "model.py").write_text(_ECHO_MODEL)
-        _REPO.append(root / "repo")
-    return _REPO[0]
-
-
-_REPO: list[Path] = []
+    model = owned_tempdir("watchdog") / "repo" / "echo"
+    (model / "1").mkdir(parents=True)
+    (model / "config.pbtxt").write_text(_ECHO_CONFIG)
+    (model / "1" / "model.py").write_text(_ECHO_MODEL)
+    return model.parent
 
 
 def watched_server(http_port: int, grpc_port: int, metrics_port: int) -> Any:

@@ -426,16 +426,8 @@ def reference_last_losses(batches: Sequence[tuple[torch.Tensor, torch.Tensor]], 
                           device: str) -> list[float]:
     """The last step's loss of each window (a common wrong answer), from a fresh model of the same seed."""
     model, _ = _loop_setup(device, seed)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    out = []
-    for i, (x, y) in enumerate(batches, start=1):
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        if i % log_every == 0:
-            out.append(float(loss.detach()))
-    return out
+    per_step = reference_train_loop(model, torch.optim.SGD(model.parameters(), lr=0.1), batches, 1)
+    return per_step[log_every - 1::log_every]
 
 
 q4 = CodeExercise(

@@ -20,7 +20,6 @@ import random
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -31,7 +30,8 @@ from lab_utils.exercises.framework import (
     Exercise,
     NotApplicable,
     Wrong,
-    _short,
+    integer,
+    number,
     run_student,
     source_as,
 )
@@ -69,24 +69,19 @@ def pixel_stats() -> tuple[float, float]:
 # --- the service the checks use -----------------------------------------------------------------------------
 
 
-@dataclass
-class _Bound:
-    service: Any
-
-
-_BOUND: list[_Bound] = []
+_BOUND: list[Any] = []  # the service use_service named, if any
 
 
 def use_service(service: Any) -> None:
     """The running service the checks load models into, send requests to and read the logs of."""
-    _BOUND[:] = [_Bound(service)]
+    _BOUND[:] = [service]
     print(f"checks run against the service at {service.http_url} ({service.via}; {len(service.servers)} Triton)")
 
 
 def _no_service() -> str | None:
     if not _BOUND:
         return "no service to check against yet: run the cell that starts it (it calls ex.use_service(svc))."
-    if not _BOUND[0].service.alive():
+    if not _BOUND[0].alive():
         return "the lab's service is not running: start it again and rerun this check."
     return None
 
@@ -95,7 +90,7 @@ def _service() -> Any:
     why = _no_service()
     if why:
         raise NotApplicable(why)
-    return _BOUND[0].service
+    return _BOUND[0]
 
 
 # --- reference implementations (later cells use these) ------------------------------------------------------
@@ -448,10 +443,7 @@ def _grade_capacity(fn: Any) -> str:
         sim = SimulatedService(random.randrange(10**6), lo, hi, trap)
         got = run_student(fn, sim.probe, lo, hi, SLO_MS, tol, what="find_capacity",
                           call=f"find_capacity(probe, {lo:g}, {hi:g}, {SLO_MS:g}, {tol:g})", timeout_s=30)
-        try:
-            got = float(got)
-        except (TypeError, ValueError):
-            raise Wrong(f"it returned {_short(got)}: return the capacity, a number of requests per second") from None
+        got = number(got, "the capacity (requests per second)")
         calls = len(sim.calls)
         if not sim.calls:
             raise Wrong("it never called probe(rate): the capacity is measured, one open-loop run per rate tried")
@@ -478,7 +470,6 @@ def _grade_capacity(fn: Any) -> str:
             raise Wrong(f"it answered {got:.1f} req/s where the capacity is {c:.1f}: too low. Keep halving the "
                         f"range [passing rate, failing rate] until it is narrower than tolerance x the upper rate, "
                         "and return the highest rate that passed")
-    note = ""
     try:
         svc = _service()
     except NotApplicable as why:
@@ -540,14 +531,9 @@ def _grade_plan(fn: Any) -> str:
                                 rng.choice([0.2, 0.3, 0.4]), rng.choice([1, 2])) for _ in range(20)]
     got_all = []
     for peak, cap, head, spares in cases:
-        got = run_student(fn, peak, cap, head, spares, what="servers_needed",
-                          call=f"servers_needed({peak:g}, {cap:g}, {head:g}, {spares})", timeout_s=10)
-        if isinstance(got, float) and got.is_integer():
-            got = int(got)
-        if isinstance(got, bool) or not isinstance(got, (int, np.integer)):
-            raise Wrong(f"servers_needed({peak:g}, {cap:g}, {head:g}, {spares}) returned {_short(got)}: a number of "
-                        "servers is a whole number (math.ceil)")
-        got_all.append(int(got))
+        call = f"servers_needed({peak:g}, {cap:g}, {head:g}, {spares})"
+        got = run_student(fn, peak, cap, head, spares, call=call, timeout_s=10)
+        got_all.append(integer(got, f"{call}, a number of servers (math.ceil),"))
     slips = {  # a common mistake's answers on every case -> what it got wrong
         "the headroom is missing: each server may run at only (1 - headroom) x its capacity, so that a burst or a "
         "slow minute stays inside the SLO": lambda p, c, h, s: math.ceil(p / c) + s,
@@ -568,8 +554,6 @@ def _grade_plan(fn: Any) -> str:
         if got_all == [slip(*case) for case in cases]:
             raise Wrong(f"{call}: {why}")
     raise Wrong(f"{call}: servers = ceil(peak / (capacity x (1 - headroom))) + spares")
-
-
 
 
 q5 = CodeExercise(

@@ -283,13 +283,11 @@ def _grade_log_run(fn: Any) -> str:
         try:
             try:
                 run_id = run_student(fn, server.url, experiment, result, str(onnx_path), what="log_run",
-                                     call="log_run(tracking_uri, experiment, result, onnx_path)", timeout_s=120)
+                                     call="log_run(tracking_uri, experiment, result, onnx_path)", timeout_s=120,
+                                     returns=str, returns_text="the run's id, `run.info.run_id` (a str)")
             finally:
                 leftover = mlflow.active_run()
                 left_id = leftover.info.run_id if leftover is not None else None
-            if not isinstance(run_id, str):
-                hint = " (does it end with `return ...`?)" if run_id is None else ""
-                raise Wrong(f"it returned {_short(run_id)}{hint}: return the run's id, `run.info.run_id` (a str)")
             try:
                 run = client.get_run(run_id)
             except Exception:
@@ -681,6 +679,7 @@ def _grade_queries(fn: Any) -> str:
         slips = _slip_queries(Q2_WINDOW)
         notes = []
         for key, label in _LABEL.items():
+            agg = "max" if key == "p95_ms" else "sum"
             try:
                 df = prom.query(queries[key], at)
             except PrometheusError as err:
@@ -692,7 +691,6 @@ def _grade_queries(fn: Any) -> str:
                             f"failure counter carries a `reason` label the success counter lacks: aggregate both "
                             f"with sum by ({label}) first)")
             if label not in df.columns:
-                agg = "max" if key == "p95_ms" else "sum"
                 labels = sorted(set(df.columns) - {"time", "value"})
                 raise Wrong(f"{key}'s result has no `{label}` label (labels: {labels}):"
                             f" the canary tells the variants apart by it; aggregate with {agg} by ({label}) (...)")
@@ -700,7 +698,6 @@ def _grade_queries(fn: Any) -> str:
             for v in VARIANTS:
                 if len(got[v]) > 1:
                     extra = sorted(set(df.columns) - {"time", "value", label, "__name__"})
-                    agg = "max" if key == "p95_ms" else "sum"
                     why = ("feedback comes from two exporter instances" if label == "variant" else
                            "each server runs two versions of the model")
                     raise Wrong(f"{key} gives {len(got[v])} series for {label}={v!r} (they differ by {extra}): {why}; "
@@ -754,21 +751,17 @@ q2 = CodeExercise(
 LIVE_GUARDS = {"min_requests": 5, "min_feedback": 10, "checks_per_step": 2, "max_idle_checks": 8}
 
 
-def _vm(**kw: Any) -> Any:
-    return VariantMetrics(**kw)
-
-
-def _healthy(**chall: Any) -> dict[str, Any]:
+def _healthy(champion: Mapping[str, float] | None = None, **chall: float) -> dict[str, Any]:
+    """A healthy champion and challenger, their figures changed by ``champion`` and ``chall``."""
+    champ = {"error_rate": 0.001, "p95_ms": 40.0, "accuracy": 0.97, "requests": 4500.0, "feedback": 900.0}
     base = {"error_rate": 0.001, "p95_ms": 40.0, "accuracy": 0.96, "requests": 500.0, "feedback": 100.0}
-    return {"champion": _vm(error_rate=0.001, p95_ms=40.0, accuracy=0.97, requests=4500.0, feedback=900.0),
-            "challenger": _vm(**{**base, **chall})}
+    return {"champion": VariantMetrics(**{**champ, **(champion or {})}),
+            "challenger": VariantMetrics(**{**base, **chall})}
 
 
 def _sequences() -> list[tuple[str, Any, list[dict[str, Any]]]]:
     """(what, guards, metrics per check): the reference's decisions on them are the expected ones."""
     g = Guards()
-    nan = math.nan
-    champ_no_acc = _vm(error_rate=0.001, p95_ms=40.0, accuracy=nan, requests=4500.0, feedback=0.0)
     return [
         ("a good challenger", g, [_healthy() for _ in range(6)]),
         ("a good challenger, checks_per_step=3", Guards(checks_per_step=3), [_healthy() for _ in range(9)]),
@@ -776,8 +769,7 @@ def _sequences() -> list[tuple[str, Any, list[dict[str, Any]]]]:
         ("a few labelled answers, noisy", g,
          [_healthy(accuracy=0.6, feedback=5.0), _healthy(accuracy=0.6, feedback=5.0), _healthy()]),
         ("a slow challenger (p95 over the SLO, within 1.5 x a slow champion)", g,
-         [{"champion": _vm(error_rate=0.001, p95_ms=120.0, accuracy=0.97, requests=4500.0, feedback=900.0),
-           "challenger": _vm(error_rate=0.001, p95_ms=150.0, accuracy=0.97, requests=500.0, feedback=100.0)}]),
+         [_healthy({"p95_ms": 120.0}, p95_ms=150.0, accuracy=0.97)]),
         ("a slower challenger (2 x the champion's p95, under the SLO)", g, [_healthy(p95_ms=85.0)]),
         ("a slower challenger on 100 requests (too few for a p95 against the champion's)", g,
          [_healthy(p95_ms=85.0, requests=100.0)]),
@@ -787,8 +779,7 @@ def _sequences() -> list[tuple[str, Any, list[dict[str, Any]]]]:
         ("a streak broken by a check without evidence", g, [_healthy(), _healthy(requests=3.0), _healthy(),
                                                             _healthy()]),
         ("no labelled feedback for the champion (its accuracy NaN)", g,
-         [{"champion": champ_no_acc, "challenger": _vm(error_rate=0.001, p95_ms=40.0, accuracy=0.5, requests=500.0,
-                                                      feedback=100.0)}] * 2),
+         [_healthy({"accuracy": math.nan, "feedback": 0.0}, accuracy=0.5)] * 2),
     ]
 
 

@@ -114,7 +114,6 @@ q1 = CodeExercise(
 
 # --- q2: one Llama-3.1-70B sequence -------------------------------------------------------------------------
 
-_LLAMA70B = {"layers": 80, "heads": 64, "kv_heads": 8, "head_dim": 128, "dtype_bytes": 2, "tokens": 8192}
 _KV_70B_GB = reference_kv_bytes_per_token(80, 8, 128, 2) * 8192 / 1e9  # 2.68 GB
 
 _q2_close = close_to(
@@ -256,10 +255,11 @@ def _waste_case(rng: random.Random) -> tuple[list[int], int, int]:
     return lengths, max_len, block
 
 
-def _pair(value: Any, call: str) -> tuple[float, float]:
-    if not isinstance(value, (tuple, list)) or len(value) != 2:
-        raise Wrong(f"{call} returned {value!r}: return two numbers, (contiguous_waste, paged_waste).")
-    return number(value[0], "the contiguous waste"), number(value[1], "the paged waste")
+def _numbers(value: Any, call: str, names: tuple[str, ...]) -> list[float]:
+    """The tuple a function returned, as numbers: Wrong unless it is ``len(names)`` of them."""
+    if not isinstance(value, (tuple, list)) or len(value) != len(names):
+        raise Wrong(f"{call} returned {value!r}: return {len(names)} numbers, ({', '.join(names)}).")
+    return [number(v, name) for v, name in zip(value, names, strict=True)]
 
 
 def _grade_kv_waste(fn: Any) -> str:
@@ -267,7 +267,8 @@ def _grade_kv_waste(fn: Any) -> str:
     for _ in range(3):
         lengths, max_len, block = _waste_case(rng)
         call = f"kv_waste(lengths=<{len(lengths)} lengths>, max_len={max_len}, block={block})"
-        got = _pair(run_student(fn, list(lengths), max_len, block, call=call, timeout_s=10), call)
+        got = _numbers(run_student(fn, list(lengths), max_len, block, call=call, timeout_s=10), call,
+                       ("contiguous_waste", "paged_waste"))
         want = reference_kv_waste(lengths, max_len, block)
         if all(_close(g, w) for g, w in zip(got, want, strict=True)):
             continue
@@ -436,10 +437,8 @@ def _grade_ttft_tpot(fn: Any) -> str:
     for _ in range(3):
         prefill, decode, b, n = _timing_case(rng)
         call = f"ttft_tpot(prefill_ms, decode_ms, batch={b}, new_tokens={n})"
-        raw = run_student(fn, dict(prefill), dict(decode), b, n, call=call, timeout_s=10)
-        if not isinstance(raw, (tuple, list)) or len(raw) != 3:
-            raise Wrong(f"{call} returned {raw!r}: return three numbers, (ttft_ms, tpot_ms, tokens_per_s).")
-        got = [number(v, name) for v, name in zip(raw, ("ttft_ms", "tpot_ms", "tokens_per_s"), strict=True)]
+        got = _numbers(run_student(fn, dict(prefill), dict(decode), b, n, call=call, timeout_s=10), call,
+                       ("ttft_ms", "tpot_ms", "tokens_per_s"))
         ttft, tpot, tps = reference_ttft_tpot(prefill, decode, b, n)
         if not _close(got[0], ttft):
             if _close(got[0], prefill[1]):
