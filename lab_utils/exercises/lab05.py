@@ -934,10 +934,7 @@ class _Rig:
 
     def busy(self) -> bool:
         """True while a restart is under way."""
-        if self._lock.acquire(blocking=False):
-            self._lock.release()
-            return False
-        return True
+        return self._lock.locked()
 
     def close(self) -> None:
         """No restart from now on (waits for one under way); stop the server and everything it started."""
@@ -954,10 +951,7 @@ class WatchedServer:
 
     def __init__(self, rig: _Rig):
         self._rig = rig
-
-    @property
-    def http_url(self) -> str:
-        return self._rig.http_url
+        self.http_url = rig.http_url
 
     def restart(self) -> WatchedServer:
         """Stop the server (if it still runs) and start it again; raises when the start fails."""

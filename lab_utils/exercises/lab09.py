@@ -129,13 +129,9 @@ _q2_close = close_to(
         4.0: "4x: the 64 query heads instead of 8 KV heads, and K/V forgotten?",
     })
 
-
-def _grade_q2(value: Any) -> None:
-    _q2_close(in_byte_unit(value, "GB"))  # "2.5 GiB" says its unit: read in it; a bare 2.5 is GiB taken for GB
-
-
 q2 = Exercise(
-    name="09.2 KV cache of one Llama-3.1-70B sequence", var="kv_gb_70b", grade=_grade_q2,
+    name="09.2 KV cache of one Llama-3.1-70B sequence", var="kv_gb_70b",
+    grade=lambda value: _q2_close(in_byte_unit(value, "GB")),  # "2.5 GiB" says its unit: it is read in it
     hints=[
         "Your kv_bytes_per_token with Llama-3.1-70B's shape, times the sequence length.",
         "80 layers, 8 KV heads (64 query heads share them: GQA), head_dim 128, bf16 = 2 bytes; 8192 tokens.",

@@ -12,6 +12,7 @@ Design notes: docs/internals.md#lab_utilsexercisesquizpy
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import html
 import json
@@ -601,15 +602,12 @@ def load_bank(folder: Path | str | None = None) -> Bank:
             if qid in seen:
                 raise BankError(f"{_where(name, qid)}: the id is used twice (also in {seen[qid]})")
             seen[qid] = name
-            choices = raw.get("choices")
-            if raw["form"] == "match":
+            choices, answer = raw.get("choices"), raw["answer"]
+            if raw["form"] == "match":  # keys as text: YAML reads a bare 1 as a number
                 choices = {side: {str(k): v for k, v in choices[side].items()} for side in ("left", "right")}
-                answer: Any = {str(k): str(v) for k, v in raw["answer"].items()}
+                answer = {str(k): str(v) for k, v in answer.items()}
             elif choices is not None:
                 choices = {str(k): v for k, v in choices.items()}
-                answer = raw["answer"]
-            else:
-                answer = raw["answer"]
             questions.append(Question(
                 id=qid, section=section, form=raw["form"], prompt=dict(raw["prompt"]), answer=answer,
                 explanation=dict(raw["explanation"]), choices=choices, rows=tuple(raw.get("rows") or ()),
@@ -1001,12 +999,8 @@ def stack_map(language: str = "en", open_layers: bool = False) -> StackMap:
                      f"{html.escape(what)}</summary>")
         parts.append(f"<table><tr><th>{head[0]}</th><th>{head[1]}</th><th>{head[2]}</th></tr>")
         for comp, numbers, did in components:
-            links = []
-            for n in numbers:
-                lab = labs.get(n)
-                if lab is None:
-                    continue
-                links.append(f'<a href="../labs/{html.escape(lab.filename)}">{n} {html.escape(lab.title)}</a>')
+            links = [f'<a href="../labs/{html.escape(labs[n].filename)}">{n} {html.escape(labs[n].title)}</a>'
+                     for n in numbers if n in labs]
             parts.append(f"<tr><td>{html.escape(comp)}</td><td>{'<br>'.join(links) or '-'}</td>"
                          f"<td>{html.escape(did)}</td></tr>")
         parts.append("</table></details>")
@@ -1017,18 +1011,12 @@ def stack_map(language: str = "en", open_layers: bool = False) -> StackMap:
 def _strategies(args: list[str]) -> int:
     """Print ``strategy_scores`` for the bank as written and for the whole-bank quiz of ``--seed`` (as a student
     sees it); 1 when any strategy scores over ``GUESS_LIMIT``."""
-    opts = {"--seed": "0", "--language": "en"}
-    rest = []
-    while args:
-        a = args.pop(0)
-        if a in opts and args:
-            opts[a] = args.pop(0)
-        else:
-            rest.append(a)
-    bank = load_bank(rest[0] if rest else None)
-    if not re.fullmatch(r"-?\d+", opts["--seed"]):
-        raise ValueError(f"--seed {opts['--seed']!r}: the seed is a whole number")
-    seed, lang = int(opts["--seed"]), _lang(opts["--language"])
+    parser = argparse.ArgumentParser(prog="python -m lab_utils.exercises.quiz strategies")
+    parser.add_argument("folder", nargs="?", help="the bank's folder (default: the course's)")
+    parser.add_argument("--seed", type=int, default=0, help="the quiz's seed, a whole number")
+    parser.add_argument("--language", choices=LANGUAGES, default="en")
+    opts = parser.parse_args(args)
+    bank, seed, lang = load_bank(opts.folder), opts.seed, opts.language
     worst = 0.0
     for title, qs in (("in the bank's order", bank.questions),
                       (f"shuffled, seed {seed}", QuizRunner(bank, seed=seed, language=lang).questions)):
@@ -1060,7 +1048,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BankError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    except ValueError as err:  # a --seed that is no number, a --language the bank lacks
+    except ValueError as err:  # an NVLAB_QUIZ_DIR that is no folder (EnvError)
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0
