@@ -13,6 +13,7 @@ Design notes: docs/internals.md#lab_utilsexerciseslab07py
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 import pprint
@@ -210,10 +211,8 @@ def _grade_ensemble(config: Any) -> str:
             raise Wrong(f"it answers, but not as the service: first image {mine[0][0]} (scores "
                         f"{np.round(mine[1][0], 3).tolist()}) where the service says {ref[0][0]}")
     finally:
-        try:
+        with contextlib.suppress(Exception):  # never loaded: nothing to unload
             triton_client.unload_model(server.grpc_url, Q1_NAME, wait_s=10)
-        except Exception:  # never loaded: nothing to unload
-            pass
         shutil.rmtree(folder, ignore_errors=True)
     return "Triton loaded it and it answered 12 held-out PNGs exactly as the service does."
 

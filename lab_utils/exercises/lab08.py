@@ -293,14 +293,14 @@ def _grade_log_run(fn: Any) -> str:
             except Exception:
                 raise Wrong(f"it returned {run_id!r}, which is no run on the server: return `run.info.run_id` of the "
                             "run it logged") from None
-            return _check_run(client, run, exp_id, experiment, result, str(onnx_path), data, sha, left_id)
+            return _check_run(client, run, exp_id, experiment, result, str(onnx_path), data, sha)
         finally:
             if left_id is not None:  # a run left open (not ended, or it raised inside): end it, so that the next
                 mlflow.end_run(status="FAILED")  # start_run() in the notebook works
 
 
 def _check_run(client: Any, run: Any, exp_id: str, experiment: str, result: Any, onnx_path: str, data: bytes,
-               sha: str, left_open: str | None) -> str:
+               sha: str) -> str:
     run_id = run.info.run_id
     if run.info.experiment_id != exp_id:
         got = client.get_experiment(run.info.experiment_id).name
