@@ -36,7 +36,7 @@ from lab_utils.exercises.framework import (
 from lab_utils.exercises.lab01 import grading_device  # the lab's own device: the GPU when torch can use one
 from lab_utils.procs import temporary_folder
 from lab_utils.profiling import trace as tr
-from lab_utils.profiling.programs import PngDigits, loader_workers
+from lab_utils.profiling.programs import PngDigits, close_iterator, loader_workers
 
 __all__ = [
     "q1", "q2", "q3", "q4", "q5", "q6",
@@ -233,9 +233,9 @@ def _slips(trace: Mapping[str, Any], got: float, want: float) -> str | None:
         (twice, clipped / (t1 - t0)),
         ("divided by the kernels' own time: the denominator is the steps' wall time", 1.0),
         ("kernels outside the steps counted too: clip each interval to the window first",
-         tr.union_us(zip(k["ts_us"], k["end_us"], strict=True)) / (t1 - t0)),
+         tr.union_us(tr.kernel_intervals(k)) / (t1 - t0)),
         ("the window ends with the last ProfilerStep, but kernels still run after it: extend it to the last "
-         "kernel's end", tr.union_us(zip(k["ts_us"], k["end_us"], strict=True), (s0, s1)) / (s1 - s0)),
+         "kernel's end", tr.union_us(tr.kernel_intervals(k), (s0, s1)) / (s1 - s0)),
         ("a percentage: return a fraction between 0 and 1", want * 100),
     ]
     # The nearest guess within the grading's tolerance: two guesses can lie close together on a random trace (a
@@ -301,9 +301,7 @@ def _batch_waits(loader: Any, batches: int = 7, step_s: float = LOADER_STEP_S) -
             waits.append(time.perf_counter() - t0)
             time.sleep(step_s)
     finally:
-        shutdown = getattr(it, "_shutdown_workers", None)
-        if shutdown is not None:
-            shutdown()
+        close_iterator(it)()
     return waits[2:]
 
 

@@ -532,7 +532,7 @@ def _grade_plan(fn: Any) -> str:
     for peak, cap, head, spares in cases:
         call = f"servers_needed({peak:g}, {cap:g}, {head:g}, {spares})"
         got = run_student(fn, peak, cap, head, spares, call=call, timeout_s=10)
-        got_all.append(integer(got, f"{call}, a number of servers (math.ceil),"))
+        got_all.append(integer(got, f"{call} (a number of servers: math.ceil)"))
     slips = {  # a common mistake's answers on every case -> what it got wrong
         "the headroom is missing: each server may run at only (1 - headroom) x its capacity, so that a burst or a "
         "slow minute stays inside the SLO": lambda p, c, h, s: math.ceil(p / c) + s,
