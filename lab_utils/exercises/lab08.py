@@ -12,6 +12,7 @@ Design notes: docs/internals.md#lab_utilsexerciseslab08py
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 import threading
@@ -880,10 +881,7 @@ def _grade_scripted(fn: Any) -> int:
 
 def _live(fn: Any) -> str:
     guards = canary.Guards(**LIVE_GUARDS)
-
-    def decide_fn(state: Any, metrics: Any, g: Any) -> Any:
-        return _run_decide(fn, state, metrics, g)
-
+    decide_fn = functools.partial(_run_decide, fn)  # the student's decide, its Decision checked at every step
     out = []
     with _bench() as bench:
         for what, acc, want in (("a good challenger", 0.97, "promoted"), ("a challenger wrong on 4 answers in 10",

@@ -702,8 +702,9 @@ class QuizRunner:
     def __len__(self) -> int:
         return len(self.questions)
 
-    def in_section(self, section: int) -> list[Question]:
-        return [q for q in self.questions if q.section == section]
+    def in_section(self, section: int | None) -> list[Question]:
+        """The chosen questions of ``section``, or all of them when ``None``."""
+        return self.questions if section is None else [q for q in self.questions if q.section == section]
 
     def title(self, section: int) -> str:
         return self.bank.titles[section][self.language]
@@ -754,11 +755,11 @@ class QuizRunner:
 
     def template(self, section: int | None = None) -> dict[str, None]:
         """``{id: None}`` for the questions of ``section``: a dict to fill in."""
-        return {q.id: None for q in (self.in_section(section) if section is not None else self.questions)}
+        return {q.id: None for q in self.in_section(section)}
 
     def key(self, section: int | None = None) -> dict[str, Any]:
         """The right answers ``{id: answer}`` of ``section`` (or all): what a solution fills in."""
-        return {q.id: q.key() for q in (self.in_section(section) if section is not None else self.questions)}
+        return {q.id: q.key() for q in self.in_section(section)}
 
     def check(self, answers: Mapping[str, Any] | None, section: int | None = None,
               quiet: bool = False) -> list[Outcome]:
@@ -768,7 +769,7 @@ class QuizRunner:
         if answers is not None and not isinstance(answers, Mapping):
             raise TypeError(f"answers should be a dict {{question id: answer}}, got {type(answers).__name__}")
         answers = answers or {}
-        qs = self.in_section(section) if section is not None else self.questions
+        qs = self.in_section(section)
         if unknown := sorted(set(answers) - {q.id for q in qs}):
             print(f"(ignored: {', '.join(unknown)} not among these questions)")
         outs = [self._grade(q, answers.get(q.id)) for q in qs]
