@@ -349,42 +349,36 @@ def run_student(
         return Wrong(f"{call} did not return within {timeout_s:g} s{where}: an endless loop, or waiting for "
                      "work that never finishes?")
 
-    in_main = threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer")
-    if in_main:
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["result"] = fn(*args, **kwargs)
+        except BaseException as err:  # judged below, in the caller's thread
+            box["error"] = err
+
+    if threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer"):
         try:
             with _alarm(timeout_s):
-                result = fn(*args, **kwargs)
-        except StudentTimeout as t:
-            raise timed_out(student_frame(t)) from None
-        except (Wrong, NotApplicable):
-            raise
-        except Exception as err:
-            raise Wrong(raised_message(call, err)) from None
+                target()
+        except StudentTimeout as t:  # the alarm fired outside the student's code
+            box["error"] = t
     else:
-        box: dict[str, Any] = {}
-
-        def target() -> None:
-            try:
-                box["result"] = fn(*args, **kwargs)
-            except BaseException as err:  # handed to the caller's thread
-                box["error"] = err
-
         worker = threading.Thread(target=target, name=f"student {what or 'code'}", daemon=True)
         worker.start()
         worker.join(timeout_s)
         if worker.is_alive():
-            frame = sys._current_frames().get(worker.ident or -1)
-            at = student_frame(frame)
+            at = student_frame(sys._current_frames().get(worker.ident or -1))
             _async_raise(worker, StudentTimeout)
             raise timed_out(at)
-        err = box.get("error")
-        if isinstance(err, (Wrong, NotApplicable)):
-            raise err
-        if isinstance(err, Exception):
-            raise Wrong(raised_message(call, err)) from None
-        if err is not None:
-            raise err
-        result = box.get("result")
+    err = box.get("error")
+    if isinstance(err, StudentTimeout):
+        raise timed_out(student_frame(err)) from None
+    if isinstance(err, Exception) and not isinstance(err, (Wrong, NotApplicable)):
+        raise Wrong(raised_message(call, err)) from None
+    if err is not None:
+        raise err
+    result = box.get("result")
     kinds = returns if isinstance(returns, tuple) else (returns,)
     if returns is not None and (not isinstance(result, kinds) or (isinstance(result, bool) and bool not in kinds)):
         hint = " (does it end with `return ...`?)" if result is None else ""
@@ -957,6 +951,30 @@ def match_slip(ratio: float, slips: Mapping[float, str], rel: float) -> str | No
         if math.isclose(ratio, slip, rel_tol=rel):
             return message
     return None
+
+
+def per_call_wrong(where: str, mine_ms: float, ref_ms: float, iters: int, warmup: int, *,
+                   reference: str = "the reference", tries: str = "", gpu_fix: str = "",
+                   one_call: str = "one call") -> Wrong:
+    """Why a time per call (ms), outside its band around the reference's, is wrong: a unit or loop slip, a clock read
+    before the GPU finished (``gpu_fix`` says how to wait, where the work is queued), else far off."""
+    ratio = mine_ms / ref_ms if ref_ms > 0 else math.inf
+    head = f"{where}: {mine_ms:.3g} ms per call, {ratio:.2g}x {reference}'s {ref_ms:.3g} ms{tries}"
+    slip = match_slip(ratio, {
+        1e-3: "that looks like seconds: time in milliseconds (× 1000)",
+        1e3: "that looks like microseconds: time in milliseconds (÷ 1000)",
+        float(iters): f"that looks like the total of all {iters} calls: return the time per call (divide by iters)",
+        (iters + warmup) / iters: "the warm-up calls are inside your timed region: run them, sync, and only then "
+                                  "start the clock",
+    }, 0.35)
+    if slip:
+        return Wrong(f"{head}: {slip}.")
+    if ratio < 1 and gpu_fix:
+        return Wrong(f"{where}: {mine_ms:.3g} ms is {1 / ratio:.0f}x faster than {reference}'s {ref_ms:.3g} ms{tries}: "
+                     f"the clock stopped before the GPU finished. {gpu_fix}")
+    side = "less" if ratio < 1 else "more"
+    return Wrong(f"{head}: far {side} than {one_call} takes. Time `iters` calls after `warmup` untimed ones and "
+                 "divide by iters.")
 
 
 def close_to(

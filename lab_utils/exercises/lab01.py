@@ -33,6 +33,7 @@ from lab_utils.exercises.framework import (
     match_slip,
     number,
     one_of,
+    per_call_wrong,
     run_student,
     source_as,
 )
@@ -278,6 +279,8 @@ def _grade_on_gpu_kernels(fn: Any) -> str:
 _ITERS_MM, _WARMUP_MM = 8, 16  # timing the warm-up too gives 3x, the total 8x: both far outside the band
 _BAND = (0.5, 2.0)  # student / reference on a real matmul
 _TRIES = 8
+_SYNC_FIX = ("Call sync() (torch.cuda.synchronize) before reading the clock, or time with CUDA events and read "
+             "elapsed_time after end.synchronize().")
 
 
 def _matmul_case(device: str) -> tuple[Callable[[], Any], str]:
@@ -315,29 +318,11 @@ def _grade_on_matmul(fn: Any) -> str:
             if pending:
                 raise Wrong(f"{where}: {mine[-1]:.3g} ms, {ref / mine[-1]:.0f}x faster than the reference timer's "
                             f"{ref:.3g} ms, and the GPU was still working when your function returned: the clock "
-                            "stopped before the GPU finished. Call sync() (torch.cuda.synchronize) before reading "
-                            "the clock, or time with CUDA events and read elapsed_time after end.synchronize().")
+                            f"stopped before the GPU finished. {_SYNC_FIX}")
             if _BAND[0] <= ms / ref <= _BAND[1]:
                 return f"{label}: {ms:.3g} ms against the reference timer's {ref:.3g} ms"
-    ratio = ms / ref
-    slips = {
-        1e-3: "that looks like seconds; return milliseconds (multiply by 1000)",
-        float(_ITERS_MM): f"that looks like the total of all {_ITERS_MM} calls; return the time per call "
-                          "(divide by iters)",
-        (_ITERS_MM + _WARMUP_MM) / _ITERS_MM: "the warm-up calls are inside your timed region: run the warm-up, "
-                                              "sync(), and only then start the clock",
-    }
-    slip = match_slip(ratio, slips, 0.35)
-    if slip:
-        raise Wrong(f"{where}: {ms:.3g} ms against the reference timer's {ref:.3g} ms: {slip}")
-    if ratio < _BAND[0] and device == "cuda":
-        raise Wrong(f"{where}: {ms:.3g} ms is {1 / ratio:.0f}x faster than the reference timer's {ref:.3g} ms: the "
-                    "clock stopped before the GPU finished. Call sync() (torch.cuda.synchronize) before reading "
-                    "the clock, or time with CUDA events and read elapsed_time after end.synchronize().")
-    side = "less" if ratio < 1 else "more"
-    raise Wrong(f"{where}: {ms:.3g} ms per call, {ratio:.2g}x the reference timer's {ref:.3g} ms (fastest of {_TRIES} "
-                f"tries each): far "
-                f"{side} than one call takes. Time `iters` calls after `warmup` untimed ones and divide by iters.")
+    raise per_call_wrong(where, ms, ref, _ITERS_MM, _WARMUP_MM, reference="the reference timer",
+                         tries=f" (fastest of {_TRIES} tries each)", gpu_fix=_SYNC_FIX if device == "cuda" else "")
 
 
 def _grade_time_ms(fn: Any) -> str:

@@ -45,6 +45,7 @@ from lab_utils.exercises.framework import (
     fraction,
     match_slip,
     number,
+    per_call_wrong,
     run_student,
     source_as,
     student_frame,
@@ -531,25 +532,11 @@ def _judge_timing(per_rank: list[dict[str, Any]], sizes: Sequence[int], iters: i
             continue
         ratio = sorted(ratios)[rounds // 2]
         mine, ref_ms = pairs[ratios.index(ratio)]
-        tries = f", {rounds} tries" if rounds > 1 else ""
-        head = (f"{call}: at {_fmt_bytes(size)} your time_ms is {mine:.3g}, the reference's {ref_ms:.3g} ms per call "
-                f"({ratio:.2g}x{tries})")
-        slips = {
-            1e-3: "that looks like seconds: time_ms must be milliseconds (× 1000)",
-            1e3: "that looks like microseconds: time_ms must be milliseconds (÷ 1000)",
-            float(iters): f"that looks like the total of all {iters} calls: divide by iters",
-            (iters + warmup) / iters: "the warm-up calls are inside your timed region: run them, then start the clock",
-        }
-        slip = match_slip(ratio, slips, 0.35)
-        if slip:
-            raise Wrong(f"{head}: {slip}.")
-        if ratio < BENCH_BAND[0] and gpu:
-            raise Wrong(f"{head}: far faster than the data can move. The clock stopped before the GPU finished: "
-                        "dist.all_reduce only queues the work on the GPU. Call torch.cuda.synchronize() before "
-                        "reading the clock, or time with CUDA events and synchronize before elapsed_time.")
-        side = "less" if ratio < 1 else "more"
-        raise Wrong(f"{head}: far {side} than one all_reduce takes. Time `iters` calls after `warmup` untimed ones "
-                    "and divide by iters.")
+        gpu_fix = ("dist.all_reduce only queues the work on the GPU. Call torch.cuda.synchronize() before reading the "
+                   "clock, or time with CUDA events and synchronize before elapsed_time.") if gpu else ""
+        raise per_call_wrong(f"{call}: at {_fmt_bytes(size)}", mine, ref_ms, iters, warmup,
+                             tries=f" ({rounds} tries)" if rounds > 1 else "", gpu_fix=gpu_fix,
+                             one_call="one all_reduce")
     return out
 
 
