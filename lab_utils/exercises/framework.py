@@ -1,11 +1,7 @@
-"""Exercise checks with four outcomes: not attempted, incorrect (with the value and why), correct, and not
-applicable on this tier (the machine cannot run the check, e.g. CUDA graphs without a GPU).
+"""Exercise checks with four outcomes: not attempted, incorrect (with why), correct, not applicable on this tier.
 
-A check receives the student's answer explicitly (``q1.check(flops)``) and never reads notebook globals; a blank
-answer is *not attempted*, never an exception. Hints come in steps; the solution can be shown. A ``CodeExercise``
-runs a code answer against the real component and compares it with the reference (``run_student``,
-``student_frame``); ``REFERENCES`` lists what a code answer may not delegate to. ``version``, ``fraction`` and
-``choice`` normalize answers written several ways.
+A check takes the student's answer explicitly (``q1.check(flops)``), never notebook globals; a ``CodeExercise`` runs a
+code answer (``run_student``) and refuses one that delegates to a reference implementation (``REFERENCES``).
 
 Design notes: docs/internals.md#lab_utilsexercisesframeworkpy
 """
@@ -30,6 +26,7 @@ import threading
 import time
 import traceback
 import types
+import unittest.mock
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -859,6 +856,28 @@ class _Guard:
 # --- grading building blocks -------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def patched(*swaps: tuple[Any, str, Any]) -> Iterator[None]:
+    """For each ``(owner, name, new)``, ``owner.name`` (``owner[name]`` of a dict) is ``new`` inside; then as before."""
+    with contextlib.ExitStack() as stack:
+        for owner, name, new in swaps:
+            if isinstance(owner, dict):  # only this key: a namespace may gain other names meanwhile
+                stack.callback(owner.__setitem__, name, owner[name])
+                owner[name] = new
+            else:
+                stack.enter_context(unittest.mock.patch.object(owner, name, new))
+        yield
+
+
+@contextlib.contextmanager
+def amended(fix: Callable[[str], str]) -> Iterator[None]:
+    """``Wrong`` raised inside comes out with its message passed through ``fix`` (a hint added, colours removed)."""
+    try:
+        yield
+    except Wrong as err:
+        raise Wrong(fix(str(err))) from None
+
+
 def source_as(fn: Callable[..., Any], name: str) -> str:
     """A reference function's source under the name the student defines, or under the header ``name`` when it
     holds the arguments (``"time_ms(fn, iters, warmup, sync)"``: no annotations): the solution is the reference."""
@@ -867,6 +886,14 @@ def source_as(fn: Callable[..., Any], name: str) -> str:
         return source.replace(f"def {fn.__name__}(", f"def {name}(", 1)
     body = ast.parse(source).body[0].body[0].lineno - 1  # type: ignore[attr-defined]
     return f"def {name}:\n" + "".join(source.splitlines(keepends=True)[body:])
+
+
+def items(result: Any, n: int, call: str, expected: str) -> list[Any]:
+    """``result`` as a list of ``n`` items (from a list or a tuple), or ``Wrong`` saying what came back instead."""
+    if isinstance(result, (list, tuple)) and len(result) == n:
+        return list(result)
+    shown = f"a {type(result).__name__} of {len(result)}" if isinstance(result, (list, tuple)) else _short(result)
+    raise Wrong(f"{call} returned {shown}; expected {expected}")
 
 
 def number(value: Any, what: str = "the answer") -> float:

@@ -1,10 +1,5 @@
-"""Lab 01 exercises: CUDA and cuBLAS timing.
-
-Four of the seven are code the check runs on this machine's real device (the GPU when torch can use one, else
-the CPU) and compares with the reference implementation on the same input: ``time_ms(fn, iters, warmup, sync)``,
-``matmul_tflops(n, device, timer)``, ``copy_gbps(nbytes, device, timer)`` and ``replay_with_graph(chain,
-static_x, xs)`` (GPU only: *not applicable* on the CPU tier). Units: times in ms, TFLOP/s = 1e12 FLOP/s,
-GB/s = 1e9 bytes/s.
+"""Lab 01 exercises: CUDA and cuBLAS timing, run on this machine's device (the GPU, else the CPU) against the
+reference implementations. Units: ms, TFLOP/s = 1e12 FLOP/s, GB/s = 1e9 bytes/s.
 
 Design notes: docs/internals.md#lab_utilsexerciseslab01py
 """
@@ -30,6 +25,7 @@ from lab_utils.exercises.framework import (
     Exercise,
     Wrong,
     close_to,
+    items,
     match_slip,
     number,
     one_of,
@@ -692,11 +688,9 @@ def _grade_replay_with_graph(fn: Any) -> str:
     got = run_student(fn, chain, static_x, xs, call="replay_with_graph(chain, static_x, xs)", timeout_s=120)
     torch.cuda.synchronize()
     student_ms = (time.perf_counter() - t0) * 1e3
-    if not isinstance(got, (list, tuple)) or len(got) != len(xs) or \
-            not all(isinstance(t, torch.Tensor) for t in got):
-        kind = f"{len(got)} items" if isinstance(got, (list, tuple)) else type(got).__name__
-        raise Wrong(f"replay_with_graph returned {kind}: return a list of {len(xs)} tensors, chain(x) for each x "
-                    "in xs, in order")
+    got = items(got, len(xs), "replay_with_graph", f"a list of {len(xs)} tensors, chain(x) for each x in xs, in order")
+    if not all(isinstance(t, torch.Tensor) for t in got):
+        raise Wrong(f"replay_with_graph returned a list of {len(xs)}, not all tensors: chain(x) for each x in xs")
     if counts["captured"] == 0:
         raise Wrong("chain was never captured into a graph: create g = torch.cuda.CUDAGraph() and run chain(static_x) "
                     "inside `with torch.cuda.graph(g):`, then g.replay() for each input")

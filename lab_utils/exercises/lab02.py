@@ -1,10 +1,5 @@
-"""Lab 02 exercises: NCCL collectives and multi-GPU DDP training.
-
-Four of the seven are code that the check runs. Three run in real ranks (gloo processes on a CPU, NCCL with one
-GPU each where there are two or more GPUs: ``grading_ranks``) and are compared with the reference on the same
-input: ``allreduce_bench(ctx, sizes_bytes, iters, warmup)``, ``train_ddp(train_set, make_model, epochs,
-batch_size, lr, checkpoint_path)`` and ``global_accuracy(ctx, correct, seen)``. ``busbw_factor`` needs no ranks;
-the rest are a number, a variable name and a choice. Sizes are in bytes; bandwidths in GB/s (1 GB = 1e9 bytes).
+"""Lab 02 exercises: NCCL collectives and multi-GPU DDP training; the rank exercises run in real ranks
+(``grading_ranks``). Sizes in bytes, bandwidths in GB/s (1e9 bytes/s).
 
 Design notes: docs/internals.md#lab_utilsexerciseslab02py
 """
@@ -40,11 +35,13 @@ from lab_utils.exercises.framework import (
     Exercise,
     StudentLine,
     Wrong,
+    amended,
     choice,
     close_to,
     fraction,
     match_slip,
     number,
+    patched,
     per_call_wrong,
     run_student,
     source_as,
@@ -275,10 +272,8 @@ def _grade_busbw_factor(fn: Any) -> None:
     for collective, n, why in _FACTOR_CASES:
         call = f"busbw_factor({collective!r}, {n})"
         expected = reference_busbw_factor(collective, n)
-        try:
+        with amended(lambda m: f"{m}. The collectives are {', '.join(COLLECTIVES)}."):
             result = run_student(fn, collective, n, call=call, timeout_s=10)
-        except Wrong as err:
-            raise Wrong(f"{err}. The collectives are {', '.join(COLLECTIVES)}.") from None
         if result is None or isinstance(result, str):
             raise Wrong(f"{call} returned {result!r}; return the factor as a number")
         got = number(result, f"{call}'s result")
@@ -400,11 +395,8 @@ class _CountAllReduce:
                 self.dtypes[tensor.dtype] += 1
             return original(tensor, *args, **kwargs)
 
-        dist.all_reduce = c10d.all_reduce = all_reduce
-        try:
+        with patched((dist, "all_reduce", all_reduce), (c10d, "all_reduce", all_reduce)):
             yield self
-        finally:
-            dist.all_reduce = c10d.all_reduce = original
 
 
 def _times(rows: Any, n: int) -> list[float] | None:
@@ -1016,15 +1008,10 @@ class _TrainingProbe:
             self._pending = False
             return unscale(scaler, optimizer)
 
-        torch.save = ser.save = p_save
-        torch.nn.utils.clip_grad_norm_ = clip_mod.clip_grad_norm_ = p_clip
-        GradScaler.scale, GradScaler.unscale_ = p_scale, p_unscale  # type: ignore[method-assign]
-        try:
+        with patched((torch, "save", p_save), (ser, "save", p_save), (torch.nn.utils, "clip_grad_norm_", p_clip),
+                     (clip_mod, "clip_grad_norm_", p_clip), (GradScaler, "scale", p_scale),
+                     (GradScaler, "unscale_", p_unscale)):
             yield self
-        finally:
-            torch.save = ser.save = save
-            torch.nn.utils.clip_grad_norm_ = clip_mod.clip_grad_norm_ = clip
-            GradScaler.scale, GradScaler.unscale_ = scale, unscale  # type: ignore[method-assign]
 
 
 def _observe_training(ctx: WorkerContext, shipped: ranks_mod.Shipped, cfg: dict[str, Any],

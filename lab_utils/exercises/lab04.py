@@ -1,11 +1,5 @@
-"""Lab 04 exercises: the code a serving engineer writes, run against the running Triton server, and the numbers
-read off it.
-
-Code, run by the check against the lab's server (``use_server(server, repo)`` tells the checks which one): 04.2
-the deploy (``load_model`` and a poll of ``is_model_ready``), 04.3 a gRPC and 04.4 an HTTP request, 04.6 the
-python backend's ``execute`` for a dynamic batch, 04.8 the average batch and queue time from a statistics
-response. Reasoning on fixed numbers: 04.1 a ``config.pbtxt``, 04.5 Little's law, 04.7 the queue delay for a p95
-target. Nothing is imported or started at import: the checks import tritonclient when they run.
+"""Lab 04 exercises: the code a serving engineer writes, run against the lab's Triton server
+(``use_server(server, repo)``), and the numbers read off it. tritonclient is imported when a check runs.
 
 Design notes: docs/internals.md#lab_utilsexerciseslab04py
 """
@@ -35,8 +29,10 @@ from lab_utils.exercises.framework import (
     NotApplicable,
     StudentLine,
     Wrong,
+    amended,
     close_to,
     integer,
+    items,
     number,
     run_student,
 )
@@ -336,11 +332,9 @@ def _grade_deploy(fn: Any) -> str:
         # 1. The real deploy: the configuration given must be what the server serves afterwards.
         client = _Client(real)
         t0 = time.perf_counter()
-        try:
+        with amended(lambda m: f"{m}.{_hint(m, _DEPLOY_HINTS)}"):
             run_student(fn, client, DEPLOY_MODEL, copy.deepcopy(config), 30.0, timeout_s=90,
                         call=f"deploy_model(client, {DEPLOY_MODEL!r}, config, timeout_s=30)")
-        except Wrong as err:
-            raise Wrong(f"{err}.{_hint(str(err), _DEPLOY_HINTS)}") from None
         took = time.perf_counter() - t0
         if not client.loads:
             raise Wrong("it never called client.load_model: in explicit model-control mode nothing is served until "
@@ -383,14 +377,11 @@ def _grade_deploy(fn: Any) -> str:
             return None
 
         t1 = time.perf_counter()
-        try:
+        with amended(lambda m: m + (" Poll until a deadline: deadline = time.monotonic() + timeout_s, and raise "
+                                    "TimeoutError once it has passed." if "did not return within" in m else "")):
             raised = run_student(deploy_while_loading, timeout_s=_DEPLOY_TIMEOUT_S + 3,
                                  call=f"deploy_model(client, {DEPLOY_MODEL!r}, config, timeout_s="
                                       f"{_DEPLOY_TIMEOUT_S:g}) with a model that stays not ready")
-        except Wrong as err:
-            hint = (" Poll until a deadline: deadline = time.monotonic() + timeout_s, and raise TimeoutError once it "
-                    "has passed." if "did not return within" in str(err) else "")
-            raise Wrong(f"{err}{hint}") from None
         waited = time.perf_counter() - (slow.loaded_at or t1)
     finally:
         real.close()
@@ -471,10 +462,8 @@ def _grade_client(fn: Any, protocol: str) -> str:
     for rows in _CLIENT_ROWS:
         x = rng.standard_normal((rows, features), dtype=np.float32)
         call = f"{name}(url, {lab.model!r}, x)  # x: float32 {list(x.shape)}"
-        try:
+        with amended(lambda m: f"{m}.{_hint(m, _CLIENT_HINTS)}"):
             y = run_student(fn, url, lab.model, x.copy(), call=call, timeout_s=30)
-        except Wrong as err:
-            raise Wrong(f"{err}.{_hint(str(err), _CLIENT_HINTS)}") from None
         if type(y).__name__ == "InferResult":
             raise Wrong(f"{call} returned the InferResult itself: take the array out with "
                         "result.as_numpy('OUTPUT__0').")
@@ -833,10 +822,8 @@ Q8_STATS: dict[str, Any] = {  # GET v2/models/mlp/stats after a load test (Trito
 def _pair(result: Any, call: str) -> tuple[float, float]:
     if isinstance(result, dict):
         raise Wrong(f"{call} returned a dict; return the two numbers as a tuple: (avg_batch, queue_us)")
-    if not isinstance(result, (tuple, list)) or len(result) != 2:
-        shown = f"{type(result).__name__}" + (f" of {len(result)}" if isinstance(result, (tuple, list)) else "")
-        raise Wrong(f"{call} returned a {shown}; expected two numbers: (avg_batch, queue_us)")
-    return number(result[0], "avg_batch"), number(result[1], "queue_us")
+    batch, queue = items(result, 2, call, "two numbers: (avg_batch, queue_us)")
+    return number(batch, "avg_batch"), number(queue, "queue_us")
 
 
 def _batch_slip(got: float, batch: float) -> str | None:
