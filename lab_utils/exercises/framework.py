@@ -134,13 +134,16 @@ class Exercise:
         try:
             note = self.grade(value)
         except Wrong as why:
-            return Outcome(self.name, Status.INCORRECT, f"`{self.var}` = {_short(value)}: {why}")
+            return self._incorrect(value, why)
         except NotApplicable as why:
             return Outcome(self.name, Status.NOT_APPLICABLE, str(why))
         except Exception as err:  # the student's code failed inside the check: show it, don't crash
             return Outcome(self.name, Status.INCORRECT, f"checking `{self.var}` raised {type(err).__name__}: {err}")
         extra = f" {note}" if isinstance(note, str) and note else ""
         return Outcome(self.name, Status.CORRECT, f"`{self.var}` = {_short(value)}.{extra}")
+
+    def _incorrect(self, value: Any, why: object) -> Outcome:
+        return Outcome(self.name, Status.INCORRECT, f"`{self.var}` = {_short(value)}: {why}")
 
     def hint(self, n: int | None = None) -> str:
         """Show hint ``n`` (1-based), or the next one in order."""
@@ -185,7 +188,7 @@ class CodeExercise(Exercise):
         if is_blank(value) or not callable(value):
             return None
         why = _delegation(value, _references_of(self.lab, self.var))
-        return Outcome(self.name, Status.INCORRECT, f"`{self.var}` = {_short(value)}: {why}") if why else None
+        return self._incorrect(value, why) if why else None
 
     def _outcome(self, value: Any) -> Outcome:
         # Refused first: a delegating answer is wrong on every machine, and nothing expensive has started yet.
@@ -198,10 +201,9 @@ class CodeExercise(Exercise):
                      if is_blank(value) else f" Your `{self.var}` was not run.")
             return Outcome(self.name, Status.NOT_APPLICABLE, f"{reason}{still}")
         if not is_blank(value) and not callable(value):
-            return Outcome(self.name, Status.INCORRECT,
-                           f"`{self.var}` = {_short(value)}: expected a function `{self.signature or self.var}`, "
-                           f"got a {type(value).__name__}. Define it with `def` and pass the function itself "
-                           "(its name, without parentheses).")
+            return self._incorrect(value, f"expected a function `{self.signature or self.var}`, got a "
+                                          f"{type(value).__name__}. Define it with `def` and pass the function itself "
+                                          "(its name, without parentheses).")
         if is_blank(value):
             return super()._outcome(value)
         with _Guard(_references_of(self.lab, self.var)) as guard:
@@ -212,7 +214,7 @@ class CodeExercise(Exercise):
                     raise
         if guard.refused is not None:
             # However the grader took it (the student's code may even have caught the trap), the call is the verdict.
-            return Outcome(self.name, Status.INCORRECT, f"`{self.var}` = {_short(value)}: {guard.refused}")
+            return self._incorrect(value, guard.refused)
         return out
 
 
@@ -398,12 +400,9 @@ class References:
 _LAB = "lab_utils.exercises."
 _GRPC_HTTP = ("lab_utils.serving.client.infer", "lab_utils.serving.repository.reference_mlp")
 
-# The one registry: "labNN.var" -> what an answer to that exercise may not call. The lab's reference_* (later cells
-# call them, so that a blank never stops a lab), and the library functions that do the same job. A public
-# reference_* of a lab that no row names is refused in every code exercise of its lab (with a generic fix). Other
-# helpers of the package are not here on purpose: a timer, a loader or a parser the lesson is not about. The value
-# exercises (07.1, 07.3, 08.6) have rows so that every public reference is accounted for, but a value cannot be
-# walked: only code answers are guarded.
+# The one registry: "labNN.var" -> what a code answer to that exercise may not reach: the lab's reference_* (later
+# cells call them, so a blank never stops a lab) and library functions doing the same job. A lab's public reference_*
+# that no row names is refused in all its code exercises; value exercises have rows so every reference is named.
 REFERENCES: dict[str, References] = {
     "lab00.cuda_ceiling": References("find the 'CUDA Version' field in the banner yourself", (
         f"{_LAB}lab00.reference_cuda_ceiling", "lab_utils.course.probe.parse_smi_header")),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import copy
+import functools
 import inspect
 import json
 import math
@@ -16,7 +17,6 @@ import random
 import re
 import textwrap
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -112,12 +112,6 @@ def _lab() -> _Lab:
     return _BOUND[0]
 
 
-def _grpc_client(lab: _Lab) -> Any:
-    import tritonclient.grpc as grpcclient
-
-    return grpcclient.InferenceServerClient(host_port(lab.server.grpc_url))
-
-
 def _hint(message: str, hints: dict[str, str]) -> str:
     """The first hint whose pattern (a regular expression, case-insensitive) the message matches."""
     for pattern, hint in hints.items():
@@ -126,25 +120,8 @@ def _hint(message: str, hints: dict[str, str]) -> str:
     return ""
 
 
-def _numpy_mlp(version_dir: Path) -> Callable[[np.ndarray], np.ndarray]:
-    """The model of ``version_dir/weights.npz`` in NumPy (the reference), weights read once."""
-    with np.load(version_dir / "weights.npz") as w:
-        n = len([k for k in w.files if k.startswith("w")])
-        layers = [(w[f"w{i}"].T.astype(np.float64), w[f"b{i}"].astype(np.float64)) for i in range(n)]
-
-    def run(x: np.ndarray) -> np.ndarray:
-        h = np.asarray(x, dtype=np.float64)
-        for i, (wt, b) in enumerate(layers):
-            h = h @ wt + b
-            if i < n - 1:
-                h = np.maximum(h, 0)
-        return h
-
-    return run
-
-
 def _close(got: np.ndarray, want: np.ndarray) -> tuple[bool, float]:
-    """Float32 serving against the float64 reference: within 1e-3 of the output's scale."""
+    """Served against NumPy's answer: within 1e-3 of the output's scale."""
     diff = float(np.abs(np.asarray(got, np.float64) - want).max()) if want.size else 0.0
     return diff <= 1e-3 * max(1.0, float(np.abs(want).max())), diff
 
@@ -327,7 +304,7 @@ def _grade_deploy(fn: Any) -> str:
     lab = _lab()
     _deploy_model_dir(lab)
     config = _deploy_config(random.Random())
-    real = _grpc_client(lab)
+    real = triton_client.client(lab.server.grpc_url)
     try:
         # 1. The real deploy: the configuration given must be what the server serves afterwards.
         client = _Client(real)
@@ -443,7 +420,7 @@ _CLIENT_HINTS = {
 def _served_version(lab: _Lab) -> tuple[str, dict[str, Any]]:
     """The version a request without a version reaches (the highest that is ready, loaded first if need be), and
     the model's metadata."""
-    with contextlib.closing(_grpc_client(lab)) as client:
+    with contextlib.closing(triton_client.client(lab.server.grpc_url)) as client:
         if not client.is_model_ready(lab.model):
             client.load_model(lab.model)
         meta = client.get_model_metadata(lab.model, as_json=True)
@@ -455,7 +432,7 @@ def _grade_client(fn: Any, protocol: str) -> str:
     url = host_port(lab.server.grpc_url if protocol == "grpc" else lab.server.http_url)
     version, meta = _served_version(lab)
     features = int(meta["inputs"][0]["shape"][-1])
-    reference = _numpy_mlp(lab.repo / lab.model / version)
+    reference = functools.partial(triton_repo.reference_mlp, lab.repo / lab.model / version)  # NumPy
     rng = np.random.default_rng()  # inputs drawn afresh at every check: no answer can be prepared for them
     name = getattr(fn, "__name__", f"{protocol}_infer")
     worst = 0.0
@@ -670,7 +647,7 @@ def _grade_execute(fn: Any) -> str:
         triton_client.load_model(lab.server.grpc_url, EXECUTE_MODEL)
     except RuntimeError as err:
         raise Wrong(f"the server could not load a model.py holding your execute: {err}") from None
-    reference = _numpy_mlp(vdir)
+    reference = functools.partial(triton_repo.reference_mlp, vdir)
     rng = np.random.default_rng()  # inputs drawn afresh at every check
     sizes = iter(EXECUTE_ROWS * 3)
 
@@ -694,7 +671,7 @@ def _grade_execute(fn: Any) -> str:
                                  timeout_s=5.0, verify=verify)
         runs = [tuple(map(int, line.split())) for line in log.read_text().splitlines()] if log.exists() else []
     finally:
-        real = _grpc_client(lab)
+        real = triton_client.client(lab.server.grpc_url)
         with contextlib.suppress(Exception):  # the server may be gone: nothing to unload
             real.unload_model(EXECUTE_MODEL)  # in the background: its stub process goes
         real.close()
