@@ -26,6 +26,7 @@ from lab_utils.exercises.framework import (
     Exercise,
     Wrong,
     close_to,
+    fastest_ratio,
     items,
     match_slip,
     number,
@@ -407,20 +408,10 @@ def _reference_ms(fn: Callable[[], Any], device: str, reps: int) -> float:
 
 
 def _ratio_to_reference(timed: dict[str, Any], reference: Callable[[], Any], device: str, reps: int,
-                        band: tuple[float, float], tries: int = 6) -> float:
-    """Time of what the student timed / time of the reference operation, fastest against fastest.
-
-    Noise only adds time, on either side, so an out-of-band ratio is re-measured (both sides) up to ``tries``
-    times before it counts: a loaded machine cannot fail a right answer, while a wrong one (4x the bytes, an
-    elementwise product) stays outside the band on every try.
-    """
-    mine, refs = [timed["ms"]], [_reference_ms(reference, device, reps)]
-    for _ in range(tries - 1):
-        if band[0] <= min(mine) / min(refs) <= band[1]:
-            break
-        refs.append(_reference_ms(reference, device, reps))
-        mine.append(_reference_ms(timed["fn"], device, reps))
-    return min(mine) / min(refs)
+                        band: tuple[float, float]) -> float:
+    """Time of what the student timed / time of the reference operation, fastest against fastest."""
+    return fastest_ratio(functools.partial(_reference_ms, timed["fn"], device, reps),
+                         functools.partial(_reference_ms, reference, device, reps), band, first=timed["ms"])
 
 
 # --- q2: TFLOP/s from your timing ---------------------------------------------------------------------------
@@ -605,14 +596,11 @@ _BOUND_SYNONYMS = {
 }
 
 
-def _grade_bound(value: Any) -> None:
-    one_of("memory", ["memory", "compute"], synonyms=_BOUND_SYNONYMS,
-           why=f"saxpy's ~0.17 FLOP/byte is far below the H200's ridge point (~{H200_RIDGE:.0f} FLOP/byte): "
-               "the chip waits on memory, not on arithmetic.")(value)
-
-
 q6 = Exercise(
-    name="01.6 saxpy: memory- or compute-bound", var="saxpy_bound", grade=_grade_bound,
+    name="01.6 saxpy: memory- or compute-bound", var="saxpy_bound",
+    grade=one_of("memory", ["memory", "compute"], synonyms=_BOUND_SYNONYMS,
+                 why=f"saxpy's ~0.17 FLOP/byte is far below the H200's ridge point (~{H200_RIDGE:.0f} FLOP/byte): "
+                     "the chip waits on memory, not on arithmetic."),
     hints=[
         "Compare the op's arithmetic intensity (01.4) with the GPU's ridge point: peak FLOP/s divided by "
         "memory bandwidth.",

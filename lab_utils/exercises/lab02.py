@@ -35,6 +35,7 @@ from lab_utils.exercises.framework import (
     Exercise,
     StudentLine,
     Wrong,
+    _short,
     amended,
     choice,
     close_to,
@@ -121,14 +122,13 @@ def _rank_failure(call: str, err: WorkerError | WorkerTimeout, shipped: ranks_mo
     where = []
     for rank, stack in sorted(err.stacks.items()):
         mine = [f for f in ranks_mod.stack_frames(stack) if f.filename in shipped.files]
+        at = _worker_frame(stack)
         if mine:
             f = mine[0]
             line = StudentLine(f.filename, f.lineno, f.function, ranks_mod.code_at(f.filename, f.lineno))
-            at = _worker_frame(stack)
             inner = f" (inside {at})" if at and not at.endswith(f" in {f.function}") else ""
             where.append(f"rank {rank} at {line}{inner}")
         else:
-            at = _worker_frame(stack)
             where.append(f"rank {rank} outside your function (returned, or waiting for the others)"
                          + (f", at {at}" if at else ""))
     stuck = f" ({'; '.join(where)})" if where else ""
@@ -195,10 +195,7 @@ def _plain(value: Any) -> Any:
 
 
 def _show(value: Any) -> str:
-    if isinstance(value, dict) and "__repr__" in value:
-        return f"a {value['__repr__']}"
-    text = repr(value)
-    return text if len(text) <= 100 else text[:97] + "..."
+    return f"a {value['__repr__']}" if isinstance(value, dict) and "__repr__" in value else _short(value, 100)
 
 
 def _fmt_bytes(n: int) -> str:
@@ -266,10 +263,7 @@ def _same(a: float, b: float) -> bool:
 
 
 def _grade_busbw_factor(fn: Any) -> None:
-    if not callable(fn):
-        raise Wrong(f"expected a function busbw_factor(collective, n) -> float, got a {type(fn).__name__}; "
-                    "define it with `def busbw_factor(...)` and pass the function")
-    for collective, n, why in _FACTOR_CASES:
+    for collective, n, why in _FACTOR_CASES:  # a value that is not a function: CodeExercise refuses it first
         call = f"busbw_factor({collective!r}, {n})"
         expected = reference_busbw_factor(collective, n)
         with amended(lambda m: f"{m}. The collectives are {', '.join(COLLECTIVES)}."):

@@ -25,7 +25,9 @@ from lab_utils.exercises.framework import (
     Exercise,
     Wrong,
     amended,
+    choice,
     close_to,
+    fastest_ratio,
     integer,
     items,
     patched,
@@ -262,7 +264,9 @@ def _ort_levels(fn: Any, fx: _Digits, onnx_path: Path, x: Any) -> dict[str, floa
             raise Wrong(f"{call}: timed with device={timing.device!r}: CUDA events on torch's stream do not see ONNX "
                         "Runtime's work (on the CPU, or on its own CUDA stream); session.run returns when its outputs "
                         "are ready, so the host clock times it: device='cpu'.")
-        fastest = _fastest_session_run(session, {name: x}, timing)
+        bench = functools.partial(benchmark, functools.partial(session.run, None, {name: x}), warmup=2, device="cpu",
+                                  reps=max(5, min(timing.reps, 20)), name="reference")  # the check's own timing
+        fastest = timing.min_ms / fastest_ratio(lambda t=timing: t.min_ms, lambda b=bench: b().min_ms, (1 / 3, 3), 3)
         if timing.min_ms < fastest / 3:
             raise Wrong(f"{call}: your timing says {timing.min_ms:.3f} ms per run at its fastest, "
                         f"{fastest / timing.min_ms:.0f}x less than session.run takes at its fastest "
@@ -273,20 +277,6 @@ def _ort_levels(fn: Any, fx: _Digits, onnx_path: Path, x: Any) -> dict[str, floa
                         "session.run, with the session made and the input prepared before the timed function")
         medians[level] = timing.median_ms
     return medians
-
-
-def _fastest_session_run(session: Any, feed: dict, timing: Any) -> float:
-    """The fastest ``session.run`` as the check times it, in ms, measured again (three times at most) while the
-    student's fastest run is below a third of it. Fastest against fastest: load on a shared machine only ever adds
-    time, to some repetitions, while a timed region that does more (or less) than session.run shifts every one."""
-    fastest = float("inf")
-    for _ in range(3):
-        ref = benchmark(functools.partial(session.run, None, feed), reps=max(5, min(timing.reps, 20)), warmup=2,
-                        device="cpu", name="reference")
-        fastest = min(fastest, ref.min_ms)
-        if timing.min_ms >= fastest / 3:
-            break
-    return fastest
 
 
 q2 = CodeExercise(
@@ -463,9 +453,9 @@ _PRECISION_BEST = max((k for k, v in _PRECISION_TABLE.items()
 
 
 def _grade_precision(value: Any) -> None:
-    if not isinstance(value, str) or value.strip().lower() not in _PRECISION_TABLE:
+    got = choice(value, PRECISION_CHOICES)
+    if got is None:
         raise Wrong(f"answer with one of {list(PRECISION_CHOICES)}, as a string")
-    got = value.strip().lower()
     if got == _PRECISION_BEST:
         return
     row = _PRECISION_TABLE[got]
