@@ -158,12 +158,10 @@ def _launch(worker: Callable[..., Any], nprocs: int, backend: str, timeout_s: fl
 
 
 def _run_in_ranks(worker: Callable[..., Any], shipped: ranks_mod.Shipped, call: str, nprocs: int, backend: str,
-                  timeout_s: float, kwargs: dict[str, Any], group: bool = True, rendezvous: int = 1,
-                  straggler_s: float | None = None) -> list[Any]:
-    """The worker's results on the ranks, or the student's failure as ``Wrong``."""
+                  timeout_s: float, kwargs: dict[str, Any], **options: Any) -> list[Any]:
+    """The worker's results on the ranks (``options`` as ``launch``'s), or the student's failure as ``Wrong``."""
     try:
-        return _launch(worker, nprocs, backend, timeout_s, {"student": shipped, **kwargs}, group=group,
-                       rendezvous=rendezvous, straggler_s=straggler_s)
+        return _launch(worker, nprocs, backend, timeout_s, {"student": shipped, **kwargs}, **options)
     except (WorkerError, WorkerTimeout) as err:
         raise _rank_failure(call, err, shipped, timeout_s) from None
 

@@ -903,17 +903,17 @@ def _grade_stats(fn: Any) -> str:
                else "avg_batch = inference_count / execution_count, queue_us = queue.ns / queue.count / 1000")
         raise Wrong(f"{call} gave ({got[0]:.4g}, {got[1]:.4g}); that response says ({want[0]:.4g}, {want[1]:.4g}): "
                     f"{why}")
+    graded = f"on the fixed response (avg_batch {got_batch:.2f}, queue {got_queue:,.0f} µs) and on one with numbers " \
+        "drawn at random"
     if not _BOUND or not _BOUND[0].server.alive():
-        return (f"on the fixed response (avg_batch {got_batch:.2f}, queue {got_queue:,.0f} µs) and on one with "
-                "numbers drawn at random.")
+        return f"{graded}."
     lab = _BOUND[0]
     version, _ = _served_version(lab)
     url = f"{lab.server.http_url.rstrip('/')}/v2/models/{lab.model}/versions/{version}/stats"
     with urllib.request.urlopen(url, timeout=10) as resp:
         live = json.loads(resp.read())
     if not live.get("model_stats") or not int(live["model_stats"][0].get("execution_count", 0)):
-        return (f"on the fixed response (avg_batch {got_batch:.2f}, queue {got_queue:,.0f} µs) and on one with "
-                f"numbers drawn at random (the server's own {lab.model} has served nothing yet).")
+        return f"{graded} (the server's own {lab.model} has served nothing yet)."
     call = f"batch_and_queue(<GET v2/models/{lab.model}/versions/{version}/stats>)"
     got_batch, got_queue = _grade_response(fn, live, call)
     batch, queue, _, _ = _expected_split(live)
