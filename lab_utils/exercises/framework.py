@@ -1009,7 +1009,8 @@ def per_call_wrong(where: str, mine_ms: float, ref_ms: float, iters: int, warmup
     if slip:
         return Wrong(f"{head}: {slip}.")
     if ratio < 1 and gpu_fix:
-        return Wrong(f"{where}: {mine_ms:.3g} ms is {1 / ratio:.0f}x faster than {reference}'s {ref_ms:.3g} ms{tries}: "
+        faster = f"{ref_ms / mine_ms:.0f}x" if mine_ms > 0 else "infinitely"
+        return Wrong(f"{where}: {mine_ms:.3g} ms is {faster} faster than {reference}'s {ref_ms:.3g} ms{tries}: "
                      f"the clock stopped before the GPU finished. {gpu_fix}")
     side = "less" if ratio < 1 else "more"
     return Wrong(f"{head}: far {side} than {one_call} takes. Time `iters` calls after `warmup` untimed ones and "
