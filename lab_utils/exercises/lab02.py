@@ -575,9 +575,7 @@ def _grade_allreduce_bench(fn: Any, backend: str | None = None, nprocs: int | No
         res = _run_in_ranks(_bench_worker, shipped, call, nprocs, backend, BENCH_TIMEOUT_S,
                             {"sizes": sizes, "iters": BENCH_ITERS, "warmup": BENCH_WARMUP, "rounds": BENCH_ROUNDS,
                              "timing": True})
-        per_rank = []
-        for r in res:
-            per_rank.append({**r, "rows": [_rows_of(rows, sizes, call) for rows in r["rows"]]})
+        per_rank = [{**r, "rows": [_rows_of(rows, sizes, call) for rows in r["rows"]]} for r in res]
         _judge_calls(res[0]["calls"][0], sizes, BENCH_ITERS, BENCH_WARMUP, call)
         times = _judge_timing(per_rank, sizes, BENCH_ITERS, BENCH_WARMUP, gpu, call)
         for rank, r in enumerate(per_rank):
