@@ -1,11 +1,7 @@
-"""Exercise checks with four outcomes: not attempted, incorrect (with the value and why), correct, and not
-applicable on this tier (the machine cannot run the check, e.g. CUDA graphs without a GPU).
+"""Exercise checks with four outcomes: not attempted, incorrect (with why), correct, not applicable on this tier.
 
-A check receives the student's answer explicitly (``q1.check(flops)``) and never reads notebook globals; a blank
-answer is *not attempted*, never an exception. Hints come in steps; the solution can be shown. A ``CodeExercise``
-runs a code answer against the real component and compares it with the reference (``run_student``,
-``student_frame``); ``REFERENCES`` lists what a code answer may not delegate to. ``version``, ``fraction`` and
-``choice`` normalize answers written several ways.
+A check takes the student's answer explicitly (``q1.check(flops)``), never notebook globals; a ``CodeExercise`` runs a
+code answer (``run_student``) and refuses one that delegates to a reference implementation (``REFERENCES``).
 
 Design notes: docs/internals.md#lab_utilsexercisesframeworkpy
 """
@@ -30,6 +26,7 @@ import threading
 import time
 import traceback
 import types
+import unittest.mock
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -137,13 +134,16 @@ class Exercise:
         try:
             note = self.grade(value)
         except Wrong as why:
-            return Outcome(self.name, Status.INCORRECT, f"`{self.var}` = {_short(value)}: {why}")
+            return self._incorrect(value, why)
         except NotApplicable as why:
             return Outcome(self.name, Status.NOT_APPLICABLE, str(why))
         except Exception as err:  # the student's code failed inside the check: show it, don't crash
             return Outcome(self.name, Status.INCORRECT, f"checking `{self.var}` raised {type(err).__name__}: {err}")
         extra = f" {note}" if isinstance(note, str) and note else ""
         return Outcome(self.name, Status.CORRECT, f"`{self.var}` = {_short(value)}.{extra}")
+
+    def _incorrect(self, value: Any, why: object) -> Outcome:
+        return Outcome(self.name, Status.INCORRECT, f"`{self.var}` = {_short(value)}: {why}")
 
     def hint(self, n: int | None = None) -> str:
         """Show hint ``n`` (1-based), or the next one in order."""
@@ -188,7 +188,7 @@ class CodeExercise(Exercise):
         if is_blank(value) or not callable(value):
             return None
         why = _delegation(value, _references_of(self.lab, self.var))
-        return Outcome(self.name, Status.INCORRECT, f"`{self.var}` = {_short(value)}: {why}") if why else None
+        return self._incorrect(value, why) if why else None
 
     def _outcome(self, value: Any) -> Outcome:
         # Refused first: a delegating answer is wrong on every machine, and nothing expensive has started yet.
@@ -201,10 +201,9 @@ class CodeExercise(Exercise):
                      if is_blank(value) else f" Your `{self.var}` was not run.")
             return Outcome(self.name, Status.NOT_APPLICABLE, f"{reason}{still}")
         if not is_blank(value) and not callable(value):
-            return Outcome(self.name, Status.INCORRECT,
-                           f"`{self.var}` = {_short(value)}: expected a function `{self.signature or self.var}`, "
-                           f"got a {type(value).__name__}. Define it with `def` and pass the function itself "
-                           "(its name, without parentheses).")
+            return self._incorrect(value, f"expected a function `{self.signature or self.var}`, got a "
+                                          f"{type(value).__name__}. Define it with `def` and pass the function itself "
+                                          "(its name, without parentheses).")
         if is_blank(value):
             return super()._outcome(value)
         with _Guard(_references_of(self.lab, self.var)) as guard:
@@ -215,7 +214,7 @@ class CodeExercise(Exercise):
                     raise
         if guard.refused is not None:
             # However the grader took it (the student's code may even have caught the trap), the call is the verdict.
-            return Outcome(self.name, Status.INCORRECT, f"`{self.var}` = {_short(value)}: {guard.refused}")
+            return self._incorrect(value, guard.refused)
         return out
 
 
@@ -349,42 +348,36 @@ def run_student(
         return Wrong(f"{call} did not return within {timeout_s:g} s{where}: an endless loop, or waiting for "
                      "work that never finishes?")
 
-    in_main = threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer")
-    if in_main:
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["result"] = fn(*args, **kwargs)
+        except BaseException as err:  # judged below, in the caller's thread
+            box["error"] = err
+
+    if threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer"):
         try:
             with _alarm(timeout_s):
-                result = fn(*args, **kwargs)
-        except StudentTimeout as t:
-            raise timed_out(student_frame(t)) from None
-        except (Wrong, NotApplicable):
-            raise
-        except Exception as err:
-            raise Wrong(raised_message(call, err)) from None
+                target()
+        except StudentTimeout as t:  # the alarm fired outside the student's code
+            box["error"] = t
     else:
-        box: dict[str, Any] = {}
-
-        def target() -> None:
-            try:
-                box["result"] = fn(*args, **kwargs)
-            except BaseException as err:  # handed to the caller's thread
-                box["error"] = err
-
         worker = threading.Thread(target=target, name=f"student {what or 'code'}", daemon=True)
         worker.start()
         worker.join(timeout_s)
         if worker.is_alive():
-            frame = sys._current_frames().get(worker.ident or -1)
-            at = student_frame(frame)
+            at = student_frame(sys._current_frames().get(worker.ident or -1))
             _async_raise(worker, StudentTimeout)
             raise timed_out(at)
-        err = box.get("error")
-        if isinstance(err, (Wrong, NotApplicable)):
-            raise err
-        if isinstance(err, Exception):
-            raise Wrong(raised_message(call, err)) from None
-        if err is not None:
-            raise err
-        result = box.get("result")
+    err = box.get("error")
+    if isinstance(err, StudentTimeout):
+        raise timed_out(student_frame(err)) from None
+    if isinstance(err, Exception) and not isinstance(err, (Wrong, NotApplicable)):
+        raise Wrong(raised_message(call, err)) from None
+    if err is not None:
+        raise err
+    result = box.get("result")
     kinds = returns if isinstance(returns, tuple) else (returns,)
     if returns is not None and (not isinstance(result, kinds) or (isinstance(result, bool) and bool not in kinds)):
         hint = " (does it end with `return ...`?)" if result is None else ""
@@ -407,12 +400,9 @@ class References:
 _LAB = "lab_utils.exercises."
 _GRPC_HTTP = ("lab_utils.serving.client.infer", "lab_utils.serving.repository.reference_mlp")
 
-# The one registry: "labNN.var" -> what an answer to that exercise may not call. The lab's reference_* (later cells
-# call them, so that a blank never stops a lab), and the library functions that do the same job. A public
-# reference_* of a lab that no row names is refused in every code exercise of its lab (with a generic fix). Other
-# helpers of the package are not here on purpose: a timer, a loader or a parser the lesson is not about. The value
-# exercises (07.1, 07.3, 08.6) have rows so that every public reference is accounted for, but a value cannot be
-# walked: only code answers are guarded.
+# The one registry: "labNN.var" -> what a code answer to that exercise may not reach: the lab's reference_* (later
+# cells call them, so a blank never stops a lab) and library functions doing the same job. A lab's public reference_*
+# that no row names is refused in all its code exercises; value exercises have rows so every reference is named.
 REFERENCES: dict[str, References] = {
     "lab00.cuda_ceiling": References("find the 'CUDA Version' field in the banner yourself", (
         f"{_LAB}lab00.reference_cuda_ceiling", "lab_utils.course.probe.parse_smi_header")),
@@ -865,6 +855,28 @@ class _Guard:
 # --- grading building blocks -------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def patched(*swaps: tuple[Any, str, Any]) -> Iterator[None]:
+    """For each ``(owner, name, new)``, ``owner.name`` (``owner[name]`` of a dict) is ``new`` inside; then as before."""
+    with contextlib.ExitStack() as stack:
+        for owner, name, new in swaps:
+            if isinstance(owner, dict):  # only this key: a namespace may gain other names meanwhile
+                stack.callback(owner.__setitem__, name, owner[name])
+                owner[name] = new
+            else:
+                stack.enter_context(unittest.mock.patch.object(owner, name, new))
+        yield
+
+
+@contextlib.contextmanager
+def amended(fix: Callable[[str], str]) -> Iterator[None]:
+    """``Wrong`` raised inside comes out with its message passed through ``fix`` (a hint added, colours removed)."""
+    try:
+        yield
+    except Wrong as err:
+        raise Wrong(fix(str(err))) from None
+
+
 def source_as(fn: Callable[..., Any], name: str) -> str:
     """A reference function's source under the name the student defines, or under the header ``name`` when it
     holds the arguments (``"time_ms(fn, iters, warmup, sync)"``: no annotations): the solution is the reference."""
@@ -873,6 +885,14 @@ def source_as(fn: Callable[..., Any], name: str) -> str:
         return source.replace(f"def {fn.__name__}(", f"def {name}(", 1)
     body = ast.parse(source).body[0].body[0].lineno - 1  # type: ignore[attr-defined]
     return f"def {name}:\n" + "".join(source.splitlines(keepends=True)[body:])
+
+
+def items(result: Any, n: int, call: str, expected: str) -> list[Any]:
+    """``result`` as a list of ``n`` items (from a list or a tuple), or ``Wrong`` saying what came back instead."""
+    if isinstance(result, (list, tuple)) and len(result) == n:
+        return list(result)
+    shown = f"a {type(result).__name__} of {len(result)}" if isinstance(result, (list, tuple)) else _short(result)
+    raise Wrong(f"{call} returned {shown}; expected {expected}")
 
 
 def number(value: Any, what: str = "the answer") -> float:
@@ -957,6 +977,44 @@ def match_slip(ratio: float, slips: Mapping[float, str], rel: float) -> str | No
         if math.isclose(ratio, slip, rel_tol=rel):
             return message
     return None
+
+
+def fastest_ratio(mine: Callable[[], float], reference: Callable[[], float], band: tuple[float, float],
+                  tries: int = 6, first: float | None = None) -> float:
+    """Fastest ``mine()`` / fastest ``reference()`` (times), both measured again up to ``tries`` times while outside
+    ``band``: load only adds time, so noise cannot fail a right answer, and a wrong one stays out on every try."""
+    mines, refs = [mine() if first is None else first], [reference()]
+    for _ in range(tries - 1):
+        if band[0] <= min(mines) / min(refs) <= band[1]:
+            break
+        refs.append(reference())
+        mines.append(mine())
+    return min(mines) / min(refs)
+
+
+def per_call_wrong(where: str, mine_ms: float, ref_ms: float, iters: int, warmup: int, *,
+                   reference: str = "the reference", tries: str = "", gpu_fix: str = "",
+                   one_call: str = "one call") -> Wrong:
+    """Why a time per call (ms), outside its band around the reference's, is wrong: a unit or loop slip, a clock read
+    before the GPU finished (``gpu_fix`` says how to wait, where the work is queued), else far off."""
+    ratio = mine_ms / ref_ms if ref_ms > 0 else math.inf
+    head = f"{where}: {mine_ms:.3g} ms per call, {ratio:.2g}x {reference}'s {ref_ms:.3g} ms{tries}"
+    slip = match_slip(ratio, {
+        1e-3: "that looks like seconds: time in milliseconds (× 1000)",
+        1e3: "that looks like microseconds: time in milliseconds (÷ 1000)",
+        float(iters): f"that looks like the total of all {iters} calls: return the time per call (divide by iters)",
+        (iters + warmup) / iters: "the warm-up calls are inside your timed region: run them, sync, and only then "
+                                  "start the clock",
+    }, 0.35)
+    if slip:
+        return Wrong(f"{head}: {slip}.")
+    if ratio < 1 and gpu_fix:
+        faster = f"{ref_ms / mine_ms:.0f}x" if mine_ms > 0 else "infinitely"
+        return Wrong(f"{where}: {mine_ms:.3g} ms is {faster} faster than {reference}'s {ref_ms:.3g} ms{tries}: "
+                     f"the clock stopped before the GPU finished. {gpu_fix}")
+    side = "less" if ratio < 1 else "more"
+    return Wrong(f"{head}: far {side} than {one_call} takes. Time `iters` calls after `warmup` untimed ones and "
+                 "divide by iters.")
 
 
 def close_to(

@@ -1,11 +1,5 @@
-"""Lab 00 exercises: environment and driver.
-
-Three of the six are code the check runs: ``cuda_ceiling`` (parses nvidia-smi's banner: the H200 capture,
-another driver's banner with a version picked at random, and this machine's own output where nvidia-smi
-runs), the GPU inventory (``nvml_inventory`` through NVML where NVML starts, compared with ``nvidia-smi
---query-gpu``; elsewhere ``smi_inventory`` on the H200 captures, compared with the reference parser) and
-``cuda_verdict`` (graded on a table of driver/runtime cases). The others read the H200 runner's captures in
-``lab_utils/data/h200/``, so every student answers about the same real machine.
+"""Lab 00 exercises: environment and driver, on this machine where it can and on the H200 captures in
+``lab_utils/data/h200/`` elsewhere (``cuda_ceiling``, the GPU inventory and ``cuda_verdict`` are code the check runs).
 """
 
 from __future__ import annotations
@@ -14,7 +8,6 @@ import csv
 import io
 import random
 import re
-import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -124,15 +117,6 @@ def reference_cuda_ceiling(smi_text: str) -> str | None:
     return probe.parse_smi_header(smi_text)["cuda_ceiling"]
 
 
-def _run(cmd: list[str]) -> str | None:
-    """What ``cmd`` printed, or None where it is missing (no nvidia-smi), fails or prints nothing."""
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=False)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return out.stdout if out.returncode == 0 and out.stdout.strip() else None
-
-
 # (driver, CUDA ceiling) pairs as released drivers report them.
 _OTHER_BANNERS = (("535.183.01", "12.2"), ("550.54.15", "12.4"), ("570.86.10", "12.8"), ("575.51.03", "12.9"),
                   ("520.61.05", "11.8"), ("590.44.01", "13.1"), ("560.35.03", "12.6"))
@@ -150,7 +134,7 @@ def _other_banner(smi_text: str, rng: random.Random) -> str:
 def _grade_cuda_ceiling(fn: Any) -> str:
     h200 = probe.capture("nvidia-smi")
     sources = [("the H200 capture", h200), ("another driver's banner", _other_banner(h200, random.Random()))]
-    live = _run(["nvidia-smi"])  # this machine's banner, where nvidia-smi works
+    live = probe._run(["nvidia-smi"], timeout=30)  # this machine's banner, where nvidia-smi works
     if live and reference_cuda_ceiling(live):
         sources.append(("this machine's nvidia-smi", live))
     for where, text in sources:
@@ -206,17 +190,14 @@ def reference_nvml_inventory() -> list[dict[str, Any]]:
     """One dict per GPU (``INVENTORY_FIELDS``), read through NVML; NVML is shut down again afterwards."""
     import pynvml
 
-    def text(v: Any) -> str:
-        return v.decode() if isinstance(v, bytes) else str(v)
-
     pynvml.nvmlInit()
     try:
-        driver = text(pynvml.nvmlSystemGetDriverVersion())
+        driver = probe.nvml_text(pynvml.nvmlSystemGetDriverVersion())
         cuda = probe.decode_cuda_version(pynvml.nvmlSystemGetCudaDriverVersion())
         rows = []
         for i in range(pynvml.nvmlDeviceGetCount()):
             h = pynvml.nvmlDeviceGetHandleByIndex(i)
-            rows.append({"index": i, "name": text(pynvml.nvmlDeviceGetName(h)),
+            rows.append({"index": i, "name": probe.nvml_text(pynvml.nvmlDeviceGetName(h)),
                          "memory_total_mib": pynvml.nvmlDeviceGetMemoryInfo(h).total // 2**20,
                          "driver_version": driver, "cuda_version": cuda})
         return rows
@@ -242,9 +223,9 @@ def reference_smi_inventory(query_csv: str, smi_text: str) -> list[dict[str, Any
 
 def _smi_query() -> list[dict[str, Any]] | None:
     """This machine's inventory as nvidia-smi reports it (the comparison for ``nvml_inventory``)."""
-    query = _run(["nvidia-smi", "--query-gpu=index,name,memory.total,driver_version", "--format=csv"])
-    banner = _run(["nvidia-smi"])
-    if not query or not banner:
+    query = probe._run(["nvidia-smi", "--query-gpu=index,name,memory.total,driver_version", "--format=csv"], 30)
+    banner = probe._run(["nvidia-smi"], 30)
+    if not (query and query.strip() and banner and banner.strip()):
         return None
     return reference_smi_inventory(query, banner)
 
@@ -291,6 +272,15 @@ def _rows_of(result: Any, call: str) -> list[Mapping[str, Any]]:
     return list(result)
 
 
+def _field_text(row: Mapping[str, Any], ref: Mapping[str, Any], key: str, who: str) -> Any:
+    """``row[key]`` (bytes decoded), or ``Wrong`` where it is ``ref[key]`` with spaces around it."""
+    value = row[key].decode() if isinstance(row[key], bytes) else row[key]
+    if isinstance(value, str) and value != ref[key] and value.strip() == ref[key]:
+        raise Wrong(f"{who}'s {key} is {value!r}, with spaces around it: nvidia-smi's CSV puts a space after each "
+                    "comma; strip the fields (csv.reader(..., skipinitialspace=True))")
+    return value
+
+
 def _compare_inventory(got: list[Mapping[str, Any]], want: list[dict[str, Any]], call: str, source: str) -> None:
     if len(got) != len(want):
         first = " Does it read only the first row?" if len(got) == 1 and len(want) > 1 else ""
@@ -304,13 +294,10 @@ def _compare_inventory(got: list[Mapping[str, Any]], want: list[dict[str, Any]],
         if integer(row["index"], f"{gpu}'s index") != ref["index"]:
             raise Wrong(f"{call}: the GPU in position {want.index(ref)} has index {row['index']!r}, {source} says "
                         f"{ref['index']} (NVML's indexes start at 0, in nvidia-smi's order)")
-        name = row["name"].decode() if isinstance(row["name"], bytes) else row["name"]
+        name = _field_text(row, ref, "name", f"{call}: {gpu}")
         if not isinstance(name, str):
             raise Wrong(f"{call}: {gpu}'s name is a {type(name).__name__}; give the name as a string")
         if name != ref["name"]:
-            if name.strip() == ref["name"]:
-                raise Wrong(f"{call}: {gpu}'s name is {name!r}, with spaces around it: nvidia-smi's CSV puts a "
-                            "space after each comma; strip the fields (csv.reader(..., skipinitialspace=True))")
             raise Wrong(f"{call}: {gpu}'s name is {name!r}, {source} says {ref['name']!r}")
         mem = row["memory_total_mib"]
         if isinstance(mem, str):
@@ -322,10 +309,7 @@ def _compare_inventory(got: list[Mapping[str, Any]], want: list[dict[str, Any]],
             slip = match_slip(ratio, _MEMORY_SLIPS, 0.01)
             raise Wrong(f"{call}: {gpu} has memory_total_mib = {mem:g}, {source} says {ref['memory_total_mib']} "
                         f"MiB. {slip or 'Read memory.total (MiB), not used or free memory.'}")
-        drv = row["driver_version"].decode() if isinstance(row["driver_version"], bytes) else row["driver_version"]
-        if isinstance(drv, str) and drv != ref["driver_version"] and drv.strip() == ref["driver_version"]:
-            raise Wrong(f"{call}: {gpu}'s driver_version is {drv!r}, with spaces around it: nvidia-smi's CSV puts "
-                        "a space after each comma; strip the fields (csv.reader(..., skipinitialspace=True))")
+        drv = _field_text(row, ref, "driver_version", f"{call}: {gpu}")
         if not isinstance(drv, str) or drv != ref["driver_version"]:
             swapped = " (that is the CUDA version: the two fields are swapped)" if str(drv) == ref["cuda_version"] \
                 else ""

@@ -1,10 +1,5 @@
-"""Lab 01 exercises: CUDA and cuBLAS timing.
-
-Four of the seven are code the check runs on this machine's real device (the GPU when torch can use one, else
-the CPU) and compares with the reference implementation on the same input: ``time_ms(fn, iters, warmup, sync)``,
-``matmul_tflops(n, device, timer)``, ``copy_gbps(nbytes, device, timer)`` and ``replay_with_graph(chain,
-static_x, xs)`` (GPU only: *not applicable* on the CPU tier). Units: times in ms, TFLOP/s = 1e12 FLOP/s,
-GB/s = 1e9 bytes/s.
+"""Lab 01 exercises: CUDA and cuBLAS timing, run on this machine's device (the GPU, else the CPU) against the
+reference implementations. Units: ms, TFLOP/s = 1e12 FLOP/s, GB/s = 1e9 bytes/s.
 
 Design notes: docs/internals.md#lab_utilsexerciseslab01py
 """
@@ -12,6 +7,7 @@ Design notes: docs/internals.md#lab_utilsexerciseslab01py
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import queue
 import random
@@ -30,9 +26,12 @@ from lab_utils.exercises.framework import (
     Exercise,
     Wrong,
     close_to,
+    fastest_ratio,
+    items,
     match_slip,
     number,
     one_of,
+    per_call_wrong,
     run_student,
     source_as,
 )
@@ -278,6 +277,8 @@ def _grade_on_gpu_kernels(fn: Any) -> str:
 _ITERS_MM, _WARMUP_MM = 8, 16  # timing the warm-up too gives 3x, the total 8x: both far outside the band
 _BAND = (0.5, 2.0)  # student / reference on a real matmul
 _TRIES = 8
+_SYNC_FIX = ("Call sync() (torch.cuda.synchronize) before reading the clock, or time with CUDA events and read "
+             "elapsed_time after end.synchronize().")
 
 
 def _matmul_case(device: str) -> tuple[Callable[[], Any], str]:
@@ -301,9 +302,7 @@ def _grade_on_matmul(fn: Any) -> str:
         # the same kind of noise (a mean over iters calls). Noise only ever adds time (another process takes
         # the core), so the fastest of several tries is the best estimate on either side; a try costs ~50 ms
         # on the CPU, and a wrong answer (a factor of 3, 8 or 1000) stays outside the band whatever the noise.
-        def sync() -> None:
-            timing.sync(device)
-
+        sync = functools.partial(timing.sync, device)
         for _ in range(_TRIES):
             refs.append(reference_time_ms(mm, _ITERS_MM, _WARMUP_MM, sync))
             got = run_student(fn, mm, _ITERS_MM, _WARMUP_MM, sync,
@@ -315,29 +314,11 @@ def _grade_on_matmul(fn: Any) -> str:
             if pending:
                 raise Wrong(f"{where}: {mine[-1]:.3g} ms, {ref / mine[-1]:.0f}x faster than the reference timer's "
                             f"{ref:.3g} ms, and the GPU was still working when your function returned: the clock "
-                            "stopped before the GPU finished. Call sync() (torch.cuda.synchronize) before reading "
-                            "the clock, or time with CUDA events and read elapsed_time after end.synchronize().")
+                            f"stopped before the GPU finished. {_SYNC_FIX}")
             if _BAND[0] <= ms / ref <= _BAND[1]:
                 return f"{label}: {ms:.3g} ms against the reference timer's {ref:.3g} ms"
-    ratio = ms / ref
-    slips = {
-        1e-3: "that looks like seconds; return milliseconds (multiply by 1000)",
-        float(_ITERS_MM): f"that looks like the total of all {_ITERS_MM} calls; return the time per call "
-                          "(divide by iters)",
-        (_ITERS_MM + _WARMUP_MM) / _ITERS_MM: "the warm-up calls are inside your timed region: run the warm-up, "
-                                              "sync(), and only then start the clock",
-    }
-    slip = match_slip(ratio, slips, 0.35)
-    if slip:
-        raise Wrong(f"{where}: {ms:.3g} ms against the reference timer's {ref:.3g} ms: {slip}")
-    if ratio < _BAND[0] and device == "cuda":
-        raise Wrong(f"{where}: {ms:.3g} ms is {1 / ratio:.0f}x faster than the reference timer's {ref:.3g} ms: the "
-                    "clock stopped before the GPU finished. Call sync() (torch.cuda.synchronize) before reading "
-                    "the clock, or time with CUDA events and read elapsed_time after end.synchronize().")
-    side = "less" if ratio < 1 else "more"
-    raise Wrong(f"{where}: {ms:.3g} ms per call, {ratio:.2g}x the reference timer's {ref:.3g} ms (fastest of {_TRIES} "
-                f"tries each): far "
-                f"{side} than one call takes. Time `iters` calls after `warmup` untimed ones and divide by iters.")
+    raise per_call_wrong(where, ms, ref, _ITERS_MM, _WARMUP_MM, reference="the reference timer",
+                         tries=f" (fastest of {_TRIES} tries each)", gpu_fix=_SYNC_FIX if device == "cuda" else "")
 
 
 def _grade_time_ms(fn: Any) -> str:
@@ -427,20 +408,10 @@ def _reference_ms(fn: Callable[[], Any], device: str, reps: int) -> float:
 
 
 def _ratio_to_reference(timed: dict[str, Any], reference: Callable[[], Any], device: str, reps: int,
-                        band: tuple[float, float], tries: int = 6) -> float:
-    """Time of what the student timed / time of the reference operation, fastest against fastest.
-
-    Noise only adds time, on either side, so an out-of-band ratio is re-measured (both sides) up to ``tries``
-    times before it counts: a loaded machine cannot fail a right answer, while a wrong one (4x the bytes, an
-    elementwise product) stays outside the band on every try.
-    """
-    mine, refs = [timed["ms"]], [_reference_ms(reference, device, reps)]
-    for _ in range(tries - 1):
-        if band[0] <= min(mine) / min(refs) <= band[1]:
-            break
-        refs.append(_reference_ms(reference, device, reps))
-        mine.append(_reference_ms(timed["fn"], device, reps))
-    return min(mine) / min(refs)
+                        band: tuple[float, float]) -> float:
+    """Time of what the student timed / time of the reference operation, fastest against fastest."""
+    return fastest_ratio(functools.partial(_reference_ms, timed["fn"], device, reps),
+                         functools.partial(_reference_ms, reference, device, reps), band, first=timed["ms"])
 
 
 # --- q2: TFLOP/s from your timing ---------------------------------------------------------------------------
@@ -625,14 +596,11 @@ _BOUND_SYNONYMS = {
 }
 
 
-def _grade_bound(value: Any) -> None:
-    one_of("memory", ["memory", "compute"], synonyms=_BOUND_SYNONYMS,
-           why=f"saxpy's ~0.17 FLOP/byte is far below the H200's ridge point (~{H200_RIDGE:.0f} FLOP/byte): "
-               "the chip waits on memory, not on arithmetic.")(value)
-
-
 q6 = Exercise(
-    name="01.6 saxpy: memory- or compute-bound", var="saxpy_bound", grade=_grade_bound,
+    name="01.6 saxpy: memory- or compute-bound", var="saxpy_bound",
+    grade=one_of("memory", ["memory", "compute"], synonyms=_BOUND_SYNONYMS,
+                 why=f"saxpy's ~0.17 FLOP/byte is far below the H200's ridge point (~{H200_RIDGE:.0f} FLOP/byte): "
+                     "the chip waits on memory, not on arithmetic."),
     hints=[
         "Compare the op's arithmetic intensity (01.4) with the GPU's ridge point: peak FLOP/s divided by "
         "memory bandwidth.",
@@ -707,11 +675,9 @@ def _grade_replay_with_graph(fn: Any) -> str:
     got = run_student(fn, chain, static_x, xs, call="replay_with_graph(chain, static_x, xs)", timeout_s=120)
     torch.cuda.synchronize()
     student_ms = (time.perf_counter() - t0) * 1e3
-    if not isinstance(got, (list, tuple)) or len(got) != len(xs) or \
-            not all(isinstance(t, torch.Tensor) for t in got):
-        kind = f"{len(got)} items" if isinstance(got, (list, tuple)) else type(got).__name__
-        raise Wrong(f"replay_with_graph returned {kind}: return a list of {len(xs)} tensors, chain(x) for each x "
-                    "in xs, in order")
+    got = items(got, len(xs), "replay_with_graph", f"a list of {len(xs)} tensors, chain(x) for each x in xs, in order")
+    if not all(isinstance(t, torch.Tensor) for t in got):
+        raise Wrong(f"replay_with_graph returned a list of {len(xs)}, not all tensors: chain(x) for each x in xs")
     if counts["captured"] == 0:
         raise Wrong("chain was never captured into a graph: create g = torch.cuda.CUDAGraph() and run chain(static_x) "
                     "inside `with torch.cuda.graph(g):`, then g.replay() for each input")

@@ -1,10 +1,5 @@
-"""Lab 02 exercises: NCCL collectives and multi-GPU DDP training.
-
-Four of the seven are code that the check runs. Three run in real ranks (gloo processes on a CPU, NCCL with one
-GPU each where there are two or more GPUs: ``grading_ranks``) and are compared with the reference on the same
-input: ``allreduce_bench(ctx, sizes_bytes, iters, warmup)``, ``train_ddp(train_set, make_model, epochs,
-batch_size, lr, checkpoint_path)`` and ``global_accuracy(ctx, correct, seen)``. ``busbw_factor`` needs no ranks;
-the rest are a number, a variable name and a choice. Sizes are in bytes; bandwidths in GB/s (1 GB = 1e9 bytes).
+"""Lab 02 exercises: NCCL collectives and multi-GPU DDP training; the rank exercises run in real ranks
+(``grading_ranks``). Sizes in bytes, bandwidths in GB/s (1e9 bytes/s).
 
 Design notes: docs/internals.md#lab_utilsexerciseslab02py
 """
@@ -40,11 +35,15 @@ from lab_utils.exercises.framework import (
     Exercise,
     StudentLine,
     Wrong,
+    _short,
+    amended,
     choice,
     close_to,
     fraction,
     match_slip,
     number,
+    patched,
+    per_call_wrong,
     run_student,
     source_as,
     student_frame,
@@ -123,14 +122,13 @@ def _rank_failure(call: str, err: WorkerError | WorkerTimeout, shipped: ranks_mo
     where = []
     for rank, stack in sorted(err.stacks.items()):
         mine = [f for f in ranks_mod.stack_frames(stack) if f.filename in shipped.files]
+        at = _worker_frame(stack)
         if mine:
             f = mine[0]
             line = StudentLine(f.filename, f.lineno, f.function, ranks_mod.code_at(f.filename, f.lineno))
-            at = _worker_frame(stack)
             inner = f" (inside {at})" if at and not at.endswith(f" in {f.function}") else ""
             where.append(f"rank {rank} at {line}{inner}")
         else:
-            at = _worker_frame(stack)
             where.append(f"rank {rank} outside your function (returned, or waiting for the others)"
                          + (f", at {at}" if at else ""))
     stuck = f" ({'; '.join(where)})" if where else ""
@@ -160,12 +158,10 @@ def _launch(worker: Callable[..., Any], nprocs: int, backend: str, timeout_s: fl
 
 
 def _run_in_ranks(worker: Callable[..., Any], shipped: ranks_mod.Shipped, call: str, nprocs: int, backend: str,
-                  timeout_s: float, kwargs: dict[str, Any], group: bool = True, rendezvous: int = 1,
-                  straggler_s: float | None = None) -> list[Any]:
-    """The worker's results on the ranks, or the student's failure as ``Wrong``."""
+                  timeout_s: float, kwargs: dict[str, Any], **options: Any) -> list[Any]:
+    """The worker's results on the ranks (``options`` as ``launch``'s), or the student's failure as ``Wrong``."""
     try:
-        return _launch(worker, nprocs, backend, timeout_s, {"student": shipped, **kwargs}, group=group,
-                       rendezvous=rendezvous, straggler_s=straggler_s)
+        return _launch(worker, nprocs, backend, timeout_s, {"student": shipped, **kwargs}, **options)
     except (WorkerError, WorkerTimeout) as err:
         raise _rank_failure(call, err, shipped, timeout_s) from None
 
@@ -197,10 +193,7 @@ def _plain(value: Any) -> Any:
 
 
 def _show(value: Any) -> str:
-    if isinstance(value, dict) and "__repr__" in value:
-        return f"a {value['__repr__']}"
-    text = repr(value)
-    return text if len(text) <= 100 else text[:97] + "..."
+    return f"a {value['__repr__']}" if isinstance(value, dict) and "__repr__" in value else _short(value, 100)
 
 
 def _fmt_bytes(n: int) -> str:
@@ -268,16 +261,11 @@ def _same(a: float, b: float) -> bool:
 
 
 def _grade_busbw_factor(fn: Any) -> None:
-    if not callable(fn):
-        raise Wrong(f"expected a function busbw_factor(collective, n) -> float, got a {type(fn).__name__}; "
-                    "define it with `def busbw_factor(...)` and pass the function")
-    for collective, n, why in _FACTOR_CASES:
+    for collective, n, why in _FACTOR_CASES:  # a value that is not a function: CodeExercise refuses it first
         call = f"busbw_factor({collective!r}, {n})"
         expected = reference_busbw_factor(collective, n)
-        try:
+        with amended(lambda m: f"{m}. The collectives are {', '.join(COLLECTIVES)}."):
             result = run_student(fn, collective, n, call=call, timeout_s=10)
-        except Wrong as err:
-            raise Wrong(f"{err}. The collectives are {', '.join(COLLECTIVES)}.") from None
         if result is None or isinstance(result, str):
             raise Wrong(f"{call} returned {result!r}; return the factor as a number")
         got = number(result, f"{call}'s result")
@@ -399,24 +387,8 @@ class _CountAllReduce:
                 self.dtypes[tensor.dtype] += 1
             return original(tensor, *args, **kwargs)
 
-        dist.all_reduce = c10d.all_reduce = all_reduce
-        try:
+        with patched((dist, "all_reduce", all_reduce), (c10d, "all_reduce", all_reduce)):
             yield self
-        finally:
-            dist.all_reduce = c10d.all_reduce = original
-
-
-def _times(rows: Any, n: int) -> list[float] | None:
-    """The time_ms of each row when ``rows`` is a list of ``n`` dicts with numeric time_ms, else None."""
-    if not isinstance(rows, list) or len(rows) != n:
-        return None
-    out = []
-    for row in rows:
-        v = row.get("time_ms") if isinstance(row, dict) else None
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            return None
-        out.append(float(v))
-    return out
 
 
 def _bench_worker(ctx: WorkerContext, student: ranks_mod.Shipped, sizes: list[int], iters: int, warmup: int,
@@ -444,7 +416,10 @@ def _bench_worker(ctx: WorkerContext, student: ranks_mod.Shipped, sizes: list[in
             out["calls"].append(counter.calls)
             if not timing:
                 break
-            mine = _times(rows, len(sizes))
+            try:
+                mine = [r["time_ms"] for r in _rows_of(rows, sizes, "")]
+            except Wrong:
+                mine = None
             agreed = torch.tensor([1.0 if mine is None else 0.0, *(mine or [0.0] * len(sizes)), *out["ref_ms"][-1]],
                                   dtype=torch.float64, device=ctx.device)
             dist.all_reduce(agreed, op=dist.ReduceOp.MAX)  # every rank sees the slowest rank's times
@@ -531,25 +506,11 @@ def _judge_timing(per_rank: list[dict[str, Any]], sizes: Sequence[int], iters: i
             continue
         ratio = sorted(ratios)[rounds // 2]
         mine, ref_ms = pairs[ratios.index(ratio)]
-        tries = f", {rounds} tries" if rounds > 1 else ""
-        head = (f"{call}: at {_fmt_bytes(size)} your time_ms is {mine:.3g}, the reference's {ref_ms:.3g} ms per call "
-                f"({ratio:.2g}x{tries})")
-        slips = {
-            1e-3: "that looks like seconds: time_ms must be milliseconds (× 1000)",
-            1e3: "that looks like microseconds: time_ms must be milliseconds (÷ 1000)",
-            float(iters): f"that looks like the total of all {iters} calls: divide by iters",
-            (iters + warmup) / iters: "the warm-up calls are inside your timed region: run them, then start the clock",
-        }
-        slip = match_slip(ratio, slips, 0.35)
-        if slip:
-            raise Wrong(f"{head}: {slip}.")
-        if ratio < BENCH_BAND[0] and gpu:
-            raise Wrong(f"{head}: far faster than the data can move. The clock stopped before the GPU finished: "
-                        "dist.all_reduce only queues the work on the GPU. Call torch.cuda.synchronize() before "
-                        "reading the clock, or time with CUDA events and synchronize before elapsed_time.")
-        side = "less" if ratio < 1 else "more"
-        raise Wrong(f"{head}: far {side} than one all_reduce takes. Time `iters` calls after `warmup` untimed ones "
-                    "and divide by iters.")
+        gpu_fix = ("dist.all_reduce only queues the work on the GPU. Call torch.cuda.synchronize() before reading the "
+                   "clock, or time with CUDA events and synchronize before elapsed_time.") if gpu else ""
+        raise per_call_wrong(f"{call}: at {_fmt_bytes(size)}", mine, ref_ms, iters, warmup,
+                             tries=f" ({rounds} tries)" if rounds > 1 else "", gpu_fix=gpu_fix,
+                             one_call="one all_reduce")
     return out
 
 
@@ -614,9 +575,7 @@ def _grade_allreduce_bench(fn: Any, backend: str | None = None, nprocs: int | No
         res = _run_in_ranks(_bench_worker, shipped, call, nprocs, backend, BENCH_TIMEOUT_S,
                             {"sizes": sizes, "iters": BENCH_ITERS, "warmup": BENCH_WARMUP, "rounds": BENCH_ROUNDS,
                              "timing": True})
-        per_rank = []
-        for r in res:
-            per_rank.append({**r, "rows": [_rows_of(rows, sizes, call) for rows in r["rows"]]})
+        per_rank = [{**r, "rows": [_rows_of(rows, sizes, call) for rows in r["rows"]]} for r in res]
         _judge_calls(res[0]["calls"][0], sizes, BENCH_ITERS, BENCH_WARMUP, call)
         times = _judge_timing(per_rank, sizes, BENCH_ITERS, BENCH_WARMUP, gpu, call)
         for rank, r in enumerate(per_rank):
@@ -1029,15 +988,10 @@ class _TrainingProbe:
             self._pending = False
             return unscale(scaler, optimizer)
 
-        torch.save = ser.save = p_save
-        torch.nn.utils.clip_grad_norm_ = clip_mod.clip_grad_norm_ = p_clip
-        GradScaler.scale, GradScaler.unscale_ = p_scale, p_unscale  # type: ignore[method-assign]
-        try:
+        with patched((torch, "save", p_save), (ser, "save", p_save), (torch.nn.utils, "clip_grad_norm_", p_clip),
+                     (clip_mod, "clip_grad_norm_", p_clip), (GradScaler, "scale", p_scale),
+                     (GradScaler, "unscale_", p_unscale)):
             yield self
-        finally:
-            torch.save = ser.save = save
-            torch.nn.utils.clip_grad_norm_ = clip_mod.clip_grad_norm_ = clip
-            GradScaler.scale, GradScaler.unscale_ = scale, unscale  # type: ignore[method-assign]
 
 
 def _observe_training(ctx: WorkerContext, shipped: ranks_mod.Shipped, cfg: dict[str, Any],

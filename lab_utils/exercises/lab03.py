@@ -1,11 +1,5 @@
-"""Lab 03 exercises: the code an inference engineer writes, run against the real thing, and the decisions made
-with its numbers.
-
-Code, run by the check: 03.1 the ONNX export with a dynamic batch, 03.2 an ONNX Runtime session, 03.3
-ModelOpt's INT8 ``quantize`` call, 03.6 the TensorRT builder. Decisions, on fixed data: 03.4 the precision an
-accuracy budget allows, 03.5 the speedup that pays for calibration, 03.7 which requests an optimization profile
-accepts, 03.8 the largest batch a p95 latency target allows. torch, onnx, ONNX Runtime and ModelOpt are imported
-when a check runs, never at import.
+"""Lab 03 exercises: ONNX export, ONNX Runtime, ModelOpt INT8 and the TensorRT builder run against the real
+tools, and the decisions made with their numbers. torch, onnx and the rest are imported when a check runs.
 
 Design notes: docs/internals.md#lab_utilsexerciseslab03py
 """
@@ -26,7 +20,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lab_utils.exercises.framework import CodeExercise, Exercise, Wrong, close_to, integer, run_student
+from lab_utils.exercises.framework import (
+    CodeExercise,
+    Exercise,
+    Wrong,
+    amended,
+    choice,
+    close_to,
+    fastest_ratio,
+    integer,
+    items,
+    patched,
+    run_student,
+)
 from lab_utils.inference import compare, trt_check
 from lab_utils.procs import temporary_folder
 from lab_utils.timing import Timing, benchmark
@@ -126,12 +132,9 @@ def _grade_export(fn: Any) -> str:
     with temporary_folder("lab03-export") as folder:
         path = folder / "model.onnx"
         # The exporter's progress lines and notices (torchvision ops it skips) are not the news; errors are.
-        try:
-            with lab_onnx.quiet_exporter(), contextlib.redirect_stdout(io.StringIO()):
-                returned = run_student(fn, model, path, example, call="export_dynamic(model, path, example)",
-                                       timeout_s=300)
-        except Wrong as err:  # the exporter colours its messages for a terminal
-            raise Wrong(_ANSI.sub("", str(err))) from None
+        # the exporter colours its messages for a terminal
+        with amended(lambda m: _ANSI.sub("", m)), lab_onnx.quiet_exporter(), contextlib.redirect_stdout(io.StringIO()):
+            returned = run_student(fn, model, path, example, call="export_dynamic(model, path, example)", timeout_s=300)
         left_in_training = model.training
         if not path.exists():
             program = " It returned an ONNXProgram: torch.onnx.export saves only when given the file." \
@@ -234,10 +237,8 @@ def _ort_levels(fn: Any, fx: _Digits, onnx_path: Path, x: Any) -> dict[str, floa
     medians: dict[str, float] = {}
     for level in ("disable", "all"):
         call = f"ort_timed(onnx_path, x, {level!r})"
-        result = run_student(fn, str(onnx_path), x, level, call=call, timeout_s=120)
-        if not (isinstance(result, tuple) and len(result) == 2):
-            raise Wrong(f"{call} returned {type(result).__name__}; expected (session, timing)")
-        session, timing = result
+        session, timing = items(run_student(fn, str(onnx_path), x, level, call=call, timeout_s=120), 2, call,
+                                "(session, timing)")
         if not isinstance(session, ort.InferenceSession):
             raise Wrong(f"{call} returned a {type(session).__name__} as the session; expected an "
                         "onnxruntime.InferenceSession")
@@ -263,7 +264,9 @@ def _ort_levels(fn: Any, fx: _Digits, onnx_path: Path, x: Any) -> dict[str, floa
             raise Wrong(f"{call}: timed with device={timing.device!r}: CUDA events on torch's stream do not see ONNX "
                         "Runtime's work (on the CPU, or on its own CUDA stream); session.run returns when its outputs "
                         "are ready, so the host clock times it: device='cpu'.")
-        fastest = _fastest_session_run(session, {name: x}, timing)
+        bench = functools.partial(benchmark, functools.partial(session.run, None, {name: x}), warmup=2, device="cpu",
+                                  reps=max(5, min(timing.reps, 20)), name="reference")  # the check's own timing
+        fastest = timing.min_ms / fastest_ratio(lambda t=timing: t.min_ms, lambda b=bench: b().min_ms, (1 / 3, 3), 3)
         if timing.min_ms < fastest / 3:
             raise Wrong(f"{call}: your timing says {timing.min_ms:.3f} ms per run at its fastest, "
                         f"{fastest / timing.min_ms:.0f}x less than session.run takes at its fastest "
@@ -274,20 +277,6 @@ def _ort_levels(fn: Any, fx: _Digits, onnx_path: Path, x: Any) -> dict[str, floa
                         "session.run, with the session made and the input prepared before the timed function")
         medians[level] = timing.median_ms
     return medians
-
-
-def _fastest_session_run(session: Any, feed: dict, timing: Any) -> float:
-    """The fastest ``session.run`` as the check times it, in ms, measured again (three times at most) while the
-    student's fastest run is below a third of it. Fastest against fastest: load on a shared machine only ever adds
-    time, to some repetitions, while a timed region that does more (or less) than session.run shifts every one."""
-    fastest = float("inf")
-    for _ in range(3):
-        ref = benchmark(functools.partial(session.run, None, feed), reps=max(5, min(timing.reps, 20)), warmup=2,
-                        device="cpu", name="reference")
-        fastest = min(fastest, ref.min_ms)
-        if timing.min_ms >= fastest / 3:
-            break
-    return fastest
 
 
 q2 = CodeExercise(
@@ -366,22 +355,11 @@ def _checked_quantize(fn: Any, seen: dict[str, Any]) -> Iterator[None]:
         return original(onnx_path, *args, **kwargs)
 
     submodule = sys.modules.get("modelopt.onnx.quantization.quantize")
-    patched: list[tuple[Any, str, Any]] = [(mq, "quantize", original)]
-    if submodule is not None and getattr(submodule, "quantize", None) is original:
-        patched.append((submodule, "quantize", original))
+    owners = [mq] + ([submodule] if submodule is not None and getattr(submodule, "quantize", None) is original else [])
     glb = getattr(fn, "__globals__", {})
     names = [k for k, v in glb.items() if v is original]
-    for owner, attr, _ in patched:
-        setattr(owner, attr, checked)
-    for k in names:
-        glb[k] = checked
-    try:
+    with patched(*[(o, "quantize", checked) for o in owners], *[(glb, k, checked) for k in names]):
         yield
-    finally:
-        for owner, attr, value in patched:
-            setattr(owner, attr, value)
-        for k in names:
-            glb[k] = original
 
 
 def _modelopt_missing() -> str | None:
@@ -475,9 +453,9 @@ _PRECISION_BEST = max((k for k, v in _PRECISION_TABLE.items()
 
 
 def _grade_precision(value: Any) -> None:
-    if not isinstance(value, str) or value.strip().lower() not in _PRECISION_TABLE:
+    got = choice(value, PRECISION_CHOICES)
+    if got is None:
         raise Wrong(f"answer with one of {list(PRECISION_CHOICES)}, as a string")
-    got = value.strip().lower()
     if got == _PRECISION_BEST:
         return
     row = _PRECISION_TABLE[got]
@@ -571,9 +549,7 @@ def _run_trt(fn: Any, why: str) -> str:
     call = "trt_build_and_run(onnx_path, [batch of 1, batch of 7])"
     with temporary_folder("lab03-builder") as folder:
         outputs = run_student(fn, str(fx.write(folder)), batches, call=call, timeout_s=600)
-    if not isinstance(outputs, (list, tuple)) or len(outputs) != len(batches):
-        raise Wrong(f"{call} returned {type(outputs).__name__}; expected a list of {len(batches)} outputs, one per "
-                    "batch")
+    outputs = items(outputs, len(batches), call, f"a list of {len(batches)} outputs, one per batch")
     worst = 0.0
     for b, out in zip(EXPORT_BATCHES, outputs, strict=True):
         arr = out.detach().float().cpu().numpy() if hasattr(out, "detach") else np.asarray(out, dtype=np.float32)

@@ -1,11 +1,5 @@
-"""Lab 04 exercises: the code a serving engineer writes, run against the running Triton server, and the numbers
-read off it.
-
-Code, run by the check against the lab's server (``use_server(server, repo)`` tells the checks which one): 04.2
-the deploy (``load_model`` and a poll of ``is_model_ready``), 04.3 a gRPC and 04.4 an HTTP request, 04.6 the
-python backend's ``execute`` for a dynamic batch, 04.8 the average batch and queue time from a statistics
-response. Reasoning on fixed numbers: 04.1 a ``config.pbtxt``, 04.5 Little's law, 04.7 the queue delay for a p95
-target. Nothing is imported or started at import: the checks import tritonclient when they run.
+"""Lab 04 exercises: the code a serving engineer writes, run against the lab's Triton server
+(``use_server(server, repo)``), and the numbers read off it. tritonclient is imported when a check runs.
 
 Design notes: docs/internals.md#lab_utilsexerciseslab04py
 """
@@ -15,6 +9,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import copy
+import functools
 import inspect
 import json
 import math
@@ -22,7 +17,6 @@ import random
 import re
 import textwrap
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,8 +29,10 @@ from lab_utils.exercises.framework import (
     NotApplicable,
     StudentLine,
     Wrong,
+    amended,
     close_to,
     integer,
+    items,
     number,
     run_student,
 )
@@ -116,12 +112,6 @@ def _lab() -> _Lab:
     return _BOUND[0]
 
 
-def _grpc_client(lab: _Lab) -> Any:
-    import tritonclient.grpc as grpcclient
-
-    return grpcclient.InferenceServerClient(host_port(lab.server.grpc_url))
-
-
 def _hint(message: str, hints: dict[str, str]) -> str:
     """The first hint whose pattern (a regular expression, case-insensitive) the message matches."""
     for pattern, hint in hints.items():
@@ -130,25 +120,8 @@ def _hint(message: str, hints: dict[str, str]) -> str:
     return ""
 
 
-def _numpy_mlp(version_dir: Path) -> Callable[[np.ndarray], np.ndarray]:
-    """The model of ``version_dir/weights.npz`` in NumPy (the reference), weights read once."""
-    with np.load(version_dir / "weights.npz") as w:
-        n = len([k for k in w.files if k.startswith("w")])
-        layers = [(w[f"w{i}"].T.astype(np.float64), w[f"b{i}"].astype(np.float64)) for i in range(n)]
-
-    def run(x: np.ndarray) -> np.ndarray:
-        h = np.asarray(x, dtype=np.float64)
-        for i, (wt, b) in enumerate(layers):
-            h = h @ wt + b
-            if i < n - 1:
-                h = np.maximum(h, 0)
-        return h
-
-    return run
-
-
 def _close(got: np.ndarray, want: np.ndarray) -> tuple[bool, float]:
-    """Float32 serving against the float64 reference: within 1e-3 of the output's scale."""
+    """Served against NumPy's answer: within 1e-3 of the output's scale."""
     diff = float(np.abs(np.asarray(got, np.float64) - want).max()) if want.size else 0.0
     return diff <= 1e-3 * max(1.0, float(np.abs(want).max())), diff
 
@@ -331,16 +304,14 @@ def _grade_deploy(fn: Any) -> str:
     lab = _lab()
     _deploy_model_dir(lab)
     config = _deploy_config(random.Random())
-    real = _grpc_client(lab)
+    real = triton_client.client(lab.server.grpc_url)
     try:
         # 1. The real deploy: the configuration given must be what the server serves afterwards.
         client = _Client(real)
         t0 = time.perf_counter()
-        try:
+        with amended(lambda m: f"{m}.{_hint(m, _DEPLOY_HINTS)}"):
             run_student(fn, client, DEPLOY_MODEL, copy.deepcopy(config), 30.0, timeout_s=90,
                         call=f"deploy_model(client, {DEPLOY_MODEL!r}, config, timeout_s=30)")
-        except Wrong as err:
-            raise Wrong(f"{err}.{_hint(str(err), _DEPLOY_HINTS)}") from None
         took = time.perf_counter() - t0
         if not client.loads:
             raise Wrong("it never called client.load_model: in explicit model-control mode nothing is served until "
@@ -383,14 +354,11 @@ def _grade_deploy(fn: Any) -> str:
             return None
 
         t1 = time.perf_counter()
-        try:
+        with amended(lambda m: m + (" Poll until a deadline: deadline = time.monotonic() + timeout_s, and raise "
+                                    "TimeoutError once it has passed." if "did not return within" in m else "")):
             raised = run_student(deploy_while_loading, timeout_s=_DEPLOY_TIMEOUT_S + 3,
                                  call=f"deploy_model(client, {DEPLOY_MODEL!r}, config, timeout_s="
                                       f"{_DEPLOY_TIMEOUT_S:g}) with a model that stays not ready")
-        except Wrong as err:
-            hint = (" Poll until a deadline: deadline = time.monotonic() + timeout_s, and raise TimeoutError once it "
-                    "has passed." if "did not return within" in str(err) else "")
-            raise Wrong(f"{err}{hint}") from None
         waited = time.perf_counter() - (slow.loaded_at or t1)
     finally:
         real.close()
@@ -452,7 +420,7 @@ _CLIENT_HINTS = {
 def _served_version(lab: _Lab) -> tuple[str, dict[str, Any]]:
     """The version a request without a version reaches (the highest that is ready, loaded first if need be), and
     the model's metadata."""
-    with contextlib.closing(_grpc_client(lab)) as client:
+    with contextlib.closing(triton_client.client(lab.server.grpc_url)) as client:
         if not client.is_model_ready(lab.model):
             client.load_model(lab.model)
         meta = client.get_model_metadata(lab.model, as_json=True)
@@ -464,17 +432,15 @@ def _grade_client(fn: Any, protocol: str) -> str:
     url = host_port(lab.server.grpc_url if protocol == "grpc" else lab.server.http_url)
     version, meta = _served_version(lab)
     features = int(meta["inputs"][0]["shape"][-1])
-    reference = _numpy_mlp(lab.repo / lab.model / version)
+    reference = functools.partial(triton_repo.reference_mlp, lab.repo / lab.model / version)  # NumPy
     rng = np.random.default_rng()  # inputs drawn afresh at every check: no answer can be prepared for them
     name = getattr(fn, "__name__", f"{protocol}_infer")
     worst = 0.0
     for rows in _CLIENT_ROWS:
         x = rng.standard_normal((rows, features), dtype=np.float32)
         call = f"{name}(url, {lab.model!r}, x)  # x: float32 {list(x.shape)}"
-        try:
+        with amended(lambda m: f"{m}.{_hint(m, _CLIENT_HINTS)}"):
             y = run_student(fn, url, lab.model, x.copy(), call=call, timeout_s=30)
-        except Wrong as err:
-            raise Wrong(f"{err}.{_hint(str(err), _CLIENT_HINTS)}") from None
         if type(y).__name__ == "InferResult":
             raise Wrong(f"{call} returned the InferResult itself: take the array out with "
                         "result.as_numpy('OUTPUT__0').")
@@ -681,7 +647,7 @@ def _grade_execute(fn: Any) -> str:
         triton_client.load_model(lab.server.grpc_url, EXECUTE_MODEL)
     except RuntimeError as err:
         raise Wrong(f"the server could not load a model.py holding your execute: {err}") from None
-    reference = _numpy_mlp(vdir)
+    reference = functools.partial(triton_repo.reference_mlp, vdir)
     rng = np.random.default_rng()  # inputs drawn afresh at every check
     sizes = iter(EXECUTE_ROWS * 3)
 
@@ -705,7 +671,7 @@ def _grade_execute(fn: Any) -> str:
                                  timeout_s=5.0, verify=verify)
         runs = [tuple(map(int, line.split())) for line in log.read_text().splitlines()] if log.exists() else []
     finally:
-        real = _grpc_client(lab)
+        real = triton_client.client(lab.server.grpc_url)
         with contextlib.suppress(Exception):  # the server may be gone: nothing to unload
             real.unload_model(EXECUTE_MODEL)  # in the background: its stub process goes
         real.close()
@@ -833,10 +799,8 @@ Q8_STATS: dict[str, Any] = {  # GET v2/models/mlp/stats after a load test (Trito
 def _pair(result: Any, call: str) -> tuple[float, float]:
     if isinstance(result, dict):
         raise Wrong(f"{call} returned a dict; return the two numbers as a tuple: (avg_batch, queue_us)")
-    if not isinstance(result, (tuple, list)) or len(result) != 2:
-        shown = f"{type(result).__name__}" + (f" of {len(result)}" if isinstance(result, (tuple, list)) else "")
-        raise Wrong(f"{call} returned a {shown}; expected two numbers: (avg_batch, queue_us)")
-    return number(result[0], "avg_batch"), number(result[1], "queue_us")
+    batch, queue = items(result, 2, call, "two numbers: (avg_batch, queue_us)")
+    return number(batch, "avg_batch"), number(queue, "queue_us")
 
 
 def _batch_slip(got: float, batch: float) -> str | None:
@@ -939,17 +903,17 @@ def _grade_stats(fn: Any) -> str:
                else "avg_batch = inference_count / execution_count, queue_us = queue.ns / queue.count / 1000")
         raise Wrong(f"{call} gave ({got[0]:.4g}, {got[1]:.4g}); that response says ({want[0]:.4g}, {want[1]:.4g}): "
                     f"{why}")
+    graded = f"on the fixed response (avg_batch {got_batch:.2f}, queue {got_queue:,.0f} µs) and on one with numbers " \
+        "drawn at random"
     if not _BOUND or not _BOUND[0].server.alive():
-        return (f"on the fixed response (avg_batch {got_batch:.2f}, queue {got_queue:,.0f} µs) and on one with "
-                "numbers drawn at random.")
+        return f"{graded}."
     lab = _BOUND[0]
     version, _ = _served_version(lab)
     url = f"{lab.server.http_url.rstrip('/')}/v2/models/{lab.model}/versions/{version}/stats"
     with urllib.request.urlopen(url, timeout=10) as resp:
         live = json.loads(resp.read())
     if not live.get("model_stats") or not int(live["model_stats"][0].get("execution_count", 0)):
-        return (f"on the fixed response (avg_batch {got_batch:.2f}, queue {got_queue:,.0f} µs) and on one with "
-                f"numbers drawn at random (the server's own {lab.model} has served nothing yet).")
+        return f"{graded} (the server's own {lab.model} has served nothing yet)."
     call = f"batch_and_queue(<GET v2/models/{lab.model}/versions/{version}/stats>)"
     got_batch, got_queue = _grade_response(fn, live, call)
     batch, queue, _, _ = _expected_split(live)
