@@ -47,8 +47,13 @@ class OwnedServer:
     log_lines = 20  # lines of the log in a failed start's message
     poll_s = 0.05  # s between readiness probes
 
+    stop_grace_default_s = 10.0  # ``stop_grace_s=None``: SIGTERM to SIGKILL (s)
+
     def __init__(self, *, host: str, ports: dict[str, int | None], startup_timeout_s: float = 30.0,
-                 stop_grace_s: float = 10.0):
+                 stop_grace_s: float | None = None):
+        if not (isinstance(startup_timeout_s, (int, float)) and startup_timeout_s > 0):
+            raise ValueError(f"startup_timeout_s={startup_timeout_s!r}: a positive number of seconds")
+        stop_grace_s = self.stop_grace_default_s if stop_grace_s is None else stop_grace_s
         self.host = host
         self._ports_fixed = dict(ports)  # attribute name -> the port asked for (None: a free one)
         self.startup_timeout_s, self.stop_grace_s = float(startup_timeout_s), float(stop_grace_s)
@@ -110,12 +115,6 @@ class OwnedServer:
     def _free_port(self) -> int:
         return free_port(self.host)
 
-    def _port_free(self, port: int) -> bool:
-        return port_free(port, self.host)
-
-    def _spawn(self, argv: list[str], **kwargs: Any) -> subprocess.Popen:
-        return popen_owned(argv, **kwargs)
-
     def _halt(self, proc: subprocess.Popen) -> int | None:
         """Stop the process group; its leader's exit code."""
         return stop_group(proc, grace_s=self.stop_grace_s)
@@ -134,9 +133,13 @@ class OwnedServer:
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
 
+    def crashed(self) -> str | None:
+        """Why the server is broken though its process runs (its log says so), else None."""
+        return None
+
     def alive(self) -> bool:
-        """True while the server process runs (it may not be ready yet)."""
-        return self._proc is not None and self._proc.poll() is None
+        """True while the server process runs and has not crashed (it may not be ready yet)."""
+        return self._proc is not None and self._proc.poll() is None and not self.crashed()
 
     def log_tail(self, n: int = 40) -> str:
         """The last ``n`` lines of the server's log."""
@@ -149,7 +152,7 @@ class OwnedServer:
     def _pick_ports(self, avoid: set[int]) -> None:
         chosen: list[int] = []
         for name, fixed in self._ports_fixed.items():
-            if fixed is not None and not self._port_free(fixed):
+            if fixed is not None and not port_free(fixed, self.host):
                 if not self.fallback_port:
                     raise self._busy(name, fixed)
                 if self.busy_note:
@@ -172,6 +175,8 @@ class OwnedServer:
         with self._owner_lock:
             if self.alive():
                 return self
+            if self._proc is not None:
+                self.stop()  # what an ended or crashed start left: its process group, folder, watchdog
             self._check()
             avoid: set[int] = set()
             for attempt in range(3):
@@ -195,7 +200,7 @@ class OwnedServer:
             if self.watchdog_s is not None:  # ends what PR_SET_PDEATHSIG misses (the group) if we are killed
                 self._watchdog = GroupWatchdog(self._need_folder(), *self.watchdog_s)
             with open(self._log_file(), self.log_mode) as log:
-                self._proc = self._spawn(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                self._proc = popen_owned(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          **popen_kw)
             if self._watchdog is not None:
                 self._watchdog.arm(self._proc.pid)  # start_new_session: the leader's pid is the group id

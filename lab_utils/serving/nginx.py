@@ -57,6 +57,8 @@ HTTP_UPSTREAM = "triton_http"
 GRPC_UPSTREAM = "triton_grpc"
 BALANCE = {"round_robin": "", "least_conn": "least_conn;", "random": "random two least_conn;"}
 DEFAULT_STOP_GRACE_S = 2.0
+# nginx_config's keywords an NginxServer passes on as they are (``NginxServer.options``)
+OPTIONS = ("client_max_body_size", "rate_limit_rps", "rate_burst", "balance", "keepalive", "workers", "proxy_timeout_s")
 _KEY = re.compile(r"[A-Za-z0-9_-]{8,256}")  # what a map key may hold unquoted: no '~' (regex), space, '$' or quote
 _SIZE = re.compile(r"(\d+)([kKmMgG]?)")
 
@@ -646,13 +648,14 @@ class NginxServer(OwnedServer, HttpGrpcEndpoints):
     ...     tritonclient.http.InferenceServerClient(lb.http_url[7:]).infer(..., headers=lb.auth_headers)
 
     ``api_keys=None`` makes one random key (``.api_key``, ``.auth_headers``); ``()`` turns the check off. Ports
-    are free loopback ports unless given. The other arguments are ``nginx_config``'s.
+    are free loopback ports unless given. ``options``: ``nginx_config``'s ``OPTIONS`` (body size, rate limit...).
     """
 
     external = False
     error = NginxStartError
     free_hint = "to let the course take a free one"
     watchdog_s = (1.0, 2.0)  # kills the workers a killed kernel's PDEATHSIG misses
+    stop_grace_default_s = DEFAULT_STOP_GRACE_S
 
     def __init__(
         self,
@@ -660,13 +663,6 @@ class NginxServer(OwnedServer, HttpGrpcEndpoints):
         grpc_backends: Iterable[BackendLike] | None = (),
         *,
         api_keys: str | Sequence[str] | None = None,
-        client_max_body_size: int | str = "8m",
-        rate_limit_rps: float | None = None,
-        rate_burst: int = 0,
-        balance: str = "round_robin",
-        keepalive: int = 32,
-        workers: int = 1,
-        proxy_timeout_s: float = 60.0,
         upstream_block: str | None = None,
         grpc_upstream_block: str | None = None,
         host: str = "127.0.0.1",
@@ -676,19 +672,18 @@ class NginxServer(OwnedServer, HttpGrpcEndpoints):
         startup_timeout_s: float = 15.0,
         stop_grace_s: float | None = None,
         binary: str | None = None,
+        **options: Any,
     ):
+        unknown = sorted(set(options) - set(OPTIONS))
+        if unknown:
+            raise TypeError(f"NginxServer({unknown[0]}=...): no such argument (nginx's options: {', '.join(OPTIONS)})")
         self.http_backends = _backends(http_backends, "http_backends")
         self.grpc_backends = _backends(grpc_backends, "grpc_backends")
         self.api_keys = [new_api_key()] if api_keys is None else _keys(api_keys)
-        self.options = {"client_max_body_size": client_max_body_size, "rate_limit_rps": rate_limit_rps,
-                        "rate_burst": rate_burst, "balance": balance, "keepalive": keepalive, "workers": workers,
-                        "proxy_timeout_s": proxy_timeout_s}
+        self.options = options  # nginx_config's keywords (its defaults for the others); a reload applies changes
         self.upstream_block, self.grpc_upstream_block = upstream_block, grpc_upstream_block
-        if not (isinstance(startup_timeout_s, (int, float)) and startup_timeout_s > 0):
-            raise ValueError(f"startup_timeout_s={startup_timeout_s!r}: a positive number of seconds")
         super().__init__(host=host, ports={"http_port": http_port, "grpc_port": grpc_port, "status_port": status_port},
-                         startup_timeout_s=startup_timeout_s,
-                         stop_grace_s=DEFAULT_STOP_GRACE_S if stop_grace_s is None else stop_grace_s)
+                         startup_timeout_s=startup_timeout_s, stop_grace_s=stop_grace_s)
         self.http_port = self.grpc_port = self.status_port = 0
         self.binary = binary
         self.generation = 0
@@ -876,7 +871,7 @@ class NginxServer(OwnedServer, HttpGrpcEndpoints):
         path = self.access_log_path
         if self.alive():
             http_ok(f"http://{self.host}:{self.status_port}/generation", timeout_s=2.0)
-            if int(self.options["workers"]) > 1:
+            if int(self.options.get("workers", 1)) > 1:
                 size, deadline = -1, time.monotonic() + 1.0
                 while time.monotonic() < deadline and (now := path.stat().st_size if path.exists() else 0) != size:
                     size = now

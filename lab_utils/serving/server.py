@@ -36,12 +36,9 @@ from lab_utils.procs import (
     check_service,
     check_url,
     env_url,
-    free_port,
     http_ok,
     owned_tempdir,
     pid_alive,
-    popen_owned,
-    port_free,
     python_env_unowned,
     tail,
     wait_http_ok,
@@ -259,6 +256,7 @@ class TritonServer(OwnedServer, HttpGrpcEndpoints):
     error = ServerStartError
     free_hint = "to let the server take a free one"
     log_lines = 400  # the failed models are read from them
+    stop_grace_default_s = DEFAULT_STOP_GRACE_S
     log_path: Path | None = None  # given, or a folder of its own at the first start (kept after a stop)
 
     def __init__(
@@ -288,8 +286,6 @@ class TritonServer(OwnedServer, HttpGrpcEndpoints):
                              "loads every model of the repository)")
         if isinstance(metrics_config, str):
             metrics_config = (metrics_config,)
-        if not isinstance(startup_timeout_s, (int, float)) or startup_timeout_s <= 0:
-            raise ValueError(f"startup_timeout_s={startup_timeout_s!r}: a positive number of seconds")
         self.model_repository = Path(model_repository).resolve()
         self.model_control = model_control
         self.metrics = metrics
@@ -297,8 +293,7 @@ class TritonServer(OwnedServer, HttpGrpcEndpoints):
         self.extra_args = tuple(extra_args)
         self.load_models = tuple(load_models)
         ports = {"http_port": http_port, "grpc_port": grpc_port, "metrics_port": metrics_port}
-        super().__init__(host=host, ports=ports, startup_timeout_s=startup_timeout_s,
-                         stop_grace_s=DEFAULT_STOP_GRACE_S if stop_grace_s is None else stop_grace_s)
+        super().__init__(host=host, ports=ports, startup_timeout_s=startup_timeout_s, stop_grace_s=stop_grace_s)
         self.http_port = self.grpc_port = self.metrics_port = 0
         self._env_extra = dict(env or {})
         self.validate = validate
@@ -345,16 +340,7 @@ class TritonServer(OwnedServer, HttpGrpcEndpoints):
         return (f"TritonServer({str(self.model_repository)!r}, {self._state()}, http={self.http_url}, "
                 f"grpc={self.grpc_url})")
 
-    # lifecycle: see OwnedServer (this module's names: tests replace them) ---------------------------------
-    def _free_port(self) -> int:
-        return free_port(self.host)
-
-    def _port_free(self, port: int) -> bool:
-        return port_free(port, self.host)
-
-    def _spawn(self, argv: list[str], **kwargs: Any) -> Any:
-        return popen_owned(argv, **kwargs)
-
+    # lifecycle: see OwnedServer ---------------------------------------------------------------------------
     def _command(self) -> list[str]:
         source = self.source
         assert source is not None
@@ -447,15 +433,14 @@ class TritonServer(OwnedServer, HttpGrpcEndpoints):
         return code
 
     def crashed(self) -> str | None:
-        """Why this running server is broken though its process lives (its log shows a fatal signal), else None."""
-        m = _FATAL_SIGNAL.search(tail(self.log_path, 400)) if self.log_path is not None else None
+        """Why this server is broken though its process lives (its log shows a fatal signal), else None."""
+        m = _FATAL_SIGNAL.search(tail(self.log_path, 400)) if self._proc is not None else None
         return f"tritonserver logged signal {m.group(1)} and stopped answering" if m else None
 
     def restart(self) -> TritonServer:
         """Stop (if running) and start again (after a crash, say): on the fixed ports given, else on new free
         ones (a killed server's ports can be taken by another process meanwhile)."""
         self.stop()
-        self._proc = None
         return self.start()
 
 
