@@ -498,12 +498,6 @@ def remove_stale_shm() -> list[str]:
     return removed
 
 
-def _devnull() -> Any:
-    import subprocess
-
-    return subprocess.DEVNULL
-
-
 def warn_if_empty(repo: Path, model_control: str) -> None:
     """Warn (``EmptyRepositoryWarning``) when ``repo`` has no model folder: Triton starts ready all the same."""
     import warnings

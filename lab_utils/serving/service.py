@@ -59,8 +59,7 @@ def infer(url: str, model: str, inputs: Mapping[str, np.ndarray], *, protocol: s
         ins, outs = triton_client.build_request(mod, protocol, inputs, outputs, True)
         kw = {"client_timeout": timeout_s} if protocol == "grpc" else {}
         res = c.infer(model, ins, outputs=outs, headers=hdrs, **kw)
-        names = list(outputs) if outputs else [o["name"] for o in triton_client._result_outputs(res, protocol)]
-        return {n: res.as_numpy(n) for n in names}
+        return triton_client.as_arrays(res, protocol, outputs)
     finally:
         c.close()
 
