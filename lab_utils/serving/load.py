@@ -1,13 +1,8 @@
 """Closed-loop load against a Triton server: throughput, latency percentiles, the server-side split.
 
-Stable API (lab 04 and lab 05 build on it; names and meanings do not change):
-- ``run_load(url, model, make_inputs, concurrency, *, protocol="grpc", duration_s=None, ...) -> LoadResult``:
-  ``concurrency`` clients, each with one request in flight. ``LoadResult`` has ``throughput_infer_s`` (infer/s),
-  ``p50_ms`` ... ``p99_ms``, ``mean_ms``, ``requests``, ``errors``, ``windows``, ``server`` and ``to_row()``.
-- ``sweep(url, model, make_inputs, concurrencies, **kw) -> pandas.DataFrame``: one row per concurrency.
-- ``server_split(before, after)``: queue / compute µs per request and the average batch, from two snapshots.
-- ``perf_analyzer_command``, ``perf_analyzer_status``, ``run_perf_analyzer``: the same with ``perf_analyzer``.
-A failed request never stops the load: it is counted in ``errors`` with its message.
+Stable API (lab 04 and lab 05 build on it): ``run_load`` (``concurrency`` clients, each with one request in flight:
+a ``LoadResult``), ``sweep`` (a row per concurrency), ``server_split`` (queue / compute µs per request from two
+statistics snapshots), and the same with ``perf_analyzer``. A failed request is counted in ``errors``, never raised.
 Design notes: docs/internals.md#lab_utilsservingloadpy
 """
 

@@ -1,14 +1,8 @@
 """Nginx in front of Triton: an owned ``nginx`` process, its generated config, and its JSON access log read back.
 
-Stable API (lab 07 builds on it; lab 08 reloads weights for its canaries):
-- ``nginx_binary()``, ``missing()``, ``available(show=True)``, ``required()``: the binary, or ``NginxNotFound``
-  (``lab_utils.course.probe.find_nginx`` finds it).
-- ``Backend(address, weight=1, down=False)``, ``nginx_config(http_backends, grpc_backends, ...) -> str``,
-  ``check_nginx_config(text)`` (``nginx -t``, or ``NginxConfigError``).
-- ``NginxServer(...)``: the owned server, a context manager (``start``, ``stop``, ``reload``, ``set_weights``,
-  ``access_rows``, ``access_summary``, ``stub_status``); ``serve_upstream``, ``check_upstream_block``, ``reload_nginx``.
-- ``read_access_log``, ``summarize_access``, ``parse_stub_status``: the access log and ``stub_status`` read back.
-
+Stable API (lab 07 builds on it; lab 08 reloads weights for its canaries): ``__all__``. ``nginx_config`` writes
+the config, ``check_nginx_config`` runs ``nginx -t`` on it (``NginxConfigError``: the problem, line and fix),
+``NginxServer`` owns the process (``reload``, ``set_weights``, ``access_rows``, ``stub_status``).
 Design notes: docs/internals.md#lab_utilsservingnginxpy
 """
 

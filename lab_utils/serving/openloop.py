@@ -1,12 +1,7 @@
 """Open-loop load: requests arrive on a schedule (Poisson, seeded) whether or not the server keeps up.
 
-Stable API (lab 07 builds on it): ``poisson_arrivals(rate_rps, duration_s, seed=0)`` (send times in s); targets
-``TritonTarget``, ``HttpTarget`` or any ``async def send()``; ``run_open_loop(target, rate_rps, duration_s, ...)``
-and ``run_closed_loop(target, concurrency, duration_s, ...)`` -> ``OpenLoopResult`` (as ``load.LoadResult``, plus
-``offered_rps``, ``achieved_rps``, ``timeouts``...); ``compare_loops`` -> ``LoopComparison``; ``meets_slo(result,
-slo_ms, percentile=95)``; ``find_capacity(target, slo_ms=100.0, ...)`` -> ``CapacityResult``. Latency counts from
-each request's intended send time. Units are in names: ``_s`` seconds, ``_ms`` milliseconds, ``_rps`` requests/s.
-
+Stable API (lab 07 builds on it): ``__all__``; latency counts from each request's intended send time. Units are in
+names: ``_s`` seconds, ``_ms`` milliseconds, ``_rps`` requests/s.
 Design notes: docs/internals.md#lab_utilsservingopenlooppy
 """
 

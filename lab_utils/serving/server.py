@@ -1,13 +1,8 @@
 """A real Triton Inference Server as an owned object: found, started on free ports, ready, stopped.
 
-Stable API (lab 04 and lab 05 build on it; names and meanings do not change):
-- ``find_server(local=False) -> ServerSource``: ``TRITON_URL``, else ``tritonserver`` on the PATH, else the wheel's.
-- ``TritonServer(model_repository, *, model_control="none", ...)``: a context manager with ``start()``, ``stop()``,
-  ``http_url``, ``grpc_url``, ``metrics_url``, ``log_tail(n=40)``; failures raise ``ServerStartError``.
-- ``ExternalServer(http_url, grpc_url=None, metrics_url=None)``: the same attributes for a server not owned here.
-- ``connect_or_start(repo, **kw)``: an ``ExternalServer`` when ``TRITON_URL`` is set, else a started
-  ``TritonServer``. ``running_servers()``: the servers this process started and has not stopped.
-Every started server is stopped on ``with`` exit, on ``stop()`` and at interpreter exit.
+Stable API (lab 04 and lab 05 build on it): ``find_server`` (``TRITON_URL``, else ``tritonserver`` on the PATH,
+else the wheel's), ``TritonServer`` (owned: stopped on ``with`` exit, ``stop()`` and at exit; ``ServerStartError``),
+``ExternalServer`` (the same attributes, not owned), ``connect_or_start``, ``running_servers``.
 Design notes: docs/internals.md#lab_utilsservingserverpy
 """
 
@@ -240,11 +235,6 @@ def log_errors(path: Path | None, limit: int = 5) -> list[str]:
     return [m.group(0).strip() for m in _ERROR_LINE.finditer(tail(path, 2000))][:limit]
 
 
-def _fatal_in_log(path: Path | None) -> bool:
-    """True when the log shows a start that cannot succeed (a python stub that failed to start hangs the server)."""
-    return bool(_STUB_FAIL.search(tail(path, 200)))
-
-
 class TritonServer(OwnedServer, HttpGrpcEndpoints):
     """One ``tritonserver`` process (and its python-backend stubs) owned by this interpreter.
 
@@ -310,12 +300,8 @@ class TritonServer(OwnedServer, HttpGrpcEndpoints):
         return f"http://{self.host}:{self.metrics_port}/metrics"
 
     def wait_exit(self, timeout_s: float = 30.0) -> int | None:
-        """Wait until the server process has exited and been reaped; its exit code (negative: killed by that
-        signal), or None if it still runs after ``timeout_s``.
-
-        A process killed with SIGKILL closes its sockets before it is gone: the kernel still tears it down (a
-        GPU context takes a while), and until then ``alive()`` is rightly True. Wait here before reporting it.
-        """
+        """The exit code once the process is reaped (negative: the killing signal), None if it still runs after
+        ``timeout_s``: a SIGKILLed server closes its sockets well before the kernel has torn it down."""
         import subprocess
 
         if self._proc is None:
@@ -399,13 +385,16 @@ class TritonServer(OwnedServer, HttpGrpcEndpoints):
     def _ready_url(self) -> str:
         return f"{self.http_url}/v2/health/ready"
 
-    def _give_up(self) -> bool:
-        return _fatal_in_log(self.log_path)
+    def _give_up(self) -> bool:  # a python stub that failed to start hangs the server
+        return bool(_STUB_FAIL.search(tail(self.log_path, 200)))
 
     def _started(self) -> None:
+        # the server's pid in its env folders: `nvlab doctor` removes them once it is gone (Triton's clean shutdown
+        # deletes them; when several servers run, a folder's age cannot tell whose it is)
         self._python_envs = _python_envs() - self._envs_before
-        if self._proc is not None:
-            _mark_python_envs(self._python_envs, self._proc.pid)
+        for folder in self._python_envs:
+            with contextlib.suppress(OSError):
+                (folder / PYTHON_ENV_OWNER).write_text(str(self.pid))
 
     def _failure(self, timed_out: bool, code: int | None, text: str) -> Exception:
         failed = failed_models(text)
@@ -468,15 +457,6 @@ def _remove_shm(prefix: str) -> None:
     for f in Path("/dev/shm").glob(f"{prefix}*"):
         with contextlib.suppress(OSError):
             f.unlink()
-
-
-def _mark_python_envs(folders: set[Path], pid: int) -> None:
-    """Write the server's pid into its env folders, so that ``nvlab doctor`` removes them once it is gone (when other
-    servers run, folder ages alone cannot tell a dead server's folder from a live one's). Triton's clean shutdown
-    deletes the folder with what is in it."""
-    for folder in folders:
-        with contextlib.suppress(OSError):
-            (folder / PYTHON_ENV_OWNER).write_text(str(pid))
 
 
 def _python_envs() -> set[Path]:
