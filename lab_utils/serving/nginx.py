@@ -499,9 +499,14 @@ def _prefix_dirs(prefix: Path) -> None:
         (prefix / sub).mkdir(parents=True, exist_ok=True)
 
 
-def _test(binary: str, prefix: Path, conf: Path, timeout_s: float = 30.0) -> subprocess.CompletedProcess:
+def _test(binary: str, prefix: Path, conf: Path, spans: dict[str, tuple[int, int]] | None = None,
+          what: str = "the config") -> str:
+    """``nginx -t`` on ``conf``: its warnings, or the ``NginxConfigError`` of ``_explain``."""
     argv = [binary, "-t", "-q", "-p", f"{prefix}/", "-c", str(conf), *_error_log_arg(binary, prefix)]
-    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=30.0)
+    if out.returncode != 0:
+        raise _explain(out.stderr + out.stdout, conf.read_text(), spans, what=what)
+    return out.stderr.strip()
 
 
 def check_nginx_config(text: str, binary: str | None = None, what: str = "the config",
@@ -515,10 +520,7 @@ def check_nginx_config(text: str, binary: str | None = None, what: str = "the co
         _prefix_dirs(prefix)
         conf = prefix / "conf" / "nginx.conf"
         conf.write_text(text)
-        out = _test(binary, prefix, conf)
-    if out.returncode != 0:
-        raise _explain(out.stderr + out.stdout, text, spans, what=what)
-    return out.stderr.strip()
+        return _test(binary, prefix, conf, spans, what)
 
 
 def check_upstream_block(block: str, grpc: bool = False, binary: str | None = None) -> str:
@@ -763,9 +765,7 @@ class NginxServer(OwnedServer, HttpGrpcEndpoints):
         _prefix_dirs(self.folder)
         self.config_text, spans = self._render()
         self.conf_path.write_text(self.config_text)
-        out = _test(str(self.binary), self.folder, self.conf_path)
-        if out.returncode != 0:
-            raise _explain(out.stderr + out.stdout, self.config_text, spans)
+        _test(str(self.binary), self.folder, self.conf_path, spans)
         return {"cwd": str(self.folder)}
 
     def _command(self) -> list[str]:
@@ -795,24 +795,18 @@ class NginxServer(OwnedServer, HttpGrpcEndpoints):
             text, spans = self._render()
             new = self.conf_path.with_name("nginx.conf.new")
             new.write_text(text)
-            out = _test(str(self.binary), self._need_prefix(), new)
-            if out.returncode != 0:
+            try:
+                _test(str(self.binary), self._need_prefix(), new, spans)
+            except NginxConfigError:
                 self.generation -= 1
                 new.unlink()
-                raise _explain(out.stderr + out.stdout, text, spans)
+                raise
             new.replace(self.conf_path)  # the master re-reads the file it was started with
             self.config_text = text
             reload_nginx(self._need_prefix(), self.conf_path, self.binary)
             want = f"{self.generation}".encode()
             deadline = time.monotonic() + timeout_s
-            url = f"http://{self.host}:{self.status_port}/generation"
-            while True:
-                try:
-                    with urllib.request.urlopen(url, timeout=2) as r:
-                        if r.read().strip() == want:
-                            break
-                except OSError:
-                    pass
+            while not http_ok(self._ready_url(), timeout_s=2.0, check=lambda body: body.strip() == want)[0]:
                 if time.monotonic() > deadline or not self.alive():
                     raise NginxError(f"nginx did not take the new config within {timeout_s:g} s; its log:\n"
                                      f"{self.log_tail(10)}")

@@ -476,13 +476,8 @@ def write_python_model(repo: str | os.PathLike[str], config: Mapping[str, Any], 
 
 def write_model_py(version_dir: str | os.PathLike[str], source: str, name: str = "model.py") -> Path:
     """``model.py`` (or another module ``name`` that model.py imports from its folder) with its bytecode compiled
-    beside it (``__pycache__``), for this Python.
-
-    The python stub imports model.py and, finding no bytecode, writes it: a new file in the model's folder, and
-    Triton reloads a model whose files changed on the next load request even when nothing else did (a second
-    ``load_model`` with the same configuration takes a full load instead of nothing). Compiled here, the stub of
-    the same Python finds the bytecode and writes nothing.
-    """
+    beside it: a stub that writes the bytecode itself changes the folder, and Triton then fully reloads the model
+    on the next ``load_model`` even when nothing else changed."""
     import importlib.util
     import py_compile
 
