@@ -1,11 +1,8 @@
 """A server this interpreter owns, its lifecycle written once: ports picked (one taken meanwhile: new ones, three
-tries), started, ready when its probe answers (a wait with a timeout, never a sleep), stopped with its whole process
-group (safe twice), stopped at interpreter exit, a context manager, its log's tail.
+tries), started, ready when its probe answers, stopped with its whole process group (safe twice, and at exit).
 
-A subclass says what differs: its command line (``_command``), its readiness probe (``_ready_url``), what it sets up
-before a start (``_prepare``) and the words of its errors (``error``, ``_failure``). Triton, nginx, Prometheus and
-MLflow run as processes; an exporter served from a thread overrides the process hooks (``_start_once``, ``alive``,
-``_cleanup``)."""
+A subclass fills in the hooks (``_command``, ``_ready_url``, ``_prepare``, ``error``, ``_failure``...); an exporter
+served from a thread overrides the process ones (``_start_once``, ``alive``, ``_cleanup``)."""
 
 from __future__ import annotations
 
@@ -38,6 +35,7 @@ class OwnedServer:
     """One server (a process group, or a thread) owned by this interpreter. Subclasses fill in the hooks."""
 
     error: type[Exception] = RuntimeError  # what a failed start raises
+    name = ""  # the server in messages (default: the class name)
     free_hint = "for a free one"  # how a busy-port message ends
     fallback_port = False  # a busy requested port: a free one instead (``busy_note`` says so), not an error
     busy_note = ""  # "{port} ..." noted in ``self.notes`` when ``fallback_port`` avoids a busy port
@@ -101,8 +99,9 @@ class OwnedServer:
     def _failure(self, timed_out: bool, code: int | None, text: str) -> Exception:
         """The error of a start that timed out, or ended before it was ready (``code``: the exit code, None while it
         runs); ``text`` is the log's tail."""
-        how = f"was not ready within {self.startup_timeout_s:g} s" if timed_out else f"ended (code {code})"
-        return self.error(f"{type(self).__name__} {how}; its log:\n{text}")
+        how = (f"did not answer within {self.startup_timeout_s:g} s" if timed_out else
+               f"exited with code {code} before it answered")
+        return self.error(f"{self.name or type(self).__name__} {how}; its log:\n{text}")
 
     def _port_taken(self, err: Exception) -> bool:
         """Whether a failed start lost its port to another process meanwhile (then new ports are tried)."""

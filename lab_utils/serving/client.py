@@ -1,16 +1,14 @@
 """Triton clients for the labs: gRPC and HTTP, synchronous and asynchronous, binary tensors, clear errors.
 
-``infer(url, model, inputs)`` sends one request and returns ``{output name: np.ndarray}``; a refused
-request raises ``InferError`` whose message shows the server's words *and* the request that caused them
-(each input's name, datatype and shape) beside what the model expects (from its metadata).
-``infer_async`` is the same as a coroutine. The repository API (index, load, unload) and the model's
-metadata and configuration are here too. ``url`` is ``host:port`` of the protocol's endpoint
-(``server.grpc_url`` or ``server.http_url``; an ``http://`` prefix is accepted).
+``infer`` (``infer_async``: a coroutine) returns ``{output name: np.ndarray}``; a refused request raises ``InferError``
+naming the server's words, the request sent and what the model expects. The repository API and the model's metadata
+and configuration too. ``url``: ``host:port`` of the protocol's endpoint (an ``http://`` prefix is accepted).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -221,8 +219,6 @@ def unload_model(url: str, model: str, protocol: str = "grpc", wait_s: float = 3
 
     The server answers the request at once and unloads in the background (state ``UNLOADING``).
     """
-    import time
-
     with client(url, protocol) as c:
         c.unload_model(model)
     deadline = time.monotonic() + wait_s

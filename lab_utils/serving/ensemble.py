@@ -2,11 +2,8 @@
 versions, the response cache, and the clients that send encoded images.
 
 ``build_service_repository`` writes ``digits_preprocess`` (PNG bytes -> FP32 [1, 8, 8]), ``digits_classifier``
-(DigitsCNN: -> logits FP32 [10]), ``digits_postprocess`` (-> top-k ``LABELS``, ``SCORES``) and the ensemble
-``digits_service`` (on the wheel's server the python models run in ``lab_utils.compat.numpy1_env``'s NumPy-1
-environment); ``cache_stats`` reads the response cache's counters; ``classify`` and ``service_accuracy`` send
-PNGs. Versions: ``write_classifier_version``, ``write_broken_version``, ``set_served_versions``. Units are in
-names: ``_s`` seconds, ``_mib`` MiB, ``_us`` µs.
+(-> logits FP32 [10]), ``digits_postprocess`` (-> top-k ``LABELS``, ``SCORES``) and the ensemble ``digits_service``
+(the wheel's python models in ``numpy1_env``'s NumPy-1 environment). Units are in names: ``_s``, ``_mib``, ``_us``.
 
 Design notes: docs/internals.md#lab_utilsservingensemblepy
 """

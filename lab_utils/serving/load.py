@@ -16,6 +16,7 @@ import multiprocessing as mp
 import os
 import queue as queue_mod
 import re
+import subprocess
 import threading
 import time
 import urllib.request
@@ -96,14 +97,11 @@ class LoadResult:
 # --- statistics API --------------------------------------------------------------------------------------
 
 
-def _http_base(url: str) -> str:
-    return url if "://" in url else f"http://{url}"
-
-
 def model_stats(http_url: str, model: str, version: str = "") -> dict[str, Any]:
     """``GET v2/models/{model}[/versions/{v}]/stats``: the statistics API's counters, summed over versions."""
     path = f"/v2/models/{model}" + (f"/versions/{version}" if version else "") + "/stats"
-    with urllib.request.urlopen(_http_base(http_url).rstrip("/") + path, timeout=5) as r:
+    base = http_url if "://" in http_url else f"http://{http_url}"
+    with urllib.request.urlopen(base.rstrip("/") + path, timeout=5) as r:
         data = json.loads(r.read())
     return sum_stats(data.get("model_stats", []))
 
@@ -596,8 +594,6 @@ def perf_analyzer_status(timeout_s: float = 30.0) -> PerfAnalyzerStatus:
     executable, or failing to start (``GLIBC_2.38' not found``): the reason says why, with the glibc version
     (``lab_utils.compat.glibc``).
     """
-    import subprocess
-
     path = find_perf_analyzer()
     if path is None:
         why = glibc.perf_analyzer_note(PERF_ANALYZER_INSTALL)
@@ -721,8 +717,6 @@ class _Unstable(Exception):
 def _perf_analyzer_once(binary: str, model: str, url: str, concurrency: int, protocol: str, window_ms: int,
                         stability_pct: int, max_trials: int, shape: str | None,
                         timeout_s: float | None) -> PerfAnalyzerResult:
-    import subprocess
-
     with temporary_folder("perf-analyzer") as tmp:
         csv_path = str(tmp / "perf.csv")
         command = perf_analyzer_command(model, url, [concurrency], protocol=protocol, shape=shape,

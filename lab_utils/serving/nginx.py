@@ -649,6 +649,7 @@ class NginxServer(OwnedServer, HttpGrpcEndpoints):
 
     external = False
     error = NginxStartError
+    name = "nginx"
     free_hint = "to let the course take a free one"
     watchdog_s = (1.0, 2.0)  # kills the workers a killed kernel's PDEATHSIG misses
     stop_grace_default_s = DEFAULT_STOP_GRACE_S
@@ -776,11 +777,6 @@ class NginxServer(OwnedServer, HttpGrpcEndpoints):
 
     def _ready_url(self) -> str:
         return f"http://{self.host}:{self.status_port}/generation"
-
-    def _failure(self, timed_out: bool, code: int | None, text: str) -> Exception:
-        if timed_out:
-            return NginxStartError(f"nginx did not answer within {self.startup_timeout_s:g} s; its log:\n{text}")
-        return NginxStartError(f"nginx exited with code {code} before it answered; its log:\n{text}")
 
     # reload --------------------------------------------------------------------------------------------------
     def reload(self, timeout_s: float = 10.0) -> None:

@@ -524,9 +524,8 @@ def run_open_loop(target: Any, rate_rps: float, duration_s: float, *, warmup_s: 
     n_proc = client_processes(rate, processes)
     if n_proc > 1:
         windows = _run_spread(target, rec, arrivals, n_proc, timeout, max(1, cap // n_proc))
-        for w in windows:
-            if on_window is not None:
-                on_window(w)
+        for w in windows if on_window is not None else ():
+            on_window(w)
         return _result(rec, "open", repr(target), rate, None, windows, stability, n_proc)
     runner = _Runner(rec, target)
 
@@ -534,8 +533,7 @@ def run_open_loop(target: Any, rate_rps: float, duration_s: float, *, warmup_s: 
         runner.t0 = time.perf_counter() + 0.01
         await _send_at(target, rec, arrivals, runner.t0, timeout, cap, time.perf_counter, runner.stop)
 
-    windows = runner.run(body, on_window, join_s=timeout + 10)
-    return _result(rec, "open", repr(target), rate, None, windows, stability)
+    return _result(rec, "open", repr(target), rate, None, runner.run(body, on_window, timeout + 10), stability)
 
 
 RPS_PER_PROCESS = 400  # requests/s one client process sends on time (an H200 run's single loop lagged at 750)

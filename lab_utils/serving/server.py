@@ -13,12 +13,16 @@ import contextlib
 import hashlib
 import importlib.metadata
 import itertools
+import json
 import os
 import re
 import shutil
+import signal
+import subprocess
 import sys
 import tempfile
 import threading
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -302,8 +306,6 @@ class TritonServer(OwnedServer, HttpGrpcEndpoints):
     def wait_exit(self, timeout_s: float = 30.0) -> int | None:
         """The exit code once the process is reaped (negative: the killing signal), None if it still runs after
         ``timeout_s``: a SIGKILLed server closes its sockets well before the kernel has torn it down."""
-        import subprocess
-
         if self._proc is None:
             return None
         try:
@@ -435,8 +437,6 @@ class TritonServer(OwnedServer, HttpGrpcEndpoints):
 
 def describe_exit(code: int) -> str:
     """A ``Popen.returncode`` in words (negative: the signal that killed the process)."""
-    import signal
-
     if code < 0:
         try:
             name = signal.Signals(-code).name
@@ -480,8 +480,6 @@ def remove_stale_shm() -> list[str]:
 
 def warn_if_empty(repo: Path, model_control: str) -> None:
     """Warn (``EmptyRepositoryWarning``) when ``repo`` has no model folder: Triton starts ready all the same."""
-    import warnings
-
     if any(d.is_dir() and not d.name.startswith(".") for d in repo.iterdir()):
         return
     then = ("load_model() finds nothing until a model folder is written there" if model_control == "explicit"
@@ -493,8 +491,6 @@ def warn_if_empty(repo: Path, model_control: str) -> None:
 
 def _is_triton(body: bytes) -> bool:
     """Whether a ``GET /v2`` body is Triton's server metadata (``name``, ``version``, ``extensions``)."""
-    import json
-
     meta = json.loads(body)
     return isinstance(meta, dict) and "version" in meta and isinstance(meta.get("extensions"), list)
 

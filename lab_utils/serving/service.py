@@ -117,8 +117,6 @@ class Service:
     # lifecycle ------------------------------------------------------------------------------------------------
     def start(self) -> Service:
         """Build, start and wait for every part; on any failure stop what was started and raise with its log."""
-        import time
-
         with self._lock:
             if self.servers and all(s.alive() for s in self.servers):
                 return self
@@ -247,8 +245,6 @@ class Service:
 
     def accuracy(self, protocol: str = "http", n: int | None = None, batch_size: int = 16) -> dict[str, Any]:
         """Top-1 accuracy on the held-out digits sent through the whole service (front door included)."""
-        import time
-
         pngs, y = ens.digits_pngs("test", n)
         t0 = time.perf_counter()
         predicted: list[str] = []

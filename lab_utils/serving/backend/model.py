@@ -115,12 +115,8 @@ _CAPSULE_MSG = "PyCapsule_GetPointer called with incorrect name"
 
 
 def quiet_capsule_rename() -> None:
-    """Drop one harmless message per response from the server log.
-
-    The stub takes ownership of a DLPack capsule and renames it ``used_dlpack`` where the DLPack protocol says
-    ``used_dltensor``; NumPy's capsule destructor then fails to read it and reports an "unraisable" error (the
-    stub has already freed the tensor: nothing leaks). Every other unraisable error is still reported.
-    """
+    """Drop one harmless "unraisable" message per response from the server log: the stub renames a DLPack capsule
+    ``used_dlpack`` (not ``used_dltensor``), so NumPy's destructor cannot read the tensor the stub already freed."""
     previous = sys.unraisablehook
     if getattr(previous, "_nvlab", False):
         return
