@@ -1,11 +1,8 @@
 """A server this interpreter owns, its lifecycle written once: ports picked (one taken meanwhile: new ones, three
-tries), started, ready when its probe answers (a wait with a timeout, never a sleep), stopped with its whole process
-group (safe twice), stopped at interpreter exit, a context manager, its log's tail.
+tries), started, ready when its probe answers, stopped with its whole process group (safe twice, and at exit).
 
-A subclass says what differs: its command line (``_command``), its readiness probe (``_ready_url``), what it sets up
-before a start (``_prepare``) and the words of its errors (``error``, ``_failure``). Triton, nginx, Prometheus and
-MLflow run as processes; an exporter served from a thread overrides the process hooks (``_start_once``, ``alive``,
-``_cleanup``)."""
+A subclass fills in the hooks (``_command``, ``_ready_url``, ``_prepare``, ``error``, ``_failure``...); an exporter
+served from a thread overrides the process ones (``_start_once``, ``alive``, ``_cleanup``)."""
 
 from __future__ import annotations
 
@@ -38,6 +35,7 @@ class OwnedServer:
     """One server (a process group, or a thread) owned by this interpreter. Subclasses fill in the hooks."""
 
     error: type[Exception] = RuntimeError  # what a failed start raises
+    name = ""  # the server in messages (default: the class name)
     free_hint = "for a free one"  # how a busy-port message ends
     fallback_port = False  # a busy requested port: a free one instead (``busy_note`` says so), not an error
     busy_note = ""  # "{port} ..." noted in ``self.notes`` when ``fallback_port`` avoids a busy port
@@ -47,8 +45,13 @@ class OwnedServer:
     log_lines = 20  # lines of the log in a failed start's message
     poll_s = 0.05  # s between readiness probes
 
+    stop_grace_default_s = 10.0  # ``stop_grace_s=None``: SIGTERM to SIGKILL (s)
+
     def __init__(self, *, host: str, ports: dict[str, int | None], startup_timeout_s: float = 30.0,
-                 stop_grace_s: float = 10.0):
+                 stop_grace_s: float | None = None):
+        if not (isinstance(startup_timeout_s, (int, float)) and startup_timeout_s > 0):
+            raise ValueError(f"startup_timeout_s={startup_timeout_s!r}: a positive number of seconds")
+        stop_grace_s = self.stop_grace_default_s if stop_grace_s is None else stop_grace_s
         self.host = host
         self._ports_fixed = dict(ports)  # attribute name -> the port asked for (None: a free one)
         self.startup_timeout_s, self.stop_grace_s = float(startup_timeout_s), float(stop_grace_s)
@@ -96,8 +99,9 @@ class OwnedServer:
     def _failure(self, timed_out: bool, code: int | None, text: str) -> Exception:
         """The error of a start that timed out, or ended before it was ready (``code``: the exit code, None while it
         runs); ``text`` is the log's tail."""
-        how = f"was not ready within {self.startup_timeout_s:g} s" if timed_out else f"ended (code {code})"
-        return self.error(f"{type(self).__name__} {how}; its log:\n{text}")
+        how = (f"did not answer within {self.startup_timeout_s:g} s" if timed_out else
+               f"exited with code {code} before it answered")
+        return self.error(f"{self.name or type(self).__name__} {how}; its log:\n{text}")
 
     def _port_taken(self, err: Exception) -> bool:
         """Whether a failed start lost its port to another process meanwhile (then new ports are tried)."""
@@ -109,12 +113,6 @@ class OwnedServer:
 
     def _free_port(self) -> int:
         return free_port(self.host)
-
-    def _port_free(self, port: int) -> bool:
-        return port_free(port, self.host)
-
-    def _spawn(self, argv: list[str], **kwargs: Any) -> subprocess.Popen:
-        return popen_owned(argv, **kwargs)
 
     def _halt(self, proc: subprocess.Popen) -> int | None:
         """Stop the process group; its leader's exit code."""
@@ -134,9 +132,13 @@ class OwnedServer:
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
 
+    def crashed(self) -> str | None:
+        """Why the server is broken though its process runs (its log says so), else None."""
+        return None
+
     def alive(self) -> bool:
-        """True while the server process runs (it may not be ready yet)."""
-        return self._proc is not None and self._proc.poll() is None
+        """True while the server process runs and has not crashed (it may not be ready yet)."""
+        return self._proc is not None and self._proc.poll() is None and not self.crashed()
 
     def log_tail(self, n: int = 40) -> str:
         """The last ``n`` lines of the server's log."""
@@ -149,7 +151,7 @@ class OwnedServer:
     def _pick_ports(self, avoid: set[int]) -> None:
         chosen: list[int] = []
         for name, fixed in self._ports_fixed.items():
-            if fixed is not None and not self._port_free(fixed):
+            if fixed is not None and not port_free(fixed, self.host):
                 if not self.fallback_port:
                     raise self._busy(name, fixed)
                 if self.busy_note:
@@ -172,6 +174,8 @@ class OwnedServer:
         with self._owner_lock:
             if self.alive():
                 return self
+            if self._proc is not None:
+                self.stop()  # what an ended or crashed start left: its process group, folder, watchdog
             self._check()
             avoid: set[int] = set()
             for attempt in range(3):
@@ -195,7 +199,7 @@ class OwnedServer:
             if self.watchdog_s is not None:  # ends what PR_SET_PDEATHSIG misses (the group) if we are killed
                 self._watchdog = GroupWatchdog(self._need_folder(), *self.watchdog_s)
             with open(self._log_file(), self.log_mode) as log:
-                self._proc = self._spawn(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                self._proc = popen_owned(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          **popen_kw)
             if self._watchdog is not None:
                 self._watchdog.arm(self._proc.pid)  # start_new_session: the leader's pid is the group id

@@ -152,14 +152,6 @@ def stale_tempdirs(root: Path | None = None) -> list[Path]:
                   and path.is_dir() and not path.is_symlink() and not pid_alive(int(m.group(1))))
 
 
-def _started_at(pid: int) -> float | None:
-    """When process ``pid`` started (epoch seconds); None if it is gone."""
-    try:
-        return psutil.Process(pid).create_time()
-    except psutil.Error:
-        return None
-
-
 PYTHON_ENV_OWNER = ".nvlab-owner"  # the pid of the tritonserver whose python backend made the folder
 
 

@@ -175,7 +175,8 @@ def test_nothing_decodes_before_the_size_is_checked(built, monkeypatch):
     params = {"image_size": "8", "max_image_bytes": str(ens.MAX_IMAGE_BYTES), "max_image_side": str(ens.MAX_IMAGE_SIDE)}
     model.initialize({"model_config": json.dumps({
         "input": [{"name": ens.IMAGE}], "output": [{"name": ens.PIXELS}],
-        "parameters": {k: {"string_value": v} for k, v in params.items()}})})
+        "parameters": {k: {"string_value": v} for k, v in params.items()}}),
+        "model_repository": str(built.path / ens.PREPROCESS), "model_version": "1"})  # as the stub passes them
     photo = ens.photo_jpegs(1, (300, 300))[0]
     assert model.decode(0, photo).shape == (1, 8, 8)  # a real JPEG decodes (before the trap)
 
@@ -461,7 +462,8 @@ def test_gpu_preprocessing_batches_resizes_and_normalizes_like_pillow(built, mon
               "max_image_side": str(ens.MAX_IMAGE_SIDE)}
     model.initialize({"model_config": json.dumps({
         "max_batch_size": 8, "input": [{"name": ens.IMAGE}], "output": [{"name": ens.PIXELS}],
-        "parameters": {k: {"string_value": v} for k, v in params.items()}})})
+        "parameters": {k: {"string_value": v} for k, v in params.items()}}),
+        "model_repository": str(built.path / ens.PREPROCESS), "model_version": "1"})
     assert model.gpu is None  # a KIND_CPU instance
     gpu = mod.GpuImages("cpu", 64, 3, 1 / 255, model.mean, model.std, "bilinear", max_rows=2,
                         decode_jpeg=_pillow_decode_jpeg, read_mode=None)

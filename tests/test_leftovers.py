@@ -58,8 +58,6 @@ def test_python_env_folders_older_than_every_running_triton_are_stale(tmp_path):
     new.mkdir()
     stale = procs.stale_python_envs(tmp_path)
     assert old_empty in stale and old_full not in stale  # a folder with files in it is never removed
-    started = procs._started_at(os.getpid())
-    assert started is not None and abs(started - time.time()) < 24 * 3600
 
 
 @pytest.mark.skipif(not Path("/proc/self").exists(), reason="process liveness is read from /proc")

@@ -214,6 +214,8 @@ def test_bad_arguments_name_the_problem():
         NginxServer(["127.0.0.1:1", "http://127.0.0.1:1"])
     with pytest.raises(ValueError, match="rate_limit_rps=0"):
         NginxServer(["127.0.0.1:1"], rate_limit_rps=0)
+    with pytest.raises(TypeError, match=r"NginxServer\(worker=\.\.\.\): no such argument.*workers"):
+        NginxServer(["127.0.0.1:1"], worker=2)
     with pytest.raises(ValueError, match="127.0.0.1:9 is not one of this nginx's servers"):
         NginxServer(["127.0.0.1:1"]).set_weights(http={"127.0.0.1:9": 2})
     with pytest.raises(ValueError, match="every server would be down"):

@@ -35,10 +35,10 @@ def test_values_round_trip_through_pbtxt():
     text = config_text(cfg)
     assert 'backend: "python"' in text and "max_queue_delay_microseconds: 200" in text
     assert "preferred_batch_size: 8" in text and "kind: KIND_CPU" in text and "count: 2" in text
-    values = triton_repo.config_values(text)
-    assert values["dynamic_batching"]["max_queue_delay_microseconds"] == 200
-    assert values["version_policy"]["specific"]["versions"] == [1, 3]
-    assert values["input"][0]["dims"] == [64]
+    back = triton_repo.parse_config(text)
+    assert back.dynamic_batching.max_queue_delay_microseconds == 200
+    assert list(back.version_policy.specific.versions) == [1, 3]
+    assert list(back.input[0].dims) == [64]
 
 
 @pytest.mark.parametrize(("bad", "field"), [

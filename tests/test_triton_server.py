@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from _triton import KernelOutput, quick_stop, require_server, tiny_repo  # noqa: F401 (an autouse fixture)
 
-from lab_utils import procs
+from lab_utils import owned, procs
 from lab_utils.serving import client as triton_client
 from lab_utils.serving import repository as triton_repo
 from lab_utils.serving import server as triton_server
@@ -116,7 +116,7 @@ def test_invalid_config_refused_before_start(repo, tmp_path, monkeypatch):
     cfg = bad / "tiny" / "config.pbtxt"
     cfg.write_text(cfg.read_text().replace("max_batch_size", "max_batch"))
     started = []
-    monkeypatch.setattr(triton_server, "popen_owned", lambda *a, **k: started.append(a))
+    monkeypatch.setattr(owned, "popen_owned", lambda *a, **k: started.append(a))
     with pytest.raises(triton_repo.ConfigError) as err:
         TritonServer(bad).start()
     assert "max_batch" in str(err.value) and "config.pbtxt" in str(err.value)
@@ -154,10 +154,10 @@ def test_busy_port_is_avoided(repo, monkeypatch):
         with pytest.raises(ServerStartError, match=f"http_port={port} is already in use"):
             TritonServer(repo, http_port=port).start()
         handed = iter([port])
-        real = triton_server.free_port
-        monkeypatch.setattr(triton_server, "free_port", lambda host="127.0.0.1": next(handed, None) or real(host))
+        real = owned.free_port
+        monkeypatch.setattr(owned, "free_port", lambda host="127.0.0.1": next(handed, None) or real(host))
         # a port taken between choosing and binding: the server fails to bind, and is started again elsewhere
-        monkeypatch.setattr(triton_server, "port_free", lambda p, host="127.0.0.1": True)
+        monkeypatch.setattr(owned, "port_free", lambda p, host="127.0.0.1": True)
         with TritonServer(repo) as server:
             assert port not in (server.http_port, server.grpc_port, server.metrics_port)
             assert server.ready()
@@ -257,7 +257,7 @@ def test_port_in_time_wait_counts_as_free_a_listener_does_not():
         listener.bind(("127.0.0.1", 0))
         listener.listen(1)
         port = listener.getsockname()[1]
-        assert not triton_server.port_free(port)
+        assert not procs.port_free(port)
         client = socket.create_connection(("127.0.0.1", port))
         conn, _ = listener.accept()
         conn.close()  # the server side closes first: its end of the connection goes to TIME_WAIT on `port`
@@ -267,11 +267,11 @@ def test_port_in_time_wait_counts_as_free_a_listener_does_not():
     with socket.socket() as plain:  # without SO_REUSEADDR the port looks busy
         with pytest.raises(OSError):
             plain.bind(("127.0.0.1", port))
-    assert triton_server.port_free(port)
+    assert procs.port_free(port)
 
 
 def test_killed_server_restarts_on_its_fixed_ports(repo):
-    ports = {k: triton_server.free_port() for k in ("http_port", "grpc_port", "metrics_port")}
+    ports = {k: procs.free_port() for k in ("http_port", "grpc_port", "metrics_port")}
     with TritonServer(repo, **ports) as server:
         assert server.ready()
         held = socket.create_connection(("127.0.0.1", ports["http_port"]))  # a client's open connection

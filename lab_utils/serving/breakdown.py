@@ -2,10 +2,8 @@
 infer, output, batch size, summed over the servers) and the CPU each kind of process used, at a few offered rates,
 beside what the client saw (p95, and how late it sent: a client that sends late measures itself, not the service).
 
-``snapshot(svc)`` reads the counters; ``split(before, after)`` and ``cpu_cores(before, after)`` turn two snapshots
-into milliseconds per request and cores; ``where_time_goes(svc, target, rates)`` runs the open loop at each rate
-between two snapshots; ``plot_split`` draws the stacked bars. Units are in names: ``_ms`` milliseconds, ``_s``
-seconds, ``_rps`` requests per second.
+``where_time_goes(svc, target, rates)`` runs the open loop at each rate between two ``snapshot``s, which ``split``
+and ``cpu_cores`` turn into ms per request and cores; ``plot_split`` draws them. Units: ``_ms``, ``_s``, ``_rps``.
 """
 
 from __future__ import annotations

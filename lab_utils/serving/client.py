@@ -1,16 +1,14 @@
 """Triton clients for the labs: gRPC and HTTP, synchronous and asynchronous, binary tensors, clear errors.
 
-``infer(url, model, inputs)`` sends one request and returns ``{output name: np.ndarray}``; a refused
-request raises ``InferError`` whose message shows the server's words *and* the request that caused them
-(each input's name, datatype and shape) beside what the model expects (from its metadata).
-``infer_async`` is the same as a coroutine. The repository API (index, load, unload) and the model's
-metadata and configuration are here too. ``url`` is ``host:port`` of the protocol's endpoint
-(``server.grpc_url`` or ``server.http_url``; an ``http://`` prefix is accepted).
+``infer`` (``infer_async``: a coroutine) returns ``{output name: np.ndarray}``; a refused request raises ``InferError``
+naming the server's words, the request sent and what the model expects. The repository API and the model's metadata
+and configuration too. ``url``: ``host:port`` of the protocol's endpoint (an ``http://`` prefix is accepted).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -132,23 +130,21 @@ def infer(url: str, model: str, inputs: Mapping[str, np.ndarray], *, protocol: s
     from tritonclient.utils import InferenceServerException
 
     mod = _module(protocol)
-    c = mod.InferenceServerClient(host_port(url))
-    try:
+    with mod.InferenceServerClient(host_port(url)) as c:
         ins, outs = build_request(mod, protocol, inputs, outputs, binary)
         kw = {"client_timeout": timeout_s} if protocol == "grpc" else {}
         try:
             res = c.infer(model, ins, model_version=version, outputs=outs, **kw)
         except InferenceServerException as err:
             _raise(err, url, protocol, model, inputs)
-        names = list(outputs) if outputs else [o["name"] for o in _result_outputs(res, protocol)]
-        return {n: res.as_numpy(n) for n in names}
-    finally:
-        c.close()
+        return as_arrays(res, protocol, outputs)
 
 
-def _result_outputs(res: Any, protocol: str) -> list[dict[str, Any]]:
-    r = res.get_response(as_json=True) if protocol == "grpc" else res.get_response()
-    return r.get("outputs", [])
+def as_arrays(res: Any, protocol: str, outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+    """A tritonclient result as ``{output name: array}``: the ``outputs`` asked for, else every one it holds."""
+    names = list(outputs) if outputs else [o["name"] for o in (
+        res.get_response(as_json=True) if protocol == "grpc" else res.get_response()).get("outputs", [])]
+    return {n: res.as_numpy(n) for n in names}
 
 
 async def infer_async(url: str, model: str, inputs: Mapping[str, np.ndarray], *, protocol: str = "grpc",
@@ -165,8 +161,7 @@ async def infer_async(url: str, model: str, inputs: Mapping[str, np.ndarray], *,
             res = await c.infer(model, ins, model_version=version, outputs=outs)
         except InferenceServerException as err:
             _raise(err, url, protocol, model, inputs)
-        names = list(outputs) if outputs else [o["name"] for o in _result_outputs(res, protocol)]
-        return {n: res.as_numpy(n) for n in names}
+        return as_arrays(res, protocol, outputs)
     finally:
         if client_ is None:
             await c.close()
@@ -177,37 +172,26 @@ async def infer_async(url: str, model: str, inputs: Mapping[str, np.ndarray], *,
 
 def model_metadata(url: str, model: str, protocol: str = "grpc", version: str = "") -> dict[str, Any]:
     """``GET v2/models/{model}``: name, versions, inputs and outputs with datatype and shape."""
-    c = client(url, protocol)
-    try:
+    with client(url, protocol) as c:
         md = (c.get_model_metadata(model, version, as_json=True) if protocol == "grpc"
               else c.get_model_metadata(model, version))
-        for t in md.get("inputs", []) + md.get("outputs", []):
-            t["shape"] = [int(d) for d in t.get("shape", [])]  # gRPC's JSON gives int64 as strings
-        return md
-    finally:
-        c.close()
+    for t in md.get("inputs", []) + md.get("outputs", []):
+        t["shape"] = [int(d) for d in t.get("shape", [])]  # gRPC's JSON gives int64 as strings
+    return md
 
 
 def model_config(url: str, model: str, protocol: str = "grpc") -> dict[str, Any]:
     """The configuration the server is using (after its auto-complete), as a dict."""
-    c = client(url, protocol)
-    try:
-        if protocol == "grpc":
-            return c.get_model_config(model, as_json=True)["config"]
-        return c.get_model_config(model)
-    finally:
-        c.close()
+    with client(url, protocol) as c:
+        return c.get_model_config(model, as_json=True)["config"] if protocol == "grpc" else c.get_model_config(model)
 
 
 def repository_index(url: str, protocol: str = "grpc") -> list[dict[str, Any]]:
     """``POST v2/repository/index``: every model in the repository with its version and state."""
-    c = client(url, protocol)
-    try:
+    with client(url, protocol) as c:
         if protocol == "grpc":
             return c.get_model_repository_index(as_json=True).get("models", [])
         return c.get_model_repository_index()
-    finally:
-        c.close()
 
 
 def load_model(url: str, model: str, protocol: str = "grpc", config: str | None = None,
@@ -219,19 +203,15 @@ def load_model(url: str, model: str, protocol: str = "grpc", config: str | None 
     """
     from tritonclient.utils import InferenceServerException
 
-    c = client(url, protocol)
+    kw = {"client_timeout": timeout_s} if protocol == "grpc" else {}  # a hung server must not hang the caller
     try:
-        if protocol == "grpc":  # a hung server must not hang the caller
-            c.load_model(model, config=config, client_timeout=timeout_s)
-        else:
-            c.load_model(model, config=config)
+        with client(url, protocol) as c:
+            c.load_model(model, config=config, **kw)
     except InferenceServerException as err:
         msg = err.message() or ""
         if "deadline" in msg.lower():
             msg = f"no answer within {timeout_s:g} s (is the server hung? its log says)"
         raise RuntimeError(f"loading {model!r} failed: {msg}") from None
-    finally:
-        c.close()
 
 
 def unload_model(url: str, model: str, protocol: str = "grpc", wait_s: float = 30.0) -> None:
@@ -239,13 +219,8 @@ def unload_model(url: str, model: str, protocol: str = "grpc", wait_s: float = 3
 
     The server answers the request at once and unloads in the background (state ``UNLOADING``).
     """
-    import time
-
-    c = client(url, protocol)
-    try:
+    with client(url, protocol) as c:
         c.unload_model(model)
-    finally:
-        c.close()
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         states = {m.get("state") for m in repository_index(url, protocol) if m.get("name") == model}
@@ -256,8 +231,5 @@ def unload_model(url: str, model: str, protocol: str = "grpc", wait_s: float = 3
 
 
 def model_ready(url: str, model: str, protocol: str = "grpc", version: str = "") -> bool:
-    c = client(url, protocol)
-    try:
+    with client(url, protocol) as c:
         return bool(c.is_model_ready(model, version))
-    finally:
-        c.close()

@@ -2,11 +2,8 @@
 versions, the response cache, and the clients that send encoded images.
 
 ``build_service_repository`` writes ``digits_preprocess`` (PNG bytes -> FP32 [1, 8, 8]), ``digits_classifier``
-(DigitsCNN: -> logits FP32 [10]), ``digits_postprocess`` (-> top-k ``LABELS``, ``SCORES``) and the ensemble
-``digits_service`` (on the wheel's server the python models run in ``lab_utils.compat.numpy1_env``'s NumPy-1
-environment); ``cache_stats`` reads the response cache's counters; ``classify`` and ``service_accuracy`` send
-PNGs. Versions: ``write_classifier_version``, ``write_broken_version``, ``set_served_versions``. Units are in
-names: ``_s`` seconds, ``_mib`` MiB, ``_us`` µs.
+(-> logits FP32 [10]), ``digits_postprocess`` (-> top-k ``LABELS``, ``SCORES``) and the ensemble ``digits_service``
+(the wheel's python models in ``numpy1_env``'s NumPy-1 environment). Units are in names: ``_s``, ``_mib``, ``_us``.
 
 Design notes: docs/internals.md#lab_utilsservingensemblepy
 """
@@ -585,45 +582,32 @@ def build_service(repo: str | Path, model: Any, *, prefix: str, labels: Sequence
                        backend, env, {"export_s": export_s}, note, engine)
 
 
-def build_service_repository(repo: str | Path, *, epochs: int = 4, seed: int = 0, top_k: int = TOP_K,
-                             backend: str | None = None, gpus: int = 0, instances: int | None = None,
-                             cache: str | None = "service", source: ServerSource | None = None,
-                             build_env: bool = True, classifier_engine: str | None = None,
-                             classifier_precision: str = "fp32", model: Any = None,
-                             drift_reference: Mapping[str, Any] | None = None, drift_window: int = 200,
-                             note: str = "") -> ServiceRepo:
+def build_service_repository(repo: str | Path, *, epochs: int = 4, seed: int = 0, model: Any = None,
+                             **knobs: Any) -> ServiceRepo:
     """The digits service: DigitsCNN trained here (seconds; or ``model``, a DigitsCNN given), exported to ONNX (and
-    TorchScript for the torch engine: ``build_service``'s ``classifier_engine``), behind the PNG ensemble;
-    ``drift_reference``: the preprocessing step exports its drift statistics (``preprocess_config``).
-
-    Its ``facts`` hold the in-process held-out accuracy, to compare with ``service_accuracy`` through Triton."""
+    TorchScript for the torch engine), behind the PNG ensemble; ``knobs`` are ``build_service``'s (``cache``,
+    ``gpus``, ``classifier_engine``, ``drift_reference``...). Its ``facts`` hold the in-process held-out accuracy,
+    to compare with ``service_accuracy`` through Triton."""
     facts: dict[str, Any] = {}
     if model is None:
         model, facts = train_classifier(epochs=epochs, seed=seed)
     raw = digits_raw_split()
     svc = build_service(repo, model, prefix=PREFIX, labels=DIGIT_LABELS, image_size=DIGITS_SIZE, channels=1,
-                        pixel_scale=16 / 255, mean=(raw["mean"],), std=(raw["std"],), resample="box", top_k=top_k,
-                        backend=backend, gpus=gpus, instances=instances, cache=cache, source=source,
-                        build_env=build_env, classifier_engine=classifier_engine,
-                        classifier_precision=classifier_precision, drift_reference=drift_reference,
-                        drift_window=drift_window, note=note)
+                        pixel_scale=16 / 255, mean=(raw["mean"],), std=(raw["std"],), resample="box", **knobs)
     svc.facts.update(facts)
     return svc
 
 
 def build_resnet50_service(repo: str | Path, *, image_size: int = 224, width: int = 64, top_k: int = 5,
-                           backend: str | None = None, gpus: int = 0, instances: int | None = None,
-                           cache: str | None = None, source: ServerSource | None = None,
-                           build_env: bool = True, classifier_engine: str | None = None,
-                           classifier_precision: str = "fp32", prefix: str = "resnet50",
-                           exported: ServiceRepo | None = None, **knobs: Any) -> ServiceRepo:
+                           cache: str | None = None, prefix: str = "resnet50", exported: ServiceRepo | None = None,
+                           **knobs: Any) -> ServiceRepo:
     """``resnet50_*``: a ResNet-50 (``model_zoo.make_resnet50``; torchvision's where it imports, else the course's
     same-layout ``BottleneckResNet``) with RANDOM WEIGHTS, for speed only: its labels mean nothing. RGB
     ``image_size`` px, ImageNet normalization, 1000 classes. The export takes tens of seconds on a CPU. With
-    ``gpus`` >= 1 on the wheel's server the classifier runs in torch on the GPU (``build_service``, which takes
-    ``knobs``: ``preprocess_device``, ``preprocess_count``, ``preprocess_delay_us``, ``channels_last``,
-    ``cuda_graphs``). ``prefix``: the models' names, one per variant in one repository. ``exported``: an earlier
-    variant of the same size on the torch engine, whose ``model.pt`` is copied (the same weights, no new export)."""
+    ``gpus`` >= 1 on the wheel's server the classifier runs in torch on the GPU; ``knobs`` are ``build_service``'s
+    (``gpus``, ``source``, ``classifier_engine``, ``preprocess_device``, ``cuda_graphs``...). ``prefix``: the
+    models' names, one per variant in one repository. ``exported``: an earlier variant of the same size on the torch
+    engine, whose ``model.pt`` is copied (the same weights, no new export)."""
     from lab_utils.inference.model_zoo import make_resnet50  # lazy: pulls torch
 
     model, info = make_resnet50("cpu", width=width, image_size=image_size)
@@ -634,10 +618,8 @@ def build_resnet50_service(repo: str | Path, *, image_size: int = 224, width: in
         model = exported.path / exported.classifier / "1" / TORCH_FILE
     svc = build_service(repo, model, prefix=prefix, labels=[f"class_{i}" for i in range(1000)],
                         image_size=image_size, channels=3, pixel_scale=1 / 255, mean=(0.485, 0.456, 0.406),
-                        std=(0.229, 0.224, 0.225), resample="bilinear", top_k=top_k, backend=backend, gpus=gpus,
-                        instances=instances, cache=cache, source=source, build_env=build_env,
-                        note=f"random weights, speed only: {info}", classifier_engine=classifier_engine,
-                        classifier_precision=classifier_precision, onnx=None, **knobs)
+                        std=(0.229, 0.224, 0.225), resample="bilinear", top_k=top_k, cache=cache,
+                        note=f"random weights, speed only: {info}", onnx=None, **knobs)
     svc.facts.update({"model": str(info), "params_m": info.params_m, "gflop_per_image": info.gflop_per_image})
     return svc
 

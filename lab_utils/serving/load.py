@@ -1,13 +1,8 @@
 """Closed-loop load against a Triton server: throughput, latency percentiles, the server-side split.
 
-Stable API (lab 04 and lab 05 build on it; names and meanings do not change):
-- ``run_load(url, model, make_inputs, concurrency, *, protocol="grpc", duration_s=None, ...) -> LoadResult``:
-  ``concurrency`` clients, each with one request in flight. ``LoadResult`` has ``throughput_infer_s`` (infer/s),
-  ``p50_ms`` ... ``p99_ms``, ``mean_ms``, ``requests``, ``errors``, ``windows``, ``server`` and ``to_row()``.
-- ``sweep(url, model, make_inputs, concurrencies, **kw) -> pandas.DataFrame``: one row per concurrency.
-- ``server_split(before, after)``: queue / compute µs per request and the average batch, from two snapshots.
-- ``perf_analyzer_command``, ``perf_analyzer_status``, ``run_perf_analyzer``: the same with ``perf_analyzer``.
-A failed request never stops the load: it is counted in ``errors`` with its message.
+Stable API (lab 04 and lab 05 build on it): ``run_load`` (``concurrency`` clients, each with one request in flight:
+a ``LoadResult``), ``sweep`` (a row per concurrency), ``server_split`` (queue / compute µs per request from two
+statistics snapshots), and the same with ``perf_analyzer``. A failed request is counted in ``errors``, never raised.
 Design notes: docs/internals.md#lab_utilsservingloadpy
 """
 
@@ -21,6 +16,7 @@ import multiprocessing as mp
 import os
 import queue as queue_mod
 import re
+import subprocess
 import threading
 import time
 import urllib.request
@@ -36,7 +32,7 @@ from lab_utils.args import check_int
 from lab_utils.compat import glibc
 from lab_utils.course.probe import find_perf_analyzer
 from lab_utils.procs import die_with_parent, popen_owned, stop_group, temporary_folder
-from lab_utils.serving.client import _module, build_request, host_port, infer
+from lab_utils.serving.client import _module, as_arrays, build_request, host_port, infer
 
 PROTOCOLS = ("grpc", "http")
 ERROR_BACKOFF_S = 0.01
@@ -101,14 +97,11 @@ class LoadResult:
 # --- statistics API --------------------------------------------------------------------------------------
 
 
-def _http_base(url: str) -> str:
-    return url if "://" in url else f"http://{url}"
-
-
 def model_stats(http_url: str, model: str, version: str = "") -> dict[str, Any]:
     """``GET v2/models/{model}[/versions/{v}]/stats``: the statistics API's counters, summed over versions."""
     path = f"/v2/models/{model}" + (f"/versions/{version}" if version else "") + "/stats"
-    with urllib.request.urlopen(_http_base(http_url).rstrip("/") + path, timeout=5) as r:
+    base = http_url if "://" in http_url else f"http://{http_url}"
+    with urllib.request.urlopen(base.rstrip("/") + path, timeout=5) as r:
         data = json.loads(r.read())
     return sum_stats(data.get("model_stats", []))
 
@@ -168,27 +161,30 @@ def _payloads(make_inputs: Callable[[], Mapping[str, np.ndarray]] | Mapping[str,
 
 
 class _Sink:
-    """Per-request records of one client thread/process, bucketed by window on completion.
+    """Per-request records of one client thread/process, bucketed by window on completion (thread-safe).
 
-    Error messages are bucketed by window too: a window's count and its messages are taken together, so errors
-    of a later window (a dead server fails fast) never lend their messages to an earlier one's count.
+    A window's error count and its messages are taken together, so errors of a later window (a dead server fails
+    fast) never lend their messages to an earlier one's count.
     """
 
     def __init__(self, t0: float, window_s: float):
         self.t0, self.window_s = t0, window_s
         self.lat: dict[int, list[float]] = {}
         self.msgs: dict[int, Counter[str]] = {}
+        self.lock = threading.Lock()
 
     def add(self, t_start: float, t_end: float, ok: bool, msg: str = "") -> None:
         w = max(-1, math.floor((t_end - self.t0) / self.window_s))  # -1: warm-up
-        if ok:
-            self.lat.setdefault(w, []).append((t_end - t_start) * 1e3)
-        else:
-            self.msgs.setdefault(w, Counter())[_short_error(msg)] += 1
+        with self.lock:
+            if ok:
+                self.lat.setdefault(w, []).append((t_end - t_start) * 1e3)
+            else:
+                self.msgs.setdefault(w, Counter())[_short_error(msg)] += 1
 
     def take(self, w: int) -> tuple[np.ndarray, int, dict[str, int]]:
-        lat = np.asarray(self.lat.pop(w, []), dtype=np.float64)
-        msgs = dict(self.msgs.pop(w, Counter()))
+        with self.lock:
+            lat = np.asarray(self.lat.pop(w, []), dtype=np.float64)
+            msgs = dict(self.msgs.pop(w, Counter()))
         return lat, sum(msgs.values()), msgs
 
 
@@ -201,13 +197,17 @@ def _top_messages(msgs: Counter[str], n: int = TOP_MESSAGES) -> dict[str, int]:
     return top
 
 
-def _seconds(value: Any, arg: str, zero_ok: bool = False) -> float:
-    """``value`` as a finite number of seconds > 0 (>= 0 with ``zero_ok``), or a ValueError naming ``arg``."""
+def _positive(value: Any, arg: str, where: str, zero_ok: bool = False, what: str = "number") -> float:
+    """``value`` as a finite ``what`` > 0 (>= 0 with ``zero_ok``), or a ValueError naming ``where(arg=...)``."""
     ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool) and \
         math.isfinite(value) and (value >= 0 if zero_ok else value > 0)
     if not ok:
-        raise ValueError(f"run_load({arg}={value!r}): must be a finite number of seconds {'>=' if zero_ok else '>'} 0")
+        raise ValueError(f"{where}({arg}={value!r}): must be a finite {what} {'>=' if zero_ok else '>'} 0")
     return float(value)
+
+
+def _seconds(value: Any, arg: str, zero_ok: bool = False) -> float:
+    return _positive(value, arg, "run_load", zero_ok, "number of seconds")
 
 
 def _short_error(msg: str) -> str:
@@ -218,10 +218,7 @@ def _short_error(msg: str) -> str:
 async def _client_loop(protocol: str, url: str, model: str, payloads: list[dict], outputs: Sequence[str] | None,
                        sink: _Sink, stop: threading.Event | Any, timeout_s: float, offset: int,
                        verify: Verify | None = None) -> None:
-    if protocol == "grpc":
-        import tritonclient.grpc.aio as tc
-    else:
-        import tritonclient.http.aio as tc  # type: ignore[no-redef]
+    tc = _module(protocol, aio=True)
     client = (tc.InferenceServerClient(url) if protocol == "grpc" else
               tc.InferenceServerClient(url, conn_timeout=timeout_s))
     try:
@@ -257,9 +254,7 @@ Verify = Callable[[Mapping[str, np.ndarray], Mapping[str, np.ndarray]], None]
 
 def _verify(verify: Verify, inputs: Mapping[str, np.ndarray], result: Any, outputs: Sequence[str] | None,
             protocol: str) -> None:
-    names = list(outputs) if outputs else [o["name"] for o in (
-        result.get_response(as_json=True) if protocol == "grpc" else result.get_response()).get("outputs", [])]
-    got = {n: result.as_numpy(n) for n in names}
+    got = as_arrays(result, protocol, outputs)  # an unreadable answer (an empty tensor) is no wrong answer: it raises
     try:
         verify(inputs, got)
     except Exception as err:
@@ -290,43 +285,29 @@ def _process_worker(protocol: str, url: str, model: str, payloads: list[dict], o
         return
     t0 = t0_value.value
     sink = _Sink(t0, window_s)
-    lock = threading.Lock()
     done = threading.Event()
-    locked = _LockedSink(sink, lock)
 
     def flusher() -> None:
         w = -1
         while True:
             end = t0 + (w + 1) * window_s
             finished = done.wait(max(0.0, end - time.perf_counter()))
-            with lock:
-                out_q.put(("window", w, *sink.take(w)))
+            out_q.put(("window", w, *sink.take(w)))
             w += 1
             if finished:
-                with lock:
-                    out_q.put(("window", w, *sink.take(w)))
+                out_q.put(("window", w, *sink.take(w)))
                 return
 
     th = threading.Thread(target=flusher, daemon=True)
     th.start()
     try:
-        _run_clients(protocol, url, model, payloads, outputs, n, locked, stop, timeout_s, first,  # type: ignore[arg-type]
-                     verify)
+        _run_clients(protocol, url, model, payloads, outputs, n, sink, stop, timeout_s, first, verify)
     except BaseException as err:
         out_q.put(("crash", -1, f"{type(err).__name__}: {err}"))
     finally:
         done.set()
         th.join(timeout=5)
         out_q.put(("done", -1, None))
-
-
-class _LockedSink:
-    def __init__(self, sink: _Sink, lock: threading.Lock):
-        self.sink, self.lock = sink, lock
-
-    def add(self, *a: Any) -> None:
-        with self.lock:
-            self.sink.add(*a)
 
 
 def _probe(protocol: str, url: str, model: str, payload: dict, outputs: Sequence[str] | None,
@@ -423,14 +404,11 @@ def run_load(
     if nproc == 1:
         stop: Any = threading.Event()
         sink = _Sink(t0, window_s)
-        lock = threading.Lock()
-        locked = _LockedSink(sink, lock)
         err_box: list[BaseException] = []
 
         def target_fn() -> None:
             try:
-                _run_clients(protocol, target, model, payloads, outputs, concurrency, locked, stop,  # type: ignore[arg-type]
-                             timeout_s, 0, verify)
+                _run_clients(protocol, target, model, payloads, outputs, concurrency, sink, stop, timeout_s, 0, verify)
             except BaseException as err:
                 err_box.append(err)
 
@@ -443,12 +421,11 @@ def run_load(
                 th.join(timeout=min(0.05, max(0.0, end - time.perf_counter())))
             if err_box:
                 raise RuntimeError(f"the load clients failed: {err_box[0]}") from err_box[0]
-            with lock:
-                return sink.take(w)
+            return sink.take(w)
 
-        def finish() -> None:
+        def finish(join_s: float = timeout_s + 5) -> None:
             stop.set()
-            th.join(timeout=timeout_s + 5)
+            th.join(timeout=join_s)
     else:
         ctx = mp.get_context("spawn")  # fork would copy this process's gRPC state and threads
         stop = ctx.Event()
@@ -462,27 +439,40 @@ def run_load(
         for p in procs:
             p.start()
         pending: dict[int, list[tuple[np.ndarray, int, dict[str, int]]]] = {}
+
+        def finish(join_s: float = timeout_s + 5) -> None:
+            stop.set()
+            start.set()  # a process still waiting for the start sees the stop
+            for p in procs:
+                p.join(timeout=join_s)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+
+        def receive(by: float, what: str) -> tuple[str, int, list[Any]]:
+            """The next message of the client processes; an error when one crashed, or died, or none came by ``by``."""
+            while True:
+                try:
+                    kind, wi, *rest = out_q.get(timeout=0.2)
+                except queue_mod.Empty:
+                    dead = [p for p in procs if not p.is_alive()]
+                    if dead or time.perf_counter() > by:
+                        codes = "".join(f"; {p.name} exit code {p.exitcode}" for p in dead)
+                        raise RuntimeError(f"load client processes {what}{codes}); from a script, call run_load under "
+                                           "`if __name__ == '__main__':` (spawned processes re-import it), or pass "
+                                           "processes=1") from None
+                    continue
+                if kind == "crash":
+                    raise RuntimeError(f"a load client process failed: {rest[0]}")
+                return kind, wi, rest
+
         ready, ready_by = 0, time.perf_counter() + 120
-        while ready < nproc:
-            try:
-                kind, _, *rest = out_q.get(timeout=0.2)
-            except queue_mod.Empty:
-                dead = [p for p in procs if not p.is_alive()]
-                if dead or time.perf_counter() > ready_by:
-                    stop.set()
-                    start.set()
-                    for p in procs:
-                        p.join(timeout=5)
-                        if p.is_alive():
-                            p.kill()
-                    raise RuntimeError("load client processes did not start (" + ", ".join(
-                        f"{p.name} exit code {p.exitcode}" for p in dead) + "); from a script, call run_load under "
-                        "`if __name__ == '__main__':` (spawned processes re-import it), or pass processes=1") from None
-                continue
-            if kind == "ready":
-                ready += 1
-            elif kind == "crash":
-                raise RuntimeError(f"a load client process failed: {rest[0]}")
+        try:
+            while ready < nproc:
+                ready += receive(ready_by, "did not start (within 120 s")[0] == "ready"
+        except BaseException:
+            finish(5.0)
+            raise
         t0 = time.perf_counter() + warmup_s
         t0_value.value = t0
         start.set()
@@ -490,35 +480,15 @@ def run_load(
         def take(w: int) -> tuple[np.ndarray, int, dict[str, int]]:
             deadline = t0 + (w + 1) * window_s + timeout_s + 10
             while len(pending.get(w, [])) < nproc:
-                try:
-                    kind, wi, *rest = out_q.get(timeout=0.2)
-                except queue_mod.Empty:
-                    dead = [p for p in procs if not p.is_alive()]
-                    if dead or time.perf_counter() > deadline:
-                        codes = ", ".join(f"{p.name} exit code {p.exitcode}" for p in dead)
-                        raise RuntimeError(f"load client processes stopped answering (window {w}"
-                                           f"{'; ' + codes if codes else ''}); from a script, call run_load "
-                                           "under `if __name__ == '__main__':` (spawned processes re-import "
-                                           "it), or pass processes=1") from None
-                    continue
+                kind, wi, rest = receive(deadline, f"stopped answering (window {w}")
                 if kind == "window":
                     pending.setdefault(wi, []).append(tuple(rest))  # type: ignore[arg-type]
-                elif kind == "crash":
-                    raise RuntimeError(f"a load client process failed: {rest[0]}")
             parts = pending.pop(w)
             lat = np.concatenate([p[0] for p in parts]) if parts else np.zeros(0)
             m: Counter[str] = Counter()
             for p in parts:
                 m.update(p[2])
             return lat, sum(p[1] for p in parts), dict(m)
-
-        def finish() -> None:
-            stop.set()
-            for p in procs:
-                p.join(timeout=timeout_s + 5)
-                if p.is_alive():
-                    p.kill()
-                    p.join()
 
     try:
         _, e, m = take(-1)  # warm-up: dropped, but its errors count in errors_total
@@ -624,8 +594,6 @@ def perf_analyzer_status(timeout_s: float = 30.0) -> PerfAnalyzerStatus:
     executable, or failing to start (``GLIBC_2.38' not found``): the reason says why, with the glibc version
     (``lab_utils.compat.glibc``).
     """
-    import subprocess
-
     path = find_perf_analyzer()
     if path is None:
         why = glibc.perf_analyzer_note(PERF_ANALYZER_INSTALL)
@@ -749,8 +717,6 @@ class _Unstable(Exception):
 def _perf_analyzer_once(binary: str, model: str, url: str, concurrency: int, protocol: str, window_ms: int,
                         stability_pct: int, max_trials: int, shape: str | None,
                         timeout_s: float | None) -> PerfAnalyzerResult:
-    import subprocess
-
     with temporary_folder("perf-analyzer") as tmp:
         csv_path = str(tmp / "perf.csv")
         command = perf_analyzer_command(model, url, [concurrency], protocol=protocol, shape=shape,

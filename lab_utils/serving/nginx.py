@@ -1,14 +1,8 @@
 """Nginx in front of Triton: an owned ``nginx`` process, its generated config, and its JSON access log read back.
 
-Stable API (lab 07 builds on it; lab 08 reloads weights for its canaries):
-- ``nginx_binary()``, ``missing()``, ``available(show=True)``, ``required()``: the binary, or ``NginxNotFound``
-  (``lab_utils.course.probe.find_nginx`` finds it).
-- ``Backend(address, weight=1, down=False)``, ``nginx_config(http_backends, grpc_backends, ...) -> str``,
-  ``check_nginx_config(text)`` (``nginx -t``, or ``NginxConfigError``).
-- ``NginxServer(...)``: the owned server, a context manager (``start``, ``stop``, ``reload``, ``set_weights``,
-  ``access_rows``, ``access_summary``, ``stub_status``); ``serve_upstream``, ``check_upstream_block``, ``reload_nginx``.
-- ``read_access_log``, ``summarize_access``, ``parse_stub_status``: the access log and ``stub_status`` read back.
-
+Stable API (lab 07 builds on it; lab 08 reloads weights for its canaries): ``__all__``. ``nginx_config`` writes
+the config, ``check_nginx_config`` runs ``nginx -t`` on it (``NginxConfigError``: the problem, line and fix),
+``NginxServer`` owns the process (``reload``, ``set_weights``, ``access_rows``, ``stub_status``).
 Design notes: docs/internals.md#lab_utilsservingnginxpy
 """
 
@@ -57,6 +51,8 @@ HTTP_UPSTREAM = "triton_http"
 GRPC_UPSTREAM = "triton_grpc"
 BALANCE = {"round_robin": "", "least_conn": "least_conn;", "random": "random two least_conn;"}
 DEFAULT_STOP_GRACE_S = 2.0
+# nginx_config's keywords an NginxServer passes on as they are (``NginxServer.options``)
+OPTIONS = ("client_max_body_size", "rate_limit_rps", "rate_burst", "balance", "keepalive", "workers", "proxy_timeout_s")
 _KEY = re.compile(r"[A-Za-z0-9_-]{8,256}")  # what a map key may hold unquoted: no '~' (regex), space, '$' or quote
 _SIZE = re.compile(r"(\d+)([kKmMgG]?)")
 
@@ -503,9 +499,14 @@ def _prefix_dirs(prefix: Path) -> None:
         (prefix / sub).mkdir(parents=True, exist_ok=True)
 
 
-def _test(binary: str, prefix: Path, conf: Path, timeout_s: float = 30.0) -> subprocess.CompletedProcess:
+def _test(binary: str, prefix: Path, conf: Path, spans: dict[str, tuple[int, int]] | None = None,
+          what: str = "the config") -> str:
+    """``nginx -t`` on ``conf``: its warnings, or the ``NginxConfigError`` of ``_explain``."""
     argv = [binary, "-t", "-q", "-p", f"{prefix}/", "-c", str(conf), *_error_log_arg(binary, prefix)]
-    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=30.0)
+    if out.returncode != 0:
+        raise _explain(out.stderr + out.stdout, conf.read_text(), spans, what=what)
+    return out.stderr.strip()
 
 
 def check_nginx_config(text: str, binary: str | None = None, what: str = "the config",
@@ -519,10 +520,7 @@ def check_nginx_config(text: str, binary: str | None = None, what: str = "the co
         _prefix_dirs(prefix)
         conf = prefix / "conf" / "nginx.conf"
         conf.write_text(text)
-        out = _test(binary, prefix, conf)
-    if out.returncode != 0:
-        raise _explain(out.stderr + out.stdout, text, spans, what=what)
-    return out.stderr.strip()
+        return _test(binary, prefix, conf, spans, what)
 
 
 def check_upstream_block(block: str, grpc: bool = False, binary: str | None = None) -> str:
@@ -646,13 +644,15 @@ class NginxServer(OwnedServer, HttpGrpcEndpoints):
     ...     tritonclient.http.InferenceServerClient(lb.http_url[7:]).infer(..., headers=lb.auth_headers)
 
     ``api_keys=None`` makes one random key (``.api_key``, ``.auth_headers``); ``()`` turns the check off. Ports
-    are free loopback ports unless given. The other arguments are ``nginx_config``'s.
+    are free loopback ports unless given. ``options``: ``nginx_config``'s ``OPTIONS`` (body size, rate limit...).
     """
 
     external = False
     error = NginxStartError
+    name = "nginx"
     free_hint = "to let the course take a free one"
     watchdog_s = (1.0, 2.0)  # kills the workers a killed kernel's PDEATHSIG misses
+    stop_grace_default_s = DEFAULT_STOP_GRACE_S
 
     def __init__(
         self,
@@ -660,13 +660,6 @@ class NginxServer(OwnedServer, HttpGrpcEndpoints):
         grpc_backends: Iterable[BackendLike] | None = (),
         *,
         api_keys: str | Sequence[str] | None = None,
-        client_max_body_size: int | str = "8m",
-        rate_limit_rps: float | None = None,
-        rate_burst: int = 0,
-        balance: str = "round_robin",
-        keepalive: int = 32,
-        workers: int = 1,
-        proxy_timeout_s: float = 60.0,
         upstream_block: str | None = None,
         grpc_upstream_block: str | None = None,
         host: str = "127.0.0.1",
@@ -676,19 +669,18 @@ class NginxServer(OwnedServer, HttpGrpcEndpoints):
         startup_timeout_s: float = 15.0,
         stop_grace_s: float | None = None,
         binary: str | None = None,
+        **options: Any,
     ):
+        unknown = sorted(set(options) - set(OPTIONS))
+        if unknown:
+            raise TypeError(f"NginxServer({unknown[0]}=...): no such argument (nginx's options: {', '.join(OPTIONS)})")
         self.http_backends = _backends(http_backends, "http_backends")
         self.grpc_backends = _backends(grpc_backends, "grpc_backends")
         self.api_keys = [new_api_key()] if api_keys is None else _keys(api_keys)
-        self.options = {"client_max_body_size": client_max_body_size, "rate_limit_rps": rate_limit_rps,
-                        "rate_burst": rate_burst, "balance": balance, "keepalive": keepalive, "workers": workers,
-                        "proxy_timeout_s": proxy_timeout_s}
+        self.options = options  # nginx_config's keywords (its defaults for the others); a reload applies changes
         self.upstream_block, self.grpc_upstream_block = upstream_block, grpc_upstream_block
-        if not (isinstance(startup_timeout_s, (int, float)) and startup_timeout_s > 0):
-            raise ValueError(f"startup_timeout_s={startup_timeout_s!r}: a positive number of seconds")
         super().__init__(host=host, ports={"http_port": http_port, "grpc_port": grpc_port, "status_port": status_port},
-                         startup_timeout_s=startup_timeout_s,
-                         stop_grace_s=DEFAULT_STOP_GRACE_S if stop_grace_s is None else stop_grace_s)
+                         startup_timeout_s=startup_timeout_s, stop_grace_s=stop_grace_s)
         self.http_port = self.grpc_port = self.status_port = 0
         self.binary = binary
         self.generation = 0
@@ -774,9 +766,7 @@ class NginxServer(OwnedServer, HttpGrpcEndpoints):
         _prefix_dirs(self.folder)
         self.config_text, spans = self._render()
         self.conf_path.write_text(self.config_text)
-        out = _test(str(self.binary), self.folder, self.conf_path)
-        if out.returncode != 0:
-            raise _explain(out.stderr + out.stdout, self.config_text, spans)
+        _test(str(self.binary), self.folder, self.conf_path, spans)
         return {"cwd": str(self.folder)}
 
     def _command(self) -> list[str]:
@@ -787,11 +777,6 @@ class NginxServer(OwnedServer, HttpGrpcEndpoints):
 
     def _ready_url(self) -> str:
         return f"http://{self.host}:{self.status_port}/generation"
-
-    def _failure(self, timed_out: bool, code: int | None, text: str) -> Exception:
-        if timed_out:
-            return NginxStartError(f"nginx did not answer within {self.startup_timeout_s:g} s; its log:\n{text}")
-        return NginxStartError(f"nginx exited with code {code} before it answered; its log:\n{text}")
 
     # reload --------------------------------------------------------------------------------------------------
     def reload(self, timeout_s: float = 10.0) -> None:
@@ -806,24 +791,18 @@ class NginxServer(OwnedServer, HttpGrpcEndpoints):
             text, spans = self._render()
             new = self.conf_path.with_name("nginx.conf.new")
             new.write_text(text)
-            out = _test(str(self.binary), self._need_prefix(), new)
-            if out.returncode != 0:
+            try:
+                _test(str(self.binary), self._need_prefix(), new, spans)
+            except NginxConfigError:
                 self.generation -= 1
                 new.unlink()
-                raise _explain(out.stderr + out.stdout, text, spans)
+                raise
             new.replace(self.conf_path)  # the master re-reads the file it was started with
             self.config_text = text
             reload_nginx(self._need_prefix(), self.conf_path, self.binary)
             want = f"{self.generation}".encode()
             deadline = time.monotonic() + timeout_s
-            url = f"http://{self.host}:{self.status_port}/generation"
-            while True:
-                try:
-                    with urllib.request.urlopen(url, timeout=2) as r:
-                        if r.read().strip() == want:
-                            break
-                except OSError:
-                    pass
+            while not http_ok(self._ready_url(), timeout_s=2.0, check=lambda body: body.strip() == want)[0]:
                 if time.monotonic() > deadline or not self.alive():
                     raise NginxError(f"nginx did not take the new config within {timeout_s:g} s; its log:\n"
                                      f"{self.log_tail(10)}")
@@ -876,7 +855,7 @@ class NginxServer(OwnedServer, HttpGrpcEndpoints):
         path = self.access_log_path
         if self.alive():
             http_ok(f"http://{self.host}:{self.status_port}/generation", timeout_s=2.0)
-            if int(self.options["workers"]) > 1:
+            if int(self.options.get("workers", 1)) > 1:
                 size, deadline = -1, time.monotonic() + 1.0
                 while time.monotonic() < deadline and (now := path.stat().st_size if path.exists() else 0) != size:
                     size = now

@@ -1,12 +1,7 @@
 """Open-loop load: requests arrive on a schedule (Poisson, seeded) whether or not the server keeps up.
 
-Stable API (lab 07 builds on it): ``poisson_arrivals(rate_rps, duration_s, seed=0)`` (send times in s); targets
-``TritonTarget``, ``HttpTarget`` or any ``async def send()``; ``run_open_loop(target, rate_rps, duration_s, ...)``
-and ``run_closed_loop(target, concurrency, duration_s, ...)`` -> ``OpenLoopResult`` (as ``load.LoadResult``, plus
-``offered_rps``, ``achieved_rps``, ``timeouts``...); ``compare_loops`` -> ``LoopComparison``; ``meets_slo(result,
-slo_ms, percentile=95)``; ``find_capacity(target, slo_ms=100.0, ...)`` -> ``CapacityResult``. Latency counts from
-each request's intended send time. Units are in names: ``_s`` seconds, ``_ms`` milliseconds, ``_rps`` requests/s.
-
+Stable API (lab 07 builds on it): ``__all__``; latency counts from each request's intended send time. Units are in
+names: ``_s`` seconds, ``_ms`` milliseconds, ``_rps`` requests/s.
 Design notes: docs/internals.md#lab_utilsservingopenlooppy
 """
 
@@ -35,6 +30,7 @@ from lab_utils.serving.load import (
     Verify,
     Window,
     _payloads,
+    _positive,
     _short_error,
     _top_messages,
     _verify,
@@ -63,6 +59,15 @@ class Target(Protocol):
 
 class HttpStatusError(Exception):
     """An HTTP answer with a status the target does not accept (401 from nginx, 429, 503...)."""
+
+
+async def _close(target: Any, attr: str) -> None:
+    """Close the target's client (a failing close does not fail the run) and forget it."""
+    conn = getattr(target, attr)
+    setattr(target, attr, None)
+    if conn is not None:
+        with contextlib.suppress(Exception):
+            await conn.close()
 
 
 class TritonTarget:
@@ -107,10 +112,7 @@ class TritonTarget:
             _verify(self.verify, self.payloads[i], result, self.outputs, self.protocol)
 
     async def close(self) -> None:
-        if self._client is not None:
-            with contextlib.suppress(Exception):
-                await self._client.close()
-            self._client = None
+        await _close(self, "_client")
 
     def __repr__(self) -> str:
         return f"TritonTarget({self.protocol}://{self.url}, model={self.model!r})"
@@ -151,10 +153,7 @@ class HttpTarget:
                 raise HttpStatusError(f"HTTP {r.status}" + (f": {text}" if text else ""))
 
     async def close(self) -> None:
-        if self._session is not None:
-            with contextlib.suppress(Exception):
-                await self._session.close()
-            self._session = None
+        await _close(self, "_session")
 
     def __repr__(self) -> str:
         return f"HttpTarget({self.method} {self.url})"
@@ -192,14 +191,6 @@ def as_target(target: Any) -> Any:
 
 
 # --- arrivals and argument checks --------------------------------------------------------------------------
-
-
-def _positive(value: Any, arg: str, where: str, zero_ok: bool = False) -> float:
-    ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool) and \
-        math.isfinite(value) and (value >= 0 if zero_ok else value > 0)
-    if not ok:
-        raise ValueError(f"{where}({arg}={value!r}): must be a finite number {'>=' if zero_ok else '>'} 0")
-    return float(value)
 
 
 def poisson_arrivals(rate_rps: float, duration_s: float, seed: int | None = 0) -> np.ndarray:
@@ -268,20 +259,24 @@ class _Records:
         return (np.asarray(self.due, float), np.asarray(self.sent, float), np.asarray(self.end, float),
                 np.asarray(self.ok, bool))
 
-    def window(self, w: int) -> OpenLoopWindow:
+    def span(self, a: float, b: float) -> tuple[int, np.ndarray, int, Counter[str]]:
+        """Of the requests due in [a, b): how many, the answered ones' latency (ms), answers completed in [a, b),
+        and the failures' messages."""
         due, _, end, ok = self.arrays()
-        a = self.warmup_s + w * self.window_s
-        b = a + self.window_s
         mine = (due >= a) & (due < b)
         lat = (end[mine & ok] - due[mine & ok]) * 1e3
         msgs = Counter(m for m, sel in zip(self.msg, mine & ~ok, strict=True) if sel)
-        done = int(np.count_nonzero(ok & (end >= a) & (end < b)))
+        return int(np.count_nonzero(mine)), lat, int(np.count_nonzero(ok & (end >= a) & (end < b))), msgs
+
+    def window(self, w: int) -> OpenLoopWindow:
+        a = self.warmup_s + w * self.window_s
+        offered, lat, done, msgs = self.span(a, a + self.window_s)
         pct = np.percentile(lat, [50, 95, 99]) if len(lat) else [float("nan")] * 3
         return OpenLoopWindow(
             index=w, seconds=self.window_s, requests=int(len(lat)), errors=int(sum(msgs.values())),
             throughput_infer_s=done * self.batch / self.window_s,
             mean_ms=float(lat.mean()) if len(lat) else float("nan"), p95_ms=float(pct[1]),
-            offered_rps=int(np.count_nonzero(mine)) / self.window_s, achieved_rps=done / self.window_s,
+            offered_rps=offered / self.window_s, achieved_rps=done / self.window_s,
             p50_ms=float(pct[0]), p99_ms=float(pct[2]), timeouts=sum(n for m, n in msgs.items() if _is_timeout(m)),
             error_messages=_top_messages(msgs))
 
@@ -362,19 +357,15 @@ class OpenLoopResult:
 
 def _result(rec: _Records, mode: str, target: str, rate: float | None, concurrency: int | None,
             windows: list[OpenLoopWindow], stability: float, processes: int = 1) -> OpenLoopResult:
-    due, sent, end, ok = rec.arrays()
-    a, b = rec.warmup_s, rec.warmup_s + rec.n_windows * rec.window_s
-    span = b - a
-    mine = (due >= a) & (due < b)
-    lat = (end[mine & ok] - due[mine & ok]) * 1e3
+    due, sent, _, ok = rec.arrays()
+    span = rec.n_windows * rec.window_s
+    offered, lat, done, measured = rec.span(rec.warmup_s, rec.warmup_s + span)
     pct = np.percentile(lat, [50, 90, 95, 99]) if len(lat) else [float("nan")] * 4
-    done = int(np.count_nonzero(ok & (end >= a) & (end < b)))
     all_msgs = Counter(m for m, good in zip(rec.msg, ok, strict=True) if not good)
-    measured = Counter(m for m, sel in zip(rec.msg, mine & ~ok, strict=True) if sel)
     lag = (sent - due) * 1e3 if mode == "open" and len(due) else np.zeros(1)
     return OpenLoopResult(
         mode=mode, target=target, rate_rps=rate, concurrency=concurrency,
-        offered_rps=int(np.count_nonzero(mine)) / span, achieved_rps=done / span,
+        offered_rps=offered / span, achieved_rps=done / span,
         throughput_infer_s=done * rec.batch / span,
         p50_ms=float(pct[0]), p90_ms=float(pct[1]), p95_ms=float(pct[2]), p99_ms=float(pct[3]),
         mean_ms=float(lat.mean()) if len(lat) else float("nan"), requests=int(len(lat)),
@@ -400,6 +391,29 @@ async def _one(target: Any, rec: _Records, t0: float, due: float, timeout_s: flo
         rec.finish(due, sent, clock() - t0, False, f"{type(err).__name__}: {err}")
     else:
         rec.finish(due, sent, clock() - t0, True)
+
+
+async def _send_at(target: Any, rec: _Records, dues: np.ndarray, t0: float, timeout_s: float, cap: int,
+                   clock: Callable[[], float], stop: threading.Event | None = None) -> None:
+    """Send a request at each ``t0 + due`` (``clock``'s seconds) and await them all; one due while ``cap`` are in
+    flight fails as "client limit" unsent."""
+    tasks = set()
+    for due in dues:
+        if stop is not None and stop.is_set():
+            break
+        delay = t0 + due - clock()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        rec.begin(due)
+        if rec.in_flight > cap:
+            now = clock() - t0
+            rec.finish(due, now, now, False, f"client limit: {cap} requests in flight (raise max_in_flight)")
+            continue
+        task = asyncio.ensure_future(_one(target, rec, t0, float(due), timeout_s, clock))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+    if tasks:
+        await asyncio.gather(*tasks)
 
 
 class _Runner:
@@ -510,35 +524,16 @@ def run_open_loop(target: Any, rate_rps: float, duration_s: float, *, warmup_s: 
     n_proc = client_processes(rate, processes)
     if n_proc > 1:
         windows = _run_spread(target, rec, arrivals, n_proc, timeout, max(1, cap // n_proc))
-        for w in windows:
-            if on_window is not None:
-                on_window(w)
+        for w in windows if on_window is not None else ():
+            on_window(w)
         return _result(rec, "open", repr(target), rate, None, windows, stability, n_proc)
     runner = _Runner(rec, target)
 
     async def body() -> None:
-        runner.t0 = t0 = time.perf_counter() + 0.01
-        tasks = set()
-        for due in arrivals:
-            if runner.stop.is_set():
-                break
-            delay = t0 + due - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            if rec.in_flight >= cap:
-                rec.begin(due)
-                now = time.perf_counter() - t0
-                rec.finish(due, now, now, False, f"client limit: {cap} requests in flight (raise max_in_flight)")
-                continue
-            rec.begin(due)
-            task = asyncio.ensure_future(_one(target, rec, t0, float(due), timeout))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
-        if tasks:
-            await asyncio.gather(*tasks)
+        runner.t0 = time.perf_counter() + 0.01
+        await _send_at(target, rec, arrivals, runner.t0, timeout, cap, time.perf_counter, runner.stop)
 
-    windows = runner.run(body, on_window, join_s=timeout + 10)
-    return _result(rec, "open", repr(target), rate, None, windows, stability)
+    return _result(rec, "open", repr(target), rate, None, runner.run(body, on_window, timeout + 10), stability)
 
 
 RPS_PER_PROCESS = 400  # requests/s one client process sends on time (an H200 run's single loop lagged at 750)
@@ -562,25 +557,10 @@ def _send_schedule(target: Any, dues: np.ndarray, timeout_s: float, cap: int) ->
 
     async def body() -> None:
         await target.open()  # imports and connections before the clock starts
-        tasks = set()
         try:
             assert _BARRIER is not None, "a client process starts through _client_up"
             _BARRIER.wait(timeout=_SPREAD_UP_S)
-            t0 = time.monotonic() + _SPREAD_START_S
-            for due in dues:
-                delay = t0 + due - time.monotonic()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                rec.begin(due)
-                if rec.in_flight > cap:
-                    now = time.monotonic() - t0
-                    rec.finish(due, now, now, False, f"client limit: {cap} requests in flight (raise max_in_flight)")
-                    continue
-                task = asyncio.ensure_future(_one(target, rec, t0, float(due), timeout_s, time.monotonic))
-                tasks.add(task)
-                task.add_done_callback(tasks.discard)
-            if tasks:
-                await asyncio.gather(*tasks)
+            await _send_at(target, rec, dues, time.monotonic() + _SPREAD_START_S, timeout_s, cap, time.monotonic)
         finally:
             await target.close()
 

@@ -80,21 +80,19 @@ def parse_config(source: str | Mapping[str, Any] | Any, where: str = "") -> Any:
     pb = _pb()
     if isinstance(source, pb.ModelConfig):
         return source
+    if not isinstance(source, (str, Mapping)):
+        raise TypeError(f"parse_config: expected config.pbtxt text, a dict or a ModelConfig, got "
+                        f"{type(source).__name__}")
     cfg = pb.ModelConfig()
-    if isinstance(source, str):
-        try:
+    try:
+        if isinstance(source, str):
             text_format.Parse(source, cfg)
-        except text_format.ParseError as err:
-            raise ConfigError([(_field_of(str(err)), f"schema: {err}")], where=where) from None
-        return cfg
-    if isinstance(source, Mapping):
-        try:
+        else:
             json_format.ParseDict(_jsonable(source), cfg)
-        except json_format.ParseError as err:
-            raise ConfigError([(_field_of(str(err)), f"schema: {err}")], model=str(source.get("name", "")),
-                              where=where) from None
-        return cfg
-    raise TypeError(f"parse_config: expected config.pbtxt text, a dict or a ModelConfig, got {type(source).__name__}")
+    except (text_format.ParseError, json_format.ParseError) as err:
+        model = "" if isinstance(source, str) else str(source.get("name", ""))
+        raise ConfigError([(_field_of(str(err)), f"schema: {err}")], model=model, where=where) from None
+    return cfg
 
 
 def _jsonable(value: Any) -> Any:
@@ -121,24 +119,6 @@ def config_text(config: str | Mapping[str, Any] | Any) -> str:
     from google.protobuf import text_format
 
     return text_format.MessageToString(parse_config(config))
-
-
-def config_values(config: str | Mapping[str, Any] | Any) -> dict[str, Any]:
-    """The config as Python values (field names as in ``config.pbtxt``; 64-bit integers as int)."""
-    from google.protobuf import json_format
-
-    d = json_format.MessageToDict(parse_config(config), preserving_proto_field_name=True)
-    return _ints(d)
-
-
-def _ints(v: Any) -> Any:
-    if isinstance(v, dict):
-        return {k: _ints(x) for k, x in v.items()}
-    if isinstance(v, list):
-        return [_ints(x) for x in v]
-    if isinstance(v, str) and re.fullmatch(r"-?\d+", v):
-        return int(v)
-    return v
 
 
 # --- semantics: what the schema cannot see --------------------------------------------------------------
@@ -496,13 +476,8 @@ def write_python_model(repo: str | os.PathLike[str], config: Mapping[str, Any], 
 
 def write_model_py(version_dir: str | os.PathLike[str], source: str, name: str = "model.py") -> Path:
     """``model.py`` (or another module ``name`` that model.py imports from its folder) with its bytecode compiled
-    beside it (``__pycache__``), for this Python.
-
-    The python stub imports model.py and, finding no bytecode, writes it: a new file in the model's folder, and
-    Triton reloads a model whose files changed on the next load request even when nothing else did (a second
-    ``load_model`` with the same configuration takes a full load instead of nothing). Compiled here, the stub of
-    the same Python finds the bytecode and writes nothing.
-    """
+    beside it: a stub that writes the bytecode itself changes the folder, and Triton then fully reloads the model
+    on the next ``load_model`` even when nothing else changed."""
     import importlib.util
     import py_compile
 

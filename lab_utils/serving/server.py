@@ -1,13 +1,8 @@
 """A real Triton Inference Server as an owned object: found, started on free ports, ready, stopped.
 
-Stable API (lab 04 and lab 05 build on it; names and meanings do not change):
-- ``find_server(local=False) -> ServerSource``: ``TRITON_URL``, else ``tritonserver`` on the PATH, else the wheel's.
-- ``TritonServer(model_repository, *, model_control="none", ...)``: a context manager with ``start()``, ``stop()``,
-  ``http_url``, ``grpc_url``, ``metrics_url``, ``log_tail(n=40)``; failures raise ``ServerStartError``.
-- ``ExternalServer(http_url, grpc_url=None, metrics_url=None)``: the same attributes for a server not owned here.
-- ``connect_or_start(repo, **kw)``: an ``ExternalServer`` when ``TRITON_URL`` is set, else a started
-  ``TritonServer``. ``running_servers()``: the servers this process started and has not stopped.
-Every started server is stopped on ``with`` exit, on ``stop()`` and at interpreter exit.
+Stable API (lab 04 and lab 05 build on it): ``find_server`` (``TRITON_URL``, else ``tritonserver`` on the PATH,
+else the wheel's), ``TritonServer`` (owned: stopped on ``with`` exit, ``stop()`` and at exit; ``ServerStartError``),
+``ExternalServer`` (the same attributes, not owned), ``connect_or_start``, ``running_servers``.
 Design notes: docs/internals.md#lab_utilsservingserverpy
 """
 
@@ -18,12 +13,16 @@ import contextlib
 import hashlib
 import importlib.metadata
 import itertools
+import json
 import os
 import re
 import shutil
+import signal
+import subprocess
 import sys
 import tempfile
 import threading
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -36,12 +35,9 @@ from lab_utils.procs import (
     check_service,
     check_url,
     env_url,
-    free_port,
     http_ok,
     owned_tempdir,
     pid_alive,
-    popen_owned,
-    port_free,
     python_env_unowned,
     tail,
     wait_http_ok,
@@ -243,11 +239,6 @@ def log_errors(path: Path | None, limit: int = 5) -> list[str]:
     return [m.group(0).strip() for m in _ERROR_LINE.finditer(tail(path, 2000))][:limit]
 
 
-def _fatal_in_log(path: Path | None) -> bool:
-    """True when the log shows a start that cannot succeed (a python stub that failed to start hangs the server)."""
-    return bool(_STUB_FAIL.search(tail(path, 200)))
-
-
 class TritonServer(OwnedServer, HttpGrpcEndpoints):
     """One ``tritonserver`` process (and its python-backend stubs) owned by this interpreter.
 
@@ -259,6 +250,7 @@ class TritonServer(OwnedServer, HttpGrpcEndpoints):
     error = ServerStartError
     free_hint = "to let the server take a free one"
     log_lines = 400  # the failed models are read from them
+    stop_grace_default_s = DEFAULT_STOP_GRACE_S
     log_path: Path | None = None  # given, or a folder of its own at the first start (kept after a stop)
 
     def __init__(
@@ -288,8 +280,6 @@ class TritonServer(OwnedServer, HttpGrpcEndpoints):
                              "loads every model of the repository)")
         if isinstance(metrics_config, str):
             metrics_config = (metrics_config,)
-        if not isinstance(startup_timeout_s, (int, float)) or startup_timeout_s <= 0:
-            raise ValueError(f"startup_timeout_s={startup_timeout_s!r}: a positive number of seconds")
         self.model_repository = Path(model_repository).resolve()
         self.model_control = model_control
         self.metrics = metrics
@@ -297,8 +287,7 @@ class TritonServer(OwnedServer, HttpGrpcEndpoints):
         self.extra_args = tuple(extra_args)
         self.load_models = tuple(load_models)
         ports = {"http_port": http_port, "grpc_port": grpc_port, "metrics_port": metrics_port}
-        super().__init__(host=host, ports=ports, startup_timeout_s=startup_timeout_s,
-                         stop_grace_s=DEFAULT_STOP_GRACE_S if stop_grace_s is None else stop_grace_s)
+        super().__init__(host=host, ports=ports, startup_timeout_s=startup_timeout_s, stop_grace_s=stop_grace_s)
         self.http_port = self.grpc_port = self.metrics_port = 0
         self._env_extra = dict(env or {})
         self.validate = validate
@@ -315,14 +304,8 @@ class TritonServer(OwnedServer, HttpGrpcEndpoints):
         return f"http://{self.host}:{self.metrics_port}/metrics"
 
     def wait_exit(self, timeout_s: float = 30.0) -> int | None:
-        """Wait until the server process has exited and been reaped; its exit code (negative: killed by that
-        signal), or None if it still runs after ``timeout_s``.
-
-        A process killed with SIGKILL closes its sockets before it is gone: the kernel still tears it down (a
-        GPU context takes a while), and until then ``alive()`` is rightly True. Wait here before reporting it.
-        """
-        import subprocess
-
+        """The exit code once the process is reaped (negative: the killing signal), None if it still runs after
+        ``timeout_s``: a SIGKILLed server closes its sockets well before the kernel has torn it down."""
         if self._proc is None:
             return None
         try:
@@ -345,16 +328,7 @@ class TritonServer(OwnedServer, HttpGrpcEndpoints):
         return (f"TritonServer({str(self.model_repository)!r}, {self._state()}, http={self.http_url}, "
                 f"grpc={self.grpc_url})")
 
-    # lifecycle: see OwnedServer (this module's names: tests replace them) ---------------------------------
-    def _free_port(self) -> int:
-        return free_port(self.host)
-
-    def _port_free(self, port: int) -> bool:
-        return port_free(port, self.host)
-
-    def _spawn(self, argv: list[str], **kwargs: Any) -> Any:
-        return popen_owned(argv, **kwargs)
-
+    # lifecycle: see OwnedServer ---------------------------------------------------------------------------
     def _command(self) -> list[str]:
         source = self.source
         assert source is not None
@@ -413,13 +387,16 @@ class TritonServer(OwnedServer, HttpGrpcEndpoints):
     def _ready_url(self) -> str:
         return f"{self.http_url}/v2/health/ready"
 
-    def _give_up(self) -> bool:
-        return _fatal_in_log(self.log_path)
+    def _give_up(self) -> bool:  # a python stub that failed to start hangs the server
+        return bool(_STUB_FAIL.search(tail(self.log_path, 200)))
 
     def _started(self) -> None:
+        # the server's pid in its env folders: `nvlab doctor` removes them once it is gone (Triton's clean shutdown
+        # deletes them; when several servers run, a folder's age cannot tell whose it is)
         self._python_envs = _python_envs() - self._envs_before
-        if self._proc is not None:
-            _mark_python_envs(self._python_envs, self._proc.pid)
+        for folder in self._python_envs:
+            with contextlib.suppress(OSError):
+                (folder / PYTHON_ENV_OWNER).write_text(str(self.pid))
 
     def _failure(self, timed_out: bool, code: int | None, text: str) -> Exception:
         failed = failed_models(text)
@@ -447,22 +424,19 @@ class TritonServer(OwnedServer, HttpGrpcEndpoints):
         return code
 
     def crashed(self) -> str | None:
-        """Why this running server is broken though its process lives (its log shows a fatal signal), else None."""
-        m = _FATAL_SIGNAL.search(tail(self.log_path, 400)) if self.log_path is not None else None
+        """Why this server is broken though its process lives (its log shows a fatal signal), else None."""
+        m = _FATAL_SIGNAL.search(tail(self.log_path, 400)) if self._proc is not None else None
         return f"tritonserver logged signal {m.group(1)} and stopped answering" if m else None
 
     def restart(self) -> TritonServer:
         """Stop (if running) and start again (after a crash, say): on the fixed ports given, else on new free
         ones (a killed server's ports can be taken by another process meanwhile)."""
         self.stop()
-        self._proc = None
         return self.start()
 
 
 def describe_exit(code: int) -> str:
     """A ``Popen.returncode`` in words (negative: the signal that killed the process)."""
-    import signal
-
     if code < 0:
         try:
             name = signal.Signals(-code).name
@@ -485,15 +459,6 @@ def _remove_shm(prefix: str) -> None:
             f.unlink()
 
 
-def _mark_python_envs(folders: set[Path], pid: int) -> None:
-    """Write the server's pid into its env folders, so that ``nvlab doctor`` removes them once it is gone (when other
-    servers run, folder ages alone cannot tell a dead server's folder from a live one's). Triton's clean shutdown
-    deletes the folder with what is in it."""
-    for folder in folders:
-        with contextlib.suppress(OSError):
-            (folder / PYTHON_ENV_OWNER).write_text(str(pid))
-
-
 def _python_envs() -> set[Path]:
     """The python backend's execution-environment folders (``/tmp/python_env_*``, a fixed path in Triton): the
     ones that appear while a server starts are its own, removed when it stops (a killed server cannot)."""
@@ -513,16 +478,8 @@ def remove_stale_shm() -> list[str]:
     return removed
 
 
-def _devnull() -> Any:
-    import subprocess
-
-    return subprocess.DEVNULL
-
-
 def warn_if_empty(repo: Path, model_control: str) -> None:
     """Warn (``EmptyRepositoryWarning``) when ``repo`` has no model folder: Triton starts ready all the same."""
-    import warnings
-
     if any(d.is_dir() and not d.name.startswith(".") for d in repo.iterdir()):
         return
     then = ("load_model() finds nothing until a model folder is written there" if model_control == "explicit"
@@ -534,8 +491,6 @@ def warn_if_empty(repo: Path, model_control: str) -> None:
 
 def _is_triton(body: bytes) -> bool:
     """Whether a ``GET /v2`` body is Triton's server metadata (``name``, ``version``, ``extensions``)."""
-    import json
-
     meta = json.loads(body)
     return isinstance(meta, dict) and "version" in meta and isinstance(meta.get("extensions"), list)
 

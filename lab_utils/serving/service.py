@@ -1,13 +1,8 @@
 """Lab 07's service as one owned object: the digits ensemble on two Triton servers, nginx in front.
 
-Stable API (lab 07 builds on it):
-- ``Service(servers=2, cache="classifier", ...)``: a context manager; ``start()`` builds the repository and starts
-  the Triton servers and nginx (without nginx one Triton server: ``skipped`` says what that leaves out); ``stop()``.
-- The front door: ``http_url``, ``grpc_url``, ``headers`` (the API key), ``via``, ``target(protocol)``,
-  ``classify(pngs)``, ``accuracy()``. Behind it: ``servers``, ``lb``, ``repo``, ``scrape_jobs()``.
-- ``infer(url, model, inputs, protocol, headers)`` and ``send_raw(url, body, headers)``: one request each.
-Units are in names: ``_s`` seconds, ``_ms`` milliseconds, ``_rps`` requests per second, ``_mib`` MiB.
-
+Stable API (lab 07 builds on it): ``Service`` (a context manager: the front door ``http_url``, ``grpc_url``,
+``headers``, ``target``, ``classify``; behind it ``servers``, ``lb``, ``repo``), ``hot_update``, and one request
+each with ``infer`` and ``send_raw``. Units are in names: ``_s``, ``_ms``, ``_rps`` requests per second, ``_mib``.
 Design notes: docs/internals.md#lab_utilsservingservicepy
 """
 
@@ -59,8 +54,7 @@ def infer(url: str, model: str, inputs: Mapping[str, np.ndarray], *, protocol: s
         ins, outs = triton_client.build_request(mod, protocol, inputs, outputs, True)
         kw = {"client_timeout": timeout_s} if protocol == "grpc" else {}
         res = c.infer(model, ins, outputs=outs, headers=hdrs, **kw)
-        names = list(outputs) if outputs else [o["name"] for o in triton_client._result_outputs(res, protocol)]
-        return {n: res.as_numpy(n) for n in names}
+        return triton_client.as_arrays(res, protocol, outputs)
     finally:
         c.close()
 
@@ -108,8 +102,7 @@ class Service:
         self.nginx_kwargs = {"api_keys": api_key, "rate_limit_rps": rate_limit_rps, "rate_burst": rate_burst,
                              "client_max_body_size": client_max_body_size}
         nginx_mod.nginx_config(["127.0.0.1:1"], ["127.0.0.1:2"], http_port=3, grpc_port=4, status_port=5,
-                               api_keys=api_key or (), rate_limit_rps=rate_limit_rps, rate_burst=rate_burst,
-                               client_max_body_size=client_max_body_size)  # a bad limit fails here, not later
+                               **{**self.nginx_kwargs, "api_keys": api_key or ()})  # a bad limit fails here
         self.startup_timeout_s, self.stop_grace_s, self.build_env = startup_timeout_s, stop_grace_s, build_env
         self.repo: ens.ServiceRepo | None = repo
         self._repo_given = repo is not None
@@ -124,8 +117,6 @@ class Service:
     # lifecycle ------------------------------------------------------------------------------------------------
     def start(self) -> Service:
         """Build, start and wait for every part; on any failure stop what was started and raise with its log."""
-        import time
-
         with self._lock:
             if self.servers and all(s.alive() for s in self.servers):
                 return self
@@ -211,18 +202,16 @@ class Service:
 
     @property
     def http_url(self) -> str:
-        if self.lb is not None:
-            return self.lb.http_url
-        return self.servers[0].http_url if self.servers else ""
+        return self.url("http")
 
     @property
     def grpc_url(self) -> str:
-        if self.lb is not None:
-            return self.lb.grpc_url
-        return self.servers[0].grpc_url if self.servers else ""
+        return self.url("grpc")
 
     def url(self, protocol: str = "http") -> str:
-        return self.grpc_url if protocol == "grpc" else self.http_url
+        """The front door's ``protocol`` URL: nginx's, else the one Triton server's ('' before start)."""
+        front = self.lb if self.lb is not None else (self.servers[0] if self.servers else None)
+        return "" if front is None else front.grpc_url if protocol == "grpc" else front.http_url
 
     @property
     def headers(self) -> dict[str, str]:
@@ -256,8 +245,6 @@ class Service:
 
     def accuracy(self, protocol: str = "http", n: int | None = None, batch_size: int = 16) -> dict[str, Any]:
         """Top-1 accuracy on the held-out digits sent through the whole service (front door included)."""
-        import time
-
         pngs, y = ens.digits_pngs("test", n)
         t0 = time.perf_counter()
         predicted: list[str] = []
@@ -350,22 +337,14 @@ class HotUpdate:
 def hot_update(svc: Service, new_version: int = 2, *, rate_rps: float = 100.0, duration_s: float = 20.0,
                warmup_s: float = 1.0, protocol: str = "grpc", sample_s: float = 0.5, pause_s: float = 1.5,
                timeout_s: float = 10.0, progress: Any = None) -> HotUpdate:
-    """Move the service from the classifier version it serves to ``new_version`` (already written to the
-    repository: ``ensemble.write_classifier_version``) while open-loop load flows through the front door.
+    """Move the service to classifier version ``new_version`` (already written: ``write_classifier_version``) under
+    open-loop load through the front door, ``pause_s`` between steps so each shows in the timeline.
 
-    With two or more servers behind nginx, server by server: the last server loads ``new_version`` beside the
-    old one (explicit model control; the ensemble's step asks for the newest version, so it answers at once),
-    nginx's weights move the traffic to it (3:1, then the others drained), the others load it, weights back to
-    equal, then every server unloads the old version (``version_policy`` of ``new_version`` only). With one
-    server: load beside, then unload the old. ``pause_s`` between steps, so each shows in the timeline.
-
-    The clients speak gRPC by default: each nginx reload retires the old workers, which close their idle client
-    connections. HTTP/2 announces that (GOAWAY) and the client moves on; an HTTP/1.1 client reusing a keep-alive
-    connection at that instant gets a reset instead of an answer (measured: 1 in 2,553 requests over four
-    reloads), which a client must retry (inference requests are idempotent).
-
-    ``progress``: a hook such as ``lab_utils.widgets.progress`` (``progress(iterable, total=, desc=)``), advanced
-    once per step of the update; it ends when the load does (None: no display)."""
+    Behind nginx: the last server loads it beside the old one, weights 3:1 towards it, the others drained, load it,
+    weights equal again; then every server unloads the old version (one server: load beside, unload the old).
+    gRPC by default: a reload's retired workers close idle connections, which HTTP/2 announces (GOAWAY) while an
+    HTTP/1.1 keep-alive request meets a reset (measured: 1 in 2,553 over four reloads). ``progress``: a hook such
+    as ``lab_utils.widgets.progress``, advanced once per step (None: no display)."""
     import itertools
 
     repo = svc.repo

@@ -2,11 +2,8 @@
 preprocessing model, which computes them on the images it decodes and exports them as Triton custom metrics.
 
 Copied beside the preprocessing model's ``model.py`` as ``nvlab_drift.py``: NumPy only, nothing from ``lab_utils``.
-
-- ``image_features(images)``: per-image statistics of raw digits (N, 8, 8), values 0..16.
-- ``bin_edges(reference)``, ``shares(x, edges)``, ``psi(reference, current)``, ``ks_statistic(reference, current)``.
-- ``reference_bins(features)`` / ``Window``: what the preprocessing model keeps: each feature's bin edges and the
-  reference's shares (a few numbers, passed as a JSON parameter), and the features of the last ``size`` images.
+The model keeps ``reference_bins`` (each feature's bin edges and reference shares: a JSON parameter) and a ``Window``
+of the last images' features.
 """
 
 from __future__ import annotations

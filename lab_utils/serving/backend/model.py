@@ -88,43 +88,35 @@ class MlpRunner:
 NUMPY2 = int(np.__version__.split(".")[0]) >= 2  # lab 04's check reads it too
 
 
-def tensor_to_numpy(tensor: Any) -> np.ndarray:
-    """A request's input tensor as a NumPy array."""
-    if not NUMPY2:
-        return tensor.as_numpy()
-    return np.from_dlpack(tensor)
-
-
-def numpy_to_tensor(pb_utils: Any, name: str, array: np.ndarray) -> Any:
-    """An output tensor for a response."""
-    array = np.ascontiguousarray(array)
-    if not NUMPY2:
-        return pb_utils.Tensor(name, array)
-    return pb_utils.Tensor.from_dlpack(name, array.__dlpack__())
-
-
 def to_numpy(tensor: Any) -> np.ndarray:
     """A request's input tensor as a NumPy array: ``Tensor.as_numpy()``, across the stub by DLPack under NumPy 2."""
-    return tensor_to_numpy(tensor)
+    return np.from_dlpack(tensor) if NUMPY2 else tensor.as_numpy()
 
 
 def to_tensor(name: str, array: np.ndarray) -> Any:
     """``pb_utils.Tensor(name, array)`` for a response, across the stub by DLPack under NumPy 2."""
     import triton_python_backend_utils as pb_utils
 
-    return numpy_to_tensor(pb_utils, name, array)
+    array = np.ascontiguousarray(array)
+    return pb_utils.Tensor.from_dlpack(name, array.__dlpack__()) if NUMPY2 else pb_utils.Tensor(name, array)
+
+
+def instance_args(args: dict[str, str]) -> tuple[dict[str, Any], dict[str, str], str, Path]:
+    """``initialize``'s ``args`` read: (the model's config, its string parameters, the instance's device, its version
+    folder)."""
+    cfg = json.loads(args["model_config"])
+    params = {k: v.get("string_value", "") for k, v in cfg.get("parameters", {}).items()}
+    gpu = args.get("model_instance_kind", "CPU") == "GPU"
+    device = f"cuda:{int(args.get('model_instance_device_id', '0'))}" if gpu else "cpu"
+    return cfg, params, device, Path(args["model_repository"]) / args["model_version"]
 
 
 _CAPSULE_MSG = "PyCapsule_GetPointer called with incorrect name"
 
 
 def quiet_capsule_rename() -> None:
-    """Drop one harmless message per response from the server log.
-
-    The stub takes ownership of a DLPack capsule and renames it ``used_dlpack`` where the DLPack protocol says
-    ``used_dltensor``; NumPy's capsule destructor then fails to read it and reports an "unraisable" error (the
-    stub has already freed the tensor: nothing leaks). Every other unraisable error is still reported.
-    """
+    """Drop one harmless "unraisable" message per response from the server log: the stub renames a DLPack capsule
+    ``used_dlpack`` (not ``used_dltensor``), so NumPy's destructor cannot read the tensor the stub already freed."""
     previous = sys.unraisablehook
     if getattr(previous, "_nvlab", False):
         return
@@ -169,11 +161,7 @@ class TritonPythonModel:
     """What the python backend calls: ``initialize`` once per instance, ``execute`` per (dynamic) batch."""
 
     def initialize(self, args: dict[str, str]) -> None:
-        cfg = json.loads(args["model_config"])
-        params = {k: v.get("string_value", "") for k, v in cfg.get("parameters", {}).items()}
-        kind = args.get("model_instance_kind", "CPU")
-        device = f"cuda:{int(args.get('model_instance_device_id', '0'))}" if kind == "GPU" else "cpu"
-        version_dir = Path(args["model_repository"]) / args["model_version"]
+        cfg, params, device, version_dir = instance_args(args)
         self.runner = MlpRunner(version_dir, params.get("engine", "auto") or "auto", device,
                                 int(params.get("threads", "1") or 1))
         self.model = self.runner  # what execute runs: [N, in_features] float32 -> [N, out_features]

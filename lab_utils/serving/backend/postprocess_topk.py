@@ -11,17 +11,15 @@ then split per request. BYTES outputs cross the stub through NumPy's 1.x C API (
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import numpy as np
-from nvlab_triton_model import to_numpy, to_tensor
+from nvlab_triton_model import instance_args, to_numpy, to_tensor
 
 
 class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
-        cfg = json.loads(args["model_config"])
-        p = {k: v.get("string_value", "") for k, v in cfg.get("parameters", {}).items()}
+        cfg, p, _, _ = instance_args(args)
         self.labels = np.array([s.strip().encode() for s in p.get("labels", "").split(",")], dtype=object)
         self.input_name = cfg["input"][0]["name"]
         outs = {o["name"]: o for o in cfg["output"]}

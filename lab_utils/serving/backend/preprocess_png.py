@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from nvlab_triton_model import to_tensor
+from nvlab_triton_model import instance_args, to_tensor
 
 RESAMPLE = ("box", "bilinear")
 SIGNATURES = {b"\x89PNG\r\n\x1a\n": "PNG", b"\xff\xd8\xff": "JPEG", b"GIF8": "GIF", b"BM": "BMP"}  # file magic
@@ -35,8 +35,7 @@ class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
         from PIL import Image  # a missing Pillow refuses the load with ImportError, not every request
 
-        cfg = json.loads(args["model_config"])
-        p = {k: v.get("string_value", "") for k, v in cfg.get("parameters", {}).items()}
+        cfg, p, device, _ = instance_args(args)
         self.size = int(p.get("image_size", "8"))
         self.channels = int(p.get("channels", "1"))
         if self.channels not in (1, 3):
@@ -59,8 +58,7 @@ class TritonPythonModel:
         self.mode = "L" if self.channels == 1 else "RGB"
         self.drift = None
         self.gpu = None  # a GPU instance decodes its JPEGs there
-        if args.get("model_instance_kind", "CPU") == "GPU":
-            device = f"cuda:{int(args.get('model_instance_device_id', '0'))}"
+        if device != "cpu":
             self.gpu = GpuImages(device, self.size, self.channels, self.scale, self.mean, self.std, how,
                                  max_rows=max(1, int(cfg.get("max_batch_size", 1))))
         if p.get("drift_reference"):

@@ -15,13 +15,13 @@ Design notes: docs/internals.md#lab_utilsservingbackendtorch_classifierpy
 
 from __future__ import annotations
 
-import json
 import warnings
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from nvlab_triton_model import NUMPY2, quiet_capsule_rename, to_numpy, to_tensor
+from nvlab_triton_model import NUMPY2, ServiceTime, instance_args, quiet_capsule_rename
+from nvlab_triton_model import TritonPythonModel as CourseModel
 
 TORCH_FILE = "model.pt"
 PRECISIONS = ("fp32", "fp16", "bf16")
@@ -144,19 +144,15 @@ def shape_problems(y: np.ndarray, batch: int, cfg: dict[str, Any]) -> list[str]:
             f"{dims}" + (" (plus the batch dimension)" if batched else "")]
 
 
-class TritonPythonModel:
-    """What the python backend calls: ``initialize`` once per instance, ``execute`` per (dynamic) batch."""
+class TritonPythonModel(CourseModel):
+    """The course model's ``execute`` (one run per dynamic batch) over a ``TorchClassifier``."""
 
     def initialize(self, args: dict[str, str]) -> None:
-        cfg = json.loads(args["model_config"])
-        params = {k: v.get("string_value", "") for k, v in cfg.get("parameters", {}).items()}
+        cfg, params, device, version_dir = instance_args(args)
         engine = params.get("engine", "torch") or "torch"
         if engine != "torch":
             raise ValueError(f"model {cfg['name']!r}: engine {engine!r} in a torch classifier's config.pbtxt: "
                              "this model.py runs engine 'torch' only (onnx_classifier runs 'onnxruntime')")
-        kind = args.get("model_instance_kind", "CPU")
-        device = f"cuda:{int(args.get('model_instance_device_id', '0'))}" if kind == "GPU" else "cpu"
-        version_dir = Path(args["model_repository"]) / args["model_version"]
         path = version_dir / TORCH_FILE
         if not path.is_file():
             raise FileNotFoundError(f"model {cfg['name']!r} version {args['model_version']}: no {path}: export it "
@@ -169,6 +165,7 @@ class TritonPythonModel:
             graphs = (*dims, max(1, int(cfg.get("max_batch_size", 1))))
         self.runner = TorchClassifier(path, device, params.get("precision", "fp32") or "fp32",
                                       int(params.get("threads", "1") or 1), params.get("channels_last") == "1", graphs)
+        self.model, self.service = self.runner, ServiceTime(params, device)
         self.input_name, self.output_name = cfg["input"][0]["name"], cfg["output"][0]["name"]
         if NUMPY2:
             quiet_capsule_rename()
@@ -182,16 +179,3 @@ class TritonPythonModel:
                 raise ValueError(f"model {cfg['name']!r} version {args['model_version']}: {TORCH_FILE} does not "
                                  f"match config.pbtxt: {'; '.join(problems)}. Re-export the model, or fix "
                                  "config.pbtxt")
-
-    def execute(self, requests: list[Any]) -> list[Any]:
-        """One run over every request's rows (dynamic batching), one response per request, in order."""
-        import triton_python_backend_utils as pb_utils
-
-        xs = [to_numpy(pb_utils.get_input_tensor_by_name(r, self.input_name)) for r in requests]
-        rows = [len(x) for x in xs]
-        y = self.runner(np.concatenate(xs) if len(xs) > 1 else xs[0])
-        responses, start = [], 0
-        for n in rows:
-            responses.append(pb_utils.InferenceResponse([to_tensor(self.output_name, y[start:start + n])]))
-            start += n
-        return responses
