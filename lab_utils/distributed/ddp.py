@@ -534,11 +534,9 @@ def throughput(ctx: WorkerContext, steps: int | None = None, warmup_steps: int |
                overlap: bool = True, cpu_threads: int | None = None) -> dict[str, Any]:
     """Worker: DDP training steps of a ResNet on random images; time per step and images/s.
 
-    Defaults (None/'auto') depend on the device: GPU ResNet-18 (width 64) at 224 px, batch 256 per GPU, bf16
-    autocast, channels_last, 30 timed steps after 10; CPU a ResNet-10 of width 8 at 32 px, batch 16, fp32,
-    10 steps after 3. Steps are timed with ``lab_utils.timing.benchmark`` (CUDA events on a GPU); step_ms is
-    the mean, max over ranks. ``overlap=False`` replaces DDP by one all-reduce after the backward pass.
-    ``cpu_threads``: torch threads per CPU rank (default: the cores shared equally among the local ranks).
+    Defaults (None/'auto'): ``THROUGHPUT_DEFAULTS`` of the device. step_ms: the mean of ``benchmark``'s repetitions,
+    max over ranks. ``overlap=False`` replaces DDP by one all-reduce after the backward pass. ``cpu_threads``: torch
+    threads per CPU rank (default: the cores shared equally among the local ranks).
 
     Returns step_ms, step_ms_median, images_per_s (whole job), images_per_s_per_worker, n_params,
     params_mib, grads_mib (all-reduced per step), buckets (where torch reports it) and the configuration."""

@@ -263,10 +263,8 @@ def first_call_cost(n: int | None = None, device: str | None = "auto", dtype: st
                     reps: int = 20) -> pd.DataFrame:
     """Wall time of the first matmul on fresh tensors against the steady-state median.
 
-    The first call pays for what is set up lazily: on a GPU the cuBLAS handle and workspace, kernel module loading and
-    the heuristic's choice for this shape; on the CPU the BLAS thread pool and kernel selection. Only the first call in
-    a process (at this shape) sees all of it, so run this first in a fresh kernel. The first call is timed with a host
-    clock and synchronize, because part of its cost is host work that device events would not bracket. Default n: 4096
+    The first call pays for lazy set-up (cuBLAS handle, module loading, heuristics; the CPU's BLAS pool): run it first
+    in a fresh kernel. It is timed with a host clock and synchronize, as part of its cost is host work. Default n: 4096
     on a GPU, 512 on the CPU. Columns: call, latency_ms, x_steady, n, dtype, device, runtime_initialized_before."""
     where = "first_call_cost"
     dev = resolve_device(device, f"{where}(device)")
@@ -303,12 +301,9 @@ def matmul_sweep(sizes: Sequence[int] | None = None, dtypes: Sequence[str] = DTY
                  progress: Callable[..., Any] | None = None) -> pd.DataFrame:
     """Achieved TFLOP/s of square n×n×n matmuls for each dtype and size, at the median of ``reps``.
 
-    Inputs are random normal, allocated before timing. ``pct_of_peak`` compares with the dense datasheet
-    peak of the GPU (NaN on the CPU or an unknown GPU). Rows that cannot run here (TF32 and FP8 on the
-    CPU, FP8 below compute capability 8.9) come back with ``status='skipped'`` and a ``reason``.
-    Default sizes: 1024..8192 on a GPU, 128..512 on the CPU (bf16/fp16 CPU matmuls are slow).
-    Columns: see ``SWEEP_COLUMNS`` (``min_bytes``: A and B read once, C written once). ``progress``: a
-    ``progress(iterable, total=, desc=)`` wrapper over the (dtype, n) cases (``lab_utils.widgets.progress``)."""
+    ``pct_of_peak``: against the GPU's dense datasheet peak (NaN on the CPU or an unknown GPU). Rows that cannot run
+    here come back with ``status='skipped'`` and a ``reason``. Default sizes: 1024..8192 on a GPU, 128..512 on the
+    CPU. Columns: ``SWEEP_COLUMNS``. ``progress``: ``lab_utils.widgets.progress``, one step per (dtype, n)."""
     where = "matmul_sweep"
     dev = resolve_device(device, f"{where}(device)")
     sizes = _check_positive_ints(_default(sizes, dev, (1024, 2048, 4096, 8192), (128, 256, 512)), "sizes", where)
@@ -550,13 +545,9 @@ def elementwise_add(numel: int | None = None, device: str | None = "auto", reps:
 
 def roofline_points(sweep: pd.DataFrame | None = None, copies: pd.DataFrame | None = None, device: str | None = "auto",
                     elementwise_numel: int | None = None, reps: int = 10) -> pd.DataFrame:
-    """Measured points for a roofline: each measured matmul of ``sweep``, an elementwise add measured here, and each
-    copy of ``copies``.
-
-    Each row carries only what it measures: a matmul its TFLOP/s (``tbps`` is NaN: it is not bandwidth-bound at these
-    sizes), a copy its TB/s (``intensity_flop_per_byte`` and ``tflops`` NaN: it does no arithmetic; it is the measured
-    memory ceiling, not a point), the elementwise add both. ``.attrs`` holds ``measured_peak_tflops`` (best matmul) and
-    ``measured_bw_tbps`` (best copy) for ``bench_plots.plot_roofline``. Columns: see ``ROOFLINE_COLUMNS``."""
+    """Measured points for a roofline: the matmuls of ``sweep`` (TFLOP/s only), an elementwise add measured here (both),
+    the copies of ``copies`` (TB/s only: the memory ceiling). ``.attrs``: ``measured_peak_tflops`` (best matmul) and
+    ``measured_bw_tbps`` (best copy) for ``bench_plots.plot_roofline``. Columns: ``ROOFLINE_COLUMNS``."""
     rows: list[dict[str, Any]] = []
     if sweep is not None:
         if missing := {"dtype", "n", "tflops", "intensity_flop_per_byte"} - set(sweep.columns):
