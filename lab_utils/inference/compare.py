@@ -230,9 +230,3 @@ def plot_comparison(df: pd.DataFrame, model: str | None = None, ax: Axes | None 
     if len(rows):
         ax.legend(fontsize="small")
     return fig
-
-
-def largest_batch_within(latency_ms: dict[int, float], budget_ms: float) -> int | None:
-    """The largest batch whose p50 latency fits ``budget_ms`` (None when even the smallest does not)."""
-    fits = [b for b, ms in latency_ms.items() if ms <= budget_ms]
-    return max(fits) if fits else None

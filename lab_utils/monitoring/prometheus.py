@@ -491,7 +491,6 @@ class PrometheusServer(OwnedServer, PromAPI):
         OwnedServer.__init__(self, host=host, ports={"port": port}, startup_timeout_s=startup_timeout_s,
                              stop_grace_s=10.0)
         PromAPI.__init__(self, f"http://{host}:0")
-        self.requested_port = port
         self.extra_args = list(extra_args)
         self._log_path = Path(log_path) if log_path else None
         self.samples = list(samples) if samples is not None else None
