@@ -15,7 +15,7 @@ import pandas as pd
 from numpy.typing import ArrayLike
 
 from lab_utils.args import check_int
-from lab_utils.plotting import new_axes, require_columns
+from lab_utils.plotting import log2_x, new_axes, require_columns
 from lab_utils.timing import Timing
 
 if TYPE_CHECKING:
@@ -219,11 +219,8 @@ def plot_comparison(df: pd.DataFrame, model: str | None = None, ax: Axes | None 
     for (backend, precision), group in rows.groupby(["backend", "precision"], sort=False):
         group = group.sort_values("batch")
         ax.plot(group["batch"], group["images_per_s"], marker="o", label=f"{backend} {precision}")
-    ax.set_xscale("log", base=2)
+    log2_x(ax, sorted(rows["batch"].unique()))
     ax.set_yscale("log")
-    if sizes := sorted(rows["batch"].unique()):
-        ax.set_xticks(sizes, [str(int(b)) for b in sizes])
-        ax.minorticks_off()
     ax.set(xlabel="batch size", ylabel="images/s (at the p50 latency)",
            title=title or f"{model}: throughput by backend and precision")
     ax.grid(True, which="both", alpha=0.3)
