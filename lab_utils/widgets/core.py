@@ -51,9 +51,19 @@ class Panel:
     A returned panel shows nothing of its own when it ends a cell (the widget or the text is already out)."""
 
     widget: Any
+    status: Any  # the ipywidgets.HTML line the panel reports in
 
     def headless(self) -> None:
         raise NotImplementedError
+
+    def _guard(self, action: Callable[[], Any]) -> Any:
+        """``action()``; a failure (a refused choice, a failed measurement) is shown in ``status``, not lost in a
+        callback's log, and the panel stays usable (None then)."""
+        try:
+            return action()
+        except Exception as err:  # noqa: BLE001 (shown to the student)
+            self.status.value = error_html(err)
+            return None
 
     def _ipython_display_(self) -> None:
         pass
