@@ -95,11 +95,11 @@ def progress(iterable: Iterable[Any], total: int | None = None, desc: str = "") 
     if total is None and hasattr(iterable, "__len__"):
         total = len(iterable)  # type: ignore[arg-type]
     # checked here, at the call, not at the first step of the loop (a generator's body runs only then)
-    return _steps(iterable, ProgressBar(total, desc, every_s=math.inf))
+    return _steps(iterable, total, desc)
 
 
-def _steps(iterable: Iterable[Any], bar: ProgressBar) -> Iterator[Any]:
-    with bar:  # also when the consumer stops early: the generator is closed then
+def _steps(iterable: Iterable[Any], total: int | None, desc: str) -> Iterator[Any]:
+    with ProgressBar(total, desc, every_s=math.inf) as bar:  # closed also when the consumer stops early
         for item in iterable:
             yield item
             bar.update()
