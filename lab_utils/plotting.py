@@ -38,6 +38,18 @@ def is_finite(x: Any) -> bool:
         return False
 
 
+def log2_x(ax: Any, ticks: Any = (), in_bytes: bool = False) -> None:
+    """x on a log2 scale, a tick at each of ``ticks``: whole numbers, or sizes in KiB/MiB/GiB with ``in_bytes``."""
+    ax.set_xscale("log", base=2)
+    if len(ticks):
+        ax.set_xticks(list(ticks), None if in_bytes else [str(int(t)) for t in ticks])
+        ax.minorticks_off()
+    if in_bytes:
+        from matplotlib.ticker import FuncFormatter
+
+        ax.xaxis.set_major_formatter(FuncFormatter(format_bytes))
+
+
 def format_bytes(nbytes: float, _pos: Any = None) -> str:
     """1048576 -> '1 MiB' (also usable as a matplotlib tick formatter)."""
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):

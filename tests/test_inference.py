@@ -270,12 +270,6 @@ def test_comparison_table_plot_and_lookup():
         cmp.add("digits", "x", "fp32", 0, p50_ms=1.0)
 
 
-def test_largest_batch_within():
-    table = {1: 1.0, 8: 3.0, 32: 9.5, 64: 20.0}
-    assert compare.largest_batch_within(table, 10.0) == 32
-    assert compare.largest_batch_within(table, 0.5) is None
-
-
 def test_quiet_autotuning_summarizes_instead_of_printing(monkeypatch, capsys):
     """Inductor's autotuning tables and 'out of resource' errors become one summary; nothing else changes."""
     import logging

@@ -166,7 +166,7 @@ def test_stop_leaves_no_process_port_or_folder(server):
     server.stop()
     server.stop()  # twice is fine
     assert not any(pid_alive(p) for p in pids) and not folder.exists() and port_free(port)
-    assert server not in tr.running_tracking_servers()
+    assert server not in tr.TrackingServer.running()
 
 
 CHILD = r"""

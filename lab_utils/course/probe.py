@@ -19,6 +19,7 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -309,14 +310,15 @@ def _probe_smi(notes: list[str]) -> tuple[str | None, str | None, list[GpuInfo],
     if (driver := header["driver_version"]) is None:
         row = next(csv.reader(io.StringIO(text)), [])
         driver = row[-1].strip() if row else None
-    topo = None
-    if len(gpus) > 1:
-        t = _run([smi, "topo", "-m"])
-        try:
-            topo = parse_topology(t) if t else None
-        except ValueError:
-            topo = None
-    return driver, header["cuda_ceiling"], gpus, topo
+    return driver, header["cuda_ceiling"], gpus, _smi_topology(smi) if len(gpus) > 1 else None
+
+
+def _smi_topology(smi: str) -> dict[str, Any] | None:
+    """The matrix ``nvidia-smi topo -m`` prints; None when it fails or prints none."""
+    with contextlib.suppress(ValueError):
+        if text := _run([smi, "topo", "-m"]):
+            return parse_topology(text)
+    return None
 
 
 def _probe_torch(notes: list[str]) -> dict[str, Any] | None:
@@ -358,16 +360,26 @@ PROMETHEUS_INSTALL = ("Install Prometheus (it brings promtool): Debian/Ubuntu `s
                       "it as its `prometheus` service")
 
 
-def find_prometheus(name: str = "prometheus") -> str | None:
-    """``prometheus`` or ``promtool``: next to ``$NVLAB_PROMETHEUS`` if set, else on the PATH; None when absent
-    or hidden (``NVLAB_PROMETHEUS=none`` tries a lab's no-Prometheus path on a machine that has one)."""
-    env = os.environ.get(PROMETHEUS_ENV, "")
-    if env.lower() == "none":
+def _executable(path: str | os.PathLike[str]) -> str | None:
+    return str(path) if os.path.isfile(path) and os.access(path, os.X_OK) else None
+
+
+def _find(name: str, setting: str = "", search: Sequence[str | os.PathLike[str]] = ()) -> str | None:
+    """The program ``name``: ``setting`` (an env variable's value) when set, None unless it is an executable file
+    ("none" hides the program, to try a lab's path without it); else on the PATH, else the first of ``search``."""
+    if setting.lower() == "none":
         return None
-    if env:
-        candidate = Path(env) if name == "prometheus" else Path(env).with_name(name)
-        return str(candidate) if candidate.is_file() and os.access(candidate, os.X_OK) else None
-    return shutil.which(name)
+    if setting:
+        return _executable(setting)
+    return shutil.which(name) or next(filter(None, map(_executable, search)), None)
+
+
+def find_prometheus(name: str = "prometheus") -> str | None:
+    """``prometheus`` or ``promtool`` (beside ``$NVLAB_PROMETHEUS`` when that is set), as ``_find``."""
+    env = os.environ.get(PROMETHEUS_ENV, "").strip()
+    if env and env.lower() != "none" and name != "prometheus":
+        env = str(Path(env).with_name(name))
+    return _find(name, env)
 
 
 # Where NGC images (TensorRT, PyTorch) keep trtexec when it is not on the PATH: it ships with TensorRT's
@@ -376,11 +388,8 @@ TRTEXEC_CANDIDATES: tuple[Path, ...] = (Path("/opt/tensorrt/bin/trtexec"), Path(
 
 
 def find_trtexec() -> str | None:
-    """The ``trtexec`` executable: on the PATH, else the first of ``TRTEXEC_CANDIDATES`` that is an executable
-    file; None when there is none (no TensorRT here, or a TensorRT installed as Python wheels only)."""
-    if on_path := shutil.which("trtexec"):
-        return on_path
-    return next((str(p) for p in TRTEXEC_CANDIDATES if p.is_file() and os.access(p, os.X_OK)), None)
+    """``trtexec``, as ``_find``: None without TensorRT, or with a TensorRT installed as Python wheels only."""
+    return _find("trtexec", search=TRTEXEC_CANDIDATES)
 
 
 NGINX_ENV = "NVLAB_NGINX"  # the path of an nginx binary, or "none" to try a lab's no-nginx path
@@ -389,22 +398,13 @@ NGINX_SEARCH = ("/usr/sbin/nginx", "/usr/local/sbin/nginx", "/usr/local/nginx/sb
 
 
 def find_nginx() -> str | None:
-    """``nginx``: ``$NVLAB_NGINX`` if set (None unless it is an executable file), else on the PATH, else the first
-    of ``NGINX_SEARCH`` that is an executable file; None when absent or hidden (``NVLAB_NGINX=none``)."""
-    env = os.environ.get(NGINX_ENV, "").strip()
-    if env.lower() == "none":
-        return None
-    if env:
-        return env if os.path.isfile(env) and os.access(env, os.X_OK) else None
-    found = shutil.which("nginx")
-    return found or next((p for p in NGINX_SEARCH if os.path.isfile(p) and os.access(p, os.X_OK)), None)
+    """``nginx`` (``$NVLAB_NGINX``, the PATH, ``NGINX_SEARCH``), as ``_find``."""
+    return _find("nginx", os.environ.get(NGINX_ENV, "").strip(), NGINX_SEARCH)
 
 
 def find_perf_analyzer() -> str | None:
-    """The ``perf_analyzer`` executable: the one inside an installed ``perf-analyzer`` wheel (its console script
-    on the PATH is a Python wrapper that drops the exit code, and a ``pip install --target`` leaves no script on
-    the PATH), else ``perf_analyzer`` on the PATH (the NGC SDK image); None when there is none. Whether it runs
-    here (its wheel needs a new glibc) is ``lab_utils.serving.load.perf_analyzer_status``."""
+    """``perf_analyzer`` inside its wheel (the wheel's console script drops the exit code), else on the PATH (NGC
+    SDK image); whether it runs here is ``lab_utils.serving.load.perf_analyzer_status``."""
     try:
         spec = importlib.util.find_spec("perf_analyzer")
     except (ImportError, ValueError):
@@ -418,8 +418,8 @@ def find_perf_analyzer() -> str | None:
 
 def find_jupyter_lab() -> str | None:
     """``jupyter-lab`` beside this interpreter (a venv used without activating it), else on PATH."""
-    here = Path(sys.executable).parent / "jupyter-lab"  # not resolved: a venv's python is a symlink
-    return str(here) if here.is_file() and os.access(here, os.X_OK) else shutil.which("jupyter-lab")
+    # not resolved: a venv's python is a symlink
+    return _executable(Path(sys.executable).parent / "jupyter-lab") or shutil.which("jupyter-lab")
 
 
 def pytriton_server() -> Path | None:
@@ -432,10 +432,7 @@ def pytriton_server() -> Path | None:
 
 
 def tensorrt_runtime_present() -> bool:
-    """True when ``import tensorrt`` gives the real runtime, not the stub-only namespace package.
-
-    ``tensorrt-stubs`` installs a ``tensorrt/`` folder of ``.pyi`` files, so a bare ``find_spec`` succeeds on
-    machines without TensorRT; the real package has an ``__init__.py`` (an origin)."""
+    """True when ``import tensorrt`` gives the real runtime, not ``tensorrt-stubs``' namespace folder (no origin)."""
     spec = importlib.util.find_spec("tensorrt")
     return spec is not None and spec.origin not in (None, "namespace")
 
@@ -493,11 +490,8 @@ def _onnxruntime_component() -> Component:
 
 
 def _modelopt_component() -> Component:
-    """ModelOpt's ONNX path: ``import modelopt`` itself, and each module that path imports found on the path.
-
-    Importing the path (``modelopt.onnx``) loads lief and takes a second or two, too slow for every lab's start;
-    the lab imports it where it quantizes (``lab_utils.inference.quantize.modelopt_status``) and skips, saying why,
-    when that fails."""
+    """ModelOpt's ONNX path: ``import modelopt``, and each module that path imports found (importing ``modelopt.onnx``
+    takes seconds: ``lab_utils.inference.quantize.modelopt_status`` does it where the lab quantizes)."""
     try:
         import modelopt
     except Exception as err:  # ImportError, or an install broken in another way: the reason is kept
@@ -649,6 +643,8 @@ def lab_tiers(report: EnvReport) -> list[LabTier]:
                       + "ONNX Runtime optimization levels",
                       "; ".join(filter(None, ["no GPU: ONNX Runtime on the CPU stands in for TensorRT", no_mo])))
     wheel_only = server and c["tritonserver"].where == str(pytriton_server())
+    no_server = (low, "nothing yet: the lab needs a Triton server",
+                 "no Triton server: pip install --no-deps nvidia-pytriton")
     via = "; the nvidia-pytriton server (python backend only) stands in for the NGC image" if wheel_only else ""
     if gpu and server and wheel_only:  # a stand-in is not the full lab: no ONNX Runtime/TensorRT backends
         rows["04"] = ("partial", "Triton server, KIND_GPU instances (torch on the GPU)", via.removeprefix("; "))
@@ -669,8 +665,7 @@ def lab_tiers(report: EnvReport) -> list[LabTier]:
                       "Prometheus", ("" if gpu else "host CPU and memory stand in for GPU metrics; ")
                       + f"Prometheus is missing. {PROMETHEUS_INSTALL}")
     else:
-        rows["05"] = (low, "nothing yet: the lab needs a Triton server",
-                      "no Triton server: pip install --no-deps nvidia-pytriton")
+        rows["05"] = no_server
     ncu = shutil.which("ncu") is not None
     if gpu:
         rows["06"] = ("full", "torch.profiler traces with CUDA kernels; four bottlenecks fixed; OOM, memory snapshot "
@@ -680,7 +675,7 @@ def lab_tiers(report: EnvReport) -> list[LabTier]:
         rows["06"] = (low, "CPU traces; the data-loading fix; checkpointing and "
                       "gradient accumulation measured", "the H200 reference run's traces and numbers stand in for "
                                                         "the GPU-only bottlenecks, ncu and the memory snapshot")
-    nginx = shutil.which("nginx") is not None or os.path.exists("/usr/sbin/nginx")
+    nginx = find_nginx() is not None
     if server and nginx:
         rows["07"] = ("full" if gpu and not wheel_only else low,
                       "nginx in front of two Triton servers, the image ensemble, open-loop load against the SLO, "
@@ -689,8 +684,7 @@ def lab_tiers(report: EnvReport) -> list[LabTier]:
         rows["07"] = (low, "one Triton server driven directly, the ensemble, open-loop "
                       "load", "nginx is missing (apt-get install nginx): no load balancer, API key or rate limit")
     else:
-        rows["07"] = (low, "nothing yet: the lab needs a Triton server",
-                      "no Triton server: pip install --no-deps nvidia-pytriton")
+        rows["07"] = no_server
     mlflow = importlib.util.find_spec("mlflow") is not None
     if server and nginx and mlflow:
         rows["08"] = ("full" if gpu else low, "MLflow tracking and registry, canary "
@@ -730,9 +724,7 @@ def probe() -> EnvReport:
     driver, ceiling, gpus, topo = found
     if source == "nvml" and len(gpus) > 1 and shutil.which("nvidia-smi"):
         # nvidia-smi's own matrix is the reference reading (NVML cannot see through every switch setup).
-        text = _run(["nvidia-smi", "topo", "-m"])
-        with contextlib.suppress(ValueError):
-            topo = parse_topology(text) if text else topo
+        topo = _smi_topology("nvidia-smi") or topo
     torch = _probe_torch(notes)
     missing = [m for m in REQUIRED if importlib.util.find_spec(m) is None]
     ok, reasons = _compatibility(gpus, ceiling, torch)

@@ -136,11 +136,7 @@ def peaks_for(name: str) -> GpuPeaks | None:
 
 def known_gpus() -> list[GpuPeaks]:
     """Every GPU model in the table, once each."""
-    seen: dict[str, GpuPeaks] = {}
-    for _, peaks in _TABLE:
-        if peaks is not None:
-            seen.setdefault(peaks.model, peaks)
-    return list(seen.values())
+    return list({peaks.model: peaks for _, peaks in _TABLE if peaks is not None}.values())
 
 
 def ridge_point(peak_tflops: float, bw_tbps: float) -> float:

@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING
 import pandas as pd
 
 from lab_utils import plotting
-from lab_utils.plotting import format_bytes
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -41,14 +40,8 @@ def plot_busbw(df: pd.DataFrame, peak_gbps: float | None = None, reference: dict
         sizes = sorted(reference)
         ax.plot(sizes, [reference[s] for s in sizes], linestyle="none", marker="x", color="black",
                 label="reference all_reduce")
-    from matplotlib.ticker import FuncFormatter
-
-    ax.set_xscale("log", base=2)
     sizes = sorted(ok["size_bytes"].unique())
-    if 0 < len(sizes) <= 12:
-        ax.set_xticks(sizes)  # one tick per measured size, labelled in KiB/MiB/GiB
-        ax.minorticks_off()
-    ax.xaxis.set_major_formatter(FuncFormatter(format_bytes))
+    plotting.log2_x(ax, sizes if len(sizes) <= 12 else (), in_bytes=True)  # one tick per measured size, if few
     ax.set(xlabel="message size S (nccl-tests definition)", ylabel="busbw, GB/s (slowest rank's median)")
     if title is None:
         where = ""

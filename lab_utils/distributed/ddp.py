@@ -226,20 +226,15 @@ def train_digits(ctx: WorkerContext, epochs: int = DIGITS_DEFAULTS["epochs"], ba
                  width: int = DIGITS_DEFAULTS["width"], cpu_threads: int | None = 1) -> dict[str, Any]:
     """Worker: train the digits CNN under DDP; every rank returns the same all-reduced metrics.
 
-    ``batch_size`` is the micro-batch per rank; one optimizer step sees batch_size × world_size × accumulate images
-    (``global_batch``). For runs comparable across world sizes keep that global batch constant (``per_rank_batch``,
-    ``run_digits``) and keep the lr: then N ranks take the same steps as one process. ``amp``: None (fp32), 'bf16'
-    (autocast) or 'fp16' (autocast + GradScaler). ``accumulate`` micro-steps per optimizer step, all but the last under
-    ``model.no_sync()`` (gradients summed locally, one all-reduce). ``set_epoch=False`` skips ``sampler.set_epoch``:
-    every epoch repeats the same order (a bug, shown on purpose). Rank 0 writes ``checkpoint_path`` (model.module's
-    state dict, optimizer, epoch); the others wait at a barrier until it is written. ``cpu_threads``: torch threads per
-    CPU rank (default 1: the CNN's operations are too small to split, and two threads on a busy 2-core machine ran a
-    one-rank run 5x slower; None shares the cores among the local ranks).
+    ``batch_size`` is the micro-batch per rank: a step sees batch_size × world_size × accumulate images (keep that
+    ``global_batch`` and the lr constant to compare world sizes: ``run_digits``). ``amp``: None (fp32), 'bf16' or 'fp16'
+    (+ GradScaler). All but the last of ``accumulate`` micro-steps run under ``no_sync()``. ``set_epoch=False``: every
+    epoch repeats one order (the bug, on purpose). Rank 0 writes ``checkpoint_path``; the others wait at a barrier.
+    ``cpu_threads``: torch threads per CPU rank (1: the CNN's ops are too small to split; None shares the cores).
 
-    Returns accuracy (final test accuracy, fraction), final_loss (last epoch's mean training loss), samples_per_s
-    (training images per second of wall time, all ranks together, evaluation excluded), train_s, history (per epoch:
-    train_loss, train_accuracy, test_accuracy, epoch_s, first_indices = this rank's first 8 sample indices), and the
-    configuration."""
+    Returns accuracy (test, fraction), final_loss, samples_per_s (training images per wall second, all ranks), train_s,
+    history (per epoch: train_loss, train_accuracy, test_accuracy, epoch_s, first_indices: this rank's first 8) and
+    the configuration."""
     where = "train_digits"
     epochs = check_int(epochs, "epochs", where)
     batch_size = check_int(batch_size, "batch_size", where)
@@ -340,11 +335,9 @@ def each_world_size(ctx: WorkerContext, fn: Callable[..., dict[str, Any]],
 
 
 class _StatusTicks:
-    """Rank 0's status events, passed on, and one item on ``ticks`` per status that starts with ``prefix``:
-    ``train_digits`` says ``epoch k/n`` as each epoch begins, ``each_world_size`` ``world size n of N`` before each
-    run, ``overlap_worker`` ``repeat r/R: variant`` before each variant it times."""
+    """Rank 0's status events, passed on, and one item on ``ticks`` per status that starts with ``prefix``."""
 
-    def __init__(self, events: Any, ticks: Any, prefix: str = "epoch "):
+    def __init__(self, events: Any, ticks: Any, prefix: str):
         self.events, self.ticks, self.prefix = events, ticks, prefix
 
     def put(self, item: tuple[str, int, Any]) -> None:
@@ -354,16 +347,9 @@ class _StatusTicks:
             self.ticks.put(1)
 
 
-def _train_digits_ticking(ctx: WorkerContext, ticks: Any, **kw: Any) -> dict[str, Any]:
-    """Worker: ``train_digits``, with rank 0's epochs reported on ``ticks`` (``digits_comparison(progress=)``)."""
-    if ctx.rank == 0:
-        ctx = dataclasses.replace(ctx, _events=_StatusTicks(ctx._events, ticks))
-    return train_digits(ctx, **kw)
-
-
 def _ticking(ctx: WorkerContext, tick_queue: Any, tick_prefix: str, tick_work: Callable[..., Any], **kw: Any) -> Any:
     """Worker: ``tick_work(ctx, **kw)``, with rank 0's statuses that start with ``tick_prefix`` reported on
-    ``tick_queue`` (``scaling(progress=)``, ``overlap_experiment(progress=)``)."""
+    ``tick_queue``: ``epoch k/n`` (train_digits), ``world size n of N`` (each_world_size), ``repeat r/R`` (overlap)."""
     if ctx.rank == 0:
         ctx = dataclasses.replace(ctx, _events=_StatusTicks(ctx._events, tick_queue, tick_prefix))
     return tick_work(ctx, **kw)
@@ -388,31 +374,34 @@ def _rank0_ticks(progress: Callable[..., Any], total: int | None, desc: str) -> 
         shown.join(timeout=10)
 
 
+def _launch_ticking(worker: Callable[..., Any], nprocs: int, kw: dict[str, Any], *, backend: str, timeout_s: float,
+                    progress: Callable[..., Any] | None, total: int | None, desc: str, prefix: str) -> Any:
+    """Rank 0's result of ``worker`` on ``nprocs`` ranks; ``progress`` (``lab_utils.widgets.progress``, None: no
+    display) steps once per status of rank 0 that starts with ``prefix``."""
+    if progress is None:
+        return launch(worker, nprocs, backend=backend, timeout_s=timeout_s, kwargs=kw)[0]
+    with _rank0_ticks(progress, total, desc) as ticks:
+        return launch(_ticking, nprocs, backend=backend, timeout_s=timeout_s,
+                      kwargs={"tick_queue": ticks, "tick_prefix": prefix, "tick_work": worker, **kw})[0]
+
+
 def digits_comparison(nprocs_list: Sequence[int] = (1, 2), *, global_batch: int = DIGITS_DEFAULTS["global_batch"],
                       accumulate: int | Sequence[int] = 1, backend: str = "auto", timeout_s: float = 300.0,
                       progress: Callable[..., Any] | None = None, **kwargs: Any) -> pd.DataFrame:
     """``train_digits`` at each world size (same seed, same global batch): one row each, accuracy side by side.
 
     ``accumulate``: micro-steps per optimizer step, one value for all or one per world size. All world sizes run
-    in one launch of max(nprocs_list) ranks (``each_world_size``), which saves a start-up per size.
-    ``progress``: a hook such as ``lab_utils.widgets.progress`` (``progress(iterable, total=, desc=)``), advanced
-    per epoch that rank 0 starts, over all the runs (None: no display)."""
+    in one launch (``each_world_size``). ``progress`` steps per epoch that rank 0 starts (``_launch_ticking``)."""
     sizes = [check_int(n, "nprocs_list", "digits_comparison") for n in nprocs_list]
     accs = [accumulate] * len(sizes) if isinstance(accumulate, int) else list(accumulate)
     if len(accs) != len(sizes):
         raise ValueError(f"digits_comparison(accumulate={accumulate!r}): one value, or one per world size")
     runs = [(n, {"batch_size": per_rank_batch(global_batch, n, a), "accumulate": a, **kwargs})
             for n, a in zip(sizes, accs, strict=True)]
-    if progress is None:
-        results = launch(each_world_size, max(sizes), backend=backend, timeout_s=timeout_s,
-                         kwargs={"fn": train_digits, "runs": runs})[0]
-    else:  # rank 0 reports each epoch it starts on a queue; a thread here turns them into the hook's steps
-        epochs = kwargs.get("epochs", DIGITS_DEFAULTS["epochs"])
-        total = epochs * len(runs) if isinstance(epochs, int) else None
-        with _rank0_ticks(progress, total, "digits training: epochs") as ticks:
-            runs = [(n, {**kw, "ticks": ticks}) for n, kw in runs]
-            results = launch(each_world_size, max(sizes), backend=backend, timeout_s=timeout_s,
-                             kwargs={"fn": _train_digits_ticking, "runs": runs})[0]
+    epochs = kwargs.get("epochs", DIGITS_DEFAULTS["epochs"])
+    results = _launch_ticking(each_world_size, max(sizes), {"fn": train_digits, "runs": runs}, backend=backend,
+                              timeout_s=timeout_s, progress=progress, prefix="epoch ", desc="digits training: epochs",
+                              total=epochs * len(runs) if isinstance(epochs, int) else None)
     rows = [{k: r[k] for k in ("world_size", "backend", "global_batch", "batch_size", "accumulate", "lr", "amp",
                                "epochs", "accuracy", "final_loss", "samples_per_s")} for r in results]
     df = pd.DataFrame(rows)
@@ -545,11 +534,9 @@ def throughput(ctx: WorkerContext, steps: int | None = None, warmup_steps: int |
                overlap: bool = True, cpu_threads: int | None = None) -> dict[str, Any]:
     """Worker: DDP training steps of a ResNet on random images; time per step and images/s.
 
-    Defaults (None/'auto') depend on the device: GPU ResNet-18 (width 64) at 224 px, batch 256 per GPU, bf16
-    autocast, channels_last, 30 timed steps after 10; CPU a ResNet-10 of width 8 at 32 px, batch 16, fp32,
-    10 steps after 3. Steps are timed with ``lab_utils.timing.benchmark`` (CUDA events on a GPU); step_ms is
-    the mean, max over ranks. ``overlap=False`` replaces DDP by one all-reduce after the backward pass.
-    ``cpu_threads``: torch threads per CPU rank (default: the cores shared equally among the local ranks).
+    Defaults (None/'auto'): ``THROUGHPUT_DEFAULTS`` of the device. step_ms: the mean of ``benchmark``'s repetitions,
+    max over ranks. ``overlap=False`` replaces DDP by one all-reduce after the backward pass. ``cpu_threads``: torch
+    threads per CPU rank (default: the cores shared equally among the local ranks).
 
     Returns step_ms, step_ms_median, images_per_s (whole job), images_per_s_per_worker, n_params,
     params_mib, grads_mib (all-reduced per step), buckets (where torch reports it) and the configuration."""
@@ -572,29 +559,20 @@ def scaling(nprocs_list: Sequence[int] | None = None, *, backend: str = "auto", 
             progress: Callable[..., Any] | None = None, **kwargs: Any) -> pd.DataFrame:
     """Launch ``throughput`` at each world size (default 1 and max(2, GPUs)); one row per world size.
 
-    Columns: world_size, backend, device, batch_size (per worker), global_batch, step_ms, images_per_s,
-    images_per_s_per_worker, speedup and scaling_efficiency, both against the smallest world size measured: efficiency =
-    images_per_s_N / ((N / N_0) × images_per_s_N0), 1.0 = perfect (with N_0 = 1 the usual throughput_N / (N ×
-    throughput_1)). Per-worker batch is fixed (weak scaling), as in the DDP references. On CPU ranks (gloo) each worker
-    gets the same number of threads at every world size, cores // max(nprocs_list) unless ``cpu_threads`` is given: a
-    worker is then a fixed unit of compute, as a GPU is, and the table measures what adding workers gains (not one rank
-    using every core). All world sizes run in one launch of max(nprocs_list) ranks (``each_world_size``): the ranks not
-    measured wait idle. ``progress``: a hook such as ``lab_utils.widgets.progress`` (``progress(iterable, total=,
-    desc=)``), advanced per world size that rank 0 starts (None: no display)."""
+    Columns: world_size, backend, device, batch_size (per worker, fixed: weak scaling), global_batch, step_ms,
+    images_per_s, images_per_s_per_worker, speedup and scaling_efficiency against the smallest world size N_0
+    (images_per_s_N / ((N / N_0) × images_per_s_N0), 1.0 = perfect). CPU ranks (gloo) get cores // max(nprocs_list)
+    threads each unless ``cpu_threads`` is given: a worker is a fixed unit of compute, as a GPU is. All world sizes
+    run in one launch (``each_world_size``); ``progress`` steps per world size (``_launch_ticking``)."""
     nprocs_list = list(nprocs_list) if nprocs_list is not None else [1, _default_nprocs()]
     for n in nprocs_list:
         check_int(n, "nprocs_list", "scaling")
     if choose_backend(max(nprocs_list), backend) == "gloo" and kwargs.get("cpu_threads") is None:
         kwargs["cpu_threads"] = max(1, cpu_cores() // max(nprocs_list))
-    runs = [(n, kwargs) for n in nprocs_list]
-    work = {"fn": throughput, "runs": runs}
-    if progress is None:
-        rows = launch(each_world_size, max(nprocs_list), backend=backend, timeout_s=timeout_s, kwargs=work)[0]
-    else:  # rank 0 says "world size n of N" as each run starts: one step each
-        with _rank0_ticks(progress, len(runs), "DDP scaling: world sizes") as ticks:
-            rows = launch(_ticking, max(nprocs_list), backend=backend, timeout_s=timeout_s,
-                          kwargs={"tick_queue": ticks, "tick_prefix": "world size ", "tick_work": each_world_size,
-                                  **work})[0]
+    work = {"fn": throughput, "runs": [(n, kwargs) for n in nprocs_list]}
+    rows = _launch_ticking(each_world_size, max(nprocs_list), work, backend=backend, timeout_s=timeout_s,
+                           progress=progress, total=len(nprocs_list), desc="DDP scaling: world sizes",
+                           prefix="world size ")
     df = pd.DataFrame(rows)
     base = df.loc[df["world_size"].idxmin()]
     df["speedup"] = df["images_per_s"] / base["images_per_s"]
@@ -649,8 +627,7 @@ def overlap_experiment(nprocs: int | None = None, variants: Sequence[dict[str, A
     default configuration (25 MB, no views, overlap) is added when missing. Other keyword arguments go to
     ``throughput`` (model size, batch, amp...). Columns: variant, bucket_cap_mb, gradient_as_bucket_view,
     overlap, step_ms, images_per_s, step_ms_vs_default (< 1 is faster), images_per_s_vs_default, buckets.
-    ``progress``: a hook such as ``lab_utils.widgets.progress`` (``progress(iterable, total=, desc=)``), advanced
-    per variant timed (repeats × variants in all; None: no display)."""
+    ``progress`` steps per variant timed (``_launch_ticking``)."""
     nprocs = _default_nprocs() if nprocs is None else check_int(nprocs, "nprocs", "overlap_experiment")
     check_int(repeats, "repeats", "overlap_experiment")
     if variants is None:
@@ -659,12 +636,8 @@ def overlap_experiment(nprocs: int | None = None, variants: Sequence[dict[str, A
     if DEFAULT_BUCKETS not in full:
         full.insert(0, dict(DEFAULT_BUCKETS))
     kw = {"variants": full, "repeats": repeats, **kwargs}
-    if progress is None:
-        rows = launch(overlap_worker, nprocs, backend=backend, kwargs=kw, timeout_s=timeout_s)[0]
-    else:  # rank 0 says "repeat r/R: variant" as it starts timing each variant: one step each
-        with _rank0_ticks(progress, repeats * len(full), "DDP bucket variants: runs") as ticks:
-            rows = launch(_ticking, nprocs, backend=backend, timeout_s=timeout_s,
-                          kwargs={"tick_queue": ticks, "tick_prefix": "repeat ", "tick_work": overlap_worker, **kw})[0]
+    rows = _launch_ticking(overlap_worker, nprocs, kw, backend=backend, timeout_s=timeout_s, progress=progress,
+                           total=repeats * len(full), desc="DDP bucket variants: runs", prefix="repeat ")
     df = pd.DataFrame(rows)
     df.insert(0, "variant", [_variant_label(v) for v in full])
     base = df.loc[[v == DEFAULT_BUCKETS for v in full]].iloc[0]

@@ -166,11 +166,9 @@ def start_process_group(backend: str, rank: int, world_size: int, local_rank: in
 def leave_process_group(ctx: WorkerContext, synchronize: bool = True) -> None:
     """Destroy the process group now, so that its threads end here and not during interpreter shutdown.
 
-    ``synchronize``: first wait at a barrier until every rank is done (after a success; a rank that failed must
-    not wait for peers that may be inside a collective). The barrier is bounded by the group's timeout, so a
-    rank whose peer died raises instead of hanging. A group still referenced after destruction keeps its
-    backend's threads (gloo's loop and workers, NCCL's watchdog) alive into interpreter shutdown, where one
-    that touches Python aborts the process: that is reported as a RuntimeWarning. Safe to call twice."""
+    ``synchronize``: first wait at the group's barrier (after a success only: a failed rank's peers may be inside a
+    collective). A group still referenced after destruction keeps its threads into interpreter shutdown, where they
+    can abort the process: a RuntimeWarning says so. Safe to call twice."""
     if not dist.is_initialized():
         return
     try:

@@ -24,7 +24,7 @@ import torch
 
 from lab_utils.args import check_int
 from lab_utils.course.specs import GpuPeaks, peaks_for
-from lab_utils.timing import benchmark, copy_bytes, cpu_model, cuda_graph, matmul_bytes, matmul_flops, sync
+from lab_utils.timing import Timing, benchmark, copy_bytes, cpu_model, cuda_graph, matmul_bytes, matmul_flops, sync
 
 DTYPES = ("fp32", "tf32", "fp16", "bf16", "fp8")
 
@@ -72,16 +72,33 @@ def device_peaks(dev: str) -> GpuPeaks | None:
 
 
 def _check_positive_ints(values: Any, arg: str, where: str) -> list[int]:
-    if isinstance(values, int):
-        values = [values]
-    out = []
-    for v in values:
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-            raise ValueError(f"{where}({arg}={values!r}): each entry must be a positive integer, got {v!r}")
-        out.append(int(v))
-    if not out:
+    if not (out := [check_int(v, arg, where) for v in ([values] if isinstance(values, int) else values)]):
         raise ValueError(f"{where}({arg}=[]): give at least one value")
     return out
+
+
+def _check_reps(reps: Any, warmup: Any, where: str) -> tuple[int, int]:
+    return check_int(reps, "reps", where), check_int(warmup, "warmup", where, minimum=0)
+
+
+def _timing_row(t: Timing) -> dict[str, float]:
+    """The columns every measured row carries, in ms (``spread``: (p90 - p10) / median)."""
+    return {"median_ms": t.median_ms, "p10_ms": t.p10_ms, "p90_ms": t.p90_ms, "spread": t.spread}
+
+
+def _host_ms(fn: Callable[[], Any], dev: str, reps: int, wait: bool) -> float:
+    """Median host-clock ms of ``fn()`` over ``reps``, each started on an empty queue; ``wait``: synchronize
+    before reading the clock (without it a GPU run times the launch only)."""
+    times = np.empty(reps)
+    for i in range(reps):
+        sync(dev)  # outside the timed region
+        t0 = time.perf_counter()
+        fn()
+        if wait:
+            sync(dev)
+        times[i] = (time.perf_counter() - t0) * 1e3
+    sync(dev)
+    return float(np.median(times))
 
 
 def _default(value: Any, dev: str, gpu: Any, cpu: Any) -> Any:
@@ -220,8 +237,7 @@ def async_pitfall(n: int | None = None, device: str | None = "auto", dtype: str 
     where = "async_pitfall"
     dev = resolve_device(device, f"{where}(device)")
     n = check_int(_default(n, dev, 4096, 512), "n", where)
-    reps = check_int(reps, "reps", where)
-    warmup = check_int(warmup, "warmup", where, minimum=0)
+    reps, warmup = _check_reps(reps, warmup, where)
     (dtype,) = _check_dtypes([dtype], where)
     if reason := matmul_skip_reason(dtype, n, dev):
         raise ValueError(f"{where}(dtype={dtype!r}): {reason}; use dtype='fp32'")
@@ -230,31 +246,12 @@ def async_pitfall(n: int | None = None, device: str | None = "auto", dtype: str 
     with tf32_matmul(case.tf32):
         for _ in range(max(warmup, 1)):
             case.fn()
-        sync(dev)
-
-        # The classic bug: read the host clock right after the call returns.
-        no_sync = np.empty(reps)
-        for i in range(reps):
-            sync(dev)  # start each repetition with an empty queue, outside the timed region
-            t0 = time.perf_counter()
-            case.fn()
-            no_sync[i] = (time.perf_counter() - t0) * 1e3
-        sync(dev)
-
-        # Correct with a host clock: wait for the device before reading it.
-        with_sync = np.empty(reps)
-        for i in range(reps):
-            sync(dev)
-            t0 = time.perf_counter()
-            case.fn()
-            sync(dev)
-            with_sync[i] = (time.perf_counter() - t0) * 1e3
-
+        no_sync = _host_ms(case.fn, dev, reps, wait=False)  # the classic bug: the clock read as the call returns
+        with_sync = _host_ms(case.fn, dev, reps, wait=True)
         timed = benchmark(case.fn, reps=reps, warmup=warmup, device=dev, name=f"{dtype} matmul {n}")
 
     ref_ms = timed.median_ms
-    for method, ms in (("host clock, no synchronize", float(np.median(no_sync))),
-                       ("host clock + synchronize", float(np.median(with_sync))),
+    for method, ms in (("host clock, no synchronize", no_sync), ("host clock + synchronize", with_sync),
                        ("benchmark (CUDA events)" if _is_cuda(dev) else "benchmark (host clock)", ref_ms)):
         rows.append({"method": method, "median_ms": ms, "apparent_tflops": case.flops / (ms * 1e-3) / 1e12,
                      "ratio_to_benchmark": ms / ref_ms, "async_launch": _is_cuda(dev), "n": n, "dtype": dtype,
@@ -266,10 +263,8 @@ def first_call_cost(n: int | None = None, device: str | None = "auto", dtype: st
                     reps: int = 20) -> pd.DataFrame:
     """Wall time of the first matmul on fresh tensors against the steady-state median.
 
-    The first call pays for what is set up lazily: on a GPU the cuBLAS handle and workspace, kernel module loading and
-    the heuristic's choice for this shape; on the CPU the BLAS thread pool and kernel selection. Only the first call in
-    a process (at this shape) sees all of it, so run this first in a fresh kernel. The first call is timed with a host
-    clock and synchronize, because part of its cost is host work that device events would not bracket. Default n: 4096
+    The first call pays for lazy set-up (cuBLAS handle, module loading, heuristics; the CPU's BLAS pool): run it first
+    in a fresh kernel. It is timed with a host clock and synchronize, as part of its cost is host work. Default n: 4096
     on a GPU, 512 on the CPU. Columns: call, latency_ms, x_steady, n, dtype, device, runtime_initialized_before."""
     where = "first_call_cost"
     dev = resolve_device(device, f"{where}(device)")
@@ -306,18 +301,14 @@ def matmul_sweep(sizes: Sequence[int] | None = None, dtypes: Sequence[str] = DTY
                  progress: Callable[..., Any] | None = None) -> pd.DataFrame:
     """Achieved TFLOP/s of square n×n×n matmuls for each dtype and size, at the median of ``reps``.
 
-    Inputs are random normal, allocated before timing. ``pct_of_peak`` compares with the dense datasheet
-    peak of the GPU (NaN on the CPU or an unknown GPU). Rows that cannot run here (TF32 and FP8 on the
-    CPU, FP8 below compute capability 8.9) come back with ``status='skipped'`` and a ``reason``.
-    Default sizes: 1024..8192 on a GPU, 128..512 on the CPU (bf16/fp16 CPU matmuls are slow).
-    Columns: see ``SWEEP_COLUMNS`` (``min_bytes``: A and B read once, C written once). ``progress``: a
-    ``progress(iterable, total=, desc=)`` wrapper over the (dtype, n) cases (``lab_utils.widgets.progress``)."""
+    ``pct_of_peak``: against the GPU's dense datasheet peak (NaN on the CPU or an unknown GPU). Rows that cannot run
+    here come back with ``status='skipped'`` and a ``reason``. Default sizes: 1024..8192 on a GPU, 128..512 on the
+    CPU. Columns: ``SWEEP_COLUMNS``. ``progress``: ``lab_utils.widgets.progress``, one step per (dtype, n)."""
     where = "matmul_sweep"
     dev = resolve_device(device, f"{where}(device)")
     sizes = _check_positive_ints(_default(sizes, dev, (1024, 2048, 4096, 8192), (128, 256, 512)), "sizes", where)
     dtypes = _check_dtypes(dtypes, where)
-    reps = check_int(reps, "reps", where)
-    warmup = check_int(warmup, "warmup", where, minimum=0)
+    reps, warmup = _check_reps(reps, warmup, where)
     name = device_name(dev)
     peaks = device_peaks(dev)
     rows = []
@@ -348,8 +339,7 @@ def matmul_sweep(sizes: Sequence[int] | None = None, dtypes: Sequence[str] = DTY
             rows.append(row)
             continue
         tflops = t.tflops(flops)
-        row.update(median_ms=t.median_ms, p10_ms=t.p10_ms, p90_ms=t.p90_ms, spread=t.spread, tflops=tflops,
-                   pct_of_peak=100.0 * tflops / peak if peak else math.nan)
+        row.update(**_timing_row(t), tflops=tflops, pct_of_peak=100.0 * tflops / peak if peak else math.nan)
         rows.append(row)
         del case
     return pd.DataFrame(rows, columns=SWEEP_COLUMNS)
@@ -416,8 +406,7 @@ def copy_bandwidth(sizes_bytes: Sequence[int] | None = None, device: str | None 
     dev = resolve_device(device, f"{where}(device)")
     sizes_bytes = _check_positive_ints(_default(sizes_bytes, dev, (MIB, 16 * MIB, 256 * MIB, 2 * GIB),
                                                 (64 * MIB, 256 * MIB)), "sizes_bytes", where)
-    reps = check_int(reps, "reps", where)
-    warmup = check_int(warmup, "warmup", where, minimum=0)
+    reps, warmup = _check_reps(reps, warmup, where)
     peaks = device_peaks(dev)
     peak_gbps = peaks.hbm_tbps * 1e3 if peaks else math.nan
     name = device_name(dev)
@@ -430,9 +419,9 @@ def copy_bandwidth(sizes_bytes: Sequence[int] | None = None, device: str | None 
         t = benchmark(lambda d=dst, s=src: d.copy_(s), reps=reps, warmup=warmup, device=dev, name="copy")
         moved = copy_bytes(nbytes)
         gbps = t.gbps(moved)
-        rows.append({"size_bytes": nbytes, "size_mib": nbytes / MIB, "bytes_moved": moved, "median_ms": t.median_ms,
-                     "p10_ms": t.p10_ms, "p90_ms": t.p90_ms, "spread": t.spread, "gbps": gbps, "peak_gbps": peak_gbps,
-                     "pct_of_peak": 100.0 * gbps / peak_gbps, "device": dev, "device_name": name})
+        rows.append({"size_bytes": nbytes, "size_mib": nbytes / MIB, "bytes_moved": moved, **_timing_row(t),
+                     "gbps": gbps, "peak_gbps": peak_gbps, "pct_of_peak": 100.0 * gbps / peak_gbps, "device": dev,
+                     "device_name": name})
         del src, dst
     return pd.DataFrame(rows)
 
@@ -450,8 +439,7 @@ def host_device_bandwidth(nbytes: int = GIB, reps: int = 10, device: str | None 
     and ``.attrs['reason']`` (and the ``reason`` column) say why. Columns: see ``HOST_DEVICE_COLUMNS``."""
     where = "host_device_bandwidth"
     nbytes = check_int(nbytes, "nbytes", where)
-    reps = check_int(reps, "reps", where)
-    warmup = check_int(warmup, "warmup", where, minimum=0)
+    reps, warmup = _check_reps(reps, warmup, where)
     dev = resolve_device(device, f"{where}(device)")
     if not _is_cuda(dev):
         df = pd.DataFrame(columns=HOST_DEVICE_COLUMNS)
@@ -470,8 +458,7 @@ def host_device_bandwidth(nbytes: int = GIB, reps: int = 10, device: str | None 
                               ("D2H", lambda h=host, p=pinned: h.copy_(gpu, non_blocking=p))):
             t = benchmark(fn, reps=reps, warmup=warmup, device=dev, name=f"{direction} {host_memory}")
             gbps = t.gbps(nbytes)
-            rows.append({"direction": direction, "host_memory": host_memory, "size_bytes": nbytes,
-                         "median_ms": t.median_ms, "p10_ms": t.p10_ms, "p90_ms": t.p90_ms, "spread": t.spread,
+            rows.append({"direction": direction, "host_memory": host_memory, "size_bytes": nbytes, **_timing_row(t),
                          "gbps": gbps, "peak_gbps": peak_gbps, "pct_of_peak": 100.0 * gbps / peak_gbps, "device": dev,
                          "reason": ""})
         del host
@@ -492,8 +479,7 @@ def launch_overhead(n_kernels: int = 1000, numel: int = 1024, device: str | None
     where = "launch_overhead"
     n_kernels = check_int(n_kernels, "n_kernels", where)
     numel = check_int(numel, "numel", where)
-    reps = check_int(reps, "reps", where)
-    warmup = check_int(warmup, "warmup", where, minimum=0)
+    reps, warmup = _check_reps(reps, warmup, where)
     dev = resolve_device(device, f"{where}(device)")
     x = torch.randn(numel, device=dev)
 
@@ -559,25 +545,18 @@ def elementwise_add(numel: int | None = None, device: str | None = "auto", reps:
 
 def roofline_points(sweep: pd.DataFrame | None = None, copies: pd.DataFrame | None = None, device: str | None = "auto",
                     elementwise_numel: int | None = None, reps: int = 10) -> pd.DataFrame:
-    """Measured points for a roofline: each measured matmul of ``sweep``, an elementwise add measured here, and each
-    copy of ``copies``.
-
-    Each row carries only what it measures: a matmul its TFLOP/s (``tbps`` is NaN: it is not bandwidth-bound at these
-    sizes), a copy its TB/s (``intensity_flop_per_byte`` and ``tflops`` NaN: it does no arithmetic; it is the measured
-    memory ceiling, not a point), the elementwise add both. ``.attrs`` holds ``measured_peak_tflops`` (best matmul) and
-    ``measured_bw_tbps`` (best copy) for ``bench_plots.plot_roofline``. Columns: see ``ROOFLINE_COLUMNS``."""
+    """Measured points for a roofline: the matmuls of ``sweep`` (TFLOP/s only), an elementwise add measured here (both),
+    the copies of ``copies`` (TB/s only: the memory ceiling). ``.attrs``: ``measured_peak_tflops`` (best matmul) and
+    ``measured_bw_tbps`` (best copy) for ``bench_plots.plot_roofline``. Columns: ``ROOFLINE_COLUMNS``."""
     rows: list[dict[str, Any]] = []
     if sweep is not None:
         if missing := {"dtype", "n", "tflops", "intensity_flop_per_byte"} - set(sweep.columns):
             raise ValueError(f"roofline_points(sweep=...): not a matmul_sweep frame, missing columns {sorted(missing)}")
         ok = sweep[sweep["status"] == "ok"] if "status" in sweep else sweep
         for r in ok.itertuples(index=False):
-            rows.append(
-                {
-                    "label": f"matmul {r.dtype} {r.n}", "kind": "matmul", "dtype": r.dtype,
-                    "intensity_flop_per_byte": r.intensity_flop_per_byte, "tflops": r.tflops,
-                    "tbps": math.nan, "device": r.device,  # bandwidth is not what limits a large matmul
-                })
+            rows.append({"label": f"matmul {r.dtype} {r.n}", "kind": "matmul", "dtype": r.dtype,  # not bandwidth-bound
+                         "intensity_flop_per_byte": r.intensity_flop_per_byte, "tflops": r.tflops, "tbps": math.nan,
+                         "device": r.device})
     ew = elementwise_add(elementwise_numel, device=device, reps=reps)
     ew.pop("median_ms")
     rows.append(ew)

@@ -13,7 +13,6 @@ import pandas as pd
 
 from lab_utils import plotting
 from lab_utils.course.specs import ridge_point
-from lab_utils.plotting import format_bytes
 
 
 def plot_matmul_sweep(df: pd.DataFrame, ax: Any = None, title: str | None = None) -> Any:
@@ -28,10 +27,7 @@ def plot_matmul_sweep(df: pd.DataFrame, ax: Any = None, title: str | None = None
         peaks = group["peak_tflops"].dropna() if "peak_tflops" in group else []
         if len(peaks):
             ax.axhline(float(peaks.iloc[0]), color=line.get_color(), linestyle="--", linewidth=1)
-    ax.set_xscale("log", base=2)
-    if sizes := sorted(ok["n"].unique()):
-        ax.set_xticks(sizes, [str(int(n)) for n in sizes])
-        ax.minorticks_off()
+    plotting.log2_x(ax, sorted(ok["n"].unique()))
     ax.set(xlabel="matrix size n (n×n×n)", ylabel="achieved TFLOP/s (median)")
     if title is None:
         where = ok["device_name"].iloc[0] if "device_name" in ok and len(ok) else ""
@@ -104,10 +100,7 @@ def plot_bandwidth(df: pd.DataFrame, ax: Any = None, title: str | None = None) -
     peaks = df["peak_gbps"].dropna().unique() if "peak_gbps" in df else []
     for peak in peaks:
         ax.axhline(float(peak), color="gray", linestyle="--", linewidth=1, label=f"datasheet {peak:.4g} GB/s")
-    from matplotlib.ticker import FuncFormatter
-
-    ax.set_xscale("log", base=2)
-    ax.xaxis.set_major_formatter(FuncFormatter(format_bytes))
+    plotting.log2_x(ax, in_bytes=True)
     ax.set(xlabel="transfer size", ylabel="GB/s (median)", title=title or "Bandwidth")
     ax.grid(True, which="both", alpha=0.3)
     if len(df):

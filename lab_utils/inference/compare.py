@@ -15,7 +15,7 @@ import pandas as pd
 from numpy.typing import ArrayLike
 
 from lab_utils.args import check_int
-from lab_utils.plotting import new_axes, require_columns
+from lab_utils.plotting import log2_x, new_axes, require_columns
 from lab_utils.timing import Timing
 
 if TYPE_CHECKING:
@@ -219,20 +219,11 @@ def plot_comparison(df: pd.DataFrame, model: str | None = None, ax: Axes | None 
     for (backend, precision), group in rows.groupby(["backend", "precision"], sort=False):
         group = group.sort_values("batch")
         ax.plot(group["batch"], group["images_per_s"], marker="o", label=f"{backend} {precision}")
-    ax.set_xscale("log", base=2)
+    log2_x(ax, sorted(rows["batch"].unique()))
     ax.set_yscale("log")
-    if sizes := sorted(rows["batch"].unique()):
-        ax.set_xticks(sizes, [str(int(b)) for b in sizes])
-        ax.minorticks_off()
     ax.set(xlabel="batch size", ylabel="images/s (at the p50 latency)",
            title=title or f"{model}: throughput by backend and precision")
     ax.grid(True, which="both", alpha=0.3)
     if len(rows):
         ax.legend(fontsize="small")
     return fig
-
-
-def largest_batch_within(latency_ms: dict[int, float], budget_ms: float) -> int | None:
-    """The largest batch whose p50 latency fits ``budget_ms`` (None when even the smallest does not)."""
-    fits = [b for b, ms in latency_ms.items() if ms <= budget_ms]
-    return max(fits) if fits else None

@@ -101,13 +101,10 @@ def export_onnx(model: nn.Module, path: str | os.PathLike[str], example: torch.T
                 opset: int = ONNX_OPSET, fold_batchnorm: bool = True, check: bool = True) -> Path:
     """Export ``model`` to ONNX with torch's torch.export-based exporter (``dynamo=True``) and check it.
 
-    The batch dimension is dynamic (named ``batch``, 1..MAX_BATCH) unless ``dynamic_batch=False``. ``example``
-    is one input batch (a tensor); a batch of 1 is repeated to 2 because torch.export specialises
-    dimensions of size 1. With ``fold_batchnorm`` each BatchNorm is first folded into the convolution before
-    it (``torch.fx.experimental.optimization.fuse``; eval-mode arithmetic, the same graph the exporter and
-    every inference engine produce, and half the operations for the exporter to trace). The file is checked
-    with ``onnx.checker`` (full check, with shape inference).
-    A failed export raises ``OnnxExportError`` naming the operator with no ONNX translation."""
+    The batch dimension is dynamic (``batch``, 1..MAX_BATCH) unless ``dynamic_batch=False``; an ``example`` batch of 1
+    is repeated to 2 (torch.export specialises size-1 dimensions). ``fold_batchnorm``: BatchNorms folded into their
+    convolutions first (``torch.fx.experimental.optimization.fuse``, eval-mode arithmetic). The file passes
+    ``onnx.checker``'s full check; a failed export raises ``OnnxExportError`` naming the operator."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if not hasattr(example, "shape"):

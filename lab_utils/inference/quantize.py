@@ -85,17 +85,13 @@ def _require_modelopt() -> None:
 def quiet_modelopt() -> Iterator[io.StringIO]:
     """Run ModelOpt quietly: its log, ONNX Runtime's calibration progress bars and polygraphy's notices go to the
     yielded buffer; a stub-only ``tensorrt`` package is not taken for the TensorRT runtime. Exceptions pass
-    through unchanged (``_modelopt_session`` adds ModelOpt's last messages to them).
-
-    ``tensorrt-stubs`` (type stubs, installed for the type check) makes ``import tensorrt`` succeed as a
-    namespace package. ModelOpt then believes TensorRT is present and calls ``trt.Logger``, which the
-    stubs do not have; where the real runtime is absent we tell ModelOpt so."""
+    through unchanged (``_modelopt_session`` adds ModelOpt's last messages to them)."""
     _require_modelopt()
     import onnxruntime as ort
     from modelopt.onnx import trt_utils
 
     saved_flag = trt_utils.TRT_PYTHON_AVAILABLE
-    if not tensorrt_runtime_present():
+    if not tensorrt_runtime_present():  # tensorrt-stubs' namespace package: ModelOpt would call trt.Logger
         trt_utils.TRT_PYTHON_AVAILABLE = False
     loggers = [logging.getLogger(n) for n in ("modelopt", "modelopt.onnx", "modelopt.onnx.autocast")]
     levels = [lg.level for lg in loggers]

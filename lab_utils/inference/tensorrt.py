@@ -145,12 +145,9 @@ def trtexec_commands(onnx_path: str | os.PathLike[str], engine_path: str | os.Pa
                      trtexec: str | os.PathLike[str] | None = None, major: int | None = None) -> dict[str, str]:
     """The ``trtexec`` lines that do what ``build_plan`` and the benchmark do (build, then time the engine).
 
-    ``major``: the TensorRT major version the lines are for (default: this machine's, else ``LATEST_MAJOR``). TensorRT
-    10 needs ``--stronglyTyped`` to build from the graph's precision, and ``--useCudaGraph --noDataTransfers`` to report
-    GPU compute time comparable with the lab's engine timings; in TensorRT 11 all three are deprecated and do nothing
-    (every network is strongly typed), so they are left out. trtexec's throughput is executions / wall time.
-    ``trtexec``: the program to name (default: as ``lab_utils.course.probe.find_trtexec`` finds it here, so the lines
-    run as printed in an NGC image that keeps it off the PATH)."""
+    ``major``: the TensorRT major version (default: this machine's, else ``LATEST_MAJOR``): 10 gets ``--stronglyTyped
+    --useCudaGraph --noDataTransfers``, which 11 deprecates. ``trtexec``: the program to name (default: what
+    ``lab_utils.course.probe.find_trtexec`` finds here, also off the PATH)."""
     major = major if major is not None else (tensorrt_major() or LATEST_MAJOR)
     legacy = major < 11
     program = str(trtexec) if trtexec is not None else _trtexec_program()

@@ -43,14 +43,9 @@ def _tf32_switches() -> tuple[Any, Any, Any] | None:
 
 @contextlib.contextmanager
 def fp32_mode(mode: str) -> Iterator[None]:
-    """What FP32 means inside the block, restored after:
-
-    - ``"default"``: PyTorch's defaults, cuDNN convolutions in TF32 (``torch.backends.cudnn.conv.fp32_precision
-      = "tf32"``: inputs rounded to a 10-bit mantissa, tensor cores), matmuls in IEEE FP32;
-    - ``"ieee"``: TF32 off everywhere (``fp32_precision = "ieee"``): IEEE single precision, no tensor cores.
-
-    Uses torch >= 2.9's ``fp32_precision`` switches (cuDNN's conv and RNN set together, so that reading the
-    legacy ``allow_tf32`` stays valid), else the legacy ``allow_tf32`` flags. The CPU has no TF32."""
+    """What FP32 means inside the block, restored after: ``"default"`` (PyTorch's: cuDNN convolutions in TF32,
+    matmuls IEEE) or ``"ieee"`` (TF32 off everywhere). torch >= 2.9's ``fp32_precision`` switches (cuDNN's conv and
+    RNN set together, so the legacy ``allow_tf32`` reads stay valid), else the legacy flags."""
     if mode not in FP32_MODES:
         raise ValueError(f"fp32_mode({mode!r}): use one of {FP32_MODES}")
     cudnn_value = "tf32" if mode == "default" else "ieee"
@@ -74,10 +69,7 @@ def fp32_mode(mode: str) -> Iterator[None]:
 
 
 def set_fp32_semantics(device: str) -> str:
-    """Turn cuDNN autotuning on (a GPU) and say what the two FP32 baselines mean here.
-
-    The eager FP32 steps set their precision themselves (``fp32_mode``), so the defaults of this torch build
-    or container (NGC images also turn on TF32 for matmuls) do not decide the baselines."""
+    """Turn cuDNN autotuning on (a GPU) and say what the two FP32 baselines (``fp32_mode``) mean here."""
     if str(device).startswith("cuda"):
         torch.backends.cudnn.benchmark = True  # cuDNN times its algorithms per shape: TensorRT's tactic choice
         override = ("; TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1 is set here (NGC images set it), so cuBLAS matmuls run in "
@@ -120,26 +112,12 @@ def _no_cudagraph_mode(mode: str) -> str:
 def torch_runners(model: nn.Module, x: torch.Tensor | np.ndarray, *, steps: Sequence[str] = TORCH_STEPS,
                   amp: str = "bf16", compile_mode: str = "max-autotune", autotune_convs: bool = False,
                   progress: Callable[..., Iterable[Any]] | None = None) -> Iterator[TorchRunner]:
-    """The substitute chain on one batch ``x``, one step at a time, each changing one thing:
-
-    1. ``eager-ieee``: the model as trained, FP32 with TF32 off (precision ``fp32-ieee``);
-    2. ``eager``: FP32 as PyTorch runs it by default, convolutions in TF32 (precision ``fp32``);
-    3. ``autocast``: ``torch.autocast`` in ``amp`` (bf16 or fp16): lower precision, tensor cores (NCHW memory);
-    4. ``channels-last``: the same with the model and input in channels-last memory, the layout tensor-core
-       convolutions read without transposing;
-    5. ``compile``: ``torch.compile`` of step 4 in ``compile_mode`` without CUDA graphs: Inductor fuses
-       element-wise work into the convolutions' neighbours and, with max-autotune, times kernel choices;
-    6. ``cuda-graph``: step 5 captured once in a CUDA graph and replayed: one launch per batch instead of
-       hundreds. ``max-autotune`` is steps 5 + 6 (Inductor's own CUDA graphs); here you see each half.
-
-    A generator, so each step is built (compiled, captured) only when the caller gets to it. Steps after
-    ``eager`` need a GPU; on a CPU only ``eager`` is offered (FP32 is IEEE there). ``autotune_convs=False``
-    leaves convolutions to cuDNN (timed by cudnn.benchmark) while max-autotune tunes the matmuls and fusions:
-    Triton's convolution templates rarely beat cuDNN on ResNet-50 and autotuning them costs minutes.
-
-    ``progress``: a ``progress(iterable, total=, desc=)`` wrapper over the steps (``lab_utils.widgets.progress``):
-    its bar waits on the step being built, so it shows which step a minutes-long ``torch.compile`` is at. None
-    shows nothing."""
+    """The substitute chain on one batch ``x``, each step changing one thing: ``eager-ieee`` (FP32, TF32 off),
+    ``eager`` (PyTorch's default, TF32 convolutions), ``autocast`` (``amp``), ``channels-last``, ``compile``
+    (``compile_mode`` without Inductor's CUDA graphs) and ``cuda-graph`` (step 5 captured and replayed: the two
+    halves of max-autotune). A generator: each step is built (compiled, captured) when the caller gets to it. On a
+    CPU only ``eager`` is offered. ``autotune_convs=False`` leaves convolutions to cuDNN (Triton's templates rarely
+    beat it on ResNet-50 and cost minutes to tune). ``progress``: ``lab_utils.widgets.progress``, one step each."""
     runners = _torch_runners(model, x, steps=steps, amp=amp, compile_mode=compile_mode, autotune_convs=autotune_convs)
     if progress is None:
         yield from runners
@@ -244,14 +222,9 @@ def time_torch(runner: Callable[[], Any], device: str, reps: int = 10, warmup: i
 
 @contextlib.contextmanager
 def quiet_autotuning(summary: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    """Silence Inductor's max-autotune reports while compiling and collect them in ``summary`` instead.
-
-    Inductor otherwise writes, for every matrix multiplication it tunes, a table of candidate kernels and a JSON line of
-    statistics, and logs an error for each candidate that cannot run. ``summary`` gets: ``gemms`` (operations tuned),
-    ``choices`` (candidates timed), ``skipped`` (candidates that could not run, mostly Triton configurations needing
-    more shared memory than an SM has), ``biggest`` (the largest GEMM: its shapes, the winning kernel, its time in ms,
-    and cuBLAS's time in ms). The reports are turned off through Inductor's own settings; the failures are filtered from
-    its logger. Nothing here changes which kernels are tried or chosen."""
+    """Silence Inductor's max-autotune reports (tables, stats lines, failed-candidate errors) and collect them in
+    ``summary``: ``gemms`` tuned, ``choices`` timed, ``skipped`` (could not run), ``biggest`` (the largest GEMM: shapes,
+    winning kernel, its ms and cuBLAS's ms). Nothing here changes which kernels are tried or chosen."""
     summary.update(gemms=0, choices=0, skipped=0, biggest=None)
     patches: dict[str, Any] = {}
     stack = contextlib.ExitStack()

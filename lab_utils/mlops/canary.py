@@ -26,8 +26,6 @@ from lab_utils.monitoring.prometheus import PrometheusError
 
 VARIANTS = ("champion", "challenger")
 STEPS = (10, 50, 100)
-ACTIONS = ("hold", "promote", "rollback", "done")
-ALERTS = ("CanaryErrors", "CanaryLatency", "CanaryAccuracy", "CanaryNoTraffic", "CanaryTimeout", "CanaryApplyFailed")
 SERVICE_MODEL = "digits_service"
 
 # The service's metrics come from Triton (one server per variant, scraped as jobs "champion" and "challenger");

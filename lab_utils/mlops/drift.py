@@ -43,6 +43,9 @@ from lab_utils.serving.backend.drift_stats import (  # noqa: F401 (re-exported: 
     sample,
 )
 
+_INPUT_DRIFT_WHY = ("the served images no longer look like the training data: check accuracy on labelled samples, "
+                    "and retrain on recent data")
+_CONFIDENCE_DRIFT_WHY = "the model is less sure of its answers than on held-out data"
 PSI_ALERT = 0.25  # rule of thumb: < 0.1 stable, 0.1-0.25 moderate shift, > 0.25 significant
 KS_ALERT = 0.2  # with a window of 300 images against 1440, KS's 1 % critical value is ~0.10
 CONFIDENCE = "confidence"
@@ -66,9 +69,10 @@ def confidence(logits: Any) -> np.ndarray:
 
 
 def _pil_map(x: np.ndarray, fn: Any) -> np.ndarray:
+    """``fn(image i as a PIL float image, i)`` for each digit, clipped to 0..16."""
     out = np.empty_like(x)
     for i, img in enumerate(x):
-        out[i] = np.asarray(fn(Image.fromarray(img.astype(np.float32), mode="F")), dtype=np.float32)
+        out[i] = np.asarray(fn(Image.fromarray(img.astype(np.float32), mode="F"), i), dtype=np.float32)
     return np.clip(out, 0, 16)
 
 
@@ -77,10 +81,7 @@ def rotated(images: Any, degrees: float = 30.0, seed: int | None = 0, jitter: fl
     x = _images(images)
     rng = np.random.default_rng(seed)
     angles = degrees + rng.uniform(-jitter, jitter, len(x)) if jitter else np.full(len(x), float(degrees))
-    out = np.empty_like(x)
-    for i, (img, a) in enumerate(zip(x, angles, strict=True)):
-        out[i] = np.asarray(Image.fromarray(img, mode="F").rotate(float(a), resample=Image.Resampling.BILINEAR))
-    return np.clip(out, 0, 16)
+    return _pil_map(x, lambda im, i: im.rotate(float(angles[i]), resample=Image.Resampling.BILINEAR))
 
 
 def noisy(images: Any, sigma: float = 3.0, seed: int | None = 0) -> np.ndarray:
@@ -100,7 +101,7 @@ def rescaled(images: Any, factor: float = 0.6) -> np.ndarray:
     cy, cx = (h - 1) / 2, (w - 1) / 2
     # PIL's affine maps output (u, v) to input (a u + b v + c, d u + e v + f): the inverse zoom about the centre
     coeffs = (1 / factor, 0, cx - cx / factor, 0, 1 / factor, cy - cy / factor)
-    return _pil_map(x, lambda im: im.transform((w, h), Image.Transform.AFFINE, coeffs,
+    return _pil_map(x, lambda im, _: im.transform((w, h), Image.Transform.AFFINE, coeffs,
                                                resample=Image.Resampling.BILINEAR))
 
 
@@ -190,11 +191,6 @@ class DriftMonitor:
             conf = np.array(self._conf) if len(self._conf) else None
         return self.reference.statistics(x, conf)
 
-    def reset(self) -> None:
-        with self._lock:
-            self._images.clear()
-            self._conf.clear()
-
 
 class _DriftCollector:
     """Computes the statistics when Prometheus scrapes (a window of 300 images: about a millisecond)."""
@@ -257,13 +253,12 @@ def drift_rules(*, psi_threshold: float = PSI_ALERT, ks_threshold: float = KS_AL
          "expr": f'max by (feature) ({PSI_METRIC}{{feature=~"{feats}"}}) > {psi_threshold:g} and {enough}',
          "for": f"{for_s}s", "labels": {"severity": "warning"},
          "annotations": {"summary": "input drift: PSI of {{ $labels.feature }} is {{ $value | printf \"%.2f\" }}",
-                         "description": "the served images no longer look like the training data: check accuracy "
-                                        "on labelled samples, and retrain on recent data"}},
+                         "description": _INPUT_DRIFT_WHY}},
         {"alert": "ConfidenceDrift",
          "expr": f'max by (feature) ({KS_METRIC}{{feature="{CONFIDENCE}"}}) > {ks_threshold:g} and {enough}',
          "for": f"{for_s}s", "labels": {"severity": "warning"},
          "annotations": {"summary": "prediction confidence drifted: KS {{ $value | printf \"%.2f\" }}",
-                         "description": "the model is less sure of its answers than on held-out data"}}]}]}
+                         "description": _CONFIDENCE_DRIFT_WHY}}]}]}
 
 
 def write_drift_rules(folder: str | Path, check: bool = True, **kwargs: Any) -> Path:
@@ -294,12 +289,11 @@ def write_drift_rules_test(folder: str | Path, rules: str | Path, for_s: int = 1
             {"eval_time": f"{after}s", "alertname": "InputDrift", "exp_alerts": [{
                 "exp_labels": {"severity": "warning", "feature": "pixels"},
                 "exp_annotations": {"summary": "input drift: PSI of pixels is 0.60",
-                                    "description": "the served images no longer look like the training data: check "
-                                                   "accuracy on labelled samples, and retrain on recent data"}}]},
+                                    "description": _INPUT_DRIFT_WHY}}]},
             {"eval_time": f"{after}s", "alertname": "ConfidenceDrift", "exp_alerts": [{
                 "exp_labels": {"severity": "warning", "feature": CONFIDENCE},
                 "exp_annotations": {"summary": "prediction confidence drifted: KS 0.40",
-                                    "description": "the model is less sure of its answers than on held-out data"}}]},
+                                    "description": _CONFIDENCE_DRIFT_WHY}}]},
         ]}, {
         "interval": "15s",
         "input_series": [{"series": f'{PSI_METRIC}{{feature="pixels"}}', "values": "0.6x32"},

@@ -61,11 +61,6 @@ def mlflow_missing() -> str | None:
 # --- the server ----------------------------------------------------------------------------------------------
 
 
-def running_tracking_servers() -> list[TrackingServer]:
-    """Tracking servers this process started and has not stopped."""
-    return TrackingServer.running()
-
-
 def _is_health(body: bytes) -> bool:
     return body.strip() == b"OK"
 
@@ -92,7 +87,7 @@ class TrackingServer(OwnedServer):
             raise ValueError(f"port={port!r}: a TCP port from 1 to 65535, or None for a free one")
         super().__init__(host=host, ports={"port": port}, startup_timeout_s=startup_timeout_s,
                          stop_grace_s=stop_grace_s)
-        self.requested_port, self.workers = port, workers
+        self.workers = workers
         self.extra_args = list(extra_args)
         self.port: int | None = None
 

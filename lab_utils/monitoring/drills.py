@@ -165,16 +165,13 @@ def health(server: Any) -> dict[str, Any]:
 
 
 class Watchdog:
-    """Restarts a server that died or stopped answering, with exponential backoff: the shell loop ``while true; do
-    tritonserver ...; sleep 1; done`` done properly.
+    """Restarts a server that died or stopped answering, with exponential backoff.
 
-    Every ``check_s`` it looks at the process (``server.alive()``) and, when given, a liveness URL (``liveness(server)``
-    -> URL; ``failures`` failed probes in a row, each allowed ``probe_timeout_s``, count as hung). A dead or hung server
-    is stopped (its whole process group), then restarted after ``backoff_s`` × 2^k (k = restarts in a row, capped at
-    ``max_backoff_s``); a restart that stays up ``stable_s`` resets k. After ``max_restarts`` in a row it gives up
-    (``gave_up``) instead of hammering a crash loop. ``on_restart(server)`` runs after each restart (the lab points
-    Prometheus at the server's new address there). ``pause()`` returns once no check or restart is in progress, so a
-    ``server.stop()`` after it is never taken for a crash; ``stop()`` ends the watchdog, never the server."""
+    Every ``check_s``: ``server.alive()`` and, when given, ``liveness(server)`` -> URL (``failures`` failed probes in a
+    row, ``probe_timeout_s`` each, count as hung). A dead or hung server is stopped, then restarted after ``backoff_s``
+    × 2^k (k restarts in a row, at most ``max_backoff_s``; up ``stable_s`` resets k); after ``max_restarts`` it gives up
+    (``gave_up``). ``on_restart(server)`` runs after each restart. ``pause()``: no check or restart in progress after
+    it, so a ``server.stop()`` is not taken for a crash; ``stop()`` ends the watchdog, never the server."""
 
     def __init__(self, server: Any, *, check_s: float = 0.25, backoff_s: float = 1.0, max_backoff_s: float = 30.0,
                  max_restarts: int = 5, stable_s: float = 30.0, failures: int = 3, probe_timeout_s: float = 2.0,
@@ -363,11 +360,9 @@ def failure_drill(server: Any, metrics: PromAPI | None, watchdog: Watchdog,
     """Kill the server under load and watch the recovery: client errors, ``up == 0`` in Prometheus, the alert firing,
     the watchdog's restart, ``up == 1`` again and requests succeeding again.
 
-    ``load(stop)`` runs closed-loop load (in a thread here) until ``stop`` is set and returns its chunks; the drill sets
-    it ``after_recovery_s`` after the recovery (or when a step times out), so however long the restart takes on a busy
-    machine, the load runs on past it. Without Prometheus (``metrics=None``) the drill watches the server's own liveness
-    instead of ``up`` and the alert. ``progress``: a ``progress(iterable, total=, desc=)`` wrapper
-    (``lab_utils.widgets.progress``) advanced one step per step of the drill; None shows nothing."""
+    ``load(stop)`` runs closed-loop load (in a thread) until ``stop``, set ``after_recovery_s`` after the recovery (or a
+    step's timeout), and returns its chunks. ``metrics=None`` (no Prometheus): the server's liveness stands in for
+    ``up`` and the alert. ``progress``: ``lab_utils.widgets.progress``, one step per step of the drill."""
     res = DrillResult()
     # the drill's steps up to the load's end, when all goes well: load started, killed, (up == 0, alert firing,)
     # restarted, up == 1 or live again, (alert resolved)

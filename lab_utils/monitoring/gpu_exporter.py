@@ -290,7 +290,7 @@ class MetricsServer(OwnedServer):
         for c in collectors:
             self.registry.register(c)
         # fallback_port: a busy requested port means a free one instead of an error (a lab's helper exporter)
-        self.requested_port, self.fallback_port = port, fallback_port
+        self.fallback_port = fallback_port
         self.port: int | None = None
         self._server: Any = None
         self._thread: threading.Thread | None = None

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
+from lab_utils.course.probe import nvml_text
 from lab_utils.monitoring.prometheus import RULES_DIR, PromAPI, pivot
 
 if TYPE_CHECKING:
@@ -263,8 +264,7 @@ def _nvml_handle(nvml: Any, torch: Any, device: int) -> Any:
     uuid = str(getattr(torch.cuda.get_device_properties(device), "uuid", "") or "")
     for i in range(nvml.nvmlDeviceGetCount()):
         h = nvml.nvmlDeviceGetHandleByIndex(i)
-        theirs = nvml.nvmlDeviceGetUUID(h)
-        theirs = theirs.decode() if isinstance(theirs, bytes) else str(theirs)
+        theirs = nvml_text(nvml.nvmlDeviceGetUUID(h))
         if uuid and theirs.removeprefix("GPU-") == uuid.removeprefix("GPU-"):
             return h
     return nvml.nvmlDeviceGetHandleByIndex(device)

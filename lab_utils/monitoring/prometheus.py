@@ -30,7 +30,7 @@ import pandas as pd
 from lab_utils import DATA_DIR
 from lab_utils.course.probe import PROMETHEUS_ENV, PROMETHEUS_INSTALL, find_prometheus
 from lab_utils.owned import OwnedServer, usable
-from lab_utils.procs import check_service, env_flag, env_url, http_ok, owned_tempdir, tail
+from lab_utils.procs import check_service, env_flag, env_url, http_ok, owned_tempdir
 from lab_utils.serving.metrics import metric_types, parse_exposition  # noqa: F401  (re-exported)
 
 URL_ENV = "PROMETHEUS_URL"
@@ -223,7 +223,7 @@ def lab_rules(out_dir: str | Path, *, for_s: float | Mapping[str, float] = 2.0, 
                 continue
             f = for_s.get(name, default_for_s) if isinstance(for_s, Mapping) else for_s
             if isinstance(f, (int, float)):
-                rule["for"] = f"{int(round(f * 1000))}ms" if f < 1 or f != int(f) else f"{int(f)}s"
+                rule["for"] = _duration(f)
             if window:
                 rule["expr"] = re.sub(r"\[(\d+[smhd])\]", f"[{window}]", rule["expr"])
             if thresholds and name in thresholds:
@@ -491,7 +491,6 @@ class PrometheusServer(OwnedServer, PromAPI):
         OwnedServer.__init__(self, host=host, ports={"port": port}, startup_timeout_s=startup_timeout_s,
                              stop_grace_s=10.0)
         PromAPI.__init__(self, f"http://{host}:0")
-        self.requested_port = port
         self.extra_args = list(extra_args)
         self._log_path = Path(log_path) if log_path else None
         self.samples = list(samples) if samples is not None else None
@@ -532,15 +531,10 @@ class PrometheusServer(OwnedServer, PromAPI):
     def config_path(self) -> Path | None:
         return self.folder / "prometheus.yml" if self.folder else None
 
-    def log_tail(self, n: int = 30) -> str:
-        return tail(self.log_path, n)
-
     # lifecycle: see OwnedServer ---------------------------------------------------------------------------
     def _prepare(self) -> dict[str, Any]:
         self.folder = owned_tempdir("prometheus")
-        write_config(self.config, self.config_path)  # type: ignore[arg-type]
-        if find_prometheus("promtool"):
-            check_prometheus_config(self.config_path)  # type: ignore[arg-type]
+        self._write_config()
         if self.samples is not None:
             backfill(self.samples, self.folder / "data")
         self.url = f"http://{self.host}:{self.port}"
@@ -554,11 +548,6 @@ class PrometheusServer(OwnedServer, PromAPI):
     def _ready_url(self) -> str:
         return f"{self.url}/-/ready"
 
-    def _failure(self, timed_out: bool, code: int | None, text: str) -> Exception:
-        if timed_out:
-            return PrometheusError(f"Prometheus was not ready within {self.startup_timeout_s:g} s; log:\n{text}")
-        return PrometheusError(f"Prometheus exited during start (code {code}); log:\n{text}")
-
     def reload(self, jobs: Mapping[str, Sequence[str]] | None = None,
                rule_files: Sequence[str | Path] | None = None) -> None:
         """Rewrite the configuration (new targets or rule files), have promtool check it, and reload."""
@@ -567,12 +556,15 @@ class PrometheusServer(OwnedServer, PromAPI):
         if rule_files is not None:
             self.rule_files = [Path(p) for p in rule_files]
         self.config = self._config()
-        if not self.alive():
-            return
+        if self.alive():
+            self._write_config()
+            self._get("/-/reload", method="POST")
+
+    def _write_config(self) -> None:
+        """Write the configuration into the folder; promtool, where installed, checks it (its message is the error)."""
         write_config(self.config, self.config_path)  # type: ignore[arg-type]
         if find_prometheus("promtool"):
             check_prometheus_config(self.config_path)  # type: ignore[arg-type]
-        self._get("/-/reload", method="POST")
 
     def stop(self) -> None:  # type: ignore[override]
         """Stop the whole process group and remove the temporary folder; safe to call twice."""

@@ -11,6 +11,7 @@ Design notes: docs/internals.md#lab_utilsmonitoringservice_monitoringpy"""
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import shutil
@@ -95,11 +96,8 @@ class _Collector:
             hist = HistogramMetricFamily("nvlab_nginx_request_duration_seconds", "nginx's request time (s): first "
                                          "byte read to last byte sent.", labels=["listener"])
             for listener, counts in sorted(r.buckets.items()):
-                cum, buckets = 0, []
-                for le, n in zip([*map(str, BUCKETS_S), "+Inf"], counts, strict=True):
-                    cum += n
-                    buckets.append((le, cum))
-                hist.add_metric([listener], buckets, r.sums[listener])
+                cumulative = zip([*map(str, BUCKETS_S), "+Inf"], itertools.accumulate(counts), strict=True)
+                hist.add_metric([listener], list(cumulative), r.sums[listener])
             yield hist
         try:
             stub = r.lb.stub_status()

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import io
 import math
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,7 +22,7 @@ from PIL import Image
 from torch import nn
 
 from lab_utils.models import digits_png
-from lab_utils.timing import sync
+from lab_utils.timing import cpu_cores, sync
 
 __all__ = ["PROGRAMS", "VARIANTS", "Program", "PngDigits", "ImageNet", "build", "time_steps", "loader_workers",
            "Sizes", "sizes_for", "infinite_loader", "close_iterator"]
@@ -64,11 +63,7 @@ def sizes_for(device: str, quick: bool) -> Sizes:
 
 def loader_workers() -> int:
     """Worker processes for a DataLoader: the cores this process may use, less one for the training loop (≥ 1)."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 2
-    return max(1, min(cores - 1, 12))
+    return max(1, min(cpu_cores() - 1, 12))
 
 
 class PngDigits(torch.utils.data.Dataset):
@@ -170,6 +165,28 @@ def close_iterator(it: Any) -> Callable[[], None]:
     return close
 
 
+class _LossLog:
+    """The training loss as a loop logs it: ``add`` sums on the device and reads back once every ``every`` steps;
+    ``read`` reads every step (the planted sync: the host waits for the step's last kernel)."""
+
+    def __init__(self, device: str, every: int):
+        self.n, self.every, self.last_mean = 0, every, math.nan
+        self.running = torch.zeros((), device=device)
+
+    def add(self, loss: torch.Tensor) -> None:
+        self.n += 1
+        self.running += loss.detach()  # stays on the device: no wait for the GPU
+        if self.n % self.every == 0:
+            self.last_mean = self.running.item() / self.every
+            self.running.zero_()
+
+    def read(self, loss: torch.Tensor) -> None:
+        self.n += 1
+        if not math.isfinite(value := loss.item()):
+            raise FloatingPointError(f"loss {value} at step {self.n}")
+        self.last_mean = value
+
+
 def _image_program(name: str, variant: str, device: str, sz: Sizes, fixes: set[str], seed: int) -> Program:
     """The image classifier trained from PNG digits with the given ``fixes`` applied (data, sync, bf16, cl)."""
     torch.manual_seed(seed)
@@ -185,8 +202,7 @@ def _image_program(name: str, variant: str, device: str, sz: Sizes, fixes: set[s
     it = iter(loader)
     non_blocking = "data" in fixes
     bf16 = "bf16" in fixes
-    state = {"n": 0, "running": torch.zeros((), device=device)}
-    log_every = 20
+    log = _LossLog(device, 20)
 
     def step() -> None:
         x, y = next(it)
@@ -197,17 +213,7 @@ def _image_program(name: str, variant: str, device: str, sz: Sizes, fixes: set[s
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        state["n"] += 1
-        if "sync" in fixes:
-            state["running"] += loss.detach()  # stays on the device: no wait for the GPU
-            if state["n"] % log_every == 0:
-                state["last_mean"] = state["running"].item() / log_every  # one read-back per log_every steps
-                state["running"].zero_()
-        else:
-            value = loss.item()  # the planted sync: the host waits for this step's last kernel
-            if not math.isfinite(value):
-                raise FloatingPointError(f"loss {value} at step {state['n']}")
-            state["last_mean"] = value
+        log.add(loss) if "sync" in fixes else log.read(loss)
 
     knobs = (", bf16" if bf16 else "") + (", channels-last" if fmt is torch.channels_last else "")
     prog = Program(name, variant, step, sz.batch, note=f"{sz.image}×{sz.image} PNG digits, batch {sz.batch}, "
@@ -225,15 +231,15 @@ def _sync_program(variant: str, device: str, sz: Sizes, seed: int) -> Program:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(sz.sync_batch, 1, sz.image, sz.image, generator=g).to(device)
     y = torch.randint(0, 10, (sz.sync_batch,), generator=g).to(device)
-    state = {"n": 0, "running": torch.zeros((), device=device)}
+    state: dict[str, torch.Tensor] = {}
+    log = _LossLog(device, 50)
 
     def planted() -> None:
         loss = loss_fn(model(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        if not math.isfinite(loss.item()):  # host waits for the GPU every step
-            raise FloatingPointError("loss is not finite")
+        log.read(loss)  # host waits for the GPU every step
         state["acc"] = (model(x[:8]).argmax(1) == y[:8]).float().mean().cpu()  # a second read-back
 
     def fixed() -> None:
@@ -242,11 +248,7 @@ def _sync_program(variant: str, device: str, sz: Sizes, seed: int) -> Program:
         loss.backward()
         opt.step()
         state["acc"] = (model(x[:8]).argmax(1) == y[:8]).float().mean()  # the same work, kept on the device
-        state["n"] += 1
-        state["running"] += loss.detach()
-        if state["n"] % 50 == 0:
-            state["mean"] = state["running"].item() / 50
-            state["running"].zero_()
+        log.add(loss)
 
     return Program("sync", variant, planted if variant == "planted" else fixed, sz.sync_batch,
                    note=f"batch {sz.sync_batch} on the device, width {max(sz.width // 2, 4)}")
@@ -327,7 +329,7 @@ def _gpu_data_program(device: str, sz: Sizes, seed: int) -> Program:
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss()
     gen = torch.Generator(device=device).manual_seed(seed)
-    state = {"n": 0, "running": torch.zeros((), device=device)}
+    log = _LossLog(device, 20)
     max_angle = math.radians(12)
 
     def step() -> None:
@@ -344,11 +346,7 @@ def _gpu_data_program(device: str, sz: Sizes, seed: int) -> Program:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        state["n"] += 1
-        state["running"] += loss.detach()
-        if state["n"] % 20 == 0:
-            state["last_mean"] = state["running"].item() / 20
-            state["running"].zero_()
+        log.add(loss)
 
     return Program("all", "gpu-data", step, sz.batch,
                    note=f"{sz.image}×{sz.image} digits decoded once on the {'GPU' if cuda else 'device'}, rotated "

@@ -6,6 +6,7 @@ executors run the notebook (``nvlab run`` with papermill and the test suite's nb
 from __future__ import annotations
 
 import html
+import math
 import os
 import sys
 import time
@@ -50,9 +51,19 @@ class Panel:
     A returned panel shows nothing of its own when it ends a cell (the widget or the text is already out)."""
 
     widget: Any
+    status: Any  # the ipywidgets.HTML line the panel reports in
 
     def headless(self) -> None:
         raise NotImplementedError
+
+    def _guard(self, action: Callable[[], Any]) -> Any:
+        """``action()``; a failure (a refused choice, a failed measurement) is shown in ``status``, not lost in a
+        callback's log, and the panel stays usable (None then)."""
+        try:
+            return action()
+        except Exception as err:  # noqa: BLE001 (shown to the student)
+            self.status.value = error_html(err)
+            return None
 
     def _ipython_display_(self) -> None:
         pass
@@ -64,6 +75,13 @@ def error_html(err: BaseException) -> str:
     return f"<span style='color:#b00'>{type(err).__name__}: {html.escape(str(err))}</span>"
 
 
+def _check_bar(total: Any, desc: Any, where: str) -> None:
+    if total is not None and (isinstance(total, bool) or not isinstance(total, int) or total < 0):
+        raise ValueError(f"{where}(total={total!r}): the number of steps, a whole number >= 0, or None")
+    if not isinstance(desc, str):
+        raise TypeError(f"{where}(desc={desc!r}): a label, a str")
+
+
 def progress(iterable: Iterable[Any], total: int | None = None, desc: str = "") -> Iterator[Any]:
     """``iterable`` with a progress bar: tqdm's (a widget in JupyterLab) when :func:`interactive`, else one line when
     the loop ends (``desc: N steps in S s``, seconds of wall time). ``total``: the number of items expected (None:
@@ -71,31 +89,20 @@ def progress(iterable: Iterable[Any], total: int | None = None, desc: str = "") 
 
     Steps count when the loop comes back for the next item, as tqdm counts them; a loop left early (``break``, an
     error) still ends its bar or prints its line."""
-    if total is not None and (isinstance(total, bool) or not isinstance(total, int) or total < 0):
-        raise ValueError(f"progress(total={total!r}): the number of items, a whole number >= 0, or None")
-    if not isinstance(desc, str):
-        raise TypeError(f"progress(desc={desc!r}): a label, a str")
+    _check_bar(total, desc, "progress")
     if not isinstance(iterable, Iterable):
         raise TypeError(f"progress({type(iterable).__name__}): needs something to loop over (a list, a range, ...)")
+    if total is None and hasattr(iterable, "__len__"):
+        total = len(iterable)  # type: ignore[arg-type]
     # checked here, at the call, not at the first step of the loop (a generator's body runs only then)
-    return _bar(iterable, total, desc) if interactive() else _line(iterable, desc)
+    return _steps(iterable, total, desc)
 
 
-def _bar(iterable: Iterable[Any], total: int | None, desc: str) -> Iterator[Any]:
-    from tqdm.auto import tqdm
-
-    # leave=False: the bar goes when the loop ends and the cell's result stays (tqdm closes it on early exit too)
-    yield from tqdm(iterable, total=total, desc=desc, leave=False)
-
-
-def _line(iterable: Iterable[Any], desc: str) -> Iterator[Any]:
-    t0, n = time.perf_counter(), 0
-    try:
+def _steps(iterable: Iterable[Any], total: int | None, desc: str) -> Iterator[Any]:
+    with ProgressBar(total, desc, every_s=math.inf) as bar:  # closed also when the consumer stops early
         for item in iterable:
             yield item
-            n += 1
-    finally:  # also when the consumer stops early: the generator is closed then
-        print(f"{desc or 'done'}: {n} step{'s' if n != 1 else ''} in {time.perf_counter() - t0:.1f} s")
+            bar.update()
 
 
 class ProgressBar:
@@ -157,10 +164,7 @@ def progress_bar(total: int | None = None, desc: str = "", every_s: float = 10.0
 
         with widgets.progress_bar(total=60, desc="SLO run") as bar:
             result = openloop.run_open_loop(target, 100, 60, on_window=bar.update)"""
-    if total is not None and (isinstance(total, bool) or not isinstance(total, int) or total < 0):
-        raise ValueError(f"progress_bar(total={total!r}): the number of steps, a whole number >= 0, or None")
-    if not isinstance(desc, str):
-        raise TypeError(f"progress_bar(desc={desc!r}): a label, a str")
+    _check_bar(total, desc, "progress_bar")
     if isinstance(every_s, bool) or not isinstance(every_s, (int, float)) or not every_s > 0:
         raise ValueError(f"progress_bar(every_s={every_s!r}): seconds between headless lines, a number > 0")
     return ProgressBar(total, desc, float(every_s))

@@ -16,7 +16,7 @@ import pandas as pd
 from IPython.display import display
 
 from lab_utils.serving import steps as triton_lab
-from lab_utils.widgets.core import Panel, error_html, interactive, show
+from lab_utils.widgets.core import Panel, interactive, show
 
 
 def _sizes(text: str) -> list[int]:
@@ -131,14 +131,6 @@ class KnobPanel(Panel):
         with self.plot_out:
             self.plot_out.clear_output(wait=True)
             display(self.figure())
-
-    def _guard(self, action: Any) -> Any:
-        """A refused configuration or a failed load is shown in the panel, not lost in a callback's log."""
-        try:
-            return action()
-        except Exception as err:  # noqa: BLE001 (shown to the student; the panel stays usable)
-            self.status.value = error_html(err)
-            return None
 
     def headless(self) -> None:
         row = self.measure()

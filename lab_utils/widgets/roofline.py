@@ -14,7 +14,7 @@ from IPython.display import display
 from lab_utils.course import specs
 from lab_utils.gpu import bench, bench_plots
 from lab_utils.timing import matmul_bytes, matmul_flops
-from lab_utils.widgets.core import Panel, error_html, interactive, show
+from lab_utils.widgets.core import Panel, interactive, show
 
 REFERENCE_N = 8192  # the size at which the H200 reference run recorded each dtype's matmul
 _ITEMSIZE = {"fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
@@ -102,12 +102,8 @@ class RooflineExplorer(Panel):
 
     def _changed(self, _change: Any = None) -> None:
         self.status.value = f"measuring {self.dtype.value} n={self.size.value} ..."
-        try:
-            self.measure()
-        except Exception as err:  # noqa: BLE001 (shown in the panel, which stays usable, not lost in the kernel log)
-            self.status.value = error_html(err)
-            return
-        self._render()
+        if self._guard(self.measure) is not None:
+            self._render()
 
     def headless(self) -> None:
         self.measure()
