@@ -24,6 +24,7 @@ import torch
 
 from lab_utils.args import check_int
 from lab_utils.course.specs import GpuPeaks, peaks_for
+from lab_utils.plotting import format_bytes
 from lab_utils.timing import Timing, benchmark, copy_bytes, cpu_model, cuda_graph, matmul_bytes, matmul_flops, sync
 
 DTYPES = ("fp32", "tf32", "fp16", "bf16", "fp8")
@@ -387,13 +388,6 @@ def bare_matmul_loop(n: int | None = None, dtype: str | None = None, iters: int 
 # --- 3. Memory bandwidth --------------------------------------------------------------------------
 
 
-def _bytes_label(nbytes: float) -> str:
-    for unit, size in (("GiB", GIB), ("MiB", MIB), ("KiB", 2**10)):
-        if nbytes >= size:
-            return f"{nbytes / size:g} {unit}"
-    return f"{nbytes:g} B"
-
-
 def copy_bandwidth(sizes_bytes: Sequence[int] | None = None, device: str | None = "auto", reps: int = 10,
                    warmup: int = 3) -> pd.DataFrame:
     """Bandwidth of ``dst.copy_(src)`` in GB/s, counting the read and the write (2 × size).
@@ -538,7 +532,7 @@ def elementwise_add(numel: int | None = None, device: str | None = "auto", reps:
     z = torch.empty_like(x)
     t = benchmark(lambda: torch.add(x, y, out=z), reps=reps, warmup=warmup, device=dev, name=f"add {numel}")
     nbytes = 3 * numel * x.element_size()
-    return {"label": f"add fp32 {_bytes_label(numel * 4)}", "kind": "elementwise", "dtype": "fp32",
+    return {"label": f"add fp32 {format_bytes(numel * 4)}", "kind": "elementwise", "dtype": "fp32",
             "intensity_flop_per_byte": numel / nbytes, "tflops": t.tflops(numel), "tbps": t.gbps(nbytes) / 1e3,
             "device": dev, "median_ms": t.median_ms}
 
@@ -565,7 +559,7 @@ def roofline_points(sweep: pd.DataFrame | None = None, copies: pd.DataFrame | No
             raise ValueError(
                 f"roofline_points(copies=...): not a copy_bandwidth frame, missing columns {sorted(missing)}")
         for r in copies.itertuples(index=False):
-            rows.append({"label": f"copy {_bytes_label(r.size_bytes)}", "kind": "copy", "dtype": "",
+            rows.append({"label": f"copy {format_bytes(r.size_bytes)}", "kind": "copy", "dtype": "",
                          "intensity_flop_per_byte": math.nan, "tflops": math.nan, "tbps": r.gbps / 1e3,
                          "device": r.device})
     df = pd.DataFrame(rows, columns=ROOFLINE_COLUMNS)

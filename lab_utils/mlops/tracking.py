@@ -81,8 +81,6 @@ class TrackingServer(OwnedServer):
         if not (isinstance(workers, int) and 1 <= workers <= 16):
             raise ValueError(f"workers={workers!r}: an integer from 1 to 16 (1 is plenty for a lab: each worker is a "
                              "Python process of ~200 MB)")
-        if not (isinstance(startup_timeout_s, (int, float)) and startup_timeout_s > 0):
-            raise ValueError(f"startup_timeout_s={startup_timeout_s!r}: a positive number of seconds")
         if port is not None and not (isinstance(port, int) and 0 < port < 65536):
             raise ValueError(f"port={port!r}: a TCP port from 1 to 65535, or None for a free one")
         super().__init__(host=host, ports={"port": port}, startup_timeout_s=startup_timeout_s,
