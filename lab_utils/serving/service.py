@@ -44,19 +44,10 @@ class ServiceError(RuntimeError):
 def infer(url: str, model: str, inputs: Mapping[str, np.ndarray], *, protocol: str = "http",
           headers: Mapping[str, str] | None = None, outputs: Sequence[str] | None = None,
           timeout_s: float = 30.0) -> dict[str, np.ndarray]:
-    """One synchronous request with ``headers`` (the API key through nginx); ``{output: array}``. Raises
-    tritonclient's ``InferenceServerException`` (``.status()``: "401", "StatusCode.INVALID_ARGUMENT"...)."""
-    mod = triton_client._module(protocol)
-    c = mod.InferenceServerClient(triton_client.host_port(url),
-                                  **({"network_timeout": timeout_s} if protocol == "http" else {}))
-    hdrs = {(k.lower() if protocol == "grpc" else k): v for k, v in (headers or {}).items()} or None
-    try:
-        ins, outs = triton_client.build_request(mod, protocol, inputs, outputs, True)
-        kw = {"client_timeout": timeout_s} if protocol == "grpc" else {}
-        res = c.infer(model, ins, outputs=outs, headers=hdrs, **kw)
-        return triton_client.as_arrays(res, protocol, outputs)
-    finally:
-        c.close()
+    """``client.infer`` with ``headers`` (the API key through nginx) that raises tritonclient's
+    ``InferenceServerException`` (``.status()``: "401", "StatusCode.INVALID_ARGUMENT"...)."""
+    return triton_client.infer(url, model, inputs, protocol=protocol, headers=headers, outputs=outputs,
+                               timeout_s=timeout_s, raw_errors=True)
 
 
 def send_raw(url: str, body: bytes, headers: Mapping[str, str] | None = None, model: str = ens.SERVICE,
