@@ -364,18 +364,13 @@ def nginx_config(
 
     if block_lines is None:
         block_lines = {}
-    if http_up is not None:
-        start = nlines() + 1
-        out.append(_indent(upstream_block) if upstream_block is not None else
-                   _upstream(HTTP_UPSTREAM, http, balance, keepalive))
-        block_lines["upstream_block"] = (start, nlines())
-        out.append("")
-    if grpc_up is not None:
-        start = nlines() + 1
-        out.append(_indent(grpc_upstream_block) if grpc_upstream_block is not None else
-                   _upstream(GRPC_UPSTREAM, grpc_, balance, keepalive))
-        block_lines["grpc_upstream_block"] = (start, nlines())
-        out.append("")
+    for arg, up, block, name, servers in (("upstream_block", http_up, upstream_block, HTTP_UPSTREAM, http),
+                                          ("grpc_upstream_block", grpc_up, grpc_upstream_block, GRPC_UPSTREAM, grpc_)):
+        if up is not None:
+            start = nlines() + 1
+            out.append(_indent(block) if block is not None else _upstream(name, servers, balance, keepalive))
+            block_lines[arg] = (start, nlines())
+            out.append("")
 
     def guard() -> list[str]:
         g = [f"        client_max_body_size {size};  # larger bodies: 413"]
