@@ -22,7 +22,6 @@ import random
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -41,14 +40,13 @@ from lab_utils.exercises.framework import (
     Outcome,
     Status,
     StudentLine,
+    StudentThread,
     StudentTimeout,
     Wrong,
-    _async_raise,
     choice,
     is_blank,
     number,
     raised_message,
-    student_frame,
 )
 from lab_utils.monitoring import prometheus
 from lab_utils.procs import free_port, owned_tempdir, temporary_folder
@@ -954,30 +952,14 @@ class WatchedServer:
         return f"<the check's Triton server at {self._rig.http_url}>"
 
 
-class _StudentLoop:
-    """The student's watchdog running in a thread until ``stop`` is set: what it raised or returned, and the line of
-    the student's code it is at now."""
+class _StudentLoop(StudentThread):
+    """The student's watchdog running in a thread until ``stop`` is set."""
 
     def __init__(self, fn: Callable[..., Any], server: WatchedServer, stop: threading.Event):
-        self.error: BaseException | None = None
-        self.returned_at: float | None = None
         self.last_seen: StudentLine | None = None  # where it was when it had to be interrupted
         self.started = time.monotonic()
         self.stop = stop
-
-        def run() -> None:
-            try:
-                fn(server, stop, **WATCHDOG_SETTINGS)
-                self.returned_at = time.monotonic()
-            except BaseException as err:  # handed to the check's thread
-                self.error = err
-
-        self.thread = threading.Thread(target=run, name="student watchdog", daemon=True)
-        self.thread.start()
-
-    def where(self) -> StudentLine | None:
-        frame = sys._current_frames().get(self.thread.ident or -1)
-        return student_frame(frame)
+        super().__init__(fn, server, stop, name="student watchdog", **WATCHDOG_SETTINGS)
 
     def at(self) -> str:
         line = self.where() if self.thread.is_alive() else self.last_seen
@@ -989,7 +971,7 @@ class _StudentLoop:
             return None
         err = self.error
         if err is None:
-            after = (self.returned_at or time.monotonic()) - self.started
+            after = (self.ended_at or time.monotonic()) - self.started
             return Wrong(f"{_CALL} returned after {after:.1f} s, while the server still needed watching: loop until "
                          "`stop` is set (while not stop.is_set(): ...)")
         message = raised_message(_CALL, err)
@@ -1021,8 +1003,7 @@ class _StudentLoop:
         self.stop.set()
         self.thread.join(timeout_s)
         if self.thread.is_alive():
-            self.last_seen = self.where()
-            _async_raise(self.thread, StudentTimeout)
+            self.last_seen = self.interrupt()
             self.thread.join(2.0)
 
 
