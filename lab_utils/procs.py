@@ -462,6 +462,16 @@ def check_service(url: str, path: str, looks_right: Callable[[bytes], bool], wha
         threading.Event().wait(min(poll_s, max(0.0, deadline - time.monotonic())))
 
 
+def wait_until(condition: Callable[[], bool], timeout_s: float, poll_s: float = 0.05) -> bool:
+    """Ask ``condition()`` every ``poll_s`` s until it holds (True) or ``timeout_s`` s have passed (False)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        threading.Event().wait(poll_s)
+    return True
+
+
 def wait_http_ok(url: str, proc: subprocess.Popen | None, timeout_s: float, poll_s: float = 0.05,
                  give_up: Callable[[], bool] | None = None) -> bool:
     """Wait until ``GET url`` answers 200, checking that ``proc`` is still alive between tries.

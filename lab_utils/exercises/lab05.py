@@ -49,7 +49,7 @@ from lab_utils.exercises.framework import (
     raised_message,
 )
 from lab_utils.monitoring import prometheus
-from lab_utils.procs import free_port, owned_tempdir, temporary_folder
+from lab_utils.procs import free_port, owned_tempdir, temporary_folder, wait_until
 from lab_utils.serving import server as triton_server
 
 __all__ = [
@@ -986,17 +986,15 @@ class _StudentLoop(StudentThread):
 
     def wait(self, condition: Callable[[], bool], timeout_s: float) -> bool:
         """Wait until ``condition()`` holds (True) or ``timeout_s`` passes (False); Wrong when the loop ends."""
-        deadline = time.monotonic() + timeout_s
-        pause = threading.Event()
-        while True:
+        def holds() -> bool:
             if condition():
                 return True
             gone = self.ended()
             if gone is not None:
                 raise gone
-            if time.monotonic() > deadline:
-                return False
-            pause.wait(0.02)
+            return False
+
+        return wait_until(holds, timeout_s, 0.02)
 
     def end(self, timeout_s: float) -> None:
         """Set stop and wait for the loop; a loop that does not return is interrupted (best effort)."""

@@ -7,12 +7,12 @@ and configuration too. ``url``: ``host:port`` of the protocol's endpoint (an ``h
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+
+from lab_utils.procs import wait_until
 
 PROTOCOLS = ("grpc", "http")
 
@@ -227,13 +227,9 @@ def unload_model(url: str, model: str, protocol: str = "grpc", wait_s: float = 3
     """
     with client(url, protocol) as c:
         c.unload_model(model)
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        states = {m.get("state") for m in repository_index(url, protocol) if m.get("name") == model}
-        if not states & {"READY", "UNLOADING", "LOADING"}:
-            return
-        threading.Event().wait(0.05)
-    raise TimeoutError(f"model {model!r} still loaded {wait_s:g} s after the unload request")
+    if not wait_until(lambda: not {m.get("state") for m in repository_index(url, protocol) if m.get("name") == model}
+                      & {"READY", "UNLOADING", "LOADING"}, wait_s):
+        raise TimeoutError(f"model {model!r} still loaded {wait_s:g} s after the unload request")
 
 
 def model_ready(url: str, model: str, protocol: str = "grpc", version: str = "") -> bool:

@@ -39,6 +39,7 @@ from lab_utils.procs import (
     pid_alive,
     tail,
     temporary_folder,
+    wait_until,
 )
 
 REQUIRE_ENV = "NVLAB_REQUIRE_NGINX"  # 1: a missing nginx is an error (CI), not a skipped section
@@ -796,18 +797,15 @@ class NginxServer(OwnedServer, HttpGrpcEndpoints):
             self.config_text = text
             reload_nginx(self._need_prefix(), self.conf_path, self.binary)
             want = f"{self.generation}".encode()
-            deadline = time.monotonic() + timeout_s
-            while not http_ok(self._ready_url(), timeout_s=2.0, check=lambda body: body.strip() == want)[0]:
-                if time.monotonic() > deadline or not self.alive():
-                    raise NginxError(f"nginx did not take the new config within {timeout_s:g} s; its log:\n"
-                                     f"{self.log_tail(10)}")
-                threading.Event().wait(0.02)
+            if not wait_until(lambda: not self.alive() or http_ok(self._ready_url(), timeout_s=2.0,
+                                                                  check=lambda body: body.strip() == want)[0],
+                              timeout_s, 0.02) or not self.alive():
+                raise NginxError(f"nginx did not take the new config within {timeout_s:g} s; its log:\n"
+                                 f"{self.log_tail(10)}")
             # Old workers accept new connections until they act on the master's signal to quit: wait until they are
             # gone (each finishes its requests in flight first), so that no request sent after this returns meets
             # the old config. A long request keeps its worker: after 5 s, return anyway.
-            end = time.monotonic() + min(timeout_s, 5.0)
-            while any(pid_alive(p) for p in old_workers) and time.monotonic() < end:
-                threading.Event().wait(0.01)
+            wait_until(lambda: not any(pid_alive(p) for p in old_workers), min(timeout_s, 5.0), 0.01)
 
     def set_weights(self, http: dict[str, int] | None = None, grpc: dict[str, int] | None = None,
                     timeout_s: float = 10.0) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from lab_utils.procs import http_ok, owned_tempdir, release_at_exit, stop_at_exit
+from lab_utils.procs import http_ok, owned_tempdir, release_at_exit, stop_at_exit, wait_until
 from lab_utils.serving import client as triton_client
 from lab_utils.serving import ensemble as ens
 from lab_utils.serving import nginx as nginx_mod
@@ -407,11 +407,9 @@ def hot_update(svc: Service, new_version: int = 2, *, rate_rps: float = 100.0, d
         ens.set_served_versions(repo.path, [new_version], name=repo.classifier)
         for s in svc.servers:
             triton_client.load_model(s.grpc_url, repo.classifier)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and any(  # load_model returns while the old version still unloads
-                st.startswith(("UNLOADING", "LOADING")) for s in svc.servers
-                for st in ens.version_states(s.grpc_url, repo.classifier).values()):
-            stop.wait(0.1)
+        wait_until(lambda: not any(  # load_model returns while the old version still unloads
+            st.startswith(("UNLOADING", "LOADING")) for s in svc.servers
+            for st in ens.version_states(s.grpc_url, repo.classifier).values()), 30, 0.1)
         step(f"v{','.join(map(str, old))} unloaded: v{new_version} alone")
     finally:
         th_load.join()
