@@ -32,9 +32,8 @@ from lab_utils.args import check_int
 from lab_utils.compat import glibc
 from lab_utils.course.probe import find_perf_analyzer
 from lab_utils.procs import die_with_parent, popen_owned, stop_group, temporary_folder
-from lab_utils.serving.client import _module, as_arrays, build_request, host_port, infer
+from lab_utils.serving.client import PROTOCOLS, _module, as_arrays, build_request, host_port, infer
 
-PROTOCOLS = ("grpc", "http")
 ERROR_BACKOFF_S = 0.01
 TOP_MESSAGES = 10  # distinct error messages kept in LoadResult.error_messages; the rest are summed
 OTHER_MESSAGES = "(other messages)"
