@@ -229,21 +229,12 @@ class Service:
 
     def classify(self, pngs: Sequence[bytes], protocol: str = "http") -> tuple[list[list[str]], np.ndarray]:
         """Top-k labels and scores of ``pngs`` (one request) through the front door."""
-        out = infer(self.url(protocol), self.model, {ens.IMAGE: ens.image_batch(pngs)}, protocol=protocol,
-                    headers=self.headers, outputs=[ens.LABELS, ens.SCORES])
-        labels = [[b.decode() if isinstance(b, bytes) else str(b) for b in row] for row in out[ens.LABELS]]
-        return labels, np.asarray(out[ens.SCORES], np.float32)
+        return ens.classify(self.url(protocol), pngs, protocol=protocol, model=self.model, headers=self.headers)
 
     def accuracy(self, protocol: str = "http", n: int | None = None, batch_size: int = 16) -> dict[str, Any]:
         """Top-1 accuracy on the held-out digits sent through the whole service (front door included)."""
-        pngs, y = ens.digits_pngs("test", n)
-        t0 = time.perf_counter()
-        predicted: list[str] = []
-        for i in range(0, len(pngs), batch_size):
-            predicted += [row[0] for row in self.classify(pngs[i:i + batch_size], protocol)[0]]
-        wrong = [(i, int(t), p) for i, (t, p) in enumerate(zip(y, predicted, strict=True)) if str(int(t)) != p]
-        return {"accuracy": 1 - len(wrong) / len(y), "images": len(y), "wrong": wrong,
-                "wall_s": time.perf_counter() - t0, "protocol": protocol, "via": self.via}
+        return {**ens.service_accuracy(self.url(protocol), protocol=protocol, n=n, batch_size=batch_size,
+                                       model=self.model, headers=self.headers), "via": self.via}
 
     # behind it ------------------------------------------------------------------------------------------------
     def scrape_jobs(self) -> dict[str, list[str]]:
