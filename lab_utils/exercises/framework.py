@@ -34,6 +34,7 @@ from types import TracebackType
 from typing import Any
 
 from lab_utils.distributed.ranks import is_library_file
+from lab_utils.procs import Background
 
 
 class Status(enum.Enum):
@@ -285,23 +286,8 @@ def raised_message(call: str, err: BaseException, tb: TracebackType | str | None
     return f"{call} raised {what}" + (f", at {at}" if at else "")
 
 
-class StudentThread:
-    """The student's ``fn(*args, **kwargs)`` running in a daemon thread: ``result`` or ``error`` once it ends."""
-
-    def __init__(self, fn: Callable[..., Any], *args: Any, name: str = "student code", **kwargs: Any):
-        self.result: Any = None
-        self.error: BaseException | None = None
-        self.ended_at: float | None = None  # time.monotonic() when it returned or raised
-
-        def run() -> None:
-            try:
-                self.result = fn(*args, **kwargs)
-            except BaseException as err:  # judged by the check, in its own thread
-                self.error = err
-            self.ended_at = time.monotonic()
-
-        self.thread = threading.Thread(target=run, name=name, daemon=True)
-        self.thread.start()
+class StudentThread(Background):
+    """The student's ``fn(*args, **kwargs)`` running in a daemon thread (``Background``) that a check can stop."""
 
     def where(self) -> StudentLine | None:
         """The line of the student's code it is at now."""

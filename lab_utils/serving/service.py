@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from lab_utils.procs import http_ok, owned_tempdir, release_at_exit, stop_at_exit, wait_until
+from lab_utils.procs import Background, http_ok, owned_tempdir, release_at_exit, stop_at_exit, wait_until
 from lab_utils.serving import client as triton_client
 from lab_utils.serving import ensemble as ens
 from lab_utils.serving import nginx as nginx_mod
@@ -340,7 +340,6 @@ def hot_update(svc: Service, new_version: int = 2, *, rate_rps: float = 100.0, d
                  if st == "READY")
     steps: list[dict[str, Any]] = []
     samples: list[dict[str, float]] = []
-    box: dict[str, Any] = {}
     t0 = time.perf_counter()
     stop = threading.Event()
 
@@ -361,17 +360,10 @@ def hot_update(svc: Service, new_version: int = 2, *, rate_rps: float = 100.0, d
             samples.append({"t_s": time.perf_counter() - t0, **version_counts(svc.servers, repo.classifier)})
             stop.wait(sample_s)
 
-    def load() -> None:
-        try:
-            box["result"] = openloop.run_open_loop(svc.target(protocol), rate_rps, duration_s, warmup_s=warmup_s,
-                                                   timeout_s=timeout_s)
-        except BaseException as err:  # handed to the caller
-            box["error"] = err
-
-    th_load = threading.Thread(target=load, name="nvlab-hot-update-load", daemon=True)
     th_samp = threading.Thread(target=sampler, name="nvlab-hot-update-sampler", daemon=True)
     th_samp.start()
-    th_load.start()
+    load = Background(lambda: openloop.run_open_loop(svc.target(protocol), rate_rps, duration_s, warmup_s=warmup_s,
+                                                     timeout_s=timeout_s), name="nvlab-hot-update-load")
     try:
         stop.wait(warmup_s + pause_s)
         ens.set_served_versions(repo.path, [*old, new_version], name=repo.classifier)
@@ -403,20 +395,19 @@ def hot_update(svc: Service, new_version: int = 2, *, rate_rps: float = 100.0, d
             for st in ens.version_states(s.grpc_url, repo.classifier).values()), 30, 0.1)
         step(f"v{','.join(map(str, old))} unloaded: v{new_version} alone")
     finally:
-        th_load.join()
+        load.thread.join()
         stop.set()
         th_samp.join(timeout=5)
         close = getattr(ticks, "close", None)
         if close is not None:
             close()
-    if "error" in box:
-        raise box["error"]
+    result = load.get()
     frame = pd.DataFrame(samples).fillna(0.0)
     cols = [c for c in frame.columns if c != "t_s"]
     rates = frame[cols].diff().div(frame["t_s"].diff(), axis=0).clip(lower=0)
     timeline = pd.concat([frame[["t_s"]], rates.add_prefix("v").add_suffix("_rps")], axis=1).iloc[1:]
     timeline.attrs["warmup_s"] = warmup_s
-    return HotUpdate(box["result"], timeline.reset_index(drop=True), steps,
+    return HotUpdate(result, timeline.reset_index(drop=True), steps,
                      ens.version_states(svc.servers[0].grpc_url, repo.classifier))
 
 
