@@ -628,11 +628,6 @@ def reload_nginx(prefix: str | os.PathLike[str], conf: str | os.PathLike[str], b
 
 # --- the server ---------------------------------------------------------------------------------------------
 
-def running_nginx() -> list[NginxServer]:
-    """nginx servers this process started and has not stopped."""
-    return NginxServer.running()
-
-
 class NginxServer(OwnedServer, HttpGrpcEndpoints):
     """One nginx (master and workers) owned by this interpreter, in front of Triton's HTTP and gRPC ports.
 
@@ -894,5 +889,5 @@ def leftover_nginx(prefix: str | os.PathLike[str]) -> list[int]:
 __all__ = ["Backend", "NginxServer", "NginxError", "NginxNotFound", "NginxStartError", "NginxConfigError",
            "nginx_binary", "missing", "available", "required", "nginx_version", "nginx_config", "check_nginx_config",
            "check_upstream_block", "serve_upstream", "reload_nginx", "read_access_log", "summarize_access",
-           "parse_stub_status", "new_api_key", "as_backend", "upstream_name", "leftover_nginx", "running_nginx",
+           "parse_stub_status", "new_api_key", "as_backend", "upstream_name", "leftover_nginx",
            "API_KEY_HEADER", "REQUIRE_ENV"]
