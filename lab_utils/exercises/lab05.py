@@ -883,13 +883,12 @@ class _Rig:
     phase: really restart it, or (``failing``) stop what is left and fail, as a start whose port is still taken."""
 
     def __init__(self) -> None:
-        ports: list[int] = []
-        while len(ports) < 3:
-            p = free_port()
-            if p not in ports:
-                ports.append(p)
-        self.server = watched_server(*ports)
-        self.http_url = f"http://127.0.0.1:{ports[0]}"
+        ports: set[int] = set()
+        while len(ports) < 3:  # HTTP, gRPC and metrics: three different ones
+            ports.add(free_port())
+        http_port, grpc_port, metrics_port = ports
+        self.server = watched_server(http_port, grpc_port, metrics_port)
+        self.http_url = f"http://127.0.0.1:{http_port}"
         self.failing = False
         self.calls: list[list[Any]] = []  # [monotonic time of the call, whether the restart worked (None: under way)]
         self._lock = threading.Lock()
