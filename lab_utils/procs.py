@@ -462,6 +462,42 @@ def check_service(url: str, path: str, looks_right: Callable[[bytes], bool], wha
         threading.Event().wait(min(poll_s, max(0.0, deadline - time.monotonic())))
 
 
+class Background:
+    """``fn(*args, **kwargs)`` running in a daemon thread: its ``result``, or the ``error`` it raised, once it ends."""
+
+    def __init__(self, fn: Callable[..., Any], *args: Any, name: str = "nvlab-background", **kwargs: Any):
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.ended_at: float | None = None  # time.monotonic() when it returned or raised
+
+        def run() -> None:
+            try:
+                self.result = fn(*args, **kwargs)
+            except BaseException as err:  # handed to the caller's thread
+                self.error = err
+            self.ended_at = time.monotonic()
+
+        self.thread = threading.Thread(target=run, name=name, daemon=True)
+        self.thread.start()
+
+    def get(self) -> Any:
+        """Wait until it ends; its result, or its error raised here."""
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float, poll_s: float = 0.05) -> bool:
+    """Ask ``condition()`` every ``poll_s`` s until it holds (True) or ``timeout_s`` s have passed (False)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        threading.Event().wait(poll_s)
+    return True
+
+
 def wait_http_ok(url: str, proc: subprocess.Popen | None, timeout_s: float, poll_s: float = 0.05,
                  give_up: Callable[[], bool] | None = None) -> bool:
     """Wait until ``GET url`` answers 200, checking that ``proc`` is still alive between tries.

@@ -247,7 +247,7 @@ def test_stop_leaves_nothing(backends):
     assert workers and ng.leftover_nginx(prefix) == sorted([master, *workers])
     assert server.stop() == 0 and server.stop() == 0  # twice is fine
     assert not prefix.exists() and ng.leftover_nginx(prefix) == [] and not pid_alive(master)
-    assert server not in ng.running_nginx()
+    assert server not in ng.NginxServer.running()
 
 
 def naming(text: str) -> list[int]:

@@ -34,6 +34,7 @@ from types import TracebackType
 from typing import Any
 
 from lab_utils.distributed.ranks import is_library_file
+from lab_utils.procs import Background
 
 
 class Status(enum.Enum):
@@ -285,10 +286,20 @@ def raised_message(call: str, err: BaseException, tb: TracebackType | str | None
     return f"{call} raised {what}" + (f", at {at}" if at else "")
 
 
-def _async_raise(thread: threading.Thread, exc: type[BaseException]) -> None:
-    # Best effort: interrupts Python code in that thread (not a blocking call into C).
-    if thread.ident is not None:
-        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(exc))
+class StudentThread(Background):
+    """The student's ``fn(*args, **kwargs)`` running in a daemon thread (``Background``) that a check can stop."""
+
+    def where(self) -> StudentLine | None:
+        """The line of the student's code it is at now."""
+        return student_frame(sys._current_frames().get(self.thread.ident or -1))
+
+    def interrupt(self) -> StudentLine | None:
+        """Raise ``StudentTimeout`` in it (best effort: Python code, not a blocking call into C); where it was."""
+        at = self.where()
+        if self.thread.ident is not None:
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.thread.ident),
+                                                       ctypes.py_object(StudentTimeout))
+        return at
 
 
 @contextlib.contextmanager
@@ -348,36 +359,26 @@ def run_student(
         return Wrong(f"{call} did not return within {timeout_s:g} s{where}: an endless loop, or waiting for "
                      "work that never finishes?")
 
-    box: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            box["result"] = fn(*args, **kwargs)
-        except BaseException as err:  # judged below, in the caller's thread
-            box["error"] = err
-
+    result: Any = None
+    err: BaseException | None = None
     if threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer"):
         try:
             with _alarm(timeout_s):
-                target()
-        except StudentTimeout as t:  # the alarm fired outside the student's code
-            box["error"] = t
+                result = fn(*args, **kwargs)
+        except BaseException as e:  # judged below (a StudentTimeout too, where the alarm fired outside it)
+            err = e
     else:
-        worker = threading.Thread(target=target, name=f"student {what or 'code'}", daemon=True)
-        worker.start()
-        worker.join(timeout_s)
-        if worker.is_alive():
-            at = student_frame(sys._current_frames().get(worker.ident or -1))
-            _async_raise(worker, StudentTimeout)
-            raise timed_out(at)
-    err = box.get("error")
+        worker = StudentThread(fn, *args, name=f"student {what or 'code'}", **kwargs)
+        worker.thread.join(timeout_s)
+        if worker.thread.is_alive():
+            raise timed_out(worker.interrupt())
+        result, err = worker.result, worker.error
     if isinstance(err, StudentTimeout):
         raise timed_out(student_frame(err)) from None
     if isinstance(err, Exception) and not isinstance(err, (Wrong, NotApplicable)):
         raise Wrong(raised_message(call, err)) from None
     if err is not None:
         raise err
-    result = box.get("result")
     kinds = returns if isinstance(returns, tuple) else (returns,)
     if returns is not None and (not isinstance(result, kinds) or (isinstance(result, bool) and bool not in kinds)):
         hint = " (does it end with `return ...`?)" if result is None else ""

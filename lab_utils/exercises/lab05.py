@@ -22,7 +22,6 @@ import random
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -41,17 +40,16 @@ from lab_utils.exercises.framework import (
     Outcome,
     Status,
     StudentLine,
+    StudentThread,
     StudentTimeout,
     Wrong,
-    _async_raise,
     choice,
     is_blank,
     number,
     raised_message,
-    student_frame,
 )
 from lab_utils.monitoring import prometheus
-from lab_utils.procs import free_port, owned_tempdir, temporary_folder
+from lab_utils.procs import free_port, owned_tempdir, temporary_folder, wait_until
 from lab_utils.serving import server as triton_server
 
 __all__ = [
@@ -885,13 +883,12 @@ class _Rig:
     phase: really restart it, or (``failing``) stop what is left and fail, as a start whose port is still taken."""
 
     def __init__(self) -> None:
-        ports: list[int] = []
-        while len(ports) < 3:
-            p = free_port()
-            if p not in ports:
-                ports.append(p)
-        self.server = watched_server(*ports)
-        self.http_url = f"http://127.0.0.1:{ports[0]}"
+        ports: set[int] = set()
+        while len(ports) < 3:  # HTTP, gRPC and metrics: three different ones
+            ports.add(free_port())
+        http_port, grpc_port, metrics_port = ports
+        self.server = watched_server(http_port, grpc_port, metrics_port)
+        self.http_url = f"http://127.0.0.1:{http_port}"
         self.failing = False
         self.calls: list[list[Any]] = []  # [monotonic time of the call, whether the restart worked (None: under way)]
         self._lock = threading.Lock()
@@ -954,30 +951,14 @@ class WatchedServer:
         return f"<the check's Triton server at {self._rig.http_url}>"
 
 
-class _StudentLoop:
-    """The student's watchdog running in a thread until ``stop`` is set: what it raised or returned, and the line of
-    the student's code it is at now."""
+class _StudentLoop(StudentThread):
+    """The student's watchdog running in a thread until ``stop`` is set."""
 
     def __init__(self, fn: Callable[..., Any], server: WatchedServer, stop: threading.Event):
-        self.error: BaseException | None = None
-        self.returned_at: float | None = None
         self.last_seen: StudentLine | None = None  # where it was when it had to be interrupted
         self.started = time.monotonic()
         self.stop = stop
-
-        def run() -> None:
-            try:
-                fn(server, stop, **WATCHDOG_SETTINGS)
-                self.returned_at = time.monotonic()
-            except BaseException as err:  # handed to the check's thread
-                self.error = err
-
-        self.thread = threading.Thread(target=run, name="student watchdog", daemon=True)
-        self.thread.start()
-
-    def where(self) -> StudentLine | None:
-        frame = sys._current_frames().get(self.thread.ident or -1)
-        return student_frame(frame)
+        super().__init__(fn, server, stop, name="student watchdog", **WATCHDOG_SETTINGS)
 
     def at(self) -> str:
         line = self.where() if self.thread.is_alive() else self.last_seen
@@ -989,7 +970,7 @@ class _StudentLoop:
             return None
         err = self.error
         if err is None:
-            after = (self.returned_at or time.monotonic()) - self.started
+            after = (self.ended_at or time.monotonic()) - self.started
             return Wrong(f"{_CALL} returned after {after:.1f} s, while the server still needed watching: loop until "
                          "`stop` is set (while not stop.is_set(): ...)")
         message = raised_message(_CALL, err)
@@ -1004,25 +985,22 @@ class _StudentLoop:
 
     def wait(self, condition: Callable[[], bool], timeout_s: float) -> bool:
         """Wait until ``condition()`` holds (True) or ``timeout_s`` passes (False); Wrong when the loop ends."""
-        deadline = time.monotonic() + timeout_s
-        pause = threading.Event()
-        while True:
+        def holds() -> bool:
             if condition():
                 return True
             gone = self.ended()
             if gone is not None:
                 raise gone
-            if time.monotonic() > deadline:
-                return False
-            pause.wait(0.02)
+            return False
+
+        return wait_until(holds, timeout_s, 0.02)
 
     def end(self, timeout_s: float) -> None:
         """Set stop and wait for the loop; a loop that does not return is interrupted (best effort)."""
         self.stop.set()
         self.thread.join(timeout_s)
         if self.thread.is_alive():
-            self.last_seen = self.where()
-            _async_raise(self.thread, StudentTimeout)
+            self.last_seen = self.interrupt()
             self.thread.join(2.0)
 
 

@@ -7,12 +7,12 @@ and configuration too. ``url``: ``host:port`` of the protocol's endpoint (an ``h
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+
+from lab_utils.procs import wait_until
 
 PROTOCOLS = ("grpc", "http")
 
@@ -125,17 +125,23 @@ def _raise(err: Exception, url: str, protocol: str, model: str, inputs: Mapping[
 
 def infer(url: str, model: str, inputs: Mapping[str, np.ndarray], *, protocol: str = "grpc",
           outputs: Sequence[str] | None = None, version: str = "", binary: bool = True,
-          timeout_s: float | None = 30.0) -> dict[str, np.ndarray]:
-    """One synchronous request; ``{output name: array}``. ``binary``: HTTP tensors as binary, not JSON."""
+          timeout_s: float | None = 30.0, headers: Mapping[str, str] | None = None,
+          raw_errors: bool = False) -> dict[str, np.ndarray]:
+    """One synchronous request; ``{output name: array}``. ``binary``: HTTP tensors as binary, not JSON. ``headers``:
+    e.g. the API key through nginx. ``raw_errors``: raise tritonclient's ``InferenceServerException`` as it is."""
     from tritonclient.utils import InferenceServerException
 
     mod = _module(protocol)
-    with mod.InferenceServerClient(host_port(url)) as c:
+    net = {"network_timeout": timeout_s} if protocol == "http" and timeout_s is not None else {}
+    hdrs = {(k.lower() if protocol == "grpc" else k): v for k, v in (headers or {}).items()} or None
+    with mod.InferenceServerClient(host_port(url), **net) as c:
         ins, outs = build_request(mod, protocol, inputs, outputs, binary)
         kw = {"client_timeout": timeout_s} if protocol == "grpc" else {}
         try:
-            res = c.infer(model, ins, model_version=version, outputs=outs, **kw)
+            res = c.infer(model, ins, model_version=version, outputs=outs, headers=hdrs, **kw)
         except InferenceServerException as err:
+            if raw_errors:
+                raise
             _raise(err, url, protocol, model, inputs)
         return as_arrays(res, protocol, outputs)
 
@@ -221,13 +227,9 @@ def unload_model(url: str, model: str, protocol: str = "grpc", wait_s: float = 3
     """
     with client(url, protocol) as c:
         c.unload_model(model)
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        states = {m.get("state") for m in repository_index(url, protocol) if m.get("name") == model}
-        if not states & {"READY", "UNLOADING", "LOADING"}:
-            return
-        threading.Event().wait(0.05)
-    raise TimeoutError(f"model {model!r} still loaded {wait_s:g} s after the unload request")
+    if not wait_until(lambda: not {m.get("state") for m in repository_index(url, protocol) if m.get("name") == model}
+                      & {"READY", "UNLOADING", "LOADING"}, wait_s):
+        raise TimeoutError(f"model {model!r} still loaded {wait_s:g} s after the unload request")
 
 
 def model_ready(url: str, model: str, protocol: str = "grpc", version: str = "") -> bool:

@@ -736,23 +736,25 @@ def image_batch(pngs: Sequence[bytes]) -> np.ndarray:
 
 
 def classify(url: str, pngs: Sequence[bytes], *, protocol: str = "grpc", model: str = SERVICE,
-             version: str = "", timeout_s: float = 30.0) -> tuple[list[list[str]], np.ndarray]:
-    """Send ``pngs`` (encoded images) in one request; (top-k labels per image, best first; scores [N, k])."""
+             version: str = "", timeout_s: float = 30.0,
+             headers: Mapping[str, str] | None = None) -> tuple[list[list[str]], np.ndarray]:
+    """Send ``pngs`` (encoded images) in one request (``headers``: the API key through nginx); (top-k labels per
+    image, best first; scores [N, k])."""
     out = triton_client.infer(url, model, {IMAGE: image_batch(pngs)}, protocol=protocol, outputs=[LABELS, SCORES],
-                              version=version, timeout_s=timeout_s)
+                              version=version, timeout_s=timeout_s, headers=headers)
     labels = [[b.decode() if isinstance(b, bytes) else str(b) for b in row] for row in out[LABELS]]
     return labels, np.asarray(out[SCORES], dtype=np.float32)
 
 
 def service_accuracy(url: str, *, protocol: str = "grpc", n: int | None = None, batch_size: int = 16,
-                     model: str = SERVICE) -> dict[str, Any]:
+                     model: str = SERVICE, headers: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Top-1 accuracy on the held-out digits sent through the whole service as PNG bytes (``batch_size`` images a
     request); with the wrong predictions (index, label, predicted) and the wall time (s)."""
     pngs, y = digits_pngs("test", n)
     t0 = time.perf_counter()
     predicted: list[str] = []
     for i in range(0, len(pngs), batch_size):
-        labels, _ = classify(url, pngs[i:i + batch_size], protocol=protocol, model=model)
+        labels, _ = classify(url, pngs[i:i + batch_size], protocol=protocol, model=model, headers=headers)
         predicted += [row[0] for row in labels]
     wall_s = time.perf_counter() - t0
     wrong = [(i, int(t), p) for i, (t, p) in enumerate(zip(y, predicted, strict=True)) if str(int(t)) != p]

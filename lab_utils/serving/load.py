@@ -31,10 +31,9 @@ import pandas as pd
 from lab_utils.args import check_int
 from lab_utils.compat import glibc
 from lab_utils.course.probe import find_perf_analyzer
-from lab_utils.procs import die_with_parent, popen_owned, stop_group, temporary_folder
-from lab_utils.serving.client import _module, as_arrays, build_request, host_port, infer
+from lab_utils.procs import Background, die_with_parent, popen_owned, stop_group, temporary_folder
+from lab_utils.serving.client import PROTOCOLS, _module, as_arrays, build_request, host_port, infer
 
-PROTOCOLS = ("grpc", "http")
 ERROR_BACKOFF_S = 0.01
 TOP_MESSAGES = 10  # distinct error messages kept in LoadResult.error_messages; the rest are summed
 OTHER_MESSAGES = "(other messages)"
@@ -404,23 +403,16 @@ def run_load(
     if nproc == 1:
         stop: Any = threading.Event()
         sink = _Sink(t0, window_s)
-        err_box: list[BaseException] = []
-
-        def target_fn() -> None:
-            try:
-                _run_clients(protocol, target, model, payloads, outputs, concurrency, sink, stop, timeout_s, 0, verify)
-            except BaseException as err:
-                err_box.append(err)
-
-        th = threading.Thread(target=target_fn, name="nvlab-load", daemon=True)
-        th.start()
+        clients = Background(_run_clients, protocol, target, model, payloads, outputs, concurrency, sink, stop,
+                             timeout_s, 0, verify, name="nvlab-load")
+        th = clients.thread
 
         def take(w: int) -> tuple[np.ndarray, int, dict[str, int]]:
             end = t0 + (w + 1) * window_s
             while time.perf_counter() < end and th.is_alive():
                 th.join(timeout=min(0.05, max(0.0, end - time.perf_counter())))
-            if err_box:
-                raise RuntimeError(f"the load clients failed: {err_box[0]}") from err_box[0]
+            if clients.error is not None:
+                raise RuntimeError(f"the load clients failed: {clients.error}") from clients.error
             return sink.take(w)
 
         def finish(join_s: float = timeout_s + 5) -> None:

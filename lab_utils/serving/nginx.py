@@ -39,6 +39,7 @@ from lab_utils.procs import (
     pid_alive,
     tail,
     temporary_folder,
+    wait_until,
 )
 
 REQUIRE_ENV = "NVLAB_REQUIRE_NGINX"  # 1: a missing nginx is an error (CI), not a skipped section
@@ -364,18 +365,13 @@ def nginx_config(
 
     if block_lines is None:
         block_lines = {}
-    if http_up is not None:
-        start = nlines() + 1
-        out.append(_indent(upstream_block) if upstream_block is not None else
-                   _upstream(HTTP_UPSTREAM, http, balance, keepalive))
-        block_lines["upstream_block"] = (start, nlines())
-        out.append("")
-    if grpc_up is not None:
-        start = nlines() + 1
-        out.append(_indent(grpc_upstream_block) if grpc_upstream_block is not None else
-                   _upstream(GRPC_UPSTREAM, grpc_, balance, keepalive))
-        block_lines["grpc_upstream_block"] = (start, nlines())
-        out.append("")
+    for arg, up, block, name, servers in (("upstream_block", http_up, upstream_block, HTTP_UPSTREAM, http),
+                                          ("grpc_upstream_block", grpc_up, grpc_upstream_block, GRPC_UPSTREAM, grpc_)):
+        if up is not None:
+            start = nlines() + 1
+            out.append(_indent(block) if block is not None else _upstream(name, servers, balance, keepalive))
+            block_lines[arg] = (start, nlines())
+            out.append("")
 
     def guard() -> list[str]:
         g = [f"        client_max_body_size {size};  # larger bodies: 413"]
@@ -632,11 +628,6 @@ def reload_nginx(prefix: str | os.PathLike[str], conf: str | os.PathLike[str], b
 
 # --- the server ---------------------------------------------------------------------------------------------
 
-def running_nginx() -> list[NginxServer]:
-    """nginx servers this process started and has not stopped."""
-    return NginxServer.running()
-
-
 class NginxServer(OwnedServer, HttpGrpcEndpoints):
     """One nginx (master and workers) owned by this interpreter, in front of Triton's HTTP and gRPC ports.
 
@@ -801,18 +792,15 @@ class NginxServer(OwnedServer, HttpGrpcEndpoints):
             self.config_text = text
             reload_nginx(self._need_prefix(), self.conf_path, self.binary)
             want = f"{self.generation}".encode()
-            deadline = time.monotonic() + timeout_s
-            while not http_ok(self._ready_url(), timeout_s=2.0, check=lambda body: body.strip() == want)[0]:
-                if time.monotonic() > deadline or not self.alive():
-                    raise NginxError(f"nginx did not take the new config within {timeout_s:g} s; its log:\n"
-                                     f"{self.log_tail(10)}")
-                threading.Event().wait(0.02)
+            if not wait_until(lambda: not self.alive() or http_ok(self._ready_url(), timeout_s=2.0,
+                                                                  check=lambda body: body.strip() == want)[0],
+                              timeout_s, 0.02) or not self.alive():
+                raise NginxError(f"nginx did not take the new config within {timeout_s:g} s; its log:\n"
+                                 f"{self.log_tail(10)}")
             # Old workers accept new connections until they act on the master's signal to quit: wait until they are
             # gone (each finishes its requests in flight first), so that no request sent after this returns meets
             # the old config. A long request keeps its worker: after 5 s, return anyway.
-            end = time.monotonic() + min(timeout_s, 5.0)
-            while any(pid_alive(p) for p in old_workers) and time.monotonic() < end:
-                threading.Event().wait(0.01)
+            wait_until(lambda: not any(pid_alive(p) for p in old_workers), min(timeout_s, 5.0), 0.01)
 
     def set_weights(self, http: dict[str, int] | None = None, grpc: dict[str, int] | None = None,
                     timeout_s: float = 10.0) -> None:
@@ -901,5 +889,5 @@ def leftover_nginx(prefix: str | os.PathLike[str]) -> list[int]:
 __all__ = ["Backend", "NginxServer", "NginxError", "NginxNotFound", "NginxStartError", "NginxConfigError",
            "nginx_binary", "missing", "available", "required", "nginx_version", "nginx_config", "check_nginx_config",
            "check_upstream_block", "serve_upstream", "reload_nginx", "read_access_log", "summarize_access",
-           "parse_stub_status", "new_api_key", "as_backend", "upstream_name", "leftover_nginx", "running_nginx",
+           "parse_stub_status", "new_api_key", "as_backend", "upstream_name", "leftover_nginx",
            "API_KEY_HEADER", "REQUIRE_ENV"]

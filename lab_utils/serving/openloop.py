@@ -23,6 +23,7 @@ import numpy as np
 import pandas as pd
 
 from lab_utils.args import check_int
+from lab_utils.procs import Background
 from lab_utils.serving.client import _module, build_request, host_port
 from lab_utils.serving.load import (
     ERROR_BACKOFF_S,
@@ -836,11 +837,9 @@ def drain(target: Any, slo_ms: float, limit_s: float = 10.0) -> bool:
         finally:
             await target.close()
 
-    box: list[Any] = []
-    th = threading.Thread(target=lambda: box.append(asyncio.run(main())), name="nvlab-openloop-drain", daemon=True)
-    th.start()
-    th.join(limit_s + 10)
-    return bool(box and box[0])
+    sender = Background(lambda: asyncio.run(main()), name="nvlab-openloop-drain")
+    sender.thread.join(limit_s + 10)
+    return bool(sender.result)
 
 
 __all__ = ["poisson_arrivals", "run_open_loop", "run_closed_loop", "compare_loops", "meets_slo", "find_capacity",

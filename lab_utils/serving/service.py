@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from lab_utils.procs import http_ok, owned_tempdir, release_at_exit, stop_at_exit
+from lab_utils.procs import Background, http_ok, owned_tempdir, release_at_exit, stop_at_exit, wait_until
 from lab_utils.serving import client as triton_client
 from lab_utils.serving import ensemble as ens
 from lab_utils.serving import nginx as nginx_mod
@@ -44,19 +44,10 @@ class ServiceError(RuntimeError):
 def infer(url: str, model: str, inputs: Mapping[str, np.ndarray], *, protocol: str = "http",
           headers: Mapping[str, str] | None = None, outputs: Sequence[str] | None = None,
           timeout_s: float = 30.0) -> dict[str, np.ndarray]:
-    """One synchronous request with ``headers`` (the API key through nginx); ``{output: array}``. Raises
-    tritonclient's ``InferenceServerException`` (``.status()``: "401", "StatusCode.INVALID_ARGUMENT"...)."""
-    mod = triton_client._module(protocol)
-    c = mod.InferenceServerClient(triton_client.host_port(url),
-                                  **({"network_timeout": timeout_s} if protocol == "http" else {}))
-    hdrs = {(k.lower() if protocol == "grpc" else k): v for k, v in (headers or {}).items()} or None
-    try:
-        ins, outs = triton_client.build_request(mod, protocol, inputs, outputs, True)
-        kw = {"client_timeout": timeout_s} if protocol == "grpc" else {}
-        res = c.infer(model, ins, outputs=outs, headers=hdrs, **kw)
-        return triton_client.as_arrays(res, protocol, outputs)
-    finally:
-        c.close()
+    """``client.infer`` with ``headers`` (the API key through nginx) that raises tritonclient's
+    ``InferenceServerException`` (``.status()``: "401", "StatusCode.INVALID_ARGUMENT"...)."""
+    return triton_client.infer(url, model, inputs, protocol=protocol, headers=headers, outputs=outputs,
+                               timeout_s=timeout_s, raw_errors=True)
 
 
 def send_raw(url: str, body: bytes, headers: Mapping[str, str] | None = None, model: str = ens.SERVICE,
@@ -238,21 +229,12 @@ class Service:
 
     def classify(self, pngs: Sequence[bytes], protocol: str = "http") -> tuple[list[list[str]], np.ndarray]:
         """Top-k labels and scores of ``pngs`` (one request) through the front door."""
-        out = infer(self.url(protocol), self.model, {ens.IMAGE: ens.image_batch(pngs)}, protocol=protocol,
-                    headers=self.headers, outputs=[ens.LABELS, ens.SCORES])
-        labels = [[b.decode() if isinstance(b, bytes) else str(b) for b in row] for row in out[ens.LABELS]]
-        return labels, np.asarray(out[ens.SCORES], np.float32)
+        return ens.classify(self.url(protocol), pngs, protocol=protocol, model=self.model, headers=self.headers)
 
     def accuracy(self, protocol: str = "http", n: int | None = None, batch_size: int = 16) -> dict[str, Any]:
         """Top-1 accuracy on the held-out digits sent through the whole service (front door included)."""
-        pngs, y = ens.digits_pngs("test", n)
-        t0 = time.perf_counter()
-        predicted: list[str] = []
-        for i in range(0, len(pngs), batch_size):
-            predicted += [row[0] for row in self.classify(pngs[i:i + batch_size], protocol)[0]]
-        wrong = [(i, int(t), p) for i, (t, p) in enumerate(zip(y, predicted, strict=True)) if str(int(t)) != p]
-        return {"accuracy": 1 - len(wrong) / len(y), "images": len(y), "wrong": wrong,
-                "wall_s": time.perf_counter() - t0, "protocol": protocol, "via": self.via}
+        return {**ens.service_accuracy(self.url(protocol), protocol=protocol, n=n, batch_size=batch_size,
+                                       model=self.model, headers=self.headers), "via": self.via}
 
     # behind it ------------------------------------------------------------------------------------------------
     def scrape_jobs(self) -> dict[str, list[str]]:
@@ -358,7 +340,6 @@ def hot_update(svc: Service, new_version: int = 2, *, rate_rps: float = 100.0, d
                  if st == "READY")
     steps: list[dict[str, Any]] = []
     samples: list[dict[str, float]] = []
-    box: dict[str, Any] = {}
     t0 = time.perf_counter()
     stop = threading.Event()
 
@@ -379,17 +360,10 @@ def hot_update(svc: Service, new_version: int = 2, *, rate_rps: float = 100.0, d
             samples.append({"t_s": time.perf_counter() - t0, **version_counts(svc.servers, repo.classifier)})
             stop.wait(sample_s)
 
-    def load() -> None:
-        try:
-            box["result"] = openloop.run_open_loop(svc.target(protocol), rate_rps, duration_s, warmup_s=warmup_s,
-                                                   timeout_s=timeout_s)
-        except BaseException as err:  # handed to the caller
-            box["error"] = err
-
-    th_load = threading.Thread(target=load, name="nvlab-hot-update-load", daemon=True)
     th_samp = threading.Thread(target=sampler, name="nvlab-hot-update-sampler", daemon=True)
     th_samp.start()
-    th_load.start()
+    load = Background(lambda: openloop.run_open_loop(svc.target(protocol), rate_rps, duration_s, warmup_s=warmup_s,
+                                                     timeout_s=timeout_s), name="nvlab-hot-update-load")
     try:
         stop.wait(warmup_s + pause_s)
         ens.set_served_versions(repo.path, [*old, new_version], name=repo.classifier)
@@ -416,27 +390,24 @@ def hot_update(svc: Service, new_version: int = 2, *, rate_rps: float = 100.0, d
         ens.set_served_versions(repo.path, [new_version], name=repo.classifier)
         for s in svc.servers:
             triton_client.load_model(s.grpc_url, repo.classifier)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and any(  # load_model returns while the old version still unloads
-                st.startswith(("UNLOADING", "LOADING")) for s in svc.servers
-                for st in ens.version_states(s.grpc_url, repo.classifier).values()):
-            stop.wait(0.1)
+        wait_until(lambda: not any(  # load_model returns while the old version still unloads
+            st.startswith(("UNLOADING", "LOADING")) for s in svc.servers
+            for st in ens.version_states(s.grpc_url, repo.classifier).values()), 30, 0.1)
         step(f"v{','.join(map(str, old))} unloaded: v{new_version} alone")
     finally:
-        th_load.join()
+        load.thread.join()
         stop.set()
         th_samp.join(timeout=5)
         close = getattr(ticks, "close", None)
         if close is not None:
             close()
-    if "error" in box:
-        raise box["error"]
+    result = load.get()
     frame = pd.DataFrame(samples).fillna(0.0)
     cols = [c for c in frame.columns if c != "t_s"]
     rates = frame[cols].diff().div(frame["t_s"].diff(), axis=0).clip(lower=0)
     timeline = pd.concat([frame[["t_s"]], rates.add_prefix("v").add_suffix("_rps")], axis=1).iloc[1:]
     timeline.attrs["warmup_s"] = warmup_s
-    return HotUpdate(box["result"], timeline.reset_index(drop=True), steps,
+    return HotUpdate(result, timeline.reset_index(drop=True), steps,
                      ens.version_states(svc.servers[0].grpc_url, repo.classifier))
 
 
