@@ -276,6 +276,7 @@ def test_resnet50_variant_serves_pngs_and_jpeg_photographs(built, server):
                                         source=server.source, classifier_engine="torch", cache=None, exported=first)
     pt = [r.path / r.classifier / "1" / ens.TORCH_FILE for r in (first, second)]
     assert pt[0].read_bytes() == pt[1].read_bytes() and not (pt[1].parent / "model.onnx").exists()
+    assert second.facts["params_m"] == first.facts["params_m"] and second.note == first.note
     triton_client.load_model(server.grpc_url, second.service)
     assert ens.classify(server.grpc_url, photos[:2], model=second.service)[1].shape == (2, 5)
     triton_client.unload_model(server.grpc_url, second.service)

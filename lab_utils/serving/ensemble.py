@@ -610,17 +610,21 @@ def build_resnet50_service(repo: str | Path, *, image_size: int = 224, width: in
     engine, whose ``model.pt`` is copied (the same weights, no new export)."""
     from lab_utils.inference.model_zoo import make_resnet50  # lazy: pulls torch
 
-    model, info = make_resnet50("cpu", width=width, image_size=image_size)
-    if exported is not None:
+    if exported is not None:  # its file and facts: no second model built (its BatchNorm settling takes seconds)
         if exported.engine != "torch":
             raise ValueError(f"exported={exported.service}: its classifier runs on {exported.engine}; only a "
                              "torch-engine variant has a model.pt to copy (leave exported=None to export)")
-        model = exported.path / exported.classifier / "1" / TORCH_FILE
+        model: Any = exported.path / exported.classifier / "1" / TORCH_FILE
+        note, facts = exported.note, {k: exported.facts[k] for k in ("model", "params_m", "gflop_per_image")}
+    else:
+        model, info = make_resnet50("cpu", width=width, image_size=image_size)
+        note = f"random weights, speed only: {info}"
+        facts = {"model": str(info), "params_m": info.params_m, "gflop_per_image": info.gflop_per_image}
     svc = build_service(repo, model, prefix=prefix, labels=[f"class_{i}" for i in range(1000)],
                         image_size=image_size, channels=3, pixel_scale=1 / 255, mean=(0.485, 0.456, 0.406),
-                        std=(0.229, 0.224, 0.225), resample="bilinear", top_k=top_k, cache=cache,
-                        note=f"random weights, speed only: {info}", onnx=None, **knobs)
-    svc.facts.update({"model": str(info), "params_m": info.params_m, "gflop_per_image": info.gflop_per_image})
+                        std=(0.229, 0.224, 0.225), resample="bilinear", top_k=top_k, cache=cache, note=note,
+                        onnx=None, **knobs)
+    svc.facts.update(facts)
     return svc
 
 
