@@ -137,8 +137,8 @@ class OwnedServer:
         return None
 
     def alive(self) -> bool:
-        """True while the server process runs and has not crashed (it may not be ready yet)."""
-        return self._proc is not None and self._proc.poll() is None and not self.crashed()
+        """True while the server process runs (it may not be ready yet, or have crashed: ``crashed()``)."""
+        return self._proc is not None and self._proc.poll() is None
 
     def log_tail(self, n: int = 40) -> str:
         """The last ``n`` lines of the server's log."""
@@ -172,7 +172,7 @@ class OwnedServer:
     def start(self: S) -> S:
         """Start on free ports (or those asked for) and wait until ready; ``error`` with the log's tail if not."""
         with self._owner_lock:
-            if self.alive():
+            if self.alive() and not self.crashed():
                 return self
             if self._proc is not None:
                 self.stop()  # what an ended or crashed start left: its process group, folder, watchdog

@@ -193,8 +193,19 @@ def test_a_crashed_server_is_named_and_lab04_restarts_it_before_a_check(repo):
         while server.crashed() is None and time.monotonic() < deadline:
             time.sleep(0.1)
         assert server.crashed() == "tritonserver logged signal 11 and stopped answering"
-        lab04._restart_if_crashed(server)
+        assert server.alive()  # the process still runs: the check, not the student, must restart it
+        lab04.use_server(server, repo)
+        try:
+            lab04._lab()  # what every code check of lab 04 calls first
+        finally:
+            lab04._BOUND.clear()
         assert server.crashed() is None and server.pid != old and server.ready()
+        mid = server.pid
+        os.kill(mid, signal.SIGSEGV)
+        deadline = time.monotonic() + 10
+        while server.crashed() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert server.start() is server and server.pid != mid and server.ready()  # a start replaces a crashed one
 
 
 def test_startup_failure_shows_log_tail(repo):

@@ -241,6 +241,9 @@ class _InThread:
     thread_name = ""
     _thread: threading.Thread | None = None
 
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+
     def _join_s(self) -> float:
         raise NotImplementedError
 
@@ -278,7 +281,7 @@ class LabelledTraffic(_InThread):
         self.svc, self.feedback, self.monitor = svc, feedback, monitor
         self.rate_rps, self.timeout_s = float(rate_rps), timeout_s
         self._lock = threading.Lock()
-        self._stop = threading.Event()
+        super().__init__()
         self.sent = self.errors = self.unattributed = 0
         self.last_error = ""
         self.set_stream(images, labels)
@@ -357,7 +360,7 @@ class BackgroundLoad(_InThread):
         self.target, self.rate_rps, self.segment_s, self.timeout_s = target, float(rate_rps), segment_s, timeout_s
         self.results: list[Any] = []
         self.failure: BaseException | None = None
-        self._stop = threading.Event()
+        super().__init__()
 
     def set_target(self, target: Any) -> None:
         self.target = target

@@ -468,6 +468,7 @@ class PrometheusServer(OwnedServer, PromAPI):
     exit. With ``samples`` it first writes them into its storage (:func:`backfill`), to serve them."""
 
     kind = "prometheus"
+    name = "Prometheus"  # in a failed start's message
     error = PrometheusError
     fallback_port = True
     busy_note = "port {port} is busy: Prometheus listens on a free port instead"
@@ -488,8 +489,7 @@ class PrometheusServer(OwnedServer, PromAPI):
         self.scrape_interval_s, self.evaluation_interval_s = scrape_interval_s, evaluation_interval_s
         self._version: str | None = None
         self.config = self._config()
-        OwnedServer.__init__(self, host=host, ports={"port": port}, startup_timeout_s=startup_timeout_s,
-                             stop_grace_s=10.0)
+        OwnedServer.__init__(self, host=host, ports={"port": port}, startup_timeout_s=startup_timeout_s)
         PromAPI.__init__(self, f"http://{host}:0")
         self.extra_args = list(extra_args)
         self._log_path = Path(log_path) if log_path else None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import grp
+import inspect
 import json
 import math
 import os
@@ -52,8 +53,6 @@ HTTP_UPSTREAM = "triton_http"
 GRPC_UPSTREAM = "triton_grpc"
 BALANCE = {"round_robin": "", "least_conn": "least_conn;", "random": "random two least_conn;"}
 DEFAULT_STOP_GRACE_S = 2.0
-# nginx_config's keywords an NginxServer passes on as they are (``NginxServer.options``)
-OPTIONS = ("client_max_body_size", "rate_limit_rps", "rate_burst", "balance", "keepalive", "workers", "proxy_timeout_s")
 _KEY = re.compile(r"[A-Za-z0-9_-]{8,256}")  # what a map key may hold unquoted: no '~' (regex), space, '$' or quote
 _SIZE = re.compile(r"(\d+)([kKmMgG]?)")
 
@@ -453,6 +452,12 @@ _FIXES: list[tuple[str, str]] = [
 _NGINX_MSG = re.compile(r"\[(emerg|alert|crit|error)\] (?:\d+#\d+: )?(.*?)(?: in (\S+):(\d+))?\s*$", re.M)
 
 
+# nginx_config's keywords an NginxServer passes on as they are (``NginxServer.options``) -> their defaults; the
+# others are the server's own (its ports, backends, keys, blocks and their line spans)
+_OWN = {"http_port", "grpc_port", "status_port", "host", "api_keys", "upstream_block", "grpc_upstream_block",
+        "generation", "block_lines"}
+OPTIONS = {k: p.default for k, p in inspect.signature(nginx_config).parameters.items()
+           if p.kind is p.KEYWORD_ONLY and k not in _OWN}
 def _explain(stderr: str, text: str, spans: dict[str, tuple[int, int]] | None = None, *,
              what: str = "the config") -> NginxConfigError:
     """``nginx -t``'s complaint as a ``NginxConfigError``: its words, the line (of the hand-written block when it is
@@ -843,7 +848,7 @@ class NginxServer(OwnedServer, HttpGrpcEndpoints):
         path = self.access_log_path
         if self.alive():
             http_ok(f"http://{self.host}:{self.status_port}/generation", timeout_s=2.0)
-            if int(self.options.get("workers", 1)) > 1:
+            if int(self.options.get("workers", OPTIONS["workers"])) > 1:
                 size, deadline = -1, time.monotonic() + 1.0
                 while time.monotonic() < deadline and (now := path.stat().st_size if path.exists() else 0) != size:
                     size = now

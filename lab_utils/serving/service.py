@@ -109,7 +109,7 @@ class Service:
     def start(self) -> Service:
         """Build, start and wait for every part; on any failure stop what was started and raise with its log."""
         with self._lock:
-            if self.servers and all(s.alive() for s in self.servers):
+            if self.servers and all(s.alive() and not s.crashed() for s in self.servers):
                 return self
             stop_at_exit(self)
             try:
