@@ -368,7 +368,7 @@ def run_student(
         except BaseException as e:  # judged below (a StudentTimeout too, where the alarm fired outside it)
             err = e
     else:
-        worker = StudentThread(fn, *args, name=f"student {what or 'code'}", **kwargs)
+        worker = StudentThread(functools.partial(fn, *args, **kwargs), name=f"student {what or 'code'}")
         worker.thread.join(timeout_s)
         if worker.thread.is_alive():
             raise timed_out(worker.interrupt())

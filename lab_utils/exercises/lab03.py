@@ -27,7 +27,6 @@ from lab_utils.exercises.framework import (
     amended,
     choice,
     close_to,
-    fastest_ratio,
     integer,
     items,
     patched,
@@ -266,7 +265,10 @@ def _ort_levels(fn: Any, fx: _Digits, onnx_path: Path, x: Any) -> dict[str, floa
                         "are ready, so the host clock times it: device='cpu'.")
         bench = functools.partial(benchmark, functools.partial(session.run, None, {name: x}), warmup=2, device="cpu",
                                   reps=max(5, min(timing.reps, 20)), name="reference")  # the check's own timing
-        fastest = timing.min_ms / fastest_ratio(lambda t=timing: t.min_ms, lambda b=bench: b().min_ms, (1 / 3, 3), 3)
+        refs = [bench().min_ms]  # measured again only while yours looks too fast: a slow machine moment
+        while len(refs) < 3 and timing.min_ms < min(refs) / 3:
+            refs.append(bench().min_ms)
+        fastest = min(refs)
         if timing.min_ms < fastest / 3:
             raise Wrong(f"{call}: your timing says {timing.min_ms:.3f} ms per run at its fastest, "
                         f"{fastest / timing.min_ms:.0f}x less than session.run takes at its fastest "
