@@ -3,6 +3,8 @@ stability rule, client processes, and a server killed mid-load (errors counted, 
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import signal
 import sys
@@ -219,6 +221,14 @@ p50 latency,p90 latency,p95 latency,p99 latency,Avg latency,request/response,res
 4,912.4,912.4,17,980,402,33,2810,20,0,0,5,4310,4702,4866,5390,4381,22,4344
 """
 
+# --request-rate-range 3000 --request-distribution poisson against an ensemble through nginx: the first column is the
+# offered rate; the server columns stay empty (the ensemble's steps carry them).
+PA_CSV_OPEN = """\
+Request Rate,Inferences/Second,Client Send,Network+Server Send/Recv,Server Queue,Server Compute Input,\
+Server Compute Infer,Server Compute Output,Client Recv,p50 latency,p90 latency,p95 latency,p99 latency
+3000,2991.3,61,,,,,,9,12210,31502,52104,88311
+"""
+
 
 def test_parse_perf_analyzer_csv():
     rows = triton_load.parse_perf_analyzer_csv(PA_CSV, "perf_analyzer -m mlp")
@@ -235,8 +245,11 @@ def test_parse_perf_analyzer_csv():
     assert v.concurrency == 4 and v.avg_ms == pytest.approx(4.381) and v.server_queue_us == 402
     header = PA_CSV.splitlines()[0]
     assert triton_load.parse_perf_analyzer_csv(header) == []  # nothing stable: perf_analyzer writes no row
-    with pytest.raises(ValueError, match="Concurrency"):
-        triton_load.parse_perf_analyzer_csv("Request Rate,Inferences/Second\n100,99.5\n")
+    with pytest.raises(ValueError, match="Concurrency or Request Rate"):
+        triton_load.parse_perf_analyzer_csv("Batch,Inferences/Second\n100,99.5\n")
+    (o,) = triton_load.parse_perf_analyzer_csv(PA_CSV_OPEN)
+    assert o.request_rate == 3000 and o.concurrency == 0 and o.throughput_infer_s == pytest.approx(2991.3)
+    assert o.p95_ms == pytest.approx(52.104) and o.server_queue_us is None  # an ensemble: its steps hold the split
     with pytest.raises(ValueError, match="p95 latency"):
         triton_load.parse_perf_analyzer_csv("Concurrency,Inferences/Second,Client Send,Client Recv\n1,2,3,4\n")
 
@@ -302,3 +315,34 @@ print("args:", " ".join(args))
     broken = _fake_perf_analyzer(tmp_path, "import sys\nprint('error: failed to connect')\nsys.exit(99)\n", "broken")
     with pytest.raises(triton_load.PerfAnalyzerError, match="(?s)exited with code 99 and wrote no report.*connect"):
         triton_load.run_perf_analyzer("mlp", "127.0.0.1:8001", 8, binary=str(broken), extensions=2)
+
+
+def test_perf_analyzer_in_an_open_loop_sends_the_targets_requests(tmp_path, monkeypatch):
+    """Open loop through nginx: the rate, Poisson arrivals, the API key header over HTTP, and the payloads written as
+    --input-data that Triton's own deserializer reads back byte for byte (a stand-in checks them; the GPU runner's
+    lab 07 runs the real one)."""
+    from tritonclient.utils import deserialize_bytes_tensor
+
+    photos = [b"\xff\xd8jpeg-one\xff\xd9", b"\xff\xd8a longer jpeg two\x00\xff\xd9"]
+    payloads = [{"IMAGE": np.array([[p]], dtype=object)} for p in photos]
+    seen = tmp_path / "seen.json"
+    fake = _fake_perf_analyzer(tmp_path, f"""import shutil, sys
+args = sys.argv[1:]
+shutil.copy(args[args.index("--input-data") + 1], {str(seen)!r})
+open(args[args.index("-f") + 1], "w").write({PA_CSV_OPEN!r})
+""")
+    r = triton_load.run_perf_analyzer("svc", "http://127.0.0.1:8080", request_rate=3000, payloads=payloads,
+                                      headers={"X-API-Key": "k1"}, protocol="http", binary=str(fake))
+    assert r.request_rate == 3000 and r.p95_ms == pytest.approx(52.104)
+    assert "-i http" in r.command and "-H X-API-Key:k1" in r.command and "--input-data input.json" in r.command
+    assert r.command.endswith("--request-rate-range 3000 --request-distribution poisson --async --max-threads 16")
+    data = json.loads(seen.read_text())["data"]
+    got = [deserialize_bytes_tensor(base64.b64decode(d["IMAGE"]["content"]["b64"]))[0] for d in data]
+    assert got == photos and all(d["IMAGE"]["shape"] == [1] for d in data)
+    numbers = triton_load.perf_analyzer_input_data(tmp_path / "n.json", [{"X": np.arange(6.0).reshape(1, 2, 3)}])
+    assert json.loads(open(numbers).read())["data"][0]["X"] == {"content": [0.0, 1.0, 2.0, 3.0, 4.0, 5.0],
+                                                                 "shape": [2, 3]}
+    with pytest.raises(ValueError, match="only over HTTP"):
+        triton_load.perf_analyzer_command("svc", "h:1", request_rate=10, headers={"X-API-Key": "k"})
+    with pytest.raises(ValueError, match="concurrencies .* or request_rate"):
+        triton_load.perf_analyzer_command("svc", "h:1")

@@ -9,6 +9,7 @@ Design notes: docs/internals.md#lab_utilsservingloadpy
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 import math
@@ -537,16 +538,22 @@ PERF_ANALYZER_INSTALL = "pip install perf-analyzer"
 PERF_ANALYZER_IMAGE = "the NGC tritonserver:<yy.mm>-py3-sdk image"
 
 
-def perf_analyzer_command(model: str, url: str, concurrencies: Sequence[int], *, protocol: str = "grpc",
+def perf_analyzer_command(model: str, url: str, concurrencies: Sequence[int] = (), *, protocol: str = "grpc",
                           shape: str | None = None, window_ms: int = 5000, stability_pct: int = 10,
                           percentile: int | None = 95, max_trials: int | None = None,
-                          csv_path: str | None = None) -> str:
+                          csv_path: str | None = None, request_rate: float | None = None,
+                          input_data: str | None = None, headers: Mapping[str, str] | None = None) -> str:
     """The ``perf_analyzer`` command measuring what ``sweep`` does (``-f csv_path`` writes its CSV report).
 
     ``percentile=None`` stabilises on the average latency, as ``run_load`` does; a percentile stabilises on it.
+    ``request_rate`` (requests/s) measures an open loop instead, as ``openloop.run_open_loop`` does (Poisson
+    arrivals); ``input_data`` is a JSON file from ``perf_analyzer_input_data``; ``headers`` go with every HTTP
+    request (perf_analyzer sends none over gRPC, so nginx's API key needs ``protocol="http"``).
     """
-    steps = sorted(set(concurrencies))
-    diffs = {b - a for a, b in zip(steps, steps[1:], strict=False)}
+    if request_rate is None and not concurrencies:
+        raise ValueError("perf_analyzer_command needs concurrencies (a closed loop) or request_rate (an open loop)")
+    if headers and protocol != "http":
+        raise ValueError(f"perf_analyzer sends headers only over HTTP, not {protocol}: pass protocol='http'")
     common = (f"-m {model} -u {host_port(url)} -i {protocol} --measurement-interval {window_ms} "
               f"--stability-percentage {stability_pct}")
     if percentile is not None:
@@ -555,8 +562,16 @@ def perf_analyzer_command(model: str, url: str, concurrencies: Sequence[int], *,
         common += f" --max-trials {max_trials}"
     if shape:
         common += f" --shape {shape}"
+    if input_data:
+        common += f" --input-data {input_data}"
+    common += "".join(f" -H {k}:{v}" for k, v in (headers or {}).items())
     if csv_path:
         common += f" -f {csv_path}"
+    if request_rate is not None:  # async: a synchronous sender blocks per request and falls behind the schedule
+        return (f"perf_analyzer {common} --request-rate-range {request_rate:g} --request-distribution poisson "
+                "--async --max-threads 16")
+    steps = sorted(set(concurrencies))
+    diffs = {b - a for a, b in zip(steps, steps[1:], strict=False)}
     if len(diffs) <= 1:  # an arithmetic sweep is one range
         step = diffs.pop() if diffs else 1
         return f"perf_analyzer {common} --concurrency-range {steps[0]}:{steps[-1]}:{step}"
@@ -606,9 +621,10 @@ def perf_analyzer_status(timeout_s: float = 30.0) -> PerfAnalyzerStatus:
 
 @dataclass
 class PerfAnalyzerResult:
-    """One concurrency measured by perf_analyzer (its CSV report; latencies converted from µs to ms)."""
+    """One concurrency (or, open loop, one request rate) measured by perf_analyzer (its CSV report; latencies
+    converted from µs to ms)."""
 
-    concurrency: int
+    concurrency: int  # 0 in an open loop
     throughput_infer_s: float
     p50_ms: float
     p90_ms: float
@@ -623,6 +639,7 @@ class PerfAnalyzerResult:
     server_compute_output_us: float | None
     client_recv_us: float
     command: str = ""
+    request_rate: float | None = None  # requests/s offered, open loop only
 
     def to_row(self) -> dict[str, Any]:
         """The same keys as ``LoadResult.to_row`` where they mean the same."""
@@ -640,8 +657,8 @@ _PA_COLUMNS = {
 def parse_perf_analyzer_csv(text: str, command: str = "") -> list[PerfAnalyzerResult]:
     """The rows of perf_analyzer's ``-f`` CSV report, by concurrency (the file sorts them by throughput).
 
-    Columns, as perf_analyzer's report writer emits them: ``Concurrency`` (or ``Request Rate``: refused here,
-    the course measures closed loops), ``Inferences/Second``, ``Client Send``, then with server statistics
+    Columns, as perf_analyzer's report writer emits them: ``Concurrency`` (or ``Request Rate`` in an open loop),
+    ``Inferences/Second``, ``Client Send``, then with server statistics
     ``Network+Server Send/Recv, Server Queue, Server Compute Input/Infer/Output`` (and ``Server Cache Hit/Miss``
     when the response cache is on), ``Client Recv``, ``p50/p90/p95/p99 latency``; with ``--verbose-csv`` also
     ``Avg latency`` (no ``--percentile``), ``request/response``, ``response wait`` and GPU metrics. Times are µs.
@@ -651,37 +668,64 @@ def parse_perf_analyzer_csv(text: str, command: str = "") -> list[PerfAnalyzerRe
 
     reader = csv.DictReader(io.StringIO(text.strip()))
     fields = reader.fieldnames or []
-    if "Concurrency" not in fields:
-        raise ValueError("not a perf_analyzer concurrency report: the first column should be Concurrency, got "
+    load = next((c for c in ("Concurrency", "Request Rate") if c in fields), None)
+    if load is None:
+        raise ValueError("not a perf_analyzer report: the first column should be Concurrency or Request Rate, got "
                          f"{fields[:1] or 'an empty file'}")
     missing = [c for c in ("Inferences/Second", "Client Send", "Client Recv", "p95 latency") if c not in fields]
     if missing:
         raise ValueError(f"perf_analyzer CSV without the columns {missing} (it has {fields})")
     rows = []
     for raw in reader:
-        if not raw.get("Concurrency"):
+        if not raw.get(load):
             continue
         values: dict[str, Any] = {k: None for k in _PA_COLUMNS.values()}
         for col, key in _PA_COLUMNS.items():
             if raw.get(col) not in (None, ""):
                 values[key] = float(raw[col])
-        values["concurrency"] = int(float(raw["Concurrency"]))
+        values["concurrency"] = int(float(raw["Concurrency"])) if load == "Concurrency" else 0
+        values["request_rate"] = float(raw[load]) if load == "Request Rate" else None
         for p in (50, 90, 95, 99):
             values[f"p{p}_ms"] = float(raw[f"p{p} latency"]) / 1e3 if raw.get(f"p{p} latency") else float("nan")
         values["avg_ms"] = float(raw["Avg latency"]) / 1e3 if raw.get("Avg latency") else None
         rows.append(PerfAnalyzerResult(command=command, **values))
-    return sorted(rows, key=lambda r: r.concurrency)
+    return sorted(rows, key=lambda r: (r.concurrency, r.request_rate or 0.0))
+
+
+def perf_analyzer_input_data(path: str | os.PathLike[str], payloads: Sequence[Mapping[str, np.ndarray]]) -> str:
+    """Write ``payloads`` (one request each, batch dimension first) as perf_analyzer's ``--input-data`` JSON, which
+    it sends in turn. A BYTES tensor goes as base64 of its wire form (each element a 4-byte little-endian length,
+    then its bytes); numbers as a flat list. Returns ``path``."""
+    from tritonclient.utils import np_to_triton_dtype, serialize_byte_tensor
+
+    def tensor(arr: np.ndarray) -> dict[str, Any]:
+        shape = list(arr.shape[1:])  # perf_analyzer adds the batch dimension itself
+        if np_to_triton_dtype(arr.dtype) == "BYTES":
+            wire = serialize_byte_tensor(arr).item()  # one bytes object: the whole tensor on the wire
+            return {"content": {"b64": base64.b64encode(wire).decode("ascii")}, "shape": shape}
+        return {"content": arr.reshape(-1).tolist(), "shape": shape}
+
+    if not payloads:
+        raise ValueError("perf_analyzer_input_data needs at least one payload")
+    data = [{name: tensor(np.asarray(arr)) for name, arr in p.items()} for p in payloads]
+    with open(path, "w") as f:
+        json.dump({"data": data}, f)
+    return os.fspath(path)
 
 
 class PerfAnalyzerError(RuntimeError):
     """perf_analyzer ran but measured nothing usable; the message carries its own words."""
 
 
-def run_perf_analyzer(model: str, url: str, concurrency: int, *, protocol: str = "grpc", window_ms: int = 5000,
+def run_perf_analyzer(model: str, url: str, concurrency: int | None = None, *, request_rate: float | None = None,
+                      payloads: Sequence[Mapping[str, np.ndarray]] | None = None,
+                      headers: Mapping[str, str] | None = None, protocol: str = "grpc", window_ms: int = 5000,
                       stability_pct: int = 10, max_trials: int = 10, shape: str | None = None,
                       timeout_s: float | None = None, binary: str | None = None, extensions: int = 0,
                       extension_trials: int = 6) -> PerfAnalyzerResult:
-    """Run perf_analyzer at one concurrency (stabilising on the average latency, as ``run_load``) and parse its CSV.
+    """Run perf_analyzer at one concurrency (stabilising on the average latency, as ``run_load``), or open loop at
+    one ``request_rate`` (requests/s), and parse its CSV. ``payloads``: the requests to send in turn (default:
+    random data), e.g. an open-loop target's; ``headers``: HTTP only (nginx's API key).
 
     Without a stable measurement perf_analyzer writes no row; it is then run again with a measurement interval
     twice as long, up to ``extensions`` times (``extension_trials`` windows each), as ``steps.measure`` does.
@@ -691,14 +735,21 @@ def run_perf_analyzer(model: str, url: str, concurrency: int, *, protocol: str =
     binary = binary or find_perf_analyzer()
     if binary is None:
         raise PerfAnalyzerError(str(perf_analyzer_status()))
-    for attempt in range(1 + max(0, extensions)):
-        try:
-            return _perf_analyzer_once(binary, model, url, concurrency, protocol, window_ms, stability_pct,
-                                       max_trials, shape, timeout_s)
-        except _Unstable as err:
-            if attempt == max(0, extensions):
-                raise PerfAnalyzerError(str(err)) from None
-            window_ms, max_trials = 2 * window_ms, extension_trials
+    with temporary_folder("perf-analyzer") as tmp:
+        opts: dict[str, Any] = {"protocol": protocol, "shape": shape, "stability_pct": stability_pct,
+                                "percentile": None, "request_rate": request_rate, "headers": headers,
+                                "csv_path": str(tmp / "perf.csv"), "input_data": None if payloads is None else
+                                perf_analyzer_input_data(tmp / "input.json", payloads)}
+        steps = [] if concurrency is None else [concurrency]
+        for attempt in range(1 + max(0, extensions)):
+            command = perf_analyzer_command(model, url, steps, window_ms=window_ms, max_trials=max_trials, **opts)
+            limit = timeout_s if timeout_s is not None else 60 + 3 * max_trials * window_ms / 1e3
+            try:
+                return _perf_analyzer_once([binary, *command.split()[1:]], command, limit, tmp)
+            except _Unstable as err:
+                if attempt == max(0, extensions):
+                    raise PerfAnalyzerError(str(err)) from None
+                window_ms, max_trials = 2 * window_ms, extension_trials
     raise AssertionError("unreachable")
 
 
@@ -706,28 +757,22 @@ class _Unstable(Exception):
     pass
 
 
-def _perf_analyzer_once(binary: str, model: str, url: str, concurrency: int, protocol: str, window_ms: int,
-                        stability_pct: int, max_trials: int, shape: str | None,
-                        timeout_s: float | None) -> PerfAnalyzerResult:
-    with temporary_folder("perf-analyzer") as tmp:
-        csv_path = str(tmp / "perf.csv")
-        command = perf_analyzer_command(model, url, [concurrency], protocol=protocol, shape=shape,
-                                        window_ms=window_ms, stability_pct=stability_pct, percentile=None,
-                                        max_trials=max_trials, csv_path=csv_path)
-        argv = [binary, *command.split()[1:]]
-        limit = timeout_s if timeout_s is not None else 60 + 3 * max_trials * window_ms / 1e3
-        proc = popen_owned(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        try:
-            output, _ = proc.communicate(timeout=limit)
-        except subprocess.TimeoutExpired:
-            stop_group(proc, grace_s=1.0)
-            raise PerfAnalyzerError(f"perf_analyzer did not finish within {limit:g} s: {command}") from None
-        last = "\n".join(output.strip().splitlines()[-8:])
-        shown = command.replace(f" -f {csv_path}", " -f perf.csv")
-        rows = []
-        if os.path.exists(csv_path):
-            with open(csv_path) as f:
-                rows = parse_perf_analyzer_csv(f.read(), shown)
+def _perf_analyzer_once(argv: list[str], command: str, limit: float, tmp: Any) -> PerfAnalyzerResult:
+    csv_path = str(tmp / "perf.csv")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(csv_path)  # an earlier, unstable attempt's report
+    proc = popen_owned(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        output, _ = proc.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        stop_group(proc, grace_s=1.0)
+        raise PerfAnalyzerError(f"perf_analyzer did not finish within {limit:g} s: {command}") from None
+    last = "\n".join(output.strip().splitlines()[-8:])
+    shown = command.replace(f" -f {csv_path}", " -f perf.csv").replace(f" --input-data {tmp}/", " --input-data ")
+    rows = []
+    if os.path.exists(csv_path):
+        with open(csv_path) as f:
+            rows = parse_perf_analyzer_csv(f.read(), shown)
     if rows:
         return rows[0]
     if "stable measurement" in output:
@@ -737,4 +782,5 @@ def _perf_analyzer_once(binary: str, model: str, url: str, concurrency: int, pro
 
 __all__ = ["run_load", "sweep", "LoadResult", "Window", "WrongAnswer", "model_stats", "server_split",
            "perf_analyzer_command", "perf_analyzer_status", "PerfAnalyzerStatus", "PerfAnalyzerResult",
-           "PerfAnalyzerError", "parse_perf_analyzer_csv", "run_perf_analyzer", "PROTOCOLS"]
+           "PerfAnalyzerError", "parse_perf_analyzer_csv", "perf_analyzer_input_data", "run_perf_analyzer",
+           "PROTOCOLS"]
