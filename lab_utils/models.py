@@ -15,7 +15,7 @@ import functools
 import importlib.util
 import io
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -160,6 +160,46 @@ class BottleneckResNet(nn.Module):
 def make_digits_cnn(width: int = 32) -> DigitsCNN:
     """The digits CNN (about 0.3 M parameters at width 32)."""
     return DigitsCNN(check_int(width, "width", "make_digits_cnn"))
+
+
+def fit_digits_cnn(x: torch.Tensor, y: torch.Tensor, *, epochs: int, lr: float, seed: int, width: int,
+                   batch_size: int, momentum: float = 0.9, val: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   on_epoch: Callable[[dict[str, float]], None] | None = None
+                   ) -> tuple[DigitsCNN, list[dict[str, float]]]:
+    """Train a seeded ``DigitsCNN`` on normalized images ``x`` (N, 1, 8, 8) and labels ``y``: SGD with momentum,
+    cross-entropy, on the CPU with one thread (seconds). Returns the model in eval mode and, with ``val`` =
+    (images, labels), one row per epoch: ``train_loss``, ``val_loss``, ``val_accuracy`` (0..1), each passed to
+    ``on_epoch``; without ``val``, no rows."""
+    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a 0.15 M-parameter CNN: more threads only add synchronisation (10x slower on a busy CPU)
+    model = make_digits_cnn(width)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    history: list[dict[str, float]] = []
+    try:
+        for epoch in range(1, epochs + 1):
+            model.train()
+            total = 0.0
+            for idx in torch.randperm(len(y), generator=gen).split(batch_size):
+                opt.zero_grad(set_to_none=True)
+                loss = nn.functional.cross_entropy(model(x[idx]), y[idx])
+                loss.backward()
+                opt.step()
+                total += loss.item() * len(idx)
+            if val is None:
+                continue
+            model.eval()
+            with torch.no_grad():
+                logits = model(val[0])
+            row = {"epoch": epoch, "train_loss": total / len(y), "val_loss": float(nn.functional.cross_entropy(
+                logits, val[1])), "val_accuracy": float((logits.argmax(1) == val[1]).float().mean())}
+            history.append(row)
+            if on_epoch is not None:
+                on_epoch(row)
+    finally:
+        torch.set_num_threads(threads)
+    return model.eval(), history
 
 
 def resnet_blocks(depth: int | Sequence[int]) -> tuple[int, ...]:

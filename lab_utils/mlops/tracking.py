@@ -279,9 +279,8 @@ def train_digits(x_train: np.ndarray, y_train: np.ndarray, x_val: np.ndarray, y_
 
     ``history``: per epoch ``train_loss``, ``val_loss``, ``val_accuracy`` (0..1); ``on_epoch(row)`` after each."""
     import torch
-    from torch import nn
 
-    from lab_utils.models import make_digits_cnn  # lazy: pulls torch
+    from lab_utils.models import fit_digits_cnn  # lazy: pulls torch
 
     for v, name in ((epochs, "epochs"), (batch_size, "batch_size"), (width, "width")):
         if not (isinstance(v, int) and v >= 1):
@@ -296,41 +295,11 @@ def train_digits(x_train: np.ndarray, y_train: np.ndarray, x_val: np.ndarray, y_
     params = {"epochs": epochs, "lr": float(lr), "seed": seed, "width": width, "batch_size": batch_size,
               "optimizer": "SGD(momentum=0.9)", "train_images": len(y_train), "val_images": len(y_val),
               "norm_mean": float(mean), "norm_std": float(std)}
-    torch.manual_seed(seed)
-    gen = torch.Generator().manual_seed(seed)
     xt = torch.from_numpy((x_train[:, None] - mean) / std)
-    yt = torch.from_numpy(y_train)
     xv = torch.from_numpy((x_val[:, None] - mean) / std)
-    yv = torch.from_numpy(y_val)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a 0.15 M-parameter CNN: more threads only add synchronisation
-    model = make_digits_cnn(width)
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    history: list[dict[str, float]] = []
     t0 = time.perf_counter()
-    try:
-        for epoch in range(1, epochs + 1):
-            model.train()
-            total, count = 0.0, 0
-            for idx in torch.randperm(len(yt), generator=gen).split(batch_size):
-                opt.zero_grad(set_to_none=True)
-                loss = nn.functional.cross_entropy(model(xt[idx]), yt[idx])
-                loss.backward()
-                opt.step()
-                total += loss.item() * len(idx)
-                count += len(idx)
-            model.eval()
-            with torch.no_grad():
-                logits = model(xv)
-                val_loss = float(nn.functional.cross_entropy(logits, yv))
-                acc = float((logits.argmax(1) == yv).float().mean())
-            row = {"epoch": epoch, "train_loss": total / count, "val_loss": val_loss, "val_accuracy": acc}
-            history.append(row)
-            if on_epoch is not None:
-                on_epoch(row)
-    finally:
-        torch.set_num_threads(threads)
-    model.eval()
+    model, history = fit_digits_cnn(xt, torch.from_numpy(y_train), epochs=epochs, lr=lr, seed=seed, width=width,
+                                    batch_size=batch_size, val=(xv, torch.from_numpy(y_val)), on_epoch=on_epoch)
     return TrainResult(model, history, params, dataset_sha256(x_train, y_train), dataset_sha256(x_val, y_val),
                        time.perf_counter() - t0)
 
