@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -27,24 +28,24 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: {message} (see `{self.prog} --help`)\n")
 
 
-def _port(text: str) -> int:
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number: give an integer from 1 to 65535") from None
-    if not 1 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"{port} is out of range: a port is an integer from 1 to 65535")
-    return port
+def _int_in(low: int, high: int | None, what: str) -> Callable[[str], int]:
+    """An argparse type: a whole number in ``low..high`` (no upper bound when None), else one line saying so."""
+    rule = f"{what}: give an integer from {low} to {high}" if high else f"give a whole number greater than {low - 1}"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}; {rule}") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"{value} is out of range; {rule}")
+        return value
+
+    return parse
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number: give one greater than 0") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{value} is not allowed: give a whole number greater than 0")
-    return value
+_port = _int_in(1, 65535, "a port number")
+_positive_int = _int_in(1, None, "a whole number")
 
 
 def _fail(command: str, why: Any, code: int = 2) -> int:
