@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import os
 import platform
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -262,3 +263,25 @@ def cuda_graph(fn: Callable[[], Any], warmup: int = 3) -> tuple[Any, Any]:
     with torch.cuda.graph(graph):
         out = fn()
     return graph, out
+
+
+class Ticks:
+    """A ``progress`` hook driven by events instead of a loop: ``step()`` advances it by one, ``close()`` ends it.
+
+    The hook wraps an iterable and counts an item when its loop comes back for the next one; so the bar is primed
+    with one item, each ``step()`` takes the next, and ``close()`` ends the loop. ``progress`` None: no display."""
+
+    def __init__(self, progress: Callable[..., Iterable[Any]] | None, total: int, desc: str):
+        self._it: Iterator[Any] | None = None
+        if progress is not None:
+            self._it = iter(progress(itertools.count(), total=total, desc=desc))  # ends on close(), not on a count
+            next(self._it, None)
+
+    def step(self, _what: str = "") -> None:
+        if self._it is not None:
+            next(self._it, None)
+
+    def close(self) -> None:
+        it, self._it = self._it, None
+        if it is not None and hasattr(it, "close"):
+            it.close()  # a generator's: tqdm's bar ends, the headless hook prints its line

@@ -169,7 +169,7 @@ def write_classifier_version(repo: str | Path, version: int, *, epochs: int = 4,
     ``model.py``. The config is left as it is (see ``set_served_versions``). Returns the training facts
     (``accuracy`` in-process on the held-out digits), with ``version`` and ``export_s``."""
     model_dir = Path(repo) / name
-    backend, engine = _classifier_backend(model_dir), _classifier_engine(model_dir)
+    backend, engine = _classifier_kind(model_dir)
     facts: dict[str, Any] = {}
     if model is None:
         model, facts = train_classifier(epochs=epochs, seed=version - 1 if seed is None else seed)
@@ -201,19 +201,17 @@ def set_served_versions(repo: str | Path, versions: Sequence[int] | None, *, nam
     return triton_repo.write_config(model_dir, cfg, gpus=gpus)
 
 
-def _classifier_backend(model_dir: Path) -> str:
+def _classifier_kind(model_dir: Path) -> tuple[str, str]:
+    """The classifier's (backend, engine): ``python`` or ``onnxruntime``, and the python backend's ``engine``
+    parameter (``onnxruntime`` for Triton's onnxruntime backend)."""
     cfg_path = model_dir / "config.pbtxt"
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{cfg_path} does not exist: build the repository first (build_service_repository)")
     cfg = triton_repo.parse_config(cfg_path.read_text())
-    return "python" if cfg.backend == "python" else "onnxruntime"
-
-
-def _classifier_engine(model_dir: Path) -> str:
-    """The python classifier's ``engine`` parameter (``onnxruntime`` for Triton's onnxruntime backend)."""
-    cfg = triton_repo.parse_config((model_dir / "config.pbtxt").read_text())
+    if cfg.backend != "python":
+        return "onnxruntime", "onnxruntime"
     engine = cfg.parameters["engine"].string_value if "engine" in cfg.parameters else ""
-    return engine if cfg.backend == "python" and engine in CLASSIFIER_ENGINES else "onnxruntime"
+    return "python", engine if engine in CLASSIFIER_ENGINES else "onnxruntime"
 
 
 def resolve_engine(engine: str | None, backend: str, gpus: int = 0) -> str:

@@ -29,6 +29,7 @@ from lab_utils.serving import nginx as nginx_mod
 from lab_utils.serving import openloop
 from lab_utils.serving.openloop import TritonTarget
 from lab_utils.serving.server import TritonServer, find_server
+from lab_utils.timing import Ticks
 
 RATE_LIMIT_RPS = 5000  # per client address: above what the servers can take, so only a flood meets it (a limit
 # at the capacity would make every capacity search measure nginx's limit instead of the servers)
@@ -327,7 +328,6 @@ def hot_update(svc: Service, new_version: int = 2, *, rate_rps: float = 100.0, d
     gRPC by default: a reload's retired workers close idle connections, which HTTP/2 announces (GOAWAY) while an
     HTTP/1.1 keep-alive request meets a reset (measured: 1 in 2,553 over four reloads). ``progress``: a hook such
     as ``lab_utils.widgets.progress``, advanced once per step (None: no display)."""
-    import itertools
 
     repo = svc.repo
     if repo is None or not svc.alive():
@@ -343,17 +343,12 @@ def hot_update(svc: Service, new_version: int = 2, *, rate_rps: float = 100.0, d
     t0 = time.perf_counter()
     stop = threading.Event()
 
-    # the steps are events, not a loop: the hook's iterator is primed with one item and each step takes the next
-    # (a hook counts an item when its loop comes back for the next one); closed once the load has ended
-    n_steps = 5 if svc.lb is not None and len(svc.servers) > 1 else 2
-    ticks = iter(progress(itertools.count(), total=n_steps, desc="hot update")) if progress is not None else None
-    if ticks is not None:
-        next(ticks, None)
+    # the steps are events, not a loop (closed once the load has ended)
+    ticks = Ticks(progress, 5 if svc.lb is not None and len(svc.servers) > 1 else 2, "hot update")
 
     def step(what: str) -> None:
         steps.append({"t_s": time.perf_counter() - t0, "step": what})
-        if ticks is not None:
-            next(ticks, None)
+        ticks.step()
 
     def sampler() -> None:
         while not stop.is_set():
@@ -398,9 +393,7 @@ def hot_update(svc: Service, new_version: int = 2, *, rate_rps: float = 100.0, d
         load.thread.join()
         stop.set()
         th_samp.join(timeout=5)
-        close = getattr(ticks, "close", None)
-        if close is not None:
-            close()
+        ticks.close()
     result = load.get()
     frame = pd.DataFrame(samples).fillna(0.0)
     cols = [c for c in frame.columns if c != "t_s"]
