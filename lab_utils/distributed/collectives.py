@@ -283,10 +283,7 @@ def _check_sizes(sizes: Any, where: str) -> list[int]:
         sizes = [sizes]
     if not (sizes := list(sizes)):
         raise ValueError(f"{where}(sizes_bytes=[]): give at least one size in bytes")
-    for s in sizes:
-        if isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 1:
-            raise ValueError(f"{where}(sizes_bytes={sizes!r}): each size must be a positive integer (bytes), got {s!r}")
-    return [int(s) for s in sizes]
+    return [check_int(s, f"sizes_bytes[{i}]", where) for i, s in enumerate(sizes)]
 
 
 def collective_sweep(nprocs: int, sizes_bytes: Sequence[int] | None = None, collectives: Sequence[str] = COLLECTIVES,
