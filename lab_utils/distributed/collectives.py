@@ -164,10 +164,6 @@ def collective_call(collective: str, inp: torch.Tensor, out: torch.Tensor) -> Ca
     raise ValueError(f"collective_call(collective={collective!r}): valid names are {list(COLLECTIVES)}")
 
 
-def _is_unsupported(exc: BaseException) -> bool:
-    return isinstance(exc, NotImplementedError) or bool(_UNSUPPORTED.search(str(exc)))
-
-
 def _max_over_ranks(value: float, device: str) -> float:
     t = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -216,7 +212,7 @@ def _bench_one(ctx: WorkerContext, collective: str, size: int, dtype: str, reps:
         problem = check_result(collective, out, rank, n) or ""
         code = 2 if problem else 0
     except Exception as exc:
-        if not _is_unsupported(exc):
+        if not (isinstance(exc, NotImplementedError) or _UNSUPPORTED.search(str(exc))):  # else: the backend refused
             raise
         code, problem = 1, f"{ctx.backend} refused it: {str(exc).strip().splitlines()[0]}"
     if (agreed := int(_max_over_ranks(code, dev))) == 2:
