@@ -164,10 +164,6 @@ def collective_call(collective: str, inp: torch.Tensor, out: torch.Tensor) -> Ca
     raise ValueError(f"collective_call(collective={collective!r}): valid names are {list(COLLECTIVES)}")
 
 
-def _is_unsupported(exc: BaseException) -> bool:
-    return isinstance(exc, NotImplementedError) or bool(_UNSUPPORTED.search(str(exc)))
-
-
 def _max_over_ranks(value: float, device: str) -> float:
     t = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -216,7 +212,7 @@ def _bench_one(ctx: WorkerContext, collective: str, size: int, dtype: str, reps:
         problem = check_result(collective, out, rank, n) or ""
         code = 2 if problem else 0
     except Exception as exc:
-        if not _is_unsupported(exc):
+        if not (isinstance(exc, NotImplementedError) or _UNSUPPORTED.search(str(exc))):  # else: the backend refused
             raise
         code, problem = 1, f"{ctx.backend} refused it: {str(exc).strip().splitlines()[0]}"
     if (agreed := int(_max_over_ranks(code, dev))) == 2:
@@ -283,10 +279,7 @@ def _check_sizes(sizes: Any, where: str) -> list[int]:
         sizes = [sizes]
     if not (sizes := list(sizes)):
         raise ValueError(f"{where}(sizes_bytes=[]): give at least one size in bytes")
-    for s in sizes:
-        if isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 1:
-            raise ValueError(f"{where}(sizes_bytes={sizes!r}): each size must be a positive integer (bytes), got {s!r}")
-    return [int(s) for s in sizes]
+    return [check_int(s, f"sizes_bytes[{i}]", where) for i, s in enumerate(sizes)]
 
 
 def collective_sweep(nprocs: int, sizes_bytes: Sequence[int] | None = None, collectives: Sequence[str] = COLLECTIVES,

@@ -177,16 +177,15 @@ class MatmulCase:
 def matmul_skip_reason(dtype: str, n: int, dev: str) -> str | None:
     """Why ``dtype`` cannot be measured at size ``n`` on ``dev``; ``None`` when it can."""
     cc = tuple(torch.cuda.get_device_capability(dev)) if _is_cuda(dev) else None
-    if dtype == "tf32":
+    needs = {"tf32": ((8, 0), "Ampere+", REASON_TF32_CPU), "fp8": ((8, 9), "Ada+", REASON_FP8_CPU)}
+    if dtype in needs:
+        least, arch, on_cpu = needs[dtype]
         if cc is None:
-            return REASON_TF32_CPU
-        if cc < (8, 0):
-            return f"TF32 needs compute capability >= 8.0 (Ampere+); {device_name(dev)} is {cc[0]}.{cc[1]}"
+            return on_cpu
+        if cc < least:
+            return (f"{dtype.upper()} needs compute capability >= {least[0]}.{least[1]} ({arch}); "
+                    f"{device_name(dev)} is {cc[0]}.{cc[1]}")
     if dtype == "fp8":
-        if cc is None:
-            return REASON_FP8_CPU
-        if cc < (8, 9):
-            return f"FP8 needs compute capability >= 8.9 (Ada+); {device_name(dev)} is {cc[0]}.{cc[1]}"
         if not (hasattr(torch, "float8_e4m3fn") and hasattr(torch, "_scaled_mm")):
             return f"this torch ({torch.__version__}) has no float8_e4m3fn / torch._scaled_mm"
         if n % 16:

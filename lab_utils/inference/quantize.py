@@ -144,10 +144,6 @@ def onnx_input(path: str | os.PathLike[str]) -> tuple[str, tuple[int | None, ...
     return inputs[0].name, shape, _ONNX_TO_NP.get(t.elem_type, np.float32)
 
 
-def _shape_text(shape: Sequence[int | None]) -> str:
-    return "(" + ", ".join("N" if d is None else str(d) for d in shape) + ")"
-
-
 def check_calibration_data(data: Any, onnx_path: str | os.PathLike[str], min_images: int = 1) -> np.ndarray:
     """``data`` as the array calibration will feed, or ``CalibrationDataError`` naming the expected shape and type.
 
@@ -156,7 +152,8 @@ def check_calibration_data(data: Any, onnx_path: str | os.PathLike[str], min_ima
     (or a torch tensor) with the model's input shape, the batch dimension first, and its dtype exactly
     (no silent casts: float64 pixels usually mean the preprocessing was skipped)."""
     name, shape, dtype = onnx_input(onnx_path)
-    expected = f"{_shape_text(shape)} {np.dtype(dtype).name if dtype is not None else 'bfloat16'}"
+    dims = ", ".join("N" if d is None else str(d) for d in shape)
+    expected = f"({dims}) {np.dtype(dtype).name if dtype is not None else 'bfloat16'}"
     if hasattr(data, "detach"):
         data = data.detach().cpu().numpy()
     if not isinstance(data, np.ndarray):

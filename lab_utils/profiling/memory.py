@@ -11,6 +11,7 @@ import json
 import pickle
 from collections import Counter
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -77,16 +78,13 @@ class Blocks(nn.Module):
             elif self.mode == "full":
                 x = x + checkpoint(blk, x, use_reentrant=False)
             else:
-                x = x + checkpoint(blk, x, use_reentrant=False, context_fn=_selective_contexts)
+                contexts = partial(create_selective_checkpoint_contexts, _policy)
+                x = x + checkpoint(blk, x, use_reentrant=False, context_fn=contexts)
         return x
 
 
 def _policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def _selective_contexts() -> Any:
-    return create_selective_checkpoint_contexts(_policy)
 
 
 def _train_fn(model: nn.Module, x: torch.Tensor) -> Callable[[], None]:

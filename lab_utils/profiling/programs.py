@@ -234,19 +234,19 @@ def _sync_program(variant: str, device: str, sz: Sizes, seed: int) -> Program:
     state: dict[str, torch.Tensor] = {}
     log = _LossLog(device, 50)
 
-    def planted() -> None:
+    def train_step() -> torch.Tensor:
         loss = loss_fn(model(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        log.read(loss)  # host waits for the GPU every step
+        return loss
+
+    def planted() -> None:
+        log.read(train_step())  # host waits for the GPU every step
         state["acc"] = (model(x[:8]).argmax(1) == y[:8]).float().mean().cpu()  # a second read-back
 
     def fixed() -> None:
-        loss = loss_fn(model(x), y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
+        loss = train_step()
         state["acc"] = (model(x[:8]).argmax(1) == y[:8]).float().mean()  # the same work, kept on the device
         log.add(loss)
 
