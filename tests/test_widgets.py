@@ -14,6 +14,7 @@ from lab_utils.course import specs
 from lab_utils.exercises import quiz
 from lab_utils.exercises.framework import Status
 from lab_utils.gpu import bench
+from lab_utils.timing import Ticks
 from lab_utils.widgets import core
 
 # --- the rule -------------------------------------------------------------------------------------------------
@@ -68,14 +69,14 @@ def test_progress_hooks_of_the_load_phases_the_drill_and_torch_paths(capsys):
     assert capsys.readouterr().out == ""
 
     # the drill's steps are events, not a loop: each recorded step advances the bar; it ends with the load
-    ticks = drills._Ticks(widgets.progress, total=3, desc="drill")
+    ticks = Ticks(widgets.progress, total=3, desc="drill")
     res = drills.DrillResult(on_step=ticks.step)
     for what in ("load started", "server killed", "live again"):
         res.step(what)
     ticks.close()
     ticks.close()  # twice is harmless
     assert "drill: 3 steps in " in capsys.readouterr().out and len(res.steps) == 3
-    drills._Ticks(None, total=3, desc="off").step()  # no hook: nothing
+    Ticks(None, total=3, desc="off").step()  # no hook: nothing
     assert capsys.readouterr().out == ""
 
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(4, 2))

@@ -19,7 +19,13 @@ from torch import nn
 
 from lab_utils.args import check_int
 from lab_utils.inference.compare import accuracy
-from lab_utils.models import RESNET50_BLOCKS, BottleneckResNet, DigitsCNN, digits_arrays, make_digits_cnn
+from lab_utils.models import (
+    RESNET50_BLOCKS,
+    BottleneckResNet,
+    DigitsCNN,
+    digits_arrays,
+    fit_digits_cnn,
+)
 
 # The digits CNN's training recipe (lab 02's DDP runs use the same CNN and split).
 DIGITS_EPOCHS = 4
@@ -85,24 +91,12 @@ def train_digits_cnn(epochs: int = DIGITS_EPOCHS, seed: int = 0, width: int = DI
     ``accuracy`` (test set, 357 images, fp32), ``train_s`` and the recipe."""
     check_int(epochs, "epochs", "train_digits_cnn")
     check_int(batch_size, "batch_size", "train_digits_cnn")
-    torch.manual_seed(seed)
-    gen = torch.Generator().manual_seed(seed)
     data = digits_arrays()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a 0.15 M-parameter CNN: more threads only add synchronisation (10x slower on a busy CPU)
-    x, y = torch.from_numpy(data["x_train"]), torch.from_numpy(data["y_train"])
-    model = make_digits_cnn(width)
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=DIGITS_MOMENTUM)
+    y = torch.from_numpy(data["y_train"])
     t0 = time.perf_counter()
-    model.train()
-    for _ in range(epochs):
-        for idx in torch.randperm(len(y), generator=gen).split(batch_size):
-            opt.zero_grad(set_to_none=True)
-            nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
-            opt.step()
+    model, _ = fit_digits_cnn(torch.from_numpy(data["x_train"]), y, epochs=epochs, lr=lr, seed=seed, width=width,
+                              batch_size=batch_size, momentum=DIGITS_MOMENTUM)
     train_s = time.perf_counter() - t0
-    torch.set_num_threads(threads)
-    model.eval()
     with torch.no_grad():
         logits = model(torch.from_numpy(data["x_test"])).numpy()
     facts = {"accuracy": accuracy(logits, data["y_test"]), "train_s": train_s, "epochs": epochs, "seed": seed,

@@ -7,13 +7,12 @@ server it watches. Every wait here is an Event wait (interruptible), never a sle
 from __future__ import annotations
 
 import contextlib
-import itertools
 import math
 import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,6 +24,7 @@ from lab_utils.monitoring.prometheus import TRITON_JOB, PromAPI
 from lab_utils.procs import http_ok, release_at_exit, stop_at_exit
 from lab_utils.serving import repository as triton_repo
 from lab_utils.serving.repository import INPUT_NAME
+from lab_utils.timing import Ticks
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -366,7 +366,7 @@ def failure_drill(server: Any, metrics: PromAPI | None, watchdog: Watchdog,
     res = DrillResult()
     # the drill's steps up to the load's end, when all goes well: load started, killed, (up == 0, alert firing,)
     # restarted, up == 1 or live again, (alert resolved)
-    ticks = _Ticks(progress, total=7 if metrics is not None else 4, desc="failure drill")
+    ticks = Ticks(progress, total=7 if metrics is not None else 4, desc="failure drill")
     res.on_step = ticks.step
     box: dict[str, Any] = {}
     stop = threading.Event()  # ends the load; waits below are Event waits: interruptible, no bare sleeps
@@ -427,28 +427,6 @@ def failure_drill(server: Any, metrics: PromAPI | None, watchdog: Watchdog,
     res.step("load finished")
     res.watchdog_events = watchdog.timeline()
     return res
-
-
-class _Ticks:
-    """A ``progress`` hook driven by events instead of a loop: ``step()`` advances it by one, ``close()`` ends it.
-
-    The hook wraps an iterable and counts an item when its loop comes back for the next one; so the bar is primed
-    with one item, each ``step()`` takes the next, and ``close()`` ends the loop."""
-
-    def __init__(self, progress: Callable[..., Iterable[Any]] | None, total: int, desc: str):
-        self._it: Iterator[Any] | None = None
-        if progress is not None:
-            self._it = iter(progress(itertools.count(), total=total, desc=desc))  # ends on close(), not on a count
-            next(self._it, None)
-
-    def step(self, _what: str = "") -> None:
-        if self._it is not None:
-            next(self._it, None)
-
-    def close(self) -> None:
-        it, self._it = self._it, None
-        if it is not None and hasattr(it, "close"):
-            it.close()  # a generator's: tqdm's bar ends, the headless hook prints its line
 
 
 def plot_drill(drill: DrillResult, up: pd.DataFrame | None = None) -> Figure:
