@@ -20,7 +20,7 @@ import pytest
 from _triton import quick_stop, require_server  # noqa: F401 (an autouse fixture)
 from test_openloop import Backend, triton
 
-from lab_utils.procs import pid_alive, popen_owned, stop_group
+from lab_utils.procs import free_port, pid_alive, popen_owned, stop_group
 from lab_utils.serving import nginx as ng
 from lab_utils.serving.nginx import NginxConfigError, NginxServer, check_upstream_block, serve_upstream
 from lab_utils.serving.openloop import HttpTarget, TritonTarget, run_open_loop
@@ -143,16 +143,24 @@ def test_grpc_and_http_through_nginx_to_triton(tmp_path, backends):
     from lab_utils.serving.client import build_request
 
     x = np.random.rand(1, 4).astype(np.float32)
-    with triton(tmp_path) as server, NginxServer([server.http_url], [server.grpc_url]) as front:
+    with triton(tmp_path) as server, NginxServer([server.http_url], [server.grpc_url],
+                                                 client_max_body_size="1k") as front:
         c = grpcclient.InferenceServerClient(front.grpc_url)
+        key = {"x-api-key": front.api_key}
         try:
             ins, outs = build_request(grpcclient, "grpc", {"INPUT__0": x}, ["OUTPUT__0"])
-            got = c.infer("tiny", ins, outputs=outs, headers={"x-api-key": front.api_key}).as_numpy("OUTPUT__0")
+            got = c.infer("tiny", ins, outputs=outs, headers=key).as_numpy("OUTPUT__0")
             assert got.shape == (1, 3)
-            with pytest.raises(InferenceServerException, match="(?i)unauthenticated|401"):
+            # nginx's refusals reach a gRPC client as gRPC statuses with nginx's words, not as UNKNOWN
+            with pytest.raises(InferenceServerException, match="missing or wrong API key") as no_key:
                 c.infer("tiny", ins, outputs=outs)
+            big, _ = build_request(grpcclient, "grpc", {"INPUT__0": np.zeros((1, 4096), np.float32)}, [])
+            with pytest.raises(InferenceServerException, match="over the limit") as too_big:
+                c.infer("tiny", big, headers=key)
         finally:
             c.close()
+        assert (no_key.value.status(), too_big.value.status()) == ("StatusCode.UNAUTHENTICATED",
+                                                                   "StatusCode.RESOURCE_EXHAUSTED")
         for protocol, url in (("http", front.http_url), ("grpc", front.grpc_url)):
             target = TritonTarget(url, "tiny", {"INPUT__0": x}, protocol=protocol, headers=front.auth_headers)
             r = run_open_loop(target, 40.0, 0.5, warmup_s=0.2, window_s=0.25)
@@ -162,6 +170,21 @@ def test_grpc_and_http_through_nginx_to_triton(tmp_path, backends):
         grpc_rows = [row for row in front.access_rows() if row["listener"] == "grpc" and row["status"] == 200]
         assert grpc_rows and all(row["grpc_status"] == "0" for row in grpc_rows)
         assert set(s["by_upstream"]) == {server.http_url[7:], server.grpc_url}
+
+
+def test_a_dead_grpc_backend_is_unavailable_with_nginx_words():
+    require_nginx()
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    with NginxServer(grpc_backends=[f"127.0.0.1:{free_port()}"]) as front:  # nothing listens there
+        c = grpcclient.InferenceServerClient(front.grpc_url)
+        try:
+            with pytest.raises(InferenceServerException, match="no backend answered") as dead:
+                c.is_server_live(headers={"x-api-key": front.api_key})
+        finally:
+            c.close()
+    assert dead.value.status() == "StatusCode.UNAVAILABLE"
 
 
 def test_a_hand_written_upstream_block(backends):

@@ -372,13 +372,18 @@ def nginx_config(
             block_lines[arg] = (start, nlines())
             out.append("")
 
+    key_words = f"missing or wrong API key: send {API_KEY_HEADER}: <key> or Authorization: Bearer <key>"
+
     def guard() -> list[str]:
         g = [f"        client_max_body_size {size};  # larger bodies: 413"]
         if keys:
-            g += ["        if ($nvlab_authorized = 0) {",
-                  f"            return 401 '{{\"error\":\"missing or wrong API key: send {API_KEY_HEADER}: <key> or "
-                  "Authorization: Bearer <key>\"}';", "        }"]
+            g += ["        if ($nvlab_authorized = 0) {", f"            return 401 '{{\"error\":\"{key_words}\"}}';",
+                  "        }"]
         return g
+
+    # gRPC's check sits in its location: the server's would refuse the error page's internal redirect too
+    grpc_key = (["            if ($nvlab_authorized = 0) {", "                return 401;", "            }"]
+                if keys else [])
 
     # nginx's own refusals as JSON {"error": ...}, the form Triton's errors take: tritonclient shows the words
     rate_words = f"{_rate(rate_limit_rps)} per client address" if rate_limit_rps is not None else ""
@@ -390,6 +395,14 @@ def nginx_config(
     for code, words in refusals.items():
         errors += [f"        error_page {code} /nvlab_error/{code};",
                    f"        location = /nvlab_error/{code} {{ internal; return {code} '{{\"error\":\"{words}\"}}'; }}"]
+    # over gRPC a refusal is a gRPC status (grpc-status and grpc-message on an empty answer) that the client reports
+    # with its words; an HTTP error page would reach it as UNKNOWN or UNAVAILABLE with none
+    grpc_errors = []
+    for code, (status, words) in {401: (16, key_words), 413: (8, refusals[413]), 429: (8, refusals[429]),
+                                  502: (14, refusals[502]), 504: (14, refusals[504])}.items():
+        grpc_errors += [f"        error_page {code} = /nvlab_grpc_error/{code};",
+                        f"        location = /nvlab_grpc_error/{code} {{ internal; default_type application/grpc; "
+                        f'add_header grpc-status {status}; add_header grpc-message "{words}"; return 204; }}']
 
     burst = f" burst={rate_burst} nodelay" if rate_burst else ""  # nginx refuses burst=0
     limit = [f"            limit_req zone=nvlab_rate{burst};"] if rate_limit_rps is not None else []
@@ -412,7 +425,9 @@ def nginx_config(
                 "        }", "    }", ""]
     if grpc_up is not None:
         out += ["    server {", f"        listen {host}:{grpc_port} http2;  # gRPC is HTTP/2",
-                "        http2_max_concurrent_streams 1024;", *guard(), "        location / {", *limit,
+                "        http2_max_concurrent_streams 1024;",
+                f"        client_max_body_size {size};  # larger bodies: 413", *grpc_errors,
+                "        location / {", *grpc_key, *limit,
                 f"            grpc_pass grpc://{grpc_up};",
                 f'            grpc_set_header {API_KEY_HEADER} "";', '            grpc_set_header Authorization "";',
                 f"            grpc_read_timeout {timeout};", f"            grpc_send_timeout {timeout};",
