@@ -22,6 +22,15 @@ def new_axes(ax: Any, figsize: tuple[float, float] = (7.0, 4.5)) -> tuple[Any, A
     return fig, ax
 
 
+def finish(ax: Any, **legend: Any) -> Any:
+    """Grid lines at both tick levels and a legend (``legend``: its options) when something on ``ax`` has a label
+    (no legend, and no warning, on an empty plot); returns the axes' figure."""
+    ax.grid(True, which="both", alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(**legend)
+    return ax.figure
+
+
 def require_columns(df: Any, columns: set[str], where: str, made_by: str) -> None:
     """Raise a ValueError naming ``where`` and ``made_by`` unless ``df`` is a frame with ``columns``."""
     if not isinstance(df, pd.DataFrame):

@@ -25,7 +25,7 @@ def plot_busbw(df: pd.DataFrame, peak_gbps: float | None = None, reference: dict
     to busbw GB/s, drawn as black crosses (e.g. the H200 all_reduce run, ``bandwidth.H200_ALLREDUCE_BUSBW_GBPS``)."""
     made_by = "distributed.collectives.collective_sweep"
     plotting.require_columns(df, {"collective", "size_bytes", "busbw_gbps"}, "plot_busbw", made_by)
-    fig, ax = plotting.new_axes(ax)
+    _, ax = plotting.new_axes(ax)
     ok = df[df["status"] == "ok"] if "status" in df else df
     for collective, group in ok.groupby("collective", sort=False):
         group = group.sort_values("size_bytes")
@@ -49,7 +49,4 @@ def plot_busbw(df: pd.DataFrame, peak_gbps: float | None = None, reference: dict
             where = f" ({ok['backend'].iloc[0]}, {int(ok['n_ranks'].iloc[0])} ranks)"
         title = f"Collective bus bandwidth{where}"
     ax.set_title(title)
-    ax.grid(True, which="both", alpha=0.3)
-    if len(ok) or reference or plotting.is_finite(peak_gbps):
-        ax.legend(fontsize="small")
-    return fig
+    return plotting.finish(ax, fontsize="small")

@@ -19,7 +19,7 @@ def plot_matmul_sweep(df: pd.DataFrame, ax: Any = None, title: str | None = None
     """Achieved TFLOP/s against matrix size n (n×n×n), one line per dtype; the dtype's datasheet peak
     as a dashed line of the same colour when known. Input: ``gpu.bench.matmul_sweep``'s frame."""
     plotting.require_columns(df, {"dtype", "n", "tflops"}, "plot_matmul_sweep", "gpu.bench.matmul_sweep")
-    fig, ax = plotting.new_axes(ax)
+    _, ax = plotting.new_axes(ax)
     ok = df[df["status"] == "ok"] if "status" in df else df
     for dtype, group in ok.groupby("dtype", sort=False):
         group = group.sort_values("n")
@@ -33,10 +33,7 @@ def plot_matmul_sweep(df: pd.DataFrame, ax: Any = None, title: str | None = None
         where = ok["device_name"].iloc[0] if "device_name" in ok and len(ok) else ""
         title = f"Matmul throughput{' on ' + where if where else ''} (dashed: datasheet peak)"
     ax.set_title(title)
-    ax.grid(True, which="both", alpha=0.3)
-    if len(ok):
-        ax.legend(title="dtype")
-    return fig
+    return plotting.finish(ax, title="dtype")
 
 
 def plot_roofline(points_df: pd.DataFrame, peak_tflops: float | None, bw_tbps: float | None,
@@ -63,7 +60,7 @@ def plot_roofline(points_df: pd.DataFrame, peak_tflops: float | None, bw_tbps: f
     ridges = [ridge_point(p, b) for _, p, b, _ in roofs]
     xs = list(pts["intensity_flop_per_byte"]) + ridges
     x_lo, x_hi = min(xs) / 4, max(xs) * 4
-    fig, ax = plotting.new_axes(ax)
+    _, ax = plotting.new_axes(ax)
     x = np.logspace(math.log10(x_lo), math.log10(x_hi), 200)
     for i, ((label, peak, bw, style), ridge) in enumerate(zip(roofs, ridges, strict=True)):
         ax.plot(x, np.minimum(peak, bw * x), linestyle=style, color="black",
@@ -79,9 +76,7 @@ def plot_roofline(points_df: pd.DataFrame, peak_tflops: float | None, bw_tbps: f
         ax.scatter(group["intensity_flop_per_byte"], group["tflops"], label=label, zorder=3)
     ax.set(xscale="log", yscale="log", xlabel="arithmetic intensity (FLOP/byte)", ylabel="TFLOP/s",
            title=title or "Roofline")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize="small")
-    return fig
+    return plotting.finish(ax, fontsize="small")
 
 
 def plot_bandwidth(df: pd.DataFrame, ax: Any = None, title: str | None = None) -> Any:
@@ -90,7 +85,7 @@ def plot_bandwidth(df: pd.DataFrame, ax: Any = None, title: str | None = None) -
     ``peak_gbps`` column, when finite, is drawn dashed."""
     made_by = "gpu.bench.copy_bandwidth or host_device_bandwidth"
     plotting.require_columns(df, {"size_bytes", "gbps"}, "plot_bandwidth", made_by)
-    fig, ax = plotting.new_axes(ax)
+    _, ax = plotting.new_axes(ax)
     keys = [c for c in ("direction", "host_memory") if c in df.columns]
     groups = df.groupby(keys, sort=False) if keys else [("copy (read + write)", df)]
     for key, group in groups:
@@ -102,7 +97,4 @@ def plot_bandwidth(df: pd.DataFrame, ax: Any = None, title: str | None = None) -
         ax.axhline(float(peak), color="gray", linestyle="--", linewidth=1, label=f"datasheet {peak:.4g} GB/s")
     plotting.log2_x(ax, in_bytes=True)
     ax.set(xlabel="transfer size", ylabel="GB/s (median)", title=title or "Bandwidth")
-    ax.grid(True, which="both", alpha=0.3)
-    if len(df):
-        ax.legend(fontsize="small")
-    return fig
+    return plotting.finish(ax, fontsize="small")

@@ -15,7 +15,7 @@ import pandas as pd
 from numpy.typing import ArrayLike
 
 from lab_utils.args import check_int
-from lab_utils.plotting import log2_x, new_axes, require_columns
+from lab_utils.plotting import finish, log2_x, new_axes, require_columns
 from lab_utils.timing import Timing
 
 if TYPE_CHECKING:
@@ -215,7 +215,7 @@ def plot_comparison(df: pd.DataFrame, model: str | None = None, ax: Axes | None 
                     "Comparison.frame()")
     model = model or str(df["model"].iloc[0])
     rows = df[(df["model"] == model) & df["images_per_s"].notna()]
-    fig, ax = new_axes(ax, (7.0, 4.5))
+    _, ax = new_axes(ax, (7.0, 4.5))
     for (backend, precision), group in rows.groupby(["backend", "precision"], sort=False):
         group = group.sort_values("batch")
         ax.plot(group["batch"], group["images_per_s"], marker="o", label=f"{backend} {precision}")
@@ -223,7 +223,4 @@ def plot_comparison(df: pd.DataFrame, model: str | None = None, ax: Axes | None 
     ax.set_yscale("log")
     ax.set(xlabel="batch size", ylabel="images/s (at the p50 latency)",
            title=title or f"{model}: throughput by backend and precision")
-    ax.grid(True, which="both", alpha=0.3)
-    if len(rows):
-        ax.legend(fontsize="small")
-    return fig
+    return finish(ax, fontsize="small")
