@@ -126,6 +126,15 @@ def pytest_sessionfinish(session, exitstatus):
     """Fail a passing run that left course folders or shared memory behind (workers' exit handlers get 15 s)."""
     if hasattr(session.config, "workerinput") or os.environ.get("NVLAB_TMP_CHECK") == "0":
         return
+    if not getattr(session.config.option, "numprocesses", None):
+        # no workers (-n 0): the tests ran here, and this process's exit handlers (servers stopped, its owned
+        # folders removed, as a stopped server's log is kept until then) have not run yet; a worker's have
+        from lab_utils import procs
+
+        procs.stop_everything_left()
+        for path in _course_leftovers() - _BEFORE:
+            if f"-{os.getpid()}-" in path.name:
+                shutil.rmtree(path, ignore_errors=True)
     deadline = time.monotonic() + 15
     while (left := _course_leftovers() - _BEFORE) and time.monotonic() < deadline:
         time.sleep(0.5)

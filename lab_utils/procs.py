@@ -47,7 +47,8 @@ def release_at_exit(obj: Any) -> None:
 
 
 @atexit.register
-def _stop_everything_left() -> None:
+def stop_everything_left() -> None:
+    """Stop what ``stop_at_exit`` registered and is still running (what interpreter exit does)."""
     for obj in list(_STOP_AT_EXIT):
         with contextlib.suppress(Exception):
             obj.stop()

