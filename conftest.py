@@ -127,14 +127,11 @@ def pytest_sessionfinish(session, exitstatus):
     if hasattr(session.config, "workerinput") or os.environ.get("NVLAB_TMP_CHECK") == "0":
         return
     if not getattr(session.config.option, "numprocesses", None):
-        # no workers (-n 0): the tests ran here, and this process's exit handlers (servers stopped, its owned
-        # folders removed, as a stopped server's log is kept until then) have not run yet; a worker's have
+        # no workers (-n 0): the tests ran here, and this process's exit cleanup (its servers stopped, its folders
+        # removed: a stopped server's log is kept until then) has not run yet, as a worker's has by now
         from lab_utils import procs
 
-        procs.stop_everything_left()
-        for path in _course_leftovers() - _BEFORE:
-            if f"-{os.getpid()}-" in path.name:
-                shutil.rmtree(path, ignore_errors=True)
+        procs.exit_cleanup()
     deadline = time.monotonic() + 15
     while (left := _course_leftovers() - _BEFORE) and time.monotonic() < deadline:
         time.sleep(0.5)

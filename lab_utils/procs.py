@@ -34,6 +34,7 @@ from typing import Any
 import psutil
 
 _STOP_AT_EXIT: weakref.WeakSet[Any] = weakref.WeakSet()
+_REMOVE_AT_EXIT: list[Path] = []
 
 
 def stop_at_exit(obj: Any) -> None:
@@ -46,12 +47,21 @@ def release_at_exit(obj: Any) -> None:
     _STOP_AT_EXIT.discard(obj)
 
 
+def remove_at_exit(folder: Path | str) -> None:
+    """Have ``folder`` removed at interpreter exit, after what ``stop_at_exit`` holds is stopped."""
+    _REMOVE_AT_EXIT.append(Path(folder))
+
+
 @atexit.register
-def stop_everything_left() -> None:
-    """Stop what ``stop_at_exit`` registered and is still running (what interpreter exit does)."""
+def exit_cleanup() -> None:
+    """What interpreter exit does for the course: stop what ``stop_at_exit`` holds, then remove the
+    ``remove_at_exit`` folders (servers first: a running one may still write its log there). A process that ends
+    its work before it exits (a test session without workers) may call it then."""
     for obj in list(_STOP_AT_EXIT):
         with contextlib.suppress(Exception):
             obj.stop()
+    while _REMOVE_AT_EXIT:
+        shutil.rmtree(_REMOVE_AT_EXIT.pop(), ignore_errors=True)
 
 
 # --- environment variables: one reader, one wording ----------------------------------------------------------
@@ -213,7 +223,7 @@ def owned_tempdir(what: str, at_exit: bool = True) -> Path:
     sweep_stale_tempdirs()
     folder = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{what}-{os.getpid()}-"))
     if at_exit:
-        atexit.register(shutil.rmtree, folder, True)
+        remove_at_exit(folder)
     return folder
 
 

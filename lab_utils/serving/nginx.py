@@ -374,8 +374,10 @@ def nginx_config(
 
     key_words = f"missing or wrong API key: send {API_KEY_HEADER}: <key> or Authorization: Bearer <key>"
 
+    body_limit = f"        client_max_body_size {size};  # larger bodies: 413"
+
     def guard() -> list[str]:
-        g = [f"        client_max_body_size {size};  # larger bodies: 413"]
+        g = [body_limit]
         if keys:
             g += ["        if ($nvlab_authorized = 0) {", f"            return 401 '{{\"error\":\"{key_words}\"}}';",
                   "        }"]
@@ -426,7 +428,7 @@ def nginx_config(
     if grpc_up is not None:
         out += ["    server {", f"        listen {host}:{grpc_port} http2;  # gRPC is HTTP/2",
                 "        http2_max_concurrent_streams 1024;",
-                f"        client_max_body_size {size};  # larger bodies: 413", *grpc_errors,
+                body_limit, *grpc_errors,
                 "        location / {", *grpc_key, *limit,
                 f"            grpc_pass grpc://{grpc_up};",
                 f'            grpc_set_header {API_KEY_HEADER} "";', '            grpc_set_header Authorization "";',

@@ -8,7 +8,6 @@ Design notes: docs/internals.md#lab_utilsservingserverpy
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import hashlib
 import importlib.metadata
@@ -39,6 +38,7 @@ from lab_utils.procs import (
     owned_tempdir,
     pid_alive,
     python_env_unowned,
+    remove_at_exit,
     tail,
     wait_http_ok,
 )
@@ -181,7 +181,7 @@ def prepare_wheel_backends(binary: Path, root: Path | None = None) -> Path:
         (py / "triton_python_backend_stub").symlink_to(lay["stub"])
         (base / "caches").symlink_to(lay["tree"] / "caches")
         if root:
-            atexit.register(shutil.rmtree, base, True)
+            remove_at_exit(base)
         _WHEEL_TREES[key] = base
         return base
 

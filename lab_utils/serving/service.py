@@ -328,7 +328,6 @@ def hot_update(svc: Service, new_version: int = 2, *, rate_rps: float = 100.0, d
     gRPC by default: a reload's retired workers close idle connections, which HTTP/2 announces (GOAWAY) while an
     HTTP/1.1 keep-alive request meets a reset (measured: 1 in 2,553 over four reloads). ``progress``: a hook such
     as ``lab_utils.widgets.progress``, advanced once per step (None: no display)."""
-
     repo = svc.repo
     if repo is None or not svc.alive():
         raise ServiceError("the service is not running: start() it first")
