@@ -158,12 +158,11 @@ def _grade_config(text: Any) -> str | None:
         raise Wrong(f'{got!r} does not run model.onnx: use platform: "onnxruntime_onnx" (or backend: "onnxruntime")')
     if cfg.max_batch_size != 32:
         raise Wrong(f"max_batch_size is {cfg.max_batch_size}: requests carry up to 32 rows, so 32")
-    ins = {t.name: t for t in cfg.input}
-    outs = {t.name: t for t in cfg.output}
     from tritonclient.grpc import model_config_pb2 as pb
 
-    for group, want, dims in (("input", "INPUT__0", [64]), ("output", "OUTPUT__0", [10])):
-        table = ins if group == "input" else outs
+    for group, want, dims, tensors in (("input", "INPUT__0", [64], cfg.input),
+                                       ("output", "OUTPUT__0", [10], cfg.output)):
+        table = {t.name: t for t in tensors}
         if want not in table:
             raise Wrong(f"no {group} named {want}: names must match the ONNX model's (it has {want})")
         t = table[want]
@@ -304,8 +303,7 @@ def _grade_deploy(fn: Any) -> str:
     lab = _lab()
     _deploy_model_dir(lab)
     config = _deploy_config(random.Random())
-    real = triton_client.client(lab.server.grpc_url)
-    try:
+    with triton_client.client(lab.server.grpc_url) as real:
         # 1. The real deploy: the configuration given must be what the server serves afterwards.
         client = _Client(real)
         t0 = time.perf_counter()
@@ -360,8 +358,6 @@ def _grade_deploy(fn: Any) -> str:
                                  call=f"deploy_model(client, {DEPLOY_MODEL!r}, config, timeout_s="
                                       f"{_DEPLOY_TIMEOUT_S:g}) with a model that stays not ready")
         waited = time.perf_counter() - (slow.loaded_at or t1)
-    finally:
-        real.close()
     if raised is None:
         raise Wrong(f"with a model that never became ready (is_model_ready answered False {slow.polls} time(s)) it "
                     f"returned after {waited:.2f} s as if deployed: raise TimeoutError when timeout_s has passed, so "
@@ -670,11 +666,9 @@ def _grade_execute(fn: Any) -> str:
                                  processes=1, outputs=["OUTPUT__0"], stats_url=lab.server.http_url,
                                  timeout_s=5.0, verify=verify)
         runs = [tuple(map(int, line.split())) for line in log.read_text().splitlines()] if log.exists() else []
-    finally:
-        real = triton_client.client(lab.server.grpc_url)
-        with contextlib.suppress(Exception):  # the server may be gone: nothing to unload
+    finally:  # the server may be gone: nothing to unload
+        with triton_client.client(lab.server.grpc_url) as real, contextlib.suppress(Exception):
             real.unload_model(EXECUTE_MODEL)  # in the background: its stub process goes
-        real.close()
     total = r.requests + r.errors_total
     if r.errors_total:
         raise _execute_failure(r.error_messages, total, source, start, first, name)
@@ -741,7 +735,7 @@ Q7_MEASURED: dict[int, dict[str, float]] = {
 
 
 def _grade_delay(value: Any) -> None:
-    table = copy.deepcopy(_Q7_TABLE)
+    table = _Q7_TABLE  # read only
     d = integer(value, "the delay")
     if d not in table:
         raise Wrong(f"{d} µs was not measured: choose one of {sorted(table)}")
@@ -772,35 +766,29 @@ q7 = Exercise(
 # --------------------------------------------------------------------------------------------------
 # 04.8 the statistics API: average batch and queue time, from a fixed response and from the server's
 
-def _batch_stats(sizes: list[int], counts: list[int]) -> list[dict[str, Any]]:
-    """Triton's batch_stats: per batch size, how many executions ran at it (the times are not used here)."""
+def _stats_response(last_inference: int, success_ns: int, stage_ns: dict[str, int], sizes: list[int],
+                    counts: list[int]) -> dict[str, Any]:
+    """Triton's statistics response for mlp version 1: ``counts[i]`` executions at batch size ``sizes[i]``, every
+    stage counted once per inference and taking ``stage_ns`` (no failure, no cache). batch_stats says how many
+    executions ran at each size (the times are not used here)."""
+    inferences, zero = sum(b * n for b, n in zip(sizes, counts, strict=True)), {"count": 0, "ns": 0}
     stages = ("compute_input", "compute_infer", "compute_output")
-    return [{"batch_size": b, **{k: {"count": n, "ns": 0} for k in stages}} for b, n in zip(sizes, counts, strict=True)]
+    return {"model_stats": [{
+        "name": "mlp", "version": "1", "last_inference": last_inference,
+        "inference_count": inferences, "execution_count": sum(counts),
+        "inference_stats": {"success": {"count": inferences, "ns": success_ns}, "fail": dict(zero),
+                            **{k: {"count": inferences, "ns": v} for k, v in stage_ns.items()},
+                            "cache_hit": dict(zero), "cache_miss": dict(zero)},
+        "batch_stats": [{"batch_size": b, **{k: {"count": n, "ns": 0} for k in stages}}
+                        for b, n in zip(sizes, counts, strict=True)],
+    }]}
 
 
-Q8_STATS: dict[str, Any] = {  # GET v2/models/mlp/stats after a load test (Triton's statistics extension)
-    "model_stats": [{
-        "name": "mlp", "version": "1", "last_inference": 1764460800000,
-        "inference_count": 6400, "execution_count": 450,
-        "inference_stats": {
-            "success": {"count": 6400, "ns": 44_160_000_000},
-            "fail": {"count": 0, "ns": 0},
-            "queue": {"count": 6400, "ns": 19_840_000_000},
-            "compute_input": {"count": 6400, "ns": 1_280_000_000},
-            "compute_infer": {"count": 6400, "ns": 21_120_000_000},
-            "compute_output": {"count": 6400, "ns": 960_000_000},
-            "cache_hit": {"count": 0, "ns": 0}, "cache_miss": {"count": 0, "ns": 0},
-        },
-        "batch_stats": _batch_stats([6, 8, 16], [20, 75, 355]),
-    }],
-}
-
-
-def _pair(result: Any, call: str) -> tuple[float, float]:
-    if isinstance(result, dict):
-        raise Wrong(f"{call} returned a dict; return the two numbers as a tuple: (avg_batch, queue_us)")
-    batch, queue = items(result, 2, call, "two numbers: (avg_batch, queue_us)")
-    return number(batch, "avg_batch"), number(queue, "queue_us")
+# GET v2/models/mlp/stats after a load test (Triton's statistics extension)
+Q8_STATS: dict[str, Any] = _stats_response(
+    1764460800000, 44_160_000_000, {"queue": 19_840_000_000, "compute_input": 1_280_000_000,
+                                    "compute_infer": 21_120_000_000, "compute_output": 960_000_000},
+    [6, 8, 16], [20, 75, 355])
 
 
 def _batch_slip(got: float, batch: float) -> str | None:
@@ -854,20 +842,17 @@ def _random_stats(rng: random.Random) -> dict[str, Any]:
     stages = {"queue": queue_us, "compute_input": rng.uniform(50, 400), "compute_infer": rng.uniform(500, 5000),
               "compute_output": rng.uniform(50, 300)}
     ns = {k: round(v * 1e3 * inferences) for k, v in stages.items()}
-    zero = {"count": 0, "ns": 0}
-    return {"model_stats": [{
-        "name": "mlp", "version": "1", "last_inference": 1764460800000 + rng.randint(0, 10**9),
-        "inference_count": inferences, "execution_count": executions,
-        "inference_stats": {"success": {"count": inferences, "ns": sum(ns.values()) + rng.randint(0, 10**9)},
-                            "fail": dict(zero), **{k: {"count": inferences, "ns": v} for k, v in ns.items()},
-                            "cache_hit": dict(zero), "cache_miss": dict(zero)},
-        "batch_stats": _batch_stats(sizes, counts),
-    }]}
+    last = 1764460800000 + rng.randint(0, 10**9)
+    return _stats_response(last, sum(ns.values()) + rng.randint(0, 10**9), ns, sizes, counts)
 
 
-def _grade_response(fn: Any, stats: dict[str, Any], call: str) -> tuple[float, float]:
-    """The student's (avg_batch, queue_us) for ``stats``, or ``Wrong`` naming the slip."""
-    got_batch, got_queue = _pair(run_student(fn, copy.deepcopy(stats), call=call, timeout_s=30), call)
+def _grade_response(fn: Any, stats: dict[str, Any], call: str) -> tuple[tuple[float, float], tuple[float, float]]:
+    """The student's (avg_batch, queue_us) for ``stats`` and the expected ones, or ``Wrong`` naming the slip."""
+    result = run_student(fn, copy.deepcopy(stats), call=call, timeout_s=30)
+    if isinstance(result, dict):
+        raise Wrong(f"{call} returned a dict; return the two numbers as a tuple: (avg_batch, queue_us)")
+    got_batch, got_queue = items(result, 2, call, "two numbers: (avg_batch, queue_us)")
+    got_batch, got_queue = number(got_batch, "avg_batch"), number(got_queue, "queue_us")
     batch, queue, per_exec, request = _expected_split(stats)
     for slip in (_batch_slip(got_batch, batch), _queue_slip(got_queue, queue, per_exec, request)):
         if slip:
@@ -878,25 +863,22 @@ def _grade_response(fn: Any, stats: dict[str, Any], call: str) -> tuple[float, f
                                                                  for v in unweighted):
         raise Wrong(f"{call}: avg_batch: batch_stats lists sizes with how many executions ran at each: weight them, "
                     "or use inference_count / execution_count")
-    return got_batch, got_queue
+    return (got_batch, got_queue), (batch, queue)
 
 
 def _grade_stats(fn: Any) -> str:
     import urllib.request
 
     call = "batch_and_queue(ex.Q8_STATS)"
-    got_batch, got_queue = _grade_response(fn, Q8_STATS, call)
-    batch, queue, _, _ = _expected_split(Q8_STATS)
+    (got_batch, got_queue), (batch, queue) = _grade_response(fn, Q8_STATS, call)
     for what, got, want in (("avg_batch", got_batch, batch), ("queue_us", got_queue, queue)):
         if not math.isclose(got, want, rel_tol=0.01):
             side = "high" if got > want else "low"
             raise Wrong(f"{call}: {what} {got:.4g} is too {side}: avg_batch = inferences per execution, queue_us = "
                         "queue time per queued request, in µs")
     # A second response with numbers drawn here: the answer must be computed from the argument.
-    drawn = _random_stats(random.Random())
     call = "batch_and_queue(<another response, its numbers drawn at random>)"
-    got = _grade_response(fn, drawn, call)
-    want = _expected_split(drawn)[:2]
+    got, want = _grade_response(fn, _random_stats(random.Random()), call)
     if not all(math.isclose(g, w, rel_tol=0.01) for g, w in zip(got, want, strict=True)):
         same = all(math.isclose(g, f, rel_tol=0.01) for g, f in zip(got, (batch, queue), strict=True))
         why = ("the answer to ex.Q8_STATS again: compute it from the `stats` argument, not from fixed numbers" if same
@@ -915,8 +897,7 @@ def _grade_stats(fn: Any) -> str:
     if not live.get("model_stats") or not int(live["model_stats"][0].get("execution_count", 0)):
         return f"{graded} (the server's own {lab.model} has served nothing yet)."
     call = f"batch_and_queue(<GET v2/models/{lab.model}/versions/{version}/stats>)"
-    got_batch, got_queue = _grade_response(fn, live, call)
-    batch, queue, _, _ = _expected_split(live)
+    (got_batch, got_queue), (batch, queue) = _grade_response(fn, live, call)
     if not (math.isclose(got_batch, batch, rel_tol=1e-6) and math.isclose(got_queue, queue, rel_tol=1e-6)):
         raise Wrong(f"{call} gave ({got_batch:.4g}, {got_queue:.4g}); the server's response says ({batch:.4g}, "
                     f"{queue:.4g}): read the counts as numbers (the JSON has them as integers)")
