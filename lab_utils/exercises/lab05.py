@@ -349,6 +349,11 @@ def _window_slips(expr: str, what: str) -> list[tuple[str, str]]:
             for w in ("30s", "2m", "5m", "10m")]
 
 
+def _per_request(counter: str, per: str = "nv_inference_request_success", unit: str = " / 1000") -> str:
+    """PromQL: the [1m] rate of ``counter`` over that of ``per``, each summed by model (``unit``: µs to ms)."""
+    return f"sum by (model) (rate({counter}[1m])) / sum by (model) (rate({per}[1m])){unit}"
+
+
 # --- q1: QPS in PromQL --------------------------------------------------------------------------------------
 
 _QPS = "sum by (model) (rate(nv_inference_request_success[1m]))"
@@ -387,29 +392,23 @@ q1 = PrometheusExercise(
 
 # --- q2: average latency in PromQL ------------------------------------------------------------------------------
 
-_LATENCY = ("sum by (model) (rate(nv_inference_request_duration_us[1m])) "
-            "/ sum by (model) (rate(nv_inference_request_success[1m])) / 1000")
+_LATENCY = _per_request("nv_inference_request_duration_us")
 _LATENCY_SLIPS = [
-    ("sum by (model) (rate(nv_inference_request_duration_us[1m])) / sum by (model) "
-     "(rate(nv_inference_request_success[1m]))",
+    (_per_request("nv_inference_request_duration_us", unit=""),
      "that is in microseconds (Triton's *_duration_us): your values are 1000x the reference; divide by 1000 for ms"),
     ("sum by (model) (nv_inference_request_duration_us) / sum by (model) (nv_inference_request_success) / 1000",
      "the counters themselves divided give the average since the server started; divide their rates to get the "
      "last minute's average"),
-    ("sum by (model) (rate(nv_inference_queue_duration_us[1m])) / sum by (model) "
-     "(rate(nv_inference_request_success[1m])) / 1000",
+    (_per_request("nv_inference_queue_duration_us"),
      "that is only the time requests wait in the queue (nv_inference_queue_duration_us); the whole request is "
      "nv_inference_request_duration_us"),
-    ("sum by (model) (rate(nv_inference_compute_infer_duration_us[1m])) / sum by (model) "
-     "(rate(nv_inference_request_success[1m])) / 1000",
+    (_per_request("nv_inference_compute_infer_duration_us"),
      "that is only the model's compute (nv_inference_compute_infer_duration_us); the whole request is "
      "nv_inference_request_duration_us"),
-    ("sum by (model) (rate(nv_inference_request_duration_us[1m])) / sum by (model) "
-     "(rate(nv_inference_count[1m])) / 1000",
+    (_per_request("nv_inference_request_duration_us", "nv_inference_count"),
      "that divides by inferences (nv_inference_count); the latency of a request is request time over requests "
      "(nv_inference_request_success)"),
-    ("sum by (model) (rate(nv_inference_request_duration_us[1m])) / sum by (model) "
-     "(rate(nv_inference_exec_count[1m])) / 1000",
+    (_per_request("nv_inference_request_duration_us", "nv_inference_exec_count"),
      "that is per execution (nv_inference_exec_count), not per request"),
     ("avg by (model) (rate(nv_inference_request_duration_us[1m]) / rate(nv_inference_request_success[1m])) / 1000",
      "that averages the servers' averages: the slower server, which serves 30 % of the requests, weighs as much "
@@ -426,8 +425,7 @@ q2 = PrometheusExercise(
         "ratio is an average.",
         "Divide the two rates over the same [1m] window, each summed by model first (not the counters themselves: "
         "that is the average since the server started), then convert µs to ms.",
-        "sum by (model) (rate(nv_inference_request_duration_us[1m])) / sum by (model) "
-        "(rate(nv_inference_request_success[1m])) / 1000",
+        _LATENCY,
     ],
     solution_text=(
         'latency_query = ("sum by (model) (rate(nv_inference_request_duration_us[1m]))"\n'
@@ -573,8 +571,7 @@ def _input_series() -> list[dict[str, str]]:
     return out
 
 
-_ALERT_BASE = ("sum by (model) (rate(nv_inference_queue_duration_us[1m])) "
-               "/ sum by (model) (rate(nv_inference_request_success[1m])) / 1000")
+_ALERT_BASE = _per_request("nv_inference_queue_duration_us")
 _SEVERITIES = ("warning", "critical")
 _DURATION = re.compile(r"^(?:(\d+)(ms|s|m|h|d|w|y))+$")
 _UNIT_S = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800, "y": 31536000}
@@ -673,8 +670,7 @@ _ALERT_SLIPS = (
     (f"1000 * ({_ALERT_BASE})",
      "your expression is in microseconds (Triton's *_duration_us) and the threshold in ms: calm bert's 30 ms is "
      "30000 µs > 100, so it fires all the time. Divide by 1000, or compare with 100000"),
-    ("sum by (model) (rate(nv_inference_request_duration_us[1m])) "
-     "/ sum by (model) (rate(nv_inference_request_success[1m])) / 1000",
+    (_LATENCY,
      "that is the whole request's time (nv_inference_request_duration_us: queue + compute), and calm bert "
      "computes 80 ms a request, so it fires without any queueing. The question is about queueing: "
      "nv_inference_queue_duration_us"),
