@@ -13,6 +13,7 @@ Design notes: docs/internals.md#lab_utilsexerciseslab08py
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import random
 import threading
@@ -280,23 +281,18 @@ def _grade_log_run(fn: Any) -> str:
         onnx_path = tmp / "model.onnx"
         data = _onnx_bytes(rng)
         onnx_path.write_bytes(data)
-        left_id = None
         try:
-            try:
-                run_id = run_student(fn, server.url, experiment, result, str(onnx_path), what="log_run",
-                                     call="log_run(tracking_uri, experiment, result, onnx_path)", timeout_s=120,
-                                     returns=str, returns_text="the run's id, `run.info.run_id` (a str)")
-            finally:
-                leftover = mlflow.active_run()
-                left_id = leftover.info.run_id if leftover is not None else None
+            run_id = run_student(fn, server.url, experiment, result, str(onnx_path), what="log_run",
+                                 call="log_run(tracking_uri, experiment, result, onnx_path)", timeout_s=120,
+                                 returns=str, returns_text="the run's id, `run.info.run_id` (a str)")
             try:
                 run = client.get_run(run_id)
             except Exception:
                 raise Wrong(f"it returned {run_id!r}, which is no run on the server: return `run.info.run_id` of the "
                             "run it logged") from None
             return _check_run(client, run, exp_id, experiment, result, str(onnx_path), data, sha)
-        finally:
-            if left_id is not None:  # a run left open (not ended, or it raised inside): end it, so that the next
+        finally:  # the checks above use the client only: a run active now is one the student's code left open
+            if mlflow.active_run() is not None:  # (not ended, or it raised inside): end it, so that the next
                 mlflow.end_run(status="FAILED")  # start_run() in the notebook works
 
 
@@ -477,9 +473,7 @@ class _TritonSource:
                 s.add_metric([run.model, "1"], v.success)
                 f.add_metric([run.model, "1", "BACKEND"], v.failure)
                 q.add_metric([run.model, "1", "0.95"], v.p95_ms * 1000)
-        yield s
-        yield f
-        yield q
+        yield from (s, f, q)
 
 
 class _FeedbackSource:
@@ -984,13 +978,9 @@ def _grade_sample_size(fn: Any) -> str:
         ("it is one-sided: a two-sided test splits alpha, z = Phi^-1(1 - alpha/2) (1.96 at 5 %), not "
          "Phi^-1(1 - alpha)", lambda c, p: math.ceil(_n(*c, pooled=p, two_sided=False) - 1e-6)),
         ("that is both groups together: the formula gives the requests in EACH group",
-         lambda c, p: 2 * math.ceil(_n(*c, pooled=p) - 1e-6)),
-        ("that is both groups together: the formula gives the requests in EACH group",
-         lambda c, p: math.ceil(2 * _n(*c, pooled=p) - 1e-6)),
+         lambda c, p: 2 * math.ceil(_n(*c, pooled=p) - 1e-6), lambda c, p: math.ceil(2 * _n(*c, pooled=p) - 1e-6)),
         ("rounded down (or to the nearest): fewer requests than the formula asks give less power than asked; "
-         "round up, math.ceil", lambda c, p: math.floor(_n(*c, pooled=p))),
-        ("rounded down (or to the nearest): fewer requests than the formula asks give less power than asked; "
-         "round up, math.ceil", lambda c, p: round(_n(*c, pooled=p))),
+         "round up, math.ceil", lambda c, p: math.floor(_n(*c, pooled=p)), lambda c, p: round(_n(*c, pooled=p))),
         ("a square root is missing: the standard deviations are sqrt(2 p (1 - p)) and sqrt(p_a q_a + p_b q_b)",
          lambda c, p: math.ceil(_n(*c, pooled=True, sqrt=False) - 1e-6)),
         ("(z_a + z_b) is not squared: n = (z_a + z_b)^2 (p_a q_a + p_b q_b) / (p_a - p_b)^2",
@@ -998,8 +988,8 @@ def _grade_sample_size(fn: Any) -> str:
         ("the power's z is Phi^-1(power) (0.84 for 80 %), not Phi^-1(1 - power): that one is negative and makes "
          "the sample far too small", lambda c, p: math.ceil(_n(*c, pooled=p, power_z="1-power") - 1e-6)),
     ]
-    for why, slip in slips:
-        for pooled in (True, False):
+    for why, *forms in slips:  # a slip's message, and the answers that make it
+        for slip, pooled in itertools.product(forms, (True, False)):
             try:
                 if all(g_ == slip(c, pooled) for g_, c in zip(got, cases, strict=True)):
                     raise Wrong(why)
@@ -1045,8 +1035,6 @@ def _psi(ref: np.ndarray, cur: np.ndarray, bins: int, *, edges_from: str = "ref"
             return float(np.sum(c * np.log(c / r)))
         if form == "kl_rev":
             return float(np.sum(r * np.log(r / c)))
-        if form == "neg":
-            return float(np.sum((r - c) * np.log(c / r)))
         return float(np.sum((c - r) * np.log(c / r)))
 
 
