@@ -45,6 +45,7 @@ from lab_utils.exercises.framework import (
     Wrong,
     choice,
     is_blank,
+    match_slip,
     number,
     raised_message,
 )
@@ -270,7 +271,7 @@ def _diagnose(got: Values, want: Values, what: str) -> None:
         k = ratios[0]
         why = {60.0: " (increase() over [1m] instead of rate()?)", 1000.0: " (microseconds instead of ms?)",
                0.001: " (divided by 1000 once too often?)"}
-        hint = next((w for f, w in why.items() if math.isclose(k, f, rel_tol=1e-3)), "")
+        hint = match_slip(k, why, 1e-3) or ""
         raise Wrong(f"your values are {k:.4g}x the reference's at every time{hint}")
     matching = [t for t in want if all(math.isclose(proj[t].get(k, math.nan), v, rel_tol=1e-6)
                                        for k, v in want[t].items())]

@@ -1067,12 +1067,10 @@ def _grade_psi(fn: Any) -> str:
     for what, ref, cur, bins, empty in _psi_cases(seed):
         call = f"psi(reference, current, bins={bins}) on {what}"
         got = run_student(fn, ref.copy(), cur.copy(), bins=bins, what="psi", call=call, timeout_s=20)
-        if isinstance(got, (float, np.floating)) and math.isinf(got):
-            raise Wrong(f"{call} is inf: an empty bin has share 0, and ln(0) is infinite; floor the shares at a "
-                        "small epsilon (np.maximum(share, 1e-4))")
-        if isinstance(got, (float, np.floating)) and math.isnan(got):
-            raise Wrong(f"{call} is NaN: an empty bin makes 0 * ln(0); floor the shares at a small epsilon "
-                        "(np.maximum(share, 1e-4))")
+        if isinstance(got, (float, np.floating)) and not math.isfinite(got):
+            shown, why = (("inf", "an empty bin has share 0, and ln(0) is infinite") if math.isinf(got) else
+                          ("NaN", "an empty bin makes 0 * ln(0)"))
+            raise Wrong(f"{call} is {shown}: {why}; floor the shares at a small epsilon (np.maximum(share, 1e-4))")
         got = number(got, call)
         want = _psi(ref, cur, bins)
         if got < -1e-9:
