@@ -416,7 +416,7 @@ _CLIENT_HINTS = {
 def _served_version(lab: _Lab) -> tuple[str, dict[str, Any]]:
     """The version a request without a version reaches (the highest that is ready, loaded first if need be), and
     the model's metadata."""
-    with contextlib.closing(triton_client.client(lab.server.grpc_url)) as client:
+    with triton_client.client(lab.server.grpc_url) as client:
         if not client.is_model_ready(lab.model):
             client.load_model(lab.model)
         meta = client.get_model_metadata(lab.model, as_json=True)
