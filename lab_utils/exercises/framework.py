@@ -831,9 +831,7 @@ class _Guard:
         for name, obj in self.refs.objects.values():  # a class is trapped at its __init__
             fn = obj if isinstance(obj, types.FunctionType) else vars(obj).get("__init__") \
                 if isinstance(obj, type) else None
-            if not isinstance(fn, types.FunctionType):
-                continue
-            trap = _trap_for(fn)
+            trap = _trap_for(fn) if isinstance(fn, types.FunctionType) else None
             if trap is None:
                 continue
             self._undo.append((fn, fn.__code__))
@@ -974,10 +972,7 @@ def choice(value: Any, choices: Sequence[str], synonyms: Mapping[str, Sequence[s
 
 def match_slip(ratio: float, slips: Mapping[float, str], rel: float) -> str | None:
     """The message of the first slip whose ratio (answer / expected) matches ``ratio`` within ``rel``."""
-    for slip, message in slips.items():
-        if math.isclose(ratio, slip, rel_tol=rel):
-            return message
-    return None
+    return next((message for slip, message in slips.items() if math.isclose(ratio, slip, rel_tol=rel)), None)
 
 
 def fastest_ratio(mine: Callable[[], float], reference: Callable[[], float], band: tuple[float, float],
