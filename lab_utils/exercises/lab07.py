@@ -592,11 +592,9 @@ def jpeg_decoder() -> tuple[Callable[..., Any], str]:
     import torch
 
     if torch.cuda.is_available():
-        try:
+        with contextlib.suppress(ImportError, RuntimeError):
             from torchvision.io import decode_jpeg as nvjpeg  # optional: not in the CPU environment
-        except (ImportError, RuntimeError):
-            return decode_jpeg, "cpu"
-        return nvjpeg, "cuda"
+            return nvjpeg, "cuda"
     return decode_jpeg, "cpu"
 
 
