@@ -274,15 +274,12 @@ def student_frame(tb: TracebackType | BaseException | str | types.FrameType | No
     return mine[-1] if mine else None
 
 
-def _first_line(err: BaseException, limit: int = 200) -> str:
-    text = str(err).strip().splitlines()[0] if str(err).strip() else ""
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def raised_message(call: str, err: BaseException, tb: TracebackType | str | None = None) -> str:
     """``"time_ms(...) raised ZeroDivisionError: division by zero, at line 7 of `time_ms`: `return t / 0`"``."""
     at = student_frame(tb if tb is not None else err)
-    what = f"{type(err).__name__}: {_first_line(err)}" if _first_line(err) else type(err).__name__
+    first = (str(err).strip().splitlines() or [""])[0]  # the message's first line, at most 200 characters
+    first = first if len(first) <= 200 else first[:197] + "..."
+    what = f"{type(err).__name__}: {first}" if first else type(err).__name__
     return f"{call} raised {what}" + (f", at {at}" if at else "")
 
 
