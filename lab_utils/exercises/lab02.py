@@ -394,9 +394,11 @@ class _CountAllReduce:
 def _bench_worker(ctx: WorkerContext, student: ranks_mod.Shipped, sizes: list[int], iters: int, warmup: int,
                   rounds: int, timing: bool) -> dict[str, Any]:
     """Rank side of q2: the reference, then the student's function, up to ``rounds`` times; each one's times,
-    the student's rows and the bytes of each all_reduce call the student made. Stops after a round whose times
-    agree with the reference's (the ranks decide together, from the slowest rank's times)."""
+    the student's rows and the bytes of each all_reduce call the student made. Stops once every size has a round
+    inside the band: the ranks decide together, from the slowest rank's times, with the judge's own rule
+    (``_band_picks``), so a run stopped early is one ``_judge_timing`` passes."""
     out: dict[str, Any] = {"ref_ms": [], "rows": [], "calls": []}
+    slowest_rounds: list[list[tuple[float, float]]] = []  # per round, (student ms, reference ms) per size
     counter = _CountAllReduce()
     with counter.patched():
         fn = student.load()
@@ -424,9 +426,10 @@ def _bench_worker(ctx: WorkerContext, student: ranks_mod.Shipped, sizes: list[in
                                   dtype=torch.float64, device=ctx.device)
             dist.all_reduce(agreed, op=dist.ReduceOp.MAX)  # every rank sees the slowest rank's times
             bad, *slowest = agreed.tolist()
-            ratios = [m / r for m, r in zip(slowest[:len(sizes)], slowest[len(sizes):], strict=True) if r > 0]
-            if bad or (len(ratios) == len(sizes) and all(BENCH_BAND[0] <= q <= BENCH_BAND[1] for q in ratios)):
-                break  # malformed rows (the launcher says what is wrong), or the times agree
+            slowest_rounds.append(list(zip(slowest[:len(sizes)], slowest[len(sizes):], strict=True)))
+            # malformed rows (the launcher says what is wrong), or every size has a round the judge will pass
+            if bad or _every_size_in_band(slowest_rounds):
+                break
     return out
 
 
@@ -489,23 +492,45 @@ def _judge_calls(calls: list[int], sizes: Sequence[int], iters: int, warmup: int
                         f"`warmup` untimed calls first (here {warmup}), then start the clock")
 
 
+def _in_band(ratio: float) -> bool:
+    return BENCH_BAND[0] <= ratio <= BENCH_BAND[1]
+
+
+def _band_picks(slowest_rounds: Sequence[Sequence[tuple[float, float]]]) -> list[tuple[int, list[float]]]:
+    """Per size, the round the judge reads and every round's ratio (student ms / reference ms, from
+    ``slowest_rounds[round][size]``): a round inside BENCH_BAND where there is one (of those, the closest to the
+    reference), else the closest. The one rule of both sides: the rank side stops when every pick is inside, the
+    judge passes when it is. (Closest alone is not enough: the band is lopsided, so 2.1x is closer than 0.4x, and a
+    run stopped on a round at 0.4x was failed on its other round at 2.1x.)"""
+    picks = []
+    for i in range(len(slowest_rounds[0])):
+        ratios = [m / r if r > 0 else math.inf for m, r in (times[i] for times in slowest_rounds)]
+        far = [abs(math.log(q)) if 0 < q < math.inf else math.inf for q in ratios]
+        best = min(range(len(ratios)), key=lambda k: (not _in_band(ratios[k]), far[k]))
+        picks.append((best, ratios))
+    return picks
+
+
+def _every_size_in_band(slowest_rounds: Sequence[Sequence[tuple[float, float]]]) -> bool:
+    """The rank side's stop: every size has a round that ``_judge_timing`` passes."""
+    return all(_in_band(ratios[best]) for best, ratios in _band_picks(slowest_rounds))
+
+
 def _judge_timing(per_rank: list[dict[str, Any]], sizes: Sequence[int], iters: int, warmup: int, gpu: bool,
                   call: str) -> list[tuple[float, float]]:
-    """(student ms, reference ms) per size from the round closest to the reference (each round's reference ran
-    just before the student's function); Wrong when no round of a size falls in the band."""
+    """(student ms, reference ms) per size from the round ``_band_picks`` reads (each round's reference ran just
+    before the student's function); Wrong when no round of a size falls in the band."""
     rounds = len(per_rank[0]["rows"])
+    # A collective is as slow as its slowest rank: the largest time over the ranks, for both (as the ranks agree).
+    slowest_rounds = [[(max(r["rows"][k][i]["time_ms"] for r in per_rank), max(r["ref_ms"][k][i] for r in per_rank))
+                       for i in range(len(sizes))] for k in range(rounds)]
     out = []
-    for i, size in enumerate(sizes):
-        # A collective is as slow as its slowest rank: the largest time over the ranks, for both.
-        pairs = [(max(r["rows"][k][i]["time_ms"] for r in per_rank), max(r["ref_ms"][k][i] for r in per_rank))
-                 for k in range(rounds)]
-        ratios = [m / r if r > 0 else math.inf for m, r in pairs]
-        best = min(range(rounds), key=lambda k: abs(math.log(ratios[k])) if 0 < ratios[k] < math.inf else math.inf)
-        if BENCH_BAND[0] <= ratios[best] <= BENCH_BAND[1]:
-            out.append(pairs[best])
+    for i, (size, (best, ratios)) in enumerate(zip(sizes, _band_picks(slowest_rounds), strict=True)):
+        if _in_band(ratios[best]):
+            out.append(slowest_rounds[best][i])
             continue
         ratio = sorted(ratios)[rounds // 2]
-        mine, ref_ms = pairs[ratios.index(ratio)]
+        mine, ref_ms = slowest_rounds[ratios.index(ratio)][i]
         gpu_fix = ("dist.all_reduce only queues the work on the GPU. Call torch.cuda.synchronize() before reading the "
                    "clock, or time with CUDA events and synchronize before elapsed_time.") if gpu else ""
         raise per_call_wrong(f"{call}: at {_fmt_bytes(size)}", mine, ref_ms, iters, warmup,
