@@ -177,7 +177,7 @@ def _shipped(fn: Any, var: str) -> Iterator[ranks_mod.Shipped]:
 
 def _plain(value: Any) -> Any:
     """The student's result as plain Python for the trip back from a rank (anything else becomes its repr)."""
-    if isinstance(value, bool) or value is None or isinstance(value, (int, float, str)):
+    if value is None or isinstance(value, (int, float, str)):  # bool too
         return value
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         return float(value.item())
@@ -428,7 +428,7 @@ def _bench_worker(ctx: WorkerContext, student: ranks_mod.Shipped, sizes: list[in
             bad, *slowest = agreed.tolist()
             slowest_rounds.append(list(zip(slowest[:len(sizes)], slowest[len(sizes):], strict=True)))
             # malformed rows (the launcher says what is wrong), or every size has a round the judge will pass
-            if bad or _every_size_in_band(slowest_rounds):
+            if bad or None not in _band_picks(slowest_rounds):
                 break
     return out
 
@@ -492,28 +492,21 @@ def _judge_calls(calls: list[int], sizes: Sequence[int], iters: int, warmup: int
                         f"`warmup` untimed calls first (here {warmup}), then start the clock")
 
 
-def _in_band(ratio: float) -> bool:
-    return BENCH_BAND[0] <= ratio <= BENCH_BAND[1]
+def _ratio(times: tuple[float, float]) -> float:
+    """Student ms / reference ms."""
+    return times[0] / times[1] if times[1] > 0 else math.inf
 
 
-def _band_picks(slowest_rounds: Sequence[Sequence[tuple[float, float]]]) -> list[tuple[int, list[float]]]:
-    """Per size, the round the judge reads and every round's ratio (student ms / reference ms, from
-    ``slowest_rounds[round][size]``): a round inside BENCH_BAND where there is one (of those, the closest to the
-    reference), else the closest. The one rule of both sides: the rank side stops when every pick is inside, the
-    judge passes when it is. (Closest alone is not enough: the band is lopsided, so 2.1x is closer than 0.4x, and a
-    run stopped on a round at 0.4x was failed on its other round at 2.1x.)"""
+def _band_picks(slowest_rounds: Sequence[Sequence[tuple[float, float]]]) -> list[int | None]:
+    """Per size, the round the judge reads (``slowest_rounds[round][size]`` is (student ms, reference ms)): of the
+    rounds inside BENCH_BAND, the closest to the reference; None where no round is inside. The one rule of both
+    sides: the ranks stop once no size has None, and the judge passes then. (Closest alone is not it: the band is
+    lopsided, so a round at 2.1x is closer than one at 0.4x, and a run stopped on a 0.4x round was failed on 2.1x.)"""
     picks = []
     for i in range(len(slowest_rounds[0])):
-        ratios = [m / r if r > 0 else math.inf for m, r in (times[i] for times in slowest_rounds)]
-        far = [abs(math.log(q)) if 0 < q < math.inf else math.inf for q in ratios]
-        best = min(range(len(ratios)), key=lambda k: (not _in_band(ratios[k]), far[k]))
-        picks.append((best, ratios))
+        inside = [k for k, times in enumerate(slowest_rounds) if BENCH_BAND[0] <= _ratio(times[i]) <= BENCH_BAND[1]]
+        picks.append(min(inside, key=lambda k: abs(math.log(_ratio(slowest_rounds[k][i]))), default=None))
     return picks
-
-
-def _every_size_in_band(slowest_rounds: Sequence[Sequence[tuple[float, float]]]) -> bool:
-    """The rank side's stop: every size has a round that ``_judge_timing`` passes."""
-    return all(_in_band(ratios[best]) for best, ratios in _band_picks(slowest_rounds))
 
 
 def _judge_timing(per_rank: list[dict[str, Any]], sizes: Sequence[int], iters: int, warmup: int, gpu: bool,
@@ -525,10 +518,11 @@ def _judge_timing(per_rank: list[dict[str, Any]], sizes: Sequence[int], iters: i
     slowest_rounds = [[(max(r["rows"][k][i]["time_ms"] for r in per_rank), max(r["ref_ms"][k][i] for r in per_rank))
                        for i in range(len(sizes))] for k in range(rounds)]
     out = []
-    for i, (size, (best, ratios)) in enumerate(zip(sizes, _band_picks(slowest_rounds), strict=True)):
-        if _in_band(ratios[best]):
+    for i, (size, best) in enumerate(zip(sizes, _band_picks(slowest_rounds), strict=True)):
+        if best is not None:
             out.append(slowest_rounds[best][i])
             continue
+        ratios = [_ratio(times[i]) for times in slowest_rounds]
         ratio = sorted(ratios)[rounds // 2]
         mine, ref_ms = slowest_rounds[ratios.index(ratio)][i]
         gpu_fix = ("dist.all_reduce only queues the work on the GPU. Call torch.cuda.synchronize() before reading the "
@@ -652,6 +646,9 @@ _GRAD_FACTOR = reference_busbw_factor("all_reduce", GRAD_RANKS)  # 1.75
 _GRAD_MS = _GRAD_BYTES * _GRAD_FACTOR / (GRAD_BUSBW_GBPS * 1e9) * 1e3  # 3.603 ms
 
 _GIB = 2**30 / 1e9
+# GiB for GB or GB for GiB, one way or the other
+_GIB_SLIP = ("GB/s means 1e9 bytes/s here (nccl-tests' convention), not GiB/s (2^30): don't mix GiB and GB in one "
+             "formula.")
 q3 = Exercise(
     name="02.3 all-reduce time for the gradients", var="allreduce_ms",
     grade=close_to(
@@ -672,10 +669,8 @@ q3 = Exercise(
             GRAD_RANKS: "the /n is missing from 2(n-1)/n: the factor is a fraction of the buffer per link.",
             1 / _GRAD_FACTOR**2: "you divided by the factor: busbw = algbw × factor, so algbw = busbw / factor "
                                "and t = S / algbw = S × factor / busbw.",
-            1 / _GIB: "GB/s means 1e9 bytes/s here (nccl-tests' convention), not GiB/s (2^30): don't mix "
-                      "GiB and GB in one formula.",
-            _GIB: "GB/s means 1e9 bytes/s here (nccl-tests' convention), not GiB/s (2^30): don't mix GiB and "
-                  "GB in one formula.",
+            1 / _GIB: _GIB_SLIP,
+            _GIB: _GIB_SLIP,
         },
     ),
     hints=[
@@ -1019,9 +1014,13 @@ class _TrainingProbe:
             yield self
 
 
-def _observe_training(ctx: WorkerContext, shipped: ranks_mod.Shipped, cfg: dict[str, Any],
-                      checkpoint_path: str) -> dict[str, Any]:
-    """Run one train_ddp function in this rank and return what it did."""
+def _ddp_worker(ctx: WorkerContext, student: ranks_mod.Shipped, cfg: dict[str, Any], folder: str) -> dict[str, Any]:
+    """Rank side of q6: run one train_ddp function in this rank and return what it did (the student's, or the
+    reference's in a launch of its own: two trainings in one rank, one group after the other, hung a gloo rank in
+    destroy_process_group while its peer waited in the next group's set-up)."""
+    if not ctx.device.startswith("cuda"):
+        torch.set_num_threads(1)  # the ranks share the cores; a small CNN gains nothing from more threads
+    ctx.status("train_ddp")
     data = digits_arrays()
     train_set = _RecordingDigits(torch.from_numpy(data["x_train"]), torch.from_numpy(data["y_train"]))
     models: list[DigitsCNN] = []
@@ -1041,8 +1040,8 @@ def _observe_training(ctx: WorkerContext, shipped: ranks_mod.Shipped, cfg: dict[
 
     probe = _TrainingProbe()
     with probe.patched():
-        fn = shipped.load()
-        fn(train_set, make_model, cfg["epochs"], cfg["batch_size"], cfg["lr"], checkpoint_path)
+        fn = student.load()
+        fn(train_set, make_model, cfg["epochs"], cfg["batch_size"], cfg["lr"], os.path.join(folder, "student.pt"))
     left = dist.is_initialized()
     if left:
         dist.destroy_process_group()
@@ -1063,16 +1062,6 @@ def _tensors(state: dict[str, Any] | None) -> dict[str, torch.Tensor] | None:
     return None if state is None else {k: torch.as_tensor(v) for k, v in state.items()}
 
 
-def _ddp_worker(ctx: WorkerContext, student: ranks_mod.Shipped, cfg: dict[str, Any], folder: str) -> dict[str, Any]:
-    """Rank side of q6: one train_ddp (the student's, or the reference's in a launch of its own: two trainings in
-    one rank, one group after the other, hung a gloo rank in destroy_process_group while its peer waited in the
-    next group's set-up)."""
-    if not ctx.device.startswith("cuda"):
-        torch.set_num_threads(1)  # the ranks share the cores; a small CNN gains nothing from more threads
-    ctx.status("train_ddp")
-    return _observe_training(ctx, student, cfg, os.path.join(folder, "student.pt"))
-
-
 _REFERENCE_RUNS: dict[tuple[Any, ...], dict[str, Any]] = {}
 
 
@@ -1091,8 +1080,6 @@ def _checkpoint_state(path: str, width: int) -> dict[str, torch.Tensor] | str:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:
         return f"torch.load could not read it ({type(err).__name__}: {_exception_line(str(err), 120)})"
-    if isinstance(obj, torch.nn.Module):
-        obj = obj.state_dict()
     if isinstance(obj, dict):
         for key in ("model", "model_state_dict", "state_dict"):
             if isinstance(obj.get(key), dict):
@@ -1251,8 +1238,7 @@ def reference_ddp_run(nprocs: int | None = None, backend: str | None = None) -> 
                           "folder": folder}, group=False, straggler_s=DDP_STRAGGLER_S)
         state = _tensors(res[0]["state"])
         _REFERENCE_RUNS[key] = {"accuracy": _evaluate(state, cfg["width"]), "state": state}
-    run = _REFERENCE_RUNS[key]
-    return {"accuracy": run["accuracy"], "state": run["state"], "world_size": nprocs, "backend": backend, **cfg}
+    return {**_REFERENCE_RUNS[key], "world_size": nprocs, "backend": backend, **cfg}  # accuracy, state
 
 
 q6 = CodeExercise(
@@ -1313,8 +1299,10 @@ def _metric_worker(ctx: WorkerContext, student: ranks_mod.Shipped, shards: list[
 
 def _judge_metric(values: list[Any], shards: list[dict[str, Any]], call: str) -> str:
     n = len(shards)
-    total = sum(s["correct"] for s in shards) / sum(s["seen"] for s in shards)
+    correct, seen = sum(s["correct"] for s in shards), sum(s["seen"] for s in shards)
+    total = correct / seen
     accs = [s["accuracy"] for s in shards]
+    mean = sum(accs) / n
     for r, v in enumerate(values):
         if v is None:
             raise Wrong(f"{call} returned None on rank {r} (does it end with `return ...`?); expected the accuracy "
@@ -1334,7 +1322,7 @@ def _judge_metric(values: list[Any], shards: list[dict[str, Any]], call: str) ->
                             "leaves the sum on one rank only; dist.all_reduce puts it on every rank")
             raise Wrong(f"{head}: it is rank {r}'s own accuracy ({shards[r]['correct']}/{shards[r]['seen']}): "
                         "nothing was combined over the ranks. dist.all_reduce the counts")
-        if math.isclose(v, sum(accs) / n, rel_tol=1e-6):
+        if math.isclose(v, mean, rel_tol=1e-6):
             raise Wrong(f"{head}: it is the plain mean of the per-rank accuracies. The shards differ in size "
                         f"({', '.join(str(s['seen']) for s in shards)} samples), so each accuracy must count by its "
                         "samples: all_reduce the counts (correct, seen) with SUM, then divide")
@@ -1343,14 +1331,13 @@ def _judge_metric(values: list[Any], shards: list[dict[str, Any]], call: str) ->
                         "accuracy). Reduce the counts (correct, seen), then divide")
         if math.isclose(v, 100 * total, rel_tol=1e-6):
             raise Wrong(f"{head}: that is a percentage; return a fraction between 0 and 1")
-        if math.isclose(v, sum(s["correct"] for s in shards), rel_tol=1e-6):
+        if math.isclose(v, correct, rel_tol=1e-6):
             raise Wrong(f"{head}: that is the number of correct predictions; divide it by the samples seen")
         if v == 0 or v == math.floor(total):
             raise Wrong(f"{head}: integer division? correct // seen is 0; divide with / (or in a float tensor)")
         raise Wrong(f"{head}: sum the correct counts and the sample counts over the ranks (one all_reduce of "
                     "a tensor [correct, seen]), then divide")
-    return f"Every one of {n} ranks got {total:.5f} = {sum(s['correct'] for s in shards)}/" \
-           f"{sum(s['seen'] for s in shards)}, not the mean of the accuracies ({sum(accs) / n:.5f})."
+    return f"Every one of {n} ranks got {total:.5f} = {correct}/{seen}, not the mean of the accuracies ({mean:.5f})."
 
 
 def _grade_global_accuracy(fn: Any, backend: str | None = None, nprocs: int | None = None) -> str:
