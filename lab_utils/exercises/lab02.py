@@ -587,7 +587,6 @@ def _grade_allreduce_bench(fn: Any, backend: str | None = None, nprocs: int | No
         if backend == "gloo" and nprocs == 2:
             nprocs = _FORMULA_RANKS  # on a CPU, one run on 3 ranks checks the time and the formulas at once
     sizes = list(bench_sizes(backend))
-    gpu = backend == "nccl"
     call = (f"allreduce_bench(ctx, sizes_bytes=[{', '.join(_fmt_bytes(s) for s in sizes)}], iters={BENCH_ITERS}, "
             f"warmup={BENCH_WARMUP}) on {nprocs} {backend} ranks")
     with _shipped(fn, "allreduce_bench") as shipped:
@@ -596,7 +595,7 @@ def _grade_allreduce_bench(fn: Any, backend: str | None = None, nprocs: int | No
                              "timing": True})
         per_rank = [{**r, "rows": [_rows_of(rows, sizes, call) for rows in r["rows"]]} for r in res]
         _judge_calls(res[0]["calls"][0], sizes, BENCH_ITERS, BENCH_WARMUP, call)
-        times = _judge_timing(per_rank, sizes, BENCH_ITERS, BENCH_WARMUP, gpu, call)
+        times = _judge_timing(per_rank, sizes, BENCH_ITERS, BENCH_WARMUP, backend == "nccl", call)
         for rank, r in enumerate(per_rank):
             _judge_formulas(r["rows"][0], nprocs, call, "" if rank == 0 else f" (rank {rank})")
         extra = ""
@@ -767,11 +766,7 @@ def _socket_ifname_matches(setting: str) -> list[str]:
     text = setting[1:] if exclude else setting
     exact = text.startswith("=")
     names = [n.strip() for n in (text[1:] if exact else text).split(",") if n.strip()]
-
-    def listed(interface: str) -> bool:
-        return any(interface == n if exact else interface.startswith(n) for n in names)
-
-    return [i for i in _INTERFACES if listed(i) != exclude]
+    return [i for i in _INTERFACES if any(i == n if exact else i.startswith(n) for n in names) != exclude]
 
 
 q4 = Exercise(
@@ -1047,11 +1042,10 @@ def _ddp_worker(ctx: WorkerContext, student: ranks_mod.Shipped, cfg: dict[str, A
         dist.destroy_process_group()
     # numpy, not tensors: a tensor crosses the process boundary as shared memory that dies with this rank
     state = {k: v.detach().float().cpu().numpy().copy() for k, v in models[-1].state_dict().items()} if models else None
+    watched = {k: v for k, v in vars(probe).items() if not k.startswith("_")}  # saves, clips, norms, scales, ...
     obs = {"rank": ctx.rank, "fetched": train_set.fetched, "n_train": len(train_set), "models": len(models),
-           "forwards": len(forwards), "autocast": sorted(set(forwards)), "saves": probe.saves,
-           "clips": probe.clips, "clips_scaled": probe.clips_scaled, "norms": probe.norms,
-           "max_norms": sorted(probe.max_norms), "scales": probe.scales,
-           "scales_disabled": probe.scales_disabled, "unscales": probe.unscales, "left_group": left, "state": state}
+           "forwards": len(forwards), "autocast": sorted(set(forwards)), **watched,
+           "max_norms": sorted(probe.max_norms), "left_group": left, "state": state}
     models.clear()
     del train_set, fn
     gc.collect()  # DDP's hooks hold the group in reference cycles: gone before the next group starts
@@ -1080,11 +1074,8 @@ def _checkpoint_state(path: str, width: int) -> dict[str, torch.Tensor] | str:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:
         return f"torch.load could not read it ({type(err).__name__}: {_exception_line(str(err), 120)})"
-    if isinstance(obj, dict):
-        for key in ("model", "model_state_dict", "state_dict"):
-            if isinstance(obj.get(key), dict):
-                obj = obj[key]
-                break
+    if isinstance(obj, dict):  # the state dict under the first of these keys that holds one
+        obj = next((obj[k] for k in ("model", "model_state_dict", "state_dict") if isinstance(obj.get(k), dict)), obj)
     if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
         return f"it holds {type(obj).__name__}, not a model state dict (save model.state_dict())"
     state = {k.removeprefix("module."): v for k, v in obj.items()}
@@ -1180,14 +1171,13 @@ def _judge_ddp(obs: list[dict[str, Any]], ref_acc: float, ckpt: str, cfg: dict[s
     if not writers:
         raise Wrong(f"{call}: no checkpoint was written: rank 0 saves model.state_dict() to checkpoint_path")
     if writers != [0]:
-        others = [r for r in writers if r != 0]
-        if others and 0 in writers:
+        if 0 in writers:
             who = "every rank" if len(writers) == n else "ranks " + ", ".join(map(str, writers))
             raise Wrong(f"{call}: {who} wrote the checkpoint: each rank saving. "
                         "The ranks hold the same weights, so only rank 0 should write (`if dist.get_rank() == 0:`); "
                         "several processes writing one file at once can leave it corrupt, and on a shared file "
                         "system each writes the whole model again")
-        raise Wrong(f"{call}: rank {others[0]} wrote the checkpoint, not rank 0: `if dist.get_rank() == 0:`")
+        raise Wrong(f"{call}: rank {writers[0]} wrote the checkpoint, not rank 0: `if dist.get_rank() == 0:`")
     state = _checkpoint_state(ckpt, cfg["width"])
     if isinstance(state, str):
         raise Wrong(f"{call}: rank 0 saved, but the checkpoint at checkpoint_path is not usable: {state}")
