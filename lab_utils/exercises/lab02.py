@@ -1222,8 +1222,7 @@ def reference_ddp_run(nprocs: int | None = None, backend: str | None = None) -> 
     cfg = _ddp_config(nprocs)
     key = (backend, nprocs, tuple(sorted(cfg.items())), torch.__version__)
     if key not in _REFERENCE_RUNS:
-        with ranks_mod.shipping(reference_train_ddp) as shipped, \
-                temporary_folder("ddp-ref") as folder:
+        with ranks_mod.shipping(reference_train_ddp) as shipped, temporary_folder("ddp-ref") as folder:
             res = _launch(_ddp_worker, nprocs, backend, DDP_TIMEOUT_S, {"student": shipped, "cfg": cfg,
                           "folder": folder}, group=False, straggler_s=DDP_STRAGGLER_S)
         state = _tensors(res[0]["state"])
