@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import csv
-import importlib.metadata
 import importlib.util
 import io
 import json
@@ -28,7 +27,7 @@ import psutil
 
 from lab_utils import DATA_DIR
 from lab_utils.course.catalog import LABS, repo_root
-from lab_utils.course.stack import manifest, ngc_images, pinned_release
+from lab_utils.course.stack import dist_version, manifest, ngc_images, pinned_release
 from lab_utils.procs import EnvError, env_url
 
 REQUIRED = ("numpy", "pandas", "matplotlib", "torch", "papermill", "nbformat", "ipykernel")
@@ -341,15 +340,6 @@ def _probe_torch(notes: list[str]) -> dict[str, Any] | None:
     return info
 
 
-def _dist_version(*names: str) -> str | None:
-    for n in names:
-        try:
-            return importlib.metadata.version(n)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
-
-
 # --- programs: where each one the course runs is -------------------------------------------------
 # One form, ``find_<program>(...) -> str | None``: the path of an executable, None when there is none. The modules
 # that run a program import its finder from here.
@@ -446,7 +436,7 @@ def _tensorrt_component() -> Component:
         spec = importlib.util.find_spec("tensorrt")
         folder = str(Path(spec.origin).parent) if spec and spec.origin else "?"
         dists = [(n, v) for n in ("tensorrt", "tensorrt-cu13", "tensorrt-cu12", "tensorrt-cu13-bindings",
-                                  "tensorrt-cu12-bindings") if (v := _dist_version(n))]
+                                  "tensorrt-cu12-bindings") if (v := dist_version(n))]
         wheel = f"pip {dists[0][0]} {dists[0][1]}" if dists else "not from pip (a system or NGC install)"
         note = f"Python module {folder} ({wheel})" + (f"; {tool}" if tool else "; no trtexec")
         return Component("TensorRT", True, dists[0][1] if dists else None, folder, note)
@@ -500,7 +490,7 @@ def _modelopt_component() -> Component:
     if getattr(modelopt, "__file__", None) is None:  # a namespace package: a folder without ModelOpt's code
         return Component("ModelOpt", False, None, None, f"`modelopt` is an empty namespace package here: "
                                                         f"{MODELOPT_INSTALL}")
-    version = getattr(modelopt, "__version__", None) or _dist_version("nvidia-modelopt")
+    version = getattr(modelopt, "__version__", None) or dist_version("nvidia-modelopt")
     where = str(Path(modelopt.__file__).parent)
     if lacking := [pip for module, pip in MODELOPT_ONNX_NEEDS.items() if not _findable(module)]:
         return Component("ModelOpt", False, version, where,
@@ -527,7 +517,7 @@ def _probe_components() -> dict[str, Component]:
         comps["tritonserver"] = Component("Triton server", True, os.environ.get("TRITON_SERVER_VERSION"), on_path,
                                           "on the PATH")
     elif wheel:
-        comps["tritonserver"] = Component("Triton server", True, f"nvidia-pytriton {_dist_version('nvidia-pytriton')}",
+        comps["tritonserver"] = Component("Triton server", True, f"nvidia-pytriton {dist_version('nvidia-pytriton')}",
                                           str(wheel), "binary from the nvidia-pytriton wheel (python backend only)")
     else:
         comps["tritonserver"] = Component("Triton server", False, None, None, "pip install nvidia-pytriton")

@@ -11,6 +11,7 @@ Design notes: docs/internals.md#lab_utilscoursestackpy"""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.metadata
 import json
@@ -113,6 +114,14 @@ def pip_version(name: str, tag: str | None = None, m: dict[str, Any] | None = No
     version = recorded_version(name, tag, m)
     prerelease = name in ngc_release(tag or m["pinned"], m).get("pip_prerelease", [])
     return f"{'.'.join(map(str, release(version)))}a0" if prerelease else version
+
+
+def dist_version(*names: str) -> str | None:
+    """The version pip reports (not ``__version__``) of the first of ``names`` that is installed, or None."""
+    for n in names:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            return importlib.metadata.version(n)
+    return None
 
 
 def installed_mismatch(name: str, reported: str | None, tag: str | None = None,
@@ -306,10 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if problems else 0
     if len(argv) == 3 and argv[0] == "installed":
         tag, name = argv[1], argv[2]
-        try:
-            reported: str | None = importlib.metadata.version(name)  # the version pip reports, not __version__
-        except importlib.metadata.PackageNotFoundError:
-            reported = None
+        reported = dist_version(name)
         try:
             problem = installed_mismatch(name, reported, tag)
         except (KeyError, ValueError) as err:  # the manifest lacks the release or package; not a version

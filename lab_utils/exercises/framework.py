@@ -274,15 +274,12 @@ def student_frame(tb: TracebackType | BaseException | str | types.FrameType | No
     return mine[-1] if mine else None
 
 
-def _first_line(err: BaseException, limit: int = 200) -> str:
-    text = str(err).strip().splitlines()[0] if str(err).strip() else ""
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def raised_message(call: str, err: BaseException, tb: TracebackType | str | None = None) -> str:
     """``"time_ms(...) raised ZeroDivisionError: division by zero, at line 7 of `time_ms`: `return t / 0`"``."""
     at = student_frame(tb if tb is not None else err)
-    what = f"{type(err).__name__}: {_first_line(err)}" if _first_line(err) else type(err).__name__
+    first = (str(err).strip().splitlines() or [""])[0]  # the message's first line, at most 200 characters
+    first = first if len(first) <= 200 else first[:197] + "..."
+    what = f"{type(err).__name__}: {first}" if first else type(err).__name__
     return f"{call} raised {what}" + (f", at {at}" if at else "")
 
 
@@ -831,9 +828,7 @@ class _Guard:
         for name, obj in self.refs.objects.values():  # a class is trapped at its __init__
             fn = obj if isinstance(obj, types.FunctionType) else vars(obj).get("__init__") \
                 if isinstance(obj, type) else None
-            if not isinstance(fn, types.FunctionType):
-                continue
-            trap = _trap_for(fn)
+            trap = _trap_for(fn) if isinstance(fn, types.FunctionType) else None
             if trap is None:
                 continue
             self._undo.append((fn, fn.__code__))
@@ -974,10 +969,7 @@ def choice(value: Any, choices: Sequence[str], synonyms: Mapping[str, Sequence[s
 
 def match_slip(ratio: float, slips: Mapping[float, str], rel: float) -> str | None:
     """The message of the first slip whose ratio (answer / expected) matches ``ratio`` within ``rel``."""
-    for slip, message in slips.items():
-        if math.isclose(ratio, slip, rel_tol=rel):
-            return message
-    return None
+    return next((message for slip, message in slips.items() if math.isclose(ratio, slip, rel_tol=rel)), None)
 
 
 def fastest_ratio(mine: Callable[[], float], reference: Callable[[], float], band: tuple[float, float],

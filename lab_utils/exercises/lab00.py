@@ -529,36 +529,32 @@ _KEYS: dict[str, tuple[Callable[[str], Any], str]] = {
 }
 
 
-def _rule(name: str, key: Callable[[str], Any]) -> Callable[[str, str, bool], str]:
+# rule -> (its verdict past the ceiling from (same major version, data-centre GPU), what is wrong with it)
+_RULES: dict[str, tuple[Callable[[bool, bool], str], str]] = {
+    "right": (lambda same_major, dc: _MINOR if same_major else (_FORWARD if dc else _INCOMPATIBLE), ""),
+    "no minor-version": (lambda same_major, dc: _FORWARD if dc else _INCOMPATIBLE,
+                         "A newer runtime of the same major version is not a case for forward compatibility: "
+                         "CUDA minor-version compatibility runs it on the older driver (12.8 under a 12.4 "
+                         "driver), only features that need the newer driver can fail."),
+    "always forward": (lambda same_major, dc: _MINOR if same_major else _FORWARD,
+                       "Forward compatibility (the cuda-compat libraries) works on data-centre GPUs only: on "
+                       "another GPU a runtime of a newer major version is incompatible."),
+    "never forward": (lambda same_major, dc: _MINOR if same_major else _INCOMPATIBLE,
+                      "On a data-centre GPU a newer major version can run with the forward-compatibility "
+                      "libraries (NGC images carry them): 'forward compatibility needed', not incompatible."),
+    "minor everywhere": (lambda same_major, dc: _MINOR,
+                         "Minor-version compatibility holds within one major version only: 13.0 under a 12.4 "
+                         "driver needs forward compatibility (data-centre GPUs) or is incompatible."),
+}
+
+
+def _rule(past: Callable[[bool, bool], str], key: Callable[[str], Any]) -> Callable[[str, str, bool], str]:
     def verdict(ceiling: str, runtime: str, dc: bool) -> str:
         if key(runtime) <= key(ceiling):
             return _COMPATIBLE
-        same_major = runtime.split(".")[0] == ceiling.split(".")[0]
-        if name == "right":
-            return _MINOR if same_major else (_FORWARD if dc else _INCOMPATIBLE)
-        if name == "no minor-version":
-            return _FORWARD if dc else _INCOMPATIBLE
-        if name == "always forward":
-            return _MINOR if same_major else _FORWARD
-        if name == "never forward":
-            return _MINOR if same_major else _INCOMPATIBLE
-        return _MINOR  # "minor everywhere"
+        return past(runtime.split(".")[0] == ceiling.split(".")[0], dc)
 
     return verdict
-
-
-_RULE_WHY = {
-    "right": "",
-    "no minor-version": "A newer runtime of the same major version is not a case for forward compatibility: "
-                        "CUDA minor-version compatibility runs it on the older driver (12.8 under a 12.4 "
-                        "driver), only features that need the newer driver can fail.",
-    "always forward": "Forward compatibility (the cuda-compat libraries) works on data-centre GPUs only: on "
-                      "another GPU a runtime of a newer major version is incompatible.",
-    "never forward": "On a data-centre GPU a newer major version can run with the forward-compatibility "
-                     "libraries (NGC images carry them): 'forward compatibility needed', not incompatible.",
-    "minor everywhere": "Minor-version compatibility holds within one major version only: 13.0 under a 12.4 "
-                        "driver needs forward compatibility (data-centre GPUs) or is incompatible.",
-}
 
 
 _RANDOM_VERDICTS = 8
@@ -598,10 +594,10 @@ def _grade_verdict(fn: Any) -> str:
              f"{expected!r}: {why}.")
     cases = [(c, r, d) for c, r, d, _, _ in VERDICT_CASES]
     for key_name, (key, key_why) in _KEYS.items():
-        for rule, rule_why in _RULE_WHY.items():
+        for rule, (past, rule_why) in _RULES.items():
             if key_name == "tuple" and rule == "right":
                 continue
-            if [_rule(rule, key)(*case) for case in cases] == got:
+            if [_rule(past, key)(*case) for case in cases] == got:
                 fix = "Compare (major, minor) as integers: tuple(int(p) for p in v.split('.')[:2]). " \
                     if key_name != "tuple" else ""
                 raise Wrong(f"{first} {key_why}{fix}{rule_why}".strip())

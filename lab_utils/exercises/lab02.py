@@ -177,7 +177,7 @@ def _shipped(fn: Any, var: str) -> Iterator[ranks_mod.Shipped]:
 
 def _plain(value: Any) -> Any:
     """The student's result as plain Python for the trip back from a rank (anything else becomes its repr)."""
-    if isinstance(value, bool) or value is None or isinstance(value, (int, float, str)):
+    if value is None or isinstance(value, (int, float, str)):  # bool too
         return value
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         return float(value.item())
@@ -394,9 +394,11 @@ class _CountAllReduce:
 def _bench_worker(ctx: WorkerContext, student: ranks_mod.Shipped, sizes: list[int], iters: int, warmup: int,
                   rounds: int, timing: bool) -> dict[str, Any]:
     """Rank side of q2: the reference, then the student's function, up to ``rounds`` times; each one's times,
-    the student's rows and the bytes of each all_reduce call the student made. Stops after a round whose times
-    agree with the reference's (the ranks decide together, from the slowest rank's times)."""
+    the student's rows and the bytes of each all_reduce call the student made. Stops once every size has a round
+    inside the band: the ranks decide together, from the slowest rank's times, with the judge's own rule
+    (``_band_picks``), so a run stopped early is one ``_judge_timing`` passes."""
     out: dict[str, Any] = {"ref_ms": [], "rows": [], "calls": []}
+    slowest_rounds: list[list[tuple[float, float]]] = []  # per round, (student ms, reference ms) per size
     counter = _CountAllReduce()
     with counter.patched():
         fn = student.load()
@@ -424,9 +426,10 @@ def _bench_worker(ctx: WorkerContext, student: ranks_mod.Shipped, sizes: list[in
                                   dtype=torch.float64, device=ctx.device)
             dist.all_reduce(agreed, op=dist.ReduceOp.MAX)  # every rank sees the slowest rank's times
             bad, *slowest = agreed.tolist()
-            ratios = [m / r for m, r in zip(slowest[:len(sizes)], slowest[len(sizes):], strict=True) if r > 0]
-            if bad or (len(ratios) == len(sizes) and all(BENCH_BAND[0] <= q <= BENCH_BAND[1] for q in ratios)):
-                break  # malformed rows (the launcher says what is wrong), or the times agree
+            slowest_rounds.append(list(zip(slowest[:len(sizes)], slowest[len(sizes):], strict=True)))
+            # malformed rows (the launcher says what is wrong), or every size has a round the judge will pass
+            if bad or None not in _band_picks(slowest_rounds):
+                break
     return out
 
 
@@ -489,23 +492,39 @@ def _judge_calls(calls: list[int], sizes: Sequence[int], iters: int, warmup: int
                         f"`warmup` untimed calls first (here {warmup}), then start the clock")
 
 
+def _ratio(times: tuple[float, float]) -> float:
+    """Student ms / reference ms."""
+    return times[0] / times[1] if times[1] > 0 else math.inf
+
+
+def _band_picks(slowest_rounds: Sequence[Sequence[tuple[float, float]]]) -> list[int | None]:
+    """Per size, the round the judge reads (``slowest_rounds[round][size]`` is (student ms, reference ms)): of the
+    rounds inside BENCH_BAND, the closest to the reference; None where no round is inside. The one rule of both
+    sides: the ranks stop once no size has None, and the judge passes then. (Closest alone is not it: the band is
+    lopsided, so a round at 2.1x is closer than one at 0.4x, and a run stopped on a 0.4x round was failed on 2.1x.)"""
+    picks = []
+    for i in range(len(slowest_rounds[0])):
+        inside = [k for k, times in enumerate(slowest_rounds) if BENCH_BAND[0] <= _ratio(times[i]) <= BENCH_BAND[1]]
+        picks.append(min(inside, key=lambda k: abs(math.log(_ratio(slowest_rounds[k][i]))), default=None))
+    return picks
+
+
 def _judge_timing(per_rank: list[dict[str, Any]], sizes: Sequence[int], iters: int, warmup: int, gpu: bool,
                   call: str) -> list[tuple[float, float]]:
-    """(student ms, reference ms) per size from the round closest to the reference (each round's reference ran
-    just before the student's function); Wrong when no round of a size falls in the band."""
+    """(student ms, reference ms) per size from the round ``_band_picks`` reads (each round's reference ran just
+    before the student's function); Wrong when no round of a size falls in the band."""
     rounds = len(per_rank[0]["rows"])
+    # A collective is as slow as its slowest rank: the largest time over the ranks, for both (as the ranks agree).
+    slowest_rounds = [[(max(r["rows"][k][i]["time_ms"] for r in per_rank), max(r["ref_ms"][k][i] for r in per_rank))
+                       for i in range(len(sizes))] for k in range(rounds)]
     out = []
-    for i, size in enumerate(sizes):
-        # A collective is as slow as its slowest rank: the largest time over the ranks, for both.
-        pairs = [(max(r["rows"][k][i]["time_ms"] for r in per_rank), max(r["ref_ms"][k][i] for r in per_rank))
-                 for k in range(rounds)]
-        ratios = [m / r if r > 0 else math.inf for m, r in pairs]
-        best = min(range(rounds), key=lambda k: abs(math.log(ratios[k])) if 0 < ratios[k] < math.inf else math.inf)
-        if BENCH_BAND[0] <= ratios[best] <= BENCH_BAND[1]:
-            out.append(pairs[best])
+    for i, (size, best) in enumerate(zip(sizes, _band_picks(slowest_rounds), strict=True)):
+        if best is not None:
+            out.append(slowest_rounds[best][i])
             continue
+        ratios = [_ratio(times[i]) for times in slowest_rounds]
         ratio = sorted(ratios)[rounds // 2]
-        mine, ref_ms = pairs[ratios.index(ratio)]
+        mine, ref_ms = slowest_rounds[ratios.index(ratio)][i]
         gpu_fix = ("dist.all_reduce only queues the work on the GPU. Call torch.cuda.synchronize() before reading the "
                    "clock, or time with CUDA events and synchronize before elapsed_time.") if gpu else ""
         raise per_call_wrong(f"{call}: at {_fmt_bytes(size)}", mine, ref_ms, iters, warmup,
@@ -568,7 +587,6 @@ def _grade_allreduce_bench(fn: Any, backend: str | None = None, nprocs: int | No
         if backend == "gloo" and nprocs == 2:
             nprocs = _FORMULA_RANKS  # on a CPU, one run on 3 ranks checks the time and the formulas at once
     sizes = list(bench_sizes(backend))
-    gpu = backend == "nccl"
     call = (f"allreduce_bench(ctx, sizes_bytes=[{', '.join(_fmt_bytes(s) for s in sizes)}], iters={BENCH_ITERS}, "
             f"warmup={BENCH_WARMUP}) on {nprocs} {backend} ranks")
     with _shipped(fn, "allreduce_bench") as shipped:
@@ -577,7 +595,7 @@ def _grade_allreduce_bench(fn: Any, backend: str | None = None, nprocs: int | No
                              "timing": True})
         per_rank = [{**r, "rows": [_rows_of(rows, sizes, call) for rows in r["rows"]]} for r in res]
         _judge_calls(res[0]["calls"][0], sizes, BENCH_ITERS, BENCH_WARMUP, call)
-        times = _judge_timing(per_rank, sizes, BENCH_ITERS, BENCH_WARMUP, gpu, call)
+        times = _judge_timing(per_rank, sizes, BENCH_ITERS, BENCH_WARMUP, backend == "nccl", call)
         for rank, r in enumerate(per_rank):
             _judge_formulas(r["rows"][0], nprocs, call, "" if rank == 0 else f" (rank {rank})")
         extra = ""
@@ -627,6 +645,9 @@ _GRAD_FACTOR = reference_busbw_factor("all_reduce", GRAD_RANKS)  # 1.75
 _GRAD_MS = _GRAD_BYTES * _GRAD_FACTOR / (GRAD_BUSBW_GBPS * 1e9) * 1e3  # 3.603 ms
 
 _GIB = 2**30 / 1e9
+# GiB for GB or GB for GiB, one way or the other
+_GIB_SLIP = ("GB/s means 1e9 bytes/s here (nccl-tests' convention), not GiB/s (2^30): don't mix GiB and GB in one "
+             "formula.")
 q3 = Exercise(
     name="02.3 all-reduce time for the gradients", var="allreduce_ms",
     grade=close_to(
@@ -647,10 +668,8 @@ q3 = Exercise(
             GRAD_RANKS: "the /n is missing from 2(n-1)/n: the factor is a fraction of the buffer per link.",
             1 / _GRAD_FACTOR**2: "you divided by the factor: busbw = algbw × factor, so algbw = busbw / factor "
                                "and t = S / algbw = S × factor / busbw.",
-            1 / _GIB: "GB/s means 1e9 bytes/s here (nccl-tests' convention), not GiB/s (2^30): don't mix "
-                      "GiB and GB in one formula.",
-            _GIB: "GB/s means 1e9 bytes/s here (nccl-tests' convention), not GiB/s (2^30): don't mix GiB and "
-                  "GB in one formula.",
+            1 / _GIB: _GIB_SLIP,
+            _GIB: _GIB_SLIP,
         },
     ),
     hints=[
@@ -747,11 +766,7 @@ def _socket_ifname_matches(setting: str) -> list[str]:
     text = setting[1:] if exclude else setting
     exact = text.startswith("=")
     names = [n.strip() for n in (text[1:] if exact else text).split(",") if n.strip()]
-
-    def listed(interface: str) -> bool:
-        return any(interface == n if exact else interface.startswith(n) for n in names)
-
-    return [i for i in _INTERFACES if listed(i) != exclude]
+    return [i for i in _INTERFACES if any(i == n if exact else i.startswith(n) for n in names) != exclude]
 
 
 q4 = Exercise(
@@ -994,9 +1009,13 @@ class _TrainingProbe:
             yield self
 
 
-def _observe_training(ctx: WorkerContext, shipped: ranks_mod.Shipped, cfg: dict[str, Any],
-                      checkpoint_path: str) -> dict[str, Any]:
-    """Run one train_ddp function in this rank and return what it did."""
+def _ddp_worker(ctx: WorkerContext, student: ranks_mod.Shipped, cfg: dict[str, Any], folder: str) -> dict[str, Any]:
+    """Rank side of q6: run one train_ddp function in this rank and return what it did (the student's, or the
+    reference's in a launch of its own: two trainings in one rank, one group after the other, hung a gloo rank in
+    destroy_process_group while its peer waited in the next group's set-up)."""
+    if not ctx.device.startswith("cuda"):
+        torch.set_num_threads(1)  # the ranks share the cores; a small CNN gains nothing from more threads
+    ctx.status("train_ddp")
     data = digits_arrays()
     train_set = _RecordingDigits(torch.from_numpy(data["x_train"]), torch.from_numpy(data["y_train"]))
     models: list[DigitsCNN] = []
@@ -1016,18 +1035,17 @@ def _observe_training(ctx: WorkerContext, shipped: ranks_mod.Shipped, cfg: dict[
 
     probe = _TrainingProbe()
     with probe.patched():
-        fn = shipped.load()
-        fn(train_set, make_model, cfg["epochs"], cfg["batch_size"], cfg["lr"], checkpoint_path)
+        fn = student.load()
+        fn(train_set, make_model, cfg["epochs"], cfg["batch_size"], cfg["lr"], os.path.join(folder, "student.pt"))
     left = dist.is_initialized()
     if left:
         dist.destroy_process_group()
     # numpy, not tensors: a tensor crosses the process boundary as shared memory that dies with this rank
     state = {k: v.detach().float().cpu().numpy().copy() for k, v in models[-1].state_dict().items()} if models else None
+    watched = {k: v for k, v in vars(probe).items() if not k.startswith("_")}  # saves, clips, norms, scales, ...
     obs = {"rank": ctx.rank, "fetched": train_set.fetched, "n_train": len(train_set), "models": len(models),
-           "forwards": len(forwards), "autocast": sorted(set(forwards)), "saves": probe.saves,
-           "clips": probe.clips, "clips_scaled": probe.clips_scaled, "norms": probe.norms,
-           "max_norms": sorted(probe.max_norms), "scales": probe.scales,
-           "scales_disabled": probe.scales_disabled, "unscales": probe.unscales, "left_group": left, "state": state}
+           "forwards": len(forwards), "autocast": sorted(set(forwards)), **watched,
+           "max_norms": sorted(probe.max_norms), "left_group": left, "state": state}
     models.clear()
     del train_set, fn
     gc.collect()  # DDP's hooks hold the group in reference cycles: gone before the next group starts
@@ -1036,16 +1054,6 @@ def _observe_training(ctx: WorkerContext, shipped: ranks_mod.Shipped, cfg: dict[
 
 def _tensors(state: dict[str, Any] | None) -> dict[str, torch.Tensor] | None:
     return None if state is None else {k: torch.as_tensor(v) for k, v in state.items()}
-
-
-def _ddp_worker(ctx: WorkerContext, student: ranks_mod.Shipped, cfg: dict[str, Any], folder: str) -> dict[str, Any]:
-    """Rank side of q6: one train_ddp (the student's, or the reference's in a launch of its own: two trainings in
-    one rank, one group after the other, hung a gloo rank in destroy_process_group while its peer waited in the
-    next group's set-up)."""
-    if not ctx.device.startswith("cuda"):
-        torch.set_num_threads(1)  # the ranks share the cores; a small CNN gains nothing from more threads
-    ctx.status("train_ddp")
-    return _observe_training(ctx, student, cfg, os.path.join(folder, "student.pt"))
 
 
 _REFERENCE_RUNS: dict[tuple[Any, ...], dict[str, Any]] = {}
@@ -1066,13 +1074,8 @@ def _checkpoint_state(path: str, width: int) -> dict[str, torch.Tensor] | str:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:
         return f"torch.load could not read it ({type(err).__name__}: {_exception_line(str(err), 120)})"
-    if isinstance(obj, torch.nn.Module):
-        obj = obj.state_dict()
-    if isinstance(obj, dict):
-        for key in ("model", "model_state_dict", "state_dict"):
-            if isinstance(obj.get(key), dict):
-                obj = obj[key]
-                break
+    if isinstance(obj, dict):  # the state dict under the first of these keys that holds one
+        obj = next((obj[k] for k in ("model", "model_state_dict", "state_dict") if isinstance(obj.get(k), dict)), obj)
     if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
         return f"it holds {type(obj).__name__}, not a model state dict (save model.state_dict())"
     state = {k.removeprefix("module."): v for k, v in obj.items()}
@@ -1168,14 +1171,13 @@ def _judge_ddp(obs: list[dict[str, Any]], ref_acc: float, ckpt: str, cfg: dict[s
     if not writers:
         raise Wrong(f"{call}: no checkpoint was written: rank 0 saves model.state_dict() to checkpoint_path")
     if writers != [0]:
-        others = [r for r in writers if r != 0]
-        if others and 0 in writers:
+        if 0 in writers:
             who = "every rank" if len(writers) == n else "ranks " + ", ".join(map(str, writers))
             raise Wrong(f"{call}: {who} wrote the checkpoint: each rank saving. "
                         "The ranks hold the same weights, so only rank 0 should write (`if dist.get_rank() == 0:`); "
                         "several processes writing one file at once can leave it corrupt, and on a shared file "
                         "system each writes the whole model again")
-        raise Wrong(f"{call}: rank {others[0]} wrote the checkpoint, not rank 0: `if dist.get_rank() == 0:`")
+        raise Wrong(f"{call}: rank {writers[0]} wrote the checkpoint, not rank 0: `if dist.get_rank() == 0:`")
     state = _checkpoint_state(ckpt, cfg["width"])
     if isinstance(state, str):
         raise Wrong(f"{call}: rank 0 saved, but the checkpoint at checkpoint_path is not usable: {state}")
@@ -1220,14 +1222,12 @@ def reference_ddp_run(nprocs: int | None = None, backend: str | None = None) -> 
     cfg = _ddp_config(nprocs)
     key = (backend, nprocs, tuple(sorted(cfg.items())), torch.__version__)
     if key not in _REFERENCE_RUNS:
-        with ranks_mod.shipping(reference_train_ddp) as shipped, \
-                temporary_folder("ddp-ref") as folder:
+        with ranks_mod.shipping(reference_train_ddp) as shipped, temporary_folder("ddp-ref") as folder:
             res = _launch(_ddp_worker, nprocs, backend, DDP_TIMEOUT_S, {"student": shipped, "cfg": cfg,
                           "folder": folder}, group=False, straggler_s=DDP_STRAGGLER_S)
         state = _tensors(res[0]["state"])
         _REFERENCE_RUNS[key] = {"accuracy": _evaluate(state, cfg["width"]), "state": state}
-    run = _REFERENCE_RUNS[key]
-    return {"accuracy": run["accuracy"], "state": run["state"], "world_size": nprocs, "backend": backend, **cfg}
+    return {**_REFERENCE_RUNS[key], "world_size": nprocs, "backend": backend, **cfg}  # accuracy, state
 
 
 q6 = CodeExercise(
@@ -1288,8 +1288,10 @@ def _metric_worker(ctx: WorkerContext, student: ranks_mod.Shipped, shards: list[
 
 def _judge_metric(values: list[Any], shards: list[dict[str, Any]], call: str) -> str:
     n = len(shards)
-    total = sum(s["correct"] for s in shards) / sum(s["seen"] for s in shards)
+    correct, seen = sum(s["correct"] for s in shards), sum(s["seen"] for s in shards)
+    total = correct / seen
     accs = [s["accuracy"] for s in shards]
+    mean = sum(accs) / n
     for r, v in enumerate(values):
         if v is None:
             raise Wrong(f"{call} returned None on rank {r} (does it end with `return ...`?); expected the accuracy "
@@ -1309,7 +1311,7 @@ def _judge_metric(values: list[Any], shards: list[dict[str, Any]], call: str) ->
                             "leaves the sum on one rank only; dist.all_reduce puts it on every rank")
             raise Wrong(f"{head}: it is rank {r}'s own accuracy ({shards[r]['correct']}/{shards[r]['seen']}): "
                         "nothing was combined over the ranks. dist.all_reduce the counts")
-        if math.isclose(v, sum(accs) / n, rel_tol=1e-6):
+        if math.isclose(v, mean, rel_tol=1e-6):
             raise Wrong(f"{head}: it is the plain mean of the per-rank accuracies. The shards differ in size "
                         f"({', '.join(str(s['seen']) for s in shards)} samples), so each accuracy must count by its "
                         "samples: all_reduce the counts (correct, seen) with SUM, then divide")
@@ -1318,14 +1320,13 @@ def _judge_metric(values: list[Any], shards: list[dict[str, Any]], call: str) ->
                         "accuracy). Reduce the counts (correct, seen), then divide")
         if math.isclose(v, 100 * total, rel_tol=1e-6):
             raise Wrong(f"{head}: that is a percentage; return a fraction between 0 and 1")
-        if math.isclose(v, sum(s["correct"] for s in shards), rel_tol=1e-6):
+        if math.isclose(v, correct, rel_tol=1e-6):
             raise Wrong(f"{head}: that is the number of correct predictions; divide it by the samples seen")
         if v == 0 or v == math.floor(total):
             raise Wrong(f"{head}: integer division? correct // seen is 0; divide with / (or in a float tensor)")
         raise Wrong(f"{head}: sum the correct counts and the sample counts over the ranks (one all_reduce of "
                     "a tensor [correct, seen]), then divide")
-    return f"Every one of {n} ranks got {total:.5f} = {sum(s['correct'] for s in shards)}/" \
-           f"{sum(s['seen'] for s in shards)}, not the mean of the accuracies ({sum(accs) / n:.5f})."
+    return f"Every one of {n} ranks got {total:.5f} = {correct}/{seen}, not the mean of the accuracies ({mean:.5f})."
 
 
 def _grade_global_accuracy(fn: Any, backend: str | None = None, nprocs: int | None = None) -> str:

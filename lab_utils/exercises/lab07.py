@@ -79,18 +79,13 @@ def use_service(service: Any) -> None:
     print(f"checks run against the service at {service.http_url} ({service.via}; {len(service.servers)} Triton)")
 
 
-def _no_service() -> str | None:
-    if not _BOUND:
-        return "no service to check against yet: run the cell that starts it (it calls ex.use_service(svc))."
-    if not _BOUND[0].alive():
-        return "the lab's service is not running: start it again and rerun this check."
-    return None
-
-
 def _service() -> Any:
-    why = _no_service()
-    if why:
-        raise NotApplicable(why)
+    """The service use_service named, or NotApplicable saying why there is none to check against."""
+    if not _BOUND:
+        raise NotApplicable("no service to check against yet: run the cell that starts it (it calls "
+                            "ex.use_service(svc)).")
+    if not _BOUND[0].alive():
+        raise NotApplicable("the lab's service is not running: start it again and rerun this check.")
     return _BOUND[0]
 
 
@@ -170,6 +165,8 @@ def reference_servers_needed(peak_rps: float, capacity_rps: float, headroom: flo
 
 
 def _grade_ensemble(config: Any) -> str:
+    from google.protobuf import json_format
+
     if not isinstance(config, (dict, str)):
         raise Wrong(f"give the configuration as a dict (as reference_ensemble's form) or config.pbtxt text, not a "
                     f"{type(config).__name__}")
@@ -194,7 +191,8 @@ def _grade_ensemble(config: Any) -> str:
     folder = svc.repo.path / Q1_NAME
     try:
         try:
-            ens.write_ensemble(svc.repo.path, config if isinstance(config, dict) else _as_dict(cfg))
+            ens.write_ensemble(svc.repo.path, config if isinstance(config, dict) else
+                               json_format.MessageToDict(cfg, preserving_proto_field_name=True))
         except triton_repo.ConfigError as err:
             raise Wrong(f"the course's checks refuse it: {err}") from None
         try:
@@ -215,12 +213,6 @@ def _grade_ensemble(config: Any) -> str:
             triton_client.unload_model(server.grpc_url, Q1_NAME, wait_s=10)
         shutil.rmtree(folder, ignore_errors=True)
     return "Triton loaded it and it answered 12 held-out PNGs exactly as the service does."
-
-
-def _as_dict(cfg: Any) -> dict[str, Any]:
-    from google.protobuf import json_format
-
-    return json_format.MessageToDict(cfg, preserving_proto_field_name=True)
 
 
 q1 = Exercise(
@@ -592,11 +584,9 @@ def jpeg_decoder() -> tuple[Callable[..., Any], str]:
     import torch
 
     if torch.cuda.is_available():
-        try:
+        with contextlib.suppress(ImportError, RuntimeError):
             from torchvision.io import decode_jpeg as nvjpeg  # optional: not in the CPU environment
-        except (ImportError, RuntimeError):
-            return decode_jpeg, "cpu"
-        return nvjpeg, "cuda"
+            return nvjpeg, "cuda"
     return decode_jpeg, "cpu"
 
 

@@ -516,8 +516,7 @@ q7 = Exercise(
                  "FLOP/byte, so B equals the ridge (not half of it).",
             2.0: "double: at batch B a 2-byte bf16 weight does B multiply-adds, 2·B FLOPs: intensity B FLOP/byte, "
                  "not B/2.",
-            1e-3: "a units slip: 989 TFLOP/s / 4.8 TB/s is 206 FLOP/byte.",
-            1e3: "a units slip: 989 TFLOP/s / 4.8 TB/s is 206 FLOP/byte.",
+            **dict.fromkeys((1e-3, 1e3), "a units slip: 989 TFLOP/s / 4.8 TB/s is 206 FLOP/byte."),
         }),
     hints=[
         "With B sequences in the batch, each weight read from memory is used for B tokens.",

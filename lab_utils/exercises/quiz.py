@@ -985,12 +985,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _strategies(args[1:])
         else:
             print(f"wrote {write_glossary(args[1] if len(args) > 1 else None)}")
-    except BankError as err:
+    except ValueError as err:  # a bad bank (1), or an NVLAB_QUIZ_DIR that is no folder (EnvError: 2)
         print(f"error: {err}", file=sys.stderr)
-        return 1
-    except ValueError as err:  # an NVLAB_QUIZ_DIR that is no folder (EnvError)
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return 1 if isinstance(err, BankError) else 2
     return 0
 
 

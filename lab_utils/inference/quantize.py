@@ -40,7 +40,6 @@ LOW_PRECISION = ("fp16", "bf16")
 FP8_MIN_CAPABILITY = (8, 9)  # Ada (8.9) and Hopper (9.0) and later have FP8 tensor cores
 
 
-
 class CalibrationDataError(ValueError):
     """Calibration data that the model cannot take: the message names what was given and what is expected."""
 
@@ -106,7 +105,7 @@ def quiet_modelopt() -> Iterator[io.StringIO]:
         trt_utils.TRT_PYTHON_AVAILABLE = saved_flag
         for lg, level in zip(loggers, levels, strict=True):
             lg.setLevel(level)
-        for lg in loggers:  # ModelOpt re-adds a handler bound to the captured stream each call: drop it
+            # ModelOpt re-adds a handler bound to the captured stream each call: drop it
             for h in list(lg.handlers):
                 if getattr(h, "stream", None) is buf:
                     lg.removeHandler(h)

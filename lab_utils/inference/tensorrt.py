@@ -81,11 +81,7 @@ def import_tensorrt() -> Any:
 def tensorrt_major() -> int | None:
     """TensorRT's major version (10, 11), or None without the runtime."""
     ok, _ = tensorrt_status()
-    if not ok:
-        return None
-    import tensorrt as trt_mod
-
-    return int(str(trt_mod.__version__).split(".")[0])
+    return int(str(import_tensorrt().__version__).split(".")[0]) if ok else None
 
 
 # --- Optimization profiles ------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from lab_utils.compat import tensorrt_stubs
+from lab_utils.course.stack import dist_version
 from lab_utils.procs import EnvError, owned_tempdir
 
 STUBS_DIST = "tensorrt-stubs"
@@ -189,10 +190,7 @@ def missing_steps(source: str, steps: Sequence[Step] = BUILD_STEPS) -> list[Step
 
 def stubs_version() -> str | None:
     """The installed tensorrt-stubs version, or None."""
-    try:
-        return importlib.metadata.version(STUBS_DIST)
-    except importlib.metadata.PackageNotFoundError:
-        return None
+    return dist_version(STUBS_DIST)
 
 
 def cache_root() -> Path:
@@ -278,17 +276,10 @@ class TypeCheckReport:
         return not self.errors
 
 
-def mypy_version() -> str | None:
-    try:
-        return importlib.metadata.version("mypy")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def type_check_source(source: str, timeout_s: float = 180.0) -> TypeCheckReport:
     """mypy (``check_untyped_defs``, not strict: a student's function has no annotations) over ``source``
     against the repaired tensorrt-stubs; errors in ``source`` only, with its line numbers."""
-    if (mypy := mypy_version()) is None:
+    if (mypy := dist_version("mypy")) is None:
         raise TypeCheckUnavailable(f"mypy is not installed: {STUBS_INSTALL}")
     stubs = repaired_stubs()
     root = stubs.parent

@@ -51,7 +51,6 @@ KS_ALERT = 0.2  # with a window of 300 images against 1440, KS's 1 % critical va
 CONFIDENCE = "confidence"
 SHIFTS = ("rotated", "noisy", "rescaled")
 CONFIDENCE_METRIC = "nvlab_prediction_confidence"
-_images, _sample = as_digits, sample  # this module's names for them
 
 
 def confidence(logits: Any) -> np.ndarray:
@@ -78,7 +77,7 @@ def _pil_map(x: np.ndarray, fn: Any) -> np.ndarray:
 
 def rotated(images: Any, degrees: float = 30.0, seed: int | None = 0, jitter: float = 0.0) -> np.ndarray:
     """Each digit rotated by ``degrees`` (+- ``jitter`` at random), bilinear, about its centre."""
-    x = _images(images)
+    x = as_digits(images)
     rng = np.random.default_rng(seed)
     angles = degrees + rng.uniform(-jitter, jitter, len(x)) if jitter else np.full(len(x), float(degrees))
     return _pil_map(x, lambda im, i: im.rotate(float(angles[i]), resample=Image.Resampling.BILINEAR))
@@ -88,7 +87,7 @@ def noisy(images: Any, sigma: float = 3.0, seed: int | None = 0) -> np.ndarray:
     """Gaussian noise of ``sigma`` (pixel units, of 16) added, clipped to 0..16."""
     if not (isinstance(sigma, (int, float)) and sigma >= 0):
         raise ValueError(f"sigma={sigma!r}: noise in pixel units (0..16 scale), >= 0")
-    x = _images(images)
+    x = as_digits(images)
     return np.clip(x + np.random.default_rng(seed).normal(0, sigma, x.shape).astype(np.float32), 0, 16)
 
 
@@ -96,7 +95,7 @@ def rescaled(images: Any, factor: float = 0.6) -> np.ndarray:
     """Each digit zoomed by ``factor`` about the centre (< 1: smaller, as from a farther camera), bilinear."""
     if not (isinstance(factor, (int, float)) and 0.2 <= factor <= 3):
         raise ValueError(f"factor={factor!r}: a zoom between 0.2 and 3 (0.6 shrinks the digit to 60 %)")
-    x = _images(images)
+    x = as_digits(images)
     h, w = x.shape[1:]
     cy, cx = (h - 1) / 2, (w - 1) / 2
     # PIL's affine maps output (u, v) to input (a u + b v + c, d u + e v + f): the inverse zoom about the centre
@@ -108,13 +107,12 @@ def rescaled(images: Any, factor: float = 0.6) -> np.ndarray:
 def shift(images: Any, kind: str, strength: float = 1.0, seed: int | None = 0) -> np.ndarray:
     """A shift by name: ``rotated`` (30 deg x strength), ``noisy`` (sigma 3 x strength), ``rescaled`` (zoom
     1 - 0.4 x strength)."""
-    if kind == "rotated":
-        return rotated(images, 30.0 * strength, seed)
-    if kind == "noisy":
-        return noisy(images, 3.0 * strength, seed)
-    if kind == "rescaled":
-        return rescaled(images, 1 - 0.4 * strength)
-    raise ValueError(f"kind={kind!r}: one of {SHIFTS}")
+    make = {"rotated": lambda: rotated(images, 30.0 * strength, seed),
+            "noisy": lambda: noisy(images, 3.0 * strength, seed),
+            "rescaled": lambda: rescaled(images, 1 - 0.4 * strength)}
+    if kind not in make:
+        raise ValueError(f"kind={kind!r}: one of {SHIFTS}")
+    return make[kind]()
 
 
 # --- the reference and the report --------------------------------------------------------------------------------
@@ -131,14 +129,14 @@ class DriftReference:
     def from_images(cls, images: Any, confidences: Any = None, bins: int = 10) -> DriftReference:
         feats = image_features(images)
         if confidences is not None:
-            feats[CONFIDENCE] = _sample(confidences, "confidences")
+            feats[CONFIDENCE] = sample(confidences, "confidences")
         return cls(feats, {k: bin_edges(v, bins) for k, v in feats.items()})
 
     def statistics(self, images: Any, confidences: Any = None) -> dict[str, dict[str, float]]:
         """{feature: {"psi": ..., "ks": ...}} of a batch against this reference."""
         feats = image_features(images)
         if confidences is not None and CONFIDENCE in self.features:
-            feats[CONFIDENCE] = _sample(confidences, "confidences")
+            feats[CONFIDENCE] = sample(confidences, "confidences")
         return {k: {"psi": psi(self.features[k], v, edges=self.edges[k]), "ks": ks_statistic(self.features[k], v)}
                 for k, v in feats.items() if k in self.features}
 
@@ -165,8 +163,8 @@ class DriftMonitor:
 
     def observe(self, images: Any, confidences: Any = None) -> None:
         """Add served images (raw digits, (N, 8, 8)) and, optionally, the model's confidence on each."""
-        x = _images(images)
-        conf = None if confidences is None else _sample(confidences, "confidences")
+        x = as_digits(images)
+        conf = None if confidences is None else sample(confidences, "confidences")
         if conf is not None and len(conf) != len(x):
             raise ValueError(f"observe: {len(x)} images but {len(conf)} confidences; one per image")
         with self._lock:

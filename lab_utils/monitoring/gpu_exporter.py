@@ -255,24 +255,6 @@ class Collector:
         yield info
 
 
-
-def serve_registry(registry: Any, host: str, port: int = 0) -> tuple[Any, threading.Thread]:
-    """Serve a prometheus_client registry over HTTP on a daemon thread: ``(server, thread)``; port 0 picks a free
-    one (read it from ``server.server_port``)."""
-    from prometheus_client import start_http_server
-
-    return start_http_server(port, addr=host, registry=registry)
-
-
-def stop_serving(server: Any, thread: threading.Thread | None, timeout_s: float = 5.0) -> None:
-    """Stop what ``serve_registry`` started: shut the server down, close its socket, join its thread (timeout in s)."""
-    if server is not None:
-        server.shutdown()
-        server.server_close()
-    if thread is not None:
-        thread.join(timeout=timeout_s)
-
-
 class MetricsServer(OwnedServer):
     """A prometheus_client registry served over HTTP from a daemon thread; ``address`` is ``host:port`` for a
     scrape configuration."""
@@ -316,14 +298,21 @@ class MetricsServer(OwnedServer):
         return False
 
     def _start_once(self) -> MetricsServer:
-        self._server, self._thread = serve_registry(self.registry, self.host, self.port or 0)
+        from prometheus_client import start_http_server
+
+        # port 0 picks a free one, read back from server_port
+        self._server, self._thread = start_http_server(self.port or 0, addr=self.host, registry=self.registry)
         self.port = self._server.server_port
         self._register()
         return self
 
     def _cleanup(self) -> None:
-        """Stop serving and join the thread."""
-        stop_serving(self._server, self._thread)
+        """Stop serving: shut the server down, close its socket, join its thread."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
         self._server, self._thread = None, None
 
     def alive(self) -> bool:

@@ -147,9 +147,7 @@ SERVICE_PANELS: tuple[Panel, ...] = (
           "sum(rate(nv_cache_num_hits_per_model[{w}])) / (sum(rate(nv_cache_num_hits_per_model[{w}])) + "
           "sum(rate(nv_cache_num_misses_per_model[{w}])))", "fraction", "hit ratio",
           description="Cache hits over lookups, both servers: repeated images are answered without the model."),
-    Panel("triton_latency", "Triton's average request latency (ms), by model",
-          "sum by (model) (rate(nv_inference_request_duration_us[{w}])) "
-          "/ sum by (model) (rate(nv_inference_request_success[{w}])) / 1000", "ms",
+    Panel("triton_latency", "Triton's average request latency (ms), by model", panels.panel("latency").expr, "ms",
           description="Server-side time per request in each model of the ensemble (queue + compute)."),
     Panel("connections", "Open client connections at nginx", "nvlab_nginx_connections_active", "connections",
           "active", description="stub_status's active connections: clients connected now."),

@@ -327,16 +327,12 @@ def parse_parameter(name: str, text: str, default: Any) -> Any:
         if text.strip().lower() in FALSE:
             return False
         raise ValueError(f"-p {name} {text!r}: {name} is true or false: give one of {', '.join(TRUE + FALSE)}")
-    if isinstance(default, int):
-        try:
-            return int(text)
-        except ValueError:
-            raise ValueError(f"-p {name} {text!r}: {name} is a whole number (default {default})") from None
-    if isinstance(default, float):
-        try:
-            return float(text)
-        except ValueError:
-            raise ValueError(f"-p {name} {text!r}: {name} is a number (default {default})") from None
+    for kind, what in ((int, "a whole number"), (float, "a number")):
+        if isinstance(default, kind):
+            try:
+                return kind(text)
+            except ValueError:
+                raise ValueError(f"-p {name} {text!r}: {name} is {what} (default {default})") from None
     if isinstance(default, str):
         value = literal(text)  # a quoted string stays a string; anything else is the text itself
         return value if isinstance(value, str) else text
