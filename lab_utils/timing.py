@@ -239,6 +239,21 @@ def cpu_cores() -> int:
         return os.cpu_count() or 1
 
 
+def host_ms(fn: Callable[[], Any], dev: str, reps: int, wait: bool) -> float:
+    """Median host-clock ms of ``fn()`` over ``reps``, each started on an empty queue; ``wait``: synchronize
+    before reading the clock (without it a GPU run times the launch only)."""
+    times = np.empty(reps)
+    for i in range(reps):
+        sync(dev)  # outside the timed region
+        t0 = time.perf_counter()
+        fn()
+        if wait:
+            sync(dev)
+        times[i] = (time.perf_counter() - t0) * 1e3
+    sync(dev)
+    return float(np.median(times))
+
+
 def sync(device: str) -> None:
     """Wait for the device's queued work: ``torch.cuda.synchronize`` on a CUDA device, nothing on the CPU."""
     if str(device).startswith("cuda"):

@@ -13,19 +13,17 @@ from __future__ import annotations
 
 import contextlib
 import math
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import pandas as pd
 import torch
 
 from lab_utils.args import check_int
 from lab_utils.course.specs import GpuPeaks, peaks_for
 from lab_utils.plotting import format_bytes
-from lab_utils.timing import Timing, benchmark, copy_bytes, cpu_model, cuda_graph, matmul_bytes, matmul_flops, sync
+from lab_utils.timing import Timing, benchmark, copy_bytes, cpu_model, cuda_graph, host_ms, matmul_bytes, matmul_flops
 
 DTYPES = ("fp32", "tf32", "fp16", "bf16", "fp8")
 
@@ -85,21 +83,6 @@ def _check_reps(reps: Any, warmup: Any, where: str) -> tuple[int, int]:
 def _timing_row(t: Timing) -> dict[str, float]:
     """The columns every measured row carries, in ms (``spread``: (p90 - p10) / median)."""
     return {"median_ms": t.median_ms, "p10_ms": t.p10_ms, "p90_ms": t.p90_ms, "spread": t.spread}
-
-
-def _host_ms(fn: Callable[[], Any], dev: str, reps: int, wait: bool) -> float:
-    """Median host-clock ms of ``fn()`` over ``reps``, each started on an empty queue; ``wait``: synchronize
-    before reading the clock (without it a GPU run times the launch only)."""
-    times = np.empty(reps)
-    for i in range(reps):
-        sync(dev)  # outside the timed region
-        t0 = time.perf_counter()
-        fn()
-        if wait:
-            sync(dev)
-        times[i] = (time.perf_counter() - t0) * 1e3
-    sync(dev)
-    return float(np.median(times))
 
 
 def _default(value: Any, dev: str, gpu: Any, cpu: Any) -> Any:
@@ -246,8 +229,8 @@ def async_pitfall(n: int | None = None, device: str | None = "auto", dtype: str 
     with tf32_matmul(case.tf32):
         for _ in range(max(warmup, 1)):
             case.fn()
-        no_sync = _host_ms(case.fn, dev, reps, wait=False)  # the classic bug: the clock read as the call returns
-        with_sync = _host_ms(case.fn, dev, reps, wait=True)
+        no_sync = host_ms(case.fn, dev, reps, wait=False)  # the classic bug: the clock read as the call returns
+        with_sync = host_ms(case.fn, dev, reps, wait=True)
         timed = benchmark(case.fn, reps=reps, warmup=warmup, device=dev, name=f"{dtype} matmul {n}")
 
     ref_ms = timed.median_ms
@@ -278,11 +261,7 @@ def first_call_cost(n: int | None = None, device: str | None = "auto", dtype: st
         raise ValueError(f"{where}(dtype={dtype!r}): {reason}; use dtype='fp32'")
     case = make_matmul(n, dtype, dev)
     with tf32_matmul(case.tf32):
-        sync(dev)
-        t0 = time.perf_counter()
-        case.fn()
-        sync(dev)
-        first_ms = (time.perf_counter() - t0) * 1e3
+        first_ms = host_ms(case.fn, dev, 1, wait=True)
         steady = benchmark(case.fn, reps=reps, warmup=2, device=dev, name=f"{dtype} matmul {n}")
     rows = [("first call", first_ms), ("steady state (median)", steady.median_ms)]
     return pd.DataFrame([{"call": call, "latency_ms": ms, "x_steady": ms / steady.median_ms, "n": n, "dtype": dtype,
@@ -349,8 +328,8 @@ def bare_matmul_loop(n: int | None = None, dtype: str | None = None, iters: int 
                      warmup: int = 3) -> float:
     """TFLOP/s of the simplest loop, for comparison with ``benchmark``: mean time over ``iters`` matmuls.
 
-    On a GPU: one event before the loop, one after, one synchronize. On the CPU: a host clock around
-    the loop. ``warmup`` untimed calls come first so the first-call cost stays out.
+    One ``benchmark`` repetition of the whole loop: on a GPU one event before it, one after, one synchronize; on
+    the CPU a host clock around it. ``warmup`` untimed calls come first so the first-call cost stays out.
     Defaults: bf16 8192 on a GPU (the reference run's case), fp32 512 on the CPU."""
     where = "bare_matmul_loop"
     dev = resolve_device(device, f"{where}(device)")
@@ -361,27 +340,16 @@ def bare_matmul_loop(n: int | None = None, dtype: str | None = None, iters: int 
     if reason := matmul_skip_reason(dtype, n, dev):
         raise ValueError(f"{where}(dtype={dtype!r}): {reason}")
     case = make_matmul(n, dtype, dev)
-    fn = case.fn
+
+    def loop() -> None:
+        for _ in range(iters):
+            case.fn()
+
     with tf32_matmul(case.tf32):
         for _ in range(warmup):
-            fn()
-        sync(dev)
-        if _is_cuda(dev):
-            with torch.cuda.device(dev):
-                start = torch.cuda.Event(enable_timing=True)
-                end = torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(iters):
-                    fn()
-                end.record()
-                torch.cuda.synchronize()
-                total_ms = start.elapsed_time(end)
-        else:
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                fn()
-            total_ms = (time.perf_counter() - t0) * 1e3
-    return case.flops * iters / (total_ms * 1e-3) / 1e12
+            case.fn()
+        t = benchmark(loop, reps=1, warmup=0, device=dev, name=f"{iters} x {dtype} matmul {n}")
+    return t.tflops(case.flops * iters)
 
 
 # --- 3. Memory bandwidth --------------------------------------------------------------------------
