@@ -22,7 +22,7 @@ from PIL import Image
 from torch import nn
 
 from lab_utils.models import digits_png
-from lab_utils.timing import cpu_cores, sync
+from lab_utils.timing import cpu_cores, host_ms
 
 __all__ = ["PROGRAMS", "VARIANTS", "Program", "PngDigits", "ImageNet", "build", "time_steps", "loader_workers",
            "Sizes", "sizes_for", "infinite_loader", "close_iterator"]
@@ -137,12 +137,12 @@ def time_steps(step: Callable[[], Any], steps: int = 20, warmup: int = 3, device
     per-step CUDA event pair would measure the GPU's share and miss the host stalls this lab is about."""
     for _ in range(warmup):
         step()
-    sync(device)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        step()
-    sync(device)
-    return (time.perf_counter() - t0) * 1e3 / steps
+
+    def loop() -> None:
+        for _ in range(steps):
+            step()
+
+    return host_ms(loop, device, 1, wait=True) / steps
 
 
 def infinite_loader(ds: torch.utils.data.Dataset, batch: int, workers: int, pin: bool,
