@@ -467,6 +467,8 @@ def _throughput_config(ctx: WorkerContext, **kw: Any) -> dict[str, Any]:
 
 def _time_steps(ctx: WorkerContext, cfg: dict[str, Any]) -> dict[str, Any]:
     """Build model + DDP for one configuration and time ``steps`` training steps (after warm-up) on every rank."""
+    if _is_cuda(ctx):
+        torch.backends.cudnn.benchmark = True  # fixed shapes: let cuDNN pick its fastest kernels in warm-up
     torch.manual_seed(0)
     model = make_resnet(cfg["width"], cfg["depth"], cfg["num_classes"], cfg["image_size"]).to(ctx.device)
     fmt = torch.channels_last if cfg["channels_last"] else torch.contiguous_format
@@ -494,11 +496,8 @@ def _time_steps(ctx: WorkerContext, cfg: dict[str, Any]) -> dict[str, Any]:
             flat = torch.cat([p.grad.reshape(-1) for p in params])  # one flat fp32 buffer of all gradients
             dist.all_reduce(flat, group=ctx.group)
             flat /= ctx.world_size
-            off = 0
-            for p in params:
-                n = p.numel()
-                p.grad.copy_(flat[off:off + n].view_as(p.grad))
-                off += n
+            for p, g in zip(params, flat.split([p.numel() for p in params]), strict=True):
+                p.grad.copy_(g.view_as(p.grad))
         opt.step()
         # set_to_none=False zeroes in place: with gradient_as_bucket_view the gradients stay views into DDP's
         # buckets (set to None, DDP would copy fresh gradients into the buckets again each step).
@@ -541,8 +540,6 @@ def throughput(ctx: WorkerContext, steps: int | None = None, warmup_steps: int |
     Returns step_ms, step_ms_median, images_per_s (whole job), images_per_s_per_worker, n_params,
     params_mib, grads_mib (all-reduced per step), buckets (where torch reports it) and the configuration."""
     _share_cpu_threads(ctx, cpu_threads)
-    if _is_cuda(ctx):
-        torch.backends.cudnn.benchmark = True  # fixed shapes: let cuDNN pick its fastest kernels in warm-up
     cfg = _throughput_config(ctx, steps=steps, warmup_steps=warmup_steps, batch_size=batch_size,
                              image_size=image_size, width=width, depth=depth, amp=amp, channels_last=channels_last,
                              bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=gradient_as_bucket_view,
@@ -605,8 +602,6 @@ def overlap_worker(ctx: WorkerContext, variants: Sequence[dict[str, Any]], repea
     Round-robin (not one variant after the other) spreads slow drifts (clocks, temperature) over all
     variants; each variant keeps its fastest repeat."""
     _share_cpu_threads(ctx, cpu_threads)
-    if _is_cuda(ctx):
-        torch.backends.cudnn.benchmark = True
     best: dict[int, dict[str, Any]] = {}
     for r in range(repeats):
         for i, v in enumerate(variants):
