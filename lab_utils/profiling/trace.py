@@ -15,6 +15,8 @@ from typing import Any
 
 import pandas as pd
 
+from lab_utils.plotting import new_axes
+
 __all__ = ["STEP_PREFIX", "load_trace", "events", "step_window", "kernel_intervals", "union_us", "busy_fraction",
            "summarize", "top_ops", "trim_trace", "plot_timeline"]
 
@@ -156,8 +158,6 @@ def plot_timeline(trace: Mapping[str, Any] | pd.DataFrame, step: int | None = No
                   title: str | None = None) -> Any:
     """Gantt view of one step (the second of the trace by default): host annotations and ops, CUDA runtime
     calls, and each GPU stream's kernels and copies, on one time axis in ms."""
-    import matplotlib.pyplot as plt
-
     df = trace if isinstance(trace, pd.DataFrame) else events(trace)
     steps = df[(df["cat"] == "user_annotation") & df["name"].str.startswith(STEP_PREFIX)].reset_index(drop=True)
     if steps.empty:
@@ -184,8 +184,7 @@ def plot_timeline(trace: Mapping[str, Any] | pd.DataFrame, step: int | None = No
     dev = win[win["cat"].isin(DEVICE_CATS)]
     for tid, g in dev.groupby("tid"):
         lanes.append((f"GPU stream {tid}", g, "C3"))
-    if ax is None:
-        _, ax = plt.subplots(figsize=(11, 0.55 * len(lanes) + 1.2))
+    _, ax = new_axes(ax, (11, 0.55 * len(lanes) + 1.2))
     for y, (_label, g, color) in enumerate(lanes):
         bars = [((s - t0) / 1e3, max(d, 0.5) / 1e3) for s, d in zip(g["ts_us"], g["dur_us"], strict=True)]
         ax.broken_barh(bars, (y - 0.4, 0.8), facecolors=color, edgecolor="none", alpha=0.8)
