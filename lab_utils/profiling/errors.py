@@ -61,9 +61,6 @@ def run_bad_index(device: str, launch_blocking: bool, timeout_s: float = 120.0) 
 
 def _short_traceback(tb: str, keep: int = 14) -> str:
     """The traceback without torch's long C++ frames: the Python frames and the error's first lines."""
-    out = []
-    for ln in tb.splitlines():
-        if ln.strip().startswith(("frame #", "Exception raised from", "C++ CapturedTraceback")):
-            continue
-        out.append(ln)
+    skip = ("frame #", "Exception raised from", "C++ CapturedTraceback")
+    out = [ln for ln in tb.splitlines() if not ln.strip().startswith(skip)]
     return "\n".join(out[:keep])

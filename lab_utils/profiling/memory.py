@@ -124,9 +124,7 @@ def accumulation_table(width: int, depth: int, tokens: int, micro: int, device: 
     torch.manual_seed(0)
     model = Blocks(width, depth).to(device)
     x = torch.randn(tokens * micro, width, device=device)
-
-    def big() -> None:
-        model(x).float().pow(2).mean().backward()
+    big = _train_fn(model, x)
 
     def accumulated() -> None:
         for chunk in x.chunk(micro):

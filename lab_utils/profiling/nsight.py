@@ -89,14 +89,11 @@ class ToolRun:
         return f"{self.tool} ran (exit {self.returncode}): {cmd}"
 
 
-def ncu_command(script: str, out_csv: bool = True) -> list[str]:
+def ncu_command(script: str) -> list[str]:
     """The ``ncu`` command line: Speed-of-Light section, only kernels between cudaProfilerStart/Stop, clocks as
-    they are."""
-    cmd = ["ncu", "--clock-control", "none", "--profile-from-start", "off", "--section", "SpeedOfLight",
-           "--print-units", "base"]
-    if out_csv:
-        cmd += ["--csv", "--page", "details"]
-    return cmd + [sys.executable, script]
+    they are, the details page as CSV."""
+    return ["ncu", "--clock-control", "none", "--profile-from-start", "off", "--section", "SpeedOfLight",
+            "--print-units", "base", "--csv", "--page", "details", sys.executable, script]
 
 
 def nsys_command(script: str, report: str) -> list[str]:
