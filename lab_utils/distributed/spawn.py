@@ -19,7 +19,6 @@ import multiprocessing as mp
 import os
 import queue as queue_mod
 import re
-import shutil
 import signal
 import time
 import traceback
@@ -41,7 +40,7 @@ import torch.distributed as dist
 # there ("terminate called without an active exception", SIGABRT at exit).
 import torch.distributed.nn  # noqa: F401
 
-from lab_utils.procs import die_with, die_with_parent, owned_tempdir
+from lab_utils.procs import die_with, die_with_parent, temporary_folder
 
 BACKENDS = ("auto", "nccl", "gloo")
 # The group's collectives wait at least this long for a peer (a notebook's first NCCL call can take seconds).
@@ -378,9 +377,8 @@ def launch(fn: Callable[..., Any], nprocs: int, *, backend: str = "auto", kwargs
     child_env = {**os.environ, **child_env}  # the launcher's environment now, with the additions
     results: dict[int, Any] = {}
     status = {r: "starting" for r in range(nprocs)}
-    stack_dir = str(owned_tempdir("stacks"))
-    stack_files = [os.path.join(stack_dir, f"rank{r}.txt") for r in range(nprocs)]
-    try:
+    with temporary_folder("stacks") as stack_dir:
+        stack_files = [os.path.join(stack_dir, f"rank{r}.txt") for r in range(nprocs)]
         with contextlib.ExitStack() as stores:
             ports = tuple(stores.enter_context(_rendezvous_store(group_timeout_s)) for _ in range(rendezvous))
             procs = [ctx.Process(target=_worker, daemon=True, name=f"nvlab-rank{r}",
@@ -426,6 +424,4 @@ def launch(fn: Callable[..., Any], nprocs: int, *, backend: str = "auto", kwargs
                     else:
                         rank, payload = _root_cause(events, rank, payload, nprocs - len(results))
                         raise WorkerError(rank, payload)
-    finally:
-        shutil.rmtree(stack_dir, ignore_errors=True)
     return [results[r] for r in range(nprocs)]
