@@ -121,9 +121,8 @@ def _parse_line(line: str, out: dict[str, Any], state: dict[str, Any]) -> None:
     if m := _RE["nnodes"].search(line):
         state["nranks"].append(int(m.group(1)))
         out["n_nodes"] = max(out["n_nodes"] or 0, int(m.group(2)))
-    else:
-        if m := _RE["init"].search(line):
-            state["nranks"].append(int(m.group(2)))
+    elif m := _RE["init"].search(line):
+        state["nranks"].append(int(m.group(2)))
     if m := _RE["cuda_driver"].search(line):
         out["cuda_driver"] = int(m.group(1))
     if m := _RE["coll_channels"].search(line):
@@ -157,12 +156,10 @@ def _parse_line(line: str, out: dict[str, Any], state: dict[str, Any]) -> None:
 
 def _parse_table(line: str, out: dict[str, Any], state: dict[str, Any]) -> bool:
     """NCCL's tuning table (TUNING): per collective, 'latency_us/ bw_gbps' for each algorithm and protocol."""
-    if m := _RE["table_algos"].search(line):
-        state["algos"] = [a.strip() for a in m.group(1).split("|") if a.strip()]
-        return True
-    if m := _RE["table_protos"].search(line):
-        state["protos"] = [p.strip() for p in m.group(1).split("|") if p.strip()]
-        return True
+    for key in ("algos", "protos"):
+        if m := _RE[f"table_{key}"].search(line):
+            state[key] = [a.strip() for a in m.group(1).split("|") if a.strip()]
+            return True
     m = _RE["table_row"].search(line)
     if not m or not state["algos"]:
         return bool(m)
