@@ -362,8 +362,7 @@ def nginx_config(
     def nlines() -> int:  # lines so far, a trailing empty one included
         return "\n".join(out).count("\n") + 1
 
-    if block_lines is None:
-        block_lines = {}
+    block_lines = {} if block_lines is None else block_lines
     for arg, up, block, name, servers in (("upstream_block", http_up, upstream_block, HTTP_UPSTREAM, http),
                                           ("grpc_upstream_block", grpc_up, grpc_upstream_block, GRPC_UPSTREAM, grpc_)):
         if up is not None:

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from lab_utils.plotting import new_axes
 from lab_utils.procs import wait_until
 from lab_utils.serving import client as triton_client
 from lab_utils.serving import load as triton_load
@@ -234,10 +235,7 @@ def split_table(rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
 
 def plot_latency_throughput(curves: Mapping[str, Any], ax: Any = None, title: str | None = None) -> Any:
     """p95 latency against throughput, one line per configuration, each point labelled with its concurrency."""
-    import matplotlib.pyplot as plt
-
-    if ax is None:
-        _, ax = plt.subplots(figsize=(7.0, 4.5))
+    _, ax = new_axes(ax)
     for label, df in curves.items():
         ax.plot(df["throughput_infer_s"], df["p95_ms"], marker="o", label=label)
         for _, r in df.iterrows():
