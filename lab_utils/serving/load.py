@@ -483,9 +483,7 @@ def run_load(
                     pending.setdefault(wi, []).append(tuple(rest))  # type: ignore[arg-type]
             parts = pending.pop(w)
             lat = np.concatenate([p[0] for p in parts]) if parts else np.zeros(0)
-            m: Counter[str] = Counter()
-            for p in parts:
-                m.update(p[2])
+            m: Counter[str] = sum((Counter(p[2]) for p in parts), Counter())
             return lat, sum(p[1] for p in parts), dict(m)
 
     try:
@@ -670,10 +668,8 @@ def parse_perf_analyzer_csv(text: str, command: str = "") -> list[PerfAnalyzerRe
     for raw in reader:
         if not raw.get(load):
             continue
-        values: dict[str, Any] = {k: None for k in _PA_COLUMNS.values()}
-        for col, key in _PA_COLUMNS.items():
-            if raw.get(col) not in (None, ""):
-                values[key] = float(raw[col])
+        values: dict[str, Any] = {key: float(raw[col]) if raw.get(col) not in (None, "") else None
+                                  for col, key in _PA_COLUMNS.items()}
         values["concurrency"] = int(float(raw["Concurrency"])) if load == "Concurrency" else 0
         values["request_rate"] = float(raw[load]) if load == "Request Rate" else None
         for p in (50, 90, 95, 99):
