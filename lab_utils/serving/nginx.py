@@ -863,7 +863,7 @@ class NginxServer(OwnedServer, HttpGrpcEndpoints):
         """
         path = self.access_log_path
         if self.alive():
-            http_ok(f"http://{self.host}:{self.status_port}/generation", timeout_s=2.0)
+            http_ok(self._ready_url(), timeout_s=2.0)
             if int(self.options.get("workers", OPTIONS["workers"])) > 1:
                 size, deadline = -1, time.monotonic() + 1.0
                 while time.monotonic() < deadline and (now := path.stat().st_size if path.exists() else 0) != size:

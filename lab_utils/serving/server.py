@@ -322,7 +322,7 @@ class TritonServer(OwnedServer, HttpGrpcEndpoints):
 
     def ready(self) -> bool:
         """True when ``/v2/health/ready`` answers 200 now (within 2 s)."""
-        return http_ok(f"{self.http_url}/v2/health/ready", timeout_s=2.0)[0]
+        return http_ok(self._ready_url(), timeout_s=2.0)[0]
 
     def __repr__(self) -> str:
         return (f"TritonServer({str(self.model_repository)!r}, {self._state()}, http={self.http_url}, "
