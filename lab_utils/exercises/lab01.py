@@ -403,15 +403,13 @@ def _judge_rate(value: Any, timer: _Timer, expected_of: Callable[[float], float]
                 f"measured gives ({expected:.4g} {unit}).")
 
 
-def _reference_ms(fn: Callable[[], Any], device: str, reps: int) -> float:
-    return timing.benchmark(fn, reps=reps, warmup=1, device=device).median_ms
-
-
 def _ratio_to_reference(timed: dict[str, Any], reference: Callable[[], Any], device: str, reps: int,
                         band: tuple[float, float]) -> float:
     """Time of what the student timed / time of the reference operation, fastest against fastest."""
-    return fastest_ratio(functools.partial(_reference_ms, timed["fn"], device, reps),
-                         functools.partial(_reference_ms, reference, device, reps), band, first=timed["ms"])
+    def ms(fn: Callable[[], Any]) -> Callable[[], float]:
+        return lambda: timing.benchmark(fn, reps=reps, warmup=1, device=device).median_ms
+
+    return fastest_ratio(ms(timed["fn"]), ms(reference), band, first=timed["ms"])
 
 
 # --- q2: TFLOP/s from your timing ---------------------------------------------------------------------------

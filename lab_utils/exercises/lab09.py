@@ -76,22 +76,20 @@ def _grade_kv_bytes(fn: Any) -> str:
     ratios = [g / w for g, w in zip(got, want, strict=True)]
     if len(set(got)) == 1:
         raise Wrong(f"{got[0]:g} bytes for every shape: the result must follow the model's sizes (a constant?).")
-    slips = {
-        0.5: "half the bytes: each token stores a key AND a value vector per KV head (the factor 2).",
-        8.0: "8x: that counts bits; dtype_bytes is bytes per element already (bf16 = 2 bytes, not 16).",
-        4.0: "4x: the factor 2 (K and V) counted twice?",
-        1 / 1024: "that is KiB: return bytes.",
-        1e-3: "that is kB: return bytes.",
-        1 / 2**20: "that is MiB: return bytes.",
-        1e-6: "that is MB: return bytes.",
+    slips = {  # a common mistake's ratio (answer / expected) for a shape -> what it got wrong
+        "half the bytes: each token stores a key AND a value vector per KV head (the factor 2).": lambda s: 0.5,
+        "8x: that counts bits; dtype_bytes is bytes per element already (bf16 = 2 bytes, not 16).": lambda s: 8.0,
+        "4x: the factor 2 (K and V) counted twice?": lambda s: 4.0,
+        "that is KiB: return bytes.": lambda s: 1 / 1024,
+        "that is kB: return bytes.": lambda s: 1e-3,
+        "that is MiB: return bytes.": lambda s: 1 / 2**20,
+        "that is MB: return bytes.": lambda s: 1e-6,
+        "one layer's worth: every layer keeps its own keys and values (multiply by layers).": lambda s: 1 / s[0],
+        "that counts elements: multiply by dtype_bytes for bytes.": lambda s: 1 / s[3],
     }
-    for r, msg in slips.items():
-        if all(math.isclose(x, r, rel_tol=1e-6) for x in ratios):
+    for msg, slip in slips.items():
+        if all(math.isclose(x, slip(s), rel_tol=1e-6) for x, s in zip(ratios, shapes, strict=True)):
             raise Wrong(msg)
-    if all(math.isclose(g * s[0], w, rel_tol=1e-6) for g, w, s in zip(got, want, shapes, strict=True)):
-        raise Wrong("one layer's worth: every layer keeps its own keys and values (multiply by layers).")
-    if all(math.isclose(g * s[3], w, rel_tol=1e-6) for g, w, s in zip(got, want, shapes, strict=True)):
-        raise Wrong("that counts elements: multiply by dtype_bytes for bytes.")
     i = next(i for i, (g, w) in enumerate(zip(got, want, strict=True)) if not _close(g, w))
     layers, kvh, hd, nb = shapes[i]
     raise Wrong(f"for layers={layers}, kv_heads={kvh}, head_dim={hd}, dtype_bytes={nb} you return {got[i]:g} bytes; "
