@@ -281,19 +281,12 @@ _SYNC_FIX = ("Call sync() (torch.cuda.synchronize) before reading the clock, or 
              "elapsed_time after end.synchronize().")
 
 
-def _matmul_case(device: str) -> tuple[Callable[[], Any], str]:
-    if device == "cuda":
-        n, dtype = 8192, torch.bfloat16
-    else:
-        n, dtype = 384, torch.float32
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    return (lambda: a @ b), f"{n}x{n} {str(dtype).removeprefix('torch.')} matmul on the {_chip(device)}"
-
-
 def _grade_on_matmul(fn: Any) -> str:
     device = grading_device()
-    mm, label = _matmul_case(device)
+    n, dtype = (8192, torch.bfloat16) if device == "cuda" else (384, torch.float32)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    mm, label = (lambda: a @ b), f"{n}x{n} {str(dtype).removeprefix('torch.')} matmul on the {_chip(device)}"
     where = f"on a real {label}"
     mine: list[float] = []
     refs: list[float] = []
