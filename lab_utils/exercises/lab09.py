@@ -241,14 +241,6 @@ def reference_kv_waste(lengths: list[int], max_len: int, block: int) -> tuple[fl
     return contiguous, paged
 
 
-def _waste_case(rng: random.Random) -> tuple[list[int], int, int]:
-    max_len = rng.choice([2048, 4096, 8192])
-    block = rng.choice([16, 32])
-    n = rng.randint(40, 120)
-    lengths = [max(1, min(max_len, int(rng.lognormvariate(math.log(max_len / 6), 0.9)))) for _ in range(n)]
-    return lengths, max_len, block
-
-
 def _numbers(value: Any, call: str, names: tuple[str, ...]) -> list[float]:
     """The tuple a function returned, as numbers: Wrong unless it is ``len(names)`` of them."""
     if not isinstance(value, (tuple, list)) or len(value) != len(names):
@@ -259,7 +251,10 @@ def _numbers(value: Any, call: str, names: tuple[str, ...]) -> list[float]:
 def _grade_kv_waste(fn: Any) -> str:
     rng = random.Random()
     for _ in range(3):
-        lengths, max_len, block = _waste_case(rng)
+        max_len = rng.choice([2048, 4096, 8192])
+        block = rng.choice([16, 32])
+        n = rng.randint(40, 120)
+        lengths = [max(1, min(max_len, int(rng.lognormvariate(math.log(max_len / 6), 0.9)))) for _ in range(n)]
         call = f"kv_waste(lengths=<{len(lengths)} lengths>, max_len={max_len}, block={block})"
         got = _numbers(run_student(fn, list(lengths), max_len, block, call=call, timeout_s=10), call,
                        ("contiguous_waste", "paged_waste"))
@@ -418,18 +413,14 @@ def reference_ttft_tpot(prefill_ms: Mapping[int, float], decode_ms: Mapping[int,
     return ttft, tpot, batch * new_tokens / (total_ms / 1e3)
 
 
-def _timing_case(rng: random.Random) -> tuple[dict[int, float], dict[int, float], int, int]:
-    p1, d1 = rng.uniform(20, 200), rng.uniform(5, 30)
-    batches = [1, 2, 4, 8, 16, 32]
-    prefill = {b: round(p1 * b * rng.uniform(0.9, 1.0), 3) for b in batches}  # compute-bound: ~linear in B
-    decode = {b: round(d1 * (1 + 0.03 * b) * rng.uniform(0.97, 1.03), 3) for b in batches}  # memory-bound: ~flat
-    return prefill, decode, rng.choice(batches[2:]), rng.randint(16, 48)
-
-
 def _grade_ttft_tpot(fn: Any) -> str:
     rng = random.Random()
     for _ in range(3):
-        prefill, decode, b, n = _timing_case(rng)
+        p1, d1 = rng.uniform(20, 200), rng.uniform(5, 30)
+        batches = [1, 2, 4, 8, 16, 32]
+        prefill = {b: round(p1 * b * rng.uniform(0.9, 1.0), 3) for b in batches}  # compute-bound: ~linear in B
+        decode = {b: round(d1 * (1 + 0.03 * b) * rng.uniform(0.97, 1.03), 3) for b in batches}  # memory-bound: ~flat
+        b, n = rng.choice(batches[2:]), rng.randint(16, 48)
         call = f"ttft_tpot(prefill_ms, decode_ms, batch={b}, new_tokens={n})"
         got = _numbers(run_student(fn, dict(prefill), dict(decode), b, n, call=call, timeout_s=10), call,
                        ("ttft_ms", "tpot_ms", "tokens_per_s"))
