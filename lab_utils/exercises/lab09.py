@@ -313,14 +313,6 @@ def _attn_variant(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return torch.softmax(scores, dim=dim) @ values
 
 
-def _attn_cases(rng: random.Random) -> list[tuple[int, int, int, int, int, int]]:
-    """(B, heads, kv_heads, head_dim, max_len, pos): GQA with 2+ KV heads first (so repeat vs repeat_interleave
-    shows), then MHA, then another GQA."""
-    return [(rng.randint(1, 3), 8, 2, rng.choice([16, 32]), rng.randint(40, 64), rng.randint(5, 30)),
-            (rng.randint(1, 3), 4, 4, rng.choice([16, 32]), rng.randint(40, 64), rng.randint(5, 30)),
-            (rng.randint(1, 3), 8, 4, rng.choice([16, 32]), rng.randint(40, 64), rng.randint(0, 30))]
-
-
 def _close_t(a: Any, b: torch.Tensor) -> bool:
     return isinstance(a, torch.Tensor) and a.shape == b.shape and torch.allclose(a.float(), b.float(), rtol=1e-4,
                                                                                atol=1e-5)
@@ -329,7 +321,12 @@ def _close_t(a: Any, b: torch.Tensor) -> bool:
 def _grade_decode_attention(fn: Any) -> str:
     rng = random.Random()
     gen = torch.Generator().manual_seed(rng.randrange(2**31))
-    for b, h, kvh, hd, max_len, pos in _attn_cases(rng):
+    # (B, heads, kv_heads, head_dim, max_len, pos): GQA with 2+ KV heads first (so repeat vs repeat_interleave
+    # shows), then MHA, then another GQA
+    cases = [(rng.randint(1, 3), 8, 2, rng.choice([16, 32]), rng.randint(40, 64), rng.randint(5, 30)),
+             (rng.randint(1, 3), 4, 4, rng.choice([16, 32]), rng.randint(40, 64), rng.randint(5, 30)),
+             (rng.randint(1, 3), 8, 4, rng.choice([16, 32]), rng.randint(40, 64), rng.randint(0, 30))]
+    for b, h, kvh, hd, max_len, pos in cases:
         k_cache = torch.zeros(b, kvh, max_len, hd)
         v_cache = torch.zeros(b, kvh, max_len, hd)
         k_cache[:, :, :pos] = torch.randn(b, kvh, pos, hd, generator=gen)  # pos tokens already cached
