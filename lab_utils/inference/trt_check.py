@@ -100,12 +100,6 @@ class Finding:
     message: str
 
 
-def _owner_name(node: ast.expr) -> str:
-    if isinstance(node, ast.Attribute):
-        return node.attr
-    return node.id if isinstance(node, ast.Name) else ""
-
-
 def removed_calls(source: str) -> list[Finding]:
     """Each use of an API in ``REMOVED_API`` in ``source`` (attributes, flags, names), in line order."""
     tree = ast.parse(textwrap.dedent(source))
@@ -115,7 +109,8 @@ def removed_calls(source: str) -> list[Finding]:
     found: list[Finding] = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute):
-            name, owner = node.attr, _owner_name(node.value)
+            # the owner: ``BuilderFlag`` of ``trt.BuilderFlag.FP16`` and of ``BuilderFlag.FP16``; "" for a call's result
+            name, owner = node.attr, getattr(node.value, "attr", "") or getattr(node.value, "id", "")
         elif isinstance(node, ast.Name):
             name, owner = node.id, ""
         else:
