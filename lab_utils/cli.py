@@ -358,7 +358,3 @@ def main(argv: list[str] | None = None) -> int:
         sub = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction))
         sub.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     return int(args.fn(args))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

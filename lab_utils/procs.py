@@ -181,20 +181,19 @@ def stale_python_envs(root: Path = Path("/tmp")) -> list[Path]:
     Triton's python backend makes one at a fixed path (``/tmp/python_env_XXXXXX``, not configurable) when it loads, and
     removes it only on a clean shutdown. A folder holding only the course's owner mark whose ``tritonserver`` is gone is
     stale (a killed kernel's servers), and so is an empty one older than every running ``tritonserver``."""
-    out = []
-    for path in root.glob("python_env_*"):  # the course's servers mark their folder with their pid
-        with contextlib.suppress(OSError):
-            if (path / PYTHON_ENV_OWNER).exists() and python_env_unowned(path):
-                out.append(path)
     starts = [p.info["create_time"] or 0.0 for p in psutil.process_iter(["name", "create_time"])
               if p.info["name"] == "tritonserver"]
     oldest = min(starts, default=float("inf"))
+    out = []
     for path in root.glob("python_env_*"):
         with contextlib.suppress(OSError):
-            if path.is_dir() and not path.is_symlink() and not any(path.iterdir()) and \
+            if (path / PYTHON_ENV_OWNER).exists():  # the course's servers mark their folder with their pid
+                if python_env_unowned(path):
+                    out.append(path)
+            elif path.is_dir() and not path.is_symlink() and not any(path.iterdir()) and \
                     path.stat().st_mtime < oldest - 1.0:
                 out.append(path)
-    return sorted(set(out))
+    return sorted(out)
 
 
 def sweep_stale_tempdirs(root: Path | None = None) -> list[Path]:

@@ -777,7 +777,7 @@ def saved_checkpoint(tmp_path):
 
 
 def _judge(obs, ckpt, ref_acc=0.0):
-    return lab02._judge_ddp(obs, ref_acc, ckpt, lab02._ddp_config(2), "train_ddp(...)", "gloo")
+    return lab02._judge_ddp(obs, ref_acc, ckpt, lab02._ddp_config("gloo", 2)[2], "train_ddp(...)", "gloo")
 
 
 def test_q6_judge_accepts_the_right_observations(saved_checkpoint):
@@ -973,5 +973,9 @@ def test_a_timeout_names_where_a_rank_outside_the_students_code_was():
              '  File "/x/site-packages/torch/distributed/distributed_c10d.py", line 2184 in destroy_process_group\n'
              '  File "/x/lab_utils/exercises/lab02.py", line 1066 in _ddp_worker\n'
              '  File "/x/lab_utils/distributed/spawn.py", line 245 in _worker\n')
-    assert lab02._worker_frame(stack) == "torch/distributed/distributed_c10d.py:2184 in destroy_process_group"
-    assert lab02._worker_frame("") == ""
+    shipped = lab02.ranks_mod.Shipped("train_ddp", files=("<cell>",))
+    err = lab02.WorkerTimeout("timed out", stacks={0: stack, 1: ""})
+    message = str(lab02._rank_failure("train_ddp(...)", err, shipped, 60.0))
+    assert ("rank 0 outside your function (returned, or waiting for the others), at "
+            "torch/distributed/distributed_c10d.py:2184 in destroy_process_group; rank 1 outside your function "
+            "(returned, or waiting for the others))") in message

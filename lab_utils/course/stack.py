@@ -198,14 +198,6 @@ def interpolate(value: str, env: dict[str, str]) -> str:
     return _VAR.sub(sub, value)
 
 
-def _load_yaml(path: Path) -> Any:
-    try:
-        import yaml
-    except ImportError as err:  # the course depends on it through papermill; a bare CI host may lack it
-        raise RuntimeError(f"reading {path.name} needs PyYAML: pip install pyyaml") from err
-    return yaml.safe_load(path.read_text())
-
-
 # --- the check ------------------------------------------------------------------------------------
 
 
@@ -258,7 +250,11 @@ def check(root: Path, m: dict[str, Any] | None = None) -> list[str]:
                             "(regenerate: python -m lab_utils.course.stack env > docker/.env)")
 
     # docker/compose.yaml: every image tag and version build argument comes from those variables.
-    compose = _load_yaml(root / "docker" / "compose.yaml")
+    try:
+        import yaml
+    except ImportError as err:  # the course depends on it through papermill; a bare CI host may lack it
+        raise RuntimeError("reading compose.yaml needs PyYAML: pip install pyyaml") from err
+    compose = yaml.safe_load((root / "docker" / "compose.yaml").read_text())
     services = compose.get("services", {})
     want_images = {"triton": image_ref("tritonserver", tag),
                    "prometheus": f"prom/prometheus:{expected['PROMETHEUS_VERSION']}",

@@ -221,15 +221,6 @@ def reference_smi_inventory(query_csv: str, smi_text: str) -> list[dict[str, Any
     return out
 
 
-def _smi_query() -> list[dict[str, Any]] | None:
-    """This machine's inventory as nvidia-smi reports it (the comparison for ``nvml_inventory``)."""
-    query = probe._run(["nvidia-smi", "--query-gpu=index,name,memory.total,driver_version", "--format=csv"], 30)
-    banner = probe._run(["nvidia-smi"], 30)
-    if not (query and query.strip() and banner and banner.strip()):
-        return None
-    return reference_smi_inventory(query, banner)
-
-
 # (name, memory.total MiB, clocks.max.sm MHz, power.limit W) of data-centre GPUs, as nvidia-smi reports them.
 _OTHER_GPUS = (("NVIDIA H100 80GB HBM3", 81559, 1980, 700.0), ("NVIDIA A100-SXM4-80GB", 81920, 1410, 400.0),
                ("NVIDIA L40S", 46068, 2520, 350.0), ("NVIDIA H200", 143771, 1980, 700.0))
@@ -350,9 +341,12 @@ def _grade_nvml_inventory(fn: Any) -> str:
     left_open = not was_open and _nvml_initialised()
     if left_open:
         pynvml.nvmlShutdown()  # clean up after the student's function before judging it
-    want = _smi_query()
-    source = "`nvidia-smi --query-gpu`"
-    if want is None:
+    # the comparison: this machine's inventory as nvidia-smi reports it, else as the reference reads NVML
+    query = probe._run(["nvidia-smi", "--query-gpu=index,name,memory.total,driver_version", "--format=csv"], 30)
+    banner = probe._run(["nvidia-smi"], 30)
+    if query and query.strip() and banner and banner.strip():
+        want, source = reference_smi_inventory(query, banner), "`nvidia-smi --query-gpu`"
+    else:
         want, source = reference_nvml_inventory(), "the reference NVML inventory (nvidia-smi did not run)"
     _compare_inventory(_rows_of(result, call), want, call, source)
     if left_open:

@@ -281,19 +281,12 @@ _SYNC_FIX = ("Call sync() (torch.cuda.synchronize) before reading the clock, or 
              "elapsed_time after end.synchronize().")
 
 
-def _matmul_case(device: str) -> tuple[Callable[[], Any], str]:
-    if device == "cuda":
-        n, dtype = 8192, torch.bfloat16
-    else:
-        n, dtype = 384, torch.float32
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    return (lambda: a @ b), f"{n}x{n} {str(dtype).removeprefix('torch.')} matmul on the {_chip(device)}"
-
-
 def _grade_on_matmul(fn: Any) -> str:
     device = grading_device()
-    mm, label = _matmul_case(device)
+    n, dtype = (8192, torch.bfloat16) if device == "cuda" else (384, torch.float32)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    mm, label = (lambda: a @ b), f"{n}x{n} {str(dtype).removeprefix('torch.')} matmul on the {_chip(device)}"
     where = f"on a real {label}"
     mine: list[float] = []
     refs: list[float] = []
@@ -403,15 +396,13 @@ def _judge_rate(value: Any, timer: _Timer, expected_of: Callable[[float], float]
                 f"measured gives ({expected:.4g} {unit}).")
 
 
-def _reference_ms(fn: Callable[[], Any], device: str, reps: int) -> float:
-    return timing.benchmark(fn, reps=reps, warmup=1, device=device).median_ms
-
-
 def _ratio_to_reference(timed: dict[str, Any], reference: Callable[[], Any], device: str, reps: int,
                         band: tuple[float, float]) -> float:
     """Time of what the student timed / time of the reference operation, fastest against fastest."""
-    return fastest_ratio(functools.partial(_reference_ms, timed["fn"], device, reps),
-                         functools.partial(_reference_ms, reference, device, reps), band, first=timed["ms"])
+    def ms(fn: Callable[[], Any]) -> Callable[[], float]:
+        return lambda: timing.benchmark(fn, reps=reps, warmup=1, device=device).median_ms
+
+    return fastest_ratio(ms(timed["fn"]), ms(reference), band, first=timed["ms"])
 
 
 # --- q2: TFLOP/s from your timing ---------------------------------------------------------------------------

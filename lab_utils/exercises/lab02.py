@@ -87,16 +87,6 @@ def _exception_line(text: str, limit: int = 220) -> str:
     return last if len(last) <= limit else last[: limit - 3] + "..."
 
 
-def _worker_frame(stack: str) -> str:
-    """Where the rank's main thread was, from its faulthandler dump: the innermost frame of the thread that runs the
-    launcher's ``_worker`` (``.../torch/distributed/distributed_c10d.py:2184 in destroy_process_group``)."""
-    frames = _worker_frames(stack)
-    if not frames:
-        return ""
-    f = frames[0]
-    return f"{'/'.join(Path(f.filename).parts[-3:])}:{f.lineno} in {f.function}"
-
-
 def _worker_frames(stack: str) -> list[Any]:
     """The frames of the thread that runs the launcher's ``_worker``, innermost first (none if not found)."""
     for block in re.split(r"\n(?=(?:Current thread|Thread) 0x)", stack):
@@ -122,7 +112,10 @@ def _rank_failure(call: str, err: WorkerError | WorkerTimeout, shipped: ranks_mo
     where = []
     for rank, stack in sorted(err.stacks.items()):
         mine = [f for f in ranks_mod.stack_frames(stack) if f.filename in shipped.files]
-        at = _worker_frame(stack)
+        # where the rank's main thread was: the innermost frame of the thread that runs the launcher's ``_worker``
+        # (``torch/distributed/distributed_c10d.py:2184 in destroy_process_group``)
+        at = next((f"{'/'.join(Path(f.filename).parts[-3:])}:{f.lineno} in {f.function}"
+                   for f in _worker_frames(stack)[:1]), "")
         if mine:
             f = mine[0]
             line = StudentLine(f.filename, f.lineno, f.function, ranks_mod.code_at(f.filename, f.lineno))
@@ -1193,15 +1186,16 @@ def _judge_ddp(obs: list[dict[str, Any]], ref_acc: float, ckpt: str, cfg: dict[s
             "one checkpoint written by rank 0.")
 
 
-def _ddp_config(nprocs: int) -> dict[str, Any]:
+def _ddp_config(backend: str | None, nprocs: int | None) -> tuple[str, int, dict[str, Any]]:
+    """(backend, ranks) as ``grading_ranks``, and the check's settings on that many ranks."""
+    backend, nprocs = grading_ranks(backend, nprocs)
     cfg = dict(DDP_CHECK)
     cfg["batch_size"] = max(1, cfg.pop("global_batch") // nprocs)  # per rank (64 // 3 = 21 on 3 GPUs)
-    return cfg
+    return backend, nprocs, cfg
 
 
 def _grade_train_ddp(fn: Any, backend: str | None = None, nprocs: int | None = None) -> str:
-    backend, nprocs = grading_ranks(backend, nprocs)
-    cfg = _ddp_config(nprocs)
+    backend, nprocs, cfg = _ddp_config(backend, nprocs)
     ref_acc = reference_ddp_run(nprocs, backend)["accuracy"]  # once per process: later checks reuse it
     call = (f"train_ddp(train_set, make_model, epochs={cfg['epochs']}, batch_size={cfg['batch_size']}, "
             f"lr={cfg['lr']}, checkpoint_path) on {nprocs} {backend} ranks")
@@ -1218,8 +1212,7 @@ def reference_ddp_run(nprocs: int | None = None, backend: str | None = None) -> 
     still gets the number. Returns accuracy (fraction), state (the trained state dict), world_size, backend and
     the configuration.
     """
-    backend, nprocs = grading_ranks(backend, nprocs)
-    cfg = _ddp_config(nprocs)
+    backend, nprocs, cfg = _ddp_config(backend, nprocs)
     key = (backend, nprocs, tuple(sorted(cfg.items())), torch.__version__)
     if key not in _REFERENCE_RUNS:
         with ranks_mod.shipping(reference_train_ddp) as shipped, temporary_folder("ddp-ref") as folder:

@@ -95,20 +95,17 @@ def _no_server() -> str | None:
     return None
 
 
-def _restart_if_crashed(server: Any) -> None:
-    """A server that crashed (its process alive, hung in its signal handler) is restarted before a check: a hang in
-    the check would look like the student's fault."""
-    why = getattr(server, "crashed", lambda: None)()
-    if why:
-        print(f"the lab's server is broken ({why}): restarting it for this check; your code is not the cause")
-        server.restart()
-
-
 def _lab() -> _Lab:
     reason = _no_server()
     if reason:
         raise NotApplicable(reason)
-    _restart_if_crashed(_BOUND[0].server)
+    # A server that crashed (its process alive, hung in its signal handler) is restarted before a check: a hang in
+    # the check would look like the student's fault.
+    server = _BOUND[0].server
+    why = getattr(server, "crashed", lambda: None)()
+    if why:
+        print(f"the lab's server is broken ({why}): restarting it for this check; your code is not the cause")
+        server.restart()
     return _BOUND[0]
 
 
@@ -280,14 +277,6 @@ class _Client:
         return getattr(self._real, name)
 
 
-def _deploy_model_dir(lab: _Lab) -> Path:
-    """``q_deploy`` on disk (config.pbtxt without batching), written once: a rewrite would make Triton reload it."""
-    model_dir = lab.repo / DEPLOY_MODEL
-    if not (model_dir / "1" / "weights.npz").exists() or not (model_dir / "config.pbtxt").exists():
-        triton_repo.write_python_model(lab.repo, DEPLOY_DISK_CONFIG, sizes=_DEPLOY_SIZES, seed=4)
-    return model_dir
-
-
 _DEPLOY_HINTS = {
     r"bad argument type|must be str|not JSON serializable|expected str": "load_model's config= takes JSON text: "
     "config=json.dumps(config), not the dict itself.",
@@ -301,7 +290,10 @@ def _grade_deploy(fn: Any) -> str:
     from google.protobuf import json_format
 
     lab = _lab()
-    _deploy_model_dir(lab)
+    # ``q_deploy`` on disk (config.pbtxt without batching), written once: a rewrite would make Triton reload it
+    model_dir = lab.repo / DEPLOY_MODEL
+    if not (model_dir / "1" / "weights.npz").exists() or not (model_dir / "config.pbtxt").exists():
+        triton_repo.write_python_model(lab.repo, DEPLOY_DISK_CONFIG, sizes=_DEPLOY_SIZES, seed=4)
     config = _deploy_config(random.Random())
     with triton_client.client(lab.server.grpc_url) as real:
         # 1. The real deploy: the configuration given must be what the server serves afterwards.

@@ -578,13 +578,6 @@ _DURATION = re.compile(r"^(?:(\d+)(ms|s|m|h|d|w|y))+$")
 _UNIT_S = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800, "y": 31536000}
 
 
-def _duration_s(text: str) -> float | None:
-    """Seconds of a Prometheus duration ("2m", "1m30s"); None when it is not one."""
-    if not isinstance(text, str) or not _DURATION.match(text.strip()):
-        return None
-    return sum(int(n) * _UNIT_S[u] for n, u in re.findall(r"(\d+)(ms|s|m|h|d|w|y)", text))
-
-
 def _the_rule(value: Any) -> dict[str, Any]:
     """The one alerting rule in the answer: YAML text (a rule, a list of one, or a rules file) or a dict."""
     if isinstance(value, str):
@@ -720,7 +713,9 @@ def _grade_alert_rule(value: Any) -> str:
         raise Wrong(f"the expression keeps only some models ({picked.group(0)}): the alert must watch every model "
                     "the server serves, including the ones deployed next week. Drop the matcher")
     _no_delta(rule["expr"])
-    for_s = _duration_s(str(rule.get("for", "0s")))
+    for_text = str(rule.get("for", "0s"))
+    for_s = (sum(int(n) * _UNIT_S[u] for n, u in re.findall(r"(\d+)(ms|s|m|h|d|w|y)", for_text))
+             if _DURATION.match(for_text.strip()) else None)  # seconds of a Prometheus duration ("1m30s"), or None
     labels = rule.get("labels") or {}
     with temporary_folder("alert") as tmp:
         rule_file = tmp / "student_rules.yml"

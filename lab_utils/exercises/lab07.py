@@ -256,14 +256,6 @@ def _q2_images(seed: int) -> list[bytes]:
     return out
 
 
-def _bad_items() -> list[tuple[str, bytes]]:
-    from PIL import Image
-
-    return [("text, not an image", b"hello, this is not an image"),
-            ("an empty item", b""),
-            (f"a {MAX_SIDE + 976}x8 px image", _png(Image.new("L", (MAX_SIDE + 976, 8))))]
-
-
 def _grade_preprocess(fn: Any) -> str:
     images = _q2_images(random.randrange(10**6))
     items = ens.image_batch(images)
@@ -295,7 +287,10 @@ def _grade_preprocess(fn: Any) -> str:
         raise Wrong(f"differs from {where} by up to {err:.3g} (normalized units). Resize with "
                     "Image.Resampling.BOX to 8x8 (the mean of each block: the exact inverse of the upscale; "
                     "bilinear differs), convert to grey ('L') first")
-    for what, data in _bad_items():
+    from PIL import Image
+
+    for what, data in [("text, not an image", b"hello, this is not an image"), ("an empty item", b""),
+                       (f"a {MAX_SIDE + 976}x8 px image", _png(Image.new("L", (MAX_SIDE + 976, 8))))]:
         batch = ens.image_batch([images[0], images[1], data])
         try:
             run_student(fn, batch, what="preprocess", call=f"preprocess(items) with {what} as item 2",

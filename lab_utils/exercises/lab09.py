@@ -76,22 +76,20 @@ def _grade_kv_bytes(fn: Any) -> str:
     ratios = [g / w for g, w in zip(got, want, strict=True)]
     if len(set(got)) == 1:
         raise Wrong(f"{got[0]:g} bytes for every shape: the result must follow the model's sizes (a constant?).")
-    slips = {
-        0.5: "half the bytes: each token stores a key AND a value vector per KV head (the factor 2).",
-        8.0: "8x: that counts bits; dtype_bytes is bytes per element already (bf16 = 2 bytes, not 16).",
-        4.0: "4x: the factor 2 (K and V) counted twice?",
-        1 / 1024: "that is KiB: return bytes.",
-        1e-3: "that is kB: return bytes.",
-        1 / 2**20: "that is MiB: return bytes.",
-        1e-6: "that is MB: return bytes.",
+    slips = {  # a common mistake's ratio (answer / expected) for a shape -> what it got wrong
+        "half the bytes: each token stores a key AND a value vector per KV head (the factor 2).": lambda s: 0.5,
+        "8x: that counts bits; dtype_bytes is bytes per element already (bf16 = 2 bytes, not 16).": lambda s: 8.0,
+        "4x: the factor 2 (K and V) counted twice?": lambda s: 4.0,
+        "that is KiB: return bytes.": lambda s: 1 / 1024,
+        "that is kB: return bytes.": lambda s: 1e-3,
+        "that is MiB: return bytes.": lambda s: 1 / 2**20,
+        "that is MB: return bytes.": lambda s: 1e-6,
+        "one layer's worth: every layer keeps its own keys and values (multiply by layers).": lambda s: 1 / s[0],
+        "that counts elements: multiply by dtype_bytes for bytes.": lambda s: 1 / s[3],
     }
-    for r, msg in slips.items():
-        if all(math.isclose(x, r, rel_tol=1e-6) for x in ratios):
+    for msg, slip in slips.items():
+        if all(math.isclose(x, slip(s), rel_tol=1e-6) for x, s in zip(ratios, shapes, strict=True)):
             raise Wrong(msg)
-    if all(math.isclose(g * s[0], w, rel_tol=1e-6) for g, w, s in zip(got, want, shapes, strict=True)):
-        raise Wrong("one layer's worth: every layer keeps its own keys and values (multiply by layers).")
-    if all(math.isclose(g * s[3], w, rel_tol=1e-6) for g, w, s in zip(got, want, shapes, strict=True)):
-        raise Wrong("that counts elements: multiply by dtype_bytes for bytes.")
     i = next(i for i, (g, w) in enumerate(zip(got, want, strict=True)) if not _close(g, w))
     layers, kvh, hd, nb = shapes[i]
     raise Wrong(f"for layers={layers}, kv_heads={kvh}, head_dim={hd}, dtype_bytes={nb} you return {got[i]:g} bytes; "
@@ -243,14 +241,6 @@ def reference_kv_waste(lengths: list[int], max_len: int, block: int) -> tuple[fl
     return contiguous, paged
 
 
-def _waste_case(rng: random.Random) -> tuple[list[int], int, int]:
-    max_len = rng.choice([2048, 4096, 8192])
-    block = rng.choice([16, 32])
-    n = rng.randint(40, 120)
-    lengths = [max(1, min(max_len, int(rng.lognormvariate(math.log(max_len / 6), 0.9)))) for _ in range(n)]
-    return lengths, max_len, block
-
-
 def _numbers(value: Any, call: str, names: tuple[str, ...]) -> list[float]:
     """The tuple a function returned, as numbers: Wrong unless it is ``len(names)`` of them."""
     if not isinstance(value, (tuple, list)) or len(value) != len(names):
@@ -261,7 +251,10 @@ def _numbers(value: Any, call: str, names: tuple[str, ...]) -> list[float]:
 def _grade_kv_waste(fn: Any) -> str:
     rng = random.Random()
     for _ in range(3):
-        lengths, max_len, block = _waste_case(rng)
+        max_len = rng.choice([2048, 4096, 8192])
+        block = rng.choice([16, 32])
+        n = rng.randint(40, 120)
+        lengths = [max(1, min(max_len, int(rng.lognormvariate(math.log(max_len / 6), 0.9)))) for _ in range(n)]
         call = f"kv_waste(lengths=<{len(lengths)} lengths>, max_len={max_len}, block={block})"
         got = _numbers(run_student(fn, list(lengths), max_len, block, call=call, timeout_s=10), call,
                        ("contiguous_waste", "paged_waste"))
@@ -320,14 +313,6 @@ def _attn_variant(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return torch.softmax(scores, dim=dim) @ values
 
 
-def _attn_cases(rng: random.Random) -> list[tuple[int, int, int, int, int, int]]:
-    """(B, heads, kv_heads, head_dim, max_len, pos): GQA with 2+ KV heads first (so repeat vs repeat_interleave
-    shows), then MHA, then another GQA."""
-    return [(rng.randint(1, 3), 8, 2, rng.choice([16, 32]), rng.randint(40, 64), rng.randint(5, 30)),
-            (rng.randint(1, 3), 4, 4, rng.choice([16, 32]), rng.randint(40, 64), rng.randint(5, 30)),
-            (rng.randint(1, 3), 8, 4, rng.choice([16, 32]), rng.randint(40, 64), rng.randint(0, 30))]
-
-
 def _close_t(a: Any, b: torch.Tensor) -> bool:
     return isinstance(a, torch.Tensor) and a.shape == b.shape and torch.allclose(a.float(), b.float(), rtol=1e-4,
                                                                                atol=1e-5)
@@ -336,7 +321,12 @@ def _close_t(a: Any, b: torch.Tensor) -> bool:
 def _grade_decode_attention(fn: Any) -> str:
     rng = random.Random()
     gen = torch.Generator().manual_seed(rng.randrange(2**31))
-    for b, h, kvh, hd, max_len, pos in _attn_cases(rng):
+    # (B, heads, kv_heads, head_dim, max_len, pos): GQA with 2+ KV heads first (so repeat vs repeat_interleave
+    # shows), then MHA, then another GQA
+    cases = [(rng.randint(1, 3), 8, 2, rng.choice([16, 32]), rng.randint(40, 64), rng.randint(5, 30)),
+             (rng.randint(1, 3), 4, 4, rng.choice([16, 32]), rng.randint(40, 64), rng.randint(5, 30)),
+             (rng.randint(1, 3), 8, 4, rng.choice([16, 32]), rng.randint(40, 64), rng.randint(0, 30))]
+    for b, h, kvh, hd, max_len, pos in cases:
         k_cache = torch.zeros(b, kvh, max_len, hd)
         v_cache = torch.zeros(b, kvh, max_len, hd)
         k_cache[:, :, :pos] = torch.randn(b, kvh, pos, hd, generator=gen)  # pos tokens already cached
@@ -420,18 +410,14 @@ def reference_ttft_tpot(prefill_ms: Mapping[int, float], decode_ms: Mapping[int,
     return ttft, tpot, batch * new_tokens / (total_ms / 1e3)
 
 
-def _timing_case(rng: random.Random) -> tuple[dict[int, float], dict[int, float], int, int]:
-    p1, d1 = rng.uniform(20, 200), rng.uniform(5, 30)
-    batches = [1, 2, 4, 8, 16, 32]
-    prefill = {b: round(p1 * b * rng.uniform(0.9, 1.0), 3) for b in batches}  # compute-bound: ~linear in B
-    decode = {b: round(d1 * (1 + 0.03 * b) * rng.uniform(0.97, 1.03), 3) for b in batches}  # memory-bound: ~flat
-    return prefill, decode, rng.choice(batches[2:]), rng.randint(16, 48)
-
-
 def _grade_ttft_tpot(fn: Any) -> str:
     rng = random.Random()
     for _ in range(3):
-        prefill, decode, b, n = _timing_case(rng)
+        p1, d1 = rng.uniform(20, 200), rng.uniform(5, 30)
+        batches = [1, 2, 4, 8, 16, 32]
+        prefill = {b: round(p1 * b * rng.uniform(0.9, 1.0), 3) for b in batches}  # compute-bound: ~linear in B
+        decode = {b: round(d1 * (1 + 0.03 * b) * rng.uniform(0.97, 1.03), 3) for b in batches}  # memory-bound: ~flat
+        b, n = rng.choice(batches[2:]), rng.randint(16, 48)
         call = f"ttft_tpot(prefill_ms, decode_ms, batch={b}, new_tokens={n})"
         got = _numbers(run_student(fn, dict(prefill), dict(decode), b, n, call=call, timeout_s=10), call,
                        ("ttft_ms", "tpot_ms", "tokens_per_s"))

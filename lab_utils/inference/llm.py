@@ -11,7 +11,7 @@ Design notes: docs/internals.md#lab_utilsinferencellmpy"""
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import pandas as pd
@@ -62,9 +62,6 @@ class DecoderConfig:
     def kv_bytes_per_token(self, nbytes: int) -> int:
         """KV cache bytes per token: K and V, every layer, every KV head: 2·layers·kv_heads·head_dim·bytes."""
         return 2 * self.n_layers * self.n_kv_heads * self.head_dim * nbytes
-
-    def as_dict(self) -> dict[str, int]:
-        return asdict(self)
 
 
 def dtype_bytes(dtype: torch.dtype) -> int:
@@ -144,12 +141,7 @@ class _Block(nn.Module):
         # Prefill is causal over the prompt (prompts start at position 0 here; chunked prefill is not modelled).
         with sdpa_kernel(_SDPA_BACKENDS):
             att = F.scaled_dot_product_attention(q, keys, values, is_causal=t > 1 and pos == 0, enable_gqa=True)
-        return self._rest(x, att)
-
-    def _rest(self, x: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
-        """Output projection, residual, MLP: ``att`` [B, heads, T, hd] -> [B, T, d]."""
-        b, t, d = x.shape
-        x = x + self.o(att.transpose(1, 2).reshape(b, t, d))
+        x = x + self.o(att.transpose(1, 2).reshape(b, t, cfg.d_model))  # output projection, residual, then the MLP
         gate, up = self.gate_up(self.norm2(x)).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
 

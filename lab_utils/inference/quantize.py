@@ -74,18 +74,14 @@ def skip_line(what: str) -> str:
     return f"Skipped: {what}. {why}."
 
 
-def _require_modelopt() -> None:
-    ok, why = modelopt_status()
-    if not ok:
-        raise ModelOptMissing(f"lab_utils.inference.quantize needs NVIDIA ModelOpt's ONNX path: {why}")
-
-
 @contextlib.contextmanager
 def quiet_modelopt() -> Iterator[io.StringIO]:
     """Run ModelOpt quietly: its log, ONNX Runtime's calibration progress bars and polygraphy's notices go to the
     yielded buffer; a stub-only ``tensorrt`` package is not taken for the TensorRT runtime. Exceptions pass
     through unchanged (``_modelopt_session`` adds ModelOpt's last messages to them)."""
-    _require_modelopt()
+    ok, why = modelopt_status()
+    if not ok:
+        raise ModelOptMissing(f"lab_utils.inference.quantize needs NVIDIA ModelOpt's ONNX path: {why}")
     import onnxruntime as ort
     from modelopt.onnx import trt_utils
 
@@ -349,5 +345,4 @@ def fp8_status(compute_capability: tuple[int, int] | None) -> tuple[bool, str]:
     if tuple(compute_capability) < FP8_MIN_CAPABILITY:
         cc = ".".join(map(str, compute_capability))
         return False, f"this GPU is compute capability {cc}: FP8 tensor cores need >= 8.9"
-    ok, why = ort_runs_fp8()
-    return ok, why
+    return ort_runs_fp8()

@@ -93,16 +93,11 @@ REMOVED_API: tuple[Removed, ...] = (
 
 @dataclass(frozen=True)
 class Finding:
-    """One problem found in a piece of source: its line (1-based, in that source) and what to do."""
+    """One problem found in a piece of source: its line (1-based, in that source) and what to do (a removed call's
+    replacement, or mypy's message with its code)."""
 
     line: int
     message: str
-
-
-def _owner_name(node: ast.expr) -> str:
-    if isinstance(node, ast.Attribute):
-        return node.attr
-    return node.id if isinstance(node, ast.Name) else ""
 
 
 def removed_calls(source: str) -> list[Finding]:
@@ -114,7 +109,8 @@ def removed_calls(source: str) -> list[Finding]:
     found: list[Finding] = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute):
-            name, owner = node.attr, _owner_name(node.value)
+            # the owner: ``BuilderFlag`` of ``trt.BuilderFlag.FP16`` and of ``BuilderFlag.FP16``; "" for a call's result
+            name, owner = node.attr, getattr(node.value, "attr", "") or getattr(node.value, "id", "")
         elif isinstance(node, ast.Name):
             name, owner = node.id, ""
         else:
@@ -255,19 +251,11 @@ follow_imports = skip
 """
 
 
-@dataclass(frozen=True)
-class TypeError_:
-    """One mypy error: the line in the checked source (1-based) and mypy's message with its code."""
-
-    line: int
-    message: str
-
-
 @dataclass
 class TypeCheckReport:
     """What mypy said about a piece of code: its errors, and against which stubs and mypy."""
 
-    errors: list[TypeError_]
+    errors: list[Finding]  # mypy's, with the lines of the checked source
     stubs: str
     mypy: str
 
@@ -298,7 +286,7 @@ def type_check_source(source: str, timeout_s: float = 180.0) -> TypeCheckReport:
         except subprocess.TimeoutExpired:
             raise TypeCheckUnavailable(f"mypy did not finish within {timeout_s:g} s") from None
     found = (re.match(r"^(?P<file>[^:]+):(?P<line>\d+): error: (?P<msg>.*)$", ln) for ln in out.stdout.splitlines())
-    errors = [TypeError_(int(m["line"]), m["msg"].strip()) for m in found if m and Path(m["file"]).name == path.name]
+    errors = [Finding(int(m["line"]), m["msg"].strip()) for m in found if m and Path(m["file"]).name == path.name]
     if out.returncode not in (0, 1) or (out.returncode == 1 and not errors):
         tail = (out.stderr or out.stdout).strip().splitlines()[-3:]
         raise TypeCheckUnavailable(f"mypy failed to run (exit {out.returncode}): {' '.join(tail)}")

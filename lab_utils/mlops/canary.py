@@ -16,7 +16,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 import pandas as pd
@@ -239,26 +239,17 @@ def read_metrics(prom: Any, queries: Mapping[str, str], by: str = "job", feedbac
                  at: float | None = None) -> dict[str, VariantMetrics]:
     """Run the rendered ``queries`` (``render_queries``) on ``prom`` (a ``PromAPI``) and gather them per variant.
     A series that is absent leaves NaN (``requests``/``feedback``: 0)."""
+    names = {f.name for f in fields(VariantMetrics)}
     values: dict[str, dict[str, float]] = {v: {} for v in VARIANTS}
     for key, expr in queries.items():
         label = feedback_by if key in ("accuracy", "feedback") else by
         df = prom.query(expr, at)
         if df.empty or label not in df.columns:
             continue
-        for _, row in df.iterrows():
-            if row[label] in values:
-                values[row[label]][key] = float(row["value"])
-    out = {}
-    for v in VARIANTS:
-        d = values[v]
-        out[v] = VariantMetrics(error_rate=d.get("error_rate", math.nan), p95_ms=d.get("p95_ms", math.nan),
-                                accuracy=d.get("accuracy", math.nan), requests=_zero(d.get("requests")),
-                                feedback=_zero(d.get("feedback")))
-    return out
-
-
-def _zero(x: float | None) -> float:
-    return 0.0 if x is None or math.isnan(x) else x
+        for _, row in df.iterrows():  # a NaN is left out: the field's default stands (NaN, or 0 for counts)
+            if row[label] in values and key in names and not math.isnan(x := float(row["value"])):
+                values[row[label]][key] = x
+    return {v: VariantMetrics(**values[v]) for v in VARIANTS}
 
 
 @dataclass

@@ -12,7 +12,6 @@ Design notes: docs/internals.md#lab_utilsmlopsdriftpy"""
 from __future__ import annotations
 
 import collections
-import json
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -23,9 +22,8 @@ import numpy as np
 import pandas as pd
 from PIL import Image
 
-from lab_utils.course.probe import find_prometheus
 from lab_utils.mlops.feedback import MetricsServer
-from lab_utils.monitoring.prometheus import check_rules
+from lab_utils.monitoring.prometheus import check_rules, write_config
 
 # the statistics live with the service's preprocessing model, which computes them too (one implementation)
 from lab_utils.serving.backend.drift_stats import (  # noqa: F401 (re-exported: the lab's names)
@@ -262,12 +260,7 @@ def drift_rules(*, psi_threshold: float = PSI_ALERT, ks_threshold: float = KS_AL
 def write_drift_rules(folder: str | Path, check: bool = True, **kwargs: Any) -> Path:
     """``drift_rules(**kwargs)`` written as ``drift_rules.yml`` (JSON, which YAML includes) in ``folder``, checked by
     ``promtool check rules`` when ``check`` and promtool is installed (``ConfigError`` with promtool's words)."""
-    path = Path(folder) / "drift_rules.yml"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(drift_rules(**kwargs), indent=2) + "\n")
-    if check and find_prometheus("promtool"):
-        check_rules(path)
-    return path
+    return write_config(drift_rules(**kwargs), Path(folder) / "drift_rules.yml", check_rules if check else None)
 
 
 def write_drift_rules_test(folder: str | Path, rules: str | Path, for_s: int = 10) -> Path:
@@ -297,6 +290,4 @@ def write_drift_rules_test(folder: str | Path, rules: str | Path, for_s: int = 1
         "input_series": [{"series": f'{PSI_METRIC}{{feature="pixels"}}', "values": "0.6x32"},
                          {"series": WINDOW_METRIC, "values": "10x32"}],
         "alert_rule_test": [{"eval_time": f"{after}s", "alertname": "InputDrift", "exp_alerts": []}]}]}
-    path = Path(folder) / "drift_rules_test.yml"
-    path.write_text(json.dumps(test, indent=2) + "\n")
-    return path
+    return write_config(test, Path(folder) / "drift_rules_test.yml")

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from lab_utils.args import check_int
 from lab_utils.owned import OwnedServer
 from lab_utils.procs import group_members, http_ok, owned_tempdir, temporary_folder, who_listens
 from lab_utils.serving.ensemble import digits_raw_split, export_classifier
@@ -282,9 +283,8 @@ def train_digits(x_train: np.ndarray, y_train: np.ndarray, x_val: np.ndarray, y_
 
     from lab_utils.models import fit_digits_cnn  # lazy: pulls torch
 
-    for v, name in ((epochs, "epochs"), (batch_size, "batch_size"), (width, "width")):
-        if not (isinstance(v, int) and v >= 1):
-            raise ValueError(f"train_digits: {name}={v!r}; a positive integer")
+    epochs, batch_size, width = (check_int(v, n, "train_digits") for v, n in
+                                 ((epochs, "epochs"), (batch_size, "batch_size"), (width, "width")))
     if not (isinstance(lr, (int, float)) and 0 < lr < 10):
         raise ValueError(f"train_digits: lr={lr!r}; a learning rate such as 0.05")
     x_train, y_train = _check_images(x_train, y_train, "train_digits(x_train, y_train)")

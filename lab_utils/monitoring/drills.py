@@ -21,7 +21,7 @@ import numpy as np
 import pandas as pd
 
 from lab_utils.monitoring.prometheus import TRITON_JOB, PromAPI
-from lab_utils.procs import http_ok, release_at_exit, stop_at_exit
+from lab_utils.procs import Background, http_ok, release_at_exit, stop_at_exit, wait_until
 from lab_utils.serving import repository as triton_repo
 from lab_utils.serving.repository import INPUT_NAME
 from lab_utils.timing import Ticks
@@ -368,28 +368,11 @@ def failure_drill(server: Any, metrics: PromAPI | None, watchdog: Watchdog,
     # restarted, up == 1 or live again, (alert resolved)
     ticks = Ticks(progress, total=7 if metrics is not None else 4, desc="failure drill")
     res.on_step = ticks.step
-    box: dict[str, Any] = {}
     stop = threading.Event()  # ends the load; waits below are Event waits: interruptible, no bare sleeps
-
-    def run() -> None:
-        try:
-            box["result"] = load(stop)
-        except BaseException as err:  # shown to the caller, not lost in the thread
-            box["error"] = err
-
     t_load = time.time()
-    thread = threading.Thread(target=run, name="nvlab-drill-load", daemon=True)
-    thread.start()
+    bg = Background(load, stop, name="nvlab-drill-load")
     res.step("load started", t_load)
     pause = threading.Event()  # never set: a sleep that is an Event wait
-
-    def until(done: Callable[[], bool], poll_s: float = 0.25) -> bool:
-        """Poll ``done()`` until it is true or ``timeout_s`` has passed; its last answer."""
-        deadline = time.time() + timeout_s
-        while not (ok := done()) and time.time() < deadline:
-            pause.wait(poll_s)
-        return ok
-
     try:
         pause.wait(kill_after_s)
         pid = kill(server)
@@ -402,7 +385,7 @@ def failure_drill(server: Any, metrics: PromAPI | None, watchdog: Watchdog,
                 res.step(f"alert {alert} firing")
             except TimeoutError as err:
                 res.step(f"alert {alert} did not fire", error=str(err))
-        until(lambda: watchdog.restarts > 0 or watchdog.gave_up, poll_s=0.1)
+        wait_until(lambda: watchdog.restarts > 0 or watchdog.gave_up, timeout_s, poll_s=0.1)
         if restarted := next((e for e in watchdog.events if e["event"] == "restarted"), None):
             res.step("watchdog restarted the server", restarted["time"], pid=restarted.get("pid"))
         if metrics is not None:
@@ -410,20 +393,20 @@ def failure_drill(server: Any, metrics: PromAPI | None, watchdog: Watchdog,
             res.step("up == 1 again")
             pause.wait(after_recovery_s)
             stop.set()
-            if until(lambda: (df := metrics.alerts())[df["alertname"] == alert].empty):
+            if wait_until(lambda: (df := metrics.alerts())[df["alertname"] == alert].empty, timeout_s, 0.25):
                 res.step(f"alert {alert} resolved")
         else:
-            if until(lambda: health(server)["live"]):
+            if wait_until(lambda: health(server)["live"], timeout_s, 0.25):
                 res.step("live again")
                 pause.wait(after_recovery_s)
     finally:
         stop.set()
-        thread.join(timeout=timeout_s)
+        bg.thread.join(timeout=timeout_s)
         ticks.close()  # the bar ends with the load, however the drill ended
         res.on_step = None
-    if "error" in box:
-        raise box["error"]
-    res.load = box.get("result")
+    if bg.error is not None:
+        raise bg.error
+    res.load = bg.result
     res.step("load finished")
     res.watchdog_events = watchdog.timeline()
     return res

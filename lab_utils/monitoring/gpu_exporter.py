@@ -338,7 +338,6 @@ class GpuExporter(MetricsServer):
     def __init__(self, port: int | None = None, host: str = "127.0.0.1", *, nvml: Any = None,
                  use_nvml: bool = True, strict_port: bool = False):
         super().__init__(port=port, host=host, fallback_port=not strict_port)
-        self.strict_port = strict_port
         self._nvml, self._use_nvml = nvml, use_nvml
         self.collector: Collector | None = None
 

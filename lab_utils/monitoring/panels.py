@@ -142,15 +142,11 @@ def grafana_dashboard(panel_list: Sequence[Panel], title: str, uid: str, tags: l
             "annotations": {"list": []}, "panels": out}
 
 
-def dashboard(window: str = "$__rate_interval") -> dict[str, Any]:
-    """The Grafana dashboard built from :data:`PANELS`."""
-    return grafana_dashboard(PANELS, "Triton and GPU (nvlab lab 05)", "nvlab-triton-gpu", ["nvlab", "triton", "gpu"],
-                             window)
-
-
-def dashboard_text() -> str:
-    """The dashboard file's text (``DASHBOARD_FILE`` holds it, generated)."""
-    return json.dumps(dashboard(), indent=2) + "\n"
+def dashboard_text(window: str = "$__rate_interval") -> str:
+    """The Grafana dashboard built from :data:`PANELS`, as the dashboard file's text (``DASHBOARD_FILE`` holds it,
+    generated)."""
+    return json.dumps(grafana_dashboard(PANELS, "Triton and GPU (nvlab lab 05)", "nvlab-triton-gpu",
+                                        ["nvlab", "triton", "gpu"], window), indent=2) + "\n"
 
 
 def dashboard_expressions(path: str | Path = DASHBOARD_FILE, window: str = "5s") -> list[tuple[str, str]]:

@@ -166,10 +166,15 @@ def scrape_config(jobs: Mapping[str, Sequence[str]], *, scrape_interval_s: float
                                for name, targets in jobs.items()]}
 
 
-def write_config(config: Mapping[str, Any], path: str | Path) -> Path:
-    """Write ``config`` as YAML (in JSON form, which YAML includes: no YAML library needed)."""
+def write_config(config: Mapping[str, Any], path: str | Path, check: Callable[[Path], Any] | None = None) -> Path:
+    """Write ``config`` (a configuration, rules, rule tests) as YAML (in JSON form, which YAML includes: no YAML
+    library needed), its folder made if needed; then ``check(path)`` (e.g. :func:`check_rules`: promtool's message is
+    the error) when promtool is installed."""
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(config, indent=2) + "\n")
+    if check is not None and find_prometheus("promtool"):
+        check(path)
     return path
 
 
@@ -229,12 +234,7 @@ def lab_rules(out_dir: str | Path, *, for_s: float | Mapping[str, float] = 2.0, 
             if thresholds and name in thresholds:
                 rule["expr"] = set_threshold(rule["expr"], thresholds[name])
             rule.setdefault("annotations", {})["lab_copy"] = "short durations for the lab"
-    out = Path(out_dir) / "alert_rules.lab.yml"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(rules, indent=2) + "\n")
-    if check and find_prometheus("promtool"):
-        check_rules(out)
-    return out
+    return write_config(rules, Path(out_dir) / "alert_rules.lab.yml", check_rules if check else None)
 
 
 # --- results as data frames ------------------------------------------------------------------------
@@ -338,26 +338,20 @@ class PromAPI:
         return QueryError(f"query {expr!r} failed: {why}", why) if expr is not None else PrometheusError(why)
 
     # queries
-    def query_raw(self, expr: str, at: float | None = None) -> dict[str, Any]:
-        """The ``data`` of ``/api/v1/query`` for ``expr`` at ``at`` (unix seconds; default now)."""
-        _check_expr(expr)
-        return self._get("/api/v1/query", {"query": expr, "time": _t(at)}, expr=expr)
-
     def query(self, expr: str, at: float | None = None) -> pd.DataFrame:
-        """An instant query as a data frame (one row per series)."""
-        return frame(self.query_raw(expr, at))
+        """An instant query (``/api/v1/query`` for ``expr`` at ``at``, unix seconds; default now) as a data frame
+        (one row per series)."""
+        _check_expr(expr)
+        return frame(self._get("/api/v1/query", {"query": expr, "time": _t(at)}, expr=expr))
 
-    def query_range_raw(self, expr: str, start: float, end: float, step_s: float = 1.0) -> dict[str, Any]:
-        """The ``data`` of ``/api/v1/query_range`` for ``expr`` from ``start`` to ``end`` (unix seconds)."""
+    def query_range(self, expr: str, start: float, end: float, step_s: float = 1.0) -> pd.DataFrame:
+        """A range query (``/api/v1/query_range`` for ``expr`` from ``start`` to ``end``, unix seconds) as a long
+        data frame (columns: labels..., time, value)."""
         _check_expr(expr)
         if not (step_s > 0 and end >= start):
             raise QueryError(f"query {expr!r}: need step_s > 0 and end >= start (got {step_s}, {start}..{end})")
-        return self._get("/api/v1/query_range", {"query": expr, "start": _t(start), "end": _t(end),
-                                                 "step": f"{step_s:g}"}, expr=expr)
-
-    def query_range(self, expr: str, start: float, end: float, step_s: float = 1.0) -> pd.DataFrame:
-        """A range query as a long data frame (columns: labels..., time, value)."""
-        return frame(self.query_range_raw(expr, start, end, step_s))
+        return frame(self._get("/api/v1/query_range", {"query": expr, "start": _t(start), "end": _t(end),
+                                                       "step": f"{step_s:g}"}, expr=expr))
 
     def value(self, expr: str, at: float | None = None, default: float = math.nan) -> float:
         """The single number ``expr`` gives (a scalar, or a vector of one series); ``default`` when empty."""
@@ -562,9 +556,7 @@ class PrometheusServer(OwnedServer, PromAPI):
 
     def _write_config(self) -> None:
         """Write the configuration into the folder; promtool, where installed, checks it (its message is the error)."""
-        write_config(self.config, self.config_path)  # type: ignore[arg-type]
-        if find_prometheus("promtool"):
-            check_prometheus_config(self.config_path)  # type: ignore[arg-type]
+        write_config(self.config, self.config_path, check_prometheus_config)  # type: ignore[arg-type]
 
     def stop(self) -> None:  # type: ignore[override]
         """Stop the whole process group and remove the temporary folder; safe to call twice."""

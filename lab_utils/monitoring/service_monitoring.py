@@ -155,16 +155,13 @@ SERVICE_PANELS: tuple[Panel, ...] = (
           description="1 when Prometheus' last scrape of the target (each Triton, the nginx exporter) succeeded."))
 
 
-def dashboard(window: str = "$__rate_interval") -> dict[str, Any]:
-    """The service's Grafana dashboard (JSON model) built from ``SERVICE_PANELS``."""
-    return panels.grafana_dashboard(SERVICE_PANELS, "Image-classification service (nvlab lab 07)", "nvlab-service",
-                                    ["nvlab", "nginx", "triton", "slo"], window)
-
-
-def dashboard_text() -> str:
-    """``SERVICE_DASHBOARD_FILE``'s text (generated: ``python -c 'from lab_utils.monitoring import
-    service_monitoring as m; m.SERVICE_DASHBOARD_FILE.write_text(m.dashboard_text())'``)."""
-    return json.dumps(dashboard(), indent=2) + "\n"
+def dashboard_text(window: str = "$__rate_interval") -> str:
+    """The service's Grafana dashboard built from ``SERVICE_PANELS``: ``SERVICE_DASHBOARD_FILE``'s text (generated:
+    ``python -c 'from lab_utils.monitoring import service_monitoring as m;
+    m.SERVICE_DASHBOARD_FILE.write_text(m.dashboard_text())'``)."""
+    return json.dumps(panels.grafana_dashboard(SERVICE_PANELS, "Image-classification service (nvlab lab 07)",
+                                               "nvlab-service", ["nvlab", "nginx", "triton", "slo"], window),
+                      indent=2) + "\n"
 
 
 def panel(key: str) -> Panel:
@@ -210,7 +207,7 @@ class ServiceMonitoring:
 
     def stop(self) -> None:
         """Stop Prometheus and the exporter; safe twice."""
-        if self.metrics is not None and hasattr(self.metrics, "proc"):
+        if self.metrics is not None:  # a PromAPI of the compose stack's Prometheus: stop() does nothing
             self.metrics.stop()
         if self.exporter is not None:
             self.exporter.stop()
@@ -235,5 +232,5 @@ def start_monitoring(service: Any, **kwargs: Any) -> ServiceMonitoring | None:
 
 
 __all__ = ["NginxExporter", "ServiceMonitoring", "start_monitoring", "SERVICE_PANELS", "SERVICE_RULES_FILE",
-           "SERVICE_RULES_TEST_FILE", "SERVICE_DASHBOARD_FILE", "dashboard", "dashboard_text", "panel", "NGINX_JOB",
+           "SERVICE_RULES_TEST_FILE", "SERVICE_DASHBOARD_FILE", "dashboard_text", "panel", "NGINX_JOB",
            "BUCKETS_S", "SLO_MS"]

@@ -46,12 +46,11 @@ class NotebookError(RuntimeError):
 
 
 def _placeholder(block: list[str], where: str) -> list[str]:
+    indent = block[0][: len(block[0]) - len(block[0].lstrip())]  # strip_solution never passes an empty block
     if student := [ln.split(STUDENT, 1)[1].removeprefix(" ") for ln in block if ln.strip().startswith(STUDENT)]:
-        indent = block[0][: len(block[0]) - len(block[0].lstrip())]
         return [indent + s if s else s for s in student]
-    code = "\n".join(ln for ln in block)
     try:
-        tree = ast.parse(textwrap.dedent(code))
+        tree = ast.parse(textwrap.dedent("\n".join(block)))
     except SyntaxError as err:
         raise NotebookError(f"{where}: the solution block does not parse ({err}); fix the solution cell") from None
     names: list[str] = []
@@ -67,7 +66,6 @@ def _placeholder(block: list[str], where: str) -> list[str]:
                     names.append(n.id)
     if not names:
         raise NotebookError(f"{where}: the solution block assigns nothing; add '# STUDENT:' lines")
-    indent = block[0][: len(block[0]) - len(block[0].lstrip())] if block else ""
     return [f"{indent}{n} = None  # YOUR CODE HERE" for n in names]
 
 

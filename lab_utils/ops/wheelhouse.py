@@ -338,6 +338,11 @@ def build(dest: Path | str, *, python: str | None = None, platforms: Sequence[st
         extra_args = placeholder_args(tmp, provided)
         image_note = _image_note(left_out, provided, rel["tag"]) if provided else ""
 
+        def download(args: list[str], what: str, hint: str = "") -> None:  # then the placeholders out of ``dest``
+            _pip(["download", "--dest", str(dest), *target, *args], what, py, arch, hint)
+            for stub in dest.glob(f"*+{STUB_LABEL}-*.whl"):
+                stub.unlink()
+
         course_req = f"nvlab[{','.join(pkg_extras)}]" if pkg_extras else "nvlab"
         reqs = [f"{course_req} @ {course_wheel.as_uri()}", *_build_requires(root)]
         if "torch" in extras:
@@ -345,14 +350,10 @@ def build(dest: Path | str, *, python: str | None = None, platforms: Sequence[st
         if exclude_preinstalled and "lab" in pkg_extras:
             reqs.append(f"tritonclient[grpc,http]=={rel['tritonclient']}")  # the image's server's client
         log("resolving and downloading the course's dependencies with pip download ...")
-        _pip(["download", "--dest", str(dest), *target, *extra_args, *reqs], "downloading the dependencies", py, arch,
-             image_note)
+        download([*extra_args, *reqs], "downloading the dependencies", image_note)
         if "lab" in pkg_extras:
             no_deps = [f"{n}=={m['course'][n]}" for n in ("nvidia-pytriton", "tensorrt-stubs")]
-            _pip(["download", "--dest", str(dest), "--no-deps", *target, *no_deps],
-                 "downloading nvidia-pytriton and tensorrt-stubs", py, arch)
-        for stub in dest.glob(f"*+{STUB_LABEL}-*.whl"):
-            stub.unlink()
+            download(["--no-deps", *no_deps], "downloading nvidia-pytriton and tensorrt-stubs")
 
         # pip judged environment markers for this interpreter: check the folder for the target, fetch what it lacks.
         roots: list[tuple[str, Iterable[str]]] = [("nvlab", pkg_extras), ("setuptools", ())]
@@ -368,10 +369,7 @@ def build(dest: Path | str, *, python: str | None = None, platforms: Sequence[st
                 raise WheelhouseError(f"for Python {py} the wheels need {', '.join(unmet)}. {image_note}")
             log(f"for Python {py} the wheels also need: {', '.join(missing)} (pip judged markers for Python "
                 f"{target_python(None)}); downloading them ...")
-            _pip(["download", "--dest", str(dest), *target, *extra_args, *missing], "downloading for the target's "
-                 "markers", py, arch, image_note)
-            for stub in dest.glob(f"*+{STUB_LABEL}-*.whl"):
-                stub.unlink()
+            download([*extra_args, *missing], "downloading for the target's markers", image_note)
             added += missing
         else:
             if missing := missing_requirements(dest, roots, env, provided):

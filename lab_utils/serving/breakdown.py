@@ -17,6 +17,7 @@ from typing import Any
 import pandas as pd
 import psutil
 
+from lab_utils.plotting import new_axes
 from lab_utils.serving import openloop
 from lab_utils.serving.load import model_stats, server_split, sum_stats
 
@@ -124,10 +125,7 @@ def where_time_goes(svc: Any, target: Any, rates_rps: Sequence[float], *, durati
 def plot_split(df: pd.DataFrame, ax: Any = None, title: str | None = None) -> Any:
     """Stacked bars, one per (rate, model): milliseconds per request in each of Triton's stages (the ensemble's bar
     is its whole request, its steps' included)."""
-    import matplotlib.pyplot as plt  # lazy: pulls matplotlib
-
-    if ax is None:
-        _, ax = plt.subplots(figsize=(9, 3.5))
+    _, ax = new_axes(ax, (9, 3.5))
     steps = df[df["batch_avg"].notna()]
     labels = [f"{r:g}/s\n{m}" for r, m in zip(steps["offered_rps"], steps["model"], strict=True)]
     bottom = None

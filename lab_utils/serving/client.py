@@ -88,20 +88,14 @@ def build_request(mod: Any, protocol: str, inputs: Mapping[str, np.ndarray], out
                   binary: bool = True) -> tuple[list[Any], list[Any] | None]:
     """The InferInput and InferRequestedOutput objects of one request, for ``mod`` (a tritonclient module of
     ``protocol``, sync or aio); ``binary`` sends HTTP tensors as binary rather than JSON."""
+    kw = {"binary_data": binary} if protocol == "http" else {}  # gRPC tensors are always binary
     ins = []
     for name, arr in inputs.items():
         arr = np.asarray(arr)
         i = mod.InferInput(name, list(arr.shape), _datatype(arr))
-        if protocol == "http":
-            i.set_data_from_numpy(arr, binary_data=binary)
-        else:
-            i.set_data_from_numpy(arr)
+        i.set_data_from_numpy(arr, **kw)
         ins.append(i)
-    outs = None
-    if outputs:
-        outs = [mod.InferRequestedOutput(o, binary_data=binary) if protocol == "http" else mod.InferRequestedOutput(o)
-                for o in outputs]
-    return ins, outs
+    return ins, [mod.InferRequestedOutput(o, **kw) for o in outputs] if outputs else None
 
 
 def _expected(url: str, protocol: str, model: str) -> str:

@@ -270,11 +270,8 @@ def _write_png_warmup(model_dir: Path, image_size: int, channels: int, fmt: str 
 
 def _warmup_sizes(max_batch_size: int) -> list[int]:
     """1, 2, 4 ... up to ``max_batch_size`` (which is included)."""
-    sizes, b = [], 1
-    while b < max_batch_size:
-        sizes.append(b)
-        b *= 2
-    return [*sizes, max_batch_size] if max_batch_size >= 1 else []
+    powers = [2**i for i in range(max_batch_size.bit_length()) if 2**i < max_batch_size]
+    return [*powers, max_batch_size] if max_batch_size >= 1 else []
 
 
 def preprocess_instances(gpus: int = 0) -> int:
@@ -343,8 +340,10 @@ def classifier_config(name: str = CLASSIFIER, *, backend: str = "python", image_
     return cfg
 
 
-def _params(values: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: {"string_value": str(v)} for k, v in values.items()}
+def _params(values: Mapping[str, Any], stub_env: str | Path | None = None) -> dict[str, Any]:
+    """A model's ``parameters``; ``stub_env`` goes as ``EXECUTION_ENV_PATH`` (the python stub's environment)."""
+    env = {"EXECUTION_ENV_PATH": str(stub_env)} if stub_env else {}
+    return {k: {"string_value": str(v)} for k, v in {**values, **env}.items()}
 
 
 def preprocess_config(name: str = PREPROCESS, *, image_size: int = DIGITS_SIZE, channels: int = 1,
@@ -366,15 +365,14 @@ def preprocess_config(name: str = PREPROCESS, *, image_size: int = DIGITS_SIZE, 
     if drift_reference:
         params["drift_reference"] = json.dumps(drift_reference, separators=(",", ":"))
         params["drift_window"] = int(drift_window)
-    if stub_env:
-        params["EXECUTION_ENV_PATH"] = str(stub_env)
     return {"name": name, "backend": "python", "max_batch_size": max_batch_size,
             "input": [{"name": IMAGE, "data_type": "TYPE_STRING", "dims": [1]}],
             "output": [{"name": PIXELS, "data_type": "TYPE_FP32", "dims": [channels, image_size, image_size]}],
             # the ensemble's concurrent requests reach execute() together
             "dynamic_batching": _batching(**({} if queue_delay_us is None else
                                              {"max_queue_delay_microseconds": int(queue_delay_us)})),
-            "instance_group": [{"kind": f"KIND_{device.upper()}", "count": instances}], "parameters": _params(params)}
+            "instance_group": [{"kind": f"KIND_{device.upper()}", "count": instances}],
+            "parameters": _params(params, stub_env)}
 
 
 def postprocess_config(name: str = POSTPROCESS, *, labels: Sequence[str] = DIGIT_LABELS, top_k: int = TOP_K,
@@ -385,15 +383,12 @@ def postprocess_config(name: str = POSTPROCESS, *, labels: Sequence[str] = DIGIT
     bad = [s for s in labels if "," in s]
     if bad:
         raise ValueError(f"labels {bad[:3]} contain commas: the label parameter is comma-separated")
-    params: dict[str, Any] = {"labels": ",".join(labels)}
-    if stub_env:
-        params["EXECUTION_ENV_PATH"] = str(stub_env)
     return {"name": name, "backend": "python", "max_batch_size": max_batch_size,
             "input": [{"name": LOGITS, "data_type": "TYPE_FP32", "dims": [len(labels)]}],
             "output": [{"name": LABELS, "data_type": "TYPE_STRING", "dims": [top_k]},
                        {"name": SCORES, "data_type": "TYPE_FP32", "dims": [top_k]}],
             "dynamic_batching": _batching(), "instance_group": [{"kind": "KIND_CPU", "count": 1}],
-            "parameters": _params(params)}
+            "parameters": _params({"labels": ",".join(labels)}, stub_env)}
 
 
 def ensemble_config(name: str = SERVICE, *, preprocess: str = PREPROCESS, classifier: str = CLASSIFIER,
@@ -732,8 +727,7 @@ def version_states(url: str, model: str = CLASSIFIER, protocol: str = "grpc") ->
 def image_batch(pngs: Sequence[bytes]) -> np.ndarray:
     """Encoded images as the ensemble's input: an object array of bytes, shape [N, 1] (datatype BYTES)."""
     arr = np.empty((len(pngs), 1), dtype=object)
-    for i, b in enumerate(pngs):
-        arr[i, 0] = bytes(b)
+    arr[:, 0] = [bytes(b) for b in pngs]
     return arr
 
 

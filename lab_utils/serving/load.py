@@ -210,9 +210,14 @@ def _seconds(value: Any, arg: str, zero_ok: bool = False) -> float:
     return _positive(value, arg, "run_load", zero_ok, "number of seconds")
 
 
+def _latency(lat: np.ndarray, *percentiles: int) -> dict[str, float]:
+    """``mean_ms`` and ``p{q}_ms`` of the latencies ``lat`` (ms) for each of ``percentiles``: NaN without any."""
+    values = [lat.mean(), *np.percentile(lat, percentiles)] if len(lat) else [float("nan")] * (1 + len(percentiles))
+    return {k: float(v) for k, v in zip(["mean_ms", *(f"p{q}_ms" for q in percentiles)], values, strict=True)}
+
+
 def _short_error(msg: str) -> str:
-    msg = " ".join(str(msg).split())
-    return msg[:300]
+    return " ".join(str(msg).split())[:300]
 
 
 async def _client_loop(protocol: str, url: str, model: str, payloads: list[dict], outputs: Sequence[str] | None,
@@ -478,9 +483,7 @@ def run_load(
                     pending.setdefault(wi, []).append(tuple(rest))  # type: ignore[arg-type]
             parts = pending.pop(w)
             lat = np.concatenate([p[0] for p in parts]) if parts else np.zeros(0)
-            m: Counter[str] = Counter()
-            for p in parts:
-                m.update(p[2])
+            m: Counter[str] = sum((Counter(p[2]) for p in parts), Counter())
             return lat, sum(p[1] for p in parts), dict(m)
 
     try:
@@ -493,9 +496,7 @@ def run_load(
             snaps.append(snapshot())
             errors_total += e
             msgs.update(m)
-            win = Window(w, window_s, len(lat), e, len(lat) * batch / window_s,
-                         float(lat.mean()) if len(lat) else float("nan"),
-                         float(np.percentile(lat, 95)) if len(lat) else float("nan"))
+            win = Window(w, window_s, len(lat), e, len(lat) * batch / window_s, **_latency(lat, 95))
             windows.append(win)
             lat_by_w.append(lat)
             if on_window is not None:
@@ -510,17 +511,12 @@ def run_load(
     lat = np.concatenate(sel) if sel else np.zeros(0)
     measured_s = use * window_s
     errors = sum(w.errors for w in windows[-use:])
-    pct = (np.percentile(lat, [50, 90, 95, 99]) if len(lat) else [float("nan")] * 4)
-    split = None
     first, last = snaps[len(snaps) - 1 - use] if len(snaps) > use else None, snaps[-1]
-    if first is not None and last is not None:
-        split = server_split(first, last)
+    split = server_split(first, last) if first is not None and last is not None else None
     return LoadResult(
         model=model, protocol=protocol, concurrency=concurrency,
         throughput_infer_s=len(lat) * batch / measured_s if measured_s else float("nan"),
-        p50_ms=float(pct[0]), p90_ms=float(pct[1]), p95_ms=float(pct[2]), p99_ms=float(pct[3]),
-        mean_ms=float(lat.mean()) if len(lat) else float("nan"),
-        requests=int(len(lat)), errors=int(errors), error_messages=_top_messages(msgs),
+        **_latency(lat, 50, 90, 95, 99), requests=int(len(lat)), errors=int(errors), error_messages=_top_messages(msgs),
         windows=windows, stable=stable, seconds=measured_s, errors_total=int(errors_total), batch=batch,
         server=split, processes=nproc,
     )
@@ -556,17 +552,10 @@ def perf_analyzer_command(model: str, url: str, concurrencies: Sequence[int] = (
         raise ValueError(f"perf_analyzer sends headers only over HTTP, not {protocol}: pass protocol='http'")
     common = (f"-m {model} -u {host_port(url)} -i {protocol} --measurement-interval {window_ms} "
               f"--stability-percentage {stability_pct}")
-    if percentile is not None:
-        common += f" --percentile {percentile}"
-    if max_trials is not None:
-        common += f" --max-trials {max_trials}"
-    if shape:
-        common += f" --shape {shape}"
-    if input_data:
-        common += f" --input-data {input_data}"
-    common += "".join(f" -H {k}:{v}" for k, v in (headers or {}).items())
-    if csv_path:
-        common += f" -f {csv_path}"
+    optional = [("--percentile", percentile), ("--max-trials", max_trials), ("--shape", shape),
+                ("--input-data", input_data), *(("-H", f"{k}:{v}") for k, v in (headers or {}).items()),
+                ("-f", csv_path)]
+    common += "".join(f" {flag} {value}" for flag, value in optional if value not in (None, ""))
     if request_rate is not None:  # async: a synchronous sender blocks per request and falls behind the schedule
         return (f"perf_analyzer {common} --request-rate-range {request_rate:g} --request-distribution poisson "
                 "--async --max-threads 16")
@@ -679,10 +668,8 @@ def parse_perf_analyzer_csv(text: str, command: str = "") -> list[PerfAnalyzerRe
     for raw in reader:
         if not raw.get(load):
             continue
-        values: dict[str, Any] = {k: None for k in _PA_COLUMNS.values()}
-        for col, key in _PA_COLUMNS.items():
-            if raw.get(col) not in (None, ""):
-                values[key] = float(raw[col])
+        values: dict[str, Any] = {key: float(raw[col]) if raw.get(col) not in (None, "") else None
+                                  for col, key in _PA_COLUMNS.items()}
         values["concurrency"] = int(float(raw["Concurrency"])) if load == "Concurrency" else 0
         values["request_rate"] = float(raw[load]) if load == "Request Rate" else None
         for p in (50, 90, 95, 99):

@@ -362,8 +362,7 @@ def nginx_config(
     def nlines() -> int:  # lines so far, a trailing empty one included
         return "\n".join(out).count("\n") + 1
 
-    if block_lines is None:
-        block_lines = {}
+    block_lines = {} if block_lines is None else block_lines
     for arg, up, block, name, servers in (("upstream_block", http_up, upstream_block, HTTP_UPSTREAM, http),
                                           ("grpc_upstream_block", grpc_up, grpc_upstream_block, GRPC_UPSTREAM, grpc_)):
         if up is not None:
@@ -864,7 +863,7 @@ class NginxServer(OwnedServer, HttpGrpcEndpoints):
         """
         path = self.access_log_path
         if self.alive():
-            http_ok(f"http://{self.host}:{self.status_port}/generation", timeout_s=2.0)
+            http_ok(self._ready_url(), timeout_s=2.0)
             if int(self.options.get("workers", OPTIONS["workers"])) > 1:
                 size, deadline = -1, time.monotonic() + 1.0
                 while time.monotonic() < deadline and (now := path.stat().st_size if path.exists() else 0) != size:

@@ -30,6 +30,7 @@ from lab_utils.serving.load import (
     PROTOCOLS,
     Verify,
     Window,
+    _latency,
     _payloads,
     _positive,
     _short_error,
@@ -272,14 +273,11 @@ class _Records:
     def window(self, w: int) -> OpenLoopWindow:
         a = self.warmup_s + w * self.window_s
         offered, lat, done, msgs = self.span(a, a + self.window_s)
-        pct = np.percentile(lat, [50, 95, 99]) if len(lat) else [float("nan")] * 3
         return OpenLoopWindow(
             index=w, seconds=self.window_s, requests=int(len(lat)), errors=int(sum(msgs.values())),
-            throughput_infer_s=done * self.batch / self.window_s,
-            mean_ms=float(lat.mean()) if len(lat) else float("nan"), p95_ms=float(pct[1]),
+            throughput_infer_s=done * self.batch / self.window_s, **_latency(lat, 50, 95, 99),
             offered_rps=offered / self.window_s, achieved_rps=done / self.window_s,
-            p50_ms=float(pct[0]), p99_ms=float(pct[2]), timeouts=sum(n for m, n in msgs.items() if _is_timeout(m)),
-            error_messages=_top_messages(msgs))
+            timeouts=sum(n for m, n in msgs.items() if _is_timeout(m)), error_messages=_top_messages(msgs))
 
 
 def _is_timeout(msg: str) -> bool:
@@ -361,15 +359,13 @@ def _result(rec: _Records, mode: str, target: str, rate: float | None, concurren
     due, sent, _, ok = rec.arrays()
     span = rec.n_windows * rec.window_s
     offered, lat, done, measured = rec.span(rec.warmup_s, rec.warmup_s + span)
-    pct = np.percentile(lat, [50, 90, 95, 99]) if len(lat) else [float("nan")] * 4
     all_msgs = Counter(m for m, good in zip(rec.msg, ok, strict=True) if not good)
     lag = (sent - due) * 1e3 if mode == "open" and len(due) else np.zeros(1)
     return OpenLoopResult(
         mode=mode, target=target, rate_rps=rate, concurrency=concurrency,
         offered_rps=offered / span, achieved_rps=done / span,
         throughput_infer_s=done * rec.batch / span,
-        p50_ms=float(pct[0]), p90_ms=float(pct[1]), p95_ms=float(pct[2]), p99_ms=float(pct[3]),
-        mean_ms=float(lat.mean()) if len(lat) else float("nan"), requests=int(len(lat)),
+        **_latency(lat, 50, 90, 95, 99), requests=int(len(lat)),
         errors=int(sum(measured.values())), timeouts=sum(n for m, n in measured.items() if _is_timeout(m)),
         error_messages=_top_messages(all_msgs), windows=windows, stable=is_stable(windows, stability),
         seconds=span, errors_total=int(sum(all_msgs.values())), sent_total=len(due),
@@ -487,8 +483,9 @@ class _Runner:
         return windows
 
 
-def _checks(where: str, duration_s: Any, warmup_s: Any, window_s: Any, timeout_s: Any, stability: Any
-            ) -> tuple[float, float, float, float, float, int]:
+def _checks(where: str, target: Any, duration_s: Any, warmup_s: Any, window_s: Any, timeout_s: Any, stability: Any
+            ) -> tuple[_Records, float, float, float]:
+    """The run's records (its warm-up and windows) for ``target``, and the checked duration, timeout and stability."""
     duration = _positive(duration_s, "duration_s", where)
     warmup = _positive(warmup_s, "warmup_s", where, zero_ok=True)
     window = _positive(window_s, "window_s", where)
@@ -496,7 +493,8 @@ def _checks(where: str, duration_s: Any, warmup_s: Any, window_s: Any, timeout_s
     if not (isinstance(stability, (int, float)) and math.isfinite(stability) and 0 < stability < 1):
         raise ValueError(f"{where}(stability={stability!r}): a fraction between 0 and 1, e.g. 0.10")
     n_windows = max(1, round(duration / window))
-    return duration, warmup, duration / n_windows, timeout, float(stability), n_windows
+    rec = _Records(warmup, duration / n_windows, n_windows, int(getattr(target, "batch", 1)))
+    return rec, duration, timeout, float(stability)
 
 
 def run_open_loop(target: Any, rate_rps: float, duration_s: float, *, warmup_s: float = 1.0,
@@ -517,11 +515,9 @@ def run_open_loop(target: Any, rate_rps: float, duration_s: float, *, warmup_s: 
     where = "run_open_loop"
     target = as_target(target)
     rate = _positive(rate_rps, "rate_rps", where)
-    duration, warmup, window, timeout, stability, n_windows = _checks(where, duration_s, warmup_s, window_s,
-                                                                      timeout_s, stability)
+    rec, duration, timeout, stability = _checks(where, target, duration_s, warmup_s, window_s, timeout_s, stability)
     cap = check_int(max_in_flight, "max_in_flight", where)
-    arrivals = poisson_arrivals(rate, warmup + duration, seed)
-    rec = _Records(warmup, window, n_windows, int(getattr(target, "batch", 1)))
+    arrivals = poisson_arrivals(rate, rec.warmup_s + duration, seed)
     n_proc = client_processes(rate, processes)
     if n_proc > 1:
         windows = _run_spread(target, rec, arrivals, n_proc, timeout, max(1, cap // n_proc))
@@ -621,11 +617,9 @@ def run_closed_loop(target: Any, concurrency: int, duration_s: float, *, warmup_
     where = "run_closed_loop"
     target = as_target(target)
     concurrency = check_int(concurrency, "concurrency", where)
-    duration, warmup, window, timeout, stability, n_windows = _checks(where, duration_s, warmup_s, window_s,
-                                                                      timeout_s, stability)
-    rec = _Records(warmup, window, n_windows, int(getattr(target, "batch", 1)))
+    rec, duration, timeout, stability = _checks(where, target, duration_s, warmup_s, window_s, timeout_s, stability)
     runner = _Runner(rec, target)
-    end_s = warmup + duration
+    end_s = rec.warmup_s + duration
 
     async def client(t0: float) -> None:
         while not runner.stop.is_set():

@@ -220,8 +220,7 @@ def check_model_config(
             p.append((f"input[{i}].dims", f"{dims} does not match the model's input {t.name!r} of shape "
                                           f"{_shape_str(shape)}{hint}"))
     if model_shapes:
-        extra = [t.name for t in cfg.input if t.name not in model_shapes]
-        for name in extra:
+        for name in [t.name for t in cfg.input if t.name not in model_shapes]:
             p.append(("input", f"{name!r} is not an input of the model file (it has {sorted(model_shapes)})"))
     # dynamic batching
     if cfg.HasField("dynamic_batching"):
@@ -297,9 +296,7 @@ def model_versions(model_dir: Path) -> list[int]:
 
 def model_file(cfg: Any) -> str | None:
     """The file each version folder must hold for this config (``default_model_filename`` or the backend's)."""
-    if cfg.default_model_filename:
-        return cfg.default_model_filename
-    return PLATFORM_FILES.get(cfg.backend or cfg.platform)
+    return cfg.default_model_filename or PLATFORM_FILES.get(cfg.backend or cfg.platform)
 
 
 def onnx_input_shapes(path: Path) -> dict[str, list[int | str | None]]:
@@ -312,10 +309,8 @@ def onnx_input_shapes(path: Path) -> dict[str, list[int | str | None]]:
     for i in m.graph.input:
         if i.name in inits:
             continue
-        dims: list[int | str | None] = []
-        for d in i.type.tensor_type.shape.dim:
-            dims.append(d.dim_value if d.HasField("dim_value") else (d.dim_param or None))
-        out[i.name] = dims
+        out[i.name] = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
+                       for d in i.type.tensor_type.shape.dim]
     return out
 
 
@@ -391,11 +386,8 @@ def validate_repository(
                                for m in missing], where=str(repo))
         dirs = [repo / m for m in models]
     if gpus is None:
-        gpus_needed = False
-        for d in dirs:
-            text = (d / "config.pbtxt").read_text() if (d / "config.pbtxt").is_file() else ""
-            gpus_needed |= "KIND_GPU" in text or "gpus" in text
-        gpus = nvml_gpu_count() if gpus_needed else 0
+        texts = [(d / "config.pbtxt").read_text() if (d / "config.pbtxt").is_file() else "" for d in dirs]
+        gpus = nvml_gpu_count() if any("KIND_GPU" in t or "gpus" in t for t in texts) else 0
     return {d.name: validate_model_dir(d, gpus=gpus, require_files=require_files) for d in dirs}
 
 
@@ -555,12 +547,11 @@ def write_config(model_dir: str | os.PathLike[str], config: str | Mapping[str, A
                  gpus: int | None = None, check: bool = True) -> Path:
     """Validate ``config`` (schema + semantics) and write it as ``<model_dir>/config.pbtxt``; nothing on error."""
     model_dir = Path(model_dir)
-    cfg = parse_config(config, where=str(model_dir / "config.pbtxt"))
-    if check:
-        model_dir.mkdir(parents=True, exist_ok=True)
-        validate_config(cfg, gpus=gpus, model_dir=model_dir, where=str(model_dir / "config.pbtxt"))
-    model_dir.mkdir(parents=True, exist_ok=True)
     path = model_dir / "config.pbtxt"
+    cfg = parse_config(config, where=str(path))
+    model_dir.mkdir(parents=True, exist_ok=True)
+    if check:
+        validate_config(cfg, gpus=gpus, model_dir=model_dir, where=str(path))
     path.write_text(config_text(cfg))
     return path
 

@@ -322,7 +322,7 @@ class TritonServer(OwnedServer, HttpGrpcEndpoints):
 
     def ready(self) -> bool:
         """True when ``/v2/health/ready`` answers 200 now (within 2 s)."""
-        return http_ok(f"{self.http_url}/v2/health/ready", timeout_s=2.0)[0]
+        return http_ok(self._ready_url(), timeout_s=2.0)[0]
 
     def __repr__(self) -> str:
         return (f"TritonServer({str(self.model_repository)!r}, {self._state()}, http={self.http_url}, "
@@ -416,7 +416,7 @@ class TritonServer(OwnedServer, HttpGrpcEndpoints):
         _remove_shm(self._shm_prefix)
         # a killed server's python backend leaves its empty env folder: the ones seen at the start, and those made
         # later (a python model loaded after ready, or a start beside another server's) that no live server marks
-        late = {f for f in _python_envs() - getattr(self, "_envs_before", set()) if python_env_unowned(f)}
+        late = {f for f in _python_envs() - self._envs_before if python_env_unowned(f)}
         for folder in self._python_envs | late:
             with contextlib.suppress(OSError):
                 (folder / PYTHON_ENV_OWNER).unlink(missing_ok=True)
@@ -514,9 +514,7 @@ class ExternalServer:
         self.metrics_url = (check_url(metrics_url, METRICS_URL_ENV, default_port=8002, path_ok=True)
                             if metrics_url else f"http://{host}:8002/metrics")
         self.source = ServerSource("url", self.http_url, None, "a running server given by TRITON_URL")
-        self.log_path = None
-        self.pid = None
-        self.startup_s = None
+        self.log_path = self.pid = self.startup_s = None
         self.model_control = "unknown"
 
     @classmethod

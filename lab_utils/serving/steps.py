@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from lab_utils.plotting import new_axes
+from lab_utils.procs import wait_until
 from lab_utils.serving import client as triton_client
 from lab_utils.serving import load as triton_load
 from lab_utils.serving import repository as triton_repo
@@ -107,11 +109,9 @@ def deploy(server: triton_server.Server, repo: Path, config: Mapping[str, Any], 
 
         override = json.dumps(json_format.MessageToDict(triton_repo.parse_config(config)))
     triton_client.load_model(server.grpc_url, name, config=override)
-    deadline = time.perf_counter() + timeout_s
-    while not triton_client.model_ready(server.grpc_url, name):
-        if time.perf_counter() > deadline:
-            raise TimeoutError(f"model {name!r} not ready {timeout_s:g} s after loading; server log:\n"
-                               f"{server.log_tail(20)}")
+    if not wait_until(lambda: triton_client.model_ready(server.grpc_url, name), timeout_s):
+        raise TimeoutError(f"model {name!r} not ready {timeout_s:g} s after loading; server log:\n"
+                           f"{server.log_tail(20)}")
     return time.perf_counter() - t0
 
 
@@ -225,23 +225,17 @@ def perf_analyzer_verdict(ours: Mapping[str, Any], theirs: triton_load.PerfAnaly
 
 def split_table(rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
     """Where a request's time went on the server (µs per request): queue, compute input, infer, output."""
-    out = []
-    for r in rows:
-        out.append({"step": r["step"], "queue_us": r.get("server_queue_us"),
-                    "compute_input_us": r.get("server_compute_input_us"),
-                    "compute_infer_us": r.get("server_compute_infer_us"),
-                    "compute_output_us": r.get("server_compute_output_us"),
-                    "server_request_us": r.get("server_request_us"), "client_mean_us": r["mean_ms"] * 1e3,
-                    "batch_avg": r.get("server_batch_avg")})
-    return pd.DataFrame(out)
+    return pd.DataFrame([{"step": r["step"], "queue_us": r.get("server_queue_us"),
+                          "compute_input_us": r.get("server_compute_input_us"),
+                          "compute_infer_us": r.get("server_compute_infer_us"),
+                          "compute_output_us": r.get("server_compute_output_us"),
+                          "server_request_us": r.get("server_request_us"), "client_mean_us": r["mean_ms"] * 1e3,
+                          "batch_avg": r.get("server_batch_avg")} for r in rows])
 
 
 def plot_latency_throughput(curves: Mapping[str, Any], ax: Any = None, title: str | None = None) -> Any:
     """p95 latency against throughput, one line per configuration, each point labelled with its concurrency."""
-    import matplotlib.pyplot as plt
-
-    if ax is None:
-        _, ax = plt.subplots(figsize=(7.0, 4.5))
+    _, ax = new_axes(ax)
     for label, df in curves.items():
         ax.plot(df["throughput_infer_s"], df["p95_ms"], marker="o", label=label)
         for _, r in df.iterrows():

@@ -115,12 +115,11 @@ class KnobPanel(Panel):
 
     def figure(self) -> Any:
         """p95 against throughput: one point per measurement, labelled by its knobs."""
-        fig, ax = plt.subplots(figsize=(7.0, 4.5))
-        curves = {}
+        curves: dict[str, list[dict[str, Any]]] = {}
         for r in self.rows:
             curves.setdefault(r["step"], []).append(r)
-        triton_lab.plot_latency_throughput({k: pd.DataFrame(v) for k, v in curves.items()}, ax=ax,
-                                           title="Your knob settings: p95 against throughput")
+        fig = triton_lab.plot_latency_throughput({k: pd.DataFrame(v) for k, v in curves.items()},
+                                                 title="Your knob settings: p95 against throughput").figure
         plt.close(fig)
         return fig
 

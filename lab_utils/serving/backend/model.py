@@ -165,8 +165,7 @@ class TritonPythonModel:
         self.runner = MlpRunner(version_dir, params.get("engine", "auto") or "auto", device,
                                 int(params.get("threads", "1") or 1))
         self.model = self.runner  # what execute runs: [N, in_features] float32 -> [N, out_features]
-        self.input_name = cfg["input"][0]["name"]
-        self.output_name = cfg["output"][0]["name"]
+        self.input_name, self.output_name = cfg["input"][0]["name"], cfg["output"][0]["name"]
         self.service = ServiceTime(params, device)
         if NUMPY2:
             quiet_capsule_rename()

@@ -53,8 +53,7 @@ class TritonPythonModel:
         self.resample = Image.Resampling.BOX if how == "box" else Image.Resampling.BILINEAR
         self.max_bytes = int(p.get("max_image_bytes", str(1 << 20)))
         self.max_side = int(p.get("max_image_side", "4096"))
-        self.input_name = cfg["input"][0]["name"]
-        self.output_name = cfg["output"][0]["name"]
+        self.input_name, self.output_name = cfg["input"][0]["name"], cfg["output"][0]["name"]
         self.mode = "L" if self.channels == 1 else "RGB"
         self.drift = None
         self.gpu = None  # a GPU instance decodes its JPEGs there
