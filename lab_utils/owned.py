@@ -114,6 +114,10 @@ class OwnedServer:
     def _free_port(self) -> int:
         return free_port(self.host)
 
+    def _halt(self, proc: subprocess.Popen) -> int | None:
+        """Stop the process group; its leader's exit code."""
+        return stop_group(proc, grace_s=self.stop_grace_s)
+
     def _cleanup(self) -> None:
         """After the process is stopped: remove what it leaves (each stop calls it; it must be safe twice)."""
         if self.folder is not None:
@@ -226,7 +230,7 @@ class OwnedServer:
         with self._owner_lock:
             proc, dog = self._proc, self._watchdog
             if proc is not None and not getattr(proc, "_nvlab_stopped", False):
-                self.exit_code = stop_group(proc, grace_s=self.stop_grace_s)
+                self.exit_code = self._halt(proc)
                 proc._nvlab_stopped = True  # type: ignore[attr-defined]
             if dog is not None:
                 dog.disarm()
