@@ -14,6 +14,7 @@ import math
 import os
 import re
 import socket
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -234,20 +235,28 @@ def _bench_one(ctx: WorkerContext, collective: str, size: int, dtype: str, reps:
 def bare_allreduce_worker(ctx: WorkerContext, size_bytes: int, iters: int, warmup: int) -> dict[str, float]:
     """The simplest all_reduce loop on fp32, for comparison with ``bench_worker``: ms per iteration.
 
-    A barrier, then one ``benchmark`` repetition of the ``iters`` all_reduces: CUDA, one event before, one after, one
-    synchronize; CPU, the host clock around them. ``time_ms`` is the largest over the ranks."""
+    CUDA: one event before ``iters`` all_reduces, one after, one synchronize. CPU: a barrier, then the host
+    clock around the loop. ``time_ms`` is the largest over the ranks."""
     numel = max(size_bytes // 4, 1)
     ctx.status(f"bare all_reduce {format_bytes(numel * 4)}")
     x = torch.full((numel,), float(ctx.rank + 1), dtype=torch.float32, device=ctx.device)
-
-    def loop() -> None:
-        for _ in range(iters):
-            dist.all_reduce(x)
-
     for _ in range(warmup):
         dist.all_reduce(x)
     ctx.barrier()
-    ms = benchmark(loop, reps=1, warmup=0, device=ctx.device, name="bare all_reduce").median_ms / iters
+    if ctx.device.startswith("cuda"):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            dist.all_reduce(x)
+        end.record()
+        torch.cuda.synchronize()
+        ms = start.elapsed_time(end) / iters
+    else:
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            dist.all_reduce(x)
+        ms = (time.perf_counter() - t0) * 1e3 / iters
     return {"rank_time_ms": ms, "time_ms": _max_over_ranks(ms, ctx.device), "size_bytes": numel * 4}
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -328,8 +329,8 @@ def bare_matmul_loop(n: int | None = None, dtype: str | None = None, iters: int 
                      warmup: int = 3) -> float:
     """TFLOP/s of the simplest loop, for comparison with ``benchmark``: mean time over ``iters`` matmuls.
 
-    One ``benchmark`` repetition of the whole loop: on a GPU one event before it, one after, one synchronize; on
-    the CPU a host clock around it. ``warmup`` untimed calls come first so the first-call cost stays out.
+    On a GPU: one event before the loop, one after, one synchronize. On the CPU: a host clock around
+    the loop. ``warmup`` untimed calls come first so the first-call cost stays out.
     Defaults: bf16 8192 on a GPU (the reference run's case), fp32 512 on the CPU."""
     where = "bare_matmul_loop"
     dev = resolve_device(device, f"{where}(device)")
@@ -340,16 +341,27 @@ def bare_matmul_loop(n: int | None = None, dtype: str | None = None, iters: int 
     if reason := matmul_skip_reason(dtype, n, dev):
         raise ValueError(f"{where}(dtype={dtype!r}): {reason}")
     case = make_matmul(n, dtype, dev)
-
-    def loop() -> None:
-        for _ in range(iters):
-            case.fn()
-
+    fn = case.fn
     with tf32_matmul(case.tf32):
         for _ in range(warmup):
-            case.fn()
-        t = benchmark(loop, reps=1, warmup=0, device=dev, name=f"{iters} x {dtype} matmul {n}")
-    return t.tflops(case.flops * iters)
+            fn()
+        if _is_cuda(dev):
+            with torch.cuda.device(dev):
+                torch.cuda.synchronize()  # the warm-up finished before the first event
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(iters):
+                    fn()
+                end.record()
+                torch.cuda.synchronize()
+                total_ms = start.elapsed_time(end)
+        else:
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            total_ms = (time.perf_counter() - t0) * 1e3
+    return case.flops * iters / (total_ms * 1e-3) / 1e12
 
 
 # --- 3. Memory bandwidth --------------------------------------------------------------------------

@@ -442,31 +442,32 @@ def time_engine(runner: TrtRunner, sample_shape: Sequence[int], batches: Sequenc
 # --- What runs here instead -----------------------------------------------------------------------
 
 
-_TRT_STEPS = ("parse ONNX into a strongly typed network", "fuse layers", "lower precision (from the graph)",
-              "pick the fastest kernels (tactics), timing cache", "engine file, profile, execute_async_v3")
-
-
 def substitution_plan(gpu: bool, tensorrt_ok: bool, tensorrt_why: str) -> list[dict[str, str]]:
     """For each thing TensorRT does in this lab: what runs on this machine, and why."""
     if tensorrt_ok:
-        instead, whys = ["TensorRT"] * 5, [tensorrt_why] * 5
-    elif gpu:
-        instead = ["ONNX Runtime (CPU) runs the same ONNX files",
-                   "torch.compile (Inductor) fuses into generated kernels; ONNX Runtime's optimized graph shows the "
-                   "node-level fusions",
-                   "torch.autocast BF16/FP16 on the GPU for speed; the ModelOpt FP16/INT8/FP8 ONNX models in ONNX "
-                   "Runtime for accuracy",
-                   "torch.compile(mode='max-autotune') times kernel candidates; cudnn.benchmark picks convolution "
-                   "algorithms",
-                   "CUDA graphs: one replay per batch instead of hundreds of launches; trtexec lines are shown to run "
-                   "elsewhere"]
-        whys = [tensorrt_why] * 5
+        return [{"TensorRT step": s, "runs here": "TensorRT", "why": tensorrt_why}
+                for s in ("parse ONNX into a strongly typed network", "fuse layers", "lower precision (from the graph)",
+                          "pick the fastest kernels (tactics), timing cache", "engine file, profile, execute_async_v3")]
+    why = tensorrt_why
+    if gpu:
+        rows = [("parse ONNX into a strongly typed network", "ONNX Runtime (CPU) runs the same ONNX files", why),
+                ("fuse layers", "torch.compile (Inductor) fuses into generated kernels; ONNX Runtime's optimized "
+                 "graph shows the node-level fusions", why),
+                ("lower precision (from the graph)", "torch.autocast BF16/FP16 on the GPU for speed; the ModelOpt "
+                 "FP16/INT8/FP8 ONNX models in ONNX Runtime for accuracy", why),
+                ("pick the fastest kernels (tactics), timing cache", "torch.compile(mode='max-autotune') times "
+                 "kernel candidates; cudnn.benchmark picks convolution algorithms", why),
+                ("engine file, profile, execute_async_v3", "CUDA graphs: one replay per batch instead of hundreds of "
+                 "launches; trtexec lines are shown to run elsewhere", why)]
     else:
-        instead = ["ONNX Runtime on the CPU runs the same ONNX files",
-                   "ONNX Runtime's graph optimization levels (basic, extended, layout): node counts before and after",
-                   "the ModelOpt FP16 and INT8 Q/DQ models in ONNX Runtime (accuracy real; speed is the CPU's, not a "
-                   "GPU's)",
-                   "not on a CPU: ONNX Runtime's CPU kernels are fixed; the H200 reference run's numbers stand beside",
-                   "the trtexec lines are shown to run on a GPU machine"]
-        whys = [f"no GPU here; {tensorrt_why}"] + ["no GPU here"] * 4
-    return [{"TensorRT step": s, "runs here": i, "why": w} for s, i, w in zip(_TRT_STEPS, instead, whys, strict=True)]
+        rows = [("parse ONNX into a strongly typed network", "ONNX Runtime on the CPU runs the same ONNX files",
+                 f"no GPU here; {why}"),
+                ("fuse layers", "ONNX Runtime's graph optimization levels (basic, extended, layout): node counts "
+                 "before and after", "no GPU here"),
+                ("lower precision (from the graph)", "the ModelOpt FP16 and INT8 Q/DQ models in ONNX Runtime "
+                 "(accuracy real; speed is the CPU's, not a GPU's)", "no GPU here"),
+                ("pick the fastest kernels (tactics), timing cache", "not on a CPU: ONNX Runtime's CPU kernels are "
+                 "fixed; the H200 reference run's numbers stand beside", "no GPU here"),
+                ("engine file, profile, execute_async_v3", "the trtexec lines are shown to run on a GPU machine",
+                 "no GPU here")]
+    return [{"TensorRT step": a, "runs here": b, "why": c} for a, b, c in rows]
