@@ -96,3 +96,21 @@ def teardown_hangs(ctx, flag, times=1, student=None):
         if count < times:
             destroy_process_group(600)
     return ctx.rank
+
+
+def barrier_after_refused_op(ctx, rounds=20):
+    """Start an operation gloo refuses (float8 all_gather: "Invalid scalar type") without waiting for it, then meet
+    at the context's barrier while gloo's worker thread still holds it; then wait for it (it raises)."""
+    import torch
+    import torch.distributed as dist
+
+    x = torch.zeros(16, dtype=torch.float8_e4m3fn)
+    refused = 0
+    for _ in range(rounds):
+        work = dist.all_gather_into_tensor(torch.empty(16 * ctx.world_size, dtype=x.dtype), x, async_op=True)
+        ctx.barrier()
+        try:
+            work.wait()
+        except RuntimeError as exc:
+            refused += "Invalid scalar type" in str(exc)
+    return {"rank": ctx.rank, "refused": refused}

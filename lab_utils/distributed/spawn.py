@@ -97,7 +97,11 @@ class WorkerContext:
         if self.backend == "nccl":
             dist.barrier(group=self.group, device_ids=[self.local_rank])
         else:
-            dist.barrier(group=self.group)
+            # Not gloo's barrier: it also waits on every earlier operation its worker threads still hold and re-raises
+            # their errors, so after an operation gloo refused (float8: "Invalid scalar type") a barrier raised that
+            # error again on whichever rank's thread had not yet let go of it, and the ranks fell out of step (seen on
+            # a loaded machine). A one-element all_reduce waits for every rank and for nothing else.
+            dist.all_reduce(torch.zeros(1), group=self.group)
 
     def subgroup(self, n: int) -> WorkerContext | None:
         """A context for the first ``n`` ranks only, as if the job had ``n`` ranks; None on the other ranks.
