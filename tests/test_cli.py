@@ -83,6 +83,15 @@ def test_report_takes_the_committed_reference_of_the_runs_tier():
         assert got == want.get(tier, want["partial"]), tier
 
 
+def test_a_run_that_recorded_nothing_compares_to_an_empty_table(tmp_path, capsys):
+    # lab 08 on a GPU without MLflow records nothing; its last cell filters the table by lab and raised KeyError: 'lab'
+    table = results.compare(tmp_path)
+    assert table.empty and list(table.columns) == results.COMPARE_COLUMNS
+    assert table[table["lab"] == "08"].empty
+    assert cli.main(["report", str(tmp_path), "--json"]) == 2  # a trainer's report of nothing is an error
+    assert "no results_*.json" in capsys.readouterr().err
+
+
 def test_report_on_missing_folder_explains(tmp_path, capsys):
     assert cli.main(["report", str(tmp_path / "nope")]) == 2
     assert "not a folder of results" in capsys.readouterr().err

@@ -124,6 +124,9 @@ def load(directory: Path | str, fix: str = "pass the folder `nvlab run` wrote") 
     return rows
 
 
+COMPARE_COLUMNS = ["lab", "name", "unit", "value", "reference", "ratio", "tier", "device", "reference_device"]
+
+
 def compare(run: Path | str, reference: Path | str | None = None) -> pd.DataFrame:
     """A table of each measurement in ``run`` beside the reference runs' value and their ratio.
 
@@ -149,4 +152,6 @@ def compare(run: Path | str, reference: Path | str | None = None) -> pd.DataFram
         rows.append({"lab": r["lab"], "name": r["name"], "unit": r["unit"], "value": r["value"], "reference": rv,
                      "ratio": ratio, "tier": r["tier"], "device": r["device"],
                      "reference_device": other["device"] if other else None})
-    return pd.DataFrame(rows)
+    # the columns even when the run recorded nothing (a lab whose measuring sections all skipped), so that a
+    # notebook's table[table["lab"] == ...] shows an empty table instead of raising KeyError: 'lab'
+    return pd.DataFrame(rows, columns=COMPARE_COLUMNS)
