@@ -122,8 +122,10 @@ BAD = {  # what a client sends -> words the error must hold (the problem and the
     "not an image": (b"hello, this is text", ["not an image file", "send the encoded file"]),
     "truncated PNG header": (_png((32, 32))[:40], ["start like a PNG file", "send the complete file"]),
     "truncated PNG data": (_png((64, 64), noise=True)[:2000], ["corrupt or truncated", "send the complete file"]),
-    "oversized bytes": (b"\x89PNG" + bytes(ens.MAX_IMAGE_BYTES), ["over this service's limit", "smaller image"]),
-    "oversized image": (_png((ens.MAX_IMAGE_SIDE + 1, 8)), ["1025x8 px", "resize it"]),
+    "oversized bytes": (b"\x89PNG" + bytes(ens.MAX_IMAGE_BYTES), ["over this service's limit", "8 MiB",
+                                                                   "smaller file"]),
+    "oversized image": (_png((5000, 3000)), ["5000x3000 px, 15.0 Mpx", "limit of 12.6 Mpx", "resize it"]),
+    "a 1x1 image": (_png((1, 1)), ["1x1 px", "under this service's minimum of 8 px"]),
     "decompression bomb": (ens.decompression_bomb(), ["px, over this service's limit", "resize it"]),
     "truncated JPEG": (ens.photo_jpegs(1)[0][:5000], ["JPEG", "corrupt or truncated", "send the complete file"]),
 }
@@ -172,7 +174,8 @@ def test_nothing_decodes_before_the_size_is_checked(built, monkeypatch):
 
     mod = _backend_module(built.path / ens.PREPROCESS / "1", "nvlab_preprocess_test", monkeypatch)
     model = mod.TritonPythonModel()
-    params = {"image_size": "8", "max_image_bytes": str(ens.MAX_IMAGE_BYTES), "max_image_side": str(ens.MAX_IMAGE_SIDE)}
+    params = {"image_size": "8", "max_image_bytes": str(ens.MAX_IMAGE_BYTES),
+              "max_image_pixels": str(ens.MAX_IMAGE_PIXELS)}
     model.initialize({"model_config": json.dumps({
         "input": [{"name": ens.IMAGE}], "output": [{"name": ens.PIXELS}],
         "parameters": {k: {"string_value": v} for k, v in params.items()}}),
@@ -184,10 +187,166 @@ def test_nothing_decodes_before_the_size_is_checked(built, monkeypatch):
         raise AssertionError("decoded before the size was checked")
 
     monkeypatch.setattr(ImageFile.ImageFile, "load", trap)
-    with pytest.raises(mod.BadImage, match=r"IMAGE\[0\] is \d+x\d+ px, over this service's limit of 1024 px"):
+    with pytest.raises(mod.BadImage, match=r"IMAGE\[0\] is \d+x\d+ px, 110.0 Mpx, over this service's limit of "
+                                           r"12.6 Mpx"):
         model.decode(0, ens.decompression_bomb())
     with pytest.raises(mod.BadImage, match="over this service's limit of"):
         model.decode(0, photo + bytes(ens.MAX_IMAGE_BYTES))
+
+
+def _jpeg(img: Any, orientation: int | None = None, quality: int = 100) -> bytes:
+    """``img`` as a JPEG, with an EXIF Orientation tag when ``orientation`` is given."""
+    from PIL import Image
+
+    buf = io.BytesIO()
+    extra = {}
+    if orientation is not None:
+        exif = Image.Exif()
+        exif[0x0112] = orientation
+        extra["exif"] = exif.tobytes()
+    img.save(buf, format="JPEG", quality=quality, **extra)
+    return buf.getvalue()
+
+
+def _stored(img: Any, orientation: int) -> Any:
+    """``img`` (upright) as a camera stores it under EXIF ``orientation``: the inverse of exif_transpose's turn."""
+    from PIL import Image
+
+    t = Image.Transpose
+    return img.transpose({2: t.FLIP_LEFT_RIGHT, 3: t.ROTATE_180, 4: t.FLIP_TOP_BOTTOM, 5: t.TRANSPOSE,
+                          6: t.ROTATE_90, 7: t.TRANSVERSE, 8: t.ROTATE_270}[orientation])
+
+
+def _upright_digits(n: int = 3) -> tuple[list[Any], list[str]]:
+    """``n`` held-out digits with no mirror symmetry (2, 4, 7) as upright 32x32 grey Pillow images, and labels."""
+    from PIL import Image
+
+    pngs, y = ens.digits_pngs("test", 60)
+    picked = [k for k in range(len(y)) if int(y[k]) in (2, 4, 7)][:n]
+    return [Image.open(io.BytesIO(pngs[k])).convert("L") for k in picked], [str(int(y[k])) for k in picked]
+
+
+def test_exif_oriented_jpegs_are_served_upright(server):
+    """A JPEG stored sideways (or mirrored) with its EXIF Orientation tag, as a phone stores a photo held upright,
+    reaches the classifier as the upright image: for each of the 7 turned orientations the preprocessed tensor
+    matches the upright JPEG's (JPEG's own rounding apart), and the top-1 label is the upright one's. The same files
+    without the tag differ by far more: the check can tell a turned image."""
+    digits, _ = _upright_digits()
+    for up in digits:
+        items = [_jpeg(up)] + [_jpeg(_stored(up, o), o) for o in range(2, 9)]
+        untagged = [_jpeg(_stored(up, o)) for o in range(2, 9)]
+        x = triton_client.infer(server.http_url, ens.PREPROCESS, {ens.IMAGE: ens.image_batch(items + untagged)},
+                                protocol="http")[ens.PIXELS]
+        turned = np.abs(x[1:8] - x[0]).max(axis=(1, 2, 3))
+        sideways = np.abs(x[8:] - x[0]).max(axis=(1, 2, 3))
+        assert turned.max() < 0.1, turned  # in the digits' 0..16 units, normalized
+        assert sideways.min() > 1.0, sideways
+        labels, _ = ens.classify(server.grpc_url, items)
+        assert [row[0] for row in labels] == [labels[0][0]] * len(items), labels
+
+
+def test_16_bit_pngs_are_served_as_their_8_bit_reference(server):
+    """A 16-bit grey PNG (Pillow's mode I;16) maps to 8 bits by its high byte (>> 8), not by clipping at 255: its
+    tensor and top-k equal those of the 8-bit PNG of the same picture, whatever the low byte holds."""
+    from PIL import Image
+
+    digits, _ = _upright_digits()
+    rng = np.random.default_rng(0)
+    items = []
+    for up in digits:
+        a = np.asarray(up, np.uint16)
+        wide = Image.fromarray((a << 8) | rng.integers(0, 256, a.shape, dtype=np.uint16))
+        assert wide.mode == "I;16"
+        buf = io.BytesIO()
+        wide.save(buf, format="PNG")
+        items += [_png_of(up), buf.getvalue()]
+    x = triton_client.infer(server.http_url, ens.PREPROCESS, {ens.IMAGE: ens.image_batch(items)},
+                            protocol="http")[ens.PIXELS]
+    assert np.abs(x[1::2] - x[0::2]).max() < 1e-6
+    labels, scores = ens.classify(server.http_url, items, protocol="http")
+    assert labels[1::2] == labels[0::2] and np.allclose(scores[1::2], scores[0::2], atol=1e-6)
+
+
+def _png_of(img: Any) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_phone_photos_up_to_12_megapixels_are_answered(server):
+    """A 1920x1080 and a 4000x3000 (12 Mpx) JPEG photo are classified (both were refused under the old 256 KiB /
+    1024 px limits)."""
+    photos = ens.photo_jpegs(1, shape=(1920, 1080)) + ens.photo_jpegs(1, shape=(4000, 3000), seed=1)
+    assert len(photos[1]) > 256 * 1024
+    for protocol, url in (("http", server.http_url), ("grpc", server.grpc_url)):
+        labels, _ = ens.classify(url, photos, protocol=protocol)
+        assert len(labels) == 2 and all(row[0] in ens.DIGIT_LABELS for row in labels)
+
+
+def test_a_large_jpeg_decodes_at_reduced_scale_like_the_full_decode(built, monkeypatch):
+    """A 4000x3000 JPEG is decoded at 1/8 scale in the DCT (500x375 px: 1/64 of the pixels) for the 8 px model,
+    and its tensor matches the full decode's within 2 grey levels of 255 (pixel_scale 1, no normalization)."""
+    import json
+
+    from PIL import Image, ImageFile
+
+    mod = _backend_module(built.path / ens.PREPROCESS / "1", "nvlab_preprocess_draft_test", monkeypatch)
+    model = mod.TritonPythonModel()
+    model.initialize({"model_config": json.dumps({
+        "input": [{"name": ens.IMAGE}], "output": [{"name": ens.PIXELS}],
+        "parameters": {"image_size": {"string_value": "8"}}}),
+        "model_repository": str(built.path / ens.PREPROCESS), "model_version": "1"})
+    photo = ens.photo_jpegs(1, shape=(4000, 3000), seed=2)[0]
+    full = Image.open(io.BytesIO(photo)).convert("L").resize((8, 8), Image.Resampling.BOX)
+    want = (np.asarray(full, np.float32)[None] * model.scale - model.mean) / model.std
+    sizes = []
+    load = ImageFile.ImageFile.load
+
+    def recording(self, *a, **k):
+        sizes.append(self.size)
+        return load(self, *a, **k)
+
+    monkeypatch.setattr(ImageFile.ImageFile, "load", recording)
+    got = model.decode(0, photo)
+    assert sizes and sizes[0] == (500, 375), sizes
+    assert got.shape == (1, 8, 8) and np.abs(got - want).max() <= 2, np.abs(got - want).max()  # grey levels
+
+
+def test_gpu_orientation_matches_pillows_exif_transpose(built, monkeypatch):
+    """``upright`` (the GPU path's turn of a decoded tensor: nvJPEG ignores the tag) does what
+    ``ImageOps.exif_transpose`` does on the CPU, for all 8 EXIF orientations, on a non-square image; and
+    ``GpuImages`` serves an EXIF-turned JPEG as the CPU path does."""
+    import json
+
+    import torch
+    from PIL import Image, ImageOps
+
+    mod = _backend_module(built.path / ens.PREPROCESS / "1", "nvlab_preprocess_orient_test", monkeypatch)
+    a = np.arange(5 * 7 * 3, dtype=np.uint8).reshape(5, 7, 3)
+    for o in range(1, 9):
+        exif = Image.Exif()
+        exif[0x0112] = o
+        buf = io.BytesIO()
+        Image.fromarray(a).save(buf, format="PNG", exif=exif.tobytes())
+        img = Image.open(io.BytesIO(buf.getvalue()))
+        assert mod.orientation(img) == o
+        want = np.asarray(ImageOps.exif_transpose(img))
+        got = mod.upright(torch.from_numpy(a).permute(2, 0, 1), o).permute(1, 2, 0).numpy()
+        assert np.array_equal(got, want), o
+    model = mod.TritonPythonModel()
+    params = {"image_size": "64", "channels": "3", "pixel_scale": repr(1 / 255), "resample": "bilinear"}
+    model.initialize({"model_config": json.dumps({
+        "max_batch_size": 8, "input": [{"name": ens.IMAGE}], "output": [{"name": ens.PIXELS}],
+        "parameters": {k: {"string_value": v} for k, v in params.items()}}),
+        "model_repository": str(built.path / ens.PREPROCESS), "model_version": "1"})
+    gpu = mod.GpuImages("cpu", 64, 3, 1 / 255, model.mean, model.std, "bilinear", max_rows=8,
+                        decode_jpeg=_pillow_decode_jpeg, read_mode=None)
+    photo = Image.open(io.BytesIO(ens.photo_jpegs(1, (120, 200), seed=4)[0]))
+    items = [_jpeg(photo, quality=95)] + [_jpeg(_stored(photo, o), o, quality=95) for o in (3, 6, 8)]
+    out = gpu.decode_requests([[(i, d, model.open_checked(i, d)) for i, d in enumerate(items)]], model.pixels)[0]
+    want = np.stack([model.decode(i, d) for i, d in enumerate(items)])
+    assert float(np.abs(out - want).mean()) < 0.02
+    assert float(np.abs(out[1:] - out[0]).mean()) < 0.05  # each upright again
 
 
 def test_cache_hits_rise_on_repeated_images(server):
@@ -460,7 +619,7 @@ def test_gpu_preprocessing_batches_resizes_and_normalizes_like_pillow(built, mon
     model = mod.TritonPythonModel()
     params = {"image_size": "64", "channels": "3", "pixel_scale": repr(1 / 255), "mean": "0.485,0.456,0.406",
               "std": "0.229,0.224,0.225", "resample": "bilinear", "max_image_bytes": str(ens.MAX_IMAGE_BYTES),
-              "max_image_side": str(ens.MAX_IMAGE_SIDE)}
+              "max_image_pixels": str(ens.MAX_IMAGE_PIXELS)}
     model.initialize({"model_config": json.dumps({
         "max_batch_size": 8, "input": [{"name": ens.IMAGE}], "output": [{"name": ens.PIXELS}],
         "parameters": {k: {"string_value": v} for k, v in params.items()}}),

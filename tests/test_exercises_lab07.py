@@ -76,7 +76,7 @@ def _block_mean(items):
         except Exception as err:
             raise ValueError(f"bad image at index {i}: {err}") from None
         w, h = img.size
-        if max(w, h) > ex.MAX_SIDE:
+        if w * h > ex.MAX_PIXELS:
             raise ValueError(f"image {i} too large ({w}x{h})")
         a = np.asarray(img, np.float64).reshape(8, h // 8, 8, w // 8).mean(axis=(1, 3))
         out.append(((a * 16 / 255 - mean) / std)[None])
@@ -98,7 +98,7 @@ def _variant(resample="BOX", normalize=True, channel=True, catch=True, limit=Tru
                     raise ValueError(f"item {i}: not an image") from None
             else:
                 img = Image.open(io.BytesIO(b))
-            if limit and max(img.size) > ex.MAX_SIDE:
+            if limit and img.size[0] * img.size[1] > ex.MAX_PIXELS:
                 raise ValueError(f"item {i}: too large")
             a = np.asarray(img.convert("L").resize((8, 8), getattr(Image.Resampling, resample)), np.float32)
             a = a * ex.PIXEL_SCALE if scale else a

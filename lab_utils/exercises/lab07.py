@@ -46,7 +46,7 @@ from lab_utils.serving.openloop import OpenLoopResult
 __all__ = [
     "q1", "q2", "q3", "q4", "q5", "q6", "use_service", "decode_jpeg", "jpeg_decoder", "reference_gpu_preprocess",
     "Q6_SIZE", "IMAGENET_MEAN", "IMAGENET_STD",
-    "Q1_NAME", "PIXEL_SCALE", "SIZE", "MAX_SIDE", "Q4_LO_RPS", "Q4_HI_RPS", "Q4_TOLERANCE", "SLO_MS",
+    "Q1_NAME", "PIXEL_SCALE", "SIZE", "MAX_PIXELS", "Q4_LO_RPS", "Q4_HI_RPS", "Q4_TOLERANCE", "SLO_MS",
     "reference_ensemble", "reference_preprocess", "reference_find_capacity", "reference_upstream",
     "reference_servers_needed", "SimulatedService", "pixel_stats",
 ]
@@ -55,7 +55,7 @@ SLO_MS = 100.0
 Q1_NAME = "digits_mine"  # the name the student's ensemble is loaded under (beside the service's own)
 SIZE = 8  # px: what the classifier was trained on
 PIXEL_SCALE = 16 / 255  # PNG grey 0..255 -> the digits' 0..16
-MAX_SIDE = 1024  # px: a larger image is refused
+MAX_PIXELS = ens.MAX_IMAGE_PIXELS  # px (12.6 M): a larger image is refused, as the service refuses it
 Q6_SIZE = 64  # px: the side q6's check asks for (the ResNet-50 service's is 224)
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # per RGB channel, on the 0..1 scale
 Q4_LO_RPS, Q4_HI_RPS, Q4_TOLERANCE = 25.0, 2500.0, 0.3  # the real search's range (req/s) and tolerance
@@ -122,8 +122,8 @@ def reference_preprocess(items: Any) -> np.ndarray:
             img.load()
         except Exception:
             raise ValueError(f"item {i} is not an image file: send PNG or JPEG bytes") from None
-        if max(img.size) > MAX_SIDE:
-            raise ValueError(f"item {i} is {img.size[0]}x{img.size[1]} px, over {MAX_SIDE} px a side: resize it")
+        if img.size[0] * img.size[1] > MAX_PIXELS:
+            raise ValueError(f"item {i} is {img.size[0]}x{img.size[1]} px, over {MAX_PIXELS / 1e6:.1f} Mpx: resize it")
         img = img.convert("L").resize((SIZE, SIZE), Image.Resampling.BOX)  # BOX: the mean of each block
         x = np.asarray(img, np.float32)[None] * PIXEL_SCALE  # [1, 8, 8] in the digits' 0..16
         out.append((x - mean) / std)
@@ -290,7 +290,7 @@ def _grade_preprocess(fn: Any) -> str:
     from PIL import Image
 
     for what, data in [("text, not an image", b"hello, this is not an image"), ("an empty item", b""),
-                       (f"a {MAX_SIDE + 976}x8 px image", _png(Image.new("L", (MAX_SIDE + 976, 8))))]:
+                       ("a 5000x3000 px (15 Mpx) image", _png(Image.new("L", (5000, 3000))))]:
         batch = ens.image_batch([images[0], images[1], data])
         try:
             run_student(fn, batch, what="preprocess", call=f"preprocess(items) with {what} as item 2",
@@ -306,7 +306,7 @@ def _grade_preprocess(fn: Any) -> str:
                             "item (2) and what to send instead") from None
             continue
         raise Wrong(f"with {what} as item 2 it returned an answer: refuse it with ValueError naming the item (the "
-                    f"service refuses images over {MAX_SIDE} px a side; a decoded huge image costs memory for "
+                    f"service refuses images over {MAX_PIXELS / 1e6:.1f} Mpx; a decoded huge image costs memory for "
                     "nothing)")
     return f"its tensors match {where} on {n} PNGs (three sizes, grey and RGB), and bad items are refused."
 
@@ -321,7 +321,7 @@ q2 = CodeExercise(
         "Image.Resampling.BOX); np.asarray(..., np.float32) * ex.PIXEL_SCALE; then (x - mean) / std; stack with "
         "a channel axis: [N, 1, 8, 8].",
         "Bad items: wrap Image.open (and img.load(), which decodes) in try/except and raise "
-        "ValueError(f\"item {i} ...\"); check max(img.size) > ex.MAX_SIDE before resizing.",
+        "ValueError(f\"item {i} ...\"); check img.size[0] * img.size[1] > ex.MAX_PIXELS before resizing.",
     ),
     solution_text=source_as(reference_preprocess, "preprocess"),
 )

@@ -46,8 +46,11 @@ PNG_SCALE = 4  # clients send 8 px digits upscaled to 32 px PNGs
 TOP_K = 3
 MAX_BATCH = 64
 QUEUE_DELAY_US = 500  # dynamic batching: how long a request may wait for others (µs); well under the 100 ms SLO
-MAX_IMAGE_BYTES = 256 * 1024  # what the preprocessing model accepts; nginx's client_max_body_size sits above it
-MAX_IMAGE_SIDE = 1024  # px
+# what the preprocessing model accepts: a phone's photo (a 12 Mpx camera's 4032x3024 JPEG is 2-6 MB); larger
+# files and images are refused (400) from the header, before decoding. nginx's client_max_body_size sits above it
+MAX_IMAGE_BYTES = 8 * 1024 * 1024
+MAX_IMAGE_PIXELS = 12 * 1024 * 1024  # 12.6 Mpx: 4032x3024 and 4000x3000 fit; a 110 Mpx decompression bomb does not
+MIN_IMAGE_SIDE = 8  # px: the digits' own size; a 1x1 image carries nothing to classify
 CACHE_PLACES = ("service", "classifier", None)
 CACHE_MIB = 64  # the local response cache's size (MiB): a digit's top-k response is about 100 bytes
 CACHE_METRICS = {"hits": "nv_cache_num_hits_per_model", "misses": "nv_cache_num_misses_per_model",
@@ -349,7 +352,8 @@ def _params(values: Mapping[str, Any], stub_env: str | Path | None = None) -> di
 def preprocess_config(name: str = PREPROCESS, *, image_size: int = DIGITS_SIZE, channels: int = 1,
                       pixel_scale: float = 16 / 255, mean: Sequence[float] = (0.0,), std: Sequence[float] = (1.0,),
                       resample: str = "box", max_batch_size: int = MAX_BATCH, stub_env: str | Path | None = None,
-                      max_image_bytes: int = MAX_IMAGE_BYTES, max_image_side: int = MAX_IMAGE_SIDE,
+                      max_image_bytes: int = MAX_IMAGE_BYTES, max_image_pixels: int = MAX_IMAGE_PIXELS,
+                      min_image_side: int = MIN_IMAGE_SIDE,
                       instances: int = 1, drift_reference: Mapping[str, Any] | None = None,
                       drift_window: int = 200, device: str = "cpu", queue_delay_us: int | None = None
                       ) -> dict[str, Any]:
@@ -361,7 +365,8 @@ def preprocess_config(name: str = PREPROCESS, *, image_size: int = DIGITS_SIZE, 
         raise ValueError(f"device={device!r}: use one of {PREPROCESS_DEVICES}")
     params = {"image_size": image_size, "channels": channels, "pixel_scale": repr(float(pixel_scale)),
               "mean": ",".join(repr(float(m)) for m in mean), "std": ",".join(repr(float(s)) for s in std),
-              "resample": resample, "max_image_bytes": max_image_bytes, "max_image_side": max_image_side}
+              "resample": resample, "max_image_bytes": max_image_bytes, "max_image_pixels": max_image_pixels,
+              "min_image_side": min_image_side}
     if drift_reference:
         params["drift_reference"] = json.dumps(drift_reference, separators=(",", ":"))
         params["drift_window"] = int(drift_window)
@@ -634,10 +639,12 @@ def random_pngs(n: int, size: int = 224, seed: int = 0) -> list[bytes]:
     return out
 
 
-def photo_jpegs(n: int, size: tuple[int, int] = (224, 512), quality: int = 90, seed: int = 0) -> list[bytes]:
-    """``n`` JPEG photographs (quality ``quality``, each side drawn from ``size`` px): random crops, flips and
-    scales of the two photographs scikit-learn ships (``load_sample_images``: 427x640 px), so an image service
-    receives what cameras send (a few tens of KB at 224-512 px) with no download. Reproducible per ``seed``."""
+def photo_jpegs(n: int, size: tuple[int, int] = (224, 512), quality: int = 90, seed: int = 0,
+                shape: tuple[int, int] | None = None) -> list[bytes]:
+    """``n`` JPEG photographs (quality ``quality``, each side drawn from ``size`` px, or exactly ``shape`` (width,
+    height) px: (4000, 3000) is a 12 Mpx phone photo, 2-3 MB): random crops, flips and scales of the two photographs
+    scikit-learn ships (``load_sample_images``: 427x640 px), so an image service receives what cameras send (a few
+    tens of KB at 224-512 px) with no download. Reproducible per ``seed``."""
     from PIL import Image
 
     lo, hi = size
@@ -652,7 +659,7 @@ def photo_jpegs(n: int, size: tuple[int, int] = (224, 512), quality: int = 90, s
         side = int(rng.integers(min(w, h) // 2, min(w, h) + 1))  # a crop of half to all of the short side
         x, y = int(rng.integers(0, w - side + 1)), int(rng.integers(0, h - side + 1))
         crop = img.crop((x, y, x + side, y + side))
-        out_w, out_h = (int(v) for v in rng.integers(lo, hi + 1, 2))
+        out_w, out_h = shape or (int(v) for v in rng.integers(lo, hi + 1, 2))
         crop = crop.resize((out_w, out_h), Image.Resampling.BILINEAR)
         if rng.random() < 0.5:
             crop = crop.transpose(Image.Transpose.FLIP_LEFT_RIGHT)

@@ -34,7 +34,8 @@ from lab_utils.timing import Ticks
 RATE_LIMIT_RPS = 5000  # per client address: above what the servers can take, so only a flood meets it (a limit
 # at the capacity would make every capacity search measure nginx's limit instead of the servers)
 RATE_BURST = 1000  # requests of slack: Poisson arrivals come in clumps
-BODY_LIMIT = "1m"  # nginx's limit (413); the preprocessing model's own 256 KiB limit sits below it (400)
+BODY_LIMIT = "12m"  # nginx's limit (413): the preprocessing model's own 8 MiB per image sits below it (400), with
+# room for the request around it (an 8 MiB image as base64 in a JSON request is 10.7 MiB)
 STOP_GRACE_S = 1.0
 
 

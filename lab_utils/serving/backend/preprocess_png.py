@@ -3,10 +3,14 @@
 Copied as ``<repo>/<model>/<version>/model.py`` beside ``nvlab_triton_model.py``; it imports nothing from
 ``lab_utils``. Input ``IMAGE``: ``TYPE_STRING``, dims [1], each item an encoded image file. Output: FP32
 [channels, size, size]. ``config.pbtxt`` parameters: ``image_size`` (px), ``channels``, ``pixel_scale``,
-``mean``, ``std``, ``resample``, ``max_image_bytes``, ``max_image_side`` (px), ``drift_reference`` and
-``drift_window`` (images). A bad item gets an error response of its own (``INVALID_ARG``); the other requests of
-the batch are answered. On a ``KIND_GPU`` instance the JPEG items of a whole batch are decoded in one call on the GPU
-(torchvision's ``decode_jpeg``, nvJPEG), resized and normalized there (``GpuImages``); other files go through Pillow.
+``mean``, ``std``, ``resample``, ``max_image_bytes``, ``max_image_pixels``, ``min_image_side`` (px),
+``drift_reference`` and ``drift_window`` (images). A bad item gets an error response of its own (``INVALID_ARG``);
+the other requests of the batch are answered. Every image is turned upright by its EXIF orientation (a phone photo
+held upright is stored sideways with a tag saying so) and 16-bit images keep their high byte (>> 8). On a
+``KIND_GPU`` instance the JPEG items of a whole batch are decoded in one call on the GPU (torchvision's
+``decode_jpeg``, nvJPEG), oriented, resized and normalized there (``GpuImages``); other files go through Pillow,
+which decodes a large JPEG at a reduced scale (``draft``: 1/2, 1/4 or 1/8 in the DCT) when the model needs fewer
+pixels.
 
 Design notes: docs/internals.md#lab_utilsservingbackendpreprocess_pngpy
 """
@@ -23,6 +27,10 @@ from nvlab_triton_model import instance_args, to_tensor
 
 RESAMPLE = ("box", "bilinear")
 SIGNATURES = {b"\x89PNG\r\n\x1a\n": "PNG", b"\xff\xd8\xff": "JPEG", b"GIF8": "GIF", b"BM": "BMP"}  # file magic
+EXIF_ORIENTATION = 0x0112  # the EXIF tag: 1 upright, 2-8 mirrored and/or rotated (what ImageOps.exif_transpose reads)
+WIDE_MODES = ("I;16", "I;16B", "I;16L", "I;16N")  # Pillow's 16-bit grey; a 16-bit PNG opens as one of these
+DRAFT_GAP = 2  # a JPEG decoded at reduced scale keeps >= 2x the model's side (Pillow's thumbnail does the same), so
+# the final resample still averages several pixels into each output pixel
 
 
 class BadImage(ValueError):
@@ -51,8 +59,9 @@ class TritonPythonModel:
         if how not in RESAMPLE:
             raise ValueError(f"parameter resample={how!r}: use one of {RESAMPLE}")
         self.resample = Image.Resampling.BOX if how == "box" else Image.Resampling.BILINEAR
-        self.max_bytes = int(p.get("max_image_bytes", str(1 << 20)))
-        self.max_side = int(p.get("max_image_side", "4096"))
+        self.max_bytes = int(p.get("max_image_bytes", str(8 << 20)))
+        self.max_pixels = int(p.get("max_image_pixels", str(12 << 20)))
+        self.min_side = int(p.get("min_image_side", "8"))
         self.input_name, self.output_name = cfg["input"][0]["name"], cfg["output"][0]["name"]
         self.mode = "L" if self.channels == 1 else "RGB"
         self.drift = None
@@ -96,6 +105,8 @@ class TritonPythonModel:
 
     def open_checked(self, i: int, data: Any) -> Any:
         """Item ``i`` (encoded bytes) as a Pillow image whose header is read and checked, nothing decoded yet."""
+        import warnings
+
         from PIL import Image, UnidentifiedImageError
 
         if not isinstance(data, (bytes, bytearray)):
@@ -105,12 +116,16 @@ class TritonPythonModel:
             raise BadImage(f"{self.input_name}[{i}] is empty: send the bytes of an image file (PNG, JPEG)")
         if len(data) > self.max_bytes:
             raise BadImage(f"{self.input_name}[{i}] is {len(data)} bytes, over this service's limit of "
-                           f"{self.max_bytes} bytes: send a smaller image (at most {self.max_side} px a side)")
+                           f"{self.max_bytes} bytes ({self.max_bytes / 2**20:g} MiB): send a smaller file (a JPEG "
+                           f"of at most {self.max_pixels / 1e6:.1f} Mpx)")
         try:
-            img = Image.open(io.BytesIO(data))  # reads the header only: the size is known before any decoding
-        except Image.DecompressionBombError:
-            raise BadImage(f"{self.input_name}[{i}] declares more pixels than Pillow decodes safely: resize it to "
-                           f"at most {self.max_side} px a side") from None
+            with warnings.catch_warnings():  # Pillow warns past 89 Mpx; the limit below refuses far sooner
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+                img = Image.open(io.BytesIO(data))  # reads the header only: the size is known before any decoding
+        except Image.DecompressionBombError:  # past 2x Pillow's MAX_IMAGE_PIXELS it refuses in open itself
+            raise BadImage(f"{self.input_name}[{i}] declares over {2 * Image.MAX_IMAGE_PIXELS / 1e6:.0f} Mpx, over "
+                           f"this service's limit of {self.max_pixels / 1e6:.1f} Mpx: resize it before sending"
+                           ) from None
         except (UnidentifiedImageError, OSError, ValueError):
             kind = next((k for sig, k in SIGNATURES.items() if bytes(data[:len(sig)]) == sig), None)
             if kind:  # the right start, then something Pillow cannot read
@@ -120,18 +135,38 @@ class TritonPythonModel:
                            "file Pillow can decode: send the encoded file (PNG or JPEG), not raw pixels or text"
                            ) from None
         w, h = img.size
-        if max(w, h) > self.max_side:
-            raise BadImage(f"{self.input_name}[{i}] is {w}x{h} px, over this service's limit of {self.max_side} "
-                           f"px a side: resize it before sending (the model sees {self.size}x{self.size})")
+        if w * h > self.max_pixels:
+            raise BadImage(f"{self.input_name}[{i}] is {w}x{h} px, {w * h / 1e6:.1f} Mpx, over this service's limit "
+                           f"of {self.max_pixels / 1e6:.1f} Mpx: resize it before sending (the model sees "
+                           f"{self.size}x{self.size})")
+        if min(w, h) < self.min_side:
+            raise BadImage(f"{self.input_name}[{i}] is {w}x{h} px, under this service's minimum of {self.min_side} px "
+                           "a side: send the image itself, not a thumbnail or a placeholder pixel")
         return img
 
     def pixels(self, i: int, img: Any) -> np.ndarray:
-        """A checked Pillow image decoded and resized here -> [channels, size, size] float32, 0..255."""
+        """A checked Pillow image decoded (a large JPEG at reduced scale), turned upright by its EXIF orientation
+        and resized here -> [channels, size, size] float32, 0..255."""
+        from PIL import Image, ImageOps
+
         w, h = img.size
+        fmt = img.format
+        if fmt == "JPEG":  # the DCT scales by 1/2..1/8 for free: a 12 Mpx photo decodes in a fraction of the time
+            img.draft(None, (DRAFT_GAP * self.size, DRAFT_GAP * self.size))
         try:
-            img = img.convert(self.mode)  # decodes: a truncated file fails here
+            img.load()  # decodes: a truncated file fails here
+            ImageOps.exif_transpose(img, in_place=True)  # upright, as the camera was held (no tag: unchanged)
+            if img.mode in WIDE_MODES or (img.mode == "I" and fmt == "PNG"):  # 16-bit grey, 0..65535
+                # convert("L") would clip at 255 (anything above 0.4 % of full scale turns white): keep the high byte
+                img = Image.fromarray((np.asarray(img).astype(np.uint32) >> 8).astype(np.uint8))  # mode L
+            elif img.mode in ("I", "F"):
+                raise BadImage(f"{self.input_name}[{i}] ({fmt}, {w}x{h} px) has {img.mode} pixels (32-bit "
+                               "integer or float) whose range is unknown: send an 8- or 16-bit PNG or a JPEG")
+            img = img.convert(self.mode)
+        except BadImage:
+            raise
         except (OSError, ValueError, SyntaxError) as err:
-            raise BadImage(f"{self.input_name}[{i}] ({img.format}, {w}x{h} px) is corrupt or truncated ({err}): "
+            raise BadImage(f"{self.input_name}[{i}] ({fmt}, {w}x{h} px) is corrupt or truncated ({err}): "
                            "send the complete file") from None
         if img.size != (self.size, self.size):
             img = img.resize((self.size, self.size), self.resample)
@@ -178,6 +213,39 @@ class TritonPythonModel:
         return responses
 
 
+def orientation(img: Any) -> int:
+    """A Pillow image's EXIF orientation (1..8, read from the header before decoding; 1 without a valid tag): what
+    ``ImageOps.exif_transpose`` applies on the CPU and ``upright`` on the GPU, whose decoder ignores the tag."""
+    try:
+        value = int(img.getexif().get(EXIF_ORIENTATION, 1))
+    except (TypeError, ValueError, OSError, SyntaxError):  # an unreadable EXIF block: as Pillow, leave it as stored
+        return 1
+    return value if 1 <= value <= 8 else 1
+
+
+def upright(x: Any, value: int) -> Any:
+    """A decoded tensor [..., H, W] turned as ``ImageOps.exif_transpose`` turns the image for EXIF orientation
+    ``value`` (2: mirrored, 3: upside down, 6: the camera turned clockwise, 8: counter-clockwise, 5 and 7: those
+    mirrored)."""
+    import torch
+
+    if value == 2:
+        return x.flip(-1)
+    if value == 3:
+        return x.flip(-2, -1)
+    if value == 4:
+        return x.flip(-2)
+    if value == 5:
+        return x.transpose(-2, -1)
+    if value == 6:
+        return torch.rot90(x, -1, dims=(-2, -1))  # Pillow's ROTATE_270: a quarter turn clockwise
+    if value == 7:
+        return x.transpose(-2, -1).flip(-2, -1)
+    if value == 8:
+        return torch.rot90(x, 1, dims=(-2, -1))  # Pillow's ROTATE_90: a quarter turn counter-clockwise
+    return x
+
+
 def jpeg_complete(data: bytes) -> bool:
     """True when a JPEG ends with its end-of-image marker (FF D9): a truncated file lacks it. nvJPEG can turn a
     truncated file into grey rows without an error, so such a file goes to Pillow, which refuses it."""
@@ -186,10 +254,11 @@ def jpeg_complete(data: bytes) -> bool:
 
 class GpuImages:
     """The JPEG items of a batch decoded on ``device`` in ONE call (``decode_jpeg``: torchvision's, nvJPEG on a GPU),
-    each resized (antialiased, as Pillow does) and the batch normalized there; any other item (PNG, a JPEG the
-    decoder refuses or that lacks its end marker) is decoded by Pillow and copied up. The rows reach the response
-    through one pinned host buffer (reused: a fresh pageable array costs a page fault per 4 KB, 14 ms for a batch of
-    32 at 224 px on an H200 host). ``decode_jpeg``/``read_mode``: torchvision's where None (tests pass others)."""
+    each turned upright by its EXIF orientation (read by Pillow from the header: nvJPEG ignores it), resized
+    (antialiased, as Pillow does) and the batch normalized there; any other item (PNG, a JPEG the decoder refuses or
+    that lacks its end marker) is decoded by Pillow and copied up. The rows reach the response through one pinned host
+    buffer (reused: a fresh pageable array costs a page fault per 4 KB, 14 ms for a batch of 32 at 224 px on an H200
+    host). ``decode_jpeg``/``read_mode``: torchvision's where None (tests pass others)."""
 
     def __init__(self, device: str, size: int, channels: int, scale: float, mean: np.ndarray, std: np.ndarray,
                  resample: str, max_rows: int = 64, decode_jpeg: Any = None, read_mode: Any = None):
@@ -257,7 +326,7 @@ class GpuImages:
                 for j, (i, _, img) in enumerate(req):
                     gpu_img = decoded.get((k, j))
                     if gpu_img is not None:
-                        mine.append(self._resized(gpu_img))
+                        mine.append(self._resized(upright(gpu_img, orientation(img))))
                     else:  # Pillow decodes it, or names what is wrong with it
                         mine.append(torch.from_numpy(pixels(i, img)).to(self.device))
             except BadImage as err:
