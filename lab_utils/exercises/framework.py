@@ -91,6 +91,23 @@ def is_blank(value: Any) -> bool:
     return ops in ([("LOAD_CONST", None), ("RETURN_VALUE", None)], [("RETURN_CONST", None)])
 
 
+class Shown(str):
+    """Text a method has already printed, returned for tests and scripts: a notebook cell that ends in it shows
+    nothing more (a plain ``str`` would be shown a second time, as its repr)."""
+
+    def _ipython_display_(self) -> None:
+        pass
+
+
+_PLAIN_WORD = re.compile(r"(?:a|i|[a-z]{2,})(?=[\s,.:;!?]|$)")  # "the", "is", "a": not "x", "load_model's", "config="
+
+
+def sentence(text: str) -> str:
+    """``text`` with its first letter capitalised when it starts with a plain word ("the model's ..." -> "The
+    model's ..."); a code name stays as written ("load_model's config=", "x is float32")."""
+    return text[:1].upper() + text[1:] if _PLAIN_WORD.match(text) else text
+
+
 def _short(value: Any, limit: int = 120) -> str:
     if isinstance(value, functools.partial):
         return f"functools.partial({_short(value.func)}, ...)"
@@ -146,8 +163,8 @@ class Exercise:
     def _incorrect(self, value: Any, why: object) -> Outcome:
         return Outcome(self.name, Status.INCORRECT, f"`{self.var}` = {_short(value)}: {why}")
 
-    def hint(self, n: int | None = None) -> str:
-        """Show hint ``n`` (1-based), or the next one in order."""
+    def hint(self, n: int | None = None) -> Shown:
+        """Print hint ``n`` (1-based), or the next one in order; the text is also returned (shown once in a cell)."""
         if not self.hints:
             text = "No hints for this one."
         else:
@@ -158,13 +175,13 @@ class Exercise:
                 raise ValueError(f"hint(n={n}): {self.name} has hints 1..{len(self.hints)}")
             text = f"Hint {n}/{len(self.hints)}: {self.hints[n - 1]}"
         print(text)
-        return text
+        return Shown(text)
 
-    def solution(self) -> str:
-        """Show the worked solution."""
+    def solution(self) -> Shown:
+        """Print the worked solution; the text is also returned (shown once in a cell)."""
         text = f"Solution ({self.name}):\n{self.solution_text}"
         print(text)
-        return text
+        return Shown(text)
 
 
 @dataclass

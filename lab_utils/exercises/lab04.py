@@ -35,6 +35,7 @@ from lab_utils.exercises.framework import (
     items,
     number,
     run_student,
+    sentence,
 )
 from lab_utils.procs import EnvError
 from lab_utils.serving import client as triton_client
@@ -113,7 +114,7 @@ def _hint(message: str, hints: dict[str, str]) -> str:
     """The first hint whose pattern (a regular expression, case-insensitive) the message matches."""
     for pattern, hint in hints.items():
         if re.search(pattern, message, re.I):
-            return f" {hint[:1].upper()}{hint[1:]}"
+            return f" {sentence(hint)}"
     return ""
 
 
