@@ -391,3 +391,27 @@ def test_ddp_scaling_and_overlap_advance_their_progress_hooks_per_run():
                                 progress=_recording_hook(calls), **tiny)
     assert len(df) == 3  # the default variant added
     assert calls == [{"total": 3, "desc": "DDP bucket variants: runs", "steps": 3}]  # one step per variant timed
+
+
+def test_knob_panel_on_a_stopped_server_says_what_to_run_and_works_after_a_restart(triton, capsys):
+    from lab_utils.serving import repository as triton_repo
+    from lab_utils.serving import server as triton_server
+    from lab_utils.serving import steps as triton_lab
+
+    server, repo = triton
+    base = triton_repo.mlp_config("tiny", in_features=4, out_features=3, kind="KIND_CPU", max_batch_size=8)
+    settings = triton_lab.LoadSettings(window_s=0.3, warmup_s=0.1, max_windows=3)
+    make_inputs = triton_lab.inputs_maker(4)
+    panel = widgets.knob_panel(server, repo, base, make_inputs, settings, concurrency=2, batching=False)
+    capsys.readouterr()
+    server.stop()  # as the lab's last cell does
+    panel.measure_button.click()
+    assert "server.restart()" in panel.status.value and "Error" not in panel.status.value, panel.status.value
+    with pytest.raises(triton_server.ServerStopped) as err:  # a lab cell's deploy: one line, not a stack
+        triton_lab.deploy(server, repo, base)
+    assert err.value._render_traceback_() == [f"ServerStopped: {err.value}"] and "server.restart()" in str(err.value)
+    widgets.knob_panel(server, repo, base, make_inputs, settings)  # the panel's cell run again: headless says why
+    assert "server.restart()" in capsys.readouterr().out
+    server.restart()
+    panel.measure_button.click()
+    assert len(panel.rows) == 2 and "infer/s" in panel.status.value, panel.status.value

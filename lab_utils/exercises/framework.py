@@ -1,4 +1,5 @@
-"""Exercise checks with four outcomes: not attempted, incorrect (with why), correct, not applicable on this tier.
+"""Exercise checks with four outcomes: not attempted, incorrect (with why), correct, not applicable on this tier; and
+*not checked now* when something the check needs is not running yet (a server stopped), with what to run first.
 
 A check takes the student's answer explicitly (``q1.check(flops)``), never notebook globals; a ``CodeExercise`` runs a
 code answer (``run_student``) and refuses one that delegates to a reference implementation (``REFERENCES``).
@@ -42,9 +43,11 @@ class Status(enum.Enum):
     INCORRECT = "incorrect"
     CORRECT = "correct"
     NOT_APPLICABLE = "not applicable on this tier"
+    NOT_NOW = "not checked now"
 
 
-_MARK = {Status.NOT_ATTEMPTED: "[ ]", Status.INCORRECT: "[x]", Status.CORRECT: "[ok]", Status.NOT_APPLICABLE: "[n/a]"}
+_MARK = {Status.NOT_ATTEMPTED: "[ ]", Status.INCORRECT: "[x]", Status.CORRECT: "[ok]", Status.NOT_APPLICABLE: "[n/a]",
+         Status.NOT_NOW: "[..]"}
 
 
 @dataclass
@@ -77,6 +80,11 @@ class Wrong(Exception):
 
 class NotApplicable(Exception):
     """Raised by a grading function: this machine cannot run the check; the message says why."""
+
+
+class NotNow(Exception):
+    """Raised by a grading function (or a code exercise's ``applicable``): the check can run on this machine, but not
+    now (its server is stopped); the message says what to run first."""
 
 
 def is_blank(value: Any) -> bool:
@@ -155,6 +163,8 @@ class Exercise:
             return self._incorrect(value, why)
         except NotApplicable as why:
             return Outcome(self.name, Status.NOT_APPLICABLE, str(why))
+        except NotNow as why:
+            return Outcome(self.name, Status.NOT_NOW, sentence(str(why)))
         except Exception as err:  # the student's code failed inside the check: show it, don't crash
             return Outcome(self.name, Status.INCORRECT, f"checking `{self.var}` raised {type(err).__name__}: {err}")
         extra = f" {note}" if isinstance(note, str) and note else ""
@@ -213,7 +223,10 @@ class CodeExercise(Exercise):
         refused = self.refusal(value)
         if refused is not None:
             return refused
-        reason = self.applicable() if self.applicable is not None else None
+        try:
+            reason = self.applicable() if self.applicable is not None else None
+        except NotNow as why:
+            return Outcome(self.name, Status.NOT_NOW, sentence(str(why)))
         if reason:
             still = (f" (`{self.var}` is still blank: write it anyway, it runs where this check can)"
                      if is_blank(value) else f" Your `{self.var}` was not run.")
@@ -389,7 +402,7 @@ def run_student(
         result, err = worker.result, worker.error
     if isinstance(err, StudentTimeout):
         raise timed_out(student_frame(err)) from None
-    if isinstance(err, Exception) and not isinstance(err, (Wrong, NotApplicable)):
+    if isinstance(err, Exception) and not isinstance(err, (Wrong, NotApplicable, NotNow)):
         raise Wrong(raised_message(call, err)) from None
     if err is not None:
         raise err
