@@ -140,3 +140,46 @@ def test_lab_serves_labs_on_loopback_with_a_token(tmp_path):
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=30)
+
+
+def test_lab_says_ipykernels_tcp_warning_once_not_at_every_kernel_start(tmp_path):
+    # A real kernel's log: ipykernel warns about TCP at every start; the student saw it once per notebook opened.
+    import io
+    import subprocess
+    import sys
+
+    conn = tmp_path / "kernel.json"
+    kernel = subprocess.Popen([sys.executable, "-m", "ipykernel_launcher", "-f", str(conn)], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        first = kernel.stderr.readline()  # the kernel logs the warning as it binds its sockets
+    finally:
+        kernel.kill()
+        kernel.wait(timeout=30)
+    assert cli._TCP_WARNING in first, first
+    out = io.StringIO()
+    cli.relay_log(iter([first, "[I ServerApp] a kernel started\n"] * 8), out)
+    lines = out.getvalue().splitlines()
+    assert lines.count(cli.TCP_NOTE) == 1 and not any(cli._TCP_WARNING in ln for ln in lines), lines
+    assert lines.count("[I ServerApp] a kernel started") == 8  # the rest of the log untouched
+
+
+def test_course_setup_says_each_step_it_takes(tmp_path):
+    # ./course's first setup ran a minute with quiet installers and nothing on the terminal. Its steps here print
+    # their lines; the installers themselves are replaced (this test installs nothing).
+    import subprocess
+
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "activate").write_text("")
+    (venv / "bin" / "python").symlink_to(Path(__import__("sys").executable))
+    script = (f'set -e; source ./course; VENV={venv}; pip_install() {{ :; }}; install_tensorrt() {{ :; }}; '
+              'compile_all() { :; }; python() { :; }; setup lab')
+    run = subprocess.run(["bash", "-c", script], cwd=Path(cli.__file__).parents[1], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr
+    steps = [ln for ln in run.stderr.splitlines() if ln.startswith("course: ")]
+    assert steps[0].startswith(f"course: setting up {venv}") and "about a minute" in steps[0], steps
+    assert any("installing the course and its dependencies" in s for s in steps), steps
+    assert any("NumPy 1 environment" in s for s in steps) and any("compiling" in s for s in steps), steps
+    assert steps[-1].startswith("course: set up in ") and steps[-1].endswith(" s"), steps
