@@ -2,6 +2,7 @@ import json
 import tempfile
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from lab_utils import cli
@@ -66,6 +67,23 @@ def test_report_compares_with_reference_as_ratios(tmp_path, capsys):
     assert rows["only_here"]["reference"] is None
     assert cli.main(["report", str(run), "--reference", str(ref)]) == 0
     assert "matmul_bf16" in capsys.readouterr().out
+
+
+def test_a_cpu_runs_async_ratio_is_not_divided_by_the_h200s():
+    # Lab 01's host-clock-over-events ratio is ~1 on a CPU (no asynchronous launch) and 0.023 on the H200: their
+    # quotient (~44-57) was shown as if the CPU were 57x something. A ratio is compared only within its tier.
+    with tempfile.TemporaryDirectory() as run:
+        rec = results.Recorder("01", "cpu", "laptop", {}, Path(run))
+        rec.record("async_naive_over_events", 1.29, "ratio", "host clock without synchronize / CUDA events")
+        rec.record("matmul_fp32", 0.05, "TFLOP/s")
+        table = results.compare(run).set_index("name")
+    assert table.loc["async_naive_over_events", "reference"] == pytest.approx(0.0228, abs=1e-3)  # still shown
+    assert pd.isna(table.loc["async_naive_over_events", "ratio"])
+    assert table.loc["matmul_fp32", "ratio"] == pytest.approx(0.05 / table.loc["matmul_fp32", "reference"])
+    with tempfile.TemporaryDirectory() as run:  # the same tier: compared
+        results.Recorder("01", "full", "NVIDIA H200", {}, Path(run)).record("async_naive_over_events", 0.03, "ratio")
+        assert results.compare(run).set_index("name").loc["async_naive_over_events", "ratio"] == pytest.approx(
+            0.03 / 0.022755580041588536)
 
 
 def test_report_takes_the_committed_reference_of_the_runs_tier():
