@@ -269,7 +269,7 @@ def test_quiz_panel_grades_every_form_right_blank_and_wrong():
         _fill(panel, q.key())
         panel.submit.click()
         assert panel.outcome.correct, (q.id, panel.feedback.value)
-        assert "why:" in panel.feedback.value
+        assert "Why:" in panel.feedback.value
         wrong = {"single": "zz", "multi": ["zz"], "order": ["zz"], "numeric": "-1e9"}.get(q.form)
         if q.form == "match":
             a, b = list(q.key())[:2]
@@ -284,6 +284,23 @@ def test_quiz_panel_grades_every_form_right_blank_and_wrong():
     panel.next_button.click()
     assert panel.question is None and panel.submit.disabled and "End of the quiz" in panel.prompt.value
     assert set(runner.outcomes) == {q.id for q in forms.values()}
+
+
+def test_quiz_panel_in_chinese_speaks_chinese():
+    # language="zh" translated the questions, but the buttons and the status line stayed English.
+    bank = quiz.load_bank()
+    runner = quiz.QuizRunner(bank, language="zh")
+    runner.questions = [next(q for q in bank.questions if q.form == "single")]
+    panel = widgets.quiz_panel(runner)
+    assert (panel.submit.description, panel.next_button.description) == ("提交", "下一题")
+    assert panel._inputs["value"].description == "答案"
+    panel.submit.click()
+    assert "未作答" in panel.feedback.value and "not attempted" not in panel.feedback.value
+    _fill(panel, panel.question.key())
+    panel.submit.click()
+    assert "正确" in panel.feedback.value and "解析:" in panel.feedback.value and "correct" not in panel.feedback.value
+    panel.next_button.click()
+    assert "测验结束" in panel.prompt.value and "End of the quiz" not in panel.prompt.value
 
 
 # --- lab 04: the knob panel, against a real Triton --------------------------------------------------------------
