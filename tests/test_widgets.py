@@ -211,6 +211,19 @@ def test_roofline_explorer_measures_each_choice_beside_the_h200_points(capsys):
     assert "H200 reference bf16" in labels and "here bf16" in labels and "here fp32" in labels
 
 
+def test_roofline_explorer_points_are_never_under_its_legend():
+    # A CPU's points sit low on the H200's roofline, where the legend ("best" place) covered them.
+    panel = widgets.roofline_explorer("cpu", [32, 256], dtypes=["fp32"], reps=2)
+    panel.size.value = 256
+    fig = panel.figure()
+    fig.canvas.draw()
+    ax = fig.axes[0]
+    box = ax.get_legend().get_window_extent()
+    for collection in ax.collections:  # every scatter point, in the figure's pixels
+        for x, y in ax.transData.transform(collection.get_offsets()):
+            assert not box.contains(x, y), (collection.get_label(), x, y, box)
+
+
 def test_roofline_explorer_refuses_bad_choices_and_shows_a_failed_measurement(monkeypatch):
     for kwargs, said in (({"sizes": []}, "sizes"), ({"sizes": [0]}, "sizes"), ({"dtypes": ["fp4"]}, "dtypes"),
                          ({"dtype": "bf16", "dtypes": ["fp32"]}, "dtype='bf16'"), ({"n": 48}, "n=48"),
