@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -137,6 +138,26 @@ def _lab_url(info: dict[str, Any], ip: str, token: str) -> str:
     return f"{scheme}://{host}:{info['port']}{base.rstrip('/')}/lab?token={info.get('token') or token}"
 
 
+# ipykernel logs this at every kernel start (each notebook opened, each restart): said once, with what it means here
+_TCP_WARNING = "Kernel is running over TCP without encryption"
+TCP_NOTE = ("nvlab lab: each kernel talks to JupyterLab over TCP on loopback (127.0.0.1, whatever --ip says), its "
+            "messages signed but not encrypted: ipykernel's warning about it, said once here instead of at every "
+            "kernel start")
+
+
+def relay_log(stream: Any, out: Any) -> None:
+    """Copy JupyterLab's log (``stream``, lines) to ``out``, ipykernel's TCP warning replaced by one note, once."""
+    noted = False
+    for line in stream:
+        if _TCP_WARNING in line:
+            if not noted:
+                out.write(TCP_NOTE + "\n")
+                noted = True
+            continue
+        out.write(line)
+        out.flush()
+
+
 def cmd_lab(args: argparse.Namespace) -> int:
     from lab_utils.course.probe import find_jupyter_lab  # lazy: subcommand only (cli stays fast to import)
 
@@ -164,7 +185,11 @@ def cmd_lab(args: argparse.Namespace) -> int:
     # notebooks' `!pip` and kernels find this environment's tools even when the venv is not activated
     env["PATH"] = os.pathsep.join([str(Path(jupyter_lab).parent), env.get("PATH", "")])
     runtime = _runtime_dir(jupyter_lab)
-    child = subprocess.Popen(argv, env=env)
+    print(f"nvlab lab: starting JupyterLab on {folder} (its log follows; the URL comes when it listens, "
+          "10-60 s on a small machine) ...", file=sys.stderr, flush=True)
+    child = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True, errors="replace", bufsize=1)
+    relay = threading.Thread(target=relay_log, args=(child.stderr, sys.stderr), daemon=True)
+    relay.start()
     # Ctrl-C reaches Jupyter from the terminal (it asks to confirm); a SIGTERM to nvlab is passed on
     signal.signal(signal.SIGINT, lambda *_: None)
     for sig in (signal.SIGTERM, signal.SIGHUP):
@@ -179,7 +204,9 @@ def cmd_lab(args: argparse.Namespace) -> int:
                   "300 s; see its log above", file=sys.stderr, flush=True)
             break
         time.sleep(0.2)
-    if (code := child.wait()) and code > 0:
+    code = child.wait()
+    relay.join(timeout=5)  # the log's last lines (why it exited) before our own
+    if code and code > 0:
         print(f"nvlab lab: JupyterLab exited with code {code}; see its log above", file=sys.stderr)
     return 0 if code < 0 else code  # stopped by a signal: a normal end
 

@@ -144,6 +144,11 @@ class OwnedServer:
         """The last ``n`` lines of the server's log."""
         return tail(self.log_path, n)
 
+    @property
+    def stopped(self) -> bool:
+        """True once ``stop()`` has stopped the process it started (not when it was never started, or was killed)."""
+        return bool(getattr(self._proc, "_nvlab_stopped", False))
+
     def _state(self) -> str:
         return "running" if self.alive() else ("stopped" if self._proc is not None else "not started")
 

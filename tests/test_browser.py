@@ -293,6 +293,11 @@ def test_lab00_runs_clean_and_its_exercises_answer(page, shots):
           markdown: md.length,
           tiers: [...nb.querySelectorAll('.jp-OutputArea-output')].filter(e => e.innerText.includes('Lab tiers on'))
                  .map(e => e.scrollWidth - e.clientWidth),
+          // JupyterLab wraps a long output line instead of scrolling: laid out unwrapped, it must still fit
+          tierWrap: [...nb.querySelectorAll('.jp-OutputArea-output pre')]
+                 .filter(e => e.innerText.includes('Lab tiers on'))
+                 .map(e => { e.style.whiteSpace = 'pre'; const over = e.scrollWidth - e.clientWidth;
+                             e.style.whiteSpace = ''; return over; }),
         };
     }""")
     assert layout["markdown"] > 10
@@ -300,6 +305,8 @@ def test_lab00_runs_clean_and_its_exercises_answer(page, shots):
     assert not layout["noAlt"], f"images without alt text: {layout['noAlt']}"
     assert not layout["wide"], f"tables wider than the page: {layout['wide']}"
     assert layout["tiers"] and max(layout["tiers"]) <= 1, f"the tier table scrolls sideways by {layout['tiers']} px"
+    assert layout["tierWrap"] and max(layout["tierWrap"]) <= 1, \
+        f"the tier table's lines wrap at {WIDTH} px: {layout['tierWrap']} px too wide"
 
 
 def test_a_cell_that_raises_is_caught(page, shots):

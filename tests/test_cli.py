@@ -2,6 +2,7 @@ import json
 import tempfile
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from lab_utils import cli
@@ -66,6 +67,23 @@ def test_report_compares_with_reference_as_ratios(tmp_path, capsys):
     assert rows["only_here"]["reference"] is None
     assert cli.main(["report", str(run), "--reference", str(ref)]) == 0
     assert "matmul_bf16" in capsys.readouterr().out
+
+
+def test_a_cpu_runs_async_ratio_is_not_divided_by_the_h200s():
+    # Lab 01's host-clock-over-events ratio is ~1 on a CPU (no asynchronous launch) and 0.023 on the H200: their
+    # quotient (~44-57) was shown as if the CPU were 57x something. A ratio is compared only within its tier.
+    with tempfile.TemporaryDirectory() as run:
+        rec = results.Recorder("01", "cpu", "laptop", {}, Path(run))
+        rec.record("async_naive_over_events", 1.29, "ratio", "host clock without synchronize / CUDA events")
+        rec.record("matmul_fp32", 0.05, "TFLOP/s")
+        table = results.compare(run).set_index("name")
+    assert table.loc["async_naive_over_events", "reference"] == pytest.approx(0.0228, abs=1e-3)  # still shown
+    assert pd.isna(table.loc["async_naive_over_events", "ratio"])
+    assert table.loc["matmul_fp32", "ratio"] == pytest.approx(0.05 / table.loc["matmul_fp32", "reference"])
+    with tempfile.TemporaryDirectory() as run:  # the same tier: compared
+        results.Recorder("01", "full", "NVIDIA H200", {}, Path(run)).record("async_naive_over_events", 0.03, "ratio")
+        assert results.compare(run).set_index("name").loc["async_naive_over_events", "ratio"] == pytest.approx(
+            0.03 / 0.022755580041588536)
 
 
 def test_report_takes_the_committed_reference_of_the_runs_tier():
@@ -149,3 +167,46 @@ def test_lab_serves_labs_on_loopback_with_a_token(tmp_path):
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=30)
+
+
+def test_lab_says_ipykernels_tcp_warning_once_not_at_every_kernel_start(tmp_path):
+    # A real kernel's log: ipykernel warns about TCP at every start; the student saw it once per notebook opened.
+    import io
+    import subprocess
+    import sys
+
+    conn = tmp_path / "kernel.json"
+    kernel = subprocess.Popen([sys.executable, "-m", "ipykernel_launcher", "-f", str(conn)], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        first = kernel.stderr.readline()  # the kernel logs the warning as it binds its sockets
+    finally:
+        kernel.kill()
+        kernel.wait(timeout=30)
+    assert cli._TCP_WARNING in first, first
+    out = io.StringIO()
+    cli.relay_log(iter([first, "[I ServerApp] a kernel started\n"] * 8), out)
+    lines = out.getvalue().splitlines()
+    assert lines.count(cli.TCP_NOTE) == 1 and not any(cli._TCP_WARNING in ln for ln in lines), lines
+    assert lines.count("[I ServerApp] a kernel started") == 8  # the rest of the log untouched
+
+
+def test_course_setup_says_each_step_it_takes(tmp_path):
+    # ./course's first setup ran a minute with quiet installers and nothing on the terminal. Its steps here print
+    # their lines; the installers themselves are replaced (this test installs nothing).
+    import subprocess
+
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "activate").write_text("")
+    (venv / "bin" / "python").symlink_to(Path(__import__("sys").executable))
+    script = (f'set -e; source ./course; VENV={venv}; pip_install() {{ :; }}; install_tensorrt() {{ :; }}; '
+              'compile_all() { :; }; python() { :; }; setup lab')
+    run = subprocess.run(["bash", "-c", script], cwd=Path(cli.__file__).parents[1], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr
+    steps = [ln for ln in run.stderr.splitlines() if ln.startswith("course: ")]
+    assert steps[0].startswith(f"course: setting up {venv}") and "about a minute" in steps[0], steps
+    assert any("installing the course and its dependencies" in s for s in steps), steps
+    assert any("NumPy 1 environment" in s for s in steps) and any("compiling" in s for s in steps), steps
+    assert steps[-1].startswith("course: set up in ") and steps[-1].endswith(" s"), steps

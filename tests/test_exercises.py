@@ -1236,3 +1236,35 @@ def test_check_prints_outcome(capsys):
     out = lab00.q6.check(18)
     assert out.correct
     assert "[ok]" in capsys.readouterr().out
+
+
+def test_a_hint_or_solution_ending_a_cell_is_shown_once(capsys):
+    # hint() prints and returns its text; IPython shows a cell's last value too, so a plain str came out twice.
+    from IPython.core.formatters import DisplayFormatter
+
+    ex = Exercise("00.9 demo", "answer", lambda v: None, hints=["the first step"], solution_text="answer = 1")
+    for show in (ex.hint, ex.solution):
+        shown = show()
+        assert isinstance(shown, str) and capsys.readouterr().out == shown + "\n"  # printed once, still returned
+        assert DisplayFormatter().format(shown) == ({}, {})  # and not shown again as the cell's value
+
+
+@pytest.mark.parametrize(("text", "want"), [
+    ("the model's output is named 'OUTPUT__0'.", "The model's output is named 'OUTPUT__0'."),
+    ("is the client the one for this endpoint?", "Is the client the one for this endpoint?"),
+    ("a step", "A step"),
+    ("load_model's config= takes JSON text", "load_model's config= takes JSON text"),
+    ("x is float32 and the model's INPUT__0 is TYPE_FP32", "x is float32 and the model's INPUT__0 is TYPE_FP32"),
+    ("config= takes the configuration as JSON", "config= takes the configuration as JSON"),
+    ("`logger = trt.Logger(...)`", "`logger = trt.Logger(...)`"),
+])
+def test_a_message_starting_with_a_code_name_keeps_its_case(text, want):
+    assert framework.sentence(text) == want
+
+
+def test_lab04_hints_keep_code_names_as_written():
+    from lab_utils.exercises import lab04
+
+    hint = lab04._hint("bad argument type for config", lab04._DEPLOY_HINTS)
+    assert hint.startswith(" load_model's config= takes JSON text"), hint
+    assert lab04._hint("unknown output 'y'", lab04._CLIENT_HINTS).startswith(" The model's output")

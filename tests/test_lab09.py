@@ -399,3 +399,37 @@ def test_decoder_decode_step_continues_its_prefill_exactly():
         whole = model(torch.cat([tokens, nxt], 1), fresh, 0, last_only=True)
         step = model(nxt, cache, 10, last_only=True)
     assert torch.allclose(whole, step, atol=1e-4)
+
+
+CPU_DECODER = llm.DecoderConfig(vocab=4096, d_model=256, n_layers=4, n_heads=8, n_kv_heads=2, d_ff=768, max_len=1024)
+
+
+def test_the_cpu_tiers_prefill_is_judged_in_bf16_as_the_text_says_compute_bound():
+    # The CPU tier's decoder (fp32, prompts of 256 before) had its prefill printed "memory-bound" against the H200's
+    # ridge, beside a text that says prefill is compute-bound: fp32's 4 bytes halve the intensity (an H200 runs the
+    # shapes in bf16), and at 256 tokens even bf16 sits just below the ridge (its LM head serves one token).
+    assert llm.phase_cost(CPU_DECODER, "prefill", 1, 256, 2).intensity < lab09.H200_RIDGE
+    model = llm.TinyDecoder(CPU_DECODER).eval()
+    table = llm.prefill_decode(model, [1], prompt_len=512, reps=1)
+    verdicts = llm.h200_verdicts(table, CPU_DECODER, 512, lab09.H200_RIDGE).set_index("phase")
+    assert verdicts.loc["prefill", "on_an_h200"] == "compute-bound"
+    assert verdicts.loc["prefill", "flop_per_byte_bf16"] == pytest.approx(
+        2 * verdicts.loc["prefill", "flop_per_byte_here"], rel=0.01)
+    assert verdicts.loc["decode", "on_an_h200"] == "memory-bound"
+    short = llm.h200_verdicts(llm.prefill_decode(model, [1], prompt_len=16, reps=1), CPU_DECODER, 16, lab09.H200_RIDGE)
+    assert short.set_index("phase").loc["prefill", "on_an_h200"] == "memory-bound"  # a very short prompt is not
+
+
+def test_the_h200_table_gives_no_ratio_between_different_decoders():
+    from lab_utils.course import results
+
+    reference = [r for d in results.reference_dirs() if d.name == "h200" for r in results.load(d) if r["lab"] == "09"]
+    assert reference, "the committed H200 run of lab 09"
+    note = ("P=1024, 787 M params, cuda:0", "P=256, 4 M params, cpu")
+    cpu = [dict(r, value=r["value"] * 1.65, note=r["note"].replace(*note)) for r in reference]
+    table, why = llm.beside_reference(cpu, reference)
+    assert table["ratio"].isna().all() and table["this_run"].notna().all()
+    assert "4 M params" in why and "787 M params" in why and "without a ratio" in why
+    again = [dict(r, note=r["note"].replace("cuda:0", "cuda:1")) for r in reference]  # the same decoder elsewhere
+    same, why = llm.beside_reference(again, reference)
+    assert (same["ratio"] == 1).all() and "each ratio" in why

@@ -211,6 +211,19 @@ def test_roofline_explorer_measures_each_choice_beside_the_h200_points(capsys):
     assert "H200 reference bf16" in labels and "here bf16" in labels and "here fp32" in labels
 
 
+def test_roofline_explorer_points_are_never_under_its_legend():
+    # A CPU's points sit low on the H200's roofline, where the legend ("best" place) covered them.
+    panel = widgets.roofline_explorer("cpu", [32, 256], dtypes=["fp32"], reps=2)
+    panel.size.value = 256
+    fig = panel.figure()
+    fig.canvas.draw()
+    ax = fig.axes[0]
+    box = ax.get_legend().get_window_extent()
+    for collection in ax.collections:  # every scatter point, in the figure's pixels
+        for x, y in ax.transData.transform(collection.get_offsets()):
+            assert not box.contains(x, y), (collection.get_label(), x, y, box)
+
+
 def test_roofline_explorer_refuses_bad_choices_and_shows_a_failed_measurement(monkeypatch):
     for kwargs, said in (({"sizes": []}, "sizes"), ({"sizes": [0]}, "sizes"), ({"dtypes": ["fp4"]}, "dtypes"),
                          ({"dtype": "bf16", "dtypes": ["fp32"]}, "dtype='bf16'"), ({"n": 48}, "n=48"),
@@ -269,7 +282,7 @@ def test_quiz_panel_grades_every_form_right_blank_and_wrong():
         _fill(panel, q.key())
         panel.submit.click()
         assert panel.outcome.correct, (q.id, panel.feedback.value)
-        assert "why:" in panel.feedback.value
+        assert "Why:" in panel.feedback.value
         wrong = {"single": "zz", "multi": ["zz"], "order": ["zz"], "numeric": "-1e9"}.get(q.form)
         if q.form == "match":
             a, b = list(q.key())[:2]
@@ -284,6 +297,23 @@ def test_quiz_panel_grades_every_form_right_blank_and_wrong():
     panel.next_button.click()
     assert panel.question is None and panel.submit.disabled and "End of the quiz" in panel.prompt.value
     assert set(runner.outcomes) == {q.id for q in forms.values()}
+
+
+def test_quiz_panel_in_chinese_speaks_chinese():
+    # language="zh" translated the questions, but the buttons and the status line stayed English.
+    bank = quiz.load_bank()
+    runner = quiz.QuizRunner(bank, language="zh")
+    runner.questions = [next(q for q in bank.questions if q.form == "single")]
+    panel = widgets.quiz_panel(runner)
+    assert (panel.submit.description, panel.next_button.description) == ("提交", "下一题")
+    assert panel._inputs["value"].description == "答案"
+    panel.submit.click()
+    assert "未作答" in panel.feedback.value and "not attempted" not in panel.feedback.value
+    _fill(panel, panel.question.key())
+    panel.submit.click()
+    assert "正确" in panel.feedback.value and "解析:" in panel.feedback.value and "correct" not in panel.feedback.value
+    panel.next_button.click()
+    assert "测验结束" in panel.prompt.value and "End of the quiz" not in panel.prompt.value
 
 
 # --- lab 04: the knob panel, against a real Triton --------------------------------------------------------------
@@ -391,3 +421,27 @@ def test_ddp_scaling_and_overlap_advance_their_progress_hooks_per_run():
                                 progress=_recording_hook(calls), **tiny)
     assert len(df) == 3  # the default variant added
     assert calls == [{"total": 3, "desc": "DDP bucket variants: runs", "steps": 3}]  # one step per variant timed
+
+
+def test_knob_panel_on_a_stopped_server_says_what_to_run_and_works_after_a_restart(triton, capsys):
+    from lab_utils.serving import repository as triton_repo
+    from lab_utils.serving import server as triton_server
+    from lab_utils.serving import steps as triton_lab
+
+    server, repo = triton
+    base = triton_repo.mlp_config("tiny", in_features=4, out_features=3, kind="KIND_CPU", max_batch_size=8)
+    settings = triton_lab.LoadSettings(window_s=0.3, warmup_s=0.1, max_windows=3)
+    make_inputs = triton_lab.inputs_maker(4)
+    panel = widgets.knob_panel(server, repo, base, make_inputs, settings, concurrency=2, batching=False)
+    capsys.readouterr()
+    server.stop()  # as the lab's last cell does
+    panel.measure_button.click()
+    assert "server.restart()" in panel.status.value and "Error" not in panel.status.value, panel.status.value
+    with pytest.raises(triton_server.ServerStopped) as err:  # a lab cell's deploy: one line, not a stack
+        triton_lab.deploy(server, repo, base)
+    assert err.value._render_traceback_() == [f"ServerStopped: {err.value}"] and "server.restart()" in str(err.value)
+    widgets.knob_panel(server, repo, base, make_inputs, settings)  # the panel's cell run again: headless says why
+    assert "server.restart()" in capsys.readouterr().out
+    server.restart()
+    panel.measure_button.click()
+    assert len(panel.rows) == 2 and "infer/s" in panel.status.value, panel.status.value

@@ -128,7 +128,8 @@ COMPARE_COLUMNS = ["lab", "name", "unit", "value", "reference", "ratio", "tier",
 
 
 def compare(run: Path | str, reference: Path | str | None = None) -> pd.DataFrame:
-    """A table of each measurement in ``run`` beside the reference runs' value and their ratio.
+    """A table of each measurement in ``run`` beside the reference runs' value and their ratio (none between two
+    dimensionless ratios of different tiers: each describes its own device).
 
     ``reference``: one run folder; by default every folder under ``reference_runs/``: for each measurement the
     first reference of the same tier as the run's (lab 02 on one GPU is ``partial``, on two ``full``), else the
@@ -149,6 +150,10 @@ def compare(run: Path | str, reference: Path | str | None = None) -> pd.DataFram
         other = ref.get((r["lab"], r["name"], r.get("tier"))) or ref.get((r["lab"], r["name"], None))
         rv = other["value"] if other else None
         ratio = r["value"] / rv if (r["value"] is not None and rv) else None
+        if other and r["unit"] == "ratio" and other.get("tier") != r.get("tier"):
+            # a ratio of two timings describes its own device (a host clock without a synchronize sees the whole
+            # matmul on a CPU, 2 % of it on an H200): over another tier's it is a ratio of ratios, not a comparison
+            ratio = None
         rows.append({"lab": r["lab"], "name": r["name"], "unit": r["unit"], "value": r["value"], "reference": rv,
                      "ratio": ratio, "tier": r["tier"], "device": r["device"],
                      "reference_device": other["device"] if other else None})

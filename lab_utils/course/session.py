@@ -65,7 +65,7 @@ def start_lab(number: str, show: bool = True) -> LabContext:
     tier = next(t for t in report.tiers if t.lab == lab.number)
     device = "cuda" if report.gpu_usable else "cpu"
     if show:
-        print_report(report, highlight=lab.number, brief=True)
+        print_report(report, highlight=lab.number, brief=True, width=NOTEBOOK_WIDTH)
     recorder = Recorder(lab.number, tier.tier, _device_name(report, device), _versions(report))
     return LabContext(lab.number, report, tier, device, recorder)
 
@@ -91,11 +91,16 @@ def gpu_rows(report: EnvReport) -> list[dict[str, str]]:
     return rows
 
 
-def print_report(report: EnvReport, highlight: str | None = None, brief: bool = False) -> None:
-    """Print the report with rich: stack versions, GPUs, topology, components, verdict, lab tiers."""
+NOTEBOOK_WIDTH = 100  # characters: JupyterLab's output area at 1280 px with the file browser open (120 wrapped)
+
+
+def print_report(report: EnvReport, highlight: str | None = None, brief: bool = False,
+                 width: int = 120) -> None:
+    """Print the report with rich: stack versions, GPUs, topology, components, verdict, lab tiers; ``width`` in
+    characters (rich wraps text inside the columns; a notebook's output area wraps whole lines wider than itself)."""
     # Plain text in a notebook too (rich's Jupyter output carries ANSI codes in its text/plain copy); colour only
     # on a terminal.
-    console = Console(width=120, force_jupyter=False)
+    console = Console(width=width, force_jupyter=False)
     t = report.torch or {}
     head = Table(title="Stack", show_header=False, box=None)
     head.add_row("GPU source", report.source)

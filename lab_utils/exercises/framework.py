@@ -1,4 +1,5 @@
-"""Exercise checks with four outcomes: not attempted, incorrect (with why), correct, not applicable on this tier.
+"""Exercise checks with four outcomes: not attempted, incorrect (with why), correct, not applicable on this tier; and
+*not checked now* when something the check needs is not running yet (a server stopped), with what to run first.
 
 A check takes the student's answer explicitly (``q1.check(flops)``), never notebook globals; a ``CodeExercise`` runs a
 code answer (``run_student``) and refuses one that delegates to a reference implementation (``REFERENCES``).
@@ -42,9 +43,11 @@ class Status(enum.Enum):
     INCORRECT = "incorrect"
     CORRECT = "correct"
     NOT_APPLICABLE = "not applicable on this tier"
+    NOT_NOW = "not checked now"
 
 
-_MARK = {Status.NOT_ATTEMPTED: "[ ]", Status.INCORRECT: "[x]", Status.CORRECT: "[ok]", Status.NOT_APPLICABLE: "[n/a]"}
+_MARK = {Status.NOT_ATTEMPTED: "[ ]", Status.INCORRECT: "[x]", Status.CORRECT: "[ok]", Status.NOT_APPLICABLE: "[n/a]",
+         Status.NOT_NOW: "[..]"}
 
 
 @dataclass
@@ -79,6 +82,11 @@ class NotApplicable(Exception):
     """Raised by a grading function: this machine cannot run the check; the message says why."""
 
 
+class NotNow(Exception):
+    """Raised by a grading function (or a code exercise's ``applicable``): the check can run on this machine, but not
+    now (its server is stopped); the message says what to run first."""
+
+
 def is_blank(value: Any) -> bool:
     """True for an answer not filled in: None, ``...``, or a function whose body is only ``...``/``pass``
     (a docstring and comments allowed)."""
@@ -89,6 +97,23 @@ def is_blank(value: Any) -> bool:
         return False
     ops = [(i.opname, i.argval) for i in dis.get_instructions(code) if i.opname not in ("RESUME", "NOP", "CACHE")]
     return ops in ([("LOAD_CONST", None), ("RETURN_VALUE", None)], [("RETURN_CONST", None)])
+
+
+class Shown(str):
+    """Text a method has already printed, returned for tests and scripts: a notebook cell that ends in it shows
+    nothing more (a plain ``str`` would be shown a second time, as its repr)."""
+
+    def _ipython_display_(self) -> None:
+        pass
+
+
+_PLAIN_WORD = re.compile(r"(?:a|i|[a-z]{2,})(?=[\s,.:;!?]|$)")  # "the", "is", "a": not "x", "load_model's", "config="
+
+
+def sentence(text: str) -> str:
+    """``text`` with its first letter capitalised when it starts with a plain word ("the model's ..." -> "The
+    model's ..."); a code name stays as written ("load_model's config=", "x is float32")."""
+    return text[:1].upper() + text[1:] if _PLAIN_WORD.match(text) else text
 
 
 def _short(value: Any, limit: int = 120) -> str:
@@ -138,6 +163,8 @@ class Exercise:
             return self._incorrect(value, why)
         except NotApplicable as why:
             return Outcome(self.name, Status.NOT_APPLICABLE, str(why))
+        except NotNow as why:
+            return Outcome(self.name, Status.NOT_NOW, sentence(str(why)))
         except Exception as err:  # the student's code failed inside the check: show it, don't crash
             return Outcome(self.name, Status.INCORRECT, f"checking `{self.var}` raised {type(err).__name__}: {err}")
         extra = f" {note}" if isinstance(note, str) and note else ""
@@ -146,8 +173,8 @@ class Exercise:
     def _incorrect(self, value: Any, why: object) -> Outcome:
         return Outcome(self.name, Status.INCORRECT, f"`{self.var}` = {_short(value)}: {why}")
 
-    def hint(self, n: int | None = None) -> str:
-        """Show hint ``n`` (1-based), or the next one in order."""
+    def hint(self, n: int | None = None) -> Shown:
+        """Print hint ``n`` (1-based), or the next one in order; the text is also returned (shown once in a cell)."""
         if not self.hints:
             text = "No hints for this one."
         else:
@@ -158,13 +185,13 @@ class Exercise:
                 raise ValueError(f"hint(n={n}): {self.name} has hints 1..{len(self.hints)}")
             text = f"Hint {n}/{len(self.hints)}: {self.hints[n - 1]}"
         print(text)
-        return text
+        return Shown(text)
 
-    def solution(self) -> str:
-        """Show the worked solution."""
+    def solution(self) -> Shown:
+        """Print the worked solution; the text is also returned (shown once in a cell)."""
         text = f"Solution ({self.name}):\n{self.solution_text}"
         print(text)
-        return text
+        return Shown(text)
 
 
 @dataclass
@@ -196,7 +223,10 @@ class CodeExercise(Exercise):
         refused = self.refusal(value)
         if refused is not None:
             return refused
-        reason = self.applicable() if self.applicable is not None else None
+        try:
+            reason = self.applicable() if self.applicable is not None else None
+        except NotNow as why:
+            return Outcome(self.name, Status.NOT_NOW, sentence(str(why)))
         if reason:
             still = (f" (`{self.var}` is still blank: write it anyway, it runs where this check can)"
                      if is_blank(value) else f" Your `{self.var}` was not run.")
@@ -372,7 +402,7 @@ def run_student(
         result, err = worker.result, worker.error
     if isinstance(err, StudentTimeout):
         raise timed_out(student_frame(err)) from None
-    if isinstance(err, Exception) and not isinstance(err, (Wrong, NotApplicable)):
+    if isinstance(err, Exception) and not isinstance(err, (Wrong, NotApplicable, NotNow)):
         raise Wrong(raised_message(call, err)) from None
     if err is not None:
         raise err

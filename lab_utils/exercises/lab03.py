@@ -31,6 +31,7 @@ from lab_utils.exercises.framework import (
     items,
     patched,
     run_student,
+    sentence,
 )
 from lab_utils.inference import compare, trt_check
 from lab_utils.procs import temporary_folder
@@ -539,7 +540,7 @@ def _static_trt_findings(src: trt_check.FunctionSource, where: str) -> None:
     if missing:
         s = missing[0]
         more = f" (and {len(missing) - 1} more step{'s' if len(missing) > 2 else ''})" if len(missing) > 1 else ""
-        raise Wrong(f"a step is missing from your function: {s.what}{more}. {s.how[0].upper()}{s.how[1:]}{where}")
+        raise Wrong(f"a step is missing from your function: {s.what}{more}. {sentence(s.how)}{where}")
 
 
 def _run_trt(fn: Any, why: str) -> str:

@@ -27,6 +27,7 @@ from lab_utils.exercises.framework import (
     CodeExercise,
     Exercise,
     NotApplicable,
+    NotNow,
     StudentLine,
     Wrong,
     amended,
@@ -35,6 +36,7 @@ from lab_utils.exercises.framework import (
     items,
     number,
     run_student,
+    sentence,
 )
 from lab_utils.procs import EnvError
 from lab_utils.serving import client as triton_client
@@ -44,7 +46,7 @@ from lab_utils.serving.backend import model as triton_model
 from lab_utils.serving.backend.model import NUMPY2  # the wheel's stub runs this interpreter's NumPy
 from lab_utils.serving.client import host_port
 from lab_utils.serving.repository import ConfigError, check_model_config, parse_config
-from lab_utils.serving.server import ServerNotFound, find_server
+from lab_utils.serving.server import ServerNotFound, find_server, not_serving
 
 __all__ = [
     "q1", "q2", "q3", "q4", "q5", "q6", "q7", "q8",
@@ -80,7 +82,8 @@ def use_server(server: Any, repo: str | Path, model: str = "mlp") -> None:
 
 
 def _no_server() -> str | None:
-    """Why the code checks cannot run now (the outcome is then *not applicable*), or None."""
+    """Why this machine cannot run the code checks (the outcome is then *not applicable*), or None; ``NotNow`` with
+    what to run first when it can but the lab's server is not running yet, or no longer."""
     if not _BOUND:
         try:
             find_server()
@@ -88,10 +91,11 @@ def _no_server() -> str | None:
             return "no Triton server on this machine, so nothing to run your code against."
         except EnvError as err:  # a TRITON_URL that is not a URL: its message names the variable
             return f"{err}, so there is no server to run your code against."
-        return ("no server to check against yet: run the cell that starts the server (it calls "
-                "ex.use_server(server, repo)).")
-    if not _BOUND[0].server.alive():
-        return "the lab's server is not running: start it again (server.restart()) and rerun this check."
+        raise NotNow("no server to check against yet: run the cell that starts the server first (it calls "
+                     "ex.use_server(server, repo)), then this check again.")
+    stopped = not_serving(_BOUND[0].server)
+    if stopped:  # the lab runs here: the check can run once the server does (not a tier's limit)
+        raise NotNow(stopped)
     return None
 
 
@@ -113,7 +117,7 @@ def _hint(message: str, hints: dict[str, str]) -> str:
     """The first hint whose pattern (a regular expression, case-insensitive) the message matches."""
     for pattern, hint in hints.items():
         if re.search(pattern, message, re.I):
-            return f" {hint[:1].upper()}{hint[1:]}"
+            return f" {sentence(hint)}"
     return ""
 
 

@@ -38,7 +38,8 @@ from lab_utils.procs import EnvError
 __all__ = [
     "BANK_DIR", "QUIZ_ENV", "FORMS", "LANGUAGES", "BankError", "Question", "Bank", "load_bank", "QuizRunner",
     "glossary", "glossary_markdown", "write_glossary", "GLOSSARY_PATH", "stack_map", "STACK",
-    "shuffled", "BYTE_UNITS", "in_byte_unit", "STRATEGIES", "GUESS_LIMIT", "strategy_scores",
+    "shuffled", "BYTE_UNITS", "in_byte_unit", "STRATEGIES", "GUESS_LIMIT", "strategy_scores", "ui_text",
+    "outcome_line",
 ]
 
 BANK_DIR = DATA_DIR / "quiz"
@@ -72,6 +73,20 @@ _T = {
     "order": {"en": "every key in order, e.g. [\"b\", \"a\", \"c\"]",
               "zh": "按顺序排列所有选项，例如 [\"b\", \"a\", \"c\"]"},
     "in": {"en": "in", "zh": "单位"},
+    # the quiz panel's controls and status line (lab_utils.widgets.quiz_view)
+    "submit": {"en": "Submit", "zh": "提交"},
+    "next": {"en": "Next question", "zh": "下一题"},
+    "end": {"en": "End of the quiz.", "zh": "测验结束。"},
+    "tally": {"en": "has the tally.", "zh": "给出总分。"},
+    "order_label": {"en": "order", "zh": "顺序"},
+    "one_of": {"en": "one of {n}; in JupyterLab this is a panel: answer, Submit, Next question",
+               "zh": "共 {n} 题之一；在 JupyterLab 中是一个面板：作答、提交、下一题"},
+    "no_questions": {"en": "no questions", "zh": "没有题目"},
+    Status.CORRECT.value: {"en": "correct", "zh": "正确"},
+    Status.INCORRECT.value: {"en": "incorrect", "zh": "错误"},
+    Status.NOT_ATTEMPTED.value: {"en": "not attempted", "zh": "未作答"},
+    Status.NOT_APPLICABLE.value: {"en": "not applicable on this tier", "zh": "本环境不适用"},
+    Status.NOT_NOW.value: {"en": "not checked now", "zh": "暂未检查"},
 }
 
 
@@ -87,6 +102,16 @@ def _lang(language: str) -> str:
 
 def _tr(key: str, language: str) -> str:
     return _T[key][language]
+
+
+def ui_text(key: str, language: str) -> str:
+    """One of the phrases the quiz and its panel write themselves (a button, a status word), in ``language``."""
+    return _tr(key, _lang(language))
+
+
+def outcome_line(out: Outcome, language: str) -> str:
+    """``str(out)`` with its status word in ``language`` (the message is already in it)."""
+    return str(out).replace(f": {out.status.value}.", f": {ui_text(out.status.value, language)}.", 1)
 
 
 # --- questions -------------------------------------------------------------------------------------------------

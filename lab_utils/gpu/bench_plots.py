@@ -76,7 +76,8 @@ def plot_roofline(points_df: pd.DataFrame, peak_tflops: float | None, bw_tbps: f
         ax.scatter(group["intensity_flop_per_byte"], group["tflops"], label=label, zorder=3)
     ax.set(xscale="log", yscale="log", xlabel="arithmetic intensity (FLOP/byte)", ylabel="TFLOP/s",
            title=title or "Roofline")
-    return plotting.finish(ax, fontsize="small")
+    # the legend beside the axes, not in them: "best" still put it over points (a CPU's sit low, under it)
+    return plotting.finish(ax, fontsize="small", loc="upper left", bbox_to_anchor=(1.02, 1), borderaxespad=0)
 
 
 def plot_bandwidth(df: pd.DataFrame, ax: Any = None, title: str | None = None) -> Any:

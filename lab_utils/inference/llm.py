@@ -281,3 +281,52 @@ def prefill_decode(model: TinyDecoder, batches: list[int], prompt_len: int, reps
                          "spread": t.spread, "tokens_per_s": new_tokens / s, "tflops": cost.flops / s / 1e12,
                          "gbps": cost.bytes / s / 1e9, "flop_per_byte": cost.intensity, "device": t.device})
     return pd.DataFrame(rows)
+
+
+H200_BF16 = 2  # bytes per weight as the H200 reference run holds them
+
+
+def h200_verdicts(table: pd.DataFrame, cfg: DecoderConfig, prompt_len: int, ridge: float) -> pd.DataFrame:
+    """Each measured phase's intensity here (``flop_per_byte``, in this run's dtype) and in bf16, as an H200 runs
+    the same shapes, with the H200's verdict: compute-bound at or above ``ridge`` FLOP/byte, memory-bound below.
+
+    The verdict is taken in bf16: intensity counts bytes, so the CPU's fp32 weights (4 bytes) halve it, and the
+    H200's ridge says nothing about a CPU. A prefill's bf16 intensity is about the tokens it runs per weight read
+    (batch × prompt): a prompt of a few hundred tokens or more is compute-bound, a very short one is not."""
+    rows = []
+    for r in table.itertuples():
+        bf16 = phase_cost(cfg, str(r.phase).removesuffix("_graph"), int(r.batch), prompt_len, H200_BF16).intensity
+        rows.append({"phase": r.phase, "batch": r.batch, "flop_per_byte_here": r.flop_per_byte,
+                     "flop_per_byte_bf16": bf16,
+                     "on_an_h200": "compute-bound" if bf16 >= ridge else "memory-bound"})
+    return pd.DataFrame(rows)
+
+
+def _decoder(note: str) -> str:
+    """The decoder and prompt a recorded note names ("P=1024, 787 M params, cuda:0" -> "P=1024, 787 M params")."""
+    return note.rsplit(", ", 1)[0] if note.count(", ") >= 2 else note
+
+
+def beside_reference(here: list[dict[str, Any]], reference: list[dict[str, Any]]) -> tuple[pd.DataFrame, str]:
+    """This run's prefill/decode records beside the reference run's (``results.load`` rows), and a line saying
+    whether they compare. Ratios only between the same decoder and prompt (the tokens/s records' notes): the CPU
+    tier's 4 M-parameter fp32 decoder does ~200x less work per token than the H200's 787 M bf16 one, so a ratio
+    would only say that."""
+    mine = {r["name"]: r for r in here}
+    ref = [r for r in reference if r["name"].startswith(("prefill", "decode"))]
+    decoders = {(_decoder(mine[r["name"]].get("note", "")), _decoder(r.get("note", ""))) for r in ref
+                if r["unit"] == "tokens/s" and r["name"] in mine}
+    differ = sorted((ours, theirs) for ours, theirs in decoders if ours != theirs)
+    rows = []
+    for r in ref:
+        m = mine.get(r["name"])
+        ratio = m["value"] / r["value"] if m is not None and not differ and r["value"] else None
+        rows.append({"name": r["name"], "unit": r["unit"], "this_run": m["value"] if m else None, "h200": r["value"],
+                     "ratio": ratio})
+    if differ:
+        ours, theirs = differ[0]
+        why = (f"this run's decoder ({ours}) is not the H200 run's ({theirs}): the numbers stand side by side without "
+               "a ratio (a smaller model does less work per token; only the same decoder and prompt compare)")
+    else:
+        why = "the H200 run's decoder and prompt: each ratio is this run over the H200"
+    return pd.DataFrame(rows), why

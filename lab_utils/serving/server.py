@@ -435,6 +435,33 @@ class TritonServer(OwnedServer, HttpGrpcEndpoints):
         return self.start()
 
 
+class ServerStopped(RuntimeError):
+    """The lab's server takes no requests now; the message says what to run first. A notebook shows only that one
+    line (IPython's ``_render_traceback_``): the library's stack says nothing more to a student."""
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"{type(self).__name__}: {self}"]
+
+
+def require_serving(server: Any) -> None:
+    """Raise ``ServerStopped`` (one line: what to run first) unless ``server`` is running."""
+    why = not_serving(server)
+    if why:
+        raise ServerStopped(why)
+
+
+def not_serving(server: Any) -> str | None:
+    """Why ``server`` takes no requests now, in one line that says what to run first; None while it runs."""
+    if server.alive():
+        return None
+    if getattr(server, "external", False):
+        return (f"The Triton server at {server.http_url} ({URL_ENV}) does not answer: start it again "
+                "(`docker compose up -d triton`), then run this again.")
+    why = ("stopped (the lab's last cell stops it)" if getattr(server, "stopped", False)
+           else f"not running ({server.exit_status()})")
+    return f"The lab's Triton server is {why}: run `server.restart()` in a cell first, then this again."
+
+
 def describe_exit(code: int) -> str:
     """A ``Popen.returncode`` in words (negative: the signal that killed the process)."""
     if code < 0:

@@ -99,6 +99,7 @@ def deploy(server: triton_server.Server, repo: Path, config: Mapping[str, Any], 
     through the load request's override too, and its ONNX Runtime form (``serving_config``); its repository is
     the shared one (``model_repository``).
     """
+    triton_server.require_serving(server)  # before anything is written: a stopped lab server says what to run
     config = serving_config(config, server)
     name = config["name"]
     triton_repo.write_config(Path(repo) / name, config, gpus=gpus)
@@ -123,6 +124,7 @@ def measure(server: triton_server.Server, model: str, make_inputs: Any, concurre
     ``settings.extensions`` times. The row says ``stable``, the window length that decided (``window_s``) and
     how many measurements it took (``attempts``); an unstable row is kept, marked, never silently averaged.
     """
+    triton_server.require_serving(server)
     url = server.grpc_url if protocol == "grpc" else server.http_url
     window_s, max_windows, attempts = settings.window_s, settings.max_windows, 0
     while True:
@@ -251,6 +253,7 @@ def plot_latency_throughput(curves: Mapping[str, Any], ax: Any = None, title: st
 
 def version_outputs(server: triton_server.Server, model: str, x: np.ndarray, versions: Sequence[int]) -> dict[int, Any]:
     """The first output row of each version for the same input, or the server's refusal."""
+    triton_server.require_serving(server)
     out: dict[int, Any] = {}
     for v in versions:
         try:

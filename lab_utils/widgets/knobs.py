@@ -6,6 +6,7 @@ plot."""
 from __future__ import annotations
 
 import copy
+import html
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 from IPython.display import display
 
+from lab_utils.serving import server as triton_server
 from lab_utils.serving import steps as triton_lab
 from lab_utils.widgets.core import Panel, interactive, show
 
@@ -86,8 +88,18 @@ class KnobPanel(Panel):
                 (f" delay {self.delay_us.value} µs" if self.delay_us.value else "")
         return f"{knobs}, {self.instances.value} instance{'s' if self.instances.value > 1 else ''}"
 
-    def apply(self) -> float:
-        """Redeploy the model with the controls' configuration; seconds the load took."""
+    def stopped(self) -> str | None:
+        """Why the server takes no requests now (what to run first), shown in the status line; None while it runs."""
+        why = triton_server.not_serving(self.server)
+        if why:
+            self.status.value = html.escape(why)
+        return why
+
+    def apply(self) -> float | None:
+        """Redeploy the model with the controls' configuration; seconds the load took (None: the server is stopped,
+        the status line says what to run first)."""
+        if self.stopped():
+            return None
         cfg = self.config()
         self.status.value = f"deploying: {self.label()} ..."
         seconds = triton_lab.deploy(self.server, self.repo, cfg, gpus=self.gpus)
@@ -95,8 +107,11 @@ class KnobPanel(Panel):
         self.status.value = f"deployed <b>{self.label()}</b> in {seconds:.2f} s"
         return seconds
 
-    def measure(self) -> dict[str, Any]:
-        """Apply first when the controls changed since the last Apply; then measure and append the row."""
+    def measure(self) -> dict[str, Any] | None:
+        """Apply first when the controls changed since the last Apply; then measure and append the row (None: the
+        server is stopped, the status line says what to run first)."""
+        if self.stopped():
+            return None
         if self.config() != self.applied:
             self.apply()
         c = int(self.concurrency.value)
@@ -133,6 +148,9 @@ class KnobPanel(Panel):
 
     def headless(self) -> None:
         row = self.measure()
+        if row is None:
+            print(f"knob panel: {html.unescape(self.status.value)}")
+            return
         print(f"knob panel (interactive in JupyterLab): measured {row['step']} at concurrency {row['concurrency']}")
         display(self.table().round(2))
         display(self.figure())

@@ -9,7 +9,7 @@ from typing import Any
 import ipywidgets as w
 
 from lab_utils.exercises.framework import Outcome
-from lab_utils.exercises.quiz import Question, QuizRunner
+from lab_utils.exercises.quiz import Question, QuizRunner, outcome_line, ui_text
 from lab_utils.widgets.core import Panel, interactive, show
 
 
@@ -25,8 +25,9 @@ class QuizPanel(Panel):
         self.prompt = w.HTML()
         self.control = w.VBox()
         self.feedback = w.HTML()
-        self.submit = w.Button(description="Submit", button_style="primary")
-        self.next_button = w.Button(description="Next question")
+        lang = runner.language  # the buttons and status lines in the quiz's language, as its questions are
+        self.submit = w.Button(description=ui_text("submit", lang), button_style="primary")
+        self.next_button = w.Button(description=ui_text("next", lang))
         self.submit.on_click(lambda _b: self.grade())
         self.next_button.on_click(lambda _b: self.advance())
         self.widget = w.VBox([self.prompt, self.control, w.HBox([self.submit, self.next_button]), self.feedback])
@@ -36,26 +37,27 @@ class QuizPanel(Panel):
         """Open the next question (``None`` at the end) and build its control."""
         q = self.question = self.runner.next(show=False)
         self.outcome, self.feedback.value, self._inputs = None, "", {}
+        lang = self.runner.language
         if q is None:
-            self.prompt.value = "<b>End of the quiz.</b> <code>runner.score()</code> has the tally."
+            self.prompt.value = (f"<b>{ui_text('end', lang)}</b> <code>runner.score()</code> "
+                                 f"{ui_text('tally', lang)}")
             self.control.children = ()
             self.submit.disabled = self.next_button.disabled = True
             return None
-        lang = self.runner.language
         text = html.escape(q.text(lang, self.runner._pos))
         self.prompt.value = f"<pre style='white-space: pre-wrap'>{text}</pre>"
         keys = q._keys() if q.form != "match" else q._keys("left")
         if q.form == "single":
-            self._inputs["value"] = w.RadioButtons(options=keys, value=None, description="answer")
+            self._inputs["value"] = w.RadioButtons(options=keys, value=None, description=ui_text("answer", lang))
         elif q.form == "multi":
             self._inputs.update({k: w.Checkbox(description=k, value=False, indent=False) for k in keys})
         elif q.form == "order":
-            self._inputs["value"] = w.Text(placeholder=", ".join(keys), description="order")
+            self._inputs["value"] = w.Text(placeholder=", ".join(keys), description=ui_text("order_label", lang))
         elif q.form == "match":
             rights = [("", None)] + [(k, k) for k in q._keys("right")]
             self._inputs.update({k: w.Dropdown(options=rights, value=None, description=k) for k in keys})
         else:  # numeric
-            self._inputs["value"] = w.Text(placeholder="a number", description="answer")
+            self._inputs["value"] = w.Text(placeholder=ui_text("numeric", lang), description=ui_text("answer", lang))
         self.control.children = tuple(self._inputs.values())
         self.submit.disabled = False
         return q
@@ -79,19 +81,20 @@ class QuizPanel(Panel):
         """Grade the control's answer; the outcome (with why, and the explanation when right) is shown below."""
         if self.question is None:
             return None
+        lang = self.runner.language
         out = self.outcome = self.runner.answer(self.answer_value(), quiet=True)
-        lines = [str(out)]
+        lines = [outcome_line(out, lang)]
         if out.correct:
-            lines.append(f"why: {self.question.explanation[self.runner.language]}")
-        if lab := self.question.lab_text(self.runner.language):
+            lines.append(f"{ui_text('why', lang)}: {self.question.explanation[lang]}")
+        if lab := self.question.lab_text(lang):
             lines.append(lab)
         self.feedback.value = "<br>".join(html.escape(t) for t in lines)
         return out
 
     def headless(self) -> None:
-        q = self.advance()
-        print(q.text(self.runner.language, self.runner._pos) if q else "no questions")
-        print(f"(one of {len(self.runner)}; in JupyterLab this is a panel: answer, Submit, Next question)")
+        q, lang = self.advance(), self.runner.language
+        print(q.text(lang, self.runner._pos) if q else ui_text("no_questions", lang))
+        print(f"({ui_text('one_of', lang).format(n=len(self.runner))})")
 
 
 def quiz_panel(runner: QuizRunner) -> QuizPanel:
