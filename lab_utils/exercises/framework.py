@@ -113,6 +113,7 @@ class Exercise:
     grade: Callable[[Any], Any]
     hints: Sequence[str] = ()
     solution_text: str = ""
+    hint_call: str = ""  # how the notebook asks for a hint, where not `ex.qN.hint()` (the quiz: runner.hint('id'))
     _hints_shown: int = field(default=0, repr=False)
     # the value of the last check that was correct, None until one is (or after a later one is not): what a later
     # cell uses instead of the student's name, so a blank or a wrong answer cannot fail that cell
@@ -129,7 +130,8 @@ class Exercise:
     def _outcome(self, value: Any) -> Outcome:
         if is_blank(value):
             number = re.match(r"\d+\.(\d+)\b", self.name)  # "01.3 copy bandwidth" is the lab's `ex.q3`
-            hint = f"`ex.q{number[1]}.hint()`" if number else "its `.hint()`"
+            hint = f"`{self.hint_call}`" if self.hint_call else f"`ex.q{number[1]}.hint()`" if number else \
+                "its `.hint()`"
             return Outcome(self.name, Status.NOT_ATTEMPTED,
                            f"Set `{self.var}` above and run this cell again ({hint} helps).")
         lab = re.match(r"(\d\d)\.", self.name)  # "09.7 ..." is lab 09's: its name for an object shared with lab 01
