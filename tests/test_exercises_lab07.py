@@ -37,7 +37,7 @@ def _pbtxt(cfg):
 
 
 def _ens(**changes):
-    cfg = ex.reference_ensemble()
+    cfg = as_written(ex.reference_ensemble())  # a student's own dict: the course's is refused as an answer
     for path, value in changes.items():
         target = cfg
         *head, last = path.split("__")
@@ -47,7 +47,7 @@ def _ens(**changes):
     return cfg
 
 
-_swapped = ex.reference_ensemble()
+_swapped = as_written(ex.reference_ensemble())
 _steps = _swapped["ensemble_scheduling"]["step"]
 _steps[0], _steps[1] = _steps[1], _steps[0]
 _reordered = {k: as_written(ex.reference_ensemble())[k] for k in reversed(list(ex.reference_ensemble()))}
@@ -185,7 +185,7 @@ def _upstreams(svc):
               "upstream lb {\n    least_conn;\n" + "".join(f"    server {b} weight=2;\n" for b in http)
               + "    keepalive 16;\n}"]
     wrongs = [f"upstream triton_http {{\n    server {http[0]};\n}}",  # one server only
-              ex.reference_upstream(grpc),  # the gRPC ports
+              as_written(ex.reference_upstream(grpc)),  # the gRPC ports
               f"upstream triton_http {{\n    server {http[0]}\n    server {http[1]};\n}}",  # a missing ';'
               "upstream triton_http {\n    server 127.0.0.1;\n}",  # no port: nginx would use 80
               f"upstream triton_http {{\n    server {http[0]} weight=5;\n    server {http[1]};\n}}"]  # lopsided
