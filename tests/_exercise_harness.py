@@ -34,6 +34,18 @@ def check(exercise: Exercise, value) -> Outcome:
     return exercise.check(value, quiet=True)
 
 
+def as_written(value: Any) -> Any:
+    """``value`` rebuilt as an answer cell writes it out: new dicts, lists, tuples and strings. A course object, what a
+    course helper returned, or a copy sharing their parts is refused as an answer (test_no_delegation.py)."""
+    if isinstance(value, dict):
+        return {as_written(k): as_written(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(as_written(v) for v in value)
+    if isinstance(value, str) and len(value) > 1:
+        return value[:1] + value[1:]  # a new str object, as a cell's own literal is
+    return value
+
+
 def student_function(source: str, name: str, namespace: dict[str, Any], filename: str = "<answer cell>") -> Any:
     """``name`` defined by ``source`` as a notebook cell defines it (the source readable through linecache)."""
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)

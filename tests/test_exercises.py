@@ -224,6 +224,24 @@ def tflops_right(n, device, timer):
     return 2 * n**3 / (ms * 1e-3) / 1e12
 
 
+def tflops_zeros(n, device, timer):  # a product of zeros: on a GPU faster than real data (less power)
+    a = torch.zeros(n, n, device=device)
+    b = torch.zeros(n, n, device=device)
+    ms = timer(lambda: a @ b)
+    return 2 * n**3 / (ms * 1e-3) / 1e12
+
+
+def tflops_ones(n, device, timer):
+    a = torch.ones(n, n, device=device)
+    ms = timer(lambda: a @ a)
+    return 2 * n**3 / (ms * 1e-3) / 1e12
+
+
+def tflops_times_no_work(n, device, timer):  # times making a tensor of zeros, no matmul
+    ms = timer(lambda: torch.zeros(n, n, device=device))
+    return 2 * n**3 / (ms * 1e-3) / 1e12
+
+
 def tflops_matmul_fn(n, device, timer):  # written differently: torch.matmul into an out tensor, seconds first
     a, b = torch.randn(2, n, n, device=device).unbind(0)
     c = torch.empty(n, n, device=device)
@@ -312,7 +330,8 @@ CASES = [
      [broken_time_ms(), time_ms_no_warmup, time_ms_sync_too_late, time_ms_seconds, time_ms_total, time_ms_constant,
       20.0]),
     (lab01.q2, [tflops_right, tflops_matmul_fn, lab01.reference_matmul_tflops],
-     [tflops_factor2, tflops_alloc_inside, tflops_gflops, tflops_ms_as_s, tflops_elementwise]),
+     [tflops_factor2, tflops_alloc_inside, tflops_gflops, tflops_ms_as_s, tflops_elementwise, tflops_zeros,
+      tflops_ones, tflops_times_no_work]),
     (lab01.q3, [gbps_right, gbps_bytes, lab01.reference_copy_gbps],
      [gbps_once, gbps_gib, gbps_elements, gbps_clone, gbps_no_timer]),
     (lab01.q4, [2 / 12, 0.1667, 0.17], [0.25, 2 / 3, 6, 1 / 12]),
@@ -763,6 +782,10 @@ def test_lab01_q2_messages():
     assert "GFLOP/s" in check(lab01.q2, tflops_gflops).message
     assert "milliseconds used as seconds" in check(lab01.q2, tflops_ms_as_s).message
     assert "elementwise" in check(lab01.q2, tflops_elementwise).message
+    assert "the product you timed is all zeros" in check(lab01.q2, tflops_zeros).message
+    assert "is all zeros" in check(lab01.q2, tflops_times_no_work).message  # said before "ran Nx faster"
+    message = check(lab01.q2, tflops_ones).message
+    assert "in every element" in message and "torch.randn" in message
     assert "never called timer" in check(lab01.q2, lambda n, device, timer: 1.0).message
     assert "takes the function to time" in check(lab01.q2, lambda n, device, timer: timer(3.0)).message
     message = check(lab01.q2, tflops_right).message

@@ -10,7 +10,7 @@ import random
 
 import pytest
 import torch
-from _exercise_harness import check, exercises_of, hint_and_solution_tests, standard_tests
+from _exercise_harness import as_written, check, exercises_of, hint_and_solution_tests, standard_tests
 from torch.profiler import ProfilerActivity, profile, schedule
 
 from lab_utils.exercises import lab06
@@ -222,7 +222,8 @@ CASES = [
      [loader_pinned_only, loader_iterator, loader_wrong_batch]),
     (lab06.q4, [lab06.reference_train_loop, loop_right_stacked],
      [loop_item_every_step, loop_nan_check, loop_last_loss, loop_never_reset, loop_no_zero_grad]),
-    (lab06.q5, [lab06.DIAGNOSIS_CASES, {"D": "launch-bound", "C": "Data loading", "B": "BF16", "A": "host sync"}],
+    (lab06.q5, [as_written(lab06.DIAGNOSIS_CASES),
+                {"D": "launch-bound", "C": "Data loading", "B": "BF16", "A": "host sync"}],
      [{"A": "launch", "B": "precision", "C": "data", "D": "sync"}, {"A": "sync", "B": "precision", "C": "data"},
       {"A": "sync", "B": "data", "C": "precision", "D": "launch"}, "data"]),
     (lab06.q6, [{"gemm": "compute", "elementwise": "memory"}, {"elementwise": "Memory-bound", "gemm": "compute bound"}],

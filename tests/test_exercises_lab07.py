@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 import pytest
-from _exercise_harness import check, exercises_of, hint_and_solution_tests, standard_tests
+from _exercise_harness import as_written, check, exercises_of, hint_and_solution_tests, standard_tests
 
 from lab_utils.exercises import lab07 as ex
 from lab_utils.exercises.framework import Exercise, Status
@@ -37,7 +37,7 @@ def _pbtxt(cfg):
 
 
 def _ens(**changes):
-    cfg = ex.reference_ensemble()
+    cfg = as_written(ex.reference_ensemble())  # a student's own dict: the course's is refused as an answer
     for path, value in changes.items():
         target = cfg
         *head, last = path.split("__")
@@ -47,12 +47,12 @@ def _ens(**changes):
     return cfg
 
 
-_swapped = ex.reference_ensemble()
+_swapped = as_written(ex.reference_ensemble())
 _steps = _swapped["ensemble_scheduling"]["step"]
 _steps[0], _steps[1] = _steps[1], _steps[0]
-_reordered = {k: ex.reference_ensemble()[k] for k in reversed(list(ex.reference_ensemble()))}
+_reordered = {k: as_written(ex.reference_ensemble())[k] for k in reversed(list(ex.reference_ensemble()))}
 
-Q1_RIGHT = [ex.reference_ensemble(), _pbtxt(ex.reference_ensemble()), _reordered]
+Q1_RIGHT = [as_written(ex.reference_ensemble()), _pbtxt(ex.reference_ensemble()), _reordered]
 Q1_WRONG = [
     _ens(name="digits_service"),  # the service's own name
     _ens(input__0__data_type="TYPE_FP32"),  # a tensor, not the encoded bytes: Triton refuses the load
@@ -181,11 +181,11 @@ Q4_WRONG = [
 
 def _upstreams(svc):
     http, grpc = svc.backends("http"), svc.backends("grpc")
-    rights = [ex.reference_upstream(http),
+    rights = [as_written(ex.reference_upstream(http)),
               "upstream lb {\n    least_conn;\n" + "".join(f"    server {b} weight=2;\n" for b in http)
               + "    keepalive 16;\n}"]
     wrongs = [f"upstream triton_http {{\n    server {http[0]};\n}}",  # one server only
-              ex.reference_upstream(grpc),  # the gRPC ports
+              as_written(ex.reference_upstream(grpc)),  # the gRPC ports
               f"upstream triton_http {{\n    server {http[0]}\n    server {http[1]};\n}}",  # a missing ';'
               "upstream triton_http {\n    server 127.0.0.1;\n}",  # no port: nginx would use 80
               f"upstream triton_http {{\n    server {http[0]} weight=5;\n    server {http[1]};\n}}"]  # lopsided
@@ -317,7 +317,7 @@ def test_wrong_answers_are_told_their_symptom(svc):
 
 def test_checks_without_a_service_are_not_applicable_or_offline(monkeypatch):
     monkeypatch.setattr(ex, "_BOUND", [])
-    assert check(ex.q1, ex.reference_ensemble()).status is Status.NOT_APPLICABLE
+    assert check(ex.q1, as_written(ex.reference_ensemble())).status is Status.NOT_APPLICABLE
     assert check(ex.q3, "upstream a { server 127.0.0.1:1; }").status is Status.NOT_APPLICABLE
     out = check(ex.q2, ex.reference_preprocess)  # graded against the reference preprocessing instead
     assert out.correct and "reference preprocessing" in out.message

@@ -12,7 +12,14 @@ from statistics import NormalDist
 
 import numpy as np
 import pytest
-from _exercise_harness import check, exercises_of, hint_and_solution_tests, solution_functions, standard_tests
+from _exercise_harness import (
+    as_written,
+    check,
+    exercises_of,
+    hint_and_solution_tests,
+    solution_functions,
+    standard_tests,
+)
 from _prometheus import require_prometheus
 
 from lab_utils.exercises import lab08 as ex
@@ -377,7 +384,7 @@ def test_q6_verdict(monkeypatch):
     real, noise = _ab(0.94), _ab(0.905)
     assert real.real and not noise.real
     ex.use_ab(real)
-    _assert_right(ex.q6, ["real", "Yes", True, ex.reference_verdict(real)])
+    _assert_right(ex.q6, ["real", "Yes", True, as_written(ex.reference_verdict(real))])
     _assert_told(ex.q6, [("not real", "excludes 0"), ("no", "excludes 0"), ("maybe", 'answer "real" or "not real"')])
     _assert_blank(ex.q6)
     ex.use_ab(noise)

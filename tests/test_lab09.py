@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from _exercise_harness import check, exercises_of, hint_and_solution_tests, standard_tests
+from _exercise_harness import as_written, check, exercises_of, hint_and_solution_tests, standard_tests
 
 from lab_utils.exercises import lab09
 from lab_utils.exercises.framework import Status
@@ -152,7 +152,7 @@ def tt_extra_step(prefill_ms, decode_ms, batch, new_tokens):
     return ttft, tpot, batch * new_tokens / ((ttft + new_tokens * tpot) / 1000)
 
 
-NIM = dict(lab09.NIM_REQUEST)
+NIM = as_written(lab09.NIM_REQUEST)
 NIM_REORDERED = {"stream": True, "max_tokens": 128, "temperature": 0.2,
                  "messages": [{"role": "system", "content": "Be brief."},
                               {"content": "What is a KV cache?", "role": "user"}],

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from _exercise_harness import solution_functions, student_function
+from _exercise_harness import as_written, solution_functions, student_function
 
 from lab_utils.exercises.framework import REFERENCES, CodeExercise, Exercise, Outcome, Status
 
@@ -307,3 +307,91 @@ def test_a_refused_check_leaves_the_exercise_as_it_was():
     assert check("00", "cuda_verdict", ex.cuda_verdict).status is Status.INCORRECT
     assert exercise.lab == ex.q5.lab == ex.__name__
     assert check("00", "cuda_verdict", solution_functions("00")["cuda_verdict"]).correct
+
+
+# --- the course's own objects are no answer: a public constant, what a public helper returned, a copy of either ----
+
+ALL_LABS = (*LABS, "09")
+MODULES["09"] = importlib.import_module("lab_utils.exercises.lab09")
+
+
+def _verdict_of(result: Any) -> Any:
+    ex = MODULES["08"]
+    ex._BOUND["ab"] = result  # the grader compares with it (use_ab without its print)
+    return ex.reference_verdict(result)
+
+
+_AB = types.SimpleNamespace(boot_low=0.01, boot_high=0.03, test=types.SimpleNamespace(p_value=0.01, diff=0.02))
+HANDED_OUT = [  # (lab, exercise, the answer, the course's name for it)
+    ("06", "q5", lambda ex: ex.DIAGNOSIS_CASES, "lab_utils.exercises.lab06.DIAGNOSIS_CASES"),
+    ("09", "q7", lambda ex: ex.H200_RIDGE, "lab_utils.exercises.lab09.H200_RIDGE"),
+    ("09", "q9", lambda ex: ex.NIM_REQUEST, "lab_utils.exercises.lab09.NIM_REQUEST"),
+    ("09", "q9", lambda ex: dict(ex.NIM_REQUEST), "a copy of lab_utils.exercises.lab09.NIM_REQUEST"),
+    ("07", "q1", lambda ex: ex.reference_ensemble(), "what lab_utils.exercises.lab07.reference_ensemble(...) returned"),
+    ("07", "q1", lambda ex: {**ex.reference_ensemble()}, "a copy of what lab_utils.exercises.lab07.reference_ensemble"),
+    ("07", "q3", lambda ex: ex.reference_upstream(["127.0.0.1:8000", "127.0.0.1:8001"]),
+     "what lab_utils.exercises.lab07.reference_upstream(...) returned"),
+    ("08", "q6", lambda ex: _verdict_of(_AB), "what lab_utils.exercises.lab08.reference_verdict(...) returned"),
+]
+
+
+@pytest.mark.parametrize(("lab", "q", "make", "named"), HANDED_OUT, ids=[f"{lab}.{q}:{n.split('.')[-1][:24]}"
+                                                                          for lab, q, _, n in HANDED_OUT])
+def test_the_courses_own_value_is_refused_before_grading(lab, q, make, named, monkeypatch):
+    ex = MODULES[lab]
+    if lab in ("07", "08"):  # no service, no A/B result: nothing to grade with
+        monkeypatch.setattr(ex, "_BOUND", {} if lab == "08" else [])
+    answer = make(ex)
+    exercise = getattr(ex, q)
+    out = exercise.check(answer, quiet=True)
+    assert out.status is Status.INCORRECT and f"your answer is {named}" in out.message, str(out)
+    assert out.message.endswith(f"Write `{exercise.var}` yourself") and "\n" not in str(out), str(out)
+    probe_ = copy.copy(exercise)
+    probe_.grade = must_not_run
+    assert probe_.check(answer, quiet=True).status is Status.INCORRECT
+    # The same answer written out by hand is graded (right, or not applicable here without a service).
+    if lab == "08":
+        ex._BOUND["ab"] = _AB
+    own = exercise.check(as_written(answer) if lab != "09" or q != "q7" else 989e12 / 4.8e12, quiet=True)
+    assert "your answer is" not in own.message and own.status in (Status.CORRECT, Status.NOT_APPLICABLE), str(own)
+
+
+def _identifiable_constants(module: types.ModuleType) -> dict[str, Any]:
+    from lab_utils.exercises.framework import _identifiable
+
+    public = getattr(module, "__all__", None) or [n for n in vars(module) if not n.startswith("_")]
+    return {n: getattr(module, n) for n in public if _identifiable(getattr(module, n))}
+
+
+@pytest.mark.parametrize("lab", ALL_LABS)
+def test_no_public_constant_of_a_lab_passes_any_of_its_checks(lab):
+    """Every exercise of every lab, against every public constant of the lab's module: refused, never graded."""
+    module = MODULES[lab]
+    constants = _identifiable_constants(module)
+    assert constants, lab
+    for exercise in (v for v in vars(module).values() if type(v) in (Exercise, CodeExercise)):  # 00.3: two answers
+        probe_ = copy.copy(exercise)
+        probe_.grade = must_not_run
+        if isinstance(probe_, CodeExercise):
+            probe_.applicable = None
+        for name, value in constants.items():
+            out = probe_.check(value, quiet=True)
+            assert out.status is Status.INCORRECT, (exercise.name, name, str(out))
+            if not isinstance(exercise, CodeExercise):  # a code exercise says first that it wants a function
+                assert f"your answer is {module.__name__}.{name}" in out.message or \
+                       "your answer is lab_utils." in out.message, (exercise.name, name, str(out))
+
+
+@pytest.mark.parametrize("lab", ALL_LABS)
+def test_every_value_exercises_reference_is_remembered(lab):
+    """A value exercise's reference_* (a later cell's stand-in) is ``hands_out``: its result cannot be the answer."""
+    module = MODULES[lab]
+    for exercise in (v for v in vars(module).values() if isinstance(v, Exercise) and not isinstance(v, CodeExercise)):
+        row = REFERENCES.get(f"lab{lab}.{exercise.var}")
+        for target in row.targets if row else ():
+            fn = resolve(target)
+            if target.startswith("lab_utils.exercises."):
+                assert getattr(fn, "__hands_out__", False), f"{target}: decorate it with @hands_out"
+    helpers = [n for n in getattr(module, "__all__", ()) if n.startswith("reference_")]
+    named = {t.rpartition(".")[2] for k, r in REFERENCES.items() if k.startswith(f"lab{lab}.") for t in r.targets}
+    assert lab == "09" or set(helpers) <= named, set(helpers) - named

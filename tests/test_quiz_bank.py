@@ -378,3 +378,36 @@ def test_uncovered_row_is_reported():
     row = {"id": "s1.not_a_real_row", "section": 1, "en": "x", "zh": "x"}
     covered = {r for q in QUESTIONS for r in q["rows"]}
     assert [r["id"] for r in ROWS + [row] if r["id"] not in covered] == [row["id"]]
+
+
+# ---------------------------------------------------------------- links and answers a student can trust
+
+
+@pytest.mark.parametrize(("lab", "valid"), [("00", True), ("05", True), ("06", True), ("07", True), ("08", True),
+                                            ("09", False), ("6", False)])
+def test_a_question_may_link_any_lab_from_00_to_08(lab, valid):
+    """Labs 06-08 measured facts the review asks about (profiling, the service, MLOps); 09 is the review itself."""
+    section = copy.deepcopy(SECTIONS[2])
+    question = next(q for q in section["questions"] if q.get("lab"))
+    question["lab"]["lab"] = lab
+    assert (not schema_errors(section)) is valid, schema_errors(section)
+
+
+QUESTION = {q["id"]: q for q in QUESTIONS}
+
+
+def test_questions_once_open_to_two_answers_have_one():
+    # An order of steps where serving and packaging could be swapped: now a containment, inside out.
+    relation = QUESTION["s2-relation-inside-out"]
+    assert "innermost" in relation["prompt"]["en"] and "最内层" in relation["prompt"]["zh"]
+    # AI Enterprise is the supported edition of the layers below, not a rung that must sit in one place.
+    assert "enterprise" not in QUESTION["s1-layers-bottom-to-top"]["choices"]
+    # Run:ai also schedules GPUs (orchestration): in or out of "monitoring tools" were both defensible.
+    tools = QUESTION["s4-monitoring-tools"]
+    assert all("Run:ai" not in c["en"] for c in tools["choices"].values())
+
+
+def test_the_chinese_of_a_choice_claims_no_more_than_its_english():
+    # s4-dcgm-gpu-util's first choice once added, in Chinese only, that optimizing the code could no longer help.
+    choice = QUESTION["s4-dcgm-gpu-util"]["choices"]["a"]
+    assert "优化" not in choice["zh"] and "optimi" not in choice["en"]

@@ -428,6 +428,13 @@ def _grade_matmul_tflops(fn: Any) -> str:
         if not isinstance(out, torch.Tensor) or tuple(out.shape) != (n, n):
             shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
             raise Wrong(f"the function you timed returned {shape}, not the {n}x{n} product: time lambda: a @ b")
+        first = out.reshape(-1)[0]
+        if bool(torch.all(out == first)):  # zeros or ones in, a constant out: no data to multiply
+            what = "all zeros" if float(first) == 0 else f"{float(first):g} in every element"
+            raise Wrong(f"the product you timed is {what}: inputs from torch.zeros, torch.ones or torch.full (or no "
+                        "matmul at all) measure no real work. A GPU multiplies zeros faster than real data (they draw "
+                        "less power: 894 against 788 TFLOP/s bf16 on an H200), so the rate would flatter it. Make "
+                        "the inputs with torch.randn, once, and time lambda: a @ b.")
         a = torch.randn(n, n, device=device)
         b = torch.randn(n, n, device=device)
         ratio = _ratio_to_reference(last, lambda: a @ b, device, reps=5, band=(0.2, 5))

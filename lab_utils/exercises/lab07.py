@@ -31,6 +31,7 @@ from lab_utils.exercises.framework import (
     Exercise,
     NotApplicable,
     Wrong,
+    hands_out,
     integer,
     number,
     run_student,
@@ -92,6 +93,7 @@ def _service() -> Any:
 # --- reference implementations (later cells use these) ------------------------------------------------------
 
 
+@hands_out  # its result passes the check it answers: refused as an answer
 def reference_ensemble(name: str = Q1_NAME) -> dict[str, Any]:
     """PNG bytes -> digits_preprocess -> digits_classifier -> digits_postprocess -> top-3 labels and scores."""
     return {
@@ -150,6 +152,7 @@ def reference_find_capacity(probe: Callable[[float], Any], lo_rps: float, hi_rps
     return lo_rps
 
 
+@hands_out  # its result passes the check it answers: refused as an answer
 def reference_upstream(backends: list[str]) -> str:
     """An upstream block over ``backends`` (``host:port`` of each Triton's HTTP endpoint)."""
     lines = "\n".join(f"    server {b};" for b in backends)

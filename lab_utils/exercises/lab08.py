@@ -32,6 +32,7 @@ from lab_utils.exercises.framework import (
     Wrong,
     _short,
     choice,
+    hands_out,
     integer,
     number,
     run_student,
@@ -224,6 +225,7 @@ def reference_psi(reference: Any, current: Any, bins: int = 10) -> float:
     return float(np.sum((c - r) * np.log(c / r)))
 
 
+@hands_out  # its result passes the check it answers: refused as an answer
 def reference_verdict(result: Any) -> str:
     """``"real"`` when the 95 % interval of B - A excludes 0, else ``"not real"``."""
     return "not real" if result.boot_low <= 0 <= result.boot_high else "real"

@@ -52,6 +52,8 @@ GLOSSARY_PATH = repo_root() / "docs" / "glossary.md"
 _T = {
     "missing": {"en": "missing", "zh": "漏选"},
     "extra": {"en": "not part of the answer", "zh": "多选"},
+    "n_missing": {"en": "{n} right ones missing", "zh": "漏选 {n} 项"},
+    "n_extra": {"en": "{n} not part of the answer", "zh": "多选 {n} 项"},
     "why": {"en": "Why", "zh": "解析"},
     "answer": {"en": "Answer", "zh": "答案"},
     "lab": {"en": "Measured in lab", "zh": "相关实验"},
@@ -87,6 +89,9 @@ _T = {
     Status.NOT_ATTEMPTED.value: {"en": "not attempted", "zh": "未作答"},
     Status.NOT_APPLICABLE.value: {"en": "not applicable on this tier", "zh": "本环境不适用"},
     Status.NOT_NOW.value: {"en": "not checked now", "zh": "暂未检查"},
+    "retry": {"en": "Try again: the answer and its explanation come after a second wrong answer ({hint} gives a hint "
+                    "first).",
+              "zh": "请再试一次：再答错一次才会显示答案和解析（可先用 {hint} 查看提示）。"},
 }
 
 
@@ -220,17 +225,38 @@ class Question:
 
     # -- grading ----------------------------------------------------------------------------------------------
 
-    def grade(self, value: Any, language: str = "en") -> None:
-        """Return when ``value`` is right; raise ``Wrong`` saying why when not (then the explanation)."""
+    def grade(self, value: Any, language: str = "en", explain: bool = True, name_keys: bool = True) -> None:
+        """Return when ``value`` is right; raise ``Wrong`` saying why when not (then, with ``explain``, the
+        explanation). Without ``name_keys`` a multiple choice says how many keys are missing or extra, not which."""
         lang = _lang(language)
         try:
-            _GRADERS[self.form](self, value, lang)
+            if self.form == "multi":  # which keys are missing would be the key itself
+                _grade_multi(self, value, lang, name_keys=name_keys)
+            else:
+                _GRADERS[self.form](self, value, lang)
         except Wrong as why:
-            raise Wrong(f"{why} {_tr('why', lang)}: {self.explanation[lang]}") from None
+            raise Wrong(f"{why} {_tr('why', lang)}: {self.explanation[lang]}" if explain else str(why)) from None
 
-    def exercise(self, language: str = "en", var: str = "answer") -> Exercise:
-        """This question as a framework ``Exercise``: ``.check(answer)`` prints and returns the ``Outcome``."""
+    def exercise(self, language: str = "en", var: str = "answer", hint_call: str = "") -> Exercise:
+        """This question as a framework ``Exercise``: ``.check(answer)`` prints and returns the ``Outcome``.
+
+        A first wrong answer is told what is wrong and asked to try again (``hint_call``, e.g. ``runner.hint('id')``,
+        named for a hint); from the second on, the answer and its explanation come with it: the key is not given
+        away by one guess."""
         lang = _lang(language)
+        hint_call = hint_call or "hint()"
+        wrong = [0]  # wrong answers so far
+
+        def grade(value: Any) -> None:
+            try:
+                self.grade(value, lang, explain=False, name_keys=wrong[0] > 0)
+            except Wrong as why:
+                wrong[0] += 1
+                if wrong[0] < 2:
+                    raise Wrong(f"{why} {_tr('retry', lang).format(hint=f'`{hint_call}`')}") from None
+                raise Wrong(f"{why} {_tr('answer', lang)}: {self.answer_text(lang)}. {_tr('why', lang)}: "
+                            f"{self.explanation[lang]}") from None
+
         hints = []
         if self.rows:
             rows = [t.get(lang) or r for r, t in zip(self.rows, self.row_text, strict=True)] if self.row_text \
@@ -242,8 +268,9 @@ class Question:
         return Exercise(
             name=f"09 quiz {self.id}",
             var=var,
-            grade=lambda value: self.grade(value, lang),
+            grade=grade,
             hints=hints,
+            hint_call=hint_call,
             solution_text=f"{_tr('answer', lang)}: {self.answer_text(lang)}\n{_tr('why', lang)}: "
                           f"{self.explanation[lang]}",
         )
@@ -323,11 +350,14 @@ def _grade_single(q: Question, value: Any, lang: str) -> None:
         raise Wrong(f"{got}) {q._choice_text(got, lang)}: {_tr('not_right', lang)}.")
 
 
-def _grade_multi(q: Question, value: Any, lang: str) -> None:
+def _grade_multi(q: Question, value: Any, lang: str, name_keys: bool = True) -> None:
     got = {_lookup(q, v, lang) for v in _items(value, q._keys())}
     want = set(q.answer)
     if got == want:
         return
+    if not name_keys:  # how many, not which
+        counts = [(_tr("n_missing", lang), len(want - got)), (_tr("n_extra", lang), len(got - want))]
+        raise Wrong("; ".join(text.format(n=n) for text, n in counts if n) + ".")
     parts = []
     if missing := [k for k in q.answer if k not in got]:
         parts.append(f"{_tr('missing', lang)}: {', '.join(missing)}")
@@ -635,7 +665,8 @@ class QuizRunner:
     The choices are shuffled by ``seed`` too (``shuffled``; ``shuffle=False`` shows the bank's order): the letters
     shown are the letters graded, and ``key()`` gives them.
 
-    One at a time: ``next()`` shows a question, ``answer(x)`` grades it at once (with the explanation). A section at
+    One at a time: ``next()`` shows a question, ``answer(x)`` grades it at once (a wrong answer gets one more try
+    before the answer and its explanation are shown). A section at
     a time: ``show(section)`` prints its questions, ``check(answers, section)`` grades a dict ``{id: answer}``.
     ``score()`` is a table per section; ``missed()`` lists what was wrong or left blank, with the right answer;
     ``hint(id)`` and ``solution(id)`` help with one question.
@@ -689,11 +720,12 @@ class QuizRunner:
         return self._current
 
     def answer(self, value: Any, quiet: bool = False) -> Outcome:
-        """Grade ``value`` for the question ``next()`` showed last; prints the outcome and the explanation."""
+        """Grade ``value`` for the question ``next()`` showed last; prints the outcome, and the explanation when it
+        is right (a wrong one gets one more try before the answer is shown)."""
         q = self._current
         if q is None:
             raise RuntimeError("no question is open: call runner.next() first")
-        out = self._grade(q, value)
+        out = self._grade(q, value, "runner.answer(...)")
         if not quiet:
             print(out)
             if out.status is Status.CORRECT:
@@ -702,8 +734,10 @@ class QuizRunner:
                 print(f"   {lab}")
         return out
 
-    def _grade(self, q: Question, value: Any) -> Outcome:
-        out = self._exercise(q).check(value, quiet=True)
+    def _grade(self, q: Question, value: Any, var: str) -> Outcome:
+        exercise = self._exercise(q)
+        exercise.var = var  # the name the student wrote it under, in the outcome's message
+        out = exercise.check(value, quiet=True)
         self.outcomes[q.id] = out
         self.given[q.id] = value
         return out
@@ -729,14 +763,16 @@ class QuizRunner:
               quiet: bool = False) -> list[Outcome]:
         """Grade ``answers`` (``{id: answer}``; ``None`` is all blank) for the questions of ``section`` (or all).
 
-        Prints one line per question (wrong ones with why and the explanation) and the section's tally."""
+        Prints one line per question (wrong ones with why; from a question's second wrong answer on, its answer and
+        explanation too) and the section's tally."""
         if answers is not None and not isinstance(answers, Mapping):
             raise TypeError(f"answers should be a dict {{question id: answer}}, got {type(answers).__name__}")
         answers = answers or {}
         qs = self.in_section(section)
         if unknown := sorted(set(answers) - {q.id for q in qs}):
             print(f"(ignored: {', '.join(unknown)} not among these questions)")
-        outs = [self._grade(q, answers.get(q.id)) for q in qs]
+        name = f"answers_s{section}" if section is not None else "answers"  # the notebook's dict of the section
+        outs = [self._grade(q, answers.get(q.id), f"{name}[{q.id!r}]") for q in qs]
         if not quiet:
             for o in outs:
                 print(o)
@@ -762,7 +798,8 @@ class QuizRunner:
         # Graded as shown: the exercise is the shown question's, made again if another object stands for the id.
         held = self._exercises.get(q.id)
         if held is None or held[0] is not q:
-            held = self._exercises[q.id] = (q, q.exercise(self.language, var=f"answers[{q.id!r}]"))
+            held = self._exercises[q.id] = (q, q.exercise(self.language, var=f"answers[{q.id!r}]",
+                                                          hint_call=f"runner.hint({q.id!r})"))
         return held[1]
 
     # results
@@ -808,6 +845,45 @@ def _first(n: int) -> Any:
     return lambda q, lang: q._keys()[:n]
 
 
+_WORD = re.compile(r"[a-z0-9]+|[\u4e00-\u9fff]")  # a Latin word or number, or one Chinese character
+
+
+_STOP = frozenset("the and with that for from this its are was were has have into than then them they their what "
+                  "which who how why when where does not one all any can per".split())  # words every choice has
+_STOP_ZH = frozenset("的了是在和与或一个不这那其它们哪些以及")
+
+
+def _words(text: str) -> set[str]:
+    """The words a guesser would compare: Latin words of 3+ letters and Chinese characters, common ones left out."""
+    return {w for w in _WORD.findall(text.lower()) if (len(w) > 2 and w not in _STOP) or
+            (not w.isascii() and w not in _STOP_ZH)}
+
+
+def _by_shared_words(q: Question, lang: str, side: str | None = None, text: str | None = None) -> list[str]:
+    """The keys, the choice sharing most words with the question (or ``text``) first; a tie keeps the shown order."""
+    asked = _words(text if text is not None else q.prompt[lang])
+    return sorted(q._keys(side), key=lambda k: -len(asked & _words(q._choice_text(k, lang, side))))
+
+
+def _pairs_by_shared_words(q: Question, lang: str) -> dict[str, str]:
+    """Each left item with the right one sharing most words with it (a right one may be used twice)."""
+    return {a: _by_shared_words(q, lang, "right", q._choice_text(a, lang, "left"))[0] for a in q._keys("left")}
+
+
+def _number_in_prompt(q: Question, lang: str) -> Any:
+    numbers = _NUMBER_IN_TEXT.findall(q.prompt[lang].replace(",", ""))
+    return float(numbers[0]) if numbers else None
+
+
+_NUMBER_IN_TEXT = re.compile(r"\d+(?:\.\d+)?")
+
+
+def _median_of(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
 def _always(key: str) -> Any:
     return lambda q, lang: key
 
@@ -826,6 +902,19 @@ STRATEGIES: dict[str, dict[str, Any]] = {
     "as listed": {"order": lambda q, lang: q._keys()},
     "pairs in listed order": {"match": lambda q, lang: dict(zip(q._keys("left"), q._keys("right"), strict=False))},
     "a, and the first three of several": {"single": _always("a"), "multi": _first(3)},
+    "most words shared with the question": {"single": lambda q, lang: _by_shared_words(q, lang)[0]},
+    "the two sharing most words": {"multi": lambda q, lang: _by_shared_words(q, lang)[:2]},
+    "the three sharing most words": {"multi": lambda q, lang: _by_shared_words(q, lang)[:3]},
+    "pairs sharing most words": {"match": _pairs_by_shared_words},
+    "ordered by words shared": {"order": lambda q, lang: _by_shared_words(q, lang)},
+    "fewest words shared with the question": {"single": lambda q, lang: _by_shared_words(q, lang)[-1]},
+    "every choice sharing a word with the question": {
+        "multi": lambda q, lang: [k for k in q._keys() if _words(q.prompt[lang]) & _words(q._choice_text(k, lang))]
+        or q._keys()[:1]},
+    "none of them": {"multi": lambda q, lang: []},
+    "in reverse": {"order": lambda q, lang: q._keys()[::-1]},
+    "a number in the question": {"numeric": _number_in_prompt},
+    "the median answer of the bank": {"numeric": "median"},  # filled in by strategy_scores from the questions
 }
 
 
@@ -835,6 +924,8 @@ def strategy_scores(questions: Sequence[Question] | Bank, language: str = "en") 
     (right / every question)."""
     lang = _lang(language)
     qs = list(questions)
+    numbers = [float(q.answer["value"]) for q in qs if q.form == "numeric"]
+    median = _median_of(numbers) if numbers else 0.0
     rows = []
     for name, forms in STRATEGIES.items():
         answered = right = 0
@@ -842,8 +933,12 @@ def strategy_scores(questions: Sequence[Question] | Bank, language: str = "en") 
             if q.form not in forms:
                 continue
             answered += 1
+            pick = forms[q.form]
+            guess = median if pick == "median" else pick(q, lang)
             try:
-                q.grade(forms[q.form](q, lang), lang)
+                if guess is None or guess == []:  # a strategy with no guess here, or "none of them": wrong
+                    raise Wrong("no answer")
+                q.grade(guess, lang, explain=False, name_keys=False)
             except Wrong:
                 continue
             right += 1
