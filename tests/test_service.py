@@ -109,6 +109,61 @@ def test_accuracy_through_nginx_over_both_protocols_and_both_servers(svc):
     assert all(svc.health().values())
 
 
+# every route family of Triton's APIs that the front door must refuse: (call, args), for both tritonclients
+REFUSED_CALLS = [("unload_model", ("{model}",)), ("load_model", ("{model}",)), ("get_model_repository_index", ()),
+                 ("get_inference_statistics", ()), ("get_inference_statistics", ("{model}",)),
+                 ("get_server_metadata", ()), ("get_system_shared_memory_status", ()),
+                 ("register_system_shared_memory", ("r", "/nvlab_no_such_region", 64)),
+                 ("unregister_system_shared_memory", ()), ("get_cuda_shared_memory_status", ()),
+                 ("get_trace_settings", ()), ("update_trace_settings", ("{model}", {"trace_level": ["TIMESTAMPS"]})),
+                 ("get_log_settings", ()), ("update_log_settings", ({"log_verbose_level": 1},))]
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_the_front_door_refuses_model_control_and_every_operator_route(svc, protocol):
+    """With the client's API key, a request to unload the model, read the repository index, the statistics, the
+    server's metadata, shared memory, trace or log settings is refused at the door (HTTP 403, gRPC
+    PERMISSION_DENIED, with the reason), no Triton server sees it, and the model serves on; inference, model
+    metadata, config, readiness and health pass."""
+    from tritonclient.utils import InferenceServerException
+
+    c = triton_client.client(svc.url(protocol), protocol)
+    key, t0 = {k.lower(): v for k, v in svc.headers.items()}, time.time()  # gRPC metadata keys are lowercase
+    try:
+        assert c.is_server_live(headers=key) and c.is_server_ready(headers=key)
+        assert c.is_model_ready(svc.model, headers=key)
+        assert c.get_model_metadata(svc.model, headers=key) and c.get_model_config(svc.model, headers=key)
+        passed = len(svc.lb.access_rows(since=t0))
+        for name, args in REFUSED_CALLS:
+            args = tuple(a.format(model=svc.model) if isinstance(a, str) else a for a in args)
+            with pytest.raises(InferenceServerException) as refused:
+                getattr(c, name)(*args, headers=key)
+            want = "403" if protocol == "http" else "StatusCode.PERMISSION_DENIED"
+            assert refused.value.status() == want and "not served through the front door" in \
+                refused.value.message(), (name, refused.value.status(), refused.value.message())
+    finally:
+        c.close()
+    if protocol == "http":  # Triton's LLM routes, and an unload hidden behind a dot segment: plain POSTs
+        import http.client
+
+        for path in (f"/v2/models/{svc.model}/generate", f"/v2/models/{svc.model}/generate_stream",
+                     f"/v2/models/{svc.model}/infer/../../../repository/models/{svc.model}/unload"):
+            conn = http.client.HTTPConnection(svc.lb.host, svc.lb.http_port, timeout=10)  # the path as written
+            try:
+                conn.request("POST", path, b"{}", {**svc.headers, "Content-Type": "application/json"})
+                r = conn.getresponse()
+                status, answer = r.status, json.loads(r.read())
+            finally:
+                conn.close()
+            assert status == 403 and "not served through the front door" in answer["error"], (path, status, answer)
+    rows = svc.lb.access_rows(since=t0)[passed:]
+    assert len(rows) >= len(REFUSED_CALLS) and all(r["upstream"] is None for r in rows), rows  # refused at the door
+    good = ens.digits_pngs("test", 1)[0]
+    assert all(svc.health().values()) and svc.classify(good, protocol)[0][0][0] in ens.DIGIT_LABELS
+    states = {m["name"]: m.get("state") for m in triton_client.repository_index(svc.servers[0].grpc_url)}
+    assert states[svc.model] == "READY"  # the unload never reached a server
+
+
 def _png(size, noise=False):
     from PIL import Image
 

@@ -57,6 +57,29 @@ _KEY = re.compile(r"[A-Za-z0-9_-]{8,256}")  # what a map key may hold unquoted: 
 _SIZE = re.compile(r"(\d+)([kKmMgG]?)")
 
 
+# The routes the front door passes to Triton; every other request gets 403 before any server sees it (an allowlist:
+# a route Triton adds later stays shut). Clients need inference, the model's metadata, config and readiness, and
+# health. Model control (load/unload), the repository index, statistics, server metadata, shared memory, tracing,
+# logging, generate and streams stay on the servers' own ports: an API key lets a client send requests, not run the
+# server. The path is matched as the client sent it (nginx passes that form on to Triton): no %-escapes, no dot
+# segments, model names of letters, digits, '_', '-' and '.'. Prometheus scrapes each Triton's metrics port, not
+# nginx, so the statistics need no route here either.
+_NAME = r"[A-Za-z0-9_-][A-Za-z0-9_.-]*"
+HTTP_ROUTES = (  # (methods, path regex) of what passes, a query string allowed after it
+    ("GET|HEAD", r"/v2/health/(live|ready)"),
+    ("GET|HEAD", rf"/v2/models/(?!stats(\?|$)){_NAME}(/versions/[0-9]+)?(/config|/ready)?"),
+    ("POST", rf"/v2/models/{_NAME}(/versions/[0-9]+)?/infer"),
+)
+GRPC_SERVICE = "inference.GRPCInferenceService"
+GRPC_METHODS = ("ServerLive", "ServerReady", "ModelReady", "ModelMetadata", "ModelConfig", "ModelInfer")
+ROUTE_WORDS = ("this route is not served through the front door: it passes inference "
+               "(POST /v2/models/NAME/infer), model metadata, config and readiness (GET "
+               "/v2/models/NAME[/config|/ready]) and health (GET /v2/health/live|ready); model control, the "
+               "repository, statistics and the server settings are for the operator, on the port of each Triton server")
+GRPC_ROUTE_WORDS = (f"this method is not served through the front door: it passes {', '.join(GRPC_METHODS)} of "
+                    f"{GRPC_SERVICE}; model control, the repository, statistics and the server settings are for the "
+                    "operator, on the port of each Triton server")
+
 UPSTREAM_HEADER = "X-Upstream-Addr"  # response header naming the Triton server that answered (lab 08's canary)
 BAD_TYPE_WORDS = ("unsupported Content-Type: send application/json (KServe v2 JSON, binary tensors after it with "
                   "Inference-Header-Content-Length), not a file upload (multipart), a raw image or text")
@@ -302,6 +325,8 @@ def nginx_config(
     ``http_backends`` / ``grpc_backends``: the servers of the two upstreams (or ``upstream_block`` /
     ``grpc_upstream_block``: an ``upstream NAME { ... }`` written by hand, used as it is). ``api_keys``: requests
     without one of them (``X-API-Key: KEY`` or ``Authorization: Bearer KEY``) get 401; None or () is no check.
+    Only the routes of ``HTTP_ROUTES`` and ``GRPC_METHODS`` pass to the backends (inference, model metadata, config
+    and readiness, health); any other gets 403 (gRPC: PERMISSION_DENIED) with the reason.
     ``client_max_body_size``: larger bodies get 413. ``rate_limit_rps`` (per client address, ``rate_burst``
     requests of slack): requests over it get 429. ``generation`` is served at ``/generation`` on the status
     port, so a reload can be seen to have taken effect. Ports: ``http_port``, ``grpc_port`` (with gRPC
@@ -347,7 +372,12 @@ def nginx_config(
             "    # curl -d and urllib send by default; other bodies (a file upload, a raw image, text) get 415",
             '    map "$request_method:$content_type" $nvlab_bad_type {', "        default 0;", '        "POST:" 0;',
             '        "~*^POST:application/(json|octet-stream|x-www-form-urlencoded)" 0;', '        "~^POST:" 1;',
-            "    }", ""]
+            "    }", "",
+            "    # the routes passed to Triton (an allowlist: everything else 403 before any server sees it)",
+            '    map "$request_method $request_uri" $nvlab_route_ok {', "        default 0;",
+            *[f'        "~^({methods}) {path}(\\?|$)" 1;' for methods, path in HTTP_ROUTES], "    }",
+            "    map $request_uri $nvlab_grpc_route_ok {", "        default 0;",
+            f'        "~^/{re.escape(GRPC_SERVICE)}/({"|".join(GRPC_METHODS)})$" 1;', "    }", ""]
     if keys:
         out += ["    # API key: X-API-Key: KEY, or Authorization: Bearer KEY (401 without one)",
                 "    map $http_x_api_key $nvlab_key_header {", "        default 0;",
@@ -385,6 +415,10 @@ def nginx_config(
     # gRPC's check sits in its location: the server's would refuse the error page's internal redirect too
     grpc_key = (["            if ($nvlab_authorized = 0) {", "                return 401;", "            }"]
                 if keys else [])
+    # the route checks sit in the locations too: an error page's internal redirect is a GET, which they would refuse
+    route = ["            if ($nvlab_route_ok = 0) {",
+             f"""                return 403 '{{"error":"{ROUTE_WORDS}"}}';""", "            }"]
+    grpc_route = ["            if ($nvlab_grpc_route_ok = 0) {", "                return 403;", "            }"]
 
     # nginx's own refusals as JSON {"error": ...}, the form Triton's errors take: tritonclient shows the words
     rate_words = f"{_rate(rate_limit_rps)} per client address" if rate_limit_rps is not None else ""
@@ -399,7 +433,8 @@ def nginx_config(
     # over gRPC a refusal is a gRPC status (grpc-status and grpc-message on an empty answer) that the client reports
     # with its words; an HTTP error page would reach it as UNKNOWN or UNAVAILABLE with none
     grpc_errors = []
-    for code, (status, words) in {401: (16, key_words), 413: (8, refusals[413]), 429: (8, refusals[429]),
+    for code, (status, words) in {401: (16, key_words), 403: (7, GRPC_ROUTE_WORDS), 413: (8, refusals[413]),
+                                  429: (8, refusals[429]),
                                   502: (14, refusals[502]), 504: (14, refusals[504])}.items():
         grpc_errors += [f"        error_page {code} = /nvlab_grpc_error/{code};",
                         f"        location = /nvlab_grpc_error/{code} {{ internal; default_type application/grpc; "
@@ -415,7 +450,7 @@ def nginx_config(
         # length, and nginx allocates only that; gRPC's HTTP/2 bodies do not, and would each get the whole buffer
         out += ["    server {", f"        listen {host}:{http_port};", *guard(),
                 f"        client_body_buffer_size {BODY_BUFFER};  # bodies up to it stay in memory", *media, *errors,
-                "        location / {", *limit,
+                "        location / {", *route, *limit,
                 f"            proxy_pass http://{http_up};",
                 f"            add_header {UPSTREAM_HEADER} $upstream_addr always;  # which server answered",
                 "            proxy_http_version 1.1;  # keep-alive to the backends",
@@ -428,7 +463,7 @@ def nginx_config(
         out += ["    server {", f"        listen {host}:{grpc_port} http2;  # gRPC is HTTP/2",
                 "        http2_max_concurrent_streams 1024;",
                 body_limit, *grpc_errors,
-                "        location / {", *grpc_key, *limit,
+                "        location / {", *grpc_key, *grpc_route, *limit,
                 f"            grpc_pass grpc://{grpc_up};",
                 f'            grpc_set_header {API_KEY_HEADER} "";', '            grpc_set_header Authorization "";',
                 f"            grpc_read_timeout {timeout};", f"            grpc_send_timeout {timeout};",
@@ -911,4 +946,4 @@ __all__ = ["Backend", "NginxServer", "NginxError", "NginxNotFound", "NginxStartE
            "nginx_binary", "missing", "available", "required", "nginx_version", "nginx_config", "check_nginx_config",
            "check_upstream_block", "serve_upstream", "reload_nginx", "read_access_log", "summarize_access",
            "parse_stub_status", "new_api_key", "as_backend", "upstream_name", "leftover_nginx",
-           "API_KEY_HEADER", "REQUIRE_ENV"]
+           "API_KEY_HEADER", "REQUIRE_ENV", "HTTP_ROUTES", "GRPC_METHODS"]
