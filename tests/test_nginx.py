@@ -131,6 +131,50 @@ def test_only_inference_metadata_and_health_pass_the_front_door(lb):
     assert send("GET", "/v2/repository/index")[0] == 403 and fetch(lb.http_url + "/v2/models/stats")[0] == 401
 
 
+def test_a_backends_500_is_a_400_when_the_body_is_malformed_and_stays_a_500_when_not():
+    """Triton answers a body it cannot parse with 500: nginx asks the JSON check, which reads the body again and
+    answers 400 with the reason for a malformed one, 500 (the server's fault) for a well-formed one."""
+    require_nginx()
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from lab_utils.serving.jsoncheck import SERVER_FAULT
+
+    class Failing(BaseHTTPRequestHandler):  # a backend that fails every request, as Triton does a parse error
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            body = b'{"error":"failed to parse the request JSON buffer"}'
+            self.send_response(500)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    backend = ThreadingHTTPServer(("127.0.0.1", 0), Failing)
+    thread = threading.Thread(target=backend.serve_forever, daemon=True)
+    thread.start()
+    address = f"127.0.0.1:{backend.server_address[1]}"
+    good = json.dumps({"inputs": [{"name": "X", "shape": [1], "datatype": "FP32", "data": [1.5]}]}).encode()
+    try:
+        with NginxServer([address], api_keys=()) as server:
+            url = server.http_url + "/v2/models/m/infer"
+            status, body = fetch(url, {"Content-Type": "application/json"}, b'{"inputs": [')
+            assert status == 400 and "not valid JSON" in json.loads(body)["error"]
+            status, body = fetch(url, {"Content-Type": "application/json"}, good)
+            assert status == 500 and json.loads(body)["error"] == SERVER_FAULT
+            rows = server.access_rows()
+            assert [r["upstream"] for r in rows] == [address, address] and rows[0]["tries"] == 1
+        with NginxServer([address], api_keys=(), check_json=False) as server:  # Triton's answer as it is
+            status, body = fetch(server.http_url + "/v2/models/m/infer", {"Content-Type": "application/json"}, b"{")
+            assert status == 500 and "failed to parse" in body
+    finally:
+        backend.shutdown()
+        backend.server_close()
+        thread.join(timeout=5)
+
+
 def test_body_over_the_limit_is_413(lb):
     assert fetch(lb.http_url + "/v2/models/x/infer", lb.auth_headers, b"x" * 1000)[0] == 200
     status, body = fetch(lb.http_url + "/v2/models/x/infer", lb.auth_headers, b"x" * 5000)

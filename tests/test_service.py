@@ -208,6 +208,48 @@ def test_bad_input_is_a_clear_4xx_and_the_service_stays_healthy(svc, protocol):
     assert all(svc.health().values()) and svc.classify([good], protocol)[0][0][0] in ens.DIGIT_LABELS
 
 
+MALFORMED = [  # body -> words of the reason; Triton itself answers each with 500 (its JSON parser's errors)
+    (b'{"inputs": [', "not valid JSON: Expecting value at line 1 column 13"),
+    (b"hello", "not valid JSON"),
+    (b'{"inputs": []} trailing', "not valid JSON: Extra data"),
+    (b'{"inputs": NaN}', "NaN is not JSON"),
+    (b'{"inputs": "\xff"}', "not UTF-8"),
+    (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+    (b"[1, 2, 3]", "is a list, not a JSON object"),
+    (b"{}", 'has no "inputs"'),
+    (b'{"inputs": 5}', '"inputs" is a number, not a list'),
+    (b'{"inputs": [{"shape": [1, 1], "datatype": "BYTES", "data": ["x"]}]}', 'inputs[0] has no "name"'),
+    (b'{"inputs": [{"name": "IMAGE", "shape": "1", "datatype": "BYTES", "data": ["x"]}]}',
+     "inputs[0].shape must be a list of integers >= 0"),
+    (b'{"inputs": [{"name": "IMAGE", "shape": [-1, 1], "datatype": "BYTES", "data": ["x"]}]}',
+     "inputs[0].shape must be a list of integers >= 0, got [-1, 1]"),
+    (b'{"inputs": [{"name": "IMAGE", "shape": [1, 1], "datatype": 5, "data": ["x"]}]}',
+     "inputs[0].datatype is a number, not a string"),
+    (b'{"inputs": [{"name": "IMAGE", "shape": [1, 1], "datatype": "BYTES", "data": [5]}]}',
+     "inputs[0].data holds a number where a BYTES tensor takes strings"),
+    (b'{"inputs": [{"name": "IMAGE", "shape": [1, 1], "datatype": "BYTES", "data": ["x"]}], "outputs": 3}',
+     '"outputs" is a number, not a list'),
+]
+
+
+def test_a_malformed_json_body_is_a_400_naming_the_problem_never_a_500(svc):
+    """Invalid JSON, JSON of the wrong shape or types, no "inputs": Triton calls each an internal error (500); through
+    the front door each is a 400 with a one-line reason, the request counted against the Triton server that got it,
+    and the service healthy after."""
+    t0 = time.time()
+    for body, words in MALFORMED:
+        status, answer = service.send_raw(svc.http_url, body, svc.headers, model=svc.model)
+        assert status == 400 and words in answer["error"] and "\n" not in answer["error"], (body[:60], status, answer)
+    rows = svc.lb.access_rows(since=t0)
+    assert len(rows) == len(MALFORMED) and {r["status"] for r in rows} == {400}
+    assert {r["upstream"] for r in rows} <= set(svc.backends("http"))  # Triton's, not the check's, address
+    # what the model refuses stays Triton's own 400
+    request = {"inputs": [{"name": "IMAGE", "shape": [1, 1], "datatype": "BYTES", "data": ["not an image"]}]}
+    status, answer = service.send_raw(svc.http_url, json.dumps(request).encode(), svc.headers, model=svc.model)
+    assert status == 400 and "not an image file" in answer["error"]
+    assert all(svc.health().values()) and svc.classify(ens.digits_pngs("test", 1)[0])[0][0][0] in ens.DIGIT_LABELS
+
+
 def test_a_body_of_another_type_is_a_415_before_any_server_reads_it(svc):
     """Text, a raw JPEG or a file upload posted to the inference URL: nginx answers 415 naming the type it takes; a
     KServe v2 JSON request with a charset still passes (so does curl -d's form type), and the service stays healthy."""

@@ -42,6 +42,7 @@ from lab_utils.procs import (
     temporary_folder,
     wait_until,
 )
+from lab_utils.serving.jsoncheck import JsonCheck
 
 REQUIRE_ENV = "NVLAB_REQUIRE_NGINX"  # 1: a missing nginx is an error (CI), not a skipped section
 BINARY_ENV = NGINX_ENV  # the path of an nginx binary, or "none" to try a lab's no-nginx path
@@ -319,6 +320,7 @@ def nginx_config(
     grpc_upstream_block: str | None = None,
     generation: int = 0,
     block_lines: dict[str, tuple[int, int]] | None = None,
+    json_check: str | None = None,
 ) -> str:
     """The whole ``nginx.conf``: paths relative to the prefix (``nginx -p PREFIX``), foreground by ``-g``.
 
@@ -331,7 +333,9 @@ def nginx_config(
     requests of slack): requests over it get 429. ``generation`` is served at ``/generation`` on the status
     port, so a reload can be seen to have taken effect. Ports: ``http_port``, ``grpc_port`` (with gRPC
     backends), ``status_port`` (``stub_status``). ``block_lines``, given a dict, receives where each
-    hand-written block sits ({argument: (first line, last line)}), for error messages.
+    hand-written block sits ({argument: (first line, last line)}), for error messages. ``json_check``: the
+    ``host:port`` of a ``jsoncheck.JsonCheck``, which answers in Triton's place when Triton says 500 on HTTP (400
+    and the reason for a malformed body, Triton's parse errors; 500 for a well-formed one); None: Triton's answer.
     """
     if balance not in BALANCE:
         raise ValueError(f"balance={balance!r}: use one of {', '.join(BALANCE)}")
@@ -350,6 +354,8 @@ def nginx_config(
     if http_up is None and grpc_up is None:
         raise ValueError("no backend: give http_backends (Triton's HTTP ports), grpc_backends (its gRPC ports), or "
                          "an upstream_block")
+    if json_check is not None:
+        json_check = check_url(json_check, "json_check", schemes=("http",), bare=True)
     if grpc_up is not None and grpc_port is None:
         raise ValueError("grpc backends need grpc_port (the listener nginx serves gRPC on)")
     timeout = f"{proxy_timeout_s:g}s"
@@ -430,6 +436,15 @@ def nginx_config(
     for code, words in refusals.items():
         errors += [f"        error_page {code} /nvlab_error/{code};",
                    f"        location = /nvlab_error/{code} {{ internal; return {code} '{{\"error\":\"{words}\"}}'; }}"]
+    # Triton answers a body it cannot parse (invalid JSON, wrong shape or types, no "inputs") with 500, an internal
+    # error, though the fault is the client's. nginx cannot read the body: the check reads it again and answers 400
+    # with the reason, or 500 for a well-formed one. Only Triton's 500s take this path (the body is still buffered)
+    check = []
+    if json_check is not None:
+        errors += ["        error_page 500 = @nvlab_json_check;  # Triton's 500: a malformed body is a 400"]
+        check = ["        location @nvlab_json_check {", f"            proxy_pass http://{json_check};",
+                 f'            proxy_set_header {API_KEY_HEADER} "";', '            proxy_set_header Authorization "";',
+                 "            proxy_read_timeout 10s;", "        }"]
     # over gRPC a refusal is a gRPC status (grpc-status and grpc-message on an empty answer) that the client reports
     # with its words; an HTTP error page would reach it as UNKNOWN or UNAVAILABLE with none
     grpc_errors = []
@@ -452,13 +467,14 @@ def nginx_config(
                 f"        client_body_buffer_size {BODY_BUFFER};  # bodies up to it stay in memory", *media, *errors,
                 "        location / {", *route, *limit,
                 f"            proxy_pass http://{http_up};",
+                *(["            proxy_intercept_errors on;  # Triton's 500 goes to the JSON check"] if check else []),
                 f"            add_header {UPSTREAM_HEADER} $upstream_addr always;  # which server answered",
                 "            proxy_http_version 1.1;  # keep-alive to the backends",
                 '            proxy_set_header Connection "";', "            proxy_set_header Host $host;",
                 f'            proxy_set_header {API_KEY_HEADER} "";  # the key stays at the door',
                 '            proxy_set_header Authorization "";',
                 f"            proxy_read_timeout {timeout};", f"            proxy_send_timeout {timeout};",
-                "        }", "    }", ""]
+                "        }", *check, "    }", ""]
     if grpc_up is not None:
         out += ["    server {", f"        listen {host}:{grpc_port} http2;  # gRPC is HTTP/2",
                 "        http2_max_concurrent_streams 1024;",
@@ -506,7 +522,7 @@ _NGINX_MSG = re.compile(r"\[(emerg|alert|crit|error)\] (?:\d+#\d+: )?(.*?)(?: in
 # nginx_config's keywords an NginxServer passes on as they are (``NginxServer.options``) -> their defaults; the
 # others are the server's own (its ports, backends, keys, blocks and their line spans)
 _OWN = {"http_port", "grpc_port", "status_port", "host", "api_keys", "upstream_block", "grpc_upstream_block",
-        "generation", "block_lines"}
+        "generation", "block_lines", "json_check"}
 OPTIONS = {k: p.default for k, p in inspect.signature(nginx_config).parameters.items()
            if p.kind is p.KEYWORD_ONLY and k not in _OWN}
 def _explain(stderr: str, text: str, spans: dict[str, tuple[int, int]] | None = None, *,
@@ -613,8 +629,11 @@ def read_access_log(path: str | os.PathLike[str], since: float | None = None) ->
             continue
         if since is not None and row.get("msec", 0) < since:
             continue
-        addrs = [a.strip() for a in re.split(r"[,:](?=\s)", row.get("upstream_addr", "")) if a.strip() not in ("", "-")]
-        times = _seconds_list(row.get("upstream_response_time", ""))
+        # "a, b" are the servers one upstream tried; " : " starts another after an internal redirect (the JSON check
+        # after Triton's 500): the request's backend is the first upstream's last server
+        first = re.split(r"\s:\s", row.get("upstream_addr", ""))[0]
+        addrs = [a.strip() for a in first.split(",") if a.strip() not in ("", "-")]
+        times = _seconds_list(re.split(r"\s:\s", row.get("upstream_response_time", ""))[0])
         row["request_ms"] = float(row.get("request_time", 0.0)) * 1e3
         row["upstream"] = addrs[-1] if addrs else None
         row["tries"] = len(addrs)
@@ -692,6 +711,8 @@ class NginxServer(OwnedServer, HttpGrpcEndpoints):
 
     ``api_keys=None`` makes one random key (``.api_key``, ``.auth_headers``); ``()`` turns the check off. Ports
     are free loopback ports unless given. ``options``: ``nginx_config``'s ``OPTIONS`` (body size, rate limit...).
+    ``check_json``: a ``JsonCheck`` in this process answers Triton's HTTP 500s (400 and the reason for a malformed
+    body); False leaves Triton's answer as it is.
     """
 
     external = False
@@ -716,6 +737,7 @@ class NginxServer(OwnedServer, HttpGrpcEndpoints):
         startup_timeout_s: float = 15.0,
         stop_grace_s: float | None = None,
         binary: str | None = None,
+        check_json: bool = True,
         **options: Any,
     ):
         unknown = sorted(set(options) - set(OPTIONS))
@@ -730,6 +752,7 @@ class NginxServer(OwnedServer, HttpGrpcEndpoints):
                          startup_timeout_s=startup_timeout_s, stop_grace_s=stop_grace_s)
         self.http_port = self.grpc_port = self.status_port = 0
         self.binary = binary
+        self.json_check = JsonCheck(host) if check_json else None
         self.generation = 0
         self.config_text = ""
         self._render(probe_ports=True)  # a bad argument fails here, before anything starts
@@ -746,7 +769,8 @@ class NginxServer(OwnedServer, HttpGrpcEndpoints):
                             grpc_port=ports[1] if self.has_grpc else None, status_port=ports[2], host=self.host,
                             api_keys=self.api_keys, upstream_block=self.upstream_block,
                             grpc_upstream_block=self.grpc_upstream_block, generation=self.generation,
-                            block_lines=spans, **self.options)
+                            block_lines=spans, json_check=None if probe_ports or self.json_check is None
+                            else self.json_check.address, **self.options)
         return text, spans
 
     # urls and paths ----------------------------------------------------------------------------------------
@@ -809,12 +833,19 @@ class NginxServer(OwnedServer, HttpGrpcEndpoints):
         return self._need_prefix() / "logs" / "stderr.log"
 
     def _prepare(self) -> dict[str, Any]:
+        if self.json_check is not None:
+            self.json_check.start()
         self.folder = owned_tempdir("nginx")
         _prefix_dirs(self.folder)
         self.config_text, spans = self._render()
         self.conf_path.write_text(self.config_text)
         _test(str(self.binary), self.folder, self.conf_path, spans)
         return {"cwd": str(self.folder)}
+
+    def _cleanup(self) -> None:
+        super()._cleanup()
+        if self.json_check is not None:
+            self.json_check.stop()
 
     def _command(self) -> list[str]:
         binary = str(self.binary)
