@@ -5,6 +5,7 @@ running: after stop(), and after the kernel that started it is killed mid-lab.""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -143,6 +144,24 @@ def test_the_front_door_refuses_model_control_and_every_operator_route(svc, prot
                 refused.value.message(), (name, refused.value.status(), refused.value.message())
     finally:
         c.close()
+    if protocol == "grpc":  # a stream carries many requests past the per-request rate limit: refused too
+        import queue
+
+        import tritonclient.grpc as grpcclient
+
+        errors: queue.Queue = queue.Queue()
+        stream = triton_client.client(svc.grpc_url, "grpc")
+        try:
+            stream.start_stream(callback=lambda result, error: errors.put(error), headers=key)
+            image = grpcclient.InferInput(ens.IMAGE, [1, 1], "BYTES")
+            image.set_data_from_numpy(ens.image_batch(ens.digits_pngs("test", 1)[0]))
+            with contextlib.suppress(InferenceServerException):  # the refusal may have ended the stream already
+                stream.async_stream_infer(svc.model, [image])
+            error = errors.get(timeout=10)
+            assert error is not None and "not served through the front door" in str(error), error
+        finally:
+            stream.stop_stream()
+            stream.close()
     if protocol == "http":  # Triton's LLM routes, and an unload hidden behind a dot segment: plain POSTs
         import http.client
 
