@@ -175,6 +175,33 @@ def test_a_backends_500_is_a_400_when_the_body_is_malformed_and_stays_a_500_when
         thread.join(timeout=5)
 
 
+def test_the_json_check_names_what_makes_a_request_malformed():
+    from lab_utils.serving.jsoncheck import request_problem
+
+    good = {"inputs": [{"name": "X", "shape": [1, 2], "datatype": "FP32", "data": [[1, 2.5]]},
+                       {"name": "B", "shape": [1], "datatype": "BOOL", "data": [True]},
+                       {"name": "S", "shape": [1], "datatype": "BYTES", "parameters": {"binary_data_size": 5}}],
+            "outputs": [{"name": "Y"}], "id": "7"}
+    text = json.dumps(good).encode()
+    assert request_problem(text) is None
+    assert request_problem(text + b"\x00\x01binary", header_length=len(text)) is None  # binary tensors after it
+    cases = [(b'{"inputs": [{"name": "X", "shape": [1], "datatype": "FP32", "data": ["1"]}]}', None,
+              "inputs[0].data holds a string where a FP32 tensor takes numbers"),
+             (b'{"inputs": [{"name": "X", "shape": [1], "datatype": "BOOL", "data": [1]}]}', None,
+              "a BOOL tensor takes true or false"),
+             (b'{"inputs": [{"name": "X", "shape": [1.5], "datatype": "FP32", "data": [1]}]}', None,
+              "shape must be a list of integers >= 0, got [1.5]"),
+             (b'{"inputs": [{"name": "X", "datatype": "FP32", "data": [1]}]}', None, 'inputs[0] (X) has no "shape"'),
+             (b'{"inputs": [], "id": 3}', None, '"id" is a number, not a string'),
+             (b'{"inputs": [], "parameters": []}', None, '"parameters" is a list, not an object'),
+             (text, "x", "Inference-Header-Content-Length: 'x' is not a number of bytes"),
+             (text, str(len(text) + 1), f"is not within the body's {len(text)} bytes"),
+             (b"   ", None, "the request body is empty")]
+    for body, length, words in cases:
+        why = request_problem(body, header_length=length)
+        assert why is not None and words in why and "\n" not in why, (body[:50], why)
+
+
 def test_body_over_the_limit_is_413(lb):
     assert fetch(lb.http_url + "/v2/models/x/infer", lb.auth_headers, b"x" * 1000)[0] == 200
     status, body = fetch(lb.http_url + "/v2/models/x/infer", lb.auth_headers, b"x" * 5000)
