@@ -76,34 +76,152 @@ def test_balances_across_two_backends(lb, backends):
 
 
 def test_api_key_required(lb):
-    status, body = fetch(lb.http_url + "/v2")
+    ready = lb.http_url + "/v2/health/ready"
+    status, body = fetch(ready)
     assert status == 401 and "X-API-Key" in body
-    assert fetch(lb.http_url + "/v2", {"X-API-Key": "wrong-key-123"})[0] == 401
-    assert fetch(lb.http_url + "/v2", {"Authorization": f"Bearer {lb.api_key}"})[0] == 200
-    assert fetch(lb.http_url + "/v2", {"X-API-Key": lb.api_key})[0] == 200
+    assert fetch(ready, {"X-API-Key": "wrong-key-123"})[0] == 401
+    assert fetch(ready, {"Authorization": f"Bearer {lb.api_key}"})[0] == 200
+    assert fetch(ready, {"X-API-Key": lb.api_key})[0] == 200
     assert lb.access_rows()[-4]["upstream"] is None  # refused at the door: no backend saw it
 
 
+# Triton's HTTP route families (KServe v2 and Triton's extensions): what the front door passes, and what it refuses
+PASSED = [("GET", "/v2/health/live"), ("GET", "/v2/health/ready"), ("GET", "/v2/models/m"),
+          ("GET", "/v2/models/m/versions/2"), ("GET", "/v2/models/m/config"), ("GET", "/v2/models/m/versions/2/config"),
+          ("GET", "/v2/models/m/ready"), ("GET", "/v2/models/m/versions/2/ready"), ("POST", "/v2/models/m/infer"),
+          ("POST", "/v2/models/m/versions/2/infer"), ("GET", "/v2/health/ready?verbose=1")]
+REFUSED = [("GET", "/v2"), ("GET", "/"), ("GET", "/v2/models/stats"), ("GET", "/v2/models/m/stats"),
+           ("GET", "/v2/models/m/versions/2/stats"), ("POST", "/v2/repository/index"),
+           ("POST", "/v2/repository/models/m/load"), ("POST", "/v2/repository/models/m/unload"),
+           ("GET", "/v2/systemsharedmemory/status"), ("POST", "/v2/systemsharedmemory/region/r/register"),
+           ("POST", "/v2/systemsharedmemory/unregister"), ("GET", "/v2/cudasharedmemory/status"),
+           ("POST", "/v2/cudasharedmemory/region/r/register"), ("GET", "/v2/trace/setting"),
+           ("POST", "/v2/trace/setting"), ("GET", "/v2/models/m/trace/setting"), ("GET", "/v2/logging"),
+           ("POST", "/v2/logging"), ("POST", "/v2/models/m/generate"), ("POST", "/v2/models/m/generate_stream"),
+           ("GET", "/metrics"), ("POST", "/v2/models/m/ready"), ("GET", "/v2/models/m/infer"),
+           # the path as the client sends it is what Triton gets: escapes and dot segments could hide a route
+           ("POST", "/v2/models/m/infer/../../../repository/models/m/unload"),
+           ("POST", "/v2/models/m%2Finfer"), ("POST", "/v2/models/../repository/models/m/infer"),
+           ("POST", "//v2/models/m/infer")]
+
+
+def test_only_inference_metadata_and_health_pass_the_front_door(lb):
+    """An allowlist: every other route family (model control, repository, statistics, server metadata, shared memory,
+    trace, logging, generate) is a 403 with the reason, and no backend sees it."""
+    import http.client
+
+    def send(method: str, path: str) -> tuple[int, str]:
+        conn = http.client.HTTPConnection(lb.host, lb.http_port, timeout=10)  # the path exactly as written
+        try:
+            conn.request(method, path, body=b"{}" if method == "POST" else None,
+                         headers={**lb.auth_headers, "Content-Type": "application/json"})
+            r = conn.getresponse()
+            return r.status, r.read().decode()
+        finally:
+            conn.close()
+
+    for method, path in PASSED:
+        assert send(method, path)[0] == 200, (method, path)
+    seen = len(lb.access_rows())
+    for method, path in REFUSED:
+        status, body = send(method, path)
+        assert status == 403 and "not served through the front door" in json.loads(body)["error"], (method, path)
+    rows = lb.access_rows()[seen:]
+    assert len(rows) == len(REFUSED) and all(r["upstream"] is None for r in rows)  # refused at the door
+    assert send("GET", "/v2/repository/index")[0] == 403 and fetch(lb.http_url + "/v2/models/stats")[0] == 401
+
+
+def test_a_backends_500_is_a_400_when_the_body_is_malformed_and_stays_a_500_when_not():
+    """Triton answers a body it cannot parse with 500: nginx asks the JSON check, which reads the body again and
+    answers 400 with the reason for a malformed one, 500 (the server's fault) for a well-formed one."""
+    require_nginx()
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from lab_utils.serving.jsoncheck import SERVER_FAULT
+
+    class Failing(BaseHTTPRequestHandler):  # a backend that fails every request, as Triton does a parse error
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            body = b'{"error":"failed to parse the request JSON buffer"}'
+            self.send_response(500)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    backend = ThreadingHTTPServer(("127.0.0.1", 0), Failing)
+    thread = threading.Thread(target=backend.serve_forever, daemon=True)
+    thread.start()
+    address = f"127.0.0.1:{backend.server_address[1]}"
+    good = json.dumps({"inputs": [{"name": "X", "shape": [1], "datatype": "FP32", "data": [1.5]}]}).encode()
+    try:
+        with NginxServer([address], api_keys=()) as server:
+            url = server.http_url + "/v2/models/m/infer"
+            status, body = fetch(url, {"Content-Type": "application/json"}, b'{"inputs": [')
+            assert status == 400 and "not valid JSON" in json.loads(body)["error"]
+            status, body = fetch(url, {"Content-Type": "application/json"}, good)
+            assert status == 500 and json.loads(body)["error"] == SERVER_FAULT
+            rows = server.access_rows()
+            assert [r["upstream"] for r in rows] == [address, address] and rows[0]["tries"] == 1
+        with NginxServer([address], api_keys=(), check_json=False) as server:  # Triton's answer as it is
+            status, body = fetch(server.http_url + "/v2/models/m/infer", {"Content-Type": "application/json"}, b"{")
+            assert status == 500 and "failed to parse" in body
+    finally:
+        backend.shutdown()
+        backend.server_close()
+        thread.join(timeout=5)
+
+
+def test_the_json_check_names_what_makes_a_request_malformed():
+    from lab_utils.serving.jsoncheck import request_problem
+
+    good = {"inputs": [{"name": "X", "shape": [1, 2], "datatype": "FP32", "data": [[1, 2.5]]},
+                       {"name": "B", "shape": [1], "datatype": "BOOL", "data": [True]},
+                       {"name": "S", "shape": [1], "datatype": "BYTES", "parameters": {"binary_data_size": 5}}],
+            "outputs": [{"name": "Y"}], "id": "7"}
+    text = json.dumps(good).encode()
+    assert request_problem(text) is None
+    assert request_problem(text + b"\x00\x01binary", header_length=len(text)) is None  # binary tensors after it
+    cases = [(b'{"inputs": [{"name": "X", "shape": [1], "datatype": "FP32", "data": ["1"]}]}', None,
+              "inputs[0].data holds a string where a FP32 tensor takes numbers"),
+             (b'{"inputs": [{"name": "X", "shape": [1], "datatype": "BOOL", "data": [1]}]}', None,
+              "a BOOL tensor takes true or false"),
+             (b'{"inputs": [{"name": "X", "shape": [1.5], "datatype": "FP32", "data": [1]}]}', None,
+              "shape must be a list of integers >= 0, got [1.5]"),
+             (b'{"inputs": [{"name": "X", "datatype": "FP32", "data": [1]}]}', None, 'inputs[0] (X) has no "shape"'),
+             (b'{"inputs": [], "id": 3}', None, '"id" is a number, not a string'),
+             (b'{"inputs": [], "parameters": []}', None, '"parameters" is a list, not an object'),
+             (text, "x", "Inference-Header-Content-Length: 'x' is not a number of bytes"),
+             (text, str(len(text) + 1), f"is not within the body's {len(text)} bytes"),
+             (b"   ", None, "the request body is empty")]
+    for body, length, words in cases:
+        why = request_problem(body, header_length=length)
+        assert why is not None and words in why and "\n" not in why, (body[:50], why)
+
+
 def test_body_over_the_limit_is_413(lb):
-    assert fetch(lb.http_url + "/infer", lb.auth_headers, b"x" * 1000)[0] == 200
-    status, body = fetch(lb.http_url + "/infer", lb.auth_headers, b"x" * 5000)
+    assert fetch(lb.http_url + "/v2/models/x/infer", lb.auth_headers, b"x" * 1000)[0] == 200
+    status, body = fetch(lb.http_url + "/v2/models/x/infer", lb.auth_headers, b"x" * 5000)
     assert status == 413 and json.loads(body) == {"error": "request body over the limit (client_max_body_size 1k)"}
 
 
 def test_rate_limit_is_429(backends):
     a, _ = backends
     with NginxServer([a.address], api_keys=(), rate_limit_rps=2, rate_burst=1) as server:
-        codes = [fetch(server.http_url + "/")[0] for _ in range(8)]
+        codes = [fetch(server.http_url + "/v2/health/live")[0] for _ in range(8)]
         assert codes[:2] == [200, 200] and codes.count(429) >= 5  # 1 + burst 1 pass, the rest come too soon
         assert server.access_summary()["by_status"].get(429) == codes.count(429)
-        status, body = fetch(server.http_url + "/")
+        status, body = fetch(server.http_url + "/v2/health/live")
         assert status == 429 and "over the rate limit (2r/s per client address)" in json.loads(body)["error"]
         assert "limit_req zone=nvlab_rate burst=1 nodelay;" in server.config_text
 
 
 def test_stub_status_counts_requests(lb):
     before = lb.stub_status()
-    fetch(lb.http_url + "/", lb.auth_headers)
+    fetch(lb.http_url + "/v2/health/live", lb.auth_headers)
     after = lb.stub_status()
     assert after["requests"] >= before["requests"] + 2 and after["active"] >= 1  # this request, and /stub_status
 
@@ -115,7 +233,7 @@ def test_weighted_split_and_a_reload_under_load(backends):
         assert len(server.worker_pids()) == 2
         assert "weight=9" in server.config_text and server.api_key == "canary-key-1"
         for _ in range(50):
-            fetch(server.http_url + "/", server.auth_headers)
+            fetch(server.http_url + "/v2/health/live", server.auth_headers)
         split = server.access_summary()["by_upstream"]
         assert split == {a.address: 45, b.address: 5}  # smooth weighted round robin, shared by the workers (zone)
 
@@ -127,7 +245,7 @@ def test_weighted_split_and_a_reload_under_load(backends):
                 server.set_weights(http={a.address: 1, b.address: 1})
                 reloaded.append(time.time())
 
-        target = HttpTarget(server.http_url + "/", headers=server.auth_headers)
+        target = HttpTarget(server.http_url + "/v2/health/live", headers=server.auth_headers)
         r = run_open_loop(target, 100.0, 1.5, warmup_s=0.2, window_s=0.5, on_window=shift, seed=1)
         assert reloaded and r.errors_total == 0 and r.requests > 100  # nothing dropped by the reload
         assert server.generation == 1 and set(server.worker_pids()) - set(workers_before)
@@ -193,7 +311,7 @@ def test_a_hand_written_upstream_block(backends):
     block = f"upstream my_tritons {{\n    server {a.address};\n    server {b.address};\n}}"
     assert check_upstream_block(block) == "my_tritons"
     with serve_upstream(block, api_keys=()) as server:
-        assert {fetch(server.http_url + "/")[1] for _ in range(4)} == {"a", "b"}
+        assert {fetch(server.http_url + "/v2/health/ready")[1] for _ in range(4)} == {"a", "b"}
         assert "proxy_pass http://my_tritons;" in server.config_text
 
 

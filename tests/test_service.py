@@ -5,6 +5,7 @@ running: after stop(), and after the kernel that started it is killed mid-lab.""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -109,6 +110,79 @@ def test_accuracy_through_nginx_over_both_protocols_and_both_servers(svc):
     assert all(svc.health().values())
 
 
+# every route family of Triton's APIs that the front door must refuse: (call, args), for both tritonclients
+REFUSED_CALLS = [("unload_model", ("{model}",)), ("load_model", ("{model}",)), ("get_model_repository_index", ()),
+                 ("get_inference_statistics", ()), ("get_inference_statistics", ("{model}",)),
+                 ("get_server_metadata", ()), ("get_system_shared_memory_status", ()),
+                 ("register_system_shared_memory", ("r", "/nvlab_no_such_region", 64)),
+                 ("unregister_system_shared_memory", ()), ("get_cuda_shared_memory_status", ()),
+                 ("get_trace_settings", ()), ("update_trace_settings", ("{model}", {"trace_level": ["TIMESTAMPS"]})),
+                 ("get_log_settings", ()), ("update_log_settings", ({"log_verbose_level": 1},))]
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_the_front_door_refuses_model_control_and_every_operator_route(svc, protocol):
+    """With the client's API key, a request to unload the model, read the repository index, the statistics, the
+    server's metadata, shared memory, trace or log settings is refused at the door (HTTP 403, gRPC
+    PERMISSION_DENIED, with the reason), no Triton server sees it, and the model serves on; inference, model
+    metadata, config, readiness and health pass."""
+    from tritonclient.utils import InferenceServerException
+
+    c = triton_client.client(svc.url(protocol), protocol)
+    key, t0 = {k.lower(): v for k, v in svc.headers.items()}, time.time()  # gRPC metadata keys are lowercase
+    try:
+        assert c.is_server_live(headers=key) and c.is_server_ready(headers=key)
+        assert c.is_model_ready(svc.model, headers=key)
+        assert c.get_model_metadata(svc.model, headers=key) and c.get_model_config(svc.model, headers=key)
+        passed = len(svc.lb.access_rows(since=t0))
+        for name, args in REFUSED_CALLS:
+            args = tuple(a.format(model=svc.model) if isinstance(a, str) else a for a in args)
+            with pytest.raises(InferenceServerException) as refused:
+                getattr(c, name)(*args, headers=key)
+            want = "403" if protocol == "http" else "StatusCode.PERMISSION_DENIED"
+            assert refused.value.status() == want and "not served through the front door" in \
+                refused.value.message(), (name, refused.value.status(), refused.value.message())
+    finally:
+        c.close()
+    if protocol == "grpc":  # a stream carries many requests past the per-request rate limit: refused too
+        import queue
+
+        import tritonclient.grpc as grpcclient
+
+        errors: queue.Queue = queue.Queue()
+        stream = triton_client.client(svc.grpc_url, "grpc")
+        try:
+            stream.start_stream(callback=lambda result, error: errors.put(error), headers=key)
+            image = grpcclient.InferInput(ens.IMAGE, [1, 1], "BYTES")
+            image.set_data_from_numpy(ens.image_batch(ens.digits_pngs("test", 1)[0]))
+            with contextlib.suppress(InferenceServerException):  # the refusal may have ended the stream already
+                stream.async_stream_infer(svc.model, [image])
+            error = errors.get(timeout=10)
+            assert error is not None and "not served through the front door" in str(error), error
+        finally:
+            stream.stop_stream()
+            stream.close()
+    if protocol == "http":  # Triton's LLM routes, and an unload hidden behind a dot segment: plain POSTs
+        import http.client
+
+        for path in (f"/v2/models/{svc.model}/generate", f"/v2/models/{svc.model}/generate_stream",
+                     f"/v2/models/{svc.model}/infer/../../../repository/models/{svc.model}/unload"):
+            conn = http.client.HTTPConnection(svc.lb.host, svc.lb.http_port, timeout=10)  # the path as written
+            try:
+                conn.request("POST", path, b"{}", {**svc.headers, "Content-Type": "application/json"})
+                r = conn.getresponse()
+                status, answer = r.status, json.loads(r.read())
+            finally:
+                conn.close()
+            assert status == 403 and "not served through the front door" in answer["error"], (path, status, answer)
+    rows = svc.lb.access_rows(since=t0)[passed:]
+    assert len(rows) >= len(REFUSED_CALLS) and all(r["upstream"] is None for r in rows), rows  # refused at the door
+    good = ens.digits_pngs("test", 1)[0]
+    assert all(svc.health().values()) and svc.classify(good, protocol)[0][0][0] in ens.DIGIT_LABELS
+    states = {m["name"]: m.get("state") for m in triton_client.repository_index(svc.servers[0].grpc_url)}
+    assert states[svc.model] == "READY"  # the unload never reached a server
+
+
 def _png(size, noise=False):
     from PIL import Image
 
@@ -164,6 +238,48 @@ def test_phone_photos_up_to_12_megapixels_pass_nginx_and_are_answered(svc, proto
         assert got == "200", (len(photo), got, message)
     got, message = _attempt(svc, {"IMAGE": ens.image_batch([photos[1] + bytes(9 << 20)])}, protocol=protocol)
     assert got == ("400" if protocol == "http" else "StatusCode.INVALID_ARGUMENT") and "8 MiB" in message, message
+
+
+MALFORMED = [  # body -> words of the reason; Triton itself answers each with 500 (its JSON parser's errors)
+    (b'{"inputs": [', "not valid JSON: Expecting value at line 1 column 13"),
+    (b"hello", "not valid JSON"),
+    (b'{"inputs": []} trailing', "not valid JSON: Extra data"),
+    (b'{"inputs": NaN}', "NaN is not JSON"),
+    (b'{"inputs": "\xff"}', "not UTF-8"),
+    (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+    (b"[1, 2, 3]", "is a list, not a JSON object"),
+    (b"{}", 'has no "inputs"'),
+    (b'{"inputs": 5}', '"inputs" is a number, not a list'),
+    (b'{"inputs": [{"shape": [1, 1], "datatype": "BYTES", "data": ["x"]}]}', 'inputs[0] has no "name"'),
+    (b'{"inputs": [{"name": "IMAGE", "shape": "1", "datatype": "BYTES", "data": ["x"]}]}',
+     "inputs[0].shape must be a list of integers >= 0"),
+    (b'{"inputs": [{"name": "IMAGE", "shape": [-1, 1], "datatype": "BYTES", "data": ["x"]}]}',
+     "inputs[0].shape must be a list of integers >= 0, got [-1, 1]"),
+    (b'{"inputs": [{"name": "IMAGE", "shape": [1, 1], "datatype": 5, "data": ["x"]}]}',
+     "inputs[0].datatype is a number, not a string"),
+    (b'{"inputs": [{"name": "IMAGE", "shape": [1, 1], "datatype": "BYTES", "data": [5]}]}',
+     "inputs[0].data holds a number where a BYTES tensor takes strings"),
+    (b'{"inputs": [{"name": "IMAGE", "shape": [1, 1], "datatype": "BYTES", "data": ["x"]}], "outputs": 3}',
+     '"outputs" is a number, not a list'),
+]
+
+
+def test_a_malformed_json_body_is_a_400_naming_the_problem_never_a_500(svc):
+    """Invalid JSON, JSON of the wrong shape or types, no "inputs": Triton calls each an internal error (500); through
+    the front door each is a 400 with a one-line reason, the request counted against the Triton server that got it,
+    and the service healthy after."""
+    t0 = time.time()
+    for body, words in MALFORMED:
+        status, answer = service.send_raw(svc.http_url, body, svc.headers, model=svc.model)
+        assert status == 400 and words in answer["error"] and "\n" not in answer["error"], (body[:60], status, answer)
+    rows = svc.lb.access_rows(since=t0)
+    assert len(rows) == len(MALFORMED) and {r["status"] for r in rows} == {400}
+    assert {r["upstream"] for r in rows} <= set(svc.backends("http"))  # Triton's, not the check's, address
+    # what the model refuses stays Triton's own 400
+    request = {"inputs": [{"name": "IMAGE", "shape": [1, 1], "datatype": "BYTES", "data": ["not an image"]}]}
+    status, answer = service.send_raw(svc.http_url, json.dumps(request).encode(), svc.headers, model=svc.model)
+    assert status == 400 and "not an image file" in answer["error"]
+    assert all(svc.health().values()) and svc.classify(ens.digits_pngs("test", 1)[0])[0][0][0] in ens.DIGIT_LABELS
 
 
 def test_a_body_of_another_type_is_a_415_before_any_server_reads_it(svc):

@@ -42,6 +42,7 @@ from lab_utils.procs import (
     temporary_folder,
     wait_until,
 )
+from lab_utils.serving.jsoncheck import JsonCheck
 
 REQUIRE_ENV = "NVLAB_REQUIRE_NGINX"  # 1: a missing nginx is an error (CI), not a skipped section
 BINARY_ENV = NGINX_ENV  # the path of an nginx binary, or "none" to try a lab's no-nginx path
@@ -56,6 +57,29 @@ DEFAULT_STOP_GRACE_S = 2.0
 _KEY = re.compile(r"[A-Za-z0-9_-]{8,256}")  # what a map key may hold unquoted: no '~' (regex), space, '$' or quote
 _SIZE = re.compile(r"(\d+)([kKmMgG]?)")
 
+
+# The routes the front door passes to Triton; every other request gets 403 before any server sees it (an allowlist:
+# a route Triton adds later stays shut). Clients need inference, the model's metadata, config and readiness, and
+# health. Model control (load/unload), the repository index, statistics, server metadata, shared memory, tracing,
+# logging, generate and streams stay on the servers' own ports: an API key lets a client send requests, not run the
+# server. The path is matched as the client sent it (nginx passes that form on to Triton): no %-escapes, no dot
+# segments, model names of letters, digits, '_', '-' and '.'. Prometheus scrapes each Triton's metrics port, not
+# nginx, so the statistics need no route here either.
+_NAME = r"[A-Za-z0-9_-][A-Za-z0-9_.-]*"
+HTTP_ROUTES = (  # (methods, path regex) of what passes, a query string allowed after it
+    ("GET|HEAD", r"/v2/health/(live|ready)"),
+    ("GET|HEAD", rf"/v2/models/(?!stats(\?|$)){_NAME}(/versions/[0-9]+)?(/config|/ready)?"),
+    ("POST", rf"/v2/models/{_NAME}(/versions/[0-9]+)?/infer"),
+)
+GRPC_SERVICE = "inference.GRPCInferenceService"
+GRPC_METHODS = ("ServerLive", "ServerReady", "ModelReady", "ModelMetadata", "ModelConfig", "ModelInfer")
+ROUTE_WORDS = ("this route is not served through the front door: it passes inference "
+               "(POST /v2/models/NAME/infer), model metadata, config and readiness (GET "
+               "/v2/models/NAME[/config|/ready]) and health (GET /v2/health/live|ready); model control, the "
+               "repository, statistics and the server settings are for the operator, on the port of each Triton server")
+GRPC_ROUTE_WORDS = (f"this method is not served through the front door: it passes {', '.join(GRPC_METHODS)} of "
+                    f"{GRPC_SERVICE}; model control, the repository, statistics and the server settings are for the "
+                    "operator, on the port of each Triton server")
 
 UPSTREAM_HEADER = "X-Upstream-Addr"  # response header naming the Triton server that answered (lab 08's canary)
 BAD_TYPE_WORDS = ("unsupported Content-Type: send application/json (KServe v2 JSON, binary tensors after it with "
@@ -296,17 +320,22 @@ def nginx_config(
     grpc_upstream_block: str | None = None,
     generation: int = 0,
     block_lines: dict[str, tuple[int, int]] | None = None,
+    json_check: str | None = None,
 ) -> str:
     """The whole ``nginx.conf``: paths relative to the prefix (``nginx -p PREFIX``), foreground by ``-g``.
 
     ``http_backends`` / ``grpc_backends``: the servers of the two upstreams (or ``upstream_block`` /
     ``grpc_upstream_block``: an ``upstream NAME { ... }`` written by hand, used as it is). ``api_keys``: requests
     without one of them (``X-API-Key: KEY`` or ``Authorization: Bearer KEY``) get 401; None or () is no check.
+    Only the routes of ``HTTP_ROUTES`` and ``GRPC_METHODS`` pass to the backends (inference, model metadata, config
+    and readiness, health); any other gets 403 (gRPC: PERMISSION_DENIED) with the reason.
     ``client_max_body_size``: larger bodies get 413. ``rate_limit_rps`` (per client address, ``rate_burst``
     requests of slack): requests over it get 429. ``generation`` is served at ``/generation`` on the status
     port, so a reload can be seen to have taken effect. Ports: ``http_port``, ``grpc_port`` (with gRPC
     backends), ``status_port`` (``stub_status``). ``block_lines``, given a dict, receives where each
-    hand-written block sits ({argument: (first line, last line)}), for error messages.
+    hand-written block sits ({argument: (first line, last line)}), for error messages. ``json_check``: the
+    ``host:port`` of a ``jsoncheck.JsonCheck``, which answers in Triton's place when Triton says 500 on HTTP (400
+    and the reason for a malformed body, Triton's parse errors; 500 for a well-formed one); None: Triton's answer.
     """
     if balance not in BALANCE:
         raise ValueError(f"balance={balance!r}: use one of {', '.join(BALANCE)}")
@@ -325,6 +354,8 @@ def nginx_config(
     if http_up is None and grpc_up is None:
         raise ValueError("no backend: give http_backends (Triton's HTTP ports), grpc_backends (its gRPC ports), or "
                          "an upstream_block")
+    if json_check is not None:
+        json_check = check_url(json_check, "json_check", schemes=("http",), bare=True)
     if grpc_up is not None and grpc_port is None:
         raise ValueError("grpc backends need grpc_port (the listener nginx serves gRPC on)")
     timeout = f"{proxy_timeout_s:g}s"
@@ -347,7 +378,12 @@ def nginx_config(
             "    # curl -d and urllib send by default; other bodies (a file upload, a raw image, text) get 415",
             '    map "$request_method:$content_type" $nvlab_bad_type {', "        default 0;", '        "POST:" 0;',
             '        "~*^POST:application/(json|octet-stream|x-www-form-urlencoded)" 0;', '        "~^POST:" 1;',
-            "    }", ""]
+            "    }", "",
+            "    # the routes passed to Triton (an allowlist: everything else 403 before any server sees it)",
+            '    map "$request_method $request_uri" $nvlab_route_ok {', "        default 0;",
+            *[f'        "~^({methods}) {path}(\\?|$)" 1;' for methods, path in HTTP_ROUTES], "    }",
+            "    map $request_uri $nvlab_grpc_route_ok {", "        default 0;",
+            f'        "~^/{re.escape(GRPC_SERVICE)}/({"|".join(GRPC_METHODS)})$" 1;', "    }", ""]
     if keys:
         out += ["    # API key: X-API-Key: KEY, or Authorization: Bearer KEY (401 without one)",
                 "    map $http_x_api_key $nvlab_key_header {", "        default 0;",
@@ -385,6 +421,10 @@ def nginx_config(
     # gRPC's check sits in its location: the server's would refuse the error page's internal redirect too
     grpc_key = (["            if ($nvlab_authorized = 0) {", "                return 401;", "            }"]
                 if keys else [])
+    # the route checks sit in the locations too: an error page's internal redirect is a GET, which they would refuse
+    route = ["            if ($nvlab_route_ok = 0) {",
+             f"""                return 403 '{{"error":"{ROUTE_WORDS}"}}';""", "            }"]
+    grpc_route = ["            if ($nvlab_grpc_route_ok = 0) {", "                return 403;", "            }"]
 
     # nginx's own refusals as JSON {"error": ...}, the form Triton's errors take: tritonclient shows the words
     rate_words = f"{_rate(rate_limit_rps)} per client address" if rate_limit_rps is not None else ""
@@ -396,10 +436,20 @@ def nginx_config(
     for code, words in refusals.items():
         errors += [f"        error_page {code} /nvlab_error/{code};",
                    f"        location = /nvlab_error/{code} {{ internal; return {code} '{{\"error\":\"{words}\"}}'; }}"]
+    # Triton answers a body it cannot parse (invalid JSON, wrong shape or types, no "inputs") with 500, an internal
+    # error, though the fault is the client's. nginx cannot read the body: the check reads it again and answers 400
+    # with the reason, or 500 for a well-formed one. Only Triton's 500s take this path (the body is still buffered)
+    check = []
+    if json_check is not None:
+        errors += ["        error_page 500 = @nvlab_json_check;  # Triton's 500: a malformed body is a 400"]
+        check = ["        location @nvlab_json_check {", f"            proxy_pass http://{json_check};",
+                 f'            proxy_set_header {API_KEY_HEADER} "";', '            proxy_set_header Authorization "";',
+                 "            proxy_read_timeout 10s;", "        }"]
     # over gRPC a refusal is a gRPC status (grpc-status and grpc-message on an empty answer) that the client reports
     # with its words; an HTTP error page would reach it as UNKNOWN or UNAVAILABLE with none
     grpc_errors = []
-    for code, (status, words) in {401: (16, key_words), 413: (8, refusals[413]), 429: (8, refusals[429]),
+    for code, (status, words) in {401: (16, key_words), 403: (7, GRPC_ROUTE_WORDS), 413: (8, refusals[413]),
+                                  429: (8, refusals[429]),
                                   502: (14, refusals[502]), 504: (14, refusals[504])}.items():
         grpc_errors += [f"        error_page {code} = /nvlab_grpc_error/{code};",
                         f"        location = /nvlab_grpc_error/{code} {{ internal; default_type application/grpc; "
@@ -415,20 +465,21 @@ def nginx_config(
         # length, and nginx allocates only that; gRPC's HTTP/2 bodies do not, and would each get the whole buffer
         out += ["    server {", f"        listen {host}:{http_port};", *guard(),
                 f"        client_body_buffer_size {BODY_BUFFER};  # bodies up to it stay in memory", *media, *errors,
-                "        location / {", *limit,
+                "        location / {", *route, *limit,
                 f"            proxy_pass http://{http_up};",
+                *(["            proxy_intercept_errors on;  # Triton's 500 goes to the JSON check"] if check else []),
                 f"            add_header {UPSTREAM_HEADER} $upstream_addr always;  # which server answered",
                 "            proxy_http_version 1.1;  # keep-alive to the backends",
                 '            proxy_set_header Connection "";', "            proxy_set_header Host $host;",
                 f'            proxy_set_header {API_KEY_HEADER} "";  # the key stays at the door',
                 '            proxy_set_header Authorization "";',
                 f"            proxy_read_timeout {timeout};", f"            proxy_send_timeout {timeout};",
-                "        }", "    }", ""]
+                "        }", *check, "    }", ""]
     if grpc_up is not None:
         out += ["    server {", f"        listen {host}:{grpc_port} http2;  # gRPC is HTTP/2",
                 "        http2_max_concurrent_streams 1024;",
                 body_limit, *grpc_errors,
-                "        location / {", *grpc_key, *limit,
+                "        location / {", *grpc_key, *grpc_route, *limit,
                 f"            grpc_pass grpc://{grpc_up};",
                 f'            grpc_set_header {API_KEY_HEADER} "";', '            grpc_set_header Authorization "";',
                 f"            grpc_read_timeout {timeout};", f"            grpc_send_timeout {timeout};",
@@ -471,7 +522,7 @@ _NGINX_MSG = re.compile(r"\[(emerg|alert|crit|error)\] (?:\d+#\d+: )?(.*?)(?: in
 # nginx_config's keywords an NginxServer passes on as they are (``NginxServer.options``) -> their defaults; the
 # others are the server's own (its ports, backends, keys, blocks and their line spans)
 _OWN = {"http_port", "grpc_port", "status_port", "host", "api_keys", "upstream_block", "grpc_upstream_block",
-        "generation", "block_lines"}
+        "generation", "block_lines", "json_check"}
 OPTIONS = {k: p.default for k, p in inspect.signature(nginx_config).parameters.items()
            if p.kind is p.KEYWORD_ONLY and k not in _OWN}
 def _explain(stderr: str, text: str, spans: dict[str, tuple[int, int]] | None = None, *,
@@ -578,8 +629,11 @@ def read_access_log(path: str | os.PathLike[str], since: float | None = None) ->
             continue
         if since is not None and row.get("msec", 0) < since:
             continue
-        addrs = [a.strip() for a in re.split(r"[,:](?=\s)", row.get("upstream_addr", "")) if a.strip() not in ("", "-")]
-        times = _seconds_list(row.get("upstream_response_time", ""))
+        # "a, b" are the servers one upstream tried; " : " starts another after an internal redirect (the JSON check
+        # after Triton's 500): the request's backend is the first upstream's last server
+        first = re.split(r"\s:\s", row.get("upstream_addr", ""))[0]
+        addrs = [a.strip() for a in first.split(",") if a.strip() not in ("", "-")]
+        times = _seconds_list(re.split(r"\s:\s", row.get("upstream_response_time", ""))[0])
         row["request_ms"] = float(row.get("request_time", 0.0)) * 1e3
         row["upstream"] = addrs[-1] if addrs else None
         row["tries"] = len(addrs)
@@ -657,6 +711,8 @@ class NginxServer(OwnedServer, HttpGrpcEndpoints):
 
     ``api_keys=None`` makes one random key (``.api_key``, ``.auth_headers``); ``()`` turns the check off. Ports
     are free loopback ports unless given. ``options``: ``nginx_config``'s ``OPTIONS`` (body size, rate limit...).
+    ``check_json``: a ``JsonCheck`` in this process answers Triton's HTTP 500s (400 and the reason for a malformed
+    body); False leaves Triton's answer as it is.
     """
 
     external = False
@@ -681,6 +737,7 @@ class NginxServer(OwnedServer, HttpGrpcEndpoints):
         startup_timeout_s: float = 15.0,
         stop_grace_s: float | None = None,
         binary: str | None = None,
+        check_json: bool = True,
         **options: Any,
     ):
         unknown = sorted(set(options) - set(OPTIONS))
@@ -695,6 +752,7 @@ class NginxServer(OwnedServer, HttpGrpcEndpoints):
                          startup_timeout_s=startup_timeout_s, stop_grace_s=stop_grace_s)
         self.http_port = self.grpc_port = self.status_port = 0
         self.binary = binary
+        self.json_check = JsonCheck(host) if check_json else None
         self.generation = 0
         self.config_text = ""
         self._render(probe_ports=True)  # a bad argument fails here, before anything starts
@@ -711,7 +769,8 @@ class NginxServer(OwnedServer, HttpGrpcEndpoints):
                             grpc_port=ports[1] if self.has_grpc else None, status_port=ports[2], host=self.host,
                             api_keys=self.api_keys, upstream_block=self.upstream_block,
                             grpc_upstream_block=self.grpc_upstream_block, generation=self.generation,
-                            block_lines=spans, **self.options)
+                            block_lines=spans, json_check=None if probe_ports or self.json_check is None
+                            else self.json_check.address, **self.options)
         return text, spans
 
     # urls and paths ----------------------------------------------------------------------------------------
@@ -774,12 +833,19 @@ class NginxServer(OwnedServer, HttpGrpcEndpoints):
         return self._need_prefix() / "logs" / "stderr.log"
 
     def _prepare(self) -> dict[str, Any]:
+        if self.json_check is not None:
+            self.json_check.start()
         self.folder = owned_tempdir("nginx")
         _prefix_dirs(self.folder)
         self.config_text, spans = self._render()
         self.conf_path.write_text(self.config_text)
         _test(str(self.binary), self.folder, self.conf_path, spans)
         return {"cwd": str(self.folder)}
+
+    def _cleanup(self) -> None:
+        super()._cleanup()
+        if self.json_check is not None:
+            self.json_check.stop()
 
     def _command(self) -> list[str]:
         binary = str(self.binary)
@@ -911,4 +977,4 @@ __all__ = ["Backend", "NginxServer", "NginxError", "NginxNotFound", "NginxStartE
            "nginx_binary", "missing", "available", "required", "nginx_version", "nginx_config", "check_nginx_config",
            "check_upstream_block", "serve_upstream", "reload_nginx", "read_access_log", "summarize_access",
            "parse_stub_status", "new_api_key", "as_backend", "upstream_name", "leftover_nginx",
-           "API_KEY_HEADER", "REQUIRE_ENV"]
+           "API_KEY_HEADER", "REQUIRE_ENV", "HTTP_ROUTES", "GRPC_METHODS"]
