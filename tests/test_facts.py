@@ -1,0 +1,59 @@
+"""Facts the course teaches, pinned where they are taught: the notebooks' text, the exercises' hints and messages
+and the quiz bank (English and Chinese). A claim retired as false must not come back in any of them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from lab_utils.exercises import lab09, quiz
+
+ROOT = Path(__file__).resolve().parents[1]
+BANK = quiz.load_bank()
+
+
+def _course_text(*paths: str) -> dict[str, str]:
+    """Tracked text files under ``paths`` (notebooks as their cells' source), by path."""
+    files = subprocess.run(["git", "ls-files", *paths], cwd=ROOT, capture_output=True, text=True,
+                           check=True).stdout.split()
+    out = {}
+    for name in files:
+        path = ROOT / name
+        if not path.is_file() or path.suffix not in {".py", ".ipynb", ".yaml", ".md"}:
+            continue
+        text = path.read_text(encoding="utf-8")
+        if path.suffix == ".ipynb":
+            text = "\n".join("".join(c["source"]) for c in json.loads(text)["cells"])
+        out[name] = text
+    return out
+
+
+TAUGHT = ("solutions", "lab_utils", "docs", "README.md")
+
+
+def _claims(retired: list[str]) -> list[str]:
+    """Where any retired claim still appears, as 'path: claim' (this file, which names them, excepted)."""
+    return [f"{name}: {claim!r}" for name, text in _course_text(*TAUGHT).items()
+            for claim in retired if claim in text]
+
+
+# --- 1. memory capacity counts powers of two, bandwidth powers of ten ---------------------------------------------
+
+def test_capacity_is_not_taught_as_decimal_gigabytes():
+    retired = ["is decimal too", "is a decimal figure too", "也是十进制数值", "datasheets in GB (10^9 bytes)",
+               "as datasheets write GB", "the datasheet's 141 GB); 2**30", "141e9 bytes = 131.3 GiB)"]
+    assert _claims(retired) == []
+
+
+def test_quiz_h200_memory_explains_both_units_in_both_languages():
+    q = BANK.get("s1-h200-memory-gib")
+    assert q.answer["value"] == 140.4
+    assert "powers of two" in q.explanation["en"] and "powers of ten" in q.explanation["en"]
+    assert "2 的幂" in q.explanation["zh"] and "10 的幂" in q.explanation["zh"]
+
+
+def test_lab09_h200_memory_is_what_nvidia_smi_reports_in_1e9_bytes():
+    assert lab09.H200_MEM_GB == pytest.approx(143771 * 2**20 / 1e9, abs=0.05)  # 150.8, not the datasheet's "141"
