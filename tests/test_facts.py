@@ -27,7 +27,7 @@ def _course_text(*paths: str) -> dict[str, str]:
         text = path.read_text(encoding="utf-8")
         if path.suffix == ".ipynb":
             text = "\n".join("".join(c["source"]) for c in json.loads(text)["cells"])
-        out[name] = text
+        out[name] = " ".join(text.split())  # a claim may be wrapped over lines
     return out
 
 
@@ -57,3 +57,12 @@ def test_quiz_h200_memory_explains_both_units_in_both_languages():
 
 def test_lab09_h200_memory_is_what_nvidia_smi_reports_in_1e9_bytes():
     assert lab09.H200_MEM_GB == pytest.approx(143771 * 2**20 / 1e9, abs=0.05)  # 150.8, not the datasheet's "141"
+
+
+# --- 3. trtexec reports GPU compute time by default ------------------------------------------------------------
+
+def test_trtexec_flags_are_not_taught_as_needed_for_gpu_compute_time():
+    retired = ["--noDataTransfers` to report GPU compute time", "TensorRT 10 still needs them"]
+    assert _claims(retired) == []
+    text = _course_text("solutions/03_tensorrt.ipynb")["solutions/03_tensorrt.ipynb"]
+    assert "reports the GPU Compute Time by default" in text and "change what is measured" in text
