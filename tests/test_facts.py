@@ -66,3 +66,13 @@ def test_trtexec_flags_are_not_taught_as_needed_for_gpu_compute_time():
     assert _claims(retired) == []
     text = _course_text("solutions/03_tensorrt.ipynb")["solutions/03_tensorrt.ipynb"]
     assert "reports the GPU Compute Time by default" in text and "change what is measured" in text
+
+
+# --- 6. Triton Inference Server is now NVIDIA Dynamo-Triton -------------------------------------------------------
+
+@pytest.mark.parametrize("lab", ["04_triton", "05_monitoring", "07_service"])
+def test_triton_labs_name_dynamo_triton_where_triton_is_introduced(lab):
+    cells = json.loads((ROOT / "solutions" / f"{lab}.ipynb").read_text(encoding="utf-8"))["cells"]
+    intro = " ".join("".join(cells[0]["source"]).split())
+    assert "Triton Inference Server, now **NVIDIA Dynamo-Triton**, part of NVIDIA Dynamo" in intro \
+        or "Triton Inference Server is now **NVIDIA Dynamo-Triton**, part of NVIDIA Dynamo" in intro
