@@ -76,3 +76,15 @@ def test_triton_labs_name_dynamo_triton_where_triton_is_introduced(lab):
     intro = " ".join("".join(cells[0]["source"]).split())
     assert "Triton Inference Server, now **NVIDIA Dynamo-Triton**, part of NVIDIA Dynamo" in intro \
         or "Triton Inference Server is now **NVIDIA Dynamo-Triton**, part of NVIDIA Dynamo" in intro
+
+
+# --- 7. the stack is a picture of what builds on what, not a chain of calls -----------------------------------------
+
+def test_stack_is_not_taught_as_each_layer_talking_only_to_the_one_below():
+    assert _claims(["Each layer only talks to the one below", "Each layer builds on the one below",
+                    "每一层都建立在下一层之上"]) == []
+    q = BANK.get("s1-layers-bottom-to-top")
+    assert "driver API directly" in q.explanation["en"] and "host's" in q.explanation["en"]
+    assert "驱动 API" in q.explanation["zh"] and "宿主机" in q.explanation["zh"]
+    intro = _course_text("solutions/00_environment.ipynb")["solutions/00_environment.ipynb"]
+    assert "the driver (the kernel module and `libcuda.so`) is the host's" in intro
