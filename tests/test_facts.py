@@ -88,3 +88,13 @@ def test_stack_is_not_taught_as_each_layer_talking_only_to_the_one_below():
     assert "驱动 API" in q.explanation["zh"] and "宿主机" in q.explanation["zh"]
     intro = _course_text("solutions/00_environment.ipynb")["solutions/00_environment.ipynb"]
     assert "the driver (the kernel module and `libcuda.so`) is the host's" in intro
+
+
+# --- 2. tritonclient's HTTP tensors are binary by default ----------------------------------------------------------
+
+def test_binary_data_is_not_taught_as_needed():
+    assert _claims(["travels as JSON numbers unless asked otherwise", "pass `binary_data=True`, or the tensors"]) == []
+    from lab_utils.exercises import lab04
+
+    assert "binary_data=True)" not in lab04.q4.solution_text  # the student's request keeps the default
+    assert "by default" in lab04.q4.hints[1] and "binary_data=False" in lab04.q4.hints[1]
