@@ -98,3 +98,9 @@ def test_binary_data_is_not_taught_as_needed():
 
     assert "binary_data=True)" not in lab04.q4.solution_text  # the student's request keeps the default
     assert "by default" in lab04.q4.hints[1] and "binary_data=False" in lab04.q4.hints[1]
+
+
+# --- 5. DDP has no overlap argument --------------------------------------------------------------------------------
+
+def test_ddp_overlap_is_not_taught_as_an_argument():
+    assert _claims(["`overlap=False` is plain", "`overlap=False` variant", "and no overlap:"]) == []
