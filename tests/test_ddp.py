@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import inspect
 import json
 import math
 import os
@@ -142,9 +143,10 @@ def test_h200x2_reference_beside_local_tables():
     assert out["h200x2_images_per_s"].iloc[1] == ref["ddp_images_per_s_2"]
     assert out["h200x2_scaling_efficiency"].iloc[1] == pytest.approx(ref["ddp_scaling_efficiency"], rel=1e-9)
     assert math.isnan(out["h200x2_images_per_s"].iloc[2])  # that run had two GPUs
-    variants = ["bucket_cap_mb=25", "bucket_cap_mb=1", "no overlap (all-reduce after backward)", "bucket_cap_mb=7"]
+    variants = ["bucket_cap_mb=25", "bucket_cap_mb=1", ddp.NO_DDP, "bucket_cap_mb=7"]
     over = ddp.with_reference_overlap(pd.DataFrame({"variant": variants}))
     assert over["h200x2_step_ms"].iloc[1] == ref[ddp.record_name("bucket_cap_mb=1")]
+    assert over["h200x2_step_ms"].iloc[2] == ref[ddp.record_name("no overlap (all-reduce after backward)")]
     assert over["h200x2_step_ms_vs_default"].iloc[0] == 1.0 and math.isnan(over["h200x2_step_ms"].iloc[3])
     assert ddp.record_name("bucket_cap_mb=25, gradient_as_bucket_view") in ref  # names as the lab records them
     assert ddp.with_reference_scaling(local, run_dir=ROOT / "no-such-run")["h200x2_images_per_s"].isna().all()
@@ -160,9 +162,18 @@ def test_throughput_scaling():
 
 
 def test_overlap_experiment():
-    df = ddp.overlap_experiment(2, variants=[{"bucket_cap_mb": 0.1}, {"overlap": False}], repeats=1,
+    """Real gloo ranks: DDP's overlap controls (bucket size, no_sync accumulation) against no DDP at all; DDP has no
+    "overlap" argument, and the variants say so."""
+    df = ddp.overlap_experiment(2, variants=[{"bucket_cap_mb": 0.1}, {"accumulate": 3}, {"ddp": False}], repeats=1,
                                 backend="gloo", steps=2, warmup_steps=1)
-    assert df["variant"].tolist() == ["bucket_cap_mb=25", "bucket_cap_mb=0.1", "no overlap (all-reduce after backward)"]
+    assert df["variant"].tolist() == ["bucket_cap_mb=25", "bucket_cap_mb=0.1",
+                                      "bucket_cap_mb=25, no_sync, all-reduce every 3 micro-batches",
+                                      "no DDP: one all-reduce after backward"]
+    assert df["accumulate"].tolist() == [1, 1, 3, 1] and df["ddp"].tolist() == [True, True, True, False]
+    assert (df["step_ms"] > 0).all()  # per micro-batch, the accumulating variant included
+    with pytest.raises(ValueError, match="unknown key.*'overlap'"):
+        ddp.overlap_experiment(2, variants=[{"overlap": False}])
+    assert "overlap" not in inspect.signature(ddp.throughput).parameters
     assert df["step_ms_vs_default"].iloc[0] == pytest.approx(1.0) and (df["images_per_s"] > 0).all()
     assert df["buckets"].iloc[1] > df["buckets"].iloc[0] == 1  # a smaller cap cuts the gradients into more buckets
 

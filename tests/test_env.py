@@ -121,11 +121,45 @@ def test_compatibility_verdicts():
     ok, why = env._compatibility(_gpu("12.0"), "13.0", _torch(arch=("sm_80", "sm_90")))
     assert ok is False and "sm_120" in why[-1]
     ok, why = env._compatibility(_gpu("8.9"), "13.0", _torch(arch=("sm_80", "compute_80")))
-    assert ok and "PTX" in why[-1]
+    assert ok and "runs sm_80 code" in why[-1] and "binary compatible" in why[-1]  # not PTX: sm_80 runs on 8.9
+    ok, why = env._compatibility(_gpu("10.0"), "13.0", _torch(arch=("sm_80", "sm_90", "compute_90")))
+    assert ok and "PTX JIT from compute_90" in why[-1]
     ok, why = env._compatibility(_gpu(), "13.0", _torch(cuda=None))
     assert ok is False and "CPU-only" in why[0]
     ok, why = env._compatibility([], None, None)
     assert ok is None
+
+
+# GPU -> compute capability; the torch arch lists below -> how each GPU runs it (CUDA binary compatibility:
+# a cubin for X.y runs on X.z, z >= y; sm_XYa only on X.Y; PTX is JIT-compiled for any GPU at or above it).
+_GPUS = {"A100": "8.0", "A10": "8.6", "L4/L40S": "8.9", "H100/H200": "9.0", "B200": "10.0", "RTX 5090": "12.0"}
+_ARCH_TABLE = [
+    # arch list                                   A100      A10       L4/L40S   H100/H200 B200      RTX 5090
+    (("sm_80",),                                  ("native", "native", "native", "none",   "none",   "none")),
+    (("sm_80", "sm_86", "sm_90"),                 ("native", "native", "native", "native", "none",   "none")),
+    (("sm_86",),                                  ("none",   "native", "native", "none",   "none",   "none")),
+    (("sm_90a",),                                 ("none",   "none",   "none",   "native", "none",   "none")),
+    (("sm_90a", "compute_90a"),                   ("none",   "none",   "none",   "native", "none",   "none")),
+    (("sm_80", "sm_90", "compute_90"),            ("native", "native", "native", "native", "ptx",    "ptx")),
+    (("sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120"),
+                                                  ("native", "native", "native", "native", "native", "native")),
+    (("sm_100",),                                 ("none",   "none",   "none",   "none",   "native", "none")),
+    (("compute_80",),                             ("ptx",    "ptx",    "ptx",    "ptx",    "ptx",    "ptx")),
+    (("sm_120", "compute_120"),                   ("none",   "none",   "none",   "none",   "none",   "native")),
+]
+
+
+@pytest.mark.parametrize(("arch", "expected"), _ARCH_TABLE, ids=[",".join(a) for a, _ in _ARCH_TABLE])
+def test_arch_support_table(arch, expected):
+    got = tuple(env.arch_support(cc, arch)[0] for cc in _GPUS.values())
+    assert got == expected, dict(zip(_GPUS, got, strict=True))
+
+
+@pytest.mark.parametrize(("gpu", "arch"), [("8.6", ("sm_80", "sm_90")), ("8.9", ("sm_80", "sm_86", "sm_90"))])
+def test_doctor_runs_ampere_builds_on_later_ampere_and_ada(gpu, arch):
+    """A torch built for sm_80 (and sm_86, sm_90) runs natively on an A10 (8.6) and an L4/L40S (8.9): no PTX needed."""
+    ok, why = env._compatibility(_gpu(gpu), "13.0", _torch(arch=arch))
+    assert ok and "not supported" not in why[-1] and "PTX" not in why[-1]
 
 
 def test_nvml_error_text_names_the_cause():

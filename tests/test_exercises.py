@@ -428,12 +428,16 @@ def test_verdict_agrees_with_the_rules_table():
 def test_lab00_q4_unit_slips_and_the_datasheet_figure():
     assert "MiB" in check(lab00.q4, 143771).message
     message = check(lab00.q4, 150.75).message
-    assert "GB (1e9 bytes)" in message and "141 GB" in message and "GiB figure" in message
+    assert "GB (1e9 bytes)" in message and "GiB" in message and "140" not in message
+    # the datasheet's "141 GB" read as 141e9 bytes is the wrong reading: capacity counts powers of two
+    message = check(lab00.q4, 131.3).message
+    assert "powers of two" in message and "about 141 GiB" in message and "not have" in message
+    assert check(lab00.q4, 140.4).status is Status.CORRECT and check(lab00.q4, "140.4 GiB").status is Status.CORRECT
     assert "1024, not 1000" in check(lab00.q4, 143.771).message
     assert "number" in check(lab00.q4, "a lot").message  # wrong kind names the expected kind
     assert "140" not in check(lab00.q4, 120).message  # the answer is not given away
-    assert "binary figure" in lab00.q4.hints[-1] and "150.8 GB" in lab00.q4.hints[-1]
-    assert "binary figure" in lab00.q4.solution_text and "150.8 GB" in lab00.q4.solution_text
+    assert "binary figure" in lab00.q4.hints[-1] and "powers of two" in lab00.q4.hints[-1]
+    assert "binary figure" in lab00.q4.solution_text and "not 141e9 bytes" in lab00.q4.solution_text
 
 
 def test_lab00_q6_and_q1_messages():

@@ -316,3 +316,24 @@ def triton_model_source() -> str:
     from lab_utils.serving.backend import model as triton_model
 
     return triton_model.source()
+
+
+def test_http_tensors_are_binary_by_default_and_json_costs_measured(repo):
+    """tritonclient.http defaults to binary tensors (inputs and requested outputs); binary_data=False sends JSON
+    numbers. Both measured on the real server: JSON's request body is larger, the answers are the same."""
+    import inspect
+
+    import tritonclient.http as httpclient
+
+    assert inspect.signature(httpclient.InferInput.set_data_from_numpy).parameters["binary_data"].default is True
+    assert inspect.signature(httpclient.InferRequestedOutput).parameters["binary_data"].default is True
+    x = np.random.default_rng(0).standard_normal((8, 4), dtype=np.float32)
+    with TritonServer(repo, load_models=(), model_control="none") as server:
+        rows = triton_client.http_encoding_cost(server.http_url, "tiny", {"INPUT__0": x}, ["OUTPUT__0"], reps=3,
+                                                warmup=1)
+    json_row, bin_row = rows
+    assert (json_row["encoding"], json_row["binary_data"], bin_row["encoding"], bin_row["binary_data"]) == \
+        ("JSON", False, "binary", True)
+    assert json_row["request_bytes"] > bin_row["request_bytes"] > x.nbytes  # header + raw bytes, against text
+    assert json_row["response_bytes"] > 0 and bin_row["response_bytes"] > 0
+    assert bin_row["max_abs_diff"] < 1e-5 and all(r["median_ms"] > 0 for r in rows)

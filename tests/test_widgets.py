@@ -417,7 +417,7 @@ def test_ddp_scaling_and_overlap_advance_their_progress_hooks_per_run():
     assert list(df["world_size"]) == [1, 2]
     assert calls == [{"total": 2, "desc": "DDP scaling: world sizes", "steps": 2}]  # one step per world size
     calls.clear()
-    df = ddp.overlap_experiment(2, variants=[{"bucket_cap_mb": 1}, {"overlap": False}], repeats=1, backend="gloo",
+    df = ddp.overlap_experiment(2, variants=[{"bucket_cap_mb": 1}, {"ddp": False}], repeats=1, backend="gloo",
                                 progress=_recording_hook(calls), **tiny)
     assert len(df) == 3  # the default variant added
     assert calls == [{"total": 3, "desc": "DDP bucket variants: runs", "steps": 3}]  # one step per variant timed

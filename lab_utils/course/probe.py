@@ -190,6 +190,43 @@ def version_tuple(v: str | None) -> tuple[int, ...]:
     return tuple(int(p) for p in re.findall(r"\d+", v or ""))
 
 
+def _arch_cc(entry: str) -> tuple[str, int, int, str] | None:
+    """'sm_86' -> ('sm', 8, 6, ''); 'compute_90a' -> ('compute', 9, 0, 'a'); 'sm_120' -> ('sm', 12, 0, '')."""
+    m = re.fullmatch(r"(sm|compute)_(\d+)(\d)([af]?)", entry.strip())
+    return (m[1], int(m[2]), int(m[3]), m[4]) if m else None
+
+
+def arch_support(compute_capability: str | tuple[int, int], arch_list: Sequence[str]) -> tuple[str, str | None]:
+    """Whether code built for ``arch_list`` (``torch.cuda.get_arch_list()``) runs on a GPU of ``compute_capability``.
+
+    Returns ``("native", entry)`` when a cubin (SASS) runs on it, ``("ptx", entry)`` when only PTX does (the driver
+    JIT-compiles it at first use: a slow first start), ``("none", None)`` when nothing does (CUDA's "no kernel image
+    is available"). CUDA's binary compatibility: a cubin for X.y runs on X.z with z >= y (same major), so sm_80 runs
+    on an A10 (8.6) and an L40S (8.9); an arch-specific cubin (sm_90a) runs only on X.y itself, a family-specific
+    one (sm_100f) on X.z, z >= y. PTX for X.y is JIT-compiled for any GPU at or above X.y, across majors too."""
+    cc = compute_capability if isinstance(compute_capability, tuple) else version_tuple(compute_capability)[:2]
+    major, minor = cc
+    native, ptx = [], []
+    for entry in arch_list:
+        parsed = _arch_cc(entry)
+        if parsed is None:
+            continue
+        kind, x, y, suffix = parsed
+        if suffix == "a":  # arch-specific features: that exact compute capability only
+            runs = (x, y) == (major, minor)
+        elif kind == "sm":
+            runs = x == major and y <= minor
+        else:
+            runs = (x, y) <= (major, minor)
+        if runs:
+            (native if kind == "sm" else ptx).append(((x, y), entry))
+    if native:
+        return "native", max(native)[1]
+    if ptx:
+        return "ptx", max(ptx)[1]  # the newest PTX at or below the GPU: what the JIT starts from
+    return "none", None
+
+
 # --- sources -----------------------------------------------------------------------------------
 
 
@@ -570,15 +607,17 @@ def _compatibility(gpus: list[GpuInfo], ceiling: str | None,
             continue
         cc = version_tuple(g.compute_capability)
         sm = f"sm_{cc[0]}{cc[1]}"
-        ptx = [a for a in arch if a.startswith("compute_") and int(a[8:]) <= cc[0] * 10 + cc[1]]
-        if sm in arch:
-            reasons.append(f"GPU{g.index} {g.name}: compute capability {g.compute_capability} ({sm}) is built in")
-        elif ptx:
-            reasons.append(f"GPU{g.index}: {sm} not built, runs through PTX JIT from {ptx[-1]} (slow first start)")
+        how, via = arch_support(g.compute_capability, arch)
+        if how == "native":
+            reasons.append(f"GPU{g.index} {g.name}: compute capability {g.compute_capability} runs {via} code "
+                           + ("(built in)" if via == sm else "(binary compatible: same major, older minor)"))
+        elif how == "ptx":
+            reasons.append(f"GPU{g.index}: no cubin for {sm}, runs through PTX JIT from {via} (slow first start)")
         else:
             ok = False
             reasons.append(f"GPU{g.index} {g.name}: compute capability {g.compute_capability} is not supported by this "
-                           f"torch (built for {', '.join(arch)}): install a torch build that includes {sm}")
+                           f"torch (built for {', '.join(arch)}; a cubin runs only within its major version, "
+                           f"at or above its minor): install a torch build that includes {sm}")
     if ok and not torch["cuda_available"]:
         ok = False
         reasons.append("torch.cuda.is_available() is False although a GPU is present: check CUDA_VISIBLE_DEVICES")

@@ -47,7 +47,15 @@ DIGITS_DEFAULTS = {"epochs": 8, "global_batch": 64, "lr": 0.05, "momentum": 0.9,
 # launches instead, DDP's per-step host work shows, and the same run gave 79 %. CPU: a tiny ResNet.
 THROUGHPUT_DEFAULTS = {"steps": (30, 10), "warmup_steps": (10, 3), "batch_size": (256, 16), "image_size": (224, 32),
                        "width": (64, 8), "depth": (18, 10), "amp": ("bf16", None), "channels_last": (True, False)}
-DEFAULT_BUCKETS = {"bucket_cap_mb": 25, "gradient_as_bucket_view": False, "overlap": True}
+# The variants overlap_experiment times. DDP has no "overlap" switch: it always starts a bucket's all-reduce when the
+# bucket's gradients are ready, during backward. What shapes the overlap: bucket_cap_mb (smaller buckets start
+# earlier), gradient_as_bucket_view (no copy into the buckets), static_graph, and no_sync (no all-reduce at all
+# for the micro-batches of a gradient accumulation). ``ddp=False`` is the course's baseline without DDP: one
+# all-reduce of all gradients after the whole backward pass. ``accumulate=k``: k micro-batches per optimizer step,
+# the first k-1 under DDP's no_sync().
+DEFAULT_BUCKETS = {"bucket_cap_mb": 25, "gradient_as_bucket_view": False, "ddp": True, "accumulate": 1}
+NO_DDP = "no DDP: one all-reduce after backward"
+_RECORDED_AS = {NO_DDP: "no overlap (all-reduce after backward)"}  # that variant's name in runs recorded before
 
 # [H200 run] one H200 alone, the GPU defaults above (ResNet-18, 224 px, batch 256, bf16), ms per step (mean of 30
 # after 10, best of 2 rounds; overlap_experiment on one rank): DDP over a one-rank NCCL group against the model
@@ -461,7 +469,11 @@ def _throughput_config(ctx: WorkerContext, **kw: Any) -> dict[str, Any]:
     if not (isinstance(cfg["bucket_cap_mb"], (int, float)) and cfg["bucket_cap_mb"] > 0):
         raise ValueError(f"{where}(bucket_cap_mb={cfg['bucket_cap_mb']!r}): must be a number of MB > 0")
     cfg["gradient_as_bucket_view"] = bool(kw.get("gradient_as_bucket_view", False))
-    cfg["overlap"] = bool(kw.get("overlap", True))
+    cfg["ddp"] = bool(kw.get("ddp", True))
+    cfg["accumulate"] = check_int(kw.get("accumulate", 1), "accumulate", where)
+    if cfg["accumulate"] > 1 and not cfg["ddp"]:
+        raise ValueError(f"{where}(accumulate={cfg['accumulate']}, ddp=False): no_sync accumulation is DDP's; "
+                         "use accumulate=1 without DDP")
     return cfg
 
 
@@ -479,20 +491,25 @@ def _time_steps(ctx: WorkerContext, cfg: dict[str, Any]) -> dict[str, Any]:
     y = torch.randint(0, cfg["num_classes"], (b,), device=ctx.device)
     params = list(model.parameters())
     net: torch.nn.Module
-    if cfg["overlap"]:
+    if cfg["ddp"]:
         net = _ddp(ctx, model, bucket_cap_mb=cfg["bucket_cap_mb"],
                    gradient_as_bucket_view=cfg["gradient_as_bucket_view"])
-    else:  # the comparison without overlap: one all-reduce of all gradients after the whole backward pass
+    else:  # the baseline without DDP: one all-reduce of all gradients after the whole backward pass
         net = model
         for p in params:
             dist.broadcast(p.data, 0, group=ctx.group)  # rank 0 of the group is global rank 0
     opt = torch.optim.SGD(params, lr=0.01, momentum=0.9)
 
+    k = cfg["accumulate"]
+
     def step() -> None:
+        for _ in range(k - 1):  # micro-batches whose gradients only accumulate: no all-reduce under no_sync
+            with net.no_sync(), _autocast(ctx, cfg["amp"]):
+                F.cross_entropy(net(x), y).backward()
         with _autocast(ctx, cfg["amp"]):
             loss = F.cross_entropy(net(x), y)
-        loss.backward()
-        if not cfg["overlap"] and ctx.world_size > 1:
+        loss.backward()  # the last micro-batch: DDP all-reduces the accumulated gradients, overlapped with it
+        if not cfg["ddp"] and ctx.world_size > 1:
             flat = torch.cat([p.grad.reshape(-1) for p in params])  # one flat fp32 buffer of all gradients
             dist.all_reduce(flat, group=ctx.group)
             flat /= ctx.world_size
@@ -506,8 +523,9 @@ def _time_steps(ctx: WorkerContext, cfg: dict[str, Any]) -> dict[str, Any]:
     timing = benchmark(step, reps=cfg["steps"], warmup=cfg["warmup_steps"], device=ctx.device, name="ddp step")
     # Ranks wait for each other in every all-reduce; the slowest one sets the job's pace.
     mean_ms, median_ms = _all_reduce(ctx, [timing.mean_ms, timing.median_ms], op="max")
+    mean_ms, median_ms = mean_ms / k, median_ms / k  # per micro-batch: variants compare at the same work
     buckets = None
-    if cfg["overlap"]:
+    if cfg["ddp"]:
         with contextlib.suppress(Exception):  # private logging API: its keys vary between torch versions
             log = net._get_ddp_logging_data()  # the layout after the first step's rebuild, where there was one
             sizes = str(log.get("rebuilt_bucket_sizes") or log.get("bucket_sizes", "")).strip()  # "bytes, ..."
@@ -516,7 +534,8 @@ def _time_steps(ctx: WorkerContext, cfg: dict[str, Any]) -> dict[str, Any]:
     out = {"world_size": ctx.world_size, "backend": ctx.backend,
            "device": torch.cuda.get_device_name(ctx.device) if _is_cuda(ctx) else f"cpu ({cpu_model()})",
            **{k: cfg[k] for k in ("batch_size", "image_size", "width", "amp", "channels_last", "bucket_cap_mb",
-                                  "gradient_as_bucket_view", "overlap", "steps", "warmup_steps")},
+                                  "gradient_as_bucket_view", "ddp", "accumulate", "steps",
+                                  "warmup_steps")},
            "depth": cfg["depth"] if isinstance(cfg["depth"], int) else tuple(cfg["depth"]),
            "global_batch": global_batch, "step_ms": mean_ms, "step_ms_median": median_ms,
            "images_per_s": global_batch / (mean_ms * 1e-3), "images_per_s_per_worker": b / (mean_ms * 1e-3),
@@ -530,11 +549,13 @@ def throughput(ctx: WorkerContext, steps: int | None = None, warmup_steps: int |
                batch_size: int | None = None, image_size: int | None = None, width: int | None = None,
                depth: int | Sequence[int] | None = None, amp: str | None = "auto", bucket_cap_mb: float = 25,
                gradient_as_bucket_view: bool = False, channels_last: bool | None = None, num_classes: int = 1000,
-               overlap: bool = True, cpu_threads: int | None = None) -> dict[str, Any]:
+               ddp: bool = True, accumulate: int = 1, cpu_threads: int | None = None) -> dict[str, Any]:
     """Worker: DDP training steps of a ResNet on random images; time per step and images/s.
 
     Defaults (None/'auto'): ``THROUGHPUT_DEFAULTS`` of the device. step_ms: the mean of ``benchmark``'s repetitions,
-    max over ranks. ``overlap=False`` replaces DDP by one all-reduce after the backward pass. ``cpu_threads``: torch
+    max over ranks, per micro-batch. ``ddp=False``: no DDP, one all-reduce after the backward pass (DDP itself has no
+    switch for overlap). ``accumulate=k``: k micro-batches per optimizer step, the first k-1 under ``no_sync()``
+    (gradients accumulate, no all-reduce); step_ms is per micro-batch. ``cpu_threads``: torch
     threads per CPU rank (default: the cores shared equally among the local ranks).
 
     Returns step_ms, step_ms_median, images_per_s (whole job), images_per_s_per_worker, n_params,
@@ -543,7 +564,7 @@ def throughput(ctx: WorkerContext, steps: int | None = None, warmup_steps: int |
     cfg = _throughput_config(ctx, steps=steps, warmup_steps=warmup_steps, batch_size=batch_size,
                              image_size=image_size, width=width, depth=depth, amp=amp, channels_last=channels_last,
                              bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=gradient_as_bucket_view,
-                             num_classes=num_classes, overlap=overlap)
+                             num_classes=num_classes, ddp=ddp, accumulate=accumulate)
     ctx.status(f"timing {cfg['steps']} steps")
     return _time_steps(ctx, cfg)
 
@@ -580,11 +601,13 @@ def scaling(nprocs_list: Sequence[int] | None = None, *, backend: str = "auto", 
 
 
 def _variant_label(v: dict[str, Any]) -> str:
-    if not v.get("overlap", True):
-        return "no overlap (all-reduce after backward)"
+    if not v.get("ddp", True):
+        return NO_DDP
     parts = [f"bucket_cap_mb={v.get('bucket_cap_mb', DEFAULT_BUCKETS['bucket_cap_mb']):g}"]
     if v.get("gradient_as_bucket_view"):
         parts.append("gradient_as_bucket_view")
+    if v.get("accumulate", 1) > 1:
+        parts.append(f"no_sync, all-reduce every {v['accumulate']} micro-batches")
     return ", ".join(parts)
 
 
@@ -617,11 +640,13 @@ def overlap_experiment(nprocs: int | None = None, variants: Sequence[dict[str, A
                        progress: Callable[..., Any] | None = None, **kwargs: Any) -> pd.DataFrame:
     """The measured effect of DDP's bucket settings on step time, at ``nprocs`` ranks (default max(2, GPUs)).
 
-    ``variants``: dicts of bucket_cap_mb, gradient_as_bucket_view and overlap (False: no DDP, one all-reduce
-    after backward); default [{bucket_cap_mb: 1}, {bucket_cap_mb: 25}, {gradient_as_bucket_view: True}]. The
-    default configuration (25 MB, no views, overlap) is added when missing. Other keyword arguments go to
+    ``variants``: dicts of bucket_cap_mb, gradient_as_bucket_view, accumulate (k micro-batches, the first k-1 under
+    DDP's no_sync) and ddp (False: no DDP, one all-reduce after backward); default [{bucket_cap_mb: 1},
+    {bucket_cap_mb: 25}, {gradient_as_bucket_view: True}]. The default configuration (DDP, 25 MB, no views, an
+    all-reduce every micro-batch) is added when missing. Other keyword arguments go to
     ``throughput`` (model size, batch, amp...). Columns: variant, bucket_cap_mb, gradient_as_bucket_view,
-    overlap, step_ms, images_per_s, step_ms_vs_default (< 1 is faster), images_per_s_vs_default, buckets.
+    ddp, accumulate, step_ms (per micro-batch), images_per_s, step_ms_vs_default (< 1 is faster),
+    images_per_s_vs_default, buckets.
     ``progress`` steps per variant timed (``_launch_ticking``)."""
     nprocs = _default_nprocs() if nprocs is None else check_int(nprocs, "nprocs", "overlap_experiment")
     check_int(repeats, "repeats", "overlap_experiment")
@@ -638,7 +663,7 @@ def overlap_experiment(nprocs: int | None = None, variants: Sequence[dict[str, A
     base = df.loc[[v == DEFAULT_BUCKETS for v in full]].iloc[0]
     df["step_ms_vs_default"] = df["step_ms"] / base["step_ms"]
     df["images_per_s_vs_default"] = df["images_per_s"] / base["images_per_s"]
-    first = ["variant", "bucket_cap_mb", "gradient_as_bucket_view", "overlap", "world_size", "step_ms",
+    first = ["variant", "bucket_cap_mb", "gradient_as_bucket_view", "ddp", "accumulate", "world_size", "step_ms",
              "images_per_s", "step_ms_vs_default", "images_per_s_vs_default", "buckets"]
     return df[first + [c for c in df.columns if c not in first]]
 
@@ -674,7 +699,8 @@ def with_reference_overlap(df: pd.DataFrame, run_dir: str | os.PathLike[str] | N
     relative to its own default variant: columns ``h200x2_step_ms`` and ``h200x2_step_ms_vs_default``."""
     ref = h200x2_results(run_dir)
     out = df.copy()
-    out["h200x2_step_ms"] = [ref.get(record_name(v), math.nan) for v in out["variant"]]
+    out["h200x2_step_ms"] = [ref.get(record_name(v), ref.get(record_name(_RECORDED_AS.get(v, v)), math.nan))
+                             for v in out["variant"]]
     base = ref.get(record_name(_variant_label(DEFAULT_BUCKETS)), math.nan)
     out["h200x2_step_ms_vs_default"] = out["h200x2_step_ms"] / base
     return out

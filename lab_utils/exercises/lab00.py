@@ -428,20 +428,25 @@ q3 = InventoryExercise(
 # --- q4: total memory in GiB -----------------------------------------------------------------------
 
 _MIB = 143771  # memory.total [MiB] in query-gpu.csv
-_GIB = _MIB / 1024  # 140.40 GiB; = 150.75 GB of 1e9 bytes. The datasheet's 141 GB is 141e9 bytes (131.3 GiB).
+# 140.40 GiB = 150.75e9 bytes. Datasheets count memory capacity in powers of two: the H200's "141 GB" is about
+# 141 GiB (nvidia-smi: 140.4 GiB); reading it as 141e9 bytes gives 131.3 GiB, 9 GiB less than the card has.
+# Bandwidth (4.8 TB/s) and link speeds count powers of ten.
+_GIB = _MIB / 1024
+_CAPACITY_UNITS = ("GPU datasheets count memory capacity in powers of two: the H200's '141 GB' is about 141 GiB; "
+                   "bandwidth (4.8 TB/s) and link speeds count powers of ten.")
 _q4_close = close_to(
     _GIB, rel=0.01, reveal=False,
     why="Take memory.total from query-gpu.csv (in MiB) and convert to GiB.",
     slips={
         1024.0: "that is the value in MiB, the CSV's unit; 1 GiB = 1024 MiB.",
-        2**30 / 1e9: "that is GB (1e9 bytes), not GiB (2**30 bytes = 1024 MiB): 143771 MiB is 150.8 GB but "
-                     "140.4 GiB. (The datasheet's '141 GB' is decimal too, 141e9 bytes: not the GiB figure, "
-                     "though 141 looks like 140.4.)",
+        2**30 / 1e9: "that is GB (1e9 bytes), not GiB (2**30 bytes = 1024 MiB): the same memory is 7 % more in GB "
+                     "than in GiB. The question asks for GiB.",
         1.024: "divide MiB by 1024, not 1000: 1 GiB = 1024 MiB.",
         1 / 1024: "that is TiB; the question asks for GiB (1024 MiB).",
         2.0**30: "that is bytes; the question asks for GiB (2**30 bytes).",
-        141e9 / 2**30 / _GIB: "that is the datasheet's 141 GB (141e9 bytes = 131.3 GiB); the question asks for "
-                              "what nvidia-smi reports, 143771 MiB, in GiB.",
+        141e9 / 2**30 / _GIB: "that reads the datasheet's '141 GB' as 141e9 bytes (131.3 GiB), which the card does "
+                              "not have: " + _CAPACITY_UNITS + " The question asks for what nvidia-smi reports, "
+                              "in GiB.",
     },
 )
 
@@ -457,15 +462,14 @@ q4 = Exercise(
     hints=[
         "Open lab_utils/data/h200/query-gpu.csv; the header names each column's unit.",
         "memory.total is given in MiB (2**20 bytes). A GiB is 2**30 bytes, i.e. 1024 MiB.",
-        "memory_gib = <memory.total in MiB> / 1024. That is the binary figure, 140.4 GiB; in decimal GB (1e9 "
-        "bytes, the unit datasheets write) the same memory is 150.8 GB. The datasheet's '141 GB' is decimal: "
-        "141e9 bytes, not 141 GiB.",
+        "memory_gib = <memory.total in MiB> / 1024. That is the binary figure, 140.4 GiB (150.8e9 bytes). "
+        + _CAPACITY_UNITS,
     ],
     solution_text=(
         "memory_gib = 143771 / 1024   # 140.4 GiB\n"
-        "# 143,771 MiB = 140.4 GiB, the binary figure; in decimal units the same memory is\n"
-        "# 143771 * 2**20 / 1e9 = 150.8 GB. The datasheet's '141 GB' is decimal (141e9 bytes = 131.3 GiB):\n"
-        "# 141 looks like 140.4, but the two are in different units.\n"
+        "# 143,771 MiB = 140.4 GiB, the binary figure; in bytes 143771 * 2**20 = 150.8e9.\n"
+        "# The datasheet's '141 GB' counts capacity in powers of two too: about 141 GiB, not 141e9 bytes\n"
+        "# (that would be 131.3 GiB). Bandwidth (4.8 TB/s) and link speeds count powers of ten.\n"
         "# or with pandas:\n"
         "# df = pd.read_csv(path, skipinitialspace=True)\n"
         "# memory_gib = df['memory.total [MiB]'].str.split().str[0].astype(int)[0] / 1024"

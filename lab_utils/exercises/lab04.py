@@ -483,8 +483,8 @@ q4 = CodeExercise(
     signature="http_infer(url, model, x) -> np.ndarray", applicable=_no_server,
     hints=(
         "tritonclient.http has the same classes as tritonclient.grpc; the URL is the HTTP endpoint's host:port.",
-        "Over HTTP a tensor travels as JSON numbers unless asked otherwise: set_data_from_numpy(x, binary_data=True) "
-        "and InferRequestedOutput('OUTPUT__0', binary_data=True) send and receive raw bytes.",
+        "Over HTTP tritonclient sends and asks for tensors as raw bytes by default (binary_data=True is the default of "
+        "set_data_from_numpy and InferRequestedOutput); binary_data=False would send them as JSON numbers.",
         "client = httpclient.InferenceServerClient(url); ...; return client.infer(model, [inp], "
         "outputs=[out]).as_numpy('OUTPUT__0')",
     ),
@@ -492,8 +492,8 @@ q4 = CodeExercise(
         "def http_infer(url, model, x):\n"
         "    client = httpclient.InferenceServerClient(url)  # url: host:port of the HTTP endpoint\n"
         "    inp = httpclient.InferInput('INPUT__0', list(x.shape), 'FP32')\n"
-        "    inp.set_data_from_numpy(x, binary_data=True)  # raw bytes, not JSON numbers\n"
-        "    out = httpclient.InferRequestedOutput('OUTPUT__0', binary_data=True)\n"
+        "    inp.set_data_from_numpy(x)  # binary_data=True by default: raw bytes, not JSON numbers\n"
+        "    out = httpclient.InferRequestedOutput('OUTPUT__0')  # binary too, by default\n"
         "    result = client.infer(model, [inp], outputs=[out])\n"
         "    return result.as_numpy('OUTPUT__0')"
     ),

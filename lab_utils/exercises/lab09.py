@@ -31,7 +31,8 @@ __all__ = [
     "H200_MEM_GB", "H200_RIDGE", "NIM_REQUEST",
 ]
 
-H200_MEM_GB = 141  # HBM3e, GB = 1e9 bytes (the datasheet's figure)
+H200_MEM_GB = round(143771 * 2**20 / 1e9, 1)  # 150.8 GB of 1e9 bytes: nvidia-smi's 143,771 MiB. The datasheet's
+# "141 GB" counts capacity in powers of two (about 141 GiB), so it is not 141e9 bytes.
 H200_RIDGE = lab01.H200_RIDGE  # FLOP/byte: dense bf16 peak / HBM bandwidth, ~206 (lab 01 derives it)
 GIB = 2**30
 
@@ -159,7 +160,7 @@ def _seq_variants(mem: float, w: float, seq: int, kv: int, reserve: float) -> li
 
     exact = (mem * (1 - reserve) - w) * 1e9 / per_seq
     return [
-        (count((mem * (1 - reserve) - w) * GIB), "GB are 1e9 bytes (the datasheet's 141 GB); 2**30 is a GiB, 7 % "
+        (count((mem * (1 - reserve) - w) * GIB), "gpu_mem_gb and weights_gb are GB of 1e9 bytes; 2**30 is a GiB, 7 % "
                                                  "larger."),
         (count((mem - w) * 1e9), "reserve_frac of the GPU's memory is kept back (activations, CUDA context, "
                                  "fragmentation) before the KV cache gets any."),

@@ -142,7 +142,9 @@ def trtexec_commands(onnx_path: str | os.PathLike[str], engine_path: str | os.Pa
     """The ``trtexec`` lines that do what ``build_plan`` and the benchmark do (build, then time the engine).
 
     ``major``: the TensorRT major version (default: this machine's, else ``LATEST_MAJOR``): 10 gets ``--stronglyTyped
-    --useCudaGraph --noDataTransfers``, which 11 deprecates. ``trtexec``: the program to name (default: what
+    --useCudaGraph --noDataTransfers``, which 11 deprecates. trtexec reports GPU compute time without the last two;
+    they change what is timed (no host<->device copies, the engine launched as one CUDA graph), to time the engine
+    alone as the course's benchmark does. ``trtexec``: the program to name (default: what
     ``lab_utils.course.probe.find_trtexec`` finds here, also off the PATH)."""
     major = major if major is not None else (tensorrt_major() or LATEST_MAJOR)
     legacy = major < 11

@@ -170,6 +170,41 @@ async def infer_async(url: str, model: str, inputs: Mapping[str, np.ndarray], *,
 # --- repository API, metadata, configuration ------------------------------------------------------------
 
 
+def http_encoding_cost(url: str, model: str, inputs: Mapping[str, np.ndarray], outputs: Sequence[str], *,
+                       reps: int = 30, warmup: int = 3) -> list[dict[str, Any]]:
+    """JSON against binary tensors over HTTP, both measured on the running server: one row per encoding
+    (``binary_data=False``, then ``True``, tritonclient's default for inputs and requested outputs) with the bytes
+    of the request and of the response bodies and the median and p90 round trip (ms) of ``reps`` requests on one
+    connection after ``warmup``. The answers must agree (max |difference| of the outputs, ``max_abs_diff``)."""
+    import urllib.request
+
+    import tritonclient.http as httpclient
+
+    from lab_utils.timing import benchmark
+
+    rows, answers = [], []
+    with httpclient.InferenceServerClient(host_port(url)) as c:
+        for binary in (False, True):
+            ins, outs = build_request(httpclient, "http", inputs, outputs, binary)
+            body, json_size = c.generate_request_body(ins, outputs=outs)
+            headers = {"Content-Type": "application/octet-stream" if json_size else "application/json"}
+            if json_size:  # binary tensors follow a JSON header of this many bytes
+                headers["Inference-Header-Content-Length"] = str(json_size)
+            req = urllib.request.Request(f"http://{host_port(url)}/v2/models/{model}/infer", data=body,
+                                         headers=headers, method="POST")
+            with urllib.request.urlopen(req, timeout=30) as resp:  # the raw response, to count its bytes
+                response_bytes = len(resp.read())
+            timing = benchmark(lambda ins=ins, outs=outs: c.infer(model, ins, outputs=outs), reps=reps,
+                               warmup=warmup, device="cpu", name="binary" if binary else "JSON")
+            answers.append(as_arrays(c.infer(model, ins, outputs=outs), "http", outputs))
+            rows.append({"encoding": timing.name, "binary_data": binary, "request_bytes": len(body),
+                         "response_bytes": response_bytes, "median_ms": timing.median_ms, "p90_ms": timing.p90_ms})
+    diff = max(float(np.abs(answers[0][o] - answers[1][o]).max()) for o in outputs)
+    for row in rows:
+        row["max_abs_diff"] = diff
+    return rows
+
+
 def model_metadata(url: str, model: str, protocol: str = "grpc", version: str = "") -> dict[str, Any]:
     """``GET v2/models/{model}``: name, versions, inputs and outputs with datatype and shape."""
     with client(url, protocol) as c:
