@@ -92,7 +92,7 @@ def test_measure_extends_an_unstable_measurement_with_longer_windows(monkeypatch
         return Result(stable=len(calls) == 2)
 
     monkeypatch.setattr(triton_lab.triton_load, "run_load", fake_run_load)
-    server = SimpleNamespace(grpc_url="h:1", http_url="http://h:2")
+    server = SimpleNamespace(grpc_url="h:1", http_url="http://h:2", alive=lambda: True)  # a running server
     settings = triton_lab.LoadSettings(window_s=1.0, max_windows=10, extensions=2, extension_windows=6)
     row = triton_lab.measure(server, "m", {}, 4, settings)
     assert calls == [(1.0, 10), (2.0, 6)] and row["stable"] and row["attempts"] == 2 and row["window_s"] == 2.0
