@@ -219,6 +219,7 @@ def test_roofline_explorer_points_are_never_under_its_legend():
     fig.canvas.draw()
     ax = fig.axes[0]
     box = ax.get_legend().get_window_extent()
+    assert not box.overlaps(ax.get_window_extent()), (box, ax.get_window_extent())  # beside the axes, whatever the data
     for collection in ax.collections:  # every scatter point, in the figure's pixels
         for x, y in ax.transData.transform(collection.get_offsets()):
             assert not box.contains(x, y), (collection.get_label(), x, y, box)
