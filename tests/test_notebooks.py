@@ -15,11 +15,11 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
-from lab_utils.course.catalog import repo_root
+from lab_utils.course.catalog import NOTEBOOK_GLOB, repo_root
 from lab_utils.ops import notebooks
 
 ROOT = repo_root()
-SOLUTIONS = sorted((ROOT / "solutions").glob("[0-9][0-9]_*.ipynb"))
+SOLUTIONS = sorted((ROOT / "solutions").glob(NOTEBOOK_GLOB))
 
 
 def test_assignment_block_becomes_none_placeholder():

@@ -21,6 +21,8 @@ import jsonschema
 import pytest
 import yaml
 
+from lab_utils.course.catalog import NOTEBOOK_GLOB
+
 ROOT = Path(__file__).resolve().parents[1]
 QUIZ = ROOT / "lab_utils" / "data" / "quiz"
 SECTION_FILES = {
@@ -203,7 +205,7 @@ def test_glossary_consistent():
 
 
 def test_lab_pointers_name_existing_labs():
-    labs = {p.name[:2] for p in (ROOT / "solutions").glob("[0-9][0-9]_*.ipynb")}
+    labs = {p.name.split("_", 1)[0] for p in (ROOT / "solutions").glob(NOTEBOOK_GLOB)}
     pointers = {q["id"]: q["lab"]["lab"] for q in QUESTIONS if "lab" in q}
     assert pointers, "no question points to a lab"
     unknown = {qid: lab for qid, lab in pointers.items() if lab not in labs}

@@ -20,6 +20,7 @@ import pytest
 
 from lab_utils.compat import tensorrt_stubs
 from lab_utils.course import probe
+from lab_utils.course.catalog import NOTEBOOK_GLOB
 from lab_utils.inference import tensorrt as trt_engine
 from lab_utils.inference import trt_check
 
@@ -136,7 +137,7 @@ def _sources() -> list[tuple[str, str, bool]]:
         text = p.read_text()
         found.append((str(p.relative_to(ROOT)), text, "import tensorrt" in text))
     for folder in ("solutions", "labs"):
-        for p in sorted((ROOT / folder).glob("[0-9][0-9]_*.ipynb")):
+        for p in sorted((ROOT / folder).glob(NOTEBOOK_GLOB)):
             cells = json.loads(p.read_text())["cells"]
             text = "\n".join("".join(c["source"]) for c in cells)
             found.append((f"{folder}/{p.name}", BOX.sub("", text), p.name.startswith("03_")))

@@ -646,6 +646,18 @@ def lab_tiers(report: EnvReport) -> list[LabTier]:
         why = "GPU not usable by torch: " if seen_gpu else ""
         rows["01"] = (low, "CPU BLAS and DRAM bandwidth with the same harness",
                       why + "the H200 reference run is shown beside")
+    # Triton the kernel language (not the Triton server): found, not imported (importing it takes seconds)
+    triton_lang = _findable("triton")
+    if gpu and triton_lang:
+        rows["01b"] = ("full", "your Triton kernels compiled for this GPU and timed beside torch and cuBLAS; the CUDA "
+                       "C++ add through CuPy", "")
+    elif triton_lang:
+        why = "GPU not usable by torch: " if seen_gpu else ""
+        rows["01b"] = (low, "your Triton kernels checked in Triton's interpreter (TRITON_INTERPRET=1) on CPU tensors",
+                       why + "the H200 reference run's bandwidths and TFLOP/s stand in for the timings")
+    else:
+        rows["01b"] = (low, "the kernels' text and the questions only",
+                       "triton is not installed: pip install -e '.[kernels]'")
     if n_gpu >= 2 and report.torch and report.torch.get("nccl"):
         rows["02"] = ("full", f"NCCL across {n_gpu} GPUs, DDP", "")
     elif gpu:

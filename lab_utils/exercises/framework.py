@@ -154,12 +154,12 @@ class Exercise:
 
     def _outcome(self, value: Any) -> Outcome:
         if is_blank(value):
-            number = re.match(r"\d+\.(\d+)\b", self.name)  # "01.3 copy bandwidth" is the lab's `ex.q3`
+            number = re.match(r"\d+[a-z]?\.(\d+)\b", self.name)  # "01.3 ..." (or "01b.3 ...") is the lab's `ex.q3`
             hint = f"`{self.hint_call}`" if self.hint_call else f"`ex.q{number[1]}.hint()`" if number else \
                 "its `.hint()`"
             return Outcome(self.name, Status.NOT_ATTEMPTED,
                            f"Set `{self.var}` above and run this cell again ({hint} helps).")
-        lab = re.match(r"(\d\d)\.", self.name)  # "09.7 ..." is lab 09's: its name for an object shared with lab 01
+        lab = re.match(r"(\d\d[a-z]?)\.", self.name)  # "09.7 ..." is lab 09's: its name for an object lab 01 shares
         handed = course_object(value, first=f"{_LAB}lab{lab[1]}" if lab else None)
         if handed:  # before grading: the course's own value would pass every check it was written for
             return self._incorrect(value, f"{handed}: an answer is your own work, not a value the course hands "

@@ -28,14 +28,14 @@ import nbformat
 import psutil
 from nbformat.v4 import new_markdown_cell
 
-from lab_utils.course.catalog import lab_by_number, repo_root
+from lab_utils.course.catalog import NOTEBOOK_GLOB, lab_by_number, repo_root
 
 BEGIN, END, STUDENT = "# BEGIN SOLUTION", "# END SOLUTION", "# STUDENT:"
 MD_BLOCK = re.compile(r"<!-- BEGIN SOLUTION -->.*?<!-- END SOLUTION -->", re.S)
 MD_PLACEHOLDER = "*Your answer here.*"
 MD_ANSWERS = re.compile(r"<!-- BEGIN ANSWERS -->(.*?)<!-- END ANSWERS -->", re.S)
 ATTEMPT_PLACEHOLDER = "*Your answers here: double-click this cell to write them, then open the answers below.*"
-EXERCISES_IMPORT = re.compile(r"^from lab_utils\.exercises import (lab\d\d) as ex$", re.M)
+EXERCISES_IMPORT = re.compile(r"^from lab_utils\.exercises import (lab\d\d[a-z]?) as ex$", re.M)
 CHECK_CALL = re.compile(r"\bex\.(q\d+)\.check\(")
 CHECK_MARKER = "# NBVAL_CHECK_OUTPUT"  # cells whose stored outputs nbval compares
 RUN_ID_ENV = "NVLAB_RUN_ID"  # every process a run starts inherits it: how leftovers are found
@@ -198,7 +198,7 @@ def build_labs(check: bool = False, root: Path | None = None) -> list[str]:
     root = root or repo_root()
     src, dst = root / "solutions", root / "labs"
     changed = []
-    if not (solutions := sorted(src.glob("[0-9][0-9]_*.ipynb"))):
+    if not (solutions := sorted(src.glob(NOTEBOOK_GLOB))):
         raise NotebookError(f"no solution notebooks in {src}")
     expected_names = {p.name for p in solutions}
     for p in solutions:
@@ -213,7 +213,7 @@ def build_labs(check: bool = False, root: Path | None = None) -> list[str]:
             if not check:
                 dst.mkdir(exist_ok=True)
                 target.write_text(text)
-    for extra in sorted(dst.glob("[0-9][0-9]_*.ipynb")):
+    for extra in sorted(dst.glob(NOTEBOOK_GLOB)):
         if extra.name not in expected_names:
             changed.append(f"{extra.name} (no solution)")
             if not check:
@@ -261,7 +261,7 @@ def select(names: Iterable[str], all_: bool, solutions: bool, root: Path | None 
     """Notebook paths for lab numbers (``"01"``, ``"1"``, ``"01_cuda_timing"``) or every lab."""
     root = root or repo_root()
     folder = root / ("solutions" if solutions else "labs")
-    present = sorted(folder.glob("[0-9][0-9]_*.ipynb"))
+    present = sorted(folder.glob(NOTEBOOK_GLOB))
     if all_:
         return present
     if not (names := list(names)):
