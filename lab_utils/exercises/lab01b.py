@@ -67,7 +67,7 @@ class KernelExercise(CodeExercise):
     has only ``...`` in its body (the starting code)."""
 
     def _outcome(self, value: Any) -> Any:
-        if is_blank(getattr(value, "fn", None)):
+        if hasattr(value, "fn") and is_blank(value.fn):
             value = None  # the decorated starting code
         return super()._outcome(value)
 
@@ -238,20 +238,20 @@ def _grade_softmax(value: Any) -> str:
             raise Wrong(f"{call} wrote {spilled} element(s) outside the rows of `out` ({rows} rows of {cols}; a "
                         f"program's {block} lanes run past n_cols = {cols}): mask the store with cols < n_cols, "
                         "and step rows by out_row_stride")
+        nonfinite = [r for r in range(rows) if not torch.isfinite(got[r]).all()]
+        if nonfinite == [big_row]:
+            raise Wrong(f"{call}: row {big_row} (values near 100) came out NaN/inf: exp(100) overflows float32 "
+                        "(its largest is about 3.4e38 = exp(88.7)). Subtract the row's max before exp: softmax "
+                        "is unchanged, and the largest exponent becomes exp(0) = 1.")
         rows_ok = [bool(torch.allclose(got[r], want[r], rtol=1e-4, atol=1e-6)) for r in range(rows)]
         if rows_ok[0] and not all(rows_ok):
             raise Wrong(f"{call}: row 0 is right, row {rows_ok.index(False)} is not: row r starts at "
                         "in_ptr + r * in_row_stride and goes to out_ptr + r * out_row_stride (the strides, not "
                         f"n_cols: these rows are {cols} long and {x.view.stride(0)} apart in memory)")
-        if torch.isnan(got).any() or torch.isinf(got).any():
-            others = [r for r in range(rows) if r != big_row and not torch.isfinite(got[r]).all()]
-            if not others:
-                raise Wrong(f"{call}: row {big_row} (values near 100) came out NaN/inf: exp(100) overflows float32 "
-                            "(its largest is about 3.4e38 = exp(88.7)). Subtract the row's max before exp: softmax "
-                            "is unchanged, and the largest exponent becomes exp(0) = 1.")
-            raise Wrong(f"{call}: NaN in row {others[0]}: the kernel read memory past the row's end (here it holds "
-                        "NaN; on a GPU, whatever lies there). Mask the load with cols < n_cols, and give the masked "
-                        "lanes other=-float('inf') so that they add exp(-inf) = 0 to the sum.")
+        if nonfinite:
+            raise Wrong(f"{call}: NaN in row {nonfinite[0]}: the kernel read memory past the row's end (here it "
+                        "holds NaN; on a GPU, whatever lies there). Mask the load with cols < n_cols, and give the "
+                        "masked lanes other=-float('inf') so that they add exp(-inf) = 0 to the sum.")
         if torch.allclose(got, want, rtol=1e-4, atol=1e-6):
             continue
         if block > cols and torch.allclose(got, _softmax_with_zero_padding(x.view, block), rtol=1e-4, atol=1e-6):

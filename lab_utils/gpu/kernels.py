@@ -161,8 +161,9 @@ def launch_add(kernel: Any, x: torch.Tensor, y: torch.Tensor, out: torch.Tensor,
 
 
 def softmax_block(n_cols: int) -> int:
-    """The block of one row: the next power of two >= ``n_cols`` (``tl.arange`` needs a power of two)."""
-    return 1 << max(n_cols - 1, 0).bit_length()
+    """The block of one row: the next power of two >= ``n_cols`` (``tl.arange`` needs a power of two), at least 16
+    (a block smaller than a warp gains nothing, and tiny blocks are the compiler's least trodden path)."""
+    return max(16, 1 << max(n_cols - 1, 0).bit_length())
 
 
 def launch_softmax(kernel: Any, x: torch.Tensor, out: torch.Tensor, num_warps: int | None = None) -> tuple[int]:
