@@ -1007,6 +1007,8 @@ STACK: tuple[tuple[str, str, str, str, tuple[tuple[str, tuple[str, ...], str], .
         ("CUDA runtime (in PyTorch's wheels)", ("00", "01"), "the runtime torch carries; no toolkit needed"),
         ("streams, events, synchronize", ("01", "09"), "timing asynchronous work; prefill and decode timed"),
         ("CUDA graphs", ("01",), "launch overhead removed by capture and replay"),
+        ("kernels: grid, blocks, warps, masks", ("01b",), "a vector add, a fused softmax and a tiled matmul written "
+                                                         "in Triton and timed; the add in CUDA C++"),
     )),
     ("accelerated libraries (CUDA-X)", "加速库（CUDA-X）", "tuned building blocks", "调优好的计算构件", (
         ("cuBLAS", ("01", "09"), "matmul TFLOP/s by size and dtype; the decoder's matmuls"),
