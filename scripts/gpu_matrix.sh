@@ -3,7 +3,7 @@
 # budget, and keep what a run keeps: executed notebooks, recorded results, the environment report, a table of
 # wall times. The classroom check of a one-GPU machine, and how the course's one-GPU runs are made.
 #   scripts/gpu_matrix.sh OUT_DIR BUDGET_S ENTRY ...
-#   ENTRY: labs/NN:quick | labs/NN:full | solutions/NN:quick | solutions/NN:full
+#   ENTRY: labs/NN:quick | labs/NN:full | solutions/NN:quick | solutions/NN:full  (NN: 00, 01, 01b, 02, ..., 09)
 # An entry that would start after BUDGET_S seconds is listed as not run; each notebook gets what is left.
 # Works without installing the course (python3 -m lab_utils from this checkout).
 set -uo pipefail

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Execute the solutions on a GPU machine and collect what a reference run keeps:
 # the executed notebooks, the recorded results, and the environment report.
-#   scripts/reference_run.sh OUT_DIR [LAB ...]      (default labs: 00 01)
+#   scripts/reference_run.sh OUT_DIR [LAB ...]      (default labs: 00 01 01b)
 # Works without installing the course: it runs lab_utils from this checkout (python3 -m lab_utils).
 set -euo pipefail
 out=${1:?usage: scripts/reference_run.sh OUT_DIR [LAB ...]}
 shift
 labs=("${@:-00}")
-[ $# -gt 0 ] || labs=(00 01)
+[ $# -gt 0 ] || labs=(00 01 01b)
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # Never let NCCL or torch use NVLink multicast on shared machines; a lab only reads GPU state.

@@ -3,7 +3,10 @@
 Each kernel check launches the student's ``@triton.jit`` function (compiled on a GPU, Triton's interpreter on CPU
 tensors) on awkward sizes (not multiples of the block), with its tensors inside larger buffers whose other elements
 hold a known value (``kernels.guarded``): a kernel that reads or writes past the end, as an unmasked last block does,
-changes them or reads NaN, and the message names that symptom. Results are compared with torch."""
+changes them or reads NaN, and the message names that symptom. Results are compared with torch.
+
+Design notes: docs/internals.md#lab_utilsexerciseslab01bpy
+"""
 
 from __future__ import annotations
 
