@@ -345,3 +345,35 @@ def test_course_triton_step_offline_says_so_in_one_line_and_goes_on(tmp_path):
 def test_course_triton_step_leaves_a_present_triton_alone_and_obeys_nvlab_kernels_0(tmp_path, env, imports):
     out = _triton_step(tmp_path, env, triton_imports=imports)
     assert out.returncode == 0 and out.stdout.strip() == "setup goes on" and out.stderr == "", out.stderr
+
+
+_NO_TRITON = '''
+import importlib.util, sys
+class _NoTriton:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "triton":
+            raise ModuleNotFoundError(f"No module named {name!r}")
+sys.meta_path.insert(0, _NoTriton())
+_find = importlib.util.find_spec
+importlib.util.find_spec = lambda name, *a, **k: None if name.split(".")[0] == "triton" else _find(name, *a, **k)
+'''
+
+
+@pytest.mark.notebooks
+def test_generated_lab_runs_green_without_triton_and_says_how_to_install_it(tmp_path, monkeypatch):
+    block = tmp_path / "no-triton"
+    block.mkdir()
+    (block / "sitecustomize.py").write_text(_NO_TRITON)  # the lab's kernel process sees no triton at all
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(block), os.environ.get("PYTHONPATH")])))
+    res = notebooks.execute(ROOT / "labs" / "01b_gpu_kernels.ipynb", tmp_path / "run", {"quick": True},
+                            run_id="pytest-labs-01b-no-triton", timeout_s=300)
+    assert res.ok, res.error
+    cells = [c for c in json.loads(res.output.read_text())["cells"] if c["cell_type"] == "code"]
+    text = ["".join("".join(o.get("text", "")) for o in c["outputs"]) for c in cells]
+    setup = next(t for t in text if "Skipped here" in t)
+    assert f"Install it: {kernels.KERNELS_INSTALL}" in setup
+    kernel_checks = [t for c, t in zip(cells, text, strict=True) if any(
+        f"ex.q{n}.check(" in "".join(c["source"]) for n in (1, 4, 5))]
+    assert len(kernel_checks) == 3 and all("not applicable on this tier" in t for t in kernel_checks), kernel_checks
+    recorded = {r["name"] for r in json.loads((tmp_path / "run" / "results_01b.json").read_text())}
+    assert {"torch_softmax_gbps", "unfused_softmax_gbps"} <= recorded
