@@ -49,8 +49,9 @@ def compose() -> dict:
 # --- Dockerfile -----------------------------------------------------------------------------------
 
 
-def test_hadolint_passes():
-    out = run(tool("hadolint"), str(DOCKERFILE))
+@pytest.mark.parametrize("dockerfile", sorted(DOCKER.rglob("Dockerfile*")), ids=lambda p: str(p.relative_to(DOCKER)))
+def test_hadolint_passes(dockerfile):
+    out = run(tool("hadolint"), str(dockerfile))
     assert out.returncode == 0, out.stdout + out.stderr
 
 
