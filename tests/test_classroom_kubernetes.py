@@ -37,13 +37,26 @@ GUIDE = ROOT / "docs" / "classroom_kubernetes.md"
 KUBE_VERSIONS = ("1.32.0", "1.35.0")
 HUB_MOUNT = "/usr/local/etc/jupyterhub"
 RELEASE = NAMESPACE = "nvlab"
-# MIG profiles by GPU (NVIDIA's MIG User Guide, "Supported MIG Profiles"): profile -> instances per GPU. With the GPU
-# Operator's "mixed" strategy each is a resource of its own, nvidia.com/mig-<profile>.
-MIG_PROFILES = {
-    "H200": {"1g.18gb": 7, "1g.35gb": 4, "2g.35gb": 3, "3g.71gb": 2, "4g.71gb": 1, "7g.141gb": 1},
-    "H100 80GB": {"1g.10gb": 7, "1g.20gb": 4, "2g.20gb": 3, "3g.40gb": 2, "4g.40gb": 1, "7g.80gb": 1},
-}
-GPU_RESOURCES = {"nvidia.com/gpu"} | {f"nvidia.com/mig-{p}" for g in MIG_PROFILES.values() for p in g}
+
+
+def h200_mig_profiles() -> dict[str, dict]:
+    """The H200's MIG profiles as the GPU reports them (``nvidia-smi mig -lgip``, the course's capture), media
+    variants left out: profile -> instances per GPU, SMs, memory in GiB as printed."""
+    from lab_utils.course import probe
+
+    rows = re.findall(r"MIG (\d+g\.\d+gb)\s+\d+\s+\d+/(\d+)\s+([\d.]+)\s+\w+\s+(\d+)", probe.capture("mig-profiles"))
+    return {name: {"instances": int(n), "gib": gib, "sms": int(sm)} for name, n, gib, sm in rows}
+
+
+def mig_profiles() -> dict[str, dict[str, int]]:
+    """MIG profiles by GPU: profile -> instances per GPU. The H200's as it reports them; the H100 80GB's from NVIDIA's
+    MIG User Guide ("Supported MIG Profiles"). With the GPU Operator's "mixed" strategy each is a resource of its
+    own, nvidia.com/mig-<profile>."""
+    return {
+        "H200": {name: p["instances"] for name, p in h200_mig_profiles().items()},
+        "H100 80GB": {"1g.10gb": 7, "1g.20gb": 4, "2g.20gb": 3, "3g.40gb": 2, "4g.40gb": 1, "7g.80gb": 1},
+    }
+
 
 try:  # the test extra installs them (through the classroom-k8s extra): missing, the suite says how, never skips
     import helm_python  # noqa: F401
@@ -340,8 +353,9 @@ def test_each_profile_asks_for_its_gpu_share_and_lands_on_gpu_nodes(spawned, slu
 
 
 def test_every_gpu_resource_named_is_a_real_mig_profile(values):
+    known = {"nvidia.com/gpu"} | {f"nvidia.com/mig-{p}" for g in mig_profiles().values() for p in g}
     named = set(re.findall(r"nvidia\.com/(?:gpu|mig-[\w.]+)", VALUES.read_text()))
-    assert named and named <= GPU_RESOURCES, named - GPU_RESOURCES
+    assert named and named <= known, named - known
 
 
 def test_the_student_pod_runs_the_course_image_as_lab_on_a_volume_of_its_own(spawned, values):
@@ -490,9 +504,17 @@ def test_the_guide_installs_these_values_and_sizes_a_class_per_mig_profile():
     text = GUIDE.read_text()
     assert "helm upgrade --install" in text and "docker/classroom/kubernetes/values.yaml" in text
     assert 'strategy' in text and "mixed" in text
-    for gpu, profiles in MIG_PROFILES.items():
+    for gpu, profiles in mig_profiles().items():  # students per GPU and per 8-GPU node, profile by profile
         for profile, count in profiles.items():
-            assert re.search(rf"`{re.escape(profile)}`\s*\|\s*{count}\b", text), (gpu, profile, count)
+            assert re.search(rf"`{re.escape(profile)}` \| {count} \| {8 * count} \|", text), (gpu, profile, count)
+    for profile, p in h200_mig_profiles().items():  # and the H200's SMs and memory as the GPU reports them
+        assert f"`{profile}` | {p['instances']} | {8 * p['instances']} | {p['sms']} | {p['gib']} GiB |" in text, profile
+
+
+def test_the_h200_capture_has_the_profiles_the_course_names():
+    profiles = h200_mig_profiles()
+    assert profiles["1g.18gb"] == {"instances": 7, "gib": "16.00", "sms": 16}
+    assert profiles["3g.71gb"]["instances"] == 2 and profiles["7g.141gb"]["sms"] == 132
 
 
 if __name__ == "__main__":

@@ -783,6 +783,7 @@ CAPTURES = {
     "topo": "topo-x2.txt",
     "triton-metrics": "triton-metrics.txt",
     "nccl-debug": "nccl-debug-x2.txt",  # NCCL_DEBUG=INFO of a 2-rank all_reduce on 2 x H200 (NV18)
+    "mig-profiles": "mig-lgip.txt",  # `nvidia-smi mig -lgip` on the H200 (MIG off, nothing changed), 2026-12-04
 }
 
 # The NGC images the course uses and the CUDA runtime inside each come from the version manifest
