@@ -511,6 +511,17 @@ def test_the_guide_installs_these_values_and_sizes_a_class_per_mig_profile():
         assert f"`{profile}` | {p['instances']} | {8 * p['instances']} | {p['sms']} | {p['gib']} GiB |" in text, profile
 
 
+def test_the_guide_sizes_each_lab_by_its_measured_gpu_memory():
+    """Each lab's peak on the H200 (the reference run) and the smallest slice with 1 GiB beside it, from the capture."""
+    measured = json.loads((ROOT / "reference_runs" / "h200" / "gpu_memory_by_lab.json").read_text())["labs"]
+    slices = sorted(h200_mig_profiles().items(), key=lambda kv: (float(kv[1]["gib"]), kv[1]["sms"]))
+    text = GUIDE.read_text()
+    for lab, m in measured.items():
+        fits = next(f"`{name}`" for name, p in slices if float(p["gib"]) >= m["peak_gib"] + 1)
+        smallest = "none needed (NVML only)" if m["peak_mib"] == 0 else fits
+        assert f"| {lab} | {m['peak_gib']:.1f} GiB | {smallest} |" in text, (lab, m, smallest)
+
+
 def test_the_h200_capture_has_the_profiles_the_course_names():
     profiles = h200_mig_profiles()
     assert profiles["1g.18gb"] == {"instances": 7, "gib": "16.00", "sms": 16}
