@@ -177,24 +177,26 @@ def _hub_side(root: Path, out: Path) -> None:
     from kubernetes_asyncio.client import ApiClient
     from kubespawner import KubeSpawner
     from traitlets.config.loader import PyFileConfigLoader
+    from traitlets.utils.importstring import import_item
 
     config = PyFileConfigLoader("jupyterhub_config.py", path=str(root / HUB_MOUNT.lstrip("/"))).load_config()
 
     async def build() -> dict:
         pods = {}
-        for profile in config.KubeSpawner.profile_list:
-            spawner = KubeSpawner(config=config, _mock=True)  # a user and hub stand-in: kubespawner's own
-            spawner.user_options = {"profile": profile["slug"]}
-            await spawner.load_user_options()
-            api = ApiClient()
-            pods[profile["slug"]] = {
-                "pod": api.sanitize_for_serialization(await spawner.get_pod_manifest()),
-                "pvc": api.sanitize_for_serialization(spawner.get_pvc_manifest()),
-            }
+        async with ApiClient() as api:  # its serializer only: nothing is sent
+            for profile in config.KubeSpawner.profile_list:
+                spawner = KubeSpawner(config=config, _mock=True)  # a user and hub stand-in: kubespawner's own
+                spawner.user_options = {"profile": profile["slug"]}
+                await spawner.load_user_options()
+                pods[profile["slug"]] = {
+                    "pod": api.sanitize_for_serialization(await spawner.get_pod_manifest()),
+                    "pvc": api.sanitize_for_serialization(spawner.get_pvc_manifest()),
+                }
         return pods
 
+    authenticator = import_item(config.JupyterHub.authenticator_class)  # the class the hub would load
     hub = {
-        "authenticator_class": config.JupyterHub.authenticator_class,
+        "authenticator_class": f"{authenticator.__module__}.{authenticator.__name__}",
         "template_paths": list(config.JupyterHub.template_paths),
         "services": list(config.JupyterHub.services),
         "authenticator": dict(config.Authenticator),
@@ -308,7 +310,7 @@ def test_the_hub_is_configured_with_native_authenticator_and_the_idle_culler(spa
     import nativeauthenticator
 
     hub = spawned["hub"]
-    assert hub["authenticator_class"] == "nativeauthenticator.NativeAuthenticator"
+    assert hub["authenticator_class"] == "nativeauthenticator.nativeauthenticator.NativeAuthenticator"
     assert hub["authenticator"]["allow_all"] is True and hub["authenticator"]["admin_users"] == ["trainer"]
     assert hub["native"]["open_signup"] is False  # the trainer approves every sign-up
     # the sign-up and authorize pages' templates are where the installed package keeps them
