@@ -444,6 +444,11 @@ def test_the_course_image_matches_the_manifest_and_the_charts_jupyterhub(values)
     assert values["singleuser"]["image"]["tag"] == args["NGC_TAG"] == stack.manifest()["pinned"]
     # the student's single-user server speaks to the chart's hub: the same JupyterHub release
     assert args["JUPYTERHUB_VERSION"] == chart["appVersion"]
+    # the course's JupyterLab settings, which `nvlab lab` passes on its command line, are baked in for the hub
+    from lab_utils import cli
+
+    settings = cli.LAB_SETTINGS_DIR.relative_to(Path(cli.__file__).parents[1]) / "overrides.json"
+    assert f"/workspace/course/{settings}" in DOCKERFILE.read_text() and (ROOT / settings).is_file()
 
 
 def test_the_vendored_chart_names_its_upstream_commit_and_licence():
