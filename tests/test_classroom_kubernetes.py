@@ -15,8 +15,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import copy
+import importlib.util
 import json
 import os
+import platform
 import re
 import shlex
 import shutil
@@ -58,7 +60,12 @@ def mig_profiles() -> dict[str, dict[str, int]]:
     }
 
 
-try:  # the test extra installs them (through the classroom-k8s extra): missing, the suite says how, never skips
+# The test extra installs these (through the classroom-k8s extra): missing, the suite says how instead of skipping,
+# except where helm-python-sdk has no wheel (Intel macOS), which pyproject.toml's marker leaves out.
+if (sys.platform, platform.machine()) == ("darwin", "x86_64") and importlib.util.find_spec("helm_python") is None:
+    pytest.skip("helm-python-sdk has no wheel for Intel macOS: the Kubernetes checks run on Linux",
+                allow_module_level=True)
+try:
     import helm_python  # noqa: F401
     import jsonschema
     import kubernetes_validate
