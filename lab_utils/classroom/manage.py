@@ -113,6 +113,31 @@ def _runs_as_nobody(python: str, env: dict[str, str]) -> str | None:
     return None if out.returncode == 0 else (out.stderr.strip().splitlines() or ["exit " + str(out.returncode)])[-1]
 
 
+def students_python(folder: Path) -> str:
+    """A Python every user can run with this environment's packages: this one when an unprivileged user can (root
+    only checks that), else a virtual environment in ``folder`` (made world-readable) of the system's python3 of the
+    same version, seeing this environment's site-packages. For a trainer whose environment lives in a private home,
+    and for the tests."""
+    if os.geteuid() != 0 or _runs_as_nobody(sys.executable, course_env()) is None:
+        return sys.executable
+    system = Path(f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}")
+    if not system.is_file():
+        raise ClassroomError(f"students cannot run {sys.executable} and there is no {system} to build a readable "
+                             "environment from: make the course's virtual environment from a system Python")
+    subprocess.run([str(system), "-m", "venv", "--without-pip", str(folder)], check=True, timeout=120)
+    site = next(p for p in sys.path if p.endswith("site-packages") and Path(p).is_dir())
+    pth = folder / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages" / "course.pth"
+    pth.write_text(f"import site; site.addsitedir({site!r})\n")  # and that folder's own .pth files
+    for sub in ("etc/jupyter", "share/jupyter"):  # Jupyter's extensions and JupyterLab's app live under the prefix
+        if (Path(sys.prefix) / sub).is_dir():
+            (folder / sub).parent.mkdir(parents=True, exist_ok=True)
+            (folder / sub).symlink_to(Path(sys.prefix) / sub)
+    for d in (folder, *folder.rglob("*")):
+        if not d.is_symlink():  # bin/python points at the system's interpreter: left as it is
+            d.chmod(d.stat().st_mode | (0o555 if d.is_dir() else 0o444))
+    return str(folder / "bin" / "python")
+
+
 def course_env() -> dict[str, str]:
     """The hub's environment: the course's checkout first on the path (the servers inherit it)."""
     env = dict(os.environ)
