@@ -356,9 +356,12 @@ def cmd_classroom(args: argparse.Namespace) -> int:
             ssl_key=Path(args.ssl_key) if args.ssl_key else None, python=args.python or sys.executable,
             mem_limit=args.mem_limit, cpu_limit=args.cpu_limit, image=args.image,
             extra_config=Path(args.extra_config) if args.extra_config else None)
-        plan = manage.prepare(opts)
         if args.local and (why := port_problem(args.ip, args.port, "pass --port with a free port")):
-            return _fail(name, why)
+            return _fail(name, why + "; nothing was started")
+        try:
+            plan = manage.prepare(opts)
+        except (manage.ClassroomError, manage.RosterError) as err:
+            return _fail(name, f"{err}\nnvlab {name}: nothing was started")
         started = manage.start(opts, plan)
     except (manage.ClassroomError, manage.RosterError) as err:
         return _fail(name, err)

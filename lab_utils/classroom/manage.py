@@ -310,11 +310,17 @@ def _start_docker(opts: Options, state: Path, new: list[str]) -> dict[str, Any]:
     shutil.copyfile(opts.ssl_cert, state / "hub.crt")
     shutil.copyfile(opts.ssl_key, state / "hub.key")
     os.chmod(state / "hub.key", 0o600)
+    if opts.extra_config:
+        shutil.copyfile(opts.extra_config, state / "extra_config.py")
     env = dict(os.environ, NVLAB_CLASSROOM_STATE=str(state), NVLAB_HUB_PORT=str(opts.port),
                NVLAB_HUB_IP=opts.ip)
-    out = subprocess.run(["docker", "compose", "-f", str(COMPOSE), "up", "-d", "--build"], env=env, timeout=3600)
-    if out.returncode:
-        raise ClassroomError(f"docker compose up failed (exit {out.returncode}); see its output above")
+    compose = ["docker", "compose", "-f", str(COMPOSE)]
+    # the students' image first (a profile of its own: built, never run as a service), then the hub
+    for argv in ([*compose, "--profile", "image", "build"], [*compose, "up", "-d", "--build", "hub"]):
+        out = subprocess.run(argv, env=env, timeout=3600)
+        if out.returncode:
+            raise ClassroomError(f"{' '.join(argv[:2])} {' '.join(argv[4:])} failed (exit {out.returncode}); see "
+                                 "its output above")
     return {"url": f"https://{opts.ip if opts.ip != '0.0.0.0' else '127.0.0.1'}:{opts.port}", "pid": None,
             "new_accounts": new, "system_users": []}
 

@@ -99,7 +99,7 @@ def parse_roster(text: str, source: str = "roster") -> list[Student]:
     if students and not any(s.admin for s in students):
         problems.append("no trainer: give the trainer's line the role `trainer` (the hub's admin)")
     if problems:
-        raise RosterError(f"{source}: " + "\n  ".join(["the roster has problems; nothing was started:", *problems]))
+        raise RosterError(f"{source}: " + "\n  ".join(["the roster has problems:", *problems]))
     return students
 
 
@@ -205,7 +205,7 @@ def assign_gpus(students: list[Student], pool: list[Device], devices: list[Devic
                             f"({'its devices: ' + have if have else why_none or 'no GPU'}); fix the gpu column "
                             "(an index, a GPU-/MIG- UUID from `nvidia-smi -L`, or none)")
     if problems:
-        raise RosterError("the roster names GPUs this machine lacks; nothing was started:\n  " + "\n  ".join(problems))
+        raise RosterError("the roster names GPUs this machine lacks:\n  " + "\n  ".join(problems))
     rest = [s for s in students if s.username not in out]
     for i, s in enumerate(rest):
         out[s.username] = pool[i % len(pool)] if pool else None
