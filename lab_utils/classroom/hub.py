@@ -61,12 +61,13 @@ def _roster_authenticator() -> type:
 
 
 def _progress_service() -> Any:
-    """The trainer's progress page, where this course version has it (its module gives the hub service entry)."""
+    """The trainer's progress page, where this course version has it: its module gives the hub service entry (and
+    the environment the students' servers report with)."""
     try:
-        from lab_utils.classroom.progress_service import hub_service_config
+        from lab_utils.classroom import progress_service
     except ImportError:
         return None
-    return hub_service_config
+    return progress_service
 
 
 def configure(c: Any, plan: dict[str, Any] | Path | str) -> None:
@@ -152,7 +153,9 @@ def configure(c: Any, plan: dict[str, Any] | Path | str) -> None:
         {"name": "nvlab-classroom", "scopes": CLI_SCOPES, "services": ["nvlab-classroom"]},
     ]
     if (progress := _progress_service()) and plan.get("progress_port"):
-        services.append(progress(plan["progress_port"]))
+        services.append(progress.hub_service_config(plan["progress_port"]))
+        if env := getattr(progress, "spawner_environment", None):
+            c.Spawner.environment = {**env(plan["progress_port"])}
     c.JupyterHub.services = services
     c.JupyterHub.load_roles = roles
 

@@ -196,6 +196,8 @@ def prepare(opts: Options) -> dict[str, Any]:
                                  "virtual environment from a system Python (/usr/bin/python3 -m venv) in a readable "
                                  "folder, or pass --python")
         hub_port, api_port = free_port(), free_port()
+        if importlib.util.find_spec("lab_utils.classroom.progress_service"):  # the trainer's progress page
+            plan["progress_port"] = opts.progress_port or free_port()
         plan.update({
             "state": str(state), "hub_ip": "127.0.0.1", "hub_port": hub_port, "proxy_api_port": api_port,
             "python": opts.python, "labs_src": str(repo_root() / "labs"), "labs_dest": "~/labs",
