@@ -24,9 +24,14 @@ from lab_utils.ops import notebooks
 LAB00 = repo_root() / "labs" / "00_environment.ipynb"
 
 
-def _subcommands() -> dict[str, argparse.ArgumentParser]:
-    action = next(a for a in cli.parser()._actions if isinstance(a, argparse._SubParsersAction))
-    return dict(action.choices)
+def _subcommands(parser: argparse.ArgumentParser | None = None) -> dict[str, argparse.ArgumentParser]:
+    """Every subcommand's parser by its words ("run", "classroom up"): nested subcommands included."""
+    action = next(a for a in (parser or cli.parser())._actions if isinstance(a, argparse._SubParsersAction))
+    out = {}
+    for name, sub in action.choices.items():
+        nested = any(isinstance(a, argparse._SubParsersAction) for a in sub._actions)
+        out.update({f"{name} {k}": v for k, v in _subcommands(sub).items()} if nested else {name: sub})
+    return out
 
 
 def _generic_cases() -> list[tuple[str, list[str], str]]:
@@ -35,23 +40,27 @@ def _generic_cases() -> list[tuple[str, list[str], str]]:
     for name, sub in _subcommands().items():
         needed = [a for a in sub._actions if not a.option_strings and a.nargs not in ("*", "?")]
         # its positional arguments given (a folder that exists), so only the option is wrong
-        cases.append((f"{name}-unknown-option", [name, *["{good}"] * len(needed), "--no-such-option"],
+        words = name.split()
+        # and its required options (`classroom up --roster`), so that the unknown option is what is refused
+        required = [x for a in sub._actions if a.option_strings and a.required
+                    for x in (a.option_strings[-1], "{good}")]
+        cases.append((f"{name}-unknown-option", [*words, *["{good}"] * len(needed), *required, "--no-such-option"],
                       "--no-such-option"))
         if needed:
-            cases.append((f"{name}-missing-argument", [name], "required"))
+            cases.append((f"{name}-missing-argument", words, "required"))
         for a in sub._actions:
             if not a.option_strings or a.nargs == 0:
                 continue
             opt = a.option_strings[-1]
             if isinstance(a.nargs, int) and a.nargs > 1:
-                cases.append((f"{name}{opt}-too-few", [name, opt, "x"], opt))
+                cases.append((f"{name}{opt}-too-few", [*words, opt, "x"], opt))
             if a.type is not None:
                 try:
                     a.type("not-a-number")
                 except (argparse.ArgumentTypeError, ValueError, TypeError):
-                    cases.append((f"{name}{opt}-not-a-number", [name, opt, "not-a-number"], "not-a-number"))
+                    cases.append((f"{name}{opt}-not-a-number", [*words, opt, "not-a-number"], "not-a-number"))
             if a.choices:
-                cases.append((f"{name}{opt}-bad-choice", [name, opt, "no-such-choice"], "no-such-choice"))
+                cases.append((f"{name}{opt}-bad-choice", [*words, opt, "no-such-choice"], "no-such-choice"))
     return cases
 
 
@@ -161,9 +170,10 @@ def test_bad_input_is_refused_naming_the_problem(argv, must_hold, places):
 
 
 def test_every_subcommand_is_in_the_tables():
-    generic = {argv[0] for _, argv, _ in _generic_cases()}
-    assert generic == set(_subcommands()), "every subcommand gets generic bad-argument cases"
-    assert {argv[0] for _, argv, _ in SPECIFIC} <= set(_subcommands())
+    names = set(_subcommands())
+    generic = {n for n in names if any(argv[:len(n.split())] == n.split() for _, argv, _ in _generic_cases())}
+    assert generic == names, "every subcommand gets generic bad-argument cases"
+    assert {argv[0] for _, argv, _ in SPECIFIC} <= {n.split()[0] for n in names}
 
 
 def test_writable_folder_creates_or_names_it(tmp_path):
