@@ -227,6 +227,7 @@ def test_one_configuration_for_both_modes(mode, tmp_path):
     assert "--timeout=600" in culler and "--cull-every=60" in culler
     roles = {r["name"]: r for r in c.JupyterHub.load_roles}
     assert set(hubconf.CULLER_SCOPES) <= set(roles["idle-culler"]["scopes"])
+    assert ("pid_file" in c.JupyterHub) == (mode == "local"), "a container's pid file would name a host process"
     sp = _Spawner("a")
     c.Spawner.pre_spawn_hook(sp)
     if mode == "local":

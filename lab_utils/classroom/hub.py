@@ -83,8 +83,9 @@ def configure(c: Any, plan: dict[str, Any] | Path | str) -> None:
     if plan.get("hub_connect_ip"):
         c.JupyterHub.hub_connect_ip = plan["hub_connect_ip"]
     c.ConfigurableHTTPProxy.api_url = f"http://127.0.0.1:{plan['proxy_api_port']}"
-    c.ConfigurableHTTPProxy.pid_file = str(state / "proxy.pid")
-    c.JupyterHub.pid_file = str(state / "hub.pid")
+    if plan["mode"] == "local":  # what `down` stops; in Docker the container's pids mean nothing to the host
+        c.ConfigurableHTTPProxy.pid_file = str(state / "proxy.pid")
+        c.JupyterHub.pid_file = str(state / "hub.pid")
     c.JupyterHub.db_url = f"sqlite:///{state / 'jupyterhub.sqlite'}"
     c.JupyterHub.cookie_secret_file = str(state / "jupyterhub_cookie_secret")
     c.JupyterHub.cleanup_servers = True  # the hub's stop (`nvlab classroom down`) stops every student's server
