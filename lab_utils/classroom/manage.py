@@ -202,6 +202,9 @@ def prepare(opts: Options) -> dict[str, Any]:
             "state": str(state), "hub_ip": "127.0.0.1", "hub_port": hub_port, "proxy_api_port": api_port,
             "python": opts.python, "labs_src": str(repo_root() / "labs"), "labs_dest": "~/labs",
             "notebook_dir": "~", "system_users": root, "homes": str(state / "homes"),
+            # no sign-up where a hub account is a system account: an approved sign-up named after an existing user
+            # (root, a service account) would get a server running as that user
+            "signup": not root,
             "ssl_cert": str(opts.ssl_cert.resolve()) if opts.ssl_cert else None,
             "ssl_key": str(opts.ssl_key.resolve()) if opts.ssl_key else None,
         })
