@@ -29,10 +29,10 @@ from lab_utils.classroom.seed import MANIFEST, seed_labs
 ROOT = Path(__file__).resolve().parents[1]
 CLASSROOM = ROOT / "docker" / "classroom"
 
-# `nvidia-smi -L` of a two-H200 machine with the second GPU split into MIG instances (the format of NVIDIA's MIG user
-# guide: MIG devices listed under their GPU)
+# `nvidia-smi -L` of a two-H200 machine with the second GPU split into MIG instances: GPU 0's line as an H200
+# printed it (driver 580, 2026-12-04), the MIG lines in the format of NVIDIA's MIG user guide (listed under their GPU)
 SMI_L = """\
-GPU 0: NVIDIA H200 (UUID: GPU-5d6c1d0b-3c3e-1f5e-7c6b-1b2a3c4d5e6f)
+GPU 0: NVIDIA H200 (UUID: GPU-3f42670f-d9c8-e502-99f5-c43f8644bdff)
 GPU 1: NVIDIA H200 (UUID: GPU-9a8b7c6d-5e4f-3a2b-1c0d-0e1f2a3b4c5d)
   MIG 3g.71gb     Device  0: (UUID: MIG-1f2e3d4c-5b6a-5978-8695-a4b3c2d1e0f9)
   MIG 1g.18gb     Device  1: (UUID: MIG-2a3b4c5d-6e7f-5081-92a3-b4c5d6e7f809)
@@ -141,7 +141,7 @@ def test_gpus_and_mig_instances_are_read_from_nvidia_smi():
         ("gpu", 0, "NVIDIA H200"), ("gpu", 1, "NVIDIA H200"), ("mig", 1, "3g.71gb"), ("mig", 1, "1g.18gb"),
         ("mig", 1, "1g.18gb")]
     # all: whole GPUs, and a GPU in MIG mode by its instances (never the split GPU itself)
-    assert [d.uuid[:8] for d in gpu_pool("all", devices)] == ["GPU-5d6c", "MIG-1f2e", "MIG-2a3b", "MIG-3c4d"]
+    assert [d.uuid[:8] for d in gpu_pool("all", devices)] == ["GPU-3f42", "MIG-1f2e", "MIG-2a3b", "MIG-3c4d"]
     assert [d.kind for d in gpu_pool("mig", devices)] == ["mig"] * 3
     assert [d.index for d in gpu_pool("1,0", devices)] == [1, 0]
     assert gpu_pool("none", devices) == []
