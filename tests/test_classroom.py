@@ -1,6 +1,7 @@
 """The classroom hub for real: ``nvlab classroom up --local`` with a trainer and three students (system users made
 by the hub's start, removed afterwards), the real JupyterHub 5.5 and configurable-http-proxy, NativeAuthenticator,
-the idle culler, driven through Playwright and Debian's chromium as the students and the trainer would.
+the idle culler, served over HTTPS (a self-signed pair made as the trainer guide says), driven through Playwright
+and Debian's chromium as the students and the trainer would.
 
 One hub for the module (its start, ~25 s on 2 cores, is most of the cost). Its idle culler stops a server idle for
 60 s: the third student's server is started with the hub and the culler test, near the end, waits for it to go.
@@ -17,6 +18,7 @@ import pwd
 import re
 import shutil
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -82,16 +84,21 @@ def hub():
                       + "".join(f"{s},,\n" for s in students))
     state, passwords = folder / "state", folder / "passwords.csv"
     port = free_port()
+    # HTTPS as in a class: the guide's self-signed pair, for this machine's loopback address
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-sha256", "-days", "1", "-nodes",
+                    "-keyout", str(folder / "hub.key"), "-out", str(folder / "hub.crt"), "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True, timeout=60)
     try:
         up = _nvlab("classroom", "up", "--local", "--roster", str(roster), "--ip", "127.0.0.1", "--port", str(port),
                     "--state", str(state), "--passwords-out", str(passwords), "--python", py, "--gpus", "none",
-                    "--idle-timeout", str(IDLE_S), "--cull-every", str(CULL_EVERY_S))
+                    "--idle-timeout", str(IDLE_S), "--cull-every", str(CULL_EVERY_S),
+                    "--ssl-cert", str(folder / "hub.crt"), "--ssl-key", str(folder / "hub.key"))
         assert up.returncode == 0, up.stdout + up.stderr
         # the third student's server, started now, is left idle for the culler test
         manage.api(state, "POST", f"/users/{students[2]}/server", timeout_s=120)
         pw = dict(line.split(",", 1) for line in passwords.read_text().splitlines()[1:])
-        yield {"base": f"http://127.0.0.1:{port}", "port": port, "state": state, "trainer": trainer,
-               "students": students, "passwords": pw, "passwords_file": passwords, "up": up,
+        yield {"base": f"https://127.0.0.1:{port}", "ca": folder / "hub.crt", "port": port, "state": state,
+               "trainer": trainer, "students": students, "passwords": pw, "passwords_file": passwords, "up": up,
                "started": time.monotonic()}
     finally:
         _nvlab("classroom", "down", "--state", str(state))
@@ -114,7 +121,7 @@ def browser(hub):
 
 def login(browser, hub, user: str):
     """A browser context signed in as ``user`` through the hub's login form; (context, page)."""
-    ctx = browser.new_context(viewport={"width": 1280, "height": 900})
+    ctx = browser.new_context(viewport={"width": 1280, "height": 900}, ignore_https_errors=True)  # self-signed
     pg = ctx.new_page()
     pg.goto(f"{hub['base']}/hub/login")
     pg.fill("#username_input", user)
@@ -191,7 +198,9 @@ def test_a_students_request_to_another_students_server_is_refused(hub, browser):
             return None
 
     try:
-        r = urllib.request.build_opener(NoRedirect).open(f"{hub['base']}/user/{s2}/files/labs/private.txt", timeout=30)
+        tls = ssl.create_default_context(cafile=str(hub["ca"]))  # the hub's own certificate, verified
+        opener = urllib.request.build_opener(NoRedirect, urllib.request.HTTPSHandler(context=tls))
+        r = opener.open(f"{hub['base']}/user/{s2}/files/labs/private.txt", timeout=30)
         status, body = r.status, r.read().decode(errors="replace")
     except urllib.error.HTTPError as err:
         status, body = err.code, err.read().decode(errors="replace")
@@ -243,7 +252,7 @@ def test_the_trainer_sees_every_students_server_in_the_admin_page(hub, browser):
 
 
 def test_no_sign_up_where_accounts_are_system_users(hub, browser):
-    ctx = browser.new_context()
+    ctx = browser.new_context(ignore_https_errors=True)
     try:
         r = ctx.new_page().goto(f"{hub['base']}/hub/signup")
         assert r.status == 404, "sign-up is off: a sign-up named root would get a server running as root"
