@@ -286,3 +286,11 @@ def test_the_classroom_images_pass_hadolint():
         assert out.returncode == 0, out.stdout + out.stderr
     hub_pins = (CLASSROOM / "Dockerfile.hub").read_text()
     assert "jupyterhub:5.5.4" in hub_pins and "jupyterhub==5.5.4" in (CLASSROOM / "Dockerfile.singleuser").read_text()
+
+
+@pytest.mark.parametrize("action", ["down", "check-gpus"])
+def test_down_and_check_gpus_name_a_state_folder_without_a_classroom(action, tmp_path):
+    out = _nvlab("classroom", action, "--state", str(tmp_path / "none"))
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert f"no classroom in {tmp_path / 'none'}" in out.stderr
+    assert "--state that `nvlab classroom up` used" in out.stderr

@@ -354,6 +354,15 @@ def api(state: Path, method: str, path: str, body: Any = None, timeout_s: float 
     return json.loads(data) if data else None
 
 
+def read_plan(state: Path) -> dict[str, Any]:
+    """The plan ``up`` wrote into ``state``; ``ClassroomError`` naming the fix where there is none."""
+    try:
+        return json.loads((state.resolve() / "plan.json").read_text())
+    except (OSError, ValueError):
+        raise ClassroomError(f"no classroom in {state} (no readable plan.json): give the --state that `nvlab "
+                             "classroom up` used") from None
+
+
 def our_processes(plan: dict[str, Any]) -> list[psutil.Process]:
     """Processes of this hub: the single-user servers (and their kernels) that talk to its port, its services."""
     needle = f"127.0.0.1:{plan['hub_port']}/hub/api"
@@ -371,10 +380,7 @@ def stop(state: Path, grace_s: float = 120) -> list[str]:
     """Stop the hub of ``state``: SIGTERM (it stops every student's server and its proxy), then whatever is left.
     Returns what had to be killed (empty when the hub stopped everything itself)."""
     state = state.resolve()
-    try:
-        plan = json.loads((state / "plan.json").read_text())
-    except (OSError, ValueError):
-        raise ClassroomError(f"no classroom in {state} (no plan.json): give the --state that `up` used") from None
+    plan = read_plan(state)
     if plan["mode"] == "docker":
         subprocess.run(["docker", "compose", "-f", str(COMPOSE), "down"], check=False, timeout=600,
                        env=dict(os.environ, NVLAB_CLASSROOM_STATE=str(state)))
@@ -418,7 +424,7 @@ def check_gpus(state: Path) -> tuple[list[dict[str, Any]], list[str]]:
     """Run, as each student with the environment their server gets, what their kernel would see of the GPUs
     (torch): one row per student, and the problems (a student who sees no GPU or several, two who share one
     where the pool had enough for each)."""
-    plan = json.loads((state.resolve() / "plan.json").read_text())
+    plan = read_plan(state)
     rows, problems = [], []
     for s in plan["students"]:
         device = plan["gpus"].get(s["username"], "")
