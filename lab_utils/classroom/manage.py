@@ -326,8 +326,14 @@ def _start_docker(opts: Options, state: Path, new: list[str]) -> dict[str, Any]:
         if out.returncode:
             raise ClassroomError(f"{' '.join(argv[:2])} {' '.join(argv[4:])} failed (exit {out.returncode}); see "
                                  "its output above")
-    return {"url": f"https://{opts.ip if opts.ip != '0.0.0.0' else '127.0.0.1'}:{opts.port}", "pid": None,
-            "new_accounts": new, "system_users": []}
+    url = f"https://{opts.ip if opts.ip != '0.0.0.0' else '127.0.0.1'}:{opts.port}"
+    deadline = time.monotonic() + 300
+    while not api_ok(url):  # up when the hub answers through its proxy, as for the local hub
+        if time.monotonic() > deadline:
+            raise ClassroomError(f"the hub's container does not answer at {url} after 300 s: see `docker compose -f "
+                                 f"{COMPOSE} logs hub`")
+        time.sleep(1)
+    return {"url": url, "pid": None, "new_accounts": new, "system_users": []}
 
 
 def api_ok(url: str) -> bool:
