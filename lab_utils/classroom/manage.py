@@ -458,8 +458,10 @@ def check_gpus(state: Path) -> tuple[list[dict[str, Any]], list[str]]:
 
 def summary_lines(plan: dict[str, Any], started: dict[str, Any], opts: Options) -> list[str]:
     """What `up` says when the hub is up: the address, accounts, GPUs, notes; never a password."""
-    lines = [f"nvlab classroom: the hub is up at {started['url']} (pid {started['pid']}; its log "
-             f"{opts.state.resolve() / 'hub.log'}); the trainer signs in and opens {started['url']}/hub/admin"]
+    where = (f"pid {started['pid']}; its log {opts.state.resolve() / 'hub.log'}" if started["pid"]
+             else f"its log: docker compose -f {COMPOSE} logs hub")
+    lines = [f"nvlab classroom: the hub is up at {started['url']} ({where}); the trainer signs in and opens "
+             f"{started['url']}/hub/admin"]
     if started["new_accounts"]:
         lines.append(f"nvlab classroom: {len(started['new_accounts'])} new account(s); their passwords are in "
                      f"{opts.passwords_out} (mode 0600): hand each student their line")
