@@ -19,6 +19,7 @@ import re
 import shutil
 import socket
 import ssl
+import stat
 import subprocess
 import sys
 import tempfile
@@ -30,6 +31,7 @@ from pathlib import Path
 import pytest
 
 from lab_utils.classroom import manage
+from lab_utils.course.catalog import repo_root
 from lab_utils.procs import env_flag, free_port, pid_alive
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,7 +80,13 @@ def hub():
     # not under the test session's private TMPDIR: the students' Python lives here, and they must reach it
     folder = Path(tempfile.mkdtemp(prefix=f"nvlab-classroom-test-{os.getpid()}-", dir="/tmp"))
     os.chmod(folder, 0o755)
-    py = manage.students_python(folder / "py")
+    opened = _let_students_through()
+    try:
+        py = manage.students_python(folder / "py")
+    except BaseException:
+        for d, mode in opened:
+            d.chmod(mode)
+        raise
     roster = folder / "roster.csv"
     roster.write_text("username,email,role\n" + f"{trainer},trainer@example.org,trainer\n"
                       + "".join(f"{s},,\n" for s in students))
@@ -104,6 +112,22 @@ def hub():
         _nvlab("classroom", "down", "--state", str(state))
         remove_users([trainer, *students])
         shutil.rmtree(folder, ignore_errors=True)
+        for d, mode in opened:
+            d.chmod(mode)
+
+
+def _let_students_through() -> list[tuple[Path, int]]:
+    """Search (x, never read) permission for others on the folders above the checkout and this environment, for
+    the test's duration: a CI clone under a private home (/root is 0700) is otherwise out of the students' reach,
+    as `nvlab classroom up` would say. Returns (folder, old mode) pairs to restore."""
+    opened = []
+    for top in {repo_root().resolve(), Path(sys.prefix).resolve()}:
+        for d in reversed(top.parents):
+            mode = d.stat().st_mode
+            if not mode & stat.S_IXOTH:
+                d.chmod(stat.S_IMODE(mode) | stat.S_IXOTH)
+                opened.append((d, stat.S_IMODE(mode)))
+    return opened
 
 
 @pytest.fixture(scope="module")
