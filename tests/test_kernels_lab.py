@@ -73,6 +73,15 @@ def add_blank(x_ptr, y_ptr, out_ptr, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def softmax_right(out_ptr, in_ptr, in_row_stride, out_row_stride, n_cols, BLOCK: tl.constexpr):
+    row, cols = tl.program_id(0), tl.arange(0, BLOCK)
+    m = cols < n_cols
+    x = tl.load(in_ptr + row * in_row_stride + cols, mask=m, other=-float("inf"))
+    e = tl.exp(x - tl.max(x, axis=0))
+    tl.store(out_ptr + row * out_row_stride + cols, e / tl.sum(e, axis=0), mask=m)
+
+
+@triton.jit
 def softmax_other_zero(out_ptr, in_ptr, in_row_stride, out_row_stride, n_cols, BLOCK: tl.constexpr):
     row, cols = tl.program_id(0), tl.arange(0, BLOCK)
     m = cols < n_cols
@@ -149,14 +158,14 @@ class _Bound:
 
 
 CASES = [
-    (lab01b.q1, [ref.add_kernel, add_right], [add_no_mask, add_mask_le, add_no_pid, lambda *a: 0, 3]),
+    (lab01b.q1, [add_right], [ref.add_kernel, add_no_mask, add_mask_le, add_no_pid, lambda *a: 0, 3]),
     (lab01b.q2, [977, 977.0], [976, 1_000_003, 1_000_003 / 1024, 978]),
     (lab01b.q3, [8, 8.0], [256, 32, 128, 1024, 7.5]),
-    (lab01b.q4, [ref.softmax_kernel], [softmax_other_zero, softmax_no_max, softmax_no_mask,
-                                       softmax_n_cols_as_stride]),
-    (lab01b.q5, [ref.matmul_kernel, _Bound(mask_k=True, accumulate=True, mask_store=True)],
-     [_Bound(mask_k=False, accumulate=True, mask_store=True), _Bound(mask_k=True, accumulate=False, mask_store=True),
-      _Bound(mask_k=True, accumulate=True, mask_store=False)]),
+    (lab01b.q4, [softmax_right], [ref.softmax_kernel, softmax_other_zero, softmax_no_max, softmax_no_mask,
+                                  softmax_n_cols_as_stride]),
+    (lab01b.q5, [_Bound(mask_k=True, accumulate=True, mask_store=True)],
+     [ref.matmul_kernel, _Bound(mask_k=False, accumulate=True, mask_store=True),
+      _Bound(mask_k=True, accumulate=False, mask_store=True), _Bound(mask_k=True, accumulate=True, mask_store=False)]),
 ]
 
 test_right, test_wrong, test_blank = standard_tests(CASES)
@@ -165,6 +174,13 @@ test_hints, test_solutions = hint_and_solution_tests(exercises_of(lab01b))
 
 def test_every_exercise_has_cases():
     assert {id(ex) for ex, *_ in CASES} == {id(ex) for ex in exercises_of(lab01b)}
+
+
+def test_the_course_kernel_as_an_answer_is_refused_naming_it():
+    out = check(lab01b.q1, ref.add_kernel)
+    assert out.status is Status.INCORRECT and "lab_utils.gpu.triton_kernels.add_kernel" in out.message
+    again = triton.jit(ref.softmax_kernel.fn)  # the same function under another decorator
+    assert "triton_kernels.softmax_kernel" in check(lab01b.q4, again).message
 
 
 def test_a_blank_kernel_is_not_attempted_and_names_its_hint():

@@ -72,7 +72,26 @@ class KernelExercise(CodeExercise):
     def _outcome(self, value: Any) -> Any:
         if hasattr(value, "fn") and is_blank(value.fn):
             value = None  # the decorated starting code
+        if (course := _course_kernel(value)) is not None:
+            return self._incorrect(value, f"your answer is {course}, the course's kernel that later cells launch "
+                                          f"until yours is accepted: write `{self.var}` yourself")
         return super()._outcome(value)
+
+
+def _course_kernel(value: Any) -> str | None:
+    """The dotted name of the course's kernel that ``value`` is (the object, or the same Python function under another
+    ``@triton.jit``), else None. ``framework.REFERENCES``' traps work on Python functions that the answer calls; a
+    kernel is compiled from its own source, so being the course's function is what there is to catch."""
+    fn = getattr(value, "fn", None)
+    if fn is None:
+        return None
+    from lab_utils.gpu import triton_kernels  # loads triton for this device: only once an answer is a kernel
+
+    for name in ("add_kernel", "softmax_kernel", "matmul_kernel"):
+        ref = getattr(triton_kernels, name)
+        if value is ref or getattr(fn, "__code__", None) is getattr(ref.fn, "__code__", False):
+            return f"lab_utils.gpu.triton_kernels.{name}"
+    return None
 
 
 # --- q1: the vector add ----------------------------------------------------------------------------------
