@@ -36,8 +36,9 @@ _LONGEST_FIRST = ["solutions/08_mlops.ipynb", "tests/test_classroom.py", "tests/
                   "tests/test_exercises_lab05.py",
                   "solutions/07_service.ipynb", "service", "tests/test_notebooks.py", "solutions/02_nccl_ddp.ipynb",
                   "solutions/05_monitoring.ipynb", "tests/test_exercises_lab04.py", "solutions/04_triton.ipynb",
-                  "tests/test_distributed.py", "tests/test_exercises_lab08.py", "tests/test_ddp.py",
-                  "tests/test_mlops_prometheus.py", "tests/test_exercises_lab03.py", "tests/test_openloop.py"]
+                  "tests/test_kernels_lab.py", "tests/test_distributed.py", "tests/test_exercises_lab08.py",
+                  "tests/test_ddp.py", "tests/test_mlops_prometheus.py", "tests/test_exercises_lab03.py",
+                  "tests/test_openloop.py"]
 
 
 def _course_leftovers() -> set[Path]:
