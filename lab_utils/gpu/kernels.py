@@ -17,6 +17,7 @@ import importlib.util
 import math
 import os
 import types
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -236,9 +237,12 @@ def cuda_add(threads_per_block: int = 256) -> Callable[[torch.Tensor, torch.Tens
     def add(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor) -> tuple[int]:
         n = out.numel()
         grid = (cdiv(n, threads_per_block),)
-        # CuPy reads torch's memory in place (__cuda_array_interface__) and launches on torch's current stream
-        with cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
-            kernel(grid, (threads_per_block,), (cp.asarray(x), cp.asarray(y), cp.asarray(out), cp.int32(n)))
+        # CuPy reads torch's memory in place (__cuda_array_interface__) and launches on torch's current stream.
+        # CuPy 14 deprecates ExternalStream for Stream.from_external, which older CuPy lacks: the one both have.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            with cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+                kernel(grid, (threads_per_block,), (cp.asarray(x), cp.asarray(y), cp.asarray(out), cp.int32(n)))
         return grid
 
     return add
@@ -345,6 +349,7 @@ def roofline_rows(*frames: pd.DataFrame) -> pd.DataFrame:
 RECORDED_POINTS = {
     "triton_add_gbps": ("triton add", "fp32", 1 / 12),
     "torch_add_gbps": ("torch.add", "fp32", 1 / 12),
+    "cuda_add_gbps": ("CUDA C++ add", "fp32", 1 / 12),
     "triton_softmax_gbps": ("triton softmax", "fp32", SOFTMAX_FLOPS_PER_ELEMENT / 8),
     "torch_softmax_gbps": ("torch.softmax", "fp32", SOFTMAX_FLOPS_PER_ELEMENT / 8),
     "unfused_softmax_gbps": ("unfused torch chain", "fp32", SOFTMAX_FLOPS_PER_ELEMENT / 8),
