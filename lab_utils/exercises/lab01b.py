@@ -148,10 +148,10 @@ q1 = KernelExercise(
     hints=[
         "The launch starts cdiv(n, BLOCK) copies of the kernel (programs); each handles BLOCK consecutive "
         "elements. Which ones? tl.program_id(0) tells a program its number.",
-        "offs = pid * BLOCK + tl.arange(0, BLOCK) are this program's element indices. When n is not a multiple of "
-        "BLOCK, the last program's offsets run past n: those lanes must neither load nor store.",
-        "mask = offs < n; then tl.load(x_ptr + offs, mask=mask), the same for y, and "
-        "tl.store(out_ptr + offs, x + y, mask=mask).",
+        "A program's element indices are its number times BLOCK, plus tl.arange(0, BLOCK). When n is not a multiple "
+        "of BLOCK, the last program's indices run past n: those lanes must neither load nor store.",
+        "Build a boolean mask by comparing the indices with n (strictly less than), and pass it as mask= to both "
+        "tl.load calls and to the tl.store of the sum.",
     ],
     solution_text=(
         "@triton.jit\n"
@@ -216,7 +216,7 @@ q3 = Exercise(
     hints=[
         "A Triton program runs as one CUDA thread block of num_warps warps; a warp is 32 threads.",
         f"num_warps = {WARPS}: {WARPS} × 32 = {WARPS * 32} threads share the program's {WARPS_BLOCK} elements evenly.",
-        f"elements_per_thread = BLOCK // (num_warps * 32), with BLOCK = {WARPS_BLOCK}.",
+        "Divide the block's elements by the program's threads (num_warps × 32).",
     ],
     solution_text=f"elements_per_thread = {WARPS_BLOCK} // ({WARPS} * 32)   # = {WARPS_BLOCK // (WARPS * 32)}: each "
                   "thread loads them in one vectorized access (the CUDA version has 1 per thread)",
@@ -293,13 +293,12 @@ q4 = KernelExercise(
     applicable=triton_unavailable,
     hints=[
         "One program per row: row = tl.program_id(0). The row's elements start at in_ptr + row * in_row_stride; "
-        "cols = tl.arange(0, BLOCK) covers them, BLOCK being the next power of two at or above n_cols.",
+        "tl.arange(0, BLOCK) gives each lane its column (cols), BLOCK being the next power of two at or above n_cols.",
         "Lanes with cols >= n_cols are not the row's: mask them, and load them as -inf so that they lose the max "
         "and add exp(-inf) = 0 to the sum. Subtract the row's max (tl.max(x, axis=0)) before tl.exp: exp(100) "
         "overflows float32.",
-        "x = tl.load(in_ptr + row * in_row_stride + cols, mask=cols < n_cols, other=-float('inf')); "
-        "x = x - tl.max(x, axis=0); num = tl.exp(x); store num / tl.sum(num, axis=0) at "
-        "out_ptr + row * out_row_stride + cols with the same mask.",
+        "Load the row with that mask and other=-float('inf'); subtract its max; take tl.exp; divide by the tl.sum "
+        "over axis 0; store at out_ptr + row * out_row_stride + cols with the same mask.",
     ],
     solution_text=(
         "@triton.jit\n"
@@ -371,15 +370,14 @@ q5 = KernelExercise(
               "stride_cm, stride_cn, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr)",
     applicable=triton_unavailable,
     hints=[
-        "Each program computes one BM×BN tile of C: pid_m = tl.program_id(0), pid_n = tl.program_id(1); its rows "
-        "rm = pid_m * BM + tl.arange(0, BM), its columns rn likewise. It walks K in steps of BK, multiplying a "
-        "BM×BK tile of A by a BK×BN tile of B.",
-        "Start with acc = tl.zeros((BM, BN), dtype=tl.float32). A tile's addresses are 2-D: "
-        "a_ptr + rm[:, None] * stride_am + kk[None, :] * stride_ak. The edge tiles run past M, N and K: mask the "
-        "loads (other=0.0, so extra lanes add 0) and the store.",
-        "for k0 in range(0, K, BK): kk = k0 + tl.arange(0, BK); a = tl.load(..., mask=(rm[:, None] < M) & "
-        "(kk[None, :] < K), other=0.0); b likewise with (kk[:, None] < K) & (rn[None, :] < N); acc += tl.dot(a, b). "
-        "After the loop, store acc.to(c_ptr.dtype.element_ty) with the mask (rm[:, None] < M) & (rn[None, :] < N).",
+        "Each program computes one BM×BN tile of C: its rows start at tl.program_id(0) * BM, its columns at "
+        "tl.program_id(1) * BN. It walks K in steps of BK, multiplying a BM×BK tile of A by a BK×BN tile of B.",
+        "Start from an fp32 accumulator of zeros, shape (BM, BN). A tile's addresses are 2-D: the rows as a column "
+        "(rm[:, None]) times the row stride, plus the columns as a row times the column stride. The edge tiles run "
+        "past M, N and K: mask the loads (other=0.0, so extra lanes add 0) and the store.",
+        "In the loop over K: this step's K indices, two masked loads, and the accumulator grows by tl.dot of the two "
+        "tiles. After the loop, cast it to C's element type (c_ptr.dtype.element_ty) and store it, masked to rows "
+        "below M and columns below N.",
     ],
     solution_text=(
         "@triton.jit\n"
