@@ -233,6 +233,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         return _fail("run", "no notebooks to run")
     if args.update_expected and not args.solutions:
         return _fail("run", "--update-expected writes into solutions/: add --solutions")
+    if args.update_expected and args.skip_optional:
+        return _fail("run", "--update-expected stores every checked cell's output: leave out --skip-optional")
     try:
         params = parameters_for(paths, args.parameter or [])
     except (ValueError, NotebookError) as err:
@@ -245,7 +247,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     total = time.perf_counter()
     for i, p in enumerate(paths, 1):
         console.print(f"[{i}/{len(paths)}] {p.parent.name}/{p.name} ...")
-        res = execute(p, out, params[p], run_id, timeout_s=args.timeout)
+        res = execute(p, out, params[p], run_id, timeout_s=args.timeout, skip_optional=args.skip_optional)
         left = leftover_processes(run_id)
         if res.ok and not left:
             console.print(f"    ok in {res.seconds:.1f} s -> {res.output}")
@@ -393,6 +395,8 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--timeout", type=_positive_int, default=1800, help="per-cell timeout in seconds")
     r.add_argument("--update-expected", action="store_true",
                    help="with --solutions: store the outputs of '# NBVAL_CHECK_OUTPUT' cells for nbval")
+    r.add_argument("--skip-optional", action="store_true",
+                   help="leave the optional sections' code cells (tagged 'optional') unrun: a student's core path")
     r.set_defaults(fn=cmd_run)
     b = sub.add_parser("build-labs", help="generate labs/ from solutions/")
     b.add_argument("--check", action="store_true", help="fail if labs/ differs; write nothing")

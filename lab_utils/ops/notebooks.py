@@ -39,6 +39,7 @@ EXERCISES_IMPORT = re.compile(r"^from lab_utils\.exercises import (lab\d\d[a-z]?
 CHECK_CALL = re.compile(r"\bex\.(q\d+)\.check\(")
 CHECK_MARKER = "# NBVAL_CHECK_OUTPUT"  # cells whose stored outputs nbval compares
 RUN_ID_ENV = "NVLAB_RUN_ID"  # every process a run starts inherits it: how leftovers are found
+OPTIONAL_TAG = "optional"  # on every cell of an optional section (heading "Optional (N min): ..."): skippable
 
 
 class NotebookError(RuntimeError):
@@ -126,13 +127,17 @@ def _exercise_module(nb: Any) -> Any:
 
 
 def _hint_cells(cell: Any, module: Any, where: str) -> list[Any]:
+    """The hints cell under each exercise a code cell checks; under an optional cell, optional too."""
     cells = []
     for name in dict.fromkeys(CHECK_CALL.findall(cell.source)):  # each exercise once, in the cell's order
         exercise = getattr(module, name, None) if module is not None else None
         if exercise is None:
             owner = module.__name__ if module is not None else "no exercise module (import one as `ex`)"
             raise NotebookError(f"{where}: ex.{name}.check(...) but {owner} has no {name}")
-        cells.append(new_markdown_cell(hint_markdown(name, exercise), id=f"{cell.id}-hint-{name}"[:64]))
+        hints = new_markdown_cell(hint_markdown(name, exercise), id=f"{cell.id}-hint-{name}"[:64])
+        if OPTIONAL_TAG in cell.metadata.get("tags", []):
+            hints.metadata["tags"] = [OPTIONAL_TAG]
+        cells.append(hints)
     return cells
 
 
@@ -379,9 +384,26 @@ def leftover_processes(run_id: str) -> list[str]:
     return found
 
 
+def without_optional(nb: Any) -> tuple[Any, int]:
+    """A copy of ``nb`` whose code cells tagged ``optional`` are raw cells (papermill and nbclient run only code
+    cells: the optional sections stay visible in the executed notebook, unrun), and how many were skipped."""
+    nb = copy.deepcopy(nb)
+    skipped = 0
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type == "code" and OPTIONAL_TAG in cell.metadata.get("tags", []):
+            raw = nbformat.v4.new_raw_cell(cell.source, metadata=cell.metadata)
+            if "id" in cell:
+                raw.id = cell.id
+            nb.cells[i] = raw
+            skipped += 1
+    return nb, skipped
+
+
 def execute(path: Path, out_dir: Path, parameters: dict[str, Any], run_id: str | None = None,
-            timeout_s: int = 1800) -> RunResult:
-    """Execute one notebook with papermill into ``out_dir``; failures name the notebook and the cell."""
+            timeout_s: int = 1800, skip_optional: bool = False) -> RunResult:
+    """Execute one notebook with papermill into ``out_dir``; failures name the notebook and the cell.
+
+    ``skip_optional``: the code cells tagged ``optional`` are not run (a student's core path)."""
     import papermill as pm
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -390,9 +412,15 @@ def execute(path: Path, out_dir: Path, parameters: dict[str, Any], run_id: str |
     saved = {k: os.environ.get(k) for k in (RUN_ID_ENV, "NVLAB_RESULTS_DIR")}
     os.environ[RUN_ID_ENV] = run_id
     os.environ["NVLAB_RESULTS_DIR"] = str(out_dir.resolve())
+    source: Any = str(path)
+    if skip_optional:
+        try:
+            source = without_optional(nbformat.read(path, as_version=4))[0]
+        except Exception as err:  # nbformat raises several kinds for a broken file
+            return RunResult(path.name, output, 0.0, False, f"{path.name}: cannot read the notebook ({err})")
     t0 = time.perf_counter()
     try:
-        pm.execute_notebook(str(path), str(output), parameters=parameters, kernel_name="python3",
+        pm.execute_notebook(source, str(output), parameters=parameters, kernel_name="python3",
                             progress_bar=sys.stderr.isatty(), cwd=str(path.parent), execution_timeout=timeout_s)
     except pm.PapermillExecutionError as err:
         cell = f"cell {err.cell_index} (execution count {err.exec_count})"
