@@ -250,7 +250,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         res = execute(p, out, params[p], run_id, timeout_s=args.timeout, skip_optional=args.skip_optional)
         left = leftover_processes(run_id)
         if res.ok and not left:
-            console.print(f"    ok in {res.seconds:.1f} s -> {res.output}")
+            unrun = f" ({res.skipped} optional cells left unrun)" if res.skipped else ""
+            console.print(f"    ok in {res.seconds:.1f} s{unrun} -> {res.output}")
             if args.update_expected:
                 n = update_expected(p, res.output)
                 console.print(f"    expected outputs of {n} checked cells written to {p}")

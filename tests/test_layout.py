@@ -41,9 +41,9 @@ LAYERS = [
 # What a student without torch, a trainer and CI tooling import: none of it may pull torch in.
 TORCH_FREE = ["lab_utils", "lab_utils.cli", "lab_utils.course.session", "lab_utils.course.probe",
               "lab_utils.course.results", "lab_utils.course.stack", "lab_utils.ops.notebooks",
-              "lab_utils.ops.wheelhouse", "lab_utils.monitoring.gpu_exporter", "lab_utils.plotting",
-              "lab_utils.timing", "lab_utils.procs", "lab_utils.compat.numpy1_env", "lab_utils.compat.glibc",
-              "lab_utils.compat.tensorrt_stubs"]
+              "lab_utils.ops.pacing", "lab_utils.ops.wheelhouse", "lab_utils.monitoring.gpu_exporter",
+              "lab_utils.plotting", "lab_utils.timing", "lab_utils.procs", "lab_utils.compat.numpy1_env",
+              "lab_utils.compat.glibc", "lab_utils.compat.tensorrt_stubs"]
 
 
 def _modules() -> dict[str, Path]:

@@ -260,6 +260,7 @@ class RunResult:
     seconds: float
     ok: bool
     error: str = ""
+    skipped: int = 0  # optional code cells left unrun (skip_optional)
 
 
 def select(names: Iterable[str], all_: bool, solutions: bool, root: Path | None = None) -> list[Path]:
@@ -413,9 +414,10 @@ def execute(path: Path, out_dir: Path, parameters: dict[str, Any], run_id: str |
     os.environ[RUN_ID_ENV] = run_id
     os.environ["NVLAB_RESULTS_DIR"] = str(out_dir.resolve())
     source: Any = str(path)
+    skipped = 0
     if skip_optional:
         try:
-            source = without_optional(nbformat.read(path, as_version=4))[0]
+            source, skipped = without_optional(nbformat.read(path, as_version=4))
         except Exception as err:  # nbformat raises several kinds for a broken file
             return RunResult(path.name, output, 0.0, False, f"{path.name}: cannot read the notebook ({err})")
     t0 = time.perf_counter()
@@ -434,7 +436,7 @@ def execute(path: Path, out_dir: Path, parameters: dict[str, Any], run_id: str |
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    return RunResult(path.name, output, time.perf_counter() - t0, True)
+    return RunResult(path.name, output, time.perf_counter() - t0, True, skipped=skipped)
 
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
