@@ -51,12 +51,14 @@ def test_every_lab_heading_states_the_core_and_optional_minutes_of_the_table(pat
     assert lab.stated == (lab.core_min, lab.optional_min), (
         f"{path.name} states {lab.stated}, the estimate is {(lab.core_min, lab.optional_min)}: "
         "run `python -m lab_utils.ops.pacing`")
-    table = (ROOT / "docs" / "pacing.md").read_text()
+    table, readme = (ROOT / "docs" / "pacing.md").read_text(), (ROOT / "README.md").read_text()
+    lab00_map = next(c.source for c in nbformat.read(ROOT / "labs" / "00_environment.ipynb", as_version=4).cells
+                     if pacing.MAP_BEGIN in c.source)
     assert f"| {lab.number} | core | {lab.core_min} (" in table
-    for text in ((ROOT / "README.md").read_text(), (ROOT / "docs" / "pacing.md").read_text(),
-                 next(c.source for c in nbformat.read(ROOT / "solutions" / "00_environment.ipynb", as_version=4).cells
-                      if pacing.MAP_BEGIN in c.source)):
+    for text in (readme, table, lab00_map):
         assert f"| {lab.number} | [{lab.title}](" in text and f"| {lab.core_min} min | {lab.optional_min} min |" in text
+    # each link leads to the lab from where the map stands: README.md, docs/, and lab 00 beside the others
+    assert f"]({path.name})" in lab00_map and f"](labs/{path.name})" in readme and f"](../labs/{path.name})" in table
 
 
 def test_the_stated_times_the_table_and_the_course_map_are_current():

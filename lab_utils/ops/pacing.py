@@ -352,7 +352,7 @@ def stated_solution(path: Path, lab: LabPacing, labs: list[LabPacing]) -> str:
                 cell.source = OPTIONAL_HEADING.sub(lambda h, p=part: f"{h[1]} {h[2]}Optional ({rounded(p.minutes)} "
                                                    f"min): {h[4]}", cell.source, count=1)
         if cell.cell_type == "markdown" and MAP_BEGIN in cell.source:
-            cell.source = _with_map(cell.source, course_map(labs), f"{path.name}")
+            cell.source = _with_map(cell.source, course_map(labs, link=""), path.name)  # beside the other labs
     return notebook_text(nb)
 
 
