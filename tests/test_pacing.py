@@ -46,6 +46,16 @@ def test_every_optional_section_is_tagged_and_headed_with_its_minutes(path):
 
 
 @pytest.mark.parametrize("path", SOLUTIONS, ids=lambda p: p.stem)
+def test_the_core_path_resumes_under_a_heading_or_says_so(path):
+    """A student skipping a section sees where it ends: the next core cell opens with a heading or the words."""
+    cells = nbformat.read(path, as_version=4).cells
+    for before, cell in zip(cells, cells[1:], strict=False):
+        if TAG in before.metadata.get("tags", []) and TAG not in cell.metadata.get("tags", []):
+            assert cell.cell_type == "markdown" and (re.match(r"#+ ", cell.source) or cell.source.startswith(
+                pacing.BACK_TO_CORE)), f"{path.name}: start {cell.source[:60]!r} with {pacing.BACK_TO_CORE!r}"
+
+
+@pytest.mark.parametrize("path", SOLUTIONS, ids=lambda p: p.stem)
 def test_every_lab_heading_states_the_core_and_optional_minutes_of_the_table(path):
     lab = LABS[path.stem]
     assert lab.stated == (lab.core_min, lab.optional_min), (

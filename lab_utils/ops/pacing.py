@@ -40,6 +40,7 @@ OPTIONAL_HEADING = re.compile(r"^(#{2,4}) ((?:\d+\. )?)Optional \((\d+) min\): (
 TIME_LINE = re.compile(r"\*\*Time:\*\*.*?(?=\*\*Hardware:\*\*|\n\n|\Z)", re.S)
 PREREQ_LINE = re.compile(r"\*\*Prerequisites:\*\*(.*?)(?=\*\*Time:\*\*|\n\n|\Z)", re.S)
 PREREQ_LABS = re.compile(r"\blabs? (\d\d[a-z]?)(?:\s*[–-]\s*(\d\d[a-z]?))?")
+BACK_TO_CORE = "*Back on the core path.*"  # opens a core cell after an optional section, where no heading does
 MAP_BEGIN, MAP_END = "<!-- BEGIN COURSE MAP (python -m lab_utils.ops.pacing) -->", "<!-- END COURSE MAP -->"
 UNDERSTANDING = "## Check your understanding"
 CPU_TIMES = "data/pacing/cpu_quick.json"  # under lab_utils/: per-cell seconds of the generated labs, quick, CPU
