@@ -26,7 +26,8 @@ def test_every_optional_section_is_tagged_and_headed_with_its_minutes(path):
     """pace() refuses a tagged cell no heading opens and an "Optional (N min)" heading without the tag; each section
     states the minutes the estimate gives, and a section heading inside it (above its own level) says optional."""
     lab = LABS[path.stem]
-    assert lab.optional, f"{path.name}: no optional section"
+    assert lab.optional, (f"{path.name}: no optional section: tag a deep dive's cells {TAG!r}, head it "
+                          "'### Optional (0 min): title', then run `python -m lab_utils.ops.pacing`")
     for part in lab.optional:
         assert part.stated_min == pacing.rounded(part.minutes), (path.name, part.title, part.minutes)
     opener = None
