@@ -301,8 +301,9 @@ def pacing_markdown(labs: list[LabPacing]) -> str:
         "  matched by cell id; a cell added since that run counts 0 s).",
         "",
         "A part's minutes are the sum, rounded to the nearest 5 (at least 5). The CPU column is the generated lab",
-        "run with CI's small parameters (`quick=True`) on a 2-core CPU machine, every section included (`nvlab run",
-        "--all -p quick True`, stored by `python -m lab_utils.ops.pacing --cpu-run DIR`); it is shown, not counted:",
+        "run with CI's small parameters (`quick=True`) on a 2-core CPU machine shared with other work, every section",
+        "included (`nvlab run --all -p quick True`, stored by `python -m lab_utils.ops.pacing --cpu-run DIR`); it is",
+        "shown, not counted:",
         "at its default sizes a CPU-tier lab runs longer. A reviewer who worked through every lab as a student needed",
         "16-20 hours for all of it; this model gives the whole course (core and optional) "
         f"{(core + optional) / 60:.1f} h.",
