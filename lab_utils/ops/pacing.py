@@ -21,7 +21,7 @@ from pathlib import Path
 
 import nbformat
 
-from lab_utils.course.catalog import repo_root
+from lab_utils.course.catalog import NOTEBOOK_GLOB, repo_root
 from lab_utils.ops.notebooks import CHECK_CALL, MD_ANSWERS, OPTIONAL_TAG, NotebookError, build_labs, notebook_text
 
 # The model of a prepared student (knows Python and the lab's prerequisites), one term per activity:
@@ -34,7 +34,7 @@ QUESTION_MIN = 2.0  # each "check your understanding" question: an attempt, then
 CORE_LIMIT_MIN = 60  # a lab's core path, at most (about)
 COURSE_CORE_LIMIT_MIN = 9 * 60  # the whole course's core, at most (about)
 
-LAB_FILE = re.compile(r"^(\d\d[a-z]?)_(\w+)\.ipynb$")  # "01_cuda_timing", "01b_kernels"
+LAB_FILE = re.compile(r"^(\d\d[a-z]?)_(\w+)\.ipynb$")  # catalog.NOTEBOOK_GLOB's names, the number captured
 # "### Optional (5 min): title", or with the section's number: "## 7. Optional (5 min): title"
 OPTIONAL_HEADING = re.compile(r"^(#{2,4}) ((?:\d+\. )?)Optional \((\d+) min\): (.+)$", re.M)
 TIME_LINE = re.compile(r"\*\*Time:\*\*.*?(?=\*\*Hardware:\*\*|\n\n|\Z)", re.S)
@@ -94,7 +94,7 @@ def rounded(minutes: float) -> int:
 
 def solution_paths(root: Path | None = None) -> list[Path]:
     root = root or repo_root()
-    return sorted(p for p in (root / "solutions").glob("*.ipynb") if LAB_FILE.match(p.name))
+    return sorted(p for p in (root / "solutions").glob(NOTEBOOK_GLOB) if LAB_FILE.match(p.name))
 
 
 def _code_lines(text: str) -> int:
@@ -380,7 +380,7 @@ def stale(root: Path | None = None, write: bool = False) -> list[str]:
 def store_cpu_run(run_dir: Path, root: Path | None = None) -> Path:
     """Store per-cell seconds of the executed generated labs in ``run_dir`` (a ``nvlab run`` output folder)."""
     root = root or repo_root()
-    found = {p.stem: _durations(p) for p in sorted(run_dir.glob("*.ipynb")) if LAB_FILE.match(p.name)}
+    found = {p.stem: _durations(p) for p in sorted(run_dir.glob(NOTEBOOK_GLOB)) if LAB_FILE.match(p.name)}
     if not found:
         raise NotebookError(f"{run_dir}: no executed lab notebooks; run `nvlab run --all -p quick True --out DIR`")
     path = root / "lab_utils" / CPU_TIMES
