@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -12,3 +13,12 @@ def check_int(value: Any, arg: str, where: str, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
         raise ValueError(f"{where}({arg}={value!r}): must be an integer >= {minimum}")
     return int(value)
+
+
+def check_positive(value: Any, arg: str, where: str, zero_ok: bool = False, what: str = "number") -> float:
+    """``value`` as a finite ``what`` > 0 (>= 0 with ``zero_ok``), or a ValueError naming ``where(arg=...)``."""
+    ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool) and \
+        math.isfinite(value) and (value >= 0 if zero_ok else value > 0)
+    if not ok:
+        raise ValueError(f"{where}({arg}={value!r}): must be a finite {what} {'>=' if zero_ok else '>'} 0")
+    return float(value)

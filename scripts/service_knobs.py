@@ -10,7 +10,7 @@ import time
 
 import pandas as pd
 
-from lab_utils.serving import breakdown, openloop, service
+from lab_utils.serving import breakdown, capacity, load, service
 from lab_utils.serving import client as triton_client
 from lab_utils.serving import ensemble as ens
 
@@ -47,7 +47,7 @@ if __name__ == "__main__":  # the client processes re-import this file
                                                                "errors"]].round(2).to_string(), flush=True)
             out[tag] = w.to_dict("records")
             if tag == variants[-1][0] or tag == "c4_d1000":
-                cap = openloop.find_capacity(tgt, 100.0, lo_rps=1000, hi_rps=6000, duration_s=4.0, tolerance=0.08,
+                cap = capacity.find_capacity(tgt, 100.0, lo_rps=1000, hi_rps=6000, duration_s=4.0, tolerance=0.08,
                                              processes=None)
                 print(f"capacity {tag}:", cap, flush=True)
                 print(cap.table().round(1).to_string(), flush=True)
@@ -56,7 +56,7 @@ if __name__ == "__main__":  # the client processes re-import this file
             direct = svc.target("http", photos)
             direct.model = rn.service
             direct.url = svc.servers[0].http_url.removeprefix("http://")
-            r = openloop.run_open_loop(direct, 1500, 4.0, warmup_s=1.0, processes=None)
+            r = load.run_open_loop(direct, 1500, 4.0, warmup_s=1.0, processes=None)
             print(f"direct one Triton @1500: {r}", flush=True)
             for m in rn.models[::-1]:
                 for s in svc.servers:

@@ -266,10 +266,10 @@ def recorded_service(monkeypatch):
     """The live capacity search's probes answered by a simulated service (capacity drawn in the real search's
     range): the verdict on a right answer (its answer equals what its own probes say) needs no live load, and
     each live search costs ~25 s. The live search itself runs once, in the solution's cell under nbval."""
-    from lab_utils.serving import openloop
+    from lab_utils.serving import load
 
     sim = ex.SimulatedService(7, ex.Q4_LO_RPS, ex.Q4_HI_RPS, "none")
-    monkeypatch.setattr(openloop, "run_open_loop", lambda target, rate, *a, **k: sim.probe(rate))
+    monkeypatch.setattr(load, "run_open_loop", lambda target, rate, *a, **k: sim.probe(rate))
     return sim
 
 

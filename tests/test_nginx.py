@@ -22,8 +22,9 @@ from test_openloop import Backend, triton
 
 from lab_utils.procs import free_port, pid_alive, popen_owned, stop_group
 from lab_utils.serving import nginx as ng
+from lab_utils.serving.load import run_open_loop
 from lab_utils.serving.nginx import NginxConfigError, NginxServer, check_upstream_block, serve_upstream
-from lab_utils.serving.openloop import HttpTarget, TritonTarget, run_open_loop
+from lab_utils.serving.targets import HttpTarget, TritonTarget
 
 
 def require_nginx() -> str:

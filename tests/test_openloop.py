@@ -1,6 +1,6 @@
-"""Open-loop load against real servers: a one-worker HTTP server with a fixed service time (so the queueing math is
-known), Triton through the tritonclient asyncio clients, and a server that is down. Poisson arrivals, latency from
-the intended send time, errors and timeouts counted, the stability rule, the capacity search."""
+"""The load engine's open loop (and the closed loop beside it) against real servers: a one-worker HTTP server with a
+fixed service time (so the queueing math is known), Triton through the tritonclient asyncio clients, and a server that
+is down. Poisson arrivals, latency from the intended send time, errors and timeouts counted, the capacity search."""
 
 from __future__ import annotations
 
@@ -15,19 +15,11 @@ from _retry import tried
 from _triton import quick_stop, require_server, tiny_repo  # noqa: F401 (an autouse fixture)
 
 from lab_utils.procs import free_port, popen_owned, stop_group, wait_http_ok
-from lab_utils.serving import openloop as ol
-from lab_utils.serving.openloop import (
-    HttpTarget,
-    OpenLoopWindow,
-    compare_loops,
-    find_capacity,
-    is_stable,
-    meets_slo,
-    poisson_arrivals,
-    run_closed_loop,
-    run_open_loop,
-)
+from lab_utils.serving import capacity, load
+from lab_utils.serving.capacity import compare_loops, find_capacity, meets_slo
+from lab_utils.serving.load import Window, poisson_arrivals, run_closed_loop, run_open_loop
 from lab_utils.serving.server import TritonServer, find_server, prepare_wheel_backends
+from lab_utils.serving.targets import HttpTarget, TritonTarget
 
 # One worker: requests wait in FIFO order (asyncio.Lock is fair) for SERVICE_MS each, an M/D/1 queue. The service is
 # a sleep, so the machine's two cores stay free for the client. /health skips the queue (readiness).
@@ -105,7 +97,7 @@ def test_poisson_arrivals_mean_gap_and_seed():
 
 
 def test_sends_follow_the_schedule_and_every_request_is_counted(slow):
-    seen: list[OpenLoopWindow] = []
+    seen: list[Window] = []
     r = run_open_loop(HttpTarget(slow.url), 20.0, 2.0, warmup_s=0.5, window_s=0.5, seed=3, on_window=seen.append)
     expected = len(poisson_arrivals(20.0, 2.5, seed=3))
     assert r.sent_total == expected and r.errors_total == 0  # nothing dropped, nothing added
@@ -122,7 +114,7 @@ def test_the_schedule_dealt_over_client_processes_is_the_same_schedule(slow):
     windows and latencies as from one process, and no client process left after the run."""
     import psutil
 
-    seen: list[OpenLoopWindow] = []
+    seen: list[Window] = []
     before = {c.pid for c in psutil.Process().children(recursive=True)}
     r = run_open_loop(HttpTarget(slow.url), 20.0, 2.0, warmup_s=0.5, window_s=0.5, seed=3, processes=2,
                       on_window=seen.append)
@@ -134,8 +126,8 @@ def test_the_schedule_dealt_over_client_processes_is_the_same_schedule(slow):
     left = [c for c in psutil.Process().children(recursive=True) if c.pid not in before and c.is_running()
             and c.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(c.cmdline())]
     assert not left, left
-    assert ol.client_processes(10.0, 3) == 3 and ol.client_processes(10.0, None) == 1
-    assert 1 <= ol.client_processes(1e6, None) <= max(1, os.cpu_count() - 1)
+    assert load._auto_processes("open", 10.0) == 1
+    assert 1 <= load._auto_processes("open", 1e6) <= max(1, os.cpu_count() - 1)
     with pytest.raises(ValueError, match="processes"):
         run_open_loop(HttpTarget(slow.url), 20.0, 1.0, processes=0)
 
@@ -173,7 +165,7 @@ def test_overload_is_not_stable_and_timeouts_are_counted(slow):
     assert r.requests + r.errors == round(r.offered_rps * r.seconds)  # every measured request is accounted for
     ok, why = meets_slo(r, 100)
     assert not ok and "failed" in why
-    ol.drain(HttpTarget(slow.url), SERVICE_MS * 3, limit_s=5)  # leave the module's server idle
+    capacity.drain(HttpTarget(slow.url), SERVICE_MS * 3, limit_s=5)  # leave the module's server idle
 
 
 def test_errors_are_counted_when_the_server_is_down():
@@ -224,18 +216,6 @@ def test_find_capacity_bisects_on_the_rate(slow):
     assert "capacity" in str(cap) and len(cap.table()) == len(steps)
 
 
-def test_stability_rule():
-    def w(i, offered, achieved, p50):
-        return OpenLoopWindow(i, 1.0, int(achieved), 0, achieved, p50, p50, offered_rps=offered,
-                              achieved_rps=achieved, p50_ms=p50)
-
-    assert is_stable([w(0, 100, 100, 5.0), w(1, 100, 98, 6.0), w(2, 100, 101, 5.5)])
-    assert not is_stable([w(0, 100, 100, 5.0)])  # two windows at least
-    assert not is_stable([w(0, 100, 80, 5.0), w(1, 100, 80, 5.0)])  # fell behind
-    assert not is_stable([w(0, 100, 100, 20.0), w(1, 100, 95, 80.0)])  # a queue building up
-    assert is_stable([w(0, 100, 100, 2.0), w(1, 100, 100, 12.0)])  # a few ms of jitter is not a queue
-
-
 def test_bad_arguments():
     t = HttpTarget("http://127.0.0.1:1/")
     for kw, match in [({"rate_rps": 0}, "rate_rps=0"), ({"rate_rps": float("nan")}, "rate_rps=nan"),
@@ -266,15 +246,15 @@ def test_triton_target_http_and_grpc(tmp_path):
     before = {t.name for t in threading.enumerate()}
     with triton(tmp_path) as server:
         for protocol, url in (("http", server.http_url), ("grpc", server.grpc_url)):
-            target = ol.TritonTarget(url, "tiny", make, protocol=protocol, outputs=["OUTPUT__0"], verify=right)
+            target = TritonTarget(url, "tiny", make, protocol=protocol, outputs=["OUTPUT__0"], verify=right)
             r = run_open_loop(target, 50.0, 0.6, warmup_s=0.2, window_s=0.3, seed=0)
             # Both protocols answer, verified; the latency bound only catches a pathology (a hung request), not
             # speed: beside other test workers the client itself sends 170 ms late at times.
             assert r.requests > 12 and r.errors_total == 0 and r.p95_ms < 1000, (protocol, r)
-        wrong = ol.TritonTarget(server.grpc_url, "tiny", {"INPUT__0": np.zeros((1, 5), np.float32)}, protocol="grpc")
+        wrong = TritonTarget(server.grpc_url, "tiny", {"INPUT__0": np.zeros((1, 5), np.float32)}, protocol="grpc")
         r = run_open_loop(wrong, 20.0, 0.5, warmup_s=0.1, window_s=0.25)
         assert r.requests == 0 and any("unexpected shape" in m for m in r.error_messages)
-    assert "nvlab-openloop" not in {t.name for t in threading.enumerate()} - before
+    assert "nvlab-load" not in {t.name for t in threading.enumerate()} - before
 
 
 def test_compare_loops_advances_its_progress_hook_per_loop(monkeypatch, capsys):
@@ -283,10 +263,10 @@ def test_compare_loops_advances_its_progress_hook_per_loop(monkeypatch, capsys):
     from lab_utils import widgets
 
     ran = []
-    monkeypatch.setattr(ol, "run_closed_loop", lambda *a, **k: ran.append("closed") or SimpleNamespace(
+    monkeypatch.setattr(capacity, "run_closed_loop", lambda *a, **k: ran.append("closed") or SimpleNamespace(
         achieved_rps=50.0, p95_ms=2.0, errors=0, error_messages={}))
-    monkeypatch.setattr(ol, "run_open_loop", lambda *a, **k: ran.append("open") or SimpleNamespace(p95_ms=5.0))
-    plain = ol.compare_loops(object())
+    monkeypatch.setattr(capacity, "run_open_loop", lambda *a, **k: ran.append("open") or SimpleNamespace(p95_ms=5.0))
+    plain = compare_loops(object())
     assert capsys.readouterr().out == "" and ran == ["closed", "open"] and plain.understatement == 2.5
-    ol.compare_loops(object(), progress=widgets.progress)
+    compare_loops(object(), progress=widgets.progress)
     assert "closed then open loop: 2 steps in " in capsys.readouterr().out

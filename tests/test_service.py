@@ -334,11 +334,11 @@ def test_where_a_requests_time_goes_per_step_model_and_process(svc):
 
 def test_the_digits_service_holds_its_slo_as_lab_07_runs_it_in_quick_mode(svc):
     """Lab 07's SLO on the CPU tier, as its quick run measures it: 100 requests/s of open-loop load for 10 s through
-    nginx, every answer checked, p95 under 100 ms, no error, every window stable (``openloop.meets_slo``)."""
-    from lab_utils.serving import openloop
+    nginx, every answer checked, p95 under 100 ms, no error, every window stable (``capacity.meets_slo``)."""
+    from lab_utils.serving import capacity, load
 
-    slo = openloop.run_open_loop(svc.target("http", verify=True), 100, 10.0, warmup_s=2.0, timeout_s=10.0)
-    ok, why = openloop.meets_slo(slo, 100.0)
+    slo = load.run_open_loop(svc.target("http", verify=True), 100, 10.0, warmup_s=2.0, timeout_s=10.0)
+    ok, why = capacity.meets_slo(slo, 100.0)
     assert ok, (why, str(slo), slo.error_messages)
 
 
@@ -384,7 +384,7 @@ DRAIN_S = 20.0  # the flood's admitted work must be done within this (s); the wh
 def test_an_overload_leaves_no_backlog(svc):
     """Far over capacity, Triton refuses what its bounded queues cannot hold (``ensemble.MAX_QUEUE``) instead of
     queueing minutes of work: straight after the overload, a light load is answered within the SLO, no error."""
-    from lab_utils.serving.openloop import run_open_loop
+    from lab_utils.serving.load import run_open_loop
 
     # the server's own endpoint: nginx's rate limit would refuse the flood before the queues see it. Every request is
     # a different batch of 16 digits: a repeated request is a response-cache hit that never queues, and one digit a

@@ -105,11 +105,11 @@ def test_measure_extends_an_unstable_measurement_with_longer_windows(monkeypatch
 
 
 def test_perf_analyzer_beside_the_generator():
-    from lab_utils.serving import load as triton_load
+    from lab_utils.serving import perf_analyzer
 
     ours = _row("dynamic batching", 1700.0, 10.0, True, mean_ms=9.4, server_request_us=7500.0,
                 server_queue_us=3500.0, server_compute_infer_us=3800.0)
-    pa = triton_load.parse_perf_analyzer_csv(
+    pa = perf_analyzer.parse_perf_analyzer_csv(
         "Concurrency,Inferences/Second,Client Send,Network+Server Send/Recv,Server Queue,Server Compute Input,"
         "Server Compute Infer,Server Compute Output,Client Recv,p50 latency,p90 latency,p95 latency,p99 latency\n"
         "8,1794.6,21,1337,3561,38,3790,25,6,8803,9981,10433,11702\n")[0]

@@ -61,7 +61,7 @@ def _port_open(port: int) -> bool:
 
 def test_import_starts_nothing():
     code = ("import lab_utils.serving.server, lab_utils.serving.load, lab_utils.serving.repository, "
-            "lab_utils.serving.client")
+            "lab_utils.serving.client, lab_utils.serving.capacity, lab_utils.serving.perf_analyzer")
     out = subprocess.run([sys.executable, "-c", code + "; import sys; print('tritonclient' in sys.modules)"],
                          capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "False"

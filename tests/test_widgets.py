@@ -135,27 +135,27 @@ def test_progress_bar_interactive_is_a_tqdm_bar(monkeypatch, capsys):
 def test_find_capacity_advances_its_progress_hook_per_rate_tried(monkeypatch, capsys):
     from types import SimpleNamespace
 
-    from lab_utils.serving import openloop
+    from lab_utils.serving import capacity
 
     async def send():
         pass
 
     # a server that holds 37 req/s: the runs and the SLO rule faked, the search itself is the real one
-    monkeypatch.setattr(openloop, "run_open_loop", lambda target, rate, *a, **k: SimpleNamespace(
+    monkeypatch.setattr(capacity, "run_open_loop", lambda target, rate, *a, **k: SimpleNamespace(
         rate=rate, achieved_rps=rate, p50_ms=1.0, p95_ms=2.0, p99_ms=3.0, errors=0, stable=True))
-    monkeypatch.setattr(openloop, "meets_slo", lambda r, *a: (r.rate <= 37, "faked"))
-    monkeypatch.setattr(openloop, "drain", lambda *a, **k: True)
+    monkeypatch.setattr(capacity, "meets_slo", lambda r, *a: (r.rate <= 37, "faked"))
+    monkeypatch.setattr(capacity, "drain", lambda *a, **k: True)
     kw = {"lo_rps": 10.0, "hi_rps": 70.0, "tolerance": 0.05}
-    plain = openloop.find_capacity(send, 100.0, **kw)
+    plain = capacity.find_capacity(send, 100.0, **kw)
     assert capsys.readouterr().out == ""  # no hook: nothing shown
-    shown = openloop.find_capacity(send, 100.0, progress=widgets.progress, **kw)
+    shown = capacity.find_capacity(send, 100.0, progress=widgets.progress, **kw)
     assert shown.steps == plain.steps and shown.capacity_rps == plain.capacity_rps and 30 <= plain.capacity_rps <= 37
     assert f"capacity search: {len(plain.steps)} steps in " in capsys.readouterr().out
-    capped = openloop.find_capacity(send, 100.0, progress=widgets.progress, max_steps=4, **kw)
+    capped = capacity.find_capacity(send, 100.0, progress=widgets.progress, max_steps=4, **kw)
     assert len(capped.steps) == 4 and "capacity search: 4 steps in " in capsys.readouterr().out
-    openloop.find_capacity(send, 100.0, progress=widgets.progress, lo_rps=40.0, hi_rps=70.0)  # lo fails: 1 run
+    capacity.find_capacity(send, 100.0, progress=widgets.progress, lo_rps=40.0, hi_rps=70.0)  # lo fails: 1 run
     assert "capacity search: 1 step in " in capsys.readouterr().out
-    openloop.find_capacity(send, 100.0, progress=widgets.progress, lo_rps=1.0, hi_rps=20.0)  # hi passes: 2 runs
+    capacity.find_capacity(send, 100.0, progress=widgets.progress, lo_rps=1.0, hi_rps=20.0)  # hi passes: 2 runs
     assert "capacity search: 2 steps in " in capsys.readouterr().out
 
 
@@ -163,7 +163,7 @@ def test_hot_update_advances_its_progress_hook_per_step(monkeypatch, capsys, tmp
     from types import SimpleNamespace
 
     from lab_utils.serving import ensemble as ens
-    from lab_utils.serving import openloop, service
+    from lab_utils.serving import load, service
 
     (tmp_path / "clf" / "2").mkdir(parents=True)
     (tmp_path / "clf" / "2" / "model.onnx").write_bytes(b"")
@@ -172,7 +172,7 @@ def test_hot_update_advances_its_progress_hook_per_step(monkeypatch, capsys, tmp
     monkeypatch.setattr(ens, "set_served_versions", lambda path, vs, name=None: served.update(v=[str(v) for v in vs]))
     monkeypatch.setattr(service.triton_client, "load_model", lambda *a, **k: None)
     monkeypatch.setattr(service, "version_counts", lambda *a, **k: {"1": 1.0})
-    monkeypatch.setattr(openloop, "run_open_loop", lambda *a, **k: "the load's result")
+    monkeypatch.setattr(load, "run_open_loop", lambda *a, **k: "the load's result")
     svc = SimpleNamespace(repo=SimpleNamespace(path=tmp_path, classifier="clf"), alive=lambda: True, lb=None,
                           servers=[SimpleNamespace(grpc_url="g:1")], target=lambda protocol: None)
     up = service.hot_update(svc, 2, warmup_s=0.01, pause_s=0.01, sample_s=0.01, progress=widgets.progress)

@@ -4,7 +4,7 @@ ships a wheel for an older glibc.
 
 ``glibc_version()`` reads the C library's version; ``perf_analyzer_note`` says whether the wheel can help on this
 machine and ``start_failure_note`` why a binary that names a missing ``GLIBC_`` cannot start. Both end up in
-``lab_utils.serving.load.perf_analyzer_status``'s reasons.
+``lab_utils.serving.perf_analyzer.perf_analyzer_status``'s reasons.
 
 Design notes: docs/internals.md#lab_utilscompatglibcpy"""
 

@@ -431,7 +431,7 @@ def find_nginx() -> str | None:
 
 def find_perf_analyzer() -> str | None:
     """``perf_analyzer`` inside its wheel (the wheel's console script drops the exit code), else on the PATH (NGC
-    SDK image); whether it runs here is ``lab_utils.serving.load.perf_analyzer_status``."""
+    SDK image); whether it runs here is ``lab_utils.serving.perf_analyzer.perf_analyzer_status``."""
     try:
         spec = importlib.util.find_spec("perf_analyzer")
     except (ImportError, ValueError):

@@ -39,10 +39,10 @@ from lab_utils.exercises.framework import (
 )
 from lab_utils.serving import client as triton_client
 from lab_utils.serving import ensemble as ens
+from lab_utils.serving import load
 from lab_utils.serving import nginx as nginx_mod
-from lab_utils.serving import openloop
 from lab_utils.serving import repository as triton_repo
-from lab_utils.serving.openloop import OpenLoopResult
+from lab_utils.serving.load import LoadResult
 
 __all__ = [
     "q1", "q2", "q3", "q4", "q5", "q6", "use_service", "decode_jpeg", "jpeg_decoder", "reference_gpu_preprocess",
@@ -418,7 +418,7 @@ class SimulatedService:
 
         errors = 0 if rate_rps <= self.error_edge else int(rate_rps * 0.05)
         p95, p50 = lat(self.p95_edge), lat(self.p50_edge)
-        return OpenLoopResult(
+        return LoadResult(
             mode="open", target="simulated", rate_rps=rate_rps, concurrency=None, offered_rps=rate_rps,
             achieved_rps=rate_rps if rate_rps <= self.stable_edge else 0.8 * rate_rps, throughput_infer_s=rate_rps,
             p50_ms=p50, p90_ms=(p50 + p95) / 2, p95_ms=p95, p99_ms=2 * p95, mean_ms=p50, requests=int(rate_rps * 5),
@@ -474,8 +474,8 @@ def _grade_capacity(fn: Any) -> str:
         if len(probes) >= 12:
             raise Wrong("more than 12 probes against the real service: stop when the range is narrower than the "
                         "tolerance")
-        r = openloop.run_open_loop(target, float(rate), probe_s[0], warmup_s=probe_s[1], window_s=probe_s[1],
-                                   timeout_s=2.0)
+        r = load.run_open_loop(target, float(rate), probe_s[0], warmup_s=probe_s[1], window_s=probe_s[1],
+                               timeout_s=2.0)
         ok = r.errors == 0 and r.stable and r.p95_ms <= SLO_MS
         probes.append({"rate": float(rate), "ok": ok, "p95_ms": r.p95_ms})
         return r

@@ -27,8 +27,8 @@ from lab_utils.mlops.tracking import ONNX_FILE
 from lab_utils.procs import owned_tempdir, stop_at_exit
 from lab_utils.serving import client as triton_client
 from lab_utils.serving import ensemble as ens
+from lab_utils.serving import load
 from lab_utils.serving import nginx as nginx_mod
-from lab_utils.serving import openloop
 from lab_utils.serving.server import TritonServer, find_server
 from lab_utils.serving.service import Service, ServiceError
 
@@ -349,7 +349,7 @@ class LabelledTraffic(_InThread):
 
 class BackgroundLoad(_InThread):
     """Lab 07's open-loop load in a thread, in segments of ``segment_s`` until ``stop()``: the canary runs under
-    it. ``set_target`` switches what the next segment sends (the drift). ``results``: one ``OpenLoopResult`` per
+    it. ``set_target`` switches what the next segment sends (the drift). ``results``: one ``LoadResult`` per
     segment; ``errors`` and ``sent`` sum them."""
 
     thread_name = "nvlab-background-load"
@@ -377,9 +377,9 @@ class BackgroundLoad(_InThread):
         seed = 0
         while not self._stop.is_set():
             try:
-                self.results.append(openloop.run_open_loop(self.target, self.rate_rps, self.segment_s, warmup_s=0.0,
-                                                           window_s=min(1.0, self.segment_s), seed=seed,
-                                                           timeout_s=self.timeout_s))
+                self.results.append(load.run_open_loop(self.target, self.rate_rps, self.segment_s, warmup_s=0.0,
+                                                       window_s=min(1.0, self.segment_s), seed=seed,
+                                                       timeout_s=self.timeout_s))
             except BaseException as err:  # shown by stop(), not lost in a thread
                 self.failure = err
                 return

@@ -18,8 +18,8 @@ import pandas as pd
 import psutil
 
 from lab_utils.plotting import new_axes
-from lab_utils.serving import openloop
-from lab_utils.serving.load import model_stats, server_split, sum_stats
+from lab_utils.serving import load
+from lab_utils.serving.client import model_stats, server_split, sum_stats
 
 STAGES = ("queue", "compute_input", "compute_infer", "compute_output")  # Triton's per-request stages, in order
 CPU_GROUPS = ("triton", "python stubs", "nginx", "client")  # what the CPU time is split into
@@ -100,17 +100,16 @@ def where_time_goes(svc: Any, target: Any, rates_rps: Sequence[float], *, durati
                     models: Sequence[str] | None = None) -> pd.DataFrame:
     """The open loop at each offered rate through ``target``, between two snapshots: one row per (rate, model)
     with the stages in ms per request, the batch, the CPU cores per group, and the client's p95 and send lag.
-    ``processes``: client processes (``openloop.run_open_loop``; their CPU is not in ``cpu_client_cores``);
+    ``processes``: client processes (``load.run_open_loop``; their CPU is not in ``cpu_client_cores``);
     ``models``: the models to read (default ``svc.repo``'s; another service in the same servers: its ``models``)."""
     if not rates_rps or any(not (isinstance(r, (int, float)) and r > 0) for r in rates_rps):
         raise ValueError(f"rates_rps={rates_rps!r}: give one or more offered rates > 0 (requests/s)")
     rows = []
     for rate in rates_rps:
         if warmup_s > 0:  # the queues and batches of this rate, before the counters are read
-            openloop.run_open_loop(target, rate, warmup_s, warmup_s=0.0, timeout_s=timeout_s, processes=processes)
+            load.run_open_loop(target, rate, warmup_s, warmup_s=0.0, timeout_s=timeout_s, processes=processes)
         before = snapshot(svc, models)
-        res = openloop.run_open_loop(target, rate, duration_s, warmup_s=0.0, timeout_s=timeout_s,
-                                     processes=processes)
+        res = load.run_open_loop(target, rate, duration_s, warmup_s=0.0, timeout_s=timeout_s, processes=processes)
         after = snapshot(svc, models)
         cores = cpu_cores(before, after)
         table = split(before, after)

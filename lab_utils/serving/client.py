@@ -1,12 +1,15 @@
 """Triton clients for the labs: gRPC and HTTP, synchronous and asynchronous, binary tensors, clear errors.
 
 ``infer`` (``infer_async``: a coroutine) returns ``{output name: np.ndarray}``; a refused request raises ``InferError``
-naming the server's words, the request sent and what the model expects. The repository API and the model's metadata
-and configuration too. ``url``: ``host:port`` of the protocol's endpoint (an ``http://`` prefix is accepted).
+naming the server's words, the request sent and what the model expects. The repository API, the model's metadata
+and configuration, and the statistics API (``model_stats``, ``server_split``: the server's side of a load run) too.
+``url``: ``host:port`` of the protocol's endpoint (an ``http://`` prefix is accepted).
 """
 
 from __future__ import annotations
 
+import json
+import urllib.request
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -264,3 +267,61 @@ def unload_model(url: str, model: str, protocol: str = "grpc", wait_s: float = 3
 def model_ready(url: str, model: str, protocol: str = "grpc", version: str = "") -> bool:
     with client(url, protocol) as c:
         return bool(c.is_model_ready(model, version))
+
+
+# --- the statistics API: the server's side of a load run ----------------------------------------------------
+
+
+def model_stats(http_url: str, model: str, version: str = "") -> dict[str, Any]:
+    """``GET v2/models/{model}[/versions/{v}]/stats``: the statistics API's counters, summed over versions."""
+    path = f"/v2/models/{model}" + (f"/versions/{version}" if version else "") + "/stats"
+    base = http_url if "://" in http_url else f"http://{http_url}"
+    with urllib.request.urlopen(base.rstrip("/") + path, timeout=5) as r:
+        data = json.loads(r.read())
+    return sum_stats(data.get("model_stats", []))
+
+
+def stats_snapshot(http_url: str, model: str) -> dict[str, Any] | None:
+    """``model_stats``, or None where it cannot be read: a server gone mid-run (a failure drill) leaves no split,
+    and the load's own numbers stand."""
+    try:
+        return model_stats(http_url, model)
+    except Exception:
+        return None
+
+
+def sum_stats(entries: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Statistics-API entries (versions of a model, or one model on several servers) added up."""
+    total: dict[str, Any] = {"inference_count": 0, "execution_count": 0, "inference_stats": {}}
+    for e in entries:
+        total["inference_count"] += int(e.get("inference_count", 0))
+        total["execution_count"] += int(e.get("execution_count", 0))
+        for k, v in e.get("inference_stats", {}).items():
+            d = total["inference_stats"].setdefault(k, {"count": 0, "ns": 0})
+            d["count"] += int(v.get("count", 0))
+            d["ns"] += int(v.get("ns", 0))
+    return total
+
+
+def server_split(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[str, float]:
+    """Average µs per successful request in queue / compute input / infer / output, and the average batch.
+
+    From two ``model_stats`` snapshots (the statistics API's counters are cumulative). ``batch_avg`` is
+    inferences per model execution: how many requests' rows the batcher put together.
+    """
+    def delta(key: str) -> tuple[int, int]:
+        a, b = before["inference_stats"].get(key, {}), after["inference_stats"].get(key, {})
+        return b.get("count", 0) - a.get("count", 0), b.get("ns", 0) - a.get("ns", 0)
+
+    n_ok, ns_ok = delta("success")
+    out: dict[str, float] = {"requests": float(n_ok)}
+    per = max(n_ok, 1)
+    out["request_us"] = ns_ok / per / 1e3
+    for k in ("queue", "compute_input", "compute_infer", "compute_output"):
+        out[f"{k}_us"] = delta(k)[1] / per / 1e3
+    execs = after["execution_count"] - before["execution_count"]
+    infers = after["inference_count"] - before["inference_count"]
+    out["executions"] = float(execs)
+    out["batch_avg"] = infers / execs if execs else float("nan")
+    out["failures"] = float(delta("fail")[0])
+    return out

@@ -25,10 +25,10 @@ import pandas as pd
 from lab_utils.procs import Background, http_ok, owned_tempdir, release_at_exit, stop_at_exit, wait_until
 from lab_utils.serving import client as triton_client
 from lab_utils.serving import ensemble as ens
+from lab_utils.serving import load as load_engine
 from lab_utils.serving import nginx as nginx_mod
-from lab_utils.serving import openloop
-from lab_utils.serving.openloop import TritonTarget
 from lab_utils.serving.server import TritonServer, find_server
+from lab_utils.serving.targets import TritonTarget
 from lab_utils.timing import Ticks
 
 RATE_LIMIT_RPS = 5000  # per client address: above what the servers can take, so only a flood meets it (a limit
@@ -357,8 +357,9 @@ def hot_update(svc: Service, new_version: int = 2, *, rate_rps: float = 100.0, d
 
     th_samp = threading.Thread(target=sampler, name="nvlab-hot-update-sampler", daemon=True)
     th_samp.start()
-    load = Background(lambda: openloop.run_open_loop(svc.target(protocol), rate_rps, duration_s, warmup_s=warmup_s,
-                                                     timeout_s=timeout_s), name="nvlab-hot-update-load")
+    load = Background(lambda: load_engine.run_open_loop(svc.target(protocol), rate_rps, duration_s,
+                                                        warmup_s=warmup_s, timeout_s=timeout_s),
+                      name="nvlab-hot-update-load")
     try:
         stop.wait(warmup_s + pause_s)
         ens.set_served_versions(repo.path, [*old, new_version], name=repo.classifier)

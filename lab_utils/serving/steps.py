@@ -23,6 +23,7 @@ from lab_utils.serving import client as triton_client
 from lab_utils.serving import load as triton_load
 from lab_utils.serving import repository as triton_repo
 from lab_utils.serving import server as triton_server
+from lab_utils.serving.perf_analyzer import PerfAnalyzerResult
 
 REPOSITORY_ENV = "NVLAB_MODEL_REPOSITORY"  # the model repository a running server (TRITON_URL) reads: /models
 
@@ -190,7 +191,7 @@ def batching_headline(base: Mapping[str, Any], batched: Mapping[str, Any]) -> He
                            f"{batched.get('server_batch_avg', float('nan')):.1f} requests per execution", True)
 
 
-def perf_analyzer_table(ours: Mapping[str, Any], theirs: triton_load.PerfAnalyzerResult) -> pd.DataFrame:
+def perf_analyzer_table(ours: Mapping[str, Any], theirs: PerfAnalyzerResult) -> pd.DataFrame:
     """The course's generator and perf_analyzer on the same configuration: throughput, percentiles, the server's
     split, and theirs over ours."""
     keys = ["concurrency", "throughput_infer_s", "p50_ms", "p95_ms", "p99_ms", "server_queue_us",
@@ -205,7 +206,7 @@ def perf_analyzer_table(ours: Mapping[str, Any], theirs: triton_load.PerfAnalyze
     return pd.concat([df, pd.DataFrame([ratio])], ignore_index=True)
 
 
-def perf_analyzer_verdict(ours: Mapping[str, Any], theirs: triton_load.PerfAnalyzerResult, tol: float = 0.10) -> str:
+def perf_analyzer_verdict(ours: Mapping[str, Any], theirs: PerfAnalyzerResult, tol: float = 0.10) -> str:
     """Whether the two tools agree within ``tol`` on throughput and p95, and where a difference comes from."""
     tput = theirs.throughput_infer_s / ours["throughput_infer_s"] - 1
     p95 = theirs.p95_ms / ours["p95_ms"] - 1

@@ -163,7 +163,7 @@ def progress_bar(total: int | None = None, desc: str = "", every_s: float = 10.0
     expected (None: unknown). Use it as a context manager, or call ``close()``::
 
         with widgets.progress_bar(total=60, desc="SLO run") as bar:
-            result = openloop.run_open_loop(target, 100, 60, on_window=bar.update)"""
+            result = load.run_open_loop(target, 100, 60, on_window=bar.update)"""
     _check_bar(total, desc, "progress_bar")
     if isinstance(every_s, bool) or not isinstance(every_s, (int, float)) or not every_s > 0:
         raise ValueError(f"progress_bar(every_s={every_s!r}): seconds between headless lines, a number > 0")
