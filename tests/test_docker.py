@@ -321,8 +321,7 @@ def test_compose_nginx_config_is_generated_and_nginx_accepts_it(compose):
 
     conf = DOCKER / "nginx" / "nginx.conf"
     assert conf.read_text() == service.compose_nginx_config(), \
-        "regenerate: python -c 'from lab_utils.serving import service as s; " \
-        "open(\"docker/nginx/nginx.conf\", \"w\").write(s.compose_nginx_config())'"
+        "regenerate: python scripts/render_nginx.py"
     svc = compose["services"]["nginx"]
     command = " ".join(svc["command"])
     assert f"s/{service.COMPOSE_KEY_PLACEHOLDER}/$${{NVLAB_API_KEY}}/" in command

@@ -369,12 +369,39 @@ def test_bad_arguments_name_the_problem():
     assert "rate=30r/m;" in ng.nginx_config(["127.0.0.1:1"], http_port=1, status_port=2, rate_limit_rps=0.5)
 
 
+def test_the_config_is_the_template_rendered_and_the_committed_renderings_are_current():
+    """nginx.conf comes from one template file; the renderings the course commits for reading (the compose stack's,
+    lab 07's service's) are what it renders now, and nginx accepts lab 07's; a hand-written block's lines are found
+    in the rendered text."""
+    from lab_utils.course.catalog import repo_root
+    from lab_utils.serving import service
+
+    assert ng.TEMPLATE.name == "nginx.conf.j2" and "{{ http_upstream }}" in ng.TEMPLATE.read_text()
+    assert set(service.RENDERED_CONFIGS) == {"docker/nginx/nginx.conf", "docs/nginx/service.conf"}
+    for rel, render in service.RENDERED_CONFIGS.items():
+        assert (repo_root() / rel).read_text() == render(), f"{rel} is out of date: python scripts/render_nginx.py"
+    text = (repo_root() / "docs/nginx/service.conf").read_text()
+    assert "server 127.0.0.1:8010;" in text and "@nvlab_json_check" in text and "\nuser " not in text
+    if ng.missing() is None:
+        ng.check_nginx_config(text)
+    spans: dict = {}
+    block = "upstream mine {\n    server 127.0.0.1:8000;\n}"
+    out = ng.nginx_config(http_port=1, status_port=2, upstream_block=block, block_lines=spans).split("\n")
+    first, last = spans["upstream_block"]
+    assert out[first - 1:last] == ["    upstream mine {", "        server 127.0.0.1:8000;", "    }"]
+    assert "proxy_pass http://mine;" in "\n".join(out) and "{{" not in "\n".join(out)
+
+
 def test_missing_nginx_says_how_to_install(monkeypatch, capsys):
     monkeypatch.setenv(ng.BINARY_ENV, "none")
     monkeypatch.delenv(ng.REQUIRE_ENV, raising=False)
     with pytest.raises(ng.NginxNotFound, match="apt-get install nginx"):
         NginxServer(["127.0.0.1:1"]).start()
     assert not ng.available() and "apt-get install nginx" in capsys.readouterr().out
+    assert ng.resolve(None) is None and "apt-get install nginx" in capsys.readouterr().out
+    assert ng.resolve(False) is None
+    with pytest.raises(ng.NginxNotFound, match="apt-get install nginx"):
+        ng.resolve(True)
     monkeypatch.setenv(ng.REQUIRE_ENV, "1")
     with pytest.raises(ng.NginxNotFound, match="NVLAB_REQUIRE_NGINX=1"):
         ng.available()

@@ -51,6 +51,32 @@ def svc(service_stack):
     return service_stack
 
 
+def test_a_start_finds_nginx_renders_its_config_and_checks_the_repository_once(svc, monkeypatch):
+    """Starting a service looks nginx up once, renders its config once and validates the model repository once
+    (a repository given here: the service checks it; its two Triton servers do not again). Before: nginx was looked
+    up five times, its config rendered three times, the repository validated by each server."""
+    from collections import Counter
+
+    from lab_utils.serving import nginx as nginx_mod
+    from lab_utils.serving import repository as triton_repo
+    from lab_utils.serving import server as server_mod
+
+    if nginx_mod.missing():
+        pytest.skip(nginx_mod.missing())
+    counts: Counter = Counter()
+
+    def count(module, name):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, **k: counts.update([name]) or real(*a, **k))
+
+    for module, name in ((nginx_mod, "find_nginx"), (nginx_mod, "render_config"),
+                         (triton_repo, "validate_repository"), (server_mod, "validate_repository")):
+        count(module, name)
+    with service.Service(repo=svc.repo, servers=2, use_nginx=True) as again:
+        assert again.via == "nginx" and len(again.servers) == 2 and again.health()["service_ready"]
+    assert counts == {"find_nginx": 1, "render_config": 1, "validate_repository": 1}, counts
+
+
 def test_every_file_using_the_shared_service_is_in_its_group():
     """A file using conftest.py's service_stack outside the "service" group would start a second service on
     another worker."""

@@ -106,7 +106,7 @@ class CanaryService(Service):
                 return self
             stop_at_exit(self)
             try:
-                nginx_mod.nginx_binary()  # the canary lives in nginx's weights: no nginx, no canary
+                binary = nginx_mod.nginx_binary()  # the canary lives in nginx's weights: no nginx, no canary
                 source = find_server(local=True)
                 self.workdir = owned_tempdir("canary")
                 t0 = time.perf_counter()
@@ -133,7 +133,7 @@ class CanaryService(Service):
                      nginx_mod.Backend(triton_client.host_port(chall_s.http_url), down=True)],
                     [nginx_mod.Backend(triton_client.host_port(champ_s.grpc_url)),
                      nginx_mod.Backend(triton_client.host_port(chall_s.grpc_url), down=True)],
-                    **self.nginx_kwargs)
+                    binary=binary, **self.nginx_kwargs)
                 self.lb.start()
                 self.startup_s["nginx"] = self.lb.startup_s or 0.0
                 self.weights.append((time.time(), 0))

@@ -9,21 +9,14 @@ Design notes: docs/internals.md#lab_utilsservingnginxpy
 from __future__ import annotations
 
 import contextlib
-import grp
-import inspect
-import json
-import math
 import os
-import pwd
 import re
-import secrets
 import subprocess
 import threading
 import time
 import urllib.request
-from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +25,6 @@ import psutil
 from lab_utils.course.probe import NGINX_ENV, NGINX_SEARCH, find_nginx
 from lab_utils.owned import HttpGrpcEndpoints, OwnedServer, usable
 from lab_utils.procs import (
-    check_url,
     env_flag,
     group_members,
     http_ok,
@@ -43,51 +35,41 @@ from lab_utils.procs import (
     wait_until,
 )
 from lab_utils.serving.jsoncheck import JsonCheck
+from lab_utils.serving.nginxconf import (  # noqa: F401 (the config's names, re-exported: nginx.nginx_config ...)
+    _SERVER_LINE,
+    API_KEY_HEADER,
+    BAD_TYPE_WORDS,
+    BALANCE,
+    GRPC_METHODS,
+    GRPC_SERVICE,
+    GRPC_UPSTREAM,
+    HTTP_ROUTES,
+    HTTP_UPSTREAM,
+    OPTIONS,
+    ROUTE_WORDS,
+    TEMPLATE,
+    UPSTREAM_HEADER,
+    Backend,
+    BackendLike,
+    NginxConfigError,
+    NginxError,
+    _backends,
+    _keys,
+    as_backend,
+    config_context,
+    new_api_key,
+    nginx_config,
+    render_config,
+    upstream_name,
+)
+from lab_utils.serving.nginxlog import parse_stub_status, read_access_log, summarize_access
 
 REQUIRE_ENV = "NVLAB_REQUIRE_NGINX"  # 1: a missing nginx is an error (CI), not a skipped section
 BINARY_ENV = NGINX_ENV  # the path of an nginx binary, or "none" to try a lab's no-nginx path
 NGINX_INSTALL = ("Install it: `sudo apt-get install nginx` (Debian/Ubuntu; in an NGC container, which is Ubuntu: "
                  "`apt-get update && apt-get install -y nginx`), or `brew install nginx` (macOS); or point "
                  f"{BINARY_ENV} at an nginx binary")
-API_KEY_HEADER = "X-API-Key"  # or "Authorization: Bearer <key>"
-HTTP_UPSTREAM = "triton_http"
-GRPC_UPSTREAM = "triton_grpc"
-BALANCE = {"round_robin": "", "least_conn": "least_conn;", "random": "random two least_conn;"}
 DEFAULT_STOP_GRACE_S = 2.0
-_KEY = re.compile(r"[A-Za-z0-9_-]{8,256}")  # what a map key may hold unquoted: no '~' (regex), space, '$' or quote
-_SIZE = re.compile(r"(\d+)([kKmMgG]?)")
-
-
-# The routes the front door passes to Triton; every other request gets 403 before any server sees it (an allowlist:
-# a route Triton adds later stays shut). Clients need inference, the model's metadata, config and readiness, and
-# health. Model control (load/unload), the repository index, statistics, server metadata, shared memory, tracing,
-# logging, generate and streams stay on the servers' own ports: an API key lets a client send requests, not run the
-# server. The path is matched as the client sent it (nginx passes that form on to Triton): no %-escapes, no dot
-# segments, model names of letters, digits, '_', '-' and '.'. Prometheus scrapes each Triton's metrics port, not
-# nginx, so the statistics need no route here either.
-_NAME = r"[A-Za-z0-9_-][A-Za-z0-9_.-]*"
-HTTP_ROUTES = (  # (methods, path regex) of what passes, a query string allowed after it
-    ("GET|HEAD", r"/v2/health/(live|ready)"),
-    ("GET|HEAD", rf"/v2/models/(?!stats(\?|$)){_NAME}(/versions/[0-9]+)?(/config|/ready)?"),
-    ("POST", rf"/v2/models/{_NAME}(/versions/[0-9]+)?/infer"),
-)
-GRPC_SERVICE = "inference.GRPCInferenceService"
-GRPC_METHODS = ("ServerLive", "ServerReady", "ModelReady", "ModelMetadata", "ModelConfig", "ModelInfer")
-ROUTE_WORDS = ("this route is not served through the front door: it passes inference "
-               "(POST /v2/models/NAME/infer), model metadata, config and readiness (GET "
-               "/v2/models/NAME[/config|/ready]) and health (GET /v2/health/live|ready); model control, the "
-               "repository, statistics and the server settings are for the operator, on the port of each Triton server")
-GRPC_ROUTE_WORDS = (f"this method is not served through the front door: it passes {', '.join(GRPC_METHODS)} of "
-                    f"{GRPC_SERVICE}; model control, the repository, statistics and the server settings are for the "
-                    "operator, on the port of each Triton server")
-
-UPSTREAM_HEADER = "X-Upstream-Addr"  # response header naming the Triton server that answered (lab 08's canary)
-BAD_TYPE_WORDS = ("unsupported Content-Type: send application/json (KServe v2 JSON, binary tensors after it with "
-                  "Inference-Header-Content-Length), not a file upload (multipart), a raw image or text")
-
-
-class NginxError(RuntimeError):
-    """Nginx could not be used; the message says why and what to do."""
 
 
 class NginxNotFound(NginxError):
@@ -96,15 +78,6 @@ class NginxNotFound(NginxError):
 
 class NginxStartError(NginxError):
     """nginx exited or did not answer; the message carries its error log."""
-
-
-class NginxConfigError(NginxError, ValueError):
-    """``nginx -t`` (or the course's check before it) refused a config: ``.problem`` is nginx's words, ``.line`` the
-    config line (1-based, or None), ``.fix`` what to change."""
-
-    def __init__(self, message: str, problem: str = "", line: int | None = None, fix: str = ""):
-        super().__init__(message)
-        self.problem, self.line, self.fix = problem or message, line, fix
 
 
 # --- the binary ----------------------------------------------------------------------------------------------
@@ -117,8 +90,10 @@ def required() -> bool:
 
 def missing() -> str | None:
     """Why nginx cannot be used here, with the install line; None when it can."""
-    if find_nginx() is not None:
-        return None
+    return None if find_nginx() is not None else _not_found()
+
+
+def _not_found() -> str:
     env = os.environ.get(BINARY_ENV, "").strip()
     where = f"${BINARY_ENV}={env}" if env else f"the PATH and {', '.join(NGINX_SEARCH[:2])}"
     if env and env.lower() != "none":
@@ -128,10 +103,26 @@ def missing() -> str | None:
 
 def nginx_binary() -> str:
     """The nginx binary; ``NginxNotFound`` (with how to install it) when there is none."""
-    why = missing()
-    if why:
-        raise NginxNotFound(why)
-    return str(find_nginx())
+    path = find_nginx()
+    if path is None:
+        raise NginxNotFound(_not_found())
+    return str(path)
+
+
+def resolve(use: bool | None = None, show: bool = True) -> str | None:
+    """The nginx binary a lab's service uses, looked up once: None with ``use=False``, or when ``use`` is None and
+    nginx is not installed (then as ``available``: the install line shown, or ``NginxNotFound`` under
+    ``NVLAB_REQUIRE_NGINX=1``); ``use=True`` and none installed: ``NginxNotFound``."""
+    if use is False:
+        return None
+    path = find_nginx()
+    if path is not None:
+        return str(path)
+    if use:
+        raise NginxNotFound(_not_found())
+    usable(_not_found(), name="nginx", require_env=REQUIRE_ENV, required=required(), error=NginxNotFound,
+           skipped="The lab then drives one Triton server directly and says what it skipped.", show=show)
+    return None
 
 
 def available(show: bool = True) -> bool:
@@ -147,348 +138,6 @@ def nginx_version(binary: str | None = None) -> str:
     m = re.search(r"nginx/\S+", out.stderr + out.stdout)
     return m.group(0) if m else (out.stderr + out.stdout).strip()
 
-
-# --- backends and config -------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Backend:
-    """One upstream server: ``address`` is ``HOST:PORT`` (an ``http://`` or ``grpc://`` prefix is dropped);
-    ``weight`` its share in round robin (>= 1: 9 and 1 send 90 % and 10 %); ``down`` takes it out."""
-
-    address: str
-    weight: int = 1
-    down: bool = False
-
-    def line(self) -> str:
-        extra = (f" weight={self.weight}" if self.weight != 1 else "") + (" down" if self.down else "")
-        return f"server {self.address}{extra};"
-
-
-BackendLike = Backend | str | tuple[str, int]
-
-
-def as_backend(value: BackendLike, what: str = "backend") -> Backend:
-    """``value`` (a ``Backend``, ``"host:port"``, a server's URL, or ``(address, weight)``) as a checked ``Backend``."""
-    if isinstance(value, tuple) and len(value) == 2:
-        value = Backend(str(value[0]), value[1])  # type: ignore[arg-type]
-    elif isinstance(value, str):
-        value = Backend(value)
-    elif not isinstance(value, Backend):
-        raise TypeError(f"{what}={value!r}: give 'HOST:PORT', (address, weight) or Backend(address, weight)")
-    address = check_url(value.address, what, schemes=("http", "grpc"), bare=True)
-    w = value.weight
-    if isinstance(w, bool) or not isinstance(w, int) or w < 1:
-        raise ValueError(f"{what} {address}: weight={w!r} must be an integer >= 1 (nginx refuses 0: to send it "
-                         "nothing, use Backend(address, down=True) or leave it out)")
-    return replace(value, address=address)
-
-
-def _backends(values: Iterable[BackendLike] | None, what: str) -> list[Backend]:
-    if values is None:
-        return []
-    if isinstance(values, (str, Backend)):
-        values = [values]
-    out = [as_backend(v, what) for v in values]
-    seen = Counter(b.address for b in out)
-    twice = [a for a, n in seen.items() if n > 1]
-    if twice:
-        raise ValueError(f"{what}: {', '.join(twice)} listed twice; give each server once, with a weight")
-    if out and all(b.down for b in out):
-        raise ValueError(f"{what}: every server is down; at least one must take traffic")
-    return out
-
-
-BODY_BUFFER = "512k"  # request bodies nginx keeps in memory (HTTP): the service's images are at most 256 KB
-
-
-def _size(value: int | str, what: str = "client_max_body_size") -> str:
-    """A size for nginx: an int of bytes, or ``"8m"``, ``"512k"``, ``"1g"``."""
-    if isinstance(value, bool) or not isinstance(value, (int, str)) or \
-            (isinstance(value, int) and value < 0) or (isinstance(value, str) and not _SIZE.fullmatch(value.strip())):
-        raise ValueError(f"{what}={value!r}: give bytes (an int >= 0) or a size like '8m', '512k' (0: no limit)")
-    return str(value).strip().lower()
-
-
-def _rate(rps: float) -> str:
-    """``limit_req_zone``'s rate: requests per second, or per minute below 1 r/s (nginx takes integers only)."""
-    if isinstance(rps, bool) or not isinstance(rps, (int, float)) or not math.isfinite(rps) or rps <= 0:
-        raise ValueError(f"rate_limit_rps={rps!r}: a number of requests per second > 0 (or None: no limit)")
-    if rps >= 1 and float(rps).is_integer():
-        return f"{int(rps)}r/s"
-    per_min = round(rps * 60)
-    if per_min < 1:
-        raise ValueError(f"rate_limit_rps={rps!r}: nginx's smallest rate is 1 request per minute (1/60 r/s)")
-    return f"{per_min}r/m"
-
-
-def _keys(api_keys: str | Sequence[str] | None) -> list[str]:
-    if api_keys is None:
-        return []
-    keys = [api_keys] if isinstance(api_keys, str) else list(api_keys)
-    keys = [k for k in keys if k != ""]
-    for k in keys:
-        if not isinstance(k, str) or not _KEY.fullmatch(k) or k in ("default", "hostnames", "volatile", "include"):
-            raise ValueError(f"api key {k!r}: use 8 to 256 letters, digits, '-' or '_' (secrets.token_urlsafe(16) "
-                             "makes one)")
-    return keys
-
-
-def new_api_key() -> str:
-    """A random API key (22 URL-safe characters)."""
-    return secrets.token_urlsafe(16)
-
-
-def _upstream(name: str, backends: Sequence[Backend], balance: str, keepalive: int) -> str:
-    lines = [f"    upstream {name} {{",
-             f"        zone {name} 64k;  # shared by the workers: one round robin, weights exact across workers"]
-    if BALANCE[balance]:
-        lines.append(f"        {BALANCE[balance]}")
-    lines += [f"        {b.line()}" for b in backends]
-    if keepalive:
-        lines.append(f"        keepalive {keepalive};  # reuse connections to the backends")
-    lines.append("    }")
-    return "\n".join(lines)
-
-
-_UPSTREAM_HEAD = re.compile(r"^\s*upstream\s+([A-Za-z0-9_.-]+)\s*\{", re.M)
-_SERVER_LINE = re.compile(r"^\s*server\s+([^\s;]+)", re.M)
-
-
-def upstream_name(block: str, what: str = "upstream_block") -> str:
-    """The name of the one ``upstream NAME { ... }`` in ``block``; a clear ``NginxConfigError`` when there is none,
-    more than one, or a server without a port (nginx would quietly use port 80)."""
-    if not isinstance(block, str) or not block.strip():
-        raise NginxConfigError(f"{what} is empty: write an upstream block, e.g.\n{_EXAMPLE_BLOCK}",
-                               "empty upstream block", None, "write the block")
-    heads = _UPSTREAM_HEAD.findall(block)
-    if len(heads) != 1:
-        why = "no `upstream NAME {` line" if not heads else f"{len(heads)} upstream blocks ({', '.join(heads)})"
-        raise NginxConfigError(f"{what} has {why}: write exactly one block, e.g.\n{_EXAMPLE_BLOCK}",
-                               why, None, "one upstream block")
-    opened, closed = block.count("{"), block.count("}")
-    if opened != closed:
-        raise NginxConfigError(f"{what} has {opened} '{{' and {closed} '}}': "
-                               + ("close the block with '}'" if opened > closed else "remove the extra '}'"),
-                               "unbalanced braces", None, "one '{' and one '}'")
-    for addr in _SERVER_LINE.findall(block):
-        if addr.startswith("unix:"):
-            continue
-        host_port = addr.rsplit("]", 1)[-1] if addr.startswith("[") else addr
-        if ":" not in host_port:
-            raise NginxConfigError(f"{what}: `server {addr}` has no port, so nginx would send to port 80: write "
-                                   f"`server {addr}:PORT;` with the backend's port", f"server {addr} has no port",
-                                   None, f"server {addr}:PORT;")
-    return heads[0]
-
-
-_EXAMPLE_BLOCK = ("    upstream triton_http {\n        server 127.0.0.1:8000 weight=1;\n"
-                  "        server 127.0.0.1:8010 weight=1;\n    }")
-
-
-def _indent(block: str) -> str:
-    lines = block.strip("\n").splitlines()
-    pad = min((len(ln) - len(ln.lstrip()) for ln in lines if ln.strip()), default=0)
-    return "\n".join("    " + ln[pad:] if ln.strip() else "" for ln in lines)
-
-
-LOG_FORMAT = ("'{\"time\":\"$time_iso8601\",\"msec\":$msec,\"listener\":\"$nvlab_listener\","
-              "\"remote_addr\":\"$remote_addr\",\"method\":\"$request_method\",\"uri\":\"$uri\","
-              "\"status\":$status,\"bytes\":$body_bytes_sent,\"request_length\":$request_length,"
-              "\"request_time\":$request_time,\"upstream_addr\":\"$upstream_addr\","
-              "\"upstream_status\":\"$upstream_status\",\"upstream_response_time\":\"$upstream_response_time\","
-              "\"grpc_status\":\"$sent_trailer_grpc_status\"}'")
-
-
-def nginx_config(
-    http_backends: Iterable[BackendLike] | None = (),
-    grpc_backends: Iterable[BackendLike] | None = (),
-    *,
-    http_port: int,
-    grpc_port: int | None = None,
-    status_port: int,
-    host: str = "127.0.0.1",
-    api_keys: str | Sequence[str] | None = None,
-    client_max_body_size: int | str = "8m",
-    rate_limit_rps: float | None = None,
-    rate_burst: int = 0,
-    balance: str = "round_robin",
-    keepalive: int = 32,
-    workers: int = 1,
-    proxy_timeout_s: float = 60.0,
-    upstream_block: str | None = None,
-    grpc_upstream_block: str | None = None,
-    generation: int = 0,
-    block_lines: dict[str, tuple[int, int]] | None = None,
-    json_check: str | None = None,
-) -> str:
-    """The whole ``nginx.conf``: paths relative to the prefix (``nginx -p PREFIX``), foreground by ``-g``.
-
-    ``http_backends`` / ``grpc_backends``: the servers of the two upstreams (or ``upstream_block`` /
-    ``grpc_upstream_block``: an ``upstream NAME { ... }`` written by hand, used as it is). ``api_keys``: requests
-    without one of them (``X-API-Key: KEY`` or ``Authorization: Bearer KEY``) get 401; None or () is no check.
-    Only the routes of ``HTTP_ROUTES`` and ``GRPC_METHODS`` pass to the backends (inference, model metadata, config
-    and readiness, health); any other gets 403 (gRPC: PERMISSION_DENIED) with the reason.
-    ``client_max_body_size``: larger bodies get 413. ``rate_limit_rps`` (per client address, ``rate_burst``
-    requests of slack): requests over it get 429. ``generation`` is served at ``/generation`` on the status
-    port, so a reload can be seen to have taken effect. Ports: ``http_port``, ``grpc_port`` (with gRPC
-    backends), ``status_port`` (``stub_status``). ``block_lines``, given a dict, receives where each
-    hand-written block sits ({argument: (first line, last line)}), for error messages. ``json_check``: the
-    ``host:port`` of a ``jsoncheck.JsonCheck``, which answers in Triton's place when Triton says 500 on HTTP (400
-    and the reason for a malformed body, Triton's parse errors; 500 for a well-formed one); None: Triton's answer.
-    """
-    if balance not in BALANCE:
-        raise ValueError(f"balance={balance!r}: use one of {', '.join(BALANCE)}")
-    for name, v, lo in (("workers", workers, 1), ("keepalive", keepalive, 0), ("rate_burst", rate_burst, 0)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-            raise ValueError(f"{name}={v!r}: must be an integer >= {lo}")
-    if not (isinstance(proxy_timeout_s, (int, float)) and math.isfinite(proxy_timeout_s) and proxy_timeout_s > 0):
-        raise ValueError(f"proxy_timeout_s={proxy_timeout_s!r}: a number of seconds > 0")
-    http = _backends(http_backends, "http_backends")
-    grpc_ = _backends(grpc_backends, "grpc_backends")
-    keys = _keys(api_keys)
-    size = _size(client_max_body_size)
-    http_up = upstream_name(upstream_block) if upstream_block is not None else (HTTP_UPSTREAM if http else None)
-    grpc_up = (upstream_name(grpc_upstream_block, "grpc_upstream_block") if grpc_upstream_block is not None
-               else (GRPC_UPSTREAM if grpc_ else None))
-    if http_up is None and grpc_up is None:
-        raise ValueError("no backend: give http_backends (Triton's HTTP ports), grpc_backends (its gRPC ports), or "
-                         "an upstream_block")
-    if json_check is not None:
-        json_check = check_url(json_check, "json_check", schemes=("http",), bare=True)
-    if grpc_up is not None and grpc_port is None:
-        raise ValueError("grpc backends need grpc_port (the listener nginx serves gRPC on)")
-    timeout = f"{proxy_timeout_s:g}s"
-    root = os.geteuid() == 0 if hasattr(os, "geteuid") else False
-
-    out = ["# nginx.conf generated by lab_utils.serving.nginx: run with nginx -p PREFIX -c conf/nginx.conf",
-           "# -g 'daemon off;' (the lab owns the process). Relative paths below are relative to PREFIX."]
-    if root:  # the workers would become 'nobody', who cannot write the temp folders of a root-owned prefix
-        out.append(f"user {pwd.getpwuid(os.geteuid()).pw_name} {grp.getgrgid(os.getegid()).gr_name};")
-    out += [f"worker_processes {workers};", "pid nginx.pid;", "error_log logs/error.log warn;", "",
-            "events {", "    worker_connections 4096;", "}", "", "http {",
-            "    # temp files inside the prefix, not /var/lib/nginx (another user's, or absent)",
-            "    client_body_temp_path temp/client_body;", "    proxy_temp_path temp/proxy;",
-            "    fastcgi_temp_path temp/fastcgi;", "    uwsgi_temp_path temp/uwsgi;", "    scgi_temp_path temp/scgi;",
-            "", f"    log_format nvlab_json escape=json {LOG_FORMAT};",
-            "    access_log logs/access.json nvlab_json;  # one JSON object per line, written per request",
-            f"    map $server_port $nvlab_listener {{ default other; {http_port} http;"
-            + (f" {grpc_port} grpc;" if grpc_port else "") + " }", "",
-            "    # what Triton's HTTP API reads: KServe v2 JSON (binary tensors after it), no type, or the form type",
-            "    # curl -d and urllib send by default; other bodies (a file upload, a raw image, text) get 415",
-            '    map "$request_method:$content_type" $nvlab_bad_type {', "        default 0;", '        "POST:" 0;',
-            '        "~*^POST:application/(json|octet-stream|x-www-form-urlencoded)" 0;', '        "~^POST:" 1;',
-            "    }", "",
-            "    # the routes passed to Triton (an allowlist: everything else 403 before any server sees it)",
-            '    map "$request_method $request_uri" $nvlab_route_ok {', "        default 0;",
-            *[f'        "~^({methods}) {path}(\\?|$)" 1;' for methods, path in HTTP_ROUTES], "    }",
-            "    map $request_uri $nvlab_grpc_route_ok {", "        default 0;",
-            f'        "~^/{re.escape(GRPC_SERVICE)}/({"|".join(GRPC_METHODS)})$" 1;', "    }", ""]
-    if keys:
-        out += ["    # API key: X-API-Key: KEY, or Authorization: Bearer KEY (401 without one)",
-                "    map $http_x_api_key $nvlab_key_header {", "        default 0;",
-                *[f"        {k} 1;" for k in keys], "    }",
-                "    map $http_authorization $nvlab_key_bearer {", "        default 0;",
-                *[f'        "Bearer {k}" 1;' for k in keys], "    }",
-                "    map $nvlab_key_header$nvlab_key_bearer $nvlab_authorized {", "        default 1;",
-                "        00 0;", "    }", ""]
-    if rate_limit_rps is not None:
-        out += [f"    limit_req_zone $binary_remote_addr zone=nvlab_rate:1m rate={_rate(rate_limit_rps)};",
-                "    limit_req_status 429;  # the default, 503, would read as a server fault", ""]
-    def nlines() -> int:  # lines so far, a trailing empty one included
-        return "\n".join(out).count("\n") + 1
-
-    block_lines = {} if block_lines is None else block_lines
-    for arg, up, block, name, servers in (("upstream_block", http_up, upstream_block, HTTP_UPSTREAM, http),
-                                          ("grpc_upstream_block", grpc_up, grpc_upstream_block, GRPC_UPSTREAM, grpc_)):
-        if up is not None:
-            start = nlines() + 1
-            out.append(_indent(block) if block is not None else _upstream(name, servers, balance, keepalive))
-            block_lines[arg] = (start, nlines())
-            out.append("")
-
-    key_words = f"missing or wrong API key: send {API_KEY_HEADER}: <key> or Authorization: Bearer <key>"
-
-    body_limit = f"        client_max_body_size {size};  # larger bodies: 413"
-
-    def guard() -> list[str]:
-        g = [body_limit]
-        if keys:
-            g += ["        if ($nvlab_authorized = 0) {", f"            return 401 '{{\"error\":\"{key_words}\"}}';",
-                  "        }"]
-        return g
-
-    # gRPC's check sits in its location: the server's would refuse the error page's internal redirect too
-    grpc_key = (["            if ($nvlab_authorized = 0) {", "                return 401;", "            }"]
-                if keys else [])
-    # the route checks sit in the locations too: an error page's internal redirect is a GET, which they would refuse
-    route = ["            if ($nvlab_route_ok = 0) {",
-             f"""                return 403 '{{"error":"{ROUTE_WORDS}"}}';""", "            }"]
-    grpc_route = ["            if ($nvlab_grpc_route_ok = 0) {", "                return 403;", "            }"]
-
-    # nginx's own refusals as JSON {"error": ...}, the form Triton's errors take: tritonclient shows the words
-    rate_words = f"{_rate(rate_limit_rps)} per client address" if rate_limit_rps is not None else ""
-    refusals = {413: f"request body over the limit (client_max_body_size {size})",
-                429: f"over the rate limit ({rate_words}): slow down",
-                502: "no backend answered: are the Triton servers up?",
-                504: "the backend did not answer in time"}
-    errors = ["        default_type application/json;  # nginx's own answers; proxied ones keep theirs"]
-    for code, words in refusals.items():
-        errors += [f"        error_page {code} /nvlab_error/{code};",
-                   f"        location = /nvlab_error/{code} {{ internal; return {code} '{{\"error\":\"{words}\"}}'; }}"]
-    # Triton answers a body it cannot parse (invalid JSON, wrong shape or types, no "inputs") with 500, an internal
-    # error, though the fault is the client's. nginx cannot read the body: the check reads it again and answers 400
-    # with the reason, or 500 for a well-formed one. Only Triton's 500s take this path (the body is still buffered)
-    check = []
-    if json_check is not None:
-        errors += ["        error_page 500 = @nvlab_json_check;  # Triton's 500: a malformed body is a 400"]
-        check = ["        location @nvlab_json_check {", f"            proxy_pass http://{json_check};",
-                 f'            proxy_set_header {API_KEY_HEADER} "";', '            proxy_set_header Authorization "";',
-                 "            proxy_read_timeout 10s;", "        }"]
-    # over gRPC a refusal is a gRPC status (grpc-status and grpc-message on an empty answer) that the client reports
-    # with its words; an HTTP error page would reach it as UNKNOWN or UNAVAILABLE with none
-    grpc_errors = []
-    for code, (status, words) in {401: (16, key_words), 403: (7, GRPC_ROUTE_WORDS), 413: (8, refusals[413]),
-                                  429: (8, refusals[429]),
-                                  502: (14, refusals[502]), 504: (14, refusals[504])}.items():
-        grpc_errors += [f"        error_page {code} = /nvlab_grpc_error/{code};",
-                        f"        location = /nvlab_grpc_error/{code} {{ internal; default_type application/grpc; "
-                        f'add_header grpc-status {status}; add_header grpc-message "{words}"; return 204; }}']
-
-    burst = f" burst={rate_burst} nodelay" if rate_burst else ""  # nginx refuses burst=0
-    limit = [f"            limit_req zone=nvlab_rate{burst};"] if rate_limit_rps is not None else []
-    media = ['        if ($nvlab_bad_type) {',
-             f"            return 415 '{{\"error\":\"{BAD_TYPE_WORDS}\"}}';", "        }"]
-    if http_up is not None:
-        # a body over client_body_buffer_size goes to a temporary file and is sent on from there: measured here, a
-        # 35 KB JPEG then waited 40 ms more (p50 49 against 4.8 ms straight to Triton). HTTP/1.1 bodies give their
-        # length, and nginx allocates only that; gRPC's HTTP/2 bodies do not, and would each get the whole buffer
-        out += ["    server {", f"        listen {host}:{http_port};", *guard(),
-                f"        client_body_buffer_size {BODY_BUFFER};  # bodies up to it stay in memory", *media, *errors,
-                "        location / {", *route, *limit,
-                f"            proxy_pass http://{http_up};",
-                *(["            proxy_intercept_errors on;  # Triton's 500 goes to the JSON check"] if check else []),
-                f"            add_header {UPSTREAM_HEADER} $upstream_addr always;  # which server answered",
-                "            proxy_http_version 1.1;  # keep-alive to the backends",
-                '            proxy_set_header Connection "";', "            proxy_set_header Host $host;",
-                f'            proxy_set_header {API_KEY_HEADER} "";  # the key stays at the door',
-                '            proxy_set_header Authorization "";',
-                f"            proxy_read_timeout {timeout};", f"            proxy_send_timeout {timeout};",
-                "        }", *check, "    }", ""]
-    if grpc_up is not None:
-        out += ["    server {", f"        listen {host}:{grpc_port} http2;  # gRPC is HTTP/2",
-                "        http2_max_concurrent_streams 1024;",
-                body_limit, *grpc_errors,
-                "        location / {", *grpc_key, *grpc_route, *limit,
-                f"            grpc_pass grpc://{grpc_up};",
-                f'            grpc_set_header {API_KEY_HEADER} "";', '            grpc_set_header Authorization "";',
-                f"            grpc_read_timeout {timeout};", f"            grpc_send_timeout {timeout};",
-                "        }", "    }", ""]
-    out += ["    server {  # metrics and health, for this machine only",
-            f"        listen {host}:{status_port};", "        access_log off;",
-            "        location = /stub_status { stub_status; }",
-            f'        location = /generation {{ return 200 "{generation}\\n"; }}', "    }", "}", ""]
-    return "\n".join(out)
 
 # nginx's message -> the fix, in words a student can act on. The first pattern that matches wins.
 _FIXES: list[tuple[str, str]] = [
@@ -519,12 +168,6 @@ _FIXES: list[tuple[str, str]] = [
 _NGINX_MSG = re.compile(r"\[(emerg|alert|crit|error)\] (?:\d+#\d+: )?(.*?)(?: in (\S+):(\d+))?\s*$", re.M)
 
 
-# nginx_config's keywords an NginxServer passes on as they are (``NginxServer.options``) -> their defaults; the
-# others are the server's own (its ports, backends, keys, blocks and their line spans)
-_OWN = {"http_port", "grpc_port", "status_port", "host", "api_keys", "upstream_block", "grpc_upstream_block",
-        "generation", "block_lines", "json_check"}
-OPTIONS = {k: p.default for k, p in inspect.signature(nginx_config).parameters.items()
-           if p.kind is p.KEYWORD_ONLY and k not in _OWN}
 def _explain(stderr: str, text: str, spans: dict[str, tuple[int, int]] | None = None, *,
              what: str = "the config") -> NginxConfigError:
     """``nginx -t``'s complaint as a ``NginxConfigError``: its words, the line (of the hand-written block when it is
@@ -602,90 +245,6 @@ def check_upstream_block(block: str, grpc: bool = False, binary: str | None = No
     return name
 
 
-# --- the JSON access log and stub_status ---------------------------------------------------------------------
-
-
-def _seconds_list(value: str) -> list[float]:
-    """``"0.004, 0.002 : 0.001"`` (one per upstream tried) -> [0.004, 0.002, 0.001]; ``"-"`` -> []."""
-    return [float(v) for v in re.split(r"[,:]\s*", value.strip()) if v.strip() not in ("", "-")]
-
-
-def read_access_log(path: str | os.PathLike[str], since: float | None = None) -> list[dict[str, Any]]:
-    """The JSON access log as rows: every field of the log line, plus ``request_ms``, ``upstream`` (the server that
-    answered, None when none did: a 401/413/429 at the door), ``upstream_ms`` and ``tries``.
-
-    ``since``: only requests that ended at or after this time (epoch seconds, ``time.time()``). A line cut short
-    (nginx writing it now) is skipped.
-    """
-    rows = []
-    try:
-        text = Path(path).read_text(errors="replace")
-    except FileNotFoundError:
-        return []
-    for line in text.splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if since is not None and row.get("msec", 0) < since:
-            continue
-        # "a, b" are the servers one upstream tried; " : " starts another after an internal redirect (the JSON check
-        # after Triton's 500): the request's backend is the first upstream's last server
-        first = re.split(r"\s:\s", row.get("upstream_addr", ""))[0]
-        addrs = [a.strip() for a in first.split(",") if a.strip() not in ("", "-")]
-        times = _seconds_list(re.split(r"\s:\s", row.get("upstream_response_time", ""))[0])
-        row["request_ms"] = float(row.get("request_time", 0.0)) * 1e3
-        row["upstream"] = addrs[-1] if addrs else None
-        row["tries"] = len(addrs)
-        row["upstream_ms"] = sum(times) * 1e3 if times else None
-        rows.append(row)
-    return rows
-
-
-def _pct(values: Sequence[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    import numpy as np
-
-    return float(np.percentile(np.asarray(values, dtype=float), q))
-
-
-def summarize_access(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """What the access log says: ``requests``, ``by_upstream`` ({address: requests it answered}),
-    ``by_status`` ({code: count}), ``by_listener`` (http / grpc), ``seconds`` (first to last), ``rps``, and
-    the latency nginx saw (``p50_ms``, ``p95_ms``, ``p99_ms``, ``mean_ms``; requests a backend answered) with
-    the backends' share (``upstream_p95_ms``)."""
-    answered = [r for r in rows if r.get("upstream")]
-    lat = [r["request_ms"] for r in answered]
-    up = [r["upstream_ms"] for r in answered if r.get("upstream_ms") is not None]
-    times = [r["msec"] for r in rows if "msec" in r]
-    span = max(times) - min(times) if len(times) > 1 else 0.0
-    return {
-        "requests": len(rows),
-        "by_upstream": dict(sorted(Counter(r["upstream"] for r in answered).items())),
-        "by_status": dict(sorted(Counter(int(r["status"]) for r in rows).items())),
-        "by_listener": dict(Counter(r.get("listener", "other") for r in rows)),
-        "seconds": span,
-        "rps": len(rows) / span if span else float("nan"),
-        "p50_ms": _pct(lat, 50), "p95_ms": _pct(lat, 95), "p99_ms": _pct(lat, 99),
-        "mean_ms": sum(lat) / len(lat) if lat else float("nan"),
-        "upstream_p95_ms": _pct(up, 95),
-    }
-
-
-_STUB = re.compile(r"Active connections:\s*(\d+).*?\n\s*(\d+)\s+(\d+)\s+(\d+)\s*\n"
-                   r"\s*Reading:\s*(\d+)\s+Writing:\s*(\d+)\s+Waiting:\s*(\d+)", re.S)
-
-
-def parse_stub_status(text: str) -> dict[str, int]:
-    """nginx's ``stub_status`` page as numbers: active, accepts, handled, requests, reading, writing, waiting."""
-    m = _STUB.search(text)
-    if not m:
-        raise ValueError(f"not an nginx stub_status page: {text[:120]!r}")
-    keys = ("active", "accepts", "handled", "requests", "reading", "writing", "waiting")
-    return dict(zip(keys, map(int, m.groups()), strict=True))
-
-
 # --- reload -------------------------------------------------------------------------------------------------
 
 
@@ -755,23 +314,25 @@ class NginxServer(OwnedServer, HttpGrpcEndpoints):
         self.json_check = JsonCheck(host) if check_json else None
         self.generation = 0
         self.config_text = ""
-        self._render(probe_ports=True)  # a bad argument fails here, before anything starts
+        self._context(probe_ports=True)  # a bad argument fails here, before anything starts (rendered at start)
 
     # config -----------------------------------------------------------------------------------------------
     @property
     def has_grpc(self) -> bool:
         return bool(self.grpc_backends) or self.grpc_upstream_block is not None
 
-    def _render(self, probe_ports: bool = False) -> tuple[str, dict[str, tuple[int, int]]]:
+    def _context(self, probe_ports: bool = False) -> dict[str, Any]:
         ports = (1, 2, 3) if probe_ports else (self.http_port, self.grpc_port, self.status_port)
+        return config_context(self.http_backends, self.grpc_backends, http_port=ports[0],
+                              grpc_port=ports[1] if self.has_grpc else None, status_port=ports[2], host=self.host,
+                              api_keys=self.api_keys, upstream_block=self.upstream_block,
+                              grpc_upstream_block=self.grpc_upstream_block, generation=self.generation,
+                              json_check=None if probe_ports or self.json_check is None
+                              else self.json_check.address, **self.options)
+
+    def _render(self) -> tuple[str, dict[str, tuple[int, int]]]:
         spans: dict[str, tuple[int, int]] = {}
-        text = nginx_config(self.http_backends, self.grpc_backends, http_port=ports[0],
-                            grpc_port=ports[1] if self.has_grpc else None, status_port=ports[2], host=self.host,
-                            api_keys=self.api_keys, upstream_block=self.upstream_block,
-                            grpc_upstream_block=self.grpc_upstream_block, generation=self.generation,
-                            block_lines=spans, json_check=None if probe_ports or self.json_check is None
-                            else self.json_check.address, **self.options)
-        return text, spans
+        return render_config(self._context(), spans), spans
 
     # urls and paths ----------------------------------------------------------------------------------------
     @property
@@ -974,7 +535,8 @@ def leftover_nginx(prefix: str | os.PathLike[str]) -> list[int]:
 
 
 __all__ = ["Backend", "NginxServer", "NginxError", "NginxNotFound", "NginxStartError", "NginxConfigError",
-           "nginx_binary", "missing", "available", "required", "nginx_version", "nginx_config", "check_nginx_config",
+           "nginx_binary", "missing", "available", "resolve", "required", "nginx_version", "nginx_config",
+           "config_context", "render_config", "check_nginx_config",
            "check_upstream_block", "serve_upstream", "reload_nginx", "read_access_log", "summarize_access",
            "parse_stub_status", "new_api_key", "as_backend", "upstream_name", "leftover_nginx",
            "API_KEY_HEADER", "REQUIRE_ENV", "HTTP_ROUTES", "GRPC_METHODS"]
