@@ -132,10 +132,8 @@ def canonical(name: str) -> str:
 
 
 def _packaging() -> Any:
-    try:
-        from packaging import requirements, version
-    except ImportError:  # pip vendors it: always there where pip is
-        from pip._vendor.packaging import requirements, version  # type: ignore[no-redef]
+    from packaging import requirements, version
+
     return requirements, version
 
 
@@ -223,11 +221,14 @@ def _build_requires(root: Path) -> list[str]:
 def _setuptools_builds_wheels() -> bool:
     """Whether this interpreter's setuptools can build the course's wheel itself (>= 70.1 has bdist_wheel built in,
     and pyproject.toml asks for >= 68): then pip skips setting up an isolated build environment."""
-    try:
-        import setuptools
-    except ImportError:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:  # what is installed, read from its metadata: the course never imports setuptools
+        found = installed("setuptools")
+    except PackageNotFoundError:
         return False
-    return tuple(int(p) for p in re.findall(r"\d+", setuptools.__version__)[:2]) >= (70, 1)
+    return tuple(int(p) for p in re.findall(r"\d+", found)[:2]) >= (70, 1)
 
 
 def _stub_wheel(folder: Path, name: str, version: str) -> Path:
