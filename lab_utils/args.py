@@ -8,10 +8,12 @@ from typing import Any
 import numpy as np
 
 
-def check_int(value: Any, arg: str, where: str, minimum: int = 1) -> int:
-    """``value`` as an int, or a ValueError naming ``where(arg=...)`` and the bound."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"{where}({arg}={value!r}): must be an integer >= {minimum}")
+def check_int(value: Any, arg: str, where: str, minimum: int = 1, maximum: int | None = None, what: str = "") -> int:
+    """``value`` as an int, or a ValueError naming ``where(arg=...)``, the bounds and ``what`` it counts."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum or \
+            (maximum is not None and value > maximum):
+        bound = f"from {minimum} to {maximum}" if maximum is not None else f">= {minimum}"
+        raise ValueError(f"{where}({arg}={value!r}): must be an integer {bound}" + (f" ({what})" if what else ""))
     return int(value)
 
 

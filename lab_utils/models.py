@@ -209,9 +209,9 @@ def resnet_blocks(depth: int | Sequence[int]) -> tuple[int, ...]:
             raise ValueError(f"depth={depth!r}: use one of {sorted(RESNET_BLOCKS)} or a tuple of blocks per stage")
         return RESNET_BLOCKS[int(depth)]
     blocks = tuple(depth)
-    if not blocks or any(isinstance(b, bool) or not isinstance(b, (int, np.integer)) or b < 1 for b in blocks):
-        raise ValueError(f"depth={depth!r}: a tuple of blocks per stage must hold positive integers")
-    return tuple(int(b) for b in blocks)
+    if not blocks:
+        raise ValueError(f"depth={depth!r}: a tuple of blocks per stage, e.g. (2, 2, 2, 2)")
+    return tuple(check_int(b, "depth", "resnet_blocks", what="blocks per stage") for b in blocks)
 
 
 def make_resnet(width: int = 64, depth: int | Sequence[int] = 18, num_classes: int = 1000,

@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from lab_utils.args import check_int
+
 # 256 MiB is larger than the L2 of every current data-centre GPU (H100/H200: 50 MiB, B200: 126 MiB).
 L2_FLUSH_BYTES = 256 * 2**20
 
@@ -123,10 +125,8 @@ def _check_args(fn: Any, reps: Any, warmup: Any) -> None:
     if not callable(fn):
         raise TypeError(f"benchmark(fn=...): fn must be callable, got {type(fn).__name__} {fn!r}; "
                         "pass the work itself, for example benchmark(lambda: a @ b)")
-    if isinstance(reps, bool) or not isinstance(reps, int) or reps < 1:
-        raise ValueError(f"benchmark(reps={reps!r}): reps must be an integer >= 1 (the number of timed runs)")
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-        raise ValueError(f"benchmark(warmup={warmup!r}): warmup must be an integer >= 0")
+    check_int(reps, "reps", "benchmark", what="the number of timed runs")
+    check_int(warmup, "warmup", "benchmark", minimum=0, what="untimed runs first")
 
 
 def benchmark(fn: Callable[[], Any], *, reps: int = 20, warmup: int = 3, device: Any = "auto", flush_l2: bool = False,

@@ -13,7 +13,9 @@ PKG = repo_root() / "lab_utils"
 
 # Layers from the bottom up: a module may import its own package and anything on a lower layer, nothing above.
 LAYERS = [
-    {"lab_utils", "lab_utils.args", "lab_utils.procs", "lab_utils.timing", "lab_utils.plotting"},
+    # the argument checks, under everything: every module that takes a number from a user checks it there
+    {"lab_utils", "lab_utils.args"},
+    {"lab_utils.procs", "lab_utils.timing", "lab_utils.plotting"},
     # one owned server's lifecycle, on the process primitives: what every server class of the course is
     {"lab_utils.owned"},
     # course.probe is the one place that locates programs (find_<program>() -> str | None), below all that run them

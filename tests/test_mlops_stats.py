@@ -44,7 +44,7 @@ def test_ztest_known_values_and_scipy():
     assert t.z ** 2 == pytest.approx(chi2) and t.p_value == pytest.approx(p)
     with pytest.raises(ValueError, match="correct answers, not a fraction"):
         abtest.two_proportion_ztest(0.45, 100, 60, 100)
-    with pytest.raises(ValueError, match="positive integer"):
+    with pytest.raises(ValueError, match=r"n=0\): must be an integer >= 1"):
         abtest.two_proportion_ztest(0, 0, 60, 100)
 
 

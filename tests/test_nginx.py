@@ -344,7 +344,7 @@ def test_upstream_block_checked_before_nginx():
 
 
 def test_bad_arguments_name_the_problem():
-    with pytest.raises(ValueError, match="weight=0 must be an integer >= 1.*down=True"):
+    with pytest.raises(ValueError, match=r"weight=0\): must be an integer >= 1.*down=True"):
         ng.nginx_config([("127.0.0.1:1", 0)], http_port=1, status_port=2)
     with pytest.raises(ValueError, match="api key 'short'"):
         NginxServer(["127.0.0.1:1"], api_keys="short")

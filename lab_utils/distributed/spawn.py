@@ -40,6 +40,7 @@ import torch.distributed as dist
 # there ("terminate called without an active exception", SIGABRT at exit).
 import torch.distributed.nn  # noqa: F401
 
+from lab_utils.args import check_int
 from lab_utils.procs import die_with, die_with_parent, temporary_folder
 
 BACKENDS = ("auto", "nccl", "gloo")
@@ -125,8 +126,7 @@ def choose_backend(nprocs: int, backend: str = "auto") -> str:
     """NCCL when each rank can have its own GPU, else gloo; an impossible request says why and what to use."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}: use one of {BACKENDS}")
-    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
-        raise ValueError(f"nprocs={nprocs!r}: the number of worker processes must be an integer >= 1")
+    check_int(nprocs, "nprocs", "choose_backend", what="the number of worker processes")
     gpus = torch_gpu_count()
     if backend == "auto":
         return "nccl" if gpus >= nprocs and dist.is_nccl_available() else "gloo"
@@ -366,8 +366,7 @@ def launch(fn: Callable[..., Any], nprocs: int, *, backend: str = "auto", kwargs
     chosen = choose_backend(nprocs, backend)
     if timeout_s <= 0:
         raise ValueError(f"launch(timeout_s={timeout_s!r}): must be > 0 seconds")
-    if isinstance(rendezvous, bool) or not isinstance(rendezvous, int) or rendezvous < 1:
-        raise ValueError(f"launch(rendezvous={rendezvous!r}): the number of stores must be an integer >= 1")
+    check_int(rendezvous, "rendezvous", "launch", what="the number of stores")
     group_timeout_s = max(timeout_s, MIN_GROUP_TIMEOUT_S)
     ctx = mp_context()
     events = ctx.Queue()

@@ -25,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
+from lab_utils.args import check_int
 from lab_utils.distributed import ranks as ranks_mod
 from lab_utils.distributed.bandwidth import KIB, MIB, busbw_factor  # the one definition the lab's measurements use
 from lab_utils.distributed.ddp import evaluate
@@ -217,9 +218,7 @@ def reference_busbw_factor(collective: str, n: int) -> float:
     key = _ALIASES.get(key, key)
     if key not in COLLECTIVES:
         raise ValueError(f"unknown collective {collective!r}; valid: {', '.join(COLLECTIVES)}")
-    if isinstance(n, bool) or int(n) != n or n < 1:
-        raise ValueError(f"n must be a whole number of ranks >= 1, got {n!r}")
-    return busbw_factor(key, int(n))
+    return busbw_factor(key, check_int(n, "n", "reference_busbw_factor", what="the number of ranks"))
 
 
 # Why each collective has its factor. Each is checked at n = 2, 3, 4 and 8: at n = 2 alone, 2(n-1)/n, 1 and

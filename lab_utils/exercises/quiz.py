@@ -31,6 +31,7 @@ import pandas as pd
 import yaml
 
 from lab_utils import DATA_DIR
+from lab_utils.args import check_int
 from lab_utils.course.catalog import LABS, repo_root
 from lab_utils.exercises.framework import Exercise, Outcome, Status, Wrong, is_blank, match_slip, normal_text, number
 from lab_utils.procs import EnvError
@@ -679,8 +680,8 @@ class QuizRunner:
         wanted = list(sections) if sections is not None else bank.sections
         if bad := [s for s in wanted if s not in bank.titles]:
             raise ValueError(f"sections {bad} are not in the bank (it has {bank.sections})")
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-            raise ValueError(f"n={n!r}: the number of questions per section is a whole number >= 1, or None for all")
+        if n is not None:
+            check_int(n, "n", "QuizRunner", what="questions per section, or None for all")
         self.questions: list[Question] = []
         for s in wanted:
             pool = sorted(bank.section(s), key=lambda q: _draw(seed, q.id))

@@ -14,6 +14,8 @@ from statistics import NormalDist
 
 import numpy as np
 
+from lab_utils.args import check_int
+
 GROUPS = ("A", "B")
 _N = NormalDist()
 
@@ -51,11 +53,8 @@ class ZTest:
 
 
 def _count(successes: int, n: int, name: str) -> None:
-    if not (isinstance(n, (int, np.integer)) and n > 0):
-        raise ValueError(f"{name}: n={n!r}; the number of labelled requests, a positive integer")
-    if not (isinstance(successes, (int, np.integer)) and 0 <= successes <= n):
-        raise ValueError(f"{name}: successes={successes!r}; an integer from 0 to n={n} (correct answers, not a "
-                         "fraction)")
+    n = check_int(n, "n", name, what="the number of labelled requests")
+    check_int(successes, "successes", name, 0, n, what="correct answers, not a fraction")
 
 
 def two_proportion_ztest(successes_a: int, n_a: int, successes_b: int, n_b: int, confidence: float = 0.95) -> ZTest:

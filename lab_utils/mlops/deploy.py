@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from lab_utils.args import check_int
 from lab_utils.mlops.tracking import ONNX_FILE
 from lab_utils.procs import owned_tempdir, stop_at_exit
 from lab_utils.serving import client as triton_client
@@ -165,9 +166,7 @@ class CanaryService(Service):
     # moving traffic -----------------------------------------------------------------------------------------
     def set_weight(self, weight: int) -> None:
         """The challenger's share of requests, in % (0..100), applied by an nginx reload."""
-        if isinstance(weight, bool) or not isinstance(weight, (int, np.integer)) or not 0 <= weight <= 100:
-            raise ValueError(f"weight={weight!r}: the challenger's share, a whole percentage 0..100")
-        w = int(weight)
+        w = check_int(weight, "weight", "set_weight", 0, 100, what="the challenger's share, in %")
         g = math.gcd(100 - w, w) or 1
         champ_w, chall_w = (100 - w) // g, w // g  # 90/10 -> 9:1; 0 marks a server down
         if self.lb is None:

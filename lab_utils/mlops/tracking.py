@@ -79,11 +79,10 @@ class TrackingServer(OwnedServer):
     def __init__(self, *, host: str = "127.0.0.1", port: int | None = None, workers: int = 1,
                  startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S, stop_grace_s: float = DEFAULT_STOP_GRACE_S,
                  extra_args: Sequence[str] = ()):
-        if not (isinstance(workers, int) and 1 <= workers <= 16):
-            raise ValueError(f"workers={workers!r}: an integer from 1 to 16 (1 is plenty for a lab: each worker is a "
-                             "Python process of ~200 MB)")
-        if port is not None and not (isinstance(port, int) and 0 < port < 65536):
-            raise ValueError(f"port={port!r}: a TCP port from 1 to 65535, or None for a free one")
+        check_int(workers, "workers", "TrackingServer", 1, 16,
+                  what="1 is plenty for a lab: each worker is a Python process of ~200 MB")
+        if port is not None:
+            check_int(port, "port", "TrackingServer", 1, 65535, what="a TCP port, or None for a free one")
         super().__init__(host=host, ports={"port": port}, startup_timeout_s=startup_timeout_s,
                          stop_grace_s=stop_grace_s)
         self.workers = workers

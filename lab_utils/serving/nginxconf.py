@@ -103,10 +103,8 @@ def as_backend(value: BackendLike, what: str = "backend") -> Backend:
     elif not isinstance(value, Backend):
         raise TypeError(f"{what}={value!r}: give 'HOST:PORT', (address, weight) or Backend(address, weight)")
     address = check_url(value.address, what, schemes=("http", "grpc"), bare=True)
-    w = value.weight
-    if isinstance(w, bool) or not isinstance(w, int) or w < 1:
-        raise ValueError(f"{what} {address}: weight={w!r} must be an integer >= 1 (nginx refuses 0: to send it "
-                         "nothing, use Backend(address, down=True) or leave it out)")
+    check_int(value.weight, "weight", f"{what} {address}",
+              what="nginx refuses 0: to send it nothing, use Backend(address, down=True) or leave it out")
     return replace(value, address=address)
 
 

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from lab_utils.args import check_int
 from lab_utils.procs import Background, http_ok, owned_tempdir, release_at_exit, stop_at_exit, wait_until
 from lab_utils.serving import client as triton_client
 from lab_utils.serving import ensemble as ens
@@ -85,8 +86,7 @@ class Service:
                  client_max_body_size: int | str = BODY_LIMIT, instances: int | None = None, gpus: int = 0,
                  repo: ens.ServiceRepo | None = None, startup_timeout_s: float = 120.0,
                  stop_grace_s: float = STOP_GRACE_S, build_env: bool = True):
-        if isinstance(servers, bool) or not isinstance(servers, int) or servers < 1:
-            raise ValueError(f"Service(servers={servers!r}): the number of Triton servers, an integer >= 1")
+        check_int(servers, "servers", "Service", what="the number of Triton servers")
         if cache not in ens.CACHE_PLACES:
             raise ValueError(f"Service(cache={cache!r}): use one of {ens.CACHE_PLACES}")
         self.cache, self.cache_mib = cache, cache_mib

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+from lab_utils.args import check_int
 from lab_utils.procs import env_flag
 
 HEADLESS_ENV = "NVLAB_HEADLESS"  # 1: print instead of showing widgets (papermill run by hand, a script)
@@ -76,8 +77,8 @@ def error_html(err: BaseException) -> str:
 
 
 def _check_bar(total: Any, desc: Any, where: str) -> None:
-    if total is not None and (isinstance(total, bool) or not isinstance(total, int) or total < 0):
-        raise ValueError(f"{where}(total={total!r}): the number of steps, a whole number >= 0, or None")
+    if total is not None:
+        check_int(total, "total", where, minimum=0, what="the number of steps, or None")
     if not isinstance(desc, str):
         raise TypeError(f"{where}(desc={desc!r}): a label, a str")
 

@@ -11,6 +11,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 from IPython.display import display
 
+from lab_utils.args import check_int
 from lab_utils.course import specs
 from lab_utils.gpu import bench, bench_plots
 from lab_utils.timing import matmul_bytes, matmul_flops
@@ -40,8 +41,10 @@ class RooflineExplorer(Panel):
     def __init__(self, device: str, sizes: Sequence[int], dtypes: Sequence[str] = bench.DTYPES, reps: int = 5,
                  dtype: str | None = None, n: int | None = None):
         # said here, at the call: a bad choice would otherwise surface as a traitlets error from inside ipywidgets
-        if not sizes or any(isinstance(s, bool) or int(s) != s or s < 1 for s in sizes):
-            raise ValueError(f"roofline_explorer(sizes={sizes!r}): matmul sizes n, whole numbers >= 1, e.g. [256, 512]")
+        if not sizes:
+            raise ValueError(f"roofline_explorer(sizes={sizes!r}): matmul sizes n, e.g. [256, 512]")
+        for s in sizes:
+            check_int(s, "sizes", "roofline_explorer", what="each a matmul size n, e.g. [256, 512]")
         unknown = [d for d in dtypes if d not in _ITEMSIZE]
         if not dtypes or unknown:
             raise ValueError(f"roofline_explorer(dtypes={dtypes!r}): choose among {list(_ITEMSIZE)}")
@@ -49,8 +52,7 @@ class RooflineExplorer(Panel):
             raise ValueError(f"roofline_explorer(dtype={dtype!r}): not among the offered dtypes {list(dtypes)}")
         if n is not None and n not in sizes:
             raise ValueError(f"roofline_explorer(n={n!r}): not among the offered sizes {list(sizes)}")
-        if isinstance(reps, bool) or not isinstance(reps, int) or reps < 1:
-            raise ValueError(f"roofline_explorer(reps={reps!r}): timed repetitions per point, a whole number >= 1")
+        check_int(reps, "reps", "roofline_explorer", what="timed repetitions per point")
         self.device, self.reps = device, reps
         self.points = pd.DataFrame(columns=["kind", "dtype", "n", "intensity_flop_per_byte", "tflops"])
         self.last: dict[str, Any] = {}
