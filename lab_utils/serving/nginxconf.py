@@ -327,28 +327,8 @@ def render_config(context: dict[str, Any], block_lines: dict[str, tuple[int, int
     return "\n".join(out)
 
 
-def nginx_config(
-    http_backends: Iterable[BackendLike] | None = (),
-    grpc_backends: Iterable[BackendLike] | None = (),
-    *,
-    http_port: int,
-    grpc_port: int | None = None,
-    status_port: int,
-    host: str = "127.0.0.1",
-    api_keys: str | Sequence[str] | None = None,
-    client_max_body_size: int | str = "8m",
-    rate_limit_rps: float | None = None,
-    rate_burst: int = 0,
-    balance: str = "round_robin",
-    keepalive: int = 32,
-    workers: int = 1,
-    proxy_timeout_s: float = 60.0,
-    upstream_block: str | None = None,
-    grpc_upstream_block: str | None = None,
-    generation: int = 0,
-    block_lines: dict[str, tuple[int, int]] | None = None,
-    json_check: str | None = None,
-) -> str:
+def nginx_config(http_backends: Iterable[BackendLike] | None = (), grpc_backends: Iterable[BackendLike] | None = (),
+                 *, block_lines: dict[str, tuple[int, int]] | None = None, **options: Any) -> str:
     """The whole ``nginx.conf`` (the template ``TEMPLATE``): paths relative to the prefix (``nginx -p PREFIX``),
     foreground by ``-g``.
 
@@ -360,17 +340,17 @@ def nginx_config(
     ``client_max_body_size``: larger bodies get 413. ``rate_limit_rps`` (per client address, ``rate_burst``
     requests of slack): requests over it get 429. ``generation`` is served at ``/generation`` on the status
     port, so a reload can be seen to have taken effect. Ports: ``http_port``, ``grpc_port`` (with gRPC
-    backends), ``status_port`` (``stub_status``). ``block_lines``: see ``render_config``. ``json_check``: the
+    backends), ``status_port`` (``stub_status``). ``options``: ``config_context``'s keywords (their defaults there).
+    ``block_lines``: see ``render_config``. ``json_check``: the
     ``host:port`` of a ``jsoncheck.JsonCheck``, which answers in Triton's place when Triton says 500 on HTTP (400
     and the reason for a malformed body, Triton's parse errors; 500 for a well-formed one); None: Triton's answer.
     """
-    kw = {k: v for k, v in locals().items() if k not in ("http_backends", "grpc_backends", "block_lines")}
-    return render_config(config_context(http_backends, grpc_backends, **kw), block_lines)
+    return render_config(config_context(http_backends, grpc_backends, **options), block_lines)
 
 
 # nginx_config's keywords an NginxServer passes on as they are (``NginxServer.options``) -> their defaults; the
 # others are the server's own (its ports, backends, keys, blocks and their line spans)
 _OWN = {"http_port", "grpc_port", "status_port", "host", "api_keys", "upstream_block", "grpc_upstream_block",
-        "generation", "block_lines", "json_check"}
-OPTIONS = {k: p.default for k, p in inspect.signature(nginx_config).parameters.items()
+        "generation", "json_check"}
+OPTIONS = {k: p.default for k, p in inspect.signature(config_context).parameters.items()
            if p.kind is p.KEYWORD_ONLY and k not in _OWN}
