@@ -85,9 +85,9 @@ def test_fixed_duration_and_batch_rows(server):
     assert r.throughput_infer_s == pytest.approx(4 * r.achieved_rps)  # inferences, not requests
 
 
-@pytest.mark.parametrize("mode", ["closed", "open"])
-def test_client_processes(server, mode):
-    r = run_mode(mode, server.grpc_url, duration_s=0.9, window_s=0.3, warmup_s=0.2, processes=2,
+def test_client_processes(server):
+    """Two spawned client processes share the clients (the open loop's schedule over processes: test_openloop.py)."""
+    r = run_mode("closed", server.grpc_url, duration_s=0.9, window_s=0.3, warmup_s=0.2, processes=2,
                  stats_url=server.http_url)
     assert r.processes == 2 and r.requests > 10 and r.errors_total == 0 and len(r.windows) == 3
     assert r.server is not None and r.server["requests"] > 10
