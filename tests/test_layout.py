@@ -34,7 +34,8 @@ LAYERS = [
     # interactive panels drive measurements, servers, Prometheus and the quiz: above all of them
     {"lab_utils.widgets"},
     {"lab_utils.ops"},
-    # the classroom hub: starts servers of the course for a whole class, below only the command line
+    # the classroom hub: starts servers of the course for a whole class (and the trainer's progress page), below
+    # only the command line
     {"lab_utils.classroom"},
     {"lab_utils.cli"},
     {"lab_utils.__main__"},

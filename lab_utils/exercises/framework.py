@@ -34,6 +34,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from lab_utils.course import progress
 from lab_utils.distributed.ranks import is_library_file
 from lab_utils.procs import Background
 
@@ -148,6 +149,7 @@ class Exercise:
         """Grade ``value`` (the student's ``var``); prints and returns the outcome."""
         out = self._outcome(value)
         self.accepted = value if out.correct else None
+        progress.record(self.name, out.status.name, out.message, echo=_short(value))  # the student's record
         if not quiet:
             print(out)
         return out
