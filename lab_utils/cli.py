@@ -1,4 +1,5 @@
-"""``nvlab``: check a machine, launch the course, execute labs, build labs, compare with the reference run."""
+"""``nvlab``: check a machine, launch the course, execute labs, build labs, compare with the reference run, show a
+student's progress."""
 
 from __future__ import annotations
 
@@ -372,6 +373,24 @@ def cmd_classroom(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_progress(args: argparse.Namespace) -> int:
+    from lab_utils.course import catalog, progress  # lazy: subcommand only (cli stays fast to import)
+
+    if args.off and args.on:
+        return _fail("progress", "--off and --on together: give one")
+    if args.off or args.on:
+        print(progress.disable(everywhere=True) if args.off else progress.enable(everywhere=True))
+        return 0
+    lab = None
+    if args.lab is not None:
+        try:
+            lab = catalog.lab_by_number(args.lab).number
+        except ValueError as err:
+            return _fail("progress", err)
+    print(progress.table(lab=lab))
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = _Parser(prog="nvlab", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -448,6 +467,11 @@ def parser() -> argparse.ArgumentParser:
         a.add_argument("--state", default=str(DEFAULT_STATE), help="the hub's state folder (default "
                        "~/.local/state/nvlab/classroom)")
     cr.set_defaults(fn=cmd_classroom)
+    pr = sub.add_parser("progress", help="your exercise checks so far: labs done, exercises left, last wrong messages")
+    pr.add_argument("--lab", help="one lab's exercises one by one (e.g. 01)")
+    pr.add_argument("--off", action="store_true", help="stop recording checks, in every kernel, until --on")
+    pr.add_argument("--on", action="store_true", help="record checks again")
+    pr.set_defaults(fn=cmd_progress)
     return p
 
 

@@ -255,10 +255,11 @@ def parse_lines(data: bytes, what: str, problems: list[str]) -> list[dict[str, A
     return out
 
 
-def load(file: Path | None = None, max_bytes: int = MAX_FILE_BYTES) -> Loaded:
-    """The records of ``file`` (default: this user's); a file over ``max_bytes`` is read from its newest
-    ``max_bytes`` only, and that is said in ``problems``."""
+def load(file: Path | None = None, max_bytes: int | None = None) -> Loaded:
+    """The records of ``file`` (default: this user's); a file over ``max_bytes`` (default ``MAX_FILE_BYTES``) is
+    read from its newest ``max_bytes`` only, and that is said in ``problems``."""
     file = path() if file is None else file
+    max_bytes = MAX_FILE_BYTES if max_bytes is None else max_bytes
     problems: list[str] = []
     try:
         size = file.stat().st_size
@@ -266,8 +267,8 @@ def load(file: Path | None = None, max_bytes: int = MAX_FILE_BYTES) -> Loaded:
             if size > max_bytes:
                 f.seek(size - max_bytes)
                 f.readline()  # a partial first line
-                problems.append(f"{file.name} is {size / 2**20:.0f} MiB: only its newest "
-                                f"{max_bytes / 2**20:.0f} MiB read")
+                problems.append(f"{file.name} is {size / 2**20:.1f} MiB: only its newest "
+                                f"{max_bytes / 2**20:.1f} MiB read")
             data = f.read(max_bytes)
     except FileNotFoundError:
         return Loaded([], [])
