@@ -97,6 +97,8 @@ SPECIFIC = [
     ("wheelhouse-python", ["wheelhouse", "{file}/wheels", "--python", "abc"], "MAJOR.MINOR"),
     ("wheelhouse-platform", ["wheelhouse", "{file}/wheels", "--platform", "win_amd64"], "not supported"),
     ("wheelhouse-extras", ["wheelhouse", "{file}/wheels", "--extras", "nosuch"], "nosuch"),
+    ("progress-unknown-lab", ["progress", "--lab", "42"], "unknown lab '42'"),
+    ("progress-off-and-on", ["progress", "--off", "--on"], "--off and --on together"),
 ]
 
 

@@ -46,7 +46,8 @@ TORCH_FREE = ["lab_utils", "lab_utils.cli", "lab_utils.course.session", "lab_uti
               "lab_utils.course.results", "lab_utils.course.stack", "lab_utils.ops.notebooks",
               "lab_utils.ops.pacing", "lab_utils.ops.wheelhouse", "lab_utils.monitoring.gpu_exporter",
               "lab_utils.plotting", "lab_utils.timing", "lab_utils.procs", "lab_utils.compat.numpy1_env",
-              "lab_utils.compat.glibc", "lab_utils.compat.tensorrt_stubs"]
+              "lab_utils.compat.glibc", "lab_utils.compat.tensorrt_stubs", "lab_utils.course.progress",
+              "lab_utils.classroom.progress_service"]
 
 
 def _modules() -> dict[str, Path]:

@@ -220,3 +220,14 @@ def test_a_generated_lab_records_its_checks(tmp_path, monkeypatch):
     cell = next(c for c in nbformat.read(res.output, as_version=4).cells if "progress.show(" in c.source)
     shown = "".join(o.get("text", "") for o in cell.get("outputs", []))
     assert "00      0/6       6  6 left" in shown and "[ ] 00.1 layers of the stack: blank, 1 check" in shown, shown
+
+
+def test_the_page_benchmark_runs(tmp_path):
+    """benchmarks/progress_page.py, small: it writes its results file and the page is under the target."""
+    out = tmp_path / "bench.json"
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "progress_page.py"), "--students", "2",
+                          "--attempts", "2", "--repeat", "1", "--out", str(out)], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    result = json.loads(out.read_text())
+    assert result["records"] == 2 * 70 * 2 and result["page_under_target"]

@@ -328,8 +328,9 @@ class Summary:
     checks: int
 
     def done(self, lab: str) -> int:
-        """Exercises of ``lab`` answered right at least once."""
-        return sum(1 for s in self.exercises.values() if s.lab == lab and s.right)
+        """Exercises of ``lab``'s catalog answered right at least once (lab 09's quiz questions are not among them)."""
+        names = catalog().get(lab, [])
+        return sum(1 for n in names if n in self.exercises and self.exercises[n].right)
 
     def stuck_on(self) -> ExerciseState | None:
         """The exercise with the most wrong checks since its last right one (the latest wins a tie), or None."""
@@ -388,9 +389,12 @@ def table(records: Iterable[dict[str, Any]] | None = None, lab: str | None = Non
     lines += [f"{a:<4} {b:>6} {c:>7}  {d}" for a, b, c, d in rows]
     if lab is not None:
         lines.append("")
-        names = labs.get(lab, []) + sorted(n for n, s in summary.exercises.items() if s.lab == lab
-                                           and n not in labs.get(lab, []))
-        for name in names:
+        others = [s for n, s in sorted(summary.exercises.items()) if s.lab == lab and n not in labs.get(lab, [])]
+        quiz = [s for s in others if " quiz " in s.exercise]  # lab 09's question bank: one line for all of them
+        if quiz:
+            lines.append(f"  quiz: {sum(s.right for s in quiz)} of {len(quiz)} questions answered right at least "
+                         f"once, {sum(s.attempts for s in quiz)} checks")
+        for name in labs.get(lab, []) + [s.exercise for s in others if s not in quiz]:
             st = summary.exercises.get(name)
             if st is None:
                 lines.append(f"  [ ] {name}: not checked yet")
