@@ -231,3 +231,22 @@ def test_the_page_benchmark_runs(tmp_path):
     assert run.returncode == 0, run.stdout + run.stderr
     result = json.loads(out.read_text())
     assert result["records"] == 2 * 70 * 2 and result["page_under_target"]
+
+
+def test_records_go_to_no_guessed_address(records, monkeypatch):
+    """Under a hub without ``NVLAB_PROGRESS_URL`` nothing is sent (the token opens the student's server); with it,
+    the records go there."""
+    monkeypatch.setenv("JUPYTERHUB_API_URL", "http://127.0.0.1:8081/hub/api")
+    monkeypatch.setenv("JUPYTERHUB_API_TOKEN", "t")
+    assert progress.service_url() is None
+    monkeypatch.setenv(progress.ENV_URL, "http://hub:10542/services/progress")
+    assert progress.service_url() == "http://hub:10542/services/progress/"
+
+
+def test_the_csv_defuses_formulas_a_student_could_plant(tmp_path):
+    store = svc.Store(tmp_path)
+    planted = {**_rec("=HYPERLINK(\"x\")", "wrong", time.time(), "@SUM(A1)"), "id": "1", "lab": "01"}
+    body = json.dumps({"records": [planted]})
+    assert store.add("=mallory", body.encode()) == (1, 0)
+    row = svc.render_csv(store).splitlines()[1]
+    assert row.startswith("'=mallory,") and ",'@SUM(A1)," in row and "\"'=HYPERLINK(\"\"x\"\")\"" in row, row

@@ -24,8 +24,9 @@ sends them from the kernel, in a background thread, right after writing them to 
   service keeps each record id once), so records made while the service was down arrive with a later check. The
   service keeps what it received in its data folder (one JSON-lines file per student) and reads it back at start.
 
-Spawned servers find the service at ``$NVLAB_PROGRESS_URL`` (``spawner_environment(port)`` gives it to them), else
-at the hub's host on ``progress.DEFAULT_SERVICE_PORT``. Run by the hub as ``python -m
+Spawned servers find the service at ``$NVLAB_PROGRESS_URL``: the hub configuration gives it to them
+(``c.Spawner.environment.update(spawner_environment(port))``); without it nothing is sent (no guessed address
+receives a token). Run by the hub as ``python -m
 lab_utils.classroom.progress_service --data DIR``; ``render_page``/``render_rows``/``render_csv`` are what the
 benchmark times.
 """
@@ -244,6 +245,11 @@ CSV_COLUMNS = ["student", "lab", "exercise", "checks", "right", "last_outcome", 
                "last_check_utc", "last_wrong_message", "notes"]
 
 
+def _cell(text: str) -> str:
+    """A text a student's records chose, safe in a spreadsheet: one starting like a formula gets a leading quote."""
+    return "'" + text if text[:1] in ("=", "+", "-", "@", "\t", "\r") else text
+
+
 def render_csv(store: Store, now: float | None = None) -> str:
     """One row per student and exercise checked (a student with no valid record: one row, its notes)."""
     now = time.time() if now is None else now
@@ -258,11 +264,11 @@ def render_csv(store: Store, now: float | None = None) -> str:
         except Exception as err:  # noqa: BLE001 - as on the page
             states, notes = [], f"cannot summarize these records: {type(err).__name__}"
         if not states:
-            w.writerow([name, "", "", 0, "", "", "", "", "", "", notes])
+            w.writerow([_cell(name), "", "", 0, "", "", "", "", "", "", notes])
         for x in states:
-            w.writerow([name, x.lab, x.exercise, x.attempts, x.right, x.last_outcome, x.wrong_since_right,
-                        x.stuck(now), time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(x.last_time)), x.last_wrong,
-                        notes])
+            when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(x.last_time))
+            w.writerow([_cell(name), x.lab, _cell(x.exercise), x.attempts, x.right, x.last_outcome,
+                        x.wrong_since_right, x.stuck(now), when, _cell(x.last_wrong), notes])
     return out.getvalue()
 
 

@@ -5,8 +5,8 @@ Every check (``ex.qN.check(...)``, a quiz answer) appends ``{"v", "id", "lab", "
 wrong, blank, not applicable, not checked now), the check's message on one line (at most ``MESSAGE_CHARS``
 characters, the echo of the answer's value removed: never the student's code), the attempt number (the n-th check
 of that exercise by this student, counted over every kernel) and the time (UNIX seconds, UTC). Nothing leaves the
-machine unless a classroom hub's progress service is configured (``NVLAB_PROGRESS_URL``, or the hub's own address
-under a JupyterHub): then each record is also sent there, in a background thread, with the server's own hub token
+machine unless a classroom hub's progress service is configured (the hub gives spawned servers
+``NVLAB_PROGRESS_URL``): then each record is also sent there, in a background thread, with the server's own hub token
 (``lab_utils.classroom.progress_service`` says why the records travel that way).
 
 Two kernels may check at once: each append holds an exclusive ``flock`` on the file while it counts the attempts
@@ -33,7 +33,6 @@ import sys
 import threading
 import time
 import urllib.error
-import urllib.parse
 import urllib.request
 import uuid
 from collections.abc import Iterable
@@ -50,7 +49,6 @@ VERSION = 1
 ENV_SWITCH = "NVLAB_PROGRESS"  # 0/false/no/off: record nothing
 ENV_FILE = "NVLAB_PROGRESS_FILE"  # where to record instead of ~/.nvlab/progress.jsonl
 ENV_URL = "NVLAB_PROGRESS_URL"  # the classroom's progress service (its /services/progress/ base URL)
-DEFAULT_SERVICE_PORT = 10542  # the service's port when the hub config gives no NVLAB_PROGRESS_URL
 OFF_MARKER = "progress-off"  # beside the file: recording off for every kernel of this user
 # Status names of lab_utils.exercises.framework -> the recorded outcome
 OUTCOMES = {"CORRECT": "right", "INCORRECT": "wrong", "NOT_ATTEMPTED": "blank",
@@ -222,6 +220,8 @@ def valid(rec: Any) -> str | None:
     for key, kinds in (("exercise", str), ("outcome", str), ("time", (int, float)), ("attempt", int)):
         if not isinstance(rec.get(key), kinds) or isinstance(rec.get(key), bool):
             return f"{key!r} missing or not a {getattr(kinds, '__name__', 'number')}"
+    if not re.fullmatch(r"(\d\d)?", str(rec.get("lab", ""))):
+        return "'lab' not a two-digit lab number"
     if rec["outcome"] not in OUTCOMES.values():
         return f"unknown outcome {str(rec['outcome'])[:40]!r}"
     if len(rec["exercise"]) > EXERCISE_CHARS or len(str(rec.get("message", ""))) > 4 * MESSAGE_CHARS:
@@ -425,16 +425,13 @@ def show(lab: str) -> None:
 
 
 def service_url() -> str | None:
-    """Where records are reported: ``$NVLAB_PROGRESS_URL``; else, under a JupyterHub (``JUPYTERHUB_API_URL`` and
-    ``JUPYTERHUB_API_TOKEN`` set), the hub's host at ``DEFAULT_SERVICE_PORT``; else None (nothing is sent)."""
+    """Where records are reported: ``$NVLAB_PROGRESS_URL`` when a hub token (``JUPYTERHUB_API_TOKEN``) is there to
+    send with them, else None (nothing is sent). Never a guessed address: the token opens the student's server, and
+    on a shared machine another user could listen on a guessed port that no service holds."""
     explicit = os.environ.get(ENV_URL, "").strip()
-    if explicit:
-        return explicit if explicit.endswith("/") else explicit + "/"
-    api = os.environ.get("JUPYTERHUB_API_URL", "")
-    if not api or not os.environ.get("JUPYTERHUB_API_TOKEN"):
+    if not explicit or not os.environ.get("JUPYTERHUB_API_TOKEN"):
         return None
-    host = urllib.parse.urlsplit(api)
-    return f"{host.scheme}://{host.hostname}:{DEFAULT_SERVICE_PORT}/services/progress/"
+    return explicit if explicit.endswith("/") else explicit + "/"
 
 
 class _Reporter:
