@@ -84,6 +84,24 @@ def test_two_processes_writing_at_once_lose_nothing(records):
     assert any(r["message"] == "wrong a" for r in lines[first_b:]), "the writers did not overlap in time"
 
 
+@pytest.mark.skipif(sys.platform == "win32", reason="flock is POSIX")
+def test_a_writer_waits_for_the_lock_another_holds(records):
+    """The attempt count and the append happen under the file's lock: a writer waits while another process holds it
+    (the race the concurrent test above can only hit by chance)."""
+    import fcntl
+
+    progress.record("01.4 shared exercise", "INCORRECT", "first")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    with records.open("rb") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        writer = subprocess.Popen([sys.executable, "-c", WRITER, "0", "1", "w"], env=env)
+        time.sleep(3)  # long enough for the writer to start and reach its append (an import takes < 1 s)
+        assert writer.poll() is None and len(_lines(records)) == 1, "the writer did not wait for the lock"
+        fcntl.flock(held, fcntl.LOCK_UN)
+        assert writer.wait(timeout=60) == 0
+    assert [r["attempt"] for r in _lines(records) if r["exercise"] == "01.4 shared exercise"] == [1, 2]
+
+
 def test_recording_turns_off_by_env_by_call_and_for_every_kernel(records, monkeypatch):
     ex = Exercise(name="00.4 H200 memory in GiB", var="memory_gib", grade=_wrong)
     monkeypatch.setenv(progress.ENV_SWITCH, "0")
