@@ -40,6 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lab_utils.course.catalog import LABS
+
 try:
     import fcntl
 except ImportError:  # not on Windows: appends of one short line are still whole, only attempt numbers may repeat
@@ -122,7 +124,8 @@ def _one_line(message: str, echo: str | None) -> str:
 
 
 def _lab_of(exercise: str) -> str:
-    found = re.match(r"(\d\d)\b", exercise)
+    """The lab of an exercise's name: "01" of "01.3 copy bandwidth", "01b" of "01b.2 ...", "09" of "09 quiz s1-x"."""
+    found = re.match(r"(\d\d[a-z]?)(?=[. ])", exercise)
     return found[1] if found else ""
 
 
@@ -220,7 +223,7 @@ def valid(rec: Any) -> str | None:
     for key, kinds in (("exercise", str), ("outcome", str), ("time", (int, float)), ("attempt", int)):
         if not isinstance(rec.get(key), kinds) or isinstance(rec.get(key), bool):
             return f"{key!r} missing or not a {getattr(kinds, '__name__', 'number')}"
-    if not re.fullmatch(r"(\d\d)?", str(rec.get("lab", ""))):
+    if not re.fullmatch(r"(\d\d[a-z]?)?", str(rec.get("lab", ""))):
         return "'lab' not a two-digit lab number"
     if rec["outcome"] not in OUTCOMES.values():
         return f"unknown outcome {str(rec['outcome'])[:40]!r}"
@@ -279,12 +282,14 @@ def load(file: Path | None = None, max_bytes: int | None = None) -> Loaded:
 
 @functools.lru_cache(maxsize=1)
 def catalog() -> dict[str, list[str]]:
-    """Lab number -> the names of its exercises, in order, read from ``lab_utils/exercises/labNN.py`` without
-    importing them (no torch): every string literal that is a call's name argument and starts with "NN.k "."""
+    """Lab number -> the names of its exercises, in the course's order, read from ``lab_utils/exercises/labNN.py``
+    without importing them (no torch): every string literal that is a call's name argument and starts with "NN.k "."""
     root = Path(__file__).resolve().parents[1] / "exercises"
     labs: dict[str, list[str]] = {}
-    for file in sorted(root.glob("lab[0-9][0-9].py")):
-        number, names = file.stem[3:], []
+    for lab in LABS:
+        number, names, file = lab.number, [], root / f"lab{lab.number}.py"
+        if not file.is_file():
+            continue
         for node in ast.walk(ast.parse(file.read_text())):
             if not isinstance(node, ast.Call):
                 continue
