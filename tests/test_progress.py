@@ -268,3 +268,14 @@ def test_the_csv_defuses_formulas_a_student_could_plant(tmp_path):
     assert store.add("=mallory", body.encode()) == (1, 0)
     row = svc.render_csv(store).splitlines()[1]
     assert row.startswith("'=mallory,") and ",'@SUM(A1)," in row and "\"'=HYPERLINK(\"\"x\"\")\"" in row, row
+
+
+def test_a_student_cannot_fill_the_services_disk(tmp_path, monkeypatch):
+    monkeypatch.setattr(progress, "MAX_FILE_BYTES", 4096)
+    store = svc.Store(tmp_path)
+    for i in range(100):
+        body = json.dumps({"records": [{**_rec("00.1 layers of the stack", "wrong", time.time()), "id": f"r{i}"}]})
+        assert store.add("frank", body.encode()) == (1, 0)
+    assert (tmp_path / "frank.jsonl").stat().st_size < 4096 + 1024
+    assert len(store.students["frank"].records) == 100  # the page still counts them all
+    assert any("new records not kept on disk" in p for p in store.students["frank"].problems)

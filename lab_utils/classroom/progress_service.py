@@ -155,8 +155,13 @@ class Store:
         for problem in problems:
             student.note(problem)
         new = self._keep(student, good)
-        if new:
-            with (self.data / f"{urllib.parse.quote(name, safe='')}.jsonl").open("a") as f:
+        file = self.data / f"{urllib.parse.quote(name, safe='')}.jsonl"
+        if new and file.exists() and file.stat().st_size >= progress.MAX_FILE_BYTES:
+            # shown from memory until the service restarts; the hub's disk is not a student's to fill
+            student.note(f"the service's copy is over {progress.MAX_FILE_BYTES // 2**20} MiB: new records not kept "
+                         "on disk")
+        elif new:
+            with file.open("a") as f:
                 f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in new)
         return len(new), len(items) - len(good)
 
@@ -170,8 +175,8 @@ def _row(student: Student, now: float) -> tuple[str, bool]:
     try:
         s = student.summary()
     except Exception as err:  # noqa: BLE001 - one student's bad data must not take the page down
-        return (f'<tr class="broken"><td>{e(student.name)}</td><td colspan="13">cannot summarize these records: '
-                f"{e(type(err).__name__)}: {e(str(err)[:200])}</td></tr>"), False
+        return (f'<tr class="broken"><td>{e(student.name)}</td><td colspan="{len(progress.catalog()) + 3}">cannot '
+                f"summarize these records: {e(type(err).__name__)}: {e(str(err)[:200])}</td></tr>"), False
     cells = []
     for lab, names in progress.catalog().items():
         done = s.done(lab)
@@ -199,7 +204,7 @@ def render_rows(store: Store, now: float | None = None) -> str:
     rows = [(_row(st, now), st.name) for st in store.students.values()]
     rows.sort(key=lambda r: (not r[0][1], r[1]))
     body = "\n".join(r[0][0] for r in rows)
-    return body or '<tr><td colspan="14">no student has run a check yet</td></tr>'
+    return body or f'<tr><td colspan="{len(progress.catalog()) + 4}">no student has run a check yet</td></tr>'
 
 
 _STYLE = """body{font-family:sans-serif;margin:1.5em}table{border-collapse:collapse}td,th{border:1px solid #ccc;
