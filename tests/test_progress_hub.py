@@ -2,7 +2,7 @@
 Debian's chromium through Playwright: a student's check, run in a kernel of the student's own hub-spawned server,
 shows on the page within 10 s without reloading it; a student gets 403 on the page; the CSV has the check's row; a
 malformed report is said on that student's row while the page keeps working; a record made before the service knew
-the student arrives with the kernel's first report.
+the student arrives with the kernel's first report; a student who has not checked anything has a row too.
 
 The hub here is the smallest configuration that has what the page needs (``DummyAuthenticator``, the
 ``SimpleLocalProcessSpawner``, the service from ``hub_service_config``, one test service with a token to drive the
@@ -41,7 +41,7 @@ REQUIRE_HUB = "NVLAB_REQUIRE_CLASSROOM"
 MARKER = "NVLAB_PROGRESS_HUB_TEST"
 PASSWORD = "pw-" + os.urandom(8).hex()
 API_TOKEN = os.urandom(24).hex()
-TRAINER, STUDENT, OTHER = "nvlab-t-trainer", "nvlab-t-student1", "nvlab-t-student2"
+TRAINER, STUDENT, OTHER, IDLE = "nvlab-t-trainer", "nvlab-t-student1", "nvlab-t-student2", "nvlab-t-student3"
 
 
 def _missing(why: str, require: str) -> None:
@@ -83,7 +83,7 @@ def _answers(base: str) -> bool:
 
 HUB_CONFIG = """
 import json, sys
-from lab_utils.classroom.progress_service import hub_service_config, spawner_environment
+from lab_utils.classroom.progress_service import hub_role, hub_service_config, spawner_environment
 s = json.loads({settings!r})
 c.JupyterHub.ip = "127.0.0.1"
 c.JupyterHub.port = s["port"]
@@ -108,8 +108,8 @@ c.Spawner.environment = {{**spawner_environment(s["service_port"]), s["marker"]:
 service = hub_service_config(s["service_port"], data_dir=s["dir"] + "/progress-data")
 service["environment"] = {{s["marker"]: s["run"], "PYTHONPATH": s["root"]}}
 c.JupyterHub.services = [service, {{"name": "nvlab-test", "api_token": s["api_token"]}}]
-c.JupyterHub.load_roles = [{{"name": "nvlab-test", "services": ["nvlab-test"],
-                            "scopes": ["admin:users", "admin:servers", "tokens", "access:servers"]}}]
+c.JupyterHub.load_roles = [hub_role(), {{"name": "nvlab-test", "services": ["nvlab-test"],
+                                        "scopes": ["admin:users", "admin:servers", "tokens", "access:servers"]}}]
 """
 
 
@@ -221,7 +221,7 @@ def test_a_students_check_reaches_the_trainers_page(hub, tmp_path):
     from playwright.sync_api import sync_playwright
 
     base = hub["base"]
-    for user in (TRAINER, STUDENT, OTHER):
+    for user in (TRAINER, STUDENT, OTHER, IDLE):
         _api(base, "POST", "/users", {"usernames": [user]})
     # a check from before the service knew the student (the service down, or no hub yet): the kernel's first
     # report sends it along
@@ -245,6 +245,10 @@ def test_a_students_check_reaches_the_trainers_page(hub, tmp_path):
             assert reply is not None and reply.status == 200, page.content()[:500]
             page.wait_for_selector("#rows")
             assert "00.4" not in page.inner_text("#rows")
+            # every student has a row from the start (hub_role() lets the service list them), the trainer none
+            idle = page.locator(f"#rows tr[data-student='{IDLE}']")
+            assert "no checks yet" in idle.inner_text()
+            assert page.locator(f"#rows tr[data-student='{TRAINER}']").count() == 0
             code = "from lab_utils.exercises import lab00 as ex\nfor _ in range(3):\n    ex.q4.check(1.0)\n"
             with concurrent.futures.ThreadPoolExecutor(1) as pool:  # playwright's loop runs in this thread
                 out = pool.submit(asyncio.run, _execute(base, STUDENT, code)).result()

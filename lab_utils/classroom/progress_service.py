@@ -2,7 +2,8 @@
 which exercise. Started and proxied by the hub (``hub_service_config``); the page, its table and its CSV are behind
 the hub's OAuth (``HubOAuth``): the hub's admins have ``access:services`` and get them, students get 403.
 
-What it shows: students x labs (exercises right out of each lab's), the exercise each student is stuck on (the
+What it shows: students x labs (exercises right out of each lab's; with ``hub_role()`` every student of the hub,
+those without a check too), the exercise each student is stuck on (the
 most wrong checks since that exercise's last right one, and how long since the first of them), the last activity,
 a "stuck now" filter (``progress.STUCK_WRONG`` wrong checks or more, the latest within ``progress.STUCK_WINDOW_S``),
 a table that refreshes itself every ``REFRESH_S`` without reloading the page, and ``progress.csv`` (one row per
@@ -34,6 +35,8 @@ benchmark times.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import csv
 import html
 import io
@@ -53,6 +56,7 @@ REFRESH_S = 3
 MAX_BODY = 2**20  # one report (bytes): a kernel sends at most progress.SYNC_TAIL_BYTES of records at once
 MAX_RECORDS = 50_000  # kept per student (the newest); 70 exercises x 10 checks is 700
 ID_CHARS = 64
+LIST_S = 30  # how often the service asks the hub for the class's list (and at each page view)
 
 
 def hub_service_config(port: int, host: str = "127.0.0.1", data_dir: str | None = None) -> dict[str, Any]:
@@ -60,7 +64,8 @@ def hub_service_config(port: int, host: str = "127.0.0.1", data_dir: str | None 
     ``http://host:port``, and its proxy routes ``/services/progress/`` to it. ``host``: an address the students'
     servers reach too (a container's or pod's hub address under DockerSpawner or Kubernetes). ``data_dir`` keeps
     the received records (default ``~/.nvlab/progress-service`` of the hub's user). No extra role: the hub's admin
-    role already holds ``access:services``, and reports are identified by the sending server's own token."""
+    role already holds ``access:services``, and reports are identified by the sending server's own token. With
+    ``hub_role()`` in ``c.JupyterHub.load_roles`` the page also lists students who have not checked anything yet."""
     data = data_dir or str(Path.home() / ".nvlab" / "progress-service")
     return {
         "name": NAME,
@@ -280,14 +285,54 @@ def render_csv(store: Store, now: float | None = None) -> str:
 # --- the web service ------------------------------------------------------------------------------------------
 
 
+def hub_role() -> dict[str, Any]:
+    """The role that lets the service list the hub's users, so that a student who has not run a single check yet has
+    a row too (``c.JupyterHub.load_roles``). Without it the page lists the students who have reported."""
+    return {"name": "nvlab-progress", "description": "the progress page lists the class",
+            "scopes": ["list:users", "read:users"], "services": [NAME]}
+
+
+_LISTING: dict[str, Any] = {"said": False}
+
+
+async def list_class(store: Store, auth: Any) -> bool:
+    """Give every non-admin hub user a row (empty until they check something); False when the service may not
+    list users (no ``hub_role()``: said once in the service's log)."""
+    from tornado.httpclient import AsyncHTTPClient, HTTPClientError
+
+    client, offset = AsyncHTTPClient(), 0
+    while True:
+        try:
+            reply = await client.fetch(f"{auth.api_url}/users?offset={offset}&limit=200", headers={
+                "Authorization": f"token {auth.api_token}", "Accept": "application/jupyterhub-pagination+json"})
+        except HTTPClientError as err:
+            if err.code == 403 and not _LISTING["said"]:
+                _LISTING["said"] = True
+                print("progress_service: may not list the hub's users (add hub_role() to c.JupyterHub.load_roles): "
+                      "students without a check have no row", file=sys.stderr, flush=True)
+            return False
+        page = json.loads(reply.body)
+        for user in page["items"]:
+            if not user.get("admin") and user.get("kind", "user") == "user":
+                store.student(user["name"])
+        following = (page.get("_pagination") or {}).get("next")
+        if not following:
+            return True
+        offset = following["offset"]
+
+
 def make_app(store: Store, prefix: str) -> Any:
     """The tornado application under ``prefix`` (``/services/progress/``)."""
     from jupyterhub.services.auth import HubOAuth, HubOAuthCallbackHandler, HubOAuthenticated
     from tornado import web
 
+    auth = HubOAuth.instance()
+
     class Page(HubOAuthenticated, web.RequestHandler):
         @web.authenticated
-        def get(self) -> None:
+        async def get(self) -> None:
+            with contextlib.suppress(Exception):  # the list of the class as the hub has it now, where it may read it
+                await asyncio.wait_for(list_class(store, auth), timeout=5)
             self.set_header("Cache-Control", "no-store")
             token = self.xsrf_token
             self.finish(render_page(store, xsrf=token.decode() if isinstance(token, bytes) else token))
@@ -304,8 +349,6 @@ def make_app(store: Store, prefix: str) -> Any:
             self.set_header("Content-Type", "text/csv; charset=utf-8")
             self.set_header("Content-Disposition", 'attachment; filename="progress.csv"')
             self.finish(render_csv(store))
-
-    auth = HubOAuth.instance()
 
     class Records(web.RequestHandler):
         """A student's server reports records; the token says whose they are."""
@@ -342,8 +385,6 @@ def main(argv: list[str] | None = None) -> int:
         print("progress_service: JUPYTERHUB_SERVICE_URL is not set: this runs as a JupyterHub service (add "
               "hub_service_config(port) to c.JupyterHub.services)", file=sys.stderr)
         return 2
-    import asyncio
-
     from tornado.httpserver import HTTPServer
 
     bind = urllib.parse.urlsplit(url)
@@ -351,11 +392,16 @@ def main(argv: list[str] | None = None) -> int:
     store = Store(args.data)
 
     async def serve() -> None:
+        from jupyterhub.services.auth import HubOAuth
+
         server = HTTPServer(make_app(store, prefix), xheaders=True, max_body_size=8 * MAX_BODY)
         server.listen(bind.port or 80, bind.hostname or "127.0.0.1")
         print(f"progress_service: {len(store.students)} students' records from {args.data}; serving {prefix} on "
               f"{bind.hostname}:{bind.port}", file=sys.stderr, flush=True)
-        await asyncio.Event().wait()  # until the hub stops the service
+        while True:  # until the hub stops the service: the class's list, again every LIST_S
+            with contextlib.suppress(Exception):  # the hub restarting: next time
+                await list_class(store, HubOAuth.instance())
+            await asyncio.sleep(LIST_S)
 
     asyncio.run(serve())
     return 0
