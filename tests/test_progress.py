@@ -217,7 +217,7 @@ def test_a_report_is_checked_record_by_record(tmp_path):
 def test_hub_service_config_is_a_services_entry():
     entry = svc.hub_service_config(10542)
     assert entry["name"] == "progress" and entry["url"] == "http://127.0.0.1:10542"
-    assert entry["command"][1:3] == ["-m", "lab_utils.classroom.progress_service"]
+    assert entry["command"][1:] == ["-m", "lab_utils.classroom.progress_service", "--data", "progress-service"]
     assert svc.spawner_environment(10542) == {progress.ENV_URL: "http://127.0.0.1:10542/services/progress/"}
 
 

@@ -63,10 +63,11 @@ def hub_service_config(port: int, host: str = "127.0.0.1", data_dir: str | None 
     """The JupyterHub ``services`` entry: the hub starts this module (as the hub's user) listening on
     ``http://host:port``, and its proxy routes ``/services/progress/`` to it. ``host``: an address the students'
     servers reach too (a container's or pod's hub address under DockerSpawner or Kubernetes). ``data_dir`` keeps
-    the received records (default ``~/.nvlab/progress-service`` of the hub's user). No extra role: the hub's admin
-    role already holds ``access:services``, and reports are identified by the sending server's own token. With
-    ``hub_role()`` in ``c.JupyterHub.load_roles`` the page also lists students who have not checked anything yet."""
-    data = data_dir or str(Path.home() / ".nvlab" / "progress-service")
+    the received records (default ``progress-service`` in the hub's working directory, beside its database). No
+    extra role: the hub's admin role already holds ``access:services``, and reports are identified by the sending
+    server's own token. With ``hub_role()`` in ``c.JupyterHub.load_roles`` the page also lists students who have not
+    checked anything yet."""
+    data = data_dir or "progress-service"  # relative: the service runs in the hub's working directory
     return {
         "name": NAME,
         "url": f"http://{host}:{int(port)}",
@@ -389,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
 
     bind = urllib.parse.urlsplit(url)
     prefix = os.environ.get("JUPYTERHUB_SERVICE_PREFIX", f"/services/{NAME}/")
-    store = Store(args.data)
+    store = Store(args.data.resolve())
 
     async def serve() -> None:
         from jupyterhub.services.auth import HubOAuth
