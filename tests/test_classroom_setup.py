@@ -248,6 +248,24 @@ def test_one_configuration_for_both_modes(mode, tmp_path):
     assert hubconf.device_for(_plan(mode, tmp_path), "latecomer") == "GPU-5d6c"
 
 
+@pytest.mark.parametrize(("mode", "host"), [("local", "127.0.0.1"), ("docker", "hub")])
+def test_the_progress_page_is_served_where_students_servers_reach_it(mode, host, tmp_path):
+    """Under Docker the students' containers post their records to the hub's container by its name, not to their
+    own loopback; the page's role lets it list students who have not run a check yet."""
+    pytest.importorskip("jupyterhub")
+    from traitlets.config import Config
+
+    plan = {**_plan(mode, tmp_path), "progress_port": 8090}
+    if mode == "docker":
+        plan["progress_host"] = "hub"
+    c = Config()
+    hubconf.configure(c, plan)
+    (svc,) = [s for s in c.JupyterHub.services if s["name"] == "progress"]
+    assert svc["url"] == f"http://{host}:8090"
+    assert c.Spawner.environment["NVLAB_PROGRESS_URL"] == f"http://{host}:8090/services/progress/"
+    assert any("progress" in r.get("services", []) for r in c.JupyterHub.load_roles)
+
+
 # --- the Docker files -----------------------------------------------------------------------------------------
 
 def _tool(name: str) -> str:

@@ -154,9 +154,12 @@ def configure(c: Any, plan: dict[str, Any] | Path | str) -> None:
         {"name": "nvlab-classroom", "scopes": CLI_SCOPES, "services": ["nvlab-classroom"]},
     ]
     if (progress := _progress_service()) and plan.get("progress_port"):
-        services.append(progress.hub_service_config(plan["progress_port"]))
+        host = plan.get("progress_host", "127.0.0.1")  # the hub's container under Docker: students' servers post there
+        services.append(progress.hub_service_config(plan["progress_port"], host=host))
+        if role := getattr(progress, "hub_role", None):  # lists students who have not checked anything yet too
+            roles.append(role())
         if env := getattr(progress, "spawner_environment", None):
-            c.Spawner.environment = {**env(plan["progress_port"])}
+            c.Spawner.environment = {**env(plan["progress_port"], host=host)}
     c.JupyterHub.services = services
     c.JupyterHub.load_roles = roles
 

@@ -225,6 +225,9 @@ def prepare(opts: Options) -> dict[str, Any]:
             "ssl_cert": f"{CONTAINER_STATE}/hub.crt", "ssl_key": f"{CONTAINER_STATE}/hub.key",
             "docker": {"image": opts.image, "network": "nvlab-classroom", "work_dir": "/workspace/work"},
         })
+        if importlib.util.find_spec("lab_utils.classroom.progress_service"):
+            # the trainer's progress page inside the hub's container, on an address students' containers reach
+            plan.update({"progress_port": opts.progress_port or 8090, "progress_host": "hub"})
     plan["new_accounts"] = new
     return plan
 
