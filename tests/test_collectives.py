@@ -321,11 +321,25 @@ def test_parse_nccl_log_other_transports_and_numeric_choices():
     assert "shared memory" in text and "network" in text and "InfiniBand" in text
 
 
-@pytest.mark.parametrize("text", ["", "garbage\n\x00\x01", "NCCL INFO Channel 99/", "NCCL INFO rank x nranks y",
-                                  "NCCL INFO AllReduce: 12 Bytes -> Algo 99 proto 7", b"NCCL version 2.21.5"])
-def test_parse_nccl_log_never_raises(text):
+NO_NCCL = "No NCCL INFO lines recognised: was the log written with NCCL_DEBUG=INFO?"
+
+
+@pytest.mark.parametrize(("text", "lines", "found", "says"), [
+    ("", 0, {}, NO_NCCL),
+    ("garbage\n\x00\x01", 0, {}, NO_NCCL),
+    ("NCCL INFO Channel 99/", 1, {}, NO_NCCL),  # a cut line: counted, nothing taken from it
+    ("NCCL INFO rank x nranks y", 1, {}, NO_NCCL),
+    ("NCCL INFO AllReduce: 12 Bytes -> Algo 99 proto 7", 1,  # numbers NCCL may add later: kept as they are
+     {"choices": [{"collective": "AllReduce", "bytes": 12, "algorithm": "99", "protocol": "7", "channels": None}]},
+     "99/7 ×1"),
+    (b"NCCL version 2.21.5", 1, {"version": "2.21.5"}, "NCCL 2.21.5."),
+])
+def test_parse_nccl_log_never_raises(text, lines, found, says):
+    """Odd input gives what it holds and nothing else, and a sentence that says so (not an exception)."""
     p = nccl_log.parse_nccl_log(text)
-    assert isinstance(p["explanations"], list) and p["explanations"]
+    assert p["n_lines"] == lines
+    assert {k: v for k, v in p.items() if v not in (None, [], {}) and k not in ("n_lines", "explanations")} == found
+    assert len(p["explanations"]) == 1 and says in p["explanations"][0]
 
 
 # ------------------------------------------------------------------------------------------ link peak

@@ -329,8 +329,10 @@ def test_simulated_service_edges():
     for trap in ("none", "p95", "stable", "errors"):
         sim = ex.SimulatedService(1, 20, 1000, trap)
         assert ex.reference_find_capacity(sim.probe, 20, 1000, 100, 0.01) == pytest.approx(sim.capacity, rel=0.02)
-        r = sim.probe(sim.capacity * 1.01)
-        assert r.errors or not r.stable or r.p95_ms > 100
+        below, above = sim.probe(sim.capacity * 0.99), sim.probe(sim.capacity * 1.01)
+        assert not below.errors and below.stable and below.p95_ms <= 100, trap
+        broken = {"p95": above.p95_ms > 100, "stable": not above.stable, "errors": above.errors > 0}
+        assert [k for k, v in broken.items() if v] == [trap if trap != "none" else "p95"]  # the trap's edge alone
 
 
 def test_cases_cover_every_exercise():
