@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 from lab_utils.procs import (
     GroupWatchdog,
     free_port,
+    group_listen_ports,
     popen_owned,
     port_free,
     release_at_exit,
@@ -189,7 +190,8 @@ class OwnedServer:
                     return self._start_once()
                 except self.error as err:
                     fixed = any(p is not None for p in self._ports_fixed.values())
-                    if not self._port_taken(err) or (fixed and not self.fallback_port) or attempt == 2:
+                    lost = getattr(err, "nvlab_ports_lost", None) or self._port_taken(err)
+                    if not lost or (fixed and not self.fallback_port) or attempt == 2:
                         raise
                     self._ports_fixed = dict.fromkeys(self._ports_fixed)  # taken meanwhile: new free ports
                     avoid |= {getattr(self, name) for name in self._ports_fixed}
@@ -217,6 +219,17 @@ class OwnedServer:
             self.stop()
             raise
         self._started()
+        if ok and (lost := self._ports_of_others()):
+            # A port picked free was taken before the server could listen on it (another program's own pick of a
+            # free port can land there): the readiness answer may have been that program's, and the server has
+            # probably exited on its failed bind. New ports are tried.
+            holder = who_listens(lost[0])
+            self.stop()
+            err = self.error(f"{self.name or type(self).__name__}: port {', '.join(map(str, lost))} was taken by "
+                             f"another process {holder} before the server could listen on it (address already in "
+                             "use); start again for new free ports")
+            err.nvlab_ports_lost = lost  # type: ignore[attr-defined]  # start() tries new ports
+            raise err
         if not ok:
             assert self._proc is not None
             code = self._proc.returncode
@@ -225,6 +238,17 @@ class OwnedServer:
             raise self._failure(ok is None, code, text)
         self.startup_s = time.perf_counter() - t0
         return self
+
+    def _ports_of_others(self) -> list[int]:
+        """This server's ports on which another process listens (none of its own processes does)."""
+        if self._proc is None:
+            return []
+        ours = group_listen_ports(self._proc.pid)
+        if ours is None:  # its sockets cannot be read here: nothing to say
+            return []
+        ports = [getattr(self, name, None) for name in self._ports_fixed]
+        # not ours and not free: someone else's (a port not bound yet by a server still starting is free)
+        return [p for p in ports if p and p not in ours and not port_free(p, self.host)]
 
     def _need_folder(self) -> Path:
         assert self.folder is not None

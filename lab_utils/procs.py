@@ -277,6 +277,20 @@ def who_listens(port: int) -> str:
     return f"by {holder}" if holder else f"(see `ss -ltnp 'sport = :{port}'`)"
 
 
+def group_listen_ports(pgid: int) -> set[int] | None:
+    """TCP ports the live processes of group ``pgid`` listen on; None where psutil may not read their sockets."""
+    ports: set[int] = set()
+    for pid in group_members(pgid):
+        try:
+            conns = psutil.Process(pid).net_connections(kind="tcp")
+        except psutil.NoSuchProcess:  # gone meanwhile
+            continue
+        except psutil.Error:
+            return None
+        ports |= {c.laddr.port for c in conns if c.status == psutil.CONN_LISTEN and c.laddr}
+    return ports
+
+
 def port_free(port: int, host: str = "127.0.0.1") -> bool:
     """True when a server could listen on ``port`` now. The probe binds with SO_REUSEADDR, as Triton, Prometheus
     and Python's HTTP servers do, so a port whose last connections sit in TIME_WAIT (a server just killed) counts

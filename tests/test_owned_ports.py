@@ -1,0 +1,105 @@
+"""A server's ports are its own. A port is picked free (bound to port 0, closed) and bound by the server a moment
+later; in between another program's own pick can land on it (under xdist: another worker's Prometheus exporter).
+The server then fails its bind and exits, and its readiness probe may be answered by that program (an exporter
+answers 200 to any GET): the start must notice and try new ports, never return a server that is gone."""
+
+from __future__ import annotations
+
+import http.server
+import threading
+import urllib.request
+
+import pytest
+
+from lab_utils.procs import free_port, group_listen_ports
+from lab_utils.serving import nginx as ng
+from lab_utils.serving.nginx import NginxServer
+
+
+class Squatter(http.server.ThreadingHTTPServer):
+    """What prometheus_client's exporter does: 200 to any GET, 405 to anything else."""
+
+    def __init__(self):
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 (http.server's name)
+                self.send_response(200)
+                self.end_headers()
+                self.wfile.write(b"# an exporter's metrics\n")
+
+            def do_POST(self):  # noqa: N802
+                self.send_error(405, "use OPTIONS or GET")
+
+            def log_message(self, *args):
+                pass
+
+        super().__init__(("127.0.0.1", 0), Handler)
+        self.port = self.server_address[1]
+        self.thread = threading.Thread(target=self.serve_forever, name="squatter", daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.shutdown()
+        self.server_close()
+
+
+@pytest.fixture
+def squatter():
+    s = Squatter()
+    yield s
+    s.close()
+
+
+def _nginx_here():
+    why = ng.missing()
+    if why:
+        if ng.required():
+            pytest.fail(f"{ng.REQUIRE_ENV}=1 but {why}")
+        pytest.skip(f"no nginx here: {why}")
+
+
+def test_a_port_taken_between_pick_and_bind_gets_new_ports(squatter):
+    """nginx's status port (its readiness probe's) is handed the squatter's port: the start must come back with
+    nginx alive on ports of its own (before: it returned "ready" on the squatter's answer, nginx already gone)."""
+    _nginx_here()
+    server = NginxServer(["127.0.0.1:9"], stop_grace_s=0.3)
+    names = list(server._ports_fixed)
+    picks: list[int] = []
+
+    def pick() -> int:  # the status port's first pick lands on the squatter's port, as a race would have it
+        picks.append(squatter.port if len(picks) == names.index("status_port") else free_port())
+        return picks[-1]
+
+    server._free_port = pick
+    with server:
+        assert server.alive(), server.log_tail(10)
+        assert squatter.port in picks and squatter.port not in (server.http_port, server.status_port)
+        assert {server.http_port, server.status_port} <= group_listen_ports(server.pid)
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.status_port}/generation", timeout=5) as r:
+            assert r.read().strip() == b"0"  # nginx's own answer, not the squatter's
+
+
+def test_the_error_says_which_port_was_taken_and_by_whom():
+    """Three starts in a row that each lose their status port (three squatters): the error names the port."""
+    _nginx_here()
+    squatters = [Squatter() for _ in range(3)]
+    try:
+        server = NginxServer(["127.0.0.1:9"], stop_grace_s=0.3)
+        names = list(server._ports_fixed)
+        count = [0]
+
+        def pick() -> int:
+            n = count[0]
+            count[0] += 1
+            if n % len(names) == names.index("status_port"):
+                return squatters[min(n // len(names), 2)].port
+            return free_port()
+
+        server._free_port = pick
+        with pytest.raises(ng.NginxStartError) as err:
+            server.start()
+        assert not server.alive()
+        text = str(err.value)
+        assert str(squatters[2].port) in text and "already in use" in text.lower(), text
+    finally:
+        for s in squatters:
+            s.close()
