@@ -103,3 +103,25 @@ def test_the_error_says_which_port_was_taken_and_by_whom():
     finally:
         for s in squatters:
             s.close()
+
+
+def test_a_triton_whose_http_port_is_taken_while_it_loads_gets_new_ports(squatter, tmp_path):
+    """CI's case: Triton binds its ports only after loading its models (seconds); an exporter that took its HTTP port
+    meanwhile answered the readiness probe, and lab 07's nginx then sent inference to the exporter (405)."""
+    from _triton import require_server, tiny_repo
+
+    from lab_utils.serving.server import TritonServer
+
+    require_server()
+    server = TritonServer(tiny_repo(tmp_path), stop_grace_s=0.3)
+    names = list(server._ports_fixed)
+    picks: list[int] = []
+
+    def pick() -> int:
+        picks.append(squatter.port if len(picks) == names.index("http_port") else free_port())
+        return picks[-1]
+
+    server._free_port = pick
+    with server:
+        assert squatter.port in picks and server.http_port != squatter.port
+        assert server.alive() and server.ready() and server.http_port in group_listen_ports(server.pid)
