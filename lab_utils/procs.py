@@ -394,11 +394,29 @@ def group_members(pgid: int) -> list[int]:
     return out
 
 
+def group_still_its(proc: subprocess.Popen) -> bool:
+    """Whether process group ``proc.pid`` (``start_new_session``: the leader's pid) can still be ``proc``'s.
+
+    Once the leader is reaped its pid goes back to the system, but not while any process is in its group. So a live
+    process holding that pid means the group emptied and the number went to a new process (a session leader of
+    another program, another test worker's server): that group is not ours to kill. pid_max is 32768 on many
+    machines, and a test run starts tens of thousands of processes."""
+    if proc.returncode is None:  # not reaped (running, or a zombie): the number is still the leader's
+        return True
+    try:
+        os.kill(proc.pid, 0)
+    except ProcessLookupError:  # nobody has the number: the group, if any, is what the leader left
+        return True
+    except PermissionError:  # another user's process has it
+        return False
+    return False
+
+
 def stop_group(proc: subprocess.Popen, grace_s: float = 10.0, kill_wait_s: float = 5.0) -> int | None:
     """SIGTERM the process group of ``proc``, SIGKILL what is left after ``grace_s``; wait until it is empty.
 
-    Safe to call twice and on a process that already exited (its orphaned children are still reaped by
-    the group kill). Returns the leader's exit code."""
+    Safe to call twice and on a process that already exited (its orphaned children are still reaped by the group
+    kill), and never kills a group that took the exited leader's pid afterwards. Returns the leader's exit code."""
     pgid = proc.pid  # start_new_session: the leader's pid is the group id
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -407,13 +425,14 @@ def stop_group(proc: subprocess.Popen, grace_s: float = 10.0, kill_wait_s: float
             proc.wait(timeout=grace_s)
     deadline = time.monotonic() + kill_wait_s
     while True:
-        members = group_members(pgid)
+        members = group_members(pgid) if group_still_its(proc) else []
         if proc.poll() is None or members:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pgid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=0.05)
-        if (proc.poll() is not None and not group_members(pgid)) or time.monotonic() > deadline:
+        if (proc.poll() is not None and not (group_still_its(proc) and group_members(pgid))) or \
+                time.monotonic() > deadline:
             return proc.returncode
 
 

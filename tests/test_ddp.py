@@ -23,6 +23,7 @@ torch = pytest.importorskip("torch")
 from lab_utils import models
 from lab_utils.distributed import ddp
 from lab_utils.distributed.spawn import launch
+from lab_utils.procs import group_still_its
 
 ROOT = Path(__file__).resolve().parents[1]
 EPOCHS = 4  # enough for > 95 % on the digits; each launch costs seconds of process start-up on a small CPU
@@ -201,6 +202,9 @@ def _descendants(pid: int) -> list[int]:
 def _stop(p: subprocess.Popen) -> None:
     """Stop a torchrun started with start_new_session, and its worker, which torchrun starts in a session of its
     own: SIGTERM to every process group (torchrun then stops its worker), SIGKILL to whatever is left after 5 s."""
+    p.poll()
+    if not group_still_its(p):  # exited, and its pid (the group's id) went to a new process meanwhile
+        return
     groups = {p.pid}
     for pid in _descendants(p.pid):
         with contextlib.suppress(ProcessLookupError):

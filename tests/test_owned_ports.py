@@ -1,17 +1,23 @@
-"""A server's ports are its own. A port is picked free (bound to port 0, closed) and bound by the server a moment
-later; in between another program's own pick can land on it (under xdist: another worker's Prometheus exporter).
-The server then fails its bind and exits, and its readiness probe may be answered by that program (an exporter
-answers 200 to any GET): the start must notice and try new ports, never return a server that is gone."""
+"""A server's ports and process group are its own, under xdist beside other workers' servers.
+
+A port is picked free (bound to port 0, closed) and bound by the server a moment later; in between another
+program's own pick can land on it (under xdist: another worker's Prometheus exporter). The server then fails its
+bind and exits, and its readiness probe may be answered by that program (an exporter answers 200 to any GET): the
+start must notice and try new ports, never return a server that is gone. And a
+stopped server's pid, the id of its process group, may belong to a new process by the time its owner stops it
+again (pid_max is 32768 on many machines): that other group must live on."""
 
 from __future__ import annotations
 
 import http.server
+import subprocess
+import sys
 import threading
 import urllib.request
 
 import pytest
 
-from lab_utils.procs import free_port, group_listen_ports
+from lab_utils.procs import free_port, group_listen_ports, pid_alive, stop_group
 from lab_utils.serving import nginx as ng
 from lab_utils.serving.nginx import NginxServer
 
@@ -125,3 +131,21 @@ def test_a_triton_whose_http_port_is_taken_while_it_loads_gets_new_ports(squatte
     with server:
         assert squatter.port in picks and server.http_port != squatter.port
         assert server.alive() and server.ready() and server.http_port in group_listen_ports(server.pid)
+
+
+def test_stopping_an_exited_server_spares_the_group_that_took_its_pid():
+    """The leader exited and was reaped; its pid now leads another program's group (here a stand-in: the pid the
+    system would hand out again is out of a test's control). Stopping the old one again must not kill that group
+    (before: SIGKILL to it, as group_members found it under the old number)."""
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    old = subprocess.Popen(sleeper, start_new_session=True)
+    other = subprocess.Popen(sleeper, start_new_session=True)
+    try:
+        old.kill()
+        old.wait()
+        old.pid = other.pid  # what a reuse of the number looks like from the old Popen's side
+        stop_group(old, grace_s=0.1, kill_wait_s=0.5)
+        assert pid_alive(other.pid) and other.poll() is None
+    finally:
+        other.kill()
+        other.wait()
