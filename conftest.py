@@ -109,19 +109,6 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda it: (rank.get(_group(it.nodeid), len(rank)), first_seen[_group(it.nodeid)]))
 
 
-@pytest.fixture(scope="session")
-def service_stack():
-    """Lab 07's service (two Triton servers behind nginx), started once for the files of the "service" group
-    (tests/test_service.py checks that every file using it is in the group)."""
-    from _triton import require_service
-
-    require_service()
-    from lab_utils.serving.service import Service
-
-    with Service(stop_grace_s=0.3) as s:
-        yield s
-
-
 def pytest_sessionstart(session):
     if not hasattr(session.config, "workerinput"):  # the controller (or a run without xdist) takes stock
         _BEFORE.update(_course_leftovers())

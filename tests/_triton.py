@@ -9,7 +9,6 @@ import pytest
 
 from lab_utils.procs import env_flag
 from lab_utils.serving import repository as triton_repo
-from lab_utils.serving import server as triton_server
 from lab_utils.serving.server import ServerNotFound, find_server
 
 REQUIRE_ENV = "NVLAB_REQUIRE_TRITON"
@@ -31,12 +30,6 @@ def tiny_repo(root: Path, name: str = "tiny", **config) -> Path:
     repo = root / "repo"
     triton_repo.build_mlp_model(repo, name, preset=TINY, gpus=0, **config)
     return repo
-
-
-@pytest.fixture(autouse=True)
-def quick_stop(monkeypatch):
-    """Tests stop servers many times: a short grace before SIGKILL (what a stop leaves is tested, not its pace)."""
-    monkeypatch.setattr(triton_server, "DEFAULT_STOP_GRACE_S", 0.3)
 
 
 def require_service():

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _triton import REQUIRE_ENV, quick_stop, require_server  # noqa: F401 (an autouse fixture)
+from _triton import REQUIRE_ENV, require_server
 
 from lab_utils import procs
 from lab_utils.compat import numpy1_env

@@ -15,7 +15,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from _exercise_harness import check, exercises_of, hint_and_solution_tests, standard_tests
-from _triton import quick_stop, require_server  # noqa: F401 (an autouse fixture)
+from _triton import require_server
 from tritonclient.utils import np_to_triton_dtype
 
 from lab_utils.exercises import lab04

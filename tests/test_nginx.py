@@ -17,8 +17,7 @@ import urllib.request
 
 import numpy as np
 import pytest
-from _triton import quick_stop, require_server  # noqa: F401 (an autouse fixture)
-from test_openloop import Backend, triton
+from test_openloop import Backend
 
 from lab_utils.procs import free_port, pid_alive, popen_owned, stop_group
 from lab_utils.serving import nginx as ng
@@ -254,16 +253,15 @@ def test_weighted_split_and_a_reload_under_load(backends):
         assert abs(after[a.address] - after[b.address]) <= 0.2 * sum(after.values()), after
 
 
-def test_grpc_and_http_through_nginx_to_triton(tmp_path, backends):
-    require_server()
+def test_grpc_and_http_through_nginx_to_triton(shared_triton, backends):
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException
 
     from lab_utils.serving.client import build_request
 
     x = np.random.rand(1, 4).astype(np.float32)
-    with triton(tmp_path) as server, NginxServer([server.http_url], [server.grpc_url],
-                                                 client_max_body_size="1k") as front:
+    server = shared_triton.server
+    with NginxServer([server.http_url], [server.grpc_url], client_max_body_size="1k") as front:
         c = grpcclient.InferenceServerClient(front.grpc_url)
         key = {"x-api-key": front.api_key}
         try:

@@ -7,18 +7,15 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from pathlib import Path
 
 import numpy as np
 import pytest
 from _retry import tried
-from _triton import quick_stop, require_server, tiny_repo  # noqa: F401 (an autouse fixture)
 
 from lab_utils.procs import free_port, popen_owned, stop_group, wait_http_ok
 from lab_utils.serving import capacity, load
 from lab_utils.serving.capacity import compare_loops, find_capacity, meets_slo
 from lab_utils.serving.load import Window, poisson_arrivals, run_closed_loop, run_open_loop
-from lab_utils.serving.server import TritonServer, find_server, prepare_wheel_backends
 from lab_utils.serving.targets import HttpTarget, TritonTarget
 
 # One worker: requests wait in FIFO order (asyncio.Lock is fair) for SERVICE_MS each, an M/D/1 queue. The service is
@@ -68,15 +65,6 @@ class Backend:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-def triton(tmp_path: Path) -> TritonServer:
-    """A tiny Triton whose log and (wheel) backend folder live under pytest's tmp_path: with ``-n 0`` the course's
-    own /tmp folders would stay until the interpreter exits, after the session's leftover check."""
-    source = find_server(local=True)
-    if source.kind == "wheel":
-        prepare_wheel_backends(Path(source.location), root=tmp_path)  # cached for the process from here on
-    return TritonServer(tiny_repo(tmp_path), log_path=tmp_path / "triton.log", source=source)
 
 
 @pytest.fixture(scope="module")
@@ -234,9 +222,7 @@ def test_bad_arguments():
         run_closed_loop(t, 0, 1.0)
 
 
-def test_triton_target_http_and_grpc(tmp_path):
-    require_server()
-
+def test_triton_target_http_and_grpc(shared_triton):
     def right(inputs, outputs):
         assert outputs["OUTPUT__0"].shape == (1, 3)
 
@@ -244,16 +230,16 @@ def test_triton_target_http_and_grpc(tmp_path):
         return {"INPUT__0": np.random.rand(1, 4).astype(np.float32)}
 
     before = {t.name for t in threading.enumerate()}
-    with triton(tmp_path) as server:
-        for protocol, url in (("http", server.http_url), ("grpc", server.grpc_url)):
-            target = TritonTarget(url, "tiny", make, protocol=protocol, outputs=["OUTPUT__0"], verify=right)
-            r = run_open_loop(target, 50.0, 0.6, warmup_s=0.2, window_s=0.3, seed=0)
-            # Both protocols answer, verified; the latency bound only catches a pathology (a hung request), not
-            # speed: beside other test workers the client itself sends 170 ms late at times.
-            assert r.requests > 12 and r.errors_total == 0 and r.p95_ms < 1000, (protocol, r)
-        wrong = TritonTarget(server.grpc_url, "tiny", {"INPUT__0": np.zeros((1, 5), np.float32)}, protocol="grpc")
-        r = run_open_loop(wrong, 20.0, 0.5, warmup_s=0.1, window_s=0.25)
-        assert r.requests == 0 and any("unexpected shape" in m for m in r.error_messages)
+    server = shared_triton.server
+    for protocol, url in (("http", server.http_url), ("grpc", server.grpc_url)):
+        target = TritonTarget(url, "tiny", make, protocol=protocol, outputs=["OUTPUT__0"], verify=right)
+        r = run_open_loop(target, 50.0, 0.6, warmup_s=0.2, window_s=0.3, seed=0)
+        # Both protocols answer, verified; the latency bound only catches a pathology (a hung request), not
+        # speed: beside other test workers the client itself sends 170 ms late at times.
+        assert r.requests > 12 and r.errors_total == 0 and r.p95_ms < 1000, (protocol, r)
+    wrong = TritonTarget(server.grpc_url, "tiny", {"INPUT__0": np.zeros((1, 5), np.float32)}, protocol="grpc")
+    r = run_open_loop(wrong, 20.0, 0.5, warmup_s=0.1, window_s=0.25)
+    assert r.requests == 0 and any("unexpected shape" in m for m in r.error_messages)
     assert "nvlab-load" not in {t.name for t in threading.enumerate()} - before
 
 

@@ -243,18 +243,8 @@ def test_recorded_server_serves_the_samples_and_leaves_nothing(prometheus_bin, p
 
 
 @pytest.fixture(scope="module")
-def triton(tmp_path_factory):
-    from lab_utils.serving import server as triton_server
-
-    try:
-        triton_server.find_server(local=True)
-    except triton_server.ServerNotFound as err:
-        if _required("NVLAB_REQUIRE_TRITON"):
-            pytest.fail(f"NVLAB_REQUIRE_TRITON=1 but no Triton server: {err}")
-        pytest.skip("no Triton server binary (pip install --no-deps nvidia-pytriton)")
-    repo = drills.write_model(tmp_path_factory.mktemp("triton") / "repo")
-    with triton_server.TritonServer(repo) as server:
-        yield server
+def triton(shared_triton):
+    return shared_triton.server  # with lab 05's model
 
 
 def test_every_dashboard_expression_evaluates_against_triton(prometheus_bin, triton, exporter):

@@ -78,11 +78,14 @@ def test_a_start_finds_nginx_renders_its_config_and_checks_the_repository_once(s
 
 
 def test_every_file_using_the_shared_service_is_in_its_group():
-    """A file using conftest.py's service_stack outside the "service" group would start a second service on
-    another worker."""
-    import conftest
+    """A file using tests/conftest.py's service_stack outside the "service" group (the root conftest.py's
+    SHARED_GROUPS) would start a second service on another worker."""
+    import importlib.util
 
     root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("nvlab_root_conftest", root / "conftest.py")
+    conftest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conftest)  # by path: `import conftest` may give tests/conftest.py
     users = {f"tests/{p.name}" for p in (root / "tests").glob("test_*.py") if "service_stack" in p.read_text()}
     assert users == {f for f, g in conftest.SHARED_GROUPS.items() if g == "service"}
 

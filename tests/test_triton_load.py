@@ -9,7 +9,7 @@ import threading
 
 import numpy as np
 import pytest
-from _triton import quick_stop, require_server, tiny_repo  # noqa: F401 (an autouse fixture)
+from _triton import require_server, tiny_repo
 
 from lab_utils.serving import load as triton_load
 from lab_utils.serving.client import server_split
@@ -19,11 +19,8 @@ from lab_utils.serving.targets import TritonTarget
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    require_server()
-    repo = tiny_repo(tmp_path_factory.mktemp("load"), dynamic_batching=True)
-    with TritonServer(repo) as s:
-        yield s
+def server(shared_triton):
+    return shared_triton.server  # `tiny`, dynamic batching on
 
 
 def make_inputs():

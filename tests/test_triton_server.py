@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _triton import KernelOutput, quick_stop, require_server, tiny_repo  # noqa: F401 (an autouse fixture)
+from _triton import require_server, tiny_repo
 
 from lab_utils import owned, procs
 from lab_utils.serving import client as triton_client
@@ -208,23 +208,37 @@ def test_a_crashed_server_is_named_and_lab04_restarts_it_before_a_check(repo):
         assert server.start() is server and server.pid != mid and server.ready()  # a start replaces a crashed one
 
 
+def test_quick_stop_shortens_a_stop(repo, quick_stop):
+    """tests/conftest.py's grace reaches every test server (before, the fixture patched a module constant the class
+    had already read, and did nothing): a server that cannot act on SIGTERM (SIGSTOPped) is SIGKILLed after
+    ``quick_stop`` seconds, not after the library's 1 s."""
+    server = TritonServer(repo)
+    assert server.stop_grace_s == quick_stop < triton_server.DEFAULT_STOP_GRACE_S
+    with server:
+        os.kill(server.pid, signal.SIGSTOP)
+        t0 = time.perf_counter()
+        server.stop()
+        took = time.perf_counter() - t0
+    assert server.exit_code == -signal.SIGKILL and quick_stop <= took < triton_server.DEFAULT_STOP_GRACE_S, took
+
+
 def test_startup_failure_shows_log_tail(repo):
     with pytest.raises(ServerStartError) as err:
         TritonServer(repo, extra_args=("--no-such-flag=1",)).start()
     assert "exited with code" in str(err.value) and "no-such-flag" in str(err.value) and err.value.log_tail
 
 
-def test_external_server_from_triton_url(repo, monkeypatch):
-    with TritonServer(repo) as server:
-        monkeypatch.setenv("TRITON_URL", server.http_url)
-        monkeypatch.setenv("TRITON_GRPC_URL", server.grpc_url)
-        ext = triton_server.connect_or_start(repo)
-        assert ext.external and ext.http_url == server.http_url and ext.grpc_url == server.grpc_url
-        assert ext.alive() and "external" in ext.log_tail()
-        ext.stop()
-        assert server.alive()  # stopping an external server does nothing
-        x = np.ones((1, 4), np.float32)
-        assert triton_client.infer(ext.grpc_url, "tiny", {"INPUT__0": x})["OUTPUT__0"].shape == (1, 3)
+def test_external_server_from_triton_url(shared_triton, monkeypatch):
+    server = shared_triton.server
+    monkeypatch.setenv("TRITON_URL", server.http_url)
+    monkeypatch.setenv("TRITON_GRPC_URL", server.grpc_url)
+    ext = triton_server.connect_or_start(shared_triton.repo)
+    assert ext.external and ext.http_url == server.http_url and ext.grpc_url == server.grpc_url
+    assert ext.alive() and "external" in ext.log_tail()
+    ext.stop()
+    assert server.alive()  # stopping an external server does nothing
+    x = np.ones((1, 4), np.float32)
+    assert triton_client.infer(ext.grpc_url, "tiny", {"INPUT__0": x})["OUTPUT__0"].shape == (1, 3)
 
 
 def test_bad_arguments():
@@ -294,18 +308,16 @@ def test_killed_server_restarts_on_its_fixed_ports(repo):
         assert server.ready()
 
 
-def test_lab05_model_answers_right_through_the_server(tmp_path):
+def test_lab05_model_answers_right_through_the_server(shared_triton):
     """Lab 05 deploys lab 04's model (DLPack across the python backend): the numbers, not only a count."""
     from lab_utils.monitoring import drills
 
-    require_server()
-    repo = drills.write_model(tmp_path / "repo", base_ms=0.5, per_item_ms=0.1)
+    repo, server = shared_triton.repo, shared_triton.server  # drills.write_model's repository
     assert (repo / drills.MODEL_NAME / "1" / "model.py").read_text() == triton_model_source()
     x = np.random.default_rng(1).standard_normal((3, 16)).astype(np.float32)
-    with TritonServer(repo) as server:
-        y = triton_client.infer(server.grpc_url, drills.MODEL_NAME, {"INPUT__0": x})["OUTPUT__0"]
-        one = drills.make_inputs()()
-        y1 = triton_client.infer(server.http_url, drills.MODEL_NAME, one, protocol="http")["OUTPUT__0"]
+    y = triton_client.infer(server.grpc_url, drills.MODEL_NAME, {"INPUT__0": x})["OUTPUT__0"]
+    one = drills.make_inputs()()
+    y1 = triton_client.infer(server.http_url, drills.MODEL_NAME, one, protocol="http")["OUTPUT__0"]
     want = drills.reference_output(repo, x)
     assert y.shape == (3, 16) and np.abs(want).max() > 0
     np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-5)
@@ -318,7 +330,7 @@ def triton_model_source() -> str:
     return triton_model.source()
 
 
-def test_http_tensors_are_binary_by_default_and_json_costs_measured(repo):
+def test_http_tensors_are_binary_by_default_and_json_costs_measured(shared_triton):
     """tritonclient.http defaults to binary tensors (inputs and requested outputs); binary_data=False sends JSON
     numbers. Both measured on the real server: JSON's request body is larger, the answers are the same."""
     import inspect
@@ -328,9 +340,8 @@ def test_http_tensors_are_binary_by_default_and_json_costs_measured(repo):
     assert inspect.signature(httpclient.InferInput.set_data_from_numpy).parameters["binary_data"].default is True
     assert inspect.signature(httpclient.InferRequestedOutput).parameters["binary_data"].default is True
     x = np.random.default_rng(0).standard_normal((8, 4), dtype=np.float32)
-    with TritonServer(repo, load_models=(), model_control="none") as server:
-        rows = triton_client.http_encoding_cost(server.http_url, "tiny", {"INPUT__0": x}, ["OUTPUT__0"], reps=3,
-                                                warmup=1)
+    rows = triton_client.http_encoding_cost(shared_triton.http_url, "tiny", {"INPUT__0": x}, ["OUTPUT__0"], reps=3,
+                                            warmup=1)
     json_row, bin_row = rows
     assert (json_row["encoding"], json_row["binary_data"], bin_row["encoding"], bin_row["binary_data"]) == \
         ("JSON", False, "binary", True)

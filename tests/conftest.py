@@ -1,0 +1,105 @@
+"""Servers the test files share, started once per test worker, and the stop grace every test server gets.
+
+A real Triton (``shared_triton``) serves the tests that only read from it: requests, load, statistics, metrics. A
+test that loads or unloads a model, kills, crashes or restarts a server, or needs a configuration of its own starts
+its own. Lab 07's service (``service_stack``) is shared by the files of the "service" group (the root conftest.py
+schedules them onto one worker). Tests using a real Triton carry the ``triton`` marker (``-m triton``, ``-m "not
+triton"``), given here from their source.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+# Tests stop servers many times, and Triton never ends by itself within its 1 s grace after SIGTERM (it is SIGKILLed
+# after it): a short grace (what a stop leaves is tested, not its pace).
+TEST_STOP_GRACE_S = 0.3
+
+
+@pytest.fixture(scope="session", autouse=True)
+def quick_stop():
+    """Every TritonServer the tests create, module and session fixtures' included, gets ``TEST_STOP_GRACE_S``."""
+    from lab_utils.serving.server import TritonServer
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(TritonServer, "stop_grace_default_s", TEST_STOP_GRACE_S)
+        yield TEST_STOP_GRACE_S
+
+
+@dataclass(frozen=True)
+class SharedTriton:
+    """The shared server and its repository: ``tiny`` (4 -> 3 MLP, dynamic batching) and lab 05's ``mm``."""
+
+    server: object  # a running lab_utils.serving.server.TritonServer
+    repo: Path
+
+    @property
+    def http_url(self) -> str:
+        return self.server.http_url  # type: ignore[attr-defined]
+
+    @property
+    def grpc_url(self) -> str:
+        return self.server.grpc_url  # type: ignore[attr-defined]
+
+
+@pytest.fixture(scope="session")
+def shared_triton(tmp_path_factory) -> SharedTriton:
+    """One real Triton per worker for the tests that only read from it; never stop, load or unload through it."""
+    from _triton import TINY, require_server
+
+    from lab_utils.monitoring import drills
+    from lab_utils.serving import repository as triton_repo
+    from lab_utils.serving.server import TritonServer
+
+    require_server()
+    repo = tmp_path_factory.mktemp("shared-triton") / "repo"
+    triton_repo.build_mlp_model(repo, "tiny", preset=TINY, gpus=0, dynamic_batching=True)
+    drills.write_model(repo, base_ms=0.5, per_item_ms=0.1)  # lab 05's model, with a short simulated service time
+    with TritonServer(repo) as server:
+        yield SharedTriton(server, repo)
+
+
+# What a test (or one of its fixtures) that uses a real Triton server says in its source.
+_TRITON_WORDS = ("require_server(", "require_service(", "shared_triton", "service_stack")
+
+
+def _uses_triton(item: pytest.Item, seen: dict[object, bool]) -> bool:
+    funcs = [getattr(item, "function", None)]
+    info = getattr(item, "_fixtureinfo", None)
+    if info is not None:
+        funcs += [d.func for defs in info.name2fixturedefs.values() for d in defs]
+    for fn in funcs:
+        if fn not in seen:
+            try:
+                seen[fn] = any(word in inspect.getsource(fn) for word in _TRITON_WORDS)
+            except (TypeError, OSError):  # a builtin, or no source (a notebook cell has no function)
+                seen[fn] = False
+        if seen[fn]:
+            return True
+    return False
+
+
+def pytest_collection_modifyitems(items):
+    """Tests that start or use a real Triton server carry the ``triton`` marker (found in their source and their
+    fixtures', so a new test gets it too)."""
+    seen: dict[object, bool] = {}
+    for item in items:
+        if _uses_triton(item, seen):
+            item.add_marker(pytest.mark.triton)
+
+
+@pytest.fixture(scope="session")
+def service_stack():
+    """Lab 07's service (two Triton servers behind nginx), started once for the files of the "service" group
+    (tests/test_service.py checks that every file using it is in the group)."""
+    from _triton import require_service
+
+    require_service()
+    from lab_utils.serving.service import Service
+
+    with Service(stop_grace_s=TEST_STOP_GRACE_S) as s:
+        yield s
