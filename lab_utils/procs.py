@@ -583,9 +583,21 @@ _GROUP_WATCHDOG = r"""
 import os, shutil, signal, sys, time
 folder, term_s, kill_s = sys.argv[1], float(sys.argv[2]), float(sys.argv[3])
 pgid = sys.stdin.readline().strip()
+started = sys.stdin.readline().strip()  # the leader's start time when armed ("": not known here)
 rest = sys.stdin.read()
-if "stopped" not in rest:
-    if pgid.isdigit():
+
+def start_of(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+if "stopped" not in (pgid, started) and "stopped" not in rest:
+    # a live process with the leader's number but another start time: the leader ended, its group emptied and the
+    # number went to another program's process, whose group is not ours (pid_max is 32768 on many machines)
+    now = start_of(pgid) if pgid.isdigit() else None
+    if pgid.isdigit() and (not started or now is None or now == started):
         pgid = int(pgid)
         for sig, wait_s in ((signal.SIGTERM, term_s), (signal.SIGKILL, kill_s)):
             try:
@@ -601,6 +613,15 @@ if "stopped" not in rest:
                 time.sleep(0.02)
     shutil.rmtree(folder, ignore_errors=True)
 """
+
+
+def process_start_ticks(pid: int) -> str | None:
+    """Linux: when process ``pid`` started (clock ticks after boot, /proc/PID/stat's field 22), which tells a process
+    from a later one given the same pid; None elsewhere or when it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
 
 
 class GroupWatchdog:
@@ -621,7 +642,7 @@ class GroupWatchdog:
         self._pipe = os.fdopen(write_fd, "w")
 
     def arm(self, pgid: int) -> None:
-        self._pipe.write(f"{pgid}\n")
+        self._pipe.write(f"{pgid}\n{process_start_ticks(pgid) or ''}\n")
         self._pipe.flush()
 
     def disarm(self) -> None:

@@ -17,7 +17,7 @@ import urllib.request
 
 import pytest
 
-from lab_utils.procs import free_port, group_listen_ports, pid_alive, stop_group
+from lab_utils.procs import GroupWatchdog, free_port, group_listen_ports, pid_alive, stop_group
 from lab_utils.serving import nginx as ng
 from lab_utils.serving.nginx import NginxServer
 
@@ -149,3 +149,30 @@ def test_stopping_an_exited_server_spares_the_group_that_took_its_pid():
     finally:
         other.kill()
         other.wait()
+
+
+def test_a_watchdog_whose_owner_died_ends_its_group_but_not_one_that_took_the_leaders_pid(tmp_path):
+    """The watchdog ends the group of an owner killed outright; when the leader ended earlier and its pid went to
+    another program's session leader, that group lives on (before: the watchdog killed whatever had the number)."""
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    ours = subprocess.Popen(sleeper, start_new_session=True)
+    other = subprocess.Popen(sleeper, start_new_session=True)
+    try:
+        for target, armed_as in ((ours, None), (other, "1")):  # other: armed for a leader started at tick 1
+            folder = tmp_path / f"owned-{target.pid}"
+            folder.mkdir()
+            dog = GroupWatchdog(folder, term_s=0.5, kill_s=1.0)
+            if armed_as is None:
+                dog.arm(target.pid)
+            else:  # what arm() wrote for the earlier leader whose number `other` has now
+                dog._pipe.write(f"{target.pid}\n{armed_as}\n")
+                dog._pipe.flush()
+            dog._pipe.close()  # the owner is gone: end of file without "stopped"
+            dog.proc.wait(timeout=20)
+            assert not folder.exists()  # the owner's folder goes either way
+        assert ours.wait(timeout=10) is not None
+        assert other.poll() is None and pid_alive(other.pid)
+    finally:
+        for p in (ours, other):
+            p.kill()
+            p.wait()
