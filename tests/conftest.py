@@ -1,5 +1,7 @@
 """Servers the test files share, started once per test worker, and the stop grace every test server gets.
 
+A real Prometheus (``lab05_recording``, through ``shared_recording``) serves lab 05's recordings to its PromQL checks.
+
 A real Triton (``shared_triton``) serves the tests that only read from it: requests, load, statistics, metrics. A
 test that loads or unloads a model, kills, crashes or restarts a server, or needs a configuration of its own starts
 its own. Lab 07's service (``service_stack``) is shared by the files of the "service" group (the root conftest.py
@@ -9,7 +11,9 @@ triton"``), given here from their source.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import random
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,6 +65,34 @@ def shared_triton(tmp_path_factory) -> SharedTriton:
     drills.write_model(repo, base_ms=0.5, per_item_ms=0.1)  # lab 05's model, with a short simulated service time
     with TritonServer(repo) as server:
         yield SharedTriton(server, repo)
+
+
+@pytest.fixture(scope="session")
+def lab05_recording():
+    """One real Prometheus per worker serving lab 05's recordings: ``ex.RECORDED`` and a second recording drawn as
+    each check draws its own. The PromQL checks only query it; each used to start one (a backfill and a start)."""
+    from _prometheus import require_prometheus
+
+    require_prometheus()
+    from lab_utils.exercises import lab05
+    from lab_utils.monitoring import prometheus
+
+    with prometheus.recorded_server([*lab05.RECORDED, *lab05._hidden_samples(random.Random())]) as server:
+        yield server
+
+
+@pytest.fixture
+def shared_recording(lab05_recording, monkeypatch):
+    """Within a test: ``prometheus.recorded_server`` (what lab 05's PromQL checks call) hands out ``lab05_recording``
+    instead of starting a Prometheus. Its samples are the same ``RECORDED`` (the second recording lies over an hour
+    later, outside every query at ``RECORDED``'s times), so only samples of lab 05 may be asked for."""
+    from lab_utils.monitoring import prometheus
+
+    def recorded_server(samples, **kwargs):
+        return contextlib.nullcontext(lab05_recording)
+
+    monkeypatch.setattr(prometheus, "recorded_server", recorded_server)
+    return lab05_recording
 
 
 # What a test (or one of its fixtures) that uses a real Triton server says in its source.

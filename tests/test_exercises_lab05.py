@@ -363,8 +363,9 @@ WATCHDOG_WRONG = {
 WATCHDOG_CASES = [(lab05.q5, [watchdog_right, watchdog_written_differently], [])]
 
 @pytest.fixture
-def prometheus_here():
-    """The PromQL checks need prometheus and promtool: skip without, fail under NVLAB_REQUIRE_PROMETHEUS=1."""
+def prometheus_here(shared_recording):
+    """The PromQL checks need prometheus and promtool (skip without, fail under NVLAB_REQUIRE_PROMETHEUS=1); they
+    query one Prometheus per worker serving the lab's recordings (tests/conftest.py)."""
     require_prometheus()
 
 
