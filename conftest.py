@@ -7,6 +7,7 @@ and its wall time is printed at the end of the run. The run as a whole must leav
 it found them (the course's folders and the python backend's ``python_env_*``).
 """
 
+import json
 import os
 import shutil
 import tempfile
@@ -29,16 +30,21 @@ _TMP_ENV = "NVLAB_TEST_TMPDIR"
 _OWN_PATTERNS = ["nvlab-*", "torchelastic_*"]
 _SHARED_PATTERNS = [(Path("/tmp"), "python_env_*"), (Path("/dev/shm"), "nvlab_triton_*")]
 _BEFORE: set[Path] = set()
-# Longest first, so that no worker starts a long group at the end: the groups over 30 s of a 3-worker run on the
-# 2-core CI machine, longest first (133 s down to 34 s); everything else keeps its file order after these. The
-# classroom hub's module (120-180 s on a busy 2-core machine, most of it the idle culler's wait) goes second.
-_LONGEST_FIRST = ["solutions/08_mlops.ipynb", "tests/test_classroom.py", "tests/test_exercises_lab02.py",
-                  "tests/test_exercises_lab05.py",
-                  "solutions/07_service.ipynb", "service", "tests/test_notebooks.py", "solutions/02_nccl_ddp.ipynb",
-                  "solutions/05_monitoring.ipynb", "tests/test_exercises_lab04.py", "solutions/04_triton.ipynb",
-                  "tests/test_kernels_lab.py", "tests/test_distributed.py", "tests/test_exercises_lab08.py",
-                  "tests/test_ddp.py", "tests/test_mlops_prometheus.py", "tests/test_exercises_lab03.py",
-                  "tests/test_openloop.py"]
+# Longest first, so that no worker starts a long group at the end: each group's seconds (setup, call and teardown
+# summed) in a whole run, written by `pytest --store-durations` (only their order matters: a loaded machine's are all
+# larger). A group not in the file (a new test file) starts after those that are, in file order.
+DURATIONS_FILE = Path(__file__).resolve().parent / "tests" / "durations.json"
+_RAN_S: dict[str, float] = {}
+
+
+def _stored_durations() -> dict[str, float]:
+    try:
+        return {str(k): float(v) for k, v in json.loads(DURATIONS_FILE.read_text()).items()}
+    except FileNotFoundError:
+        return {}
+    except (ValueError, AttributeError) as err:
+        raise pytest.UsageError(f"{DURATIONS_FILE} is not a JSON object of group -> seconds ({err}): write it "
+                                "again with `pytest --store-durations`") from None
 
 
 def _course_leftovers() -> set[Path]:
@@ -52,6 +58,9 @@ def _course_leftovers() -> set[Path]:
 def pytest_addoption(parser):
     parser.addoption("--all", action="store_true", dest="nvlab_all",
                      help="also the nightly set (tests marked nightly: every generated lab, the PyPI wheelhouse)")
+    parser.addoption("--store-durations", action="store_true", dest="nvlab_store_durations",
+                     help="write each test group's seconds in this run to tests/durations.json (the groups that ran "
+                          "replace their entries; groups whose file is gone are dropped): the order tests start in")
 
 
 def pytest_configure(config):
@@ -102,11 +111,11 @@ def pytest_collection_modifyitems(config, items):
         if nightly:
             config.hook.pytest_deselected(items=nightly)
             items[:] = [i for i in items if not i.get_closest_marker("nightly")]
-    rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
+    seconds = _stored_durations()
     first_seen: dict[str, int] = {}
     for i, item in enumerate(items):
         first_seen.setdefault(_group(item.nodeid), i)
-    items.sort(key=lambda it: (rank.get(_group(it.nodeid), len(rank)), first_seen[_group(it.nodeid)]))
+    items.sort(key=lambda it: (-seconds.get(_group(it.nodeid), 0.0), first_seen[_group(it.nodeid)]))
 
 
 def pytest_sessionstart(session):
@@ -114,9 +123,23 @@ def pytest_sessionstart(session):
         _BEFORE.update(_course_leftovers())
 
 
+def _store_durations() -> None:
+    """Merge this run's group seconds into DURATIONS_FILE (one decimal, longest first)."""
+    root = DURATIONS_FILE.parent.parent
+    kept = {g: s for g, s in _stored_durations().items()
+            if g in SHARED_GROUPS.values() or (root / g).is_file()}
+    kept.update({g: round(s, 1) for g, s in _RAN_S.items()})
+    ordered = dict(sorted(kept.items(), key=lambda kv: (-kv[1], kv[0])))
+    DURATIONS_FILE.write_text(json.dumps(ordered, indent=1) + "\n")
+
+
 def pytest_sessionfinish(session, exitstatus):
     """Fail a passing run that left course folders or shared memory behind (workers' exit handlers get 15 s)."""
-    if hasattr(session.config, "workerinput") or os.environ.get("NVLAB_TMP_CHECK") == "0":
+    if hasattr(session.config, "workerinput"):
+        return
+    if session.config.getoption("nvlab_store_durations") and _RAN_S:
+        _store_durations()
+    if os.environ.get("NVLAB_TMP_CHECK") == "0":
         return
     if not getattr(session.config.option, "numprocesses", None):
         # no workers (-n 0): the tests ran here, and this process's exit cleanup (its servers stopped, its folders
@@ -198,7 +221,10 @@ def pytest_runtest_teardown(item, nextitem):
 
 
 def pytest_runtest_logreport(report):
-    """Collect notebook wall times where the summary is written (under xdist: the controller, from workers' reports)."""
+    """Collect notebook wall times where the summary is written (under xdist: the controller, from workers' reports),
+    and each group's seconds."""
+    group = _group(report.nodeid)
+    _RAN_S[group] = _RAN_S.get(group, 0.0) + report.duration
     if report.when == "teardown":  # its report carries every property the test recorded
         _WALL_S.extend(tuple(v) for k, v in report.user_properties if k == "nvlab_wall_s")
 
