@@ -275,6 +275,26 @@ def test_the_trainer_sees_every_students_server_in_the_admin_page(hub, browser):
         ctx.close()
 
 
+def test_the_progress_page_is_the_trainers_and_lists_the_class(hub, browser):
+    """The classroom's own configuration registers the trainer's progress page: the trainer (admin) gets it, with
+    a row for every student (the page's role lists the class), and a student gets 403."""
+    ctx, pg = login(browser, hub, hub["trainer"])
+    try:
+        r = pg.goto(f"{hub['base']}/services/progress/")
+        assert r is not None and r.status == 200, (r and r.status, pg.content()[:500])
+        for user in hub["students"]:
+            pg.locator(f"#rows tr[data-student='{user}']").wait_for(timeout=30_000)
+        shot(pg, "trainer-progress")
+    finally:
+        ctx.close()
+    ctx, pg = login(browser, hub, hub["students"][0])
+    try:
+        r = pg.goto(f"{hub['base']}/services/progress/")
+        assert r is not None and r.status == 403, (r and r.status, pg.content()[:500])
+    finally:
+        ctx.close()
+
+
 def test_no_sign_up_where_accounts_are_system_users(hub, browser):
     ctx = browser.new_context(ignore_https_errors=True)
     try:
