@@ -24,6 +24,7 @@ from lab_utils.course import specs
 from lab_utils.exercises.framework import (
     CodeExercise,
     Exercise,
+    References,
     Wrong,
     close_to,
     fastest_ratio,
@@ -322,6 +323,7 @@ def _grade_time_ms(fn: Any) -> str:
 
 q1 = CodeExercise(
     name="01.1 the timing loop", var="time_ms", grade=_grade_time_ms,
+    references=References("write the timing loop yourself", reference_time_ms),
     signature="time_ms(fn, iters, warmup, sync) -> float",
     hints=[
         "fn() returns as soon as its work is queued, long before it is done (on a GPU, and on the simulated "
@@ -460,6 +462,8 @@ def _grade_matmul_tflops(fn: Any) -> str:
 
 q2 = CodeExercise(
     name="01.2 TFLOP/s from your timing", var="matmul_tflops", grade=_grade_matmul_tflops,
+    references=References("make the inputs, time a @ b with `timer` and count the FLOPs yourself",
+                           reference_matmul_tflops),
     signature="matmul_tflops(n, device, timer) -> float",
     hints=[
         "Make two random n×n float32 tensors on `device` first; time only the multiply: ms = timer(lambda: a @ b).",
@@ -523,6 +527,8 @@ def _grade_copy_gbps(fn: Any) -> str:
 
 q3 = CodeExercise(
     name="01.3 copy bandwidth", var="copy_gbps", grade=_grade_copy_gbps,
+    references=References("make the buffers, time the copy with `timer` and count the bytes yourself",
+                           reference_copy_gbps),
     signature="copy_gbps(nbytes, device, timer) -> float",
     hints=[
         "Make src (random) and dst (empty, same shape) once, each holding nbytes bytes: nbytes // 4 float32 "
@@ -700,6 +706,7 @@ def _grade_replay_with_graph(fn: Any) -> str:
 
 q7 = CodeExercise(
     name="01.7 capture and replay a CUDA graph", var="replay_with_graph", grade=_grade_replay_with_graph,
+    references=References("capture the chain in a CUDA graph and replay it yourself", reference_replay_with_graph),
     signature="replay_with_graph(chain, static_x, xs) -> list[Tensor]", applicable=graph_unavailable,
     hints=[
         "A graph records the kernels of one call, on fixed memory: capture chain(static_x) once, inside "

@@ -34,6 +34,7 @@ from lab_utils.distributed.spawn import WorkerContext, WorkerError, WorkerTimeou
 from lab_utils.exercises.framework import (
     CodeExercise,
     Exercise,
+    References,
     StudentLine,
     Wrong,
     _short,
@@ -283,6 +284,8 @@ def _grade_busbw_factor(fn: Any) -> None:
 
 q1 = CodeExercise(
     name="02.1 busbw factor per collective", var="busbw_factor", grade=_grade_busbw_factor,
+    references=References("write each collective's factor yourself",
+                           reference_busbw_factor, "lab_utils.distributed.bandwidth.busbw_factor"),
     signature="busbw_factor(collective, n) -> float",
     hints=[
         "busbw = algbw × factor: the factor turns 'bytes of the buffer per second' into 'bytes over the "
@@ -610,6 +613,8 @@ def _grade_allreduce_bench(fn: Any, backend: str | None = None, nprocs: int | No
 
 q2 = CodeExercise(
     name="02.2 the all-reduce benchmark worker", var="allreduce_bench", grade=_grade_allreduce_bench,
+    references=References("time the all_reduce calls and compute the bandwidths yourself",
+                           reference_allreduce_bench, "lab_utils.distributed.collectives.bare_allreduce_worker"),
     signature="allreduce_bench(ctx, sizes_bytes, iters, warmup) -> list[dict]", applicable=_no_distributed,
     hints=[
         "Per size: a buffer of `size` bytes on ctx.device (fp32: size // 4 elements); `warmup` untimed "
@@ -1224,6 +1229,8 @@ def reference_ddp_run(nprocs: int | None = None, backend: str | None = None) -> 
 
 q6 = CodeExercise(
     name="02.6 DDP training: setup and step", var="train_ddp", grade=_grade_train_ddp,
+    references=References("write the DDP setup and training step yourself",
+                           reference_train_ddp, reference_ddp_run, "lab_utils.distributed.ddp.train_digits"),
     signature="train_ddp(train_set, make_model, epochs, batch_size, lr, checkpoint_path) -> None",
     applicable=_no_distributed,
     hints=[
@@ -1332,6 +1339,7 @@ def _grade_global_accuracy(fn: Any, backend: str | None = None, nprocs: int | No
 
 q7 = CodeExercise(
     name="02.7 a metric over all ranks", var="global_accuracy", grade=_grade_global_accuracy,
+    references=References("all_reduce the counts and divide yourself", reference_global_accuracy),
     signature="global_accuracy(ctx, correct, seen) -> float", applicable=_no_distributed,
     hints=[
         "The accuracy over all samples is all correct predictions over all samples seen, on every rank. The "

@@ -23,6 +23,7 @@ from typing import Any
 from lab_utils.exercises.framework import (
     CodeExercise,
     Exercise,
+    References,
     Wrong,
     amended,
     choice,
@@ -188,6 +189,7 @@ def _grade_export(fn: Any) -> str:
 
 q1 = CodeExercise(
     name="03.1 export with a dynamic batch", var="export_dynamic", grade=_grade_export,
+    references=References("call torch.onnx.export yourself", "lab_utils.inference.onnx.export_onnx"),
     signature="export_dynamic(model, path, example) -> None",
     hints=[
         "Three things make an export servable: the model in inference mode (model.eval()), the batch dimension "
@@ -284,6 +286,8 @@ def _ort_levels(fn: Any, fx: _Digits, onnx_path: Path, x: Any) -> dict[str, floa
 
 q2 = CodeExercise(
     name="03.2 an ONNX Runtime session, timed", var="ort_timed", grade=_grade_ort,
+    references=References("build the SessionOptions and the session, and time session.run, yourself",
+                           "lab_utils.inference.onnx.ort_session", "lab_utils.inference.onnx.time_ort"),
     signature="ort_timed(onnx_path, x, level) -> (session, timing)",
     hints=[
         "Options go in an ort.SessionOptions: graph_optimization_level (the names are in ex.ORT_LEVELS) and "
@@ -413,6 +417,7 @@ def _grade_quantize(fn: Any) -> str:
 
 q3 = CodeExercise(
     name="03.3 INT8 with ModelOpt", var="quantize_int8", grade=_grade_quantize,
+    references=References("call ModelOpt's quantize yourself", "lab_utils.inference.quantize.quantize_onnx"),
     signature="quantize_int8(onnx_path, out_path, x_train) -> None", applicable=_modelopt_missing,
     hints=[
         "modelopt.onnx.quantization.quantize(onnx_path, quantize_mode=..., calibration_data=..., "
@@ -601,6 +606,9 @@ def _grade_trt(fn: Any) -> str:
 
 q6 = CodeExercise(
     name="03.6 the TensorRT builder", var="trt_build_and_run", grade=_grade_trt,
+    references=References("build and run the engine with TensorRT's API yourself",
+                           "lab_utils.inference.tensorrt.build_plan", "lab_utils.inference.tensorrt.load_engine",
+                           "lab_utils.inference.tensorrt.TrtRunner"),
     signature="trt_build_and_run(onnx_path, batches) -> list of outputs",
     hints=[
         "Build: trt.Logger -> trt.Builder -> builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag."

@@ -28,6 +28,7 @@ from lab_utils.exercises.framework import (
     Exercise,
     NotApplicable,
     NotNow,
+    References,
     StudentLine,
     Wrong,
     amended,
@@ -459,6 +460,8 @@ def _grade_client(fn: Any, protocol: str) -> str:
 
 q3 = CodeExercise(
     name="04.3 a gRPC request by hand", var="grpc_infer", grade=lambda fn: _grade_client(fn, "grpc"),
+    references=References("send the request with tritonclient.grpc yourself",
+                           "lab_utils.serving.client.infer", "lab_utils.serving.repository.reference_mlp"),
     signature="grpc_infer(url, model, x) -> np.ndarray", applicable=_no_server,
     hints=(
         "tritonclient.grpc: a client for the URL, one InferInput per input (name, shape, datatype) filled from the "
@@ -480,6 +483,8 @@ q3 = CodeExercise(
 
 q4 = CodeExercise(
     name="04.4 an HTTP request by hand", var="http_infer", grade=lambda fn: _grade_client(fn, "http"),
+    references=References("send the request with tritonclient.http yourself",
+                           "lab_utils.serving.client.infer", "lab_utils.serving.repository.reference_mlp"),
     signature="http_infer(url, model, x) -> np.ndarray", applicable=_no_server,
     hints=(
         "tritonclient.http has the same classes as tritonclient.grpc; the URL is the HTTP endpoint's host:port.",
@@ -691,6 +696,9 @@ def _grade_execute(fn: Any) -> str:
 
 q6 = CodeExercise(
     name="04.6 execute for a dynamic batch", var="execute", grade=_grade_execute,
+    references=References("gather the requests, run self.model once and split its answer yourself",
+                           "lab_utils.serving.backend.model.TritonPythonModel.execute",
+                           "lab_utils.serving.backend.model.ExerciseModel.execute"),
     signature="execute(self, requests) -> list of pb_utils.InferenceResponse", applicable=_no_server,
     hints=(
         "`requests` holds every request of one batch; each carries its own number of rows. Gather their inputs, run "

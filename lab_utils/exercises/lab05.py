@@ -38,6 +38,7 @@ from lab_utils.exercises.framework import (
     Exercise,
     NotApplicable,
     Outcome,
+    References,
     Status,
     StudentLine,
     StudentThread,
@@ -1077,6 +1078,7 @@ def _grade_watchdog(fn: Callable[..., Any]) -> str:
 
 q5 = CodeExercise(
     name="05.5 a watchdog, tested against a real Triton", var="watchdog", grade=_grade_watchdog,
+    references=References("write the poll, restart and back-off loop yourself", "lab_utils.monitoring.drills.Watchdog"),
     signature="watchdog(server, stop, poll_s, timeout_s, failures, backoff_s, max_backoff_s) -> None",
     applicable=_server_unavailable,
     hints=[

@@ -27,6 +27,7 @@ from lab_utils.course import results
 from lab_utils.exercises.framework import (
     CodeExercise,
     Exercise,
+    References,
     Wrong,
     _is_students,
     choice,
@@ -170,6 +171,7 @@ def _grade_profile_steps(fn: Any) -> str:
 
 q1 = CodeExercise(
     name="06.1 a trace by hand", var="profile_steps", grade=_grade_profile_steps,
+    references=References("run torch.profiler with the schedule yourself", reference_profile_steps),
     signature="profile_steps(step, trace_path) -> None",
     hints=[
         "with torch.profiler.profile(activities=[...], schedule=torch.profiler.schedule(wait=1, warmup=1, "
@@ -269,6 +271,8 @@ def _grade_busy(fn: Any) -> str:
 
 q2 = CodeExercise(
     name="06.2 GPU busy fraction", var="gpu_busy_fraction", grade=_grade_busy,
+    references=References("take the union of the kernel intervals yourself",
+                           reference_gpu_busy_fraction, "lab_utils.profiling.trace.busy_fraction"),
     signature="gpu_busy_fraction(trace) -> float",
     hints=[
         "Kernels are the events with cat == 'kernel' (ts and dur in µs); the steps are the 'user_annotation' "
@@ -335,6 +339,7 @@ def _grade_loader(fn: Any) -> str:
 
 q3 = CodeExercise(
     name="06.3 fix the data loading", var="make_loader", grade=_grade_loader,
+    references=References("build the DataLoader yourself", reference_make_loader),
     signature="make_loader(dataset, batch_size, device) -> DataLoader",
     hints=[
         "torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True, ...): which arguments move the "
@@ -430,6 +435,7 @@ def reference_last_losses(batches: Sequence[tuple[torch.Tensor, torch.Tensor]], 
 
 q4 = CodeExercise(
     name="06.4 no host sync per step", var="train_loop", grade=_grade_train_loop,
+    references=References("write the training loop yourself", reference_train_loop),
     signature="train_loop(model, opt, batches, log_every) -> list[float]",
     hints=[
         "loss.item() (and float(loss), print(loss), if loss > x:) copies a value to the host: the CPU waits for "

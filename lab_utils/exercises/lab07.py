@@ -30,6 +30,7 @@ from lab_utils.exercises.framework import (
     CodeExercise,
     Exercise,
     NotApplicable,
+    References,
     Wrong,
     hands_out,
     integer,
@@ -221,6 +222,8 @@ def _grade_ensemble(config: Any) -> str:
 q1 = Exercise(
     name="07.1 the ensemble",
     var="ensemble",
+    references=References("write the ensemble's configuration yourself",
+                           reference_ensemble, "lab_utils.serving.ensemble.ensemble_config"),
     grade=_grade_ensemble,
     hints=(
         "An ensemble has platform \"ensemble\", the service's inputs and outputs (IMAGE: TYPE_STRING [1]; LABELS: "
@@ -317,6 +320,7 @@ def _grade_preprocess(fn: Any) -> str:
 q2 = CodeExercise(
     name="07.2 the preprocessing step",
     var="preprocess",
+    references=References("decode, resize and normalize the images yourself", reference_preprocess),
     grade=_grade_preprocess,
     signature="preprocess(items) -> np.ndarray [N, 1, 8, 8] float32",
     hints=(
@@ -382,6 +386,7 @@ def _grade_upstream(block: Any) -> str:
 q3 = Exercise(
     name="07.3 the nginx upstream",
     var="upstream_block",
+    references=References("write the upstream block yourself", reference_upstream),
     grade=_grade_upstream,
     hints=(
         "One `upstream NAME { ... }` block; inside, one `server HOST:PORT;` line per Triton server; every line "
@@ -498,6 +503,7 @@ def _grade_capacity(fn: Any) -> str:
 q4 = CodeExercise(
     name="07.4 the capacity search",
     var="find_capacity",
+    references=References("write the bisection over the rate yourself", reference_find_capacity),
     grade=_grade_capacity,
     signature="find_capacity(probe, lo_rps, hi_rps, slo_ms, tolerance) -> float",
     hints=(
@@ -548,6 +554,7 @@ def _grade_plan(fn: Any) -> str:
 q5 = CodeExercise(
     name="07.5 the capacity plan",
     var="servers_needed",
+    references=References("work out the number of servers yourself", reference_servers_needed),
     grade=_grade_plan,
     signature="servers_needed(peak_rps, capacity_rps, headroom, spares) -> int",
     hints=(
@@ -654,6 +661,7 @@ def _grade_gpu_preprocess(fn: Any) -> str:
 q6 = CodeExercise(
     name="07.6 the GPU decode step",
     var="gpu_preprocess",
+    references=References("decode the batch, resize and normalize it yourself", reference_gpu_preprocess),
     grade=_grade_gpu_preprocess,
     signature="gpu_preprocess(items, decode_jpeg, device) -> torch.Tensor [N, 3, 64, 64] float32 on device",
     hints=(

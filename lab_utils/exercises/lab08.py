@@ -29,6 +29,7 @@ from lab_utils.exercises.framework import (
     CodeExercise,
     Exercise,
     NotApplicable,
+    References,
     Wrong,
     _short,
     choice,
@@ -377,6 +378,7 @@ def _check_run(client: Any, run: Any, exp_id: str, experiment: str, result: Any,
 
 q1 = CodeExercise(
     name="08.1 log a training run", var="log_run", grade=_grade_log_run,
+    references=References("make the MLflow calls yourself", reference_log_run, "lab_utils.mlops.tracking.log_run"),
     signature="log_run(tracking_uri, experiment, result, onnx_path) -> str", applicable=mlflow_missing,
     hints=(
         "mlflow.set_tracking_uri(tracking_uri); mlflow.set_experiment(experiment) (it creates it when new); then "
@@ -727,6 +729,8 @@ def _grade_queries(fn: Any) -> str:
 
 q2 = CodeExercise(
     name="08.2 the canary's PromQL", var="canary_queries", grade=_grade_queries,
+    references=References("write the PromQL yourself",
+                           reference_canary_queries, "lab_utils.mlops.canary.render_queries"),
     signature="canary_queries(window: str) -> dict[str, str]", applicable=_prometheus_missing,
     hints=(
         "Every number is over the last window: rate(counter[window]) (or increase) of Triton's counters "
@@ -912,6 +916,8 @@ def _grade_decide(fn: Any) -> str:
 
 q3 = CodeExercise(
     name="08.3 the canary's decision", var="decide", grade=_grade_decide,
+    references=References("write the canary's decision rules yourself",
+                           reference_decide, "lab_utils.mlops.canary.decide"),
     signature="decide(state: CanaryState, metrics: dict[str, VariantMetrics], guards: Guards) -> Decision",
     hints=(
         "Guards in order: errors (above guards.max_error_rate, or above the champion's + max_error_rate_delta), "
@@ -1006,6 +1012,8 @@ def _grade_sample_size(fn: Any) -> str:
 
 q4 = CodeExercise(
     name="08.4 the A/B test's sample size", var="sample_size", grade=_grade_sample_size,
+    references=References("compute the sample size from the z-test yourself",
+                           reference_sample_size, "lab_utils.mlops.abtest.sample_size"),
     signature="sample_size(p_a, p_b, alpha=0.05, power=0.8) -> int",
     hints=(
         "z_a = NormalDist().inv_cdf(1 - alpha / 2) (two-sided), z_b = NormalDist().inv_cdf(power) (from statistics "
@@ -1099,6 +1107,7 @@ def _grade_psi(fn: Any) -> str:
 
 q5 = CodeExercise(
     name="08.5 the population stability index", var="psi", grade=_grade_psi,
+    references=References("bin the values and sum the PSI terms yourself", reference_psi, "lab_utils.mlops.drift.psi"),
     signature="psi(reference, current, bins=10) -> float",
     hints=(
         "Bins from the reference: inner edges = np.quantile(reference, np.linspace(0, 1, bins + 1)[1:-1]); the "
@@ -1144,6 +1153,7 @@ def _grade_verdict(value: Any) -> str:
 
 q6 = Exercise(
     name="08.6 the A/B verdict", var="ab_verdict", grade=_grade_verdict,
+    references=References("read the interval yourself", reference_verdict),
     hints=(
         "Read the 95 % interval of B - A (result.boot_low, result.boot_high) and the p-value (result.test.p_value).",
         "The difference is real when the interval excludes 0 (then p < 0.05 too): a 0 inside means 'no difference' "
