@@ -329,7 +329,7 @@ def _verdict_of(result: Any) -> Any:
 
 _AB = types.SimpleNamespace(boot_low=0.01, boot_high=0.03, test=types.SimpleNamespace(p_value=0.01, diff=0.02))
 HANDED_OUT = [  # (lab, exercise, the answer, the course's name for it)
-    ("06", "q5", lambda ex: ex.DIAGNOSIS_CASES, "lab_utils.exercises.lab06.DIAGNOSIS_CASES"),
+    ("06", "q3", lambda ex: ex.DIAGNOSIS_CASES, "lab_utils.exercises.lab06.DIAGNOSIS_CASES"),
     ("09", "q7", lambda ex: ex.H200_RIDGE, "lab_utils.exercises.lab09.H200_RIDGE"),
     ("09", "q9", lambda ex: ex.NIM_REQUEST, "lab_utils.exercises.lab09.NIM_REQUEST"),
     ("09", "q9", lambda ex: dict(ex.NIM_REQUEST), "a copy of lab_utils.exercises.lab09.NIM_REQUEST"),
@@ -337,7 +337,7 @@ HANDED_OUT = [  # (lab, exercise, the answer, the course's name for it)
     ("07", "q1", lambda ex: {**ex.reference_ensemble()}, "a copy of what lab_utils.exercises.lab07.reference_ensemble"),
     ("07", "q3", lambda ex: ex.reference_upstream(["127.0.0.1:8000", "127.0.0.1:8001"]),
      "what lab_utils.exercises.lab07.reference_upstream(...) returned"),
-    ("08", "q6", lambda ex: _verdict_of(_AB), "what lab_utils.exercises.lab08.reference_verdict(...) returned"),
+    ("08", "q5", lambda ex: _verdict_of(_AB), "what lab_utils.exercises.lab08.reference_verdict(...) returned"),
 ]
 
 

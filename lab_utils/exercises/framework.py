@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 import sys
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,6 +78,15 @@ __all__ = [
 ]
 
 
+# What hint() and solution() say when they have nothing to give yet ({n} hints, {var}, the {hint}/{solution} calls)
+HELP_TEXTS = {
+    "no_more_hints": "No more hints: all {n} were shown. Once you have checked an attempt, {solution} shows the "
+                     "solution.",
+    "solution_first": "The solution comes after your first checked attempt: write `{var}` and run its check, then "
+                      "call this again ({hint} gives the next hint meanwhile).",
+}
+
+
 @dataclass
 class Exercise:
     """One question: ``grade(value)`` returns normally when right and raises ``Wrong(why)`` when not.
@@ -99,23 +108,32 @@ class Exercise:
     # the value of the last check that was correct, None until one is (or after a later one is not): what a later
     # cell uses instead of the student's name, so a blank or a wrong answer cannot fail that cell
     accepted: Any = field(default=None, init=False, repr=False)
+    help_texts: Mapping[str, str] = field(default_factory=dict, repr=False)  # HELP_TEXTS in another language
+    # whether a check has seen a filled-in answer (a blank is no attempt): the solution is offered from then on
+    attempted: bool = field(default=False, init=False, repr=False)
 
     def check(self, value: Any, *, quiet: bool = False) -> Outcome:
         """Grade ``value`` (the student's ``var``); prints and returns the outcome."""
         out = self._outcome(value)
         self.accepted = value if out.correct else None
         progress.record(self.name, out.status.name, out.message, echo=_short(value))  # the student's record
+        self.attempted = self.attempted or not is_blank(value)
         if not quiet:
             print(out)
         return out
 
+    def _call(self, method: str) -> str:
+        """How the notebook calls ``method`` ("hint", "solution") of this exercise: `ex.q3.hint()`, or as
+        ``hint_call`` says (the quiz's `runner.hint('id')`)."""
+        if self.hint_call:
+            return f"`{self.hint_call.replace('hint', method, 1)}`"
+        number = re.match(r"\d+[a-z]?\.(\d+)\b", self.name)  # "01.3 ..." (or "01b.3 ...") is the lab's `ex.q3`
+        return f"`ex.q{number[1]}.{method}()`" if number else f"its `.{method}()`"
+
     def _outcome(self, value: Any) -> Outcome:
         if is_blank(value):
-            number = re.match(r"\d+[a-z]?\.(\d+)\b", self.name)  # "01.3 ..." (or "01b.3 ...") is the lab's `ex.q3`
-            hint = f"`{self.hint_call}`" if self.hint_call else f"`ex.q{number[1]}.hint()`" if number else \
-                "its `.hint()`"
             return Outcome(self.name, Status.NOT_ATTEMPTED,
-                           f"Set `{self.var}` above and run this cell again ({hint} helps).")
+                           f"Set `{self.var}` above and run this cell again ({self._call('hint')} helps).")
         lab = re.match(r"(\d\d[a-z]?)\.", self.name)  # "09.7 ..." is lab 09's: its name for an object lab 01 shares
         handed = course_object(value, first=f"{LAB_PACKAGE}lab{lab[1]}" if lab else None)
         if handed:  # before grading: the course's own value would pass every check it was written for
@@ -138,12 +156,15 @@ class Exercise:
         return Outcome(self.name, Status.INCORRECT, f"`{self.var}` = {_short(value)}: {why}")
 
     def hint(self, n: int | None = None) -> Shown:
-        """Print hint ``n`` (1-based), or the next one in order; the text is also returned (shown once in a cell)."""
+        """Print the next hint (the first is conceptual, the last close to code, none the answer), or hint ``n``
+        (1-based) again; the text is also returned (shown once in a cell)."""
         if not self.hints:
             text = "No hints for this one."
+        elif n is None and self._hints_shown >= len(self.hints):
+            text = self._help("no_more_hints")
         else:
             if n is None:
-                self._hints_shown = min(self._hints_shown + 1, len(self.hints))
+                self._hints_shown += 1
                 n = self._hints_shown
             if not 1 <= n <= len(self.hints):
                 raise ValueError(f"hint(n={n}): {self.name} has hints 1..{len(self.hints)}")
@@ -152,10 +173,18 @@ class Exercise:
         return Shown(text)
 
     def solution(self) -> Shown:
-        """Print the worked solution; the text is also returned (shown once in a cell)."""
-        text = f"Solution ({self.name}):\n{self.solution_text}"
+        """Print the worked solution once an attempt was checked (before, what to do first); the text is also
+        returned (shown once in a cell)."""
+        if self.attempted:
+            text = f"Solution ({self.name}):\n{self.solution_text}"
+        else:
+            text = self._help("solution_first")
         print(text)
         return Shown(text)
+
+    def _help(self, key: str) -> str:
+        return (self.help_texts.get(key) or HELP_TEXTS[key]).format(
+            n=len(self.hints), var=self.var, hint=self._call("hint"), solution=self._call("solution"))
 
 
 @dataclass

@@ -21,6 +21,7 @@ from lab_utils.exercises.framework import (
     choice,
     close_to,
     integer,
+    is_blank,
     match_slip,
     number,
     run_student,
@@ -387,6 +388,7 @@ class InventoryExercise(CodeExercise):
             if not out.graded:
                 out.message += f" (No NVML here: {reason}. So this grades `smi_inventory`, on the H200 captures.)"
         progress.record(self.name, out.status.name, out.message)  # the student's record, as Exercise.check does
+        self.attempted = self.attempted or not (is_blank(nvml_inventory) and is_blank(smi_inventory))
         if not quiet:
             print(out)
         return out

@@ -199,8 +199,8 @@ q1 = Exercise(
         "Start from the fields: name, platform, max_batch_size, input [...], output [...], dynamic_batching "
         "{...}, instance_group [...]. Names and types must match the ONNX model.",
         "With max_batch_size > 0 Triton adds the batch dimension itself: dims are the shape of ONE row ([64]).",
-        "dynamic_batching { preferred_batch_size: [8, 16] max_queue_delay_microseconds: 100 } and "
-        "instance_group [{ count: 2 kind: KIND_CPU }].",
+        "dynamic_batching holds preferred_batch_size (a list: 8 and 16) and max_queue_delay_microseconds (100); "
+        "instance_group is a list of groups, each with a count (2) and a kind (KIND_CPU).",
     ),
     solution_text='''config_pbtxt = """
 name: "digits_onnx"
@@ -378,10 +378,10 @@ q2 = CodeExercise(
     hints=(
         "Two steps: a load request carrying the configuration (explicit model-control mode serves nothing until "
         "asked), then asking the server whether the model is ready until it is, or until a deadline.",
-        "client.load_model(name, config=json.dumps(config)) takes the configuration as JSON text (it then overrides "
-        "config.pbtxt). client.is_model_ready(name) answers True or False.",
-        "deadline = time.monotonic() + timeout_s; while not client.is_model_ready(name): if time.monotonic() > "
-        "deadline: raise TimeoutError(...); time.sleep(0.1)",
+        "client.load_model takes the name and config=, the configuration as JSON text (json.dumps; it then "
+        "overrides config.pbtxt). client.is_model_ready(name) answers True or False.",
+        "A deadline: time.monotonic() plus timeout_s. Loop while the model is not ready: past the deadline raise "
+        "TimeoutError naming the model, else sleep a little (0.1 s) and ask again.",
     ),
     solution_text=(
         "def deploy_model(client, name, config, timeout_s=60.0):\n"
@@ -466,9 +466,10 @@ q3 = CodeExercise(
     hints=(
         "tritonclient.grpc: a client for the URL, one InferInput per input (name, shape, datatype) filled from the "
         "array, the outputs you want, then client.infer(model, inputs, outputs=...).",
-        "inp = grpcclient.InferInput('INPUT__0', list(x.shape), 'FP32'); inp.set_data_from_numpy(x); "
-        "out = grpcclient.InferRequestedOutput('OUTPUT__0')",
-        "result = client.infer(model, [inp], outputs=[out]); return result.as_numpy('OUTPUT__0')",
+        "One grpcclient.InferInput for 'INPUT__0', with x's shape as a list and the datatype 'FP32', filled by its "
+        "set_data_from_numpy; one grpcclient.InferRequestedOutput for 'OUTPUT__0'.",
+        "client.infer(model, inputs, outputs=...) returns a result; its as_numpy('OUTPUT__0') is the array to "
+        "return.",
     ),
     solution_text=(
         "def grpc_infer(url, model, x):\n"
@@ -490,8 +491,8 @@ q4 = CodeExercise(
         "tritonclient.http has the same classes as tritonclient.grpc; the URL is the HTTP endpoint's host:port.",
         "Over HTTP tritonclient sends and asks for tensors as raw bytes by default (binary_data=True is the default of "
         "set_data_from_numpy and InferRequestedOutput); binary_data=False would send them as JSON numbers.",
-        "client = httpclient.InferenceServerClient(url); ...; return client.infer(model, [inp], "
-        "outputs=[out]).as_numpy('OUTPUT__0')",
+        "The client is an httpclient.InferenceServerClient for the URL; the rest is your gRPC function with "
+        "httpclient's classes.",
     ),
     solution_text=(
         "def http_infer(url, model, x):\n"
@@ -703,10 +704,11 @@ q6 = CodeExercise(
     hints=(
         "`requests` holds every request of one batch; each carries its own number of rows. Gather their inputs, run "
         "self.model ONCE on all rows, then give each request its own slice, in order.",
-        "x_i = to_numpy(pb_utils.get_input_tensor_by_name(r, 'INPUT__0')) for each r; y = "
-        "self.model(np.concatenate(xs)); rows = [len(x) for x in xs]",
-        "responses, start = [], 0; for n in rows: responses.append(pb_utils.InferenceResponse([to_tensor('OUTPUT__0', "
-        "y[start:start + n])])); start += n; return responses",
+        "Per request r: its input is pb_utils.get_input_tensor_by_name(r, 'INPUT__0'), as numpy through to_numpy. "
+        "Run self.model once on all of them joined by np.concatenate; keep each request's row count.",
+        "Walk the requests in order with a running start row: each gets a pb_utils.InferenceResponse with one "
+        "tensor, to_tensor('OUTPUT__0', ...) of its own rows of the output, start to start + n. One response per "
+        "request, in order.",
     ),
     solution_text=(
         "def execute(self, requests):\n"

@@ -93,6 +93,13 @@ _T = {
     "retry": {"en": "Try again: the answer and its explanation come after a second wrong answer ({hint} gives a hint "
                     "first).",
               "zh": "请再试一次：再答错一次才会显示答案和解析（可先用 {hint} 查看提示）。"},
+    # what a hint or the answer says before it has anything to give (framework.HELP_TEXTS' placeholders)
+    "no_more_hints": {"en": "No more hints: all {n} were shown. Once you have answered, {solution} shows the answer.",
+                      "zh": "没有更多提示了：{n} 条提示已全部显示。作答并检查之后，{solution} 会显示答案。"},
+    "solution_first": {"en": "The answer comes after yours was checked: answer it (runner.answer or runner.check), "
+                             "then call this again ({hint} gives a hint meanwhile).",
+                       "zh": "先作答并检查（runner.answer 或 runner.check），再查看答案；"
+                             "在此之前可用 {hint} 查看提示。"},
 }
 
 
@@ -272,6 +279,7 @@ class Question:
             grade=grade,
             hints=hints,
             hint_call=hint_call,
+            help_texts={key: _tr(key, lang) for key in ("no_more_hints", "solution_first")},
             solution_text=f"{_tr('answer', lang)}: {self.answer_text(lang)}\n{_tr('why', lang)}: "
                           f"{self.explanation[lang]}",
         )
