@@ -12,9 +12,11 @@ from pathlib import Path
 import pytest
 from _exercise_harness import exercises_of
 
+from lab_utils.course.catalog import NOTEBOOK_GLOB
+
 ROOT = Path(__file__).resolve().parents[1]
-NOTEBOOKS = sorted((ROOT / "solutions").glob("[0-9][0-9]_*.ipynb"))
-EXERCISES_IMPORT = re.compile(r"lab_utils\.exercises import (lab\d\d) as ex\b")
+NOTEBOOKS = sorted((ROOT / "solutions").glob(NOTEBOOK_GLOB))
+EXERCISES_IMPORT = re.compile(r"lab_utils\.exercises import (lab\d\d[a-z]?) as ex\b")
 HEADING = re.compile(r"^#+ .*?\bExercises? (\d+)((?:(?:, | and )\d+)*)", re.M)
 CHECK = re.compile(r"\bex\.q(\d+)\.check\(")
 
@@ -59,7 +61,7 @@ def test_exercises_are_numbered_in_the_order_the_lab_shows_them(path):
         else:
             assert numbers[0] in under, f"{path.name}: ex.q{numbers[0]}.check under the heading of exercise {under}"
     # The check objects follow the numbers: qN is exercise N, named "NN.N ...".
-    lab = path.name[:2]
+    lab = path.name.partition("_")[0]  # "06", "01b"
     ids = {id(e) for e in exercises_of(module)}
     public = {k: v for k, v in vars(module).items() if id(v) in ids}
     assert sorted(public, key=lambda k: int(k[1:])) == [f"q{i}" for i in range(1, n + 1)]
