@@ -2,7 +2,7 @@
 Playwright through Debian's chromium. What papermill and nbval cannot see: the token page, JupyterLab opening the
 labs, lab 00 run from the page (no error output, the tier table and an HTML table rendered, a blank exercise "not
 attempted", one typed in "correct"), lab 01's roofline explorer answering its dtype control, a plot rendered as an
-image, a folded hint under an exercise opened by a click, no first-start pop-up, and layout basics at 1280 px. A
+image, the one help line under an exercise (no hint in the page), no first-start pop-up, and layout basics at 1280 px. A
 broken copy of a lab and a missing token are shown to be caught.
 
 A notebook runs from the Run menu only once its kernel is connected and idle: before that the toolbar already
