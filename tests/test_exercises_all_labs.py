@@ -67,6 +67,11 @@ def test_exercises_are_numbered_in_the_order_the_lab_shows_them(path):
     assert sorted(public, key=lambda k: int(k[1:])) == [f"q{i}" for i in range(1, n + 1)]
     for i in range(1, n + 1):
         assert public[f"q{i}"].name.startswith(f"{lab}.{i} "), (f"q{i}", public[f"q{i}"].name)
+    # ... and each check cell passes exercise N's own answer: `ex.q3.check(diagnosis)` where q3.var is "diagnosis".
+    text = path.read_text()
+    for number, args in re.findall(r"\bex\.q(\d+)\.check\(([^)]*)\)", text):
+        want = [v.strip() for v in public[f"q{number}"].var.split("/")]
+        assert [a.strip() for a in args.split(",")] == want, f"{path.name}: ex.q{number}.check({args}), want {want}"
 
 
 def test_the_order_test_sees_an_exercise_out_of_order(tmp_path):
