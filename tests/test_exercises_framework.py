@@ -218,9 +218,9 @@ def test_students_frames_and_shipping_share_one_library_test():
     from lab_utils.distributed import ranks
 
     assert student.is_library_file is ranks.is_library_file
-    assert not framework._is_students(framework.__file__) and not framework._is_students(threading.__file__)
-    assert framework._is_students("<ipython-input-3>") and not framework._is_students("<frozen runpy>")
-    assert framework._is_students(__file__)
+    assert not student._is_students(framework.__file__) and not student._is_students(threading.__file__)
+    assert student._is_students("<ipython-input-3>") and not student._is_students("<frozen runpy>")
+    assert student._is_students(__file__)
 
 
 def test_check_prints_outcome(capsys):

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lab_utils.course import progress
-from lab_utils.exercises.course_objects import _identifiable, course_object, hands_out
+from lab_utils.exercises.course_objects import course_object, hands_out
 from lab_utils.exercises.delegation import (
     LAB_PACKAGE,
     Guard,
@@ -62,7 +62,6 @@ from lab_utils.exercises.student import (
     StudentLine,
     StudentThread,
     StudentTimeout,
-    _is_students,
     raised_message,
     run_student,
     student_frame,
@@ -74,7 +73,7 @@ __all__ = [
     "StudentLine", "StudentThread", "StudentTimeout", "raised_message", "run_student", "student_frame",
     "amended", "choice", "close_to", "fastest_ratio", "fraction", "integer", "items", "match_slip", "normal_text",
     "number", "one_of", "patched", "per_call_wrong", "source_as", "version",
-    "course_object", "hands_out", "ReferenceCalled", "_identifiable", "_is_students", "_short",
+    "course_object", "hands_out", "ReferenceCalled",
 ]
 
 

@@ -37,7 +37,6 @@ from lab_utils.exercises.framework import (
     References,
     StudentLine,
     Wrong,
-    _short,
     amended,
     choice,
     close_to,
@@ -50,6 +49,7 @@ from lab_utils.exercises.framework import (
     source_as,
     student_frame,
 )
+from lab_utils.exercises.outcomes import _short
 from lab_utils.models import DigitsCNN, digits_arrays
 from lab_utils.procs import temporary_folder
 

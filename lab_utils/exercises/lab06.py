@@ -29,12 +29,12 @@ from lab_utils.exercises.framework import (
     Exercise,
     References,
     Wrong,
-    _is_students,
     choice,
     run_student,
     source_as,
 )
 from lab_utils.exercises.lab01 import grading_device  # the lab's own device: the GPU when torch can use one
+from lab_utils.exercises.student import _is_students
 from lab_utils.procs import temporary_folder
 from lab_utils.profiling import trace as tr
 from lab_utils.profiling.programs import PngDigits, close_iterator, loader_workers

@@ -31,7 +31,6 @@ from lab_utils.exercises.framework import (
     NotApplicable,
     References,
     Wrong,
-    _short,
     choice,
     hands_out,
     integer,
@@ -39,6 +38,7 @@ from lab_utils.exercises.framework import (
     run_student,
     source_as,
 )
+from lab_utils.exercises.outcomes import _short
 from lab_utils.mlops import canary
 from lab_utils.mlops.canary import CanaryState, Decision, Guards, VariantMetrics
 from lab_utils.mlops.feedback import FEEDBACK_CORRECT, FEEDBACK_TOTAL, MetricsServer
