@@ -287,6 +287,7 @@ def test_a_runner_with_blanks_runs_headless_and_scores_zero(capsys):
     score = runner.score()
     assert list(score["section"]) == BANK.sections and (score["right"] == 0).all() and (score["answered"] == 0).all()
     assert len(runner.missed()) == len(BANK) and set(runner.missed()["status"]) == {"not attempted"}
+    assert set(runner.missed()["answer"]) == {"answer it first"}  # a blank is no attempt: no answer given away
     assert "not attempted" in capsys.readouterr().out
 
 
@@ -312,6 +313,7 @@ def test_one_at_a_time_with_feedback(capsys):
     assert runner.next() is None
     missed = runner.missed()
     assert list(missed["id"]) == [q2.id] and missed["status"].iloc[0] == "incorrect"
+    assert missed["answer"].iloc[0] == q2.answer_text("zh") and missed["why"].iloc[0]  # answered: the answer shows
     assert runner.score().loc[0, "right"] == 1
 
 

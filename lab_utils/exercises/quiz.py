@@ -257,7 +257,8 @@ class QuizRunner:
         return pd.DataFrame(rows, columns=["section", "title", "questions", "answered", "right", "score"])
 
     def missed(self) -> pd.DataFrame:
-        """Every question not answered right (wrong, or blank), with the right answer, why, and the lab."""
+        """Every question not answered right (wrong, or blank), with the lab; the right answer and why only where an
+        answer of yours was checked (as ``solution``: a blank says to answer it first)."""
         lang = self.language
         rows = []
         for q in self.questions:
@@ -266,9 +267,11 @@ class QuizRunner:
                 continue
             status = "not attempted" if out is None or out.status is Status.NOT_ATTEMPTED else out.status.value
             given = self.given.get(q.id)
+            tried = q.id in self._exercises and self._exercises[q.id][1].attempted
             rows.append({"id": q.id, "section": q.section, "status": status,
-                         "yours": None if is_blank(given) else given, "answer": q.answer_text(lang),
-                         "why": q.explanation[lang], "lab": q.lab_text(lang)})
+                         "yours": None if is_blank(given) else given,
+                         "answer": q.answer_text(lang) if tried else _tr("answer_first", lang),
+                         "why": q.explanation[lang] if tried else "", "lab": q.lab_text(lang)})
         return pd.DataFrame(rows, columns=["id", "section", "status", "yours", "answer", "why", "lab"])
 
 

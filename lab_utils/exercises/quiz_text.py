@@ -57,6 +57,7 @@ _T = {
     # what a hint or the answer says before it has anything to give (framework.HELP_TEXTS' placeholders)
     "no_more_hints": {"en": "No more hints: all {n} were shown. Once you have answered, {solution} shows the answer.",
                       "zh": "没有更多提示了：{n} 条提示已全部显示。作答并检查之后，{solution} 会显示答案。"},
+    "answer_first": {"en": "answer it first", "zh": "请先作答"},
     "solution_first": {"en": "The answer comes after yours was checked: answer it (runner.answer or runner.check), "
                              "then call this again ({hint} gives a hint meanwhile).",
                        "zh": "先作答并检查（runner.answer 或 runner.check），再查看答案；"
