@@ -122,7 +122,8 @@ def standard_tests(cases):
 
 
 def hint_and_solution_tests(exercises):
-    """Hints step from the first to the last and stay there; every solution prints its text."""
+    """Hints come one per call, from the first to the last, then say there are no more; the solution is shown once an
+    attempt was checked, and before that says what to do first."""
     ids = [e.name for e in exercises]
 
     @pytest.mark.parametrize("exercise", exercises, ids=ids)
@@ -133,7 +134,8 @@ def hint_and_solution_tests(exercises):
         shown = [exercise.hint() for _ in range(n + 1)]
         assert shown[0].startswith(f"Hint 1/{n}:")
         assert shown[n - 1].startswith(f"Hint {n}/{n}:")
-        assert shown[n] == shown[n - 1]  # stays on the last one
+        assert len(set(shown[:n])) == n  # a new hint each call
+        assert shown[n].startswith("No more hints") and ".solution()" in shown[n]
         assert exercise.hint(1) == shown[0]
         assert "Hint 1/" in capsys.readouterr().out
         with pytest.raises(ValueError):
@@ -141,6 +143,11 @@ def hint_and_solution_tests(exercises):
 
     @pytest.mark.parametrize("exercise", exercises, ids=ids)
     def test_solution_prints(exercise, capsys):
+        exercise = copy.copy(exercise)
+        exercise.attempted = False
+        first = exercise.solution()
+        assert exercise.solution_text not in first and f"`{exercise.var}`" in first and "check" in first
+        exercise.attempted = True  # what a check of a filled-in answer sets
         text = exercise.solution()
         assert exercise.name in text and exercise.solution_text in text
         assert exercise.solution_text in capsys.readouterr().out

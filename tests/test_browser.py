@@ -2,7 +2,7 @@
 Playwright through Debian's chromium. What papermill and nbval cannot see: the token page, JupyterLab opening the
 labs, lab 00 run from the page (no error output, the tier table and an HTML table rendered, a blank exercise "not
 attempted", one typed in "correct"), lab 01's roofline explorer answering its dtype control, a plot rendered as an
-image, a folded hint under an exercise opened by a click, no first-start pop-up, and layout basics at 1280 px. A
+image, the one help line under an exercise (no hint in the page), no first-start pop-up, and layout basics at 1280 px. A
 broken copy of a lab and a missing token are shown to be caught.
 
 A notebook runs from the Run menu only once its kernel is connected and idle: before that the toolbar already
@@ -349,27 +349,24 @@ def test_lab01_roofline_explorer_answers_its_dtype_control(page, shots):
     shot(page, shots, "08-lab01-explorer-bf16")
 
 
-# --- a hint folded under an exercise -----------------------------------------------------------------------------
+# --- the help line under an exercise ------------------------------------------------------------------------------
 
 
-def test_a_folded_hint_opens_when_its_summary_is_clicked(page, shots):
-    """The generated lab's hints are closed ``<details>`` blocks under the check; a click on one shows its text."""
+def test_the_line_under_an_exercise_says_how_to_get_help_and_shows_no_hint(page, shots):
+    """Under each check the generated lab says, in one line, how to get the next hint and when the solution comes;
+    no hint is in the page (they come one call at a time)."""
     from playwright.sync_api import expect
 
     from lab_utils.exercises import lab01
 
     open_notebook(page, "01_cuda_timing.ipynb")
     nb = _notebook(page)
-    hints = lab01.q1.hints
-    block = nb.locator(".jp-MarkdownOutput details").filter(
-        has=page.locator("summary", has_text=f"Hint 1 of {len(hints)}")).first
-    block.scroll_into_view_if_needed(timeout=60_000)
-    # the markdown escapes and code spans are gone once rendered: compare the words
-    words = " ".join(hints[0].replace("`", "").split())
-    text = block.get_by_text(words[:60])
-    expect(text).to_be_hidden()  # closed: the summary shows, the hint does not
-    assert nb.locator(".jp-MarkdownOutput", has_text="ex.q1.hint()").first.is_visible()
-    block.locator("summary").click()
-    expect(text).to_be_visible()
-    shot(page, shots, "09-lab01-hint-open")
-    assert " ".join(block.inner_text().split()).endswith(words)
+    line = nb.locator(".jp-MarkdownOutput", has_text="ex.q1.hint()").first
+    line.scroll_into_view_if_needed(timeout=60_000)
+    expect(line).to_be_visible()
+    text = " ".join(line.inner_text().split())
+    assert "gives the next of its" in text and "once you have checked an attempt" in text, text
+    shot(page, shots, "09-lab01-help-line")
+    assert nb.locator(".jp-MarkdownOutput details summary", has_text="Hint 1 of").count() == 0
+    words = " ".join(lab01.q1.hints[0].replace("`", "").split())
+    expect(nb.get_by_text(words[:60])).to_have_count(0)

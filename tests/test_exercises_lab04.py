@@ -769,3 +769,11 @@ def test_after_the_lab_stopped_its_server_a_check_says_what_to_run_then_works(tm
         assert outcome(lab04.q3, grpc_infer)[0] is Status.CORRECT  # the lab's model loaded again for the request
     finally:
         server.stop()
+
+
+def test_lab04_hints_keep_code_names_as_written():
+    from lab_utils.exercises import lab04
+
+    hint = lab04._hint("bad argument type for config", lab04._DEPLOY_HINTS)
+    assert hint.startswith(" load_model's config= takes JSON text"), hint
+    assert lab04._hint("unknown output 'y'", lab04._CLIENT_HINTS).startswith(" The model's output")

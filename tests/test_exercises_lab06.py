@@ -218,11 +218,11 @@ CASES = [
      [profile_no_schedule, profile_wait_zero, profile_no_export, profile_four_steps]),
     (lab06.q2, [lab06.reference_gpu_busy_fraction, busy_right_with_helper_logic, tr.busy_fraction],
      [busy_sum_of_durations, busy_over_kernel_time, busy_no_clipping, busy_steps_only, busy_percent]),
-    (lab06.q3, [lab06.reference_make_loader, loader_right_two_workers],
+    (lab06.q4, [lab06.reference_make_loader, loader_right_two_workers],
      [loader_pinned_only, loader_iterator, loader_wrong_batch]),
-    (lab06.q4, [lab06.reference_train_loop, loop_right_stacked],
+    (lab06.q5, [lab06.reference_train_loop, loop_right_stacked],
      [loop_item_every_step, loop_nan_check, loop_last_loss, loop_never_reset, loop_no_zero_grad]),
-    (lab06.q5, [as_written(lab06.DIAGNOSIS_CASES),
+    (lab06.q3, [as_written(lab06.DIAGNOSIS_CASES),
                 {"D": "launch-bound", "C": "Data loading", "B": "BF16", "A": "host sync"}],
      [{"A": "launch", "B": "precision", "C": "data", "D": "sync"}, {"A": "sync", "B": "precision", "C": "data"},
       {"A": "sync", "B": "data", "C": "precision", "D": "launch"}, "data"]),
@@ -245,16 +245,16 @@ def test_wrong_answers_get_their_own_message():
     assert "clip" in check(lab06.q2, busy_no_clipping).message
     assert "last kernel" in check(lab06.q2, busy_steps_only).message
     assert "percentage" in check(lab06.q2, busy_percent).message
-    assert "num_workers is 0" in check(lab06.q3, loader_pinned_only).message
-    assert "DataLoader itself" in check(lab06.q3, loader_iterator).message
-    assert "read-backs" in check(lab06.q4, loop_item_every_step).message
-    assert "__bool__" in check(lab06.q4, loop_nan_check).message
-    assert "last step's loss" in check(lab06.q4, loop_last_loss).message
+    assert "num_workers is 0" in check(lab06.q4, loader_pinned_only).message
+    assert "DataLoader itself" in check(lab06.q4, loader_iterator).message
+    assert "read-backs" in check(lab06.q5, loop_item_every_step).message
+    assert "__bool__" in check(lab06.q5, loop_nan_check).message
+    assert "last step's loss" in check(lab06.q5, loop_last_loss).message
     assert "swapped" in check(lab06.q6, {"gemm": "memory", "elementwise": "compute"}).message
 
 
 def test_the_loader_check_measures_the_wait():
-    out = check(lab06.q3, lab06.reference_make_loader)
+    out = check(lab06.q4, lab06.reference_make_loader)
     assert out.status is Status.CORRECT and "ms in the main process" in out.message
 
 

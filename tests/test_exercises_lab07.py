@@ -192,7 +192,7 @@ def _upstreams(svc):
     return rights, wrongs
 
 
-# --- q5: the capacity plan ------------------------------------------------------------------------------------
+# --- q6: the capacity plan ------------------------------------------------------------------------------------
 
 
 def _plan_int_division(peak_rps, capacity_rps, headroom, spares):
@@ -215,14 +215,14 @@ def _plan(kind):
     return servers_needed
 
 
-Q5_RIGHT = [ex.reference_servers_needed, _plan_int_division]
-Q5_WRONG = [_plan("no_headroom"), _plan("times"), _plan("no_spare"), _plan("round"), _plan("float")]
+Q6_RIGHT = [ex.reference_servers_needed, _plan_int_division]
+Q6_WRONG = [_plan("no_headroom"), _plan("times"), _plan("no_spare"), _plan("round"), _plan("float")]
 
-# --- q6: the GPU decode step (on the CPU here, with the Pillow stand-in of decode_jpeg) ---------------------------
+# --- q5: the GPU decode step (on the CPU here, with the Pillow stand-in of decode_jpeg) ---------------------------
 
 
 def _gpu_pre(kind):
-    def gpu_preprocess(items, decode_jpeg, device, size=ex.Q6_SIZE):
+    def gpu_preprocess(items, decode_jpeg, device, size=ex.Q5_SIZE):
         import torch
         import torch.nn.functional as F
 
@@ -245,18 +245,18 @@ def _gpu_pre(kind):
     return gpu_preprocess
 
 
-Q6_RIGHT = [_gpu_pre("right")]
-Q6_WRONG = [_gpu_pre("one_by_one"), _gpu_pre("no_antialias"), _gpu_pre("not_normalized"), _gpu_pre("not_scaled"),
+Q5_RIGHT = [_gpu_pre("right")]
+Q5_WRONG = [_gpu_pre("one_by_one"), _gpu_pre("no_antialias"), _gpu_pre("not_normalized"), _gpu_pre("not_scaled"),
             _gpu_pre("float64")]
 
 
 def test_gpu_decode_slips_get_their_own_message():
-    got = [check(ex.q6, fn).message for fn in Q6_WRONG]
+    got = [check(ex.q5, fn).message for fn in Q5_WRONG]
     assert "called 6 times for 6 images" in got[0] and "antialias=True" in got[1]
     assert "0..1 scale, not normalized" in got[2] and "raw 0..255" in got[3] and "float64" in got[4]
 
 
-OFFLINE_CASES = [(ex.q5, Q5_RIGHT, Q5_WRONG), (ex.q6, Q6_RIGHT, Q6_WRONG)]
+OFFLINE_CASES = [(ex.q6, Q6_RIGHT, Q6_WRONG), (ex.q5, Q5_RIGHT, Q5_WRONG)]
 SERVICE_CASES = [(ex.q1, Q1_RIGHT, Q1_WRONG), (ex.q2, Q2_RIGHT, Q2_WRONG)]
 RECORDED_CASES = [(ex.q4, Q4_RIGHT, Q4_WRONG)]
 
@@ -309,9 +309,9 @@ def test_wrong_answers_are_told_their_symptom(svc):
     q4 = [check(ex.q4, fn).message for fn in Q4_WRONG]
     assert "p95" in q4[0] and "not stable" in q4[1] and "had errors" in q4[2] and "probes" in q4[3]
     assert "capacity is" in q4[4]
-    q5 = [check(ex.q5, fn).message for fn in Q5_WRONG]
-    assert "headroom is missing" in q5[0] and "(1 + headroom)" in q5[1] and "spare is missing" in q5[2]
-    assert "rounded down" in q5[3] and "whole number" in q5[4]
+    q6 = [check(ex.q6, fn).message for fn in Q6_WRONG]
+    assert "headroom is missing" in q6[0] and "(1 + headroom)" in q6[1] and "spare is missing" in q6[2]
+    assert "rounded down" in q6[3] and "whole number" in q6[4]
     assert not (svc.repo.path / ex.Q1_NAME).exists()  # the check's ensemble is removed after each check
 
 
@@ -342,7 +342,7 @@ def test_cases_cover_every_exercise():
 
 
 def test_at_least_half_of_the_exercises_run_code():
-    code = [ex.q2, ex.q4, ex.q5, ex.q6]  # functions the checks call (q1 and q3 run in Triton and nginx)
+    code = [ex.q2, ex.q4, ex.q6, ex.q5]  # functions the checks call (q1 and q3 run in Triton and nginx)
     assert 2 * len(code) >= len(exercises_of(ex))
 
 

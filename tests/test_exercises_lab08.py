@@ -283,7 +283,7 @@ def test_q3_scripted_sequences_alone_follow_the_reference():
     assert ex._grade_scripted(ex.reference_decide) == ex._grade_scripted(canary.decide) > 20
 
 
-# --- q4, q5: sample size and PSI (offline) ----------------------------------------------------------------------
+# --- q4, q6: sample size and PSI (offline) ----------------------------------------------------------------------
 
 
 def _sample_size_unpooled(p_a, p_b, alpha=0.05, power=0.8):
@@ -355,21 +355,21 @@ def _psi_closed(reference, current, bins=10):
     return float(np.sum((c - r) * np.log(c / r)))
 
 
-Q5_RIGHT = [ex.reference_psi, _psi_histogram]
-Q5_WRONG = [(_psi(cur_edges=True), "current sample's quantiles"), (_psi(no_eps=True), "epsilon"),
+Q6_RIGHT = [ex.reference_psi, _psi_histogram]
+Q6_WRONG = [(_psi(cur_edges=True), "current sample's quantiles"), (_psi(no_eps=True), "epsilon"),
             (_psi(counts=True), "counts, not shares"), (_psi(kl=True), "KL"), (_psi(neg=True), "negative"),
             (_psi_closed, "open-ended")]
 
-OFFLINE_CASES = [(ex.q4, Q4_RIGHT, [w for w, _ in Q4_WRONG]), (ex.q5, Q5_RIGHT, [w for w, _ in Q5_WRONG])]
+OFFLINE_CASES = [(ex.q4, Q4_RIGHT, [w for w, _ in Q4_WRONG]), (ex.q6, Q6_RIGHT, [w for w, _ in Q6_WRONG])]
 (test_offline_right, test_offline_wrong, test_offline_blank) = standard_tests(OFFLINE_CASES)
 
 
 def test_offline_wrong_answers_are_told_their_symptom():
     _assert_told(ex.q4, Q4_WRONG)
-    _assert_told(ex.q5, Q5_WRONG)
+    _assert_told(ex.q6, Q6_WRONG)
 
 
-# --- q6: the verdict --------------------------------------------------------------------------------------------
+# --- q5: the verdict --------------------------------------------------------------------------------------------
 
 
 def _ab(acc_b, n=2000):
@@ -380,24 +380,24 @@ def _ab(acc_b, n=2000):
 
 def test_q6_verdict(monkeypatch):
     monkeypatch.setattr(ex, "_BOUND", {})
-    assert check(ex.q6, "real").status is Status.NOT_APPLICABLE and "use_ab" in check(ex.q6, "real").message
+    assert check(ex.q5, "real").status is Status.NOT_APPLICABLE and "use_ab" in check(ex.q5, "real").message
     real, noise = _ab(0.94), _ab(0.905)
     assert real.real and not noise.real
     ex.use_ab(real)
-    _assert_right(ex.q6, ["real", "Yes", True, as_written(ex.reference_verdict(real))])
-    _assert_told(ex.q6, [("not real", "excludes 0"), ("no", "excludes 0"), ("maybe", 'answer "real" or "not real"')])
-    _assert_blank(ex.q6)
+    _assert_right(ex.q5, ["real", "Yes", True, as_written(ex.reference_verdict(real))])
+    _assert_told(ex.q5, [("not real", "excludes 0"), ("no", "excludes 0"), ("maybe", 'answer "real" or "not real"')])
+    _assert_blank(ex.q5)
     ex.use_ab(noise)
-    _assert_right(ex.q6, ["not real", "not significant", False])
-    _assert_told(ex.q6, [("real", "contains 0"), ("yes", "contains 0")])
+    _assert_right(ex.q5, ["not real", "not significant", False])
+    _assert_told(ex.q5, [("real", "contains 0"), ("yes", "contains 0")])
 
 
 # --- the module as a whole --------------------------------------------------------------------------------------
 
 
 def test_cases_cover_every_exercise():
-    wrongs = [(ex.q1, Q1_WRONG), (ex.q2, Q2_WRONG), (ex.q3, Q3_WRONG), (ex.q4, Q4_WRONG), (ex.q5, Q5_WRONG)]
-    assert {id(e) for e, _ in wrongs} | {id(ex.q6)} == {id(e) for e in exercises_of(ex)}
+    wrongs = [(ex.q1, Q1_WRONG), (ex.q2, Q2_WRONG), (ex.q3, Q3_WRONG), (ex.q4, Q4_WRONG), (ex.q6, Q6_WRONG)]
+    assert {id(e) for e, _ in wrongs} | {id(ex.q5)} == {id(e) for e in exercises_of(ex)}
     assert all(len(w) >= 2 for _, w in wrongs)
 
 

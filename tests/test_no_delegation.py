@@ -1,6 +1,6 @@
 """An answer that hands its work to a reference implementation is refused, in one line naming it and the fix.
 
-For every lab with code exercises (00-08) and every reference of ``framework.REFERENCES``: a wrapper that calls it,
+For every lab with code exercises (00-08) and every reference its exercises name: a wrapper that calls it,
 and the reference itself, are refused before the check does anything expensive (no server, no rank, no grader
 run); a call the static walk cannot see (a name built at run time) is refused while the check runs. The solution
 notebooks' ``# BEGIN SOLUTION`` code is never refused, and where its check is cheap it still passes.
@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 from _exercise_harness import as_written, solution_functions, student_function
 
-from lab_utils.exercises.framework import REFERENCES, CodeExercise, Exercise, Outcome, Status
+from lab_utils.exercises.course_objects import _identifiable
+from lab_utils.exercises.framework import CodeExercise, Exercise, Outcome, Status, lab_references
 
 LABS = ("00", "01", "02", "03", "04", "05", "06", "07", "08")
 MODULES = {lab: importlib.import_module(f"lab_utils.exercises.lab{lab}") for lab in LABS}
@@ -27,6 +28,10 @@ INVENTORY_PARTS = ("nvml_inventory", "smi_inventory")  # 00.3 grades one of two 
 # A refusal comes from reading the answer, not running it: well under the seconds a graded run takes. Generous, so
 # that a loaded CI machine (four workers on two cores took 8.6 s for one) does not fail it; the message is the proof.
 FAST_S = 10.0
+
+
+# "labNN.var" -> the references its exercise names beside itself
+REFERENCES = {f"lab{lab}.{var}": row for lab in LABS for var, row in lab_references(MODULES[lab]).items()}
 
 
 def exercise_of(lab: str, var: str) -> Exercise | None:
@@ -54,7 +59,8 @@ def must_not_run(*_: Any) -> None:
 
 def probe(lab: str, var: str) -> CodeExercise:
     """A code exercise with ``var``'s references whose grader and applicability must never be consulted."""
-    part = CodeExercise(f"{lab} {var}", var, must_not_run, signature=f"{var}(...)", applicable=must_not_run)
+    part = CodeExercise(f"{lab} {var}", var, must_not_run, signature=f"{var}(...)", applicable=must_not_run,
+                        references=REFERENCES.get(f"lab{lab}.{var}"))
     part.lab = MODULES[lab].__name__
     return part
 
@@ -323,7 +329,7 @@ def _verdict_of(result: Any) -> Any:
 
 _AB = types.SimpleNamespace(boot_low=0.01, boot_high=0.03, test=types.SimpleNamespace(p_value=0.01, diff=0.02))
 HANDED_OUT = [  # (lab, exercise, the answer, the course's name for it)
-    ("06", "q5", lambda ex: ex.DIAGNOSIS_CASES, "lab_utils.exercises.lab06.DIAGNOSIS_CASES"),
+    ("06", "q3", lambda ex: ex.DIAGNOSIS_CASES, "lab_utils.exercises.lab06.DIAGNOSIS_CASES"),
     ("09", "q7", lambda ex: ex.H200_RIDGE, "lab_utils.exercises.lab09.H200_RIDGE"),
     ("09", "q9", lambda ex: ex.NIM_REQUEST, "lab_utils.exercises.lab09.NIM_REQUEST"),
     ("09", "q9", lambda ex: dict(ex.NIM_REQUEST), "a copy of lab_utils.exercises.lab09.NIM_REQUEST"),
@@ -331,7 +337,7 @@ HANDED_OUT = [  # (lab, exercise, the answer, the course's name for it)
     ("07", "q1", lambda ex: {**ex.reference_ensemble()}, "a copy of what lab_utils.exercises.lab07.reference_ensemble"),
     ("07", "q3", lambda ex: ex.reference_upstream(["127.0.0.1:8000", "127.0.0.1:8001"]),
      "what lab_utils.exercises.lab07.reference_upstream(...) returned"),
-    ("08", "q6", lambda ex: _verdict_of(_AB), "what lab_utils.exercises.lab08.reference_verdict(...) returned"),
+    ("08", "q5", lambda ex: _verdict_of(_AB), "what lab_utils.exercises.lab08.reference_verdict(...) returned"),
 ]
 
 
@@ -357,8 +363,6 @@ def test_the_courses_own_value_is_refused_before_grading(lab, q, make, named, mo
 
 
 def _identifiable_constants(module: types.ModuleType) -> dict[str, Any]:
-    from lab_utils.exercises.framework import _identifiable
-
     public = getattr(module, "__all__", None) or [n for n in vars(module) if not n.startswith("_")]
     return {n: getattr(module, n) for n in public if _identifiable(getattr(module, n))}
 

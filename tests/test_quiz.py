@@ -183,17 +183,25 @@ def test_the_messages_name_the_notebooks_dict_and_call(capsys):
 def test_hints_come_one_at_a_time(capsys):
     runner = quiz.QuizRunner(FIX, sections=[1])
     first, second, again = (runner.hint("s1-ceiling") for _ in range(3))
-    assert first.startswith("Hint 1/2") and second.startswith("Hint 2/2") and again == second
-    assert capsys.readouterr().out.count("Hint ") == 3  # each call prints its one hint
+    assert first.startswith("Hint 1/2") and second.startswith("Hint 2/2") and first != second
+    assert again.startswith("No more hints: all 2 were shown") and "`runner.solution('s1-ceiling')`" in again
+    assert capsys.readouterr().out.count("Hint ") == 2  # each call prints its one hint
 
 
 def test_runner_hint_and_solution(capsys):
     runner = quiz.QuizRunner(FIX, sections=[1])
     assert "driver compatibility" in runner.hint("s1-ceiling") and "00" in runner.hint("s1-ceiling")
     shown = next(q for q in runner.questions if q.id == "s1-ceiling")
+    before = runner.solution("s1-ceiling")  # nothing answered yet: what to do first, not the answer
+    assert before.startswith("The answer comes after yours was checked") and "The newest CUDA" not in before
+    runner.check({"s1-ceiling": "z"}, section=1, quiet=True)  # an attempt, checked (wrong)
     assert f"{shown.answer}) The newest CUDA" in runner.solution("s1-ceiling")  # the letter this quiz shows
-    assert "b) The newest CUDA" in quiz.QuizRunner(FIX, sections=[1], shuffle=False).solution("s1-ceiling")
+    plain = quiz.QuizRunner(FIX, sections=[1], shuffle=False)
+    plain.check({"s1-ceiling": "b"}, section=1, quiet=True)
+    assert "b) The newest CUDA" in plain.solution("s1-ceiling")
     assert "Hint 1/2" in capsys.readouterr().out
+    zh = quiz.QuizRunner(FIX, sections=[1], language="zh")
+    assert zh.solution("s1-ceiling").startswith("先作答并检查")
 
 
 def test_an_answer_that_names_its_byte_unit_is_read_in_it():
@@ -279,6 +287,7 @@ def test_a_runner_with_blanks_runs_headless_and_scores_zero(capsys):
     score = runner.score()
     assert list(score["section"]) == BANK.sections and (score["right"] == 0).all() and (score["answered"] == 0).all()
     assert len(runner.missed()) == len(BANK) and set(runner.missed()["status"]) == {"not attempted"}
+    assert set(runner.missed()["answer"]) == {"answer it first"}  # a blank is no attempt: no answer given away
     assert "not attempted" in capsys.readouterr().out
 
 
@@ -304,6 +313,7 @@ def test_one_at_a_time_with_feedback(capsys):
     assert runner.next() is None
     missed = runner.missed()
     assert list(missed["id"]) == [q2.id] and missed["status"].iloc[0] == "incorrect"
+    assert missed["answer"].iloc[0] == q2.answer_text("zh") and missed["why"].iloc[0]  # answered: the answer shows
     assert runner.score().loc[0, "right"] == 1
 
 

@@ -16,10 +16,12 @@ from lab_utils.exercises.framework import (
     CodeExercise,
     Exercise,
     Outcome,
+    References,
     Wrong,
     choice,
     close_to,
     integer,
+    is_blank,
     match_slip,
     number,
     run_student,
@@ -151,6 +153,8 @@ def _grade_cuda_ceiling(fn: Any) -> str:
 
 q2 = CodeExercise(
     name="00.2 the CUDA ceiling from nvidia-smi", var="cuda_ceiling", grade=_grade_cuda_ceiling,
+    references=References("find the 'CUDA Version' field in the banner yourself",
+                           reference_cuda_ceiling, "lab_utils.course.probe.parse_smi_header"),
     signature="cuda_ceiling(smi_text) -> str",
     hints=[
         "The banner's first line holds three fields: 'NVIDIA-SMI', 'Driver Version' and 'CUDA Version'. Only "
@@ -355,6 +359,16 @@ def _grade_nvml_inventory(fn: Any) -> str:
     return f"Graded on this machine's {len(want)} GPU(s) through NVML, against {source}."
 
 
+# 00.3's two answers, each graded (and guarded) as a code exercise of its own: see InventoryExercise
+_nvml_part = CodeExercise(
+    "00.3 GPU inventory", "nvml_inventory", _grade_nvml_inventory, signature="nvml_inventory() -> list[dict]",
+    references=References("ask NVML (pynvml) for each GPU yourself", reference_nvml_inventory))
+_smi_part = CodeExercise(
+    "00.3 GPU inventory", "smi_inventory", _grade_smi_inventory,
+    signature="smi_inventory(query_csv, smi_text) -> list[dict]",
+    references=References("read the CSV yourself (csv.reader)", reference_smi_inventory, probe.parse_smi_csv))
+
+
 class InventoryExercise(CodeExercise):
     """Grades ``nvml_inventory()`` where NVML starts (compared with nvidia-smi), else ``smi_inventory(query_csv,
     smi_text)`` on the H200 captures (compared with the reference parser); the outcome says which it graded."""
@@ -362,10 +376,7 @@ class InventoryExercise(CodeExercise):
     def check(self, nvml_inventory: Any = None, smi_inventory: Any = None, *, quiet: bool = False) -> Outcome:
         """Grade the inventory this machine can run: ``nvml_inventory`` with NVML, else ``smi_inventory``."""
         reason = nvml_unavailable()
-        nvml = CodeExercise(self.name, "nvml_inventory", _grade_nvml_inventory,
-                            signature="nvml_inventory() -> list[dict]")
-        smi = CodeExercise(self.name, "smi_inventory", _grade_smi_inventory,
-                           signature="smi_inventory(query_csv, smi_text) -> list[dict]")
+        nvml, smi = _nvml_part, _smi_part
         # The part this machine does not grade is refused too when it only calls a reference implementation.
         refused = nvml.refusal(nvml_inventory) or smi.refusal(smi_inventory)
         if refused is not None:
@@ -377,6 +388,7 @@ class InventoryExercise(CodeExercise):
             if not out.graded:
                 out.message += f" (No NVML here: {reason}. So this grades `smi_inventory`, on the H200 captures.)"
         progress.record(self.name, out.status.name, out.message)  # the student's record, as Exercise.check does
+        self.attempted = self.attempted or not (is_blank(nvml_inventory) and is_blank(smi_inventory))
         if not quiet:
             print(out)
         return out
@@ -605,6 +617,7 @@ def _grade_verdict(fn: Any) -> str:
 
 q5 = CodeExercise(
     name="00.5 the compatibility verdict", var="cuda_verdict", grade=_grade_verdict,
+    references=References("apply the compatibility rules yourself", cuda_verdict),
     signature="cuda_verdict(driver_ceiling, runtime, datacenter_gpu) -> str",
     hints=[
         "Three questions in order: is the runtime at most the ceiling? If not, is it the same major version? If "

@@ -24,6 +24,7 @@ from lab_utils.course import specs
 from lab_utils.exercises.framework import (
     CodeExercise,
     Exercise,
+    References,
     Wrong,
     close_to,
     fastest_ratio,
@@ -322,14 +323,15 @@ def _grade_time_ms(fn: Any) -> str:
 
 q1 = CodeExercise(
     name="01.1 the timing loop", var="time_ms", grade=_grade_time_ms,
+    references=References("write the timing loop yourself", reference_time_ms),
     signature="time_ms(fn, iters, warmup, sync) -> float",
     hints=[
         "fn() returns as soon as its work is queued, long before it is done (on a GPU, and on the simulated "
         "device the check uses without one). What does the host clock measure if nothing waits for the work?",
         "Two fixes: `warmup` untimed calls first, then sync(), so one-time costs stay out; and sync() after the "
         "timed loop, before reading the clock, so you measure the work, not its launches.",
-        "for _ in range(warmup): fn(); sync(); t0 = time.perf_counter(); for _ in range(iters): fn(); sync(); "
-        "return (time.perf_counter() - t0) * 1000 / iters. (On a GPU, CUDA events around the loop work too.)",
+        "The shape: the warm-up calls, sync(), read time.perf_counter(); the timed calls, sync(), read the clock "
+        "again; the elapsed seconds over iters, in ms. (On a GPU, CUDA events around the loop work too.)",
     ],
     solution_text="import time\n\n" + source_as(reference_time_ms, "time_ms(fn, iters, warmup, sync)") + (
         "# On a GPU, CUDA events: start.record(); loop; end.record(); end.synchronize();\n"
@@ -460,11 +462,14 @@ def _grade_matmul_tflops(fn: Any) -> str:
 
 q2 = CodeExercise(
     name="01.2 TFLOP/s from your timing", var="matmul_tflops", grade=_grade_matmul_tflops,
+    references=References("make the inputs, time a @ b with `timer` and count the FLOPs yourself",
+                           reference_matmul_tflops),
     signature="matmul_tflops(n, device, timer) -> float",
     hints=[
-        "Make two random n×n float32 tensors on `device` first; time only the multiply: ms = timer(lambda: a @ b).",
+        "Make two random n×n float32 tensors on `device` first, outside the timing; then give `timer` a function "
+        "that does only the multiply (a lambda around a @ b). It returns ms per call.",
         "C[m,n] = A[m,k]·B[k,n] is m·n·k multiply-adds, and a multiply-add is 2 FLOPs: 2·n³ FLOPs for n×n×n.",
-        "TFLOP/s = 2 * n**3 / (ms * 1e-3) / 1e12 (ms -> seconds, FLOP/s -> TFLOP/s).",
+        "Units: ms to seconds (x 1e-3); FLOPs over seconds is FLOP/s, and 1 TFLOP/s is 1e12 FLOP/s.",
     ],
     solution_text=source_as(reference_matmul_tflops, "matmul_tflops(n, device, timer)"),
 )
@@ -523,12 +528,15 @@ def _grade_copy_gbps(fn: Any) -> str:
 
 q3 = CodeExercise(
     name="01.3 copy bandwidth", var="copy_gbps", grade=_grade_copy_gbps,
+    references=References("make the buffers, time the copy with `timer` and count the bytes yourself",
+                           reference_copy_gbps),
     signature="copy_gbps(nbytes, device, timer) -> float",
     hints=[
         "Make src (random) and dst (empty, same shape) once, each holding nbytes bytes: nbytes // 4 float32 "
-        "elements. Time only the copy: ms = timer(lambda: dst.copy_(src)).",
+        "elements. Time only the copy: give `timer` a function that calls dst.copy_(src) (ms per call).",
         "A copy reads every byte of src and writes every byte of dst: it moves 2 × nbytes through memory.",
-        "GB/s = 2 * nbytes / (ms * 1e-3) / 1e9 (GB = 1e9 bytes, as bandwidth is quoted).",
+        "Units: ms to seconds (x 1e-3); bytes over seconds is bytes/s, and 1 GB/s is 1e9 bytes/s, as bandwidth "
+        "is quoted.",
     ],
     solution_text=source_as(reference_copy_gbps, "copy_gbps(nbytes, device, timer)"),
 )
@@ -554,7 +562,7 @@ q4 = Exercise(
         "Per element: how many FLOPs does a*x + y take, and how many values move between memory and "
         "the chip (reads and writes)?",
         "2 FLOPs (multiply, add). x and y are read, y is written: 3 values of fp32, 4 bytes each.",
-        "saxpy_intensity = 2 / (3 * 4) FLOP/byte.",
+        "Intensity is FLOPs over bytes, both per element: the FLOPs of one element over the bytes it moves.",
     ],
     solution_text="saxpy_intensity = 2 / (3 * 4)   # 0.167 FLOP/byte: 2 FLOPs; read x, read y, write y, 4 bytes each",
 )
@@ -577,7 +585,7 @@ q5 = Exercise(
         "The ridge point is where a roofline's slanted (bandwidth) and flat (compute) parts meet: "
         "peak FLOP/s / bandwidth in bytes/s.",
         "H200 datasheet: 989 TFLOP/s dense bf16 (tensor cores), 4.8 TB/s HBM3e.",
-        "ridge_flop_per_byte = 989e12 / 4.8e12.",
+        "Divide the two in base units (FLOP/s over bytes/s: tera is 1e12 for both); the result is in FLOP/byte.",
     ],
     solution_text="ridge_flop_per_byte = 989e12 / 4.8e12   # ~206 FLOP/byte: ops below it are memory-bound",
 )
@@ -700,15 +708,16 @@ def _grade_replay_with_graph(fn: Any) -> str:
 
 q7 = CodeExercise(
     name="01.7 capture and replay a CUDA graph", var="replay_with_graph", grade=_grade_replay_with_graph,
+    references=References("capture the chain in a CUDA graph and replay it yourself", reference_replay_with_graph),
     signature="replay_with_graph(chain, static_x, xs) -> list[Tensor]", applicable=graph_unavailable,
     hints=[
         "A graph records the kernels of one call, on fixed memory: capture chain(static_x) once, inside "
         "`with torch.cuda.graph(g):` (g = torch.cuda.CUDAGraph()); keep what it returns (static_y).",
         "Replaying reads static_x's memory and writes static_y's: for each x, static_x.copy_(x), then g.replay(), "
         "then keep static_y.clone() (the next replay overwrites it).",
-        "Warm up first, on a side stream (s = torch.cuda.Stream(); s.wait_stream(torch.cuda.current_stream()); "
-        "with torch.cuda.stream(s): chain(static_x) a few times; then torch.cuda.current_stream().wait_stream(s)), "
-        "so lazy initialisation is not captured.",
+        "Warm up first, on a side stream, so lazy initialisation is not captured: a torch.cuda.Stream() that waits "
+        "for the current stream, chain(static_x) a few times inside `with torch.cuda.stream(...)`, then the current "
+        "stream waits for the side stream (wait_stream both ways).",
     ],
     solution_text=source_as(reference_replay_with_graph, "replay_with_graph(chain, static_x, xs)"),
 )

@@ -80,7 +80,7 @@ class KernelExercise(CodeExercise):
 
 def _course_kernel(value: Any) -> str | None:
     """The dotted name of the course's kernel that ``value`` is (the object, or the same Python function under another
-    ``@triton.jit``), else None. ``framework.REFERENCES``' traps work on Python functions that the answer calls; a
+    ``@triton.jit``), else None. The delegation guard's traps work on Python functions that the answer calls; a
     kernel is compiled from its own source, so being the course's function is what there is to catch."""
     fn = getattr(value, "fn", None)
     if fn is None:

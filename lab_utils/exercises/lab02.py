@@ -34,9 +34,9 @@ from lab_utils.distributed.spawn import WorkerContext, WorkerError, WorkerTimeou
 from lab_utils.exercises.framework import (
     CodeExercise,
     Exercise,
+    References,
     StudentLine,
     Wrong,
-    _short,
     amended,
     choice,
     close_to,
@@ -49,6 +49,7 @@ from lab_utils.exercises.framework import (
     source_as,
     student_frame,
 )
+from lab_utils.exercises.outcomes import _short
 from lab_utils.models import DigitsCNN, digits_arrays
 from lab_utils.procs import temporary_folder
 
@@ -283,6 +284,8 @@ def _grade_busbw_factor(fn: Any) -> None:
 
 q1 = CodeExercise(
     name="02.1 busbw factor per collective", var="busbw_factor", grade=_grade_busbw_factor,
+    references=References("write each collective's factor yourself",
+                           reference_busbw_factor, "lab_utils.distributed.bandwidth.busbw_factor"),
     signature="busbw_factor(collective, n) -> float",
     hints=[
         "busbw = algbw × factor: the factor turns 'bytes of the buffer per second' into 'bytes over the "
@@ -610,6 +613,8 @@ def _grade_allreduce_bench(fn: Any, backend: str | None = None, nprocs: int | No
 
 q2 = CodeExercise(
     name="02.2 the all-reduce benchmark worker", var="allreduce_bench", grade=_grade_allreduce_bench,
+    references=References("time the all_reduce calls and compute the bandwidths yourself",
+                           reference_allreduce_bench, "lab_utils.distributed.collectives.bare_allreduce_worker"),
     signature="allreduce_bench(ctx, sizes_bytes, iters, warmup) -> list[dict]", applicable=_no_distributed,
     hints=[
         "Per size: a buffer of `size` bytes on ctx.device (fp32: size // 4 elements); `warmup` untimed "
@@ -618,8 +623,9 @@ q2 = CodeExercise(
         "On a GPU dist.all_reduce returns once the work is queued: record CUDA events around the loop and "
         "torch.cuda.synchronize() before elapsed_time. On gloo (ctx.device == 'cpu') the call returns when it is "
         "done: dist.barrier(), then time.perf_counter() around the loop.",
-        "algbw = size / (ms * 1e-3) / 1e9 (GB = 1e9 bytes); busbw = algbw * 2 * (n - 1) / n with "
-        "n = ctx.world_size. On 2 ranks the factor is 1, so the check runs on 3.",
+        "algbw is the buffer's bytes over the time of one call, in GB/s (ms to s, GB = 1e9 bytes); busbw is algbw "
+        "times the all-reduce factor 2(n - 1)/n, n = ctx.world_size. On 2 ranks the factor is 1, so the check runs "
+        "on 3.",
     ],
     solution_text="import time\nimport torch\nimport torch.distributed as dist\n\n" + source_as(
         reference_allreduce_bench, "allreduce_bench(ctx, sizes_bytes, iters, warmup, *, dtype=torch.float32)"),
@@ -669,8 +675,7 @@ q3 = Exercise(
         "gradient buffer on one rank.",
         f"S = GRAD_PARAMS × GRAD_BYTES_PER_PARAM bytes (bf16 is 2); the all_reduce factor for n = {GRAD_RANKS} is "
         f"2·{GRAD_RANKS - 1}/{GRAD_RANKS}; GB/s means 1e9 bytes/s.",
-        "allreduce_ms = GRAD_PARAMS * GRAD_BYTES_PER_PARAM * 2 * (GRAD_RANKS - 1) / GRAD_RANKS "
-        "/ (GRAD_BUSBW_GBPS * 1e9) * 1e3",
+        "S times the factor, over busbw in bytes/s (GRAD_BUSBW_GBPS GB/s), is seconds; the answer is in ms.",
     ],
     solution_text=(
         "S = GRAD_PARAMS * GRAD_BYTES_PER_PARAM                   # 7.0e8 bytes of bf16 gradients\n"
@@ -1224,18 +1229,20 @@ def reference_ddp_run(nprocs: int | None = None, backend: str | None = None) -> 
 
 q6 = CodeExercise(
     name="02.6 DDP training: setup and step", var="train_ddp", grade=_grade_train_ddp,
+    references=References("write the DDP setup and training step yourself",
+                           reference_train_ddp, reference_ddp_run, "lab_utils.distributed.ddp.train_digits"),
     signature="train_ddp(train_set, make_model, epochs, batch_size, lr, checkpoint_path) -> None",
     applicable=_no_distributed,
     hints=[
         "Setup: dist.init_process_group('nccl' if torch.cuda.is_available() else 'gloo'); the device from "
-        "LOCAL_RANK (torch.cuda.set_device) or the CPU; model = make_model().to(device) wrapped in "
+        "LOCAL_RANK (torch.cuda.set_device) or the CPU; the model from make_model, moved there and wrapped in "
         "DistributedDataParallel; a DataLoader with sampler=DistributedSampler(train_set); SGD(lr, momentum=0.9); "
         "torch.amp.GradScaler(device.type).",
-        "Each epoch: sampler.set_epoch(epoch) first. Each batch: forward and loss under torch.autocast(device.type, "
-        "dtype=torch.float16); zero_grad; scaler.scale(loss).backward(); scaler.unscale_(opt) BEFORE "
-        "clip_grad_norm_(..., max_norm=5.0); scaler.step(opt); scaler.update().",
-        "After training: `if dist.get_rank() == 0: torch.save(model.state_dict(), checkpoint_path)`, then "
-        "dist.barrier() and dist.destroy_process_group() on every rank.",
+        "Each epoch: the sampler's set_epoch first (else every epoch shuffles alike). Each batch: forward and loss "
+        "under torch.autocast(device.type, dtype=torch.float16); zero_grad; backward on the scaler's scaled loss; "
+        "unscale_ the optimizer BEFORE clip_grad_norm_(..., max_norm=5.0); then the scaler's step and update.",
+        "After training only rank 0 saves the state_dict of the wrapped model's weights to checkpoint_path; then "
+        "dist.barrier() and destroy_process_group on every rank.",
     ],
     solution_text=source_as(reference_train_ddp,
                             "train_ddp(train_set, make_model, epochs, batch_size, lr, checkpoint_path)"),
@@ -1332,14 +1339,15 @@ def _grade_global_accuracy(fn: Any, backend: str | None = None, nprocs: int | No
 
 q7 = CodeExercise(
     name="02.7 a metric over all ranks", var="global_accuracy", grade=_grade_global_accuracy,
+    references=References("all_reduce the counts and divide yourself", reference_global_accuracy),
     signature="global_accuracy(ctx, correct, seen) -> float", applicable=_no_distributed,
     hints=[
         "The accuracy over all samples is all correct predictions over all samples seen, on every rank. The "
         "shards differ in size, so the mean of the ranks' accuracies is not it.",
         "Put both counts in one tensor on ctx.device (float64 is exact for counts), dist.all_reduce it (SUM is "
         "the default), and divide. all_reduce, not reduce: every rank needs the answer.",
-        "t = torch.tensor([correct, seen], dtype=torch.float64, device=ctx.device); dist.all_reduce(t); "
-        "return (t[0] / t[1]).item()",
+        "After the all_reduce the tensor holds the sums over the ranks: its first element over its second, as a "
+        "Python float (.item()), is the answer on every rank.",
     ],
     solution_text=source_as(reference_global_accuracy, "global_accuracy(ctx, correct, seen)")
     + "# The mean of the per-rank accuracies weights a rank of 150 samples like one of 500.",

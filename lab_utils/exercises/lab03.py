@@ -23,6 +23,7 @@ from typing import Any
 from lab_utils.exercises.framework import (
     CodeExercise,
     Exercise,
+    References,
     Wrong,
     amended,
     choice,
@@ -188,6 +189,7 @@ def _grade_export(fn: Any) -> str:
 
 q1 = CodeExercise(
     name="03.1 export with a dynamic batch", var="export_dynamic", grade=_grade_export,
+    references=References("call torch.onnx.export yourself", "lab_utils.inference.onnx.export_onnx"),
     signature="export_dynamic(model, path, example) -> None",
     hints=[
         "Three things make an export servable: the model in inference mode (model.eval()), the batch dimension "
@@ -195,9 +197,8 @@ q1 = CodeExercise(
         "torch.onnx.export(model, (example,), path, dynamo=True, opset_version=ex.ONNX_OPSET, "
         "input_names=['input'], output_names=['logits'], dynamic_shapes=...). dynamic_shapes holds one entry per "
         "input: a dict {dimension: torch.export.Dim(...)}.",
-        "model.eval(); torch.onnx.export(model, (example,), str(path), dynamo=True, opset_version=ex.ONNX_OPSET, "
-        "input_names=['input'], output_names=['logits'], dynamic_shapes=({0: torch.export.Dim('batch', min=1, "
-        "max=4096)},))",
+        "model.eval() first. For the one input, dynamic_shapes is a tuple of one dict that names dimension 0 a "
+        "torch.export.Dim called 'batch', with min=1 and max=4096; pass the path as a str.",
     ],
     solution_text=(
         "def export_dynamic(model, path, example):\n"
@@ -284,6 +285,8 @@ def _ort_levels(fn: Any, fx: _Digits, onnx_path: Path, x: Any) -> dict[str, floa
 
 q2 = CodeExercise(
     name="03.2 an ONNX Runtime session, timed", var="ort_timed", grade=_grade_ort,
+    references=References("build the SessionOptions and the session, and time session.run, yourself",
+                           "lab_utils.inference.onnx.ort_session", "lab_utils.inference.onnx.time_ort"),
     signature="ort_timed(onnx_path, x, level) -> (session, timing)",
     hints=[
         "Options go in an ort.SessionOptions: graph_optimization_level (the names are in ex.ORT_LEVELS) and "
@@ -292,10 +295,9 @@ q2 = CodeExercise(
         "Time only session.run: build the feed {session.get_inputs()[0].name: x} once, then, with the lab-01 timer "
         "(from lab_utils.timing import benchmark): benchmark(lambda: session.run(None, feed), reps=20, warmup=3, "
         "device='cpu').",
-        "so = ort.SessionOptions(); so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, "
-        "ex.ORT_LEVELS[level]); session = ort.InferenceSession(str(onnx_path), so, "
-        "providers=['CPUExecutionProvider']); feed = {session.get_inputs()[0].name: x}; "
-        "return session, benchmark(lambda: session.run(None, feed), reps=20, warmup=3, device='cpu')",
+        "Put together: the options with their level looked up by name (getattr on ort.GraphOptimizationLevel with "
+        "ex.ORT_LEVELS[level]), the session on the CPU provider (the path as a str), the feed built once; return "
+        "the session and what benchmark measured, as a pair.",
     ],
     solution_text=(
         "def ort_timed(onnx_path, x, level):\n"
@@ -413,6 +415,7 @@ def _grade_quantize(fn: Any) -> str:
 
 q3 = CodeExercise(
     name="03.3 INT8 with ModelOpt", var="quantize_int8", grade=_grade_quantize,
+    references=References("call ModelOpt's quantize yourself", "lab_utils.inference.quantize.quantize_onnx"),
     signature="quantize_int8(onnx_path, out_path, x_train) -> None", applicable=_modelopt_missing,
     hints=[
         "modelopt.onnx.quantization.quantize(onnx_path, quantize_mode=..., calibration_data=..., "
@@ -420,8 +423,8 @@ q3 = CodeExercise(
         "the model's input, batch first, float32.",
         "x_train is already preprocessed (N, 1, 8, 8) float32: a few hundred of its images make a calibration "
         "set. Calibration runs in ONNX Runtime: calibration_eps=['cpu'] keeps it on the CPU.",
-        "quantize(str(onnx_path), quantize_mode='int8', calibration_data=x_train[:512], calibration_method='max', "
-        "calibration_eps=['cpu'], output_path=str(out_path))",
+        "One call: quantize_mode 'int8', calibration_method 'max', the first 512 images of x_train as the "
+        "calibration data, calibration_eps=['cpu'], and out_path as the output (paths as str).",
     ],
     solution_text=(
         "def quantize_int8(onnx_path, out_path, x_train):\n"
@@ -515,8 +518,8 @@ q5 = Exercise(
         "at speedup s takes T / s.",
         "Break-even: T - T/s = C (the calibration's GPU-minutes), so s = 1 / (1 - C/T). Keep C and T in the "
         "same unit.",
-        "T = IMAGES_PER_DAY * RETRAIN_DAYS / FP16_IMAGES_PER_S / 60; breakeven_speedup = 1 / (1 - "
-        "CALIBRATION_GPU_MIN / T)",
+        "T: the images of RETRAIN_DAYS days over FP16_IMAGES_PER_S is seconds of GPU time; divide by 60 for "
+        "minutes, the unit of CALIBRATION_GPU_MIN. Then hint 2's break-even formula.",
     ],
     solution_text=(
         "T = IMAGES_PER_DAY * RETRAIN_DAYS / FP16_IMAGES_PER_S / 60     # 93.3 GPU-minutes at FP16\n"
@@ -601,18 +604,21 @@ def _grade_trt(fn: Any) -> str:
 
 q6 = CodeExercise(
     name="03.6 the TensorRT builder", var="trt_build_and_run", grade=_grade_trt,
+    references=References("build and run the engine with TensorRT's API yourself",
+                           "lab_utils.inference.tensorrt.build_plan", "lab_utils.inference.tensorrt.load_engine",
+                           "lab_utils.inference.tensorrt.TrtRunner"),
     signature="trt_build_and_run(onnx_path, batches) -> list of outputs",
     hints=[
         "Build: trt.Logger -> trt.Builder -> builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag."
         "STRONGLY_TYPED)) -> trt.OnnxParser(network, logger).parse_from_file(path) (print parser.get_error(i) "
         "when it fails) -> builder.create_builder_config() with set_memory_pool_limit(trt.MemoryPoolType."
         "WORKSPACE, n) and an optimization profile -> builder.build_serialized_network(network, config).",
-        "The profile: profile = builder.create_optimization_profile(); profile.set_shape(input_name, min, opt, "
-        "max) with the smallest and largest batch of `batches`; config.add_optimization_profile(profile).",
-        "Run: engine = trt.Runtime(logger).deserialize_cuda_engine(plan); context = "
-        "engine.create_execution_context(); per batch: context.set_input_shape(name, tuple(x.shape)), an output "
-        "torch.empty(tuple(context.get_tensor_shape(out_name)), device='cuda'), set_tensor_address for both, "
-        "context.execute_async_v3(stream.cuda_stream), stream.synchronize().",
+        "The profile comes from the builder (create_optimization_profile); its set_shape(input_name, min, opt, max) "
+        "takes the smallest and largest batch of `batches`; then add the profile to the builder config.",
+        "Run: a trt.Runtime deserializes the plan into an engine, which makes an execution context. Per batch: set "
+        "the input's shape on the context, allocate the output as a CUDA tensor of the context's output shape "
+        "(get_tensor_shape), set_tensor_address for both, execute_async_v3 with a CUDA stream's handle, then "
+        "synchronize that stream.",
     ],
     solution_text=textwrap.dedent('''\
         def trt_build_and_run(onnx_path, batches, workspace_bytes=1 << 30):
@@ -711,8 +717,8 @@ q7 = Exercise(
         "An engine built with a profile accepts an input when every dimension lies between the profile's min "
         "and max, both included. opt only says which shape the kernels were tuned for.",
         "Check each request dimension by dimension against PROFILE['min'] and PROFILE['max'].",
-        "runnable = {k for k, s in REQUESTS.items() if all(lo <= d <= hi for lo, d, hi in "
-        "zip(PROFILE['min'], s, PROFILE['max']))}",
+        "Keep the keys of REQUESTS whose shape passes: zip the profile's min, the shape and the profile's max, "
+        "and require min <= d <= max for every dimension at once (all).",
     ],
     solution_text=(
         "lo, hi = PROFILE['min'], PROFILE['max']\n"
@@ -776,7 +782,8 @@ q8 = Exercise(
         "The worst case: a request arrives just after a batch has started. It waits for that batch to finish "
         "(its own batch fills meanwhile, or for QUEUE_DELAY_MS if that is longer), then for its own execution: "
         "max(QUEUE_DELAY_MS, t) + t.",
-        "max_batch = max(b for b, t in LATENCY_P95_MS.items() if max(QUEUE_DELAY_MS, t) + t <= SLO_P95_MS)",
+        "Go through LATENCY_P95_MS (batch -> p95 ms) and keep the largest batch whose worst case (hint 2) is "
+        "within SLO_P95_MS.",
     ],
     solution_text=(
         "max_batch = max(b for b, t in LATENCY_P95_MS.items() if max(QUEUE_DELAY_MS, t) + t <= SLO_P95_MS)   # 32\n"

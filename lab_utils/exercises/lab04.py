@@ -28,6 +28,7 @@ from lab_utils.exercises.framework import (
     Exercise,
     NotApplicable,
     NotNow,
+    References,
     StudentLine,
     Wrong,
     amended,
@@ -198,8 +199,8 @@ q1 = Exercise(
         "Start from the fields: name, platform, max_batch_size, input [...], output [...], dynamic_batching "
         "{...}, instance_group [...]. Names and types must match the ONNX model.",
         "With max_batch_size > 0 Triton adds the batch dimension itself: dims are the shape of ONE row ([64]).",
-        "dynamic_batching { preferred_batch_size: [8, 16] max_queue_delay_microseconds: 100 } and "
-        "instance_group [{ count: 2 kind: KIND_CPU }].",
+        "dynamic_batching holds preferred_batch_size (a list: 8 and 16) and max_queue_delay_microseconds (100); "
+        "instance_group is a list of groups, each with a count (2) and a kind (KIND_CPU).",
     ),
     solution_text='''config_pbtxt = """
 name: "digits_onnx"
@@ -377,10 +378,10 @@ q2 = CodeExercise(
     hints=(
         "Two steps: a load request carrying the configuration (explicit model-control mode serves nothing until "
         "asked), then asking the server whether the model is ready until it is, or until a deadline.",
-        "client.load_model(name, config=json.dumps(config)) takes the configuration as JSON text (it then overrides "
-        "config.pbtxt). client.is_model_ready(name) answers True or False.",
-        "deadline = time.monotonic() + timeout_s; while not client.is_model_ready(name): if time.monotonic() > "
-        "deadline: raise TimeoutError(...); time.sleep(0.1)",
+        "client.load_model takes the name and config=, the configuration as JSON text (json.dumps; it then "
+        "overrides config.pbtxt). client.is_model_ready(name) answers True or False.",
+        "A deadline: time.monotonic() plus timeout_s. Loop while the model is not ready: past the deadline raise "
+        "TimeoutError naming the model, else sleep a little (0.1 s) and ask again.",
     ),
     solution_text=(
         "def deploy_model(client, name, config, timeout_s=60.0):\n"
@@ -459,13 +460,16 @@ def _grade_client(fn: Any, protocol: str) -> str:
 
 q3 = CodeExercise(
     name="04.3 a gRPC request by hand", var="grpc_infer", grade=lambda fn: _grade_client(fn, "grpc"),
+    references=References("send the request with tritonclient.grpc yourself",
+                           "lab_utils.serving.client.infer", "lab_utils.serving.repository.reference_mlp"),
     signature="grpc_infer(url, model, x) -> np.ndarray", applicable=_no_server,
     hints=(
         "tritonclient.grpc: a client for the URL, one InferInput per input (name, shape, datatype) filled from the "
         "array, the outputs you want, then client.infer(model, inputs, outputs=...).",
-        "inp = grpcclient.InferInput('INPUT__0', list(x.shape), 'FP32'); inp.set_data_from_numpy(x); "
-        "out = grpcclient.InferRequestedOutput('OUTPUT__0')",
-        "result = client.infer(model, [inp], outputs=[out]); return result.as_numpy('OUTPUT__0')",
+        "One grpcclient.InferInput for 'INPUT__0', with x's shape as a list and the datatype 'FP32', filled by its "
+        "set_data_from_numpy; one grpcclient.InferRequestedOutput for 'OUTPUT__0'.",
+        "client.infer(model, inputs, outputs=...) returns a result; its as_numpy('OUTPUT__0') is the array to "
+        "return.",
     ),
     solution_text=(
         "def grpc_infer(url, model, x):\n"
@@ -480,13 +484,15 @@ q3 = CodeExercise(
 
 q4 = CodeExercise(
     name="04.4 an HTTP request by hand", var="http_infer", grade=lambda fn: _grade_client(fn, "http"),
+    references=References("send the request with tritonclient.http yourself",
+                           "lab_utils.serving.client.infer", "lab_utils.serving.repository.reference_mlp"),
     signature="http_infer(url, model, x) -> np.ndarray", applicable=_no_server,
     hints=(
         "tritonclient.http has the same classes as tritonclient.grpc; the URL is the HTTP endpoint's host:port.",
         "Over HTTP tritonclient sends and asks for tensors as raw bytes by default (binary_data=True is the default of "
         "set_data_from_numpy and InferRequestedOutput); binary_data=False would send them as JSON numbers.",
-        "client = httpclient.InferenceServerClient(url); ...; return client.infer(model, [inp], "
-        "outputs=[out]).as_numpy('OUTPUT__0')",
+        "The client is an httpclient.InferenceServerClient for the URL; the rest is your gRPC function with "
+        "httpclient's classes.",
     ),
     solution_text=(
         "def http_infer(url, model, x):\n"
@@ -691,14 +697,18 @@ def _grade_execute(fn: Any) -> str:
 
 q6 = CodeExercise(
     name="04.6 execute for a dynamic batch", var="execute", grade=_grade_execute,
+    references=References("gather the requests, run self.model once and split its answer yourself",
+                           "lab_utils.serving.backend.model.TritonPythonModel.execute",
+                           "lab_utils.serving.backend.model.ExerciseModel.execute"),
     signature="execute(self, requests) -> list of pb_utils.InferenceResponse", applicable=_no_server,
     hints=(
         "`requests` holds every request of one batch; each carries its own number of rows. Gather their inputs, run "
         "self.model ONCE on all rows, then give each request its own slice, in order.",
-        "x_i = to_numpy(pb_utils.get_input_tensor_by_name(r, 'INPUT__0')) for each r; y = "
-        "self.model(np.concatenate(xs)); rows = [len(x) for x in xs]",
-        "responses, start = [], 0; for n in rows: responses.append(pb_utils.InferenceResponse([to_tensor('OUTPUT__0', "
-        "y[start:start + n])])); start += n; return responses",
+        "Per request r: its input is pb_utils.get_input_tensor_by_name(r, 'INPUT__0'), as numpy through to_numpy. "
+        "Run self.model once on all of them joined by np.concatenate; keep each request's row count.",
+        "Walk the requests in order with a running start row: each gets a pb_utils.InferenceResponse with one "
+        "tensor, to_tensor('OUTPUT__0', ...) of its own rows of the output, start to start + n. One response per "
+        "request, in order.",
     ),
     solution_text=(
         "def execute(self, requests):\n"

@@ -38,6 +38,7 @@ from lab_utils.exercises.framework import (
     Exercise,
     NotApplicable,
     Outcome,
+    References,
     Status,
     StudentLine,
     StudentThread,
@@ -383,7 +384,7 @@ q1 = PrometheusExercise(
         "Triton counts successful requests in a counter; a counter only grows, so look at how fast it grows.",
         "rate(counter[1m]) is the per-second increase averaged over the last minute; sum by (model) adds up the "
         "series of one model (its servers and versions).",
-        "sum by (model) (rate(nv_inference_request_success[1m]))",
+        "Put together: the [1m] rate of nv_inference_request_success, inside a sum by (model).",
     ],
     solution_text=(
         'qps_query = "sum by (model) (rate(nv_inference_request_success[1m]))"\n'
@@ -426,7 +427,8 @@ q2 = PrometheusExercise(
         "ratio is an average.",
         "Divide the two rates over the same [1m] window, each summed by model first (not the counters themselves: "
         "that is the average since the server started), then convert µs to ms.",
-        _LATENCY,
+        "Numerator: the [1m] rate of nv_inference_request_duration_us summed by model; denominator: the same for "
+        "nv_inference_request_success; the quotient over 1000.",
     ],
     solution_text=(
         'latency_query = ("sum by (model) (rate(nv_inference_request_duration_us[1m]))"\n'
@@ -1077,6 +1079,7 @@ def _grade_watchdog(fn: Callable[..., Any]) -> str:
 
 q5 = CodeExercise(
     name="05.5 a watchdog, tested against a real Triton", var="watchdog", grade=_grade_watchdog,
+    references=References("write the poll, restart and back-off loop yourself", "lab_utils.monitoring.drills.Watchdog"),
     signature="watchdog(server, stop, poll_s, timeout_s, failures, backoff_s, max_backoff_s) -> None",
     applicable=_server_unavailable,
     hints=[

@@ -27,13 +27,14 @@ from lab_utils.course import results
 from lab_utils.exercises.framework import (
     CodeExercise,
     Exercise,
+    References,
     Wrong,
-    _is_students,
     choice,
     run_student,
     source_as,
 )
 from lab_utils.exercises.lab01 import grading_device  # the lab's own device: the GPU when torch can use one
+from lab_utils.exercises.student import _is_students
 from lab_utils.procs import temporary_folder
 from lab_utils.profiling import trace as tr
 from lab_utils.profiling.programs import PngDigits, close_iterator, loader_workers
@@ -170,6 +171,7 @@ def _grade_profile_steps(fn: Any) -> str:
 
 q1 = CodeExercise(
     name="06.1 a trace by hand", var="profile_steps", grade=_grade_profile_steps,
+    references=References("run torch.profiler with the schedule yourself", reference_profile_steps),
     signature="profile_steps(step, trace_path) -> None",
     hints=[
         "with torch.profiler.profile(activities=[...], schedule=torch.profiler.schedule(wait=1, warmup=1, "
@@ -269,6 +271,8 @@ def _grade_busy(fn: Any) -> str:
 
 q2 = CodeExercise(
     name="06.2 GPU busy fraction", var="gpu_busy_fraction", grade=_grade_busy,
+    references=References("take the union of the kernel intervals yourself",
+                           reference_gpu_busy_fraction, "lab_utils.profiling.trace.busy_fraction"),
     signature="gpu_busy_fraction(trace) -> float",
     hints=[
         "Kernels are the events with cat == 'kernel' (ts and dur in µs); the steps are the 'user_annotation' "
@@ -282,7 +286,7 @@ q2 = CodeExercise(
 )
 
 
-# --- q3: the data loader ----------------------------------------------------------------------------------
+# --- q4: the data loader ----------------------------------------------------------------------------------
 
 LOADER_STORAGE_MS = 2.0  # per-sample read latency of the check's data set
 LOADER_BATCH = 12
@@ -333,8 +337,9 @@ def _grade_loader(fn: Any) -> str:
             f"loader ({loader.num_workers} workers).")
 
 
-q3 = CodeExercise(
-    name="06.3 fix the data loading", var="make_loader", grade=_grade_loader,
+q4 = CodeExercise(
+    name="06.4 fix the data loading", var="make_loader", grade=_grade_loader,
+    references=References("build the DataLoader yourself", reference_make_loader),
     signature="make_loader(dataset, batch_size, device) -> DataLoader",
     hints=[
         "torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True, ...): which arguments move the "
@@ -353,7 +358,7 @@ q3 = CodeExercise(
 )
 
 
-# --- q4: no host sync per step ------------------------------------------------------------------------------
+# --- q5: no host sync per step ------------------------------------------------------------------------------
 
 SYNC_CALLS = ("item", "cpu", "tolist", "numpy", "__bool__", "__float__", "__int__", "__index__", "__format__")
 
@@ -428,22 +433,23 @@ def reference_last_losses(batches: Sequence[tuple[torch.Tensor, torch.Tensor]], 
     return per_step[log_every - 1::log_every]
 
 
-q4 = CodeExercise(
-    name="06.4 no host sync per step", var="train_loop", grade=_grade_train_loop,
+q5 = CodeExercise(
+    name="06.5 no host sync per step", var="train_loop", grade=_grade_train_loop,
+    references=References("write the training loop yourself", reference_train_loop),
     signature="train_loop(model, opt, batches, log_every) -> list[float]",
     hints=[
         "loss.item() (and float(loss), print(loss), if loss > x:) copies a value to the host: the CPU waits for "
         "every kernel queued so far, and cannot queue the next step meanwhile.",
         "Keep running = torch.zeros((), device=...) and add loss.detach() each step (detach: the value, not the "
         "graph). Every log_every steps read it once: running.item() / log_every, then zero it.",
-        "Each step: loss = F.cross_entropy(model(x), y); opt.zero_grad(set_to_none=True); loss.backward(); "
-        "opt.step().",
+        "Each step: the loss (cross_entropy of model(x) and y), the optimizer's zero_grad (set_to_none), backward, "
+        "the optimizer's step; nothing in the step reads a value back.",
     ],
     solution_text=source_as(reference_train_loop, "train_loop(model, opt, batches, log_every)"),
 )
 
 
-# --- q5: diagnosis from trace summaries ---------------------------------------------------------------------
+# --- q3: diagnosis from trace summaries ---------------------------------------------------------------------
 
 CAUSES = ("data", "sync", "launch", "precision")
 _CAUSE_SYNONYMS = {
@@ -474,8 +480,8 @@ def _grade_diagnosis(value: Any) -> None:
                     "kernel_us with launches_per_step, and whether the kernels are half precision")
 
 
-q5 = Exercise(
-    name="06.5 diagnose four traces", var="diagnosis", grade=_grade_diagnosis,
+q3 = Exercise(
+    name="06.3 diagnose four traces", var="diagnosis", grade=_grade_diagnosis,
     hints=[
         "data_wait is the share of the step spent in the DataLoader's next(); syncs_per_step counts host calls "
         "that wait for the GPU; a launch-bound step has many kernels of a few µs and a low busy fraction.",

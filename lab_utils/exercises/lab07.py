@@ -3,9 +3,9 @@
 ``use_service(service)`` tells the checks which service (``lab_utils.serving.service.Service``) to use. q1 the
 ensemble's ``config.pbtxt`` (a dict or pbtxt text); q2 the preprocessing step, ``preprocess(items) -> [N, 1, 8,
 8] float32``; q3 nginx's upstream block over the two Triton servers; q4 the capacity search,
-``find_capacity(probe, lo_rps, hi_rps, slo_ms, tolerance) -> float``; q5 the capacity plan,
-``servers_needed(peak_rps, capacity_rps, headroom, spares) -> int``; q6 the GPU decode step,
-``gpu_preprocess(items, decode_jpeg, device) -> torch.Tensor [N, 3, 64, 64]``. Rates are in requests/s, latencies in ms.
+``find_capacity(probe, lo_rps, hi_rps, slo_ms, tolerance) -> float``; q5 the GPU decode step,
+``gpu_preprocess(items, decode_jpeg, device) -> torch.Tensor [N, 3, 64, 64]``; q6 the capacity plan,
+``servers_needed(peak_rps, capacity_rps, headroom, spares) -> int``. Rates are in requests/s, latencies in ms.
 Nothing is imported or started at import.
 
 Design notes: docs/internals.md#lab_utilsexerciseslab07py
@@ -30,6 +30,7 @@ from lab_utils.exercises.framework import (
     CodeExercise,
     Exercise,
     NotApplicable,
+    References,
     Wrong,
     hands_out,
     integer,
@@ -46,7 +47,7 @@ from lab_utils.serving.load import LoadResult
 
 __all__ = [
     "q1", "q2", "q3", "q4", "q5", "q6", "use_service", "decode_jpeg", "jpeg_decoder", "reference_gpu_preprocess",
-    "Q6_SIZE", "IMAGENET_MEAN", "IMAGENET_STD",
+    "Q5_SIZE", "IMAGENET_MEAN", "IMAGENET_STD",
     "Q1_NAME", "PIXEL_SCALE", "SIZE", "MAX_PIXELS", "Q4_LO_RPS", "Q4_HI_RPS", "Q4_TOLERANCE", "SLO_MS",
     "reference_ensemble", "reference_preprocess", "reference_find_capacity", "reference_upstream",
     "reference_servers_needed", "SimulatedService", "pixel_stats",
@@ -57,7 +58,7 @@ Q1_NAME = "digits_mine"  # the name the student's ensemble is loaded under (besi
 SIZE = 8  # px: what the classifier was trained on
 PIXEL_SCALE = 16 / 255  # PNG grey 0..255 -> the digits' 0..16
 MAX_PIXELS = ens.MAX_IMAGE_PIXELS  # px (12.6 M): a larger image is refused, as the service refuses it
-Q6_SIZE = 64  # px: the side q6's check asks for (the ResNet-50 service's is 224)
+Q5_SIZE = 64  # px: the side q5's check asks for (the ResNet-50 service's is 224)
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # per RGB channel, on the 0..1 scale
 Q4_LO_RPS, Q4_HI_RPS, Q4_TOLERANCE = 25.0, 2500.0, 0.3  # the real search's range (req/s) and tolerance
 
@@ -221,6 +222,8 @@ def _grade_ensemble(config: Any) -> str:
 q1 = Exercise(
     name="07.1 the ensemble",
     var="ensemble",
+    references=References("write the ensemble's configuration yourself",
+                           reference_ensemble, "lab_utils.serving.ensemble.ensemble_config"),
     grade=_grade_ensemble,
     hints=(
         "An ensemble has platform \"ensemble\", the service's inputs and outputs (IMAGE: TYPE_STRING [1]; LABELS: "
@@ -317,6 +320,7 @@ def _grade_preprocess(fn: Any) -> str:
 q2 = CodeExercise(
     name="07.2 the preprocessing step",
     var="preprocess",
+    references=References("decode, resize and normalize the images yourself", reference_preprocess),
     grade=_grade_preprocess,
     signature="preprocess(items) -> np.ndarray [N, 1, 8, 8] float32",
     hints=(
@@ -382,6 +386,7 @@ def _grade_upstream(block: Any) -> str:
 q3 = Exercise(
     name="07.3 the nginx upstream",
     var="upstream_block",
+    references=References("write the upstream block yourself", reference_upstream),
     grade=_grade_upstream,
     hints=(
         "One `upstream NAME { ... }` block; inside, one `server HOST:PORT;` line per Triton server; every line "
@@ -498,6 +503,7 @@ def _grade_capacity(fn: Any) -> str:
 q4 = CodeExercise(
     name="07.4 the capacity search",
     var="find_capacity",
+    references=References("write the bisection over the rate yourself", reference_find_capacity),
     grade=_grade_capacity,
     signature="find_capacity(probe, lo_rps, hi_rps, slo_ms, tolerance) -> float",
     hints=(
@@ -509,7 +515,7 @@ q4 = CodeExercise(
 )
 
 
-# --- q5: the capacity plan ----------------------------------------------------------------------------------
+# --- q6: the capacity plan ----------------------------------------------------------------------------------
 
 _Q5_FIXED = [(1000.0, 180.0, 0.3, 1), (100.0, 350.0, 0.3, 1), (5000.0, 1200.0, 0.25, 2), (720.0, 240.0, 0.0, 0)]
 
@@ -545,20 +551,22 @@ def _grade_plan(fn: Any) -> str:
     raise Wrong(f"{call}: servers = ceil(peak / (capacity x (1 - headroom))) + spares")
 
 
-q5 = CodeExercise(
-    name="07.5 the capacity plan",
+q6 = CodeExercise(
+    name="07.6 the capacity plan",
     var="servers_needed",
+    references=References("work out the number of servers yourself", reference_servers_needed),
     grade=_grade_plan,
     signature="servers_needed(peak_rps, capacity_rps, headroom, spares) -> int",
     hints=(
         "Each server may be loaded to (1 - headroom) x capacity_rps.",
-        "math.ceil(peak_rps / (capacity_rps * (1 - headroom))) servers carry the peak; add `spares` on top.",
+        "The servers that carry the peak: the peak over what one server may carry, rounded up (math.ceil, never "
+        "down); then `spares` on top.",
     ),
     solution_text=source_as(reference_servers_needed, "servers_needed"),
 )
 
 
-# --- q6: the GPU decode step ----------------------------------------------------------------------------------
+# --- q5: the GPU decode step ----------------------------------------------------------------------------------
 
 
 def decode_jpeg(data: list[Any], mode: Any = None, device: Any = "cpu") -> list[Any]:
@@ -588,7 +596,7 @@ def jpeg_decoder() -> tuple[Callable[..., Any], str]:
     return decode_jpeg, "cpu"
 
 
-def reference_gpu_preprocess(items: Any, decode_jpeg: Callable[..., Any], device: Any, size: int = Q6_SIZE) -> Any:
+def reference_gpu_preprocess(items: Any, decode_jpeg: Callable[..., Any], device: Any, size: int = Q5_SIZE) -> Any:
     import torch
     import torch.nn.functional as F
 
@@ -621,8 +629,8 @@ def _grade_gpu_preprocess(fn: Any) -> str:
         raise Wrong(f"decode_jpeg was called {len(calls)} times for {n} images: pass the whole list in ONE call "
                     "(decode_jpeg(list_of_tensors, device=device)); nvJPEG decodes a batch together, one call per "
                     "image pays its launch and synchronization every time")
-    if tuple(got.shape) != (n, 3, Q6_SIZE, Q6_SIZE):
-        raise Wrong(f"for {n} images it returned shape {tuple(got.shape)}; expected ({n}, 3, {Q6_SIZE}, {Q6_SIZE}): "
+    if tuple(got.shape) != (n, 3, Q5_SIZE, Q5_SIZE):
+        raise Wrong(f"for {n} images it returned shape {tuple(got.shape)}; expected ({n}, 3, {Q5_SIZE}, {Q5_SIZE}): "
                     "resize each decoded [3, H, W] image to 64x64 and torch.stack them")
     if got.dtype != torch.float32:
         raise Wrong(f"dtype {got.dtype}: the classifier's input is float32 (img.float() before resizing)")
@@ -651,9 +659,10 @@ def _grade_gpu_preprocess(fn: Any) -> str:
                 "Pillow does when it shrinks), on the 0..255 values, then (x / 255 - mean) / std")
 
 
-q6 = CodeExercise(
-    name="07.6 the GPU decode step",
+q5 = CodeExercise(
+    name="07.5 the GPU decode step",
     var="gpu_preprocess",
+    references=References("decode the batch, resize and normalize it yourself", reference_gpu_preprocess),
     grade=_grade_gpu_preprocess,
     signature="gpu_preprocess(items, decode_jpeg, device) -> torch.Tensor [N, 3, 64, 64] float32 on device",
     hints=(

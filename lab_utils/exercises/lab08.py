@@ -4,8 +4,8 @@ sources whose history the check scripts, and the canary loop of ``lab_utils.mlop
 ``use_tracking(server)``, ``use_ab(result)`` and ``use_bench(bench)`` (optional) hand the checks what the lab
 started or measured. q1 ``log_run(tracking_uri, experiment, result, onnx_path) -> run_id``; q2
 ``canary_queries(window) -> {"error_rate", "p95_ms", "accuracy"}``; q3 ``decide(state, metrics, guards) ->
-Decision``; q4 ``sample_size(p_a, p_b, alpha=0.05, power=0.8) -> int`` per group; q5 ``psi(reference, current,
-bins=10) -> float``; q6 the A/B verdict, ``"real"`` or ``"not real"``. Nothing is imported or started at import.
+Decision``; q4 ``sample_size(p_a, p_b, alpha=0.05, power=0.8) -> int`` per group; q5 the A/B verdict, ``"real"`` or
+``"not real"``; q6 ``psi(reference, current, bins=10) -> float``. Nothing is imported or started at import.
 
 Design notes: docs/internals.md#lab_utilsexerciseslab08py
 """
@@ -29,8 +29,8 @@ from lab_utils.exercises.framework import (
     CodeExercise,
     Exercise,
     NotApplicable,
+    References,
     Wrong,
-    _short,
     choice,
     hands_out,
     integer,
@@ -38,6 +38,7 @@ from lab_utils.exercises.framework import (
     run_student,
     source_as,
 )
+from lab_utils.exercises.outcomes import _short
 from lab_utils.mlops import canary
 from lab_utils.mlops.canary import CanaryState, Decision, Guards, VariantMetrics
 from lab_utils.mlops.feedback import FEEDBACK_CORRECT, FEEDBACK_TOTAL, MetricsServer
@@ -74,9 +75,9 @@ def use_tracking(server: Any) -> None:
 
 
 def use_ab(result: Any) -> None:
-    """The A/B result (``abtest.AbResult``) q6 compares the verdict with."""
+    """The A/B result (``abtest.AbResult``) q5 compares the verdict with."""
     _BOUND["ab"] = result
-    print(f"q6 checks the verdict against the measured result: B - A = {result.test.diff:+.2%}, 95 % interval "
+    print(f"q5 checks the verdict against the measured result: B - A = {result.test.diff:+.2%}, 95 % interval "
           f"[{result.boot_low:+.2%}, {result.boot_high:+.2%}]")
 
 
@@ -377,12 +378,14 @@ def _check_run(client: Any, run: Any, exp_id: str, experiment: str, result: Any,
 
 q1 = CodeExercise(
     name="08.1 log a training run", var="log_run", grade=_grade_log_run,
+    references=References("make the MLflow calls yourself", reference_log_run, "lab_utils.mlops.tracking.log_run"),
     signature="log_run(tracking_uri, experiment, result, onnx_path) -> str", applicable=mlflow_missing,
     hints=(
-        "mlflow.set_tracking_uri(tracking_uri); mlflow.set_experiment(experiment) (it creates it when new); then "
-        "`with mlflow.start_run() as run:` (the run ends FINISHED with the block) and return run.info.run_id.",
-        "Inside: mlflow.log_params(result.params); for each row of result.history, mlflow.log_metric(key, "
-        "row[key], step=row['epoch']) for train_loss, val_loss, val_accuracy; mlflow.log_artifact(onnx_path).",
+        "Point mlflow at the tracking server (set_tracking_uri) and the experiment (set_experiment creates it when "
+        "new); then open a run in a `with` block (it ends FINISHED with the block); the run's info holds the id.",
+        "Inside the run: the params (log_params, of result.params); for each row of result.history, "
+        "mlflow.log_metric(key, row[key], step=row['epoch']) for train_loss, val_loss, val_accuracy; the ONNX file "
+        "with log_artifact.",
         "Tags: mlflow.set_tags({'data_sha256': result.data_sha256, 'git_commit': git_commit()[0]}) "
         "(from lab_utils.mlops.tracking import git_commit; it returns (sha, dirty)).",
     ),
@@ -727,6 +730,8 @@ def _grade_queries(fn: Any) -> str:
 
 q2 = CodeExercise(
     name="08.2 the canary's PromQL", var="canary_queries", grade=_grade_queries,
+    references=References("write the PromQL yourself",
+                           reference_canary_queries, "lab_utils.mlops.canary.render_queries"),
     signature="canary_queries(window: str) -> dict[str, str]", applicable=_prometheus_missing,
     hints=(
         "Every number is over the last window: rate(counter[window]) (or increase) of Triton's counters "
@@ -912,6 +917,8 @@ def _grade_decide(fn: Any) -> str:
 
 q3 = CodeExercise(
     name="08.3 the canary's decision", var="decide", grade=_grade_decide,
+    references=References("write the canary's decision rules yourself",
+                           reference_decide, "lab_utils.mlops.canary.decide"),
     signature="decide(state: CanaryState, metrics: dict[str, VariantMetrics], guards: Guards) -> Decision",
     hints=(
         "Guards in order: errors (above guards.max_error_rate, or above the champion's + max_error_rate_delta), "
@@ -1006,10 +1013,12 @@ def _grade_sample_size(fn: Any) -> str:
 
 q4 = CodeExercise(
     name="08.4 the A/B test's sample size", var="sample_size", grade=_grade_sample_size,
+    references=References("compute the sample size from the z-test yourself",
+                           reference_sample_size, "lab_utils.mlops.abtest.sample_size"),
     signature="sample_size(p_a, p_b, alpha=0.05, power=0.8) -> int",
     hints=(
-        "z_a = NormalDist().inv_cdf(1 - alpha / 2) (two-sided), z_b = NormalDist().inv_cdf(power) (from statistics "
-        "import NormalDist).",
+        "Two quantiles of the standard normal: z_a at 1 - alpha/2 (the test is two-sided) and z_b at the power; "
+        "statistics.NormalDist().inv_cdf gives both.",
         "Pooled under H0 with p = (p_a + p_b) / 2: n = (z_a sqrt(2 p (1 - p)) + z_b sqrt(p_a (1 - p_a) + p_b (1 - "
         "p_b)))^2 / (p_a - p_b)^2 per group; math.ceil it.",
     ),
@@ -1017,7 +1026,7 @@ q4 = CodeExercise(
 )
 
 
-# --- q5: PSI -----------------------------------------------------------------------------------------------------
+# --- q6: PSI -----------------------------------------------------------------------------------------------------
 
 
 def _psi(ref: np.ndarray, cur: np.ndarray, bins: int, *, edges_from: str = "ref", eps: float = 1e-4,
@@ -1097,8 +1106,9 @@ def _grade_psi(fn: Any) -> str:
             "distribution, finite with empty bins).")
 
 
-q5 = CodeExercise(
-    name="08.5 the population stability index", var="psi", grade=_grade_psi,
+q6 = CodeExercise(
+    name="08.6 the population stability index", var="psi", grade=_grade_psi,
+    references=References("bin the values and sum the PSI terms yourself", reference_psi, "lab_utils.mlops.drift.psi"),
     signature="psi(reference, current, bins=10) -> float",
     hints=(
         "Bins from the reference: inner edges = np.quantile(reference, np.linspace(0, 1, bins + 1)[1:-1]); the "
@@ -1110,7 +1120,7 @@ q5 = CodeExercise(
 )
 
 
-# --- q6: the A/B verdict -----------------------------------------------------------------------------------------
+# --- q5: the A/B verdict -----------------------------------------------------------------------------------------
 
 _VERDICTS = ("real", "not real")
 _VERDICT_SYNONYMS = {
@@ -1142,8 +1152,9 @@ def _grade_verdict(value: Any) -> str:
     return f"{interval}."
 
 
-q6 = Exercise(
-    name="08.6 the A/B verdict", var="ab_verdict", grade=_grade_verdict,
+q5 = Exercise(
+    name="08.5 the A/B verdict", var="ab_verdict", grade=_grade_verdict,
+    references=References("read the interval yourself", reference_verdict),
     hints=(
         "Read the 95 % interval of B - A (result.boot_low, result.boot_high) and the p-value (result.test.p_value).",
         "The difference is real when the interval excludes 0 (then p < 0.05 too): a 0 inside means 'no difference' "

@@ -105,7 +105,8 @@ q1 = CodeExercise(
         "Each new token leaves, in every layer, one key vector and one value vector per KV head.",
         "A vector is head_dim elements of dtype_bytes bytes. With grouped-query attention (GQA) only the KV heads "
         "are stored, not the (more numerous) query heads.",
-        "return 2 * layers * kv_heads * head_dim * dtype_bytes",
+        "Multiply it out: a key and a value (2 vectors), per KV head, per layer, each head_dim elements of "
+        "dtype_bytes bytes.",
     ],
     solution_text=source_as(reference_kv_bytes_per_token,
                             "kv_bytes_per_token(layers, kv_heads, head_dim, dtype_bytes)"),
@@ -134,7 +135,7 @@ q2 = Exercise(
     hints=[
         "Your kv_bytes_per_token with Llama-3.1-70B's shape, times the sequence length.",
         "80 layers, 8 KV heads (64 query heads share them: GQA), head_dim 128, bf16 = 2 bytes; 8192 tokens.",
-        "kv_gb_70b = 2 * 80 * 8 * 128 * 2 * 8192 / 1e9",
+        "Bytes per token (hint 1's function, or by hand) times 8192 tokens, over 1e9 for GB.",
     ],
     solution_text="kv_gb_70b = 2 * 80 * 8 * 128 * 2 * 8192 / 1e9   # 2.68 GB per 8k-token sequence",
 )
@@ -224,7 +225,8 @@ q3 = CodeExercise(
         "Keep reserve_frac of the GPU's memory back, load the weights, and give the rest to the KV cache.",
         "free bytes = (gpu_mem_gb × (1 − reserve_frac) − weights_gb) × 1e9; one sequence needs seq_len × "
         "kv_bytes_per_token bytes.",
-        "return max(0, math.floor(free_bytes / (seq_len * kv_bytes_per_token)))",
+        "Whole sequences only: round the quotient down (math.floor); weights larger than the memory leave none, "
+        "never a negative count.",
     ],
     solution_text=source_as(reference_max_sequences,
                             "max_sequences(gpu_mem_gb, weights_gb, seq_len, kv_bytes_per_token, reserve_frac)"),
@@ -296,8 +298,9 @@ q4 = CodeExercise(
         "Used slots: sum(lengths). A contiguous cache reserves max_len slots for every sequence; a paged one only "
         "whole blocks of `block` slots, as many as the sequence needs.",
         "Blocks for a sequence of n tokens: math.ceil(n / block). Waste = 1 − used / reserved, over all sequences.",
-        "used = sum(lengths); return 1 - used / (len(lengths) * max_len), "
-        "1 - used / sum(math.ceil(n / block) * block for n in lengths)",
+        "Both fractions share the numerator, the used slots; the denominators are the reserved slots: every "
+        "sequence's max_len for the contiguous cache, each sequence's whole blocks times `block` for the paged one. "
+        "Return the two, contiguous first.",
     ],
     solution_text=source_as(reference_kv_waste, "kv_waste(lengths, max_len, block)"),
 )
@@ -388,11 +391,12 @@ q5 = CodeExercise(
     name="09.5 one decode step with a KV cache", var="decode_attention", grade=_grade_decode_attention,
     signature="decode_attention(q, k_new, v_new, k_cache, v_cache, pos) -> Tensor",
     hints=[
-        "First the cache: the new token's key and value go in at index pos (k_cache[:, :, pos] = k_new[:, :, 0]); "
-        "the cache then holds pos + 1 tokens.",
+        "First the cache: the new token's key and value go in at position pos of the cache's token dimension (the "
+        "third); the cache then holds pos + 1 tokens.",
         "Keys and values are k_cache[:, :, :pos + 1] and v_cache[:, :, :pos + 1]. With GQA, give each query head its "
         "KV head: .repeat_interleave(heads // kv_heads, dim=1).",
-        "scores = q @ keys.transpose(-2, -1) / math.sqrt(head_dim); return torch.softmax(scores, dim=-1) @ values",
+        "Scaled dot-product attention over the cached tokens: q times the keys transposed, over sqrt(head_dim); a "
+        "softmax over the last dimension weights the values.",
     ],
     solution_text=source_as(reference_decode_attention, "decode_attention(q, k_new, v_new, k_cache, v_cache, pos)"),
 )
@@ -465,7 +469,8 @@ q8 = CodeExercise(
         "each decode step gives every request one more token.",
         "TTFT = prefill_ms[batch]; TPOT = decode_ms[batch]; the first token came from the prefill, so new_tokens − 1 "
         "decode steps follow.",
-        "total_ms = ttft + (new_tokens - 1) * tpot; tokens_per_s = batch * new_tokens / (total_ms / 1000)",
+        "The total time is the prefill plus those decode steps; tokens/s counts every token of every request over "
+        "that time in seconds.",
     ],
     solution_text=source_as(reference_ttft_tpot, "ttft_tpot(prefill_ms, decode_ms, batch, new_tokens)"),
 )
@@ -487,7 +492,7 @@ q6 = Exercise(
         "At batch 1 each weight is read from memory once and used for one token: one multiply-add.",
         "A multiply-add is 2 FLOPs; a bf16 weight is 2 bytes. (The KV cache adds bytes too, so the true figure is "
         "a little lower.)",
-        "decode_flop_per_byte = 2 / 2",
+        "Divide the FLOPs each weight brings by the bytes it costs to read.",
     ],
     solution_text="decode_flop_per_byte = 2 / 2   # 1 FLOP/byte: ~200x below the H200's ridge -> memory-bound",
 )
@@ -508,7 +513,7 @@ q7 = Exercise(
     hints=[
         "With B sequences in the batch, each weight read from memory is used for B tokens.",
         "Intensity ≈ B FLOP/byte (bf16, ignoring the KV cache). The ridge is where it equals peak FLOP/s / bandwidth.",
-        "ridge_batch = 989e12 / 4.8e12",
+        "So the batch is the ridge itself: the H200's dense bf16 FLOP/s over its HBM bytes/s (lab 01's figures).",
     ],
     solution_text="ridge_batch = 989e12 / 4.8e12   # ~206 sequences (fewer once the KV cache's bytes count)",
 )
@@ -561,7 +566,8 @@ q9 = Exercise(
     hints=[
         "POST /v1/chat/completions takes a JSON object: model, messages, and generation options.",
         "messages is a list of {\"role\": \"user\", \"content\": ...}; max_tokens is a number; stream a boolean.",
-        f"nim_request = {NIM_REQUEST!r}",
+        "Here: the model 'meta/llama-3.1-8b-instruct'; one user message asking 'What is a KV cache?'; at most 128 "
+        "new tokens; streamed (the tokens come as they are made).",
     ],
     solution_text=f"nim_request = {json.dumps(NIM_REQUEST, indent=2)}",
 )

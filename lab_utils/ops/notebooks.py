@@ -3,7 +3,7 @@
 Solutions mark exercise code with ``# BEGIN SOLUTION`` / ``# END SOLUTION`` (and ``# STUDENT: ...`` lines), and
 markdown with ``<!-- BEGIN SOLUTION -->`` / ``<!-- END SOLUTION -->`` and ``<!-- BEGIN ANSWERS -->`` /
 ``<!-- END ANSWERS -->``. Generating a lab turns them into blanks, prompts and folded answers, strips every
-output, and adds a hints cell under each check cell.
+output, and adds a line under each check cell saying how to get a hint and the solution.
 
 Design notes: docs/internals.md#lab_utilsopsnotebookspy"""
 
@@ -94,25 +94,12 @@ def strip_solution(source: str, where: str = "cell") -> str:
     return "\n".join(out)
 
 
-_MD_SPECIAL = re.compile(r"([\\`*_\[\]<>#|$~&])")  # what would format, link, tag or typeset
-
-
-def markdown_text(text: str) -> str:
-    """Plain text (a hint) safe in markdown: spans in backticks stay code, other special characters are escaped."""
-    parts = re.split(r"(`[^`]*`)", text)
-    return "".join(p if p.startswith("`") and p.endswith("`") and len(p) > 1 else _MD_SPECIAL.sub(r"\\\1", p)
-                   for p in parts)
-
-
 def hint_markdown(name: str, exercise: Any) -> str:
-    """The markdown under an exercise's check: how to get a hint and the solution, then each hint folded."""
-    hints = list(getattr(exercise, "hints", ()) or ())
-    text = (f"**Stuck?** `ex.{name}.hint()` prints the next hint, `ex.{name}.solution()` the worked solution"
-            + (f"; the {'hint is' if len(hints) == 1 else f'{len(hints)} hints are'} also folded below, one at a "
-               "time." if hints else "."))
-    for k, hint in enumerate(hints, start=1):
-        text += f"\n\n<details><summary>Hint {k} of {len(hints)}</summary>\n\n{markdown_text(hint)}\n\n</details>"
-    return text
+    """The one line under an exercise's check: how to get help, a hint at a time, and when the solution comes."""
+    n = len(getattr(exercise, "hints", ()) or ())
+    hints = f"`ex.{name}.hint()` gives the next of its {n} hints, one per call" if n else "it has no hints"
+    return (f"**Stuck?** {hints}; `ex.{name}.solution()` shows the worked solution once you have checked an "
+            "attempt.")
 
 
 def _exercise_module(nb: Any) -> Any:
