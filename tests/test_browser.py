@@ -30,9 +30,10 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from _require import marked, missing
 
 from lab_utils.course import specs
-from lab_utils.procs import env_flag, free_port, popen_owned, stop_group
+from lab_utils.procs import free_port, popen_owned, stop_group
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).parent / "data" / "browser"
@@ -41,25 +42,6 @@ CHROMIUM = os.environ.get("NVLAB_CHROMIUM", "/usr/bin/chromium")
 MARKER = "NVLAB_BROWSER_TEST"  # inherited by JupyterLab, its kernels and chromium: how leftovers are found
 WIDTH, HEIGHT = 1280, 900
 TOKEN = "browser-test-" + os.urandom(8).hex()
-
-
-def _missing(why: str) -> None:
-    if env_flag(REQUIRE_ENV):
-        pytest.fail(f"{REQUIRE_ENV}=1 but {why}")
-    pytest.skip(why)
-
-
-def _marked(run: str) -> list[str]:
-    """Processes alive that inherited ``MARKER=run`` (JupyterLab, its kernels), as ``pid command``."""
-    needle, out = f"{MARKER}={run}".encode(), []
-    for d in Path("/proc").glob("[0-9]*"):
-        try:
-            if needle in (d / "environ").read_bytes().split(b"\0") and ") Z" not in (d / "stat").read_text():
-                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-                out.append(f"{d.name} {cmd}")
-        except OSError:
-            continue
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -75,9 +57,9 @@ def lab(tmp_path_factory):
     try:
         import playwright.sync_api  # noqa: F401
     except ImportError:
-        _missing("playwright is not installed (pip install -e '.[test]')")
+        missing("playwright is not installed (pip install -e '.[test]')", REQUIRE_ENV)
     if not (Path(CHROMIUM).is_file() and os.access(CHROMIUM, os.X_OK)):
-        _missing(f"no chromium at {CHROMIUM} (apt-get install chromium, or set NVLAB_CHROMIUM)")
+        missing(f"no chromium at {CHROMIUM} (apt-get install chromium, or set NVLAB_CHROMIUM)", REQUIRE_ENV)
     home = tmp_path_factory.mktemp("jupyter")
     labs = home / "labs"
     shutil.copytree(ROOT / "labs", labs)
@@ -116,7 +98,7 @@ def lab(tmp_path_factory):
         stop_group(proc, grace_s=20)  # SIGTERM: JupyterLab shuts its kernels down, then exits
         log.close()
         deadline = time.monotonic() + 15
-        while (left := _marked(run)) and time.monotonic() < deadline:
+        while (left := marked(MARKER, run)) and time.monotonic() < deadline:
             time.sleep(0.3)
         for line in left:  # said below, and not left running for the next test either
             with contextlib.suppress(OSError):

@@ -29,21 +29,16 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from _require import missing
 
 from lab_utils.classroom import manage
 from lab_utils.course.catalog import repo_root
-from lab_utils.procs import env_flag, free_port, pid_alive
+from lab_utils.procs import free_port, pid_alive
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = os.environ.get("NVLAB_CHROMIUM", "/usr/bin/chromium")
 REQUIRE_ENV = "NVLAB_REQUIRE_CLASSROOM"
 IDLE_S, CULL_EVERY_S = 60, 10
-
-
-def _missing(why: str) -> None:
-    if env_flag(REQUIRE_ENV):
-        pytest.fail(f"{REQUIRE_ENV}=1 but {why}")
-    pytest.skip(why)
 
 
 def _nvlab(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -63,18 +58,18 @@ def remove_users(names: list[str]) -> None:
 def hub():
     """The class's hub, up; afterwards down, its users and their homes removed."""
     if os.geteuid() != 0:
-        _missing("the local classroom makes a system user per student: run as root")
+        missing("the local classroom makes a system user per student: run as root", REQUIRE_ENV)
     try:
         import jupyterhub  # noqa: F401
         import jupyterhub_idle_culler  # noqa: F401
         import nativeauthenticator  # noqa: F401
         import playwright.sync_api  # noqa: F401
     except ImportError as err:
-        _missing(f"{err.name} is not installed (pip install -e '.[classroom,test]')")
+        missing(f"{err.name} is not installed (pip install -e '.[classroom,test]')", REQUIRE_ENV)
     if not any(Path(d, "configurable-http-proxy").is_file() for d in os.environ["PATH"].split(os.pathsep)):
-        _missing("configurable-http-proxy is not on the PATH (npm install -g configurable-http-proxy@5)")
+        missing("configurable-http-proxy is not on the PATH (npm install -g configurable-http-proxy@5)", REQUIRE_ENV)
     if not os.access(CHROMIUM, os.X_OK):
-        _missing(f"no chromium at {CHROMIUM} (apt-get install chromium, or set NVLAB_CHROMIUM)")
+        missing(f"no chromium at {CHROMIUM} (apt-get install chromium, or set NVLAB_CHROMIUM)", REQUIRE_ENV)
     prefix = f"nvlt{os.urandom(2).hex()}"
     trainer, students = f"{prefix}-trainer", [f"{prefix}-s{i}" for i in (1, 2, 3)]
     # not under the test session's private TMPDIR: the students' Python lives here, and they must reach it

@@ -30,9 +30,10 @@ import uuid
 from pathlib import Path
 
 import pytest
+from _require import marked, missing
 
 from lab_utils.classroom.progress_service import REFRESH_S
-from lab_utils.procs import env_flag, free_port, popen_owned, stop_group
+from lab_utils.procs import free_port, popen_owned, stop_group
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = os.environ.get("NVLAB_CHROMIUM", "/usr/bin/chromium")
@@ -42,24 +43,6 @@ MARKER = "NVLAB_PROGRESS_HUB_TEST"
 PASSWORD = "pw-" + os.urandom(8).hex()
 API_TOKEN = os.urandom(24).hex()
 TRAINER, STUDENT, OTHER, IDLE = "nvlab-t-trainer", "nvlab-t-student1", "nvlab-t-student2", "nvlab-t-student3"
-
-
-def _missing(why: str, require: str) -> None:
-    if env_flag(require):
-        pytest.fail(f"{require}=1 but {why}")
-    pytest.skip(why)
-
-
-def _marked(run: str) -> list[str]:
-    needle, out = f"{MARKER}={run}".encode(), []
-    for d in Path("/proc").glob("[0-9]*"):
-        try:
-            if needle in (d / "environ").read_bytes().split(b"\0") and ") Z" not in (d / "stat").read_text():
-                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-                out.append(f"{d.name} {cmd}")
-        except OSError:
-            continue
-    return out
 
 
 def _api(base: str, method: str, path: str, body: dict | None = None, token: str = API_TOKEN) -> tuple[int, dict]:
@@ -118,15 +101,15 @@ def hub(tmp_path_factory):
     try:
         import jupyterhub  # noqa: F401
     except ImportError:
-        _missing("jupyterhub is not installed (pip install -e '.[classroom]')", REQUIRE_HUB)
+        missing("jupyterhub is not installed (pip install -e '.[classroom]')", REQUIRE_HUB)
     if not shutil.which("configurable-http-proxy"):
-        _missing("configurable-http-proxy is not on the PATH (npm install -g configurable-http-proxy)", REQUIRE_HUB)
+        missing("configurable-http-proxy is not on the PATH (npm install -g configurable-http-proxy)", REQUIRE_HUB)
     try:
         import playwright.sync_api  # noqa: F401
     except ImportError:
-        _missing("playwright is not installed (pip install -e '.[test]')", REQUIRE_BROWSER)
+        missing("playwright is not installed (pip install -e '.[test]')", REQUIRE_BROWSER)
     if not (Path(CHROMIUM).is_file() and os.access(CHROMIUM, os.X_OK)):
-        _missing(f"no chromium at {CHROMIUM} (apt-get install chromium, or set NVLAB_CHROMIUM)", REQUIRE_BROWSER)
+        missing(f"no chromium at {CHROMIUM} (apt-get install chromium, or set NVLAB_CHROMIUM)", REQUIRE_BROWSER)
     singleuser = Path(sys.executable).parent / "jupyterhub-singleuser"
     work = tmp_path_factory.mktemp("hub")
     run = f"{os.getpid()}-{time.monotonic_ns()}"
@@ -151,7 +134,7 @@ def hub(tmp_path_factory):
         stop_group(proc, grace_s=30)  # SIGTERM: the hub stops the servers, its services and the proxy
         log.close()
         deadline = time.monotonic() + 15
-        while (left := _marked(run)) and time.monotonic() < deadline:
+        while (left := marked(MARKER, run)) and time.monotonic() < deadline:
             time.sleep(0.3)
         for line in left:
             with contextlib.suppress(OSError):

@@ -9,6 +9,7 @@ work. Passwords go only to the ``--passwords-out`` file (mode 0600); the hub get
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import json
 import os
@@ -103,13 +104,14 @@ def existing_accounts(state: Path) -> set[str]:
             return set()
 
 
-def _runs_as_nobody(python: str, env: dict[str, str]) -> str | None:
+@functools.cache  # a few seconds each: asked by students_python and again by prepare
+def _runs_as_nobody(python: str) -> str | None:
     """Why ``python`` cannot run a student's server as an unprivileged user (None when it can); as root only."""
     runuser = shutil.which("runuser")
     if not runuser:
         return None
     out = subprocess.run([runuser, "-u", "nobody", "--", python, "-c", STUDENT_IMPORTS], capture_output=True,
-                         text=True, env=env, cwd="/", timeout=120)
+                         text=True, env=course_env(), cwd="/", timeout=120)
     return None if out.returncode == 0 else (out.stderr.strip().splitlines() or ["exit " + str(out.returncode)])[-1]
 
 
@@ -118,7 +120,7 @@ def students_python(folder: Path) -> str:
     only checks that), else a virtual environment in ``folder`` (made world-readable) of the system's python3 of the
     same version, seeing this environment's site-packages. For a trainer whose environment lives in a private home,
     and for the tests."""
-    if os.geteuid() != 0 or _runs_as_nobody(sys.executable, course_env()) is None:
+    if os.geteuid() != 0 or _runs_as_nobody(sys.executable) is None:
         return sys.executable
     system = Path(f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}")
     if not system.is_file():
@@ -189,7 +191,7 @@ def prepare(opts: Options) -> dict[str, Any]:
               "configurable-http-proxy is not on the PATH (JupyterHub's proxy, an npm package): "
               "npm install -g configurable-http-proxy@5")
         root = os.geteuid() == 0
-        if root and (why_not := _runs_as_nobody(opts.python, course_env())):
+        if root and (why_not := _runs_as_nobody(opts.python)):
             raise ClassroomError(f"students cannot run {opts.python} with the course ({why_not}): each student's "
                                  "server runs as that student, so the Python environment and the course checkout "
                                  "must be readable by every user (an interpreter under /root is not); make the "
