@@ -220,7 +220,9 @@ def committed_traces() -> list[Path]:
     return sorted(p for d in results.reference_dirs() for p in (d / "traces_06").glob("*.json.gz"))
 
 
-def _slips(trace: Mapping[str, Any], got: float, want: float) -> str | None:
+def slip_guesses(trace: Mapping[str, Any], want: float) -> list[tuple[str, float]]:
+    """(what went wrong, the fraction that slip gives) for the usual slips on ``trace``; ``want`` is the right
+    fraction. Computed once per trace: ``_slips`` matches an answer against them."""
     ev = tr.events(trace)
     k = ev[ev["cat"] == "kernel"]
     t0, t1 = tr.step_window(ev)
@@ -230,7 +232,7 @@ def _slips(trace: Mapping[str, Any], got: float, want: float) -> str | None:
     clipped = float((k["end_us"].clip(upper=t1) - k["ts_us"].clip(lower=t0)).clip(lower=0).sum())
     twice = ("overlapping kernels counted twice: two streams can run at once; take the union of the intervals "
              "(sort by start, merge overlaps), not the sum of durations")
-    guesses = [
+    return [
         (twice, total / (t1 - t0)),
         (twice, clipped / (t1 - t0)),
         ("divided by the kernels' own time: the denominator is the steps' wall time", 1.0),
@@ -240,6 +242,12 @@ def _slips(trace: Mapping[str, Any], got: float, want: float) -> str | None:
          "kernel's end", tr.union_us(tr.kernel_intervals(k), (s0, s1)) / (s1 - s0)),
         ("a percentage: return a fraction between 0 and 1", want * 100),
     ]
+
+
+def _slips(trace: Mapping[str, Any], got: float, want: float,
+           guesses: list[tuple[str, float]] | None = None) -> str | None:
+    """The slip that gives ``got`` on ``trace`` (``guesses`` from ``slip_guesses``, when already computed)."""
+    guesses = slip_guesses(trace, want) if guesses is None else guesses
     # The nearest guess within the grading's tolerance: two guesses can lie close together on a random trace (a
     # sum of durations of 0.9992 once read as "divided by the kernels' own time", which is exactly 1).
     near = [(abs(got - value), why) for why, value in guesses
