@@ -28,7 +28,6 @@ from lab_utils import procs
 from lab_utils.monitoring import prometheus
 from lab_utils.monitoring import service_monitoring as sm
 from lab_utils.ops import notebooks
-from lab_utils.procs import env_flag
 from lab_utils.serving import client as triton_client
 from lab_utils.serving import ensemble as ens
 from lab_utils.serving import nginx as nginx_mod
@@ -495,34 +494,14 @@ def _gone(pids, timeout_s):
     return False
 
 
-LAB08_SETUP = """
-    from lab_utils.mlops import deploy, tracking
-    server = tracking.TrackingServer().start()
-    run = tracking.log_training_run(server, epochs=1, run_name="kill-test")
-    tracking.register_run(server, run.run_id, alias="champion")
-    onnx = tracking.download_onnx(server, alias="champion", dst=procs.owned_tempdir("kill08"))
-    canary = deploy.CanaryService(onnx).start()
-    canary.set_weight(10)
-    pids += server.pids() + [p for t in canary.servers for p in procs.group_members(t.pid)]
-    pids += procs.group_members(canary.lb.pid)
-    nginx_prefixes.append(str(canary.lb.prefix))
-    shm += [t._shm_prefix for t in canary.servers]
-"""
-
-
-def test_killed_kernel_leaves_no_mlflow_nginx_triton_stub_or_shared_memory():
-    """A Jupyter kernel runs lab 07's setup (the service, its monitoring) and lab 08's (the MLflow server, champion
-    and challenger behind their own nginx) and is SIGKILLed mid-lab: the MLflow server, every Triton server and
-    stub, nginx's masters and workers, Prometheus and the exporter's thread end with it; `nvlab doctor` removes what
-    no exit handler could (the folders and shared-memory regions named by the kernel's PID). One kernel for both
-    labs: each setup costs CI its start-up time."""
-    from lab_utils.mlops import tracking
-
+def test_killed_kernel_leaves_no_nginx_triton_stub_or_shared_memory():
+    """A Jupyter kernel runs lab 07's setup (the service, its monitoring) and is SIGKILLed mid-lab: every Triton
+    server and stub, nginx's master and workers, Prometheus and the exporter's thread end with it; `nvlab doctor`
+    removes what no exit handler could (the folders and shared-memory regions named by the kernel's PID). Lab 08's
+    champion and challenger are this same ``Service`` (``deploy.CanaryService``); its MLflow server's end with a
+    killed owner is ``test_mlops.py::test_nothing_left_when_the_owner_is_killed``."""
     _require_all()
     _prometheus_here()
-    lab08 = tracking.mlflow_missing() is None
-    if not lab08 and env_flag("CI"):
-        pytest.fail(f"CI installs the lab extra, but {tracking.mlflow_missing()}")
     jupyter_client = pytest.importorskip("jupyter_client")
     run_id = f"pytest-service-kill-{uuid.uuid4().hex[:8]}"
     km = jupyter_client.KernelManager(kernel_name="python3")
@@ -542,17 +521,15 @@ def test_killed_kernel_leaves_no_mlflow_nginx_triton_stub_or_shared_memory():
             pids = [p for t in svc.servers for p in procs.group_members(t.pid)] + procs.group_members(svc.lb.pid)
             pids += [mon.metrics.pid]
             nginx_prefixes, shm = [str(svc.lb.prefix)], [t._shm_prefix for t in svc.servers]
-        """) + (textwrap.dedent(LAB08_SETUP) if lab08 else "") + \
-            'print("STATE", json.dumps({"pids": pids, "nginx": nginx_prefixes, "shm": shm}))\n'
+        """) + 'print("STATE", json.dumps({"pids": pids, "nginx": nginx_prefixes, "shm": shm}))\n'
 
         out = KernelOutput()
         reply = kc.execute_interactive(code, timeout=360, output_hook=out)
         assert reply["content"]["status"] == "ok", out.text
         state = json.loads(out.text.split("STATE", 1)[1].strip().splitlines()[0])
         pids = state["pids"]
-        # lab 07: 2 Triton servers with 3 stubs each, nginx's master and a worker, Prometheus; lab 08: MLflow (the
-        # CLI and uvicorn), 2 more Triton servers, another nginx
-        assert len(pids) >= 2 * 4 + 2 + (2 + 2 * 4 + 2 if lab08 else 0) and all(procs.pid_alive(p) for p in pids)
+        # 2 Triton servers with 3 stubs each, nginx's master and a worker, Prometheus
+        assert len(pids) >= 2 * 4 + 2 and all(procs.pid_alive(p) for p in pids)
         assert all(list(Path("/dev/shm").glob(f"{p}*")) for p in state["shm"])
         kc.stop_channels()
         kernel_pid = km.provisioner.process.pid
