@@ -166,7 +166,7 @@ def test_nvml_error_text_names_the_cause():
     import pynvml
 
     err = pynvml.NVMLError(pynvml.NVML_ERROR_DRIVER_NOT_LOADED)
-    assert "kernel driver is not loaded" in env._nvml_error_text(err)
+    assert "kernel driver is not loaded" in env.nvml_error_text(err)
 
 
 def test_stack_and_container_tables():
@@ -225,7 +225,7 @@ def _lab03(report):
 
 
 def test_doctor_names_modelopt_in_lab03_only_when_it_imports(no_modelopt, capsys):
-    comps = env._probe_components()
+    comps = env.probe_components()
     mo = comps["modelopt"]
     assert not mo.present and "No module named 'modelopt'" in mo.note and "pip install nvidia-modelopt" in mo.note
     for trt, runs in ((False, "ONNX Runtime; torch autocast"), (True, "TensorRT engines from the FP32 ONNX file")):
@@ -247,7 +247,7 @@ def test_doctor_names_modelopt_in_lab03_only_when_it_imports(no_modelopt, capsys
 
 def test_doctor_names_modelopt_where_it_imports():
     pytest.importorskip("modelopt")
-    comps = env._probe_components()
+    comps = env.probe_components()
     if not comps["modelopt"].present:
         pytest.skip(f"ModelOpt's ONNX path is incomplete here: {comps['modelopt'].note}")
     assert _lab03(_gpu_report(comps, trt=True)).tier == "full"
@@ -262,7 +262,7 @@ def test_a_report_without_the_components_names_neither():
 
 def test_the_probe_imports_modelopt_cheaply():
     """``import modelopt`` only: its ONNX path (lief, a second or two) is left to the lab that quantizes."""
-    code = ("import sys; from lab_utils.course import probe; c = probe._probe_components()['modelopt']; "
+    code = ("import sys; from lab_utils.course import probe; c = probe.probe_components()['modelopt']; "
             "print(c.present, 'modelopt.onnx' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.split()[-1] == "False", out.stdout

@@ -171,7 +171,7 @@ def test_a_bad_prometheus_url_is_named(monkeypatch):
 def test_the_environment_report_shows_a_bad_url_instead_of_crashing(monkeypatch):
     monkeypatch.setenv("TRITON_URL", "127.0.0.1:abc")
     monkeypatch.setenv("PROMETHEUS_URL", "prometheus:abc")
-    comps = course_probe._probe_components()
+    comps = course_probe.probe_components()
     triton = comps["tritonserver"]
     assert not triton.present and "TRITON_URL='127.0.0.1:abc': expected http://HOST:PORT" in triton.note
     assert "PROMETHEUS_URL='prometheus:abc'" in comps["prometheus"].note

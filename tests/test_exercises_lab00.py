@@ -23,6 +23,7 @@ from lab_utils.exercises.framework import (
     Status,
     Wrong,
 )
+from lab_utils.exercises.lab00.ceiling import _version_of as version_of
 
 # --- lab 00 answers --------------------------------------------------------------------------------------
 
@@ -278,7 +279,7 @@ def smi_driver_as_cuda(query_csv, smi_text):
 
 @pytest.fixture()
 def no_nvml(monkeypatch):
-    monkeypatch.setattr(lab00, "nvml_unavailable", lambda: "no NVIDIA driver here (test)")
+    monkeypatch.setattr(lab00.inventory, "nvml_unavailable", lambda: "no NVIDIA driver here (test)")
 
 
 def test_lab00_q3_from_the_captures(no_nvml):
@@ -478,7 +479,7 @@ def test_lab00_other_banner_changes_both_versions_at_random():
     h200 = probe.capture("nvidia-smi")
     seen = set()
     for seed in range(20):
-        text = lab00._other_banner(h200, random.Random(seed))
+        text = lab00.ceiling._other_banner(h200, random.Random(seed))
         header = probe.parse_smi_header(text)
         assert header["cuda_ceiling"] != "13.0" and header["driver_version"] != "580.159.04"
         assert "580.159.04" not in text and text.count("CUDA Version:") == 1
@@ -487,12 +488,12 @@ def test_lab00_other_banner_changes_both_versions_at_random():
 
 
 def test_lab00_versions_written_differently_are_one_version():
-    assert lab00._version_of("13.0.0", "v") == lab00._version_of(13000, "v") == lab00._version_of(b"13.0", "v")
-    assert lab00._version_of(12040, "v") == (12, 4) and lab00._version_of(" 12.10 ", "v") == (12, 10)
+    assert version_of("13.0.0", "v") == version_of(13000, "v") == version_of(b"13.0", "v")
+    assert version_of(12040, "v") == (12, 4) and version_of(" 12.10 ", "v") == (12, 10)
     with pytest.raises(Wrong, match="driver version"):
-        lab00._version_of("580.159.04", "v")
+        version_of("580.159.04", "v")
     with pytest.raises(Wrong, match="12.10"):
-        lab00._version_of(13.0, "v")
+        version_of(13.0, "v")
 
 
 def test_lab00_q3_accepts_the_cuda_version_as_nvml_gives_it(no_nvml):
@@ -516,7 +517,7 @@ def test_lab00_q5_a_table_of_the_known_cases_fails_on_random_ones():
     out = check(lab00.q5, verdict_table)
     assert out.status is Status.INCORRECT and "drawn at random" in out.message, out.message
     assert "8 more drawn at random" in check(lab00.q5, verdict_right).message
-    lab00._grade_random_verdicts(verdict_packaging, random.Random(0))  # a right answer passes any draw
+    lab00.verdict._grade_random_verdicts(verdict_packaging, random.Random(0))  # a right answer passes any draw
 
 
 def test_lab00_q3_a_fixed_inventory_fails_on_another_machine(no_nvml):
@@ -525,7 +526,7 @@ def test_lab00_q3_a_fixed_inventory_fails_on_another_machine(no_nvml):
     assert out.status is Status.INCORRECT and "another machine" in out.message, out.message
     labels = set()
     for seed in range(20):
-        label, query, banner = lab00._other_machine(probe.capture("query-gpu"), probe.capture("nvidia-smi"),
+        label, query, banner = lab00.inventory._other_machine(probe.capture("query-gpu"), probe.capture("nvidia-smi"),
                                                     random.Random(seed))
         rows = lab00.reference_smi_inventory(query, banner)
         assert 2 <= len(rows) <= 4 and rows[0]["driver_version"] != "580.159.04"

@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import pytest
 
 from lab_utils.compat import tensorrt_stubs
-from lab_utils.course import probe
+from lab_utils.course import programs
 from lab_utils.course.catalog import NOTEBOOK_GLOB
 from lab_utils.inference import tensorrt as trt_engine
 from lab_utils.inference import trt_check
@@ -203,7 +203,7 @@ def test_profile_checks_and_accepts():
 def no_trtexec(monkeypatch, tmp_path):
     """A machine without trtexec: an empty PATH and no NGC location."""
     monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))
-    monkeypatch.setattr(probe, "TRTEXEC_CANDIDATES", ())
+    monkeypatch.setattr(programs, "TRTEXEC_CANDIDATES", ())
 
 
 def _fake_trtexec(folder: Path, executable: bool = True) -> Path:
@@ -215,11 +215,11 @@ def _fake_trtexec(folder: Path, executable: bool = True) -> Path:
 
 
 def test_trtexec_off_the_path_is_found_where_ngc_images_keep_it(no_trtexec, monkeypatch, tmp_path):
-    assert probe.find_trtexec() is None
+    assert programs.find_trtexec() is None
     not_executable = _fake_trtexec(tmp_path / "opt" / "tensorrt" / "bin", executable=False)
     ngc = _fake_trtexec(tmp_path / "usr" / "src" / "tensorrt" / "bin")
-    monkeypatch.setattr(probe, "TRTEXEC_CANDIDATES", (tmp_path / "missing" / "trtexec", not_executable, ngc))
-    assert probe.find_trtexec() == str(ngc)  # the missing and the non-executable candidates are passed over
+    monkeypatch.setattr(programs, "TRTEXEC_CANDIDATES", (tmp_path / "missing" / "trtexec", not_executable, ngc))
+    assert programs.find_trtexec() == str(ngc)  # the missing and the non-executable candidates are passed over
     p = trt_engine.batch_profile("input", (1, 8, 8), 1, 16, 64)
     lines = trt_engine.trtexec_commands("m.onnx", "m.plan", p)
     assert lines["build"].startswith(f"{ngc} --onnx=m.onnx") and lines["run"].startswith(f"{ngc} --loadEngine=")
@@ -230,8 +230,8 @@ def test_trtexec_off_the_path_is_found_where_ngc_images_keep_it(no_trtexec, monk
 def test_trtexec_on_the_path_comes_first(no_trtexec, monkeypatch, tmp_path):
     on_path = _fake_trtexec(tmp_path / "bin")
     monkeypatch.setenv("PATH", str(on_path.parent))
-    monkeypatch.setattr(probe, "TRTEXEC_CANDIDATES", (_fake_trtexec(tmp_path / "opt"),))
-    assert probe.find_trtexec() == str(on_path)
+    monkeypatch.setattr(programs, "TRTEXEC_CANDIDATES", (_fake_trtexec(tmp_path / "opt"),))
+    assert programs.find_trtexec() == str(on_path)
     p = trt_engine.batch_profile("input", (1, 8, 8), 1, 16, 64)
     assert trt_engine.trtexec_commands("m.onnx", "m.plan", p)["build"].startswith("trtexec --onnx=")
 
@@ -538,10 +538,10 @@ def test_the_timing_cache_file_is_named_after_tensorrt_and_the_gpu(tmp_path):
 
 def test_doctor_says_no_tensorrt_and_how_to_get_it(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))
-    monkeypatch.setattr(probe, "TRTEXEC_CANDIDATES", ())
-    if probe.tensorrt_runtime_present():
+    monkeypatch.setattr(programs, "TRTEXEC_CANDIDATES", ())
+    if programs.tensorrt_runtime_present():
         pytest.skip("TensorRT is installed here")
-    c = probe._tensorrt_component()
+    c = programs._tensorrt_component()
     assert not c.present and c.where is None
     assert "pip install tensorrt-cu13" in c.note and "NGC" in c.note
     if importlib.util.find_spec("tensorrt") is not None:
@@ -556,18 +556,18 @@ def test_doctor_names_the_module_and_trtexec_it_found(monkeypatch, tmp_path):
     monkeypatch.delitem(sys.modules, "tensorrt", raising=False)  # ModelOpt may have imported the stub package
     tool = _fake_trtexec(tmp_path / "bin")
     monkeypatch.setenv("PATH", str(tool.parent))
-    c = probe._tensorrt_component()
+    c = programs._tensorrt_component()
     assert c.present and c.where == str(package)
     assert f"Python module {package}" in c.note and f"trtexec {tool}" in c.note
 
 
 def test_doctor_with_trtexec_but_no_python_module(monkeypatch, tmp_path):
-    if probe.tensorrt_runtime_present():
+    if programs.tensorrt_runtime_present():
         pytest.skip("TensorRT is installed here")
     tool = _fake_trtexec(tmp_path / "usr" / "src" / "tensorrt" / "bin")
     monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))
-    monkeypatch.setattr(probe, "TRTEXEC_CANDIDATES", (tool,))
-    c = probe._tensorrt_component()
+    monkeypatch.setattr(programs, "TRTEXEC_CANDIDATES", (tool,))
+    c = programs._tensorrt_component()
     assert not c.present and c.where == str(tool) and "but no Python module" in c.note
 
 
@@ -586,7 +586,7 @@ def _course_step(env_extra: dict[str, str], tmp_path: Path) -> subprocess.Comple
 
 
 def test_course_tensorrt_step_offline_says_so_in_one_line_and_goes_on(tmp_path):
-    if probe.tensorrt_runtime_present():
+    if programs.tensorrt_runtime_present():
         pytest.skip("TensorRT is installed here: the step has nothing to do")
     out = _course_step({"NVLAB_TENSORRT": "1"}, tmp_path)
     assert out.returncode == 0 and out.stdout.strip() == "setup goes on", out.stdout + out.stderr
@@ -598,7 +598,7 @@ def test_course_tensorrt_step_offline_says_so_in_one_line_and_goes_on(tmp_path):
     assert lines[1].startswith("course: TensorRT not installed: pip could not install tensorrt-cu13>=")
     assert pinned_image("pytorch") in lines[1] and lines[1].endswith("setup goes on without it")
     assert not list(tmp_path.iterdir())  # pip's log removed
-    assert not probe.tensorrt_runtime_present()
+    assert not programs.tensorrt_runtime_present()
 
 
 @pytest.mark.parametrize("asked", ["", "0"])

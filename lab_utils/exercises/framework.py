@@ -200,7 +200,9 @@ class CodeExercise(Exercise):
     lab: str = field(default="", init=False, repr=False)  # the lab module whose exercises it is among (the grader's)
 
     def __post_init__(self) -> None:
-        self.lab = getattr(self.grade, "__module__", None) or ""
+        module = getattr(self.grade, "__module__", None) or ""
+        # a lab split into a package (lab_utils.exercises.lab00.inventory): its lab module is the package
+        self.lab = ".".join(module.split(".")[:3]) if module.startswith(LAB_PACKAGE) else module
 
     def refusal(self, value: Any) -> Outcome | None:
         """*Incorrect* when ``value`` is, or reaches, a reference implementation of this exercise (found without
@@ -248,6 +250,7 @@ class CodeExercise(Exercise):
 
 def lab_references(module: types.ModuleType) -> dict[str, References]:
     """``var`` -> its ``References``, for every exercise of a lab module that names some (private parts included:
-    lab 00's inventory grades one of two functions, each with its own)."""
-    return {e.var: e.references for e in list(vars(module).values())
+    lab 00's inventory grades one of two functions, each with its own); of a lab split into a package, its modules'."""
+    inside = [m for name, m in sorted(sys.modules.items()) if name.startswith(f"{module.__name__}.")]
+    return {e.var: e.references for m in (module, *inside) for e in list(vars(m).values())
             if isinstance(e, Exercise) and e.references is not None}

@@ -1,37 +1,46 @@
-"""Owned child processes: die with the parent, whole process groups stopped, readiness waits without sleeps.
+"""Owned child processes: die with the parent, whole process groups stopped, temporary folders swept after a
+killed owner.
 
 Used by every server a lab starts (Triton, Prometheus) and by the distributed launcher's workers.
 Processes and ports are read through psutil; PR_SET_PDEATHSIG is Linux only (elsewhere a no-op).
-Also the course's one reader of environment variables (``env_flag``, ``env_int``, ``env_url``: a bad value is an
-``EnvError`` naming the variable and the form expected) and its one HTTP probe (``http_ok``, ``check_service``)."""
+The package also holds the course's one reader of environment variables (``procs.env``: ``env_flag``, ``env_int``,
+``env_url``) and its ports and HTTP probe (``procs.net``: ``http_ok``, ``check_service``, ``wait_until``), both
+importable from here."""
 
 from __future__ import annotations
 
 import atexit
 import contextlib
 import ctypes
-import http.client
+import functools
 import os
 import queue
 import re
 import select
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import psutil
+
+from lab_utils.procs.env import EnvError, check_url, env_flag, env_int, env_url  # noqa: F401 (the names callers use)
+from lab_utils.procs.net import (  # noqa: F401 (the names callers use)
+    check_service,
+    free_port,
+    http_ok,
+    port_free,
+    wait_http_ok,
+    wait_until,
+    who_listens,
+)
 
 _STOP_AT_EXIT: weakref.WeakSet[Any] = weakref.WeakSet()
 _REMOVE_AT_EXIT: list[Path] = []
@@ -62,81 +71,6 @@ def exit_cleanup() -> None:
             obj.stop()
     while _REMOVE_AT_EXIT:
         shutil.rmtree(_REMOVE_AT_EXIT.pop(), ignore_errors=True)
-
-
-# --- environment variables: one reader, one wording ----------------------------------------------------------
-
-TRUE_WORDS = ("1", "true", "yes")
-FALSE_WORDS = ("0", "false", "no")
-
-
-class EnvError(ValueError):
-    """An environment variable the course cannot use; the message names it, its value and the form expected."""
-
-
-def _env(name: str) -> str:
-    return os.environ.get(name, "").strip()
-
-
-def env_flag(name: str, default: bool = False) -> bool:
-    """``$name`` as a yes/no switch: 1/true/yes or 0/false/no (any case); ``default`` when unset or empty."""
-    if not (raw := _env(name)):
-        return default
-    if raw.lower() in TRUE_WORDS:
-        return True
-    if raw.lower() in FALSE_WORDS:
-        return False
-    raise EnvError(f"{name}={raw!r}: expected one of {'/'.join(TRUE_WORDS + FALSE_WORDS)} (or unset it)")
-
-
-def env_int(name: str, default: int | None = None, minimum: int | None = None) -> int | None:
-    """``$name`` as an integer (>= ``minimum`` when given); ``default`` when unset or empty."""
-    if not (raw := _env(name)):
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        value = None
-    if value is None or (minimum is not None and value < minimum):
-        bound = f" >= {minimum}" if minimum is not None else ""
-        raise EnvError(f"{name}={raw!r}: expected an integer{bound}")
-    return value
-
-
-def check_url(value: str, name: str, *, default_port: int | None = None,
-              schemes: tuple[str, ...] = ("http", "https"), bare: bool = False, path_ok: bool = False) -> str:
-    """``value`` (from ``$name``, or an argument called ``name``) as ``scheme://host:port[/path]``, or ``host:port``
-    with ``bare``; a missing scheme means ``schemes[0]``, a missing port ``default_port``. Raises ``EnvError``
-    naming ``name`` and the form expected (a bad port, no host, a path where none belongs, another scheme)."""
-    form = "HOST:PORT" if bare else f"{schemes[0]}://HOST:PORT"
-    example = form.replace("HOST", "127.0.0.1").replace("PORT", str(default_port or 8000))
-    text = value.strip()
-
-    def bad(why: str) -> EnvError:
-        return EnvError(f"{name}={value!r}: expected {form}, e.g. {example} ({why})")
-
-    # urlsplit reads "localhost:8000" as scheme "localhost": a value without "://" gets the default scheme first.
-    parts = urllib.parse.urlsplit(text if "://" in text else f"{schemes[0]}://{text}")
-    if parts.scheme not in schemes:
-        raise bad(f"the scheme {parts.scheme!r} is not {' or '.join(schemes)}")
-    if not parts.hostname:
-        raise bad("no host")
-    try:
-        port = parts.port
-    except ValueError:
-        raise bad(f"the port {parts.netloc.rsplit(':', 1)[-1]!r} is not a number from 1 to 65535") from None
-    if not (port := port or default_port):
-        raise bad("no port")
-    if parts.query or parts.fragment or (parts.path.strip("/") and not path_ok):
-        raise bad(f"nothing may follow the port, got {text[text.index(parts.netloc) + len(parts.netloc):]!r}")
-    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
-    return f"{host}:{port}" if bare else f"{parts.scheme}://{host}:{port}{parts.path.rstrip('/')}"
-
-
-def env_url(name: str, **kwargs: Any) -> str | None:
-    """``$name`` checked by :func:`check_url` (same keywords); None when unset or empty."""
-    raw = _env(name)
-    return check_url(raw, name, **kwargs) if raw else None
 
 
 TEMP_PREFIX = "nvlab-"  # every temporary folder of the course: nvlab-<what>-<owner pid>-<random>
@@ -250,33 +184,6 @@ def writable_problem(folder: Path, option: str) -> str | None:
     return None
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nothing listens on right now (the OS picks it, so a busy port is never chosen)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def port_holder(port: int) -> str | None:
-    """``pid N (command)`` of the process listening on TCP ``port``, when this user may see it."""
-    try:
-        listeners = [c.pid for c in psutil.net_connections(kind="tcp")
-                     if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid]
-    except psutil.Error:  # a system that shows other processes' sockets only to root
-        return None
-    for pid in listeners:
-        with contextlib.suppress(psutil.Error):  # gone meanwhile
-            cmd = " ".join(psutil.Process(pid).cmdline())
-            return f"pid {pid} ({cmd[:100] or pid})"
-    return None
-
-
-def who_listens(port: int) -> str:
-    """``by pid N (command)`` for a message about a taken ``port``, or how to find out when the holder is hidden."""
-    holder = port_holder(port)
-    return f"by {holder}" if holder else f"(see `ss -ltnp 'sport = :{port}'`)"
-
-
 def group_listen_ports(pgid: int) -> set[int] | None:
     """TCP ports the live processes of group ``pgid`` listen on; None where psutil may not read their sockets."""
     ports: set[int] = set()
@@ -291,17 +198,6 @@ def group_listen_ports(pgid: int) -> set[int] | None:
     return ports
 
 
-def port_free(port: int, host: str = "127.0.0.1") -> bool:
-    """True when a server could listen on ``port`` now. The probe binds with SO_REUSEADDR, as Triton, Prometheus
-    and Python's HTTP servers do, so a port whose last connections sit in TIME_WAIT (a server just killed) counts
-    as free; a port with a listener does not."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
 
 
 def die_with_parent() -> None:
@@ -332,17 +228,13 @@ def die_with(pid: int) -> None:
     threading.Thread(target=wait, name=f"nvlab-die-with-{pid}", daemon=True).start()
 
 
-_PRCTL: list[Any] = []
-
-
+@functools.cache
 def _prctl() -> Any:
     """libc's prctl, looked up once in the parent (a dlopen after fork could deadlock in the child)."""
-    if not _PRCTL:
-        try:
-            _PRCTL.append(ctypes.CDLL("libc.so.6", use_errno=True).prctl)
-        except OSError:  # not glibc Linux: children cannot be tied to the parent this way
-            _PRCTL.append(None)
-    return _PRCTL[0]
+    try:
+        return ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    except OSError:  # not glibc Linux: children cannot be tied to the parent this way
+        return None
 
 
 _spawn_q: queue.Queue[tuple[Callable[[], Any], queue.Queue[Any]]] = queue.Queue()
@@ -436,75 +328,6 @@ def stop_group(proc: subprocess.Popen, grace_s: float = 10.0, kill_wait_s: float
             return proc.returncode
 
 
-def http_ok(url: str, timeout_s: float = 2.0, check: Callable[[bytes], bool] | None = None) -> tuple[bool, str]:
-    """GET ``url`` once, waiting at most ``timeout_s`` seconds: (answered 200, what happened).
-
-    What happened is ``"HTTP <status>"`` whenever an HTTP answer came (``"HTTP 200, unexpected body ..."`` when
-    ``check(body)`` refuses it), else the failure's name: ``ConnectionRefusedError``, ``TimeoutError``,
-    ``gaierror`` (unknown host), ``BadStatusLine`` (something that does not speak HTTP)..."""
-    try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as r:
-            status = r.status
-            body = r.read(65536) if check is not None else b""
-    except urllib.error.HTTPError as err:
-        err.close()  # it holds the connection open
-        return False, f"HTTP {err.code}"
-    except urllib.error.URLError as err:
-        reason = err.reason
-        return False, type(reason).__name__ if isinstance(reason, BaseException) else str(reason)
-    except (OSError, http.client.HTTPException, ValueError) as err:  # ValueError: not a URL urllib can open
-        return False, type(err).__name__
-    if status != 200:
-        return False, f"HTTP {status}"
-    if check is not None:
-        try:
-            fits = bool(check(body))
-        except Exception:  # a body the check cannot parse is not the expected one
-            fits = False
-        if not fits:
-            return False, f"HTTP 200, unexpected body {body[:80]!r}"
-    return True, "HTTP 200"
-
-
-_NOT_HTTP = ("BadStatusLine", "LineTooLong", "IncompleteRead", "UnknownProtocol", "HTTPException")
-
-
-def check_service(url: str, path: str, looks_right: Callable[[bytes], bool], what: str, env: str | None = None,
-                  wait_s: float = 5.0, poll_s: float = 0.2, hint: str = "") -> str | None:
-    """None when ``GET url+path`` answers 200 with a body ``looks_right`` accepts (``url`` is ``what``, Triton or
-    Prometheus); else why not, in words naming ``env``, the variable the URL came from (``hint`` follows when
-    nothing answers).
-
-    An HTTP answer that is not ``what``'s is reported at once; no answer at all (refused, timed out) and HTTP 503
-    (starting) are retried for ``wait_s`` seconds first, for a server still starting."""
-    where = urllib.parse.urlsplit(url).netloc or url
-    src = f" ({env})" if env else ""
-    deadline = time.monotonic() + wait_s
-    while True:
-        left = deadline - time.monotonic()
-        ok, why = http_ok(url.rstrip("/") + path, timeout_s=min(2.0, max(0.5, left)), check=looks_right)
-        if ok:
-            return None
-        late = time.monotonic() >= deadline
-        if why == "HTTP 503":  # Service Unavailable: a server still starting, or something else; wait first
-            if late:
-                return f"{where} answers HTTP but is not {what}, or is not ready: GET {path} gave {why}{src}"
-        elif why.startswith("HTTP "):
-            return f"{where} answers HTTP but is not {what}: GET {path} gave {why}{src}"
-        elif why in _NOT_HTTP:
-            return f"{where} answers but does not speak HTTP ({why}): it is not {what}{src}"
-        elif why == "gaierror":
-            return f"the host in {url} is not known (no DNS entry){src}"
-        elif late:
-            tip = f": {hint}" if hint else ""
-            if why == "ConnectionRefusedError":
-                return f"nothing listens at {where}{src}{tip}"
-            if why in ("TimeoutError", "timeout"):
-                return f"nothing answers at {where} within {wait_s:g} s{src}{tip}"
-            return f"nothing answers HTTP at {where} ({why}){src}{tip}"
-        threading.Event().wait(min(poll_s, max(0.0, deadline - time.monotonic())))
-
-
 class Background:
     """``fn(*args, **kwargs)`` running in a daemon thread: its ``result``, or the ``error`` it raised, once it ends."""
 
@@ -529,38 +352,6 @@ class Background:
         if self.error is not None:
             raise self.error
         return self.result
-
-
-def wait_until(condition: Callable[[], bool], timeout_s: float, poll_s: float = 0.05) -> bool:
-    """Ask ``condition()`` every ``poll_s`` s until it holds (True) or ``timeout_s`` s have passed (False)."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        threading.Event().wait(poll_s)
-    return True
-
-
-def wait_http_ok(url: str, proc: subprocess.Popen | None, timeout_s: float, poll_s: float = 0.05,
-                 give_up: Callable[[], bool] | None = None) -> bool:
-    """Wait until ``GET url`` answers 200, checking that ``proc`` is still alive between tries.
-
-    Returns True when ready, False when ``proc`` exited first or ``give_up()`` says the start has failed
-    (a fatal line in the log, say); raises ``TimeoutError`` after ``timeout_s``. The pause between tries is a
-    wait on the process itself, so an exit is noticed at once."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if (proc is not None and proc.poll() is not None) or (give_up is not None and give_up()):
-            return False
-        if http_ok(url, timeout_s=1.0)[0]:
-            return True
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{url} did not answer 200 within {timeout_s:g} s")
-        if proc is not None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=poll_s)
-        else:
-            threading.Event().wait(poll_s)
 
 
 def tail(path: Path | str | None, n: int = 40) -> str:
