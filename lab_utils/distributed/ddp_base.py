@@ -7,10 +7,10 @@ Design notes: docs/internals.md#lab_utilsdistributedddppy"""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
+import queue
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from lab_utils.args import check_int
-from lab_utils.distributed.spawn import WorkerContext, launch, mp_context
+from lab_utils.distributed.spawn import WorkerContext, launch
 from lab_utils.procs import env_int
 from lab_utils.timing import cpu_cores
 
@@ -98,52 +98,27 @@ def each_world_size(ctx: WorkerContext, fn: Callable[..., dict[str, Any]],
     return out
 
 
-class _StatusTicks:
-    """Rank 0's status events, passed on, and one item on ``ticks`` per status that starts with ``prefix``."""
-
-    def __init__(self, events: Any, ticks: Any, prefix: str):
-        self.events, self.ticks, self.prefix = events, ticks, prefix
-
-    def put(self, item: tuple[str, int, Any]) -> None:
-        if self.events is not None:
-            self.events.put(item)
-        if item[0] == "status" and str(item[2]).startswith(self.prefix):
-            self.ticks.put(1)
-
-
-def _ticking(ctx: WorkerContext, tick_queue: Any, tick_prefix: str, tick_work: Callable[..., Any], **kw: Any) -> Any:
-    """Worker: ``tick_work(ctx, **kw)``, with rank 0's statuses that start with ``tick_prefix`` reported on
-    ``tick_queue``: ``epoch k/n`` (train_digits), ``world size n of N`` (each_world_size), ``repeat r/R`` (overlap)."""
-    if ctx.rank == 0:
-        ctx = dataclasses.replace(ctx, _events=_StatusTicks(ctx._events, tick_queue, tick_prefix))
-    return tick_work(ctx, **kw)
-
-
-@contextlib.contextmanager
-def _rank0_ticks(progress: Callable[..., Any], total: int | None, desc: str) -> Iterator[Any]:
-    """A queue for the ranks (rank 0 puts one item on it per step) and a thread here that turns its items into
-    the steps of ``progress(iterable, total=, desc=)``; the display ends when the block does."""
-    ticks = mp_context().Queue()
+def launch_ticking(worker: Callable[..., Any], nprocs: int, kw: dict[str, Any], *, backend: str, timeout_s: float,
+                   progress: Callable[..., Any] | None, total: int | None, desc: str, prefix: str) -> Any:
+    """Rank 0's result of ``worker`` on ``nprocs`` ranks; ``progress`` (``lab_utils.widgets.progress``, None: no
+    display) steps once per status of rank 0 that starts with ``prefix``: ``epoch k/n`` (train_digits), ``world size
+    n of N`` (each_world_size), ``repeat r/R`` (overlap). A thread here turns those statuses into its steps."""
+    if progress is None:
+        return launch(worker, nprocs, backend=backend, timeout_s=timeout_s, kwargs=kw)[0]
+    ticks: queue.Queue[int | None] = queue.Queue()
 
     def show() -> None:
         for _ in progress(iter(ticks.get, None), total=total, desc=desc):
             pass
 
+    def tick(rank: int, text: str) -> None:
+        if rank == 0 and text.startswith(prefix):
+            ticks.put(1)
+
     shown = threading.Thread(target=show, name="nvlab-ddp-progress", daemon=True)
     shown.start()
     try:
-        yield ticks
+        return launch(worker, nprocs, backend=backend, timeout_s=timeout_s, kwargs=kw, on_status=tick)[0]
     finally:
         ticks.put(None)
         shown.join(timeout=10)
-
-
-def launch_ticking(worker: Callable[..., Any], nprocs: int, kw: dict[str, Any], *, backend: str, timeout_s: float,
-                    progress: Callable[..., Any] | None, total: int | None, desc: str, prefix: str) -> Any:
-    """Rank 0's result of ``worker`` on ``nprocs`` ranks; ``progress`` (``lab_utils.widgets.progress``, None: no
-    display) steps once per status of rank 0 that starts with ``prefix``."""
-    if progress is None:
-        return launch(worker, nprocs, backend=backend, timeout_s=timeout_s, kwargs=kw)[0]
-    with _rank0_ticks(progress, total, desc) as ticks:
-        return launch(_ticking, nprocs, backend=backend, timeout_s=timeout_s,
-                      kwargs={"tick_queue": ticks, "tick_prefix": prefix, "tick_work": worker, **kw})[0]

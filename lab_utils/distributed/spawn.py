@@ -346,7 +346,8 @@ def _stacks(procs: list[BaseProcess], files: list[str], wait_s: float = 1.0) -> 
 
 def launch(fn: Callable[..., Any], nprocs: int, *, backend: str = "auto", kwargs: dict[str, Any] | None = None,
            timeout_s: float = 300.0, env: dict[str, str] | None = None, group: bool = True,
-           rendezvous: int = 1, straggler_s: float | None = None) -> list[Any]:
+           rendezvous: int = 1, straggler_s: float | None = None,
+           on_status: Callable[[int, str], None] | None = None) -> list[Any]:
     """Run ``fn(ctx, **kwargs)`` on ``nprocs`` ranks; returns each rank's result, indexed by rank.
 
     ``timeout_s`` counts from when every rank is ready to run ``fn`` (starting them has ``STARTUP_TIMEOUT_S``). ``env``
@@ -355,7 +356,8 @@ def launch(fn: Callable[..., Any], nprocs: int, *, backend: str = "auto", kwargs
     from the torchrun-style environment (see the module doc); ``rendezvous`` stores are hosted for it, one per group it
     starts in turn (their ports: ``ctx.rendezvous_ports``); on gloo its ranks see no GPU (``CUDA_VISIBLE_DEVICES=""``
     unless ``env`` sets it), so they choose gloo too. ``straggler_s``: how long the others may run on once one rank has
-    returned (for functions whose ranks end together). Raises ``WorkerError`` (rank and traceback) or ``WorkerTimeout``
+    returned (for functions whose ranks end together). ``on_status(rank, text)`` is called here, in the launcher, for
+    each ``ctx.status`` of a rank. Raises ``WorkerError`` (rank and traceback) or ``WorkerTimeout``
     (each rank's last status and stack); in every case all workers are stopped before it returns."""
     if not callable(fn):
         raise TypeError(f"launch(fn=...): fn must be a function, got {type(fn).__name__}")
@@ -421,6 +423,8 @@ def launch(fn: Callable[..., Any], nprocs: int, *, backend: str = "auto", kwargs
                             deadline = time.monotonic() + timeout_s
                     elif kind == "status":
                         status[rank] = payload
+                        if on_status is not None:
+                            on_status(rank, payload)
                     elif kind == "done":
                         results[rank] = payload
                         first_done = first_done or time.monotonic()
