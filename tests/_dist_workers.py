@@ -114,3 +114,37 @@ def barrier_after_refused_op(ctx, rounds=20):
         except RuntimeError as exc:
             refused += "Invalid scalar type" in str(exc)
     return {"rank": ctx.rank, "refused": refused}
+
+
+def ddp_digits_and_accumulation(ctx, plan, micro_batch=8, accumulate=2):
+    """Lab 02's digits runs of ``plan`` (``ddp.each_world_size``), then DDP's gradients after ``accumulate``
+    micro-steps (all but the last under no_sync) against one big batch in one process, in one launch: the ranks
+    start once for every test that reads them. The check returns the largest absolute difference (max over ranks)
+    and the gradient's largest magnitude, for scale."""
+    import contextlib
+
+    import torch
+    import torch.nn.functional as F
+
+    from lab_utils.distributed import ddp, ddp_base
+    from lab_utils.models import make_digits_cnn
+
+    runs = ddp.each_world_size(ctx, ddp.train_digits, plan)
+    data = ddp._digits_tensors(ctx.device)
+    torch.manual_seed(0)
+    ref = make_digits_cnn(16).to(ctx.device)
+    model = make_digits_cnn(16).to(ctx.device)
+    model.load_state_dict(ref.state_dict())
+    net = ddp_base.wrap_ddp(ctx, model)
+    per_rank = micro_batch * accumulate
+    x = data["x_train"][: per_rank * ctx.world_size]  # (global, 1, 8, 8); rank r owns rows [r*per_rank, ...)
+    y = data["y_train"][: per_rank * ctx.world_size]
+    mine = slice(ctx.rank * per_rank, (ctx.rank + 1) * per_rank)
+    for k, (xb, yb) in enumerate(zip(x[mine].split(micro_batch), y[mine].split(micro_batch), strict=True)):
+        with contextlib.nullcontext() if k == accumulate - 1 else net.no_sync():
+            (F.cross_entropy(net(xb), yb) / accumulate).backward()
+    F.cross_entropy(ref(x), y).backward()  # the big batch, in one process
+    diff = max(float((p.grad - q.grad).abs().max()) for p, q in zip(model.parameters(), ref.parameters(), strict=True))
+    scale = max(float(q.grad.abs().max()) for q in ref.parameters())
+    diff = ddp_base.all_reduce_values(ctx, [diff], op="max")[0]
+    return runs, {"max_abs_diff": diff, "max_abs_grad": scale, "global_batch": per_rank * ctx.world_size}

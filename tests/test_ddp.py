@@ -20,6 +20,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+import _dist_workers as w
+
 from lab_utils import models
 from lab_utils.distributed import ddp
 from lab_utils.distributed.spawn import launch
@@ -31,22 +33,26 @@ EPOCHS = 4  # enough for > 95 % on the digits; each launch costs seconds of proc
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The same seed and global batch on 1 and on 2 gloo ranks, in one launch (the 1-rank run in a subgroup of
-    rank 0, as digits_comparison and scaling do); the 2-rank run writes a checkpoint."""
+    """One launch of two gloo ranks for every test of lab 02's training: the same seed and global batch on 1 and on 2
+    ranks (the 1-rank run in a subgroup of rank 0, as digits_comparison and scaling do; the 2-rank run writes a
+    checkpoint), an fp16 run with GradScaler and accumulation, then no_sync accumulation against one big batch."""
     ckpt = tmp_path_factory.mktemp("ddp") / "digits.pt"
     plan = [(1, {"epochs": EPOCHS, "batch_size": 64}),
-            (2, {"epochs": EPOCHS, "batch_size": 32, "checkpoint_path": str(ckpt)})]
-    by_rank = launch(ddp.each_world_size, 2, backend="gloo", kwargs={"fn": ddp.train_digits, "runs": plan})
-    assert by_rank[1][0] is None and by_rank[1][1]["world_size"] == 2  # rank 1 sat the 1-rank run out
-    one, two = by_rank[0]
-    return one, two, ckpt
+            (2, {"epochs": EPOCHS, "batch_size": 32, "checkpoint_path": str(ckpt)}),
+            (2, {"epochs": 1, "amp": "fp16", "accumulate": 2, "batch_size": ddp.per_rank_batch(64, 2, 2)})]
+    by_rank = launch(w.ddp_digits_and_accumulation, 2, backend="gloo", kwargs={"plan": plan})
+    assert by_rank[1][0][0] is None and by_rank[1][0][1]["world_size"] == 2  # rank 1 sat the 1-rank run out
+    (one, two, fp16), accumulation = by_rank[0]
+    return SimpleNamespace(one=one, two=two, ckpt=ckpt, fp16=fp16, accumulation=accumulation)
 
 
 def test_import_does_no_work():
     code = ("import sys, torch.distributed as dist, lab_utils.distributed.ddp; "
-            "print(dist.is_initialized(), 'sklearn' in sys.modules)")
+            "print(dist.is_initialized(), 'sklearn' in sys.modules, 'pandas' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
-    assert out.stdout.strip() == "False False"  # no process group, and the digits come without scikit-learn
+    # no process group, the digits come without scikit-learn, and a rank (which imports the module to run a
+    # worker) starts without pandas: only the launcher builds tables
+    assert out.stdout.strip() == "False False False"
 
 
 def test_digits_split():
@@ -84,7 +90,7 @@ def test_bad_arguments():
 
 
 def test_one_and_two_processes_agree(runs):
-    one, two, _ = runs
+    one, two = runs.one, runs.two
     assert one["world_size"] == 1 and two["world_size"] == 2
     assert one["global_batch"] == two["global_batch"] == 64 and two["batch_size"] == 32
     assert one["accuracy"] > 0.90 and two["accuracy"] > 0.90
@@ -94,7 +100,7 @@ def test_one_and_two_processes_agree(runs):
 
 
 def test_checkpoint_reproduces_accuracy(runs):
-    _, two, ckpt = runs
+    two, ckpt = runs.two, runs.ckpt
     saved = torch.load(ckpt, weights_only=True)
     assert saved["epoch"] == EPOCHS and "optimizer" in saved
     assert not any(k.startswith("module.") for k in saved["model"])  # model.module's state dict
@@ -123,15 +129,15 @@ def test_sharded_eval_counts_each_test_image_once():
     assert sorted(kept) == list(range(n))
 
 
-def test_accumulation_with_no_sync_matches_big_batch():
-    res = launch(ddp.accumulation_check, 2, backend="gloo", kwargs={"micro_batch": 8, "accumulate": 2})[0]
+def test_accumulation_with_no_sync_matches_big_batch(runs):
+    res = runs.accumulation
     assert res["global_batch"] == 32
     assert res["max_abs_diff"] <= 1e-5 * res["max_abs_grad"] + 1e-7
 
 
-def test_fp16_grad_scaler_with_accumulation():
-    res = ddp.run_digits(2, epochs=1, amp="fp16", accumulate=2, backend="gloo")
-    assert res["amp"] == "fp16" and res["accumulate"] == 2 and res["batch_size"] == 16
+def test_fp16_grad_scaler_with_accumulation(runs):
+    res = runs.fp16
+    assert res["amp"] == "fp16" and res["accumulate"] == 2 and res["batch_size"] == 16 and res["global_batch"] == 64
     assert res["fp16_scale"] > 0 and math.isfinite(res["final_loss"])
     assert res["accuracy"] > 0.3  # learned something in one epoch (chance is 0.1)
 

@@ -15,9 +15,8 @@ import math
 import os
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pandas as pd
 import torch
 import torch.nn.functional as F
 from torch.utils.data.distributed import DistributedSampler
@@ -33,7 +32,7 @@ from lab_utils.distributed.ddp_base import (
     share_cpu_threads,
     wrap_ddp,
 )
-from lab_utils.distributed.spawn import WorkerContext, launch
+from lab_utils.distributed.spawn import WorkerContext
 from lab_utils.distributed.throughput import (  # noqa: F401 (the names callers use from here)
     H200_ONE_GPU_STEP_MS,
     NO_DDP,
@@ -47,6 +46,9 @@ from lab_utils.distributed.throughput import (  # noqa: F401 (the names callers 
 )
 from lab_utils.models import DigitsCNN, digits_arrays, make_digits_cnn
 from lab_utils.timing import sync
+
+if TYPE_CHECKING:  # the tables are built in the launcher: ranks running a worker never import pandas
+    import pandas as pd
 
 # Hyperparameters of the digits runs (see ``train_digits``): the GLOBAL batch is held constant across world
 # sizes, so N ranks take the same number of steps of the same size as one process, with the same lr.
@@ -166,10 +168,11 @@ def train_digits(ctx: WorkerContext, epochs: int = DIGITS_DEFAULTS["epochs"], ba
     """Worker: train the digits CNN under DDP; every rank returns the same all-reduced metrics.
 
     ``batch_size`` is the micro-batch per rank: a step sees batch_size × world_size × accumulate images (keep that
-    ``global_batch`` and the lr constant to compare world sizes: ``run_digits``). ``amp``: None (fp32), 'bf16' or 'fp16'
-    (+ GradScaler). All but the last of ``accumulate`` micro-steps run under ``no_sync()``. ``set_epoch=False``: every
-    epoch repeats one order (the bug, on purpose). Rank 0 writes ``checkpoint_path``; the others wait at a barrier.
-    ``cpu_threads``: torch threads per CPU rank (1: the CNN's ops are too small to split; None shares the cores).
+    ``global_batch`` and the lr constant to compare world sizes: ``digits_comparison``). ``amp``: None (fp32), 'bf16'
+    or 'fp16' (+ GradScaler). All but the last of ``accumulate`` micro-steps run under ``no_sync()``.
+    ``set_epoch=False``: every epoch repeats one order (the bug, on purpose). Rank 0 writes ``checkpoint_path``; the
+    others wait at a barrier. ``cpu_threads``: torch threads per CPU rank (1: the CNN's ops are too small to split;
+    None shares the cores).
 
     Returns accuracy (test, fraction), final_loss, samples_per_s (training images per wall second, all ranks), train_s,
     history (per epoch: train_loss, train_accuracy, test_accuracy, epoch_s, first_indices: this rank's first 8) and
@@ -249,15 +252,6 @@ def train_digits(ctx: WorkerContext, epochs: int = DIGITS_DEFAULTS["epochs"], ba
             "checkpoint_path": None if checkpoint_path is None else os.fspath(checkpoint_path), "history": history}
 
 
-def run_digits(nprocs: int = 1, *, global_batch: int = DIGITS_DEFAULTS["global_batch"], accumulate: int = 1,
-               backend: str = "auto", timeout_s: float = 300.0, **kwargs: Any) -> dict[str, Any]:
-    """Launch ``train_digits`` on ``nprocs`` ranks with a constant global batch; returns rank 0's result."""
-    batch = per_rank_batch(global_batch, nprocs, accumulate)
-    kw = {"batch_size": batch, "accumulate": accumulate, **kwargs}
-    return launch(train_digits, nprocs, backend=backend, kwargs=kw, timeout_s=timeout_s)[0]
-
-
-
 def digits_comparison(nprocs_list: Sequence[int] = (1, 2), *, global_batch: int = DIGITS_DEFAULTS["global_batch"],
                       accumulate: int | Sequence[int] = 1, backend: str = "auto", timeout_s: float = 300.0,
                       progress: Callable[..., Any] | None = None, **kwargs: Any) -> pd.DataFrame:
@@ -277,36 +271,8 @@ def digits_comparison(nprocs_list: Sequence[int] = (1, 2), *, global_batch: int 
                               total=epochs * len(runs) if isinstance(epochs, int) else None)
     rows = [{k: r[k] for k in ("world_size", "backend", "global_batch", "batch_size", "accumulate", "lr", "amp",
                                "epochs", "accuracy", "final_loss", "samples_per_s")} for r in results]
+    import pandas as pd
+
     df = pd.DataFrame(rows)
     df["accuracy_vs_first"] = df["accuracy"] - df["accuracy"].iloc[0]
     return df
-
-
-def accumulation_check(ctx: WorkerContext, micro_batch: int = 16, accumulate: int = 2, seed: int = 0) -> dict[str, Any]:
-    """Worker: DDP gradients after ``accumulate`` micro-steps (all but the last under no_sync) vs one big batch.
-
-    Every rank also computes, without DDP, the gradient of the whole global batch
-    (micro_batch × accumulate × world_size images) on a plain copy of the model; returns the largest
-    absolute difference (max over ranks) and the gradient's largest magnitude, for scale."""
-    micro_batch = check_int(micro_batch, "micro_batch", "accumulation_check")
-    accumulate = check_int(accumulate, "accumulate", "accumulation_check")
-    share_cpu_threads(ctx)
-    data = _digits_tensors(ctx.device)
-    torch.manual_seed(seed)
-    ref = make_digits_cnn(16).to(ctx.device)
-    model = make_digits_cnn(16).to(ctx.device)
-    model.load_state_dict(ref.state_dict())
-    ddp = wrap_ddp(ctx, model)
-    per_rank = micro_batch * accumulate
-    x = data["x_train"][: per_rank * ctx.world_size]  # (global, 1, 8, 8); rank r owns rows [r*per_rank, ...)
-    y = data["y_train"][: per_rank * ctx.world_size]
-    mine = slice(ctx.rank * per_rank, (ctx.rank + 1) * per_rank)
-    for k, (xb, yb) in enumerate(zip(x[mine].split(micro_batch), y[mine].split(micro_batch), strict=True)):
-        with contextlib.nullcontext() if k == accumulate - 1 else ddp.no_sync():
-            (F.cross_entropy(ddp(xb), yb) / accumulate).backward()
-    F.cross_entropy(ref(x), y).backward()  # the big batch, in one process
-    diff = max(float((p.grad - q.grad).abs().max()) for p, q in zip(model.parameters(), ref.parameters(), strict=True))
-    scale = max(float(q.grad.abs().max()) for q in ref.parameters())
-    diff = all_reduce_values(ctx, [diff], op="max")[0]
-    return {"max_abs_diff": diff, "max_abs_grad": scale, "world_size": ctx.world_size, "accumulate": accumulate,
-            "global_batch": per_rank * ctx.world_size}

@@ -10,9 +10,8 @@ import contextlib
 import math
 import os
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pandas as pd
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -33,6 +32,9 @@ from lab_utils.distributed.ddp_base import (
 from lab_utils.distributed.spawn import WorkerContext, choose_backend, torch_gpu_count
 from lab_utils.models import MIB, make_resnet, param_mib, resnet_blocks
 from lab_utils.timing import benchmark, cpu_cores, cpu_model
+
+if TYPE_CHECKING:  # the tables are built in the launcher: ranks running a worker never import pandas
+    import pandas as pd
 
 # throughput defaults: (GPU, CPU). GPU: ResNet-18, 224 px, bf16, batch 256 per GPU: about 20 ms per step on
 # an H200, GPU-bound, and DDP hides its 45 MiB all-reduce (~0.2 ms over NVLink) in the backward pass: 99 %
@@ -197,6 +199,8 @@ def scaling(nprocs_list: Sequence[int] | None = None, *, backend: str = "auto", 
     rows = launch_ticking(each_world_size, max(nprocs_list), work, backend=backend, timeout_s=timeout_s,
                            progress=progress, total=len(nprocs_list), desc="DDP scaling: world sizes",
                            prefix="world size ")
+    import pandas as pd
+
     df = pd.DataFrame(rows)
     base = df.loc[df["world_size"].idxmin()]
     df["speedup"] = df["images_per_s"] / base["images_per_s"]
@@ -264,6 +268,8 @@ def overlap_experiment(nprocs: int | None = None, variants: Sequence[dict[str, A
     kw = {"variants": full, "repeats": repeats, **kwargs}
     rows = launch_ticking(overlap_worker, nprocs, kw, backend=backend, timeout_s=timeout_s, progress=progress,
                            total=repeats * len(full), desc="DDP bucket variants: runs", prefix="repeat ")
+    import pandas as pd
+
     df = pd.DataFrame(rows)
     df.insert(0, "variant", [_variant_label(v) for v in full])
     base = df.loc[[v == DEFAULT_BUCKETS for v in full]].iloc[0]
