@@ -95,7 +95,7 @@ def test_compose_commands_and_variables(commands):
 
 
 def resolves(name: str) -> bool:
-    """Whether ``name`` is a module, or an attribute of one (lab_utils.course.probe.container_verdicts)."""
+    """Whether ``name`` is a module, or an attribute of one (lab_utils.course.probe.stack_table)."""
     try:
         return importlib.util.find_spec(name) is not None
     except ModuleNotFoundError:  # a parent is a module, not a package: name an attribute of it
@@ -114,4 +114,4 @@ def test_named_modules_and_paths_exist(doc):
     missing = sorted(p for p in paths if not (ROOT / p).exists())
     assert not stale and not missing, f"{doc.name} names modules that do not import {stale}, paths not there {missing}"
     assert modules and paths
-    assert not resolves("lab_utils.stack") and resolves("lab_utils.course.probe.container_verdicts")  # the check
+    assert not resolves("lab_utils.stack") and resolves("lab_utils.course.probe.stack_table")  # the check

@@ -54,7 +54,7 @@ from lab_utils.course.programs import (  # noqa: F401 (the names callers use fro
     run_text,
     tensorrt_runtime_present,
 )
-from lab_utils.course.stack import manifest, ngc_images, pinned_release
+from lab_utils.course.stack import manifest, pinned_release
 
 REQUIRED = ("numpy", "pandas", "matplotlib", "torch", "papermill", "nbformat", "ipykernel")
 
@@ -372,20 +372,3 @@ def stack_table(report: EnvReport) -> list[dict[str, str]]:
              rel["torch"], f"{rel['triton_server']} (tritonserver image)", manifest()["services"]["prometheus"]]
     column = f"course image (NGC {rel['tag']})"
     return [{"layer": a, "on this machine": b, column: i} for (a, b), i in zip(rows, image, strict=True)]
-
-
-def container_verdicts(cuda_ceiling: str, datacenter_gpu: bool = True) -> list[dict[str, str]]:
-    """Whether each NGC image's CUDA runtime runs on a driver with ``cuda_ceiling``, and why."""
-    rows = []
-    for entry in ngc_images():
-        cuda = entry["cuda"]
-        if version_tuple(cuda) <= version_tuple(cuda_ceiling):
-            verdict = "runs: the driver supports this CUDA"
-        elif version_tuple(cuda)[:1] == version_tuple(cuda_ceiling)[:1]:  # same major: no compat package needed
-            verdict = "runs through minor-version compatibility; some features need a newer driver"
-        elif datacenter_gpu:
-            verdict = "runs through the image's forward-compatibility libraries (data-centre GPUs only)"
-        else:
-            verdict = "fails: update the driver"
-        rows.append({"image": entry["image"], "CUDA runtime": cuda, "driver ceiling": cuda_ceiling, "verdict": verdict})
-    return rows
