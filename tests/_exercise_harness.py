@@ -20,8 +20,10 @@ SOLUTIONS = Path(__file__).resolve().parents[1] / "solutions"
 
 
 def exercises_of(module) -> list[Exercise]:
-    """The public exercises a lab's module defines (q1, q2, ...), in definition order."""
-    return [v for k, v in vars(module).items() if isinstance(v, Exercise) and not k.startswith("_")]
+    """The public exercises a lab's module defines (q1, q2, ...), in their numbers' order (a lab split into a package
+    binds them module by module)."""
+    found = {k: v for k, v in vars(module).items() if isinstance(v, Exercise) and not k.startswith("_")}
+    return [found[k] for k in sorted(found, key=lambda k: (len(k), k))]
 
 
 def check(exercise: Exercise, value) -> Outcome:

@@ -28,6 +28,7 @@ from lab_utils.exercises.delegation import (
     ReferenceCalled,
     References,
     delegation,
+    lab_of,
     references_of,
 )
 from lab_utils.exercises.grading import (
@@ -200,7 +201,7 @@ class CodeExercise(Exercise):
     lab: str = field(default="", init=False, repr=False)  # the lab module whose exercises it is among (the grader's)
 
     def __post_init__(self) -> None:
-        self.lab = getattr(self.grade, "__module__", None) or ""
+        self.lab = lab_of(getattr(self.grade, "__module__", None) or "")
 
     def refusal(self, value: Any) -> Outcome | None:
         """*Incorrect* when ``value`` is, or reaches, a reference implementation of this exercise (found without
