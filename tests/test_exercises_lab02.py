@@ -767,7 +767,7 @@ def _obs(rank=0, n=2, epochs=2, total=40, **kw):
     obs = {"rank": rank, "fetched": [i for e in range(epochs) for i in per[e % 2]], "n_train": total, "models": 1,
            "forwards": 10, "autocast": [(True, "float16")], "saves": ["ckpt"] if rank == 0 else [], "clips": 10,
            "clips_scaled": 0, "norms": [1.0], "max_norms": [5.0], "scales": 10, "scales_disabled": 0,
-           "unscales": 10, "left_group": False, "state": {k: v.numpy() for k, v in state.items()}}
+           "left_group": False, "state": {k: v.numpy() for k, v in state.items()}}
     obs.update(kw)
     return obs
 

@@ -118,7 +118,7 @@ class _TrainingProbe:
 
     def __init__(self) -> None:
         self.saves: list[str] = []
-        self.clips = self.clips_scaled = self.scales = self.scales_disabled = self.unscales = 0
+        self.clips = self.clips_scaled = self.scales = self.scales_disabled = 0
         self.norms: list[float] = []
         self.max_norms: set[float] = set()
         self._pending = False  # scale() was called and unscale_() not yet
@@ -154,7 +154,6 @@ class _TrainingProbe:
             return scale(scaler, outputs)
 
         def p_unscale(scaler: GradScaler, optimizer: Any) -> Any:
-            self.unscales += 1
             self._pending = False
             return unscale(scaler, optimizer)
 
