@@ -114,3 +114,12 @@ def barrier_after_refused_op(ctx, rounds=20):
         except RuntimeError as exc:
             refused += "Invalid scalar type" in str(exc)
     return {"rank": ctx.rank, "refused": refused}
+
+
+def imported_after(ctx, module, watch):
+    """Import ``module`` in this rank; which of the modules in ``watch`` are loaded then."""
+    import importlib
+    import sys
+
+    importlib.import_module(module)
+    return sorted(m for m in watch if m in sys.modules)

@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 from lab_utils.distributed import ranks as ranks_mod
-from lab_utils.distributed.spawn import WorkerTimeout
+from lab_utils.distributed.spawn import WorkerTimeout, launch
 from lab_utils.exercises import lab02
 from lab_utils.exercises.framework import CodeExercise, Exercise, Status, Wrong
 from lab_utils.exercises.lab02 import bench, factors, in_ranks, metric, training
@@ -743,6 +743,15 @@ def test_a_teardown_hang_twice_is_not_blamed_on_the_student(tmp_path):
     assert flag.read_text() == "2"
     assert "hung inside torch's dist.destroy_process_group()" in str(err.value)
     assert "Your code is not the cause" in str(err.value)
+
+
+def test_a_rank_imports_the_lab_without_pandas():
+    # Every rank of a check imports this package to run its worker: pandas (lab_utils.distributed.ddp's, only the
+    # launching process evaluates a model) cost each rank seconds of CPU.
+    import _dist_workers as w
+
+    watch = ["pandas", "lab_utils.distributed.ddp"]
+    assert launch(w.imported_after, 1, backend="gloo", kwargs={"module": training.__name__, "watch": watch}) == [[]]
 
 
 def test_q6_unscale_message_shows_the_accuracy_it_cost():

@@ -17,7 +17,6 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
 from lab_utils.distributed import ranks as ranks_mod
-from lab_utils.distributed.ddp import evaluate
 from lab_utils.distributed.spawn import WorkerContext
 from lab_utils.exercises.framework import CodeExercise, References, Wrong, patched, source_as
 from lab_utils.exercises.lab02.in_ranks import (
@@ -214,6 +213,10 @@ _REFERENCE_RUNS: dict[tuple[Any, ...], dict[str, Any]] = {}
 
 
 def _evaluate(state: dict[str, torch.Tensor], width: int) -> float:
+    # Imported here, in the launching process only: every rank imports this module to run _ddp_worker, and
+    # lab_utils.distributed.ddp brings pandas, seconds of CPU per rank.
+    from lab_utils.distributed.ddp import evaluate
+
     model = DigitsCNN(width)
     model.load_state_dict(state)
     return evaluate(model, "cpu")
