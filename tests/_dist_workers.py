@@ -148,3 +148,12 @@ def ddp_digits_and_accumulation(ctx, plan, micro_batch=8, accumulate=2):
     scale = max(float(q.grad.abs().max()) for q in ref.parameters())
     diff = ddp_base.all_reduce_values(ctx, [diff], op="max")[0]
     return runs, {"max_abs_diff": diff, "max_abs_grad": scale, "global_batch": per_rank * ctx.world_size}
+
+
+def imported_after(ctx, module, watch):
+    """Import ``module`` in this rank; which of the modules in ``watch`` are loaded then."""
+    import importlib
+    import sys
+
+    importlib.import_module(module)
+    return sorted(m for m in watch if m in sys.modules)

@@ -20,8 +20,10 @@ SOLUTIONS = Path(__file__).resolve().parents[1] / "solutions"
 
 
 def exercises_of(module) -> list[Exercise]:
-    """The public exercises a lab's module defines (q1, q2, ...), in definition order."""
-    return [v for k, v in vars(module).items() if isinstance(v, Exercise) and not k.startswith("_")]
+    """The public exercises a lab's module defines (q1, q2, ...), in their numbers' order (a lab split into a package
+    binds them module by module)."""
+    found = {k: v for k, v in vars(module).items() if isinstance(v, Exercise) and not k.startswith("_")}
+    return [found[k] for k in sorted(found, key=lambda k: (len(k), k))]
 
 
 def check(exercise: Exercise, value) -> Outcome:
@@ -92,20 +94,21 @@ def solution_functions(lab: str) -> dict[str, Callable[..., Any]]:
     return {d.name: namespace[d.name] for d in defs}
 
 
-def standard_tests(cases):
-    """Three parametrised tests over ``cases`` = [(exercise, right_answers, wrong_answers), ...]."""
+def standard_tests(cases, graded: Callable[[Exercise, Any], Outcome] = check):
+    """Three parametrised tests over ``cases`` = [(exercise, right_answers, wrong_answers), ...]; ``graded`` gives
+    an answer's outcome (a file whose message tests read the same outcomes passes its own, run once per answer)."""
     ids = [ex.name for ex, *_ in cases]
 
     @pytest.mark.parametrize(("exercise", "rights", "wrongs"), cases, ids=ids)
     def test_right_answers_are_correct(exercise, rights, wrongs):
         for value in rights:
-            out = check(exercise, value)
+            out = graded(exercise, value)
             assert out.status is Status.CORRECT, (value, out.message)
 
     @pytest.mark.parametrize(("exercise", "rights", "wrongs"), cases, ids=ids)
     def test_wrong_answers_are_incorrect_and_show_the_value(exercise, rights, wrongs):
         for value in wrongs:
-            out = check(exercise, value)
+            out = graded(exercise, value)
             assert out.status is Status.INCORRECT, (value, out.message)
             assert f"`{exercise.var}`" in out.message
             assert len(out.message) > len(exercise.var) + 20  # says why, not just "wrong"

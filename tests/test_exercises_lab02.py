@@ -28,8 +28,11 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
+from lab_utils.distributed import ranks as ranks_mod
+from lab_utils.distributed.spawn import WorkerTimeout, launch
 from lab_utils.exercises import lab02
 from lab_utils.exercises.framework import CodeExercise, Exercise, Status, Wrong
+from lab_utils.exercises.lab02 import bench, factors, in_ranks, metric, training
 
 _OUTCOMES: dict[tuple[str, str], object] = {}
 
@@ -369,7 +372,7 @@ def _stub_pass(train_set, make_model, epochs, batch_size, lr, checkpoint_path):
 @pytest.mark.parametrize("exercise", [lab02.q2, lab02.q6, lab02.q7], ids=lambda e: e.name)
 @pytest.mark.parametrize("blank", [None, ..., _stub, _stub_pass])
 def test_rank_exercises_blank_is_not_attempted_and_launches_nothing(exercise, blank, monkeypatch):
-    monkeypatch.setattr(lab02, "launch", lambda *a, **k: pytest.fail("a blank answer must not start ranks"))
+    monkeypatch.setattr(in_ranks, "launch", lambda *a, **k: pytest.fail("a blank answer must not start ranks"))
     out = check(exercise, blank)
     assert out.status is Status.NOT_ATTEMPTED and exercise.var in out.message
 
@@ -408,7 +411,7 @@ def test_q2_right_answer_says_what_it_measured():
 def test_q2_written_differently_on_two_ranks_adds_the_three_rank_factor_run():
     # The GPU tier's path with exactly two GPUs (here with gloo): the factor is 1 on 2 ranks, so the formulas are
     # checked again on 3 gloo ranks. The answer is written differently: bf16 buffer, helper, DataFrame.
-    note = lab02._grade_allreduce_bench(bench_other_way, backend="gloo", nprocs=2)
+    note = bench._grade_allreduce_bench(bench_other_way, backend="gloo", nprocs=2)
     assert note.startswith("On 2 gloo ranks") and "also checked on 3 gloo ranks" in note
 
 
@@ -443,9 +446,9 @@ def _rows(ms=(1.0, 4.0), n=3, algbw_scale=1.0, factor=None):
 ])
 def test_q2_formula_slips(kwargs, phrase):
     with pytest.raises(Wrong, match=re.escape(phrase)):
-        lab02._judge_formulas(_rows(**kwargs), 3, "bench", "")
-    lab02._judge_formulas(_rows(), 3, "bench", "")  # the right formulas pass
-    lab02._judge_formulas(_rows(n=2, factor=1.0), 2, "bench", "")  # on 2 ranks the factor is 1
+        bench._judge_formulas(_rows(**kwargs), 3, "bench", "")
+    bench._judge_formulas(_rows(), 3, "bench", "")  # the right formulas pass
+    bench._judge_formulas(_rows(n=2, factor=1.0), 2, "bench", "")  # on 2 ranks the factor is 1
 
 
 def _per_rank(student_ms, ref_ms, rounds=1):
@@ -462,14 +465,14 @@ def _per_rank(student_ms, ref_ms, rounds=1):
 ])
 def test_q2_timing_slips(student, gpu, phrase):
     with pytest.raises(Wrong, match=phrase):
-        lab02._judge_timing(_per_rank(student, (1.0, 4.0), rounds=2), SIZES, 5, 10, gpu, "bench")
-    got = lab02._judge_timing(_per_rank((1.3, 3.0), (1.0, 4.0)), SIZES, 5, 10, gpu, "bench")
+        bench._judge_timing(_per_rank(student, (1.0, 4.0), rounds=2), SIZES, 5, 10, gpu, "bench")
+    got = bench._judge_timing(_per_rank((1.3, 3.0), (1.0, 4.0)), SIZES, 5, 10, gpu, "bench")
     assert got == [(1.3, 1.0), (3.0, 4.0)]  # within the band: (student ms, reference ms)
 
 
 def test_q2_noise_in_one_round_is_forgiven():
     a = {"rows": [_rows((9.0, 4.0)), _rows((1.1, 4.1))], "ref_ms": [[1.0, 4.0], [1.0, 4.0]]}
-    assert lab02._judge_timing([a, a], SIZES, 5, 10, False, "bench")[0] == (1.1, 1.0)
+    assert bench._judge_timing([a, a], SIZES, 5, 10, False, "bench")[0] == (1.1, 1.0)
 
 
 def _ranks_of_rounds(student_rounds, ref_rounds):
@@ -483,8 +486,8 @@ def test_q2_a_run_the_ranks_stop_is_one_the_judge_passes():
     # judge took the round closest to 1 by log (2.1x: the band is lopsided) and failed a right answer "(2 tries)".
     student, ref = [(2.1, 4.0), (0.4, 4.0)], [(1.0, 4.0), (1.0, 4.0)]
     slowest = [list(zip(m, r, strict=True)) for m, r in zip(student, ref, strict=True)]
-    assert lab02._band_picks(slowest[:1]) == [None, 0] and lab02._band_picks(slowest) == [1, 0]
-    got = lab02._judge_timing(_ranks_of_rounds(student, ref), SIZES, 5, 10, False, "bench")
+    assert bench._band_picks(slowest[:1]) == [None, 0] and bench._band_picks(slowest) == [1, 0]
+    got = bench._judge_timing(_ranks_of_rounds(student, ref), SIZES, 5, 10, False, "bench")
     assert got == [(0.4, 1.0), (4.0, 4.0)]
 
 
@@ -492,16 +495,16 @@ def test_q2_rank_stop_and_judge_agree_on_noisy_times():
     # Random rounds around the band: the ranks' stop rule and the judge's verdict are one decision.
     rng = random.Random(2)
     for _ in range(3000):
-        rounds = rng.randint(1, lab02.BENCH_ROUNDS)
+        rounds = rng.randint(1, bench.BENCH_ROUNDS)
         ref = [tuple(rng.uniform(0.5, 5.0) for _ in SIZES) for _ in range(rounds)]
         student = [tuple(r * math.exp(rng.uniform(-1.6, 1.2)) for r in times) for times in ref]
         slowest = [list(zip(m, r, strict=True)) for m, r in zip(student, ref, strict=True)]
         try:
-            lab02._judge_timing(_ranks_of_rounds(student, ref), SIZES, 5, 10, False, "bench")
+            bench._judge_timing(_ranks_of_rounds(student, ref), SIZES, 5, 10, False, "bench")
             passed = True
         except Wrong:
             passed = False
-        assert passed == (None not in lab02._band_picks(slowest)), (student, ref)
+        assert passed == (None not in bench._band_picks(slowest)), (student, ref)
 
 
 @pytest.mark.parametrize(("calls", "phrase"), [
@@ -513,8 +516,8 @@ def test_q2_rank_stop_and_judge_agree_on_noisy_times():
 ])
 def test_q2_call_slips(calls, phrase):
     with pytest.raises(Wrong, match=re.escape(phrase)):
-        lab02._judge_calls(calls, SIZES, 5, 10, "bench")
-    lab02._judge_calls([SIZES[0]] * 15 + [SIZES[1]] * 6, SIZES, 5, 10, "bench")  # a single warm-up call is enough
+        bench._judge_calls(calls, SIZES, 5, 10, "bench")
+    bench._judge_calls([SIZES[0]] * 15 + [SIZES[1]] * 6, SIZES, 5, 10, "bench")  # a single warm-up call is enough
 
 
 @pytest.mark.parametrize(("value", "phrase"), [
@@ -527,7 +530,7 @@ def test_q2_call_slips(calls, phrase):
 ])
 def test_q2_result_shape_slips(value, phrase):
     with pytest.raises(Wrong, match=re.escape(phrase)):
-        lab02._rows_of(value, SIZES, "bench")
+        bench._rows_of(value, SIZES, "bench")
 
 
 def test_reference_bench_and_sizes():
@@ -574,7 +577,7 @@ def test_q1_broadcast_and_one_rank():
 
 def test_q1_checks_every_collective_beyond_two_ranks():
     # At n = 2, 2(n-1)/n, 1 and log2(n) are all 1: each collective is checked at n = 2, 3, 4 and 8.
-    assert {(c, n) for c, n, _ in lab02._FACTOR_CASES} >= {(c, n) for c in lab02.COLLECTIVES for n in (2, 3, 4, 8)}
+    assert {(c, n) for c, n, _ in factors._FACTOR_CASES} >= {(c, n) for c in lab02.COLLECTIVES for n in (2, 3, 4, 8)}
     message = check(lab02.q1, factor_reduce_as_all_reduce).message
     assert "busbw_factor('reduce', 4) returned 1.5, expected 1" in message and "all_reduce's factor" in message
     message = check(lab02.q1, factor_log2).message
@@ -725,7 +728,7 @@ def test_a_rank_hung_in_teardown_gets_the_launch_once_more(tmp_path):
     import _dist_workers as w
 
     flag = tmp_path / "launches"
-    out = lab02._launch(w.teardown_hangs, 2, "gloo", 120, {"flag": str(flag)}, group=False, straggler_s=2)
+    out = in_ranks.launch_again_once(w.teardown_hangs, 2, "gloo", 120, {"flag": str(flag)}, group=False, straggler_s=2)
     assert out == [0, 1] and flag.read_text() == "2"  # rank 1 hung the first time, returned the second
 
 
@@ -733,13 +736,22 @@ def test_a_teardown_hang_twice_is_not_blamed_on_the_student(tmp_path):
     import _dist_workers as w
 
     flag = tmp_path / "launches"
-    with lab02.ranks_mod.shipping(train_right) as shipped:
+    with ranks_mod.shipping(train_right) as shipped:
         with pytest.raises(Wrong) as err:
-            lab02._run_in_ranks(w.teardown_hangs, shipped, "train_ddp(...)", 2, "gloo", 120,
+            in_ranks.run_in_ranks(w.teardown_hangs, shipped, "train_ddp(...)", 2, "gloo", 120,
                                 {"flag": str(flag), "times": 2}, group=False, straggler_s=2)
     assert flag.read_text() == "2"
     assert "hung inside torch's dist.destroy_process_group()" in str(err.value)
     assert "Your code is not the cause" in str(err.value)
+
+
+def test_a_rank_imports_the_lab_without_pandas():
+    # Every rank of a check imports this package to run its worker: pandas (lab_utils.distributed.ddp's, only the
+    # launching process evaluates a model) cost each rank seconds of CPU.
+    import _dist_workers as w
+
+    watch = ["pandas", "lab_utils.distributed.ddp"]
+    assert launch(w.imported_after, 1, backend="gloo", kwargs={"module": training.__name__, "watch": watch}) == [[]]
 
 
 def test_q6_unscale_message_shows_the_accuracy_it_cost():
@@ -764,7 +776,7 @@ def _obs(rank=0, n=2, epochs=2, total=40, **kw):
     obs = {"rank": rank, "fetched": [i for e in range(epochs) for i in per[e % 2]], "n_train": total, "models": 1,
            "forwards": 10, "autocast": [(True, "float16")], "saves": ["ckpt"] if rank == 0 else [], "clips": 10,
            "clips_scaled": 0, "norms": [1.0], "max_norms": [5.0], "scales": 10, "scales_disabled": 0,
-           "unscales": 10, "left_group": False, "state": {k: v.numpy() for k, v in state.items()}}
+           "left_group": False, "state": {k: v.numpy() for k, v in state.items()}}
     obs.update(kw)
     return obs
 
@@ -777,7 +789,7 @@ def saved_checkpoint(tmp_path):
 
 
 def _judge(obs, ckpt, ref_acc=0.0):
-    return lab02._judge_ddp(obs, ref_acc, ckpt, lab02._ddp_config("gloo", 2)[2], "train_ddp(...)", "gloo")
+    return training._judge_ddp(obs, ref_acc, ckpt, training._ddp_config("gloo", 2)[2], "train_ddp(...)", "gloo")
 
 
 def test_q6_judge_accepts_the_right_observations(saved_checkpoint):
@@ -838,9 +850,9 @@ def test_q6_judge_accuracy_and_checkpoint(tmp_path, saved_checkpoint):
 
 
 def test_q6_reference_run_is_reused_and_matches_the_check():
-    before = dict(lab02._REFERENCE_RUNS)
+    before = dict(training._REFERENCE_RUNS)
     ranked(lab02.q6, train_right)  # the check ran the reference alongside (or earlier)
-    assert lab02._REFERENCE_RUNS and len(lab02._REFERENCE_RUNS) >= len(before)
+    assert training._REFERENCE_RUNS and len(training._REFERENCE_RUNS) >= len(before)
     t0 = time.monotonic()
     run = lab02.reference_ddp_run(2, "gloo")  # cached: no ranks start
     assert time.monotonic() - t0 < 1.0
@@ -895,13 +907,13 @@ _SHARDS = [{"rank": 0, "correct": 460, "seen": 500, "accuracy": 0.92},
 ])
 def test_q7_judge_messages(values, phrase):
     with pytest.raises(Wrong, match=re.escape(phrase)):
-        lab02._judge_metric(values, _SHARDS, "global_accuracy(...)")
-    assert "715/800" in lab02._judge_metric([715 / 800] * 2, _SHARDS, "g")
-    assert "715/800" in lab02._judge_metric(["89.375%", " 89.375 %"], _SHARDS, "g")  # the same, as a percentage
+        metric._judge_metric(values, _SHARDS, "global_accuracy(...)")
+    assert "715/800" in metric._judge_metric([715 / 800] * 2, _SHARDS, "g")
+    assert "715/800" in metric._judge_metric(["89.375%", " 89.375 %"], _SHARDS, "g")  # the same, as a percentage
 
 
 def test_q7_a_hang_names_the_line_each_rank_was_at(monkeypatch):
-    monkeypatch.setattr(lab02, "METRIC_TIMEOUT_S", 3.0)  # counted once the ranks are ready (their start is not)
+    monkeypatch.setattr(metric, "METRIC_TIMEOUT_S", 3.0)  # counted once the ranks are ready (their start is not)
     out = check(lab02.q7, accuracy_hangs)
     assert out.status is Status.INCORRECT
     line = line_of(accuracy_hangs, "dist.all_reduce(t)")
@@ -971,11 +983,11 @@ def test_a_timeout_names_where_a_rank_outside_the_students_code_was():
              '  File "/usr/lib/python3.11/threading.py", line 324 in wait\n\n'
              'Current thread 0x00007f2 (most recent call first):\n'
              '  File "/x/site-packages/torch/distributed/distributed_c10d.py", line 2184 in destroy_process_group\n'
-             '  File "/x/lab_utils/exercises/lab02.py", line 1066 in _ddp_worker\n'
+             '  File "/x/lab_utils/exercises/lab02/training.py", line 190 in _ddp_worker\n'
              '  File "/x/lab_utils/distributed/spawn.py", line 245 in _worker\n')
-    shipped = lab02.ranks_mod.Shipped("train_ddp", files=("<cell>",))
-    err = lab02.WorkerTimeout("timed out", stacks={0: stack, 1: ""})
-    message = str(lab02._rank_failure("train_ddp(...)", err, shipped, 60.0))
+    shipped = ranks_mod.Shipped("train_ddp", files=("<cell>",))
+    err = WorkerTimeout("timed out", stacks={0: stack, 1: ""})
+    message = str(in_ranks.rank_failure("train_ddp(...)", err, shipped, 60.0))
     assert ("rank 0 outside your function (returned, or waiting for the others), at "
             "torch/distributed/distributed_c10d.py:2184 in destroy_process_group; rank 1 outside your function "
             "(returned, or waiting for the others))") in message

@@ -124,11 +124,14 @@ def test_imports_only_go_downward_and_have_no_cycle():
 def test_every_module_imports_in_a_fresh_interpreter():
     # Triton python-backend models import only inside Triton's stub (triton_python_backend_utils, and the course's
     # nvlab_triton_model copied beside them in a repository): the ensemble tests load them in a real server.
+    # Importing starts no work: no thread is running after every module has been imported.
     names = [m for m in _modules() if not m.endswith("__main__") and not m.startswith("lab_utils.serving.backend.")]
-    code = ("import importlib, sys, traceback\nbad = []\n"
+    code = ("import importlib, sys, threading, traceback\nbad = []\n"
             f"for name in {names!r}:\n"
             "    try:\n        importlib.import_module(name)\n"
             "    except Exception:\n        bad.append(name + ': ' + traceback.format_exc(limit=1))\n"
+            "bad += [f'a thread runs after the imports: {t!r}' for t in threading.enumerate()\n"
+            "        if t is not threading.main_thread()]\n"
             "print('\\n'.join(bad))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=repo_root(), timeout=300)
     assert out.returncode == 0 and not out.stdout.strip(), out.stdout + out.stderr

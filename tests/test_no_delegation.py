@@ -136,6 +136,20 @@ def test_every_code_exercise_is_guarded(lab):
             assert f"lab{lab}.{var}" in REFERENCES, (lab, var)
 
 
+@pytest.mark.parametrize("lab", LABS)
+def test_every_code_exercise_belongs_to_its_lab_module(lab):
+    """A lab split into a package (lab 02's ``training``, ``bench``...) is one lab: its exercises' siblings and
+    unnamed ``reference_*`` are the package's, and a reference is named as the notebook reaches it."""
+    module = MODULES[lab]
+    for exercise in vars(module).values():
+        if isinstance(exercise, CodeExercise):
+            assert exercise.lab == module.__name__, (exercise.name, exercise.lab)
+            targets = exercise.references.targets if exercise.references else ()
+            # lab_utils.exercises.lab02.reference_train_ddp, never ....lab02.training.reference_train_ddp
+            assert [t for t in targets if t.startswith(f"{module.__name__}.")
+                    and t.count(".") != module.__name__.count(".") + 1] == [], targets
+
+
 # --- refused, before anything runs --------------------------------------------------------------------------------
 
 

@@ -85,8 +85,18 @@ def _resolve(dotted: str) -> Any:
     return None
 
 
+def lab_of(module: str) -> str:
+    """The lab module that ``module`` belongs to: ``lab_utils.exercises.lab02`` for itself and for the modules of a
+    lab split into a package (``lab_utils.exercises.lab02.training``); any other module is its own."""
+    if not module.startswith(LAB_PACKAGE):
+        return module
+    return LAB_PACKAGE + module.removeprefix(LAB_PACKAGE).split(".")[0]
+
+
 def _dotted(obj: Any) -> str | None:
-    """Where a module, function or class is defined, as a dotted name (``lab_utils.mlops.canary.decide``)."""
+    """Where a module, function or class is defined, as a dotted name (``lab_utils.mlops.canary.decide``); a public
+    function of a lab split into a package is named as the notebook reaches it, by the package's re-export
+    (``lab_utils.exercises.lab02.reference_train_ddp``)."""
     if isinstance(obj, types.ModuleType):
         return obj.__name__
     if isinstance(obj, types.MethodType):
@@ -94,7 +104,8 @@ def _dotted(obj: Any) -> str | None:
     if isinstance(obj, (types.FunctionType, type)):
         module, qualname = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
         if isinstance(module, str) and isinstance(qualname, str):
-            return f"{module}.{qualname}"
+            public = not qualname.startswith("_") and "." not in qualname
+            return f"{lab_of(module) if public else module}.{qualname}"
     return None
 
 

@@ -28,6 +28,7 @@ from lab_utils.exercises.delegation import (
     ReferenceCalled,
     References,
     delegation,
+    lab_of,
     references_of,
 )
 from lab_utils.exercises.grading import (
@@ -200,9 +201,7 @@ class CodeExercise(Exercise):
     lab: str = field(default="", init=False, repr=False)  # the lab module whose exercises it is among (the grader's)
 
     def __post_init__(self) -> None:
-        module = getattr(self.grade, "__module__", None) or ""
-        # a lab split into a package (lab_utils.exercises.lab00.inventory): its lab module is the package
-        self.lab = ".".join(module.split(".")[:3]) if module.startswith(LAB_PACKAGE) else module
+        self.lab = lab_of(getattr(self.grade, "__module__", None) or "")
 
     def refusal(self, value: Any) -> Outcome | None:
         """*Incorrect* when ``value`` is, or reaches, a reference implementation of this exercise (found without
