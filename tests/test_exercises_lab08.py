@@ -32,12 +32,11 @@ from lab_utils.mlops import tracking as tr
 
 
 @pytest.fixture(scope="module")
-def server():
-    if tr.mlflow_missing():
-        pytest.skip(tr.mlflow_missing())
-    with tr.TrackingServer() as s:
-        ex.use_tracking(s)
-        yield s
+def server(shared_tracking):
+    if not shared_tracking.alive():  # stopped by test_mlops.py's last test
+        shared_tracking.start()
+    ex.use_tracking(shared_tracking)  # the server test_mlops.py uses too (tests/conftest.py)
+    yield shared_tracking
     common._BOUND.pop("tracking", None)
 
 
