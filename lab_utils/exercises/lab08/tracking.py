@@ -46,17 +46,14 @@ def reference_log_run(tracking_uri: str, experiment: str, result: Any, onnx_path
 
 
 def _onnx_bytes(rng: random.Random) -> bytes:
-    """A small valid ONNX model (Identity), different from check to check."""
-    try:
-        from onnx import TensorProto, helper
+    """A small valid ONNX model (Identity), different from check to check (onnx comes with mlflow, in the lab extra)."""
+    from onnx import TensorProto, helper
 
-        name = f"x{rng.randrange(10**9)}"
-        graph = helper.make_graph([helper.make_node("Identity", [name], ["logits"])], "digits_check",
-                                  [helper.make_tensor_value_info(name, TensorProto.FLOAT, [None, 10])],
-                                  [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [None, 10])])
-        return helper.make_model(graph, producer_name="lab08-check").SerializeToString()
-    except ImportError:  # onnx missing: any bytes stand for the file
-        return bytes(rng.randrange(256) for _ in range(2048))
+    name = f"x{rng.randrange(10**9)}"
+    graph = helper.make_graph([helper.make_node("Identity", [name], ["logits"])], "digits_check",
+                              [helper.make_tensor_value_info(name, TensorProto.FLOAT, [None, 10])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [None, 10])])
+    return helper.make_model(graph, producer_name="lab08-check").SerializeToString()
 
 
 def _check_result(rng: random.Random) -> Any:
