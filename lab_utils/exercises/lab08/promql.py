@@ -258,42 +258,41 @@ _LABEL = {"error_rate": "job", "p95_ms": "job", "accuracy": "variant"}
 
 
 def _slip_queries(window: str) -> dict[str, list[tuple[str, str]]]:
-    m = f'model="{SERVICE_MODEL}"'
-    ok = f"sum by (job) (rate(nv_inference_request_success{{{m}}}[{window}]))"
-    failed = f"(sum by (job) (rate(nv_inference_request_failure{{{m}}}[{window}])) or {ok} * 0)"
-    ok_all = f"sum by (job) (rate(nv_inference_request_success[{window}]))"
-    failed_all = f"(sum by (job) (rate(nv_inference_request_failure[{window}])) or {ok_all} * 0)"
-    ok_c = f"sum by (job) (nv_inference_request_success{{{m}}})"
-    failed_c = f"(sum by (job) (nv_inference_request_failure{{{m}}}) or {ok_c} * 0)"
-    p95 = f'nv_inference_request_summary_us{{{m},quantile="0.95"}}'
-    right = "nvlab_feedback_correct_total"
-    total = "nvlab_feedback_total"
+    """Each key's known slips as PromQL, made from the reference's queries (so they change with it), and their
+    messages."""
+    ref = reference_canary_queries(window)
+    model = f'model="{SERVICE_MODEL}"'
+    failed, _, rest = ref["error_rate"].partition(" / (")  # "{failed} / ({ok} + {failed})"
+    right, _, total = ref["accuracy"].partition(" / ")
+
+    def totals(query: str) -> str:  # the counters' values since the start, not their rates over the window
+        return query.replace("rate(", "(").replace("increase(", "(").replace(f"[{window}]", "")
+
     return {
         "error_rate": [
-            (f"{failed} / {ok}", "failures / successes is not the share of requests that failed: divide by all "
-                                 "requests, successes + failures"),
-            (f"{failed_c} / ({ok_c} + {failed_c})",
+            (f"{failed} / {rest.partition(' + ')[0]}", "failures / successes is not the share of requests that "
+                                                       "failed: divide by all requests, successes + failures"),
+            (totals(ref["error_rate"]),
              "it reads the counters' totals since the servers started, not the last window: a canary judges what "
              "happens now; take rate(counter[window]) (or increase) of each counter"),
-            (f"{failed_all} / ({ok_all} + {failed_all})",
+            (ref["error_rate"].replace(f"{{{model}}}", ""),
              f"it counts every model on the servers ({DECOY_MODEL}'s requests too): select the service's model, "
-             f'{{model="{SERVICE_MODEL}"}}'),
+             f"{{{model}}}"),
         ],
         "p95_ms": [
-            (f"sum by (job) ({p95}) / 1000", "it adds the p95 of the two versions on a server: a sum of latencies is "
-                                             "no latency; the guard bounds the worst one, max by (job)"),
-            (f"avg by (job) ({p95}) / 1000", "the mean of the versions' p95 hides the slow one: the guard bounds the "
-                                             "worst, max by (job)"),
-            ('max by (job) (nv_inference_request_summary_us{quantile="0.95"}) / 1000',
-             f"it takes every model on the servers ({DECOY_MODEL}'s latency too): select "
-             f'{{model="{SERVICE_MODEL}"}}'),
+            (ref["p95_ms"].replace("max by", "sum by"), "it adds the p95 of the two versions on a server: a sum of "
+                                                        "latencies is no latency; the guard bounds the worst one, max "
+                                                        "by (job)"),
+            (ref["p95_ms"].replace("max by", "avg by"), "the mean of the versions' p95 hides the slow one: the guard "
+                                                        "bounds the worst, max by (job)"),
+            (ref["p95_ms"].replace(f"{model},", ""),
+             f"it takes every model on the servers ({DECOY_MODEL}'s latency too): select {{{model}}}"),
         ],
         "accuracy": [
-            (f"sum by (variant) ({right}) / sum by (variant) ({total})",
+            (totals(ref["accuracy"]),
              "it reads the counters' totals since the start, not the last window: early answers hide what the "
              "challenger does now; increase(counter[window]) of both counters"),
-            (f"sum by (variant) (increase({total}[{window}])) / sum by (variant) (increase({right}[{window}]))",
-             "upside down: accuracy is right answers / labelled answers"),
+            (f"{total} / {right}", "upside down: accuracy is right answers / labelled answers"),
         ],
     }
 
