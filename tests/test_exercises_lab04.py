@@ -754,29 +754,20 @@ def test_a_malformed_triton_url_makes_the_server_checks_not_applicable_naming_it
     assert why is not None and why.startswith("TRITON_URL='127.0.0.1:abc'") and "port 'abc'" in why
 
 
-def test_after_the_lab_stopped_its_server_a_check_says_what_to_run_then_works(unbound, tmp_path):
+def test_after_the_lab_stopped_its_server_a_check_says_what_to_run_then_works(lab):
     # The lab's last cell stops the server; a check run after it must not say "not applicable on this tier" (the lab
-    # runs here), but what to run, and that must work: the repository stays until the kernel exits.
-    require_server()
-    # not the module's server: this one is stopped
-    repo = tmp_path / "models"
-    cfg = triton_repo.mlp_config("mlp", in_features=8, out_features=4, max_batch_size=8)
-    cfg["parameters"]["engine"] = {"string_value": "numpy"}
-    triton_repo.write_python_model(repo, cfg, sizes=LAB_SIZES, seed=3)
-    triton = TritonServer(repo, model_control="explicit", load_models=("mlp",))
+    # runs here), but what to run, and that must work: the repository stays until the kernel exits. The module's
+    # server, stopped and started again here (a server of the test's own would cost a start more).
     try:
-        triton.start()
-        lab04.use_server(triton, repo)
-        triton.stop()
+        lab.stop()
         status, message = outcome(lab04.q2, deploy_model)
         assert status is Status.NOT_NOW, message
         assert "stopped" in message and "server.restart()" in message and "\n" not in message, message
-        triton.restart()
-        status, message = outcome(lab04.q2, deploy_model)
-        assert status is Status.CORRECT, message
-        assert outcome(lab04.q3, grpc_infer)[0] is Status.CORRECT  # the lab's model loaded again for the request
     finally:
-        triton.stop()
+        lab.restart()
+    status, message = outcome(lab04.q2, deploy_model)
+    assert status is Status.CORRECT, message
+    assert outcome(lab04.q3, grpc_infer)[0] is Status.CORRECT  # the lab's model loaded again for the request
 
 
 def test_lab04_hints_keep_code_names_as_written():
