@@ -78,7 +78,9 @@ def pytest_configure(config):
 # Servers several test files share, started once per session (the fixtures below): the files of a group run on one
 # worker, so the server starts once. Every other file is a group of its own (a notebook's cells and a module's
 # fixtures stay on one worker, in order).
-SHARED_GROUPS = {"tests/test_service.py": "service", "tests/test_exercises_lab07.py": "service"}
+SHARED_GROUPS = {"tests/test_service.py": "service", "tests/test_exercises_lab07.py": "service",
+                 # one MLflow tracking server (tests/conftest.py's shared_tracking): about 10 s of CPU per start
+                 "tests/test_mlops.py": "mlflow", "tests/test_exercises_lab08.py": "mlflow"}
 
 
 def _group(nodeid: str) -> str:

@@ -51,6 +51,19 @@ class SharedTriton:
 
 
 @pytest.fixture(scope="session")
+def shared_tracking():
+    """One MLflow tracking server per worker, for lab 08's checks and the mlops tests (each makes experiments of its
+    own): a start costs about 10 s of CPU, its SQLite store's migrations included. test_mlops.py's last test stops it:
+    a file that needs it afterwards starts it again (``start()``)."""
+    from lab_utils.mlops import tracking as tr
+
+    if tr.mlflow_missing():
+        pytest.skip(tr.mlflow_missing())
+    with tr.TrackingServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
 def shared_triton(tmp_path_factory) -> SharedTriton:
     """One real Triton per worker for the tests that only read from it; never stop, load or unload through it."""
     from _triton import TINY, require_server

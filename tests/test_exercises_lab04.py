@@ -20,6 +20,8 @@ from tritonclient.utils import np_to_triton_dtype
 
 from lab_utils.exercises import lab04
 from lab_utils.exercises.framework import CodeExercise, Exercise, Status
+from lab_utils.exercises.lab04 import config, numbers, server
+from lab_utils.exercises.lab04 import execute as execute_checks
 from lab_utils.serving import repository as triton_repo
 from lab_utils.serving.backend.model import NUMPY2, to_numpy, to_tensor
 from lab_utils.serving.server import TritonServer
@@ -35,10 +37,19 @@ def lab(tmp_path_factory):
     cfg = triton_repo.mlp_config("mlp", in_features=8, out_features=4, max_batch_size=8)
     cfg["parameters"]["engine"] = {"string_value": "numpy"}
     triton_repo.write_python_model(repo, cfg, sizes=LAB_SIZES, seed=3)
-    with TritonServer(repo, model_control="explicit", load_models=("mlp",)) as server:
-        lab04.use_server(server, repo)
-        yield server
-    lab04._BOUND.clear()
+    with TritonServer(repo, model_control="explicit", load_models=("mlp",)) as triton:
+        lab04.use_server(triton, repo)
+        yield triton
+    server._BOUND.clear()
+
+
+@pytest.fixture
+def unbound():
+    """No server bound during the test (the binding lives in ``server``, which every check module reads)."""
+    saved = list(server._BOUND)
+    server._BOUND.clear()
+    yield
+    server._BOUND[:] = saved
 
 
 def outcome(exercise, value):
@@ -425,7 +436,7 @@ def test_execute_wrong_versions_get_their_own_message(lab, fn, expected):
 
 
 def test_execute_model_file_is_the_course_model_plus_the_function():
-    text, start = lab04._model_source("def execute(self, requests):\n    return []\n", "execute")
+    text, start = execute_checks._model_source("def execute(self, requests):\n    return []\n", "execute")
     lines = text.splitlines()
     assert lines[start - 1] == "def execute(self, requests):"
     assert text.rstrip().endswith("return self.checked_execute(requests, execute)")
@@ -484,8 +495,7 @@ def test_stats_right_blank_and_wrong_on_the_fixed_and_the_live_response(lab):
     assert_wrong(lab04.q8, lambda stats: 14.2, "expected two numbers")
 
 
-def test_stats_without_a_server_grades_the_fixed_response(monkeypatch):
-    monkeypatch.setattr(lab04, "_BOUND", [])
+def test_stats_without_a_server_grades_the_fixed_response(unbound):
     for fn in (batch_and_queue, batch_and_queue_weighted):
         status, message = outcome(lab04.q8, fn)
         assert status is Status.CORRECT and "on the fixed response" in message and "drawn at random" in message
@@ -497,8 +507,8 @@ def batch_and_queue_from_the_example(stats):
     return s["inference_count"] / s["execution_count"], q["ns"] / q["count"] / 1e3
 
 
-def test_stats_constants_and_the_example_fail_on_the_random_response(monkeypatch):
-    monkeypatch.setattr(lab04, "_BOUND", [])  # no server: only the fixed and the random response
+def test_stats_constants_and_the_example_fail_on_the_random_response(unbound):
+    # no server: only the fixed and the random response
     assert_wrong(lab04.q8, lambda s: (14.2222222, 3100.0), "drawn at random", "from the `stats` argument")
     assert_wrong(lab04.q8, batch_and_queue_from_the_example, "drawn at random", "from the `stats` argument")
     assert_wrong(lab04.q8, _stats_fn("largest", "queue"), "weight them")
@@ -515,7 +525,7 @@ def test_stats_random_responses_are_consistent_and_differ():
 
     seen = set()
     for seed in range(50):
-        stats = lab04._random_stats(random.Random(seed))
+        stats = numbers._random_stats(random.Random(seed))
         s = stats["model_stats"][0]
         assert sum(b["batch_size"] * b["compute_infer"]["count"] for b in s["batch_stats"]) == s["inference_count"]
         assert sum(b["compute_infer"]["count"] for b in s["batch_stats"]) == s["execution_count"]
@@ -533,18 +543,17 @@ def test_stats_random_responses_are_consistent_and_differ():
 def test_deploy_configs_are_drawn_and_differ_from_the_example():
     import random
 
-    configs = [lab04._deploy_config(random.Random(seed)) for seed in range(30)]
+    configs = [config._deploy_config(random.Random(seed)) for seed in range(30)]
     assert all(c != lab04.DEPLOY_CONFIG for c in configs)
     assert len({(c["max_batch_size"], c["dynamic_batching"]["max_queue_delay_microseconds"]) for c in configs}) > 5
     assert all(c["max_batch_size"] != lab04.DEPLOY_DISK_CONFIG["max_batch_size"] for c in configs)
 
 
-def test_code_checks_without_a_server_are_not_applicable_or_not_yet(monkeypatch):
+def test_code_checks_without_a_server_are_not_applicable_or_not_yet(unbound, monkeypatch):
     """No Triton on the machine: not applicable on this tier. A server binary but the lab's server not started yet:
     not checked now, naming the cell to run first."""
     from lab_utils.serving.server import ServerNotFound
 
-    monkeypatch.setattr(lab04, "_BOUND", [])
     cases = ((lab04.q2, deploy_model), (lab04.q3, grpc_infer), (lab04.q4, http_infer), (lab04.q6, execute))
     for exercise, fn in cases:
         status, message = outcome(exercise, fn)
@@ -553,7 +562,7 @@ def test_code_checks_without_a_server_are_not_applicable_or_not_yet(monkeypatch)
     def no_binary():
         raise ServerNotFound("no tritonserver")
 
-    monkeypatch.setattr(lab04, "find_server", no_binary)
+    monkeypatch.setattr(server, "find_server", no_binary)
     for exercise, fn in cases:
         status, message = outcome(exercise, fn)
         assert status is Status.NOT_APPLICABLE and "no Triton server" in message, message
@@ -739,41 +748,30 @@ def test_all_exports_exist():
         assert hasattr(lab04, name), name
 
 
-def test_a_malformed_triton_url_makes_the_server_checks_not_applicable_naming_it(monkeypatch):
-    monkeypatch.setattr(lab04, "_BOUND", [])
+def test_a_malformed_triton_url_makes_the_server_checks_not_applicable_naming_it(unbound, monkeypatch):
     monkeypatch.setenv("TRITON_URL", "127.0.0.1:abc")
-    why = lab04._no_server()
+    why = server._no_server()
     assert why is not None and why.startswith("TRITON_URL='127.0.0.1:abc'") and "port 'abc'" in why
 
 
-def test_after_the_lab_stopped_its_server_a_check_says_what_to_run_then_works(tmp_path, monkeypatch):
+def test_after_the_lab_stopped_its_server_a_check_says_what_to_run_then_works(lab):
     # The lab's last cell stops the server; a check run after it must not say "not applicable on this tier" (the lab
-    # runs here), but what to run, and that must work: the repository stays until the kernel exits.
-    require_server()
-    monkeypatch.setattr(lab04, "_BOUND", [])  # not the module's server: this one is stopped
-    repo = tmp_path / "models"
-    cfg = triton_repo.mlp_config("mlp", in_features=8, out_features=4, max_batch_size=8)
-    cfg["parameters"]["engine"] = {"string_value": "numpy"}
-    triton_repo.write_python_model(repo, cfg, sizes=LAB_SIZES, seed=3)
-    server = TritonServer(repo, model_control="explicit", load_models=("mlp",))
+    # runs here), but what to run, and that must work: the repository stays until the kernel exits. The module's
+    # server, stopped and started again here (a server of the test's own would cost a start more).
     try:
-        server.start()
-        lab04.use_server(server, repo)
-        server.stop()
+        lab.stop()
         status, message = outcome(lab04.q2, deploy_model)
         assert status is Status.NOT_NOW, message
         assert "stopped" in message and "server.restart()" in message and "\n" not in message, message
-        server.restart()
-        status, message = outcome(lab04.q2, deploy_model)
-        assert status is Status.CORRECT, message
-        assert outcome(lab04.q3, grpc_infer)[0] is Status.CORRECT  # the lab's model loaded again for the request
     finally:
-        server.stop()
+        lab.restart()
+    status, message = outcome(lab04.q2, deploy_model)
+    assert status is Status.CORRECT, message
+    assert outcome(lab04.q3, grpc_infer)[0] is Status.CORRECT  # the lab's model loaded again for the request
 
 
 def test_lab04_hints_keep_code_names_as_written():
-    from lab_utils.exercises import lab04
 
-    hint = lab04._hint("bad argument type for config", lab04._DEPLOY_HINTS)
+    hint = server._hint("bad argument type for config", config._DEPLOY_HINTS)
     assert hint.startswith(" load_model's config= takes JSON text"), hint
-    assert lab04._hint("unknown output 'y'", lab04._CLIENT_HINTS).startswith(" The model's output")
+    assert server._hint("unknown output 'y'", server._CLIENT_HINTS).startswith(" The model's output")

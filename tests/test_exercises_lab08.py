@@ -24,6 +24,7 @@ from _prometheus import require_prometheus
 
 from lab_utils.exercises import lab08 as ex
 from lab_utils.exercises.framework import Exercise, Status
+from lab_utils.exercises.lab08 import common, decision
 from lab_utils.mlops import abtest, canary
 from lab_utils.mlops import tracking as tr
 
@@ -31,13 +32,12 @@ from lab_utils.mlops import tracking as tr
 
 
 @pytest.fixture(scope="module")
-def server():
-    if tr.mlflow_missing():
-        pytest.skip(tr.mlflow_missing())
-    with tr.TrackingServer() as s:
-        ex.use_tracking(s)
-        yield s
-    ex._BOUND.pop("tracking", None)
+def server(shared_tracking):
+    if not shared_tracking.alive():  # stopped by test_mlops.py's last test
+        shared_tracking.start()
+    ex.use_tracking(shared_tracking)  # the server test_mlops.py uses too (tests/conftest.py)
+    yield shared_tracking
+    common._BOUND.pop("tracking", None)
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +142,7 @@ def test_q1_log_run(server):
 
 
 def test_q1_without_a_server_is_not_applicable(monkeypatch):
-    monkeypatch.setattr(ex, "_BOUND", {})
+    monkeypatch.setitem(common._BOUND, "tracking", None)  # the dict every check module reads
     out = check(ex.q1, ex.reference_log_run)
     if tr.mlflow_missing():
         assert out.status is Status.NOT_APPLICABLE
@@ -280,7 +280,7 @@ def test_q3_decide(bench):
 
 
 def test_q3_scripted_sequences_alone_follow_the_reference():
-    assert ex._grade_scripted(ex.reference_decide) == ex._grade_scripted(canary.decide) > 20
+    assert decision._grade_scripted(ex.reference_decide) == decision._grade_scripted(canary.decide) > 20
 
 
 # --- q4, q6: sample size and PSI (offline) ----------------------------------------------------------------------
@@ -379,7 +379,7 @@ def _ab(acc_b, n=2000):
 
 
 def test_q6_verdict(monkeypatch):
-    monkeypatch.setattr(ex, "_BOUND", {})
+    monkeypatch.setitem(common._BOUND, "ab", None)  # the dict every check module reads
     assert check(ex.q5, "real").status is Status.NOT_APPLICABLE and "use_ab" in check(ex.q5, "real").message
     real, noise = _ab(0.94), _ab(0.905)
     assert real.real and not noise.real

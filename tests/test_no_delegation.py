@@ -321,6 +321,13 @@ def test_the_solution_still_passes(key):
     assert out.correct, str(out)
 
 
+def test_a_code_exercise_belongs_to_its_labs_module_also_in_a_split_lab():
+    # lab 08's graders live in lab08.tracking, lab08.promql, ...: the lab is still the package the notebook imports
+    for lab, module in MODULES.items():
+        labs = {e.lab for e in vars(module).values() if isinstance(e, CodeExercise)}
+        assert labs <= {module.__name__}, (lab, labs)
+
+
 def test_a_refused_check_leaves_the_exercise_as_it_was():
     ex = MODULES["00"]
     exercise = copy.copy(ex.q5)
@@ -333,12 +340,12 @@ def test_a_refused_check_leaves_the_exercise_as_it_was():
 
 ALL_LABS = (*LABS, "09")
 MODULES["09"] = importlib.import_module("lab_utils.exercises.lab09")
+LAB08_BOUND = importlib.import_module("lab_utils.exercises.lab08.common")._BOUND  # what every lab 08 check reads
 
 
 def _verdict_of(result: Any) -> Any:
-    ex = MODULES["08"]
-    ex._BOUND["ab"] = result  # the grader compares with it (use_ab without its print)
-    return ex.reference_verdict(result)
+    LAB08_BOUND["ab"] = result  # the grader compares with it (use_ab without its print)
+    return MODULES["08"].reference_verdict(result)
 
 
 _AB = types.SimpleNamespace(boot_low=0.01, boot_high=0.03, test=types.SimpleNamespace(p_value=0.01, diff=0.02))
@@ -351,7 +358,7 @@ HANDED_OUT = [  # (lab, exercise, the answer, the course's name for it)
     ("07", "q1", lambda ex: {**ex.reference_ensemble()}, "a copy of what lab_utils.exercises.lab07.reference_ensemble"),
     ("07", "q3", lambda ex: ex.reference_upstream(["127.0.0.1:8000", "127.0.0.1:8001"]),
      "what lab_utils.exercises.lab07.reference_upstream(...) returned"),
-    ("08", "q5", lambda ex: _verdict_of(_AB), "what lab_utils.exercises.lab08.reference_verdict(...) returned"),
+    ("08", "q5", lambda ex: _verdict_of(_AB), "what lab_utils.exercises.lab08.stats.reference_verdict(...) returned"),
 ]
 
 
@@ -359,8 +366,10 @@ HANDED_OUT = [  # (lab, exercise, the answer, the course's name for it)
                                                                           for lab, q, _, n in HANDED_OUT])
 def test_the_courses_own_value_is_refused_before_grading(lab, q, make, named, monkeypatch):
     ex = MODULES[lab]
-    if lab in ("07", "08"):  # no service, no A/B result: nothing to grade with
-        monkeypatch.setattr(ex, "_BOUND", {} if lab == "08" else [])
+    if lab == "07":  # no service, no A/B result: nothing to grade with
+        monkeypatch.setattr(ex, "_BOUND", [])
+    if lab == "08":
+        monkeypatch.setitem(LAB08_BOUND, "ab", None)
     answer = make(ex)
     exercise = getattr(ex, q)
     out = exercise.check(answer, quiet=True)
@@ -371,7 +380,7 @@ def test_the_courses_own_value_is_refused_before_grading(lab, q, make, named, mo
     assert probe_.check(answer, quiet=True).status is Status.INCORRECT
     # The same answer written out by hand is graded (right, or not applicable here without a service).
     if lab == "08":
-        ex._BOUND["ab"] = _AB
+        monkeypatch.setitem(LAB08_BOUND, "ab", _AB)
     own = exercise.check(as_written(answer) if lab != "09" or q != "q7" else 989e12 / 4.8e12, quiet=True)
     assert "your answer is" not in own.message and own.status in (Status.CORRECT, Status.NOT_APPLICABLE), str(own)
 
