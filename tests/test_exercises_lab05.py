@@ -15,7 +15,9 @@ from _standin import StandInServer
 from _triton import require_server
 
 from lab_utils.exercises import lab05
-from lab_utils.exercises.framework import Exercise, Status
+from lab_utils.exercises.framework import CodeExercise, Exercise, Status
+from lab_utils.exercises.lab05 import recordings, watchdog
+from lab_utils.exercises.lab05.promql import PrometheusExercise
 from lab_utils.monitoring import prometheus
 from lab_utils.serving import server as triton_server
 
@@ -389,7 +391,7 @@ def test_cases_cover_every_exercise():
 
 def test_at_least_half_of_the_exercises_run_code_against_the_real_component():
     executed = [lab05.q1, lab05.q2, lab05.q4, lab05.q5]  # Prometheus, Prometheus, promtool, a Triton server
-    assert {type(e) for e in executed} == {lab05.PrometheusExercise, lab05.CodeExercise}
+    assert {type(e) for e in executed} == {PrometheusExercise, CodeExercise}
     assert 2 * len(executed) >= len(exercises_of(lab05))
 
 
@@ -498,7 +500,7 @@ def test_without_prometheus_the_check_says_how_to_install_it(monkeypatch):
 def test_the_second_recording_is_drawn_afresh_and_differs_from_the_first():
     import random
 
-    draws = [lab05._hidden_samples(random.Random(seed)) for seed in (1, 2)]
+    draws = [recordings.hidden_samples(random.Random(seed)) for seed in (1, 2)]
     assert draws[0] != draws[1]
     for samples in draws:
         assert min(t for _, t, _ in samples) > max(t for _, t, _ in lab05.RECORDED) + 3600
@@ -561,7 +563,7 @@ def test_q7_each_model_explained_with_what_gpu_utilization_measures():
 
 @pytest.mark.parametrize("exercise", exercises_of(lab05), ids=lambda e: e.name)
 def test_solution_code_passes_its_check(exercise, request):
-    if isinstance(exercise, lab05.PrometheusExercise):
+    if isinstance(exercise, PrometheusExercise):
         request.getfixturevalue("prometheus_here")
     if exercise is lab05.q5:
         require_server()
@@ -670,8 +672,8 @@ def stand_in(monkeypatch):
     """The check's server is a small HTTP process (tests/_standin.py): the wrong answers' symptoms (a restart storm,
     no timeout on a hung server...) do not depend on what answers the health path, and each real Triton start costs
     seconds. The solution's watchdog still meets the real server (test_solution_code_passes_its_check[05.5])."""
-    monkeypatch.setattr(lab05, "watched_server", StandInServer)
-    monkeypatch.setattr(lab05, "_server_unavailable", lambda: None)
+    monkeypatch.setattr(watchdog, "watched_server", StandInServer)
+    monkeypatch.setattr(watchdog, "_server_unavailable", lambda: None)
 
 
 def _servers_now() -> set[int]:

@@ -282,15 +282,17 @@ def load(file: Path | None = None, max_bytes: int | None = None) -> Loaded:
 
 @functools.lru_cache(maxsize=1)
 def catalog() -> dict[str, list[str]]:
-    """Lab number -> the names of its exercises, in the course's order, read from ``lab_utils/exercises/labNN.py``
-    without importing them (no torch): every string literal that is a call's name argument and starts with "NN.k "."""
+    """Lab number -> the names of its exercises, in the course's order, read from ``lab_utils/exercises/labNN.py`` (or
+    the package ``labNN/``) without importing them (no torch): every string literal that is a call's name argument
+    and starts with "NN.k "."""
     root = Path(__file__).resolve().parents[1] / "exercises"
     labs: dict[str, list[str]] = {}
     for lab in LABS:
-        number, names, file = lab.number, [], root / f"lab{lab.number}.py"
-        if not file.is_file():
+        number, names = lab.number, []
+        files = [*root.glob(f"lab{number}.py"), *sorted(root.glob(f"lab{number}/*.py"))]
+        if not files:
             continue
-        for node in ast.walk(ast.parse(file.read_text())):
+        for node in (n for file in files for n in ast.walk(ast.parse(file.read_text()))):
             if not isinstance(node, ast.Call):
                 continue
             args = [*node.args[:1], *(k.value for k in node.keywords if k.arg == "name")]

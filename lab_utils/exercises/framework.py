@@ -200,7 +200,9 @@ class CodeExercise(Exercise):
     lab: str = field(default="", init=False, repr=False)  # the lab module whose exercises it is among (the grader's)
 
     def __post_init__(self) -> None:
-        self.lab = getattr(self.grade, "__module__", None) or ""
+        module = getattr(self.grade, "__module__", None) or ""
+        # a lab split into a package (lab_utils.exercises.lab08.tracking): the lab is the package, ``ex``
+        self.lab = ".".join(module.split(".")[:3]) if module.startswith(LAB_PACKAGE) else module
 
     def refusal(self, value: Any) -> Outcome | None:
         """*Incorrect* when ``value`` is, or reaches, a reference implementation of this exercise (found without
