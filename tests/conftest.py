@@ -74,10 +74,10 @@ def lab05_recording():
     from _prometheus import require_prometheus
 
     require_prometheus()
-    from lab_utils.exercises.lab05 import recordings
+    from lab_utils.exercises.lab05 import promql
     from lab_utils.monitoring import prometheus
 
-    with prometheus.recorded_server([*recordings.RECORDED, *recordings.hidden_samples(random.Random())]) as server:
+    with prometheus.recorded_server([*promql.RECORDED, *promql.hidden_samples(random.Random())]) as server:
         yield server
 
 

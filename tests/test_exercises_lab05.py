@@ -16,7 +16,7 @@ from _triton import require_server
 
 from lab_utils.exercises import lab05
 from lab_utils.exercises.framework import CodeExercise, Exercise, Status
-from lab_utils.exercises.lab05 import recordings, watchdog
+from lab_utils.exercises.lab05 import promql, watchdog
 from lab_utils.exercises.lab05.promql import PrometheusExercise
 from lab_utils.monitoring import prometheus
 from lab_utils.serving import server as triton_server
@@ -500,7 +500,7 @@ def test_without_prometheus_the_check_says_how_to_install_it(monkeypatch):
 def test_the_second_recording_is_drawn_afresh_and_differs_from_the_first():
     import random
 
-    draws = [recordings.hidden_samples(random.Random(seed)) for seed in (1, 2)]
+    draws = [promql.hidden_samples(random.Random(seed)) for seed in (1, 2)]
     assert draws[0] != draws[1]
     for samples in draws:
         assert min(t for _, t, _ in samples) > max(t for _, t, _ in lab05.RECORDED) + 3600

@@ -13,7 +13,7 @@ from _exercise_harness import as_written, check, exercises_of, hint_and_solution
 
 from lab_utils.exercises import lab07 as ex
 from lab_utils.exercises.framework import Exercise, Status
-from lab_utils.exercises.lab07 import common
+from lab_utils.exercises.lab07 import capacity, common
 from lab_utils.serving import nginx as nginx_mod
 
 # the service is conftest.py's, shared with the other file of its group (SHARED_GROUPS)
@@ -269,7 +269,7 @@ def recorded_service(monkeypatch):
     each live search costs ~25 s. The live search itself runs once, in the solution's cell under nbval."""
     from lab_utils.serving import load
 
-    sim = ex.SimulatedService(7, ex.Q4_LO_RPS, ex.Q4_HI_RPS, "none")
+    sim = capacity.SimulatedService(7, capacity.Q4_LO_RPS, capacity.Q4_HI_RPS, "none")
     monkeypatch.setattr(load, "run_open_loop", lambda target, rate, *a, **k: sim.probe(rate))
     return sim
 
@@ -328,7 +328,7 @@ def test_checks_without_a_service_are_not_applicable_or_offline(monkeypatch):
 
 def test_simulated_service_edges():
     for trap in ("none", "p95", "stable", "errors"):
-        sim = ex.SimulatedService(1, 20, 1000, trap)
+        sim = capacity.SimulatedService(1, 20, 1000, trap)
         assert ex.reference_find_capacity(sim.probe, 20, 1000, 100, 0.01) == pytest.approx(sim.capacity, rel=0.02)
         below, above = sim.probe(sim.capacity * 0.99), sim.probe(sim.capacity * 1.01)
         assert not below.errors and below.stable and below.p95_ms <= 100, trap

@@ -1,7 +1,7 @@
 """Lab 05 exercises: PromQL, an alert rule, a watchdog, alert thresholds, reading metrics, finding the bottleneck.
 
 Four of the seven are code that the check executes against the real component: q1 and q2 (PromQL, ``promql``) are
-graded by a Prometheus serving recorded samples (``recordings``: ``RECORDED``, evaluated at ``GRADING_TIMES``), q4
+graded by a Prometheus serving recorded samples (``RECORDED``, evaluated at ``GRADING_TIMES``), q4
 (an alerting rule, ``alert``) by ``promtool test rules`` over ``ALERT_SERIES``, q5 (a watchdog loop, ``watchdog``)
 against a real Triton server that the check kills and hangs. q3, q6 and q7 (``readings``) take numbers or choices
 from fixed data. Without prometheus and promtool the PromQL and rule checks say how to install them instead of
@@ -12,19 +12,16 @@ Design notes: docs/internals.md#lab_utilsexerciseslab05
 
 from lab_utils.exercises.lab05.alert import (
     ALERT_BURST_S,
-    ALERT_END_S,
     ALERT_OVERLOAD_S,
     ALERT_SERIES,
-    ALERT_STEP_S,
     ALERT_THRESHOLD_MS,
     alert_series_frame,
     q4,
 )
-from lab_utils.exercises.lab05.promql import q1, q2
+from lab_utils.exercises.lab05.promql import GRADING_TIMES, RECORDED, q1, q2
 from lab_utils.exercises.lab05.readings import (
     BASELINE_P99_MS,
     BASELINE_PENDING,
-    BOTTLENECK_CHOICES,
     BOTTLENECK_MODELS,
     HEADROOM,
     INCIDENT_P99_MS,
@@ -36,15 +33,12 @@ from lab_utils.exercises.lab05.readings import (
     q6,
     q7,
 )
-from lab_utils.exercises.lab05.recordings import GRADING_TIMES, RECORDED, RECORDING_START
-from lab_utils.exercises.lab05.watchdog import WATCHDOG_SETTINGS, WatchedServer, q5
+from lab_utils.exercises.lab05.watchdog import WATCHDOG_SETTINGS, q5
 
 __all__ = [
-    "q1", "q2", "q3", "q4", "q5", "q6", "q7",
-    "RECORDED", "RECORDING_START", "GRADING_TIMES",
+    "q1", "q2", "q3", "q4", "q5", "q6", "q7", "RECORDED", "GRADING_TIMES",
     "BASELINE_P99_MS", "INCIDENT_P99_MS", "BASELINE_PENDING", "INCIDENT_PENDING", "HEADROOM",
-    "SNAPSHOT_BEFORE", "SNAPSHOT_AFTER", "SNAPSHOT_SECONDS",
-    "BOTTLENECK_MODELS", "BOTTLENECK_CHOICES",
-    "ALERT_SERIES", "ALERT_STEP_S", "ALERT_END_S", "ALERT_BURST_S", "ALERT_OVERLOAD_S", "ALERT_THRESHOLD_MS",
-    "alert_series_frame", "WATCHDOG_SETTINGS", "WatchedServer",
+    "SNAPSHOT_BEFORE", "SNAPSHOT_AFTER", "SNAPSHOT_SECONDS", "BOTTLENECK_MODELS",
+    "ALERT_SERIES", "ALERT_BURST_S", "ALERT_OVERLOAD_S", "ALERT_THRESHOLD_MS", "alert_series_frame",
+    "WATCHDOG_SETTINGS",
 ]

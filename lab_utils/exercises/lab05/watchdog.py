@@ -26,6 +26,7 @@ from lab_utils.exercises.framework import (
     raised_message,
 )
 from lab_utils.procs import free_port, owned_tempdir, wait_until
+from lab_utils.serving import repository as triton_repo
 from lab_utils.serving import server as triton_server
 
 # What the check passes to the student's watchdog: short times, so that the whole check takes seconds.
@@ -43,32 +44,14 @@ _STORM_MAX = 7  # exponential backoff from 0.1 s tries about 5 times in 3 s; a f
 _STOP_WITHIN_S = 5.0  # stop set -> the function returned
 
 
-_ECHO_CONFIG = """name: "echo"
-backend: "python"
-max_batch_size: 8
-input [{ name: "INPUT__0" data_type: TYPE_FP32 dims: [ 4 ] }]
-output [{ name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ 4 ] }]
-instance_group [{ kind: KIND_CPU count: 1 }]
-"""
-_ECHO_MODEL = """import triton_python_backend_utils as pb_utils
-
-
-class TritonPythonModel:
-    def execute(self, requests):
-        return [pb_utils.InferenceResponse([pb_utils.Tensor(
-            "OUTPUT__0", pb_utils.get_input_tensor_by_name(r, "INPUT__0").as_numpy())]) for r in requests]
-"""
-
-
 @functools.cache
 def _watchdog_repo() -> Path:
-    """A repository with one small python-backend model that echoes its input (written once per process, removed
-    at exit): the server the watchdog watches loads a model, as a real one does."""
-    model = owned_tempdir("watchdog") / "repo" / "echo"
-    (model / "1").mkdir(parents=True)
-    (model / "config.pbtxt").write_text(_ECHO_CONFIG)
-    (model / "1" / "model.py").write_text(_ECHO_MODEL)
-    return model.parent
+    """A repository with the course's small python-backend model on its NumPy engine (4 -> 3 features; written once
+    per process, removed at exit): the server the watchdog watches loads a model, as a real one does."""
+    repo = owned_tempdir("watchdog") / "repo"
+    config = triton_repo.mlp_config("watched", in_features=4, out_features=3, max_batch_size=8, engine="numpy")
+    triton_repo.write_python_model(repo, config, sizes={})  # save_mlp_weights' sizes: 4 -> 8 -> 3
+    return repo
 
 
 def watched_server(http_port: int, grpc_port: int, metrics_port: int) -> Any:

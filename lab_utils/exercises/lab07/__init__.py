@@ -11,17 +11,7 @@ latencies in ms. Nothing is imported or started at import.
 Design notes: docs/internals.md#lab_utilsexerciseslab07
 """
 
-from lab_utils.exercises.lab07.capacity import (
-    Q4_HI_RPS,
-    Q4_LO_RPS,
-    Q4_TOLERANCE,
-    SLO_MS,
-    SimulatedService,
-    q4,
-    q6,
-    reference_find_capacity,
-    reference_servers_needed,
-)
+from lab_utils.exercises.lab07.capacity import SLO_MS, q4, q6, reference_find_capacity, reference_servers_needed
 from lab_utils.exercises.lab07.common import use_service
 from lab_utils.exercises.lab07.config import Q1_NAME, q1, q3, reference_ensemble, reference_upstream
 from lab_utils.exercises.lab07.preprocess import (
@@ -42,8 +32,7 @@ from lab_utils.exercises.lab07.preprocess import (
 
 __all__ = [
     "q1", "q2", "q3", "q4", "q5", "q6", "use_service", "decode_jpeg", "jpeg_decoder", "reference_gpu_preprocess",
-    "Q5_SIZE", "IMAGENET_MEAN", "IMAGENET_STD",
-    "Q1_NAME", "PIXEL_SCALE", "SIZE", "MAX_PIXELS", "Q4_LO_RPS", "Q4_HI_RPS", "Q4_TOLERANCE", "SLO_MS",
+    "Q5_SIZE", "IMAGENET_MEAN", "IMAGENET_STD", "Q1_NAME", "PIXEL_SCALE", "SIZE", "MAX_PIXELS", "SLO_MS",
     "reference_ensemble", "reference_preprocess", "reference_find_capacity", "reference_upstream",
-    "reference_servers_needed", "SimulatedService", "pixel_stats",
+    "reference_servers_needed", "pixel_stats",
 ]

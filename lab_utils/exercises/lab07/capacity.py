@@ -29,6 +29,9 @@ SLO_MS = 100.0
 Q4_LO_RPS, Q4_HI_RPS, Q4_TOLERANCE = 25.0, 2500.0, 0.3  # the real search's range (req/s) and tolerance
 
 
+# --- q4: the capacity search --------------------------------------------------------------------------------
+
+
 def reference_find_capacity(probe: Callable[[float], Any], lo_rps: float, hi_rps: float, slo_ms: float = SLO_MS,
                             tolerance: float = 0.1) -> float:
     """Bisection on the rate: the highest rate whose probe has no error, is stable and has p95 <= the SLO."""
@@ -47,15 +50,6 @@ def reference_find_capacity(probe: Callable[[float], Any], lo_rps: float, hi_rps
         else:
             hi_rps = mid
     return lo_rps
-
-
-
-def reference_servers_needed(peak_rps: float, capacity_rps: float, headroom: float, spares: int = 1) -> int:
-    """Servers for ``peak_rps`` when each may run at ``(1 - headroom)`` of its capacity, plus ``spares``."""
-    return math.ceil(peak_rps / (capacity_rps * (1 - headroom))) + spares
-
-
-# --- q4: the capacity search --------------------------------------------------------------------------------
 
 
 class SimulatedService:
@@ -175,12 +169,17 @@ q4 = CodeExercise(
 
 # --- q6: the capacity plan ----------------------------------------------------------------------------------
 
-_Q5_FIXED = [(1000.0, 180.0, 0.3, 1), (100.0, 350.0, 0.3, 1), (5000.0, 1200.0, 0.25, 2), (720.0, 240.0, 0.0, 0)]
+def reference_servers_needed(peak_rps: float, capacity_rps: float, headroom: float, spares: int = 1) -> int:
+    """Servers for ``peak_rps`` when each may run at ``(1 - headroom)`` of its capacity, plus ``spares``."""
+    return math.ceil(peak_rps / (capacity_rps * (1 - headroom))) + spares
+
+
+_Q6_FIXED = [(1000.0, 180.0, 0.3, 1), (100.0, 350.0, 0.3, 1), (5000.0, 1200.0, 0.25, 2), (720.0, 240.0, 0.0, 0)]
 
 
 def _grade_plan(fn: Any) -> str:
     rng = random.Random(random.randrange(10**6))
-    cases = list(_Q5_FIXED) + [(round(rng.uniform(200, 20000)), round(rng.uniform(50, 2000)),
+    cases = list(_Q6_FIXED) + [(round(rng.uniform(200, 20000)), round(rng.uniform(50, 2000)),
                                 rng.choice([0.2, 0.3, 0.4]), rng.choice([1, 2])) for _ in range(20)]
     got_all = []
     for peak, cap, head, spares in cases:

@@ -12,12 +12,16 @@ import numpy as np
 
 from lab_utils.exercises.framework import Exercise, NotApplicable, References, Wrong, hands_out
 from lab_utils.exercises.lab07.common import bound_service
+from lab_utils.procs import http_ok
 from lab_utils.serving import client as triton_client
 from lab_utils.serving import ensemble as ens
 from lab_utils.serving import nginx as nginx_mod
 from lab_utils.serving import repository as triton_repo
 
 Q1_NAME = "digits_mine"  # the name the student's ensemble is loaded under (beside the service's own)
+
+
+# --- q1: the ensemble --------------------------------------------------------------------------------------
 
 
 @hands_out  # its result passes the check it answers: refused as an answer
@@ -37,17 +41,6 @@ def reference_ensemble(name: str = Q1_NAME) -> dict[str, Any]:
              "input_map": {"LOGITS": "logits"}, "output_map": {"LABELS": "LABELS", "SCORES": "SCORES"}},
         ]},
     }
-
-
-@hands_out  # its result passes the check it answers: refused as an answer
-def reference_upstream(backends: list[str]) -> str:
-    """An upstream block over ``backends`` (``host:port`` of each Triton's HTTP endpoint)."""
-    lines = "\n".join(f"    server {b};" for b in backends)
-    return f"upstream triton_http {{\n{lines}\n}}"
-
-
-
-# --- q1: the ensemble --------------------------------------------------------------------------------------
 
 
 def _grade_ensemble(config: Any) -> str:
@@ -120,13 +113,17 @@ q1 = Exercise(
 )
 
 
-
 # --- q3: the upstream block ---------------------------------------------------------------------------------
 
 
-def _grade_upstream(block: Any) -> str:
-    import urllib.request
+@hands_out  # its result passes the check it answers: refused as an answer
+def reference_upstream(backends: list[str]) -> str:
+    """An upstream block over ``backends`` (``host:port`` of each Triton's HTTP endpoint)."""
+    lines = "\n".join(f"    server {b};" for b in backends)
+    return f"upstream triton_http {{\n{lines}\n}}"
 
+
+def _grade_upstream(block: Any) -> str:
     if not isinstance(block, str):
         raise Wrong(f"give the block as text (a str), not a {type(block).__name__}")
     svc = bound_service()
@@ -143,22 +140,16 @@ def _grade_upstream(block: Any) -> str:
     except nginx_mod.NginxConfigError as err:
         raise Wrong(f"nginx refuses it: {err.problem}" + (f" (line {err.line})" if err.line else "") +
                     (f". Fix: {err.fix}" if err.fix else "")) from None
-    try:
-        statuses = []
-        for _ in range(12):
-            try:
-                with urllib.request.urlopen(f"{lb.http_url}/v2/health/ready", timeout=5) as r:
-                    statuses.append(r.status)
-            except Exception as err:  # HTTPError (a status), or an answer that is not HTTP/1 at all
-                statuses.append(getattr(err, "code", 0))
+    try:  # what happened to each: an HTTP status, or the failure's name (an answer that is not HTTP/1 at all)
+        answers = [http_ok(f"{lb.http_url}/v2/health/ready", timeout_s=5) for _ in range(12)]
         summary = lb.access_summary()
     finally:
         lb.stop()
     seen = set(summary["by_upstream"])
-    bad = [s for s in statuses if s != 200]
+    bad = sorted({what for ok, what in answers if not ok})
     if bad:
-        raise Wrong(f"{len(bad)} of 12 requests through it failed (statuses {sorted(set(bad))}): are the servers "
-                    "Triton's HTTP endpoints, svc.backends('http')?")
+        raise Wrong(f"{sum(not ok for ok, _ in answers)} of 12 requests through it failed ({', '.join(bad)}): are the "
+                    "servers Triton's HTTP endpoints, svc.backends('http')?")
     missing = want - seen
     if missing:
         raise Wrong(f"only {sorted(seen)} answered; {sorted(missing)} got nothing: list every server of "

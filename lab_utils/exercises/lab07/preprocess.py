@@ -24,6 +24,9 @@ Q5_SIZE = 64  # px: the side q5's check asks for (the ResNet-50 service's is 224
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # per RGB channel, on the 0..1 scale
 
 
+# --- q2: the preprocessing ----------------------------------------------------------------------------------
+
+
 def pixel_stats() -> tuple[float, float]:
     """(mean, std) of the training digits in 0..16 units: what the preprocessing normalizes with."""
     raw = ens.digits_raw_split()
@@ -50,28 +53,17 @@ def reference_preprocess(items: Any) -> np.ndarray:
     return np.stack(out).astype(np.float32)
 
 
-# --- q2: the preprocessing ----------------------------------------------------------------------------------
-
-
-def _png(img: Any, fmt: str = "PNG") -> bytes:
-    buf = io.BytesIO()
-    img.save(buf, format=fmt)
-    return buf.getvalue()
-
-
 def _q2_images(seed: int) -> list[bytes]:
     """Held-out digits as 32 px PNGs, and the same digits at other sizes and as RGB (drawn at random)."""
     from PIL import Image
 
     rng = random.Random(seed)
-    raw = ens.digits_raw_split()
-    idx = rng.sample(range(len(raw["x_test"])), 8)
-    out = []
-    for k, i in enumerate(idx):
-        grey = np.clip(np.rint(raw["x_test"][i] * 255 / 16), 0, 255).astype(np.uint8)
-        scale = (4, 2, 3, 8)[k % 4]
-        img = Image.fromarray(grey, mode="L").resize((8 * scale, 8 * scale), Image.Resampling.NEAREST)
-        out.append(_png(img.convert("RGB") if k % 3 == 2 else img))
+    x_test = ens.digits_raw_split()["x_test"]
+    out = [ens.encode_png(x_test[i], (4, 2, 3, 8)[k % 4]) for k, i in enumerate(rng.sample(range(len(x_test)), 8))]
+    for k in range(2, len(out), 3):  # every third one as RGB
+        buf = io.BytesIO()
+        Image.open(io.BytesIO(out[k])).convert("RGB").save(buf, format="PNG")
+        out[k] = buf.getvalue()
     return out
 
 
@@ -106,10 +98,8 @@ def _grade_preprocess(fn: Any) -> str:
         raise Wrong(f"differs from {where} by up to {err:.3g} (normalized units). Resize with "
                     "Image.Resampling.BOX to 8x8 (the mean of each block: the exact inverse of the upscale; "
                     "bilinear differs), convert to grey ('L') first")
-    from PIL import Image
-
     for what, data in [("text, not an image", b"hello, this is not an image"), ("an empty item", b""),
-                       ("a 5000x3000 px (15 Mpx) image", _png(Image.new("L", (5000, 3000))))]:
+                       ("a 15 Mpx image", ens.decompression_bomb(15_000_000))]:
         batch = ens.image_batch([images[0], images[1], data])
         try:
             run_student(fn, batch, what="preprocess", call=f"preprocess(items) with {what} as item 2",
@@ -146,7 +136,6 @@ q2 = CodeExercise(
     ),
     solution_text=source_as(reference_preprocess, "preprocess"),
 )
-
 
 
 # --- q5: the GPU decode step ----------------------------------------------------------------------------------
