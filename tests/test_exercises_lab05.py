@@ -648,6 +648,25 @@ def test_q4_messages(case, words):
 
 
 @pytest.mark.usefixtures("promtool_here")
+@pytest.mark.parametrize("answer", [ALERT_RULE, ALERT_WRONG["increase for rate"]], ids=["right", "a slip"])
+def test_q4_runs_promtool_twice_per_answer(answer, monkeypatch):
+    """check rules, then one test rules for every probe and slip at once: each promtool run loads the series and
+    evaluates the rule again, and the checks of the wrong rules ran a dozen each."""
+    import subprocess
+
+    runs = []
+
+    class Counted(subprocess.Popen):  # the real process, counted
+        def __init__(self, args, *rest, **kwargs):
+            runs.append(list(args)[:3])
+            super().__init__(args, *rest, **kwargs)
+
+    monkeypatch.setattr(subprocess, "Popen", Counted)
+    check(lab05.q4, answer)
+    assert [r[1:] for r in runs] == [["check", "rules"], ["test", "rules"]], runs
+
+
+@pytest.mark.usefixtures("promtool_here")
 def test_q4_recorded_series_are_what_the_question_says():
     frame = lab05.alert_series_frame()
     bert, resnet = frame[frame["model"] == "bert"], frame[frame["model"] == "resnet50"]
