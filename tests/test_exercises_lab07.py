@@ -13,7 +13,7 @@ from _exercise_harness import as_written, check, exercises_of, hint_and_solution
 
 from lab_utils.exercises import lab07 as ex
 from lab_utils.exercises.framework import Exercise, Status
-from lab_utils.exercises.lab07 import capacity, common
+from lab_utils.exercises.lab07 import capacity, service
 from lab_utils.serving import nginx as nginx_mod
 
 # the service is conftest.py's, shared with the other file of its group (SHARED_GROUPS)
@@ -23,7 +23,7 @@ from lab_utils.serving import nginx as nginx_mod
 def svc(service_stack):
     ex.use_service(service_stack)
     yield service_stack
-    common._BOUND.clear()
+    service._BOUND.clear()
 
 
 # --- q1: the ensemble ------------------------------------------------------------------------------------------
@@ -326,7 +326,7 @@ def test_wrong_answers_are_told_their_symptom(svc):
 
 
 def test_checks_without_a_service_are_not_applicable_or_offline(monkeypatch):
-    monkeypatch.setattr(common, "_BOUND", [])
+    monkeypatch.setattr(service, "_BOUND", [])
     assert check(ex.q1, as_written(ex.reference_ensemble())).status is Status.NOT_APPLICABLE
     assert check(ex.q3, "upstream a { server 127.0.0.1:1; }").status is Status.NOT_APPLICABLE
     out = check(ex.q2, ex.reference_preprocess)  # graded against the reference preprocessing instead

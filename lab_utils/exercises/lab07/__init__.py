@@ -1,19 +1,17 @@
 """Lab 07 exercises: the service's code and configuration, checked against the running service.
 
-``use_service(service)`` tells the checks which service (``lab_utils.serving.service.Service``) to use (``common``).
-q1 the ensemble's ``config.pbtxt`` (a dict or pbtxt text) and q3 nginx's upstream block over the two Triton servers
-(``config``); q2 the preprocessing step, ``preprocess(items) -> [N, 1, 8, 8] float32``, and q5 the GPU decode step,
-``gpu_preprocess(items, decode_jpeg, device) -> torch.Tensor [N, 3, 64, 64]`` (``preprocess``); q4 the capacity
-search, ``find_capacity(probe, lo_rps, hi_rps, slo_ms, tolerance) -> float``, and q6 the capacity plan,
-``servers_needed(peak_rps, capacity_rps, headroom, spares) -> int`` (``capacity``). Rates are in requests/s,
+``use_service(service)`` tells the checks which service (``lab_utils.serving.service.Service``) to use; q1 the
+ensemble's ``config.pbtxt`` (a dict or pbtxt text) and q3 nginx's upstream block over the two Triton servers are
+checked in it (``service``); q2 the preprocessing step, ``preprocess(items) -> [N, 1, 8, 8] float32``, and q5 the
+GPU decode step, ``gpu_preprocess(items, decode_jpeg, device) -> torch.Tensor [N, 3, 64, 64]`` (``preprocess``); q4
+the capacity search, ``find_capacity(probe, lo_rps, hi_rps, slo_ms, tolerance) -> float``, and q6 the capacity
+plan, ``servers_needed(peak_rps, capacity_rps, headroom, spares) -> int`` (``capacity``). Rates are in requests/s,
 latencies in ms. Nothing is imported or started at import.
 
 Design notes: docs/internals.md#lab_utilsexerciseslab07
 """
 
 from lab_utils.exercises.lab07.capacity import SLO_MS, q4, q6, reference_find_capacity, reference_servers_needed
-from lab_utils.exercises.lab07.common import use_service
-from lab_utils.exercises.lab07.config import Q1_NAME, q1, q3, reference_ensemble, reference_upstream
 from lab_utils.exercises.lab07.preprocess import (
     IMAGENET_MEAN,
     IMAGENET_STD,
@@ -29,6 +27,7 @@ from lab_utils.exercises.lab07.preprocess import (
     reference_gpu_preprocess,
     reference_preprocess,
 )
+from lab_utils.exercises.lab07.service import Q1_NAME, q1, q3, reference_ensemble, reference_upstream, use_service
 
 __all__ = [
     "q1", "q2", "q3", "q4", "q5", "q6", "use_service", "decode_jpeg", "jpeg_decoder", "reference_gpu_preprocess",

@@ -21,7 +21,7 @@ from lab_utils.exercises.framework import (
     run_student,
     source_as,
 )
-from lab_utils.exercises.lab07.common import bound_service
+from lab_utils.exercises.lab07.service import bound_service
 from lab_utils.serving import load
 from lab_utils.serving.load import LoadResult
 

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from lab_utils.exercises.framework import CodeExercise, NotApplicable, References, Wrong, run_student, source_as
-from lab_utils.exercises.lab07.common import bound_service
+from lab_utils.exercises.lab07.service import bound_service
 from lab_utils.serving import client as triton_client
 from lab_utils.serving import ensemble as ens
 

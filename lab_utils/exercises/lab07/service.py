@@ -1,5 +1,6 @@
-"""Lab 07's configuration questions, checked in the running service: q1 the ensemble's ``config.pbtxt`` (loaded on
-one of its Triton servers), q3 nginx's upstream block over the two Triton servers (``nginx -t``, then traffic)."""
+"""Lab 07's service: the one the checks use (``use_service`` names it, ``bound_service()`` hands it to a check or
+says why there is none), and its configuration checked in it: q1 the ensemble's ``config.pbtxt`` (loaded on one of
+its Triton servers), q3 nginx's upstream block over the two Triton servers (``nginx -t``, then traffic)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,30 @@ from typing import Any
 import numpy as np
 
 from lab_utils.exercises.framework import Exercise, NotApplicable, References, Wrong, hands_out
-from lab_utils.exercises.lab07.common import bound_service
 from lab_utils.procs import http_ok
 from lab_utils.serving import client as triton_client
 from lab_utils.serving import ensemble as ens
 from lab_utils.serving import nginx as nginx_mod
 from lab_utils.serving import repository as triton_repo
+
+_BOUND: list[Any] = []  # the service use_service named, if any
+
+
+def use_service(service: Any) -> None:
+    """The running service the checks load models into, send requests to and read the logs of."""
+    _BOUND[:] = [service]
+    print(f"checks run against the service at {service.http_url} ({service.via}; {len(service.servers)} Triton)")
+
+
+def bound_service() -> Any:
+    """The service use_service named, or NotApplicable saying why there is none to check against."""
+    if not _BOUND:
+        raise NotApplicable("no service to check against yet: run the cell that starts it (it calls "
+                            "ex.use_service(svc)).")
+    if not _BOUND[0].alive():
+        raise NotApplicable("the lab's service is not running: start it again and rerun this check.")
+    return _BOUND[0]
+
 
 Q1_NAME = "digits_mine"  # the name the student's ensemble is loaded under (beside the service's own)
 
@@ -26,21 +45,9 @@ Q1_NAME = "digits_mine"  # the name the student's ensemble is loaded under (besi
 
 @hands_out  # its result passes the check it answers: refused as an answer
 def reference_ensemble(name: str = Q1_NAME) -> dict[str, Any]:
-    """PNG bytes -> digits_preprocess -> digits_classifier -> digits_postprocess -> top-3 labels and scores."""
-    return {
-        "name": name, "platform": "ensemble", "max_batch_size": 64,
-        "input": [{"name": "IMAGE", "data_type": "TYPE_STRING", "dims": [1]}],
-        "output": [{"name": "LABELS", "data_type": "TYPE_STRING", "dims": [3]},
-                   {"name": "SCORES", "data_type": "TYPE_FP32", "dims": [3]}],
-        "ensemble_scheduling": {"step": [
-            {"model_name": "digits_preprocess", "model_version": -1,
-             "input_map": {"IMAGE": "IMAGE"}, "output_map": {"PIXELS": "pixels"}},
-            {"model_name": "digits_classifier", "model_version": -1,
-             "input_map": {"input": "pixels"}, "output_map": {"logits": "logits"}},
-            {"model_name": "digits_postprocess", "model_version": -1,
-             "input_map": {"LOGITS": "logits"}, "output_map": {"LABELS": "LABELS", "SCORES": "SCORES"}},
-        ]},
-    }
+    """PNG bytes -> digits_preprocess -> digits_classifier -> digits_postprocess -> top-3 labels and scores: the
+    service's own ensemble under another name, without the response cache."""
+    return ens.ensemble_config(name, cache=False)
 
 
 def _grade_ensemble(config: Any) -> str:
