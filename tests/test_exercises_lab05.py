@@ -17,7 +17,6 @@ from _triton import require_server
 from lab_utils.exercises import lab05
 from lab_utils.exercises.framework import CodeExercise, Exercise, Status
 from lab_utils.exercises.lab05 import promql, watchdog
-from lab_utils.exercises.lab05.promql import PrometheusExercise
 from lab_utils.monitoring import prometheus
 from lab_utils.serving import server as triton_server
 
@@ -392,7 +391,7 @@ def test_cases_cover_every_exercise():
 
 def test_at_least_half_of_the_exercises_run_code_against_the_real_component():
     executed = [lab05.q1, lab05.q2, lab05.q4, lab05.q5]  # Prometheus, Prometheus, promtool, a Triton server
-    assert {type(e) for e in executed} == {PrometheusExercise, CodeExercise}
+    assert {type(e) for e in executed} == {promql.PrometheusExercise, CodeExercise}
     assert 2 * len(executed) >= len(exercises_of(lab05))
 
 
@@ -567,7 +566,7 @@ def test_q7_each_model_explained_with_what_gpu_utilization_measures():
 
 @pytest.mark.parametrize("exercise", exercises_of(lab05), ids=lambda e: e.name)
 def test_solution_code_passes_its_check(exercise, request):
-    if isinstance(exercise, PrometheusExercise):
+    if isinstance(exercise, promql.PrometheusExercise):
         request.getfixturevalue("prometheus_here")
     if exercise is lab05.q5:
         require_server()
@@ -684,11 +683,6 @@ def test_q4_recorded_series_are_what_the_question_says():
 
 
 # --- q5: the watchdog, graded against a real Triton server ---------------------------------------------------
-
-
-@pytest.fixture
-def triton_here():
-    require_server()
 
 
 @pytest.fixture
