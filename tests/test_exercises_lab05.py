@@ -692,6 +692,7 @@ def stand_in(monkeypatch):
     seconds. The solution's watchdog still meets the real server (test_solution_code_passes_its_check[05.5])."""
     monkeypatch.setattr(watchdog, "watched_server", StandInServer)
     monkeypatch.setattr(watchdog, "_server_unavailable", lambda: None)
+    assert isinstance(watchdog._Rig().server, StandInServer)  # patched where the check looks it up (no process yet)
 
 
 def _servers_now() -> set[int]:
