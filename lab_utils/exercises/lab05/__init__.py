@@ -1,10 +1,8 @@
 """Lab 05 exercises: PromQL, an alert rule, a watchdog, alert thresholds, reading metrics, finding the bottleneck.
 
-Four of the seven are code that the check executes against the real component: q1 and q2 (PromQL, ``promql``) are
-graded by a Prometheus serving recorded samples (``RECORDED``, evaluated at ``GRADING_TIMES``), q4
-(an alerting rule, ``alert``) by ``promtool test rules`` over ``ALERT_SERIES``, q5 (a watchdog loop, ``watchdog``)
-against a real Triton server that the check kills and hangs. q3, q6 and q7 (``readings``) take numbers or choices
-from fixed data. Without prometheus and promtool the PromQL and rule checks say how to install them instead of
+One module per concern, each saying how its checks grade: ``promql`` (q1, q2: a real Prometheus), ``alert`` (q4:
+``promtool test rules``), ``watchdog`` (q5: a real Triton server the check kills and hangs) and ``readings`` (q3,
+q6, q7: fixed data). Without prometheus and promtool the PromQL and rule checks say how to install them instead of
 grading; without a Triton server binary the watchdog check is not applicable.
 
 Design notes: docs/internals.md#lab_utilsexerciseslab05

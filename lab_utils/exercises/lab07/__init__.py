@@ -1,12 +1,9 @@
 """Lab 07 exercises: the service's code and configuration, checked against the running service.
 
-``use_service(service)`` tells the checks which service (``lab_utils.serving.service.Service``) to use; q1 the
-ensemble's ``config.pbtxt`` (a dict or pbtxt text) and q3 nginx's upstream block over the two Triton servers are
-checked in it (``service``); q2 the preprocessing step, ``preprocess(items) -> [N, 1, 8, 8] float32``, and q5 the
-GPU decode step, ``gpu_preprocess(items, decode_jpeg, device) -> torch.Tensor [N, 3, 64, 64]`` (``preprocess``); q4
-the capacity search, ``find_capacity(probe, lo_rps, hi_rps, slo_ms, tolerance) -> float``, and q6 the capacity
-plan, ``servers_needed(peak_rps, capacity_rps, headroom, spares) -> int`` (``capacity``). Rates are in requests/s,
-latencies in ms. Nothing is imported or started at import.
+One module per concern: ``service`` (``use_service(service)`` names the ``lab_utils.serving.service.Service`` the
+checks use; q1 the ensemble, q3 the nginx upstream), ``preprocess`` (q2, and q5 the GPU decode step) and
+``capacity`` (q4 the capacity search, q6 the capacity plan). Rates are in requests/s, latencies in ms. Nothing is
+imported or started at import.
 
 Design notes: docs/internals.md#lab_utilsexerciseslab07
 """
