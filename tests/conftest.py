@@ -87,10 +87,10 @@ def lab05_recording():
     from _prometheus import require_prometheus
 
     require_prometheus()
-    from lab_utils.exercises import lab05
+    from lab_utils.exercises.lab05 import promql
     from lab_utils.monitoring import prometheus
 
-    with prometheus.recorded_server([*lab05.RECORDED, *lab05._hidden_samples(random.Random())]) as server:
+    with prometheus.recorded_server([*promql.RECORDED, *promql.hidden_samples(random.Random())]) as server:
         yield server
 
 

@@ -15,7 +15,8 @@ from _standin import StandInServer
 from _triton import require_server
 
 from lab_utils.exercises import lab05
-from lab_utils.exercises.framework import Exercise, Status
+from lab_utils.exercises.framework import CodeExercise, Exercise, Status
+from lab_utils.exercises.lab05 import promql, watchdog
 from lab_utils.monitoring import prometheus
 from lab_utils.serving import server as triton_server
 
@@ -375,9 +376,10 @@ def prometheus_here(shared_recording):
     test_blank_answers_are_not_attempted,
 ) = standard_tests(OTHER_CASES)
 
+# the wrong queries: each graded once, by test_q1_messages, test_q2_messages and test_a_constant_that_matches_once
 (
     test_right_queries_are_correct,
-    test_wrong_queries_are_incorrect_and_show_the_value,
+    _,
     test_blank_queries_are_not_attempted,
 ) = (pytest.mark.usefixtures("prometheus_here")(t) for t in standard_tests(PROMQL_CASES))
 
@@ -389,7 +391,7 @@ def test_cases_cover_every_exercise():
 
 def test_at_least_half_of_the_exercises_run_code_against_the_real_component():
     executed = [lab05.q1, lab05.q2, lab05.q4, lab05.q5]  # Prometheus, Prometheus, promtool, a Triton server
-    assert {type(e) for e in executed} == {lab05.PrometheusExercise, lab05.CodeExercise}
+    assert {type(e) for e in executed} == {promql.PrometheusExercise, CodeExercise}
     assert 2 * len(executed) >= len(exercises_of(lab05))
 
 
@@ -425,8 +427,11 @@ def test_recorded_data_is_what_the_questions_say():
 
 
 def _msg(exercise: Exercise, value) -> str:
+    """The message of a wrong answer, with what every wrong answer's message has (standard_tests' wrong test: the
+    wrong PromQL and rules are graded here only, once each, as each check is real Prometheus or promtool work)."""
     out = check(exercise, value)
     assert out.status is Status.INCORRECT, (value, out.message)
+    assert f"`{exercise.var}`" in out.message and len(out.message) > len(exercise.var) + 20, out.message
     return out.message
 
 
@@ -498,7 +503,7 @@ def test_without_prometheus_the_check_says_how_to_install_it(monkeypatch):
 def test_the_second_recording_is_drawn_afresh_and_differs_from_the_first():
     import random
 
-    draws = [lab05._hidden_samples(random.Random(seed)) for seed in (1, 2)]
+    draws = [promql.hidden_samples(random.Random(seed)) for seed in (1, 2)]
     assert draws[0] != draws[1]
     for samples in draws:
         assert min(t for _, t, _ in samples) > max(t for _, t, _ in lab05.RECORDED) + 3600
@@ -561,7 +566,7 @@ def test_q7_each_model_explained_with_what_gpu_utilization_measures():
 
 @pytest.mark.parametrize("exercise", exercises_of(lab05), ids=lambda e: e.name)
 def test_solution_code_passes_its_check(exercise, request):
-    if isinstance(exercise, lab05.PrometheusExercise):
+    if isinstance(exercise, promql.PrometheusExercise):
         request.getfixturevalue("prometheus_here")
     if exercise is lab05.q5:
         require_server()
@@ -601,9 +606,10 @@ def promtool_here():
     pytest.skip(why)
 
 
+# the wrong rules: each graded once, by test_q4_messages
 (
     test_right_rules_are_correct,
-    test_wrong_rules_are_incorrect_and_show_the_value,
+    _,
     test_blank_rules_are_not_attempted,
 ) = (pytest.mark.usefixtures("promtool_here")(t) for t in standard_tests(ALERT_CASES))
 
@@ -641,6 +647,25 @@ def test_q4_messages(case, words):
 
 
 @pytest.mark.usefixtures("promtool_here")
+@pytest.mark.parametrize("answer", [ALERT_RULE, ALERT_WRONG["increase for rate"]], ids=["right", "a slip"])
+def test_q4_runs_promtool_twice_per_answer(answer, monkeypatch):
+    """check rules, then one test rules for every probe and slip at once: each promtool run loads the series and
+    evaluates the rule again, and the checks of the wrong rules ran a dozen each."""
+    import subprocess
+
+    runs = []
+
+    class Counted(subprocess.Popen):  # the real process, counted
+        def __init__(self, args, *rest, **kwargs):
+            runs.append(list(args)[:3])
+            super().__init__(args, *rest, **kwargs)
+
+    monkeypatch.setattr(subprocess, "Popen", Counted)
+    check(lab05.q4, answer)
+    assert [r[1:] for r in runs] == [["check", "rules"], ["test", "rules"]], runs
+
+
+@pytest.mark.usefixtures("promtool_here")
 def test_q4_recorded_series_are_what_the_question_says():
     frame = lab05.alert_series_frame()
     bert, resnet = frame[frame["model"] == "bert"], frame[frame["model"] == "resnet50"]
@@ -661,17 +686,13 @@ def test_q4_recorded_series_are_what_the_question_says():
 
 
 @pytest.fixture
-def triton_here():
-    require_server()
-
-
-@pytest.fixture
 def stand_in(monkeypatch):
     """The check's server is a small HTTP process (tests/_standin.py): the wrong answers' symptoms (a restart storm,
     no timeout on a hung server...) do not depend on what answers the health path, and each real Triton start costs
     seconds. The solution's watchdog still meets the real server (test_solution_code_passes_its_check[05.5])."""
-    monkeypatch.setattr(lab05, "watched_server", StandInServer)
-    monkeypatch.setattr(lab05, "_server_unavailable", lambda: None)
+    monkeypatch.setattr(watchdog, "watched_server", StandInServer)
+    monkeypatch.setattr(watchdog, "_server_unavailable", lambda: None)
+    assert isinstance(watchdog._Rig().server, StandInServer)  # patched where the check looks it up (no process yet)
 
 
 def _servers_now() -> set[int]:

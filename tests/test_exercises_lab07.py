@@ -13,6 +13,7 @@ from _exercise_harness import as_written, check, exercises_of, hint_and_solution
 
 from lab_utils.exercises import lab07 as ex
 from lab_utils.exercises.framework import Exercise, Status
+from lab_utils.exercises.lab07 import capacity, service
 from lab_utils.serving import nginx as nginx_mod
 
 # the service is conftest.py's, shared with the other file of its group (SHARED_GROUPS)
@@ -22,7 +23,7 @@ from lab_utils.serving import nginx as nginx_mod
 def svc(service_stack):
     ex.use_service(service_stack)
     yield service_stack
-    ex._BOUND.clear()
+    service._BOUND.clear()
 
 
 # --- q1: the ensemble ------------------------------------------------------------------------------------------
@@ -250,8 +251,17 @@ Q5_WRONG = [_gpu_pre("one_by_one"), _gpu_pre("no_antialias"), _gpu_pre("not_norm
             _gpu_pre("float64")]
 
 
+def _told(exercise, value) -> str:
+    """The message of a wrong answer, with what every wrong answer's message has (standard_tests' wrong test: the
+    wrong answers are graded here only, once each, as each check runs real work against the service)."""
+    out = check(exercise, value)
+    assert out.status is Status.INCORRECT, (value, out.message)
+    assert f"`{exercise.var}`" in out.message and len(out.message) > len(exercise.var) + 20, out.message
+    return out.message
+
+
 def test_gpu_decode_slips_get_their_own_message():
-    got = [check(ex.q5, fn).message for fn in Q5_WRONG]
+    got = [_told(ex.q5, fn) for fn in Q5_WRONG]
     assert "called 6 times for 6 images" in got[0] and "antialias=True" in got[1]
     assert "0..1 scale, not normalized" in got[2] and "raw 0..255" in got[3] and "float64" in got[4]
 
@@ -268,15 +278,15 @@ def recorded_service(monkeypatch):
     each live search costs ~25 s. The live search itself runs once, in the solution's cell under nbval."""
     from lab_utils.serving import load
 
-    sim = ex.SimulatedService(7, ex.Q4_LO_RPS, ex.Q4_HI_RPS, "none")
+    sim = capacity.SimulatedService(7, capacity.Q4_LO_RPS, capacity.Q4_HI_RPS, "none")
     monkeypatch.setattr(load, "run_open_loop", lambda target, rate, *a, **k: sim.probe(rate))
     return sim
 
 
-(test_offline_right, test_offline_wrong, test_offline_blank) = standard_tests(OFFLINE_CASES)
-(test_service_right, test_service_wrong, test_service_blank) = (
-    pytest.mark.usefixtures("svc")(t) for t in standard_tests(SERVICE_CASES))
-(test_capacity_right, test_capacity_wrong, test_capacity_blank) = (
+# the wrong answers: each graded once, by test_wrong_answers_are_told_their_symptom and test_gpu_decode_slips_...
+(test_offline_right, _, test_offline_blank) = standard_tests(OFFLINE_CASES)
+(test_service_right, _, test_service_blank) = (pytest.mark.usefixtures("svc")(t) for t in standard_tests(SERVICE_CASES))
+(test_capacity_right, _, test_capacity_blank) = (
     pytest.mark.usefixtures("svc", "recorded_service")(t) for t in standard_tests(RECORDED_CASES))
 
 
@@ -302,21 +312,21 @@ def test_wrong_answers_are_told_their_symptom(svc):
     words = {id(Q1_WRONG[0]): "call it 'digits_mine'", id(Q1_WRONG[1]): "Triton refused to load it",
              id(Q1_WRONG[2]): "decoded first", id(Q1_WRONG[3]): "'LOGITS' is not an output of digits_classifier"}
     for value in Q1_WRONG:
-        assert words[id(value)] in check(ex.q1, value).message
-    q2 = [check(ex.q2, fn).message for fn in Q2_WRONG]
+        assert words[id(value)] in _told(ex.q1, value)
+    q2 = [_told(ex.q2, fn) for fn in Q2_WRONG]
     assert "raw 0..16" in q2[0] and "BOX" in q2[1] and "channel axis" in q2[2]
     assert "other than ValueError" in q2[3] and "returned an answer" in q2[4] and "0..255" in q2[5]
-    q4 = [check(ex.q4, fn).message for fn in Q4_WRONG]
+    q4 = [_told(ex.q4, fn) for fn in Q4_WRONG]
     assert "p95" in q4[0] and "not stable" in q4[1] and "had errors" in q4[2] and "probes" in q4[3]
     assert "capacity is" in q4[4]
-    q6 = [check(ex.q6, fn).message for fn in Q6_WRONG]
+    q6 = [_told(ex.q6, fn) for fn in Q6_WRONG]
     assert "headroom is missing" in q6[0] and "(1 + headroom)" in q6[1] and "spare is missing" in q6[2]
     assert "rounded down" in q6[3] and "whole number" in q6[4]
     assert not (svc.repo.path / ex.Q1_NAME).exists()  # the check's ensemble is removed after each check
 
 
 def test_checks_without_a_service_are_not_applicable_or_offline(monkeypatch):
-    monkeypatch.setattr(ex, "_BOUND", [])
+    monkeypatch.setattr(service, "_BOUND", [])
     assert check(ex.q1, as_written(ex.reference_ensemble())).status is Status.NOT_APPLICABLE
     assert check(ex.q3, "upstream a { server 127.0.0.1:1; }").status is Status.NOT_APPLICABLE
     out = check(ex.q2, ex.reference_preprocess)  # graded against the reference preprocessing instead
@@ -327,7 +337,7 @@ def test_checks_without_a_service_are_not_applicable_or_offline(monkeypatch):
 
 def test_simulated_service_edges():
     for trap in ("none", "p95", "stable", "errors"):
-        sim = ex.SimulatedService(1, 20, 1000, trap)
+        sim = capacity.SimulatedService(1, 20, 1000, trap)
         assert ex.reference_find_capacity(sim.probe, 20, 1000, 100, 0.01) == pytest.approx(sim.capacity, rel=0.02)
         below, above = sim.probe(sim.capacity * 0.99), sim.probe(sim.capacity * 1.01)
         assert not below.errors and below.stable and below.p95_ms <= 100, trap

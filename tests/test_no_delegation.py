@@ -354,10 +354,12 @@ HANDED_OUT = [  # (lab, exercise, the answer, the course's name for it)
     ("09", "q7", lambda ex: ex.H200_RIDGE, "lab_utils.exercises.lab09.H200_RIDGE"),
     ("09", "q9", lambda ex: ex.NIM_REQUEST, "lab_utils.exercises.lab09.NIM_REQUEST"),
     ("09", "q9", lambda ex: dict(ex.NIM_REQUEST), "a copy of lab_utils.exercises.lab09.NIM_REQUEST"),
-    ("07", "q1", lambda ex: ex.reference_ensemble(), "what lab_utils.exercises.lab07.reference_ensemble(...) returned"),
-    ("07", "q1", lambda ex: {**ex.reference_ensemble()}, "a copy of what lab_utils.exercises.lab07.reference_ensemble"),
+    ("07", "q1", lambda ex: ex.reference_ensemble(),
+     "what lab_utils.exercises.lab07.service.reference_ensemble(...) returned"),
+    ("07", "q1", lambda ex: {**ex.reference_ensemble()},
+     "a copy of what lab_utils.exercises.lab07.service.reference_ensemble"),
     ("07", "q3", lambda ex: ex.reference_upstream(["127.0.0.1:8000", "127.0.0.1:8001"]),
-     "what lab_utils.exercises.lab07.reference_upstream(...) returned"),
+     "what lab_utils.exercises.lab07.service.reference_upstream(...) returned"),
     ("08", "q5", lambda ex: _verdict_of(_AB), "what lab_utils.exercises.lab08.stats.reference_verdict(...) returned"),
 ]
 
@@ -367,7 +369,7 @@ HANDED_OUT = [  # (lab, exercise, the answer, the course's name for it)
 def test_the_courses_own_value_is_refused_before_grading(lab, q, make, named, monkeypatch):
     ex = MODULES[lab]
     if lab == "07":  # no service, no A/B result: nothing to grade with
-        monkeypatch.setattr(ex, "_BOUND", [])
+        monkeypatch.setattr(importlib.import_module(f"{ex.__name__}.service"), "_BOUND", [])  # where the checks read it
     if lab == "08":
         monkeypatch.setitem(LAB08_BOUND, "ab", None)
     answer = make(ex)
