@@ -273,6 +273,14 @@ def _png_of(img: Any) -> bytes:
     return buf.getvalue()
 
 
+def _random_pngs(n: int, size: int) -> list[bytes]:
+    """``n`` random RGB PNGs of ``size`` px (incompressible: a few tens of KB each)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    return [_png_of(Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8))) for _ in range(n)]
+
+
 def test_phone_photos_up_to_12_megapixels_are_answered(server):
     """A 1920x1080 and a 4000x3000 (12 Mpx) JPEG photo are classified (both were refused under the old 256 KiB /
     1024 px limits)."""
@@ -419,7 +427,7 @@ def test_resnet50_variant_serves_pngs_and_jpeg_photographs(built, server):
     svc = ens.build_resnet50_service(built.path, width=16, image_size=64, source=server.source)
     assert "random weights, speed only" in svc.note and svc.facts["params_m"] < 3
     triton_client.load_model(server.grpc_url, svc.service)
-    labels, scores = ens.classify(server.grpc_url, ens.random_pngs(3, 64), model=svc.service)
+    labels, scores = ens.classify(server.grpc_url, _random_pngs(3, 64), model=svc.service)
     assert scores.shape == (3, 5) and all(label.startswith("class_") for row in labels for label in row)
     grey, _ = ens.digits_pngs("test", 1)  # grey 32 px: converted to RGB and resized like any other image
     assert len(ens.classify(server.http_url, grey, protocol="http", model=svc.service)[0][0]) == 5
@@ -628,7 +636,7 @@ def test_gpu_preprocessing_batches_resizes_and_normalizes_like_pillow(built, mon
     gpu = mod.GpuImages("cpu", 64, 3, 1 / 255, model.mean, model.std, "bilinear", max_rows=2,
                         decode_jpeg=_pillow_decode_jpeg, read_mode=None)
     photos = ens.photo_jpegs(5, (80, 300), seed=3)
-    png = ens.random_pngs(1, 70)[0]
+    png = _random_pngs(1, 70)[0]
     refused = photos[4][:-3] + b"\x42" + photos[4][-2:]  # still ends with FF D9: the fake decoder refuses it
     truncated = photos[3][: len(photos[3]) // 2]
     assert mod.jpeg_complete(photos[0]) and not mod.jpeg_complete(truncated)
