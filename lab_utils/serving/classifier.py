@@ -14,8 +14,14 @@ from typing import Any
 
 from lab_utils.serving import backend as backend_files
 from lab_utils.serving import repository as triton_repo
-from lab_utils.serving.ensemble_config import CLASSIFIER, CLASSIFIER_ENGINES, ONNX_INPUT, ONNX_OUTPUT, TORCH_FILE
-from lab_utils.serving.images import DIGITS_SIZE
+from lab_utils.serving.ensemble_config import (
+    CLASSIFIER,
+    CLASSIFIER_ENGINES,
+    DIGITS_SIZE,
+    ONNX_INPUT,
+    ONNX_OUTPUT,
+    TORCH_FILE,
+)
 
 _PY_MODEL = "nvlab_triton_model.py"  # the course's model file, beside each python model's model.py
 _DRIFT_MODULE = "nvlab_drift.py"  # backend/drift_stats.py beside the preprocessing model

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 from lab_utils.serving import repository as triton_repo
-from lab_utils.serving.images import DIGITS_SIZE, PNG_SCALE
 from lab_utils.timing import cpu_cores
 
 PREFIX = "digits"
@@ -26,6 +25,8 @@ CLASSIFIER_ENGINES = {"onnxruntime": "onnx_classifier", "torch": "torch_classifi
 PRECISIONS = ("fp32", "fp16", "bf16")  # torch_classifier's autocast; fp32: as exported
 PREPROCESS_DEVICES = ("cpu", "gpu")  # where the preprocessing model decodes (gpu: nvJPEG through torchvision)
 DIGIT_LABELS = tuple(str(d) for d in range(10))
+DIGITS_SIZE = 8  # px: what DigitsCNN was trained on
+PNG_SCALE = 4  # clients send 8 px digits upscaled to 32 px PNGs
 TOP_K = 3
 MAX_BATCH = 64
 QUEUE_DELAY_US = 500  # dynamic batching: how long a request may wait for others (µs); well under the 100 ms SLO
