@@ -193,9 +193,9 @@ def build_service_repository(repo: str | Path, *, epochs: int = 4, seed: int = 0
     to compare with ``service_accuracy`` through Triton."""
     facts: dict[str, Any] = {}
     if model is None:
-        from lab_utils.inference.model_zoo import train_digits_cnn  # lazy: pulls torch; seconds on a CPU
+        from lab_utils.inference.model_zoo import trained_digits  # lazy: pulls torch; once per process (seconds)
 
-        model, facts = train_digits_cnn(epochs=epochs, seed=seed)
+        model, facts = trained_digits(epochs, seed)
     raw = digits_raw_split()
     svc = build_service(repo, model, prefix=PREFIX, labels=DIGIT_LABELS, image_size=DIGITS_SIZE, channels=1,
                         pixel_scale=16 / 255, mean=(raw["mean"],), std=(raw["std"],), resample="box", **knobs)
