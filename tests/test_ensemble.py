@@ -503,16 +503,16 @@ def test_a_trace_that_froze_the_batch_is_refused_at_export(tmp_path):
     with the model at another batch size is what refuses a forward that froze the batch size into the trace."""
     import torch
 
-    from lab_utils.serving import classifier
+    from lab_utils.serving import ensemble_models
 
     class Frozen(torch.nn.Module):
         def forward(self, x):
             return x.reshape(int(x.shape[0]), -1)[:, :10]  # int(): the traced batch (2) becomes a constant
 
     with pytest.raises(RuntimeError, match=r"answers a batch of 3 differently from the model \(shape \(2, 10\) vs \(3"):
-        classifier.export_torchscript(Frozen(), tmp_path)
+        ensemble_models.export_torchscript(Frozen(), tmp_path)
     assert not (tmp_path / ens.TORCH_FILE).exists()
-    assert classifier.export_torchscript(torch.nn.Flatten(), tmp_path).is_file()  # a shape-generic one is kept
+    assert ensemble_models.export_torchscript(torch.nn.Flatten(), tmp_path).is_file()  # a shape-generic one is kept
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """Lab 07's model path: the digits classifier behind a Triton ensemble (PNG bytes in, top-k labels out), the
 images it receives, the response cache, and the clients that send encoded images. The model names, limits and
-configurations (``ensemble_config``) and the classifier's export and versions (``classifier``) are re-exported here.
+configurations and the classifier's export and versions (``ensemble_models``) are re-exported here.
 
 ``build_service_repository`` writes ``digits_preprocess`` (PNG bytes -> FP32 [1, 8, 8]), ``digits_classifier``
 (-> logits FP32 [10]), ``digits_postprocess`` (-> top-k ``LABELS``, ``SCORES``) and the ensemble ``digits_service``
@@ -25,15 +25,7 @@ import numpy as np
 from lab_utils.compat import numpy1_env
 from lab_utils.serving import client as triton_client
 from lab_utils.serving import repository as triton_repo
-from lab_utils.serving.classifier import (  # noqa: F401  (re-exported: ens.* in the labs, lab_utils and the tests)
-    TORCH_FILE,
-    _write_python_files,
-    export_classifier,
-    set_served_versions,
-    write_broken_version,
-    write_classifier_version,
-)
-from lab_utils.serving.ensemble_config import (  # noqa: F401  (re-exported, as above)
+from lab_utils.serving.ensemble_models import (  # noqa: F401  (re-exported: ens.* in the labs, lab_utils and the tests)
     CLASSIFIER,
     CLASSIFIER_ENGINES,
     DIGIT_LABELS,
@@ -55,15 +47,21 @@ from lab_utils.serving.ensemble_config import (  # noqa: F401  (re-exported, as 
     SCORES,
     SERVICE,
     TOP_K,
+    TORCH_FILE,
     _write_png_warmup,
+    _write_python_files,
     classifier_config,
     default_instances,
     ensemble_config,
     ensemble_problems,
+    export_classifier,
     postprocess_config,
     preprocess_config,
     preprocess_instances,
     resolve_engine,
+    set_served_versions,
+    write_broken_version,
+    write_classifier_version,
     write_ensemble,
 )
 from lab_utils.serving.metrics import metric_samples
