@@ -35,7 +35,6 @@ class QueryError(PrometheusError):
         self.why = why or message
 
 
-
 # --- results as data frames ------------------------------------------------------------------------
 
 
@@ -47,12 +46,9 @@ def frame(data: Mapping[str, Any]) -> pd.DataFrame:
     rows: list[dict[str, Any]] = []
     if kind == "scalar" or kind == "string":
         rows.append({"time": float(result[0]), "value": _num(result[1])})  # type: ignore[index]
-    elif kind == "vector":
+    elif kind in ("vector", "matrix"):  # one sample per series, or every sample of each
         for r in result or []:
-            rows.append({**r["metric"], "time": float(r["value"][0]), "value": _num(r["value"][1])})
-    elif kind == "matrix":
-        for r in result or []:
-            for t, v in r["values"]:
+            for t, v in [r["value"]] if kind == "vector" else r["values"]:
                 rows.append({**r["metric"], "time": float(t), "value": _num(v)})
     else:
         raise PrometheusError(f"unknown result type {kind!r}")

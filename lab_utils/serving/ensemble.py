@@ -258,7 +258,6 @@ def digits_pngs(split: str = "test", n: int | None = None, scale: int = PNG_SCAL
     return [encode_png(img, scale) for img in x], y
 
 
-
 def photo_jpegs(n: int, size: tuple[int, int] = (224, 512), quality: int = 90, seed: int = 0,
                 shape: tuple[int, int] | None = None) -> list[bytes]:
     """``n`` JPEG photographs (quality ``quality``, each side drawn from ``size`` px, or exactly ``shape`` (width,

@@ -58,8 +58,6 @@ def resolve_engine(engine: str | None, backend: str, gpus: int = 0) -> str:
     return engine
 
 
-
-
 MAX_QUEUE = 256  # requests waiting per step model; more are refused at once ("Exceeds maximum queue size"): an
 # overload leaves no backlog behind it, so the service is back within its SLO as soon as the load falls (unbounded,
 # 3 s at 4,000 req/s left minutes of queued work, and every later request timed out while it drained)
@@ -418,4 +416,3 @@ def _write_python_files(version_dir: Path, model: str) -> None:
     triton_repo.write_model_py(version_dir, (folder / "model.py").read_text(), name=_PY_MODEL)
     if model == "preprocess_png":  # its drift statistics (NumPy only)
         triton_repo.write_model_py(version_dir, (folder / "drift_stats.py").read_text(), name=_DRIFT_MODULE)
-
