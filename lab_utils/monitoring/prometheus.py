@@ -119,7 +119,7 @@ def _duration(seconds: float) -> str:
 
 def scrape_config(jobs: Mapping[str, Sequence[str]], *, scrape_interval_s: float = 1.0,
                   evaluation_interval_s: float = 1.0, rule_files: Sequence[str | Path] = (),
-                  metrics_paths: Mapping[str, str] | None = None, major_version: int = 2) -> dict[str, Any]:
+                  major_version: int = 2) -> dict[str, Any]:
     """A Prometheus configuration: one scrape job per entry of ``jobs`` (``{"triton": ["127.0.0.1:8002"]}``;
     ``{}`` for a server that only serves stored samples).
 
@@ -141,7 +141,7 @@ def scrape_config(jobs: Mapping[str, Sequence[str]], *, scrape_interval_s: float
     return {"global": {"scrape_interval": interval, "scrape_timeout": interval,
                        "evaluation_interval": _duration(evaluation_interval_s)},
             "rule_files": [str(Path(p).resolve()) for p in rule_files],
-            "scrape_configs": [{"job_name": name, "metrics_path": (metrics_paths or {}).get(name, "/metrics"),
+            "scrape_configs": [{"job_name": name, "metrics_path": "/metrics",
                                 "static_configs": [{"targets": list(targets)}],
                                 **({"fallback_scrape_protocol": "PrometheusText0.0.4"} if major_version >= 3 else {})}
                                for name, targets in jobs.items()]}
@@ -245,11 +245,9 @@ class PrometheusServer(OwnedServer, PromAPI):
     log_lines = 30
 
     def __init__(self, jobs: Mapping[str, Sequence[str]], *, rule_files: Sequence[str | Path] = (),
-                 scrape_interval_s: float = 1.0, evaluation_interval_s: float = 1.0, binary: str | None = None,
-                 host: str = "127.0.0.1", port: int | None = None, startup_timeout_s: float = 30.0,
-                 extra_args: Sequence[str] = (), log_path: str | Path | None = None,
-                 samples: Iterable[Sample] | None = None):
-        self.binary = binary or find_prometheus("prometheus")
+                 scrape_interval_s: float = 1.0, evaluation_interval_s: float = 1.0, host: str = "127.0.0.1",
+                 port: int | None = None, startup_timeout_s: float = 30.0, samples: Iterable[Sample] | None = None):
+        self.binary = find_prometheus("prometheus")
         if self.binary is None:
             raise PrometheusMissing(f"the prometheus binary is not installed here. {PROMETHEUS_INSTALL}")
         self.jobs = {k: list(v) for k, v in jobs.items()}
@@ -259,8 +257,6 @@ class PrometheusServer(OwnedServer, PromAPI):
         self.config = self._config()
         OwnedServer.__init__(self, host=host, ports={"port": port}, startup_timeout_s=startup_timeout_s)
         PromAPI.__init__(self, f"http://{host}:0")
-        self.extra_args = list(extra_args)
-        self._log_path = Path(log_path) if log_path else None
         self.samples = list(samples) if samples is not None else None
         self.port: int | None = None
 
@@ -284,7 +280,7 @@ class PrometheusServer(OwnedServer, PromAPI):
 
     @property
     def log_path(self) -> Path | None:
-        return self._log_path or (self.folder / "prometheus.log" if self.folder else None)
+        return self.folder / "prometheus.log" if self.folder else None
 
     @property
     def config_path(self) -> Path | None:
@@ -302,7 +298,7 @@ class PrometheusServer(OwnedServer, PromAPI):
     def _command(self) -> list[str]:
         return [str(self.binary), f"--config.file={self.config_path}", f"--storage.tsdb.path={self.folder}/data",
                 f"--web.listen-address={self.host}:{self.port}", "--web.enable-lifecycle",
-                "--storage.tsdb.retention.time=1d", "--log.level=info", *self.extra_args]
+                "--storage.tsdb.retention.time=1d", "--log.level=info"]
 
     def _ready_url(self) -> str:
         return f"{self.url}/-/ready"
