@@ -4,6 +4,7 @@ versions loaded and refused under explicit model control, and nothing left runni
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import shutil
 from concurrent.futures import ThreadPoolExecutor
@@ -273,6 +274,14 @@ def _png_of(img: Any) -> bytes:
     return buf.getvalue()
 
 
+def _random_pngs(n: int, size: int) -> list[bytes]:
+    """``n`` random RGB PNGs of ``size`` px (incompressible: a few tens of KB each)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    return [_png_of(Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8))) for _ in range(n)]
+
+
 def test_phone_photos_up_to_12_megapixels_are_answered(server):
     """A 1920x1080 and a 4000x3000 (12 Mpx) JPEG photo are classified (both were refused under the old 256 KiB /
     1024 px limits)."""
@@ -415,30 +424,29 @@ def test_version_2_hot_update_and_the_stale_ensemble_cache(built, server):
 
 def test_resnet50_variant_serves_pngs_and_jpeg_photographs(built, server):
     """The ResNet-50 service's path (RGB, bilinear resize, ImageNet normalization, 1000 labels) at the CPU's small
-    size, width 16 and 64 px; the GPU run builds width 64 at 224 px. Random weights: speed only."""
-    svc = ens.build_resnet50_service(built.path, width=16, image_size=64, source=server.source)
-    assert "random weights, speed only" in svc.note and svc.facts["params_m"] < 3
-    triton_client.load_model(server.grpc_url, svc.service)
-    labels, scores = ens.classify(server.grpc_url, ens.random_pngs(3, 64), model=svc.service)
+    size, width 16 and 64 px, on the torch engine the GPU run uses (the GPU run builds width 64 at 224 px; lab 07's
+    CPU tier serves the ONNX Runtime variant). Lab 07's variants: one export, its model.pt copied into the next
+    variant's classifier, which serves. Random weights: speed only."""
+    first = ens.build_resnet50_service(built.path, prefix="resnet50_t1", width=16, image_size=64,
+                                       source=server.source, classifier_engine="torch")
+    assert "random weights, speed only" in first.note and first.facts["params_m"] < 3
+    with pytest.raises(ValueError, match="only a torch-engine variant has a model.pt"):
+        ens.build_resnet50_service(built.path, prefix="resnet50_again", width=16, image_size=64,
+                                   exported=dataclasses.replace(first, engine="onnxruntime"))
+    svc = ens.build_resnet50_service(built.path, prefix="resnet50_t2", width=16, image_size=64,
+                                     source=server.source, classifier_engine="torch", exported=first)
+    pt = [r.path / r.classifier / "1" / ens.TORCH_FILE for r in (first, svc)]
+    assert pt[0].read_bytes() == pt[1].read_bytes() and not (pt[1].parent / "model.onnx").exists()
+    assert svc.facts["params_m"] == first.facts["params_m"] and svc.note == first.note
+    triton_client.load_model(server.grpc_url, svc.service)  # the copy serves: one ResNet loaded, not two
+    labels, scores = ens.classify(server.grpc_url, _random_pngs(3, 64), model=svc.service)
     assert scores.shape == (3, 5) and all(label.startswith("class_") for row in labels for label in row)
     grey, _ = ens.digits_pngs("test", 1)  # grey 32 px: converted to RGB and resized like any other image
     assert len(ens.classify(server.http_url, grey, protocol="http", model=svc.service)[0][0]) == 5
     photos = ens.photo_jpegs(4)  # JPEG photographs of 224-512 px, a few tens of KB each
     assert all(10_000 < len(p) < 100_000 for p in photos) and len(set(photos)) == 4
     assert ens.classify(server.grpc_url, photos, model=svc.service)[1].shape == (4, 5)
-    with pytest.raises(ValueError, match="only a torch-engine variant has a model.pt"):
-        ens.build_resnet50_service(built.path, prefix="resnet50_again", width=16, image_size=64, exported=svc)
-    # lab 07's variants: one export, its model.pt copied into the next variant's classifier
-    first = ens.build_resnet50_service(built.path, prefix="resnet50_t1", width=16, image_size=64,
-                                       source=server.source, classifier_engine="torch", cache=None)
-    second = ens.build_resnet50_service(built.path, prefix="resnet50_t2", width=16, image_size=64,
-                                        source=server.source, classifier_engine="torch", cache=None, exported=first)
-    pt = [r.path / r.classifier / "1" / ens.TORCH_FILE for r in (first, second)]
-    assert pt[0].read_bytes() == pt[1].read_bytes() and not (pt[1].parent / "model.onnx").exists()
-    assert second.facts["params_m"] == first.facts["params_m"] and second.note == first.note
-    triton_client.load_model(server.grpc_url, second.service)
-    assert ens.classify(server.grpc_url, photos[:2], model=second.service)[1].shape == (2, 5)
-    triton_client.unload_model(server.grpc_url, second.service)
+    triton_client.unload_model(server.grpc_url, svc.service)
 
 
 def test_stop_leaves_nothing(server):
@@ -488,6 +496,23 @@ def test_engine_defaults_torch_with_a_gpu_and_onnx_without():
         ens.classifier_config(engine="tensorrt")
     with pytest.raises(ValueError, match="give engine='torch'"):
         ens.classifier_config(engine="onnxruntime", precision="fp16")
+
+
+def test_a_trace_that_froze_the_batch_is_refused_at_export(tmp_path):
+    """``export_torchscript`` traces without torch's own re-trace check (most of the tracing time); its comparison
+    with the model at another batch size is what refuses a forward that froze the batch size into the trace."""
+    import torch
+
+    from lab_utils.serving import ensemble_models
+
+    class Frozen(torch.nn.Module):
+        def forward(self, x):
+            return x.reshape(int(x.shape[0]), -1)[:, :10]  # int(): the traced batch (2) becomes a constant
+
+    with pytest.raises(RuntimeError, match=r"answers a batch of 3 differently from the model \(shape \(2, 10\) vs \(3"):
+        ensemble_models.export_torchscript(Frozen(), tmp_path)
+    assert not (tmp_path / ens.TORCH_FILE).exists()
+    assert ensemble_models.export_torchscript(torch.nn.Flatten(), tmp_path).is_file()  # a shape-generic one is kept
 
 
 @pytest.fixture(scope="module")
@@ -628,7 +653,7 @@ def test_gpu_preprocessing_batches_resizes_and_normalizes_like_pillow(built, mon
     gpu = mod.GpuImages("cpu", 64, 3, 1 / 255, model.mean, model.std, "bilinear", max_rows=2,
                         decode_jpeg=_pillow_decode_jpeg, read_mode=None)
     photos = ens.photo_jpegs(5, (80, 300), seed=3)
-    png = ens.random_pngs(1, 70)[0]
+    png = _random_pngs(1, 70)[0]
     refused = photos[4][:-3] + b"\x42" + photos[4][-2:]  # still ends with FF D9: the fake decoder refuses it
     truncated = photos[3][: len(photos[3]) // 2]
     assert mod.jpeg_complete(photos[0]) and not mod.jpeg_complete(truncated)

@@ -96,7 +96,7 @@ def test_a_killed_kernels_prometheus_ends_and_doctor_removes_its_folder(tmp_path
         out: list[str] = []
         code = ("from lab_utils.monitoring import prometheus\n"
                 "p = prometheus.PrometheusServer({}).start()\n"
-                "print('PID', p.proc.pid, p.workdir)")
+                "print('PID', p.pid, p.folder)")
         reply = kc.execute_interactive(code, timeout=90, output_hook=lambda m: out.append(
             m.get("content", {}).get("text", "") + "".join(m.get("content", {}).get("traceback", []) or [])))
         text = "".join(out)

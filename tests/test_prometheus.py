@@ -78,7 +78,7 @@ def test_a_configuration_error_shows_promtools_message(promtool_bin, prometheus_
     server.config["global"]["scrape_interval"] = "1 second"  # what a hand edit could do
     with pytest.raises(prometheus.ConfigError, match='not a valid duration string: "1 second"'):
         server.start()
-    assert server.workdir is None and not server.alive()
+    assert server.folder is None and not server.alive()
 
 
 def test_lab_copy_of_the_rules_passes_promtool(promtool_bin, tmp_path):
@@ -115,7 +115,7 @@ def test_server_scrapes_queries_and_leaves_nothing(prometheus_bin, exporter, tmp
     with server:
         assert server.ready() and server.alive() and server.kind == "prometheus"
         assert server.version().startswith("2.")
-        workdir, pid = server.workdir, server.pid
+        workdir, pid = server.folder, server.pid
         server.wait_for("count(up) == 2", timeout_s=20)  # both targets scraped at least once
         df = server.wait_for(f'up{{job="{prometheus.EXPORTER_JOB}"}} == 1', timeout_s=20)
         assert list(df.columns) == ["__name__", "instance", "job", "time", "value"]
@@ -227,7 +227,7 @@ def test_recorded_server_serves_the_samples_and_leaves_nothing(prometheus_bin, p
     samples += [({"__name__": "up"}, t0 + 15 * i, 1.0) for i in range(9)]
     with prometheus.recorded_server(samples) as server:
         assert server.jobs == {} and server.targets().empty  # it scrapes nothing
-        workdir, pid = server.workdir, server.pid
+        workdir, pid = server.folder, server.pid
         df = server.query_range("rate(req[1m])", t0 + 60, t0 + 120, 60)
         assert df["model"].tolist() == ['a "quoted" name'] * 2 and df["value"].tolist() == [10.0, 10.0]
         assert server.value("sum(up)", at=t0 + 30) == 1.0

@@ -29,6 +29,7 @@ from lab_utils.serving import ensemble as ens
 from lab_utils.serving import load as load_engine
 from lab_utils.serving import nginx as nginx_mod
 from lab_utils.serving import repository as triton_repo
+from lab_utils.serving.metrics import metric_samples
 from lab_utils.serving.server import TritonServer, find_server
 from lab_utils.serving.targets import TritonTarget
 from lab_utils.timing import Ticks
@@ -293,7 +294,7 @@ def version_counts(servers: Sequence[Any], model: str = ens.CLASSIFIER) -> dict[
     out: dict[str, float] = {}
     for s in servers:
         try:
-            samples = ens.metric_samples(s.metrics_url, timeout_s=2.0)
+            samples = metric_samples(s.metrics_url, timeout_s=2.0)
         except OSError:
             continue
         for labels, value in samples:

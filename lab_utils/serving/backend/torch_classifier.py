@@ -156,7 +156,7 @@ class TritonPythonModel(CourseModel):
         path = version_dir / TORCH_FILE
         if not path.is_file():
             raise FileNotFoundError(f"model {cfg['name']!r} version {args['model_version']}: no {path}: export it "
-                                    "beside model.onnx (lab_utils.serving.ensemble.export_torchscript)")
+                                    "beside model.onnx (lab_utils.serving.ensemble_models.export_torchscript)")
         dims = [int(d) for d in cfg["input"][0].get("dims", [])]
         graphs = None
         if params.get("cuda_graphs", "0") == "1":
