@@ -168,5 +168,3 @@ def progress_bar(total: int | None = None, desc: str = "", every_s: float = 10.0
     _check_bar(total, desc, "progress_bar")
     return ProgressBar(total, desc, check_positive(every_s, "every_s", "progress_bar", what="number of seconds"))
 
-
-Progress = Callable[..., Iterable[Any]]  # the type of a ``progress=`` hook: progress(iterable, total=, desc=)
