@@ -413,7 +413,10 @@ class TritonServer(OwnedServer, HttpGrpcEndpoints):
 
     def _halt(self, proc: Any) -> int | None:
         code = super()._halt(proc)
-        _remove_shm(self._shm_prefix)
+        if self._shm_prefix:  # the python backend's shared-memory regions: what a killed server leaves
+            for f in Path("/dev/shm").glob(f"{self._shm_prefix}*"):
+                with contextlib.suppress(OSError):
+                    f.unlink()
         # a killed server's python backend leaves its empty env folder: the ones seen at the start, and those made
         # later (a python model loaded after ready, or a start beside another server's) that no live server marks
         late = {f for f in _python_envs() - self._envs_before if python_env_unowned(f)}
@@ -475,15 +478,6 @@ def describe_exit(code: int) -> str:
 
 SHM_PREFIX = "nvlab_triton_"
 _counter = itertools.count()
-
-
-def _remove_shm(prefix: str) -> None:
-    """Remove the python backend's shared-memory regions named ``prefix*`` (what a killed server leaves)."""
-    if not prefix:
-        return
-    for f in Path("/dev/shm").glob(f"{prefix}*"):
-        with contextlib.suppress(OSError):
-            f.unlink()
 
 
 def _python_envs() -> set[Path]:
