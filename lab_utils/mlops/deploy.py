@@ -25,6 +25,7 @@ import numpy as np
 
 from lab_utils.args import check_int, check_positive
 from lab_utils.mlops.tracking import ONNX_FILE
+from lab_utils.owned import StartStop
 from lab_utils.procs import owned_tempdir, stop_at_exit
 from lab_utils.serving import client as triton_client
 from lab_utils.serving import ensemble as ens
@@ -234,7 +235,7 @@ def _request(pngs: Sequence[bytes]) -> tuple[bytes, int]:
     return body, int(json_size or 0)
 
 
-class _InThread:
+class _InThread(StartStop):
     """``_run`` in a daemon thread from ``start()`` until ``stop()`` (also at interpreter exit); a context manager."""
 
     thread_name = ""
@@ -259,12 +260,6 @@ class _InThread:
         if self._thread is not None:
             self._thread.join(self._join_s())
             self._thread = None
-
-    def __enter__(self: Any) -> Any:
-        return self.start()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
 
 
 class LabelledTraffic(_InThread):
