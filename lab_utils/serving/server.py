@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 from lab_utils.course.probe import pytriton_server
 from lab_utils.course.stack import pinned_image
-from lab_utils.owned import HttpGrpcEndpoints, OwnedServer
+from lab_utils.owned import HttpGrpcEndpoints, OwnedServer, StartStop
 from lab_utils.procs import (
     PYTHON_ENV_OWNER,
     check_service,
@@ -516,7 +516,7 @@ def _is_triton(body: bytes) -> bool:
     return isinstance(meta, dict) and "version" in meta and isinstance(meta.get("extensions"), list)
 
 
-class ExternalServer:
+class ExternalServer(StartStop):
     """A server this process does not own (``TRITON_URL``): same attributes as ``TritonServer``, no lifecycle."""
 
     external = True
@@ -574,12 +574,6 @@ class ExternalServer:
 
     def log_tail(self, n: int = 40) -> str:
         return f"(external server at {self.http_url}: its log is where it runs, e.g. `docker compose logs triton`)"
-
-    def __enter__(self) -> ExternalServer:
-        return self.start()
-
-    def __exit__(self, *exc: Any) -> None:
-        pass
 
     def __repr__(self) -> str:
         return f"ExternalServer(http={self.http_url}, grpc={self.grpc_url})"
