@@ -17,6 +17,15 @@ def check_int(value: Any, arg: str, where: str, minimum: int = 1, maximum: int |
     return int(value)
 
 
+def check_ints(values: Any, arg: str, where: str) -> list[int]:
+    """One integer >= 1 or a non-empty sequence of them, as a list; a ValueError naming ``where(arg=...)`` (the
+    index too, ``arg[i]``, among several)."""
+    values = [values] if isinstance(values, (int, np.integer)) else list(values)
+    if not values:
+        raise ValueError(f"{where}({arg}=[]): give at least one value")
+    return [check_int(v, f"{arg}[{i}]" if len(values) > 1 else arg, where) for i, v in enumerate(values)]
+
+
 def check_positive(value: Any, arg: str, where: str, zero_ok: bool = False, what: str = "number") -> float:
     """``value`` as a finite ``what`` > 0 (>= 0 with ``zero_ok``), or a ValueError naming ``where(arg=...)``."""
     ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool) and \

@@ -30,9 +30,20 @@ from lab_utils.procs import (
 _RUNNING: set[OwnedServer] = set()  # strong references: a server dropped by its caller is still stopped at exit
 _running_lock = threading.Lock()
 S = TypeVar("S", bound="OwnedServer")
+T = TypeVar("T")
 
 
-class OwnedServer:
+class StartStop:
+    """``with x:`` runs ``x.start()`` (its result is the ``as`` target) and ``x.stop()`` when the block ends."""
+
+    def __enter__(self: T) -> T:
+        return self.start()  # type: ignore[attr-defined]
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()  # type: ignore[attr-defined]
+
+
+class OwnedServer(StartStop):
     """One server (a process group, or a thread) owned by this interpreter. Subclasses fill in the hooks."""
 
     error: type[Exception] = RuntimeError  # what a failed start raises
@@ -269,12 +280,6 @@ class OwnedServer:
                 _RUNNING.discard(self)
             release_at_exit(self)
             return self.exit_code
-
-    def __enter__(self: S) -> S:
-        return self.start()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
 
 
 class HttpGrpcEndpoints:

@@ -103,6 +103,17 @@ def test_bad_arguments_fail_before_anything_starts():
         service.Service(rate_limit_rps=-1)
 
 
+def test_lab08_traffic_refuses_a_rate_that_is_not_a_finite_number_above_zero():
+    from lab_utils.mlops import deploy
+
+    for bad in (0, -1, float("nan"), float("inf"), True, "5"):
+        with pytest.raises(ValueError, match=r"BackgroundLoad\(rate_rps="):
+            deploy.BackgroundLoad(None, bad)
+        with pytest.raises(ValueError, match=r"LabelledTraffic\(rate_rps="):
+            deploy.LabelledTraffic(None, None, np.zeros((1, 8, 8)), np.zeros(1), rate_rps=bad)
+    assert deploy.BackgroundLoad(None, 5).rate_rps == 5.0
+
+
 def test_service_rules_pass_promtool_and_their_tests():
     _prometheus_here()
     assert "SUCCESS" in prometheus.check_rules(sm.SERVICE_RULES_FILE)

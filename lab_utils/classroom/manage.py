@@ -83,10 +83,10 @@ def _need(ok: bool, why: str) -> None:
         raise ClassroomError(why)
 
 
-def running_hub(state: Path) -> int | None:
-    """The pid of this state folder's hub while it runs."""
+def running_hub(state: Path, name: str = "hub.pid") -> int | None:
+    """The pid in this state folder's ``name`` (the hub's, or ``proxy.pid``) while that process runs."""
     try:
-        pid = int((state / "hub.pid").read_text().strip())
+        pid = int((state / name).read_text().strip())
     except (OSError, ValueError):
         return None
     return pid if pid_alive(pid) else None
@@ -396,7 +396,7 @@ def stop(state: Path, grace_s: float = 120) -> list[str]:
         subprocess.run(["docker", "compose", "-f", str(COMPOSE), "down"], check=False, timeout=600,
                        env=dict(os.environ, NVLAB_CLASSROOM_STATE=str(state)))
         return []
-    procs = [p for p in (running_hub(state), _pid(state / "proxy.pid")) if p]
+    procs = [p for p in (running_hub(state), running_hub(state, "proxy.pid")) if p]
     if hub := running_hub(state):
         os.kill(hub, signal.SIGTERM)
         psutil.wait_procs([psutil.Process(hub)], timeout=grace_s)
@@ -414,14 +414,6 @@ def stop(state: Path, grace_s: float = 120) -> list[str]:
         with contextlib.suppress(psutil.Error):
             p.kill()
     return killed
-
-
-def _pid(path: Path) -> int | None:
-    try:
-        pid = int(path.read_text().strip())
-    except (OSError, ValueError):
-        return None
-    return pid if pid_alive(pid) else None
 
 
 GPU_PROBE = ("import json, os, torch\n"

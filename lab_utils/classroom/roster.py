@@ -143,10 +143,6 @@ def gpu_inventory() -> tuple[list[Device], str]:
     return devices, f"nvidia-smi -L: {len(devices)} device(s)" if devices else "nvidia-smi -L lists no GPU"
 
 
-def _mig_parents(devices: list[Device]) -> set[int]:
-    return {d.index for d in devices if d.kind == "mig"}
-
-
 def gpu_pool(spec: str, devices: list[Device], why_none: str = "") -> list[Device]:
     """The devices students share, from ``--gpus``: 'none', 'all' (every whole GPU; a GPU in MIG mode by its MIG
     instances), 'mig' (every MIG instance) or indices such as '0,1'. Raises ``RosterError`` naming what is missing."""
@@ -158,7 +154,7 @@ def gpu_pool(spec: str, devices: list[Device], why_none: str = "") -> list[Devic
         if not devices:
             raise RosterError(f"--gpus all, but {why_none or 'this machine has no GPU'}: pass --gpus none for "
                               "servers without a GPU")
-        split = _mig_parents(devices)
+        split = {d.index for d in migs}  # a GPU in MIG mode is shared by its instances, not whole
         return [d for d in devices if (d.kind == "gpu" and d.index not in split) or d.kind == "mig"]
     if spec == "mig":
         if not migs:

@@ -18,12 +18,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import pandas as pd
 import torch
 import torch.distributed as dist
 
-from lab_utils.args import check_int
+from lab_utils.args import check_int, check_ints
 from lab_utils.distributed.bandwidth import (
     COLLECTIVES,
     CPU_SIZES,
@@ -274,14 +273,6 @@ def nccl_debug_worker(ctx: WorkerContext, size_bytes: int) -> dict[str, Any]:
 # --- Parent side: what the notebook calls ---------------------------------------------------------
 
 
-def _check_sizes(sizes: Any, where: str) -> list[int]:
-    if isinstance(sizes, (int, np.integer)):
-        sizes = [sizes]
-    if not (sizes := list(sizes)):
-        raise ValueError(f"{where}(sizes_bytes=[]): give at least one size in bytes")
-    return [check_int(s, f"sizes_bytes[{i}]", where) for i, s in enumerate(sizes)]
-
-
 def collective_sweep(nprocs: int, sizes_bytes: Sequence[int] | None = None, collectives: Sequence[str] = COLLECTIVES,
                      backend: str = "auto", reps: int | None = None, warmup: int | None = None,
                      timeout_s: float = 900.0, dtype: str | Sequence[str] = "float32", report: EnvReport | None = None,
@@ -302,7 +293,7 @@ def collective_sweep(nprocs: int, sizes_bytes: Sequence[int] | None = None, coll
         raise ValueError(f"{where}(collectives={collectives!r}): unknown {bad}; valid names are {list(COLLECTIVES)}")
     if sizes_bytes is None:
         sizes_bytes = GPU_SIZES if gpu else CPU_SIZES
-    sizes = _check_sizes(sizes_bytes, where)
+    sizes = check_ints(sizes_bytes, "sizes_bytes", where)
     reps = check_int(reps if reps is not None else (20 if gpu else 10), "reps", where)
     warmup = check_int(warmup if warmup is not None else (5 if gpu else 2), "warmup", where, minimum=0)
     dtypes = [str(torch_dtype(d)).removeprefix("torch.") for d in ([dtype] if isinstance(dtype, str) else dtype)]

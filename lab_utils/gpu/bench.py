@@ -21,7 +21,7 @@ from typing import Any
 import pandas as pd
 import torch
 
-from lab_utils.args import check_int
+from lab_utils.args import check_int, check_ints
 from lab_utils.course.specs import GpuPeaks, peaks_for
 from lab_utils.plotting import format_bytes
 from lab_utils.timing import Timing, benchmark, copy_bytes, cpu_model, cuda_graph, host_ms, matmul_bytes, matmul_flops
@@ -69,12 +69,6 @@ def device_name(dev: str) -> str:
 def device_peaks(dev: str) -> GpuPeaks | None:
     """Datasheet peaks of the device (``None`` for the CPU and for GPUs not in ``lab_utils.course.specs``)."""
     return peaks_for(device_name(dev)) if _is_cuda(dev) else None
-
-
-def _check_positive_ints(values: Any, arg: str, where: str) -> list[int]:
-    if not (out := [check_int(v, arg, where) for v in ([values] if isinstance(values, int) else values)]):
-        raise ValueError(f"{where}({arg}=[]): give at least one value")
-    return out
 
 
 def _check_reps(reps: Any, warmup: Any, where: str) -> tuple[int, int]:
@@ -286,7 +280,7 @@ def matmul_sweep(sizes: Sequence[int] | None = None, dtypes: Sequence[str] = DTY
     CPU. Columns: ``SWEEP_COLUMNS``. ``progress``: ``lab_utils.widgets.progress``, one step per (dtype, n)."""
     where = "matmul_sweep"
     dev = resolve_device(device, f"{where}(device)")
-    sizes = _check_positive_ints(_default(sizes, dev, (1024, 2048, 4096, 8192), (128, 256, 512)), "sizes", where)
+    sizes = check_ints(_default(sizes, dev, (1024, 2048, 4096, 8192), (128, 256, 512)), "sizes", where)
     dtypes = _check_dtypes(dtypes, where)
     reps, warmup = _check_reps(reps, warmup, where)
     name = device_name(dev)
@@ -377,7 +371,7 @@ def copy_bandwidth(sizes_bytes: Sequence[int] | None = None, device: str | None 
     spread, gbps, peak_gbps, pct_of_peak, device, device_name."""
     where = "copy_bandwidth"
     dev = resolve_device(device, f"{where}(device)")
-    sizes_bytes = _check_positive_ints(_default(sizes_bytes, dev, (MIB, 16 * MIB, 256 * MIB, 2 * GIB),
+    sizes_bytes = check_ints(_default(sizes_bytes, dev, (MIB, 16 * MIB, 256 * MIB, 2 * GIB),
                                                 (64 * MIB, 256 * MIB)), "sizes_bytes", where)
     reps, warmup = _check_reps(reps, warmup, where)
     peaks = device_peaks(dev)

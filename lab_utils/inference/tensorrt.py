@@ -129,12 +129,6 @@ def batch_profile(input_name: str, sample_shape: Sequence[int], min_batch: int =
 # --- trtexec --------------------------------------------------------------------------------------
 
 
-def _trtexec_program() -> str:
-    """How a command line names trtexec here: plain ``trtexec`` when the PATH finds it (or nothing does, for
-    lines meant for another machine), its full path when it sits off the PATH."""
-    return "trtexec" if shutil.which("trtexec") else find_trtexec() or "trtexec"
-
-
 def trtexec_commands(onnx_path: str | os.PathLike[str], engine_path: str | os.PathLike[str], profile: Profile,
                      timing_cache: str | os.PathLike[str] | None = None,
                      workspace_bytes: int = WORKSPACE_BYTES, run_batch: int | None = None,
@@ -148,7 +142,9 @@ def trtexec_commands(onnx_path: str | os.PathLike[str], engine_path: str | os.Pa
     ``lab_utils.course.probe.find_trtexec`` finds here, also off the PATH)."""
     major = major if major is not None else (tensorrt_major() or LATEST_MAJOR)
     legacy = major < 11
-    program = str(trtexec) if trtexec is not None else _trtexec_program()
+    if trtexec is None:  # plain `trtexec` when the PATH finds it (or nothing does: lines for another machine)
+        trtexec = "trtexec" if shutil.which("trtexec") else find_trtexec() or "trtexec"
+    program = str(trtexec)
     build = [program, f"--onnx={onnx_path}", f"--saveEngine={engine_path}", *(["--stronglyTyped"] if legacy else []),
              f"--minShapes={profile.shapes_flag('min')}", f"--optShapes={profile.shapes_flag('opt')}",
              f"--maxShapes={profile.shapes_flag('max')}", f"--memPoolSize=workspace:{workspace_bytes // 2**20}M"]

@@ -88,8 +88,7 @@ def bootstrap_diff_ci(correct_a: Sequence[float] | np.ndarray, correct_b: Sequen
                              f"{arr.shape}")
         if not np.all(np.isfinite(arr)):
             raise ValueError(f"group {g}: NaN or infinite values; drop requests without a label first")
-    if not (isinstance(n_boot, int) and n_boot >= 100):
-        raise ValueError(f"n_boot={n_boot!r}: at least 100 resamples (5000 gives a stable 95 % interval)")
+    check_int(n_boot, "n_boot", "bootstrap_diff_ci", minimum=100, what="resamples; 5000 gives a stable 95 % interval")
     if not 0 < confidence < 1:
         raise ValueError(f"confidence={confidence!r}: a fraction such as 0.95")
     rng = np.random.default_rng(seed)

@@ -23,8 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from lab_utils.args import check_int
+from lab_utils.args import check_int, check_positive
 from lab_utils.mlops.tracking import ONNX_FILE
+from lab_utils.owned import StartStop
 from lab_utils.procs import owned_tempdir, stop_at_exit
 from lab_utils.serving import client as triton_client
 from lab_utils.serving import ensemble as ens
@@ -234,7 +235,7 @@ def _request(pngs: Sequence[bytes]) -> tuple[bytes, int]:
     return body, int(json_size or 0)
 
 
-class _InThread:
+class _InThread(StartStop):
     """``_run`` in a daemon thread from ``start()`` until ``stop()`` (also at interpreter exit); a context manager."""
 
     thread_name = ""
@@ -260,12 +261,6 @@ class _InThread:
             self._thread.join(self._join_s())
             self._thread = None
 
-    def __enter__(self: Any) -> Any:
-        return self.start()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
-
 
 class LabelledTraffic(_InThread):
     """Labelled digits through the front door at ``rate_rps`` (HTTP, one image a request), each answer counted for
@@ -275,10 +270,9 @@ class LabelledTraffic(_InThread):
 
     def __init__(self, svc: CanaryService, feedback: Any, images: np.ndarray, labels: np.ndarray, *,
                  rate_rps: float = 20.0, monitor: Any = None, timeout_s: float = 10.0):
-        if not (isinstance(rate_rps, (int, float)) and rate_rps > 0):
-            raise ValueError(f"rate_rps={rate_rps!r}: labelled requests per second, > 0")
         self.svc, self.feedback, self.monitor = svc, feedback, monitor
-        self.rate_rps, self.timeout_s = float(rate_rps), timeout_s
+        self.rate_rps = check_positive(rate_rps, "rate_rps", "LabelledTraffic", what="rate (labelled requests/s)")
+        self.timeout_s = timeout_s
         self._lock = threading.Lock()
         super().__init__()
         self.sent = self.errors = self.unattributed = 0
@@ -354,9 +348,8 @@ class BackgroundLoad(_InThread):
     thread_name = "nvlab-background-load"
 
     def __init__(self, target: Any, rate_rps: float, *, segment_s: float = 5.0, timeout_s: float = 10.0):
-        if not (isinstance(rate_rps, (int, float)) and rate_rps > 0):
-            raise ValueError(f"rate_rps={rate_rps!r}: requests per second, > 0")
-        self.target, self.rate_rps, self.segment_s, self.timeout_s = target, float(rate_rps), segment_s, timeout_s
+        rate_rps = check_positive(rate_rps, "rate_rps", "BackgroundLoad", what="rate (requests/s)")
+        self.target, self.rate_rps, self.segment_s, self.timeout_s = target, rate_rps, segment_s, timeout_s
         self.results: list[Any] = []
         self.failure: BaseException | None = None
         super().__init__()

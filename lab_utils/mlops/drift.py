@@ -22,6 +22,7 @@ import numpy as np
 import pandas as pd
 from PIL import Image
 
+from lab_utils.args import check_int, check_positive
 from lab_utils.mlops.feedback import MetricsServer
 from lab_utils.monitoring.prometheus import check_rules, write_config
 
@@ -83,8 +84,7 @@ def rotated(images: Any, degrees: float = 30.0, seed: int | None = 0, jitter: fl
 
 def noisy(images: Any, sigma: float = 3.0, seed: int | None = 0) -> np.ndarray:
     """Gaussian noise of ``sigma`` (pixel units, of 16) added, clipped to 0..16."""
-    if not (isinstance(sigma, (int, float)) and sigma >= 0):
-        raise ValueError(f"sigma={sigma!r}: noise in pixel units (0..16 scale), >= 0")
+    check_positive(sigma, "sigma", "noisy", zero_ok=True, what="noise in pixel units (0..16 scale)")
     x = as_digits(images)
     return np.clip(x + np.random.default_rng(seed).normal(0, sigma, x.shape).astype(np.float32), 0, 16)
 
@@ -150,8 +150,7 @@ class DriftMonitor:
     """A sliding window of the last ``window`` images (and confidences) seen, compared with the reference."""
 
     def __init__(self, reference: DriftReference, window: int = 300):
-        if not (isinstance(window, int) and window >= 10):
-            raise ValueError(f"window={window!r}: the number of recent images compared, >= 10 (300 is usual)")
+        check_int(window, "window", "DriftMonitor", minimum=10, what="recent images compared; 300 is usual")
         self.reference, self.window = reference, window
         self._images: collections.deque[np.ndarray] = collections.deque(maxlen=window)
         self._conf: collections.deque[float] = collections.deque(maxlen=window)
@@ -236,12 +235,10 @@ def drift_rules(*, psi_threshold: float = PSI_ALERT, ks_threshold: float = KS_AL
     """Alerting rules: ``InputDrift`` (PSI of an input feature over ``psi_threshold``), ``ConfidenceDrift`` (KS of
     prediction confidence over ``ks_threshold``), each held ``for_s`` seconds and only once ``min_window`` images
     are in the window (a handful of images is no evidence)."""
-    if not (isinstance(psi_threshold, (int, float)) and psi_threshold > 0):
-        raise ValueError(f"psi_threshold={psi_threshold!r}: > 0 (0.25 is the usual 'significant shift')")
+    check_positive(psi_threshold, "psi_threshold", "drift_rules", what="PSI (0.25 is the usual 'significant shift')")
     if not (isinstance(ks_threshold, (int, float)) and 0 < ks_threshold < 1):
         raise ValueError(f"ks_threshold={ks_threshold!r}: between 0 and 1")
-    if not (isinstance(for_s, int) and for_s >= 0):
-        raise ValueError(f"for_s={for_s!r}: whole seconds >= 0")
+    check_int(for_s, "for_s", "drift_rules", minimum=0, what="whole seconds")
     feats = "|".join(features)
     enough = f"on() ({WINDOW_METRIC} >= {min_window})"
     return {"groups": [{"name": "nvlab_drift", "rules": [

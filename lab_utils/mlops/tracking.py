@@ -35,7 +35,6 @@ from lab_utils.serving.ensemble import digits_raw_split, export_classifier
 MLFLOW_INSTALL = "pip install 'mlflow>=2.16' (or the course's lab extra: pip install -e '.[lab]')"
 EXPERIMENT = "digits"
 REGISTERED_MODEL = "digits_classifier"
-ALIASES = ("champion", "challenger")
 MODEL_ARTIFACT = "model"  # the run's artifact folder holding model.onnx
 ONNX_FILE = "model.onnx"
 NOT_GIT = "not a git checkout"

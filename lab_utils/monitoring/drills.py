@@ -21,6 +21,7 @@ import numpy as np
 import pandas as pd
 
 from lab_utils.monitoring.prometheus import TRITON_JOB, PromAPI
+from lab_utils.owned import StartStop
 from lab_utils.procs import Background, http_ok, release_at_exit, stop_at_exit, wait_until
 from lab_utils.serving import repository as triton_repo
 from lab_utils.serving.repository import INPUT_NAME
@@ -164,7 +165,7 @@ def health(server: Any) -> dict[str, Any]:
     return {"live": live, "live_http": live_why, "ready": ready, "ready_http": ready_why}
 
 
-class Watchdog:
+class Watchdog(StartStop):
     """Restarts a server that died or stopped answering, with exponential backoff.
 
     Every ``check_s``: ``server.alive()`` and, when given, ``liveness(server)`` -> URL (``failures`` failed probes in a
@@ -294,12 +295,6 @@ class Watchdog:
     def timeline(self) -> pd.DataFrame:
         """The events (watching, down, restarted, restart failed, gave up...) with their unix times."""
         return pd.DataFrame(self.events)
-
-    def __enter__(self) -> Watchdog:
-        return self.start()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
 
 
 def _exit_code(server: Any) -> int | None:

@@ -49,7 +49,6 @@ class Wheelhouse:
     extras: list[str]
     left_out: dict[str, str]  # name -> version the manifest records for the target ("2.14.0")
     wheels: list[str] = field(default_factory=list)
-    added_for_target_markers: list[str] = field(default_factory=list)
 
     @property
     def size_mib(self) -> float:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import grp
 import inspect
-import math
 import os
 import pwd
 import re
@@ -136,8 +135,7 @@ def _size(value: int | str, what: str = "client_max_body_size") -> str:
 
 def _rate(rps: float) -> str:
     """``limit_req_zone``'s rate: requests per second, or per minute below 1 r/s (nginx takes integers only)."""
-    if isinstance(rps, bool) or not isinstance(rps, (int, float)) or not math.isfinite(rps) or rps <= 0:
-        raise ValueError(f"rate_limit_rps={rps!r}: a number of requests per second > 0 (or None: no limit)")
+    rps = check_positive(rps, "rate_limit_rps", "nginx_config", what="number of requests per second (None: no limit)")
     if rps >= 1 and float(rps).is_integer():
         return f"{int(rps)}r/s"
     per_min = round(rps * 60)

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 from lab_utils.course.probe import pytriton_server
 from lab_utils.course.stack import pinned_image
-from lab_utils.owned import HttpGrpcEndpoints, OwnedServer
+from lab_utils.owned import HttpGrpcEndpoints, OwnedServer, StartStop
 from lab_utils.procs import (
     PYTHON_ENV_OWNER,
     check_service,
@@ -413,7 +413,10 @@ class TritonServer(OwnedServer, HttpGrpcEndpoints):
 
     def _halt(self, proc: Any) -> int | None:
         code = super()._halt(proc)
-        _remove_shm(self._shm_prefix)
+        if self._shm_prefix:  # the python backend's shared-memory regions: what a killed server leaves
+            for f in Path("/dev/shm").glob(f"{self._shm_prefix}*"):
+                with contextlib.suppress(OSError):
+                    f.unlink()
         # a killed server's python backend leaves its empty env folder: the ones seen at the start, and those made
         # later (a python model loaded after ready, or a start beside another server's) that no live server marks
         late = {f for f in _python_envs() - self._envs_before if python_env_unowned(f)}
@@ -477,15 +480,6 @@ SHM_PREFIX = "nvlab_triton_"
 _counter = itertools.count()
 
 
-def _remove_shm(prefix: str) -> None:
-    """Remove the python backend's shared-memory regions named ``prefix*`` (what a killed server leaves)."""
-    if not prefix:
-        return
-    for f in Path("/dev/shm").glob(f"{prefix}*"):
-        with contextlib.suppress(OSError):
-            f.unlink()
-
-
 def _python_envs() -> set[Path]:
     """The python backend's execution-environment folders (``/tmp/python_env_*``, a fixed path in Triton): the
     ones that appear while a server starts are its own, removed when it stops (a killed server cannot)."""
@@ -522,7 +516,7 @@ def _is_triton(body: bytes) -> bool:
     return isinstance(meta, dict) and "version" in meta and isinstance(meta.get("extensions"), list)
 
 
-class ExternalServer:
+class ExternalServer(StartStop):
     """A server this process does not own (``TRITON_URL``): same attributes as ``TritonServer``, no lifecycle."""
 
     external = True
@@ -580,12 +574,6 @@ class ExternalServer:
 
     def log_tail(self, n: int = 40) -> str:
         return f"(external server at {self.http_url}: its log is where it runs, e.g. `docker compose logs triton`)"
-
-    def __enter__(self) -> ExternalServer:
-        return self.start()
-
-    def __exit__(self, *exc: Any) -> None:
-        pass
 
     def __repr__(self) -> str:
         return f"ExternalServer(http={self.http_url}, grpc={self.grpc_url})"

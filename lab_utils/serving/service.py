@@ -23,6 +23,7 @@ import numpy as np
 import pandas as pd
 
 from lab_utils.args import check_int
+from lab_utils.owned import StartStop
 from lab_utils.procs import Background, http_ok, owned_tempdir, release_at_exit, stop_at_exit, wait_until
 from lab_utils.serving import client as triton_client
 from lab_utils.serving import ensemble as ens
@@ -72,7 +73,7 @@ def send_raw(url: str, body: bytes, headers: Mapping[str, str] | None = None, mo
         return status, text
 
 
-class Service:
+class Service(StartStop):
     """The digits service: ``servers`` Triton servers behind nginx (or one Triton alone without nginx).
 
     ``cache``: where the response cache is (``"classifier"``, ``"service"``: the ensemble, or None);
@@ -180,12 +181,6 @@ class Service:
             if self.workdir is not None and not self._repo_given:
                 shutil.rmtree(self.workdir, ignore_errors=True)
             release_at_exit(self)
-
-    def __enter__(self) -> Service:
-        return self.start()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
 
     def alive(self) -> bool:
         """Every part still runs."""

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from lab_utils.args import check_int
+from lab_utils.args import check_int, check_positive
 from lab_utils.procs import env_flag
 
 HEADLESS_ENV = "NVLAB_HEADLESS"  # 1: print instead of showing widgets (papermill run by hand, a script)
@@ -166,9 +166,5 @@ def progress_bar(total: int | None = None, desc: str = "", every_s: float = 10.0
         with widgets.progress_bar(total=60, desc="SLO run") as bar:
             result = load.run_open_loop(target, 100, 60, on_window=bar.update)"""
     _check_bar(total, desc, "progress_bar")
-    if isinstance(every_s, bool) or not isinstance(every_s, (int, float)) or not every_s > 0:
-        raise ValueError(f"progress_bar(every_s={every_s!r}): seconds between headless lines, a number > 0")
-    return ProgressBar(total, desc, float(every_s))
+    return ProgressBar(total, desc, check_positive(every_s, "every_s", "progress_bar", what="number of seconds"))
 
-
-Progress = Callable[..., Iterable[Any]]  # the type of a ``progress=`` hook: progress(iterable, total=, desc=)
