@@ -251,15 +251,3 @@ def test_a_hint_or_solution_ending_a_cell_is_shown_once(capsys):
 ])
 def test_a_message_starting_with_a_code_name_keeps_its_case(text, want):
     assert framework.sentence(text) == want
-
-
-def test_no_framework_module_over_600_lines():
-    # One concern per module; the lab modules still over the limit may shrink, never grow (split them next).
-    from pathlib import Path
-
-    folder = Path(framework.__file__).parent
-    waiting = {"lab00.py": 673, "lab01.py": 723, "lab02.py": 1355, "lab03.py": 794, "lab04.py": 929, "lab05.py": 1263,
-               "lab07.py": 676, "lab08.py": 1164}
-    for path in sorted(folder.glob("*.py")):
-        lines = len(path.read_text().splitlines())
-        assert lines <= waiting.get(path.name, 600), f"{path.name}: {lines} lines"

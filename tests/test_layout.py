@@ -143,3 +143,14 @@ def test_the_cli_and_course_machinery_import_without_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=repo_root(), timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", f"importing {TORCH_FREE} pulled in {out.stdout.strip()}"
+
+
+MAX_MODULE_LINES = 600
+
+
+def test_no_module_over_600_lines():
+    # One concern per module: a module past this is split by concern (a lab's exercises into a package, one module
+    # per exercise group), not allowed to grow
+    long = {str(p.relative_to(PKG)): n for p in sorted(PKG.rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long, f"modules over {MAX_MODULE_LINES} lines: {long}"
