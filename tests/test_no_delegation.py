@@ -355,12 +355,12 @@ HANDED_OUT = [  # (lab, exercise, the answer, the course's name for it)
     ("09", "q9", lambda ex: ex.NIM_REQUEST, "lab_utils.exercises.lab09.NIM_REQUEST"),
     ("09", "q9", lambda ex: dict(ex.NIM_REQUEST), "a copy of lab_utils.exercises.lab09.NIM_REQUEST"),
     ("07", "q1", lambda ex: ex.reference_ensemble(),
-     "what lab_utils.exercises.lab07.service.reference_ensemble(...) returned"),
+     "what lab_utils.exercises.lab07.reference_ensemble(...) returned"),
     ("07", "q1", lambda ex: {**ex.reference_ensemble()},
-     "a copy of what lab_utils.exercises.lab07.service.reference_ensemble"),
+     "a copy of what lab_utils.exercises.lab07.reference_ensemble"),
     ("07", "q3", lambda ex: ex.reference_upstream(["127.0.0.1:8000", "127.0.0.1:8001"]),
-     "what lab_utils.exercises.lab07.service.reference_upstream(...) returned"),
-    ("08", "q5", lambda ex: _verdict_of(_AB), "what lab_utils.exercises.lab08.stats.reference_verdict(...) returned"),
+     "what lab_utils.exercises.lab07.reference_upstream(...) returned"),
+    ("08", "q5", lambda ex: _verdict_of(_AB), "what lab_utils.exercises.lab08.reference_verdict(...) returned"),
 ]
 
 

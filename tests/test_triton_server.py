@@ -184,6 +184,7 @@ def test_a_crashed_server_is_named_and_lab04_restarts_it_before_a_check(repo):
     """Triton's SIGSEGV handler logs the signal and can leave the process alive and deaf (seen in CI: every later
     load_model hung): crashed() reads the log, and lab 04's checks restart such a server first."""
     from lab_utils.exercises import lab04
+    from lab_utils.exercises.lab04 import server as lab04_server  # where the bound server lives
 
     with TritonServer(repo) as server:
         assert server.crashed() is None
@@ -196,9 +197,9 @@ def test_a_crashed_server_is_named_and_lab04_restarts_it_before_a_check(repo):
         assert server.alive()  # the process still runs: the check, not the student, must restart it
         lab04.use_server(server, repo)
         try:
-            lab04._lab()  # what every code check of lab 04 calls first
+            lab04_server._lab()  # what every code check of lab 04 calls first
         finally:
-            lab04._BOUND.clear()
+            lab04_server._BOUND.clear()
         assert server.crashed() is None and server.pid != old and server.ready()
         mid = server.pid
         os.kill(mid, signal.SIGSEGV)

@@ -40,6 +40,10 @@ def hands_out(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Decorate a public helper whose result would pass as an answer (a value exercise's reference): each result is
     remembered (a string as a fresh copy, so that no student's literal is that object), and a check refuses it."""
 
+    from lab_utils.exercises.delegation import _dotted
+
+    named = _dotted(fn) or f"{fn.__module__}.{fn.__qualname__}"  # a split lab's helper by the path students use
+
     @functools.wraps(fn)
     def remembered(*args: Any, **kwargs: Any) -> Any:
         result = fn(*args, **kwargs)
@@ -47,7 +51,7 @@ def hands_out(fn: Callable[..., Any]) -> Callable[..., Any]:
             result = result[:1] + result[1:]  # a new object: "real" is interned, and a student's "real" is that one
         if type(result) is str or _identifiable(result):
             _HANDED_OUT.pop(id(result), None)
-            _HANDED_OUT[id(result)] = (f"what {fn.__module__}.{fn.__qualname__}(...) returned", result)
+            _HANDED_OUT[id(result)] = (f"what {named}(...) returned", result)
             while len(_HANDED_OUT) > _HANDED_OUT_KEEP:
                 del _HANDED_OUT[next(iter(_HANDED_OUT))]
         return result
