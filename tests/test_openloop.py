@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -166,6 +167,44 @@ def test_errors_are_counted_when_the_server_is_down():
     assert not r.stable and not ok and why.startswith("nothing answered at 50 req/s")
     closed = run_closed_loop(HttpTarget(down), 2, 0.5, warmup_s=0.1, window_s=0.25)
     assert closed.requests == 0 and closed.errors > 0  # backs off 10 ms per failure, does not spin
+
+
+def test_a_lagging_open_loop_loses_no_request_to_a_window_handed_over_early():
+    """A sender behind its schedule (a loaded machine) schedules its last requests after their window has ended;
+    the ticker's flush may run before those tasks start. Each request is pending from the moment it is scheduled,
+    so the window waits for it (once, under load: 53 of 54 requests counted)."""
+    import asyncio
+    import queue
+
+    from lab_utils.serving.senders import Plan, Sender
+
+    class Refused:
+        async def send(self):
+            raise ConnectionRefusedError("down")
+
+    dues = np.linspace(0.0, 0.9, 10)
+    out: queue.Queue = queue.Queue()
+    sender = Sender(Refused(), Plan("open", 0.0, 0.5, 2, 1.0, dues=dues), out, threading.Event(), None, None)
+
+    async def run():
+        sender.t0 = time.monotonic() - 5.0  # 5 s behind: every due is past, its window over, nothing sleeps
+
+        async def flusher():  # the ticker at its worst: a flush between the scheduling and the start of each task
+            while True:
+                sender._flush()
+                await asyncio.sleep(0)
+
+        f = asyncio.ensure_future(flusher())
+        await asyncio.sleep(0)
+        await sender._open()
+        f.cancel()
+        sender._flush(final=True)
+
+    asyncio.run(run())
+    rows = []
+    while not out.empty():
+        rows += out.get_nowait()[3]
+    assert len(rows) == len(dues) and not any(ok for *_, ok, _ in rows), rows
 
 
 def test_http_status_errors_and_a_plain_async_function(slow):

@@ -67,11 +67,17 @@ class Sender:
     def now(self) -> float:
         return time.monotonic() - self.t0
 
-    async def _one(self, due: float) -> bool:
+    def _begin(self, due: float) -> int:
+        """Count a request as pending in its window from the moment it is scheduled: a window is handed over only
+        when nothing of it is pending, and an open loop's task may start after the ticker's next flush."""
         w = self.window_of(due)
         self.pending[w] += 1
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        return w
+
+    async def _one(self, due: float, w: int | None = None) -> bool:
+        w = self._begin(due) if w is None else w
         sent, ok, msg = self.now(), False, ""
         try:
             await asyncio.wait_for(self.target.send(), self.plan.timeout_s)
@@ -112,7 +118,7 @@ class Sender:
                 self.rows.setdefault(self.window_of(due), []).append(
                     (due, now, now, False, f"client limit: {self.plan.cap} requests in flight (raise max_in_flight)"))
                 continue
-            task = asyncio.ensure_future(self._one(due))
+            task = asyncio.ensure_future(self._one(due, self._begin(due)))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
         self.horizon = math.inf
