@@ -17,6 +17,8 @@ import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from lab_utils.exercises.delegation import dotted_name
+
 _NAME_CHARS = re.compile(r"[A-Za-z0-9_]*")  # a str constant of only these is interned by the compiler: shared
 _HANDED_OUT: dict[int, tuple[str, Any]] = {}  # id -> (the call, its result): the latest, kept alive (no id reuse)
 _HANDED_OUT_KEEP = 64
@@ -39,10 +41,7 @@ def _identifiable(obj: Any) -> bool:
 def hands_out(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Decorate a public helper whose result would pass as an answer (a value exercise's reference): each result is
     remembered (a string as a fresh copy, so that no student's literal is that object), and a check refuses it."""
-
-    from lab_utils.exercises.delegation import _dotted
-
-    named = _dotted(fn) or f"{fn.__module__}.{fn.__qualname__}"  # a split lab's helper by the path students use
+    named = dotted_name(fn) or f"{fn.__module__}.{fn.__qualname__}"  # a split lab's helper by the path students use
 
     @functools.wraps(fn)
     def remembered(*args: Any, **kwargs: Any) -> Any:

@@ -38,7 +38,7 @@ class References:
 
     def __init__(self, fix: str, *targets: str | Callable[..., Any]):
         self.fix = fix
-        self.targets: tuple[str, ...] = tuple(t if isinstance(t, str) else _dotted(t) or repr(t) for t in targets)
+        self.targets: tuple[str, ...] = tuple(t if isinstance(t, str) else dotted_name(t) or repr(t) for t in targets)
 
     def __repr__(self) -> str:
         return f"References({self.fix!r}, {', '.join(map(repr, self.targets))})"
@@ -93,7 +93,7 @@ def lab_of(module: str) -> str:
     return LAB_PACKAGE + module.removeprefix(LAB_PACKAGE).split(".")[0]
 
 
-def _dotted(obj: Any) -> str | None:
+def dotted_name(obj: Any) -> str | None:
     """Where a module, function or class is defined, as a dotted name (``lab_utils.mlops.canary.decide``); a public
     function of a lab split into a package is named as the notebook reaches it, by the package's re-export
     (``lab_utils.exercises.lab02.reference_train_ddp``)."""
@@ -227,7 +227,7 @@ class _Walk:
         if path in refs.fixes:  # the name the student wrote, where it is a registered one
             return path
         if obj is not None:
-            own = _dotted(obj)
+            own = dotted_name(obj)
             if own in refs.fixes:
                 return own
             if id(obj) in refs.objects:
@@ -310,7 +310,7 @@ class _Walk:
                 continue
             else:
                 continue
-            path = path or _dotted(obj)
+            path = path or dotted_name(obj)
             for name in attrs:
                 obj = _static_attr(obj, name) if obj is not None else None
                 path = f"{path}.{name}" if path else None
