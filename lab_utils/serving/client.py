@@ -219,7 +219,7 @@ def model_metadata(url: str, model: str, protocol: str = "grpc", version: str = 
 
 
 def model_config(url: str, model: str, protocol: str = "grpc") -> dict[str, Any]:
-    """The configuration the server is using (after its auto-complete), as a dict."""
+    """The configuration the server is using (its defaults filled in), as a dict."""
     with client(url, protocol) as c:
         return c.get_model_config(model, as_json=True)["config"] if protocol == "grpc" else c.get_model_config(model)
 
