@@ -96,8 +96,13 @@ def pytest_xdist_auto_num_workers(config):
 
 
 def pytest_xdist_make_scheduler(config, log):
-    """xdist's file scheduling, with the shared-server groups above as one unit each."""
+    """xdist's file scheduling, with the shared-server groups above as one unit each, handed out in the order of the
+    items (the longest groups first)."""
     from xdist.scheduler import LoadScopeScheduling
+
+    # xdist 3.6+ sorts the groups by their number of tests unless told not to: a notebook of 30 cells and 140 s then
+    # starts after files of many quick tests, and ends the run alone (seen: the longest groups starting 70-270 s in)
+    config.option.loadscopereorder = False
 
     class _Groups(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
@@ -107,7 +112,8 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Leave out the nightly set unless --all; the longest groups first (xdist hands them out in this order)."""
+    """Leave out the nightly set unless --all; the longest groups first (the scheduler above hands them out in this
+    order)."""
     if not config.getoption("nvlab_all"):
         nightly = [i for i in items if i.get_closest_marker("nightly")]
         if nightly:

@@ -71,3 +71,35 @@ def test_store_durations_sums_each_groups_phases_and_keeps_the_rest(root_conftes
     # test_b's phases summed (replacing 1.0), the service group's two files together, test_gone dropped
     assert got == {"tests/test_b.py": 12.5, "service": 8.0, "tests/test_kept.py": 3.0}
     assert list(got) == ["tests/test_b.py", "service", "tests/test_kept.py"]
+
+
+class _Worker:
+    """A stand-in for xdist's worker controller: records the tests it is sent (indexes into its collection)."""
+
+    def __init__(self, name: str):
+        self.gateway = SimpleNamespace(id=name)
+        self.sent: list[int] = []
+        self.shutting_down = False
+
+    def send_runtest_some(self, indexes: list[int]) -> None:
+        self.sent += indexes
+
+    def shutdown(self) -> None:
+        self.shutting_down = True
+
+
+def test_the_scheduler_hands_out_groups_in_the_items_order_not_by_their_number_of_tests(root_conftest):
+    """xdist's own scope scheduling sorts groups by their number of tests (a file of 400 quick tests before a notebook
+    of 30 slow cells) unless its reorder option is off; the course's scheduler keeps the order computed above."""
+    collection = ["solutions/x.ipynb::Cell 0", "solutions/x.ipynb::Cell 1", "tests/test_service.py::s",
+                  *[f"tests/test_many.py::t{i}" for i in range(40)], "tests/test_b.py::t"]
+    option = SimpleNamespace(loadscopereorder=True)  # xdist's default
+    config = SimpleNamespace(option=option, getvalue=lambda name: {"tx": ["popen"] * 2, "numprocesses": 2}[name])
+    sched = root_conftest.pytest_xdist_make_scheduler(config, None)
+    workers = [_Worker("gw0"), _Worker("gw1")]
+    for w in workers:
+        sched.add_node(w)
+        sched.add_node_collection(w, collection)
+    sched.schedule()
+    first = [collection[w.sent[0]] for w in workers]
+    assert first == ["solutions/x.ipynb::Cell 0", "tests/test_service.py::s"], first
