@@ -1,6 +1,7 @@
 """Single source (solutions -> labs) and notebook execution."""
 
 import ast
+import contextlib
 import json
 import os
 import re
@@ -232,51 +233,73 @@ def test_generated_lab_08_runs_where_mlflow_is_missing(tmp_path, monkeypatch):
     assert "missing: mlflow" in printed  # the tier table says why this lab runs its statistics only
 
 
-def _nbval(tmp_path: Path, *sources: str) -> subprocess.CompletedProcess:
-    """Run nbval with the course's conftest hooks on a notebook made of ``sources``."""
-    nb = new_notebook(cells=[new_code_cell(s) for s in sources],
-                      metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})
-    nbformat.write(nb, tmp_path / "99_probe.ipynb")
+RECORD = "from lab_utils.course import session\nsession.start_lab('00', show=False).record('x', 1.0, 'unit')"
+# One nested nbval run over four probe notebooks (a pytest start costs seconds of CPU): each test reads its own.
+PROBES = {
+    "99_clean": (RECORD, "print('correct.')  # ex.check(...) stand-in"),
+    "98_orphan": (RECORD, "import subprocess, sys\n"
+                  "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'],\n"
+                  "                     start_new_session=True)\n"
+                  "open('orphan.pid', 'w').write(str(p.pid))"),
+    "97_incorrect": (RECORD, "print('incorrect: 2 != 3')  # ex.check(...) stand-in"),
+    "96_nothing": ("x = 1",),
+}
+
+
+@pytest.fixture(scope="module")
+def nbval_probes(tmp_path_factory) -> tuple[str, dict[str, str]]:
+    """Run nbval with the course's conftest hooks on the PROBES notebooks; its output, and each notebook's failure
+    messages (empty: it passed) from the run's JUnit report."""
+    import xml.etree.ElementTree as ET
+
+    tmp_path = tmp_path_factory.mktemp("nbval-probes")
+    for stem, sources in PROBES.items():
+        nb = new_notebook(cells=[new_code_cell(s) for s in sources],
+                          metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
+                                                   "language": "python"}})
+        nbformat.write(nb, tmp_path / f"{stem}.ipynb")
     # its own TMPDIR, and no look at the machine-wide places: the other workers' servers are not its leftovers
     own_tmp = tmp_path / "tmp"
     own_tmp.mkdir()
     env = {k: v for k, v in os.environ.items() if k != "NVLAB_TEST_TMPDIR"}
     env.update(PYTHONPATH=str(ROOT), NVLAB_LEFTOVER_GRACE_S="1", TMPDIR=str(own_tmp), NVLAB_TMP_CHECK="own")
-    return subprocess.run([sys.executable, "-m", "pytest", "-p", "conftest", "--nbval-lax", "-q", "-p",
-                           "no:cacheprovider", "99_probe.ipynb"], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=180)
-
-
-RECORD = "from lab_utils.course import session\nsession.start_lab('00', show=False).record('x', 1.0, 'unit')"
-
-
-def test_nbval_hooks_pass_a_clean_notebook_and_print_its_wall_time(tmp_path):
-    out = _nbval(tmp_path, RECORD, "print('correct.')  # ex.check(...) stand-in")
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert "notebook wall times" in out.stdout and "solutions/99_probe:" in out.stdout
-
-
-def test_nbval_hooks_fail_a_notebook_that_leaves_a_process(tmp_path):
-    pid_file = tmp_path / "orphan.pid"
     try:
-        out = _nbval(tmp_path, RECORD, "import subprocess, sys\n"
-                     "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], "
-                     "start_new_session=True)\n"
-                     f"open({str(pid_file)!r}, 'w').write(str(p.pid))")
-        assert out.returncode == 1 and "left processes running after its kernel stopped" in out.stdout, out.stdout
+        out = subprocess.run([sys.executable, "-m", "pytest", "-p", "conftest", "--nbval-lax", "-q", "-p",
+                              "no:cacheprovider", "-n", "0", "--junitxml=report.xml", *(f"{s}.ipynb" for s in PROBES)],
+                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     finally:
+        pid_file = tmp_path / "orphan.pid"  # the orphan notebook's process, left on purpose: it goes now
         if pid_file.exists():
-            os.kill(int(pid_file.read_text()), 9)
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid_file.read_text()), 9)
+    failures: dict[str, str] = {stem: "" for stem in PROBES}
+    for case in ET.parse(tmp_path / "report.xml").iter("testcase"):
+        stem = case.get("classname", "").split(".")[0] or case.get("name", "").split(".")[0]
+        for bad in [*case.iter("failure"), *case.iter("error")]:
+            key = next((s for s in PROBES if s in f"{case.get('classname')} {case.get('name')}"), stem)
+            failures[key] += (bad.get("message") or "") + (bad.text or "")
+    return out.stdout + out.stderr, failures
 
 
-def test_nbval_hooks_fail_a_solution_check_that_is_not_correct(tmp_path):
-    out = _nbval(tmp_path, RECORD, "print('incorrect: 2 != 3')  # ex.check(...) stand-in")
-    assert out.returncode == 1 and "did not pass" in out.stdout, out.stdout
+def test_nbval_hooks_pass_a_clean_notebook_and_print_its_wall_time(nbval_probes):
+    output, failures = nbval_probes
+    assert failures["99_clean"] == "", failures["99_clean"]
+    assert "notebook wall times" in output and "solutions/99_clean:" in output
 
 
-def test_nbval_hooks_fail_a_notebook_that_records_nothing(tmp_path):
-    out = _nbval(tmp_path, "x = 1")
-    assert out.returncode == 1 and "recorded no measurement" in out.stdout, out.stdout
+def test_nbval_hooks_fail_a_notebook_that_leaves_a_process(nbval_probes):
+    assert "left processes running after its kernel stopped" in nbval_probes[1]["98_orphan"], nbval_probes[0]
+
+
+def test_nbval_hooks_fail_a_solution_check_that_is_not_correct(nbval_probes):
+    assert "did not pass" in nbval_probes[1]["97_incorrect"], nbval_probes[0]
+
+
+def test_nbval_hooks_fail_a_notebook_that_records_nothing(nbval_probes):
+    failures = nbval_probes[1]
+    assert "recorded no measurement" in failures["96_nothing"], nbval_probes[0]
+    # each failure is its own notebook's: the clean one passed beside them
+    assert all(failures[s] for s in ("98_orphan", "97_incorrect", "96_nothing")) and not failures["99_clean"]
 
 
 def test_scrub_removes_ansi_machine_paths_and_papermill_paths(tmp_path):
