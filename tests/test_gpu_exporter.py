@@ -191,6 +191,24 @@ def test_cli_serves_until_sigterm():
         stop_group(proc)
 
 
+def test_a_sigterm_the_moment_the_port_answers_still_stops_cleanly():
+    # the exporter sends itself SIGTERM right after it starts listening: the handler must already be there
+    # (CI once caught the gap: a supervisor's SIGTERM killed the process with -15 instead of stopping it)
+    code = (
+        "import os, signal, sys\n"
+        "from lab_utils.monitoring import gpu_exporter as g\n"
+        "start = g.GpuExporter.start\n"
+        "def start_then_term(self):\n"
+        "    out = start(self)\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    return out\n"
+        "g.GpuExporter.start = start_then_term\n"
+        f"sys.exit(g.serve({free_port()}, '127.0.0.1'))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
+
+
 def test_cli_refuses_a_busy_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

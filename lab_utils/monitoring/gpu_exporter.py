@@ -385,18 +385,22 @@ class GpuExporter(MetricsServer):
 def serve(port: int = DEFAULT_PORT, host: str = "0.0.0.0") -> int:
     """Serve until SIGTERM or SIGINT (``nvlab gpu-exporter``); returns an exit code."""
     done = threading.Event()
-    exporter = GpuExporter(port, host, strict_port=True)
-    try:
-        exporter.start()
-    except OSError as err:
-        print(f"nvlab gpu-exporter: {err}", flush=True)
-        return 2
+    # handlers first: once the port answers, a supervisor may stop us at once, and a SIGTERM that arrived
+    # before the handler would kill the process (exit -15) instead of stopping it cleanly
     previous = {s: signal.signal(s, lambda *_: done.set()) for s in (signal.SIGTERM, signal.SIGINT)}
-    print(exporter.describe().replace(exporter.url, f"http://{host}:{exporter.port}/metrics"), flush=True)
     try:
-        done.wait()
+        exporter = GpuExporter(port, host, strict_port=True)
+        try:
+            exporter.start()
+        except OSError as err:
+            print(f"nvlab gpu-exporter: {err}", flush=True)
+            return 2
+        print(exporter.describe().replace(exporter.url, f"http://{host}:{exporter.port}/metrics"), flush=True)
+        try:
+            done.wait()
+        finally:
+            exporter.stop()
     finally:
-        exporter.stop()
         for s, handler in previous.items():
             signal.signal(s, handler)
     return 0
