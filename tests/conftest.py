@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import linecache
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,6 +113,21 @@ def shared_recording(lab05_recording, monkeypatch):
 _TRITON_WORDS = ("require_server(", "require_service(", "shared_triton", "service_stack")
 
 
+def _source(fn: object) -> str:
+    """A function's source lines, read from its file once (linecache) over its code's line range, nested functions
+    included: ``inspect.getsource`` tokenizes the file again for each of the thousands of functions a collection
+    meets (1.3 s of CPU per worker)."""
+    code = getattr(inspect.unwrap(fn), "__code__", None)  # type: ignore[arg-type]
+    if code is None:
+        return ""
+    last, todo = code.co_firstlineno, [code]
+    while todo:
+        c = todo.pop()
+        last = max([last, *(line for _, _, line in c.co_lines() if line)])
+        todo += [k for k in c.co_consts if inspect.iscode(k)]
+    return "".join(linecache.getlines(code.co_filename)[code.co_firstlineno - 1:last])
+
+
 def _uses_triton(item: pytest.Item, seen: dict[object, bool]) -> bool:
     funcs = [getattr(item, "function", None)]
     info = getattr(item, "_fixtureinfo", None)
@@ -119,10 +135,7 @@ def _uses_triton(item: pytest.Item, seen: dict[object, bool]) -> bool:
         funcs += [d.func for defs in info.name2fixturedefs.values() for d in defs]
     for fn in funcs:
         if fn not in seen:
-            try:
-                seen[fn] = any(word in inspect.getsource(fn) for word in _TRITON_WORDS)
-            except (TypeError, OSError):  # a builtin, or no source (a notebook cell has no function)
-                seen[fn] = False
+            seen[fn] = any(word in _source(fn) for word in _TRITON_WORDS)
         if seen[fn]:
             return True
     return False
