@@ -245,9 +245,13 @@ def test_weighted_split_and_a_reload_under_load(backends):
                 server.set_weights(http={a.address: 1, b.address: 1})
                 reloaded.append(time.time())
 
-        target = HttpTarget(server.http_url + "/v2/health/live", headers=server.auth_headers)
+        # a connection per request: the reload's old workers close their idle keep-alive connections, and a request
+        # sent on one at that moment is reset (lab 07 teaches it: such a client must retry). CI saw it once, 1 of
+        # 158 requests (ClientOSError, connection reset by peer); new connections are never dropped (0 in 335
+        # reloads at 100 req/s on a loaded 2-core machine, against 1 in 200 with keep-alive)
+        target = HttpTarget(server.http_url + "/v2/health/live", headers={**server.auth_headers, "Connection": "close"})
         r = run_open_loop(target, 100.0, 1.5, warmup_s=0.2, window_s=0.5, on_window=shift, seed=1)
-        assert reloaded and r.errors_total == 0 and r.requests > 100, r.errors  # nothing dropped by the reload
+        assert reloaded and r.errors_total == 0 and r.requests > 100, r.error_messages  # nothing dropped by the reload
         assert server.generation == 1 and set(server.worker_pids()) - set(workers_before)
         after = server.access_summary(since=reloaded[0] + 0.05)["by_upstream"]
         assert abs(after[a.address] - after[b.address]) <= 0.2 * sum(after.values()), after

@@ -193,8 +193,9 @@ def test_a_crashed_server_is_named_and_lab04_restarts_it_before_a_check(repo):
         deadline = time.monotonic() + 10
         while server.crashed() is None and time.monotonic() < deadline:
             time.sleep(0.1)
+        # the handler logs the signal, then either leaves the process alive and deaf or lets it exit (CI saw both):
+        # either way the check, not the student, must restart it
         assert server.crashed() == "tritonserver logged signal 11 and stopped answering"
-        assert server.alive()  # the process still runs: the check, not the student, must restart it
         lab04.use_server(server, repo)
         try:
             lab04_server._lab()  # what every code check of lab 04 calls first
