@@ -275,7 +275,8 @@ def nbval_probes(tmp_path_factory) -> tuple[str, dict[str, str]]:
     failures: dict[str, str] = {stem: "" for stem in PROBES}
     for case in ET.parse(tmp_path / "report.xml").iter("testcase"):
         where = f"{case.get('classname')} {case.get('name')}"  # the notebook's stem is in one of the two
-        stem = next(s for s in PROBES if s in where)
+        stem = next((s for s in PROBES if s in where), None)
+        assert stem, f"a test case of no probe notebook ({where}): the nested run said\n{out.stdout[-3000:]}"
         for bad in [*case.iter("failure"), *case.iter("error")]:
             failures[stem] += (bad.get("message") or "") + (bad.text or "")
     return out.stdout + out.stderr, failures

@@ -430,7 +430,8 @@ class TritonServer(OwnedServer, HttpGrpcEndpoints):
         return code
 
     def crashed(self) -> str | None:
-        """Why this server is broken though its process lives (its log shows a fatal signal), else None."""
+        """Why this server is broken (its log shows a fatal signal: the process may live on, deaf, or have exited),
+        else None."""
         m = _FATAL_SIGNAL.search(tail(self.log_path, 400)) if self._proc is not None else None
         return f"tritonserver logged signal {m.group(1)} and stopped answering" if m else None
 
