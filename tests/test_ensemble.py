@@ -5,6 +5,7 @@ versions loaded and refused under explicit model control, and nothing left runni
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import shutil
 from concurrent.futures import ThreadPoolExecutor
@@ -119,17 +120,21 @@ def _status(url: str, protocol: str, array: np.ndarray) -> tuple[str, str]:
     return "ok", ""
 
 
-BAD = {  # what a client sends -> words the error must hold (the problem and the fix)
-    "not an image": (b"hello, this is text", ["not an image file", "send the encoded file"]),
-    "truncated PNG header": (_png((32, 32))[:40], ["start like a PNG file", "send the complete file"]),
-    "truncated PNG data": (_png((64, 64), noise=True)[:2000], ["corrupt or truncated", "send the complete file"]),
-    "oversized bytes": (b"\x89PNG" + bytes(ens.MAX_IMAGE_BYTES), ["over this service's limit", "8 MiB",
-                                                                   "smaller file"]),
-    "oversized image": (_png((5000, 3000)), ["5000x3000 px, 15.0 Mpx", "limit of 12.6 Mpx", "resize it"]),
-    "a 1x1 image": (_png((1, 1)), ["1x1 px", "under this service's minimum of 8 px"]),
-    "decompression bomb": (ens.decompression_bomb(), ["px, over this service's limit", "resize it"]),
-    "truncated JPEG": (ens.photo_jpegs(1)[0][:5000], ["JPEG", "corrupt or truncated", "send the complete file"]),
-}
+@functools.cache
+def _bad() -> dict[str, tuple[bytes, list[str]]]:
+    """What a client sends -> words the error must hold (the problem and the fix). Built on first use, not at
+    import: every worker collects this module, and the 15-Mpx PNG and the photographs cost a second of CPU."""
+    return {
+        "not an image": (b"hello, this is text", ["not an image file", "send the encoded file"]),
+        "truncated PNG header": (_png((32, 32))[:40], ["start like a PNG file", "send the complete file"]),
+        "truncated PNG data": (_png((64, 64), noise=True)[:2000], ["corrupt or truncated", "send the complete file"]),
+        "oversized bytes": (b"\x89PNG" + bytes(ens.MAX_IMAGE_BYTES), ["over this service's limit", "8 MiB",
+                                                                       "smaller file"]),
+        "oversized image": (_png((5000, 3000)), ["5000x3000 px, 15.0 Mpx", "limit of 12.6 Mpx", "resize it"]),
+        "a 1x1 image": (_png((1, 1)), ["1x1 px", "under this service's minimum of 8 px"]),
+        "decompression bomb": (ens.decompression_bomb(), ["px, over this service's limit", "resize it"]),
+        "truncated JPEG": (ens.photo_jpegs(1)[0][:5000], ["JPEG", "corrupt or truncated", "send the complete file"]),
+    }
 
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
@@ -137,14 +142,14 @@ def test_bad_input_is_a_400_naming_the_fix_and_the_server_stays_healthy(server, 
     url = server.http_url if protocol == "http" else server.grpc_url
     want = "400" if protocol == "http" else "StatusCode.INVALID_ARGUMENT"
     good, _ = ens.digits_pngs("train", 2)
-    for what, (payload, words) in BAD.items():
+    for what, (payload, words) in _bad().items():
         status, message = _status(url, protocol, ens.image_batch([good[0], payload]))
         assert status == want, (what, status, message)
         assert all(w in message for w in words) and "IMAGE[1]" in message, (what, message)
     status, message = _status(url, protocol, np.zeros((1, 1), np.float32))  # wrong dtype: refused by Triton itself
     assert status == want and "data-type is 'FP32'" in message and "expects 'BYTES'" in message, message
     # bad and good requests at once: each bad one fails alone, the others in the same batch are answered
-    payloads = [[good[0]], [BAD["not an image"][0]], [good[1]], [BAD["oversized image"][0]]]
+    payloads = [[good[0]], [_bad()["not an image"][0]], [good[1]], [_bad()["oversized image"][0]]]
     with ThreadPoolExecutor(4) as pool:
         results = list(pool.map(lambda p: _status(url, protocol, ens.image_batch(p)), payloads))
     assert [r[0] for r in results] == ["ok", want, "ok", want], results
