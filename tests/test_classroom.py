@@ -4,7 +4,8 @@ the idle culler, served over HTTPS (a self-signed pair made as the trainer guide
 and Debian's chromium as the students and the trainer would.
 
 One hub for the module (its start, ~25 s on 2 cores, is most of the cost). Its idle culler stops a server idle for
-60 s: the third student's server is started with the hub and the culler test, near the end, waits for it to go.
+40 s: the third student's server is started with the hub and the culler test, near the end, waits for it to go (a
+test that needs the other students' servers starts them again where the culler has stopped them: ensure_running).
 Test users are named ``nvlt<4 hex>-...`` (no real account has such a name); they and their homes go at the end.
 Without root, JupyterHub's packages, the proxy, playwright or chromium the tests skip, unless
 ``NVLAB_REQUIRE_CLASSROOM=1`` (CI), where they fail."""
@@ -38,7 +39,7 @@ from lab_utils.procs import free_port, pid_alive
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = os.environ.get("NVLAB_CHROMIUM", "/usr/bin/chromium")
 REQUIRE_ENV = "NVLAB_REQUIRE_CLASSROOM"
-IDLE_S, CULL_EVERY_S = 60, 10
+IDLE_S, CULL_EVERY_S = 40, 5
 
 
 def _nvlab(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
