@@ -358,3 +358,40 @@ def test_http_tensors_are_binary_by_default_and_json_costs_measured(shared_trito
     assert json_row["request_bytes"] > bin_row["request_bytes"] > x.nbytes  # header + raw bytes, against text
     assert json_row["response_bytes"] > 0 and bin_row["response_bytes"] > 0
     assert bin_row["max_abs_diff"] < 1e-5 and all(r["median_ms"] > 0 for r in rows)
+
+
+ABORT_LOG = ("E1205 03:06:45.964346   20052 ev_epoll1_linux.cc:373] (event_engine) Epoll1Poller:0x7f1fcc007320 "
+             f"{triton_server.GRPC_START_ABORT}\n")  # CI saw this once: tritonserver exited with -6 at start
+
+
+@pytest.mark.parametrize(("code", "log", "transient"), [(-signal.SIGABRT, ABORT_LOG, True),
+                                                        (-signal.SIGSEGV, ABORT_LOG, False),
+                                                        (-signal.SIGABRT, "E model 'x' failed to load\n", False),
+                                                        (1, ABORT_LOG, False)])
+def test_only_grpcs_abort_at_start_is_called_transient(tmp_path, code, log, transient):
+    err = TritonServer(tmp_path)._failure(False, code, log)
+    assert isinstance(err, ServerStartError) and err.nvlab_transient is transient
+
+
+@pytest.mark.parametrize("transient", [True, False])
+def test_a_transient_start_failure_is_tried_once_more_any_other_raised_at_once(tmp_path, monkeypatch, transient):
+    require_server()
+    real, calls = TritonServer._start_once, []
+
+    def first_start_fails(self):
+        calls.append(self.http_port)
+        if len(calls) == 1:
+            err = ServerStartError("tritonserver exited with code -6 before it was ready.")
+            err.nvlab_transient = transient
+            raise err
+        return real(self)
+
+    monkeypatch.setattr(TritonServer, "_start_once", first_start_fails)
+    server = TritonServer(tiny_repo(tmp_path))
+    if not transient:
+        with pytest.raises(ServerStartError, match="code -6"):
+            server.start()
+        assert len(calls) == 1 and not server.alive()
+        return
+    with server:
+        assert server.ready() and len(calls) == 2
