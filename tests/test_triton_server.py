@@ -360,8 +360,10 @@ def test_http_tensors_are_binary_by_default_and_json_costs_measured(shared_trito
     assert bin_row["max_abs_diff"] < 1e-5 and all(r["median_ms"] > 0 for r in rows)
 
 
+# the line CI saw once, as tritonserver logged it before it exited with -6 at start (not built from the constant, so
+# a constant that drifted from the real message fails here)
 ABORT_LOG = ("E1205 03:06:45.964346   20052 ev_epoll1_linux.cc:373] (event_engine) Epoll1Poller:0x7f1fcc007320 "
-             f"{triton_server.GRPC_START_ABORT}\n")  # CI saw this once: tritonserver exited with -6 at start
+             "encountered epoll_wait error: Bad file descriptor\n")
 
 
 @pytest.mark.parametrize(("code", "log", "transient"), [(-signal.SIGABRT, ABORT_LOG, True),
@@ -379,7 +381,7 @@ def test_a_transient_start_failure_is_tried_once_more_any_other_raised_at_once(t
     real, calls = TritonServer._start_once, []
 
     def first_start_fails(self):
-        calls.append(self.http_port)
+        calls.append(1)
         if len(calls) == 1:
             err = ServerStartError("tritonserver exited with code -6 before it was ready.")
             err.nvlab_transient = transient

@@ -406,16 +406,17 @@ class TritonServer(OwnedServer, HttpGrpcEndpoints):
 
     def _failure(self, timed_out: bool, code: int | None, text: str) -> Exception:
         failed = failed_models(text)
+        last = self.log_tail(40)  # read once: the message and the error's log_tail
         if timed_out:
             return ServerStartError(
                 f"Triton did not become ready within {self.startup_timeout_s:g} s (models still loading? raise "
-                f"startup_timeout_s). Log {self.log_path}, last lines:\n{self.log_tail(40)}", self.log_tail(40), failed)
+                f"startup_timeout_s). Log {self.log_path}, last lines:\n{last}", last, failed)
         why = "".join(f"\n  model {k} failed to load: {v}" for k, v in failed.items())
         if not failed:
             why = "".join(f"\n  {line}" for line in log_errors(self.log_path))
         how = f"exited with code {code}" if code is not None else "failed (stopped it)"
         err = ServerStartError(f"tritonserver {how} before it was ready.{why}\nLog {self.log_path}, last "
-                               f"lines:\n{self.log_tail(40)}", self.log_tail(40), failed)
+                               f"lines:\n{last}", last, failed)
         # gRPC's event engine in tritonserver can abort at start ("Epoll1Poller ... encountered epoll_wait error: Bad
         # file descriptor", SIGABRT; seen once in about 45 runs of the test suite, some 48 starts each): no fault of
         # the repository, so start() tries once more
