@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -103,3 +104,81 @@ def test_the_scheduler_hands_out_groups_in_the_items_order_not_by_their_number_o
     sched.schedule()
     first = [collection[w.sent[0]] for w in workers]
     assert first == ["solutions/x.ipynb::Cell 0", "tests/test_service.py::s"], first
+
+
+def _run_all(sched, workers: list[_Worker], collection: list[str]) -> dict[str, list[str]]:
+    """Complete every worker's tests one at a time, round robin, as xdist reports them; the groups each ran."""
+    ran: dict[str, list[str]] = {w.gateway.id: [] for w in workers}
+    done = {w.gateway.id: 0 for w in workers}
+    while any(done[w.gateway.id] < len(w.sent) for w in workers):
+        for w in workers:
+            if done[w.gateway.id] < len(w.sent):
+                index = w.sent[done[w.gateway.id]]
+                done[w.gateway.id] += 1
+                group = collection[index].split("::")[0]
+                if group not in ran[w.gateway.id]:
+                    ran[w.gateway.id].append(group)
+                sched.mark_test_complete(w, index)
+    return ran
+
+
+def test_the_low_priority_worker_runs_only_background_groups_and_the_others_run_the_rest_first(root_conftest):
+    quiz, layout = sorted(root_conftest.BACKGROUND_GROUPS & {"tests/test_quiz.py", "tests/test_layout.py"})[::-1]
+    collection = ["solutions/x.ipynb::Cell 0", "solutions/x.ipynb::Cell 1", *[f"{quiz}::q{i}" for i in range(6)],
+                  "tests/test_service.py::s", f"{layout}::l", *[f"tests/test_b.py::t{i}" for i in range(4)],
+                  "tests/test_c.py::t"]
+    option = SimpleNamespace(loadscopereorder=True, nvlab_background="gw2")
+    config = SimpleNamespace(option=option, getvalue=lambda name: {"tx": ["popen"] * 3, "numprocesses": 3}[name])
+    sched = root_conftest.pytest_xdist_make_scheduler(config, None)
+    workers = [_Worker("gw0"), _Worker("gw1"), _Worker("gw2")]
+    for w in workers:
+        sched.add_node(w)
+        sched.add_node_collection(w, collection)
+    sched.schedule()
+    assert collection[workers[2].sent[0]] == f"{quiz}::q0"  # the first background group, not the longest group
+    ran = _run_all(sched, workers, collection)
+    assert set(ran["gw2"]) <= root_conftest.BACKGROUND_GROUPS and ran["gw2"], ran
+    assert not set(ran["gw0"] + ran["gw1"]) & set(ran["gw2"]), ran  # each group ran once
+    assert sorted(sum(ran.values(), [])) == sorted({n.split("::")[0] for n in collection})
+    assert sorted(sum((w.sent for w in workers), [])) == list(range(len(collection)))  # every test, once
+    assert all(w.shutting_down for w in workers) and sched.tests_finished
+
+
+def test_the_others_take_the_background_groups_the_low_priority_worker_has_not(root_conftest):
+    """Groups left only of the background kind: the normal workers take them too (no one waits on the slow one)."""
+    quiz, layout = "tests/test_quiz.py", "tests/test_layout.py"
+    collection = [f"{quiz}::q", f"{layout}::l", "tests/test_trt_engine.py::t", "tests/test_inference.py::i"]
+    option = SimpleNamespace(loadscopereorder=False, nvlab_background="gw1")
+    config = SimpleNamespace(option=option, getvalue=lambda name: {"tx": ["popen"] * 2, "numprocesses": 2}[name])
+    sched = root_conftest.pytest_xdist_make_scheduler(config, None)
+    workers = [_Worker("gw0"), _Worker("gw1")]
+    for w in workers:
+        sched.add_node(w)
+        sched.add_node_collection(w, collection)
+    sched.schedule()
+    assert workers[0].sent and workers[1].sent
+    _run_all(sched, workers, collection)
+    assert sorted(sum((w.sent for w in workers), [])) == [0, 1, 2, 3] and sched.tests_finished
+
+
+@pytest.mark.parametrize(("cores", "cap", "workers", "low"), [(2, 5, 4, "gw3"), (8, 5, 5, "gw4"), (2, 3, 3, "gw2"),
+                                                             (1, None, 3, "gw2")])
+def test_auto_adds_one_low_priority_worker_within_the_cap(root_conftest, monkeypatch, cores, cap, workers, low):
+    monkeypatch.setattr(root_conftest.os, "cpu_count", lambda: cores)
+    config = SimpleNamespace(option=SimpleNamespace(maxprocesses=cap))
+    assert root_conftest.pytest_xdist_auto_num_workers(config) == workers
+    assert config.option.nvlab_background == low
+
+
+def test_background_groups_exist_and_start_no_server(root_conftest, monkeypatch):
+    """The low-priority worker may wait for the CPU: none of its groups may start a server or share one."""
+    spec = importlib.util.spec_from_file_location("nvlab_tests_conftest_durations", ROOT / "tests" / "conftest.py")
+    tests_conftest = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, tests_conftest)  # its dataclasses look their module up
+    spec.loader.exec_module(tests_conftest)
+    servers = (*tests_conftest._TRITON_WORDS, "shared_tracking", "PrometheusServer(", "TritonServer(", "Service(")
+    for group in sorted(root_conftest.BACKGROUND_GROUPS):
+        path = ROOT / group
+        assert path.is_file() and group not in root_conftest.SHARED_GROUPS, group
+        text = path.read_text() if path != Path(__file__) else ""  # this file names them
+        assert not [w for w in servers if w in text], (group, [w for w in servers if w in text])
