@@ -10,9 +10,11 @@ it found them (the course's folders and the python backend's ``python_env_*``).
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -73,6 +75,36 @@ def pytest_configure(config):
     os.environ.setdefault("NVLAB_PROGRESS_FILE", os.path.join(root, "progress.jsonl"))
     tempfile.tempdir = None  # gettempdir() reads TMPDIR again
     config.add_cleanup(lambda: shutil.rmtree(root, ignore_errors=True))
+    if getattr(config.option, "numprocesses", None):
+        _rewrite_test_modules(config)
+
+
+def _rewrite_test_modules(config: pytest.Config) -> None:
+    """Rewrite the test modules' asserts here, once, before the workers start: each worker would otherwise do it
+    for every module while collecting, all at once (4 s of CPU each on a fresh checkout, with four workers on the CI
+    machine's 2 cores). Forked children share the files; each writes what pytest's import would (a hash-checked pyc
+    in __pycache__), with pytest's own rewriting functions. Should those change, the workers rewrite as before."""
+    files = sorted((config.rootpath / "tests").glob("test_*.py"))
+    if sys.dont_write_bytecode or not hasattr(os, "fork"):
+        return
+    n = min(4, os.cpu_count() or 1)
+    children = []
+    for i in range(n):
+        pid = os.fork()
+        if pid == 0:  # a child: its share, then out without running anything of the parent's at exit
+            try:
+                from _pytest.assertion import rewrite
+
+                for fn in files[i::n]:
+                    pyc = rewrite.get_cache_dir(fn) / (fn.name[:-3] + rewrite.PYC_TAIL)
+                    if rewrite._read_pyc(fn, pyc, lambda *a: None) is None and rewrite.try_makedirs(pyc.parent):
+                        source_hash, co = rewrite._rewrite_test(fn, config)
+                        rewrite._write_pyc(SimpleNamespace(trace=lambda *a: None), co, source_hash, pyc)
+            finally:
+                os._exit(0)
+        children.append(pid)
+    for pid in children:
+        os.waitpid(pid, 0)
 
 
 # Servers several test files share, started once per session (the fixtures below): the files of a group run on one
@@ -100,7 +132,7 @@ BACKGROUND_GROUPS = frozenset({
     "tests/test_no_delegation.py", "tests/test_exercises_lab00.py", "tests/test_pacing.py", "tests/test_quantize.py",
     "tests/test_lab02_plan.py", "tests/test_env.py", "tests/test_stack.py", "tests/test_perf_analyzer.py",
     "tests/test_triton_repo.py", "tests/test_cuda_bench.py", "tests/test_trainer_guide.py", "tests/test_workflows.py",
-    "tests/test_dependencies.py", "tests/test_classroom_setup.py"})
+    "tests/test_dependencies.py", "tests/test_classroom_setup.py", "tests/test_notebooks.py"})
 # The low-priority worker's niceness: under contention it gets about a tenth of a core's share (weight 110 against
 # 1024), so the servers whose latency the other workers' tests measure keep their CPU, and a background test still
 # advances (a subprocess limit of a minute holds).

@@ -182,3 +182,24 @@ def test_background_groups_exist_and_start_no_server(root_conftest, monkeypatch)
         assert path.is_file() and group not in root_conftest.SHARED_GROUPS, group
         text = path.read_text() if path != Path(__file__) else ""  # this file names them
         assert not [w for w in servers if w in text], (group, [w for w in servers if w in text])
+
+
+def test_the_controller_rewrites_the_test_modules_the_way_the_workers_import_them(root_conftest, tmp_path,
+                                                                                  pytestconfig):
+    """Before the workers start, the controller writes each test module's rewritten pyc: the one pytest's import
+    finds valid (so no worker rewrites it again), with the asserts rewritten (a failing one explains its values)."""
+    from _pytest.assertion import rewrite
+
+    (tmp_path / "tests").mkdir(exist_ok=True)
+    for name in ("test_a.py", "test_b.py", "test_c.py"):
+        (tmp_path / "tests" / name).write_text("def test_x():\n    x = 1\n    assert x + 1 == 3\n")
+    config = SimpleNamespace(rootpath=tmp_path, getini=pytestconfig.getini)
+    root_conftest._rewrite_test_modules(config)
+    for name in ("test_a", "test_b", "test_c"):
+        fn = tmp_path / "tests" / f"{name}.py"
+        co = rewrite._read_pyc(fn, rewrite.get_cache_dir(fn) / (name + rewrite.PYC_TAIL), lambda *a: None)
+        assert co is not None, name
+        scope: dict[str, object] = {}
+        exec(co, scope)
+        with pytest.raises(AssertionError, match=r"assert \(1 \+ 1\) == 3"):
+            scope["test_x"]()
