@@ -89,19 +89,27 @@ class _Worker:
         self.shutting_down = True
 
 
+def _scheduled(root_conftest, collection: list[str], workers: int, **option) -> tuple[object, list[_Worker]]:
+    """The course's scheduler over ``collection`` on stand-in workers gw0.. (``option``: xdist's config options),
+    after its first distribution."""
+    option = SimpleNamespace(**{"loadscopereorder": True, **option})  # xdist's default: reorder
+    config = SimpleNamespace(option=option,
+                             getvalue=lambda name: {"tx": ["popen"] * workers, "numprocesses": workers}[name])
+    sched = root_conftest.pytest_xdist_make_scheduler(config, None)
+    nodes = [_Worker(f"gw{i}") for i in range(workers)]
+    for w in nodes:
+        sched.add_node(w)
+        sched.add_node_collection(w, collection)
+    sched.schedule()
+    return sched, nodes
+
+
 def test_the_scheduler_hands_out_groups_in_the_items_order_not_by_their_number_of_tests(root_conftest):
     """xdist's own scope scheduling sorts groups by their number of tests (a file of 400 quick tests before a notebook
     of 30 slow cells) unless its reorder option is off; the course's scheduler keeps the order computed above."""
     collection = ["solutions/x.ipynb::Cell 0", "solutions/x.ipynb::Cell 1", "tests/test_service.py::s",
                   *[f"tests/test_many.py::t{i}" for i in range(40)], "tests/test_b.py::t"]
-    option = SimpleNamespace(loadscopereorder=True)  # xdist's default
-    config = SimpleNamespace(option=option, getvalue=lambda name: {"tx": ["popen"] * 2, "numprocesses": 2}[name])
-    sched = root_conftest.pytest_xdist_make_scheduler(config, None)
-    workers = [_Worker("gw0"), _Worker("gw1")]
-    for w in workers:
-        sched.add_node(w)
-        sched.add_node_collection(w, collection)
-    sched.schedule()
+    _, workers = _scheduled(root_conftest, collection, 2)
     first = [collection[w.sent[0]] for w in workers]
     assert first == ["solutions/x.ipynb::Cell 0", "tests/test_service.py::s"], first
 
@@ -123,18 +131,12 @@ def _run_all(sched, workers: list[_Worker], collection: list[str]) -> dict[str, 
 
 
 def test_the_low_priority_worker_runs_only_background_groups_and_the_others_run_the_rest_first(root_conftest):
-    quiz, layout = sorted(root_conftest.BACKGROUND_GROUPS & {"tests/test_quiz.py", "tests/test_layout.py"})[::-1]
+    quiz, layout = "tests/test_quiz.py", "tests/test_layout.py"
+    assert {quiz, layout} <= root_conftest.BACKGROUND_GROUPS
     collection = ["solutions/x.ipynb::Cell 0", "solutions/x.ipynb::Cell 1", *[f"{quiz}::q{i}" for i in range(6)],
                   "tests/test_service.py::s", f"{layout}::l", *[f"tests/test_b.py::t{i}" for i in range(4)],
                   "tests/test_c.py::t"]
-    option = SimpleNamespace(loadscopereorder=True, nvlab_background="gw2")
-    config = SimpleNamespace(option=option, getvalue=lambda name: {"tx": ["popen"] * 3, "numprocesses": 3}[name])
-    sched = root_conftest.pytest_xdist_make_scheduler(config, None)
-    workers = [_Worker("gw0"), _Worker("gw1"), _Worker("gw2")]
-    for w in workers:
-        sched.add_node(w)
-        sched.add_node_collection(w, collection)
-    sched.schedule()
+    sched, workers = _scheduled(root_conftest, collection, 3, nvlab_background="gw2")
     assert collection[workers[2].sent[0]] == f"{quiz}::q0"  # the first background group, not the longest group
     ran = _run_all(sched, workers, collection)
     assert set(ran["gw2"]) <= root_conftest.BACKGROUND_GROUPS and ran["gw2"], ran
@@ -148,14 +150,7 @@ def test_the_others_take_the_background_groups_the_low_priority_worker_has_not(r
     """Groups left only of the background kind: the normal workers take them too (no one waits on the slow one)."""
     quiz, layout = "tests/test_quiz.py", "tests/test_layout.py"
     collection = [f"{quiz}::q", f"{layout}::l", "tests/test_trt_engine.py::t", "tests/test_inference.py::i"]
-    option = SimpleNamespace(loadscopereorder=False, nvlab_background="gw1")
-    config = SimpleNamespace(option=option, getvalue=lambda name: {"tx": ["popen"] * 2, "numprocesses": 2}[name])
-    sched = root_conftest.pytest_xdist_make_scheduler(config, None)
-    workers = [_Worker("gw0"), _Worker("gw1")]
-    for w in workers:
-        sched.add_node(w)
-        sched.add_node_collection(w, collection)
-    sched.schedule()
+    sched, workers = _scheduled(root_conftest, collection, 2, nvlab_background="gw1")
     assert workers[0].sent and workers[1].sent
     _run_all(sched, workers, collection)
     assert sorted(sum((w.sent for w in workers), [])) == [0, 1, 2, 3] and sched.tests_finished
