@@ -84,9 +84,9 @@ def _rewrite_test_modules(config: pytest.Config) -> None:
     for every module while collecting, all at once (4 s of CPU each on a fresh checkout, with four workers on the CI
     machine's 2 cores). Forked children share the files; each writes what pytest's import would (a hash-checked pyc
     in __pycache__), with pytest's own rewriting functions. Should those change, the workers rewrite as before."""
-    files = sorted((config.rootpath / "tests").glob("test_*.py"))
     if sys.dont_write_bytecode or not hasattr(os, "fork"):
         return
+    files = sorted((config.rootpath / "tests").glob("test_*.py"))
     n = min(4, os.cpu_count() or 1)
     children = []
     for i in range(n):
@@ -195,15 +195,13 @@ def pytest_xdist_make_scheduler(config, log):
             """The low-priority worker takes the first background group left and stops when none is; the others
             take the first other group, then background groups once no other is left."""
             low = node.gateway.id == background
-            mine = [s for s in self.workqueue if (s in BACKGROUND_GROUPS) == low]
-            scope = mine[0] if mine else None if low else next(iter(self.workqueue), None)
-            if scope is None:
+            scope = next((s for s in self.workqueue if (s in BACKGROUND_GROUPS) == low), None)
+            if scope is None and (low or not self.workqueue):
                 node.shutdown()  # it finishes what it holds
                 return
-            unit = self.workqueue.pop(scope)
-            self.assigned_work.setdefault(node, {})[scope] = unit
-            collection = self.registered_collections[node]
-            node.send_runtest_some([collection.index(nodeid) for nodeid, done in unit.items() if not done])
+            if scope is not None:
+                self.workqueue.move_to_end(scope, last=False)  # xdist's own assignment takes the first group
+            super()._assign_work_unit(node)
 
     return _Groups(config, log)
 
