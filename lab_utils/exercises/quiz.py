@@ -18,6 +18,7 @@ import hashlib
 import html
 import random
 import re
+import statistics
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -322,12 +323,6 @@ def _number_in_prompt(q: Question, lang: str) -> Any:
 _NUMBER_IN_TEXT = re.compile(r"\d+(?:\.\d+)?")
 
 
-def _median_of(values: Sequence[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-
-
 def _always(key: str) -> Any:
     return lambda q, lang: key
 
@@ -369,7 +364,7 @@ def strategy_scores(questions: Sequence[Question] | Bank, language: str = "en") 
     lang = _lang(language)
     qs = list(questions)
     numbers = [float(q.answer["value"]) for q in qs if q.form == "numeric"]
-    median = _median_of(numbers) if numbers else 0.0
+    median = statistics.median(numbers) if numbers else 0.0
     rows = []
     for name, forms in STRATEGIES.items():
         answered = right = 0
