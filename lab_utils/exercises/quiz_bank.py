@@ -12,7 +12,7 @@ import math
 import os
 import re
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +50,6 @@ class Question:
     rows: tuple[str, ...] = ()
     lab: Mapping[str, Any] | None = None
     terms: tuple[Mapping[str, str], ...] = ()
-    file: str = ""
     row_text: tuple[Mapping[str, str], ...] = ()  # the rows' {en, zh} from rows.yaml, where the bank has it
 
     # -- text -----------------------------------------------------------------------------------------------
@@ -396,8 +395,6 @@ class Bank:
 
     questions: list[Question]
     titles: dict[int, dict[str, str]]
-    rows: dict[str, dict[str, Any]] = field(default_factory=dict)
-    folder: Path | None = None
 
     def __iter__(self) -> Iterator[Question]:
         return iter(self.questions)
@@ -526,6 +523,6 @@ def load_bank(folder: Path | str | None = None) -> Bank:
             questions.append(Question(
                 id=qid, section=section, form=raw["form"], prompt=dict(raw["prompt"]), answer=answer,
                 explanation=dict(raw["explanation"]), choices=choices, rows=tuple(raw.get("rows") or ()),
-                lab=raw.get("lab"), terms=tuple(dict(t) for t in raw.get("terms") or ()), file=name,
+                lab=raw.get("lab"), terms=tuple(dict(t) for t in raw.get("terms") or ()),
                 row_text=tuple(rows[r] for r in raw.get("rows") or ()) if rows else ()))
-    return Bank(questions, titles, rows, root)
+    return Bank(questions, titles)
