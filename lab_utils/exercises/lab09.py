@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from lab_utils.exercises import lab01
-from lab_utils.exercises.framework import CodeExercise, Exercise, Wrong, close_to, number, run_student, source_as
+from lab_utils.exercises.framework import CodeExercise, Exercise, Wrong, close_to, items, number, run_student, source_as
 from lab_utils.exercises.quiz import in_byte_unit
 from lab_utils.inference.llm import decode_attention as reference_decode_attention
 
@@ -246,9 +246,8 @@ def reference_kv_waste(lengths: list[int], max_len: int, block: int) -> tuple[fl
 
 def _numbers(value: Any, call: str, names: tuple[str, ...]) -> list[float]:
     """The tuple a function returned, as numbers: Wrong unless it is ``len(names)`` of them."""
-    if not isinstance(value, (tuple, list)) or len(value) != len(names):
-        raise Wrong(f"{call} returned {value!r}: return {len(names)} numbers, ({', '.join(names)}).")
-    return [number(v, name) for v, name in zip(value, names, strict=True)]
+    got = items(value, len(names), call, f"{len(names)} numbers, ({', '.join(names)})")
+    return [number(v, name) for v, name in zip(got, names, strict=True)]
 
 
 def _grade_kv_waste(fn: Any) -> str:
