@@ -490,12 +490,12 @@ def test_async_device_first_launch_pays_init():
 def test_async_device_leaves_no_thread_alive():
     before = threading.active_count()
     with lab01.AsyncDevice() as dev:
-        assert dev.alive
+        assert dev._thread.is_alive()
         for _ in range(20):
             dev.launch(0.05)  # 1 s of queued work is dropped on shutdown
         t0 = time.perf_counter()
     assert time.perf_counter() - t0 < 1.0
-    assert not dev.alive
+    assert not dev._thread.is_alive()
     assert threading.active_count() == before
     dev.shutdown()  # safe twice
     with pytest.raises(RuntimeError):

@@ -115,11 +115,6 @@ class AsyncDevice:
         with self._done:
             return self._pending
 
-    @property
-    def alive(self) -> bool:
-        """Whether the worker thread is still running."""
-        return self._thread.is_alive()
-
     def shutdown(self, timeout_s: float = 5.0) -> None:
         """Drop queued work and stop the worker thread; safe to call twice."""
         if not self._stopping:
