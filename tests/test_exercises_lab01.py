@@ -29,10 +29,11 @@ needs_no_gpu = pytest.mark.skipif(HAS_CUDA, reason="checks the CPU tier")
 # --- lab 01 answers --------------------------------------------------------------------------------------
 
 
-def broken_time_ms():
-    namespace: dict = {}
-    exec(lab01.BROKEN_SNIPPET, namespace)
-    return namespace["time_ms"]
+def time_ms_broken(fn, iters, warmup, sync):  # the notebook's starting code: no warm-up, no sync
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - t0) * 1000 / iters
 
 
 def time_ms_right(fn, iters, warmup, sync):
@@ -200,8 +201,6 @@ def gbps_no_timer(nbytes, device, timer):
     return 10.0
 
 
-TIME_MS_BROKEN = broken_time_ms()
-
 _OUTCOMES: dict[tuple[str, object], object] = {}
 
 
@@ -217,7 +216,7 @@ def graded(exercise, value):
 # (exercise, right answers, wrong answers). lab01.q7 (GPU only) has its own tests.
 CASES = [
     (lab01.q1, [time_ms_right, time_ms_ns, lab01.reference_time_ms],
-     [TIME_MS_BROKEN, time_ms_no_warmup, time_ms_sync_too_late, time_ms_seconds, time_ms_total, time_ms_constant,
+     [time_ms_broken, time_ms_no_warmup, time_ms_sync_too_late, time_ms_seconds, time_ms_total, time_ms_constant,
       20.0]),
     (lab01.q2, [tflops_right, tflops_matmul_fn, lab01.reference_matmul_tflops],
      [tflops_factor2, tflops_alloc_inside, tflops_gflops, tflops_ms_as_s, tflops_elementwise, tflops_zeros,
@@ -253,7 +252,7 @@ def test_at_least_half_of_the_exercises_run_code():
 
 
 def test_lab01_q1_unsynchronized_timing():
-    for fn in (TIME_MS_BROKEN, time_ms_sync_too_late):
+    for fn in (time_ms_broken, time_ms_sync_too_late):
         out = graded(lab01.q1, fn)
         assert out.status is Status.INCORRECT
         assert "sync()" in out.message and "launch, not the work" in out.message
@@ -324,18 +323,18 @@ def test_lab01_q1_on_a_gpu_accepts_events_and_catches_the_missing_sync():
     for right in (time_ms_events, time_ms_right):
         out = check(lab01.q1, right)
         assert out.correct and "GPU sleep kernels" in out.message, out.message
-    out = check(lab01.q1, broken_time_ms())
+    out = check(lab01.q1, time_ms_broken)
     assert "GPU kernels of known length" in out.message and "launch, not the work" in out.message
     assert "Warm up first" in check(lab01.q1, time_ms_no_warmup).message
     with pytest.raises(Wrong, match="GPU was still working"):
-        timing_loop._grade_on_matmul(broken_time_ms())  # returned with the work still queued
+        timing_loop._grade_on_matmul(time_ms_broken)  # returned with the work still queued
     with pytest.raises(Wrong, match="faster than the reference timer's .* the clock stopped before the GPU finished"):
         timing_loop._grade_on_matmul(time_ms_sync_too_late)  # waited, but after reading the clock
 
 
 def test_lab01_q1_is_fast_and_leaves_no_thread():
     t0 = time.perf_counter()
-    for fn in (broken_time_ms(), time_ms_right):
+    for fn in (time_ms_broken, time_ms_right):
         check(lab01.q1, fn)
     assert time.perf_counter() - t0 < 6.0
     assert not [t for t in threading.enumerate() if t.name == "AsyncDevice"]

@@ -18,11 +18,11 @@ from lab_utils.exercises.lab01.roofline import (
     reference_copy_gbps,
     reference_matmul_tflops,
 )
-from lab_utils.exercises.lab01.timing_loop import BROKEN_SNIPPET, AsyncDevice, grading_device, q1, reference_time_ms
+from lab_utils.exercises.lab01.timing_loop import AsyncDevice, grading_device, q1, reference_time_ms
 
 __all__ = [
     "q1", "q2", "q3", "q4", "q5", "q6", "q7",
-    "AsyncDevice", "BROKEN_SNIPPET", "H200_RIDGE",
+    "AsyncDevice", "H200_RIDGE",
     "reference_time_ms", "reference_matmul_tflops", "reference_copy_gbps", "reference_replay_with_graph",
     "graph_unavailable", "grading_device",
 ]

@@ -129,18 +129,6 @@ class AsyncDevice:
         self.shutdown()
 
 
-BROKEN_SNIPPET = '''\
-import time
-
-def time_ms(fn, iters, warmup, sync):
-    """Milliseconds per call of fn(). (Broken: what does it really measure?)"""
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    return (time.perf_counter() - t0) * 1000 / iters
-'''
-
-
 def reference_time_ms(fn: Callable[[], Any], iters: int, warmup: int, sync: Callable[[], Any]) -> float:
     """Milliseconds per call of ``fn()``, where ``fn`` may only launch work and ``sync()`` waits for it.
 
