@@ -425,20 +425,13 @@ def _grade_train_loop(fn: Any) -> str:
                     f"sum on the device and read it once per window ({logs} in all)")
     for i, (g, w) in enumerate(zip(got_f, want, strict=True)):
         if not math.isclose(g, w, rel_tol=1e-4, abs_tol=1e-6):
-            last = reference_last_losses(batches, log_every, seed, device)
+            fresh, _ = _loop_setup(device, seed)  # the last step's loss of each window: a common wrong answer
+            per_step = reference_train_loop(fresh, torch.optim.SGD(fresh.parameters(), lr=0.1), batches, 1)
             why = ("that is the last step's loss of the window, not the mean over its steps"
-                   if math.isclose(g, last[i], rel_tol=1e-4) else
+                   if math.isclose(g, per_step[(i + 1) * log_every - 1], rel_tol=1e-4) else
                    "is the sum reset after each window, divided by log_every, and is zero_grad() called?")
             raise Wrong(f"window {i + 1}: {g:.5f}, expected {w:.5f}: {why}")
     return f"{len(counter.calls)} read-back(s) for {len(batches)} steps; the means match."
-
-
-def reference_last_losses(batches: Sequence[tuple[torch.Tensor, torch.Tensor]], log_every: int, seed: int,
-                          device: str) -> list[float]:
-    """The last step's loss of each window (a common wrong answer), from a fresh model of the same seed."""
-    model, _ = _loop_setup(device, seed)
-    per_step = reference_train_loop(model, torch.optim.SGD(model.parameters(), lr=0.1), batches, 1)
-    return per_step[log_every - 1::log_every]
 
 
 q5 = CodeExercise(
