@@ -222,11 +222,6 @@ q3 = Exercise(
 # --- q4: the fused row softmax ---------------------------------------------------------------------------------
 
 
-def _softmax_sizes(device: str) -> list[tuple[int, int]]:
-    sizes = [(7, 1000), (5, 1024), (3, 1), (4, 129)]
-    return sizes + ([(64, 3000)] if device.startswith("cuda") else [])
-
-
 def _softmax_with_zero_padding(x: torch.Tensor, block: int) -> torch.Tensor:
     """What a kernel that loads the masked lanes as 0 (``other=0``) computes: each of the block's
     ``block - n_cols`` extra lanes adds exp(0 - max) to the denominator."""
@@ -239,7 +234,7 @@ def _grade_softmax(value: Any) -> str:
     kernel = _kernel(value, "softmax_kernel(out_ptr, in_ptr, in_row_stride, out_row_stride, n_cols, BLOCK)")
     device = grading_device()
     gen = torch.Generator(device="cpu").manual_seed(12)
-    for rows, cols in _softmax_sizes(device):
+    for rows, cols in [(7, 1000), (5, 1024), (3, 1), (4, 129)] + ([(64, 3000)] if device.startswith("cuda") else []):
         block = kernels.softmax_block(cols)
         values = 3 * torch.randn(rows, cols, generator=gen)
         big_row = 1 if rows > 1 else 0
@@ -312,12 +307,6 @@ q4 = KernelExercise(
 # --- q5: the tiled matmul ----------------------------------------------------------------------------------
 
 
-def _matmul_cases(device: str) -> list[tuple[int, int, int, MatmulConfig]]:
-    cases = [(100, 70, 90, MatmulConfig(32, 32, 32)), (64, 64, 64, MatmulConfig(32, 32, 32)),
-             (33, 17, 50, MatmulConfig(16, 16, 16))]
-    return cases + ([(300, 200, 130, MatmulConfig(64, 64, 32))] if device.startswith("cuda") else [])
-
-
 def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
     return bool(((got.float() - want).abs() <= 1e-2 + 2e-3 * want.abs()).all())  # fp16 output: 11-bit mantissa
 
@@ -326,7 +315,9 @@ def _grade_matmul(value: Any) -> str:
     kernel = _kernel(value, "matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, ..., BM, BN, BK)")
     device = grading_device()
     gen = torch.Generator(device="cpu").manual_seed(13)
-    for m, n, k, cfg in _matmul_cases(device):
+    cases = [(100, 70, 90, MatmulConfig(32, 32, 32)), (64, 64, 64, MatmulConfig(32, 32, 32)),
+             (33, 17, 50, MatmulConfig(16, 16, 16))]
+    for m, n, k, cfg in cases + ([(300, 200, 130, MatmulConfig(64, 64, 32))] if device.startswith("cuda") else []):
         a = guarded((m, k), torch.float16, device, (cfg.bm, cfg.bk), NAN,
                     torch.randn(m, k, generator=gen).half().to(device))
         b = guarded((k, n), torch.float16, device, (cfg.bk, cfg.bn), NAN,
