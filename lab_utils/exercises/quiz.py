@@ -123,10 +123,8 @@ class QuizRunner:
             raise ValueError(f"sections {bad} are not in the bank (it has {bank.sections})")
         if n is not None:
             check_int(n, "n", "QuizRunner", what="questions per section, or None for all")
-        self.questions: list[Question] = []
-        for s in wanted:
-            pool = sorted(bank.section(s), key=lambda q: _draw(seed, q.id))
-            self.questions += pool[:n] if n is not None else pool
+        # each section's first n in the seed's order (all of them when n is None: pool[:None])
+        self.questions = [q for s in wanted for q in sorted(bank.section(s), key=lambda q: _draw(seed, q.id))[:n]]
         if shuffle:
             self.questions = shuffled(self.questions, seed)
         self.sections = wanted
