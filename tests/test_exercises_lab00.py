@@ -22,6 +22,7 @@ from lab_utils.exercises.framework import (
     CodeExercise,
     Status,
     Wrong,
+    version,
 )
 from lab_utils.exercises.lab00.ceiling import _version_of as version_of
 
@@ -112,13 +113,13 @@ def verdict_floats(driver_ceiling, runtime, datacenter_gpu):
 
 
 def verdict_no_minor_version(driver_ceiling, runtime, datacenter_gpu):  # the lab's old rule
-    if lab00.parse_version(runtime) <= lab00.parse_version(driver_ceiling):
+    if version(runtime) <= version(driver_ceiling):
         return "compatible"
     return "forward compatibility needed" if datacenter_gpu else "incompatible"
 
 
 def verdict_ignores_gpu(driver_ceiling, runtime, datacenter_gpu):
-    if lab00.parse_version(runtime) <= lab00.parse_version(driver_ceiling):
+    if version(runtime) <= version(driver_ceiling):
         return "compatible"
     if runtime.split(".")[0] == driver_ceiling.split(".")[0]:
         return "minor-version compatibility"
@@ -126,7 +127,7 @@ def verdict_ignores_gpu(driver_ceiling, runtime, datacenter_gpu):
 
 
 def verdict_bool(driver_ceiling, runtime, datacenter_gpu):
-    return lab00.parse_version(runtime) <= lab00.parse_version(driver_ceiling)
+    return version(runtime) <= version(driver_ceiling)
 
 
 # (exercise, right answers, wrong answers). lab00.q3 (two functions) has its own tests.

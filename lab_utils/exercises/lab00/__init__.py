@@ -2,7 +2,7 @@
 ``lab_utils/data/h200/`` elsewhere (``cuda_ceiling``, the GPU inventory and ``cuda_verdict`` are code the check runs).
 """
 
-from lab_utils.exercises.lab00.ceiling import parse_version, q2, reference_cuda_ceiling
+from lab_utils.exercises.lab00.ceiling import q2, reference_cuda_ceiling
 from lab_utils.exercises.lab00.inventory import (
     INVENTORY_FIELDS,
     nvml_unavailable,
@@ -16,6 +16,6 @@ from lab_utils.exercises.lab00.verdict import VERDICT_CASES, VERDICTS, cuda_verd
 __all__ = [
     "q1", "q2", "q3", "q4", "q5", "q6",
     "LAYERS", "COMPONENTS", "VERDICTS", "INVENTORY_FIELDS", "VERDICT_CASES",
-    "parse_version", "cuda_verdict", "reference_cuda_ceiling", "reference_smi_inventory",
+    "cuda_verdict", "reference_cuda_ceiling", "reference_smi_inventory",
     "reference_nvml_inventory", "nvml_unavailable",
 ]

@@ -14,12 +14,6 @@ LAB = "lab_utils.exercises.lab00"  # the references' public names: a refusal nam
 
 # --- versions ------------------------------------------------------------------------------------
 
-def parse_version(text: str) -> tuple[int, int]:
-    """``"12.10"`` -> ``(12, 10)``: (major, minor) as integers, so 12.10 sorts after 12.4."""
-    major, minor = text.split(".")[:2] if "." in text else (text, "0")
-    return int(major), int(minor)
-
-
 def _version_of(value: Any, what: str) -> tuple[int, int]:
     """A student's CUDA version as (major, minor) (``framework.version``); ``Wrong`` naming the usual confusions."""
     text = value.decode(errors="replace").strip() if isinstance(value, bytes) else value
@@ -65,7 +59,7 @@ def _grade_cuda_ceiling(fn: Any) -> str:
             raise Wrong(f"on {where} your function returned None: find the 'CUDA Version: ...' field in the "
                         "banner (a regular expression such as r'CUDA Version:\\s*([\\d.]+)' does it) and return it")
         want = reference_cuda_ceiling(text)
-        if _version_of(got, f"on {where}, your result") != parse_version(want):
+        if _version_of(got, f"on {where}, your result") != version(want):
             raise Wrong(f"on {where} it returned {got!r}, but the banner's 'CUDA Version' field reads {want!r}")
     names = [w for w, _ in sources]
     return f"Graded on {', '.join(names[:-1])} and {names[-1]}."

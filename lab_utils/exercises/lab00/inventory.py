@@ -21,8 +21,9 @@ from lab_utils.exercises.framework import (
     match_slip,
     number,
     run_student,
+    version,
 )
-from lab_utils.exercises.lab00.ceiling import LAB, _other_banner, _version_of, parse_version, reference_cuda_ceiling
+from lab_utils.exercises.lab00.ceiling import LAB, _other_banner, _version_of, reference_cuda_ceiling
 
 INVENTORY_FIELDS = ("index", "name", "memory_total_mib", "driver_version", "cuda_version")
 
@@ -156,7 +157,7 @@ def _compare_inventory(got: list[Mapping[str, Any]], want: list[dict[str, Any]],
                 else ""
             raise Wrong(f"{call}: {gpu}'s driver_version is {drv!r}, {source} says "
                         f"{ref['driver_version']!r}{swapped}")
-        if _version_of(row["cuda_version"], f"{gpu}'s cuda_version") != parse_version(ref["cuda_version"]):
+        if _version_of(row["cuda_version"], f"{gpu}'s cuda_version") != version(ref["cuda_version"]):
             raise Wrong(f"{call}: {gpu}'s cuda_version is {row['cuda_version']!r}, {source} says "
                         f"{ref['cuda_version']!r} (the 'CUDA Version' field, the driver's ceiling)")
 

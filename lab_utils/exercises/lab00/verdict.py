@@ -6,8 +6,8 @@ import random
 from collections.abc import Callable
 from typing import Any
 
-from lab_utils.exercises.framework import CodeExercise, References, Wrong, choice, run_student
-from lab_utils.exercises.lab00.ceiling import LAB, parse_version
+from lab_utils.exercises.framework import CodeExercise, References, Wrong, choice, run_student, version
+from lab_utils.exercises.lab00.ceiling import LAB
 
 VERDICTS = ("compatible", "minor-version compatibility", "forward compatibility needed", "incompatible")
 _COMPATIBLE, _MINOR, _FORWARD, _INCOMPATIBLE = VERDICTS
@@ -22,7 +22,7 @@ def cuda_verdict(driver_ceiling: str, runtime: str, datacenter_gpu: bool) -> str
     JIT of newer PTX, can fail). A newer *major* version needs the forward-compatibility libraries
     (``cuda-compat``, carried by NGC images), which work on data-centre GPUs only; elsewhere it cannot run.
     """
-    ceiling, rt = parse_version(driver_ceiling), parse_version(runtime)
+    ceiling, rt = version(driver_ceiling), version(runtime)
     if rt <= ceiling:
         return _COMPATIBLE
     if rt[0] == ceiling[0]:
@@ -52,7 +52,7 @@ VERDICT_CASES: list[tuple[str, str, bool, str, str]] = [
 ]
 
 _KEYS: dict[str, tuple[Callable[[str], Any], str]] = {
-    "tuple": (parse_version, ""),
+    "tuple": (version, ""),
     "string": (lambda v: v, "Compared as strings, '12.10' < '12.4' (character by character, '1' < '4'). "),
     "float": (float, "As floats, 12.10 == 12.1 (so it sorts before 12.4, and equals 12.1). "),
 }
