@@ -7,6 +7,7 @@ Design notes: docs/internals.md#lab_utilsexercisesquizpy
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -459,10 +460,8 @@ def _schema_error(err: Any, data: Any, file: str) -> BankError:
     path = list(err.absolute_path)
     qid = None
     if len(path) >= 2 and path[0] == "questions" and isinstance(path[1], int):
-        try:
+        with contextlib.suppress(AttributeError, IndexError, KeyError, TypeError):
             qid = data["questions"][path[1]].get("id")
-        except (AttributeError, IndexError, KeyError, TypeError):
-            qid = None
         qid = qid or f"#{path[1] + 1}"
     at = "/".join(str(p) for p in path) or "(top)"
     return BankError(f"{_where(file, qid)}: does not match schema.json at {at}: {err.message}")
