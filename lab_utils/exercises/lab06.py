@@ -469,14 +469,10 @@ def _grade_diagnosis(value: Any) -> None:
     missing = sorted(set(DIAGNOSIS_CASES) - set(value))
     if missing:
         raise Wrong(f"no answer for {missing}; one of {list(CAUSES)} for each letter")
-    wrong = []
-    for letter, want in DIAGNOSIS_CASES.items():
-        picked = choice(value[letter], CAUSES, _CAUSE_SYNONYMS)
-        if picked is None:
-            raise Wrong(f"{letter}: {value[letter]!r} is not one of {list(CAUSES)}")
-        if picked != want:
-            wrong.append(letter)
-    if wrong:
+    picked = {letter: choice(value[letter], CAUSES, _CAUSE_SYNONYMS) for letter in DIAGNOSIS_CASES}
+    if unknown := next((letter for letter, cause in picked.items() if cause is None), None):
+        raise Wrong(f"{unknown}: {value[unknown]!r} is not one of {list(CAUSES)}")
+    if wrong := [letter for letter, want in DIAGNOSIS_CASES.items() if picked[letter] != want]:
         raise Wrong(f"{len(wrong)} of 4 wrong ({', '.join(wrong)}): look at data_wait, syncs_per_step, "
                     "kernel_us with launches_per_step, and whether the kernels are half precision")
 
