@@ -211,9 +211,7 @@ class MetricsBench:
         """When q2's queries are evaluated (unix s); waits until Prometheus has scraped past it."""
         assert self.t0 is not None
         at = self.t0 + _AT_S
-        wait = at + 2 * _SCRAPE_S + 0.2 - time.time()
-        if wait > 0:
-            time.sleep(wait)
+        time.sleep(max(0.0, at + 2 * _SCRAPE_S + 0.2 - time.time()))
         return at
 
     def live(self, challenger_accuracy: float) -> _LiveRun:
