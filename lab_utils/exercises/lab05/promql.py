@@ -170,13 +170,11 @@ def _label_names(values: Values) -> list[str]:
     return sorted({k for series in values.values() for labels in series for k, _ in labels})
 
 
-def _same(got: Values, want: Values, rel: float = 1e-6) -> bool:
+def _same(got: Values, want: Values) -> bool:
     proj = _project(got, _label_names(want))
-    if proj is None:
-        return False
-    return all(proj.get(t, {}).keys() == want[t].keys() and
-               all(math.isclose(proj[t][k], v, rel_tol=rel, abs_tol=1e-9) for k, v in want[t].items())
-               for t in want)
+    return proj is not None and all(proj.get(t, {}).keys() == want[t].keys() and
+                                    all(math.isclose(proj[t][k], v, rel_tol=1e-6, abs_tol=1e-9)
+                                        for k, v in want[t].items()) for t in want)
 
 
 def _series_name(labels: Labels) -> str:
