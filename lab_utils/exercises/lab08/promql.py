@@ -294,13 +294,9 @@ def _slip_queries(window: str) -> dict[str, list[tuple[str, str]]]:
 
 def _by_variant(df: Any, key: str) -> dict[str, list[float]]:
     label = _LABEL[key]
-    out: dict[str, list[float]] = {v: [] for v in VARIANTS}
     if df.empty or label not in df.columns:
-        return out
-    for _, row in df.iterrows():
-        if row[label] in out:
-            out[row[label]].append(float(row["value"]))
-    return out
+        return {v: [] for v in VARIANTS}
+    return {v: [float(x) for k, x in zip(df[label], df["value"], strict=True) if k == v] for v in VARIANTS}
 
 
 def _same(got: Mapping[str, list[float]], want: Mapping[str, list[float]]) -> bool:
