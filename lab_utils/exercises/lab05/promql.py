@@ -76,8 +76,7 @@ def _recorded_samples(start: float = RECORDING_START, servers: Sequence[tuple[st
                         "nv_inference_pending_request_count": round(
                             m["qps"][phase] * share * v_share * m["latency_ms"][phase][s] / 1000 * _QUEUE_SHARE),
                     }
-                    for name, v in values.items():
-                        rows.append(({"__name__": name, **labels}, t, v))
+                    rows.extend(({"__name__": name, **labels}, t, v) for name, v in values.items())
                     rows.append(({"__name__": "nv_inference_request_failure", **labels, "reason": "BACKEND"}, t,
                                  0.0))
     return rows
