@@ -43,11 +43,8 @@ def exception_line(text: str, limit: int = 220) -> str:
 
 def _worker_frames(stack: str) -> list[Any]:
     """The frames of the thread that runs the launcher's ``_worker``, innermost first (none if not found)."""
-    for block in re.split(r"\n(?=(?:Current thread|Thread) 0x)", stack):
-        frames = ranks_mod.stack_frames(block)
-        if frames and any(f.function == "_worker" for f in frames):
-            return frames
-    return []
+    threads = map(ranks_mod.stack_frames, re.split(r"\n(?=(?:Current thread|Thread) 0x)", stack))
+    return next((frames for frames in threads if any(f.function == "_worker" for f in frames)), [])
 
 
 def rank_failure(call: str, err: WorkerError | WorkerTimeout, shipped: ranks_mod.Shipped, timeout_s: float) -> Wrong:
@@ -146,7 +143,5 @@ def show(value: Any) -> str:
 
 def fmt_bytes(n: int) -> str:
     """262144 -> '256 KiB': the largest unit that divides ``n`` (bytes) exactly."""
-    for unit, size in (("GiB", 2**30), ("MiB", MIB), ("KiB", KIB)):
-        if n >= size and n % size == 0:
-            return f"{n // size} {unit}"
-    return f"{n} B"
+    return next((f"{n // size} {unit}" for unit, size in (("GiB", 2**30), ("MiB", MIB), ("KiB", KIB))
+                 if n >= size and n % size == 0), f"{n} B")

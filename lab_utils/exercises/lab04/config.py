@@ -154,8 +154,7 @@ class _Client:
 
     def is_model_ready(self, model_name: str, *args: Any, **kwargs: Any) -> bool:
         self.polls += 1
-        ready = self._real.is_model_ready(model_name, *args, **kwargs)
-        return False if self._still_loading else ready
+        return self._real.is_model_ready(model_name, *args, **kwargs) and not self._still_loading  # asked either way
 
     def close(self) -> None:
         """The check closes the client (it is shared with the next call)."""

@@ -126,8 +126,7 @@ def _grade_execute(fn: Any) -> str:
     lab = _lab()
     source, name, first = _execute_source(fn)
     text, start = _model_source(source, name)
-    model_dir = lab.repo / EXECUTE_MODEL
-    vdir = model_dir / "1"
+    vdir = lab.repo / EXECUTE_MODEL / "1"
     if not (vdir / "weights.npz").exists():
         triton_repo.write_python_model(lab.repo, _EXECUTE_CONFIG, sizes=_EXECUTE_SIZES, source=text, seed=6)
     else:

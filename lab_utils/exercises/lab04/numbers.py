@@ -108,27 +108,6 @@ Q8_STATS: dict[str, Any] = _stats_response(
     [6, 8, 16], [20, 75, 355])
 
 
-def _batch_slip(got: float, batch: float) -> str | None:
-    if math.isclose(got, 1.0, rel_tol=0.01) and not math.isclose(batch, 1.0, rel_tol=0.01):
-        return ("avg_batch: inference_stats counts requests in every stage (compute_infer.count = success.count): "
-                "the executions are execution_count")
-    if math.isclose(got, 1 / batch, rel_tol=0.01) and batch != 1:
-        return "avg_batch: that is executions per inference: invert it"
-    return None
-
-
-def _queue_slip(got: float, queue_us: float, per_execution_us: float, request_us: float) -> str | None:
-    if math.isclose(got, queue_us * 1e3, rel_tol=0.01):
-        return "queue_us: that is nanoseconds (the statistics are in ns): the answer is asked in µs"
-    if math.isclose(got, queue_us / 1e3, rel_tol=0.01):
-        return "queue_us: that is milliseconds: the answer is asked in µs"
-    if math.isclose(got, per_execution_us, rel_tol=0.01) and per_execution_us != queue_us:
-        return "queue_us: queue.ns is summed over requests (queue.count), not over executions"
-    if math.isclose(got, request_us, rel_tol=0.01):
-        return "queue_us: that is the whole request (success.ns): the queue is only one part of it"
-    return None
-
-
 def _expected_split(stats: dict[str, Any]) -> tuple[float, float, float, float]:
     s = stats["model_stats"][0]
     st = s["inference_stats"]
@@ -171,15 +150,24 @@ def _grade_response(fn: Any, stats: dict[str, Any], call: str) -> tuple[tuple[fl
     got_batch, got_queue = items(result, 2, call, "two numbers: (avg_batch, queue_us)")
     got_batch, got_queue = number(got_batch, "avg_batch"), number(got_queue, "queue_us")
     batch, queue, per_exec, request = _expected_split(stats)
-    for slip in (_batch_slip(got_batch, batch), _queue_slip(got_queue, queue, per_exec, request)):
-        if slip:
-            raise Wrong(f"{call}: {slip}")
     sizes = [int(b["batch_size"]) for b in stats["model_stats"][0].get("batch_stats", [])]
-    unweighted = (max(sizes), sum(sizes) / len(sizes)) if sizes else ()
-    if not math.isclose(got_batch, batch, rel_tol=0.01) and any(math.isclose(got_batch, v, rel_tol=0.01)
-                                                                 for v in unweighted):
-        raise Wrong(f"{call}: avg_batch: batch_stats lists sizes with how many executions ran at each: weight them, "
-                    "or use inference_count / execution_count")
+    weigh = ("avg_batch: batch_stats lists sizes with how many executions ran at each: weight them, or use "
+             "inference_count / execution_count")
+    slips = [  # (the answer, its right value, what a slip gives, the slip)
+        (got_batch, batch, 1.0, "avg_batch: inference_stats counts requests in every stage (compute_infer.count = "
+                                "success.count): the executions are execution_count"),
+        (got_batch, batch, 1 / batch, "avg_batch: that is executions per inference: invert it"),
+        (got_queue, queue, queue * 1e3, "queue_us: that is nanoseconds (the statistics are in ns): the answer is "
+                                        "asked in µs"),
+        (got_queue, queue, queue / 1e3, "queue_us: that is milliseconds: the answer is asked in µs"),
+        (got_queue, queue, per_exec, "queue_us: queue.ns is summed over requests (queue.count), not over executions"),
+        (got_queue, queue, request,
+         "queue_us: that is the whole request (success.ns): the queue is only one part of it"),
+        *((got_batch, batch, v, weigh) for v in ((max(sizes), sum(sizes) / len(sizes)) if sizes else ())),
+    ]
+    for got, right, slip, why in slips:  # named only for an answer that is not right as well
+        if math.isclose(got, slip, rel_tol=0.01) and not math.isclose(got, right, rel_tol=0.01):
+            raise Wrong(f"{call}: {why}")
     return (got_batch, got_queue), (batch, queue)
 
 

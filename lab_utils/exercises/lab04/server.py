@@ -83,10 +83,7 @@ def _lab() -> _Lab:
 
 def _hint(message: str, hints: dict[str, str]) -> str:
     """The first hint whose pattern (a regular expression, case-insensitive) the message matches."""
-    for pattern, hint in hints.items():
-        if re.search(pattern, message, re.I):
-            return f" {sentence(hint)}"
-    return ""
+    return next((f" {sentence(hint)}" for pattern, hint in hints.items() if re.search(pattern, message, re.I)), "")
 
 
 def _close(got: np.ndarray, want: np.ndarray) -> tuple[bool, float]:

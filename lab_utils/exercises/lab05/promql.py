@@ -76,8 +76,7 @@ def _recorded_samples(start: float = RECORDING_START, servers: Sequence[tuple[st
                         "nv_inference_pending_request_count": round(
                             m["qps"][phase] * share * v_share * m["latency_ms"][phase][s] / 1000 * _QUEUE_SHARE),
                     }
-                    for name, v in values.items():
-                        rows.append(({"__name__": name, **labels}, t, v))
+                    rows.extend(({"__name__": name, **labels}, t, v) for name, v in values.items())
                     rows.append(({"__name__": "nv_inference_request_failure", **labels, "reason": "BACKEND"}, t,
                                  0.0))
     return rows
@@ -170,13 +169,11 @@ def _label_names(values: Values) -> list[str]:
     return sorted({k for series in values.values() for labels in series for k, _ in labels})
 
 
-def _same(got: Values, want: Values, rel: float = 1e-6) -> bool:
+def _same(got: Values, want: Values) -> bool:
     proj = _project(got, _label_names(want))
-    if proj is None:
-        return False
-    return all(proj.get(t, {}).keys() == want[t].keys() and
-               all(math.isclose(proj[t][k], v, rel_tol=rel, abs_tol=1e-9) for k, v in want[t].items())
-               for t in want)
+    return proj is not None and all(proj.get(t, {}).keys() == want[t].keys() and
+                                    all(math.isclose(proj[t][k], v, rel_tol=1e-6, abs_tol=1e-9)
+                                        for k, v in want[t].items()) for t in want)
 
 
 def _series_name(labels: Labels) -> str:
@@ -199,8 +196,7 @@ def _diagnose(got: Values, want: Values, what: str) -> None:
     per_time = [sorted(s.values()) for s in got.values()]
     if all(len(v) == len(per_time[0]) and all(math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
                                               for a, b in zip(v, per_time[0], strict=True)) for v in per_time):
-        first = want[GRADING_TIMES[0]]
-        key = next(iter(sorted(first)))
+        key = min(want[GRADING_TIMES[0]])  # the first series, in label order
         trend = " -> ".join(f"{want[t].get(key, math.nan):.4g}" for t in GRADING_TIMES)
         raise Wrong(f"this query is a constant: it gives {_show(got[GRADING_TIMES[0]])} at every time, while the "
                     f"reference changes ({_series_name(key)}: {trend} at "

@@ -126,8 +126,7 @@ def _grade_capacity(fn: Any) -> str:
     probes: list[dict[str, Any]] = []
     # (duration, warm-up) of each probe, s. The verdict (the answer is what its own probes say) does not depend on
     # the length: quick mode (CI) runs the shortest probe with three half-second windows.
-    quick = quick_mode()
-    probe_s, hi = ((1.5, 0.5), Q4_QUICK_HI_RPS) if quick else ((3.0, 1.0), Q4_HI_RPS)
+    probe_s, hi = ((1.5, 0.5), Q4_QUICK_HI_RPS) if quick_mode() else ((3.0, 1.0), Q4_HI_RPS)
 
     def probe(rate: float) -> Any:
         if len(probes) >= 12:

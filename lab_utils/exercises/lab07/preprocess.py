@@ -149,11 +149,8 @@ def decode_jpeg(data: list[Any], mode: Any = None, device: Any = "cpu") -> list[
 
     if isinstance(data, torch.Tensor):
         return decode_jpeg([data], mode, device)[0]
-    out = []
-    for t in data:
-        rgb = np.array(Image.open(io.BytesIO(t.cpu().numpy().tobytes())).convert("RGB"))
-        out.append(torch.from_numpy(rgb).permute(2, 0, 1).contiguous().to(device))
-    return out
+    rgbs = (np.array(Image.open(io.BytesIO(t.cpu().numpy().tobytes())).convert("RGB")) for t in data)
+    return [torch.from_numpy(rgb).permute(2, 0, 1).contiguous().to(device) for rgb in rgbs]
 
 
 def jpeg_decoder() -> tuple[Callable[..., Any], str]:

@@ -76,18 +76,16 @@ def _piecewise(t: float, early: float, late: float) -> float:
 
 
 class _LiveVariant:
-    """One variant of a live run: its counters follow the rate, error share and p95 set (as Triton's would)."""
+    """One variant of a live run: its success counter follows the rate set (as Triton's would); it never fails."""
 
-    def __init__(self, accuracy: float, p95_ms: float):
-        self.rps, self.error_rate, self.p95_ms, self.accuracy = 0.0, 0.0, p95_ms, accuracy
-        self.success = self.failure = self.labelled = 0.0
+    def __init__(self, accuracy: float):
+        self.rps, self.accuracy = 0.0, accuracy
+        self.success = self.labelled = 0.0
         self.t = self.t_start = time.monotonic()
 
     def advance(self) -> None:
         now = time.monotonic()
-        n = self.rps * (now - self.t)
-        self.success += n * (1 - self.error_rate)
-        self.failure += n * self.error_rate
+        self.success += self.rps * (now - self.t)
         self.t = now
         self.labelled = LIVE_FEEDBACK_RPS * (now - self.t_start)
 
@@ -95,10 +93,9 @@ class _LiveVariant:
 class _LiveRun:
     """A champion and a challenger under their own model name (Triton) and feedback label, weight set by the loop."""
 
-    def __init__(self, n: int, challenger_accuracy: float, challenger_p95_ms: float, lock: threading.Lock):
+    def __init__(self, n: int, challenger_accuracy: float, lock: threading.Lock):
         self.model, self.label = f"canary_{n}", f"arm_{n}"
-        self.variants = {"champion": _LiveVariant(0.97, 20.0),
-                         "challenger": _LiveVariant(challenger_accuracy, challenger_p95_ms)}
+        self.variants = {"champion": _LiveVariant(0.97), "challenger": _LiveVariant(challenger_accuracy)}
         self.weights: list[int] = []
         self._lock = lock
 
@@ -134,8 +131,8 @@ class _TritonSource:
                 v = run.variants[self.variant]
                 v.advance()
                 s.add_metric([run.model, "1"], v.success)
-                f.add_metric([run.model, "1", "BACKEND"], v.failure)
-                q.add_metric([run.model, "1", "0.95"], v.p95_ms * 1000)
+                f.add_metric([run.model, "1", "BACKEND"], 0.0)
+                q.add_metric([run.model, "1", "0.95"], 20_000.0)  # 20 ms: the live runs differ in accuracy only
         yield from (s, f, q)
 
 
@@ -214,15 +211,13 @@ class MetricsBench:
         """When q2's queries are evaluated (unix s); waits until Prometheus has scraped past it."""
         assert self.t0 is not None
         at = self.t0 + _AT_S
-        wait = at + 2 * _SCRAPE_S + 0.2 - time.time()
-        if wait > 0:
-            time.sleep(wait)
+        time.sleep(max(0.0, at + 2 * _SCRAPE_S + 0.2 - time.time()))
         return at
 
-    def live(self, challenger_accuracy: float, challenger_p95_ms: float = 20.0) -> _LiveRun:
+    def live(self, challenger_accuracy: float) -> _LiveRun:
         with self._lock:
             self._count += 1
-            run = _LiveRun(self._count, challenger_accuracy, challenger_p95_ms, self._lock)
+            run = _LiveRun(self._count, challenger_accuracy, self._lock)
             self._runs.append(run)
         return run
 
@@ -299,13 +294,9 @@ def _slip_queries(window: str) -> dict[str, list[tuple[str, str]]]:
 
 def _by_variant(df: Any, key: str) -> dict[str, list[float]]:
     label = _LABEL[key]
-    out: dict[str, list[float]] = {v: [] for v in VARIANTS}
     if df.empty or label not in df.columns:
-        return out
-    for _, row in df.iterrows():
-        if row[label] in out:
-            out[row[label]].append(float(row["value"]))
-    return out
+        return {v: [] for v in VARIANTS}
+    return {v: [float(x) for k, x in zip(df[label], df["value"], strict=True) if k == v] for v in VARIANTS}
 
 
 def _same(got: Mapping[str, list[float]], want: Mapping[str, list[float]]) -> bool:

@@ -71,10 +71,8 @@ def _check_result(rng: random.Random) -> Any:
 
 
 def _artifact_files(client: Any, run_id: str, path: str | None = None) -> list[Any]:
-    out = []
-    for f in client.list_artifacts(run_id, path):
-        out.extend(_artifact_files(client, run_id, f.path) if f.is_dir else [f])
-    return out
+    return [g for f in client.list_artifacts(run_id, path)
+            for g in (_artifact_files(client, run_id, f.path) if f.is_dir else [f])]
 
 
 def _grade_log_run(fn: Any) -> str:
