@@ -332,38 +332,27 @@ def build_mlp_model(
     return model_dir
 
 
-def ngc_configs(name: str, *, in_features: int = 64, out_features: int = 10, max_batch_size: int = 64,
-                preferred: tuple[int, ...] = (16, 32), queue_delay_us: int = 200, gpu: bool = True
-                ) -> dict[str, dict[str, Any]]:
-    """The same MLP for the NGC server's own backends: ``onnxruntime_onnx`` and ``tensorrt_plan`` configurations."""
-    def one(platform: str, suffix: str, kind: str) -> dict[str, Any]:
-        return {
-            "name": f"{name}_{suffix}",
-            "platform": platform,
-            "max_batch_size": max_batch_size,
-            "input": [{"name": INPUT_NAME, "data_type": "TYPE_FP32", "dims": [in_features]}],
-            "output": [{"name": OUTPUT_NAME, "data_type": "TYPE_FP32", "dims": [out_features]}],
-            "dynamic_batching": {"preferred_batch_size": list(preferred),
-                                 "max_queue_delay_microseconds": queue_delay_us},
-            "instance_group": [{"kind": kind, "count": 1}],
-        }
-
-    return {"onnx": one("onnxruntime_onnx", "onnx", "KIND_GPU" if gpu else "KIND_CPU"),
-            "trt": one("tensorrt_plan", "trt", "KIND_GPU")}
-
-
-def write_ngc_repository(repo: str | os.PathLike[str], onnx_file: str | os.PathLike[str] | None = None,
-                         name: str = "mlp", **kw: Any) -> dict[str, Path]:
-    """An NGC-server repository: ``<name>_onnx`` (with ``model.onnx`` when given) and ``<name>_trt`` (config only:
-    build ``1/model.plan`` on the serving GPU with ``trtexec``). Validated with the schema; the GPU kinds are
-    checked as for a GPU machine, since that is where the NGC server runs them."""
+def write_ngc_repository(repo: str | os.PathLike[str], onnx_file: str | os.PathLike[str] | None = None
+                         ) -> dict[str, Path]:
+    """An NGC-server repository of the same MLP for the server's own backends: ``mlp_onnx`` (``onnxruntime_onnx``,
+    with ``model.onnx`` when given) and ``mlp_trt`` (``tensorrt_plan``, config only: build ``1/model.plan`` on the
+    serving GPU with ``trtexec``). Validated with the schema; the GPU kinds are checked as for a GPU machine, since
+    that is where the NGC server runs them."""
     import shutil
 
     out = {}
-    for key, cfg in ngc_configs(name, **kw).items():
-        d = Path(repo) / cfg["name"]
+    for key, platform in (("onnx", "onnxruntime_onnx"), ("trt", "tensorrt_plan")):
+        d = Path(repo) / f"mlp_{key}"
         (d / "1").mkdir(parents=True, exist_ok=True)
-        write_config(d, cfg, gpus=1)
+        write_config(d, {
+            "name": d.name,
+            "platform": platform,
+            "max_batch_size": 64,
+            "input": [{"name": INPUT_NAME, "data_type": "TYPE_FP32", "dims": [64]}],
+            "output": [{"name": OUTPUT_NAME, "data_type": "TYPE_FP32", "dims": [10]}],
+            "dynamic_batching": {"preferred_batch_size": [16, 32], "max_queue_delay_microseconds": 200},
+            "instance_group": [{"kind": "KIND_GPU", "count": 1}],
+        }, gpus=1)
         out[key] = d
     if onnx_file is not None:
         shutil.copyfile(onnx_file, out["onnx"] / "1" / "model.onnx")
