@@ -19,7 +19,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import warnings
 from dataclasses import dataclass
@@ -38,7 +37,6 @@ from lab_utils.procs import (
     owned_tempdir,
     pid_alive,
     python_env_unowned,
-    remove_at_exit,
     tail,
     wait_http_ok,
 )
@@ -164,7 +162,7 @@ def wheel_layout(binary: Path) -> dict[str, Path]:
     return {"tree": tree, "libs": libs, "stub": stub}
 
 
-def prepare_wheel_backends(binary: Path, root: Path | None = None) -> Path:
+def prepare_wheel_backends(binary: Path) -> Path:
     """A backend folder for the wheel's server, built once per process: the python backend plus this Python's stub.
 
     Links, not copies (a few files): ``backends/python/{libtriton_python.so, triton_python_backend_utils.py,
@@ -175,16 +173,13 @@ def prepare_wheel_backends(binary: Path, root: Path | None = None) -> Path:
     with _wheel_lock:
         if key in _WHEEL_TREES and (_WHEEL_TREES[key] / "backends" / "python").is_dir():
             return _WHEEL_TREES[key]
-        base = Path(tempfile.mkdtemp(prefix="nvlab-triton-backends-", dir=root)) if root else \
-            owned_tempdir("triton-backends")
+        base = owned_tempdir("triton-backends")
         py = base / "backends" / "python"
         py.mkdir(parents=True)
         for name in ("libtriton_python.so", "triton_python_backend_utils.py"):
             (py / name).symlink_to(lay["tree"] / "backends" / "python" / name)
         (py / "triton_python_backend_stub").symlink_to(lay["stub"])
         (base / "caches").symlink_to(lay["tree"] / "caches")
-        if root:
-            remove_at_exit(base)
         _WHEEL_TREES[key] = base
         return base
 
