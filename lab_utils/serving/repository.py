@@ -75,7 +75,7 @@ class ModelEntry:
     path: Path
 
 
-def validate_model_dir(model_dir: Path, *, gpus: int | None = None, require_files: bool = True) -> ModelEntry:
+def validate_model_dir(model_dir: Path, *, gpus: int | None = None) -> ModelEntry:
     """Check one model folder: config.pbtxt (schema + semantics), version folders and their model files."""
     model_dir = Path(model_dir)
     cfg_path = model_dir / "config.pbtxt"
@@ -85,25 +85,24 @@ def validate_model_dir(model_dir: Path, *, gpus: int | None = None, require_file
     cfg = parse_config(cfg_path.read_text(), where=str(cfg_path))
     versions = model_versions(model_dir)
     problems: list[tuple[str, str]] = []
+    if not versions:
+        problems.append(("", f"no version folder in {model_dir} (e.g. {model_dir.name}/1/)"))
+    fname = model_file(cfg)
+    for v in _served_versions(cfg, versions):
+        if fname and not (model_dir / str(v) / fname).exists():
+            have = sorted(p.name for p in (model_dir / str(v)).iterdir())
+            problems.append(("default_model_filename" if cfg.default_model_filename else "",
+                             f"version {v}: {fname} is missing in {model_dir / str(v)} (it holds "
+                             f"{', '.join(have) or 'nothing'}); the {cfg.backend or cfg.platform} "
+                             f"backend loads <version>/{fname}"))
+    onnx_files = [model_dir / str(v) / "model.onnx" for v in _served_versions(cfg, versions)]
+    onnx_files = [f for f in onnx_files if f.exists()]
     shapes = None
-    if require_files:
-        if not versions:
-            problems.append(("", f"no version folder in {model_dir} (e.g. {model_dir.name}/1/)"))
-        fname = model_file(cfg)
-        for v in _served_versions(cfg, versions):
-            if fname and not (model_dir / str(v) / fname).exists():
-                have = sorted(p.name for p in (model_dir / str(v)).iterdir())
-                problems.append(("default_model_filename" if cfg.default_model_filename else "",
-                                 f"version {v}: {fname} is missing in {model_dir / str(v)} (it holds "
-                                 f"{', '.join(have) or 'nothing'}); the {cfg.backend or cfg.platform} "
-                                 f"backend loads <version>/{fname}"))
-        onnx_files = [model_dir / str(v) / "model.onnx" for v in _served_versions(cfg, versions)]
-        onnx_files = [f for f in onnx_files if f.exists()]
-        if onnx_files:
-            try:
-                shapes = onnx_input_shapes(onnx_files[-1])
-            except Exception:  # an unreadable ONNX file is the server's to report; skip the shape check
-                shapes = None
+    if onnx_files:
+        try:
+            shapes = onnx_input_shapes(onnx_files[-1])
+        except Exception:  # an unreadable ONNX file is the server's to report; skip the shape check
+            pass
     problems += check_model_config(cfg, gpus=gpus, model_dir=model_dir, model_shapes=shapes)
     if problems:
         raise ConfigError(problems, model=cfg.name or model_dir.name, where=str(cfg_path))
@@ -125,7 +124,6 @@ def validate_repository(
     *,
     models: list[str] | tuple[str, ...] | None = None,
     gpus: int | None = None,
-    require_files: bool = True,
 ) -> dict[str, ModelEntry]:
     """Validate every model folder of ``repo`` (or only ``models``); ``ConfigError`` names model, file and field."""
     repo = Path(repo)
@@ -141,7 +139,7 @@ def validate_repository(
     if gpus is None:
         texts = [(d / "config.pbtxt").read_text() if (d / "config.pbtxt").is_file() else "" for d in dirs]
         gpus = nvml_gpu_count() if any("KIND_GPU" in t or "gpus" in t for t in texts) else 0
-    return {d.name: validate_model_dir(d, gpus=gpus, require_files=require_files) for d in dirs}
+    return {d.name: validate_model_dir(d, gpus=gpus) for d in dirs}
 
 
 # --- building a repository ------------------------------------------------------------------------------

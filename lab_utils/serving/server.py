@@ -363,7 +363,7 @@ class TritonServer(OwnedServer, HttpGrpcEndpoints):
                                    "lab_utils.serving.repository (or pass the right path)")
         warn_if_empty(self.model_repository, self.model_control)
         if self.validate:
-            validate_repository(self.model_repository, models=self.load_models or None, require_files=True)
+            validate_repository(self.model_repository, models=self.load_models or None)
         source = self.source or find_server(local=True)
         if source.kind == "url":
             raise ServerStartError("TritonServer starts a local binary; for TRITON_URL use ExternalServer or "

@@ -124,8 +124,7 @@ class Service(StartStop):
                 source = find_server(local=True)
                 if self.repo is not None:  # given: checked here; built below: build_service checked it
                     kw = self.repo.server_kwargs()
-                    triton_repo.validate_repository(self.repo.path, models=list(kw["load_models"]) or None,
-                                                    require_files=True)
+                    triton_repo.validate_repository(self.repo.path, models=list(kw["load_models"]) or None)
                 else:
                     self.workdir = owned_tempdir("service")
                     t0 = time.perf_counter()
