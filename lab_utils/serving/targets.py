@@ -1,7 +1,8 @@
 """What one request of a load run is: a Triton inference, a plain HTTP request, or any ``async def``.
 
 Stable API (``lab_utils.serving.load`` drives these; labs 04, 05, 07 and 08 build them): ``TritonTarget``,
-``HttpTarget``, ``FunctionTarget``, ``as_target``. A target's ``send()`` is one request and raises when it failed.
+``HttpTarget``, ``FunctionTarget``, ``as_target``. A target's ``send()`` is one request and raises when it failed;
+``open()`` and ``close()`` run in the load's event loop, around the run; ``batch`` is its rows per request.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
@@ -20,18 +21,6 @@ DEFAULT_MAX_CONNECTIONS = 1000
 _N_PAYLOADS = 8  # distinct request payloads made up front, so make_inputs costs nothing in the timed loop
 
 Verify = Callable[[Mapping[str, np.ndarray], Mapping[str, np.ndarray]], None]
-
-
-class Target(Protocol):
-    """One kind of request. ``open()`` and ``close()`` run in the load's event loop, around the run."""
-
-    batch: int
-
-    async def open(self) -> None: ...
-
-    async def send(self) -> None: ...  # one request; raises when it failed
-
-    async def close(self) -> None: ...
 
 
 class HttpStatusError(Exception):
@@ -191,7 +180,7 @@ class FunctionTarget:
 
 
 def as_target(target: Any) -> Any:
-    """``target`` as a Target: one already, or an ``async def`` of no arguments."""
+    """``target`` as a target: one already (``open``, ``send``, ``close``), or an ``async def`` of no arguments."""
     if all(callable(getattr(target, m, None)) for m in ("open", "send", "close")):
         return target
     if inspect.iscoroutinefunction(target):
@@ -200,5 +189,5 @@ def as_target(target: Any) -> Any:
                     "that raises when the request failed")
 
 
-__all__ = ["Target", "TritonTarget", "HttpTarget", "FunctionTarget", "as_target", "HttpStatusError", "WrongAnswer",
+__all__ = ["TritonTarget", "HttpTarget", "FunctionTarget", "as_target", "HttpStatusError", "WrongAnswer",
            "Verify", "payloads", "PROTOCOLS"]
