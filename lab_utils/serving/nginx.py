@@ -109,11 +109,8 @@ def resolve(use: bool | None = None, show: bool = True) -> str | None:
     ``NVLAB_REQUIRE_NGINX=1``); ``use=True`` and none installed: ``NginxNotFound``."""
     if use is False:
         return None
-    path = find_nginx()
-    if path is not None:
-        return str(path)
-    if use:
-        raise NginxNotFound(_not_found())
+    if use or find_nginx() is not None:
+        return nginx_binary()
     available(show)
     return None
 
