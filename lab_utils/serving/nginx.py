@@ -224,13 +224,12 @@ def check_nginx_config(text: str, binary: str | None = None, what: str = "the co
         return _test(binary, prefix, conf, spans, what)
 
 
-def check_upstream_block(block: str, grpc: bool = False, binary: str | None = None) -> str:
-    """Validate a hand-written ``upstream NAME { ... }`` block inside the course's config (``nginx -t``): the block's
-    name, or ``NginxConfigError`` naming the problem, its line in the block, and the fix."""
-    name = upstream_name(block, "grpc_upstream_block" if grpc else "upstream_block")
-    kw = {"grpc_upstream_block": block, "grpc_port": 2} if grpc else {"upstream_block": block}
+def check_upstream_block(block: str, binary: str | None = None) -> str:
+    """Validate a hand-written HTTP ``upstream NAME { ... }`` block inside the course's config (``nginx -t``): the
+    block's name, or ``NginxConfigError`` naming the problem, its line in the block, and the fix."""
+    name = upstream_name(block)
     spans: dict[str, tuple[int, int]] = {}
-    text = nginx_config(http_port=1, status_port=3, api_keys=(), block_lines=spans, **kw)  # type: ignore[arg-type]
+    text = nginx_config(http_port=1, status_port=3, api_keys=(), block_lines=spans, upstream_block=block)
     check_nginx_config(text, binary, spans=spans)
     return name
 
