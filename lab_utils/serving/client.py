@@ -151,13 +151,13 @@ def as_arrays(res: Any, protocol: str, outputs: Sequence[str] | None = None) -> 
 
 
 async def infer_async(url: str, model: str, inputs: Mapping[str, np.ndarray], *, protocol: str = "grpc",
-                      outputs: Sequence[str] | None = None, version: str = "", binary: bool = True,
-                      client_: Any = None) -> dict[str, np.ndarray]:
-    """``infer`` as a coroutine (``await infer_async(...)``); pass ``client_`` (an aio client) to reuse one."""
+                      outputs: Sequence[str] | None = None, version: str = "",
+                      binary: bool = True) -> dict[str, np.ndarray]:
+    """``infer`` as a coroutine (``await infer_async(...)``), on a client of its own."""
     from tritonclient.utils import InferenceServerException
 
     mod = _module(protocol, aio=True)
-    c = client_ or mod.InferenceServerClient(host_port(url))
+    c = mod.InferenceServerClient(host_port(url))
     try:
         ins, outs = build_request(mod, protocol, inputs, outputs, binary)
         try:
@@ -166,8 +166,7 @@ async def infer_async(url: str, model: str, inputs: Mapping[str, np.ndarray], *,
             _raise(err, url, protocol, model, inputs)
         return as_arrays(res, protocol, outputs)
     finally:
-        if client_ is None:
-            await c.close()
+        await c.close()
 
 
 # --- repository API, metadata, configuration ------------------------------------------------------------
