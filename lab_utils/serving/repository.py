@@ -58,13 +58,8 @@ def onnx_input_shapes(path: Path) -> dict[str, list[int | str | None]]:
 
     m = onnx.load(str(path), load_external_data=False)
     inits = {i.name for i in m.graph.initializer}
-    out: dict[str, list[int | str | None]] = {}
-    for i in m.graph.input:
-        if i.name in inits:
-            continue
-        out[i.name] = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
-                       for d in i.type.tensor_type.shape.dim]
-    return out
+    return {i.name: [d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
+                     for d in i.type.tensor_type.shape.dim] for i in m.graph.input if i.name not in inits}
 
 
 @dataclass
