@@ -8,6 +8,7 @@ and ``cpu_cores`` turn into ms per request and cores; ``plot_split`` draws them.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Sequence
@@ -38,11 +39,10 @@ class Snapshot:
 def _cpu_s(procs: Sequence[psutil.Process]) -> float:
     total = 0.0
     for p in procs:
-        try:
+        # gone since it was listed: its time is lost, not wrong
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
             t = p.cpu_times()
             total += t.user + t.system
-        except (psutil.NoSuchProcess, psutil.AccessDenied):  # gone since it was listed: its time is lost, not wrong
-            pass
     return total
 
 
@@ -53,18 +53,14 @@ def _groups(svc: Any) -> dict[str, list[psutil.Process]]:
     for s in svc.servers:
         if s.pid is None:
             continue
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             root = psutil.Process(s.pid)
             groups["triton"].append(root)
             groups["python stubs"] += root.children(recursive=True)
-        except psutil.NoSuchProcess:
-            continue
     if svc.lb is not None and svc.lb.pid is not None:
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             master = psutil.Process(svc.lb.pid)
             groups["nginx"] = [master, *master.children()]
-        except psutil.NoSuchProcess:
-            pass
     groups["client"] = [psutil.Process(os.getpid())]
     return groups
 
