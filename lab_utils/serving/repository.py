@@ -12,6 +12,7 @@ Design notes: docs/internals.md#lab_utilsservingrepositorypy
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from collections.abc import Mapping
@@ -94,10 +95,8 @@ def validate_model_dir(model_dir: Path, *, gpus: int | None = None) -> ModelEntr
     onnx_files = [f for f in onnx_files if f.exists()]
     shapes = None
     if onnx_files:
-        try:
+        with contextlib.suppress(Exception):  # an unreadable ONNX file is the server's to report: no shape check
             shapes = onnx_input_shapes(onnx_files[-1])
-        except Exception:  # an unreadable ONNX file is the server's to report; skip the shape check
-            pass
     problems += check_model_config(cfg, gpus=gpus, model_dir=model_dir, model_shapes=shapes)
     if problems:
         raise ConfigError(problems, model=cfg.name or model_dir.name, where=str(cfg_path))
