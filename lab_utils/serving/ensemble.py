@@ -374,10 +374,8 @@ def service_accuracy(url: str, *, protocol: str = "grpc", n: int | None = None, 
     request); with the wrong predictions (index, label, predicted) and the wall time (s)."""
     pngs, y = digits_pngs("test", n)
     t0 = time.perf_counter()
-    predicted: list[str] = []
-    for i in range(0, len(pngs), batch_size):
-        labels, _ = classify(url, pngs[i:i + batch_size], protocol=protocol, model=model, headers=headers)
-        predicted += [row[0] for row in labels]
+    predicted = [row[0] for i in range(0, len(pngs), batch_size)  # each image's top label
+                 for row in classify(url, pngs[i:i + batch_size], protocol=protocol, model=model, headers=headers)[0]]
     wall_s = time.perf_counter() - t0
     wrong = [(i, int(t), p) for i, (t, p) in enumerate(zip(y, predicted, strict=True)) if str(int(t)) != p]
     return {"accuracy": 1 - len(wrong) / len(y), "images": len(y), "wrong": wrong, "wall_s": wall_s,
