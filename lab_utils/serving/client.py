@@ -178,8 +178,6 @@ def http_encoding_cost(url: str, model: str, inputs: Mapping[str, np.ndarray], o
     (``binary_data=False``, then ``True``, tritonclient's default for inputs and requested outputs) with the bytes
     of the request and of the response bodies and the median and p90 round trip (ms) of ``reps`` requests on one
     connection after ``warmup``. The answers must agree (max |difference| of the outputs, ``max_abs_diff``)."""
-    import urllib.request
-
     import tritonclient.http as httpclient
 
     from lab_utils.timing import benchmark
