@@ -339,12 +339,8 @@ def cache_stats(metrics_url: str, model: str = SERVICE) -> dict[str, float]:
 
 def version_states(url: str, model: str = CLASSIFIER, protocol: str = "grpc") -> dict[str, str]:
     """``{version: state}`` of ``model`` from the repository index (READY, UNAVAILABLE with a reason...)."""
-    out = {}
-    for m in triton_client.repository_index(url, protocol):
-        if m.get("name") == model and m.get("version"):
-            reason = m.get("reason", "")
-            out[str(m["version"])] = m.get("state", "") + (f": {reason}" if reason else "")
-    return out
+    return {str(m["version"]): m.get("state", "") + (f": {m['reason']}" if m.get("reason") else "")
+            for m in triton_client.repository_index(url, protocol) if m.get("name") == model and m.get("version")}
 
 
 # --- clients ---------------------------------------------------------------------------------------------

@@ -132,10 +132,7 @@ class LoadResult:
     def to_row(self) -> dict[str, Any]:
         """A flat dict for a table: the client numbers, then the server split (``server_*``)."""
         row = {k: v for k, v in asdict(self).items() if k not in ("windows", "error_messages", "server")}
-        row["windows"] = len(self.windows)
-        for k, v in (self.server or {}).items():
-            row[f"server_{k}"] = v
-        return row
+        return {**row, "windows": len(self.windows), **{f"server_{k}": v for k, v in (self.server or {}).items()}}
 
     def __str__(self) -> str:
         load = f"{self.rate_rps:g} req/s offered" if self.mode == "open" else f"c={self.concurrency}"

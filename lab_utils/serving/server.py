@@ -220,10 +220,8 @@ _PORT_BUSY = re.compile(r"(already in use|Address in use|failed to start .* serv
 
 def failed_models(log_text: str) -> dict[str, str]:
     """{"model:version": first line of the reason} for every model the log says failed to load."""
-    out: dict[str, str] = {}
-    for m in _LOAD_FAIL.finditer(log_text):
-        reason = m.group(3).replace("\\n", "\n").split("\n")[0].strip()
-        out[f"{m.group(1)}:{m.group(2)}"] = reason
+    out = {f"{m.group(1)}:{m.group(2)}": m.group(3).replace("\\n", "\n").split("\n")[0].strip()
+           for m in _LOAD_FAIL.finditer(log_text)}
     for m in _STUB_FAIL.finditer(log_text):
         out.setdefault("python stub", m.group(1).strip())
     return out
