@@ -501,9 +501,7 @@ def serve_upstream(upstream_block: str, *, grpc_upstream_block: str | None = Non
     """A started ``NginxServer`` whose HTTP upstream is the hand-written ``upstream_block`` (lab 07's exercise):
     checked first (``NginxConfigError`` names the problem, its line in the block, and the fix), then served. Use it
     in a ``with`` block; ``kwargs`` are ``NginxServer``'s."""
-    upstream_name(upstream_block)
-    server = NginxServer(upstream_block=upstream_block, grpc_upstream_block=grpc_upstream_block, **kwargs)
-    return server.start()
+    return NginxServer(upstream_block=upstream_block, grpc_upstream_block=grpc_upstream_block, **kwargs).start()
 
 
 def leftover_nginx(prefix: str | os.PathLike[str]) -> list[int]:
