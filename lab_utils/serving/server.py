@@ -227,12 +227,8 @@ def failed_models(log_text: str) -> dict[str, str]:
     return out
 
 
+# the error lines of a server log: Triton's ``E...`` lines, ``error:``, unrecognized options
 _ERROR_LINE = re.compile(r"^(?:E\d{4} .*|error: .*|.*unrecognized option.*|.*[Uu]nexpected argument.*)$", re.M)
-
-
-def log_errors(path: Path | None, limit: int = 5) -> list[str]:
-    """The error lines of a server log (Triton's ``E...`` lines, ``error:``, unrecognized options)."""
-    return [m.group(0).strip() for m in _ERROR_LINE.finditer(tail(path, 2000))][:limit]
 
 
 class TritonServer(OwnedServer, HttpGrpcEndpoints):
@@ -406,7 +402,8 @@ class TritonServer(OwnedServer, HttpGrpcEndpoints):
                 f"startup_timeout_s). Log {self.log_path}, last lines:\n{last}", last, failed)
         why = "".join(f"\n  model {k} failed to load: {v}" for k, v in failed.items())
         if not failed:
-            why = "".join(f"\n  {line}" for line in log_errors(self.log_path))
+            errors = [m.group(0).strip() for m in _ERROR_LINE.finditer(tail(self.log_path, 2000))]
+            why = "".join(f"\n  {line}" for line in errors[:5])
         how = f"exited with code {code}" if code is not None else "failed (stopped it)"
         err = ServerStartError(f"tritonserver {how} before it was ready.{why}\nLog {self.log_path}, last "
                                f"lines:\n{last}", last, failed)
