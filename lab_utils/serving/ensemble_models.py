@@ -340,18 +340,6 @@ def export_torchscript(model: Any, version_dir: str | Path, image_size: int = DI
     return path
 
 
-def broken_classifier(classes: int = 9, seed: int = 0) -> Any:
-    """A DigitsCNN whose head has ``classes`` outputs (not 10): the wrong output shape a server must refuse."""
-    import torch
-
-    from lab_utils.models import make_digits_cnn  # lazy: pulls torch
-
-    torch.manual_seed(seed)
-    model = make_digits_cnn()
-    model.head[-1] = torch.nn.Linear(model.head[-1].in_features, classes)
-    return model.eval()
-
-
 def write_classifier_version(repo: str | Path, version: int, *, epochs: int = 4, seed: int | None = None,
                              name: str = CLASSIFIER, model: Any = None) -> dict[str, Any]:
     """Train (or take ``model``) and write ``<repo>/<name>/<version>/``: ``model.onnx`` and, for the python backend,
@@ -376,7 +364,14 @@ def write_broken_version(repo: str | Path, version: int = 2, *, name: str = CLAS
     """Write a version whose ONNX file outputs ``classes`` logits where the config says 10: Triton refuses it at
     load (the onnxruntime backend's check, or ``onnx_classifier``'s / ``torch_classifier``'s on the python backend).
     Returns its folder."""
-    write_classifier_version(repo, version, name=name, model=broken_classifier(classes))
+    import torch
+
+    from lab_utils.models import make_digits_cnn  # lazy: pulls torch
+
+    torch.manual_seed(0)
+    model = make_digits_cnn()  # a DigitsCNN whose head has ``classes`` outputs: the wrong shape a server must refuse
+    model.head[-1] = torch.nn.Linear(model.head[-1].in_features, classes)
+    write_classifier_version(repo, version, name=name, model=model.eval())
     return Path(repo) / name / str(version)
 
 
