@@ -398,8 +398,7 @@ def hot_update(svc: Service, new_version: int = 2, *, rate_rps: float = 100.0, d
         ticks.close()
     result = load.get()
     frame = pd.DataFrame(samples).fillna(0.0)
-    cols = [c for c in frame.columns if c != "t_s"]
-    rates = frame[cols].diff().div(frame["t_s"].diff(), axis=0).clip(lower=0)
+    rates = frame.drop(columns="t_s").diff().div(frame["t_s"].diff(), axis=0).clip(lower=0)
     timeline = pd.concat([frame[["t_s"]], rates.add_prefix("v").add_suffix("_rps")], axis=1).iloc[1:]
     timeline.attrs["warmup_s"] = warmup_s
     return HotUpdate(result, timeline.reset_index(drop=True), steps,
