@@ -14,6 +14,7 @@ from _triton import require_server, tiny_repo
 from lab_utils.serving import load as triton_load
 from lab_utils.serving.client import server_split
 from lab_utils.serving.load import Window, is_stable, run_closed_loop, run_load, run_open_loop
+from lab_utils.serving.senders import Plan, Sender
 from lab_utils.serving.server import TritonServer
 from lab_utils.serving.targets import TritonTarget
 
@@ -187,8 +188,9 @@ def test_bad_arguments():
 def test_a_windows_errors_and_their_messages_are_taken_together():
     """A request belongs to the window of its send time: a dead server failing fast fills window 1 before window 0
     is read, and window 0 keeps its own count and messages."""
+    sender = Sender(None, Plan("open", warmup_s=0.5, window_s=1.0, n_windows=3, timeout_s=1.0), None, None, None, None)
+    assert [sender.window_of(t) for t in (0.0, 0.49, 0.5, 1.49, 1.5, 9.0)] == [-1, -1, 0, 0, 1, 2]
     book = triton_load._Book(warmup_s=0.5, window_s=1.0, n_windows=3, batch=1)
-    assert [book.window_of(t) for t in (0.0, 0.49, 0.5, 1.49, 1.5, 9.0)] == [-1, -1, 0, 0, 1, 2]
     book.add(-1, [(0.1, 0.1, 0.2, False, "warm-up failure")])
     book.add(0, [(0.6, 0.6, 0.7, False, "refused"), (0.7, 0.7, 0.8, True, "")])
     book.add(1, [(1.6, 1.6, 1.7, False, "unavailable")] * 3)

@@ -51,7 +51,7 @@ def test_schema_refuses_with_the_field_named(bad, field):
     with pytest.raises(ConfigError) as err:
         parse_config(bad, where="m/config.pbtxt")
     assert field in str(err.value) and "m/config.pbtxt" in str(err.value)
-    assert err.value.fields and field in err.value.fields[0] + str(err.value)
+    assert err.value.problems and field in err.value.problems[0][0] + str(err.value)
 
 
 def test_values_refused_with_the_field_named():

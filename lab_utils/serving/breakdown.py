@@ -8,6 +8,7 @@ and ``cpu_cores`` turn into ms per request and cores; ``plot_split`` draws them.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Sequence
@@ -38,11 +39,10 @@ class Snapshot:
 def _cpu_s(procs: Sequence[psutil.Process]) -> float:
     total = 0.0
     for p in procs:
-        try:
+        # gone since it was listed: its time is lost, not wrong
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
             t = p.cpu_times()
             total += t.user + t.system
-        except (psutil.NoSuchProcess, psutil.AccessDenied):  # gone since it was listed: its time is lost, not wrong
-            pass
     return total
 
 
@@ -53,18 +53,14 @@ def _groups(svc: Any) -> dict[str, list[psutil.Process]]:
     for s in svc.servers:
         if s.pid is None:
             continue
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             root = psutil.Process(s.pid)
             groups["triton"].append(root)
             groups["python stubs"] += root.children(recursive=True)
-        except psutil.NoSuchProcess:
-            continue
     if svc.lb is not None and svc.lb.pid is not None:
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             master = psutil.Process(svc.lb.pid)
             groups["nginx"] = [master, *master.children()]
-        except psutil.NoSuchProcess:
-            pass
     groups["client"] = [psutil.Process(os.getpid())]
     return groups
 
@@ -72,21 +68,18 @@ def _groups(svc: Any) -> dict[str, list[psutil.Process]]:
 def snapshot(svc: Any, models: Sequence[str] | None = None) -> Snapshot:
     """The statistics API's counters of every model of ``svc.repo`` (or ``models``) on every server, and CPU
     seconds per group."""
-    stats: dict[str, dict[str, Any]] = {}
-    for model in svc.repo.models if models is None else models:
-        stats[model] = sum_stats([model_stats(s.http_url, model) for s in svc.servers])
+    stats = {model: sum_stats([model_stats(s.http_url, model) for s in svc.servers])
+             for model in (svc.repo.models if models is None else models)}
     return Snapshot(time.monotonic(), stats, {g: _cpu_s(p) for g, p in _groups(svc).items()})
 
 
 def split(before: Snapshot, after: Snapshot) -> pd.DataFrame:
     """Per model, between two snapshots: requests, average batch, and milliseconds per request in each stage and
     in all (``request_ms``: Triton's whole time for the request, the ensemble's including its steps')."""
-    rows = []
-    for model in after.stats:
-        s = server_split(before.stats[model], after.stats[model])
-        rows.append({"model": model, "requests": int(s["requests"]), "batch_avg": s["batch_avg"],
-                     **{f"{k}_ms": s[f"{k}_us"] / 1e3 for k in STAGES}, "request_ms": s["request_us"] / 1e3})
-    return pd.DataFrame(rows).set_index("model")
+    splits = {model: server_split(before.stats[model], after.stats[model]) for model in after.stats}
+    return pd.DataFrame([{"model": model, "requests": int(s["requests"]), "batch_avg": s["batch_avg"],
+                          **{f"{k}_ms": s[f"{k}_us"] / 1e3 for k in STAGES}, "request_ms": s["request_us"] / 1e3}
+                         for model, s in splits.items()]).set_index("model")
 
 
 def cpu_cores(before: Snapshot, after: Snapshot) -> dict[str, float]:

@@ -19,6 +19,7 @@ from lab_utils.args import check_int, check_positive
 from lab_utils.procs import Background
 from lab_utils.serving.load import ERROR_BACKOFF_S, LoadResult, run_closed_loop, run_open_loop
 from lab_utils.serving.targets import as_target
+from lab_utils.timing import Ticks
 
 # --- closed against open -------------------------------------------------------------------------------------
 
@@ -54,18 +55,16 @@ def compare_loops(target: Any, *, concurrency: int = 1, rate_rps: float | None =
         raise ValueError(f"compare_loops(rate_fraction={rate_fraction!r}): a fraction of the closed loop's "
                          "throughput, e.g. 0.9")
     kw = {"duration_s": duration_s, "warmup_s": warmup_s, "window_s": window_s, "timeout_s": timeout_s}
-    phases = ("closed loop", "open loop")
-    ticks = iter(progress(phases, total=len(phases), desc="closed then open loop") if progress is not None
-                 else phases)
-    next(ticks)
+    ticks = Ticks(progress, 2, "closed then open loop")
     closed = run_closed_loop(target, concurrency, **kw)  # type: ignore[arg-type]
     rate = rate_rps if rate_rps is not None else rate_fraction * closed.achieved_rps
     if not rate or not math.isfinite(rate):
         raise RuntimeError(f"the closed loop got no answer ({closed.errors} errors: {closed.error_messages}): "
                            "is the server up?")
-    next(ticks)
+    ticks.step()
     opened = run_open_loop(target, rate, seed=seed, **kw)  # type: ignore[arg-type]
-    next(ticks, None)  # the hook's loop ends: its display closes
+    ticks.step()
+    ticks.close()
     ratio = opened.p95_ms / closed.p95_ms if closed.p95_ms else float("nan")
     return LoopComparison(closed, opened, float(rate), float(ratio))
 
@@ -164,24 +163,22 @@ def find_capacity(target: Any, slo_ms: float = 100.0, *, lo_rps: float, hi_rps: 
 
     # lo_rps, then hi_rps, then bisection: one probe per pass of this loop (at most max_steps), each pass deciding
     # first whether the last probe ended the search, so that a progress hook counts every rate tried
-    tries = range(steps_max)
-    tries_iter = iter(progress(tries, total=steps_max, desc="capacity search") if progress is not None else tries)
+    ticks = Ticks(progress, steps_max, "capacity search")
     passed: list[bool] = []
     try:
-        for i in tries_iter:
+        for i in range(steps_max):
             if (i == 1 and not passed[0]) or (i == 2 and passed[1]) or (i >= 2 and not hi - lo > tol * hi):
                 break
             rate = lo if i == 0 else hi if i == 1 else (lo + hi) / 2
             passed.append(probe(rate))
+            ticks.step()
             if i >= 2:
                 if passed[-1]:
                     lo = rate
                 else:
                     hi = rate
     finally:  # the hook's bar or line ends with the search, however it ends
-        close = getattr(tries_iter, "close", None)
-        if close is not None:
-            close()
+        ticks.close()
     if not passed[0]:
         return CapacityResult(0.0, slo, percentile, True, steps, None)
     if passed[1]:

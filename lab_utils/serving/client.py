@@ -81,12 +81,6 @@ def _datatype(a: np.ndarray) -> str:
     return dt
 
 
-def describe_request(inputs: Mapping[str, np.ndarray]) -> list[dict[str, Any]]:
-    """What a request carries: each input's name, Triton datatype and shape."""
-    return [{"name": k, "datatype": _datatype(np.asarray(v)), "shape": list(np.asarray(v).shape)}
-            for k, v in inputs.items()]
-
-
 def build_request(mod: Any, protocol: str, inputs: Mapping[str, np.ndarray], outputs: Sequence[str] | None,
                   binary: bool = True) -> tuple[list[Any], list[Any] | None]:
     """The InferInput and InferRequestedOutput objects of one request, for ``mod`` (a tritonclient module of
@@ -101,23 +95,21 @@ def build_request(mod: Any, protocol: str, inputs: Mapping[str, np.ndarray], out
     return ins, [mod.InferRequestedOutput(o, **kw) for o in outputs] if outputs else None
 
 
-def _expected(url: str, protocol: str, model: str) -> str:
-    """The model's inputs as its metadata states them, for an error message ('' when unavailable)."""
-    try:
-        md = model_metadata(url, model, protocol)
-    except Exception:  # the model itself may be missing: the server's message says so
-        return ""
-    parts = [f"{i['name']} {i['datatype']} {i['shape']}" for i in md.get("inputs", [])]
-    return "; model expects: " + ", ".join(parts) if parts else ""
-
-
 def _raise(err: Exception, url: str, protocol: str, model: str, inputs: Mapping[str, np.ndarray]) -> None:
+    """``InferError``: the server's words, what the request carried (each input's name, Triton datatype and shape)
+    and the model's inputs as its metadata states them."""
     msg = err.message() if hasattr(err, "message") and callable(err.message) else str(err)
     msg = str(msg).replace("[request id: <id_unknown>] ", "")
-    req = describe_request(inputs)
-    sent = ", ".join(f"{r['name']} {r['datatype']} {r['shape']}" for r in req)
+    req = [{"name": k, "datatype": _datatype(np.asarray(v)), "shape": list(np.asarray(v).shape)}
+           for k, v in inputs.items()]
+    try:
+        expected = model_metadata(url, model, protocol).get("inputs", [])
+    except Exception:  # the model itself may be missing: the server's message says so
+        expected = []
+    sent = ", ".join(f"{t['name']} {t['datatype']} {t['shape']}" for t in req)
+    want = ", ".join(f"{t['name']} {t['datatype']} {t['shape']}" for t in expected)
     raise InferError(f"{protocol} infer on model {model!r} at {host_port(url)} failed: {msg}\n  request sent: {sent}"
-                     f"{_expected(url, protocol, model)}", msg, req) from None
+                     + (f"; model expects: {want}" if want else ""), msg, req) from None
 
 
 def infer(url: str, model: str, inputs: Mapping[str, np.ndarray], *, protocol: str = "grpc",
@@ -151,13 +143,13 @@ def as_arrays(res: Any, protocol: str, outputs: Sequence[str] | None = None) -> 
 
 
 async def infer_async(url: str, model: str, inputs: Mapping[str, np.ndarray], *, protocol: str = "grpc",
-                      outputs: Sequence[str] | None = None, version: str = "", binary: bool = True,
-                      client_: Any = None) -> dict[str, np.ndarray]:
-    """``infer`` as a coroutine (``await infer_async(...)``); pass ``client_`` (an aio client) to reuse one."""
+                      outputs: Sequence[str] | None = None, version: str = "",
+                      binary: bool = True) -> dict[str, np.ndarray]:
+    """``infer`` as a coroutine (``await infer_async(...)``), on a client of its own."""
     from tritonclient.utils import InferenceServerException
 
     mod = _module(protocol, aio=True)
-    c = client_ or mod.InferenceServerClient(host_port(url))
+    c = mod.InferenceServerClient(host_port(url))
     try:
         ins, outs = build_request(mod, protocol, inputs, outputs, binary)
         try:
@@ -166,8 +158,7 @@ async def infer_async(url: str, model: str, inputs: Mapping[str, np.ndarray], *,
             _raise(err, url, protocol, model, inputs)
         return as_arrays(res, protocol, outputs)
     finally:
-        if client_ is None:
-            await c.close()
+        await c.close()
 
 
 # --- repository API, metadata, configuration ------------------------------------------------------------
@@ -179,8 +170,6 @@ def http_encoding_cost(url: str, model: str, inputs: Mapping[str, np.ndarray], o
     (``binary_data=False``, then ``True``, tritonclient's default for inputs and requested outputs) with the bytes
     of the request and of the response bodies and the median and p90 round trip (ms) of ``reps`` requests on one
     connection after ``warmup``. The answers must agree (max |difference| of the outputs, ``max_abs_diff``)."""
-    import urllib.request
-
     import tritonclient.http as httpclient
 
     from lab_utils.timing import benchmark

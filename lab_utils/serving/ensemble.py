@@ -339,12 +339,8 @@ def cache_stats(metrics_url: str, model: str = SERVICE) -> dict[str, float]:
 
 def version_states(url: str, model: str = CLASSIFIER, protocol: str = "grpc") -> dict[str, str]:
     """``{version: state}`` of ``model`` from the repository index (READY, UNAVAILABLE with a reason...)."""
-    out = {}
-    for m in triton_client.repository_index(url, protocol):
-        if m.get("name") == model and m.get("version"):
-            reason = m.get("reason", "")
-            out[str(m["version"])] = m.get("state", "") + (f": {reason}" if reason else "")
-    return out
+    return {str(m["version"]): m.get("state", "") + (f": {m['reason']}" if m.get("reason") else "")
+            for m in triton_client.repository_index(url, protocol) if m.get("name") == model and m.get("version")}
 
 
 # --- clients ---------------------------------------------------------------------------------------------
@@ -374,10 +370,8 @@ def service_accuracy(url: str, *, protocol: str = "grpc", n: int | None = None, 
     request); with the wrong predictions (index, label, predicted) and the wall time (s)."""
     pngs, y = digits_pngs("test", n)
     t0 = time.perf_counter()
-    predicted: list[str] = []
-    for i in range(0, len(pngs), batch_size):
-        labels, _ = classify(url, pngs[i:i + batch_size], protocol=protocol, model=model, headers=headers)
-        predicted += [row[0] for row in labels]
+    predicted = [row[0] for i in range(0, len(pngs), batch_size)  # each image's top label
+                 for row in classify(url, pngs[i:i + batch_size], protocol=protocol, model=model, headers=headers)[0]]
     wall_s = time.perf_counter() - t0
     wrong = [(i, int(t), p) for i, (t, p) in enumerate(zip(y, predicted, strict=True)) if str(int(t)) != p]
     return {"accuracy": 1 - len(wrong) / len(y), "images": len(y), "wrong": wrong, "wall_s": wall_s,

@@ -107,7 +107,7 @@ def default_instances(gpus: int = 0) -> int:
 def classifier_config(name: str = CLASSIFIER, *, backend: str = "python", image_size: int = DIGITS_SIZE,
                       channels: int = 1, classes: int = 10, max_batch_size: int = MAX_BATCH,
                       queue_delay_us: int = QUEUE_DELAY_US, instances: int = 1, gpus: int = 0,
-                      threads: int = 1, versions: Sequence[int] | None = None, cache: bool = False,
+                      threads: int = 1, cache: bool = False,
                       engine: str | None = None, precision: str = "fp32", channels_last: bool = False,
                       cuda_graphs: bool = False) -> dict[str, Any]:
     """The classifier's configuration: ``onnxruntime`` (Triton's ONNX Runtime backend, NGC server) or ``python``
@@ -151,8 +151,6 @@ def classifier_config(name: str = CLASSIFIER, *, backend: str = "python", image_
         cfg["parameters"] = _params(params)
     else:
         cfg["platform"] = "onnxruntime_onnx"
-    if versions:
-        cfg["version_policy"] = {"specific": {"versions": list(versions)}}
     if cache:
         cfg["response_cache"] = {"enable": True}
     return cfg
@@ -167,8 +165,6 @@ def _params(values: Mapping[str, Any], stub_env: str | Path | None = None) -> di
 def preprocess_config(name: str = PREPROCESS, *, image_size: int = DIGITS_SIZE, channels: int = 1,
                       pixel_scale: float = 16 / 255, mean: Sequence[float] = (0.0,), std: Sequence[float] = (1.0,),
                       resample: str = "box", max_batch_size: int = MAX_BATCH, stub_env: str | Path | None = None,
-                      max_image_bytes: int = MAX_IMAGE_BYTES, max_image_pixels: int = MAX_IMAGE_PIXELS,
-                      min_image_side: int = MIN_IMAGE_SIDE,
                       instances: int = 1, drift_reference: Mapping[str, Any] | None = None,
                       drift_window: int = 200, device: str = "cpu", queue_delay_us: int | None = None
                       ) -> dict[str, Any]:
@@ -180,8 +176,8 @@ def preprocess_config(name: str = PREPROCESS, *, image_size: int = DIGITS_SIZE, 
         raise ValueError(f"device={device!r}: use one of {PREPROCESS_DEVICES}")
     params = {"image_size": image_size, "channels": channels, "pixel_scale": repr(float(pixel_scale)),
               "mean": ",".join(repr(float(m)) for m in mean), "std": ",".join(repr(float(s)) for s in std),
-              "resample": resample, "max_image_bytes": max_image_bytes, "max_image_pixels": max_image_pixels,
-              "min_image_side": min_image_side}
+              "resample": resample, "max_image_bytes": MAX_IMAGE_BYTES, "max_image_pixels": MAX_IMAGE_PIXELS,
+              "min_image_side": MIN_IMAGE_SIDE}
     if drift_reference:
         params["drift_reference"] = json.dumps(drift_reference, separators=(",", ":"))
         params["drift_window"] = int(drift_window)
@@ -344,18 +340,6 @@ def export_torchscript(model: Any, version_dir: str | Path, image_size: int = DI
     return path
 
 
-def broken_classifier(classes: int = 9, seed: int = 0) -> Any:
-    """A DigitsCNN whose head has ``classes`` outputs (not 10): the wrong output shape a server must refuse."""
-    import torch
-
-    from lab_utils.models import make_digits_cnn  # lazy: pulls torch
-
-    torch.manual_seed(seed)
-    model = make_digits_cnn()
-    model.head[-1] = torch.nn.Linear(model.head[-1].in_features, classes)
-    return model.eval()
-
-
 def write_classifier_version(repo: str | Path, version: int, *, epochs: int = 4, seed: int | None = None,
                              name: str = CLASSIFIER, model: Any = None) -> dict[str, Any]:
     """Train (or take ``model``) and write ``<repo>/<name>/<version>/``: ``model.onnx`` and, for the python backend,
@@ -380,7 +364,14 @@ def write_broken_version(repo: str | Path, version: int = 2, *, name: str = CLAS
     """Write a version whose ONNX file outputs ``classes`` logits where the config says 10: Triton refuses it at
     load (the onnxruntime backend's check, or ``onnx_classifier``'s / ``torch_classifier``'s on the python backend).
     Returns its folder."""
-    write_classifier_version(repo, version, name=name, model=broken_classifier(classes))
+    import torch
+
+    from lab_utils.models import make_digits_cnn  # lazy: pulls torch
+
+    torch.manual_seed(0)
+    model = make_digits_cnn()  # a DigitsCNN whose head has ``classes`` outputs: the wrong shape a server must refuse
+    model.head[-1] = torch.nn.Linear(model.head[-1].in_features, classes)
+    write_classifier_version(repo, version, name=name, model=model.eval())
     return Path(repo) / name / str(version)
 
 

@@ -75,20 +75,16 @@ def _tensor_problem(t: Any, where: str, outputs: bool = False) -> str | None:
         return f"{where}.datatype is {_kind(dtype)}, not a string such as \"BYTES\" or \"FP32\""
     if "data" not in t:
         return None  # binary_data_size or a shared-memory region: Triton checks those with a 400 of its own
-    leaves = _leaves(t["data"])
     if dtype == "BYTES":
-        bad = next((v for v in leaves if not isinstance(v, str)), None)
-        if bad is not None:
-            return f"{where}.data holds {_kind(bad)} where a BYTES tensor takes strings"
+        takes, fits = "strings", lambda v: isinstance(v, str)
     elif dtype == "BOOL":
-        bad = next((v for v in leaves if not isinstance(v, bool)), None)
-        if bad is not None:
-            return f"{where}.data holds {_kind(bad)} where a BOOL tensor takes true or false"
+        takes, fits = "true or false", lambda v: isinstance(v, bool)
     elif dtype in _NUMERIC:
-        bad = next((v for v in leaves if isinstance(v, bool) or not isinstance(v, (int, float))), None)
-        if bad is not None:
-            return f"{where}.data holds {_kind(bad)} where a {dtype} tensor takes numbers"
-    return None
+        takes, fits = "numbers", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+    else:
+        return None
+    bad = next((v for v in _leaves(t["data"]) if not fits(v)), None)
+    return None if bad is None else f"{where}.data holds {_kind(bad)} where a {dtype} tensor takes {takes}"
 
 
 def request_problem(body: bytes, header_length: int | str | None = None) -> str | None:

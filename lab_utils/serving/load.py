@@ -28,7 +28,7 @@ import pandas as pd
 
 from lab_utils.args import check_int, check_positive
 from lab_utils.serving.client import server_split, stats_snapshot
-from lab_utils.serving.senders import _UP_S, ERROR_BACKOFF_S, Plan, Row, Sender, process_main, window_of
+from lab_utils.serving.senders import _UP_S, ERROR_BACKOFF_S, Plan, Row, Sender, process_main
 from lab_utils.serving.targets import PROTOCOLS, TritonTarget, Verify, as_target
 from lab_utils.timing import cpu_cores
 
@@ -132,10 +132,7 @@ class LoadResult:
     def to_row(self) -> dict[str, Any]:
         """A flat dict for a table: the client numbers, then the server split (``server_*``)."""
         row = {k: v for k, v in asdict(self).items() if k not in ("windows", "error_messages", "server")}
-        row["windows"] = len(self.windows)
-        for k, v in (self.server or {}).items():
-            row[f"server_{k}"] = v
-        return row
+        return {**row, "windows": len(self.windows), **{f"server_{k}": v for k, v in (self.server or {}).items()}}
 
     def __str__(self) -> str:
         load = f"{self.rate_rps:g} req/s offered" if self.mode == "open" else f"c={self.concurrency}"
@@ -180,9 +177,6 @@ class _Book:
         self.warmup_s, self.window_s, self.n_windows, self.batch = warmup_s, window_s, n_windows, batch
         self.rows: dict[int, list[Row]] = {}
         self.ends: list[float] = []  # end times of the successful requests received so far
-
-    def window_of(self, due: float) -> int:
-        return window_of(due, self.warmup_s, self.window_s, self.n_windows)
 
     def add(self, w: int, rows: Sequence[Row]) -> None:
         self.rows.setdefault(w, []).extend(rows)

@@ -32,10 +32,6 @@ class ConfigError(ValueError):
         lines = "\n".join(f"  {f}: {why}" if f else f"  {why}" for f, why in problems)
         super().__init__(f"{head}{loc} is invalid:\n{lines}")
 
-    @property
-    def fields(self) -> list[str]:
-        return [f for f, _ in self.problems]
-
 
 def _pb() -> Any:
     try:

@@ -109,11 +109,8 @@ def resolve(use: bool | None = None, show: bool = True) -> str | None:
     ``NVLAB_REQUIRE_NGINX=1``); ``use=True`` and none installed: ``NginxNotFound``."""
     if use is False:
         return None
-    path = find_nginx()
-    if path is not None:
-        return str(path)
-    if use:
-        raise NginxNotFound(_not_found())
+    if use or find_nginx() is not None:
+        return nginx_binary()
     available(show)
     return None
 
@@ -227,13 +224,12 @@ def check_nginx_config(text: str, binary: str | None = None, what: str = "the co
         return _test(binary, prefix, conf, spans, what)
 
 
-def check_upstream_block(block: str, grpc: bool = False, binary: str | None = None) -> str:
-    """Validate a hand-written ``upstream NAME { ... }`` block inside the course's config (``nginx -t``): the block's
-    name, or ``NginxConfigError`` naming the problem, its line in the block, and the fix."""
-    name = upstream_name(block, "grpc_upstream_block" if grpc else "upstream_block")
-    kw = {"grpc_upstream_block": block, "grpc_port": 2} if grpc else {"upstream_block": block}
+def check_upstream_block(block: str, binary: str | None = None) -> str:
+    """Validate a hand-written HTTP ``upstream NAME { ... }`` block inside the course's config (``nginx -t``): the
+    block's name, or ``NginxConfigError`` naming the problem, its line in the block, and the fix."""
+    name = upstream_name(block)
     spans: dict[str, tuple[int, int]] = {}
-    text = nginx_config(http_port=1, status_port=3, api_keys=(), block_lines=spans, **kw)  # type: ignore[arg-type]
+    text = nginx_config(http_port=1, status_port=3, api_keys=(), block_lines=spans, upstream_block=block)
     check_nginx_config(text, binary, spans=spans)
     return name
 
@@ -505,9 +501,7 @@ def serve_upstream(upstream_block: str, *, grpc_upstream_block: str | None = Non
     """A started ``NginxServer`` whose HTTP upstream is the hand-written ``upstream_block`` (lab 07's exercise):
     checked first (``NginxConfigError`` names the problem, its line in the block, and the fix), then served. Use it
     in a ``with`` block; ``kwargs`` are ``NginxServer``'s."""
-    upstream_name(upstream_block)
-    server = NginxServer(upstream_block=upstream_block, grpc_upstream_block=grpc_upstream_block, **kwargs)
-    return server.start()
+    return NginxServer(upstream_block=upstream_block, grpc_upstream_block=grpc_upstream_block, **kwargs).start()
 
 
 def leftover_nginx(prefix: str | os.PathLike[str]) -> list[int]:

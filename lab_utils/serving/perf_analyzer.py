@@ -223,16 +223,15 @@ def run_perf_analyzer(model: str, url: str, concurrency: int | None = None, *, r
                                 "csv_path": str(tmp / "perf.csv"), "input_data": None if payloads is None else
                                 perf_analyzer_input_data(tmp / "input.json", payloads)}
         steps = [] if concurrency is None else [concurrency]
-        for attempt in range(1 + max(0, extensions)):
+        for _ in range(1 + max(0, extensions)):
             command = perf_analyzer_command(model, url, steps, window_ms=window_ms, max_trials=max_trials, **opts)
             limit = timeout_s if timeout_s is not None else 60 + 3 * max_trials * window_ms / 1e3
             try:
                 return _perf_analyzer_once([binary, *command.split()[1:]], command, limit, tmp)
             except _Unstable as err:
-                if attempt == max(0, extensions):
-                    raise PerfAnalyzerError(str(err)) from None
-                window_ms, max_trials = 2 * window_ms, extension_trials
-    raise AssertionError("unreachable")
+                unstable = str(err)
+            window_ms, max_trials = 2 * window_ms, extension_trials
+    raise PerfAnalyzerError(unstable)
 
 
 class _Unstable(Exception):

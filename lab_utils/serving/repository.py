@@ -12,6 +12,7 @@ Design notes: docs/internals.md#lab_utilsservingrepositorypy
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from collections.abc import Mapping
@@ -58,13 +59,8 @@ def onnx_input_shapes(path: Path) -> dict[str, list[int | str | None]]:
 
     m = onnx.load(str(path), load_external_data=False)
     inits = {i.name for i in m.graph.initializer}
-    out: dict[str, list[int | str | None]] = {}
-    for i in m.graph.input:
-        if i.name in inits:
-            continue
-        out[i.name] = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
-                       for d in i.type.tensor_type.shape.dim]
-    return out
+    return {i.name: [d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
+                     for d in i.type.tensor_type.shape.dim] for i in m.graph.input if i.name not in inits}
 
 
 @dataclass
@@ -75,7 +71,7 @@ class ModelEntry:
     path: Path
 
 
-def validate_model_dir(model_dir: Path, *, gpus: int | None = None, require_files: bool = True) -> ModelEntry:
+def validate_model_dir(model_dir: Path, *, gpus: int | None = None) -> ModelEntry:
     """Check one model folder: config.pbtxt (schema + semantics), version folders and their model files."""
     model_dir = Path(model_dir)
     cfg_path = model_dir / "config.pbtxt"
@@ -85,25 +81,22 @@ def validate_model_dir(model_dir: Path, *, gpus: int | None = None, require_file
     cfg = parse_config(cfg_path.read_text(), where=str(cfg_path))
     versions = model_versions(model_dir)
     problems: list[tuple[str, str]] = []
+    if not versions:
+        problems.append(("", f"no version folder in {model_dir} (e.g. {model_dir.name}/1/)"))
+    fname = model_file(cfg)
+    for v in _served_versions(cfg, versions):
+        if fname and not (model_dir / str(v) / fname).exists():
+            have = sorted(p.name for p in (model_dir / str(v)).iterdir())
+            problems.append(("default_model_filename" if cfg.default_model_filename else "",
+                             f"version {v}: {fname} is missing in {model_dir / str(v)} (it holds "
+                             f"{', '.join(have) or 'nothing'}); the {cfg.backend or cfg.platform} "
+                             f"backend loads <version>/{fname}"))
+    onnx_files = [model_dir / str(v) / "model.onnx" for v in _served_versions(cfg, versions)]
+    onnx_files = [f for f in onnx_files if f.exists()]
     shapes = None
-    if require_files:
-        if not versions:
-            problems.append(("", f"no version folder in {model_dir} (e.g. {model_dir.name}/1/)"))
-        fname = model_file(cfg)
-        for v in _served_versions(cfg, versions):
-            if fname and not (model_dir / str(v) / fname).exists():
-                have = sorted(p.name for p in (model_dir / str(v)).iterdir())
-                problems.append(("default_model_filename" if cfg.default_model_filename else "",
-                                 f"version {v}: {fname} is missing in {model_dir / str(v)} (it holds "
-                                 f"{', '.join(have) or 'nothing'}); the {cfg.backend or cfg.platform} "
-                                 f"backend loads <version>/{fname}"))
-        onnx_files = [model_dir / str(v) / "model.onnx" for v in _served_versions(cfg, versions)]
-        onnx_files = [f for f in onnx_files if f.exists()]
-        if onnx_files:
-            try:
-                shapes = onnx_input_shapes(onnx_files[-1])
-            except Exception:  # an unreadable ONNX file is the server's to report; skip the shape check
-                shapes = None
+    if onnx_files:
+        with contextlib.suppress(Exception):  # an unreadable ONNX file is the server's to report: no shape check
+            shapes = onnx_input_shapes(onnx_files[-1])
     problems += check_model_config(cfg, gpus=gpus, model_dir=model_dir, model_shapes=shapes)
     if problems:
         raise ConfigError(problems, model=cfg.name or model_dir.name, where=str(cfg_path))
@@ -125,7 +118,6 @@ def validate_repository(
     *,
     models: list[str] | tuple[str, ...] | None = None,
     gpus: int | None = None,
-    require_files: bool = True,
 ) -> dict[str, ModelEntry]:
     """Validate every model folder of ``repo`` (or only ``models``); ``ConfigError`` names model, file and field."""
     repo = Path(repo)
@@ -141,7 +133,7 @@ def validate_repository(
     if gpus is None:
         texts = [(d / "config.pbtxt").read_text() if (d / "config.pbtxt").is_file() else "" for d in dirs]
         gpus = nvml_gpu_count() if any("KIND_GPU" in t or "gpus" in t for t in texts) else 0
-    return {d.name: validate_model_dir(d, gpus=gpus, require_files=require_files) for d in dirs}
+    return {d.name: validate_model_dir(d, gpus=gpus) for d in dirs}
 
 
 # --- building a repository ------------------------------------------------------------------------------
@@ -235,23 +227,16 @@ def write_model_py(version_dir: str | os.PathLike[str], source: str, name: str =
 
 
 def reference_mlp(version_dir: str | os.PathLike[str], x: Any) -> Any:
-    """The exported MLP's output for ``x`` computed with NumPy from ``weights.npz`` (the ground truth)."""
+    """The exported MLP's output for ``x`` computed with NumPy from ``weights.npz`` (the ground truth): the python
+    model's own ``numpy`` engine."""
     path = Path(version_dir) / "weights.npz"
-    w = _mlp_weights(path, path.stat().st_mtime_ns)
-    n = len([k for k in w if k.startswith("w")])
-    h = np.asarray(x, dtype=np.float32)
-    for i in range(n):
-        h = h @ w[f"w{i}"].T + w[f"b{i}"]
-        if i < n - 1:
-            h = np.maximum(h, 0)
-    return h
+    return _numpy_mlp(path, path.stat().st_mtime_ns)(x)
 
 
 @functools.lru_cache(maxsize=8)
-def _mlp_weights(path: Path, _mtime_ns: int) -> dict[str, np.ndarray]:
+def _numpy_mlp(path: Path, _mtime_ns: int) -> triton_model.MlpRunner:
     """``weights.npz`` read once per version of the file (checks call ``reference_mlp`` after every answer)."""
-    with np.load(path) as w:
-        return {k: w[k] for k in w.files}
+    return triton_model.MlpRunner(path.parent, engine="numpy")
 
 
 def mlp_config(
@@ -332,38 +317,27 @@ def build_mlp_model(
     return model_dir
 
 
-def ngc_configs(name: str, *, in_features: int = 64, out_features: int = 10, max_batch_size: int = 64,
-                preferred: tuple[int, ...] = (16, 32), queue_delay_us: int = 200, gpu: bool = True
-                ) -> dict[str, dict[str, Any]]:
-    """The same MLP for the NGC server's own backends: ``onnxruntime_onnx`` and ``tensorrt_plan`` configurations."""
-    def one(platform: str, suffix: str, kind: str) -> dict[str, Any]:
-        return {
-            "name": f"{name}_{suffix}",
-            "platform": platform,
-            "max_batch_size": max_batch_size,
-            "input": [{"name": INPUT_NAME, "data_type": "TYPE_FP32", "dims": [in_features]}],
-            "output": [{"name": OUTPUT_NAME, "data_type": "TYPE_FP32", "dims": [out_features]}],
-            "dynamic_batching": {"preferred_batch_size": list(preferred),
-                                 "max_queue_delay_microseconds": queue_delay_us},
-            "instance_group": [{"kind": kind, "count": 1}],
-        }
-
-    return {"onnx": one("onnxruntime_onnx", "onnx", "KIND_GPU" if gpu else "KIND_CPU"),
-            "trt": one("tensorrt_plan", "trt", "KIND_GPU")}
-
-
-def write_ngc_repository(repo: str | os.PathLike[str], onnx_file: str | os.PathLike[str] | None = None,
-                         name: str = "mlp", **kw: Any) -> dict[str, Path]:
-    """An NGC-server repository: ``<name>_onnx`` (with ``model.onnx`` when given) and ``<name>_trt`` (config only:
-    build ``1/model.plan`` on the serving GPU with ``trtexec``). Validated with the schema; the GPU kinds are
-    checked as for a GPU machine, since that is where the NGC server runs them."""
+def write_ngc_repository(repo: str | os.PathLike[str], onnx_file: str | os.PathLike[str] | None = None
+                         ) -> dict[str, Path]:
+    """An NGC-server repository of the same MLP for the server's own backends: ``mlp_onnx`` (``onnxruntime_onnx``,
+    with ``model.onnx`` when given) and ``mlp_trt`` (``tensorrt_plan``, config only: build ``1/model.plan`` on the
+    serving GPU with ``trtexec``). Validated with the schema; the GPU kinds are checked as for a GPU machine, since
+    that is where the NGC server runs them."""
     import shutil
 
     out = {}
-    for key, cfg in ngc_configs(name, **kw).items():
-        d = Path(repo) / cfg["name"]
+    for key, platform in (("onnx", "onnxruntime_onnx"), ("trt", "tensorrt_plan")):
+        d = Path(repo) / f"mlp_{key}"
         (d / "1").mkdir(parents=True, exist_ok=True)
-        write_config(d, cfg, gpus=1)
+        write_config(d, {
+            "name": d.name,
+            "platform": platform,
+            "max_batch_size": 64,
+            "input": [{"name": INPUT_NAME, "data_type": "TYPE_FP32", "dims": [64]}],
+            "output": [{"name": OUTPUT_NAME, "data_type": "TYPE_FP32", "dims": [10]}],
+            "dynamic_batching": {"preferred_batch_size": [16, 32], "max_queue_delay_microseconds": 200},
+            "instance_group": [{"kind": "KIND_GPU", "count": 1}],
+        }, gpus=1)
         out[key] = d
     if onnx_file is not None:
         shutil.copyfile(onnx_file, out["onnx"] / "1" / "model.onnx")

@@ -21,11 +21,6 @@ _UP_S = 120.0  # s for the senders to start (a spawned process imports the clien
 Row = tuple  # (due, sent, end, ok, message): one request
 
 
-def window_of(due: float, warmup_s: float, window_s: float, n_windows: int) -> int:
-    """The window of a request sent (intended) at ``due`` s: -1 in the warm-up, at most the last window."""
-    return max(-1, min(math.floor((due - warmup_s) / window_s), n_windows - 1))
-
-
 def short_error(msg: str) -> str:
     """An error message on one line, at most 300 characters (a window's messages are counted by it)."""
     return " ".join(str(msg).split())[:300]
@@ -62,7 +57,8 @@ class Sender:
         self.t0 = 0.0
 
     def window_of(self, due: float) -> int:
-        return window_of(due, self.plan.warmup_s, self.plan.window_s, self.plan.n_windows)
+        """The window of a request sent (intended) at ``due`` s: -1 in the warm-up, at most the last window."""
+        return max(-1, min(math.floor((due - self.plan.warmup_s) / self.plan.window_s), self.plan.n_windows - 1))
 
     def now(self) -> float:
         return time.monotonic() - self.t0

@@ -19,7 +19,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import warnings
 from dataclasses import dataclass
@@ -38,7 +37,6 @@ from lab_utils.procs import (
     owned_tempdir,
     pid_alive,
     python_env_unowned,
-    remove_at_exit,
     tail,
     wait_http_ok,
 )
@@ -164,7 +162,7 @@ def wheel_layout(binary: Path) -> dict[str, Path]:
     return {"tree": tree, "libs": libs, "stub": stub}
 
 
-def prepare_wheel_backends(binary: Path, root: Path | None = None) -> Path:
+def prepare_wheel_backends(binary: Path) -> Path:
     """A backend folder for the wheel's server, built once per process: the python backend plus this Python's stub.
 
     Links, not copies (a few files): ``backends/python/{libtriton_python.so, triton_python_backend_utils.py,
@@ -175,16 +173,13 @@ def prepare_wheel_backends(binary: Path, root: Path | None = None) -> Path:
     with _wheel_lock:
         if key in _WHEEL_TREES and (_WHEEL_TREES[key] / "backends" / "python").is_dir():
             return _WHEEL_TREES[key]
-        base = Path(tempfile.mkdtemp(prefix="nvlab-triton-backends-", dir=root)) if root else \
-            owned_tempdir("triton-backends")
+        base = owned_tempdir("triton-backends")
         py = base / "backends" / "python"
         py.mkdir(parents=True)
         for name in ("libtriton_python.so", "triton_python_backend_utils.py"):
             (py / name).symlink_to(lay["tree"] / "backends" / "python" / name)
         (py / "triton_python_backend_stub").symlink_to(lay["stub"])
         (base / "caches").symlink_to(lay["tree"] / "caches")
-        if root:
-            remove_at_exit(base)
         _WHEEL_TREES[key] = base
         return base
 
@@ -225,21 +220,15 @@ _PORT_BUSY = re.compile(r"(already in use|Address in use|failed to start .* serv
 
 def failed_models(log_text: str) -> dict[str, str]:
     """{"model:version": first line of the reason} for every model the log says failed to load."""
-    out: dict[str, str] = {}
-    for m in _LOAD_FAIL.finditer(log_text):
-        reason = m.group(3).replace("\\n", "\n").split("\n")[0].strip()
-        out[f"{m.group(1)}:{m.group(2)}"] = reason
+    out = {f"{m.group(1)}:{m.group(2)}": m.group(3).replace("\\n", "\n").split("\n")[0].strip()
+           for m in _LOAD_FAIL.finditer(log_text)}
     for m in _STUB_FAIL.finditer(log_text):
         out.setdefault("python stub", m.group(1).strip())
     return out
 
 
+# the error lines of a server log: Triton's ``E...`` lines, ``error:``, unrecognized options
 _ERROR_LINE = re.compile(r"^(?:E\d{4} .*|error: .*|.*unrecognized option.*|.*[Uu]nexpected argument.*)$", re.M)
-
-
-def log_errors(path: Path | None, limit: int = 5) -> list[str]:
-    """The error lines of a server log (Triton's ``E...`` lines, ``error:``, unrecognized options)."""
-    return [m.group(0).strip() for m in _ERROR_LINE.finditer(tail(path, 2000))][:limit]
 
 
 class TritonServer(OwnedServer, HttpGrpcEndpoints):
@@ -368,7 +357,7 @@ class TritonServer(OwnedServer, HttpGrpcEndpoints):
                                    "lab_utils.serving.repository (or pass the right path)")
         warn_if_empty(self.model_repository, self.model_control)
         if self.validate:
-            validate_repository(self.model_repository, models=self.load_models or None, require_files=True)
+            validate_repository(self.model_repository, models=self.load_models or None)
         source = self.source or find_server(local=True)
         if source.kind == "url":
             raise ServerStartError("TritonServer starts a local binary; for TRITON_URL use ExternalServer or "
@@ -413,7 +402,8 @@ class TritonServer(OwnedServer, HttpGrpcEndpoints):
                 f"startup_timeout_s). Log {self.log_path}, last lines:\n{last}", last, failed)
         why = "".join(f"\n  model {k} failed to load: {v}" for k, v in failed.items())
         if not failed:
-            why = "".join(f"\n  {line}" for line in log_errors(self.log_path))
+            errors = [m.group(0).strip() for m in _ERROR_LINE.finditer(tail(self.log_path, 2000))]
+            why = "".join(f"\n  {line}" for line in errors[:5])
         how = f"exited with code {code}" if code is not None else "failed (stopped it)"
         err = ServerStartError(f"tritonserver {how} before it was ready.{why}\nLog {self.log_path}, last "
                                f"lines:\n{last}", last, failed)

@@ -124,8 +124,7 @@ class Service(StartStop):
                 source = find_server(local=True)
                 if self.repo is not None:  # given: checked here; built below: build_service checked it
                     kw = self.repo.server_kwargs()
-                    triton_repo.validate_repository(self.repo.path, models=list(kw["load_models"]) or None,
-                                                    require_files=True)
+                    triton_repo.validate_repository(self.repo.path, models=list(kw["load_models"]) or None)
                 else:
                     self.workdir = owned_tempdir("service")
                     t0 = time.perf_counter()
@@ -399,8 +398,7 @@ def hot_update(svc: Service, new_version: int = 2, *, rate_rps: float = 100.0, d
         ticks.close()
     result = load.get()
     frame = pd.DataFrame(samples).fillna(0.0)
-    cols = [c for c in frame.columns if c != "t_s"]
-    rates = frame[cols].diff().div(frame["t_s"].diff(), axis=0).clip(lower=0)
+    rates = frame.drop(columns="t_s").diff().div(frame["t_s"].diff(), axis=0).clip(lower=0)
     timeline = pd.concat([frame[["t_s"]], rates.add_prefix("v").add_suffix("_rps")], axis=1).iloc[1:]
     timeline.attrs["warmup_s"] = warmup_s
     return HotUpdate(result, timeline.reset_index(drop=True), steps,
@@ -413,6 +411,8 @@ COMPOSE_KEY_PLACEHOLDER = "NVLAB_API_KEY_FROM_ENVIRONMENT"  # replaced by $NVLAB
 COMPOSE_PORTS = {"http": 8080, "grpc": 8081, "status": 8082}
 EXAMPLE_KEY = "EXAMPLE-KEY-made-at-each-start"  # a Service makes a random key at every start
 EXAMPLE_PORTS = {"http": 8080, "grpc": 8081, "status": 8082, "json_check": 8083}  # a Service takes free ports
+# the nginx limits a Service sets by default, as the rendered configs show them
+_LIMITS = {"client_max_body_size": BODY_LIMIT, "rate_limit_rps": RATE_LIMIT_RPS, "rate_burst": RATE_BURST}
 
 
 def _as_file(text: str, path: str, function: str, *how: str) -> str:
@@ -430,9 +430,7 @@ def compose_nginx_config() -> str:
     of its container; the API key is a placeholder that the container's command replaces with ``$NVLAB_API_KEY``."""
     text = nginx_mod.nginx_config(["triton:8000"], ["triton:8001"], http_port=COMPOSE_PORTS["http"],
                                   grpc_port=COMPOSE_PORTS["grpc"], status_port=COMPOSE_PORTS["status"],
-                                  host="0.0.0.0", api_keys=[COMPOSE_KEY_PLACEHOLDER],
-                                  client_max_body_size=BODY_LIMIT, rate_limit_rps=RATE_LIMIT_RPS,
-                                  rate_burst=RATE_BURST)
+                                  host="0.0.0.0", api_keys=[COMPOSE_KEY_PLACEHOLDER], **_LIMITS)
     return _as_file(text, "docker/nginx/nginx.conf", "compose_nginx_config",
                     "docker/compose.yaml's nginx service runs it as nginx -p /tmp/nginx/ -c conf/nginx.conf "
                     "-g 'daemon off;'", "(relative paths below are relative to that prefix).")
@@ -443,9 +441,8 @@ def service_nginx_config() -> str:
     servers, for reading: example ports (a service takes free ones), an example key (it makes a random one)."""
     text = nginx_mod.nginx_config(["127.0.0.1:8000", "127.0.0.1:8010"], ["127.0.0.1:8001", "127.0.0.1:8011"],
                                   http_port=EXAMPLE_PORTS["http"], grpc_port=EXAMPLE_PORTS["grpc"],
-                                  status_port=EXAMPLE_PORTS["status"], api_keys=[EXAMPLE_KEY],
-                                  client_max_body_size=BODY_LIMIT, rate_limit_rps=RATE_LIMIT_RPS,
-                                  rate_burst=RATE_BURST, json_check=f"127.0.0.1:{EXAMPLE_PORTS['json_check']}")
+                                  status_port=EXAMPLE_PORTS["status"], api_keys=[EXAMPLE_KEY], **_LIMITS,
+                                  json_check=f"127.0.0.1:{EXAMPLE_PORTS['json_check']}")
     return _as_file(text, "docs/nginx/service.conf", "service_nginx_config",
                     "Lab 07's nginx: NginxServer runs it as nginx -p PREFIX -c conf/nginx.conf -g 'daemon off;'",
                     "(relative paths below are relative to PREFIX; its ports and key are examples).")

@@ -199,11 +199,8 @@ def perf_analyzer_table(ours: Mapping[str, Any], theirs: PerfAnalyzerResult) -> 
     pa = theirs.to_row()
     df = pd.DataFrame([{"tool": "course generator (Python, asyncio)", **{k: ours.get(k) for k in keys}},
                        {"tool": "perf_analyzer (C++)", **{k: pa.get(k) for k in keys}}])
-    ratio = {"tool": "perf_analyzer / ours"}
-    for k in keys[1:]:
-        a, b = ours.get(k), pa.get(k)
-        ratio[k] = b / a if a and b is not None else float("nan")
-    return pd.concat([df, pd.DataFrame([ratio])], ignore_index=True)
+    ratio = {k: pa[k] / ours[k] if ours.get(k) and pa.get(k) is not None else float("nan") for k in keys[1:]}
+    return pd.concat([df, pd.DataFrame([{"tool": "perf_analyzer / ours", **ratio}])], ignore_index=True)
 
 
 def perf_analyzer_verdict(ours: Mapping[str, Any], theirs: PerfAnalyzerResult, tol: float = 0.10) -> str:

@@ -1,7 +1,8 @@
 """What one request of a load run is: a Triton inference, a plain HTTP request, or any ``async def``.
 
 Stable API (``lab_utils.serving.load`` drives these; labs 04, 05, 07 and 08 build them): ``TritonTarget``,
-``HttpTarget``, ``FunctionTarget``, ``as_target``. A target's ``send()`` is one request and raises when it failed.
+``HttpTarget``, ``FunctionTarget``, ``as_target``. A target's ``send()`` is one request and raises when it failed;
+``open()`` and ``close()`` run in the load's event loop, around the run; ``batch`` is its rows per request.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
@@ -20,18 +21,6 @@ DEFAULT_MAX_CONNECTIONS = 1000
 _N_PAYLOADS = 8  # distinct request payloads made up front, so make_inputs costs nothing in the timed loop
 
 Verify = Callable[[Mapping[str, np.ndarray], Mapping[str, np.ndarray]], None]
-
-
-class Target(Protocol):
-    """One kind of request. ``open()`` and ``close()`` run in the load's event loop, around the run."""
-
-    batch: int
-
-    async def open(self) -> None: ...
-
-    async def send(self) -> None: ...  # one request; raises when it failed
-
-    async def close(self) -> None: ...
 
 
 class HttpStatusError(Exception):
@@ -55,15 +44,6 @@ def payloads(make_inputs: Callable[[], Mapping[str, np.ndarray]] | Mapping[str, 
             raise TypeError(f"make_inputs must give {{input name: numpy array}}, got "
                             f"{ {k: type(v).__name__ for k, v in s.items()} }")
     return sets
-
-
-def _verify(verify: Verify, inputs: Mapping[str, np.ndarray], result: Any, outputs: Sequence[str] | None,
-            protocol: str) -> None:
-    got = as_arrays(result, protocol, outputs)  # an unreadable answer (an empty tensor) is no wrong answer: it raises
-    try:
-        verify(inputs, got)
-    except Exception as err:
-        raise WrongAnswer(f"wrong answer: {err}") from None
 
 
 async def _close(target: Any, attr: str) -> None:
@@ -119,7 +99,12 @@ class TritonTarget:
         ins, outs = self._reqs[i]
         result = await self._client.infer(self.model, ins, outputs=outs, headers=self.headers)
         if self.verify is not None:
-            _verify(self.verify, self.payloads[i], result, self.outputs, self.protocol)
+            # an unreadable answer (an empty tensor) is no wrong answer: as_arrays raises it as it is
+            got = as_arrays(result, self.protocol, self.outputs)
+            try:
+                self.verify(self.payloads[i], got)
+            except Exception as err:
+                raise WrongAnswer(f"wrong answer: {err}") from None
 
     async def close(self) -> None:
         await _close(self, "_client")
@@ -191,7 +176,7 @@ class FunctionTarget:
 
 
 def as_target(target: Any) -> Any:
-    """``target`` as a Target: one already, or an ``async def`` of no arguments."""
+    """``target`` as a target: one already (``open``, ``send``, ``close``), or an ``async def`` of no arguments."""
     if all(callable(getattr(target, m, None)) for m in ("open", "send", "close")):
         return target
     if inspect.iscoroutinefunction(target):
@@ -200,5 +185,5 @@ def as_target(target: Any) -> Any:
                     "that raises when the request failed")
 
 
-__all__ = ["Target", "TritonTarget", "HttpTarget", "FunctionTarget", "as_target", "HttpStatusError", "WrongAnswer",
+__all__ = ["TritonTarget", "HttpTarget", "FunctionTarget", "as_target", "HttpStatusError", "WrongAnswer",
            "Verify", "payloads", "PROTOCOLS"]
