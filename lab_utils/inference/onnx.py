@@ -138,8 +138,8 @@ def export_onnx(model: nn.Module, path: str | os.PathLike[str], example: torch.T
                               f"TensorRT, a plugin. The exporter said: {said[0]}", op) from err
     finally:
         original.train(was_training)
-    if check:
-        check_onnx(path)
+    if check:  # full_check: types and shapes inferred and checked
+        onnx.checker.check_model(str(path), full_check=True)
     return path
 
 
@@ -154,11 +154,6 @@ class Whitening(nn.Module):
 def unsupported_model() -> nn.Module:
     """A small module whose forward uses ``torch.linalg.svd``, which ONNX cannot express (for the export error)."""
     return Whitening()
-
-
-def check_onnx(path: str | os.PathLike[str]) -> None:
-    """``onnx.checker.check_model`` with full_check (types and shapes inferred and checked)."""
-    onnx.checker.check_model(str(path), full_check=True)
 
 
 def onnx_io(path: str | os.PathLike[str]) -> pd.DataFrame:
