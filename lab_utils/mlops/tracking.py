@@ -61,10 +61,6 @@ def mlflow_missing() -> str | None:
 # --- the server ----------------------------------------------------------------------------------------------
 
 
-def _is_health(body: bytes) -> bool:
-    return body.strip() == b"OK"
-
-
 class TrackingServer(OwnedServer):
     """One ``mlflow server`` (the CLI and its uvicorn server) owned by this interpreter.
 
@@ -121,7 +117,8 @@ class TrackingServer(OwnedServer):
 
     def ready(self) -> bool:
         """True when ``/health`` answers ``OK`` now."""
-        return self.port is not None and http_ok(f"{self.url}/health", timeout_s=2.0, check=_is_health)[0]
+        return self.port is not None and http_ok(f"{self.url}/health", timeout_s=2.0,
+                                                 check=lambda body: body.strip() == b"OK")[0]
 
     def client(self) -> Any:
         """An ``mlflow.MlflowClient`` for this server."""
