@@ -101,15 +101,7 @@ class PromAPI:
     def _get(self, path: str, params: Mapping[str, Any] | None = None, *, expr: str | None = None,
              method: str = "GET") -> Any:
         query = urllib.parse.urlencode({k: v for k, v in (params or {}).items() if v is not None})
-        url = f"{self.url}{path}"
-        body = None
-        if method == "POST":
-            body = query.encode()
-        elif query:
-            url += "?" + query
-        req = urllib.request.Request(url, data=body, method=method)
-        if body is not None:
-            req.add_header("Content-Type", "application/x-www-form-urlencoded")
+        req = urllib.request.Request(f"{self.url}{path}" + (f"?{query}" if query else ""), method=method)
         try:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
                 payload = r.read()
