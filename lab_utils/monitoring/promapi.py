@@ -13,7 +13,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pandas as pd
@@ -180,17 +180,16 @@ class PromAPI:
         return http_ok(f"{self.url}/-/ready", timeout_s=min(5.0, self.timeout_s))[0]
 
     # waiting
-    def wait_for(self, expr: str, timeout_s: float = 30.0, poll_s: float = 0.5,
-                 predicate: Callable[[pd.DataFrame], bool] | None = None) -> pd.DataFrame:
-        """Poll ``expr`` until it returns a series (or ``predicate(frame)`` holds); the frame, or TimeoutError."""
+    def wait_for(self, expr: str, timeout_s: float = 30.0, poll_s: float = 0.5) -> pd.DataFrame:
+        """Poll ``expr`` until it returns a series; the frame, or TimeoutError."""
         deadline = time.monotonic() + timeout_s
         while True:
             df = self.query(expr)
-            if (predicate(df) if predicate else not df.empty):
+            if not df.empty:
                 return df
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{expr!r} did not {'meet the condition' if predicate else 'return a series'} "
-                                   f"within {timeout_s:g} s (last result: {df.to_dict('records')})")
+                raise TimeoutError(f"{expr!r} did not return a series within {timeout_s:g} s (last result: "
+                                   f"{df.to_dict('records')})")
             threading.Event().wait(poll_s)  # interruptible, unlike a sleep
 
     def wait_for_alert(self, name: str, state: str = "firing", timeout_s: float = 60.0,
