@@ -328,8 +328,7 @@ def _experiment_id(client: Any, experiment: str) -> str:
 
 
 def log_run(tracking: Any, result: TrainResult, *, experiment: str = EXPERIMENT, run_name: str | None = None,
-            data_name: str = "digits", tags: Mapping[str, str] | None = None,
-            commit: tuple[str, bool | None] | None = None) -> RunRecord:
+            data_name: str = "digits", tags: Mapping[str, str] | None = None) -> RunRecord:
     """Log a trained ``result`` as one MLflow run: params, per-epoch metrics (step = epoch), the exports under
     ``model/`` (``model.onnx`` and any external-data file beside it, and ``model.pt``, TorchScript), and tags
     ``data_sha256``, ``val_sha256``, ``data_name``, ``git_commit``, ``git_dirty``.
@@ -338,7 +337,7 @@ def log_run(tracking: Any, result: TrainResult, *, experiment: str = EXPERIMENT,
 
     client = _client(tracking)
     exp_id = _experiment_id(client, experiment)
-    sha, dirty = commit or git_commit()
+    sha, dirty = git_commit()
     all_tags = {"data_sha256": result.data_sha256, "val_sha256": result.val_sha256, "data_name": data_name,
                 "git_commit": sha, "git_dirty": str(dirty).lower() if dirty is not None else "unknown",
                 **(dict(tags or {}))}
