@@ -299,10 +299,8 @@ def run_canary(prom: Any, set_weight: Callable[[int], None], *, guards: Guards =
 
     def log(action: str, metrics: Mapping[str, VariantMetrics] | None, reason: str, alert: str | None) -> None:
         row: dict[str, Any] = {"time": time.time(), "t_s": time.time() - t0, "weight": state.weight,
-                               "action": action, "alert": alert, "reason": reason}
-        for v, m in (metrics or {}).items():
-            for k, x in asdict(m).items():
-                row[f"{v}_{k}"] = x
+                               "action": action, "alert": alert, "reason": reason,
+                               **{f"{v}_{k}": x for v, m in (metrics or {}).items() for k, x in asdict(m).items()}}
         rows.append(row)
         if on_row is not None:
             on_row(row)
