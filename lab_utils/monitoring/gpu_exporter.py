@@ -222,10 +222,8 @@ class Collector:
     def snapshot(self) -> dict[str, Any]:
         """One reading: ``{"host": {...}, "gpus": [{labels..., metric: value}]}``."""
         with self._lock:
-            gpus = []
-            if self.reader is not None:
-                for labels, values in zip(self.reader.labels, self.reader.read(), strict=True):
-                    gpus.append({**labels, **values})
+            gpus = [] if self.reader is None else [
+                {**labels, **values} for labels, values in zip(self.reader.labels, self.reader.read(), strict=True)]
             return {"host": self.host.read(), "gpus": gpus}
 
     def collect(self) -> Iterator[Any]:
