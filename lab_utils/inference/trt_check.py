@@ -103,9 +103,6 @@ class Finding:
 def removed_calls(source: str) -> list[Finding]:
     """Each use of an API in ``REMOVED_API`` in ``source`` (attributes, flags, names), in line order."""
     tree = ast.parse(textwrap.dedent(source))
-    by_name: dict[str, list[Removed]] = {}
-    for r in REMOVED_API:
-        by_name.setdefault(r.name, []).append(r)
     found: list[Finding] = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute):
@@ -115,9 +112,7 @@ def removed_calls(source: str) -> list[Finding]:
             name, owner = node.id, ""
         else:
             continue
-        for r in by_name.get(name, []):
-            if not r.owner or r.owner == owner:
-                found.append(Finding(node.lineno, r.message()))
+        found += [Finding(node.lineno, r.message()) for r in REMOVED_API if r.name == name and r.owner in ("", owner)]
     return sorted(set(found), key=lambda f: f.line)
 
 
