@@ -158,21 +158,16 @@ BUILD_STEPS: tuple[Step, ...] = (
          "wait for the stream (`stream.synchronize()`) before reading the output"))
 
 
-def _used_names(source: str) -> set[str]:
-    names: set[str] = set()
-    for node in ast.walk(ast.parse(textwrap.dedent(source))):
-        if isinstance(node, ast.Attribute):
-            names.add(node.attr)
-        elif isinstance(node, ast.Name):
-            names.add(node.id)
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.isidentifier():
-            names.add(node.value)  # getattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED", None)
-    return names
-
-
 def missing_steps(source: str, steps: Sequence[Step] = BUILD_STEPS) -> list[Step]:
     """The steps of ``steps`` that ``source`` never takes (by the names it uses), in build order."""
-    used = _used_names(source)
+    used: set[str] = set()
+    for node in ast.walk(ast.parse(textwrap.dedent(source))):
+        if isinstance(node, ast.Attribute):
+            used.add(node.attr)
+        elif isinstance(node, ast.Name):
+            used.add(node.id)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.isidentifier():
+            used.add(node.value)  # getattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED", None)
     return [s for s in steps if not used & set(s.names)]
 
 
