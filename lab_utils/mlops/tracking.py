@@ -137,7 +137,7 @@ class TrackingServer(OwnedServer):
 
     def _prepare(self) -> dict[str, Any]:
         self.folder = owned_tempdir("mlflow")
-        (self.folder / "artifacts").mkdir()
+        self.artifacts_path.mkdir()
         env = dict(os.environ)
         # MLflow 3's job runner starts a huey consumer pool (7 more processes) and a queue folder in /dev/shm that
         # a killed server leaves behind; the lab runs no server-side jobs.
@@ -147,12 +147,11 @@ class TrackingServer(OwnedServer):
         return {"env": env, "cwd": str(self.folder)}
 
     def _command(self) -> list[str]:
-        folder = self._need_folder()
         # `python -m mlflow`: this interpreter's mlflow, whatever is first on the PATH.
         return [sys.executable, "-m", "mlflow", "server",
                 "--backend-store-uri", self.backend_store_uri,
                 # served through the server (mlflow-artifacts:/): clients need no access to this folder
-                "--serve-artifacts", "--artifacts-destination", str(folder / "artifacts"),
+                "--serve-artifacts", "--artifacts-destination", str(self.artifacts_path),
                 "--host", self.host, "--port", str(self.port), "--workers", str(self.workers),
                 *self.extra_args]
 
