@@ -29,7 +29,7 @@ import pandas as pd
 
 from lab_utils.args import check_int
 from lab_utils.owned import OwnedServer
-from lab_utils.procs import group_members, http_ok, owned_tempdir, temporary_folder, who_listens
+from lab_utils.procs import http_ok, owned_tempdir, temporary_folder, who_listens
 from lab_utils.serving.ensemble import digits_raw_split, export_classifier
 
 MLFLOW_INSTALL = "pip install 'mlflow>=2.16' (or the course's lab extra: pip install -e '.[lab]')"
@@ -110,10 +110,6 @@ class TrackingServer(OwnedServer):
         if self.folder is None:
             raise TrackingError("the tracking server is not started: call start() first")
         return self.folder
-
-    def pids(self) -> list[int]:
-        """The server's live processes (the CLI and uvicorn: its process group)."""
-        return group_members(self._proc.pid) if self._proc is not None else []
 
     def ready(self) -> bool:
         """True when ``/health`` answers ``OK`` now."""
