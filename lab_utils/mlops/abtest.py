@@ -47,9 +47,6 @@ class ZTest:
     ci_high: float
     confidence: float
 
-    def significant(self, alpha: float = 0.05) -> bool:
-        return self.p_value < alpha
-
 
 def _count(successes: int, n: int, name: str) -> None:
     n = check_int(n, "n", name, what="the number of labelled requests")
