@@ -43,13 +43,11 @@ def frame(data: Mapping[str, Any]) -> pd.DataFrame:
 
     A range result comes in long form (one row per series and step); ``pivot(df, "model")`` widens it."""
     kind, result = data.get("resultType"), data.get("result")
-    rows: list[dict[str, Any]] = []
-    if kind == "scalar" or kind == "string":
-        rows.append({"time": float(result[0]), "value": _num(result[1])})  # type: ignore[index]
+    if kind in ("scalar", "string"):
+        rows = [{"time": float(result[0]), "value": _num(result[1])}]  # type: ignore[index]
     elif kind in ("vector", "matrix"):  # one sample per series, or every sample of each
-        for r in result or []:
-            for t, v in [r["value"]] if kind == "vector" else r["values"]:
-                rows.append({**r["metric"], "time": float(t), "value": _num(v)})
+        rows = [{**r["metric"], "time": float(t), "value": _num(v)} for r in result or []
+                for t, v in ([r["value"]] if kind == "vector" else r["values"])]
     else:
         raise PrometheusError(f"unknown result type {kind!r}")
     df = pd.DataFrame(rows)
