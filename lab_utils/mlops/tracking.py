@@ -19,7 +19,7 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -72,8 +72,7 @@ class TrackingServer(OwnedServer):
     poll_s = 0.1
 
     def __init__(self, *, host: str = "127.0.0.1", port: int | None = None, workers: int = 1,
-                 startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S, stop_grace_s: float = DEFAULT_STOP_GRACE_S,
-                 extra_args: Sequence[str] = ()):
+                 startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S, stop_grace_s: float = DEFAULT_STOP_GRACE_S):
         check_int(workers, "workers", "TrackingServer", 1, 16,
                   what="1 is plenty for a lab: each worker is a Python process of ~200 MB")
         if port is not None:
@@ -81,7 +80,6 @@ class TrackingServer(OwnedServer):
         super().__init__(host=host, ports={"port": port}, startup_timeout_s=startup_timeout_s,
                          stop_grace_s=stop_grace_s)
         self.workers = workers
-        self.extra_args = list(extra_args)
         self.port: int | None = None
 
     # where things are -------------------------------------------------------------------------------------
@@ -148,8 +146,7 @@ class TrackingServer(OwnedServer):
                 "--backend-store-uri", self.backend_store_uri,
                 # served through the server (mlflow-artifacts:/): clients need no access to this folder
                 "--serve-artifacts", "--artifacts-destination", str(self.artifacts_path),
-                "--host", self.host, "--port", str(self.port), "--workers", str(self.workers),
-                *self.extra_args]
+                "--host", self.host, "--port", str(self.port), "--workers", str(self.workers)]
 
     def _ready_url(self) -> str:
         return f"{self.url}/health"
