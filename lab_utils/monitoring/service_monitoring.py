@@ -225,7 +225,3 @@ def start_monitoring(service: Any, **kwargs: Any) -> ServiceMonitoring | None:
         return None
     return service.own(ServiceMonitoring(service, **kwargs).start())
 
-
-__all__ = ["NginxExporter", "ServiceMonitoring", "start_monitoring", "SERVICE_PANELS", "SERVICE_RULES_FILE",
-           "SERVICE_RULES_TEST_FILE", "SERVICE_DASHBOARD_FILE", "dashboard_text", "panel", "NGINX_JOB",
-           "BUCKETS_S", "SLO_MS"]
