@@ -21,6 +21,7 @@ from typing import Any
 
 import pandas as pd
 
+from lab_utils.args import check_int
 from lab_utils.mlops.feedback import FEEDBACK_CORRECT, FEEDBACK_TOTAL, VARIANT_LABEL
 from lab_utils.monitoring.prometheus import PrometheusError
 
@@ -101,10 +102,7 @@ class Guards:
         if not (isinstance(self.max_p95_ratio, (int, float)) and self.max_p95_ratio >= 1):
             raise ValueError(f"Guards(max_p95_ratio={self.max_p95_ratio!r}): a ratio >= 1 (1.5 allows 50 % slower)")
         for name in ("min_requests", "min_latency_requests", "min_feedback", "checks_per_step", "max_idle_checks"):
-            v = getattr(self, name)
-            if not (isinstance(v, int) and v >= (1 if name in ("checks_per_step", "max_idle_checks") else 0)):
-                raise ValueError(f"Guards({name}={v!r}): a non-negative integer (checks_per_step, max_idle_checks "
-                                 ">= 1)")
+            check_int(getattr(self, name), name, "Guards", 1 if name in ("checks_per_step", "max_idle_checks") else 0)
 
 
 @dataclass(frozen=True)
