@@ -21,7 +21,7 @@ from typing import Any
 
 import pandas as pd
 
-from lab_utils.args import check_int
+from lab_utils.args import check_int, check_positive
 from lab_utils.mlops.feedback import FEEDBACK_CORRECT, FEEDBACK_TOTAL, VARIANT_LABEL
 from lab_utils.monitoring.prometheus import PrometheusError
 
@@ -95,10 +95,9 @@ class Guards:
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and 0 <= v <= 1):
                 raise ValueError(f"Guards({name}={v!r}): a fraction between 0 and 1 (0.01 is 1 %)")
-        if self.max_p95_ms is not None and not (isinstance(self.max_p95_ms, (int, float)) and self.max_p95_ms > 0):
-            raise ValueError(f"Guards(max_p95_ms={self.max_p95_ms!r}): milliseconds > 0, or None")
-        if not (isinstance(self.p95_floor_ms, (int, float)) and self.p95_floor_ms >= 0):
-            raise ValueError(f"Guards(p95_floor_ms={self.p95_floor_ms!r}): milliseconds >= 0")
+        if self.max_p95_ms is not None:  # None: no absolute bound
+            check_positive(self.max_p95_ms, "max_p95_ms", "Guards", what="number of milliseconds")
+        check_positive(self.p95_floor_ms, "p95_floor_ms", "Guards", zero_ok=True, what="number of milliseconds")
         if not (isinstance(self.max_p95_ratio, (int, float)) and self.max_p95_ratio >= 1):
             raise ValueError(f"Guards(max_p95_ratio={self.max_p95_ratio!r}): a ratio >= 1 (1.5 allows 50 % slower)")
         for name in ("min_requests", "min_latency_requests", "min_feedback", "checks_per_step", "max_idle_checks"):
@@ -288,8 +287,7 @@ def run_canary(prom: Any, set_weight: Callable[[int], None], *, guards: Guards =
     written (a live plot, a print); ``stop`` (an Event) ends the loop early, leaving the weight as it is.
     ``decide_fn``: the decision function (default ``decide``; an exercise passes the student's)."""
     state = CanaryState(tuple(steps))
-    if not (isinstance(interval_s, (int, float)) and interval_s > 0):
-        raise ValueError(f"interval_s={interval_s!r}: seconds between checks, > 0")
+    check_positive(interval_s, "interval_s", "run_canary", what="number of seconds")
     rendered = render_queries(window, model, by, feedback_by, queries)
     rows: list[dict[str, Any]] = []
     t0 = time.time()
