@@ -66,11 +66,7 @@ def reference_output(repo: str | Path, x: np.ndarray) -> np.ndarray:
 def make_inputs(features: int = MODEL_PRESET["in_features"]) -> Callable[[], dict[str, np.ndarray]]:
     """One request's inputs for ``mm``: a batch of one row of ``features`` floats."""
     rng = np.random.default_rng(0)
-
-    def make() -> dict[str, np.ndarray]:
-        return {INPUT_NAME: rng.standard_normal((1, features)).astype(np.float32)}
-
-    return make
+    return lambda: {INPUT_NAME: rng.standard_normal((1, features)).astype(np.float32)}
 
 
 # --- load phases -----------------------------------------------------------------------------------------
