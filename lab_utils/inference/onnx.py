@@ -117,13 +117,11 @@ def export_onnx(model: nn.Module, path: str | os.PathLike[str], example: torch.T
     if fold_batchnorm:  # a model symbolic tracing cannot follow (data-dependent control flow) is exported as is
         with contextlib.suppress(Exception):
             model = fuse(model, inplace=False)
-    kwargs: dict[str, Any] = {}
-    if dynamic_batch:
-        kwargs["dynamic_shapes"] = ({0: torch.export.Dim("batch", min=1, max=MAX_BATCH)},)
+    dynamic = ({0: torch.export.Dim("batch", min=1, max=MAX_BATCH)},) if dynamic_batch else None
     try:
         with quiet_exporter(), torch.no_grad():
             torch.onnx.export(model, (x,), str(path), input_names=[input_name], output_names=[output_name],
-                              opset_version=opset, dynamo=True, verbose=False, **kwargs)
+                              opset_version=opset, dynamo=True, verbose=False, dynamic_shapes=dynamic)
     except ImportError as err:  # onnxscript: the exporter imports it when it runs
         raise ImportError(f"ONNX export needs onnx and onnxscript ({err}): pip install onnx onnxscript") from err
     except Exception as err:
