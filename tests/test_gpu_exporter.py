@@ -115,7 +115,7 @@ def test_gpu_metrics_names_units_and_labels():
     assert len(by_name(samples, "DCGM_FI_DEV_GPU_UTIL")) == 2
     assert by_name(samples, "nvlab_exporter_gpus")[()] == 2
     assert by_name(samples, "nvlab_exporter_info")[(("driver_version", "580.159.04"), ("source", "nvml"))] == 1
-    assert {n for n, _ in samples} >= set(gpu_exporter.GPU_METRICS) | set(gpu_exporter.INFO_METRICS)
+    assert {n for n, _ in samples} >= {*gpu_exporter.GPU_METRICS, "nvlab_exporter_gpus", "nvlab_exporter_info"}
     assert ("memory", FakeNvml.nvmlMemory_v2) in nvml.calls
     assert nvml.inits == 1 and nvml.shutdowns == 1  # NVML released at stop, once
 
@@ -132,8 +132,8 @@ def test_host_only_when_nvml_fails_and_names_documented():
                                                                               "nvlab_host_memory_total_bytes")[()]
     # the names at the top of the module are the names exported (the compose stack and the rules rely on them)
     documented = set(re.findall(r"``((?:DCGM_FI_DEV|nvlab)_\w+)``", gpu_exporter.__doc__))
-    assert documented == set(gpu_exporter.GPU_METRICS) | set(gpu_exporter.HOST_METRICS) | set(
-        gpu_exporter.INFO_METRICS)
+    assert documented == {*gpu_exporter.GPU_METRICS, *gpu_exporter.HOST_METRICS, "nvlab_exporter_gpus",
+                          "nvlab_exporter_info"}
 
 
 def test_cpu_percent_moves_with_load():

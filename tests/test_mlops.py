@@ -18,7 +18,7 @@ import pytest
 
 from lab_utils.mlops import drift, pipeline
 from lab_utils.mlops import tracking as tr
-from lab_utils.procs import pid_alive, popen_owned, port_free, stop_group
+from lab_utils.procs import group_members, pid_alive, popen_owned, port_free, stop_group
 
 pytestmark = pytest.mark.skipif(tr.mlflow_missing() is not None, reason=str(tr.mlflow_missing()))
 
@@ -48,7 +48,7 @@ def _head() -> str:
 
 def test_server_is_ready_and_owned(server):
     assert server.ready() and server.alive() and server.url.startswith("http://127.0.0.1:")
-    assert len(server.pids()) >= 2  # the mlflow CLI and its uvicorn server, one process group
+    assert len(group_members(server.pid)) >= 2  # the mlflow CLI and its uvicorn server, one process group
     assert server.folder.name.startswith(f"nvlab-mlflow-{os.getpid()}-") and server.artifacts_path.is_dir()
     log = server.log_path.read_text()  # the whole log: lab 08's checks, on the same server, may have run first
     assert "Uvicorn running" in log or "Application startup complete" in log
@@ -161,7 +161,7 @@ def test_missing_mlflow_is_said_with_the_install_line(monkeypatch):
 
 
 def test_stop_leaves_no_process_port_or_folder(server):
-    pids, folder, port = server.pids(), server.folder, server.port
+    pids, folder, port = group_members(server.pid), server.folder, server.port
     assert pids and folder.is_dir()
     server.stop()
     server.stop()  # twice is fine
@@ -172,8 +172,9 @@ def test_stop_leaves_no_process_port_or_folder(server):
 CHILD = r"""
 import json, threading
 from lab_utils.mlops.tracking import TrackingServer
+from lab_utils.procs import group_members
 s = TrackingServer().start()
-print(json.dumps({"folder": str(s.folder), "pids": s.pids(), "port": s.port}), flush=True)
+print(json.dumps({"folder": str(s.folder), "pids": group_members(s.pid), "port": s.port}), flush=True)
 threading.Event().wait(120)
 """
 

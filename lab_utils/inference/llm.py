@@ -22,9 +22,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lab_utils import timing
 
-__all__ = ["DecoderConfig", "KVCache", "TinyDecoder", "decode_attention", "phase_cost", "time_prefill",
-           "time_decode", "prefill_decode", "dtype_bytes"]
-
 
 @dataclass(frozen=True)
 class DecoderConfig:

@@ -7,6 +7,7 @@ The digits CNN is lab 02's, trained in seconds on scikit-learn's 8x8 digits. The
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from collections.abc import Sequence
@@ -152,8 +153,8 @@ def digits_info(model: nn.Module) -> ModelInfo:
                      count_gflop(model, (1, 8, 8)), slug="digits")
 
 
-def make_resnet50(device: str = "cpu", width: int | None = None, image_size: int | None = None, num_classes: int = 1000,
-                  seed: int = 0, prefer_torchvision: bool = True) -> tuple[nn.Module, ModelInfo]:
+def make_resnet50(device: str = "cpu", width: int | None = None, image_size: int | None = None,
+                  seed: int = 0) -> tuple[nn.Module, ModelInfo]:
     """A ResNet-50 with random weights for speed measurements, in eval mode on ``device``.
 
     On a GPU, at full size: ``torchvision.models.resnet50(weights=None)`` when torchvision imports, else
@@ -167,15 +168,13 @@ def make_resnet50(device: str = "cpu", width: int | None = None, image_size: int
     torch.manual_seed(seed)
     source = f"lab_utils bottleneck ResNet-50 layout {RESNET50_BLOCKS}, width {width}"
     model: nn.Module | None = None
-    if prefer_torchvision and width == 64:
-        try:  # optional: the lab's own BottleneckResNet has the same layout and parameter count
+    if width == 64:  # torchvision is optional: the lab's own BottleneckResNet has the same layout and parameter count
+        with contextlib.suppress(ImportError):
             from torchvision.models import resnet50  # type: ignore[import-not-found,import-untyped,unused-ignore]
 
-            model, source = resnet50(weights=None, num_classes=num_classes), "torchvision.models.resnet50(weights=None)"
-        except ImportError:
-            model = None
+            model, source = resnet50(weights=None), "torchvision.models.resnet50(weights=None)"
     if model is None:
-        model = BottleneckResNet(width, RESNET50_BLOCKS, num_classes)
+        model = BottleneckResNet(width, RESNET50_BLOCKS)
     model = model.to(device)
     _settle_batchnorm(model, image_size, device)
     model.eval()
@@ -186,7 +185,7 @@ def make_resnet50(device: str = "cpu", width: int | None = None, image_size: int
     return model, info
 
 
-def _settle_batchnorm(model: nn.Module, image_size: int, device: str, batches: int = 2, batch_size: int = 8) -> None:
+def _settle_batchnorm(model: nn.Module, image_size: int, device: str) -> None:
     for m in model.modules():
         if isinstance(m, nn.modules.batchnorm._BatchNorm):
             m.reset_running_stats()
@@ -194,8 +193,8 @@ def _settle_batchnorm(model: nn.Module, image_size: int, device: str, batches: i
     model.train()
     gen = torch.Generator(device="cpu").manual_seed(1)
     with torch.no_grad():
-        for _ in range(batches):
-            model(torch.randn(batch_size, 3, image_size, image_size, generator=gen).to(device))
+        for _ in range(2):
+            model(torch.randn(8, 3, image_size, image_size, generator=gen).to(device))
     model.eval()
 
 

@@ -117,13 +117,11 @@ def export_onnx(model: nn.Module, path: str | os.PathLike[str], example: torch.T
     if fold_batchnorm:  # a model symbolic tracing cannot follow (data-dependent control flow) is exported as is
         with contextlib.suppress(Exception):
             model = fuse(model, inplace=False)
-    kwargs: dict[str, Any] = {}
-    if dynamic_batch:
-        kwargs["dynamic_shapes"] = ({0: torch.export.Dim("batch", min=1, max=MAX_BATCH)},)
+    dynamic = ({0: torch.export.Dim("batch", min=1, max=MAX_BATCH)},) if dynamic_batch else None
     try:
         with quiet_exporter(), torch.no_grad():
             torch.onnx.export(model, (x,), str(path), input_names=[input_name], output_names=[output_name],
-                              opset_version=opset, dynamo=True, verbose=False, **kwargs)
+                              opset_version=opset, dynamo=True, verbose=False, dynamic_shapes=dynamic)
     except ImportError as err:  # onnxscript: the exporter imports it when it runs
         raise ImportError(f"ONNX export needs onnx and onnxscript ({err}): pip install onnx onnxscript") from err
     except Exception as err:
@@ -138,8 +136,8 @@ def export_onnx(model: nn.Module, path: str | os.PathLike[str], example: torch.T
                               f"TensorRT, a plugin. The exporter said: {said[0]}", op) from err
     finally:
         original.train(was_training)
-    if check:
-        check_onnx(path)
+    if check:  # full_check: types and shapes inferred and checked
+        onnx.checker.check_model(str(path), full_check=True)
     return path
 
 
@@ -151,14 +149,7 @@ class Whitening(nn.Module):
         return torch.linalg.svd(x)[0]
 
 
-def unsupported_model() -> nn.Module:
-    """A small module whose forward uses ``torch.linalg.svd``, which ONNX cannot express (for the export error)."""
-    return Whitening()
-
-
-def check_onnx(path: str | os.PathLike[str]) -> None:
-    """``onnx.checker.check_model`` with full_check (types and shapes inferred and checked)."""
-    onnx.checker.check_model(str(path), full_check=True)
+unsupported_model = Whitening  # the lab's name for it: ``unsupported_model()`` is the model whose export fails
 
 
 def onnx_io(path: str | os.PathLike[str]) -> pd.DataFrame:

@@ -155,9 +155,7 @@ def check_calibration_data(data: Any, onnx_path: str | os.PathLike[str], min_ima
         raise CalibrationDataError(f"calibration data for input {name!r} must be a numpy array of shape "
                                    f"{expected}, got {type(data).__name__}")
     if data.ndim != len(shape) or any(d is not None and d != g for d, g in zip(shape, data.shape, strict=False)):
-        hint = ""
-        if data.ndim == len(shape) - 1:
-            hint = " (a channel axis is missing: x[:, None] adds it)"
+        hint = " (a channel axis is missing: x[:, None] adds it)" if data.ndim == len(shape) - 1 else ""
         raise CalibrationDataError(f"calibration data for input {name!r} has shape {data.shape}; expected "
                                    f"{expected}{hint}")
     if dtype is not None and data.dtype != dtype:

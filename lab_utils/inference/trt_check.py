@@ -103,9 +103,6 @@ class Finding:
 def removed_calls(source: str) -> list[Finding]:
     """Each use of an API in ``REMOVED_API`` in ``source`` (attributes, flags, names), in line order."""
     tree = ast.parse(textwrap.dedent(source))
-    by_name: dict[str, list[Removed]] = {}
-    for r in REMOVED_API:
-        by_name.setdefault(r.name, []).append(r)
     found: list[Finding] = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute):
@@ -115,9 +112,7 @@ def removed_calls(source: str) -> list[Finding]:
             name, owner = node.id, ""
         else:
             continue
-        for r in by_name.get(name, []):
-            if not r.owner or r.owner == owner:
-                found.append(Finding(node.lineno, r.message()))
+        found += [Finding(node.lineno, r.message()) for r in REMOVED_API if r.name == name and r.owner in ("", owner)]
     return sorted(set(found), key=lambda f: f.line)
 
 
@@ -163,21 +158,16 @@ BUILD_STEPS: tuple[Step, ...] = (
          "wait for the stream (`stream.synchronize()`) before reading the output"))
 
 
-def _used_names(source: str) -> set[str]:
-    names: set[str] = set()
-    for node in ast.walk(ast.parse(textwrap.dedent(source))):
-        if isinstance(node, ast.Attribute):
-            names.add(node.attr)
-        elif isinstance(node, ast.Name):
-            names.add(node.id)
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.isidentifier():
-            names.add(node.value)  # getattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED", None)
-    return names
-
-
 def missing_steps(source: str, steps: Sequence[Step] = BUILD_STEPS) -> list[Step]:
     """The steps of ``steps`` that ``source`` never takes (by the names it uses), in build order."""
-    used = _used_names(source)
+    used: set[str] = set()
+    for node in ast.walk(ast.parse(textwrap.dedent(source))):
+        if isinstance(node, ast.Attribute):
+            used.add(node.attr)
+        elif isinstance(node, ast.Name):
+            used.add(node.id)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.isidentifier():
+            used.add(node.value)  # getattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED", None)
     return [s for s in steps if not used & set(s.names)]
 
 

@@ -16,7 +16,6 @@ import numpy as np
 
 from lab_utils.args import check_int
 
-GROUPS = ("A", "B")
 _N = NormalDist()
 
 
@@ -47,9 +46,6 @@ class ZTest:
     ci_low: float  # Wald interval of the difference (unpooled standard error), at ``confidence``
     ci_high: float
     confidence: float
-
-    def significant(self, alpha: float = 0.05) -> bool:
-        return self.p_value < alpha
 
 
 def _count(successes: int, n: int, name: str) -> None:
@@ -130,16 +126,6 @@ def sample_size(p_a: float, p_b: float, *, alpha: float = 0.05, power: float = 0
     else:
         n = (z_a + z_b) ** 2 * var / delta2
     return math.ceil(n - 1e-9)  # a float a hair above an integer is that integer
-
-
-def power_at(p_a: float, p_b: float, n: int, *, alpha: float = 0.05) -> float:
-    """The two-sided z-test's power with ``n`` requests per group (normal approximation, pooled under H0)."""
-    p = (p_a + p_b) / 2
-    se0 = math.sqrt(2 * p * (1 - p) / n)
-    se1 = math.sqrt((p_a * (1 - p_a) + p_b * (1 - p_b)) / n)
-    z_a = _N.inv_cdf(1 - alpha / 2)
-    d = abs(p_b - p_a)
-    return _N.cdf((d - z_a * se0) / se1) + _N.cdf((-d - z_a * se0) / se1)
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from typing import Any
 
 import pandas as pd
 
+from lab_utils.args import check_int, check_positive
 from lab_utils.mlops.feedback import FEEDBACK_CORRECT, FEEDBACK_TOTAL, VARIANT_LABEL
 from lab_utils.monitoring.prometheus import PrometheusError
 
@@ -94,17 +95,13 @@ class Guards:
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and 0 <= v <= 1):
                 raise ValueError(f"Guards({name}={v!r}): a fraction between 0 and 1 (0.01 is 1 %)")
-        if self.max_p95_ms is not None and not (isinstance(self.max_p95_ms, (int, float)) and self.max_p95_ms > 0):
-            raise ValueError(f"Guards(max_p95_ms={self.max_p95_ms!r}): milliseconds > 0, or None")
-        if not (isinstance(self.p95_floor_ms, (int, float)) and self.p95_floor_ms >= 0):
-            raise ValueError(f"Guards(p95_floor_ms={self.p95_floor_ms!r}): milliseconds >= 0")
+        if self.max_p95_ms is not None:  # None: no absolute bound
+            check_positive(self.max_p95_ms, "max_p95_ms", "Guards", what="number of milliseconds")
+        check_positive(self.p95_floor_ms, "p95_floor_ms", "Guards", zero_ok=True, what="number of milliseconds")
         if not (isinstance(self.max_p95_ratio, (int, float)) and self.max_p95_ratio >= 1):
             raise ValueError(f"Guards(max_p95_ratio={self.max_p95_ratio!r}): a ratio >= 1 (1.5 allows 50 % slower)")
         for name in ("min_requests", "min_latency_requests", "min_feedback", "checks_per_step", "max_idle_checks"):
-            v = getattr(self, name)
-            if not (isinstance(v, int) and v >= (1 if name in ("checks_per_step", "max_idle_checks") else 0)):
-                raise ValueError(f"Guards({name}={v!r}): a non-negative integer (checks_per_step, max_idle_checks "
-                                 ">= 1)")
+            check_int(getattr(self, name), name, "Guards", 1 if name in ("checks_per_step", "max_idle_checks") else 0)
 
 
 @dataclass(frozen=True)
@@ -290,8 +287,7 @@ def run_canary(prom: Any, set_weight: Callable[[int], None], *, guards: Guards =
     written (a live plot, a print); ``stop`` (an Event) ends the loop early, leaving the weight as it is.
     ``decide_fn``: the decision function (default ``decide``; an exercise passes the student's)."""
     state = CanaryState(tuple(steps))
-    if not (isinstance(interval_s, (int, float)) and interval_s > 0):
-        raise ValueError(f"interval_s={interval_s!r}: seconds between checks, > 0")
+    check_positive(interval_s, "interval_s", "run_canary", what="number of seconds")
     rendered = render_queries(window, model, by, feedback_by, queries)
     rows: list[dict[str, Any]] = []
     t0 = time.time()
@@ -299,10 +295,8 @@ def run_canary(prom: Any, set_weight: Callable[[int], None], *, guards: Guards =
 
     def log(action: str, metrics: Mapping[str, VariantMetrics] | None, reason: str, alert: str | None) -> None:
         row: dict[str, Any] = {"time": time.time(), "t_s": time.time() - t0, "weight": state.weight,
-                               "action": action, "alert": alert, "reason": reason}
-        for v, m in (metrics or {}).items():
-            for k, x in asdict(m).items():
-                row[f"{v}_{k}"] = x
+                               "action": action, "alert": alert, "reason": reason,
+                               **{f"{v}_{k}": x for v, m in (metrics or {}).items() for k, x in asdict(m).items()}}
         rows.append(row)
         if on_row is not None:
             on_row(row)

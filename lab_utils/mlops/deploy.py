@@ -276,7 +276,6 @@ class LabelledTraffic(_InThread):
         self._lock = threading.Lock()
         super().__init__()
         self.sent = self.errors = self.unattributed = 0
-        self.last_error = ""
         self.set_stream(images, labels)
 
     def set_stream(self, images: np.ndarray, labels: np.ndarray) -> None:
@@ -305,10 +304,9 @@ class LabelledTraffic(_InThread):
                 length = r.headers.get("Inference-Header-Content-Length")
                 res = th.InferenceServerClient.parse_response_body(
                     r.read(), header_length=int(length) if length else None)
-        except (urllib.error.URLError, OSError, ValueError) as err:
+        except (urllib.error.URLError, OSError, ValueError):
             with self._lock:
                 self.errors += 1
-                self.last_error = repr(err)
             return
         labels, scores = res.as_numpy(ens.LABELS), res.as_numpy(ens.SCORES)
         top = labels[0][0]

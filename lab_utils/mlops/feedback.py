@@ -55,8 +55,3 @@ class FeedbackExporter(MetricsServer):
                 self._correct.labels(variant).inc()
                 self.counts[variant][1] += 1
         return ok
-
-    def accuracy(self, variant: str) -> float:
-        """Right answers / labelled answers of ``variant`` since the start (NaN before any)."""
-        total, correct = self.counts[variant]
-        return correct / total if total else float("nan")

@@ -19,7 +19,7 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,7 @@ import pandas as pd
 
 from lab_utils.args import check_int
 from lab_utils.owned import OwnedServer
-from lab_utils.procs import group_members, http_ok, owned_tempdir, temporary_folder, who_listens
+from lab_utils.procs import http_ok, owned_tempdir, temporary_folder, who_listens
 from lab_utils.serving.ensemble import digits_raw_split, export_classifier
 
 MLFLOW_INSTALL = "pip install 'mlflow>=2.16' (or the course's lab extra: pip install -e '.[lab]')"
@@ -61,10 +61,6 @@ def mlflow_missing() -> str | None:
 # --- the server ----------------------------------------------------------------------------------------------
 
 
-def _is_health(body: bytes) -> bool:
-    return body.strip() == b"OK"
-
-
 class TrackingServer(OwnedServer):
     """One ``mlflow server`` (the CLI and its uvicorn server) owned by this interpreter.
 
@@ -76,8 +72,7 @@ class TrackingServer(OwnedServer):
     poll_s = 0.1
 
     def __init__(self, *, host: str = "127.0.0.1", port: int | None = None, workers: int = 1,
-                 startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S, stop_grace_s: float = DEFAULT_STOP_GRACE_S,
-                 extra_args: Sequence[str] = ()):
+                 startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S, stop_grace_s: float = DEFAULT_STOP_GRACE_S):
         check_int(workers, "workers", "TrackingServer", 1, 16,
                   what="1 is plenty for a lab: each worker is a Python process of ~200 MB")
         if port is not None:
@@ -85,7 +80,6 @@ class TrackingServer(OwnedServer):
         super().__init__(host=host, ports={"port": port}, startup_timeout_s=startup_timeout_s,
                          stop_grace_s=stop_grace_s)
         self.workers = workers
-        self.extra_args = list(extra_args)
         self.port: int | None = None
 
     # where things are -------------------------------------------------------------------------------------
@@ -115,13 +109,10 @@ class TrackingServer(OwnedServer):
             raise TrackingError("the tracking server is not started: call start() first")
         return self.folder
 
-    def pids(self) -> list[int]:
-        """The server's live processes (the CLI and uvicorn: its process group)."""
-        return group_members(self._proc.pid) if self._proc is not None else []
-
     def ready(self) -> bool:
         """True when ``/health`` answers ``OK`` now."""
-        return self.port is not None and http_ok(f"{self.url}/health", timeout_s=2.0, check=_is_health)[0]
+        return self.port is not None and http_ok(f"{self.url}/health", timeout_s=2.0,
+                                                 check=lambda body: body.strip() == b"OK")[0]
 
     def client(self) -> Any:
         """An ``mlflow.MlflowClient`` for this server."""
@@ -140,7 +131,7 @@ class TrackingServer(OwnedServer):
 
     def _prepare(self) -> dict[str, Any]:
         self.folder = owned_tempdir("mlflow")
-        (self.folder / "artifacts").mkdir()
+        self.artifacts_path.mkdir()
         env = dict(os.environ)
         # MLflow 3's job runner starts a huey consumer pool (7 more processes) and a queue folder in /dev/shm that
         # a killed server leaves behind; the lab runs no server-side jobs.
@@ -150,14 +141,12 @@ class TrackingServer(OwnedServer):
         return {"env": env, "cwd": str(self.folder)}
 
     def _command(self) -> list[str]:
-        folder = self._need_folder()
         # `python -m mlflow`: this interpreter's mlflow, whatever is first on the PATH.
         return [sys.executable, "-m", "mlflow", "server",
                 "--backend-store-uri", self.backend_store_uri,
                 # served through the server (mlflow-artifacts:/): clients need no access to this folder
-                "--serve-artifacts", "--artifacts-destination", str(folder / "artifacts"),
-                "--host", self.host, "--port", str(self.port), "--workers", str(self.workers),
-                *self.extra_args]
+                "--serve-artifacts", "--artifacts-destination", str(self.artifacts_path),
+                "--host", self.host, "--port", str(self.port), "--workers", str(self.workers)]
 
     def _ready_url(self) -> str:
         return f"{self.url}/health"
@@ -331,8 +320,7 @@ def _experiment_id(client: Any, experiment: str) -> str:
 
 
 def log_run(tracking: Any, result: TrainResult, *, experiment: str = EXPERIMENT, run_name: str | None = None,
-            data_name: str = "digits", tags: Mapping[str, str] | None = None,
-            commit: tuple[str, bool | None] | None = None) -> RunRecord:
+            data_name: str = "digits", tags: Mapping[str, str] | None = None) -> RunRecord:
     """Log a trained ``result`` as one MLflow run: params, per-epoch metrics (step = epoch), the exports under
     ``model/`` (``model.onnx`` and any external-data file beside it, and ``model.pt``, TorchScript), and tags
     ``data_sha256``, ``val_sha256``, ``data_name``, ``git_commit``, ``git_dirty``.
@@ -341,7 +329,7 @@ def log_run(tracking: Any, result: TrainResult, *, experiment: str = EXPERIMENT,
 
     client = _client(tracking)
     exp_id = _experiment_id(client, experiment)
-    sha, dirty = commit or git_commit()
+    sha, dirty = git_commit()
     all_tags = {"data_sha256": result.data_sha256, "val_sha256": result.val_sha256, "data_name": data_name,
                 "git_commit": sha, "git_dirty": str(dirty).lower() if dirty is not None else "unknown",
                 **(dict(tags or {}))}

@@ -66,11 +66,7 @@ def reference_output(repo: str | Path, x: np.ndarray) -> np.ndarray:
 def make_inputs(features: int = MODEL_PRESET["in_features"]) -> Callable[[], dict[str, np.ndarray]]:
     """One request's inputs for ``mm``: a batch of one row of ``features`` floats."""
     rng = np.random.default_rng(0)
-
-    def make() -> dict[str, np.ndarray]:
-        return {INPUT_NAME: rng.standard_normal((1, features)).astype(np.float32)}
-
-    return make
+    return lambda: {INPUT_NAME: rng.standard_normal((1, features)).astype(np.float32)}
 
 
 # --- load phases -----------------------------------------------------------------------------------------
@@ -152,16 +148,10 @@ def chunked_load(target: Callable[[], str], load: Callable[[str, int, float], An
 # --- health and the watchdog -----------------------------------------------------------------------------
 
 
-def probe(url: str, timeout_s: float = 2.0) -> tuple[bool, str]:
-    """GET ``url`` within ``timeout_s`` s: (answered 200, "HTTP <status>" or the failure's name, e.g.
-    ``ConnectionRefusedError``) — for ``/v2/health/live`` and ``/v2/health/ready``. See ``procs.http_ok``."""
-    return http_ok(url, timeout_s=timeout_s)
-
-
 def health(server: Any) -> dict[str, Any]:
     """Liveness (the process serves HTTP) and readiness (its models can take requests) of a Triton server."""
-    live, live_why = probe(f"{server.http_url}/v2/health/live")
-    ready, ready_why = probe(f"{server.http_url}/v2/health/ready")
+    live, live_why = http_ok(f"{server.http_url}/v2/health/live")
+    ready, ready_why = http_ok(f"{server.http_url}/v2/health/ready")
     return {"live": live, "live_http": live_why, "ready": ready, "ready_http": ready_why}
 
 
@@ -244,7 +234,7 @@ class Watchdog(StartStop):
             return True, ""
         bad = 0
         while True:
-            ok, why = probe(self.liveness(self.server), timeout_s=self.probe_timeout_s)
+            ok, why = http_ok(self.liveness(self.server), timeout_s=self.probe_timeout_s)
             if ok:
                 return True, ""
             bad += 1

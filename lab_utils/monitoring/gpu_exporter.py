@@ -33,7 +33,6 @@ GPU_METRICS = ("DCGM_FI_DEV_GPU_UTIL", "DCGM_FI_DEV_MEM_COPY_UTIL", "DCGM_FI_DEV
                "DCGM_FI_DEV_MEM_CLOCK")
 HOST_METRICS = ("nvlab_host_cpu_utilization_percent", "nvlab_host_cpu_count", "nvlab_host_memory_used_bytes",
                 "nvlab_host_memory_total_bytes", "nvlab_host_load1")
-INFO_METRICS = ("nvlab_exporter_gpus", "nvlab_exporter_info")
 GPU_LABELS = ("gpu", "UUID", "device", "modelName")
 
 _HELP = {
@@ -222,10 +221,8 @@ class Collector:
     def snapshot(self) -> dict[str, Any]:
         """One reading: ``{"host": {...}, "gpus": [{labels..., metric: value}]}``."""
         with self._lock:
-            gpus = []
-            if self.reader is not None:
-                for labels, values in zip(self.reader.labels, self.reader.read(), strict=True):
-                    gpus.append({**labels, **values})
+            gpus = [] if self.reader is None else [
+                {**labels, **values} for labels, values in zip(self.reader.labels, self.reader.read(), strict=True)]
             return {"host": self.host.read(), "gpus": gpus}
 
     def collect(self) -> Iterator[Any]:

@@ -213,9 +213,9 @@ def quantile_of_parts(latencies_ms: Sequence[Sequence[float]], q: float = 0.99) 
     must not average p99s across instances or time windows). Values in the latencies' unit (ms)."""
     if not (parts := [np.asarray(p, dtype=float) for p in latencies_ms if len(p)]):
         raise ValueError("no latencies given")
-    pooled = float(np.quantile(np.concatenate(parts), q))
-    mean_of = float(np.mean([np.quantile(p, q) for p in parts]))
-    return {"pooled": pooled, "mean_of_parts": mean_of, "max_of_parts": float(max(np.quantile(p, q) for p in parts))}
+    per_part = [np.quantile(p, q) for p in parts]
+    return {"pooled": float(np.quantile(np.concatenate(parts), q)), "mean_of_parts": float(np.mean(per_part)),
+            "max_of_parts": float(max(per_part))}
 
 
 # --- Triton's GPU readings (DCGM) against the exporter's (NVML) ---------------------------------------------

@@ -13,7 +13,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pandas as pd
@@ -43,13 +43,11 @@ def frame(data: Mapping[str, Any]) -> pd.DataFrame:
 
     A range result comes in long form (one row per series and step); ``pivot(df, "model")`` widens it."""
     kind, result = data.get("resultType"), data.get("result")
-    rows: list[dict[str, Any]] = []
-    if kind == "scalar" or kind == "string":
-        rows.append({"time": float(result[0]), "value": _num(result[1])})  # type: ignore[index]
+    if kind in ("scalar", "string"):
+        rows = [{"time": float(result[0]), "value": _num(result[1])}]  # type: ignore[index]
     elif kind in ("vector", "matrix"):  # one sample per series, or every sample of each
-        for r in result or []:
-            for t, v in [r["value"]] if kind == "vector" else r["values"]:
-                rows.append({**r["metric"], "time": float(t), "value": _num(v)})
+        rows = [{**r["metric"], "time": float(t), "value": _num(v)} for r in result or []
+                for t, v in ([r["value"]] if kind == "vector" else r["values"])]
     else:
         raise PrometheusError(f"unknown result type {kind!r}")
     df = pd.DataFrame(rows)
@@ -101,15 +99,7 @@ class PromAPI:
     def _get(self, path: str, params: Mapping[str, Any] | None = None, *, expr: str | None = None,
              method: str = "GET") -> Any:
         query = urllib.parse.urlencode({k: v for k, v in (params or {}).items() if v is not None})
-        url = f"{self.url}{path}"
-        body = None
-        if method == "POST":
-            body = query.encode()
-        elif query:
-            url += "?" + query
-        req = urllib.request.Request(url, data=body, method=method)
-        if body is not None:
-            req.add_header("Content-Type", "application/x-www-form-urlencoded")
+        req = urllib.request.Request(f"{self.url}{path}" + (f"?{query}" if query else ""), method=method)
         try:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
                 payload = r.read()
@@ -188,17 +178,16 @@ class PromAPI:
         return http_ok(f"{self.url}/-/ready", timeout_s=min(5.0, self.timeout_s))[0]
 
     # waiting
-    def wait_for(self, expr: str, timeout_s: float = 30.0, poll_s: float = 0.5,
-                 predicate: Callable[[pd.DataFrame], bool] | None = None) -> pd.DataFrame:
-        """Poll ``expr`` until it returns a series (or ``predicate(frame)`` holds); the frame, or TimeoutError."""
+    def wait_for(self, expr: str, timeout_s: float = 30.0, poll_s: float = 0.5) -> pd.DataFrame:
+        """Poll ``expr`` until it returns a series; the frame, or TimeoutError."""
         deadline = time.monotonic() + timeout_s
         while True:
             df = self.query(expr)
-            if (predicate(df) if predicate else not df.empty):
+            if not df.empty:
                 return df
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{expr!r} did not {'meet the condition' if predicate else 'return a series'} "
-                                   f"within {timeout_s:g} s (last result: {df.to_dict('records')})")
+                raise TimeoutError(f"{expr!r} did not return a series within {timeout_s:g} s (last result: "
+                                   f"{df.to_dict('records')})")
             threading.Event().wait(poll_s)  # interruptible, unlike a sleep
 
     def wait_for_alert(self, name: str, state: str = "firing", timeout_s: float = 60.0,

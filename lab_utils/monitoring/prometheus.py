@@ -250,13 +250,11 @@ class PrometheusServer(OwnedServer, PromAPI):
         self.binary = find_prometheus("prometheus")
         if self.binary is None:
             raise PrometheusMissing(f"the prometheus binary is not installed here. {PROMETHEUS_INSTALL}")
-        self.jobs = {k: list(v) for k, v in jobs.items()}
-        self.rule_files = [Path(p) for p in rule_files]
         self.scrape_interval_s, self.evaluation_interval_s = scrape_interval_s, evaluation_interval_s
         self._version: str | None = None
-        self.config = self._config()
         OwnedServer.__init__(self, host=host, ports={"port": port}, startup_timeout_s=startup_timeout_s)
         PromAPI.__init__(self, f"http://{host}:0")
+        self.reload(jobs, rule_files)  # not started yet: only builds the configuration
         self.samples = list(samples) if samples is not None else None
         self.port: int | None = None
 

@@ -35,8 +35,9 @@ BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.
 SLO_MS = 100.0
 
 
-class _Reader:
-    """The access log read from where the last scrape stopped: counters that only grow, as Prometheus wants."""
+class _Collector:
+    """The access log read from where the last scrape stopped (counters that only grow, as Prometheus wants), and
+    stub_status's connections: what a scrape of the nginx exporter gets."""
 
     def __init__(self, lb: nginx_mod.NginxServer):
         self.lb, self.offset = lb, 0
@@ -72,35 +73,29 @@ class _Reader:
             counts[next((i for i, b in enumerate(BUCKETS_S) if t <= b), len(BUCKETS_S))] += 1
             self.sums[listener] += t
 
-
-class _Collector:
-    def __init__(self, reader: _Reader):
-        self.reader = reader
-
     def collect(self) -> Any:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-        r = self.reader
-        with r.lock:
-            r.update()
+        with self.lock:
+            self.update()
             req = CounterMetricFamily("nvlab_nginx_requests", "Requests nginx answered (its access log), by "
                                       "listener (http, grpc) and HTTP status.", labels=["listener", "status"])
-            for (listener, status), n in sorted(r.requests.items()):
+            for (listener, status), n in sorted(self.requests.items()):
                 req.add_metric([listener, status], n)
             yield req
             up = CounterMetricFamily("nvlab_nginx_upstream_requests", "Requests a backend answered, by backend "
                                      "(host:port).", labels=["upstream"])
-            for addr, n in sorted(r.upstreams.items()):
+            for addr, n in sorted(self.upstreams.items()):
                 up.add_metric([addr], n)
             yield up
             hist = HistogramMetricFamily("nvlab_nginx_request_duration_seconds", "nginx's request time (s): first "
                                          "byte read to last byte sent.", labels=["listener"])
-            for listener, counts in sorted(r.buckets.items()):
+            for listener, counts in sorted(self.buckets.items()):
                 cumulative = zip([*map(str, BUCKETS_S), "+Inf"], itertools.accumulate(counts), strict=True)
-                hist.add_metric([listener], list(cumulative), r.sums[listener])
+                hist.add_metric([listener], list(cumulative), self.sums[listener])
             yield hist
         try:
-            stub = r.lb.stub_status()
+            stub = self.lb.stub_status()
         except (OSError, ValueError, urllib.error.URLError):
             return
         yield GaugeMetricFamily("nvlab_nginx_connections_active", "Open client connections (stub_status).",
@@ -116,7 +111,7 @@ class NginxExporter(MetricsServer):
     busy ``port`` falls back to a free one)."""
 
     def __init__(self, lb: nginx_mod.NginxServer, host: str = "127.0.0.1", port: int | None = None):
-        super().__init__([_Collector(_Reader(lb))], port=port, host=host, fallback_port=True)
+        super().__init__([_Collector(lb)], port=port, host=host, fallback_port=True)
         self.lb = lb
 
     def __repr__(self) -> str:
@@ -230,7 +225,3 @@ def start_monitoring(service: Any, **kwargs: Any) -> ServiceMonitoring | None:
         return None
     return service.own(ServiceMonitoring(service, **kwargs).start())
 
-
-__all__ = ["NginxExporter", "ServiceMonitoring", "start_monitoring", "SERVICE_PANELS", "SERVICE_RULES_FILE",
-           "SERVICE_RULES_TEST_FILE", "SERVICE_DASHBOARD_FILE", "dashboard_text", "panel", "NGINX_JOB",
-           "BUCKETS_S", "SLO_MS"]
