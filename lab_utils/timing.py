@@ -286,7 +286,7 @@ class Ticks:
     The hook wraps an iterable and counts an item when its loop comes back for the next one; so the bar is primed
     with one item, each ``step()`` takes the next, and ``close()`` ends the loop. ``progress`` None: no display."""
 
-    def __init__(self, progress: Callable[..., Iterable[Any]] | None, total: int, desc: str):
+    def __init__(self, progress: Callable[..., Iterable[Any]] | None, total: int | None, desc: str):
         self._it: Iterator[Any] | None = None
         if progress is not None:
             self._it = iter(progress(itertools.count(), total=total, desc=desc))  # ends on close(), not on a count
