@@ -26,7 +26,6 @@ from lab_utils.args import check_int, check_ints
 from lab_utils.distributed.bandwidth import (
     COLLECTIVES,
     CPU_SIZES,
-    GIB,
     GPU_SIZES,
     KIB,
     MIB,
@@ -339,26 +338,6 @@ def _merge_rows(per_rank: list[list[dict[str, Any]]], peak: float | None) -> pd.
     df = pd.DataFrame(rows, columns=SWEEP_COLUMNS)
     df["correct"] = df["correct"].astype("boolean")  # <NA> where nothing could be checked
     return df
-
-
-def bare_allreduce(nprocs: int, size_bytes: int | None = None, iters: int | None = None, backend: str = "auto",
-                   warmup: int = 5, timeout_s: float = 600.0) -> dict[str, Any]:
-    """The simplest fp32 all_reduce loop (``bare_allreduce_worker``): time_ms, algbw_gbps, busbw_gbps.
-
-    Defaults: NCCL 1 GiB × 20 iterations, gloo 4 MiB × 10. Compare with ``collective_sweep``'s all_reduce
-    row at the same size: the helper's per-repetition events should cost next to nothing at ≥ 1 GiB."""
-    where = "bare_allreduce"
-    chosen = choose_backend(nprocs, backend)
-    gpu = chosen == "nccl"
-    size_bytes = check_int(size_bytes if size_bytes is not None else (GIB if gpu else 4 * MIB), "size_bytes", where)
-    iters = check_int(iters if iters is not None else (20 if gpu else 10), "iters", where)
-    warmup = check_int(warmup, "warmup", where, minimum=0)
-    res = launch(bare_allreduce_worker, nprocs, backend=chosen, timeout_s=timeout_s,
-                 kwargs={"size_bytes": size_bytes, "iters": iters, "warmup": warmup})
-    time_ms = max(r["rank_time_ms"] for r in res)
-    nbytes = res[0]["size_bytes"]
-    return {"size_bytes": nbytes, "n_ranks": nprocs, "backend": chosen, "iters": iters, "time_ms": time_ms,
-            "algbw_gbps": algbw_gbps(nbytes, time_ms), "busbw_gbps": busbw_gbps("all_reduce", nbytes, time_ms, nprocs)}
 
 
 # --- NCCL's own account: NCCL_DEBUG=INFO ----------------------------------------------------------
