@@ -63,11 +63,6 @@ class Timing:
         return float(np.percentile(self.times_ms, 90))
 
     @property
-    def iqr_ms(self) -> float:
-        q1, q3 = np.percentile(self.times_ms, [25, 75])
-        return float(q3 - q1)
-
-    @property
     def spread(self) -> float:
         """(p90 - p10) / median: 0.05 means the middle 80 % of repetitions lie within 5 % of the median."""
         return (self.p90_ms - self.p10_ms) / self.median_ms if self.median_ms > 0 else float("nan")
