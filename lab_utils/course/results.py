@@ -118,10 +118,7 @@ def load(directory: Path | str, fix: str = "pass the folder `nvlab run` wrote") 
     directory = Path(directory)
     if not directory.is_dir():
         raise FileNotFoundError(f"{directory} is not a folder of results: {fix}")
-    rows: list[dict[str, Any]] = []
-    for p in sorted(directory.glob("results_*.json")):
-        rows.extend(_rows(p))
-    return rows
+    return [row for p in sorted(directory.glob("results_*.json")) for row in _rows(p)]
 
 
 COMPARE_COLUMNS = ["lab", "name", "unit", "value", "reference", "ratio", "tier", "device", "reference_device"]
