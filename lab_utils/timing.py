@@ -116,14 +116,6 @@ def _resolve_device(device: Any) -> str:
     return name
 
 
-def _check_args(fn: Any, reps: Any, warmup: Any) -> None:
-    if not callable(fn):
-        raise TypeError(f"benchmark(fn=...): fn must be callable, got {type(fn).__name__} {fn!r}; "
-                        "pass the work itself, for example benchmark(lambda: a @ b)")
-    check_int(reps, "reps", "benchmark", what="the number of timed runs")
-    check_int(warmup, "warmup", "benchmark", minimum=0, what="untimed runs first")
-
-
 def benchmark(fn: Callable[[], Any], *, reps: int = 20, warmup: int = 3, device: Any = "auto", flush_l2: bool = False,
               flush_bytes: int = L2_FLUSH_BYTES, name: str | None = None) -> Timing:
     """Time ``fn()`` ``reps`` times after ``warmup`` untimed calls; returns per-repetition ms.
@@ -132,7 +124,11 @@ def benchmark(fn: Callable[[], Any], *, reps: int = 20, warmup: int = 3, device:
     host never waits between repetitions. With ``flush_l2`` a buffer of ``flush_bytes`` is
     overwritten before each repetition, outside the timed region, so every repetition starts
     with a cold cache (kernel-level numbers). On the CPU the same flush evicts the last-level cache."""
-    _check_args(fn, reps, warmup)
+    if not callable(fn):
+        raise TypeError(f"benchmark(fn=...): fn must be callable, got {type(fn).__name__} {fn!r}; "
+                        "pass the work itself, for example benchmark(lambda: a @ b)")
+    check_int(reps, "reps", "benchmark", what="the number of timed runs")
+    check_int(warmup, "warmup", "benchmark", minimum=0, what="untimed runs first")
     dev = _resolve_device(device)
     label = name or getattr(fn, "__name__", "fn")
     if dev.startswith("cuda"):
