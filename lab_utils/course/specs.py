@@ -128,10 +128,7 @@ def peaks_for(name: str) -> GpuPeaks | None:
     if not isinstance(name, str):
         raise ValueError(f"peaks_for(name={name!r}): pass the device name as a string, "
                          "for example torch.cuda.get_device_name(0)")
-    for pattern, peaks in _TABLE:
-        if pattern.search(name):
-            return peaks
-    return None
+    return next((peaks for pattern, peaks in _TABLE if pattern.search(name)), None)
 
 
 def known_gpus() -> list[GpuPeaks]:
