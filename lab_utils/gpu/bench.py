@@ -27,6 +27,7 @@ from lab_utils.plotting import format_bytes
 from lab_utils.timing import Timing, benchmark, copy_bytes, cpu_model, cuda_graph, host_ms, matmul_bytes, matmul_flops
 
 DTYPES = ("fp32", "tf32", "fp16", "bf16", "fp8")
+ITEMSIZE = {"fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2, "fp8": 1}  # bytes per input element (fp8 matmuls write bf16)
 
 REASON_TF32_CPU = "needs an NVIDIA GPU with tensor cores (compute capability >= 8.0); the CPU has no TF32"
 REASON_FP8_CPU = "needs compute capability >= 8.9 (an NVIDIA Ada, Hopper or newer GPU); this is the CPU"
@@ -133,6 +134,11 @@ def tf32_matmul(enabled: bool = True) -> Iterator[None]:
 # --- Matmul cases ---------------------------------------------------------------------------------
 
 
+def matmul_min_bytes(dtype: str, n: int) -> int:
+    """Fewest bytes an n×n×n matmul in ``dtype`` moves: A and B read once, C written once (bf16 for fp8)."""
+    return matmul_bytes(n, n, n, ITEMSIZE[dtype], out_itemsize=2 if dtype == "fp8" else None)
+
+
 @dataclass
 class MatmulCase:
     """One square matmul, inputs already on the device; ``fn()`` runs it once (run it under ``tf32``).
@@ -187,18 +193,15 @@ def make_matmul(n: int, dtype: str, dev: str, fp8_fast_accum: bool = False) -> M
                                    use_fast_accum=fp8_fast_accum)
             return out[0] if isinstance(out, tuple) else out  # torch 2.1-2.4 returned (out, amax)
 
-        nbytes = matmul_bytes(n, n, n, 1, out_itemsize=2)
-        return MatmulCase(dtype, n, fn, matmul_flops(n, n, n), nbytes, False, (a, b))
+        return MatmulCase(dtype, n, fn, matmul_flops(n, n, n), matmul_min_bytes(dtype, n), False, (a, b))
     torch_dtype = {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
     a = torch.randn(n, n, device=dev, dtype=torch_dtype[dtype])
     b = torch.randn(n, n, device=dev, dtype=torch_dtype[dtype])
-    itemsize = a.element_size()
 
     def mm() -> Any:
         return a @ b
 
-    nbytes = matmul_bytes(n, n, n, itemsize)
-    return MatmulCase(dtype, n, mm, matmul_flops(n, n, n), nbytes, dtype == "tf32", (a, b))
+    return MatmulCase(dtype, n, mm, matmul_flops(n, n, n), matmul_min_bytes(dtype, n), dtype == "tf32", (a, b))
 
 
 # --- 1. Asynchronous launches ---------------------------------------------------------------------
@@ -289,9 +292,7 @@ def matmul_sweep(sizes: Sequence[int] | None = None, dtypes: Sequence[str] = DTY
     cases = [(dtype, n) for dtype in dtypes for n in sizes]
     for dtype, n in progress(cases, total=len(cases), desc="matmul sweep") if progress else cases:
         peak = peaks.tflops(dtype) if peaks else None
-        itemsize = {"fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2, "fp8": 1}[dtype]
-        flops = matmul_flops(n, n, n)
-        nbytes = matmul_bytes(n, n, n, itemsize, out_itemsize=2 if dtype == "fp8" else None)
+        flops, nbytes = matmul_flops(n, n, n), matmul_min_bytes(dtype, n)
         row: dict[str, Any] = {"dtype": dtype, "n": n, "status": "ok", "reason": "", "flops": flops,
                                "min_bytes": nbytes, "intensity_flop_per_byte": flops / nbytes, "median_ms": math.nan,
                                "p10_ms": math.nan, "p90_ms": math.nan, "spread": math.nan, "tflops": math.nan,
