@@ -83,15 +83,11 @@ def _timing_row(t: Timing) -> dict[str, float]:
 
 def _default(value: Any, dev: str, gpu: Any, cpu: Any) -> Any:
     # Sizes that fill a GPU would take minutes on a laptop CPU (bf16 there is ~1 GFLOP/s).
-    if value is not None:
-        return value
-    return gpu if _is_cuda(dev) else cpu
+    return value if value is not None else (gpu if _is_cuda(dev) else cpu)
 
 
 def _check_dtypes(dtypes: Any, where: str) -> list[str]:
-    if isinstance(dtypes, str):
-        dtypes = [dtypes]
-    dtypes = list(dtypes)
+    dtypes = [dtypes] if isinstance(dtypes, str) else list(dtypes)
     if (bad := [d for d in dtypes if d not in DTYPES]) or not dtypes:
         raise ValueError(f"{where}(dtypes={dtypes!r}): unknown dtype {bad}; valid dtypes are {list(DTYPES)}")
     return dtypes
