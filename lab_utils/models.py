@@ -227,13 +227,9 @@ def make_mlp(in_features: int = 64, width: int = 256, depth: int = 4, out_featur
              seed: int = 0) -> nn.Sequential:
     """An MLP of ``depth`` hidden Linear+ReLU layers of ``width``, seeded random weights, in eval mode."""
     torch.manual_seed(seed)
-    layers: list[nn.Module] = []
-    dims = [in_features] + [width] * depth + [out_features]
-    for i in range(len(dims) - 1):
-        layers.append(nn.Linear(dims[i], dims[i + 1]))
-        if i < len(dims) - 2:
-            layers.append(nn.ReLU())
-    return nn.Sequential(*layers).eval()
+    dims = [in_features] + [width] * depth
+    hidden = [m for a, b in zip(dims, dims[1:], strict=False) for m in (nn.Linear(a, b), nn.ReLU())]
+    return nn.Sequential(*hidden, nn.Linear(dims[-1], out_features)).eval()
 
 
 def param_mib(model: nn.Module) -> float:
