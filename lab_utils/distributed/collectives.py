@@ -290,9 +290,8 @@ def collective_sweep(nprocs: int, sizes_bytes: Sequence[int] | None = None, coll
     collectives = [collectives] if isinstance(collectives, str) else list(collectives)
     if (bad := [c for c in collectives if c not in COLLECTIVES]) or not collectives:
         raise ValueError(f"{where}(collectives={collectives!r}): unknown {bad}; valid names are {list(COLLECTIVES)}")
-    if sizes_bytes is None:
-        sizes_bytes = GPU_SIZES if gpu else CPU_SIZES
-    sizes = check_ints(sizes_bytes, "sizes_bytes", where)
+    sizes = check_ints(sizes_bytes if sizes_bytes is not None else (GPU_SIZES if gpu else CPU_SIZES), "sizes_bytes",
+                       where)
     reps = check_int(reps if reps is not None else (20 if gpu else 10), "reps", where)
     warmup = check_int(warmup if warmup is not None else (5 if gpu else 2), "warmup", where, minimum=0)
     dtypes = [str(torch_dtype(d)).removeprefix("torch.") for d in ([dtype] if isinstance(dtype, str) else dtype)]
@@ -309,7 +308,7 @@ def collective_sweep(nprocs: int, sizes_bytes: Sequence[int] | None = None, coll
     else:
         peak, peak_desc = None, "no GPU link (gloo over loopback/shared memory)"
     per_rank = launch(bench_worker, nprocs, backend=chosen, timeout_s=timeout_s,
-                      kwargs={"collectives": list(collectives), "sizes_bytes": sizes, "reps": reps, "warmup": warmup,
+                      kwargs={"collectives": collectives, "sizes_bytes": sizes, "reps": reps, "warmup": warmup,
                               "dtype": dtypes, "corrupt_rank": corrupt_rank})
     df = _merge_rows(per_rank, peak)
     df.attrs["peak_description"] = peak_desc
