@@ -131,11 +131,6 @@ def peaks_for(name: str) -> GpuPeaks | None:
     return next((peaks for pattern, peaks in _TABLE if pattern.search(name)), None)
 
 
-def known_gpus() -> list[GpuPeaks]:
-    """Every GPU model in the table, once each."""
-    return list({peaks.model: peaks for _, peaks in _TABLE if peaks is not None}.values())
-
-
 def ridge_point(peak_tflops: float, bw_tbps: float) -> float:
     """Arithmetic intensity in FLOP/byte where the roofline turns: peak rate / memory bandwidth.
 
