@@ -227,13 +227,9 @@ def make_mlp(in_features: int = 64, width: int = 256, depth: int = 4, out_featur
              seed: int = 0) -> nn.Sequential:
     """An MLP of ``depth`` hidden Linear+ReLU layers of ``width``, seeded random weights, in eval mode."""
     torch.manual_seed(seed)
-    layers: list[nn.Module] = []
-    dims = [in_features] + [width] * depth + [out_features]
-    for i in range(len(dims) - 1):
-        layers.append(nn.Linear(dims[i], dims[i + 1]))
-        if i < len(dims) - 2:
-            layers.append(nn.ReLU())
-    return nn.Sequential(*layers).eval()
+    dims = [in_features] + [width] * depth
+    hidden = [m for a, b in zip(dims, dims[1:], strict=False) for m in (nn.Linear(a, b), nn.ReLU())]
+    return nn.Sequential(*hidden, nn.Linear(dims[-1], out_features)).eval()
 
 
 def param_mib(model: nn.Module) -> float:
@@ -281,12 +277,10 @@ def digits_arrays() -> dict[str, np.ndarray]:
 
     Stratified, seed ``DIGITS_SPLIT_SEED``. Pixels (0..16) are standardised with the training set's mean and
     standard deviation (one scalar each)."""
-    images, y = _digits_raw()
-    x = images.astype(np.float32)[:, None]  # (1797, 1, 8, 8)
-    train, test = _stratified_split(y, DIGITS_TRAIN_SIZE, DIGITS_SPLIT_SEED)
-    mean, std = float(x[train].mean()), float(x[train].std())
-    return {"x_train": (x[train] - mean) / std, "y_train": y[train], "x_test": (x[test] - mean) / std,
-            "y_test": y[test]}
+    raw = digits_raw_split()
+    mean, std = raw["mean"], raw["std"]
+    return {"x_train": (raw["x_train"][:, None] - mean) / std, "y_train": raw["y_train"],  # (1440, 1, 8, 8)
+            "x_test": (raw["x_test"][:, None] - mean) / std, "y_test": raw["y_test"]}
 
 
 def encode_png(image: np.ndarray, scale: int = 1, vmax: float = 16.0, smooth: bool = False) -> bytes:

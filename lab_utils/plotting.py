@@ -18,8 +18,7 @@ def new_axes(ax: Any, figsize: tuple[float, float] = (7.0, 4.5)) -> tuple[Any, A
         return ax.figure, ax
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=figsize)
-    return fig, ax
+    return plt.subplots(figsize=figsize)
 
 
 def finish(ax: Any, **legend: Any) -> Any:

@@ -63,11 +63,6 @@ class Timing:
         return float(np.percentile(self.times_ms, 90))
 
     @property
-    def iqr_ms(self) -> float:
-        q1, q3 = np.percentile(self.times_ms, [25, 75])
-        return float(q3 - q1)
-
-    @property
     def spread(self) -> float:
         """(p90 - p10) / median: 0.05 means the middle 80 % of repetitions lie within 5 % of the median."""
         return (self.p90_ms - self.p10_ms) / self.median_ms if self.median_ms > 0 else float("nan")
@@ -121,14 +116,6 @@ def _resolve_device(device: Any) -> str:
     return name
 
 
-def _check_args(fn: Any, reps: Any, warmup: Any) -> None:
-    if not callable(fn):
-        raise TypeError(f"benchmark(fn=...): fn must be callable, got {type(fn).__name__} {fn!r}; "
-                        "pass the work itself, for example benchmark(lambda: a @ b)")
-    check_int(reps, "reps", "benchmark", what="the number of timed runs")
-    check_int(warmup, "warmup", "benchmark", minimum=0, what="untimed runs first")
-
-
 def benchmark(fn: Callable[[], Any], *, reps: int = 20, warmup: int = 3, device: Any = "auto", flush_l2: bool = False,
               flush_bytes: int = L2_FLUSH_BYTES, name: str | None = None) -> Timing:
     """Time ``fn()`` ``reps`` times after ``warmup`` untimed calls; returns per-repetition ms.
@@ -137,7 +124,11 @@ def benchmark(fn: Callable[[], Any], *, reps: int = 20, warmup: int = 3, device:
     host never waits between repetitions. With ``flush_l2`` a buffer of ``flush_bytes`` is
     overwritten before each repetition, outside the timed region, so every repetition starts
     with a cold cache (kernel-level numbers). On the CPU the same flush evicts the last-level cache."""
-    _check_args(fn, reps, warmup)
+    if not callable(fn):
+        raise TypeError(f"benchmark(fn=...): fn must be callable, got {type(fn).__name__} {fn!r}; "
+                        "pass the work itself, for example benchmark(lambda: a @ b)")
+    check_int(reps, "reps", "benchmark", what="the number of timed runs")
+    check_int(warmup, "warmup", "benchmark", minimum=0, what="untimed runs first")
     dev = _resolve_device(device)
     label = name or getattr(fn, "__name__", "fn")
     if dev.startswith("cuda"):
@@ -286,7 +277,7 @@ class Ticks:
     The hook wraps an iterable and counts an item when its loop comes back for the next one; so the bar is primed
     with one item, each ``step()`` takes the next, and ``close()`` ends the loop. ``progress`` None: no display."""
 
-    def __init__(self, progress: Callable[..., Iterable[Any]] | None, total: int, desc: str):
+    def __init__(self, progress: Callable[..., Iterable[Any]] | None, total: int | None, desc: str):
         self._it: Iterator[Any] | None = None
         if progress is not None:
             self._it = iter(progress(itertools.count(), total=total, desc=desc))  # ends on close(), not on a count

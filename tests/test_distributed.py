@@ -270,7 +270,7 @@ def cell():
 
 def test_ship_writes_the_source_at_the_cells_line_numbers(cell, tmp_path):
     shipped = ranks.ship(cell["worker"], tmp_path)
-    assert shipped.by_source and shipped.name == "worker"
+    assert shipped.module is None and shipped.name == "worker"  # by source
     files = {Path(f).name: Path(f).read_text().splitlines() for f in shipped.files}
     assert set(files) == {"worker.py", "helper.py"}
     assert files["worker.py"][_RAISE_LINE - 1].strip() == 'raise ValueError("rank 1 refuses")  # the line to report'
@@ -280,7 +280,7 @@ def test_ship_writes_the_source_at_the_cells_line_numbers(cell, tmp_path):
     fn = shipped.load()  # in this process too
     assert fn.__name__ == "worker" and fn.__globals__["helper"](1.0) == 2.0
     lib = ranks.ship(d.launch, tmp_path)  # library code goes by reference
-    assert not lib.by_source and lib.load() is d.launch
+    assert lib.module is not None and lib.load() is d.launch
 
 
 def test_ship_refuses_what_cannot_travel_and_says_why(cell, tmp_path):

@@ -117,7 +117,6 @@ def test_bad_arguments_are_named(kwargs, match):
 def test_summary_says_ranks_backend_and_the_single_gpu_section():
     assert lab_plan(1, True, nccl=True).summary().startswith("2 ranks with GLOO (CPU processes), quick sizes; one GPU")
     assert lab_plan(4, False, nccl=True).summary().startswith("4 ranks with NCCL (one GPU each), full sizes")
-    assert lab_plan(2, True, nccl=True).as_dict()["backend"] == "nccl"
 
 
 def test_the_plan_module_needs_no_torch():

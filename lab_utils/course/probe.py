@@ -302,13 +302,11 @@ def _host() -> dict[str, Any]:
 def probe() -> EnvReport:
     """Look at this machine and return the full report (a few seconds; never raises for a missing GPU)."""
     notes: list[str] = []
-    found = probe_nvml(notes)
-    source = "nvml"
+    source, found = "nvml", probe_nvml(notes)
     if found is None:
-        found = probe_smi(notes)
-        source = "nvidia-smi"
+        source, found = "nvidia-smi", probe_smi(notes)
     if found is None:
-        found, source = (None, None, [], None), "none"
+        source, found = "none", (None, None, [], None)
     driver, ceiling, gpus, topo = found
     if source == "nvml" and len(gpus) > 1 and shutil.which("nvidia-smi"):
         # nvidia-smi's own matrix is the reference reading (NVML cannot see through every switch setup).

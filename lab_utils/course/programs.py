@@ -195,10 +195,8 @@ def _modelopt_component() -> Component:
 
 
 def probe_components() -> dict[str, Component]:
-    comps: dict[str, Component] = {}
-    comps["tensorrt"] = _tensorrt_component()
-    comps["onnxruntime"] = _onnxruntime_component()
-    comps["modelopt"] = _modelopt_component()
+    comps = {"tensorrt": _tensorrt_component(), "onnxruntime": _onnxruntime_component(),
+             "modelopt": _modelopt_component()}
     try:
         url, bad_url = env_url("TRITON_URL", default_port=8000), ""
     except EnvError as err:  # the report shows it; the lab's own read raises it

@@ -148,14 +148,9 @@ def _catch_up(fd: int, known: _Counts) -> None:
         known.offset, known.inode, known.attempts = 0, st.st_ino, {}
     if st.st_size == known.offset:
         return
-    os.lseek(fd, known.offset, os.SEEK_SET)
-    chunk = b""
-    while len(chunk) < st.st_size - known.offset:
-        part = os.read(fd, st.st_size - known.offset - len(chunk))
-        if not part:
-            break
-        chunk += part
-    whole = chunk[: chunk.rfind(b"\n") + 1]  # a line still being written by nobody (no lock) cannot be; be safe
+    chunk = os.pread(fd, st.st_size - known.offset, known.offset)
+    # whole lines only: a short read, or a line still being written (no lock), is counted at the next look
+    whole = chunk[: chunk.rfind(b"\n") + 1]
     for line in whole.splitlines():
         with contextlib.suppress(ValueError, TypeError, AttributeError):
             name = json.loads(line).get("exercise")

@@ -70,10 +70,8 @@ class Recorder:
                         time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), note)
         self._items[name] = m
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        rows = [asdict(x) for x in self._items.values()]
-        for r in rows:  # JSON has no NaN: a skipped measurement is null
-            if isinstance(r["value"], float) and not math.isfinite(r["value"]):
-                r["value"] = None
+        # JSON has no NaN: a skipped measurement is null
+        rows = [{**asdict(x), "value": x.value if math.isfinite(x.value) else None} for x in self._items.values()]
         self.path.write_text(json.dumps(rows, indent=1) + "\n")
         return m
 
@@ -118,10 +116,7 @@ def load(directory: Path | str, fix: str = "pass the folder `nvlab run` wrote") 
     directory = Path(directory)
     if not directory.is_dir():
         raise FileNotFoundError(f"{directory} is not a folder of results: {fix}")
-    rows: list[dict[str, Any]] = []
-    for p in sorted(directory.glob("results_*.json")):
-        rows.extend(_rows(p))
-    return rows
+    return [row for p in sorted(directory.glob("results_*.json")) for row in _rows(p)]
 
 
 COMPARE_COLUMNS = ["lab", "name", "unit", "value", "reference", "ratio", "tier", "device", "reference_device"]

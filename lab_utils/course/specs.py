@@ -128,15 +128,7 @@ def peaks_for(name: str) -> GpuPeaks | None:
     if not isinstance(name, str):
         raise ValueError(f"peaks_for(name={name!r}): pass the device name as a string, "
                          "for example torch.cuda.get_device_name(0)")
-    for pattern, peaks in _TABLE:
-        if pattern.search(name):
-            return peaks
-    return None
-
-
-def known_gpus() -> list[GpuPeaks]:
-    """Every GPU model in the table, once each."""
-    return list({peaks.model: peaks for _, peaks in _TABLE if peaks is not None}.values())
+    return next((peaks for pattern, peaks in _TABLE if pattern.search(name)), None)
 
 
 def ridge_point(peak_tflops: float, bw_tbps: float) -> float:

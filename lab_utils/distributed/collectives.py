@@ -26,7 +26,6 @@ from lab_utils.args import check_int, check_ints
 from lab_utils.distributed.bandwidth import (
     COLLECTIVES,
     CPU_SIZES,
-    GIB,
     GPU_SIZES,
     KIB,
     MIB,
@@ -87,7 +86,6 @@ def input_chunks(collective: str, rank: int, n: int) -> list[float]:
     """The value of each chunk of ``rank``'s input (one value: the whole buffer holds it).
 
     Chosen so every rank and every chunk differ, and small integers keep sums exact in bf16."""
-    check_collective(collective, "input_chunks")
     if collective == "reduce_scatter":
         return [float((rank + 1) * (j + 1)) for j in range(n)]  # rank r's piece for rank j
     if collective == "all_to_all":
@@ -97,7 +95,6 @@ def input_chunks(collective: str, rank: int, n: int) -> list[float]:
 
 def expected_chunks(collective: str, rank: int, n: int) -> list[float]:
     """The value each chunk of ``rank``'s output must hold after the collective (one value: all of it)."""
-    check_collective(collective, "expected_chunks")
     if collective == "all_reduce":
         return [n * (n + 1) / 2]  # sum of rank + 1 over the ranks
     if collective == "broadcast":
@@ -291,9 +288,8 @@ def collective_sweep(nprocs: int, sizes_bytes: Sequence[int] | None = None, coll
     collectives = [collectives] if isinstance(collectives, str) else list(collectives)
     if (bad := [c for c in collectives if c not in COLLECTIVES]) or not collectives:
         raise ValueError(f"{where}(collectives={collectives!r}): unknown {bad}; valid names are {list(COLLECTIVES)}")
-    if sizes_bytes is None:
-        sizes_bytes = GPU_SIZES if gpu else CPU_SIZES
-    sizes = check_ints(sizes_bytes, "sizes_bytes", where)
+    sizes = check_ints(sizes_bytes if sizes_bytes is not None else (GPU_SIZES if gpu else CPU_SIZES), "sizes_bytes",
+                       where)
     reps = check_int(reps if reps is not None else (20 if gpu else 10), "reps", where)
     warmup = check_int(warmup if warmup is not None else (5 if gpu else 2), "warmup", where, minimum=0)
     dtypes = [str(torch_dtype(d)).removeprefix("torch.") for d in ([dtype] if isinstance(dtype, str) else dtype)]
@@ -310,7 +306,7 @@ def collective_sweep(nprocs: int, sizes_bytes: Sequence[int] | None = None, coll
     else:
         peak, peak_desc = None, "no GPU link (gloo over loopback/shared memory)"
     per_rank = launch(bench_worker, nprocs, backend=chosen, timeout_s=timeout_s,
-                      kwargs={"collectives": list(collectives), "sizes_bytes": sizes, "reps": reps, "warmup": warmup,
+                      kwargs={"collectives": collectives, "sizes_bytes": sizes, "reps": reps, "warmup": warmup,
                               "dtype": dtypes, "corrupt_rank": corrupt_rank})
     df = _merge_rows(per_rank, peak)
     df.attrs["peak_description"] = peak_desc
@@ -339,26 +335,6 @@ def _merge_rows(per_rank: list[list[dict[str, Any]]], peak: float | None) -> pd.
     df = pd.DataFrame(rows, columns=SWEEP_COLUMNS)
     df["correct"] = df["correct"].astype("boolean")  # <NA> where nothing could be checked
     return df
-
-
-def bare_allreduce(nprocs: int, size_bytes: int | None = None, iters: int | None = None, backend: str = "auto",
-                   warmup: int = 5, timeout_s: float = 600.0) -> dict[str, Any]:
-    """The simplest fp32 all_reduce loop (``bare_allreduce_worker``): time_ms, algbw_gbps, busbw_gbps.
-
-    Defaults: NCCL 1 GiB × 20 iterations, gloo 4 MiB × 10. Compare with ``collective_sweep``'s all_reduce
-    row at the same size: the helper's per-repetition events should cost next to nothing at ≥ 1 GiB."""
-    where = "bare_allreduce"
-    chosen = choose_backend(nprocs, backend)
-    gpu = chosen == "nccl"
-    size_bytes = check_int(size_bytes if size_bytes is not None else (GIB if gpu else 4 * MIB), "size_bytes", where)
-    iters = check_int(iters if iters is not None else (20 if gpu else 10), "iters", where)
-    warmup = check_int(warmup, "warmup", where, minimum=0)
-    res = launch(bare_allreduce_worker, nprocs, backend=chosen, timeout_s=timeout_s,
-                 kwargs={"size_bytes": size_bytes, "iters": iters, "warmup": warmup})
-    time_ms = max(r["rank_time_ms"] for r in res)
-    nbytes = res[0]["size_bytes"]
-    return {"size_bytes": nbytes, "n_ranks": nprocs, "backend": chosen, "iters": iters, "time_ms": time_ms,
-            "algbw_gbps": algbw_gbps(nbytes, time_ms), "busbw_gbps": busbw_gbps("all_reduce", nbytes, time_ms, nprocs)}
 
 
 # --- NCCL's own account: NCCL_DEBUG=INFO ----------------------------------------------------------

@@ -44,7 +44,7 @@ from lab_utils.distributed.throughput import (  # noqa: F401 (the names callers 
     with_reference_overlap,
     with_reference_scaling,
 )
-from lab_utils.models import DigitsCNN, digits_arrays, make_digits_cnn
+from lab_utils.models import digits_arrays, make_digits_cnn
 from lab_utils.timing import sync
 
 if TYPE_CHECKING:  # the tables are built in the launcher: ranks running a worker never import pandas
@@ -136,14 +136,6 @@ def evaluate(model: torch.nn.Module, device: str = "cpu") -> float:
     model = model.to(device)
     correct, count = _eval_counts(model, data["x_test"], data["y_test"])
     return int(correct) / count
-
-
-def load_checkpoint(path: str | os.PathLike[str], device: str = "cpu") -> DigitsCNN:
-    """Rebuild the digits CNN from a checkpoint written by ``train_digits`` and load its weights (eval mode)."""
-    ckpt = torch.load(os.fspath(path), map_location=device, weights_only=True)
-    model = make_digits_cnn(int(ckpt["model_config"]["width"]))
-    model.load_state_dict(ckpt["model"])
-    return model.to(device).eval()
 
 
 def _save_checkpoint(path: str | os.PathLike[str], model: torch.nn.Module, opt: torch.optim.Optimizer, epoch: int,

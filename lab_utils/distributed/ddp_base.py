@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import queue
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 from lab_utils.args import check_int
 from lab_utils.distributed.spawn import WorkerContext, launch
 from lab_utils.procs import env_int
-from lab_utils.timing import cpu_cores
+from lab_utils.timing import Ticks, cpu_cores
 
 AMP_MODES = (None, "bf16", "fp16")
 
@@ -102,23 +100,14 @@ def launch_ticking(worker: Callable[..., Any], nprocs: int, kw: dict[str, Any], 
                    progress: Callable[..., Any] | None, total: int | None, desc: str, prefix: str) -> Any:
     """Rank 0's result of ``worker`` on ``nprocs`` ranks; ``progress`` (``lab_utils.widgets.progress``, None: no
     display) steps once per status of rank 0 that starts with ``prefix``: ``epoch k/n`` (train_digits), ``world size
-    n of N`` (each_world_size), ``repeat r/R`` (overlap). A thread here turns those statuses into its steps."""
-    if progress is None:
-        return launch(worker, nprocs, backend=backend, timeout_s=timeout_s, kwargs=kw)[0]
-    ticks: queue.Queue[int | None] = queue.Queue()
-
-    def show() -> None:
-        for _ in progress(iter(ticks.get, None), total=total, desc=desc):
-            pass
+    n of N`` (each_world_size), ``repeat r/R`` (overlap). ``launch`` reports the statuses in this thread."""
+    ticks = Ticks(progress, total, desc)
 
     def tick(rank: int, text: str) -> None:
         if rank == 0 and text.startswith(prefix):
-            ticks.put(1)
+            ticks.step()
 
-    shown = threading.Thread(target=show, name="nvlab-ddp-progress", daemon=True)
-    shown.start()
     try:
         return launch(worker, nprocs, backend=backend, timeout_s=timeout_s, kwargs=kw, on_status=tick)[0]
     finally:
-        ticks.put(None)
-        shown.join(timeout=10)
+        ticks.close()

@@ -9,7 +9,6 @@ No torch: the plan is arithmetic on the GPU count, so a CPU test can fake any co
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from lab_utils.args import check_int
@@ -83,10 +82,6 @@ class LabPlan:
         where = "one GPU each" if self.on_gpus else "CPU processes"
         mode = "quick" if self.quick else "full"
         return f"{self.nprocs} ranks with {self.backend.upper()} ({where}), {mode} sizes; {self.one_gpu_note}"
-
-    def as_dict(self) -> dict[str, object]:
-        """The plan's fields by name (for a table or a record's note)."""
-        return dataclasses.asdict(self)
 
 
 def _nccl_here() -> bool:

@@ -71,10 +71,6 @@ class Shipped:
     deps: str | None = None
     aliases: tuple[tuple[str, str], ...] = field(default=())
 
-    @property
-    def by_source(self) -> bool:
-        return self.module is None
-
     def load(self) -> Callable[..., Any]:
         """The function, in this process (a rank): imported by name, or its files executed in a fresh namespace."""
         if self.module is not None:

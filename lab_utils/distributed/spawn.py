@@ -158,11 +158,9 @@ def start_process_group(backend: str, rank: int, world_size: int, local_rank: in
         torch.cuda.set_device(local_rank)
         device = f"cuda:{local_rank}"
         kw["device_id"] = torch.device(device)
-    timeout = datetime.timedelta(seconds=timeout_s)
-    if store is None:
-        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size, timeout=timeout, **kw)
-    else:
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **kw)
+    kw.update({"init_method": "env://"} if store is None else {"store": store})
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s),
+                            **kw)
     return WorkerContext(rank, world_size, local_rank, backend, device, events)
 
 

@@ -27,6 +27,7 @@ from lab_utils.plotting import format_bytes
 from lab_utils.timing import Timing, benchmark, copy_bytes, cpu_model, cuda_graph, host_ms, matmul_bytes, matmul_flops
 
 DTYPES = ("fp32", "tf32", "fp16", "bf16", "fp8")
+ITEMSIZE = {"fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2, "fp8": 1}  # bytes per input element (fp8 matmuls write bf16)
 
 REASON_TF32_CPU = "needs an NVIDIA GPU with tensor cores (compute capability >= 8.0); the CPU has no TF32"
 REASON_FP8_CPU = "needs compute capability >= 8.9 (an NVIDIA Ada, Hopper or newer GPU); this is the CPU"
@@ -82,15 +83,11 @@ def _timing_row(t: Timing) -> dict[str, float]:
 
 def _default(value: Any, dev: str, gpu: Any, cpu: Any) -> Any:
     # Sizes that fill a GPU would take minutes on a laptop CPU (bf16 there is ~1 GFLOP/s).
-    if value is not None:
-        return value
-    return gpu if _is_cuda(dev) else cpu
+    return value if value is not None else (gpu if _is_cuda(dev) else cpu)
 
 
 def _check_dtypes(dtypes: Any, where: str) -> list[str]:
-    if isinstance(dtypes, str):
-        dtypes = [dtypes]
-    dtypes = list(dtypes)
+    dtypes = [dtypes] if isinstance(dtypes, str) else list(dtypes)
     if (bad := [d for d in dtypes if d not in DTYPES]) or not dtypes:
         raise ValueError(f"{where}(dtypes={dtypes!r}): unknown dtype {bad}; valid dtypes are {list(DTYPES)}")
     return dtypes
@@ -133,6 +130,11 @@ def tf32_matmul(enabled: bool = True) -> Iterator[None]:
 # --- Matmul cases ---------------------------------------------------------------------------------
 
 
+def matmul_min_bytes(dtype: str, n: int) -> int:
+    """Fewest bytes an n×n×n matmul in ``dtype`` moves: A and B read once, C written once (bf16 for fp8)."""
+    return matmul_bytes(n, n, n, ITEMSIZE[dtype], out_itemsize=2 if dtype == "fp8" else None)
+
+
 @dataclass
 class MatmulCase:
     """One square matmul, inputs already on the device; ``fn()`` runs it once (run it under ``tf32``).
@@ -173,7 +175,6 @@ def matmul_skip_reason(dtype: str, n: int, dev: str) -> str | None:
 
 def make_matmul(n: int, dtype: str, dev: str, fp8_fast_accum: bool = False) -> MatmulCase:
     """Random normal n×n inputs (never zeros: zeros run faster and draw less power) and the call to time."""
-    (dtype,) = _check_dtypes([dtype], "make_matmul")
     if dtype == "fp8":
         # _scaled_mm wants A row-major [M,K] and B column-major [K,N]: B is the transpose of a row-major
         # [N,K] tensor. Per-tensor scales are float32 scalars on the device; 1.0 keeps the values as drawn
@@ -187,18 +188,15 @@ def make_matmul(n: int, dtype: str, dev: str, fp8_fast_accum: bool = False) -> M
                                    use_fast_accum=fp8_fast_accum)
             return out[0] if isinstance(out, tuple) else out  # torch 2.1-2.4 returned (out, amax)
 
-        nbytes = matmul_bytes(n, n, n, 1, out_itemsize=2)
-        return MatmulCase(dtype, n, fn, matmul_flops(n, n, n), nbytes, False, (a, b))
+        return MatmulCase(dtype, n, fn, matmul_flops(n, n, n), matmul_min_bytes(dtype, n), False, (a, b))
     torch_dtype = {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
     a = torch.randn(n, n, device=dev, dtype=torch_dtype[dtype])
     b = torch.randn(n, n, device=dev, dtype=torch_dtype[dtype])
-    itemsize = a.element_size()
 
     def mm() -> Any:
         return a @ b
 
-    nbytes = matmul_bytes(n, n, n, itemsize)
-    return MatmulCase(dtype, n, mm, matmul_flops(n, n, n), nbytes, dtype == "tf32", (a, b))
+    return MatmulCase(dtype, n, mm, matmul_flops(n, n, n), matmul_min_bytes(dtype, n), dtype == "tf32", (a, b))
 
 
 # --- 1. Asynchronous launches ---------------------------------------------------------------------
@@ -289,9 +287,7 @@ def matmul_sweep(sizes: Sequence[int] | None = None, dtypes: Sequence[str] = DTY
     cases = [(dtype, n) for dtype in dtypes for n in sizes]
     for dtype, n in progress(cases, total=len(cases), desc="matmul sweep") if progress else cases:
         peak = peaks.tflops(dtype) if peaks else None
-        itemsize = {"fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2, "fp8": 1}[dtype]
-        flops = matmul_flops(n, n, n)
-        nbytes = matmul_bytes(n, n, n, itemsize, out_itemsize=2 if dtype == "fp8" else None)
+        flops, nbytes = matmul_flops(n, n, n), matmul_min_bytes(dtype, n)
         row: dict[str, Any] = {"dtype": dtype, "n": n, "status": "ok", "reason": "", "flops": flops,
                                "min_bytes": nbytes, "intensity_flop_per_byte": flops / nbytes, "median_ms": math.nan,
                                "p10_ms": math.nan, "p90_ms": math.nan, "spread": math.nan, "tflops": math.nan,

@@ -260,9 +260,8 @@ def time_line(lab: LabPacing) -> str:
 def course_map(labs: list[LabPacing], link: str = "labs/") -> str:
     """The course map's table: each lab, its core and optional minutes and the labs it builds on."""
     rows = ["| # | lab | core | optional | prerequisites |", "|---|---|---|---|---|"]
-    for lab in labs:
-        rows.append(f"| {lab.number} | [{lab.title}]({link}{lab.stem}.ipynb) | {lab.core_min} min | "
-                    f"{lab.optional_min} min | {lab.prerequisites} |")
+    rows += [f"| {lab.number} | [{lab.title}]({link}{lab.stem}.ipynb) | {lab.core_min} min | {lab.optional_min} min | "
+             f"{lab.prerequisites} |" for lab in labs]
     core, optional = sum(lab.core_min for lab in labs), sum(lab.optional_min for lab in labs)
     rows.append(f"| | **the course** | **{core} min ({core / 60:.1f} h)** | **{optional} min** | |")
     return "\n".join(rows)
@@ -363,9 +362,7 @@ def stale(root: Path | None = None, write: bool = False) -> list[str]:
     """The files whose stated times differ from the estimate (written anew with ``write``)."""
     root = root or repo_root()
     labs = course(root)
-    targets: dict[Path, str] = {}
-    for path, lab in zip(solution_paths(root), labs, strict=True):
-        targets[path] = stated_solution(path, lab, labs)
+    targets = {path: stated_solution(path, lab, labs) for path, lab in zip(solution_paths(root), labs, strict=True)}
     readme = root / "README.md"
     targets[readme] = _with_map(readme.read_text(), course_map(labs), "README.md")
     targets[root / "docs" / "pacing.md"] = pacing_markdown(labs)

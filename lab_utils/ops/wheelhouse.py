@@ -360,7 +360,6 @@ def build(dest: Path | str, *, python: str | None = None, platforms: Sequence[st
         if "torch" in extras:
             roots.append(("torch", ()))
         env = target_environment(py, arch)
-        added: list[str] = []
         for _ in range(3):
             if not (missing := missing_requirements(dest, roots, env, provided)):
                 break
@@ -370,13 +369,12 @@ def build(dest: Path | str, *, python: str | None = None, platforms: Sequence[st
             log(f"for Python {py} the wheels also need: {', '.join(missing)} (pip judged markers for Python "
                 f"{target_python(None)}); downloading them ...")
             download([*extra_args, *missing], "downloading for the target's markers", image_note)
-            added += missing
         else:
             if missing := missing_requirements(dest, roots, env, provided):
                 raise WheelhouseError(f"the wheelhouse still lacks {', '.join(missing)} for Python {py}")
 
     course_version = wheel_metadata(next(dest.glob("nvlab-*.whl")))[1]
-    house = Wheelhouse(dest, py, arch, tags, extras, left_out, sorted(p.name for p in dest.glob("*.whl")), added)
+    house = Wheelhouse(dest, py, arch, tags, extras, left_out, sorted(p.name for p in dest.glob("*.whl")))
     _write_instructions(house, course_version, pkg_extras, m)
     log(f"{len(house.wheels)} wheels, {house.size_mib:.0f} MiB in {dest}; install as {dest / 'README.txt'} says")
     return house

@@ -14,22 +14,17 @@ from IPython.display import display
 from lab_utils.args import check_int
 from lab_utils.course import specs
 from lab_utils.gpu import bench, bench_plots
-from lab_utils.timing import matmul_bytes, matmul_flops
+from lab_utils.timing import matmul_flops
 from lab_utils.widgets.core import Panel, interactive, show
 
 REFERENCE_N = 8192  # the size at which the H200 reference run recorded each dtype's matmul
-_ITEMSIZE = {"fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
-
-
-def _intensity(dtype: str, n: int) -> float:
-    """FLOP per byte of an n×n×n matmul in ``dtype`` (A, B read once, C written once; fp8 writes bf16)."""
-    return matmul_flops(n, n, n) / matmul_bytes(n, n, n, _ITEMSIZE[dtype], out_itemsize=2 if dtype == "fp8" else None)
 
 
 def reference_points() -> pd.DataFrame:
     """The H200 reference run's matmuls as roofline points (TFLOP/s at n = 8192, FLOP/byte)."""
     rows = [{"kind": "H200 reference", "dtype": d, "n": REFERENCE_N,
-             "intensity_flop_per_byte": _intensity(d, REFERENCE_N), "tflops": t}
+             "intensity_flop_per_byte": matmul_flops(REFERENCE_N, REFERENCE_N, REFERENCE_N)
+             / bench.matmul_min_bytes(d, REFERENCE_N), "tflops": t}
             for d, t in specs.h200_reference_tflops().items()]
     return pd.DataFrame(rows, columns=["kind", "dtype", "n", "intensity_flop_per_byte", "tflops"])
 
@@ -45,9 +40,9 @@ class RooflineExplorer(Panel):
             raise ValueError(f"roofline_explorer(sizes={sizes!r}): matmul sizes n, e.g. [256, 512]")
         for s in sizes:
             check_int(s, "sizes", "roofline_explorer", what="each a matmul size n, e.g. [256, 512]")
-        unknown = [d for d in dtypes if d not in _ITEMSIZE]
+        unknown = [d for d in dtypes if d not in bench.DTYPES]
         if not dtypes or unknown:
-            raise ValueError(f"roofline_explorer(dtypes={dtypes!r}): choose among {list(_ITEMSIZE)}")
+            raise ValueError(f"roofline_explorer(dtypes={dtypes!r}): choose among {list(bench.DTYPES)}")
         if dtype is not None and dtype not in dtypes:
             raise ValueError(f"roofline_explorer(dtype={dtype!r}): not among the offered dtypes {list(dtypes)}")
         if n is not None and n not in sizes:
