@@ -187,6 +187,10 @@ def test_the_json_check_names_what_makes_a_request_malformed():
     assert request_problem(text + b"\x00\x01binary", header_length=len(text)) is None  # binary tensors after it
     cases = [(b'{"inputs": [{"name": "X", "shape": [1], "datatype": "FP32", "data": ["1"]}]}', None,
               "inputs[0].data holds a string where a FP32 tensor takes numbers"),
+             (b'{"inputs": [{"name": "X", "shape": [2], "datatype": "FP32", "data": [1, null]}]}', None,
+              "inputs[0].data holds null where a FP32 tensor takes numbers"),
+             (b'{"inputs": [{"name": "S", "shape": [1], "datatype": "BYTES", "data": [null]}]}', None,
+              "inputs[0].data holds null where a BYTES tensor takes strings"),
              (b'{"inputs": [{"name": "X", "shape": [1], "datatype": "BOOL", "data": [1]}]}', None,
               "a BOOL tensor takes true or false"),
              (b'{"inputs": [{"name": "X", "shape": [1.5], "datatype": "FP32", "data": [1]}]}', None,

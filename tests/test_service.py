@@ -299,6 +299,8 @@ MALFORMED = [  # body -> words of the reason; Triton itself answers each with 50
      "inputs[0].datatype is a number, not a string"),
     (b'{"inputs": [{"name": "IMAGE", "shape": [1, 1], "datatype": "BYTES", "data": [5]}]}',
      "inputs[0].data holds a number where a BYTES tensor takes strings"),
+    (b'{"inputs": [{"name": "IMAGE", "shape": [1, 1], "datatype": "BYTES", "data": [null]}]}',
+     "inputs[0].data holds null where a BYTES tensor takes strings"),
     (b'{"inputs": [{"name": "IMAGE", "shape": [1, 1], "datatype": "BYTES", "data": ["x"]}], "outputs": 3}',
      '"outputs" is a number, not a list'),
 ]

@@ -83,8 +83,8 @@ def _tensor_problem(t: Any, where: str, outputs: bool = False) -> str | None:
         takes, fits = "numbers", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
     else:
         return None
-    bad = next((v for v in _leaves(t["data"]) if not fits(v)), None)
-    return None if bad is None else f"{where}.data holds {_kind(bad)} where a {dtype} tensor takes {takes}"
+    bad = [v for v in _leaves(t["data"]) if not fits(v)]  # a list, not next(..., None): a null is bad too
+    return f"{where}.data holds {_kind(bad[0])} where a {dtype} tensor takes {takes}" if bad else None
 
 
 def request_problem(body: bytes, header_length: int | str | None = None) -> str | None:
