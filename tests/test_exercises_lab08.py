@@ -310,9 +310,17 @@ def _ss(**kw):
     return sample_size
 
 
+def _ss_constant(value):
+    def sample_size(p_a, p_b, alpha=0.05, power=0.8):
+        return value
+
+    return sample_size
+
+
 Q4_RIGHT = [ex.reference_sample_size, _sample_size_unpooled]
 Q4_WRONG = [(_ss(one_sided=True), "one-sided"), (_ss(total=True), "both groups"), (_ss(float=True), "whole"),
-            (_ss(floor=True), "rounded down"), (_ss(no_sqrt=True), "square root"), (_ss(power_z=True), "1 - power")]
+            (_ss(floor=True), "rounded down"), (_ss(no_sqrt=True), "square root"), (_ss(power_z=True), "1 - power"),
+            (_ss_constant(math.nan), "a finite number of requests"), (_ss_constant(math.inf), "a finite number")]
 
 
 def _psi_histogram(reference, current, bins=10):

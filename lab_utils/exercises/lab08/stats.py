@@ -96,6 +96,9 @@ def _grade_sample_size(fn: Any) -> str:
         v = run_student(fn, p_a, p_b, alpha=alpha, power=power, what="sample_size", call=call, timeout_s=10)
         if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
             raise Wrong(f"{call} returned {_short(v)}: a number of requests per group (an int)")
+        if isinstance(v, (float, np.floating)) and not math.isfinite(v):
+            raise Wrong(f"{call} returned {float(v)}: a finite number of requests per group (is a proportion 0 or 1, "
+                        "or the effect p_b - p_a zero?)")
         if isinstance(v, (float, np.floating)) and not float(v).is_integer():
             raise Wrong(f"{call} returned {float(v):g}: a count of requests is whole; round up (math.ceil): "
                         "{:g} requests are not enough for the power asked".format(math.floor(v)))
