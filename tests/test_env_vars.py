@@ -16,7 +16,7 @@ import pytest
 from lab_utils import procs
 from lab_utils.course import probe as course_probe
 from lab_utils.course import session
-from lab_utils.monitoring import drills, prometheus
+from lab_utils.monitoring import prometheus
 from lab_utils.procs import EnvError, check_service, env_flag, env_int, env_url, free_port, http_ok
 from lab_utils.serving import server as triton_server
 from lab_utils.serving.server import ExternalServer, ServerStartError
@@ -191,8 +191,6 @@ def test_http_ok_says_what_happened(fake_http, not_http):
     assert http_ok(f"http://127.0.0.1:{free_port()}/") == (False, "ConnectionRefusedError")
     assert http_ok(not_http)[0] is False and http_ok(not_http)[1] in ("BadStatusLine", "RemoteDisconnected")
     assert http_ok("http://127.0.0.1:abc/") == (False, "InvalidURL")  # never raised
-    assert drills.probe(f"{fake.url}/ok") == (True, "HTTP 200")  # the lab's probe is this one
-    assert drills.probe(f"{fake.url}/nope") == (False, "HTTP 404")
 
 
 def test_wait_http_ok_uses_the_probe(fake_http):
