@@ -435,6 +435,15 @@ def test_execute_wrong_versions_get_their_own_message(lab, fn, expected):
     assert_wrong(lab04.q6, fn, *expected)
 
 
+def test_execute_failure_shows_a_row_count_mismatch_before_rows_of_another_input():
+    """Which wrong answer is most common depends on how the server batched the load: the example shown must not."""
+    messages = {"wrong answer: a request of 1 row(s) got rows computed from another request's input": 150,
+                "wrong answer: a request of 2 row(s) got 1 row(s) back": 130,
+                "wrong answer: a request of 3 row(s) got 1 row(s) back": 120}
+    wrong = execute_checks._execute_failure(messages, 400, "", 1, 1, "execute")
+    assert "400 of 400 requests" in str(wrong) and "got 1 row(s) back" in str(wrong)
+
+
 def test_execute_model_file_is_the_course_model_plus_the_function():
     text, start = execute_checks._model_source("def execute(self, requests):\n    return []\n", "execute")
     lines = text.splitlines()

@@ -99,7 +99,8 @@ def _execute_failure(messages: dict[str, int], total: int, source: str, start: i
                   "to_numpy(tensor), which crosses by DLPack." if as_numpy and NUMPY2 else "")
     if wrong:
         n_wrong = sum(wrong.values())
-        example = max(wrong, key=lambda m: wrong[m]).split("wrong answer: ", 1)[-1]
+        # a count of rows that does not match says most about the split: shown before rows of another input
+        example = max(wrong, key=lambda m: ("row(s) back" in m, wrong[m])).split("wrong answer: ", 1)[-1]
         if numpy_note:
             return Wrong(f"{n_wrong} of {total} requests got wrong answers (e.g. {example}).{numpy_note}")
         return Wrong(f"{n_wrong} of {total} requests got back rows that are not the answers to their own inputs "
