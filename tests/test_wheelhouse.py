@@ -151,6 +151,21 @@ def test_placeholders_stand_for_preinstalled_packages(tmp_path, monkeypatch):
         download(links, tmp_path / "dest2", args, "needs-final-torch")
 
 
+def test_build_runs_to_its_end_with_pip_stood_in(tmp_path, monkeypatch):
+    """build() past pip to the wheelhouse and its README without a network (only the nightly network test ran the
+    end of a build, and a constructor call with one argument too many failed every build there)."""
+    def pip(args, what, python, arch, hint=""):
+        out = Path(args[args.index("--wheel-dir" if args[0] == "wheel" else "--dest") + 1])
+        out.mkdir(parents=True, exist_ok=True)
+        make_wheel(out, "nvlab", "0.1.0")  # the course's wheel, built or downloaded
+
+    monkeypatch.setattr(wheelhouse, "_pip", pip)
+    monkeypatch.setattr(wheelhouse, "missing_requirements", lambda *a, **k: [])
+    house = wheelhouse.build(tmp_path / "house", extras=("lab",), log=lambda line: None)
+    assert house.wheels == ["nvlab-0.1.0-py3-none-any.whl"] and house.extras == ["lab"]
+    assert "nvlab" in (tmp_path / "house" / "README.txt").read_text()
+
+
 def test_install_commands_are_no_index_and_match_the_course():
     cmds = wheelhouse.install_commands("WHEELHOUSE", "lab")
     assert cmds[0] == "python -m pip install --no-index --find-links WHEELHOUSE -e '.[lab]'"
