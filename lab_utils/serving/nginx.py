@@ -109,8 +109,10 @@ def resolve(use: bool | None = None, show: bool = True) -> str | None:
     ``NVLAB_REQUIRE_NGINX=1``); ``use=True`` and none installed: ``NginxNotFound``."""
     if use is False:
         return None
-    if use or find_nginx() is not None:
-        return nginx_binary()
+    if (path := find_nginx()) is not None:
+        return str(path)
+    if use:
+        raise NginxNotFound(_not_found())
     available(show)
     return None
 
