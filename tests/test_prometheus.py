@@ -130,6 +130,13 @@ def test_server_scrapes_queries_and_leaves_nothing(prometheus_bin, exporter, tmp
             server.value("up")
         alert = server.wait_for_alert("TritonServerDown", "firing", timeout_s=20)  # nothing at 127.0.0.1:1
         assert alert["summary"].iloc[0] == "Triton at 127.0.0.1:1 does not answer scrapes"
+        # an alert that does not fire: the timeout says how Prometheus evaluates its rule, threshold included
+        with pytest.raises(TimeoutError, match=r"TritonHighP99Latency was not firing within 0\.5 s \(active alerts: "
+                                               r"TritonServerDown=firing; its rule `max by \(model\) .* > 500` is "
+                                               r"inactive, health (ok|unknown)\)"):
+            server.wait_for_alert("TritonHighP99Latency", timeout_s=0.5)
+        with pytest.raises(TimeoutError, match="no rule of that name is loaded"):
+            server.wait_for_alert("NoSuchAlert", timeout_s=0.2)
         assert set(server.rules()["name"]) >= {"TritonServerDown", "GpuMemoryHigh"}
         targets = server.targets()
         assert set(targets["health"]) == {"up", "down"}

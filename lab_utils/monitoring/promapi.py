@@ -192,7 +192,8 @@ class PromAPI:
 
     def wait_for_alert(self, name: str, state: str = "firing", timeout_s: float = 60.0,
                        poll_s: float = 0.5) -> pd.DataFrame:
-        """Poll the alerts API until alert ``name`` is in ``state``; its rows, or TimeoutError naming what was seen."""
+        """Poll the alerts API until alert ``name`` is in ``state``; its rows, or TimeoutError naming what was seen
+        and the rule as Prometheus evaluates it (its expression, threshold included, state and health)."""
         deadline = time.monotonic() + timeout_s
         while True:
             df = self.alerts()
@@ -201,7 +202,11 @@ class PromAPI:
                 return hit
             if time.monotonic() > deadline:
                 seen = ", ".join(f"{a}={s}" for a, s in zip(df["alertname"], df["state"], strict=True)) or "none"
-                raise TimeoutError(f"alert {name} was not {state} within {timeout_s:g} s (active alerts: {seen})")
+                rule = self.rules().query("name == @name")
+                how = "; ".join(f"its rule `{r.query}` is {r.state or 'not an alert'}, health {r.health}"
+                                for r in rule.itertuples()) or "no rule of that name is loaded"
+                raise TimeoutError(f"alert {name} was not {state} within {timeout_s:g} s (active alerts: {seen}; "
+                                   f"{how})")
             threading.Event().wait(poll_s)  # interruptible, unlike a sleep
 
     def stop(self) -> None:
