@@ -4,8 +4,10 @@ the labs, the hub's one configuration in both modes, and the Docker files (compo
 
 from __future__ import annotations
 
+import json
 import os
 import pwd
+import shutil
 import socket
 import subprocess
 import sys
@@ -296,6 +298,37 @@ def test_the_compose_file_is_what_up_and_the_hubs_configuration_expect():
     config = (CLASSROOM / "jupyterhub_config.py").read_text()
     assert f'configure(c, "{manage.CONTAINER_STATE}/plan.json")' in config
     assert "NVLAB_CLASSROOM_STATE:?" in hub["volumes"][1], "compose refuses to start without the state folder"
+
+
+def test_the_hub_image_holds_what_the_hub_and_its_progress_page_read(tmp_path):
+    """The hub image's files, laid out from Dockerfile.hub's COPY lines: the hub's configuration and the progress
+    service import from them alone, and the progress page finds every lab's exercises (read as text)."""
+    for line in (CLASSROOM / "Dockerfile.hub").read_text().splitlines():
+        if not line.startswith("COPY "):
+            continue
+        *sources, dest = line.split()[1:]
+        target = tmp_path / dest.lstrip("/")
+        for source in sources:
+            if source.endswith("/"):
+                shutil.copytree(ROOT / source, target, ignore=shutil.ignore_patterns("__pycache__"), dirs_exist_ok=True)
+            else:
+                to = target / Path(source).name if dest.endswith("/") else target
+                to.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy(ROOT / source, to)
+    src = tmp_path / "srv" / "nvlab" / "src"
+    # an editable install of this checkout would supply what the image lacks: its finder is left out
+    code = ("import sys\nsys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in str(f).lower()]\n"
+            "import json, lab_utils, lab_utils.classroom.hub, lab_utils.classroom.progress_service\n"
+            "from lab_utils.course import progress\n"
+            "print(lab_utils.__file__)\nprint(json.dumps(progress.catalog()))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(src)},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    where, catalog = out.stdout.splitlines()
+    assert where.startswith(str(src)), where  # the image's copy, not this checkout
+    from lab_utils.course import progress
+
+    assert json.loads(catalog) == progress.catalog() and len(progress.catalog()) >= 10
 
 
 def test_the_classroom_images_pass_hadolint():
