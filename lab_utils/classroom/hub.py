@@ -60,16 +60,6 @@ def _roster_authenticator() -> type:
     return RosterNativeAuthenticator
 
 
-def _progress_service() -> Any:
-    """The trainer's progress page, where this course version has it: its module gives the hub service entry (and
-    the environment the students' servers report with)."""
-    try:
-        from lab_utils.classroom import progress_service
-    except ImportError:
-        return None
-    return progress_service
-
-
 def configure(c: Any, plan: dict[str, Any] | Path | str) -> None:
     """Fill JupyterHub's config object ``c`` from ``plan`` (a dict, or the path of its JSON file)."""
     if not isinstance(plan, dict):
@@ -153,13 +143,15 @@ def configure(c: Any, plan: dict[str, Any] | Path | str) -> None:
         {"name": "idle-culler", "scopes": CULLER_SCOPES, "services": ["idle-culler"]},
         {"name": "nvlab-classroom", "scopes": CLI_SCOPES, "services": ["nvlab-classroom"]},
     ]
-    if (progress := _progress_service()) and plan.get("progress_port"):
+    try:  # the trainer's progress page: its module gives the hub service entry and the students' environment
+        from lab_utils.classroom import progress_service as progress
+    except ImportError:  # a hub that cannot import it (this course version, or lab_utils.course, lacks it): no page
+        progress = None
+    if progress and plan.get("progress_port"):
         host = plan.get("progress_host", "127.0.0.1")  # the hub's container under Docker: students' servers post there
         services.append(progress.hub_service_config(plan["progress_port"], host=host))
-        if role := getattr(progress, "hub_role", None):  # lists students who have not checked anything yet too
-            roles.append(role())
-        if env := getattr(progress, "spawner_environment", None):
-            c.Spawner.environment = {**env(plan["progress_port"], host=host)}
+        roles.append(progress.hub_role())  # lists students who have not checked anything yet too
+        c.Spawner.environment = progress.spawner_environment(plan["progress_port"], host=host)
     c.JupyterHub.services = services
     c.JupyterHub.load_roles = roles
 
