@@ -23,10 +23,6 @@ CULLER_SCOPES = ["list:users", "read:users:activity", "read:servers", "delete:se
 CLI_SCOPES = ["admin:users", "admin:servers", "list:users", "read:users", "read:servers", "access:servers"]
 
 
-def load_plan(path: Path | str) -> dict[str, Any]:
-    return json.loads(Path(path).read_text())
-
-
 def device_for(plan: dict[str, Any], username: str) -> str | None:
     """The GPU (UUID, or '' for none) of ``username``: the plan's, else (a sign-up the trainer approved) the pool's
     device picked by the name's hash; None where the class has no GPUs."""
@@ -63,7 +59,7 @@ def _roster_authenticator() -> type:
 def configure(c: Any, plan: dict[str, Any] | Path | str) -> None:
     """Fill JupyterHub's config object ``c`` from ``plan`` (a dict, or the path of its JSON file)."""
     if not isinstance(plan, dict):
-        plan = load_plan(plan)
+        plan = json.loads(Path(plan).read_text())
     state = Path(plan["state"])
     students = plan["students"]
     c.JupyterHub.ip = plan["ip"]
