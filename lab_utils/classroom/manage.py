@@ -74,7 +74,6 @@ class Options:
     cpu_limit: float | None = None
     image: str = "nvlab/classroom-singleuser:26.09"
     extra_config: Path | None = None
-    progress_port: int | None = None
     notes: list[str] = field(default_factory=list)
 
 
@@ -182,7 +181,6 @@ def prepare(opts: Options) -> dict[str, Any]:
         "pool": [d.uuid for d in pool],
         "idle_timeout_s": opts.idle_timeout_s, "cull_every_s": opts.cull_every_s,
         "mem_limit": opts.mem_limit, "cpu_limit": opts.cpu_limit,
-        "progress_port": opts.progress_port,
     }
     if opts.local:
         missing = [pip for mod, pip in HUB_PACKAGES.items() if importlib.util.find_spec(mod) is None]
@@ -197,11 +195,9 @@ def prepare(opts: Options) -> dict[str, Any]:
                                  "must be readable by every user (an interpreter under /root is not); make the "
                                  "virtual environment from a system Python (/usr/bin/python3 -m venv) in a readable "
                                  "folder, or pass --python")
-        hub_port, api_port = free_port(), free_port()
-        if importlib.util.find_spec("lab_utils.classroom.progress_service"):  # the trainer's progress page
-            plan["progress_port"] = opts.progress_port or free_port()
         plan.update({
-            "state": str(state), "hub_ip": "127.0.0.1", "hub_port": hub_port, "proxy_api_port": api_port,
+            "state": str(state), "hub_ip": "127.0.0.1", "hub_port": free_port(), "proxy_api_port": free_port(),
+            "progress_port": free_port(),  # the trainer's progress page
             "python": opts.python, "labs_src": str(repo_root() / "labs"), "labs_dest": "~/labs",
             "notebook_dir": "~", "system_users": root, "homes": str(state / "homes"),
             # no sign-up where a hub account is a system account: an approved sign-up named after an existing user
@@ -226,10 +222,9 @@ def prepare(opts: Options) -> dict[str, Any]:
             "notebook_dir": "/workspace/work",
             "ssl_cert": f"{CONTAINER_STATE}/hub.crt", "ssl_key": f"{CONTAINER_STATE}/hub.key",
             "docker": {"image": opts.image, "network": "nvlab-classroom", "work_dir": "/workspace/work"},
-        })
-        if importlib.util.find_spec("lab_utils.classroom.progress_service"):
             # the trainer's progress page inside the hub's container, on an address students' containers reach
-            plan.update({"progress_port": opts.progress_port or 8090, "progress_host": "hub"})
+            "progress_port": 8090, "progress_host": "hub",
+        })
     plan["new_accounts"] = new
     return plan
 
