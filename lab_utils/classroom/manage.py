@@ -20,7 +20,6 @@ import signal
 import sqlite3
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
@@ -40,7 +39,7 @@ from lab_utils.classroom.roster import (
     sharing_note,
 )
 from lab_utils.course.catalog import repo_root
-from lab_utils.procs import free_port, pid_alive, tail
+from lab_utils.procs import free_port, pid_alive, tail, wait_until
 
 HUB_PACKAGES = {"jupyterhub": "jupyterhub", "nativeauthenticator": "jupyterhub-nativeauthenticator",
                 "jupyterhub_idle_culler": "jupyterhub-idle-culler"}
@@ -298,16 +297,12 @@ def start(opts: Options, plan: dict[str, Any], log: Any = sys.stderr) -> dict[st
     (state / "hub.pid").write_text(f"{hub.pid}\n")  # at once: the hub writes the same pid once it has started
     url = f"{'https' if plan['ssl_cert'] else 'http'}://{'127.0.0.1' if plan['ip'] in ('0.0.0.0', '') else plan['ip']}"
     url += f":{plan['port']}"
-    deadline = time.monotonic() + 180
-    while True:
-        if api_ok(url):
-            break
-        if hub.poll() is not None or time.monotonic() > deadline:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(hub.pid, signal.SIGTERM)
-            raise ClassroomError(f"the hub did not start (exit {hub.poll()}); its log, {state / 'hub.log'}:\n"
-                                 + tail(state / "hub.log", 30))
-        time.sleep(0.5)
+    ready = wait_until(lambda: hub.poll() is not None or api_ok(url), timeout_s=180, poll_s=0.5)
+    if not ready or hub.poll() is not None:  # no answer in time, or the hub exited
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(hub.pid, signal.SIGTERM)
+        raise ClassroomError(f"the hub did not start (exit {hub.poll()}); its log, {state / 'hub.log'}:\n"
+                             + tail(state / "hub.log", 30))
     return {"url": url, "pid": hub.pid, "new_accounts": list(passwords), "system_users": made}
 
 
@@ -327,12 +322,9 @@ def _start_docker(opts: Options, state: Path, new: list[str]) -> dict[str, Any]:
             raise ClassroomError(f"{' '.join(argv[:2])} {' '.join(argv[4:])} failed (exit {out.returncode}); see "
                                  "its output above")
     url = f"https://{opts.ip if opts.ip != '0.0.0.0' else '127.0.0.1'}:{opts.port}"
-    deadline = time.monotonic() + 300
-    while not api_ok(url):  # up when the hub answers through its proxy, as for the local hub
-        if time.monotonic() > deadline:
-            raise ClassroomError(f"the hub's container does not answer at {url} after 300 s: see `docker compose -f "
-                                 f"{COMPOSE} logs hub`")
-        time.sleep(1)
+    if not wait_until(lambda: api_ok(url), timeout_s=300, poll_s=1):  # up when the hub answers through its proxy
+        raise ClassroomError(f"the hub's container does not answer at {url} after 300 s: see `docker compose -f "
+                             f"{COMPOSE} logs hub`")
     return {"url": url, "pid": None, "new_accounts": new, "system_users": []}
 
 
