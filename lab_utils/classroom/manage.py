@@ -383,15 +383,13 @@ def stop(state: Path, grace_s: float = 120) -> list[str]:
         subprocess.run(["docker", "compose", "-f", str(COMPOSE), "down"], check=False, timeout=600,
                        env=dict(os.environ, NVLAB_CLASSROOM_STATE=str(state)))
         return []
-    procs = [p for p in (running_hub(state), running_hub(state, "proxy.pid")) if p]
-    if hub := running_hub(state):
+    hub, proxy = running_hub(state), running_hub(state, "proxy.pid")
+    if hub:
         os.kill(hub, signal.SIGTERM)
         psutil.wait_procs([psutil.Process(hub)], timeout=grace_s)
-    killed = []
     left = [p for p in our_processes(plan) if p.is_running()]
-    for pid in procs:
-        if pid_alive(pid):
-            left.append(psutil.Process(pid))
+    left += [psutil.Process(pid) for pid in (hub, proxy) if pid and pid_alive(pid)]
+    killed = []
     for p in left:
         with contextlib.suppress(psutil.Error):
             killed.append(f"{p.pid} {' '.join(p.cmdline())[:80]}")
