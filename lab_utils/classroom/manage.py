@@ -264,7 +264,7 @@ def hub_config_text(plan_path: str, extra: str | None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def start(opts: Options, plan: dict[str, Any], log: Any = sys.stderr) -> dict[str, Any]:
+def start(opts: Options, plan: dict[str, Any]) -> dict[str, Any]:
     """Create what the plan needs and start the hub; returns a summary (url, pid, accounts made, users created)."""
     import bcrypt  # NativeAuthenticator's own hashing (installed with it)
 
