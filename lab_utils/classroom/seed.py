@@ -31,11 +31,6 @@ def _files(src: Path) -> list[Path]:
                   if p.is_file() and not SKIP.intersection(p.relative_to(src).parts))
 
 
-def new_name(rel: Path, digest: str) -> Path:
-    """Where a changed course file is offered beside the student's copy: ``stem.new-<8 hex>.suffix``."""
-    return rel.with_name(f"{rel.stem}.new-{digest[:8]}{rel.suffix}")
-
-
 def seed_labs(src: Path | str, dest: Path | str) -> dict[str, list[str]]:
     """Copy ``src`` into ``dest`` without ever overwriting: returns the files 'copied', 'offered' (a new course
     version under a new name), 'kept' (the student's copy left as it is)."""
@@ -62,7 +57,7 @@ def seed_labs(src: Path | str, dest: Path | str) -> dict[str, list[str]]:
             done["kept"].append(key)  # deleted by the student: not brought back
             continue
         else:
-            what, to = "offered", dest / new_name(rel, digest)
+            what, to = "offered", dest / rel.with_name(f"{rel.stem}.new-{digest[:8]}{rel.suffix}")  # beside theirs
             if to.exists():
                 done["kept"].append(key)
                 continue
