@@ -26,11 +26,6 @@ def _sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def _files(src: Path) -> list[Path]:
-    return sorted(p.relative_to(src) for p in src.rglob("*")
-                  if p.is_file() and not SKIP.intersection(p.relative_to(src).parts))
-
-
 def seed_labs(src: Path | str, dest: Path | str) -> dict[str, list[str]]:
     """Copy ``src`` into ``dest`` without ever overwriting: returns the files 'copied', 'offered' (a new course
     version under a new name), 'kept' (the student's copy left as it is)."""
@@ -44,7 +39,9 @@ def seed_labs(src: Path | str, dest: Path | str) -> dict[str, list[str]]:
     except (OSError, ValueError):
         seeded = {}
     done: dict[str, list[str]] = {"copied": [], "offered": [], "kept": []}
-    for rel in _files(src):
+    for rel in sorted(p.relative_to(src) for p in src.rglob("*") if p.is_file()):
+        if SKIP.intersection(rel.parts):
+            continue
         digest, key = _sha(src / rel), rel.as_posix()
         target = dest / rel
         if key not in seeded and not target.exists():
