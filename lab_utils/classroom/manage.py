@@ -92,14 +92,11 @@ def running_hub(state: Path, name: str = "hub.pid") -> int | None:
 
 def existing_accounts(state: Path) -> set[str]:
     """Accounts NativeAuthenticator already holds in this state folder's database (read only)."""
-    db = state / "jupyterhub.sqlite"
-    if not db.is_file():
-        return set()
-    with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as con:
-        try:
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{state / 'jupyterhub.sqlite'}?mode=ro", uri=True)) as con:
             return {r[0] for r in con.execute("SELECT username FROM users_info")}
-        except sqlite3.Error:  # a database without NativeAuthenticator's table yet
-            return set()
+    except sqlite3.Error:  # no database yet (read-only mode creates none), or none of NativeAuthenticator's tables
+        return set()
 
 
 @functools.cache  # a few seconds each: asked by students_python and again by prepare
