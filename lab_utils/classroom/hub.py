@@ -105,7 +105,15 @@ def configure(c: Any, plan: dict[str, Any] | Path | str) -> None:
     if plan.get("cpu_limit"):
         c.Spawner.cpu_limit = float(plan["cpu_limit"])
     if plan["mode"] == "docker":
-        _docker(c, plan)
+        d = plan["docker"]
+        c.JupyterHub.spawner_class = "dockerspawner.DockerSpawner"
+        c.DockerSpawner.image = d["image"]
+        c.DockerSpawner.network_name = d["network"]  # the hub's network: servers reach the hub by its name
+        c.DockerSpawner.remove = True  # a stopped server's container goes; its volume (the student's work) stays
+        c.DockerSpawner.name_template = "nvlab-classroom-{username}"
+        # one named volume per student, kept across servers, hub restarts and course versions
+        c.DockerSpawner.volumes = {"nvlab-classroom-{username}": d["work_dir"]}
+        c.DockerSpawner.extra_host_config = {"shm_size": "2g"}  # DataLoader workers use /dev/shm
     elif plan.get("system_users", True):
         c.JupyterHub.spawner_class = "jupyterhub.spawner.LocalProcessSpawner"
     else:
@@ -150,15 +158,3 @@ def configure(c: Any, plan: dict[str, Any] | Path | str) -> None:
         c.Spawner.environment = progress.spawner_environment(plan["progress_port"], host=host)
     c.JupyterHub.services = services
     c.JupyterHub.load_roles = roles
-
-
-def _docker(c: Any, plan: dict[str, Any]) -> None:
-    d = plan["docker"]
-    c.JupyterHub.spawner_class = "dockerspawner.DockerSpawner"
-    c.DockerSpawner.image = d["image"]
-    c.DockerSpawner.network_name = d["network"]  # the hub's network: servers reach the hub by its name
-    c.DockerSpawner.remove = True  # a stopped server's container goes; its volume (the student's work) stays
-    c.DockerSpawner.name_template = "nvlab-classroom-{username}"
-    # one named volume per student, kept across servers, hub restarts and course versions
-    c.DockerSpawner.volumes = {"nvlab-classroom-{username}": d["work_dir"]}
-    c.DockerSpawner.extra_host_config = {"shm_size": d.get("shm_size", "2g")}  # DataLoader workers use /dev/shm
