@@ -31,7 +31,6 @@ import psutil
 from lab_utils.classroom import DEFAULT_STATE
 from lab_utils.classroom.roster import (
     RosterError,
-    Student,
     assign_gpus,
     gpu_inventory,
     gpu_pool,
@@ -451,4 +450,4 @@ def summary_lines(plan: dict[str, Any], started: dict[str, Any], opts: Options) 
     return lines
 
 
-__all__ = ["ClassroomError", "Options", "RosterError", "Student", "api", "check_gpus", "prepare", "start", "stop"]
+__all__ = ["ClassroomError", "Options", "RosterError", "api", "check_gpus", "prepare", "start", "stop"]
