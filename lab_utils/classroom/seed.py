@@ -87,8 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not cmd:
         return 0
-    exe = shutil.which(cmd[0]) or cmd[0]
-    os.execv(exe, cmd)  # the single-user server takes this process over (its pid is the one the spawner watches)
+    os.execvp(cmd[0], cmd)  # the single-user server takes this process over (its pid is the one the spawner watches)
 
 
 if __name__ == "__main__":
