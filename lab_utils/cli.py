@@ -338,14 +338,14 @@ def cmd_classroom(args: argparse.Namespace) -> int:
     name = f"classroom {args.action}"
     try:
         if args.action == "down":
-            killed = manage.stop(Path(args.state))
+            killed = manage.stop(args.state)
             if killed:
                 print(f"nvlab {name}: the hub left these behind, stopped now: " + "; ".join(killed), file=sys.stderr)
             print(f"nvlab {name}: the hub, its proxy and every student's server are stopped; the students' work is "
                   "kept (their homes, or their volumes in Docker)")
             return 0
         if args.action == "check-gpus":
-            rows, problems = manage.check_gpus(Path(args.state))
+            rows, problems = manage.check_gpus(args.state)
             for r in rows:
                 print(f"{r['username']}: given {r['assigned']}; sees {r.get('count')} GPU(s) {r.get('uuids') or ''}"
                       + (f" ({r['error']})" if r.get("error") else ""))
@@ -353,13 +353,10 @@ def cmd_classroom(args: argparse.Namespace) -> int:
                 print(f"nvlab {name}: {p}", file=sys.stderr)
             return 1 if problems else 0
         opts = manage.Options(
-            roster=Path(args.roster), local=args.local, gpus=args.gpus, ip=args.ip, port=args.port,
-            state=Path(args.state), passwords_out=Path(args.passwords_out) if args.passwords_out else None,
-            idle_timeout_s=args.idle_timeout, cull_every_s=args.cull_every,
-            ssl_cert=Path(args.ssl_cert) if args.ssl_cert else None,
-            ssl_key=Path(args.ssl_key) if args.ssl_key else None, python=args.python or sys.executable,
-            mem_limit=args.mem_limit, cpu_limit=args.cpu_limit, image=args.image,
-            extra_config=Path(args.extra_config) if args.extra_config else None)
+            roster=args.roster, local=args.local, gpus=args.gpus, ip=args.ip, port=args.port, state=args.state,
+            passwords_out=args.passwords_out, idle_timeout_s=args.idle_timeout, cull_every_s=args.cull_every,
+            ssl_cert=args.ssl_cert, ssl_key=args.ssl_key, python=args.python or sys.executable,
+            mem_limit=args.mem_limit, cpu_limit=args.cpu_limit, image=args.image, extra_config=args.extra_config)
         if args.local and (why := port_problem(args.ip, args.port, "pass --port with a free port")):
             return _fail(name, why + "; nothing was started")
         try:
@@ -444,27 +441,28 @@ def parser() -> argparse.ArgumentParser:
     cr = sub.add_parser("classroom", help="one JupyterHub for a whole class: up, down, check-gpus")
     crs = cr.add_subparsers(dest="action", required=True)
     up = crs.add_parser("up", help="start the class's hub from a roster (Docker, or --local processes)")
-    up.add_argument("--roster", required=True, help="CSV with a header username[,email][,gpu][,role]")
+    up.add_argument("--roster", type=Path, required=True, help="CSV with a header username[,email][,gpu][,role]")
     up.add_argument("--local", action="store_true", help="local processes (each student a system user when run as "
                     "root) instead of Docker containers")
     up.add_argument("--gpus", help="the GPU pool: all (default where GPUs exist), mig, none, or indices such as 0,1")
     up.add_argument("--ip", default="0.0.0.0", help="address the hub listens on (default all)")
     up.add_argument("--port", type=_port, default=8000, help="the hub's port (default 8000)")
-    up.add_argument("--passwords-out", help="file for username,password of each new account (mode 0600)")
+    up.add_argument("--passwords-out", type=Path, help="file for username,password of each new account (mode 0600)")
     up.add_argument("--idle-timeout", type=_positive_int, default=3600, help="stop a server idle this many seconds "
                     "(default 3600)")
     up.add_argument("--cull-every", type=_positive_int, default=60, help="how often the culler looks, in seconds")
-    up.add_argument("--ssl-cert", help="the hub's TLS certificate (PEM); with --ssl-key")
-    up.add_argument("--ssl-key", help="its private key (PEM)")
+    up.add_argument("--ssl-cert", type=Path, help="the hub's TLS certificate (PEM); with --ssl-key")
+    up.add_argument("--ssl-key", type=Path, help="its private key (PEM)")
     up.add_argument("--python", help="the Python each student's server runs (default this one); readable by them")
     up.add_argument("--mem-limit", help="each server's memory limit, e.g. 32G (enforced in Docker)")
     up.add_argument("--cpu-limit", type=float, help="each server's CPU limit in cores (enforced in Docker)")
     up.add_argument("--image", default="nvlab/classroom-singleuser:26.09", help="the students' image (Docker)")
-    up.add_argument("--extra-config", help="a jupyterhub_config.py loaded after the course's (e.g. OAuthenticator)")
+    up.add_argument("--extra-config", type=Path, help="a jupyterhub_config.py loaded after the course's (e.g. "
+                    "OAuthenticator)")
     down = crs.add_parser("down", help="stop the hub and every student's server; their work stays")
     cg = crs.add_parser("check-gpus", help="what each student's kernel sees of the GPUs (torch, as that student)")
     for a in (up, down, cg):
-        a.add_argument("--state", default=str(DEFAULT_STATE), help="the hub's state folder (default "
+        a.add_argument("--state", type=Path, default=DEFAULT_STATE, help="the hub's state folder (default "
                        "~/.local/state/nvlab/classroom)")
     cr.set_defaults(fn=cmd_classroom)
     pr = sub.add_parser("progress", help="your exercise checks so far: labs done, exercises left, last wrong messages")

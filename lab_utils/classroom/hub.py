@@ -23,10 +23,6 @@ CULLER_SCOPES = ["list:users", "read:users:activity", "read:servers", "delete:se
 CLI_SCOPES = ["admin:users", "admin:servers", "list:users", "read:users", "read:servers", "access:servers"]
 
 
-def load_plan(path: Path | str) -> dict[str, Any]:
-    return json.loads(Path(path).read_text())
-
-
 def device_for(plan: dict[str, Any], username: str) -> str | None:
     """The GPU (UUID, or '' for none) of ``username``: the plan's, else (a sign-up the trainer approved) the pool's
     device picked by the name's hash; None where the class has no GPUs."""
@@ -60,20 +56,10 @@ def _roster_authenticator() -> type:
     return RosterNativeAuthenticator
 
 
-def _progress_service() -> Any:
-    """The trainer's progress page, where this course version has it: its module gives the hub service entry (and
-    the environment the students' servers report with)."""
-    try:
-        from lab_utils.classroom import progress_service
-    except ImportError:
-        return None
-    return progress_service
-
-
 def configure(c: Any, plan: dict[str, Any] | Path | str) -> None:
     """Fill JupyterHub's config object ``c`` from ``plan`` (a dict, or the path of its JSON file)."""
     if not isinstance(plan, dict):
-        plan = load_plan(plan)
+        plan = json.loads(Path(plan).read_text())
     state = Path(plan["state"])
     students = plan["students"]
     c.JupyterHub.ip = plan["ip"]
@@ -119,7 +105,15 @@ def configure(c: Any, plan: dict[str, Any] | Path | str) -> None:
     if plan.get("cpu_limit"):
         c.Spawner.cpu_limit = float(plan["cpu_limit"])
     if plan["mode"] == "docker":
-        _docker(c, plan)
+        d = plan["docker"]
+        c.JupyterHub.spawner_class = "dockerspawner.DockerSpawner"
+        c.DockerSpawner.image = d["image"]
+        c.DockerSpawner.network_name = d["network"]  # the hub's network: servers reach the hub by its name
+        c.DockerSpawner.remove = True  # a stopped server's container goes; its volume (the student's work) stays
+        c.DockerSpawner.name_template = "nvlab-classroom-{username}"
+        # one named volume per student, kept across servers, hub restarts and course versions
+        c.DockerSpawner.volumes = {"nvlab-classroom-{username}": d["work_dir"]}
+        c.DockerSpawner.extra_host_config = {"shm_size": "2g"}  # DataLoader workers use /dev/shm
     elif plan.get("system_users", True):
         c.JupyterHub.spawner_class = "jupyterhub.spawner.LocalProcessSpawner"
     else:
@@ -153,24 +147,14 @@ def configure(c: Any, plan: dict[str, Any] | Path | str) -> None:
         {"name": "idle-culler", "scopes": CULLER_SCOPES, "services": ["idle-culler"]},
         {"name": "nvlab-classroom", "scopes": CLI_SCOPES, "services": ["nvlab-classroom"]},
     ]
-    if (progress := _progress_service()) and plan.get("progress_port"):
+    try:  # the trainer's progress page: its module gives the hub service entry and the students' environment
+        from lab_utils.classroom import progress_service as progress
+    except ImportError:  # a hub that cannot import it (this course version, or lab_utils.course, lacks it): no page
+        progress = None
+    if progress and plan.get("progress_port"):
         host = plan.get("progress_host", "127.0.0.1")  # the hub's container under Docker: students' servers post there
         services.append(progress.hub_service_config(plan["progress_port"], host=host))
-        if role := getattr(progress, "hub_role", None):  # lists students who have not checked anything yet too
-            roles.append(role())
-        if env := getattr(progress, "spawner_environment", None):
-            c.Spawner.environment = {**env(plan["progress_port"], host=host)}
+        roles.append(progress.hub_role())  # lists students who have not checked anything yet too
+        c.Spawner.environment = progress.spawner_environment(plan["progress_port"], host=host)
     c.JupyterHub.services = services
     c.JupyterHub.load_roles = roles
-
-
-def _docker(c: Any, plan: dict[str, Any]) -> None:
-    d = plan["docker"]
-    c.JupyterHub.spawner_class = "dockerspawner.DockerSpawner"
-    c.DockerSpawner.image = d["image"]
-    c.DockerSpawner.network_name = d["network"]  # the hub's network: servers reach the hub by its name
-    c.DockerSpawner.remove = True  # a stopped server's container goes; its volume (the student's work) stays
-    c.DockerSpawner.name_template = "nvlab-classroom-{username}"
-    # one named volume per student, kept across servers, hub restarts and course versions
-    c.DockerSpawner.volumes = {"nvlab-classroom-{username}": d["work_dir"]}
-    c.DockerSpawner.extra_host_config = {"shm_size": d.get("shm_size", "2g")}  # DataLoader workers use /dev/shm

@@ -20,7 +20,6 @@ import signal
 import sqlite3
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
@@ -32,7 +31,6 @@ import psutil
 from lab_utils.classroom import DEFAULT_STATE
 from lab_utils.classroom.roster import (
     RosterError,
-    Student,
     assign_gpus,
     gpu_inventory,
     gpu_pool,
@@ -40,7 +38,7 @@ from lab_utils.classroom.roster import (
     sharing_note,
 )
 from lab_utils.course.catalog import repo_root
-from lab_utils.procs import free_port, pid_alive, tail
+from lab_utils.procs import free_port, pid_alive, tail, wait_until
 
 HUB_PACKAGES = {"jupyterhub": "jupyterhub", "nativeauthenticator": "jupyterhub-nativeauthenticator",
                 "jupyterhub_idle_culler": "jupyterhub-idle-culler"}
@@ -74,7 +72,6 @@ class Options:
     cpu_limit: float | None = None
     image: str = "nvlab/classroom-singleuser:26.09"
     extra_config: Path | None = None
-    progress_port: int | None = None
     notes: list[str] = field(default_factory=list)
 
 
@@ -94,14 +91,11 @@ def running_hub(state: Path, name: str = "hub.pid") -> int | None:
 
 def existing_accounts(state: Path) -> set[str]:
     """Accounts NativeAuthenticator already holds in this state folder's database (read only)."""
-    db = state / "jupyterhub.sqlite"
-    if not db.is_file():
-        return set()
-    with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as con:
-        try:
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{state / 'jupyterhub.sqlite'}?mode=ro", uri=True)) as con:
             return {r[0] for r in con.execute("SELECT username FROM users_info")}
-        except sqlite3.Error:  # a database without NativeAuthenticator's table yet
-            return set()
+    except sqlite3.Error:  # no database yet (read-only mode creates none), or none of NativeAuthenticator's tables
+        return set()
 
 
 @functools.cache  # a few seconds each: asked by students_python and again by prepare
@@ -182,7 +176,6 @@ def prepare(opts: Options) -> dict[str, Any]:
         "pool": [d.uuid for d in pool],
         "idle_timeout_s": opts.idle_timeout_s, "cull_every_s": opts.cull_every_s,
         "mem_limit": opts.mem_limit, "cpu_limit": opts.cpu_limit,
-        "progress_port": opts.progress_port,
     }
     if opts.local:
         missing = [pip for mod, pip in HUB_PACKAGES.items() if importlib.util.find_spec(mod) is None]
@@ -197,11 +190,9 @@ def prepare(opts: Options) -> dict[str, Any]:
                                  "must be readable by every user (an interpreter under /root is not); make the "
                                  "virtual environment from a system Python (/usr/bin/python3 -m venv) in a readable "
                                  "folder, or pass --python")
-        hub_port, api_port = free_port(), free_port()
-        if importlib.util.find_spec("lab_utils.classroom.progress_service"):  # the trainer's progress page
-            plan["progress_port"] = opts.progress_port or free_port()
         plan.update({
-            "state": str(state), "hub_ip": "127.0.0.1", "hub_port": hub_port, "proxy_api_port": api_port,
+            "state": str(state), "hub_ip": "127.0.0.1", "hub_port": free_port(), "proxy_api_port": free_port(),
+            "progress_port": free_port(),  # the trainer's progress page
             "python": opts.python, "labs_src": str(repo_root() / "labs"), "labs_dest": "~/labs",
             "notebook_dir": "~", "system_users": root, "homes": str(state / "homes"),
             # no sign-up where a hub account is a system account: an approved sign-up named after an existing user
@@ -226,10 +217,9 @@ def prepare(opts: Options) -> dict[str, Any]:
             "notebook_dir": "/workspace/work",
             "ssl_cert": f"{CONTAINER_STATE}/hub.crt", "ssl_key": f"{CONTAINER_STATE}/hub.key",
             "docker": {"image": opts.image, "network": "nvlab-classroom", "work_dir": "/workspace/work"},
-        })
-        if importlib.util.find_spec("lab_utils.classroom.progress_service"):
             # the trainer's progress page inside the hub's container, on an address students' containers reach
-            plan.update({"progress_port": opts.progress_port or 8090, "progress_host": "hub"})
+            "progress_port": 8090, "progress_host": "hub",
+        })
     plan["new_accounts"] = new
     return plan
 
@@ -270,7 +260,7 @@ def hub_config_text(plan_path: str, extra: str | None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def start(opts: Options, plan: dict[str, Any], log: Any = sys.stderr) -> dict[str, Any]:
+def start(opts: Options, plan: dict[str, Any]) -> dict[str, Any]:
     """Create what the plan needs and start the hub; returns a summary (url, pid, accounts made, users created)."""
     import bcrypt  # NativeAuthenticator's own hashing (installed with it)
 
@@ -303,16 +293,12 @@ def start(opts: Options, plan: dict[str, Any], log: Any = sys.stderr) -> dict[st
     (state / "hub.pid").write_text(f"{hub.pid}\n")  # at once: the hub writes the same pid once it has started
     url = f"{'https' if plan['ssl_cert'] else 'http'}://{'127.0.0.1' if plan['ip'] in ('0.0.0.0', '') else plan['ip']}"
     url += f":{plan['port']}"
-    deadline = time.monotonic() + 180
-    while True:
-        if api_ok(url):
-            break
-        if hub.poll() is not None or time.monotonic() > deadline:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(hub.pid, signal.SIGTERM)
-            raise ClassroomError(f"the hub did not start (exit {hub.poll()}); its log, {state / 'hub.log'}:\n"
-                                 + tail(state / "hub.log", 30))
-        time.sleep(0.5)
+    ready = wait_until(lambda: hub.poll() is not None or api_ok(url), timeout_s=180, poll_s=0.5)
+    if not ready or hub.poll() is not None:  # no answer in time, or the hub exited
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(hub.pid, signal.SIGTERM)
+        raise ClassroomError(f"the hub did not start (exit {hub.poll()}); its log, {state / 'hub.log'}:\n"
+                             + tail(state / "hub.log", 30))
     return {"url": url, "pid": hub.pid, "new_accounts": list(passwords), "system_users": made}
 
 
@@ -332,12 +318,9 @@ def _start_docker(opts: Options, state: Path, new: list[str]) -> dict[str, Any]:
             raise ClassroomError(f"{' '.join(argv[:2])} {' '.join(argv[4:])} failed (exit {out.returncode}); see "
                                  "its output above")
     url = f"https://{opts.ip if opts.ip != '0.0.0.0' else '127.0.0.1'}:{opts.port}"
-    deadline = time.monotonic() + 300
-    while not api_ok(url):  # up when the hub answers through its proxy, as for the local hub
-        if time.monotonic() > deadline:
-            raise ClassroomError(f"the hub's container does not answer at {url} after 300 s: see `docker compose -f "
-                                 f"{COMPOSE} logs hub`")
-        time.sleep(1)
+    if not wait_until(lambda: api_ok(url), timeout_s=300, poll_s=1):  # up when the hub answers through its proxy
+        raise ClassroomError(f"the hub's container does not answer at {url} after 300 s: see `docker compose -f "
+                             f"{COMPOSE} logs hub`")
     return {"url": url, "pid": None, "new_accounts": new, "system_users": []}
 
 
@@ -396,15 +379,13 @@ def stop(state: Path, grace_s: float = 120) -> list[str]:
         subprocess.run(["docker", "compose", "-f", str(COMPOSE), "down"], check=False, timeout=600,
                        env=dict(os.environ, NVLAB_CLASSROOM_STATE=str(state)))
         return []
-    procs = [p for p in (running_hub(state), running_hub(state, "proxy.pid")) if p]
-    if hub := running_hub(state):
+    hub, proxy = running_hub(state), running_hub(state, "proxy.pid")
+    if hub:
         os.kill(hub, signal.SIGTERM)
         psutil.wait_procs([psutil.Process(hub)], timeout=grace_s)
-    killed = []
     left = [p for p in our_processes(plan) if p.is_running()]
-    for pid in procs:
-        if pid_alive(pid):
-            left.append(psutil.Process(pid))
+    left += [psutil.Process(pid) for pid in (hub, proxy) if pid and pid_alive(pid)]
+    killed = []
     for p in left:
         with contextlib.suppress(psutil.Error):
             killed.append(f"{p.pid} {' '.join(p.cmdline())[:80]}")
@@ -469,4 +450,4 @@ def summary_lines(plan: dict[str, Any], started: dict[str, Any], opts: Options) 
     return lines
 
 
-__all__ = ["ClassroomError", "Options", "RosterError", "Student", "api", "check_gpus", "prepare", "start", "stop"]
+__all__ = ["ClassroomError", "Options", "RosterError", "api", "check_gpus", "prepare", "start", "stop"]

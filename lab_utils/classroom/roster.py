@@ -175,13 +175,6 @@ def gpu_pool(spec: str, devices: list[Device], why_none: str = "") -> list[Devic
     return [whole[i] for i in wanted]
 
 
-def _resolve(gpu: str, devices: list[Device]) -> Device | None:
-    for d in devices:
-        if gpu == d.uuid or (d.kind == "gpu" and gpu.isdigit() and int(gpu) == d.index):
-            return d
-    return None
-
-
 def assign_gpus(students: list[Student], pool: list[Device], devices: list[Device],
                 why_none: str = "") -> dict[str, Device | None]:
     """Each student's device: the roster's ``gpu`` when given (an index or a UUID that exists here), else the
@@ -193,7 +186,8 @@ def assign_gpus(students: list[Student], pool: list[Device], devices: list[Devic
             continue
         if s.gpu.lower() == "none":
             out[s.username] = None
-        elif d := _resolve(s.gpu, devices):
+        elif d := next((x for x in devices if s.gpu == x.uuid
+                        or (x.kind == "gpu" and s.gpu.isdigit() and int(s.gpu) == x.index)), None):
             out[s.username] = d
         else:
             have = ", ".join(f"{d.index}" if d.kind == "gpu" else d.uuid for d in devices)

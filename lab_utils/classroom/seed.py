@@ -26,16 +26,6 @@ def _sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def _files(src: Path) -> list[Path]:
-    return sorted(p.relative_to(src) for p in src.rglob("*")
-                  if p.is_file() and not SKIP.intersection(p.relative_to(src).parts))
-
-
-def new_name(rel: Path, digest: str) -> Path:
-    """Where a changed course file is offered beside the student's copy: ``stem.new-<8 hex>.suffix``."""
-    return rel.with_name(f"{rel.stem}.new-{digest[:8]}{rel.suffix}")
-
-
 def seed_labs(src: Path | str, dest: Path | str) -> dict[str, list[str]]:
     """Copy ``src`` into ``dest`` without ever overwriting: returns the files 'copied', 'offered' (a new course
     version under a new name), 'kept' (the student's copy left as it is)."""
@@ -49,7 +39,9 @@ def seed_labs(src: Path | str, dest: Path | str) -> dict[str, list[str]]:
     except (OSError, ValueError):
         seeded = {}
     done: dict[str, list[str]] = {"copied": [], "offered": [], "kept": []}
-    for rel in _files(src):
+    for rel in sorted(p.relative_to(src) for p in src.rglob("*") if p.is_file()):
+        if SKIP.intersection(rel.parts):
+            continue
         digest, key = _sha(src / rel), rel.as_posix()
         target = dest / rel
         if key not in seeded and not target.exists():
@@ -62,7 +54,7 @@ def seed_labs(src: Path | str, dest: Path | str) -> dict[str, list[str]]:
             done["kept"].append(key)  # deleted by the student: not brought back
             continue
         else:
-            what, to = "offered", dest / new_name(rel, digest)
+            what, to = "offered", dest / rel.with_name(f"{rel.stem}.new-{digest[:8]}{rel.suffix}")  # beside theirs
             if to.exists():
                 done["kept"].append(key)
                 continue
@@ -95,8 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not cmd:
         return 0
-    exe = shutil.which(cmd[0]) or cmd[0]
-    os.execv(exe, cmd)  # the single-user server takes this process over (its pid is the one the spawner watches)
+    os.execvp(cmd[0], cmd)  # the single-user server takes this process over (its pid is the one the spawner watches)
 
 
 if __name__ == "__main__":
