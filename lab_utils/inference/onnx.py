@@ -285,8 +285,7 @@ def _cpu_copy(model: nn.Module) -> nn.Module:
 
 
 def fusion_table(onnx_path: str | os.PathLike[str], workdir: str | os.PathLike[str], example: ArrayLike,
-                 levels: Sequence[str] | None = None, reps: int = 10, warmup: int = 2,
-                 threads: int | None = None) -> pd.DataFrame:
+                 reps: int = 10, warmup: int = 2) -> pd.DataFrame:
     """What each ONNX Runtime optimization level leaves of the graph, and what it costs to run.
 
     Per level: the number of nodes ONNX Runtime will execute, the fused operators among them (FusedConv,
@@ -296,16 +295,14 @@ def fusion_table(onnx_path: str | os.PathLike[str], workdir: str | os.PathLike[s
     workdir.mkdir(parents=True, exist_ok=True)
     x = np.asarray(example, dtype=np.float32)
     rows = []
-    for level in levels or ort_levels():
+    for level in ort_levels():
         opt_path = workdir / f"{Path(onnx_path).stem}.ort-{level}.onnx"
         t0 = time.perf_counter()
-        session = ort_session(onnx_path, level, threads=threads, optimized_path=opt_path)
+        session = ort_session(onnx_path, level, optimized_path=opt_path)
         create_s = time.perf_counter() - t0
         counts = op_counts(opt_path)
         opt_path.unlink()  # only counted: a full ResNet-50 would leave 100 MB per level behind
-        name = session.get_inputs()[0].name
-        t = benchmark(functools.partial(session.run, None, {name: x}), reps=reps, warmup=warmup, device="cpu",
-                      name=f"ort-{level}")
+        t = time_ort(session, x, reps, warmup, f"ort-{level}")
         fused = {k: v for k, v in counts.items() if "[" in k}  # ONNX Runtime's own fused and layout operators
         rows.append({"level": level, "nodes": sum(counts.values()),
                      "conv_nodes": sum(v for k, v in counts.items() if k.split("[")[0] in ("Conv", "FusedConv")),
