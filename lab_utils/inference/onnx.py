@@ -97,14 +97,13 @@ def quiet_exporter() -> Iterator[None]:
 
 
 def export_onnx(model: nn.Module, path: str | os.PathLike[str], example: torch.Tensor | np.ndarray, *,
-                input_name: str = "input", output_name: str = "logits", dynamic_batch: bool = True,
-                opset: int = ONNX_OPSET, fold_batchnorm: bool = True, check: bool = True) -> Path:
+                input_name: str = "input", output_name: str = "logits") -> Path:
     """Export ``model`` to ONNX with torch's torch.export-based exporter (``dynamo=True``) and check it.
 
-    The batch dimension is dynamic (``batch``, 1..MAX_BATCH) unless ``dynamic_batch=False``; an ``example`` batch of 1
-    is repeated to 2 (torch.export specialises size-1 dimensions). ``fold_batchnorm``: BatchNorms folded into their
-    convolutions first (``torch.fx.experimental.optimization.fuse``, eval-mode arithmetic). The file passes
-    ``onnx.checker``'s full check; a failed export raises ``OnnxExportError`` naming the operator."""
+    The batch dimension is dynamic (``batch``, 1..MAX_BATCH); an ``example`` batch of 1 is repeated to 2
+    (torch.export specialises size-1 dimensions). BatchNorms are folded into their convolutions first
+    (``torch.fx.experimental.optimization.fuse``, eval-mode arithmetic). The file passes ``onnx.checker``'s full
+    check; a failed export raises ``OnnxExportError`` naming the operator."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if not hasattr(example, "shape"):
@@ -112,16 +111,16 @@ def export_onnx(model: nn.Module, path: str | os.PathLike[str], example: torch.T
     x = torch.as_tensor(example).detach().float().cpu()  # exported on the CPU: the same file from any machine
     original, was_training = model, model.training
     model = _cpu_copy(model)  # in eval mode
-    if dynamic_batch and x.shape[0] < 2:
+    if x.shape[0] < 2:
         x = x.expand(2, *x.shape[1:]).contiguous()
-    if fold_batchnorm:  # a model symbolic tracing cannot follow (data-dependent control flow) is exported as is
-        with contextlib.suppress(Exception):
-            model = fuse(model, inplace=False)
-    dynamic = ({0: torch.export.Dim("batch", min=1, max=MAX_BATCH)},) if dynamic_batch else None
+    # BatchNorms folded; a model symbolic tracing cannot follow (data-dependent control flow) is exported as is
+    with contextlib.suppress(Exception):
+        model = fuse(model, inplace=False)
+    dynamic = ({0: torch.export.Dim("batch", min=1, max=MAX_BATCH)},)
     try:
         with quiet_exporter(), torch.no_grad():
             torch.onnx.export(model, (x,), str(path), input_names=[input_name], output_names=[output_name],
-                              opset_version=opset, dynamo=True, verbose=False, dynamic_shapes=dynamic)
+                              opset_version=ONNX_OPSET, dynamo=True, verbose=False, dynamic_shapes=dynamic)
     except ImportError as err:  # onnxscript: the exporter imports it when it runs
         raise ImportError(f"ONNX export needs onnx and onnxscript ({err}): pip install onnx onnxscript") from err
     except Exception as err:
@@ -136,8 +135,7 @@ def export_onnx(model: nn.Module, path: str | os.PathLike[str], example: torch.T
                               f"TensorRT, a plugin. The exporter said: {said[0]}", op) from err
     finally:
         original.train(was_training)
-    if check:  # full_check: types and shapes inferred and checked
-        onnx.checker.check_model(str(path), full_check=True)
+    onnx.checker.check_model(str(path), full_check=True)  # full_check: types and shapes inferred and checked
     return path
 
 
