@@ -208,16 +208,15 @@ class _DriftCollector:
 
 
 class DriftExporter(MetricsServer):
-    """``monitor``'s statistics served for Prometheus (a free port unless given): PSI and KS per feature, the
-    window's size, and the histogram of prediction confidence."""
+    """``monitor``'s statistics served for Prometheus (on a free port): PSI and KS per feature, the window's size,
+    and the histogram of prediction confidence."""
 
-    def __init__(self, monitor: DriftMonitor, *, port: int | None = None, host: str = "127.0.0.1",
-                 features: Sequence[str] | None = None):
+    def __init__(self, monitor: DriftMonitor, *, features: Sequence[str] | None = None):
         from prometheus_client import Histogram
 
         # features: which statistics to export (None: all; [CONFIDENCE] where the service's preprocessing step
         # exports the inputs' own)
-        super().__init__([_DriftCollector(monitor, features)], port=port, host=host)
+        super().__init__([_DriftCollector(monitor, features)])
         self.monitor = monitor
         monitor._confidence_hist = Histogram(CONFIDENCE_METRIC, "top-class softmax probability of served predictions",
                                              buckets=(0.5, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0), registry=self.registry)
