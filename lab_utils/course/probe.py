@@ -177,6 +177,7 @@ def lab_tiers(report: EnvReport) -> list[LabTier]:
     n_gpu = report.torch["device_count"] if gpu and report.torch else 0
     seen_gpu = bool(report.gpus)
     low = "partial" if seen_gpu else "cpu"  # the tier of a lab that cannot use the GPU here
+    unusable = "GPU not usable by torch: " if seen_gpu else ""  # where a GPU is here that torch cannot use
     c = report.components
     trt, server, prom = c["tensorrt"].present, c["tritonserver"].present, c["prometheus"].present
     lab_dir = repo_root() / "solutions"
@@ -190,18 +191,16 @@ def lab_tiers(report: EnvReport) -> list[LabTier]:
     if gpu:
         rows["01"] = ("full", "cuBLAS matmul sweep, HBM copy, PCIe, CUDA graphs", "")
     else:
-        why = "GPU not usable by torch: " if seen_gpu else ""
         rows["01"] = (low, "CPU BLAS and DRAM bandwidth with the same harness",
-                      why + "the H200 reference run is shown beside")
+                      unusable + "the H200 reference run is shown beside")
     # Triton the kernel language (not the Triton server): found, not imported (importing it takes seconds)
     triton_lang = findable("triton")
     if gpu and triton_lang:
         rows["01b"] = ("full", "your Triton kernels compiled for this GPU and timed beside torch and cuBLAS; the CUDA "
                        "C++ add through CuPy", "")
     elif triton_lang:
-        why = "GPU not usable by torch: " if seen_gpu else ""
         rows["01b"] = (low, "your Triton kernels checked in Triton's interpreter (TRITON_INTERPRET=1) on CPU tensors",
-                       why + "the H200 reference run's bandwidths and TFLOP/s stand in for the timings")
+                       unusable + "the H200 reference run's bandwidths and TFLOP/s stand in for the timings")
     else:
         rows["01b"] = (low, "the kernels' text and the questions only",
                        "triton is not installed: pip install -e '.[kernels]'")

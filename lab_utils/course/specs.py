@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from lab_utils.args import check_positive
 from lab_utils.course.catalog import repo_root
 
 DTYPE_FIELDS = {"fp32": "fp32_tflops", "tf32": "tf32_tflops", "fp16": "fp16_tflops", "bf16": "bf16_tflops",
@@ -135,8 +136,6 @@ def ridge_point(peak_tflops: float, bw_tbps: float) -> float:
     """Arithmetic intensity in FLOP/byte where the roofline turns: peak rate / memory bandwidth.
 
     Kernels below it are bound by memory, above it by arithmetic. H200 bf16: 989 / 4.8 ≈ 206."""
-    for arg, value in (("peak_tflops", peak_tflops), ("bw_tbps", bw_tbps)):
-        if value is None or not value > 0:
-            raise ValueError(f"ridge_point({arg}={value!r}): must be a positive number (TFLOP/s, TB/s)")
     # TFLOP/s over TB/s: the 1e12 factors cancel.
-    return float(peak_tflops) / float(bw_tbps)
+    return (check_positive(peak_tflops, "peak_tflops", "ridge_point", what="peak rate (TFLOP/s)")
+            / check_positive(bw_tbps, "bw_tbps", "ridge_point", what="memory bandwidth (TB/s)"))

@@ -76,20 +76,20 @@ def image_ref(kind: str, tag: str) -> str:
     return f"{REGISTRY}/{kind}:{tag}-py3"
 
 
-def pinned_image(kind: str, m: dict[str, Any] | None = None) -> str:
+def pinned_image(kind: str) -> str:
     """The pinned release's image of ``kind``: "tritonserver" -> "nvcr.io/nvidia/tritonserver:26.09-py3"."""
-    rel = pinned_release(m)
+    rel = pinned_release()
     if kind not in rel.get("images", []):
         raise KeyError(f"{MANIFEST_NAME}: pinned release {rel['tag']} lists no {kind} image "
                        f"(images: {', '.join(rel.get('images', [])) or 'none'}); add {kind!r} to its 'images'")
     return image_ref(kind, rel["tag"])
 
 
-def ngc_images(m: dict[str, Any] | None = None) -> list[dict[str, str]]:
+def ngc_images() -> list[dict[str, str]]:
     """Every NGC image the manifest names, newest release first: image reference, release, kind, CUDA runtime."""
-    m = m or manifest()
-    return [{"image": image_ref(kind, tag), "release": tag, "kind": kind, "cuda": m["ngc"][tag]["cuda"]}
-            for tag in sorted(m["ngc"], key=release, reverse=True) for kind in m["ngc"][tag]["images"]]
+    ngc = manifest()["ngc"]
+    return [{"image": image_ref(kind, tag), "release": tag, "kind": kind, "cuda": ngc[tag]["cuda"]}
+            for tag in sorted(ngc, key=release, reverse=True) for kind in ngc[tag]["images"]]
 
 
 # --- what an image has, as pip reports it ---------------------------------------------------------
@@ -124,13 +124,11 @@ def dist_version(*names: str) -> str | None:
     return None
 
 
-def installed_mismatch(name: str, reported: str | None, tag: str | None = None,
-                       m: dict[str, Any] | None = None) -> str | None:
+def installed_mismatch(name: str, reported: str | None, tag: str | None = None) -> str | None:
     """Why ``reported`` (what pip reports for ``name`` here; None: not installed) is not NGC ``tag``'s ``name``,
     or None when it is."""
-    m = m or manifest()
-    tag = tag or m["pinned"]
-    want = recorded_version(name, tag, m)
+    tag = tag or manifest()["pinned"]
+    want = recorded_version(name, tag)
     if reported is None:
         return f"this Python has no {name}, but {MANIFEST_NAME} says the NGC {tag} image carries {name} {want}"
     if same_release(want, reported):
@@ -149,14 +147,14 @@ def env_values(m: dict[str, Any] | None = None) -> dict[str, str]:
             "GRAFANA_VERSION": m["services"]["grafana"], "DCGM_EXPORTER_TAG": m["services"]["dcgm_exporter"]}
 
 
-def compose_env(m: dict[str, Any] | None = None) -> str:
+def compose_env() -> str:
     """The text of ``docker/.env``, generated from the manifest."""
     lines = [
         f"# Generated from {MANIFEST_NAME} by `python -m lab_utils.course.stack env > docker/.env`: "
         "do not edit by hand.",
         "# Image tags only. Secrets (JUPYTER_TOKEN, GRAFANA_ADMIN_PASSWORD) go in the shell's environment, never here.",
     ]
-    lines += [f"{k}={v}" for k, v in env_values(m).items()]
+    lines += [f"{k}={v}" for k, v in env_values().items()]
     return "\n".join(lines) + "\n"
 
 

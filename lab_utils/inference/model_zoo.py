@@ -84,33 +84,25 @@ def _params_m(model: nn.Module) -> float:
     return sum(p.numel() for p in model.parameters()) / 1e6
 
 
-def train_digits_cnn(epochs: int = DIGITS_EPOCHS, seed: int = 0, width: int = DIGITS_WIDTH,
-                     batch_size: int = DIGITS_BATCH_SIZE, lr: float = DIGITS_LR) -> tuple[DigitsCNN, dict[str, Any]]:
-    """Train lab 02's digits CNN in this process on the CPU; returns (model in eval mode, facts).
+@functools.lru_cache(maxsize=4)
+def trained_digits(epochs: int = DIGITS_EPOCHS, seed: int = 0) -> tuple[DigitsCNN, dict[str, Any]]:
+    """Lab 02's digits CNN trained on the CPU, once per process (the lab and its exercise checks share it); returns
+    (model in eval mode, facts). Its users must not train it further (copy it first).
 
     1440 training images, SGD with momentum, cross-entropy; a few seconds on a laptop CPU. The facts hold
     ``accuracy`` (test set, 357 images, fp32), ``train_s`` and the recipe."""
-    check_int(epochs, "epochs", "train_digits_cnn")
-    check_int(batch_size, "batch_size", "train_digits_cnn")
+    check_int(epochs, "epochs", "trained_digits")
     data = digits_arrays()
     y = torch.from_numpy(data["y_train"])
     t0 = time.perf_counter()
-    model, _ = fit_digits_cnn(torch.from_numpy(data["x_train"]), y, epochs=epochs, lr=lr, seed=seed, width=width,
-                              batch_size=batch_size, momentum=DIGITS_MOMENTUM)
+    model, _ = fit_digits_cnn(torch.from_numpy(data["x_train"]), y, epochs=epochs, lr=DIGITS_LR, seed=seed,
+                              width=DIGITS_WIDTH, batch_size=DIGITS_BATCH_SIZE, momentum=DIGITS_MOMENTUM)
     train_s = time.perf_counter() - t0
     with torch.no_grad():
         logits = model(torch.from_numpy(data["x_test"])).numpy()
     facts = {"accuracy": accuracy(logits, data["y_test"]), "train_s": train_s, "epochs": epochs, "seed": seed,
-             "width": width, "train_images": int(len(y)), "test_images": int(len(data["y_test"]))}
+             "width": DIGITS_WIDTH, "train_images": int(len(y)), "test_images": int(len(data["y_test"]))}
     return model, facts
-
-
-@functools.lru_cache(maxsize=4)
-def trained_digits(epochs: int = DIGITS_EPOCHS, seed: int = 0) -> tuple[DigitsCNN, dict[str, Any]]:
-    """``train_digits_cnn(epochs, seed)``, trained once per process: the lab and its exercise checks share it.
-
-    The model is in eval mode and must not be trained further by its users (copy it first)."""
-    return train_digits_cnn(epochs=epochs, seed=seed)
 
 
 class StochasticDepthNet(nn.Module):

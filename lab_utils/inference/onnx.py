@@ -97,14 +97,13 @@ def quiet_exporter() -> Iterator[None]:
 
 
 def export_onnx(model: nn.Module, path: str | os.PathLike[str], example: torch.Tensor | np.ndarray, *,
-                input_name: str = "input", output_name: str = "logits", dynamic_batch: bool = True,
-                opset: int = ONNX_OPSET, fold_batchnorm: bool = True, check: bool = True) -> Path:
+                input_name: str = "input", output_name: str = "logits") -> Path:
     """Export ``model`` to ONNX with torch's torch.export-based exporter (``dynamo=True``) and check it.
 
-    The batch dimension is dynamic (``batch``, 1..MAX_BATCH) unless ``dynamic_batch=False``; an ``example`` batch of 1
-    is repeated to 2 (torch.export specialises size-1 dimensions). ``fold_batchnorm``: BatchNorms folded into their
-    convolutions first (``torch.fx.experimental.optimization.fuse``, eval-mode arithmetic). The file passes
-    ``onnx.checker``'s full check; a failed export raises ``OnnxExportError`` naming the operator."""
+    The batch dimension is dynamic (``batch``, 1..MAX_BATCH); an ``example`` batch of 1 is repeated to 2
+    (torch.export specialises size-1 dimensions). BatchNorms are folded into their convolutions first
+    (``torch.fx.experimental.optimization.fuse``, eval-mode arithmetic). The file passes ``onnx.checker``'s full
+    check; a failed export raises ``OnnxExportError`` naming the operator."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if not hasattr(example, "shape"):
@@ -112,16 +111,16 @@ def export_onnx(model: nn.Module, path: str | os.PathLike[str], example: torch.T
     x = torch.as_tensor(example).detach().float().cpu()  # exported on the CPU: the same file from any machine
     original, was_training = model, model.training
     model = _cpu_copy(model)  # in eval mode
-    if dynamic_batch and x.shape[0] < 2:
+    if x.shape[0] < 2:
         x = x.expand(2, *x.shape[1:]).contiguous()
-    if fold_batchnorm:  # a model symbolic tracing cannot follow (data-dependent control flow) is exported as is
-        with contextlib.suppress(Exception):
-            model = fuse(model, inplace=False)
-    dynamic = ({0: torch.export.Dim("batch", min=1, max=MAX_BATCH)},) if dynamic_batch else None
+    # BatchNorms folded; a model symbolic tracing cannot follow (data-dependent control flow) is exported as is
+    with contextlib.suppress(Exception):
+        model = fuse(model, inplace=False)
+    dynamic = ({0: torch.export.Dim("batch", min=1, max=MAX_BATCH)},)
     try:
         with quiet_exporter(), torch.no_grad():
             torch.onnx.export(model, (x,), str(path), input_names=[input_name], output_names=[output_name],
-                              opset_version=opset, dynamo=True, verbose=False, dynamic_shapes=dynamic)
+                              opset_version=ONNX_OPSET, dynamo=True, verbose=False, dynamic_shapes=dynamic)
     except ImportError as err:  # onnxscript: the exporter imports it when it runs
         raise ImportError(f"ONNX export needs onnx and onnxscript ({err}): pip install onnx onnxscript") from err
     except Exception as err:
@@ -136,8 +135,7 @@ def export_onnx(model: nn.Module, path: str | os.PathLike[str], example: torch.T
                               f"TensorRT, a plugin. The exporter said: {said[0]}", op) from err
     finally:
         original.train(was_training)
-    if check:  # full_check: types and shapes inferred and checked
-        onnx.checker.check_model(str(path), full_check=True)
+    onnx.checker.check_model(str(path), full_check=True)  # full_check: types and shapes inferred and checked
     return path
 
 
@@ -285,8 +283,7 @@ def _cpu_copy(model: nn.Module) -> nn.Module:
 
 
 def fusion_table(onnx_path: str | os.PathLike[str], workdir: str | os.PathLike[str], example: ArrayLike,
-                 levels: Sequence[str] | None = None, reps: int = 10, warmup: int = 2,
-                 threads: int | None = None) -> pd.DataFrame:
+                 reps: int = 10, warmup: int = 2) -> pd.DataFrame:
     """What each ONNX Runtime optimization level leaves of the graph, and what it costs to run.
 
     Per level: the number of nodes ONNX Runtime will execute, the fused operators among them (FusedConv,
@@ -296,16 +293,14 @@ def fusion_table(onnx_path: str | os.PathLike[str], workdir: str | os.PathLike[s
     workdir.mkdir(parents=True, exist_ok=True)
     x = np.asarray(example, dtype=np.float32)
     rows = []
-    for level in levels or ort_levels():
+    for level in ort_levels():
         opt_path = workdir / f"{Path(onnx_path).stem}.ort-{level}.onnx"
         t0 = time.perf_counter()
-        session = ort_session(onnx_path, level, threads=threads, optimized_path=opt_path)
+        session = ort_session(onnx_path, level, optimized_path=opt_path)
         create_s = time.perf_counter() - t0
         counts = op_counts(opt_path)
         opt_path.unlink()  # only counted: a full ResNet-50 would leave 100 MB per level behind
-        name = session.get_inputs()[0].name
-        t = benchmark(functools.partial(session.run, None, {name: x}), reps=reps, warmup=warmup, device="cpu",
-                      name=f"ort-{level}")
+        t = time_ort(session, x, reps, warmup, f"ort-{level}")
         fused = {k: v for k, v in counts.items() if "[" in k}  # ONNX Runtime's own fused and layout operators
         rows.append({"level": level, "nodes": sum(counts.values()),
                      "conv_nodes": sum(v for k, v in counts.items() if k.split("[")[0] in ("Conv", "FusedConv")),

@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import math
 import re
-import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
@@ -52,13 +51,12 @@ QUERIES = {
 
 
 def render_queries(window: str = "30s", model: str = SERVICE_MODEL, by: str = "job",
-                   feedback_by: str = VARIANT_LABEL, queries: Mapping[str, str] | None = None) -> dict[str, str]:
+                   feedback_by: str = VARIANT_LABEL) -> dict[str, str]:
     """``QUERIES`` with the window (``"30s"``, at least 2 scrape intervals), the Triton model and the grouping
     labels filled in: PromQL a student can paste into Prometheus."""
     if not re.fullmatch(r"\d+(ms|s|m|h)", window):
         raise ValueError(f"window={window!r}: a PromQL duration such as '30s' or '1m'")
-    return {k: q.format(window=window, model=model, by=by, feedback_by=feedback_by)
-            for k, q in (queries or QUERIES).items()}
+    return {k: q.format(window=window, model=model, by=by, feedback_by=feedback_by) for k, q in QUERIES.items()}
 
 
 @dataclass(frozen=True)
@@ -232,15 +230,15 @@ def decide(state: CanaryState, metrics: Mapping[str, VariantMetrics], guards: Gu
 # --- reading Prometheus ------------------------------------------------------------------------------------------
 
 
-def read_metrics(prom: Any, queries: Mapping[str, str], by: str = "job", feedback_by: str = VARIANT_LABEL,
-                 at: float | None = None) -> dict[str, VariantMetrics]:
+def read_metrics(prom: Any, queries: Mapping[str, str], by: str = "job",
+                 feedback_by: str = VARIANT_LABEL) -> dict[str, VariantMetrics]:
     """Run the rendered ``queries`` (``render_queries``) on ``prom`` (a ``PromAPI``) and gather them per variant.
     A series that is absent leaves NaN (``requests``/``feedback``: 0)."""
     names = {f.name for f in fields(VariantMetrics)}
     values: dict[str, dict[str, float]] = {v: {} for v in VARIANTS}
     for key, expr in queries.items():
         label = feedback_by if key in ("accuracy", "feedback") else by
-        df = prom.query(expr, at)
+        df = prom.query(expr)
         if df.empty or label not in df.columns:
             continue
         for _, row in df.iterrows():  # a NaN is left out: the field's default stands (NaN, or 0 for counts)
@@ -273,25 +271,22 @@ class CanaryRun:
         return [r["alert"] for r in self.rows if r.get("alert")]
 
 
-def run_canary(prom: Any, set_weight: Callable[[int], None], *, guards: Guards = Guards(),
-               steps: Sequence[int] = STEPS, interval_s: float = 5.0, timeout_s: float = 300.0, window: str = "30s",
-               model: str = SERVICE_MODEL, by: str = "job", feedback_by: str = VARIANT_LABEL,
-               queries: Mapping[str, str] | None = None, on_row: Callable[[dict[str, Any]], None] | None = None,
-               stop: threading.Event | None = None,
+def run_canary(prom: Any, set_weight: Callable[[int], None], *, guards: Guards = Guards(), interval_s: float = 5.0,
+               timeout_s: float = 300.0, window: str = "30s", model: str = SERVICE_MODEL,
+               feedback_by: str = VARIANT_LABEL, on_row: Callable[[dict[str, Any]], None] | None = None,
                decide_fn: Callable[[CanaryState, Mapping[str, VariantMetrics], Guards], Decision] | None = None
                ) -> CanaryRun:
-    """Drive a canary: ``set_weight(steps[0])``, then every ``interval_s`` read Prometheus, ``decide``, and apply a
+    """Drive a canary: ``set_weight(STEPS[0])``, then every ``interval_s`` read Prometheus, ``decide``, and apply a
     new weight (``set_weight(w)``: the challenger's %, 0 to roll back). Ends promoted, rolled back, or after
     ``timeout_s`` rolled back (``CanaryTimeout``). A failed ``set_weight`` is retried as a rollback to 0 and then
     raised. A failed query counts as a check without evidence. ``on_row(row)`` sees each timeline row as it is
-    written (a live plot, a print); ``stop`` (an Event) ends the loop early, leaving the weight as it is.
-    ``decide_fn``: the decision function (default ``decide``; an exercise passes the student's)."""
-    state = CanaryState(tuple(steps))
+    written (a live plot, a print). ``decide_fn``: the decision function (default ``decide``; an exercise passes the
+    student's)."""
+    state = CanaryState()
     check_positive(interval_s, "interval_s", "run_canary", what="number of seconds")
-    rendered = render_queries(window, model, by, feedback_by, queries)
+    rendered = render_queries(window, model, feedback_by=feedback_by)
     rows: list[dict[str, Any]] = []
     t0 = time.time()
-    stop = stop or threading.Event()
 
     def log(action: str, metrics: Mapping[str, VariantMetrics] | None, reason: str, alert: str | None) -> None:
         row: dict[str, Any] = {"time": time.time(), "t_s": time.time() - t0, "weight": state.weight,
@@ -315,16 +310,14 @@ def run_canary(prom: Any, set_weight: Callable[[int], None], *, guards: Guards =
     apply(state.weight)
     log("start", None, f"challenger at {state.weight} %", None)
     while not state.finished:
-        if stop.wait(interval_s):
-            log("stopped", None, "stopped from outside; the weight stays", None)
-            break
+        time.sleep(interval_s)
         if time.time() - t0 > timeout_s:
             state = replace(state, status="rolled_back")
             apply(0)
             log("rollback", None, f"no decision within {timeout_s:g} s", "CanaryTimeout")
             break
         try:
-            metrics = read_metrics(prom, rendered, by, feedback_by)
+            metrics = read_metrics(prom, rendered, feedback_by=feedback_by)
             note = ""
         except PrometheusError as err:
             metrics = {v: VariantMetrics() for v in VARIANTS}

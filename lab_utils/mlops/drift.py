@@ -67,19 +67,16 @@ def confidence(logits: Any) -> np.ndarray:
 
 
 def _pil_map(x: np.ndarray, fn: Any) -> np.ndarray:
-    """``fn(image i as a PIL float image, i)`` for each digit, clipped to 0..16."""
+    """``fn(the digit as a PIL float image)`` for each digit, clipped to 0..16."""
     out = np.empty_like(x)
     for i, img in enumerate(x):
-        out[i] = np.asarray(fn(Image.fromarray(img.astype(np.float32), mode="F"), i), dtype=np.float32)
+        out[i] = np.asarray(fn(Image.fromarray(img.astype(np.float32), mode="F")), dtype=np.float32)
     return np.clip(out, 0, 16)
 
 
-def rotated(images: Any, degrees: float = 30.0, seed: int | None = 0, jitter: float = 0.0) -> np.ndarray:
-    """Each digit rotated by ``degrees`` (+- ``jitter`` at random), bilinear, about its centre."""
-    x = as_digits(images)
-    rng = np.random.default_rng(seed)
-    angles = degrees + rng.uniform(-jitter, jitter, len(x)) if jitter else np.full(len(x), float(degrees))
-    return _pil_map(x, lambda im, i: im.rotate(float(angles[i]), resample=Image.Resampling.BILINEAR))
+def rotated(images: Any, degrees: float = 30.0) -> np.ndarray:
+    """Each digit rotated by ``degrees``, bilinear, about its centre."""
+    return _pil_map(as_digits(images), lambda im: im.rotate(float(degrees), resample=Image.Resampling.BILINEAR))
 
 
 def noisy(images: Any, sigma: float = 3.0, seed: int | None = 0) -> np.ndarray:
@@ -98,14 +95,14 @@ def rescaled(images: Any, factor: float = 0.6) -> np.ndarray:
     cy, cx = (h - 1) / 2, (w - 1) / 2
     # PIL's affine maps output (u, v) to input (a u + b v + c, d u + e v + f): the inverse zoom about the centre
     coeffs = (1 / factor, 0, cx - cx / factor, 0, 1 / factor, cy - cy / factor)
-    return _pil_map(x, lambda im, _: im.transform((w, h), Image.Transform.AFFINE, coeffs,
-                                               resample=Image.Resampling.BILINEAR))
+    return _pil_map(x, lambda im: im.transform((w, h), Image.Transform.AFFINE, coeffs,
+                                            resample=Image.Resampling.BILINEAR))
 
 
 def shift(images: Any, kind: str, strength: float = 1.0, seed: int | None = 0) -> np.ndarray:
     """A shift by name: ``rotated`` (30 deg x strength), ``noisy`` (sigma 3 x strength), ``rescaled`` (zoom
     1 - 0.4 x strength)."""
-    make = {"rotated": lambda: rotated(images, 30.0 * strength, seed),
+    make = {"rotated": lambda: rotated(images, 30.0 * strength),
             "noisy": lambda: noisy(images, 3.0 * strength, seed),
             "rescaled": lambda: rescaled(images, 1 - 0.4 * strength)}
     if kind not in make:
@@ -211,16 +208,15 @@ class _DriftCollector:
 
 
 class DriftExporter(MetricsServer):
-    """``monitor``'s statistics served for Prometheus (a free port unless given): PSI and KS per feature, the
-    window's size, and the histogram of prediction confidence."""
+    """``monitor``'s statistics served for Prometheus (on a free port): PSI and KS per feature, the window's size,
+    and the histogram of prediction confidence."""
 
-    def __init__(self, monitor: DriftMonitor, *, port: int | None = None, host: str = "127.0.0.1",
-                 features: Sequence[str] | None = None):
+    def __init__(self, monitor: DriftMonitor, *, features: Sequence[str] | None = None):
         from prometheus_client import Histogram
 
         # features: which statistics to export (None: all; [CONFIDENCE] where the service's preprocessing step
         # exports the inputs' own)
-        super().__init__([_DriftCollector(monitor, features)], port=port, host=host)
+        super().__init__([_DriftCollector(monitor, features)])
         self.monitor = monitor
         monitor._confidence_hist = Histogram(CONFIDENCE_METRIC, "top-class softmax probability of served predictions",
                                              buckets=(0.5, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0), registry=self.registry)

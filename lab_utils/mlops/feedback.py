@@ -10,7 +10,6 @@ canary's accuracy guard reads; and ``MetricsServer``, the base the drift exporte
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
 from typing import Any
 
 # the base lives with the other exporters (monitoring); re-exported here for lab 08's modules
@@ -24,14 +23,11 @@ VARIANT_LABEL = "variant"
 class FeedbackExporter(MetricsServer):
     """Labelled feedback per variant: requests whose true label is known, and how many the variant got right."""
 
-    def __init__(self, variants: Sequence[str] = ("champion", "challenger"), *, port: int | None = None,
-                 host: str = "127.0.0.1"):
+    def __init__(self) -> None:
         from prometheus_client import Counter
 
-        super().__init__(port=port, host=host)
-        if isinstance(variants, str) or not variants:
-            raise ValueError(f"variants={variants!r}: give the variant names, e.g. ('champion', 'challenger')")
-        self.variants = tuple(variants)
+        super().__init__()
+        self.variants = ("champion", "challenger")
         # prometheus_client adds "_total" to a counter's name: these expose FEEDBACK_TOTAL and FEEDBACK_CORRECT
         self._total = Counter(FEEDBACK_TOTAL.removesuffix("_total"), "labelled requests answered",
                               [VARIANT_LABEL], registry=self.registry)

@@ -62,12 +62,12 @@ STEPS = ("check data", "train", "evaluate", "log run", "register", "set alias")
 
 
 def retrain(tracking: Any, x_new: np.ndarray, y_new: np.ndarray, x_val: np.ndarray, y_val: np.ndarray, *,
-            name: str = tr.REGISTERED_MODEL, alias: str = "challenger", experiment: str = tr.EXPERIMENT,
-            epochs: int = 4, lr: float = 0.05, seed: int = 0, min_accuracy: float = 0.8,
-            data_name: str = "digits-retrain", log: Callable[[str], None] | None = print) -> PipelineRecord:
+            epochs: int = 4, min_accuracy: float = 0.8, log: Callable[[str], None] | None = print) -> PipelineRecord:
     """Train on the new data (raw digits (N, 8, 8), 0..16), gate on ``min_accuracy`` (0..1) on ``x_val``/``y_val``,
-    log the run to MLflow, register it as a new version of ``name`` and point ``alias`` at it. ``log`` gets one
-    line per step (None: silent). Returns the record; a failure stops the pipeline and is recorded, not raised."""
+    log the run to MLflow, register it as a new version of the service's model and point ``challenger`` at it.
+    ``log`` gets one line per step (None: silent). Returns the record; a failure stops the pipeline and is
+    recorded, not raised."""
+    name, alias = tr.REGISTERED_MODEL, "challenger"
     rec = PipelineRecord()
     state: dict[str, Any] = {}
 
@@ -93,7 +93,7 @@ def retrain(tracking: Any, x_new: np.ndarray, y_new: np.ndarray, x_val: np.ndarr
         return {"images": len(y), "data_sha256": tr.dataset_sha256(x, y)[:12]}
 
     def train() -> dict[str, Any]:
-        state["result"] = res = tr.train_digits(x_new, y_new, x_val, y_val, epochs=epochs, lr=lr, seed=seed)
+        state["result"] = res = tr.train_digits(x_new, y_new, x_val, y_val, epochs=epochs)
         return {"epochs": epochs, "train_s": round(res.train_s, 2)}
 
     def evaluate() -> dict[str, Any]:
@@ -103,8 +103,7 @@ def retrain(tracking: Any, x_new: np.ndarray, y_new: np.ndarray, x_val: np.ndarr
         return {"val_accuracy": round(acc, 4), "gate": min_accuracy}
 
     def log_run() -> dict[str, Any]:
-        r = tr.log_run(tracking, state["result"], experiment=experiment, data_name=data_name,
-                       tags={"pipeline": "retrain"})
+        r = tr.log_run(tracking, state["result"], data_name="digits-retrain", tags={"pipeline": "retrain"})
         rec.run_id = r.run_id
         return {"run_id": r.run_id, "git_commit": r.git_commit[:12]}
 

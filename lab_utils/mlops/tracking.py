@@ -356,21 +356,16 @@ def log_run(tracking: Any, result: TrainResult, *, experiment: str = EXPERIMENT,
                      run.info.artifact_uri, result)
 
 
-def log_training_run(tracking: Any, *, x_train: np.ndarray | None = None, y_train: np.ndarray | None = None,
-                     x_val: np.ndarray | None = None, y_val: np.ndarray | None = None, epochs: int = 4,
-                     lr: float = 0.05, seed: int = 0, width: int = 32, batch_size: int = 64,
-                     experiment: str = EXPERIMENT, run_name: str | None = None, data_name: str = "digits",
-                     tags: Mapping[str, str] | None = None) -> RunRecord:
-    """Train on ``x_train``/``y_train`` (default: the service's training digits), validate on ``x_val``/``y_val``
-    (default: the held-out digits), and log it (``log_run``)."""
+def log_training_run(tracking: Any, *, y_train: np.ndarray | None = None, epochs: int = 4, lr: float = 0.05,
+                     seed: int = 0, width: int = 32, run_name: str | None = None,
+                     data_name: str = "digits") -> RunRecord:
+    """Train on the service's training digits, labelled ``y_train`` (default: their own labels), validate on the
+    held-out digits, and log it (``log_run``)."""
     data = digits_data()
-    x_train = data["x_train"] if x_train is None else x_train
     y_train = data["y_train"] if y_train is None else y_train
-    x_val = data["x_test"] if x_val is None else x_val
-    y_val = data["y_test"] if y_val is None else y_val
-    result = train_digits(x_train, y_train, x_val, y_val, epochs=epochs, lr=lr, seed=seed, width=width,
-                          batch_size=batch_size, mean=data["mean"], std=data["std"])
-    return log_run(tracking, result, experiment=experiment, run_name=run_name, data_name=data_name, tags=tags)
+    result = train_digits(data["x_train"], y_train, data["x_test"], data["y_test"], epochs=epochs, lr=lr, seed=seed,
+                          width=width, mean=data["mean"], std=data["std"])
+    return log_run(tracking, result, run_name=run_name, data_name=data_name)
 
 
 def compare_runs(tracking: Any, experiment: str = EXPERIMENT, metric: str = METRIC) -> pd.DataFrame:
