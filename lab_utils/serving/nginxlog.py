@@ -19,17 +19,21 @@ def _seconds_list(value: str) -> list[float]:
 
 
 def read_access_log(path: str | os.PathLike[str], since: float | None = None) -> list[dict[str, Any]]:
-    """The JSON access log as rows: every field of the log line, plus ``request_ms``, ``upstream`` (the server that
-    answered, None when none did: a 401/413/429 at the door), ``upstream_ms`` and ``tries``.
+    """``access_rows`` of the JSON access log at ``path`` ([] before nginx has written it)."""
+    try:
+        return access_rows(Path(path).read_text(errors="replace"), since)
+    except FileNotFoundError:
+        return []
+
+
+def access_rows(text: str, since: float | None = None) -> list[dict[str, Any]]:
+    """The access log's lines in ``text`` as rows: every field of the log line, plus ``request_ms``, ``upstream``
+    (the server that answered, None when none did: a 401/413/429 at the door), ``upstream_ms`` and ``tries``.
 
     ``since``: only requests that ended at or after this time (epoch seconds, ``time.time()``). A line cut short
     (nginx writing it now) is skipped.
     """
     rows = []
-    try:
-        text = Path(path).read_text(errors="replace")
-    except FileNotFoundError:
-        return []
     for line in text.splitlines():
         try:
             row = json.loads(line)
