@@ -276,9 +276,10 @@ class MetricsServer(OwnedServer):
 
     @property
     def address(self) -> str:
+        """host:port for a scrape configuration (a server on every interface is scraped on the loopback one)."""
         if self.port is None:
             raise RuntimeError(f"{type(self).__name__} is not started: call start() (or use it in a with block)")
-        return f"{self.host}:{self.port}"
+        return f"{'127.0.0.1' if self.host in ('0.0.0.0', '') else self.host}:{self.port}"
 
     @property
     def url(self) -> str:
@@ -337,12 +338,6 @@ class GpuExporter(MetricsServer):
         super().__init__(port=port, host=host, fallback_port=not strict_port)
         self._nvml, self._use_nvml = nvml, use_nvml
         self.collector: Collector | None = None
-
-    @property
-    def address(self) -> str:
-        """host:port for a scrape configuration."""
-        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
-        return f"{host}:{self.port}"
 
     @property
     def source(self) -> str:
