@@ -67,26 +67,24 @@ def _cpu_times() -> tuple[float, float] | None:
 
 
 class HostReader:
-    """CPU utilization between calls (from CPU-time deltas), memory and load."""
+    """CPU utilization between calls (from CPU-time deltas), memory and load; read under the Collector's lock."""
 
     def __init__(self) -> None:
         self._last = _cpu_times()
         self._last_pct: float | None = None
         self._last_read = time.monotonic()
-        self._lock = threading.Lock()
 
     def cpu_percent(self) -> float | None:
-        with self._lock:
-            now = _cpu_times()
-            if now is None or self._last is None:
-                return None
-            busy, total = now[0] - self._last[0], now[1] - self._last[1]
-            # two scrapes within a tick see no change: repeat the previous reading instead of 0 %
-            if total <= 0 or time.monotonic() - self._last_read < 0.05:
-                return self._last_pct
-            self._last, self._last_read = now, time.monotonic()
-            self._last_pct = 100.0 * busy / total
+        now = _cpu_times()
+        if now is None or self._last is None:
+            return None
+        busy, total = now[0] - self._last[0], now[1] - self._last[1]
+        # two scrapes within a tick see no change: repeat the previous reading instead of 0 %
+        if total <= 0 or time.monotonic() - self._last_read < 0.05:
             return self._last_pct
+        self._last, self._last_read = now, time.monotonic()
+        self._last_pct = 100.0 * busy / total
+        return self._last_pct
 
     def read(self) -> dict[str, float]:
         values: dict[str, float] = {"nvlab_host_cpu_count": float(os.cpu_count() or 0)}
