@@ -12,7 +12,6 @@ Design notes: docs/internals.md#lab_utilsmonitoringservice_monitoringpy"""
 from __future__ import annotations
 
 import itertools
-import json
 import shutil
 import threading
 import urllib.error
@@ -148,9 +147,8 @@ def dashboard_text(window: str = "$__rate_interval") -> str:
     """The service's Grafana dashboard built from ``SERVICE_PANELS``: ``SERVICE_DASHBOARD_FILE``'s text (generated:
     ``python -c 'from lab_utils.monitoring import service_monitoring as m;
     m.SERVICE_DASHBOARD_FILE.write_text(m.dashboard_text())'``)."""
-    return json.dumps(panels.grafana_dashboard(SERVICE_PANELS, "Image-classification service (nvlab lab 07)",
-                                               "nvlab-service", ["nvlab", "nginx", "triton", "slo"], window),
-                      indent=2) + "\n"
+    return panels.grafana_dashboard(SERVICE_PANELS, "Image-classification service (nvlab lab 07)", "nvlab-service",
+                                    ["nvlab", "nginx", "triton", "slo"], window)
 
 
 def panel(key: str) -> Panel:
