@@ -27,15 +27,9 @@ from lab_utils.procs import who_listens
 
 DEFAULT_PORT = 9400  # dcgm-exporter's port: scrape configs need not change between the two
 
-GPU_METRICS = ("DCGM_FI_DEV_GPU_UTIL", "DCGM_FI_DEV_MEM_COPY_UTIL", "DCGM_FI_DEV_FB_USED", "DCGM_FI_DEV_FB_FREE",
-               "DCGM_FI_DEV_FB_RESERVED", "DCGM_FI_DEV_FB_TOTAL", "DCGM_FI_DEV_POWER_USAGE",
-               "DCGM_FI_DEV_ENFORCED_POWER_LIMIT", "DCGM_FI_DEV_GPU_TEMP", "DCGM_FI_DEV_SM_CLOCK",
-               "DCGM_FI_DEV_MEM_CLOCK")
-HOST_METRICS = ("nvlab_host_cpu_utilization_percent", "nvlab_host_cpu_count", "nvlab_host_memory_used_bytes",
-                "nvlab_host_memory_total_bytes", "nvlab_host_load1")
 GPU_LABELS = ("gpu", "UUID", "device", "modelName")
 
-_HELP = {
+_HELP = {  # every gauge's HELP line, by name: GPU_METRICS and HOST_METRICS are its keys, in this order
     "DCGM_FI_DEV_GPU_UTIL": "GPU utilization (in %): share of the sample period in which any kernel ran "
                             "(not how busy the SMs were).",
     "DCGM_FI_DEV_MEM_COPY_UTIL": "Memory utilization (in %): share of the sample period the memory was read/written.",
@@ -47,7 +41,14 @@ _HELP = {
     "DCGM_FI_DEV_ENFORCED_POWER_LIMIT": "Enforced power limit (in W).",
     "DCGM_FI_DEV_GPU_TEMP": "GPU temperature (in C).",
     "DCGM_FI_DEV_SM_CLOCK": "SM clock frequency (in MHz).",
-    "DCGM_FI_DEV_MEM_CLOCK": "Memory clock frequency (in MHz)."}
+    "DCGM_FI_DEV_MEM_CLOCK": "Memory clock frequency (in MHz).",
+    "nvlab_host_cpu_utilization_percent": "Host CPU busy (in %, all CPUs) since the previous scrape.",
+    "nvlab_host_cpu_count": "Logical CPUs of the host.",
+    "nvlab_host_memory_used_bytes": "Host memory used: MemTotal - MemAvailable (bytes).",
+    "nvlab_host_memory_total_bytes": "Host memory total (bytes).",
+    "nvlab_host_load1": "1-minute load average."}
+GPU_METRICS = tuple(n for n in _HELP if n.startswith("DCGM_"))
+HOST_METRICS = tuple(n for n in _HELP if n.startswith("nvlab_host_"))
 
 _MIB = 2**20
 
@@ -235,14 +236,9 @@ class Collector:
             if fam.samples:
                 yield fam
         host = snap["host"]
-        helps = {"nvlab_host_cpu_utilization_percent": "Host CPU busy (in %, all CPUs) since the previous scrape.",
-                 "nvlab_host_cpu_count": "Logical CPUs of the host.",
-                 "nvlab_host_memory_used_bytes": "Host memory used: MemTotal - MemAvailable (bytes).",
-                 "nvlab_host_memory_total_bytes": "Host memory total (bytes).",
-                 "nvlab_host_load1": "1-minute load average."}
         for name in HOST_METRICS:
             if name in host:
-                yield GaugeMetricFamily(name, helps[name], value=host[name])
+                yield GaugeMetricFamily(name, _HELP[name], value=host[name])
         yield GaugeMetricFamily("nvlab_exporter_gpus", "GPUs seen through NVML.", value=self.gpu_count)
         info = GaugeMetricFamily("nvlab_exporter_info", "Where the exporter's readings come from.",
                                  labels=["source", "driver_version"])
