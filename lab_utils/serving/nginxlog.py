@@ -13,11 +13,6 @@ from pathlib import Path
 from typing import Any
 
 
-def _seconds_list(value: str) -> list[float]:
-    """``"0.004, 0.002 : 0.001"`` (one per upstream tried) -> [0.004, 0.002, 0.001]; ``"-"`` -> []."""
-    return [float(v) for v in re.split(r"[,:]\s*", value.strip()) if v.strip() not in ("", "-")]
-
-
 def read_access_log(path: str | os.PathLike[str], since: float | None = None) -> list[dict[str, Any]]:
     """``access_rows`` of the JSON access log at ``path`` ([] before nginx has written it)."""
     try:
@@ -45,7 +40,8 @@ def access_rows(text: str, since: float | None = None) -> list[dict[str, Any]]:
         # after Triton's 500): the request's backend is the first upstream's last server
         first = re.split(r"\s:\s", row.get("upstream_addr", ""))[0]
         addrs = [a.strip() for a in first.split(",") if a.strip() not in ("", "-")]
-        times = _seconds_list(re.split(r"\s:\s", row.get("upstream_response_time", ""))[0])
+        first_times = re.split(r"\s:\s", row.get("upstream_response_time", ""))[0]
+        times = [float(t) for t in first_times.split(",") if t.strip() not in ("", "-")]
         row["request_ms"] = float(row.get("request_time", 0.0)) * 1e3
         row["upstream"] = addrs[-1] if addrs else None
         row["tries"] = len(addrs)
