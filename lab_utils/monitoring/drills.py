@@ -264,7 +264,8 @@ class Watchdog(StartStop):
                 self._event("gave up", reason=f"{self._streak} restarts in a row did not stay up")
             return
         delay = min(self.backoff_s * 2**self._streak, self.max_backoff_s)
-        self._event("down", reason=why, exit_code=_exit_code(self.server), backoff_s=delay)
+        proc = getattr(self.server, "_proc", None) or getattr(self.server, "proc", None)
+        self._event("down", reason=why, exit_code=proc.poll() if proc is not None else None, backoff_s=delay)
         with contextlib.suppress(Exception):
             self.server.stop()  # the whole process group: no stub or child keeps the ports
         if self._halt.wait(delay) or self._halted():
@@ -285,11 +286,6 @@ class Watchdog(StartStop):
     def timeline(self) -> pd.DataFrame:
         """The events (watching, down, restarted, restart failed, gave up...) with their unix times."""
         return pd.DataFrame(self.events)
-
-
-def _exit_code(server: Any) -> int | None:
-    proc = getattr(server, "_proc", None) or getattr(server, "proc", None)
-    return proc.poll() if proc is not None else None
 
 
 def _default_restart(server: Any) -> Any:
