@@ -122,8 +122,7 @@ class Service(StartStop):
                 with_nginx = binary is not None
                 source = find_server(local=True)
                 if self.repo is not None:  # given: checked here; built below: build_service checked it
-                    kw = self.repo.server_kwargs()
-                    triton_repo.validate_repository(self.repo.path, models=list(kw["load_models"]) or None)
+                    triton_repo.validate_repository(self.repo.path, models=[self.repo.service])  # what it loads
                 else:
                     self.workdir = owned_tempdir("service")
                     t0 = time.perf_counter()
