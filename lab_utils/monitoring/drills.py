@@ -230,16 +230,13 @@ class Watchdog(StartStop):
             return False, "process exited"
         if self.liveness is None:
             return True, ""
-        bad = 0
-        while True:
+        for bad in range(1, max(1, self.failures) + 1):  # one probe at least
             ok, why = http_ok(self.liveness(self.server), timeout_s=self.probe_timeout_s)
             if ok:
                 return True, ""
-            bad += 1
-            if bad >= self.failures:
-                return False, f"liveness failed {bad} times ({why})"
-            if self._halt.wait(self.check_s):
+            if bad < self.failures and self._halt.wait(self.check_s):
                 return True, ""  # paused or stopped between probes: no verdict
+        return False, f"liveness failed {bad} times ({why})"
 
     def _loop(self) -> None:
         while not self._stop.wait(self.check_s):
