@@ -181,7 +181,7 @@ def test_start_metrics_backends(prometheus_bin, exporter, monkeypatch):
     with pytest.raises(prometheus.PrometheusError, match=r"nothing listens at 127.0.0.1:1 \(PROMETHEUS_URL\): is the "
                                                          "compose stack up"):
         prometheus.start_metrics(jobs)
-    with pytest.raises(ValueError, match="auto, local or external"):
+    with pytest.raises(ValueError, match="use auto or local"):
         prometheus.start_metrics(jobs, prefer="anything")
 
 

@@ -166,15 +166,13 @@ class Watchdog(StartStop):
 
     def __init__(self, server: Any, *, check_s: float = 0.25, backoff_s: float = 1.0, max_backoff_s: float = 30.0,
                  max_restarts: int = 5, stable_s: float = 30.0, failures: int = 3, probe_timeout_s: float = 2.0,
-                 liveness: Callable[[Any], str] | None = None,
-                 restart: Callable[[Any], Any] | None = None, on_restart: Callable[[Any], Any] | None = None):
+                 liveness: Callable[[Any], str] | None = None, on_restart: Callable[[Any], Any] | None = None):
         if check_s <= 0 or backoff_s < 0 or max_restarts < 1 or probe_timeout_s <= 0:
             raise ValueError("check_s > 0, backoff_s >= 0, max_restarts >= 1 and probe_timeout_s > 0 are needed")
         self.server = server
         self.check_s, self.backoff_s, self.max_backoff_s = check_s, backoff_s, max_backoff_s
         self.max_restarts, self.stable_s, self.failures = max_restarts, stable_s, failures
         self.probe_timeout_s, self.liveness = probe_timeout_s, liveness
-        self._restart = restart or _default_restart
         self.on_restart = on_restart
         self.events: list[dict[str, Any]] = []
         self.restarts, self.gave_up, self._streak, self._restarted_at = 0, False, 0, 0.0
@@ -232,16 +230,13 @@ class Watchdog(StartStop):
             return False, "process exited"
         if self.liveness is None:
             return True, ""
-        bad = 0
-        while True:
+        for bad in range(1, max(1, self.failures) + 1):  # one probe at least
             ok, why = http_ok(self.liveness(self.server), timeout_s=self.probe_timeout_s)
             if ok:
                 return True, ""
-            bad += 1
-            if bad >= self.failures:
-                return False, f"liveness failed {bad} times ({why})"
-            if self._halt.wait(self.check_s):
+            if bad < self.failures and self._halt.wait(self.check_s):
                 return True, ""  # paused or stopped between probes: no verdict
+        return False, f"liveness failed {bad} times ({why})"
 
     def _loop(self) -> None:
         while not self._stop.wait(self.check_s):
@@ -264,7 +259,8 @@ class Watchdog(StartStop):
                 self._event("gave up", reason=f"{self._streak} restarts in a row did not stay up")
             return
         delay = min(self.backoff_s * 2**self._streak, self.max_backoff_s)
-        self._event("down", reason=why, exit_code=_exit_code(self.server), backoff_s=delay)
+        proc = getattr(self.server, "_proc", None) or getattr(self.server, "proc", None)
+        self._event("down", reason=why, exit_code=proc.poll() if proc is not None else None, backoff_s=delay)
         with contextlib.suppress(Exception):
             self.server.stop()  # the whole process group: no stub or child keeps the ports
         if self._halt.wait(delay) or self._halted():
@@ -273,7 +269,7 @@ class Watchdog(StartStop):
         self._streak += 1
         try:
             t0 = time.time()
-            self._restart(self.server)
+            getattr(self.server, "restart", self.server.start)()  # without restart(): start, as stopped above
             self.restarts += 1
             self._restarted_at = time.time()
             self._event("restarted", seconds=round(time.time() - t0, 2), pid=getattr(self.server, "pid", None))
@@ -285,19 +281,6 @@ class Watchdog(StartStop):
     def timeline(self) -> pd.DataFrame:
         """The events (watching, down, restarted, restart failed, gave up...) with their unix times."""
         return pd.DataFrame(self.events)
-
-
-def _exit_code(server: Any) -> int | None:
-    proc = getattr(server, "_proc", None) or getattr(server, "proc", None)
-    return proc.poll() if proc is not None else None
-
-
-def _default_restart(server: Any) -> Any:
-    restart = getattr(server, "restart", None)
-    if callable(restart):
-        return restart()
-    server.stop()
-    return server.start()
 
 
 def kill(server: Any) -> int:

@@ -27,15 +27,9 @@ from lab_utils.procs import who_listens
 
 DEFAULT_PORT = 9400  # dcgm-exporter's port: scrape configs need not change between the two
 
-GPU_METRICS = ("DCGM_FI_DEV_GPU_UTIL", "DCGM_FI_DEV_MEM_COPY_UTIL", "DCGM_FI_DEV_FB_USED", "DCGM_FI_DEV_FB_FREE",
-               "DCGM_FI_DEV_FB_RESERVED", "DCGM_FI_DEV_FB_TOTAL", "DCGM_FI_DEV_POWER_USAGE",
-               "DCGM_FI_DEV_ENFORCED_POWER_LIMIT", "DCGM_FI_DEV_GPU_TEMP", "DCGM_FI_DEV_SM_CLOCK",
-               "DCGM_FI_DEV_MEM_CLOCK")
-HOST_METRICS = ("nvlab_host_cpu_utilization_percent", "nvlab_host_cpu_count", "nvlab_host_memory_used_bytes",
-                "nvlab_host_memory_total_bytes", "nvlab_host_load1")
 GPU_LABELS = ("gpu", "UUID", "device", "modelName")
 
-_HELP = {
+_HELP = {  # every gauge's HELP line, by name: GPU_METRICS and HOST_METRICS are its keys, in this order
     "DCGM_FI_DEV_GPU_UTIL": "GPU utilization (in %): share of the sample period in which any kernel ran "
                             "(not how busy the SMs were).",
     "DCGM_FI_DEV_MEM_COPY_UTIL": "Memory utilization (in %): share of the sample period the memory was read/written.",
@@ -47,7 +41,14 @@ _HELP = {
     "DCGM_FI_DEV_ENFORCED_POWER_LIMIT": "Enforced power limit (in W).",
     "DCGM_FI_DEV_GPU_TEMP": "GPU temperature (in C).",
     "DCGM_FI_DEV_SM_CLOCK": "SM clock frequency (in MHz).",
-    "DCGM_FI_DEV_MEM_CLOCK": "Memory clock frequency (in MHz)."}
+    "DCGM_FI_DEV_MEM_CLOCK": "Memory clock frequency (in MHz).",
+    "nvlab_host_cpu_utilization_percent": "Host CPU busy (in %, all CPUs) since the previous scrape.",
+    "nvlab_host_cpu_count": "Logical CPUs of the host.",
+    "nvlab_host_memory_used_bytes": "Host memory used: MemTotal - MemAvailable (bytes).",
+    "nvlab_host_memory_total_bytes": "Host memory total (bytes).",
+    "nvlab_host_load1": "1-minute load average."}
+GPU_METRICS = tuple(n for n in _HELP if n.startswith("DCGM_"))
+HOST_METRICS = tuple(n for n in _HELP if n.startswith("nvlab_host_"))
 
 _MIB = 2**20
 
@@ -67,26 +68,24 @@ def _cpu_times() -> tuple[float, float] | None:
 
 
 class HostReader:
-    """CPU utilization between calls (from CPU-time deltas), memory and load."""
+    """CPU utilization between calls (from CPU-time deltas), memory and load; read under the Collector's lock."""
 
     def __init__(self) -> None:
         self._last = _cpu_times()
         self._last_pct: float | None = None
         self._last_read = time.monotonic()
-        self._lock = threading.Lock()
 
     def cpu_percent(self) -> float | None:
-        with self._lock:
-            now = _cpu_times()
-            if now is None or self._last is None:
-                return None
-            busy, total = now[0] - self._last[0], now[1] - self._last[1]
-            # two scrapes within a tick see no change: repeat the previous reading instead of 0 %
-            if total <= 0 or time.monotonic() - self._last_read < 0.05:
-                return self._last_pct
-            self._last, self._last_read = now, time.monotonic()
-            self._last_pct = 100.0 * busy / total
+        now = _cpu_times()
+        if now is None or self._last is None:
+            return None
+        busy, total = now[0] - self._last[0], now[1] - self._last[1]
+        # two scrapes within a tick see no change: repeat the previous reading instead of 0 %
+        if total <= 0 or time.monotonic() - self._last_read < 0.05:
             return self._last_pct
+        self._last, self._last_read = now, time.monotonic()
+        self._last_pct = 100.0 * busy / total
+        return self._last_pct
 
     def read(self) -> dict[str, float]:
         values: dict[str, float] = {"nvlab_host_cpu_count": float(os.cpu_count() or 0)}
@@ -237,14 +236,9 @@ class Collector:
             if fam.samples:
                 yield fam
         host = snap["host"]
-        helps = {"nvlab_host_cpu_utilization_percent": "Host CPU busy (in %, all CPUs) since the previous scrape.",
-                 "nvlab_host_cpu_count": "Logical CPUs of the host.",
-                 "nvlab_host_memory_used_bytes": "Host memory used: MemTotal - MemAvailable (bytes).",
-                 "nvlab_host_memory_total_bytes": "Host memory total (bytes).",
-                 "nvlab_host_load1": "1-minute load average."}
         for name in HOST_METRICS:
             if name in host:
-                yield GaugeMetricFamily(name, helps[name], value=host[name])
+                yield GaugeMetricFamily(name, _HELP[name], value=host[name])
         yield GaugeMetricFamily("nvlab_exporter_gpus", "GPUs seen through NVML.", value=self.gpu_count)
         info = GaugeMetricFamily("nvlab_exporter_info", "Where the exporter's readings come from.",
                                  labels=["source", "driver_version"])
@@ -276,9 +270,10 @@ class MetricsServer(OwnedServer):
 
     @property
     def address(self) -> str:
+        """host:port for a scrape configuration (a server on every interface is scraped on the loopback one)."""
         if self.port is None:
             raise RuntimeError(f"{type(self).__name__} is not started: call start() (or use it in a with block)")
-        return f"{self.host}:{self.port}"
+        return f"{'127.0.0.1' if self.host in ('0.0.0.0', '') else self.host}:{self.port}"
 
     @property
     def url(self) -> str:
@@ -337,12 +332,6 @@ class GpuExporter(MetricsServer):
         super().__init__(port=port, host=host, fallback_port=not strict_port)
         self._nvml, self._use_nvml = nvml, use_nvml
         self.collector: Collector | None = None
-
-    @property
-    def address(self) -> str:
-        """host:port for a scrape configuration."""
-        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
-        return f"{host}:{self.port}"
 
     @property
     def source(self) -> str:

@@ -125,8 +125,8 @@ GRAFANA_UNITS = {"req/s": "reqps", "ms": "ms", "fraction": "percentunit", "%": "
 
 
 def grafana_dashboard(panel_list: Sequence[Panel], title: str, uid: str, tags: list[str],
-                      window: str = "$__rate_interval") -> dict[str, Any]:
-    """A Grafana dashboard (JSON model) of ``panel_list``, three panels a row: the same expressions as the notebook."""
+                      window: str = "$__rate_interval") -> str:
+    """A Grafana dashboard file's text (JSON model) of ``panel_list``, three panels a row, the notebook's queries."""
     ds = {"type": "prometheus", "uid": "${datasource}"}
     out = [{"id": i + 1, "type": "timeseries", "title": p.title, "datasource": ds,
             **({"description": p.description} if p.description else {}),
@@ -135,18 +135,18 @@ def grafana_dashboard(panel_list: Sequence[Panel], title: str, uid: str, tags: l
             "options": {"legend": {"displayMode": "list", "placement": "bottom"}},
             "targets": [{"refId": "A", "datasource": ds, "expr": p.expression(window), "legendFormat": p.legend}]}
            for i, p in enumerate(panel_list)]
-    return {"title": title, "uid": uid, "tags": tags, "timezone": "browser", "schemaVersion": 39, "version": 1,
-            "refresh": "5s", "time": {"from": "now-15m", "to": "now"},
-            "templating": {"list": [{"name": "datasource", "type": "datasource", "query": "prometheus",
-                                     "label": "Prometheus", "current": {}, "hide": 0}]},
-            "annotations": {"list": []}, "panels": out}
+    return json.dumps({"title": title, "uid": uid, "tags": tags, "timezone": "browser", "schemaVersion": 39,
+                       "version": 1, "refresh": "5s", "time": {"from": "now-15m", "to": "now"},
+                       "templating": {"list": [{"name": "datasource", "type": "datasource", "query": "prometheus",
+                                                "label": "Prometheus", "current": {}, "hide": 0}]},
+                       "annotations": {"list": []}, "panels": out}, indent=2) + "\n"
 
 
 def dashboard_text(window: str = "$__rate_interval") -> str:
     """The Grafana dashboard built from :data:`PANELS`, as the dashboard file's text (``DASHBOARD_FILE`` holds it,
     generated)."""
-    return json.dumps(grafana_dashboard(PANELS, "Triton and GPU (nvlab lab 05)", "nvlab-triton-gpu",
-                                        ["nvlab", "triton", "gpu"], window), indent=2) + "\n"
+    return grafana_dashboard(PANELS, "Triton and GPU (nvlab lab 05)", "nvlab-triton-gpu", ["nvlab", "triton", "gpu"],
+                             window)
 
 
 def dashboard_expressions(path: str | Path = DASHBOARD_FILE, window: str = "5s") -> list[tuple[str, str]]:

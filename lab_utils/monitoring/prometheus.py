@@ -387,15 +387,13 @@ def start_metrics(jobs: Mapping[str, Sequence[str]], *, rule_files: Sequence[str
                   scrape_interval_s: float = 1.0, evaluation_interval_s: float = 1.0,
                   prefer: str = "auto", show: bool = True) -> PromAPI:
     """A started Prometheus for ``jobs``: the one at ``$PROMETHEUS_URL``, else a ``prometheus`` binary started here
-    (``prefer="local"`` skips ``$PROMETHEUS_URL``, for targets only this process can reach; ``prefer="external"``
-    insists on it). Prints which. :class:`PrometheusMissing`, saying how to install it, when there is none."""
-    if prefer not in ("auto", "local", "external"):
-        raise ValueError(f"prefer={prefer!r}: use auto, local or external")
+    (``prefer="local"`` skips ``$PROMETHEUS_URL``, for targets only this process can reach). Prints which.
+    :class:`PrometheusMissing`, saying how to install it, when there is none."""
+    if prefer not in ("auto", "local"):
+        raise ValueError(f"prefer={prefer!r}: use auto or local")
     url = env_url(URL_ENV, default_port=9090, path_ok=True) if prefer != "local" else None
     backend: PromAPI
-    if prefer == "external" or url:
-        if not url:
-            raise PrometheusError(f"prefer='external' but ${URL_ENV} is not set")
+    if url:
         why = check_service(url, "/api/v1/status/buildinfo", _is_prometheus, "Prometheus", URL_ENV,
                             wait_s=IDENTIFY_S, hint="is the compose stack up (`docker compose ps`)?")
         if why:

@@ -12,8 +12,6 @@ Design notes: docs/internals.md#lab_utilsmonitoringservice_monitoringpy"""
 from __future__ import annotations
 
 import itertools
-import json
-import re
 import shutil
 import threading
 import urllib.error
@@ -26,6 +24,7 @@ from lab_utils.monitoring.gpu_exporter import MetricsServer
 from lab_utils.monitoring.panels import Panel
 from lab_utils.procs import owned_tempdir, release_at_exit, stop_at_exit
 from lab_utils.serving import nginx as nginx_mod
+from lab_utils.serving.nginxlog import access_rows
 
 NGINX_JOB = "nginx"
 SERVICE_RULES_FILE = prometheus.RULES_DIR / "service_rules.yml"
@@ -57,17 +56,11 @@ class _Collector:
             return
         end = data.rfind(b"\n") + 1  # a line being written now is read at the next scrape
         self.offset += end
-        for line in data[:end].splitlines():
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue
+        for row in access_rows(data[:end].decode(errors="replace")):
             listener, status = str(row.get("listener", "other")), str(row.get("status", "0"))
             self.requests[(listener, status)] += 1
-            addrs = [a.strip() for a in re.split(r"[,:](?=\s)", str(row.get("upstream_addr", "")))
-                     if a.strip() not in ("", "-")]
-            if addrs:
-                self.upstreams[addrs[-1]] += 1
+            if row["upstream"]:
+                self.upstreams[row["upstream"]] += 1
             t = float(row.get("request_time", 0.0))
             counts = self.buckets.setdefault(listener, [0] * (len(BUCKETS_S) + 1))
             counts[next((i for i, b in enumerate(BUCKETS_S) if t <= b), len(BUCKETS_S))] += 1
@@ -154,9 +147,8 @@ def dashboard_text(window: str = "$__rate_interval") -> str:
     """The service's Grafana dashboard built from ``SERVICE_PANELS``: ``SERVICE_DASHBOARD_FILE``'s text (generated:
     ``python -c 'from lab_utils.monitoring import service_monitoring as m;
     m.SERVICE_DASHBOARD_FILE.write_text(m.dashboard_text())'``)."""
-    return json.dumps(panels.grafana_dashboard(SERVICE_PANELS, "Image-classification service (nvlab lab 07)",
-                                               "nvlab-service", ["nvlab", "nginx", "triton", "slo"], window),
-                      indent=2) + "\n"
+    return panels.grafana_dashboard(SERVICE_PANELS, "Image-classification service (nvlab lab 07)", "nvlab-service",
+                                    ["nvlab", "nginx", "triton", "slo"], window)
 
 
 def panel(key: str) -> Panel:

@@ -438,8 +438,6 @@ def run_load(url: str, model: str, make_inputs: Callable[[], Mapping[str, np.nda
     ``make_inputs`` a function giving ``{input name: np.ndarray}`` (batch first) or such a dict; ``verify(inputs,
     outputs)`` raises on a wrong answer (counted as failed). Over HTTP the server's split is read from ``url``
     unless ``stats_url`` says where."""
-    if protocol not in PROTOCOLS:
-        raise ValueError(f"run_load(protocol={protocol!r}): use one of {PROTOCOLS}")
     target = TritonTarget(url, model, make_inputs, protocol=protocol, outputs=outputs, verify=verify)
     return run_closed_loop(target, concurrency, duration_s, warmup_s=warmup_s, window_s=window_s,
                            max_windows=max_windows, timeout_s=timeout_s, stability=stability, processes=processes,

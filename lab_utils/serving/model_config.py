@@ -102,7 +102,6 @@ def config_text(config: str | Mapping[str, Any] | Any) -> str:
 def nvml_gpu_count() -> int:
     """GPUs a server started here could use: NVML's count, limited by ``CUDA_VISIBLE_DEVICES``; 0 without a driver."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    n = 0
     try:
         import pynvml
 

@@ -97,10 +97,7 @@ def _not_found() -> str:
 
 def nginx_binary() -> str:
     """The nginx binary; ``NginxNotFound`` (with how to install it) when there is none."""
-    path = find_nginx()
-    if path is None:
-        raise NginxNotFound(_not_found())
-    return str(path)
+    return str(resolve(use=True))  # never None: resolve(use=True) raises instead
 
 
 def resolve(use: bool | None = None, show: bool = True) -> str | None:

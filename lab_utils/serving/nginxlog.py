@@ -13,23 +13,22 @@ from pathlib import Path
 from typing import Any
 
 
-def _seconds_list(value: str) -> list[float]:
-    """``"0.004, 0.002 : 0.001"`` (one per upstream tried) -> [0.004, 0.002, 0.001]; ``"-"`` -> []."""
-    return [float(v) for v in re.split(r"[,:]\s*", value.strip()) if v.strip() not in ("", "-")]
-
-
 def read_access_log(path: str | os.PathLike[str], since: float | None = None) -> list[dict[str, Any]]:
-    """The JSON access log as rows: every field of the log line, plus ``request_ms``, ``upstream`` (the server that
-    answered, None when none did: a 401/413/429 at the door), ``upstream_ms`` and ``tries``.
+    """``access_rows`` of the JSON access log at ``path`` ([] before nginx has written it)."""
+    try:
+        return access_rows(Path(path).read_text(errors="replace"), since)
+    except FileNotFoundError:
+        return []
+
+
+def access_rows(text: str, since: float | None = None) -> list[dict[str, Any]]:
+    """The access log's lines in ``text`` as rows: every field of the log line, plus ``request_ms``, ``upstream``
+    (the server that answered, None when none did: a 401/413/429 at the door), ``upstream_ms`` and ``tries``.
 
     ``since``: only requests that ended at or after this time (epoch seconds, ``time.time()``). A line cut short
     (nginx writing it now) is skipped.
     """
     rows = []
-    try:
-        text = Path(path).read_text(errors="replace")
-    except FileNotFoundError:
-        return []
     for line in text.splitlines():
         try:
             row = json.loads(line)
@@ -41,7 +40,8 @@ def read_access_log(path: str | os.PathLike[str], since: float | None = None) ->
         # after Triton's 500): the request's backend is the first upstream's last server
         first = re.split(r"\s:\s", row.get("upstream_addr", ""))[0]
         addrs = [a.strip() for a in first.split(",") if a.strip() not in ("", "-")]
-        times = _seconds_list(re.split(r"\s:\s", row.get("upstream_response_time", ""))[0])
+        first_times = re.split(r"\s:\s", row.get("upstream_response_time", ""))[0]
+        times = [float(t) for t in first_times.split(",") if t.strip() not in ("", "-")]
         row["request_ms"] = float(row.get("request_time", 0.0)) * 1e3
         row["upstream"] = addrs[-1] if addrs else None
         row["tries"] = len(addrs)

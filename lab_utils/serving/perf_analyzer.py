@@ -218,47 +218,37 @@ def run_perf_analyzer(model: str, url: str, concurrency: int | None = None, *, r
     if binary is None:
         raise PerfAnalyzerError(str(perf_analyzer_status()))
     with temporary_folder("perf-analyzer") as tmp:
+        csv_path = str(tmp / "perf.csv")
         opts: dict[str, Any] = {"protocol": protocol, "shape": shape, "stability_pct": stability_pct,
                                 "percentile": None, "request_rate": request_rate, "headers": headers,
-                                "csv_path": str(tmp / "perf.csv"), "input_data": None if payloads is None else
+                                "csv_path": csv_path, "input_data": None if payloads is None else
                                 perf_analyzer_input_data(tmp / "input.json", payloads)}
         steps = [] if concurrency is None else [concurrency]
         for _ in range(1 + max(0, extensions)):
             command = perf_analyzer_command(model, url, steps, window_ms=window_ms, max_trials=max_trials, **opts)
             limit = timeout_s if timeout_s is not None else 60 + 3 * max_trials * window_ms / 1e3
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(csv_path)  # an earlier, unstable attempt's report
+            proc = popen_owned([binary, *command.split()[1:]], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True)
             try:
-                return _perf_analyzer_once([binary, *command.split()[1:]], command, limit, tmp)
-            except _Unstable as err:
-                unstable = str(err)
+                output, _ = proc.communicate(timeout=limit)
+            except subprocess.TimeoutExpired:
+                stop_group(proc, grace_s=1.0)
+                raise PerfAnalyzerError(f"perf_analyzer did not finish within {limit:g} s: {command}") from None
+            last = "\n".join(output.strip().splitlines()[-8:])
+            shown = command.replace(f" -f {csv_path}", " -f perf.csv").replace(f" --input-data {tmp}/",
+                                                                                " --input-data ")
+            if os.path.exists(csv_path):
+                with open(csv_path) as f:
+                    if rows := parse_perf_analyzer_csv(f.read(), shown):
+                        return rows[0]
+            if "stable measurement" not in output:
+                raise PerfAnalyzerError(f"perf_analyzer exited with code {proc.returncode} and wrote no report "
+                                        f"({shown}):\n{last}")
+            unstable = f"perf_analyzer found no stable measurement (exit code {proc.returncode}; {shown}):\n{last}"
             window_ms, max_trials = 2 * window_ms, extension_trials
     raise PerfAnalyzerError(unstable)
-
-
-class _Unstable(Exception):
-    pass
-
-
-def _perf_analyzer_once(argv: list[str], command: str, limit: float, tmp: Any) -> PerfAnalyzerResult:
-    csv_path = str(tmp / "perf.csv")
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(csv_path)  # an earlier, unstable attempt's report
-    proc = popen_owned(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        output, _ = proc.communicate(timeout=limit)
-    except subprocess.TimeoutExpired:
-        stop_group(proc, grace_s=1.0)
-        raise PerfAnalyzerError(f"perf_analyzer did not finish within {limit:g} s: {command}") from None
-    last = "\n".join(output.strip().splitlines()[-8:])
-    shown = command.replace(f" -f {csv_path}", " -f perf.csv").replace(f" --input-data {tmp}/", " --input-data ")
-    rows = []
-    if os.path.exists(csv_path):
-        with open(csv_path) as f:
-            rows = parse_perf_analyzer_csv(f.read(), shown)
-    if rows:
-        return rows[0]
-    if "stable measurement" in output:
-        raise _Unstable(f"perf_analyzer found no stable measurement (exit code {proc.returncode}; {shown}):\n{last}")
-    raise PerfAnalyzerError(f"perf_analyzer exited with code {proc.returncode} and wrote no report ({shown}):\n{last}")
 
 
 __all__ = ["perf_analyzer_command", "perf_analyzer_status", "PerfAnalyzerStatus", "PerfAnalyzerResult",

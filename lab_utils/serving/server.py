@@ -284,7 +284,6 @@ class TritonServer(OwnedServer, HttpGrpcEndpoints):
         self._env_extra = dict(env or {})
         self.validate = validate
         self.source = source
-        self._log_given = log_path is not None
         self.log_path = Path(log_path) if log_path is not None else None
         self._shm_prefix = ""
         self._python_envs: set[Path] = set()
@@ -368,7 +367,7 @@ class TritonServer(OwnedServer, HttpGrpcEndpoints):
         return bool(_PORT_BUSY.search(getattr(err, "log_tail", "") or ""))
 
     def _prepare(self) -> dict[str, Any]:
-        if not self._log_given and self.log_path is None:  # one folder per server: restarts append to its log
+        if self.log_path is None:  # none given: one folder per server, restarts append to its log
             self.log_path = owned_tempdir("triton-log") / "tritonserver.log"
         assert self.log_path is not None and self.source is not None
         self.log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -101,8 +101,7 @@ class Service(StartStop):
                                  **{**self.nginx_kwargs, "api_keys": api_key or ()})  # a bad limit fails here
         self.startup_timeout_s, self.stop_grace_s, self.build_env = startup_timeout_s, stop_grace_s, build_env
         self.repo: ens.ServiceRepo | None = repo
-        self._repo_given = repo is not None
-        self.workdir: Path | None = None
+        self.workdir: Path | None = None  # where the repository is built: only when none is given
         self.servers: list[TritonServer] = []
         self.lb: nginx_mod.NginxServer | None = None
         self.skipped: list[str] = []
@@ -123,8 +122,7 @@ class Service(StartStop):
                 with_nginx = binary is not None
                 source = find_server(local=True)
                 if self.repo is not None:  # given: checked here; built below: build_service checked it
-                    kw = self.repo.server_kwargs()
-                    triton_repo.validate_repository(self.repo.path, models=list(kw["load_models"]) or None)
+                    triton_repo.validate_repository(self.repo.path, models=[self.repo.service])  # what it loads
                 else:
                     self.workdir = owned_tempdir("service")
                     t0 = time.perf_counter()
@@ -177,7 +175,7 @@ class Service(StartStop):
                 self.lb.stop()
             for s in reversed(self.servers):
                 s.stop()
-            if self.workdir is not None and not self._repo_given:
+            if self.workdir is not None:
                 shutil.rmtree(self.workdir, ignore_errors=True)
             release_at_exit(self)
 

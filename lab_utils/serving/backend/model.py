@@ -42,22 +42,18 @@ class MlpRunner:
             so.inter_op_num_threads = 1
             self.sess = ort.InferenceSession(str(version_dir / "model.onnx"), so, providers=["CPUExecutionProvider"])
             self.input_name = self.sess.get_inputs()[0].name
-        elif engine == "numpy":
+        else:  # the weights as stored (weight [out, in], as torch.nn.Linear), kept transposed: a layer is x @ w + b
             with np.load(version_dir / "weights.npz") as w:
                 n = len([k for k in w.files if k.startswith("w")])
                 self.arrays = [(w[f"w{i}"].T.copy(), w[f"b{i}"].copy()) for i in range(n)]  # [in, out], [out]
-        else:
+        if engine == "torch":
             import torch
 
             if device.startswith("cuda") and not torch.cuda.is_available():
                 raise RuntimeError(f"engine torch on {device}, but torch sees no GPU (torch {torch.__version__})")
             if device == "cpu":
                 torch.set_num_threads(max(1, int(threads)))
-            with np.load(version_dir / "weights.npz") as w:
-                n = len([k for k in w.files if k.startswith("w")])
-                # stored as in torch.nn.Linear: weight [out, in]; kept transposed so a layer is one addmm
-                self.layers = [(torch.from_numpy(w[f"w{i}"].T.copy()).to(device),
-                                torch.from_numpy(w[f"b{i}"]).to(device)) for i in range(n)]
+            self.layers = [(torch.from_numpy(w).to(device), torch.from_numpy(b).to(device)) for w, b in self.arrays]
             self.torch = torch
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
