@@ -149,7 +149,9 @@ def configure(c: Any, plan: dict[str, Any] | Path | str) -> None:
     ]
     try:  # the trainer's progress page: its module gives the hub service entry and the students' environment
         from lab_utils.classroom import progress_service as progress
-    except ImportError:  # a hub that cannot import it (this course version, or lab_utils.course, lacks it): no page
+    except ImportError as err:  # a hub that cannot import it: no page, and the hub's log says why
+        print(f"nvlab classroom: no progress page ({err}): the hub's Python needs lab_utils.classroom and "
+              "lab_utils.course (docker/classroom/Dockerfile.hub copies both)", file=sys.stderr)
         progress = None
     if progress and plan.get("progress_port"):
         host = plan.get("progress_host", "127.0.0.1")  # the hub's container under Docker: students' servers post there
