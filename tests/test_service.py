@@ -457,7 +457,10 @@ def test_an_overload_leaves_no_backlog(svc):
         time.sleep(0.25)
     assert seen[-1] == 0 or (len(set(seen[-12:])) == 1 and seen[-1] < ens.MAX_QUEUE), \
         f"{seen[-1]} requests still pending {time.monotonic() - t0:.0f} s after the flood (last counts {seen[-12:]})"
-    after = run_open_loop(svc.target("grpc"), 40, 3.0, warmup_s=0.5, timeout_s=5.0)
+    # measured again only when the client itself sent late (CI's 2 cores, seen: send lag p99 182 ms, p95 204 ms):
+    # then its latencies say nothing of the server; a backlog behind an on-time client fails at once
+    after = tried(lambda: run_open_loop(svc.target("grpc"), 40, 3.0, warmup_s=0.5, timeout_s=5.0),
+                  lambda r: (r.errors_total == 0 and r.p95_ms < 100) or r.send_lag_p99_ms <= 20)
     assert after.errors_total == 0 and after.p95_ms < 100, (str(after), after.error_messages)
 
 
