@@ -152,6 +152,14 @@ def login(browser, hub, user: str):
     return ctx, pg
 
 
+def elsewhere(ctx, pg):
+    """A new page of the signed-in context, the landing page closed: its script (the spawn-pending page's redirect
+    when the server is ready) can otherwise start a navigation while the test's own ``goto`` runs, and Playwright
+    then returns no response for it (seen once: the progress page shown, ``goto`` gave None)."""
+    pg.close()
+    return ctx.new_page()
+
+
 def shot(pg, name: str) -> None:
     """A screenshot of the page into ``$NVLAB_SCREENSHOTS`` (CI keeps them), where that is set."""
     if folder := os.environ.get("NVLAB_SCREENSHOTS"):
@@ -203,6 +211,7 @@ def test_a_students_request_to_another_students_server_is_refused(hub, browser):
     secret.write_text(marker)
     os.chown(secret, pwd.getpwnam(s2).pw_uid, -1)
     ctx, pg = login(browser, hub, s1)
+    pg = elsewhere(ctx, pg)
     try:
         for path in ("lab", "api/contents/labs", "files/labs/private.txt"):
             r = pg.goto(f"{hub['base']}/user/{s2}/{path}")
@@ -250,6 +259,7 @@ def test_the_trainer_sees_every_students_server_in_the_admin_page(hub, browser):
     for user in hub["students"][:2]:  # the culler may have stopped one idle since the earlier tests
         ensure_running(hub, user)
     ctx, pg = login(browser, hub, hub["trainer"])
+    pg = elsewhere(ctx, pg)
     try:
         pg.goto(f"{hub['base']}/hub/admin")
         for user in hub["students"]:  # each student's row, with their server's start or stop button
@@ -264,6 +274,7 @@ def test_the_trainer_sees_every_students_server_in_the_admin_page(hub, browser):
         ctx.close()
     # a student is no admin: the admin page refuses them
     ctx, pg = login(browser, hub, hub["students"][1])
+    pg = elsewhere(ctx, pg)
     try:
         r = pg.goto(f"{hub['base']}/hub/admin")
         assert r.status == 403 or "/hub/admin" not in pg.url
@@ -275,6 +286,7 @@ def test_the_progress_page_is_the_trainers_and_lists_the_class(hub, browser):
     """The classroom's own configuration registers the trainer's progress page: the trainer (admin) gets it, with
     a row for every student (the page's role lists the class), and a student gets 403."""
     ctx, pg = login(browser, hub, hub["trainer"])
+    pg = elsewhere(ctx, pg)
     try:
         r = pg.goto(f"{hub['base']}/services/progress/")
         assert r is not None and r.status == 200, (r and r.status, pg.content()[:500])
@@ -284,6 +296,7 @@ def test_the_progress_page_is_the_trainers_and_lists_the_class(hub, browser):
     finally:
         ctx.close()
     ctx, pg = login(browser, hub, hub["students"][0])
+    pg = elsewhere(ctx, pg)
     try:
         r = pg.goto(f"{hub['base']}/services/progress/")
         assert r is not None and r.status == 403, (r and r.status, pg.content()[:500])
