@@ -139,8 +139,11 @@ def browser(hub):
             b.close()
 
 
-def login(browser, hub, user: str):
-    """A browser context signed in as ``user`` through the hub's login form; (context, page)."""
+def login(browser, hub, user: str, landing: bool = False):
+    """A browser context signed in as ``user`` through the hub's login form; (context, page). The page is a new one
+    of that context unless ``landing`` (the page the sign-in landed on): the landing page's script (the
+    spawn-pending redirect) can otherwise start a navigation while the test's own ``goto`` runs, and Playwright
+    then returns no response for it (seen once: the progress page shown, ``goto`` gave None)."""
     ctx = browser.new_context(viewport={"width": 1280, "height": 900}, ignore_https_errors=True)  # self-signed
     pg = ctx.new_page()
     pg.goto(f"{hub['base']}/hub/login")
@@ -149,15 +152,10 @@ def login(browser, hub, user: str):
     pg.click("#login_submit")
     pg.wait_for_load_state()
     assert "/hub/login" not in pg.url, f"{user} could not sign in: {pg.locator('body').inner_text()[:300]}"
-    return ctx, pg
-
-
-def elsewhere(ctx, pg):
-    """A new page of the signed-in context, the landing page closed: its script (the spawn-pending page's redirect
-    when the server is ready) can otherwise start a navigation while the test's own ``goto`` runs, and Playwright
-    then returns no response for it (seen once: the progress page shown, ``goto`` gave None)."""
+    if landing:
+        return ctx, pg
     pg.close()
-    return ctx.new_page()
+    return ctx, ctx.new_page()
 
 
 def shot(pg, name: str) -> None:
@@ -184,7 +182,7 @@ def ensure_running(hub, user: str, timeout_s: float = 120) -> None:
 
 def test_a_student_signs_in_and_reaches_their_own_lab_with_their_copy_of_the_labs(hub, browser):
     s1 = hub["students"][0]
-    ctx, pg = login(browser, hub, s1)
+    ctx, pg = login(browser, hub, s1, landing=True)
     try:
         pg.wait_for_url(re.compile(rf"/user/{s1}/lab"), timeout=120_000)  # the hub starts the server, then redirects
         pg.locator(".jp-DirListing-item", has_text="labs").first.dblclick(timeout=60_000)
@@ -211,7 +209,6 @@ def test_a_students_request_to_another_students_server_is_refused(hub, browser):
     secret.write_text(marker)
     os.chown(secret, pwd.getpwnam(s2).pw_uid, -1)
     ctx, pg = login(browser, hub, s1)
-    pg = elsewhere(ctx, pg)
     try:
         for path in ("lab", "api/contents/labs", "files/labs/private.txt"):
             r = pg.goto(f"{hub['base']}/user/{s2}/{path}")
@@ -259,7 +256,6 @@ def test_the_trainer_sees_every_students_server_in_the_admin_page(hub, browser):
     for user in hub["students"][:2]:  # the culler may have stopped one idle since the earlier tests
         ensure_running(hub, user)
     ctx, pg = login(browser, hub, hub["trainer"])
-    pg = elsewhere(ctx, pg)
     try:
         pg.goto(f"{hub['base']}/hub/admin")
         for user in hub["students"]:  # each student's row, with their server's start or stop button
@@ -274,7 +270,6 @@ def test_the_trainer_sees_every_students_server_in_the_admin_page(hub, browser):
         ctx.close()
     # a student is no admin: the admin page refuses them
     ctx, pg = login(browser, hub, hub["students"][1])
-    pg = elsewhere(ctx, pg)
     try:
         r = pg.goto(f"{hub['base']}/hub/admin")
         assert r.status == 403 or "/hub/admin" not in pg.url
@@ -286,7 +281,6 @@ def test_the_progress_page_is_the_trainers_and_lists_the_class(hub, browser):
     """The classroom's own configuration registers the trainer's progress page: the trainer (admin) gets it, with
     a row for every student (the page's role lists the class), and a student gets 403."""
     ctx, pg = login(browser, hub, hub["trainer"])
-    pg = elsewhere(ctx, pg)
     try:
         r = pg.goto(f"{hub['base']}/services/progress/")
         assert r is not None and r.status == 200, (r and r.status, pg.content()[:500])
@@ -296,7 +290,6 @@ def test_the_progress_page_is_the_trainers_and_lists_the_class(hub, browser):
     finally:
         ctx.close()
     ctx, pg = login(browser, hub, hub["students"][0])
-    pg = elsewhere(ctx, pg)
     try:
         r = pg.goto(f"{hub['base']}/services/progress/")
         assert r is not None and r.status == 403, (r and r.status, pg.content()[:500])
