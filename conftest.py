@@ -8,6 +8,7 @@ it found them (the course's folders and the python backend's ``python_env_*``).
 """
 
 import json
+import multiprocessing.util
 import os
 import shutil
 import sys
@@ -74,7 +75,9 @@ def pytest_configure(config):
     # the checks the tests run are recorded here, not in the progress file of the person running them
     os.environ.setdefault("NVLAB_PROGRESS_FILE", os.path.join(root, "progress.jsonl"))
     tempfile.tempdir = None  # gettempdir() reads TMPDIR again
-    config.add_cleanup(lambda: shutil.rmtree(root, ignore_errors=True))
+    # removed at exit after multiprocessing's own folder in it (pymp-*, made by a run without workers), which its exit
+    # handler removes: a removal at the session's end left that handler a folder already gone, and a traceback
+    multiprocessing.util.Finalize(None, shutil.rmtree, args=(root,), kwargs={"ignore_errors": True}, exitpriority=-200)
     if getattr(config.option, "numprocesses", None):
         _rewrite_test_modules(config)
 
