@@ -14,7 +14,7 @@ class MeasuredAgain(UserWarning):
     hides a slow drift is seen in CI's log, not only the failure after three misses."""
 
 
-def tried(measure: Callable[[], T], done: Callable[[T], bool], tries: int = 3,
+def tried(measure: Callable[[], T], done: Callable[[T], bool], *, tries: int = 3,
           why: Callable[[T], str] = str) -> T:
     """Call ``measure()`` until ``done(result)`` or ``tries`` times; return the last result.
 

@@ -383,7 +383,7 @@ def test_the_digits_service_holds_its_slo_as_lab_07_runs_it_in_quick_mode(svc):
 
     slo = tried(lambda: load.run_open_loop(svc.target("http", verify=True), 100, 10.0, warmup_s=2.0, timeout_s=10.0),
                 lambda r: capacity.meets_slo(r, 100.0)[0],
-                lambda r: f"{capacity.meets_slo(r, 100.0)[1]}; the client's send lag p99 {r.send_lag_p99_ms:.0f} ms")
+                why=lambda r: f"{capacity.meets_slo(r, 100.0)[1]}; client send lag p99 {r.send_lag_p99_ms:.0f} ms")
     ok, why = capacity.meets_slo(slo, 100.0)
     assert ok, (why, str(slo), slo.error_messages)
 
