@@ -251,6 +251,43 @@ def test_guarded_counts_what_a_kernel_writes_outside_its_view():
     assert nan_fill.spilled() == 0 and nan_fill.view.tolist() == [0.0, 1.0, 2.0, 3.0]
 
 
+@triton.jit
+def loop_sum(x_ptr, out_ptr, n):
+    acc = 0.0
+    for i in range(0, n, 1):  # bounded by a kernel argument: the interpreter calls its __index__
+        acc += tl.load(x_ptr + i)
+    tl.store(out_ptr, acc)
+
+
+def test_an_older_interpreters_loop_bound_is_mended_under_numpy_2_4(monkeypatch):
+    """triton-lang/triton#9171 (triton 3.6, which torch 2.11 pins, under NumPy >= 2.4): the interpreter's old
+    ``__index__`` put back, a loop bounded by a kernel argument fails as it did on the GPU runner; after
+    ``compat.triton_interpreter.apply()`` it runs and sums right, and a second apply changes nothing."""
+    import numpy as np
+    from triton.runtime import interpreter as interp
+
+    from lab_utils.compat import triton_interpreter
+
+    try:
+        int(np.array([3]))
+        pytest.skip(f"NumPy {np.__version__} still takes int() of a one-element array: nothing to mend")
+    except TypeError:
+        pass
+    current = interp._patch_lang_tensor
+
+    def before_the_fix(tensor, scope):
+        current(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data))
+
+    monkeypatch.setattr(interp, "_patch_lang_tensor", before_the_fix)
+    x, out = torch.arange(10, dtype=torch.float32), torch.zeros(1)
+    with pytest.raises(Exception, match="only 0-dimensional arrays"):
+        loop_sum[(1,)](x, out, 10)
+    assert triton_interpreter.apply() and not triton_interpreter.apply()
+    loop_sum[(1,)](x, out, 10)
+    assert out.item() == 45.0
+
+
 def test_launchers_run_the_reference_kernels_on_awkward_sizes():
     x, y = torch.randn(1003), torch.randn(1003)
     out = torch.empty_like(x)

@@ -26,6 +26,7 @@ import pandas as pd
 import torch
 
 from lab_utils.args import check_int
+from lab_utils.compat import triton_interpreter
 from lab_utils.gpu.bench import ROOFLINE_COLUMNS, resolve_device
 from lab_utils.timing import benchmark, matmul_bytes, matmul_flops
 
@@ -91,15 +92,18 @@ def load_triton(device: str) -> TritonHere:
         return TritonHere(MISSING_TRITON, MISSING_TRITON, "missing", None,
                           f"`import triton` failed ({type(err).__name__}: {err}); reinstall it: {KERNELS_INSTALL}")
     version = getattr(triton, "__version__", None)
-    if cuda and os.environ.get(INTERPRET_ENV, "") not in ("", "0"):
+    if cuda and os.environ.get(INTERPRET_ENV, "") in ("", "0"):
+        return TritonHere(triton, tl, "compiled", version, f"triton {version}: kernels compiled for this GPU")
+    # an older triton under NumPy >= 2.4: its interpreter cannot take a loop bounded by a kernel argument
+    mended = " (its loop bounds mended for this NumPy: lab_utils.compat.triton_interpreter)" \
+        if triton_interpreter.apply() else ""
+    if cuda:
         return TritonHere(triton, tl, "interpreter", version,
                           f"{INTERPRET_ENV} is set: the interpreter runs the kernels although a GPU is here "
-                          f"(unset it for compiled kernels)")
-    if cuda:
-        return TritonHere(triton, tl, "compiled", version, f"triton {version}: kernels compiled for this GPU")
+                          f"(unset it for compiled kernels){mended}")
     return TritonHere(triton, tl, "interpreter", version,
                       f"triton {version}, {INTERPRET_ENV}=1: the interpreter runs each program of the grid on CPU "
-                      "tensors, one after another (right for checking a kernel, says nothing about GPU speed)")
+                      f"tensors, one after another (right for checking a kernel, says nothing about GPU speed){mended}")
 
 
 # --- guard bands: memory around a tensor that no right kernel touches ---------------------------------------------
