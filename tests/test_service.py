@@ -424,7 +424,7 @@ def test_monitoring_scrapes_both_tritons_and_nginx(svc):
 
 
 FLOOD_BATCH = 16  # digits per request of the overload test (at most the ensemble's max_batch_size)
-DRAIN_S = 20.0  # the flood's admitted work must be done within this (s); the whole flood would take minutes
+DRAIN_S = 20.0  # s: the flood's admitted work drains within this (twice, still falling); the flood alone: minutes
 
 
 def test_an_overload_leaves_no_backlog(svc):
@@ -450,10 +450,15 @@ def test_an_overload_leaves_no_backlog(svc):
     # triton-inference-server/server#6494), so the count must reach 0 or a remainder that no longer moves, under one
     # queue's bound; the light load after it shows whether anything still waits in front of new requests
     t0, seen = time.monotonic(), []
-    while time.monotonic() - t0 < DRAIN_S:
+    while True:
         seen.append(sum(v for labels, v in metric_samples(svc.servers[0].metrics_url)
                         if labels["__name__"] == "nv_inference_pending_request_count"))
         if seen[-1] == 0 or (len(seen) >= 12 and len(set(seen[-12:])) == 1):  # 0, or 3 s unchanged
+            break
+        # a busy machine drains slower (a CI run beside other work: 56 -> 24 in the last 3 s of 20): a count still
+        # falling gets up to twice DRAIN_S; an unbounded queue's thousands fail the bound below all the same
+        waited = time.monotonic() - t0
+        if waited >= 2 * DRAIN_S or (waited >= DRAIN_S and not (len(seen) >= 12 and seen[-1] < seen[-12])):
             break
         time.sleep(0.25)
     assert seen[-1] == 0 or (len(set(seen[-12:])) == 1 and seen[-1] < ens.MAX_QUEUE), \
