@@ -131,8 +131,11 @@ def test_open_loop_sees_the_queue_the_closed_loop_hides(slow):
     """One worker at 20 ms: closed loop with one client measures 20 ms and 50 req/s. Poisson arrivals at 90 % of
     that (M/D/1, rho = 0.9) wait on average rho / (2 mu (1 - rho)) = 90 ms before service: p95 several times
     higher. The closed loop never sees that queue."""
-    cmp = compare_loops(HttpTarget(slow.url), concurrency=1, rate_fraction=0.9, duration_s=2.5, warmup_s=0.3,
-                        window_s=0.5, seed=0)
+    # measured again when a burst of the other workers' load slowed the closed loop's one client past the bound
+    # below (a CI run: p95 54 ms against 50); three misses are a real fault
+    cmp = tried(lambda: compare_loops(HttpTarget(slow.url), concurrency=1, rate_fraction=0.9, duration_s=2.5,
+                                      warmup_s=0.3, window_s=0.5, seed=0),
+                lambda c: c.closed.p95_ms < 2 * SERVICE_MS + 10, why=lambda c: str(c.closed))
     closed, opened = cmp.closed, cmp.open
     # one client never beats one worker; a busy machine adds client time per request (36.8 req/s seen in CI)
     assert 0.5 * 1e3 / SERVICE_MS < closed.achieved_rps < 1.1 * 1e3 / SERVICE_MS
