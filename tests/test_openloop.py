@@ -131,11 +131,13 @@ def test_open_loop_sees_the_queue_the_closed_loop_hides(slow):
     """One worker at 20 ms: closed loop with one client measures 20 ms and 50 req/s. Poisson arrivals at 90 % of
     that (M/D/1, rho = 0.9) wait on average rho / (2 mu (1 - rho)) = 90 ms before service: p95 several times
     higher. The closed loop never sees that queue."""
-    # measured again when a burst of the other workers' load slowed the closed loop's one client past the bound
-    # below (a CI run: p95 54 ms against 50); three misses are a real fault
+    # measured again when a burst of the other workers' load slowed the closed loop's one client (CI runs: p95 54 ms
+    # against the bound of 50; p95 47 ms at 39 req/s, so 90 % of that rate loaded the 50 req/s worker to 70 %, not
+    # 90 %, and the open loop's p95 of 104 ms fell short of 2.5x); three misses are a real fault
     cmp = tried(lambda: compare_loops(HttpTarget(slow.url), concurrency=1, rate_fraction=0.9, duration_s=2.5,
                                       warmup_s=0.3, window_s=0.5, seed=0),
-                lambda c: c.closed.p95_ms < 2 * SERVICE_MS + 10, why=lambda c: str(c.closed))
+                lambda c: c.closed.p95_ms < 2 * SERVICE_MS + 10 and c.open.p95_ms > 2.5 * c.closed.p95_ms,
+                why=lambda c: f"closed: {c.closed}; open: {c.open}")
     closed, opened = cmp.closed, cmp.open
     # one client never beats one worker; a busy machine adds client time per request (36.8 req/s seen in CI)
     assert 0.5 * 1e3 / SERVICE_MS < closed.achieved_rps < 1.1 * 1e3 / SERVICE_MS
