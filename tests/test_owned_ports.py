@@ -176,3 +176,27 @@ def test_a_watchdog_whose_owner_died_ends_its_group_but_not_one_that_took_the_le
         for p in (ours, other):
             p.kill()
             p.wait()
+
+
+_READ_PDEATHSIG = """
+import ctypes
+sig = ctypes.c_int()
+ctypes.CDLL("libc.so.6", use_errno=True).prctl(2, ctypes.byref(sig))  # PR_GET_PDEATHSIG
+print(sig.value)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux only")
+def test_an_owned_child_is_killed_with_its_owner_and_a_missing_program_is_named(tmp_path):
+    """``popen_owned`` sets the child's parent-death signal (SIGKILL) before the exec, and a program that is not
+    there raises FileNotFoundError naming it, as ``Popen`` does (not a wrapper's exit code 127)."""
+    from lab_utils.procs import popen_owned
+
+    child = popen_owned([sys.executable, "-c", _READ_PDEATHSIG], stdout=subprocess.PIPE, text=True)
+    out, _ = child.communicate(timeout=60)
+    assert (child.returncode, out.strip()) == (0, "9")
+    (tmp_path / "plain.txt").write_text("not a program")
+    for argv, kw in [(["nvlab-no-such-program"], {}), (["./plain.txt"], {"cwd": tmp_path}),
+                     (["python3"], {"env": {"PATH": str(tmp_path)}})]:
+        with pytest.raises(FileNotFoundError, match=argv[0].lstrip("./")):
+            popen_owned(argv, **kw)

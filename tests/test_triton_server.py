@@ -433,9 +433,9 @@ print(len(codes), [c for c in codes if c], failed[:3])
 
 
 def test_servers_forked_beside_grpc_calls_start_and_cut_no_stream(shared_triton):
-    """A course process forks its servers (``procs.popen_owned``) while other threads make gRPC calls. With gRPC's
-    fork support on, 8 of 477 children died before their exec (SIGABRT, SIGSEGV) and a caller's stream was cut
-    ("Socket closed"); ``import lab_utils`` turns it off (GRPC_ENABLE_FORK_SUPPORT=false) unless set already."""
+    """A course process forks its servers (``procs.popen_owned``) while other threads make gRPC calls, with gRPC's
+    fork support on (its default). When Python ran between the fork and the exec (``preexec_fn``), 8 of 477
+    children died before their exec (SIGABRT, SIGSEGV) and a caller's stream was cut ("Socket closed")."""
     env = {k: v for k, v in os.environ.items() if k != "GRPC_ENABLE_FORK_SUPPORT"}
     out = subprocess.run([sys.executable, "-c", _FORKS_BESIDE_GRPC, shared_triton.grpc_url], env=env,
                          capture_output=True, text=True, timeout=120)

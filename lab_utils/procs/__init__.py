@@ -203,8 +203,8 @@ def group_listen_ports(pgid: int) -> set[int] | None:
 def die_with_parent() -> None:
     """Linux: ask the kernel to SIGKILL this process when its parent dies, so nothing is orphaned.
 
-    Call it in the child (``preexec_fn``, or first thing in a worker). The kernel delivers the signal when the parent
-    *thread* that forked the child exits, which is why :func:`popen_owned` forks from one long-lived thread."""
+    Call it first thing in a worker (a Python process the course starts). The kernel delivers the signal when the
+    parent *thread* that forked the child exits, which is why :func:`popen_owned` forks from one long-lived thread."""
     if (prctl := _prctl()) is not None:
         prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
@@ -265,15 +265,45 @@ def _in_spawner(fn: Callable[[], Any]) -> Any:
     return value
 
 
+@functools.cache
+def _setpriv() -> str | None:
+    """util-linux's ``setpriv`` where it sets the parent-death signal (2.33 and later), else None."""
+    path = shutil.which("setpriv")
+    if path is None or _prctl() is None:
+        return None
+    try:
+        ok = subprocess.run([path, "--pdeathsig", "KILL", "--", "true"], capture_output=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return path if ok.returncode == 0 else None
+
+
 def popen_owned(argv: list[str], **kwargs: Any) -> subprocess.Popen:
     """``subprocess.Popen`` in a new session (its own process group) that dies with this interpreter.
 
     The fork happens in one long-lived daemon thread: PR_SET_PDEATHSIG fires when the *thread* that forked the child
-    ends, so a server started from a short-lived thread (a callback, a thread pool) must not be forked there."""
+    ends, so a server started from a short-lived thread (a callback, a thread pool) must not be forked there.
+    The signal is set by ``setpriv --pdeathsig KILL``, which then execs ``argv``: no Python runs between the fork and
+    the exec. Python there (``preexec_fn``) forks without vfork and runs the parent's fork handlers, and with other
+    threads in gRPC calls (a kernel's tritonclient, a test's load) 8 of 477 children aborted before their exec and a
+    caller's stream was cut. Without such a setpriv (not util-linux, or older than 2.33) ``preexec_fn`` remains."""
     kwargs.setdefault("start_new_session", True)
-    _prctl()
-    kwargs["preexec_fn"] = die_with_parent
+    if (setpriv := _setpriv()) is not None:
+        _check_runnable(argv[0], kwargs.get("env"), kwargs.get("cwd"))
+        argv = [setpriv, "--pdeathsig", "KILL", "--", *argv]
+    elif _prctl() is not None:
+        kwargs["preexec_fn"] = die_with_parent
     return _in_spawner(lambda: subprocess.Popen(argv, **kwargs))
+
+
+def _check_runnable(program: str, env: dict[str, str] | None, cwd: str | os.PathLike[str] | None) -> None:
+    """Raise what ``Popen`` itself would for a program that is not there (``setpriv`` would only exit 127)."""
+    if os.sep in program:
+        path = os.path.join(cwd or ".", program)
+        if not os.access(path, os.X_OK) or os.path.isdir(path):
+            raise FileNotFoundError(2, "No such file or directory (or not executable)", program)
+    elif shutil.which(program, path=os.pathsep.join(os.get_exec_path(env))) is None:
+        raise FileNotFoundError(2, "No such file or directory (not on PATH)", program)
 
 
 def group_members(pgid: int) -> list[int]:
