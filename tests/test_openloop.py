@@ -300,3 +300,11 @@ def test_compare_loops_advances_its_progress_hook_per_loop(monkeypatch, capsys):
     assert capsys.readouterr().out == "" and ran == ["closed", "open"] and plain.understatement == 2.5
     compare_loops(object(), progress=widgets.progress)
     assert "closed then open loop: 2 steps in " in capsys.readouterr().out
+
+
+def test_a_probe_shorter_than_three_windows_is_cut_into_three_and_can_hold_the_slo(slow):
+    """A capacity probe of 1.5 s in windows of 1 s was two windows, which the stability rule (three) never calls
+    stable: every rate missed the SLO and lab 07's quick ResNet-50 search found a capacity of 0 on a GPU."""
+    r = run_open_loop(HttpTarget(slow.url), 20.0, 1.5, warmup_s=0.5, window_s=1.0, seed=4)
+    assert len(r.windows) == 3 and [w.seconds for w in r.windows] == pytest.approx([0.5] * 3)
+    assert r.stable and meets_slo(r, 400)[0], meets_slo(r, 400)[1]

@@ -317,7 +317,9 @@ def _checks(where: str, target: Any, duration_s: Any, warmup_s: Any, window_s: A
         n_windows = check_int(max_windows, "max_windows", where, minimum=STABLE_WINDOWS)
     else:
         duration = check_positive(duration_s, "duration_s", where, what="number of seconds")
-        n_windows = max(1, round(duration / window))
+        # at least the windows the stability rule reads: a 1.5 s probe in windows of 1 s was two windows, never
+        # stable, so a capacity search at that length found no rate (lab 07's quick ResNet-50 search, on a GPU)
+        n_windows = max(STABLE_WINDOWS, round(duration / window))
         window = duration / n_windows
     book = _Book(warmup, window, n_windows, int(getattr(target, "batch", 1)))
     return book, timeout, float(stability), duration_s is None
@@ -362,7 +364,9 @@ def run_closed_loop(target: Any, concurrency: int, duration_s: float | None = No
     """``concurrency`` clients, each sending its next request when its last one answered (a failed one after a
     ``ERROR_BACKOFF_S`` pause); latency from the send.
 
-    ``duration_s``: measure that long after ``warmup_s``. None: windows of ``window_s`` until the last three agree
+    ``duration_s``: measure that long after ``warmup_s``, in windows of about ``window_s`` (at least three, shorter
+    where the duration is under three windows, so that the stability rule applies). None: windows of ``window_s``
+    until the last three agree
     (``is_stable``), at most ``max_windows``; the numbers are then those three windows'. One request goes before
     the clock starts (a slow first request must not fall in a window; its failure counts in ``errors_total``).
     ``processes``: client processes sharing the clients (None: by the clients and the cores); the target must
@@ -407,10 +411,11 @@ def run_open_loop(target: Any, rate_rps: float, duration_s: float | None, *, war
     The first ``warmup_s`` seconds are sent but not measured (their errors count in ``errors_total``). A request
     without an answer after ``timeout_s`` counts as a timeout; one due while ``max_in_flight`` are outstanding is
     counted as failed ("client limit") rather than sent. Every request is awaited before this returns.
-    ``duration_s=None``: until the last three windows are stable, at most ``max_windows``. ``processes``: the
-    schedule dealt over that many client processes (None: one per ``RPS_PER_PROCESS`` of the rate, up to the cores
-    less one), for rates one Python event loop cannot send on time (``send_lag_p99_ms`` says when); the target
-    must pickle (``TritonTarget``, ``HttpTarget``). ``stats_url``: as for ``run_closed_loop``.
+    ``duration_s``: cut into windows as for ``run_closed_loop`` (at least three). ``duration_s=None``: until the
+    last three windows are stable, at most ``max_windows``. ``processes``: the schedule dealt over that many client
+    processes (None: one per ``RPS_PER_PROCESS`` of the rate, up to the cores less one), for rates one Python event
+    loop cannot send on time (``send_lag_p99_ms`` says when); the target must pickle (``TritonTarget``,
+    ``HttpTarget``). ``stats_url``: as for ``run_closed_loop``.
     """
     where = "run_open_loop"
     target = as_target(target)
