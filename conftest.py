@@ -22,6 +22,11 @@ import pytest
 # nbval cannot pass papermill parameters: the labs read NVLAB_QUICK for CI's small sizes.
 os.environ.setdefault("NVLAB_QUICK", "1")
 os.environ.setdefault("MPLBACKEND", "Agg")
+# One OpenMP thread per process (workers, the notebooks' kernels, what they start): the suite runs several processes
+# per core, and torch's OpenMP threads then wait on each other's descheduled threads. Lab 06's quick solution beside
+# two busy loops on 2 cores took 50.6 s of CPU in 53.7 s with torch's default threads, 12.8 s in 16.7 s with one
+# (alone: 14.6 and 12.3 s). Tests that measure threading set their own counts.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # A stopped kernel's children may take a moment to be reaped.
 LEFTOVER_GRACE_S = float(os.environ.get("NVLAB_LEFTOVER_GRACE_S", "10"))
