@@ -376,13 +376,17 @@ def test_where_a_requests_time_goes_per_step_model_and_process(svc):
 
 def test_the_digits_service_holds_its_slo_as_lab_07_runs_it_in_quick_mode(svc):
     """Lab 07's SLO on the CPU tier, as its quick run measures it: 100 requests/s of open-loop load for 10 s through
-    nginx, every answer checked, p95 under 100 ms, no error, every window stable (``capacity.meets_slo``). Up to
-    three runs: on CI's 2 cores a burst of the other workers' load can make the client itself send late (seen: p95
-    101 ms with the client's send lag at 81 ms, beside two notebooks' services); three misses are a real fault."""
+    nginx, every answer checked, p95 under 100 ms, no error, every window stable (``capacity.meets_slo``).
+
+    The schedule is dealt over two client processes: on CI's 2 cores, beside the other workers' notebooks and servers,
+    one client process was starved into sending late (send lag p99 74-398 ms) and missed the first try in nearly
+    every run, twice in a row in three runs. Two processes get twice one process's share of the cores; the service is
+    the same. Up to four runs; four misses are a real fault."""
     from lab_utils.serving import capacity, load
 
-    slo = tried(lambda: load.run_open_loop(svc.target("http", verify=True), 100, 10.0, warmup_s=2.0, timeout_s=10.0),
-                lambda r: capacity.meets_slo(r, 100.0)[0],
+    slo = tried(lambda: load.run_open_loop(svc.target("http", verify=True), 100, 10.0, warmup_s=2.0, timeout_s=10.0,
+                                           processes=2),
+                lambda r: capacity.meets_slo(r, 100.0)[0], tries=4,
                 why=lambda r: f"{capacity.meets_slo(r, 100.0)[1]}; client send lag p99 {r.send_lag_p99_ms:.0f} ms")
     ok, why = capacity.meets_slo(slo, 100.0)
     assert ok, (why, str(slo), slo.error_messages)
