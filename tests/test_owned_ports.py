@@ -187,9 +187,10 @@ print(sig.value)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux only")
-def test_an_owned_child_is_killed_with_its_owner_and_a_missing_program_is_named(tmp_path):
-    """``popen_owned`` sets the child's parent-death signal (SIGKILL) before the exec, and a program that is not
-    there raises FileNotFoundError naming it, as ``Popen`` does (not a wrapper's exit code 127)."""
+def test_an_owned_childs_parent_death_signal_is_sigkill_and_a_missing_program_is_named(tmp_path):
+    """``popen_owned`` sets the child's parent-death signal (SIGKILL) before the exec (the killed-owner tests show it
+    fire), and a program that is not there raises FileNotFoundError naming it, as ``Popen`` does (not a wrapper's
+    exit code 127)."""
     from lab_utils.procs import popen_owned
 
     child = popen_owned([sys.executable, "-c", _READ_PDEATHSIG], stdout=subprocess.PIPE, text=True)

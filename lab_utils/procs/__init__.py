@@ -298,12 +298,9 @@ def popen_owned(argv: list[str], **kwargs: Any) -> subprocess.Popen:
 
 def _check_runnable(program: str, env: dict[str, str] | None, cwd: str | os.PathLike[str] | None) -> None:
     """Raise what ``Popen`` itself would for a program that is not there (``setpriv`` would only exit 127)."""
-    if os.sep in program:
-        path = os.path.join(cwd or ".", program)
-        if not os.access(path, os.X_OK) or os.path.isdir(path):
-            raise FileNotFoundError(2, "No such file or directory (or not executable)", program)
-    elif shutil.which(program, path=os.pathsep.join(os.get_exec_path(env))) is None:
-        raise FileNotFoundError(2, "No such file or directory (not on PATH)", program)
+    where = os.path.join(cwd, program) if cwd and os.sep in program else program  # a path: from the child's cwd
+    if shutil.which(where, path=os.pathsep.join(os.get_exec_path(env))) is None:
+        raise FileNotFoundError(2, "No such file or directory, or not executable (on the PATH)", program)
 
 
 def group_members(pgid: int) -> list[int]:

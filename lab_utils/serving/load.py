@@ -366,9 +366,9 @@ def run_closed_loop(target: Any, concurrency: int, duration_s: float | None = No
 
     ``duration_s``: measure that long after ``warmup_s``, in windows of about ``window_s`` (at least three, shorter
     where the duration is under three windows, so that the stability rule applies). None: windows of ``window_s``
-    until the last three agree
-    (``is_stable``), at most ``max_windows``; the numbers are then those three windows'. One request goes before
-    the clock starts (a slow first request must not fall in a window; its failure counts in ``errors_total``).
+    until the last three agree (``is_stable``), at most ``max_windows``; the numbers are then those three windows'.
+    One request goes before the clock starts (a slow first request must not fall in a window; its failure counts
+    in ``errors_total``).
     ``processes``: client processes sharing the clients (None: by the clients and the cores); the target must
     pickle. ``stats_url``: a Triton HTTP endpoint whose statistics API gives the server's split of the measured
     windows (``server``).
