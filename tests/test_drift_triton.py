@@ -27,6 +27,13 @@ def _window(metrics_url: str) -> float:
     return float(m.group(1)) if m else 0.0
 
 
+def _latency_counts(metrics_url: str, model: str) -> dict[str, float]:
+    """``{version: requests}`` in Triton's latency summary of ``model`` (the series the canary's p95 reads)."""
+    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    return {m.group(1): float(m.group(2)) for m in re.finditer(
+        rf'^nv_inference_request_summary_us_count\{{model="{model}",version="(\d+)"\}} (\S+)$', text, re.M)}
+
+
 def test_preprocessing_step_exports_input_drift():
     require_service()
     data = tracking.digits_data()
@@ -50,3 +57,13 @@ def test_preprocessing_step_exports_input_drift():
                 ens.classify(url, rotated[i:i + 50])
             shifted = _psi(metrics)
             assert shifted["ink_fraction"] > max(drift.PSI_ALERT, 4 * calm["ink_fraction"]), (calm, shifted)
+
+            # a deployed challenger starts with a latency summary of its own: the previous classifier's requests
+            # (Triton's summary keeps the last 60 s of them) are not judged as the new one's
+            chall = svc.server("challenger")
+            ens.classify(chall.grpc_url, held_out[:50])
+            service = svc.repos["challenger"].service
+            assert _latency_counts(chall.metrics_url, service) == {"1": 1.0}
+            assert svc.deploy_challenger(onnx) == 2
+            ens.classify(chall.grpc_url, held_out[:50])
+            assert _latency_counts(chall.metrics_url, service) == {"1": 1.0}

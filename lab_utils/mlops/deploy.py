@@ -206,7 +206,15 @@ class CanaryService(Service):
             raise ServiceError(f"the challenger takes {self.weight} % of the traffic: roll it back or promote it "
                                "(set_weight(0) / promote()) before deploying another")
         self.challenger_onnx = Path(onnx)
-        return self._load_version("challenger", onnx)
+        version = self._load_version("challenger", onnx)
+        # Triton's latency summary (the canary's p95) holds the last 60 s of requests, whatever the PromQL window,
+        # and a new ensemble version still reports under the old one (both measured on Triton 2.51): without this
+        # reload the new challenger's first checks read its predecessor's latencies, taken at 50 and 100 % of the
+        # traffic. Unloading drops a model's metrics; the reload starts them from zero (no traffic at 0 %)
+        server, service = self.server("challenger"), self.repos["challenger"].service
+        triton_client.unload_model(server.grpc_url, service)
+        triton_client.load_model(server.grpc_url, service)
+        return version
 
     def promote(self) -> int:
         """After a canary reached 100 %: the champion's server takes the challenger's classifier, then all traffic
