@@ -396,7 +396,9 @@ def test_a_transient_start_failure_is_tried_once_more_any_other_raised_at_once(t
         assert len(calls) == 1 and not server.alive()
         return
     with server:
-        assert server.ready() and len(calls) == 2
+        # the transient failure was tried once more; a third start follows only when the second lost its ports to
+        # another process meanwhile (seen once in CI: the port retry, a separate rule)
+        assert server.ready() and len(calls) in (2, 3), calls
 
 
 # Forks beside gRPC callers, in a fresh interpreter that imports lab_utils first (argv: the server's gRPC address).
