@@ -5,6 +5,7 @@ ones high, on Triton's own metrics endpoint."""
 from __future__ import annotations
 
 import re
+import time
 import urllib.request
 
 from _triton import require_service
@@ -28,10 +29,16 @@ def _window(metrics_url: str) -> float:
 
 
 def _latency_counts(metrics_url: str, model: str) -> dict[str, float]:
-    """``{version: requests}`` in Triton's latency summary of ``model`` (the series the canary's p95 reads)."""
-    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
-    return {m.group(1): float(m.group(2)) for m in re.finditer(
-        rf'^nv_inference_request_summary_us_count\{{model="{model}",version="(\d+)"\}} (\S+)$', text, re.M)}
+    """``{version: requests}`` in Triton's latency summary of ``model`` (the series the canary's p95 reads), once it
+    counts a request: Triton records one after its answer is sent (a CI run read 0 right after an answer)."""
+    deadline = time.monotonic() + 10
+    while True:
+        text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+        counts = {m.group(1): float(m.group(2)) for m in re.finditer(
+            rf'^nv_inference_request_summary_us_count\{{model="{model}",version="(\d+)"\}} (\S+)$', text, re.M)}
+        if any(counts.values()) or time.monotonic() > deadline:
+            return counts
+        time.sleep(0.1)
 
 
 def test_preprocessing_step_exports_input_drift():
