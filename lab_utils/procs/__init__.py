@@ -203,8 +203,9 @@ def group_listen_ports(pgid: int) -> set[int] | None:
 def die_with_parent() -> None:
     """Linux: ask the kernel to SIGKILL this process when its parent dies, so nothing is orphaned.
 
-    Call it first thing in a worker (a Python process the course starts). The kernel delivers the signal when the
-    parent *thread* that forked the child exits, which is why :func:`popen_owned` forks from one long-lived thread."""
+    Call it in the child: first thing in a worker (a Python process the course starts), or as ``preexec_fn`` where
+    :func:`popen_owned` finds no ``setpriv``. The kernel delivers the signal when the parent *thread* that forked the
+    child exits, which is why :func:`popen_owned` forks from one long-lived thread."""
     if (prctl := _prctl()) is not None:
         prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
