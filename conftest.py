@@ -278,7 +278,7 @@ def pytest_runtest_setup(item):
     if not _nbval_cell(item) or hasattr(item.parent, "nvlab_run"):
         return (yield)
     from lab_utils.course.results import RESULTS_ENV
-    from lab_utils.ops.notebooks import RUN_ID_ENV
+    from nvlab.ops.notebooks import RUN_ID_ENV
 
     stem = Path(str(item.parent.fspath)).stem
     run = {"run_id": f"nbval-{stem}-{os.getpid()}", "t0": time.perf_counter(), "name": f"solutions/{stem}",
@@ -317,7 +317,7 @@ def pytest_runtest_teardown(item, nextitem):
     run = getattr(item.parent, "nvlab_run", None) if _nbval_cell(item) else None
     if run is None or (nextitem is not None and nextitem.parent is item.parent):
         return result
-    from lab_utils.ops.notebooks import leftover_processes
+    from nvlab.ops.notebooks import leftover_processes
 
     item.user_properties.append(("nvlab_wall_s", (run["name"], time.perf_counter() - run["t0"])))
     try:

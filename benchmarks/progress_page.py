@@ -22,8 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lab_utils.classroom import progress_service as svc  # noqa: E402 - after the checkout is on the path
 from lab_utils.course import progress  # noqa: E402
+from nvlab.classroom import progress_service as svc  # noqa: E402 - after the checkout is on the path
 
 TARGET_S = 1.0
 

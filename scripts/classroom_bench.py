@@ -29,8 +29,8 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from lab_utils.classroom import manage  # noqa: E402 (the checkout's, not an installed copy)
 from lab_utils.procs import free_port, tail  # noqa: E402
+from nvlab.classroom import manage  # noqa: E402 (the checkout's, not an installed copy)
 
 
 def percentile(values: list[float], q: float) -> float:

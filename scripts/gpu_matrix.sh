@@ -5,7 +5,7 @@
 #   scripts/gpu_matrix.sh OUT_DIR BUDGET_S ENTRY ...
 #   ENTRY: labs/NN:quick | labs/NN:full | solutions/NN:quick | solutions/NN:full  (NN: 00, 01, 01b, 02, ..., 09)
 # An entry that would start after BUDGET_S seconds is listed as not run; each notebook gets what is left.
-# Works without installing the course (python3 -m lab_utils from this checkout).
+# Works without installing the course (python3 -m nvlab from this checkout).
 set -uo pipefail
 out=${1:?usage: scripts/gpu_matrix.sh OUT_DIR BUDGET_S ENTRY ...}
 budget=${2:?usage: scripts/gpu_matrix.sh OUT_DIR BUDGET_S ENTRY ...}
@@ -15,8 +15,8 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # A lab only reads GPU state: never let NCCL or torch use NVLink multicast on shared machines.
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}
 mkdir -p "$out"
-python3 -m lab_utils doctor --json > "$out/doctor.json" 2>/dev/null
-python3 -m lab_utils doctor > "$out/doctor.txt" 2>&1
+python3 -m nvlab doctor --json > "$out/doctor.json" 2>/dev/null
+python3 -m nvlab doctor > "$out/doctor.txt" 2>&1
 start=$SECONDS
 printf 'notebook\tmode\tseconds\tresult\n' > "$out/matrix.tsv"
 for entry in "$@"; do
@@ -32,7 +32,7 @@ for entry in "$@"; do
   [ "$kind" = solutions ] && args+=(--solutions)
   [ "$mode" = quick ] && args+=(-p quick True)
   t0=$SECONDS
-  timeout --kill-after=10 "$left" python3 -m lab_utils run "${args[@]}" > "$dir.log" 2>&1
+  timeout --kill-after=10 "$left" python3 -m nvlab run "${args[@]}" > "$dir.log" 2>&1
   rc=$?
   case $rc in
     0) result=ok ;;
@@ -47,7 +47,7 @@ python3 - "$out" <<'PY'
 import sys
 from pathlib import Path
 
-from lab_utils.ops.notebooks import scrub
+from nvlab.ops.notebooks import scrub
 
 out, root = Path(sys.argv[1]).resolve(), Path.cwd().resolve()
 paths = {str(out): "OUT", str(root): ".", str(Path.home()): "~"}

@@ -80,7 +80,7 @@ def lab(tmp_path_factory):
     tracker.write_text(json.dumps({"windowingMode": "none"}))
     port = free_port()
     log = (home / "nvlab-lab.log").open("w")
-    proc = popen_owned([sys.executable, "-m", "lab_utils", "lab", "--port", str(port), "--dir", str(labs)],
+    proc = popen_owned([sys.executable, "-m", "nvlab", "lab", "--port", str(port), "--dir", str(labs)],
                        env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     base = f"http://127.0.0.1:{port}"
     try:

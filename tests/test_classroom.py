@@ -32,9 +32,9 @@ from pathlib import Path
 import pytest
 from _require import missing
 
-from lab_utils.classroom import manage
 from lab_utils.course.catalog import repo_root
 from lab_utils.procs import free_port, pid_alive
+from nvlab.classroom import manage
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = os.environ.get("NVLAB_CHROMIUM", "/usr/bin/chromium")
@@ -44,7 +44,7 @@ IDLE_S, CULL_EVERY_S = 40, 5
 
 def _nvlab(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    return subprocess.run([sys.executable, "-m", "lab_utils", *args], capture_output=True, text=True, env=env,
+    return subprocess.run([sys.executable, "-m", "nvlab", *args], capture_output=True, text=True, env=env,
                           cwd=ROOT, timeout=timeout)
 
 

@@ -452,7 +452,7 @@ def test_the_course_image_matches_the_manifest_and_the_charts_jupyterhub(values)
     # the student's single-user server speaks to the chart's hub: the same JupyterHub release
     assert args["JUPYTERHUB_VERSION"] == chart["appVersion"]
     # the course's JupyterLab settings, which `nvlab lab` passes on its command line, are baked in for the hub
-    from lab_utils import cli
+    from nvlab import cli
 
     settings = cli.LAB_SETTINGS_DIR.relative_to(Path(cli.__file__).parents[1]) / "overrides.json"
     assert f"/workspace/course/{settings}" in DOCKERFILE.read_text() and (ROOT / settings).is_file()

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lab_utils.classroom import hub as hubconf
-from lab_utils.classroom import manage
-from lab_utils.classroom.roster import (
+from nvlab.classroom import hub as hubconf
+from nvlab.classroom import manage
+from nvlab.classroom.roster import (
     RosterError,
     assign_gpus,
     gpu_pool,
@@ -26,7 +26,7 @@ from lab_utils.classroom.roster import (
     parse_smi_list,
     sharing_note,
 )
-from lab_utils.classroom.seed import MANIFEST, seed_labs
+from nvlab.classroom.seed import MANIFEST, seed_labs
 
 ROOT = Path(__file__).resolve().parents[1]
 CLASSROOM = ROOT / "docker" / "classroom"
@@ -44,7 +44,7 @@ GPU 1: NVIDIA H200 (UUID: GPU-9a8b7c6d-5e4f-3a2b-1c0d-0e1f2a3b4c5d)
 
 def _nvlab(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    return subprocess.run([sys.executable, "-m", "lab_utils", *args], capture_output=True, text=True, env=env,
+    return subprocess.run([sys.executable, "-m", "nvlab", *args], capture_output=True, text=True, env=env,
                           cwd=ROOT, timeout=timeout)
 
 
@@ -221,7 +221,7 @@ def test_one_configuration_for_both_modes(mode, tmp_path):
     hubconf.configure(c, _plan(mode, tmp_path))
     assert c.Authenticator.admin_users == {"t"} and c.Authenticator.allowed_users == {"t", "a"}
     assert c.Authenticator.allow_all is True and c.NativeAuthenticator.open_signup is False
-    assert c.Spawner.cmd[1:3] == ["-m", "lab_utils.classroom.seed"] and c.Spawner.cmd[-2:] == ["-m",
+    assert c.Spawner.cmd[1:3] == ["-m", "nvlab.classroom.seed"] and c.Spawner.cmd[-2:] == ["-m",
                                                                                            "jupyterhub.singleuser"]
     names = [s["name"] for s in c.JupyterHub.services]
     assert names[:2] == ["idle-culler", "nvlab-classroom"]
@@ -318,7 +318,7 @@ def test_the_hub_image_holds_what_the_hub_and_its_progress_page_read(tmp_path):
     src = tmp_path / "srv" / "nvlab" / "src"
     # an editable install of this checkout would supply what the image lacks: its finder is left out
     code = ("import sys\nsys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in str(f).lower()]\n"
-            "import json, lab_utils, lab_utils.classroom.hub, lab_utils.classroom.progress_service\n"
+            "import json, lab_utils, nvlab.classroom.hub, nvlab.classroom.progress_service\n"
             "from lab_utils.course import progress\n"
             "print(lab_utils.__file__)\nprint(json.dumps(progress.catalog()))")
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(src)},

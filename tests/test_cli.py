@@ -5,8 +5,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from lab_utils import cli
 from lab_utils.course import catalog, results
+from nvlab import cli
 
 
 def test_doctor_exits_zero_and_prints_json(capsys):
@@ -50,7 +50,7 @@ def test_build_labs_check_passes_on_the_checkout(capsys):
 
 
 def test_untyped_parameter_values_are_literals():
-    from lab_utils.ops.notebooks import literal
+    from nvlab.ops.notebooks import literal
 
     assert literal("True") is True and literal("[1, 2]") == [1, 2] and literal("abc") == "abc"
 
@@ -146,7 +146,7 @@ def test_lab_serves_labs_on_loopback_with_a_token(tmp_path):
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k != "JUPYTER_TOKEN"}
     env["JUPYTER_RUNTIME_DIR"] = str(tmp_path)  # keep the test's server files out of the user's
-    proc = subprocess.Popen([sys.executable, "-m", "lab_utils", "lab", "--port", str(port)], env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "nvlab", "lab", "--port", str(port)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
     try:
         first = proc.stdout.readline()

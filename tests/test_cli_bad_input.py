@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from lab_utils import cli
 from lab_utils.course import probe
 from lab_utils.course.catalog import repo_root
-from lab_utils.ops import notebooks
+from nvlab import cli
+from nvlab.ops import notebooks
 
 LAB00 = repo_root() / "labs" / "00_environment.ipynb"
 
@@ -122,7 +122,7 @@ def places(tmp_path, monkeypatch, capsys):
 def _nvlab(argv: list[str], cwd: Path, timeout: float = 30) -> subprocess.CompletedProcess:
     """``nvlab ARGV`` as a user runs it: a new Python process (the two subprocess cases below)."""
     env = {k: v for k, v in os.environ.items() if k not in ("NVLAB_REFERENCE_DIR", "JUPYTER_TOKEN")}
-    return subprocess.run([sys.executable, "-m", "lab_utils", *argv], cwd=cwd, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "nvlab", *argv], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
 
@@ -239,7 +239,7 @@ def test_lab_any_port_prints_the_port_jupyter_took(places, tmp_path):
     busy = int(places["busy"])
     env = {k: v for k, v in os.environ.items() if k not in ("JUPYTER_TOKEN", "VIRTUAL_ENV")}
     env.update(PATH="/usr/bin:/bin", JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"))
-    proc = subprocess.Popen([sys.executable, "-m", "lab_utils", "lab", "--port", str(busy), "--any-port"], env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "nvlab", "lab", "--port", str(busy), "--any-port"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
     try:
         first = proc.stdout.readline()

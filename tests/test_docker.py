@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lab_utils import cli
 from lab_utils.course import stack
 from lab_utils.procs import env_flag
+from nvlab import cli
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKER = ROOT / "docker"

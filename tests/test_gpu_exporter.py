@@ -179,7 +179,7 @@ def test_busy_port_is_avoided_or_refused():
 
 def test_cli_serves_until_sigterm():
     port = free_port()
-    proc = popen_owned([sys.executable, "-m", "lab_utils", "gpu-exporter", "--port", str(port), "--host",
+    proc = popen_owned([sys.executable, "-m", "nvlab", "gpu-exporter", "--port", str(port), "--host",
                         "127.0.0.1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         assert wait_http_ok(f"http://127.0.0.1:{port}/metrics", proc, 30)
@@ -214,7 +214,7 @@ def test_cli_refuses_a_busy_port():
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        out = subprocess.run([sys.executable, "-m", "lab_utils", "gpu-exporter", "--port", str(port), "--host",
+        out = subprocess.run([sys.executable, "-m", "nvlab", "gpu-exporter", "--port", str(port), "--host",
                               "127.0.0.1"], capture_output=True, text=True, timeout=60)
     # refused before anything starts, on one line naming the port and the process holding it (this test)
     assert out.returncode == 2 and f"port {port} is already in use by pid {os.getpid()}" in out.stderr

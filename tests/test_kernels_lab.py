@@ -29,7 +29,7 @@ from lab_utils.course import catalog, probe  # noqa: E402
 from lab_utils.exercises import lab01b  # noqa: E402
 from lab_utils.exercises.framework import Status  # noqa: E402
 from lab_utils.gpu import kernels  # noqa: E402
-from lab_utils.ops import notebooks  # noqa: E402
+from nvlab.ops import notebooks  # noqa: E402
 
 HERE = kernels.load_triton("cpu")  # the interpreter: TRITON_INTERPRET=1 before any kernel below is decorated
 triton, tl = HERE.triton, HERE.tl

@@ -117,7 +117,7 @@ def test_a_killed_kernels_prometheus_ends_and_doctor_removes_its_folder(tmp_path
             time.sleep(0.1)
         assert not procs.pid_alive(pid), "Prometheus outlived the kernel that started it"
         assert workdir.is_dir()  # SIGKILL: no exit handler ran
-        doctor = subprocess.run([sys.executable, "-m", "lab_utils", "doctor"], capture_output=True, text=True,
+        doctor = subprocess.run([sys.executable, "-m", "nvlab", "doctor"], capture_output=True, text=True,
                                 timeout=120, env=env)
         assert doctor.returncode == 0, doctor.stdout + doctor.stderr
         assert not workdir.exists() and str(workdir) in doctor.stdout, doctor.stdout  # the doctor names what it removed

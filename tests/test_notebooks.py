@@ -17,7 +17,7 @@ import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
 from lab_utils.course.catalog import NOTEBOOK_GLOB, repo_root
-from lab_utils.ops import notebooks
+from nvlab.ops import notebooks
 
 ROOT = repo_root()
 SOLUTIONS = sorted((ROOT / "solutions").glob(NOTEBOOK_GLOB))

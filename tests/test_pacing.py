@@ -6,9 +6,9 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
-from lab_utils import cli
 from lab_utils.course.catalog import repo_root
-from lab_utils.ops import notebooks, pacing
+from nvlab import cli
+from nvlab.ops import notebooks, pacing
 
 ROOT = repo_root()
 SOLUTIONS = pacing.solution_paths()
@@ -27,7 +27,7 @@ def test_every_optional_section_is_tagged_and_headed_with_its_minutes(path):
     states the minutes the estimate gives, and a section heading inside it (above its own level) says optional."""
     lab = LABS[path.stem]
     assert lab.optional, (f"{path.name}: no optional section: tag a deep dive's cells {TAG!r}, head it "
-                          "'### Optional (0 min): title', then run `python -m lab_utils.ops.pacing`")
+                          "'### Optional (0 min): title', then run `python -m nvlab.ops.pacing`")
     for part in lab.optional:
         assert part.stated_min == pacing.rounded(part.minutes), (path.name, part.title, part.minutes)
     opener = None
@@ -61,7 +61,7 @@ def test_every_lab_heading_states_the_core_and_optional_minutes_of_the_table(pat
     lab = LABS[path.stem]
     assert lab.stated == (lab.core_min, lab.optional_min), (
         f"{path.name} states {lab.stated}, the estimate is {(lab.core_min, lab.optional_min)}: "
-        "run `python -m lab_utils.ops.pacing`")
+        "run `python -m nvlab.ops.pacing`")
     table, readme = (ROOT / "docs" / "pacing.md").read_text(), (ROOT / "README.md").read_text()
     lab00_map = next(c.source for c in nbformat.read(ROOT / "labs" / "00_environment.ipynb", as_version=4).cells
                      if pacing.MAP_BEGIN in c.source)
@@ -73,7 +73,7 @@ def test_every_lab_heading_states_the_core_and_optional_minutes_of_the_table(pat
 
 
 def test_the_stated_times_the_table_and_the_course_map_are_current():
-    assert pacing.stale() == [], "run `python -m lab_utils.ops.pacing` and commit the result"
+    assert pacing.stale() == [], "run `python -m nvlab.ops.pacing` and commit the result"
 
 
 def test_each_core_fits_an_hour_and_the_course_core_nine_hours():

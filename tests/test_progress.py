@@ -15,10 +15,10 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from lab_utils.classroom import progress_service as svc
 from lab_utils.course import progress
 from lab_utils.exercises.framework import Exercise, Wrong
-from lab_utils.ops import notebooks
+from nvlab.classroom import progress_service as svc
+from nvlab.ops import notebooks
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -115,7 +115,7 @@ def test_recording_turns_off_by_env_by_call_and_for_every_kernel(records, monkey
     ex.check(1, quiet=True)
     assert len(_lines(records)) == 1
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cli = [sys.executable, "-m", "lab_utils", "progress"]
+    cli = [sys.executable, "-m", "nvlab", "progress"]
     out = subprocess.run([*cli, "--off"], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "off for every kernel" in out.stdout, out
     assert not progress.enabled()
@@ -217,7 +217,7 @@ def test_a_report_is_checked_record_by_record(tmp_path):
 def test_hub_service_config_is_a_services_entry():
     entry = svc.hub_service_config(10542)
     assert entry["name"] == "progress" and entry["url"] == "http://127.0.0.1:10542"
-    assert entry["command"][1:] == ["-m", "lab_utils.classroom.progress_service", "--data", "progress-service"]
+    assert entry["command"][1:] == ["-m", "nvlab.classroom.progress_service", "--data", "progress-service"]
     assert svc.spawner_environment(10542) == {progress.ENV_URL: "http://127.0.0.1:10542/services/progress/"}
 
 

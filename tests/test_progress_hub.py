@@ -32,8 +32,8 @@ from pathlib import Path
 import pytest
 from _require import marked, missing
 
-from lab_utils.classroom.progress_service import REFRESH_S
 from lab_utils.procs import free_port, popen_owned, stop_group
+from nvlab.classroom.progress_service import REFRESH_S
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = os.environ.get("NVLAB_CHROMIUM", "/usr/bin/chromium")
@@ -66,7 +66,7 @@ def _answers(base: str) -> bool:
 
 HUB_CONFIG = """
 import json, sys
-from lab_utils.classroom.progress_service import hub_role, hub_service_config, spawner_environment
+from nvlab.classroom.progress_service import hub_role, hub_service_config, spawner_environment
 s = json.loads({settings!r})
 c.JupyterHub.ip = "127.0.0.1"
 c.JupyterHub.port = s["port"]

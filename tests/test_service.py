@@ -28,13 +28,13 @@ from _triton import KernelOutput, require_service
 from lab_utils import procs
 from lab_utils.monitoring import prometheus
 from lab_utils.monitoring import service_monitoring as sm
-from lab_utils.ops import notebooks
 from lab_utils.serving import client as triton_client
 from lab_utils.serving import ensemble as ens
 from lab_utils.serving import nginx as nginx_mod
 from lab_utils.serving import server as triton_server
 from lab_utils.serving import service
 from lab_utils.serving.metrics import metric_samples
+from nvlab.ops import notebooks
 
 _require_all = require_service
 
@@ -572,7 +572,7 @@ def test_killed_kernel_leaves_no_nginx_triton_stub_or_shared_memory():
         # the folders named by the kernel's PID: doctor removes them below, unless another test worker's next
         # temporary folder already swept them (their owner is dead)
         owned = list(Path(tempfile.gettempdir()).glob(f"nvlab-*-{kernel_pid}-*"))
-        doctor = subprocess.run([sys.executable, "-m", "lab_utils", "doctor"], capture_output=True, text=True,
+        doctor = subprocess.run([sys.executable, "-m", "nvlab", "doctor"], capture_output=True, text=True,
                                 timeout=180)
         assert doctor.returncode == 0, doctor.stdout + doctor.stderr
         assert not [p for p in owned if p.exists()], [p for p in owned if p.exists()]

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lab_utils import cli
-from lab_utils.ops import wheelhouse
+from nvlab import cli
+from nvlab.ops import wheelhouse
 
 ROOT = Path(__file__).resolve().parent.parent
 GUIDE = ROOT / "docs" / "trainer_guide.md"

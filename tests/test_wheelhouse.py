@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from lab_utils import cli
 from lab_utils.course import stack
-from lab_utils.ops import wheelhouse
-from lab_utils.ops.wheelhouse import WheelhouseError
+from nvlab import cli
+from nvlab.ops import wheelhouse
+from nvlab.ops.wheelhouse import WheelhouseError
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -196,7 +196,7 @@ def test_offline_install_from_a_fresh_wheelhouse(tmp_path):
     t0 = time.perf_counter()
     wh = tmp_path / "wheelhouse"
     # The course without extras for this machine's Python: a small download (about 70 MB), as the README says.
-    out = subprocess.run([sys.executable, "-m", "lab_utils", "wheelhouse", str(wh), "--extras", ""],
+    out = subprocess.run([sys.executable, "-m", "nvlab", "wheelhouse", str(wh), "--extras", ""],
                          capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     t_build = time.perf_counter() - t0
@@ -222,7 +222,7 @@ def test_offline_install_from_a_fresh_wheelhouse(tmp_path):
     assert install.returncode == 0, install.stdout[-3000:] + install.stderr[-3000:]
     check = sh("python -m pip check", cwd=course, env=env)  # every installed requirement came from the wheelhouse
     assert check.returncode == 0, check.stdout + check.stderr
-    where = sh("python -c 'import lab_utils, lab_utils.course.probe, lab_utils.cli; print(lab_utils.__file__)'",
+    where = sh("python -c 'import lab_utils, lab_utils.course.probe, nvlab.cli; print(lab_utils.__file__)'",
                env=env,
                cwd=tmp_path)  # not the checkout's folder, which python -c would import from
     assert where.returncode == 0 and where.stdout.strip() == str(course / "lab_utils" / "__init__.py"), where.stderr

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lab_utils import cli
+from nvlab import cli
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKFLOWS = sorted((ROOT / ".github" / "workflows").glob("*.y*ml"))

@@ -7,7 +7,7 @@ characters, the echo of the answer's value removed: never the student's code), t
 of that exercise by this student, counted over every kernel) and the time (UNIX seconds, UTC). Nothing leaves the
 machine unless a classroom hub's progress service is configured (the hub gives spawned servers
 ``NVLAB_PROGRESS_URL``): then each record is also sent there, in a background thread, with the server's own hub token
-(``lab_utils.classroom.progress_service`` says why the records travel that way).
+(``nvlab.classroom.progress_service`` says why the records travel that way).
 
 Two kernels may check at once: each append holds an exclusive ``flock`` on the file while it counts the attempts
 and writes its one line, so no line is lost or interleaved. A failure to record never fails a check: it is said once.

@@ -17,7 +17,7 @@ from lab_utils.args import check_int, check_positive
 from lab_utils.procs import env_flag
 
 HEADLESS_ENV = "NVLAB_HEADLESS"  # 1: print instead of showing widgets (papermill run by hand, a script)
-# Set by lab_utils.ops.notebooks and the test suite for every kernel they start (a layer above: named, not imported).
+# Set by nvlab.ops.notebooks and the test suite for every kernel they start (a layer above: named, not imported).
 _RUN_ID_ENV = "NVLAB_RUN_ID"
 
 

@@ -28,8 +28,10 @@ from typing import Any
 
 import psutil
 
-from lab_utils.classroom import DEFAULT_STATE
-from lab_utils.classroom.roster import (
+from lab_utils.course.catalog import repo_root
+from lab_utils.procs import free_port, pid_alive, tail, wait_until
+from nvlab.classroom import DEFAULT_STATE
+from nvlab.classroom.roster import (
     RosterError,
     assign_gpus,
     gpu_inventory,
@@ -37,8 +39,6 @@ from lab_utils.classroom.roster import (
     read_roster,
     sharing_note,
 )
-from lab_utils.course.catalog import repo_root
-from lab_utils.procs import free_port, pid_alive, tail, wait_until
 
 HUB_PACKAGES = {"jupyterhub": "jupyterhub", "nativeauthenticator": "jupyterhub-nativeauthenticator",
                 "jupyterhub_idle_culler": "jupyterhub-idle-culler"}
@@ -252,8 +252,8 @@ def _system_users(students: list[dict[str, Any]]) -> list[str]:
 
 def hub_config_text(plan_path: str, extra: str | None) -> str:
     """The ``jupyterhub_config.py`` of a classroom: the one configuration, read from the plan."""
-    lines = ["# written by nvlab classroom up: the hub's one configuration, lab_utils/classroom/hub.py",
-             "from lab_utils.classroom.hub import configure", "",
+    lines = ["# written by nvlab classroom up: the hub's one configuration, nvlab/classroom/hub.py",
+             "from nvlab.classroom.hub import configure", "",
              f"configure(c, {plan_path!r})  # noqa: F821 (c is JupyterHub's config object)"]
     if extra:
         lines.append(f"load_subconfig({extra!r})  # noqa: F821 (the trainer's own settings, e.g. OAuthenticator)")

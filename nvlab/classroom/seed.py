@@ -4,7 +4,7 @@ First start: ``labs/`` is copied. Later starts never overwrite a file: a lab the
 copy was made appears beside it under a new name (``01_cuda_timing.new-<hash>.ipynb``), and a lab the student
 deleted is not brought back. What was handed out is recorded in ``labs/.nvlab-seeded.json`` (file -> sha256).
 
-``python -m lab_utils.classroom.seed --labs SRC --dest DEST -- CMD...`` seeds, then replaces itself with CMD (the
+``python -m nvlab.classroom.seed --labs SRC --dest DEST -- CMD...`` seeds, then replaces itself with CMD (the
 single-user server), so the hub's spawner starts it as it would start the server itself."""
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def seed_labs(src: Path | str, dest: Path | str) -> dict[str, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m lab_utils.classroom.seed", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m nvlab.classroom.seed", description=__doc__)
     p.add_argument("--labs", required=True, help="the course's labs folder (read only)")
     p.add_argument("--dest", required=True, help="the student's labs folder (~ is the student's home)")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the command to run after seeding")

@@ -7,7 +7,7 @@ The plan (JSON, written by ``nvlab classroom up``) says the mode; everything els
   and memory limits, their GPU as a device request.
 Both: NativeAuthenticator (no open sign-up; the roster's accounts exist from the start, the trainer approves other
 sign-ups), the trainer as admin, each student's GPU (``CUDA_VISIBLE_DEVICES`` locally), the labs copied by the
-student's own process at each start (``lab_utils.classroom.seed``), the idle culler as a hub service, HTTPS with the
+student's own process at each start (``nvlab.classroom.seed``), the idle culler as a hub service, HTTPS with the
 trainer's certificate. JupyterHub and its plug-ins are imported here only, when the hub loads its configuration."""
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def configure(c: Any, plan: dict[str, Any] | Path | str) -> None:
 
     # each student's server: the labs seeded by the student's own process, then the single-user server
     py = plan["python"]
-    c.Spawner.cmd = [py, "-m", "lab_utils.classroom.seed", "--labs", plan["labs_src"], "--dest", plan["labs_dest"],
+    c.Spawner.cmd = [py, "-m", "nvlab.classroom.seed", "--labs", plan["labs_src"], "--dest", plan["labs_dest"],
                      "--", py, "-m", "jupyterhub.singleuser"]
     c.Spawner.default_url = "/lab"
     c.Spawner.notebook_dir = plan["notebook_dir"]
@@ -148,9 +148,9 @@ def configure(c: Any, plan: dict[str, Any] | Path | str) -> None:
         {"name": "nvlab-classroom", "scopes": CLI_SCOPES, "services": ["nvlab-classroom"]},
     ]
     try:  # the trainer's progress page: its module gives the hub service entry and the students' environment
-        from lab_utils.classroom import progress_service as progress
+        from nvlab.classroom import progress_service as progress
     except ImportError as err:  # a hub that cannot import it: no page, and the hub's log says why
-        print(f"nvlab classroom: no progress page ({err}): the hub's Python needs lab_utils.classroom and "
+        print(f"nvlab classroom: no progress page ({err}): the hub's Python needs nvlab.classroom and "
               "lab_utils.course (docker/classroom/Dockerfile.hub copies both)", file=sys.stderr)
         progress = None
     if progress and plan.get("progress_port"):

@@ -8,7 +8,7 @@ NGC container without network)::
 ``--exclude-preinstalled`` leaves out what the pinned NGC PyTorch image already has. The folder gets
 ``README.txt`` (the install commands, ``install_commands``) and ``requirements.txt``.
 
-Design notes: docs/internals.md#lab_utilsopswheelhousepy"""
+Design notes: docs/internals.md#nvlabopswheelhousepy"""
 
 from __future__ import annotations
 
@@ -328,8 +328,8 @@ def build(dest: Path | str, *, python: str | None = None, platforms: Sequence[st
         src.mkdir()
         for f in ("pyproject.toml", "README.md"):
             shutil.copy2(root / f, src / f)
-        shutil.copytree(root / "lab_utils", src / "lab_utils",
-                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info"))
+        for pkg in ("lab_utils", "nvlab"):
+            shutil.copytree(root / pkg, src / pkg, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info"))
         isolation = ["--no-build-isolation"] if _setuptools_builds_wheels() else []
         _pip(["wheel", "--quiet", "--no-deps", *isolation, "--wheel-dir", str(tmp / "course"), str(src)],
              "building the course's wheel", py, arch)

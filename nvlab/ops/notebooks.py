@@ -5,7 +5,7 @@ markdown with ``<!-- BEGIN SOLUTION -->`` / ``<!-- END SOLUTION -->`` and ``<!--
 ``<!-- END ANSWERS -->``. Generating a lab turns them into blanks, prompts and folded answers, strips every
 output, and adds a line under each check cell saying how to get a hint and the solution.
 
-Design notes: docs/internals.md#lab_utilsopsnotebookspy"""
+Design notes: docs/internals.md#nvlabopsnotebookspy"""
 
 from __future__ import annotations
 

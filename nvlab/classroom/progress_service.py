@@ -28,7 +28,7 @@ sends them from the kernel, in a background thread, right after writing them to 
 Spawned servers find the service at ``$NVLAB_PROGRESS_URL``: the hub configuration gives it to them
 (``c.Spawner.environment.update(spawner_environment(port))``); without it nothing is sent (no guessed address
 receives a token). Run by the hub as ``python -m
-lab_utils.classroom.progress_service --data DIR``; ``render_page``/``render_rows``/``render_csv`` are what the
+nvlab.classroom.progress_service --data DIR``; ``render_page``/``render_rows``/``render_csv`` are what the
 benchmark times.
 """
 
@@ -71,7 +71,7 @@ def hub_service_config(port: int, host: str = "127.0.0.1", data_dir: str | None 
     return {
         "name": NAME,
         "url": f"http://{host}:{int(port)}",
-        "command": [sys.executable, "-m", "lab_utils.classroom.progress_service", "--data", data],
+        "command": [sys.executable, "-m", "nvlab.classroom.progress_service", "--data", data],
         "oauth_no_confirm": True,  # the trainer is not asked to authorize the hub's own page
         "display": True,  # listed in the hub's Services menu
         "info": {"description": "the class at a glance: who is stuck on which exercise"},
@@ -375,7 +375,7 @@ def make_app(store: Store, prefix: str) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     """Serve the page where the hub says (``JUPYTERHUB_SERVICE_URL``, ``JUPYTERHUB_SERVICE_PREFIX``)."""
-    parser = argparse.ArgumentParser(prog="python -m lab_utils.classroom.progress_service",
+    parser = argparse.ArgumentParser(prog="python -m nvlab.classroom.progress_service",
                                      description="the trainer's progress page, run by JupyterHub as a service")
     parser.add_argument("--data", required=True, type=Path, help="folder keeping the received records")
     args = parser.parse_args(argv)

@@ -19,9 +19,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
-from lab_utils.classroom import DEFAULT_STATE
 from lab_utils.course.catalog import repo_root
 from lab_utils.procs import sweep_stale_tempdirs, who_listens, writable_problem
+from nvlab.classroom import DEFAULT_STATE
 
 
 class _Parser(argparse.ArgumentParser):
@@ -216,7 +216,7 @@ def cmd_lab(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from lab_utils.ops.notebooks import (  # lazy: subcommand only (cli stays fast to import)
+    from nvlab.ops.notebooks import (  # lazy: subcommand only (cli stays fast to import)
         NotebookError,
         execute,
         leftover_processes,
@@ -267,7 +267,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_build_labs(args: argparse.Namespace) -> int:
-    from lab_utils.ops.notebooks import NotebookError, build_labs  # lazy: subcommand only (cli stays fast to import)
+    from nvlab.ops.notebooks import NotebookError, build_labs  # lazy: subcommand only (cli stays fast to import)
 
     try:
         changed = build_labs(check=args.check)
@@ -322,7 +322,7 @@ def cmd_gpu_exporter(args: argparse.Namespace) -> int:
 
 
 def cmd_wheelhouse(args: argparse.Namespace) -> int:
-    from lab_utils.ops.wheelhouse import WheelhouseError, build  # lazy: subcommand only (cli stays fast to import)
+    from nvlab.ops.wheelhouse import WheelhouseError, build  # lazy: subcommand only (cli stays fast to import)
 
     try:
         build(args.dir, python=args.python, platforms=args.platform, extras=args.extras.split(","),
@@ -333,7 +333,7 @@ def cmd_wheelhouse(args: argparse.Namespace) -> int:
 
 
 def cmd_classroom(args: argparse.Namespace) -> int:
-    from lab_utils.classroom import manage  # lazy: subcommand only (cli stays fast to import)
+    from nvlab.classroom import manage  # lazy: subcommand only (cli stays fast to import)
 
     name = f"classroom {args.action}"
     try:

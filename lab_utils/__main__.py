@@ -1,5 +1,0 @@
-import sys
-
-from lab_utils.cli import main
-
-sys.exit(main())

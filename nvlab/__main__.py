@@ -1,0 +1,5 @@
+import sys
+
+from nvlab.cli import main
+
+sys.exit(main())
