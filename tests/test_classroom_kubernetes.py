@@ -445,9 +445,10 @@ def test_the_seeding_hook_never_fails_the_pod(spawned, tmp_path):
 
 def test_the_course_image_matches_the_manifest_and_the_charts_jupyterhub(values):
     from lab_utils.course import stack
+    from nvlab.ops import stack as stack_files
 
     chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
-    args = stack.dockerfile_args(DOCKERFILE.read_text())
+    args = stack_files.dockerfile_args(DOCKERFILE.read_text())
     assert values["singleuser"]["image"]["tag"] == args["NGC_TAG"] == stack.manifest()["pinned"]
     # the student's single-user server speaks to the chart's hub: the same JupyterHub release
     assert args["JUPYTERHUB_VERSION"] == chart["appVersion"]

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lab_utils.course import stack
 from lab_utils.procs import env_flag
 from nvlab import cli
+from nvlab.ops import stack as stack_files
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKER = ROOT / "docker"
@@ -155,7 +155,7 @@ def test_compose_file_follows_the_compose_specification_and_a_broken_one_does_no
 
 @pytest.fixture(scope="module")
 def env_file() -> dict[str, str]:
-    return stack.parse_env_file((DOCKER / ".env").read_text())
+    return stack_files.parse_env_file((DOCKER / ".env").read_text())
 
 
 SECRETS = {"JUPYTER_TOKEN": "0123456789abcdef0123", "GRAFANA_ADMIN_PASSWORD": "0123456789abcdef",
@@ -168,7 +168,7 @@ def resolved(node, env: dict[str, str]):
         return {k: resolved(v, env) for k, v in node.items()}
     if isinstance(node, list):
         return [resolved(v, env) for v in node]
-    return stack.interpolate(node, env) if isinstance(node, str) else node
+    return stack_files.interpolate(node, env) if isinstance(node, str) else node
 
 
 def published(compose: dict) -> list[tuple[str, str, str]]:

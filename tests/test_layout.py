@@ -45,7 +45,7 @@ LAYERS = [
 
 # What a student without torch, a trainer and CI tooling import: none of it may pull torch in.
 TORCH_FREE = ["lab_utils", "nvlab.cli", "lab_utils.course.session", "lab_utils.course.probe",
-              "lab_utils.course.results", "lab_utils.course.stack", "nvlab.ops.notebooks",
+              "lab_utils.course.results", "lab_utils.course.stack", "nvlab.ops.stack", "nvlab.ops.notebooks",
               "nvlab.ops.pacing", "nvlab.ops.wheelhouse", "lab_utils.monitoring.gpu_exporter",
               "lab_utils.plotting", "lab_utils.timing", "lab_utils.procs", "lab_utils.compat.numpy1_env",
               "lab_utils.compat.glibc", "lab_utils.compat.tensorrt_stubs", "lab_utils.course.progress",

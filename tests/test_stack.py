@@ -13,19 +13,20 @@ import pytest
 
 from lab_utils.course import probe as env
 from lab_utils.course import stack
+from nvlab.ops import stack as stack_files
 
 ROOT = Path(__file__).resolve().parent.parent
 SRC = stack.MANIFEST_NAME
 
 
 def test_the_checkout_agrees_with_the_manifest():
-    problems = stack.check(ROOT)
+    problems = stack_files.check(ROOT)
     assert problems == [], "\n".join(problems)
 
 
 def test_docker_env_is_generated_from_the_manifest():
-    assert (ROOT / "docker" / ".env").read_text() == stack.compose_env(), (
-        "docker/.env differs from the manifest: python -m lab_utils.course.stack env > docker/.env")
+    assert (ROOT / "docker" / ".env").read_text() == stack_files.compose_env(), (
+        "docker/.env differs from the manifest: python -m nvlab.ops.stack env > docker/.env")
 
 
 @pytest.fixture
@@ -34,7 +35,7 @@ def checkout(tmp_path):
     for rel in ("docker/Dockerfile", "docker/.env", "docker/compose.yaml", "course", "pyproject.toml"):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / rel, tmp_path / rel)
-    assert stack.check(tmp_path) == []
+    assert stack_files.check(tmp_path) == []
     return tmp_path
 
 
@@ -47,14 +48,14 @@ def _edit(path: Path, old: str, new: str) -> None:
 def test_dockerfile_mismatch_names_both_sides(checkout):
     tag = stack.pinned_release()["tag"]
     _edit(checkout / "docker" / "Dockerfile", f"ARG NGC_TAG={tag}", "ARG NGC_TAG=25.01")
-    (msg,) = stack.check(checkout)
+    (msg,) = stack_files.check(checkout)
     assert "docker/Dockerfile" in msg and "NGC_TAG=25.01" in msg and SRC in msg and tag in msg
 
 
 def test_env_file_mismatch_names_both_sides(checkout):
     tag = stack.pinned_release()["tag"]
     _edit(checkout / "docker" / ".env", f"NGC_TAG={tag}", "NGC_TAG=25.01")
-    problems = stack.check(checkout)
+    problems = stack_files.check(checkout)
     # .env disagrees, and through it the compose file's images and build arguments do too.
     assert any("docker/.env sets NGC_TAG=25.01" in p and SRC in p and tag in p for p in problems), problems
     assert any("tritonserver:25.01-py3" in p and f"tritonserver:{tag}-py3" in p for p in problems), problems
@@ -62,15 +63,15 @@ def test_env_file_mismatch_names_both_sides(checkout):
 
 def test_hardcoded_compose_image_is_caught(checkout):
     _edit(checkout / "docker" / "compose.yaml", "prom/prometheus:${PROMETHEUS_VERSION}", "prom/prometheus:latest")
-    (msg,) = stack.check(checkout)
+    (msg,) = stack_files.check(checkout)
     assert "service prometheus runs image prom/prometheus:latest" in msg
-    assert stack.env_values()["PROMETHEUS_VERSION"] in msg and SRC in msg
+    assert stack_files.env_values()["PROMETHEUS_VERSION"] in msg and SRC in msg
 
 
 def test_course_pin_mismatch_names_both_sides(checkout):
     pin = stack.manifest()["course"]["nvidia-pytriton"]
     _edit(checkout / "course", f"nvidia-pytriton=={pin}", "nvidia-pytriton==0.5.9")
-    (msg,) = stack.check(checkout)
+    (msg,) = stack_files.check(checkout)
     assert "./course pins nvidia-pytriton==0.5.9" in msg and pin in msg and SRC in msg
 
 
@@ -78,7 +79,7 @@ def test_manifest_client_must_match_server(checkout):
     m = stack.manifest()
     tag = m["pinned"]
     broken = {**m, "ngc": {**m["ngc"], tag: {**m["ngc"][tag], "tritonclient": "2.50.0"}}}
-    problems = stack.check(checkout, broken)
+    problems = stack_files.check(checkout, broken)
     assert any("Triton server 2.73.0 with tritonclient 2.50.0" in p for p in problems), problems
     # ...and the Dockerfile's and .env's TRITONCLIENT_VERSION now disagree with it, naming both values.
     assert any("docker/Dockerfile has ARG TRITONCLIENT_VERSION=2.73.0" in p and "2.50.0" in p for p in problems)
@@ -89,16 +90,16 @@ def test_preinstalled_must_agree_with_the_release(checkout):
     rel = m["ngc"][m["pinned"]]
     rel["preinstalled"]["torch"] = "2.13.0"
     rel["pip_prerelease"] = ["torch", "tensorrt-llm"]
-    problems = stack.check(checkout, m)
+    problems = stack_files.check(checkout, m)
     assert any(f"has torch {rel['torch']} but lists torch 2.13.0 as preinstalled" in p for p in problems), problems
     assert any("tensorrt-llm under pip_prerelease but not under preinstalled" in p for p in problems), problems
 
 
 def test_interpolation_follows_compose():
-    assert stack.interpolate("a:${X}-py3", {"X": "1"}) == "a:1-py3"
-    assert stack.interpolate("${P:-8888}", {}) == "8888"
+    assert stack_files.interpolate("a:${X}-py3", {"X": "1"}) == "a:1-py3"
+    assert stack_files.interpolate("${P:-8888}", {}) == "8888"
     with pytest.raises(KeyError, match="set JUPYTER_TOKEN"):
-        stack.interpolate("${JUPYTER_TOKEN:?set JUPYTER_TOKEN please}", {})
+        stack_files.interpolate("${JUPYTER_TOKEN:?set JUPYTER_TOKEN please}", {})
 
 
 def test_lab00_tables_read_the_manifest():
@@ -112,12 +113,12 @@ def test_lab00_tables_read_the_manifest():
 
 
 def test_module_check_and_env_commands():
-    out = subprocess.run([sys.executable, "-m", "lab_utils.course.stack", "check"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "nvlab.ops.stack", "check"], capture_output=True, text=True,
                          cwd=ROOT)
     assert out.returncode == 0, out.stderr
-    out = subprocess.run([sys.executable, "-m", "lab_utils.course.stack", "env"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "nvlab.ops.stack", "env"], capture_output=True, text=True,
                          cwd=ROOT)
-    assert out.stdout == stack.compose_env()
+    assert out.stdout == stack_files.compose_env()
 
 
 # --- versions as pip reports them in an NGC image ---------------------------------------------------
@@ -184,8 +185,8 @@ def fake_dists(tmp_path):
 
 
 def installed(env: dict[str, str], tag: str, name: str) -> subprocess.CompletedProcess:
-    """The Dockerfile's torch guard: python -m lab_utils.course.stack installed NGC_TAG NAME."""
-    return subprocess.run([sys.executable, "-m", "lab_utils.course.stack", "installed", tag, name],
+    """The Dockerfile's torch guard: python -m nvlab.ops.stack installed NGC_TAG NAME."""
+    return subprocess.run([sys.executable, "-m", "nvlab.ops.stack", "installed", tag, name],
                           capture_output=True, text=True, cwd=ROOT, env=env, timeout=60)
 
 

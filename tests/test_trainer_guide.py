@@ -90,8 +90,8 @@ def test_compose_commands_and_variables(commands):
     text = GUIDE.read_text()
     assert ports and all(f"`{p}`" in text for p in ports)
     assert "docker compose up -d --no-build" in commands
-    assert "python -m lab_utils.course.stack env > docker/.env" in commands
-    assert "python -m lab_utils.course.stack check" in commands
+    assert "python -m nvlab.ops.stack env > docker/.env" in commands
+    assert "python -m nvlab.ops.stack check" in commands
 
 
 def resolves(name: str) -> bool:
