@@ -49,6 +49,7 @@ def _int_in(low: int, high: int | None, what: str) -> Callable[[str], int]:
 
 _port = _int_in(1, 65535, "a port number")
 _positive_int = _int_in(1, None, "a whole number")
+_nonnegative_int = _int_in(0, None, "a whole number")
 
 
 def _fail(command: str, why: Any, code: int = 2) -> int:
@@ -388,6 +389,12 @@ def cmd_progress(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_quiz(args: argparse.Namespace) -> int:
+    from nvlab.ops import quiz  # lazy: pulls pandas (cli stays fast to import)
+
+    return quiz.main(args.action, args.target, getattr(args, "seed", 0), getattr(args, "language", "en"))
+
+
 def parser() -> argparse.ArgumentParser:
     p = _Parser(prog="nvlab", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -470,6 +477,17 @@ def parser() -> argparse.ArgumentParser:
     pr.add_argument("--off", action="store_true", help="stop recording checks, in every kernel, until --on")
     pr.add_argument("--on", action="store_true", help="record checks again")
     pr.set_defaults(fn=cmd_progress)
+    qz = sub.add_parser("quiz", help="lab 09's question bank: check it, score fixed guesses, write the glossary")
+    qzs = qz.add_subparsers(dest="action", required=True)
+    bank_help = "the bank's folder (default: NVLAB_QUIZ_DIR, else the course's)"
+    qzs.add_parser("check", help="validate the bank").add_argument("target", nargs="?", help=bank_help)
+    st = qzs.add_parser("strategies", help="how fixed ways of guessing score; exit 1 over the limit")
+    st.add_argument("target", nargs="?", help=bank_help)
+    st.add_argument("--seed", type=_nonnegative_int, default=0, help="the quiz's seed (default 0)")
+    st.add_argument("--language", choices=("en", "zh"), default="en")
+    qzs.add_parser("glossary", help="write docs/glossary.md from the bank").add_argument(
+        "target", nargs="?", help="where to write it (default docs/glossary.md)")
+    qz.set_defaults(fn=cmd_quiz)
     return p
 
 

@@ -16,6 +16,8 @@ import yaml
 from lab_utils.course import catalog
 from lab_utils.exercises import quiz
 from lab_utils.exercises.framework import Status
+from nvlab import cli
+from nvlab.ops import quiz as quiz_cmd
 
 FIXTURE = Path(__file__).parent / "data" / "quiz_fixture"
 REAL = (quiz.BANK_DIR / "s1_stack.yaml").exists()
@@ -268,10 +270,14 @@ def test_an_empty_folder_says_where_it_looked(tmp_path, monkeypatch):
     assert quiz.bank_folder() == FIXTURE and len(quiz.load_bank()) == len(FIX)
 
 
-def test_the_bank_check_command(capsys):
-    assert quiz.main(["check", str(FIXTURE)]) == 0
+def test_the_bank_check_command(capsys, tmp_path):
+    assert cli.main(["quiz", "check", str(FIXTURE)]) == 0
     assert "valid" in capsys.readouterr().out
-    assert quiz.main(["nonsense"]) == 2
+    assert cli.main(["quiz", "check", str(tmp_path)]) == 1  # no bank there: one line naming the folder
+    assert f"no question bank in {tmp_path}" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["quiz", "nonsense"])
+    assert stop.value.code == 2
 
 
 # --- the runner ------------------------------------------------------------------------------------------------
@@ -447,13 +453,13 @@ def test_the_strategy_check_can_fail():
 
 
 def test_the_strategies_command(capsys, monkeypatch):
-    code = quiz.main(["strategies", str(BANK_DIR), "--seed", "3"])
+    code = quiz_cmd.main("strategies", str(BANK_DIR), seed=3)
     out = capsys.readouterr().out
     assert "always the longest choice" in out and "seed 3" in out and "limit 35%" in out
     assert code == (1 if "too guessable" in out else 0) and (code == 0 or not REAL)
-    assert quiz.main(["strategies", str(BANK_DIR), "--language", "zh"]) == code
-    monkeypatch.setattr(quiz, "GUESS_LIMIT", 0.0)  # every strategy that scores at all is now too much
-    assert quiz.main(["strategies", str(BANK_DIR)]) == 1 and "too guessable" in capsys.readouterr().out
+    assert quiz_cmd.main("strategies", str(BANK_DIR), language="zh") == code
+    monkeypatch.setattr(quiz_cmd, "GUESS_LIMIT", 0.0)  # every strategy that scores at all is now too much
+    assert quiz_cmd.main("strategies", str(BANK_DIR)) == 1 and "too guessable" in capsys.readouterr().out
 
 
 def test_sections_and_n_choose_questions():
@@ -495,21 +501,21 @@ def test_glossary_is_deduplicated_and_sorted():
 
 
 def test_write_glossary_writes_the_markdown(tmp_path):
-    path = quiz.write_glossary(tmp_path / "g.md", FIX)
+    path = quiz_cmd.write_glossary(tmp_path / "g.md", FIX)
     text = path.read_text(encoding="utf-8")
-    assert text == quiz.glossary_markdown(FIX) and "| KV cache | KV 缓存 | 2 |" in text and "Do not edit" in text
+    assert text == quiz_cmd.glossary_markdown(FIX) and "| KV cache | KV 缓存 | 2 |" in text and "Do not edit" in text
 
 
 @pytest.mark.skipif(not REAL, reason="the course's question bank (lab_utils/data/quiz) is not there yet")
 def test_committed_glossary_is_what_write_glossary_writes():
-    committed = quiz.GLOSSARY_PATH.read_text(encoding="utf-8")
-    assert committed == quiz.glossary_markdown(BANK), (
-        "docs/glossary.md is generated: run `python -m lab_utils.exercises.quiz glossary` and commit it")
+    committed = quiz_cmd.GLOSSARY_PATH.read_text(encoding="utf-8")
+    assert committed == quiz_cmd.glossary_markdown(BANK), (
+        "docs/glossary.md is generated: run `nvlab quiz glossary` and commit it")
 
 
 def test_the_glossary_file_is_there_and_says_it_is_generated():
-    text = quiz.GLOSSARY_PATH.read_text(encoding="utf-8")
-    assert text.startswith("# Glossary") and "python -m lab_utils.exercises.quiz glossary" in text
+    text = quiz_cmd.GLOSSARY_PATH.read_text(encoding="utf-8")
+    assert text.startswith("# Glossary") and "nvlab quiz glossary" in text
 
 
 def test_stack_map_links_every_lab_it_names():

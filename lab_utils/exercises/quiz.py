@@ -4,30 +4,27 @@
 ``question.exercise("zh").check(answer)`` grades one answer through the exercise framework (both in ``quiz_bank``,
 the quiz's phrases in ``quiz_text``, re-exported here). ``QuizRunner`` draws
 questions by section with a fixed seed: ``next()``, ``answer(x)``, ``check(answers, section)``, ``score()``,
-``missed()``. ``strategy_scores`` scores fixed ways of guessing against ``GUESS_LIMIT``. ``glossary`` /
-``write_glossary`` produce ``docs/glossary.md`` (generated: never edit it by hand); ``stack_map`` links the stack
-to the labs. Importing this module reads no file: a bank is read when it is loaded.
+``missed()``. ``strategy_scores`` scores fixed ways of guessing against ``GUESS_LIMIT``. ``glossary`` is the
+table of terms (``nvlab quiz glossary`` writes it to ``docs/glossary.md``); ``stack_map`` links the stack to the
+labs. Importing this module reads no file: a bank is read when it is loaded.
 
 Design notes: docs/internals.md#lab_utilsexercisesquizpy
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import html
 import random
 import re
 import statistics
-import sys
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
 from lab_utils.args import check_int
-from lab_utils.course.catalog import LABS, repo_root
+from lab_utils.course.catalog import LABS
 from lab_utils.exercises.framework import Exercise, Outcome, Status, Wrong, is_blank
 from lab_utils.exercises.quiz_bank import (
     BANK_DIR,
@@ -45,12 +42,10 @@ from lab_utils.exercises.quiz_text import LANGUAGES, _lang, _tr, outcome_line, u
 
 __all__ = [
     "BANK_DIR", "QUIZ_ENV", "FORMS", "LANGUAGES", "BankError", "Question", "Bank", "load_bank", "QuizRunner",
-    "glossary", "glossary_markdown", "write_glossary", "GLOSSARY_PATH", "stack_map", "STACK",
+    "glossary", "stack_map", "STACK",
     "shuffled", "BYTE_UNITS", "in_byte_unit", "STRATEGIES", "GUESS_LIMIT", "strategy_scores", "ui_text",
     "outcome_line", "bank_folder",
 ]
-
-GLOSSARY_PATH = repo_root() / "docs" / "glossary.md"
 
 # --- the quiz runner -------------------------------------------------------------------------------------------
 
@@ -399,38 +394,6 @@ def glossary(bank: Bank) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["en", "zh", "sections"])
 
 
-def _cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
-
-
-def glossary_markdown(bank: Bank) -> str:
-    """The text of ``docs/glossary.md`` for ``bank``."""
-    table = glossary(bank)
-    lines = [
-        "# Glossary: English ↔ 中文",
-        "",
-        "<!-- GENERATED from the question bank (lab_utils/data/quiz) by "
-        "`python -m lab_utils.exercises.quiz glossary`. Do not edit by hand: tests/test_quiz.py fails when this "
-        "file differs from what that command writes. -->",
-        "",
-        f"{len(table)} terms from the lab 09 question bank. *sections*: the syllabus sections whose questions use "
-        "the term (1 stack, 2 inference, 3 NeMo, 4 lifecycle, 5 MLOps, 6 industry).",
-        "",
-        "| English | 中文 | sections |",
-        "|---|---|---|",
-    ]
-    lines += [f"| {_cell(r.en)} | {_cell(r.zh)} | {r.sections} |" for r in table.itertuples()]
-    return "\n".join(lines) + "\n"
-
-
-def write_glossary(path: Path | str | None = None, bank: Bank | None = None) -> Path:
-    """Write ``docs/glossary.md`` (or ``path``) from ``bank`` (default: ``load_bank()``); returns the path."""
-    target = Path(path) if path is not None else GLOSSARY_PATH
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(glossary_markdown(bank if bank is not None else load_bank()), encoding="utf-8")
-    return target
-
-
 # --- the stack map ----------------------------------------------------------------------------------------------
 
 # The stack's layers, bottom to top, with the components the course touches and the labs that touched them.
@@ -505,50 +468,3 @@ def stack_map(language: str = "en", open_layers: bool = False) -> StackMap:
         parts.append("</table></details>")
     parts.append("</div>")
     return StackMap("\n".join(parts))
-
-
-def _strategies(args: list[str]) -> int:
-    """Print ``strategy_scores`` for the bank as written and for the whole-bank quiz of ``--seed`` (as a student
-    sees it); 1 when any strategy scores over ``GUESS_LIMIT``."""
-    parser = argparse.ArgumentParser(prog="python -m lab_utils.exercises.quiz strategies")
-    parser.add_argument("folder", nargs="?", help="the bank's folder (default: the course's)")
-    parser.add_argument("--seed", type=int, default=0, help="the quiz's seed, a whole number")
-    parser.add_argument("--language", choices=LANGUAGES, default="en")
-    opts = parser.parse_args(args)
-    bank, seed, lang = load_bank(opts.folder), opts.seed, opts.language
-    worst = 0.0
-    for title, qs in (("in the bank's order", bank.questions),
-                      (f"shuffled, seed {seed}", QuizRunner(bank, seed=seed, language=lang).questions)):
-        table = strategy_scores(qs, lang)
-        worst = max(worst, float(table["score"].max()))
-        print(f"== {len(qs)} questions {title} ({lang}): share right of the questions each strategy answers ==")
-        print(table.to_string(index=False, formatters={"score": "{:.0%}".format, "of_all": "{:.0%}".format}))
-        print()
-    print(f"best strategy: {worst:.0%} (limit {GUESS_LIMIT:.0%}): {'too guessable' if worst > GUESS_LIMIT else 'ok'}")
-    return 1 if worst > GUESS_LIMIT else 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m lab_utils.exercises.quiz glossary [PATH]``: write the glossary; ``check [FOLDER]``: validate the
-    bank; ``strategies [FOLDER] [--seed N] [--language zh]``: how fixed guesses score (exit 1 over the limit)."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] not in ("glossary", "check", "strategies"):
-        print("usage: python -m lab_utils.exercises.quiz glossary [PATH] | check [FOLDER] | "
-              "strategies [FOLDER] [--seed N] [--language en|zh]", file=sys.stderr)
-        return 2
-    try:
-        if args[0] == "check":
-            bank = load_bank(args[1] if len(args) > 1 else None)
-            print(f"{len(bank)} questions in sections {bank.sections}: valid")
-        elif args[0] == "strategies":
-            return _strategies(args[1:])
-        else:
-            print(f"wrote {write_glossary(args[1] if len(args) > 1 else None)}")
-    except ValueError as err:  # a bad bank (1), or an NVLAB_QUIZ_DIR that is no folder (EnvError: 2)
-        print(f"error: {err}", file=sys.stderr)
-        return 1 if isinstance(err, BankError) else 2
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,1 +1,2 @@
-"""Maintainer tools: executing notebooks and generating labs from solutions, offline wheelhouses."""
+"""Maintainer tools: executing notebooks and generating labs from solutions, pacing, offline wheelhouses, the files the
+version manifest decides, lab 09's question bank (`nvlab quiz`)."""
