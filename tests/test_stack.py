@@ -135,7 +135,7 @@ def test_module_check_and_env_commands():
     ("11.3.0", "11.3"),  # missing numbers are 0, as in PEP 440
 ])
 def test_a_reported_version_is_the_images(recorded, reported):
-    assert stack.same_release(recorded, reported)
+    assert stack_files.same_release(recorded, reported)
 
 
 @pytest.mark.parametrize("recorded, reported", [
@@ -148,7 +148,7 @@ def test_a_reported_version_is_the_images(recorded, reported):
     ("11.3.0", "1.13.0"),
 ])
 def test_a_reported_version_of_another_release_is_not(recorded, reported):
-    assert not stack.same_release(recorded, reported)
+    assert not stack_files.same_release(recorded, reported)
 
 
 def test_release_reads_pep440_and_refuses_the_rest():
@@ -162,12 +162,13 @@ def test_pip_version_is_what_pip_reports_in_the_image():
     rel = stack.pinned_release()
     torch, trt = rel["preinstalled"]["torch"], rel["preinstalled"]["tensorrt"]
     assert "torch" in rel["pip_prerelease"] and "tensorrt" not in rel["pip_prerelease"]
-    assert stack.pip_version("torch") == f"{torch}a0" and stack.pip_version("tensorrt") == trt
-    assert stack.recorded_version("torch", "25.12") == stack.manifest()["ngc"]["25.12"]["torch"]  # no preinstalled
+    assert stack_files.pip_version("torch") == f"{torch}a0" and stack_files.pip_version("tensorrt") == trt
+    # none preinstalled: the release's own field
+    assert stack_files.recorded_version("torch", "25.12") == stack.manifest()["ngc"]["25.12"]["torch"]
     with pytest.raises(KeyError, match="records no torch version"):
-        stack.recorded_version("torch", "24.10")
+        stack_files.recorded_version("torch", "24.10")
     with pytest.raises(KeyError, match="'25.01' has no entry"):
-        stack.recorded_version("torch", "25.01")
+        stack_files.recorded_version("torch", "25.01")
 
 
 @pytest.fixture
@@ -192,8 +193,8 @@ def installed(env: dict[str, str], tag: str, name: str) -> subprocess.CompletedP
 
 def test_torch_guard_accepts_the_images_builds_and_names_both_sides_otherwise(fake_dists):
     tag = stack.pinned_release()["tag"]
-    want = stack.recorded_version("torch")
-    env = fake_dists(torch=f"{want}a0+5fa4b7e", tensorrt=f"{stack.recorded_version('tensorrt')}.36")
+    want = stack_files.recorded_version("torch")
+    env = fake_dists(torch=f"{want}a0+5fa4b7e", tensorrt=f"{stack_files.recorded_version('tensorrt')}.36")
     out = installed(env, tag, "torch")
     assert out.returncode == 0 and out.stdout.strip() == f"{want}a0+5fa4b7e", out.stderr  # printed as pip reports it
     assert installed(env, tag, "tensorrt").returncode == 0

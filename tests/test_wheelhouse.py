@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from lab_utils.course import stack
 from nvlab import cli
+from nvlab.ops import stack as stack_files
 from nvlab.ops import wheelhouse
 from nvlab.ops.wheelhouse import WheelhouseError
 
@@ -139,7 +139,7 @@ def test_placeholders_stand_for_preinstalled_packages(tmp_path, monkeypatch):
     make_wheel(links, "needs-final-torch", "1.0", ["torch>=2.14"])
     make_wheel(links, "numpy", "2.0.0")
     make_wheel(links, "torch", "2.99.0")  # what an index would offer: must not be chosen
-    image = stack.pip_version("torch")  # 2.14.0a0
+    image = stack_files.pip_version("torch")  # 2.14.0a0
     args = wheelhouse.placeholder_args(tmp_path, {"torch": image})
     dest = tmp_path / "dest"
     download(links, dest, args, "needs-torch")

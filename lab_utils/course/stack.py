@@ -1,7 +1,7 @@
 """The course's version manifest (``data/stack/versions.json``): NGC releases, what their images carry, the pin.
 
-``same_release``, ``pip_version`` and ``installed_mismatch`` compare the manifest's versions with pip's. The files
-that must agree with it (docker/, ./course, pyproject.toml) are checked by ``nvlab.ops.stack``.
+The files that must agree with it (docker/, ./course, pyproject.toml) and what pip reports of an image's packages
+are checked by ``nvlab.ops.stack``.
 
 Design notes: docs/internals.md#lab_utilscoursestackpy"""
 
@@ -36,14 +36,6 @@ def release(version: str) -> tuple[int, ...]:
     if not (m := _RELEASE.match(version)):
         raise ValueError(f"{version!r} is not a version: expected release numbers first, e.g. 2.14.0 or 2.14.0a0+abc")
     return tuple(int(p) for p in m.group(1).split("."))
-
-
-def same_release(recorded: str, reported: str) -> bool:
-    """Whether a version pip reports ("2.14.0a0+5fa4b7e", "11.3.0.36") is the manifest's ("2.14.0", "11.3.0"):
-    its release numbers cut to the manifest's precision are the manifest's (missing ones count as 0, as in PEP 440).
-    Pre-release, post-release and local parts are ignored, so 2.14.0a0+5fa4b7e is the image's 2.14.0."""
-    want = release(recorded)
-    return (release(reported) + (0,) * len(want))[:len(want)] == want
 
 
 def pinned_release(m: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -83,47 +75,9 @@ def ngc_images() -> list[dict[str, str]]:
             for tag in sorted(ngc, key=release, reverse=True) for kind in ngc[tag]["images"]]
 
 
-# --- what an image has, as pip reports it ---------------------------------------------------------
-
-
-def recorded_version(name: str, tag: str | None = None, m: dict[str, Any] | None = None) -> str:
-    """The version of ``name`` the manifest records for NGC ``tag``'s image (default: the pinned release): its
-    ``preinstalled`` entry ("2.14.0"), else the release's own field ("torch": "2.10"); KeyError naming the fix."""
-    m = m or manifest()
-    rel = ngc_release(tag or m["pinned"], m)
-    if not (version := rel.get("preinstalled", {}).get(name) or rel.get(name)):
-        raise KeyError(f"{MANIFEST_NAME}: NGC {rel['tag']} records no {name} version: add it under the release's "
-                       "'preinstalled'")
-    return str(version)
-
-
-def pip_version(name: str, tag: str | None = None, m: dict[str, Any] | None = None) -> str:
-    """The lowest version pip may report for the image's ``name``, the part only the image knows (commit, build
-    number) left off: "2.14.0a0" for a package the release lists under ``pip_prerelease`` (NGC's torch), else
-    the recorded release ("11.3.0" for TensorRT 11.3.0.36). Requirements are judged against it as pip will."""
-    m = m or manifest()
-    version = recorded_version(name, tag, m)
-    prerelease = name in ngc_release(tag or m["pinned"], m).get("pip_prerelease", [])
-    return f"{'.'.join(map(str, release(version)))}a0" if prerelease else version
-
-
 def dist_version(*names: str) -> str | None:
     """The version pip reports (not ``__version__``) of the first of ``names`` that is installed, or None."""
     for n in names:
         with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             return importlib.metadata.version(n)
     return None
-
-
-def installed_mismatch(name: str, reported: str | None, tag: str | None = None) -> str | None:
-    """Why ``reported`` (what pip reports for ``name`` here; None: not installed) is not NGC ``tag``'s ``name``,
-    or None when it is."""
-    tag = tag or manifest()["pinned"]
-    want = recorded_version(name, tag)
-    if reported is None:
-        return f"this Python has no {name}, but {MANIFEST_NAME} says the NGC {tag} image carries {name} {want}"
-    if same_release(want, reported):
-        return None
-    return (f"this Python's {name} is {reported} (as pip reports it), but {MANIFEST_NAME} says the NGC {tag} image "
-            f"carries {name} {want}: correct the manifest's {tag} entry, or build from the image of the release "
-            "the manifest describes")

@@ -1,7 +1,8 @@
 """The files that must agree with the version manifest (``lab_utils.course.stack``), checked and generated.
 
 ``check(root)`` compares the manifest with the Dockerfile, ``docker/.env``, ``docker/compose.yaml``, ``./course``
-and ``pyproject.toml``; ``compose_env`` writes ``docker/.env``.
+and ``pyproject.toml``; ``compose_env`` writes ``docker/.env``; ``same_release``, ``pip_version`` and
+``installed_mismatch`` compare the manifest's versions with pip's.
 
     python -m nvlab.ops.stack env > docker/.env    # write the compose file's image tags from the manifest
     python -m nvlab.ops.stack check                # exit 1 with one line per mismatch
@@ -22,12 +23,55 @@ from lab_utils.course.stack import (
     REGISTRY,
     dist_version,
     image_ref,
-    installed_mismatch,
     manifest,
+    ngc_release,
     pinned_release,
     release,
-    same_release,
 )
+
+
+def same_release(recorded: str, reported: str) -> bool:
+    """Whether a version pip reports ("2.14.0a0+5fa4b7e", "11.3.0.36") is the manifest's ("2.14.0", "11.3.0"):
+    its release numbers cut to the manifest's precision are the manifest's (missing ones count as 0, as in PEP 440).
+    Pre-release, post-release and local parts are ignored, so 2.14.0a0+5fa4b7e is the image's 2.14.0."""
+    want = release(recorded)
+    return (release(reported) + (0,) * len(want))[:len(want)] == want
+
+
+def recorded_version(name: str, tag: str | None = None, m: dict[str, Any] | None = None) -> str:
+    """The version of ``name`` the manifest records for NGC ``tag``'s image (default: the pinned release): its
+    ``preinstalled`` entry ("2.14.0"), else the release's own field ("torch": "2.10"); KeyError naming the fix."""
+    m = m or manifest()
+    rel = ngc_release(tag or m["pinned"], m)
+    if not (version := rel.get("preinstalled", {}).get(name) or rel.get(name)):
+        raise KeyError(f"{MANIFEST_NAME}: NGC {rel['tag']} records no {name} version: add it under the release's "
+                       "'preinstalled'")
+    return str(version)
+
+
+def pip_version(name: str, tag: str | None = None, m: dict[str, Any] | None = None) -> str:
+    """The lowest version pip may report for the image's ``name``, the part only the image knows (commit, build
+    number) left off: "2.14.0a0" for a package the release lists under ``pip_prerelease`` (NGC's torch), else
+    the recorded release ("11.3.0" for TensorRT 11.3.0.36). Requirements are judged against it as pip will."""
+    m = m or manifest()
+    version = recorded_version(name, tag, m)
+    prerelease = name in ngc_release(tag or m["pinned"], m).get("pip_prerelease", [])
+    return f"{'.'.join(map(str, release(version)))}a0" if prerelease else version
+
+
+def installed_mismatch(name: str, reported: str | None, tag: str | None = None) -> str | None:
+    """Why ``reported`` (what pip reports for ``name`` here; None: not installed) is not NGC ``tag``'s ``name``,
+    or None when it is."""
+    tag = tag or manifest()["pinned"]
+    want = recorded_version(name, tag)
+    if reported is None:
+        return f"this Python has no {name}, but {MANIFEST_NAME} says the NGC {tag} image carries {name} {want}"
+    if same_release(want, reported):
+        return None
+    return (f"this Python's {name} is {reported} (as pip reports it), but {MANIFEST_NAME} says the NGC {tag} image "
+            f"carries {name} {want}: correct the manifest's {tag} entry, or build from the image of the release "
+            "the manifest describes")
+
 
 # What the pinned release must state (the NGC release notes: tag -> CUDA, torch, TensorRT, Triton, tritonclient).
 PINNED_FIELDS = ("cuda", "python", "torch", "tensorrt", "triton_server", "tritonclient")

@@ -25,8 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from lab_utils.course.catalog import repo_root
-from lab_utils.course.stack import manifest, pinned_release, pip_version
+from lab_utils.course.stack import manifest, pinned_release
 from lab_utils.procs import temporary_folder, writable_problem
+from nvlab.ops.stack import pip_version
 
 # The newest glibc a named platform assumes: Ubuntu 22.04 (2.35). nvidia-pytriton's wheels need it; NGC 25.xx and
 # later images are Ubuntu 24.04 (2.39). Ask for more with a manylinux tag, e.g. manylinux_2_39_x86_64.
