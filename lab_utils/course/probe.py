@@ -114,14 +114,12 @@ def _probe_torch(notes: list[str]) -> dict[str, Any] | None:
     info: dict[str, Any] = {"version": torch.__version__, "cuda": torch.version.cuda, "cudnn": None, "nccl": None,
                             "cuda_available": False, "device_count": 0, "arch_list": []}
     if torch.version.cuda:
-        info["cuda_available"] = torch.cuda.is_available()
-        info["device_count"] = torch.cuda.device_count() if info["cuda_available"] else 0
-        info["arch_list"] = torch.cuda.get_arch_list() if info["cuda_available"] else []
+        if torch.cuda.is_available():
+            info.update(cuda_available=True, device_count=torch.cuda.device_count(),
+                        arch_list=torch.cuda.get_arch_list())
         info["cudnn"] = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
-        try:
+        with contextlib.suppress(Exception):  # a build without NCCL (e.g. Windows): the report says "none"
             info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
-        except Exception:  # a build without NCCL (e.g. Windows): the report says "none"
-            info["nccl"] = None
     return info
 
 

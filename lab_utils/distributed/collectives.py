@@ -16,6 +16,7 @@ import re
 import socket
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pandas as pd
@@ -373,13 +374,8 @@ def capture_nccl_debug(nprocs: int = 2, size_bytes: int = 256 * MIB, extra_env: 
         for r in ranks:
             files = sorted(glob.glob(os.path.join(tmp, f"nccl.*.{r['pid']}.log")))
             seen.update(files)
-            text = "".join(_read(f) for f in files)
+            text = "".join(Path(f).read_text(errors="replace") for f in files)
             parts.append(f"# ---- rank {r['rank']} (pid {r['pid']}) ----\n" + (text or "# (no log written)\n"))
         for f in sorted(set(glob.glob(os.path.join(tmp, "*"))) - seen):
-            parts.append(f"# ---- {os.path.basename(f)} ----\n" + _read(f))
+            parts.append(f"# ---- {os.path.basename(f)} ----\n" + Path(f).read_text(errors="replace"))
     return "".join(p if p.endswith("\n") else p + "\n" for p in parts)
-
-
-def _read(path: str) -> str:
-    with open(path, errors="replace") as f:
-        return f.read()

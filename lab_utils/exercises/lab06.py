@@ -406,8 +406,7 @@ def _grade_train_loop(fn: Any) -> str:
     ref_model = copy.deepcopy(model)
     want = reference_train_loop(ref_model, torch.optim.SGD(ref_model.parameters(), lr=0.1), batches, log_every)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    counter = SyncCounter()
-    with counter:
+    with SyncCounter() as counter:
         got = run_student(fn, model, opt, batches, log_every, what="train_loop",
                           call=f"train_loop(model, opt, batches, log_every={log_every})", returns=(list, tuple),
                           returns_text="a list of floats, one mean loss per window")

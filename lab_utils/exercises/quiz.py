@@ -448,7 +448,7 @@ class StackMap(str):
         return str(self)
 
 
-def stack_map(language: str = "en", open_layers: bool = False) -> StackMap:
+def stack_map(language: str = "en") -> StackMap:
     """The stack, bottom to top: one ``<details>`` per layer, its components, and links to the labs of this course
     that touched each (``../labs/NN_*.ipynb``, relative to a notebook in ``labs/`` or ``solutions/``)."""
     lang = _lang(language)
@@ -457,8 +457,7 @@ def stack_map(language: str = "en", open_layers: bool = False) -> StackMap:
     parts = ['<div class="nvlab-stack-map">']
     for layer_en, layer_zh, what_en, what_zh, components in STACK:
         name, what = (layer_en, what_en) if lang == "en" else (layer_zh, what_zh)
-        parts.append(f"<details{' open' if open_layers else ''}><summary><b>{html.escape(name)}</b>: "
-                     f"{html.escape(what)}</summary>")
+        parts.append(f"<details><summary><b>{html.escape(name)}</b>: {html.escape(what)}</summary>")
         parts.append(f"<table><tr><th>{head[0]}</th><th>{head[1]}</th><th>{head[2]}</th></tr>")
         for comp, numbers, did in components:
             links = [f'<a href="../labs/{html.escape(labs[n].filename)}">{n} {html.escape(labs[n].title)}</a>'

@@ -173,6 +173,16 @@ def matmul_skip_reason(dtype: str, n: int, dev: str) -> str | None:
     return None
 
 
+def _one_matmul(where: str, n: Any, dtype: Any, dev: str, default_n: tuple[int, int], hint: str = "") -> MatmulCase:
+    """The one matmul an experiment times: ``n`` (default: ``default_n``, GPU then CPU) and ``dtype`` checked; a
+    dtype this device cannot run is a ValueError naming ``where`` (then ``hint``)."""
+    n = check_int(_default(n, dev, *default_n), "n", where)
+    (dtype,) = _check_dtypes([dtype], where)
+    if reason := matmul_skip_reason(dtype, n, dev):
+        raise ValueError(f"{where}(dtype={dtype!r}): {reason}{hint}")
+    return make_matmul(n, dtype, dev)
+
+
 def make_matmul(n: int, dtype: str, dev: str, fp8_fast_accum: bool = False) -> MatmulCase:
     """Random normal n×n inputs (never zeros: zeros run faster and draw less power) and the call to time."""
     if dtype == "fp8":
@@ -192,11 +202,8 @@ def make_matmul(n: int, dtype: str, dev: str, fp8_fast_accum: bool = False) -> M
     torch_dtype = {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
     a = torch.randn(n, n, device=dev, dtype=torch_dtype[dtype])
     b = torch.randn(n, n, device=dev, dtype=torch_dtype[dtype])
-
-    def mm() -> Any:
-        return a @ b
-
-    return MatmulCase(dtype, n, mm, matmul_flops(n, n, n), matmul_min_bytes(dtype, n), dtype == "tf32", (a, b))
+    return MatmulCase(dtype, n, lambda: a @ b, matmul_flops(n, n, n), matmul_min_bytes(dtype, n), dtype == "tf32",
+                      (a, b))
 
 
 # --- 1. Asynchronous launches ---------------------------------------------------------------------
@@ -212,12 +219,9 @@ def async_pitfall(n: int | None = None, device: str | None = "auto", dtype: str 
     on the CPU. Columns: method, median_ms, apparent_tflops, ratio_to_benchmark, async_launch, n, dtype, device."""
     where = "async_pitfall"
     dev = resolve_device(device, f"{where}(device)")
-    n = check_int(_default(n, dev, 4096, 512), "n", where)
     reps, warmup = _check_reps(reps, warmup, where)
-    (dtype,) = _check_dtypes([dtype], where)
-    if reason := matmul_skip_reason(dtype, n, dev):
-        raise ValueError(f"{where}(dtype={dtype!r}): {reason}; use dtype='fp32'")
-    case = make_matmul(n, dtype, dev)
+    case = _one_matmul(where, n, dtype, dev, (4096, 512), "; use dtype='fp32'")
+    n, dtype = case.n, case.dtype
     rows = []
     with tf32_matmul(case.tf32):
         for _ in range(max(warmup, 1)):
@@ -244,15 +248,12 @@ def first_call_cost(n: int | None = None, device: str | None = "auto", dtype: st
     on a GPU, 512 on the CPU. Columns: call, latency_ms, x_steady, n, dtype, device, runtime_initialized_before."""
     where = "first_call_cost"
     dev = resolve_device(device, f"{where}(device)")
-    n = check_int(_default(n, dev, 4096, 512), "n", where)
     reps = check_int(reps, "reps", where)
-    (dtype,) = _check_dtypes([dtype], where)
     # Whether the CUDA context existed before this call (read before anything below creates it). It is
     # created outside the timed region either way, so the first-call number is about the matmul alone.
     initialized = bool(torch.cuda.is_initialized()) if _is_cuda(dev) else None
-    if reason := matmul_skip_reason(dtype, n, dev):
-        raise ValueError(f"{where}(dtype={dtype!r}): {reason}; use dtype='fp32'")
-    case = make_matmul(n, dtype, dev)
+    case = _one_matmul(where, n, dtype, dev, (4096, 512), "; use dtype='fp32'")
+    n, dtype = case.n, case.dtype
     with tf32_matmul(case.tf32):
         first_ms = host_ms(case.fn, dev, 1, wait=True)
         steady = benchmark(case.fn, reps=reps, warmup=2, device=dev, name=f"{dtype} matmul {n}")
@@ -324,13 +325,9 @@ def bare_matmul_loop(n: int | None = None, dtype: str | None = None, iters: int 
     Defaults: bf16 8192 on a GPU (the reference run's case), fp32 512 on the CPU."""
     where = "bare_matmul_loop"
     dev = resolve_device(device, f"{where}(device)")
-    n = check_int(_default(n, dev, 8192, 512), "n", where)
     iters = check_int(iters, "iters", where)
     warmup = check_int(warmup, "warmup", where, minimum=0)
-    (dtype,) = _check_dtypes([_default(dtype, dev, "bf16", "fp32")], where)
-    if reason := matmul_skip_reason(dtype, n, dev):
-        raise ValueError(f"{where}(dtype={dtype!r}): {reason}")
-    case = make_matmul(n, dtype, dev)
+    case = _one_matmul(where, n, _default(dtype, dev, "bf16", "fp32"), dev, (8192, 512))
     fn = case.fn
     with tf32_matmul(case.tf32):
         for _ in range(warmup):

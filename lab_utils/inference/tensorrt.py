@@ -207,6 +207,7 @@ def _attach_timing_cache(trt_mod: Any, config: trt.IBuilderConfig, cache_path: P
 
     ``set_timing_cache(cache, ignore_mismatch=False)`` returns False for a cache written by another GPU or
     TensorRT version; such a cache (or a damaged file) is replaced by a fresh one, which the build then fills."""
+    note = ""
     if data := (cache_path.read_bytes() if cache_path.exists() else b""):
         try:
             cache: trt.ITimingCache | None = config.create_timing_cache(data)
@@ -216,8 +217,6 @@ def _attach_timing_cache(trt_mod: Any, config: trt.IBuilderConfig, cache_path: P
             return True, ""
         note = (f"the timing cache {cache_path.name} does not fit TensorRT {trt_mod.__version__} on this GPU (another "
                 "GPU or TensorRT wrote it, or it is damaged): started a new one")
-    else:
-        note = ""
     fresh = config.create_timing_cache(b"")
     if fresh is None or not config.set_timing_cache(fresh, False):
         raise EngineBuildError(f"TensorRT {trt_mod.__version__} could not attach an empty timing cache")
@@ -305,12 +304,11 @@ def load_engine(plan: bytes | str | os.PathLike[str]) -> LoadedEngine:
     data = plan if isinstance(plan, bytes) else Path(plan).read_bytes()
     logger = trt_mod.Logger(trt_mod.Logger.ERROR)
     runtime: trt.Runtime = trt_mod.Runtime(logger)
+    why = ""
     try:
         engine = runtime.deserialize_cuda_engine(data)
     except Exception as err:  # some versions raise instead of returning None
         engine, why = None, f" ({type(err).__name__}: {err})"
-    else:
-        why = ""
     if engine is None:
         gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
         raise EngineLoadError(

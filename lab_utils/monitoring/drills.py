@@ -111,9 +111,9 @@ def run_phases(phases: Sequence[Phase], load: Callable[[int, float], Any],
         res = load(ph.concurrency, ph.duration_s)
         end = time.time()
         rows.append({"phase": ph.name, "concurrency": ph.concurrency, "start": start, "end": end,
-                     "requests": _field(res, "requests", "count", "ok"),
-                     "errors": _field(res, "errors", "error_count", default=0),
-                     "throughput_rps": _field(res, "throughput_infer_s", "throughput_rps", "throughput"),
+                     "requests": _field(res, "requests"),
+                     "errors": _field(res, "errors", default=0),
+                     "throughput_rps": _field(res, "throughput_infer_s"),
                      "p50_ms": _field(res, "p50_ms"), "p99_ms": _field(res, "p99_ms"), "result": res})
     return pd.DataFrame(rows)
 

@@ -20,9 +20,8 @@ import psutil
 
 from lab_utils.plotting import new_axes
 from lab_utils.serving import load
-from lab_utils.serving.client import model_stats, server_split, sum_stats
+from lab_utils.serving.client import STAGES, model_stats, server_split, sum_stats
 
-STAGES = ("queue", "compute_input", "compute_infer", "compute_output")  # Triton's per-request stages, in order
 CPU_GROUPS = ("triton", "python stubs", "nginx", "client")  # what the CPU time is split into
 
 

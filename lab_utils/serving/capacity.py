@@ -144,6 +144,7 @@ def find_capacity(target: Any, slo_ms: float = 100.0, *, lo_rps: float, hi_rps: 
     target = as_target(target)
     steps: list[dict[str, Any]] = []
     results: dict[float, LoadResult] = {}
+    ticks = Ticks(progress, steps_max, "capacity search")  # advanced once per rate tried
 
     def probe(rate: float) -> bool:
         r = run_open_loop(target, rate, duration_s, warmup_s=warmup_s, window_s=window_s,
@@ -159,30 +160,22 @@ def find_capacity(target: Any, slo_ms: float = 100.0, *, lo_rps: float, hi_rps: 
             on_step(step)
         if not ok:
             drain(target, slo, limit_s=timeout + 5)
+        ticks.step()
         return ok
 
-    # lo_rps, then hi_rps, then bisection: one probe per pass of this loop (at most max_steps), each pass deciding
-    # first whether the last probe ended the search, so that a progress hook counts every rate tried
-    ticks = Ticks(progress, steps_max, "capacity search")
-    passed: list[bool] = []
-    try:
-        for i in range(steps_max):
-            if (i == 1 and not passed[0]) or (i == 2 and passed[1]) or (i >= 2 and not hi - lo > tol * hi):
-                break
-            rate = lo if i == 0 else hi if i == 1 else (lo + hi) / 2
-            passed.append(probe(rate))
-            ticks.step()
-            if i >= 2:
-                if passed[-1]:
-                    lo = rate
-                else:
-                    hi = rate
+    try:  # lo_rps, then hi_rps, then the middle of the range, at most max_steps runs in all
+        if not probe(lo):
+            return CapacityResult(0.0, slo, percentile, True, steps, None)
+        if probe(hi):
+            return CapacityResult(hi, slo, percentile, False, steps, results[hi])
+        while len(steps) < steps_max and hi - lo > tol * hi:
+            mid = (lo + hi) / 2
+            if probe(mid):
+                lo = mid
+            else:
+                hi = mid
     finally:  # the hook's bar or line ends with the search, however it ends
         ticks.close()
-    if not passed[0]:
-        return CapacityResult(0.0, slo, percentile, True, steps, None)
-    if passed[1]:
-        return CapacityResult(hi, slo, percentile, False, steps, results[hi])
     return CapacityResult(lo, slo, percentile, True, steps, results[lo])
 
 

@@ -18,6 +18,7 @@ import numpy as np
 from lab_utils.procs import wait_until
 
 PROTOCOLS = ("grpc", "http")
+STAGES = ("queue", "compute_input", "compute_infer", "compute_output")  # Triton's per-request stages, in order
 
 
 class InferError(RuntimeError):
@@ -306,7 +307,7 @@ def server_split(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[st
     out: dict[str, float] = {"requests": float(n_ok)}
     per = max(n_ok, 1)
     out["request_us"] = ns_ok / per / 1e3
-    for k in ("queue", "compute_input", "compute_infer", "compute_output"):
+    for k in STAGES:
         out[f"{k}_us"] = delta(k)[1] / per / 1e3
     execs = after["execution_count"] - before["execution_count"]
     infers = after["inference_count"] - before["inference_count"]

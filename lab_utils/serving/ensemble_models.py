@@ -209,8 +209,8 @@ def postprocess_config(name: str = POSTPROCESS, *, labels: Sequence[str] = DIGIT
 
 def ensemble_config(name: str = SERVICE, *, preprocess: str = PREPROCESS, classifier: str = CLASSIFIER,
                     postprocess: str = POSTPROCESS, top_k: int = TOP_K, max_batch_size: int = MAX_BATCH,
-                    cache: bool = True, classifier_version: int = -1) -> dict[str, Any]:
-    """The ensemble chaining the three models (``classifier_version`` -1: the newest one loaded). ``cache``: the
+                    cache: bool = True) -> dict[str, Any]:
+    """The ensemble chaining the three models (each the newest version loaded: -1). ``cache``: the
     response cache on the ensemble: a repeated image is answered without running any step. Its entries are keyed
     by the ensemble's name and version, not its steps': after a hot update of the classifier, images already
     cached keep getting the old version's answer (measured on Triton 2.51, a reload of the ensemble included)."""
@@ -222,7 +222,7 @@ def ensemble_config(name: str = SERVICE, *, preprocess: str = PREPROCESS, classi
         "ensemble_scheduling": {"step": [
             {"model_name": preprocess, "model_version": -1,
              "input_map": {IMAGE: IMAGE}, "output_map": {PIXELS: "pixels"}},
-            {"model_name": classifier, "model_version": classifier_version,
+            {"model_name": classifier, "model_version": -1,
              "input_map": {ONNX_INPUT: "pixels"}, "output_map": {ONNX_OUTPUT: "logits"}},
             {"model_name": postprocess, "model_version": -1,
              "input_map": {LOGITS: "logits"}, "output_map": {LABELS: LABELS, SCORES: SCORES}},

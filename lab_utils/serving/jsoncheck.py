@@ -20,19 +20,17 @@ HEADER_LENGTH = "Inference-Header-Content-Length"  # the JSON part's length when
 EXAMPLE = ('{"inputs": [{"name": "IMAGE", "shape": [1, 1], "datatype": "BYTES", "data": ["..."]}]}')
 SERVER_FAULT = ("a Triton server failed on a well-formed request (HTTP 500): the fault is the server's, not the "
                 "request's; its log says why")
-_NUMERIC = {"BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64", "FP16", "FP32", "FP64",
-            "BF16"}
+_KINDS = {type(None): "null", bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "a list",
+          dict: "an object"}  # json.loads gives exactly these types
+_NUMERIC = ("UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64", "FP16", "FP32", "FP64", "BF16")
+_TAKES = {  # datatype -> what its "data" elements must be, in words, and the check
+    "BYTES": ("strings", lambda v: isinstance(v, str)), "BOOL": ("true or false", lambda v: isinstance(v, bool)),
+    **dict.fromkeys(_NUMERIC, ("numbers", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)))}
 
 
 def _kind(value: Any) -> str:
     """The JSON type of ``value`` in words: 'a string', 'a number', 'null'..."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, (int, float)):
-        return "a number"
-    return {str: "a string", list: "a list", dict: "an object"}.get(type(value), type(value).__name__)
+    return _KINDS.get(type(value), type(value).__name__)
 
 
 def _no_constant(name: str) -> Any:
@@ -73,16 +71,10 @@ def _tensor_problem(t: Any, where: str, outputs: bool = False) -> str | None:
     dtype = t["datatype"]
     if not isinstance(dtype, str):
         return f"{where}.datatype is {_kind(dtype)}, not a string such as \"BYTES\" or \"FP32\""
-    if "data" not in t:
-        return None  # binary_data_size or a shared-memory region: Triton checks those with a 400 of its own
-    if dtype == "BYTES":
-        takes, fits = "strings", lambda v: isinstance(v, str)
-    elif dtype == "BOOL":
-        takes, fits = "true or false", lambda v: isinstance(v, bool)
-    elif dtype in _NUMERIC:
-        takes, fits = "numbers", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
-    else:
+    # no "data": binary_data_size or a shared-memory region, which Triton checks with a 400 of its own
+    if "data" not in t or dtype not in _TAKES:
         return None
+    takes, fits = _TAKES[dtype]
     bad = [v for v in _leaves(t["data"]) if not fits(v)]  # a list, not next(..., None): a null is bad too
     return f"{where}.data holds {_kind(bad[0])} where a {dtype} tensor takes {takes}" if bad else None
 

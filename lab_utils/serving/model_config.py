@@ -83,10 +83,7 @@ def _jsonable(value: Any) -> Any:
 def _field_of(message: str) -> str:
     m = re.search(r'no field named "([^"]+)"', message) or re.search(r"at (?:\"?)([\w.\[\]]+)", message) \
         or re.search(r'field "?([\w.]+)"?', message)
-    if not m:
-        return ""
-    f = m.group(1)
-    return f.removeprefix("ModelConfig.").removeprefix("inference.ModelConfig.")
+    return m.group(1).removeprefix("ModelConfig.").removeprefix("inference.ModelConfig.") if m else ""
 
 
 def config_text(config: str | Mapping[str, Any] | Any) -> str:
@@ -139,7 +136,7 @@ def check_model_config(
     elif model_dir is not None and cfg.name != model_dir.name:
         p.append(("name", f"{cfg.name!r} differs from its folder {model_dir.name!r}: Triton requires them equal"))
     kind = cfg.backend or cfg.platform
-    if not cfg.backend and not cfg.platform:
+    if not kind:
         p.append(("backend", "neither backend nor platform is set (e.g. backend: \"python\" or platform: "
                              "\"onnxruntime_onnx\")"))
     if cfg.platform and cfg.platform not in PLATFORMS:
@@ -211,7 +208,7 @@ def check_model_config(
             p.append(("dynamic_batching.max_queue_delay_microseconds",
                       f"{db.max_queue_delay_microseconds} µs is over 10 s: every request could wait that long"))
     # instance groups
-    if gpus is None and any(g.kind in (pb.ModelInstanceGroup.KIND_GPU,) or g.gpus for g in cfg.instance_group):
+    if gpus is None and any(g.kind == pb.ModelInstanceGroup.KIND_GPU or g.gpus for g in cfg.instance_group):
         gpus = nvml_gpu_count()
     for j, g in enumerate(cfg.instance_group):
         f = f"instance_group[{j}]"
@@ -223,7 +220,7 @@ def check_model_config(
         if g.kind == pb.ModelInstanceGroup.KIND_CPU and g.gpus:
             p.append((f"{f}.gpus", "gpus is set on a KIND_CPU group: drop it, or use KIND_GPU"))
         for gid in g.gpus:
-            if gpus is not None and gpus and gid >= gpus:
+            if gpus and gid >= gpus:
                 p.append((f"{f}.gpus", f"GPU {gid} does not exist here ({gpus} GPU(s): 0..{gpus - 1})"))
     # versions on disk
     if model_dir is not None:

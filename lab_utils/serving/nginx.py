@@ -164,12 +164,8 @@ def _explain(stderr: str, text: str, spans: dict[str, tuple[int, int]] | None = 
     m = _NGINX_MSG.search(stderr)
     problem = m.group(2).strip() if m else (stderr.strip().splitlines() or ["nginx -t failed"])[-1]
     line = int(m.group(4)) if m and m.group(4) else None
-    fix = "see https://nginx.org/en/docs/ for the directive named"
-    for pattern, how in _FIXES:
-        hit = re.search(pattern, problem)
-        if hit:
-            fix = how.format(*hit.groups())
-            break
+    fix = next((how.format(*hit.groups()) for pattern, how in _FIXES if (hit := re.search(pattern, problem))),
+               "see https://nginx.org/en/docs/ for the directive named")
     where = ""
     lines = text.splitlines()
     if line is not None and 1 <= line <= len(lines):

@@ -108,11 +108,9 @@ def as_backend(value: BackendLike, what: str = "backend") -> Backend:
 
 
 def _backends(values: Iterable[BackendLike] | None, what: str) -> list[Backend]:
-    if values is None:
-        return []
     if isinstance(values, (str, Backend)):
         values = [values]
-    out = [as_backend(v, what) for v in values]
+    out = [as_backend(v, what) for v in values or ()]
     seen = Counter(b.address for b in out)
     twice = [a for a, n in seen.items() if n > 1]
     if twice:
@@ -145,9 +143,7 @@ def _rate(rps: float) -> str:
 
 
 def _keys(api_keys: str | Sequence[str] | None) -> list[str]:
-    if api_keys is None:
-        return []
-    keys = [api_keys] if isinstance(api_keys, str) else list(api_keys)
+    keys = [api_keys] if isinstance(api_keys, str) else list(api_keys or ())
     keys = [k for k in keys if k != ""]
     for k in keys:
         if not isinstance(k, str) or not _KEY.fullmatch(k) or k in ("default", "hostnames", "volatile", "include"):
@@ -310,11 +306,11 @@ def config_context(
 def render_config(context: dict[str, Any], block_lines: dict[str, tuple[int, int]] | None = None) -> str:
     """The template rendered with ``config_context``'s variables. ``block_lines``, given a dict, receives where each
     upstream block sits ({argument: (first line, last line)}), for error messages about a hand-written one."""
-    marks = {arg: f"@@nvlab-{arg}@@" for arg in context["upstreams"]}
-    lines = _template().render({**context, "upstreams": list(marks.values())}).split("\n")
+    arg_of = {f"@@nvlab-{arg}@@": arg for arg in context["upstreams"]}  # a line marking where each block goes
+    lines = _template().render({**context, "upstreams": list(arg_of)}).split("\n")
     out: list[str] = []
     for line in lines:
-        arg = next((a for a, m in marks.items() if line == m), None)
+        arg = arg_of.get(line)
         if arg is None:
             out.append(line)
             continue

@@ -8,7 +8,6 @@ a ``PerfAnalyzerResult``), ``parse_perf_analyzer_csv``, ``perf_analyzer_input_da
 from __future__ import annotations
 
 import base64
-import contextlib
 import json
 import os
 import re
@@ -218,17 +217,16 @@ def run_perf_analyzer(model: str, url: str, concurrency: int | None = None, *, r
     if binary is None:
         raise PerfAnalyzerError(str(perf_analyzer_status()))
     with temporary_folder("perf-analyzer") as tmp:
-        csv_path = str(tmp / "perf.csv")
+        csv_file = tmp / "perf.csv"
         opts: dict[str, Any] = {"protocol": protocol, "shape": shape, "stability_pct": stability_pct,
                                 "percentile": None, "request_rate": request_rate, "headers": headers,
-                                "csv_path": csv_path, "input_data": None if payloads is None else
+                                "csv_path": str(csv_file), "input_data": None if payloads is None else
                                 perf_analyzer_input_data(tmp / "input.json", payloads)}
         steps = [] if concurrency is None else [concurrency]
         for _ in range(1 + max(0, extensions)):
             command = perf_analyzer_command(model, url, steps, window_ms=window_ms, max_trials=max_trials, **opts)
             limit = timeout_s if timeout_s is not None else 60 + 3 * max_trials * window_ms / 1e3
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(csv_path)  # an earlier, unstable attempt's report
+            csv_file.unlink(missing_ok=True)  # an earlier, unstable attempt's report
             proc = popen_owned([binary, *command.split()[1:]], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True)
             try:
@@ -237,12 +235,10 @@ def run_perf_analyzer(model: str, url: str, concurrency: int | None = None, *, r
                 stop_group(proc, grace_s=1.0)
                 raise PerfAnalyzerError(f"perf_analyzer did not finish within {limit:g} s: {command}") from None
             last = "\n".join(output.strip().splitlines()[-8:])
-            shown = command.replace(f" -f {csv_path}", " -f perf.csv").replace(f" --input-data {tmp}/",
+            shown = command.replace(f" -f {csv_file}", " -f perf.csv").replace(f" --input-data {tmp}/",
                                                                                 " --input-data ")
-            if os.path.exists(csv_path):
-                with open(csv_path) as f:
-                    if rows := parse_perf_analyzer_csv(f.read(), shown):
-                        return rows[0]
+            if csv_file.exists() and (rows := parse_perf_analyzer_csv(csv_file.read_text(), shown)):
+                return rows[0]
             if "stable measurement" not in output:
                 raise PerfAnalyzerError(f"perf_analyzer exited with code {proc.returncode} and wrote no report "
                                         f"({shown}):\n{last}")

@@ -84,15 +84,15 @@ def validate_model_dir(model_dir: Path, *, gpus: int | None = None) -> ModelEntr
     if not versions:
         problems.append(("", f"no version folder in {model_dir} (e.g. {model_dir.name}/1/)"))
     fname = model_file(cfg)
-    for v in _served_versions(cfg, versions):
+    served = _served_versions(cfg, versions)
+    for v in served:
         if fname and not (model_dir / str(v) / fname).exists():
             have = sorted(p.name for p in (model_dir / str(v)).iterdir())
             problems.append(("default_model_filename" if cfg.default_model_filename else "",
                              f"version {v}: {fname} is missing in {model_dir / str(v)} (it holds "
                              f"{', '.join(have) or 'nothing'}); the {cfg.backend or cfg.platform} "
                              f"backend loads <version>/{fname}"))
-    onnx_files = [model_dir / str(v) / "model.onnx" for v in _served_versions(cfg, versions)]
-    onnx_files = [f for f in onnx_files if f.exists()]
+    onnx_files = [f for v in served if (f := model_dir / str(v) / "model.onnx").exists()]
     shapes = None
     if onnx_files:
         with contextlib.suppress(Exception):  # an unreadable ONNX file is the server's to report: no shape check

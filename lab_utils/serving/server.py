@@ -9,7 +9,6 @@ Design notes: docs/internals.md#lab_utilsservingserverpy
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import importlib.metadata
 import itertools
 import json
@@ -141,22 +140,19 @@ def find_server(local: bool = False) -> ServerSource:
 
 # --- the wheel's server: a backend folder with the stub for this Python ------------------------------------
 
-_WHEEL_TREES: dict[str, Path] = {}
+_WHEEL_TREES: dict[Path, Path] = {}  # the wheel's tree -> its backend folder
 _wheel_lock = threading.Lock()
-
-
-def _stub_python_version() -> str:
-    return f"{sys.version_info.major}.{sys.version_info.minor}"
+_STUB_PYTHON = f"{sys.version_info.major}.{sys.version_info.minor}"  # the stub's Python: this one
 
 
 def wheel_layout(binary: Path) -> dict[str, Path]:
     """Folders of the nvidia-pytriton server: its tree, its shared libraries, and the stub for this Python."""
     tree = binary.parent.parent  # .../pytriton/tritonserver
     libs = tree.parent.parent / "nvidia_pytriton.libs"
-    stub = tree / "python_backend_stubs" / _stub_python_version() / "triton_python_backend_stub"
+    stub = tree / "python_backend_stubs" / _STUB_PYTHON / "triton_python_backend_stub"
     if not stub.exists():
         have = sorted(p.name for p in (tree / "python_backend_stubs").glob("3.*"))
-        raise ServerNotFound(f"nvidia-pytriton has no python-backend stub for Python {_stub_python_version()} "
+        raise ServerNotFound(f"nvidia-pytriton has no python-backend stub for Python {_STUB_PYTHON} "
                              f"(it has {', '.join(have)}): run the lab with one of those Pythons, or use "
                              "TRITON_URL / the NGC image")
     return {"tree": tree, "libs": libs, "stub": stub}
@@ -169,18 +165,18 @@ def prepare_wheel_backends(binary: Path) -> Path:
     triton_python_backend_stub}`` and ``caches``. Returns the folder holding ``backends`` and ``caches``.
     """
     lay = wheel_layout(binary)
-    key = hashlib.sha1(f"{lay['tree']}|{_stub_python_version()}".encode()).hexdigest()[:12]
+    tree = lay["tree"]
     with _wheel_lock:
-        if key in _WHEEL_TREES and (_WHEEL_TREES[key] / "backends" / "python").is_dir():
-            return _WHEEL_TREES[key]
+        if tree in _WHEEL_TREES and (_WHEEL_TREES[tree] / "backends" / "python").is_dir():
+            return _WHEEL_TREES[tree]
         base = owned_tempdir("triton-backends")
         py = base / "backends" / "python"
         py.mkdir(parents=True)
         for name in ("libtriton_python.so", "triton_python_backend_utils.py"):
-            (py / name).symlink_to(lay["tree"] / "backends" / "python" / name)
+            (py / name).symlink_to(tree / "backends" / "python" / name)
         (py / "triton_python_backend_stub").symlink_to(lay["stub"])
-        (base / "caches").symlink_to(lay["tree"] / "caches")
-        _WHEEL_TREES[key] = base
+        (base / "caches").symlink_to(tree / "caches")
+        _WHEEL_TREES[tree] = base
         return base
 
 
@@ -191,8 +187,7 @@ def server_env(source: ServerSource, extra: dict[str, str] | None = None) -> dic
     (numpy, onnxruntime, torch) by looking up ``python3`` on the PATH, so this interpreter's folder goes
     first, and this process's import path goes into ``PYTHONPATH``.
     """
-    env = dict(os.environ)
-    env.update(extra or {})
+    env = {**os.environ, **(extra or {})}
     if source.kind == "wheel":
         libs = str(wheel_layout(Path(source.location))["libs"])
         env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (libs, env.get("LD_LIBRARY_PATH", "")) if p)
@@ -205,11 +200,6 @@ def server_env(source: ServerSource, extra: dict[str, str] | None = None) -> dic
 
 
 # --- the server ------------------------------------------------------------------------------------------
-
-def running_servers() -> list[TritonServer]:
-    """Servers this process started and has not stopped yet."""
-    return TritonServer.running()
-
 
 _LOAD_FAIL = re.compile(r"failed to load '([^']+)' version (\d+): (.*?)(?:\"$|$)")
 _STUB_FAIL = re.compile(r"Failed to (?:pre)?initialize Python stub(?: for auto-complete)?: (.*)$", re.M)
@@ -438,6 +428,9 @@ class TritonServer(OwnedServer, HttpGrpcEndpoints):
         ones (a killed server's ports can be taken by another process meanwhile)."""
         self.stop()
         return self.start()
+
+
+running_servers = TritonServer.running  # the servers this process started and has not stopped yet
 
 
 class ServerStopped(RuntimeError):

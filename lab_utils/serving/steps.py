@@ -225,10 +225,7 @@ def perf_analyzer_verdict(ours: Mapping[str, Any], theirs: PerfAnalyzerResult, t
 
 def split_table(rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
     """Where a request's time went on the server (µs per request): queue, compute input, infer, output."""
-    return pd.DataFrame([{"step": r["step"], "queue_us": r.get("server_queue_us"),
-                          "compute_input_us": r.get("server_compute_input_us"),
-                          "compute_infer_us": r.get("server_compute_infer_us"),
-                          "compute_output_us": r.get("server_compute_output_us"),
+    return pd.DataFrame([{"step": r["step"], **{f"{k}_us": r.get(f"server_{k}_us") for k in triton_client.STAGES},
                           "server_request_us": r.get("server_request_us"), "client_mean_us": r["mean_ms"] * 1e3,
                           "batch_avg": r.get("server_batch_avg")} for r in rows])
 

@@ -16,7 +16,7 @@ LAB = "lab_utils.exercises.lab00"  # the references' public names: a refusal nam
 
 def _version_of(value: Any, what: str) -> tuple[int, int]:
     """A student's CUDA version as (major, minor) (``framework.version``); ``Wrong`` naming the usual confusions."""
-    text = value.decode(errors="replace").strip() if isinstance(value, bytes) else value
+    text = value.decode(errors="replace") if isinstance(value, bytes) else value
     if isinstance(text, str):
         text = text.strip()
         if re.fullmatch(r"\d{3}(\.\d+)+", text):  # R5xx drivers: 535.x, 550.x, 580.159.04

@@ -94,8 +94,8 @@ def _judge_metric(values: list[Any], shards: list[dict[str, Any]], call: str) ->
     return f"Every one of {n} ranks got {total:.5f} = {correct}/{seen}, not the mean of the accuracies ({mean:.5f})."
 
 
-def _grade_global_accuracy(fn: Any, backend: str | None = None, nprocs: int | None = None) -> str:
-    backend, nprocs = grading_ranks(backend, nprocs)
+def _grade_global_accuracy(fn: Any) -> str:
+    backend, nprocs = grading_ranks()
     shards = metric_shards(nprocs)
     call = f"global_accuracy(ctx, correct, seen) on {nprocs} {backend} ranks"
     with shipped_answer(fn, "global_accuracy") as shipped:

@@ -351,7 +351,7 @@ def _judge_ddp(obs: list[dict[str, Any]], ref_acc: float, ckpt: str, cfg: dict[s
             "one checkpoint written by rank 0.")
 
 
-def _ddp_config(backend: str | None, nprocs: int | None) -> tuple[str, int, dict[str, Any]]:
+def _ddp_config(backend: str | None = None, nprocs: int | None = None) -> tuple[str, int, dict[str, Any]]:
     """(backend, ranks) as ``grading_ranks``, and the check's settings on that many ranks."""
     backend, nprocs = grading_ranks(backend, nprocs)
     cfg = dict(DDP_CHECK)
@@ -359,8 +359,8 @@ def _ddp_config(backend: str | None, nprocs: int | None) -> tuple[str, int, dict
     return backend, nprocs, cfg
 
 
-def _grade_train_ddp(fn: Any, backend: str | None = None, nprocs: int | None = None) -> str:
-    backend, nprocs, cfg = _ddp_config(backend, nprocs)
+def _grade_train_ddp(fn: Any) -> str:
+    backend, nprocs, cfg = _ddp_config()
     ref_acc = reference_ddp_run(nprocs, backend)["accuracy"]  # once per process: later checks reuse it
     call = (f"train_ddp(train_set, make_model, epochs={cfg['epochs']}, batch_size={cfg['batch_size']}, "
             f"lr={cfg['lr']}, checkpoint_path) on {nprocs} {backend} ranks")

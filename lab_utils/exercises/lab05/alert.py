@@ -86,12 +86,10 @@ def alert_series_frame() -> pd.DataFrame:
 
 def _input_series() -> list[dict[str, str]]:
     """``ALERT_SERIES`` as promtool's input_series."""
-    out = []
-    for model, metrics in ALERT_SERIES.items():
-        labels = ", ".join(f'{k}="{v}"' for k, v in {**_ALERT_INSTANCE, "model": model}.items())
-        for name, values in metrics.items():
-            out.append({"series": f"{name}{{{labels}}}", "values": " ".join(f"{v:.0f}" for v in values)})
-    return out
+    labels = {model: ", ".join(f'{k}="{v}"' for k, v in {**_ALERT_INSTANCE, "model": model}.items())
+              for model in ALERT_SERIES}
+    return [{"series": f"{name}{{{labels[model]}}}", "values": " ".join(f"{v:.0f}" for v in values)}
+            for model, metrics in ALERT_SERIES.items() for name, values in metrics.items()]
 
 
 _ALERT_BASE = per_request("nv_inference_queue_duration_us")
