@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from lab_utils.course.catalog import repo_root
-from lab_utils.procs import sweep_stale_tempdirs, who_listens, writable_problem
+from lab_utils.procs import sweep_stale_tempdirs, who_listens
+from nvlab import writable_problem
 from nvlab.classroom import DEFAULT_STATE
 
 
@@ -315,11 +316,38 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_gpu_exporter(args: argparse.Namespace) -> int:
-    from lab_utils.monitoring.gpu_exporter import serve  # lazy: subcommand only (cli stays fast to import)
-
     if why := port_problem(args.host, args.port, "pass --port with a free port (and scrape that one)"):
         return _fail("gpu-exporter", why)
-    return serve(port=args.port, host=args.host)
+    return serve_gpu_exporter(port=args.port, host=args.host)
+
+
+GPU_EXPORTER_PORT = 9400  # dcgm-exporter's port: scrape configs need not change between the two
+
+
+def serve_gpu_exporter(port: int, host: str) -> int:
+    """``nvlab gpu-exporter``: serve GPU and host metrics until SIGTERM or SIGINT; returns an exit code."""
+    from lab_utils.monitoring.gpu_exporter import GpuExporter  # lazy: subcommand only (cli stays fast to import)
+
+    done = threading.Event()
+    # handlers first: once the port answers, a supervisor may stop us at once, and a SIGTERM that arrived
+    # before the handler would kill the process (exit -15) instead of stopping it cleanly
+    previous = {s: signal.signal(s, lambda *_: done.set()) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        exporter = GpuExporter(port, host, strict_port=True)
+        try:
+            exporter.start()
+        except OSError as err:
+            print(f"nvlab gpu-exporter: {err}", flush=True)
+            return 2
+        print(exporter.describe().replace(exporter.url, f"http://{host}:{exporter.port}/metrics"), flush=True)
+        try:
+            done.wait()
+        finally:
+            exporter.stop()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return 0
 
 
 def cmd_wheelhouse(args: argparse.Namespace) -> int:
@@ -431,7 +459,8 @@ def parser() -> argparse.ArgumentParser:
     rep.add_argument("--json", action="store_true")
     rep.set_defaults(fn=cmd_report)
     ge = sub.add_parser("gpu-exporter", help="serve GPU (NVML) and host metrics for Prometheus until stopped")
-    ge.add_argument("--port", type=_port, default=9400, help="port to listen on (default 9400, as dcgm-exporter)")
+    ge.add_argument("--port", type=_port, default=GPU_EXPORTER_PORT,
+                    help=f"port to listen on (default {GPU_EXPORTER_PORT}, as dcgm-exporter)")
     ge.add_argument("--host", default="0.0.0.0", help="address to listen on (default all interfaces)")
     ge.set_defaults(fn=cmd_gpu_exporter)
     w = sub.add_parser("wheelhouse", help="download the course's wheels for an offline (--no-index) install")

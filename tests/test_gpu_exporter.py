@@ -203,7 +203,8 @@ def test_a_sigterm_the_moment_the_port_answers_still_stops_cleanly():
         "    os.kill(os.getpid(), signal.SIGTERM)\n"
         "    return out\n"
         "g.GpuExporter.start = start_then_term\n"
-        f"sys.exit(g.serve({free_port()}, '127.0.0.1'))\n"
+        "from nvlab import cli\n"
+        f"sys.exit(cli.serve_gpu_exporter({free_port()}, '127.0.0.1'))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, (out.returncode, out.stderr[-2000:])

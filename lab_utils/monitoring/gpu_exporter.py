@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -24,8 +23,6 @@ import psutil
 from lab_utils.course.probe import nvml_text
 from lab_utils.owned import OwnedServer
 from lab_utils.procs import who_listens
-
-DEFAULT_PORT = 9400  # dcgm-exporter's port: scrape configs need not change between the two
 
 GPU_LABELS = ("gpu", "UUID", "device", "modelName")
 
@@ -366,27 +363,3 @@ class GpuExporter(MetricsServer):
         super()._cleanup()
         if self.collector is not None:
             self.collector.close()
-
-
-def serve(port: int = DEFAULT_PORT, host: str = "0.0.0.0") -> int:
-    """Serve until SIGTERM or SIGINT (``nvlab gpu-exporter``); returns an exit code."""
-    done = threading.Event()
-    # handlers first: once the port answers, a supervisor may stop us at once, and a SIGTERM that arrived
-    # before the handler would kill the process (exit -15) instead of stopping it cleanly
-    previous = {s: signal.signal(s, lambda *_: done.set()) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        exporter = GpuExporter(port, host, strict_port=True)
-        try:
-            exporter.start()
-        except OSError as err:
-            print(f"nvlab gpu-exporter: {err}", flush=True)
-            return 2
-        print(exporter.describe().replace(exporter.url, f"http://{host}:{exporter.port}/metrics"), flush=True)
-        try:
-            done.wait()
-        finally:
-            exporter.stop()
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-    return 0

@@ -26,7 +26,8 @@ from typing import Any
 
 from lab_utils.course.catalog import repo_root
 from lab_utils.course.stack import manifest, pinned_release
-from lab_utils.procs import temporary_folder, writable_problem
+from lab_utils.procs import temporary_folder
+from nvlab import writable_problem
 from nvlab.ops.stack import pip_version
 
 # The newest glibc a named platform assumes: Ubuntu 22.04 (2.35). nvidia-pytriton's wheels need it; NGC 25.xx and
