@@ -420,7 +420,7 @@ def cmd_progress(args: argparse.Namespace) -> int:
 def cmd_quiz(args: argparse.Namespace) -> int:
     from nvlab.ops import quiz  # lazy: pulls pandas (cli stays fast to import)
 
-    return quiz.main(args.action, args.target, getattr(args, "seed", 0), getattr(args, "language", "en"))
+    return quiz.main(args.action, args.target, args.seed, args.language)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -516,7 +516,7 @@ def parser() -> argparse.ArgumentParser:
     st.add_argument("--language", choices=("en", "zh"), default="en")
     qzs.add_parser("glossary", help="write docs/glossary.md from the bank").add_argument(
         "target", nargs="?", help="where to write it (default docs/glossary.md)")
-    qz.set_defaults(fn=cmd_quiz)
+    qz.set_defaults(fn=cmd_quiz, seed=0, language="en")  # what check and glossary pass: strategies' defaults
     return p
 
 
