@@ -87,14 +87,20 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from lab_utils.course.probe import probe  # lazy: subcommand only (cli stays fast to import)
     from lab_utils.course.session import print_report  # lazy: pulls pandas (cli stays fast to import)
     from lab_utils.serving.server import remove_stale_shm  # lazy: subcommand only (cli stays fast to import)
+    from nvlab.ops.notebooks import end_orphans  # lazy: subcommand only (cli stays fast to import)
 
-    # what killed kernels and servers left behind (no exit handler ran): their owners are gone, so it goes
+    # what killed kernels and servers left behind (no exit handler ran): their owners are gone, so it goes; the
+    # processes first (a stub still running from a folder of a dead owner), then the folders
+    ended = end_orphans()
     removed = [str(p) for p in sweep_stale_tempdirs()] + [f"/dev/shm/{n}" for n in remove_stale_shm()]
     report = probe()
     if args.json:
         print(report.to_json())
     else:
         print_report(report)
+    if ended:
+        print(f"nvlab doctor: ended {len(ended)} process(es) that killed course processes left running: "
+              + ", ".join(ended), file=sys.stderr if args.json else sys.stdout)
     if removed:
         print(f"nvlab doctor: removed {len(removed)} leftover(s) of course processes that were killed: "
               + ", ".join(removed), file=sys.stderr if args.json else sys.stdout)

@@ -36,7 +36,8 @@ for entry in "$@"; do
   rc=$?
   case $rc in
     0) result=ok ;;
-    124|137) result="stopped at the budget ($left s)" ;;
+    # a stopped run's kernel dies with it: what it left (a python-backend stub holding GPU memory) goes before the next
+    124|137) result="stopped at the budget ($left s)"; python3 -m nvlab doctor > /dev/null 2>&1 ;;
     *) result="failed: $(grep -m1 -o 'failed in cell.*' "$dir.log" | cut -c1-160)" ;;
   esac
   printf '%s/%s\t%s\t%s\t%s\n' "$kind" "$lab" "$mode" "$((SECONDS - t0))" "$result" >> "$out/matrix.tsv"

@@ -124,3 +124,41 @@ def test_a_killed_kernels_prometheus_ends_and_doctor_removes_its_folder(tmp_path
     finally:
         if km.is_alive():
             km.shutdown_kernel(now=True)
+
+
+@pytest.mark.skipif(not Path("/proc/self").exists(), reason="programs and owners are read from /proc")
+def test_doctor_ends_a_program_left_running_from_a_dead_owners_folder(tmp_path, monkeypatch, capsys):
+    """A python-backend stub whose kernel and server were killed kept running from its folder (seen on a GPU: it
+    catches SIGTERM and outlived its group): `nvlab doctor` ends it (SIGKILL after the SIGTERM it ignores), and only
+    it, also once its folder was swept."""
+    import shutil
+    import tempfile
+
+    from nvlab import cli
+    from nvlab.ops.notebooks import orphaned_processes
+
+    dead = _dead_pid()
+    started = []
+    for owner in (dead, os.getpid()):  # the dead owner's program goes; the live owner's stays
+        folder = tmp_path / f"nvlab-triton-backends-{owner}-abc_123"
+        folder.mkdir()
+        shutil.copy(sys.executable, folder / "stub")
+        started.append(subprocess.Popen([str(folder / "stub"), "-c", "import signal, time\n"
+                                         "signal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('up', flush=True)\n"
+                                         "time.sleep(120)"], stdout=subprocess.PIPE, start_new_session=True))
+    orphan, kept = started
+    try:
+        assert [p.stdout.readline() for p in started] == [b"up\n", b"up\n"]
+        shutil.rmtree(tmp_path / f"nvlab-triton-backends-{dead}-abc_123")  # swept by a later start: still found
+        assert [p.pid for p in orphaned_processes(tmp_path)] == [orphan.pid]
+        monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the doctor's temporary folder
+        assert cli.main(["doctor"]) == 0
+        ended = f"ended 1 process(es) that killed course processes left running: {orphan.pid} {tmp_path}/nvlab-"
+        assert ended in capsys.readouterr().out
+        # it ignored SIGTERM, so SIGKILL ended it (psutil reaped it: Popen.wait would read 0)
+        assert not procs.pid_alive(orphan.pid) and kept.poll() is None
+        assert orphaned_processes(tmp_path) == []
+    finally:
+        for p in started:
+            p.kill()
+            p.wait()

@@ -74,7 +74,7 @@ def exit_cleanup() -> None:
 
 
 TEMP_PREFIX = "nvlab-"  # every temporary folder of the course: nvlab-<what>-<owner pid>-<random>
-_OWNED_NAME = re.compile(r"^nvlab-(?:[a-z][a-z0-9_]*-)+?(\d+)-[a-z0-9_]+$")
+OWNED_NAME = re.compile(r"^nvlab-(?:[a-z][a-z0-9_]*-)+?(\d+)-[a-z0-9_]+$")
 
 
 _ENDED = (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
@@ -93,7 +93,7 @@ def stale_tempdirs(root: Path | None = None) -> list[Path]:
 
     Only names of the form ``nvlab-<what>-<pid>-<random>`` count."""
     root = root or Path(tempfile.gettempdir())
-    return sorted(path for path in root.glob(f"{TEMP_PREFIX}*") if (m := _OWNED_NAME.match(path.name))
+    return sorted(path for path in root.glob(f"{TEMP_PREFIX}*") if (m := OWNED_NAME.match(path.name))
                   and path.is_dir() and not path.is_symlink() and not pid_alive(int(m.group(1))))
 
 

@@ -16,6 +16,7 @@ import importlib
 import os
 import re
 import sys
+import tempfile
 import textwrap
 import time
 import uuid
@@ -370,6 +371,43 @@ def leftover_processes(run_id: str) -> list[str]:
             if p.environ().get(RUN_ID_ENV) == run_id:
                 found.append(f"{p.pid} {' '.join(p.cmdline())}".strip())
     return found
+
+
+def orphaned_processes(root: Path | None = None) -> list[psutil.Process]:
+    """Live processes whose program lies in a course folder (``nvlab-<what>-<pid>-<random>`` under ``root``, the
+    temporary folder by default) of an owner that is gone: a python-backend stub whose kernel and server were killed
+    (seen on a GPU: it catches SIGTERM, outlived its group, and kept 742 MiB of GPU memory)."""
+    from lab_utils.procs import OWNED_NAME, pid_alive
+
+    prefix = f"{Path(root or tempfile.gettempdir()).resolve()}/"
+    found = []
+    for p in psutil.process_iter(["exe", "cmdline", "status"]):
+        if p.info["status"] in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+            continue
+        # the folder may already be swept: a deleted program's exe reads "<path> (deleted)", its argv[0] stays
+        for program in (p.info["exe"] or "", *(p.info["cmdline"] or [""])[:1]):
+            folder = program[len(prefix):].split("/", 1)[0] if program.startswith(prefix) else ""
+            if (m := OWNED_NAME.match(folder)) and not pid_alive(int(m.group(1))):
+                found.append(p)
+                break
+    return found
+
+
+def end_orphans(root: Path | None = None, grace_s: float = 2.0) -> list[str]:
+    """End :func:`orphaned_processes` (SIGTERM, then SIGKILL for those alive ``grace_s`` seconds later); what was
+    ended, one ``"PID program"`` each."""
+    found = orphaned_processes(root)
+    ended = []
+    for p in found:
+        with contextlib.suppress(psutil.Error):
+            ended.append(f"{p.pid} {(p.info['cmdline'] or [p.info['exe']])[0]}")
+            p.terminate()
+    _, alive = psutil.wait_procs(found, timeout=grace_s)
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(alive, timeout=grace_s)
+    return ended
 
 
 def without_optional(nb: Any) -> tuple[Any, int]:
