@@ -13,7 +13,6 @@ import os
 import shutil
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -167,56 +166,22 @@ def pytest_configure_node(node):
     node.workerinput["nvlab_background"] = node.gateway.id == getattr(node.config.option, "nvlab_background", None)
 
 
-def _set_niceness(nice: int) -> None:
-    """This process's niceness, every thread's: Linux keeps one per thread (torch's pool threads started at import);
-    the threads and processes started later inherit it."""
+def pytest_collection_finish(session):
+    """The low-priority worker lowers its priority once it has collected (the controller waits for every worker's
+    collection before any test starts): every thread's, since Linux keeps a niceness per thread (torch's pool threads
+    started at import); the threads and processes it starts later inherit it."""
+    if not getattr(session.config, "workerinput", {}).get("nvlab_background"):
+        return
     tasks = Path("/proc/self/task")
     if not tasks.is_dir():  # not Linux: the process's niceness
-        os.nice(nice - os.getpriority(os.PRIO_PROCESS, 0))
+        os.nice(BACKGROUND_NICE)
         return
     for task in tasks.iterdir():
         try:
-            os.setpriority(os.PRIO_PROCESS, int(task.name), nice)
-        except ProcessLookupError:  # a thread that ended meanwhile
+            tid = int(task.name)
+            os.setpriority(os.PRIO_PROCESS, tid, max(BACKGROUND_NICE, os.getpriority(os.PRIO_PROCESS, tid)))
+        except (OSError, ValueError):  # a thread that ended meanwhile
             pass
-
-
-def _may_raise_priority() -> bool:
-    """Whether this user may take a niceness back (root, or CAP_SYS_NICE): a thread's, lowered and raised again."""
-    done: list[bool] = []
-
-    def probe() -> None:
-        tid, nice = threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0)
-        try:
-            os.setpriority(os.PRIO_PROCESS, tid, nice + 1)
-            os.setpriority(os.PRIO_PROCESS, tid, nice)
-            done.append(True)
-        except (OSError, AttributeError):  # not permitted, or no native thread ids
-            pass
-
-    thread = threading.Thread(target=probe)
-    thread.start()
-    thread.join()
-    return bool(done)
-
-
-_NORMAL_NICE: list[int] = []  # the low-priority worker's niceness before it lowered it (empty: not lowered)
-
-
-def pytest_collection_finish(session):
-    """The low-priority worker lowers its priority once it has collected (the controller waits for every worker's
-    collection before any test starts)."""
-    if getattr(session.config, "workerinput", {}).get("nvlab_background"):
-        _NORMAL_NICE.append(os.getpriority(os.PRIO_PROCESS, 0))
-        _set_niceness(max(BACKGROUND_NICE, _NORMAL_NICE[0]))
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_runtest_protocol(item, nextitem):
-    """The low-priority worker takes its priority back before the first test of a group that is not background work
-    (the scheduler hands it one only where that is permitted)."""
-    if _NORMAL_NICE and _group(item.nodeid) not in BACKGROUND_GROUPS:
-        _set_niceness(_NORMAL_NICE.pop())
 
 
 def pytest_xdist_make_scheduler(config, log):
@@ -229,26 +194,16 @@ def pytest_xdist_make_scheduler(config, log):
     config.option.loadscopereorder = False
 
     background = getattr(config.option, "nvlab_background", None)
-    # Once the background groups are done (CI: 230 s into a run of 410 s), the low-priority worker may run the others'
-    # groups at their priority, where the user may take a niceness back (root, as in CI); else it stops there.
-    choice = getattr(config.option, "nvlab_promote", None)  # the scheduler's tests choose; None: may this user
-    promote = background is not None and (_may_raise_priority() if choice is None else choice)
 
     class _Groups(LoadScopeScheduling):
-        promoted = False
-
         def _split_scope(self, nodeid: str) -> str:
             return _group(nodeid)
 
         def _assign_work_unit(self, node) -> None:
-            """The low-priority worker takes the first background group left; when none is, it takes the others'
-            groups at their priority (``promote``) or stops. The others take the first other group, then background
-            groups once no other is left."""
-            low = node.gateway.id == background and not self.promoted
+            """The low-priority worker takes the first background group left and stops when none is; the others
+            take the first other group, then background groups once no other is left."""
+            low = node.gateway.id == background
             scope = next((s for s in self.workqueue if (s in BACKGROUND_GROUPS) == low), None)
-            if scope is None and low and promote and self.workqueue:
-                self.promoted, low = True, False  # the worker raises its priority before this group's first test
-                scope = next(iter(self.workqueue))
             if scope is None and (low or not self.workqueue):
                 node.shutdown()  # it finishes what it holds
                 return

@@ -136,7 +136,7 @@ def test_the_low_priority_worker_runs_only_background_groups_and_the_others_run_
     collection = ["solutions/x.ipynb::Cell 0", "solutions/x.ipynb::Cell 1", *[f"{quiz}::q{i}" for i in range(6)],
                   "tests/test_service.py::s", f"{layout}::l", *[f"tests/test_b.py::t{i}" for i in range(4)],
                   "tests/test_c.py::t"]
-    sched, workers = _scheduled(root_conftest, collection, 3, nvlab_background="gw2", nvlab_promote=False)
+    sched, workers = _scheduled(root_conftest, collection, 3, nvlab_background="gw2")
     assert collection[workers[2].sent[0]] == f"{quiz}::q0"  # the first background group, not the longest group
     ran = _run_all(sched, workers, collection)
     assert set(ran["gw2"]) <= root_conftest.BACKGROUND_GROUPS and ran["gw2"], ran
@@ -144,32 +144,6 @@ def test_the_low_priority_worker_runs_only_background_groups_and_the_others_run_
     assert sorted(sum(ran.values(), [])) == sorted({n.split("::")[0] for n in collection})
     assert sorted(sum((w.sent for w in workers), [])) == list(range(len(collection)))  # every test, once
     assert all(w.shutting_down for w in workers) and sched.tests_finished
-
-
-def test_where_a_niceness_may_be_taken_back_the_low_priority_worker_takes_the_others_groups_after_its_own(
-        root_conftest):
-    """Root (CI) may raise a priority again: once no background group is left, the low-priority worker runs the
-    other groups too, at their priority (pytest_runtest_protocol raises it), instead of stopping."""
-    quiz = "tests/test_quiz.py"
-    collection = ["solutions/x.ipynb::Cell 0", "solutions/x.ipynb::Cell 1", f"{quiz}::q0",
-                  *[f"tests/test_{name}.py::t" for name in "bcdefgh"]]
-    sched, workers = _scheduled(root_conftest, collection, 3, nvlab_background="gw2", nvlab_promote=True)
-    assert collection[workers[2].sent[0]] == f"{quiz}::q0"  # its own kind first
-    ran = _run_all(sched, workers, collection)
-    assert ran["gw2"][0] == quiz and set(ran["gw2"][1:]) and not set(ran["gw2"][1:]) & root_conftest.BACKGROUND_GROUPS
-    assert sorted(sum(ran.values(), [])) == sorted({n.split("::")[0] for n in collection})  # each group once
-    assert sorted(sum((w.sent for w in workers), [])) == list(range(len(collection)))
-    assert all(w.shutting_down for w in workers) and sched.tests_finished
-
-
-def test_the_low_priority_worker_takes_its_priority_back_for_another_groups_test(root_conftest, monkeypatch):
-    """Its first test of a group that is not background work raises every thread's niceness back, once."""
-    calls = []
-    monkeypatch.setattr(root_conftest, "_set_niceness", calls.append)
-    monkeypatch.setattr(root_conftest, "_NORMAL_NICE", [0])
-    for nodeid in ("tests/test_quiz.py::q", "tests/test_service.py::s", "tests/test_b.py::t"):
-        root_conftest.pytest_runtest_protocol(SimpleNamespace(nodeid=nodeid), None)
-    assert calls == [0] and root_conftest._NORMAL_NICE == []
 
 
 def test_the_others_take_the_background_groups_the_low_priority_worker_has_not(root_conftest):
