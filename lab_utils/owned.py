@@ -265,8 +265,8 @@ class OwnedServer(StartStop):
         # not ours and not free: someone else's (a port not bound yet by a server still starting is free)
         return [p for p in ports if p and p not in ours and not port_free(p, self.host)]
 
-    def _need_folder(self) -> Path:
-        assert self.folder is not None
+    def _need_folder(self) -> Path | None:
+        """The server's folder, which its watchdog removes if this interpreter dies (None: it has none)."""
         return self.folder
 
     def stop(self) -> int | None:

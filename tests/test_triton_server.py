@@ -3,6 +3,7 @@ behind (also when the kernel that started it is killed), invalid configurations 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -179,6 +180,34 @@ def test_killed_server_reported_and_restarted(repo):
         server.restart()
         assert server.alive() and server.pid != old and server.ready()
     assert not server.alive()
+
+
+def test_a_killed_owners_stubs_end_even_when_they_cannot_notice(repo):
+    """The owner (a kernel) is SIGKILLed: its server dies by its parent-death signal, and the python-backend stubs
+    by the server's group watchdog even where they cannot notice (here stopped with SIGSTOP; on a GPU one caught
+    SIGTERM, outlived its server and kept 742 MiB of GPU memory)."""
+    code = ("import sys\nfrom lab_utils import procs\nfrom lab_utils.serving.server import TritonServer\n"
+            f"s = TritonServer({str(repo)!r}).start()\n"
+            "print(s.pid, *[p for p in procs.group_members(s.pid) if p != s.pid], flush=True)\nsys.stdin.read()\n")
+    owner = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                             cwd=ROOT)
+    pids: list[int] = []
+    try:
+        pids = [int(p) for p in owner.stdout.readline().split()]
+        assert len(pids) >= 2, "the tiny repository's python model runs in a stub"
+        for stub in pids[1:]:
+            os.kill(stub, signal.SIGSTOP)  # now it notices nothing: only SIGKILL ends it
+        owner.kill()
+        owner.wait()
+        assert _gone(pids, 15.0), f"still running after their owner was killed: {[p for p in pids if _alive(p)]}"
+    finally:
+        owner.kill()
+        owner.wait()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        procs.sweep_stale_tempdirs()  # what `nvlab doctor` removes: the killed owner's folders and shared memory
+        triton_server.remove_stale_shm()
 
 
 def test_a_crashed_server_is_named_and_lab04_restarts_it_before_a_check(repo):

@@ -416,7 +416,8 @@ if "stopped" not in (pgid, started) and "stopped" not in rest:
                 except OSError:
                     break
                 time.sleep(0.02)
-    shutil.rmtree(folder, ignore_errors=True)
+    if folder:
+        shutil.rmtree(folder, ignore_errors=True)
 """
 
 
@@ -430,16 +431,16 @@ def process_start_ticks(pid: int) -> str | None:
 
 
 class GroupWatchdog:
-    """Ends a process group and removes ``folder`` if this interpreter dies without stopping them.
+    """Ends a process group and removes ``folder`` (if any) if this interpreter dies without stopping them.
 
     Start it before the group, ``arm(pgid)`` once the group's leader runs (``start_new_session=True``), and
     ``disarm()`` after stopping the group yourself. ``term_s``/``kill_s``: seconds to wait after SIGTERM, SIGKILL."""
 
-    def __init__(self, folder: str | os.PathLike[str], term_s: float = 1.0, kill_s: float = 2.0):
+    def __init__(self, folder: str | os.PathLike[str] | None, term_s: float = 1.0, kill_s: float = 2.0):
         read_fd, write_fd = os.pipe()  # close-on-exec: no other child inherits the owner's end
         try:
-            self.proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _GROUP_WATCHDOG, str(folder), str(term_s),
-                                          str(kill_s)], stdin=read_fd, stdout=subprocess.DEVNULL,
+            self.proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _GROUP_WATCHDOG, str(folder or ""),
+                                          str(term_s), str(kill_s)], stdin=read_fd, stdout=subprocess.DEVNULL,
                                          stderr=subprocess.DEVNULL, cwd="/",
                                          start_new_session=True)  # not in the group it may have to kill
         finally:

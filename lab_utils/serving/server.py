@@ -233,6 +233,9 @@ class TritonServer(OwnedServer, HttpGrpcEndpoints):
     free_hint = "to let the server take a free one"
     log_lines = 400  # the failed models are read from them
     stop_grace_default_s = DEFAULT_STOP_GRACE_S
+    # a killed owner's server dies by its parent-death signal, and its stubs notice, except where one did not (on a
+    # GPU: it caught SIGTERM and kept 742 MiB of GPU memory): the watchdog ends the whole group
+    watchdog_s = (1.0, 2.0)
     log_path: Path | None = None  # given, or a folder of its own at the first start (kept after a stop)
 
     def __init__(
