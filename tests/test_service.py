@@ -10,8 +10,6 @@ import io
 import json
 import os
 import signal
-import subprocess
-import sys
 import tempfile
 import textwrap
 import time
@@ -524,12 +522,18 @@ def _gone(pids, timeout_s):
     return False
 
 
-def test_killed_kernel_leaves_no_nginx_triton_stub_or_shared_memory():
+def test_killed_kernel_leaves_no_nginx_triton_stub_or_shared_memory(svc):
     """A Jupyter kernel runs lab 07's setup (the service, its monitoring) and is SIGKILLed mid-lab: every Triton
     server and stub, nginx's master and workers, Prometheus and the exporter's thread end with it; `nvlab doctor`
     removes what no exit handler could (the folders and shared-memory regions named by the kernel's PID). Lab 08's
     champion and challenger are this same ``Service`` (``deploy.CanaryService``); its MLflow server's end with a
-    killed owner is ``test_mlops.py::test_nothing_left_when_the_owner_is_killed``."""
+    killed owner is ``test_mlops.py::test_nothing_left_when_the_owner_is_killed``. The kernel's service serves the
+    module's repository (its build, a training run, ends with the build: 5 of the 10 s of a start)."""
+    import base64
+    import pickle
+
+    from nvlab import cli
+
     _require_all()
     _prometheus_here()
     jupyter_client = pytest.importorskip("jupyter_client")
@@ -540,12 +544,13 @@ def test_killed_kernel_leaves_no_nginx_triton_stub_or_shared_memory():
         kc = km.client()
         kc.start_channels()
         kc.wait_for_ready(timeout=60)
-        code = textwrap.dedent("""
-            import json
+        repo = base64.b64encode(pickle.dumps(svc.repo)).decode()
+        code = textwrap.dedent(f"""
+            import base64, json, pickle
             from lab_utils import procs
             from lab_utils.monitoring import service_monitoring as sm
             from lab_utils.serving import ensemble as ens, service
-            svc = service.Service().start()
+            svc = service.Service(repo=pickle.loads(base64.b64decode({repo!r}))).start()
             mon = sm.start_monitoring(svc)
             svc.classify(ens.digits_pngs("test", 2)[0])
             pids = [p for t in svc.servers for p in procs.group_members(t.pid)] + procs.group_members(svc.lb.pid)
@@ -572,9 +577,8 @@ def test_killed_kernel_leaves_no_nginx_triton_stub_or_shared_memory():
         # the folders named by the kernel's PID: doctor removes them below, unless another test worker's next
         # temporary folder already swept them (their owner is dead)
         owned = list(Path(tempfile.gettempdir()).glob(f"nvlab-*-{kernel_pid}-*"))
-        doctor = subprocess.run([sys.executable, "-m", "nvlab", "doctor"], capture_output=True, text=True,
-                                timeout=180)
-        assert doctor.returncode == 0, doctor.stdout + doctor.stderr
+        with contextlib.redirect_stdout(io.StringIO()) as doctor:
+            assert cli.main(["doctor"]) == 0, doctor.getvalue()
         assert not [p for p in owned if p.exists()], [p for p in owned if p.exists()]
         assert not any(list(Path("/dev/shm").glob(f"{p}*")) for p in state["shm"])
     finally:
