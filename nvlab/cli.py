@@ -423,6 +423,13 @@ def cmd_progress(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_stub_env(args: argparse.Namespace) -> int:
+    from lab_utils.compat.numpy1_env import build_stub_env  # lazy: subcommand only (cli stays fast to import)
+
+    print(json.dumps({"stub_env": str(build_stub_env())}))
+    return 0
+
+
 def cmd_quiz(args: argparse.Namespace) -> int:
     from nvlab.ops import quiz  # lazy: pulls pandas (cli stays fast to import)
 
@@ -512,6 +519,9 @@ def parser() -> argparse.ArgumentParser:
     pr.add_argument("--off", action="store_true", help="stop recording checks, in every kernel, until --on")
     pr.add_argument("--on", action="store_true", help="record checks again")
     pr.set_defaults(fn=cmd_progress)
+    se = sub.add_parser("stub-env", help="build the NumPy 1 environment the Triton wheel's python backend needs, "
+                        "once; print its path as JSON")
+    se.set_defaults(fn=cmd_stub_env)
     qz = sub.add_parser("quiz", help="lab 09's question bank: check it, score fixed guesses, write the glossary")
     qzs = qz.add_subparsers(dest="action", required=True)
     bank_help = "the bank's folder (default: NVLAB_QUIZ_DIR, else the course's)"

@@ -212,3 +212,12 @@ def test_course_setup_says_each_step_it_takes(tmp_path):
     assert any("installing the course and its dependencies" in s for s in steps), steps
     assert any("NumPy 1 environment" in s for s in steps) and any("compiling" in s for s in steps), steps
     assert steps[-1].startswith("course: set up in ") and steps[-1].endswith(" s"), steps
+
+
+def test_stub_env_prints_the_built_environment(capsys):
+    """`nvlab stub-env` (./course runs it at setup): the python backend's NumPy 1 environment, built once."""
+    from lab_utils.compat import numpy1_env
+
+    assert cli.main(["stub-env"]) == 0
+    path = Path(json.loads(capsys.readouterr().out)["stub_env"])
+    assert path == numpy1_env.default_stub_env() and numpy1_env.stub_env_ready(path)

@@ -473,7 +473,7 @@ def test_missing_stub_env_names_the_command(monkeypatch, tmp_path):
     needed = numpy1_env.stub_env_needed
     assert needed(wheel) and not needed(ngc) and not needed(None)
     assert numpy1_env.stub_env(ngc) is None  # the NGC image's stub matches its own NumPy
-    with pytest.raises(RuntimeError, match=r"python -m lab_utils\.compat\.numpy1_env") as err:
+    with pytest.raises(RuntimeError, match=r"nvlab stub-env") as err:
         numpy1_env.stub_env(wheel)
     assert "TYPE_STRING" in str(err.value) and str(tmp_path / "env") in str(err.value)
     monkeypatch.setattr(numpy1_env.np, "__version__", "1.26.4")

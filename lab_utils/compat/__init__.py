@@ -5,7 +5,7 @@ uses the stack as it is meant to be used, and calls these where the environment 
 above ``lab_utils.course``.
 
 - ``numpy1_env``: the NumPy-1 execution environment for the pytriton wheel's python-backend stub
-  (``python -m lab_utils.compat.numpy1_env`` builds it; ``./course`` does).
+  (``nvlab stub-env`` builds it; ``./course`` does).
 - ``glibc``: perf_analyzer's wheel needs glibc >= 2.38; Debian 12 has 2.36.
 - ``tensorrt_stubs``: tensorrt-stubs 10.13, repaired so that mypy can read it.
 - ``triton_interpreter``: triton's interpreter before triton-lang/triton#9171 under NumPy >= 2.4 (loops

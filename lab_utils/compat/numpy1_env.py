@@ -3,21 +3,18 @@ tensors under NumPy 2. Goes when: the course serves from the NGC tritonserver im
 
 The execution environment (``EXECUTION_ENV_PATH``) that lab 07's pre- and postprocessing models run in on the wheel's
 server: a venv of this Python holding only NumPy 1, with this venv's packages after it. ``stub_env(source)`` gives it
-to ``lab_utils.serving.ensemble`` (None where the server needs none); ``python -m lab_utils.compat.numpy1_env``
-builds it once (``./course`` does).
+to ``lab_utils.serving.ensemble`` (None where the server needs none); ``nvlab stub-env`` builds it
+once (``./course`` does).
 
 Design notes: docs/internals.md#lab_utilscompatnumpy1_envpy"""
 
 from __future__ import annotations
 
-import argparse
 import fcntl
-import json
 import shutil
 import subprocess
 import sys
 import sysconfig
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -104,18 +101,4 @@ def stub_env(source: Source | None, *, build: bool = False) -> Path | None:
         return build_stub_env()
     raise RuntimeError(f"the wheel's Triton python backend needs NumPy 1 for TYPE_STRING tensors (this Python has "
                        f"NumPy {np.__version__}), and {default_stub_env()} is not built: run "
-                       f"`python -m lab_utils.compat.numpy1_env` once (pip installs {STUB_NUMPY!r} there)")
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m lab_utils.compat.numpy1_env``: build the python backend's NumPy-1 environment."""
-    parser = argparse.ArgumentParser(prog="python -m lab_utils.compat.numpy1_env",
-                                     description=f"Build {default_stub_env()} ({STUB_NUMPY} for the pytriton wheel's "
-                                     "Triton python backend) once, and print its path as JSON.")
-    parser.parse_args(argv)
-    print(json.dumps({"stub_env": str(build_stub_env())}))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+                       f"`nvlab stub-env` once (pip installs {STUB_NUMPY!r} there)")
