@@ -433,7 +433,9 @@ def cmd_stub_env(args: argparse.Namespace) -> int:
 def cmd_quiz(args: argparse.Namespace) -> int:
     from nvlab.ops import quiz  # lazy: pulls pandas (cli stays fast to import)
 
-    return quiz.main(args.action, args.target, args.seed, args.language)
+    if args.action == "strategies":  # the one action with a seed and a language (the parser's defaults)
+        return quiz.main(args.action, args.target, args.seed, args.language)
+    return quiz.main(args.action, args.target)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -532,7 +534,7 @@ def parser() -> argparse.ArgumentParser:
     st.add_argument("--language", choices=("en", "zh"), default="en")
     qzs.add_parser("glossary", help="write docs/glossary.md from the bank").add_argument(
         "target", nargs="?", help="where to write it (default docs/glossary.md)")
-    qz.set_defaults(fn=cmd_quiz, seed=0, language="en")  # what check and glossary pass: strategies' defaults
+    qz.set_defaults(fn=cmd_quiz)
     return p
 
 

@@ -529,7 +529,7 @@ def test_killed_kernel_leaves_no_nginx_triton_stub_or_shared_memory(svc):
     removes what no exit handler could (the folders and shared-memory regions named by the kernel's PID). Lab 08's
     champion and challenger are this same ``Service`` (``deploy.CanaryService``); its MLflow server's end with a
     killed owner is ``test_mlops.py::test_nothing_left_when_the_owner_is_killed``. The kernel's service serves the
-    module's repository (its build, a training run, ends with the build: 5 of the 10 s of a start)."""
+    module's repository: a second build, which trains the classifier, was 5 of a start's 10 s."""
     import base64
     import pickle
 
@@ -578,7 +578,8 @@ def test_killed_kernel_leaves_no_nginx_triton_stub_or_shared_memory(svc):
         # the folders named by the kernel's PID: doctor removes them below, unless another test worker's next
         # temporary folder already swept them (their owner is dead)
         owned = list(Path(tempfile.gettempdir()).glob(f"nvlab-*-{kernel_pid}-*"))
-        with contextlib.redirect_stdout(io.StringIO()) as doctor:
+        doctor = io.StringIO()
+        with contextlib.redirect_stdout(doctor), contextlib.redirect_stderr(doctor):
             assert cli.main(["doctor"]) == 0, doctor.getvalue()
         assert not [p for p in owned if p.exists()], [p for p in owned if p.exists()]
         assert not any(list(Path("/dev/shm").glob(f"{p}*")) for p in state["shm"])

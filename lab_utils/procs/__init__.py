@@ -77,13 +77,13 @@ TEMP_PREFIX = "nvlab-"  # every temporary folder of the course: nvlab-<what>-<ow
 OWNED_NAME = re.compile(r"^nvlab-(?:[a-z][a-z0-9_]*-)+?(\d+)-[a-z0-9_]+$")
 
 
-_ENDED = (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+ENDED = (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
 
 
 def pid_alive(pid: int) -> bool:
     """Whether process ``pid`` runs (a zombie, killed but not yet reaped by its parent, does not)."""
     try:
-        return pid > 0 and psutil.Process(pid).status() not in _ENDED
+        return pid > 0 and psutil.Process(pid).status() not in ENDED
     except psutil.Error:
         return False
 
@@ -295,7 +295,7 @@ def group_members(pgid: int) -> list[int]:
     out = []
     for p in psutil.process_iter(["status"]):
         with contextlib.suppress(OSError):  # gone meanwhile
-            if p.info["status"] not in _ENDED and os.getpgid(p.pid) == pgid:
+            if p.info["status"] not in ENDED and os.getpgid(p.pid) == pgid:
                 out.append(p.pid)
     return out
 

@@ -30,6 +30,7 @@ import psutil
 from nbformat.v4 import new_markdown_cell
 
 from lab_utils.course.catalog import NOTEBOOK_GLOB, lab_by_number, repo_root
+from lab_utils.procs import ENDED, OWNED_NAME, pid_alive
 
 BEGIN, END, STUDENT = "# BEGIN SOLUTION", "# END SOLUTION", "# STUDENT:"
 MD_BLOCK = re.compile(r"<!-- BEGIN SOLUTION -->.*?<!-- END SOLUTION -->", re.S)
@@ -365,7 +366,7 @@ def leftover_processes(run_id: str) -> list[str]:
     found = []
     for p in psutil.process_iter(["status"]):
         # a zombie has already ended; its parent just has not reaped it
-        if p.pid == os.getpid() or p.info["status"] in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+        if p.pid == os.getpid() or p.info["status"] in ENDED:
             continue
         with contextlib.suppress(psutil.Error):  # gone, or another user's process
             if p.environ().get(RUN_ID_ENV) == run_id:
@@ -377,12 +378,10 @@ def orphaned_processes(root: Path | None = None) -> list[psutil.Process]:
     """Live processes whose program lies in a course folder (``nvlab-<what>-<pid>-<random>`` under ``root``, the
     temporary folder by default) of an owner that is gone: a python-backend stub whose kernel and server were killed
     (seen on a GPU: it catches SIGTERM, outlived its group, and kept 742 MiB of GPU memory)."""
-    from lab_utils.procs import OWNED_NAME, pid_alive
-
     prefix = f"{Path(root or tempfile.gettempdir()).resolve()}/"
     found = []
     for p in psutil.process_iter(["exe", "cmdline", "status"]):
-        if p.info["status"] in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+        if p.info["status"] in ENDED:
             continue
         # the folder may already be swept: a deleted program's exe reads "<path> (deleted)", its argv[0] stays
         for program in (p.info["exe"] or "", *(p.info["cmdline"] or [""])[:1]):
@@ -399,9 +398,9 @@ def end_orphans(root: Path | None = None, grace_s: float = 2.0) -> list[str]:
     found = orphaned_processes(root)
     ended = []
     for p in found:
-        with contextlib.suppress(psutil.Error):
-            ended.append(f"{p.pid} {(p.info['cmdline'] or [p.info['exe']])[0]}")
+        with contextlib.suppress(psutil.Error):  # one that ended meanwhile is not listed
             p.terminate()
+            ended.append(f"{p.pid} {(p.info['cmdline'] or [p.info['exe'] or '?'])[0]}")
     _, alive = psutil.wait_procs(found, timeout=grace_s)
     for p in alive:
         with contextlib.suppress(psutil.Error):
