@@ -336,8 +336,10 @@ def _grade_loader(fn: Any) -> str:
         raise Wrong("pin_memory is off: batches bound for the GPU should be page-locked so the copy can be "
                     "asynchronous (non_blocking=True) and runs at full PCIe speed")
     planted = torch.utils.data.DataLoader(ds, batch_size=LOADER_BATCH, shuffle=True, num_workers=0)
-    base = sum(_batch_waits(planted))
-    mine = sum(_batch_waits(loader))
+    for _ in range(2):  # a machine busy elsewhere can starve the workers for one measurement (CI): a miss, twice
+        base, mine = sum(_batch_waits(planted)), sum(_batch_waits(loader))
+        if mine <= 0.5 * base:
+            break
     if mine > 0.5 * base:
         raise Wrong(f"each next() still waited {mine / 5 * 1e3:.1f} ms on average (a main-process loader: "
                     f"{base / 5 * 1e3:.1f} ms): are workers preparing the next batches while the step runs?")
