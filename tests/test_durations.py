@@ -136,7 +136,7 @@ def test_the_low_priority_worker_runs_only_background_groups_and_the_others_run_
     collection = ["solutions/x.ipynb::Cell 0", "solutions/x.ipynb::Cell 1", *[f"{quiz}::q{i}" for i in range(6)],
                   "tests/test_service.py::s", f"{layout}::l", *[f"tests/test_b.py::t{i}" for i in range(4)],
                   "tests/test_c.py::t"]
-    sched, workers = _scheduled(root_conftest, collection, 3, nvlab_background="gw2")
+    sched, workers = _scheduled(root_conftest, collection, 3, nvlab_background="gw2", nvlab_promote=False)
     assert collection[workers[2].sent[0]] == f"{quiz}::q0"  # the first background group, not the longest group
     ran = _run_all(sched, workers, collection)
     assert set(ran["gw2"]) <= root_conftest.BACKGROUND_GROUPS and ran["gw2"], ran
@@ -144,6 +144,71 @@ def test_the_low_priority_worker_runs_only_background_groups_and_the_others_run_
     assert sorted(sum(ran.values(), [])) == sorted({n.split("::")[0] for n in collection})
     assert sorted(sum((w.sent for w in workers), [])) == list(range(len(collection)))  # every test, once
     assert all(w.shutting_down for w in workers) and sched.tests_finished
+
+
+def test_where_a_niceness_may_be_taken_back_the_low_priority_worker_runs_the_waiting_groups_after_its_own(
+        root_conftest):
+    """Root (CI) may raise a priority again: once no background group is left, the low-priority worker runs the
+    waiting groups at normal priority, and never another group; the others take waiting groups last."""
+    quiz, waiting = "tests/test_quiz.py", sorted(root_conftest.WAITING_GROUPS)
+    assert len(waiting) >= 2 and not set(waiting) & root_conftest.BACKGROUND_GROUPS
+    collection = ["solutions/x.ipynb::Cell 0", "solutions/x.ipynb::Cell 1", f"{waiting[0]}::w", f"{waiting[1]}::w",
+                  f"{quiz}::q0", *[f"tests/test_{name}.py::t" for name in "bcdefgh"]]
+    sched, workers = _scheduled(root_conftest, collection, 3, nvlab_background="gw2", nvlab_promote=True)
+    assert collection[workers[2].sent[0]] == f"{quiz}::q0"  # its own kind first
+    ran = _run_all(sched, workers, collection)
+    assert ran["gw2"][0] == quiz and ran["gw2"][1:] and set(ran["gw2"][1:]) <= set(waiting), ran
+    for w in ("gw0", "gw1"):  # no waiting group before another
+        kinds = [g in root_conftest.WAITING_GROUPS for g in ran[w]]
+        assert kinds == sorted(kinds), ran
+    assert sorted(sum(ran.values(), [])) == sorted({n.split("::")[0] for n in collection})  # each group once
+    assert sorted(sum((w.sent for w in workers), [])) == list(range(len(collection)))
+    assert all(w.shutting_down for w in workers) and sched.tests_finished
+
+
+def test_without_it_the_waiting_groups_run_as_any_other_in_their_order(root_conftest):
+    waiting = sorted(root_conftest.WAITING_GROUPS)[0]
+    collection = [f"{waiting}::w", "solutions/x.ipynb::Cell 0", "tests/test_quiz.py::q"]
+    _, workers = _scheduled(root_conftest, collection, 2, nvlab_background="gw1", nvlab_promote=False)
+    first = [collection[w.sent[0]] for w in workers]
+    assert first == [f"{waiting}::w", "tests/test_quiz.py::q"], first
+
+
+def test_the_low_priority_worker_takes_its_priority_back_for_a_waiting_groups_test(root_conftest, monkeypatch):
+    """Its first test of a waiting group raises every thread's niceness back, once."""
+    calls = []
+    monkeypatch.setattr(root_conftest, "_set_niceness", calls.append)
+    monkeypatch.setattr(root_conftest, "_NORMAL_NICE", [0])
+    waiting = sorted(root_conftest.WAITING_GROUPS)
+    for nodeid in ("tests/test_quiz.py::q", f"{waiting[0]}::w", f"{waiting[1]}::w"):
+        root_conftest.pytest_runtest_protocol(SimpleNamespace(nodeid=nodeid), None)
+    assert calls == [0] and root_conftest._NORMAL_NICE == []
+
+
+def test_the_niceness_of_every_thread_is_lowered_and_taken_back_as_root(root_conftest):
+    """In a forked child (a niceness lowered here would stay with this worker): every thread's niceness goes to 10,
+    and back to where it was where the probe says that is permitted (root: always)."""
+    import os
+
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            import threading
+
+            threading.Thread(target=threading.Event().wait, args=(2,), daemon=True).start()
+            before = os.getpriority(os.PRIO_PROCESS, 0)
+            root_conftest._set_niceness(10)
+            tids = [int(t) for t in os.listdir("/proc/self/task")]
+            lowered = len(tids) > 1 and all(os.getpriority(os.PRIO_PROCESS, t) == 10 for t in tids)
+            may = root_conftest._may_raise_priority()
+            if may:
+                root_conftest._set_niceness(before)
+            back = all(os.getpriority(os.PRIO_PROCESS, t) == before for t in tids)
+            code = 0 if lowered and may == back and (may or os.geteuid() != 0) else 1
+        finally:
+            os._exit(code)
+    assert os.waitpid(pid, 0)[1] == 0
 
 
 def test_the_others_take_the_background_groups_the_low_priority_worker_has_not(root_conftest):
