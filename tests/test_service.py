@@ -425,54 +425,6 @@ def test_monitoring_scrapes_both_tritons_and_nginx(svc):
     assert not mon.alive() and not mon.exporter.alive()
 
 
-FLOOD_BATCH = 16  # digits per request of the overload test (at most the ensemble's max_batch_size)
-DRAIN_S = 20.0  # s: the flood's admitted work drains within this (twice, still falling); the flood alone: minutes
-
-
-def test_an_overload_leaves_no_backlog(svc):
-    """Far over capacity, Triton refuses what its bounded queues cannot hold (``ensemble.MAX_QUEUE``) instead of
-    queueing minutes of work: straight after the overload, a light load is answered within the SLO, no error."""
-    from lab_utils.serving.load import run_open_loop
-
-    # the server's own endpoint: nginx's rate limit would refuse the flood before the queues see it. Every request is
-    # a different batch of 16 digits: a repeated request is a response-cache hit that never queues, and one digit a
-    # request left the queues short of full on a 2-core machine (CI: 12,088 requests at 3,000/s, none refused). Two
-    # seconds are enough: alone, 5,844 of 5,976 requests were refused (4 s: 11,967 of 12,088, the same drain after)
-    rng = np.random.default_rng(7)
-    pngs = service.all_pngs()
-    target = svc.target("grpc", pngs[:1])
-    target.payloads = [{ens.IMAGE: ens.image_batch([pngs[i] for i in rng.choice(len(pngs), FLOOD_BATCH)])}
-                       for _ in range(6_500)]
-    target.batch = FLOOD_BATCH
-    target.url, target.headers = triton_client.host_port(svc.servers[0].grpc_url), None
-    flood = run_open_loop(target, 3000, 2.0, warmup_s=0.0, timeout_s=2.0)
-    assert flood.errors_total > 0, flood  # it was an overload
-    # what was admitted drains in seconds: a bounded queue holds at most MAX_QUEUE requests per step model (an
-    # unbounded one held the whole flood, minutes of work). Triton's pending gauge can keep a few of the requests
-    # whose clients gave up (2 s) counted for good (seen: 20 that never moved; its ensemble counts are known to drift,
-    # triton-inference-server/server#6494), so the count must reach 0 or a remainder that no longer moves, under one
-    # queue's bound; the light load after it shows whether anything still waits in front of new requests
-    t0, seen = time.monotonic(), []
-    while True:
-        seen.append(sum(v for labels, v in metric_samples(svc.servers[0].metrics_url)
-                        if labels["__name__"] == "nv_inference_pending_request_count"))
-        if seen[-1] == 0 or (len(seen) >= 12 and len(set(seen[-12:])) == 1):  # 0, or 3 s unchanged
-            break
-        # a busy machine drains slower (a CI run beside other work: 56 -> 24 in the last 3 s of 20): a count still
-        # falling gets up to twice DRAIN_S; an unbounded queue's thousands fail the bound below all the same
-        waited = time.monotonic() - t0
-        if waited >= 2 * DRAIN_S or (waited >= DRAIN_S and not (len(seen) >= 12 and seen[-1] < seen[-12])):
-            break
-        time.sleep(0.25)
-    assert seen[-1] == 0 or (len(set(seen[-12:])) == 1 and seen[-1] < ens.MAX_QUEUE), \
-        f"{seen[-1]} requests still pending {time.monotonic() - t0:.0f} s after the flood (last counts {seen[-12:]})"
-    # measured again only when the client itself sent late (CI's 2 cores, seen: send lag p99 182 ms, p95 204 ms):
-    # then its latencies say nothing of the server; a backlog behind an on-time client fails at once
-    after = tried(lambda: run_open_loop(svc.target("grpc"), 40, 3.0, warmup_s=0.5, timeout_s=5.0),
-                  lambda r: (r.errors_total == 0 and r.p95_ms < 100) or r.send_lag_p99_ms <= 20)
-    assert after.errors_total == 0 and after.p95_ms < 100, (str(after), after.error_messages)
-
-
 def test_hot_update_under_load_has_no_failed_request(svc):
     ens.write_classifier_version(svc.repo.path, 2, epochs=3, seed=1)
     try:
@@ -586,3 +538,57 @@ def test_killed_kernel_leaves_no_nginx_triton_stub_or_shared_memory(svc):
     finally:
         if km.is_alive():
             km.shutdown_kernel(now=True)
+
+
+# The overload test is the file's last: its flood and the drain after it are the service tests' largest burst of
+# CPU (22-26 s in CI). In the middle of the file it ran beside lab 08's good canary in each of three timed CI runs
+# (the service group and lab 08's notebook both start first); in one of them the canary's latency guard read the
+# good challenger's p95 at 70.9 ms against the champion's 19.6 ms and rolled it back (as in 3 earlier runs of
+# about 40: 121-157 ms against 18-27 ms). Last, it runs beside lab 08's drift and retraining cells, which judge no
+# latency.
+FLOOD_BATCH = 16  # digits per request of the overload test (at most the ensemble's max_batch_size)
+DRAIN_S = 20.0  # s: the flood's admitted work drains within this (twice, still falling); the flood alone: minutes
+
+
+def test_an_overload_leaves_no_backlog(svc):
+    """Far over capacity, Triton refuses what its bounded queues cannot hold (``ensemble.MAX_QUEUE``) instead of
+    queueing minutes of work: straight after the overload, a light load is answered within the SLO, no error."""
+    from lab_utils.serving.load import run_open_loop
+
+    # the server's own endpoint: nginx's rate limit would refuse the flood before the queues see it. Every request is
+    # a different batch of 16 digits: a repeated request is a response-cache hit that never queues, and one digit a
+    # request left the queues short of full on a 2-core machine (CI: 12,088 requests at 3,000/s, none refused). Two
+    # seconds are enough: alone, 5,844 of 5,976 requests were refused (4 s: 11,967 of 12,088, the same drain after)
+    rng = np.random.default_rng(7)
+    pngs = service.all_pngs()
+    target = svc.target("grpc", pngs[:1])
+    target.payloads = [{ens.IMAGE: ens.image_batch([pngs[i] for i in rng.choice(len(pngs), FLOOD_BATCH)])}
+                       for _ in range(6_500)]
+    target.batch = FLOOD_BATCH
+    target.url, target.headers = triton_client.host_port(svc.servers[0].grpc_url), None
+    flood = run_open_loop(target, 3000, 2.0, warmup_s=0.0, timeout_s=2.0)
+    assert flood.errors_total > 0, flood  # it was an overload
+    # what was admitted drains in seconds: a bounded queue holds at most MAX_QUEUE requests per step model (an
+    # unbounded one held the whole flood, minutes of work). Triton's pending gauge can keep a few of the requests
+    # whose clients gave up (2 s) counted for good (seen: 20 that never moved; its ensemble counts are known to drift,
+    # triton-inference-server/server#6494), so the count must reach 0 or a remainder that no longer moves, under one
+    # queue's bound; the light load after it shows whether anything still waits in front of new requests
+    t0, seen = time.monotonic(), []
+    while True:
+        seen.append(sum(v for labels, v in metric_samples(svc.servers[0].metrics_url)
+                        if labels["__name__"] == "nv_inference_pending_request_count"))
+        if seen[-1] == 0 or (len(seen) >= 12 and len(set(seen[-12:])) == 1):  # 0, or 3 s unchanged
+            break
+        # a busy machine drains slower (a CI run beside other work: 56 -> 24 in the last 3 s of 20): a count still
+        # falling gets up to twice DRAIN_S; an unbounded queue's thousands fail the bound below all the same
+        waited = time.monotonic() - t0
+        if waited >= 2 * DRAIN_S or (waited >= DRAIN_S and not (len(seen) >= 12 and seen[-1] < seen[-12])):
+            break
+        time.sleep(0.25)
+    assert seen[-1] == 0 or (len(set(seen[-12:])) == 1 and seen[-1] < ens.MAX_QUEUE), \
+        f"{seen[-1]} requests still pending {time.monotonic() - t0:.0f} s after the flood (last counts {seen[-12:]})"
+    # measured again only when the client itself sent late (CI's 2 cores, seen: send lag p99 182 ms, p95 204 ms):
+    # then its latencies say nothing of the server; a backlog behind an on-time client fails at once
+    after = tried(lambda: run_open_loop(svc.target("grpc"), 40, 3.0, warmup_s=0.5, timeout_s=5.0),
+                  lambda r: (r.errors_total == 0 and r.p95_ms < 100) or r.send_lag_p99_ms <= 20)
+    assert after.errors_total == 0 and after.p95_ms < 100, (str(after), after.error_messages)
