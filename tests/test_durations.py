@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -188,8 +189,6 @@ def test_the_low_priority_worker_takes_its_priority_back_for_a_waiting_groups_te
 def test_the_niceness_of_every_thread_is_lowered_and_taken_back_as_root(root_conftest):
     """In a forked child (a niceness lowered here would stay with this worker): every thread's niceness goes to 10,
     and back to where it was where the probe says that is permitted (root: always)."""
-    import os
-
     pid = os.fork()
     if pid == 0:
         code = 1

@@ -545,7 +545,8 @@ def test_killed_kernel_leaves_no_nginx_triton_stub_or_shared_memory(svc):
 # (the service group and lab 08's notebook both start first); in one of them the canary's latency guard read the
 # good challenger's p95 at 70.9 ms against the champion's 19.6 ms and rolled it back (as in 3 earlier runs of
 # about 40: 121-157 ms against 18-27 ms). Last, it runs beside lab 08's drift and retraining cells, which judge no
-# latency.
+# latency. That alone did not end those rollbacks: a later run rolled a good challenger back the same way (89.8 ms
+# against 11.2 ms).
 FLOOD_BATCH = 16  # digits per request of the overload test (at most the ensemble's max_batch_size)
 DRAIN_S = 20.0  # s: the flood's admitted work drains within this (twice, still falling); the flood alone: minutes
 
