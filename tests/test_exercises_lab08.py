@@ -220,7 +220,7 @@ def test_q2_without_prometheus_is_not_applicable(monkeypatch):
 
 
 def _decide(promote_first=False, acc_before_min=False, ratio_only=False, idle_now=False, nan_acc=False,
-            abs_errors=False, no_feedback_wait=False, p95_on_any_count=False):
+            abs_errors=False, no_feedback_wait=False, p95_ratio=False, no_floor=False, no_comparison_wait=False):
     def decide(state, metrics, guards):
         ch, cl = metrics["champion"], metrics["challenger"]
 
@@ -233,8 +233,11 @@ def _decide(promote_first=False, acc_before_min=False, ratio_only=False, idle_no
                     not abs_errors and not math.isnan(ch.error_rate)
                     and cl.error_rate > ch.error_rate + guards.max_error_rate_delta):
                 return back("CanaryErrors")
-            slow = cl.p95_ms > guards.max_p95_ratio * ch.p95_ms and \
-                (p95_on_any_count or cl.requests >= guards.min_latency_requests)
+            if p95_ratio:  # the p95s compared, each a summary over its own server's last 60 s
+                slow = cl.p95_ms > guards.max_latency_ratio * ch.p95_ms
+            else:
+                floor = 0.0 if no_floor else guards.latency_floor_ms
+                slow = cl.mean_ms > max(guards.max_latency_ratio * ch.mean_ms, floor)  # False on a NaN
             if not ratio_only:
                 slow = slow or cl.p95_ms > guards.max_p95_ms
             if slow:
@@ -248,6 +251,8 @@ def _decide(promote_first=False, acc_before_min=False, ratio_only=False, idle_no
             if idle_now or state.idle + 1 >= guards.max_idle_checks:
                 return back("CanaryNoTraffic")
             return canary.Decision("hold", replace(state, idle=state.idle + 1, healthy=0), "waiting")
+        if not no_comparison_wait and (math.isnan(cl.mean_ms) or math.isnan(ch.mean_ms)):
+            return canary.Decision("hold", replace(state, idle=0, healthy=0), "no latency comparison yet")
         healthy = state.healthy + 1
         if healthy < guards.checks_per_step and not promote_first:
             return canary.Decision("hold", replace(state, healthy=healthy, idle=0), "healthy")
@@ -267,7 +272,9 @@ Q3_WRONG = [(_decide(promote_first=True), "promoted after 1 healthy check"),
             (_decide(idle_now=True), "max_idle_checks"),
             (_decide(nan_acc=True), "champion's accuracy is NaN"),
             (_decide(abs_errors=True), "max_error_rate_delta"),
-            (_decide(p95_on_any_count=True), "min_latency_requests"),
+            (_decide(p95_ratio=True), "not the p95s"),
+            (_decide(no_floor=True), "latency_floor_ms"),
+            (_decide(no_comparison_wait=True), "without the latency comparison"),
             (lambda state, metrics, guards: "promote", "canary.Decision")]
 
 

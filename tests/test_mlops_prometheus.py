@@ -5,6 +5,7 @@ Without Prometheus these skip (fail under NVLAB_REQUIRE_PROMETHEUS=1)."""
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 import urllib.request
@@ -24,26 +25,30 @@ def need_prometheus():
 
 
 class FakeTriton:
-    """Triton's request counters and p95 summary for one model, as gauges whose values follow the rates set."""
+    """Triton's request counters, cumulative request time and p95 summary for one model, as gauges whose values
+    follow the rates and latencies set."""
 
     def __init__(self, model: str = canary.SERVICE_MODEL):
-        self.model, self.rps, self.error_rate, self.p95_ms = model, 0.0, 0.0, 20.0
-        self.success = self.failure = 0.0
+        self.model, self.rps, self.error_rate, self.p95_ms, self.mean_ms = model, 0.0, 0.0, 20.0, 8.0
+        self.success = self.failure = self.duration_us = 0.0
         self._t = time.monotonic()
         self._lock = threading.Lock()
 
-    def set(self, rps: float | None = None, error_rate: float | None = None, p95_ms: float | None = None) -> None:
+    def set(self, rps: float | None = None, error_rate: float | None = None, p95_ms: float | None = None,
+            mean_ms: float | None = None) -> None:
         with self._lock:
             self._advance()
             self.rps = self.rps if rps is None else rps
             self.error_rate = self.error_rate if error_rate is None else error_rate
             self.p95_ms = self.p95_ms if p95_ms is None else p95_ms
+            self.mean_ms = self.mean_ms if mean_ms is None else mean_ms
 
     def _advance(self) -> None:
         now = time.monotonic()
         n = self.rps * (now - self._t)
         self.success += n * (1 - self.error_rate)
         self.failure += n * self.error_rate
+        self.duration_us += n * (1 - self.error_rate) * self.mean_ms * 1000
         self._t = now
 
     def collect(self):
@@ -57,17 +62,18 @@ class FakeTriton:
             f.add_metric([self.model, "1", "BACKEND"], self.failure)
             q = GaugeMetricFamily("nv_inference_request_summary_us", "p", labels=["model", "version", "quantile"])
             q.add_metric([self.model, "1", "0.95"], self.p95_ms * 1000)
-        yield s
-        yield f
-        yield q
+            d = GaugeMetricFamily("nv_inference_request_duration_us", "t", labels=["model", "version"])
+            d.add_metric([self.model, "1"], self.duration_us)
+        yield from (s, f, q, d)
 
 
 class Service:
     """Two variants behind a 'load balancer' whose weight the canary sets; labelled feedback at 40 answers/s."""
 
-    def __init__(self, challenger_accuracy: float, challenger_p95_ms: float = 20.0, rps: float = 100.0):
+    def __init__(self, challenger_accuracy: float, challenger_p95_ms: float = 20.0, challenger_mean_ms: float = 8.0,
+                 rps: float = 100.0):
         self.champ, self.chall = FakeTriton(), FakeTriton()
-        self.chall.set(p95_ms=challenger_p95_ms)
+        self.chall.set(p95_ms=challenger_p95_ms, mean_ms=challenger_mean_ms)
         self.rps, self.acc = rps, {"champion": 0.97, "challenger": challenger_accuracy}
         self.weights: list[int] = []
         self.servers = [MetricsServer([self.champ]).start(), MetricsServer([self.chall]).start()]
@@ -126,6 +132,12 @@ def test_a_good_challenger_is_promoted():
     checked = tl[tl.action.isin(["hold", "promote"])]
     assert (checked["challenger_error_rate"] == 0).all()  # the "or ... * 0" branch: no failures yet
     assert checked["challenger_p95_ms"].iloc[-1] == pytest.approx(20.0)
+    # the means over the window: NaN until window + one interval (3 s + 1 s) after each weight change, then 8 ms
+    changes = list(tl[tl.action.isin(["start", "promote"])]["t_s"])
+    for _, row in checked.iterrows():
+        since = row["t_s"] - max(t for t in changes if t < row["t_s"])  # a promote row: read before its change
+        assert math.isnan(row["challenger_mean_ms"]) == (since < 4.0 - 0.05), (since, row["challenger_mean_ms"])
+    assert checked["challenger_mean_ms"].dropna().round(3).eq(8.0).all() and checked["champion_mean_ms"].notna().any()
     # 0.97 right; a 3 s window holds ~60 answers, but as few as ~19 when the 2-core machine starves the feed, where
     # one wrong answer and the window edges' extrapolation move the ratio by ~5 points (0.895 was seen)
     assert checked["champion_accuracy"].dropna().between(0.85, 1.0).all()
@@ -150,6 +162,18 @@ def test_a_slow_challenger_is_rolled_back():
     finally:
         service.close()
     assert run.rolled_back and run.alerts == ["CanaryLatency"] and service.weights[-1] == 0, run.timeline
+    assert "over the SLO" in run.timeline.iloc[-1]["reason"]
+
+
+def test_a_challenger_twice_the_champions_mean_is_rolled_back_once_compared():
+    service = Service(challenger_accuracy=0.97, challenger_mean_ms=16.0)  # p95 20 ms: under the SLO
+    try:
+        run = _run(service)
+    finally:
+        service.close()
+    assert run.rolled_back and run.alerts == ["CanaryLatency"] and service.weights == [0, 10, 0], run.timeline
+    last = run.timeline.iloc[-1]
+    assert last["t_s"] >= 4.0 and "mean latency 16.0 ms" in last["reason"], run.timeline
 
 
 def test_drift_exporter_is_scraped_and_its_rules_fire(tmp_path):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from lab_utils.mlops import abtest, drift, lifecycle
-from lab_utils.mlops.canary import CanaryState, Guards, VariantMetrics, decide, render_queries
+from lab_utils.mlops.canary import CanaryState, Guards, VariantMetrics, decide, render_queries, window_seconds
 from lab_utils.mlops.tracking import digits_data
 
 # --- A/B ------------------------------------------------------------------------------------------------------
@@ -147,7 +147,7 @@ def test_confidence_and_monitor_window(digits):
 
 # --- the canary's decision ------------------------------------------------------------------------------------------
 
-GOOD = VariantMetrics(error_rate=0.0, p95_ms=20.0, accuracy=0.97, requests=100, feedback=50)
+GOOD = VariantMetrics(error_rate=0.0, p95_ms=20.0, accuracy=0.97, requests=100, feedback=50, mean_ms=8.0)
 
 
 def both(challenger: VariantMetrics, champion: VariantMetrics = GOOD) -> dict[str, VariantMetrics]:
@@ -168,11 +168,12 @@ def test_a_healthy_challenger_is_promoted_step_by_step():
 
 
 @pytest.mark.parametrize("chall, alert", [
-    (VariantMetrics(error_rate=0.05, p95_ms=20, accuracy=0.97, requests=100, feedback=50), "CanaryErrors"),
-    (VariantMetrics(error_rate=0.008, p95_ms=20, accuracy=0.97, requests=100, feedback=50), "CanaryErrors"),  # delta
-    (VariantMetrics(error_rate=0.0, p95_ms=150, accuracy=0.97, requests=100, feedback=50), "CanaryLatency"),  # SLO
-    (VariantMetrics(error_rate=0.0, p95_ms=40, accuracy=0.97, requests=200, feedback=50), "CanaryLatency"),  # 2x
-    (VariantMetrics(error_rate=0.0, p95_ms=20, accuracy=0.88, requests=100, feedback=50), "CanaryAccuracy"),
+    (replace(GOOD, error_rate=0.05), "CanaryErrors"),
+    (replace(GOOD, error_rate=0.008), "CanaryErrors"),  # delta
+    (replace(GOOD, p95_ms=150), "CanaryLatency"),  # SLO
+    (replace(GOOD, mean_ms=16.5), "CanaryLatency"),  # 2 x the champion's mean over the window
+    (replace(GOOD, p95_ms=150, mean_ms=math.nan), "CanaryLatency"),  # SLO, no comparison yet
+    (replace(GOOD, accuracy=0.88), "CanaryAccuracy"),
 ])
 def test_a_tripped_guard_rolls_back(chall, alert):
     state = CanaryState(step=1, healthy=1)
@@ -181,12 +182,24 @@ def test_a_tripped_guard_rolls_back(chall, alert):
     assert decide(d.state, both(GOOD)).action == "done"
 
 
-def test_the_relative_latency_bound_waits_for_enough_requests_the_slo_does_not():
-    slow = VariantMetrics(error_rate=0.0, p95_ms=60, accuracy=0.97, requests=199, feedback=50)  # 3 x, under the SLO
-    assert decide(CanaryState(), both(slow)).action == "hold"
-    assert decide(CanaryState(), both(replace(slow, requests=200))).alert == "CanaryLatency"
-    assert decide(CanaryState(), both(replace(slow, p95_ms=150))).alert == "CanaryLatency"  # over the SLO: any count
-    assert decide(CanaryState(), both(slow), Guards(min_latency_requests=0)).alert == "CanaryLatency"
+def test_latency_against_the_champion_is_the_windows_mean_and_no_step_is_taken_without_it():
+    # a p95 three times the champion's is not compared (a summary over each server's own last 60 s): the SLO only
+    assert decide(CanaryState(), both(replace(GOOD, p95_ms=60))).action == "hold"
+    assert decide(CanaryState(healthy=1), both(replace(GOOD, p95_ms=60))).action == "promote"
+    # the mean: over max(1.5 x the champion's, the floor); a fast champion's 1.5 x is under the floor
+    assert decide(CanaryState(), both(replace(GOOD, mean_ms=12.1))).alert == "CanaryLatency"
+    assert decide(CanaryState(), both(replace(GOOD, mean_ms=11.9))).action == "hold"
+    fast = replace(GOOD, mean_ms=2.0)
+    assert decide(CanaryState(healthy=1), both(replace(GOOD, mean_ms=4.9), fast)).action == "promote"
+    assert decide(CanaryState(), both(replace(GOOD, mean_ms=5.1), fast)).alert == "CanaryLatency"
+    assert decide(CanaryState(), both(replace(GOOD, mean_ms=5.1), fast), Guards(latency_floor_ms=6)).action == "hold"
+    # no comparison yet (a mean NaN: the window holds the last step's traffic): a hold that breaks the streak and is
+    # no lack of evidence (idle back to 0, never CanaryNoTraffic)
+    for chall, champ in ((replace(GOOD, mean_ms=math.nan), GOOD), (GOOD, replace(GOOD, mean_ms=math.nan))):
+        d = decide(CanaryState(healthy=1, idle=3), both(chall, champ), Guards(max_idle_checks=4))
+        assert (d.action, d.state.healthy, d.state.idle) == ("hold", 0, 0) and "no latency comparison" in d.reason
+    with pytest.raises(ValueError, match="max_latency_ratio"):
+        Guards(max_latency_ratio=0.5)
 
 
 def test_short_evidence_holds_then_rolls_back_as_no_traffic():
@@ -201,7 +214,7 @@ def test_short_evidence_holds_then_rolls_back_as_no_traffic():
     nan = VariantMetrics()
     assert decide(state, both(nan, nan), g).action == "hold"
     # accuracy counts only with enough labelled answers: 5 wrong ones decide nothing
-    assert decide(state, both(VariantMetrics(0.0, 20, 0.0, 100, 5)), Guards(min_feedback=20)).action == "hold"
+    assert decide(state, both(VariantMetrics(0.0, 20, 0.0, 100, 5, 8.0)), Guards(min_feedback=20)).action == "hold"
     # a healthy check after an idle one starts counting again
     assert decide(d1.state, both(GOOD), Guards(checks_per_step=1)).action == "promote"
 
@@ -220,6 +233,8 @@ def test_decide_is_pure_and_checks_its_inputs():
         render_queries(window="30")
     q = render_queries("1m", model="m", by="instance")
     assert 'nv_inference_request_failure{model="m"}[1m]' in q["error_rate"] and "by (instance)" in q["p95_ms"]
+    assert 'rate(nv_inference_request_duration_us{model="m"}[1m])' in q["mean_ms"] and "by (instance)" in q["mean_ms"]
+    assert window_seconds("500ms") == 0.5 and window_seconds("15s") == 15 and window_seconds("2m") == 120
 
 
 def test_lifecycle_map_points_to_labs():

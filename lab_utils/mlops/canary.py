@@ -7,6 +7,12 @@ then 50 %, then 100 %, each step held while its guards pass; a tripped guard rol
 loops: read, decide, apply the weight, log a timeline row. Units: error rates and accuracy are fractions 0..1,
 latency in ms, weights in % of requests.
 
+The latency guard compares the variants on their mean latency over the same window, once that window holds only
+the current step's traffic (``run_canary`` leaves ``mean_ms`` NaN until then): Triton's p95 is a summary over each
+server's own last 60 s, so a challenger reloaded a few seconds ago and a champion serving for minutes are read over
+different spans, and a busy second just after a step is a large share of the challenger's few requests and a tiny
+share of the champion's. The p95 is held to the SLO alone.
+
 Design notes: docs/internals.md#lab_utilsmlopscanarypy"""
 
 from __future__ import annotations
@@ -44,18 +50,31 @@ QUERIES = {
     "requests": f"{_INC_SUCCESSES} + {_INC_FAILURES}",
     # Triton's p95 of request latency (summary over its own sliding window, summary_latencies=true), in ms
     "p95_ms": 'max by ({by}) (nv_inference_request_summary_us{{model="{model}",quantile="0.95"}}) / 1000',
+    # mean request latency over the window, in ms: Triton's cumulative request time over its successful requests
+    "mean_ms": ('sum by ({by}) (rate(nv_inference_request_duration_us{{model="{model}"}}[{window}])) / '
+                f"{_SUCCESSES} / 1000"),
     # accuracy on labelled feedback over the window (0..1), and how many labelled answers it rests on
     "accuracy": (f"sum by ({{feedback_by}}) (increase({FEEDBACK_CORRECT}[{{window}}])) / "
                  f"sum by ({{feedback_by}}) (increase({FEEDBACK_TOTAL}[{{window}}]))"),
     "feedback": f"sum by ({{feedback_by}}) (increase({FEEDBACK_TOTAL}[{{window}}]))"}
 
 
+_UNIT_S = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def window_seconds(window: str) -> float:
+    """A PromQL duration (``"15s"``, ``"500ms"``, ``"1m"``) in seconds."""
+    m = re.fullmatch(r"(\d+)(ms|s|m|h)", window) if isinstance(window, str) else None
+    if m is None:
+        raise ValueError(f"window={window!r}: a PromQL duration such as '30s' or '1m'")
+    return int(m.group(1)) * _UNIT_S[m.group(2)]
+
+
 def render_queries(window: str = "30s", model: str = SERVICE_MODEL, by: str = "job",
                    feedback_by: str = VARIANT_LABEL) -> dict[str, str]:
     """``QUERIES`` with the window (``"30s"``, at least 2 scrape intervals), the Triton model and the grouping
     labels filled in: PromQL a student can paste into Prometheus."""
-    if not re.fullmatch(r"\d+(ms|s|m|h)", window):
-        raise ValueError(f"window={window!r}: a PromQL duration such as '30s' or '1m'")
+    window_seconds(window)  # a PromQL duration, or a ValueError that says so
     return {k: q.format(window=window, model=model, by=by, feedback_by=feedback_by) for k, q in QUERIES.items()}
 
 
@@ -64,10 +83,11 @@ class VariantMetrics:
     """One variant over the last window. NaN where nothing was measured (no traffic, no labelled feedback)."""
 
     error_rate: float = math.nan  # fraction of requests that failed
-    p95_ms: float = math.nan
+    p95_ms: float = math.nan  # Triton's summary: the server's own last 60 s, whatever the window
     accuracy: float = math.nan  # on labelled feedback, fraction
     requests: float = 0.0  # answered in the window
     feedback: float = 0.0  # labelled answers in the window
+    mean_ms: float = math.nan  # over the window; NaN while the window still holds the previous step's traffic
 
 
 @dataclass(frozen=True)
@@ -76,12 +96,9 @@ class Guards:
 
     max_error_rate: float = 0.01
     max_error_rate_delta: float = 0.005  # above the champion's
-    max_p95_ms: float | None = 100.0  # the service's SLO; None: no absolute bound
-    max_p95_ratio: float = 1.5  # x the champion's p95
-    p95_floor_ms: float = 20.0  # the relative bound is never below this: 4 ms against 12 ms is scheduling noise
-    # the relative bound needs this many challenger requests in the window: the p95 of 100 requests is their 5
-    # slowest, one CPU stall; the champion's, over 9 x as many, is not comparable. The SLO bound always applies.
-    min_latency_requests: int = 200
+    max_p95_ms: float | None = 100.0  # the service's SLO on the p95; None: no absolute bound
+    max_latency_ratio: float = 1.5  # x the champion's mean latency over the same window
+    latency_floor_ms: float = 5.0  # the relative bound is never below this: 3 ms against 2 ms is no regression
     max_accuracy_drop: float = 0.03  # below the champion's accuracy on labelled feedback
     min_requests: int = 20  # a check with fewer challenger requests decides nothing (hold)
     min_feedback: int = 20  # labelled answers before the accuracy guard counts
@@ -95,10 +112,12 @@ class Guards:
                 raise ValueError(f"Guards({name}={v!r}): a fraction between 0 and 1 (0.01 is 1 %)")
         if self.max_p95_ms is not None:  # None: no absolute bound
             check_positive(self.max_p95_ms, "max_p95_ms", "Guards", what="number of milliseconds")
-        check_positive(self.p95_floor_ms, "p95_floor_ms", "Guards", zero_ok=True, what="number of milliseconds")
-        if not (isinstance(self.max_p95_ratio, (int, float)) and self.max_p95_ratio >= 1):
-            raise ValueError(f"Guards(max_p95_ratio={self.max_p95_ratio!r}): a ratio >= 1 (1.5 allows 50 % slower)")
-        for name in ("min_requests", "min_latency_requests", "min_feedback", "checks_per_step", "max_idle_checks"):
+        check_positive(self.latency_floor_ms, "latency_floor_ms", "Guards", zero_ok=True,
+                       what="number of milliseconds")
+        if not (isinstance(self.max_latency_ratio, (int, float)) and self.max_latency_ratio >= 1):
+            raise ValueError(f"Guards(max_latency_ratio={self.max_latency_ratio!r}): a ratio >= 1 (1.5 allows 50 % "
+                             "slower)")
+        for name in ("min_requests", "min_feedback", "checks_per_step", "max_idle_checks"):
             check_int(getattr(self, name), name, "Guards", 1 if name in ("checks_per_step", "max_idle_checks") else 0)
 
 
@@ -166,9 +185,10 @@ def _metrics(metrics: Mapping[str, Any]) -> tuple[VariantMetrics, VariantMetrics
 
 
 def decide(state: CanaryState, metrics: Mapping[str, VariantMetrics], guards: Guards = Guards()) -> Decision:
-    """One check of the canary: ``rollback`` when a guard trips, ``hold`` while evidence is short or the step's
-    healthy checks are not all in, ``promote`` to the next step (the last is 100 %: promoted), ``done`` once
-    finished. Pure: same inputs, same decision."""
+    """One check of the canary: ``rollback`` when a guard trips, ``hold`` while evidence is short (too few requests
+    or labelled answers; no latency comparison yet: a ``mean_ms`` is NaN) or the step's healthy checks are not all
+    in, ``promote`` to the next step (the last is 100 %: promoted), ``done`` once finished. Pure: same inputs, same
+    decision."""
     if not isinstance(state, CanaryState):
         raise ValueError(f"state: a CanaryState, got {state!r}")
     if not isinstance(guards, Guards):
@@ -191,15 +211,21 @@ def decide(state: CanaryState, metrics: Mapping[str, VariantMetrics], guards: Gu
             return rollback("CanaryErrors", f"challenger error rate {chall.error_rate:.2%} (limit "
                             f"{guards.max_error_rate:.2%}, or champion + {guards.max_error_rate_delta:.2%}{ref})",
                             checks)
-        if not _nan(chall.p95_ms):
-            slow_abs = guards.max_p95_ms is not None and chall.p95_ms > guards.max_p95_ms
-            slow_rel = not _nan(champ.p95_ms) and champ.p95_ms > 0 and chall.requests >= guards.min_latency_requests \
-                and chall.p95_ms > max(guards.max_p95_ratio * champ.p95_ms, guards.p95_floor_ms)
+        # the p95 against the SLO; the mean against the champion's over the same window (both numbers only once
+        # the window holds the current step's traffic alone)
+        slow_abs = not _nan(chall.p95_ms) and guards.max_p95_ms is not None and chall.p95_ms > guards.max_p95_ms
+        limit = math.nan if _nan(champ.mean_ms) or champ.mean_ms <= 0 else \
+            max(guards.max_latency_ratio * champ.mean_ms, guards.latency_floor_ms)
+        slow_rel = not _nan(chall.mean_ms) and not _nan(limit) and chall.mean_ms > limit
+        if not (_nan(chall.p95_ms) and _nan(limit)):
             checks["latency"] = not (slow_abs or slow_rel)
-            if not checks["latency"]:
-                ref = "" if _nan(champ.p95_ms) else f"; champion {champ.p95_ms:.1f} ms"
-                return rollback("CanaryLatency", f"challenger p95 {chall.p95_ms:.1f} ms (limit {guards.max_p95_ms} ms"
-                                f" or {guards.max_p95_ratio:g} x the champion's{ref})", checks)
+        if slow_abs:
+            return rollback("CanaryLatency", f"challenger p95 {chall.p95_ms:.1f} ms over the SLO "
+                            f"({guards.max_p95_ms:g} ms)", checks)
+        if slow_rel:
+            return rollback("CanaryLatency", f"challenger mean latency {chall.mean_ms:.1f} ms over the window, over "
+                            f"{limit:.1f} ms ({guards.max_latency_ratio:g} x the champion's {champ.mean_ms:.1f} ms, "
+                            f"at least {guards.latency_floor_ms:g} ms)", checks)
     if chall.feedback >= guards.min_feedback and not _nan(chall.accuracy) and not _nan(champ.accuracy):
         checks["accuracy"] = chall.accuracy >= champ.accuracy - guards.max_accuracy_drop
         if not checks["accuracy"]:
@@ -216,6 +242,11 @@ def decide(state: CanaryState, metrics: Mapping[str, VariantMetrics], guards: Gu
         if (idle := state.idle + 1) >= guards.max_idle_checks:
             return rollback("CanaryNoTraffic", f"{idle} checks without {lacking}", checks)
         return Decision("hold", replace(state, idle=idle, healthy=0), wait, None, checks)
+    # no step before the latency comparison: the window must first hold this step's traffic alone (a wait with the
+    # evidence in, not a lack of it: idle back to 0)
+    if _nan(chall.mean_ms) or _nan(champ.mean_ms):
+        return Decision("hold", replace(state, healthy=0, idle=0), f"waiting for a window of traffic at "
+                        f"{state.weight} % alone: no latency comparison yet", None, checks)
     if (healthy := state.healthy + 1) < guards.checks_per_step:
         return Decision("hold", replace(state, healthy=healthy, idle=0),
                         f"healthy check {healthy} of {guards.checks_per_step} at {state.weight} %", None, checks)
@@ -281,12 +312,17 @@ def run_canary(prom: Any, set_weight: Callable[[int], None], *, guards: Guards =
     ``timeout_s`` rolled back (``CanaryTimeout``). A failed ``set_weight`` is retried as a rollback to 0 and then
     raised. A failed query counts as a check without evidence. ``on_row(row)`` sees each timeline row as it is
     written (a live plot, a print). ``decide_fn``: the decision function (default ``decide``; an exercise passes the
-    student's)."""
+    student's).
+
+    Both variants' ``mean_ms`` stay NaN (no latency comparison: ``decide`` holds) until ``window`` plus one check
+    interval has passed since the last weight change: only then does the window hold the current split alone, so
+    that both means are over the same requests' time (a scrape lags by at most an interval)."""
     state = CanaryState()
     check_positive(interval_s, "interval_s", "run_canary", what="number of seconds")
     rendered = render_queries(window, model, feedback_by=feedback_by)
+    settle_s = window_seconds(window) + interval_s
     rows: list[dict[str, Any]] = []
-    t0 = time.time()
+    t0 = changed = time.time()
 
     def log(action: str, metrics: Mapping[str, VariantMetrics] | None, reason: str, alert: str | None) -> None:
         row: dict[str, Any] = {"time": time.time(), "t_s": time.time() - t0, "weight": state.weight,
@@ -297,7 +333,8 @@ def run_canary(prom: Any, set_weight: Callable[[int], None], *, guards: Guards =
             on_row(row)
 
     def apply(weight: int) -> None:
-        nonlocal state
+        nonlocal state, changed
+        changed = time.time()
         try:
             set_weight(weight)
         except BaseException as err:
@@ -322,6 +359,8 @@ def run_canary(prom: Any, set_weight: Callable[[int], None], *, guards: Guards =
         except PrometheusError as err:
             metrics = {v: VariantMetrics() for v in VARIANTS}
             note = f" (query failed: {err})"
+        if time.time() - changed < settle_s:  # the window still holds the previous split's requests
+            metrics = {v: replace(m, mean_ms=math.nan) for v, m in metrics.items()}
         before = state.weight
         decision = (decide_fn or decide)(state, metrics, guards)
         state = decision.state

@@ -42,13 +42,13 @@ def reference_decide(state: Any, metrics: Mapping[str, Any], guards: Any) -> Any
             limit = min(limit, champ.error_rate + guards.max_error_rate_delta)
         if chall.error_rate > limit:
             return rollback("CanaryErrors", f"error rate {chall.error_rate:.2%} over {limit:.2%}")
-        if not nan(chall.p95_ms):
-            limit = math.inf if guards.max_p95_ms is None else guards.max_p95_ms  # the SLO
-            # relative, on enough requests for a p95, and never below the floor (noise)
-            if not nan(champ.p95_ms) and champ.p95_ms > 0 and chall.requests >= guards.min_latency_requests:
-                limit = min(limit, max(guards.max_p95_ratio * champ.p95_ms, guards.p95_floor_ms))
-            if chall.p95_ms > limit:
-                return rollback("CanaryLatency", f"p95 {chall.p95_ms:.1f} ms over {limit:.1f} ms")
+        if guards.max_p95_ms is not None and not nan(chall.p95_ms) and chall.p95_ms > guards.max_p95_ms:
+            return rollback("CanaryLatency", f"p95 {chall.p95_ms:.1f} ms over the SLO")
+        # against the champion: the means over the same window, never below the floor (noise)
+        if not nan(chall.mean_ms) and not nan(champ.mean_ms) and champ.mean_ms > 0:
+            limit = max(guards.max_latency_ratio * champ.mean_ms, guards.latency_floor_ms)
+            if chall.mean_ms > limit:
+                return rollback("CanaryLatency", f"mean {chall.mean_ms:.1f} ms over {limit:.1f} ms")
     # accuracy: only on enough labelled answers, and only against a champion that has a measured accuracy
     if chall.feedback >= guards.min_feedback and not nan(chall.accuracy) and not nan(champ.accuracy):
         if chall.accuracy < champ.accuracy - guards.max_accuracy_drop:
@@ -63,6 +63,8 @@ def reference_decide(state: Any, metrics: Mapping[str, Any], guards: Any) -> Any
         if idle >= guards.max_idle_checks:
             return rollback("CanaryNoTraffic", f"{idle} checks without enough challenger requests")
         return Decision("hold", replace(state, idle=idle, healthy=0), "waiting for challenger requests")
+    if nan(chall.mean_ms) or nan(champ.mean_ms):  # no step before the latency comparison
+        return Decision("hold", replace(state, idle=0, healthy=0), "waiting for a window at this weight")
     healthy = state.healthy + 1
     if healthy < guards.checks_per_step:
         return Decision("hold", replace(state, healthy=healthy, idle=0), f"healthy check {healthy}")
@@ -80,8 +82,10 @@ LIVE_GUARDS = {"min_requests": 5, "min_feedback": 10, "checks_per_step": 2, "max
 
 def _healthy(champion: Mapping[str, float] | None = None, **chall: float) -> dict[str, Any]:
     """A healthy champion and challenger, their figures changed by ``champion`` and ``chall``."""
-    champ = {"error_rate": 0.001, "p95_ms": 40.0, "accuracy": 0.97, "requests": 4500.0, "feedback": 900.0}
-    base = {"error_rate": 0.001, "p95_ms": 40.0, "accuracy": 0.96, "requests": 500.0, "feedback": 100.0}
+    champ = {"error_rate": 0.001, "p95_ms": 40.0, "mean_ms": 12.0, "accuracy": 0.97, "requests": 4500.0,
+             "feedback": 900.0}
+    base = {"error_rate": 0.001, "p95_ms": 40.0, "mean_ms": 12.0, "accuracy": 0.96, "requests": 500.0,
+            "feedback": 100.0}
     return {"champion": VariantMetrics(**{**champ, **(champion or {})}),
             "challenger": VariantMetrics(**{**base, **chall})}
 
@@ -97,9 +101,17 @@ def _sequences() -> list[tuple[str, Any, list[dict[str, Any]]]]:
          [_healthy(accuracy=0.6, feedback=5.0), _healthy(accuracy=0.6, feedback=5.0), _healthy()]),
         ("a slow challenger (p95 over the SLO, within 1.5 x a slow champion)", g,
          [_healthy({"p95_ms": 120.0}, p95_ms=150.0, accuracy=0.97)]),
-        ("a slower challenger (2 x the champion's p95, under the SLO)", g, [_healthy(p95_ms=85.0)]),
-        ("a slower challenger on 100 requests (too few for a p95 against the champion's)", g,
-         [_healthy(p95_ms=85.0, requests=100.0)]),
+        ("a slower challenger (2 x the champion's mean latency over the window, p95 under the SLO)", g,
+         [_healthy(mean_ms=24.0, p95_ms=80.0)]),
+        ("a challenger 1.4 x the champion's mean latency (within max_latency_ratio)", g,
+         [_healthy(mean_ms=16.8) for _ in range(4)]),
+        ("a challenger whose p95 is twice the champion's, mean latency the same (a summary over each server's "
+         "own last 60 s: not comparable)", g, [_healthy(p95_ms=85.0) for _ in range(4)]),
+        ("a fast champion: 1.5 x its 2 ms is under guards.latency_floor_ms", g,
+         [_healthy({"mean_ms": 2.0}, mean_ms=4.5) for _ in range(4)]),
+        ("the window still holds the last step's traffic (mean_ms NaN), then holds this step's alone", g,
+         [_healthy(mean_ms=math.nan), _healthy({"mean_ms": math.nan}, mean_ms=math.nan), _healthy(mean_ms=math.nan),
+          _healthy(), _healthy(), _healthy(mean_ms=math.nan), _healthy(), _healthy()]),
         ("an error spike", g, [_healthy(), _healthy(error_rate=0.05)]),
         ("errors under 1 % but well above the champion's", g, [_healthy(error_rate=0.008)]),
         ("too few requests", g, [_healthy(requests=3.0, error_rate=0.0) for _ in range(g.max_idle_checks)]),
@@ -112,8 +124,8 @@ def _sequences() -> list[tuple[str, Any, list[dict[str, Any]]]]:
 
 def _describe(m: Mapping[str, Any]) -> str:
     def one(x: Any) -> str:
-        return (f"errors {x.error_rate:.1%}, p95 {x.p95_ms:g} ms, accuracy {x.accuracy:.0%} on {x.feedback:g} "
-                f"labelled, {x.requests:g} requests")
+        return (f"errors {x.error_rate:.1%}, p95 {x.p95_ms:g} ms, mean {x.mean_ms:g} ms, accuracy {x.accuracy:.0%} "
+                f"on {x.feedback:g} labelled, {x.requests:g} requests")
 
     return f"challenger {one(m['challenger'])}; champion {one(m['champion'])}"
 
@@ -121,7 +133,12 @@ def _describe(m: Mapping[str, Any]) -> str:
 def _why(mine: Any, ref: Any, state: Any, m: Mapping[str, Any], g: Any) -> str:
     """What the student's decision got wrong, from how it differs from the reference's."""
     champ, chall = m["champion"], m["challenger"]
+    no_comparison = math.isnan(chall.mean_ms) or math.isnan(champ.mean_ms)
     if mine.action == "promote" and ref.action == "hold":
+        if no_comparison and chall.requests >= g.min_requests and chall.feedback >= g.min_feedback:
+            return ("it promoted without the latency comparison: a mean_ms is NaN while the window still holds the "
+                    "previous step's traffic (run_canary leaves it so); hold with state.healthy back to 0 until both "
+                    "means are numbers, so that no step is taken before the latency was compared")
         if chall.requests < g.min_requests:
             return (f"it promoted on {chall.requests:g} challenger requests (< guards.min_requests = "
                     f"{g.min_requests}): too little evidence is a hold, not a healthy check")
@@ -136,11 +153,17 @@ def _why(mine: Any, ref: Any, state: Any, m: Mapping[str, Any], g: Any) -> str:
         if mine.alert == "CanaryAccuracy" and chall.feedback < g.min_feedback:
             return (f"it applied the accuracy guard on {chall.feedback:g} labelled answers: below "
                     f"guards.min_feedback ({g.min_feedback}) the accuracy is noise; skip the guard until then")
-        if mine.alert == "CanaryLatency" and chall.requests < g.min_latency_requests and \
-                (g.max_p95_ms is None or chall.p95_ms <= g.max_p95_ms):
-            return (f"it compared the challenger's p95 with the champion's on {chall.requests:g} challenger requests: "
-                    f"below guards.min_latency_requests ({g.min_latency_requests}) a p95 is a few slow requests; "
-                    "only the SLO bound (guards.max_p95_ms) applies until then")
+        if mine.alert == "CanaryLatency" and (g.max_p95_ms is None or chall.p95_ms <= g.max_p95_ms):
+            if not no_comparison and chall.mean_ms <= g.max_latency_ratio * champ.mean_ms:
+                return (f"it rolled back on latency with the challenger's mean ({chall.mean_ms:g} ms) within "
+                        f"guards.max_latency_ratio ({g.max_latency_ratio:g}) x the champion's ({champ.mean_ms:g} ms) "
+                        f"and its p95 ({chall.p95_ms:g} ms) under the SLO: compare the means over the window, not the "
+                        "p95s (Triton's summary covers each server's own last 60 s: a challenger reloaded seconds ago "
+                        "and a champion serving for minutes are read over different spans)")
+            if not no_comparison:
+                return (f"it rolled back with the challenger's mean ({chall.mean_ms:g} ms) under "
+                        f"guards.latency_floor_ms ({g.latency_floor_ms:g} ms): the bound relative to the champion is "
+                        "max(max_latency_ratio x the champion's mean, latency_floor_ms)")
         if mine.alert == "CanaryAccuracy" and math.isnan(champ.accuracy):
             return ("it rolled back on accuracy while the champion's accuracy is NaN (no labelled answers): with "
                     "nothing to compare with, the accuracy guard is not evaluated (`not (a >= nan)` is True)")
@@ -149,10 +172,11 @@ def _why(mine: Any, ref: Any, state: Any, m: Mapping[str, Any], g: Any) -> str:
         if ref.alert == "CanaryLatency":
             if g.max_p95_ms is not None and chall.p95_ms > g.max_p95_ms:
                 return (f"the challenger's p95 ({chall.p95_ms:g} ms) is over the SLO guards.max_p95_ms "
-                        f"({g.max_p95_ms:g} ms): roll back (CanaryLatency) even when it is within "
-                        f"{g.max_p95_ratio:g} x the champion's; check both bounds")
-            return (f"the challenger's p95 ({chall.p95_ms:g} ms) is over guards.max_p95_ratio ({g.max_p95_ratio:g}) "
-                    f"x the champion's ({champ.p95_ms:g} ms): roll back (CanaryLatency) even under the SLO")
+                        f"({g.max_p95_ms:g} ms): roll back (CanaryLatency) even when its mean is within "
+                        f"{g.max_latency_ratio:g} x the champion's; check both bounds")
+            return (f"the challenger's mean latency over the window ({chall.mean_ms:g} ms) is over "
+                    f"guards.max_latency_ratio ({g.max_latency_ratio:g}) x the champion's ({champ.mean_ms:g} ms), and "
+                    f"over guards.latency_floor_ms: roll back (CanaryLatency) even with its p95 under the SLO")
         if ref.alert == "CanaryErrors":
             if chall.error_rate > g.max_error_rate:
                 return (f"the challenger's error rate {chall.error_rate:.1%} is over guards.max_error_rate: roll "
@@ -247,14 +271,15 @@ q3 = CodeExercise(
     signature="decide(state: CanaryState, metrics: dict[str, VariantMetrics], guards: Guards) -> Decision",
     hints=(
         "Guards in order: errors (above guards.max_error_rate, or above the champion's + max_error_rate_delta), "
-        "latency (p95 above guards.max_p95_ms, or above max_p95_ratio x the champion's once the challenger has "
-        "guards.min_latency_requests requests), accuracy (below the "
+        "latency (p95 above guards.max_p95_ms, the SLO; or mean_ms above max(max_latency_ratio x the champion's "
+        "mean_ms, latency_floor_ms), where both means are numbers), accuracy (below the "
         "champion's - max_accuracy_drop, only once feedback >= min_feedback and both accuracies are numbers). "
         "A trip: Decision('rollback', replace(state, status='rolled_back'), why, alert).",
         "Fewer than guards.min_requests challenger requests: a hold (state.idle + 1, healthy back to 0); after "
         "guards.max_idle_checks of those in a row: rollback 'CanaryNoTraffic'.",
-        "A healthy check adds 1 to state.healthy; at guards.checks_per_step: promote, replace(state, step=step + 1, "
-        "healthy=0, idle=0), with status 'promoted' when the new step is the last (100 %).",
+        "Evidence in but a mean_ms NaN (the window still holds the last step's traffic): hold, healthy and idle "
+        "back to 0. A healthy check adds 1 to state.healthy; at guards.checks_per_step: promote, replace(state, "
+        "step=step + 1, healthy=0, idle=0), with status 'promoted' when the new step is the last (100 %).",
     ),
     solution_text=source_as(reference_decide, "decide"),
 )
