@@ -155,6 +155,16 @@ def test_cpu_percent_moves_with_load():
     assert busy is not None and 0 < busy <= 100
 
 
+def test_cpu_percent_stays_within_0_and_100_where_float_rounding_crosses_them(monkeypatch):
+    """busy = total - idle in seconds since boot: rounding put a fully busy interval at 100.00000000227 %."""
+    readings = iter([(0.0, 0.0), (10.000000001, 10.0), (9.999999999 - 10.0, 20.0)])
+    monkeypatch.setattr(gpu_exporter, "_cpu_times", lambda: next(readings))
+    reader = gpu_exporter.HostReader()
+    for want in (100.0, 0.0):
+        reader._last_read -= 1.0  # a second since the last reading
+        assert reader.cpu_percent() == want
+
+
 def test_stop_ends_the_thread_and_frees_the_port_twice_safe():
     exp = gpu_exporter.GpuExporter(use_nvml=False).start()
     port, thread = exp.port, exp._thread

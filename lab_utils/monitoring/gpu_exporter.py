@@ -81,7 +81,9 @@ class HostReader:
         if total <= 0 or time.monotonic() - self._last_read < 0.05:
             return self._last_pct
         self._last, self._last_read = now, time.monotonic()
-        self._last_pct = 100.0 * busy / total
+        # busy is total - idle, both seconds since boot (about 1e6): their float rounding can put a fully busy
+        # interval a few 1e-9 over 100 % (100.00000000227 seen on a saturated 2-core machine)
+        self._last_pct = min(100.0, max(0.0, 100.0 * busy / total))
         return self._last_pct
 
     def read(self) -> dict[str, float]:
