@@ -147,26 +147,31 @@ BACKGROUND_GROUPS = frozenset({
 # advances (a subprocess limit of a minute holds).
 BACKGROUND_NICE = 10
 # Groups that mostly wait (a watchdog's grading windows, canaries and alert rules over real Prometheus windows) and
-# use little CPU: 120 s of a CI run's wall time and 12 s of its CPU. The low-priority worker runs them once its
-# background groups are done (at about 250 s of 420 in CI), at normal priority, where the user may take a niceness
-# back (root, as in CI); the other workers take them only once nothing else is left. No notebook and no latency
-# check goes there: a fourth worker running the others' groups slowed the notebooks (a run of 498 s). Their sum
-# keeps the low-priority worker ending with the others (with test_prometheus.py too, 25 s after them).
+# use little CPU: 160 s of a CI run's wall time and 16 s of its CPU. A worker of their own runs them from the
+# start, at normal priority, and nothing else: on the low-priority worker, after its background groups, they ended
+# the run 12-25 s after every other worker, with the CPU idle. Where auto gives fewer than four workers, the
+# low-priority worker runs them once its background groups are done, at normal priority where the user may take a
+# niceness back (root); the other workers take them only once nothing else is left. No notebook and no latency
+# check goes there: a fourth worker running the others' groups slowed the notebooks (a run of 498 s).
 WAITING_GROUPS = frozenset({"tests/test_exercises_lab05.py", "tests/test_mlops_prometheus.py",
-                            "tests/test_monitoring.py"})
+                            "tests/test_monitoring.py", "tests/test_prometheus.py"})
 
 
 def pytest_xdist_auto_num_workers(config):
-    """``-n auto``: one worker more than the cores (at most 4), and one low-priority worker for BACKGROUND_GROUPS.
-    Much of the suite waits (servers starting, loads of a fixed duration, ranks meeting): with two workers on the
-    2-core CI machine the run used 851 s of CPU in 777 s, 1.1 of its 2 cores; with three, 80 % of both cores. A
-    fourth worker at normal priority made the latency checks fail (a canary's p95 of 143 ms against its 100 ms
-    SLO); at low priority it runs only on what the others leave idle."""
-    n = min(4, (os.cpu_count() or 1) + 1) + 1
+    """``-n auto``: one worker more than the cores (at most 4), a worker for WAITING_GROUPS and a low-priority one
+    for BACKGROUND_GROUPS, within ``--maxprocesses``. Much of the suite waits (servers starting, loads of a fixed
+    duration, ranks meeting): with two workers on the 2-core CI machine the run used 851 s of CPU in 777 s, 1.1 of
+    its 2 cores; with three, 80 % of both cores. A fourth worker at normal priority running any group made the
+    latency checks fail (a canary's p95 of 143 ms against its 100 ms SLO); at low priority it runs only on what the
+    others leave idle, and the waiting groups' worker uses little CPU. The waiting worker needs two others beside
+    the low-priority one (four in all); with fewer, the low-priority worker runs the waiting groups last."""
+    n = min(4, (os.cpu_count() or 1) + 1) + 2
     if config.option.maxprocesses:
         n = min(n, config.option.maxprocesses)
     if n > 1:
         config.option.nvlab_background = f"gw{n - 1}"  # the last worker
+    if n >= 4:
+        config.option.nvlab_waiting = f"gw{n - 2}"  # the one before it
     return n
 
 
@@ -237,26 +242,28 @@ def pytest_xdist_make_scheduler(config, log):
     config.option.loadscopereorder = False
 
     background = getattr(config.option, "nvlab_background", None)
+    waiting = getattr(config.option, "nvlab_waiting", None)
     choice = getattr(config.option, "nvlab_promote", None)  # the scheduler's tests choose; None: may this user
-    promote = background is not None and (_may_raise_priority() if choice is None else choice)
+    promote = background is not None and waiting is None and (_may_raise_priority() if choice is None else choice)
 
     def kind(scope: str) -> str:  # where no worker runs waiting groups apart, they are others (the longest first)
-        return "background" if scope in BACKGROUND_GROUPS else "waiting" if promote and scope in WAITING_GROUPS \
-            else "other"
+        return "background" if scope in BACKGROUND_GROUPS else \
+            "waiting" if (promote or waiting is not None) and scope in WAITING_GROUPS else "other"
 
     class _Groups(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             return _group(nodeid)
 
         def _assign_work_unit(self, node) -> None:
-            """The low-priority worker takes the first background group left, then (``promote``) the first waiting
-            group, and stops when none is; the others take the first other group, then waiting groups, then
-            background groups."""
-            low = node.gateway.id == background
-            order = (("background", "waiting") if promote else ("background",)) if low else \
+            """The waiting groups' worker takes the first waiting group left and stops when none is; the
+            low-priority worker likewise with background groups, then (``promote``) waiting groups; the others take
+            the first other group, then waiting groups, then background groups."""
+            low, apart = node.gateway.id == background, node.gateway.id == waiting
+            order = ("waiting",) if apart else \
+                (("background", "waiting") if promote else ("background",)) if low else \
                 ("other", "waiting", "background")
             scope = next((s for k in order for s in self.workqueue if kind(s) == k), None)
-            if scope is None and (low or not self.workqueue):
+            if scope is None and (low or apart or not self.workqueue):
                 node.shutdown()  # it finishes what it holds
                 return
             if scope is not None:

@@ -220,13 +220,31 @@ def test_the_others_take_the_background_groups_the_low_priority_worker_has_not(r
     assert sorted(sum((w.sent for w in workers), [])) == [0, 1, 2, 3] and sched.tests_finished
 
 
-@pytest.mark.parametrize(("cores", "cap", "workers", "low"), [(2, 5, 4, "gw3"), (8, 5, 5, "gw4"), (2, 3, 3, "gw2"),
-                                                             (1, None, 3, "gw2")])
-def test_auto_adds_one_low_priority_worker_within_the_cap(root_conftest, monkeypatch, cores, cap, workers, low):
+@pytest.mark.parametrize(("cores", "cap", "workers", "low", "waiting"), [
+    (2, 5, 5, "gw4", "gw3"), (8, 5, 5, "gw4", "gw3"), (2, 3, 3, "gw2", None), (1, None, 4, "gw3", "gw2")])
+def test_auto_adds_a_waiting_and_a_low_priority_worker_within_the_cap(root_conftest, monkeypatch, cores, cap, workers,
+                                                                       low, waiting):
     monkeypatch.setattr(root_conftest.os, "cpu_count", lambda: cores)
     config = SimpleNamespace(option=SimpleNamespace(maxprocesses=cap))
     assert root_conftest.pytest_xdist_auto_num_workers(config) == workers
     assert config.option.nvlab_background == low
+    assert getattr(config.option, "nvlab_waiting", None) == waiting
+
+
+def test_the_waiting_worker_runs_the_waiting_groups_from_the_start_and_nothing_else(root_conftest):
+    """With a worker of their own (four or more in all), the waiting groups start at once there, whatever their
+    place in the order; the low-priority worker keeps to its background groups, the others to the rest."""
+    quiz, waiting = "tests/test_quiz.py", sorted(root_conftest.WAITING_GROUPS)
+    collection = ["solutions/x.ipynb::Cell 0", "solutions/x.ipynb::Cell 1", *[f"tests/test_{n}.py::t" for n in "bcd"],
+                  f"{quiz}::q0", *[f"{w}::w" for w in waiting], *[f"tests/test_{n}.py::t" for n in "efgh"]]
+    sched, workers = _scheduled(root_conftest, collection, 4, nvlab_background="gw3", nvlab_waiting="gw2",
+                                nvlab_promote=True)
+    assert collection[workers[2].sent[0]] == f"{waiting[0]}::w" and collection[workers[3].sent[0]] == f"{quiz}::q0"
+    ran = _run_all(sched, workers, collection)
+    assert ran["gw2"] == waiting and ran["gw3"] == [quiz], ran
+    assert not (set(ran["gw0"]) | set(ran["gw1"])) & (root_conftest.WAITING_GROUPS | {quiz}), ran
+    assert sorted(sum((w.sent for w in workers), [])) == list(range(len(collection)))  # every test, once
+    assert all(w.shutting_down for w in workers) and sched.tests_finished
 
 
 def test_background_groups_exist_and_start_no_server(root_conftest, monkeypatch):
