@@ -272,6 +272,15 @@ def test_the_loader_check_measures_a_miss_again(monkeypatch):
     assert out.status is Status.INCORRECT and "still waited 30.0 ms" in out.message, out.message
 
 
+def test_a_loader_with_persistent_workers_is_measured_twice():
+    """The second measurement of a miss iterates the answer's loader again: with persistent workers that reused the
+    iterator the first one had shut, and raised "Queue ... is closed" (a CI run on a busy machine)."""
+    ds = lab06.PngDigits(size=16, storage_ms=lab06.LOADER_STORAGE_MS)
+    loader = lab06.reference_make_loader(ds, lab06.LOADER_BATCH, "cpu")
+    assert loader.persistent_workers and loader.num_workers >= 1
+    assert all(len(lab06._batch_waits(loader, batches=3)) == 1 for _ in range(2))
+
+
 # --- trace helpers ---------------------------------------------------------------------------------------
 
 

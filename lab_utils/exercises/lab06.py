@@ -314,6 +314,8 @@ def _batch_waits(loader: Any, batches: int = 7, step_s: float = LOADER_STEP_S) -
             time.sleep(step_s)
     finally:
         close_iterator(it)()
+        if getattr(loader, "_iterator", None) is it:  # persistent workers: the next iter() would reset the shut one
+            loader._iterator = None  # ("Queue is closed"); a fresh one is made instead
     return waits[2:]
 
 
