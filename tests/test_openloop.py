@@ -321,6 +321,8 @@ def test_compare_loops_advances_its_progress_hook_per_loop(monkeypatch, capsys):
 def test_a_probe_shorter_than_three_windows_is_cut_into_three_and_can_hold_the_slo(slow):
     """A capacity probe of 1.5 s in windows of 1 s was two windows, which the stability rule (three) never calls
     stable: every rate missed the SLO and lab 07's quick ResNet-50 search found a capacity of 0 on a GPU."""
-    r = run_open_loop(HttpTarget(slow.url), 20.0, 1.5, warmup_s=0.5, window_s=1.0, seed=4)
+    # stability is measured: a busy machine once slowed the last window (median 22.5 ms, then 56.4 ms in CI)
+    r = tried(lambda: run_open_loop(HttpTarget(slow.url), 20.0, 1.5, warmup_s=0.5, window_s=1.0, seed=4),
+              lambda r: r.stable and meets_slo(r, 400)[0], why=lambda r: meets_slo(r, 400)[1])
     assert len(r.windows) == 3 and [w.seconds for w in r.windows] == pytest.approx([0.5] * 3)
     assert r.stable and meets_slo(r, 400)[0], meets_slo(r, 400)[1]
