@@ -148,11 +148,10 @@ BACKGROUND_GROUPS = frozenset({
 BACKGROUND_NICE = 10
 # Groups that mostly wait (a watchdog's grading windows, canaries and alert rules over real Prometheus windows) and
 # use little CPU: 160 s of a CI run's wall time and 16 s of its CPU. A worker of their own runs them from the
-# start, at normal priority (on the low-priority worker, after its background groups, they ended the run 12-25 s
-# after every other worker, with the CPU idle), then takes other groups as a fourth normal worker: the heavy
-# notebooks are under way or done by then, and the five workers ended within 2 s of each other (480 s against
-# 493 s with it stopping after its own, and three workers alone ending 100 s after it). Where auto gives fewer
-# than four workers, the
+# start, at normal priority, and nothing else: on the low-priority worker, after its background groups, they ended
+# the run 12-25 s after every other worker, with the CPU idle. Taking other groups afterwards made it a fourth
+# normal worker: a run of 415 s failed two timing checks (a gloo all-reduce at 4.6 x the reference, torch's
+# benchmark against ours). Where auto gives fewer than four workers, the
 # low-priority worker runs them once its background groups are done, at normal priority where the user may take a
 # niceness back (root); the other workers take them only once nothing else is left. No notebook and no latency
 # check goes there: a fourth worker running the others' groups slowed the notebooks (a run of 498 s).
@@ -258,11 +257,11 @@ def pytest_xdist_make_scheduler(config, log):
             return _group(nodeid)
 
         def _assign_work_unit(self, node) -> None:
-            """The waiting groups' worker takes the first waiting group left, then other groups, and stops when none
-            is; the low-priority worker takes background groups, then (``promote``) waiting groups, and stops; the
-            others take the first other group, then waiting groups, then background groups."""
+            """The waiting groups' worker takes the first waiting group left and stops when none is; the
+            low-priority worker likewise with background groups, then (``promote``) waiting groups; the others take
+            the first other group, then waiting groups, then background groups."""
             low, apart = node.gateway.id == background, node.gateway.id == waiting
-            order = ("waiting", "other") if apart else \
+            order = ("waiting",) if apart else \
                 (("background", "waiting") if promote else ("background",)) if low else \
                 ("other", "waiting", "background")
             scope = next((s for k in order for s in self.workqueue if kind(s) == k), None)
