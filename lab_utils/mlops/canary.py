@@ -18,7 +18,6 @@ Design notes: docs/internals.md#lab_utilsmlopscanarypy"""
 from __future__ import annotations
 
 import math
-import re
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -28,7 +27,7 @@ import pandas as pd
 
 from lab_utils.args import check_int, check_positive
 from lab_utils.mlops.feedback import FEEDBACK_CORRECT, FEEDBACK_TOTAL, VARIANT_LABEL
-from lab_utils.monitoring.prometheus import PrometheusError
+from lab_utils.monitoring.prometheus import PrometheusError, window_seconds
 
 VARIANTS = ("champion", "challenger")
 STEPS = (10, 50, 100)
@@ -57,17 +56,6 @@ QUERIES = {
     "accuracy": (f"sum by ({{feedback_by}}) (increase({FEEDBACK_CORRECT}[{{window}}])) / "
                  f"sum by ({{feedback_by}}) (increase({FEEDBACK_TOTAL}[{{window}}]))"),
     "feedback": f"sum by ({{feedback_by}}) (increase({FEEDBACK_TOTAL}[{{window}}]))"}
-
-
-_UNIT_S = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
-
-
-def window_seconds(window: str) -> float:
-    """A PromQL duration (``"15s"``, ``"500ms"``, ``"1m"``) in seconds."""
-    m = re.fullmatch(r"(\d+)(ms|s|m|h)", window) if isinstance(window, str) else None
-    if m is None:
-        raise ValueError(f"window={window!r}: a PromQL duration such as '30s' or '1m'")
-    return int(m.group(1)) * _UNIT_S[m.group(2)]
 
 
 def render_queries(window: str = "30s", model: str = SERVICE_MODEL, by: str = "job",

@@ -112,6 +112,17 @@ def test_rules(*paths: str | Path) -> str:
 # --- configuration -----------------------------------------------------------------------------
 
 
+_UNIT_S = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def window_seconds(window: str) -> float:
+    """A PromQL duration (``"15s"``, ``"500ms"``, ``"1m"``) in seconds."""
+    m = re.fullmatch(r"(\d+)(ms|s|m|h)", window) if isinstance(window, str) else None
+    if m is None:
+        raise ValueError(f"window={window!r}: a PromQL duration such as '30s' or '1m'")
+    return int(m.group(1)) * _UNIT_S[m.group(2)]
+
+
 def _duration(seconds: float) -> str:
     ms = int(round(seconds * 1000))
     return f"{ms // 1000}s" if ms % 1000 == 0 else f"{ms}ms"

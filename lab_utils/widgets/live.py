@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import html
 import math
-import re
 import threading
 import time
 from collections.abc import Iterator
@@ -16,6 +15,7 @@ import ipywidgets as w
 import pandas as pd
 from IPython.display import display
 
+from lab_utils.monitoring.prometheus import window_seconds
 from lab_utils.widgets.core import Panel, interactive
 
 
@@ -34,8 +34,11 @@ class LiveView(Panel):
     table (seconds since start, qps, p95_ms, queue_ms); NaN where Prometheus has no value yet."""
 
     def __init__(self, metrics: Any, window: str = "5s", every_s: float = 2.0):
-        if not (isinstance(window, str) and re.fullmatch(r"\d+(ms|s|m|h)", window)):
-            raise ValueError(f"live_view(window={window!r}): a PromQL range such as '5s' or '1m' (the rate's window)")
+        try:
+            window_seconds(window)
+        except ValueError:
+            raise ValueError(f"live_view(window={window!r}): a PromQL range such as '5s' or '1m' (the rate's "
+                             "window)") from None
         if isinstance(every_s, bool) or not isinstance(every_s, (int, float)) or not 0.1 <= every_s <= 3600:
             raise ValueError(f"live_view(every_s={every_s!r}): seconds between readings, from 0.1 to 3600")
         self.metrics, self.every_s = metrics, every_s
