@@ -35,6 +35,7 @@ from lab_utils.distributed.bandwidth import (
     check_collective,
     link_peak_gbps,
 )
+from lab_utils.distributed.ddp_base import all_reduce_values
 from lab_utils.distributed.spawn import WorkerContext, choose_backend, launch, torch_gpu_count
 from lab_utils.plotting import format_bytes
 from lab_utils.procs import temporary_folder
@@ -161,12 +162,6 @@ def collective_call(collective: str, inp: torch.Tensor, out: torch.Tensor) -> Ca
     raise ValueError(f"collective_call(collective={collective!r}): valid names are {list(COLLECTIVES)}")
 
 
-def _max_over_ranks(value: float, device: str) -> float:
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
-
-
 # --- Workers (run in each rank's process by spawn.launch) -----------------------------------------
 
 
@@ -212,7 +207,7 @@ def _bench_one(ctx: WorkerContext, collective: str, size: int, dtype: str, reps:
         if not (isinstance(exc, NotImplementedError) or _UNSUPPORTED.search(str(exc))):  # else: the backend refused
             raise
         code, problem = 1, f"{ctx.backend} refused it: {str(exc).strip().splitlines()[0]}"
-    if (agreed := int(_max_over_ranks(code, dev))) == 2:
+    if (agreed := int(all_reduce_values(ctx, [code], op="max")[0])) == 2:
         reports: list[str | None] = [None] * n
         dist.all_gather_object(reports, problem if code == 2 else "")
         wrong = "; ".join(r for r in reports if r)
@@ -225,7 +220,7 @@ def _bench_one(ctx: WorkerContext, collective: str, size: int, dtype: str, reps:
     ctx.barrier()  # start the warm-up together, so no rank's first call waits for a slow allocator
     t = benchmark(fn, reps=reps, warmup=warmup, device=dev, name=label)
     row["rank_time_ms"] = t.median_ms
-    row["time_ms"] = _max_over_ranks(t.median_ms, dev)  # as slow as the slowest rank
+    row["time_ms"] = all_reduce_values(ctx, [t.median_ms], op="max")[0]  # as slow as the slowest rank
     return row
 
 
@@ -254,7 +249,7 @@ def bare_allreduce_worker(ctx: WorkerContext, size_bytes: int, iters: int, warmu
         for _ in range(iters):
             dist.all_reduce(x)
         ms = (time.perf_counter() - t0) * 1e3 / iters
-    return {"rank_time_ms": ms, "time_ms": _max_over_ranks(ms, ctx.device), "size_bytes": numel * 4}
+    return {"rank_time_ms": ms, "time_ms": all_reduce_values(ctx, [ms], op="max")[0], "size_bytes": numel * 4}
 
 
 def nccl_debug_worker(ctx: WorkerContext, size_bytes: int) -> dict[str, Any]:
