@@ -139,18 +139,18 @@ def _time_steps(ctx: WorkerContext, cfg: dict[str, Any]) -> dict[str, Any]:
             sizes = str(log.get("rebuilt_bucket_sizes") or log.get("bucket_sizes", "")).strip()  # "bytes, ..."
             buckets = len(sizes.split(",")) if sizes else None
     global_batch = b * ctx.world_size
-    out = {"world_size": ctx.world_size, "backend": ctx.backend,
-           "device": torch.cuda.get_device_name(ctx.device) if is_cuda(ctx) else f"cpu ({cpu_model()})",
-           **{k: cfg[k] for k in ("batch_size", "image_size", "width", "amp", "channels_last", "bucket_cap_mb",
-                                  "gradient_as_bucket_view", "ddp", "accumulate", "steps",
-                                  "warmup_steps")},
-           "depth": cfg["depth"] if isinstance(cfg["depth"], int) else tuple(cfg["depth"]),
-           "global_batch": global_batch, "step_ms": mean_ms, "step_ms_median": median_ms,
-           "images_per_s": global_batch / (mean_ms * 1e-3), "images_per_s_per_worker": b / (mean_ms * 1e-3),
-           "n_params": sum(p.numel() for p in params), "params_mib": param_mib(model),
-           "grads_mib": sum(p.numel() * 4 for p in params) / MIB,  # DDP reduces fp32 gradients, even under autocast
-           "buckets": buckets}
-    return out  # the model, optimizer and batch go with this frame: the next variant starts with free memory
+    # the model, optimizer and batch go with this frame: the next variant starts with free memory
+    return {"world_size": ctx.world_size, "backend": ctx.backend,
+            "device": torch.cuda.get_device_name(ctx.device) if is_cuda(ctx) else f"cpu ({cpu_model()})",
+            **{k: cfg[k] for k in ("batch_size", "image_size", "width", "amp", "channels_last", "bucket_cap_mb",
+                                   "gradient_as_bucket_view", "ddp", "accumulate", "steps",
+                                   "warmup_steps")},
+            "depth": cfg["depth"] if isinstance(cfg["depth"], int) else tuple(cfg["depth"]),
+            "global_batch": global_batch, "step_ms": mean_ms, "step_ms_median": median_ms,
+            "images_per_s": global_batch / (mean_ms * 1e-3), "images_per_s_per_worker": b / (mean_ms * 1e-3),
+            "n_params": sum(p.numel() for p in params), "params_mib": param_mib(model),
+            "grads_mib": sum(p.numel() * 4 for p in params) / MIB,  # DDP reduces fp32 gradients, even under autocast
+            "buckets": buckets}
 
 
 def throughput(ctx: WorkerContext, steps: int | None = None, warmup_steps: int | None = None,
