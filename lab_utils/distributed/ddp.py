@@ -55,7 +55,6 @@ if TYPE_CHECKING:  # the tables are built in the launcher: ranks running a worke
 DIGITS_DEFAULTS = {"epochs": 8, "global_batch": 64, "lr": 0.05, "momentum": 0.9, "width": 32}
 
 
-
 # --- Digits data ----------------------------------------------------------------------------------
 
 

@@ -184,8 +184,6 @@ def group_listen_ports(pgid: int) -> set[int] | None:
     return ports
 
 
-
-
 def die_with_parent() -> None:
     """Linux: ask the kernel to SIGKILL this process when its parent dies, so nothing is orphaned.
 
