@@ -182,17 +182,15 @@ def stubs_version() -> str | None:
 def cache_root() -> Path:
     """The course's cache folder: ``$NVLAB_CACHE_DIR``, else ``$XDG_CACHE_HOME/nvlab``, else ``~/.cache/nvlab``;
     where that cannot be written (a read-only home in CI), a temporary folder removed when Python exits."""
-    if os.environ.get("NVLAB_CACHE_DIR"):
-        wanted = Path(os.environ["NVLAB_CACHE_DIR"])
-    else:
-        wanted = Path(os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")) / "nvlab"
+    named = os.environ.get("NVLAB_CACHE_DIR")
+    wanted = Path(named) if named else Path(os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")) / "nvlab"
     with contextlib.suppress(OSError):
         wanted.mkdir(parents=True, exist_ok=True)
         if os.access(wanted, os.W_OK):
             return wanted
-    if os.environ.get("NVLAB_CACHE_DIR"):  # asked for by name: say so rather than quietly use another folder
-        raise EnvError(f"NVLAB_CACHE_DIR={os.environ['NVLAB_CACHE_DIR']!r}: expected a folder this user can create "
-                       "and write (or unset it for ~/.cache/nvlab)")
+    if named:  # asked for by name: say so rather than quietly use another folder
+        raise EnvError(f"NVLAB_CACHE_DIR={named!r}: expected a folder this user can create and write (or unset it "
+                       "for ~/.cache/nvlab)")
     return _temporary_cache()
 
 
