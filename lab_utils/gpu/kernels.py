@@ -368,16 +368,14 @@ def reference_points(measured: dict[str, float]) -> pd.DataFrame:
     rows = []
     n = measured.get("matmul_n")
     for name, (kind, dtype, intensity) in RECORDED_POINTS.items():
-        if name not in measured:
+        if name not in measured or not (n or name.endswith("_gbps")):  # a matmul's intensity needs matmul_n
             continue
         if name.endswith("_gbps"):
             tbps = measured[name] / 1e3
-            rows.append({"label": f"H200 {kind}", "kind": f"H200 {kind}", "dtype": dtype,
-                         "intensity_flop_per_byte": intensity, "tflops": tbps * intensity, "tbps": tbps,
-                         "device": "H200 reference"})
-        elif n:
-            i = matmul_flops(int(n), int(n), int(n)) / matmul_bytes(int(n), int(n), int(n), 2)
-            rows.append({"label": f"H200 {kind}", "kind": f"H200 {kind}", "dtype": dtype,
-                         "intensity_flop_per_byte": i, "tflops": measured[name], "tbps": math.nan,
-                         "device": "H200 reference"})
+            tflops = tbps * intensity
+        else:
+            intensity = matmul_flops(int(n), int(n), int(n)) / matmul_bytes(int(n), int(n), int(n), 2)
+            tflops, tbps = measured[name], math.nan
+        rows.append({"label": f"H200 {kind}", "kind": f"H200 {kind}", "dtype": dtype,
+                     "intensity_flop_per_byte": intensity, "tflops": tflops, "tbps": tbps, "device": "H200 reference"})
     return pd.DataFrame(rows, columns=ROOFLINE_COLUMNS)
