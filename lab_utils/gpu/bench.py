@@ -517,9 +517,7 @@ def roofline_points(sweep: pd.DataFrame | None = None, copies: pd.DataFrame | No
             rows.append({"label": f"matmul {r.dtype} {r.n}", "kind": "matmul", "dtype": r.dtype,  # not bandwidth-bound
                          "intensity_flop_per_byte": r.intensity_flop_per_byte, "tflops": r.tflops, "tbps": math.nan,
                          "device": r.device})
-    ew = elementwise_add(elementwise_numel, device=device, reps=reps)
-    ew.pop("median_ms")
-    rows.append(ew)
+    rows.append(elementwise_add(elementwise_numel, device=device, reps=reps))  # its median_ms is not a column
     if copies is not None:
         if missing := {"size_bytes", "gbps"} - set(copies.columns):
             raise ValueError(
