@@ -216,10 +216,8 @@ def _image_program(name: str, variant: str, device: str, sz: Sizes, fixes: set[s
         log.add(loss) if "sync" in fixes else log.read(loss)
 
     knobs = (", bf16" if bf16 else "") + (", channels-last" if fmt is torch.channels_last else "")
-    prog = Program(name, variant, step, sz.batch, note=f"{sz.image}×{sz.image} PNG digits, batch {sz.batch}, "
-                   f"width {sz.width}, {workers} loader workers{knobs}")
-    prog.closers.append(close_iterator(it))
-    return prog
+    return Program(name, variant, step, sz.batch, note=f"{sz.image}×{sz.image} PNG digits, batch {sz.batch}, "
+                   f"width {sz.width}, {workers} loader workers{knobs}", closers=[close_iterator(it)])
 
 
 def _sync_program(variant: str, device: str, sz: Sizes, seed: int) -> Program:
