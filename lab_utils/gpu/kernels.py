@@ -123,9 +123,8 @@ class Guarded:
     def spilled(self) -> int:
         """Elements outside ``view`` whose value changed (NaN-safe), i.e. written by a kernel past the tensor."""
         inside = torch.zeros(self.base.shape, dtype=torch.bool, device=self.base.device)
-        inside_view = inside.as_strided(self.view.shape, self.view.stride(),
-                                        self.view.storage_offset() - self.base.storage_offset())
-        inside_view.fill_(True)
+        inside.as_strided(self.view.shape, self.view.stride(),
+                          self.view.storage_offset() - self.base.storage_offset()).fill_(True)
         outside = self.base[~inside]
         same = (outside == self.fill) | (torch.isnan(outside) & math.isnan(self.fill))
         return int((~same).sum())
