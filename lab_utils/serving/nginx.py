@@ -180,26 +180,29 @@ def _explain(stderr: str, text: str, spans: dict[str, tuple[int, int]] | None = 
 _E_OPTION: dict[str, bool] = {}
 
 
-def _error_log_arg(binary: str, prefix: Path) -> list[str]:
-    """``-e PREFIX/logs/error.log``: the log nginx writes before it has read the config (else /var/log/nginx, another
-    user's). nginx has ``-e`` from 1.19.5 on (Ubuntu 22.04 ships 1.18: it then only warns that it cannot open
-    the default log, as a non-root user)."""
+def _argv(binary: str, prefix: Path, conf: str | os.PathLike[str], *options: str) -> list[str]:
+    """``nginx OPTIONS -p PREFIX/ -c CONF -e PREFIX/logs/error.log``: ``-e`` is the log nginx writes before it has read
+    the config (else /var/log/nginx, another user's). nginx has ``-e`` from 1.19.5 on (Ubuntu 22.04 ships 1.18: it
+    then only warns that it cannot open the default log, as a non-root user)."""
     if binary not in _E_OPTION:
         m = re.search(r"nginx/(\d+)\.(\d+)\.(\d+)", nginx_version(binary))
         _E_OPTION[binary] = not m or tuple(map(int, m.groups())) >= (1, 19, 5)
-    return ["-e", str(prefix / "logs" / "error.log")] if _E_OPTION[binary] else []
+    early_log = ["-e", str(prefix / "logs" / "error.log")] if _E_OPTION[binary] else []
+    return [binary, *options, "-p", f"{prefix}/", "-c", str(conf), *early_log]
 
 
-def _prefix_dirs(prefix: Path) -> None:
+def _write_conf(prefix: Path, text: str) -> Path:
+    """``PREFIX/conf/nginx.conf`` holding ``text``, beside the ``logs`` and ``temp`` folders nginx writes to."""
     for sub in ("conf", "logs", "temp"):
         (prefix / sub).mkdir(parents=True, exist_ok=True)
+    (conf := prefix / "conf" / "nginx.conf").write_text(text)
+    return conf
 
 
 def _test(binary: str, prefix: Path, conf: Path, spans: dict[str, tuple[int, int]] | None = None,
           what: str = "the config") -> str:
     """``nginx -t`` on ``conf``: its warnings, or the ``NginxConfigError`` of ``_explain``."""
-    argv = [binary, "-t", "-q", "-p", f"{prefix}/", "-c", str(conf), *_error_log_arg(binary, prefix)]
-    out = subprocess.run(argv, capture_output=True, text=True, timeout=30.0)
+    out = subprocess.run(_argv(binary, prefix, conf, "-t", "-q"), capture_output=True, text=True, timeout=30.0)
     if out.returncode != 0:
         raise _explain(out.stderr + out.stdout, conf.read_text(), spans, what=what)
     return out.stderr.strip()
@@ -213,10 +216,7 @@ def check_nginx_config(text: str, binary: str | None = None, what: str = "the co
     """
     binary = binary or nginx_binary()
     with temporary_folder("nginx-check") as prefix:
-        _prefix_dirs(prefix)
-        conf = prefix / "conf" / "nginx.conf"
-        conf.write_text(text)
-        return _test(binary, prefix, conf, spans, what)
+        return _test(binary, prefix, _write_conf(prefix, text), spans, what)
 
 
 def check_upstream_block(block: str, binary: str | None = None) -> str:
@@ -238,7 +238,7 @@ def reload_nginx(prefix: str | os.PathLike[str], conf: str | os.PathLike[str], b
     workers finish their requests before they exit (nothing is dropped). ``NginxError`` with nginx's words when
     the signal could not be sent (no master running with that prefix's pid file)."""
     binary = binary or nginx_binary()
-    argv = [binary, "-s", "reload", "-p", f"{prefix}/", "-c", str(conf), *_error_log_arg(binary, Path(prefix))]
+    argv = _argv(binary, Path(prefix), conf, "-s", "reload")
     out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
     if out.returncode != 0:
         raise NginxError(f"`{' '.join(argv)}` failed: {(out.stderr or out.stdout).strip()}")
@@ -381,10 +381,8 @@ class NginxServer(OwnedServer, HttpGrpcEndpoints):
         if self.json_check is not None:
             self.json_check.start()
         self.folder = owned_tempdir("nginx")
-        _prefix_dirs(self.folder)
         self.config_text, spans = self._render()
-        self.conf_path.write_text(self.config_text)
-        _test(str(self.binary), self.folder, self.conf_path, spans)
+        _test(str(self.binary), self.folder, _write_conf(self.folder, self.config_text), spans)
         return {"cwd": str(self.folder)}
 
     def _cleanup(self) -> None:
@@ -393,10 +391,7 @@ class NginxServer(OwnedServer, HttpGrpcEndpoints):
             self.json_check.stop()
 
     def _command(self) -> list[str]:
-        binary = str(self.binary)
-        prefix = self._need_prefix()
-        return [binary, "-p", f"{prefix}/", "-c", str(self.conf_path), *_error_log_arg(binary, prefix),
-                "-g", "daemon off;"]
+        return [*_argv(str(self.binary), self._need_prefix(), self.conf_path), "-g", "daemon off;"]
 
     def _ready_url(self) -> str:
         return f"http://{self.host}:{self.status_port}/generation"
