@@ -151,14 +151,18 @@ class LoadResult:
         return s
 
 
-def _latency(lat: np.ndarray, *percentiles: int) -> dict[str, float]:
-    """``mean_ms`` and ``p{q}_ms`` of the latencies ``lat`` (ms) for each of ``percentiles``: NaN without any."""
+def _measured(rows: Sequence[Row], *percentiles: int) -> dict[str, Any]:
+    """What ``rows`` got: ``requests`` answered, ``errors`` (``timeouts`` among them; ``error_messages``), and the
+    answered ones' ``mean_ms`` and ``p{q}_ms`` latency from the intended send time for each of ``percentiles`` (NaN
+    without any)."""
+    lat = np.asarray([(r[2] - r[0]) * 1e3 for r in rows if r[3]])
+    msgs = Counter(r[4] for r in rows if not r[3])
+    timeouts = sum(n for m, n in msgs.items() if m.startswith(("TimeoutError", "CancelledError"))
+                   or "DEADLINE_EXCEEDED" in m)
     values = [lat.mean(), *np.percentile(lat, percentiles)] if len(lat) else [float("nan")] * (1 + len(percentiles))
-    return {k: float(v) for k, v in zip(["mean_ms", *(f"p{q}_ms" for q in percentiles)], values, strict=True)}
-
-
-def _is_timeout(msg: str) -> bool:
-    return msg.startswith(("TimeoutError", "CancelledError")) or "DEADLINE_EXCEEDED" in msg
+    return {"requests": len(lat), "errors": sum(msgs.values()), "timeouts": timeouts,
+            "error_messages": _top_messages(msgs),
+            **{k: float(v) for k, v in zip(["mean_ms", *(f"p{q}_ms" for q in percentiles)], values, strict=True)}}
 
 
 def _top_messages(msgs: Counter[str], n: int = TOP_MESSAGES) -> dict[str, int]:
@@ -191,12 +195,9 @@ class _Book:
 
     def window(self, w: int) -> Window:
         rows, done, seconds = self.span(w, w)
-        lat = np.asarray([(r[2] - r[0]) * 1e3 for r in rows if r[3]])
-        msgs = Counter(r[4] for r in rows if not r[3])
-        return Window(index=w, seconds=seconds, requests=len(lat), errors=sum(msgs.values()),
-                      throughput_infer_s=done * self.batch / seconds, **_latency(lat, 50, 95, 99), sent=len(rows),
-                      offered_rps=len(rows) / seconds, achieved_rps=done / seconds,
-                      timeouts=sum(n for m, n in msgs.items() if _is_timeout(m)), error_messages=_top_messages(msgs))
+        return Window(index=w, seconds=seconds, throughput_infer_s=done * self.batch / seconds,
+                      **_measured(rows, 50, 95, 99), sent=len(rows), offered_rps=len(rows) / seconds,
+                      achieved_rps=done / seconds)
 
 
 def _auto_processes(mode: str, load: float) -> int:
@@ -332,8 +333,6 @@ def _result(book: _Book, mode: str, target: Any, windows: list[Window], snaps: d
     first = windows[-used].index if used else 0
     last = windows[-1].index if used else -1
     rows, done, span = book.span(first, last) if used else ([], 0, 0.0)
-    lat = np.asarray([(r[2] - r[0]) * 1e3 for r in rows if r[3]])
-    measured = Counter(r[4] for r in rows if not r[3])
     every = [r for w in sorted(book.rows) for r in book.rows[w]]
     all_msgs = Counter(r[4] for r in every if not r[3])
     lag = [(r[1] - r[0]) * 1e3 for r in every if r[0] >= 0] if mode == "open" else []
@@ -341,9 +340,8 @@ def _result(book: _Book, mode: str, target: Any, windows: list[Window], snaps: d
     return LoadResult(
         mode=mode, target=repr(target), concurrency=concurrency, rate_rps=rate,
         offered_rps=len(rows) / span if span else float("nan"), achieved_rps=done / span if span else float("nan"),
-        throughput_infer_s=done * book.batch / span if span else float("nan"), **_latency(lat, 50, 90, 95, 99),
-        requests=len(lat), errors=sum(measured.values()),
-        timeouts=sum(n for m, n in measured.items() if _is_timeout(m)), error_messages=_top_messages(all_msgs),
+        throughput_infer_s=done * book.batch / span if span else float("nan"),
+        **{**_measured(rows, 50, 90, 95, 99), "error_messages": _top_messages(all_msgs)},
         windows=windows, stable=is_stable(windows[len(windows) - used:], stability, mode), seconds=span,
         errors_total=sum(all_msgs.values()), sent_total=len(every),
         send_lag_p99_ms=float(np.percentile(lag, 99)) if lag else 0.0, max_in_flight=in_flight, batch=book.batch,
