@@ -290,12 +290,9 @@ class TritonServer(OwnedServer, HttpGrpcEndpoints):
     def wait_exit(self, timeout_s: float = 30.0) -> int | None:
         """The exit code once the process is reaped (negative: the killing signal), None if it still runs after
         ``timeout_s``: a SIGKILLed server closes its sockets well before the kernel has torn it down."""
-        if self._proc is None:
-            return None
-        try:
-            return self._proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            return None
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            return self._proc.wait(timeout=timeout_s) if self._proc is not None else None
+        return None
 
     def exit_status(self) -> str:
         """How the server process ended, in words: "running", "exit code 1", "killed by SIGKILL (signal 9)"."""
@@ -316,7 +313,7 @@ class TritonServer(OwnedServer, HttpGrpcEndpoints):
     def _command(self) -> list[str]:
         source = self.source
         assert source is not None
-        argv = [source.location if source.kind != "url" else "tritonserver",
+        argv = [source.location,  # a binary: _check refused a running server's URL
                 f"--model-repository={self.model_repository}",
                 f"--model-control-mode={self.model_control}",
                 f"--http-port={self.http_port}", f"--grpc-port={self.grpc_port}",
