@@ -304,14 +304,9 @@ def server_split(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[st
         return b.get("count", 0) - a.get("count", 0), b.get("ns", 0) - a.get("ns", 0)
 
     n_ok, ns_ok = delta("success")
-    out: dict[str, float] = {"requests": float(n_ok)}
     per = max(n_ok, 1)
-    out["request_us"] = ns_ok / per / 1e3
-    for k in STAGES:
-        out[f"{k}_us"] = delta(k)[1] / per / 1e3
     execs = after["execution_count"] - before["execution_count"]
     infers = after["inference_count"] - before["inference_count"]
-    out["executions"] = float(execs)
-    out["batch_avg"] = infers / execs if execs else float("nan")
-    out["failures"] = float(delta("fail")[0])
-    return out
+    return {"requests": float(n_ok), "request_us": ns_ok / per / 1e3,
+            **{f"{k}_us": delta(k)[1] / per / 1e3 for k in STAGES}, "executions": float(execs),
+            "batch_avg": infers / execs if execs else float("nan"), "failures": float(delta("fail")[0])}

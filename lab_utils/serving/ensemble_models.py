@@ -262,10 +262,7 @@ def ensemble_problems(repo: str | Path, config: Any) -> list[tuple[str, str]]:
                 problems.append((f"{f}.output_map", f"{key!r} is not an output of {step.model_name} (it has "
                                                      f"{sorted(outs)})"))
             have.add(tensor)
-    for t in cfg.output:
-        if t.name not in have:
-            problems.append(("output", f"{t.name!r} is produced by no step"))
-    return problems
+    return problems + [("output", f"{t.name!r} is produced by no step") for t in cfg.output if t.name not in have]
 
 
 def write_ensemble(repo: str | Path, config: Mapping[str, Any]) -> Path:

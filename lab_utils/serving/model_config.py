@@ -190,8 +190,8 @@ def check_model_config(
             p.append((f"input[{i}].dims", f"{dims} does not match the model's input {t.name!r} of shape "
                                           f"{_shape_str(shape)}{hint}"))
     if model_shapes:
-        for name in [t.name for t in cfg.input if t.name not in model_shapes]:
-            p.append(("input", f"{name!r} is not an input of the model file (it has {sorted(model_shapes)})"))
+        p += [("input", f"{t.name!r} is not an input of the model file (it has {sorted(model_shapes)})")
+              for t in cfg.input if t.name not in model_shapes]
     # dynamic batching
     if cfg.HasField("dynamic_batching"):
         db = cfg.dynamic_batching
@@ -219,17 +219,15 @@ def check_model_config(
                                    "(or KIND_AUTO, which picks the GPU when there is one)"))
         if g.kind == pb.ModelInstanceGroup.KIND_CPU and g.gpus:
             p.append((f"{f}.gpus", "gpus is set on a KIND_CPU group: drop it, or use KIND_GPU"))
-        for gid in g.gpus:
-            if gpus and gid >= gpus:
-                p.append((f"{f}.gpus", f"GPU {gid} does not exist here ({gpus} GPU(s): 0..{gpus - 1})"))
+        p += [(f"{f}.gpus", f"GPU {gid} does not exist here ({gpus} GPU(s): 0..{gpus - 1})")
+              for gid in g.gpus if gpus and gid >= gpus]
     # versions on disk
     if model_dir is not None:
         versions = model_versions(model_dir)
         if cfg.version_policy.HasField("specific"):
-            for v in cfg.version_policy.specific.versions:
-                if v not in versions:
-                    p.append(("version_policy.specific.versions",
-                              f"version {v} has no folder {model_dir.name}/{v} (there are {versions or 'none'})"))
+            p += [("version_policy.specific.versions",
+                   f"version {v} has no folder {model_dir.name}/{v} (there are {versions or 'none'})")
+                  for v in cfg.version_policy.specific.versions if v not in versions]
         if cfg.version_policy.HasField("latest") and cfg.version_policy.latest.num_versions < 1:
             p.append(("version_policy.latest.num_versions", "at least 1"))
     return p

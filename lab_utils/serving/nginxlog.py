@@ -42,11 +42,9 @@ def access_rows(text: str, since: float | None = None) -> list[dict[str, Any]]:
         addrs = [a.strip() for a in first.split(",") if a.strip() not in ("", "-")]
         first_times = re.split(r"\s:\s", row.get("upstream_response_time", ""))[0]
         times = [float(t) for t in first_times.split(",") if t.strip() not in ("", "-")]
-        row["request_ms"] = float(row.get("request_time", 0.0)) * 1e3
-        row["upstream"] = addrs[-1] if addrs else None
-        row["tries"] = len(addrs)
-        row["upstream_ms"] = sum(times) * 1e3 if times else None
-        rows.append(row)
+        rows.append({**row, "request_ms": float(row.get("request_time", 0.0)) * 1e3,
+                     "upstream": addrs[-1] if addrs else None, "tries": len(addrs),
+                     "upstream_ms": sum(times) * 1e3 if times else None})
     return rows
 
 
