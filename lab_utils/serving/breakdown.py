@@ -104,8 +104,7 @@ def where_time_goes(svc: Any, target: Any, rates_rps: Sequence[float], *, durati
         res = load.run_open_loop(target, rate, duration_s, warmup_s=0.0, timeout_s=timeout_s, processes=processes)
         after = snapshot(svc, models)
         cores = cpu_cores(before, after)
-        table = split(before, after)
-        for model, r in table.iterrows():
+        for model, r in split(before, after).iterrows():
             rows.append({"offered_rps": rate, "model": model, **r.to_dict(),
                          **{f"cpu_{g.replace(' ', '_')}_cores": c for g, c in cores.items()},
                          "answered_rps": res.achieved_rps, "client_p95_ms": res.p95_ms,

@@ -307,9 +307,8 @@ def render_config(context: dict[str, Any], block_lines: dict[str, tuple[int, int
     """The template rendered with ``config_context``'s variables. ``block_lines``, given a dict, receives where each
     upstream block sits ({argument: (first line, last line)}), for error messages about a hand-written one."""
     arg_of = {f"@@nvlab-{arg}@@": arg for arg in context["upstreams"]}  # a line marking where each block goes
-    lines = _template().render({**context, "upstreams": list(arg_of)}).split("\n")
     out: list[str] = []
-    for line in lines:
+    for line in _template().render({**context, "upstreams": list(arg_of)}).split("\n"):
         arg = arg_of.get(line)
         if arg is None:
             out.append(line)

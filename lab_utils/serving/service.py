@@ -130,9 +130,8 @@ class Service(StartStop):
                         self.workdir / "repo", epochs=self.epochs, seed=self.seed, gpus=self.gpus,
                         instances=self.instances, cache=self.cache, source=source, build_env=self.build_env)
                     self.startup_s["build"] = time.perf_counter() - t0
-                n = self.want_servers if with_nginx else 1
                 t0 = time.perf_counter()
-                for _ in range(n):
+                for _ in range(self.want_servers if with_nginx else 1):
                     s = TritonServer(self.repo.path, startup_timeout_s=self.startup_timeout_s,
                                      stop_grace_s=self.stop_grace_s, source=source, validate=False,
                                      **self.repo.server_kwargs(self.cache_mib if self.cache else None))
