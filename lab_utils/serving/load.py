@@ -215,10 +215,11 @@ def _auto_processes(mode: str, load: float) -> int:
 
 
 def _run(target: Any, plans: list[Plan], book: _Book, *, adaptive: bool, stability: float,
-         on_window: Callable[[Window], None] | None, snapshot: Callable[[], Any] | None,
-         where: str) -> tuple[list[Window], dict[int, Any], int]:
-    """Run the senders (threads for one plan, spawned processes for more) and merge their windows into ``book``;
-    the windows, the statistics snapshots by window (-1: the warm-up's end) and the senders' max in flight."""
+         on_window: Callable[[Window], None] | None, snapshot: Callable[[], Any] | None, where: str,
+         **load: Any) -> LoadResult:
+    """Run the senders (threads for one plan, spawned processes for more), merge their windows into ``book`` (the
+    statistics snapshots by window, -1: the warm-up's end), and return the run's ``_result`` (``load``: its
+    concurrency or rate)."""
     n, mode = len(plans), plans[0].mode
     if n == 1:
         out: Any = queue_mod.Queue()
@@ -302,7 +303,7 @@ def _run(target: Any, plans: list[Plan], book: _Book, *, adaptive: bool, stabili
     for w in sorted(parts):  # sent after the windows agreed: counted in the totals, in no window
         for rows in parts[w]:
             book.add(w, rows)
-    return windows, snaps, in_flight
+    return _result(book, mode, target, windows, snaps, stability, adaptive, n, in_flight, **load)
 
 
 def _checks(where: str, target: Any, duration_s: Any, warmup_s: Any, window_s: Any, timeout_s: Any,
@@ -381,9 +382,8 @@ def run_closed_loop(target: Any, concurrency: int, duration_s: float | None = No
     shares = [concurrency // n + (1 if i < concurrency % n else 0) for i in range(n)]
     plans = [Plan("closed", book.warmup_s, book.window_s, book.n_windows, timeout, concurrency=c,
                    first=sum(shares[:i]), index=i) for i, c in enumerate(shares)]
-    windows, snaps, in_flight = _run(target, plans, book, adaptive=adaptive, stability=stability,
-                                     on_window=on_window, snapshot=_snapshot(target, stats_url), where=where)
-    return _result(book, "closed", target, windows, snaps, stability, adaptive, n, in_flight, concurrency=concurrency)
+    return _run(target, plans, book, adaptive=adaptive, stability=stability, on_window=on_window,
+                snapshot=_snapshot(target, stats_url), where=where, concurrency=concurrency)
 
 
 def poisson_arrivals(rate_rps: float, duration_s: float, seed: int | None = 0) -> np.ndarray:
@@ -426,9 +426,8 @@ def run_open_loop(target: Any, rate_rps: float, duration_s: float | None, *, war
     # the schedule dealt round-robin over the senders: a superposition of Poisson streams is the same Poisson stream
     plans = [Plan("open", book.warmup_s, book.window_s, book.n_windows, timeout, dues=arrivals[i::n],
                    cap=max(1, cap // n), first=i, index=i) for i in range(n)]
-    windows, snaps, in_flight = _run(target, plans, book, adaptive=adaptive, stability=stability,
-                                     on_window=on_window, snapshot=_snapshot(target, stats_url), where=where)
-    return _result(book, "open", target, windows, snaps, stability, adaptive, n, in_flight, rate=rate)
+    return _run(target, plans, book, adaptive=adaptive, stability=stability, on_window=on_window,
+                snapshot=_snapshot(target, stats_url), where=where, rate=rate)
 
 
 def run_load(url: str, model: str, make_inputs: Callable[[], Mapping[str, np.ndarray]] | Mapping[str, np.ndarray],
