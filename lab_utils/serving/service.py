@@ -218,9 +218,7 @@ class Service(StartStop):
         """An open-loop target: one PNG a request through the front door, cycling over ``pngs`` (default: all
         1,797 digits, held-out ones first: at 100 QPS an image comes back after 18 s, so the cache helps only
         then). ``verify``: a request whose top label is not a digit counts as failed."""
-        if pngs is None:
-            pngs = all_pngs()
-        payloads = [{ens.IMAGE: ens.image_batch([p])} for p in pngs]
+        payloads = [{ens.IMAGE: ens.image_batch([p])} for p in (all_pngs() if pngs is None else pngs)]
         target = TritonTarget(self.url(protocol), self.model, payloads[0], protocol=protocol,
                               headers=self.headers if headers is None else headers,
                               outputs=[ens.LABELS, ens.SCORES], verify=_verify_digit if verify else None)
