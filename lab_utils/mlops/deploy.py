@@ -35,7 +35,6 @@ from lab_utils.serving.server import TritonServer, find_server
 from lab_utils.serving.service import Service, ServiceError
 
 VARIANTS = ("champion", "challenger")
-UPSTREAM_HEADER = nginx_mod.UPSTREAM_HEADER
 
 
 def install_onnx(repo: Any, onnx: str | Path, version: int) -> Path:
@@ -129,13 +128,10 @@ class CanaryService(Service):
                     self.servers.append(s)
                     s.start()
                 self.startup_s["triton"] = time.perf_counter() - t0
-                champ_s, chall_s = self.servers
-                self.lb = nginx_mod.NginxServer(
-                    [nginx_mod.Backend(triton_client.host_port(champ_s.http_url)),
-                     nginx_mod.Backend(triton_client.host_port(chall_s.http_url), down=True)],
-                    [nginx_mod.Backend(triton_client.host_port(champ_s.grpc_url)),
-                     nginx_mod.Backend(triton_client.host_port(chall_s.grpc_url), down=True)],
-                    binary=binary, **self.nginx_kwargs)
+                # one server per variant, in VARIANTS' order; the challenger's is down until set_weight
+                http, grpc = ([nginx_mod.Backend(b, down=v == "challenger")
+                               for v, b in zip(VARIANTS, self.backends(p), strict=True)] for p in ("http", "grpc"))
+                self.lb = nginx_mod.NginxServer(http, grpc, binary=binary, **self.nginx_kwargs)
                 self.lb.start()
                 self.startup_s["nginx"] = self.lb.startup_s or 0.0
                 self.weights.append((time.time(), 0))
@@ -169,13 +165,10 @@ class CanaryService(Service):
         """The challenger's share of requests, in % (0..100), applied by an nginx reload."""
         w = check_int(weight, "weight", "set_weight", 0, 100, what="the challenger's share, in %")
         g = math.gcd(100 - w, w) or 1
-        champ_w, chall_w = (100 - w) // g, w // g  # 90/10 -> 9:1; 0 marks a server down
+        shares = ((100 - w) // g, w // g)  # champion, challenger: 90/10 -> 9:1; 0 marks a server down
         if self.lb is None:
             raise ServiceError("the canary service is not running: start() it first")
-        hp = triton_client.host_port
-        champ, chall = self.server("champion"), self.server("challenger")
-        self.lb.set_weights(http={hp(champ.http_url): champ_w, hp(chall.http_url): chall_w},
-                            grpc={hp(champ.grpc_url): champ_w, hp(chall.grpc_url): chall_w})
+        self.lb.set_weights(**{p: dict(zip(self.backends(p), shares, strict=True)) for p in ("http", "grpc")})
         self.weight = w
         self.weights.append((time.time(), w))
 
@@ -308,7 +301,7 @@ class LabelledTraffic(_InThread):
         req = urllib.request.Request(url, data=body, method="POST", headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
-                upstream = r.headers.get(UPSTREAM_HEADER, "")
+                upstream = r.headers.get(nginx_mod.UPSTREAM_HEADER, "")
                 length = r.headers.get("Inference-Header-Content-Length")
                 res = th.InferenceServerClient.parse_response_body(
                     r.read(), header_length=int(length) if length else None)
