@@ -90,8 +90,6 @@ class TrackingServer(OwnedServer):
             raise TrackingError("the tracking server is not started: call start() (or `with TrackingServer() as s:`)")
         return f"http://{self.host}:{self.port}"
 
-    tracking_uri = url
-
     @property
     def backend_store_uri(self) -> str:
         return f"sqlite:///{self._need_folder() / 'mlflow.db'}"
@@ -116,9 +114,7 @@ class TrackingServer(OwnedServer):
 
     def client(self) -> Any:
         """An ``mlflow.MlflowClient`` for this server."""
-        from mlflow import MlflowClient
-
-        return MlflowClient(tracking_uri=self.url, registry_uri=self.url)
+        return _client(self.url)
 
     def __repr__(self) -> str:
         where = f"http://{self.host}:{self.port}" if self.port else "no port yet"
@@ -175,7 +171,7 @@ def _client(tracking: Any) -> Any:
     if isinstance(tracking, MlflowClient):
         return tracking
     if isinstance(tracking, TrackingServer):
-        return tracking.client()
+        tracking = tracking.url
     if isinstance(tracking, str) and re.match(r"^https?://", tracking):
         return MlflowClient(tracking_uri=tracking, registry_uri=tracking)
     raise TypeError(f"tracking={tracking!r}: give a started TrackingServer, its URL (http://127.0.0.1:PORT) or an "
@@ -332,7 +328,7 @@ def log_run(tracking: Any, result: TrainResult, *, experiment: str = EXPERIMENT,
     sha, dirty = git_commit()
     all_tags = {"data_sha256": result.data_sha256, "val_sha256": result.val_sha256, "data_name": data_name,
                 "git_commit": sha, "git_dirty": str(dirty).lower() if dirty is not None else "unknown",
-                **(dict(tags or {}))}
+                **(tags or {})}
     run = client.create_run(exp_id, run_name=run_name, tags=all_tags)
     run_id = run.info.run_id
     try:
@@ -417,8 +413,7 @@ def register_run(tracking: Any, run_id: str, name: str = REGISTERED_MODEL, alias
         with contextlib.suppress(MlflowException):  # created meanwhile
             client.create_registered_model(name, description="The service's digits classifier (ONNX)")
     mv = client.create_model_version(name, source=f"runs:/{run_id}/{MODEL_ARTIFACT}", run_id=run_id,
-                                     tags={"data_sha256": run.data.tags.get("data_sha256", ""),
-                                           "git_commit": run.data.tags.get("git_commit", "")},
+                                     tags={k: run.data.tags.get(k, "") for k in ("data_sha256", "git_commit")},
                                      description=description or None)
     if alias:
         set_alias(client, name, alias, mv.version)
