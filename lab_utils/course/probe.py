@@ -96,10 +96,7 @@ class EnvReport:
         return not self.missing and sys.version_info >= (3, 10)
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["gpu_usable"] = self.gpu_usable
-        d["can_run"] = self.can_run
-        return d
+        return {**asdict(self), "gpu_usable": self.gpu_usable, "can_run": self.can_run}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, default=str)

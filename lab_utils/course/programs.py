@@ -201,16 +201,14 @@ def probe_components() -> dict[str, Component]:
         url, bad_url = env_url("TRITON_URL", default_port=8000), ""
     except EnvError as err:  # the report shows it; the lab's own read raises it
         url, bad_url = None, str(err)
-    on_path = shutil.which("tritonserver")
-    wheel = pytriton_server()
     if bad_url:
         comps["tritonserver"] = Component("Triton server", False, None, os.environ.get("TRITON_URL"), bad_url)
     elif url:
         comps["tritonserver"] = Component("Triton server", True, None, url, "external server (TRITON_URL)")
-    elif on_path:
+    elif on_path := shutil.which("tritonserver"):
         comps["tritonserver"] = Component("Triton server", True, os.environ.get("TRITON_SERVER_VERSION"), on_path,
                                           "on the PATH")
-    elif wheel:
+    elif wheel := pytriton_server():
         comps["tritonserver"] = Component("Triton server", True, f"nvidia-pytriton {dist_version('nvidia-pytriton')}",
                                           str(wheel), "binary from the nvidia-pytriton wheel (python backend only)")
     else:

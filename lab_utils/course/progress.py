@@ -336,8 +336,8 @@ class Summary:
 
     def stuck_on(self) -> ExerciseState | None:
         """The exercise with the most wrong checks since its last right one (the latest wins a tie), or None."""
-        candidates = [s for s in self.exercises.values() if s.wrong_since_right > 0]
-        return max(candidates, key=lambda s: (s.wrong_since_right, s.last_time)) if candidates else None
+        return max((s for s in self.exercises.values() if s.wrong_since_right > 0),
+                   key=lambda s: (s.wrong_since_right, s.last_time), default=None)
 
 
 def summarize(records: Iterable[dict[str, Any]]) -> Summary:
@@ -347,8 +347,7 @@ def summarize(records: Iterable[dict[str, Any]]) -> Summary:
     for rec in sorted(records, key=lambda r: r["time"]):
         n += 1
         name = rec["exercise"]
-        st = states.get(name)
-        if st is None:
+        if (st := states.get(name)) is None:
             st = states[name] = ExerciseState(rec.get("lab") or _lab_of(name), name)
         st.attempts += 1
         st.last_outcome, st.last_time = rec["outcome"], rec["time"]

@@ -40,8 +40,7 @@ def release(version: str) -> tuple[int, ...]:
 
 def pinned_release(m: dict[str, Any] | None = None) -> dict[str, Any]:
     """The NGC release the course image and stack use, with its ``tag`` ("26.09") added."""
-    m = m or manifest()
-    return ngc_release(m["pinned"], m)
+    return ngc_release((m or manifest())["pinned"], m)
 
 
 def ngc_release(tag: str, m: dict[str, Any] | None = None) -> dict[str, Any]:

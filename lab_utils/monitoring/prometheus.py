@@ -405,9 +405,8 @@ def start_metrics(jobs: Mapping[str, Sequence[str]], *, rule_files: Sequence[str
     url = env_url(URL_ENV, default_port=9090, path_ok=True) if prefer != "local" else None
     backend: PromAPI
     if url:
-        why = check_service(url, "/api/v1/status/buildinfo", _is_prometheus, "Prometheus", URL_ENV,
-                            wait_s=IDENTIFY_S, hint="is the compose stack up (`docker compose ps`)?")
-        if why:
+        if why := check_service(url, "/api/v1/status/buildinfo", _is_prometheus, "Prometheus", URL_ENV,
+                                wait_s=IDENTIFY_S, hint="is the compose stack up (`docker compose ps`)?"):
             raise PrometheusError(why)
         backend = PromAPI(url)
         ok, state = http_ok(f"{url}/-/ready", timeout_s=5.0)

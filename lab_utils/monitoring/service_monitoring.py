@@ -48,8 +48,7 @@ class _Collector:
 
     def update(self) -> None:
         try:
-            path = self.lb.access_log_path
-            with open(path, "rb") as f:
+            with open(self.lb.access_log_path, "rb") as f:
                 f.seek(self.offset)
                 data = f.read()
         except (OSError, nginx_mod.NginxError):

@@ -90,8 +90,7 @@ class KnobPanel(Panel):
 
     def stopped(self) -> str | None:
         """Why the server takes no requests now (what to run first), shown in the status line; None while it runs."""
-        why = triton_server.not_serving(self.server)
-        if why:
+        if why := triton_server.not_serving(self.server):
             self.status.value = html.escape(why)
         return why
 

@@ -67,11 +67,9 @@ class QuizPanel(Panel):
         if (q := self.question) is None:
             return None
         if q.form == "multi":
-            picked = [k for k, box in self._inputs.items() if box.value]
-            return picked or None
+            return [k for k, box in self._inputs.items() if box.value] or None
         if q.form == "match":
-            pairs = {k: d.value for k, d in self._inputs.items() if d.value is not None}
-            return pairs or None
+            return {k: d.value for k, d in self._inputs.items() if d.value is not None} or None
         value = self._inputs["value"].value
         if q.form == "order":
             return [k.strip() for k in value.split(",") if k.strip()] or None
