@@ -242,11 +242,9 @@ class _InThread(StartStop):
     thread_name = ""
     _thread: threading.Thread | None = None
 
-    def __init__(self) -> None:
+    def __init__(self, join_s: float) -> None:
         self._stop = threading.Event()
-
-    def _join_s(self) -> float:
-        raise NotImplementedError
+        self.join_s = join_s  # how long stop() waits for the thread to end (s)
 
     def start(self: Any) -> Any:
         if self._thread is None:
@@ -259,7 +257,7 @@ class _InThread(StartStop):
     def stop(self) -> None:
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(self._join_s())
+            self._thread.join(self.join_s)
             self._thread = None
 
 
@@ -275,7 +273,7 @@ class LabelledTraffic(_InThread):
         self.rate_rps = check_positive(rate_rps, "rate_rps", "LabelledTraffic", what="rate (labelled requests/s)")
         self.timeout_s = timeout_s
         self._lock = threading.Lock()
-        super().__init__()
+        super().__init__(timeout_s + 5)  # a request in flight ends within timeout_s
         self.sent = self.errors = self.unattributed = 0
         self.set_stream(images, labels)
 
@@ -288,9 +286,6 @@ class LabelledTraffic(_InThread):
         with self._lock:
             self._stream = (x, y, [_request([p]) for p in pngs])
             self._i = 0
-
-    def _join_s(self) -> float:
-        return self.timeout_s + 5
 
     def _one(self, x: np.ndarray, y: Any, body: bytes, json_size: int) -> None:
         import tritonclient.http as th
@@ -351,7 +346,7 @@ class BackgroundLoad(_InThread):
         self.target, self.rate_rps, self.segment_s, self.timeout_s = target, rate_rps, segment_s, timeout_s
         self.results: list[Any] = []
         self.failure: BaseException | None = None
-        super().__init__()
+        super().__init__(segment_s + timeout_s + 10)  # the running segment ends, every request answered
 
     def set_target(self, target: Any) -> None:
         self.target = target
@@ -382,9 +377,6 @@ class BackgroundLoad(_InThread):
         if self.failure is not None:
             err, self.failure = self.failure, None
             raise err
-
-    def _join_s(self) -> float:
-        return self.segment_s + self.timeout_s + 10
 
     def __str__(self) -> str:
         p95 = max((r.p95_ms for r in self.results if np.isfinite(r.p95_ms)), default=float("nan"))
