@@ -379,15 +379,12 @@ def table(records: Iterable[dict[str, Any]] | None = None, lab: str | None = Non
     summary = summarize(loaded.records)
     labs = catalog()
     lines = [f"! {p}" for p in loaded.problems]
-    rows = []
-    for number, names in labs.items():
-        mine = [s for s in summary.exercises.values() if s.lab == number]
-        if lab is None or lab == number:
-            left = [n for n in names if not (summary.exercises.get(n) and summary.exercises[n].right)]
-            rows.append((number, f"{summary.done(number)}/{len(names)}", str(sum(s.attempts for s in mine)),
-                         "done" if not left else f"{len(left)} left"))
     lines.append(f"{'lab':<4} {'right':>6} {'checks':>7}  state")
-    lines += [f"{a:<4} {b:>6} {c:>7}  {d}" for a, b, c, d in rows]
+    for number, names in labs.items():
+        if lab is None or lab == number:
+            done, checks = summary.done(number), sum(s.attempts for s in summary.exercises.values() if s.lab == number)
+            state = "done" if done == len(names) else f"{len(names) - done} left"
+            lines.append(f"{number:<4} {f'{done}/{len(names)}':>6} {checks:>7}  {state}")
     if lab is not None:
         lines.append("")
         others = [s for n, s in sorted(summary.exercises.items()) if s.lab == lab and n not in labs.get(lab, [])]

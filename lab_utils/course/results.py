@@ -65,8 +65,7 @@ class Recorder:
         """Record one number (re-recording a name replaces it) and write the file."""
         if not isinstance(name, str) or not name:
             raise ValueError("record(name=...): name must be a non-empty string such as 'matmul_bf16_8192'")
-        value = float(value)
-        m = Measurement(self.lab, name, value, unit, self.tier, self.device, self.versions,
+        m = Measurement(self.lab, name, float(value), unit, self.tier, self.device, self.versions,
                         time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), note)
         self._items[name] = m
         self.path.parent.mkdir(parents=True, exist_ok=True)
