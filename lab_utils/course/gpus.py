@@ -241,21 +241,17 @@ def probe_nvml(notes: list[str]) -> tuple[str | None, str | None, list[GpuInfo],
                                 ecc_mode=None if ecc is None else ("enabled" if ecc[0] else "disabled")))
         topo = None
         if len(handles) > 1:
-            labels = [f"GPU{g.index}" for g in gpus]
-            matrix = []
-            for i, hi in enumerate(handles):
-                row = []
-                for j, hj in enumerate(handles):
-                    if i == j:
-                        row.append("X")
-                    elif gpus[i].nvlinks_active and gpus[j].nvlinks_active:
-                        # Through NVSwitch every link reaches every peer: nvidia-smi prints NV<links>.
-                        row.append(f"NV{min(gpus[i].nvlinks_active, gpus[j].nvlinks_active)}")
-                    else:
-                        lvl = opt(pynvml.nvmlDeviceGetTopologyCommonAncestor, hi, hj)
-                        row.append(_TOPO_LEVEL.get(lvl, "?") if lvl is not None else "?")
-                matrix.append(row)
-            topo = {"labels": labels, "matrix": matrix, "source": "NVML"}
+
+            def cell(i: int, j: int) -> str:
+                if i == j:
+                    return "X"
+                if (a := gpus[i].nvlinks_active) and (b := gpus[j].nvlinks_active):
+                    # Through NVSwitch every link reaches every peer: nvidia-smi prints NV<links>.
+                    return f"NV{min(a, b)}"
+                return _TOPO_LEVEL.get(opt(pynvml.nvmlDeviceGetTopologyCommonAncestor, handles[i], handles[j]), "?")
+
+            matrix = [[cell(i, j) for j in range(len(handles))] for i in range(len(handles))]
+            topo = {"labels": [f"GPU{g.index}" for g in gpus], "matrix": matrix, "source": "NVML"}
         return driver, ceiling, gpus, topo
     finally:
         pynvml.nvmlShutdown()
