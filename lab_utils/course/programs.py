@@ -170,9 +170,8 @@ def _onnxruntime_component() -> Component:
     except Exception as err:  # ImportError, or a wheel whose shared library does not load
         return Component("ONNX Runtime", False, None, None,
                          f"`import onnxruntime` failed ({_failure(err)}): pip install onnxruntime")
-    providers = ", ".join(ort.get_available_providers())
     return Component("ONNX Runtime", True, getattr(ort, "__version__", None), str(Path(ort.__file__).parent),
-                     f"providers: {providers}")
+                     f"providers: {', '.join(ort.get_available_providers())}")
 
 
 def _modelopt_component() -> Component:

@@ -331,8 +331,7 @@ class Summary:
 
     def done(self, lab: str) -> int:
         """Exercises of ``lab``'s catalog answered right at least once (lab 09's quiz questions are not among them)."""
-        names = catalog().get(lab, [])
-        return sum(1 for n in names if n in self.exercises and self.exercises[n].right)
+        return sum(1 for n in catalog().get(lab, []) if n in self.exercises and self.exercises[n].right)
 
     def stuck_on(self) -> ExerciseState | None:
         """The exercise with the most wrong checks since its last right one (the latest wins a tie), or None."""

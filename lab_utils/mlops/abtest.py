@@ -27,8 +27,7 @@ def route(user_id: str | int, split: float = 0.5, salt: str = "ab") -> str:
         raise ValueError(f"user_id={user_id!r}: a non-empty string or an integer (the id the client sends)")
     if not (isinstance(split, (int, float)) and 0 <= split <= 1):
         raise ValueError(f"split={split!r}: the share of users routed to B, between 0 and 1 (0.5 = half)")
-    digest = hashlib.sha256(f"{salt}:{user_id}".encode()).digest()
-    u = int.from_bytes(digest[:8], "big") / 2**64
+    u = int.from_bytes(hashlib.sha256(f"{salt}:{user_id}".encode()).digest()[:8], "big") / 2**64
     return "B" if u < split else "A"
 
 

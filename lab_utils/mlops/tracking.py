@@ -505,5 +505,4 @@ def download_onnx(tracking: Any, name: str = REGISTERED_MODEL, version: str | in
     files beside it (its external weights, when the exporter wrote them apart). Returns the ``.onnx`` path."""
     client = _client(tracking)
     mv = _version(client, name, version, alias)
-    folder = client.download_artifacts(mv.run_id, MODEL_ARTIFACT, str(dst))
-    return Path(folder) / ONNX_FILE
+    return Path(client.download_artifacts(mv.run_id, MODEL_ARTIFACT, str(dst))) / ONNX_FILE

@@ -151,9 +151,8 @@ def dashboard_text(window: str = "$__rate_interval") -> str:
 
 def dashboard_expressions(path: str | Path = DASHBOARD_FILE, window: str = "5s") -> list[tuple[str, str]]:
     """(title, expression) of every query in a dashboard file, Grafana's ``$__rate_interval`` set to ``window``."""
-    model = json.loads(Path(path).read_text())
     return [(p.get("title", "?"), re.sub(r"\$__rate_interval|\$__interval|\$\{__rate_interval\}", window, t["expr"]))
-            for p in model.get("panels", []) for t in p.get("targets", [])]
+            for p in json.loads(Path(path).read_text()).get("panels", []) for t in p.get("targets", [])]
 
 
 # --- panels over time ----------------------------------------------------------------------------------------

@@ -150,27 +150,25 @@ class PromAPI:
 
     def alerts(self) -> pd.DataFrame:
         """Active alerts (``/api/v1/alerts``): alertname, state (pending/firing), labels, activeAt, value."""
-        data = self._get("/api/v1/alerts")
         rows = [{"alertname": a["labels"].get("alertname"), "state": a.get("state"),
                  "severity": a["labels"].get("severity"), "activeAt": a.get("activeAt"), "value": _num(a.get("value")),
                  "labels": {k: v for k, v in a["labels"].items() if k not in ("alertname", "severity")},
-                 "summary": a.get("annotations", {}).get("summary", "")} for a in data.get("alerts", [])]
+                 "summary": a.get("annotations", {}).get("summary", "")}
+                for a in self._get("/api/v1/alerts").get("alerts", [])]
         return pd.DataFrame(rows, columns=["alertname", "state", "severity", "activeAt", "value", "labels", "summary"])
 
     def rules(self) -> pd.DataFrame:
         """Loaded rules (``/api/v1/rules``): group, name, type, state, health, query."""
-        data = self._get("/api/v1/rules")
         rows = [{"group": g["name"], "name": r["name"], "type": r["type"], "state": r.get("state", ""),
                  "health": r.get("health"), "for_s": r.get("duration", 0), "query": r["query"]}
-                for g in data.get("groups", []) for r in g.get("rules", [])]
+                for g in self._get("/api/v1/rules").get("groups", []) for r in g.get("rules", [])]
         return pd.DataFrame(rows, columns=["group", "name", "type", "state", "health", "for_s", "query"])
 
     def targets(self) -> pd.DataFrame:
         """Scrape targets (``/api/v1/targets``): job, instance, health, last error, last scrape duration."""
-        data = self._get("/api/v1/targets")
         rows = [{"job": t["labels"].get("job"), "instance": t["labels"].get("instance"), "health": t.get("health"),
                  "lastError": t.get("lastError", ""), "scrape_s": t.get("lastScrapeDuration")}
-                for t in data.get("activeTargets", [])]
+                for t in self._get("/api/v1/targets").get("activeTargets", [])]
         return pd.DataFrame(rows, columns=["job", "instance", "health", "lastError", "scrape_s"])
 
     def ready(self) -> bool:

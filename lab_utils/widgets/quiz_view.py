@@ -44,8 +44,7 @@ class QuizPanel(Panel):
             self.control.children = ()
             self.submit.disabled = self.next_button.disabled = True
             return None
-        text = html.escape(q.text(lang, self.runner._pos))
-        self.prompt.value = f"<pre style='white-space: pre-wrap'>{text}</pre>"
+        self.prompt.value = f"<pre style='white-space: pre-wrap'>{html.escape(q.text(lang, self.runner._pos))}</pre>"
         keys = q._keys() if q.form != "match" else q._keys("left")
         if q.form == "single":
             self._inputs["value"] = w.RadioButtons(options=keys, value=None, description=ui_text("answer", lang))
