@@ -115,6 +115,16 @@ def test_a_perf_analyzer_that_cannot_start_is_reported_with_its_words(tmp_path, 
     assert not status.runnable and "GLIBC_2.38' not found" in status.reason and "--version failed" in status.reason
 
 
+def test_the_wheels_version_is_named_where_its_binary_says_0_0_0(tmp_path, monkeypatch):
+    """The PyPI wheel's perf_analyzer prints "Perf Analyzer Version 0.0.0": the status names the package's release."""
+    fake = _fake_perf_analyzer(tmp_path, 'print("Perf Analyzer Version 0.0.0 (commit unknown)")\n')
+    monkeypatch.setattr(pa, "find_perf_analyzer", lambda: str(fake))
+    monkeypatch.setattr(pa, "dist_version", lambda *names: "2.60.0" if names == ("perf-analyzer",) else None)
+    assert pa.perf_analyzer_status().version == "2.60.0"
+    monkeypatch.setattr(pa, "dist_version", lambda *names: None)  # a binary from elsewhere: its own words
+    assert pa.perf_analyzer_status().version == "0.0.0"
+
+
 def test_run_perf_analyzer_command_and_report(tmp_path, monkeypatch):
     """The argv perf_analyzer gets and its CSV read back (a stand-in that writes the recorded report)."""
     fake = _fake_perf_analyzer(tmp_path, f"""import sys

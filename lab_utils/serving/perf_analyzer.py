@@ -20,6 +20,7 @@ import numpy as np
 
 from lab_utils.compat import glibc
 from lab_utils.course.probe import find_perf_analyzer
+from lab_utils.course.stack import dist_version
 from lab_utils.procs import popen_owned, stop_group, temporary_folder
 from lab_utils.serving.client import host_port
 
@@ -97,7 +98,9 @@ def perf_analyzer_status(timeout_s: float = 30.0) -> PerfAnalyzerStatus:
     text = (out.stdout or "") + (out.stderr or "")
     m = re.search(r"Perf Analyzer Version ([^\s]+)", text)
     if out.returncode == 0 and m:
-        return PerfAnalyzerStatus(True, path, m.group(1), "")
+        # the PyPI wheel's build names no release ("Version 0.0.0"): the package's version is the one it ships
+        version = m.group(1) if m.group(1) != "0.0.0" else dist_version("perf-analyzer") or m.group(1)
+        return PerfAnalyzerStatus(True, path, version, "")
     first = next((ln.strip() for ln in text.splitlines() if ln.strip()), f"exit code {out.returncode}")
     return PerfAnalyzerStatus(False, path, None, f"{path} --version failed: {first}{glibc.start_failure_note(text)}")
 
