@@ -112,15 +112,15 @@ def test_rules(*paths: str | Path) -> str:
 # --- configuration -----------------------------------------------------------------------------
 
 
-_UNIT_S = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+_UNIT_S = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0, "y": 31536000.0}
+_PART = r"(\d+)(ms|s|m|h|d|w|y)"
 
 
 def window_seconds(window: str) -> float:
-    """A PromQL duration (``"15s"``, ``"500ms"``, ``"1m"``) in seconds."""
-    m = re.fullmatch(r"(\d+)(ms|s|m|h)", window) if isinstance(window, str) else None
-    if m is None:
+    """A Prometheus duration (``"15s"``, ``"500ms"``, ``"1m30s"``: a range's window, a rule's ``for``) in seconds."""
+    if not (isinstance(window, str) and re.fullmatch(f"(?:{_PART})+", window)):
         raise ValueError(f"window={window!r}: a PromQL duration such as '30s' or '1m'")
-    return int(m.group(1)) * _UNIT_S[m.group(2)]
+    return sum(int(n) * _UNIT_S[unit] for n, unit in re.findall(_PART, window))
 
 
 def _duration(seconds: float) -> str:

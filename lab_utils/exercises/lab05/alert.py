@@ -94,8 +94,6 @@ def _input_series() -> list[dict[str, str]]:
 
 _ALERT_BASE = per_request("nv_inference_queue_duration_us")
 _SEVERITIES = ("warning", "critical")
-_DURATION = re.compile(r"^(?:(\d+)(ms|s|m|h|d|w|y))+$")
-_UNIT_S = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800, "y": 31536000}
 
 
 def _the_rule(value: Any) -> dict[str, Any]:
@@ -227,8 +225,10 @@ def _grade_alert_rule(value: Any) -> str:
                     "the server serves, including the ones deployed next week. Drop the matcher")
     no_delta(rule["expr"])
     for_text = str(rule.get("for", "0s"))
-    for_s = (sum(int(n) * _UNIT_S[u] for n, u in re.findall(r"(\d+)(ms|s|m|h|d|w|y)", for_text))
-             if _DURATION.match(for_text.strip()) else None)  # seconds of a Prometheus duration ("1m30s"), or None
+    try:
+        for_s: float | None = prometheus.window_seconds(for_text.strip())  # a Prometheus duration ("1m30s")
+    except ValueError:
+        for_s = None
     labels = rule.get("labels") or {}
     with temporary_folder("alert") as tmp:
         rule_file = tmp / "student_rules.yml"
