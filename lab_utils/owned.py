@@ -51,6 +51,9 @@ class OwnedServer(StartStop):
     free_hint = "for a free one"  # how a busy-port message ends
     fallback_port = False  # a busy requested port: a free one instead (``busy_note`` says so), not an error
     busy_note = ""  # "{port} ..." noted in ``self.notes`` when ``fallback_port`` avoids a busy port
+    # the free ports of the first start that succeeded are asked for again by every later one (a restart keeps the
+    # address); a port lost during that first start still gets new ones
+    keep_ports = False
     registered = True  # listed by ``running()`` (a strong reference until stopped); else only stopped at exit
     watchdog_s: tuple[float, float] | None = None  # (SIGTERM, SIGKILL) waits of a GroupWatchdog on ``folder``
     log_mode = "wb"  # how the log is opened at each start ("ab": one log over every start)
@@ -198,7 +201,7 @@ class OwnedServer(StartStop):
             for attempt in range(3):
                 self._pick_ports(avoid)
                 try:
-                    return self._start_once()
+                    self._start_once()
                 except self.error as err:
                     fixed = any(p is not None for p in self._ports_fixed.values())
                     lost = getattr(err, "nvlab_ports_lost", None) or self._port_taken(err)
@@ -210,6 +213,10 @@ class OwnedServer(StartStop):
                     if lost:
                         self._ports_fixed = dict.fromkeys(self._ports_fixed)  # taken meanwhile: new free ports
                         avoid |= {getattr(self, name) for name in self._ports_fixed}
+                else:
+                    if self.keep_ports:
+                        self._ports_fixed = {name: getattr(self, name) for name in self._ports_fixed}
+                    return self
         raise AssertionError("unreachable")
 
     def _start_once(self: S) -> S:

@@ -11,6 +11,8 @@ import sys
 import time
 import urllib.request
 
+from lab_utils.procs import free_port
+
 _SERVE = """
 import http.server, sys
 
@@ -29,9 +31,11 @@ http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
 
 
 class StandInServer:
-    """``start/stop/restart/alive/ready/pid`` as ``TritonServer`` has them, on a fixed HTTP port."""
+    """``start/stop/restart/alive/ready/pid`` as ``TritonServer`` has them, on one HTTP port kept by every restart
+    (picked free here)."""
 
-    def __init__(self, http_port: int, *_other_ports: int):
+    def __init__(self, http_port: int | None = None):
+        http_port = http_port or free_port()
         self.http_url = f"http://127.0.0.1:{http_port}"
         self._port = http_port
         self._proc: subprocess.Popen | None = None

@@ -133,6 +133,32 @@ def test_a_triton_whose_http_port_is_taken_while_it_loads_gets_new_ports(squatte
         assert server.alive() and server.ready() and server.http_port in group_listen_ports(server.pid)
 
 
+def test_a_server_that_keeps_its_ports_moves_them_only_at_its_first_start(squatter, tmp_path):
+    """``keep_ports`` (lab 05's watchdog check: a restart keeps the address): an HTTP port taken during the first
+    start gets new ports, as any server's (a CI run graded the watchdog not applicable when its ports were fixed from
+    the outset); once started, a restart asks for the same ports again."""
+    from _triton import require_server, tiny_repo
+
+    from lab_utils.serving.server import TritonServer
+
+    require_server()
+    server = TritonServer(tiny_repo(tmp_path), stop_grace_s=0.3, keep_ports=True)
+    names = list(server._ports_fixed)
+    picks: list[int] = []
+
+    def pick() -> int:
+        picks.append(squatter.port if len(picks) == names.index("http_port") else free_port())
+        return picks[-1]
+
+    server._free_port = pick
+    with server:
+        assert squatter.port in picks and server.http_port != squatter.port
+        ports = [getattr(server, n) for n in names]
+        server.restart()
+        assert [getattr(server, n) for n in names] == ports and server.ready()
+        assert server.http_port in group_listen_ports(server.pid)
+
+
 def test_stopping_an_exited_server_spares_the_group_that_took_its_pid():
     """The leader exited and was reaped; its pid now leads another program's group (here a stand-in: the pid the
     system would hand out again is out of a test's control). Stopping the old one again must not kill that group

@@ -257,6 +257,7 @@ class TritonServer(OwnedServer, HttpGrpcEndpoints):
         validate: bool = True,
         source: ServerSource | None = None,
         stop_grace_s: float | None = None,
+        keep_ports: bool = False,
     ):
         if model_control not in MODEL_CONTROL:
             raise ValueError(f"model_control={model_control!r}: use one of {MODEL_CONTROL}")
@@ -274,6 +275,7 @@ class TritonServer(OwnedServer, HttpGrpcEndpoints):
         ports = {"http_port": http_port, "grpc_port": grpc_port, "metrics_port": metrics_port}
         super().__init__(host=host, ports=ports, startup_timeout_s=startup_timeout_s, stop_grace_s=stop_grace_s)
         self.http_port = self.grpc_port = self.metrics_port = 0
+        self.keep_ports = keep_ports  # free ports picked at the first start, kept by every restart
         self._env_extra = dict(env or {})
         self.validate = validate
         self.source = source
@@ -424,8 +426,9 @@ class TritonServer(OwnedServer, HttpGrpcEndpoints):
         return f"tritonserver logged signal {m.group(1)} and stopped answering" if m else None
 
     def restart(self) -> TritonServer:
-        """Stop (if running) and start again (after a crash, say): on the fixed ports given, else on new free
-        ones (a killed server's ports can be taken by another process meanwhile)."""
+        """Stop (if running) and start again (after a crash, say): on the fixed ports given (or, ``keep_ports``,
+        those of its first start), else on new free ones (a killed server's ports can be taken by another process
+        meanwhile)."""
         self.stop()
         return self.start()
 

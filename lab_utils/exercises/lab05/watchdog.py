@@ -25,7 +25,7 @@ from lab_utils.exercises.framework import (
     Wrong,
     raised_message,
 )
-from lab_utils.procs import free_port, owned_tempdir, wait_until
+from lab_utils.procs import owned_tempdir, wait_until
 from lab_utils.serving import repository as triton_repo
 from lab_utils.serving import server as triton_server
 
@@ -54,24 +54,21 @@ def _watchdog_repo() -> Path:
     return repo
 
 
-def watched_server(http_port: int, grpc_port: int, metrics_port: int) -> Any:
-    """The real Triton server the watchdog watches, on fixed ports (its address survives a restart). The course's
-    tests grade wrong watchdogs against a stand-in process with the same ``start/stop/restart/alive/ready/pid``."""
-    return triton_server.TritonServer(_watchdog_repo(), http_port=http_port, grpc_port=grpc_port,
-                                      metrics_port=metrics_port, startup_timeout_s=_READY_WITHIN_S, stop_grace_s=0.2)
+def watched_server() -> Any:
+    """The real Triton server the watchdog watches, on the ports of its first start (its address survives a
+    restart; a port taken during that first start gets new ones). The course's tests grade wrong watchdogs against a
+    stand-in process with the same ``start/stop/restart/alive/ready/pid`` and ``http_url``."""
+    return triton_server.TritonServer(_watchdog_repo(), keep_ports=True, startup_timeout_s=_READY_WITHIN_S,
+                                      stop_grace_s=0.2)
 
 
 class _Rig:
-    """The check's Triton server (fixed ports, so its address survives a restart) and what a restart does in each
-    phase: really restart it, or (``failing``) stop what is left and fail, as a start whose port is still taken."""
+    """The check's Triton server (its ports kept, so its address survives a restart) and what a restart does in
+    each phase: really restart it, or (``failing``) stop what is left and fail, as a start whose port is still
+    taken."""
 
     def __init__(self) -> None:
-        ports: set[int] = set()
-        while len(ports) < 3:  # HTTP, gRPC and metrics: three different ones
-            ports.add(free_port())
-        http_port, grpc_port, metrics_port = ports
-        self.server = watched_server(http_port, grpc_port, metrics_port)
-        self.http_url = f"http://127.0.0.1:{http_port}"
+        self.server = watched_server()
         self.failing = False
         self.calls: list[list[Any]] = []  # [monotonic time of the call, whether the restart worked (None: under way)]
         self._lock = threading.Lock()
@@ -123,7 +120,7 @@ class WatchedServer:
 
     def __init__(self, rig: _Rig):
         self._rig = rig
-        self.http_url = rig.http_url
+        self.http_url = rig.server.http_url  # once started: the address every restart keeps
 
     def restart(self) -> WatchedServer:
         """Stop the server (if it still runs) and start it again; raises when the start fails."""
@@ -131,7 +128,7 @@ class WatchedServer:
         return self
 
     def __repr__(self) -> str:
-        return f"<the check's Triton server at {self._rig.http_url}>"
+        return f"<the check's Triton server at {self.http_url}>"
 
 
 class _StudentLoop(StudentThread):
@@ -197,19 +194,13 @@ def _server_unavailable() -> str | None:
 
 
 def _grade_watchdog(fn: Callable[..., Any]) -> str:
-    for attempt in range(3):
-        rig = _Rig()
-        try:
-            rig.server.start()
-            break
-        except Exception as err:
-            rig.close()
-            # its ports are fixed (a restart keeps the address): one taken meanwhile by another program's pick of
-            # a free port fails the start at once (a CI run): a new rig, on new ports
-            if attempt < 2 and "address already in use" in str(err).lower():
-                continue
-            raise NotApplicable(f"the check's Triton server did not start here ({str(err).splitlines()[0]}); "
-                                "your watchdog was not run") from None
+    rig = _Rig()
+    try:
+        rig.server.start()
+    except Exception as err:
+        rig.close()
+        raise NotApplicable(f"the check's Triton server did not start here ({str(err).splitlines()[0]}); "
+                            "your watchdog was not run") from None
     stop = threading.Event()
     loop = _StudentLoop(fn, WatchedServer(rig), stop)
     try:
