@@ -111,23 +111,29 @@ def test_the_error_says_which_port_was_taken_and_by_whom():
             s.close()
 
 
-def test_a_triton_whose_http_port_is_taken_while_it_loads_gets_new_ports(squatter, tmp_path):
-    """CI's case: Triton binds its ports only after loading its models (seconds); an exporter that took its HTTP port
-    meanwhile answered the readiness probe, and lab 07's nginx then sent inference to the exporter (405)."""
+def _triton_losing_its_first_http_port(squatter, tmp_path, **kw):
+    """A Triton server whose first pick of an HTTP port is the squatter's (as a race would have it), and its picks."""
     from _triton import require_server, tiny_repo
 
     from lab_utils.serving.server import TritonServer
 
     require_server()
-    server = TritonServer(tiny_repo(tmp_path), stop_grace_s=0.3)
-    names = list(server._ports_fixed)
+    server = TritonServer(tiny_repo(tmp_path), stop_grace_s=0.3, **kw)
+    first_http = list(server._ports_fixed).index("http_port")
     picks: list[int] = []
 
     def pick() -> int:
-        picks.append(squatter.port if len(picks) == names.index("http_port") else free_port())
+        picks.append(squatter.port if len(picks) == first_http else free_port())
         return picks[-1]
 
     server._free_port = pick
+    return server, picks
+
+
+def test_a_triton_whose_http_port_is_taken_while_it_loads_gets_new_ports(squatter, tmp_path):
+    """CI's case: Triton binds its ports only after loading its models (seconds); an exporter that took its HTTP port
+    meanwhile answered the readiness probe, and lab 07's nginx then sent inference to the exporter (405)."""
+    server, picks = _triton_losing_its_first_http_port(squatter, tmp_path)
     with server:
         assert squatter.port in picks and server.http_port != squatter.port
         assert server.alive() and server.ready() and server.http_port in group_listen_ports(server.pid)
@@ -137,25 +143,12 @@ def test_a_server_that_keeps_its_ports_moves_them_only_at_its_first_start(squatt
     """``keep_ports`` (lab 05's watchdog check: a restart keeps the address): an HTTP port taken during the first
     start gets new ports, as any server's (a CI run graded the watchdog not applicable when its ports were fixed from
     the outset); once started, a restart asks for the same ports again."""
-    from _triton import require_server, tiny_repo
-
-    from lab_utils.serving.server import TritonServer
-
-    require_server()
-    server = TritonServer(tiny_repo(tmp_path), stop_grace_s=0.3, keep_ports=True)
-    names = list(server._ports_fixed)
-    picks: list[int] = []
-
-    def pick() -> int:
-        picks.append(squatter.port if len(picks) == names.index("http_port") else free_port())
-        return picks[-1]
-
-    server._free_port = pick
+    server, picks = _triton_losing_its_first_http_port(squatter, tmp_path, keep_ports=True)
     with server:
         assert squatter.port in picks and server.http_port != squatter.port
-        ports = [getattr(server, n) for n in names]
+        ports = [server.http_port, server.grpc_port, server.metrics_port]
         server.restart()
-        assert [getattr(server, n) for n in names] == ports and server.ready()
+        assert [server.http_port, server.grpc_port, server.metrics_port] == ports and server.ready()
         assert server.http_port in group_listen_ports(server.pid)
 
 
